@@ -1,0 +1,439 @@
+//! Model configuration: one description for every supported family, read from HF `config.json`
+//! (transformers 4.x `rope_theta`/`rope_scaling` and 5.x `rope_parameters` alike) or GGUF metadata.
+//!
+//! Families differ only by the switches in [`ModelConfig`]; the decoder has no per-family code.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::ModelError;
+
+/// `model_type` values ferrotune can run, as transformers names them.
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"];
+
+/// The MLP's activation function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu` / `swish` (SwiGLU MLP).
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`, `gelu_new`): Gemma's GeGLU.
+    GeluTanh,
+    /// Exact (erf) GELU, `gelu`.
+    GeluErf,
+}
+
+impl Activation {
+    fn parse(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Self::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu_python_tanh" => Some(Self::GeluTanh),
+            "gelu" | "gelu_python" => Some(Self::GeluErf),
+            _ => None,
+        }
+    }
+}
+
+/// How rotary frequencies are scaled (transformers' `rope_type`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    Default,
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Dynamic NTK: the base grows once the sequence exceeds `original_max_position_embeddings`.
+    Dynamic { factor: f64, original_max_position_embeddings: usize },
+    /// Llama 3.x frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+    /// YaRN (Qwen2.5 long context).
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        attention_factor: Option<f64>,
+        beta_fast: f64,
+        beta_slow: f64,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+        truncate: bool,
+    },
+    /// Phi-3's LongRoPE: per-frequency factors, short below the original context, long above.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        factor: f64,
+        original_max_position_embeddings: usize,
+        attention_factor: Option<f64>,
+    },
+}
+
+/// Rotary embedding settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    /// Base frequency (`rope_theta`).
+    pub theta: f64,
+    /// Fraction of each head's dimensions that is rotated.
+    pub partial_rotary_factor: f64,
+    /// Frequency scaling.
+    pub scaling: RopeScaling,
+}
+
+/// Everything the decoder needs to know about an architecture.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// transformers' `model_type` (one of [`SUPPORTED_MODEL_TYPES`]).
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub max_position_embeddings: usize,
+    pub rope: RopeConfig,
+    pub activation: Activation,
+    /// The output head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Qwen3: RMSNorm over each query and key head before RoPE.
+    pub qk_norm: bool,
+    /// Gemma: norms scale by `1 + weight`.
+    pub norm_weight_offset_one: bool,
+    /// Gemma: embeddings multiplied by `sqrt(hidden_size)` (in the compute dtype).
+    pub scale_embeddings: bool,
+    /// Phi-3: fused `qkv_proj` and `gate_up_proj` weights.
+    pub fused_projections: bool,
+    /// Sliding-window attention span for each layer (None = full attention).
+    pub layer_sliding_windows: Vec<Option<usize>>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub pad_token_id: Option<u32>,
+    /// The original config.json object, written back unchanged (but for dtype) when we save models.
+    pub raw: Value,
+}
+
+impl ModelConfig {
+    /// Reads `config.json` from an HF checkpoint folder (or the file itself).
+    pub fn from_hf_file(path: &Path) -> Result<Self, ModelError> {
+        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let text = std::fs::read_to_string(&file)
+            .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::file(&file, format!("invalid JSON: {e}")))?;
+        Self::from_hf_json(&value).map_err(|msg| ModelError::file(&file, msg))
+    }
+
+    /// Builds the config from a parsed HF `config.json` object.
+    pub fn from_hf_json(value: &Value) -> Result<Self, String> {
+        let obj = value.as_object().ok_or("config must be a JSON object")?;
+        let model_type = get_str(obj, "model_type")?.ok_or("missing key 'model_type'")?.to_string();
+        if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
+            return Err(format!(
+                "unsupported model_type '{model_type}': supported model types are {}",
+                SUPPORTED_MODEL_TYPES.join(", ")
+            ));
+        }
+        let is = |t: &str| model_type == t;
+        let hidden_size = req_usize(obj, "hidden_size")?;
+        let num_attention_heads = req_usize(obj, "num_attention_heads")?;
+        let num_key_value_heads = get_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let head_dim = match get_usize(obj, "head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(format!(
+                        "hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads} and head_dim is not given"
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(format!(
+                "num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"
+            ));
+        }
+        let max_position_embeddings = get_usize(obj, "max_position_embeddings")?.unwrap_or(4096);
+
+        // Gemma names it `hidden_activation`; transformers runs Gemma with the tanh GELU whatever
+        // the legacy `hidden_act` says.
+        let act_name = if is("gemma") {
+            get_str(obj, "hidden_activation")?.unwrap_or("gelu_pytorch_tanh")
+        } else {
+            get_str(obj, "hidden_act")?.unwrap_or("silu")
+        };
+        let activation = Activation::parse(act_name)
+            .ok_or_else(|| format!("unsupported activation '{act_name}' (hidden_act)"))?;
+
+        let rope = parse_rope(obj, max_position_embeddings)?;
+        let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
+        let layer_sliding_windows = parse_sliding_windows(obj, &model_type, num_hidden_layers)?;
+
+        Ok(Self {
+            vocab_size: req_usize(obj, "vocab_size")?,
+            hidden_size,
+            intermediate_size: req_usize(obj, "intermediate_size")?,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6),
+            max_position_embeddings,
+            rope,
+            activation,
+            tie_word_embeddings: get_bool(obj, "tie_word_embeddings")?.unwrap_or(is("gemma")),
+            qk_norm: is("qwen3"),
+            norm_weight_offset_one: is("gemma"),
+            scale_embeddings: is("gemma"),
+            fused_projections: is("phi3"),
+            layer_sliding_windows,
+            bos_token_id: get_ids(obj, "bos_token_id")?.first().copied(),
+            eos_token_ids: get_ids(obj, "eos_token_id")?,
+            pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
+            model_type,
+            raw: value.clone(),
+        })
+    }
+
+    /// Number of query heads per key/value head (grouped-query attention).
+    pub fn kv_groups(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+}
+
+fn parse_rope(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeConfig, String> {
+    // transformers 5 puts everything under `rope_parameters`; 4.x has `rope_theta` at top level and
+    // an optional `rope_scaling` dict (with `rope_type`, or the older `type`).
+    let empty = Map::new();
+    let params = match obj.get("rope_parameters") {
+        Some(Value::Object(m)) => m,
+        Some(Value::Null) | None => match obj.get("rope_scaling") {
+            Some(Value::Object(m)) => m,
+            Some(Value::Null) | None => &empty,
+            Some(_) => return Err("'rope_scaling' must be an object or null".into()),
+        },
+        Some(_) => return Err("'rope_parameters' must be an object or null".into()),
+    };
+    let theta = match get_f64(params, "rope_theta")? {
+        Some(t) => t,
+        None => get_f64(obj, "rope_theta")?.unwrap_or(10000.0),
+    };
+    let partial_rotary_factor = match get_f64(params, "partial_rotary_factor")? {
+        Some(f) => f,
+        None => get_f64(obj, "partial_rotary_factor")?.unwrap_or(1.0),
+    };
+    let rope_type = get_str(params, "rope_type")?
+        .or(get_str(params, "type")?)
+        .unwrap_or("default");
+    let factor = || -> Result<f64, String> {
+        get_f64(params, "factor")?.ok_or_else(|| format!("rope type '{rope_type}' needs 'factor'"))
+    };
+    let original = |default: usize| -> Result<usize, String> {
+        Ok(match get_usize(params, "original_max_position_embeddings")? {
+            Some(v) => v,
+            None => get_usize(obj, "original_max_position_embeddings")?.unwrap_or(default),
+        })
+    };
+    let scaling = match rope_type {
+        "default" => RopeScaling::Default,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "dynamic" => RopeScaling::Dynamic {
+            factor: factor()?,
+            original_max_position_embeddings: original(max_pos)?,
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: get_f64(params, "low_freq_factor")?.ok_or("llama3 rope needs 'low_freq_factor'")?,
+            high_freq_factor: get_f64(params, "high_freq_factor")?
+                .ok_or("llama3 rope needs 'high_freq_factor'")?,
+            original_max_position_embeddings: original(8192)?,
+        },
+        "yarn" => RopeScaling::Yarn {
+            factor: factor()?,
+            original_max_position_embeddings: original(max_pos)?,
+            attention_factor: get_f64(params, "attention_factor")?,
+            beta_fast: get_f64(params, "beta_fast")?.unwrap_or(32.0),
+            beta_slow: get_f64(params, "beta_slow")?.unwrap_or(1.0),
+            mscale: get_f64(params, "mscale")?,
+            mscale_all_dim: get_f64(params, "mscale_all_dim")?,
+            truncate: get_bool(params, "truncate")?.unwrap_or(true),
+        },
+        "longrope" | "su" => {
+            let list = |key: &str| -> Result<Vec<f64>, String> {
+                params
+                    .get(key)
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| format!("longrope needs a list '{key}'"))?
+                    .iter()
+                    .map(|v| v.as_f64().ok_or_else(|| format!("'{key}' must hold numbers")))
+                    .collect()
+            };
+            // Phi-3 keeps the pretrained context in `original_max_position_embeddings` and derives
+            // the factor from it, as transformers does.
+            let orig = original(max_pos)?;
+            RopeScaling::LongRope {
+                short_factor: list("short_factor")?,
+                long_factor: list("long_factor")?,
+                factor: if orig > 0 { max_pos as f64 / orig as f64 } else { 1.0 },
+                original_max_position_embeddings: orig,
+                attention_factor: get_f64(params, "attention_factor")?,
+            }
+        }
+        other => {
+            return Err(format!(
+                "unsupported rope_type '{other}': supported are default, linear, dynamic, llama3, yarn, longrope"
+            ))
+        }
+    };
+    Ok(RopeConfig { theta, partial_rotary_factor, scaling })
+}
+
+fn parse_sliding_windows(
+    obj: &Map<String, Value>,
+    model_type: &str,
+    layers: usize,
+) -> Result<Vec<Option<usize>>, String> {
+    let window = get_usize(obj, "sliding_window")?;
+    let Some(window) = window else { return Ok(vec![None; layers]) };
+    // An explicit per-layer list (transformers 5 `layer_types`) wins where sliding is enabled.
+    let layer_types: Option<Vec<String>> = match obj.get("layer_types") {
+        Some(Value::Array(a)) => Some(a.iter().map(|v| v.as_str().unwrap_or("").to_string()).collect()),
+        _ => None,
+    };
+    let windows = match model_type {
+        // Qwen2/Qwen3 only slide when `use_sliding_window` is set, and then from `max_window_layers` on.
+        "qwen2" | "qwen3" => {
+            if !get_bool(obj, "use_sliding_window")?.unwrap_or(false) {
+                vec![None; layers]
+            } else if let Some(types) = layer_types {
+                types.iter().map(|t| (t == "sliding_attention").then_some(window)).collect()
+            } else {
+                let from = get_usize(obj, "max_window_layers")?.unwrap_or(layers);
+                (0..layers).map(|i| (i >= from).then_some(window)).collect()
+            }
+        }
+        _ => vec![Some(window); layers],
+    };
+    if windows.len() != layers {
+        return Err(format!("'layer_types' has {} entries but num_hidden_layers is {layers}", windows.len()));
+    }
+    Ok(windows)
+}
+
+fn get_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(v) => Err(format!("'{key}' must be a string, found {v}")),
+    }
+}
+
+fn get_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| format!("'{key}' must be a number, found {v}")),
+    }
+}
+
+fn get_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| format!("'{key}' must be a non-negative integer, found {v}")),
+    }
+}
+
+fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize, String> {
+    get_usize(obj, key)?.ok_or_else(|| format!("missing key '{key}'"))
+}
+
+fn get_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(format!("'{key}' must be true or false, found {v}")),
+    }
+}
+
+/// Token ids that may be a single integer or a list (`eos_token_id: [128001, 128009]`).
+fn get_ids(obj: &Map<String, Value>, key: &str) -> Result<Vec<u32>, String> {
+    let as_id = |v: &Value| {
+        v.as_u64()
+            .map(|n| n as u32)
+            .ok_or_else(|| format!("'{key}' must hold token ids, found {v}"))
+    };
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Array(a)) => a.iter().map(as_id).collect(),
+        Some(v) => Ok(vec![as_id(v)?]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+               "num_hidden_layers": 2, "num_attention_heads": 2})
+    }
+
+    #[test]
+    fn v4_and_v5_rope_styles_agree() {
+        let mut v4 = base();
+        v4["rope_theta"] = json!(500000.0);
+        v4["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+        let mut v5 = base();
+        v5["rope_parameters"] = json!({"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+        let a = ModelConfig::from_hf_json(&v4).unwrap();
+        let b = ModelConfig::from_hf_json(&v5).unwrap();
+        assert_eq!(a.rope, b.rope);
+        assert_eq!(a.rope.theta, 500000.0);
+        assert!(matches!(a.rope.scaling, RopeScaling::Llama3 { original_max_position_embeddings: 64, .. }));
+    }
+
+    #[test]
+    fn unsupported_model_type_lists_supported_ones() {
+        let mut c = base();
+        c["model_type"] = json!("gpt_neox");
+        let err = ModelConfig::from_hf_json(&c).unwrap_err();
+        assert!(err.contains("gpt_neox") && err.contains("qwen3") && err.contains("phi3"), "{err}");
+    }
+
+    #[test]
+    fn family_switches_and_eos_lists() {
+        let mut c = base();
+        c["model_type"] = json!("gemma");
+        c["eos_token_id"] = json!([1, 107]);
+        let g = ModelConfig::from_hf_json(&c).unwrap();
+        assert!(g.norm_weight_offset_one && g.scale_embeddings && g.tie_word_embeddings);
+        assert_eq!(g.activation, Activation::GeluTanh);
+        assert_eq!(g.eos_token_ids, vec![1, 107]);
+        c["model_type"] = json!("qwen2");
+        c["sliding_window"] = json!(4);
+        c["use_sliding_window"] = json!(false);
+        assert_eq!(ModelConfig::from_hf_json(&c).unwrap().layer_sliding_windows, vec![None, None]);
+        c["model_type"] = json!("mistral");
+        assert_eq!(ModelConfig::from_hf_json(&c).unwrap().layer_sliding_windows, vec![Some(4), Some(4)]);
+    }
+
+    #[test]
+    fn wrong_types_name_the_key() {
+        let mut c = base();
+        c["hidden_size"] = json!("big");
+        assert!(ModelConfig::from_hf_json(&c).unwrap_err().contains("hidden_size"));
+        let mut c = base();
+        c["rope_parameters"] = json!({"rope_type": "fancy"});
+        assert!(ModelConfig::from_hf_json(&c).unwrap_err().contains("fancy"));
+    }
+}

@@ -1,0 +1,825 @@
+//! Loading llama.cpp GGUF files (v2/v3) as HF-style checkpoints.
+//!
+//! The metadata becomes a [`ModelConfig`] (through a config.json-shaped object, so it can be saved
+//! as one), and every tensor is dequantized and renamed as in HF checkpoints, undoing what
+//! llama.cpp's `convert_hf_to_gguf.py` changed on the way in, as transformers' own GGUF loader
+//! (`modeling_gguf_pytorch_utils.py`) does:
+//!
+//! - GGUF dimensions are stored innermost first; tensors come out in PyTorch order (`[out, in]`).
+//! - llama (and Mistral, which llama.cpp writes as `llama`) query/key rows are permuted for
+//!   llama.cpp's interleaved RoPE; they are permuted back.
+//! - Gemma norm weights were stored as `1 + w`; the 1 is subtracted again.
+//!
+//! Beyond transformers (whose GGUF loader leaves these out), rotary scaling is recovered too:
+//! `rope.scaling.*` keys (linear, YaRN), Phi-3 LongRoPE factors stored as tensors, and Llama 3.x
+//! frequency scaling when the `rope_freqs` tensor matches it.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{Content, Value as GgufValue};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Map, Value};
+
+use crate::config::ModelConfig;
+use crate::error::ModelError;
+
+/// Loads a llama.cpp GGUF (v2/v3) model: config from metadata, tensors dequantized to `dtype` on `device`, named as in HF checkpoints.
+///
+/// Supported architectures: `llama` (and Mistral), `qwen2`, `qwen3`, `gemma`, `phi3`; tensor
+/// types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K. Every problem with the
+/// file (missing, not a GGUF, truncated, unsupported type, missing metadata, tensor shapes that
+/// disagree with the metadata) is a [`ModelError::File`] naming the file and what is wrong.
+pub fn load_gguf(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<(ModelConfig, HashMap<String, Tensor>), ModelError> {
+    let mut gguf = GgufFile::open(path)?;
+    let arch = Arch::from_metadata(&gguf)?;
+    let hp = HParams::read(&gguf, &arch)?;
+    let config_json = gguf.config_json(&arch, &hp, dtype)?;
+    let config = ModelConfig::from_hf_json(&config_json)
+        .map_err(|msg| gguf.err(format!("the metadata gives an invalid model config: {msg}")))?;
+
+    // Decide every tensor's fate (and check its type, shape and place in the file) before
+    // dequantizing anything, so that a bad file fails fast.
+    let mut plan = Vec::new();
+    let mut names: Vec<&String> = gguf.content.tensor_infos.keys().collect();
+    names.sort();
+    for name in names {
+        let Some(role) = Role::parse(name) else {
+            if !CONSUMED_TENSORS.contains(&name.as_str()) {
+                tracing::warn!("{}: ignoring GGUF tensor '{name}' (no HF counterpart)", path.display());
+            }
+            continue;
+        };
+        let expected = role.expected_shape(&hp, &arch).map_err(|msg| gguf.tensor_err(name, msg))?;
+        let info = &gguf.content.tensor_infos[name];
+        if info.shape.dims() != expected.as_slice() {
+            return Err(gguf.tensor_err(
+                name,
+                format!(
+                    "has shape {:?} but the metadata implies {:?} (PyTorch order)",
+                    info.shape.dims(),
+                    expected
+                ),
+            ));
+        }
+        gguf.check_tensor_data(name)?;
+        plan.push((name.clone(), role));
+    }
+
+    let mut tensors = HashMap::with_capacity(plan.len());
+    for (name, role) in plan {
+        let mut t = gguf.dequantize(&name)?;
+        if arch.permuted_qk {
+            // convert_hf_to_gguf.py permutes q with n_head and k with n_head_kv.
+            match role.kind {
+                Kind::Q => t = unpermute_rows(&t, hp.heads).map_err(|m| gguf.tensor_err(&name, m))?,
+                Kind::K => t = unpermute_rows(&t, hp.kv_heads).map_err(|m| gguf.tensor_err(&name, m))?,
+                _ => {}
+            }
+        }
+        if arch.norm_plus_one && name.ends_with("norm.weight") {
+            t = (t - 1.0)?;
+        }
+        let t = t.to_dtype(dtype)?.to_device(device)?;
+        tensors.insert(role.hf_name(&arch), t);
+    }
+    Ok((config, tensors))
+}
+
+/// Tensors that feed the config (rotary factors) rather than the model.
+const CONSUMED_TENSORS: &[&str] = &["rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"];
+
+/// ggml type ids and names (ggml.h), for messages about types we cannot read.
+const GGML_TYPE_NAMES: &[(u32, &str)] = &[
+    (0, "F32"),
+    (1, "F16"),
+    (2, "Q4_0"),
+    (3, "Q4_1"),
+    (6, "Q5_0"),
+    (7, "Q5_1"),
+    (8, "Q8_0"),
+    (9, "Q8_1"),
+    (10, "Q2_K"),
+    (11, "Q3_K"),
+    (12, "Q4_K"),
+    (13, "Q5_K"),
+    (14, "Q6_K"),
+    (15, "Q8_K"),
+    (16, "IQ2_XXS"),
+    (17, "IQ2_XS"),
+    (18, "IQ3_XXS"),
+    (19, "IQ1_S"),
+    (20, "IQ4_NL"),
+    (21, "IQ3_S"),
+    (22, "IQ2_S"),
+    (23, "IQ4_XS"),
+    (24, "I8"),
+    (25, "I16"),
+    (26, "I32"),
+    (27, "I64"),
+    (28, "F64"),
+    (29, "IQ1_M"),
+    (30, "BF16"),
+    (34, "TQ1_0"),
+    (35, "TQ2_0"),
+    (39, "MXFP4"),
+    (40, "NVFP4"),
+];
+
+const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
+
+fn ggml_type_name(id: u32) -> String {
+    GGML_TYPE_NAMES
+        .iter()
+        .find(|(i, _)| *i == id)
+        .map_or_else(|| format!("unknown type {id}"), |(_, n)| format!("{n} (ggml type {id})"))
+}
+
+/// An open GGUF file with its parsed header.
+struct GgufFile<'a> {
+    path: &'a Path,
+    reader: BufReader<File>,
+    len: u64,
+    content: Content,
+}
+
+impl<'a> GgufFile<'a> {
+    fn open(path: &'a Path) -> Result<Self, ModelError> {
+        let err = |msg: String| ModelError::file(path, msg);
+        let mut file = File::open(path).map_err(|e| err(format!("cannot open GGUF file: {e}")))?;
+        let len = file.metadata().map_err(|e| err(format!("cannot read GGUF file: {e}")))?.len();
+        let mut head = [0u8; 8];
+        let got = read_up_to(&mut file, &mut head).map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
+        if got < 4 || &head[..4] != b"GGUF" {
+            return Err(err(format!(
+                "not a GGUF file: it starts with {:02x?} instead of the magic \"GGUF\"",
+                &head[..got.min(4)]
+            )));
+        }
+        if got < 8 {
+            return Err(err("the GGUF file is truncated: it ends inside the header".into()));
+        }
+        let version = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
+        match version {
+            2 | 3 => {}
+            1 => return Err(err("GGUF version 1 is not supported (only v2 and v3): re-convert the model".into())),
+            v if matches!(v.swap_bytes(), 2 | 3) => {
+                return Err(err("big-endian GGUF files are not supported".into()));
+            }
+            v => return Err(err(format!("unsupported GGUF version {v} (only v2 and v3)"))),
+        }
+        file.seek(SeekFrom::Start(0)).map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
+        let mut reader = BufReader::new(file);
+        // candle's header reader bounds every length by the file size, but divides by
+        // `general.alignment` unchecked: a corrupt file with alignment 0 would panic. That is the one
+        // panic we know of; catching it (the last resort) keeps a bad file an error, not a crash.
+        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)));
+        let content = match read {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(err(header_error_message(&e.to_string()))),
+            Err(_) => return Err(err("corrupt GGUF header (e.g. general.alignment is 0)".into())),
+        };
+        if let Some(v) = content.metadata.get("general.alignment") {
+            if !matches!(v, GgufValue::U32(a) if *a > 0) {
+                return Err(err(format!("corrupt GGUF header: general.alignment is {v:?}")));
+            }
+        }
+        Ok(Self { path, reader, len, content })
+    }
+
+    fn err(&self, msg: impl Into<String>) -> ModelError {
+        ModelError::file(self.path, msg)
+    }
+
+    fn tensor_err(&self, name: &str, msg: impl std::fmt::Display) -> ModelError {
+        self.err(format!("tensor '{name}' {msg}"))
+    }
+
+    fn meta(&self, key: &str) -> Option<&GgufValue> {
+        self.content.metadata.get(key)
+    }
+
+    fn uint(&self, key: &str) -> Result<Option<u64>, ModelError> {
+        let Some(v) = self.meta(key) else { return Ok(None) };
+        let n = match *v {
+            GgufValue::U8(n) => Some(n as u64),
+            GgufValue::U16(n) => Some(n as u64),
+            GgufValue::U32(n) => Some(n as u64),
+            GgufValue::U64(n) => Some(n),
+            GgufValue::I8(n) => u64::try_from(n).ok(),
+            GgufValue::I16(n) => u64::try_from(n).ok(),
+            GgufValue::I32(n) => u64::try_from(n).ok(),
+            GgufValue::I64(n) => u64::try_from(n).ok(),
+            _ => None,
+        };
+        match n {
+            Some(n) => Ok(Some(n)),
+            None => Err(self.err(format!("metadata key '{key}' must be a non-negative integer, found {}", show(v)))),
+        }
+    }
+
+    fn req_uint(&self, key: &str) -> Result<u64, ModelError> {
+        self.uint(key)?.ok_or_else(|| self.err(format!("missing metadata key '{key}'")))
+    }
+
+    /// A count that must be positive and usable as a tensor dimension.
+    fn req_count(&self, key: &str) -> Result<usize, ModelError> {
+        let n = self.req_uint(key)?;
+        if n == 0 || n > (1 << 32) {
+            return Err(self.err(format!("metadata key '{key}' has the implausible value {n}")));
+        }
+        Ok(n as usize)
+    }
+
+    fn float(&self, key: &str) -> Result<Option<f64>, ModelError> {
+        let Some(v) = self.meta(key) else { return Ok(None) };
+        // f32 values widen exactly, as in transformers (1e-5 stored as f32 reads 9.999999747378752e-06).
+        let x = match *v {
+            GgufValue::F32(x) => x as f64,
+            GgufValue::F64(x) => x,
+            _ => match self.uint(key) {
+                Ok(Some(n)) => n as f64,
+                _ => return Err(self.err(format!("metadata key '{key}' must be a number, found {}", show(v)))),
+            },
+        };
+        if !x.is_finite() {
+            return Err(self.err(format!("metadata key '{key}' is not finite ({x})")));
+        }
+        Ok(Some(x))
+    }
+
+    fn string(&self, key: &str) -> Result<Option<&str>, ModelError> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(GgufValue::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.err(format!("metadata key '{key}' must be a string, found {}", show(v)))),
+        }
+    }
+
+    fn token_id(&self, key: &str) -> Result<Option<u32>, ModelError> {
+        match self.uint(key)? {
+            None => Ok(None),
+            Some(n) => u32::try_from(n)
+                .map(Some)
+                .map_err(|_| self.err(format!("metadata key '{key}' is not a token id ({n})"))),
+        }
+    }
+
+    /// Checks that a tensor's type is one we dequantize and that its bytes lie inside the file.
+    fn check_tensor_data(&self, name: &str) -> Result<(), ModelError> {
+        let info = &self.content.tensor_infos[name];
+        let t = info.ggml_dtype;
+        if matches!(t, GgmlDType::Q8_1 | GgmlDType::Q8K) {
+            return Err(self.tensor_err(
+                name,
+                format!("has type {t:?}, which ferrotune cannot dequantize (supported: {SUPPORTED_TYPES})"),
+            ));
+        }
+        let dims = info.shape.dims();
+        let elems = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        let inner = dims.last().copied().unwrap_or(1);
+        let bytes = elems
+            .filter(|_| inner % t.block_size() == 0)
+            .and_then(|n| (n / t.block_size()).checked_mul(t.type_size()));
+        let Some(bytes) = bytes else {
+            return Err(self.tensor_err(
+                name,
+                format!("has shape {dims:?}, impossible for type {t:?} (blocks of {})", t.block_size()),
+            ));
+        };
+        let start = self.content.tensor_data_offset.checked_add(info.offset);
+        let end = start.and_then(|s| s.checked_add(bytes as u64));
+        match (start, end) {
+            (Some(_), Some(end)) if end <= self.len => Ok(()),
+            (start, _) => Err(self.err(format!(
+                "the GGUF file is truncated: tensor '{name}' needs {bytes} bytes at offset {} but the file has {} bytes",
+                start.map_or_else(|| "(overflow)".to_string(), |s| s.to_string()),
+                self.len
+            ))),
+        }
+    }
+
+    /// Reads and dequantizes a tensor to f32 on the CPU, in PyTorch dimension order.
+    fn dequantize(&mut self, name: &str) -> Result<Tensor, ModelError> {
+        let q = self
+            .content
+            .tensor(&mut self.reader, name, &Device::Cpu)
+            .map_err(|e| ModelError::file(self.path, format!("cannot read tensor '{name}': {e}")))?;
+        q.dequantize(&Device::Cpu)
+            .map_err(|e| ModelError::file(self.path, format!("cannot dequantize tensor '{name}': {e}")))
+    }
+
+    /// A small F32 vector tensor (rotary factors), if present.
+    fn small_vector(&mut self, name: &str) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(info) = self.content.tensor_infos.get(name) else { return Ok(None) };
+        if info.shape.rank() != 1 || info.shape.elem_count() > 1 << 20 {
+            return Err(self.tensor_err(name, format!("should be a vector, found shape {:?}", info.shape.dims())));
+        }
+        self.check_tensor_data(name)?;
+        let v = self.dequantize(name)?.to_vec1::<f32>()?;
+        Ok(Some(v))
+    }
+
+    /// Builds an HF `config.json`-shaped object from the metadata.
+    fn config_json(&mut self, arch: &Arch, hp: &HParams, dtype: DType) -> Result<Value, ModelError> {
+        let a = &arch.gguf;
+        let mut c = Map::new();
+        c.insert("architectures".into(), json!([arch.hf_class]));
+        c.insert("model_type".into(), json!(arch.model_type));
+        c.insert("vocab_size".into(), json!(hp.vocab));
+        c.insert("hidden_size".into(), json!(hp.hidden));
+        c.insert("intermediate_size".into(), json!(hp.ffn));
+        c.insert("num_hidden_layers".into(), json!(hp.layers));
+        c.insert("num_attention_heads".into(), json!(hp.heads));
+        c.insert("num_key_value_heads".into(), json!(hp.kv_heads));
+        c.insert("head_dim".into(), json!(hp.head_dim));
+        c.insert("max_position_embeddings".into(), json!(hp.context));
+        c.insert("rms_norm_eps".into(), json!(hp.rms_eps));
+        c.insert("rope_theta".into(), json!(hp.rope_theta));
+        if hp.rope_dims != hp.head_dim {
+            if arch.model_type != "phi3" {
+                return Err(self.err(format!(
+                    "{a}.rope.dimension_count is {} but the head dimension is {}: partial rotary embeddings are only supported for phi3",
+                    hp.rope_dims, hp.head_dim
+                )));
+            }
+            c.insert("partial_rotary_factor".into(), json!(hp.rope_dims as f64 / hp.head_dim as f64));
+        }
+        if let Some(scaling) = self.rope_scaling(arch, hp)? {
+            c.insert("rope_scaling".into(), scaling);
+        }
+        if arch.model_type == "gemma" {
+            c.insert("hidden_act".into(), json!("gelu_pytorch_tanh"));
+            c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+        } else {
+            c.insert("hidden_act".into(), json!("silu"));
+        }
+        // As transformers decides: tied exactly when there is no separate output matrix.
+        let tied = !self.content.tensor_infos.contains_key("output.weight");
+        c.insert("tie_word_embeddings".into(), json!(tied));
+        match arch.model_type {
+            "llama" | "mistral" => {
+                let bias = self.content.tensor_infos.contains_key("blk.0.attn_q.bias");
+                c.insert("attention_bias".into(), json!(bias));
+                c.insert("mlp_bias".into(), json!(false));
+                // llama.cpp runs these with full attention whatever the original config said.
+                if arch.model_type == "mistral" {
+                    c.insert("sliding_window".into(), Value::Null);
+                }
+            }
+            "qwen2" | "qwen3" => {
+                c.insert("use_sliding_window".into(), json!(false));
+            }
+            "phi3" => {
+                if let Some(w) = self.uint(&format!("{a}.attention.sliding_window"))? {
+                    c.insert("sliding_window".into(), json!(w));
+                }
+            }
+            _ => {}
+        }
+        for (gguf_key, hf_key) in [
+            ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+            ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+            ("tokenizer.ggml.padding_token_id", "pad_token_id"),
+        ] {
+            if let Some(id) = self.token_id(gguf_key)? {
+                c.insert(hf_key.into(), json!(id));
+            }
+        }
+        let dtype_name = match dtype {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F64 => "float64",
+            _ => "float32",
+        };
+        c.insert("torch_dtype".into(), json!(dtype_name));
+        if let Some(name) = self.string("general.name")? {
+            c.insert("_name_or_path".into(), json!(name));
+        }
+        Ok(Value::Object(c))
+    }
+
+    /// The HF `rope_scaling` object, from `{arch}.rope.scaling.*` keys or the rotary-factor tensors.
+    fn rope_scaling(&mut self, arch: &Arch, hp: &HParams) -> Result<Option<Value>, ModelError> {
+        let a = arch.gguf.clone();
+        let key = |k: &str| format!("{a}.rope.scaling.{k}");
+        let factor = self.float(&key("factor"))?;
+        let original = self.uint(&key("original_context_length"))?;
+        let kind = match self.string(&key("type"))? {
+            Some(t) => Some(t.to_ascii_lowercase()),
+            // Older files: `{arch}.rope.scale_linear`.
+            None => self.float(&format!("{a}.rope.scale_linear"))?.filter(|f| *f != 1.0).map(|_| "linear".into()),
+        };
+        let need_factor = |this: &Self| {
+            factor
+                .or(this.float(&format!("{a}.rope.scale_linear")).ok().flatten())
+                .ok_or_else(|| this.err(format!("missing metadata key '{}'", key("factor"))))
+        };
+        match kind.as_deref() {
+            Some("linear") => return Ok(Some(json!({"rope_type": "linear", "factor": need_factor(self)?}))),
+            Some("yarn") => {
+                let mut m = Map::new();
+                m.insert("rope_type".into(), json!("yarn"));
+                m.insert("factor".into(), json!(need_factor(self)?));
+                m.insert("original_max_position_embeddings".into(), json!(original.unwrap_or(hp.context as u64)));
+                for (k, hf) in [("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")] {
+                    if let Some(x) = self.float(&key(k))? {
+                        m.insert(hf.into(), json!(x));
+                    }
+                }
+                return Ok(Some(Value::Object(m)));
+            }
+            Some("none") | None => {}
+            Some("longrope") | Some("su") => {}
+            Some(other) => {
+                return Err(self.err(format!(
+                    "unsupported rope scaling type '{other}' ({}): supported are none, linear, yarn",
+                    key("type")
+                )))
+            }
+        }
+        // Phi-3 LongRoPE: llama.cpp keeps the per-frequency factors as tensors.
+        if arch.model_type == "phi3" {
+            let long = self.small_vector("rope_factors_long.weight")?;
+            let short = self.small_vector("rope_factors_short.weight")?;
+            if let (Some(long), Some(short)) = (long, short) {
+                let half = hp.rope_dims / 2;
+                if long.len() != half || short.len() != half {
+                    return Err(self.err(format!(
+                        "rope_factors_long/short have {} and {} entries but the rotary dimension {} needs {half}",
+                        long.len(),
+                        short.len(),
+                        hp.rope_dims
+                    )));
+                }
+                let orig = original.ok_or_else(|| self.err(format!("missing metadata key '{}'", key("original_context_length"))))?;
+                return Ok(Some(json!({
+                    "rope_type": "longrope",
+                    "long_factor": long.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+                    "short_factor": short.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+                    "original_max_position_embeddings": orig,
+                })));
+            }
+        }
+        // Llama 3.x: llama.cpp bakes the frequency scaling into a `rope_freqs` tensor.
+        if arch.model_type == "llama" {
+            if let Some(freqs) = self.small_vector("rope_freqs.weight")? {
+                match fit_llama3(&freqs, hp.rope_theta, hp.rope_dims) {
+                    Some(s) => return Ok(Some(s)),
+                    None => tracing::warn!(
+                        "{}: rope_freqs.weight does not match Llama 3 rotary scaling; it is ignored",
+                        self.path.display()
+                    ),
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Recognises llama.cpp's `rope_freqs` factors for Llama 3.x rotary scaling (low 1, high 4,
+/// original context 8192: every released Llama 3.1/3.2/3.3) and returns the HF `rope_scaling`.
+fn fit_llama3(freqs: &[f32], base: f64, dims: usize) -> Option<Value> {
+    if freqs.len() * 2 != dims || freqs.is_empty() {
+        return None;
+    }
+    let max = freqs.iter().copied().fold(f32::MIN, f32::max) as f64;
+    if max <= 1.0 {
+        return None;
+    }
+    let factor = if (max - max.round()).abs() < 1e-4 { max.round() } else { max };
+    let (low, high, orig) = (1.0f64, 4.0f64, 8192.0f64);
+    let (low_wavelen, high_wavelen) = (orig / low, orig / high);
+    let matches = freqs.iter().enumerate().all(|(i, &f)| {
+        let inv_freq = 1.0 / base.powf((2 * i) as f64 / dims as f64);
+        let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+        let expected = if wavelen < high_wavelen {
+            1.0
+        } else if wavelen > low_wavelen {
+            factor
+        } else {
+            let smooth = (orig / wavelen - low) / (high - low);
+            1.0 / ((1.0 - smooth) / factor + smooth)
+        };
+        (f as f64 - expected).abs() <= 1e-4 * expected.max(1.0)
+    });
+    matches.then(|| {
+        json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+               "high_freq_factor": high, "original_max_position_embeddings": orig as u64})
+    })
+}
+
+/// Reads as many bytes as are available, up to `buf.len()`.
+fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// Turns candle's header-reading errors into messages a user can act on.
+fn header_error_message(candle_msg: &str) -> String {
+    let first_line = candle_msg.lines().next().unwrap_or(candle_msg);
+    if let Some(rest) = first_line.split("unknown dtype for tensor ").nth(1) {
+        let id = rest.trim().parse::<u32>().map_or_else(|_| rest.trim().to_string(), ggml_type_name);
+        return format!(
+            "unsupported tensor type {id}: ferrotune dequantizes {SUPPORTED_TYPES}; convert the model to one of these"
+        );
+    }
+    let truncated = first_line.contains("fill whole buffer")
+        || first_line.contains("remaining")
+        || first_line.contains("UnexpectedEof");
+    if truncated {
+        format!("the GGUF file is truncated or corrupt: its header ends early ({first_line})")
+    } else {
+        format!("corrupt GGUF header: {first_line}")
+    }
+}
+
+fn show(v: &GgufValue) -> String {
+    match v {
+        GgufValue::Array(a) => format!("an array of {} values", a.len()),
+        GgufValue::String(s) => format!("the string {s:?}"),
+        v => format!("{v:?}"),
+    }
+}
+
+/// Architecture-specific handling.
+struct Arch {
+    /// `general.architecture`, the prefix of the architecture's metadata keys.
+    gguf: String,
+    /// transformers' `model_type`.
+    model_type: &'static str,
+    /// transformers' model class, for `architectures`.
+    hf_class: &'static str,
+    /// llama.cpp permuted q/k rows for its RoPE layout.
+    permuted_qk: bool,
+    /// llama.cpp stored norm weights as `1 + w`.
+    norm_plus_one: bool,
+}
+
+impl Arch {
+    fn from_metadata(g: &GgufFile) -> Result<Self, ModelError> {
+        let gguf = g
+            .string("general.architecture")?
+            .ok_or_else(|| g.err("missing metadata key 'general.architecture'"))?
+            .to_string();
+        let name = g.string("general.name")?.unwrap_or("").to_ascii_lowercase();
+        let (model_type, hf_class) = match gguf.as_str() {
+            // llama.cpp writes Mistral models as `llama`; transformers tells them apart by name.
+            "llama" if name.contains("mistral") => ("mistral", "MistralForCausalLM"),
+            "llama" => ("llama", "LlamaForCausalLM"),
+            "mistral" => ("mistral", "MistralForCausalLM"),
+            "qwen2" => ("qwen2", "Qwen2ForCausalLM"),
+            "qwen3" => ("qwen3", "Qwen3ForCausalLM"),
+            "gemma" => ("gemma", "GemmaForCausalLM"),
+            "phi3" => ("phi3", "Phi3ForCausalLM"),
+            other => {
+                return Err(g.err(format!(
+                    "unsupported GGUF architecture '{other}': supported are llama (and mistral), qwen2, qwen3, gemma, phi3"
+                )))
+            }
+        };
+        // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture.
+        let permuted_qk = gguf == "llama";
+        let norm_plus_one = gguf == "gemma";
+        Ok(Self { gguf, model_type, hf_class, permuted_qk, norm_plus_one })
+    }
+}
+
+/// The hyperparameters read from metadata.
+struct HParams {
+    vocab: usize,
+    hidden: usize,
+    ffn: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rope_dims: usize,
+    context: usize,
+    rms_eps: f64,
+    rope_theta: f64,
+}
+
+impl HParams {
+    fn read(g: &GgufFile, arch: &Arch) -> Result<Self, ModelError> {
+        let a = &arch.gguf;
+        let k = |s: &str| format!("{a}.{s}");
+        let hidden = g.req_count(&k("embedding_length"))?;
+        let layers = g.req_count(&k("block_count"))?;
+        let ffn = g.req_count(&k("feed_forward_length"))?;
+        let heads = g.req_count(&k("attention.head_count"))?;
+        let context = g.req_count(&k("context_length"))?;
+        let kv_heads = match g.uint(&k("attention.head_count_kv"))? {
+            Some(n) if n > 0 && n <= heads as u64 && heads as u64 % n == 0 => n as usize,
+            Some(n) => {
+                return Err(g.err(format!(
+                    "metadata key '{}' is {n}, which does not divide {}.attention.head_count {heads}",
+                    k("attention.head_count_kv"),
+                    a
+                )))
+            }
+            None => heads,
+        };
+        let rms_eps = g
+            .float(&k("attention.layer_norm_rms_epsilon"))?
+            .ok_or_else(|| g.err(format!("missing metadata key '{}'", k("attention.layer_norm_rms_epsilon"))))?;
+        let rope_theta = g.float(&k("rope.freq_base"))?.unwrap_or(10000.0);
+        let rope_dims = g.uint(&k("rope.dimension_count"))?.map(|n| n as usize);
+        // Head size: `attention.key_length` when given; for llama transformers takes
+        // `rope.dimension_count` (llama.cpp writes the head size there); else hidden / heads.
+        let head_dim = match g.uint(&k("attention.key_length"))? {
+            Some(n) => n as usize,
+            None => match rope_dims {
+                Some(d) if matches!(arch.model_type, "llama" | "mistral") => d,
+                _ => {
+                    if hidden % heads != 0 {
+                        return Err(g.err(format!(
+                            "{a}.embedding_length {hidden} is not divisible by {a}.attention.head_count {heads} and {a}.attention.key_length is missing"
+                        )));
+                    }
+                    hidden / heads
+                }
+            },
+        };
+        if head_dim == 0 || head_dim > 1 << 16 {
+            return Err(g.err(format!("implausible head dimension {head_dim}")));
+        }
+        let rope_dims = rope_dims.unwrap_or(head_dim);
+        if rope_dims > head_dim || rope_dims % 2 != 0 {
+            return Err(g.err(format!(
+                "{a}.rope.dimension_count {rope_dims} does not fit the head dimension {head_dim}"
+            )));
+        }
+        // As transformers: `{arch}.vocab_size`, else the tokenizer's token count; failing both,
+        // the embedding matrix's row count.
+        let vocab = match g.uint(&k("vocab_size"))? {
+            Some(n) => n as usize,
+            None => match g.meta("tokenizer.ggml.tokens") {
+                Some(GgufValue::Array(t)) => t.len(),
+                Some(v) => {
+                    return Err(g.err(format!(
+                        "metadata key 'tokenizer.ggml.tokens' must be an array, found {}",
+                        show(v)
+                    )))
+                }
+                None => match g.content.tensor_infos.get("token_embd.weight") {
+                    Some(info) => info.shape.dims().first().copied().unwrap_or(0),
+                    None => return Err(g.err(format!("missing metadata key '{}' (and tokenizer.ggml.tokens)", k("vocab_size")))),
+                },
+            },
+        };
+        if vocab == 0 {
+            return Err(g.err("the vocabulary is empty"));
+        }
+        Ok(Self { vocab, hidden, ffn, layers, heads, kv_heads, head_dim, rope_dims, context, rms_eps, rope_theta })
+    }
+}
+
+/// What a GGUF tensor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Embed,
+    Output,
+    FinalNorm,
+    AttnNorm,
+    FfnNorm,
+    Q,
+    K,
+    V,
+    O,
+    Qkv,
+    QNorm,
+    KNorm,
+    Gate,
+    Up,
+    Down,
+}
+
+/// A GGUF tensor's kind, layer and whether it is a bias.
+#[derive(Debug, Clone, Copy)]
+struct Role {
+    kind: Kind,
+    layer: Option<usize>,
+    bias: bool,
+}
+
+impl Role {
+    fn parse(name: &str) -> Option<Self> {
+        let (stem, bias) = if let Some(s) = name.strip_suffix(".weight") {
+            (s, false)
+        } else {
+            (name.strip_suffix(".bias")?, true)
+        };
+        let top = |kind| Some(Self { kind, layer: None, bias });
+        match stem {
+            "token_embd" => return top(Kind::Embed),
+            "output" => return top(Kind::Output),
+            "output_norm" => return top(Kind::FinalNorm),
+            _ => {}
+        }
+        let rest = stem.strip_prefix("blk.")?;
+        let (layer, part) = rest.split_once('.')?;
+        if layer.is_empty() || !layer.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let layer = layer.parse().ok()?;
+        let kind = match part {
+            "attn_norm" => Kind::AttnNorm,
+            "ffn_norm" => Kind::FfnNorm,
+            "attn_q" => Kind::Q,
+            "attn_k" => Kind::K,
+            "attn_v" => Kind::V,
+            "attn_output" => Kind::O,
+            "attn_qkv" => Kind::Qkv,
+            "attn_q_norm" => Kind::QNorm,
+            "attn_k_norm" => Kind::KNorm,
+            "ffn_gate" => Kind::Gate,
+            "ffn_up" => Kind::Up,
+            "ffn_down" => Kind::Down,
+            _ => return None,
+        };
+        Some(Self { kind, layer: Some(layer), bias })
+    }
+
+    fn hf_name(&self, arch: &Arch) -> String {
+        let suffix = if self.bias { "bias" } else { "weight" };
+        let module = match self.kind {
+            Kind::Embed => return format!("model.embed_tokens.{suffix}"),
+            Kind::Output => return format!("lm_head.{suffix}"),
+            Kind::FinalNorm => return format!("model.norm.{suffix}"),
+            Kind::AttnNorm => "input_layernorm",
+            Kind::FfnNorm => "post_attention_layernorm",
+            Kind::Q => "self_attn.q_proj",
+            Kind::K => "self_attn.k_proj",
+            Kind::V => "self_attn.v_proj",
+            Kind::O => "self_attn.o_proj",
+            Kind::Qkv => "self_attn.qkv_proj",
+            Kind::QNorm => "self_attn.q_norm",
+            Kind::KNorm => "self_attn.k_norm",
+            Kind::Gate => "mlp.gate_proj",
+            // Phi-3's fused gate and up projection is stored as `ffn_up`.
+            Kind::Up if arch.model_type == "phi3" => "mlp.gate_up_proj",
+            Kind::Up => "mlp.up_proj",
+            Kind::Down => "mlp.down_proj",
+        };
+        format!("model.layers.{}.{module}.{suffix}", self.layer.unwrap_or(0))
+    }
+
+    /// The PyTorch shape the metadata implies.
+    fn expected_shape(&self, hp: &HParams, arch: &Arch) -> Result<Vec<usize>, String> {
+        if let Some(l) = self.layer {
+            if l >= hp.layers {
+                return Err(format!("belongs to layer {l} but {}.block_count is {}", arch.gguf, hp.layers));
+            }
+        }
+        let h = hp.hidden;
+        let q = hp.heads * hp.head_dim;
+        let kv = hp.kv_heads * hp.head_dim;
+        let up = if arch.model_type == "phi3" { 2 * hp.ffn } else { hp.ffn };
+        let (out, inp) = match self.kind {
+            Kind::Embed | Kind::Output => (hp.vocab, h),
+            Kind::FinalNorm | Kind::AttnNorm | Kind::FfnNorm => return Ok(vec![h]),
+            Kind::QNorm | Kind::KNorm => return Ok(vec![hp.head_dim]),
+            Kind::Q => (q, h),
+            Kind::K | Kind::V => (kv, h),
+            Kind::O => (h, q),
+            Kind::Qkv => (q + 2 * kv, h),
+            Kind::Gate => (hp.ffn, h),
+            Kind::Up => (up, h),
+            Kind::Down => (h, hp.ffn),
+        };
+        Ok(if self.bias { vec![out] } else { vec![out, inp] })
+    }
+}
+
+/// Undoes convert_hf_to_gguf.py's `permute`: rows grouped per head as `(n_head, 2, half)` were
+/// reordered to `(n_head, half, 2)` (interleaved RoPE pairs); this restores HF's half-split order.
+fn unpermute_rows(t: &Tensor, n_head: usize) -> Result<Tensor, String> {
+    let dims = t.dims().to_vec();
+    let rows = dims[0];
+    if n_head == 0 || rows % (2 * n_head) != 0 {
+        return Err(format!("has {rows} rows, which cannot be split into {n_head} heads of (re, im) pairs"));
+    }
+    let half = rows / n_head / 2;
+    let rest: usize = dims[1..].iter().product();
+    let un = || -> candle_core::Result<Tensor> {
+        t.reshape((n_head, half, 2, rest))?.transpose(1, 2)?.contiguous()?.reshape(dims.as_slice())
+    };
+    un().map_err(|e| format!("cannot be un-permuted: {e}"))
+}

@@ -1,0 +1,455 @@
+//! The decoder: one implementation for Llama 2/3, Mistral, Qwen2/2.5/3, Gemma, Phi-3 and SmolLM2,
+//! switched by [`ModelConfig`]. Every op on the path has a backward (see `ferrotune_core::ops`), so
+//! the same code serves generation and training.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Result as CResult, Tensor, D};
+use ferrotune_core::ops;
+
+use crate::config::{Activation, ModelConfig};
+use crate::error::ModelError;
+use crate::rope::RotaryEmbedding;
+
+/// A linear layer in PyTorch's layout: `weight` is `[out, in]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// `x @ weight.T + bias`.
+    pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        ops::linear(x, &self.weight, self.bias.as_ref())
+    }
+}
+
+/// Query/key/value projections: separate, or Phi-3's fused `qkv_proj`.
+#[derive(Debug, Clone)]
+pub enum QkvProjection {
+    Separate { q_proj: Linear, k_proj: Linear, v_proj: Linear },
+    Fused { qkv_proj: Linear },
+}
+
+/// Gate/up projections of the gated MLP: separate, or Phi-3's fused `gate_up_proj`.
+#[derive(Debug, Clone)]
+pub enum GateUpProjection {
+    Separate { gate_proj: Linear, up_proj: Linear },
+    Fused { gate_up_proj: Linear },
+}
+
+/// Self-attention of one layer.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    pub qkv: QkvProjection,
+    pub o_proj: Linear,
+    /// Qwen3's per-head RMSNorm weights (`[head_dim]`).
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+}
+
+/// The gated MLP (SwiGLU / GeGLU).
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    pub gate_up: GateUpProjection,
+    pub down_proj: Linear,
+}
+
+/// One decoder layer (pre-norm residual blocks).
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    pub input_layernorm: Tensor,
+    pub self_attn: Attention,
+    pub post_attention_layernorm: Tensor,
+    pub mlp: Mlp,
+    /// Sliding-window span, if this layer uses one.
+    pub sliding_window: Option<usize>,
+}
+
+/// Keys and values of earlier positions, per layer: `[batch, kv_heads, past, head_dim]`.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    /// An empty cache for `num_layers` layers.
+    pub fn new(num_layers: usize) -> Self {
+        Self { layers: vec![None; num_layers] }
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+    }
+
+    /// True when nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Who attends to whom in one forward call, and at which positions.
+///
+/// Covers plain causal batches, left-padded generation batches (padding keys masked, positions
+/// counted from each row's first real token) and packed training batches (attention only within a
+/// sample, positions restarting per sample).
+#[derive(Debug, Clone)]
+pub struct AttentionLayout {
+    /// Position id of each new token, `[batch][seq]`.
+    pub positions: Vec<Vec<u32>>,
+    /// Whether each key slot (cached + new, `[batch][past + seq]`) is a real token.
+    pub key_valid: Vec<Vec<bool>>,
+    /// Sample id of each key slot for packed batches (`[batch][past + seq]`).
+    pub segments: Option<Vec<Vec<u32>>>,
+}
+
+impl AttentionLayout {
+    /// A plain causal layout: `batch` rows of `seq` new tokens after `past` cached ones.
+    pub fn causal(batch: usize, seq: usize, past: usize) -> Self {
+        let row: Vec<u32> = (past as u32..(past + seq) as u32).collect();
+        Self {
+            positions: vec![row; batch],
+            key_valid: vec![vec![true; past + seq]; batch],
+            segments: None,
+        }
+    }
+
+    /// Additive mask `[batch, 1, seq, past + seq]` (0 = attend, dtype minimum = masked), or `None`
+    /// when every query may see every key (a single decode step without padding).
+    fn additive_mask(
+        &self,
+        window: Option<usize>,
+        dtype: DType,
+        device: &Device,
+    ) -> CResult<Option<Tensor>> {
+        let batch = self.positions.len();
+        let seq = self.positions.first().map_or(0, Vec::len);
+        let total = self.key_valid.first().map_or(0, Vec::len);
+        let past = total - seq;
+        let mut data = Vec::with_capacity(batch * seq * total);
+        let mut any_masked = false;
+        for b in 0..batch {
+            let valid = &self.key_valid[b];
+            let seg = self.segments.as_ref().map(|s| &s[b]);
+            for i in 0..seq {
+                let q = past + i;
+                for j in 0..total {
+                    let mut ok = j <= q && valid[j];
+                    if let Some(seg) = seg {
+                        ok &= seg[j] == seg[q];
+                    }
+                    if let Some(w) = window {
+                        ok &= q - j.min(q) < w;
+                    }
+                    any_masked |= !ok;
+                    data.push(if ok { 0f32 } else { f32::MIN });
+                }
+            }
+        }
+        if !any_masked {
+            return Ok(None);
+        }
+        Tensor::from_vec(data, (batch, 1, seq, total), device)?
+            .to_dtype(dtype)
+            .map(Some)
+    }
+}
+
+/// A causal language model: embeddings, decoder layers, final norm and output head.
+#[derive(Debug, Clone)]
+pub struct CausalLm {
+    pub config: ModelConfig,
+    pub embed_tokens: Tensor,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: Tensor,
+    /// The output head; with tied embeddings its weight is `embed_tokens`.
+    pub lm_head: Linear,
+    rope: RotaryEmbedding,
+    dtype: DType,
+    device: Device,
+}
+
+/// Takes named tensors out of a checkpoint's map, checking shapes.
+struct TensorTaker<'a> {
+    tensors: &'a mut HashMap<String, Tensor>,
+    source: &'a str,
+}
+
+impl TensorTaker<'_> {
+    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+        let t = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| ModelError::Msg(format!("{}: missing tensor '{name}'", self.source)))?;
+        if t.dims() != shape {
+            return Err(ModelError::Msg(format!(
+                "{}: tensor '{name}' has shape {:?}, expected {:?} from the model config",
+                self.source,
+                t.dims(),
+                shape
+            )));
+        }
+        Ok(t)
+    }
+
+    fn take_opt(&mut self, name: &str, shape: &[usize]) -> Result<Option<Tensor>, ModelError> {
+        if self.tensors.contains_key(name) {
+            self.take(name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// A linear layer; its bias is used when the checkpoint has one.
+    fn linear(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Linear, ModelError> {
+        Ok(Linear {
+            weight: self.take(&format!("{prefix}.weight"), &[out, inp])?,
+            bias: self.take_opt(&format!("{prefix}.bias"), &[out])?,
+        })
+    }
+}
+
+impl CausalLm {
+    /// Builds the model from HF-named tensors (already in the compute dtype, on `device`).
+    ///
+    /// `source` names the checkpoint in error messages. Tensors the model does not use are ignored.
+    pub fn from_tensors(
+        config: ModelConfig,
+        mut tensors: HashMap<String, Tensor>,
+        source: &str,
+    ) -> Result<Self, ModelError> {
+        let c = &config;
+        let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let mut take = TensorTaker { tensors: &mut tensors, source };
+        let embed_tokens = take.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let dtype = embed_tokens.dtype();
+        let device = embed_tokens.device().clone();
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let qkv = if c.fused_projections {
+                QkvProjection::Fused {
+                    qkv_proj: take.linear(&format!("{p}.self_attn.qkv_proj"), (nh + 2 * nkv) * hd, h)?,
+                }
+            } else {
+                QkvProjection::Separate {
+                    q_proj: take.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h)?,
+                    k_proj: take.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h)?,
+                    v_proj: take.linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h)?,
+                }
+            };
+            let (q_norm, k_norm) = if c.qk_norm {
+                (
+                    Some(take.take(&format!("{p}.self_attn.q_norm.weight"), &[hd])?),
+                    Some(take.take(&format!("{p}.self_attn.k_norm.weight"), &[hd])?),
+                )
+            } else {
+                (None, None)
+            };
+            let gate_up = if c.fused_projections {
+                GateUpProjection::Fused {
+                    gate_up_proj: take.linear(&format!("{p}.mlp.gate_up_proj"), 2 * inter, h)?,
+                }
+            } else {
+                GateUpProjection::Separate {
+                    gate_proj: take.linear(&format!("{p}.mlp.gate_proj"), inter, h)?,
+                    up_proj: take.linear(&format!("{p}.mlp.up_proj"), inter, h)?,
+                }
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: take.take(&format!("{p}.input_layernorm.weight"), &[h])?,
+                self_attn: Attention {
+                    qkv,
+                    o_proj: take.linear(&format!("{p}.self_attn.o_proj"), h, nh * hd)?,
+                    q_norm,
+                    k_norm,
+                },
+                post_attention_layernorm: take
+                    .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                mlp: Mlp { gate_up, down_proj: take.linear(&format!("{p}.mlp.down_proj"), h, inter)? },
+                sliding_window: c.layer_sliding_windows.get(i).copied().flatten(),
+            });
+        }
+        let norm = take.take("model.norm.weight", &[h])?;
+        let lm_head = if c.tie_word_embeddings {
+            Linear { weight: embed_tokens.clone(), bias: None }
+        } else {
+            take.linear("lm_head", c.vocab_size, h)?
+        };
+        let rope = RotaryEmbedding::new(c);
+        Ok(Self { config, embed_tokens, layers, norm, lm_head, rope, dtype, device })
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Runs the decoder over `input_ids` (`[batch, seq]`, u32) and returns the final hidden states
+    /// `[batch, seq, hidden]`. With a cache, keys/values of these tokens are appended to it.
+    pub fn forward_hidden(
+        &self,
+        input_ids: &Tensor,
+        layout: &AttentionLayout,
+        mut cache: Option<&mut KvCache>,
+    ) -> CResult<Tensor> {
+        let (batch, seq) = input_ids.dims2()?;
+        let mut x = self
+            .embed_tokens
+            .index_select(&input_ids.flatten_all()?, 0)?
+            .reshape((batch, seq, self.config.hidden_size))?;
+        if self.config.scale_embeddings {
+            // transformers builds the normalizer as a tensor of the hidden dtype: round it the same way.
+            let s = Tensor::new((self.config.hidden_size as f32).sqrt(), &self.device)?
+                .to_dtype(self.dtype)?;
+            x = x.broadcast_mul(&s)?;
+        }
+        let (cos, sin) = self.rope.cos_sin(&layout.positions, self.dtype, &self.device)?;
+        let full_mask = layout.additive_mask(None, self.dtype, &self.device)?;
+        let mut window_masks: Vec<(usize, Option<Tensor>)> = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mask = match layer.sliding_window {
+                None => full_mask.clone(),
+                Some(w) => match window_masks.iter().find(|(ww, _)| *ww == w) {
+                    Some((_, m)) => m.clone(),
+                    None => {
+                        let m = layout.additive_mask(Some(w), self.dtype, &self.device)?;
+                        window_masks.push((w, m.clone()));
+                        m
+                    }
+                },
+            };
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            x = self.layer_forward(layer, &x, &cos, &sin, mask.as_ref(), layer_cache)?;
+        }
+        ops::rms_norm(&x, &self.norm, self.config.rms_norm_eps, self.config.norm_weight_offset_one)
+    }
+
+    /// Logits `[batch, seq, vocab]` (compute dtype) from hidden states.
+    pub fn logits(&self, hidden: &Tensor) -> CResult<Tensor> {
+        self.lm_head.forward(hidden)
+    }
+
+    /// Full forward: logits for every position.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        layout: &AttentionLayout,
+        cache: Option<&mut KvCache>,
+    ) -> CResult<Tensor> {
+        let hidden = self.forward_hidden(input_ids, layout, cache)?;
+        self.logits(&hidden)
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> CResult<Tensor> {
+        let c = &self.config;
+        let eps = c.rms_norm_eps;
+        let offset = c.norm_weight_offset_one;
+        let h = ops::rms_norm(x, &layer.input_layernorm, eps, offset)?;
+        let h = self.attention(&layer.self_attn, &h, cos, sin, mask, cache)?;
+        let x = (x + h)?;
+        let h = ops::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?;
+        let h = self.mlp(&layer.mlp, &h)?;
+        x + h
+    }
+
+    fn attention(
+        &self,
+        attn: &Attention,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> CResult<Tensor> {
+        let c = &self.config;
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (q, k, v) = match &attn.qkv {
+            QkvProjection::Separate { q_proj, k_proj, v_proj } => {
+                (q_proj.forward(x)?, k_proj.forward(x)?, v_proj.forward(x)?)
+            }
+            QkvProjection::Fused { qkv_proj } => {
+                let qkv = qkv_proj.forward(x)?;
+                (
+                    qkv.narrow(D::Minus1, 0, nh * hd)?,
+                    qkv.narrow(D::Minus1, nh * hd, nkv * hd)?,
+                    qkv.narrow(D::Minus1, (nh + nkv) * hd, nkv * hd)?,
+                )
+            }
+        };
+        let mut q = q.reshape((b, t, nh, hd))?;
+        let mut k = k.reshape((b, t, nkv, hd))?;
+        if let (Some(qn), Some(kn)) = (&attn.q_norm, &attn.k_norm) {
+            q = ops::rms_norm(&q, qn, c.rms_norm_eps, c.norm_weight_offset_one)?;
+            k = ops::rms_norm(&k, kn, c.rms_norm_eps, c.norm_weight_offset_one)?;
+        }
+        let q = ops::apply_rope(&q.transpose(1, 2)?.contiguous()?, cos, sin)?;
+        let mut k = ops::apply_rope(&k.transpose(1, 2)?.contiguous()?, cos, sin)?;
+        let mut v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
+        if let Some(slot) = cache {
+            if let Some((pk, pv)) = slot.as_ref() {
+                k = Tensor::cat(&[pk, &k], 2)?;
+                v = Tensor::cat(&[pv, &v], 2)?;
+            }
+            *slot = Some((k.clone(), v.clone()));
+        }
+        let s = k.dim(2)?;
+        let groups = nh / nkv;
+        // Grouped-query attention without repeating K/V: the query heads that share a KV head are
+        // stacked along the sequence axis, so one batched matmul per KV head serves them all.
+        let q = q.reshape((b, nkv, groups * t, hd))?;
+        let scale = (hd as f64).powf(-0.5);
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let scores = match mask {
+            Some(m) => scores
+                .reshape((b, nkv, groups, t, s))?
+                .broadcast_add(&m.unsqueeze(1)?)?
+                .reshape((b, nkv, groups * t, s))?,
+            None => scores,
+        };
+        let probs = ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&v)?; // [b, nkv, groups * t, hd]
+        let out = out
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?
+            .reshape((b, t, nh * hd))?;
+        attn.o_proj.forward(&out)
+    }
+
+    fn mlp(&self, mlp: &Mlp, x: &Tensor) -> CResult<Tensor> {
+        let (gate, up) = match &mlp.gate_up {
+            GateUpProjection::Separate { gate_proj, up_proj } => (gate_proj.forward(x)?, up_proj.forward(x)?),
+            GateUpProjection::Fused { gate_up_proj } => {
+                let gu = gate_up_proj.forward(x)?;
+                let inter = self.config.intermediate_size;
+                (gu.narrow(D::Minus1, 0, inter)?, gu.narrow(D::Minus1, inter, inter)?)
+            }
+        };
+        let act = match self.config.activation {
+            Activation::Silu => gate.silu()?,
+            Activation::GeluTanh => gate.gelu()?,
+            Activation::GeluErf => gate.gelu_erf()?,
+        };
+        mlp.down_proj.forward(&(act * up)?)
+    }
+}

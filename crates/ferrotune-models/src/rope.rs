@@ -1,0 +1,195 @@
+//! Rotary position embeddings: inverse frequencies for every `rope_type` transformers supports that
+//! our families use, and cos/sin tables for arbitrary per-row positions (left padding, packing).
+//!
+//! Computed on the host in f32, step by step as transformers does in float32, then moved to the
+//! device: the tables are tiny next to the attention they feed.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use crate::config::{ModelConfig, RopeScaling};
+
+/// Precomputed rotary frequencies for one model.
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    /// Rotated dimensions per head (`head_dim * partial_rotary_factor`).
+    rotary_dim: usize,
+    inv_freq: Vec<f32>,
+    /// LongRoPE: frequencies used once the sequence exceeds the original context.
+    long: Option<(usize, Vec<f32>)>,
+    /// Dynamic NTK: recomputed for sequences longer than the original context.
+    dynamic: Option<(f64, usize, f64)>,
+    /// Multiplies cos and sin (YaRN / LongRoPE attention factor).
+    attention_scaling: f32,
+}
+
+fn default_inv_freq(base: f64, dim: usize) -> Vec<f32> {
+    (0..dim)
+        .step_by(2)
+        .map(|i| 1.0f32 / (base as f32).powf(i as f32 / dim as f32))
+        .collect()
+}
+
+impl RotaryEmbedding {
+    /// Builds the frequencies for `cfg`.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let dim = ((cfg.head_dim as f64) * cfg.rope.partial_rotary_factor) as usize;
+        let base = cfg.rope.theta;
+        let mut long = None;
+        let mut dynamic = None;
+        let mut attention_scaling = 1.0f32;
+        let inv_freq = match &cfg.rope.scaling {
+            RopeScaling::Default => default_inv_freq(base, dim),
+            RopeScaling::Linear { factor } => default_inv_freq(base, dim)
+                .into_iter()
+                .map(|f| f / *factor as f32)
+                .collect(),
+            RopeScaling::Dynamic { factor, original_max_position_embeddings } => {
+                dynamic = Some((*factor, *original_max_position_embeddings, base));
+                default_inv_freq(base, dim)
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let old_ctx = *original_max_position_embeddings as f32;
+                let (factor, low, high) = (*factor as f32, *low_freq_factor as f32, *high_freq_factor as f32);
+                let low_freq_wavelen = old_ctx / low;
+                let high_freq_wavelen = old_ctx / high;
+                default_inv_freq(base, dim)
+                    .into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
+                        let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        if medium {
+                            let smooth = (old_ctx / wavelen - low) / (high - low);
+                            (1.0 - smooth) * scaled / factor + smooth * scaled
+                        } else {
+                            scaled
+                        }
+                    })
+                    .collect()
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                truncate,
+            } => {
+                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                attention_scaling = attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
+                    (Some(m), Some(a)) if *m != 0.0 && *a != 0.0 => get_mscale(*factor, *m) / get_mscale(*factor, *a),
+                    _ => get_mscale(*factor, 1.0),
+                }) as f32;
+                let orig = *original_max_position_embeddings as f64;
+                let correction_dim = |rot: f64| {
+                    (dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln())
+                };
+                let (mut lo, mut hi) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
+                if *truncate {
+                    lo = lo.floor();
+                    hi = hi.ceil();
+                }
+                let lo = lo.max(0.0) as f32;
+                let mut hi = hi.min(dim as f64 - 1.0) as f32;
+                if lo == hi {
+                    hi += 0.001;
+                }
+                (0..dim / 2)
+                    .map(|i| {
+                        let pos_freq = (base as f32).powf((2 * i) as f32 / dim as f32);
+                        let extrapolation = 1.0 / pos_freq;
+                        let interpolation = 1.0 / (*factor as f32 * pos_freq);
+                        let ramp = ((i as f32 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                        let extrapolation_weight = 1.0 - ramp;
+                        interpolation * (1.0 - extrapolation_weight) + extrapolation * extrapolation_weight
+                    })
+                    .collect()
+            }
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                factor,
+                original_max_position_embeddings,
+                attention_factor,
+            } => {
+                let orig = *original_max_position_embeddings;
+                attention_scaling = attention_factor.unwrap_or_else(|| {
+                    if *factor <= 1.0 {
+                        1.0
+                    } else {
+                        (1.0 + factor.ln() / (orig as f64).ln()).sqrt()
+                    }
+                }) as f32;
+                let with = |ext: &[f64]| -> Vec<f32> {
+                    (0..dim / 2)
+                        .map(|i| {
+                            let shape = (2 * i) as f32 / dim as f32;
+                            1.0 / (ext.get(i).copied().unwrap_or(1.0) as f32 * (base as f32).powf(shape))
+                        })
+                        .collect()
+                };
+                long = Some((orig, with(long_factor)));
+                with(short_factor)
+            }
+        };
+        Self { rotary_dim: dim, inv_freq, long, dynamic, attention_scaling }
+    }
+
+    /// Rotated dimensions per head.
+    pub fn rotary_dim(&self) -> usize {
+        self.rotary_dim
+    }
+
+    /// cos and sin tables `[batch, 1, seq, rotary_dim]` for `positions` (`batch` rows of `seq`).
+    pub fn cos_sin(
+        &self,
+        positions: &[Vec<u32>],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let batch = positions.len();
+        let seq = positions.first().map_or(0, Vec::len);
+        let max_pos = positions.iter().flatten().copied().max().unwrap_or(0) as usize;
+        let dynamic_freq;
+        // Frequencies for this call, chosen by the longest position as transformers'
+        // `dynamic_rope_update` does.
+        let inv_freq: &[f32] = match (&self.long, &self.dynamic) {
+            (Some((orig, long)), _) if max_pos + 1 > *orig => long,
+            (_, Some((factor, orig, base))) if max_pos + 1 > *orig => {
+                let dim = self.rotary_dim as f64;
+                let seq_len = (max_pos + 1) as f64;
+                let b = base * ((factor * seq_len / *orig as f64) - (factor - 1.0)).powf(dim / (dim - 2.0));
+                dynamic_freq = default_inv_freq(b, self.rotary_dim);
+                &dynamic_freq
+            }
+            _ => &self.inv_freq,
+        };
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(batch * seq * 2 * half);
+        let mut sin = Vec::with_capacity(batch * seq * 2 * half);
+        for row in positions {
+            for &p in row {
+                let p = p as f32;
+                // emb = cat(freqs, freqs)
+                for _ in 0..2 {
+                    for &f in inv_freq {
+                        let angle = p * f;
+                        cos.push(angle.cos() * self.attention_scaling);
+                        sin.push(angle.sin() * self.attention_scaling);
+                    }
+                }
+            }
+        }
+        let shape = (batch, 1, seq, 2 * half);
+        let cos = Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?;
+        Ok((cos, sin))
+    }
+}

@@ -1,0 +1,120 @@
+//! The decoder against transformers: logits of tiny random models of every family (fixtures made by
+//! transformers, see tests/fixtures/README.md), and KV-cache decoding equal to a full forward.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn golden(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap()
+}
+
+fn ids_tensor(rows: &Value) -> Tensor {
+    let rows: Vec<Vec<u32>> = serde_json::from_value(rows.clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
+fn load(dir: &Path) -> CausalLm {
+    load_model(&dir.join("model"), DType::F32, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .0
+}
+
+/// Full-sequence logits equal transformers' to 1e-4 (f32).
+fn check_logits(dir: &Path) {
+    let g = golden(dir);
+    let model = load(dir);
+    let ids = ids_tensor(&g["input_ids"]);
+    let (b, t) = ids.dims2().unwrap();
+    let logits = model.forward(&ids, &AttentionLayout::causal(b, t, 0), None).unwrap();
+    let want = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let err = max_abs_diff(&logits, &want["logits"]);
+    assert!(err <= 1e-4, "{}: logits max abs error {err}", dir.display());
+}
+
+/// Prefill then one token at a time through the KV cache gives the same logits as one full pass.
+fn check_kv_cache(dir: &Path) {
+    let g = golden(dir);
+    let model = load(dir);
+    let ids = ids_tensor(&g["input_ids"]);
+    let (b, t) = ids.dims2().unwrap();
+    let full = model.forward(&ids, &AttentionLayout::causal(b, t, 0), None).unwrap();
+    let mut cache = KvCache::new(model.layers.len());
+    let split = t / 2;
+    let mut parts = vec![model
+        .forward(&ids.narrow(1, 0, split).unwrap(), &AttentionLayout::causal(b, split, 0), Some(&mut cache))
+        .unwrap()];
+    for i in split..t {
+        let step = ids.narrow(1, i, 1).unwrap();
+        parts.push(model.forward(&step, &AttentionLayout::causal(b, 1, i), Some(&mut cache)).unwrap());
+    }
+    assert_eq!(cache.len(), t);
+    let incremental = Tensor::cat(&parts, 1).unwrap();
+    let err = max_abs_diff(&incremental, &full);
+    assert!(err <= 1e-4, "{}: cached decoding differs by {err}", dir.display());
+}
+
+#[test]
+fn llama3_logits_match_transformers() {
+    check_logits(&fixtures().join("llama3"));
+}
+
+#[test]
+fn qwen2_logits_match_transformers() {
+    check_logits(&fixtures().join("qwen2"));
+}
+
+#[test]
+fn kv_cache_decoding_equals_full_forward() {
+    check_kv_cache(&fixtures().join("llama3"));
+    check_kv_cache(&fixtures().join("qwen2"));
+}
+
+/// Every family in tests/fixtures/models (Llama 2, Llama 3.2, Mistral, Qwen2.5, Qwen3, Gemma,
+/// Phi-3, SmolLM2-like, 4.x-style configs, bf16 and sharded checkpoints).
+#[test]
+fn every_family_matches_transformers() {
+    let root = fixtures().join("models");
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("golden.json").is_file())
+        .collect();
+    cases.sort();
+    assert!(cases.len() >= 8, "expected the family fixtures in {}", root.display());
+    for case in &cases {
+        check_logits(case);
+        check_kv_cache(case);
+    }
+}
+
+#[test]
+fn bf16_compute_stays_close_to_f32() {
+    let dir = fixtures().join("llama3");
+    let g = golden(&dir);
+    let (model, _) = load_model(&dir.join("model"), DType::BF16, &Device::Cpu).unwrap();
+    let ids = ids_tensor(&g["input_ids"]);
+    let (b, t) = ids.dims2().unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let want = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let want = &want["logits"];
+    let rel = ((&logits - want).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()
+        / want.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap())
+    .sqrt();
+    assert!(rel < 2e-2, "bf16 relative L2 error {rel}");
+}

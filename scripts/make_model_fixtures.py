@@ -1,0 +1,568 @@
+#!/usr/bin/env python3
+"""Generate tiny random-weight model fixtures for every architecture ferrotune supports.
+
+Usage (from the repository root):
+
+    python3 scripts/make_model_fixtures.py [--out tests/fixtures/models] [--only CASE ...]
+
+Reference stack: HF transformers 5.x, PyTorch 2.x, CPU, float32. Output, one folder per case:
+
+    tests/fixtures/models/<case>/
+        model/               transformers checkpoint (config.json, *.safetensors, generation_config.json,
+                             tokenizer.json, tokenizer_config.json, chat_template.jinja)
+        golden.json          input_ids [2,16], labels (first 4 positions -100), loss, greedy_prompt (8 ids),
+                             greedy_new_tokens (16 ids, greedy, no early stop), config_style ("v5" | "v4"), ...
+        golden.safetensors   logits [2,16,512] float32
+
+Goldens are always computed from the checkpoint *as written to disk* (reloaded with
+AutoModelForCausalLM.from_pretrained(..., dtype=float32)), so a post-edited config.json (4.x style) or
+bf16 weights are exactly what the golden describes. Everything is deterministic (fixed seeds).
+
+The models are deliberately not "nice": every norm weight is perturbed, biases are non-zero, weights are
+large enough that attention is far from uniform and logits differ clearly across tokens, and several
+dimensions differ (hidden 32, intermediate 96, head_dim 8/16/32, vocab 512) so that a transposed or
+mis-split tensor shows up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+transformers.logging.set_verbosity_error()
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = Path(os.environ.get("FERROTUNE_TINY_TOKENIZER", "/work/shared/fixtures/tiny_tokenizer"))
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+
+# Tiny tokenizer: vocab 512; special tokens <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2, <pad>=3.
+VOCAB = 512
+BOS, IM_START, EOS, PAD = 0, 1, 2, 3
+
+# Model size knobs. hidden 32 keeps every checkpoint ~100-250 KB (the whole folder ~3 MB); head_dim is
+# set explicitly where the real family decouples it from hidden/heads.
+HIDDEN = 32
+INTERMEDIATE = 96
+LAYERS = 2
+HEADS = 4
+
+SEQ = 16
+BATCH = 2
+IGNORED_LABEL_POSITIONS = 4
+PROMPT_LEN = 8
+NEW_TOKENS = 16
+
+# Weight scales (std = gain / sqrt(fan_in) for projections).
+NORM_PERTURB = 0.15
+EMBED_STD = 1.0
+EMBED_STD_TIED = 0.3
+LM_HEAD_GAIN = 2.0
+IN_GAIN = 1.5
+OUT_GAIN = 2.0
+# The prompt for the greedy golden is searched (deterministically) until greedy decoding is decisive and varied.
+MIN_GREEDY_MARGIN = 0.02
+MIN_GREEDY_DISTINCT = 8
+MAX_INPUT_ATTEMPTS = 64
+
+
+def common(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        max_position_embeddings=512,
+        initializer_range=0.02,
+        use_cache=True,
+        attention_dropout=0.0,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    base.update(kw)
+    return base
+
+
+# --------------------------------------------------------------------------------------------------------
+# Config builders (each sets the fields that matter explicitly)
+# --------------------------------------------------------------------------------------------------------
+
+
+def cfg_llama2():
+    return LlamaConfig(**common(
+        num_key_value_heads=HEADS,  # MHA
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        pretraining_tp=1,
+        pad_token_id=None,  # like the real Llama 2 config
+    ))
+
+
+def cfg_llama3_2():
+    # head_dim 16 (explicit, != hidden/heads = 8) so that with theta 500000 and original_max_position_embeddings 64
+    # the rotary frequencies cover all three llama3 branches: kept (wavelen < 16), smoothly interpolated
+    # (16 < wavelen < 64: i=1, wavelen ~32.4) and divided by factor (wavelen > 64).
+    return LlamaConfig(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        eos_token_id=[EOS, BOS],  # a list, like Llama 3.x instruct configs
+    ))
+
+
+def cfg_mistral():
+    return MistralConfig(**common(
+        num_key_value_heads=2,
+        head_dim=16,  # explicit, != hidden/heads (= 8), like Mistral-Nemo
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_qwen2_5():
+    return Qwen2Config(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=LAYERS,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_qwen3():
+    return Qwen3Config(**common(
+        num_key_value_heads=2,
+        head_dim=32,  # != hidden/heads (= 8)
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=LAYERS,
+        tie_word_embeddings=True,
+    ))
+
+
+def cfg_gemma():
+    return GemmaConfig(**common(
+        num_key_value_heads=1,
+        head_dim=32,  # != hidden/heads (= 8)
+        hidden_act="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=False,
+        tie_word_embeddings=True,
+    ))
+
+
+def cfg_phi3():
+    return Phi3Config(**common(
+        num_key_value_heads=2,  # GQA inside the fused qkv_proj (like Phi-4-mini), so an even 3-way split is wrong
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        original_max_position_embeddings=512,
+        sliding_window=None,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_smollm2_like():
+    return LlamaConfig(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        pad_token_id=EOS,  # SmolLM2-Instruct uses eos as pad
+    ))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------------------------------------
+# weights_from: build the weights with that case's config and seed (so derived cases share weights exactly).
+# v4_edit: a function rewriting config.json (dict) into transformers 4.x style.
+
+
+def to_v4_common(cfg: dict) -> dict:
+    """transformers 4.x style: top-level rope_theta (+ rope_scaling dict or null), torch_dtype."""
+    out = dict(cfg)
+    rp = out.pop("rope_parameters")
+    rp = dict(rp)
+    out["rope_theta"] = rp.pop("rope_theta")
+    rp.pop("partial_rotary_factor", None)
+    if rp.get("rope_type", "default") == "default":
+        out["rope_scaling"] = None
+    else:
+        out["rope_scaling"] = rp  # keeps "rope_type" (4.x also accepted the legacy key "type")
+    if "dtype" in out:
+        out["torch_dtype"] = out.pop("dtype")
+    out["transformers_version"] = "4.46.3"
+    return dict(sorted(out.items()))
+
+
+def to_v4_qwen2(cfg: dict) -> dict:
+    out = to_v4_common(cfg)
+    # Real Qwen2.5 4.x configs carry a sliding_window value while use_sliding_window is false, and no
+    # layer_types. transformers ignores sliding_window unless use_sliding_window is true; 8 (< sequence length)
+    # makes a loader that applies it anyway produce different logits.
+    out.pop("layer_types", None)
+    out["use_sliding_window"] = False
+    out["sliding_window"] = 8
+    return dict(sorted(out.items()))
+
+
+CASES = {
+    "llama2": dict(cfg=cfg_llama2, seed=101, style="v5",
+                   notes="MHA, rope default theta 1e4, untied lm_head, pad_token_id null"),
+    "llama3_2": dict(cfg=cfg_llama3_2, seed=102, style="v5",
+                     notes="rope_type llama3 (factor 32, low 1, high 4, orig 64, theta 5e5), explicit head_dim 16 "
+                           "(!= hidden/heads), GQA 4/2, tied embeddings (no lm_head.weight in the file), "
+                           "eos_token_id is a list [2, 0]"),
+    "mistral": dict(cfg=cfg_mistral, seed=103, style="v5",
+                    notes="GQA 4/2, explicit head_dim 16 (!= hidden/heads), sliding_window null, theta 1e6"),
+    "qwen2_5": dict(cfg=cfg_qwen2_5, seed=104, style="v4", v4_edit=to_v4_qwen2,
+                    notes="4.x config (top-level rope_theta, rope_scaling null, torch_dtype, no layer_types, no "
+                          "head_dim); q/k/v bias (o_proj none); sliding_window 8 but use_sliding_window false: "
+                          "transformers ignores the window, so must you; untied"),
+    "qwen3": dict(cfg=cfg_qwen3, seed=105, style="v5",
+                  notes="per-head q_norm/k_norm (RMSNorm over head_dim, before rope), head_dim 32 (!= hidden/heads), "
+                        "GQA 4/2, no attention bias, tied embeddings"),
+    "gemma": dict(cfg=cfg_gemma, seed=106, style="v5",
+                  notes="Gemma 1: RMSNorm scales by (1 + w), embeddings times sqrt(hidden) (cast to the weight "
+                        "dtype), gelu_pytorch_tanh, head_dim 32, GQA 4/1 (MQA), tied embeddings"),
+    "phi3": dict(cfg=cfg_phi3, seed=107, style="v5",
+                 notes="fused qkv_proj rows [q (heads*hd) | k (kv*hd) | v (kv*hd)] with GQA 4/2; fused gate_up_proj "
+                       "rows [gate | up] (chunk(2)); rope_parameters has partial_rotary_factor 1.0; untied"),
+    "smollm2_like": dict(cfg=cfg_smollm2_like, seed=108, style="v5",
+                         notes="llama, tied embeddings, rope theta 1e5, GQA 4/2, pad = eos"),
+    "llama3_v4config": dict(weights_from="llama3_2", style="v4", v4_edit=to_v4_common, same_golden_as="llama3_2",
+                            notes="llama3_2 with a 4.x config.json (rope_theta top-level, rope_scaling dict with "
+                                  "rope_type llama3, torch_dtype); weights and golden identical to llama3_2"),
+    "bf16_llama": dict(weights_from="llama2", style="v5", dtype=torch.bfloat16,
+                       notes="llama2 weights stored in bfloat16; golden computed in float32 from the bf16-rounded "
+                             "weights (loaded with dtype=float32)"),
+    "sharded_llama": dict(weights_from="llama2", style="v5", shards=3, same_golden_as="llama2",
+                          notes="llama2 saved in 4 shards + model.safetensors.index.json; golden identical to llama2"),
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def init_weights(model, seed: int, gemma_norm: bool):
+    """Deterministic, deliberately non-trivial weights (independent of transformers' own init)."""
+    g = torch.Generator().manual_seed(seed)
+    tied = model.config.tie_word_embeddings
+    for name, p in model.named_parameters():  # tied lm_head is listed once (as embed_tokens)
+        shape = tuple(p.shape)
+        r = torch.randn(shape, generator=g, dtype=torch.float32)
+        if "norm" in name:
+            # Gemma's RMSNorm multiplies by (1 + w) with w initialised to 0; the others by w (init 1).
+            p.copy_(NORM_PERTURB * r if gemma_norm else 1.0 + NORM_PERTURB * r)
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * r)
+        elif "embed_tokens" in name:
+            # Small next to what the layers add: with tied embeddings a dominant residual e_t makes the model
+            # predict its own input token forever (a useless greedy golden).
+            p.copy_((EMBED_STD_TIED if tied else EMBED_STD) * r)
+        elif name.startswith("lm_head"):
+            p.copy_(LM_HEAD_GAIN * r / shape[1] ** 0.5)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            p.copy_(OUT_GAIN * r / shape[1] ** 0.5)
+        else:
+            assert p.dim() == 2, name
+            p.copy_(IN_GAIN * r / shape[1] ** 0.5)
+
+
+def build_model(case: str):
+    spec = CASES[case]
+    src = spec.get("weights_from", case)
+    src_spec = CASES[src]
+    config = src_spec["cfg"]()
+    config.architectures = None
+    torch.manual_seed(src_spec["seed"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_weights(model, src_spec["seed"], gemma_norm=config.model_type == "gemma")
+    model.eval()
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------
+# Goldens
+# --------------------------------------------------------------------------------------------------------
+
+
+def case_inputs(case: str, attempt: int):
+    spec = CASES[case]
+    key = spec.get("same_golden_as", spec.get("weights_from", case))
+    seed = (zlib.crc32(key.encode()) + 7919 * attempt) & 0x7FFFFFFF
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(4, VOCAB, (BATCH, SEQ), generator=g)  # no special tokens
+    labels = input_ids.clone()
+    labels[:, :IGNORED_LABEL_POSITIONS] = -100
+    return input_ids, labels
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int]):
+    """Greedy continuation via generate() (KV cache), cross-checked against a cache-free argmax loop."""
+    # NB: eos_token_id=None must be passed as a kwarg. Inside a GenerationConfig(eos_token_id=None) the None
+    # counts as "unset" and the model's generation_config eos is used (generation stops, then pads).
+    # min_new_tokens is not used either: it works by masking eos logits, which changes the argmax.
+    gen = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
+    new = gen[0, len(prompt):].tolist()
+    assert len(new) == NEW_TOKENS, (len(new), new)
+    seq = list(prompt)
+    margins = []
+    for _ in range(NEW_TOKENS):
+        last = model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+        top2 = torch.topk(last, 2)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        seq.append(int(top2.indices[0]))
+    assert seq[len(prompt):] == new, f"generate() {new} != argmax loop {seq[len(prompt):]}"
+    return new, min(margins)
+
+
+@torch.no_grad()
+def compute_golden(model, case: str):
+    best = None
+    for attempt in range(MAX_INPUT_ATTEMPTS):
+        input_ids, labels = case_inputs(case, attempt)
+        prompt = input_ids[0, :PROMPT_LEN].tolist()
+        new, margin = greedy(model, prompt)
+        if margin >= MIN_GREEDY_MARGIN and len(set(new)) >= MIN_GREEDY_DISTINCT:
+            break
+        score = (len(set(new)) >= MIN_GREEDY_DISTINCT, margin)
+        if best is None or score > best[0]:
+            best = (score, attempt, input_ids, labels, prompt, new, margin)
+    else:
+        print(f"warning: {case}: no prompt met the greedy criteria, using the best one", file=sys.stderr)
+        _, attempt, input_ids, labels, prompt, new, margin = best
+    out = model(input_ids=input_ids, labels=labels)
+    return dict(
+        attempt=attempt,
+        input_ids=input_ids,
+        labels=labels,
+        logits=out.logits.float().contiguous(),
+        loss=float(out.loss),
+        prompt=prompt,
+        new=new,
+        margin=margin,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------------
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def weights_size(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
+def write_case(case: str, out_root: Path, golden_cache: dict):
+    spec = CASES[case]
+    case_dir = out_root / case
+    if case_dir.exists():
+        shutil.rmtree(case_dir)
+    model_dir = case_dir / "model"
+    model_dir.mkdir(parents=True)
+
+    model = build_model(case)
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    dtype = spec.get("dtype", torch.float32)
+    save_kw = {}
+    if spec.get("shards"):
+        total = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+        save_kw["max_shard_size"] = total // (spec["shards"] + 1)
+    model.to(dtype).save_pretrained(model_dir, **save_kw)
+
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(TOKENIZER_DIR / f, model_dir / f)
+
+    cfg_path = model_dir / "config.json"
+    saved_cfg = json.loads(cfg_path.read_text())
+    if spec.get("v4_edit"):
+        assert "rope_parameters" in saved_cfg and "rope_theta" not in saved_cfg, "expected a 5.x-style config"
+        cfg_path.write_text(json.dumps(spec["v4_edit"](saved_cfg), indent=2, sort_keys=True) + "\n")
+
+    if spec.get("shards"):
+        shards = sorted(model_dir.glob("model-*-of-*.safetensors"))
+        assert len(shards) >= spec["shards"], f"only {len(shards)} shards"
+        assert (model_dir / "model.safetensors.index.json").exists()
+        assert not (model_dir / "model.safetensors").exists()
+
+    # Reload exactly what was written and compute goldens from it (bf16 weights are upcast to f32 here).
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loaded.eval()
+    lc = loaded.config
+    if spec.get("v4_edit"):
+        assert "rope_theta" in json.loads(cfg_path.read_text())
+        ref_rp = saved_cfg["rope_parameters"]
+        assert lc.rope_parameters == ref_rp, (lc.rope_parameters, ref_rp)
+    for k, v in loaded.state_dict().items():
+        expect = ref_state[k].to(dtype).float() if k in ref_state else None
+        if expect is not None:
+            assert torch.equal(v, expect), f"{case}: reloaded {k} differs"
+
+    gd = compute_golden(loaded, case)
+    input_ids, labels, logits, loss = gd["input_ids"], gd["labels"], gd["logits"], gd["loss"]
+    prompt, new, margin = gd["prompt"], gd["new"], gd["margin"]
+
+    if spec.get("same_golden_as"):
+        other = golden_cache.get(spec["same_golden_as"])
+        if other is not None:
+            assert torch.equal(other["logits"], logits), f"{case}: logits differ from {spec['same_golden_as']}"
+            assert other["greedy_new_tokens"] == new and other["loss"] == loss
+
+    golden = {
+        "model_type": lc.model_type,
+        "architecture": loaded.__class__.__name__,
+        "config_style": spec["style"],
+        "weights_dtype": str(dtype).replace("torch.", ""),
+        "input_ids": input_ids.tolist(),
+        "labels": labels.tolist(),
+        "loss": loss,
+        "greedy_prompt": prompt,
+        "greedy_new_tokens": new,
+        "greedy_min_top2_margin": margin,
+        "input_seed_attempt": gd["attempt"],
+        "reference": {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__.split("+")[0],
+            "device": "cpu",
+            "compute_dtype": "float32",
+            "attn_implementation": loaded.config._attn_implementation,
+        },
+    }
+    if spec.get("weights_from"):
+        golden["weights_from"] = spec["weights_from"]
+    golden["notes"] = spec.get("notes", "")
+    (case_dir / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
+    save_file({"logits": logits}, str(case_dir / "golden.safetensors"))
+
+    for f in case_dir.rglob("*"):
+        f.chmod(0o644 if f.is_file() else 0o755)  # safetensors writes 0600 files
+
+    golden_cache[case] = {"logits": logits, "loss": loss, "greedy_new_tokens": new}
+    return {
+        "case": case,
+        "model_type": lc.model_type,
+        "style": spec["style"],
+        "dtype": golden["weights_dtype"],
+        "n_weight_files": len(list(model_dir.glob("*.safetensors"))),
+        "weights_kb": weights_size(model_dir) / 1024,
+        "total_kb": dir_size(case_dir) / 1024,
+        "loss": loss,
+        "logit_std": float(logits.std()),
+        "margin": margin,
+        "greedy": new,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "models"))
+    ap.add_argument("--only", nargs="*", help="cases to (re)generate (default: all)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+
+    wanted = args.only or list(CASES)
+    unknown = [c for c in wanted if c not in CASES]
+    if unknown:
+        sys.exit(f"unknown case(s): {unknown}; known: {list(CASES)}")
+    # generate the cases that others compare against first
+    order = [c for c in CASES if c in wanted or any(CASES[w].get("same_golden_as") == c for w in wanted)]
+
+    golden_cache: dict = {}
+    rows = []
+    for case in order:
+        row = write_case(case, out_root, golden_cache)
+        if case in wanted:
+            rows.append(row)
+
+    hdr = f"{'case':<16} {'model_type':<10} {'cfg':<3} {'dtype':<8} {'files':>5} {'weights':>9} {'total':>9} {'loss':>7} {'lstd':>5} {'margin':>6}  greedy_new_tokens"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(
+            f"{r['case']:<16} {r['model_type']:<10} {r['style']:<3} {r['dtype']:<8} {r['n_weight_files']:>5} "
+            f"{r['weights_kb']:>7.1f}KB {r['total_kb']:>7.1f}KB {r['loss']:>7.4f} {r['logit_std']:>5.2f} {r['margin']:>6.3f}  "
+            f"{' '.join(map(str, r['greedy']))}"
+        )
+    print(f"\ntotal {dir_size(out_root) / 1024:.1f} KB in {out_root}")
+
+
+if __name__ == "__main__":
+    main()
