@@ -57,14 +57,17 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
             .ok_or_else(|| ModelError::file(&index, "missing 'weight_map' object"))?;
         let mut files = BTreeSet::new();
         for (name, file) in map {
-            let file = file
-                .as_str()
-                .ok_or_else(|| ModelError::file(&index, format!("weight_map['{name}'] is not a file name")))?;
+            let file = file.as_str().ok_or_else(|| {
+                ModelError::file(&index, format!("weight_map['{name}'] is not a file name"))
+            })?;
             files.insert(path.join(file));
         }
         for f in &files {
             if !f.is_file() {
-                return Err(ModelError::file(f, "shard listed in model.safetensors.index.json is missing"));
+                return Err(ModelError::file(
+                    f,
+                    "shard listed in model.safetensors.index.json is missing",
+                ));
             }
         }
         return Ok(CheckpointFormat::Safetensors(files.into_iter().collect()));
@@ -75,8 +78,12 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     }
     let mut safetensors = Vec::new();
     let mut ggufs = Vec::new();
-    for entry in std::fs::read_dir(path).map_err(|e| ModelError::file(path, format!("cannot list: {e}")))? {
-        let p = entry.map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?.path();
+    for entry in
+        std::fs::read_dir(path).map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
+    {
+        let p = entry
+            .map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
+            .path();
         match p.extension().and_then(|e| e.to_str()) {
             Some("safetensors") if !p.ends_with("adapter_model.safetensors") => safetensors.push(p),
             Some("gguf") => ggufs.push(p),
@@ -110,12 +117,12 @@ pub fn read_safetensors(
         let st = unsafe { MmapedSafetensors::new(file) }
             .map_err(|e| ModelError::file(file, format!("not a valid safetensors file: {e}")))?;
         for (name, view) in st.tensors() {
-            let t = st
-                .load(&name, device)
-                .map_err(|e| ModelError::file(file, format!("tensor '{name}' ({:?}): {e}", view.dtype())))?;
-            let t = t
-                .to_dtype(dtype)
-                .map_err(|e| ModelError::file(file, format!("tensor '{name}': cannot convert: {e}")))?;
+            let t = st.load(&name, device).map_err(|e| {
+                ModelError::file(file, format!("tensor '{name}' ({:?}): {e}", view.dtype()))
+            })?;
+            let t = t.to_dtype(dtype).map_err(|e| {
+                ModelError::file(file, format!("tensor '{name}': cannot convert: {e}"))
+            })?;
             out.insert(name, t);
         }
     }
@@ -123,13 +130,22 @@ pub fn read_safetensors(
 }
 
 /// Reads a checkpoint (HF folder or GGUF) with tensors in `dtype` on `device`.
-pub fn read_checkpoint(path: &Path, dtype: DType, device: &Device) -> Result<Checkpoint, ModelError> {
+pub fn read_checkpoint(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<Checkpoint, ModelError> {
     let format = locate_weights(path)?;
     match &format {
         CheckpointFormat::Gguf(file) => {
             let (config, tensors) = crate::gguf::load_gguf(file, dtype, device)?;
             let dir = file.parent().unwrap_or(Path::new(".")).to_path_buf();
-            Ok(Checkpoint { config, tensors, format, dir })
+            Ok(Checkpoint {
+                config,
+                tensors,
+                format,
+                dir,
+            })
         }
         CheckpointFormat::Safetensors(files) => {
             let dir = if path.is_dir() {
@@ -139,13 +155,22 @@ pub fn read_checkpoint(path: &Path, dtype: DType, device: &Device) -> Result<Che
             };
             let config = ModelConfig::from_hf_file(&dir)?;
             let tensors = read_safetensors(files, dtype, device)?;
-            Ok(Checkpoint { config, tensors, format, dir })
+            Ok(Checkpoint {
+                config,
+                tensors,
+                format,
+                dir,
+            })
         }
     }
 }
 
 /// Loads a ready-to-run model from an HF folder or a GGUF file.
-pub fn load_model(path: &Path, dtype: DType, device: &Device) -> Result<(CausalLm, PathBuf), ModelError> {
+pub fn load_model(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<(CausalLm, PathBuf), ModelError> {
     let ckpt = read_checkpoint(path, dtype, device)?;
     let source = path.display().to_string();
     let model = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &source)?;

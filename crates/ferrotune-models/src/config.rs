@@ -27,7 +27,9 @@ impl Activation {
     fn parse(name: &str) -> Option<Self> {
         match name {
             "silu" | "swish" => Some(Self::Silu),
-            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu_python_tanh" => Some(Self::GeluTanh),
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu_python_tanh" => {
+                Some(Self::GeluTanh)
+            }
             "gelu" | "gelu_python" => Some(Self::GeluErf),
             _ => None,
         }
@@ -42,7 +44,10 @@ pub enum RopeScaling {
     /// Positions divided by `factor`.
     Linear { factor: f64 },
     /// Dynamic NTK: the base grows once the sequence exceeds `original_max_position_embeddings`.
-    Dynamic { factor: f64, original_max_position_embeddings: usize },
+    Dynamic {
+        factor: f64,
+        original_max_position_embeddings: usize,
+    },
     /// Llama 3.x frequency-dependent scaling.
     Llama3 {
         factor: f64,
@@ -120,7 +125,11 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Reads `config.json` from an HF checkpoint folder (or the file itself).
     pub fn from_hf_file(path: &Path) -> Result<Self, ModelError> {
-        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let file = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
         let text = std::fs::read_to_string(&file)
             .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
         let value: Value = serde_json::from_str(&text)
@@ -131,7 +140,9 @@ impl ModelConfig {
     /// Builds the config from a parsed HF `config.json` object.
     pub fn from_hf_json(value: &Value) -> Result<Self, String> {
         let obj = value.as_object().ok_or("config must be a JSON object")?;
-        let model_type = get_str(obj, "model_type")?.ok_or("missing key 'model_type'")?.to_string();
+        let model_type = get_str(obj, "model_type")?
+            .ok_or("missing key 'model_type'")?
+            .to_string();
         if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
             return Err(format!(
                 "unsupported model_type '{model_type}': supported model types are {}",
@@ -141,7 +152,8 @@ impl ModelConfig {
         let is = |t: &str| model_type == t;
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
-        let num_key_value_heads = get_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let num_key_value_heads =
+            get_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
         let head_dim = match get_usize(obj, "head_dim")? {
             Some(d) => d,
             None => {
@@ -234,10 +246,12 @@ fn parse_rope(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeConfig, St
         get_f64(params, "factor")?.ok_or_else(|| format!("rope type '{rope_type}' needs 'factor'"))
     };
     let original = |default: usize| -> Result<usize, String> {
-        Ok(match get_usize(params, "original_max_position_embeddings")? {
-            Some(v) => v,
-            None => get_usize(obj, "original_max_position_embeddings")?.unwrap_or(default),
-        })
+        Ok(
+            match get_usize(params, "original_max_position_embeddings")? {
+                Some(v) => v,
+                None => get_usize(obj, "original_max_position_embeddings")?.unwrap_or(default),
+            },
+        )
     };
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
@@ -290,7 +304,11 @@ fn parse_rope(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeConfig, St
             ))
         }
     };
-    Ok(RopeConfig { theta, partial_rotary_factor, scaling })
+    Ok(RopeConfig {
+        theta,
+        partial_rotary_factor,
+        scaling,
+    })
 }
 
 fn parse_sliding_windows(
@@ -299,10 +317,16 @@ fn parse_sliding_windows(
     layers: usize,
 ) -> Result<Vec<Option<usize>>, String> {
     let window = get_usize(obj, "sliding_window")?;
-    let Some(window) = window else { return Ok(vec![None; layers]) };
+    let Some(window) = window else {
+        return Ok(vec![None; layers]);
+    };
     // An explicit per-layer list (transformers 5 `layer_types`) wins where sliding is enabled.
     let layer_types: Option<Vec<String>> = match obj.get("layer_types") {
-        Some(Value::Array(a)) => Some(a.iter().map(|v| v.as_str().unwrap_or("").to_string()).collect()),
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .map(|v| v.as_str().unwrap_or("").to_string())
+                .collect(),
+        ),
         _ => None,
     };
     let windows = match model_type {
@@ -311,7 +335,10 @@ fn parse_sliding_windows(
             if !get_bool(obj, "use_sliding_window")?.unwrap_or(false) {
                 vec![None; layers]
             } else if let Some(types) = layer_types {
-                types.iter().map(|t| (t == "sliding_attention").then_some(window)).collect()
+                types
+                    .iter()
+                    .map(|t| (t == "sliding_attention").then_some(window))
+                    .collect()
             } else {
                 let from = get_usize(obj, "max_window_layers")?.unwrap_or(layers);
                 (0..layers).map(|i| (i >= from).then_some(window)).collect()
@@ -320,7 +347,10 @@ fn parse_sliding_windows(
         _ => vec![Some(window); layers],
     };
     if windows.len() != layers {
-        return Err(format!("'layer_types' has {} entries but num_hidden_layers is {layers}", windows.len()));
+        return Err(format!(
+            "'layer_types' has {} entries but num_hidden_layers is {layers}",
+            windows.len()
+        ));
     }
     Ok(windows)
 }
@@ -336,7 +366,10 @@ fn get_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>
 fn get_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, String> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| format!("'{key}' must be a number, found {v}")),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| format!("'{key}' must be a number, found {v}")),
     }
 }
 
@@ -399,7 +432,13 @@ mod tests {
         let b = ModelConfig::from_hf_json(&v5).unwrap();
         assert_eq!(a.rope, b.rope);
         assert_eq!(a.rope.theta, 500000.0);
-        assert!(matches!(a.rope.scaling, RopeScaling::Llama3 { original_max_position_embeddings: 64, .. }));
+        assert!(matches!(
+            a.rope.scaling,
+            RopeScaling::Llama3 {
+                original_max_position_embeddings: 64,
+                ..
+            }
+        ));
     }
 
     #[test]
@@ -407,7 +446,10 @@ mod tests {
         let mut c = base();
         c["model_type"] = json!("gpt_neox");
         let err = ModelConfig::from_hf_json(&c).unwrap_err();
-        assert!(err.contains("gpt_neox") && err.contains("qwen3") && err.contains("phi3"), "{err}");
+        assert!(
+            err.contains("gpt_neox") && err.contains("qwen3") && err.contains("phi3"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -422,16 +464,24 @@ mod tests {
         c["model_type"] = json!("qwen2");
         c["sliding_window"] = json!(4);
         c["use_sliding_window"] = json!(false);
-        assert_eq!(ModelConfig::from_hf_json(&c).unwrap().layer_sliding_windows, vec![None, None]);
+        assert_eq!(
+            ModelConfig::from_hf_json(&c).unwrap().layer_sliding_windows,
+            vec![None, None]
+        );
         c["model_type"] = json!("mistral");
-        assert_eq!(ModelConfig::from_hf_json(&c).unwrap().layer_sliding_windows, vec![Some(4), Some(4)]);
+        assert_eq!(
+            ModelConfig::from_hf_json(&c).unwrap().layer_sliding_windows,
+            vec![Some(4), Some(4)]
+        );
     }
 
     #[test]
     fn wrong_types_name_the_key() {
         let mut c = base();
         c["hidden_size"] = json!("big");
-        assert!(ModelConfig::from_hf_json(&c).unwrap_err().contains("hidden_size"));
+        assert!(ModelConfig::from_hf_json(&c)
+            .unwrap_err()
+            .contains("hidden_size"));
         let mut c = base();
         c["rope_parameters"] = json!({"rope_type": "fancy"});
         assert!(ModelConfig::from_hf_json(&c).unwrap_err().contains("fancy"));

@@ -19,6 +19,9 @@ pub enum ModelError {
 impl ModelError {
     /// An error about `path`.
     pub fn file(path: &Path, msg: impl Into<String>) -> Self {
-        Self::File { path: path.to_path_buf(), msg: msg.into() }
+        Self::File {
+            path: path.to_path_buf(),
+            msg: msg.into(),
+        }
     }
 }

@@ -53,11 +53,16 @@ pub fn load_gguf(
     for name in names {
         let Some(role) = Role::parse(name) else {
             if !CONSUMED_TENSORS.contains(&name.as_str()) {
-                tracing::warn!("{}: ignoring GGUF tensor '{name}' (no HF counterpart)", path.display());
+                tracing::warn!(
+                    "{}: ignoring GGUF tensor '{name}' (no HF counterpart)",
+                    path.display()
+                );
             }
             continue;
         };
-        let expected = role.expected_shape(&hp, &arch).map_err(|msg| gguf.tensor_err(name, msg))?;
+        let expected = role
+            .expected_shape(&hp, &arch)
+            .map_err(|msg| gguf.tensor_err(name, msg))?;
         let info = &gguf.content.tensor_infos[name];
         if info.shape.dims() != expected.as_slice() {
             return Err(gguf.tensor_err(
@@ -79,22 +84,40 @@ pub fn load_gguf(
         if arch.permuted_qk {
             // convert_hf_to_gguf.py permutes q with n_head and k with n_head_kv.
             match role.kind {
-                Kind::Q => t = unpermute_rows(&t, hp.heads).map_err(|m| gguf.tensor_err(&name, m))?,
-                Kind::K => t = unpermute_rows(&t, hp.kv_heads).map_err(|m| gguf.tensor_err(&name, m))?,
+                Kind::Q => {
+                    t = unpermute_rows(&t, hp.heads).map_err(|m| gguf.tensor_err(&name, m))?
+                }
+                Kind::K => {
+                    t = unpermute_rows(&t, hp.kv_heads).map_err(|m| gguf.tensor_err(&name, m))?
+                }
                 _ => {}
             }
         }
-        if arch.norm_plus_one && name.ends_with("norm.weight") {
-            t = (t - 1.0)?;
-        }
-        let t = t.to_dtype(dtype)?.to_device(device)?;
+        let finish = |t: Tensor| -> candle_core::Result<Tensor> {
+            let t = if arch.norm_plus_one && name.ends_with("norm.weight") {
+                (t - 1.0)?
+            } else {
+                t
+            };
+            t.to_dtype(dtype)?.to_device(device)
+        };
+        let t = finish(t).map_err(|e| {
+            gguf.tensor_err(
+                &name,
+                format!("cannot be converted to {dtype:?} on {device:?}: {e}"),
+            )
+        })?;
         tensors.insert(role.hf_name(&arch), t);
     }
     Ok((config, tensors))
 }
 
 /// Tensors that feed the config (rotary factors) rather than the model.
-const CONSUMED_TENSORS: &[&str] = &["rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"];
+const CONSUMED_TENSORS: &[&str] = &[
+    "rope_freqs.weight",
+    "rope_factors_long.weight",
+    "rope_factors_short.weight",
+];
 
 /// ggml type ids and names (ggml.h), for messages about types we cannot read.
 const GGML_TYPE_NAMES: &[(u32, &str)] = &[
@@ -133,13 +156,14 @@ const GGML_TYPE_NAMES: &[(u32, &str)] = &[
     (40, "NVFP4"),
 ];
 
-const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
+const SUPPORTED_TYPES: &str =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
 
 fn ggml_type_name(id: u32) -> String {
-    GGML_TYPE_NAMES
-        .iter()
-        .find(|(i, _)| *i == id)
-        .map_or_else(|| format!("unknown type {id}"), |(_, n)| format!("{n} (ggml type {id})"))
+    GGML_TYPE_NAMES.iter().find(|(i, _)| *i == id).map_or_else(
+        || format!("unknown type {id}"),
+        |(_, n)| format!("{n} (ggml type {id})"),
+    )
 }
 
 /// An open GGUF file with its parsed header.
@@ -154,9 +178,16 @@ impl<'a> GgufFile<'a> {
     fn open(path: &'a Path) -> Result<Self, ModelError> {
         let err = |msg: String| ModelError::file(path, msg);
         let mut file = File::open(path).map_err(|e| err(format!("cannot open GGUF file: {e}")))?;
-        let len = file.metadata().map_err(|e| err(format!("cannot read GGUF file: {e}")))?.len();
+        let len = file
+            .metadata()
+            .map_err(|e| err(format!("cannot read GGUF file: {e}")))?
+            .len();
         let mut head = [0u8; 8];
-        let got = read_up_to(&mut file, &mut head).map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
+        let got = read_up_to(&mut file, &mut head)
+            .map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
+        if got == 0 {
+            return Err(err("not a GGUF file: the file is empty".into()));
+        }
         if got < 4 || &head[..4] != b"GGUF" {
             return Err(err(format!(
                 "not a GGUF file: it starts with {:02x?} instead of the magic \"GGUF\"",
@@ -164,34 +195,57 @@ impl<'a> GgufFile<'a> {
             )));
         }
         if got < 8 {
-            return Err(err("the GGUF file is truncated: it ends inside the header".into()));
+            return Err(err(
+                "the GGUF file is truncated: it ends inside the header".into()
+            ));
         }
         let version = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
         match version {
             2 | 3 => {}
-            1 => return Err(err("GGUF version 1 is not supported (only v2 and v3): re-convert the model".into())),
+            1 => {
+                return Err(err(
+                    "GGUF version 1 is not supported (only v2 and v3): re-convert the model".into(),
+                ))
+            }
             v if matches!(v.swap_bytes(), 2 | 3) => {
                 return Err(err("big-endian GGUF files are not supported".into()));
             }
-            v => return Err(err(format!("unsupported GGUF version {v} (only v2 and v3)"))),
+            v => {
+                return Err(err(format!(
+                    "unsupported GGUF version {v} (only v2 and v3)"
+                )))
+            }
         }
-        file.seek(SeekFrom::Start(0)).map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
+        file.seek(SeekFrom::Start(0))
+            .map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
         let mut reader = BufReader::new(file);
         // candle's header reader bounds every length by the file size, but divides by
         // `general.alignment` unchecked: a corrupt file with alignment 0 would panic. That is the one
         // panic we know of; catching it (the last resort) keeps a bad file an error, not a crash.
-        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)));
+        let read =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)));
         let content = match read {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => return Err(err(header_error_message(&e.to_string()))),
-            Err(_) => return Err(err("corrupt GGUF header (e.g. general.alignment is 0)".into())),
+            Err(_) => {
+                return Err(err(
+                    "corrupt GGUF header (e.g. general.alignment is 0)".into()
+                ))
+            }
         };
         if let Some(v) = content.metadata.get("general.alignment") {
             if !matches!(v, GgufValue::U32(a) if *a > 0) {
-                return Err(err(format!("corrupt GGUF header: general.alignment is {v:?}")));
+                return Err(err(format!(
+                    "corrupt GGUF header: general.alignment is {v:?}"
+                )));
             }
         }
-        Ok(Self { path, reader, len, content })
+        Ok(Self {
+            path,
+            reader,
+            len,
+            content,
+        })
     }
 
     fn err(&self, msg: impl Into<String>) -> ModelError {
@@ -207,7 +261,9 @@ impl<'a> GgufFile<'a> {
     }
 
     fn uint(&self, key: &str) -> Result<Option<u64>, ModelError> {
-        let Some(v) = self.meta(key) else { return Ok(None) };
+        let Some(v) = self.meta(key) else {
+            return Ok(None);
+        };
         let n = match *v {
             GgufValue::U8(n) => Some(n as u64),
             GgufValue::U16(n) => Some(n as u64),
@@ -221,32 +277,45 @@ impl<'a> GgufFile<'a> {
         };
         match n {
             Some(n) => Ok(Some(n)),
-            None => Err(self.err(format!("metadata key '{key}' must be a non-negative integer, found {}", show(v)))),
+            None => Err(self.err(format!(
+                "metadata key '{key}' must be a non-negative integer, found {}",
+                show(v)
+            ))),
         }
     }
 
     fn req_uint(&self, key: &str) -> Result<u64, ModelError> {
-        self.uint(key)?.ok_or_else(|| self.err(format!("missing metadata key '{key}'")))
+        self.uint(key)?
+            .ok_or_else(|| self.err(format!("missing metadata key '{key}'")))
     }
 
     /// A count that must be positive and usable as a tensor dimension.
     fn req_count(&self, key: &str) -> Result<usize, ModelError> {
         let n = self.req_uint(key)?;
         if n == 0 || n > (1 << 32) {
-            return Err(self.err(format!("metadata key '{key}' has the implausible value {n}")));
+            return Err(self.err(format!(
+                "metadata key '{key}' has the implausible value {n}"
+            )));
         }
         Ok(n as usize)
     }
 
     fn float(&self, key: &str) -> Result<Option<f64>, ModelError> {
-        let Some(v) = self.meta(key) else { return Ok(None) };
+        let Some(v) = self.meta(key) else {
+            return Ok(None);
+        };
         // f32 values widen exactly, as in transformers (1e-5 stored as f32 reads 9.999999747378752e-06).
         let x = match *v {
             GgufValue::F32(x) => x as f64,
             GgufValue::F64(x) => x,
             _ => match self.uint(key) {
                 Ok(Some(n)) => n as f64,
-                _ => return Err(self.err(format!("metadata key '{key}' must be a number, found {}", show(v)))),
+                _ => {
+                    return Err(self.err(format!(
+                        "metadata key '{key}' must be a number, found {}",
+                        show(v)
+                    )))
+                }
             },
         };
         if !x.is_finite() {
@@ -259,7 +328,10 @@ impl<'a> GgufFile<'a> {
         match self.meta(key) {
             None => Ok(None),
             Some(GgufValue::String(s)) => Ok(Some(s)),
-            Some(v) => Err(self.err(format!("metadata key '{key}' must be a string, found {}", show(v)))),
+            Some(v) => Err(self.err(format!(
+                "metadata key '{key}' must be a string, found {}",
+                show(v)
+            ))),
         }
     }
 
@@ -291,7 +363,10 @@ impl<'a> GgufFile<'a> {
         let Some(bytes) = bytes else {
             return Err(self.tensor_err(
                 name,
-                format!("has shape {dims:?}, impossible for type {t:?} (blocks of {})", t.block_size()),
+                format!(
+                    "has shape {dims:?}, impossible for type {t:?} (blocks of {})",
+                    t.block_size()
+                ),
             ));
         };
         let start = self.content.tensor_data_offset.checked_add(info.offset);
@@ -311,24 +386,40 @@ impl<'a> GgufFile<'a> {
         let q = self
             .content
             .tensor(&mut self.reader, name, &Device::Cpu)
-            .map_err(|e| ModelError::file(self.path, format!("cannot read tensor '{name}': {e}")))?;
-        q.dequantize(&Device::Cpu)
-            .map_err(|e| ModelError::file(self.path, format!("cannot dequantize tensor '{name}': {e}")))
+            .map_err(|e| {
+                ModelError::file(self.path, format!("cannot read tensor '{name}': {e}"))
+            })?;
+        q.dequantize(&Device::Cpu).map_err(|e| {
+            ModelError::file(self.path, format!("cannot dequantize tensor '{name}': {e}"))
+        })
     }
 
     /// A small F32 vector tensor (rotary factors), if present.
     fn small_vector(&mut self, name: &str) -> Result<Option<Vec<f32>>, ModelError> {
-        let Some(info) = self.content.tensor_infos.get(name) else { return Ok(None) };
+        let Some(info) = self.content.tensor_infos.get(name) else {
+            return Ok(None);
+        };
         if info.shape.rank() != 1 || info.shape.elem_count() > 1 << 20 {
-            return Err(self.tensor_err(name, format!("should be a vector, found shape {:?}", info.shape.dims())));
+            return Err(self.tensor_err(
+                name,
+                format!("should be a vector, found shape {:?}", info.shape.dims()),
+            ));
         }
         self.check_tensor_data(name)?;
-        let v = self.dequantize(name)?.to_vec1::<f32>()?;
+        let v = self
+            .dequantize(name)?
+            .to_vec1::<f32>()
+            .map_err(|e| self.tensor_err(name, e))?;
         Ok(Some(v))
     }
 
     /// Builds an HF `config.json`-shaped object from the metadata.
-    fn config_json(&mut self, arch: &Arch, hp: &HParams, dtype: DType) -> Result<Value, ModelError> {
+    fn config_json(
+        &mut self,
+        arch: &Arch,
+        hp: &HParams,
+        dtype: DType,
+    ) -> Result<Value, ModelError> {
         let a = &arch.gguf;
         let mut c = Map::new();
         c.insert("architectures".into(), json!([arch.hf_class]));
@@ -350,7 +441,10 @@ impl<'a> GgufFile<'a> {
                     hp.rope_dims, hp.head_dim
                 )));
             }
-            c.insert("partial_rotary_factor".into(), json!(hp.rope_dims as f64 / hp.head_dim as f64));
+            c.insert(
+                "partial_rotary_factor".into(),
+                json!(hp.rope_dims as f64 / hp.head_dim as f64),
+            );
         }
         if let Some(scaling) = self.rope_scaling(arch, hp)? {
             c.insert("rope_scaling".into(), scaling);
@@ -416,7 +510,10 @@ impl<'a> GgufFile<'a> {
         let kind = match self.string(&key("type"))? {
             Some(t) => Some(t.to_ascii_lowercase()),
             // Older files: `{arch}.rope.scale_linear`.
-            None => self.float(&format!("{a}.rope.scale_linear"))?.filter(|f| *f != 1.0).map(|_| "linear".into()),
+            None => self
+                .float(&format!("{a}.rope.scale_linear"))?
+                .filter(|f| *f != 1.0)
+                .map(|_| "linear".into()),
         };
         let need_factor = |this: &Self| {
             factor
@@ -424,13 +521,23 @@ impl<'a> GgufFile<'a> {
                 .ok_or_else(|| this.err(format!("missing metadata key '{}'", key("factor"))))
         };
         match kind.as_deref() {
-            Some("linear") => return Ok(Some(json!({"rope_type": "linear", "factor": need_factor(self)?}))),
+            Some("linear") => {
+                return Ok(Some(
+                    json!({"rope_type": "linear", "factor": need_factor(self)?}),
+                ))
+            }
             Some("yarn") => {
                 let mut m = Map::new();
                 m.insert("rope_type".into(), json!("yarn"));
                 m.insert("factor".into(), json!(need_factor(self)?));
-                m.insert("original_max_position_embeddings".into(), json!(original.unwrap_or(hp.context as u64)));
-                for (k, hf) in [("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")] {
+                m.insert(
+                    "original_max_position_embeddings".into(),
+                    json!(original.unwrap_or(hp.context as u64)),
+                );
+                for (k, hf) in [
+                    ("yarn_beta_fast", "beta_fast"),
+                    ("yarn_beta_slow", "beta_slow"),
+                ] {
                     if let Some(x) = self.float(&key(k))? {
                         m.insert(hf.into(), json!(x));
                     }
@@ -441,9 +548,9 @@ impl<'a> GgufFile<'a> {
             Some("longrope") | Some("su") => {}
             Some(other) => {
                 return Err(self.err(format!(
-                    "unsupported rope scaling type '{other}' ({}): supported are none, linear, yarn",
-                    key("type")
-                )))
+                "unsupported rope scaling type '{other}' ({}): supported are none, linear, yarn",
+                key("type")
+            )))
             }
         }
         // Phi-3 LongRoPE: llama.cpp keeps the per-frequency factors as tensors.
@@ -460,7 +567,12 @@ impl<'a> GgufFile<'a> {
                         hp.rope_dims
                     )));
                 }
-                let orig = original.ok_or_else(|| self.err(format!("missing metadata key '{}'", key("original_context_length"))))?;
+                let orig = original.ok_or_else(|| {
+                    self.err(format!(
+                        "missing metadata key '{}'",
+                        key("original_context_length")
+                    ))
+                })?;
                 return Ok(Some(json!({
                     "rope_type": "longrope",
                     "long_factor": long.iter().map(|&x| x as f64).collect::<Vec<_>>(),
@@ -495,7 +607,11 @@ fn fit_llama3(freqs: &[f32], base: f64, dims: usize) -> Option<Value> {
     if max <= 1.0 {
         return None;
     }
-    let factor = if (max - max.round()).abs() < 1e-4 { max.round() } else { max };
+    let factor = if (max - max.round()).abs() < 1e-4 {
+        max.round()
+    } else {
+        max
+    };
     let (low, high, orig) = (1.0f64, 4.0f64, 8192.0f64);
     let (low_wavelen, high_wavelen) = (orig / low, orig / high);
     let matches = freqs.iter().enumerate().all(|(i, &f)| {
@@ -535,7 +651,10 @@ fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 fn header_error_message(candle_msg: &str) -> String {
     let first_line = candle_msg.lines().next().unwrap_or(candle_msg);
     if let Some(rest) = first_line.split("unknown dtype for tensor ").nth(1) {
-        let id = rest.trim().parse::<u32>().map_or_else(|_| rest.trim().to_string(), ggml_type_name);
+        let id = rest
+            .trim()
+            .parse::<u32>()
+            .map_or_else(|_| rest.trim().to_string(), ggml_type_name);
         return format!(
             "unsupported tensor type {id}: ferrotune dequantizes {SUPPORTED_TYPES}; convert the model to one of these"
         );
@@ -597,7 +716,13 @@ impl Arch {
         // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture.
         let permuted_qk = gguf == "llama";
         let norm_plus_one = gguf == "gemma";
-        Ok(Self { gguf, model_type, hf_class, permuted_qk, norm_plus_one })
+        Ok(Self {
+            gguf,
+            model_type,
+            hf_class,
+            permuted_qk,
+            norm_plus_one,
+        })
     }
 }
 
@@ -620,25 +745,35 @@ impl HParams {
     fn read(g: &GgufFile, arch: &Arch) -> Result<Self, ModelError> {
         let a = &arch.gguf;
         let k = |s: &str| format!("{a}.{s}");
+        if let Some(n) = g.uint(&k("expert_count"))?.filter(|&n| n > 0) {
+            return Err(g.err(format!(
+                "mixture-of-experts models ({a}.expert_count = {n}) are not supported"
+            )));
+        }
         let hidden = g.req_count(&k("embedding_length"))?;
         let layers = g.req_count(&k("block_count"))?;
         let ffn = g.req_count(&k("feed_forward_length"))?;
         let heads = g.req_count(&k("attention.head_count"))?;
         let context = g.req_count(&k("context_length"))?;
         let kv_heads = match g.uint(&k("attention.head_count_kv"))? {
-            Some(n) if n > 0 && n <= heads as u64 && heads as u64 % n == 0 => n as usize,
+            Some(n) if n > 0 && n <= heads as u64 && (heads as u64).is_multiple_of(n) => n as usize,
             Some(n) => {
                 return Err(g.err(format!(
-                    "metadata key '{}' is {n}, which does not divide {}.attention.head_count {heads}",
-                    k("attention.head_count_kv"),
-                    a
-                )))
+                "metadata key '{}' is {n}, which does not divide {}.attention.head_count {heads}",
+                k("attention.head_count_kv"),
+                a
+            )))
             }
             None => heads,
         };
         let rms_eps = g
             .float(&k("attention.layer_norm_rms_epsilon"))?
-            .ok_or_else(|| g.err(format!("missing metadata key '{}'", k("attention.layer_norm_rms_epsilon"))))?;
+            .ok_or_else(|| {
+                g.err(format!(
+                    "missing metadata key '{}'",
+                    k("attention.layer_norm_rms_epsilon")
+                ))
+            })?;
         let rope_theta = g.float(&k("rope.freq_base"))?.unwrap_or(10000.0);
         let rope_dims = g.uint(&k("rope.dimension_count"))?.map(|n| n as usize);
         // Head size: `attention.key_length` when given; for llama transformers takes
@@ -680,14 +815,31 @@ impl HParams {
                 }
                 None => match g.content.tensor_infos.get("token_embd.weight") {
                     Some(info) => info.shape.dims().first().copied().unwrap_or(0),
-                    None => return Err(g.err(format!("missing metadata key '{}' (and tokenizer.ggml.tokens)", k("vocab_size")))),
+                    None => {
+                        return Err(g.err(format!(
+                            "missing metadata key '{}' (and tokenizer.ggml.tokens)",
+                            k("vocab_size")
+                        )))
+                    }
                 },
             },
         };
         if vocab == 0 {
             return Err(g.err("the vocabulary is empty"));
         }
-        Ok(Self { vocab, hidden, ffn, layers, heads, kv_heads, head_dim, rope_dims, context, rms_eps, rope_theta })
+        Ok(Self {
+            vocab,
+            hidden,
+            ffn,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            rope_dims,
+            context,
+            rms_eps,
+            rope_theta,
+        })
     }
 }
 
@@ -726,7 +878,13 @@ impl Role {
         } else {
             (name.strip_suffix(".bias")?, true)
         };
-        let top = |kind| Some(Self { kind, layer: None, bias });
+        let top = |kind| {
+            Some(Self {
+                kind,
+                layer: None,
+                bias,
+            })
+        };
         match stem {
             "token_embd" => return top(Kind::Embed),
             "output" => return top(Kind::Output),
@@ -754,7 +912,11 @@ impl Role {
             "ffn_down" => Kind::Down,
             _ => return None,
         };
-        Some(Self { kind, layer: Some(layer), bias })
+        Some(Self {
+            kind,
+            layer: Some(layer),
+            bias,
+        })
     }
 
     fn hf_name(&self, arch: &Arch) -> String {
@@ -785,13 +947,20 @@ impl Role {
     fn expected_shape(&self, hp: &HParams, arch: &Arch) -> Result<Vec<usize>, String> {
         if let Some(l) = self.layer {
             if l >= hp.layers {
-                return Err(format!("belongs to layer {l} but {}.block_count is {}", arch.gguf, hp.layers));
+                return Err(format!(
+                    "belongs to layer {l} but {}.block_count is {}",
+                    arch.gguf, hp.layers
+                ));
             }
         }
         let h = hp.hidden;
         let q = hp.heads * hp.head_dim;
         let kv = hp.kv_heads * hp.head_dim;
-        let up = if arch.model_type == "phi3" { 2 * hp.ffn } else { hp.ffn };
+        let up = if arch.model_type == "phi3" {
+            2 * hp.ffn
+        } else {
+            hp.ffn
+        };
         let (out, inp) = match self.kind {
             Kind::Embed | Kind::Output => (hp.vocab, h),
             Kind::FinalNorm | Kind::AttnNorm | Kind::FfnNorm => return Ok(vec![h]),
@@ -813,13 +982,18 @@ impl Role {
 fn unpermute_rows(t: &Tensor, n_head: usize) -> Result<Tensor, String> {
     let dims = t.dims().to_vec();
     let rows = dims[0];
-    if n_head == 0 || rows % (2 * n_head) != 0 {
-        return Err(format!("has {rows} rows, which cannot be split into {n_head} heads of (re, im) pairs"));
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
+        return Err(format!(
+            "has {rows} rows, which cannot be split into {n_head} heads of (re, im) pairs"
+        ));
     }
     let half = rows / n_head / 2;
     let rest: usize = dims[1..].iter().product();
     let un = || -> candle_core::Result<Tensor> {
-        t.reshape((n_head, half, 2, rest))?.transpose(1, 2)?.contiguous()?.reshape(dims.as_slice())
+        t.reshape((n_head, half, 2, rest))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape(dims.as_slice())
     };
     un().map_err(|e| format!("cannot be un-permuted: {e}"))
 }

@@ -28,8 +28,14 @@ impl Linear {
 /// Query/key/value projections: separate, or Phi-3's fused `qkv_proj`.
 #[derive(Debug, Clone)]
 pub enum QkvProjection {
-    Separate { q_proj: Linear, k_proj: Linear, v_proj: Linear },
-    Fused { qkv_proj: Linear },
+    Separate {
+        q_proj: Linear,
+        k_proj: Linear,
+        v_proj: Linear,
+    },
+    Fused {
+        qkv_proj: Linear,
+    },
 }
 
 /// Gate/up projections of the gated MLP: separate, or Phi-3's fused `gate_up_proj`.
@@ -76,7 +82,9 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for `num_layers` layers.
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers] }
+        Self {
+            layers: vec![None; num_layers],
+        }
     }
 
     /// Number of cached positions.
@@ -226,7 +234,10 @@ impl CausalLm {
         let c = &config;
         let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let mut take = TensorTaker { tensors: &mut tensors, source };
+        let mut take = TensorTaker {
+            tensors: &mut tensors,
+            source,
+        };
         let embed_tokens = take.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let dtype = embed_tokens.dtype();
         let device = embed_tokens.device().clone();
@@ -235,7 +246,11 @@ impl CausalLm {
             let p = format!("model.layers.{i}");
             let qkv = if c.fused_projections {
                 QkvProjection::Fused {
-                    qkv_proj: take.linear(&format!("{p}.self_attn.qkv_proj"), (nh + 2 * nkv) * hd, h)?,
+                    qkv_proj: take.linear(
+                        &format!("{p}.self_attn.qkv_proj"),
+                        (nh + 2 * nkv) * hd,
+                        h,
+                    )?,
                 }
             } else {
                 QkvProjection::Separate {
@@ -272,18 +287,33 @@ impl CausalLm {
                 },
                 post_attention_layernorm: take
                     .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                mlp: Mlp { gate_up, down_proj: take.linear(&format!("{p}.mlp.down_proj"), h, inter)? },
+                mlp: Mlp {
+                    gate_up,
+                    down_proj: take.linear(&format!("{p}.mlp.down_proj"), h, inter)?,
+                },
                 sliding_window: c.layer_sliding_windows.get(i).copied().flatten(),
             });
         }
         let norm = take.take("model.norm.weight", &[h])?;
         let lm_head = if c.tie_word_embeddings {
-            Linear { weight: embed_tokens.clone(), bias: None }
+            Linear {
+                weight: embed_tokens.clone(),
+                bias: None,
+            }
         } else {
             take.linear("lm_head", c.vocab_size, h)?
         };
         let rope = RotaryEmbedding::new(c);
-        Ok(Self { config, embed_tokens, layers, norm, lm_head, rope, dtype, device })
+        Ok(Self {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            dtype,
+            device,
+        })
     }
 
     /// The compute dtype.
@@ -315,7 +345,9 @@ impl CausalLm {
                 .to_dtype(self.dtype)?;
             x = x.broadcast_mul(&s)?;
         }
-        let (cos, sin) = self.rope.cos_sin(&layout.positions, self.dtype, &self.device)?;
+        let (cos, sin) = self
+            .rope
+            .cos_sin(&layout.positions, self.dtype, &self.device)?;
         let full_mask = layout.additive_mask(None, self.dtype, &self.device)?;
         let mut window_masks: Vec<(usize, Option<Tensor>)> = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
@@ -333,7 +365,12 @@ impl CausalLm {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
             x = self.layer_forward(layer, &x, &cos, &sin, mask.as_ref(), layer_cache)?;
         }
-        ops::rms_norm(&x, &self.norm, self.config.rms_norm_eps, self.config.norm_weight_offset_one)
+        ops::rms_norm(
+            &x,
+            &self.norm,
+            self.config.rms_norm_eps,
+            self.config.norm_weight_offset_one,
+        )
     }
 
     /// Logits `[batch, seq, vocab]` (compute dtype) from hidden states.
@@ -385,9 +422,11 @@ impl CausalLm {
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let (q, k, v) = match &attn.qkv {
-            QkvProjection::Separate { q_proj, k_proj, v_proj } => {
-                (q_proj.forward(x)?, k_proj.forward(x)?, v_proj.forward(x)?)
-            }
+            QkvProjection::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => (q_proj.forward(x)?, k_proj.forward(x)?, v_proj.forward(x)?),
             QkvProjection::Fused { qkv_proj } => {
                 let qkv = qkv_proj.forward(x)?;
                 (
@@ -438,11 +477,16 @@ impl CausalLm {
 
     fn mlp(&self, mlp: &Mlp, x: &Tensor) -> CResult<Tensor> {
         let (gate, up) = match &mlp.gate_up {
-            GateUpProjection::Separate { gate_proj, up_proj } => (gate_proj.forward(x)?, up_proj.forward(x)?),
+            GateUpProjection::Separate { gate_proj, up_proj } => {
+                (gate_proj.forward(x)?, up_proj.forward(x)?)
+            }
             GateUpProjection::Fused { gate_up_proj } => {
                 let gu = gate_up_proj.forward(x)?;
                 let inter = self.config.intermediate_size;
-                (gu.narrow(D::Minus1, 0, inter)?, gu.narrow(D::Minus1, inter, inter)?)
+                (
+                    gu.narrow(D::Minus1, 0, inter)?,
+                    gu.narrow(D::Minus1, inter, inter)?,
+                )
             }
         };
         let act = match self.config.activation {

@@ -43,7 +43,10 @@ impl RotaryEmbedding {
                 .into_iter()
                 .map(|f| f / *factor as f32)
                 .collect(),
-            RopeScaling::Dynamic { factor, original_max_position_embeddings } => {
+            RopeScaling::Dynamic {
+                factor,
+                original_max_position_embeddings,
+            } => {
                 dynamic = Some((*factor, *original_max_position_embeddings, base));
                 default_inv_freq(base, dim)
             }
@@ -54,15 +57,24 @@ impl RotaryEmbedding {
                 original_max_position_embeddings,
             } => {
                 let old_ctx = *original_max_position_embeddings as f32;
-                let (factor, low, high) = (*factor as f32, *low_freq_factor as f32, *high_freq_factor as f32);
+                let (factor, low, high) = (
+                    *factor as f32,
+                    *low_freq_factor as f32,
+                    *high_freq_factor as f32,
+                );
                 let low_freq_wavelen = old_ctx / low;
                 let high_freq_wavelen = old_ctx / high;
                 default_inv_freq(base, dim)
                     .into_iter()
                     .map(|f| {
                         let wavelen = 2.0 * std::f32::consts::PI / f;
-                        let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
-                        let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        let scaled = if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else {
+                            f
+                        };
+                        // wavelengths are finite, so "not below / not above" is the closed interval.
+                        let medium = (high_freq_wavelen..=low_freq_wavelen).contains(&wavelen);
                         if medium {
                             let smooth = (old_ctx / wavelen - low) / (high - low);
                             (1.0 - smooth) * scaled / factor + smooth * scaled
@@ -82,14 +94,24 @@ impl RotaryEmbedding {
                 mscale_all_dim,
                 truncate,
             } => {
-                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
-                attention_scaling = attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
-                    (Some(m), Some(a)) if *m != 0.0 && *a != 0.0 => get_mscale(*factor, *m) / get_mscale(*factor, *a),
-                    _ => get_mscale(*factor, 1.0),
-                }) as f32;
+                let get_mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                attention_scaling =
+                    attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
+                        (Some(m), Some(a)) if *m != 0.0 && *a != 0.0 => {
+                            get_mscale(*factor, *m) / get_mscale(*factor, *a)
+                        }
+                        _ => get_mscale(*factor, 1.0),
+                    }) as f32;
                 let orig = *original_max_position_embeddings as f64;
                 let correction_dim = |rot: f64| {
-                    (dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln())
+                    (dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln())
+                        / (2.0 * base.ln())
                 };
                 let (mut lo, mut hi) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
                 if *truncate {
@@ -108,7 +130,8 @@ impl RotaryEmbedding {
                         let interpolation = 1.0 / (*factor as f32 * pos_freq);
                         let ramp = ((i as f32 - lo) / (hi - lo)).clamp(0.0, 1.0);
                         let extrapolation_weight = 1.0 - ramp;
-                        interpolation * (1.0 - extrapolation_weight) + extrapolation * extrapolation_weight
+                        interpolation * (1.0 - extrapolation_weight)
+                            + extrapolation * extrapolation_weight
                     })
                     .collect()
             }
@@ -131,7 +154,8 @@ impl RotaryEmbedding {
                     (0..dim / 2)
                         .map(|i| {
                             let shape = (2 * i) as f32 / dim as f32;
-                            1.0 / (ext.get(i).copied().unwrap_or(1.0) as f32 * (base as f32).powf(shape))
+                            1.0 / (ext.get(i).copied().unwrap_or(1.0) as f32
+                                * (base as f32).powf(shape))
                         })
                         .collect()
                 };
@@ -139,7 +163,13 @@ impl RotaryEmbedding {
                 with(short_factor)
             }
         };
-        Self { rotary_dim: dim, inv_freq, long, dynamic, attention_scaling }
+        Self {
+            rotary_dim: dim,
+            inv_freq,
+            long,
+            dynamic,
+            attention_scaling,
+        }
     }
 
     /// Rotated dimensions per head.
@@ -165,7 +195,8 @@ impl RotaryEmbedding {
             (_, Some((factor, orig, base))) if max_pos + 1 > *orig => {
                 let dim = self.rotary_dim as f64;
                 let seq_len = (max_pos + 1) as f64;
-                let b = base * ((factor * seq_len / *orig as f64) - (factor - 1.0)).powf(dim / (dim - 2.0));
+                let b = base
+                    * ((factor * seq_len / *orig as f64) - (factor - 1.0)).powf(dim / (dim - 2.0));
                 dynamic_freq = default_inv_freq(b, self.rotary_dim);
                 &dynamic_freq
             }

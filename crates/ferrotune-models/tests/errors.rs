@@ -32,7 +32,10 @@ fn tmp(name: &str) -> std::path::PathBuf {
 #[test]
 fn missing_path() {
     let err = load_err(Path::new("/nonexistent/model"));
-    assert!(err.contains("/nonexistent/model") && err.contains("no such file"), "{err}");
+    assert!(
+        err.contains("/nonexistent/model") && err.contains("no such file"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -50,9 +53,16 @@ fn truncated_safetensors() {
 fn corrupt_safetensors_header() {
     let d = tmp("corrupt");
     copy_model(&d);
-    std::fs::write(d.join("model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
+    std::fs::write(
+        d.join("model.safetensors"),
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all",
+    )
+    .unwrap();
     let err = load_err(&d);
-    assert!(err.contains("model.safetensors") && err.contains("safetensors"), "{err}");
+    assert!(
+        err.contains("model.safetensors") && err.contains("safetensors"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -61,17 +71,25 @@ fn corrupt_config() {
     copy_model(&d);
     std::fs::write(d.join("config.json"), "{\"model_type\": \"llama\",").unwrap();
     let err = load_err(&d);
-    assert!(err.contains("config.json") && err.contains("invalid JSON"), "{err}");
+    assert!(
+        err.contains("config.json") && err.contains("invalid JSON"),
+        "{err}"
+    );
 }
 
 #[test]
 fn unsupported_model_type() {
     let d = tmp("arch");
     copy_model(&d);
-    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap().replace("\"llama\"", "\"bloom\"");
+    let cfg = std::fs::read_to_string(d.join("config.json"))
+        .unwrap()
+        .replace("\"llama\"", "\"bloom\"");
     std::fs::write(d.join("config.json"), cfg).unwrap();
     let err = load_err(&d);
-    assert!(err.contains("bloom") && err.contains("supported model types"), "{err}");
+    assert!(
+        err.contains("bloom") && err.contains("supported model types"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -96,5 +114,8 @@ fn missing_shard() {
     )
     .unwrap();
     let err = load_err(&d);
-    assert!(err.contains("model-00002-of-00002.safetensors") && err.contains("missing"), "{err}");
+    assert!(
+        err.contains("model-00002-of-00002.safetensors") && err.contains("missing"),
+        "{err}"
+    );
 }

@@ -22,7 +22,14 @@ fn ids_tensor(rows: &Value) -> Tensor {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 fn load(dir: &Path) -> CausalLm {
@@ -37,8 +44,11 @@ fn check_logits(dir: &Path) {
     let model = load(dir);
     let ids = ids_tensor(&g["input_ids"]);
     let (b, t) = ids.dims2().unwrap();
-    let logits = model.forward(&ids, &AttentionLayout::causal(b, t, 0), None).unwrap();
-    let want = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap();
+    let want =
+        candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let err = max_abs_diff(&logits, &want["logits"]);
     assert!(err <= 1e-4, "{}: logits max abs error {err}", dir.display());
 }
@@ -49,20 +59,34 @@ fn check_kv_cache(dir: &Path) {
     let model = load(dir);
     let ids = ids_tensor(&g["input_ids"]);
     let (b, t) = ids.dims2().unwrap();
-    let full = model.forward(&ids, &AttentionLayout::causal(b, t, 0), None).unwrap();
+    let full = model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap();
     let mut cache = KvCache::new(model.layers.len());
     let split = t / 2;
     let mut parts = vec![model
-        .forward(&ids.narrow(1, 0, split).unwrap(), &AttentionLayout::causal(b, split, 0), Some(&mut cache))
+        .forward(
+            &ids.narrow(1, 0, split).unwrap(),
+            &AttentionLayout::causal(b, split, 0),
+            Some(&mut cache),
+        )
         .unwrap()];
     for i in split..t {
         let step = ids.narrow(1, i, 1).unwrap();
-        parts.push(model.forward(&step, &AttentionLayout::causal(b, 1, i), Some(&mut cache)).unwrap());
+        parts.push(
+            model
+                .forward(&step, &AttentionLayout::causal(b, 1, i), Some(&mut cache))
+                .unwrap(),
+        );
     }
     assert_eq!(cache.len(), t);
     let incremental = Tensor::cat(&parts, 1).unwrap();
     let err = max_abs_diff(&incremental, &full);
-    assert!(err <= 1e-4, "{}: cached decoding differs by {err}", dir.display());
+    assert!(
+        err <= 1e-4,
+        "{}: cached decoding differs by {err}",
+        dir.display()
+    );
 }
 
 #[test]
@@ -92,7 +116,11 @@ fn every_family_matches_transformers() {
         .filter(|p| p.join("golden.json").is_file())
         .collect();
     cases.sort();
-    assert!(cases.len() >= 8, "expected the family fixtures in {}", root.display());
+    assert!(
+        cases.len() >= 8,
+        "expected the family fixtures in {}",
+        root.display()
+    );
     for case in &cases {
         check_logits(case);
         check_kv_cache(case);
@@ -111,10 +139,24 @@ fn bf16_compute_stays_close_to_f32() {
         .unwrap()
         .to_dtype(DType::F32)
         .unwrap();
-    let want = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let want =
+        candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let want = &want["logits"];
-    let rel = ((&logits - want).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()
-        / want.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap())
+    let rel = ((&logits - want)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        / want
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap())
     .sqrt();
     assert!(rel < 2e-2, "bf16 relative L2 error {rel}");
 }

@@ -1,0 +1,199 @@
+//! `ferrotune generate`: load a model, encode the prompt(s), stream the continuation.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferrotune_core::{parse_device, parse_dtype};
+use ferrotune_data::ChatMessage;
+use ferrotune_infer::{generate, GenerationOptions, SamplingOptions};
+
+use crate::model_io::tokenizer_for;
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// An HF checkpoint folder or a .gguf file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Tokenizer folder or .gguf, if not the model's own.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Prompt text; repeat for a batch (left-padded).
+    #[arg(
+        long,
+        required_unless_present = "prompt_ids",
+        conflicts_with = "prompt_ids"
+    )]
+    prompt: Vec<String>,
+    /// Prompt as token ids, comma-separated (used as is: no template, no BOS added).
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Wrap the prompt as a user message in the model's chat template, with the generation prompt.
+    #[arg(long)]
+    chat: bool,
+    /// System message (with --chat).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// Penalty for tokens already present (1.0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f64,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Stop when the generated text contains this string (repeatable).
+    #[arg(long = "stop")]
+    stop_strings: Vec<String>,
+    /// Do not stop at end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Compute dtype: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Print one JSON object last: prompt_ids, new_token_ids, text, prefill/decode tokens per second.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    let dtype = parse_dtype(&args.dtype)
+        .map_err(anyhow::Error::msg)
+        .context("--dtype")?;
+    let device = parse_device(&args.device)
+        .map_err(anyhow::Error::msg)
+        .context("--device")?;
+    if args.temperature < 0.0 {
+        bail!(
+            "--temperature must be >= 0 (0 = greedy), got {}",
+            args.temperature
+        );
+    }
+    if let Some(p) = args.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            bail!("--top-p must be in (0, 1], got {p}");
+        }
+    }
+    if !args.model.exists() {
+        bail!("{}: no such file or directory (--model)", args.model.display());
+    }
+    let tok = tokenizer_for(args.tokenizer.as_ref().unwrap_or(&args.model))?;
+    let prompts: Vec<Vec<u32>> = match &args.prompt_ids {
+        Some(ids) => vec![ids.clone()],
+        None => args
+            .prompt
+            .iter()
+            .map(|p| {
+                if args.chat {
+                    let mut msgs = Vec::new();
+                    if let Some(s) = &args.system {
+                        msgs.push(ChatMessage {
+                            role: "system".into(),
+                            content: s.clone(),
+                        });
+                    }
+                    msgs.push(ChatMessage {
+                        role: "user".into(),
+                        content: p.clone(),
+                    });
+                    tok.encode_chat(&msgs, true)
+                } else {
+                    tok.encode(p, true)
+                }
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    if prompts.iter().any(Vec::is_empty) {
+        bail!("the prompt encodes to no tokens");
+    }
+    let (model, _) = ferrotune_models::load_model(&args.model, dtype, &device)?;
+    let vocab = model.config.vocab_size as u32;
+    if let Some(bad) = prompts.iter().flatten().find(|&&id| id >= vocab) {
+        bail!("prompt token id {bad} is outside the model's vocabulary (size {vocab})");
+    }
+    let mut eos = tok.eos_ids().to_vec();
+    for id in &model.config.eos_token_ids {
+        if !eos.contains(id) {
+            eos.push(*id);
+        }
+    }
+    let pad = tok
+        .pad_id()
+        .or(model.config.pad_token_id)
+        .or(eos.first().copied())
+        .unwrap_or(0);
+    let opts = GenerationOptions {
+        max_new_tokens: args.max_new_tokens,
+        sampling: SamplingOptions {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            repetition_penalty: args.repetition_penalty,
+            seed: args.seed,
+        },
+        eos_token_ids: eos.clone(),
+        stop_strings: args.stop_strings.clone(),
+        ignore_eos: args.ignore_eos,
+        pad_token_id: pad,
+    };
+    let decode = |ids: &[u32]| tok.decode(ids, false).unwrap_or_default();
+    // Stream the single prompt's text as it grows; eos tokens end the stream without being printed.
+    let streaming = prompts.len() == 1;
+    let mut streamed: Vec<u32> = Vec::new();
+    let mut printed = String::new();
+    let mut stdout = std::io::stdout();
+    let mut on_token = |_row: usize, id: u32| {
+        if !streaming || eos.contains(&id) {
+            return;
+        }
+        streamed.push(id);
+        let text = tok.decode(&streamed, true).unwrap_or_default();
+        // Hold back an incomplete UTF-8 sequence until the next token completes it.
+        if text.ends_with('\u{FFFD}') || !text.starts_with(printed.as_str()) {
+            return;
+        }
+        let _ = write!(stdout, "{}", &text[printed.len()..]);
+        let _ = stdout.flush();
+        printed = text;
+    };
+    let out = generate(&model, &prompts, &opts, &decode, &mut on_token)?;
+    let texts: Vec<String> = out
+        .new_token_ids
+        .iter()
+        .map(|ids| tok.decode(ids, false))
+        .collect::<Result<_, _>>()?;
+    if streaming {
+        println!();
+    } else {
+        for (i, ids) in out.new_token_ids.iter().enumerate() {
+            println!("[{i}] {}", tok.decode(ids, true)?);
+        }
+    }
+    if args.json {
+        let one = prompts.len() == 1;
+        let json = serde_json::json!({
+            "prompt_ids": if one { serde_json::json!(prompts[0]) } else { serde_json::json!(prompts) },
+            "new_token_ids": if one { serde_json::json!(out.new_token_ids[0]) } else { serde_json::json!(out.new_token_ids) },
+            "text": if one { serde_json::json!(texts[0]) } else { serde_json::json!(texts) },
+            "prefill_tokens_per_s": out.prefill_tokens_per_s,
+            "decode_tokens_per_s": out.decode_tokens_per_s,
+        });
+        println!("{json}");
+    } else {
+        eprintln!(
+            "prefill {:.1} tok/s, decode {:.1} tok/s",
+            out.prefill_tokens_per_s, out.decode_tokens_per_s
+        );
+    }
+    Ok(())
+}

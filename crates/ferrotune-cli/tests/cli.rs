@@ -1,0 +1,160 @@
+//! The `ferrotune` binary end to end: JSON contracts of `generate` and `tokenize`, and bad input
+//! answered by one clear error line and a non-zero exit.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn ferrotune(args: &[&str]) -> Output {
+    // RUST_BACKTRACE set, as on many developer machines: errors must still be one line.
+    Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap()
+}
+
+/// The last stdout line, parsed as JSON (the `--json` contract: one object, printed last).
+fn last_json(out: &Output) -> Value {
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout.clone()).unwrap();
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
+/// Fails with exit code 1 and exactly one stderr line, which contains every `needles`.
+fn assert_error(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line expected: {stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "'{n}' missing from: {stderr}");
+    }
+}
+
+fn golden_ids(v: &Value) -> Vec<u64> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+fn smollm2() -> String {
+    ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap().display().to_string()
+}
+
+#[test]
+fn generate_json_with_prompt_ids_is_greedy_and_exact() {
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap()).unwrap();
+    let prompt: Vec<String> = golden_ids(&g["greedy_prompt"]).iter().map(u64::to_string).collect();
+    let model = fixtures().join("llama3/model");
+    let out = ferrotune(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        &prompt.join(","),
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--json",
+    ]);
+    let j = last_json(&out);
+    assert_eq!(golden_ids(&j["prompt_ids"]), golden_ids(&g["greedy_prompt"]));
+    assert_eq!(golden_ids(&j["new_token_ids"]), golden_ids(&g["greedy_new_tokens"]));
+    assert!(j["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(j["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(j["text"].is_string());
+}
+
+#[test]
+fn generate_chat_with_smollm2_answers_like_transformers() {
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("smollm2_golden.json")).unwrap()).unwrap();
+    let golden = &golden[0];
+    let out = ferrotune(&[
+        "generate",
+        "--model",
+        &smollm2(),
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "32",
+        "--json",
+    ]);
+    let j = last_json(&out);
+    assert_eq!(golden_ids(&j["prompt_ids"]), golden_ids(&golden["prompt_ids"]));
+    assert_eq!(golden_ids(&j["new_token_ids"]), golden_ids(&golden["greedy_new_tokens"]));
+    assert_eq!(j["text"], golden["greedy_text"]);
+    // The answer was streamed before the JSON line.
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.starts_with("The capital of France is Paris."), "{stdout}");
+}
+
+#[test]
+fn tokenize_messages_and_text() {
+    let dir = std::env::temp_dir().join(format!("ferrotune-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let msgs = dir.join("messages.json");
+    std::fs::write(&msgs, r#"[{"role": "user", "content": "What is the capital of France?"}]"#).unwrap();
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("smollm2_golden.json")).unwrap()).unwrap();
+    let out = ferrotune(&[
+        "tokenize",
+        "--tokenizer",
+        &smollm2(),
+        "--messages",
+        msgs.to_str().unwrap(),
+        "--add-generation-prompt",
+        "--json",
+    ]);
+    let j = last_json(&out);
+    assert_eq!(golden_ids(&j["ids"]), golden_ids(&golden[0]["prompt_ids"]));
+    assert!(j["text"].as_str().unwrap().ends_with("<|im_start|>assistant\n"));
+
+    let tok = fixtures().join("tiny_tokenizer");
+    let out = ferrotune(&["tokenize", "--tokenizer", tok.to_str().unwrap(), "--text", "hello world", "--json"]);
+    let j = last_json(&out);
+    assert_eq!(j["text"], "hello world");
+    assert!(!j["ids"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn bad_input_is_one_clear_error_line() {
+    let out = ferrotune(&["generate", "--model", "/no/such/model", "--prompt", "hi"]);
+    assert_error(&out, &["/no/such/model"]);
+
+    let dir = std::env::temp_dir().join(format!("ferrotune-cli-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("broken.gguf");
+    std::fs::write(&bad, b"GGUF\x03\x00\x00\x00garbage").unwrap();
+    let out = ferrotune(&["generate", "--model", bad.to_str().unwrap(), "--prompt", "hi"]);
+    assert_error(&out, &["broken.gguf"]);
+
+    // The real GGUF cut at 1 MB: the reader fails inside candle.
+    let truncated = dir.join("truncated.gguf");
+    let bytes = std::fs::read(smollm2()).unwrap();
+    std::fs::write(&truncated, &bytes[..1 << 20]).unwrap();
+    let out = ferrotune(&["generate", "--model", truncated.to_str().unwrap(), "--prompt", "hi"]);
+    assert_error(&out, &["truncated.gguf"]);
+
+    let model = fixtures().join("llama3/model");
+    let m = model.to_str().unwrap();
+    let out = ferrotune(&["generate", "--model", m, "--prompt", "hi", "--dtype", "int3"]);
+    assert_error(&out, &["int3"]);
+    let out = ferrotune(&["generate", "--model", m, "--prompt-ids", "1,2,100000"]);
+    assert_error(&out, &["100000", "vocabulary"]);
+
+    let llama2 = ferrotune_data::asset_path("tokenizers/llama2").unwrap();
+    let out = ferrotune(&["tokenize", "--tokenizer", llama2.to_str().unwrap(), "--messages", "/dev/null"]);
+    assert_error(&out, &["/dev/null"]);
+    let msgs = dir.join("m.json");
+    std::fs::write(&msgs, r#"[{"role": "user", "content": "hi"}]"#).unwrap();
+    let out = ferrotune(&["tokenize", "--tokenizer", llama2.to_str().unwrap(), "--messages", msgs.to_str().unwrap()]);
+    assert_error(&out, &["chat template"]);
+}

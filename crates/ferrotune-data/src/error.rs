@@ -1,0 +1,127 @@
+//! The error type of this crate.
+//!
+//! Every error that comes from a file names that file, and says what is wrong with it, in one line.
+
+use std::path::{Path, PathBuf};
+
+/// What can go wrong while loading a tokenizer, rendering a chat template or encoding text.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A file or folder that is needed does not exist.
+    #[error("{} does not exist ({what})", path.display())]
+    NotFound {
+        /// The missing path.
+        path: PathBuf,
+        /// What it was needed for.
+        what: &'static str,
+    },
+
+    /// A file exists but cannot be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A JSON file is not valid JSON, or not the JSON shape expected.
+    #[error("{} is not valid JSON: {source}", path.display())]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// A file parsed, but what it holds cannot make a tokenizer.
+    #[error("{}: invalid tokenizer: {message}", path.display())]
+    InvalidTokenizer {
+        /// The file (or folder) the tokenizer was loaded from.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+
+    /// A GGUF file cannot be read, or its metadata does not describe a usable tokenizer.
+    #[error("{}: bad GGUF file: {message}", path.display())]
+    Gguf {
+        /// The GGUF file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+
+    /// A chat was requested from a tokenizer that has no chat template.
+    #[error("the tokenizer loaded from {} has no chat template ({looked_in}), so it cannot format a chat", origin.display())]
+    NoChatTemplate {
+        /// The folder or GGUF file the tokenizer came from.
+        origin: PathBuf,
+        /// Where a template was looked for.
+        looked_in: &'static str,
+    },
+
+    /// The chat template does not compile, or failed while rendering.
+    #[error("chat template error: {message}")]
+    Template {
+        /// The template engine's message (with the template line where known).
+        message: String,
+    },
+
+    /// The chat template itself rejected the conversation with `raise_exception(message)`.
+    #[error("the chat template rejected the conversation: {message}")]
+    TemplateException {
+        /// The message the template passed to `raise_exception`.
+        message: String,
+    },
+
+    /// Encoding text failed.
+    #[error("cannot encode text: {message}")]
+    Encode {
+        /// The tokenizer's message.
+        message: String,
+    },
+
+    /// Decoding ids failed.
+    #[error("cannot decode token ids: {message}")]
+    Decode {
+        /// The tokenizer's message.
+        message: String,
+    },
+}
+
+/// This crate's result type.
+pub type Result<T, E = DataError> = std::result::Result<T, E>;
+
+impl DataError {
+    /// An I/O error on `path`; a missing file becomes [`DataError::NotFound`].
+    pub(crate) fn io(path: &Path, source: std::io::Error, what: &'static str) -> Self {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            DataError::NotFound {
+                path: path.to_path_buf(),
+                what,
+            }
+        } else {
+            DataError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    }
+
+    pub(crate) fn invalid(path: &Path, message: impl Into<String>) -> Self {
+        DataError::InvalidTokenizer {
+            path: path.to_path_buf(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn gguf(path: &Path, message: impl Into<String>) -> Self {
+        DataError::Gguf {
+            path: path.to_path_buf(),
+            message: message.into(),
+        }
+    }
+}

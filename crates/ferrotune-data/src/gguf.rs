@@ -1,0 +1,570 @@
+//! A tokenizer from the metadata of a llama.cpp GGUF file, built the way transformers builds it
+//! (`integrations/gguf/gguf_tokenizer_mapping.py`).
+//!
+//! A GGUF has no `tokenizer.json`: it stores the vocabulary (`tokenizer.ggml.tokens`), the merges or
+//! the SentencePiece scores, token types and special token ids. transformers hands these to one of
+//! its tokenizer classes, which brings its own normalizer, pre-tokenizer and decoder:
+//! - `gpt2`: byte-level BPE (`GPT2Tokenizer`); tokens not spelled in the byte alphabet are
+//!   re-spelled, and `tokenizer.ggml.pre` picks the split regex where transformers knows it;
+//! - `llama`: SentencePiece-style BPE with byte fallback (`LlamaTokenizer`), merges from the file or
+//!   derived from the scores; Gemma files (`GemmaTokenizer`) re-spell whitespace tokens and derive
+//!   merges from the token order; Phi-3 files get the prefix space from a normalizer;
+//! - tokens typed 3 (control) become special added tokens, 4 (user defined) plain added tokens.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Value;
+use tokenizers::models::bpe::{Merges, Vocab, BPE};
+use tokenizers::{AddedToken, Tokenizer};
+
+use crate::backend::{self, Shape};
+use crate::error::{DataError, Result};
+
+/// What a GGUF's metadata says about its tokenizer, built.
+pub(crate) struct GgufTokenizer {
+    pub tokenizer: Tokenizer,
+    /// `bos_token`, `eos_token`, `unk_token`, `pad_token` (those the file names), and
+    /// `mask_token` for Gemma models.
+    pub special_tokens: BTreeMap<String, String>,
+    pub chat_template: Option<String>,
+    pub add_bos_token: Option<bool>,
+    pub add_eos_token: Option<bool>,
+}
+
+const CONTROL: i64 = 3;
+const USER_DEFINED: i64 = 4;
+
+/// Reads the tokenizer keys of `metadata` (from `path`, named in errors) and builds the tokenizer.
+pub(crate) fn build(metadata: &HashMap<String, Value>, path: &Path) -> Result<GgufTokenizer> {
+    let meta = Meta { metadata, path };
+    let architecture = meta
+        .string("general.architecture")?
+        .ok_or_else(|| meta.missing("general.architecture"))?;
+    let model = meta
+        .string("tokenizer.ggml.model")?
+        .ok_or_else(|| meta.missing("tokenizer.ggml.model"))?;
+    let tokens = meta
+        .strings("tokenizer.ggml.tokens")?
+        .ok_or_else(|| meta.missing("tokenizer.ggml.tokens"))?;
+    let token_types = meta.ints("tokenizer.ggml.token_type")?;
+    let merges = meta.strings("tokenizer.ggml.merges")?;
+    let scores = meta.floats("tokenizer.ggml.scores")?;
+    let pre = meta.string("tokenizer.ggml.pre")?;
+    if let Some(types) = &token_types {
+        if types.len() != tokens.len() {
+            return Err(DataError::gguf(
+                path,
+                format!(
+                    "tokenizer.ggml.token_type has {} entries but there are {} tokens",
+                    types.len(),
+                    tokens.len()
+                ),
+            ));
+        }
+    }
+
+    let mut add_bos_token = meta.bool("tokenizer.ggml.add_bos_token")?;
+    let add_eos_token = meta.bool("tokenizer.ggml.add_eos_token")?;
+    match model.as_str() {
+        // Older files have no flag, and llama.cpp adds BOS to a SentencePiece vocabulary.
+        "llama" => {
+            add_bos_token.get_or_insert(true);
+        }
+        // The reference tokenizer adds no BOS: the chat template writes `<bos>` itself.
+        "gemma4" => add_bos_token = Some(false),
+        _ => {}
+    }
+
+    let mut special_tokens = BTreeMap::new();
+    for (name, key) in [
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("unk_token", "tokenizer.ggml.unknown_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ] {
+        if let Some(id) = meta.int(key)? {
+            let token = usize::try_from(id)
+                .ok()
+                .and_then(|i| tokens.get(i))
+                .ok_or_else(|| {
+                    DataError::gguf(
+                        path,
+                        format!(
+                            "{key} is {id}, outside the vocabulary of {} tokens",
+                            tokens.len()
+                        ),
+                    )
+                })?;
+            special_tokens.insert(name.to_string(), token.clone());
+        }
+    }
+
+    // transformers instantiates the model type's tokenizer class around the converted pipeline;
+    // for Gemma models that is `GemmaTokenizer`, whose `mask_token` defaults to `<mask>`.
+    if matches!(architecture.as_str(), "gemma" | "gemma2" | "gemma3") {
+        special_tokens.insert("mask_token".to_string(), "<mask>".to_string());
+    }
+
+    let source = Source {
+        tokens: &tokens,
+        merges: merges.as_deref(),
+        scores: scores.as_deref(),
+        path,
+    };
+    let mut tokenizer = match (model.as_str(), architecture.as_str()) {
+        ("llama", "gemma" | "gemma2" | "gemma3") => source.gemma()?,
+        ("llama", "phi3") => source.sentencepiece(Shape::Phi3, None)?,
+        ("llama", _) => source.sentencepiece(Shape::Llama { add_prefix_space: true, legacy: false }, None)?,
+        ("gemma4", _) => source.sentencepiece(Shape::Gemma, None)?,
+        ("gpt2", _) => source.byte_level()?,
+        (other, _) => {
+            return Err(DataError::gguf(
+                path,
+                format!("cannot build a tokenizer for tokenizer.ggml.model {other:?}; supported: gemma4, gpt2, llama"),
+            ))
+        }
+    };
+
+    // Control tokens become special added tokens, user-defined ones plain added tokens. In a
+    // byte-level vocabulary a control token spelled outside the byte alphabet is a mislabel and
+    // is skipped, as transformers does.
+    if let Some(types) = &token_types {
+        let alphabet: Option<HashSet<char>> =
+            (model == "gpt2").then(|| byte_alphabet().into_iter().collect());
+        let control: Vec<AddedToken> = tokens
+            .iter()
+            .zip(types)
+            .filter(|(token, &kind)| {
+                kind == CONTROL
+                    && alphabet
+                        .as_ref()
+                        .is_none_or(|a| token.chars().all(|c| a.contains(&c)))
+            })
+            .map(|(token, _)| AddedToken::from(token.clone(), true).normalized(false))
+            .collect();
+        if !control.is_empty() {
+            tokenizer
+                .add_tokens(control)
+                .map_err(|e| DataError::gguf(path, e.to_string()))?;
+        }
+        let user_defined: Vec<AddedToken> = tokens
+            .iter()
+            .zip(types)
+            .filter(|(token, &kind)| kind == USER_DEFINED && tokenizer.token_to_id(token).is_some())
+            .map(|(token, _)| AddedToken::from(token.clone(), false).normalized(false))
+            .collect();
+        if !user_defined.is_empty() {
+            tokenizer
+                .add_tokens(user_defined)
+                .map_err(|e| DataError::gguf(path, e.to_string()))?;
+        }
+    }
+
+    // Split text the way this vocabulary's merges were learned, where transformers knows how.
+    if let Some(regex) = pre.as_deref().and_then(split_regex_for) {
+        let pre_tokenizer =
+            backend::split_then_byte_level(regex, false).map_err(|e| DataError::gguf(path, e))?;
+        tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
+    }
+
+    Ok(GgufTokenizer {
+        tokenizer,
+        special_tokens,
+        chat_template: meta.string("tokenizer.chat_template")?,
+        add_bos_token,
+        add_eos_token,
+    })
+}
+
+/// The pre-tokenizer regex transformers uses for a `tokenizer.ggml.pre` value.
+fn split_regex_for(pre: &str) -> Option<&'static str> {
+    Some(match pre {
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
+        | "lfm2" | "jina-v5-nano" | "dbrx" | "smaug-bpe" => backend::LLAMA3_SPLIT,
+        "tekken" => backend::TEKKEN_SPLIT,
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => backend::QWEN2_SPLIT,
+        "qwen35" => backend::QWEN35_SPLIT,
+        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => backend::GPT4O_SPLIT,
+        _ => return None,
+    })
+}
+
+/// GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves, the others are
+/// moved to U+0100 onwards, in byte order.
+fn byte_alphabet() -> Vec<char> {
+    let mut table = vec!['\0'; 256];
+    let mut next = 256u32;
+    for byte in 0..=255u32 {
+        let printable = (0x21..=0x7e).contains(&byte)
+            || (0xa1..=0xac).contains(&byte)
+            || (0xae..=0xff).contains(&byte);
+        table[byte as usize] = if printable {
+            char::from_u32(byte).unwrap_or('\0')
+        } else {
+            let c = char::from_u32(next).unwrap_or('\0');
+            next += 1;
+            c
+        };
+    }
+    table
+}
+
+struct Source<'a> {
+    tokens: &'a [String],
+    merges: Option<&'a [String]>,
+    scores: Option<&'a [f64]>,
+    path: &'a Path,
+}
+
+impl Source<'_> {
+    /// `{token: index}`: a token listed twice keeps its last index, as a Python dict does.
+    fn vocab_of(tokens: &[String]) -> HashMap<&str, u32> {
+        tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.as_str(), i as u32))
+            .collect()
+    }
+
+    /// The file's merges, split on spaces.
+    fn file_merges(&self, merges: &[String]) -> Result<Merges> {
+        merges
+            .iter()
+            .map(|m| {
+                let mut parts = m.split(' ');
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(a), Some(b), None) => Ok((a.to_string(), b.to_string())),
+                    _ => Err(DataError::gguf(
+                        self.path,
+                        format!("tokenizer.ggml.merges has a malformed entry {m:?}"),
+                    )),
+                }
+            })
+            .collect()
+    }
+
+    /// Merges from the file, or derived from the vocabulary and the given (or the file's) scores.
+    fn merges(&self, tokens: &[String], scores: Option<Vec<f64>>) -> Result<Merges> {
+        if let Some(merges) = self.merges {
+            return self.file_merges(merges);
+        }
+        let scores = match scores {
+            Some(scores) => scores,
+            None => self
+                .scores
+                .ok_or_else(|| {
+                    DataError::gguf(
+                        self.path,
+                        "the file has neither tokenizer.ggml.merges nor tokenizer.ggml.scores",
+                    )
+                })?
+                .to_vec(),
+        };
+        if scores.len() != tokens.len() {
+            return Err(DataError::gguf(
+                self.path,
+                format!(
+                    "tokenizer.ggml.scores has {} entries but there are {} tokens",
+                    scores.len(),
+                    tokens.len()
+                ),
+            ));
+        }
+        Ok(generate_merges(tokens, &scores))
+    }
+
+    fn bpe(&self, vocab: HashMap<&str, u32>, merges: Merges, shape: &Shape) -> Result<Tokenizer> {
+        let vocab: Vocab = vocab.into_iter().map(|(t, i)| (t.to_string(), i)).collect();
+        let builder = BPE::builder().vocab_and_merges(vocab, merges);
+        let builder = match shape {
+            Shape::Gpt2 { .. } => builder
+                .continuing_subword_prefix(String::new())
+                .end_of_word_suffix(String::new())
+                .fuse_unk(false),
+            Shape::Gemma => builder
+                .fuse_unk(true)
+                .byte_fallback(true)
+                .unk_token("<unk>".into()),
+            _ => builder.fuse_unk(true).byte_fallback(true),
+        };
+        let bpe = builder
+            .build()
+            .map_err(|e| DataError::gguf(self.path, format!("cannot build the BPE model: {e}")))?;
+        let mut tokenizer = Tokenizer::new(bpe);
+        shape
+            .apply(&mut tokenizer, Some("<unk>"))
+            .map_err(|e| DataError::gguf(self.path, e))?;
+        // `apply` resets the BPE options to the class's; Gemma's unknown token is its default here.
+        // The class then adds its default special tokens that are not added tokens yet (which
+        // gives a token missing from the vocabulary a new id, as transformers does), and the
+        // post-processor adds nothing until the file's flags say otherwise.
+        add_missing_special_tokens(
+            &mut tokenizer,
+            shape.default_special_tokens().iter().map(|(_, t)| *t),
+        )
+        .map_err(|e| DataError::gguf(self.path, e))?;
+        let processor = backend::bos_eos_post_processor(None, None)
+            .map_err(|e| DataError::gguf(self.path, e))?;
+        tokenizer.with_post_processor(Some(processor));
+        Ok(tokenizer)
+    }
+
+    /// `LlamaTokenizer`-style (or Phi-3 / Gemma 4) SentencePiece BPE.
+    fn sentencepiece(&self, shape: Shape, scores: Option<Vec<f64>>) -> Result<Tokenizer> {
+        let merges = self.merges(self.tokens, scores)?;
+        self.bpe(Self::vocab_of(self.tokens), merges, &shape)
+    }
+
+    /// Gemma files spell a token of two or more spaces with real spaces; `GemmaTokenizer` looks it
+    /// up as `▁▁`. Merges (the file has none) are derived with the file order as the score.
+    fn gemma(&self) -> Result<Tokenizer> {
+        let respelled: Vec<String> = self
+            .tokens
+            .iter()
+            .map(|t| {
+                if t.contains(' ') && t.chars().all(crate::chat_template::is_py_space) {
+                    "▁".repeat(t.chars().count())
+                } else {
+                    t.clone()
+                }
+            })
+            .collect();
+        let positions: Vec<f64> = (0..respelled.len()).map(|i| -(i as f64)).collect();
+        let merges = self.merges(&respelled, Some(positions))?;
+        self.bpe(Self::vocab_of(&respelled), merges, &Shape::Gemma)
+    }
+
+    /// Byte-level BPE (`GPT2Tokenizer`): a token with characters outside the byte alphabet is
+    /// re-spelled through it from its UTF-8 bytes.
+    fn byte_level(&self) -> Result<Tokenizer> {
+        let table = byte_alphabet();
+        let alphabet: HashSet<char> = table.iter().copied().collect();
+        let respelled: Vec<String> = self
+            .tokens
+            .iter()
+            .map(|t| {
+                if t.chars().all(|c| alphabet.contains(&c)) {
+                    t.clone()
+                } else {
+                    t.bytes().map(|b| table[b as usize]).collect()
+                }
+            })
+            .collect();
+        let merges = self.merges(self.tokens, None)?;
+        self.bpe(
+            Self::vocab_of(&respelled),
+            merges,
+            &Shape::Gpt2 {
+                add_prefix_space: false,
+            },
+        )
+    }
+}
+
+/// Adds each token that is not an added token yet as a special one (normalized = false).
+pub(crate) fn add_missing_special_tokens<'a>(
+    tokenizer: &mut Tokenizer,
+    tokens: impl IntoIterator<Item = &'a str>,
+) -> Result<(), String> {
+    let mut missing: Vec<AddedToken> = Vec::new();
+    for token in tokens {
+        let known = tokenizer
+            .get_added_vocabulary()
+            .get_vocab()
+            .contains_key(token)
+            || missing.iter().any(|t| t.content == token);
+        if !known && !token.is_empty() {
+            missing.push(AddedToken::from(token, true));
+        }
+    }
+    if !missing.is_empty() {
+        tokenizer.add_tokens(missing).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// transformers' `generate_merges(vocab, vocab_scores)`: every split of every token into two
+/// tokens of the vocabulary is a merge; merges sort best score first, then longer left part, then
+/// longer right part, ties keeping vocabulary order.
+fn generate_merges(tokens: &[String], scores: &[f64]) -> Merges {
+    let vocab = Source::vocab_of(tokens);
+    // `dict(zip(tokens, scores))`: first-seen order, last score.
+    let mut order: Vec<&str> = Vec::new();
+    let mut score_of: HashMap<&str, f64> = HashMap::new();
+    for (token, &score) in tokens.iter().zip(scores) {
+        if score_of.insert(token.as_str(), score).is_none() {
+            order.push(token.as_str());
+        }
+    }
+    let mut merges: Vec<(&str, &str, f64)> = Vec::new();
+    for token in order {
+        let score = score_of[token];
+        let mut local: Vec<(&str, &str, f64)> = token
+            .char_indices()
+            .skip(1)
+            .map(|(i, _)| (&token[..i], &token[i..]))
+            .filter(|(l, r)| vocab.contains_key(l) && vocab.contains_key(r))
+            .map(|(l, r)| (l, r, score))
+            .collect();
+        local.sort_by_key(|(l, r, _)| (vocab[l], vocab[r]));
+        merges.extend(local);
+    }
+    let key = |m: &(&str, &str, f64)| (m.2, m.0.chars().count(), m.1.chars().count());
+    merges.sort_by(|a, b| {
+        let (ka, kb) = (key(a), key(b));
+        kb.0.partial_cmp(&ka.0)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(kb.1.cmp(&ka.1))
+            .then(kb.2.cmp(&ka.2))
+    });
+    merges
+        .into_iter()
+        .map(|(l, r, _)| (l.to_string(), r.to_string()))
+        .collect()
+}
+
+/// Typed access to GGUF metadata, with errors naming the file and key.
+struct Meta<'a> {
+    metadata: &'a HashMap<String, Value>,
+    path: &'a Path,
+}
+
+impl Meta<'_> {
+    fn missing(&self, key: &str) -> DataError {
+        DataError::gguf(
+            self.path,
+            format!("the metadata has no {key}, so it describes no tokenizer"),
+        )
+    }
+
+    fn wrong(&self, key: &str, expected: &str, value: &Value) -> DataError {
+        DataError::gguf(
+            self.path,
+            format!("{key} should be {expected}, found {:?}", value.value_type()),
+        )
+    }
+
+    fn string(&self, key: &str) -> Result<Option<String>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(self.wrong(key, "a string", v)),
+        }
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => int_of(v)
+                .map(|i| Some(i != 0))
+                .ok_or_else(|| self.wrong(key, "a bool", v)),
+        }
+    }
+
+    fn int(&self, key: &str) -> Result<Option<i64>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(v) => int_of(v)
+                .map(Some)
+                .ok_or_else(|| self.wrong(key, "an integer", v)),
+        }
+    }
+
+    fn array(&self, key: &str) -> Result<Option<&Vec<Value>>> {
+        match self.metadata.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => Ok(Some(items)),
+            Some(v) => Err(self.wrong(key, "an array", v)),
+        }
+    }
+
+    fn strings(&self, key: &str) -> Result<Option<Vec<String>>> {
+        let Some(items) = self.array(key)? else {
+            return Ok(None);
+        };
+        items
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s.clone()),
+                v => Err(self.wrong(key, "an array of strings", v)),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    fn ints(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        let Some(items) = self.array(key)? else {
+            return Ok(None);
+        };
+        items
+            .iter()
+            .map(|v| int_of(v).ok_or_else(|| self.wrong(key, "an array of integers", v)))
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    fn floats(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        let Some(items) = self.array(key)? else {
+            return Ok(None);
+        };
+        items
+            .iter()
+            .map(|v| match v {
+                Value::F32(f) => Ok(*f as f64),
+                Value::F64(f) => Ok(*f),
+                v => int_of(v)
+                    .map(|i| i as f64)
+                    .ok_or_else(|| self.wrong(key, "an array of numbers", v)),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+}
+
+fn int_of(value: &Value) -> Option<i64> {
+    Some(match value {
+        Value::U8(v) => *v as i64,
+        Value::I8(v) => *v as i64,
+        Value::U16(v) => *v as i64,
+        Value::I16(v) => *v as i64,
+        Value::U32(v) => *v as i64,
+        Value::I32(v) => *v as i64,
+        Value::U64(v) => i64::try_from(*v).ok()?,
+        Value::I64(v) => *v,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_alphabet_is_gpt2s() {
+        let table = byte_alphabet();
+        assert_eq!(table[b' ' as usize], 'Ġ');
+        assert_eq!(table[b'\n' as usize], 'Ċ');
+        assert_eq!(table[b'a' as usize], 'a');
+        assert_eq!(table.iter().collect::<HashSet<_>>().len(), 256);
+    }
+
+    #[test]
+    fn merges_sort_like_python() {
+        let tokens: Vec<String> = ["a", "b", "ab", "ba", "aba"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        // scores: "ab" best, then "aba", then "ba"
+        let merges = generate_merges(&tokens, &[0.0, 0.0, -1.0, -3.0, -2.0]);
+        let merges: Vec<(&str, &str)> = merges
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
+        assert_eq!(
+            merges,
+            vec![("a", "b"), ("ab", "a"), ("a", "ba"), ("b", "a")]
+        );
+    }
+}

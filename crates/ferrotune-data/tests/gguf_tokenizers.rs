@@ -1,0 +1,61 @@
+//! Tokenizers built from GGUF metadata against transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=...)`.
+
+mod common;
+
+use common::{check_against_reference, fixture_json, fixtures_dir, ids, messages, real_asset};
+use ferrotune_data::Tokenizer;
+
+fn smollm2() -> Tokenizer {
+    let path = real_asset("SmolLM2-135M-Instruct.Q4_1.gguf");
+    Tokenizer::from_gguf(&path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `prompt_ids` of smollm2_golden.json: transformers' GGUF tokenizer and the GGUF's chat template.
+#[test]
+fn smollm2_prompt_ids_match_transformers() {
+    let golden = fixture_json("smollm2_golden.json");
+    let case = &golden[0];
+    let tok = smollm2();
+    let ids_ = tok.encode_chat(&messages(&case["messages"]), true).unwrap();
+    assert_eq!(ids_, ids(&case["prompt_ids"]));
+    let expected_text = case["greedy_text"].as_str().unwrap();
+    assert_eq!(
+        tok.decode(&ids(&case["greedy_new_tokens"]), false).unwrap(),
+        expected_text
+    );
+}
+
+/// smollm2_tokenizer.json (scripts/make_tokenizer_fixtures.py): plain text, special tokens, chats.
+#[test]
+fn smollm2_matches_transformers_references() {
+    let tok = smollm2();
+    check_against_reference("smollm2", &tok, &fixture_json("smollm2_tokenizer.json"));
+    assert_eq!(tok.eos_ids(), &[2]);
+    assert!(!tok.add_bos_token());
+}
+
+/// Small GGUF files covering the other paths: SentencePiece BPE with merges derived from scores
+/// (llama), Gemma's re-spelled whitespace tokens and order-derived merges, byte-level BPE with a
+/// split regex picked by `tokenizer.ggml.pre`.
+#[test]
+fn small_gguf_files_match_transformers() {
+    for name in ["spm_llama", "spm_gemma", "bpe_qwen2"] {
+        let path = fixtures_dir().join(format!("gguf_tokenizers/{name}.gguf"));
+        let tok = Tokenizer::from_gguf(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+        check_against_reference(
+            name,
+            &tok,
+            &fixture_json(&format!("gguf_tokenizers/{name}.json")),
+        );
+    }
+}
+
+#[test]
+fn llama_type_gguf_adds_bos_by_default() {
+    let tok = Tokenizer::from_gguf(fixtures_dir().join("gguf_tokenizers/spm_llama.gguf")).unwrap();
+    assert!(tok.add_bos_token());
+    assert_eq!(
+        tok.encode("hi", true).unwrap().first().copied(),
+        tok.bos_id()
+    );
+}

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite, set-up included: fetches the real assets (cached), then runs every test.
+# This is the README's test command and exactly what CI runs (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/fetch-assets.sh >/dev/null
+cargo test --workspace --release
