@@ -10,7 +10,11 @@ Measured per run (after one untimed warm-up run), reported as the median over --
   prefill tokens/s = prompt tokens / time of one forward pass over the whole prompt (no cache reuse)
   decode tokens/s  = new tokens / (time of generate() - prefill time)
 generate() uses do_sample=False, max_new_tokens = min_new_tokens = N (so it never stops early) and the KV cache.
-Threads: torch's default (torch.get_num_threads()) unless --threads is given.
+Threads: torch's default (torch.get_num_threads()) unless --threads is given. Attention: transformers' default
+(sdpa) unless --attn is given.
+Timings are very sensitive to other load on the machine: with more runnable threads than cores, torch's
+OpenMP regions stall (measured: 2 threads on a busy 2-core box decode ~4x slower than 1 thread), so run it
+on an otherwise idle machine; the 1-minute load average before/after is printed.
 With --json, the last line printed is one JSON object:
   {"prefill_tokens_per_s":..,"decode_tokens_per_s":..,"new_tokens":..,"torch_threads":..,...}
 """
@@ -42,6 +46,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    ap.add_argument("--attn", default=None, help="attn_implementation (sdpa, eager; default: transformers' default)")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
     args = ap.parse_args()
 
@@ -63,7 +68,10 @@ def main() -> int:
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     t = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **{dtype_kw: torch.float32})
+    extra = {"attn_implementation": args.attn} if args.attn else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, **{dtype_kw: torch.float32}, **extra
+    )
     model.eval()
     load_s = time.perf_counter() - t
 
@@ -114,6 +122,7 @@ def main() -> int:
     text = tokenizer.decode(tokens, skip_special_tokens=False)
     print(f"model: {gguf.name} (dequantized to float32)   load {load_s:.1f}s")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {threads}, "
+          f"attn {model.config._attn_implementation}, "
           f"{platform.processor() or platform.machine()}")
     print(f"prompt tokens {n_prompt}, new tokens {n_new}, runs {args.runs} (+1 warm-up), "
           f"cpus {os.cpu_count()}, 1-min load average {load_before} -> {load_after} (other work skews timings)")
@@ -137,6 +146,7 @@ def main() -> int:
             "decode_tokens_per_s": round(decode_tps, 2),
             "new_tokens": n_new,
             "torch_threads": threads,
+            "attn_implementation": model.config._attn_implementation,
             "prompt_tokens": n_prompt,
             "generate_tokens_per_s": round(gen_tps, 2),
             "runs": args.runs,

@@ -1,0 +1,21 @@
+//! ferrotune-train: the optimizer-side pieces a fine-tuning recipe calls around candle's autograd.
+//!
+//! Everything here reproduces a PyTorch/torchtune reference numerically (the tests compare against
+//! fixtures produced by `scripts/make_train_fixtures.py`):
+//!
+//! - [`loss`] — causal-LM cross-entropy returning the *sum* of token losses and the token count, so a
+//!   recipe can normalise by the number of target tokens in the whole optimizer step.
+//! - [`optim`] — `torch.optim.AdamW` and `torch.optim.SGD` (single-tensor path), with f32 state and
+//!   f32 master weights for reduced-precision parameters, and named-tensor state export.
+//! - [`clip`] — `torch.nn.utils.clip_grad_norm_`, and gradient scaling for token normalisation.
+//! - [`schedule`] — LambdaLR-style multipliers (constant, linear, torchtune's cosine with warmup).
+
+pub mod clip;
+pub mod loss;
+pub mod optim;
+pub mod schedule;
+
+pub use clip::{clip_grad_norm, scale_grads};
+pub use loss::{causal_lm_loss, causal_lm_loss_mean, LossSum, IGNORE_INDEX};
+pub use optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+pub use schedule::LrSchedule;

@@ -1,0 +1,123 @@
+//! Causal-LM cross-entropy, as `F.cross_entropy(logits.float(), labels, ignore_index=-100)`.
+//!
+//! The loss is returned as a *sum* over target tokens together with the number of target tokens.
+//! A recipe divides the sum by the number of target tokens of the whole optimizer step (all
+//! micro-batches), which makes gradient accumulation over N micro-batches identical to one batch
+//! N times larger; per-micro-batch means would weight short and long micro-batches equally.
+//!
+//! The log-softmax is composed from differentiable candle primitives (max, exp, sum, log, gather):
+//! candle-nn's fused softmax/log-softmax kernels have no backward pass.
+//!
+//! Memory: the rows are not processed in chunks, because with candle's autograd that would not
+//! lower the footprint: the graph keeps every intermediate alive until `backward`, so about three
+//! f32 copies of `[rows, V]` (upcast logits, max-shifted logits, their exp) stay resident whatever
+//! the chunking. A leaner loss needs an op with a hand-written backward (recomputing the softmax from
+//! the logits and the saved log-sum-exp), which candle only allows with per-device forward kernels.
+
+use candle_core::{bail, DType, Result, Tensor, D};
+
+/// Label value excluded from the loss (PyTorch's default `ignore_index`).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// `-100` as it reads once stored in a `u32` tensor (two's complement), also treated as ignored.
+const IGNORE_INDEX_U32: i64 = (IGNORE_INDEX as i32 as u32) as i64;
+
+/// The summed token loss of a batch and how many target tokens it covers.
+#[derive(Debug, Clone)]
+pub struct LossSum {
+    /// Sum of the per-token negative log-likelihoods: an f32 scalar, differentiable w.r.t. the logits.
+    pub sum: Tensor,
+    /// Number of target tokens (labels other than [`IGNORE_INDEX`]) that entered `sum`.
+    pub count: usize,
+}
+
+impl LossSum {
+    /// `sum / count`: the batch mean (`F.cross_entropy`'s default `reduction="mean"`).
+    ///
+    /// With no target token this is NaN (0/0), as in PyTorch.
+    pub fn mean(&self) -> Result<Tensor> {
+        self.normalized(self.count)
+    }
+
+    /// `sum / total`: the share of an optimizer step whose micro-batches hold `total` target tokens
+    /// in all. Backpropagating each micro-batch's share accumulates exactly the gradient of the
+    /// mean over the whole step.
+    pub fn normalized(&self, total: usize) -> Result<Tensor> {
+        // Division by a scalar tensor rather than `affine(1/total)`: a true division, as torch's.
+        let denom = Tensor::new(total as f32, self.sum.device())?;
+        self.sum.broadcast_div(&denom)
+    }
+}
+
+/// Causal-LM cross-entropy of `logits` `[b, t, V]` (any float dtype) against `labels` `[b, t]`
+/// (`i64`, or `u32`/`u8` without ignored positions, or `u32` holding `-100` as `u32`).
+///
+/// With `shift` set (the usual case) position `i` predicts label `i + 1`: `logits[:, :-1]` is scored
+/// against `labels[:, 1:]`, as Hugging Face models do internally. Without it the labels are taken as
+/// already shifted (torchtune's recipes shift them in the data pipeline) and `logits[:, i]` is scored
+/// against `labels[:, i]`.
+///
+/// The log-softmax runs in f32 whatever the logits dtype (torchtune upcasts before the loss); the
+/// gradient flowing back into the logits is cast to their dtype by candle's `to_dtype` backward.
+pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<LossSum> {
+    let (b, t, vocab) = logits.dims3()?;
+    let (lb, lt) = labels.dims2()?;
+    if (lb, lt) != (b, t) {
+        bail!(
+            "causal_lm_loss: logits {:?} vs labels {:?}",
+            logits.dims(),
+            labels.dims()
+        );
+    }
+    let (logits, labels) = if shift {
+        if t < 2 {
+            bail!("causal_lm_loss: shifting needs at least 2 positions, got {t}");
+        }
+        (logits.narrow(1, 0, t - 1)?, labels.narrow(1, 1, t - 1)?)
+    } else {
+        (logits.clone(), labels.clone())
+    };
+    let rows = logits.dim(0)? * logits.dim(1)?;
+
+    // Labels are small and needed on the host anyway to count targets: build the gather indices and
+    // the mask there instead of with device-side comparisons.
+    let raw = labels
+        .flatten_all()?
+        .to_dtype(DType::I64)?
+        .to_vec1::<i64>()?;
+    let mut index = Vec::with_capacity(rows);
+    let mut mask = Vec::with_capacity(rows);
+    let mut count = 0usize;
+    for &l in &raw {
+        if l == IGNORE_INDEX || (labels.dtype() == DType::U32 && l == IGNORE_INDEX_U32) {
+            // Any in-range index works for an ignored row: its loss is multiplied by 0.
+            index.push(0u32);
+            mask.push(0f32);
+        } else if l < 0 || l as usize >= vocab {
+            bail!("causal_lm_loss: label {l} outside the vocabulary (size {vocab})");
+        } else {
+            index.push(l as u32);
+            mask.push(1f32);
+            count += 1;
+        }
+    }
+    let device = logits.device();
+    let index = Tensor::from_vec(index, (rows, 1), device)?;
+    let mask = Tensor::from_vec(mask, rows, device)?;
+
+    let x = logits.reshape((rows, vocab))?.to_dtype(DType::F32)?;
+    // The max is a constant shift of each row: detaching it changes no gradient.
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let z = x.broadcast_sub(&max)?;
+    let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let target = z.gather(&index, D::Minus1)?;
+    // -log_softmax[target] = lse - z[target]; ignored rows are zeroed by the mask.
+    let nll = (lse - target)?.squeeze(D::Minus1)?;
+    let sum = (nll * mask)?.sum_all()?;
+    Ok(LossSum { sum, count })
+}
+
+/// [`causal_lm_loss`] reduced to its mean over target tokens (`F.cross_entropy` default reduction).
+pub fn causal_lm_loss_mean(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<Tensor> {
+    causal_lm_loss(logits, labels, shift)?.mean()
+}

@@ -1,0 +1,486 @@
+//! `torch.optim.AdamW` and `torch.optim.SGD`, following the arithmetic of PyTorch's single-tensor
+//! (`foreach=False`) implementations step by step.
+//!
+//! Parameters are candle [`Var`]s; gradients come from [`GradStore`] (`loss.backward()`), looked up
+//! by tensor id. A parameter without a gradient is skipped entirely, as in torch: no weight decay,
+//! no state update, and (for AdamW) no step-count increment.
+//!
+//! All optimizer state is f32. A parameter stored in a reduced dtype (bf16/f16) gets an f32 master
+//! copy on its first step; updates are applied to the master and the rounded result is written back
+//! into the `Var`. Without it, bf16 rounding would swallow most small updates.
+//!
+//! State is exported as named tensors (`state_dict`) so a checkpoint can resume the run exactly:
+//! `"{param}.step"` (f32 scalar, like torch's per-parameter step tensor), `"{param}.exp_avg"`,
+//! `"{param}.exp_avg_sq"`, `"{param}.momentum_buffer"`, and `"{param}.master"` for master copies.
+//! Hyperparameters (the learning rate included) are not part of it: the recipe's config and LR
+//! schedule own them.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{bail, DType, Result, Tensor, Var};
+
+/// What a recipe needs from an optimizer, whichever it is.
+pub trait Optimizer {
+    /// Applies one update from `grads`; parameters without a gradient are left alone.
+    fn step(&mut self, grads: &GradStore) -> Result<()>;
+    /// The current learning rate.
+    fn lr(&self) -> f64;
+    /// Sets the learning rate used by the next [`Optimizer::step`] (LR schedules call this).
+    fn set_lr(&mut self, lr: f64);
+    /// The optimizer state as named tensors, for checkpoints.
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>>;
+    /// Restores state saved by [`Optimizer::state_dict`]. Parameters with no entry keep no state
+    /// (as if they had never been stepped); keys naming no parameter are an error.
+    fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<()>;
+}
+
+/// One parameter and its f32 master copy (only for non-f32 parameters, created on first use).
+struct Slot {
+    name: String,
+    var: Var,
+    master: Option<Tensor>,
+}
+
+impl Slot {
+    fn new(name: String, var: Var) -> Self {
+        Self {
+            name,
+            var,
+            master: None,
+        }
+    }
+
+    /// The parameter in f32: the master copy when there is one (creating it if needed).
+    fn value_f32(&mut self) -> Result<Tensor> {
+        if self.var.dtype() == DType::F32 {
+            return Ok(self.var.as_tensor().detach());
+        }
+        if self.master.is_none() {
+            self.master = Some(self.var.as_tensor().to_dtype(DType::F32)?.detach());
+        }
+        Ok(self.master.clone().expect("just set"))
+    }
+
+    /// Stores the updated f32 value: into the master copy and, rounded, into the `Var`.
+    fn store(&mut self, value: Tensor) -> Result<()> {
+        if self.var.dtype() == DType::F32 {
+            self.var.set(&value)
+        } else {
+            self.var.set(&value.to_dtype(self.var.dtype())?)?;
+            self.master = Some(value);
+            Ok(())
+        }
+    }
+
+    fn export_master(&self, out: &mut Vec<(String, Tensor)>) {
+        if let Some(m) = &self.master {
+            out.push((format!("{}.master", self.name), m.clone()));
+        }
+    }
+}
+
+/// The gradient of `var` in f32, if it has one.
+fn grad_f32(grads: &GradStore, var: &Var) -> Result<Option<Tensor>> {
+    match grads.get(var.as_tensor()) {
+        Some(g) => Ok(Some(g.detach().to_dtype(DType::F32)?)),
+        None => Ok(None),
+    }
+}
+
+/// `torch.lerp(start, end, weight)` with a scalar weight: torch switches formulas at 0.5 so that
+/// the result is exact at both ends.
+fn lerp(start: &Tensor, end: &Tensor, weight: f64) -> Result<Tensor> {
+    let diff = (end - start)?;
+    if weight.abs() < 0.5 {
+        start + diff.affine(weight, 0.0)?
+    } else {
+        end - diff.affine(1.0 - weight, 0.0)?
+    }
+}
+
+/// Fetches `"{name}.{suffix}"` from a state dict as an f32 tensor shaped like `like`, on its device.
+fn load_entry(
+    state: &HashMap<String, Tensor>,
+    name: &str,
+    suffix: &str,
+    like: &Tensor,
+) -> Result<Option<Tensor>> {
+    let key = format!("{name}.{suffix}");
+    let Some(t) = state.get(&key) else {
+        return Ok(None);
+    };
+    if t.dims() != like.dims() {
+        bail!(
+            "optimizer state {key}: shape {:?}, parameter {:?}",
+            t.dims(),
+            like.dims()
+        );
+    }
+    Ok(Some(
+        t.to_dtype(DType::F32)?
+            .to_device(like.device())?
+            .contiguous()?,
+    ))
+}
+
+/// Checks that every key of `state` belongs to one of `names` with one of `suffixes`.
+fn check_keys<'a>(
+    state: &HashMap<String, Tensor>,
+    names: impl Iterator<Item = &'a str>,
+    suffixes: &[&str],
+) -> Result<()> {
+    let known: std::collections::HashSet<String> = names
+        .flat_map(|n| suffixes.iter().map(move |s| format!("{n}.{s}")))
+        .collect();
+    let mut unknown: Vec<&String> = state.keys().filter(|k| !known.contains(*k)).collect();
+    if !unknown.is_empty() {
+        unknown.sort();
+        bail!("optimizer state has entries for no parameter: {unknown:?}");
+    }
+    Ok(())
+}
+
+/// Scalar-tensor step count, torch's representation (`state["step"]` is an f32 0-d tensor).
+fn step_tensor(step: u64, like: &Tensor) -> Result<Tensor> {
+    Tensor::new(step as f32, like.device())
+}
+
+fn step_from_tensor(t: &Tensor) -> Result<u64> {
+    let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    match v.as_slice() {
+        [s] if *s >= 0.0 && s.fract() == 0.0 => Ok(*s as u64),
+        _ => bail!("optimizer state: step must be one non-negative integer, got {v:?}"),
+    }
+}
+
+/// Hyperparameters of [`AdamW`]; the defaults are `torch.optim.AdamW`'s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay of the first-moment running average (torch's `betas[0]`).
+    pub beta1: f64,
+    /// Decay of the second-moment running average (torch's `betas[1]`).
+    pub beta2: f64,
+    /// Added to the denominator for numerical stability.
+    pub eps: f64,
+    /// Decoupled weight decay: each step multiplies the parameter by `1 - lr * weight_decay`.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 1e-2,
+        }
+    }
+}
+
+/// Per-parameter AdamW state, created on the parameter's first step (as torch does lazily).
+struct AdamState {
+    step: u64,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+/// `torch.optim.AdamW` (no amsgrad, no maximize), single-tensor arithmetic.
+pub struct AdamW {
+    cfg: AdamWConfig,
+    slots: Vec<Slot>,
+    state: Vec<Option<AdamState>>,
+}
+
+impl AdamW {
+    /// An optimizer over named parameters. Names key the exported state and must be unique.
+    pub fn new(params: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
+        // Negated so that NaN hyperparameters are rejected too.
+        if !(cfg.lr >= 0.0 && cfg.eps >= 0.0 && cfg.weight_decay >= 0.0) {
+            bail!("AdamW: invalid lr/eps/weight_decay in {cfg:?}");
+        }
+        if !((0.0..1.0).contains(&cfg.beta1) && (0.0..1.0).contains(&cfg.beta2)) {
+            bail!("AdamW: betas must lie in [0, 1), got {cfg:?}");
+        }
+        let slots = unique_slots(params)?;
+        let state = slots.iter().map(|_| None).collect();
+        Ok(Self { cfg, slots, state })
+    }
+
+    /// The hyperparameters in use.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.cfg
+    }
+
+    /// The parameters, in the order given to [`AdamW::new`].
+    pub fn params(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.slots.iter().map(|s| (s.name.as_str(), &s.var))
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        let AdamWConfig {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } = self.cfg;
+        for (slot, state) in self.slots.iter_mut().zip(self.state.iter_mut()) {
+            let Some(grad) = grad_f32(grads, &slot.var)? else {
+                continue;
+            };
+            let mut param = slot.value_f32()?;
+            let st = match state {
+                Some(st) => st,
+                None => state.insert(AdamState {
+                    step: 0,
+                    exp_avg: param.zeros_like()?,
+                    exp_avg_sq: param.zeros_like()?,
+                }),
+            };
+            st.step += 1;
+            if weight_decay != 0.0 {
+                // param.mul_(1 - lr * weight_decay)
+                param = param.affine(1.0 - lr * weight_decay, 0.0)?;
+            }
+            // exp_avg.lerp_(grad, 1 - beta1)
+            st.exp_avg = lerp(&st.exp_avg, &grad, 1.0 - beta1)?;
+            // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            st.exp_avg_sq =
+                (st.exp_avg_sq.affine(beta2, 0.0)? + (grad.affine(1.0 - beta2, 0.0)? * &grad)?)?;
+            // Bias corrections in f64, as torch computes them on Python floats.
+            let step = st.step as f64;
+            let bias_correction1 = 1.0 - beta1.powf(step);
+            let bias_correction2 = 1.0 - beta2.powf(step);
+            let step_size = lr / bias_correction1;
+            let bias_correction2_sqrt = bias_correction2.sqrt();
+            // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            let bc2 = Tensor::new(bias_correction2_sqrt as f32, param.device())?;
+            let denom = (st.exp_avg_sq.sqrt()?.broadcast_div(&bc2)? + eps)?;
+            // param.addcdiv_(exp_avg, denom, value=-step_size)
+            let update = (st.exp_avg.affine(-step_size, 0.0)? / denom)?;
+            slot.store((param + update)?)?;
+        }
+        Ok(())
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.cfg.lr = lr;
+    }
+
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (slot, state) in self.slots.iter().zip(&self.state) {
+            let Some(st) = state else { continue };
+            let n = &slot.name;
+            out.push((format!("{n}.step"), step_tensor(st.step, &st.exp_avg)?));
+            out.push((format!("{n}.exp_avg"), st.exp_avg.clone()));
+            out.push((format!("{n}.exp_avg_sq"), st.exp_avg_sq.clone()));
+            slot.export_master(&mut out);
+        }
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
+        check_keys(
+            state,
+            self.slots.iter().map(|s| s.name.as_str()),
+            &["step", "exp_avg", "exp_avg_sq", "master"],
+        )?;
+        for (slot, st) in self.slots.iter_mut().zip(self.state.iter_mut()) {
+            let like = slot.var.as_tensor();
+            let n = slot.name.as_str();
+            let step = match state.get(&format!("{n}.step")) {
+                Some(t) => Some(step_from_tensor(t)?),
+                None => None,
+            };
+            let exp_avg = load_entry(state, n, "exp_avg", like)?;
+            let exp_avg_sq = load_entry(state, n, "exp_avg_sq", like)?;
+            *st = match (step, exp_avg, exp_avg_sq) {
+                (Some(step), Some(exp_avg), Some(exp_avg_sq)) => Some(AdamState {
+                    step,
+                    exp_avg,
+                    exp_avg_sq,
+                }),
+                (None, None, None) => None,
+                _ => bail!("AdamW state for {n}: step, exp_avg and exp_avg_sq go together"),
+            };
+            load_master(slot, state)?;
+        }
+        Ok(())
+    }
+}
+
+/// Restores (or clears) a slot's master copy from a state dict.
+fn load_master(slot: &mut Slot, state: &HashMap<String, Tensor>) -> Result<()> {
+    let master = load_entry(state, &slot.name, "master", slot.var.as_tensor())?;
+    if master.is_some() && slot.var.dtype() == DType::F32 {
+        bail!(
+            "optimizer state {}.master: parameter is already f32",
+            slot.name
+        );
+    }
+    slot.master = master;
+    Ok(())
+}
+
+fn unique_slots(params: Vec<(String, Var)>) -> Result<Vec<Slot>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut slots = Vec::with_capacity(params.len());
+    for (name, var) in params {
+        if !var.dtype().is_float() {
+            bail!(
+                "optimizer: parameter {name} has non-float dtype {:?}",
+                var.dtype()
+            );
+        }
+        if !seen.insert(name.clone()) {
+            bail!("optimizer: duplicate parameter name {name}");
+        }
+        slots.push(Slot::new(name, var));
+    }
+    Ok(slots)
+}
+
+/// Hyperparameters of [`Sgd`]; the defaults are `torch.optim.SGD`'s (with lr 1e-3).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0 disables the momentum buffer).
+    pub momentum: f64,
+    /// Dampening of the gradient's contribution to the momentum buffer.
+    pub dampening: f64,
+    /// L2 penalty added to the gradient (coupled, unlike AdamW's).
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs `momentum > 0` and `dampening == 0`, as torch enforces).
+    pub nesterov: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+}
+
+/// `torch.optim.SGD` (no maximize), single-tensor arithmetic.
+pub struct Sgd {
+    cfg: SgdConfig,
+    slots: Vec<Slot>,
+    momentum_buffers: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    /// An optimizer over named parameters. Names key the exported state and must be unique.
+    pub fn new(params: Vec<(String, Var)>, cfg: SgdConfig) -> Result<Self> {
+        // Negated so that NaN hyperparameters are rejected too.
+        if !(cfg.lr >= 0.0 && cfg.momentum >= 0.0 && cfg.weight_decay >= 0.0) {
+            bail!("SGD: invalid lr/momentum/weight_decay in {cfg:?}");
+        }
+        if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
+            bail!("SGD: Nesterov momentum requires a momentum and zero dampening");
+        }
+        let slots = unique_slots(params)?;
+        let momentum_buffers = slots.iter().map(|_| None).collect();
+        Ok(Self {
+            cfg,
+            slots,
+            momentum_buffers,
+        })
+    }
+
+    /// The hyperparameters in use.
+    pub fn config(&self) -> &SgdConfig {
+        &self.cfg
+    }
+
+    /// The parameters, in the order given to [`Sgd::new`].
+    pub fn params(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.slots.iter().map(|s| (s.name.as_str(), &s.var))
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        let SgdConfig {
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        } = self.cfg;
+        for (slot, buf) in self.slots.iter_mut().zip(self.momentum_buffers.iter_mut()) {
+            let Some(mut grad) = grad_f32(grads, &slot.var)? else {
+                continue;
+            };
+            let param = slot.value_f32()?;
+            if weight_decay != 0.0 {
+                // grad = grad.add(param, alpha=weight_decay)
+                grad = (grad + param.affine(weight_decay, 0.0)?)?;
+            }
+            if momentum != 0.0 {
+                // First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1 - dampening).
+                let b = match buf.take() {
+                    None => grad.clone(),
+                    Some(b) => (b.affine(momentum, 0.0)? + grad.affine(1.0 - dampening, 0.0)?)?,
+                };
+                grad = if nesterov {
+                    (grad + b.affine(momentum, 0.0)?)?
+                } else {
+                    b.clone()
+                };
+                *buf = Some(b);
+            }
+            // param.add_(grad, alpha=-lr)
+            slot.store((param + grad.affine(-lr, 0.0)?)?)?;
+        }
+        Ok(())
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.cfg.lr = lr;
+    }
+
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (slot, buf) in self.slots.iter().zip(&self.momentum_buffers) {
+            if let Some(b) = buf {
+                out.push((format!("{}.momentum_buffer", slot.name), b.clone()));
+            }
+            slot.export_master(&mut out);
+        }
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
+        check_keys(
+            state,
+            self.slots.iter().map(|s| s.name.as_str()),
+            &["momentum_buffer", "master"],
+        )?;
+        for (slot, buf) in self.slots.iter_mut().zip(self.momentum_buffers.iter_mut()) {
+            *buf = load_entry(state, &slot.name, "momentum_buffer", slot.var.as_tensor())?;
+            load_master(slot, state)?;
+        }
+        Ok(())
+    }
+}
