@@ -61,7 +61,9 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `nn.Linear` layout).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims();
-    let in_features = *dims.last().expect("linear input has at least one dimension");
+    let in_features = *dims
+        .last()
+        .expect("linear input has at least one dimension");
     let rows: usize = dims[..dims.len() - 1].iter().product();
     let out = x.reshape((rows, in_features))?.matmul(&weight.t()?)?;
     let out = match bias {
@@ -138,7 +140,13 @@ mod tests {
         };
         let loss = f(x.as_tensor(), w.as_tensor());
         let grads = loss.backward().unwrap();
-        let gx: Vec<f32> = grads.get(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let gx: Vec<f32> = grads
+            .get(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let gw: Vec<f32> = grads.get(&w).unwrap().to_vec1().unwrap();
         let xv: Vec<f32> = x.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         let wv: Vec<f32> = w.as_tensor().to_vec1().unwrap();
@@ -153,7 +161,11 @@ mod tests {
             let num = (f(&tp, w.as_tensor()).to_scalar::<f32>().unwrap()
                 - f(&tm, w.as_tensor()).to_scalar::<f32>().unwrap())
                 / (2.0 * eps);
-            assert!((num - gx[i]).abs() < 2e-2, "x[{i}]: numeric {num} vs {}", gx[i]);
+            assert!(
+                (num - gx[i]).abs() < 2e-2,
+                "x[{i}]: numeric {num} vs {}",
+                gx[i]
+            );
         }
         for i in 0..4 {
             let mut p = wv.clone();
@@ -165,7 +177,11 @@ mod tests {
             let num = (f(x.as_tensor(), &tp).to_scalar::<f32>().unwrap()
                 - f(x.as_tensor(), &tm).to_scalar::<f32>().unwrap())
                 / (2.0 * eps);
-            assert!((num - gw[i]).abs() < 2e-2, "w[{i}]: numeric {num} vs {}", gw[i]);
+            assert!(
+                (num - gw[i]).abs() < 2e-2,
+                "w[{i}]: numeric {num} vs {}",
+                gw[i]
+            );
         }
     }
 
