@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
+use crate::gguf::PackedWeights;
 use crate::model::CausalLm;
 
 /// Where a checkpoint's weights came from.
@@ -24,6 +25,8 @@ pub enum CheckpointFormat {
 pub struct Checkpoint {
     pub config: ModelConfig,
     pub tensors: HashMap<String, Tensor>,
+    /// GGUF matrix weights kept in block format too (inference only; empty otherwise).
+    pub packed: PackedWeights,
     pub format: CheckpointFormat,
     /// The folder holding config/tokenizer files (the GGUF's folder for a GGUF).
     pub dir: PathBuf,
@@ -135,14 +138,29 @@ pub fn read_checkpoint(
     dtype: DType,
     device: &Device,
 ) -> Result<Checkpoint, ModelError> {
+    read(path, dtype, device, false)
+}
+
+fn read(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    keep_packed: bool,
+) -> Result<Checkpoint, ModelError> {
     let format = locate_weights(path)?;
     match &format {
         CheckpointFormat::Gguf(file) => {
-            let (config, tensors) = crate::gguf::load_gguf(file, dtype, device)?;
+            let (config, tensors, packed) = if keep_packed && dtype == DType::F32 {
+                crate::gguf::load_gguf_with_packed(file, dtype, device)?
+            } else {
+                let (config, tensors) = crate::gguf::load_gguf(file, dtype, device)?;
+                (config, tensors, PackedWeights::new())
+            };
             let dir = file.parent().unwrap_or(Path::new(".")).to_path_buf();
             Ok(Checkpoint {
                 config,
                 tensors,
+                packed,
                 format,
                 dir,
             })
@@ -158,6 +176,7 @@ pub fn read_checkpoint(
             Ok(Checkpoint {
                 config,
                 tensors,
+                packed: PackedWeights::new(),
                 format,
                 dir,
             })
@@ -165,14 +184,15 @@ pub fn read_checkpoint(
     }
 }
 
-/// Loads a ready-to-run model from an HF folder or a GGUF file.
+/// Loads a model for inference from an HF folder or a GGUF file (for an f32 model from a GGUF,
+/// quantized matrix weights are also kept in block format: see [`crate::model::Linear`]).
 pub fn load_model(
     path: &Path,
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, PathBuf), ModelError> {
-    let ckpt = read_checkpoint(path, dtype, device)?;
+    let ckpt = read(path, dtype, device, true)?;
     let source = path.display().to_string();
-    let model = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &source)?;
+    let model = CausalLm::from_tensors_and_packed(ckpt.config, ckpt.tensors, ckpt.packed, &source)?;
     Ok((model, ckpt.dir))
 }

@@ -20,8 +20,9 @@ use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value as GgufValue};
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
+use ferrotune_core::quant::QuantizedMatrix;
 use serde_json::{json, Map, Value};
 
 use crate::config::ModelConfig;
@@ -38,6 +39,31 @@ pub fn load_gguf(
     dtype: DType,
     device: &Device,
 ) -> Result<(ModelConfig, HashMap<String, Tensor>), ModelError> {
+    let (config, tensors, _) = read_gguf(path, dtype, device, false)?;
+    Ok((config, tensors))
+}
+
+/// Matrix weights (HF names) kept in their GGUF block format, for fast inference.
+pub type PackedWeights = HashMap<String, QuantizedMatrix>;
+
+/// As [`load_gguf`], and also keeps every quantized matrix weight (projections, output head and —
+/// it serves as the head when tied — the embedding) in its block format. The packed copies hold
+/// exactly the dequantized values; the decoder uses them when reading 4–8-bit blocks instead of
+/// f32 is what bounds speed (decoding).
+pub fn load_gguf_with_packed(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<(ModelConfig, HashMap<String, Tensor>, PackedWeights), ModelError> {
+    read_gguf(path, dtype, device, true)
+}
+
+fn read_gguf(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    keep_packed: bool,
+) -> Result<(ModelConfig, HashMap<String, Tensor>, PackedWeights), ModelError> {
     let mut gguf = GgufFile::open(path)?;
     let arch = Arch::from_metadata(&gguf)?;
     let hp = HParams::read(&gguf, &arch)?;
@@ -79,8 +105,31 @@ pub fn load_gguf(
     }
 
     let mut tensors = HashMap::with_capacity(plan.len());
+    let mut packed = PackedWeights::new();
     for (name, role) in plan {
-        let mut t = gguf.dequantize(&name)?;
+        let q = gguf.read_qtensor(&name)?;
+        // Block types the fused kernel does not cover (and F32/F16) stay dense only.
+        let kernel = (keep_packed && device.is_cpu() && role.is_matrix())
+            .then(|| QuantizedMatrix::from_qtensor(&q).ok())
+            .flatten();
+        if let Some(mut m) = kernel {
+            if arch.permuted_qk {
+                let heads = match role.kind {
+                    Kind::Q => Some(hp.heads),
+                    Kind::K => Some(hp.kv_heads),
+                    _ => None,
+                };
+                if let Some(heads) = heads {
+                    let order = unpermuted_row_order(m.rows(), heads)
+                        .map_err(|msg| gguf.tensor_err(&name, msg))?;
+                    m = m
+                        .with_row_order(order)
+                        .map_err(|e| gguf.tensor_err(&name, e))?;
+                }
+            }
+            packed.insert(role.hf_name(&arch), m);
+        }
+        let mut t = gguf.dequantize_blocks(&name, &q)?;
         if arch.permuted_qk {
             // convert_hf_to_gguf.py permutes q with n_head and k with n_head_kv.
             match role.kind {
@@ -109,7 +158,7 @@ pub fn load_gguf(
         })?;
         tensors.insert(role.hf_name(&arch), t);
     }
-    Ok((config, tensors))
+    Ok((config, tensors, packed))
 }
 
 /// Tensors that feed the config (rotary factors) rather than the model.
@@ -381,17 +430,24 @@ impl<'a> GgufFile<'a> {
         }
     }
 
-    /// Reads and dequantizes a tensor to f32 on the CPU, in PyTorch dimension order.
-    fn dequantize(&mut self, name: &str) -> Result<Tensor, ModelError> {
-        let q = self
-            .content
+    /// Reads a tensor's blocks (CPU), in PyTorch dimension order.
+    fn read_qtensor(&mut self, name: &str) -> Result<QTensor, ModelError> {
+        self.content
             .tensor(&mut self.reader, name, &Device::Cpu)
-            .map_err(|e| {
-                ModelError::file(self.path, format!("cannot read tensor '{name}': {e}"))
-            })?;
+            .map_err(|e| ModelError::file(self.path, format!("cannot read tensor '{name}': {e}")))
+    }
+
+    /// Dequantizes a tensor's blocks to f32 on the CPU.
+    fn dequantize_blocks(&self, name: &str, q: &QTensor) -> Result<Tensor, ModelError> {
         q.dequantize(&Device::Cpu).map_err(|e| {
             ModelError::file(self.path, format!("cannot dequantize tensor '{name}': {e}"))
         })
+    }
+
+    /// Reads and dequantizes a tensor to f32 on the CPU, in PyTorch dimension order.
+    fn dequantize(&mut self, name: &str) -> Result<Tensor, ModelError> {
+        let q = self.read_qtensor(name)?;
+        self.dequantize_blocks(name, &q)
     }
 
     /// A small F32 vector tensor (rotary factors), if present.
@@ -919,6 +975,25 @@ impl Role {
         })
     }
 
+    /// A weight matrix used as `x @ W.T` (projections, the head, and the embedding, which is the
+    /// head when tied).
+    fn is_matrix(&self) -> bool {
+        !self.bias
+            && matches!(
+                self.kind,
+                Kind::Embed
+                    | Kind::Output
+                    | Kind::Q
+                    | Kind::K
+                    | Kind::V
+                    | Kind::O
+                    | Kind::Qkv
+                    | Kind::Gate
+                    | Kind::Up
+                    | Kind::Down
+            )
+    }
+
     fn hf_name(&self, arch: &Arch) -> String {
         let suffix = if self.bias { "bias" } else { "weight" };
         let module = match self.kind {
@@ -975,6 +1050,25 @@ impl Role {
         };
         Ok(if self.bias { vec![out] } else { vec![out, inp] })
     }
+}
+
+/// The row order that [`unpermute_rows`] produces: HF row `r` is GGUF row `order[r]`.
+fn unpermuted_row_order(rows: usize, n_head: usize) -> Result<Vec<u32>, String> {
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
+        return Err(format!(
+            "has {rows} rows, which cannot be split into {n_head} heads of (re, im) pairs"
+        ));
+    }
+    let half = rows / n_head / 2;
+    let mut order = Vec::with_capacity(rows);
+    for h in 0..n_head {
+        for j in 0..2 {
+            for i in 0..half {
+                order.push((h * 2 * half + i * 2 + j) as u32);
+            }
+        }
+    }
+    Ok(order)
 }
 
 /// Undoes convert_hf_to_gguf.py's `permute`: rows grouped per head as `(n_head, 2, half)` were
