@@ -5,10 +5,14 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod gguf;
+pub mod lora;
 pub mod model;
+pub mod peft;
 pub mod rope;
 
 pub use checkpoint::{load_model, read_checkpoint, Checkpoint, CheckpointFormat};
 pub use config::{ModelConfig, SUPPORTED_MODEL_TYPES};
 pub use error::ModelError;
+pub use lora::LoraAdapter;
 pub use model::{AttentionLayout, CausalLm, KvCache, Linear};
+pub use peft::{load_adapter, save_adapter, LoraConfig, TargetModules};

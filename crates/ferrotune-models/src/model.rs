@@ -3,25 +3,78 @@
 //! the same code serves generation and training.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Result as CResult, Tensor, D};
 use ferrotune_core::ops;
+use ferrotune_core::quant::QuantizedMatrix;
 
 use crate::config::{Activation, ModelConfig};
 use crate::error::ModelError;
+use crate::lora::LoraAdapter;
 use crate::rope::RotaryEmbedding;
+
+/// Inputs with at most this many rows use a layer's packed weight (decode steps, short prompts);
+/// longer ones go through the dense f32 GEMM, which is faster once the weight read is amortized.
+const PACKED_MAX_ROWS: usize = 32;
 
 /// A linear layer in PyTorch's layout: `weight` is `[out, in]`.
 #[derive(Debug, Clone)]
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// The same matrix in its GGUF block format (exactly `weight`'s values). Decoding is bound by
+    /// reading weights, and 4–8-bit blocks are several times fewer bytes than f32; used only for
+    /// f32 inputs outside autograd, so training always sees `weight`.
+    pub packed: Option<Arc<QuantizedMatrix>>,
+    /// A LoRA/DoRA adapter applied on top of the (frozen) base layer, as PEFT's `lora.Linear`.
+    pub adapter: Option<LoraAdapter>,
 }
 
 impl Linear {
-    /// `x @ weight.T + bias`.
+    /// A dense layer.
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self {
+            weight,
+            bias,
+            packed: None,
+            adapter: None,
+        }
+    }
+
+    /// `x @ weight.T + bias`, plus the adapter's contribution when one is attached.
     pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        let base = self.forward_base(x)?;
+        match &self.adapter {
+            // PEFT computes the base layer first and adds the adapter on top; the packed copy holds
+            // exactly `weight`'s values, so it may serve as that base result.
+            Some(adapter) => adapter.forward(x, &base, &self.weight, self.bias.as_ref()),
+            None => Ok(base),
+        }
+    }
+
+    /// The base layer alone: `x @ weight.T + bias`.
+    fn forward_base(&self, x: &Tensor) -> CResult<Tensor> {
+        if let Some(packed) = &self.packed {
+            let rows = x.elem_count() / x.dim(D::Minus1)?;
+            if rows <= PACKED_MAX_ROWS && x.dtype() == DType::F32 && !x.track_op() {
+                return self.forward_packed(packed, x);
+            }
+        }
         ops::linear(x, &self.weight, self.bias.as_ref())
+    }
+
+    fn forward_packed(&self, packed: &QuantizedMatrix, x: &Tensor) -> CResult<Tensor> {
+        let dims = x.dims();
+        let rows = x.elem_count() / packed.cols();
+        let out = packed.matmul(&x.reshape((rows, packed.cols()))?.contiguous()?)?;
+        let out = match &self.bias {
+            Some(b) => out.broadcast_add(b)?,
+            None => out,
+        };
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("non-empty") = packed.rows();
+        out.reshape(out_dims)
     }
 }
 
@@ -185,6 +238,7 @@ pub struct CausalLm {
 /// Takes named tensors out of a checkpoint's map, checking shapes.
 struct TensorTaker<'a> {
     tensors: &'a mut HashMap<String, Tensor>,
+    packed: &'a mut HashMap<String, QuantizedMatrix>,
     source: &'a str,
 }
 
@@ -215,10 +269,20 @@ impl TensorTaker<'_> {
 
     /// A linear layer; its bias is used when the checkpoint has one.
     fn linear(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Linear, ModelError> {
+        let name = format!("{prefix}.weight");
         Ok(Linear {
-            weight: self.take(&format!("{prefix}.weight"), &[out, inp])?,
+            weight: self.take(&name, &[out, inp])?,
             bias: self.take_opt(&format!("{prefix}.bias"), &[out])?,
+            packed: self.take_packed(&name, out, inp),
+            adapter: None,
         })
+    }
+
+    fn take_packed(&mut self, name: &str, out: usize, inp: usize) -> Option<Arc<QuantizedMatrix>> {
+        self.packed
+            .remove(name)
+            .filter(|m| m.rows() == out && m.cols() == inp)
+            .map(Arc::new)
     }
 }
 
@@ -228,7 +292,18 @@ impl CausalLm {
     /// `source` names the checkpoint in error messages. Tensors the model does not use are ignored.
     pub fn from_tensors(
         config: ModelConfig,
+        tensors: HashMap<String, Tensor>,
+        source: &str,
+    ) -> Result<Self, ModelError> {
+        Self::from_tensors_and_packed(config, tensors, HashMap::new(), source)
+    }
+
+    /// As [`CausalLm::from_tensors`], attaching packed (GGUF block) copies of matrix weights to
+    /// their layers for fast inference.
+    pub fn from_tensors_and_packed(
+        config: ModelConfig,
         mut tensors: HashMap<String, Tensor>,
+        mut packed: HashMap<String, QuantizedMatrix>,
         source: &str,
     ) -> Result<Self, ModelError> {
         let c = &config;
@@ -236,9 +311,12 @@ impl CausalLm {
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let mut take = TensorTaker {
             tensors: &mut tensors,
+            packed: &mut packed,
             source,
         };
         let embed_tokens = take.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        // The embedding's packed copy only serves as the tied output head.
+        let embed_packed = take.take_packed("model.embed_tokens.weight", c.vocab_size, h);
         let dtype = embed_tokens.dtype();
         let device = embed_tokens.device().clone();
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -299,6 +377,8 @@ impl CausalLm {
             Linear {
                 weight: embed_tokens.clone(),
                 bias: None,
+                packed: embed_packed,
+                adapter: None,
             }
         } else {
             take.linear("lm_head", c.vocab_size, h)?
@@ -314,6 +394,79 @@ impl CausalLm {
             dtype,
             device,
         })
+    }
+
+    /// Every linear layer with its HF module name (`model.layers.0.self_attn.q_proj`, ...,
+    /// `lm_head`), in model order: the names PEFT uses to target and store adapters.
+    pub fn linears(&self) -> Vec<(String, &Linear)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let attn = format!("model.layers.{i}.self_attn");
+            match &layer.self_attn.qkv {
+                QkvProjection::Separate {
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                } => {
+                    out.push((format!("{attn}.q_proj"), q_proj));
+                    out.push((format!("{attn}.k_proj"), k_proj));
+                    out.push((format!("{attn}.v_proj"), v_proj));
+                }
+                QkvProjection::Fused { qkv_proj } => {
+                    out.push((format!("{attn}.qkv_proj"), qkv_proj))
+                }
+            }
+            out.push((format!("{attn}.o_proj"), &layer.self_attn.o_proj));
+            let mlp = format!("model.layers.{i}.mlp");
+            match &layer.mlp.gate_up {
+                GateUpProjection::Separate { gate_proj, up_proj } => {
+                    out.push((format!("{mlp}.gate_proj"), gate_proj));
+                    out.push((format!("{mlp}.up_proj"), up_proj));
+                }
+                GateUpProjection::Fused { gate_up_proj } => {
+                    out.push((format!("{mlp}.gate_up_proj"), gate_up_proj))
+                }
+            }
+            out.push((format!("{mlp}.down_proj"), &layer.mlp.down_proj));
+        }
+        out.push(("lm_head".to_string(), &self.lm_head));
+        out
+    }
+
+    /// As [`CausalLm::linears`], mutable: where adapters are attached.
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let attn = format!("model.layers.{i}.self_attn");
+            match &mut layer.self_attn.qkv {
+                QkvProjection::Separate {
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                } => {
+                    out.push((format!("{attn}.q_proj"), q_proj));
+                    out.push((format!("{attn}.k_proj"), k_proj));
+                    out.push((format!("{attn}.v_proj"), v_proj));
+                }
+                QkvProjection::Fused { qkv_proj } => {
+                    out.push((format!("{attn}.qkv_proj"), qkv_proj))
+                }
+            }
+            out.push((format!("{attn}.o_proj"), &mut layer.self_attn.o_proj));
+            let mlp = format!("model.layers.{i}.mlp");
+            match &mut layer.mlp.gate_up {
+                GateUpProjection::Separate { gate_proj, up_proj } => {
+                    out.push((format!("{mlp}.gate_proj"), gate_proj));
+                    out.push((format!("{mlp}.up_proj"), up_proj));
+                }
+                GateUpProjection::Fused { gate_up_proj } => {
+                    out.push((format!("{mlp}.gate_up_proj"), gate_up_proj))
+                }
+            }
+            out.push((format!("{mlp}.down_proj"), &mut layer.mlp.down_proj));
+        }
+        out.push(("lm_head".to_string(), &mut self.lm_head));
+        out
     }
 
     /// The compute dtype.

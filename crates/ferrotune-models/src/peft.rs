@@ -1,0 +1,1264 @@
+//! PEFT LoRA adapter folders: reading `adapter_config.json` + `adapter_model.safetensors`,
+//! attaching the adapters to a [`CausalLm`], saving them back in PEFT's format, merging them into
+//! the base weights, and creating fresh adapters for training.
+//!
+//! Which layers get an adapter, and with which rank and alpha, follows PEFT 0.21's
+//! `check_target_module_exists` and `get_pattern_key` against the HF module names of
+//! [`CausalLm::linears`] (`model.layers.0.self_attn.q_proj`, ..., `lm_head`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::Path;
+
+use candle_core::{Device, Tensor, Var};
+use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::ModelError;
+use crate::lora::{lora_scaling, LoraAdapter, SplitMix64};
+use crate::model::CausalLm;
+
+use self::pattern::Pattern;
+
+/// The adapter config file of a PEFT folder.
+pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+/// The adapter weights file of a PEFT folder.
+pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
+/// Prefix PEFT puts before module names in adapter files (`PeftModel.base_model.model`).
+pub const PEFT_PREFIX: &str = "base_model.model.";
+
+/// The module names PEFT users target on the supported decoders.
+pub const LORA_TARGET_NAMES: &[&str] = &[
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "lm_head",
+];
+
+/// `target_modules` (and `exclude_modules`): module names, or one regular expression.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TargetModules {
+    /// A module is targeted when its name equals an entry or ends with `.{entry}`.
+    Names(Vec<String>),
+    /// A module is targeted when the expression matches its whole name (`re.fullmatch`).
+    Regex(String),
+}
+
+impl TargetModules {
+    fn to_json(&self) -> Value {
+        match self {
+            TargetModules::Names(n) => json!(n),
+            TargetModules::Regex(r) => json!(r),
+        }
+    }
+
+    fn from_json(v: &Value, what: &str) -> Result<Option<Self>, String> {
+        match v {
+            Value::Null => Ok(None),
+            Value::String(s) => Ok(Some(TargetModules::Regex(s.clone()))),
+            Value::Array(items) => items
+                .iter()
+                .map(|i| {
+                    i.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| format!("'{what}' entries must be strings, got {i}"))
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(|v| Some(TargetModules::Names(v))),
+            other => Err(format!(
+                "'{what}' must be a list of names or a regex string, got {other}"
+            )),
+        }
+    }
+}
+
+/// The LoRA settings of a PEFT adapter (`LoraConfig`), the subset ferrotune implements.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    /// Default rank.
+    pub r: usize,
+    /// Default alpha.
+    pub lora_alpha: f64,
+    /// Dropout on the adapter input during training.
+    pub lora_dropout: f64,
+    /// Which linear layers get an adapter.
+    pub target_modules: TargetModules,
+    /// Modules never adapted, even when targeted.
+    pub exclude_modules: Option<TargetModules>,
+    /// Scaling `alpha / sqrt(r)` instead of `alpha / r`.
+    pub use_rslora: bool,
+    /// DoRA (weight-decomposed LoRA).
+    pub use_dora: bool,
+    /// Per-module rank overrides: pattern → rank, in the file's order (the first match wins).
+    pub rank_pattern: Vec<(String, usize)>,
+    /// Per-module alpha overrides: pattern → alpha, in the file's order (the first match wins).
+    pub alpha_pattern: Vec<(String, f64)>,
+    /// Only these decoder layers are adapted (with a list `target_modules` only, as PEFT).
+    pub layers_to_transform: Option<Vec<usize>>,
+    /// Names of the layer list in module names for `layers_to_transform` (`layers` here).
+    pub layers_pattern: Option<Vec<String>>,
+    /// Recorded in the saved config for PEFT's `PeftModel.from_pretrained`.
+    pub base_model_name_or_path: Option<String>,
+}
+
+impl LoraConfig {
+    /// A config with PEFT's defaults for everything but rank, alpha and targets.
+    pub fn new(r: usize, lora_alpha: f64, target_modules: TargetModules) -> Self {
+        Self {
+            r,
+            lora_alpha,
+            lora_dropout: 0.0,
+            target_modules,
+            exclude_modules: None,
+            use_rslora: false,
+            use_dora: false,
+            rank_pattern: Vec::new(),
+            alpha_pattern: Vec::new(),
+            layers_to_transform: None,
+            layers_pattern: None,
+            base_model_name_or_path: None,
+        }
+    }
+
+    /// Reads `dir/adapter_config.json` (or the file itself when `path` is a file).
+    pub fn read(path: &Path) -> Result<Self, ModelError> {
+        let file = if path.is_dir() {
+            path.join(ADAPTER_CONFIG_FILE)
+        } else {
+            path.to_path_buf()
+        };
+        let text = std::fs::read_to_string(&file)
+            .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
+        Self::parse(&text).map_err(|msg| ModelError::file(&file, msg))
+    }
+
+    /// Parses the JSON text of an `adapter_config.json`; errors name the offending key.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let raw: RawConfig =
+            serde_json::from_str(text).map_err(|e| format!("invalid adapter config: {e}"))?;
+        match raw.peft_type.as_deref() {
+            Some("LORA") => {}
+            Some(other) => {
+                let msg = format!("peft_type is \"{other}\": only LoRA adapters are supported");
+                return Err(format!("{msg} (peft_type \"LORA\")"));
+            }
+            None => return Err("missing 'peft_type' (expected \"LORA\")".to_string()),
+        }
+        if let Some(bias) = raw.bias.as_deref() {
+            if bias != "none" {
+                return Err(format!(
+                    "bias is \"{bias}\": only bias \"none\" is supported (trained biases are not)"
+                ));
+            }
+        }
+        if raw.fan_in_fan_out == Some(true) {
+            return Err("fan_in_fan_out is true: only PyTorch-layout (false) is supported".into());
+        }
+        if raw.lora_bias == Some(true) {
+            return Err("lora_bias is true: adapters with a lora_B bias are not supported".into());
+        }
+        if raw.modules_to_save.as_ref().is_some_and(non_empty) {
+            return Err(
+                "modules_to_save is set: fully trained extra modules are not supported".into(),
+            );
+        }
+        if raw.layer_replication.as_ref().is_some_and(non_empty) {
+            return Err("layer_replication is set: not supported".into());
+        }
+        if raw.trainable_token_indices.as_ref().is_some_and(non_empty) {
+            return Err("trainable_token_indices is set: not supported".into());
+        }
+        let r = raw.r.unwrap_or(8);
+        if r == 0 {
+            return Err("r must be a positive integer, got 0".into());
+        }
+        let target_modules = TargetModules::from_json(&raw.target_modules, "target_modules")?
+            .ok_or("target_modules is null: targeting parameters only is not supported")?;
+        let exclude_modules = TargetModules::from_json(&raw.exclude_modules, "exclude_modules")?;
+        let layers_to_transform = match &raw.layers_to_transform {
+            Value::Null => None,
+            Value::Number(n) => Some(vec![
+                n.as_u64().ok_or("layers_to_transform: bad index")? as usize
+            ]),
+            Value::Array(a) => Some(
+                a.iter()
+                    .map(|v| v.as_u64().map(|i| i as usize))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or("layers_to_transform must hold layer indices")?,
+            )
+            .filter(|v: &Vec<usize>| !v.is_empty()),
+            other => return Err(format!("layers_to_transform: unexpected value {other}")),
+        };
+        let layers_pattern = match &raw.layers_pattern {
+            Value::Null => None,
+            Value::String(s) if s.is_empty() => None,
+            Value::String(s) => Some(vec![s.clone()]),
+            Value::Array(a) => Some(
+                a.iter()
+                    .map(|v| v.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or("layers_pattern must hold strings")?,
+            )
+            .filter(|v: &Vec<String>| !v.is_empty()),
+            other => return Err(format!("layers_pattern: unexpected value {other}")),
+        };
+        let rank_pattern = raw
+            .rank_pattern
+            .map(|p| p.0)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| match v.as_u64() {
+                Some(r) if r > 0 => Ok((k, r as usize)),
+                _ => Err(format!(
+                    "rank_pattern['{k}'] must be a positive integer, got {v}"
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let alpha_pattern = raw
+            .alpha_pattern
+            .map(|p| p.0)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| match v.as_f64() {
+                Some(a) => Ok((k, a)),
+                None => Err(format!("alpha_pattern['{k}'] must be a number, got {v}")),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if matches!(target_modules, TargetModules::Regex(_))
+            && (layers_to_transform.is_some() || layers_pattern.is_some())
+        {
+            let msg = "layers_to_transform/layers_pattern cannot be used";
+            return Err(format!("{msg} when target_modules is a regex string"));
+        }
+        if layers_pattern.is_some() && layers_to_transform.is_none() {
+            return Err("layers_pattern is set but layers_to_transform is not".into());
+        }
+        let config = Self {
+            r,
+            lora_alpha: raw.lora_alpha.unwrap_or(8.0),
+            lora_dropout: raw.lora_dropout.unwrap_or(0.0),
+            target_modules,
+            exclude_modules,
+            use_rslora: raw.use_rslora.unwrap_or(false),
+            use_dora: raw.use_dora.unwrap_or(false),
+            rank_pattern,
+            alpha_pattern,
+            layers_to_transform,
+            layers_pattern,
+            base_model_name_or_path: raw.base_model_name_or_path,
+        };
+        config.check_patterns()?;
+        Ok(config)
+    }
+
+    /// Compiles every pattern once, so that a bad one is reported when the config is read.
+    fn check_patterns(&self) -> Result<(), String> {
+        let mut all: Vec<String> = Vec::new();
+        if let TargetModules::Regex(r) = &self.target_modules {
+            all.push(r.clone());
+        }
+        if let Some(TargetModules::Regex(r)) = &self.exclude_modules {
+            all.push(r.clone());
+        }
+        all.extend(self.rank_pattern.iter().map(|(k, _)| pattern_key_regex(k)));
+        all.extend(self.alpha_pattern.iter().map(|(k, _)| pattern_key_regex(k)));
+        for p in self.layers_pattern.iter().flatten() {
+            all.push(p.clone());
+        }
+        for p in all {
+            Pattern::new(&p).map_err(|e| format!("pattern '{p}': {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// PEFT's `check_target_module_exists` for the module `key`.
+    pub fn targets(&self, key: &str) -> bool {
+        if let Some(ex) = &self.exclude_modules {
+            let excluded = match ex {
+                TargetModules::Regex(r) => full_match(r, key),
+                TargetModules::Names(n) => n
+                    .iter()
+                    .any(|e| key == e || key.ends_with(&format!(".{e}"))),
+            };
+            if excluded {
+                return false;
+            }
+        }
+        match &self.target_modules {
+            TargetModules::Regex(r) => full_match(r, key),
+            TargetModules::Names(names) if names.iter().any(|n| n == key) => true,
+            TargetModules::Names(names) => {
+                let found = names.iter().any(|n| key.ends_with(&format!(".{n}")));
+                match &self.layers_to_transform {
+                    Some(indexes) if found => layer_index(key, self.layers_pattern.as_deref())
+                        .is_some_and(|i| indexes.contains(&i)),
+                    _ => found,
+                }
+            }
+        }
+    }
+
+    /// Rank and alpha of the module `key` (PEFT's `get_pattern_key`: the first pattern `p` with
+    /// `re.match(rf"(.*\.)?({p})$", key)` wins; otherwise the defaults).
+    pub fn rank_and_alpha(&self, key: &str) -> (usize, f64) {
+        let r = self
+            .rank_pattern
+            .iter()
+            .find(|(p, _)| full_match(&pattern_key_regex(p), key))
+            .map_or(self.r, |(_, r)| *r);
+        let alpha = self
+            .alpha_pattern
+            .iter()
+            .find(|(p, _)| full_match(&pattern_key_regex(p), key))
+            .map_or(self.lora_alpha, |(_, a)| *a);
+        (r, alpha)
+    }
+
+    /// `Some((rank, scaling))` when `key` gets an adapter under this config.
+    pub fn resolve(&self, key: &str) -> Option<(usize, f64)> {
+        if !self.targets(key) {
+            return None;
+        }
+        let (r, alpha) = self.rank_and_alpha(key);
+        Some((r, lora_scaling(r, alpha, self.use_rslora)))
+    }
+
+    /// The `adapter_config.json` PEFT 0.21 writes for this config (all its default keys, so that
+    /// `PeftModel.from_pretrained` reads it as one of its own).
+    pub fn to_json(&self) -> Value {
+        let rank_pattern: serde_json::Map<String, Value> = self
+            .rank_pattern
+            .iter()
+            .map(|(k, v)| (k.clone(), json!(v)))
+            .collect();
+        let alpha_pattern: serde_json::Map<String, Value> = self
+            .alpha_pattern
+            .iter()
+            .map(|(k, v)| (k.clone(), number(*v)))
+            .collect();
+        json!({
+            "alora_invocation_tokens": null,
+            "alpha_pattern": alpha_pattern,
+            "arrow_config": null,
+            "auto_mapping": null,
+            "base_model_name_or_path": self.base_model_name_or_path,
+            "bias": "none",
+            "corda_config": null,
+            "ensure_weight_tying": false,
+            "eva_config": null,
+            "exclude_modules": self.exclude_modules.as_ref().map(TargetModules::to_json),
+            "fan_in_fan_out": false,
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "kasa_config": null,
+            "layer_replication": null,
+            "layers_pattern": self.layers_pattern.as_ref().map(|p| if p.len() == 1 { json!(p[0]) } else { json!(p) }),
+            "layers_to_transform": self.layers_to_transform,
+            "loftq_config": {},
+            "lora_alpha": number(self.lora_alpha),
+            "lora_bias": false,
+            "lora_dropout": self.lora_dropout,
+            "lora_ga_config": null,
+            "megatron_config": null,
+            "megatron_core": "megatron.core",
+            "modules_to_save": null,
+            "monteclora_config": null,
+            "peft_type": "LORA",
+            "peft_version": "0.21.2",
+            "qalora_group_size": 16,
+            "r": self.r,
+            "rank_pattern": rank_pattern,
+            "revision": null,
+            "target_modules": self.target_modules.to_json(),
+            "target_parameters": null,
+            "task_type": "CAUSAL_LM",
+            "trainable_token_indices": null,
+            "use_bdlora": null,
+            "use_dora": self.use_dora,
+            "use_qalora": false,
+            "use_rslora": self.use_rslora,
+            "velora_config": null
+        })
+    }
+}
+
+/// Whole numbers as JSON integers, as PEFT writes `lora_alpha: 8`.
+fn number(v: f64) -> Value {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        json!(v as i64)
+    } else {
+        json!(v)
+    }
+}
+
+fn non_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+        Value::String(s) => !s.is_empty(),
+        _ => true,
+    }
+}
+
+/// The expression `get_pattern_key` matches a pattern key with (anchored at both ends).
+fn pattern_key_regex(key: &str) -> String {
+    format!(r"(.*\.)?({key})")
+}
+
+fn full_match(pattern: &str, text: &str) -> bool {
+    // Patterns were compiled once in `check_patterns`; one that fails here matches nothing.
+    Pattern::new(pattern).is_ok_and(|p| p.full_match(text))
+}
+
+/// The decoder-layer index in `key`, as PEFT's `check_target_module_exists`: the first
+/// all-digit segment that follows `{layers_pattern}.` (PEFT's `(?:^|.*?\.){pattern}\.(\d+)\.`),
+/// or without a pattern the first one after at least two segments (`.*?\.[^.]*\.(\d+)\.`).
+fn layer_index(key: &str, layers_pattern: Option<&[String]>) -> Option<usize> {
+    let parts: Vec<&str> = key.split('.').collect();
+    // Positions of all-digit segments that have a following segment (both expressions end in
+    // `\.`), leftmost first as the lazy `.*?` finds them.
+    let indices: Vec<usize> = (1..parts.len().saturating_sub(1))
+        .filter(|&i| !parts[i].is_empty() && parts[i].bytes().all(|b| b.is_ascii_digit()))
+        .collect();
+    let found = match layers_pattern {
+        None => indices.into_iter().find(|&i| i >= 2),
+        // PEFT tries the patterns in order and stops at the first that matches.
+        Some(pats) => pats.iter().find_map(|p| {
+            let prefix = format!(r"(?:.*\.)?(?:{p})");
+            indices
+                .iter()
+                .copied()
+                .find(|&i| full_match(&prefix, &parts[..i].join(".")))
+        }),
+    };
+    found.and_then(|i| parts[i].parse().ok())
+}
+
+/// A JSON object read in document order (serde_json's map would sort it, but PEFT takes the first
+/// matching pattern in the file's order).
+#[derive(Debug, Default)]
+struct OrderedMap(Vec<(String, Value)>);
+
+impl<'de> Deserialize<'de> for OrderedMap {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = OrderedMap;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<OrderedMap, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Value>()? {
+                    out.push((k, v));
+                }
+                Ok(OrderedMap(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// The keys of `adapter_config.json` ferrotune looks at; the rest are ignored.
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    peft_type: Option<String>,
+    r: Option<usize>,
+    lora_alpha: Option<f64>,
+    lora_dropout: Option<f64>,
+    #[serde(default)]
+    target_modules: Value,
+    #[serde(default)]
+    exclude_modules: Value,
+    use_rslora: Option<bool>,
+    use_dora: Option<bool>,
+    rank_pattern: Option<OrderedMap>,
+    alpha_pattern: Option<OrderedMap>,
+    bias: Option<String>,
+    fan_in_fan_out: Option<bool>,
+    lora_bias: Option<bool>,
+    modules_to_save: Option<Value>,
+    layer_replication: Option<Value>,
+    trainable_token_indices: Option<Value>,
+    #[serde(default)]
+    layers_to_transform: Value,
+    #[serde(default)]
+    layers_pattern: Value,
+    base_model_name_or_path: Option<String>,
+}
+
+/// The adapter-file names of one module's tensors.
+fn file_keys(module: &str) -> (String, String, String) {
+    let p = format!("{PEFT_PREFIX}{module}");
+    (
+        format!("{p}.lora_A.weight"),
+        format!("{p}.lora_B.weight"),
+        format!("{p}.lora_magnitude_vector"),
+    )
+}
+
+/// The modules `config` adapts in `model`, with rank and scaling; an error when there are none.
+fn targeted_modules(
+    model: &CausalLm,
+    config: &LoraConfig,
+) -> Result<Vec<(String, usize, f64)>, String> {
+    if let TargetModules::Names(names) = &config.target_modules {
+        if let Some(n) = names.iter().find(|n| n.ends_with("embed_tokens")) {
+            return Err(format!(
+                "target_modules names '{n}': adapters on embeddings are not supported"
+            ));
+        }
+    }
+    let found: Vec<_> = model
+        .linears()
+        .into_iter()
+        .filter_map(|(name, _)| config.resolve(&name).map(|(r, s)| (name, r, s)))
+        .collect();
+    if found.is_empty() {
+        return Err(format!(
+            "target_modules {} matches no linear layer of the model (names look like \
+             'model.layers.0.self_attn.q_proj' and 'lm_head')",
+            config.target_modules.to_json()
+        ));
+    }
+    Ok(found)
+}
+
+/// Reads the PEFT adapter in `dir` and attaches it to `model` (replacing any adapters there).
+///
+/// Tensors are converted to the model's dtype and device. Every targeted module must have its
+/// `lora_A`/`lora_B` (and for DoRA `lora_magnitude_vector`) with the shapes the config implies;
+/// missing, unexpected or mis-shaped tensors are errors naming the tensor.
+pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, ModelError> {
+    let config = LoraConfig::read(dir)?;
+    let file = dir.join(ADAPTER_WEIGHTS_FILE);
+    if !file.is_file() {
+        let bin = dir.join("adapter_model.bin");
+        let msg = if bin.is_file() {
+            "missing; only safetensors adapters are supported (found adapter_model.bin)"
+        } else {
+            "no such file"
+        };
+        return Err(ModelError::file(&file, msg));
+    }
+    let tensors = candle_core::safetensors::load(&file, &Device::Cpu)
+        .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
+    attach_adapter(model, &config, tensors, &file.display().to_string())?;
+    Ok(config)
+}
+
+/// Attaches adapters from PEFT-named tensors (`base_model.model.{module}.lora_A.weight`, ...) to
+/// `model` under `config`. `source` names the tensors' origin in errors.
+pub fn attach_adapter(
+    model: &mut CausalLm,
+    config: &LoraConfig,
+    mut tensors: HashMap<String, Tensor>,
+    source: &str,
+) -> Result<(), ModelError> {
+    let targets =
+        targeted_modules(model, config).map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
+    let dtype = model.dtype();
+    let device = model.device().clone();
+    let names: std::collections::HashSet<String> = tensors.keys().cloned().collect();
+    let has = |name: &str| names.contains(name);
+    let mut take = |name: &str, shape: &[usize]| -> Result<Tensor, ModelError> {
+        let t = tensors
+            .remove(name)
+            .ok_or_else(|| ModelError::Msg(format!("{source}: missing adapter tensor '{name}'")))?;
+        if t.dims() != shape {
+            return Err(ModelError::Msg(format!(
+                "{source}: adapter tensor '{name}' has shape {:?}, expected {shape:?}",
+                t.dims()
+            )));
+        }
+        Ok(t.to_dtype(dtype)?.to_device(&device)?)
+    };
+    let shapes: HashMap<String, (usize, usize)> = model
+        .linears()
+        .into_iter()
+        .map(|(n, l)| {
+            let d = l.weight.dims();
+            (n, (d[0], d[1]))
+        })
+        .collect();
+    let mut adapters = HashMap::new();
+    for (i, (module, r, scale)) in targets.iter().enumerate() {
+        let (out, inp) = shapes[module];
+        let (ka, kb, km) = file_keys(module);
+        let a = take(&ka, &[*r, inp])?;
+        let b = take(&kb, &[out, *r])?;
+        let mut adapter =
+            LoraAdapter::new(a, b, *scale).with_dropout(config.lora_dropout, i as u64);
+        if config.use_dora {
+            // Files written under the parameter name (`....lora_magnitude_vector.weight`) exist
+            // too; PEFT's own saving strips the `.weight`.
+            let alt = format!("{km}.weight");
+            let key = if !has(&km) && has(&alt) { alt } else { km };
+            adapter = adapter.with_dora_magnitude(take(&key, &[out])?);
+        }
+        adapters.insert(module.clone(), adapter);
+    }
+    if !tensors.is_empty() {
+        let mut extra: Vec<&String> = tensors.keys().collect();
+        extra.sort();
+        let shown: Vec<&str> = extra.iter().take(5).map(|s| s.as_str()).collect();
+        return Err(ModelError::Msg(format!(
+            "{source}: {} unexpected adapter tensor(s) not targeted by the config: {}{}",
+            extra.len(),
+            shown.join(", "),
+            if extra.len() > 5 { ", ..." } else { "" }
+        )));
+    }
+    for (name, linear) in model.linears_mut() {
+        linear.adapter = adapters.remove(&name);
+    }
+    Ok(())
+}
+
+/// Attaches fresh adapters for training to every module `config` targets, initialised as PEFT
+/// does by default (A kaiming-uniform, B zeros, DoRA magnitude = weight row norms), drawing from
+/// `seed`. Returns the number of adapted modules.
+pub fn add_adapter(
+    model: &mut CausalLm,
+    config: &LoraConfig,
+    seed: u64,
+) -> Result<usize, ModelError> {
+    let targets = targeted_modules(model, config).map_err(ModelError::Msg)?;
+    let mut rng = SplitMix64::new(seed);
+    let mut count = 0;
+    for (name, linear) in model.linears_mut() {
+        let Some((i, (_, r, scale))) = targets.iter().enumerate().find(|(_, t)| t.0 == name) else {
+            linear.adapter = None;
+            continue;
+        };
+        let adapter = LoraAdapter::init(&linear.weight, *r, *scale, config.use_dora, &mut rng)?
+            .with_dropout(
+                config.lora_dropout,
+                seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9),
+            );
+        linear.adapter = Some(adapter);
+        count += 1;
+    }
+    Ok(count)
+}
+
+/// Makes every adapter's tensors trainable and returns the [`Var`]s under PEFT's parameter
+/// names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, DoRA's
+/// `...lora_magnitude_vector.weight`), the names of PEFT's `named_parameters()` and gradients.
+pub fn trainable_parameters(model: &mut CausalLm) -> Result<Vec<(String, Var)>, ModelError> {
+    let mut out = Vec::new();
+    for (name, linear) in model.linears_mut() {
+        if let Some(adapter) = &mut linear.adapter {
+            for (suffix, var) in adapter.make_trainable()? {
+                out.push((format!("{PEFT_PREFIX}{name}.{suffix}"), var));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The adapter tensors of `model` under PEFT's file names (as in `adapter_model.safetensors`).
+pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
+    let mut out = BTreeMap::new();
+    for (name, linear) in model.linears() {
+        if let Some(adapter) = &linear.adapter {
+            let (ka, kb, km) = file_keys(&name);
+            out.insert(ka, adapter.a.clone());
+            out.insert(kb, adapter.b.clone());
+            if let Some(m) = &adapter.dora_magnitude {
+                out.insert(km, m.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder and a rename, so that a
+/// crash never leaves a truncated file under the final name.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)
+        .map_err(|e| ModelError::file(&tmp, format!("cannot write: {e}")))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        ModelError::file(
+            path,
+            format!("cannot move the written file into place: {e}"),
+        )
+    })
+}
+
+/// Saves `model`'s adapters to `dir` in PEFT's format: `adapter_config.json` (from `config`) and
+/// `adapter_model.safetensors` (metadata `format: pt`), each written atomically.
+///
+/// The adapters must be the ones `config` describes (same modules and ranks): a mismatch is an
+/// error rather than a folder PEFT would load differently.
+pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result<(), ModelError> {
+    for (name, linear) in model.linears() {
+        let want = config.resolve(&name).map(|(r, _)| r);
+        let have = linear.adapter.as_ref().map(LoraAdapter::rank);
+        let dora = linear.adapter.as_ref().map(|a| a.dora_magnitude.is_some());
+        if want != have || dora.is_some_and(|d| d != config.use_dora) {
+            return Err(ModelError::Msg(format!(
+                "cannot save: module '{name}' has adapter rank {have:?} (DoRA {dora:?}) but the \
+                 config implies rank {want:?} (DoRA {})",
+                config.use_dora
+            )));
+        }
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| ModelError::file(dir, format!("cannot create folder: {e}")))?;
+    let tensors: Vec<(String, Tensor)> = adapter_tensors(model)
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu)?.contiguous()?)))
+        .collect::<Result<_, candle_core::Error>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let file = dir.join(ADAPTER_WEIGHTS_FILE);
+    let bytes =
+        safetensors::serialize(tensors.iter().map(|(k, t)| (k.as_str(), t)), Some(metadata))
+            .map_err(|e| ModelError::file(&file, format!("cannot serialize: {e}")))?;
+    write_atomic(&file, &bytes)?;
+    let text = serde_json::to_string_pretty(&config.to_json()).expect("JSON values serialize");
+    write_atomic(&dir.join(ADAPTER_CONFIG_FILE), text.as_bytes())
+}
+
+/// All weights of `model` by HF name with the adapters merged in (PEFT's `merge_and_unload`
+/// followed by `save_pretrained`). With tied embeddings `lm_head.weight` is omitted, as in HF
+/// checkpoints; merging an adapter into a tied `lm_head` is refused, since PEFT would change the
+/// input embeddings with it.
+pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, ModelError> {
+    let mut out = HashMap::new();
+    out.insert(
+        "model.embed_tokens.weight".to_string(),
+        model.embed_tokens.clone(),
+    );
+    out.insert("model.norm.weight".to_string(), model.norm.clone());
+    for (i, layer) in model.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        out.insert(
+            format!("{p}.input_layernorm.weight"),
+            layer.input_layernorm.clone(),
+        );
+        out.insert(
+            format!("{p}.post_attention_layernorm.weight"),
+            layer.post_attention_layernorm.clone(),
+        );
+        if let Some(q) = &layer.self_attn.q_norm {
+            out.insert(format!("{p}.self_attn.q_norm.weight"), q.clone());
+        }
+        if let Some(k) = &layer.self_attn.k_norm {
+            out.insert(format!("{p}.self_attn.k_norm.weight"), k.clone());
+        }
+    }
+    let tied = model.config.tie_word_embeddings;
+    for (name, linear) in model.linears() {
+        if name == "lm_head" && tied {
+            if linear.adapter.is_some() {
+                return Err(ModelError::Msg(
+                    "cannot merge an lm_head adapter into tied embeddings: the merged weight \
+                     would also replace the input embeddings"
+                        .into(),
+                ));
+            }
+            continue;
+        }
+        let weight = match &linear.adapter {
+            Some(adapter) => adapter.merged_weight(&linear.weight)?.detach(),
+            None => linear.weight.clone(),
+        };
+        out.insert(format!("{name}.weight"), weight);
+        if let Some(b) = &linear.bias {
+            out.insert(format!("{name}.bias"), b.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// Merges every adapter into its base weight and removes the adapters (PEFT's
+/// `merge_and_unload`). Packed (GGUF) copies of merged weights are dropped: they no longer hold
+/// the layer's values.
+pub fn merge_and_unload(model: &mut CausalLm) -> Result<(), ModelError> {
+    let tied = model.config.tie_word_embeddings;
+    for (name, linear) in model.linears_mut() {
+        if let Some(adapter) = linear.adapter.take() {
+            if name == "lm_head" && tied {
+                linear.adapter = Some(adapter);
+                return Err(ModelError::Msg(
+                    "cannot merge an lm_head adapter into tied embeddings".into(),
+                ));
+            }
+            linear.weight = adapter.merged_weight(&linear.weight)?.detach();
+            linear.packed = None;
+        }
+    }
+    Ok(())
+}
+
+mod pattern {
+    //! A small backtracking regular-expression matcher for PEFT's module patterns.
+    //!
+    //! PEFT matches `target_modules` (as a string), `exclude_modules`, `rank_pattern` and
+    //! `alpha_pattern` keys with Python's `re` against module names such as
+    //! `model.layers.0.self_attn.q_proj`. Those patterns are short and use a small part of the
+    //! syntax, which this module covers: literals and escapes (`\.`, `\d`, `\w`, `\s` and their
+    //! negations), `.`, character classes with ranges and negation, groups (`(...)`, `(?:...)`,
+    //! `(?P<name>...)`), alternation, the quantifiers `* + ? {m} {m,} {m,n}` (greedy or lazy) and the
+    //! anchors `^ $`. Anything else is reported as unsupported rather than matched differently.
+
+    /// One parsed piece of a pattern.
+    #[derive(Debug, Clone)]
+    enum Atom {
+        Char(char),
+        Any,
+        Class {
+            ranges: Vec<(char, char)>,
+            negated: bool,
+        },
+        Group(Vec<Vec<Item>>),
+        Start,
+        End,
+    }
+
+    /// An atom with its repetition bounds.
+    #[derive(Debug, Clone)]
+    struct Item {
+        atom: Atom,
+        min: usize,
+        max: usize,
+    }
+
+    /// A compiled pattern.
+    #[derive(Debug, Clone)]
+    pub(crate) struct Pattern {
+        alternatives: Vec<Vec<Item>>,
+    }
+
+    impl Pattern {
+        /// Parses `src` (Python `re` syntax, the subset above).
+        pub(crate) fn new(src: &str) -> Result<Self, String> {
+            let chars: Vec<char> = src.chars().collect();
+            let mut pos = 0;
+            let alternatives = parse_alternatives(&chars, &mut pos)?;
+            if pos != chars.len() {
+                return Err(format!("unbalanced ')' in pattern '{src}'"));
+            }
+            Ok(Self { alternatives })
+        }
+
+        /// Python's `re.fullmatch(pattern, text) is not None`.
+        pub(crate) fn full_match(&self, text: &str) -> bool {
+            let s: Vec<char> = text.chars().collect();
+            match_alternatives(&self.alternatives, &s, 0, &|p| p == s.len())
+        }
+    }
+
+    fn parse_alternatives(c: &[char], pos: &mut usize) -> Result<Vec<Vec<Item>>, String> {
+        let mut alts = vec![Vec::new()];
+        while *pos < c.len() {
+            match c[*pos] {
+                '|' => {
+                    *pos += 1;
+                    alts.push(Vec::new());
+                }
+                ')' => break,
+                _ => {
+                    let atom = parse_atom(c, pos)?;
+                    let (min, max) = parse_quantifier(c, pos);
+                    alts.last_mut()
+                        .expect("non-empty")
+                        .push(Item { atom, min, max });
+                }
+            }
+        }
+        Ok(alts)
+    }
+
+    fn class_escape(e: char) -> Option<(Vec<(char, char)>, bool)> {
+        let digits = vec![('0', '9')];
+        let word = vec![('a', 'z'), ('A', 'Z'), ('0', '9'), ('_', '_')];
+        let space = vec![(' ', ' '), ('\t', '\r')];
+        match e {
+            'd' => Some((digits, false)),
+            'D' => Some((digits, true)),
+            'w' => Some((word, false)),
+            'W' => Some((word, true)),
+            's' => Some((space, false)),
+            'S' => Some((space, true)),
+            _ => None,
+        }
+    }
+
+    fn literal_escape(e: char) -> Result<char, String> {
+        match e {
+            'n' => Ok('\n'),
+            't' => Ok('\t'),
+            c if c.is_ascii_alphanumeric() => Err(format!("unsupported escape '\\{c}'")),
+            c => Ok(c),
+        }
+    }
+
+    fn parse_atom(c: &[char], pos: &mut usize) -> Result<Atom, String> {
+        let ch = c[*pos];
+        *pos += 1;
+        match ch {
+            '.' => Ok(Atom::Any),
+            '^' => Ok(Atom::Start),
+            '$' => Ok(Atom::End),
+            '(' => {
+                if c.get(*pos) == Some(&'?') {
+                    match (c.get(*pos + 1), c.get(*pos + 2)) {
+                        (Some(':'), _) => *pos += 2,
+                        (Some('P'), Some('<')) => {
+                            let close = c[*pos..]
+                                .iter()
+                                .position(|&x| x == '>')
+                                .ok_or("unterminated group name")?;
+                            *pos += close + 1;
+                        }
+                        _ => return Err("unsupported group syntax '(?'".to_string()),
+                    }
+                }
+                let alts = parse_alternatives(c, pos)?;
+                if c.get(*pos) != Some(&')') {
+                    return Err("missing ')'".to_string());
+                }
+                *pos += 1;
+                Ok(Atom::Group(alts))
+            }
+            '[' => parse_class(c, pos),
+            '\\' => {
+                let e = *c.get(*pos).ok_or("trailing backslash")?;
+                *pos += 1;
+                match class_escape(e) {
+                    Some((ranges, negated)) => Ok(Atom::Class { ranges, negated }),
+                    None => Ok(Atom::Char(literal_escape(e)?)),
+                }
+            }
+            '*' | '+' | '?' => Err(format!("nothing to repeat before '{ch}'")),
+            other => Ok(Atom::Char(other)),
+        }
+    }
+
+    fn parse_class(c: &[char], pos: &mut usize) -> Result<Atom, String> {
+        let mut negated = false;
+        if c.get(*pos) == Some(&'^') {
+            negated = true;
+            *pos += 1;
+        }
+        let mut ranges = Vec::new();
+        let mut first = true;
+        loop {
+            let ch = *c.get(*pos).ok_or("unterminated character class")?;
+            *pos += 1;
+            if ch == ']' && !first {
+                break;
+            }
+            first = false;
+            let lo = if ch == '\\' {
+                let e = *c.get(*pos).ok_or("trailing backslash")?;
+                *pos += 1;
+                if let Some((r, neg)) = class_escape(e) {
+                    if neg {
+                        return Err(format!("unsupported '\\{e}' inside a character class"));
+                    }
+                    ranges.extend(r);
+                    continue;
+                }
+                literal_escape(e)?
+            } else {
+                ch
+            };
+            if c.get(*pos) == Some(&'-') && c.get(*pos + 1).is_some_and(|&n| n != ']') {
+                let mut hi = c[*pos + 1];
+                *pos += 2;
+                if hi == '\\' {
+                    let e = *c.get(*pos).ok_or("trailing backslash")?;
+                    *pos += 1;
+                    hi = literal_escape(e)?;
+                }
+                ranges.push((lo, hi));
+            } else {
+                ranges.push((lo, lo));
+            }
+        }
+        Ok(Atom::Class { ranges, negated })
+    }
+
+    fn parse_number(c: &[char], pos: &mut usize) -> Option<usize> {
+        let start = *pos;
+        while c.get(*pos).is_some_and(|d| d.is_ascii_digit()) {
+            *pos += 1;
+        }
+        c[start..*pos].iter().collect::<String>().parse().ok()
+    }
+
+    fn parse_quantifier(c: &[char], pos: &mut usize) -> (usize, usize) {
+        let (min, max) = match c.get(*pos) {
+            Some('*') => {
+                *pos += 1;
+                (0, usize::MAX)
+            }
+            Some('+') => {
+                *pos += 1;
+                (1, usize::MAX)
+            }
+            Some('?') => {
+                *pos += 1;
+                (0, 1)
+            }
+            Some('{') => {
+                let save = *pos;
+                *pos += 1;
+                let min = parse_number(c, pos);
+                let bounds = match (min, c.get(*pos)) {
+                    (Some(m), Some('}')) => Some((m, m)),
+                    (Some(m), Some(',')) => {
+                        *pos += 1;
+                        let max = parse_number(c, pos).unwrap_or(usize::MAX);
+                        (c.get(*pos) == Some(&'}')).then_some((m, max))
+                    }
+                    _ => None,
+                };
+                match bounds {
+                    Some(b) => {
+                        *pos += 1;
+                        b
+                    }
+                    None => {
+                        // Python treats a brace that is not a valid repeat as a literal.
+                        *pos = save;
+                        return (1, 1);
+                    }
+                }
+            }
+            _ => return (1, 1),
+        };
+        // A lazy marker changes only the order repeats are tried in, which does not change
+        // whether a full match exists.
+        if c.get(*pos) == Some(&'?') {
+            *pos += 1;
+        }
+        (min, max)
+    }
+
+    type Cont<'a> = &'a dyn Fn(usize) -> bool;
+
+    fn match_alternatives(alts: &[Vec<Item>], s: &[char], pos: usize, k: Cont) -> bool {
+        alts.iter().any(|seq| match_seq(seq, s, pos, k))
+    }
+
+    fn match_seq(seq: &[Item], s: &[char], pos: usize, k: Cont) -> bool {
+        match seq.split_first() {
+            None => k(pos),
+            Some((item, rest)) => match_repeat(item, 0, s, pos, &|p| match_seq(rest, s, p, k)),
+        }
+    }
+
+    fn match_repeat(item: &Item, count: usize, s: &[char], pos: usize, k: Cont) -> bool {
+        let more = |k2: Cont| {
+            count < item.max
+                && match_atom(&item.atom, s, pos, &|p| {
+                    // A repetition that consumed nothing cannot make progress: stop it there.
+                    (p != pos || count < item.min) && match_repeat(item, count + 1, s, p, k2)
+                })
+        };
+        // Only whether some full match exists matters here, so greedy and lazy repeats (which
+        // differ only in the order they try counts) need no distinction.
+        more(k) || (count >= item.min && k(pos))
+    }
+
+    fn match_atom(atom: &Atom, s: &[char], pos: usize, k: Cont) -> bool {
+        match atom {
+            Atom::Char(c) => s.get(pos) == Some(c) && k(pos + 1),
+            Atom::Any => s.get(pos).is_some_and(|&c| c != '\n') && k(pos + 1),
+            Atom::Class { ranges, negated } => {
+                s.get(pos)
+                    .is_some_and(|&c| ranges.iter().any(|&(lo, hi)| lo <= c && c <= hi) != *negated)
+                    && k(pos + 1)
+            }
+            Atom::Group(alts) => match_alternatives(alts, s, pos, k),
+            Atom::Start => pos == 0 && k(pos),
+            Atom::End => pos == s.len() && k(pos),
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::Pattern;
+
+        fn m(p: &str, s: &str) -> bool {
+            Pattern::new(p).unwrap().full_match(s)
+        }
+
+        #[test]
+        fn matches_like_python_fullmatch() {
+            let key = "model.layers.0.self_attn.q_proj";
+            assert!(m(r".*\.(q_proj|v_proj)", key));
+            assert!(!m(r".*\.(k_proj|v_proj)", key));
+            assert!(m(r"(.*\.)?(q_proj)", key));
+            assert!(m(r"(.*\.)?(layers\.0\.self_attn\.q_proj)", key));
+            assert!(!m(r"(.*\.)?(layers\.1\.self_attn\.q_proj)", key));
+            assert!(m(r"model\.layers\.[0-3]\.self_attn\.\w+", key));
+            assert!(m(r"^model.layers.\d+.self_attn.(?:q|k)_proj$", key));
+            assert!(m(r"model.layers.\d{1,2}.*?q_proj", key));
+            assert!(!m(r"q_proj", key));
+            assert!(m(r"[^x]+", "abc") && !m(r"[^b]+", "abc"));
+            assert!(m(r"a{2}b?", "aa") && !m(r"a{2}", "aaa"));
+            assert!(m(r"(a*)*b", "aaab"));
+            assert!(m(r"x{y", "x{y") && m(r"a+?b", "aab"));
+            assert!(Pattern::new(r"(?=x)").is_err());
+            assert!(Pattern::new(r"(ab").is_err());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys() -> Vec<String> {
+        let mut keys = Vec::new();
+        for i in 0..3 {
+            for m in [
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            ] {
+                keys.push(format!("model.layers.{i}.{m}"));
+            }
+        }
+        keys.push("lm_head".into());
+        keys
+    }
+
+    fn config(extra: &str) -> LoraConfig {
+        LoraConfig::parse(&format!(r#"{{"peft_type": "LORA", {extra}}}"#)).unwrap()
+    }
+
+    /// Matched modules as PEFT 0.21's `check_target_module_exists` reports them for the same
+    /// configs (computed with PEFT; see the module docs).
+    #[test]
+    fn targeting_matches_peft() {
+        let l = |i: usize, m: &str| format!("model.layers.{i}.{m}");
+        let cases: Vec<(&str, Vec<String>)> = vec![
+            (
+                r#""target_modules": ["q_proj", "lm_head"]"#,
+                vec![
+                    l(0, "self_attn.q_proj"),
+                    l(1, "self_attn.q_proj"),
+                    l(2, "self_attn.q_proj"),
+                    "lm_head".into(),
+                ],
+            ),
+            (
+                r#""target_modules": "model\\.layers\\.[12]\\..*_proj""#,
+                keys()[7..21].to_vec(),
+            ),
+            (
+                r#""target_modules": ["q_proj", "down_proj"], "layers_to_transform": [0, 2]"#,
+                vec![
+                    l(0, "self_attn.q_proj"),
+                    l(0, "mlp.down_proj"),
+                    l(2, "self_attn.q_proj"),
+                    l(2, "mlp.down_proj"),
+                ],
+            ),
+            (
+                r#""target_modules": ["q_proj", "down_proj"], "layers_to_transform": 1, "layers_pattern": "layers""#,
+                vec![l(1, "self_attn.q_proj"), l(1, "mlp.down_proj")],
+            ),
+            (
+                r#""target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": "model.layers""#,
+                vec![l(1, "self_attn.q_proj")],
+            ),
+            (
+                r#""target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": ["blocks"]"#,
+                vec![],
+            ),
+            (
+                r#""target_modules": ["mlp.up_proj", "self_attn.q_proj", "model.layers.2.self_attn.k_proj"], "exclude_modules": ["model.layers.0.mlp.up_proj"]"#,
+                vec![
+                    l(0, "self_attn.q_proj"),
+                    l(1, "self_attn.q_proj"),
+                    l(1, "mlp.up_proj"),
+                    l(2, "self_attn.q_proj"),
+                    l(2, "self_attn.k_proj"),
+                    l(2, "mlp.up_proj"),
+                ],
+            ),
+            (
+                r#""target_modules": ".*proj", "exclude_modules": ".*\\.(o|k|v)_proj""#,
+                (0..3)
+                    .flat_map(|i| {
+                        [
+                            "self_attn.q_proj",
+                            "mlp.gate_proj",
+                            "mlp.up_proj",
+                            "mlp.down_proj",
+                        ]
+                        .map(|m| l(i, m))
+                    })
+                    .collect(),
+            ),
+            (
+                r#""target_modules": ["gate_proj", "up_proj"], "exclude_modules": ["up_proj"]"#,
+                (0..3).map(|i| l(i, "mlp.gate_proj")).collect(),
+            ),
+        ];
+        for (json, want) in cases {
+            let c = config(json);
+            let got: Vec<String> = keys().into_iter().filter(|k| c.targets(k)).collect();
+            assert_eq!(got, want, "{json}");
+        }
+    }
+
+    /// `get_pattern_key` results computed with PEFT for the same patterns, in the same order.
+    #[test]
+    fn rank_pattern_resolution_matches_peft() {
+        let c = config(
+            r#""r": 8, "target_modules": ["q_proj"], "rank_pattern": {"q_proj": 1, "layers.1.mlp.down_proj": 2, "model\\.layers\\.2\\..*": 3, "proj": 4, "mlp.(up|gate)_proj": 5}"#,
+        );
+        let want = [
+            1, 8, 8, 8, 5, 5, 8, //
+            1, 8, 8, 8, 5, 5, 2, //
+            1, 3, 3, 3, 3, 3, 3, //
+            8,
+        ];
+        let got: Vec<usize> = keys().iter().map(|k| c.rank_and_alpha(k).0).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn config_errors_name_the_problem() {
+        let err = |extra: &str| LoraConfig::parse(&format!("{{{extra}}}")).unwrap_err();
+        assert!(err(r#""peft_type": "IA3", "target_modules": ["q_proj"]"#).contains("IA3"));
+        assert!(err(r#""target_modules": ["q_proj"]"#).contains("peft_type"));
+        let e = err(r#""peft_type": "LORA", "bias": "lora_only", "target_modules": ["q_proj"]"#);
+        assert!(e.contains("lora_only"));
+        let e =
+            err(r#""peft_type": "LORA", "target_modules": "q_proj", "layers_to_transform": [1]"#);
+        assert!(e.contains("layers_to_transform"));
+        let e = err(
+            r#""peft_type": "LORA", "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]"#,
+        );
+        assert!(e.contains("modules_to_save"));
+        let e = err(r#""peft_type": "LORA", "target_modules": "(q_proj""#);
+        assert!(e.contains("(q_proj"));
+    }
+}

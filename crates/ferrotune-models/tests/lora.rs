@@ -1,0 +1,562 @@
+//! LoRA/DoRA against HF PEFT 0.21: logits, loss and gradients with an adapter, merged weights and
+//! logits, PEFT-format save/load, config errors, rsLoRA, rank/alpha patterns, lm_head adapters and
+//! layers_to_transform (fixtures: tests/fixtures/README.md and scripts/make_lora_fixtures.py).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, D};
+use ferrotune_models::lora::set_training;
+use ferrotune_models::peft::{
+    adapter_tensors, add_adapter, merge_and_unload, merged_tensors, trainable_parameters,
+    ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
+};
+use ferrotune_models::{
+    load_adapter, load_model, save_adapter, AttentionLayout, CausalLm, LoraConfig, TargetModules,
+};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn tensors(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn rows_tensor<T: serde::de::DeserializeOwned + candle_core::WithDType>(rows: &Value) -> Tensor {
+    let rows: Vec<Vec<T>> = serde_json::from_value(rows.clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
+    let norm = |t: &Tensor| {
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt()
+    };
+    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
+}
+
+fn base_model(family: &str) -> CausalLm {
+    load_model(
+        &fixtures().join(family).join("model"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap()
+    .0
+}
+
+/// transformers' causal-LM loss: mean cross-entropy of `logits[:, :-1]` against `labels[:, 1:]`,
+/// positions labelled -100 ignored. Built from differentiable ops so that it backpropagates.
+fn causal_lm_loss(logits: &Tensor, labels: &Value) -> Tensor {
+    let labels: Vec<Vec<i64>> = serde_json::from_value(labels.clone()).unwrap();
+    let (b, t, v) = logits.dims3().unwrap();
+    let mut rows = Vec::new();
+    let mut targets = Vec::new();
+    for (bi, row) in labels.iter().enumerate() {
+        for ti in 0..t - 1 {
+            let l = row[ti + 1];
+            if l != -100 {
+                rows.push((bi * t + ti) as u32);
+                targets.push(l as u32);
+            }
+        }
+    }
+    let n = rows.len();
+    let flat = logits.reshape((b * t, v)).unwrap();
+    let picked = flat
+        .index_select(&Tensor::new(rows, &Device::Cpu).unwrap(), 0)
+        .unwrap();
+    let lse = picked.log_sum_exp(D::Minus1).unwrap();
+    let target_logit = picked
+        .gather(&Tensor::from_vec(targets, (n, 1), &Device::Cpu).unwrap(), 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap();
+    (lse - target_logit).unwrap().mean_all().unwrap()
+}
+
+/// One adapter fixture: where the adapter lives and where its references are.
+struct Case {
+    family: &'static str,
+    /// Folder holding `adapter/`, `golden.json` (`lora_loss`), `golden.safetensors`
+    /// (`lora_logits`) and `lora_grads.safetensors`.
+    dir: PathBuf,
+}
+
+impl Case {
+    fn new(family: &'static str, sub: &str) -> Self {
+        Self {
+            family,
+            dir: fixtures().join(sub),
+        }
+    }
+
+    fn inputs(&self) -> (Tensor, Value) {
+        let g = read_json(&fixtures().join(self.family).join("golden.json"));
+        (rows_tensor::<u32>(&g["input_ids"]), g["labels"].clone())
+    }
+
+    fn model_with_adapter(&self) -> (CausalLm, LoraConfig) {
+        let mut model = base_model(self.family);
+        let config = load_adapter(&mut model, &self.dir.join("adapter"))
+            .unwrap_or_else(|e| panic!("{}: {e}", self.dir.display()));
+        (model, config)
+    }
+
+    /// Logits ≤ 1e-4, loss ≤ 1e-5 relative, every gradient ≤ 1e-4 relative L2.
+    fn check_forward_and_gradients(&self) {
+        let (mut model, _) = self.model_with_adapter();
+        let (ids, labels) = self.inputs();
+        let (b, t) = ids.dims2().unwrap();
+        let params = trainable_parameters(&mut model).unwrap();
+        set_training(&mut model, true);
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap();
+        let golden = tensors(&self.dir.join("golden.safetensors"));
+        let err = max_abs_diff(&logits, &golden["lora_logits"]);
+        assert!(
+            err <= 1e-4,
+            "{}: lora logits max abs error {err}",
+            self.dir.display()
+        );
+
+        let loss = causal_lm_loss(&logits, &labels);
+        let want = read_json(&self.dir.join("golden.json"))["lora_loss"]
+            .as_f64()
+            .unwrap();
+        let got = loss.to_scalar::<f32>().unwrap() as f64;
+        assert!(
+            ((got - want) / want).abs() <= 1e-5,
+            "{}: lora loss {got} vs {want}",
+            self.dir.display()
+        );
+
+        let grads = loss.backward().unwrap();
+        let want = tensors(&self.dir.join("lora_grads.safetensors"));
+        let mut names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
+        names.sort();
+        let mut want_names: Vec<&String> = want.keys().collect();
+        want_names.sort();
+        assert_eq!(names, want_names, "{}: parameter names", self.dir.display());
+        for (name, var) in &params {
+            let g = grads
+                .get(var)
+                .unwrap_or_else(|| panic!("{name}: no gradient"));
+            let err = rel_l2(g, &want[name]);
+            assert!(err <= 1e-4, "{name}: gradient relative L2 error {err}");
+        }
+    }
+}
+
+#[test]
+fn llama3_lora_logits_loss_and_gradients() {
+    Case::new("llama3", "llama3").check_forward_and_gradients();
+}
+
+#[test]
+fn qwen2_lora_logits_loss_and_gradients() {
+    Case::new("qwen2", "qwen2").check_forward_and_gradients();
+}
+
+#[test]
+fn llama3_dora_logits_loss_and_gradients() {
+    Case::new("llama3", "llama3/variants/dora").check_forward_and_gradients();
+}
+
+#[test]
+fn rslora_with_regex_targets_and_rank_alpha_patterns() {
+    let case = Case::new("llama3", "lora_variants/rslora_patterns");
+    let (model, config) = case.model_with_adapter();
+    assert!(config.use_rslora);
+    assert_eq!(
+        config.target_modules,
+        TargetModules::Regex(r".*\.(q_proj|v_proj|down_proj)".into())
+    );
+    // q_proj: rank 2 from rank_pattern; layer 1 down_proj: rank 6, alpha 5 from "down_proj";
+    // layer 0 v_proj: alpha 3 from the escaped full-name pattern.
+    let ranks: HashMap<String, (usize, f64)> = model
+        .linears()
+        .into_iter()
+        .filter_map(|(n, l)| l.adapter.as_ref().map(|a| (n, (a.rank(), a.scale))))
+        .collect();
+    assert_eq!(ranks.len(), 6);
+    assert_eq!(
+        ranks["model.layers.0.self_attn.q_proj"],
+        (2, 8.0 / 2f64.sqrt())
+    );
+    assert_eq!(
+        ranks["model.layers.1.mlp.down_proj"],
+        (6, 5.0 / 6f64.sqrt())
+    );
+    assert_eq!(ranks["model.layers.0.mlp.down_proj"], (4, 5.0 / 2.0));
+    assert_eq!(ranks["model.layers.0.self_attn.v_proj"], (4, 3.0 / 2.0));
+    assert_eq!(ranks["model.layers.1.self_attn.v_proj"], (4, 8.0 / 2.0));
+    case.check_forward_and_gradients();
+}
+
+#[test]
+fn lm_head_adapter() {
+    Case::new("llama3", "lora_variants/lm_head").check_forward_and_gradients();
+}
+
+#[test]
+fn layers_to_transform_limits_the_adapted_layers() {
+    let case = Case::new("llama3", "lora_variants/layers_to_transform");
+    let (model, _) = case.model_with_adapter();
+    let adapted: Vec<String> = model
+        .linears()
+        .into_iter()
+        .filter(|(_, l)| l.adapter.is_some())
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(
+        adapted,
+        [
+            "model.layers.1.self_attn.q_proj",
+            "model.layers.1.mlp.up_proj"
+        ]
+    );
+    case.check_forward_and_gradients();
+}
+
+/// Merged weights equal PEFT's `merge_and_unload()` checkpoint; the merged model's logits equal
+/// transformers' on it.
+fn check_merge(family: &'static str) {
+    let case = Case::new(family, family);
+    let (model, _) = case.model_with_adapter();
+    let merged = merged_tensors(&model).unwrap();
+    let want = tensors(&fixtures().join(family).join("merged/model.safetensors"));
+    let mut got_names: Vec<&String> = merged.keys().collect();
+    got_names.sort();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    want_names.sort();
+    assert_eq!(got_names, want_names);
+    for (name, w) in &want {
+        let err = max_abs_diff(&merged[name], w);
+        assert!(err <= 1e-5, "{family}: merged '{name}' max abs error {err}");
+    }
+    let mut model = model;
+    merge_and_unload(&mut model).unwrap();
+    assert!(model.linears().iter().all(|(_, l)| l.adapter.is_none()));
+    let (ids, _) = case.inputs();
+    let (b, t) = ids.dims2().unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap();
+    let golden = tensors(&fixtures().join(family).join("golden.safetensors"));
+    let err = max_abs_diff(&logits, &golden["merged_logits"]);
+    assert!(err <= 1e-4, "{family}: merged logits max abs error {err}");
+}
+
+#[test]
+fn llama3_merge_matches_peft() {
+    check_merge("llama3");
+}
+
+#[test]
+fn qwen2_merge_matches_peft() {
+    check_merge("qwen2");
+}
+
+/// DoRA merging (PEFT's formula) gives the same model as the unmerged adapter.
+#[test]
+fn dora_merge_preserves_the_logits() {
+    let case = Case::new("llama3", "llama3/variants/dora");
+    let (mut model, _) = case.model_with_adapter();
+    merge_and_unload(&mut model).unwrap();
+    let (ids, _) = case.inputs();
+    let (b, t) = ids.dims2().unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap();
+    let golden = tensors(&case.dir.join("golden.safetensors"));
+    let err = max_abs_diff(&logits, &golden["lora_logits"]);
+    assert!(err <= 1e-4, "DoRA merged logits max abs error {err}");
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotune-lora-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn save_then_load_round_trips_in_peft_format() {
+    for sub in [
+        "llama3",
+        "llama3/variants/dora",
+        "lora_variants/rslora_patterns",
+    ] {
+        let case = Case::new("llama3", sub);
+        let (model, config) = case.model_with_adapter();
+        let dir = temp_dir(&sub.replace('/', "_"));
+        save_adapter(&model, &config, &dir).unwrap();
+        // The same tensor names PEFT wrote, with PEFT's metadata.
+        let bytes = std::fs::read(dir.join(ADAPTER_WEIGHTS_FILE)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(
+            meta.metadata()
+                .as_ref()
+                .and_then(|m| m.get("format"))
+                .map(String::as_str),
+            Some("pt")
+        );
+        let mut saved: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+        saved.sort();
+        let orig = tensors(&case.dir.join("adapter").join(ADAPTER_WEIGHTS_FILE));
+        let mut orig_names: Vec<String> = orig.keys().cloned().collect();
+        orig_names.sort();
+        assert_eq!(saved, orig_names, "{sub}");
+        let json = read_json(&dir.join(ADAPTER_CONFIG_FILE));
+        assert_eq!(json["peft_type"], "LORA");
+        assert_eq!(json["task_type"], "CAUSAL_LM");
+        assert_eq!(json["bias"], "none");
+        // Every key PEFT wrote is present, with the same value for the ones that matter.
+        let orig_json = read_json(&case.dir.join("adapter").join(ADAPTER_CONFIG_FILE));
+        for (k, v) in orig_json.as_object().unwrap() {
+            assert!(json.get(k).is_some(), "{sub}: saved config lacks '{k}'");
+            if [
+                "r",
+                "lora_alpha",
+                "use_rslora",
+                "use_dora",
+                "rank_pattern",
+                "alpha_pattern",
+                "lora_dropout",
+                "layers_to_transform",
+                "peft_type",
+                "task_type",
+            ]
+            .contains(&k.as_str())
+            {
+                assert_eq!(&json[k], v, "{sub}: '{k}'");
+            }
+        }
+
+        let mut reloaded = base_model("llama3");
+        let config2 = load_adapter(&mut reloaded, &dir).unwrap();
+        assert_eq!(config2, config);
+        let a = adapter_tensors(&model);
+        let b = adapter_tensors(&reloaded);
+        assert_eq!(a.len(), b.len());
+        for (k, t) in &a {
+            assert_eq!(max_abs_diff(t, &b[k]), 0.0, "{sub}: {k}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Writes an adapter folder with the fixture's weights and a modified config.
+fn adapter_with_config(
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> PathBuf {
+    let src = fixtures().join("llama3/adapter");
+    let dir = temp_dir(name);
+    std::fs::copy(
+        src.join(ADAPTER_WEIGHTS_FILE),
+        dir.join(ADAPTER_WEIGHTS_FILE),
+    )
+    .unwrap();
+    let mut json = read_json(&src.join(ADAPTER_CONFIG_FILE));
+    edit(json.as_object_mut().unwrap());
+    std::fs::write(dir.join(ADAPTER_CONFIG_FILE), json.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn unsupported_configs_are_clear_errors() {
+    let cases: [(&str, &str, Value, &[&str]); 3] = [
+        ("ia3", "peft_type", Value::from("IA3"), &["IA3", "LORA"]),
+        ("bias", "bias", Value::from("all"), &["bias", "all"]),
+        (
+            "dora_missing",
+            "use_dora",
+            Value::from(true),
+            &["lora_magnitude_vector"],
+        ),
+    ];
+    for (name, key, value, needles) in cases {
+        let dir = adapter_with_config(name, |m| {
+            m.insert(key.to_string(), value);
+        });
+        let mut model = base_model("llama3");
+        let err = load_adapter(&mut model, &dir).unwrap_err().to_string();
+        for n in needles {
+            assert!(
+                err.contains(n),
+                "{name}: error '{err}' should mention '{n}'"
+            );
+        }
+        if key != "use_dora" {
+            assert!(
+                err.contains(ADAPTER_CONFIG_FILE),
+                "{name}: '{err}' should name the file"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn missing_unexpected_and_misshaped_tensors_are_named() {
+    let src = fixtures().join("llama3/adapter");
+    let orig = tensors(&src.join(ADAPTER_WEIGHTS_FILE));
+    let key = "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight";
+    let write = |name: &str, map: &HashMap<String, Tensor>| {
+        let dir = temp_dir(name);
+        std::fs::copy(src.join(ADAPTER_CONFIG_FILE), dir.join(ADAPTER_CONFIG_FILE)).unwrap();
+        candle_core::safetensors::save(map, dir.join(ADAPTER_WEIGHTS_FILE)).unwrap();
+        dir
+    };
+    let load_err = |dir: &Path| {
+        let mut model = base_model("llama3");
+        load_adapter(&mut model, dir).unwrap_err().to_string()
+    };
+
+    let mut missing = orig.clone();
+    missing.remove(key);
+    let dir = write("missing", &missing);
+    let err = load_err(&dir);
+    assert!(err.contains(key) && err.contains("missing"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let mut extra = orig.clone();
+    let stray = "base_model.model.model.embed_tokens.lora_A.weight";
+    extra.insert(
+        stray.into(),
+        Tensor::zeros((4, 64), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let dir = write("extra", &extra);
+    let err = load_err(&dir);
+    assert!(err.contains(stray) && err.contains("unexpected"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let mut shaped = orig.clone();
+    shaped.insert(
+        key.into(),
+        Tensor::zeros((160, 3), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let dir = write("shape", &shaped);
+    let err = load_err(&dir);
+    assert!(err.contains(key) && err.contains("[160, 3]"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Fresh adapters start as the base model (B = 0; DoRA magnitude = weight norms), train only
+/// A/B(/magnitude), and save as a folder that loads back.
+#[test]
+fn fresh_adapters_start_as_the_base_model() {
+    let g = read_json(&fixtures().join("llama3/golden.json"));
+    let ids = rows_tensor::<u32>(&g["input_ids"]);
+    let (b, t) = ids.dims2().unwrap();
+    let golden = tensors(&fixtures().join("llama3/golden.safetensors"));
+    let names: Vec<String> = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "lm_head",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for use_dora in [false, true] {
+        let mut config = LoraConfig::new(4, 8.0, TargetModules::Names(names.clone()));
+        config.use_dora = use_dora;
+        let mut model = base_model("llama3");
+        assert_eq!(add_adapter(&mut model, &config, 42).unwrap(), 15);
+        let params = trainable_parameters(&mut model).unwrap();
+        assert_eq!(params.len(), 15 * if use_dora { 3 } else { 2 });
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap();
+        let err = max_abs_diff(&logits, &golden["logits"]);
+        assert!(
+            err <= 1e-4,
+            "fresh adapter (DoRA {use_dora}) changed logits by {err}"
+        );
+        let loss = causal_lm_loss(&logits, &g["labels"]);
+        let grads = loss.backward().unwrap();
+        // B gets a gradient (A does not yet, since B = 0 blocks it), base weights get none.
+        let (_, b_var) = params
+            .iter()
+            .find(|(n, _)| n.ends_with("q_proj.lora_B.weight"))
+            .unwrap();
+        assert!(rel_l2(grads.get(b_var).unwrap(), &b_var.zeros_like().unwrap()) > 0.0);
+        assert!(grads.get(&model.layers[0].mlp.down_proj.weight).is_none());
+        let dir = temp_dir(&format!("fresh{use_dora}"));
+        save_adapter(&model, &config, &dir).unwrap();
+        let mut reloaded = base_model("llama3");
+        load_adapter(&mut reloaded, &dir).unwrap();
+        assert_eq!(adapter_tensors(&reloaded).len(), params.len());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Dropout acts only in training mode: in inference the adapter with `lora_dropout > 0` gives
+/// PEFT's logits; in training the output changes but stays finite and gradients still reach A, B
+/// and the DoRA magnitude.
+#[test]
+fn dropout_only_in_training() {
+    for sub in ["llama3", "llama3/variants/dora"] {
+        let case = Case::new("llama3", sub);
+        let (mut model, _) = case.model_with_adapter();
+        for (_, linear) in model.linears_mut() {
+            if let Some(adapter) = &mut linear.adapter {
+                adapter.dropout = 0.5;
+            }
+        }
+        let (ids, labels) = case.inputs();
+        let (b, t) = ids.dims2().unwrap();
+        let layout = AttentionLayout::causal(b, t, 0);
+        let golden = tensors(&case.dir.join("golden.safetensors"));
+        let logits = model.forward(&ids, &layout, None).unwrap();
+        assert!(
+            max_abs_diff(&logits, &golden["lora_logits"]) <= 1e-4,
+            "{sub}"
+        );
+        let params = trainable_parameters(&mut model).unwrap();
+        set_training(&mut model, true);
+        let logits = model.forward(&ids, &layout, None).unwrap();
+        let diff = max_abs_diff(&logits, &golden["lora_logits"]);
+        assert!(
+            diff > 1e-3 && diff.is_finite(),
+            "{sub}: dropout changed logits by {diff}"
+        );
+        let grads = causal_lm_loss(&logits, &labels).backward().unwrap();
+        for (name, var) in &params {
+            assert!(grads.get(var).is_some(), "{sub}: {name} has no gradient");
+        }
+    }
+}
