@@ -16,6 +16,10 @@ pub struct GenerateArgs {
     /// An HF checkpoint folder or a .gguf file.
     #[arg(long)]
     model: PathBuf,
+    /// A PEFT LoRA/DoRA adapter folder (adapter_config.json + adapter_model.safetensors), applied
+    /// without merging.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// Tokenizer folder or .gguf, if not the model's own.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -85,7 +89,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
     }
     if !args.model.exists() {
-        bail!("{}: no such file or directory (--model)", args.model.display());
+        bail!(
+            "{}: no such file or directory (--model)",
+            args.model.display()
+        );
     }
     let tok = tokenizer_for(args.tokenizer.as_ref().unwrap_or(&args.model))?;
     let prompts: Vec<Vec<u32>> = match &args.prompt_ids {
@@ -116,7 +123,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if prompts.iter().any(Vec::is_empty) {
         bail!("the prompt encodes to no tokens");
     }
-    let (model, _) = ferrotune_models::load_model(&args.model, dtype, &device)?;
+    let (mut model, _) = ferrotune_models::load_model(&args.model, dtype, &device)?;
+    if let Some(dir) = &args.adapter {
+        ferrotune_models::peft::load_adapter(&mut model, dir)?;
+    }
     let vocab = model.config.vocab_size as u32;
     if let Some(bad) = prompts.iter().flatten().find(|&&id| id >= vocab) {
         bail!("prompt token id {bad} is outside the model's vocabulary (size {vocab})");

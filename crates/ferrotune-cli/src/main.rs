@@ -17,7 +17,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate text from a model (HF checkpoint folder or .gguf file).
-    Generate(generate::GenerateArgs),
+    Generate(Box<generate::GenerateArgs>),
     /// Tokenize text or a chat conversation exactly as a model will see it.
     Tokenize(tokenize::TokenizeArgs),
 }
@@ -38,7 +38,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(args) => generate::run(args),
+        Command::Generate(args) => generate::run(*args),
         Command::Tokenize(args) => tokenize::run(args),
     };
     if let Err(e) = result {

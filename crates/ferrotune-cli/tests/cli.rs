@@ -21,7 +21,11 @@ fn ferrotune(args: &[&str]) -> Output {
 
 /// The last stdout line, parsed as JSON (the `--json` contract: one object, printed last).
 fn last_json(out: &Output) -> Value {
-    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout.clone()).unwrap();
     serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
 }
@@ -30,7 +34,11 @@ fn last_json(out: &Output) -> Value {
 fn assert_error(out: &Output, needles: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
-    assert_eq!(stderr.trim_end().lines().count(), 1, "one line expected: {stderr}");
+    assert_eq!(
+        stderr.trim_end().lines().count(),
+        1,
+        "one line expected: {stderr}"
+    );
     for n in needles {
         assert!(stderr.contains(n), "'{n}' missing from: {stderr}");
     }
@@ -41,14 +49,22 @@ fn golden_ids(v: &Value) -> Vec<u64> {
 }
 
 fn smollm2() -> String {
-    ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap().display().to_string()
+    ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf")
+        .unwrap()
+        .display()
+        .to_string()
 }
 
 #[test]
 fn generate_json_with_prompt_ids_is_greedy_and_exact() {
-    let g: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap()).unwrap();
-    let prompt: Vec<String> = golden_ids(&g["greedy_prompt"]).iter().map(u64::to_string).collect();
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let prompt: Vec<String> = golden_ids(&g["greedy_prompt"])
+        .iter()
+        .map(u64::to_string)
+        .collect();
     let model = fixtures().join("llama3/model");
     let out = ferrotune(&[
         "generate",
@@ -64,17 +80,72 @@ fn generate_json_with_prompt_ids_is_greedy_and_exact() {
         "--json",
     ]);
     let j = last_json(&out);
-    assert_eq!(golden_ids(&j["prompt_ids"]), golden_ids(&g["greedy_prompt"]));
-    assert_eq!(golden_ids(&j["new_token_ids"]), golden_ids(&g["greedy_new_tokens"]));
+    assert_eq!(
+        golden_ids(&j["prompt_ids"]),
+        golden_ids(&g["greedy_prompt"])
+    );
+    assert_eq!(
+        golden_ids(&j["new_token_ids"]),
+        golden_ids(&g["greedy_new_tokens"])
+    );
     assert!(j["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(j["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(j["text"].is_string());
 }
 
+/// An adapter applied on the fly generates what PEFT's merged checkpoint generates.
+#[test]
+fn generate_with_adapter_equals_the_merged_model() {
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let prompt: Vec<String> = golden_ids(&g["greedy_prompt"])
+        .iter()
+        .map(u64::to_string)
+        .collect();
+    let prompt = prompt.join(",");
+    let dir = fixtures().join("llama3");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--prompt-ids",
+            &prompt,
+            "--max-new-tokens",
+            "16",
+            "--ignore-eos",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        golden_ids(&last_json(&ferrotune(&args))["new_token_ids"])
+    };
+    let model = dir.join("model");
+    let with_adapter = run(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        dir.join("adapter").to_str().unwrap(),
+    ]);
+    let merged = run(&[
+        "--model",
+        dir.join("merged").to_str().unwrap(),
+        "--tokenizer",
+        model.to_str().unwrap(),
+    ]);
+    assert_eq!(with_adapter, merged);
+    assert_ne!(
+        with_adapter,
+        golden_ids(&g["greedy_new_tokens"]),
+        "the adapter changes the output"
+    );
+}
+
 #[test]
 fn generate_chat_with_smollm2_answers_like_transformers() {
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("smollm2_golden.json")).unwrap()).unwrap();
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("smollm2_golden.json")).unwrap(),
+    )
+    .unwrap();
     let golden = &golden[0];
     let out = ferrotune(&[
         "generate",
@@ -88,12 +159,21 @@ fn generate_chat_with_smollm2_answers_like_transformers() {
         "--json",
     ]);
     let j = last_json(&out);
-    assert_eq!(golden_ids(&j["prompt_ids"]), golden_ids(&golden["prompt_ids"]));
-    assert_eq!(golden_ids(&j["new_token_ids"]), golden_ids(&golden["greedy_new_tokens"]));
+    assert_eq!(
+        golden_ids(&j["prompt_ids"]),
+        golden_ids(&golden["prompt_ids"])
+    );
+    assert_eq!(
+        golden_ids(&j["new_token_ids"]),
+        golden_ids(&golden["greedy_new_tokens"])
+    );
     assert_eq!(j["text"], golden["greedy_text"]);
     // The answer was streamed before the JSON line.
     let stdout = String::from_utf8(out.stdout).unwrap();
-    assert!(stdout.starts_with("The capital of France is Paris."), "{stdout}");
+    assert!(
+        stdout.starts_with("The capital of France is Paris."),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -101,9 +181,15 @@ fn tokenize_messages_and_text() {
     let dir = std::env::temp_dir().join(format!("ferrotune-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let msgs = dir.join("messages.json");
-    std::fs::write(&msgs, r#"[{"role": "user", "content": "What is the capital of France?"}]"#).unwrap();
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("smollm2_golden.json")).unwrap()).unwrap();
+    std::fs::write(
+        &msgs,
+        r#"[{"role": "user", "content": "What is the capital of France?"}]"#,
+    )
+    .unwrap();
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("smollm2_golden.json")).unwrap(),
+    )
+    .unwrap();
     let out = ferrotune(&[
         "tokenize",
         "--tokenizer",
@@ -115,10 +201,20 @@ fn tokenize_messages_and_text() {
     ]);
     let j = last_json(&out);
     assert_eq!(golden_ids(&j["ids"]), golden_ids(&golden[0]["prompt_ids"]));
-    assert!(j["text"].as_str().unwrap().ends_with("<|im_start|>assistant\n"));
+    assert!(j["text"]
+        .as_str()
+        .unwrap()
+        .ends_with("<|im_start|>assistant\n"));
 
     let tok = fixtures().join("tiny_tokenizer");
-    let out = ferrotune(&["tokenize", "--tokenizer", tok.to_str().unwrap(), "--text", "hello world", "--json"]);
+    let out = ferrotune(&[
+        "tokenize",
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--text",
+        "hello world",
+        "--json",
+    ]);
     let j = last_json(&out);
     assert_eq!(j["text"], "hello world");
     assert!(!j["ids"].as_array().unwrap().is_empty());
@@ -133,28 +229,54 @@ fn bad_input_is_one_clear_error_line() {
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("broken.gguf");
     std::fs::write(&bad, b"GGUF\x03\x00\x00\x00garbage").unwrap();
-    let out = ferrotune(&["generate", "--model", bad.to_str().unwrap(), "--prompt", "hi"]);
+    let out = ferrotune(&[
+        "generate",
+        "--model",
+        bad.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_error(&out, &["broken.gguf"]);
 
     // The real GGUF cut at 1 MB: the reader fails inside candle.
     let truncated = dir.join("truncated.gguf");
     let bytes = std::fs::read(smollm2()).unwrap();
     std::fs::write(&truncated, &bytes[..1 << 20]).unwrap();
-    let out = ferrotune(&["generate", "--model", truncated.to_str().unwrap(), "--prompt", "hi"]);
+    let out = ferrotune(&[
+        "generate",
+        "--model",
+        truncated.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_error(&out, &["truncated.gguf"]);
 
     let model = fixtures().join("llama3/model");
     let m = model.to_str().unwrap();
-    let out = ferrotune(&["generate", "--model", m, "--prompt", "hi", "--dtype", "int3"]);
+    let out = ferrotune(&[
+        "generate", "--model", m, "--prompt", "hi", "--dtype", "int3",
+    ]);
     assert_error(&out, &["int3"]);
     let out = ferrotune(&["generate", "--model", m, "--prompt-ids", "1,2,100000"]);
     assert_error(&out, &["100000", "vocabulary"]);
 
     let llama2 = ferrotune_data::asset_path("tokenizers/llama2").unwrap();
-    let out = ferrotune(&["tokenize", "--tokenizer", llama2.to_str().unwrap(), "--messages", "/dev/null"]);
+    let out = ferrotune(&[
+        "tokenize",
+        "--tokenizer",
+        llama2.to_str().unwrap(),
+        "--messages",
+        "/dev/null",
+    ]);
     assert_error(&out, &["/dev/null"]);
     let msgs = dir.join("m.json");
     std::fs::write(&msgs, r#"[{"role": "user", "content": "hi"}]"#).unwrap();
-    let out = ferrotune(&["tokenize", "--tokenizer", llama2.to_str().unwrap(), "--messages", msgs.to_str().unwrap()]);
+    let out = ferrotune(&[
+        "tokenize",
+        "--tokenizer",
+        llama2.to_str().unwrap(),
+        "--messages",
+        msgs.to_str().unwrap(),
+    ]);
     assert_error(&out, &["chat template"]);
 }

@@ -57,7 +57,11 @@ fn greedy_tokens_match_transformers_for_every_family() {
         let g = json(&case.join("golden.json"));
         let (model, _) = load_model(&case.join("model"), DType::F32, &Device::Cpu).unwrap();
         let want = ids(&g["greedy_new_tokens"]);
-        let got = run(&model, &[ids(&g["greedy_prompt"])], &greedy(want.len(), vec![], true));
+        let got = run(
+            &model,
+            &[ids(&g["greedy_prompt"])],
+            &greedy(want.len(), vec![], true),
+        );
         assert_eq!(got[0], want, "{}", case.display());
     }
 }
@@ -73,7 +77,11 @@ fn left_padded_batch_equals_one_prompt_at_a_time() {
     let opts = greedy(12, vec![], true);
     let batch = run(&model, &[long.clone(), short.clone(), other.clone()], &opts);
     for (i, p) in [long, short, other].iter().enumerate() {
-        assert_eq!(batch[i], run(&model, &[p.clone()], &opts)[0], "row {i}");
+        assert_eq!(
+            batch[i],
+            run(&model, std::slice::from_ref(p), &opts)[0],
+            "row {i}"
+        );
     }
     assert_eq!(batch[0], ids(&g["greedy_new_tokens"])[..12]);
 }
@@ -85,8 +93,12 @@ fn stops_at_any_eos_and_at_stop_strings() {
     let (model, _) = load_model(&case.join("model"), DType::F32, &Device::Cpu).unwrap();
     let prompt = ids(&g["greedy_prompt"]);
     let full = ids(&g["greedy_new_tokens"]); // 165 116 330 35 332 179 ...
-    // eos = the 4th generated token (listed second): generation keeps it and stops.
-    let out = run(&model, &[prompt.clone()], &greedy(16, vec![999, full[3]], false));
+                                             // eos = the 4th generated token (listed second): generation keeps it and stops.
+    let out = run(
+        &model,
+        std::slice::from_ref(&prompt),
+        &greedy(16, vec![999, full[3]], false),
+    );
     assert_eq!(out[0], full[..4]);
     // A stop string over the decoded ids: stop once token 330 has been produced.
     let mut opts = greedy(16, vec![], false);
@@ -112,8 +124,14 @@ fn sampling_is_reproducible_by_seed() {
             seed,
         };
         let mut streamed = Vec::new();
-        let out = generate(&model, &prompt, &o, &|_| String::new(), &mut |_, t| streamed.push(t)).unwrap();
-        assert_eq!(streamed, out.new_token_ids[0], "every token is streamed, in order");
+        let out = generate(&model, &prompt, &o, &|_| String::new(), &mut |_, t| {
+            streamed.push(t)
+        })
+        .unwrap();
+        assert_eq!(
+            streamed, out.new_token_ids[0],
+            "every token is streamed, in order"
+        );
         out.new_token_ids[0].clone()
     };
     assert_eq!(sampled(1), sampled(1));
@@ -130,7 +148,10 @@ fn smollm2_gguf_logits_and_greedy_answer_match_transformers() {
     let golden = &golden[0];
     let (model, _) = load_model(&gguf, DType::F32, &Device::Cpu).unwrap();
     let prompt = ids(&golden["prompt_ids"]);
-    let input = Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let input = Tensor::new(prompt.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
     let logits = model
         .forward(&input, &AttentionLayout::causal(1, prompt.len(), 0), None)
         .unwrap()
@@ -138,13 +159,57 @@ fn smollm2_gguf_logits_and_greedy_answer_match_transformers() {
         .unwrap()
         .get(prompt.len() - 1)
         .unwrap();
-    let want = candle_core::safetensors::load(fixtures().join("smollm2_golden.safetensors"), &Device::Cpu).unwrap();
+    let want =
+        candle_core::safetensors::load(fixtures().join("smollm2_golden.safetensors"), &Device::Cpu)
+            .unwrap();
     let want = &want["last_logits_0"];
-    let l2 = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
+    let l2 = |t: &Tensor| {
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt()
+    };
     let rel = l2(&(&logits - want).unwrap()) / l2(want);
     eprintln!("SmolLM2 last-position logits relative L2 error: {rel:e}");
     assert!(rel <= 1e-3, "last-position logits relative L2 error {rel}");
+    // The same logits through the packed (quantized-block) path: chunks of at most 32 rows.
+    let mut cache = ferrotune_models::KvCache::new(model.layers.len());
+    let mut last = None;
+    for start in (0..prompt.len()).step_by(8) {
+        let len = 8.min(prompt.len() - start);
+        let chunk = input.narrow(1, start, len).unwrap();
+        let out = model
+            .forward(
+                &chunk,
+                &AttentionLayout::causal(1, len, start),
+                Some(&mut cache),
+            )
+            .unwrap();
+        last = Some(out.get(0).unwrap().get(len - 1).unwrap());
+    }
+    let packed_rel = l2(&(&last.unwrap() - want).unwrap()) / l2(want);
+    eprintln!("SmolLM2 packed-path logits relative L2 error: {packed_rel:e}");
+    assert!(
+        packed_rel <= 1e-3,
+        "packed path: relative L2 error {packed_rel}"
+    );
     let want_tokens = ids(&golden["greedy_new_tokens"]);
     let got = run(&model, &[prompt], &greedy(32, vec![2], false));
     assert_eq!(got[0], want_tokens);
+}
+
+/// Decoding from a GGUF reads the quantized blocks directly: every matrix of SmolLM2 (Q4_1, and
+/// the Q8_0 embedding serving as the tied head) has its packed copy attached.
+#[test]
+fn smollm2_gguf_keeps_packed_weights_for_decoding() {
+    let gguf = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let (model, _) = load_model(&gguf, DType::F32, &Device::Cpu).unwrap();
+    let linears = model.linears();
+    assert_eq!(linears.len(), 30 * 7 + 1);
+    for (name, linear) in linears {
+        assert!(linear.packed.is_some(), "{name} has no packed weight");
+    }
 }
