@@ -1,6 +1,7 @@
 //! `ferrotune`: fine-tune and run LLMs — torchtune's verbs and configs in one Rust binary.
 
 mod generate;
+mod merge;
 mod model_io;
 mod tokenize;
 
@@ -20,6 +21,8 @@ enum Command {
     Generate(Box<generate::GenerateArgs>),
     /// Tokenize text or a chat conversation exactly as a model will see it.
     Tokenize(tokenize::TokenizeArgs),
+    /// Merge a PEFT LoRA/DoRA adapter into its base model and write an HF checkpoint.
+    Merge(merge::MergeArgs),
 }
 
 fn main() {
@@ -40,6 +43,7 @@ fn main() {
     let result = match cli.command {
         Command::Generate(args) => generate::run(*args),
         Command::Tokenize(args) => tokenize::run(args),
+        Command::Merge(args) => merge::run(args),
     };
     if let Err(e) = result {
         // One line: the context chain joined, so the file and the problem appear together.

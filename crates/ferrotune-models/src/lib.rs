@@ -9,6 +9,7 @@ pub mod lora;
 pub mod model;
 pub mod peft;
 pub mod rope;
+pub mod save;
 
 pub use checkpoint::{load_model, read_checkpoint, Checkpoint, CheckpointFormat};
 pub use config::{ModelConfig, SUPPORTED_MODEL_TYPES};
@@ -16,3 +17,4 @@ pub use error::ModelError;
 pub use lora::LoraAdapter;
 pub use model::{AttentionLayout, CausalLm, KvCache, Linear};
 pub use peft::{load_adapter, save_adapter, LoraConfig, TargetModules};
+pub use save::{parse_shard_size, save_hf_checkpoint};

@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 use crate::error::ModelError;
 use crate::lora::{lora_scaling, LoraAdapter, SplitMix64};
 use crate::model::CausalLm;
+use crate::save::write_atomic;
 
 use self::pattern::Pattern;
 
@@ -679,25 +680,6 @@ pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
         }
     }
     out
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same folder and a rename, so that a
-/// crash never leaves a truncated file under the final name.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp{}", std::process::id()));
-    std::fs::write(&tmp, bytes)
-        .map_err(|e| ModelError::file(&tmp, format!("cannot write: {e}")))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        ModelError::file(
-            path,
-            format!("cannot move the written file into place: {e}"),
-        )
-    })
 }
 
 /// Saves `model`'s adapters to `dir` in PEFT's format: `adapter_config.json` (from `config`) and

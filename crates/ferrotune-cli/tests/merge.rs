@@ -1,0 +1,138 @@
+//! `ferrotune merge` against PEFT's `merge_and_unload()` + `save_pretrained` (fixture `merged/`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{DType, Device, Tensor};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrotune-merge-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn merge(case: &str, out: &Path, extra: &[&str]) {
+    let dir = fixtures().join(case);
+    let status = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args(["merge", "--model"])
+        .arg(dir.join("model"))
+        .arg("--adapter")
+        .arg(dir.join("adapter"))
+        .arg("--output")
+        .arg(out)
+        .args(extra)
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// All tensors of an HF folder (single file or shards), as f32.
+fn read_all(dir: &Path) -> HashMap<String, Tensor> {
+    let format = ferrotune_models::checkpoint::locate_weights(dir).unwrap();
+    let ferrotune_models::CheckpointFormat::Safetensors(files) = format else {
+        panic!("not safetensors")
+    };
+    ferrotune_models::checkpoint::read_safetensors(&files, DType::F32, &Device::Cpu).unwrap()
+}
+
+fn assert_same_tensors(got: &HashMap<String, Tensor>, want: &HashMap<String, Tensor>, tol: f32) {
+    let mut got_names: Vec<_> = got.keys().collect();
+    let mut want_names: Vec<_> = want.keys().collect();
+    got_names.sort();
+    want_names.sort();
+    assert_eq!(got_names, want_names);
+    for (name, w) in want {
+        let d = (&got[name] - w)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d <= tol, "{name}: max abs difference {d}");
+    }
+}
+
+#[test]
+fn merged_weights_equal_peft_merge() {
+    for case in ["llama3", "qwen2"] {
+        let out = tmp(case);
+        merge(case, &out, &[]);
+        assert!(out.join("model.safetensors").is_file());
+        assert!(out.join("tokenizer.json").is_file() && out.join("chat_template.jinja").is_file());
+        let want = read_all(&fixtures().join(case).join("merged"));
+        assert_same_tensors(&read_all(&out), &want, 1e-5);
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(config["torch_dtype"], "float32");
+        // The merged folder is a complete checkpoint: it loads and runs.
+        ferrotune_models::load_model(&out, DType::F32, &Device::Cpu).unwrap();
+    }
+}
+
+#[test]
+fn sharded_output_has_an_index_and_the_same_weights() {
+    let out = tmp("sharded");
+    merge("llama3", &out, &["--max-shard-size", "100KB"]);
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let shards: std::collections::BTreeSet<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(shards.len() >= 3, "{shards:?}");
+    for s in &shards {
+        assert!(s.starts_with("model-0000") && out.join(s).is_file(), "{s}");
+        let size = std::fs::metadata(out.join(s)).unwrap().len();
+        // A shard only exceeds the limit when one tensor alone does (the 512x64 embedding: 131 KB).
+        assert!(size <= 140_000, "{s}: {size} bytes");
+    }
+    assert!(!out.join("model.safetensors").exists());
+    let want = read_all(&fixtures().join("llama3").join("merged"));
+    assert_same_tensors(&read_all(&out), &want, 1e-5);
+}
+
+#[test]
+fn bf16_output() {
+    let out = tmp("bf16");
+    merge("llama3", &out, &["--dtype", "bf16"]);
+    let raw = candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert!(raw.values().all(|t| t.dtype() == DType::BF16));
+    let want = read_all(&fixtures().join("llama3").join("merged"));
+    // bf16 keeps 8 significant bits: within 1% of each value (weights here are O(0.1)).
+    assert_same_tensors(&read_all(&out), &want, 5e-3);
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let dir = fixtures().join("llama3");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args(["merge", "--model"])
+        .arg(dir.join("model"))
+        .arg("--adapter")
+        .arg(dir.join("adapter"))
+        .args(["--output", "/tmp/x", "--max-shard-size", "huge"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("huge"));
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args(["merge", "--model"])
+        .arg(dir.join("model"))
+        .args(["--adapter", "/no/adapter", "--output", "/tmp/x"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/no/adapter"));
+}
