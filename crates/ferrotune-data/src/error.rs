@@ -45,6 +45,17 @@ pub enum DataError {
         message: String,
     },
 
+    /// A dataset row is malformed.
+    #[error("{}:{line}: {message}", path.display())]
+    InvalidData {
+        /// The dataset file.
+        path: PathBuf,
+        /// 1-based line (row) number.
+        line: usize,
+        /// What is wrong with the row.
+        message: String,
+    },
+
     /// A GGUF file cannot be read, or its metadata does not describe a usable tokenizer.
     #[error("{}: bad GGUF file: {message}", path.display())]
     Gguf {

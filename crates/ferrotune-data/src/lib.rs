@@ -4,6 +4,7 @@
 //!   ([`Tokenizer::from_dir`]) or from a GGUF file's metadata ([`Tokenizer::from_gguf`]), encoding,
 //!   decoding and applying chat templates exactly as transformers does.
 //! - [`ChatTemplate`]: chat templates rendered with transformers' Jinja semantics.
+//! - [`read_tokenized_jsonl`]: pre-tokenized JSONL datasets.
 //! - [`assets_dir`]: where `scripts/fetch-assets.sh` puts the real tokenizers and models tests use.
 
 #![warn(missing_docs)]
@@ -12,12 +13,14 @@ mod backend;
 pub mod chat_template;
 pub mod error;
 mod gguf;
+pub mod tokenized;
 pub mod tokenizer;
 
 use std::path::PathBuf;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use error::{DataError, Result};
+pub use tokenized::{read_tokenized_jsonl, TokenizedExample};
 pub use tokenizer::Tokenizer;
 
 /// The folder `scripts/fetch-assets.sh` fills: `$FERROTUNE_ASSETS` if set, else
