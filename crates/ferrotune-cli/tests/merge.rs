@@ -136,3 +136,79 @@ fn bad_arguments_are_clear_errors() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/no/adapter"));
 }
+
+/// From a GGUF base: an adapter applied on the fly (quantized-block path + adapter) and the merged
+/// HF checkpoint (with the GGUF's tokenizer exported) generate the same greedy answer.
+#[test]
+fn gguf_base_merge_equals_adapter_on_the_fly() {
+    use ferrotune_models::peft::{add_adapter, save_adapter};
+    use ferrotune_models::{LoraConfig, TargetModules};
+
+    let gguf = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let work = tmp("gguf");
+    let adapter = work.join("adapter");
+    let (mut model, _) = ferrotune_models::load_model(&gguf, DType::F32, &Device::Cpu).unwrap();
+    let config = LoraConfig::new(
+        4,
+        8.0,
+        TargetModules::Names(vec!["q_proj".into(), "v_proj".into(), "down_proj".into()]),
+    );
+    add_adapter(&mut model, &config, 1).unwrap();
+    // PEFT initializes B to zero (a no-op adapter); make it count.
+    for (_, linear) in model.linears_mut() {
+        if let Some(a) = linear.adapter.as_mut() {
+            a.b = (Tensor::randn(0f32, 1.0, a.b.dims(), &Device::Cpu).unwrap() * 0.3).unwrap();
+        }
+    }
+    save_adapter(&model, &config, &adapter).unwrap();
+    let merged = work.join("merged");
+    let status = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .arg("merge")
+        .arg("--model")
+        .arg(&gguf)
+        .arg("--adapter")
+        .arg(&adapter)
+        .arg("--output")
+        .arg(&merged)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(
+        merged.join("tokenizer.json").is_file() && merged.join("tokenizer_config.json").is_file()
+    );
+    let answer = |extra: &[&std::ffi::OsStr]| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+            .args([
+                "generate",
+                "--chat",
+                "--prompt",
+                "What is the capital of France?",
+            ])
+            .args(["--max-new-tokens", "12", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+    };
+    let on_the_fly = answer(&[
+        "--model".as_ref(),
+        gguf.as_os_str(),
+        "--adapter".as_ref(),
+        adapter.as_os_str(),
+    ]);
+    let from_merged = answer(&["--model".as_ref(), merged.as_os_str()]);
+    // Same prompt ids: the exported tokenizer and chat template behave like the GGUF's.
+    assert_eq!(on_the_fly["prompt_ids"], from_merged["prompt_ids"]);
+    assert_eq!(on_the_fly["new_token_ids"], from_merged["new_token_ids"]);
+    let base = answer(&["--model".as_ref(), gguf.as_os_str()]);
+    assert_ne!(
+        base["new_token_ids"], on_the_fly["new_token_ids"],
+        "the adapter changes the answer"
+    );
+}
