@@ -60,18 +60,30 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `x @ weight.T (+ bias)` for `x` of any rank `[..., in]` and `weight` `[out, in]` (PyTorch's
 /// `nn.Linear` layout).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    linear_with(x, weight.dim(0)?, bias, |rows| rows.matmul(&weight.t()?))
+}
+
+/// A linear layer whose product is computed by `matmul` (`[rows, in]` → `[rows, out_features]`):
+/// flattens `x`'s leading dimensions into rows, adds `bias`, and restores them. Serves the dense
+/// layer above and other weight layouts (quantized blocks) alike.
+pub fn linear_with(
+    x: &Tensor,
+    out_features: usize,
+    bias: Option<&Tensor>,
+    matmul: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
     let dims = x.dims();
     let in_features = *dims
         .last()
         .expect("linear input has at least one dimension");
     let rows: usize = dims[..dims.len() - 1].iter().product();
-    let out = x.reshape((rows, in_features))?.matmul(&weight.t()?)?;
+    let out = matmul(&x.reshape((rows, in_features))?)?;
     let out = match bias {
         Some(b) => out.broadcast_add(b)?,
         None => out,
     };
     let mut out_dims = dims.to_vec();
-    *out_dims.last_mut().expect("non-empty") = weight.dim(0)?;
+    *out_dims.last_mut().expect("non-empty") = out_features;
     out.reshape(out_dims)
 }
 

@@ -108,7 +108,6 @@ pub fn generate(
         if !running.iter().any(|&r| r) || step + 1 == opts.max_new_tokens {
             break;
         }
-        let past = cache.len();
         for r in 0..batch {
             let last = layout.positions[r].last().copied().unwrap_or(0);
             // A row whose prompt was all padding has no real position yet: its first token is 0.
@@ -120,7 +119,7 @@ pub fn generate(
             layout.positions[r] = vec![pos];
             layout.key_valid[r].push(true);
         }
-        debug_assert_eq!(layout.key_valid[0].len(), past + 1);
+        debug_assert_eq!(layout.key_valid[0].len(), cache.len() + 1);
         let step_ids = Tensor::from_vec(next, (batch, 1), &device)?;
         logits = model.forward(&step_ids, &layout, Some(&mut cache))?;
         decode_steps += 1;

@@ -65,16 +65,9 @@ impl Linear {
     }
 
     fn forward_packed(&self, packed: &QuantizedMatrix, x: &Tensor) -> CResult<Tensor> {
-        let dims = x.dims();
-        let rows = x.elem_count() / packed.cols();
-        let out = packed.matmul(&x.reshape((rows, packed.cols()))?.contiguous()?)?;
-        let out = match &self.bias {
-            Some(b) => out.broadcast_add(b)?,
-            None => out,
-        };
-        let mut out_dims = dims.to_vec();
-        *out_dims.last_mut().expect("non-empty") = packed.rows();
-        out.reshape(out_dims)
+        ops::linear_with(x, packed.rows(), self.bias.as_ref(), |rows| {
+            packed.matmul(&rows.contiguous()?)
+        })
     }
 }
 
