@@ -6,6 +6,7 @@
 //! CLI and the recipes.
 
 pub mod device;
+pub mod frozen;
 pub mod ops;
 pub mod quant;
 

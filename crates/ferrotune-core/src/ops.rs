@@ -60,7 +60,14 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `x @ weight.T (+ bias)` for `x` of any rank `[..., in]` and `weight` `[out, in]` (PyTorch's
 /// `nn.Linear` layout).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    linear_with(x, weight.dim(0)?, bias, |rows| rows.matmul(&weight.t()?))
+    linear_with(x, weight.dim(0)?, bias, |rows| {
+        if rows.track_op() && !weight.track_op() {
+            // Training through a frozen layer: skip candle's weight gradient (see `frozen`).
+            crate::frozen::frozen_matmul(rows, weight)
+        } else {
+            rows.matmul(&weight.t()?)
+        }
+    })
 }
 
 /// A linear layer whose product is computed by `matmul` (`[rows, in]` → `[rows, out_features]`):

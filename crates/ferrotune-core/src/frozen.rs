@@ -1,0 +1,76 @@
+//! `x @ weight.T` for a frozen weight, as an autograd op whose backward gives only `dx`.
+//!
+//! candle's built-in matmul backward always computes the gradient of *both* operands. For LoRA
+//! that means a full `[out, in]` gradient buffer (and a second GEMM of the same size) for every
+//! frozen base weight in every step — twice the backward work and gigabytes of memory on an 8B
+//! model. This op records only the input in the graph: backward is `dx = dy @ weight`, and the
+//! weight never gets a gradient buffer.
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
+
+/// The op; holds the weight `[out, in]` (contiguous).
+struct FrozenMatmul {
+    weight: Tensor,
+}
+
+impl FrozenMatmul {
+    /// `(m, n, k)` and the transposed weight layout for an `[m, k]` input.
+    fn dims(&self, layout: &Layout) -> Result<((usize, usize, usize), Layout)> {
+        let (m, k) = layout.shape().dims2()?;
+        let (n, wk) = self.weight.dims2()?;
+        if wk != k {
+            candle_core::bail!("frozen matmul: input has {k} features, weight expects {wk}");
+        }
+        let (_, w_layout) = self.weight.storage_and_layout();
+        Ok(((m, n, k), w_layout.transpose(0, 1)?))
+    }
+}
+
+impl CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let ((m, n, k), wt_layout) = self.dims(layout)?;
+        let (w_storage, _) = self.weight.storage_and_layout();
+        let Storage::Cpu(w) = &*w_storage else {
+            candle_core::bail!("frozen matmul: input on the CPU, weight elsewhere")
+        };
+        let out = storage.matmul(w, (1, m, n, k), layout, &wt_layout)?;
+        Ok((out, Shape::from((m, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let ((m, n, k), wt_layout) = self.dims(layout)?;
+        let (w_storage, _) = self.weight.storage_and_layout();
+        let Storage::Cuda(w) = &*w_storage else {
+            candle_core::bail!("frozen matmul: input on a GPU, weight elsewhere")
+        };
+        let out = storage.matmul(w, (1, m, n, k), layout, &wt_layout)?;
+        Ok((out, Shape::from((m, n))))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad_res.matmul(&self.weight)?))
+    }
+}
+
+/// `rows @ weight.T` for `rows` `[m, in]` and a weight `[out, in]` that takes no gradient.
+///
+/// Use when `rows` is part of an autograd graph but `weight` is not: the result is the same as
+/// `rows.matmul(&weight.t())`, and so is the gradient of `rows`.
+pub fn frozen_matmul(rows: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let op = FrozenMatmul {
+        weight: weight.contiguous()?,
+    };
+    rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
+}
