@@ -15,6 +15,6 @@ pub use checkpoint::{load_model, read_checkpoint, Checkpoint, CheckpointFormat};
 pub use config::{ModelConfig, SUPPORTED_MODEL_TYPES};
 pub use error::ModelError;
 pub use lora::LoraAdapter;
-pub use model::{AttentionLayout, CausalLm, KvCache, Linear};
+pub use model::{AttentionLayout, CausalLm, KvCache, LayerInputs, Linear};
 pub use peft::{load_adapter, save_adapter, LoraConfig, TargetModules};
 pub use save::{parse_shard_size, save_hf_checkpoint};

@@ -234,6 +234,16 @@ impl LoraAdapter {
         x * mask
     }
 
+    /// The state of the dropout generator (to replay the same masks when a layer is recomputed).
+    pub fn dropout_state(&self) -> u64 {
+        self.rng.lock().unwrap_or_else(|e| e.into_inner()).state
+    }
+
+    /// Restores a state from [`LoraAdapter::dropout_state`].
+    pub fn set_dropout_state(&self, state: u64) {
+        self.rng.lock().unwrap_or_else(|e| e.into_inner()).state = state;
+    }
+
     /// Turns A, B (and the DoRA magnitude) into [`Var`]s so that `loss.backward()` yields their
     /// gradients, and returns them with their PEFT parameter suffixes (`lora_A.weight`,
     /// `lora_B.weight`, `lora_magnitude_vector.weight`). Calling it again returns the same Vars.

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result as CResult, Tensor, D};
+use candle_core::{DType, Device, Result as CResult, Tensor, Var, D};
 use ferrotune_core::ops;
 use ferrotune_core::quant::QuantizedMatrix;
 
@@ -211,6 +211,29 @@ impl AttentionLayout {
         Tensor::from_vec(data, (batch, 1, seq, total), device)?
             .to_dtype(dtype)
             .map(Some)
+    }
+}
+
+/// Per-call tensors every decoder layer uses: rotary tables and attention masks.
+#[derive(Debug, Clone)]
+pub struct LayerInputs {
+    cos: Tensor,
+    sin: Tensor,
+    full_mask: Option<Tensor>,
+    window_masks: Vec<(usize, Option<Tensor>)>,
+}
+
+impl LayerInputs {
+    /// The additive mask of a layer with the given sliding window (`None` = full causal).
+    fn mask(&self, window: Option<usize>) -> Option<&Tensor> {
+        match window {
+            None => self.full_mask.as_ref(),
+            Some(w) => self
+                .window_masks
+                .iter()
+                .find(|(ww, _)| *ww == w)
+                .and_then(|(_, m)| m.as_ref()),
+        }
     }
 }
 
@@ -462,6 +485,51 @@ impl CausalLm {
         out
     }
 
+    /// Makes every weight trainable (full fine-tuning) and returns the [`Var`]s under their HF
+    /// names, in checkpoint order. With tied embeddings the output head shares the embedding's
+    /// `Var`, so its gradient collects both uses, as in PyTorch.
+    pub fn make_all_trainable(&mut self) -> CResult<Vec<(String, Var)>> {
+        fn var(t: &mut Tensor, name: String, out: &mut Vec<(String, Var)>) -> CResult<()> {
+            let v = Var::from_tensor(&t.detach())?;
+            *t = v.as_tensor().clone();
+            out.push((name, v));
+            Ok(())
+        }
+        let mut out = Vec::new();
+        var(&mut self.embed_tokens, "model.embed_tokens.weight".into(), &mut out)?;
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            var(&mut layer.input_layernorm, format!("{p}.input_layernorm.weight"), &mut out)?;
+            var(
+                &mut layer.post_attention_layernorm,
+                format!("{p}.post_attention_layernorm.weight"),
+                &mut out,
+            )?;
+            if let Some(q) = &mut layer.self_attn.q_norm {
+                var(q, format!("{p}.self_attn.q_norm.weight"), &mut out)?;
+            }
+            if let Some(k) = &mut layer.self_attn.k_norm {
+                var(k, format!("{p}.self_attn.k_norm.weight"), &mut out)?;
+            }
+        }
+        var(&mut self.norm, "model.norm.weight".into(), &mut out)?;
+        let tied = self.config.tie_word_embeddings;
+        let embed = self.embed_tokens.clone();
+        for (name, linear) in self.linears_mut() {
+            // Dense weights change every step: a packed (GGUF block) copy would go stale.
+            linear.packed = None;
+            if name == "lm_head" && tied {
+                linear.weight = embed.clone();
+                continue;
+            }
+            var(&mut linear.weight, format!("{name}.weight"), &mut out)?;
+            if let Some(b) = &mut linear.bias {
+                var(b, format!("{name}.bias"), &mut out)?;
+            }
+        }
+        Ok(out)
+    }
+
     /// The compute dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -480,8 +548,21 @@ impl CausalLm {
         layout: &AttentionLayout,
         mut cache: Option<&mut KvCache>,
     ) -> CResult<Tensor> {
+        let mut x = self.embed(input_ids)?;
+        let inputs = self.layer_inputs(layout)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let mask = inputs.mask(layer.sliding_window);
+            x = self.layer_forward(layer, &x, &inputs.cos, &inputs.sin, mask, layer_cache)?;
+        }
+        self.final_norm(&x)
+    }
+
+    /// Token embeddings `[batch, seq, hidden]` of `input_ids` (`[batch, seq]`, u32), scaled where
+    /// the family does so (Gemma).
+    pub fn embed(&self, input_ids: &Tensor) -> CResult<Tensor> {
         let (batch, seq) = input_ids.dims2()?;
-        let mut x = self
+        let x = self
             .embed_tokens
             .index_select(&input_ids.flatten_all()?, 0)?
             .reshape((batch, seq, self.config.hidden_size))?;
@@ -489,30 +570,45 @@ impl CausalLm {
             // transformers builds the normalizer as a tensor of the hidden dtype: round it the same way.
             let s = Tensor::new((self.config.hidden_size as f32).sqrt(), &self.device)?
                 .to_dtype(self.dtype)?;
-            x = x.broadcast_mul(&s)?;
+            return x.broadcast_mul(&s);
         }
+        Ok(x)
+    }
+
+    /// What every layer of one forward call shares: rotary tables and attention masks.
+    pub fn layer_inputs(&self, layout: &AttentionLayout) -> CResult<LayerInputs> {
         let (cos, sin) = self
             .rope
             .cos_sin(&layout.positions, self.dtype, &self.device)?;
         let full_mask = layout.additive_mask(None, self.dtype, &self.device)?;
         let mut window_masks: Vec<(usize, Option<Tensor>)> = Vec::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mask = match layer.sliding_window {
-                None => full_mask.clone(),
-                Some(w) => match window_masks.iter().find(|(ww, _)| *ww == w) {
-                    Some((_, m)) => m.clone(),
-                    None => {
-                        let m = layout.additive_mask(Some(w), self.dtype, &self.device)?;
-                        window_masks.push((w, m.clone()));
-                        m
-                    }
-                },
-            };
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = self.layer_forward(layer, &x, &cos, &sin, mask.as_ref(), layer_cache)?;
+        for layer in &self.layers {
+            if let Some(w) = layer.sliding_window {
+                if !window_masks.iter().any(|(ww, _)| *ww == w) {
+                    window_masks.push((w, layout.additive_mask(Some(w), self.dtype, &self.device)?));
+                }
+            }
         }
+        Ok(LayerInputs {
+            cos,
+            sin,
+            full_mask,
+            window_masks,
+        })
+    }
+
+    /// Decoder layer `index` on hidden states `x` (no cache): the unit activation checkpointing
+    /// recomputes.
+    pub fn layer(&self, index: usize, x: &Tensor, inputs: &LayerInputs) -> CResult<Tensor> {
+        let layer = &self.layers[index];
+        let mask = inputs.mask(layer.sliding_window);
+        self.layer_forward(layer, x, &inputs.cos, &inputs.sin, mask, None)
+    }
+
+    /// The final RMSNorm.
+    pub fn final_norm(&self, x: &Tensor) -> CResult<Tensor> {
         ops::rms_norm(
-            &x,
+            x,
             &self.norm,
             self.config.rms_norm_eps,
             self.config.norm_weight_offset_one,

@@ -14,7 +14,7 @@ use crate::error::ModelError;
 
 /// Writes through a temporary file in `path`'s folder and renames it into place, so a crash never
 /// leaves a truncated file under the final name.
-pub(crate) fn write_atomic_with(
+pub fn write_atomic_with(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), String>,
 ) -> Result<(), ModelError> {
@@ -37,7 +37,7 @@ pub(crate) fn write_atomic_with(
 }
 
 /// [`write_atomic_with`] for bytes already in memory.
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     write_atomic_with(path, |tmp| {
         std::fs::write(tmp, bytes).map_err(|e| e.to_string())
     })
