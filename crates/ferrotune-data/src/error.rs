@@ -95,6 +95,18 @@ pub enum DataError {
         message: String,
     },
 
+    /// A dataset configuration is wrong (unknown builder, bad split, missing column, ...).
+    #[error("{0}")]
+    Dataset(String),
+
+    /// The Hugging Face Hub could not provide a file (network, authentication, missing repo).
+    #[error("{0}")]
+    Hub(String),
+
+    /// Something valid that ferrotune does not support.
+    #[error("{0}")]
+    Unsupported(String),
+
     /// Decoding ids failed.
     #[error("cannot decode token ids: {message}")]
     Decode {

@@ -11,8 +11,10 @@
 
 mod backend;
 pub mod chat_template;
+pub mod dataset;
 pub mod error;
 mod gguf;
+pub mod hub;
 pub mod tokenized;
 pub mod tokenizer;
 

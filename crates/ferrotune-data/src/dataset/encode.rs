@@ -1,0 +1,248 @@
+//! Turning conversations and texts into token ids and labels, for any tokenizer.
+
+use crate::chat_template::{ChatMessage, ChatTemplate};
+use crate::error::{DataError, Result};
+use crate::tokenized::IGNORE_INDEX;
+use crate::tokenizer::Tokenizer;
+
+/// A conversation to train on.
+#[derive(Debug, Clone)]
+pub(crate) struct Conversation {
+    pub messages: Vec<ChatMessage>,
+    /// Label the non-assistant tokens too (system messages stay unlabelled).
+    pub train_on_input: bool,
+}
+
+/// What every sample of a dataset needs from the tokenizer, computed once.
+pub(crate) struct Encoder<'a> {
+    pub tok: &'a Tokenizer,
+    /// The ids `encode(text, add_special_tokens=true)` puts before the text (usually `[bos]`).
+    pub prefix: Vec<u32>,
+    /// The EOS id (the EOS token's own first), if any.
+    pub eos: Option<u32>,
+    /// The chat template, compiled once (each sample renders it several times).
+    template: Option<ChatTemplate>,
+}
+
+impl<'a> Encoder<'a> {
+    pub fn new(tok: &'a Tokenizer) -> Result<Self> {
+        // The post-processor's own prefix: compare a probe encoded with and without it.
+        let probe = "a";
+        let with = tok.encode(probe, true)?;
+        let without = tok.encode(probe, false)?;
+        let prefix = if without.is_empty() {
+            Vec::new()
+        } else {
+            (0..=with.len().saturating_sub(without.len()))
+                .find(|&i| with[i..].starts_with(&without))
+                .map(|i| with[..i].to_vec())
+                .unwrap_or_default()
+        };
+        let template = tok.chat_template().map(ChatTemplate::new).transpose()?;
+        Ok(Self {
+            tok,
+            prefix,
+            eos: tok.eos_ids().first().copied(),
+            template,
+        })
+    }
+
+    /// The chat rendered as `Tokenizer::apply_chat_template` renders it.
+    fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let template = self
+            .template
+            .as_ref()
+            .expect("only called with a chat template");
+        template.render(messages, add_generation_prompt, self.tok.special_tokens())
+    }
+
+    /// `prefix + tokens(text) + [eos if add_eos]`, every token labelled (text completion).
+    pub fn text(&self, text: &str, add_eos: bool) -> Result<(Vec<u32>, Vec<i64>)> {
+        let mut ids = self.prefix.clone();
+        ids.extend(self.tok.encode(text, false)?);
+        if add_eos {
+            if let Some(eos) = self.eos {
+                ids.push(eos);
+            }
+        }
+        let labels = ids.iter().map(|&t| t as i64).collect();
+        Ok((ids, labels))
+    }
+
+    /// Ids and labels of a conversation: with the chat template if the tokenizer has one, else
+    /// turn by turn as `prefix + tokens(message)... + eos` after each assistant message.
+    pub fn conversation(&self, conv: &Conversation) -> Result<(Vec<u32>, Vec<i64>)> {
+        if self.template.is_some() {
+            self.with_template(conv)
+        } else {
+            self.without_template(conv)
+        }
+    }
+
+    fn without_template(&self, conv: &Conversation) -> Result<(Vec<u32>, Vec<i64>)> {
+        let mut ids = Vec::new();
+        let mut labels = Vec::new();
+        let mut turn_start = true;
+        for message in &conv.messages {
+            if turn_start {
+                // BOS is never a target.
+                ids.extend(&self.prefix);
+                labels.extend(self.prefix.iter().map(|_| IGNORE_INDEX));
+            }
+            let tokens = self.tok.encode(&message.content, false)?;
+            let is_assistant = message.role == "assistant";
+            let learn = is_assistant || (conv.train_on_input && message.role != "system");
+            labels.extend(
+                tokens
+                    .iter()
+                    .map(|&t| if learn { t as i64 } else { IGNORE_INDEX }),
+            );
+            ids.extend(tokens);
+            turn_start = is_assistant;
+            if is_assistant {
+                if let Some(eos) = self.eos {
+                    ids.push(eos);
+                    labels.push(eos as i64);
+                }
+            }
+        }
+        Ok((ids, labels))
+    }
+
+    fn with_template(&self, conv: &Conversation) -> Result<(Vec<u32>, Vec<i64>)> {
+        let msgs = &conv.messages;
+        let full = self.render(msgs, false)?;
+        let ids = self.tok.encode(&full, false)?;
+        // Character spans of the text the labels cover.
+        let mut spans: Vec<(usize, usize)> = Vec::new();
+        if conv.train_on_input {
+            spans.push((self.system_end(msgs, &full)?, full.len()));
+        } else {
+            for k in (0..msgs.len()).filter(|&k| msgs[k].role == "assistant") {
+                spans.push(self.assistant_span(msgs, k, &full)?);
+            }
+        }
+        let mut labels = vec![IGNORE_INDEX; ids.len()];
+        for (start, end) in spans {
+            let a = self.token_boundary(&full, &ids, start)?;
+            let b = self.token_boundary(&full, &ids, end)?;
+            for i in a..b {
+                labels[i] = ids[i] as i64;
+            }
+        }
+        Ok((ids, labels))
+    }
+
+    /// Where the leading system message ends in the rendered text (0 without one, or when the
+    /// template folds it into the first user turn).
+    fn system_end(&self, msgs: &[ChatMessage], full: &str) -> Result<usize> {
+        let n = msgs.iter().take_while(|m| m.role == "system").count();
+        if n == 0 {
+            return Ok(0);
+        }
+        match self.render(&msgs[..n], false) {
+            Ok(text) if full.starts_with(&text) => Ok(text.len()),
+            _ => Ok(0),
+        }
+    }
+
+    /// The text span of assistant message `k` in `full`: from the end of the conversation before
+    /// it rendered with the generation prompt, to the end of the conversation through it.
+    fn assistant_span(&self, msgs: &[ChatMessage], k: usize, full: &str) -> Result<(usize, usize)> {
+        let unlocatable = || {
+            DataError::Dataset(format!(
+                "the chat template of {} renders assistant message {} differently when the \
+                 conversation stops there, so its tokens cannot be located",
+                self.tok.origin().display(),
+                k + 1
+            ))
+        };
+        let start = if k == 0 {
+            0
+        } else {
+            let prompt = self.render(&msgs[..k], true)?;
+            if !full.starts_with(&prompt) {
+                return Err(unlocatable());
+            }
+            prompt.len()
+        };
+        let through = self.render(&msgs[..=k], false)?;
+        if full.starts_with(&through) {
+            return Ok((start, through.len()));
+        }
+        // Templates such as Qwen3's render the final assistant turn differently (a think block),
+        // so an earlier turn is found by where its content ends (a marker appended to it changes
+        // the text from there on) plus the end-of-turn text the template writes after content.
+        const MARK: &str = "\u{f8ff}\u{f8fe}";
+        let marked = |upto: usize| -> Result<String> {
+            let mut m = msgs[..upto].to_vec();
+            m[k].content.push_str(MARK);
+            self.render(&m, false)
+        };
+        let content_end_full = common_prefix(full, &marked(msgs.len())?);
+        let content_end_through = common_prefix(&through, &marked(k + 1)?);
+        let suffix = &through[content_end_through..];
+        if content_end_full < start || !full[content_end_full..].starts_with(suffix) {
+            return Err(unlocatable());
+        }
+        Ok((start, content_end_full + suffix.len()))
+    }
+
+    /// The index of the first token at or after text position `pos`: the token count of the
+    /// text before it when that tokenizes to a prefix of `ids` (the usual case), else by offsets.
+    fn token_boundary(&self, full: &str, ids: &[u32], pos: usize) -> Result<usize> {
+        if pos == 0 {
+            return Ok(0);
+        }
+        if pos >= full.len() {
+            return Ok(ids.len());
+        }
+        let head = self.tok.encode(&full[..pos], false)?;
+        if ids.starts_with(&head) {
+            return Ok(head.len());
+        }
+        let encoding = self
+            .tok
+            .inner()
+            .encode(full, false)
+            .map_err(|e| DataError::Encode {
+                message: e.to_string(),
+            })?;
+        Ok(encoding
+            .get_offsets()
+            .iter()
+            .position(|&(s, _)| s >= pos)
+            .unwrap_or(ids.len()))
+    }
+}
+
+/// The length in bytes of the common prefix of two strings, on a character boundary.
+fn common_prefix(a: &str, b: &str) -> usize {
+    a.char_indices()
+        .zip(b.chars())
+        .find(|((_, x), y)| x != y)
+        .map_or(a.len().min(b.len()), |((i, _), _)| i)
+}
+
+/// torchtune's truncation of a conversation: keep the first `max_len` tokens and, when anything
+/// was cut and there is an EOS id, make the last kept token EOS (labelled as the token it
+/// replaced was: learned if that position was learned).
+pub(crate) fn truncate_sft(
+    ids: &mut Vec<u32>,
+    labels: &mut Vec<i64>,
+    max_len: usize,
+    eos: Option<u32>,
+) {
+    if ids.len() <= max_len {
+        return;
+    }
+    ids.truncate(max_len);
+    labels.truncate(max_len);
+    if let (Some(eos), Some(last)) = (eos, ids.last_mut()) {
+        *last = eos;
+        let label = labels.last_mut().expect("labels as long as ids");
+        if *label != IGNORE_INDEX {
+            *label = eos as i64;
+        }
+    }
+}

@@ -1,0 +1,572 @@
+//! Training datasets: sources, torchtune's builders, truncation, packing and collation.
+//!
+//! A recipe config's `dataset:` section is torchtune's: a mapping, or a list of mappings whose
+//! datasets are concatenated in order. [`build_dataset`] turns it into token rows; [`collate`]
+//! pads rows into a batch; [`shuffled_order`] gives each epoch's order.
+//!
+//! # Builders (`_component_`, with or without the `torchtune.datasets.` prefix)
+//!
+//! | builder | columns (defaults) | prompt | `train_on_input` default |
+//! |---|---|---|---|
+//! | `instruct_dataset` | `column_map` (`input`, `output`) | `template` or the input as is | false |
+//! | `alpaca_dataset`, `alpaca_cleaned_dataset` | `instruction`, `input` (optional), `output` | Alpaca | true |
+//! | `samsum_dataset` | `dialogue`, `summary` | Summarize | false |
+//! | `grammar_dataset` | `input`, `output` | Grammar | false |
+//! | `chat_dataset` | `conversation_column` (`messages` / `conversations`) | the conversation | false |
+//! | `text_completion_dataset` | `column` (`text`) | none: loss on every token | — |
+//! | `tokenized_dataset` | JSONL `input_ids`, `labels` (optional; -100 = no loss) | none | — |
+//!
+//! - `template` (instruct_dataset): `AlpacaInstructTemplate` (placeholders `instruction`,
+//!   `input`), `SummarizeTemplate` (`dialogue`), `GrammarErrorCorrectionTemplate` (`sentence`),
+//!   `QuestionAnswerTemplate` (`question`), or none; the class path `torchtune.data.X` or the short
+//!   name. `column_map` maps placeholders (and `output`) to columns; a single-placeholder template
+//!   also takes its column from `input`. The texts are torchtune's, e.g. Summarize is
+//!   `"Summarize this dialogue:\n{dialogue}\n---\nSummary:\n"`.
+//! - `chat_dataset`: `conversation_style: openai` (`role`/`content`, content a string or text
+//!   parts) or `sharegpt` (`from: system|human|gpt`, `value`).
+//! - `new_system_prompt` (instruct, samsum, grammar, chat): a system message first, replacing the
+//!   row's own system messages. System messages never carry loss.
+//! - `text_completion_dataset`: `add_eos` (default true).
+//! - The named builders default `source` to their hub dataset (`tatsu-lab/alpaca`,
+//!   `yahma/alpaca-cleaned`, `Samsung/samsum`, `liweili/c4_200m`); `column_map` renames columns.
+//!
+//! # Sources
+//!
+//! - `source: json | csv | parquet | text` with `data_files`: a file, a folder (its files of that
+//!   format), a file-name wildcard (`data/*.jsonl`), a list of these (the `train` split), or a
+//!   mapping of split names to these. Relative paths are relative to `base_dir` (what the caller
+//!   of [`build_dataset`] passes); `~/` is the home folder.
+//! - `source: <local file or folder>`: the format from the extension (`.json`/`.jsonl`, `.csv`,
+//!   `.parquet`, `.txt`). A folder whose file names start with a split name (`train`, `test`,
+//!   `validation`/`valid`/`val`/`dev`/`eval`) has those splits; otherwise all its files are `train`.
+//! - `source: <owner/name>`: a Hugging Face Hub dataset (`name` picks its configuration).
+//! - JSON is JSON Lines, a top-level list, or a top-level object with the list under `field`;
+//!   CSV has a header and text values (an empty field is null, as in HF); a text file gives one
+//!   row `{"text": line}` per line; Parquet columns may be strings, numbers, booleans, lists,
+//!   structs or nulls.
+//! - `split` (default `train`) is HF's: `train`, `train[:2000]`, `train[100:200]`, `train[-500:]`,
+//!   `train[:1%]`, `train[10%:20%]` (percent boundaries `round(p * n / 100)`, ties to even, as HF
+//!   `datasets` does; `(pct1_dropremainder)` also works), parts joined with `+`.
+//! - A missing file, an unknown split, a missing column or a malformed row is an error naming it.
+//!   `filter_fn` is not supported.
+//!
+//! # Tokens and labels
+//!
+//! Prompt/response rows become the messages [system (`new_system_prompt`)], user (the templated
+//! prompt), assistant (the response).
+//! - With a chat template, the conversation is rendered with it; the tokens of each assistant turn
+//!   are found by rendering the conversation up to that turn with the generation prompt (where it
+//!   starts) and through it (where it ends), and are the labelled ones — what the template writes
+//!   there included (e.g. Qwen3's empty think block, `<|im_end|>`). With `train_on_input` every
+//!   token after the leading system message is labelled.
+//! - Without one: per turn, `[bos if the tokenizer adds one] + tokens(message)...`, with `eos`
+//!   after each assistant message (labelled with it); texts are encoded without special tokens
+//!   (unlike torchtune's SentencePiece tokenizers, the leading space a SentencePiece vocabulary
+//!   adds to the response is kept, as `tokenizer.encode(response)` gives it).
+//! - `max_seq_len` truncates (torchtune's rule): the first `max_seq_len` tokens are kept and,
+//!   when a conversation was cut, its last kept token becomes EOS. Text completion and
+//!   pre-tokenized rows are cut without that.
+//!
+//! # Packing
+//!
+//! `packed: true` (needs `max_seq_len`) fills rows of exactly `max_seq_len` tokens with
+//! consecutive samples in dataset order (torchtune's `PackedDataset` without splitting a sample
+//! across rows); the rest of a row is padding (pad id, label -100), and `seq_lens` lists the
+//! samples' lengths then the padding's ([`default_pad_id`]: the tokenizer's pad id, else EOS,
+//! else 0). The label of each packed sample's first token is -100:
+//! the loss predicts `labels[i + 1]` at position `i`, so no target crosses from one sample into
+//! the next, and the loss of a packed row is the sum of its samples' unpacked losses (an
+//! unpacked sample's first label is never a target either). Attention must stay inside a sample:
+//! [`collate`] gives `positions` restarting at each sample and `segments`.
+
+mod builders;
+mod encode;
+mod source;
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::{DataError, Result};
+use crate::tokenized::IGNORE_INDEX;
+use crate::tokenizer::Tokenizer;
+
+pub use source::resolve_split;
+
+use builders::{ChatSpec, InstructSpec, Template};
+use encode::Encoder;
+
+/// One training row: a single example, or several examples packed into one row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    /// Token ids fed to the model.
+    pub input_ids: Vec<u32>,
+    /// Targets aligned with `input_ids` (the loss shifts them); -100 = no loss.
+    pub labels: Vec<i64>,
+    /// Packed rows: the length of each packed sample in order (summing to the row length, trailing
+    /// padding counted as one more sample). Empty for an unpacked row.
+    pub seq_lens: Vec<usize>,
+    /// Packed rows: how many trailing tokens are padding (the last `seq_lens` entry when > 0).
+    pub padding: usize,
+}
+
+impl Row {
+    /// An unpacked row.
+    pub fn new(input_ids: Vec<u32>, labels: Vec<i64>) -> Self {
+        Self {
+            input_ids,
+            labels,
+            seq_lens: Vec::new(),
+            padding: 0,
+        }
+    }
+}
+
+/// A built dataset: its rows in source order.
+#[derive(Debug, Clone, Default)]
+pub struct Dataset {
+    /// The rows.
+    pub rows: Vec<Row>,
+}
+
+/// The builders [`build_dataset`] knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Builder {
+    Instruct,
+    Alpaca,
+    AlpacaCleaned,
+    Samsum,
+    Grammar,
+    Chat,
+    TextCompletion,
+    Tokenized,
+}
+
+impl Builder {
+    fn parse(component: &str) -> Result<Builder> {
+        let name = component
+            .strip_prefix("torchtune.datasets.")
+            .unwrap_or(component);
+        Ok(match name {
+            "instruct_dataset" => Builder::Instruct,
+            "alpaca_dataset" => Builder::Alpaca,
+            "alpaca_cleaned_dataset" => Builder::AlpacaCleaned,
+            "samsum_dataset" => Builder::Samsum,
+            "grammar_dataset" => Builder::Grammar,
+            "chat_dataset" => Builder::Chat,
+            "text_completion_dataset" => Builder::TextCompletion,
+            "tokenized_dataset" => Builder::Tokenized,
+            _ => {
+                return Err(DataError::Dataset(format!(
+                    "unknown dataset _component_ '{component}' (known: instruct_dataset, \
+                     chat_dataset, text_completion_dataset, tokenized_dataset, alpaca_dataset, \
+                     alpaca_cleaned_dataset, samsum_dataset, grammar_dataset)"
+                )))
+            }
+        })
+    }
+
+    fn default_source(self) -> Option<&'static str> {
+        match self {
+            Builder::Alpaca => Some("tatsu-lab/alpaca"),
+            Builder::AlpacaCleaned => Some("yahma/alpaca-cleaned"),
+            Builder::Samsum => Some("Samsung/samsum"),
+            Builder::Grammar => Some("liweili/c4_200m"),
+            _ => None,
+        }
+    }
+}
+
+/// The id padding uses: the tokenizer's pad id, else its EOS id, else 0.
+pub fn default_pad_id(tokenizer: &Tokenizer) -> u32 {
+    tokenizer
+        .pad_id()
+        .or_else(|| tokenizer.eos_ids().first().copied())
+        .unwrap_or(0)
+}
+
+/// Builds the dataset a recipe config's `dataset` section describes (a mapping, or a list of
+/// mappings concatenated). Relative local paths resolve against `base_dir`.
+pub fn build_dataset(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<Dataset> {
+    match section {
+        Value::Array(sections) => {
+            if sections.is_empty() {
+                return Err(DataError::Dataset("the dataset list is empty".into()));
+            }
+            let mut rows = Vec::new();
+            for (i, s) in sections.iter().enumerate() {
+                let part = build_one(s, tokenizer, base_dir).map_err(|e| match e {
+                    DataError::Dataset(m) => DataError::Dataset(format!("dataset {}: {m}", i + 1)),
+                    other => other,
+                })?;
+                rows.extend(part.rows);
+            }
+            Ok(Dataset { rows })
+        }
+        other => build_one(other, tokenizer, base_dir),
+    }
+}
+
+/// The raw rows (column → value) a dataset section's `source`, `data_files`, `field` and `split`
+/// select, before any builder: what the sources are checked with.
+pub fn load_source(section: &Value, base_dir: &Path) -> Result<Vec<Map<String, Value>>> {
+    let map = section_map(section)?;
+    let (source, split) = source_of(&map, None, base_dir)?;
+    let table = source::load_split(&source, &split, source_field(&map)?)?;
+    Ok(table.rows.into_iter().map(|r| r.values).collect())
+}
+
+fn section_map(section: &Value) -> Result<Map<String, Value>> {
+    section.as_object().cloned().ok_or_else(|| {
+        DataError::Dataset(format!(
+            "a dataset section must be a mapping (or a list of mappings), got {section}"
+        ))
+    })
+}
+
+fn source_field(map: &Map<String, Value>) -> Result<Option<&str>> {
+    builders::get_str(map, "field")
+}
+
+fn source_of(
+    map: &Map<String, Value>,
+    default_source: Option<&str>,
+    base_dir: &Path,
+) -> Result<(source::Source, String)> {
+    let mut map = map.clone();
+    if !map.contains_key("source") {
+        if let Some(s) = default_source {
+            map.insert("source".into(), Value::String(s.into()));
+        }
+    }
+    let split = builders::get_str(&map, "split")?
+        .unwrap_or("train")
+        .to_string();
+    // Parse the split before touching files so a bad string is reported as such.
+    source::parse_split(&split)?;
+    Ok((source::resolve_source(&map, base_dir)?, split))
+}
+
+fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<Dataset> {
+    let map = section_map(section)?;
+    let component = builders::get_str(&map, "_component_")?
+        .ok_or_else(|| DataError::Dataset("the dataset section has no '_component_'".into()))?;
+    let builder = Builder::parse(component)?;
+    if map.get("filter_fn").is_some_and(|v| !v.is_null()) {
+        return Err(DataError::Unsupported(
+            "dataset 'filter_fn' is not supported: filter the data files instead".into(),
+        ));
+    }
+    let max_seq_len = match map.get("max_seq_len") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 => Some(n as usize),
+            _ => {
+                return Err(DataError::Dataset(format!(
+                    "dataset 'max_seq_len' must be a positive integer, got {v}"
+                )))
+            }
+        },
+    };
+    let packed = builders::get_bool(&map, "packed", false)?;
+    if packed && max_seq_len.is_none() {
+        return Err(DataError::Dataset(
+            "dataset 'packed: true' needs 'max_seq_len' (the length of a packed row)".into(),
+        ));
+    }
+    let (source, split) = source_of(&map, builder.default_source(), base_dir)?;
+    let encoder = Encoder::new(tokenizer)?;
+
+    let mut samples: Vec<(Vec<u32>, Vec<i64>)> = Vec::new();
+    if builder == Builder::Tokenized {
+        samples = tokenized_samples(&source, &split)?;
+        if let Some(max) = max_seq_len {
+            for (ids, labels) in &mut samples {
+                ids.truncate(max);
+                labels.truncate(max);
+            }
+        }
+    } else {
+        let table = source::load_split(&source, &split, source_field(&map)?)?;
+        match builder {
+            Builder::TextCompletion => {
+                let column = builders::get_str(&map, "column")?.unwrap_or("text");
+                let add_eos = builders::get_bool(&map, "add_eos", true)?;
+                table.require(column)?;
+                for record in &table.rows {
+                    let text = builders::text_of(&table, record, column)?;
+                    let (mut ids, mut labels) = encoder.text(&text, add_eos)?;
+                    if let Some(max) = max_seq_len {
+                        ids.truncate(max);
+                        labels.truncate(max);
+                    }
+                    samples.push(check_nonempty(ids, labels, &table, record)?);
+                }
+            }
+            Builder::Chat => {
+                let spec = ChatSpec::from_section(&map)?;
+                table.require(&spec.column)?;
+                for record in &table.rows {
+                    let conv = spec.conversation(&table, record)?;
+                    samples.push(encode_sft(&encoder, &conv, max_seq_len, &table, record)?);
+                }
+            }
+            _ => {
+                let spec = match builder {
+                    Builder::Instruct => {
+                        let template =
+                            Template::parse(map.get("template").unwrap_or(&Value::Null))?;
+                        InstructSpec::from_section(&map, template, &[], false)?
+                    }
+                    Builder::Alpaca | Builder::AlpacaCleaned => InstructSpec::from_section(
+                        &map,
+                        Some(Template::Alpaca),
+                        &[
+                            ("instruction", "instruction"),
+                            ("input", "input"),
+                            ("output", "output"),
+                        ],
+                        true,
+                    )?,
+                    Builder::Samsum => InstructSpec::from_section(
+                        &map,
+                        Some(Template::Summarize),
+                        &[("input", "dialogue"), ("output", "summary")],
+                        false,
+                    )?,
+                    Builder::Grammar => InstructSpec::from_section(
+                        &map,
+                        Some(Template::Grammar),
+                        &[("input", "input"), ("output", "output")],
+                        false,
+                    )?,
+                    _ => unreachable!("handled above"),
+                };
+                spec.check(&table)?;
+                for record in &table.rows {
+                    let conv = spec.conversation(&table, record)?;
+                    samples.push(encode_sft(&encoder, &conv, max_seq_len, &table, record)?);
+                }
+            }
+        }
+    }
+
+    let rows = if packed {
+        let max = max_seq_len.expect("checked above");
+        pack(samples, max, default_pad_id(tokenizer))
+    } else {
+        samples
+            .into_iter()
+            .map(|(ids, labels)| Row::new(ids, labels))
+            .collect()
+    };
+    Ok(Dataset { rows })
+}
+
+fn check_nonempty(
+    ids: Vec<u32>,
+    labels: Vec<i64>,
+    table: &source::Table,
+    record: &source::Record,
+) -> Result<(Vec<u32>, Vec<i64>)> {
+    if ids.is_empty() {
+        return Err(DataError::Dataset(format!(
+            "{}: the row gives no tokens",
+            table.locate(record)
+        )));
+    }
+    Ok((ids, labels))
+}
+
+fn encode_sft(
+    encoder: &Encoder,
+    conv: &encode::Conversation,
+    max_seq_len: Option<usize>,
+    table: &source::Table,
+    record: &source::Record,
+) -> Result<(Vec<u32>, Vec<i64>)> {
+    let (mut ids, mut labels) = encoder.conversation(conv).map_err(|e| match e {
+        DataError::Dataset(m) => DataError::Dataset(format!("{}: {m}", table.locate(record))),
+        other => other,
+    })?;
+    if let Some(max) = max_seq_len {
+        encode::truncate_sft(&mut ids, &mut labels, max, encoder.eos);
+    }
+    check_nonempty(ids, labels, table, record)
+}
+
+/// `tokenized_dataset`: pre-tokenized JSON Lines files of the split, sliced like any split.
+fn tokenized_samples(source: &source::Source, split: &str) -> Result<Vec<(Vec<u32>, Vec<i64>)>> {
+    let splits = match source {
+        source::Source::Local(splits) => splits,
+        source::Source::Hub { repo, .. } => {
+            return Err(DataError::Unsupported(format!(
+                "tokenized_dataset reads local JSON Lines files, not the hub dataset '{repo}'"
+            )))
+        }
+    };
+    let mut out = Vec::new();
+    for part in source::parse_split(split)? {
+        let files = splits.get(&part.name).ok_or_else(|| {
+            DataError::Dataset(format!(
+                "unknown split '{}' (available: {})",
+                part.name,
+                splits.keys().cloned().collect::<Vec<_>>().join(", ")
+            ))
+        })?;
+        let mut rows = Vec::new();
+        for (path, _) in files {
+            let is_json = path
+                .extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| ["json", "jsonl", "ndjson"].contains(&e));
+            if !is_json {
+                return Err(DataError::Dataset(format!(
+                    "{}: tokenized_dataset reads JSON Lines files (.jsonl)",
+                    path.display()
+                )));
+            }
+            rows.extend(crate::tokenized::read_tokenized_jsonl(path)?);
+        }
+        let range = part.range(rows.len())?;
+        out.extend(
+            rows.drain(range)
+                .map(|example| (example.input_ids, example.labels)),
+        );
+    }
+    Ok(out)
+}
+
+/// Packs samples (each at most `max_len` tokens) into rows of exactly `max_len`, in order.
+fn pack(samples: Vec<(Vec<u32>, Vec<i64>)>, max_len: usize, pad_id: u32) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let mut current = Row::new(Vec::new(), Vec::new());
+    let flush = |current: &mut Row, rows: &mut Vec<Row>| {
+        if current.input_ids.is_empty() {
+            return;
+        }
+        let padding = max_len - current.input_ids.len();
+        current.input_ids.resize(max_len, pad_id);
+        current.labels.resize(max_len, IGNORE_INDEX);
+        if padding > 0 {
+            current.seq_lens.push(padding);
+        }
+        current.padding = padding;
+        rows.push(std::mem::replace(current, Row::new(Vec::new(), Vec::new())));
+    };
+    for (mut ids, mut labels) in samples {
+        ids.truncate(max_len);
+        labels.truncate(max_len);
+        if current.input_ids.len() + ids.len() > max_len {
+            flush(&mut current, &mut rows);
+        }
+        // No target may cross into this sample from the previous one (see the module doc).
+        if let Some(first) = labels.first_mut() {
+            *first = IGNORE_INDEX;
+        }
+        current.seq_lens.push(ids.len());
+        current.input_ids.extend(ids);
+        current.labels.extend(labels);
+    }
+    flush(&mut current, &mut rows);
+    rows
+}
+
+/// A padded batch, ready to become tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// `[batch][seq]` token ids, right-padded with the pad id.
+    pub input_ids: Vec<Vec<u32>>,
+    /// `[batch][seq]` targets, padded with -100.
+    pub labels: Vec<Vec<i64>>,
+    /// `[batch][seq]` position ids (restarting at each packed sample).
+    pub positions: Vec<Vec<u32>>,
+    /// `[batch][seq]` packed-sample index of each token (`None` when no row is packed).
+    pub segments: Option<Vec<Vec<u32>>>,
+    /// `[batch][seq]` whether each slot is a real token (false = padding).
+    pub valid: Vec<Vec<bool>>,
+}
+
+/// Pads `rows` to the longest and builds positions/segments.
+///
+/// Padding (added here, or a packed row's own) has label -100, `valid` false, its own segment
+/// index and positions counting from 0 within it. Unpacked rows are one segment with positions
+/// `0..len` continuing into their padding.
+pub fn collate(rows: &[&Row], pad_id: u32) -> Batch {
+    let width = rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(0);
+    let any_packed = rows.iter().any(|r| !r.seq_lens.is_empty());
+    let mut batch = Batch {
+        input_ids: Vec::with_capacity(rows.len()),
+        labels: Vec::with_capacity(rows.len()),
+        positions: Vec::with_capacity(rows.len()),
+        segments: any_packed.then(|| Vec::with_capacity(rows.len())),
+        valid: Vec::with_capacity(rows.len()),
+    };
+    for row in rows {
+        let len = row.input_ids.len();
+        let mut ids = row.input_ids.clone();
+        ids.resize(width, pad_id);
+        let mut labels = row.labels.clone();
+        labels.resize(width, IGNORE_INDEX);
+        let mut positions = Vec::with_capacity(width);
+        let mut segments = Vec::with_capacity(width);
+        let mut valid = Vec::with_capacity(width);
+        let lens: Vec<usize> = if row.seq_lens.is_empty() {
+            vec![len]
+        } else {
+            row.seq_lens.clone()
+        };
+        for (segment, &n) in lens.iter().enumerate() {
+            let is_padding = row.padding > 0 && segment == lens.len() - 1;
+            for p in 0..n {
+                positions.push(p as u32);
+                segments.push(segment as u32);
+                valid.push(!is_padding);
+            }
+        }
+        let extra = width - len;
+        if extra > 0 {
+            // Unpacked rows keep counting; packed rows start a new padding segment at 0.
+            let start = if row.seq_lens.is_empty() { len } else { 0 };
+            positions.extend((start..start + extra).map(|p| p as u32));
+            segments.extend(std::iter::repeat_n(lens.len() as u32, extra));
+            valid.extend(std::iter::repeat_n(false, extra));
+        }
+        batch.input_ids.push(ids);
+        batch.labels.push(labels);
+        batch.positions.push(positions);
+        if let Some(s) = batch.segments.as_mut() {
+            s.push(segments);
+        }
+        batch.valid.push(valid);
+    }
+    batch
+}
+
+/// SplitMix64: a small, well-mixed 64-bit generator (Steele, Lea and Flood).
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// A permutation of `0..len` for `epoch` of a run seeded with `seed`: Fisher–Yates driven by
+/// SplitMix64 seeded from `seed` and `epoch`. Deterministic across runs and platforms, a
+/// different order each epoch; it does not reproduce torch's `randperm` (torchtune's sampler).
+pub fn shuffled_order(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
+    let mut seeder = SplitMix64(seed);
+    let mut rng = SplitMix64(seeder.next() ^ epoch.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    let mut order: Vec<usize> = (0..len).collect();
+    for i in (1..len).rev() {
+        // Lemire's multiply-shift maps 64 random bits onto 0..=i.
+        let j = ((rng.next() as u128 * (i as u128 + 1)) >> 64) as usize;
+        order.swap(i, j);
+    }
+    order
+}
