@@ -9,11 +9,21 @@
 //!   f32 master weights for reduced-precision parameters, and named-tensor state export.
 //! - [`clip`] — `torch.nn.utils.clip_grad_norm_`, and gradient scaling for token normalisation.
 //! - [`schedule`] — LambdaLR-style multipliers (constant, linear, torchtune's cosine with warmup).
+//! - [`step`] — one micro-batch forward and backward, with activation checkpointing.
+//! - [`config`] — torchtune-style YAML configs: built-ins, overrides, interpolation, validation.
+//! - [`recipe`] — the recipes `ferrotune run` starts (fine-tuning, generation, evaluation).
+//! - [`metrics`] — metric loggers (stdout, JSONL, TensorBoard).
+//! - [`export`] — complete HF checkpoint folders (weights, config, tokenizer files).
 
 pub mod clip;
+pub mod config;
+pub mod export;
 pub mod loss;
+pub mod metrics;
 pub mod optim;
+pub mod recipe;
 pub mod schedule;
+pub mod step;
 
 pub use clip::{clip_grad_norm, scale_grads};
 pub use loss::{causal_lm_loss, causal_lm_loss_mean, LossSum, IGNORE_INDEX};

@@ -1,0 +1,872 @@
+//! Recipe configs in torchtune's YAML language: loading (built-in by name or a file), command-line
+//! overrides on dotted keys, `${...}` interpolation, and validation against the keys ferrotune
+//! knows (an unknown key names the nearest valid one; a wrong type names the expected type).
+//!
+//! A config is kept as a JSON value tree: recipes read it through the typed accessors at the
+//! bottom, which name the key in every error.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+/// A config error: one line naming the file (or built-in config) and the key.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+type Result<T> = std::result::Result<T, ConfigError>;
+
+fn err<T>(msg: impl Into<String>) -> Result<T> {
+    Err(ConfigError(msg.into()))
+}
+
+/// A loaded config and where it came from.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The config tree (a mapping at the top).
+    pub root: Value,
+    /// The file path, or `built-in NAME`, for messages.
+    pub origin: String,
+}
+
+include!(concat!(env!("OUT_DIR"), "/builtin_configs.rs"));
+
+/// Built-in configs: `(name, yaml)` with names such as `llama3_1/8B_lora_single_device`.
+pub fn builtin_configs() -> &'static [(&'static str, &'static str)] {
+    BUILTIN_CONFIGS
+}
+
+/// The recipes and their built-in configs, in `ferrotune ls` order (from `configs/index.yaml`).
+pub fn recipe_index() -> Vec<(String, Vec<String>)> {
+    let parsed: Value = serde_yaml_ng::from_str(BUILTIN_INDEX).unwrap_or(Value::Null);
+    let mut out = Vec::new();
+    match parsed {
+        Value::Object(map) => {
+            for (recipe, configs) in map {
+                let names = configs
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|v| v.as_str().map(str::to_string))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                out.push((recipe, names));
+            }
+        }
+        Value::Array(items) => {
+            for item in items {
+                if let Value::Object(map) = item {
+                    for (recipe, configs) in map {
+                        let names = configs
+                            .as_array()
+                            .map(|a| {
+                                a.iter()
+                                    .filter_map(|v| v.as_str().map(str::to_string))
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        out.push((recipe, names));
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
+/// The recipes ferrotune runs.
+pub const RECIPES: &[&str] = &[
+    "full_finetune_single_device",
+    "full_finetune_distributed",
+    "lora_finetune_single_device",
+    "lora_finetune_distributed",
+    "generate",
+    "eval",
+];
+
+/// The YAML text of a built-in config, if `name` is one (`.yaml` suffix optional).
+pub fn builtin_yaml(name: &str) -> Option<&'static str> {
+    let name = name.strip_suffix(".yaml").unwrap_or(name);
+    BUILTIN_CONFIGS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, y)| *y)
+}
+
+/// Parses YAML text into a config tree.
+pub fn parse_yaml(text: &str, origin: &str) -> Result<Value> {
+    let value: Value = serde_yaml_ng::from_str(text)
+        .map_err(|e| ConfigError(format!("{origin}: invalid YAML: {e}")))?;
+    match value {
+        Value::Object(_) => Ok(value),
+        Value::Null => Ok(Value::Object(Map::new())),
+        other => err(format!(
+            "{origin}: a config must be a mapping of keys, got {}",
+            kind(&other)
+        )),
+    }
+}
+
+/// Loads a config: an existing file path, else a built-in config name.
+pub fn load(name_or_path: &str) -> Result<Config> {
+    let path = Path::new(name_or_path);
+    if path.is_file() {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError(format!("{}: cannot read: {e}", path.display())))?;
+        let origin = path.display().to_string();
+        return Ok(Config {
+            root: parse_yaml(&text, &origin)?,
+            origin,
+        });
+    }
+    if let Some(yaml) = builtin_yaml(name_or_path) {
+        let origin = format!("built-in config {name_or_path}");
+        return Ok(Config {
+            root: parse_yaml(yaml, &origin)?,
+            origin,
+        });
+    }
+    let looks_like_path =
+        name_or_path.ends_with(".yaml") || name_or_path.ends_with(".yml") || path.is_dir();
+    if looks_like_path && !name_or_path.contains('/') || path.is_dir() {
+        return err(format!("{name_or_path}: no such config file"));
+    }
+    let names: Vec<&str> = BUILTIN_CONFIGS.iter().map(|(n, _)| *n).collect();
+    let hint = nearest(name_or_path, names.iter().copied())
+        .map(|n| format!("; did you mean '{n}'?"))
+        .unwrap_or_default();
+    err(format!(
+        "{name_or_path}: neither a config file nor a built-in config{hint} (`ferrotune ls` lists them)"
+    ))
+}
+
+impl Config {
+    /// Applies `key=value` overrides in order (torchtune/OmegaConf semantics: dotted keys create
+    /// missing mappings; `~key` deletes; a string given for a mapping sets its `_component_`).
+    pub fn apply_overrides(&mut self, overrides: &[String]) -> Result<()> {
+        for o in overrides {
+            apply_override(&mut self.root, o)?;
+        }
+        Ok(())
+    }
+
+    /// Resolves every `${...}` interpolation in place.
+    pub fn resolve(&mut self) -> Result<()> {
+        let snapshot = self.root.clone();
+        resolve_value(&mut self.root, &snapshot, &self.origin, &mut Vec::new(), "")
+    }
+}
+
+/// Parses one command-line value as YAML flow (`[a,b]`, `null`, `3e-4`, `True`, `{a: 1}`), falling
+/// back to the raw string.
+pub fn parse_value(text: &str) -> Value {
+    if text.is_empty() {
+        return Value::String(String::new());
+    }
+    match serde_yaml_ng::from_str::<Value>(text) {
+        Ok(v) => v,
+        Err(_) => Value::String(text.to_string()),
+    }
+}
+
+/// Applies one `key.path=value` (or `~key.path`) override to `root`.
+pub fn apply_override(root: &mut Value, text: &str) -> Result<()> {
+    if let Some(key) = text.strip_prefix('~') {
+        let parts: Vec<&str> = key.split('.').collect();
+        let (last, parents) = parts.split_last().expect("split yields one part");
+        let mut node = &mut *root;
+        for p in parents {
+            node = match node.get_mut(*p) {
+                Some(n) => n,
+                None => return err(format!("override '{text}': no key '{key}' to delete")),
+            };
+        }
+        let removed = node.as_object_mut().and_then(|m| m.remove(*last));
+        if removed.is_none() {
+            return err(format!("override '{text}': no key '{key}' to delete"));
+        }
+        return Ok(());
+    }
+    let Some((key, raw)) = text.split_once('=') else {
+        return err(format!(
+            "override '{text}': expected key=value (for example optimizer.lr=3e-4)"
+        ));
+    };
+    let key = key.trim();
+    if key.is_empty() || key.split('.').any(str::is_empty) {
+        return err(format!(
+            "override '{text}': '{key}' is not a valid dotted key"
+        ));
+    }
+    let value = parse_value(raw);
+    let parts: Vec<&str> = key.split('.').collect();
+    let (last, parents) = parts.split_last().expect("split yields one part");
+    let mut node = &mut *root;
+    for (i, p) in parents.iter().enumerate() {
+        let map = match node {
+            Value::Object(m) => m,
+            other => {
+                return err(format!(
+                    "override '{text}': '{}' is {}, not a mapping",
+                    parts[..i].join("."),
+                    kind(other)
+                ))
+            }
+        };
+        let entry = map
+            .entry(p.to_string())
+            .or_insert_with(|| Value::Object(Map::new()));
+        if entry.is_null() {
+            *entry = Value::Object(Map::new());
+        }
+        node = entry;
+    }
+    let map = match node {
+        Value::Object(m) => m,
+        other => {
+            return err(format!(
+                "override '{text}': '{}' is {}, not a mapping",
+                parents.join("."),
+                kind(other)
+            ))
+        }
+    };
+    match (map.get_mut(*last), &value) {
+        // `dataset=torchtune.datasets.instruct_dataset` replaces the builder, keeping its keys.
+        (Some(Value::Object(existing)), Value::String(s)) if looks_like_component(s) => {
+            existing.insert("_component_".into(), value.clone());
+        }
+        _ => {
+            map.insert(last.to_string(), value);
+        }
+    }
+    Ok(())
+}
+
+fn looks_like_component(s: &str) -> bool {
+    !s.is_empty()
+        && !s.contains(char::is_whitespace)
+        && !s.contains('/')
+        && s.chars()
+            .all(|c| c.is_alphanumeric() || c == '_' || c == '.')
+}
+
+/// Resolves interpolations in `v`: `${a.b}` (another key; a whole-string reference keeps the
+/// referenced value's type), `${oc.env:VAR}` and `${oc.env:VAR,default}`.
+fn resolve_value(
+    v: &mut Value,
+    root: &Value,
+    origin: &str,
+    stack: &mut Vec<String>,
+    here: &str,
+) -> Result<()> {
+    match v {
+        Value::Object(map) => {
+            for (k, child) in map.iter_mut() {
+                let path = if here.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{here}.{k}")
+                };
+                resolve_value(child, root, origin, stack, &path)?;
+            }
+        }
+        Value::Array(items) => {
+            for (i, child) in items.iter_mut().enumerate() {
+                resolve_value(child, root, origin, stack, &format!("{here}[{i}]"))?;
+            }
+        }
+        Value::String(s) if s.contains("${") => {
+            *v = interpolate(s, root, origin, stack, here)?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn interpolate(
+    s: &str,
+    root: &Value,
+    origin: &str,
+    stack: &mut Vec<String>,
+    here: &str,
+) -> Result<Value> {
+    let mut out = String::new();
+    let mut rest = s;
+    let mut whole: Option<Value> = None;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let Some(end) = after.find('}') else {
+            return err(format!("{origin}: {here}: unterminated '${{' in '{s}'"));
+        };
+        let expr = after[..end].trim();
+        let value = resolve_expr(expr, root, origin, stack, here)?;
+        if start == 0 && end + 3 == rest.len() && out.is_empty() {
+            whole = Some(value.clone());
+        }
+        out.push_str(&match &value {
+            Value::String(t) => t.clone(),
+            Value::Null => "None".into(),
+            other => other.to_string(),
+        });
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(whole.unwrap_or(Value::String(out)))
+}
+
+fn resolve_expr(
+    expr: &str,
+    root: &Value,
+    origin: &str,
+    stack: &mut Vec<String>,
+    here: &str,
+) -> Result<Value> {
+    if let Some(env) = expr.strip_prefix("oc.env:") {
+        let (name, default) = match env.split_once(',') {
+            Some((n, d)) => (n.trim(), Some(d.trim())),
+            None => (env.trim(), None),
+        };
+        return match (std::env::var(name), default) {
+            (Ok(v), _) => Ok(Value::String(v)),
+            (Err(_), Some(d)) => Ok(parse_value(d.trim_matches(|c| c == '\'' || c == '"'))),
+            (Err(_), None) => err(format!(
+                "{origin}: {here}: environment variable {name} is not set (use ${{oc.env:{name},default}})"
+            )),
+        };
+    }
+    if stack.iter().any(|s| s == expr) {
+        return err(format!(
+            "{origin}: {here}: interpolation cycle through '{expr}'"
+        ));
+    }
+    let mut node = root;
+    for part in expr.split('.') {
+        node = match node.get(part) {
+            Some(n) => n,
+            None => {
+                return err(format!(
+                    "{origin}: {here}: '${{{expr}}}' refers to a key that does not exist"
+                ))
+            }
+        };
+    }
+    let mut value = node.clone();
+    stack.push(expr.to_string());
+    resolve_value(&mut value, root, origin, stack, expr)?;
+    stack.pop();
+    Ok(value)
+}
+
+/// A JSON kind for messages.
+pub fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(n) if n.is_f64() => "a float",
+        Value::Number(_) => "an integer",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "a mapping",
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+
+/// The type a key must have. Every key may also be `null` (torchtune's "unset").
+#[derive(Debug, Clone, Copy)]
+pub enum Ty {
+    /// Any string.
+    Str,
+    /// An integer (a whole-number string such as "8" is accepted too).
+    Int,
+    /// A number (an integer, a float or a numeric string such as "3e-4").
+    Float,
+    /// A boolean (or the strings true/false/True/False).
+    Bool,
+    /// A list of strings (a single string is accepted too).
+    StrList,
+    /// A list of numbers.
+    FloatList,
+    /// A mapping from strings to strings (e.g. `column_map`).
+    StrMap,
+    /// A mapping with known keys.
+    Map(&'static [(&'static str, Ty)]),
+    /// A mapping with known keys, or a list of such mappings (datasets).
+    MapOrList(&'static [(&'static str, Ty)]),
+    /// Anything (sections ferrotune accepts but does not interpret, such as `profiler`).
+    Any,
+    /// A string or a mapping with `system`/`user` strings (generation prompts).
+    Prompt,
+}
+
+impl Ty {
+    fn name(&self) -> &'static str {
+        match self {
+            Ty::Str => "a string",
+            Ty::Int => "an integer",
+            Ty::Float => "a number",
+            Ty::Bool => "a boolean",
+            Ty::StrList => "a list of strings",
+            Ty::FloatList => "a list of numbers",
+            Ty::StrMap => "a mapping of strings",
+            Ty::Map(_) => "a mapping",
+            Ty::MapOrList(_) => "a mapping or a list of mappings",
+            Ty::Any => "anything",
+            Ty::Prompt => "a string or a mapping with system/user",
+        }
+    }
+}
+
+const MODEL_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("lora_attn_modules", Ty::StrList),
+    ("apply_lora_to_mlp", Ty::Bool),
+    ("apply_lora_to_output", Ty::Bool),
+    ("lora_rank", Ty::Int),
+    ("lora_alpha", Ty::Float),
+    ("lora_dropout", Ty::Float),
+    ("use_dora", Ty::Bool),
+    ("use_rslora", Ty::Bool),
+    ("quantize_base", Ty::Bool),
+];
+const TOKENIZER_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("path", Ty::Str),
+    ("max_seq_len", Ty::Int),
+    ("merges_file", Ty::Str),
+    ("prompt_template", Ty::Any),
+];
+const CHECKPOINTER_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("checkpoint_dir", Ty::Str),
+    ("checkpoint_files", Ty::Any),
+    ("recipe_checkpoint", Ty::Str),
+    ("adapter_checkpoint", Ty::Str),
+    ("output_dir", Ty::Str),
+    ("model_type", Ty::Str),
+    ("safe_serialization", Ty::Bool),
+];
+/// Keys of one dataset section.
+pub const DATASET_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("source", Ty::Str),
+    ("data_files", Ty::Any),
+    ("data_dir", Ty::Str),
+    ("name", Ty::Str),
+    ("field", Ty::Str),
+    ("split", Ty::Str),
+    ("column_map", Ty::StrMap),
+    ("template", Ty::Str),
+    ("train_on_input", Ty::Bool),
+    ("new_system_prompt", Ty::Str),
+    ("max_seq_len", Ty::Int),
+    ("packed", Ty::Bool),
+    ("conversation_column", Ty::Str),
+    ("conversation_style", Ty::Str),
+    ("column", Ty::Str),
+    ("add_eos", Ty::Bool),
+    ("trust_remote_code", Ty::Bool),
+    ("split_across_pack", Ty::Bool),
+];
+const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("lr", Ty::Float),
+    ("weight_decay", Ty::Float),
+    ("betas", Ty::FloatList),
+    ("eps", Ty::Float),
+    ("momentum", Ty::Float),
+    ("dampening", Ty::Float),
+    ("nesterov", Ty::Bool),
+    ("amsgrad", Ty::Bool),
+    ("maximize", Ty::Bool),
+    ("fused", Ty::Bool),
+    ("foreach", Ty::Bool),
+];
+const SCHEDULER_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("num_warmup_steps", Ty::Int),
+    ("num_training_steps", Ty::Int),
+    ("num_cycles", Ty::Float),
+];
+const LOSS_KEYS: &[(&str, Ty)] = &[("_component_", Ty::Str), ("num_output_chunks", Ty::Int)];
+const LOGGER_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("log_dir", Ty::Str),
+    ("filename", Ty::Str),
+    ("project", Ty::Str),
+    ("organize_logs", Ty::Bool),
+];
+
+/// Every top-level key of every recipe.
+pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
+    ("output_dir", Ty::Str),
+    ("model", Ty::Map(MODEL_KEYS)),
+    ("tokenizer", Ty::Map(TOKENIZER_KEYS)),
+    ("checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
+    ("resume_from_checkpoint", Ty::Bool),
+    ("save_adapter_weights_only", Ty::Bool),
+    ("dataset", Ty::MapOrList(DATASET_KEYS)),
+    ("seed", Ty::Int),
+    ("shuffle", Ty::Bool),
+    ("batch_size", Ty::Int),
+    ("epochs", Ty::Int),
+    ("max_steps_per_epoch", Ty::Int),
+    ("gradient_accumulation_steps", Ty::Int),
+    ("clip_grad_norm", Ty::Float),
+    ("optimizer", Ty::Map(OPTIMIZER_KEYS)),
+    ("lr_scheduler", Ty::Map(SCHEDULER_KEYS)),
+    ("loss", Ty::Map(LOSS_KEYS)),
+    ("device", Ty::Str),
+    ("dtype", Ty::Str),
+    ("enable_activation_checkpointing", Ty::Bool),
+    ("enable_activation_offloading", Ty::Bool),
+    ("compile", Ty::Bool),
+    ("optimizer_in_bwd", Ty::Bool),
+    ("metric_logger", Ty::Map(LOGGER_KEYS)),
+    ("log_every_n_steps", Ty::Int),
+    ("log_peak_memory_stats", Ty::Bool),
+    ("save_every_n_steps", Ty::Int),
+    ("profiler", Ty::Any),
+    ("fsdp_sharding", Ty::Str),
+    ("fsdp_cpu_offload", Ty::Bool),
+    ("fsdp_reshard_after_forward", Ty::Bool),
+    ("custom_sharded_layers", Ty::StrList),
+    ("cpu_offload", Ty::Bool),
+    ("prompt", Ty::Prompt),
+    ("max_new_tokens", Ty::Int),
+    ("temperature", Ty::Float),
+    ("top_k", Ty::Int),
+    ("top_p", Ty::Float),
+    ("enable_kv_cache", Ty::Bool),
+    ("instruct_template", Ty::Str),
+    ("chat_format", Ty::Str),
+    ("quantizer", Ty::Any),
+    ("max_seq_len", Ty::Int),
+];
+
+/// Checks `root` against the known keys and types. Returns every problem found, each a line
+/// naming the key (with the nearest valid key for unknown ones).
+pub fn validate(root: &Value, origin: &str) -> std::result::Result<(), Vec<String>> {
+    let mut problems = Vec::new();
+    match root {
+        Value::Object(map) => check_map(map, TOP_LEVEL_KEYS, "", origin, &mut problems),
+        other => problems.push(format!(
+            "{origin}: a config must be a mapping, got {}",
+            kind(other)
+        )),
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems)
+    }
+}
+
+fn check_map(
+    map: &Map<String, Value>,
+    keys: &[(&str, Ty)],
+    prefix: &str,
+    origin: &str,
+    problems: &mut Vec<String>,
+) {
+    for (k, v) in map {
+        let path = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        match keys.iter().find(|(name, _)| name == k) {
+            Some((_, ty)) => check_value(v, *ty, &path, origin, problems),
+            None => {
+                let hint = nearest(k, keys.iter().map(|(n, _)| *n))
+                    .map(|n| {
+                        let full = if prefix.is_empty() {
+                            n.to_string()
+                        } else {
+                            format!("{prefix}.{n}")
+                        };
+                        format!("; did you mean '{full}'?")
+                    })
+                    .unwrap_or_default();
+                problems.push(format!("{origin}: unknown key '{path}'{hint}"));
+            }
+        }
+    }
+}
+
+fn check_value(v: &Value, ty: Ty, path: &str, origin: &str, problems: &mut Vec<String>) {
+    if v.is_null() {
+        return;
+    }
+    let ok = match ty {
+        Ty::Any => true,
+        Ty::Str => v.is_string(),
+        Ty::Int => as_int(v).is_some(),
+        Ty::Float => as_float(v).is_some(),
+        Ty::Bool => as_bool(v).is_some(),
+        Ty::StrList => {
+            v.is_string() || v.as_array().is_some_and(|a| a.iter().all(Value::is_string))
+        }
+        Ty::FloatList => v
+            .as_array()
+            .is_some_and(|a| a.iter().all(|x| as_float(x).is_some())),
+        Ty::StrMap => v
+            .as_object()
+            .is_some_and(|m| m.values().all(Value::is_string)),
+        Ty::Prompt => {
+            v.is_string()
+                || v.as_object().is_some_and(|m| {
+                    m.iter().all(|(k, x)| {
+                        (k == "system" || k == "user") && (x.is_string() || x.is_null())
+                    })
+                })
+        }
+        Ty::Map(keys) => match v.as_object() {
+            Some(m) => {
+                check_map(m, keys, path, origin, problems);
+                true
+            }
+            None => false,
+        },
+        Ty::MapOrList(keys) => match v {
+            Value::Object(m) => {
+                check_map(m, keys, path, origin, problems);
+                true
+            }
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    check_value(
+                        item,
+                        Ty::Map(keys),
+                        &format!("{path}[{i}]"),
+                        origin,
+                        problems,
+                    );
+                }
+                true
+            }
+            _ => false,
+        },
+    };
+    if !ok {
+        problems.push(format!(
+            "{origin}: '{path}' must be {}, got {} ({})",
+            ty.name(),
+            kind(v),
+            short(v)
+        ));
+    }
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.chars().count() > 40 {
+        format!("{}...", s.chars().take(40).collect::<String>())
+    } else {
+        s
+    }
+}
+
+/// The candidate closest to `word` by edit distance, if close enough to be a plausible typo.
+pub fn nearest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    let mut best: Option<(usize, &str)> = None;
+    for c in candidates {
+        let d = edit_distance(&word.to_lowercase(), &c.to_lowercase());
+        if best.is_none_or(|(bd, _)| d < bd) {
+            best = Some((d, c));
+        }
+    }
+    let (d, c) = best?;
+    let limit = (word.chars().count().max(c.chars().count()) / 2).max(2);
+    (d <= limit).then_some(c)
+}
+
+/// Optimal-string-alignment distance: insertions, deletions, substitutions and adjacent
+/// transpositions ("lr_shceduler" is one typo from "lr_scheduler", not two).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = best;
+        }
+    }
+    d[a.len()][b.len()]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed access
+
+fn as_int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Number(n) => n
+            .as_i64()
+            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64)),
+        Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+fn as_float(v: &Value) -> Option<f64> {
+    match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+fn as_bool(v: &Value) -> Option<bool> {
+    match v {
+        Value::Bool(b) => Some(*b),
+        Value::String(s) => match s.as_str() {
+            "true" | "True" | "TRUE" => Some(true),
+            "false" | "False" | "FALSE" => Some(false),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+impl Config {
+    /// The value at a dotted key, `None` when absent or null.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        let mut node = &self.root;
+        for part in key.split('.') {
+            node = node.get(part)?;
+        }
+        (!node.is_null()).then_some(node)
+    }
+
+    fn typed<T>(
+        &self,
+        key: &str,
+        want: &str,
+        f: impl Fn(&Value) -> Option<T>,
+    ) -> Result<Option<T>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => f(v).map(Some).ok_or_else(|| {
+                ConfigError(format!(
+                    "{}: '{key}' must be {want}, got {} ({})",
+                    self.origin,
+                    kind(v),
+                    short(v)
+                ))
+            }),
+        }
+    }
+
+    /// A string value.
+    pub fn str(&self, key: &str) -> Result<Option<String>> {
+        self.typed(key, "a string", |v| v.as_str().map(str::to_string))
+    }
+
+    /// A required string value.
+    pub fn req_str(&self, key: &str) -> Result<String> {
+        self.str(key)?
+            .ok_or_else(|| ConfigError(format!("{}: '{key}' is required", self.origin)))
+    }
+
+    /// An integer value (non-negative).
+    pub fn usize(&self, key: &str) -> Result<Option<usize>> {
+        self.typed(key, "a non-negative integer", |v| {
+            as_int(v).and_then(|i| usize::try_from(i).ok())
+        })
+    }
+
+    /// A number.
+    pub fn f64(&self, key: &str) -> Result<Option<f64>> {
+        self.typed(key, "a number", as_float)
+    }
+
+    /// A boolean.
+    pub fn bool(&self, key: &str) -> Result<Option<bool>> {
+        self.typed(key, "a boolean", as_bool)
+    }
+
+    /// A list of strings (a single string counts as a one-element list).
+    pub fn str_list(&self, key: &str) -> Result<Option<Vec<String>>> {
+        self.typed(key, "a list of strings", |v| match v {
+            Value::String(s) => Some(vec![s.clone()]),
+            Value::Array(a) => a.iter().map(|x| x.as_str().map(str::to_string)).collect(),
+            _ => None,
+        })
+    }
+
+    /// A list of numbers.
+    pub fn f64_list(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        self.typed(key, "a list of numbers", |v| {
+            v.as_array()?.iter().map(as_float).collect()
+        })
+    }
+
+    /// A path value, with `~` expanded.
+    pub fn path(&self, key: &str) -> Result<Option<PathBuf>> {
+        Ok(self.str(key)?.map(|s| expand_home(&s)))
+    }
+
+    /// Keys set in the config, for messages (`a.b` form).
+    pub fn keys(&self) -> BTreeSet<String> {
+        fn walk(v: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+            if let Value::Object(m) = v {
+                for (k, child) in m {
+                    let p = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    out.insert(p.clone());
+                    walk(child, &p, out);
+                }
+            }
+        }
+        let mut out = BTreeSet::new();
+        walk(&self.root, "", &mut out);
+        out
+    }
+
+    /// The config as YAML (for `ferrotune run` logs and saved recipe state).
+    pub fn to_yaml(&self) -> String {
+        serde_yaml_ng::to_string(&self.root).unwrap_or_default()
+    }
+}
+
+/// Expands a leading `~/` to `$HOME/`.
+pub fn expand_home(s: &str) -> PathBuf {
+    match (s.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => PathBuf::from(s),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edit_distance_counts_transpositions_once() {
+        assert_eq!(edit_distance("lr_shceduler", "lr_scheduler"), 1);
+        assert_eq!(edit_distance("batch_sz", "batch_size"), 2);
+        assert_eq!(edit_distance("", "abc"), 3);
+    }
+}

@@ -1,0 +1,485 @@
+//! `lora_finetune_single_device` and `full_finetune_single_device`: setup, the training loop,
+//! checkpoints — torchtune's recipes, top to bottom. The two differ only in which weights train
+//! and what a checkpoint holds, marked where it happens.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Var};
+use ferrotune_data::dataset::{collate, shuffled_order, Row};
+use ferrotune_models::peft::{self, LoraConfig};
+use ferrotune_models::CausalLm;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::clip::{clip_grad_norm, scale_grads};
+use crate::config::Config;
+use crate::export::{write_hf_model, ModelSource};
+use crate::metrics::{peak_rss_mb, MetricLogger};
+use crate::optim::Optimizer;
+use crate::recipe::setup;
+use crate::recipe::state::{self, TrainState};
+use crate::step::{dropout_states, empty_grads, forward_backward, set_dropout_states, MicroBatch};
+
+/// Which weights train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// LoRA/DoRA adapters on a frozen base.
+    Lora,
+    /// Every weight.
+    Full,
+}
+
+impl Mode {
+    fn recipe(self) -> &'static str {
+        match self {
+            Mode::Lora => "lora_finetune_single_device",
+            Mode::Full => "full_finetune_single_device",
+        }
+    }
+}
+
+/// The subfolder of a LoRA checkpoint that holds the merged HF model.
+pub const MERGED_DIR: &str = "merged";
+
+/// Largest safetensors file of saved merged/full checkpoints (transformers' default).
+const MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// Runs a fine-tuning recipe on one device.
+pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
+    // ---------------------------------------------------------------- setup
+    let recipe = mode.recipe();
+    let device = setup::device(cfg)?;
+    let dtype = setup::dtype(cfg)?;
+    setup::check_loss(cfg)?;
+    for unsupported in [
+        "compile",
+        "optimizer_in_bwd",
+        "enable_activation_offloading",
+    ] {
+        if cfg.bool(unsupported)?.unwrap_or(false) {
+            bail!(
+                "{}: '{unsupported}: true' is not supported; set it to false",
+                cfg.origin
+            );
+        }
+    }
+    let output_dir = cfg
+        .path("output_dir")?
+        .ok_or_else(|| anyhow!("{}: 'output_dir' is required", cfg.origin))?;
+    let ckpt_out = cfg
+        .path("checkpointer.output_dir")?
+        .unwrap_or(output_dir.clone());
+    let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
+    let batch_size = cfg.usize("batch_size")?.unwrap_or(1);
+    let epochs = cfg.usize("epochs")?.unwrap_or(1);
+    let grad_accum = cfg.usize("gradient_accumulation_steps")?.unwrap_or(1);
+    if batch_size == 0 || grad_accum == 0 {
+        bail!(
+            "{}: batch_size and gradient_accumulation_steps must be at least 1",
+            cfg.origin
+        );
+    }
+    let max_steps = cfg.usize("max_steps_per_epoch")?;
+    let clip = cfg.f64("clip_grad_norm")?;
+    let checkpointing = cfg
+        .bool("enable_activation_checkpointing")?
+        .unwrap_or(false);
+    let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
+    let log_memory = cfg.bool("log_peak_memory_stats")?.unwrap_or(false);
+    let save_every = cfg.usize("save_every_n_steps")?.filter(|&n| n > 0);
+    let adapter_only = cfg.bool("save_adapter_weights_only")?.unwrap_or(false);
+
+    // Where to start from: a saved checkpoint of this run, or the configured base.
+    let saved = if resume {
+        let found = match cfg.path("checkpointer.recipe_checkpoint")? {
+            Some(p) => {
+                let dir = if p.is_dir() {
+                    p
+                } else {
+                    p.parent().map(Path::to_path_buf).unwrap_or_default()
+                };
+                Some(state::read_checkpoint_state(&dir)?)
+            }
+            None => state::latest_checkpoint(&ckpt_out)?,
+        };
+        match found {
+            Some(s) => Some(s),
+            None => bail!(
+                "{}: resume_from_checkpoint is true but {} holds no checkpoint with a recipe state",
+                cfg.origin,
+                ckpt_out.display()
+            ),
+        }
+    } else {
+        None
+    };
+    let seed = match &saved {
+        Some(s) => s.state.seed,
+        None => setup::seed(cfg)?,
+    };
+
+    let base_path = setup::checkpoint_path(cfg)?;
+    let tokenizer = setup::tokenizer(cfg, &base_path)?;
+    // Full fine-tuning resumes from the saved full weights; LoRA from the base plus the saved adapter.
+    let weights_path = match (&saved, mode) {
+        (Some(s), Mode::Full) => s.dir.clone(),
+        _ => base_path.clone(),
+    };
+    let t0 = Instant::now();
+    let (mut model, source) = setup::load_model(cfg, &weights_path, dtype, &device)?;
+    let source = match (&saved, mode) {
+        // Tokenizer/generation files still come from the original base.
+        (Some(_), Mode::Full) => {
+            let (fmt, dir) = base_source(&base_path)?;
+            ModelSource { format: fmt, dir }
+        }
+        _ => source,
+    };
+    eprintln!(
+        "Model {} ({}, {} layers) loaded in {:.1}s on {device:?} as {dtype:?}",
+        base_path.display(),
+        model.config.model_type,
+        model.config.num_hidden_layers,
+        t0.elapsed().as_secs_f64()
+    );
+
+    let (params, lora_config) = match mode {
+        Mode::Lora => {
+            let lc = setup_adapters(
+                cfg,
+                &mut model,
+                &base_path,
+                saved.as_ref().map(|s| s.dir.as_path()),
+                seed,
+            )?;
+            ferrotune_models::lora::set_training(&mut model, true);
+            (peft::trainable_parameters(&mut model)?, Some(lc))
+        }
+        Mode::Full => (model.make_all_trainable()?, None),
+    };
+    let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+    eprintln!(
+        "{} trainable parameters in {} tensors",
+        trainable,
+        params.len()
+    );
+
+    let dataset = setup::dataset(cfg, &tokenizer)?;
+    let rows = dataset.rows;
+    let pad = setup::pad_id(&tokenizer, &model.config);
+    let batches_per_epoch = rows.len() / batch_size;
+    let mut steps_per_epoch = batches_per_epoch / grad_accum;
+    if let Some(m) = max_steps {
+        steps_per_epoch = steps_per_epoch.min(m);
+    }
+    if steps_per_epoch == 0 {
+        bail!(
+            "{}: the dataset has {} rows, fewer than one optimizer step needs \
+             (batch_size {batch_size} × gradient_accumulation_steps {grad_accum})",
+            cfg.origin,
+            rows.len()
+        );
+    }
+    let total_steps = steps_per_epoch * epochs;
+    let schedule = setup::schedule(cfg, total_steps)?;
+    let param_refs: Vec<(String, Var)> = params.clone();
+    let mut optimizer = setup::optimizer(cfg, params)?;
+    let base_lr = optimizer.lr();
+
+    let mut start = TrainState {
+        epoch: 0,
+        step_in_epoch: 0,
+        global_step: 0,
+        seed,
+        dataset_rows: rows.len(),
+        steps_per_epoch,
+        dropout_states: dropout_states(&model),
+        recipe: recipe.to_string(),
+    };
+    if let Some(s) = &saved {
+        state::check_resumable(s, recipe, rows.len(), steps_per_epoch)?;
+        state::load_optimizer(&s.dir, optimizer.as_mut(), &device)?;
+        set_dropout_states(&model, &s.state.dropout_states);
+        start = s.state.clone();
+        eprintln!(
+            "Resuming from {} at epoch {} step {} (global step {})",
+            s.dir.display(),
+            start.epoch,
+            start.step_in_epoch,
+            start.global_step
+        );
+    }
+    state::write_config_copy(&output_dir, &cfg.to_yaml())?;
+    let mut logger = MetricLogger::from_config(cfg.get("metric_logger"), &output_dir)
+        .with_context(|| format!("{}: metric_logger", cfg.origin))?;
+    // Resuming redoes the steps after the checkpoint; a fresh run starts a fresh log. Either way no
+    // line of an earlier run is left to be mistaken for this one's.
+    logger.truncate_after(start.global_step as u64)?;
+
+    // ---------------------------------------------------------------- training loop
+    let saver = Saver {
+        cfg,
+        mode,
+        output_dir: &ckpt_out,
+        source: &source,
+        tokenizer: &tokenizer,
+        lora_config: lora_config.as_ref(),
+        dtype,
+        adapter_only,
+    };
+    let mut global_step = start.global_step;
+    for epoch in start.epoch..epochs {
+        let order: Vec<usize> = if cfg.bool("shuffle")?.unwrap_or(true) {
+            shuffled_order(rows.len(), seed, epoch as u64)
+        } else {
+            (0..rows.len()).collect()
+        };
+        let first = if epoch == start.epoch {
+            start.step_in_epoch
+        } else {
+            0
+        };
+        let bar = progress_bar(steps_per_epoch, first, epoch);
+        for step_in_epoch in first..steps_per_epoch {
+            let t_step = Instant::now();
+            let lr = base_lr * schedule.multiplier(global_step);
+            optimizer.set_lr(lr);
+            let mut grads = empty_grads()?;
+            let (mut loss_sum, mut targets, mut tokens) = (0f64, 0usize, 0usize);
+            for micro in 0..grad_accum {
+                let b = step_in_epoch * grad_accum + micro;
+                let picked: Vec<&Row> = order[b * batch_size..(b + 1) * batch_size]
+                    .iter()
+                    .map(|&i| &rows[i])
+                    .collect();
+                let batch = MicroBatch::from_batch(&collate(&picked, pad), &device)?;
+                loss_sum +=
+                    forward_backward(&model, &batch, &param_refs, &mut grads, checkpointing)?;
+                targets += batch.num_targets;
+                tokens += batch.num_tokens;
+            }
+            // Normalise by the target tokens of the whole step (not per micro-batch).
+            if targets > 0 {
+                scale_grads(
+                    &mut grads,
+                    param_refs.iter().map(|(_, v)| v.as_tensor()),
+                    1.0 / targets as f64,
+                )?;
+            }
+            let grad_norm = match clip {
+                Some(max) => Some(clip_grad_norm(
+                    &mut grads,
+                    param_refs.iter().map(|(_, v)| v.as_tensor()),
+                    max,
+                )?),
+                None => None,
+            };
+            optimizer.step(&grads)?;
+            drop(grads);
+            global_step += 1;
+            let loss = if targets > 0 {
+                loss_sum / targets as f64
+            } else {
+                0.0
+            };
+            if !loss.is_finite() {
+                bail!("the loss became {loss} at step {global_step}: lower optimizer.lr or set clip_grad_norm");
+            }
+            let secs = t_step.elapsed().as_secs_f64();
+            let tps = tokens as f64 / secs.max(1e-9);
+            bar.set_message(format!(
+                "{}|{}|Loss: {loss:.4}|lr: {lr:.2e}|{tps:.0} tok/s",
+                epoch + 1,
+                global_step
+            ));
+            bar.inc(1);
+            if global_step.is_multiple_of(log_every) {
+                let mut metrics: Vec<(&str, f64)> = vec![
+                    ("epoch", epoch as f64),
+                    ("loss", loss),
+                    ("lr", lr),
+                    ("tokens_per_second", tps),
+                ];
+                if let Some(n) = grad_norm {
+                    metrics.push(("grad_norm", n));
+                }
+                if log_memory {
+                    metrics.push(("peak_memory_rss_mb", peak_rss_mb()));
+                }
+                logger.log_step(global_step as u64, &metrics)?;
+            }
+            kill_if_asked(global_step);
+            let end_of_epoch = step_in_epoch + 1 == steps_per_epoch;
+            if let Some(n) = save_every {
+                if global_step.is_multiple_of(n) && !end_of_epoch {
+                    let st = TrainState {
+                        epoch,
+                        step_in_epoch: step_in_epoch + 1,
+                        global_step,
+                        dropout_states: dropout_states(&model),
+                        ..start.clone()
+                    };
+                    bar.suspend(|| -> Result<()> {
+                        let dir = saver.save(
+                            &model,
+                            &format!("step_{global_step}"),
+                            &st,
+                            optimizer.as_ref(),
+                        )?;
+                        eprintln!("Checkpoint saved to {}", dir.display());
+                        Ok(())
+                    })?;
+                }
+            }
+        }
+        bar.finish();
+        // ------------------------------------------------------------ checkpoint
+        let st = TrainState {
+            epoch: epoch + 1,
+            step_in_epoch: 0,
+            global_step,
+            dropout_states: dropout_states(&model),
+            ..start.clone()
+        };
+        let dir = saver.save(&model, &format!("epoch_{epoch}"), &st, optimizer.as_ref())?;
+        eprintln!("Checkpoint saved to {}", dir.display());
+    }
+    logger.close()?;
+    Ok(())
+}
+
+/// The LoRA adapters to train: from `checkpointer.adapter_checkpoint` (a PEFT folder, whose config
+/// wins), from a checkpoint being resumed, or fresh from the model keys.
+fn setup_adapters(
+    cfg: &Config,
+    model: &mut CausalLm,
+    base_path: &Path,
+    resume_dir: Option<&Path>,
+    seed: u64,
+) -> Result<LoraConfig> {
+    if let Some(dir) = resume_dir {
+        let lc = peft::load_adapter(model, dir)?;
+        return Ok(lc);
+    }
+    if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
+        let dir = if dir.is_file() {
+            dir.parent().map(Path::to_path_buf).unwrap_or_default()
+        } else {
+            dir
+        };
+        let mut lc = peft::load_adapter(model, &dir)
+            .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?;
+        if lc.base_model_name_or_path.is_none() {
+            lc.base_model_name_or_path = Some(base_path.display().to_string());
+        }
+        eprintln!("Adapter loaded from {}", dir.display());
+        return Ok(lc);
+    }
+    let lc = setup::lora_config(cfg, model, base_path)?;
+    let n = peft::add_adapter(model, &lc, seed)?;
+    eprintln!("LoRA r={} alpha={} on {n} modules", lc.r, lc.lora_alpha);
+    Ok(lc)
+}
+
+fn base_source(path: &Path) -> Result<(ferrotune_models::CheckpointFormat, PathBuf)> {
+    let format = ferrotune_models::checkpoint::locate_weights(path)?;
+    let dir = match &format {
+        ferrotune_models::CheckpointFormat::Gguf(f) => {
+            f.parent().unwrap_or(Path::new(".")).to_path_buf()
+        }
+        _ if path.is_dir() => path.to_path_buf(),
+        _ => path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+    };
+    Ok((format, dir))
+}
+
+/// Writes checkpoint folders for this run.
+struct Saver<'a> {
+    cfg: &'a Config,
+    mode: Mode,
+    output_dir: &'a Path,
+    source: &'a ModelSource,
+    tokenizer: &'a ferrotune_data::Tokenizer,
+    lora_config: Option<&'a LoraConfig>,
+    dtype: DType,
+    adapter_only: bool,
+}
+
+impl Saver<'_> {
+    fn save(
+        &self,
+        model: &CausalLm,
+        name: &str,
+        st: &TrainState,
+        optimizer: &dyn Optimizer,
+    ) -> Result<PathBuf> {
+        let _ = self.cfg;
+        state::save_checkpoint(self.output_dir, name, st, optimizer, |dir| {
+            match (self.mode, self.lora_config) {
+                (Mode::Lora, Some(lc)) => {
+                    peft::save_adapter(model, lc, dir)?;
+                    // The merged model goes one folder down: transformers treats a folder holding
+                    // adapter_config.json as "base + adapter", so merged weights beside it would
+                    // get the adapter applied a second time by `from_pretrained`.
+                    if !self.adapter_only {
+                        let merged = peft::merged_tensors(model)?;
+                        let out = dir.join(MERGED_DIR);
+                        std::fs::create_dir_all(&out)
+                            .with_context(|| format!("{}: cannot create", out.display()))?;
+                        write_hf_model(
+                            &out,
+                            &model.config,
+                            &merged,
+                            self.dtype,
+                            MAX_SHARD_BYTES,
+                            self.source,
+                            Some(self.tokenizer),
+                        )?;
+                    }
+                    crate::export::copy_or_export_tokenizer(self.source, Some(self.tokenizer), dir)?;
+                }
+                _ => {
+                    let weights = peft::merged_tensors(model)?;
+                    write_hf_model(
+                        dir,
+                        &model.config,
+                        &weights,
+                        self.dtype,
+                        MAX_SHARD_BYTES,
+                        self.source,
+                        Some(self.tokenizer),
+                    )?;
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// `FERROTUNE_KILL_AFTER_STEP=N` sends this process SIGKILL right after step N is logged: how the
+/// tests interrupt a run at a known point to check that resuming is step-exact.
+fn kill_if_asked(global_step: usize) {
+    let wanted = std::env::var("FERROTUNE_KILL_AFTER_STEP")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    if wanted == Some(global_step) {
+        // SAFETY: kill(2) on our own pid with a valid signal number has no memory effects.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+fn progress_bar(len: usize, pos: usize, epoch: usize) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg}: {percent:>3}%|{bar:24}| {pos}/{len} [{elapsed_precise}<{eta_precise}]",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_position(pos as u64);
+    bar.set_message(format!("{}|{}", epoch + 1, pos));
+    bar
+}

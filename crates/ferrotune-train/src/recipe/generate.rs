@@ -1,0 +1,106 @@
+//! `generate`: torchtune's config-driven generation recipe (`tune run generate --config ...`).
+//!
+//! Keys: `checkpointer.checkpoint_dir` (+ `checkpoint_files`, `adapter_checkpoint`),
+//! `tokenizer.path`, `prompt` (a string, used as is, or `{system, user}` formatted with the
+//! tokenizer's chat template), `max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`, `device`,
+//! `dtype`, `enable_kv_cache` (ferrotune always caches: same tokens, less work).
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Result};
+use ferrotune_data::ChatMessage;
+use ferrotune_infer::generate::{generate, GenerationOptions};
+use ferrotune_infer::sampling::SamplingOptions;
+
+use crate::config::Config;
+use crate::metrics::peak_rss_mb;
+use crate::recipe::setup;
+
+/// Runs the generation recipe and prints the prompt and its continuation.
+pub fn run(cfg: &Config) -> Result<()> {
+    let device = setup::device(cfg)?;
+    let dtype = setup::dtype(cfg)?;
+    let path = setup::checkpoint_path(cfg)?;
+    let tok = setup::tokenizer(cfg, &path)?;
+    let prompt_ids = match cfg.get("prompt") {
+        None => bail!("{}: 'prompt' is required", cfg.origin),
+        Some(serde_json::Value::String(text)) => tok.encode(text, true)?,
+        Some(serde_json::Value::Object(m)) => {
+            let mut msgs = Vec::new();
+            if let Some(s) = m.get("system").and_then(|v| v.as_str()) {
+                msgs.push(ChatMessage::system(s));
+            }
+            let user = m
+                .get("user")
+                .and_then(|v| v.as_str())
+                .ok_or_else(|| anyhow!("{}: prompt.user is required", cfg.origin))?;
+            msgs.push(ChatMessage::user(user));
+            tok.encode_chat(&msgs, true)?
+        }
+        Some(_) => bail!(
+            "{}: 'prompt' must be a string or a mapping with system/user",
+            cfg.origin
+        ),
+    };
+    if prompt_ids.is_empty() {
+        bail!("{}: the prompt encodes to no tokens", cfg.origin);
+    }
+    let t0 = Instant::now();
+    let (mut model, _) = ferrotune_models::load_model(&path, dtype, &device)?;
+    setup::check_model_component(cfg, &model.config)?;
+    if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
+        ferrotune_models::peft::load_adapter(&mut model, &dir)?;
+    }
+    eprintln!("Model loaded in {:.1}s", t0.elapsed().as_secs_f64());
+    let mut eos = tok.eos_ids().to_vec();
+    for id in &model.config.eos_token_ids {
+        if !eos.contains(id) {
+            eos.push(*id);
+        }
+    }
+    let temperature = cfg.f64("temperature")?.unwrap_or(0.6);
+    let opts = GenerationOptions {
+        max_new_tokens: cfg.usize("max_new_tokens")?.unwrap_or(300),
+        sampling: SamplingOptions {
+            temperature,
+            top_k: cfg.usize("top_k")?,
+            top_p: cfg.f64("top_p")?,
+            repetition_penalty: 1.0,
+            seed: cfg.usize("seed")?.unwrap_or(0) as u64,
+        },
+        eos_token_ids: eos.clone(),
+        stop_strings: Vec::new(),
+        ignore_eos: false,
+        pad_token_id: setup::pad_id(&tok, &model.config),
+    };
+    let decode = |ids: &[u32]| tok.decode(ids, false).unwrap_or_default();
+    print!("{}", tok.decode(&prompt_ids, true)?);
+    let mut streamed: Vec<u32> = Vec::new();
+    let mut printed = String::new();
+    let mut stdout = std::io::stdout();
+    let mut on_token = |_row: usize, id: u32| {
+        if eos.contains(&id) {
+            return;
+        }
+        streamed.push(id);
+        let text = tok.decode(&streamed, true).unwrap_or_default();
+        if text.ends_with('\u{FFFD}') || !text.starts_with(printed.as_str()) {
+            return;
+        }
+        let _ = write!(stdout, "{}", &text[printed.len()..]);
+        let _ = stdout.flush();
+        printed = text;
+    };
+    let t1 = Instant::now();
+    let out = generate(&model, &[prompt_ids], &opts, &decode, &mut on_token)?;
+    println!();
+    let secs = t1.elapsed().as_secs_f64();
+    let n = out.new_token_ids[0].len();
+    eprintln!(
+        "Time for inference: {secs:.2} sec total, {:.2} tokens/sec",
+        n as f64 / secs.max(1e-9)
+    );
+    eprintln!("Memory used: {:.2} GB", peak_rss_mb() / 1024.0);
+    Ok(())
+}

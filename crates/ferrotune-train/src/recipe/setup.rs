@@ -1,0 +1,427 @@
+//! The setup steps every recipe shares: device and dtype, model and tokenizer from the
+//! checkpointer section, LoRA settings from torchtune's model keys, optimizer, LR schedule, loss.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Var};
+use ferrotune_data::Tokenizer;
+use ferrotune_models::peft::{LoraConfig, TargetModules};
+use ferrotune_models::{read_checkpoint, CausalLm, CheckpointFormat, ModelConfig};
+
+use crate::config::Config;
+use crate::export::ModelSource;
+use crate::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use crate::schedule::LrSchedule;
+
+/// `device` (cpu, cuda, cuda:N; default cpu).
+pub fn device(cfg: &Config) -> Result<Device> {
+    let name = cfg.str("device")?.unwrap_or_else(|| "cpu".into());
+    ferrotune_core::parse_device(&name).map_err(|e| anyhow!("{}: 'device': {e}", cfg.origin))
+}
+
+/// `dtype` (fp32, bf16, fp16; torchtune's names and candle's; default fp32).
+pub fn dtype(cfg: &Config) -> Result<DType> {
+    let name = cfg.str("dtype")?.unwrap_or_else(|| "fp32".into());
+    match name.as_str() {
+        "fp32" | "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "fp16" | "f16" | "float16" => bail!(
+            "{}: 'dtype: {name}': fp16 training is not supported (torchtune refuses it too); use bf16 or fp32",
+            cfg.origin
+        ),
+        other => bail!(
+            "{}: 'dtype' must be fp32 or bf16, got '{other}'",
+            cfg.origin
+        ),
+    }
+}
+
+/// The base checkpoint path (`checkpointer.checkpoint_dir`, an HF folder or a .gguf), checking
+/// `checkpointer.checkpoint_files` when given.
+pub fn checkpoint_path(cfg: &Config) -> Result<PathBuf> {
+    let dir = cfg
+        .path("checkpointer.checkpoint_dir")?
+        .ok_or_else(|| anyhow!("{}: 'checkpointer.checkpoint_dir' is required", cfg.origin))?;
+    if !dir.exists() {
+        bail!(
+            "{}: checkpointer.checkpoint_dir: {} does not exist",
+            cfg.origin,
+            dir.display()
+        );
+    }
+    let gguf = dir.extension().is_some_and(|e| e == "gguf");
+    if gguf && cfg.get("checkpointer.checkpoint_files").is_some() {
+        // A torchtune config retargeted at a GGUF keeps its shard list: the file is the checkpoint.
+        eprintln!(
+            "note: checkpointer.checkpoint_files is ignored: {} is a single GGUF checkpoint",
+            dir.display()
+        );
+    }
+    if let Some(files) = cfg.get("checkpointer.checkpoint_files").filter(|_| !gguf) {
+        let names: Vec<String> = match files {
+            serde_json::Value::Array(a) => a
+                .iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect(),
+            serde_json::Value::String(s) => vec![s.clone()],
+            // torchtune's `{filename_format: ..., max_filename: ...}` form: let the folder speak.
+            _ => Vec::new(),
+        };
+        let base = if dir.is_dir() {
+            dir.clone()
+        } else {
+            dir.parent().unwrap_or(Path::new(".")).to_path_buf()
+        };
+        for name in &names {
+            let f = base.join(name);
+            if !f.is_file() {
+                bail!(
+                    "{}: checkpointer.checkpoint_files: {} does not exist",
+                    cfg.origin,
+                    f.display()
+                );
+            }
+            if name.ends_with(".pt") || name.ends_with(".bin") || name.ends_with(".pth") {
+                bail!(
+                    "{}: checkpointer.checkpoint_files: {name}: PyTorch pickle checkpoints are not \
+                     supported; use the safetensors files of the HF checkpoint",
+                    cfg.origin
+                );
+            }
+        }
+    }
+    Ok(dir)
+}
+
+/// Loads the base model (training copy: no packed weights) in `dtype` on `device`.
+pub fn load_model(
+    cfg: &Config,
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<(CausalLm, ModelSource)> {
+    let ckpt = read_checkpoint(path, dtype, device)?;
+    check_model_component(cfg, &ckpt.config)?;
+    let source = ModelSource {
+        format: ckpt.format.clone(),
+        dir: ckpt.dir.clone(),
+    };
+    let model = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &path.display().to_string())?;
+    Ok((model, source))
+}
+
+/// torchtune builder families and the transformers `model_type`s they build.
+const COMPONENT_FAMILIES: &[(&str, &[&str])] = &[
+    ("llama2", &["llama"]),
+    ("code_llama2", &["llama"]),
+    ("llama3", &["llama"]),
+    ("llama3_1", &["llama"]),
+    ("llama3_2", &["llama"]),
+    ("llama3_3", &["llama"]),
+    ("smollm2", &["llama"]),
+    ("mistral", &["mistral", "llama"]),
+    ("qwen2", &["qwen2"]),
+    ("qwen2_5", &["qwen2"]),
+    ("qwen3", &["qwen3"]),
+    ("gemma", &["gemma"]),
+    ("phi3", &["phi3"]),
+    ("phi4", &["phi3"]),
+];
+
+/// `model._component_` is optional (the checkpoint decides the architecture), but a torchtune
+/// builder naming another family than the checkpoint's is a mistake worth stopping for.
+pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
+    let Some(component) = cfg.str("model._component_")? else {
+        return Ok(());
+    };
+    let rest = component
+        .strip_prefix("torchtune.models.")
+        .or_else(|| component.strip_prefix("ferrotune.models."));
+    let Some(rest) = rest else {
+        bail!(
+            "{}: model._component_ '{component}' is not a torchtune model builder \
+             (torchtune.models.<family>.<builder>); leave it out to take the architecture from the checkpoint",
+            cfg.origin
+        );
+    };
+    let family = rest.split('.').next().unwrap_or("");
+    let Some((_, types)) = COMPONENT_FAMILIES.iter().find(|(f, _)| *f == family) else {
+        let known: Vec<&str> = COMPONENT_FAMILIES.iter().map(|(f, _)| *f).collect();
+        bail!(
+            "{}: model._component_ '{component}': unknown model family '{family}' (known: {})",
+            cfg.origin,
+            known.join(", ")
+        );
+    };
+    if !types.contains(&model.model_type.as_str()) {
+        bail!(
+            "{}: model._component_ '{component}' builds a {family} model, but the checkpoint is a \
+             '{}' model; fix model._component_ or remove it (the checkpoint's architecture is used)",
+            cfg.origin,
+            model.model_type
+        );
+    }
+    Ok(())
+}
+
+/// The tokenizer: `tokenizer.path` (an HF folder, a tokenizer.json / tokenizer.model file — looking
+/// for tokenizer.json beside it or one folder up, as in torchtune's `original/tokenizer.model` —
+/// or a .gguf), else the checkpoint's own.
+pub fn tokenizer(cfg: &Config, checkpoint: &Path) -> Result<Tokenizer> {
+    let path = cfg
+        .path("tokenizer.path")?
+        .unwrap_or_else(|| checkpoint.to_path_buf());
+    if !path.exists() {
+        bail!(
+            "{}: tokenizer.path: {} does not exist",
+            cfg.origin,
+            path.display()
+        );
+    }
+    if path.extension().is_some_and(|e| e == "gguf") {
+        return Ok(Tokenizer::from_gguf(&path)?);
+    }
+    if path.is_dir() {
+        return Ok(Tokenizer::from_dir(&path)?);
+    }
+    let parent = path.parent().unwrap_or(Path::new("."));
+    for dir in [Some(parent), parent.parent()].into_iter().flatten() {
+        if dir.join("tokenizer.json").is_file() || dir.join("tokenizer_config.json").is_file() {
+            return Ok(Tokenizer::from_dir(dir)?);
+        }
+    }
+    bail!(
+        "{}: tokenizer.path: no tokenizer.json next to {} or in its parent folder",
+        cfg.origin,
+        path.display()
+    )
+}
+
+/// The LoRA adapter settings from torchtune's model keys (`lora_attn_modules`,
+/// `apply_lora_to_mlp`, `apply_lora_to_output`, `lora_rank`, `lora_alpha`, `lora_dropout`,
+/// `use_dora`), in HF module names for `model`'s layout.
+pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<LoraConfig> {
+    let fused = model.config.fused_projections;
+    let attn = cfg
+        .str_list("model.lora_attn_modules")?
+        .unwrap_or_else(|| vec!["q_proj".into(), "v_proj".into()]);
+    let mut targets: Vec<String> = Vec::new();
+    let mut push = |name: &str| {
+        if !targets.iter().any(|t| t == name) {
+            targets.push(name.to_string());
+        }
+    };
+    for m in &attn {
+        match m.as_str() {
+            "q_proj" | "k_proj" | "v_proj" if fused => push("qkv_proj"),
+            "q_proj" | "k_proj" | "v_proj" | "qkv_proj" => push(m),
+            "output_proj" | "o_proj" => push("o_proj"),
+            other => bail!(
+                "{}: model.lora_attn_modules: unknown module '{other}' (use q_proj, k_proj, v_proj, output_proj)",
+                cfg.origin
+            ),
+        }
+    }
+    if cfg.bool("model.apply_lora_to_mlp")?.unwrap_or(false) {
+        if fused {
+            push("gate_up_proj");
+        } else {
+            push("gate_proj");
+            push("up_proj");
+        }
+        push("down_proj");
+    }
+    if cfg.bool("model.apply_lora_to_output")?.unwrap_or(false) {
+        if model.config.tie_word_embeddings {
+            bail!(
+                "{}: model.apply_lora_to_output: this model ties its output head to the embeddings, \
+                 so an output adapter cannot be merged (torchtune refuses it too); set it to false",
+                cfg.origin
+            );
+        }
+        push("lm_head");
+    }
+    if targets.is_empty() {
+        bail!(
+            "{}: no LoRA targets: set model.lora_attn_modules and/or model.apply_lora_to_mlp",
+            cfg.origin
+        );
+    }
+    let r = cfg.usize("model.lora_rank")?.unwrap_or(8);
+    if r == 0 {
+        bail!("{}: model.lora_rank must be at least 1", cfg.origin);
+    }
+    let alpha = cfg.f64("model.lora_alpha")?.unwrap_or(16.0);
+    let mut lc = LoraConfig::new(r, alpha, TargetModules::Names(targets));
+    lc.lora_dropout = cfg.f64("model.lora_dropout")?.unwrap_or(0.0);
+    if !(0.0..1.0).contains(&lc.lora_dropout) {
+        bail!(
+            "{}: model.lora_dropout must be in [0, 1), got {}",
+            cfg.origin,
+            lc.lora_dropout
+        );
+    }
+    lc.use_dora = cfg.bool("model.use_dora")?.unwrap_or(false);
+    lc.use_rslora = cfg.bool("model.use_rslora")?.unwrap_or(false);
+    if cfg.bool("model.quantize_base")?.unwrap_or(false) {
+        bail!(
+            "{}: model.quantize_base (QLoRA) is not supported yet",
+            cfg.origin
+        );
+    }
+    lc.base_model_name_or_path = Some(base_path.display().to_string());
+    Ok(lc)
+}
+
+/// The optimizer named by `optimizer._component_` over `params`.
+pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Optimizer>> {
+    let component = cfg
+        .str("optimizer._component_")?
+        .unwrap_or_else(|| "torch.optim.AdamW".into());
+    let lr = cfg
+        .f64("optimizer.lr")?
+        .ok_or_else(|| anyhow!("{}: 'optimizer.lr' is required", cfg.origin))?;
+    if cfg.bool("optimizer.amsgrad")?.unwrap_or(false)
+        || cfg.bool("optimizer.maximize")?.unwrap_or(false)
+    {
+        bail!(
+            "{}: optimizer.amsgrad and optimizer.maximize are not supported",
+            cfg.origin
+        );
+    }
+    match component.rsplit('.').next().unwrap_or("") {
+        "AdamW" => {
+            let mut c = AdamWConfig {
+                lr,
+                ..AdamWConfig::default()
+            };
+            if let Some(wd) = cfg.f64("optimizer.weight_decay")? {
+                c.weight_decay = wd;
+            }
+            if let Some(eps) = cfg.f64("optimizer.eps")? {
+                c.eps = eps;
+            }
+            if let Some(b) = cfg.f64_list("optimizer.betas")? {
+                if b.len() != 2 {
+                    bail!("{}: optimizer.betas must have two numbers", cfg.origin);
+                }
+                c.beta1 = b[0];
+                c.beta2 = b[1];
+            }
+            Ok(Box::new(AdamW::new(params, c).map_err(|e| {
+                anyhow!("{}: optimizer: {e}", cfg.origin)
+            })?))
+        }
+        "SGD" => {
+            let c = SgdConfig {
+                lr,
+                momentum: cfg.f64("optimizer.momentum")?.unwrap_or(0.0),
+                dampening: cfg.f64("optimizer.dampening")?.unwrap_or(0.0),
+                weight_decay: cfg.f64("optimizer.weight_decay")?.unwrap_or(0.0),
+                nesterov: cfg.bool("optimizer.nesterov")?.unwrap_or(false),
+            };
+            Ok(Box::new(Sgd::new(params, c).map_err(|e| {
+                anyhow!("{}: optimizer: {e}", cfg.origin)
+            })?))
+        }
+        _ => bail!(
+            "{}: optimizer._component_ '{component}' is not supported (torch.optim.AdamW or torch.optim.SGD)",
+            cfg.origin
+        ),
+    }
+}
+
+/// The LR schedule of `lr_scheduler` over `total_steps` optimizer steps (null = constant).
+pub fn schedule(cfg: &Config, total_steps: usize) -> Result<LrSchedule> {
+    let Some(component) = cfg.str("lr_scheduler._component_")? else {
+        if cfg.get("lr_scheduler").is_some() {
+            bail!("{}: lr_scheduler._component_ is required", cfg.origin);
+        }
+        return Ok(LrSchedule::Constant);
+    };
+    let warmup = cfg.usize("lr_scheduler.num_warmup_steps")?.unwrap_or(0);
+    let total = cfg
+        .usize("lr_scheduler.num_training_steps")?
+        .unwrap_or(total_steps);
+    Ok(match component.rsplit('.').next().unwrap_or("") {
+        "get_cosine_schedule_with_warmup" => LrSchedule::Cosine {
+            warmup,
+            total,
+            num_cycles: cfg.f64("lr_scheduler.num_cycles")?.unwrap_or(0.5),
+        },
+        "get_linear_schedule_with_warmup" => LrSchedule::Linear { warmup, total },
+        "get_constant_schedule_with_warmup" => LrSchedule::ConstantWithWarmup { warmup },
+        "get_constant_schedule" => LrSchedule::Constant,
+        _ => bail!(
+            "{}: lr_scheduler._component_ '{component}' is not supported \
+             (torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup, \
+             get_linear_schedule_with_warmup, get_constant_schedule_with_warmup, or null)",
+            cfg.origin
+        ),
+    })
+}
+
+/// `loss._component_`: the cross-entropy variants torchtune ships all compute the same mean
+/// over target tokens; anything else is refused rather than silently replaced.
+pub fn check_loss(cfg: &Config) -> Result<()> {
+    let Some(c) = cfg.str("loss._component_")? else {
+        return Ok(());
+    };
+    let name = c.rsplit('.').next().unwrap_or("");
+    match name {
+        "CrossEntropyLoss" | "CEWithChunkedOutputLoss" | "LinearCrossEntropyLoss" => Ok(()),
+        _ => bail!(
+            "{}: loss._component_ '{c}' is not supported (torch.nn.CrossEntropyLoss, \
+             torchtune.modules.loss.CEWithChunkedOutputLoss or LinearCrossEntropyLoss)",
+            cfg.origin
+        ),
+    }
+}
+
+/// The `dataset` section with `tokenizer.max_seq_len` applied where a dataset sets none.
+pub fn dataset(cfg: &Config, tok: &Tokenizer) -> Result<ferrotune_data::dataset::Dataset> {
+    let mut section = cfg
+        .get("dataset")
+        .cloned()
+        .ok_or_else(|| anyhow!("{}: 'dataset' is required", cfg.origin))?;
+    if let Some(max) = cfg.usize("tokenizer.max_seq_len")? {
+        let fill = |v: &mut serde_json::Value| {
+            if let Some(m) = v.as_object_mut() {
+                if m.get("max_seq_len").is_none_or(|x| x.is_null()) {
+                    m.insert("max_seq_len".into(), serde_json::json!(max));
+                }
+            }
+        };
+        match &mut section {
+            serde_json::Value::Array(items) => items.iter_mut().for_each(fill),
+            other => fill(other),
+        }
+    }
+    ferrotune_data::dataset::build_dataset(&section, tok, Path::new("."))
+        .with_context(|| format!("{}: dataset", cfg.origin))
+}
+
+/// The token used to pad batches.
+pub fn pad_id(tok: &Tokenizer, model: &ModelConfig) -> u32 {
+    tok.pad_id()
+        .or(model.pad_token_id)
+        .or(tok.eos_ids().first().copied())
+        .unwrap_or(0)
+}
+
+/// The seed: `seed`, or a fresh one (torchtune picks a random seed for `seed: null`).
+pub fn seed(cfg: &Config) -> Result<u64> {
+    Ok(match cfg.usize("seed")? {
+        Some(s) => s as u64,
+        None => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64 & 0xFFFF_FFFF)
+            .unwrap_or(0),
+    })
+}
+
+/// Whether a path names a GGUF base.
+pub fn is_gguf(format: &CheckpointFormat) -> bool {
+    matches!(format, CheckpointFormat::Gguf(_))
+}

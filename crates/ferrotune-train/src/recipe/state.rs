@@ -1,0 +1,193 @@
+//! Checkpoint folders in torchtune's layout (`output_dir/epoch_{k}/`, and `step_{n}/` for
+//! `save_every_n_steps`) and the recipe state that makes `resume_from_checkpoint` step-exact.
+//!
+//! A folder is written under a temporary name and renamed into place when complete, so a run
+//! killed mid-save leaves either the previous checkpoint or the new one, never half of one. The
+//! recipe state (`recipe_state/state.json` + `recipe_state/optimizer.safetensors`) records where
+//! the data order stands, the step count, the seed and the LoRA dropout generators.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use ferrotune_models::save::{write_atomic, write_atomic_with};
+use serde::{Deserialize, Serialize};
+
+use crate::optim::Optimizer;
+
+/// Where the run stands: enough to continue exactly where it was saved.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TrainState {
+    /// The epoch to continue in (0-based).
+    pub epoch: usize,
+    /// Optimizer steps already taken in that epoch.
+    pub step_in_epoch: usize,
+    /// Optimizer steps taken since the start of training.
+    pub global_step: usize,
+    /// The run's seed (data order, adapter init, dropout).
+    pub seed: u64,
+    /// Rows in the dataset when saved (a different dataset cannot resume).
+    pub dataset_rows: usize,
+    /// Steps per epoch when saved.
+    pub steps_per_epoch: usize,
+    /// LoRA dropout generator states, in module order.
+    pub dropout_states: Vec<u64>,
+    /// The recipe that wrote it.
+    pub recipe: String,
+}
+
+const STATE_DIR: &str = "recipe_state";
+const STATE_FILE: &str = "state.json";
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
+/// Writes a checkpoint folder `output_dir/name` through `fill` (which writes the model files
+/// into the folder it is given), then the recipe state; atomically replaces an older folder of
+/// the same name.
+pub fn save_checkpoint(
+    output_dir: &Path,
+    name: &str,
+    state: &TrainState,
+    optimizer: &dyn Optimizer,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(output_dir)
+        .with_context(|| format!("{}: cannot create output_dir", output_dir.display()))?;
+    let final_dir = output_dir.join(name);
+    let tmp = output_dir.join(format!(".{name}.partial{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)
+            .with_context(|| format!("{}: cannot clear", tmp.display()))?;
+    }
+    std::fs::create_dir_all(tmp.join(STATE_DIR))
+        .with_context(|| format!("{}: cannot create", tmp.display()))?;
+    fill(&tmp)?;
+    write_optimizer(&tmp.join(STATE_DIR).join(OPTIMIZER_FILE), optimizer)?;
+    let json = serde_json::to_string_pretty(state).expect("state serializes");
+    write_atomic(&tmp.join(STATE_DIR).join(STATE_FILE), json.as_bytes())?;
+    if final_dir.exists() {
+        let old = output_dir.join(format!(".{name}.old{}", std::process::id()));
+        std::fs::rename(&final_dir, &old)
+            .with_context(|| format!("{}: cannot replace", final_dir.display()))?;
+        std::fs::rename(&tmp, &final_dir)
+            .with_context(|| format!("{}: cannot move into place", final_dir.display()))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&tmp, &final_dir)
+            .with_context(|| format!("{}: cannot move into place", final_dir.display()))?;
+    }
+    Ok(final_dir)
+}
+
+fn write_optimizer(path: &Path, optimizer: &dyn Optimizer) -> Result<()> {
+    let state = optimizer.state_dict()?;
+    let tensors: Vec<(String, Tensor)> = state
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu)?.contiguous()?)))
+        .collect::<candle_core::Result<_>>()?;
+    write_atomic_with(path, |tmp| {
+        candle_core::safetensors::save(
+            &tensors
+                .iter()
+                .map(|(k, t)| (k.clone(), t.clone()))
+                .collect::<HashMap<_, _>>(),
+            tmp,
+        )
+        .map_err(|e| e.to_string())
+    })?;
+    Ok(())
+}
+
+/// A saved checkpoint found in an output folder.
+#[derive(Debug, Clone)]
+pub struct SavedCheckpoint {
+    /// The checkpoint folder (`epoch_k` or `step_n`).
+    pub dir: PathBuf,
+    /// Its recipe state.
+    pub state: TrainState,
+}
+
+/// Reads the recipe state of checkpoint folder `dir`.
+pub fn read_checkpoint_state(dir: &Path) -> Result<SavedCheckpoint> {
+    let file = dir.join(STATE_DIR).join(STATE_FILE);
+    let text = std::fs::read_to_string(&file)
+        .with_context(|| format!("{}: cannot read the recipe state", file.display()))?;
+    let state: TrainState = serde_json::from_str(&text)
+        .with_context(|| format!("{}: invalid recipe state", file.display()))?;
+    Ok(SavedCheckpoint {
+        dir: dir.to_path_buf(),
+        state,
+    })
+}
+
+/// The most advanced complete checkpoint in `output_dir` (most optimizer steps; at equal steps
+/// the epoch folder), if any.
+pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<SavedCheckpoint>> {
+    let Ok(entries) = std::fs::read_dir(output_dir) else {
+        return Ok(None);
+    };
+    let mut best: Option<SavedCheckpoint> = None;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_ckpt = name.starts_with("epoch_") || name.starts_with("step_");
+        if !is_ckpt || !entry.path().join(STATE_DIR).join(STATE_FILE).is_file() {
+            continue;
+        }
+        let found = read_checkpoint_state(&entry.path())?;
+        let better = match &best {
+            None => true,
+            Some(b) => {
+                (found.state.global_step, found.state.epoch) > (b.state.global_step, b.state.epoch)
+            }
+        };
+        if better {
+            best = Some(found);
+        }
+    }
+    Ok(best)
+}
+
+/// Restores optimizer state saved in checkpoint folder `dir`.
+pub fn load_optimizer(dir: &Path, optimizer: &mut dyn Optimizer, device: &Device) -> Result<()> {
+    let file = dir.join(STATE_DIR).join(OPTIMIZER_FILE);
+    let state = candle_core::safetensors::load(&file, device)
+        .with_context(|| format!("{}: cannot read the optimizer state", file.display()))?;
+    optimizer
+        .load_state_dict(&state)
+        .with_context(|| format!("{}: optimizer state does not fit this run", file.display()))
+}
+
+/// Checks that a saved state can continue this run.
+pub fn check_resumable(
+    saved: &SavedCheckpoint,
+    recipe: &str,
+    dataset_rows: usize,
+    steps_per_epoch: usize,
+) -> Result<()> {
+    let s = &saved.state;
+    if s.recipe != recipe {
+        bail!(
+            "{}: saved by {}, cannot resume it with {recipe}",
+            saved.dir.display(),
+            s.recipe
+        );
+    }
+    if s.dataset_rows != dataset_rows || s.steps_per_epoch != steps_per_epoch {
+        bail!(
+            "{}: saved with {} dataset rows and {} steps per epoch, this run has {dataset_rows} and \
+             {steps_per_epoch}: the data or batch settings changed, so it cannot resume step-exactly",
+            saved.dir.display(),
+            s.dataset_rows,
+            s.steps_per_epoch
+        );
+    }
+    Ok(())
+}
+
+/// Writes the resolved config beside the checkpoints (what the run was, for reproduction).
+pub fn write_config_copy(output_dir: &Path, yaml: &str) -> Result<()> {
+    std::fs::create_dir_all(output_dir)
+        .with_context(|| format!("{}: cannot create output_dir", output_dir.display()))?;
+    write_atomic(&output_dir.join("config.yaml"), yaml.as_bytes())?;
+    Ok(())
+}

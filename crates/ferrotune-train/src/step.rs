@@ -1,0 +1,170 @@
+//! One micro-batch through the model and back: the loss *sum* and the trainable parameters'
+//! gradients, with or without activation checkpointing.
+//!
+//! The recipe accumulates the gradients of every micro-batch of an optimizer step in one
+//! [`GradStore`] and scales them once by `1 / target tokens of the whole step`, so that N
+//! micro-batches give exactly the gradients of one N× larger batch.
+//!
+//! Activation checkpointing (torchtune's `enable_activation_checkpointing`): candle has no hooks
+//! to drop and recompute activations inside one backward pass, so the pass is split at decoder
+//! layer boundaries. The forward keeps only each layer's input; the head's backward yields the
+//! gradient at the last layer's output, and each layer is then recomputed from its saved input
+//! and back-propagated with that incoming gradient (`sum(out * grad_out)` has exactly the
+//! gradient `grad_out` at `out`). Only one layer's activations are alive at any time. LoRA
+//! dropout masks are replayed by restoring the generators' states before the recompute.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use ferrotune_models::{AttentionLayout, CausalLm};
+
+use crate::loss::causal_lm_loss;
+
+/// One micro-batch as tensors.
+#[derive(Debug, Clone)]
+pub struct MicroBatch {
+    /// `[batch, seq]` u32 token ids.
+    pub input_ids: Tensor,
+    /// `[batch, seq]` i64 targets aligned with `input_ids` (shifted by the loss); -100 = none.
+    pub labels: Tensor,
+    /// Positions, padding and packed-sample boundaries.
+    pub layout: AttentionLayout,
+    /// Number of targets the loss counts (labels other than -100 after the shift).
+    pub num_targets: usize,
+    /// Number of real (non-padding) tokens, for throughput.
+    pub num_tokens: usize,
+}
+
+impl MicroBatch {
+    /// Builds the tensors of a collated batch on `device`.
+    pub fn from_batch(batch: &ferrotune_data::dataset::Batch, device: &Device) -> Result<Self> {
+        let b = batch.input_ids.len();
+        let t = batch.input_ids.first().map_or(0, Vec::len);
+        let ids: Vec<u32> = batch.input_ids.iter().flatten().copied().collect();
+        let labels: Vec<i64> = batch.labels.iter().flatten().copied().collect();
+        let num_targets = batch
+            .labels
+            .iter()
+            .map(|row| row.iter().skip(1).filter(|&&l| l != -100).count())
+            .sum();
+        let num_tokens = batch.valid.iter().flatten().filter(|&&v| v).count();
+        Ok(Self {
+            input_ids: Tensor::from_vec(ids, (b, t), device)?,
+            labels: Tensor::from_vec(labels, (b, t), device)?,
+            layout: AttentionLayout {
+                positions: batch.positions.clone(),
+                key_valid: batch.valid.clone(),
+                segments: batch.segments.clone(),
+            },
+            num_targets,
+            num_tokens,
+        })
+    }
+}
+
+/// An empty gradient store (candle only hands them out from `backward`).
+pub fn empty_grads() -> Result<GradStore> {
+    let t = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+    let mut g = t.backward()?;
+    g.remove(&t);
+    Ok(g)
+}
+
+/// Adds the gradients of `params` found in `from` into `acc`; everything else in `from` (grads
+/// of intermediate or frozen tensors) is dropped with it.
+fn absorb(acc: &mut GradStore, from: &GradStore, params: &[(String, Var)]) -> Result<()> {
+    for (_, var) in params {
+        let p = var.as_tensor();
+        if let Some(g) = from.get(p) {
+            let sum = match acc.get(p) {
+                Some(prev) => (prev + g)?.detach(),
+                None => g.detach(),
+            };
+            acc.insert(p, sum);
+        }
+    }
+    Ok(())
+}
+
+/// Runs `batch` forward and backward, adds the gradients of `params` (the loss *sum*, not yet
+/// normalised) into `acc`, and returns the summed loss.
+pub fn forward_backward(
+    model: &CausalLm,
+    batch: &MicroBatch,
+    params: &[(String, Var)],
+    acc: &mut GradStore,
+    activation_checkpointing: bool,
+) -> Result<f64> {
+    if !activation_checkpointing {
+        let logits = model.forward(&batch.input_ids, &batch.layout, None)?;
+        let loss = causal_lm_loss(&logits, &batch.labels, true)?;
+        let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let grads = loss.sum.backward()?;
+        absorb(acc, &grads, params)?;
+        return Ok(value);
+    }
+
+    let inputs = model.layer_inputs(&batch.layout)?;
+    let embedded = model.embed(&batch.input_ids)?;
+    let mut saved = Vec::with_capacity(model.layers.len());
+    let mut dropout_before = Vec::with_capacity(model.layers.len());
+    let mut x = embedded.detach();
+    for i in 0..model.layers.len() {
+        dropout_before.push(dropout_states(model));
+        saved.push(x.clone());
+        // `detach` drops the layer's graph: its activations are freed here and recomputed later.
+        x = model.layer(i, &x, &inputs)?.detach();
+    }
+    let dropout_after = dropout_states(model);
+
+    let top = Var::from_tensor(&x)?;
+    let logits = model.logits(&model.final_norm(top.as_tensor())?)?;
+    let loss = causal_lm_loss(&logits, &batch.labels, true)?;
+    let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let mut grads = loss.sum.backward()?;
+    drop(logits);
+    let mut grad_out = grads
+        .remove(top.as_tensor())
+        .ok_or_else(|| candle_core::Error::Msg("no gradient reached the last layer".into()))?;
+    absorb(acc, &grads, params)?;
+    drop(grads);
+
+    for i in (0..model.layers.len()).rev() {
+        set_dropout_states(model, &dropout_before[i]);
+        let input = Var::from_tensor(&saved[i])?;
+        let out = model.layer(i, input.as_tensor(), &inputs)?;
+        let grads = (out * &grad_out)?.sum_all()?.backward()?;
+        absorb(acc, &grads, params)?;
+        grad_out = grads
+            .get(input.as_tensor())
+            .ok_or_else(|| candle_core::Error::Msg(format!("no gradient reached layer {i}")))?
+            .detach();
+        saved.truncate(i);
+    }
+    set_dropout_states(model, &dropout_after);
+    if embedded.track_op() {
+        // Full fine-tuning: the embedding table itself is trained.
+        let grads = (embedded * grad_out)?.sum_all()?.backward()?;
+        absorb(acc, &grads, params)?;
+    }
+    Ok(value)
+}
+
+/// Dropout generator states of every adapter, in module order.
+pub fn dropout_states(model: &CausalLm) -> Vec<u64> {
+    model
+        .linears()
+        .into_iter()
+        .filter_map(|(_, l)| l.adapter.as_ref().map(|a| a.dropout_state()))
+        .collect()
+}
+
+/// Restores states from [`dropout_states`].
+pub fn set_dropout_states(model: &CausalLm, states: &[u64]) {
+    let adapters = model
+        .linears()
+        .into_iter()
+        .filter_map(|(_, l)| l.adapter.as_ref());
+    for (adapter, &s) in adapters.zip(states) {
+        adapter.set_dropout_state(s);
+    }
+}
