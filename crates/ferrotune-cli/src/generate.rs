@@ -185,8 +185,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if streaming {
         println!();
     } else {
+        // One line per prompt (newlines shown as \n), so the listing stays one answer a line.
         for (i, ids) in out.new_token_ids.iter().enumerate() {
-            println!("[{i}] {}", tok.decode(ids, true)?);
+            println!("[{i}] {}", tok.decode(ids, true)?.replace('\n', "\\n"));
         }
     }
     if args.json {

@@ -1,8 +1,12 @@
 //! `ferrotune`: fine-tune and run LLMs — torchtune's verbs and configs in one Rust binary.
 
+mod bench;
+mod download;
 mod generate;
 mod merge;
 mod model_io;
+mod plot;
+mod recipes;
 mod tokenize;
 
 use clap::{Parser, Subcommand};
@@ -17,15 +21,35 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// List the recipes and their built-in configs.
+    Ls(recipes::LsArgs),
+    /// Copy a built-in config (or a recipe's source) to a file to edit.
+    Cp(recipes::CpArgs),
+    /// Run a recipe with a config and key=value overrides.
+    Run(recipes::RunArgs),
+    /// Check a config without running it.
+    Validate(recipes::ValidateArgs),
+    /// Measure training speed and memory.
+    Bench(bench::BenchArgs),
     /// Generate text from a model (HF checkpoint folder or .gguf file).
     Generate(Box<generate::GenerateArgs>),
     /// Tokenize text or a chat conversation exactly as a model will see it.
     Tokenize(tokenize::TokenizeArgs),
     /// Merge a PEFT LoRA/DoRA adapter into its base model and write an HF checkpoint.
     Merge(merge::MergeArgs),
+    /// Download a model or dataset repository from the Hugging Face Hub (resumable).
+    Download(download::DownloadArgs),
+    /// Plot a training run's loss and learning rate against step into a PNG.
+    Plot(plot::PlotArgs),
 }
 
 fn main() {
+    // Like any Unix tool, stop quietly when the reader of our output goes away
+    // (`ferrotune ls | head`); Rust's default turns that into a panic.
+    // SAFETY: setting a signal's disposition to the default has no memory effects.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     ferrotune_core::init_cpu_threads();
     // candle attaches a backtrace to its errors whenever RUST_BACKTRACE is set; our errors are one
     // line for users. Panics still get their backtrace (RUST_LIB_BACKTRACE only covers libraries).
@@ -35,15 +59,23 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // hf-hub logs each exhausted retry; the error itself is reported once, below.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,hf_hub::retry=off")),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Ls(args) => recipes::ls(args),
+        Command::Cp(args) => recipes::cp(args),
+        Command::Run(args) => recipes::run(args),
+        Command::Validate(args) => recipes::validate(args),
+        Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(*args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Merge(args) => merge::run(args),
+        Command::Download(args) => download::run(args),
+        Command::Plot(args) => plot::run(args),
     };
     if let Err(e) = result {
         // One line: the context chain joined, so the file and the problem appear together.

@@ -1,0 +1,192 @@
+//! torchtune's verbs over recipes and configs: `ls`, `cp`, `run`, `validate`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferrotune_train::config::{self, Config};
+
+#[derive(Args)]
+pub struct LsArgs {}
+
+/// `ferrotune ls`: recipes and their built-in configs, laid out as `tune ls` prints them.
+pub fn ls(_args: LsArgs) -> Result<()> {
+    let index = config::recipe_index();
+    println!("{:<40} {:<40}", "RECIPE", "CONFIG");
+    for recipe in config::RECIPES {
+        let configs: Vec<String> = index
+            .iter()
+            .find(|(r, _)| r == recipe)
+            .map(|(_, c)| c.clone())
+            .unwrap_or_default();
+        match configs.split_first() {
+            None => println!("{recipe:<40} "),
+            Some((first, rest)) => {
+                println!("{recipe:<40} {first:<40}");
+                for c in rest {
+                    println!("{:<40} {c:<40}", "");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct CpArgs {
+    /// A built-in config (`llama3_1/8B_lora_single_device`) or a recipe name.
+    file: String,
+    /// Where to write the copy (a file, or an existing folder).
+    destination: PathBuf,
+    /// Create the destination's parent folders if missing.
+    #[arg(long)]
+    make_parents: bool,
+}
+
+/// The source of each recipe, for `ferrotune cp RECIPE` (a starting point to read or adapt).
+const RECIPE_SOURCES: &[(&str, &str)] = &[
+    (
+        "lora_finetune_single_device",
+        include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
+    ),
+    (
+        "full_finetune_single_device",
+        include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
+    ),
+    (
+        "generate",
+        include_str!("../../ferrotune-train/src/recipe/generate.rs"),
+    ),
+    (
+        "eval",
+        include_str!("../../ferrotune-train/src/recipe/eval.rs"),
+    ),
+];
+
+/// `ferrotune cp`: copies a built-in config (or a recipe's source) to edit.
+pub fn cp(args: CpArgs) -> Result<()> {
+    let (text, ext) = if let Some(yaml) = config::builtin_yaml(&args.file) {
+        (yaml, "yaml")
+    } else if let Some((_, src)) = RECIPE_SOURCES.iter().find(|(n, _)| *n == args.file) {
+        (*src, "rs")
+    } else {
+        let names: Vec<&str> = config::builtin_configs()
+            .iter()
+            .map(|(n, _)| *n)
+            .chain(RECIPE_SOURCES.iter().map(|(n, _)| *n))
+            .collect();
+        let hint = config::nearest(&args.file, names.into_iter())
+            .map(|n| format!("; did you mean '{n}'?"))
+            .unwrap_or_default();
+        bail!(
+            "'{}' is not a built-in config or recipe{hint} (`ferrotune ls` lists them)",
+            args.file
+        );
+    };
+    let mut dest = args.destination.clone();
+    if dest.is_dir() {
+        let base = args.file.rsplit('/').next().unwrap_or(&args.file);
+        dest = dest.join(format!("{base}.{ext}"));
+    } else if dest.extension().is_none() {
+        dest.set_extension(ext);
+    }
+    let parent = dest.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(parent) = parent {
+        if !parent.exists() {
+            if args.make_parents {
+                std::fs::create_dir_all(parent)
+                    .with_context(|| format!("{}: cannot create", parent.display()))?;
+            } else {
+                bail!(
+                    "{}: the destination folder does not exist (pass --make-parents to create it)",
+                    parent.display()
+                );
+            }
+        }
+    }
+    ferrotune_models::save::write_atomic(&dest, text.as_bytes())?;
+    println!("Copied file to {}", dest.display());
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// Processes per node (distributed recipes).
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", default_value_t = 1)]
+    nproc_per_node: usize,
+    /// The recipe: lora_finetune_single_device, full_finetune_single_device, generate, eval, ...
+    recipe: String,
+    /// A built-in config name or a YAML file.
+    #[arg(long)]
+    config: String,
+    /// Overrides: dotted `key=value` (`optimizer.lr=3e-4`, `model.lora_attn_modules=[q_proj,v_proj]`,
+    /// `lr_scheduler=null`), `~key` to delete a key.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    overrides: Vec<String>,
+}
+
+/// Loads, overrides, validates and resolves a config.
+pub fn prepare_config(name: &str, overrides: &[String]) -> Result<Config> {
+    let mut cfg = config::load(name)?;
+    cfg.apply_overrides(overrides)?;
+    if let Err(problems) = config::validate(&cfg.root, &cfg.origin) {
+        bail!("{}", problems.join("\n  "));
+    }
+    cfg.resolve()?;
+    Ok(cfg)
+}
+
+/// `ferrotune run`: a recipe with a config and overrides.
+pub fn run(args: RunArgs) -> Result<()> {
+    if args.nproc_per_node > 1 {
+        bail!(
+            "--nproc-per-node {}: multi-process (distributed) training is not available yet; \
+             run a _single_device recipe with --nproc-per-node 1",
+            args.nproc_per_node
+        );
+    }
+    if args.nproc_per_node == 0 {
+        bail!("--nproc-per-node must be at least 1");
+    }
+    let cfg = prepare_config(&args.config, &args.overrides)?;
+    eprintln!(
+        "Running {} with resolved config:\n\n{}",
+        args.recipe,
+        cfg.to_yaml()
+    );
+    ferrotune_train::recipe::run(&args.recipe, &cfg)
+}
+
+#[derive(Args)]
+pub struct ValidateArgs {
+    /// A built-in config name or a YAML file.
+    config: String,
+}
+
+/// `ferrotune validate`: checks a config without running anything.
+pub fn validate(args: ValidateArgs) -> Result<()> {
+    let cfg = config::load(&args.config)?;
+    if let Err(problems) = config::validate(&cfg.root, &cfg.origin) {
+        bail!("{}", problems.join("\n  "));
+    }
+    let mut resolved = cfg.clone();
+    resolved.resolve()?;
+    check_paths(&resolved);
+    println!("Config is well-formed!");
+    Ok(())
+}
+
+/// Mentions (without failing) paths that do not exist yet: the config may be meant for another
+/// machine, or for after `ferrotune download`.
+fn check_paths(cfg: &Config) {
+    for key in ["checkpointer.checkpoint_dir", "tokenizer.path"] {
+        if let Ok(Some(p)) = cfg.path(key) {
+            if !Path::new(&p).exists() {
+                eprintln!(
+                    "note: {key}: {} does not exist on this machine",
+                    p.display()
+                );
+            }
+        }
+    }
+}

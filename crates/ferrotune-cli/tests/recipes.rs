@@ -1,0 +1,450 @@
+//! `ferrotune run/validate/ls/cp` end to end through the binary, on the tiny fixture models:
+//! one SGD step from a PEFT adapter saves `start − gradient` (PEFT's gradients), resuming after a
+//! `kill -9` is step-exact, validation names bad keys, `ls` and `cp` work on the built-in configs.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn ferrotune(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotune"));
+    cmd.args(args).current_dir(cwd);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run ferrotune")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrotune-recipes-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The golden batch as pre-tokenized JSONL rows.
+fn write_golden_rows(family: &str, path: &Path) {
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(family).join("golden.json")).unwrap(),
+    )
+    .unwrap();
+    let ids = g["input_ids"].as_array().unwrap();
+    let labels = g["labels"].as_array().unwrap();
+    let lines: Vec<String> = ids
+        .iter()
+        .zip(labels)
+        .map(|(i, l)| serde_json::json!({"input_ids": i, "labels": l}).to_string())
+        .collect();
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+}
+
+fn load(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
+    let norm = |t: &Tensor| {
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt()
+    };
+    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
+}
+
+/// A LoRA config for the tiny models; the caller adds overrides.
+const TINY_LORA: &str = "
+output_dir: OUT
+model:
+  lora_attn_modules: [q_proj, v_proj]
+  lora_rank: 4
+  lora_alpha: 8
+tokenizer:
+  path: MODEL
+checkpointer:
+  checkpoint_dir: MODEL
+  output_dir: ${output_dir}
+dataset:
+  _component_: torchtune.datasets.tokenized_dataset
+  source: json
+  data_files: DATA
+seed: 7
+shuffle: false
+batch_size: 2
+epochs: 1
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 1e-3
+lr_scheduler: null
+loss:
+  _component_: torch.nn.CrossEntropyLoss
+metric_logger:
+  _component_: torchtune.training.metric_logging.DiskLogger
+  log_dir: ${output_dir}/logs
+log_every_n_steps: 1
+device: cpu
+dtype: fp32
+";
+
+fn write_config(dir: &Path, family: &str, data: &Path) -> PathBuf {
+    let model = fixtures().join(family).join("model");
+    let yaml = TINY_LORA
+        .replace("OUT", &dir.join("out").display().to_string())
+        .replace("MODEL", &model.display().to_string())
+        .replace("DATA", &data.display().to_string());
+    let path = dir.join("config.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+#[test]
+fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
+    let cases = [
+        ("llama3", fixtures().join("llama3")),
+        ("qwen2", fixtures().join("qwen2")),
+        ("llama3", fixtures().join("llama3/variants/dora")),
+    ];
+    for (family, case) in cases {
+        let dir = tmpdir(&format!(
+            "sgd-{family}-{}",
+            case.file_name().unwrap().to_string_lossy()
+        ));
+        let data = dir.join("batch.jsonl");
+        write_golden_rows(family, &data);
+        let cfg = write_config(&dir, family, &data);
+        let adapter = case.join("adapter");
+        let out = ferrotune(
+            &[
+                "run",
+                "lora_finetune_single_device",
+                "--config",
+                cfg.to_str().unwrap(),
+                &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
+                "optimizer._component_=torch.optim.SGD",
+                "optimizer.lr=1.0",
+                "optimizer.weight_decay=0.0",
+                "lr_scheduler=null",
+                "clip_grad_norm=null",
+                "max_steps_per_epoch=1",
+                "shuffle=false",
+            ],
+            &dir,
+            &[],
+        );
+        assert!(out.status.success(), "{}", text(&out));
+        let saved_dir = dir.join("out/epoch_0");
+        let saved = load(&saved_dir.join("adapter_model.safetensors"));
+        let start = load(&adapter.join("adapter_model.safetensors"));
+        let grads = load(&case.join("lora_grads.safetensors"));
+        assert_eq!(
+            saved.len(),
+            start.len(),
+            "{case:?}: same tensors as the start adapter"
+        );
+        for (key, s) in &start {
+            // Gradients use parameter names: the DoRA magnitude's has a `.weight` suffix.
+            let gname = if key.ends_with("lora_magnitude_vector") {
+                format!("{key}.weight")
+            } else {
+                key.clone()
+            };
+            let want = (s - &grads[&gname]).unwrap();
+            let e = rel_l2(&saved[key], &want);
+            assert!(e <= 1e-4, "{case:?}: {key}: relative L2 {e}");
+        }
+        // The folder is a PEFT adapter plus a merged HF checkpoint with tokenizer files and state.
+        for f in [
+            "adapter_config.json",
+            "tokenizer.json",
+            "merged/config.json",
+            "merged/model.safetensors",
+            "merged/tokenizer.json",
+            "recipe_state/state.json",
+            "recipe_state/optimizer.safetensors",
+        ] {
+            assert!(saved_dir.join(f).is_file(), "{case:?}: missing {f}");
+        }
+        let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
+        let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+        let g: Value =
+            serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap())
+                .unwrap();
+        let want_loss = g["lora_loss"].as_f64().unwrap();
+        let got_loss = first["loss"].as_f64().unwrap();
+        assert!(
+            ((got_loss - want_loss) / want_loss).abs() < 1e-5,
+            "{case:?}: logged loss {got_loss} vs PEFT {want_loss}"
+        );
+        for key in ["step", "epoch", "loss", "lr", "tokens_per_second"] {
+            assert!(
+                first.get(key).is_some(),
+                "metrics line lacks {key}: {first}"
+            );
+        }
+    }
+}
+
+fn metrics_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The loss of each logged step (the other values are timings).
+fn losses(lines: &[Value]) -> Vec<(u64, f64, f64)> {
+    lines
+        .iter()
+        .map(|v| {
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap(),
+                v["lr"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn resume_after_kill_is_step_exact() {
+    for recipe in ["lora_finetune_single_device", "full_finetune_single_device"] {
+        let dir = tmpdir(&format!("resume-{recipe}"));
+        // 12 rows, batch 2 → 6 steps per epoch, 2 epochs; shuffled, with dropout and a schedule so
+        // that data order, RNG and scheduler state all matter.
+        let data = dir.join("rows.jsonl");
+        let mut lines = Vec::new();
+        for i in 0..12u32 {
+            let ids: Vec<u32> = (0..10).map(|j| (i * 31 + j * 7) % 500 + 3).collect();
+            lines.push(serde_json::json!({"input_ids": ids}).to_string());
+        }
+        std::fs::write(&data, lines.join("\n")).unwrap();
+        let cfg = write_config(&dir, "llama3", &data);
+        let common = [
+            "shuffle=true",
+            "epochs=2",
+            "model.lora_dropout=0.1",
+            "lr_scheduler._component_=torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "lr_scheduler.num_warmup_steps=2",
+            "save_every_n_steps=4",
+        ];
+        let run = |out_dir: &Path, extra: &[&str], env: &[(&str, &str)]| -> Output {
+            let mut args = vec![
+                "run".to_string(),
+                recipe.to_string(),
+                "--config".into(),
+                cfg.display().to_string(),
+                format!("output_dir={}", out_dir.display()),
+            ];
+            args.extend(common.iter().map(|s| s.to_string()));
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            ferrotune(&refs, &dir, env)
+        };
+        let straight = dir.join("straight");
+        let o = run(&straight, &[], &[]);
+        assert!(o.status.success(), "{}", text(&o));
+        let want = metrics_lines(&straight.join("logs/metrics.jsonl"));
+        assert_eq!(want.len(), 12, "{recipe}: 12 steps logged");
+
+        // Killed with SIGKILL right after step 7 (after the step-4 checkpoint, mid-epoch 2).
+        let killed = dir.join("killed");
+        let o = run(&killed, &[], &[("FERROTUNE_KILL_AFTER_STEP", "7")]);
+        assert!(
+            !o.status.success(),
+            "{recipe}: the run should have been killed"
+        );
+        assert!(killed.join("step_4/recipe_state/state.json").is_file());
+        let o = run(&killed, &["resume_from_checkpoint=true"], &[]);
+        assert!(o.status.success(), "{}", text(&o));
+        let got = metrics_lines(&killed.join("logs/metrics.jsonl"));
+        assert_eq!(losses(&got), losses(&want), "{recipe}: resumed run differs");
+        // The final checkpoints agree too.
+        let files: &[&str] = if recipe.starts_with("lora") {
+            &["adapter_model.safetensors", "merged/model.safetensors"]
+        } else {
+            &["model.safetensors"]
+        };
+        for f in files {
+            let a = load(&straight.join("epoch_1").join(f));
+            let b = load(&killed.join("epoch_1").join(f));
+            for (k, t) in &a {
+                let d = (t - &b[k])
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert_eq!(d, 0.0, "{recipe}: {f}: {k} differs after resume");
+            }
+        }
+    }
+}
+
+#[test]
+fn validate_names_bad_keys_and_types() {
+    let dir = tmpdir("validate");
+    let cases = [
+        ("lr_shceduler:\n  num_warmup_steps: 3\n", "lr_scheduler"),
+        ("batch_sise: 4\n", "batch_size"),
+        ("optimizer:\n  lrr: 0.1\n", "optimizer.lr"),
+        ("batch_size: many\n", "must be an integer"),
+        ("dataset:\n  packed: maybe\n", "must be a boolean"),
+    ];
+    for (yaml, expect) in cases {
+        let path = dir.join("bad.yaml");
+        std::fs::write(&path, format!("output_dir: /tmp/x\n{yaml}")).unwrap();
+        let out = ferrotune(&["validate", path.to_str().unwrap()], &dir, &[]);
+        assert_eq!(out.status.code(), Some(1), "{yaml}: {}", text(&out));
+        let t = text(&out);
+        assert!(t.contains(expect), "{yaml}: expected '{expect}' in: {t}");
+        assert!(!t.contains("panicked"), "{t}");
+    }
+    // Every built-in config validates.
+    let out = ferrotune(&["ls"], &dir, &[]);
+    assert!(out.status.success());
+    let listing = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(listing.starts_with("RECIPE"));
+    let mut n = 0;
+    for line in listing.lines().skip(1) {
+        let Some(name) = line.split_whitespace().last() else {
+            continue;
+        };
+        if !name.contains('/') && !name.starts_with("generation") {
+            continue;
+        }
+        let out = ferrotune(&["validate", name], &dir, &[]);
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        n += 1;
+    }
+    assert!(n >= 20, "only {n} built-in configs listed");
+}
+
+#[test]
+fn cp_copies_a_builtin_config_that_runs_with_overrides() {
+    let dir = tmpdir("cp");
+    let out = ferrotune(
+        &["cp", "smollm2/135M_lora_single_device", "mine.yaml"],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let copied = std::fs::read_to_string(dir.join("mine.yaml")).unwrap();
+    assert!(copied.contains("lora_finetune_single_device"));
+    let out = ferrotune(&["validate", "mine.yaml"], &dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = ferrotune(
+        &["cp", "smollm2/135M_lora_single_devic", "x.yaml"],
+        &dir,
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("did you mean 'smollm2/135M_lora_single_device'"));
+    let out = ferrotune(
+        &[
+            "run",
+            "--nproc-per-node",
+            "2",
+            "lora_finetune_distributed",
+            "--config",
+            "mine.yaml",
+        ],
+        &dir,
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("distributed"), "{}", text(&out));
+}
+
+#[test]
+fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_verb() {
+    let dir = tmpdir("eval-generate");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = write_config(&dir, "llama3", &data);
+    let adapter = fixtures().join("llama3/adapter");
+    let out = ferrotune(
+        &[
+            "run",
+            "eval",
+            "--config",
+            cfg.to_str().unwrap(),
+            &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
+        ],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let last = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap()
+        .to_string();
+    let v: Value = serde_json::from_str(&last).unwrap();
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let want = g["lora_loss"].as_f64().unwrap();
+    let got = v["loss"].as_f64().unwrap();
+    assert!(((got - want) / want).abs() < 1e-5, "eval loss {got} vs PEFT {want}");
+    assert!((v["perplexity"].as_f64().unwrap() - want.exp()).abs() / want.exp() < 1e-5);
+
+    // `run generate` with a string prompt, greedy, equals the generate verb's continuation.
+    let model = fixtures().join("llama3/model");
+    let out = ferrotune(
+        &[
+            "run",
+            "generate",
+            "--config",
+            cfg.to_str().unwrap(),
+            "prompt=Hello there",
+            "temperature=0",
+            "max_new_tokens=8",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let recipe_text = String::from_utf8_lossy(&out.stdout).trim_end().to_string();
+    let out = ferrotune(
+        &[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "Hello there",
+            "--max-new-tokens",
+            "8",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let verb_text = String::from_utf8_lossy(&out.stdout).trim_end().to_string();
+    assert!(
+        recipe_text.starts_with("Hello there") && recipe_text.ends_with(&verb_text),
+        "recipe printed {recipe_text:?}, generate printed {verb_text:?}"
+    );
+}
