@@ -7,6 +7,7 @@
 
 pub mod device;
 pub mod frozen;
+pub mod fused;
 pub mod ops;
 pub mod quant;
 
@@ -19,9 +20,62 @@ pub use device::{parse_device, parse_dtype};
 /// it out again from /proc each time: a measurable share of a decode step. Setting the variable
 /// at start-up (when the user has not) makes that lookup free. Call it first thing in `main`,
 /// before any thread exists.
+///
+/// The count is the parallelism the machine really delivers, measured (see
+/// [`effective_parallelism`]), not the number of CPUs it reports: candle's thread pool waits for
+/// its workers by spinning, so a thread more than there are cores to run it steals the time of
+/// the thread doing the work. On a VM whose two vCPUs share one core's worth of time, two threads
+/// made a training step 2× slower than one.
 pub fn init_cpu_threads() {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let n = effective_parallelism();
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
+}
+
+/// How many threads run truly in parallel here: the reported CPU count, reduced when running
+/// that many busy threads at once takes longer per thread than running one (a CPU quota,
+/// an oversubscribed host, or other busy processes). Takes about 50 ms.
+pub fn effective_parallelism() -> usize {
+    let reported = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if reported <= 1 {
+        return 1;
+    }
+    fn spin(iterations: u64) -> u64 {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..iterations {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+        }
+        std::hint::black_box(x)
+    }
+    // About 15 ms of work per thread: long enough that a host granting short bursts of parallelism
+    // but not sustained parallelism is seen for what it is (at 2 ms it is not), short enough not
+    // to matter next to loading a model.
+    let mut iterations = 1u64 << 16;
+    let single = loop {
+        let t = std::time::Instant::now();
+        spin(iterations);
+        let e = t.elapsed();
+        if e.as_micros() >= 15_000 || iterations >= 1 << 34 {
+            break e;
+        }
+        iterations *= 2;
+    };
+    let mut best = f64::MAX;
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..reported {
+                s.spawn(|| spin(iterations));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    // `reported` threads each did one unit; n units in the time of one means n-way parallelism.
+    // A thread is only worth adding when it nearly pays for itself: a spare one costs more (its
+    // spinning) than a missing one.
+    let speedup = reported as f64 * single.as_secs_f64() / best.max(1e-9);
+    ((speedup + 0.2).floor() as usize).clamp(1, reported)
 }

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result as CResult, Tensor, Var, D};
-use ferrotune_core::ops;
 use ferrotune_core::quant::QuantizedMatrix;
+use ferrotune_core::{fused, ops};
 
 use crate::config::{Activation, ModelConfig};
 use crate::error::ModelError;
@@ -496,10 +496,18 @@ impl CausalLm {
             Ok(())
         }
         let mut out = Vec::new();
-        var(&mut self.embed_tokens, "model.embed_tokens.weight".into(), &mut out)?;
+        var(
+            &mut self.embed_tokens,
+            "model.embed_tokens.weight".into(),
+            &mut out,
+        )?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let p = format!("model.layers.{i}");
-            var(&mut layer.input_layernorm, format!("{p}.input_layernorm.weight"), &mut out)?;
+            var(
+                &mut layer.input_layernorm,
+                format!("{p}.input_layernorm.weight"),
+                &mut out,
+            )?;
             var(
                 &mut layer.post_attention_layernorm,
                 format!("{p}.post_attention_layernorm.weight"),
@@ -585,7 +593,8 @@ impl CausalLm {
         for layer in &self.layers {
             if let Some(w) = layer.sliding_window {
                 if !window_masks.iter().any(|(ww, _)| *ww == w) {
-                    window_masks.push((w, layout.additive_mask(Some(w), self.dtype, &self.device)?));
+                    window_masks
+                        .push((w, layout.additive_mask(Some(w), self.dtype, &self.device)?));
                 }
             }
         }
@@ -607,7 +616,7 @@ impl CausalLm {
 
     /// The final RMSNorm.
     pub fn final_norm(&self, x: &Tensor) -> CResult<Tensor> {
-        ops::rms_norm(
+        fused::rms_norm(
             x,
             &self.norm,
             self.config.rms_norm_eps,
@@ -643,10 +652,10 @@ impl CausalLm {
         let c = &self.config;
         let eps = c.rms_norm_eps;
         let offset = c.norm_weight_offset_one;
-        let h = ops::rms_norm(x, &layer.input_layernorm, eps, offset)?;
+        let h = fused::rms_norm(x, &layer.input_layernorm, eps, offset)?;
         let h = self.attention(&layer.self_attn, &h, cos, sin, mask, cache)?;
         let x = (x + h)?;
-        let h = ops::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?;
+        let h = fused::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?;
         let h = self.mlp(&layer.mlp, &h)?;
         x + h
     }
@@ -681,11 +690,11 @@ impl CausalLm {
         let mut q = q.reshape((b, t, nh, hd))?;
         let mut k = k.reshape((b, t, nkv, hd))?;
         if let (Some(qn), Some(kn)) = (&attn.q_norm, &attn.k_norm) {
-            q = ops::rms_norm(&q, qn, c.rms_norm_eps, c.norm_weight_offset_one)?;
-            k = ops::rms_norm(&k, kn, c.rms_norm_eps, c.norm_weight_offset_one)?;
+            q = fused::rms_norm(&q, qn, c.rms_norm_eps, c.norm_weight_offset_one)?;
+            k = fused::rms_norm(&k, kn, c.rms_norm_eps, c.norm_weight_offset_one)?;
         }
-        let q = ops::apply_rope(&q.transpose(1, 2)?.contiguous()?, cos, sin)?;
-        let mut k = ops::apply_rope(&k.transpose(1, 2)?.contiguous()?, cos, sin)?;
+        let q = fused::rope(&q.transpose(1, 2)?.contiguous()?, cos, sin)?;
+        let mut k = fused::rope(&k.transpose(1, 2)?.contiguous()?, cos, sin)?;
         let mut v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
         if let Some(slot) = cache {
             if let Some((pk, pv)) = slot.as_ref() {
@@ -694,26 +703,11 @@ impl CausalLm {
             }
             *slot = Some((k.clone(), v.clone()));
         }
-        let s = k.dim(2)?;
-        let groups = nh / nkv;
-        // Grouped-query attention without repeating K/V: the query heads that share a KV head are
-        // stacked along the sequence axis, so one batched matmul per KV head serves them all.
-        let q = q.reshape((b, nkv, groups * t, hd))?;
         let scale = (hd as f64).powf(-0.5);
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        let scores = match mask {
-            Some(m) => scores
-                .reshape((b, nkv, groups, t, s))?
-                .broadcast_add(&m.unsqueeze(1)?)?
-                .reshape((b, nkv, groups * t, s))?,
-            None => scores,
-        };
-        let probs = ops::softmax_last_dim(&scores)?;
-        let out = probs.matmul(&v)?; // [b, nkv, groups * t, hd]
-        let out = out
-            .reshape((b, nh, t, hd))?
-            .transpose(1, 2)?
-            .reshape((b, t, nh * hd))?;
+        // softmax(q kᵀ · scale + mask) v with grouped-query heads, one fused op with its own
+        // backward on the CPU (f32); the composite candle ops elsewhere.
+        let out = fused::attention(&q, &k, &v, mask, scale)?; // [b, nh, t, hd]
+        let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         attn.o_proj.forward(&out)
     }
 
@@ -732,10 +726,10 @@ impl CausalLm {
             }
         };
         let act = match self.config.activation {
-            Activation::Silu => gate.silu()?,
-            Activation::GeluTanh => gate.gelu()?,
-            Activation::GeluErf => gate.gelu_erf()?,
+            Activation::Silu => fused::GatedAct::Silu,
+            Activation::GeluTanh => fused::GatedAct::GeluTanh,
+            Activation::GeluErf => fused::GatedAct::GeluErf,
         };
-        mlp.down_proj.forward(&(act * up)?)
+        mlp.down_proj.forward(&fused::swiglu(&gate, &up, act)?)
     }
 }

@@ -69,6 +69,9 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<L
             labels.dims()
         );
     }
+    if logits.device().is_cpu() {
+        return fused_loss(logits, labels, shift);
+    }
     let (logits, labels) = if shift {
         if t < 2 {
             bail!("causal_lm_loss: shifting needs at least 2 positions, got {t}");
@@ -114,6 +117,40 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<L
     // -log_softmax[target] = lse - z[target]; ignored rows are zeroed by the mask.
     let nll = (lse - target)?.squeeze(D::Minus1)?;
     let sum = (nll * mask)?.sum_all()?;
+    Ok(LossSum { sum, count })
+}
+
+/// The CPU path: one fused pass per row ([`ferrotune_core::fused::cross_entropy_sum`]) over all
+/// `b * t` positions, the shift applied to the targets (the last position of each row scores
+/// nothing) instead of copying `logits[:, :-1]`.
+fn fused_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<LossSum> {
+    let (b, t, vocab) = logits.dims3()?;
+    if shift && t < 2 {
+        bail!("causal_lm_loss: shifting needs at least 2 positions, got {t}");
+    }
+    let raw = labels.to_dtype(DType::I64)?.to_vec2::<i64>()?;
+    let u32_labels = labels.dtype() == DType::U32;
+    let mut targets = Vec::with_capacity(b * t);
+    for row in &raw {
+        for p in 0..t {
+            let l = if shift {
+                row.get(p + 1).copied().unwrap_or(IGNORE_INDEX)
+            } else {
+                row[p]
+            };
+            let l = if u32_labels && l == IGNORE_INDEX_U32 {
+                IGNORE_INDEX
+            } else {
+                l
+            };
+            if l != IGNORE_INDEX && (l < 0 || l as usize >= vocab) {
+                bail!("causal_lm_loss: label {l} outside the vocabulary (size {vocab})");
+            }
+            targets.push(l);
+        }
+    }
+    let flat = logits.reshape((b * t, vocab))?.to_dtype(DType::F32)?;
+    let (sum, count) = ferrotune_core::fused::cross_entropy_sum(&flat, &targets, IGNORE_INDEX)?;
     Ok(LossSum { sum, count })
 }
 

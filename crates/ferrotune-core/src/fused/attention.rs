@@ -1,0 +1,510 @@
+//! Scaled dot-product attention with grouped-query heads, fused flash-attention style: the forward
+//! keeps only each query row's softmax statistics, and the backward recomputes the probabilities
+//! block by block instead of holding the `[b, heads, t, s]` probability tensor in the graph.
+
+use std::sync::Mutex;
+
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::kernels::{self, simd_fn};
+use super::{fused_applies, guard_slice, slice_of};
+
+/// `softmax(q kᵀ · scale + mask) v` per head, with grouped-query attention; differentiable w.r.t.
+/// `q`, `k` and `v`.
+///
+/// `q` is `[b, nh, t, hd]`, `k` and `v` `[b, nkv, s, hd]` with `nh` a multiple of `nkv`: query
+/// head `h` attends with key/value head `h / (nh / nkv)`. `mask` is an additive `[b, 1, t, s]`
+/// mask (a leading 1 is broadcast over the batch; 0 = attend, a large negative such as `f32::MIN`
+/// = masked) and takes no gradient. The softmax runs in f32, as transformers' eager attention.
+///
+/// For f32 CPU tensors this is a fused op: per query row it stores only the row maximum and the
+/// softmax denominator, and the backward recomputes probabilities from them (dV = Pᵀ dO,
+/// dP = dO Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)), dQ = dS K · scale, dK = dSᵀ Q · scale, with dK/dV
+/// summed over the query heads of each group). Keys masked with `f32::MIN` (or −∞) at the edges
+/// of a block of query rows are skipped, which changes no value: their probability is exactly 0.
+/// A row whose keys are all masked with `f32::MIN` gets uniform weights, as with the composite;
+/// with a −∞ mask it gets zeros instead of the composite's NaN. Other dtypes and devices use the
+/// composite candle formula.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let (kb, nkv, s, khd) = k.dims4()?;
+    if v.dims() != k.dims() || kb != b || khd != hd {
+        bail!(
+            "attention: q {:?}, k {:?} and v {:?} do not fit together (expected k = v = [{b}, kv heads, s, {hd}])",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if nkv == 0 || nh % nkv != 0 {
+        bail!("attention: {nh} query heads are not a multiple of {nkv} key/value heads");
+    }
+    if let Some(m) = mask {
+        let (mb, one, mt, ms) = m.dims4()?;
+        if !(mb == b || mb == 1) || one != 1 || mt != t || ms != s {
+            bail!(
+                "attention: mask {:?} does not fit scores [{b}, {nh}, {t}, {s}] (expected [{b} or 1, 1, {t}, {s}])",
+                m.dims()
+            );
+        }
+    }
+    // Empty tensors gain nothing from the kernel (and would give it zero-sized blocks).
+    let empty = q.elem_count() == 0 || k.elem_count() == 0;
+    if empty
+        || !fused_applies(&[q, k, v])
+        || mask.is_some_and(|m| !matches!(m.device(), Device::Cpu))
+    {
+        return composite(q, k, v, mask, scale);
+    }
+    let dims = Dims {
+        b,
+        nh,
+        nkv,
+        t,
+        s,
+        hd,
+    };
+    let (mask, ranges) = match mask {
+        Some(m) => {
+            let m = m.to_dtype(DType::F32)?.contiguous()?;
+            let ranges = {
+                let (mb, _, _, _) = m.dims4()?;
+                let guard = m.storage_and_layout();
+                key_ranges(guard_slice(&guard, "attention")?, mb, t, s)
+            };
+            (Some(m), ranges)
+        }
+        None => (None, vec![(0, s); t.div_ceil(BLOCK)]),
+    };
+    let op = Attention {
+        dims,
+        scale: scale as f32,
+        mask,
+        ranges,
+        stats: Mutex::new(Vec::new()),
+    };
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// The unfused formula (as the decoder computes it), for dtypes and devices without the kernel.
+fn composite(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let (_, nkv, s, _) = k.dims4()?;
+    let groups = nh / nkv;
+    // Query heads sharing a key/value head are stacked along the rows: one matmul per kv head.
+    let q = q.reshape((b, nkv, groups * t, hd))?;
+    let scores = (q.matmul(&k.t()?)? * scale)?;
+    let scores = match mask {
+        Some(m) => scores
+            .reshape((b, nkv, groups, t, s))?
+            .broadcast_add(&m.to_dtype(scores.dtype())?.unsqueeze(1)?)?
+            .reshape((b, nkv, groups * t, s))?,
+        None => scores,
+    };
+    crate::ops::softmax_last_dim(&scores)?
+        .matmul(&v.contiguous()?)?
+        .reshape((b, nh, t, hd))
+}
+
+/// Query rows per block: one block's scores (`BLOCK × s` floats) stay in cache.
+const BLOCK: usize = 64;
+
+/// A mask value at or below this counts as masked when trimming key ranges (`f32::MIN`, −∞).
+const MASKED: f32 = -1e30;
+
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    nh: usize,
+    nkv: usize,
+    t: usize,
+    s: usize,
+    hd: usize,
+}
+
+impl Dims {
+    fn groups(&self) -> usize {
+        self.nh / self.nkv
+    }
+    fn blocks(&self) -> usize {
+        self.t.div_ceil(BLOCK)
+    }
+}
+
+/// For each (mask batch, block of query rows), the key range `[lo, hi)` outside which every row of
+/// the block is masked. A block holding a fully masked row keeps all keys, so that row's uniform
+/// weights come out as in the composite.
+fn key_ranges(mask: &[f32], mb: usize, t: usize, s: usize) -> Vec<(usize, usize)> {
+    let blocks = t.div_ceil(BLOCK);
+    (0..mb * blocks)
+        .into_par_iter()
+        .map(|idx| {
+            let (bi, blk) = (idx / blocks, idx % blocks);
+            let (mut lo, mut hi) = (s, 0);
+            for i in blk * BLOCK..((blk + 1) * BLOCK).min(t) {
+                let row = &mask[(bi * t + i) * s..][..s];
+                match row.iter().position(|&m| m > MASKED) {
+                    None => return (0, s),
+                    Some(first) => {
+                        let last = row.iter().rposition(|&m| m > MASKED).unwrap_or(first);
+                        lo = lo.min(first);
+                        hi = hi.max(last + 1);
+                    }
+                }
+            }
+            (lo, hi.max(lo))
+        })
+        .collect()
+}
+
+struct Attention {
+    dims: Dims,
+    scale: f32,
+    /// The additive mask as contiguous f32 `[b or 1, 1, t, s]`.
+    mask: Option<Tensor>,
+    /// Key range of each (mask batch, row block), from [`key_ranges`].
+    ranges: Vec<(usize, usize)>,
+    /// Per query row `(max, Σ exp(score − max))` of the softmax, from the forward; `(+∞, 1)` for a
+    /// row with no finite score, which makes its recomputed probabilities 0.
+    stats: Mutex<Vec<(f32, f32)>>,
+}
+
+/// One row block's view of the mask: the slice starting at its first row and key `lo`, read with
+/// row stride `s`.
+struct MaskRows<'a> {
+    data: &'a [f32],
+    stride: usize,
+}
+
+simd_fn! {
+    /// Adds the mask to a block of scores (`rows × w`) and turns each row into probabilities,
+    /// writing the row's `(max, sum)`.
+    fn softmax_rows(scores: &mut [f32], w: usize, mask: Option<MaskRows<'_>>, stats: &mut [(f32, f32)]) {
+        for (r, (row, st)) in scores.chunks_exact_mut(w).zip(stats.iter_mut()).enumerate() {
+            if let Some(m) = &mask {
+                for (x, &mv) in row.iter_mut().zip(&m.data[r * m.stride..][..w]) {
+                    *x += mv;
+                }
+            }
+            let mx = kernels::max(row);
+            if mx == f32::NEG_INFINITY || mx.is_nan() {
+                row.fill(0.0);
+                *st = (f32::INFINITY, 1.0);
+                continue;
+            }
+            let sum = kernels::exp_shift_inplace(row, mx);
+            for x in row.iter_mut() {
+                *x /= sum;
+            }
+            *st = (mx, sum);
+        }
+    }
+}
+
+simd_fn! {
+    /// Recomputes a block's probabilities from its scores and the forward's statistics.
+    fn probs_rows(scores: &mut [f32], w: usize, mask: Option<MaskRows<'_>>, stats: &[(f32, f32)]) {
+        for (r, (row, &(mx, sum))) in scores.chunks_exact_mut(w).zip(stats).enumerate() {
+            if let Some(m) = &mask {
+                for (x, &mv) in row.iter_mut().zip(&m.data[r * m.stride..][..w]) {
+                    *x += mv;
+                }
+            }
+            for x in row.iter_mut() {
+                *x = kernels::exp(*x - mx) / sum;
+            }
+        }
+    }
+}
+
+simd_fn! {
+    /// `dP ← P ⊙ (dP − rowsum(dO ⊙ O))` for a block (`dO`, `O` rows of `hd`).
+    fn softmax_grad_rows(p: &[f32], dp: &mut [f32], w: usize, d_o: &[f32], o: &[f32], hd: usize) {
+        for (r, (pr, dpr)) in p.chunks_exact(w).zip(dp.chunks_exact_mut(w)).enumerate() {
+            let di = kernels::dot(&d_o[r * hd..][..hd], &o[r * hd..][..hd]);
+            for (g, &pv) in dpr.iter_mut().zip(pr) {
+                *g = pv * (*g - di);
+            }
+        }
+    }
+}
+
+impl Attention {
+    /// The mask rows of block `blk` of batch element `bi`, from key `lo` on.
+    fn mask_rows<'a>(
+        &self,
+        mask: Option<&'a [f32]>,
+        bi: usize,
+        blk: usize,
+        lo: usize,
+    ) -> Option<MaskRows<'a>> {
+        let Dims { t, s, .. } = self.dims;
+        mask.map(|m| {
+            let mb = m.len() / (t * s);
+            let bi = if mb == 1 { 0 } else { bi };
+            MaskRows {
+                data: &m[(bi * t + blk * BLOCK) * s + lo..],
+                stride: s,
+            }
+        })
+    }
+
+    fn range(&self, bi: usize, blk: usize) -> (usize, usize) {
+        let blocks = self.dims.blocks();
+        let mb = self.ranges.len() / blocks;
+        self.ranges[if mb == 1 { 0 } else { bi } * blocks + blk]
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "fused-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = self.dims;
+        let Dims { nh, t, s, hd, .. } = dims;
+        let q = slice_of(s1, l1, "attention")?;
+        let k = slice_of(s2, l2, "attention")?;
+        let v = slice_of(s3, l3, "attention")?;
+        let mask_guard = self.mask.as_ref().map(|m| m.storage_and_layout());
+        let mask = match &mask_guard {
+            Some(g) => Some(guard_slice(g, "attention")?),
+            None => None,
+        };
+        let groups = dims.groups();
+        let mut out = vec![0f32; q.len()];
+        let mut stats = vec![(0f32, 0f32); dims.b * nh * t];
+        out.par_chunks_mut(t * hd)
+            .zip(stats.par_chunks_mut(t))
+            .enumerate()
+            .for_each(|(bh, (out_h, stats_h))| {
+                let (bi, h) = (bh / nh, bh % nh);
+                let kv = bi * dims.nkv + h / groups;
+                let qh = &q[bh * t * hd..][..t * hd];
+                let kh = &k[kv * s * hd..][..s * hd];
+                let vh = &v[kv * s * hd..][..s * hd];
+                out_h
+                    .par_chunks_mut(BLOCK * hd)
+                    .zip(stats_h.par_chunks_mut(BLOCK))
+                    .enumerate()
+                    .for_each(|(blk, (out_b, stats_b))| {
+                        let rows = stats_b.len();
+                        let (lo, hi) = self.range(bi, blk);
+                        let w = hi - lo;
+                        let mut scores = vec![0f32; rows * w];
+                        // SAFETY: the operands are the block's `rows × hd` queries and the
+                        // `w × hd` keys/values `lo..hi` of this head, all inside their slices.
+                        unsafe {
+                            kernels::gemm(
+                                (rows, w, hd),
+                                scores.as_mut_ptr(),
+                                w,
+                                false,
+                                (qh[blk * BLOCK * hd..].as_ptr(), hd, 1),
+                                (kh[lo * hd..].as_ptr(), 1, hd),
+                                self.scale,
+                            );
+                        }
+                        softmax_rows(&mut scores, w, self.mask_rows(mask, bi, blk, lo), stats_b);
+                        unsafe {
+                            kernels::gemm(
+                                (rows, hd, w),
+                                out_b.as_mut_ptr(),
+                                hd,
+                                false,
+                                (scores.as_ptr(), w, 1),
+                                (vh[lo * hd..].as_ptr(), hd, 1),
+                                1.0,
+                            );
+                        }
+                    });
+            });
+        *self.stats.lock().expect("stats lock") = stats;
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dims = self.dims;
+        let Dims {
+            b,
+            nh,
+            nkv,
+            t,
+            s,
+            hd,
+        } = dims;
+        let tensors = [q, k, v, res, grad].map(|x| x.contiguous());
+        let [q_c, k_c, v_c, o_c, g_c] = tensors;
+        let (q_c, k_c, v_c, o_c, g_c) = (q_c?, k_c?, v_c?, o_c?, g_c?);
+        let guards = [&q_c, &k_c, &v_c, &o_c, &g_c].map(|x| x.storage_and_layout());
+        let q = guard_slice(&guards[0], "attention")?;
+        let k = guard_slice(&guards[1], "attention")?;
+        let v = guard_slice(&guards[2], "attention")?;
+        let o = guard_slice(&guards[3], "attention")?;
+        let d_o = guard_slice(&guards[4], "attention")?;
+        let mask_guard = self.mask.as_ref().map(|m| m.storage_and_layout());
+        let mask = match &mask_guard {
+            Some(g) => Some(guard_slice(g, "attention")?),
+            None => None,
+        };
+        let stats = self.stats.lock().expect("stats lock");
+        if stats.len() != b * nh * t {
+            bail!("attention: backward before forward");
+        }
+        let groups = dims.groups();
+        let mut dq = vec![0f32; q.len()];
+        // Key/value gradients per *query* head, summed over each group afterwards.
+        let mut dk_q = vec![0f32; b * nh * s * hd];
+        let mut dv_q = vec![0f32; b * nh * s * hd];
+        dq.par_chunks_mut(t * hd)
+            .zip(dk_q.par_chunks_mut(s * hd).zip(dv_q.par_chunks_mut(s * hd)))
+            .enumerate()
+            .for_each(|(bh, (dq_h, (dk_h, dv_h)))| {
+                let (bi, h) = (bh / nh, bh % nh);
+                let kv = bi * nkv + h / groups;
+                let qh = &q[bh * t * hd..][..t * hd];
+                let oh = &o[bh * t * hd..][..t * hd];
+                let doh = &d_o[bh * t * hd..][..t * hd];
+                let kh = &k[kv * s * hd..][..s * hd];
+                let vh = &v[kv * s * hd..][..s * hd];
+                let stats_h = &stats[bh * t..][..t];
+                let mut p = vec![0f32; BLOCK * s];
+                let mut dp = vec![0f32; BLOCK * s];
+                for blk in 0..dims.blocks() {
+                    let i0 = blk * BLOCK;
+                    let rows = BLOCK.min(t - i0);
+                    let (lo, hi) = self.range(bi, blk);
+                    let w = hi - lo;
+                    let (p, dp) = (&mut p[..rows * w], &mut dp[..rows * w]);
+                    let q_blk = qh[i0 * hd..].as_ptr();
+                    let do_blk = doh[i0 * hd..].as_ptr();
+                    let k_lo = kh[lo * hd..].as_ptr();
+                    let v_lo = vh[lo * hd..].as_ptr();
+                    // SAFETY (all GEMMs below): operands are this block's `rows × hd` rows of
+                    // q/dO/dQ, the `w × hd` rows `lo..hi` of k/v/dK/dV of this head, and the
+                    // `rows × w` block buffers; every access stays inside those slices.
+                    unsafe {
+                        kernels::gemm(
+                            (rows, w, hd),
+                            p.as_mut_ptr(),
+                            w,
+                            false,
+                            (q_blk, hd, 1),
+                            (k_lo, 1, hd),
+                            self.scale,
+                        );
+                    }
+                    probs_rows(
+                        p,
+                        w,
+                        self.mask_rows(mask, bi, blk, lo),
+                        &stats_h[i0..i0 + rows],
+                    );
+                    unsafe {
+                        kernels::gemm(
+                            (rows, w, hd),
+                            dp.as_mut_ptr(),
+                            w,
+                            false,
+                            (do_blk, hd, 1),
+                            (v_lo, 1, hd),
+                            1.0,
+                        );
+                    }
+                    softmax_grad_rows(
+                        p,
+                        dp,
+                        w,
+                        &doh[i0 * hd..][..rows * hd],
+                        &oh[i0 * hd..][..rows * hd],
+                        hd,
+                    );
+                    unsafe {
+                        kernels::gemm(
+                            (w, hd, rows),
+                            dv_h[lo * hd..].as_mut_ptr(),
+                            hd,
+                            true,
+                            (p.as_ptr(), 1, w),
+                            (do_blk, hd, 1),
+                            1.0,
+                        );
+                        kernels::gemm(
+                            (rows, hd, w),
+                            dq_h[i0 * hd..].as_mut_ptr(),
+                            hd,
+                            false,
+                            (dp.as_ptr(), w, 1),
+                            (k_lo, hd, 1),
+                            self.scale,
+                        );
+                        kernels::gemm(
+                            (w, hd, rows),
+                            dk_h[lo * hd..].as_mut_ptr(),
+                            hd,
+                            true,
+                            (dp.as_ptr(), 1, w),
+                            (q_blk, hd, 1),
+                            self.scale,
+                        );
+                    }
+                }
+            });
+        let (dk, dv) = if groups == 1 {
+            (dk_q, dv_q)
+        } else {
+            let sum_groups = |parts: &[f32]| {
+                let mut out = vec![0f32; b * nkv * s * hd];
+                out.par_chunks_mut(s * hd)
+                    .enumerate()
+                    .for_each(|(bk, dst)| {
+                        let (bi, kv) = (bk / nkv, bk % nkv);
+                        for g in 0..groups {
+                            let h = bi * nh + kv * groups + g;
+                            for (d, x) in dst.iter_mut().zip(&parts[h * s * hd..][..s * hd]) {
+                                *d += x;
+                            }
+                        }
+                    });
+                out
+            };
+            (sum_groups(&dk_q), sum_groups(&dv_q))
+        };
+        let dev = Device::Cpu;
+        Ok((
+            Some(Tensor::from_vec(dq, q_c.shape(), &dev)?),
+            Some(Tensor::from_vec(dk, k_c.shape(), &dev)?),
+            Some(Tensor::from_vec(dv, v_c.shape(), &dev)?),
+        ))
+    }
+}

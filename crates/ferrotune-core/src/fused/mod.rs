@@ -1,0 +1,68 @@
+//! Fused CPU training kernels with hand-written backward passes.
+//!
+//! Composed candle ops (see [`crate::ops`]) run every small elementwise step as its own pass over
+//! memory, mostly on one thread, and their autograd adds several more passes per step; attention
+//! and the loss also keep large intermediates (`[b, h, t, s]` probabilities, `[n, vocab]` softmax)
+//! alive until `backward`. Each function here is one candle custom op instead: one multi-threaded
+//! pass forward, one backward, and only small per-row statistics kept in between.
+//!
+//! The fused path is taken for f32 tensors on the CPU. Any other dtype or device goes through the
+//! composite implementation, so bf16 and CUDA keep working with the same numerics as before. The
+//! fused kernels follow the same arithmetic as the composites (statistics and softmax in f32); they
+//! agree with them to float rounding, not bit for bit (sums are accumulated in a different order and
+//! `exp` is a vectorized polynomial accurate to a couple of ulps).
+//!
+//! The backward passes are computed directly, not as candle graphs: gradients of gradients are not
+//! available through these ops.
+
+mod attention;
+mod cross_entropy;
+mod kernels;
+mod rms_norm;
+mod rope;
+mod swiglu;
+
+pub use attention::attention;
+pub use cross_entropy::cross_entropy_sum;
+pub use rms_norm::rms_norm;
+pub use rope::rope;
+pub use swiglu::{swiglu, GatedAct};
+
+use candle_core::{bail, DType, Device, Result, Storage, Tensor};
+
+/// Whether every tensor is f32 on the CPU, i.e. whether the fused kernels apply.
+fn fused_applies(tensors: &[&Tensor]) -> bool {
+    tensors
+        .iter()
+        .all(|t| t.dtype() == DType::F32 && matches!(t.device(), Device::Cpu))
+}
+
+/// The f32 data of a contiguous CPU tensor, from the (locked storage, layout) pair that
+/// `Tensor::storage_and_layout` returns.
+fn guard_slice<'a, G: std::ops::Deref<Target = Storage>>(
+    guard: &'a (G, &candle_core::Layout),
+    what: &str,
+) -> Result<&'a [f32]> {
+    let Storage::Cpu(cpu) = &*guard.0 else {
+        bail!("fused {what}: expected a CPU tensor")
+    };
+    slice_of(cpu, guard.1, what)
+}
+
+/// The contiguous f32 slice behind a CPU storage and its layout (as custom ops receive them).
+fn slice_of<'a>(
+    storage: &'a candle_core::CpuStorage,
+    layout: &candle_core::Layout,
+    what: &str,
+) -> Result<&'a [f32]> {
+    let data = storage.as_slice::<f32>()?;
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("fused {what}: input is not contiguous")
+    };
+    Ok(&data[start..end])
+}
+
+/// Number of rows each parallel task handles so that a task covers about `target` elements.
+fn rows_per_task(row_len: usize, target: usize) -> usize {
+    (target / row_len.max(1)).max(1)
+}
