@@ -50,7 +50,6 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    ferrotune_core::init_cpu_threads();
     // candle attaches a backtrace to its errors whenever RUST_BACKTRACE is set; our errors are one
     // line for users. Panics still get their backtrace (RUST_LIB_BACKTRACE only covers libraries).
     if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
@@ -65,6 +64,13 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Generate(_) | Command::Run(_) | Command::Bench(_) | Command::Merge(_)
+    ) {
+        // Only the verbs that compute pay for measuring the machine's parallelism.
+        ferrotune_core::init_cpu_threads();
+    }
     let result = match cli.command {
         Command::Ls(args) => recipes::ls(args),
         Command::Cp(args) => recipes::cp(args),
