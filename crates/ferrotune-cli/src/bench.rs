@@ -223,6 +223,10 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     println!("  step       {step_s:.3} s");
     println!("  peak RSS   {peak:.0} MB");
     println!("  last loss  {last:.4}");
+    println!(
+        "  threads    {}",
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
+    );
     if a.json {
         println!(
             "{}",

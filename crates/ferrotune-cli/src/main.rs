@@ -43,6 +43,18 @@ enum Command {
     Plot(plot::PlotArgs),
 }
 
+/// glibc returns large freed blocks to the kernel and maps fresh zeroed pages for the next
+/// allocation; a training step allocates and frees the same large activations every time, so that
+/// turned into page faults and page clearing on every step. Keep freed memory for reuse instead.
+fn keep_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only changes allocator tunables; called before other threads allocate.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
 fn main() {
     // Like any Unix tool, stop quietly when the reader of our output goes away
     // (`ferrotune ls | head`); Rust's default turns that into a panic.
@@ -70,6 +82,7 @@ fn main() {
     ) {
         // Only the verbs that compute pay for measuring the machine's parallelism.
         ferrotune_core::init_cpu_threads();
+        keep_freed_memory();
     }
     let result = match cli.command {
         Command::Ls(args) => recipes::ls(args),

@@ -27,6 +27,11 @@ pub use device::{parse_device, parse_dtype};
 /// the thread doing the work. On a VM whose two vCPUs share one core's worth of time, two threads
 /// made a training step 2× slower than one.
 pub fn init_cpu_threads() {
+    // After each parallel op candle's idle workers spin 25 000 times before sleeping; meanwhile
+    // the GEMMs (rayon threads) that usually come next want those cores. Sleep almost at once.
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "200");
+    }
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let n = effective_parallelism();
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());

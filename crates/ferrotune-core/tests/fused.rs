@@ -575,3 +575,145 @@ fn strided_inputs_are_handled_and_get_their_gradients() {
         },
     );
 }
+
+#[test]
+fn linear_cross_entropy_matches_logits_then_cross_entropy() {
+    use candle_core::{Device, Tensor, Var};
+    use ferrotune_core::fused::{cross_entropy_sum, linear_cross_entropy_sum};
+    let dev = Device::Cpu;
+    // 300 rows: more than two chunks; a third of them ignored.
+    let (n, h, vocab) = (300usize, 24usize, 1001usize);
+    let hidden = Tensor::randn(0f32, 1.0, (n, h), &dev).unwrap();
+    let weight = Tensor::randn(0f32, 0.5, (vocab, h), &dev).unwrap();
+    let targets: Vec<i64> = (0..n)
+        .map(|i| {
+            if i % 3 == 1 {
+                -100
+            } else {
+                ((i * 37) % vocab) as i64
+            }
+        })
+        .collect();
+    let x1 = Var::from_tensor(&hidden).unwrap();
+    let (s1, c1) = linear_cross_entropy_sum(x1.as_tensor(), &weight, &targets, -100).unwrap();
+    let g1 = s1.backward().unwrap();
+    let x2 = Var::from_tensor(&hidden).unwrap();
+    let logits = x2.as_tensor().matmul(&weight.t().unwrap()).unwrap();
+    let (s2, c2) = cross_entropy_sum(&logits, &targets, -100).unwrap();
+    let g2 = s2.backward().unwrap();
+    assert_eq!(c1, c2);
+    let (v1, v2) = (
+        s1.to_scalar::<f32>().unwrap(),
+        s2.to_scalar::<f32>().unwrap(),
+    );
+    assert!((v1 - v2).abs() / v2.abs() < 1e-5, "sum {v1} vs {v2}");
+    let (d1, d2) = (
+        g1.get(x1.as_tensor()).unwrap(),
+        g2.get(x2.as_tensor()).unwrap(),
+    );
+    let diff = (d1 - d2)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let scale = d2
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(
+        diff / scale < 1e-5,
+        "gradient differs: {diff} (scale {scale})"
+    );
+    // Ignored rows get no gradient at all.
+    let row1 = d1.get(1).unwrap().abs().unwrap().max_all().unwrap();
+    assert_eq!(row1.to_scalar::<f32>().unwrap(), 0.0);
+}
+
+#[test]
+fn lora_linear_matches_the_composite_adapter_branch() {
+    use candle_core::{Device, Tensor, Var};
+    use ferrotune_core::fused::lora_linear;
+    let dev = Device::Cpu;
+    for (m, inp, out, r, bias) in [
+        (37usize, 24usize, 40usize, 4usize, false),
+        (130, 64, 48, 8, true),
+    ] {
+        let x0 = Tensor::randn(0f32, 1.0, (m, inp), &dev).unwrap();
+        let w = Tensor::randn(0f32, 0.2, (out, inp), &dev).unwrap();
+        let b0 = bias.then(|| Tensor::randn(0f32, 0.2, out, &dev).unwrap());
+        let a0 = Tensor::randn(0f32, 0.2, (r, inp), &dev).unwrap();
+        let bb0 = Tensor::randn(0f32, 0.2, (out, r), &dev).unwrap();
+        let probe = Tensor::randn(0f32, 1.0, (m, out), &dev).unwrap();
+        let run = |fused: bool| {
+            let (x, a, b) = (
+                Var::from_tensor(&x0).unwrap(),
+                Var::from_tensor(&a0).unwrap(),
+                Var::from_tensor(&bb0).unwrap(),
+            );
+            let y = if fused {
+                lora_linear(
+                    x.as_tensor(),
+                    &w,
+                    b0.as_ref(),
+                    a.as_tensor(),
+                    b.as_tensor(),
+                    1.75,
+                )
+                .unwrap()
+            } else {
+                let base = x.as_tensor().matmul(&w.t().unwrap()).unwrap();
+                let base = match &b0 {
+                    Some(bias) => base.broadcast_add(bias).unwrap(),
+                    None => base,
+                };
+                let l = x
+                    .as_tensor()
+                    .matmul(&a.as_tensor().t().unwrap())
+                    .unwrap()
+                    .matmul(&b.as_tensor().t().unwrap())
+                    .unwrap();
+                (base + (l * 1.75).unwrap()).unwrap()
+            };
+            let g = (&y * &probe)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let grads: Vec<Tensor> = [&x, &a, &b]
+                .iter()
+                .map(|v| g.get(v.as_tensor()).unwrap().clone())
+                .collect();
+            (y, grads)
+        };
+        let (yf, gf) = run(true);
+        let (yc, gc) = run(false);
+        let rel = |p: &Tensor, q: &Tensor| {
+            let d = (p - q)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            d / q
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert!(rel(&yf, &yc) < 1e-5, "forward");
+        for (i, (p, q)) in gf.iter().zip(&gc).enumerate() {
+            assert!(rel(p, q) < 1e-5, "gradient {i} differs: {}", rel(p, q));
+        }
+    }
+}

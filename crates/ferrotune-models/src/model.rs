@@ -44,6 +44,25 @@ impl Linear {
 
     /// `x @ weight.T + bias`, plus the adapter's contribution when one is attached.
     pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        if let Some(adapter) = &self.adapter {
+            // Training a plain LoRA adapter: base and adapter branch in one fused op.
+            let plain = adapter.dora_magnitude.is_none()
+                && !(adapter.training && adapter.dropout > 0.0)
+                && adapter.a.track_op()
+                && x.dtype() == adapter.a.dtype();
+            if plain {
+                return ops::linear_with(x, self.weight.dim(0)?, None, |rows| {
+                    fused::lora_linear(
+                        rows,
+                        &self.weight,
+                        self.bias.as_ref(),
+                        &adapter.a,
+                        &adapter.b,
+                        adapter.scale,
+                    )
+                });
+            }
+        }
         let base = self.forward_base(x)?;
         match &self.adapter {
             // PEFT computes the base layer first and adds the adapter on top; the packed copy holds

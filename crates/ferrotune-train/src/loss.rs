@@ -125,12 +125,55 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<L
 /// nothing) instead of copying `logits[:, :-1]`.
 fn fused_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<LossSum> {
     let (b, t, vocab) = logits.dims3()?;
+    let targets = shifted_targets(labels, shift, vocab)?;
+    let flat = logits.reshape((b * t, vocab))?.to_dtype(DType::F32)?;
+    let (sum, count) = ferrotune_core::fused::cross_entropy_sum(&flat, &targets, IGNORE_INDEX)?;
+    Ok(LossSum { sum, count })
+}
+
+/// The loss of the output head applied to `hidden` (`[b, t, h]`): the same value as
+/// `causal_lm_loss(lm_head.forward(hidden), labels, shift)`, but for a frozen head without
+/// adapter or bias on the CPU the logits are formed and consumed in row chunks
+/// ([`ferrotune_core::fused::linear_cross_entropy_sum`]), never whole, and rows without a target
+/// are skipped.
+pub fn causal_lm_head_loss(
+    hidden: &Tensor,
+    lm_head: &ferrotune_models::Linear,
+    labels: &Tensor,
+    shift: bool,
+) -> Result<LossSum> {
+    let plain = lm_head.adapter.is_none()
+        && lm_head.bias.is_none()
+        && !lm_head.weight.track_op()
+        && hidden.device().is_cpu()
+        && hidden.dtype() == DType::F32
+        && lm_head.weight.dtype() == DType::F32;
+    if !plain {
+        return causal_lm_loss(&lm_head.forward(hidden)?, labels, shift);
+    }
+    let (b, t, h) = hidden.dims3()?;
+    let vocab = lm_head.weight.dim(0)?;
+    let targets = shifted_targets(labels, shift, vocab)?;
+    let flat = hidden.reshape((b * t, h))?;
+    let (sum, count) = ferrotune_core::fused::linear_cross_entropy_sum(
+        &flat,
+        &lm_head.weight,
+        &targets,
+        IGNORE_INDEX,
+    )?;
+    Ok(LossSum { sum, count })
+}
+
+/// Per-position targets for `[b, t]` labels: `labels[i + 1]` with `shift` (the last position of a
+/// row scores nothing), checked against the vocabulary; -100 (also as u32) = none.
+fn shifted_targets(labels: &Tensor, shift: bool, vocab: usize) -> Result<Vec<i64>> {
+    let t = labels.dim(1)?;
     if shift && t < 2 {
         bail!("causal_lm_loss: shifting needs at least 2 positions, got {t}");
     }
     let raw = labels.to_dtype(DType::I64)?.to_vec2::<i64>()?;
     let u32_labels = labels.dtype() == DType::U32;
-    let mut targets = Vec::with_capacity(b * t);
+    let mut targets = Vec::with_capacity(raw.len() * t);
     for row in &raw {
         for p in 0..t {
             let l = if shift {
@@ -149,9 +192,7 @@ fn fused_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<LossSum> 
             targets.push(l);
         }
     }
-    let flat = logits.reshape((b * t, vocab))?.to_dtype(DType::F32)?;
-    let (sum, count) = ferrotune_core::fused::cross_entropy_sum(&flat, &targets, IGNORE_INDEX)?;
-    Ok(LossSum { sum, count })
+    Ok(targets)
 }
 
 /// [`causal_lm_loss`] reduced to its mean over target tokens (`F.cross_entropy` default reduction).

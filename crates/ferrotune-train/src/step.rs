@@ -17,7 +17,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use ferrotune_models::{AttentionLayout, CausalLm};
 
-use crate::loss::causal_lm_loss;
+use crate::loss::causal_lm_head_loss;
 
 /// One micro-batch as tensors.
 #[derive(Debug, Clone)]
@@ -95,8 +95,8 @@ pub fn forward_backward(
     activation_checkpointing: bool,
 ) -> Result<f64> {
     if !activation_checkpointing {
-        let logits = model.forward(&batch.input_ids, &batch.layout, None)?;
-        let loss = causal_lm_loss(&logits, &batch.labels, true)?;
+        let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
+        let loss = causal_lm_head_loss(&hidden, &model.lm_head, &batch.labels, true)?;
         let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let grads = loss.sum.backward()?;
         absorb(acc, &grads, params)?;
@@ -117,11 +117,11 @@ pub fn forward_backward(
     let dropout_after = dropout_states(model);
 
     let top = Var::from_tensor(&x)?;
-    let logits = model.logits(&model.final_norm(top.as_tensor())?)?;
-    let loss = causal_lm_loss(&logits, &batch.labels, true)?;
+    let hidden = model.final_norm(top.as_tensor())?;
+    let loss = causal_lm_head_loss(&hidden, &model.lm_head, &batch.labels, true)?;
     let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let mut grads = loss.sum.backward()?;
-    drop(logits);
+    drop(hidden);
     let mut grad_out = grads
         .remove(top.as_tensor())
         .ok_or_else(|| candle_core::Error::Msg("no gradient reached the last layer".into()))?;

@@ -18,12 +18,16 @@
 mod attention;
 mod cross_entropy;
 mod kernels;
+mod linear_ce;
+mod lora;
 mod rms_norm;
 mod rope;
 mod swiglu;
 
 pub use attention::attention;
 pub use cross_entropy::cross_entropy_sum;
+pub use linear_ce::linear_cross_entropy_sum;
+pub use lora::lora_linear;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use swiglu::{swiglu, GatedAct};

@@ -52,16 +52,14 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
     setup::check_loss(cfg)?;
-    for unsupported in [
+    // torchtune speed/memory switches that change no number: accepted, and said to be ignored.
+    for ignored in [
         "compile",
         "optimizer_in_bwd",
         "enable_activation_offloading",
     ] {
-        if cfg.bool(unsupported)?.unwrap_or(false) {
-            bail!(
-                "{}: '{unsupported}: true' is not supported; set it to false",
-                cfg.origin
-            );
+        if cfg.bool(ignored)?.unwrap_or(false) {
+            eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
         }
     }
     let output_dir = cfg

@@ -1,0 +1,195 @@
+//! The output head and the cross-entropy in one op, over row chunks: `Σ CE(hidden @ weightᵀ)`
+//! without ever holding the `[n, vocab]` logits (or their gradient) whole.
+//!
+//! For a frozen head (LoRA) the loss is the last node of the graph, so the gradient with respect
+//! to `hidden` is computed in the forward pass, chunk by chunk — `(softmax − onehot) @ weight` —
+//! and kept (`[n, hidden]`, small); backward only scales it. Rows without a target are skipped
+//! entirely: with prompt tokens masked, most of the head's work disappears.
+
+use std::sync::Mutex;
+
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::kernels::{self, simd_fn};
+use super::{fused_applies, guard_slice, slice_of};
+
+/// Rows of logits materialized at once (`CHUNK × vocab` floats).
+const CHUNK: usize = 512;
+
+/// `Σ -log_softmax(hidden @ weightᵀ)[targets[i]]` over the rows whose target is not
+/// `ignore_index`, and the number of such rows.
+///
+/// `hidden` is `[n, h]` (differentiable), `weight` `[vocab, h]` (no gradient: a frozen head).
+/// For f32 CPU tensors with a frozen weight this is the chunked fused op; otherwise the logits are
+/// formed with candle and [`super::cross_entropy_sum`] is used.
+pub fn linear_cross_entropy_sum(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &[i64],
+    ignore_index: i64,
+) -> Result<(Tensor, usize)> {
+    let (n, h) = hidden.dims2()?;
+    let (vocab, wh) = weight.dims2()?;
+    if wh != h {
+        bail!("linear_cross_entropy_sum: hidden has {h} features, weight {wh}");
+    }
+    if targets.len() != n {
+        bail!(
+            "linear_cross_entropy_sum: {} targets for {n} rows",
+            targets.len()
+        );
+    }
+    if !fused_applies(&[hidden, weight]) || weight.track_op() {
+        let logits = hidden.matmul(&weight.t()?)?;
+        return super::cross_entropy_sum(&logits, targets, ignore_index);
+    }
+    let mut rows = Vec::new();
+    for (i, &t) in targets.iter().enumerate() {
+        if t == ignore_index {
+            continue;
+        }
+        if t < 0 || t as usize >= vocab {
+            bail!("linear_cross_entropy_sum: target {t} outside the vocabulary (size {vocab})");
+        }
+        rows.push((i, t as usize));
+    }
+    let count = rows.len();
+    let op = LinearCrossEntropy {
+        weight: weight.contiguous()?,
+        rows,
+        grad: Mutex::new(None),
+    };
+    let sum = hidden.contiguous()?.apply_op1(op)?;
+    Ok((sum, count))
+}
+
+struct LinearCrossEntropy {
+    weight: Tensor,
+    /// (row of `hidden`, target) for every counted row.
+    rows: Vec<(usize, usize)>,
+    /// d(sum)/d(hidden), `[n, h]`, filled by the forward pass.
+    grad: Mutex<Option<Vec<f32>>>,
+}
+
+simd_fn! {
+    /// Turns a row of logits into `softmax − onehot(target)` in place; returns `lse − x[target]`.
+    fn softmax_minus_onehot(row: &mut [f32], target: usize) -> f32 {
+        let m = kernels::max(row);
+        let x_t = row[target];
+        let sum = kernels::exp_shift_inplace(row, m);
+        let inv = 1.0 / sum;
+        for v in row.iter_mut() {
+            *v *= inv;
+        }
+        row[target] -= 1.0;
+        // lse − x_t = ln Σ exp(x − m) − (x_t − m): finite however small p_t is.
+        sum.ln() - (x_t - m)
+    }
+}
+
+impl CustomOp1 for LinearCrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-linear-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, h) = layout.shape().dims2()?;
+        let x = slice_of(storage, layout, "linear_cross_entropy_sum")?;
+        let wg = self.weight.storage_and_layout();
+        let w = guard_slice(&wg, "linear_cross_entropy_sum")?;
+        let vocab = w.len() / h.max(1);
+        let threads = rayon::current_num_threads().max(1);
+        let par = if threads > 1 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        let mut dx = vec![0f32; n * h];
+        let mut logits = vec![0f32; CHUNK * vocab];
+        let mut xc = vec![0f32; CHUNK * h];
+        let mut dxc = vec![0f32; CHUNK * h];
+        let mut total = 0f64;
+        for chunk in self.rows.chunks(CHUNK) {
+            let c = chunk.len();
+            for (j, &(i, _)) in chunk.iter().enumerate() {
+                xc[j * h..(j + 1) * h].copy_from_slice(&x[i * h..(i + 1) * h]);
+            }
+            // logits[c, vocab] = xc[c, h] · wᵀ  (w is [vocab, h] row-major).
+            // SAFETY: every index stays inside the buffers sized above; no overlap.
+            unsafe {
+                gemm::gemm(
+                    c,
+                    vocab,
+                    h,
+                    logits.as_mut_ptr(),
+                    1,
+                    vocab as isize,
+                    false,
+                    xc.as_ptr(),
+                    1,
+                    h as isize,
+                    w.as_ptr(),
+                    h as isize,
+                    1,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    par,
+                );
+            }
+            let losses: Vec<f32> = logits[..c * vocab]
+                .par_chunks_mut(vocab)
+                .zip(chunk.par_iter())
+                .map(|(row, &(_, t))| softmax_minus_onehot(row, t))
+                .collect();
+            total += losses.iter().map(|&l| l as f64).sum::<f64>();
+            // dxc[c, h] = (softmax − onehot)[c, vocab] · w[vocab, h]
+            // SAFETY: as above.
+            unsafe {
+                gemm::gemm(
+                    c,
+                    h,
+                    vocab,
+                    dxc.as_mut_ptr(),
+                    1,
+                    h as isize,
+                    false,
+                    logits.as_ptr(),
+                    1,
+                    vocab as isize,
+                    w.as_ptr(),
+                    1,
+                    h as isize,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    par,
+                );
+            }
+            for (j, &(i, _)) in chunk.iter().enumerate() {
+                dx[i * h..(i + 1) * h].copy_from_slice(&dxc[j * h..(j + 1) * h]);
+            }
+        }
+        *self.grad.lock().unwrap_or_else(|e| e.into_inner()) = Some(dx);
+        Ok((CpuStorage::F32(vec![total as f32]), Shape::from(())))
+    }
+
+    fn bwd(&self, hidden: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let stored = self.grad.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(dx) = stored.as_ref() else {
+            bail!("linear_cross_entropy_sum: backward before forward");
+        };
+        let scaled: Vec<f32> = dx.par_iter().map(|&v| v * g).collect();
+        Ok(Some(Tensor::from_vec(
+            scaled,
+            hidden.shape(),
+            &Device::Cpu,
+        )?))
+    }
+}

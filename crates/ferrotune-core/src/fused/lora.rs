@@ -1,0 +1,267 @@
+//! A LoRA layer as one op: `x Wᵀ (+ bias) + scale · (x Aᵀ) Bᵀ` with a frozen `W`, and its
+//! backward, straight on GEMMs that accumulate into their outputs.
+//!
+//! Composed from candle ops, each of the ~200 adapted layers of a model allocates and adds several
+//! `[tokens, features]` temporaries per step (the adapter branch, its scaling, the sum, and the
+//! gradient accumulation of `x` from both branches). Here the adapter branch is added by the GEMM
+//! that computes it, `dx` gathers both branches in one buffer, and only `x Aᵀ` (`[tokens, r]`) is
+//! kept for the backward.
+
+use std::sync::Mutex;
+
+use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
+
+use super::{fused_applies, guard_slice, slice_of};
+
+/// `x @ weightᵀ + bias + scale · (x @ aᵀ) @ bᵀ` for `x` `[m, in]`, `weight` `[out, in]` (frozen),
+/// `a` `[r, in]`, `b` `[out, r]`: PEFT's `lora.Linear` forward without dropout. Gradients flow to
+/// `x`, `a` and `b`. Fused for f32 CPU tensors with a frozen weight and bias; composed from candle
+/// ops otherwise.
+pub fn lora_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (_, inp) = x.dims2()?;
+    let (out, win) = weight.dims2()?;
+    let (r, ain) = a.dims2()?;
+    let (bout, br) = b.dims2()?;
+    if win != inp || ain != inp || bout != out || br != r {
+        bail!(
+            "lora_linear: x {:?}, weight {:?}, a {:?}, b {:?} do not fit together",
+            x.dims(),
+            weight.dims(),
+            a.dims(),
+            b.dims()
+        );
+    }
+    let frozen = !weight.track_op() && bias.is_none_or(|t| !t.track_op());
+    let mut all = vec![x, weight, a, b];
+    all.extend(bias);
+    if !frozen || !fused_applies(&all) {
+        let base = crate::ops::linear(x, weight, bias)?;
+        let lora = crate::ops::linear(&crate::ops::linear(x, a, None)?, b, None)?;
+        return base + (lora * scale)?;
+    }
+    let op = LoraLinear {
+        weight: weight.contiguous()?,
+        bias: bias.map(|t| t.contiguous()).transpose()?,
+        scale: scale as f32,
+        xa: Mutex::new(None),
+    };
+    x.contiguous()?
+        .apply_op3(&a.contiguous()?, &b.contiguous()?, op)
+}
+
+struct LoraLinear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    scale: f32,
+    /// `x Aᵀ` from the forward pass, `[m, r]`.
+    xa: Mutex<Option<Vec<f32>>>,
+}
+
+fn parallelism() -> gemm::Parallelism {
+    let threads = rayon::current_num_threads().max(1);
+    if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
+/// Row-major `dst[m×n] = alpha·dst + beta·op(A)·op(B)` with explicit strides: `(ptr, row stride,
+/// column stride)` for each operand.
+///
+/// # Safety
+/// Every addressed element must lie inside its buffer; `dst` must not overlap `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn mm(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    accumulate: bool,
+    a: (*const f32, isize, isize),
+    b: (*const f32, isize, isize),
+    beta: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst.as_mut_ptr(),
+        1,
+        n as isize,
+        accumulate,
+        a.0,
+        a.2,
+        a.1,
+        b.0,
+        b.2,
+        b.1,
+        1.0,
+        beta,
+        false,
+        false,
+        false,
+        parallelism(),
+    );
+}
+
+impl CustomOp3 for LoraLinear {
+    fn name(&self) -> &'static str {
+        "fused-lora-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        as_: &CpuStorage,
+        al: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, inp) = xl.shape().dims2()?;
+        let (r, _) = al.shape().dims2()?;
+        let (out, _) = bl.shape().dims2()?;
+        let x = slice_of(xs, xl, "lora_linear")?;
+        let a = slice_of(as_, al, "lora_linear")?;
+        let b = slice_of(bs, bl, "lora_linear")?;
+        let wg = self.weight.storage_and_layout();
+        let w = guard_slice(&wg, "lora_linear")?;
+        let mut y = vec![0f32; m * out];
+        let mut accumulate = false;
+        if let Some(bias) = &self.bias {
+            let bg = bias.storage_and_layout();
+            let bias = guard_slice(&bg, "lora_linear")?;
+            for row in y.chunks_mut(out) {
+                row.copy_from_slice(bias);
+            }
+            accumulate = true;
+        }
+        let mut xa = vec![0f32; m * r];
+        // SAFETY: shapes checked by the caller; buffers sized to them; outputs are fresh.
+        unsafe {
+            // y (+)= x · Wᵀ
+            mm(
+                (m, out, inp),
+                &mut y,
+                accumulate,
+                (x.as_ptr(), inp as isize, 1),
+                (w.as_ptr(), 1, inp as isize),
+                1.0,
+            );
+            // xa = x · Aᵀ
+            mm(
+                (m, r, inp),
+                &mut xa,
+                false,
+                (x.as_ptr(), inp as isize, 1),
+                (a.as_ptr(), 1, inp as isize),
+                1.0,
+            );
+            // y += scale · xa · Bᵀ
+            mm(
+                (m, out, r),
+                &mut y,
+                true,
+                (xa.as_ptr(), r as isize, 1),
+                (b.as_ptr(), 1, r as isize),
+                self.scale,
+            );
+        }
+        *self.xa.lock().unwrap_or_else(|e| e.into_inner()) = Some(xa);
+        Ok((CpuStorage::F32(y), Shape::from((m, out))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (m, inp) = x.dims2()?;
+        let (r, _) = a.dims2()?;
+        let (out, _) = b.dims2()?;
+        let dy_t = grad.contiguous()?;
+        let dyg = dy_t.storage_and_layout();
+        let dy = guard_slice(&dyg, "lora_linear")?;
+        let xg = x.storage_and_layout();
+        let xs = guard_slice(&xg, "lora_linear")?;
+        let ag = a.storage_and_layout();
+        let av = guard_slice(&ag, "lora_linear")?;
+        let bg = b.storage_and_layout();
+        let bv = guard_slice(&bg, "lora_linear")?;
+        let wg = self.weight.storage_and_layout();
+        let w = guard_slice(&wg, "lora_linear")?;
+        let stored = self.xa.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(xa) = stored.as_ref() else {
+            bail!("lora_linear: backward before forward");
+        };
+        let mut t = vec![0f32; m * r];
+        let mut dx = vec![0f32; m * inp];
+        let mut da = vec![0f32; r * inp];
+        let mut db = vec![0f32; out * r];
+        // SAFETY: as in the forward pass.
+        unsafe {
+            // t = dy · B                      [m, r]
+            mm(
+                (m, r, out),
+                &mut t,
+                false,
+                (dy.as_ptr(), out as isize, 1),
+                (bv.as_ptr(), r as isize, 1),
+                1.0,
+            );
+            // dx = dy · W + scale · t · A     [m, in]
+            mm(
+                (m, inp, out),
+                &mut dx,
+                false,
+                (dy.as_ptr(), out as isize, 1),
+                (w.as_ptr(), inp as isize, 1),
+                1.0,
+            );
+            mm(
+                (m, inp, r),
+                &mut dx,
+                true,
+                (t.as_ptr(), r as isize, 1),
+                (av.as_ptr(), inp as isize, 1),
+                self.scale,
+            );
+            // dA = scale · tᵀ · x             [r, in]
+            mm(
+                (r, inp, m),
+                &mut da,
+                false,
+                (t.as_ptr(), 1, r as isize),
+                (xs.as_ptr(), inp as isize, 1),
+                self.scale,
+            );
+            // dB = scale · dyᵀ · xa           [out, r]
+            mm(
+                (out, r, m),
+                &mut db,
+                false,
+                (dy.as_ptr(), 1, out as isize),
+                (xa.as_ptr(), r as isize, 1),
+                self.scale,
+            );
+        }
+        let dev = Device::Cpu;
+        Ok((
+            Some(Tensor::from_vec(dx, (m, inp), &dev)?),
+            Some(Tensor::from_vec(da, (r, inp), &dev)?),
+            Some(Tensor::from_vec(db, (out, r), &dev)?),
+        ))
+    }
+}
