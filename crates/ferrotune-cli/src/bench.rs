@@ -14,7 +14,7 @@ use ferrotune_models::{AttentionLayout, CausalLm, ModelConfig};
 use ferrotune_train::metrics::peak_rss_mb;
 use ferrotune_train::optim::{AdamW, AdamWConfig, Optimizer};
 use ferrotune_train::step::{empty_grads, forward_backward, MicroBatch};
-use ferrotune_train::{scale_grads, LrSchedule};
+use ferrotune_train::LrSchedule;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -24,7 +24,7 @@ pub struct BenchArgs {
 
 #[derive(Subcommand)]
 enum BenchWhat {
-    /// LoRA training steps: tokens/s, step time and peak memory.
+    /// Training steps (LoRA, or full with --full): tokens/s, step time and peak memory.
     Train(TrainBenchArgs),
 }
 
@@ -54,6 +54,9 @@ struct TrainBenchArgs {
     /// f32 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Full fine-tuning (every weight trains) instead of LoRA.
+    #[arg(long)]
+    full: bool,
     /// Recompute each decoder layer in backward instead of keeping its activations.
     #[arg(long)]
     activation_checkpointing: bool,
@@ -136,23 +139,27 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         (None, None) => bail!("pass --model PATH or --shape NAME"),
     };
     eprintln!("loaded {what} in {:.1}s", t0.elapsed().as_secs_f64());
-    let targets = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ];
-    let lc = LoraConfig::new(
-        a.lora_rank,
-        2.0 * a.lora_rank as f64,
-        TargetModules::Names(targets.iter().map(|s| s.to_string()).collect()),
-    );
-    peft::add_adapter(&mut model, &lc, 0)?;
-    ferrotune_models::lora::set_training(&mut model, true);
-    let params = peft::trainable_parameters(&mut model)?;
+    let params = if a.full {
+        model.make_all_trainable()?
+    } else {
+        let targets = [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ];
+        let lc = LoraConfig::new(
+            a.lora_rank,
+            2.0 * a.lora_rank as f64,
+            TargetModules::Names(targets.iter().map(|s| s.to_string()).collect()),
+        );
+        peft::add_adapter(&mut model, &lc, 0)?;
+        ferrotune_models::lora::set_training(&mut model, true);
+        peft::trainable_parameters(&mut model)?
+    };
     let mut opt = AdamW::new(
         params.clone(),
         AdamWConfig {
@@ -184,12 +191,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
             &mut grads,
             a.activation_checkpointing,
         )?;
-        scale_grads(
-            &mut grads,
-            params.iter().map(|(_, v)| v.as_tensor()),
-            1.0 / batch.num_targets as f64,
-        )?;
-        opt.step(&grads)?;
+        opt.step_scaled(&grads, 1.0 / batch.num_targets as f64)?;
         Ok(loss / batch.num_targets as f64)
     };
     for _ in 0..2 {
@@ -207,10 +209,14 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     let step_s = el / a.steps as f64;
     let peak = peak_rss_mb();
     println!(
-        "bench train: {what}, seq {} batch {} LoRA r={} ({:?} on {:?}{})",
+        "bench train: {what}, seq {} batch {} {} ({:?} on {:?}{})",
         a.seq,
         a.batch,
-        a.lora_rank,
+        if a.full {
+            "full fine-tuning".to_string()
+        } else {
+            format!("LoRA r={}", a.lora_rank)
+        },
         dtype,
         device,
         if a.activation_checkpointing {

@@ -408,7 +408,10 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
     .unwrap();
     let want = g["lora_loss"].as_f64().unwrap();
     let got = v["loss"].as_f64().unwrap();
-    assert!(((got - want) / want).abs() < 1e-5, "eval loss {got} vs PEFT {want}");
+    assert!(
+        ((got - want) / want).abs() < 1e-5,
+        "eval loss {got} vs PEFT {want}"
+    );
     assert!((v["perplexity"].as_f64().unwrap() - want.exp()).abs() / want.exp() < 1e-5);
 
     // `run generate` with a string prompt, greedy, equals the generate verb's continuation.

@@ -23,7 +23,13 @@ use candle_core::{bail, DType, Result, Tensor, Var};
 /// What a recipe needs from an optimizer, whichever it is.
 pub trait Optimizer {
     /// Applies one update from `grads`; parameters without a gradient are left alone.
-    fn step(&mut self, grads: &GradStore) -> Result<()>;
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.step_scaled(grads, 1.0)
+    }
+    /// [`Optimizer::step`] with every gradient multiplied by `grad_scale` first (the recipe's
+    /// `1 / target tokens` normalisation folded into the update instead of a separate pass over
+    /// all gradients; the same f32 product as [`crate::scale_grads`]).
+    fn step_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> Result<()>;
     /// The current learning rate.
     fn lr(&self) -> f64;
     /// Sets the learning rate used by the next [`Optimizer::step`] (LR schedules call this).
@@ -229,6 +235,8 @@ fn fused_host(var: &Var) -> bool {
 /// instead of a dozen, on all cores.
 struct FusedAdamW<'a> {
     grad: &'a [f32],
+    /// Multiplies each gradient element first (1.0 = none).
+    grad_scale: f32,
     exp_avg: std::sync::Mutex<&'a mut [f32]>,
     exp_avg_sq: std::sync::Mutex<&'a mut [f32]>,
     decay: f32,
@@ -275,7 +283,11 @@ impl candle_core::InplaceOp1 for FusedAdamW<'_> {
                     if self.decay != 1.0 {
                         x *= self.decay;
                     }
-                    let gi = g[i];
+                    let gi = if self.grad_scale != 1.0 {
+                        g[i] * self.grad_scale
+                    } else {
+                        g[i]
+                    };
                     // lerp with weight < 0.5: start + weight * (end - start)
                     let mi = m[i] + (gi - m[i]) * self.one_minus_beta1;
                     let vi = v[i] * self.beta2 + (gi * self.one_minus_beta2) * gi;
@@ -323,7 +335,7 @@ impl AdamW {
 }
 
 impl Optimizer for AdamW {
-    fn step(&mut self, grads: &GradStore) -> Result<()> {
+    fn step_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> Result<()> {
         let AdamWConfig {
             lr,
             beta1,
@@ -335,7 +347,8 @@ impl Optimizer for AdamW {
             let Some(grad) = grad_f32(grads, &slot.var)? else {
                 continue;
             };
-            if fused_host(&slot.var) && (1.0 - beta1) < 0.5 {
+            let grad_on_host = grad.device().is_cpu() && grad.is_contiguous();
+            if fused_host(&slot.var) && grad_on_host && (1.0 - beta1) < 0.5 {
                 let n = slot.var.elem_count();
                 let st = state.get_or_insert_with(|| AdamState {
                     step: 0,
@@ -351,9 +364,21 @@ impl Optimizer for AdamW {
                 {
                     st.step += 1;
                     let step = st.step as f64;
-                    let g = grad.flatten_all()?.to_vec1::<f32>()?;
+                    // Read the gradient where it lies (no copy of a possibly large tensor).
+                    let (g_storage, g_layout) = grad.storage_and_layout();
+                    let g = match (&*g_storage, g_layout.contiguous_offsets()) {
+                        (
+                            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)),
+                            Some((a, b)),
+                        ) => &v[a..b],
+                        _ => bail!(
+                            "fused AdamW: gradient of {} is not a contiguous f32 CPU tensor",
+                            slot.name
+                        ),
+                    };
                     let op = FusedAdamW {
-                        grad: &g,
+                        grad: g,
+                        grad_scale: grad_scale as f32,
                         exp_avg: std::sync::Mutex::new(exp_avg.as_mut_slice()),
                         exp_avg_sq: std::sync::Mutex::new(exp_avg_sq.as_mut_slice()),
                         decay: (1.0 - lr * weight_decay) as f32,
@@ -372,6 +397,11 @@ impl Optimizer for AdamW {
                     st.step -= 1;
                 }
             }
+            let grad = if grad_scale != 1.0 {
+                grad.affine(grad_scale, 0.0)?
+            } else {
+                grad
+            };
             let mut param = slot.value_f32()?;
             let st = match state {
                 Some(st) => st,
@@ -584,7 +614,7 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self, grads: &GradStore) -> Result<()> {
+    fn step_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> Result<()> {
         let SgdConfig {
             lr,
             momentum,
@@ -596,6 +626,9 @@ impl Optimizer for Sgd {
             let Some(mut grad) = grad_f32(grads, &slot.var)? else {
                 continue;
             };
+            if grad_scale != 1.0 {
+                grad = grad.affine(grad_scale, 0.0)?;
+            }
             let param = slot.value_f32()?;
             if weight_decay != 0.0 {
                 // grad = grad.add(param, alpha=weight_decay)

@@ -56,14 +56,23 @@ fn packed_loss_and_gradients_equal_unpacked() {
             "packed": packed,
         })
     };
-    let unpacked = build_dataset(&section(false), &tok, Path::new(".")).unwrap().rows;
-    let packed = build_dataset(&section(true), &tok, Path::new(".")).unwrap().rows;
-    assert!(packed.len() < unpacked.len(), "samples were packed together");
-    assert!(packed.iter().any(|r| r.seq_lens.len() > 2), "a row holds several samples");
+    let unpacked = build_dataset(&section(false), &tok, Path::new("."))
+        .unwrap()
+        .rows;
+    let packed = build_dataset(&section(true), &tok, Path::new("."))
+        .unwrap()
+        .rows;
+    assert!(
+        packed.len() < unpacked.len(),
+        "samples were packed together"
+    );
+    assert!(
+        packed.iter().any(|r| r.seq_lens.len() > 2),
+        "a row holds several samples"
+    );
 
-    let ckpt =
-        ferrotune_models::read_checkpoint(&model_dir, candle_core::DType::F32, &Device::Cpu)
-            .unwrap();
+    let ckpt = ferrotune_models::read_checkpoint(&model_dir, candle_core::DType::F32, &Device::Cpu)
+        .unwrap();
     let mut model = CausalLm::from_tensors(ckpt.config, ckpt.tensors, "llama3").unwrap();
     peft::load_adapter(&mut model, &fixtures().join("llama3/adapter")).unwrap();
     let params = peft::trainable_parameters(&mut model).unwrap();
@@ -87,7 +96,10 @@ fn packed_loss_and_gradients_equal_unpacked() {
         for (name, v) in &params {
             let (a, b) = (g_p.get(v.as_tensor()), g_u.get(v.as_tensor()));
             let e = rel_l2(a.unwrap(), b.unwrap());
-            assert!(e < 1e-4, "{name}: gradient differs packed vs unpacked ({e})");
+            assert!(
+                e < 1e-4,
+                "{name}: gradient differs packed vs unpacked ({e})"
+            );
         }
     }
 }

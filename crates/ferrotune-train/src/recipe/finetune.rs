@@ -257,23 +257,26 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
                 targets += batch.num_targets;
                 tokens += batch.num_tokens;
             }
-            // Normalise by the target tokens of the whole step (not per micro-batch).
-            if targets > 0 {
-                scale_grads(
-                    &mut grads,
-                    param_refs.iter().map(|(_, v)| v.as_tensor()),
-                    1.0 / targets as f64,
-                )?;
-            }
-            let grad_norm = match clip {
-                Some(max) => Some(clip_grad_norm(
-                    &mut grads,
-                    param_refs.iter().map(|(_, v)| v.as_tensor()),
-                    max,
-                )?),
-                None => None,
+            // Normalise by the target tokens of the whole step (not per micro-batch). Without
+            // clipping the factor is folded into the optimizer's pass over the gradients.
+            let factor = if targets > 0 {
+                1.0 / targets as f64
+            } else {
+                1.0
             };
-            optimizer.step(&grads)?;
+            let params_iter = || param_refs.iter().map(|(_, v)| v.as_tensor());
+            let grad_norm = match clip {
+                Some(max) => {
+                    scale_grads(&mut grads, params_iter(), factor)?;
+                    let norm = clip_grad_norm(&mut grads, params_iter(), max)?;
+                    optimizer.step(&grads)?;
+                    Some(norm)
+                }
+                None => {
+                    optimizer.step_scaled(&grads, factor)?;
+                    None
+                }
+            };
             drop(grads);
             global_step += 1;
             let loss = if targets > 0 {
@@ -435,7 +438,11 @@ impl Saver<'_> {
                             Some(self.tokenizer),
                         )?;
                     }
-                    crate::export::copy_or_export_tokenizer(self.source, Some(self.tokenizer), dir)?;
+                    crate::export::copy_or_export_tokenizer(
+                        self.source,
+                        Some(self.tokenizer),
+                        dir,
+                    )?;
                 }
                 _ => {
                     let weights = peft::merged_tensors(model)?;
