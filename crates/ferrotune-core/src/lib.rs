@@ -32,6 +32,12 @@ pub fn init_cpu_threads() {
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
         std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "200");
     }
+    // The work that matters runs on rayon (GEMMs, ferrotune's fused kernels); candle's own pool
+    // only serves its elementwise ops, few on the training path. One pool, not two competing for
+    // the same cores: candle's element-wise ops stay on the calling thread.
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let n = effective_parallelism();
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
