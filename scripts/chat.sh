@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job, set-up included: fetch SmolLM2-135M-Instruct (cached), build ferrotune, and chat with it.
-# Usage: scripts/demo.sh ["your question"]   (extra ferrotune generate flags may follow the question)
+# Chat with SmolLM2-135M-Instruct, set-up included: fetch the model (cached), build ferrotune, generate.
+# Usage: scripts/chat.sh ["your question"]   (extra ferrotune generate flags may follow the question)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 assets=$(scripts/fetch-assets.sh)
