@@ -33,7 +33,7 @@ pub struct ModelSource {
     pub dir: std::path::PathBuf,
 }
 
-/// Writes `tensors` as an HF checkpoint into `out` (which must exist), with the config, the
+/// Writes `tensors` as an HF checkpoint into `out` (created if missing), with the config, the
 /// generation config of the source (HF sources only) and the tokenizer files.
 pub fn write_hf_model(
     out: &Path,
