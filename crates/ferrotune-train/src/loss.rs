@@ -14,7 +14,7 @@
 //! the chunking. A leaner loss needs an op with a hand-written backward (recomputing the softmax from
 //! the logits and the saved log-sum-exp), which candle only allows with per-device forward kernels.
 
-use candle_core::{bail, DType, Result, Tensor, D};
+use candle_core::{bail, DType, Result, Tensor};
 
 /// Label value excluded from the loss (PyTorch's default `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
@@ -69,62 +69,9 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<L
             labels.dims()
         );
     }
-    if logits.device().is_cpu() {
-        return fused_loss(logits, labels, shift);
-    }
-    let (logits, labels) = if shift {
-        if t < 2 {
-            bail!("causal_lm_loss: shifting needs at least 2 positions, got {t}");
-        }
-        (logits.narrow(1, 0, t - 1)?, labels.narrow(1, 1, t - 1)?)
-    } else {
-        (logits.clone(), labels.clone())
-    };
-    let rows = logits.dim(0)? * logits.dim(1)?;
-
-    // Labels are small and needed on the host anyway to count targets: build the gather indices and
-    // the mask there instead of with device-side comparisons.
-    let raw = labels
-        .flatten_all()?
-        .to_dtype(DType::I64)?
-        .to_vec1::<i64>()?;
-    let mut index = Vec::with_capacity(rows);
-    let mut mask = Vec::with_capacity(rows);
-    let mut count = 0usize;
-    for &l in &raw {
-        if l == IGNORE_INDEX || (labels.dtype() == DType::U32 && l == IGNORE_INDEX_U32) {
-            // Any in-range index works for an ignored row: its loss is multiplied by 0.
-            index.push(0u32);
-            mask.push(0f32);
-        } else if l < 0 || l as usize >= vocab {
-            bail!("causal_lm_loss: label {l} outside the vocabulary (size {vocab})");
-        } else {
-            index.push(l as u32);
-            mask.push(1f32);
-            count += 1;
-        }
-    }
-    let device = logits.device();
-    let index = Tensor::from_vec(index, (rows, 1), device)?;
-    let mask = Tensor::from_vec(mask, rows, device)?;
-
-    let x = logits.reshape((rows, vocab))?.to_dtype(DType::F32)?;
-    // The max is a constant shift of each row: detaching it changes no gradient.
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let z = x.broadcast_sub(&max)?;
-    let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    let target = z.gather(&index, D::Minus1)?;
-    // -log_softmax[target] = lse - z[target]; ignored rows are zeroed by the mask.
-    let nll = (lse - target)?.squeeze(D::Minus1)?;
-    let sum = (nll * mask)?.sum_all()?;
-    Ok(LossSum { sum, count })
-}
-
-/// The CPU path: one fused pass per row ([`ferrotune_core::fused::cross_entropy_sum`]) over all
-/// `b * t` positions, the shift applied to the targets (the last position of each row scores
-/// nothing) instead of copying `logits[:, :-1]`.
-fn fused_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<LossSum> {
-    let (b, t, vocab) = logits.dims3()?;
+    // The shift goes into the targets (the last position of a row scores nothing) rather than a
+    // copy of `logits[:, :-1]`; `cross_entropy_sum` runs fused on the CPU in f32 and from candle
+    // ops elsewhere.
     let targets = shifted_targets(labels, shift, vocab)?;
     let flat = logits.reshape((b * t, vocab))?.to_dtype(DType::F32)?;
     let (sum, count) = ferrotune_core::fused::cross_entropy_sum(&flat, &targets, IGNORE_INDEX)?;
