@@ -149,6 +149,51 @@ pub(crate) fn sum_exp_shift(xs: &[f32], shift: f32) -> f32 {
 /// `dst` must not overlap `a` or `b`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm(
+    mnk: (usize, usize, usize),
+    dst: *mut f32,
+    ld_dst: usize,
+    accumulate: bool,
+    a: (*const f32, usize, usize),
+    b: (*const f32, usize, usize),
+    beta: f32,
+) {
+    gemm_with(
+        mnk,
+        dst,
+        ld_dst,
+        accumulate,
+        a,
+        b,
+        beta,
+        gemm::Parallelism::None,
+    )
+}
+
+/// [`gemm`] on all of rayon's threads: for one large product rather than many small ones.
+///
+/// # Safety
+/// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_parallel(
+    mnk: (usize, usize, usize),
+    dst: *mut f32,
+    ld_dst: usize,
+    accumulate: bool,
+    a: (*const f32, usize, usize),
+    b: (*const f32, usize, usize),
+    beta: f32,
+) {
+    let threads = rayon::current_num_threads().max(1);
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    gemm_with(mnk, dst, ld_dst, accumulate, a, b, beta, par)
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_with(
     (m, n, k): (usize, usize, usize),
     dst: *mut f32,
     ld_dst: usize,
@@ -156,6 +201,7 @@ pub(crate) unsafe fn gemm(
     a: (*const f32, usize, usize),
     b: (*const f32, usize, usize),
     beta: f32,
+    parallelism: gemm::Parallelism,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -189,7 +235,7 @@ pub(crate) unsafe fn gemm(
         false,
         false,
         false,
-        gemm::Parallelism::None,
+        parallelism,
     );
 }
 

@@ -99,12 +99,6 @@ impl CustomOp1 for LinearCrossEntropy {
         let wg = self.weight.storage_and_layout();
         let w = guard_slice(&wg, "linear_cross_entropy_sum")?;
         let vocab = w.len() / h.max(1);
-        let threads = rayon::current_num_threads().max(1);
-        let par = if threads > 1 {
-            gemm::Parallelism::Rayon(threads)
-        } else {
-            gemm::Parallelism::None
-        };
         let mut dx = vec![0f32; n * h];
         let mut logits = vec![0f32; CHUNK * vocab];
         let mut xc = vec![0f32; CHUNK * h];
@@ -118,26 +112,14 @@ impl CustomOp1 for LinearCrossEntropy {
             // logits[c, vocab] = xc[c, h] · wᵀ  (w is [vocab, h] row-major).
             // SAFETY: every index stays inside the buffers sized above; no overlap.
             unsafe {
-                gemm::gemm(
-                    c,
-                    vocab,
-                    h,
+                kernels::gemm_parallel(
+                    (c, vocab, h),
                     logits.as_mut_ptr(),
-                    1,
-                    vocab as isize,
+                    vocab,
                     false,
-                    xc.as_ptr(),
-                    1,
-                    h as isize,
-                    w.as_ptr(),
-                    h as isize,
-                    1,
+                    (xc.as_ptr(), h, 1),
+                    (w.as_ptr(), 1, h),
                     1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    par,
                 );
             }
             let losses: Vec<f32> = logits[..c * vocab]
@@ -149,26 +131,14 @@ impl CustomOp1 for LinearCrossEntropy {
             // dxc[c, h] = (softmax − onehot)[c, vocab] · w[vocab, h]
             // SAFETY: as above.
             unsafe {
-                gemm::gemm(
-                    c,
-                    h,
-                    vocab,
+                kernels::gemm_parallel(
+                    (c, h, vocab),
                     dxc.as_mut_ptr(),
-                    1,
-                    h as isize,
+                    h,
                     false,
-                    logits.as_ptr(),
-                    1,
-                    vocab as isize,
-                    w.as_ptr(),
-                    1,
-                    h as isize,
+                    (logits.as_ptr(), vocab, 1),
+                    (w.as_ptr(), h, 1),
                     1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    par,
                 );
             }
             for (j, &(i, _)) in chunk.iter().enumerate() {

@@ -11,6 +11,7 @@ use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 
+use super::kernels;
 use super::{fused_applies, guard_slice, slice_of};
 
 /// `x @ weightᵀ + bias + scale · (x @ aᵀ) @ bᵀ` for `x` `[m, in]`, `weight` `[out, in]` (frozen),
@@ -64,55 +65,6 @@ struct LoraLinear {
     xa: Mutex<Option<Vec<f32>>>,
 }
 
-fn parallelism() -> gemm::Parallelism {
-    let threads = rayon::current_num_threads().max(1);
-    if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    }
-}
-
-/// Row-major `dst[m×n] = alpha·dst + beta·op(A)·op(B)` with explicit strides: `(ptr, row stride,
-/// column stride)` for each operand.
-///
-/// # Safety
-/// Every addressed element must lie inside its buffer; `dst` must not overlap `a` or `b`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn mm(
-    (m, n, k): (usize, usize, usize),
-    dst: &mut [f32],
-    accumulate: bool,
-    a: (*const f32, isize, isize),
-    b: (*const f32, isize, isize),
-    beta: f32,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst.as_mut_ptr(),
-        1,
-        n as isize,
-        accumulate,
-        a.0,
-        a.2,
-        a.1,
-        b.0,
-        b.2,
-        b.1,
-        1.0,
-        beta,
-        false,
-        false,
-        false,
-        parallelism(),
-    );
-}
-
 impl CustomOp3 for LoraLinear {
     fn name(&self) -> &'static str {
         "fused-lora-linear"
@@ -149,30 +101,33 @@ impl CustomOp3 for LoraLinear {
         // SAFETY: shapes checked by the caller; buffers sized to them; outputs are fresh.
         unsafe {
             // y (+)= x · Wᵀ
-            mm(
+            kernels::gemm_parallel(
                 (m, out, inp),
-                &mut y,
+                y.as_mut_ptr(),
+                out,
                 accumulate,
-                (x.as_ptr(), inp as isize, 1),
-                (w.as_ptr(), 1, inp as isize),
+                (x.as_ptr(), inp, 1),
+                (w.as_ptr(), 1, inp),
                 1.0,
             );
             // xa = x · Aᵀ
-            mm(
+            kernels::gemm_parallel(
                 (m, r, inp),
-                &mut xa,
+                xa.as_mut_ptr(),
+                r,
                 false,
-                (x.as_ptr(), inp as isize, 1),
-                (a.as_ptr(), 1, inp as isize),
+                (x.as_ptr(), inp, 1),
+                (a.as_ptr(), 1, inp),
                 1.0,
             );
             // y += scale · xa · Bᵀ
-            mm(
+            kernels::gemm_parallel(
                 (m, out, r),
-                &mut y,
+                y.as_mut_ptr(),
+                out,
                 true,
-                (xa.as_ptr(), r as isize, 1),
-                (b.as_ptr(), 1, r as isize),
+                (xa.as_ptr(), r, 1),
+                (b.as_ptr(), 1, r),
                 self.scale,
             );
         }
@@ -213,47 +168,52 @@ impl CustomOp3 for LoraLinear {
         // SAFETY: as in the forward pass.
         unsafe {
             // t = dy · B                      [m, r]
-            mm(
+            kernels::gemm_parallel(
                 (m, r, out),
-                &mut t,
+                t.as_mut_ptr(),
+                r,
                 false,
-                (dy.as_ptr(), out as isize, 1),
-                (bv.as_ptr(), r as isize, 1),
+                (dy.as_ptr(), out, 1),
+                (bv.as_ptr(), r, 1),
                 1.0,
             );
             // dx = dy · W + scale · t · A     [m, in]
-            mm(
+            kernels::gemm_parallel(
                 (m, inp, out),
-                &mut dx,
+                dx.as_mut_ptr(),
+                inp,
                 false,
-                (dy.as_ptr(), out as isize, 1),
-                (w.as_ptr(), inp as isize, 1),
+                (dy.as_ptr(), out, 1),
+                (w.as_ptr(), inp, 1),
                 1.0,
             );
-            mm(
+            kernels::gemm_parallel(
                 (m, inp, r),
-                &mut dx,
+                dx.as_mut_ptr(),
+                inp,
                 true,
-                (t.as_ptr(), r as isize, 1),
-                (av.as_ptr(), inp as isize, 1),
+                (t.as_ptr(), r, 1),
+                (av.as_ptr(), inp, 1),
                 self.scale,
             );
             // dA = scale · tᵀ · x             [r, in]
-            mm(
+            kernels::gemm_parallel(
                 (r, inp, m),
-                &mut da,
+                da.as_mut_ptr(),
+                inp,
                 false,
-                (t.as_ptr(), 1, r as isize),
-                (xs.as_ptr(), inp as isize, 1),
+                (t.as_ptr(), 1, r),
+                (xs.as_ptr(), inp, 1),
                 self.scale,
             );
             // dB = scale · dyᵀ · xa           [out, r]
-            mm(
+            kernels::gemm_parallel(
                 (out, r, m),
-                &mut db,
+                db.as_mut_ptr(),
+                r,
                 false,
-                (dy.as_ptr(), 1, out as isize),
-                (xa.as_ptr(), r as isize, 1),
+                (dy.as_ptr(), 1, out),
+                (xa.as_ptr(), r, 1),
                 self.scale,
             );
         }
