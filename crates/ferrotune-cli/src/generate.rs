@@ -1,13 +1,12 @@
 //! `ferrotune generate`: load a model, encode the prompt(s), stream the continuation.
 
-use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrotune_core::{parse_device, parse_dtype};
 use ferrotune_data::ChatMessage;
-use ferrotune_infer::{generate, GenerationOptions, SamplingOptions};
+use ferrotune_infer::{generate, GenerationOptions, SamplingOptions, TextStream};
 
 use crate::model_io::tokenizer_for;
 
@@ -159,22 +158,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let decode = |ids: &[u32]| tok.decode(ids, false).unwrap_or_default();
     // Stream the single prompt's text as it grows; eos tokens end the stream without being printed.
     let streaming = prompts.len() == 1;
-    let mut streamed: Vec<u32> = Vec::new();
-    let mut printed = String::new();
-    let mut stdout = std::io::stdout();
+    let mut stream = TextStream::new(&tok, &eos);
     let mut on_token = |_row: usize, id: u32| {
-        if !streaming || eos.contains(&id) {
-            return;
+        if streaming {
+            stream.push(id);
         }
-        streamed.push(id);
-        let text = tok.decode(&streamed, true).unwrap_or_default();
-        // Hold back an incomplete UTF-8 sequence until the next token completes it.
-        if text.ends_with('\u{FFFD}') || !text.starts_with(printed.as_str()) {
-            return;
-        }
-        let _ = write!(stdout, "{}", &text[printed.len()..]);
-        let _ = stdout.flush();
-        printed = text;
     };
     let out = generate(&model, &prompts, &opts, &decode, &mut on_token)?;
     let texts: Vec<String> = out

@@ -4,6 +4,8 @@
 
 pub mod generate;
 pub mod sampling;
+pub mod stream;
 
 pub use generate::{generate, GenerationOptions, GenerationOutput};
 pub use sampling::{Sampler, SamplingOptions};
+pub use stream::TextStream;

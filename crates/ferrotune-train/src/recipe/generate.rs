@@ -5,13 +5,13 @@
 //! tokenizer's chat template), `max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`, `device`,
 //! `dtype`, `enable_kv_cache` (ferrotune always caches: same tokens, less work).
 
-use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 use ferrotune_data::ChatMessage;
 use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
+use ferrotune_infer::TextStream;
 
 use crate::config::Config;
 use crate::metrics::peak_rss_mb;
@@ -76,22 +76,8 @@ pub fn run(cfg: &Config) -> Result<()> {
     };
     let decode = |ids: &[u32]| tok.decode(ids, false).unwrap_or_default();
     print!("{}", tok.decode(&prompt_ids, true)?);
-    let mut streamed: Vec<u32> = Vec::new();
-    let mut printed = String::new();
-    let mut stdout = std::io::stdout();
-    let mut on_token = |_row: usize, id: u32| {
-        if eos.contains(&id) {
-            return;
-        }
-        streamed.push(id);
-        let text = tok.decode(&streamed, true).unwrap_or_default();
-        if text.ends_with('\u{FFFD}') || !text.starts_with(printed.as_str()) {
-            return;
-        }
-        let _ = write!(stdout, "{}", &text[printed.len()..]);
-        let _ = stdout.flush();
-        printed = text;
-    };
+    let mut stream = TextStream::new(&tok, &eos);
+    let mut on_token = |_row: usize, id: u32| stream.push(id);
     let t1 = Instant::now();
     let out = generate(&model, &[prompt_ids], &opts, &decode, &mut on_token)?;
     println!();
