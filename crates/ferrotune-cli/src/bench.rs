@@ -14,7 +14,6 @@ use ferrotune_models::{AttentionLayout, CausalLm, ModelConfig};
 use ferrotune_train::metrics::peak_rss_mb;
 use ferrotune_train::optim::{AdamW, AdamWConfig, Optimizer};
 use ferrotune_train::step::{empty_grads, forward_backward, MicroBatch};
-use ferrotune_train::LrSchedule;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -167,7 +166,6 @@ fn train(a: TrainBenchArgs) -> Result<()> {
             ..AdamWConfig::default()
         },
     )?;
-    let _ = LrSchedule::Constant;
     // Random ids with labels = ids, as hf_lora.py.
     let vocab = model.config.vocab_size as u64;
     let mut rng = ferrotune_models::lora::SplitMix64::new(0);

@@ -40,41 +40,34 @@ pub fn builtin_configs() -> &'static [(&'static str, &'static str)] {
 /// The recipes and their built-in configs, in `ferrotune ls` order (from `configs/index.yaml`).
 pub fn recipe_index() -> Vec<(String, Vec<String>)> {
     let parsed: Value = serde_yaml_ng::from_str(BUILTIN_INDEX).unwrap_or(Value::Null);
-    let mut out = Vec::new();
-    match parsed {
-        Value::Object(map) => {
-            for (recipe, configs) in map {
-                let names = configs
-                    .as_array()
-                    .map(|a| {
-                        a.iter()
-                            .filter_map(|v| v.as_str().map(str::to_string))
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                out.push((recipe, names));
-            }
-        }
-        Value::Array(items) => {
-            for item in items {
-                if let Value::Object(map) = item {
-                    for (recipe, configs) in map {
-                        let names = configs
-                            .as_array()
-                            .map(|a| {
-                                a.iter()
-                                    .filter_map(|v| v.as_str().map(str::to_string))
-                                    .collect()
-                            })
-                            .unwrap_or_default();
-                        out.push((recipe, names));
-                    }
-                }
-            }
-        }
-        _ => {}
-    }
-    out
+    // A mapping recipe -> names, or a list of one-key mappings (which keeps the order in any
+    // YAML parser): both come down to (recipe, names) entries.
+    let entries: Vec<Map<String, Value>> = match parsed {
+        Value::Object(map) => vec![map],
+        Value::Array(items) => items
+            .into_iter()
+            .filter_map(|item| match item {
+                Value::Object(map) => Some(map),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    entries
+        .into_iter()
+        .flatten()
+        .map(|(recipe, configs)| {
+            let names = configs
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default();
+            (recipe, names)
+        })
+        .collect()
 }
 
 /// The recipes ferrotune runs.
@@ -266,11 +259,7 @@ fn resolve_value(
     match v {
         Value::Object(map) => {
             for (k, child) in map.iter_mut() {
-                let path = if here.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{here}.{k}")
-                };
+                let path = dotted(here, k);
                 resolve_value(child, root, origin, stack, &path)?;
             }
         }
@@ -360,6 +349,15 @@ fn resolve_expr(
     resolve_value(&mut value, root, origin, stack, expr)?;
     stack.pop();
     Ok(value)
+}
+
+/// `prefix.key`, or `key` at the top level.
+fn dotted(prefix: &str, key: &str) -> String {
+    if prefix.is_empty() {
+        key.to_string()
+    } else {
+        format!("{prefix}.{key}")
+    }
 }
 
 /// A JSON kind for messages.
@@ -576,21 +574,13 @@ fn check_map(
     problems: &mut Vec<String>,
 ) {
     for (k, v) in map {
-        let path = if prefix.is_empty() {
-            k.clone()
-        } else {
-            format!("{prefix}.{k}")
-        };
+        let path = dotted(prefix, k);
         match keys.iter().find(|(name, _)| name == k) {
             Some((_, ty)) => check_value(v, *ty, &path, origin, problems),
             None => {
                 let hint = nearest(k, keys.iter().map(|(n, _)| *n))
                     .map(|n| {
-                        let full = if prefix.is_empty() {
-                            n.to_string()
-                        } else {
-                            format!("{prefix}.{n}")
-                        };
+                        let full = dotted(prefix, n);
                         format!("; did you mean '{full}'?")
                     })
                     .unwrap_or_default();
@@ -830,11 +820,7 @@ impl Config {
         fn walk(v: &Value, prefix: &str, out: &mut BTreeSet<String>) {
             if let Value::Object(m) = v {
                 for (k, child) in m {
-                    let p = if prefix.is_empty() {
-                        k.clone()
-                    } else {
-                        format!("{prefix}.{k}")
-                    };
+                    let p = dotted(prefix, k);
                     out.insert(p.clone());
                     walk(child, &p, out);
                 }

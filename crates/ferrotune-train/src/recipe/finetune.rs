@@ -217,7 +217,6 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
 
     // ---------------------------------------------------------------- training loop
     let saver = Saver {
-        cfg,
         mode,
         output_dir: &ckpt_out,
         source: &source,
@@ -397,7 +396,6 @@ fn base_source(path: &Path) -> Result<(ferrotune_models::CheckpointFormat, PathB
 
 /// Writes checkpoint folders for this run.
 struct Saver<'a> {
-    cfg: &'a Config,
     mode: Mode,
     output_dir: &'a Path,
     source: &'a ModelSource,
@@ -415,7 +413,6 @@ impl Saver<'_> {
         st: &TrainState,
         optimizer: &dyn Optimizer,
     ) -> Result<PathBuf> {
-        let _ = self.cfg;
         state::save_checkpoint(self.output_dir, name, st, optimizer, |dir| {
             match (self.mode, self.lora_config) {
                 (Mode::Lora, Some(lc)) => {

@@ -7,7 +7,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Var};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::peft::{LoraConfig, TargetModules};
-use ferrotune_models::{read_checkpoint, CausalLm, CheckpointFormat, ModelConfig};
+use ferrotune_models::{read_checkpoint, CausalLm, ModelConfig};
 
 use crate::config::Config;
 use crate::export::ModelSource;
@@ -419,9 +419,4 @@ pub fn seed(cfg: &Config) -> Result<u64> {
             .map(|d| d.as_nanos() as u64 & 0xFFFF_FFFF)
             .unwrap_or(0),
     })
-}
-
-/// Whether a path names a GGUF base.
-pub fn is_gguf(format: &CheckpointFormat) -> bool {
-    matches!(format, CheckpointFormat::Gguf(_))
 }
