@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod device_map;
 pub mod error;
 pub mod gguf;
 pub mod lora;
@@ -10,11 +11,14 @@ pub mod model;
 pub mod peft;
 pub mod rope;
 pub mod save;
+pub mod slots;
 
 pub use checkpoint::{load_model, read_checkpoint, Checkpoint, CheckpointFormat};
 pub use config::{ModelConfig, SUPPORTED_MODEL_TYPES};
+pub use device_map::{DeviceMapMode, Placement};
 pub use error::ModelError;
 pub use lora::LoraAdapter;
 pub use model::{AttentionLayout, CausalLm, KvCache, LayerInputs, Linear};
 pub use peft::{load_adapter, save_adapter, LoraConfig, TargetModules};
 pub use save::{parse_shard_size, save_hf_checkpoint};
+pub use slots::Unit;

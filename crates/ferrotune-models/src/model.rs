@@ -10,6 +10,7 @@ use ferrotune_core::quant::QuantizedMatrix;
 use ferrotune_core::{fused, ops};
 
 use crate::config::{Activation, ModelConfig};
+use crate::device_map::Placement;
 use crate::error::ModelError;
 use crate::lora::LoraAdapter;
 use crate::rope::RotaryEmbedding;
@@ -243,6 +244,21 @@ pub struct LayerInputs {
 }
 
 impl LayerInputs {
+    /// The same inputs on `device` (copies, so the host-side mask building runs once per call).
+    fn to_device(&self, device: &Device) -> CResult<Self> {
+        let opt = |m: &Option<Tensor>| m.as_ref().map(|t| t.to_device(device)).transpose();
+        Ok(Self {
+            cos: self.cos.to_device(device)?,
+            sin: self.sin.to_device(device)?,
+            full_mask: opt(&self.full_mask)?,
+            window_masks: self
+                .window_masks
+                .iter()
+                .map(|(w, m)| Ok((*w, opt(m)?)))
+                .collect::<CResult<_>>()?,
+        })
+    }
+
     /// The additive mask of a layer with the given sliding window (`None` = full causal).
     fn mask(&self, window: Option<usize>) -> Option<&Tensor> {
         match window {
@@ -267,7 +283,17 @@ pub struct CausalLm {
     pub lm_head: Linear,
     rope: RotaryEmbedding,
     dtype: DType,
+    /// The embedding's device (where input ids go); every weight's when not dispatched.
     device: Device,
+    /// Where the parts live after [`CausalLm::dispatch`]; `None` keeps the single-device path.
+    spread: Option<Arc<DeviceSpread>>,
+}
+
+/// A model's placement over several devices, as [`CausalLm::dispatch`] left it.
+#[derive(Debug)]
+struct DeviceSpread {
+    placement: Placement,
+    devices: Vec<Device>,
 }
 
 /// Takes named tensors out of a checkpoint's map, checking shapes.
@@ -428,6 +454,7 @@ impl CausalLm {
             rope,
             dtype,
             device,
+            spread: None,
         })
     }
 
@@ -472,33 +499,13 @@ impl CausalLm {
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            let attn = format!("model.layers.{i}.self_attn");
-            match &mut layer.self_attn.qkv {
-                QkvProjection::Separate {
-                    q_proj,
-                    k_proj,
-                    v_proj,
-                } => {
-                    out.push((format!("{attn}.q_proj"), q_proj));
-                    out.push((format!("{attn}.k_proj"), k_proj));
-                    out.push((format!("{attn}.v_proj"), v_proj));
-                }
-                QkvProjection::Fused { qkv_proj } => {
-                    out.push((format!("{attn}.qkv_proj"), qkv_proj))
-                }
-            }
-            out.push((format!("{attn}.o_proj"), &mut layer.self_attn.o_proj));
-            let mlp = format!("model.layers.{i}.mlp");
-            match &mut layer.mlp.gate_up {
-                GateUpProjection::Separate { gate_proj, up_proj } => {
-                    out.push((format!("{mlp}.gate_proj"), gate_proj));
-                    out.push((format!("{mlp}.up_proj"), up_proj));
-                }
-                GateUpProjection::Fused { gate_up_proj } => {
-                    out.push((format!("{mlp}.gate_up_proj"), gate_up_proj))
-                }
-            }
-            out.push((format!("{mlp}.down_proj"), &mut layer.mlp.down_proj));
+            out.extend(crate::slots::layer_linears_mut(
+                i,
+                &mut layer.self_attn.qkv,
+                &mut layer.self_attn.o_proj,
+                &mut layer.mlp.gate_up,
+                &mut layer.mlp.down_proj,
+            ));
         }
         out.push(("lm_head".to_string(), &mut self.lm_head));
         out
@@ -562,9 +569,134 @@ impl CausalLm {
         self.dtype
     }
 
-    /// The device the weights live on.
+    /// The device the weights live on; for a dispatched model, the embedding's (where input ids
+    /// belong).
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The placement and device list of a dispatched model ([`CausalLm::dispatch`]).
+    pub fn placement(&self) -> Option<(&Placement, &[Device])> {
+        self.spread
+            .as_deref()
+            .map(|s| (&s.placement, s.devices.as_slice()))
+    }
+
+    /// The device the logits come out on: the output head's.
+    pub fn head_device(&self) -> &Device {
+        match &self.spread {
+            Some(s) => &s.devices[s.placement.head],
+            None => &self.device,
+        }
+    }
+
+    /// Spreads the model over `devices` (pipeline placement): the embedding, each decoder layer
+    /// and the final norm + head move to the device `placement` names for them, and the forward
+    /// pass carries the hidden states from device to device. LoRA adapters move with their layer;
+    /// packed (GGUF block) copies are CPU-only kernels, so they are kept on CPU devices and dropped
+    /// elsewhere (the dense weight serves there). A tied head gets its own copy when its device is
+    /// not the embedding's. Meant for inference: training paths (`make_all_trainable`, adapters
+    /// attached afterwards, [`CausalLm::layer`]) assume a single device. The model is unchanged
+    /// when an error is returned.
+    pub fn dispatch(
+        &mut self,
+        placement: &Placement,
+        devices: &[Device],
+    ) -> Result<(), ModelError> {
+        if placement.layers.len() != self.layers.len() {
+            return Err(ModelError::Msg(format!(
+                "device placement covers {} layers, the model has {}",
+                placement.layers.len(),
+                self.layers.len()
+            )));
+        }
+        if placement.devices_needed() > devices.len() {
+            return Err(ModelError::Msg(format!(
+                "device placement uses {} devices, {} given",
+                placement.devices_needed(),
+                devices.len()
+            )));
+        }
+        fn move_linear(l: &Linear, device: &Device) -> CResult<Linear> {
+            let mut out = l.clone();
+            out.weight = l.weight.to_device(device)?;
+            out.bias = l.bias.as_ref().map(|b| b.to_device(device)).transpose()?;
+            if !device.is_cpu() {
+                out.packed = None;
+            }
+            if let Some(a) = &mut out.adapter {
+                a.a = a.a.to_device(device)?;
+                a.b = a.b.to_device(device)?;
+                a.dora_magnitude = a
+                    .dora_magnitude
+                    .as_ref()
+                    .map(|m| m.to_device(device))
+                    .transpose()?;
+            }
+            Ok(out)
+        }
+        let opt = |t: &Option<Tensor>, d: &Device| t.as_ref().map(|t| t.to_device(d)).transpose();
+        let embed_device = &devices[placement.embed];
+        let head_device = &devices[placement.head];
+        let embed_tokens = self.embed_tokens.to_device(embed_device)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (layer, &d) in self.layers.iter().zip(&placement.layers) {
+            let dev = &devices[d];
+            let qkv = match &layer.self_attn.qkv {
+                QkvProjection::Separate {
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                } => QkvProjection::Separate {
+                    q_proj: move_linear(q_proj, dev)?,
+                    k_proj: move_linear(k_proj, dev)?,
+                    v_proj: move_linear(v_proj, dev)?,
+                },
+                QkvProjection::Fused { qkv_proj } => QkvProjection::Fused {
+                    qkv_proj: move_linear(qkv_proj, dev)?,
+                },
+            };
+            let gate_up = match &layer.mlp.gate_up {
+                GateUpProjection::Separate { gate_proj, up_proj } => GateUpProjection::Separate {
+                    gate_proj: move_linear(gate_proj, dev)?,
+                    up_proj: move_linear(up_proj, dev)?,
+                },
+                GateUpProjection::Fused { gate_up_proj } => GateUpProjection::Fused {
+                    gate_up_proj: move_linear(gate_up_proj, dev)?,
+                },
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: layer.input_layernorm.to_device(dev)?,
+                self_attn: Attention {
+                    qkv,
+                    o_proj: move_linear(&layer.self_attn.o_proj, dev)?,
+                    q_norm: opt(&layer.self_attn.q_norm, dev)?,
+                    k_norm: opt(&layer.self_attn.k_norm, dev)?,
+                },
+                post_attention_layernorm: layer.post_attention_layernorm.to_device(dev)?,
+                mlp: Mlp {
+                    gate_up,
+                    down_proj: move_linear(&layer.mlp.down_proj, dev)?,
+                },
+                sliding_window: layer.sliding_window,
+            });
+        }
+        let norm = self.norm.to_device(head_device)?;
+        let mut lm_head = move_linear(&self.lm_head, head_device)?;
+        if self.config.tie_word_embeddings && placement.head == placement.embed {
+            // Same device: share the embedding's storage instead of holding it twice.
+            lm_head.weight = embed_tokens.clone();
+        }
+        self.embed_tokens = embed_tokens;
+        self.layers = layers;
+        self.norm = norm;
+        self.lm_head = lm_head;
+        self.device = embed_device.clone();
+        self.spread = Some(Arc::new(DeviceSpread {
+            placement: placement.clone(),
+            devices: devices.to_vec(),
+        }));
+        Ok(())
     }
 
     /// Runs the decoder over `input_ids` (`[batch, seq]`, u32) and returns the final hidden states
@@ -575,12 +707,53 @@ impl CausalLm {
         layout: &AttentionLayout,
         mut cache: Option<&mut KvCache>,
     ) -> CResult<Tensor> {
+        if let Some(spread) = &self.spread {
+            return self.forward_hidden_spread(spread, input_ids, layout, cache);
+        }
         let mut x = self.embed(input_ids)?;
         let inputs = self.layer_inputs(layout)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
             let mask = inputs.mask(layer.sliding_window);
             x = self.layer_forward(layer, &x, &inputs.cos, &inputs.sin, mask, layer_cache)?;
+        }
+        self.final_norm(&x)
+    }
+
+    /// [`CausalLm::forward_hidden`] of a dispatched model: the hidden states follow the layers
+    /// from device to device, and each device gets its own rotary tables and masks, made when the
+    /// first layer there runs. Cache entries stay with their layer's device.
+    fn forward_hidden_spread(
+        &self,
+        spread: &DeviceSpread,
+        input_ids: &Tensor,
+        layout: &AttentionLayout,
+        mut cache: Option<&mut KvCache>,
+    ) -> CResult<Tensor> {
+        let (placement, devices) = (&spread.placement, &spread.devices);
+        let mut at = placement.embed;
+        let mut x = self.embed(&input_ids.to_device(&devices[at])?)?;
+        let mut per_device: Vec<Option<LayerInputs>> = vec![None; devices.len()];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let d = placement.layers[i];
+            if d != at {
+                x = x.to_device(&devices[d])?;
+                at = d;
+            }
+            if per_device[d].is_none() {
+                let built = match per_device.iter().flatten().next() {
+                    Some(first) => first.to_device(&devices[d])?,
+                    None => self.layer_inputs_on(layout, &devices[d])?,
+                };
+                per_device[d] = Some(built);
+            }
+            let inputs = per_device[d].as_ref().expect("built above");
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let mask = inputs.mask(layer.sliding_window);
+            x = self.layer_forward(layer, &x, &inputs.cos, &inputs.sin, mask, layer_cache)?;
+        }
+        if placement.head != at {
+            x = x.to_device(&devices[placement.head])?;
         }
         self.final_norm(&x)
     }
@@ -604,16 +777,18 @@ impl CausalLm {
 
     /// What every layer of one forward call shares: rotary tables and attention masks.
     pub fn layer_inputs(&self, layout: &AttentionLayout) -> CResult<LayerInputs> {
-        let (cos, sin) = self
-            .rope
-            .cos_sin(&layout.positions, self.dtype, &self.device)?;
-        let full_mask = layout.additive_mask(None, self.dtype, &self.device)?;
+        self.layer_inputs_on(layout, &self.device)
+    }
+
+    /// [`CausalLm::layer_inputs`] built on `device`.
+    fn layer_inputs_on(&self, layout: &AttentionLayout, device: &Device) -> CResult<LayerInputs> {
+        let (cos, sin) = self.rope.cos_sin(&layout.positions, self.dtype, device)?;
+        let full_mask = layout.additive_mask(None, self.dtype, device)?;
         let mut window_masks: Vec<(usize, Option<Tensor>)> = Vec::new();
         for layer in &self.layers {
             if let Some(w) = layer.sliding_window {
                 if !window_masks.iter().any(|(ww, _)| *ww == w) {
-                    window_masks
-                        .push((w, layout.additive_mask(Some(w), self.dtype, &self.device)?));
+                    window_masks.push((w, layout.additive_mask(Some(w), self.dtype, device)?));
                 }
             }
         }
@@ -643,9 +818,16 @@ impl CausalLm {
         )
     }
 
-    /// Logits `[batch, seq, vocab]` (compute dtype) from hidden states.
+    /// Logits `[batch, seq, vocab]` (compute dtype) from hidden states, on
+    /// [`CausalLm::head_device`].
     pub fn logits(&self, hidden: &Tensor) -> CResult<Tensor> {
-        self.lm_head.forward(hidden)
+        match &self.spread {
+            // Hidden states from `forward_hidden` are there already; this only moves others.
+            Some(s) => self
+                .lm_head
+                .forward(&hidden.to_device(&s.devices[s.placement.head])?),
+            None => self.lm_head.forward(hidden),
+        }
     }
 
     /// Full forward: logits for every position.

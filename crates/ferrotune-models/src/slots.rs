@@ -1,0 +1,187 @@
+//! The model's tensors grouped into units that sharded (FSDP-style) training gathers and releases
+//! together: one unit per decoder layer, and a root unit for the embedding, the final norm and the
+//! output head (torchtune wraps each layer the same way).
+
+use candle_core::Tensor;
+
+use crate::model::{Attention, DecoderLayer, GateUpProjection, Mlp, QkvProjection};
+use crate::peft::PEFT_PREFIX;
+use crate::{CausalLm, Linear};
+
+/// A group of tensors gathered and released together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unit {
+    /// Embedding, final norm and output head.
+    Root,
+    /// Decoder layer `i`.
+    Layer(usize),
+}
+
+impl Unit {
+    /// A short stable name (`root`, `layer.3`), used to key per-unit state.
+    pub fn name(self) -> String {
+        match self {
+            Unit::Root => "root".to_string(),
+            Unit::Layer(i) => format!("layer.{i}"),
+        }
+    }
+}
+
+/// The linear layers of decoder layer `i` with their HF module names, in model order. Takes the
+/// layer's parts so that its other fields (the norms) stay borrowable beside them.
+pub(crate) fn layer_linears_mut<'a>(
+    i: usize,
+    qkv: &'a mut QkvProjection,
+    o_proj: &'a mut Linear,
+    gate_up: &'a mut GateUpProjection,
+    down_proj: &'a mut Linear,
+) -> Vec<(String, &'a mut Linear)> {
+    let mut out = Vec::new();
+    let attn = format!("model.layers.{i}.self_attn");
+    match qkv {
+        QkvProjection::Separate {
+            q_proj,
+            k_proj,
+            v_proj,
+        } => {
+            out.push((format!("{attn}.q_proj"), q_proj));
+            out.push((format!("{attn}.k_proj"), k_proj));
+            out.push((format!("{attn}.v_proj"), v_proj));
+        }
+        QkvProjection::Fused { qkv_proj } => out.push((format!("{attn}.qkv_proj"), qkv_proj)),
+    }
+    out.push((format!("{attn}.o_proj"), o_proj));
+    let mlp = format!("model.layers.{i}.mlp");
+    match gate_up {
+        GateUpProjection::Separate { gate_proj, up_proj } => {
+            out.push((format!("{mlp}.gate_proj"), gate_proj));
+            out.push((format!("{mlp}.up_proj"), up_proj));
+        }
+        GateUpProjection::Fused { gate_up_proj } => {
+            out.push((format!("{mlp}.gate_up_proj"), gate_up_proj))
+        }
+    }
+    out.push((format!("{mlp}.down_proj"), down_proj));
+    out
+}
+
+/// A linear layer's tensors under the names their trainable parameters carry: `{module}.weight`
+/// and `{module}.bias` (full fine-tuning's HF names), adapter tensors under PEFT's parameter names.
+fn linear_tensors_mut<'a>(
+    module: &str,
+    linear: &'a mut Linear,
+    out: &mut Vec<(String, &'a mut Tensor)>,
+) {
+    out.push((format!("{module}.weight"), &mut linear.weight));
+    if let Some(b) = &mut linear.bias {
+        out.push((format!("{module}.bias"), b));
+    }
+    if let Some(adapter) = &mut linear.adapter {
+        out.push((
+            format!("{PEFT_PREFIX}{module}.lora_A.weight"),
+            &mut adapter.a,
+        ));
+        out.push((
+            format!("{PEFT_PREFIX}{module}.lora_B.weight"),
+            &mut adapter.b,
+        ));
+        if let Some(m) = &mut adapter.dora_magnitude {
+            out.push((
+                format!("{PEFT_PREFIX}{module}.lora_magnitude_vector.weight"),
+                m,
+            ));
+        }
+    }
+}
+
+impl CausalLm {
+    /// Every unit: the root first, then the layers in order.
+    pub fn units(&self) -> Vec<Unit> {
+        std::iter::once(Unit::Root)
+            .chain((0..self.layers.len()).map(Unit::Layer))
+            .collect()
+    }
+
+    /// Every tensor of `unit`, mutable, under the name of the parameter it is (the names
+    /// [`CausalLm::make_all_trainable`] and [`crate::peft::trainable_parameters`] return), in a
+    /// fixed order. A tied output head is not listed: it is the embedding (see
+    /// [`CausalLm::retie_head`]).
+    pub fn unit_tensors_mut(&mut self, unit: Unit) -> Vec<(String, &mut Tensor)> {
+        let mut out = Vec::new();
+        match unit {
+            Unit::Root => {
+                out.push((
+                    "model.embed_tokens.weight".to_string(),
+                    &mut self.embed_tokens,
+                ));
+                out.push(("model.norm.weight".to_string(), &mut self.norm));
+                let tied = self.config.tie_word_embeddings;
+                let head = &mut self.lm_head;
+                if tied {
+                    // The shared weight is listed once, as the embedding; an adapter on the head
+                    // still has its own tensors.
+                    if let Some(b) = &mut head.bias {
+                        out.push(("lm_head.bias".to_string(), b));
+                    }
+                    if let Some(adapter) = &mut head.adapter {
+                        out.push((
+                            format!("{PEFT_PREFIX}lm_head.lora_A.weight"),
+                            &mut adapter.a,
+                        ));
+                        out.push((
+                            format!("{PEFT_PREFIX}lm_head.lora_B.weight"),
+                            &mut adapter.b,
+                        ));
+                        if let Some(m) = &mut adapter.dora_magnitude {
+                            out.push((
+                                format!("{PEFT_PREFIX}lm_head.lora_magnitude_vector.weight"),
+                                m,
+                            ));
+                        }
+                    }
+                } else {
+                    linear_tensors_mut("lm_head", head, &mut out);
+                }
+            }
+            Unit::Layer(i) => {
+                let DecoderLayer {
+                    input_layernorm,
+                    self_attn,
+                    post_attention_layernorm,
+                    mlp,
+                    ..
+                } = &mut self.layers[i];
+                let p = format!("model.layers.{i}");
+                out.push((format!("{p}.input_layernorm.weight"), input_layernorm));
+                out.push((
+                    format!("{p}.post_attention_layernorm.weight"),
+                    post_attention_layernorm,
+                ));
+                let Attention {
+                    qkv,
+                    o_proj,
+                    q_norm,
+                    k_norm,
+                } = self_attn;
+                if let Some(q) = q_norm {
+                    out.push((format!("{p}.self_attn.q_norm.weight"), q));
+                }
+                if let Some(k) = k_norm {
+                    out.push((format!("{p}.self_attn.k_norm.weight"), k));
+                }
+                let Mlp { gate_up, down_proj } = mlp;
+                for (module, linear) in layer_linears_mut(i, qkv, o_proj, gate_up, down_proj) {
+                    linear_tensors_mut(&module, linear, &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    /// Points a tied output head at the (possibly replaced) embedding tensor again.
+    pub fn retie_head(&mut self) {
+        if self.config.tie_word_embeddings {
+            self.lm_head.weight = self.embed_tokens.clone();
+        }
+    }
+}
