@@ -3,6 +3,7 @@
 mod bench;
 mod download;
 mod generate;
+mod launch;
 mod merge;
 mod model_io;
 mod plot;

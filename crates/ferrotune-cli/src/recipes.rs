@@ -111,9 +111,8 @@ pub fn cp(args: CpArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct RunArgs {
-    /// Processes per node (distributed recipes).
-    #[arg(long = "nproc-per-node", alias = "nproc_per_node", default_value_t = 1)]
-    nproc_per_node: usize,
+    #[command(flatten)]
+    launch: crate::launch::LaunchArgs,
     /// The recipe: lora_finetune_single_device, full_finetune_single_device, generate, eval, ...
     recipe: String,
     /// A built-in config name or a YAML file.
@@ -138,22 +137,24 @@ pub fn prepare_config(name: &str, overrides: &[String]) -> Result<Config> {
 
 /// `ferrotune run`: a recipe with a config and overrides.
 pub fn run(args: RunArgs) -> Result<()> {
-    if args.nproc_per_node > 1 {
-        bail!(
-            "--nproc-per-node {}: multi-process (distributed) training is not available yet; \
-             run a _single_device recipe with --nproc-per-node 1",
-            args.nproc_per_node
-        );
-    }
-    if args.nproc_per_node == 0 {
-        bail!("--nproc-per-node must be at least 1");
+    if args.launch.world_size()? > 1 {
+        // A config problem shows once here rather than once per rank. Whether the recipe can run
+        // distributed is for the recipe to say, in the ranks.
+        prepare_config(&args.config, &args.overrides)?;
+        return crate::launch::launch(&args.launch);
     }
     let cfg = prepare_config(&args.config, &args.overrides)?;
-    eprintln!(
-        "Running {} with resolved config:\n\n{}",
-        args.recipe,
-        cfg.to_yaml()
-    );
+    // One of several ranks: rank 0 alone prints (as it alone logs and saves).
+    let rank = std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse::<usize>().ok());
+    if rank.unwrap_or(0) == 0 {
+        eprintln!(
+            "Running {} with resolved config:\n\n{}",
+            args.recipe,
+            cfg.to_yaml()
+        );
+    }
     ferrotune_train::recipe::run(&args.recipe, &cfg)
 }
 

@@ -19,24 +19,40 @@ pub fn clip_grad_norm<'a>(
     params: impl IntoIterator<Item = &'a Tensor>,
     max_norm: f64,
 ) -> Result<f64> {
+    clip_grad_norm_global(grads, params, max_norm, Ok)
+}
+
+/// [`clip_grad_norm`] over gradients spread across processes: `sum_over_ranks` turns this
+/// process's sum of squared gradient norms into the sum over every process (an all-reduce), so
+/// that each one clips its shard by the norm of the whole gradient.
+pub fn clip_grad_norm_global<'a>(
+    grads: &mut GradStore,
+    params: impl IntoIterator<Item = &'a Tensor>,
+    max_norm: f64,
+    sum_over_ranks: impl FnOnce(f32) -> Result<f32>,
+) -> Result<f64> {
     let params: Vec<&Tensor> = params
         .into_iter()
         .filter(|p| grads.get(p).is_some())
         .collect();
-    if params.is_empty() {
-        return Ok(0.0);
-    }
     let mut norms = Vec::with_capacity(params.len());
     for p in &params {
         let g = grads.get(p).expect("filtered above").to_dtype(DType::F32)?;
         norms.push(g.sqr()?.sum_all()?.sqrt()?);
     }
     // One host sync for the whole set: the norms stay on the device until the total is formed.
-    let total = Tensor::stack(&norms, 0)?
-        .sqr()?
-        .sum_all()?
-        .sqrt()?
-        .to_scalar::<f32>()?;
+    let local_sq = if norms.is_empty() {
+        0.0
+    } else {
+        Tensor::stack(&norms, 0)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f32>()?
+    };
+    let total = sum_over_ranks(local_sq)?.sqrt();
+    if params.is_empty() {
+        return Ok(f64::from(total));
+    }
     // torch evaluates `max_norm / (total + 1e-6)` on f32 tensors, the division as reciprocal * max_norm.
     let clip_coef = (1.0f32 / (total + 1e-6f32)) * max_norm as f32;
     // torch's `clamp(max=1.0)` propagates NaN, so a NaN coefficient is applied too.

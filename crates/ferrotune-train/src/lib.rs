@@ -17,6 +17,7 @@
 
 pub mod clip;
 pub mod config;
+pub mod dist;
 pub mod export;
 pub mod loss;
 pub mod metrics;

@@ -1,8 +1,11 @@
-//! `lora_finetune_single_device` and `full_finetune_single_device`: setup, the training loop,
-//! checkpoints — torchtune's recipes, top to bottom. The two differ only in which weights train
-//! and what a checkpoint holds, marked where it happens.
+//! `lora_finetune_single_device`, `full_finetune_single_device` and their `_distributed` twins:
+//! setup, the training loop, checkpoints — torchtune's recipes, top to bottom. LoRA and full
+//! fine-tuning differ only in which weights train and what a checkpoint holds; one device and
+//! several ranks differ in which rows a rank takes, how gradients are reduced (through
+//! [`ShardedModel`]) and that rank 0 alone logs and writes — each marked where it happens.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -12,8 +15,12 @@ use ferrotune_models::peft::{self, LoraConfig};
 use ferrotune_models::CausalLm;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::clip::{clip_grad_norm, scale_grads};
+use crate::clip::{clip_grad_norm, clip_grad_norm_global, scale_grads};
 use crate::config::Config;
+use crate::dist::comm::{self, Collectives};
+use crate::dist::env::DistEnv;
+use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
+use crate::dist::store::Store;
 use crate::export::{write_hf_model, ModelSource};
 use crate::metrics::{peak_rss_mb, MetricLogger};
 use crate::optim::Optimizer;
@@ -31,13 +38,18 @@ pub enum Mode {
 }
 
 impl Mode {
-    fn recipe(self) -> &'static str {
-        match self {
-            Mode::Lora => "lora_finetune_single_device",
-            Mode::Full => "full_finetune_single_device",
+    fn recipe(self, distributed: bool) -> &'static str {
+        match (self, distributed) {
+            (Mode::Lora, false) => "lora_finetune_single_device",
+            (Mode::Full, false) => "full_finetune_single_device",
+            (Mode::Lora, true) => "lora_finetune_distributed",
+            (Mode::Full, true) => "full_finetune_distributed",
         }
     }
 }
+
+/// How long a rank waits for the others at the rendezvous.
+const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// The subfolder of a LoRA checkpoint that holds the merged HF model.
 pub const MERGED_DIR: &str = "merged";
@@ -45,12 +57,63 @@ pub const MERGED_DIR: &str = "merged";
 /// Largest safetensors file of saved merged/full checkpoints (transformers' default).
 const MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
-/// Runs a fine-tuning recipe on one device.
-pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
+/// Runs a fine-tuning recipe: on one device, or (`distributed`) as one rank of the group that
+/// torchrun's environment variables describe (world size 1 without them).
+pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     // ---------------------------------------------------------------- setup
-    let recipe = mode.recipe();
-    let device = setup::device(cfg)?;
+    let recipe = mode.recipe(distributed);
+    let env = DistEnv::from_env()?.unwrap_or_else(DistEnv::single);
+    if !distributed && env.world_size > 1 {
+        bail!(
+            "recipe {recipe} runs on one device, but WORLD_SIZE is {}: use {} for several processes",
+            env.world_size,
+            mode.recipe(true)
+        );
+    }
+    let (rank, world) = if distributed {
+        (env.rank, env.world_size)
+    } else {
+        (0, 1)
+    };
+    // Rank 0 prints, logs and writes checkpoints; every rank computes.
+    let lead = rank == 0;
+    let device = if distributed {
+        setup::device_for_rank(cfg, env.local_rank)?
+    } else {
+        setup::device(cfg)?
+    };
     let dtype = setup::dtype(cfg)?;
+    let group = if distributed {
+        let sharding = setup::sharding(cfg)?;
+        let offload = cfg.bool("fsdp_cpu_offload")?.unwrap_or(false);
+        let store = Store::connect(&env, RENDEZVOUS_TIMEOUT).with_context(|| {
+            format!(
+                "rank {rank}: rendezvous at {}:{}",
+                env.master_addr, env.master_port
+            )
+        })?;
+        let collectives: Arc<dyn Collectives> = Arc::from(comm::init(&env, &store, &device)?);
+        if lead {
+            eprintln!(
+                "Distributed: {world} ranks, {} backend, fsdp_sharding: {}{}",
+                collectives.backend(),
+                sharding.name(),
+                if offload {
+                    ", optimizer state offloaded to the CPU"
+                } else {
+                    ""
+                }
+            );
+        }
+        Some((store, CommQueue::start(collectives), sharding, offload))
+    } else {
+        for key in ["fsdp_sharding", "fsdp_cpu_offload"] {
+            if cfg.get(key).is_some_and(|v| !v.is_null()) && lead {
+                eprintln!("note: '{key}' applies to the _distributed recipes; {recipe} ignores it");
+            }
+        }
+        None
+    };
     setup::check_loss(cfg)?;
     // torchtune speed/memory switches that change no number: accepted, and said to be ignored.
     for ignored in [
@@ -58,7 +121,7 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
         "optimizer_in_bwd",
         "enable_activation_offloading",
     ] {
-        if cfg.bool(ignored)?.unwrap_or(false) {
+        if cfg.bool(ignored)?.unwrap_or(false) && lead {
             eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
         }
     }
@@ -126,6 +189,11 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
     };
     let t0 = Instant::now();
     let (mut model, source) = setup::load_model(cfg, &weights_path, dtype, &device)?;
+    let say = |msg: String| {
+        if lead {
+            eprintln!("{msg}");
+        }
+    };
     let source = match (&saved, mode) {
         // Tokenizer/generation files still come from the original base.
         (Some(_), Mode::Full) => {
@@ -134,13 +202,13 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
         }
         _ => source,
     };
-    eprintln!(
+    say(format!(
         "Model {} ({}, {} layers) loaded in {:.1}s on {device:?} as {dtype:?}",
         base_path.display(),
         model.config.model_type,
         model.config.num_hidden_layers,
         t0.elapsed().as_secs_f64()
-    );
+    ));
 
     let (params, lora_config) = match mode {
         Mode::Lora => {
@@ -150,6 +218,7 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
                 &base_path,
                 saved.as_ref().map(|s| s.dir.as_path()),
                 seed,
+                lead,
             )?;
             ferrotune_models::lora::set_training(&mut model, true);
             (peft::trainable_parameters(&mut model)?, Some(lc))
@@ -157,16 +226,32 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
         Mode::Full => (model.make_all_trainable()?, None),
     };
     let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
-    eprintln!(
+    say(format!(
         "{} trainable parameters in {} tensors",
         trainable,
         params.len()
-    );
+    ));
+    // Distributed: the model is spread over the ranks, and the optimizer updates this rank's part.
+    let mut sharded = match &group {
+        Some((_, queue, sharding, offload)) => Some(ShardedModel::new(
+            &mut model,
+            &params,
+            *sharding,
+            queue.clone(),
+            *offload,
+        )?),
+        None => None,
+    };
+    let params = match &sharded {
+        Some(sm) => sm.optimizer_params(),
+        None => params,
+    };
 
     let dataset = setup::dataset(cfg, &tokenizer)?;
     let rows = dataset.rows;
     let pad = setup::pad_id(&tokenizer, &model.config);
-    let batches_per_epoch = rows.len() / batch_size;
+    // Each optimizer step takes batch_size × ranks × gradient_accumulation_steps rows.
+    let batches_per_epoch = rows.len() / (batch_size * world);
     let mut steps_per_epoch = batches_per_epoch / grad_accum;
     if let Some(m) = max_steps {
         steps_per_epoch = steps_per_epoch.min(m);
@@ -174,7 +259,7 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
     if steps_per_epoch == 0 {
         bail!(
             "{}: the dataset has {} rows, fewer than one optimizer step needs \
-             (batch_size {batch_size} × gradient_accumulation_steps {grad_accum})",
+             (batch_size {batch_size} × {world} ranks × gradient_accumulation_steps {grad_accum})",
             cfg.origin,
             rows.len()
         );
@@ -194,26 +279,53 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
         steps_per_epoch,
         dropout_states: dropout_states(&model),
         recipe: recipe.to_string(),
+        rank_dropout_states: Vec::new(),
     };
+    if rank > 0 {
+        // Ranks draw different LoRA dropout masks (their data differs too).
+        let mixed: Vec<u64> = start
+            .dropout_states
+            .iter()
+            .map(|&s| ferrotune_models::lora::SplitMix64::new(s ^ rank as u64).next_u64())
+            .collect();
+        set_dropout_states(&model, &mixed);
+    }
     if let Some(s) = &saved {
         state::check_resumable(s, recipe, rows.len(), steps_per_epoch)?;
-        state::load_optimizer(&s.dir, optimizer.as_mut(), &device)?;
-        set_dropout_states(&model, &s.state.dropout_states);
+        let full = state::read_optimizer_state(&s.dir, &device)?;
+        let mine = match &sharded {
+            Some(sm) => sm.shard_optimizer_state(full)?,
+            None => full,
+        };
+        state::load_optimizer_state(&s.dir, optimizer.as_mut(), &mine)?;
         start = s.state.clone();
-        eprintln!(
+        match s.state.rank_dropout_states.get(rank) {
+            Some(states) if s.state.rank_dropout_states.len() == world => {
+                set_dropout_states(&model, states)
+            }
+            _ if rank == 0 => set_dropout_states(&model, &s.state.dropout_states),
+            // Another world size: rank 0 continues its masks, the others start afresh.
+            _ => {}
+        }
+        say(format!(
             "Resuming from {} at epoch {} step {} (global step {})",
             s.dir.display(),
             start.epoch,
             start.step_in_epoch,
             start.global_step
-        );
+        ));
     }
-    state::write_config_copy(&output_dir, &cfg.to_yaml())?;
-    let mut logger = MetricLogger::from_config(cfg.get("metric_logger"), &output_dir)
-        .with_context(|| format!("{}: metric_logger", cfg.origin))?;
-    // Resuming redoes the steps after the checkpoint; a fresh run starts a fresh log. Either way no
-    // line of an earlier run is left to be mistaken for this one's.
-    logger.truncate_after(start.global_step as u64)?;
+    let mut logger = if lead {
+        state::write_config_copy(&output_dir, &cfg.to_yaml())?;
+        let mut logger = MetricLogger::from_config(cfg.get("metric_logger"), &output_dir)
+            .with_context(|| format!("{}: metric_logger", cfg.origin))?;
+        // Resuming redoes the steps after the checkpoint; a fresh run starts a fresh log. Either
+        // way no line of an earlier run is left to be mistaken for this one's.
+        logger.truncate_after(start.global_step as u64)?;
+        Some(logger)
+    } else {
+        None
+    };
 
     // ---------------------------------------------------------------- training loop
     let saver = Saver {
@@ -237,7 +349,11 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
         } else {
             0
         };
-        let bar = progress_bar(steps_per_epoch, first, epoch);
+        let bar = if lead {
+            progress_bar(steps_per_epoch, first, epoch)
+        } else {
+            ProgressBar::hidden()
+        };
         for step_in_epoch in first..steps_per_epoch {
             let t_step = Instant::now();
             let lr = base_lr * schedule.multiplier(global_step);
@@ -246,15 +362,29 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
             let (mut loss_sum, mut targets, mut tokens) = (0f64, 0usize, 0usize);
             for micro in 0..grad_accum {
                 let b = step_in_epoch * grad_accum + micro;
-                let picked: Vec<&Row> = order[b * batch_size..(b + 1) * batch_size]
-                    .iter()
-                    .map(|&i| &rows[i])
+                // Rank r takes every world-th row of the step's block (torch's DistributedSampler),
+                // so the ranks together take the rows one device would.
+                let picked: Vec<&Row> = (b * batch_size..(b + 1) * batch_size)
+                    .map(|j| &rows[order[j * world + rank]])
                     .collect();
                 let batch = MicroBatch::from_batch(&collate(&picked, pad), &device)?;
-                loss_sum +=
-                    forward_backward(&model, &batch, &param_refs, &mut grads, checkpointing)?;
+                loss_sum += match &mut sharded {
+                    Some(sm) => forward_backward_sharded(&mut model, sm, &batch, checkpointing)?,
+                    None => {
+                        forward_backward(&model, &batch, &param_refs, &mut grads, checkpointing)?
+                    }
+                };
                 targets += batch.num_targets;
                 tokens += batch.num_tokens;
+            }
+            if let Some(sm) = &mut sharded {
+                // The loss is normalised over the target tokens of every rank.
+                sm.finish_reductions()?;
+                let sums = sm.all_reduce_f64(&[loss_sum, targets as f64, tokens as f64])?;
+                loss_sum = sums[0];
+                targets = sums[1].round() as usize;
+                tokens = sums[2].round() as usize;
+                grads = sm.take_grads()?;
             }
             // Normalise by the target tokens of the whole step (not per micro-batch). Without
             // clipping the factor is folded into the optimizer's pass over the gradients.
@@ -267,7 +397,20 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
             let grad_norm = match clip {
                 Some(max) => {
                     scale_grads(&mut grads, params_iter(), factor)?;
-                    let norm = clip_grad_norm(&mut grads, params_iter(), max)?;
+                    let norm = match &sharded {
+                        // Each rank holds a part of the gradient: the norm is over all parts.
+                        Some(sm) if sm.sharding() != Sharding::None => {
+                            let queue = sm.queue();
+                            clip_grad_norm_global(&mut grads, params_iter(), max, |sq| {
+                                let t = candle_core::Tensor::new(&[sq], &device)?;
+                                let total = queue
+                                    .all_reduce(&t)
+                                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                                total.to_vec1::<f32>().map(|v| v[0])
+                            })?
+                        }
+                        _ => clip_grad_norm(&mut grads, params_iter(), max)?,
+                    };
                     optimizer.step(&grads)?;
                     Some(norm)
                 }
@@ -294,7 +437,12 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
                 global_step
             ));
             bar.inc(1);
-            if global_step.is_multiple_of(log_every) {
+            if global_step == start.global_step + 1 {
+                if let Some(sm) = &sharded {
+                    report_memory(sm, optimizer.as_ref(), rank)?;
+                }
+            }
+            if let (Some(logger), true) = (logger.as_mut(), global_step.is_multiple_of(log_every)) {
                 let mut metrics: Vec<(&str, f64)> = vec![
                     ("epoch", epoch as f64),
                     ("loss", loss),
@@ -309,7 +457,7 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
                 }
                 logger.log_step(global_step as u64, &metrics)?;
             }
-            kill_if_asked(global_step);
+            kill_if_asked(global_step, rank);
             let end_of_epoch = step_in_epoch + 1 == steps_per_epoch;
             if let Some(n) = save_every {
                 if global_step.is_multiple_of(n) && !end_of_epoch {
@@ -317,18 +465,16 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
                         epoch,
                         step_in_epoch: step_in_epoch + 1,
                         global_step,
-                        dropout_states: dropout_states(&model),
                         ..start.clone()
                     };
-                    bar.suspend(|| -> Result<()> {
-                        let dir = saver.save(
-                            &model,
+                    bar.suspend(|| {
+                        saver.save(
+                            &mut model,
+                            sharded.as_mut(),
                             &format!("step_{global_step}"),
-                            &st,
+                            st,
                             optimizer.as_ref(),
-                        )?;
-                        eprintln!("Checkpoint saved to {}", dir.display());
-                        Ok(())
+                        )
                     })?;
                 }
             }
@@ -339,13 +485,61 @@ pub fn run(cfg: &Config, mode: Mode) -> Result<()> {
             epoch: epoch + 1,
             step_in_epoch: 0,
             global_step,
-            dropout_states: dropout_states(&model),
             ..start.clone()
         };
-        let dir = saver.save(&model, &format!("epoch_{epoch}"), &st, optimizer.as_ref())?;
-        eprintln!("Checkpoint saved to {}", dir.display());
+        saver.save(
+            &mut model,
+            sharded.as_mut(),
+            &format!("epoch_{epoch}"),
+            st,
+            optimizer.as_ref(),
+        )?;
     }
-    logger.close()?;
+    if let Some(mut logger) = logger {
+        logger.close()?;
+    }
+    if let Some((store, ..)) = group {
+        drop(sharded);
+        store.barrier("end of training")?;
+        store.shutdown()?;
+    }
+    Ok(())
+}
+
+/// Prints what this rank holds between steps against what one device would hold: the measure
+/// of sharding.
+fn report_memory(sm: &ShardedModel, optimizer: &dyn Optimizer, rank: usize) -> Result<()> {
+    let (params, grads) = sm.resident_bytes();
+    let (one_params, one_grads) = sm.single_device_bytes();
+    let state = optimizer.state_dict()?;
+    let opt: usize = state
+        .iter()
+        .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+        .sum();
+    let held: usize = sm
+        .optimizer_params()
+        .iter()
+        .map(|(_, v)| v.elem_count())
+        .sum::<usize>()
+        .max(1);
+    let one_opt = (opt as f64 * sm.trainable_numel() as f64 / held as f64) as usize;
+    let mb = |b: usize| b as f64 / 1e6;
+    let line = format!(
+        "rank {rank}: parameters {:.1} MB + gradients {:.1} MB + optimizer state {:.1} MB = {:.1} MB \
+         (one device: {:.1} + {:.1} + {:.1} = {:.1} MB)",
+        mb(params),
+        mb(grads),
+        mb(opt),
+        mb(params + grads + opt),
+        mb(one_params),
+        mb(one_grads),
+        mb(one_opt),
+        mb(one_params + one_grads + one_opt)
+    );
+    // One write of the whole line: the ranks share the terminal, and `eprintln!` may write a
+    // formatted line in pieces that interleave with another process's.
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
     Ok(())
 }
 
@@ -357,6 +551,7 @@ fn setup_adapters(
     base_path: &Path,
     resume_dir: Option<&Path>,
     seed: u64,
+    lead: bool,
 ) -> Result<LoraConfig> {
     if let Some(dir) = resume_dir {
         let lc = peft::load_adapter(model, dir)?;
@@ -373,12 +568,16 @@ fn setup_adapters(
         if lc.base_model_name_or_path.is_none() {
             lc.base_model_name_or_path = Some(base_path.display().to_string());
         }
-        eprintln!("Adapter loaded from {}", dir.display());
+        if lead {
+            eprintln!("Adapter loaded from {}", dir.display());
+        }
         return Ok(lc);
     }
     let lc = setup::lora_config(cfg, model, base_path)?;
     let n = peft::add_adapter(model, &lc, seed)?;
-    eprintln!("LoRA r={} alpha={} on {n} modules", lc.r, lc.lora_alpha);
+    if lead {
+        eprintln!("LoRA r={} alpha={} on {n} modules", lc.r, lc.lora_alpha);
+    }
     Ok(lc)
 }
 
@@ -406,14 +605,62 @@ struct Saver<'a> {
 }
 
 impl Saver<'_> {
+    /// Saves checkpoint `name` with state `st` (its dropout states filled in here). Distributed,
+    /// every rank calls it: the model and optimizer state are gathered, rank 0 writes one copy,
+    /// and the others wait until it is in place.
     fn save(
+        &self,
+        model: &mut CausalLm,
+        sharded: Option<&mut ShardedModel>,
+        name: &str,
+        mut st: TrainState,
+        optimizer: &dyn Optimizer,
+    ) -> Result<()> {
+        st.dropout_states = dropout_states(model);
+        let Some(sm) = sharded else {
+            let dir = self.write(model, name, &st, optimizer.state_dict()?)?;
+            eprintln!("Checkpoint saved to {}", dir.display());
+            return Ok(());
+        };
+        st.rank_dropout_states = sm.all_gather_u64(&st.dropout_states)?;
+        if let Some(first) = st.rank_dropout_states.first() {
+            st.dropout_states = first.clone();
+        }
+        sm.gather_all(model)?;
+        let opt_state = sm.full_optimizer_state(optimizer.state_dict()?)?;
+        let written = if sm.queue().rank() == 0 {
+            Some(self.write(model, name, &st, opt_state))
+        } else {
+            None
+        };
+        sm.release_all(model);
+        let ok = match &written {
+            Some(Err(_)) => 0.0,
+            _ => 1.0,
+        };
+        // Nobody runs ahead of a checkpoint that is not on disk yet.
+        let all_ok = sm.all_reduce_f64(&[ok])?[0];
+        match written {
+            Some(r) => {
+                let dir = r?;
+                eprintln!("Checkpoint saved to {}", dir.display());
+            }
+            None if all_ok < sm.queue().world_size() as f64 => {
+                bail!("rank 0 could not write checkpoint {name}")
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    fn write(
         &self,
         model: &CausalLm,
         name: &str,
         st: &TrainState,
-        optimizer: &dyn Optimizer,
+        optimizer_state: Vec<(String, candle_core::Tensor)>,
     ) -> Result<PathBuf> {
-        state::save_checkpoint(self.output_dir, name, st, optimizer, |dir| {
+        state::save_checkpoint(self.output_dir, name, st, optimizer_state, |dir| {
             match (self.mode, self.lora_config) {
                 (Mode::Lora, Some(lc)) => {
                     peft::save_adapter(model, lc, dir)?;
@@ -461,11 +708,16 @@ impl Saver<'_> {
 
 /// `FERROTUNE_KILL_AFTER_STEP=N` sends this process SIGKILL right after step N is logged: how the
 /// tests interrupt a run at a known point to check that resuming is step-exact.
-fn kill_if_asked(global_step: usize) {
-    let wanted = std::env::var("FERROTUNE_KILL_AFTER_STEP")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok());
-    if wanted == Some(global_step) {
+/// With `FERROTUNE_KILL_RANK=R` only rank R is killed (the others must notice).
+fn kill_if_asked(global_step: usize, rank: usize) {
+    let number = |var: &str| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
+    let wanted = number("FERROTUNE_KILL_AFTER_STEP");
+    let rank_ok = number("FERROTUNE_KILL_RANK").is_none_or(|r| r == rank);
+    if wanted == Some(global_step) && rank_ok {
         // SAFETY: kill(2) on our own pid with a valid signal number has no memory effects.
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);

@@ -13,14 +13,12 @@ use crate::config::{nearest, Config, RECIPES};
 /// Runs recipe `name` with a loaded, overridden and resolved config.
 pub fn run(name: &str, cfg: &Config) -> Result<()> {
     match name {
-        "lora_finetune_single_device" => finetune::run(cfg, finetune::Mode::Lora),
-        "full_finetune_single_device" => finetune::run(cfg, finetune::Mode::Full),
+        "lora_finetune_single_device" => finetune::run(cfg, finetune::Mode::Lora, false),
+        "full_finetune_single_device" => finetune::run(cfg, finetune::Mode::Full, false),
+        "lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::Lora, true),
+        "full_finetune_distributed" => finetune::run(cfg, finetune::Mode::Full, true),
         "generate" => generate::run(cfg),
         "eval" | "eleuther_eval" => eval::run(cfg).map(|_| ()),
-        "lora_finetune_distributed" | "full_finetune_distributed" => bail!(
-            "recipe {name}: distributed training is not available yet (it needs several processes); \
-             use the _single_device recipe"
-        ),
         other => {
             let hint = nearest(other, RECIPES.iter().copied())
                 .map(|n| format!("; did you mean '{n}'?"))

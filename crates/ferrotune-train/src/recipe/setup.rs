@@ -20,6 +20,34 @@ pub fn device(cfg: &Config) -> Result<Device> {
     ferrotune_core::parse_device(&name).map_err(|e| anyhow!("{}: 'device': {e}", cfg.origin))
 }
 
+/// The device of rank `local_rank` of a distributed run: `device: cuda` (no index) means the
+/// GPU of the same number as the local rank, as torchtune does.
+pub fn device_for_rank(cfg: &Config, local_rank: usize) -> Result<Device> {
+    let name = cfg.str("device")?.unwrap_or_else(|| "cpu".into());
+    let name = if name.trim().eq_ignore_ascii_case("cuda") {
+        format!("cuda:{local_rank}")
+    } else {
+        name
+    };
+    ferrotune_core::parse_device(&name).map_err(|e| anyhow!("{}: 'device': {e}", cfg.origin))
+}
+
+/// `fsdp_sharding` (`full`, `grad_op`, `none`; default full). Without it, torchtune's
+/// `fsdp_reshard_after_forward: false` asks for `grad_op`.
+pub fn sharding(cfg: &Config) -> Result<crate::dist::fsdp::Sharding> {
+    use crate::dist::fsdp::Sharding;
+    match cfg.str("fsdp_sharding")? {
+        Some(v) => Sharding::parse(&v).ok_or_else(|| {
+            anyhow!(
+                "{}: 'fsdp_sharding: {v}': expected full, grad_op or none",
+                cfg.origin
+            )
+        }),
+        None if cfg.bool("fsdp_reshard_after_forward")? == Some(false) => Ok(Sharding::GradOp),
+        None => Ok(Sharding::Full),
+    }
+}
+
 /// `dtype` (fp32, bf16, fp16; torchtune's names and candle's; default fp32).
 pub fn dtype(cfg: &Config) -> Result<DType> {
     let name = cfg.str("dtype")?.unwrap_or_else(|| "fp32".into());

@@ -35,6 +35,10 @@ pub struct TrainState {
     pub dropout_states: Vec<u64>,
     /// The recipe that wrote it.
     pub recipe: String,
+    /// Distributed runs: every rank's LoRA dropout generator states, in rank order (rank 0's are
+    /// also `dropout_states`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_dropout_states: Vec<Vec<u64>>,
 }
 
 const STATE_DIR: &str = "recipe_state";
@@ -48,7 +52,7 @@ pub fn save_checkpoint(
     output_dir: &Path,
     name: &str,
     state: &TrainState,
-    optimizer: &dyn Optimizer,
+    optimizer_state: Vec<(String, Tensor)>,
     fill: impl FnOnce(&Path) -> Result<()>,
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(output_dir)
@@ -62,7 +66,7 @@ pub fn save_checkpoint(
     std::fs::create_dir_all(tmp.join(STATE_DIR))
         .with_context(|| format!("{}: cannot create", tmp.display()))?;
     fill(&tmp)?;
-    write_optimizer(&tmp.join(STATE_DIR).join(OPTIMIZER_FILE), optimizer)?;
+    write_optimizer(&tmp.join(STATE_DIR).join(OPTIMIZER_FILE), optimizer_state)?;
     let json = serde_json::to_string_pretty(state).expect("state serializes");
     write_atomic(&tmp.join(STATE_DIR).join(STATE_FILE), json.as_bytes())?;
     if final_dir.exists() {
@@ -79,8 +83,7 @@ pub fn save_checkpoint(
     Ok(final_dir)
 }
 
-fn write_optimizer(path: &Path, optimizer: &dyn Optimizer) -> Result<()> {
-    let state = optimizer.state_dict()?;
+fn write_optimizer(path: &Path, state: Vec<(String, Tensor)>) -> Result<()> {
     let tensors: Vec<(String, Tensor)> = state
         .into_iter()
         .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu)?.contiguous()?)))
@@ -149,11 +152,26 @@ pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<SavedCheckpoint>> {
 
 /// Restores optimizer state saved in checkpoint folder `dir`.
 pub fn load_optimizer(dir: &Path, optimizer: &mut dyn Optimizer, device: &Device) -> Result<()> {
+    let state = read_optimizer_state(dir, device)?;
+    load_optimizer_state(dir, optimizer, &state)
+}
+
+/// The optimizer state saved in checkpoint folder `dir`, as named tensors.
+pub fn read_optimizer_state(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let file = dir.join(STATE_DIR).join(OPTIMIZER_FILE);
-    let state = candle_core::safetensors::load(&file, device)
-        .with_context(|| format!("{}: cannot read the optimizer state", file.display()))?;
+    candle_core::safetensors::load(&file, device)
+        .with_context(|| format!("{}: cannot read the optimizer state", file.display()))
+}
+
+/// Restores `state` (read from checkpoint folder `dir`) into `optimizer`.
+pub fn load_optimizer_state(
+    dir: &Path,
+    optimizer: &mut dyn Optimizer,
+    state: &HashMap<String, Tensor>,
+) -> Result<()> {
+    let file = dir.join(STATE_DIR).join(OPTIMIZER_FILE);
     optimizer
-        .load_state_dict(&state)
+        .load_state_dict(state)
         .with_context(|| format!("{}: optimizer state does not fit this run", file.display()))
 }
 
@@ -165,7 +183,13 @@ pub fn check_resumable(
     steps_per_epoch: usize,
 ) -> Result<()> {
     let s = &saved.state;
-    if s.recipe != recipe {
+    // The single-device and distributed recipes of one kind save the same checkpoints.
+    let kind = |r: &str| {
+        r.trim_end_matches("_single_device")
+            .trim_end_matches("_distributed")
+            .to_string()
+    };
+    if kind(&s.recipe) != kind(recipe) {
         bail!(
             "{}: saved by {}, cannot resume it with {recipe}",
             saved.dir.display(),

@@ -1,0 +1,138 @@
+//! torchrun's environment contract: which rank this process is, how many there are, and where
+//! rank 0's rendezvous store listens.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+/// One process's place in a distributed run, as torchrun (or `ferrotune run --nproc-per-node`)
+/// describes it through environment variables.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DistEnv {
+    /// Global rank, `0..world_size` (`RANK`).
+    pub rank: usize,
+    /// Rank on this node, `0..local_world_size` (`LOCAL_RANK`); picks the GPU.
+    pub local_rank: usize,
+    /// Number of processes in the run (`WORLD_SIZE`).
+    pub world_size: usize,
+    /// Number of processes on this node (`LOCAL_WORLD_SIZE`).
+    pub local_world_size: usize,
+    /// Host of rank 0's store (`MASTER_ADDR`).
+    pub master_addr: String,
+    /// Port of rank 0's store (`MASTER_PORT`); 0 lets a single process pick a free one.
+    pub master_port: u16,
+}
+
+impl DistEnv {
+    /// Reads the process environment. `None` when `WORLD_SIZE` is not set (a plain
+    /// single-process run); errors name the variable and its bad value.
+    pub fn from_env() -> Result<Option<DistEnv>> {
+        Self::from_lookup(|key| std::env::var(key).ok())
+    }
+
+    /// [`DistEnv::from_env`] over any variable lookup, so the parsing can be tested without
+    /// touching the process-global environment. Empty values count as unset.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>> {
+        let get = |key: &str| lookup(key).filter(|v| !v.trim().is_empty());
+        let Some(world_size) = get("WORLD_SIZE") else {
+            return Ok(None);
+        };
+        let world_size: usize = parse("WORLD_SIZE", &world_size)?;
+        if world_size == 0 {
+            bail!("WORLD_SIZE=0: the world size must be at least 1");
+        }
+        let rank = match get("RANK") {
+            Some(v) => parse("RANK", &v)?,
+            None if world_size == 1 => 0,
+            None => bail!("RANK is not set (WORLD_SIZE={world_size} needs each process's rank)"),
+        };
+        if rank >= world_size {
+            bail!("RANK={rank} is out of range for WORLD_SIZE={world_size}");
+        }
+        let local_world_size = match get("LOCAL_WORLD_SIZE") {
+            Some(v) => parse("LOCAL_WORLD_SIZE", &v)?,
+            None => world_size,
+        };
+        if local_world_size == 0 || local_world_size > world_size {
+            bail!(
+                "LOCAL_WORLD_SIZE={local_world_size} is out of range for WORLD_SIZE={world_size}"
+            );
+        }
+        let local_rank = match get("LOCAL_RANK") {
+            Some(v) => parse("LOCAL_RANK", &v)?,
+            None => rank,
+        };
+        if local_rank >= local_world_size {
+            bail!(
+                "LOCAL_RANK={local_rank} is out of range for LOCAL_WORLD_SIZE={local_world_size}"
+            );
+        }
+        let master_addr = match get("MASTER_ADDR") {
+            Some(v) => v.trim().to_string(),
+            None if world_size == 1 => "127.0.0.1".to_string(),
+            None => bail!("MASTER_ADDR is not set (WORLD_SIZE={world_size} needs rank 0's host)"),
+        };
+        let master_port = match get("MASTER_PORT") {
+            Some(v) => parse::<u16>("MASTER_PORT", &v)?,
+            None if world_size == 1 => 0,
+            None => bail!("MASTER_PORT is not set (WORLD_SIZE={world_size} needs rank 0's port)"),
+        };
+        // Port 0 means "any free port", which only rank 0 itself could know.
+        if master_port == 0 && world_size > 1 {
+            bail!("MASTER_PORT=0: with WORLD_SIZE={world_size} the port must be given");
+        }
+        Ok(Some(DistEnv {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            master_addr,
+            master_port,
+        }))
+    }
+
+    /// World size 1, rank 0; the store listens on 127.0.0.1 on a free port.
+    pub fn single() -> DistEnv {
+        DistEnv {
+            rank: 0,
+            local_rank: 0,
+            world_size: 1,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: 0,
+        }
+    }
+
+    /// True when more than one process takes part.
+    pub fn is_distributed(&self) -> bool {
+        self.world_size > 1
+    }
+}
+
+fn parse<T: std::str::FromStr>(key: &str, value: &str) -> Result<T> {
+    value
+        .trim()
+        .parse()
+        .ok()
+        .with_context(|| format!("{key}={value:?} is not a valid non-negative integer"))
+}
+
+/// How long a collective or a store wait may block without progress: `FERROTUNE_DIST_TIMEOUT`
+/// seconds, default 1800 (as torch.distributed). Long, because one rank may legitimately spend
+/// minutes alone (saving a checkpoint) while the others wait for it.
+pub fn op_timeout() -> Result<Duration> {
+    match std::env::var("FERROTUNE_DIST_TIMEOUT") {
+        Ok(v) if !v.trim().is_empty() => {
+            let secs: f64 = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| *s > 0.0)
+                .with_context(|| {
+                    format!("FERROTUNE_DIST_TIMEOUT={v:?} is not a positive number of seconds")
+                })?;
+            Ok(Duration::from_secs_f64(secs))
+        }
+        _ => Ok(Duration::from_secs(1800)),
+    }
+}
