@@ -1,0 +1,411 @@
+//! Distributed recipes end to end on 2 CPU ranks (the launcher, TCP collectives, sharding): each
+//! `fsdp_sharding` mode gives the loss of every step and the checkpoint of the single-device
+//! recipe at the same global batch; a checkpoint resumes on another world size; `kill -9` of one
+//! rank stops the others with an error naming it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn ferrotune(args: &[String], cwd: &Path, env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotune"));
+    cmd.args(args).current_dir(cwd);
+    // The ranks of a test share the machine with other tests: one thread each.
+    cmd.env("RAYON_NUM_THREADS", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run ferrotune")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrotune-dist-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn load(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// (relative L2 distance, largest absolute difference) of two tensors.
+fn distance(a: &Tensor, b: &Tensor) -> (f32, f32) {
+    let scalar = |t: Tensor| t.to_scalar::<f32>().unwrap();
+    let diff = (a - b).unwrap();
+    let l2 = |t: &Tensor| scalar(t.sqr().unwrap().sum_all().unwrap()).sqrt();
+    let rel = l2(&diff) / l2(b).max(1e-30);
+    (rel, scalar(diff.abs().unwrap().max_all().unwrap()))
+}
+
+/// The (step, loss, lr) of every logged step.
+fn losses(metrics: &Path) -> Vec<(u64, f64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap_or_else(|e| panic!("{}: {e}", metrics.display()))
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap(),
+                v["lr"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// 16 rows of different lengths (so padding and per-rank target counts differ), some with
+/// labels masked, as pre-tokenized JSONL.
+fn write_rows(path: &Path) {
+    let mut lines = Vec::new();
+    for i in 0..16u32 {
+        let len = 6 + (i * 5) % 9;
+        let ids: Vec<u32> = (0..len).map(|j| (i * 37 + j * 11) % 500 + 3).collect();
+        let labels: Vec<i64> = ids
+            .iter()
+            .enumerate()
+            .map(|(j, &t)| if j < (i as usize % 3) { -100 } else { t as i64 })
+            .collect();
+        lines.push(serde_json::json!({"input_ids": ids, "labels": labels}).to_string());
+    }
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+}
+
+const CONFIG: &str = "
+output_dir: OUT
+model:
+  lora_attn_modules: [q_proj, k_proj, v_proj, output_proj]
+  apply_lora_to_mlp: true
+  lora_rank: 4
+  lora_alpha: 8
+  lora_dropout: 0.0
+tokenizer:
+  path: MODEL
+checkpointer:
+  checkpoint_dir: MODEL
+  output_dir: ${output_dir}
+dataset:
+  _component_: torchtune.datasets.tokenized_dataset
+  source: json
+  data_files: DATA
+seed: 11
+shuffle: true
+batch_size: 2
+epochs: 2
+gradient_accumulation_steps: 2
+clip_grad_norm: 0.5
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 2e-3
+  weight_decay: 0.01
+lr_scheduler:
+  _component_: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup
+  num_warmup_steps: 1
+loss:
+  _component_: torch.nn.CrossEntropyLoss
+metric_logger:
+  _component_: torchtune.training.metric_logging.DiskLogger
+  log_dir: ${output_dir}/logs
+log_every_n_steps: 1
+device: cpu
+dtype: fp32
+";
+
+struct Case {
+    dir: PathBuf,
+    cfg: PathBuf,
+}
+
+impl Case {
+    fn new(name: &str, family: &str) -> Self {
+        let dir = tmpdir(name);
+        let data = dir.join("rows.jsonl");
+        write_rows(&data);
+        let model = fixtures().join(family).join("model");
+        let yaml = CONFIG
+            .replace("OUT", &dir.join("out").display().to_string())
+            .replace("MODEL", &model.display().to_string())
+            .replace("DATA", &data.display().to_string());
+        let cfg = dir.join("config.yaml");
+        std::fs::write(&cfg, yaml).unwrap();
+        Self { dir, cfg }
+    }
+
+    /// `ferrotune run [--nproc-per-node N] RECIPE --config CFG output_dir=OUT extra...`.
+    fn run(
+        &self,
+        nproc: usize,
+        recipe: &str,
+        out: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Output {
+        let mut args = vec!["run".to_string()];
+        if nproc > 1 {
+            args.extend(["--nproc-per-node".to_string(), nproc.to_string()]);
+        }
+        args.extend([
+            recipe.to_string(),
+            "--config".into(),
+            self.cfg.display().to_string(),
+            format!("output_dir={}", out.display()),
+        ]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        ferrotune(&args, &self.dir, env)
+    }
+}
+
+fn assert_same_losses(got: &[(u64, f64, f64)], want: &[(u64, f64, f64)], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: number of logged steps");
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(g.0, w.0, "{what}: step numbers");
+        let rel = (g.1 - w.1).abs() / w.1.abs().max(1e-12);
+        assert!(
+            rel <= 1e-5,
+            "{what}: step {}: loss {} vs {} (rel {rel:e})",
+            g.0,
+            g.1,
+            w.1
+        );
+        assert!(
+            (g.2 - w.2).abs() <= 1e-12 * w.2.abs().max(1.0),
+            "{what}: lr at step {}",
+            g.0
+        );
+    }
+}
+
+/// Each tensor within `tol` relative L2 of the reference, or within 1e-5 absolute: the updates
+/// of a parameter whose gradient is mathematically zero (a key bias: softmax ignores a shift
+/// shared by all keys) are AdamW-normalised rounding noise, different for any change of
+/// summation order, but far below one real update (lr 2e-3).
+fn assert_same_tensors(got: &Path, want: &Path, tol: f32, what: &str) {
+    let a = load(got);
+    let b = load(want);
+    assert_eq!(
+        a.keys().collect::<std::collections::BTreeSet<_>>(),
+        b.keys().collect::<std::collections::BTreeSet<_>>(),
+        "{what}: tensor names"
+    );
+    for (k, t) in &b {
+        assert_eq!(a[k].dims(), t.dims(), "{what}: {k} shape");
+        let (rel, abs) = distance(&a[k], t);
+        assert!(
+            rel <= tol || abs <= 1e-5,
+            "{what}: {k} differs by {rel:e} (relative L2), {abs:e} at most"
+        );
+    }
+}
+
+/// Full fine-tuning, each sharding mode, 2 ranks × batch 2 against one device × batch 4; both
+/// with 2 accumulation steps, clipping, weight decay, a schedule and shuffling over 2 epochs.
+#[test]
+fn full_finetune_on_two_ranks_equals_one_device_in_every_sharding_mode() {
+    let case = Case::new("full", "qwen2");
+    let single = case.dir.join("single");
+    let o = case.run(
+        1,
+        "full_finetune_single_device",
+        &single,
+        &["batch_size=4"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+    assert_eq!(
+        want.len(),
+        4,
+        "16 rows / (4 × 2 accumulation) = 2 steps × 2 epochs"
+    );
+    for mode in ["full", "grad_op", "none"] {
+        let out = case.dir.join(format!("dist-{mode}"));
+        let o = case.run(
+            2,
+            "full_finetune_distributed",
+            &out,
+            &[&format!("fsdp_sharding={mode}")],
+            &[],
+        );
+        let log = text(&o);
+        assert!(o.status.success(), "{mode}: {log}");
+        assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, mode);
+        assert_same_tensors(
+            &out.join("epoch_1/model.safetensors"),
+            &single.join("epoch_1/model.safetensors"),
+            1e-4,
+            mode,
+        );
+        // The optimizer state is saved whole, under the single-device names.
+        assert_same_tensors(
+            &out.join("epoch_1/recipe_state/optimizer.safetensors"),
+            &single.join("epoch_1/recipe_state/optimizer.safetensors"),
+            1e-3,
+            mode,
+        );
+        // Only rank 0 writes: one checkpoint, no per-rank copies.
+        let entries: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            entries.iter().all(|e| !e.starts_with('.')),
+            "{mode}: leftovers {entries:?}"
+        );
+        if mode == "full" {
+            // Each rank holds about half of what one device holds.
+            for line in log
+                .lines()
+                .filter(|l| l.starts_with("rank ") && l.contains("one device"))
+            {
+                let nums: Vec<f64> = line
+                    .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+                    .filter_map(|w| w.parse().ok())
+                    .collect();
+                // rank, params, grads, opt, total, one: params, grads, opt, total
+                let (total, one) = (nums[4], nums[8]);
+                assert!(
+                    (total / one - 0.5).abs() < 0.05,
+                    "per-rank memory {total} MB vs one device {one} MB: {line}"
+                );
+            }
+            assert!(log.contains("rank 1: parameters"), "{log}");
+        }
+    }
+}
+
+/// LoRA on the fused-LoRA path, sharded and replicated, against one device.
+#[test]
+fn lora_finetune_on_two_ranks_equals_one_device() {
+    let case = Case::new("lora", "llama3");
+    let single = case.dir.join("single");
+    let o = case.run(
+        1,
+        "lora_finetune_single_device",
+        &single,
+        &["batch_size=4"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+    for mode in ["full", "grad_op", "none"] {
+        let out = case.dir.join(format!("dist-{mode}"));
+        let o = case.run(
+            2,
+            "lora_finetune_distributed",
+            &out,
+            &[&format!("fsdp_sharding={mode}")],
+            &[],
+        );
+        assert!(o.status.success(), "{mode}: {}", text(&o));
+        assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, mode);
+        for f in ["adapter_model.safetensors", "merged/model.safetensors"] {
+            assert_same_tensors(
+                &out.join("epoch_1").join(f),
+                &single.join("epoch_1").join(f),
+                1e-4,
+                &format!("{mode}: {f}"),
+            );
+        }
+    }
+}
+
+/// A checkpoint written by 2 ranks resumes on one device (the global batch kept), and the run
+/// ends where an uninterrupted single-device run ends.
+#[test]
+fn a_two_rank_checkpoint_resumes_on_one_device() {
+    let case = Case::new("resume", "llama3");
+    let single = case.dir.join("single");
+    let o = case.run(
+        1,
+        "full_finetune_single_device",
+        &single,
+        &["batch_size=4"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+
+    let out = case.dir.join("mixed");
+    // Two ranks for the first epoch (killed by the end of step 3, after epoch_0 is saved)…
+    let o = case.run(
+        2,
+        "full_finetune_distributed",
+        &out,
+        &[],
+        &[("FERROTUNE_KILL_AFTER_STEP", "3")],
+    );
+    assert!(!o.status.success(), "the run should have been killed");
+    assert!(out.join("epoch_0/recipe_state/state.json").is_file());
+    // …then one device from epoch_0 on.
+    let o = case.run(
+        1,
+        "full_finetune_single_device",
+        &out,
+        &["batch_size=4", "resume_from_checkpoint=true"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, "resumed");
+    assert_same_tensors(
+        &out.join("epoch_1/model.safetensors"),
+        &single.join("epoch_1/model.safetensors"),
+        1e-4,
+        "resumed",
+    );
+}
+
+/// `kill -9` of rank 1 mid-run: rank 0 and the launcher stop with an error naming rank 1, well
+/// within 60 s.
+#[test]
+fn a_killed_rank_stops_the_others_with_an_error_naming_it() {
+    let case = Case::new("kill", "llama3");
+    let out = case.dir.join("out");
+    let t0 = Instant::now();
+    let o = case.run(
+        2,
+        "full_finetune_distributed",
+        &out,
+        &["epochs=20"],
+        &[
+            ("FERROTUNE_KILL_AFTER_STEP", "2"),
+            ("FERROTUNE_KILL_RANK", "1"),
+        ],
+    );
+    let took = t0.elapsed();
+    let log = text(&o);
+    assert!(!o.status.success(), "{log}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    assert!(log.contains("rank 1"), "the lost rank is named: {log}");
+    assert!(!out.join("epoch_19").exists());
+}
+
+/// A single-device recipe refuses to run as one of several processes, naming the distributed one.
+#[test]
+fn single_device_recipes_refuse_several_processes() {
+    let case = Case::new("refuse", "llama3");
+    let out = case.dir.join("out");
+    let o = case.run(2, "lora_finetune_single_device", &out, &[], &[]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("lora_finetune_distributed"),
+        "{}",
+        text(&o)
+    );
+}
