@@ -371,6 +371,57 @@ fn a_two_rank_checkpoint_resumes_on_one_device() {
     );
 }
 
+/// The other way: a single-device run killed mid-epoch resumes on 2 ranks, step-exactly.
+#[test]
+fn a_one_device_checkpoint_resumes_on_two_ranks() {
+    let case = Case::new("resume-up", "qwen2");
+    let single = case.dir.join("single");
+    let o = case.run(
+        1,
+        "lora_finetune_single_device",
+        &single,
+        &["batch_size=4"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+
+    let out = case.dir.join("mixed");
+    let o = case.run(
+        1,
+        "lora_finetune_single_device",
+        &out,
+        &["batch_size=4", "save_every_n_steps=1"],
+        &[("FERROTUNE_KILL_AFTER_STEP", "4")],
+    );
+    assert!(!o.status.success(), "the run should have been killed");
+    // Step 3 is mid-epoch 1 (2 steps per epoch); killed before step 4's epoch-end save.
+    assert!(out.join("step_3/recipe_state/state.json").is_file());
+    assert!(!out.join("epoch_1").exists());
+    for mode in ["full", "none"] {
+        let o = case.run(
+            2,
+            "lora_finetune_distributed",
+            &out,
+            &[
+                "resume_from_checkpoint=true",
+                &format!("fsdp_sharding={mode}"),
+            ],
+            &[],
+        );
+        assert!(o.status.success(), "{mode}: {}", text(&o));
+        assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, mode);
+        assert_same_tensors(
+            &out.join("epoch_1/adapter_model.safetensors"),
+            &single.join("epoch_1/adapter_model.safetensors"),
+            1e-4,
+            mode,
+        );
+        // Back to the step-3 checkpoint for the next mode.
+        std::fs::remove_dir_all(out.join("epoch_1")).unwrap();
+    }
+}
+
 /// `kill -9` of rank 1 mid-run: rank 0 and the launcher stop with an error naming rank 1, well
 /// within 60 s.
 #[test]
