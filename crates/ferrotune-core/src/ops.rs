@@ -64,6 +64,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         if rows.track_op() && !weight.track_op() {
             // Training through a frozen layer: skip candle's weight gradient (see `frozen`).
             crate::frozen::frozen_matmul(rows, weight)
+        } else if weight.track_op() {
+            // A trained weight: both gradients from one op (see `fused::trainable_linear`).
+            crate::fused::trainable_linear(rows, weight)
         } else {
             rows.matmul(&weight.t()?)
         }

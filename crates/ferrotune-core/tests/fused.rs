@@ -717,3 +717,30 @@ fn lora_linear_matches_the_composite_adapter_branch() {
         }
     }
 }
+
+#[test]
+fn trainable_linear_matches_candle_matmul_with_both_gradients() {
+    let mut rng = Rng(0x7261_696e);
+    for (m, inp, out) in [(1, 1, 1), (7, 13, 5), (64, 96, 160), (130, 33, 257)] {
+        let x = rng.tensor(&[m, inp], 1.0);
+        let w = rng.tensor(&[out, inp], 0.5);
+        compare(
+            &format!("trainable_linear {m}x{inp}x{out}"),
+            &[x, w],
+            &mut rng,
+            |t| fused::trainable_linear(&t[0], &t[1]),
+            |t| t[0].matmul(&t[1].t()?),
+        );
+    }
+    // Through `ops::linear` with a bias and leading batch dimensions, as the decoder calls it.
+    let x = rng.tensor(&[2, 5, 12], 1.0);
+    let w = rng.tensor(&[9, 12], 0.5);
+    let b = rng.tensor(&[9], 0.5);
+    compare(
+        "ops::linear with a trainable weight",
+        &[x, w, b],
+        &mut rng,
+        |t| ops::linear(&t[0], &t[1], Some(&t[2])),
+        |t| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]),
+    );
+}

@@ -18,6 +18,7 @@
 mod attention;
 mod cross_entropy;
 mod kernels;
+mod linear;
 mod linear_ce;
 mod lora;
 mod rms_norm;
@@ -26,6 +27,7 @@ mod swiglu;
 
 pub use attention::attention;
 pub use cross_entropy::cross_entropy_sum;
+pub use linear::trainable_linear;
 pub use linear_ce::linear_cross_entropy_sum;
 pub use lora::lora_linear;
 pub use rms_norm::rms_norm;
