@@ -54,6 +54,14 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
         include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
     ),
     (
+        "lora_finetune_distributed",
+        include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
+    ),
+    (
+        "full_finetune_distributed",
+        include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
+    ),
+    (
         "generate",
         include_str!("../../ferrotune-train/src/recipe/generate.rs"),
     ),

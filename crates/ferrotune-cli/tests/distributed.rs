@@ -447,7 +447,8 @@ fn a_killed_rank_stops_the_others_with_an_error_naming_it() {
     assert!(!out.join("epoch_19").exists());
 }
 
-/// A single-device recipe refuses to run as one of several processes, naming the distributed one.
+/// A single-device recipe refuses to run as one of several processes, naming the distributed
+/// one; `cp` copies the distributed recipe's source.
 #[test]
 fn single_device_recipes_refuse_several_processes() {
     let case = Case::new("refuse", "llama3");
@@ -459,4 +460,15 @@ fn single_device_recipes_refuse_several_processes() {
         "{}",
         text(&o)
     );
+    // `cp` hands out the distributed recipes' source like the others'.
+    let dest = case.dir.join("recipe.rs");
+    let args = [
+        "cp".to_string(),
+        "full_finetune_distributed".into(),
+        dest.display().to_string(),
+    ];
+    let o = ferrotune(&args, &case.dir, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let source = std::fs::read_to_string(&dest).unwrap();
+    assert!(source.contains("forward_backward_sharded"));
 }
