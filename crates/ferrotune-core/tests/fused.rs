@@ -744,3 +744,48 @@ fn trainable_linear_matches_candle_matmul_with_both_gradients() {
         |t| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]),
     );
 }
+
+#[test]
+fn linear_cross_entropy_with_a_trained_head_gives_both_gradients() {
+    use ferrotune_core::fused::{cross_entropy_sum, linear_cross_entropy_sum};
+    let mut rng = Rng(0x6865_6164);
+    // 1100 rows: three chunks, the last partial; every fourth row ignored, and a whole chunk's
+    // worth of ignored rows at the start (prompt tokens).
+    let (n, h, vocab) = (1100usize, 20usize, 301usize);
+    let targets: Vec<i64> = (0..n)
+        .map(|i| {
+            if i < 520 && i % 2 == 0 || i % 4 == 1 {
+                -100
+            } else {
+                ((i * 37) % vocab) as i64
+            }
+        })
+        .collect();
+    let hidden = rng.tensor(&[n, h], 1.0);
+    let weight = rng.tensor(&[vocab, h], 0.5);
+    // Scaled loss (as the recipe's normalisation would) so that the backward scale is exercised.
+    let run = |fused: bool| {
+        let x = Var::from_tensor(&hidden).unwrap();
+        let w = Var::from_tensor(&weight).unwrap();
+        let (sum, count) = if fused {
+            linear_cross_entropy_sum(x.as_tensor(), w.as_tensor(), &targets, -100).unwrap()
+        } else {
+            let logits = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+            cross_entropy_sum(&logits, &targets, -100).unwrap()
+        };
+        let loss = (sum.clone() * 0.37).unwrap();
+        let g = loss.backward().unwrap();
+        (
+            sum,
+            count,
+            g.get(x.as_tensor()).unwrap().clone(),
+            g.get(w.as_tensor()).unwrap().clone(),
+        )
+    };
+    let (s1, c1, dx1, dw1) = run(true);
+    let (s2, c2, dx2, dw2) = run(false);
+    assert_eq!(c1, c2);
+    assert_close("trained head loss", &s1, &s2, TOL);
+    assert_close("trained head d hidden", &dx1, &dx2, TOL);
+    assert_close("trained head d weight", &dw1, &dw2, TOL);
+}

@@ -79,8 +79,9 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<L
 }
 
 /// The loss of the output head applied to `hidden` (`[b, t, h]`): the same value as
-/// `causal_lm_loss(lm_head.forward(hidden), labels, shift)`, but for a frozen head without
-/// adapter or bias on the CPU the logits are formed and consumed in row chunks
+/// `causal_lm_loss(lm_head.forward(hidden), labels, shift)`, but for a head without adapter or
+/// bias on the CPU (frozen, or trained by full fine-tuning) the logits are formed and consumed in
+/// row chunks
 /// ([`ferrotune_core::fused::linear_cross_entropy_sum`]), never whole, and rows without a target
 /// are skipped.
 pub fn causal_lm_head_loss(
@@ -91,7 +92,6 @@ pub fn causal_lm_head_loss(
 ) -> Result<LossSum> {
     let plain = lm_head.adapter.is_none()
         && lm_head.bias.is_none()
-        && !lm_head.weight.track_op()
         && hidden.device().is_cpu()
         && hidden.dtype() == DType::F32
         && lm_head.weight.dtype() == DType::F32;

@@ -1,14 +1,17 @@
 //! The output head and the cross-entropy in one op, over row chunks: `Σ CE(hidden @ weightᵀ)`
 //! without ever holding the `[n, vocab]` logits (or their gradient) whole.
 //!
-//! For a frozen head (LoRA) the loss is the last node of the graph, so the gradient with respect
-//! to `hidden` is computed in the forward pass, chunk by chunk — `(softmax − onehot) @ weight` —
-//! and kept (`[n, hidden]`, small); backward only scales it. Rows without a target are skipped
-//! entirely: with prompt tokens masked, most of the head's work disappears.
+//! The loss is the last node of the graph, so its gradients are computed in the forward pass,
+//! chunk by chunk — `(softmax − onehot) @ weight` for `hidden`, and for a trained head (full
+//! fine-tuning) also `(softmax − onehot)ᵀ @ hidden` for the weight — and kept; backward only
+//! scales them. Rows without a target are skipped entirely: with prompt tokens masked, most of
+//! the head's work disappears.
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor,
+};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
@@ -20,9 +23,9 @@ const CHUNK: usize = 512;
 /// `Σ -log_softmax(hidden @ weightᵀ)[targets[i]]` over the rows whose target is not
 /// `ignore_index`, and the number of such rows.
 ///
-/// `hidden` is `[n, h]` (differentiable), `weight` `[vocab, h]` (no gradient: a frozen head).
-/// For f32 CPU tensors with a frozen weight this is the chunked fused op; otherwise the logits are
-/// formed with candle and [`super::cross_entropy_sum`] is used.
+/// `hidden` is `[n, h]`, `weight` `[vocab, h]` (frozen, or trained: then it gets its gradient
+/// too). For f32 CPU tensors this is the chunked fused op; otherwise the logits are formed with
+/// candle and [`super::cross_entropy_sum`] is used.
 pub fn linear_cross_entropy_sum(
     hidden: &Tensor,
     weight: &Tensor,
@@ -40,7 +43,7 @@ pub fn linear_cross_entropy_sum(
             targets.len()
         );
     }
-    if !fused_applies(&[hidden, weight]) || weight.track_op() {
+    if !fused_applies(&[hidden, weight]) {
         let logits = hidden.matmul(&weight.t()?)?;
         return super::cross_entropy_sum(&logits, targets, ignore_index);
     }
@@ -55,6 +58,15 @@ pub fn linear_cross_entropy_sum(
         rows.push((i, t as usize));
     }
     let count = rows.len();
+    if weight.track_op() {
+        // A trained head (full fine-tuning): the weight's gradient is formed in the same pass.
+        let op = TrainedLinearCrossEntropy {
+            rows,
+            grads: Mutex::new(None),
+        };
+        let sum = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?;
+        return Ok((sum, count));
+    }
     let op = LinearCrossEntropy {
         weight: weight.contiguous()?,
         rows,
@@ -88,6 +100,82 @@ simd_fn! {
     }
 }
 
+/// The loss sum over `rows` and its gradient with respect to `x` (`[n, h]`, zero on rows without
+/// a target), chunk by chunk; with `dw` (`[vocab, h]`, zeroed) also the weight's gradient
+/// `Σ (softmax − onehot)ᵀ · x`, accumulated per chunk.
+fn chunked_forward(
+    x: &[f32],
+    n: usize,
+    h: usize,
+    w: &[f32],
+    rows: &[(usize, usize)],
+    mut dw: Option<&mut [f32]>,
+) -> (f64, Vec<f32>) {
+    let vocab = w.len() / h.max(1);
+    let mut dx = vec![0f32; n * h];
+    let mut logits = vec![0f32; CHUNK.min(rows.len()) * vocab];
+    let mut xc = vec![0f32; CHUNK.min(rows.len()) * h];
+    let mut dxc = vec![0f32; CHUNK.min(rows.len()) * h];
+    let mut total = 0f64;
+    for chunk in rows.chunks(CHUNK) {
+        let c = chunk.len();
+        for (j, &(i, _)) in chunk.iter().enumerate() {
+            xc[j * h..(j + 1) * h].copy_from_slice(&x[i * h..(i + 1) * h]);
+        }
+        // logits[c, vocab] = xc[c, h] · wᵀ  (w is [vocab, h] row-major).
+        // SAFETY: every index stays inside the buffers sized above; no overlap.
+        unsafe {
+            kernels::gemm_parallel(
+                (c, vocab, h),
+                logits.as_mut_ptr(),
+                vocab,
+                false,
+                (xc.as_ptr(), h, 1),
+                (w.as_ptr(), 1, h),
+                1.0,
+            );
+        }
+        let losses: Vec<f32> = logits[..c * vocab]
+            .par_chunks_mut(vocab)
+            .zip(chunk.par_iter())
+            .map(|(row, &(_, t))| softmax_minus_onehot(row, t))
+            .collect();
+        total += losses.iter().map(|&l| l as f64).sum::<f64>();
+        // dxc[c, h] = (softmax − onehot)[c, vocab] · w[vocab, h]
+        // SAFETY: as above.
+        unsafe {
+            kernels::gemm_parallel(
+                (c, h, vocab),
+                dxc.as_mut_ptr(),
+                h,
+                false,
+                (logits.as_ptr(), vocab, 1),
+                (w.as_ptr(), h, 1),
+                1.0,
+            );
+        }
+        if let Some(dw) = dw.as_deref_mut() {
+            // dw[vocab, h] += (softmax − onehot)ᵀ[vocab, c] · xc[c, h]
+            // SAFETY: as above; `dw` holds vocab × h floats.
+            unsafe {
+                kernels::gemm_parallel(
+                    (vocab, h, c),
+                    dw.as_mut_ptr(),
+                    h,
+                    true,
+                    (logits.as_ptr(), 1, vocab),
+                    (xc.as_ptr(), h, 1),
+                    1.0,
+                );
+            }
+        }
+        for (j, &(i, _)) in chunk.iter().enumerate() {
+            dx[i * h..(i + 1) * h].copy_from_slice(&dxc[j * h..(j + 1) * h]);
+        }
+    }
+    (total, dx)
+}
+
 impl CustomOp1 for LinearCrossEntropy {
     fn name(&self) -> &'static str {
         "fused-linear-cross-entropy"
@@ -98,53 +186,7 @@ impl CustomOp1 for LinearCrossEntropy {
         let x = slice_of(storage, layout, "linear_cross_entropy_sum")?;
         let wg = self.weight.storage_and_layout();
         let w = guard_slice(&wg, "linear_cross_entropy_sum")?;
-        let vocab = w.len() / h.max(1);
-        let mut dx = vec![0f32; n * h];
-        let mut logits = vec![0f32; CHUNK * vocab];
-        let mut xc = vec![0f32; CHUNK * h];
-        let mut dxc = vec![0f32; CHUNK * h];
-        let mut total = 0f64;
-        for chunk in self.rows.chunks(CHUNK) {
-            let c = chunk.len();
-            for (j, &(i, _)) in chunk.iter().enumerate() {
-                xc[j * h..(j + 1) * h].copy_from_slice(&x[i * h..(i + 1) * h]);
-            }
-            // logits[c, vocab] = xc[c, h] · wᵀ  (w is [vocab, h] row-major).
-            // SAFETY: every index stays inside the buffers sized above; no overlap.
-            unsafe {
-                kernels::gemm_parallel(
-                    (c, vocab, h),
-                    logits.as_mut_ptr(),
-                    vocab,
-                    false,
-                    (xc.as_ptr(), h, 1),
-                    (w.as_ptr(), 1, h),
-                    1.0,
-                );
-            }
-            let losses: Vec<f32> = logits[..c * vocab]
-                .par_chunks_mut(vocab)
-                .zip(chunk.par_iter())
-                .map(|(row, &(_, t))| softmax_minus_onehot(row, t))
-                .collect();
-            total += losses.iter().map(|&l| l as f64).sum::<f64>();
-            // dxc[c, h] = (softmax − onehot)[c, vocab] · w[vocab, h]
-            // SAFETY: as above.
-            unsafe {
-                kernels::gemm_parallel(
-                    (c, h, vocab),
-                    dxc.as_mut_ptr(),
-                    h,
-                    false,
-                    (logits.as_ptr(), vocab, 1),
-                    (w.as_ptr(), h, 1),
-                    1.0,
-                );
-            }
-            for (j, &(i, _)) in chunk.iter().enumerate() {
-                dx[i * h..(i + 1) * h].copy_from_slice(&dxc[j * h..(j + 1) * h]);
-            }
-        }
+        let (total, dx) = chunked_forward(x, n, h, w, &self.rows, None);
         *self.grad.lock().unwrap_or_else(|e| e.into_inner()) = Some(dx);
         Ok((CpuStorage::F32(vec![total as f32]), Shape::from(())))
     }
@@ -161,5 +203,58 @@ impl CustomOp1 for LinearCrossEntropy {
             hidden.shape(),
             &Device::Cpu,
         )?))
+    }
+}
+
+/// The same with a trained weight: both gradients are formed in the forward pass (rows without a
+/// target cost nothing, and no `[n, vocab]` logits or logit gradient is ever held whole).
+struct TrainedLinearCrossEntropy {
+    rows: Vec<(usize, usize)>,
+    /// (d(sum)/d(hidden) `[n, h]`, d(sum)/d(weight) `[vocab, h]`), filled by the forward pass.
+    grads: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+}
+
+impl CustomOp2 for TrainedLinearCrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-trained-linear-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, h) = xl.shape().dims2()?;
+        let x = slice_of(xs, xl, "linear_cross_entropy_sum")?;
+        let w = slice_of(ws, wl, "linear_cross_entropy_sum")?;
+        let mut dw = vec![0f32; w.len()];
+        let (total, dx) = chunked_forward(x, n, h, w, &self.rows, Some(&mut dw));
+        *self.grads.lock().unwrap_or_else(|e| e.into_inner()) = Some((dx, dw));
+        Ok((CpuStorage::F32(vec![total as f32]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let Some((dx, dw)) = self.grads.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            bail!("linear_cross_entropy_sum: backward before forward (or twice)");
+        };
+        let scale = |mut v: Vec<f32>| {
+            if g != 1.0 {
+                v.par_iter_mut().for_each(|x| *x *= g);
+            }
+            v
+        };
+        Ok((
+            Some(Tensor::from_vec(scale(dx), hidden.shape(), &Device::Cpu)?),
+            Some(Tensor::from_vec(scale(dw), weight.shape(), &Device::Cpu)?),
+        ))
     }
 }
