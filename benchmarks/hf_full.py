@@ -22,6 +22,7 @@ ap.add_argument('--batch', type=int, default=4); ap.add_argument('--steps', type
 ap.add_argument('--rank', type=int, default=8); ap.add_argument('--alpha', type=int, default=16)
 ap.add_argument('--attn', default='sdpa'); ap.add_argument('--compile', action='store_true')
 ap.add_argument('--grad-ckpt', action='store_true'); ap.add_argument('--threads', type=int, default=0)
+ap.add_argument('--prompt-fraction', type=float, default=0.0)  # leading labels set to -100, as masked prompts
 a = ap.parse_args()
 if a.threads: torch.set_num_threads(a.threads)
 torch.manual_seed(0)
@@ -44,10 +45,11 @@ fwd = torch.compile(m) if a.compile else m
 opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=(a.device == 'cuda'))
 V = m.config.vocab_size
 ids = torch.randint(0, V, (a.batch, a.seq), device=a.device)
+labels = ids.clone(); labels[:, :int(a.seq * a.prompt_fraction)] = -100
 def sync():
     if a.device == 'cuda': torch.cuda.synchronize()
 def step():
-    loss = fwd(input_ids=ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    loss = fwd(input_ids=ids, labels=labels).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 for _ in range(2): step()
 sync()
 if a.device == 'cuda': torch.cuda.reset_peak_memory_stats()

@@ -59,6 +59,10 @@ struct TrainBenchArgs {
     /// Recompute each decoder layer in backward instead of keeping its activations.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Fraction of each row's leading tokens whose labels are -100, as the prompt of an
+    /// instruction dataset with `train_on_input: false` (0 = every token is a target).
+    #[arg(long, default_value_t = 0.0)]
+    prompt_fraction: f64,
     /// Print one JSON object last: tokens_per_s, step_s, peak_mem_mb.
     #[arg(long)]
     json: bool,
@@ -172,12 +176,20 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     let ids: Vec<u32> = (0..a.batch * a.seq)
         .map(|_| (rng.next_u64() % vocab) as u32)
         .collect();
-    let labels: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    if !(0.0..1.0).contains(&a.prompt_fraction) {
+        bail!("--prompt-fraction must be in [0, 1)");
+    }
+    let prompt = (a.seq as f64 * a.prompt_fraction) as usize;
+    let labels: Vec<i64> = ids
+        .iter()
+        .enumerate()
+        .map(|(k, &i)| if k % a.seq < prompt { -100 } else { i as i64 })
+        .collect();
     let batch = MicroBatch {
         input_ids: Tensor::from_vec(ids, (a.batch, a.seq), &device)?,
         labels: Tensor::from_vec(labels, (a.batch, a.seq), &device)?,
         layout: AttentionLayout::causal(a.batch, a.seq, 0),
-        num_targets: a.batch * (a.seq - 1),
+        num_targets: a.batch * (a.seq - prompt.max(1)),
         num_tokens: a.batch * a.seq,
     };
     let mut step = |model: &CausalLm| -> Result<f64> {
