@@ -11,11 +11,13 @@
 //! gradient at the last layer's output, and each layer is then recomputed from its saved input
 //! and back-propagated with that incoming gradient (`sum(out * grad_out)` has exactly the
 //! gradient `grad_out` at `out`). Only one layer's activations are alive at any time. LoRA
-//! dropout masks are replayed by restoring the generators' states before the recompute.
+//! dropout masks are replayed by restoring the generators' states before the recompute. The same
+//! layer-by-layer pass ([`layered_forward_backward`]) serves sharded training, which gathers and
+//! releases each layer's parameters around it.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
-use ferrotune_models::{AttentionLayout, CausalLm};
+use ferrotune_models::{AttentionLayout, CausalLm, Unit};
 
 use crate::loss::causal_lm_head_loss;
 
@@ -93,7 +95,7 @@ pub fn forward_backward(
     params: &[(String, Var)],
     acc: &mut GradStore,
     activation_checkpointing: bool,
-) -> Result<f64> {
+) -> anyhow::Result<f64> {
     if !activation_checkpointing {
         let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
         let loss = causal_lm_head_loss(&hidden, &model.lm_head, &batch.labels, true)?;
@@ -102,50 +104,126 @@ pub fn forward_backward(
         absorb(acc, &grads, params)?;
         return Ok(value);
     }
+    let mut pass = Accumulate { model, params, acc };
+    layered_forward_backward(&mut pass, batch, true)
+}
 
-    let inputs = model.layer_inputs(&batch.layout)?;
-    let embedded = model.embed(&batch.input_ids)?;
-    let mut saved = Vec::with_capacity(model.layers.len());
-    let mut dropout_before = Vec::with_capacity(model.layers.len());
-    let mut x = embedded.detach();
-    for i in 0..model.layers.len() {
-        dropout_before.push(dropout_states(model));
-        saved.push(x.clone());
-        // `detach` drops the layer's graph: its activations are freed here and recomputed later.
-        x = model.layer(i, &x, &inputs)?.detach();
+/// What [`layered_forward_backward`] does around each unit of the model. One device only
+/// collects gradients ([`forward_backward`]); sharded training also gathers a unit's
+/// parameters before it runs, releases them after, and reduces its gradients across ranks
+/// (`crate::dist::fsdp`).
+pub trait LayerPass {
+    /// The model, with the units in use in place.
+    fn model(&self) -> &CausalLm;
+    /// Before `unit` runs (its forward, or the recompute of its backward).
+    fn gather(&mut self, _unit: Unit) -> anyhow::Result<()> {
+        Ok(())
     }
-    let dropout_after = dropout_states(model);
+    /// After `unit`'s forward, when its graph is dropped and rebuilt for the backward.
+    fn forward_done(&mut self, _unit: Unit) {}
+    /// The gradients of `unit`'s parameters, summed over `stores`.
+    fn grads(&mut self, unit: Unit, stores: &[&GradStore]) -> anyhow::Result<()>;
+    /// After `unit`'s backward.
+    fn backward_done(&mut self, _unit: Unit) {}
+}
+
+/// Single-device activation checkpointing: gradients go straight into the step's store.
+struct Accumulate<'a> {
+    model: &'a CausalLm,
+    params: &'a [(String, Var)],
+    acc: &'a mut GradStore,
+}
+
+impl LayerPass for Accumulate<'_> {
+    fn model(&self) -> &CausalLm {
+        self.model
+    }
+
+    fn grads(&mut self, _unit: Unit, stores: &[&GradStore]) -> anyhow::Result<()> {
+        for store in stores {
+            absorb(self.acc, store, self.params)?;
+        }
+        Ok(())
+    }
+}
+
+/// `batch` forward and backward one decoder layer at a time, with `pass` called around each
+/// unit; returns the summed loss.
+///
+/// With `recompute` a layer's graph is dropped after its forward (only its input is kept) and
+/// rebuilt from that input for its backward — activation checkpointing; otherwise every layer's
+/// graph is kept until its backward. Either way each layer is back-propagated on its own with the
+/// gradient arriving at its output (`sum(out * grad_out)` has exactly that gradient at `out`).
+pub fn layered_forward_backward(
+    pass: &mut impl LayerPass,
+    batch: &MicroBatch,
+    recompute: bool,
+) -> anyhow::Result<f64> {
+    let n = pass.model().layers.len();
+    pass.gather(Unit::Root)?;
+    let inputs = pass.model().layer_inputs(&batch.layout)?;
+    let embedded = pass.model().embed(&batch.input_ids)?;
+    let mut x = embedded.detach();
+    let mut saved: Vec<Tensor> = Vec::with_capacity(n);
+    let mut kept: Vec<(Var, Tensor)> = Vec::with_capacity(n);
+    let mut dropout_before = Vec::with_capacity(n);
+    for i in 0..n {
+        pass.gather(Unit::Layer(i))?;
+        dropout_before.push(dropout_states(pass.model()));
+        if recompute {
+            saved.push(x.clone());
+            // `detach` drops the layer's graph: its activations are freed here, recomputed later.
+            x = pass.model().layer(i, &x, &inputs)?.detach();
+            pass.forward_done(Unit::Layer(i));
+        } else {
+            let input = Var::from_tensor(&x)?;
+            let out = pass.model().layer(i, input.as_tensor(), &inputs)?;
+            x = out.detach();
+            kept.push((input, out));
+        }
+    }
+    let dropout_after = dropout_states(pass.model());
 
     let top = Var::from_tensor(&x)?;
+    let model = pass.model();
     let hidden = model.final_norm(top.as_tensor())?;
     let loss = causal_lm_head_loss(&hidden, &model.lm_head, &batch.labels, true)?;
     let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    let mut grads = loss.sum.backward()?;
-    drop(hidden);
-    let mut grad_out = grads
+    let mut head_grads = loss.sum.backward()?;
+    drop((hidden, loss));
+    let mut grad_out = head_grads
         .remove(top.as_tensor())
-        .ok_or_else(|| candle_core::Error::Msg("no gradient reached the last layer".into()))?;
-    absorb(acc, &grads, params)?;
-    drop(grads);
+        .ok_or_else(|| anyhow::anyhow!("no gradient reached the last layer"))?;
 
-    for i in (0..model.layers.len()).rev() {
-        set_dropout_states(model, &dropout_before[i]);
-        let input = Var::from_tensor(&saved[i])?;
-        let out = model.layer(i, input.as_tensor(), &inputs)?;
+    for i in (0..n).rev() {
+        let (input, out) = if recompute {
+            pass.gather(Unit::Layer(i))?;
+            set_dropout_states(pass.model(), &dropout_before[i]);
+            let input = Var::from_tensor(&saved[i])?;
+            let out = pass.model().layer(i, input.as_tensor(), &inputs)?;
+            saved.truncate(i);
+            (input, out)
+        } else {
+            kept.pop().expect("one kept graph per layer")
+        };
         let grads = (out * &grad_out)?.sum_all()?.backward()?;
-        absorb(acc, &grads, params)?;
+        pass.grads(Unit::Layer(i), &[&grads])?;
         grad_out = grads
             .get(input.as_tensor())
-            .ok_or_else(|| candle_core::Error::Msg(format!("no gradient reached layer {i}")))?
+            .ok_or_else(|| anyhow::anyhow!("no gradient reached layer {i}"))?
             .detach();
-        saved.truncate(i);
+        drop(grads);
+        pass.backward_done(Unit::Layer(i));
     }
-    set_dropout_states(model, &dropout_after);
+    set_dropout_states(pass.model(), &dropout_after);
     if embedded.track_op() {
         // Full fine-tuning: the embedding table itself is trained.
-        let grads = (embedded * grad_out)?.sum_all()?.backward()?;
-        absorb(acc, &grads, params)?;
+        let embed_grads = (embedded * grad_out)?.sum_all()?.backward()?;
+        pass.grads(Unit::Root, &[&head_grads, &embed_grads])?;
+    } else {
+        pass.grads(Unit::Root, &[&head_grads])?;
     }
+    pass.backward_done(Unit::Root);
     Ok(value)
 }
 

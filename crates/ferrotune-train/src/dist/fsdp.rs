@@ -33,8 +33,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use ferrotune_models::{CausalLm, Unit};
 
 use crate::dist::comm::Collectives;
-use crate::loss::causal_lm_head_loss;
-use crate::step::{dropout_states, empty_grads, set_dropout_states, MicroBatch};
+use crate::step::{empty_grads, layered_forward_backward, LayerPass, MicroBatch};
 
 /// torchtune's `fsdp_sharding` modes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -701,12 +700,43 @@ impl ShardedModel {
     }
 }
 
+/// [`ShardedModel`]'s side of the layer-by-layer pass.
+struct ShardedPass<'a> {
+    model: &'a mut CausalLm,
+    sm: &'a mut ShardedModel,
+}
+
+impl LayerPass for ShardedPass<'_> {
+    fn model(&self) -> &CausalLm {
+        self.model
+    }
+
+    fn gather(&mut self, unit: Unit) -> Result<()> {
+        self.sm.gather(self.model, unit)
+    }
+
+    fn forward_done(&mut self, unit: Unit) {
+        // `full` frees a layer after its forward; `grad_op` keeps it for the backward.
+        if self.sm.sharding == Sharding::Full {
+            self.sm.release(self.model, unit);
+        }
+    }
+
+    fn grads(&mut self, unit: Unit, stores: &[&GradStore]) -> Result<()> {
+        self.sm.reduce_grads(unit, stores)
+    }
+
+    fn backward_done(&mut self, unit: Unit) {
+        self.sm.release(self.model, unit);
+    }
+}
+
 /// One micro-batch forward and backward on a [`ShardedModel`]: returns the summed loss and issues
 /// every unit's gradient reduction (collected by [`ShardedModel::finish_reductions`]).
 ///
-/// Layers run one at a time, their inputs kept. Under `full` sharding, or with activation
-/// checkpointing, a layer's graph is dropped after its forward and rebuilt for its backward
-/// (parameters gathered again under `full`); otherwise the graph is kept to the backward.
+/// Under `full` sharding, or with activation checkpointing, a layer's graph is dropped after its
+/// forward and rebuilt for its backward (parameters gathered again under `full`: candle's graph
+/// would otherwise keep them alive); otherwise the graph is kept to the backward.
 pub fn forward_backward_sharded(
     model: &mut CausalLm,
     sm: &mut ShardedModel,
@@ -714,70 +744,5 @@ pub fn forward_backward_sharded(
     activation_checkpointing: bool,
 ) -> Result<f64> {
     let recompute = activation_checkpointing || sm.sharding == Sharding::Full;
-    let n = model.layers.len();
-    sm.gather(model, Unit::Root)?;
-    let inputs = model.layer_inputs(&batch.layout)?;
-    let embedded = model.embed(&batch.input_ids)?;
-    let mut x = embedded.detach();
-    let mut saved: Vec<Tensor> = Vec::with_capacity(n);
-    let mut kept: Vec<(Var, Tensor)> = Vec::with_capacity(n);
-    let mut dropout_before = Vec::with_capacity(n);
-    for i in 0..n {
-        sm.gather(model, Unit::Layer(i))?;
-        dropout_before.push(dropout_states(model));
-        if recompute {
-            saved.push(x.clone());
-            x = model.layer(i, &x, &inputs)?.detach();
-            if sm.sharding == Sharding::Full {
-                sm.release(model, Unit::Layer(i));
-            }
-        } else {
-            let input = Var::from_tensor(&x)?;
-            let out = model.layer(i, input.as_tensor(), &inputs)?;
-            x = out.detach();
-            kept.push((input, out));
-        }
-    }
-    let dropout_after = dropout_states(model);
-
-    let top = Var::from_tensor(&x)?;
-    let hidden = model.final_norm(top.as_tensor())?;
-    let loss = causal_lm_head_loss(&hidden, &model.lm_head, &batch.labels, true)?;
-    let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    let mut head_grads = loss.sum.backward()?;
-    drop((hidden, loss));
-    let mut grad_out = head_grads
-        .remove(top.as_tensor())
-        .ok_or_else(|| anyhow!("no gradient reached the last layer"))?;
-
-    for i in (0..n).rev() {
-        let (input, out) = if recompute {
-            sm.gather(model, Unit::Layer(i))?;
-            set_dropout_states(model, &dropout_before[i]);
-            let input = Var::from_tensor(&saved[i])?;
-            let out = model.layer(i, input.as_tensor(), &inputs)?;
-            saved.truncate(i);
-            (input, out)
-        } else {
-            kept.pop().expect("one kept graph per layer")
-        };
-        let grads = (out * &grad_out)?.sum_all()?.backward()?;
-        sm.reduce_grads(Unit::Layer(i), &[&grads])?;
-        grad_out = grads
-            .get(input.as_tensor())
-            .ok_or_else(|| anyhow!("no gradient reached layer {i}"))?
-            .detach();
-        drop(grads);
-        sm.release(model, Unit::Layer(i));
-    }
-    set_dropout_states(model, &dropout_after);
-    if embedded.track_op() {
-        // Full fine-tuning: the embedding table itself is trained.
-        let embed_grads = (embedded * grad_out)?.sum_all()?.backward()?;
-        sm.reduce_grads(Unit::Root, &[&head_grads, &embed_grads])?;
-    } else {
-        sm.reduce_grads(Unit::Root, &[&head_grads])?;
-    }
-    sm.release(model, Unit::Root);
-    Ok(value)
+    layered_forward_backward(&mut ShardedPass { model, sm }, batch, recompute)
 }
