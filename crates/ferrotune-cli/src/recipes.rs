@@ -43,24 +43,15 @@ pub struct CpArgs {
     make_parents: bool,
 }
 
+/// The fine-tuning recipes' one source file (single device and distributed, LoRA and full).
+const FINETUNE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/finetune.rs");
+
 /// The source of each recipe, for `ferrotune cp RECIPE` (a starting point to read or adapt).
 const RECIPE_SOURCES: &[(&str, &str)] = &[
-    (
-        "lora_finetune_single_device",
-        include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
-    ),
-    (
-        "full_finetune_single_device",
-        include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
-    ),
-    (
-        "lora_finetune_distributed",
-        include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
-    ),
-    (
-        "full_finetune_distributed",
-        include_str!("../../ferrotune-train/src/recipe/finetune.rs"),
-    ),
+    ("lora_finetune_single_device", FINETUNE_SOURCE),
+    ("full_finetune_single_device", FINETUNE_SOURCE),
+    ("lora_finetune_distributed", FINETUNE_SOURCE),
+    ("full_finetune_distributed", FINETUNE_SOURCE),
     (
         "generate",
         include_str!("../../ferrotune-train/src/recipe/generate.rs"),

@@ -66,13 +66,17 @@ pub(crate) fn layer_linears_mut<'a>(
 }
 
 /// A linear layer's tensors under the names their trainable parameters carry: `{module}.weight`
-/// and `{module}.bias` (full fine-tuning's HF names), adapter tensors under PEFT's parameter names.
+/// (unless `with_weight` is false: a tied head's weight is the embedding) and `{module}.bias`
+/// (full fine-tuning's HF names), adapter tensors under PEFT's parameter names.
 fn linear_tensors_mut<'a>(
     module: &str,
     linear: &'a mut Linear,
+    with_weight: bool,
     out: &mut Vec<(String, &'a mut Tensor)>,
 ) {
-    out.push((format!("{module}.weight"), &mut linear.weight));
+    if with_weight {
+        out.push((format!("{module}.weight"), &mut linear.weight));
+    }
     if let Some(b) = &mut linear.bias {
         out.push((format!("{module}.bias"), b));
     }
@@ -115,33 +119,10 @@ impl CausalLm {
                     &mut self.embed_tokens,
                 ));
                 out.push(("model.norm.weight".to_string(), &mut self.norm));
+                // The shared weight of a tied head is listed once, as the embedding; an adapter
+                // on the head still has its own tensors.
                 let tied = self.config.tie_word_embeddings;
-                let head = &mut self.lm_head;
-                if tied {
-                    // The shared weight is listed once, as the embedding; an adapter on the head
-                    // still has its own tensors.
-                    if let Some(b) = &mut head.bias {
-                        out.push(("lm_head.bias".to_string(), b));
-                    }
-                    if let Some(adapter) = &mut head.adapter {
-                        out.push((
-                            format!("{PEFT_PREFIX}lm_head.lora_A.weight"),
-                            &mut adapter.a,
-                        ));
-                        out.push((
-                            format!("{PEFT_PREFIX}lm_head.lora_B.weight"),
-                            &mut adapter.b,
-                        ));
-                        if let Some(m) = &mut adapter.dora_magnitude {
-                            out.push((
-                                format!("{PEFT_PREFIX}lm_head.lora_magnitude_vector.weight"),
-                                m,
-                            ));
-                        }
-                    }
-                } else {
-                    linear_tensors_mut("lm_head", head, &mut out);
-                }
+                linear_tensors_mut("lm_head", &mut self.lm_head, !tied, &mut out);
             }
             Unit::Layer(i) => {
                 let DecoderLayer {
@@ -171,7 +152,7 @@ impl CausalLm {
                 }
                 let Mlp { gate_up, down_proj } = mlp;
                 for (module, linear) in layer_linears_mut(i, qkv, o_proj, gate_up, down_proj) {
-                    linear_tensors_mut(&module, linear, &mut out);
+                    linear_tensors_mut(&module, linear, true, &mut out);
                 }
             }
         }

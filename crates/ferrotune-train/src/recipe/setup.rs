@@ -16,15 +16,16 @@ use crate::schedule::LrSchedule;
 
 /// `device` (cpu, cuda, cuda:N; default cpu).
 pub fn device(cfg: &Config) -> Result<Device> {
-    let name = cfg.str("device")?.unwrap_or_else(|| "cpu".into());
-    ferrotune_core::parse_device(&name).map_err(|e| anyhow!("{}: 'device': {e}", cfg.origin))
+    // One device is rank 0 of one: `cuda` means `cuda:0` either way.
+    device_for_rank(cfg, 0)
 }
 
 /// The device of rank `local_rank` of a distributed run: `device: cuda` (no index) means the
 /// GPU of the same number as the local rank, as torchtune does.
 pub fn device_for_rank(cfg: &Config, local_rank: usize) -> Result<Device> {
     let name = cfg.str("device")?.unwrap_or_else(|| "cpu".into());
-    let name = if name.trim().eq_ignore_ascii_case("cuda") {
+    // `cuda` is already GPU 0; only other ranks need their number spelled out.
+    let name = if name.trim().eq_ignore_ascii_case("cuda") && local_rank > 0 {
         format!("cuda:{local_rank}")
     } else {
         name

@@ -150,12 +150,6 @@ pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<SavedCheckpoint>> {
     Ok(best)
 }
 
-/// Restores optimizer state saved in checkpoint folder `dir`.
-pub fn load_optimizer(dir: &Path, optimizer: &mut dyn Optimizer, device: &Device) -> Result<()> {
-    let state = read_optimizer_state(dir, device)?;
-    load_optimizer_state(dir, optimizer, &state)
-}
-
 /// The optimizer state saved in checkpoint folder `dir`, as named tensors.
 pub fn read_optimizer_state(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let file = dir.join(STATE_DIR).join(OPTIMIZER_FILE);
