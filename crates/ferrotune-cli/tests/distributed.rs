@@ -3,47 +3,31 @@
 //! recipe at the same global batch; a checkpoint resumes on another world size; `kill -9` of one
 //! rank stops the others with an error naming it.
 
-use std::collections::HashMap;
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
-use serde_json::Value;
+use candle_core::Tensor;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+use common::{fixtures, load, metrics_lines, text};
 
 fn ferrotune(args: &[String], cwd: &Path, env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotune"));
-    cmd.args(args).current_dir(cwd);
     // The ranks of a test share the machine with other tests: one thread each.
-    cmd.env("RAYON_NUM_THREADS", "1");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run ferrotune")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    let env: Vec<(&str, &str)> = std::iter::once(("RAYON_NUM_THREADS", "1"))
+        .chain(env.iter().copied())
+        .collect();
+    common::ferrotune(args, cwd, &env)
 }
 
 fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotune-dist-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::tmpdir("dist", name)
 }
 
-fn load(path: &Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+/// The (step, loss, lr) of every logged step.
+fn losses(metrics: &Path) -> Vec<(u64, f64, f64)> {
+    common::losses(&metrics_lines(metrics))
 }
 
 /// (relative L2 distance, largest absolute difference) of two tensors.
@@ -53,22 +37,6 @@ fn distance(a: &Tensor, b: &Tensor) -> (f32, f32) {
     let l2 = |t: &Tensor| scalar(t.sqr().unwrap().sum_all().unwrap()).sqrt();
     let rel = l2(&diff) / l2(b).max(1e-30);
     (rel, scalar(diff.abs().unwrap().max_all().unwrap()))
-}
-
-/// The (step, loss, lr) of every logged step.
-fn losses(metrics: &Path) -> Vec<(u64, f64, f64)> {
-    std::fs::read_to_string(metrics)
-        .unwrap_or_else(|e| panic!("{}: {e}", metrics.display()))
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            (
-                v["step"].as_u64().unwrap(),
-                v["loss"].as_f64().unwrap(),
-                v["lr"].as_f64().unwrap(),
-            )
-        })
-        .collect()
 }
 
 /// 16 rows of different lengths (so padding and per-rank target counts differ), some with

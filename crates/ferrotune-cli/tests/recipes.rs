@@ -2,39 +2,22 @@
 //! one SGD step from a PEFT adapter saves `start − gradient` (PEFT's gradients), resuming after a
 //! `kill -9` is step-exact, validation names bad keys, `ls` and `cp` work on the built-in configs.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-use candle_core::{Device, Tensor};
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use candle_core::Tensor;
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+use common::{fixtures, load, losses, metrics_lines, text};
 
 fn ferrotune(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotune"));
-    cmd.args(args).current_dir(cwd);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run ferrotune")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    common::ferrotune(args, cwd, env)
 }
 
 fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrotune-recipes-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::tmpdir("recipes", name)
 }
 
 /// The golden batch as pre-tokenized JSONL rows.
@@ -51,11 +34,6 @@ fn write_golden_rows(family: &str, path: &Path) {
         .map(|(i, l)| serde_json::json!({"input_ids": i, "labels": l}).to_string())
         .collect();
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
-}
-
-fn load(path: &Path) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(path, &Device::Cpu)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
@@ -201,28 +179,6 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
             );
         }
     }
-}
-
-fn metrics_lines(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-/// The loss of each logged step (the other values are timings).
-fn losses(lines: &[Value]) -> Vec<(u64, f64, f64)> {
-    lines
-        .iter()
-        .map(|v| {
-            (
-                v["step"].as_u64().unwrap(),
-                v["loss"].as_f64().unwrap(),
-                v["lr"].as_f64().unwrap(),
-            )
-        })
-        .collect()
 }
 
 #[test]

@@ -1,0 +1,72 @@
+//! Helpers shared by the end-to-end tests that run the `ferrotune` binary on the fixtures.
+// Each test file uses its own subset.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+
+/// The repository's `tests/fixtures`.
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// Runs `ferrotune args...` in `cwd` with `env` added (later pairs win).
+pub fn ferrotune(args: &[impl AsRef<OsStr>], cwd: &Path, env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotune"));
+    cmd.args(args).current_dir(cwd);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run ferrotune")
+}
+
+/// stdout then stderr, for assertion messages.
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A fresh, empty `ferrotune-{group}-{name}-{pid}` folder under the temp dir.
+pub fn tmpdir(group: &str, name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrotune-{group}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Every tensor of a safetensors file.
+pub fn load(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The objects of a `metrics.jsonl`.
+pub fn metrics_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The (step, loss, lr) of each logged step (the other values are timings).
+pub fn losses(lines: &[Value]) -> Vec<(u64, f64, f64)> {
+    lines
+        .iter()
+        .map(|v| {
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap(),
+                v["lr"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
