@@ -5,6 +5,10 @@
 //! `rope*` have none: gradients would silently stop there), plus dtype/device parsing shared by the
 //! CLI and the recipes.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::{adamw_step, AdamWStep};
 pub mod device;
 pub mod frozen;
 pub mod fused;
@@ -12,7 +16,7 @@ pub mod ops;
 pub mod quant;
 
 pub use candle_core::{DType, Device, Tensor};
-pub use device::{parse_device, parse_dtype};
+pub use device::{parse_device, parse_dtype, peak_memory_bytes, reset_peak_memory};
 
 /// Pins the CPU thread count once, for the whole process.
 ///

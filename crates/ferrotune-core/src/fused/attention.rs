@@ -57,6 +57,10 @@ pub fn attention(
     }
     // Empty tensors gain nothing from the kernel (and would give it zero-sized blocks).
     let empty = q.elem_count() == 0 || k.elem_count() == 0;
+    #[cfg(feature = "cuda")]
+    if !empty && crate::cuda::applies(&[q, k, v]) && mask.is_none_or(|m| m.device().is_cuda()) {
+        return crate::cuda::attention(q, k, v, mask, scale);
+    }
     if empty
         || !fused_applies(&[q, k, v])
         || mask.is_some_and(|m| !matches!(m.device(), Device::Cpu))
@@ -118,6 +122,34 @@ fn composite(
     crate::ops::softmax_last_dim(&scores)?
         .matmul(&v.contiguous()?)?
         .reshape((b, nh, t, hd))
+}
+
+/// Keys each query row can see (`(first, last + 1)` per row), shared by the kernels that read them.
+type VisibleKeys = std::sync::Arc<Vec<(usize, usize)>>;
+
+/// Key ranges of masks whose builder registered them (see [`register_mask_rows`]), newest last.
+static MASK_ROWS: std::sync::Mutex<Vec<(candle_core::TensorId, VisibleKeys)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Registers, for an additive mask `[b or 1, 1, t, s]` built by the caller, the keys each query
+/// row can see: `rows[i] = (first, last + 1)` over every batch row, or `(0, s)` when row `i` sees
+/// no key in some batch row. Kernels that skip masked keys then need not read the mask back from
+/// the device. The last few registrations are kept.
+pub fn register_mask_rows(mask: &Tensor, rows: Vec<(usize, usize)>) {
+    let mut reg = MASK_ROWS.lock().unwrap_or_else(|e| e.into_inner());
+    if reg.len() >= 8 {
+        reg.remove(0);
+    }
+    reg.push((mask.id(), std::sync::Arc::new(rows)));
+}
+
+/// The rows registered for `mask` by [`register_mask_rows`], if any.
+pub fn registered_mask_rows(mask: &Tensor) -> Option<VisibleKeys> {
+    let reg = MASK_ROWS.lock().unwrap_or_else(|e| e.into_inner());
+    reg.iter()
+        .rev()
+        .find(|(id, _)| *id == mask.id())
+        .map(|(_, r)| r.clone())
 }
 
 /// Query rows per block: one block's scores (`BLOCK × s` floats) stay in cache.

@@ -43,7 +43,11 @@ pub fn linear_cross_entropy_sum(
             targets.len()
         );
     }
-    if !fused_applies(&[hidden, weight]) {
+    #[cfg(feature = "cuda")]
+    let on_gpu = crate::cuda::applies(&[hidden, weight]);
+    #[cfg(not(feature = "cuda"))]
+    let on_gpu = false;
+    if !on_gpu && !fused_applies(&[hidden, weight]) {
         let logits = hidden.matmul(&weight.t()?)?;
         return super::cross_entropy_sum(&logits, targets, ignore_index);
     }
@@ -58,6 +62,13 @@ pub fn linear_cross_entropy_sum(
         rows.push((i, t as usize));
     }
     let count = rows.len();
+    #[cfg(feature = "cuda")]
+    if on_gpu {
+        return Ok((
+            crate::cuda::linear_cross_entropy_sum(hidden, weight, &rows)?,
+            count,
+        ));
+    }
     if weight.track_op() {
         // A trained head (full fine-tuning): the weight's gradient is formed in the same pass.
         let op = TrainedLinearCrossEntropy {

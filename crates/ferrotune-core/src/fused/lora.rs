@@ -42,6 +42,10 @@ pub fn lora_linear(
     let frozen = !weight.track_op() && bias.is_none_or(|t| !t.track_op());
     let mut all = vec![x, weight, a, b];
     all.extend(bias);
+    #[cfg(feature = "cuda")]
+    if frozen && x.elem_count() > 0 && crate::cuda::applies(&all) {
+        return crate::cuda::lora_linear(x, weight, bias, a, b, scale);
+    }
     if !frozen || !fused_applies(&all) {
         let base = crate::ops::linear(x, weight, bias)?;
         let lora = crate::ops::linear(&crate::ops::linear(x, a, None)?, b, None)?;

@@ -22,6 +22,10 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset_one: bool) -> Resu
             x.dims()
         );
     }
+    #[cfg(feature = "cuda")]
+    if x.elem_count() > 0 && crate::cuda::applies(&[x, weight]) {
+        return crate::cuda::rms_norm(x, weight, eps, offset_one);
+    }
     if x.elem_count() == 0 || !fused_applies(&[x, weight]) {
         return crate::ops::rms_norm(x, weight, eps, offset_one);
     }

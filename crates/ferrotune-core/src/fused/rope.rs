@@ -24,6 +24,14 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if rot > d || rot % 2 != 0 {
         bail!("rope: rotary dimension {rot} must be even and at most the head dimension {d}");
     }
+    #[cfg(feature = "cuda")]
+    if x.elem_count() > 0
+        && crate::cuda::applies(&[x])
+        && cos.device().is_cuda()
+        && sin.device().is_cuda()
+    {
+        return crate::cuda::rope(x, cos, sin);
+    }
     if x.elem_count() == 0 || !fused_applies(&[x, cos, sin]) {
         return crate::ops::apply_rope(x, cos, sin);
     }

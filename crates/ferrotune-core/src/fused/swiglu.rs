@@ -29,6 +29,10 @@ pub fn swiglu(gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
             up.dims()
         );
     }
+    #[cfg(feature = "cuda")]
+    if gate.elem_count() > 0 && crate::cuda::applies(&[gate, up]) {
+        return crate::cuda::swiglu(gate, up, act);
+    }
     if gate.elem_count() == 0 || !fused_applies(&[gate, up]) {
         let a = match act {
             GatedAct::Silu => gate.silu()?,

@@ -1,0 +1,412 @@
+//! Attention on the GPU in chunks of query rows: `S = Q Kᵀ` and `P V` run on cuBLAS (tensor cores)
+//! and a kernel forms the softmax, so only one chunk's `[heads, chunk, keys]` scores exist at a
+//! time. The forward keeps each row's softmax statistics; the backward recomputes a chunk's
+//! probabilities from it (FlashAttention's recurrence, at chunk rather than tile granularity), so
+//! memory is O(t · chunk) instead of O(t²). Keys that no query of a chunk can see (the causal
+//! future, other documents of a packed row) are left out of that chunk's GEMMs.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda::CudaStorage;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, TensorId};
+
+use super::{clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg};
+
+/// Scores per chunk (elements of `[b, heads, chunk, s]`) the chunk size aims for.
+const CHUNK_SCORES: usize = 1 << 26;
+/// Most query rows per chunk: smaller chunks skip more of the causal future.
+const MAX_CHUNK_ROWS: usize = 512;
+/// Additive mask values at or below this are "masked" (f32::MIN, bf16's minimum, −∞).
+const MASKED: f32 = -1e30;
+
+/// One chunk: query positions `r0 .. r0 + rows`, keys `ks .. ks + len`.
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    r0: usize,
+    rows: usize,
+    ks: usize,
+    len: usize,
+}
+
+/// The mask as the kernels read it (f32, `[mb, t, s]`) and the chunks it allows.
+struct Plan {
+    mask: Option<Tensor>,
+    /// Elements between two batch rows of the mask (0: one mask for the whole batch).
+    mask_bstride: usize,
+    chunks: Vec<Chunk>,
+}
+
+/// The last plan, reused while the same mask tensor comes back (every layer of a forward pass,
+/// and the backward, share one mask).
+static PLAN_CACHE: Mutex<Option<CachedPlan>> = Mutex::new(None);
+
+/// A plan with what it was made for: the mask's id and `[b, heads, t, s]`.
+type CachedPlan = (TensorId, [usize; 4], Arc<Plan>);
+
+/// Query rows per chunk; `FERROTUNE_ATTN_CHUNK_ROWS` overrides the choice (for measuring it).
+fn chunk_rows(b: usize, nh: usize, t: usize, s: usize) -> usize {
+    let rows = std::env::var("FERROTUNE_ATTN_CHUNK_ROWS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or_else(|| (CHUNK_SCORES / (b * nh * s).max(1)).clamp(16, MAX_CHUNK_ROWS));
+    rows.clamp(1, t.max(1))
+}
+
+fn plan(mask: Option<&Tensor>, b: usize, nh: usize, t: usize, s: usize) -> Result<Arc<Plan>> {
+    let rows = chunk_rows(b, nh, t, s);
+    let starts = (0..t).step_by(rows).map(|r0| (r0, rows.min(t - r0)));
+    let Some(mask) = mask else {
+        return Ok(Arc::new(Plan {
+            mask: None,
+            mask_bstride: 0,
+            chunks: starts
+                .map(|(r0, rows)| Chunk {
+                    r0,
+                    rows,
+                    ks: 0,
+                    len: s,
+                })
+                .collect(),
+        }));
+    };
+    let key = [b, nh, t, s];
+    if let Some((id, k, p)) = PLAN_CACHE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+    {
+        if *id == mask.id() && *k == key {
+            return Ok(p.clone());
+        }
+    }
+    let id = mask.id();
+    let mask_in = mask.clone();
+    let (mb, _, mt, ms) = mask.dims4()?;
+    if mt != t || ms != s {
+        bail!("attention: mask {:?} does not fit [{t}, {s}]", mask.dims());
+    }
+    let mask = mask.to_dtype(DType::F32)?.contiguous()?;
+    // Which keys each query row can see: registered by the mask's builder, or else read back
+    // (one copy to the host per distinct mask).
+    let rows_seen = match crate::fused::registered_mask_rows(&mask_in) {
+        Some(r) if r.len() == t => r.as_ref().clone(),
+        _ => {
+            let host: Vec<f32> = mask.flatten_all()?.to_vec1()?;
+            let mut seen = vec![(usize::MAX, 0usize); t];
+            for bi in 0..mb {
+                for (q, (f, l)) in seen.iter_mut().enumerate() {
+                    let row = &host[(bi * t + q) * s..(bi * t + q + 1) * s];
+                    let (a, z) = match row.iter().position(|&m| m > MASKED) {
+                        Some(a) => (a, row.iter().rposition(|&m| m > MASKED).unwrap_or(a) + 1),
+                        // A row that sees no key keeps them all (uniform weights, as the
+                        // composite softmax gives it).
+                        None => (0, s),
+                    };
+                    *f = (*f).min(a);
+                    *l = (*l).max(z);
+                }
+            }
+            seen
+        }
+    };
+    let chunks = starts
+        .map(|(r0, rows)| {
+            let ks = rows_seen[r0..r0 + rows]
+                .iter()
+                .map(|r| r.0)
+                .min()
+                .unwrap_or(0);
+            let ke = rows_seen[r0..r0 + rows]
+                .iter()
+                .map(|r| r.1)
+                .max()
+                .unwrap_or(s);
+            let (ks, ke) = if ks < ke && ke <= s { (ks, ke) } else { (0, s) };
+            Chunk {
+                r0,
+                rows,
+                ks,
+                len: ke - ks,
+            }
+        })
+        .collect();
+    let p = Arc::new(Plan {
+        mask: Some(mask.reshape((mb, t, s))?),
+        mask_bstride: if mb == 1 { 0 } else { t * s },
+        chunks,
+    });
+    *PLAN_CACHE.lock().unwrap_or_else(|e| e.into_inner()) = Some((id, key, p.clone()));
+    Ok(p)
+}
+
+/// [`crate::fused::attention`] for CUDA tensors (validated by the caller): `q` `[b, nh, t, hd]`,
+/// `k`/`v` `[b, nkv, s, hd]`, additive `mask` `[b or 1, 1, t, s]`.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, nh, t, _) = q.dims4()?;
+    let (_, _, s, _) = k.dims4()?;
+    let plan = plan(mask, b, nh, t, s)?;
+    // The computation takes contiguous copies outside the graph; the graph keeps q, k and v as
+    // given (views of the projections for k and v), so no second copy lives until backward.
+    let (out, stats) = forward(
+        &q.detach().contiguous()?,
+        &k.detach().contiguous()?,
+        &v.detach().contiguous()?,
+        &plan,
+        scale as f32,
+    )?;
+    if !(q.track_op() || k.track_op() || v.track_op()) {
+        return Ok(out);
+    }
+    let op = Attention {
+        out: Mutex::new(Some(out)),
+        stats,
+        plan,
+        scale: scale as f32,
+    };
+    q.apply_op3_arc(k, v, Arc::new(Box::new(op)))
+}
+
+/// Launches the softmax kernel over one chunk's scores `[b, nkv, rows, len]` (in place).
+fn softmax(
+    scores: &Tensor,
+    stats: &Tensor,
+    plan: &Plan,
+    c: &Chunk,
+    s: usize,
+    scale: f32,
+    recompute: bool,
+) -> Result<()> {
+    let (b, nkv, rows, len) = scores.dims4()?;
+    let dev = cuda_device(scores)?;
+    launch(
+        &dev,
+        &format!("attn_softmax_{}", suffix(scores.dtype())?),
+        (rows as u32, (b * nkv) as u32),
+        256,
+        0,
+        &[
+            Arg::Ptr(ptr(scores)?),
+            Arg::Ptr(ptr(stats)?),
+            Arg::Ptr(match &plan.mask {
+                Some(m) => ptr(m)?,
+                None => 0,
+            }),
+            Arg::I32(rows as i32),
+            Arg::I32(len as i32),
+            Arg::I32(c.rows as i32),
+            Arg::I32(c.r0 as i32),
+            Arg::I32(c.ks as i32),
+            Arg::I32(nkv as i32),
+            Arg::I32(s as i32),
+            Arg::I64(plan.mask_bstride as i64),
+            Arg::F32(scale),
+            Arg::I32(recompute as i32),
+        ],
+    )
+}
+
+/// Rows `r0 .. r0 + rows` of `x` `[b, nkv, g, t, d]` as `[b, nkv, g · rows, d]` (contiguous).
+fn rows_of(x5: &Tensor, c: &Chunk) -> Result<Tensor> {
+    let (b, nkv, g, _, d) = x5.dims5()?;
+    x5.narrow(3, c.r0, c.rows)?
+        .contiguous()?
+        .reshape((b, nkv, g * c.rows, d))
+}
+
+/// Output `[b, nh, t, hd]` and per-row softmax statistics (max, 1 / Σexp) `[b, nkv, g, t, 2]`
+/// (f32).
+fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    plan: &Plan,
+    scale: f32,
+) -> Result<(Tensor, Tensor)> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let (_, nkv, s, _) = k.dims4()?;
+    let g = nh / nkv;
+    let dev = cuda_device(q)?;
+    let q5 = q.reshape((b, nkv, g, t, hd))?;
+    let mut outs = Vec::with_capacity(plan.chunks.len());
+    let mut stats = Vec::with_capacity(plan.chunks.len());
+    for c in &plan.chunks {
+        let qc = rows_of(&q5, c)?;
+        let kc = k.narrow(2, c.ks, c.len)?.contiguous()?;
+        let vc = v.narrow(2, c.ks, c.len)?.contiguous()?;
+        let scores = qc.matmul(&kc.t()?)?;
+        let st = empty(&dev, DType::F32, (b, nkv, g * c.rows, 2))?;
+        softmax(&scores, &st, plan, c, s, scale, false)?;
+        let oc = scores.matmul(&vc)?;
+        outs.push(oc.reshape((b, nkv, g, c.rows, hd))?);
+        stats.push(st.reshape((b, nkv, g, c.rows, 2))?);
+    }
+    Ok((cat3(outs)?.reshape((b, nh, t, hd))?, cat3(stats)?))
+}
+
+/// Chunks joined along the query-position dimension (no copy for a single chunk).
+fn cat3(mut parts: Vec<Tensor>) -> Result<Tensor> {
+    if parts.len() == 1 {
+        return Ok(parts.remove(0));
+    }
+    Tensor::cat(&parts, 3)
+}
+
+/// Adds `src` `[b, nkv, len, hd]` into rows `ks .. ks + len` of the f32 accumulator
+/// `[b, nkv, s, hd]`.
+fn add_key_rows(acc: &Tensor, src: &Tensor, ks: usize) -> Result<()> {
+    let (b, nkv, s, hd) = acc.dims4()?;
+    let (_, _, len, _) = src.dims4()?;
+    let src = src.contiguous()?;
+    let inner = len * hd;
+    launch(
+        &cuda_device(acc)?,
+        &format!("add_rows_{}", suffix(src.dtype())?),
+        (stride_grid(b * nkv * inner), 1),
+        256,
+        0,
+        &[
+            Arg::Ptr(ptr(acc)?),
+            Arg::Ptr(ptr(&src)?),
+            Arg::I32((b * nkv) as i32),
+            Arg::I64(inner as i64),
+            Arg::I64((s * hd) as i64),
+            Arg::I64((ks * hd) as i64),
+        ],
+    )
+}
+
+struct Attention {
+    /// The output, computed before the op was attached to the graph; handed over by `cuda_fwd`.
+    out: Mutex<Option<Tensor>>,
+    stats: Tensor,
+    plan: Arc<Plan>,
+    scale: f32,
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "cuda-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("attention: the CUDA kernel was given CPU tensors")
+    }
+
+    fn cuda_fwd(
+        &self,
+        _q: &CudaStorage,
+        _ql: &Layout,
+        _k: &CudaStorage,
+        _kl: &Layout,
+        _v: &CudaStorage,
+        _vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = self.out.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(out) = out else {
+            bail!("attention: forward ran twice")
+        };
+        Ok((clone_storage(&out)?, out.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (q, k, v, out) = (
+            q.detach().contiguous()?,
+            k.detach().contiguous()?,
+            v.detach().contiguous()?,
+            out.detach(),
+        );
+        let (b, nh, t, hd) = q.dims4()?;
+        let (_, nkv, s, _) = k.dims4()?;
+        let g = nh / nkv;
+        let dtype = q.dtype();
+        let dev = cuda_device(&q)?;
+        let dout = dout.detach().to_dtype(dtype)?.contiguous()?;
+        // D = rowsum(dO ⊙ O), the softmax backward's per-row term.
+        let out = out.contiguous()?;
+        let d_rows = empty(&dev, DType::F32, (b, nkv, g, t))?;
+        launch(
+            &dev,
+            &format!("row_dot_{}", suffix(dtype)?),
+            ((b * nh * t).div_ceil(8) as u32, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr(&dout)?),
+                Arg::Ptr(ptr(&out)?),
+                Arg::Ptr(ptr(&d_rows)?),
+                Arg::I64((b * nh * t) as i64),
+                Arg::I32(hd as i32),
+            ],
+        )?;
+        let q5 = q.reshape((b, nkv, g, t, hd))?;
+        let do5 = dout.reshape((b, nkv, g, t, hd))?;
+        let dk = Tensor::zeros((b, nkv, s, hd), DType::F32, q.device())?;
+        let dv = Tensor::zeros((b, nkv, s, hd), DType::F32, q.device())?;
+        let mut dqs = Vec::with_capacity(self.plan.chunks.len());
+        for c in &self.plan.chunks {
+            let qc = rows_of(&q5, c)?;
+            let doc = rows_of(&do5, c)?;
+            let kc = k.narrow(2, c.ks, c.len)?.contiguous()?;
+            let vc = v.narrow(2, c.ks, c.len)?.contiguous()?;
+            let stats = self.stats.narrow(3, c.r0, c.rows)?.contiguous()?.reshape((
+                b,
+                nkv,
+                g * c.rows,
+                2,
+            ))?;
+            let dc = d_rows
+                .narrow(3, c.r0, c.rows)?
+                .contiguous()?
+                .reshape((b, nkv, g * c.rows))?;
+            let p = qc.matmul(&kc.t()?)?;
+            softmax(&p, &stats, &self.plan, c, s, self.scale, true)?;
+            add_key_rows(&dv, &p.t()?.matmul(&doc)?, c.ks)?;
+            let ds = doc.matmul(&vc.t()?)?;
+            let n = b * nkv * g * c.rows * c.len;
+            launch(
+                &dev,
+                &format!("attn_dsoftmax_{}", suffix(dtype)?),
+                (stride_grid(n), 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(ptr(&p)?),
+                    Arg::Ptr(ptr(&ds)?),
+                    Arg::Ptr(ptr(&dc)?),
+                    Arg::I64(n as i64),
+                    Arg::I32(c.len as i32),
+                    Arg::F32(self.scale),
+                ],
+            )?;
+            dqs.push(ds.matmul(&kc)?.reshape((b, nkv, g, c.rows, hd))?);
+            add_key_rows(&dk, &ds.t()?.matmul(&qc)?, c.ks)?;
+        }
+        let dq = cat3(dqs)?.reshape((b, nh, t, hd))?;
+        Ok((
+            Some(dq),
+            Some(dk.to_dtype(dtype)?),
+            Some(dv.to_dtype(dtype)?),
+        ))
+    }
+}

@@ -1,0 +1,436 @@
+// ferrotune's CUDA kernels: the elementwise and row-wise parts of a decoder layer (RMSNorm, RoPE,
+// gated activations, attention softmax, cross-entropy), each with its backward. The GEMMs around
+// them stay in cuBLAS (through candle). Every kernel reads and writes T (float or bf16) and computes
+// in f32; where transformers rounds an intermediate to the model dtype, the kernel rounds too
+// (`round_to<T>`), so bf16 results follow HF's arithmetic.
+//
+// Compiled to PTX by build.rs (nvcc) when the `cuda` feature is on; launched from src/cuda/*.rs with
+// raw device pointers.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float ld(const float *p, long i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16 *p, long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void st(float *p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16 *p, long i, float v) { p[i] = __float2bfloat16(v); }
+
+template <typename T> __device__ __forceinline__ float round_to(float v);
+template <> __device__ __forceinline__ float round_to<float>(float v) { return v; }
+template <> __device__ __forceinline__ float round_to<bf16>(float v) {
+  return __bfloat162float(__float2bfloat16(v));
+}
+
+// Sum / max over the block (any blockDim.x that is a multiple of 32, at most 1024). Safe to call
+// repeatedly: the leading barrier keeps a later call from overwriting a result still being read.
+__device__ float block_sum(float v) {
+  __shared__ float sh[32];
+  int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  __syncthreads();
+  if (lane == 0) sh[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    int nw = blockDim.x >> 5;
+    v = lane < nw ? sh[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  return sh[0];
+}
+
+__device__ float block_max(float v) {
+  __shared__ float sh[32];
+  int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  __syncthreads();
+  if (lane == 0) sh[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    int nw = blockDim.x >> 5;
+    v = lane < nw ? sh[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  return sh[0];
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm. Forward: one block per row. y = w * round(x * r)   (LlamaRMSNorm: normed.to(dtype) * w)
+//                                   y = x * r * (1 + w)        (Gemma, in f32, rounded once)
+// with r = 1 / sqrt(mean(x²) + eps).
+template <typename T>
+__device__ void rmsnorm_fwd(const T *x, const T *w, T *y, int h, float eps, int offset_one) {
+  long row = blockIdx.x;
+  const T *xr = x + row * h;
+  T *yr = y + row * h;
+  float ss = 0.f;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    float v = ld(xr, j);
+    ss += v * v;
+  }
+  ss = block_sum(ss);
+  float r = 1.f / sqrtf(ss / (float)h + eps);
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    float xn = ld(xr, j) * r;
+    float wj = ld(w, j);
+    st(yr, j, offset_one ? xn * (1.f + wj) : round_to<T>(xn) * wj);
+  }
+}
+
+// Backward for `rows_per_block` consecutive rows per block. dx = r·g − x·r³·Σ(g·x)/h with
+// g = dy·w (or dy·(1+w)); dw (when dw_acc is not null) = Σ_rows dy · round(x·r), accumulated in
+// shared memory (h floats of dynamic shared memory) and added to dw_acc once per block.
+template <typename T>
+__device__ void rmsnorm_bwd(const T *x, const T *w, const T *dy, T *dx, float *dw_acc, int rows,
+                            int h, float eps, int offset_one, int rows_per_block) {
+  extern __shared__ float sdw[];
+  if (dw_acc)
+    for (int j = threadIdx.x; j < h; j += blockDim.x) sdw[j] = 0.f;
+  int first = blockIdx.x * rows_per_block;
+  int last = min(rows, first + rows_per_block);
+  for (long row = first; row < last; ++row) {
+    const T *xr = x + row * h;
+    const T *dyr = dy + row * h;
+    float ss = 0.f, dot = 0.f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+      float xv = ld(xr, j);
+      float wj = ld(w, j);
+      float g = ld(dyr, j) * (offset_one ? 1.f + wj : wj);
+      ss += xv * xv;
+      dot += g * xv;
+    }
+    ss = block_sum(ss);
+    dot = block_sum(dot);
+    float r = 1.f / sqrtf(ss / (float)h + eps);
+    float c = r * r * r * dot / (float)h;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+      float xv = ld(xr, j);
+      float wj = ld(w, j);
+      float dyv = ld(dyr, j);
+      float g = dyv * (offset_one ? 1.f + wj : wj);
+      st(dx + row * h, j, r * g - xv * c);
+      if (dw_acc) sdw[j] += dyv * (offset_one ? xv * r : round_to<T>(xv * r));
+    }
+  }
+  if (dw_acc) {
+    __syncthreads();
+    for (int j = threadIdx.x; j < h; j += blockDim.x) atomicAdd(dw_acc + j, sdw[j]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gated activations: y = round(act(g)) * u (HF: act_fn(gate) * up, each op rounded to the dtype).
+// act: 0 = silu, 1 = gelu (tanh approximation), 2 = gelu (erf).
+__device__ __forceinline__ float act_fwd(float x, int act) {
+  if (act == 0) return x / (1.f + expf(-x));
+  if (act == 1) {
+    float k = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.f + tanhf(k));
+  }
+  return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
+}
+
+__device__ __forceinline__ float act_grad(float x, int act) {
+  if (act == 0) {
+    float s = 1.f / (1.f + expf(-x));
+    return s * (1.f + x * (1.f - s));
+  }
+  if (act == 1) {
+    float k = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    float t = tanhf(k);
+    return 0.5f * (1.f + t) +
+           0.5f * x * (1.f - t * t) * 0.7978845608028654f * (1.f + 3.f * 0.044715f * x * x);
+  }
+  return 0.5f * (1.f + erff(x * 0.7071067811865476f)) +
+         x * 0.3989422804014327f * expf(-0.5f * x * x);
+}
+
+template <typename T>
+__device__ void glu_fwd(const T *g, const T *u, T *y, long n, int act) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+    st(y, i, round_to<T>(act_fwd(ld(g, i), act)) * ld(u, i));
+}
+
+template <typename T>
+__device__ void glu_bwd(const T *g, const T *u, const T *dy, T *dg, T *du, long n, int act) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+    float gv = ld(g, i), uv = ld(u, i), d = ld(dy, i);
+    st(du, i, d * round_to<T>(act_fwd(gv, act)));
+    st(dg, i, d * uv * act_grad(gv, act));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE in transformers' rotate_half layout over the first `rot` features of each head (the rest
+// pass through). x, y: [b, h, t, d]; cos, sin: [cb, 1, t, rot] with cb = b or 1.
+// Forward:  y_i = x_i c_i − x_{i+H} s_i (i < H),  y_i = x_i c_i + x_{i−H} s_i (H ≤ i < rot).
+// Backward (dy → dx): dx_i = dy_i c_i + dy_{i+H} s_{i+H} (i < H), dx_i = dy_i c_i − dy_{i−H} s_{i−H}.
+// x may be strided (sb, sh, st: element strides of its batch, head and position dimensions; the
+// feature dimension is contiguous), so a `[b, t, heads, d]` projection transposed to
+// `[b, heads, t, d]` is read in place; y is contiguous `[b, heads, t, d]`.
+template <typename T>
+__device__ void rope(const T *x, const T *cs, const T *sn, T *y, long n, int heads, int t, int d,
+                     int rot, int cos_per_batch, int backward, long sb, long sh, long st_) {
+  int half = rot / 2;
+  for (long e = blockIdx.x * (long)blockDim.x + threadIdx.x; e < n; e += (long)gridDim.x * blockDim.x) {
+    int col = (int)(e % d);
+    long row = e / d;
+    int tq = (int)(row % t);
+    long hi = (row / t) % heads;
+    long bi = row / ((long)heads * t);
+    const T *xr = x + bi * sb + hi * sh + (long)tq * st_;
+    if (col >= rot) {
+      st(y, e, ld(xr, col));
+      continue;
+    }
+    long base = (cos_per_batch ? bi : 0) * (long)t * rot + (long)tq * rot;
+    float v;
+    if (!backward) {
+      if (col < half)
+        v = ld(xr, col) * ld(cs, base + col) - ld(xr, col + half) * ld(sn, base + col);
+      else
+        v = ld(xr, col) * ld(cs, base + col) + ld(xr, col - half) * ld(sn, base + col);
+    } else {
+      if (col < half)
+        v = ld(xr, col) * ld(cs, base + col) + ld(xr, col + half) * ld(sn, base + col + half);
+      else
+        v = ld(xr, col) * ld(cs, base + col) - ld(xr, col - half) * ld(sn, base + col - half);
+    }
+    st(y, e, v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention softmax over one chunk of query rows, one block per row.
+// Scores S: [bh, rows, L] (bh = batch · kv heads, rows = groups · C: query heads of one kv head
+// stacked, C query positions each, the chunk starting at query position r0), keys ks .. ks+L.
+// mask: f32 [mb, t, s] additive (null = none), mask_bstride = t·s, or 0 when one mask serves the
+// whole batch. In place: S becomes P = softmax(S·scale + mask) in T. Forward writes each row's
+// statistics (max m, 1 / Σexp) to stats[2·row]; with `recompute` it reads them instead and forms
+// P = exp(S·scale + mask − m) / Σ (the backward's recomputation). (Keeping m apart rather than
+// lse = m + log Σ keeps rows whose keys are all masked with a finite minimum exact: there
+// m ≈ −3.4e38 swallows log Σ.)
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v;
+}
+
+template <typename T>
+__device__ void attn_softmax(T *S, float *stats, const float *mask, int rows, int L, int C, int r0,
+                             int ks, int nkv, int s, long mask_bstride, float scale, int recompute) {
+  // One block per row: consecutive threads read consecutive keys (coalesced).
+  long bh = blockIdx.y;
+  int rr = blockIdx.x;
+  long bi = bh / nkv;
+  int tq = r0 + rr % C;
+  T *row = S + (bh * rows + rr) * (long)L;
+  const float *mrow = mask ? mask + bi * mask_bstride + (long)tq * s + ks : nullptr;
+  float *srow = stats + 2 * (bh * rows + rr);
+  if (recompute) {
+    float m = srow[0], inv = srow[1];
+    for (int j = threadIdx.x; j < L; j += blockDim.x) {
+      float v = ld(row, j) * scale + (mrow ? mrow[j] : 0.f);
+      st(row, j, m == -INFINITY ? 0.f : expf(v - m) * inv);
+    }
+    return;
+  }
+  float m = -INFINITY, sum = 0.f;
+  // Rows of up to PER · blockDim.x keys stay in registers: one read and one write of the scores.
+  const int PER = 16;
+  if (L <= PER * (int)blockDim.x) {
+    float vals[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      int j = threadIdx.x + k * blockDim.x;
+      float v = -INFINITY;
+      if (j < L) v = ld(row, j) * scale + (mrow ? mrow[j] : 0.f);
+      vals[k] = v;
+      m = fmaxf(m, v);
+    }
+    m = block_max(m);
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        vals[k] = expf(vals[k] - m);  // exp(−∞) = 0 for the slots past L
+        sum += vals[k];
+      }
+    }
+    sum = block_sum(sum);
+    float inv = m == -INFINITY ? 0.f : 1.f / sum;  // every key masked with −∞: zero weights
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      int j = threadIdx.x + k * blockDim.x;
+      if (j < L) st(row, j, vals[k] * inv);
+    }
+    if (threadIdx.x == 0) {
+      srow[0] = m;
+      srow[1] = inv;
+    }
+    return;
+  }
+  for (int j = threadIdx.x; j < L; j += blockDim.x)
+    m = fmaxf(m, ld(row, j) * scale + (mrow ? mrow[j] : 0.f));
+  m = block_max(m);
+  if (m != -INFINITY)
+    for (int j = threadIdx.x; j < L; j += blockDim.x)
+      sum += expf(ld(row, j) * scale + (mrow ? mrow[j] : 0.f) - m);
+  sum = block_sum(sum);
+  float inv = m == -INFINITY ? 0.f : 1.f / sum;
+  for (int j = threadIdx.x; j < L; j += blockDim.x)
+    st(row, j, m == -INFINITY ? 0.f : expf(ld(row, j) * scale + (mrow ? mrow[j] : 0.f) - m) * inv);
+  if (threadIdx.x == 0) {
+    srow[0] = m;
+    srow[1] = inv;
+  }
+}
+
+// dS = P ⊙ (dP − D) · scale, in place over dP, elementwise over n = rows · L entries; D (one per
+// row, f32) = rowsum(dO ⊙ O).
+template <typename T>
+__device__ void attn_dsoftmax(const T *P, T *dP, const float *D, long n, int L, float scale) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+    st(dP, i, ld(P, i) * (ld(dP, i) - D[n < 2147483647L ? (long)((unsigned)i / (unsigned)L) : i / L]) * scale);
+}
+
+// D[r] = Σ_j dO[r][j] · O[r][j] over rows of width d, one warp per row.
+template <typename T>
+__device__ void row_dot(const T *a, const T *b, float *out, long rows, int d) {
+  int lane = threadIdx.x & 31;
+  long r = blockIdx.x * (long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  float acc = 0.f;
+  for (int j = lane; j < d; j += 32) acc += ld(a, r * d + j) * ld(b, r * d + j);
+  acc = warp_sum(acc);
+  if (lane == 0) out[r] = acc;
+}
+
+// dst[b][off + i] += src[b][i] for b < nb, i < inner (dst f32 with row stride dst_stride, src T
+// contiguous): accumulates a key range's dK/dV into the full-length f32 accumulator.
+template <typename T>
+__device__ void add_rows(float *dst, const T *src, int nb, long inner, long dst_stride, long off) {
+  long n = nb * inner;
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+    long b = i / inner, j = i % inner;
+    dst[b * dst_stride + off + j] += ld(src, i);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy over rows of logits [rows, V] (in place): loss[r] = lse − logit[target], and the
+// logits become dlogits = softmax − onehot(target), the gradient of the summed loss (PyTorch's
+// F.cross_entropy(logits.float(), reduction="sum"): statistics in f32, gradient cast to T).
+template <typename T>
+__device__ void ce_fwd_bwd(T *logits, const uint32_t *targets, float *loss, int V) {
+  long r = blockIdx.x;
+  T *row = logits + r * (long)V;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, ld(row, j));
+  m = block_max(m);
+  float sum = 0.f;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) sum += expf(ld(row, j) - m);
+  sum = block_sum(sum);
+  float lse = m + logf(sum);
+  int tgt = (int)targets[r];
+  float tl = ld(row, tgt);  // read by every thread before any thread writes the row
+  __syncthreads();
+  if (threadIdx.x == 0) loss[r] = lse - tl;
+  for (int j = threadIdx.x; j < V; j += blockDim.x)
+    st(row, j, expf(ld(row, j) - lse) - (j == tgt ? 1.f : 0.f));
+}
+
+// out[r][j] += bias[j] for rows × cols (a linear layer's bias).
+template <typename T>
+__device__ void bias_add(T *out, const T *bias, long rows, int cols) {
+  long n = rows * cols;
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+    st(out, i, ld(out, i) + ld(bias, i % cols));
+}
+
+// ---------------------------------------------------------------------------------------------
+// One AdamW step (torch.optim.AdamW's single-tensor arithmetic, with lerp's weight < 0.5 branch)
+// on the f32 parameter p32, its moments m and v, and the gradient g (in T, times grad_scale);
+// p_out (when not null) receives the result rounded to T (the model's bf16 copy of a parameter
+// whose f32 master is p32).
+template <typename T>
+__device__ void adamw(float *p32, T *p_out, const T *g, float *m, float *v, long n, float grad_scale,
+                      float decay, float omb1, float b2, float omb2, float bc2_sqrt, float eps,
+                      float neg_step) {
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+    float x = p32[i] * decay;
+    float gi = ld(g, i) * grad_scale;
+    float mi = m[i] + (gi - m[i]) * omb1;
+    float vi = v[i] * b2 + (gi * omb2) * gi;
+    float denom = sqrtf(vi) / bc2_sqrt + eps;
+    x = x + (mi * neg_step) / denom;
+    p32[i] = x;
+    m[i] = mi;
+    v[i] = vi;
+    if (p_out) st(p_out, i, x);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+#define FOR_TYPES(X) X(float, f32) X(bf16, bf16)
+
+#define EXPORT(T, SUF)                                                                              \
+  extern "C" __global__ void rmsnorm_fwd_##SUF(const T *x, const T *w, T *y, int h, float eps,      \
+                                             int offset_one) {                                    \
+    rmsnorm_fwd<T>(x, w, y, h, eps, offset_one);                                                  \
+  }                                                                                               \
+  extern "C" __global__ void rmsnorm_bwd_##SUF(const T *x, const T *w, const T *dy, T *dx,          \
+                                             float *dw_acc, int rows, int h, float eps,           \
+                                             int offset_one, int rows_per_block) {                \
+    rmsnorm_bwd<T>(x, w, dy, dx, dw_acc, rows, h, eps, offset_one, rows_per_block);               \
+  }                                                                                               \
+  extern "C" __global__ void glu_fwd_##SUF(const T *g, const T *u, T *y, long n, int act) {         \
+    glu_fwd<T>(g, u, y, n, act);                                                                  \
+  }                                                                                               \
+  extern "C" __global__ void glu_bwd_##SUF(const T *g, const T *u, const T *dy, T *dg, T *du,       \
+                                         long n, int act) {                                       \
+    glu_bwd<T>(g, u, dy, dg, du, n, act);                                                         \
+  }                                                                                               \
+  extern "C" __global__ void rope_##SUF(const T *x, const T *c, const T *s, T *y, long n, int heads, \
+                                      int t, int d, int rot, int cos_per_batch, int backward,     \
+                                      long sb, long sh, long st_) {                               \
+    rope<T>(x, c, s, y, n, heads, t, d, rot, cos_per_batch, backward, sb, sh, st_);               \
+  }                                                                                               \
+  extern "C" __global__ void attn_softmax_##SUF(T *S, float *lse, const float *mask, int rows,      \
+                                              int L, int C, int r0, int ks, int nkv, int s,       \
+                                              long mask_bstride, float scale, int recompute) {    \
+    attn_softmax<T>(S, lse, mask, rows, L, C, r0, ks, nkv, s, mask_bstride, scale, recompute);    \
+  }                                                                                               \
+  extern "C" __global__ void attn_dsoftmax_##SUF(const T *P, T *dP, const float *D, long n,        \
+                                               int L, float scale) {                              \
+    attn_dsoftmax<T>(P, dP, D, n, L, scale);                                                      \
+  }                                                                                               \
+  extern "C" __global__ void row_dot_##SUF(const T *a, const T *b, float *out, long rows, int d) { \
+    row_dot<T>(a, b, out, rows, d);                                                               \
+  }                                                                                               \
+  extern "C" __global__ void add_rows_##SUF(float *dst, const T *src, int nb, long inner,           \
+                                          long dst_stride, long off) {                            \
+    add_rows<T>(dst, src, nb, inner, dst_stride, off);                                            \
+  }                                                                                               \
+  extern "C" __global__ void ce_fwd_bwd_##SUF(T *logits, const uint32_t *targets, float *loss,      \
+                                            int V) {                                              \
+    ce_fwd_bwd<T>(logits, targets, loss, V);                                                      \
+  }                                                                                               \
+  extern "C" __global__ void bias_add_##SUF(T *out, const T *bias, long rows, int cols) {         \
+    bias_add<T>(out, bias, rows, cols);                                                           \
+  }                                                                                               \
+  extern "C" __global__ void adamw_##SUF(float *p32, T *p_out, const T *g, float *m, float *v,    \
+                                         long n, float grad_scale, float decay, float omb1,      \
+                                         float b2, float omb2, float bc2_sqrt, float eps,        \
+                                         float neg_step) {                                        \
+    adamw<T>(p32, p_out, g, m, v, n, grad_scale, decay, omb1, b2, omb2, bc2_sqrt, eps, neg_step); \
+  }
+
+FOR_TYPES(EXPORT)

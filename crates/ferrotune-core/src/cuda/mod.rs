@@ -1,0 +1,263 @@
+//! CUDA kernels for the parts of a decoder layer that cuBLAS does not cover, each with its
+//! backward: RMSNorm, RoPE, gated activations, attention (chunked, memory O(t · chunk) instead of
+//! O(t²)) and the output head with cross-entropy (chunked, no `[tokens, vocab]` logits held).
+//!
+//! The kernels live in `kernels.cu`, compiled to PTX by build.rs and loaded once per device. They
+//! take raw device pointers: every tensor passed is contiguous and on the one stream candle uses,
+//! so stream order alone keeps reads and writes in sequence. The public entry points are the
+//! functions of [`crate::fused`], which send f32/bf16 CUDA tensors here.
+
+mod attention;
+mod linear_ce;
+mod lora;
+mod optim;
+mod pointwise;
+
+pub(crate) use attention::attention;
+pub(crate) use linear_ce::linear_cross_entropy_sum;
+pub(crate) use lora::lora_linear;
+pub use optim::{adamw_step, AdamWStep};
+pub(crate) use pointwise::{rms_norm, rope, swiglu};
+
+use candle_core::cuda::cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Device, Layout, Result, Shape, Storage, Tensor};
+
+/// The PTX of `kernels.cu`.
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+/// Name under which the module is cached on each device.
+const MODULE: &str = "ferrotune_kernels";
+
+/// Whether every tensor is a CUDA tensor of one dtype the kernels handle (f32 or bf16).
+pub(crate) fn applies(tensors: &[&Tensor]) -> bool {
+    let Some(first) = tensors.first() else {
+        return false;
+    };
+    let dtype = first.dtype();
+    matches!(dtype, DType::F32 | DType::BF16)
+        && tensors
+            .iter()
+            .all(|t| t.dtype() == dtype && t.device().is_cuda())
+}
+
+/// Kernel-name suffix of a dtype.
+fn suffix(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        other => bail!("no CUDA kernel for {other:?}"),
+    }
+}
+
+fn cuda_device(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        other => bail!("expected a CUDA tensor, got one on {other:?}"),
+    }
+}
+
+/// Device address of the first element of a contiguous storage view.
+fn storage_ptr(storage: &CudaStorage, layout: &Layout) -> Result<u64> {
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        bail!("CUDA kernel input is not contiguous")
+    };
+    storage_ptr_at(storage, start)
+}
+
+/// Device address of element `start` of a storage (a strided view's first element).
+fn storage_ptr_at(storage: &CudaStorage, start: usize) -> Result<u64> {
+    let stream = storage.device.cuda_stream();
+    let (base, size) = match &storage.slice {
+        CudaStorageSlice::F32(s) => (s.device_ptr(&stream).0, 4),
+        CudaStorageSlice::BF16(s) => (s.device_ptr(&stream).0, 2),
+        CudaStorageSlice::U32(s) => (s.device_ptr(&stream).0, 4),
+        _ => bail!("CUDA kernel input of an unsupported dtype"),
+    };
+    Ok(base + (start * size) as u64)
+}
+
+/// Device address of the first element of a contiguous CUDA tensor. The address stays valid
+/// while the tensor lives; work queued on the stream before the tensor is dropped completes first.
+fn ptr(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        bail!("expected a CUDA tensor")
+    };
+    storage_ptr(s, layout)
+}
+
+/// Uninitialized storage of `n` elements.
+fn alloc_storage(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    // SAFETY: every caller writes all `n` elements with a kernel before the storage is read.
+    let slice = unsafe {
+        match dtype {
+            DType::F32 => CudaStorageSlice::F32(dev.alloc::<f32>(n)?),
+            DType::BF16 => CudaStorageSlice::BF16(dev.alloc::<half::bf16>(n)?),
+            DType::U32 => CudaStorageSlice::U32(dev.alloc::<u32>(n)?),
+            other => bail!("no CUDA buffer for {other:?}"),
+        }
+    };
+    Ok(CudaStorage {
+        slice,
+        device: dev.clone(),
+    })
+}
+
+/// An uninitialized tensor outside any graph (a kernel's output).
+fn empty(dev: &CudaDevice, dtype: DType, shape: impl Into<Shape>) -> Result<Tensor> {
+    let shape = shape.into();
+    let storage = alloc_storage(dev, dtype, shape.elem_count())?;
+    Ok(Tensor::from_storage(
+        Storage::Cuda(storage),
+        shape,
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+/// A copy of `t`'s storage (for custom ops whose result was computed before the op ran).
+fn clone_storage(t: &Tensor) -> Result<CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        bail!("expected a CUDA tensor")
+    };
+    s.try_clone(layout)
+}
+
+/// One kernel argument (`long` is 64-bit on the platforms CUDA supports).
+#[derive(Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// Kernel handles by (device, name): looking a function up in the module on every launch is a
+/// driver call, and decoding launches thousands of kernels per second.
+static FUNCTIONS: std::sync::Mutex<Option<FunctionCache>> = std::sync::Mutex::new(None);
+
+type FunctionCache = std::collections::HashMap<(candle_core::cuda::DeviceId, String), CudaFunction>;
+
+fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    let mut cache = FUNCTIONS.lock().unwrap_or_else(|e| e.into_inner());
+    let cache = cache.get_or_insert_with(Default::default);
+    let key = (dev.id(), name.to_string());
+    if let Some(f) = cache.get(&key) {
+        return Ok(f.clone());
+    }
+    let f = dev
+        .get_or_load_custom_func(name, MODULE, PTX)?
+        .into_cuda_function();
+    cache.insert(key, f.clone());
+    Ok(f)
+}
+
+/// Launches `name` from the module (loaded on first use).
+fn launch(
+    dev: &CudaDevice,
+    name: &str,
+    grid: (u32, u32),
+    block: u32,
+    shared_bytes: u32,
+    args: &[Arg],
+) -> Result<()> {
+    let func = function(dev, name)?;
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    for a in args {
+        match a {
+            Arg::Ptr(p) => builder.arg(p),
+            Arg::I32(v) => builder.arg(v),
+            Arg::I64(v) => builder.arg(v),
+            Arg::F32(v) => builder.arg(v),
+        };
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared_bytes,
+    };
+    // SAFETY: the argument list matches the kernel's signature in kernels.cu (checked by the
+    // GPU tests in tests/cuda_kernels.rs), and every pointer refers to a live, large enough buffer.
+    unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+    Ok(())
+}
+
+/// Grid size for a grid-stride loop over `n` elements with 256-thread blocks.
+fn stride_grid(n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, 65_535 * 16) as u32
+}
+
+/// A row-major GEMM on cuBLAS with accumulation: `C = alpha · op(A) · op(B) + beta · C`, where C
+/// is `[m, n]` (contiguous), op(A) is `[m, k]` stored as `[m, k]` (or as `[k, m]` when
+/// `a_transposed`) and op(B) is `[k, n]` stored as `[n, k]` (`b_transposed`, i.e. `A Bᵀ` with B in
+/// PyTorch's `Linear` layout) or as `[k, n]`. Pointers are to contiguous f32 or bf16 data of
+/// `dtype`; accumulation is in f32.
+///
+/// candle's matmul has no `beta`: adding a product into an existing buffer would cost a temporary
+/// and an extra pass over the output, which for LoRA's rank-r updates of `[tokens, features]`
+/// outputs is most of their cost.
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    dev: &CudaDevice,
+    dtype: DType,
+    (m, n, k): (usize, usize, usize),
+    a: u64,
+    a_transposed: bool,
+    b: u64,
+    b_transposed: bool,
+    c: u64,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    use candle_core::cuda::cudarc::cublas::{result, sys};
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let data_type = match dtype {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        other => bail!("no cuBLAS GEMM for {other:?}"),
+    };
+    // Column-major view: Cᵀ [n, m] = op(B)ᵀ [n, k] · op(A)ᵀ [k, m].
+    let (op_b, ldb) = if b_transposed {
+        (sys::cublasOperation_t::CUBLAS_OP_T, k)
+    } else {
+        (sys::cublasOperation_t::CUBLAS_OP_N, n)
+    };
+    let (op_a, lda) = if a_transposed {
+        (sys::cublasOperation_t::CUBLAS_OP_T, m)
+    } else {
+        (sys::cublasOperation_t::CUBLAS_OP_N, k)
+    };
+    let blas = dev.cublas_handle();
+    // SAFETY: the pointers address live buffers of the stated shapes on the stream cuBLAS runs
+    // on (candle's), and alpha/beta are f32 as the compute type requires.
+    unsafe {
+        result::gemm_ex(
+            *blas.handle(),
+            op_b,
+            op_a,
+            n as i32,
+            m as i32,
+            k as i32,
+            (&alpha as *const f32).cast(),
+            b as *const std::ffi::c_void,
+            data_type,
+            ldb as i32,
+            a as *const std::ffi::c_void,
+            data_type,
+            lda as i32,
+            (&beta as *const f32).cast(),
+            c as *mut std::ffi::c_void,
+            data_type,
+            n as i32,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(candle_core::Error::wrap)
+}

@@ -1,0 +1,376 @@
+//! The CUDA kernels against the CPU f32 implementation (itself tested against the composite candle
+//! formulas in fused.rs): forward values and every input gradient, on fresh random inputs, in f32
+//! (relative error ≤ 1e-5) and bf16 (≤ 1e-2). They need a GPU: built with `--features cuda`, and
+//! on a machine without one each test says so and passes without checking anything (CI tests the
+//! CPU path; these run on the GPU machine, see benchmarks/README.md).
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use ferrotune_core::fused::{self, GatedAct};
+
+/// Deterministic inputs, fresh per test.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    fn tensor(&mut self, shape: &[usize], amp: f32) -> Tensor {
+        let n = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|_| (self.uniform() * 2.0 - 1.0) * amp).collect();
+        Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+    }
+}
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("no GPU ({e}): skipped");
+            None
+        }
+    }
+}
+
+/// `‖a − b‖ / ‖b‖` over all elements, in f64.
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    let a: Vec<f32> = a
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let b: Vec<f32> = b
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(&b) {
+        assert!(x.is_finite(), "non-finite value {x}");
+        num += ((x - y) as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn tol(dtype: DType) -> f64 {
+    if dtype == DType::F32 {
+        1e-5
+    } else {
+        1e-2
+    }
+}
+
+/// Runs `f` on CPU f32 inputs and on the same inputs on the GPU in `dtype`, each time taking
+/// `Σ out ⊙ r` for a fixed random `r` as the loss, and compares the output and the gradients of
+/// the inputs listed in `trained`.
+fn check(
+    name: &str,
+    inputs: &[Tensor],
+    trained: &[bool],
+    dtype: DType,
+    gpu: &Device,
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) {
+    let run = |dev: &Device, dt: DType| -> (Tensor, Vec<Option<Tensor>>) {
+        let vars: Vec<Option<Var>> = inputs
+            .iter()
+            .zip(trained)
+            .map(|(t, &tr)| {
+                tr.then(|| {
+                    Var::from_tensor(&t.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap()
+                })
+            })
+            .collect();
+        let ts: Vec<Tensor> = inputs
+            .iter()
+            .zip(&vars)
+            .map(|(t, v)| match v {
+                Some(v) => v.as_tensor().clone(),
+                None => t.to_dtype(dt).unwrap().to_device(dev).unwrap(),
+            })
+            .collect();
+        let out = f(&ts).unwrap();
+        let r = Rng(99)
+            .tensor(out.dims(), 1.0)
+            .to_dtype(dt)
+            .unwrap()
+            .to_device(dev)
+            .unwrap();
+        let loss = (out.to_dtype(DType::F32).unwrap() * r.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let g = vars
+            .iter()
+            .map(|v| {
+                v.as_ref()
+                    .map(|v| grads.get(v.as_tensor()).expect("gradient").clone())
+            })
+            .collect();
+        (out, g)
+    };
+    let (want, want_g) = run(&Device::Cpu, DType::F32);
+    let (got, got_g) = run(gpu, dtype);
+    let e = rel(&got, &want);
+    assert!(
+        e <= tol(dtype),
+        "{name} {dtype:?}: output relative error {e}"
+    );
+    for (i, (g, w)) in got_g.iter().zip(&want_g).enumerate() {
+        if let (Some(g), Some(w)) = (g, w) {
+            let e = rel(g, w);
+            assert!(
+                e <= tol(dtype),
+                "{name} {dtype:?}: gradient {i} relative error {e}"
+            );
+        }
+    }
+    eprintln!("{name} {dtype:?}: ok");
+}
+
+const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(1);
+    for (shape, offset_one) in [
+        (vec![3, 5, 96], false),
+        (vec![64, 4096], false),
+        (vec![7, 130], true),
+    ] {
+        let h = *shape.last().unwrap();
+        let x = rng.tensor(&shape, 2.0);
+        let w = (rng.tensor(&[h], 0.5) + 1.0).unwrap();
+        for dtype in DTYPES {
+            for train_w in [false, true] {
+                check(
+                    &format!("rms_norm {shape:?} offset_one={offset_one} train_w={train_w}"),
+                    &[x.clone(), w.clone()],
+                    &[true, train_w],
+                    dtype,
+                    &gpu,
+                    &|t| fused::rms_norm(&t[0], &t[1], 1e-5, offset_one),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gated_activations_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(2);
+    let g = rng.tensor(&[4, 33, 70], 4.0);
+    let u = rng.tensor(&[4, 33, 70], 2.0);
+    for act in [GatedAct::Silu, GatedAct::GeluTanh, GatedAct::GeluErf] {
+        for dtype in DTYPES {
+            check(
+                &format!("swiglu {act:?}"),
+                &[g.clone(), u.clone()],
+                &[true, true],
+                dtype,
+                &gpu,
+                &|t| fused::swiglu(&t[0], &t[1], act),
+            );
+        }
+    }
+}
+
+#[test]
+fn rope_reads_transposed_input_in_place() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(7);
+    // q as the projection lays it out, [b, t, heads, d], viewed as [b, heads, t, d].
+    let x = rng.tensor(&[2, 7, 3, 16], 1.0);
+    let cos = rng.tensor(&[1, 1, 7, 16], 1.0);
+    let sin = rng.tensor(&[1, 1, 7, 16], 1.0);
+    for dtype in DTYPES {
+        check(
+            "rope on a transposed view",
+            &[x.clone(), cos.clone(), sin.clone()],
+            &[true, false, false],
+            dtype,
+            &gpu,
+            &|t| fused::rope(&t[0].transpose(1, 2)?, &t[1], &t[2]),
+        );
+    }
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(3);
+    // Full and partial rotary, cos/sin shared by the batch or per row.
+    for (cb, rot) in [(1, 16), (2, 16), (1, 8), (2, 10)] {
+        let x = rng.tensor(&[2, 3, 7, 16], 1.0);
+        let cos = rng.tensor(&[cb, 1, 7, rot], 1.0);
+        let sin = rng.tensor(&[cb, 1, 7, rot], 1.0);
+        for dtype in DTYPES {
+            check(
+                &format!("rope cb={cb} rot={rot}"),
+                &[x.clone(), cos.clone(), sin.clone()],
+                &[true, false, false],
+                dtype,
+                &gpu,
+                &|t| fused::rope(&t[0], &t[1], &t[2]),
+            );
+        }
+    }
+}
+
+/// Additive causal mask `[b, 1, t, s]` (queries at the end of `s` keys), with `pad` leading keys
+/// of batch row 1 masked as padding, and optionally packed documents of length `doc`. Masked
+/// entries are −3e38, finite in bf16 too (as the decoder's dtype minimum is): f32::MIN would
+/// round to −∞ in bf16, where rows with every key masked get zeros instead of uniform weights.
+fn mask(b: usize, t: usize, s: usize, pad: usize, doc: Option<usize>) -> Tensor {
+    let mut m = vec![0f32; b * t * s];
+    for bi in 0..b {
+        for q in 0..t {
+            let qpos = s - t + q;
+            for k in 0..s {
+                let masked =
+                    k > qpos || (bi == 1 && k < pad) || doc.is_some_and(|d| k / d != qpos / d);
+                if masked {
+                    m[(bi * t + q) * s + k] = -3.0e38;
+                }
+            }
+        }
+    }
+    Tensor::from_vec(m, (b, 1, t, s), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn attention_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(4);
+    // (b, nh, nkv, t, s, hd, mask): causal with padding; packed documents; several chunks
+    // (t > 256 rows); no mask; a decode step (t = 1).
+    type Case = (usize, usize, usize, usize, usize, usize, Option<Tensor>);
+    let cases: Vec<Case> = vec![
+        (2, 4, 2, 37, 37, 16, Some(mask(2, 37, 37, 5, None))),
+        (2, 4, 4, 64, 64, 32, Some(mask(2, 64, 64, 0, Some(20)))),
+        (1, 4, 1, 300, 300, 16, Some(mask(1, 300, 300, 0, None))),
+        (2, 2, 1, 9, 9, 8, None),
+        (2, 8, 2, 1, 20, 16, None),
+    ];
+    for (b, nh, nkv, t, s, hd, m) in cases {
+        let q = rng.tensor(&[b, nh, t, hd], 1.0);
+        let k = rng.tensor(&[b, nkv, s, hd], 1.0);
+        let v = rng.tensor(&[b, nkv, s, hd], 1.0);
+        for dtype in DTYPES {
+            let m = m.clone();
+            check(
+                &format!(
+                    "attention b={b} nh={nh} nkv={nkv} t={t} s={s} hd={hd} mask={}",
+                    m.is_some()
+                ),
+                &[q.clone(), k.clone(), v.clone()],
+                &[true, true, true],
+                dtype,
+                &gpu,
+                &move |ts| {
+                    let m = match &m {
+                        Some(m) => Some(m.to_dtype(ts[0].dtype())?.to_device(ts[0].device())?),
+                        None => None,
+                    };
+                    fused::attention(&ts[0], &ts[1], &ts[2], m.as_ref(), 1.0 / (hd as f64).sqrt())
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn linear_cross_entropy_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(5);
+    let (n, h, vocab) = (50, 32, 1000);
+    let x = rng.tensor(&[n, h], 1.0);
+    let w = rng.tensor(&[vocab, h], 0.5);
+    let targets: Vec<i64> = (0..n)
+        .map(|i| {
+            if i % 7 == 3 {
+                -100
+            } else {
+                ((i * 37) % vocab) as i64
+            }
+        })
+        .collect();
+    // Three chunks of rows with targets, and one chunk holding them all.
+    for chunk in ["16", "100000"] {
+        std::env::set_var("FERROTUNE_CE_CHUNK_ROWS", chunk);
+        for dtype in DTYPES {
+            for train_w in [false, true] {
+                let targets = targets.clone();
+                check(
+                    &format!("linear_cross_entropy chunk={chunk} train_w={train_w}"),
+                    &[x.clone(), w.clone()],
+                    &[true, train_w],
+                    dtype,
+                    &gpu,
+                    &move |t| {
+                        let (sum, count) =
+                            fused::linear_cross_entropy_sum(&t[0], &t[1], &targets, -100)?;
+                        assert_eq!(count, targets.iter().filter(|&&t| t != -100).count());
+                        sum.reshape(1)
+                    },
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn peak_memory_is_reported() {
+    let Some(gpu) = gpu() else { return };
+    ferrotune_core::reset_peak_memory(&gpu);
+    let t = Tensor::zeros(1 << 26, DType::F32, &gpu).unwrap();
+    gpu.synchronize().unwrap();
+    let peak = ferrotune_core::peak_memory_bytes(&gpu).expect("a GPU reports its peak");
+    assert!(
+        peak >= 1 << 28,
+        "peak {peak} below the 256 MiB just allocated"
+    );
+    drop(t);
+}
+
+#[test]
+fn lora_linear_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(6);
+    let (m, inp, out, r) = (37, 48, 80, 8);
+    let x = rng.tensor(&[m, inp], 1.0);
+    let w = rng.tensor(&[out, inp], 0.2);
+    let bias = rng.tensor(&[out], 0.5);
+    let a = rng.tensor(&[r, inp], 0.2);
+    let b = rng.tensor(&[out, r], 0.2);
+    for with_bias in [false, true] {
+        for dtype in DTYPES {
+            let (w, bias) = (w.clone(), bias.clone());
+            check(
+                &format!("lora_linear bias={with_bias}"),
+                &[x.clone(), a.clone(), b.clone()],
+                &[true, true, true],
+                dtype,
+                &gpu,
+                &move |t| {
+                    let w = w.to_dtype(t[0].dtype())?.to_device(t[0].device())?;
+                    let bias = bias.to_dtype(t[0].dtype())?.to_device(t[0].device())?;
+                    fused::lora_linear(&t[0], &w, with_bias.then_some(&bias), &t[1], &t[2], 2.0)
+                },
+            );
+        }
+    }
+}
