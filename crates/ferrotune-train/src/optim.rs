@@ -301,6 +301,80 @@ impl candle_core::InplaceOp1 for FusedAdamW<'_> {
     }
 }
 
+/// One AdamW step of a GPU parameter in a single kernel ([`ferrotune_core::adamw_step`]); `false`
+/// when it does not apply (CPU, another dtype, no gradient, `beta1` below 0.5), leaving the step
+/// to the tensor path.
+#[cfg(feature = "cuda")]
+fn gpu_step(
+    slot: &mut Slot,
+    state: &mut Option<AdamState>,
+    grads: &GradStore,
+    cfg: &AdamWConfig,
+    grad_scale: f64,
+) -> Result<bool> {
+    let Some(grad) = grads.get(slot.var.as_tensor()) else {
+        return Ok(false);
+    };
+    let dtype = slot.var.dtype();
+    let applies = grad.device().is_cuda()
+        && matches!(dtype, DType::F32 | DType::BF16)
+        && grad.dtype() == dtype
+        && slot.var.is_contiguous()
+        && (1.0 - cfg.beta1) < 0.5;
+    if !applies {
+        return Ok(false);
+    }
+    // The f32 parameter: the Var itself (same storage) or its master copy.
+    let p32 = slot.value_f32()?;
+    let st = match state {
+        Some(st) => st,
+        None => state.insert(AdamState {
+            step: 0,
+            moments: Moments::Tensors {
+                exp_avg: p32.zeros_like()?,
+                exp_avg_sq: p32.zeros_like()?,
+            },
+        }),
+    };
+    if let Moments::Host {
+        exp_avg,
+        exp_avg_sq,
+    } = &st.moments
+    {
+        st.moments = Moments::Tensors {
+            exp_avg: Tensor::from_slice(exp_avg, p32.shape(), p32.device())?,
+            exp_avg_sq: Tensor::from_slice(exp_avg_sq, p32.shape(), p32.device())?,
+        };
+    }
+    let Moments::Tensors {
+        exp_avg,
+        exp_avg_sq,
+    } = &mut st.moments
+    else {
+        unreachable!("converted above");
+    };
+    if !exp_avg.is_contiguous() || !exp_avg_sq.is_contiguous() {
+        *exp_avg = exp_avg.contiguous()?;
+        *exp_avg_sq = exp_avg_sq.contiguous()?;
+    }
+    st.step += 1;
+    // Bias corrections in f64, as torch computes them on Python floats.
+    let step = st.step as f64;
+    let s = ferrotune_core::AdamWStep {
+        grad_scale: grad_scale as f32,
+        decay: (1.0 - cfg.lr * cfg.weight_decay) as f32,
+        one_minus_beta1: (1.0 - cfg.beta1) as f32,
+        beta2: cfg.beta2 as f32,
+        one_minus_beta2: (1.0 - cfg.beta2) as f32,
+        bias_correction2_sqrt: (1.0 - cfg.beta2.powf(step)).sqrt() as f32,
+        eps: cfg.eps as f32,
+        neg_step_size: (-(cfg.lr / (1.0 - cfg.beta1.powf(step)))) as f32,
+    };
+    let model_copy = (dtype != DType::F32).then(|| slot.var.as_tensor());
+    ferrotune_core::adamw_step(&p32, model_copy, grad, exp_avg, exp_avg_sq, &s)?;
+    Ok(true)
+}
+
 /// `torch.optim.AdamW` (no amsgrad, no maximize), single-tensor arithmetic.
 pub struct AdamW {
     cfg: AdamWConfig,
@@ -344,6 +418,10 @@ impl Optimizer for AdamW {
             weight_decay,
         } = self.cfg;
         for (slot, state) in self.slots.iter_mut().zip(self.state.iter_mut()) {
+            #[cfg(feature = "cuda")]
+            if gpu_step(slot, state, grads, &self.cfg, grad_scale)? {
+                continue;
+            }
             let Some(grad) = grad_f32(grads, &slot.var)? else {
                 continue;
             };
