@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result as CResult, Tensor, Var, D};
+use candle_core::{DType, Device, DeviceLocation, Result as CResult, Tensor, Var, D};
 use ferrotune_core::quant::QuantizedMatrix;
 use ferrotune_core::{fused, ops};
 
@@ -172,7 +172,7 @@ impl KvCache {
 /// Covers plain causal batches, left-padded generation batches (padding keys masked, positions
 /// counted from each row's first real token) and packed training batches (attention only within a
 /// sample, positions restarting per sample).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AttentionLayout {
     /// Position id of each new token, `[batch][seq]`.
     pub positions: Vec<Vec<u32>>,
@@ -193,8 +193,10 @@ impl AttentionLayout {
         }
     }
 
-    /// Additive mask `[batch, 1, seq, past + seq]` (0 = attend, dtype minimum = masked), or `None`
-    /// when every query may see every key (a single decode step without padding).
+    /// Additive mask `[batch, 1, seq, past + seq]` (0 = attend, the dtype's minimum = masked, as
+    /// transformers' `finfo(dtype).min`), or `None` when every query may see every key (a single
+    /// decode step without padding). The keys each query row can see are registered with the mask
+    /// ([`fused::register_mask_rows`]) so the GPU kernels can skip the rest without reading it back.
     fn additive_mask(
         &self,
         window: Option<usize>,
@@ -205,32 +207,70 @@ impl AttentionLayout {
         let seq = self.positions.first().map_or(0, Vec::len);
         let total = self.key_valid.first().map_or(0, Vec::len);
         let past = total - seq;
-        let mut data = Vec::with_capacity(batch * seq * total);
+        let mut allowed = vec![false; batch * seq * total];
         let mut any_masked = false;
+        let mut rows_seen = vec![(usize::MAX, 0usize); seq];
         for b in 0..batch {
             let valid = &self.key_valid[b];
             let seg = self.segments.as_ref().map(|s| &s[b]);
             for i in 0..seq {
                 let q = past + i;
-                for j in 0..total {
-                    let mut ok = j <= q && valid[j];
-                    if let Some(seg) = seg {
-                        ok &= seg[j] == seg[q];
+                // Only keys in [lo, q] can be visible: causal, and within the sliding window.
+                let lo = window.map_or(0, |w| (q + 1).saturating_sub(w));
+                let row = &mut allowed[(b * seq + i) * total..][..total];
+                let (mut first, mut last) = (usize::MAX, 0);
+                for j in lo..=q.min(total - 1) {
+                    let ok = valid[j] && seg.is_none_or(|s| s[j] == s[q]);
+                    row[j] = ok;
+                    if ok {
+                        first = first.min(j);
+                        last = j + 1;
                     }
-                    if let Some(w) = window {
-                        ok &= q - j.min(q) < w;
-                    }
-                    any_masked |= !ok;
-                    data.push(if ok { 0f32 } else { f32::MIN });
+                }
+                any_masked |= !(first == 0 && last == total && row.iter().all(|&a| a));
+                let seen = &mut rows_seen[i];
+                if first == usize::MAX {
+                    // No visible key: such a row attends uniformly to all keys (the composite
+                    // softmax of an all-minimum row), so it keeps them all.
+                    *seen = (0, total);
+                } else {
+                    *seen = (seen.0.min(first), seen.1.max(last));
                 }
             }
         }
         if !any_masked {
             return Ok(None);
         }
-        Tensor::from_vec(data, (batch, 1, seq, total), device)?
-            .to_dtype(dtype)
-            .map(Some)
+        // Built in the compute dtype: half the bytes to copy for bf16, and its own minimum (f32's
+        // minimum would round to −∞ in bf16).
+        let shape = (batch, 1, seq, total);
+        let mask = match dtype {
+            DType::BF16 => {
+                let (zero, min) = (half::bf16::ZERO, half::bf16::MIN);
+                let data: Vec<half::bf16> = allowed
+                    .iter()
+                    .map(|&a| if a { zero } else { min })
+                    .collect();
+                Tensor::from_vec(data, shape, device)?
+            }
+            DType::F16 => {
+                let (zero, min) = (half::f16::ZERO, half::f16::MIN);
+                let data: Vec<half::f16> = allowed
+                    .iter()
+                    .map(|&a| if a { zero } else { min })
+                    .collect();
+                Tensor::from_vec(data, shape, device)?
+            }
+            _ => {
+                let data: Vec<f32> = allowed
+                    .iter()
+                    .map(|&a| if a { 0.0 } else { f32::MIN })
+                    .collect();
+                Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?
+            }
+        };
+        fused::register_mask_rows(&mask, rows_seen);
+        Ok(Some(mask))
     }
 }
 
@@ -287,6 +327,9 @@ pub struct CausalLm {
     device: Device,
     /// Where the parts live after [`CausalLm::dispatch`]; `None` keeps the single-device path.
     spread: Option<Arc<DeviceSpread>>,
+    /// The last layer inputs built, by layout and device: training batches of one shape share
+    /// them, so the masks are built on the host and copied to the device once, not every step.
+    inputs_cache: Arc<std::sync::Mutex<Option<(AttentionLayout, DeviceLocation, LayerInputs)>>>,
 }
 
 /// A model's placement over several devices, as [`CausalLm::dispatch`] left it.
@@ -455,6 +498,7 @@ impl CausalLm {
             dtype,
             device,
             spread: None,
+            inputs_cache: Arc::default(),
         })
     }
 
@@ -782,6 +826,23 @@ impl CausalLm {
 
     /// [`CausalLm::layer_inputs`] built on `device`.
     fn layer_inputs_on(&self, layout: &AttentionLayout, device: &Device) -> CResult<LayerInputs> {
+        let location = device.location();
+        let mut cache = self.inputs_cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((l, d, inputs)) = cache.as_ref() {
+            if *d == location && l == layout && inputs.cos.dtype() == self.dtype {
+                return Ok(inputs.clone());
+            }
+        }
+        let inputs = self.build_layer_inputs(layout, device)?;
+        *cache = Some((layout.clone(), location, inputs.clone()));
+        Ok(inputs)
+    }
+
+    fn build_layer_inputs(
+        &self,
+        layout: &AttentionLayout,
+        device: &Device,
+    ) -> CResult<LayerInputs> {
         let (cos, sin) = self.rope.cos_sin(&layout.positions, self.dtype, device)?;
         let full_mask = layout.additive_mask(None, self.dtype, device)?;
         let mut window_masks: Vec<(usize, Option<Tensor>)> = Vec::new();
@@ -894,9 +955,11 @@ impl CausalLm {
             q = fused::rms_norm(&q, qn, c.rms_norm_eps, c.norm_weight_offset_one)?;
             k = fused::rms_norm(&k, kn, c.rms_norm_eps, c.norm_weight_offset_one)?;
         }
-        let q = fused::rope(&q.transpose(1, 2)?.contiguous()?, cos, sin)?;
-        let mut k = fused::rope(&k.transpose(1, 2)?.contiguous()?, cos, sin)?;
-        let mut v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
+        // The kernels take the transposed views as they are (RoPE on the GPU reads them in place;
+        // the CPU kernels copy them), so no contiguous copy is kept in the graph here.
+        let q = fused::rope(&q.transpose(1, 2)?, cos, sin)?;
+        let mut k = fused::rope(&k.transpose(1, 2)?, cos, sin)?;
+        let mut v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
         if let Some(slot) = cache {
             if let Some((pk, pv)) = slot.as_ref() {
                 k = Tensor::cat(&[pk, &k], 2)?;
@@ -932,5 +995,78 @@ impl CausalLm {
             Activation::GeluErf => fused::GatedAct::GeluErf,
         };
         mlp.down_proj.forward(&fused::swiglu(&gate, &up, act)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two rows of four new tokens: row 0 packs two samples (2 + 2 tokens), row 1 has one
+    /// padding key in front (left padding).
+    fn packed_and_padded() -> AttentionLayout {
+        AttentionLayout {
+            positions: vec![vec![0, 1, 0, 1], vec![1, 0, 1, 2]],
+            key_valid: vec![vec![true; 4], vec![false, true, true, true]],
+            segments: Some(vec![vec![0, 0, 1, 1], vec![0, 0, 0, 0]]),
+        }
+    }
+
+    #[test]
+    fn mask_allows_exactly_causal_same_sample_real_keys_and_registers_their_ranges() {
+        let layout = packed_and_padded();
+        let mask = layout
+            .additive_mask(None, DType::F32, &Device::Cpu)
+            .unwrap()
+            .expect("masked");
+        let m: Vec<Vec<f32>> = mask.squeeze(1).unwrap().to_vec3().unwrap().concat();
+        for b in 0..2 {
+            for q in 0..4 {
+                for k in 0..4 {
+                    let seg = layout.segments.as_ref().unwrap();
+                    let ok = k <= q && layout.key_valid[b][k] && seg[b][k] == seg[b][q];
+                    let want = if ok { 0.0 } else { f32::MIN };
+                    assert_eq!(m[b * 4 + q][k], want, "batch {b} query {q} key {k}");
+                }
+            }
+        }
+        // Keys seen per query row over both batch rows: row 0 (query 0) sees key 0 in batch 0 but
+        // nothing in batch 1 (its only key is padding), so it keeps all keys.
+        let rows = ferrotune_core::fused::registered_mask_rows(&mask).expect("registered");
+        assert_eq!(rows.as_slice(), &[(0, 4), (0, 2), (1, 3), (1, 4)]);
+    }
+
+    #[test]
+    fn bf16_mask_uses_the_finite_bf16_minimum() {
+        // transformers fills with finfo(bfloat16).min; f32::MIN would round to -inf in bf16 and
+        // turn rows without a visible key into NaN instead of uniform weights.
+        let mask = packed_and_padded()
+            .additive_mask(None, DType::BF16, &Device::Cpu)
+            .unwrap()
+            .expect("masked");
+        let v: Vec<f32> = mask
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let min = half::bf16::MIN.to_f32();
+        assert!(v.iter().all(|&x| x == 0.0 || x == min), "{v:?}");
+        assert!(v.contains(&min) && v.iter().all(|x| x.is_finite()));
+    }
+
+    #[test]
+    fn no_mask_when_every_query_sees_every_key() {
+        // One decode step after two cached tokens, no padding.
+        let layout = AttentionLayout {
+            positions: vec![vec![2]],
+            key_valid: vec![vec![true; 3]],
+            segments: None,
+        };
+        assert!(layout
+            .additive_mask(None, DType::F32, &Device::Cpu)
+            .unwrap()
+            .is_none());
     }
 }

@@ -90,11 +90,16 @@ pub fn causal_lm_head_loss(
     labels: &Tensor,
     shift: bool,
 ) -> Result<LossSum> {
+    // The chunked head + cross-entropy: f32 on the CPU, f32 or bf16 on a GPU (its CUDA kernels).
+    let same_dtype = hidden.dtype() == lm_head.weight.dtype();
     let plain = lm_head.adapter.is_none()
         && lm_head.bias.is_none()
-        && hidden.device().is_cpu()
-        && hidden.dtype() == DType::F32
-        && lm_head.weight.dtype() == DType::F32;
+        && same_dtype
+        && match hidden.device() {
+            candle_core::Device::Cpu => hidden.dtype() == DType::F32,
+            candle_core::Device::Cuda(_) => matches!(hidden.dtype(), DType::F32 | DType::BF16),
+            _ => false,
+        };
     if !plain {
         return causal_lm_loss(&lm_head.forward(hidden)?, labels, shift);
     }

@@ -99,10 +99,11 @@ pub fn forward_backward(
     if !activation_checkpointing {
         let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
         let loss = causal_lm_head_loss(&hidden, &model.lm_head, &batch.labels, true)?;
-        let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let grads = loss.sum.backward()?;
         absorb(acc, &grads, params)?;
-        return Ok(value);
+        // Read after the backward is queued: reading first would make the host wait for the
+        // forward to finish on a GPU before issuing any of the backward.
+        return Ok(loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?);
     }
     let mut pass = Accumulate { model, params, acc };
     layered_forward_backward(&mut pass, batch, true)
