@@ -37,8 +37,9 @@ pub trait Collectives: Send + Sync {
 }
 
 /// The backend for `device`: TCP for the CPU, NCCL for CUDA (feature "nccl"; without it CUDA
-/// tensors travel over TCP through host memory). A single process always gets the TCP backend,
-/// which then opens no sockets. `FERROTUNE_DIST_BACKEND=tcp` forces TCP on CUDA too.
+/// tensors travel over TCP through host memory). A single process gets the TCP backend, which
+/// then opens no sockets, unless `FERROTUNE_DIST_BACKEND=nccl` asks for NCCL;
+/// `FERROTUNE_DIST_BACKEND=tcp` forces TCP on CUDA too.
 pub fn init(env: &DistEnv, store: &Store, device: &Device) -> Result<Box<dyn Collectives>> {
     if env.rank != store.rank() || env.world_size != store.world_size() {
         bail!(
@@ -63,8 +64,10 @@ pub fn init(env: &DistEnv, store: &Store, device: &Device) -> Result<Box<dyn Col
             }
         ),
     }
+    // NCCL between several GPUs; a single process uses it only when asked (to check the NCCL
+    // path against single-device training on one GPU).
     #[cfg(feature = "nccl")]
-    if device.is_cuda() && env.world_size > 1 {
+    if device.is_cuda() && (env.world_size > 1 || forced.trim() == "nccl") {
         return Ok(Box::new(nccl::NcclComm::connect(env, store, device)?));
     }
     Ok(Box::new(TcpRing::connect(env, store)?))
