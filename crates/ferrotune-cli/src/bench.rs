@@ -23,8 +23,58 @@ pub struct BenchArgs {
 
 #[derive(Subcommand)]
 enum BenchWhat {
-    /// Training steps (LoRA, or full with --full): tokens/s, step time and peak memory.
+    /// Training steps (LoRA, or full with --full): tokens/s, step time, peak memory and MFU.
     Train(TrainBenchArgs),
+    /// Greedy decoding at batch 1 through the KV cache: tokens/s against the memory-bandwidth
+    /// bound (weight bytes read per token ÷ the device's measured copy bandwidth).
+    Decode(DecodeBenchArgs),
+    /// Each kernel of a decoder layer alone, forward and forward + backward, at the shapes of
+    /// Llama-3.1-8B with `--tokens` tokens (batch 2): where a training step's time goes.
+    Ops(OpsBenchArgs),
+}
+
+#[derive(Args)]
+struct OpsBenchArgs {
+    /// Tokens per call (2 rows of tokens/2).
+    #[arg(long, default_value_t = 4096)]
+    tokens: usize,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Timed repetitions (after one warmup); the median is reported.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+}
+
+#[derive(Args)]
+struct DecodeBenchArgs {
+    /// A real model: an HF checkpoint folder or a .gguf file.
+    #[arg(long, conflicts_with = "shape", required_unless_present = "shape")]
+    model: Option<PathBuf>,
+    /// A synthetic model with random weights: llama3_1_8b, llama3_2_1b or smollm2_135m.
+    #[arg(long)]
+    shape: Option<String>,
+    /// Prompt tokens (random ids) prefilled before decoding.
+    #[arg(long, default_value_t = 128)]
+    prompt: usize,
+    /// New tokens decoded per run.
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    /// Timed runs (after one warmup run); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Print one JSON object last.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -66,6 +116,13 @@ struct TrainBenchArgs {
     /// Print one JSON object last: tokens_per_s, step_s, peak_mem_mb.
     #[arg(long)]
     json: bool,
+    /// Also time forward+backward and the optimizer step apart (synchronizing between them).
+    #[arg(long)]
+    profile: bool,
+    /// With --shape: this many decoder layers instead of the shape's (to separate per-layer
+    /// time from the embedding, head and optimizer).
+    #[arg(long)]
+    layers: Option<usize>,
 }
 
 /// Shapes of hf_lora.py: (hidden, intermediate, layers, heads, kv heads, vocab).
@@ -78,15 +135,23 @@ const SHAPES: &[(&str, [usize; 6])] = &[
 pub fn run(args: BenchArgs) -> Result<()> {
     match args.what {
         BenchWhat::Train(a) => train(a),
+        BenchWhat::Decode(a) => decode(a),
+        BenchWhat::Ops(a) => ops(a),
     }
 }
 
-fn synthetic(shape: &str, dtype: DType, device: &Device) -> Result<CausalLm> {
+fn synthetic(
+    shape: &str,
+    dtype: DType,
+    device: &Device,
+    layers: Option<usize>,
+) -> Result<CausalLm> {
     let Some((_, [h, i, l, nh, kv, v])) = SHAPES.iter().find(|(n, _)| *n == shape) else {
         let names: Vec<&str> = SHAPES.iter().map(|(n, _)| *n).collect();
         bail!("--shape {shape}: unknown (known: {})", names.join(", "));
     };
-    let (h, i, l, nh, kv, v) = (*h, *i, *l, *nh, *kv, *v);
+    let (h, i, nh, kv, v) = (*h, *i, *nh, *kv, *v);
+    let l = layers.unwrap_or(*l);
     let tied = shape == "smollm2_135m";
     let json = serde_json::json!({
         "model_type": "llama", "hidden_size": h, "intermediate_size": i,
@@ -97,8 +162,24 @@ fn synthetic(shape: &str, dtype: DType, device: &Device) -> Result<CausalLm> {
     let config = ModelConfig::from_hf_json(&json).map_err(anyhow::Error::msg)?;
     let hd = h / nh;
     let mut t = HashMap::new();
+    // Models up to 2B parameters get the same seeded weights on every device (so a GPU run's loss
+    // can be checked against the CPU's); larger ones are drawn on the device, where speed is all
+    // that is measured.
+    let params = l * (h * hd * (2 * nh + 2 * kv) + 3 * h * i) + v * h * if tied { 1 } else { 2 };
+    let rng = std::cell::RefCell::new(ferrotune_models::lora::SplitMix64::new(42));
     let rand = |shape: &[usize]| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 0.02, shape, device)?.to_dtype(dtype)?)
+        if params > 2_000_000_000 {
+            return Ok(Tensor::randn(0f32, 0.02, shape, device)?.to_dtype(dtype)?);
+        }
+        let n: usize = shape.iter().product();
+        let mut rng = rng.borrow_mut();
+        // Uniform with standard deviation 0.02.
+        let vals: Vec<f32> = (0..n)
+            .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.0693)
+            .collect();
+        Ok(Tensor::from_vec(vals, shape, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)?)
     };
     t.insert("model.embed_tokens.weight".into(), rand(&[v, h])?);
     if !tied {
@@ -131,6 +212,9 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     if a.seq == 0 || a.batch == 0 || a.steps == 0 || a.lora_rank == 0 {
         bail!("--seq, --batch, --steps and --lora-rank must be at least 1");
     }
+    if a.layers.is_some() && a.shape.is_none() {
+        bail!("--layers applies to a synthetic model (--shape) only");
+    }
     let t0 = Instant::now();
     let (mut model, what) = match (&a.model, &a.shape) {
         (Some(path), _) => {
@@ -138,7 +222,10 @@ fn train(a: TrainBenchArgs) -> Result<()> {
             let m = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &path.display().to_string())?;
             (m, path.display().to_string())
         }
-        (None, Some(shape)) => (synthetic(shape, dtype, &device)?, format!("shape {shape}")),
+        (None, Some(shape)) => (
+            synthetic(shape, dtype, &device, a.layers)?,
+            format!("shape {shape}"),
+        ),
         (None, None) => bail!("pass --model PATH or --shape NAME"),
     };
     eprintln!("loaded {what} in {:.1}s", t0.elapsed().as_secs_f64());
@@ -192,7 +279,9 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         num_targets: a.batch * (a.seq - prompt.max(1)),
         num_tokens: a.batch * a.seq,
     };
-    let mut step = |model: &CausalLm| -> Result<f64> {
+    let (mut fb_s, mut opt_s) = (0.0f64, 0.0f64);
+    let mut step = |model: &CausalLm, profile: bool| -> Result<f64> {
+        let t0 = Instant::now();
         let mut grads = empty_grads()?;
         let loss = forward_backward(
             model,
@@ -201,20 +290,36 @@ fn train(a: TrainBenchArgs) -> Result<()> {
             &mut grads,
             a.activation_checkpointing,
         )?;
+        if profile {
+            device.synchronize()?;
+            fb_s += t0.elapsed().as_secs_f64();
+        }
+        let t1 = Instant::now();
         opt.step_scaled(&grads, 1.0 / batch.num_targets as f64)?;
+        if profile {
+            device.synchronize()?;
+            opt_s += t1.elapsed().as_secs_f64();
+        }
         Ok(loss / batch.num_targets as f64)
     };
     for _ in 0..2 {
-        step(&model)?;
+        step(&model, false)?;
     }
     device.synchronize()?;
+    ferrotune_core::reset_peak_memory(&device);
     let t = Instant::now();
     let mut last = 0.0;
     for _ in 0..a.steps {
-        last = step(&model)?;
+        last = step(&model, false)?;
     }
     device.synchronize()?;
     let el = t.elapsed().as_secs_f64();
+    let peak_gpu = ferrotune_core::peak_memory_bytes(&device);
+    if a.profile {
+        for _ in 0..a.steps {
+            step(&model, true)?;
+        }
+    }
     let tokens_per_s = (a.batch * a.seq * a.steps) as f64 / el;
     let step_s = el / a.steps as f64;
     let peak = peak_rss_mb();
@@ -238,6 +343,22 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     println!("  tokens/s   {tokens_per_s:.1}");
     println!("  step       {step_s:.3} s");
     println!("  peak RSS   {peak:.0} MB");
+    if let Some(bytes) = peak_gpu {
+        println!("  peak GPU   {:.2} GiB", bytes as f64 / (1u64 << 30) as f64);
+    }
+    let flops = training_flops_per_token(&model.config, a.seq, a.full) * tokens_per_s;
+    println!("  TFLOP/s    {:.1}", flops / 1e12);
+    if let Some(peak_flops) = peak_flops(&device, dtype) {
+        println!("  MFU        {:.1}%", 100.0 * flops / peak_flops);
+    }
+    if a.profile {
+        let n = a.steps as f64;
+        println!(
+            "  profile    forward+backward {:.3} s, optimizer {:.3} s per step",
+            fb_s / n,
+            opt_s / n
+        );
+    }
     println!("  last loss  {last:.4}");
     println!(
         "  threads    {}",
@@ -246,7 +367,293 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"tokens_per_s": tokens_per_s, "step_s": step_s, "peak_mem_mb": peak})
+            serde_json::json!({"tokens_per_s": tokens_per_s, "step_s": step_s, "peak_mem_mb": peak,
+                "peak_gpu_mem_gb": peak_gpu.map(|b| b as f64 / (1u64 << 30) as f64), "loss": last})
+        );
+    }
+    Ok(())
+}
+
+/// Parameters in the matmuls a token passes through: every projection of every layer and the
+/// output head (the embedding is a lookup).
+fn matmul_params(c: &ModelConfig) -> f64 {
+    let (h, hd) = (c.hidden_size as f64, c.head_dim as f64);
+    let attn = h * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) as f64;
+    let mlp = 3.0 * h * c.intermediate_size as f64;
+    c.num_hidden_layers as f64 * (attn + mlp) + c.vocab_size as f64 * h
+}
+
+/// Training FLOPs per token: 4 × matmul parameters for LoRA (forward, and the input gradient in
+/// backward; adapters are negligible), 6 × for full fine-tuning (plus the weight gradient), and
+/// attention's `QKᵀ` and `PV` over the causal half of a `seq`-long context, three times over
+/// (forward, and two GEMMs' worth in backward).
+fn training_flops_per_token(c: &ModelConfig, seq: usize, full: bool) -> f64 {
+    let per_param = if full { 6.0 } else { 4.0 };
+    let attn_fwd = 2.0
+        * 2.0
+        * c.num_hidden_layers as f64
+        * (c.num_attention_heads * c.head_dim) as f64
+        * seq as f64
+        / 2.0;
+    per_param * matmul_params(c) + 3.0 * attn_fwd
+}
+
+/// Dense peak FLOP/s of known GPUs for the compute dtype (tensor cores for bf16/f16; f32 runs
+/// without TF32), for the MFU line.
+fn peak_flops(device: &Device, dtype: DType) -> Option<f64> {
+    let name = ferrotune_core::device::gpu_name(device)?;
+    let (half, single) = if name.contains("H100") || name.contains("H200") || name.contains("H800")
+    {
+        (989.4e12, 66.9e12)
+    } else if name.contains("A100") || name.contains("A800") {
+        (312e12, 19.5e12)
+    } else {
+        return None;
+    };
+    Some(if dtype == DType::F32 { single } else { half })
+}
+
+fn decode(a: DecodeBenchArgs) -> Result<()> {
+    let dtype = ferrotune_core::parse_dtype(&a.dtype)
+        .map_err(anyhow::Error::msg)
+        .context("--dtype")?;
+    let device = ferrotune_core::parse_device(&a.device)
+        .map_err(anyhow::Error::msg)
+        .context("--device")?;
+    if a.prompt == 0 || a.new_tokens < 2 || a.runs == 0 {
+        bail!("--prompt and --runs must be at least 1, --new-tokens at least 2");
+    }
+    let (model, what) = match (&a.model, &a.shape) {
+        (Some(path), _) => {
+            let ckpt = ferrotune_models::read_checkpoint(path, dtype, &device)?;
+            let m = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &path.display().to_string())?;
+            (m, path.display().to_string())
+        }
+        (None, Some(shape)) => (
+            synthetic(shape, dtype, &device, None)?,
+            format!("shape {shape}"),
+        ),
+        (None, None) => bail!("pass --model PATH or --shape NAME"),
+    };
+    let vocab = model.config.vocab_size as u64;
+    let mut rng = ferrotune_models::lora::SplitMix64::new(1);
+    let prompt: Vec<u32> = (0..a.prompt)
+        .map(|_| (rng.next_u64() % vocab) as u32)
+        .collect();
+    let opts = ferrotune_infer::GenerationOptions {
+        max_new_tokens: a.new_tokens,
+        sampling: Default::default(),
+        eos_token_ids: Vec::new(),
+        stop_strings: Vec::new(),
+        ignore_eos: true,
+        pad_token_id: 0,
+    };
+    let run = || -> Result<ferrotune_infer::GenerationOutput> {
+        Ok(ferrotune_infer::generate(
+            &model,
+            std::slice::from_ref(&prompt),
+            &opts,
+            &|_| String::new(),
+            &mut |_, _| {},
+        )?)
+    };
+    run()?;
+    let mut decode_tps = Vec::new();
+    let mut prefill_tps = Vec::new();
+    for _ in 0..a.runs {
+        let out = run()?;
+        decode_tps.push(out.decode_tokens_per_s);
+        prefill_tps.push(out.prefill_tokens_per_s);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let decode_tps = median(&mut decode_tps);
+    let prefill_tps = median(&mut prefill_tps);
+    // Bytes of weights read per decoded token: every matmul weight (the head included) once.
+    let weight_bytes = matmul_params(&model.config) * dtype.size_in_bytes() as f64;
+    let bandwidth = copy_bandwidth(&device)?;
+    let bound = bandwidth / weight_bytes;
+    println!(
+        "bench decode: {what}, prompt {} + {} new tokens, batch 1 ({dtype:?} on {device:?})",
+        a.prompt, a.new_tokens
+    );
+    println!("  decode     {decode_tps:.1} tokens/s");
+    println!("  prefill    {prefill_tps:.1} tokens/s");
+    println!(
+        "  bound      {bound:.1} tokens/s ({:.2} GB of weights per token, copy bandwidth {:.0} GB/s)",
+        weight_bytes / 1e9,
+        bandwidth / 1e9
+    );
+    println!("  of bound   {:.1}%", 100.0 * decode_tps / bound);
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"decode_tokens_per_s": decode_tps, "prefill_tokens_per_s": prefill_tps,
+                "bound_tokens_per_s": bound, "copy_bandwidth_gb_s": bandwidth / 1e9})
+        );
+    }
+    Ok(())
+}
+
+/// Device memory bandwidth as a copy measures it: bytes read plus bytes written per second,
+/// median of 5 timed copies of 1 GiB (256 MiB on the CPU).
+fn copy_bandwidth(device: &Device) -> Result<f64> {
+    let n = if device.is_cpu() { 1 << 26 } else { 1 << 28 };
+    let src = Tensor::ones(n, DType::F32, device)?;
+    let mut times = Vec::new();
+    for i in 0..7 {
+        device.synchronize()?;
+        let t = Instant::now();
+        let dst = src.copy()?;
+        device.synchronize()?;
+        if i >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+        drop(dst);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * (n * 4) as f64 / times[times.len() / 2])
+}
+
+/// Median seconds of `f` over `reps` runs after one warmup, synchronizing around each.
+fn median_time(device: &Device, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        device.synchronize()?;
+        let t = Instant::now();
+        f()?;
+        device.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn ops(a: OpsBenchArgs) -> Result<()> {
+    use ferrotune_core::fused;
+    let dtype = ferrotune_core::parse_dtype(&a.dtype)
+        .map_err(anyhow::Error::msg)
+        .context("--dtype")?;
+    let device = ferrotune_core::parse_device(&a.device)
+        .map_err(anyhow::Error::msg)
+        .context("--device")?;
+    if a.tokens < 2 || !a.tokens.is_multiple_of(2) {
+        bail!("--tokens must be even and at least 2");
+    }
+    let (n, t) = (a.tokens, a.tokens / 2);
+    let (h, inter, nh, nkv, hd, vocab) = (4096, 14336, 32, 8, 128, 128256);
+    let rand = |shape: &[usize], std: f64| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std as f32, shape, &device)?.to_dtype(dtype)?)
+    };
+    let var = |shape: &[usize], std: f64| -> Result<candle_core::Var> {
+        Ok(candle_core::Var::from_tensor(&rand(shape, std)?)?)
+    };
+    type OpFn<'a> = Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>;
+    let x = var(&[n, h], 1.0)?;
+    let w_gate = rand(&[inter, h], 0.02)?;
+    let norm_w = rand(&[h], 1.0)?;
+    let (la, lb) = (var(&[8, h], 0.02)?, var(&[inter, 8], 0.02)?);
+    let g = var(&[n, inter], 1.0)?;
+    let u = var(&[n, inter], 1.0)?;
+    let q = var(&[2, nh, t, hd], 1.0)?;
+    let k = var(&[2, nkv, t, hd], 1.0)?;
+    let v = var(&[2, nkv, t, hd], 1.0)?;
+    let cos = rand(&[1, 1, t, hd], 1.0)?;
+    let sin = rand(&[1, 1, t, hd], 1.0)?;
+    let causal: Vec<f32> = (0..t * t)
+        .map(|i| if i % t > i / t { f32::MIN } else { 0.0 })
+        .collect();
+    let mask = Tensor::from_vec(causal, (1, 1, t, t), &device)?.to_dtype(dtype)?;
+    let head = rand(&[vocab, h], 0.02)?;
+    let targets: Vec<i64> = (0..n).map(|i| ((i * 7919) % vocab) as i64).collect();
+    let scale = 1.0 / (hd as f64).sqrt();
+    let cases: Vec<(&str, f64, OpFn)> = vec![
+        (
+            "matmul (frozen) [n,4096]x[14336,4096]^T",
+            2.0 * (n * h * inter) as f64,
+            Box::new(|| ferrotune_core::ops::linear(x.as_tensor(), &w_gate, None)),
+        ),
+        (
+            "lora_linear r=8 4096->14336",
+            2.0 * (n * h * inter) as f64,
+            Box::new(|| {
+                fused::lora_linear(
+                    x.as_tensor(),
+                    &w_gate,
+                    None,
+                    la.as_tensor(),
+                    lb.as_tensor(),
+                    2.0,
+                )
+            }),
+        ),
+        (
+            "rms_norm [n,4096]",
+            0.0,
+            Box::new(|| fused::rms_norm(x.as_tensor(), &norm_w, 1e-5, false)),
+        ),
+        (
+            "swiglu [n,14336]",
+            0.0,
+            Box::new(|| fused::swiglu(g.as_tensor(), u.as_tensor(), fused::GatedAct::Silu)),
+        ),
+        (
+            "rope q [2,32,t,128]",
+            0.0,
+            Box::new(|| fused::rope(q.as_tensor(), &cos, &sin)),
+        ),
+        (
+            "attention causal [2,32|8,t,128]",
+            2.0 * (2 * nh * t * t * hd) as f64,
+            Box::new(|| {
+                fused::attention(
+                    q.as_tensor(),
+                    k.as_tensor(),
+                    v.as_tensor(),
+                    Some(&mask),
+                    scale,
+                )
+            }),
+        ),
+        (
+            "head + cross-entropy [n,4096]x[128256,4096]",
+            2.0 * (n * h * vocab) as f64,
+            Box::new(|| {
+                Ok(fused::linear_cross_entropy_sum(x.as_tensor(), &head, &targets, -100)?.0)
+            }),
+        ),
+    ];
+    println!(
+        "bench ops: {n} tokens ({dtype:?} on {device:?}), median of {} runs",
+        a.reps
+    );
+    println!(
+        "  {:<46} {:>10} {:>14} {:>10}",
+        "op", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s"
+    );
+    for (name, fwd_flops, f) in &cases {
+        let fwd = median_time(&device, a.reps, &mut || {
+            f()?;
+            Ok(())
+        })?;
+        let both = median_time(&device, a.reps, &mut || {
+            let out = f()?;
+            // Backward from a gradient of ones (no reduction kernel in the timing).
+            out.backward()?;
+            Ok(())
+        })?;
+        let tflops = if *fwd_flops > 0.0 {
+            format!("{:.1}", fwd_flops / fwd / 1e12)
+        } else {
+            "-".into()
+        };
+        println!(
+            "  {name:<46} {:>10.3} {:>14.3} {tflops:>10}",
+            fwd * 1e3,
+            both * 1e3
         );
     }
     Ok(())

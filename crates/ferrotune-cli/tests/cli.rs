@@ -280,3 +280,43 @@ fn bad_input_is_one_clear_error_line() {
     ]);
     assert_error(&out, &["chat template"]);
 }
+
+#[test]
+fn bench_decode_and_train_report_their_numbers() {
+    let model = fixtures().join("llama3/model");
+    let model = model.to_str().unwrap();
+    let d = last_json(&ferrotune(&[
+        "bench",
+        "decode",
+        "--model",
+        model,
+        "--prompt",
+        "5",
+        "--new-tokens",
+        "4",
+        "--runs",
+        "1",
+        "--json",
+    ]));
+    for key in [
+        "decode_tokens_per_s",
+        "prefill_tokens_per_s",
+        "bound_tokens_per_s",
+        "copy_bandwidth_gb_s",
+    ] {
+        let v = d[key].as_f64().unwrap_or(f64::NAN);
+        assert!(v.is_finite() && v > 0.0, "{key}: {d}");
+    }
+    let t = last_json(&ferrotune(&[
+        "bench", "train", "--model", model, "--seq", "8", "--batch", "2", "--steps", "1", "--json",
+    ]));
+    let loss = t["loss"].as_f64().unwrap_or(f64::NAN);
+    assert!(loss.is_finite() && loss > 0.0, "{t}");
+    assert!(t["tokens_per_s"].as_f64().unwrap() > 0.0, "{t}");
+    // On the CPU there is no GPU memory to report.
+    assert!(t["peak_gpu_mem_gb"].is_null(), "{t}");
+    assert_error(
+        &ferrotune(&["bench", "train", "--model", model, "--layers", "2"]),
+        &["--layers", "--shape"],
+    );
+}
