@@ -47,6 +47,9 @@ struct OpsBenchArgs {
     /// Timed repetitions (after one warmup); the median is reported.
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Only the ops whose name contains this text (e.g. `attention`), for a profiler.
+    #[arg(long)]
+    only: Option<String>,
 }
 
 #[derive(Args)]
@@ -635,6 +638,9 @@ fn ops(a: OpsBenchArgs) -> Result<()> {
         "op", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s"
     );
     for (name, fwd_flops, f) in &cases {
+        if a.only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
+            continue;
+        }
         let fwd = median_time(&device, a.reps, &mut || {
             f()?;
             Ok(())

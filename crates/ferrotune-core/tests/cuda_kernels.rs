@@ -374,3 +374,46 @@ fn lora_linear_matches_cpu() {
         }
     }
 }
+
+#[test]
+fn gated_lora_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(8);
+    let (b, t, inp, inter, r) = (2, 9, 48, 80, 4);
+    let x = rng.tensor(&[b, t, inp], 1.0);
+    let (wg, wu) = (
+        rng.tensor(&[inter, inp], 0.2),
+        rng.tensor(&[inter, inp], 0.2),
+    );
+    let (ag, au) = (rng.tensor(&[r, inp], 0.2), rng.tensor(&[r, inp], 0.2));
+    let (bg, bu) = (rng.tensor(&[inter, r], 0.2), rng.tensor(&[inter, r], 0.2));
+    for act in [GatedAct::Silu, GatedAct::GeluTanh] {
+        for dtype in DTYPES {
+            let (wg, wu) = (wg.clone(), wu.clone());
+            check(
+                &format!("gated_lora {act:?}"),
+                &[x.clone(), ag.clone(), bg.clone(), au.clone(), bu.clone()],
+                &[true, true, true, true, true],
+                dtype,
+                &gpu,
+                &move |t| {
+                    let wg = wg.to_dtype(t[0].dtype())?.to_device(t[0].device())?;
+                    let wu = wu.to_dtype(t[0].dtype())?.to_device(t[0].device())?;
+                    let gate = fused::LoraProjection {
+                        weight: &wg,
+                        a: &t[1],
+                        b: &t[2],
+                        scale: 2.0,
+                    };
+                    let up = fused::LoraProjection {
+                        weight: &wu,
+                        a: &t[3],
+                        b: &t[4],
+                        scale: 0.5,
+                    };
+                    fused::gated_lora(&t[0], &gate, &up, act)
+                },
+            );
+        }
+    }
+}

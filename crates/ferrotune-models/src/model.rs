@@ -43,26 +43,42 @@ impl Linear {
         }
     }
 
-    /// `x @ weight.T + bias`, plus the adapter's contribution when one is attached.
-    pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        if let Some(adapter) = &self.adapter {
-            // Training a plain LoRA adapter: base and adapter branch in one fused op.
-            let plain = adapter.dora_magnitude.is_none()
+    /// The adapter when it is a plain LoRA adapter being trained on inputs like `x` (no DoRA, no
+    /// active dropout, the input's dtype): the case the fused LoRA ops serve.
+    fn trained_plain_lora(&self, x: &Tensor) -> Option<&LoraAdapter> {
+        self.adapter.as_ref().filter(|adapter| {
+            adapter.dora_magnitude.is_none()
                 && !(adapter.training && adapter.dropout > 0.0)
                 && adapter.a.track_op()
-                && x.dtype() == adapter.a.dtype();
-            if plain {
-                return ops::linear_with(x, self.weight.dim(0)?, None, |rows| {
-                    fused::lora_linear(
-                        rows,
-                        &self.weight,
-                        self.bias.as_ref(),
-                        &adapter.a,
-                        &adapter.b,
-                        adapter.scale,
-                    )
-                });
+                && x.dtype() == adapter.a.dtype()
+        })
+    }
+
+    /// `x @ weight.T + bias`, plus the adapter's contribution when one is attached.
+    pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        if let Some(adapter) = self.trained_plain_lora(x) {
+            // Training a plain LoRA adapter: base and adapter branch in one fused op.
+            if x.device().is_cuda() {
+                // The op takes `[b, t, in]` as it is: no reshape nodes in the graph.
+                return fused::lora_linear(
+                    x,
+                    &self.weight,
+                    self.bias.as_ref(),
+                    &adapter.a,
+                    &adapter.b,
+                    adapter.scale,
+                );
             }
+            return ops::linear_with(x, self.weight.dim(0)?, None, |rows| {
+                fused::lora_linear(
+                    rows,
+                    &self.weight,
+                    self.bias.as_ref(),
+                    &adapter.a,
+                    &adapter.b,
+                    adapter.scale,
+                )
+            });
         }
         let base = self.forward_base(x)?;
         match &self.adapter {
@@ -976,6 +992,36 @@ impl CausalLm {
     }
 
     fn mlp(&self, mlp: &Mlp, x: &Tensor) -> CResult<Tensor> {
+        let act = match self.config.activation {
+            Activation::Silu => fused::GatedAct::Silu,
+            Activation::GeluTanh => fused::GatedAct::GeluTanh,
+            Activation::GeluErf => fused::GatedAct::GeluErf,
+        };
+        if let GateUpProjection::Separate { gate_proj, up_proj } = &mlp.gate_up {
+            // Training LoRA on both projections on a GPU: gate, up and the activation as one op
+            // (`fused::gated_lora`), which keeps their results out of the autograd graph.
+            if let (Some(ga), Some(ua)) = (
+                gate_proj.trained_plain_lora(x),
+                up_proj.trained_plain_lora(x),
+            ) {
+                if x.device().is_cuda() && gate_proj.bias.is_none() && up_proj.bias.is_none() {
+                    let gate = fused::LoraProjection {
+                        weight: &gate_proj.weight,
+                        a: &ga.a,
+                        b: &ga.b,
+                        scale: ga.scale,
+                    };
+                    let up = fused::LoraProjection {
+                        weight: &up_proj.weight,
+                        a: &ua.a,
+                        b: &ua.b,
+                        scale: ua.scale,
+                    };
+                    let h = fused::gated_lora(x, &gate, &up, act)?;
+                    return mlp.down_proj.forward(&h);
+                }
+            }
+        }
         let (gate, up) = match &mlp.gate_up {
             GateUpProjection::Separate { gate_proj, up_proj } => {
                 (gate_proj.forward(x)?, up_proj.forward(x)?)
@@ -988,11 +1034,6 @@ impl CausalLm {
                     gu.narrow(D::Minus1, inter, inter)?,
                 )
             }
-        };
-        let act = match self.config.activation {
-            Activation::Silu => fused::GatedAct::Silu,
-            Activation::GeluTanh => fused::GatedAct::GeluTanh,
-            Activation::GeluErf => fused::GatedAct::GeluErf,
         };
         mlp.down_proj.forward(&fused::swiglu(&gate, &up, act)?)
     }

@@ -328,10 +328,16 @@ __device__ void add_rows(float *dst, const T *src, int nb, long inner, long dst_
 // Cross-entropy over rows of logits [rows, V] (in place): loss[r] = lse − logit[target], and the
 // logits become dlogits = softmax − onehot(target), the gradient of the summed loss (PyTorch's
 // F.cross_entropy(logits.float(), reduction="sum"): statistics in f32, gradient cast to T).
+// A target of 0xFFFFFFFF marks a row without one: its loss and gradient are 0.
 template <typename T>
 __device__ void ce_fwd_bwd(T *logits, const uint32_t *targets, float *loss, int V) {
   long r = blockIdx.x;
   T *row = logits + r * (long)V;
+  if (targets[r] == 0xFFFFFFFFu) {
+    for (int j = threadIdx.x; j < V; j += blockDim.x) st(row, j, 0.f);
+    if (threadIdx.x == 0) loss[r] = 0.f;
+    return;
+  }
   float m = -INFINITY;
   for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, ld(row, j));
   m = block_max(m);
@@ -345,6 +351,14 @@ __device__ void ce_fwd_bwd(T *logits, const uint32_t *targets, float *loss, int 
   if (threadIdx.x == 0) loss[r] = lse - tl;
   for (int j = threadIdx.x; j < V; j += blockDim.x)
     st(row, j, expf(ld(row, j) - lse) - (j == tgt ? 1.f : 0.f));
+}
+
+// dst[idx[i]] = src[i] for rows of width h (rows with a target back into place among all rows).
+template <typename T>
+__device__ void scatter_rows(T *dst, const T *src, const uint32_t *idx, long m, int h) {
+  long n = m * h;
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+    dst[(long)idx[i / h] * h + i % h] = src[i];
 }
 
 // out[r][j] += bias[j] for rows × cols (a linear layer's bias).
@@ -422,6 +436,10 @@ __device__ void adamw(float *p32, T *p_out, const T *g, float *m, float *v, long
   extern "C" __global__ void ce_fwd_bwd_##SUF(T *logits, const uint32_t *targets, float *loss,      \
                                             int V) {                                              \
     ce_fwd_bwd<T>(logits, targets, loss, V);                                                      \
+  }                                                                                               \
+  extern "C" __global__ void scatter_rows_##SUF(T *dst, const T *src, const uint32_t *idx, long m, \
+                                              int h) {                                            \
+    scatter_rows<T>(dst, src, idx, m, h);                                                         \
   }                                                                                               \
   extern "C" __global__ void bias_add_##SUF(T *out, const T *bias, long rows, int cols) {         \
     bias_add<T>(out, bias, rows, cols);                                                           \

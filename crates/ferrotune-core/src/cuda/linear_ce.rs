@@ -41,22 +41,28 @@ pub(crate) fn linear_cross_entropy_sum(
     }
     let x = hidden.detach().contiguous()?;
     let w = weight.detach().contiguous()?;
-    let index = Tensor::from_vec(
-        rows.iter().map(|&(i, _)| i as u32).collect::<Vec<_>>(),
-        m,
-        hidden.device(),
-    )?;
-    let targets = Tensor::from_vec(
-        rows.iter().map(|&(_, t)| t as u32).collect::<Vec<_>>(),
-        m,
-        hidden.device(),
-    )?;
-    // Only rows with a target reach the head (prompt tokens cost nothing).
-    let xs = if m == n {
-        x.clone()
+    // Few rows without a target (the last position of each sequence): run the head over all rows
+    // and let the kernel zero those rows. Many (masked prompts): gather the rows with a target.
+    let dense = (n - m) * 4 <= n;
+    let (xs, target_ids) = if dense {
+        let mut t = vec![u32::MAX; n];
+        for &(i, tg) in rows {
+            t[i] = tg as u32;
+        }
+        (x.clone(), t)
     } else {
-        x.index_select(&index, 0)?
+        let index = Tensor::from_vec(
+            rows.iter().map(|&(i, _)| i as u32).collect::<Vec<_>>(),
+            m,
+            hidden.device(),
+        )?;
+        (
+            x.index_select(&index, 0)?,
+            rows.iter().map(|&(_, t)| t as u32).collect(),
+        )
     };
+    let m = target_ids.len();
+    let targets = Tensor::from_vec(target_ids, m, hidden.device())?;
     let losses = empty(&dev, DType::F32, m)?;
     let dw = if trained {
         Some(Tensor::zeros((vocab, h), DType::F32, hidden.device())?)
@@ -104,11 +110,35 @@ pub(crate) fn linear_cross_entropy_sum(
         }
     }
     let loss = losses.sum_all()?;
-    let dxs = Tensor::cat(&dxs, 0)?;
-    let dx = if m == n {
+    let dxs = if dxs.len() == 1 {
+        dxs.remove(0)
+    } else {
+        Tensor::cat(&dxs, 0)?
+    };
+    let dx = if dense {
         dxs
     } else {
-        Tensor::zeros((n, h), dtype, hidden.device())?.index_add(&index, &dxs, 0)?
+        let dx = Tensor::zeros((n, h), dtype, hidden.device())?;
+        let index = Tensor::from_vec(
+            rows.iter().map(|&(i, _)| i as u32).collect::<Vec<_>>(),
+            rows.len(),
+            hidden.device(),
+        )?;
+        launch(
+            &dev,
+            &format!("scatter_rows_{}", suffix(dtype)?),
+            (stride_grid(m * h), 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr(&dx)?),
+                Arg::Ptr(ptr(&dxs)?),
+                Arg::Ptr(ptr(&index)?),
+                Arg::I64(m as i64),
+                Arg::I32(h as i32),
+            ],
+        )?;
+        dx
     };
     if !hidden.track_op() && !trained {
         return Ok(loss);

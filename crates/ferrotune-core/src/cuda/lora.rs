@@ -17,7 +17,8 @@ use super::{
 };
 
 /// [`crate::fused::lora_linear`] for CUDA tensors of one dtype, frozen `weight` and `bias`:
-/// `x` `[m, in]`, `weight` `[out, in]`, `a` `[r, in]`, `b` `[out, r]`.
+/// `x` `[..., in]` (leading dimensions are rows), `weight` `[out, in]`, `a` `[r, in]`,
+/// `b` `[out, r]`.
 pub(crate) fn lora_linear(
     x: &Tensor,
     weight: &Tensor,
@@ -72,7 +73,8 @@ impl CustomOp3 for LoraOp {
     ) -> Result<(CudaStorage, Shape)> {
         let dev = &x.device;
         let dtype = x.dtype();
-        let (m, inp) = xl.shape().dims2()?;
+        let inp = *xl.shape().dims().last().unwrap_or(&0);
+        let m = xl.shape().elem_count() / inp.max(1);
         let (r, _) = al.shape().dims2()?;
         let (out, _) = self.weight.dims2()?;
         let y = alloc_storage(dev, dtype, m * out)?;
@@ -134,7 +136,9 @@ impl CustomOp3 for LoraOp {
         )?;
         let xa = Tensor::from_storage(Storage::Cuda(xa), (m, r), BackpropOp::none(), false);
         *self.xa.lock().unwrap_or_else(|e| e.into_inner()) = Some(xa);
-        Ok((y, Shape::from((m, out))))
+        let mut dims = xl.shape().dims().to_vec();
+        *dims.last_mut().expect("rank ≥ 2") = out;
+        Ok((y, Shape::from(dims)))
     }
 
     fn bwd(
@@ -151,7 +155,8 @@ impl CustomOp3 for LoraOp {
         };
         let dev = cuda_device(x)?;
         let dtype = x.dtype();
-        let (m, inp) = x.dims2()?;
+        let inp = x.dim(candle_core::D::Minus1)?;
+        let m = x.elem_count() / inp.max(1);
         let (r, _) = a.dims2()?;
         let (out, _) = b.dims2()?;
         let dy = dy.to_dtype(dtype)?.contiguous()?;
@@ -199,7 +204,7 @@ impl CustomOp3 for LoraOp {
         )?;
         // The first layers' inputs (the frozen embedding's output) need no gradient.
         let dx = if x.track_op() {
-            let dx = empty(&dev, dtype, (m, inp))?;
+            let dx = empty(&dev, dtype, x.shape())?;
             gemm(
                 &dev,
                 dtype,

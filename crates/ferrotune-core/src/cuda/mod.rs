@@ -8,16 +8,18 @@
 //! functions of [`crate::fused`], which send f32/bf16 CUDA tensors here.
 
 mod attention;
+mod gated_mlp;
 mod linear_ce;
 mod lora;
 mod optim;
 mod pointwise;
 
 pub(crate) use attention::attention;
+pub(crate) use gated_mlp::gated_lora;
 pub(crate) use linear_ce::linear_cross_entropy_sum;
 pub(crate) use lora::lora_linear;
 pub use optim::{adamw_step, AdamWStep};
-pub(crate) use pointwise::{rms_norm, rope, swiglu};
+pub(crate) use pointwise::{act_code, rms_norm, rope, swiglu};
 
 use candle_core::cuda::cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};

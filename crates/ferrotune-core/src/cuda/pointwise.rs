@@ -143,7 +143,7 @@ pub(crate) fn swiglu(gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor
         .apply_op2(&up.contiguous()?, Glu { act: act_code(act) })
 }
 
-fn act_code(act: GatedAct) -> i32 {
+pub(crate) fn act_code(act: GatedAct) -> i32 {
     match act {
         GatedAct::Silu => 0,
         GatedAct::GeluTanh => 1,

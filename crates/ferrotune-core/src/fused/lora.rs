@@ -14,10 +14,10 @@ use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Te
 use super::kernels;
 use super::{fused_applies, guard_slice, slice_of};
 
-/// `x @ weightᵀ + bias + scale · (x @ aᵀ) @ bᵀ` for `x` `[m, in]`, `weight` `[out, in]` (frozen),
-/// `a` `[r, in]`, `b` `[out, r]`: PEFT's `lora.Linear` forward without dropout. Gradients flow to
-/// `x`, `a` and `b`. Fused for f32 CPU tensors with a frozen weight and bias; composed from candle
-/// ops otherwise.
+/// `x @ weightᵀ + bias + scale · (x @ aᵀ) @ bᵀ` for `x` `[..., in]`, `weight` `[out, in]`
+/// (frozen), `a` `[r, in]`, `b` `[out, r]`: PEFT's `lora.Linear` forward without dropout; the
+/// result is `[..., out]`. Gradients flow to `x`, `a` and `b`. One op for f32 CPU tensors and for
+/// f32/bf16 CUDA tensors with a frozen weight and bias; composed from candle ops otherwise.
 pub fn lora_linear(
     x: &Tensor,
     weight: &Tensor,
@@ -26,7 +26,10 @@ pub fn lora_linear(
     b: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    let (_, inp) = x.dims2()?;
+    if x.rank() < 2 {
+        bail!("lora_linear: x {:?} needs rows and features", x.dims());
+    }
+    let inp = x.dim(candle_core::D::Minus1)?;
     let (out, win) = weight.dims2()?;
     let (r, ain) = a.dims2()?;
     let (bout, br) = b.dims2()?;
@@ -44,7 +47,16 @@ pub fn lora_linear(
     all.extend(bias);
     #[cfg(feature = "cuda")]
     if frozen && x.elem_count() > 0 && crate::cuda::applies(&all) {
+        // Any rank: the op treats the leading dimensions as rows, so the graph gets no reshape
+        // nodes (each would cost a zero-fill and an add of its gradient in the backward).
         return crate::cuda::lora_linear(x, weight, bias, a, b, scale);
+    }
+    if x.rank() > 2 {
+        let mut dims = x.dims().to_vec();
+        let rows = x.elem_count() / inp.max(1);
+        let y = lora_linear(&x.reshape((rows, inp))?, weight, bias, a, b, scale)?;
+        *dims.last_mut().expect("rank ≥ 2") = out;
+        return y.reshape(dims);
     }
     if !frozen || !fused_applies(&all) {
         let base = crate::ops::linear(x, weight, bias)?;

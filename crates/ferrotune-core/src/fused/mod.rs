@@ -32,7 +32,7 @@ pub use linear_ce::linear_cross_entropy_sum;
 pub use lora::lora_linear;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
-pub use swiglu::{swiglu, GatedAct};
+pub use swiglu::{gated_lora, swiglu, GatedAct, LoraProjection};
 
 use candle_core::{bail, DType, Device, Result, Storage, Tensor};
 

@@ -45,6 +45,59 @@ pub fn swiglu(gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
         .apply_op2(&up.contiguous()?, SwiGlu { act })
 }
 
+/// One LoRA-adapted projection of a gated MLP: the frozen weight `[inter, in]`, `lora_A`
+/// `[r, in]`, `lora_B` `[inter, r]` and the scale.
+pub struct LoraProjection<'a> {
+    pub weight: &'a Tensor,
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub scale: f64,
+}
+
+/// `act(gate(x)) ⊙ up(x)` for two LoRA-adapted projections without bias — the gated MLP of
+/// Llama-style models up to its down projection; `x` is `[..., in]`, the result `[..., inter]`.
+///
+/// On the GPU (f32/bf16, frozen weights, equal ranks) this is one op: the gate and up results
+/// are saved tensors rather than graph nodes, and `x`'s gradient is accumulated by GEMMs into
+/// one buffer. Elsewhere it is [`super::lora_linear`] twice and [`swiglu`], with the same values.
+pub fn gated_lora(
+    x: &Tensor,
+    gate: &LoraProjection<'_>,
+    up: &LoraProjection<'_>,
+    act: GatedAct,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        let all = [x, gate.weight, gate.a, gate.b, up.weight, up.a, up.b];
+        let frozen = !gate.weight.track_op() && !up.weight.track_op();
+        let shapes_fit = gate.a.dims() == up.a.dims()
+            && gate.b.dims() == up.b.dims()
+            && gate.weight.dims() == up.weight.dims()
+            && gate.weight.rank() == 2
+            && gate.a.rank() == 2
+            && x.rank() >= 2
+            && gate.weight.dim(1)? == x.dim(candle_core::D::Minus1)?
+            && gate.a.dim(1)? == gate.weight.dim(1)?
+            && gate.b.dims() == [gate.weight.dim(0)?, gate.a.dim(0)?];
+        if frozen && shapes_fit && x.elem_count() > 0 && crate::cuda::applies(&all) {
+            let a_cat = Tensor::cat(&[gate.a, up.a], 0)?;
+            let b_cat = Tensor::cat(&[gate.b, up.b], 0)?;
+            return crate::cuda::gated_lora(
+                x,
+                gate.weight,
+                up.weight,
+                &a_cat,
+                &b_cat,
+                (gate.scale, up.scale),
+                crate::cuda::act_code(act),
+            );
+        }
+    }
+    let g = super::lora_linear(x, gate.weight, None, gate.a, gate.b, gate.scale)?;
+    let u = super::lora_linear(x, up.weight, None, up.a, up.b, up.scale)?;
+    swiglu(&g, &u, act)
+}
+
 struct SwiGlu {
     act: GatedAct,
 }

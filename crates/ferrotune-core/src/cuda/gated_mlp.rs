@@ -1,0 +1,342 @@
+//! The gate and up projections of a gated MLP, both LoRA-adapted, and the activation, as one
+//! autograd op on the GPU: `act(x W_gᵀ + s_g·(x A_gᵀ) B_gᵀ) ⊙ (x W_uᵀ + s_u·(x A_uᵀ) B_uᵀ)`.
+//!
+//! As three ops, the graph holds the gate and up results as nodes, and candle's backward gives
+//! each `[tokens, intermediate]` gradient a zero-filled buffer and an add — four passes over
+//! 117 MB apiece per layer of an 8B model. Here they are plain saved tensors, and the input gets
+//! its gradient from four accumulating GEMMs into one buffer.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::CudaStorage;
+use candle_core::op::BackpropOp;
+use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+
+use super::{
+    alloc_storage, cuda_device, empty, gemm, launch, ptr, storage_ptr, stride_grid, suffix, Arg,
+};
+
+/// [`crate::fused::gated_lora`] for CUDA tensors of one dtype: `x` `[..., in]`, frozen `w_gate`
+/// and `w_up` `[inter, in]`, `a_cat` `[2r, in]` (A_g over A_u), `b_cat` `[2·inter, r]` (B_g over
+/// B_u).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gated_lora(
+    x: &Tensor,
+    w_gate: &Tensor,
+    w_up: &Tensor,
+    a_cat: &Tensor,
+    b_cat: &Tensor,
+    scales: (f64, f64),
+    act: i32,
+) -> Result<Tensor> {
+    let op = GatedLora {
+        w_gate: w_gate.contiguous()?,
+        w_up: w_up.contiguous()?,
+        scales: (scales.0 as f32, scales.1 as f32),
+        act,
+        saved: Mutex::new(None),
+    };
+    x.contiguous()?
+        .apply_op3(&a_cat.contiguous()?, &b_cat.contiguous()?, op)
+}
+
+/// What the backward needs: the gate and up results and both `x Aᵀ` (`[m, r]` each).
+struct Saved {
+    gate: Tensor,
+    up: Tensor,
+    xa_gate: Tensor,
+    xa_up: Tensor,
+}
+
+struct GatedLora {
+    w_gate: Tensor,
+    w_up: Tensor,
+    scales: (f32, f32),
+    act: i32,
+    saved: Mutex<Option<Saved>>,
+}
+
+fn wrap(s: CudaStorage, shape: (usize, usize)) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
+}
+
+impl CustomOp3 for GatedLora {
+    fn name(&self) -> &'static str {
+        "cuda-gated-lora-mlp"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("gated_lora: the CUDA kernel was given CPU tensors")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        a: &CudaStorage,
+        al: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = &x.device;
+        let dtype = x.dtype();
+        let es = dtype.size_in_bytes() as u64;
+        let inp = *xl.shape().dims().last().unwrap_or(&0);
+        let m = xl.shape().elem_count() / inp.max(1);
+        let (inter, _) = self.w_gate.dims2()?;
+        let r = al.shape().dims2()?.0 / 2;
+        let (x_p, a_p, b_p) = (
+            storage_ptr(x, xl)?,
+            storage_ptr(a, al)?,
+            storage_ptr(b, bl)?,
+        );
+        let mut parts = Vec::with_capacity(4);
+        for (w, a_off, b_off, s) in [
+            (&self.w_gate, 0u64, 0u64, self.scales.0),
+            (
+                &self.w_up,
+                (r * inp) as u64,
+                (inter * r) as u64,
+                self.scales.1,
+            ),
+        ] {
+            // y = x Wᵀ;  xa = x Aᵀ;  y += s · xa Bᵀ.
+            let y = alloc_storage(dev, dtype, m * inter)?;
+            let xa = alloc_storage(dev, dtype, m * r)?;
+            let y_p = storage_ptr(&y, &Layout::contiguous((m, inter)))?;
+            let xa_p = storage_ptr(&xa, &Layout::contiguous((m, r)))?;
+            gemm(
+                dev,
+                dtype,
+                (m, inter, inp),
+                x_p,
+                false,
+                ptr(w)?,
+                true,
+                y_p,
+                1.0,
+                0.0,
+            )?;
+            gemm(
+                dev,
+                dtype,
+                (m, r, inp),
+                x_p,
+                false,
+                a_p + a_off * es,
+                true,
+                xa_p,
+                1.0,
+                0.0,
+            )?;
+            gemm(
+                dev,
+                dtype,
+                (m, inter, r),
+                xa_p,
+                false,
+                b_p + b_off * es,
+                true,
+                y_p,
+                s,
+                1.0,
+            )?;
+            parts.push((wrap(y, (m, inter)), wrap(xa, (m, r))));
+        }
+        let (up, xa_up) = parts.pop().expect("two parts");
+        let (gate, xa_gate) = parts.pop().expect("two parts");
+        let out = alloc_storage(dev, dtype, m * inter)?;
+        let n = m * inter;
+        if n > 0 {
+            launch(
+                dev,
+                &format!("glu_fwd_{}", suffix(dtype)?),
+                (stride_grid(n), 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(ptr(&gate)?),
+                    Arg::Ptr(ptr(&up)?),
+                    Arg::Ptr(storage_ptr(&out, &Layout::contiguous((m, inter)))?),
+                    Arg::I64(n as i64),
+                    Arg::I32(self.act),
+                ],
+            )?;
+        }
+        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(Saved {
+            gate,
+            up,
+            xa_gate,
+            xa_up,
+        });
+        let mut dims = xl.shape().dims().to_vec();
+        *dims.last_mut().expect("rank ≥ 2") = inter;
+        Ok((out, Shape::from(dims)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(saved) = saved else {
+            bail!("gated_lora: backward without forward")
+        };
+        let dev = cuda_device(x)?;
+        let dtype = x.dtype();
+        let es = dtype.size_in_bytes() as u64;
+        let inp = x.dim(candle_core::D::Minus1)?;
+        let m = x.elem_count() / inp.max(1);
+        let (inter, _) = self.w_gate.dims2()?;
+        let r = a.dim(0)? / 2;
+        let dy = dy.to_dtype(dtype)?.contiguous()?;
+        let n = m * inter;
+        let dg = empty(&dev, dtype, (m, inter))?;
+        let du = empty(&dev, dtype, (m, inter))?;
+        if n > 0 {
+            launch(
+                &dev,
+                &format!("glu_bwd_{}", suffix(dtype)?),
+                (stride_grid(n), 1),
+                256,
+                0,
+                &[
+                    Arg::Ptr(ptr(&saved.gate)?),
+                    Arg::Ptr(ptr(&saved.up)?),
+                    Arg::Ptr(ptr(&dy)?),
+                    Arg::Ptr(ptr(&dg)?),
+                    Arg::Ptr(ptr(&du)?),
+                    Arg::I64(n as i64),
+                    Arg::I32(self.act),
+                ],
+            )?;
+        }
+        drop(saved.gate);
+        drop(saved.up);
+        let da = empty(&dev, dtype, (2 * r, inp))?;
+        let db = empty(&dev, dtype, (2 * inter, r))?;
+        let (x_p, a_p, b_p) = (ptr(x)?, ptr(a)?, ptr(b)?);
+        let mut dxas = Vec::with_capacity(2);
+        for (d, xa, a_off, b_off, s) in [
+            (&dg, &saved.xa_gate, 0u64, 0u64, self.scales.0),
+            (
+                &du,
+                &saved.xa_up,
+                (r * inp) as u64,
+                (inter * r) as u64,
+                self.scales.1,
+            ),
+        ] {
+            // d(xa) = s · d B;  dB = s · dᵀ xa;  dA = d(xa)ᵀ x.
+            let dxa = empty(&dev, dtype, (m, r))?;
+            let d_p = ptr(d)?;
+            gemm(
+                &dev,
+                dtype,
+                (m, r, inter),
+                d_p,
+                false,
+                b_p + b_off * es,
+                false,
+                ptr(&dxa)?,
+                s,
+                0.0,
+            )?;
+            gemm(
+                &dev,
+                dtype,
+                (inter, r, m),
+                d_p,
+                true,
+                ptr(xa)?,
+                false,
+                ptr(&db)? + b_off * es,
+                s,
+                0.0,
+            )?;
+            gemm(
+                &dev,
+                dtype,
+                (r, inp, m),
+                ptr(&dxa)?,
+                true,
+                x_p,
+                false,
+                ptr(&da)? + a_off * es,
+                1.0,
+                0.0,
+            )?;
+            dxas.push(dxa);
+        }
+        // dx = dg W_g + du W_u + d(xa_g) A_g + d(xa_u) A_u, accumulated in one buffer.
+        let dx = if x.track_op() {
+            let dx = empty(&dev, dtype, x.shape())?;
+            let dx_p = ptr(&dx)?;
+            gemm(
+                &dev,
+                dtype,
+                (m, inp, inter),
+                ptr(&dg)?,
+                false,
+                ptr(&self.w_gate)?,
+                false,
+                dx_p,
+                1.0,
+                0.0,
+            )?;
+            gemm(
+                &dev,
+                dtype,
+                (m, inp, inter),
+                ptr(&du)?,
+                false,
+                ptr(&self.w_up)?,
+                false,
+                dx_p,
+                1.0,
+                1.0,
+            )?;
+            gemm(
+                &dev,
+                dtype,
+                (m, inp, r),
+                ptr(&dxas[0])?,
+                false,
+                a_p,
+                false,
+                dx_p,
+                1.0,
+                1.0,
+            )?;
+            gemm(
+                &dev,
+                dtype,
+                (m, inp, r),
+                ptr(&dxas[1])?,
+                false,
+                a_p + (r * inp) as u64 * es,
+                false,
+                dx_p,
+                1.0,
+                1.0,
+            )?;
+            Some(dx)
+        } else {
+            None
+        };
+        Ok((dx, Some(da), Some(db)))
+    }
+}
