@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds the CUDA variant here (no GPU needed) and packs what benchmarks/gpu.sh runs on the GPU
+# machine into .gpu/ (git-ignored): the stripped, xz-compressed `ferrotune` (--features cuda),
+# the NCCL build, the GPU kernel tests, ../shared/gpu's run-on-gpu.sh and CUDA headers, the HF +
+# PEFT anchor, and a tiny model + rows for the NCCL check. Then, with the device tool:
+# run `bash .gpu/gpu.sh` carrying [".gpu"].
+# Needs the CUDA 13 toolkit: ../shared/gpu/setup-cuda13-toolkit.sh /tmp/cu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CUDA_HOME=${CUDA_HOME:-/tmp/cu/cuda13} CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+export PATH=$CUDA_HOME/bin:$PATH
+T=${CUDA_TARGET_DIR:-/tmp/target-cuda}; TN=${NCCL_TARGET_DIR:-/tmp/target-nccl}
+cargo build --release -p ferrotune-cli --features cuda --target-dir "$T"
+cargo build --release -p ferrotune-cli --features nccl --target-dir "$TN"
+tests=$(cargo test --release -p ferrotune-core --features cuda --target-dir "$T" --test cuda_kernels --no-run \
+  --message-format=json | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="cuda_kernels": print(m["executable"])' | tail -1)
+mkdir -p .gpu/nccl
+strip -o .gpu/ferrotune "$T/release/ferrotune"
+strip -o .gpu/ferrotune_nccl "$TN/release/ferrotune"
+strip -o .gpu/cuda_kernels "$tests"
+xz -T0 -6 -f .gpu/ferrotune .gpu/ferrotune_nccl .gpu/cuda_kernels
+cp ../shared/gpu/run-on-gpu.sh ../shared/gpu/cuda13-include.tar.xz ../shared/bench/hf_lora.py benchmarks/gpu.sh .gpu/
+rm -rf .gpu/nccl/model && cp -r tests/fixtures/llama3/model .gpu/nccl/model
+python3 - <<'PY'
+import json
+rows=[]
+for i in range(16):
+    n=6+(i*5)%9
+    ids=[(i*37+j*11)%500+3 for j in range(n)]
+    rows.append(json.dumps({"input_ids":ids,"labels":[-100 if j<i%3 else t for j,t in enumerate(ids)]}))
+open('.gpu/nccl/rows.jsonl','w').write("\n".join(rows)+"\n")
+PY
+cp benchmarks/gpu-nccl-config.yaml .gpu/nccl/config.yaml
+du -sh .gpu

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Everything measured on the GPU, in one call (packed by benchmarks/gpu-pack.sh, run on the GPU
+# machine from .gpu/): the GPU kernel tests; the loss of a small shape in f32 and bf16 (to set
+# beside the CPU f32 run); NCCL at world size 1 against single device (LoRA and full fine-tuning);
+# `bench ops`; ferrotune beside HF + PEFT (hf_lora.py) on the Llama-3.1-8B shape, alternating, same
+# GPU, same call; decode against the bandwidth bound; activation checkpointing and full fine-tuning
+# per layer (for docs/distributed.md). Logs go to $OUT; a short summary is printed last.
+cd "$(dirname "$0")"
+for f in ferrotune ferrotune_old cuda_kernels ferrotune_nccl; do
+  [ -f $f.xz ] || continue
+  [ -x $f ] || python3 -c "import lzma,shutil;shutil.copyfileobj(lzma.open('$f.xz'),open('$f','wb'))"; chmod +x $f
+done
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+R=./run-on-gpu.sh; F="$R ./ferrotune"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $OUT/gpu.txt
+timeout 300 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels.log 2>&1; krc=$?; echo "kernels rc=$krc" >> $OUT/kernels.log
+# A previous, already verified build (ferrotune_old.xz, if packed) when the new kernels fail.
+if [ $krc -ne 0 ] && [ -x ferrotune_old ]; then F="$R ./ferrotune_old"; echo "USING ferrotune_old" >> $OUT/kernels.log; fi
+for d in "cuda f32" "cuda bf16"; do set -- $d
+  timeout 240 $F bench train --shape smollm2_135m --device $1 --dtype $2 --seq 256 --batch 2 --steps 1 --json > $OUT/loss_lora_$1_$2.log 2>&1
+  timeout 240 $F bench train --shape smollm2_135m --full --device $1 --dtype $2 --seq 256 --batch 2 --steps 1 --json > $OUT/loss_full_$1_$2.log 2>&1
+done
+# NCCL (world size 1) against single device, LoRA and full fine-tuning, sharding full.
+if [ -x ferrotune_nccl ]; then
+  D=$PWD/nccl; sed -e "s|MODEL|$D/model|g; s|DATA|$D/rows.jsonl|g" nccl/config.yaml > /tmp/nccl_cfg.yaml
+  N="$R ./ferrotune_nccl"
+  for kind in lora full; do
+    timeout 120 $N run ${kind}_finetune_single_device --config /tmp/nccl_cfg.yaml output_dir=/tmp/n_${kind}_single > $OUT/nccl_${kind}_single.log 2>&1
+    FERROTUNE_DIST_BACKEND=nccl timeout 120 $N run ${kind}_finetune_distributed --config /tmp/nccl_cfg.yaml output_dir=/tmp/n_${kind}_dist fsdp_sharding=full > $OUT/nccl_${kind}_dist.log 2>&1
+    FERROTUNE_DIST_BACKEND=nccl timeout 120 $N run --nproc-per-node 1 ${kind}_finetune_distributed --config /tmp/nccl_cfg.yaml output_dir=/tmp/n_${kind}_dist1 fsdp_sharding=none > $OUT/nccl_${kind}_dist1.log 2>&1
+    python3 - $kind >> $OUT/nccl_compare.txt <<'PY'
+import json,sys
+k=sys.argv[1]
+def L(d):
+    try: return [json.loads(l)['loss'] for l in open(f'/tmp/n_{k}_{d}/logs/metrics.jsonl')]
+    except Exception as e: return str(e)
+s,a,b=L('single'),L('dist'),L('dist1')
+ok=lambda x: isinstance(x,list) and isinstance(s,list) and len(x)==len(s) and max(abs(p-q)/abs(q) for p,q in zip(x,s))<=1e-5
+print(k, 'steps', len(s) if isinstance(s,list) else s, 'nccl(full) equal:', ok(a), 'nccl(none,launcher) equal:', ok(b))
+print(' single', s); print(' nccl  ', a); print(' nccl1 ', b)
+PY
+    grep -h 'NCCL\|nccl\|backend' $OUT/nccl_${kind}_dist.log | head -3 >> $OUT/nccl_compare.txt
+  done
+fi
+timeout 120 $F bench ops --device cuda --dtype bf16 > $OUT/ops.log 2>&1
+for i in 1 2; do
+  timeout 200 $F bench train --shape llama3_1_8b --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 5 --json > $OUT/ft_lora_$i.log 2>&1
+  timeout 200 python3 hf_lora.py --shape llama3_1_8b --device cuda --dtype bfloat16 --seq 2048 --batch 2 > $OUT/hf_lora_$i.log 2>&1
+done
+timeout 200 $F bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 > $OUT/decode.log 2>&1
+timeout 200 $F bench train --shape llama3_1_8b --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --activation-checkpointing --json > $OUT/ft_lora_ckpt.log 2>&1
+for l in 4 8; do
+  timeout 200 $F bench train --shape llama3_1_8b --layers $l --full --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --json > $OUT/ft_full_$l.log 2>&1
+  timeout 200 $F bench train --shape llama3_1_8b --layers $l --full --activation-checkpointing --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --json > $OUT/ft_full_ckpt_$l.log 2>&1
+done
+echo "== kernels"; grep -E 'panicked|test result|rc=' -A2 $OUT/kernels.log | head -20
+echo "== losses (last loss: cuda f32 / cuda bf16; lora then full)"; for f in lora full; do grep -h 'last loss' $OUT/loss_${f}_cuda_f32.log $OUT/loss_${f}_cuda_bf16.log | paste -sd' '; done
+echo "== nccl"; cat $OUT/nccl_compare.txt 2>/dev/null | head -20
+echo "== ops"; cat $OUT/ops.log
+echo "== 8B LoRA seq 2048 batch 2 (ferrotune | HF+PEFT)"; for i in 1 2; do tail -n 1 $OUT/ft_lora_$i.log; tail -n 1 $OUT/hf_lora_$i.log; done
+echo "== decode"; grep -v '^\s*$' $OUT/decode.log | tail -n 6
+echo "== ckpt / full (layers 4, 8; plain then ckpt)"; for f in ft_lora_ckpt ft_full_4 ft_full_ckpt_4 ft_full_8 ft_full_ckpt_8; do echo "$f $(tail -n 1 $OUT/$f.log)"; done
