@@ -205,13 +205,44 @@ fn synthetic(
     Ok(CausalLm::from_tensors(config, t, shape)?)
 }
 
-fn train(a: TrainBenchArgs) -> Result<()> {
-    let dtype = ferrotune_core::parse_dtype(&a.dtype)
+/// `--device` and `--dtype` as the user wrote them.
+fn device_and_dtype(device: &str, dtype: &str) -> Result<(Device, DType)> {
+    let dtype = ferrotune_core::parse_dtype(dtype)
         .map_err(anyhow::Error::msg)
         .context("--dtype")?;
-    let device = ferrotune_core::parse_device(&a.device)
+    let device = ferrotune_core::parse_device(device)
         .map_err(anyhow::Error::msg)
         .context("--device")?;
+    Ok((device, dtype))
+}
+
+/// The model a bench runs on (`--model PATH` or `--shape NAME [--layers N]`) and how to name it.
+fn load(
+    model: &Option<PathBuf>,
+    shape: &Option<String>,
+    layers: Option<usize>,
+    dtype: DType,
+    device: &Device,
+) -> Result<(CausalLm, String)> {
+    match (model, shape) {
+        (Some(path), _) => {
+            let ckpt = ferrotune_models::read_checkpoint(path, dtype, device)?;
+            let name = path.display().to_string();
+            Ok((
+                CausalLm::from_tensors(ckpt.config, ckpt.tensors, &name)?,
+                name,
+            ))
+        }
+        (None, Some(shape)) => Ok((
+            synthetic(shape, dtype, device, layers)?,
+            format!("shape {shape}"),
+        )),
+        (None, None) => bail!("pass --model PATH or --shape NAME"),
+    }
+}
+
+fn train(a: TrainBenchArgs) -> Result<()> {
+    let (device, dtype) = device_and_dtype(&a.device, &a.dtype)?;
     if a.seq == 0 || a.batch == 0 || a.steps == 0 || a.lora_rank == 0 {
         bail!("--seq, --batch, --steps and --lora-rank must be at least 1");
     }
@@ -219,18 +250,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         bail!("--layers applies to a synthetic model (--shape) only");
     }
     let t0 = Instant::now();
-    let (mut model, what) = match (&a.model, &a.shape) {
-        (Some(path), _) => {
-            let ckpt = ferrotune_models::read_checkpoint(path, dtype, &device)?;
-            let m = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &path.display().to_string())?;
-            (m, path.display().to_string())
-        }
-        (None, Some(shape)) => (
-            synthetic(shape, dtype, &device, a.layers)?,
-            format!("shape {shape}"),
-        ),
-        (None, None) => bail!("pass --model PATH or --shape NAME"),
-    };
+    let (mut model, what) = load(&a.model, &a.shape, a.layers, dtype, &device)?;
     eprintln!("loaded {what} in {:.1}s", t0.elapsed().as_secs_f64());
     let params = if a.full {
         model.make_all_trainable()?
@@ -417,27 +437,11 @@ fn peak_flops(device: &Device, dtype: DType) -> Option<f64> {
 }
 
 fn decode(a: DecodeBenchArgs) -> Result<()> {
-    let dtype = ferrotune_core::parse_dtype(&a.dtype)
-        .map_err(anyhow::Error::msg)
-        .context("--dtype")?;
-    let device = ferrotune_core::parse_device(&a.device)
-        .map_err(anyhow::Error::msg)
-        .context("--device")?;
+    let (device, dtype) = device_and_dtype(&a.device, &a.dtype)?;
     if a.prompt == 0 || a.new_tokens < 2 || a.runs == 0 {
         bail!("--prompt and --runs must be at least 1, --new-tokens at least 2");
     }
-    let (model, what) = match (&a.model, &a.shape) {
-        (Some(path), _) => {
-            let ckpt = ferrotune_models::read_checkpoint(path, dtype, &device)?;
-            let m = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &path.display().to_string())?;
-            (m, path.display().to_string())
-        }
-        (None, Some(shape)) => (
-            synthetic(shape, dtype, &device, None)?,
-            format!("shape {shape}"),
-        ),
-        (None, None) => bail!("pass --model PATH or --shape NAME"),
-    };
+    let (model, what) = load(&a.model, &a.shape, None, dtype, &device)?;
     let vocab = model.config.vocab_size as u64;
     let mut rng = ferrotune_models::lora::SplitMix64::new(1);
     let prompt: Vec<u32> = (0..a.prompt)
@@ -537,12 +541,7 @@ fn median_time(device: &Device, reps: usize, f: &mut dyn FnMut() -> Result<()>) 
 
 fn ops(a: OpsBenchArgs) -> Result<()> {
     use ferrotune_core::fused;
-    let dtype = ferrotune_core::parse_dtype(&a.dtype)
-        .map_err(anyhow::Error::msg)
-        .context("--dtype")?;
-    let device = ferrotune_core::parse_device(&a.device)
-        .map_err(anyhow::Error::msg)
-        .context("--device")?;
+    let (device, dtype) = device_and_dtype(&a.device, &a.dtype)?;
     if a.tokens < 2 || !a.tokens.is_multiple_of(2) {
         bail!("--tokens must be even and at least 2");
     }

@@ -193,6 +193,49 @@ struct AdamState {
     moments: Moments,
 }
 
+impl AdamState {
+    /// The state of a parameter stepped with tensor moments shaped like `like` (f32, on its
+    /// device): zeros on the first step, and host moments moved over when the state was restored
+    /// for the fused CPU path but is used on the tensor (or GPU) path.
+    fn with_tensor_moments<'a>(
+        state: &'a mut Option<AdamState>,
+        like: &Tensor,
+    ) -> Result<&'a mut AdamState> {
+        let st = match state {
+            Some(st) => st,
+            None => state.insert(AdamState {
+                step: 0,
+                moments: Moments::Tensors {
+                    exp_avg: like.zeros_like()?,
+                    exp_avg_sq: like.zeros_like()?,
+                },
+            }),
+        };
+        if let Moments::Host {
+            exp_avg,
+            exp_avg_sq,
+        } = &st.moments
+        {
+            st.moments = Moments::Tensors {
+                exp_avg: Tensor::from_slice(exp_avg, like.shape(), like.device())?,
+                exp_avg_sq: Tensor::from_slice(exp_avg_sq, like.shape(), like.device())?,
+            };
+        }
+        Ok(st)
+    }
+
+    /// Both moments, after [`AdamState::with_tensor_moments`] made them tensors.
+    fn moment_tensors(&mut self) -> (&mut Tensor, &mut Tensor) {
+        match &mut self.moments {
+            Moments::Tensors {
+                exp_avg,
+                exp_avg_sq,
+            } => (exp_avg, exp_avg_sq),
+            Moments::Host { .. } => unreachable!("made tensors by with_tensor_moments"),
+        }
+    }
+}
+
 /// The running averages: device tensors, or host vectors updated in place by the fused CPU step.
 enum Moments {
     Tensors {
@@ -326,40 +369,15 @@ fn gpu_step(
     }
     // The f32 parameter: the Var itself (same storage) or its master copy.
     let p32 = slot.value_f32()?;
-    let st = match state {
-        Some(st) => st,
-        None => state.insert(AdamState {
-            step: 0,
-            moments: Moments::Tensors {
-                exp_avg: p32.zeros_like()?,
-                exp_avg_sq: p32.zeros_like()?,
-            },
-        }),
-    };
-    if let Moments::Host {
-        exp_avg,
-        exp_avg_sq,
-    } = &st.moments
-    {
-        st.moments = Moments::Tensors {
-            exp_avg: Tensor::from_slice(exp_avg, p32.shape(), p32.device())?,
-            exp_avg_sq: Tensor::from_slice(exp_avg_sq, p32.shape(), p32.device())?,
-        };
-    }
-    let Moments::Tensors {
-        exp_avg,
-        exp_avg_sq,
-    } = &mut st.moments
-    else {
-        unreachable!("converted above");
-    };
+    let st = AdamState::with_tensor_moments(state, &p32)?;
+    st.step += 1;
+    // Bias corrections in f64, as torch computes them on Python floats.
+    let step = st.step as f64;
+    let (exp_avg, exp_avg_sq) = st.moment_tensors();
     if !exp_avg.is_contiguous() || !exp_avg_sq.is_contiguous() {
         *exp_avg = exp_avg.contiguous()?;
         *exp_avg_sq = exp_avg_sq.contiguous()?;
     }
-    st.step += 1;
-    // Bias corrections in f64, as torch computes them on Python floats.
-    let step = st.step as f64;
     let s = ferrotune_core::AdamWStep {
         grad_scale: grad_scale as f32,
         decay: (1.0 - cfg.lr * cfg.weight_decay) as f32,
@@ -481,35 +499,10 @@ impl Optimizer for AdamW {
                 grad
             };
             let mut param = slot.value_f32()?;
-            let st = match state {
-                Some(st) => st,
-                None => state.insert(AdamState {
-                    step: 0,
-                    moments: Moments::Tensors {
-                        exp_avg: param.zeros_like()?,
-                        exp_avg_sq: param.zeros_like()?,
-                    },
-                }),
-            };
-            if let Moments::Host {
-                exp_avg,
-                exp_avg_sq,
-            } = &st.moments
-            {
-                // A state restored for the host path but used on the tensor path.
-                st.moments = Moments::Tensors {
-                    exp_avg: Tensor::from_slice(exp_avg, param.shape(), param.device())?,
-                    exp_avg_sq: Tensor::from_slice(exp_avg_sq, param.shape(), param.device())?,
-                };
-            }
-            let Moments::Tensors {
-                exp_avg,
-                exp_avg_sq,
-            } = &mut st.moments
-            else {
-                unreachable!("converted above");
-            };
+            let st = AdamState::with_tensor_moments(state, &param)?;
             st.step += 1;
+            let step = st.step as f64;
+            let (exp_avg, exp_avg_sq) = st.moment_tensors();
             if weight_decay != 0.0 {
                 // param.mul_(1 - lr * weight_decay)
                 param = param.affine(1.0 - lr * weight_decay, 0.0)?;
@@ -520,7 +513,6 @@ impl Optimizer for AdamW {
             *exp_avg_sq =
                 (exp_avg_sq.affine(beta2, 0.0)? + (grad.affine(1.0 - beta2, 0.0)? * &grad)?)?;
             // Bias corrections in f64, as torch computes them on Python floats.
-            let step = st.step as f64;
             let bias_correction1 = 1.0 - beta1.powf(step);
             let bias_correction2 = 1.0 - beta2.powf(step);
             let step_size = lr / bias_correction1;
