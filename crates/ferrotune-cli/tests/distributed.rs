@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 
-use common::{fixtures, load, metrics_lines, text};
+use common::{load, metrics_lines, text, write_config};
 
 fn ferrotune(args: &[String], cwd: &Path, env: &[(&str, &str)]) -> Output {
     // The ranks of a test share the machine with other tests: one thread each.
@@ -106,14 +106,18 @@ impl Case {
         let dir = tmpdir(name);
         let data = dir.join("rows.jsonl");
         write_rows(&data);
-        let model = fixtures().join(family).join("model");
-        let yaml = CONFIG
-            .replace("OUT", &dir.join("out").display().to_string())
-            .replace("MODEL", &model.display().to_string())
-            .replace("DATA", &data.display().to_string());
-        let cfg = dir.join("config.yaml");
-        std::fs::write(&cfg, yaml).unwrap();
+        let cfg = write_config(CONFIG, &dir, family, &data);
         Self { dir, cfg }
+    }
+
+    /// Runs `recipe` on one device with the global batch of 2 ranks × `batch_size: 2` into
+    /// `dir/single`, and returns that folder and its losses (the reference every test compares to).
+    fn single_device_reference(&self, recipe: &str) -> (PathBuf, Vec<(u64, f64, f64)>) {
+        let single = self.dir.join("single");
+        let o = self.run(1, recipe, &single, &["batch_size=4"], &[]);
+        assert!(o.status.success(), "{}", text(&o));
+        let want = losses(&single.join("logs/metrics.jsonl"));
+        (single, want)
     }
 
     /// `ferrotune run [--nproc-per-node N] RECIPE --config CFG output_dir=OUT extra...`.
@@ -187,16 +191,7 @@ fn assert_same_tensors(got: &Path, want: &Path, tol: f32, what: &str) {
 #[test]
 fn full_finetune_on_two_ranks_equals_one_device_in_every_sharding_mode() {
     let case = Case::new("full", "qwen2");
-    let single = case.dir.join("single");
-    let o = case.run(
-        1,
-        "full_finetune_single_device",
-        &single,
-        &["batch_size=4"],
-        &[],
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    let want = losses(&single.join("logs/metrics.jsonl"));
+    let (single, want) = case.single_device_reference("full_finetune_single_device");
     assert_eq!(
         want.len(),
         4,
@@ -262,16 +257,7 @@ fn full_finetune_on_two_ranks_equals_one_device_in_every_sharding_mode() {
 #[test]
 fn lora_finetune_on_two_ranks_equals_one_device() {
     let case = Case::new("lora", "llama3");
-    let single = case.dir.join("single");
-    let o = case.run(
-        1,
-        "lora_finetune_single_device",
-        &single,
-        &["batch_size=4"],
-        &[],
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    let want = losses(&single.join("logs/metrics.jsonl"));
+    let (single, want) = case.single_device_reference("lora_finetune_single_device");
     for mode in ["full", "grad_op", "none"] {
         let out = case.dir.join(format!("dist-{mode}"));
         let o = case.run(
@@ -299,16 +285,7 @@ fn lora_finetune_on_two_ranks_equals_one_device() {
 #[test]
 fn a_two_rank_checkpoint_resumes_on_one_device() {
     let case = Case::new("resume", "llama3");
-    let single = case.dir.join("single");
-    let o = case.run(
-        1,
-        "full_finetune_single_device",
-        &single,
-        &["batch_size=4"],
-        &[],
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    let want = losses(&single.join("logs/metrics.jsonl"));
+    let (single, want) = case.single_device_reference("full_finetune_single_device");
 
     let out = case.dir.join("mixed");
     // Two ranks for the first epoch (killed by the end of step 3, after epoch_0 is saved)…
@@ -343,16 +320,7 @@ fn a_two_rank_checkpoint_resumes_on_one_device() {
 #[test]
 fn a_one_device_checkpoint_resumes_on_two_ranks() {
     let case = Case::new("resume-up", "qwen2");
-    let single = case.dir.join("single");
-    let o = case.run(
-        1,
-        "lora_finetune_single_device",
-        &single,
-        &["batch_size=4"],
-        &[],
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    let want = losses(&single.join("logs/metrics.jsonl"));
+    let (single, want) = case.single_device_reference("lora_finetune_single_device");
 
     let out = case.dir.join("mixed");
     let o = case.run(

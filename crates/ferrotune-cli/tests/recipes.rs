@@ -84,14 +84,7 @@ dtype: fp32
 ";
 
 fn write_config(dir: &Path, family: &str, data: &Path) -> PathBuf {
-    let model = fixtures().join(family).join("model");
-    let yaml = TINY_LORA
-        .replace("OUT", &dir.join("out").display().to_string())
-        .replace("MODEL", &model.display().to_string())
-        .replace("DATA", &data.display().to_string());
-    let path = dir.join("config.yaml");
-    std::fs::write(&path, yaml).unwrap();
-    path
+    common::write_config(TINY_LORA, dir, family, data)
 }
 
 #[test]

@@ -8,23 +8,8 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use ferrotune_core::fused::{self, GatedAct};
 
-/// Deterministic inputs, fresh per test.
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    fn tensor(&mut self, shape: &[usize], amp: f32) -> Tensor {
-        let n = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| (self.uniform() * 2.0 - 1.0) * amp).collect();
-        Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
-    }
-}
+mod common;
+use common::Rng;
 
 fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {

@@ -7,24 +7,8 @@ use ferrotune_core::ops;
 
 const TOL: f32 = 1e-5;
 
-/// Deterministic inputs (candle's own RNG is unseeded).
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Values in `[-amp, amp)`.
-    fn tensor(&mut self, shape: &[usize], amp: f32) -> Tensor {
-        let n = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| (self.uniform() * 2.0 - 1.0) * amp).collect();
-        Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
-    }
-}
+mod common;
+use common::Rng;
 
 /// `max |a − b| / max |b|`.
 fn rel(a: &Tensor, b: &Tensor) -> f32 {

@@ -469,12 +469,8 @@ fn part_bytes_add_up_to_the_weights() {
 /// fast decode path and its results stay the same.
 #[test]
 fn dispatched_gguf_model_keeps_packed_copies_on_cpu_devices() {
-    let path = ferrotune_assets().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-assets.sh",
-        path.display()
-    );
+    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf")
+        .unwrap_or_else(|e| panic!("{e}"));
     let (plain, _) = load_model(&path, DType::F32, &Device::Cpu).unwrap();
     assert!(plain.linears().iter().all(|(_, l)| l.packed.is_some()));
     let (layers, root) = plain.part_bytes();
@@ -490,21 +486,4 @@ fn dispatched_gguf_model_keeps_packed_copies_on_cpu_devices() {
     let (got_tokens, got_logits) = greedy(&spread, &prompt, 8);
     assert_eq!(want_tokens, got_tokens);
     assert!(want_logits == got_logits, "decode logits differ");
-}
-
-/// Where `scripts/fetch-assets.sh` puts test assets (as ferrotune-data's `assets_dir`).
-fn ferrotune_assets() -> PathBuf {
-    let var = |name: &str| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    if let Some(dir) = var("FERROTUNE_ASSETS") {
-        return dir;
-    }
-    var("XDG_CACHE_HOME")
-        .or_else(|| var("HOME").map(|h| h.join(".cache")))
-        .unwrap_or_else(|| PathBuf::from(".cache"))
-        .join("ferrotune")
-        .join("assets")
 }

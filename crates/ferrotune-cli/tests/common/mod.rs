@@ -70,3 +70,16 @@ pub fn losses(lines: &[Value]) -> Vec<(u64, f64, f64)> {
         })
         .collect()
 }
+
+/// Writes `template` with `OUT` (`dir/out`), `MODEL` (the `family` fixture's model folder) and
+/// `DATA` (`data`) filled in, as `dir/config.yaml`, and returns that path.
+pub fn write_config(template: &str, dir: &Path, family: &str, data: &Path) -> PathBuf {
+    let model = fixtures().join(family).join("model");
+    let yaml = template
+        .replace("OUT", &dir.join("out").display().to_string())
+        .replace("MODEL", &model.display().to_string())
+        .replace("DATA", &data.display().to_string());
+    let path = dir.join("config.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
