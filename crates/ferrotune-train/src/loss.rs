@@ -80,8 +80,8 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<L
 
 /// The loss of the output head applied to `hidden` (`[b, t, h]`): the same value as
 /// `causal_lm_loss(lm_head.forward(hidden), labels, shift)`, but for a head without adapter or
-/// bias on the CPU (frozen, or trained by full fine-tuning) the logits are formed and consumed in
-/// row chunks
+/// bias (frozen, or trained by full fine-tuning) in f32 on the CPU or f32/bf16 on a GPU the logits
+/// are formed and consumed in row chunks
 /// ([`ferrotune_core::fused::linear_cross_entropy_sum`]), never whole, and rows without a target
 /// are skipped.
 pub fn causal_lm_head_loss(
@@ -90,16 +90,9 @@ pub fn causal_lm_head_loss(
     labels: &Tensor,
     shift: bool,
 ) -> Result<LossSum> {
-    // The chunked head + cross-entropy: f32 on the CPU, f32 or bf16 on a GPU (its CUDA kernels).
-    let same_dtype = hidden.dtype() == lm_head.weight.dtype();
     let plain = lm_head.adapter.is_none()
         && lm_head.bias.is_none()
-        && same_dtype
-        && match hidden.device() {
-            candle_core::Device::Cpu => hidden.dtype() == DType::F32,
-            candle_core::Device::Cuda(_) => matches!(hidden.dtype(), DType::F32 | DType::BF16),
-            _ => false,
-        };
+        && ferrotune_core::fused::chunked_head_applies(hidden, &lm_head.weight);
     if !plain {
         return causal_lm_loss(&lm_head.forward(hidden)?, labels, shift);
     }

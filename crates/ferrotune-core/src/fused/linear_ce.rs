@@ -20,12 +20,22 @@ use super::{fused_applies, guard_slice, slice_of};
 /// Rows of logits materialized at once (`CHUNK × vocab` floats).
 const CHUNK: usize = 512;
 
+/// Whether [`linear_cross_entropy_sum`] runs chunked (never holding the `[n, vocab]` logits) for
+/// these tensors: f32 on the CPU, f32 or bf16 on a GPU, one dtype for both.
+pub fn chunked_head_applies(hidden: &Tensor, weight: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::applies(&[hidden, weight]) {
+        return true;
+    }
+    fused_applies(&[hidden, weight])
+}
+
 /// `Σ -log_softmax(hidden @ weightᵀ)[targets[i]]` over the rows whose target is not
 /// `ignore_index`, and the number of such rows.
 ///
 /// `hidden` is `[n, h]`, `weight` `[vocab, h]` (frozen, or trained: then it gets its gradient
-/// too). For f32 CPU tensors this is the chunked fused op; otherwise the logits are formed with
-/// candle and [`super::cross_entropy_sum`] is used.
+/// too). Where [`chunked_head_applies`] this is the chunked op (CPU or CUDA kernels); otherwise the
+/// logits are formed with candle and [`super::cross_entropy_sum`] is used.
 pub fn linear_cross_entropy_sum(
     hidden: &Tensor,
     weight: &Tensor,
@@ -43,11 +53,7 @@ pub fn linear_cross_entropy_sum(
             targets.len()
         );
     }
-    #[cfg(feature = "cuda")]
-    let on_gpu = crate::cuda::applies(&[hidden, weight]);
-    #[cfg(not(feature = "cuda"))]
-    let on_gpu = false;
-    if !on_gpu && !fused_applies(&[hidden, weight]) {
+    if !chunked_head_applies(hidden, weight) {
         let logits = hidden.matmul(&weight.t()?)?;
         return super::cross_entropy_sum(&logits, targets, ignore_index);
     }
@@ -63,7 +69,7 @@ pub fn linear_cross_entropy_sum(
     }
     let count = rows.len();
     #[cfg(feature = "cuda")]
-    if on_gpu {
+    if hidden.device().is_cuda() {
         return Ok((
             crate::cuda::linear_cross_entropy_sum(hidden, weight, &rows)?,
             count,

@@ -28,7 +28,7 @@ mod swiglu;
 pub use attention::{attention, register_mask_rows, registered_mask_rows};
 pub use cross_entropy::cross_entropy_sum;
 pub use linear::trainable_linear;
-pub use linear_ce::linear_cross_entropy_sum;
+pub use linear_ce::{chunked_head_applies, linear_cross_entropy_sum};
 pub use lora::lora_linear;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
