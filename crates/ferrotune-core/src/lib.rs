@@ -9,6 +9,7 @@
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{adamw_step, AdamWStep};
+pub mod decode;
 pub mod device;
 pub mod frozen;
 pub mod fused;

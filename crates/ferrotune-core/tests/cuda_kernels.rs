@@ -2,7 +2,8 @@
 //! formulas in fused.rs): forward values and every input gradient, on fresh random inputs, in f32
 //! (relative error ≤ 1e-5) and bf16 (≤ 1e-2). They need a GPU: built with `--features cuda`, and
 //! on a machine without one each test says so and passes without checking anything (CI tests the
-//! CPU path; these run on the GPU machine, see benchmarks/README.md).
+//! CPU path; these run on the GPU machine, see benchmarks/README.md). The decode-step kernels
+//! (`ferrotune_core::decode`), forward only, are checked the same way at the end.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -399,6 +400,170 @@ fn gated_lora_matches_cpu() {
                     fused::gated_lora(&t[0], &gate, &up, act)
                 },
             );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode-step kernels (ferrotune_core::decode): the GPU kernel against the same function on CPU
+// f32, where it is the forward pass's own ops.
+
+/// Runs `f` on CPU f32 copies of `inputs` and on GPU copies in `dtype`, and compares every tensor
+/// it returns (outputs, and caches it wrote in place).
+fn check_decode(
+    name: &str,
+    inputs: &[Tensor],
+    dtype: DType,
+    gpu: &Device,
+    f: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>,
+) {
+    let on = |dev: &Device, dt: DType| -> Vec<Tensor> {
+        // Fresh storage each time: the caches are written in place.
+        let ts: Vec<Tensor> = inputs
+            .iter()
+            .map(|t| {
+                t.to_dtype(dt)
+                    .unwrap()
+                    .to_device(dev)
+                    .unwrap()
+                    .copy()
+                    .unwrap()
+            })
+            .collect();
+        f(&ts).unwrap()
+    };
+    let want = on(&Device::Cpu, DType::F32);
+    let got = on(gpu, dtype);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let e = rel(g, w);
+        assert!(
+            e <= tol(dtype),
+            "{name} {dtype:?}: result {i} relative error {e}"
+        );
+    }
+    eprintln!("{name} {dtype:?}: ok");
+}
+
+#[test]
+fn decode_linear_rows_match_cpu() {
+    use ferrotune_core::decode::{linear_rows, Projection};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(21);
+    // Widths that leave a partial 256-element chunk, 1 to 8 rows, 1 or 3 stacked matrices.
+    for (rows, width, outs, bias, residual) in [
+        (1, 1048, vec![40], false, false),
+        (3, 776, vec![24, 8, 8], true, false),
+        (8, 520, vec![9], true, true),
+        (2, 4096, vec![64, 16, 16], false, true),
+    ] {
+        let mut inputs = vec![rng.tensor(&[rows, width], 1.0)];
+        for &o in &outs {
+            inputs.push(rng.tensor(&[o, width], 0.05));
+            inputs.push(rng.tensor(&[o], 0.5));
+        }
+        let total: usize = outs.iter().sum();
+        inputs.push(rng.tensor(&[rows, total], 1.0));
+        let n = outs.len();
+        for dtype in DTYPES {
+            check_decode("linear_rows", &inputs, dtype, &gpu, &|t| {
+                let projections: Vec<Projection> = (0..n)
+                    .map(|i| Projection {
+                        weight: &t[1 + 2 * i],
+                        bias: bias.then(|| &t[2 + 2 * i]),
+                    })
+                    .collect();
+                let r = residual.then(|| &t[1 + 2 * n]);
+                Ok(vec![linear_rows(&t[0], &projections, r)?])
+            });
+        }
+    }
+}
+
+#[test]
+fn decode_gated_rows_match_cpu() {
+    use ferrotune_core::decode::gated_rows;
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(22);
+    for (rows, width, out, act) in [
+        (1, 512, 20, GatedAct::Silu),
+        (3, 264, 11, GatedAct::GeluTanh),
+        (2, 1032, 5, GatedAct::GeluErf),
+    ] {
+        let inputs = vec![
+            rng.tensor(&[rows, width], 1.0),
+            rng.tensor(&[out, width], 0.1),
+            rng.tensor(&[out, width], 0.1),
+        ];
+        for dtype in DTYPES {
+            check_decode("gated_rows", &inputs, dtype, &gpu, &|t| {
+                Ok(vec![gated_rows(&t[0], &t[1], &t[2], act)?])
+            });
+        }
+    }
+}
+
+#[test]
+fn decode_rope_into_cache_matches_cpu() {
+    use ferrotune_core::decode::{rope_into_cache, Heads, QkNorm};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(23);
+    // (rows, heads, kv heads, head dim, rotated dims, per-head norms, Gemma's 1 + w, capacity, slot)
+    for (rows, query, kv, dim, rot, norms, offset_one, cap, pos) in [
+        (1, 4, 2, 64, 64, false, false, 8, 3),
+        (3, 6, 2, 48, 32, true, false, 5, 4),
+        (2, 2, 1, 128, 128, true, true, 3, 0),
+    ] {
+        let inputs = vec![
+            rng.tensor(&[rows, (query + 2 * kv) * dim], 1.0),
+            rng.tensor(&[rows, rot], 1.0),
+            rng.tensor(&[rows, rot], 1.0),
+            rng.tensor(&[dim], 1.0),
+            rng.tensor(&[dim], 1.0),
+            rng.tensor(&[rows, kv, cap, dim], 1.0),
+            rng.tensor(&[rows, kv, cap, dim], 1.0),
+        ];
+        for dtype in DTYPES {
+            check_decode("rope_into_cache", &inputs, dtype, &gpu, &|t| {
+                let norm = norms.then(|| QkNorm {
+                    q: &t[3],
+                    k: &t[4],
+                    eps: 1e-6,
+                    offset_one,
+                });
+                let heads = Heads { query, kv, dim };
+                let q = rope_into_cache(&t[0], &t[1], &t[2], norm, heads, &t[5], &t[6], pos)?;
+                Ok(vec![q, t[5].clone(), t[6].clone()])
+            });
+        }
+    }
+}
+
+#[test]
+fn decode_cached_attention_matches_cpu() {
+    use ferrotune_core::decode::{cached_attention, FirstKeys};
+    let Some(gpu) = gpu() else { return };
+    let mut rng = Rng(24);
+    // (rows, heads, kv heads, head dim, capacity, keys, first key per row, window)
+    for (rows, query, kv, dim, cap, len, first, window) in [
+        (1, 4, 2, 64, 16, 11, vec![0], None),
+        (3, 6, 2, 128, 40, 37, vec![0, 5, 36], None),
+        (2, 4, 4, 256, 24, 24, vec![2, 0], Some(7)),
+        (2, 8, 1, 32, 600, 555, vec![0, 100], None),
+    ] {
+        let inputs = vec![
+            rng.tensor(&[rows, query, dim], 1.0),
+            rng.tensor(&[rows, kv, cap, dim], 1.0),
+            rng.tensor(&[rows, kv, cap, dim], 1.0),
+        ];
+        for dtype in DTYPES {
+            check_decode("cached_attention", &inputs, dtype, &gpu, &|t| {
+                let first = FirstKeys::new(first.clone(), t[0].device())?;
+                let scale = (dim as f64).powf(-0.5);
+                Ok(vec![cached_attention(
+                    &t[0], &t[1], &t[2], len, &first, window, scale,
+                )?])
+            });
         }
     }
 }

@@ -11,6 +11,12 @@
 
 typedef __nv_bfloat16 bf16;
 
+// Dynamic shared memory. A macro so that a CPU emulation of the kernels (HIP-CPU, see
+// scripts/emulate-kernels.sh) can map it to its own form.
+#ifndef FT_DYNAMIC_SHARED
+#define FT_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 __device__ __forceinline__ float ld(const float *p, long i) { return p[i]; }
 __device__ __forceinline__ float ld(const bf16 *p, long i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ void st(float *p, long i, float v) { p[i] = v; }
@@ -22,8 +28,9 @@ template <> __device__ __forceinline__ float round_to<bf16>(float v) {
   return __bfloat162float(__float2bfloat16(v));
 }
 
-// Sum / max over the block (any blockDim.x that is a multiple of 32, at most 1024). Safe to call
-// repeatedly: the leading barrier keeps a later call from overwriting a result still being read.
+// Sum / max over the block (any blockDim.x that is a multiple of 32, at most 1024), returned to
+// every thread. Safe to call repeatedly: the leading barrier keeps a later call from overwriting
+// per-warp values still being read.
 __device__ float block_sum(float v) {
   __shared__ float sh[32];
   int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -31,14 +38,11 @@ __device__ float block_sum(float v) {
   __syncthreads();
   if (lane == 0) sh[wid] = v;
   __syncthreads();
-  if (wid == 0) {
-    int nw = blockDim.x >> 5;
-    v = lane < nw ? sh[lane] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    if (lane == 0) sh[0] = v;
-  }
-  __syncthreads();
-  return sh[0];
+  // Every warp reduces the per-warp sums (the same result in each): no warp-divergent shuffle.
+  int nw = blockDim.x >> 5;
+  v = lane < nw ? sh[lane] : 0.f;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
 }
 
 __device__ float block_max(float v) {
@@ -48,14 +52,10 @@ __device__ float block_max(float v) {
   __syncthreads();
   if (lane == 0) sh[wid] = v;
   __syncthreads();
-  if (wid == 0) {
-    int nw = blockDim.x >> 5;
-    v = lane < nw ? sh[lane] : -INFINITY;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    if (lane == 0) sh[0] = v;
-  }
-  __syncthreads();
-  return sh[0];
+  int nw = blockDim.x >> 5;
+  v = lane < nw ? sh[lane] : -INFINITY;
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  return v;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ __device__ void rmsnorm_fwd(const T *x, const T *w, T *y, int h, float eps, int 
 template <typename T>
 __device__ void rmsnorm_bwd(const T *x, const T *w, const T *dy, T *dx, float *dw_acc, int rows,
                             int h, float eps, int offset_one, int rows_per_block) {
-  extern __shared__ float sdw[];
+  FT_DYNAMIC_SHARED(float, sdw);
   if (dw_acc)
     for (int j = threadIdx.x; j < h; j += blockDim.x) sdw[j] = 0.f;
   int first = blockIdx.x * rows_per_block;
@@ -393,6 +393,242 @@ __device__ void adamw(float *p32, T *p_out, const T *g, float *m, float *v, long
 }
 
 // ---------------------------------------------------------------------------------------------
+// Decode step: one new token for each of B ≤ DEC_MAX_B rows. Reading the weights once per token is
+// the whole cost, so the projections are warp-per-output-row GEMVs with 16-byte loads, several in
+// flight per lane, instead of cuBLAS GEMMs shaped for many rows; the layer needs 8 launches in all.
+// Loops that contain warp shuffles run the same number of times in every warp of a block (idle
+// warps compute on a clamped index and drop the result), which the CPU emulation requires.
+#define DEC_MAX_B 8
+
+__device__ __forceinline__ void load8(const bf16 *p, float *f) {
+  uint4 u = *reinterpret_cast<const uint4 *>(p);
+  const bf16 *h = reinterpret_cast<const bf16 *>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = __bfloat162float(h[i]);
+}
+
+__device__ __forceinline__ void load8(const float *p, float *f) {
+  float4 a = reinterpret_cast<const float4 *>(p)[0];
+  float4 b = reinterpret_cast<const float4 *>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+// acc[b] += W[row] · x[b] over this lane's share of K (K a multiple of 8): lane l reads elements
+// 8l .. 8l+7 of every 256-element chunk, UNROLL chunks of the weight row loaded before use.
+template <typename T, int UNROLL>
+__device__ __forceinline__ void dec_dot(const T *wr, const T *x, int B, int K, float *acc, int lane) {
+  int k = lane * 8;
+  for (; k + (UNROLL - 1) * 256 < K; k += UNROLL * 256) {
+    float w[UNROLL][8];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) load8(wr + k + u * 256, w[u]);
+#pragma unroll
+    for (int b = 0; b < DEC_MAX_B; ++b) {
+      if (b < B) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          float xv[8];
+          load8(x + (long)b * K + k + u * 256, xv);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[b] += w[u][i] * xv[i];
+        }
+      }
+    }
+  }
+  for (; k < K; k += 256) {
+    float w[8];
+    load8(wr + k, w);
+#pragma unroll
+    for (int b = 0; b < DEC_MAX_B; ++b) {
+      if (b < B) {
+        float xv[8];
+        load8(x + (long)b * K + k, xv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[b] += w[i] * xv[i];
+      }
+    }
+  }
+}
+
+// out[b][r] = round(x[b] · W[r]) (+ bias, rounded again: candle's matmul then broadcast add) for the
+// rows of up to three stacked matrices (q, k, v), out: [B, n0 + n1 + n2]. With `residual`,
+// out[b][r] = round(residual[b][r] + that): the residual add after o_proj / down_proj.
+template <typename T>
+__device__ void dec_gemv(const T *x, int B, int K, const T *w0, const T *b0, int n0, const T *w1,
+                         const T *b1, int n1, const T *w2, const T *b2, int n2, const T *residual,
+                         T *out) {
+  int lane = threadIdx.x & 31;
+  int N = n0 + n1 + n2;
+  int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  bool active = r < N;
+  if (!active) r = N - 1;
+  const T *w = w0, *bias = b0;
+  int rr = r;
+  if (rr >= n0) {
+    rr -= n0;
+    w = w1;
+    bias = b1;
+    if (rr >= n1) {
+      rr -= n1;
+      w = w2;
+      bias = b2;
+    }
+  }
+  float acc[DEC_MAX_B];
+#pragma unroll
+  for (int b = 0; b < DEC_MAX_B; ++b) acc[b] = 0.f;
+  dec_dot<T, 4>(w + (long)rr * K, x, B, K, acc, lane);
+#pragma unroll
+  for (int b = 0; b < DEC_MAX_B; ++b) {
+    if (b < B) {
+      float s = warp_sum(acc[b]);
+      if (active && lane == 0) {
+        float v = round_to<T>(s);
+        if (bias) v = round_to<T>(v + ld(bias, rr));
+        if (residual) v = v + ld(residual, (long)b * N + r);
+        st(out, (long)b * N + r, v);
+      }
+    }
+  }
+}
+
+// out[b][r] = round(round(act(g)) · u) with g = round(x[b] · Wg[r]), u = round(x[b] · Wu[r]): the
+// gated MLP's gate and up projections and activation in one pass over both weights.
+template <typename T>
+__device__ void dec_gated_gemv(const T *x, int B, int K, const T *wg, const T *wu, int N, T *out,
+                               int act) {
+  int lane = threadIdx.x & 31;
+  int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  bool active = r < N;
+  if (!active) r = N - 1;
+  float ag[DEC_MAX_B], au[DEC_MAX_B];
+#pragma unroll
+  for (int b = 0; b < DEC_MAX_B; ++b) ag[b] = au[b] = 0.f;
+  dec_dot<T, 2>(wg + (long)r * K, x, B, K, ag, lane);
+  dec_dot<T, 2>(wu + (long)r * K, x, B, K, au, lane);
+#pragma unroll
+  for (int b = 0; b < DEC_MAX_B; ++b) {
+    if (b < B) {
+      float g = warp_sum(ag[b]);
+      float u = warp_sum(au[b]);
+      if (active && lane == 0)
+        st(out, (long)b * N + r, round_to<T>(act_fwd(round_to<T>(g), act)) * round_to<T>(u));
+    }
+  }
+}
+
+// The projections' output of one token per row, qkv [B, (nh + 2·nkv) · hd], one block per
+// (head, row), blockDim = hd rounded up to a multiple of 32. Query and key heads get the optional
+// per-head RMSNorm (Qwen3's q_norm / k_norm, rounded as rmsnorm_fwd does) and RoPE over the first
+// `rot` features (cos, sin: [B, rot]; one rounding, as the rope kernel); queries go to
+// q_out [B, nh, hd], keys to slot `pos` of kc [B, nkv, cap, hd]; values are copied to slot `pos`
+// of vc.
+template <typename T>
+__device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn, const T *kn,
+                             float eps, int offset_one, T *q_out, T *kc, T *vc, int nh, int nkv,
+                             int hd, int rot, int cap, int pos) {
+  FT_DYNAMIC_SHARED(float, head_vals);  // hd floats
+  int head = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  bool on = d < hd;
+  long width = (long)(nh + 2 * nkv) * hd;
+  float v = on ? ld(qkv, b * width + (long)head * hd + d) : 0.f;
+  if (head >= nh + nkv) {
+    if (on) st(vc, (((long)b * nkv + (head - nh - nkv)) * cap + pos) * hd + d, v);
+    return;
+  }
+  const T *nw = head < nh ? qn : kn;
+  if (nw) {
+    float ss = block_sum(v * v);
+    float xn = v * (1.f / sqrtf(ss / (float)hd + eps));
+    float wj = on ? ld(nw, d) : 0.f;
+    v = round_to<T>(offset_one ? xn * (1.f + wj) : round_to<T>(xn) * wj);
+  }
+  if (on) head_vals[d] = v;
+  __syncthreads();
+  if (!on) return;
+  float y = v;
+  int half = rot / 2;
+  if (d < rot) {
+    float c = ld(cs, (long)b * rot + d), s = ld(sn, (long)b * rot + d);
+    y = d < half ? v * c - head_vals[d + half] * s : v * c + head_vals[d - half] * s;
+  }
+  if (head < nh)
+    st(q_out, ((long)b * nh + head) * hd + d, y);
+  else
+    st(kc, (((long)b * nkv + (head - nh)) * cap + pos) * hd + d, y);
+}
+
+// Attention of one query per row over keys lo .. len−1 of the cache (lo = the row's first real key,
+// raised to len − window for a sliding window), one block per (query head, row). Rounds as the
+// training kernels do: scores rounded to T before scaling, P rounded to T, the output once.
+// q: [B, nh, hd]; kc, vc: [B, nkv, cap, hd]; out: [B, nh · hd]; scores: f32 scratch [B, nh, cap].
+// A decode step's attention is short and latency-bound, so every thread keeps many independent
+// loads in flight: one key per thread for the scores, 8 features of every groups-th key per
+// thread for P·V. Needs hd a multiple of 8 and hd ≤ 8 · blockDim.x; dynamic shared memory:
+// (hd + 8 · blockDim.x) floats.
+template <typename T>
+__device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, float *scores,
+                              const uint32_t *lo_rows, int len, int window, int nh, int nkv, int hd,
+                              int cap, float scale) {
+  FT_DYNAMIC_SHARED(float, dsh);
+  int h = blockIdx.x, b = blockIdx.y;
+  int kvh = h / (nh / nkv);
+  int lo = (int)lo_rows[b];
+  if (window > 0) lo = max(lo, len - window);
+  const T *qr = q + ((long)b * nh + h) * hd;
+  long kv_off = ((long)b * nkv + kvh) * (long)cap * hd;
+  const T *kb = kc + kv_off;
+  const T *vb = vc + kv_off;
+  float *sc = scores + ((long)b * nh + h) * (long)cap;
+  float *qs = dsh, *part = dsh + hd;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ld(qr, d);
+  __syncthreads();
+  float m = -INFINITY;
+  for (int j = lo + threadIdx.x; j < len; j += blockDim.x) {
+    const T *kr = kb + (long)j * hd;
+    float acc = 0.f;
+    for (int d = 0; d < hd; d += 8) {
+      float k8[8];
+      load8(kr + d, k8);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc += qs[d + i] * k8[i];
+    }
+    float s = round_to<T>(acc) * scale;
+    sc[j] = s;
+    m = fmaxf(m, s);
+  }
+  m = block_max(m);
+  // Each thread rescales the scores it wrote itself; the barrier below publishes them.
+  float sum = 0.f;
+  for (int j = lo + threadIdx.x; j < len; j += blockDim.x) sum += expf(sc[j] - m);
+  sum = block_sum(sum);
+  float inv = 1.f / sum;
+  for (int j = lo + threadIdx.x; j < len; j += blockDim.x) sc[j] = round_to<T>(expf(sc[j] - m) * inv);
+  __syncthreads();
+  int per_key = hd / 8;
+  int groups = blockDim.x / per_key;
+  int d8 = (threadIdx.x % per_key) * 8, g = threadIdx.x / per_key;
+  if (g < groups) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = lo + g; j < len; j += groups) {
+      float p = sc[j], v8[8];
+      load8(vb + (long)j * hd + d8, v8);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += p * v8[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) part[g * hd + d8 + i] = acc[i];
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float s = 0.f;
+    for (int gg = 0; gg < groups; ++gg) s += part[gg * hd + d];
+    st(out, ((long)b * nh + h) * hd + d, s);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 #define FOR_TYPES(X) X(float, f32) X(bf16, bf16)
 
 #define EXPORT(T, SUF)                                                                              \
@@ -443,6 +679,28 @@ __device__ void adamw(float *p32, T *p_out, const T *g, float *m, float *v, long
   }                                                                                               \
   extern "C" __global__ void bias_add_##SUF(T *out, const T *bias, long rows, int cols) {         \
     bias_add<T>(out, bias, rows, cols);                                                           \
+  }                                                                                               \
+  extern "C" __global__ void dec_gemv_##SUF(const T *x, int B, int K, const T *w0, const T *b0,      \
+                                          int n0, const T *w1, const T *b1, int n1, const T *w2,  \
+                                          const T *b2, int n2, const T *residual, T *out) {       \
+    dec_gemv<T>(x, B, K, w0, b0, n0, w1, b1, n1, w2, b2, n2, residual, out);                      \
+  }                                                                                               \
+  extern "C" __global__ void dec_gated_gemv_##SUF(const T *x, int B, int K, const T *wg,            \
+                                                const T *wu, int N, T *out, int act) {            \
+    dec_gated_gemv<T>(x, B, K, wg, wu, N, out, act);                                              \
+  }                                                                                               \
+  extern "C" __global__ void dec_qkv_rope_##SUF(const T *qkv, const T *cs, const T *sn,             \
+                                              const T *qn, const T *kn, float eps, int offset_one, \
+                                              T *q_out, T *kc, T *vc, int nh, int nkv, int hd,    \
+                                              int rot, int cap, int pos) {                        \
+    dec_qkv_rope<T>(qkv, cs, sn, qn, kn, eps, offset_one, q_out, kc, vc, nh, nkv, hd, rot, cap,   \
+                    pos);                                                                         \
+  }                                                                                               \
+  extern "C" __global__ void dec_attention_##SUF(const T *q, const T *kc, const T *vc, T *out,      \
+                                               float *scores, const uint32_t *lo_rows, int len,   \
+                                               int window, int nh, int nkv, int hd, int cap,      \
+                                               float scale) {                                     \
+    dec_attention<T>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale);      \
   }                                                                                               \
   extern "C" __global__ void adamw_##SUF(float *p32, T *p_out, const T *g, float *m, float *v,    \
                                          long n, float grad_scale, float decay, float omb1,      \

@@ -8,6 +8,7 @@
 //! functions of [`crate::fused`], which send f32/bf16 CUDA tensors here.
 
 mod attention;
+pub(crate) mod decode;
 mod gated_mlp;
 mod linear_ce;
 mod lora;

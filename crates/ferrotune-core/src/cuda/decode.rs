@@ -1,0 +1,189 @@
+//! Launchers of the decode-step kernels (`dec_*` in kernels.cu) behind [`crate::decode`]. The
+//! callers there have checked shapes, dtypes and devices; these take contiguous inputs (copying
+//! any that are not) and return fresh outputs, except the KV cache, written in place.
+
+use candle_core::{Result, Tensor};
+
+use super::{act_code, cuda_device, empty, launch, ptr, suffix, Arg};
+use crate::decode::{Heads, Projection, QkNorm};
+use crate::fused::GatedAct;
+
+/// Warps (output rows) per block of the GEMV kernels.
+const GEMV_WARPS: usize = 8;
+/// Threads per block of the attention kernel (at least an eighth of the head dimension).
+const ATTENTION_THREADS: usize = 256;
+
+fn ptr_or_null(t: Option<&Tensor>) -> Result<u64> {
+    t.map(ptr).transpose().map(|p| p.unwrap_or(0))
+}
+
+/// [`crate::decode::linear_rows`]: one `dec_gemv` launch for up to three stacked projections.
+pub(crate) fn gemv(
+    x: &Tensor,
+    projections: &[Projection],
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let dev = cuda_device(x)?;
+    let dtype = x.dtype();
+    let (rows, width) = x.dims2()?;
+    let x = x.contiguous()?;
+    // Keep contiguous copies alive until the launch is queued (the stream orders the frees).
+    let mut weights = Vec::with_capacity(3);
+    let mut biases = Vec::with_capacity(3);
+    for p in projections {
+        weights.push(p.weight.contiguous()?);
+        biases.push(p.bias.map(Tensor::contiguous).transpose()?);
+    }
+    let residual = residual.map(Tensor::contiguous).transpose()?;
+    let total: usize = weights.iter().map(|w| w.dim(0)).sum::<Result<usize>>()?;
+    let out = empty(&dev, dtype, (rows, total))?;
+    let mut args = vec![
+        Arg::Ptr(ptr(&x)?),
+        Arg::I32(rows as i32),
+        Arg::I32(width as i32),
+    ];
+    for (w, b) in weights.iter().zip(&biases) {
+        args.push(Arg::Ptr(ptr(w)?));
+        args.push(Arg::Ptr(ptr_or_null(b.as_ref())?));
+        args.push(Arg::I32(w.dim(0)? as i32));
+    }
+    // Unused matrix slots: no rows.
+    for _ in weights.len()..3 {
+        args.extend([Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)]);
+    }
+    args.push(Arg::Ptr(ptr_or_null(residual.as_ref())?));
+    args.push(Arg::Ptr(ptr(&out)?));
+    launch(
+        &dev,
+        &format!("dec_gemv_{}", suffix(dtype)?),
+        (total.div_ceil(GEMV_WARPS) as u32, 1),
+        (GEMV_WARPS * 32) as u32,
+        0,
+        &args,
+    )?;
+    Ok(out)
+}
+
+/// [`crate::decode::gated_rows`]: one `dec_gated_gemv` launch.
+pub(crate) fn gated_gemv(x: &Tensor, gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
+    let dev = cuda_device(x)?;
+    let dtype = x.dtype();
+    let (rows, width) = x.dims2()?;
+    let n = gate.dim(0)?;
+    let (x, gate, up) = (x.contiguous()?, gate.contiguous()?, up.contiguous()?);
+    let out = empty(&dev, dtype, (rows, n))?;
+    launch(
+        &dev,
+        &format!("dec_gated_gemv_{}", suffix(dtype)?),
+        (n.div_ceil(GEMV_WARPS) as u32, 1),
+        (GEMV_WARPS * 32) as u32,
+        0,
+        &[
+            Arg::Ptr(ptr(&x)?),
+            Arg::I32(rows as i32),
+            Arg::I32(width as i32),
+            Arg::Ptr(ptr(&gate)?),
+            Arg::Ptr(ptr(&up)?),
+            Arg::I32(n as i32),
+            Arg::Ptr(ptr(&out)?),
+            Arg::I32(act_code(act)),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// [`crate::decode::rope_into_cache`]: one `dec_qkv_rope` launch, one block per (head, row).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_rope(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    norm: Option<QkNorm>,
+    heads: Heads,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: usize,
+) -> Result<Tensor> {
+    let dev = cuda_device(qkv)?;
+    let dtype = qkv.dtype();
+    let rows = qkv.dim(0)?;
+    let rot = cos.dim(1)?;
+    let cap = k_cache.dim(2)?;
+    let Heads { query, kv, dim } = heads;
+    let (qkv, cos, sin) = (qkv.contiguous()?, cos.contiguous()?, sin.contiguous()?);
+    let (qn, kn) = match norm {
+        Some(n) => (Some(n.q.contiguous()?), Some(n.k.contiguous()?)),
+        None => (None, None),
+    };
+    let (eps, offset_one) = norm.map_or((0.0, false), |n| (n.eps as f32, n.offset_one));
+    let q = empty(&dev, dtype, (rows, query, dim))?;
+    launch(
+        &dev,
+        &format!("dec_qkv_rope_{}", suffix(dtype)?),
+        ((query + 2 * kv) as u32, rows as u32),
+        dim.div_ceil(32) as u32 * 32,
+        (dim * 4) as u32,
+        &[
+            Arg::Ptr(ptr(&qkv)?),
+            Arg::Ptr(ptr(&cos)?),
+            Arg::Ptr(ptr(&sin)?),
+            Arg::Ptr(ptr_or_null(qn.as_ref())?),
+            Arg::Ptr(ptr_or_null(kn.as_ref())?),
+            Arg::F32(eps),
+            Arg::I32(offset_one as i32),
+            Arg::Ptr(ptr(&q)?),
+            Arg::Ptr(ptr(k_cache)?),
+            Arg::Ptr(ptr(v_cache)?),
+            Arg::I32(query as i32),
+            Arg::I32(kv as i32),
+            Arg::I32(dim as i32),
+            Arg::I32(rot as i32),
+            Arg::I32(cap as i32),
+            Arg::I32(pos as i32),
+        ],
+    )?;
+    Ok(q)
+}
+
+/// [`crate::decode::cached_attention`]: one `dec_attention` launch, one block per (query head,
+/// row), with an f32 scratch row of scores per block. `window` 0 means none.
+pub(crate) fn attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    len: usize,
+    first: &Tensor,
+    window: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    let dev = cuda_device(q)?;
+    let dtype = q.dtype();
+    let (rows, query, dim) = q.dims3()?;
+    let (_, kv, cap, _) = k_cache.dims4()?;
+    let q = q.contiguous()?;
+    let scores = empty(&dev, candle_core::DType::F32, (rows, query, cap))?;
+    let out = empty(&dev, dtype, (rows, query * dim))?;
+    launch(
+        &dev,
+        &format!("dec_attention_{}", suffix(dtype)?),
+        (query as u32, rows as u32),
+        ATTENTION_THREADS as u32,
+        ((dim + 8 * ATTENTION_THREADS) * 4) as u32,
+        &[
+            Arg::Ptr(ptr(&q)?),
+            Arg::Ptr(ptr(k_cache)?),
+            Arg::Ptr(ptr(v_cache)?),
+            Arg::Ptr(ptr(&out)?),
+            Arg::Ptr(ptr(&scores)?),
+            Arg::Ptr(ptr(first)?),
+            Arg::I32(len as i32),
+            Arg::I32(window as i32),
+            Arg::I32(query as i32),
+            Arg::I32(kv as i32),
+            Arg::I32(dim as i32),
+            Arg::I32(cap as i32),
+            Arg::F32(scale),
+        ],
+    )?;
+    Ok(out)
+}

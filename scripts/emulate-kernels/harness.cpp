@@ -1,0 +1,279 @@
+// Runs the decode-step kernels of kernels.cu on the CPU under HIP-CPU (fibers for threads, shared
+// memory, barriers and shuffles emulated) and compares each with a plain C++ reference of the same
+// arithmetic, in f32 and bf16, over shapes with several batch rows, GQA, biases, partial RoPE,
+// per-head norms, padding and sliding windows. Exits non-zero on any mismatch.
+#include <hip/hip_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include <algorithm>
+using std::max;
+using std::min;
+#define __shfl_xor_sync(mask, v, o) __shfl_xor(v, o)
+#define FT_DYNAMIC_SHARED(type, name) HIP_DYNAMIC_SHARED(type, name)
+#include "../../crates/ferrotune-core/src/cuda/kernels.cu"
+
+static std::mt19937 rng(1234);
+static int failures = 0;
+
+template <typename T> T to_t(float v);
+template <> float to_t<float>(float v) { return v; }
+template <> bf16 to_t<bf16>(float v) { return __float2bfloat16(v); }
+float from_t(float v) { return v; }
+float from_t(bf16 v) { return __bfloat162float(v); }
+template <typename T> float rt(float v) { return from_t(to_t<T>(v)); }
+
+template <typename T> std::vector<T> random_vec(size_t n, float scale = 1.f) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<T> v(n);
+  for (auto &x : v) x = to_t<T>(d(rng));
+  return v;
+}
+
+template <typename T> T *dev(const std::vector<T> &h) {
+  T *p;
+  hipMalloc((void **)&p, h.size() * sizeof(T) + 16);
+  hipMemcpy(p, h.data(), h.size() * sizeof(T), hipMemcpyHostToDevice);
+  return p;
+}
+
+template <typename T> std::vector<float> host(const T *p, size_t n) {
+  std::vector<T> h(n);
+  hipMemcpy(h.data(), p, n * sizeof(T), hipMemcpyDeviceToHost);
+  hipDeviceSynchronize();
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = from_t(h[i]);
+  return out;
+}
+
+// Relative L2 error ≤ tol.
+void check(const char *what, const std::vector<float> &got, const std::vector<float> &want, float tol) {
+  double num = 0, den = 0;
+  bool finite = true;
+  for (size_t i = 0; i < want.size(); ++i) {
+    finite &= std::isfinite(got[i]);
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  double rel = std::sqrt(num / (den + 1e-30));
+  bool ok = finite && rel <= tol;
+  std::printf("%-48s rel %.2e %s\n", what, rel, ok ? "ok" : "FAIL");
+  if (!ok) ++failures;
+}
+
+template <typename T> float tol() { return sizeof(T) == 4 ? 1e-5f : 1e-2f; }
+
+template <typename T> void test_gemv(int B, int K, int n0, int n1, int n2, bool bias, bool residual) {
+  auto x = random_vec<T>((size_t)B * K);
+  std::vector<std::vector<T>> w, bs;
+  int ns[3] = {n0, n1, n2};
+  int N = n0 + n1 + n2;
+  for (int s = 0; s < 3; ++s) {
+    w.push_back(random_vec<T>((size_t)ns[s] * K, 0.05f));
+    bs.push_back(random_vec<T>(ns[s] ? ns[s] : 1));
+  }
+  auto res = random_vec<T>((size_t)B * N);
+  std::vector<float> want((size_t)B * N);
+  for (int b = 0; b < B; ++b) {
+    int r = 0;
+    for (int s = 0; s < 3; ++s)
+      for (int i = 0; i < ns[s]; ++i, ++r) {
+        float acc = 0;
+        for (int k = 0; k < K; ++k) acc += from_t(w[s][(size_t)i * K + k]) * from_t(x[(size_t)b * K + k]);
+        float v = rt<T>(acc);
+        if (bias) v = rt<T>(v + from_t(bs[s][i]));
+        if (residual) v = rt<T>(v + from_t(res[(size_t)b * N + r]));
+        want[(size_t)b * N + r] = v;
+      }
+  }
+  T *dx = dev(x), *dres = dev(res), *dout = dev(std::vector<T>((size_t)B * N));
+  T *dw[3], *db[3];
+  for (int s = 0; s < 3; ++s) {
+    dw[s] = dev(w[s]);
+    db[s] = bias ? dev(bs[s]) : nullptr;
+  }
+  hipLaunchKernelGGL(dec_gemv<T>, dim3((N + 7) / 8), dim3(256), 0, 0, dx, B, K, dw[0], db[0], n0,
+                     dw[1], db[1], n1, dw[2], db[2], n2, residual ? dres : nullptr, dout);
+  char name[128];
+  std::snprintf(name, sizeof name, "gemv %s B%d K%d N%d+%d+%d%s%s", sizeof(T) == 4 ? "f32" : "bf16", B,
+                K, n0, n1, n2, bias ? " bias" : "", residual ? " residual" : "");
+  check(name, host(dout, (size_t)B * N), want, tol<T>());
+}
+
+template <typename T> void test_gated(int B, int K, int N, int act) {
+  auto x = random_vec<T>((size_t)B * K);
+  auto wg = random_vec<T>((size_t)N * K, 0.05f), wu = random_vec<T>((size_t)N * K, 0.05f);
+  std::vector<float> want((size_t)B * N);
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < N; ++r) {
+      float g = 0, u = 0;
+      for (int k = 0; k < K; ++k) {
+        g += from_t(wg[(size_t)r * K + k]) * from_t(x[(size_t)b * K + k]);
+        u += from_t(wu[(size_t)r * K + k]) * from_t(x[(size_t)b * K + k]);
+      }
+      g = rt<T>(g);
+      u = rt<T>(u);
+      float a = act == 0 ? g / (1 + std::exp(-g))
+                : act == 1 ? 0.5f * g * (1 + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                           : 0.5f * g * (1 + std::erf(g * 0.7071067811865476f));
+      want[(size_t)b * N + r] = rt<T>(rt<T>(a) * u);
+    }
+  T *dx = dev(x), *dg = dev(wg), *du = dev(wu), *dout = dev(std::vector<T>((size_t)B * N));
+  hipLaunchKernelGGL(dec_gated_gemv<T>, dim3((N + 7) / 8), dim3(256), 0, 0, dx, B, K, dg, du, N, dout, act);
+  char name[128];
+  std::snprintf(name, sizeof name, "gated gemv %s B%d K%d N%d act%d", sizeof(T) == 4 ? "f32" : "bf16", B, K, N, act);
+  check(name, host(dout, (size_t)B * N), want, tol<T>());
+}
+
+template <typename T>
+void test_qkv_rope(int B, int nh, int nkv, int hd, int rot, bool norms, int offset_one, int cap, int pos) {
+  int width = (nh + 2 * nkv) * hd;
+  auto qkv = random_vec<T>((size_t)B * width);
+  auto cs = random_vec<T>((size_t)B * rot), sn = random_vec<T>((size_t)B * rot);
+  auto qn = random_vec<T>(hd), kn = random_vec<T>(hd);
+  auto kc = random_vec<T>((size_t)B * nkv * cap * hd), vc = random_vec<T>((size_t)B * nkv * cap * hd);
+  float eps = 1e-6f;
+  std::vector<float> want_q((size_t)B * nh * hd), want_k(kc.size()), want_v(vc.size());
+  for (size_t i = 0; i < kc.size(); ++i) {
+    want_k[i] = from_t(kc[i]);
+    want_v[i] = from_t(vc[i]);
+  }
+  for (int b = 0; b < B; ++b)
+    for (int head = 0; head < nh + 2 * nkv; ++head) {
+      std::vector<float> v(hd);
+      for (int d = 0; d < hd; ++d) v[d] = from_t(qkv[(size_t)b * width + (size_t)head * hd + d]);
+      if (head >= nh + nkv) {
+        for (int d = 0; d < hd; ++d)
+          want_v[(((size_t)b * nkv + head - nh - nkv) * cap + pos) * hd + d] = v[d];
+        continue;
+      }
+      if (norms) {
+        const auto &w = head < nh ? qn : kn;
+        float ss = 0;
+        for (float e : v) ss += e * e;
+        float r = 1.f / std::sqrt(ss / hd + eps);
+        for (int d = 0; d < hd; ++d) {
+          float xn = v[d] * r, wj = from_t(w[d]);
+          v[d] = rt<T>(offset_one ? xn * (1 + wj) : rt<T>(xn) * wj);
+        }
+      }
+      for (int d = 0; d < hd; ++d) {
+        float y = v[d];
+        int half = rot / 2;
+        if (d < rot) {
+          float c = from_t(cs[(size_t)b * rot + d]), s = from_t(sn[(size_t)b * rot + d]);
+          y = d < half ? v[d] * c - v[d + half] * s : v[d] * c + v[d - half] * s;
+        }
+        y = rt<T>(y);
+        if (head < nh)
+          want_q[((size_t)b * nh + head) * hd + d] = y;
+        else
+          want_k[(((size_t)b * nkv + head - nh) * cap + pos) * hd + d] = y;
+      }
+    }
+  T *dqkv = dev(qkv), *dcs = dev(cs), *dsn = dev(sn), *dqn = dev(qn), *dkn = dev(kn);
+  T *dq = dev(std::vector<T>((size_t)B * nh * hd)), *dkc = dev(kc), *dvc = dev(vc);
+  int threads = (hd + 31) / 32 * 32;
+  hipLaunchKernelGGL(dec_qkv_rope<T>, dim3(nh + 2 * nkv, B), dim3(threads), hd * sizeof(float), 0, dqkv,
+                     dcs, dsn, norms ? dqn : nullptr, norms ? dkn : nullptr, eps, offset_one, dq, dkc, dvc,
+                     nh, nkv, hd, rot, cap, pos);
+  char name[128];
+  std::snprintf(name, sizeof name, "qkv rope %s B%d h%d/%d d%d rot%d%s%s", sizeof(T) == 4 ? "f32" : "bf16",
+                B, nh, nkv, hd, rot, norms ? " norms" : "", offset_one ? "+1" : "");
+  check((std::string(name) + " q").c_str(), host(dq, (size_t)B * nh * hd), want_q, tol<T>());
+  check((std::string(name) + " k cache").c_str(), host(dkc, kc.size()), want_k, tol<T>());
+  check((std::string(name) + " v cache").c_str(), host(dvc, vc.size()), want_v, 0.f);
+}
+
+template <typename T>
+void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vector<uint32_t> lo, int window) {
+  auto q = random_vec<T>((size_t)B * nh * hd);
+  auto kc = random_vec<T>((size_t)B * nkv * cap * hd), vc = random_vec<T>((size_t)B * nkv * cap * hd);
+  float scale = 1.f / std::sqrt((float)hd);
+  std::vector<float> want((size_t)B * nh * hd);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < nh; ++h) {
+      int kvh = h / (nh / nkv);
+      int l0 = (int)lo[b];
+      if (window > 0) l0 = std::max(l0, len - window);
+      std::vector<float> s(len);
+      float m = -INFINITY;
+      for (int j = l0; j < len; ++j) {
+        float acc = 0;
+        for (int d = 0; d < hd; ++d)
+          acc += from_t(q[((size_t)b * nh + h) * hd + d]) *
+                 from_t(kc[(((size_t)b * nkv + kvh) * cap + j) * hd + d]);
+        s[j] = rt<T>(acc) * scale;
+        m = std::max(m, s[j]);
+      }
+      float sum = 0;
+      for (int j = l0; j < len; ++j) sum += std::exp(s[j] - m);
+      for (int j = l0; j < len; ++j) s[j] = rt<T>(std::exp(s[j] - m) * (1.f / sum));
+      for (int d = 0; d < hd; ++d) {
+        float acc = 0;
+        for (int j = l0; j < len; ++j) acc += s[j] * from_t(vc[(((size_t)b * nkv + kvh) * cap + j) * hd + d]);
+        want[((size_t)b * nh + h) * hd + d] = rt<T>(acc);
+      }
+    }
+  T *dq = dev(q), *dkc = dev(kc), *dvc = dev(vc), *dout = dev(std::vector<T>(want.size()));
+  float *dsc = dev(std::vector<float>((size_t)B * nh * cap));
+  uint32_t *dlo = dev(lo);
+  hipLaunchKernelGGL(dec_attention<T>, dim3(nh, B), dim3(256), (hd + 8 * 256) * sizeof(float), 0, dq, dkc, dvc,
+                     dout, dsc, dlo, len, window, nh, nkv, hd, cap, scale);
+  char name[128];
+  std::snprintf(name, sizeof name, "attention %s B%d h%d/%d d%d len%d/%d win%d", sizeof(T) == 4 ? "f32" : "bf16",
+                B, nh, nkv, hd, len, cap, window);
+  check(name, host(dout, want.size()), want, tol<T>());
+}
+
+// The training kernels' RMSNorm forward (block_sum, shared by every row-wise kernel).
+template <typename T> void test_rmsnorm(int rows, int h, int offset_one) {
+  auto x = random_vec<T>((size_t)rows * h), w = random_vec<T>(h);
+  float eps = 1e-5f;
+  std::vector<float> want((size_t)rows * h);
+  for (int r = 0; r < rows; ++r) {
+    float ss = 0;
+    for (int j = 0; j < h; ++j) ss += from_t(x[(size_t)r * h + j]) * from_t(x[(size_t)r * h + j]);
+    float inv = 1.f / std::sqrt(ss / h + eps);
+    for (int j = 0; j < h; ++j) {
+      float xn = from_t(x[(size_t)r * h + j]) * inv, wj = from_t(w[j]);
+      want[(size_t)r * h + j] = rt<T>(offset_one ? xn * (1 + wj) : rt<T>(xn) * wj);
+    }
+  }
+  T *dx = dev(x), *dw = dev(w), *dy = dev(std::vector<T>(want.size()));
+  hipLaunchKernelGGL(rmsnorm_fwd<T>, dim3(rows), dim3(256), 0, 0, dx, dw, dy, h, eps, offset_one);
+  char name[128];
+  std::snprintf(name, sizeof name, "rmsnorm %s rows%d h%d%s", sizeof(T) == 4 ? "f32" : "bf16", rows, h,
+                offset_one ? " +1" : "");
+  check(name, host(dy, want.size()), want, tol<T>());
+}
+
+template <typename T> void all() {
+  test_rmsnorm<T>(3, 1000, 0);
+  test_rmsnorm<T>(2, 96, 1);
+  test_gemv<T>(1, 256, 40, 0, 0, false, false);
+  test_gemv<T>(3, 1048, 24, 8, 8, true, false);
+  test_gemv<T>(2, 776, 13, 0, 0, false, true);
+  test_gemv<T>(8, 520, 9, 0, 0, true, true);
+  test_gated<T>(1, 512, 20, 0);
+  test_gated<T>(3, 264, 11, 1);
+  test_gated<T>(2, 1032, 5, 2);
+  test_qkv_rope<T>(1, 4, 2, 64, 64, false, 0, 8, 3);
+  test_qkv_rope<T>(3, 6, 2, 48, 32, true, 0, 5, 4);
+  test_qkv_rope<T>(2, 2, 1, 128, 128, true, 1, 3, 0);
+  test_attention<T>(1, 4, 2, 64, 16, 11, {0}, 0);
+  test_attention<T>(3, 6, 2, 128, 40, 37, {0, 5, 36}, 0);
+  test_attention<T>(2, 4, 4, 256, 24, 24, {2, 0}, 7);
+  test_attention<T>(2, 8, 1, 32, 600, 555, {0, 100}, 0);
+  test_attention<T>(1, 4, 2, 96, 300, 300, {17}, 40);
+}
+
+int main() {
+  all<float>();
+  all<bf16>();
+  std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "passed", failures);
+  return failures ? 1 : 0;
+}
