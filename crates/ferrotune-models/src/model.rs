@@ -15,6 +15,8 @@ use crate::error::ModelError;
 use crate::lora::LoraAdapter;
 use crate::rope::RotaryEmbedding;
 
+mod decode_step;
+
 /// Inputs with at most this many rows use a layer's packed weight (decode steps, short prompts);
 /// longer ones go through the dense f32 GEMM, which is faster once the weight read is amortized.
 const PACKED_MAX_ROWS: usize = 32;
@@ -91,6 +93,26 @@ impl Linear {
 
     /// The base layer alone: `x @ weight.T + bias`.
     fn forward_base(&self, x: &Tensor) -> CResult<Tensor> {
+        if ferrotune_core::decode::kernels_apply(x)
+            && !self.weight.track_op()
+            && self.bias.as_ref().is_none_or(|b| !b.track_op())
+        {
+            // A few rows on the GPU (decode steps, the output head): one GEMV kernel.
+            let width = x.dim(D::Minus1)?;
+            let rows = x.elem_count() / width;
+            let projection = ferrotune_core::decode::Projection {
+                weight: &self.weight,
+                bias: self.bias.as_ref(),
+            };
+            let out = ferrotune_core::decode::linear_rows(
+                &x.reshape((rows, width))?,
+                &[projection],
+                None,
+            )?;
+            let mut dims = x.dims().to_vec();
+            *dims.last_mut().expect("kernels_apply checked the rank") = self.weight.dim(0)?;
+            return out.reshape(dims);
+        }
         if let Some(packed) = &self.packed {
             let rows = x.elem_count() / x.dim(D::Minus1)?;
             if rows <= PACKED_MAX_ROWS && x.dtype() == DType::F32 && !x.track_op() {
@@ -155,31 +177,102 @@ pub struct DecoderLayer {
     pub sliding_window: Option<usize>,
 }
 
-/// Keys and values of earlier positions, per layer: `[batch, kv_heads, past, head_dim]`.
+/// Keys and values of earlier positions, per layer: `[batch, kv_heads, positions, head_dim]`.
+///
+/// The forward pass appends to it by concatenation, so each entry holds exactly the cached
+/// positions. The decode step ([`CausalLm::decode_step`]) instead keeps fixed-capacity buffers and
+/// writes each new position in place (no copy of the whole cache per token); the forward turns
+/// those back into exact entries when it runs next.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
+    /// While the entries are fixed-capacity buffers: how many positions are filled.
+    filled: Option<usize>,
 }
+
+/// Fixed-capacity buffers grow in steps of this many positions (and at least double).
+const KV_CAPACITY_STEP: usize = 256;
 
 impl KvCache {
     /// An empty cache for `num_layers` layers.
     pub fn new(num_layers: usize) -> Self {
         Self {
             layers: vec![None; num_layers],
+            filled: None,
         }
     }
 
     /// Number of cached positions.
     pub fn len(&self) -> usize {
+        self.filled.unwrap_or_else(|| {
+            self.layers
+                .first()
+                .and_then(|l| l.as_ref())
+                .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+        })
+    }
+
+    /// True when nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Positions the entries can hold without growing (their length when they are exact).
+    fn capacity(&self) -> usize {
         self.layers
             .first()
             .and_then(|l| l.as_ref())
             .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
     }
 
-    /// True when nothing is cached yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// Makes every entry hold exactly the filled positions again (what concatenation expects).
+    fn make_exact(&mut self) -> CResult<()> {
+        if let Some(filled) = self.filled.take() {
+            for (k, v) in self.layers.iter_mut().flatten() {
+                *k = k.narrow(2, 0, filled)?.contiguous()?;
+                *v = v.narrow(2, 0, filled)?.contiguous()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Turns the entries into fixed-capacity buffers with room for at least `needed` positions
+    /// (contents kept); `shape` is `(batch, kv_heads, head_dim)` for entries not created yet.
+    fn reserve(
+        &mut self,
+        needed: usize,
+        shape: (usize, usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> CResult<()> {
+        let filled = self.len();
+        let capacity = self.capacity();
+        if self.filled.is_some() && capacity >= needed {
+            return Ok(());
+        }
+        let grown = if self.filled.is_some() {
+            2 * capacity
+        } else {
+            0
+        };
+        let new_capacity = needed.max(grown).next_multiple_of(KV_CAPACITY_STEP);
+        let (batch, kv_heads, head_dim) = shape;
+        let widen = |t: Option<&Tensor>| -> CResult<Tensor> {
+            let buffer = Tensor::zeros((batch, kv_heads, new_capacity, head_dim), dtype, device)?;
+            if let Some(t) = t {
+                buffer.slice_set(&t.narrow(2, 0, filled)?.contiguous()?, 2, 0)?;
+            }
+            Ok(buffer)
+        };
+        for entry in self.layers.iter_mut() {
+            let (k, v) = match entry.as_ref() {
+                Some((k, v)) => (widen(Some(k))?, widen(Some(v))?),
+                None => (widen(None)?, widen(None)?),
+            };
+            *entry = Some((k, v));
+        }
+        self.filled = Some(filled);
+        Ok(())
     }
 }
 
@@ -767,6 +860,12 @@ impl CausalLm {
         layout: &AttentionLayout,
         mut cache: Option<&mut KvCache>,
     ) -> CResult<Tensor> {
+        if let Some(c) = cache.as_deref_mut() {
+            if self.decode_kernels_serve(input_ids, layout, c) {
+                return self.decode_step(input_ids, layout, c);
+            }
+            c.make_exact()?;
+        }
         if let Some(spread) = &self.spread {
             return self.forward_hidden_spread(spread, input_ids, layout, cache);
         }

@@ -1,0 +1,223 @@
+//! One decode step (one new token per row) built from [`ferrotune_core::decode`]: eight kernels a
+//! layer on a GPU, with the KV cache in fixed-capacity buffers written in place. The forward pass
+//! sends single-token steps here on CUDA; on the CPU the same step is made of the forward's own
+//! ops, which is how its bookkeeping (cache slots, padding, windows, every family's options) is
+//! tested against the forward.
+
+use candle_core::{bail, DType, Result as CResult, Tensor};
+use ferrotune_core::decode::{self, FirstKeys, Heads, Projection, QkNorm};
+use ferrotune_core::fused;
+
+use super::{AttentionLayout, CausalLm, GateUpProjection, KvCache, Linear, QkvProjection};
+use crate::config::Activation;
+
+impl CausalLm {
+    /// Whether a forward call is served by [`CausalLm::decode_step`]: a single-token step of a
+    /// model on one CUDA device (f32/bf16) that the step supports, with the decode kernels on
+    /// ([`decode::enabled`]).
+    pub(super) fn decode_kernels_serve(
+        &self,
+        input_ids: &Tensor,
+        layout: &AttentionLayout,
+        cache: &KvCache,
+    ) -> bool {
+        self.device.is_cuda()
+            && matches!(self.dtype, DType::F32 | DType::BF16)
+            && decode::enabled()
+            && self
+                .decode_step_unsupported(input_ids, layout, cache)
+                .is_none()
+    }
+
+    /// Why [`CausalLm::decode_step`] cannot serve this call, or `None` when it can.
+    fn decode_step_unsupported(
+        &self,
+        input_ids: &Tensor,
+        layout: &AttentionLayout,
+        cache: &KvCache,
+    ) -> Option<String> {
+        let Ok((batch, seq)) = input_ids.dims2() else {
+            return Some(format!(
+                "input ids {:?} are not [batch, 1]",
+                input_ids.dims()
+            ));
+        };
+        if seq != 1 || batch == 0 || batch > decode::MAX_ROWS {
+            return Some(format!(
+                "a decode step takes 1 to {} rows of one token, got {batch} × {seq}",
+                decode::MAX_ROWS
+            ));
+        }
+        if self.spread.is_some() {
+            return Some("the model is spread over several devices".into());
+        }
+        if layout.segments.is_some() || layout.positions.len() != batch {
+            return Some("packed or mismatched attention layout".into());
+        }
+        let past = cache.len();
+        for (row, valid) in layout.key_valid.iter().enumerate() {
+            // Keys must be left padding followed by real tokens, the new one last.
+            let first = valid.iter().position(|&v| v).unwrap_or(valid.len());
+            if valid.len() != past + 1
+                || layout.positions[row].len() != 1
+                || first > past
+                || !valid[first..].iter().all(|&v| v)
+            {
+                return Some(format!(
+                    "row {row}'s keys are not left padding followed by {} cached + 1 new tokens",
+                    past
+                ));
+            }
+        }
+        let c = &self.config;
+        if c.head_dim > decode::MAX_HEAD_DIM {
+            return Some(format!(
+                "head dimension {} is over {}",
+                c.head_dim,
+                decode::MAX_HEAD_DIM
+            ));
+        }
+        if self.embed_tokens.track_op() {
+            return Some("the embedding is being trained".into());
+        }
+        for (name, linear) in self.linears() {
+            if linear.adapter.is_some() {
+                return Some(format!("{name} has an unmerged adapter"));
+            }
+            if linear.weight.track_op() {
+                return Some(format!("{name} is being trained"));
+            }
+        }
+        for layer in &self.layers {
+            let gate_up_bias = match &layer.mlp.gate_up {
+                GateUpProjection::Separate { gate_proj, up_proj } => {
+                    gate_proj.bias.is_some() || up_proj.bias.is_some()
+                }
+                GateUpProjection::Fused { gate_up_proj } => gate_up_proj.bias.is_some(),
+            };
+            if gate_up_bias {
+                return Some("the MLP's gate/up projections have biases".into());
+            }
+            if layer.self_attn.q_norm.is_some() != layer.self_attn.k_norm.is_some() {
+                return Some("only one of q_norm / k_norm is set".into());
+            }
+        }
+        None
+    }
+
+    /// One decode step: the final hidden states `[batch, 1, hidden]` of one new token per row
+    /// (`input_ids` `[batch, 1]`, `layout` as for [`CausalLm::forward_hidden`]: left padding,
+    /// then the cached tokens, then the new one), the same values the forward computes. The cache
+    /// becomes fixed-capacity buffers (grown as needed) and gains this position, written in
+    /// place. Inference only: nothing records a backward.
+    pub fn decode_step(
+        &self,
+        input_ids: &Tensor,
+        layout: &AttentionLayout,
+        cache: &mut KvCache,
+    ) -> CResult<Tensor> {
+        if let Some(why) = self.decode_step_unsupported(input_ids, layout, cache) {
+            bail!("decode_step: {why}");
+        }
+        let c = &self.config;
+        let (batch, _) = input_ids.dims2()?;
+        let heads = Heads {
+            query: c.num_attention_heads,
+            kv: c.num_key_value_heads,
+            dim: c.head_dim,
+        };
+        let pos = cache.len();
+        cache.reserve(
+            pos + 1,
+            (batch, heads.kv, heads.dim),
+            self.dtype,
+            &self.device,
+        )?;
+        let (eps, offset) = (c.rms_norm_eps, c.norm_weight_offset_one);
+        let act = match c.activation {
+            Activation::Silu => fused::GatedAct::Silu,
+            Activation::GeluTanh => fused::GatedAct::GeluTanh,
+            Activation::GeluErf => fused::GatedAct::GeluErf,
+        };
+        let scale = (heads.dim as f64).powf(-0.5);
+
+        let mut x = self.embed(input_ids)?.reshape((batch, c.hidden_size))?;
+        let (cos, sin) = self
+            .rope
+            .cos_sin(&layout.positions, self.dtype, &self.device)?;
+        let rot = cos.dim(3)?;
+        let (cos, sin) = (cos.reshape((batch, rot))?, sin.reshape((batch, rot))?);
+        let first: Vec<u32> = layout
+            .key_valid
+            .iter()
+            .map(|v| v.iter().position(|&ok| ok).unwrap_or(pos) as u32)
+            .collect();
+        let first = FirstKeys::new(first, &self.device)?;
+
+        for (layer, entry) in self.layers.iter().zip(&cache.layers) {
+            let (k_cache, v_cache) = entry.as_ref().expect("reserved above");
+            let attn = &layer.self_attn;
+            let h = fused::rms_norm(&x, &layer.input_layernorm, eps, offset)?;
+            let qkv = match &attn.qkv {
+                QkvProjection::Separate {
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                } => decode::linear_rows(
+                    &h,
+                    &[projection(q_proj), projection(k_proj), projection(v_proj)],
+                    None,
+                )?,
+                QkvProjection::Fused { qkv_proj } => {
+                    decode::linear_rows(&h, &[projection(qkv_proj)], None)?
+                }
+            };
+            let norm = match (&attn.q_norm, &attn.k_norm) {
+                (Some(q), Some(k)) => Some(QkNorm {
+                    q,
+                    k,
+                    eps,
+                    offset_one: offset,
+                }),
+                _ => None,
+            };
+            let q = decode::rope_into_cache(&qkv, &cos, &sin, norm, heads, k_cache, v_cache, pos)?;
+            let a = decode::cached_attention(
+                &q,
+                k_cache,
+                v_cache,
+                pos + 1,
+                &first,
+                layer.sliding_window,
+                scale,
+            )?;
+            x = decode::linear_rows(&a, &[projection(&attn.o_proj)], Some(&x))?;
+            let h = fused::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?;
+            let g = match &layer.mlp.gate_up {
+                GateUpProjection::Separate { gate_proj, up_proj } => {
+                    decode::gated_rows(&h, &gate_proj.weight, &up_proj.weight, act)?
+                }
+                GateUpProjection::Fused { gate_up_proj } => {
+                    let inter = c.intermediate_size;
+                    let w = &gate_up_proj.weight;
+                    decode::gated_rows(
+                        &h,
+                        &w.narrow(0, 0, inter)?,
+                        &w.narrow(0, inter, inter)?,
+                        act,
+                    )?
+                }
+            };
+            x = decode::linear_rows(&g, &[projection(&layer.mlp.down_proj)], Some(&x))?;
+        }
+        cache.filled = Some(pos + 1);
+        self.final_norm(&x)?.reshape((batch, 1, c.hidden_size))
+    }
+}
+
+fn projection(l: &Linear) -> Projection<'_> {
+    Projection {
+        weight: &l.weight,
+        bias: l.bias.as_ref(),
+    }
+}

@@ -1,0 +1,250 @@
+//! `CausalLm::decode_step` (the fixed-capacity KV cache written in place, the step the CUDA decode
+//! kernels run) against the forward pass with its concatenated cache, on the CPU where both are
+//! made of the same ops: every family's tiny checkpoint, a left-padded batch, sliding windows,
+//! the cache growing past its first capacity, and the forward taking over a fixed cache.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, D};
+use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache};
+
+/// The repository's tests/fixtures, or `FERROTUNE_TEST_FIXTURES` (a test binary run on another
+/// machine, where the build's path does not exist).
+fn fixtures() -> PathBuf {
+    std::env::var_os("FERROTUNE_TEST_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
+}
+
+fn fixture_models() -> Vec<PathBuf> {
+    let root = fixtures();
+    let mut cases = vec![root.join("llama3/model"), root.join("qwen2/model")];
+    for e in std::fs::read_dir(root.join("models")).unwrap() {
+        let p = e.unwrap().path().join("model");
+        if p.join("config.json").is_file() {
+            cases.push(p);
+        }
+    }
+    cases.sort();
+    cases
+}
+
+/// A left-padded batch as generation builds it: ids `[batch, longest]` and its layout.
+fn padded_batch(prompts: &[Vec<u32>]) -> (Tensor, AttentionLayout) {
+    let longest = prompts.iter().map(Vec::len).max().unwrap();
+    let mut ids = Vec::new();
+    let mut layout = AttentionLayout {
+        positions: vec![],
+        key_valid: vec![],
+        segments: None,
+    };
+    for p in prompts {
+        let pad = longest - p.len();
+        ids.extend(std::iter::repeat_n(0u32, pad));
+        ids.extend_from_slice(p);
+        let mut valid = vec![false; pad];
+        valid.extend(std::iter::repeat_n(true, p.len()));
+        layout.key_valid.push(valid);
+        let mut pos: Vec<u32> = vec![1; pad];
+        pos.extend(0..p.len() as u32);
+        layout.positions.push(pos);
+    }
+    let t = Tensor::from_vec(ids, (prompts.len(), longest), &Device::Cpu).unwrap();
+    (t, layout)
+}
+
+/// The layout of the next single-token step.
+fn advance(layout: &mut AttentionLayout) {
+    for r in 0..layout.positions.len() {
+        let next = layout.positions[r].last().copied().unwrap() + 1;
+        layout.positions[r] = vec![next];
+        layout.key_valid[r].push(true);
+    }
+}
+
+fn argmax_tokens(model: &CausalLm, hidden: &Tensor) -> Tensor {
+    let last = hidden.dim(1).unwrap() - 1;
+    let logits = model.logits(&hidden.narrow(1, last, 1).unwrap()).unwrap();
+    logits
+        .argmax(D::Minus1)
+        .unwrap()
+        .to_dtype(DType::U32)
+        .unwrap()
+}
+
+fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    a.iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+}
+
+/// Decodes `steps` tokens of `prompts` twice (forward with its cache, decode_step with its own)
+/// and checks every step's hidden states agree; greedy tokens from the forward drive both.
+fn compare(model: &CausalLm, prompts: &[Vec<u32>], steps: usize, what: &str) {
+    let (input, mut layout) = padded_batch(prompts);
+    let mut forward_cache = KvCache::new(model.layers.len());
+    let mut step_cache = KvCache::new(model.layers.len());
+    let hidden = model
+        .forward_hidden(&input, &layout, Some(&mut forward_cache))
+        .unwrap();
+    model
+        .forward_hidden(&input, &layout, Some(&mut step_cache))
+        .unwrap();
+    let mut next = argmax_tokens(model, &hidden);
+    for step in 0..steps {
+        advance(&mut layout);
+        let want = model
+            .forward_hidden(&next, &layout, Some(&mut forward_cache))
+            .unwrap();
+        let got = model.decode_step(&next, &layout, &mut step_cache).unwrap();
+        assert_eq!(got.dims(), want.dims(), "{what} step {step}");
+        let d = max_rel_diff(&got, &want);
+        assert!(d <= 1e-5, "{what} step {step}: hidden states differ by {d}");
+        assert_eq!(step_cache.len(), forward_cache.len(), "{what} step {step}");
+        next = argmax_tokens(model, &want);
+    }
+}
+
+fn load(path: &Path) -> CausalLm {
+    load_model(path, DType::F32, &Device::Cpu).unwrap().0
+}
+
+#[test]
+fn decode_step_equals_the_forward_for_every_family_on_a_padded_batch() {
+    let cases = fixture_models();
+    assert!(cases.len() >= 10);
+    for case in cases {
+        let model = load(&case);
+        let prompts = vec![vec![5, 9, 2, 7, 1, 3], vec![4, 8, 6], vec![11]];
+        compare(&model, &prompts, 6, &case.display().to_string());
+    }
+}
+
+#[test]
+fn decode_step_honours_sliding_windows() {
+    for family in ["mistral", "qwen3"] {
+        let root = fixtures().join("models");
+        let mut model = load(&root.join(family).join("model"));
+        // Both layers windowed, one narrower than the prompt: keys drop out as the step advances.
+        model.layers[0].sliding_window = Some(3);
+        if let Some(l) = model.layers.get_mut(1) {
+            l.sliding_window = Some(6);
+        }
+        compare(&model, &[vec![3, 1, 4, 1, 5, 9, 2], vec![6, 5]], 8, family);
+    }
+}
+
+#[test]
+fn the_fixed_cache_grows_past_its_first_capacity() {
+    let root = fixtures().join("models");
+    let model = load(&root.join("llama3_2/model"));
+    // 250 prompt tokens + 20 steps: the first capacity (256 positions) fills and doubles.
+    let prompt: Vec<u32> = (0..250).map(|i| (i * 7 + 3) % 100).collect();
+    compare(&model, &[prompt, vec![1, 2]], 20, "growth");
+}
+
+#[test]
+fn the_forward_takes_over_a_fixed_cache() {
+    let root = fixtures().join("models");
+    let model = load(&root.join("qwen2_5/model"));
+    let (input, mut layout) = padded_batch(&[vec![7, 3, 9, 4], vec![2, 8]]);
+    let mut a = KvCache::new(model.layers.len());
+    let mut b = KvCache::new(model.layers.len());
+    model.forward_hidden(&input, &layout, Some(&mut a)).unwrap();
+    model.forward_hidden(&input, &layout, Some(&mut b)).unwrap();
+    let ids = Tensor::new(&[[5u32], [6]], &Device::Cpu).unwrap();
+    for _ in 0..2 {
+        advance(&mut layout);
+        model.forward_hidden(&ids, &layout, Some(&mut a)).unwrap();
+        model.decode_step(&ids, &layout, &mut b).unwrap();
+    }
+    // Two more tokens at once through the forward: the fixed cache turns back into exact entries.
+    let two = Tensor::new(&[[1u32, 2], [3, 4]], &Device::Cpu).unwrap();
+    for r in 0..2 {
+        let p = layout.positions[r][0];
+        layout.positions[r] = vec![p + 1, p + 2];
+        layout.key_valid[r].extend([true, true]);
+    }
+    let want = model.forward_hidden(&two, &layout, Some(&mut a)).unwrap();
+    let got = model.forward_hidden(&two, &layout, Some(&mut b)).unwrap();
+    assert!(max_rel_diff(&got, &want) <= 1e-5);
+    assert_eq!(a.len(), b.len());
+}
+
+#[test]
+fn decode_step_refuses_what_it_does_not_serve() {
+    let root = fixtures().join("models");
+    let model = load(&root.join("llama3_2/model"));
+    let (input, layout) = padded_batch(&[vec![1, 2, 3]]);
+    let mut cache = KvCache::new(model.layers.len());
+    // Three tokens at once.
+    let err = model.decode_step(&input, &layout, &mut cache).unwrap_err();
+    assert!(err.to_string().contains("one token"), "{err}");
+    // Packed samples.
+    let mut packed = AttentionLayout::causal(1, 1, 0);
+    packed.segments = Some(vec![vec![0]]);
+    let one = Tensor::new(&[[1u32]], &Device::Cpu).unwrap();
+    let err = model.decode_step(&one, &packed, &mut cache).unwrap_err();
+    assert!(err.to_string().contains("packed"), "{err}");
+}
+
+/// On a GPU the forward sends single-token steps to `decode_step`, whose ops are then the CUDA
+/// decode kernels: every family's generation with them against the forward's ops on the same GPU
+/// (`decode::set_enabled(false)`), f32 and bf16, driven by the same greedy tokens. Passes without
+/// checking anything where there is no GPU.
+#[cfg(feature = "cuda")]
+#[test]
+fn decode_kernels_equal_the_forward_ops_on_a_gpu() {
+    use ferrotune_core::decode::set_enabled;
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("no GPU ({e}): skipped");
+            return;
+        }
+    };
+    for case in fixture_models() {
+        for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2)] {
+            let model = load_model(&case, dtype, &gpu).unwrap().0;
+            let (input, mut layout) = padded_batch(&[vec![5, 9, 2, 7, 1, 3], vec![4, 8, 6]]);
+            let input = input.to_device(&gpu).unwrap();
+            let mut kernels_cache = KvCache::new(model.layers.len());
+            let mut ops_cache = KvCache::new(model.layers.len());
+            let hidden = model
+                .forward_hidden(&input, &layout, Some(&mut ops_cache))
+                .unwrap();
+            model
+                .forward_hidden(&input, &layout, Some(&mut kernels_cache))
+                .unwrap();
+            let mut next = argmax_tokens(&model, &hidden);
+            for step in 0..6 {
+                advance(&mut layout);
+                set_enabled(false);
+                let want = model
+                    .forward_hidden(&next, &layout, Some(&mut ops_cache))
+                    .unwrap();
+                set_enabled(true);
+                let got = model
+                    .forward_hidden(&next, &layout, Some(&mut kernels_cache))
+                    .unwrap();
+                let f32 = |t: &Tensor| {
+                    t.to_dtype(DType::F32)
+                        .unwrap()
+                        .to_device(&Device::Cpu)
+                        .unwrap()
+                };
+                let d = max_rel_diff(&f32(&got), &f32(&want));
+                assert!(
+                    d <= tol,
+                    "{} {dtype:?} step {step}: hidden states differ by {d}",
+                    case.display()
+                );
+                next = argmax_tokens(&model, &want);
+            }
+            eprintln!("{} {dtype:?}: ok", case.display());
+        }
+    }
+}
