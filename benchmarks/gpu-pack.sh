@@ -2,8 +2,10 @@
 # Builds the CUDA variant here (no GPU needed) and packs what benchmarks/gpu.sh runs on the GPU
 # machine into .gpu/ (git-ignored): the stripped, xz-compressed `ferrotune` (--features cuda),
 # the NCCL build, the GPU kernel tests, ../shared/gpu's run-on-gpu.sh and CUDA headers, the HF +
-# PEFT anchor, and a tiny model + rows for the NCCL check. Then, with the device tool:
-# run `bash .gpu/gpu.sh` carrying [".gpu"].
+# PEFT anchor, the HF decode anchor, the decode-step model test (it reads tests/fixtures, which the
+# device tool carries with the working tree), and a tiny
+# model + rows for the NCCL check. Then, with the device tool: run `bash .gpu/gpu.sh decode` (or
+# `train`, or `all`) carrying [".gpu"].
 # Needs the CUDA 13 toolkit: ../shared/gpu/setup-cuda13-toolkit.sh /tmp/cu
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,17 +14,24 @@ export PATH=$CUDA_HOME/bin:$PATH
 T=${CUDA_TARGET_DIR:-/tmp/target-cuda}; TN=${NCCL_TARGET_DIR:-/tmp/target-nccl}
 cargo build --release -p ferrotune-cli --features cuda --target-dir "$T"
 cargo build --release -p ferrotune-cli --features nccl --target-dir "$TN"
-tests=$(cargo test --release -p ferrotune-core --features cuda --target-dir "$T" --test cuda_kernels --no-run \
-  --message-format=json | python3 -c 'import json,sys
+# The path of test binary $3 of package $1 built with features $2.
+test_binary() {
+  cargo test --release -p "$1" --features "$2" --target-dir "$T" --test "$3" --no-run --message-format=json |
+    python3 -c 'import json,sys
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="cuda_kernels": print(m["executable"])' | tail -1)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==sys.argv[1]: print(m["executable"])' "$3" | tail -1
+}
+kernels=$(test_binary ferrotune-core cuda cuda_kernels)
+decode_step=$(test_binary ferrotune-models cuda decode_step)
 mkdir -p .gpu/nccl
 strip -o .gpu/ferrotune "$T/release/ferrotune"
 strip -o .gpu/ferrotune_nccl "$TN/release/ferrotune"
-strip -o .gpu/cuda_kernels "$tests"
-xz -T0 -6 -f .gpu/ferrotune .gpu/ferrotune_nccl .gpu/cuda_kernels
-cp ../shared/gpu/run-on-gpu.sh ../shared/gpu/cuda13-include.tar.xz ../shared/bench/hf_lora.py benchmarks/gpu.sh .gpu/
+strip -o .gpu/cuda_kernels "$kernels"
+strip -o .gpu/decode_step "$decode_step"
+xz -T0 -6 -f .gpu/ferrotune .gpu/ferrotune_nccl .gpu/cuda_kernels .gpu/decode_step
+cp ../shared/gpu/run-on-gpu.sh ../shared/gpu/cuda13-include.tar.xz ../shared/bench/hf_lora.py \
+  benchmarks/hf_decode.py benchmarks/gpu.sh .gpu/
 rm -rf .gpu/nccl/model && cp -r tests/fixtures/llama3/model .gpu/nccl/model
 python3 - <<'PY'
 import json

@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Everything measured on the GPU, in one call (packed by benchmarks/gpu-pack.sh, run on the GPU
-# machine from .gpu/): the GPU kernel tests; the loss of a small shape in f32 and bf16 (to set
-# beside the CPU f32 run); NCCL at world size 1 against single device (LoRA and full fine-tuning);
-# `bench ops`; ferrotune beside HF + PEFT (hf_lora.py) on the Llama-3.1-8B shape, alternating, same
-# GPU, same call; decode against the bandwidth bound; activation checkpointing and full fine-tuning
-# per layer (for docs/distributed.md). Logs go to $OUT; a short summary is printed last.
+# Everything measured on the GPU (packed by benchmarks/gpu-pack.sh, run on the GPU machine from
+# .gpu/), in one call per mode; logs go to $OUT and a short summary is printed last.
+#   decode: the GPU kernel tests (training and decode kernels), the decode step against the
+#           forward's ops for every tiny family, `bench decode` on the Llama-3.1-8B shape (decode
+#           kernels and forward ops, against the bandwidth bound) beside HF transformers
+#           (hf_decode.py: dynamic cache, then static cache + torch.compile).
+#   train:  the loss of a small shape in f32 and bf16 (to set beside the CPU f32 run); NCCL at world
+#           size 1 against single device (LoRA and full fine-tuning); `bench ops`; ferrotune beside
+#           HF + PEFT (hf_lora.py) on the Llama-3.1-8B shape, alternating; activation checkpointing
+#           and full fine-tuning per layer (for docs/distributed.md).
+#   all:    both.
+MODE=${1:-decode}
 cd "$(dirname "$0")"
-for f in ferrotune ferrotune_old cuda_kernels ferrotune_nccl; do
+ROOT=$(cd .. && pwd)
+for f in ferrotune ferrotune_old cuda_kernels decode_step ferrotune_nccl; do
   [ -f $f.xz ] || continue
   [ -x $f ] || python3 -c "import lzma,shutil;shutil.copyfileobj(lzma.open('$f.xz'),open('$f','wb'))"; chmod +x $f
 done
@@ -16,6 +23,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 timeout 300 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels.log 2>&1; krc=$?; echo "kernels rc=$krc" >> $OUT/kernels.log
 # A previous, already verified build (ferrotune_old.xz, if packed) when the new kernels fail.
 if [ $krc -ne 0 ] && [ -x ferrotune_old ]; then F="$R ./ferrotune_old"; echo "USING ferrotune_old" >> $OUT/kernels.log; fi
+if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
+  FERROTUNE_TEST_FIXTURES=$ROOT/tests/fixtures timeout 300 $R ./decode_step --test-threads=1 --nocapture > $OUT/decode_step.log 2>&1
+  echo "decode_step rc=$?" >> $OUT/decode_step.log
+  timeout 150 $F bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 --json > $OUT/decode_1.log 2>&1
+  timeout 150 python3 hf_decode.py --shape llama3_1_8b --device cuda --dtype bfloat16 --prompt 128 --new-tokens 128 > $OUT/hf_decode_1.log 2>&1
+  timeout 150 $F bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 --json > $OUT/decode_2.log 2>&1
+  # transformers' fastest decode (static cache, CUDA graphs through torch.compile), in the time left.
+  [ "$MODE" = decode ] && [ $SECONDS -lt 420 ] && timeout $((570 - SECONDS)) python3 hf_decode.py --shape llama3_1_8b \
+    --device cuda --dtype bfloat16 --prompt 128 --new-tokens 128 --runs 2 --cache static --compile > $OUT/hf_decode_static.log 2>&1
+fi
+if [ "$MODE" = train ] || [ "$MODE" = all ]; then
 for d in "cuda f32" "cuda bf16"; do set -- $d
   timeout 240 $F bench train --shape smollm2_135m --device $1 --dtype $2 --seq 256 --batch 2 --steps 1 --json > $OUT/loss_lora_$1_$2.log 2>&1
   timeout 240 $F bench train --shape smollm2_135m --full --device $1 --dtype $2 --seq 256 --batch 2 --steps 1 --json > $OUT/loss_full_$1_$2.log 2>&1
@@ -47,16 +65,22 @@ for i in 1 2; do
   timeout 200 $F bench train --shape llama3_1_8b --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 5 --json > $OUT/ft_lora_$i.log 2>&1
   timeout 200 python3 hf_lora.py --shape llama3_1_8b --device cuda --dtype bfloat16 --seq 2048 --batch 2 > $OUT/hf_lora_$i.log 2>&1
 done
-timeout 200 $F bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 > $OUT/decode.log 2>&1
 timeout 200 $F bench train --shape llama3_1_8b --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --activation-checkpointing --json > $OUT/ft_lora_ckpt.log 2>&1
 for l in 4 8; do
   timeout 200 $F bench train --shape llama3_1_8b --layers $l --full --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --json > $OUT/ft_full_$l.log 2>&1
   timeout 200 $F bench train --shape llama3_1_8b --layers $l --full --activation-checkpointing --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --json > $OUT/ft_full_ckpt_$l.log 2>&1
 done
+fi
 echo "== kernels"; grep -E 'panicked|test result|rc=' -A2 $OUT/kernels.log | head -20
+if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
+  echo "== decode step vs forward ops"; grep -E 'panicked|test result|rc=|differ' $OUT/decode_step.log | head -10
+  echo "== decode 8B bf16 (ferrotune | HF dynamic cache), then HF static + compile"
+  for i in 1 2; do grep -v '^\s*$' $OUT/decode_$i.log | tail -n 7; done
+  tail -n 1 $OUT/hf_decode_1.log; tail -n 2 $OUT/hf_decode_static.log 2>/dev/null
+fi
+[ "$MODE" = decode ] && exit 0
 echo "== losses (last loss: cuda f32 / cuda bf16; lora then full)"; for f in lora full; do grep -h 'last loss' $OUT/loss_${f}_cuda_f32.log $OUT/loss_${f}_cuda_bf16.log | paste -sd' '; done
 echo "== nccl"; cat $OUT/nccl_compare.txt 2>/dev/null | head -20
 echo "== ops"; cat $OUT/ops.log
 echo "== 8B LoRA seq 2048 batch 2 (ferrotune | HF+PEFT)"; for i in 1 2; do tail -n 1 $OUT/ft_lora_$i.log; tail -n 1 $OUT/hf_lora_$i.log; done
-echo "== decode"; grep -v '^\s*$' $OUT/decode.log | tail -n 6
 echo "== ckpt / full (layers 4, 8; plain then ckpt)"; for f in ft_lora_ckpt ft_full_4 ft_full_ckpt_4 ft_full_8 ft_full_ckpt_8; do echo "$f $(tail -n 1 $OUT/$f.log)"; done

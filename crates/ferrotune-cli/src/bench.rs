@@ -464,20 +464,36 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
             &mut |_, _| {},
         )?)
     };
-    run()?;
-    let mut decode_tps = Vec::new();
-    let mut prefill_tps = Vec::new();
-    for _ in 0..a.runs {
-        let out = run()?;
-        decode_tps.push(out.decode_tokens_per_s);
-        prefill_tps.push(out.prefill_tokens_per_s);
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+    // Median tokens/s of `a.runs` runs after a warmup, and the greedy tokens of the last.
+    let measure = || -> Result<(f64, f64, Vec<u32>)> {
+        run()?;
+        let (mut decode_tps, mut prefill_tps, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..a.runs {
+            let out = run()?;
+            decode_tps.push(out.decode_tokens_per_s);
+            prefill_tps.push(out.prefill_tokens_per_s);
+            tokens = out.new_token_ids.into_iter().next().unwrap_or_default();
+        }
+        Ok((median(&mut decode_tps), median(&mut prefill_tps), tokens))
     };
-    let decode_tps = median(&mut decode_tps);
-    let prefill_tps = median(&mut prefill_tps);
+    let (decode_tps, prefill_tps, tokens) = measure()?;
+    // On a GPU the decode kernels serve the steps; time the forward's ops beside them, and count
+    // how many greedy tokens the two agree on before the first difference (bf16 sums in another
+    // order may tip a near tie).
+    let forward_ops = if device.is_cuda() && ferrotune_core::decode::enabled() {
+        ferrotune_core::decode::set_enabled(false);
+        let measured = measure();
+        ferrotune_core::decode::set_enabled(true);
+        let (tps, _, forward_tokens) = measured?;
+        let same = tokens
+            .iter()
+            .zip(&forward_tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        Some((tps, same))
+    } else {
+        None
+    };
     // Bytes of weights read per decoded token: every matmul weight (the head included) once.
     let weight_bytes = matmul_params(&model.config) * dtype.size_in_bytes() as f64;
     let bandwidth = copy_bandwidth(&device)?;
@@ -487,6 +503,13 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
         a.prompt, a.new_tokens
     );
     println!("  decode     {decode_tps:.1} tokens/s");
+    if let Some((tps, same)) = forward_ops {
+        println!(
+            "  forward    {tps:.1} tokens/s with the forward's ops ({}=0); greedy tokens agree on the first {same} of {}",
+            ferrotune_core::decode::DISABLE_VAR,
+            tokens.len()
+        );
+    }
     println!("  prefill    {prefill_tps:.1} tokens/s");
     println!(
         "  bound      {bound:.1} tokens/s ({:.2} GB of weights per token, copy bandwidth {:.0} GB/s)",
@@ -495,13 +518,20 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
     );
     println!("  of bound   {:.1}%", 100.0 * decode_tps / bound);
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({"decode_tokens_per_s": decode_tps, "prefill_tokens_per_s": prefill_tps,
-                "bound_tokens_per_s": bound, "copy_bandwidth_gb_s": bandwidth / 1e9})
-        );
+        let mut j = serde_json::json!({"decode_tokens_per_s": decode_tps, "prefill_tokens_per_s": prefill_tps,
+            "bound_tokens_per_s": bound, "copy_bandwidth_gb_s": bandwidth / 1e9});
+        if let Some((tps, same)) = forward_ops {
+            j["forward_ops_decode_tokens_per_s"] = tps.into();
+            j["same_leading_greedy_tokens"] = same.into();
+        }
+        println!("{j}");
     }
     Ok(())
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Device memory bandwidth as a copy measures it: bytes read plus bytes written per second,
