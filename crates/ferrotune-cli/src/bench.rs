@@ -477,6 +477,12 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
         Ok((median(&mut decode_tps), median(&mut prefill_tps), tokens))
     };
     let (decode_tps, prefill_tps, tokens) = measure()?;
+    if device.is_cuda() && !ferrotune_core::decode::enabled() {
+        println!(
+            "  note: the decode kernels are off ({}=0, or they failed: see the warning above)",
+            ferrotune_core::decode::DISABLE_VAR
+        );
+    }
     // On a GPU the decode kernels serve the steps; time the forward's ops beside them, and count
     // how many greedy tokens the two agree on before the first difference (bf16 sums in another
     // order may tip a near tie).

@@ -177,6 +177,37 @@ pub struct DecoderLayer {
     pub sliding_window: Option<usize>,
 }
 
+impl DecoderLayer {
+    /// The layer's linear layers with their module names inside it (`self_attn.q_proj`, ...),
+    /// in model order.
+    pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
+        let mut out = Vec::with_capacity(7);
+        match &self.self_attn.qkv {
+            QkvProjection::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => out.extend([
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+            ]),
+            QkvProjection::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
+        }
+        out.push(("self_attn.o_proj", &self.self_attn.o_proj));
+        match &self.mlp.gate_up {
+            GateUpProjection::Separate { gate_proj, up_proj } => {
+                out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
+            }
+            GateUpProjection::Fused { gate_up_proj } => {
+                out.push(("mlp.gate_up_proj", gate_up_proj))
+            }
+        }
+        out.push(("mlp.down_proj", &self.mlp.down_proj));
+        out
+    }
+}
+
 /// Keys and values of earlier positions, per layer: `[batch, kv_heads, positions, head_dim]`.
 ///
 /// The forward pass appends to it by concatenation, so each entry holds exactly the cached
@@ -616,33 +647,9 @@ impl CausalLm {
     pub fn linears(&self) -> Vec<(String, &Linear)> {
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
-            let attn = format!("model.layers.{i}.self_attn");
-            match &layer.self_attn.qkv {
-                QkvProjection::Separate {
-                    q_proj,
-                    k_proj,
-                    v_proj,
-                } => {
-                    out.push((format!("{attn}.q_proj"), q_proj));
-                    out.push((format!("{attn}.k_proj"), k_proj));
-                    out.push((format!("{attn}.v_proj"), v_proj));
-                }
-                QkvProjection::Fused { qkv_proj } => {
-                    out.push((format!("{attn}.qkv_proj"), qkv_proj))
-                }
+            for (module, linear) in layer.linears() {
+                out.push((format!("model.layers.{i}.{module}"), linear));
             }
-            out.push((format!("{attn}.o_proj"), &layer.self_attn.o_proj));
-            let mlp = format!("model.layers.{i}.mlp");
-            match &layer.mlp.gate_up {
-                GateUpProjection::Separate { gate_proj, up_proj } => {
-                    out.push((format!("{mlp}.gate_proj"), gate_proj));
-                    out.push((format!("{mlp}.up_proj"), up_proj));
-                }
-                GateUpProjection::Fused { gate_up_proj } => {
-                    out.push((format!("{mlp}.gate_up_proj"), gate_up_proj))
-                }
-            }
-            out.push((format!("{mlp}.down_proj"), &layer.mlp.down_proj));
         }
         out.push(("lm_head".to_string(), &self.lm_head));
         out
@@ -862,7 +869,17 @@ impl CausalLm {
     ) -> CResult<Tensor> {
         if let Some(c) = cache.as_deref_mut() {
             if self.decode_kernels_serve(input_ids, layout, c) {
-                return self.decode_step(input_ids, layout, c);
+                match self.decode_step(input_ids, layout, c) {
+                    Ok(hidden) => return Ok(hidden),
+                    Err(e) => {
+                        // The step commits its position only at the end, so the cache still
+                        // holds exactly the earlier positions: the forward can take this step.
+                        tracing::warn!(
+                            "the decode kernels failed ({e}); decoding goes on with the forward's ops"
+                        );
+                        ferrotune_core::decode::set_enabled(false);
+                    }
+                }
             }
             c.make_exact()?;
         }

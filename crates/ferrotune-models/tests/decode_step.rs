@@ -189,6 +189,23 @@ fn decode_step_refuses_what_it_does_not_serve() {
     let one = Tensor::new(&[[1u32]], &Device::Cpu).unwrap();
     let err = model.decode_step(&one, &packed, &mut cache).unwrap_err();
     assert!(err.to_string().contains("packed"), "{err}");
+    // An unmerged LoRA adapter (the forward applies it; the decode step would not).
+    let mut adapted = model.clone();
+    let (_, o_proj) = adapted.linears_mut().into_iter().nth(3).unwrap();
+    let (out, inp) = o_proj.weight.dims2().unwrap();
+    o_proj.adapter = Some(ferrotune_models::LoraAdapter::new(
+        Tensor::zeros((2, inp), DType::F32, &Device::Cpu).unwrap(),
+        Tensor::zeros((out, 2), DType::F32, &Device::Cpu).unwrap(),
+        1.0,
+    ));
+    let one_step = AttentionLayout::causal(1, 1, 0);
+    let err = adapted
+        .decode_step(&one, &one_step, &mut KvCache::new(model.layers.len()))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("model.layers.0.self_attn.o_proj"),
+        "{err}"
+    );
 }
 
 /// On a GPU the forward sends single-token steps to `decode_step`, whose ops are then the CUDA

@@ -142,19 +142,25 @@ enum Arg {
 /// driver call, and decoding launches thousands of kernels per second.
 static FUNCTIONS: std::sync::Mutex<Option<FunctionCache>> = std::sync::Mutex::new(None);
 
-type FunctionCache = std::collections::HashMap<(candle_core::cuda::DeviceId, String), CudaFunction>;
+/// Per device, by kernel name (looked up by `&str`: no allocation on a hit).
+type FunctionCache = std::collections::HashMap<
+    candle_core::cuda::DeviceId,
+    std::collections::HashMap<String, CudaFunction>,
+>;
 
 fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     let mut cache = FUNCTIONS.lock().unwrap_or_else(|e| e.into_inner());
-    let cache = cache.get_or_insert_with(Default::default);
-    let key = (dev.id(), name.to_string());
-    if let Some(f) = cache.get(&key) {
+    let by_name = cache
+        .get_or_insert_with(Default::default)
+        .entry(dev.id())
+        .or_default();
+    if let Some(f) = by_name.get(name) {
         return Ok(f.clone());
     }
     let f = dev
         .get_or_load_custom_func(name, MODULE, PTX)?
         .into_cuda_function();
-    cache.insert(key, f.clone());
+    by_name.insert(name.to_string(), f.clone());
     Ok(f)
 }
 

@@ -80,13 +80,21 @@ impl CausalLm {
         if self.embed_tokens.track_op() {
             return Some("the embedding is being trained".into());
         }
-        for (name, linear) in self.linears() {
-            if linear.adapter.is_some() {
-                return Some(format!("{name} has an unmerged adapter"));
-            }
-            if linear.weight.track_op() {
-                return Some(format!("{name} is being trained"));
-            }
+        // Checked every step, so without building the layers' names unless one is refused.
+        let plain = |l: &Linear| l.adapter.is_none() && !l.weight.track_op();
+        let all_plain = self
+            .layers
+            .iter()
+            .all(|layer| layer.linears().into_iter().all(|(_, l)| plain(l)));
+        if !all_plain || !plain(&self.lm_head) {
+            let (name, _) = self
+                .linears()
+                .into_iter()
+                .find(|(_, l)| !plain(l))
+                .expect("one layer is not plain");
+            return Some(format!(
+                "{name} has an unmerged adapter or is being trained"
+            ));
         }
         for layer in &self.layers {
             let gate_up_bias = match &layer.mlp.gate_up {
