@@ -6,7 +6,8 @@ synthetic shape, batch 1, to run beside ferrotune on the same GPU in the same ca
 
 Weights are random (decode speed does not depend on their values). Decode tokens/s counts the
 tokens after the first (the first comes out of the prefill), over the time after the prefill,
-which is measured by a separate 1-token generate; median of --runs. Prints one JSON line."""
+which is measured by a separate 1-token generate; median of --runs. Prints one JSON line.
+(hf_generate.py is the CPU anchor on the real SmolLM2 GGUF with its chat template.)"""
 import argparse, json, statistics, time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
