@@ -69,10 +69,9 @@ impl Sampler {
         logits.iter_mut().for_each(|l| *l /= temp);
         if let Some(k) = self.opts.top_k.filter(|&k| k > 0 && k < logits.len()) {
             // Keep everything at least as large as the k-th largest value (ties survive, as in
-            // transformers' TopKLogitsWarper).
-            let mut sorted: Vec<f32> = logits.to_vec();
-            sorted.sort_unstable_by(|a, b| b.total_cmp(a));
-            let kth = sorted[k - 1];
+            // transformers' TopKLogitsWarper). A selection, not a sort: O(vocab) per token.
+            let mut values: Vec<f32> = logits.to_vec();
+            let (_, &mut kth, _) = values.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
             logits
                 .iter_mut()
                 .filter(|l| **l < kth)
@@ -84,8 +83,10 @@ impl Sampler {
         probs.iter_mut().for_each(|p| *p /= sum);
         if let Some(p) = self.opts.top_p.filter(|&p| p < 1.0) {
             // transformers' TopPLogitsWarper: sort ascending, drop tokens whose cumulative
-            // probability stays <= 1 - p, always keep the most likely one.
-            let mut order: Vec<usize> = (0..probs.len()).collect();
+            // probability stays <= 1 - p, always keep the most likely one. Tokens already at
+            // probability 0 (cut by top-k) would come first, add nothing and stay 0, so only the
+            // others are sorted: the same result, and after top-k a sort of k tokens, not the vocab.
+            let mut order: Vec<usize> = (0..probs.len()).filter(|&i| probs[i] > 0.0).collect();
             order.sort_by(|&a, &b| probs[a].total_cmp(&probs[b]));
             let mut cum = 0f32;
             let last = order.len() - 1;
@@ -167,6 +168,64 @@ mod tests {
                 ..Default::default()
             });
             assert_eq!(s.next(&mut [0.1, 0.2, 5.0, 0.3], &[]), 2);
+        }
+    }
+
+    /// The filtering as first written: full sorts of the vocabulary.
+    fn reference_filter(logits: &[f32], k: usize, p: f32) -> Vec<f32> {
+        let mut l = logits.to_vec();
+        let mut sorted = l.clone();
+        sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+        let kth = sorted[k - 1];
+        l.iter_mut()
+            .filter(|x| **x < kth)
+            .for_each(|x| *x = f32::NEG_INFINITY);
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<f32> = l.iter().map(|x| (x - max).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|q| *q /= sum);
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        order.sort_by(|&a, &b| probs[a].total_cmp(&probs[b]));
+        let (mut cum, last) = (0f32, order.len() - 1);
+        for (rank, &i) in order.iter().enumerate() {
+            cum += probs[i];
+            if cum <= 1.0 - p && rank != last {
+                probs[i] = 0.0;
+            }
+        }
+        probs
+    }
+
+    #[test]
+    fn top_k_and_top_p_draw_what_full_sorts_would() {
+        // Logits with ties (rounded to quarters) over a 3000-token vocabulary; the same seed must
+        // draw the same token as sampling from the reference's filtered distribution.
+        let mut rng = StdRng::seed_from_u64(3);
+        for case in 0..40 {
+            let logits: Vec<f32> = (0..3000)
+                .map(|_| (rng.random::<f32>() * 24.0).round() / 4.0)
+                .collect();
+            let (k, p) = (1 + case * 37 % 400, 0.5 + (case % 5) as f32 * 0.1);
+            let probs = reference_filter(&logits, k, p);
+            let sum: f32 = probs.iter().sum();
+            let mut s = Sampler::new(SamplingOptions {
+                temperature: 1.0,
+                top_k: Some(k),
+                top_p: Some(p as f64),
+                seed: case as u64,
+                ..Default::default()
+            });
+            let got = s.next(&mut logits.clone(), &[]);
+            let r: f32 = StdRng::seed_from_u64(case as u64).random();
+            let mut acc = 0f32;
+            let want = probs
+                .iter()
+                .position(|&q| {
+                    acc += q / sum;
+                    r < acc
+                })
+                .unwrap_or_else(|| argmax(&probs) as usize);
+            assert_eq!(got as usize, want, "case {case} (k {k}, p {p})");
         }
     }
 
