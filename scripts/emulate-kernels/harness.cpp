@@ -16,6 +16,19 @@ using std::min;
 #define FT_DYNAMIC_SHARED(type, name) HIP_DYNAMIC_SHARED(type, name)
 #include "../../crates/ferrotune-core/src/cuda/kernels.cu"
 
+// The kernels take the row count as a template argument (one kernel per count).
+#define DISPATCH_ROWS(B, LAUNCH) \
+  switch (B) {                   \
+    case 1: LAUNCH(1); break;    \
+    case 2: LAUNCH(2); break;    \
+    case 3: LAUNCH(3); break;    \
+    case 4: LAUNCH(4); break;    \
+    case 5: LAUNCH(5); break;    \
+    case 6: LAUNCH(6); break;    \
+    case 7: LAUNCH(7); break;    \
+    default: LAUNCH(8); break;   \
+  }
+
 static std::mt19937 rng(1234);
 static int failures = 0;
 
@@ -95,8 +108,11 @@ template <typename T> void test_gemv(int B, int K, int n0, int n1, int n2, bool 
     dw[s] = dev(w[s]);
     db[s] = bias ? dev(bs[s]) : nullptr;
   }
-  hipLaunchKernelGGL(dec_gemv<T>, dim3((N + 7) / 8), dim3(256), 0, 0, dx, B, K, dw[0], db[0], n0,
-                     dw[1], db[1], n1, dw[2], db[2], n2, residual ? dres : nullptr, dout);
+#define LAUNCH(NB)                                                                                  \
+  hipLaunchKernelGGL((dec_gemv<T, NB>), dim3((N + 7) / 8), dim3(256), 0, 0, dx, K, dw[0], db[0], n0, \
+                     dw[1], db[1], n1, dw[2], db[2], n2, residual ? dres : nullptr, dout)
+  DISPATCH_ROWS(B, LAUNCH);
+#undef LAUNCH
   char name[128];
   std::snprintf(name, sizeof name, "gemv %s B%d K%d N%d+%d+%d%s%s", sizeof(T) == 4 ? "f32" : "bf16", B,
                 K, n0, n1, n2, bias ? " bias" : "", residual ? " residual" : "");
@@ -122,7 +138,10 @@ template <typename T> void test_gated(int B, int K, int N, int act) {
       want[(size_t)b * N + r] = rt<T>(rt<T>(a) * u);
     }
   T *dx = dev(x), *dg = dev(wg), *du = dev(wu), *dout = dev(std::vector<T>((size_t)B * N));
-  hipLaunchKernelGGL(dec_gated_gemv<T>, dim3((N + 7) / 8), dim3(256), 0, 0, dx, B, K, dg, du, N, dout, act);
+#define LAUNCH(NB) \
+  hipLaunchKernelGGL((dec_gated_gemv<T, NB>), dim3((N + 7) / 8), dim3(256), 0, 0, dx, K, dg, du, N, dout, act)
+  DISPATCH_ROWS(B, LAUNCH);
+#undef LAUNCH
   char name[128];
   std::snprintf(name, sizeof name, "gated gemv %s B%d K%d N%d act%d", sizeof(T) == 4 ? "f32" : "bf16", B, K, N, act);
   check(name, host(dout, (size_t)B * N), want, tol<T>());

@@ -17,7 +17,8 @@ fn ptr_or_null(t: Option<&Tensor>) -> Result<u64> {
     t.map(ptr).transpose().map(|p| p.unwrap_or(0))
 }
 
-/// [`crate::decode::linear_rows`]: one `dec_gemv` launch for up to three stacked projections.
+/// [`crate::decode::linear_rows`]: one `dec_gemv_{dtype}_{rows}` launch for up to three stacked
+/// projections.
 pub(crate) fn gemv(
     x: &Tensor,
     projections: &[Projection],
@@ -37,11 +38,7 @@ pub(crate) fn gemv(
     let residual = residual.map(Tensor::contiguous).transpose()?;
     let total: usize = weights.iter().map(|w| w.dim(0)).sum::<Result<usize>>()?;
     let out = empty(&dev, dtype, (rows, total))?;
-    let mut args = vec![
-        Arg::Ptr(ptr(&x)?),
-        Arg::I32(rows as i32),
-        Arg::I32(width as i32),
-    ];
+    let mut args = vec![Arg::Ptr(ptr(&x)?), Arg::I32(width as i32)];
     for (w, b) in weights.iter().zip(&biases) {
         args.push(Arg::Ptr(ptr(w)?));
         args.push(Arg::Ptr(ptr_or_null(b.as_ref())?));
@@ -55,7 +52,7 @@ pub(crate) fn gemv(
     args.push(Arg::Ptr(ptr(&out)?));
     launch(
         &dev,
-        &format!("dec_gemv_{}", suffix(dtype)?),
+        &format!("dec_gemv_{}_{rows}", suffix(dtype)?),
         (total.div_ceil(GEMV_WARPS) as u32, 1),
         (GEMV_WARPS * 32) as u32,
         0,
@@ -64,7 +61,7 @@ pub(crate) fn gemv(
     Ok(out)
 }
 
-/// [`crate::decode::gated_rows`]: one `dec_gated_gemv` launch.
+/// [`crate::decode::gated_rows`]: one `dec_gated_gemv_{dtype}_{rows}` launch.
 pub(crate) fn gated_gemv(x: &Tensor, gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
     let dev = cuda_device(x)?;
     let dtype = x.dtype();
@@ -74,13 +71,12 @@ pub(crate) fn gated_gemv(x: &Tensor, gate: &Tensor, up: &Tensor, act: GatedAct) 
     let out = empty(&dev, dtype, (rows, n))?;
     launch(
         &dev,
-        &format!("dec_gated_gemv_{}", suffix(dtype)?),
+        &format!("dec_gated_gemv_{}_{rows}", suffix(dtype)?),
         (n.div_ceil(GEMV_WARPS) as u32, 1),
         (GEMV_WARPS * 32) as u32,
         0,
         &[
             Arg::Ptr(ptr(&x)?),
-            Arg::I32(rows as i32),
             Arg::I32(width as i32),
             Arg::Ptr(ptr(&gate)?),
             Arg::Ptr(ptr(&up)?),

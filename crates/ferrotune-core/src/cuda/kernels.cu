@@ -393,12 +393,11 @@ __device__ void adamw(float *p32, T *p_out, const T *g, float *m, float *v, long
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode step: one new token for each of B ≤ DEC_MAX_B rows. Reading the weights once per token is
+// Decode step: one new token for each of B ≤ 8 rows. Reading the weights once per token is
 // the whole cost, so the projections are warp-per-output-row GEMVs with 16-byte loads, several in
 // flight per lane, instead of cuBLAS GEMMs shaped for many rows; the layer needs 8 launches in all.
 // Loops that contain warp shuffles run the same number of times in every warp of a block (idle
 // warps compute on a clamped index and drop the result), which the CPU emulation requires.
-#define DEC_MAX_B 8
 
 __device__ __forceinline__ void load8(const bf16 *p, float *f) {
   uint4 u = *reinterpret_cast<const uint4 *>(p);
@@ -414,39 +413,63 @@ __device__ __forceinline__ void load8(const float *p, float *f) {
   f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
+// 8 weight elements as loaded (read-only path), unpacked to floats only when used: bf16 chunks
+// stay 4 registers each while several are in flight.
+template <typename T> struct Pack8;
+template <> struct Pack8<bf16> {
+  uint4 v;
+  __device__ __forceinline__ void load(const bf16 *p) { v = __ldg(reinterpret_cast<const uint4 *>(p)); }
+  __device__ __forceinline__ void unpack(float *f) const {
+    const bf16 *h = reinterpret_cast<const bf16 *>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __bfloat162float(h[i]);
+  }
+};
+template <> struct Pack8<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float *p) {
+    a = __ldg(reinterpret_cast<const float4 *>(p));
+    b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+  }
+  __device__ __forceinline__ void unpack(float *f) const {
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  }
+};
+
 // acc[b] += W[row] · x[b] over this lane's share of K (K a multiple of 8): lane l reads elements
 // 8l .. 8l+7 of every 256-element chunk, UNROLL chunks of the weight row loaded before use.
-template <typename T, int UNROLL>
-__device__ __forceinline__ void dec_dot(const T *wr, const T *x, int B, int K, float *acc, int lane) {
+template <typename T, int UNROLL, int NB>
+__device__ __forceinline__ void dec_dot(const T *wr, const T *x, int K, float *acc, int lane) {
   int k = lane * 8;
   for (; k + (UNROLL - 1) * 256 < K; k += UNROLL * 256) {
-    float w[UNROLL][8];
+    Pack8<T> w[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) load8(wr + k + u * 256, w[u]);
+    for (int u = 0; u < UNROLL; ++u) w[u].load(wr + k + u * 256);
 #pragma unroll
-    for (int b = 0; b < DEC_MAX_B; ++b) {
-      if (b < B) {
+    for (int u = 0; u < UNROLL; ++u) {
+      float wf[8];
+      w[u].unpack(wf);
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          float xv[8];
-          load8(x + (long)b * K + k + u * 256, xv);
+      for (int b = 0; b < NB; ++b) {
+        float xv[8];
+        load8(x + (long)b * K + k + u * 256, xv);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[b] += w[u][i] * xv[i];
-        }
+        for (int i = 0; i < 8; ++i) acc[b] += wf[i] * xv[i];
       }
     }
   }
   for (; k < K; k += 256) {
-    float w[8];
-    load8(wr + k, w);
+    Pack8<T> w;
+    w.load(wr + k);
+    float wf[8];
+    w.unpack(wf);
 #pragma unroll
-    for (int b = 0; b < DEC_MAX_B; ++b) {
-      if (b < B) {
-        float xv[8];
-        load8(x + (long)b * K + k, xv);
+    for (int b = 0; b < NB; ++b) {
+      float xv[8];
+      load8(x + (long)b * K + k, xv);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[b] += w[i] * xv[i];
-      }
+      for (int i = 0; i < 8; ++i) acc[b] += wf[i] * xv[i];
     }
   }
 }
@@ -454,8 +477,8 @@ __device__ __forceinline__ void dec_dot(const T *wr, const T *x, int B, int K, f
 // out[b][r] = round(x[b] · W[r]) (+ bias, rounded again: candle's matmul then broadcast add) for the
 // rows of up to three stacked matrices (q, k, v), out: [B, n0 + n1 + n2]. With `residual`,
 // out[b][r] = round(residual[b][r] + that): the residual add after o_proj / down_proj.
-template <typename T>
-__device__ void dec_gemv(const T *x, int B, int K, const T *w0, const T *b0, int n0, const T *w1,
+template <typename T, int NB>
+__device__ void dec_gemv(const T *x, int K, const T *w0, const T *b0, int n0, const T *w1,
                          const T *b1, int n1, const T *w2, const T *b2, int n2, const T *residual,
                          T *out) {
   int lane = threadIdx.x & 31;
@@ -475,46 +498,41 @@ __device__ void dec_gemv(const T *x, int B, int K, const T *w0, const T *b0, int
       bias = b2;
     }
   }
-  float acc[DEC_MAX_B];
+  float acc[NB];
 #pragma unroll
-  for (int b = 0; b < DEC_MAX_B; ++b) acc[b] = 0.f;
-  dec_dot<T, 4>(w + (long)rr * K, x, B, K, acc, lane);
+  for (int b = 0; b < NB; ++b) acc[b] = 0.f;
+  dec_dot<T, 4, NB>(w + (long)rr * K, x, K, acc, lane);
 #pragma unroll
-  for (int b = 0; b < DEC_MAX_B; ++b) {
-    if (b < B) {
-      float s = warp_sum(acc[b]);
-      if (active && lane == 0) {
-        float v = round_to<T>(s);
-        if (bias) v = round_to<T>(v + ld(bias, rr));
-        if (residual) v = v + ld(residual, (long)b * N + r);
-        st(out, (long)b * N + r, v);
-      }
+  for (int b = 0; b < NB; ++b) {
+    float s = warp_sum(acc[b]);
+    if (active && lane == 0) {
+      float v = round_to<T>(s);
+      if (bias) v = round_to<T>(v + ld(bias, rr));
+      if (residual) v = v + ld(residual, (long)b * N + r);
+      st(out, (long)b * N + r, v);
     }
   }
 }
 
 // out[b][r] = round(round(act(g)) · u) with g = round(x[b] · Wg[r]), u = round(x[b] · Wu[r]): the
 // gated MLP's gate and up projections and activation in one pass over both weights.
-template <typename T>
-__device__ void dec_gated_gemv(const T *x, int B, int K, const T *wg, const T *wu, int N, T *out,
-                               int act) {
+template <typename T, int NB>
+__device__ void dec_gated_gemv(const T *x, int K, const T *wg, const T *wu, int N, T *out, int act) {
   int lane = threadIdx.x & 31;
   int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   bool active = r < N;
   if (!active) r = N - 1;
-  float ag[DEC_MAX_B], au[DEC_MAX_B];
+  float ag[NB], au[NB];
 #pragma unroll
-  for (int b = 0; b < DEC_MAX_B; ++b) ag[b] = au[b] = 0.f;
-  dec_dot<T, 2>(wg + (long)r * K, x, B, K, ag, lane);
-  dec_dot<T, 2>(wu + (long)r * K, x, B, K, au, lane);
+  for (int b = 0; b < NB; ++b) ag[b] = au[b] = 0.f;
+  dec_dot<T, 2, NB>(wg + (long)r * K, x, K, ag, lane);
+  dec_dot<T, 2, NB>(wu + (long)r * K, x, K, au, lane);
 #pragma unroll
-  for (int b = 0; b < DEC_MAX_B; ++b) {
-    if (b < B) {
-      float g = warp_sum(ag[b]);
-      float u = warp_sum(au[b]);
-      if (active && lane == 0)
-        st(out, (long)b * N + r, round_to<T>(act_fwd(round_to<T>(g), act)) * round_to<T>(u));
-    }
+  for (int b = 0; b < NB; ++b) {
+    float g = warp_sum(ag[b]);
+    float u = warp_sum(au[b]);
+    if (active && lane == 0)
+      st(out, (long)b * N + r, round_to<T>(act_fwd(round_to<T>(g), act)) * round_to<T>(u));
   }
 }
 
@@ -680,15 +698,6 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   extern "C" __global__ void bias_add_##SUF(T *out, const T *bias, long rows, int cols) {         \
     bias_add<T>(out, bias, rows, cols);                                                           \
   }                                                                                               \
-  extern "C" __global__ void dec_gemv_##SUF(const T *x, int B, int K, const T *w0, const T *b0,      \
-                                          int n0, const T *w1, const T *b1, int n1, const T *w2,  \
-                                          const T *b2, int n2, const T *residual, T *out) {       \
-    dec_gemv<T>(x, B, K, w0, b0, n0, w1, b1, n1, w2, b2, n2, residual, out);                      \
-  }                                                                                               \
-  extern "C" __global__ void dec_gated_gemv_##SUF(const T *x, int B, int K, const T *wg,            \
-                                                const T *wu, int N, T *out, int act) {            \
-    dec_gated_gemv<T>(x, B, K, wg, wu, N, out, act);                                              \
-  }                                                                                               \
   extern "C" __global__ void dec_qkv_rope_##SUF(const T *qkv, const T *cs, const T *sn,             \
                                               const T *qn, const T *kn, float eps, int offset_one, \
                                               T *q_out, T *kc, T *vc, int nh, int nkv, int hd,    \
@@ -710,3 +719,23 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   }
 
 FOR_TYPES(EXPORT)
+
+// The decode GEMVs, one kernel per row count NB (1..8): registers, and with them occupancy, are
+// set per kernel, so one kernel for all counts would run batch 1 at batch 8's register budget.
+#define EXPORT_DEC_ROWS(T, SUF, NB)                                                                 \
+  extern "C" __global__ void dec_gemv_##SUF##_##NB(const T *x, int K, const T *w0, const T *b0,    \
+                                                 int n0, const T *w1, const T *b1, int n1,        \
+                                                 const T *w2, const T *b2, int n2,                \
+                                                 const T *residual, T *out) {                     \
+    dec_gemv<T, NB>(x, K, w0, b0, n0, w1, b1, n1, w2, b2, n2, residual, out);                     \
+  }                                                                                               \
+  extern "C" __global__ void dec_gated_gemv_##SUF##_##NB(const T *x, int K, const T *wg,           \
+                                                       const T *wu, int N, T *out, int act) {     \
+    dec_gated_gemv<T, NB>(x, K, wg, wu, N, out, act);                                             \
+  }
+#define EXPORT_DEC(T, SUF)                                                                          \
+  EXPORT_DEC_ROWS(T, SUF, 1) EXPORT_DEC_ROWS(T, SUF, 2) EXPORT_DEC_ROWS(T, SUF, 3)                  \
+  EXPORT_DEC_ROWS(T, SUF, 4) EXPORT_DEC_ROWS(T, SUF, 5) EXPORT_DEC_ROWS(T, SUF, 6)                  \
+  EXPORT_DEC_ROWS(T, SUF, 7) EXPORT_DEC_ROWS(T, SUF, 8)
+
+FOR_TYPES(EXPORT_DEC)
