@@ -54,6 +54,13 @@ impl CausalLm {
         if layout.segments.is_some() || layout.positions.len() != batch {
             return Some("packed or mismatched attention layout".into());
         }
+        if cache.layers.len() != self.layers.len() {
+            return Some(format!(
+                "the KV cache has {} layers, the model {}",
+                cache.layers.len(),
+                self.layers.len()
+            ));
+        }
         let past = cache.len();
         for (row, valid) in layout.key_valid.iter().enumerate() {
             // Keys must be left padding followed by real tokens, the new one last.
