@@ -10,7 +10,7 @@
 //! step built from them gives the forward's results on the CPU (the reference the GPU kernels
 //! are tested against). Nothing here records a backward: this is inference only.
 
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, Device, Result, Tensor};
 
 use crate::fused::{self, GatedAct};
 use crate::ops;
@@ -326,12 +326,12 @@ pub fn cached_attention(
     let mask = if starts.iter().all(|&s| s == 0) {
         None
     } else {
-        let values: Vec<f32> = starts
+        let allowed: Vec<bool> = starts
             .iter()
-            .flat_map(|&s| (0..len).map(move |j| if j >= s { 0.0 } else { f32::MIN }))
+            .flat_map(|&s| (0..len).map(move |j| j >= s))
             .collect();
-        Some(finite_mask(
-            values,
+        Some(ops::additive_mask(
+            &allowed,
             (rows, 1, 1, len),
             q.dtype(),
             q.device(),
@@ -345,46 +345,6 @@ pub fn cached_attention(
         scale,
     )?;
     out.reshape((rows, query * dim))
-}
-
-/// An additive mask of `dtype` from f32 values where `f32::MIN` means masked: masked entries
-/// become the dtype's own finite minimum (f32's would round to −∞ in 16-bit types).
-pub fn finite_mask(
-    values: Vec<f32>,
-    shape: (usize, usize, usize, usize),
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    let masked = |v: f32| v == f32::MIN;
-    match dtype {
-        DType::BF16 => {
-            let data: Vec<half::bf16> = values
-                .iter()
-                .map(|&v| {
-                    if masked(v) {
-                        half::bf16::MIN
-                    } else {
-                        half::bf16::from_f32(v)
-                    }
-                })
-                .collect();
-            Tensor::from_vec(data, shape, device)
-        }
-        DType::F16 => {
-            let data: Vec<half::f16> = values
-                .iter()
-                .map(|&v| {
-                    if masked(v) {
-                        half::f16::MIN
-                    } else {
-                        half::f16::from_f32(v)
-                    }
-                })
-                .collect();
-            Tensor::from_vec(data, shape, device)
-        }
-        _ => Tensor::from_vec(values, shape, device)?.to_dtype(dtype),
-    }
 }
 
 /// A CUDA f32/bf16 tensor of at most [`MAX_ROWS`] rows (its first dimension), outside autograd.

@@ -3,7 +3,7 @@
 //! Each follows the arithmetic of the corresponding transformers module (which dtype each step runs
 //! in matters for bf16 parity), and every op used here has a gradient in candle's autograd.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Shape, Tensor, WithDType, D};
 
 /// RMSNorm as transformers' `LlamaRMSNorm`: statistics in f32, `weight * normed.to(input_dtype)`.
 ///
@@ -95,6 +95,35 @@ pub fn linear_with(
     let mut out_dims = dims.to_vec();
     *out_dims.last_mut().expect("non-empty") = out_features;
     out.reshape(out_dims)
+}
+
+/// An additive attention mask from `allowed` (row-major over `shape`): 0 where a query may attend,
+/// elsewhere the dtype's finite minimum (transformers' `finfo(dtype).min`), built directly in
+/// `dtype` (f32's minimum would round to −∞ in 16-bit types).
+pub fn additive_mask(
+    allowed: &[bool],
+    shape: impl Into<Shape>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    fn build<T: WithDType>(
+        allowed: &[bool],
+        (zero, min): (T, T),
+        shape: Shape,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let data: Vec<T> = allowed
+            .iter()
+            .map(|&a| if a { zero } else { min })
+            .collect();
+        Tensor::from_vec(data, shape, device)
+    }
+    let shape = shape.into();
+    match dtype {
+        DType::BF16 => build(allowed, (half::bf16::ZERO, half::bf16::MIN), shape, device),
+        DType::F16 => build(allowed, (half::f16::ZERO, half::f16::MIN), shape, device),
+        _ => build(allowed, (0f32, f32::MIN), shape, device)?.to_dtype(dtype),
+    }
 }
 
 #[cfg(test)]

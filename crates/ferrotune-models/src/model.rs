@@ -381,34 +381,8 @@ impl AttentionLayout {
         if !any_masked {
             return Ok(None);
         }
-        // Built in the compute dtype: half the bytes to copy for bf16, and its own minimum (f32's
-        // minimum would round to −∞ in bf16).
-        let shape = (batch, 1, seq, total);
-        let mask = match dtype {
-            DType::BF16 => {
-                let (zero, min) = (half::bf16::ZERO, half::bf16::MIN);
-                let data: Vec<half::bf16> = allowed
-                    .iter()
-                    .map(|&a| if a { zero } else { min })
-                    .collect();
-                Tensor::from_vec(data, shape, device)?
-            }
-            DType::F16 => {
-                let (zero, min) = (half::f16::ZERO, half::f16::MIN);
-                let data: Vec<half::f16> = allowed
-                    .iter()
-                    .map(|&a| if a { zero } else { min })
-                    .collect();
-                Tensor::from_vec(data, shape, device)?
-            }
-            _ => {
-                let data: Vec<f32> = allowed
-                    .iter()
-                    .map(|&a| if a { 0.0 } else { f32::MIN })
-                    .collect();
-                Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?
-            }
-        };
+        // Built in the compute dtype: half the bytes to copy for bf16, and its own minimum.
+        let mask = ops::additive_mask(&allowed, (batch, 1, seq, total), dtype, device)?;
         fused::register_mask_rows(&mask, rows_seen);
         Ok(Some(mask))
     }

@@ -191,7 +191,11 @@ fn decode_step_refuses_what_it_does_not_serve() {
     assert!(err.to_string().contains("packed"), "{err}");
     // A cache made for another model.
     let err = model
-        .decode_step(&one, &AttentionLayout::causal(1, 1, 0), &mut KvCache::new(1))
+        .decode_step(
+            &one,
+            &AttentionLayout::causal(1, 1, 0),
+            &mut KvCache::new(1),
+        )
         .unwrap_err();
     assert!(err.to_string().contains("KV cache has 1 layers"), "{err}");
     // An unmerged LoRA adapter (the forward applies it; the decode step would not).
