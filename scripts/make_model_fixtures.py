@@ -226,6 +226,74 @@ def cfg_smollm2_like():
     ))
 
 
+def cfg_mistral_window():
+    # A sliding window (5) shorter than the golden sequence (16) and the greedy run (8 + 16).
+    return MistralConfig(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        sliding_window=5,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_qwen2_window_yarn():
+    # Qwen2 with use_sliding_window on from layer max_window_layers (1): layer 0 full, layer 1 windowed;
+    # YaRN rope (factor 4 over 8 original positions: every frequency band is exercised at 16 positions).
+    return Qwen2Config(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 8},
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_phi3_longrope():
+    # Phi-3.5 / Phi-4-mini style: longrope (short/long factor lists, attention factor from
+    # max_position_embeddings / original) over a partial rotary dimension (0.75 of head_dim 16 = 12).
+    # original_max_position_embeddings 6 < the prompt (8): every call uses the long factors, so
+    # generate() with its cache and a cache-free argmax loop agree (mixing short and long factors in
+    # one cache is where they would not).
+    rot_half = 6
+    return Phi3Config(**common(
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(rot_half)],
+            "long_factor": [1.5 + 0.7 * i for i in range(rot_half)],
+        },
+        original_max_position_embeddings=6,
+        sliding_window=None,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_llama_linear_bias():
+    # Linear rope scaling (factor 2) and biases on every projection (attention_bias, mlp_bias).
+    return LlamaConfig(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+    ))
+
+
 # --------------------------------------------------------------------------------------------------------
 # Cases
 # --------------------------------------------------------------------------------------------------------
@@ -293,6 +361,20 @@ CASES = {
                              "weights (loaded with dtype=float32)"),
     "sharded_llama": dict(weights_from="llama2", style="v5", shards=3, same_golden_as="llama2",
                           notes="llama2 saved in 4 shards + model.safetensors.index.json; golden identical to llama2"),
+    "mistral_window": dict(cfg=cfg_mistral_window, seed=109, style="v5",
+                           notes="sliding_window 5 (< the 16-token sequence): keys older than 5 positions are "
+                                 "masked in every layer, also while decoding"),
+    "qwen2_window_yarn": dict(cfg=cfg_qwen2_window_yarn, seed=110, style="v5",
+                              notes="use_sliding_window true, sliding_window 5, max_window_layers 1 (layer 0 full, "
+                                    "layer 1 windowed); rope_type yarn (factor 4, original 8, attention factor "
+                                    "0.1 ln 4 + 1); q/k/v bias"),
+    "phi3_longrope": dict(cfg=cfg_phi3_longrope, seed=111, style="v5",
+                          notes="rope_type longrope (short/long factor lists over the rotary half-dimension, "
+                                "original_max_position_embeddings 6, attention factor from 512 / 6), "
+                                "partial_rotary_factor 0.75 of head_dim 16, GQA 2/1 in the fused qkv_proj"),
+    "llama_linear_bias": dict(cfg=cfg_llama_linear_bias, seed=112, style="v5",
+                              notes="rope_type linear (factor 2); attention_bias and mlp_bias: biases on q, k, v, o, "
+                                    "gate, up and down"),
 }
 
 
