@@ -119,9 +119,10 @@ template <typename T> void test_gemv(int B, int K, int n0, int n1, int n2, bool 
   check(name, host(dout, (size_t)B * N), want, tol<T>());
 }
 
-template <typename T> void test_gated(int B, int K, int N, int act) {
+template <typename T> void test_gated(int B, int K, int N, int act, bool bias) {
   auto x = random_vec<T>((size_t)B * K);
   auto wg = random_vec<T>((size_t)N * K, 0.05f), wu = random_vec<T>((size_t)N * K, 0.05f);
+  auto bg = random_vec<T>(N, 0.5f), bu = random_vec<T>(N, 0.5f);
   std::vector<float> want((size_t)B * N);
   for (int b = 0; b < B; ++b)
     for (int r = 0; r < N; ++r) {
@@ -132,18 +133,25 @@ template <typename T> void test_gated(int B, int K, int N, int act) {
       }
       g = rt<T>(g);
       u = rt<T>(u);
+      if (bias) {
+        g = rt<T>(g + from_t(bg[r]));
+        u = rt<T>(u + from_t(bu[r]));
+      }
       float a = act == 0 ? g / (1 + std::exp(-g))
                 : act == 1 ? 0.5f * g * (1 + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)))
                            : 0.5f * g * (1 + std::erf(g * 0.7071067811865476f));
       want[(size_t)b * N + r] = rt<T>(rt<T>(a) * u);
     }
   T *dx = dev(x), *dg = dev(wg), *du = dev(wu), *dout = dev(std::vector<T>((size_t)B * N));
-#define LAUNCH(NB) \
-  hipLaunchKernelGGL((dec_gated_gemv<T, NB>), dim3((N + 7) / 8), dim3(256), 0, 0, dx, K, dg, du, N, dout, act)
+  T *dbg = bias ? dev(bg) : nullptr, *dbu = bias ? dev(bu) : nullptr;
+#define LAUNCH(NB)                                                                                  \
+  hipLaunchKernelGGL((dec_gated_gemv<T, NB>), dim3((N + 7) / 8), dim3(256), 0, 0, dx, K, dg, dbg, du, \
+                     dbu, N, dout, act)
   DISPATCH_ROWS(B, LAUNCH);
 #undef LAUNCH
   char name[128];
-  std::snprintf(name, sizeof name, "gated gemv %s B%d K%d N%d act%d", sizeof(T) == 4 ? "f32" : "bf16", B, K, N, act);
+  std::snprintf(name, sizeof name, "gated gemv %s B%d K%d N%d act%d%s", sizeof(T) == 4 ? "f32" : "bf16", B, K,
+                N, act, bias ? " bias" : "");
   check(name, host(dout, (size_t)B * N), want, tol<T>());
 }
 
@@ -277,9 +285,10 @@ template <typename T> void all() {
   test_gemv<T>(3, 1048, 24, 8, 8, true, false);
   test_gemv<T>(2, 776, 13, 0, 0, false, true);
   test_gemv<T>(8, 520, 9, 0, 0, true, true);
-  test_gated<T>(1, 512, 20, 0);
-  test_gated<T>(3, 264, 11, 1);
-  test_gated<T>(2, 1032, 5, 2);
+  test_gated<T>(1, 512, 20, 0, false);
+  test_gated<T>(3, 264, 11, 1, true);
+  test_gated<T>(2, 1032, 5, 2, false);
+  test_gated<T>(5, 1024, 9, 0, true);
   test_qkv_rope<T>(1, 4, 2, 64, 64, false, 0, 8, 3);
   test_qkv_rope<T>(3, 6, 2, 48, 32, true, 0, 5, 4);
   test_qkv_rope<T>(2, 2, 1, 128, 128, true, 1, 3, 0);

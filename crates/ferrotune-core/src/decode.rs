@@ -119,23 +119,28 @@ pub fn linear_rows(
     }
 }
 
-/// The gated MLP's first half for `x` `[rows, in]`: `act(x · gateᵀ) · (x · upᵀ)`, `[rows, out]`.
-pub fn gated_rows(x: &Tensor, gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
-    if gate.dims() != up.dims() || gate.dim(1)? != x.dim(1)? {
+/// The gated MLP's first half for `x` `[rows, in]`: `act(x · gateᵀ + b) · (x · upᵀ + b)`,
+/// `[rows, out]`.
+pub fn gated_rows(x: &Tensor, gate: Projection, up: Projection, act: GatedAct) -> Result<Tensor> {
+    if gate.weight.dims() != up.weight.dims() || gate.weight.dim(1)? != x.dim(1)? {
         bail!(
             "gated_rows: gate {:?} and up {:?} do not fit x {:?}",
-            gate.dims(),
-            up.dims(),
+            gate.weight.dims(),
+            up.weight.dims(),
             x.dims()
         );
     }
     #[cfg(feature = "cuda")]
-    if kernels_apply(x) && same_kind(x, gate) && same_kind(x, up) {
+    if kernels_apply(x)
+        && [gate, up]
+            .iter()
+            .all(|p| same_kind(x, p.weight) && p.bias.is_none_or(|b| same_kind(x, b)))
+    {
         return crate::cuda::decode::gated_gemv(x, gate, up, act);
     }
     fused::swiglu(
-        &ops::linear(x, gate, None)?,
-        &ops::linear(x, up, None)?,
+        &ops::linear(x, gate.weight, gate.bias)?,
+        &ops::linear(x, up.weight, up.bias)?,
         act,
     )
 }

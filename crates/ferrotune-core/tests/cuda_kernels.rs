@@ -482,22 +482,33 @@ fn decode_linear_rows_match_cpu() {
 
 #[test]
 fn decode_gated_rows_match_cpu() {
-    use ferrotune_core::decode::gated_rows;
+    use ferrotune_core::decode::{gated_rows, Projection};
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(22);
-    for (rows, width, out, act) in [
-        (1, 512, 20, GatedAct::Silu),
-        (3, 264, 11, GatedAct::GeluTanh),
-        (2, 1032, 5, GatedAct::GeluErf),
+    for (rows, width, out, act, bias) in [
+        (1, 512, 20, GatedAct::Silu, false),
+        (3, 264, 11, GatedAct::GeluTanh, true),
+        (2, 1032, 5, GatedAct::GeluErf, false),
+        (5, 1024, 9, GatedAct::Silu, true),
     ] {
         let inputs = vec![
             rng.tensor(&[rows, width], 1.0),
             rng.tensor(&[out, width], 0.1),
+            rng.tensor(&[out], 0.5),
             rng.tensor(&[out, width], 0.1),
+            rng.tensor(&[out], 0.5),
         ];
         for dtype in DTYPES {
             check_decode("gated_rows", &inputs, dtype, &gpu, &|t| {
-                Ok(vec![gated_rows(&t[0], &t[1], &t[2], act)?])
+                let gate = Projection {
+                    weight: &t[1],
+                    bias: bias.then(|| &t[2]),
+                };
+                let up = Projection {
+                    weight: &t[3],
+                    bias: bias.then(|| &t[4]),
+                };
+                Ok(vec![gated_rows(&t[0], gate, up, act)?])
             });
         }
     }

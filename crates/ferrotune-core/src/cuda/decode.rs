@@ -62,12 +62,20 @@ pub(crate) fn gemv(
 }
 
 /// [`crate::decode::gated_rows`]: one `dec_gated_gemv_{dtype}_{rows}` launch.
-pub(crate) fn gated_gemv(x: &Tensor, gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
+pub(crate) fn gated_gemv(
+    x: &Tensor,
+    gate: Projection,
+    up: Projection,
+    act: GatedAct,
+) -> Result<Tensor> {
     let dev = cuda_device(x)?;
     let dtype = x.dtype();
     let (rows, width) = x.dims2()?;
-    let n = gate.dim(0)?;
-    let (x, gate, up) = (x.contiguous()?, gate.contiguous()?, up.contiguous()?);
+    let n = gate.weight.dim(0)?;
+    let x = x.contiguous()?;
+    let (gate_w, up_w) = (gate.weight.contiguous()?, up.weight.contiguous()?);
+    let gate_b = gate.bias.map(Tensor::contiguous).transpose()?;
+    let up_b = up.bias.map(Tensor::contiguous).transpose()?;
     let out = empty(&dev, dtype, (rows, n))?;
     launch(
         &dev,
@@ -78,8 +86,10 @@ pub(crate) fn gated_gemv(x: &Tensor, gate: &Tensor, up: &Tensor, act: GatedAct) 
         &[
             Arg::Ptr(ptr(&x)?),
             Arg::I32(width as i32),
-            Arg::Ptr(ptr(&gate)?),
-            Arg::Ptr(ptr(&up)?),
+            Arg::Ptr(ptr(&gate_w)?),
+            Arg::Ptr(ptr_or_null(gate_b.as_ref())?),
+            Arg::Ptr(ptr(&up_w)?),
+            Arg::Ptr(ptr_or_null(up_b.as_ref())?),
             Arg::I32(n as i32),
             Arg::Ptr(ptr(&out)?),
             Arg::I32(act_code(act)),

@@ -514,10 +514,12 @@ __device__ void dec_gemv(const T *x, int K, const T *w0, const T *b0, int n0, co
   }
 }
 
-// out[b][r] = round(round(act(g)) · u) with g = round(x[b] · Wg[r]), u = round(x[b] · Wu[r]): the
-// gated MLP's gate and up projections and activation in one pass over both weights.
+// out[b][r] = round(round(act(g)) · u) with g = round(x[b] · Wg[r]), u = round(x[b] · Wu[r]) (each
+// plus its bias, rounded again, when given): the gated MLP's gate and up projections and activation
+// in one pass over both weights.
 template <typename T, int NB>
-__device__ void dec_gated_gemv(const T *x, int K, const T *wg, const T *wu, int N, T *out, int act) {
+__device__ void dec_gated_gemv(const T *x, int K, const T *wg, const T *bg, const T *wu,
+                               const T *bu, int N, T *out, int act) {
   int lane = threadIdx.x & 31;
   int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   bool active = r < N;
@@ -529,10 +531,13 @@ __device__ void dec_gated_gemv(const T *x, int K, const T *wg, const T *wu, int 
   dec_dot<T, 2, NB>(wu + (long)r * K, x, K, au, lane);
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
-    float g = warp_sum(ag[b]);
-    float u = warp_sum(au[b]);
-    if (active && lane == 0)
-      st(out, (long)b * N + r, round_to<T>(act_fwd(round_to<T>(g), act)) * round_to<T>(u));
+    float g = round_to<T>(warp_sum(ag[b]));
+    float u = round_to<T>(warp_sum(au[b]));
+    if (active && lane == 0) {
+      if (bg) g = round_to<T>(g + ld(bg, r));
+      if (bu) u = round_to<T>(u + ld(bu, r));
+      st(out, (long)b * N + r, round_to<T>(act_fwd(g, act)) * u);
+    }
   }
 }
 
@@ -730,8 +735,9 @@ FOR_TYPES(EXPORT)
     dec_gemv<T, NB>(x, K, w0, b0, n0, w1, b1, n1, w2, b2, n2, residual, out);                     \
   }                                                                                               \
   extern "C" __global__ void dec_gated_gemv_##SUF##_##NB(const T *x, int K, const T *wg,           \
-                                                       const T *wu, int N, T *out, int act) {     \
-    dec_gated_gemv<T, NB>(x, K, wg, wu, N, out, act);                                             \
+                                                       const T *bg, const T *wu, const T *bu,     \
+                                                       int N, T *out, int act) {                  \
+    dec_gated_gemv<T, NB>(x, K, wg, bg, wu, bu, N, out, act);                                     \
   }
 #define EXPORT_DEC(T, SUF)                                                                          \
   EXPORT_DEC_ROWS(T, SUF, 1) EXPORT_DEC_ROWS(T, SUF, 2) EXPORT_DEC_ROWS(T, SUF, 3)                  \

@@ -104,15 +104,6 @@ impl CausalLm {
             ));
         }
         for layer in &self.layers {
-            let gate_up_bias = match &layer.mlp.gate_up {
-                GateUpProjection::Separate { gate_proj, up_proj } => {
-                    gate_proj.bias.is_some() || up_proj.bias.is_some()
-                }
-                GateUpProjection::Fused { gate_up_proj } => gate_up_proj.bias.is_some(),
-            };
-            if gate_up_bias {
-                return Some("the MLP's gate/up projections have biases".into());
-            }
             if layer.self_attn.q_norm.is_some() != layer.self_attn.k_norm.is_some() {
                 return Some("only one of q_norm / k_norm is set".into());
             }
@@ -210,17 +201,32 @@ impl CausalLm {
             let h = fused::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?;
             let g = match &layer.mlp.gate_up {
                 GateUpProjection::Separate { gate_proj, up_proj } => {
-                    decode::gated_rows(&h, &gate_proj.weight, &up_proj.weight, act)?
+                    decode::gated_rows(&h, projection(gate_proj), projection(up_proj), act)?
                 }
                 GateUpProjection::Fused { gate_up_proj } => {
+                    // Rows [gate | up] of one matrix (and of its bias).
                     let inter = c.intermediate_size;
-                    let w = &gate_up_proj.weight;
-                    decode::gated_rows(
-                        &h,
-                        &w.narrow(0, 0, inter)?,
-                        &w.narrow(0, inter, inter)?,
-                        act,
-                    )?
+                    let half = |start: usize| -> CResult<(Tensor, Option<Tensor>)> {
+                        Ok((
+                            gate_up_proj.weight.narrow(0, start, inter)?,
+                            gate_up_proj
+                                .bias
+                                .as_ref()
+                                .map(|b| b.narrow(0, start, inter))
+                                .transpose()?,
+                        ))
+                    };
+                    let (gw, gb) = half(0)?;
+                    let (uw, ub) = half(inter)?;
+                    let gate = Projection {
+                        weight: &gw,
+                        bias: gb.as_ref(),
+                    };
+                    let up = Projection {
+                        weight: &uw,
+                        bias: ub.as_ref(),
+                    };
+                    decode::gated_rows(&h, gate, up, act)?
                 }
             };
             x = decode::linear_rows(&g, &[projection(&layer.mlp.down_proj)], Some(&x))?;
