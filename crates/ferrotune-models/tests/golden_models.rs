@@ -38,7 +38,28 @@ fn load(dir: &Path) -> CausalLm {
         .0
 }
 
-/// Full-sequence logits equal transformers' to 1e-4 (f32).
+/// transformers' causal-LM loss from logits `[b, t, vocab]`: the mean cross-entropy of position
+/// `i`'s logits against label `i + 1`, skipping labels of -100 (in f64).
+fn causal_lm_loss(logits: &Tensor, labels: &Value) -> f64 {
+    let labels: Vec<Vec<i64>> = serde_json::from_value(labels.clone()).unwrap();
+    let logits: Vec<Vec<Vec<f32>>> = logits.to_vec3().unwrap();
+    let (mut sum, mut count) = (0f64, 0usize);
+    for (row, labels) in logits.iter().zip(&labels) {
+        for (z, &target) in row.iter().zip(&labels[1..]) {
+            if target < 0 {
+                continue;
+            }
+            let max = z.iter().fold(f32::MIN, |m, &v| m.max(v)) as f64;
+            let lse = max + z.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+            sum += lse - z[target as usize] as f64;
+            count += 1;
+        }
+    }
+    sum / count as f64
+}
+
+/// Full-sequence logits equal transformers' to 1e-4 (f32), and so does the loss over the golden's
+/// labels.
 fn check_logits(dir: &Path) {
     let g = golden(dir);
     let model = load(dir);
@@ -51,6 +72,14 @@ fn check_logits(dir: &Path) {
         candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let err = max_abs_diff(&logits, &want["logits"]);
     assert!(err <= 1e-4, "{}: logits max abs error {err}", dir.display());
+    if let Some(want_loss) = g["loss"].as_f64() {
+        let loss = causal_lm_loss(&logits, &g["labels"]);
+        assert!(
+            (loss - want_loss).abs() <= 1e-4,
+            "{}: loss {loss}, transformers {want_loss}",
+            dir.display()
+        );
+    }
 }
 
 /// Prefill then one token at a time through the KV cache gives the same logits as one full pass.
