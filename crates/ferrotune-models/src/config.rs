@@ -43,7 +43,8 @@ pub enum RopeScaling {
     Default,
     /// Positions divided by `factor`.
     Linear { factor: f64 },
-    /// Dynamic NTK: the base grows once the sequence exceeds `original_max_position_embeddings`.
+    /// Dynamic NTK: the base grows once the sequence exceeds `original_max_position_embeddings`
+    /// (the config's `max_position_embeddings`, as transformers takes it).
     Dynamic {
         factor: f64,
         original_max_position_embeddings: usize,
@@ -256,9 +257,11 @@ fn parse_rope(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeConfig, St
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
         "linear" => RopeScaling::Linear { factor: factor()? },
+        // transformers scales dynamic NTK against `max_position_embeddings` and ignores an
+        // `original_max_position_embeddings` given with it.
         "dynamic" => RopeScaling::Dynamic {
             factor: factor()?,
-            original_max_position_embeddings: original(max_pos)?,
+            original_max_position_embeddings: max_pos,
         },
         "llama3" => RopeScaling::Llama3 {
             factor: factor()?,
@@ -269,7 +272,7 @@ fn parse_rope(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeConfig, St
         },
         "yarn" => RopeScaling::Yarn {
             factor: factor()?,
-            original_max_position_embeddings: original(max_pos)?,
+            original_max_position_embeddings: max_pos,
             attention_factor: get_f64(params, "attention_factor")?,
             beta_fast: get_f64(params, "beta_fast")?.unwrap_or(32.0),
             beta_slow: get_f64(params, "beta_slow")?.unwrap_or(1.0),

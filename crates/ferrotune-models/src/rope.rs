@@ -224,3 +224,63 @@ impl RotaryEmbedding {
         Ok((cos, sin))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// cos and sin at one position, as f32 rows.
+    fn at(rope: &RotaryEmbedding, pos: u32) -> (Vec<f32>, Vec<f32>) {
+        let (cos, sin) = rope
+            .cos_sin(&[vec![pos]], DType::F32, &Device::Cpu)
+            .unwrap();
+        let row = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        (row(cos), row(sin))
+    }
+
+    #[test]
+    fn dynamic_ntk_matches_transformers() {
+        // transformers 5.23's LlamaRotaryEmbedding (a fresh one per position) for this config:
+        // default frequencies up to max_position_embeddings (12) positions, NTK-scaled beyond;
+        // the `original_max_position_embeddings` given with it is ignored, as transformers does.
+        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
+            "model_type": "llama", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 12,
+            "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0,
+                                "original_max_position_embeddings": 6}
+        }))
+        .unwrap();
+        let rope = RotaryEmbedding::new(&cfg);
+        let want: [(u32, [f32; 4], [f32; 4]); 3] = [
+            (
+                5,
+                [0.2836622, 0.8775826, 0.9987503, 0.9999875],
+                [-0.9589243, 0.4794255, 0.0499792, 0.005],
+            ),
+            (
+                11,
+                [0.0044257, 0.4535961, 0.9939561, 0.9999395],
+                [-0.9999902, 0.8912074, 0.1097783, 0.0109998],
+            ),
+            (
+                15,
+                [-0.7596879, 0.3009106, 0.9943122, 0.9999595],
+                [0.6502879, 0.9536524, 0.1065044, 0.0089999],
+            ),
+        ];
+        for (pos, cos_half, sin_half) in want {
+            let (cos, sin) = at(&rope, pos);
+            for i in 0..8 {
+                assert!(
+                    (cos[i] - cos_half[i % 4]).abs() < 2e-6,
+                    "cos at {pos}: {cos:?}"
+                );
+                assert!(
+                    (sin[i] - sin_half[i % 4]).abs() < 2e-6,
+                    "sin at {pos}: {sin:?}"
+                );
+            }
+        }
+    }
+}
