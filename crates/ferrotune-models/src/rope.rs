@@ -251,36 +251,111 @@ mod tests {
                                 "original_max_position_embeddings": 6}
         }))
         .unwrap();
-        let rope = RotaryEmbedding::new(&cfg);
-        let want: [(u32, [f32; 4], [f32; 4]); 3] = [
-            (
-                5,
-                [0.2836622, 0.8775826, 0.9987503, 0.9999875],
-                [-0.9589243, 0.4794255, 0.0499792, 0.005],
-            ),
-            (
-                11,
-                [0.0044257, 0.4535961, 0.9939561, 0.9999395],
-                [-0.9999902, 0.8912074, 0.1097783, 0.0109998],
-            ),
-            (
-                15,
-                [-0.7596879, 0.3009106, 0.9943122, 0.9999595],
-                [0.6502879, 0.9536524, 0.1065044, 0.0089999],
-            ),
-        ];
+        check(
+            &RotaryEmbedding::new(&cfg),
+            &[
+                (
+                    5,
+                    vec![0.2836622, 0.8775826, 0.9987503, 0.9999875],
+                    vec![-0.9589243, 0.4794255, 0.0499792, 0.005],
+                ),
+                (
+                    11,
+                    vec![0.0044257, 0.4535961, 0.9939561, 0.9999395],
+                    vec![-0.9999902, 0.8912074, 0.1097783, 0.0109998],
+                ),
+                (
+                    15,
+                    vec![-0.7596879, 0.3009106, 0.9943122, 0.9999595],
+                    vec![0.6502879, 0.9536524, 0.1065044, 0.0089999],
+                ),
+            ],
+        );
+    }
+
+    /// Checks cos/sin rows (each half repeated) at several positions.
+    fn check(rope: &RotaryEmbedding, want: &[(u32, Vec<f32>, Vec<f32>)]) {
         for (pos, cos_half, sin_half) in want {
-            let (cos, sin) = at(&rope, pos);
-            for i in 0..8 {
+            let (cos, sin) = at(rope, *pos);
+            let half = cos_half.len();
+            assert_eq!(cos.len(), 2 * half);
+            for i in 0..2 * half {
                 assert!(
-                    (cos[i] - cos_half[i % 4]).abs() < 2e-6,
+                    (cos[i] - cos_half[i % half]).abs() < 3e-6,
                     "cos at {pos}: {cos:?}"
                 );
                 assert!(
-                    (sin[i] - sin_half[i % 4]).abs() < 2e-6,
+                    (sin[i] - sin_half[i % half]).abs() < 3e-6,
                     "sin at {pos}: {sin:?}"
                 );
             }
         }
+    }
+
+    #[test]
+    fn longrope_short_and_long_factors_match_transformers() {
+        // Phi-3.5-style: short factors up to original_max_position_embeddings (6) positions, long
+        // beyond; attention factor sqrt(1 + ln(512 / 6) / ln 6); rotary over 0.75 of head_dim 16.
+        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
+            "model_type": "phi3", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": 512, "original_max_position_embeddings": 6,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+                "long_factor": [1.5, 2.2, 2.9, 3.6, 4.3, 5.0]}
+        }))
+        .unwrap();
+        check(
+            &RotaryEmbedding::new(&cfg),
+            &[
+                (
+                    3,
+                    vec![
+                        -1.8472514, 1.5529877, 1.8533763, 1.8654279, 1.8659048, 1.8659239,
+                    ],
+                    vec![
+                        0.2633193, 1.0343618, 0.2160358, 0.043056, 0.0086143, 0.0017322,
+                    ],
+                ),
+                (
+                    10,
+                    vec![
+                        1.7303981, 1.0404645, 1.8420755, 1.8652049, 1.8659012, 1.8659239,
+                    ],
+                    vec![
+                        0.6981386, 1.5489056, 0.2973767, 0.0518246, 0.0093488, 0.0017322,
+                    ],
+                ),
+            ],
+        );
+    }
+
+    #[test]
+    fn yarn_without_truncation_and_with_mscale_matches_transformers() {
+        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                "original_max_position_embeddings": 16, "beta_fast": 16.0, "beta_slow": 2.0,
+                "truncate": false, "mscale": 0.8, "mscale_all_dim": 0.5}
+        }))
+        .unwrap();
+        check(
+            &RotaryEmbedding::new(&cfg),
+            &[
+                (
+                    7,
+                    vec![0.7832237, 1.0230255, 1.038734, 1.0388913],
+                    vec![0.6825387, 0.1808797, 0.0181797, 0.0018181],
+                ),
+                (
+                    40,
+                    vec![-0.6928773, 0.5613163, 1.0337029, 1.038841],
+                    vec![0.7740928, 0.8741983, 0.1037162, 0.0103888],
+                ),
+            ],
+        );
     }
 }
