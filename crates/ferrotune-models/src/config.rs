@@ -272,7 +272,7 @@ fn parse_rope(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeConfig, St
         },
         "yarn" => RopeScaling::Yarn {
             factor: factor()?,
-            original_max_position_embeddings: max_pos,
+            original_max_position_embeddings: original(max_pos)?,
             attention_factor: get_f64(params, "attention_factor")?,
             beta_fast: get_f64(params, "beta_fast")?.unwrap_or(32.0),
             beta_slow: get_f64(params, "beta_slow")?.unwrap_or(1.0),

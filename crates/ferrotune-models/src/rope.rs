@@ -333,8 +333,11 @@ mod tests {
 
     #[test]
     fn yarn_without_truncation_and_with_mscale_matches_transformers() {
+        // head_dim 32: 16 frequencies, so the ramp between beta_fast and beta_slow (which depends
+        // on original_max_position_embeddings) separates extrapolated, blended and interpolated
+        // ones.
         let cfg = ModelConfig::from_hf_json(&serde_json::json!({
-            "model_type": "qwen2", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+            "model_type": "qwen2", "vocab_size": 16, "hidden_size": 128, "intermediate_size": 64,
             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 64,
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -347,13 +350,29 @@ mod tests {
             &[
                 (
                     7,
-                    vec![0.7832237, 1.0230255, 1.038734, 1.0388913],
-                    vec![0.6825387, 0.1808797, 0.0181797, 0.0018181],
+                    vec![
+                        0.783224, 0.575147, 0.883831, 0.988992, 1.023026, 1.033866, 1.037303,
+                        1.03839, 1.038734, 1.038843, 1.038877, 1.038888, 1.038891, 1.038893,
+                        1.038893, 1.038893,
+                    ],
+                    vec![
+                        0.682539, 0.865162, 0.546023, 0.318109, 0.18088, 0.102072, 0.057463,
+                        0.032325, 0.01818, 0.010224, 0.005749, 0.003233, 0.001818, 0.001022,
+                        0.000575, 0.000323,
+                    ],
                 ),
                 (
                     40,
-                    vec![-0.6928773, 0.5613163, 1.0337029, 1.038841],
-                    vec![0.7740928, 0.8741983, 0.1037162, 0.0103888],
+                    vec![
+                        -0.692877, 0.820862, -1.038671, -0.214009, 0.561316, 0.878913, 0.98738,
+                        1.02251, 1.033703, 1.037251, 1.038374, 1.038729, 1.038841, 1.038877,
+                        1.038888, 1.038891,
+                    ],
+                    vec![
+                        0.774093, -0.636776, -0.021488, 1.016611, 0.874198, 0.553905, 0.323079,
+                        0.183772, 0.103716, 0.05839, 0.032847, 0.018473, 0.010389, 0.005842,
+                        0.003285, 0.001847,
+                    ],
                 ),
             ],
         );
