@@ -97,21 +97,15 @@ impl Linear {
             && !self.weight.track_op()
             && self.bias.as_ref().is_none_or(|b| !b.track_op())
         {
-            // A few rows on the GPU (decode steps, the output head): one GEMV kernel.
-            let width = x.dim(D::Minus1)?;
-            let rows = x.elem_count() / width;
+            // A few rows on the GPU (decode steps, the output head): one GEMV kernel, which
+            // adds the bias itself.
             let projection = ferrotune_core::decode::Projection {
                 weight: &self.weight,
                 bias: self.bias.as_ref(),
             };
-            let out = ferrotune_core::decode::linear_rows(
-                &x.reshape((rows, width))?,
-                &[projection],
-                None,
-            )?;
-            let mut dims = x.dims().to_vec();
-            *dims.last_mut().expect("kernels_apply checked the rank") = self.weight.dim(0)?;
-            return out.reshape(dims);
+            return ops::linear_with(x, self.weight.dim(0)?, None, |rows| {
+                ferrotune_core::decode::linear_rows(rows, &[projection], None)
+            });
         }
         if let Some(packed) = &self.packed {
             let rows = x.elem_count() / x.dim(D::Minus1)?;
@@ -235,12 +229,7 @@ impl KvCache {
 
     /// Number of cached positions.
     pub fn len(&self) -> usize {
-        self.filled.unwrap_or_else(|| {
-            self.layers
-                .first()
-                .and_then(|l| l.as_ref())
-                .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
-        })
+        self.filled.unwrap_or_else(|| self.capacity())
     }
 
     /// True when nothing is cached yet.
@@ -843,7 +832,7 @@ impl CausalLm {
     ) -> CResult<Tensor> {
         if let Some(c) = cache.as_deref_mut() {
             if self.decode_kernels_serve(input_ids, layout, c) {
-                match self.decode_step(input_ids, layout, c) {
+                match self.decode_step_checked(input_ids, layout, c) {
                     Ok(hidden) => return Ok(hidden),
                     Err(e) => {
                         // The step commits its position only at the end, so the cache still
@@ -1073,7 +1062,7 @@ impl CausalLm {
             }
             *slot = Some((k.clone(), v.clone()));
         }
-        let scale = (hd as f64).powf(-0.5);
+        let scale = self.attention_scale();
         // softmax(q kᵀ · scale + mask) v with grouped-query heads, one fused op with its own
         // backward on the CPU (f32); the composite candle ops elsewhere.
         let out = fused::attention(&q, &k, &v, mask, scale)?; // [b, nh, t, hd]
@@ -1081,12 +1070,22 @@ impl CausalLm {
         attn.o_proj.forward(&out)
     }
 
-    fn mlp(&self, mlp: &Mlp, x: &Tensor) -> CResult<Tensor> {
-        let act = match self.config.activation {
+    /// The factor on attention scores: `head_dim^-0.5`.
+    fn attention_scale(&self) -> f64 {
+        (self.config.head_dim as f64).powf(-0.5)
+    }
+
+    /// The MLP's gated activation as the fused kernels name it.
+    fn gated_act(&self) -> fused::GatedAct {
+        match self.config.activation {
             Activation::Silu => fused::GatedAct::Silu,
             Activation::GeluTanh => fused::GatedAct::GeluTanh,
             Activation::GeluErf => fused::GatedAct::GeluErf,
-        };
+        }
+    }
+
+    fn mlp(&self, mlp: &Mlp, x: &Tensor) -> CResult<Tensor> {
+        let act = self.gated_act();
         if let GateUpProjection::Separate { gate_proj, up_proj } = &mlp.gate_up {
             // Training LoRA on both projections on a GPU: gate, up and the activation as one op
             // (`fused::gated_lora`), which keeps their results out of the autograd graph.

@@ -9,7 +9,6 @@ use ferrotune_core::decode::{self, FirstKeys, Heads, Projection, QkNorm};
 use ferrotune_core::fused;
 
 use super::{AttentionLayout, CausalLm, GateUpProjection, KvCache, Linear, QkvProjection};
-use crate::config::Activation;
 
 impl CausalLm {
     /// Whether a forward call is served by [`CausalLm::decode_step`]: a single-token step of a
@@ -125,6 +124,17 @@ impl CausalLm {
         if let Some(why) = self.decode_step_unsupported(input_ids, layout, cache) {
             bail!("decode_step: {why}");
         }
+        self.decode_step_checked(input_ids, layout, cache)
+    }
+
+    /// [`CausalLm::decode_step`] once [`CausalLm::decode_step_unsupported`] has passed (the forward
+    /// checks through [`CausalLm::decode_kernels_serve`] first, so the check runs once a step).
+    pub(super) fn decode_step_checked(
+        &self,
+        input_ids: &Tensor,
+        layout: &AttentionLayout,
+        cache: &mut KvCache,
+    ) -> CResult<Tensor> {
         let c = &self.config;
         let (batch, _) = input_ids.dims2()?;
         let heads = Heads {
@@ -140,12 +150,8 @@ impl CausalLm {
             &self.device,
         )?;
         let (eps, offset) = (c.rms_norm_eps, c.norm_weight_offset_one);
-        let act = match c.activation {
-            Activation::Silu => fused::GatedAct::Silu,
-            Activation::GeluTanh => fused::GatedAct::GeluTanh,
-            Activation::GeluErf => fused::GatedAct::GeluErf,
-        };
-        let scale = (heads.dim as f64).powf(-0.5);
+        let act = self.gated_act();
+        let scale = self.attention_scale();
 
         let mut x = self.embed(input_ids)?.reshape((batch, c.hidden_size))?;
         let (cos, sin) = self
