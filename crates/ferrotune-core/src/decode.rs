@@ -52,13 +52,7 @@ pub fn kernels_apply(x: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
     {
         let width = x.dims().last().copied().unwrap_or(0);
-        let rows = x.elem_count() / width.max(1);
-        width % 8 == 0
-            && width > 0
-            && (1..=MAX_ROWS).contains(&rows)
-            && !x.track_op()
-            && crate::cuda::applies(&[x])
-            && enabled()
+        width % 8 == 0 && width > 0 && gpu_rows(x, x.elem_count() / width)
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -355,12 +349,14 @@ pub fn cached_attention(
 /// A CUDA f32/bf16 tensor of at most [`MAX_ROWS`] rows (its first dimension), outside autograd.
 #[cfg(feature = "cuda")]
 fn on_gpu(x: &Tensor) -> bool {
-    x.dims()
-        .first()
-        .is_some_and(|&r| (1..=MAX_ROWS).contains(&r))
-        && !x.track_op()
-        && crate::cuda::applies(&[x])
-        && enabled()
+    x.dims().first().is_some_and(|&rows| gpu_rows(x, rows))
+}
+
+/// `x`, taken as `rows` rows, is for the decode kernels: 1 to [`MAX_ROWS`] rows, outside
+/// autograd, CUDA f32/bf16, with the kernels [`enabled`].
+#[cfg(feature = "cuda")]
+fn gpu_rows(x: &Tensor, rows: usize) -> bool {
+    (1..=MAX_ROWS).contains(&rows) && !x.track_op() && crate::cuda::applies(&[x]) && enabled()
 }
 
 /// Same device and dtype (the kernels take one of each per call).

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use candle_core::cuda::CudaStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, TensorId};
 
-use super::{clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg};
+use super::{
+    clone_storage, cpu_unsupported, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg,
+};
 
 /// Scores per chunk (elements of `[b, heads, chunk, s]`) the chunk size aims for.
 const CHUNK_SCORES: usize = 1 << 26;
@@ -303,7 +305,7 @@ impl CustomOp3 for Attention {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        bail!("attention: the CUDA kernel was given CPU tensors")
+        cpu_unsupported("attention")
     }
 
     fn cuda_fwd(

@@ -14,7 +14,8 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
-    alloc_storage, cuda_device, empty, gemm, launch, ptr, storage_ptr, stride_grid, suffix, Arg,
+    alloc_storage, cpu_unsupported, cuda_device, empty, gemm, launch, ptr, storage_ptr,
+    stride_grid, suffix, Arg,
 };
 
 /// [`crate::fused::gated_lora`] for CUDA tensors of one dtype: `x` `[..., in]`, frozen `w_gate`
@@ -75,7 +76,7 @@ impl CustomOp3 for GatedLora {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        bail!("gated_lora: the CUDA kernel was given CPU tensors")
+        cpu_unsupported("gated_lora")
     }
 
     fn cuda_fwd(

@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 use candle_core::cuda::CudaStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::{clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg};
+use super::{
+    clone_storage, cpu_unsupported, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg,
+};
 
 /// Logit elements per chunk (`rows × vocab`): 2²⁸ is 512 MiB in bf16.
 const CHUNK_LOGITS: usize = 1 << 28;
@@ -185,7 +187,7 @@ impl CustomOp1 for FrozenHead {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        bail!("linear_cross_entropy_sum: the CUDA kernel was given CPU tensors")
+        cpu_unsupported("linear_cross_entropy_sum")
     }
 
     fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
@@ -211,7 +213,7 @@ impl CustomOp2 for TrainedHead {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        bail!("linear_cross_entropy_sum: the CUDA kernel was given CPU tensors")
+        cpu_unsupported("linear_cross_entropy_sum")
     }
 
     fn cuda_fwd(

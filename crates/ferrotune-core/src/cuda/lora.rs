@@ -13,7 +13,8 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
-    alloc_storage, cuda_device, empty, gemm, launch, ptr, storage_ptr, stride_grid, suffix, Arg,
+    alloc_storage, cpu_unsupported, cuda_device, empty, gemm, launch, ptr, storage_ptr,
+    stride_grid, suffix, Arg,
 };
 
 /// [`crate::fused::lora_linear`] for CUDA tensors of one dtype, frozen `weight` and `bias`:
@@ -59,7 +60,7 @@ impl CustomOp3 for LoraOp {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        bail!("lora_linear: the CUDA kernel was given CPU tensors")
+        cpu_unsupported("lora_linear")
     }
 
     fn cuda_fwd(

@@ -32,6 +32,11 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 /// Name under which the module is cached on each device.
 const MODULE: &str = "ferrotune_kernels";
 
+/// What the CPU side of a CUDA-only custom op returns: an error naming the op.
+fn cpu_unsupported<T>(what: &str) -> Result<T> {
+    bail!("{what}: the CUDA kernel was given CPU tensors")
+}
+
 /// Whether every tensor is a CUDA tensor of one dtype the kernels handle (f32 or bf16).
 pub(crate) fn applies(tensors: &[&Tensor]) -> bool {
     let Some(first) = tensors.first() else {

@@ -5,17 +5,13 @@ use candle_core::cuda::CudaStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::{
-    alloc_storage, cuda_device, empty, launch, ptr, storage_ptr, storage_ptr_at, stride_grid,
-    suffix, Arg,
+    alloc_storage, cpu_unsupported, cuda_device, empty, launch, ptr, storage_ptr, storage_ptr_at,
+    stride_grid, suffix, Arg,
 };
 use crate::fused::GatedAct;
 
 /// Largest hidden size whose weight-gradient row fits the kernel's shared memory (48 KiB).
 const MAX_NORM_WIDTH: usize = 12 * 1024;
-
-fn cpu_unsupported<T>(what: &str) -> Result<T> {
-    bail!("{what}: the CUDA kernel was given CPU tensors")
-}
 
 // ---------------------------------------------------------------------------------------------
 
