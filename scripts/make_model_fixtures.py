@@ -13,6 +13,7 @@ Reference stack: HF transformers 5.x, PyTorch 2.x, CPU, float32. Output, one fol
         golden.json          input_ids [2,16], labels (first 4 positions -100), loss, greedy_prompt (8 ids),
                              greedy_new_tokens (16 ids, greedy, no early stop), config_style ("v5" | "v4"), ...
         golden.safetensors   logits [2,16,512] float32
+        grads.safetensors    (cases with grads=True) d loss / d parameter for every parameter, float32
 
 Goldens are always computed from the checkpoint *as written to disk* (reloaded with
 AutoModelForCausalLM.from_pretrained(..., dtype=float32)), so a post-edited config.json (4.x style) or
@@ -40,6 +41,8 @@ from safetensors.torch import save_file
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     GenerationConfig,
     LlamaConfig,
@@ -76,6 +79,9 @@ NEW_TOKENS = 16
 NORM_PERTURB = 0.15
 EMBED_STD = 1.0
 EMBED_STD_TIED = 0.3
+# Gemma 2/3 normalize each block's output before the residual add (sandwich norms), so the tied embedding must
+# be smaller still for the layers to outweigh it.
+EMBED_STD_SANDWICH = 0.08
 LM_HEAD_GAIN = 2.0
 IN_GAIN = 1.5
 OUT_GAIN = 2.0
@@ -194,6 +200,47 @@ def cfg_gemma():
         hidden_act="gelu_pytorch_tanh",
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=False,
+        tie_word_embeddings=True,
+    ))
+
+
+def cfg_gemma2():
+    # Gemma 2: sandwich norms (post-attention / pre- and post-feedforward), scores scaled by
+    # query_pre_attn_scalar^-0.5 (24, != head_dim 16), tanh softcapping of attention scores and final
+    # logits with caps small enough to bite (3 and 2.5), and layer_types alternating sliding (window 5 <
+    # the 16-token sequence) and full attention.
+    return Gemma2Config(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=2.5,
+        sliding_window=5,
+        attention_bias=False,
+        tie_word_embeddings=True,
+    ))
+
+
+def cfg_gemma3():
+    # Gemma 3 text: Gemma 2's sandwich norms plus per-head q/k RMSNorm (1 + w), no softcapping, and two
+    # rotary tables: sliding layers (window 5) use a local default rope (theta 1e4), full layers the global
+    # one (theta 1e6, linear scaling factor 8, as Gemma 3 4B+).
+    return Gemma3TextConfig(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        query_pre_attn_scalar=12,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
         attention_bias=False,
         tie_word_embeddings=True,
     ))
@@ -329,6 +376,24 @@ def to_v4_qwen2(cfg: dict) -> dict:
     return dict(sorted(out.items()))
 
 
+def to_v4_gemma3(cfg: dict) -> dict:
+    """Gemma 3 as transformers 4.5x wrote it: rope_theta (global), rope_local_base_freq, rope_scaling for the
+    global layers, sliding_window_pattern instead of layer_types."""
+    out = dict(cfg)
+    rp = out.pop("rope_parameters")
+    full, local = dict(rp["full_attention"]), dict(rp["sliding_attention"])
+    out["rope_theta"] = full.pop("rope_theta")
+    out["rope_local_base_freq"] = local.pop("rope_theta")
+    out["rope_scaling"] = None if full.get("rope_type", "default") == "default" else full
+    types = out.pop("layer_types")
+    out.pop("_sliding_window_pattern", None)  # transformers 5 also saves its private copy
+    out["sliding_window_pattern"] = types.index("full_attention") + 1
+    if "dtype" in out:
+        out["torch_dtype"] = out.pop("dtype")
+    out["transformers_version"] = "4.53.0"
+    return dict(sorted(out.items()))
+
+
 CASES = {
     "llama2": dict(cfg=cfg_llama2, seed=101, style="v5",
                    notes="MHA, rope default theta 1e4, untied lm_head, pad_token_id null"),
@@ -375,6 +440,18 @@ CASES = {
     "llama_linear_bias": dict(cfg=cfg_llama_linear_bias, seed=112, style="v5",
                               notes="rope_type linear (factor 2); attention_bias and mlp_bias: biases on q, k, v, o, "
                                     "gate, up and down"),
+    "gemma2": dict(cfg=cfg_gemma2, seed=113, style="v5", embed_std=EMBED_STD_SANDWICH, grads=True,
+                   notes="Gemma 2: post-attention, pre- and post-feedforward RMSNorms (1 + w), scale "
+                         "query_pre_attn_scalar^-0.5 = 24^-0.5, attention scores softcapped at 3 and final logits at "
+                         "2.5 (tanh), layer 0 sliding (window 5), layer 1 full, GQA 4/2, tied embeddings"),
+    "gemma3": dict(cfg=cfg_gemma3, seed=114, style="v5", embed_std=EMBED_STD_SANDWICH, grads=True,
+                   notes="Gemma 3 text (gemma3_text): Gemma 2's norms, per-head q_norm/k_norm (1 + w), scale 12^-0.5, "
+                         "no softcapping; layer 0 sliding (window 5) with a local rope (theta 1e4), layer 1 full with "
+                         "the global rope (theta 1e6, linear factor 8); rope_parameters per layer type"),
+    "gemma3_v4config": dict(weights_from="gemma3", style="v4", v4_edit=to_v4_gemma3, same_golden_as="gemma3",
+                            notes="gemma3 with a 4.x config.json: rope_theta, rope_local_base_freq, rope_scaling "
+                                  "(linear 8) for the global layers, sliding_window_pattern 2 instead of layer_types; "
+                                  "weights and golden identical to gemma3"),
 }
 
 
@@ -384,7 +461,7 @@ CASES = {
 
 
 @torch.no_grad()
-def init_weights(model, seed: int, gemma_norm: bool):
+def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = None):
     """Deterministic, deliberately non-trivial weights (independent of transformers' own init)."""
     g = torch.Generator().manual_seed(seed)
     tied = model.config.tie_word_embeddings
@@ -399,7 +476,7 @@ def init_weights(model, seed: int, gemma_norm: bool):
         elif "embed_tokens" in name:
             # Small next to what the layers add: with tied embeddings a dominant residual e_t makes the model
             # predict its own input token forever (a useless greedy golden).
-            p.copy_((EMBED_STD_TIED if tied else EMBED_STD) * r)
+            p.copy_((embed_std or (EMBED_STD_TIED if tied else EMBED_STD)) * r)
         elif name.startswith("lm_head"):
             p.copy_(LM_HEAD_GAIN * r / shape[1] ** 0.5)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -417,7 +494,8 @@ def build_model(case: str):
     config.architectures = None
     torch.manual_seed(src_spec["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    init_weights(model, src_spec["seed"], gemma_norm=config.model_type == "gemma")
+    init_weights(model, src_spec["seed"], gemma_norm=config.model_type.startswith("gemma"),
+                 embed_std=src_spec.get("embed_std"))
     model.eval()
     return model
 
@@ -588,6 +666,12 @@ def write_case(case: str, out_root: Path, golden_cache: dict):
     golden["notes"] = spec.get("notes", "")
     (case_dir / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
     save_file({"logits": logits}, str(case_dir / "golden.safetensors"))
+    if spec.get("grads"):
+        # Full fine-tuning gradients of the golden loss for every parameter (a tied head is the embedding).
+        loaded.zero_grad()
+        loaded(input_ids=input_ids, labels=labels).loss.backward()
+        grads = {n: p.grad.float().contiguous() for n, p in loaded.named_parameters()}
+        save_file(grads, str(case_dir / "grads.safetensors"))
 
     for f in case_dir.rglob("*"):
         f.chmod(0o644 if f.is_file() else 0o755)  # safetensors writes 0600 files

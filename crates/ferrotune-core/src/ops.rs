@@ -33,6 +33,12 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     e.broadcast_div(&sum)?.to_dtype(in_dtype)
 }
 
+/// `cap · tanh(x / cap)` in `x`'s dtype, differentiable: Gemma 2's softcapping of attention
+/// scores and logits (transformers divides, applies tanh and multiplies in the same dtype).
+pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    (x / cap)?.tanh()? * cap
+}
+
 /// `rotate_half` of transformers: `cat(-x2, x1)` over the last dimension.
 fn rotate_half(x: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;

@@ -98,6 +98,19 @@ fn attention_reference(
     mask: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
+    softcapped_attention_reference(q, k, v, mask, scale, None)
+}
+
+/// [`attention_reference`] with transformers' Gemma 2 softcap (`cap · tanh(s / cap)` on the scaled
+/// scores, before the mask), written out with candle's own tanh and autograd.
+fn softcapped_attention_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    softcap: Option<f64>,
+) -> Result<Tensor> {
     let (b, nh, _, hd) = q.dims4()?;
     let (_, nkv, s, _) = k.dims4()?;
     let groups = nh / nkv;
@@ -108,6 +121,9 @@ fn attention_reference(
     };
     let (k, v) = (repeat(k)?, repeat(v)?);
     let mut scores = (q.matmul(&k.t()?)? * scale)?;
+    if let Some(cap) = softcap {
+        scores = ((scores / cap)?.tanh()? * cap)?;
+    }
     if let Some(m) = mask {
         scores = scores.broadcast_add(&m.to_dtype(scores.dtype())?)?;
     }
@@ -225,6 +241,56 @@ fn attention_matches_the_composite_with_a_packed_block_diagonal_mask() {
     // One mask broadcast over the batch, with holes in the middle of the key range.
     let mask = build_mask(&[MaskKind::Keys(vec![0, 2, 9, 10])], 7, 11, f32::MIN);
     check_attention(&mut rng, (3, 4, 2, 7, 11, 8), Some(mask));
+}
+
+#[test]
+fn softcapped_attention_matches_the_composite_with_its_gradients() {
+    let mut rng = Rng(41);
+    // Scores of std ~4 against a cap of 2: most of them sit where tanh bends.
+    for (shape, mask) in [
+        (
+            (2, 4, 2, 9, 9, 8),
+            Some(build_mask(
+                &[MaskKind::CausalPadded(0), MaskKind::CausalPadded(3)],
+                9,
+                9,
+                f32::MIN,
+            )),
+        ),
+        (
+            (1, 2, 1, 70, 70, 16),
+            Some(build_mask(
+                &[MaskKind::Packed(vec![30, 40])],
+                70,
+                70,
+                f32::MIN,
+            )),
+        ),
+        ((2, 2, 2, 3, 7, 8), None),
+    ] {
+        let (b, nh, nkv, t, s, hd) = shape;
+        let q = rng.tensor(&[b, nh, t, hd], 2.0);
+        let k = rng.tensor(&[b, nkv, s, hd], 2.0);
+        let v = rng.tensor(&[b, nkv, s, hd], 1.0);
+        let m = mask.as_ref();
+        let scale = 0.5;
+        compare(
+            &format!("softcapped attention {shape:?}"),
+            &[q.clone(), k.clone(), v.clone()],
+            &mut rng,
+            |x| fused::attention_softcapped(&x[0], &x[1], &x[2], m, scale, Some(2.0)),
+            |x| softcapped_attention_reference(&x[0], &x[1], &x[2], m, scale, Some(2.0)),
+        );
+        // The cap changes the result: a softcap the op ignored would fail here.
+        let capped = fused::attention_softcapped(&q, &k, &v, m, scale, Some(2.0)).unwrap();
+        let plain = fused::attention(&q, &k, &v, m, scale).unwrap();
+        assert!(
+            rel(&capped, &plain) > 1e-2,
+            "the softcap made no difference"
+        );
+    }
+    let q = rng.tensor(&[1, 1, 2, 4], 1.0);
+    assert!(fused::attention_softcapped(&q, &q, &q, None, 1.0, Some(0.0)).is_err());
 }
 
 #[test]

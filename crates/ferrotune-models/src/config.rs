@@ -10,7 +10,16 @@ use serde_json::{Map, Value};
 use crate::error::ModelError;
 
 /// `model_type` values ferrotune can run, as transformers names them.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+];
 
 /// The MLP's activation function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +125,22 @@ pub struct ModelConfig {
     pub fused_projections: bool,
     /// Sliding-window attention span for each layer (None = full attention).
     pub layer_sliding_windows: Vec<Option<usize>>,
+    /// Gemma 2/3 ("sandwich" norms): each block's output is normalized before the residual add
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
+    /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
+    pub sandwich_norms: bool,
+    /// Gemma 2/3: attention scores are scaled by `query_pre_attn_scalar^-0.5` instead of
+    /// `head_dim^-0.5`.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 2: attention scores become `cap · tanh(score / cap)` before the mask.
+    pub attn_logit_softcapping: Option<f64>,
+    /// Gemma 2: the output logits become `cap · tanh(logit / cap)`.
+    pub final_logit_softcapping: Option<f64>,
+    /// Gemma 3: the rotary embedding of the sliding-attention layers (`rope_local_base_freq`);
+    /// the layers marked in [`ModelConfig::local_rope_layers`] use it instead of `rope`.
+    pub local_rope: Option<RopeConfig>,
+    /// Per layer: whether it uses [`ModelConfig::local_rope`] (Gemma 3's sliding-attention layers).
+    pub local_rope_layers: Vec<bool>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
@@ -151,6 +176,15 @@ impl ModelConfig {
             ));
         }
         let is = |t: &str| model_type == t;
+        let is_gemma = model_type.starts_with("gemma");
+        // Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, per-layer-type attention.
+        let is_gemma_2_3 = is("gemma2") || is("gemma3_text");
+        if get_bool(obj, "use_bidirectional_attention")?.unwrap_or(false) {
+            return Err(
+                "'use_bidirectional_attention' is true: that is an encoder (EmbeddingGemma), not a causal language model"
+                    .into(),
+            );
+        }
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
         let num_key_value_heads =
@@ -175,7 +209,7 @@ impl ModelConfig {
 
         // Gemma names it `hidden_activation`; transformers runs Gemma with the tanh GELU whatever
         // the legacy `hidden_act` says.
-        let act_name = if is("gemma") {
+        let act_name = if is_gemma {
             get_str(obj, "hidden_activation")?.unwrap_or("gelu_pytorch_tanh")
         } else {
             get_str(obj, "hidden_act")?.unwrap_or("silu")
@@ -183,9 +217,44 @@ impl ModelConfig {
         let activation = Activation::parse(act_name)
             .ok_or_else(|| format!("unsupported activation '{act_name}' (hidden_act)"))?;
 
-        let rope = parse_rope(obj, max_position_embeddings)?;
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
-        let layer_sliding_windows = parse_sliding_windows(obj, &model_type, num_hidden_layers)?;
+        let (rope, local_rope, layer_sliding_windows, local_rope_layers) = if is_gemma_2_3 {
+            let sliding = gemma_sliding_layers(obj, &model_type, num_hidden_layers)?;
+            // Gemma 2/3 default to a 4096-token window when the key is absent; null disables it.
+            let window = match obj.get("sliding_window") {
+                None => Some(4096),
+                Some(_) => get_usize(obj, "sliding_window")?,
+            };
+            let windows = sliding.iter().map(|&s| window.filter(|_| s)).collect();
+            if is("gemma3_text") {
+                let (global, local) = parse_gemma3_rope(obj, max_position_embeddings)?;
+                (global, Some(local), windows, sliding)
+            } else {
+                let rope = parse_rope(obj, max_position_embeddings, 10000.0)?;
+                (rope, None, windows, vec![false; num_hidden_layers])
+            }
+        } else {
+            (
+                parse_rope(obj, max_position_embeddings, 10000.0)?,
+                None,
+                parse_sliding_windows(obj, &model_type, num_hidden_layers)?,
+                vec![false; num_hidden_layers],
+            )
+        };
+        // transformers' Gemma 2 defaults when a key is absent (null turns the feature off).
+        let gemma2_default = |key: &str, default: f64| -> Result<Option<f64>, String> {
+            match obj.get(key) {
+                None if is("gemma2") => Ok(Some(default)),
+                _ => get_positive(obj, key),
+            }
+        };
+        let attn_logit_softcapping = gemma2_default("attn_logit_softcapping", 50.0)?;
+        let final_logit_softcapping = gemma2_default("final_logit_softcapping", 30.0)?;
+        let query_pre_attn_scalar = if is_gemma_2_3 {
+            Some(get_positive(obj, "query_pre_attn_scalar")?.unwrap_or(256.0))
+        } else {
+            None
+        };
 
         Ok(Self {
             vocab_size: req_usize(obj, "vocab_size")?,
@@ -199,12 +268,18 @@ impl ModelConfig {
             max_position_embeddings,
             rope,
             activation,
-            tie_word_embeddings: get_bool(obj, "tie_word_embeddings")?.unwrap_or(is("gemma")),
-            qk_norm: is("qwen3"),
-            norm_weight_offset_one: is("gemma"),
-            scale_embeddings: is("gemma"),
+            tie_word_embeddings: get_bool(obj, "tie_word_embeddings")?.unwrap_or(is_gemma),
+            qk_norm: is("qwen3") || is("gemma3_text"),
+            norm_weight_offset_one: is_gemma,
+            scale_embeddings: is_gemma,
             fused_projections: is("phi3"),
             layer_sliding_windows,
+            sandwich_norms: is_gemma_2_3,
+            query_pre_attn_scalar,
+            attn_logit_softcapping,
+            final_logit_softcapping,
+            local_rope,
+            local_rope_layers,
             bos_token_id: get_ids(obj, "bos_token_id")?.first().copied(),
             eos_token_ids: get_ids(obj, "eos_token_id")?,
             pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
@@ -219,7 +294,13 @@ impl ModelConfig {
     }
 }
 
-fn parse_rope(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeConfig, String> {
+/// The rotary settings of a config: transformers 5's `rope_parameters`, or 4.x's top-level
+/// `rope_theta` (`default_theta` when absent) and `rope_scaling`.
+fn parse_rope(
+    obj: &Map<String, Value>,
+    max_pos: usize,
+    default_theta: f64,
+) -> Result<RopeConfig, String> {
     // transformers 5 puts everything under `rope_parameters`; 4.x has `rope_theta` at top level and
     // an optional `rope_scaling` dict (with `rope_type`, or the older `type`).
     let empty = Map::new();
@@ -234,8 +315,63 @@ fn parse_rope(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeConfig, St
     };
     let theta = match get_f64(params, "rope_theta")? {
         Some(t) => t,
-        None => get_f64(obj, "rope_theta")?.unwrap_or(10000.0),
+        None => get_f64(obj, "rope_theta")?.unwrap_or(default_theta),
     };
+    rope_from_params(obj, params, max_pos, theta)
+}
+
+/// Gemma 3's two rotary embeddings, `(global, local)`: transformers 5 keeps one
+/// `rope_parameters` entry per layer type (`full_attention`, `sliding_attention`); 4.x has
+/// `rope_theta` + `rope_scaling` for the full-attention layers and `rope_local_base_freq` for the
+/// sliding ones (default rope). Default thetas 1e6 (global) and 1e4 (local), as transformers.
+fn parse_gemma3_rope(
+    obj: &Map<String, Value>,
+    max_pos: usize,
+) -> Result<(RopeConfig, RopeConfig), String> {
+    const GLOBAL_THETA: f64 = 1_000_000.0;
+    const LOCAL_THETA: f64 = 10_000.0;
+    let per_type = match obj.get("rope_parameters") {
+        Some(Value::Object(m))
+            if m.contains_key("full_attention") || m.contains_key("sliding_attention") =>
+        {
+            Some(m)
+        }
+        _ => None,
+    };
+    let Some(per_type) = per_type else {
+        let global = parse_rope(obj, max_pos, GLOBAL_THETA)?;
+        let local_theta = get_f64(obj, "rope_local_base_freq")?.unwrap_or(LOCAL_THETA);
+        let local = RopeConfig {
+            theta: local_theta,
+            partial_rotary_factor: 1.0,
+            scaling: RopeScaling::Default,
+        };
+        return Ok((global, local));
+    };
+    let empty = Map::new();
+    let entry = |key: &str, default_theta: f64| -> Result<RopeConfig, String> {
+        let params = match per_type.get(key) {
+            Some(Value::Object(m)) => m,
+            Some(Value::Null) | None => &empty,
+            Some(_) => return Err(format!("'rope_parameters.{key}' must be an object")),
+        };
+        let theta = get_f64(params, "rope_theta")?.unwrap_or(default_theta);
+        rope_from_params(obj, params, max_pos, theta)
+            .map_err(|e| format!("rope_parameters.{key}: {e}"))
+    };
+    Ok((
+        entry("full_attention", GLOBAL_THETA)?,
+        entry("sliding_attention", LOCAL_THETA)?,
+    ))
+}
+
+/// A [`RopeConfig`] from one set of rope parameters (`rope_type`, `factor`, ...) and its theta.
+fn rope_from_params(
+    obj: &Map<String, Value>,
+    params: &Map<String, Value>,
+    max_pos: usize,
+    theta: f64,
+) -> Result<RopeConfig, String> {
     let partial_rotary_factor = match get_f64(params, "partial_rotary_factor")? {
         Some(f) => f,
         None => get_f64(obj, "partial_rotary_factor")?.unwrap_or(1.0),
@@ -358,6 +494,56 @@ fn parse_sliding_windows(
     Ok(windows)
 }
 
+/// Gemma 2/3: which layers use sliding-window attention, from `layer_types` or, in older configs,
+/// the pattern transformers derives (every `sliding_window_pattern`-th layer is full attention:
+/// 2 for Gemma 2, `sliding_window_pattern` (default 6) for Gemma 3).
+fn gemma_sliding_layers(
+    obj: &Map<String, Value>,
+    model_type: &str,
+    layers: usize,
+) -> Result<Vec<bool>, String> {
+    if let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) {
+        let types = types
+            .as_array()
+            .ok_or("'layer_types' must be a list of strings")?;
+        if types.len() != layers {
+            return Err(format!(
+                "'layer_types' has {} entries but num_hidden_layers is {layers}",
+                types.len()
+            ));
+        }
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(format!(
+                    "'layer_types' entry {t} is neither \"sliding_attention\" nor \"full_attention\""
+                )),
+            })
+            .collect();
+    }
+    let pattern = if model_type == "gemma2" {
+        2
+    } else {
+        get_usize(obj, "sliding_window_pattern")?.unwrap_or(6)
+    };
+    if pattern == 0 {
+        return Err("'sliding_window_pattern' must be at least 1".into());
+    }
+    Ok((0..layers).map(|i| (i + 1) % pattern != 0).collect())
+}
+
+/// A number that must be positive when given (caps, scalars).
+fn get_positive(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, String> {
+    match get_f64(obj, key)? {
+        Some(v) if v <= 0.0 || !v.is_finite() => {
+            Err(format!("'{key}' must be a positive number, found {v}"))
+        }
+        other => Ok(other),
+    }
+}
+
 fn get_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, String> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
@@ -476,6 +662,107 @@ mod tests {
             ModelConfig::from_hf_json(&c).unwrap().layer_sliding_windows,
             vec![Some(4), Some(4)]
         );
+    }
+
+    #[test]
+    fn gemma2_defaults_follow_transformers_and_null_disables() {
+        let mut c = base();
+        c["model_type"] = json!("gemma2");
+        c["num_hidden_layers"] = json!(4);
+        let g = ModelConfig::from_hf_json(&c).unwrap();
+        // Absent keys: transformers' Gemma2Config defaults.
+        assert_eq!(g.attn_logit_softcapping, Some(50.0));
+        assert_eq!(g.final_logit_softcapping, Some(30.0));
+        assert_eq!(g.query_pre_attn_scalar, Some(256.0));
+        assert!(g.sandwich_norms && g.norm_weight_offset_one && g.tie_word_embeddings);
+        assert!(!g.qk_norm && g.local_rope.is_none());
+        // Even layers slide (window 4096), odd ones attend fully.
+        assert_eq!(
+            g.layer_sliding_windows,
+            vec![Some(4096), None, Some(4096), None]
+        );
+        c["attn_logit_softcapping"] = Value::Null;
+        c["final_logit_softcapping"] = Value::Null;
+        c["sliding_window"] = Value::Null;
+        let g = ModelConfig::from_hf_json(&c).unwrap();
+        assert_eq!(g.attn_logit_softcapping, None);
+        assert_eq!(g.final_logit_softcapping, None);
+        assert_eq!(g.layer_sliding_windows, vec![None; 4]);
+        c["attn_logit_softcapping"] = json!(-1.0);
+        let err = ModelConfig::from_hf_json(&c).unwrap_err();
+        assert!(err.contains("attn_logit_softcapping"), "{err}");
+    }
+
+    #[test]
+    fn gemma3_rope_per_layer_type_in_both_config_styles() {
+        let mut c = base();
+        c["model_type"] = json!("gemma3_text");
+        c["num_hidden_layers"] = json!(7);
+        c["sliding_window"] = json!(512);
+        // 4.x: rope_theta / rope_scaling for the global layers, rope_local_base_freq, pattern 6.
+        c["rope_theta"] = json!(1000000.0);
+        c["rope_local_base_freq"] = json!(10000.0);
+        c["rope_scaling"] = json!({"rope_type": "linear", "factor": 8.0});
+        let v4 = ModelConfig::from_hf_json(&c).unwrap();
+        assert!(v4.qk_norm && v4.sandwich_norms);
+        assert_eq!(v4.attn_logit_softcapping, None);
+        assert_eq!(
+            v4.local_rope_layers,
+            vec![true, true, true, true, true, false, true]
+        );
+        assert_eq!(v4.layer_sliding_windows[5], None);
+        assert_eq!(v4.layer_sliding_windows[6], Some(512));
+        assert_eq!(v4.rope.theta, 1000000.0);
+        assert_eq!(v4.rope.scaling, RopeScaling::Linear { factor: 8.0 });
+        let local = v4.local_rope.clone().unwrap();
+        assert_eq!(
+            (local.theta, local.scaling),
+            (10000.0, RopeScaling::Default)
+        );
+        // 5.x: rope_parameters per layer type, layer_types listed.
+        let mut v5 = base();
+        v5["model_type"] = json!("gemma3_text");
+        v5["num_hidden_layers"] = json!(7);
+        v5["sliding_window"] = json!(512);
+        v5["layer_types"] = json!(v4
+            .local_rope_layers
+            .iter()
+            .map(|&s| if s {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            })
+            .collect::<Vec<_>>());
+        v5["rope_parameters"] = json!({
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}});
+        let v5 = ModelConfig::from_hf_json(&v5).unwrap();
+        assert_eq!(v5.rope, v4.rope);
+        assert_eq!(v5.local_rope, v4.local_rope);
+        assert_eq!(v5.layer_sliding_windows, v4.layer_sliding_windows);
+        // Nothing given: theta 1e6 globally, 1e4 locally.
+        let mut bare = base();
+        bare["model_type"] = json!("gemma3_text");
+        let bare = ModelConfig::from_hf_json(&bare).unwrap();
+        assert_eq!(bare.rope.theta, 1_000_000.0);
+        assert_eq!(bare.local_rope.unwrap().theta, 10_000.0);
+    }
+
+    #[test]
+    fn gemma_configs_that_cannot_run_say_why() {
+        let mut c = base();
+        c["model_type"] = json!("gemma3_text");
+        c["layer_types"] = json!(["sliding_attention", "chunked_attention"]);
+        let err = ModelConfig::from_hf_json(&c).unwrap_err();
+        assert!(err.contains("chunked_attention"), "{err}");
+        c["layer_types"] = json!(["sliding_attention"]);
+        let err = ModelConfig::from_hf_json(&c).unwrap_err();
+        assert!(err.contains("layer_types") && err.contains("2"), "{err}");
+        let mut c = base();
+        c["model_type"] = json!("gemma3_text");
+        c["use_bidirectional_attention"] = json!(true);
+        let err = ModelConfig::from_hf_json(&c).unwrap_err();
+        assert!(err.contains("use_bidirectional_attention"), "{err}");
     }
 
     #[test]

@@ -360,10 +360,7 @@ impl CausalLm {
         }
         let mut layers = vec![0u64; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
-            layers[i] = bytes(&layer.input_layernorm)
-                + bytes(&layer.post_attention_layernorm)
-                + layer.self_attn.q_norm.as_ref().map_or(0, bytes)
-                + layer.self_attn.k_norm.as_ref().map_or(0, bytes);
+            layers[i] = layer.norms().into_iter().map(|(_, t)| bytes(t)).sum();
         }
         let mut head = bytes(&self.norm);
         for (name, linear) in self.linears() {

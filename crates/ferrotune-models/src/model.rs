@@ -165,13 +165,104 @@ pub struct Mlp {
 pub struct DecoderLayer {
     pub input_layernorm: Tensor,
     pub self_attn: Attention,
+    /// The MLP's pre-norm; with sandwich norms (Gemma 2/3) the norm of the attention's output.
     pub post_attention_layernorm: Tensor,
+    /// Gemma 2/3: the MLP's pre-norm.
+    pub pre_feedforward_layernorm: Option<Tensor>,
+    /// Gemma 2/3: the norm of the MLP's output.
+    pub post_feedforward_layernorm: Option<Tensor>,
     pub mlp: Mlp,
     /// Sliding-window span, if this layer uses one.
     pub sliding_window: Option<usize>,
+    /// Gemma 3: the layer uses the local rotary embedding.
+    pub local_rope: bool,
 }
 
 impl DecoderLayer {
+    /// The layer's norm weights with their module names inside it (`input_layernorm`, ...,
+    /// `self_attn.k_norm`), and its linear layers as [`DecoderLayer::linears`] names them: every
+    /// tensor of the layer, borrowed apart.
+    pub fn parts_mut(&mut self) -> LayerPartsMut<'_> {
+        let DecoderLayer {
+            input_layernorm,
+            self_attn,
+            post_attention_layernorm,
+            pre_feedforward_layernorm,
+            post_feedforward_layernorm,
+            mlp,
+            ..
+        } = self;
+        let mut norms: Vec<(&'static str, &mut Tensor)> = vec![
+            ("input_layernorm", input_layernorm),
+            ("post_attention_layernorm", post_attention_layernorm),
+        ];
+        if let Some(n) = pre_feedforward_layernorm {
+            norms.push(("pre_feedforward_layernorm", n));
+        }
+        if let Some(n) = post_feedforward_layernorm {
+            norms.push(("post_feedforward_layernorm", n));
+        }
+        let Attention {
+            qkv,
+            o_proj,
+            q_norm,
+            k_norm,
+        } = self_attn;
+        if let Some(q) = q_norm {
+            norms.push(("self_attn.q_norm", q));
+        }
+        if let Some(k) = k_norm {
+            norms.push(("self_attn.k_norm", k));
+        }
+        let mut linears: Vec<(&'static str, &mut Linear)> = Vec::with_capacity(7);
+        match qkv {
+            QkvProjection::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => linears.extend([
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+            ]),
+            QkvProjection::Fused { qkv_proj } => linears.push(("self_attn.qkv_proj", qkv_proj)),
+        }
+        linears.push(("self_attn.o_proj", o_proj));
+        match &mut mlp.gate_up {
+            GateUpProjection::Separate { gate_proj, up_proj } => {
+                linears.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
+            }
+            GateUpProjection::Fused { gate_up_proj } => {
+                linears.push(("mlp.gate_up_proj", gate_up_proj))
+            }
+        }
+        linears.push(("mlp.down_proj", &mut mlp.down_proj));
+        LayerPartsMut { norms, linears }
+    }
+
+    /// The layer's norm weights with their module names inside it, in checkpoint order.
+    pub fn norms(&self) -> Vec<(&'static str, &Tensor)> {
+        let mut out = vec![
+            ("input_layernorm", &self.input_layernorm),
+            ("post_attention_layernorm", &self.post_attention_layernorm),
+        ];
+        let optional = [
+            ("pre_feedforward_layernorm", &self.pre_feedforward_layernorm),
+            (
+                "post_feedforward_layernorm",
+                &self.post_feedforward_layernorm,
+            ),
+            ("self_attn.q_norm", &self.self_attn.q_norm),
+            ("self_attn.k_norm", &self.self_attn.k_norm),
+        ];
+        out.extend(
+            optional
+                .into_iter()
+                .filter_map(|(name, t)| t.as_ref().map(|t| (name, t))),
+        );
+        out
+    }
+
     /// The layer's linear layers with their module names inside it (`self_attn.q_proj`, ...),
     /// in model order.
     pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
@@ -200,6 +291,14 @@ impl DecoderLayer {
         out.push(("mlp.down_proj", &self.mlp.down_proj));
         out
     }
+}
+
+/// Every tensor of one decoder layer, mutable and borrowed apart ([`DecoderLayer::parts_mut`]).
+pub struct LayerPartsMut<'a> {
+    /// Norm weights by module name (`input_layernorm`, `self_attn.q_norm`, ...).
+    pub norms: Vec<(&'static str, &'a mut Tensor)>,
+    /// Linear layers by module name (`self_attn.q_proj`, ...), in model order.
+    pub linears: Vec<(&'static str, &'a mut Linear)>,
 }
 
 /// Keys and values of earlier positions, per layer: `[batch, kv_heads, positions, head_dim]`.
@@ -382,6 +481,8 @@ impl AttentionLayout {
 pub struct LayerInputs {
     cos: Tensor,
     sin: Tensor,
+    /// Gemma 3: the local rotary tables of the sliding-attention layers.
+    local_cos_sin: Option<(Tensor, Tensor)>,
     full_mask: Option<Tensor>,
     window_masks: Vec<(usize, Option<Tensor>)>,
 }
@@ -393,6 +494,13 @@ impl LayerInputs {
         Ok(Self {
             cos: self.cos.to_device(device)?,
             sin: self.sin.to_device(device)?,
+            local_cos_sin: self
+                .local_cos_sin
+                .as_ref()
+                .map(|(c, s)| {
+                    Ok::<_, candle_core::Error>((c.to_device(device)?, s.to_device(device)?))
+                })
+                .transpose()?,
             full_mask: opt(&self.full_mask)?,
             window_masks: self
                 .window_masks
@@ -400,6 +508,14 @@ impl LayerInputs {
                 .map(|(w, m)| Ok((*w, opt(m)?)))
                 .collect::<CResult<_>>()?,
         })
+    }
+
+    /// The rotary tables `(cos, sin)` of `layer`.
+    fn cos_sin(&self, layer: &DecoderLayer) -> (&Tensor, &Tensor) {
+        match (&self.local_cos_sin, layer.local_rope) {
+            (Some((cos, sin)), true) => (cos, sin),
+            _ => (&self.cos, &self.sin),
+        }
     }
 
     /// The additive mask of a layer with the given sliding window (`None` = full causal).
@@ -425,6 +541,8 @@ pub struct CausalLm {
     /// The output head; with tied embeddings its weight is `embed_tokens`.
     pub lm_head: Linear,
     rope: RotaryEmbedding,
+    /// Gemma 3: the rotary embedding of the sliding-attention layers.
+    local_rope: Option<RotaryEmbedding>,
     dtype: DType,
     /// The embedding's device (where input ids go); every weight's when not dispatched.
     device: Device,
@@ -562,6 +680,15 @@ impl CausalLm {
                     up_proj: take.linear(&format!("{p}.mlp.up_proj"), inter, h)?,
                 }
             };
+            let mut sandwich = |name: &str| -> Result<Option<Tensor>, ModelError> {
+                if c.sandwich_norms {
+                    take.take(&format!("{p}.{name}.weight"), &[h]).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let pre_feedforward_layernorm = sandwich("pre_feedforward_layernorm")?;
+            let post_feedforward_layernorm = sandwich("post_feedforward_layernorm")?;
             layers.push(DecoderLayer {
                 input_layernorm: take.take(&format!("{p}.input_layernorm.weight"), &[h])?,
                 self_attn: Attention {
@@ -572,11 +699,15 @@ impl CausalLm {
                 },
                 post_attention_layernorm: take
                     .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                pre_feedforward_layernorm,
+                post_feedforward_layernorm,
                 mlp: Mlp {
                     gate_up,
                     down_proj: take.linear(&format!("{p}.mlp.down_proj"), h, inter)?,
                 },
                 sliding_window: c.layer_sliding_windows.get(i).copied().flatten(),
+                local_rope: c.local_rope.is_some()
+                    && c.local_rope_layers.get(i).copied().unwrap_or(false),
             });
         }
         let norm = take.take("model.norm.weight", &[h])?;
@@ -591,6 +722,10 @@ impl CausalLm {
             take.linear("lm_head", c.vocab_size, h)?
         };
         let rope = RotaryEmbedding::new(c);
+        let local_rope = c
+            .local_rope
+            .as_ref()
+            .map(|r| RotaryEmbedding::with_rope(c, r));
         Ok(Self {
             config,
             embed_tokens,
@@ -598,6 +733,7 @@ impl CausalLm {
             norm,
             lm_head,
             rope,
+            local_rope,
             dtype,
             device,
             spread: None,
@@ -622,13 +758,9 @@ impl CausalLm {
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            out.extend(crate::slots::layer_linears_mut(
-                i,
-                &mut layer.self_attn.qkv,
-                &mut layer.self_attn.o_proj,
-                &mut layer.mlp.gate_up,
-                &mut layer.mlp.down_proj,
-            ));
+            for (module, linear) in layer.parts_mut().linears {
+                out.push((format!("model.layers.{i}.{module}"), linear));
+            }
         }
         out.push(("lm_head".to_string(), &mut self.lm_head));
         out
@@ -651,22 +783,8 @@ impl CausalLm {
             &mut out,
         )?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            let p = format!("model.layers.{i}");
-            var(
-                &mut layer.input_layernorm,
-                format!("{p}.input_layernorm.weight"),
-                &mut out,
-            )?;
-            var(
-                &mut layer.post_attention_layernorm,
-                format!("{p}.post_attention_layernorm.weight"),
-                &mut out,
-            )?;
-            if let Some(q) = &mut layer.self_attn.q_norm {
-                var(q, format!("{p}.self_attn.q_norm.weight"), &mut out)?;
-            }
-            if let Some(k) = &mut layer.self_attn.k_norm {
-                var(k, format!("{p}.self_attn.k_norm.weight"), &mut out)?;
+            for (name, norm) in layer.parts_mut().norms {
+                var(norm, format!("model.layers.{i}.{name}.weight"), &mut out)?;
             }
         }
         var(&mut self.norm, "model.norm.weight".into(), &mut out)?;
@@ -758,51 +876,21 @@ impl CausalLm {
             }
             Ok(out)
         }
-        let opt = |t: &Option<Tensor>, d: &Device| t.as_ref().map(|t| t.to_device(d)).transpose();
         let embed_device = &devices[placement.embed];
         let head_device = &devices[placement.head];
         let embed_tokens = self.embed_tokens.to_device(embed_device)?;
         let mut layers = Vec::with_capacity(self.layers.len());
         for (layer, &d) in self.layers.iter().zip(&placement.layers) {
             let dev = &devices[d];
-            let qkv = match &layer.self_attn.qkv {
-                QkvProjection::Separate {
-                    q_proj,
-                    k_proj,
-                    v_proj,
-                } => QkvProjection::Separate {
-                    q_proj: move_linear(q_proj, dev)?,
-                    k_proj: move_linear(k_proj, dev)?,
-                    v_proj: move_linear(v_proj, dev)?,
-                },
-                QkvProjection::Fused { qkv_proj } => QkvProjection::Fused {
-                    qkv_proj: move_linear(qkv_proj, dev)?,
-                },
-            };
-            let gate_up = match &layer.mlp.gate_up {
-                GateUpProjection::Separate { gate_proj, up_proj } => GateUpProjection::Separate {
-                    gate_proj: move_linear(gate_proj, dev)?,
-                    up_proj: move_linear(up_proj, dev)?,
-                },
-                GateUpProjection::Fused { gate_up_proj } => GateUpProjection::Fused {
-                    gate_up_proj: move_linear(gate_up_proj, dev)?,
-                },
-            };
-            layers.push(DecoderLayer {
-                input_layernorm: layer.input_layernorm.to_device(dev)?,
-                self_attn: Attention {
-                    qkv,
-                    o_proj: move_linear(&layer.self_attn.o_proj, dev)?,
-                    q_norm: opt(&layer.self_attn.q_norm, dev)?,
-                    k_norm: opt(&layer.self_attn.k_norm, dev)?,
-                },
-                post_attention_layernorm: layer.post_attention_layernorm.to_device(dev)?,
-                mlp: Mlp {
-                    gate_up,
-                    down_proj: move_linear(&layer.mlp.down_proj, dev)?,
-                },
-                sliding_window: layer.sliding_window,
-            });
+            let mut moved = layer.clone();
+            let parts = moved.parts_mut();
+            for (_, norm) in parts.norms {
+                *norm = norm.to_device(dev)?;
+            }
+            for (_, linear) in parts.linears {
+                *linear = move_linear(linear, dev)?;
+            }
+            layers.push(moved);
         }
         let norm = self.norm.to_device(head_device)?;
         let mut lm_head = move_linear(&self.lm_head, head_device)?;
@@ -853,8 +941,7 @@ impl CausalLm {
         let inputs = self.layer_inputs(layout)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let mask = inputs.mask(layer.sliding_window);
-            x = self.layer_forward(layer, &x, &inputs.cos, &inputs.sin, mask, layer_cache)?;
+            x = self.layer_forward(layer, &x, &inputs, layer_cache)?;
         }
         self.final_norm(&x)
     }
@@ -888,8 +975,7 @@ impl CausalLm {
             }
             let inputs = per_device[d].as_ref().expect("built above");
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let mask = inputs.mask(layer.sliding_window);
-            x = self.layer_forward(layer, &x, &inputs.cos, &inputs.sin, mask, layer_cache)?;
+            x = self.layer_forward(layer, &x, inputs, layer_cache)?;
         }
         if placement.head != at {
             x = x.to_device(&devices[placement.head])?;
@@ -939,6 +1025,11 @@ impl CausalLm {
         device: &Device,
     ) -> CResult<LayerInputs> {
         let (cos, sin) = self.rope.cos_sin(&layout.positions, self.dtype, device)?;
+        let local_cos_sin = self
+            .local_rope
+            .as_ref()
+            .map(|r| r.cos_sin(&layout.positions, self.dtype, device))
+            .transpose()?;
         let full_mask = layout.additive_mask(None, self.dtype, device)?;
         let mut window_masks: Vec<(usize, Option<Tensor>)> = Vec::new();
         for layer in &self.layers {
@@ -951,6 +1042,7 @@ impl CausalLm {
         Ok(LayerInputs {
             cos,
             sin,
+            local_cos_sin,
             full_mask,
             window_masks,
         })
@@ -959,9 +1051,7 @@ impl CausalLm {
     /// Decoder layer `index` on hidden states `x` (no cache): the unit activation checkpointing
     /// recomputes.
     pub fn layer(&self, index: usize, x: &Tensor, inputs: &LayerInputs) -> CResult<Tensor> {
-        let layer = &self.layers[index];
-        let mask = inputs.mask(layer.sliding_window);
-        self.layer_forward(layer, x, &inputs.cos, &inputs.sin, mask, None)
+        self.layer_forward(&self.layers[index], x, inputs, None)
     }
 
     /// The final RMSNorm.
@@ -975,14 +1065,18 @@ impl CausalLm {
     }
 
     /// Logits `[batch, seq, vocab]` (compute dtype) from hidden states, on
-    /// [`CausalLm::head_device`].
+    /// [`CausalLm::head_device`]; softcapped where the family does so (Gemma 2).
     pub fn logits(&self, hidden: &Tensor) -> CResult<Tensor> {
-        match &self.spread {
+        let logits = match &self.spread {
             // Hidden states from `forward_hidden` are there already; this only moves others.
             Some(s) => self
                 .lm_head
                 .forward(&hidden.to_device(&s.devices[s.placement.head])?),
             None => self.lm_head.forward(hidden),
+        }?;
+        match self.config.final_logit_softcapping {
+            Some(cap) => ops::softcap(&logits, cap),
+            None => Ok(logits),
         }
     }
 
@@ -1001,20 +1095,37 @@ impl CausalLm {
         &self,
         layer: &DecoderLayer,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
+        inputs: &LayerInputs,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> CResult<Tensor> {
-        let c = &self.config;
-        let eps = c.rms_norm_eps;
-        let offset = c.norm_weight_offset_one;
-        let h = fused::rms_norm(x, &layer.input_layernorm, eps, offset)?;
+        let (cos, sin) = inputs.cos_sin(layer);
+        let mask = inputs.mask(layer.sliding_window);
+        let norm = |t: &Tensor, w: &Tensor| {
+            fused::rms_norm(
+                t,
+                w,
+                self.config.rms_norm_eps,
+                self.config.norm_weight_offset_one,
+            )
+        };
+        let h = norm(x, &layer.input_layernorm)?;
         let h = self.attention(&layer.self_attn, &h, cos, sin, mask, cache)?;
-        let x = (x + h)?;
-        let h = fused::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?;
-        let h = self.mlp(&layer.mlp, &h)?;
-        x + h
+        match (
+            &layer.pre_feedforward_layernorm,
+            &layer.post_feedforward_layernorm,
+        ) {
+            // Gemma 2/3: every block's output is normalized before its residual add.
+            (Some(pre_ff), Some(post_ff)) => {
+                let x = (x + norm(&h, &layer.post_attention_layernorm)?)?;
+                let h = self.mlp(&layer.mlp, &norm(&x, pre_ff)?)?;
+                x + norm(&h, post_ff)?
+            }
+            _ => {
+                let x = (x + h)?;
+                let h = self.mlp(&layer.mlp, &norm(&x, &layer.post_attention_layernorm)?)?;
+                x + h
+            }
+        }
     }
 
     fn attention(
@@ -1063,16 +1174,20 @@ impl CausalLm {
             *slot = Some((k.clone(), v.clone()));
         }
         let scale = self.attention_scale();
-        // softmax(q kᵀ · scale + mask) v with grouped-query heads, one fused op with its own
-        // backward on the CPU (f32); the composite candle ops elsewhere.
-        let out = fused::attention(&q, &k, &v, mask, scale)?; // [b, nh, t, hd]
+        // softmax(softcap(q kᵀ · scale) + mask) v with grouped-query heads, one fused op with its
+        // own backward on the CPU (f32); the composite candle ops elsewhere.
+        let softcap = c.attn_logit_softcapping;
+        let out = fused::attention_softcapped(&q, &k, &v, mask, scale, softcap)?; // [b, nh, t, hd]
         let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         attn.o_proj.forward(&out)
     }
 
-    /// The factor on attention scores: `head_dim^-0.5`.
+    /// The factor on attention scores: `head_dim^-0.5`, or `query_pre_attn_scalar^-0.5` (Gemma 2/3).
     fn attention_scale(&self) -> f64 {
-        (self.config.head_dim as f64).powf(-0.5)
+        self.config
+            .query_pre_attn_scalar
+            .unwrap_or(self.config.head_dim as f64)
+            .powf(-0.5)
     }
 
     /// The MLP's gated activation as the fused kernels name it.

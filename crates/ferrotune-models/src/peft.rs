@@ -728,20 +728,8 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
     );
     out.insert("model.norm.weight".to_string(), model.norm.clone());
     for (i, layer) in model.layers.iter().enumerate() {
-        let p = format!("model.layers.{i}");
-        out.insert(
-            format!("{p}.input_layernorm.weight"),
-            layer.input_layernorm.clone(),
-        );
-        out.insert(
-            format!("{p}.post_attention_layernorm.weight"),
-            layer.post_attention_layernorm.clone(),
-        );
-        if let Some(q) = &layer.self_attn.q_norm {
-            out.insert(format!("{p}.self_attn.q_norm.weight"), q.clone());
-        }
-        if let Some(k) = &layer.self_attn.k_norm {
-            out.insert(format!("{p}.self_attn.k_norm.weight"), k.clone());
+        for (name, norm) in layer.norms() {
+            out.insert(format!("model.layers.{i}.{name}.weight"), norm.clone());
         }
     }
     let tied = model.config.tie_word_embeddings;

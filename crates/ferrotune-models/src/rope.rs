@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::config::{ModelConfig, RopeScaling};
+use crate::config::{ModelConfig, RopeConfig, RopeScaling};
 
 /// Precomputed rotary frequencies for one model.
 #[derive(Debug, Clone)]
@@ -30,14 +30,20 @@ fn default_inv_freq(base: f64, dim: usize) -> Vec<f32> {
 }
 
 impl RotaryEmbedding {
-    /// Builds the frequencies for `cfg`.
+    /// Builds the frequencies for `cfg` (its `rope`).
     pub fn new(cfg: &ModelConfig) -> Self {
-        let dim = ((cfg.head_dim as f64) * cfg.rope.partial_rotary_factor) as usize;
-        let base = cfg.rope.theta;
+        Self::with_rope(cfg, &cfg.rope)
+    }
+
+    /// Builds the frequencies of `rope` for the heads of `cfg` (Gemma 3's local rope is a second
+    /// one).
+    pub fn with_rope(cfg: &ModelConfig, rope: &RopeConfig) -> Self {
+        let dim = ((cfg.head_dim as f64) * rope.partial_rotary_factor) as usize;
+        let base = rope.theta;
         let mut long = None;
         let mut dynamic = None;
         let mut attention_scaling = 1.0f32;
-        let inv_freq = match &cfg.rope.scaling {
+        let inv_freq = match &rope.scaling {
             RopeScaling::Default => default_inv_freq(base, dim),
             RopeScaling::Linear { factor } => default_inv_freq(base, dim)
                 .into_iter()

@@ -4,7 +4,6 @@
 
 use candle_core::Tensor;
 
-use crate::model::{Attention, DecoderLayer, GateUpProjection, Mlp, QkvProjection};
 use crate::peft::PEFT_PREFIX;
 use crate::{CausalLm, Linear};
 
@@ -25,44 +24,6 @@ impl Unit {
             Unit::Layer(i) => format!("layer.{i}"),
         }
     }
-}
-
-/// The linear layers of decoder layer `i` with their HF module names, in model order. Takes the
-/// layer's parts so that its other fields (the norms) stay borrowable beside them.
-pub(crate) fn layer_linears_mut<'a>(
-    i: usize,
-    qkv: &'a mut QkvProjection,
-    o_proj: &'a mut Linear,
-    gate_up: &'a mut GateUpProjection,
-    down_proj: &'a mut Linear,
-) -> Vec<(String, &'a mut Linear)> {
-    let mut out = Vec::new();
-    let attn = format!("model.layers.{i}.self_attn");
-    match qkv {
-        QkvProjection::Separate {
-            q_proj,
-            k_proj,
-            v_proj,
-        } => {
-            out.push((format!("{attn}.q_proj"), q_proj));
-            out.push((format!("{attn}.k_proj"), k_proj));
-            out.push((format!("{attn}.v_proj"), v_proj));
-        }
-        QkvProjection::Fused { qkv_proj } => out.push((format!("{attn}.qkv_proj"), qkv_proj)),
-    }
-    out.push((format!("{attn}.o_proj"), o_proj));
-    let mlp = format!("model.layers.{i}.mlp");
-    match gate_up {
-        GateUpProjection::Separate { gate_proj, up_proj } => {
-            out.push((format!("{mlp}.gate_proj"), gate_proj));
-            out.push((format!("{mlp}.up_proj"), up_proj));
-        }
-        GateUpProjection::Fused { gate_up_proj } => {
-            out.push((format!("{mlp}.gate_up_proj"), gate_up_proj))
-        }
-    }
-    out.push((format!("{mlp}.down_proj"), down_proj));
-    out
 }
 
 /// A linear layer's tensors under the names their trainable parameters carry: `{module}.weight`
@@ -125,34 +86,13 @@ impl CausalLm {
                 linear_tensors_mut("lm_head", &mut self.lm_head, !tied, &mut out);
             }
             Unit::Layer(i) => {
-                let DecoderLayer {
-                    input_layernorm,
-                    self_attn,
-                    post_attention_layernorm,
-                    mlp,
-                    ..
-                } = &mut self.layers[i];
                 let p = format!("model.layers.{i}");
-                out.push((format!("{p}.input_layernorm.weight"), input_layernorm));
-                out.push((
-                    format!("{p}.post_attention_layernorm.weight"),
-                    post_attention_layernorm,
-                ));
-                let Attention {
-                    qkv,
-                    o_proj,
-                    q_norm,
-                    k_norm,
-                } = self_attn;
-                if let Some(q) = q_norm {
-                    out.push((format!("{p}.self_attn.q_norm.weight"), q));
+                let parts = self.layers[i].parts_mut();
+                for (name, norm) in parts.norms {
+                    out.push((format!("{p}.{name}.weight"), norm));
                 }
-                if let Some(k) = k_norm {
-                    out.push((format!("{p}.self_attn.k_norm.weight"), k));
-                }
-                let Mlp { gate_up, down_proj } = mlp;
-                for (module, linear) in layer_linears_mut(i, qkv, o_proj, gate_up, down_proj) {
-                    linear_tensors_mut(&module, linear, true, &mut out);
+                for (module, linear) in parts.linears {
+                    linear_tensors_mut(&format!("{p}.{module}"), linear, true, &mut out);
                 }
             }
         }

@@ -78,23 +78,25 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<L
     Ok(LossSum { sum, count })
 }
 
-/// The loss of the output head applied to `hidden` (`[b, t, h]`): the same value as
-/// `causal_lm_loss(lm_head.forward(hidden), labels, shift)`, but for a head without adapter or
-/// bias (frozen, or trained by full fine-tuning) in f32 on the CPU or f32/bf16 on a GPU the logits
-/// are formed and consumed in row chunks
+/// The loss of `model`'s output head applied to `hidden` (`[b, t, h]`): the same value as
+/// `causal_lm_loss(model.logits(hidden), labels, shift)`, but for a head without adapter, bias or
+/// logit softcap (frozen, or trained by full fine-tuning) in f32 on the CPU or f32/bf16 on a GPU
+/// the logits are formed and consumed in row chunks
 /// ([`ferrotune_core::fused::linear_cross_entropy_sum`]), never whole, and rows without a target
 /// are skipped.
 pub fn causal_lm_head_loss(
     hidden: &Tensor,
-    lm_head: &ferrotune_models::Linear,
+    model: &ferrotune_models::CausalLm,
     labels: &Tensor,
     shift: bool,
 ) -> Result<LossSum> {
+    let lm_head = &model.lm_head;
     let plain = lm_head.adapter.is_none()
         && lm_head.bias.is_none()
+        && model.config.final_logit_softcapping.is_none()
         && ferrotune_core::fused::chunked_head_applies(hidden, &lm_head.weight);
     if !plain {
-        return causal_lm_loss(&lm_head.forward(hidden)?, labels, shift);
+        return causal_lm_loss(&model.logits(hidden)?, labels, shift);
     }
     let (b, t, h) = hidden.dims3()?;
     let vocab = lm_head.weight.dim(0)?;

@@ -98,7 +98,7 @@ pub fn forward_backward(
 ) -> anyhow::Result<f64> {
     if !activation_checkpointing {
         let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
-        let loss = causal_lm_head_loss(&hidden, &model.lm_head, &batch.labels, true)?;
+        let loss = causal_lm_head_loss(&hidden, model, &batch.labels, true)?;
         let grads = loss.sum.backward()?;
         absorb(acc, &grads, params)?;
         // Read after the backward is queued: reading first would make the host wait for the
@@ -188,7 +188,7 @@ pub fn layered_forward_backward(
     let top = Var::from_tensor(&x)?;
     let model = pass.model();
     let hidden = model.final_norm(top.as_tensor())?;
-    let loss = causal_lm_head_loss(&hidden, &model.lm_head, &batch.labels, true)?;
+    let loss = causal_lm_head_loss(&hidden, model, &batch.labels, true)?;
     let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let mut head_grads = loss.sum.backward()?;
     drop((hidden, loss));

@@ -33,6 +33,26 @@ pub fn attention(
     mask: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
+    attention_softcapped(q, k, v, mask, scale, None)
+}
+
+/// [`attention`] with Gemma 2's softcapping: the scaled scores become `cap · tanh(s / cap)` before
+/// the mask is added (`softcap = Some(cap)`). The fused CPU op applies it in the forward and
+/// multiplies the score gradient by `1 − tanh²` in the backward; the GPU's attention kernels have
+/// no softcap, so there a softcapped call takes the composite formula.
+pub fn attention_softcapped(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    softcap: Option<f64>,
+) -> Result<Tensor> {
+    if let Some(cap) = softcap {
+        if !(cap > 0.0 && cap.is_finite()) {
+            bail!("attention: the softcap must be a positive number, got {cap}");
+        }
+    }
     let (b, nh, t, hd) = q.dims4()?;
     let (kb, nkv, s, khd) = k.dims4()?;
     if v.dims() != k.dims() || kb != b || khd != hd {
@@ -58,14 +78,18 @@ pub fn attention(
     // Empty tensors gain nothing from the kernel (and would give it zero-sized blocks).
     let empty = q.elem_count() == 0 || k.elem_count() == 0;
     #[cfg(feature = "cuda")]
-    if !empty && crate::cuda::applies(&[q, k, v]) && mask.is_none_or(|m| m.device().is_cuda()) {
+    if !empty
+        && softcap.is_none()
+        && crate::cuda::applies(&[q, k, v])
+        && mask.is_none_or(|m| m.device().is_cuda())
+    {
         return crate::cuda::attention(q, k, v, mask, scale);
     }
     if empty
         || !fused_applies(&[q, k, v])
         || mask.is_some_and(|m| !matches!(m.device(), Device::Cpu))
     {
-        return composite(q, k, v, mask, scale);
+        return composite(q, k, v, mask, scale, softcap);
     }
     let dims = Dims {
         b,
@@ -90,6 +114,7 @@ pub fn attention(
     let op = Attention {
         dims,
         scale: scale as f32,
+        softcap: softcap.map(|c| c as f32),
         mask,
         ranges,
         stats: Mutex::new(Vec::new()),
@@ -105,6 +130,7 @@ fn composite(
     v: &Tensor,
     mask: Option<&Tensor>,
     scale: f64,
+    softcap: Option<f64>,
 ) -> Result<Tensor> {
     let (b, nh, t, hd) = q.dims4()?;
     let (_, nkv, s, _) = k.dims4()?;
@@ -112,6 +138,10 @@ fn composite(
     // Query heads sharing a key/value head are stacked along the rows: one matmul per kv head.
     let q = q.reshape((b, nkv, groups * t, hd))?;
     let scores = (q.matmul(&k.t()?)? * scale)?;
+    let scores = match softcap {
+        Some(cap) => crate::ops::softcap(&scores, cap)?,
+        None => scores,
+    };
     let scores = match mask {
         Some(m) => scores
             .reshape((b, nkv, groups, t, s))?
@@ -206,6 +236,8 @@ fn key_ranges(mask: &[f32], mb: usize, t: usize, s: usize) -> Vec<(usize, usize)
 struct Attention {
     dims: Dims,
     scale: f32,
+    /// Gemma 2's cap on the scaled scores (`cap · tanh(s / cap)`), applied before the mask.
+    softcap: Option<f32>,
     /// The additive mask as contiguous f32 `[b or 1, 1, t, s]`.
     mask: Option<Tensor>,
     /// Key range of each (mask batch, row block), from [`key_ranges`].
@@ -220,6 +252,25 @@ struct Attention {
 struct MaskRows<'a> {
     data: &'a [f32],
     stride: usize,
+}
+
+/// `s ← cap · tanh(s / cap)` over a block of scores; with `derivative`, also writes
+/// `1 − tanh²(s / cap)` (the factor the score gradient takes) there.
+fn softcap_rows(scores: &mut [f32], cap: f32, derivative: Option<&mut [f32]>) {
+    match derivative {
+        Some(d) => {
+            for (x, d) in scores.iter_mut().zip(d.iter_mut()) {
+                let t = (*x / cap).tanh();
+                *x = cap * t;
+                *d = 1.0 - t * t;
+            }
+        }
+        None => {
+            for x in scores.iter_mut() {
+                *x = cap * (*x / cap).tanh();
+            }
+        }
+    }
 }
 
 simd_fn! {
@@ -360,6 +411,9 @@ impl CustomOp3 for Attention {
                                 self.scale,
                             );
                         }
+                        if let Some(cap) = self.softcap {
+                            softcap_rows(&mut scores, cap, None);
+                        }
                         softmax_rows(&mut scores, w, self.mask_rows(mask, bi, blk, lo), stats_b);
                         unsafe {
                             kernels::gemm(
@@ -432,6 +486,8 @@ impl CustomOp3 for Attention {
                 let stats_h = &stats[bh * t..][..t];
                 let mut p = vec![0f32; BLOCK * s];
                 let mut dp = vec![0f32; BLOCK * s];
+                // The softcap's derivative per score of the block (empty without a softcap).
+                let mut cap_grad = vec![0f32; if self.softcap.is_some() { BLOCK * s } else { 0 }];
                 for blk in 0..dims.blocks() {
                     let i0 = blk * BLOCK;
                     let rows = BLOCK.min(t - i0);
@@ -455,6 +511,9 @@ impl CustomOp3 for Attention {
                             (k_lo, 1, hd),
                             self.scale,
                         );
+                    }
+                    if let Some(cap) = self.softcap {
+                        softcap_rows(p, cap, Some(&mut cap_grad[..rows * w]));
                     }
                     probs_rows(
                         p,
@@ -481,6 +540,12 @@ impl CustomOp3 for Attention {
                         &oh[i0 * hd..][..rows * hd],
                         hd,
                     );
+                    if self.softcap.is_some() {
+                        // dS_raw = dS_capped ⊙ (1 − tanh²).
+                        for (g, &d) in dp.iter_mut().zip(&cap_grad[..rows * w]) {
+                            *g *= d;
+                        }
+                    }
                     unsafe {
                         kernels::gemm(
                             (w, hd, rows),

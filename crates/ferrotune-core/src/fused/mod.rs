@@ -25,7 +25,7 @@ mod rms_norm;
 mod rope;
 mod swiglu;
 
-pub use attention::{attention, register_mask_rows, registered_mask_rows};
+pub use attention::{attention, attention_softcapped, register_mask_rows, registered_mask_rows};
 pub use cross_entropy::cross_entropy_sum;
 pub use linear::trainable_linear;
 pub use linear_ce::{chunked_head_applies, linear_cross_entropy_sum};

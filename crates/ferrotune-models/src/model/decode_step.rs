@@ -106,6 +106,14 @@ impl CausalLm {
             if layer.self_attn.q_norm.is_some() != layer.self_attn.k_norm.is_some() {
                 return Some("only one of q_norm / k_norm is set".into());
             }
+            if layer.pre_feedforward_layernorm.is_some()
+                != layer.post_feedforward_layernorm.is_some()
+            {
+                return Some("only one of the feed-forward sandwich norms is set".into());
+            }
+        }
+        if c.attn_logit_softcapping.is_some() {
+            return Some("the decode attention kernel has no score softcapping (Gemma 2)".into());
         }
         None
     }
@@ -154,11 +162,14 @@ impl CausalLm {
         let scale = self.attention_scale();
 
         let mut x = self.embed(input_ids)?.reshape((batch, c.hidden_size))?;
-        let (cos, sin) = self
-            .rope
-            .cos_sin(&layout.positions, self.dtype, &self.device)?;
-        let rot = cos.dim(3)?;
-        let (cos, sin) = (cos.reshape((batch, rot))?, sin.reshape((batch, rot))?);
+        // Rotary tables as `[batch, rotary_dim]` rows: the model's, and Gemma 3's local ones.
+        let tables = |rope: &crate::rope::RotaryEmbedding| -> CResult<(Tensor, Tensor)> {
+            let (cos, sin) = rope.cos_sin(&layout.positions, self.dtype, &self.device)?;
+            let rot = cos.dim(3)?;
+            Ok((cos.reshape((batch, rot))?, sin.reshape((batch, rot))?))
+        };
+        let global = tables(&self.rope)?;
+        let local = self.local_rope.as_ref().map(tables).transpose()?;
         let first: Vec<u32> = layout
             .key_valid
             .iter()
@@ -193,7 +204,11 @@ impl CausalLm {
                 }),
                 _ => None,
             };
-            let q = decode::rope_into_cache(&qkv, &cos, &sin, norm, heads, k_cache, v_cache, pos)?;
+            let (cos, sin) = match (&local, layer.local_rope) {
+                (Some(local), true) => (&local.0, &local.1),
+                _ => (&global.0, &global.1),
+            };
+            let q = decode::rope_into_cache(&qkv, cos, sin, norm, heads, k_cache, v_cache, pos)?;
             let a = decode::cached_attention(
                 &q,
                 k_cache,
@@ -203,8 +218,23 @@ impl CausalLm {
                 layer.sliding_window,
                 scale,
             )?;
-            x = decode::linear_rows(&a, &[projection(&attn.o_proj)], Some(&x))?;
-            let h = fused::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?;
+            let sandwich = layer
+                .pre_feedforward_layernorm
+                .as_ref()
+                .zip(layer.post_feedforward_layernorm.as_ref());
+            let h = match sandwich {
+                // Gemma 2/3: the block's output is normalized before the residual add, so the
+                // GEMV cannot add the residual itself.
+                Some((pre_ff, _)) => {
+                    let o = decode::linear_rows(&a, &[projection(&attn.o_proj)], None)?;
+                    x = (&x + fused::rms_norm(&o, &layer.post_attention_layernorm, eps, offset)?)?;
+                    fused::rms_norm(&x, pre_ff, eps, offset)?
+                }
+                None => {
+                    x = decode::linear_rows(&a, &[projection(&attn.o_proj)], Some(&x))?;
+                    fused::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?
+                }
+            };
             let g = match &layer.mlp.gate_up {
                 GateUpProjection::Separate { gate_proj, up_proj } => {
                     decode::gated_rows(&h, projection(gate_proj), projection(up_proj), act)?
@@ -235,7 +265,13 @@ impl CausalLm {
                     decode::gated_rows(&h, gate, up, act)?
                 }
             };
-            x = decode::linear_rows(&g, &[projection(&layer.mlp.down_proj)], Some(&x))?;
+            x = match sandwich {
+                Some((_, post_ff)) => {
+                    let d = decode::linear_rows(&g, &[projection(&layer.mlp.down_proj)], None)?;
+                    (&x + fused::rms_norm(&d, post_ff, eps, offset)?)?
+                }
+                None => decode::linear_rows(&g, &[projection(&layer.mlp.down_proj)], Some(&x))?,
+            };
         }
         cache.filled = Some(pos + 1);
         self.final_norm(&x)?.reshape((batch, 1, c.hidden_size))

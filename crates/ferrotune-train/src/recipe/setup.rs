@@ -154,6 +154,8 @@ const COMPONENT_FAMILIES: &[(&str, &[&str])] = &[
     ("qwen2_5", &["qwen2"]),
     ("qwen3", &["qwen3"]),
     ("gemma", &["gemma"]),
+    ("gemma2", &["gemma2"]),
+    ("gemma3", &["gemma3_text"]),
     ("phi3", &["phi3"]),
     ("phi4", &["phi3"]),
 ];
