@@ -180,7 +180,12 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
 /// local rope all in the backward).
 #[test]
 fn one_full_sgd_step_on_gemma_2_and_3_moves_every_weight_by_the_torch_gradient() {
-    for family in ["models/gemma2", "models/gemma3"] {
+    // (fixture, the text case whose gradients apply): a multimodal Gemma 3 trains its text model.
+    for (family, text_case) in [
+        ("models/gemma2", "models/gemma2"),
+        ("models/gemma3", "models/gemma3"),
+        ("models/gemma3_multimodal", "models/gemma3"),
+    ] {
         let dir = tmpdir(&format!("full-sgd-{}", family.replace('/', "-")));
         let data = dir.join("batch.jsonl");
         write_golden_rows(family, &data);
@@ -202,18 +207,29 @@ fn one_full_sgd_step_on_gemma_2_and_3_moves_every_weight_by_the_torch_gradient()
         );
         assert!(out.status.success(), "{family}: {}", text(&out));
         let saved = load(&dir.join("out/epoch_0/model.safetensors"));
-        let start = load(&fixtures().join(family).join("model/model.safetensors"));
-        let grads = load(&fixtures().join(family).join("grads.safetensors"));
+        let start = load(&fixtures().join(text_case).join("model/model.safetensors"));
+        let grads = load(&fixtures().join(text_case).join("grads.safetensors"));
         assert_eq!(saved.len(), start.len(), "{family}: saved tensor set");
         for (key, s) in &start {
             let moved = (s - &saved[key]).unwrap();
             let e = rel_l2(&moved, &grads[key]);
             assert!(e <= 1e-4, "{family}: {key}: relative L2 {e}");
         }
+        // What is saved is the text model, as transformers' Gemma3ForCausalLM / Gemma2ForCausalLM.
+        let saved_config: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("out/epoch_0/config.json")).unwrap(),
+        )
+        .unwrap();
+        let want_type = if family.contains("gemma2") {
+            "gemma2"
+        } else {
+            "gemma3_text"
+        };
+        assert_eq!(saved_config["model_type"], want_type, "{family}");
         let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
         let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
         let g: Value = serde_json::from_str(
-            &std::fs::read_to_string(fixtures().join(family).join("golden.json")).unwrap(),
+            &std::fs::read_to_string(fixtures().join(text_case).join("golden.json")).unwrap(),
         )
         .unwrap();
         let (got, want) = (first["loss"].as_f64().unwrap(), g["loss"].as_f64().unwrap());

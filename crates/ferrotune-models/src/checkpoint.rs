@@ -113,6 +113,33 @@ pub fn read_safetensors(
     dtype: DType,
     device: &Device,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
+    read_safetensors_renamed(files, dtype, device, &|name| Some(name.to_string()))
+}
+
+/// The HF name inside the text model of a multimodal Gemma 3 checkpoint's tensor, or `None` for
+/// the vision tower and projector: transformers 4.5x saves `language_model.model.*` and
+/// `language_model.lm_head.*`, transformers 5 `model.language_model.*` and `lm_head.*`.
+fn gemma3_text_tensor(name: &str) -> Option<String> {
+    if let Some(rest) = name
+        .strip_prefix("language_model.model.")
+        .or_else(|| name.strip_prefix("model.language_model."))
+    {
+        return Some(format!("model.{rest}"));
+    }
+    if let Some(rest) = name.strip_prefix("language_model.lm_head.") {
+        return Some(format!("lm_head.{rest}"));
+    }
+    name.starts_with("lm_head.").then(|| name.to_string())
+}
+
+/// As [`read_safetensors`], keeping only the tensors `rename` maps to a name (under that name);
+/// the others are not read at all.
+fn read_safetensors_renamed(
+    files: &[PathBuf],
+    dtype: DType,
+    device: &Device,
+    rename: &dyn Fn(&str) -> Option<String>,
+) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut out = HashMap::new();
     for file in files {
         // SAFETY: the mapping is read-only and lives only while we copy tensors out of it; a
@@ -120,13 +147,16 @@ pub fn read_safetensors(
         let st = unsafe { MmapedSafetensors::new(file) }
             .map_err(|e| ModelError::file(file, format!("not a valid safetensors file: {e}")))?;
         for (name, view) in st.tensors() {
+            let Some(new_name) = rename(&name) else {
+                continue;
+            };
             let t = st.load(&name, device).map_err(|e| {
                 ModelError::file(file, format!("tensor '{name}' ({:?}): {e}", view.dtype()))
             })?;
             let t = t.to_dtype(dtype).map_err(|e| {
                 ModelError::file(file, format!("tensor '{name}': cannot convert: {e}"))
             })?;
-            out.insert(name, t);
+            out.insert(new_name, t);
         }
     }
     Ok(out)
@@ -172,7 +202,11 @@ fn read(
                 path.parent().unwrap_or(Path::new(".")).to_path_buf()
             };
             let config = ModelConfig::from_hf_file(&dir)?;
-            let tensors = read_safetensors(files, dtype, device)?;
+            let tensors = if config.text_of_multimodal {
+                read_safetensors_renamed(files, dtype, device, &gemma3_text_tensor)?
+            } else {
+                read_safetensors(files, dtype, device)?
+            };
             Ok(Checkpoint {
                 config,
                 tensors,

@@ -18,6 +18,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gemma",
     "gemma2",
     "gemma3_text",
+    "gemma3",
     "phi3",
 ];
 
@@ -144,7 +145,12 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
-    /// The original config.json object, written back unchanged (but for dtype) when we save models.
+    /// The checkpoint is a multimodal Gemma 3 (`model_type: gemma3`) and this is its text model:
+    /// its tensors are read from `language_model.*` / `model.language_model.*`, the vision tower
+    /// is left out, and what is saved is the text model (`Gemma3ForCausalLM`).
+    pub text_of_multimodal: bool,
+    /// The original config.json object, written back unchanged (but for dtype) when we save models;
+    /// for a multimodal Gemma 3, its text model's config.
     pub raw: Value,
 }
 
@@ -165,7 +171,27 @@ impl ModelConfig {
 
     /// Builds the config from a parsed HF `config.json` object.
     pub fn from_hf_json(value: &Value) -> Result<Self, String> {
-        let obj = value.as_object().ok_or("config must be a JSON object")?;
+        let top = value.as_object().ok_or("config must be a JSON object")?;
+        if get_str(top, "model_type")? == Some("gemma3") {
+            let text = gemma3_text_config(top)?;
+            let mut config = Self::from_hf_json(&text)?;
+            config.text_of_multimodal = true;
+            return Ok(config);
+        }
+        let with_defaults;
+        let obj = match family_defaults(get_str(top, "model_type")?.unwrap_or("")) {
+            [] => top,
+            defaults => {
+                // transformers fills keys a config leaves out from the family's config class;
+                // Gemma 3's multimodal configs leave out most of their text model's.
+                let mut filled = top.clone();
+                for (key, default) in defaults {
+                    filled.entry(*key).or_insert_with(|| default.clone());
+                }
+                with_defaults = filled;
+                &with_defaults
+            }
+        };
         let model_type = get_str(obj, "model_type")?
             .ok_or("missing key 'model_type'")?
             .to_string();
@@ -280,6 +306,7 @@ impl ModelConfig {
             final_logit_softcapping,
             local_rope,
             local_rope_layers,
+            text_of_multimodal: false,
             bos_token_id: get_ids(obj, "bos_token_id")?.first().copied(),
             eos_token_ids: get_ids(obj, "eos_token_id")?,
             pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
@@ -492,6 +519,78 @@ fn parse_sliding_windows(
         ));
     }
     Ok(windows)
+}
+
+/// Defaults of transformers' config classes for keys a config may leave out, where real
+/// checkpoints rely on them (Gemma 2's `Gemma2Config`, Gemma 3's `Gemma3TextConfig`).
+fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
+    static GEMMA2: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
+    static GEMMA3: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
+    let common = |vocab: u64, max_pos: u64| {
+        vec![
+            ("vocab_size", Value::from(vocab)),
+            ("hidden_size", Value::from(2304u64)),
+            ("intermediate_size", Value::from(9216u64)),
+            ("num_hidden_layers", Value::from(26u64)),
+            ("num_attention_heads", Value::from(8u64)),
+            ("num_key_value_heads", Value::from(4u64)),
+            ("head_dim", Value::from(256u64)),
+            ("max_position_embeddings", Value::from(max_pos)),
+            ("rms_norm_eps", Value::from(1e-6)),
+            ("bos_token_id", Value::from(2u64)),
+            ("eos_token_id", Value::from(1u64)),
+            ("pad_token_id", Value::from(0u64)),
+        ]
+    };
+    match model_type {
+        "gemma2" => GEMMA2.get_or_init(|| common(256_000, 8192)),
+        "gemma3_text" => GEMMA3.get_or_init(|| common(262_208, 131_072)),
+        _ => &[],
+    }
+}
+
+/// The text model's config of a multimodal Gemma 3 config (`Gemma3ForConditionalGeneration`):
+/// its `text_config` with the token ids and dtype kept at the top level, as the standalone
+/// `Gemma3ForCausalLM` config ferrotune runs and saves.
+fn gemma3_text_config(top: &Map<String, Value>) -> Result<Value, String> {
+    let mut text = match top.get("text_config") {
+        Some(Value::Object(t)) => t.clone(),
+        None | Some(Value::Null) => Map::new(),
+        Some(_) => return Err("'text_config' must be an object".into()),
+    };
+    match get_str(&text, "model_type")? {
+        None | Some("gemma3_text") => {}
+        Some(other) => {
+            return Err(format!(
+                "text_config.model_type is '{other}', expected 'gemma3_text'"
+            ))
+        }
+    }
+    text.insert("model_type".into(), Value::from("gemma3_text"));
+    text.insert(
+        "architectures".into(),
+        serde_json::json!(["Gemma3ForCausalLM"]),
+    );
+    for key in [
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "torch_dtype",
+        "dtype",
+        "tie_word_embeddings",
+    ] {
+        match (text.get(key), top.get(key)) {
+            (None | Some(Value::Null), Some(v)) if !v.is_null() => {
+                text.insert(key.into(), v.clone());
+            }
+            _ => {}
+        }
+    }
+    // Written out whole (defaults filled), so that the saved text model needs no class defaults.
+    for (key, default) in family_defaults("gemma3_text") {
+        text.entry(*key).or_insert_with(|| default.clone());
+    }
+    Ok(Value::Object(text))
 }
 
 /// Gemma 2/3: which layers use sliding-window attention, from `layer_types` or, in older configs,

@@ -550,10 +550,54 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, Mode
         };
         return Err(ModelError::file(&file, msg));
     }
-    let tensors = candle_core::safetensors::load(&file, &Device::Cpu)
+    let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu)
         .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
+    if model.config.text_of_multimodal {
+        tensors = text_model_adapter_tensors(tensors, &file);
+    }
     attach_adapter(model, &config, tensors, &file.display().to_string())?;
     Ok(config)
+}
+
+/// An adapter trained by PEFT on a whole multimodal Gemma 3, as adapter tensors of its text
+/// model: `language_model.model.*` (transformers 4.5x) and `model.language_model.*` (5.x) become
+/// `model.*`; the vision tower's and projector's adapters are left out, with a warning.
+fn text_model_adapter_tensors(
+    tensors: HashMap<String, Tensor>,
+    file: &Path,
+) -> HashMap<String, Tensor> {
+    let mut out = HashMap::with_capacity(tensors.len());
+    let mut dropped = 0;
+    for (name, t) in tensors {
+        let Some(rest) = name.strip_prefix(PEFT_PREFIX) else {
+            out.insert(name, t);
+            continue;
+        };
+        let text = rest
+            .strip_prefix("language_model.model.")
+            .or_else(|| rest.strip_prefix("model.language_model."))
+            .map(|r| format!("model.{r}"))
+            .or_else(|| {
+                rest.strip_prefix("language_model.lm_head.")
+                    .map(|r| format!("lm_head.{r}"))
+            });
+        match text {
+            Some(text) => {
+                out.insert(format!("{PEFT_PREFIX}{text}"), t);
+            }
+            None if rest.starts_with("model.") || rest.starts_with("lm_head.") => {
+                out.insert(name, t);
+            }
+            None => dropped += 1,
+        }
+    }
+    if dropped > 0 {
+        tracing::warn!(
+            "{}: {dropped} adapter tensors of the vision tower / projector left out (ferrotune runs the text model)",
+            file.display()
+        );
+    }
+    out
 }
 
 /// Attaches adapters from PEFT-named tensors (`base_model.model.{module}.lora_A.weight`, ...) to
