@@ -48,6 +48,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Phi3Config,
+    PhiConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -243,6 +244,22 @@ def cfg_gemma3():
         layer_types=["sliding_attention", "full_attention"],
         attention_bias=False,
         tie_word_embeddings=True,
+    ))
+
+
+def cfg_phi2():
+    # Phi-2 (model_type phi): LayerNorm with bias, attention and MLP in parallel on one normed input,
+    # output projection `dense`, ungated MLP fc1 -> gelu_new -> fc2, partial rotary 0.5 of head_dim 8,
+    # biases on every projection and on lm_head, final_layernorm; GQA 4/2 (Phi-2 itself is MHA).
+    return PhiConfig(**common(
+        num_key_value_heads=2,
+        hidden_act="gelu_new",
+        layer_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        qk_layernorm=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        tie_word_embeddings=False,
     ))
 
 
@@ -452,6 +469,10 @@ CASES = {
                             notes="gemma3 with a 4.x config.json: rope_theta, rope_local_base_freq, rope_scaling "
                                   "(linear 8) for the global layers, sliding_window_pattern 2 instead of layer_types; "
                                   "weights and golden identical to gemma3"),
+    "phi2": dict(cfg=cfg_phi2, seed=115, style="v5", grads=True,
+                 notes="Phi-2 (phi): LayerNorm with bias (input_layernorm, final_layernorm), parallel attention + MLP "
+                       "on one normed input, self_attn.dense, ungated mlp.fc1 -> gelu_new -> mlp.fc2, partial rotary "
+                       "0.5 of head_dim 8, biases on every projection and on lm_head, GQA 4/2, untied"),
     "gemma3_multimodal": dict(weights_from="gemma3", multimodal=True, same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "
@@ -473,7 +494,9 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
     for name, p in model.named_parameters():  # tied lm_head is listed once (as embed_tokens)
         shape = tuple(p.shape)
         r = torch.randn(shape, generator=g, dtype=torch.float32)
-        if "norm" in name:
+        if "norm" in name and name.endswith(".bias"):
+            p.copy_(0.1 * r)  # LayerNorm bias (Phi-2)
+        elif "norm" in name:
             # Gemma's RMSNorm multiplies by (1 + w) with w initialised to 0; the others by w (init 1).
             p.copy_(NORM_PERTURB * r if gemma_norm else 1.0 + NORM_PERTURB * r)
         elif name.endswith(".bias"):

@@ -174,17 +174,18 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
     }
 }
 
-/// Gemma 2 and Gemma 3 end to end: one full fine-tuning SGD step (lr 1) from the tiny fixtures
-/// logs transformers' loss and saves, under the checkpoint's own names, weights that moved by
-/// exactly PyTorch's gradient (softcapped scores and logits, sandwich norms, q/k norms, the
-/// local rope all in the backward).
+/// Gemma 2, Gemma 3 and Phi-2 end to end: one full fine-tuning SGD step (lr 1) from the tiny
+/// fixtures logs transformers' loss and saves, under the checkpoint's own names, weights that
+/// moved by exactly PyTorch's gradient (softcapped scores and logits, sandwich norms, q/k norms,
+/// the local rope, LayerNorm, the parallel block all in the backward).
 #[test]
-fn one_full_sgd_step_on_gemma_2_and_3_moves_every_weight_by_the_torch_gradient() {
+fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_gradient() {
     // (fixture, the text case whose gradients apply): a multimodal Gemma 3 trains its text model.
     for (family, text_case) in [
         ("models/gemma2", "models/gemma2"),
         ("models/gemma3", "models/gemma3"),
         ("models/gemma3_multimodal", "models/gemma3"),
+        ("models/phi2", "models/phi2"),
     ] {
         let dir = tmpdir(&format!("full-sgd-{}", family.replace('/', "-")));
         let data = dir.join("batch.jsonl");
@@ -220,10 +221,10 @@ fn one_full_sgd_step_on_gemma_2_and_3_moves_every_weight_by_the_torch_gradient()
             &std::fs::read_to_string(dir.join("out/epoch_0/config.json")).unwrap(),
         )
         .unwrap();
-        let want_type = if family.contains("gemma2") {
-            "gemma2"
-        } else {
-            "gemma3_text"
+        let want_type = match family {
+            "models/gemma2" => "gemma2",
+            "models/phi2" => "phi",
+            _ => "gemma3_text",
         };
         assert_eq!(saved_config["model_type"], want_type, "{family}");
         let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();

@@ -33,6 +33,23 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     e.broadcast_div(&sum)?.to_dtype(in_dtype)
 }
 
+/// LayerNorm over the last dimension, as `torch.nn.functional.layer_norm`: `(x − mean) /
+/// √(var + eps) · weight + bias` with the biased variance, computed in f32 and cast back to `x`'s
+/// dtype (PyTorch's kernels also accumulate half types in f32). Differentiable.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let centered = xf.broadcast_sub(&xf.mean_keepdim(D::Minus1)?)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let out = normed.broadcast_mul(&weight.to_dtype(DType::F32)?)?;
+    let out = match bias {
+        Some(b) => out.broadcast_add(&b.to_dtype(DType::F32)?)?,
+        None => out,
+    };
+    out.to_dtype(dtype)
+}
+
 /// `cap · tanh(x / cap)` in `x`'s dtype, differentiable: Gemma 2's softcapping of attention
 /// scores and logits (transformers divides, applies tanh and multiplies in the same dtype).
 pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {

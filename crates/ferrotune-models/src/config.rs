@@ -20,6 +20,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gemma3_text",
     "gemma3",
     "phi3",
+    "phi",
 ];
 
 /// The MLP's activation function.
@@ -110,6 +111,7 @@ pub struct ModelConfig {
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
     pub head_dim: usize,
+    /// The norms' epsilon: `rms_norm_eps`, or Phi-2's `layer_norm_eps`.
     pub rms_norm_eps: f64,
     pub max_position_embeddings: usize,
     pub rope: RopeConfig,
@@ -126,6 +128,13 @@ pub struct ModelConfig {
     pub fused_projections: bool,
     /// Sliding-window attention span for each layer (None = full attention).
     pub layer_sliding_windows: Vec<Option<usize>>,
+    /// Phi-2: LayerNorm with a bias (`(x − mean) / √(var + eps) · w + b`) instead of RMSNorm.
+    pub layer_norm: bool,
+    /// Phi-2: attention and MLP read the same normed input and both add to the residual
+    /// (`x + attn(h) + mlp(h)`); there is no second norm in a layer.
+    pub parallel_block: bool,
+    /// Phi-2: the MLP is ungated, `fc2(act(fc1(x)))`.
+    pub ungated_mlp: bool,
     /// Gemma 2/3 ("sandwich" norms): each block's output is normalized before the residual add
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
     /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
@@ -235,6 +244,12 @@ impl ModelConfig {
 
         // Gemma names it `hidden_activation`; transformers runs Gemma with the tanh GELU whatever
         // the legacy `hidden_act` says.
+        if is("phi") && get_bool(obj, "qk_layernorm")?.unwrap_or(false) {
+            return Err(
+                "'qk_layernorm' true (per-head LayerNorm of queries and keys) is not supported"
+                    .into(),
+            );
+        }
         let act_name = if is_gemma {
             get_str(obj, "hidden_activation")?.unwrap_or("gelu_pytorch_tanh")
         } else {
@@ -290,7 +305,11 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6),
+            rms_norm_eps: if is("phi") {
+                get_f64(obj, "layer_norm_eps")?.unwrap_or(1e-5)
+            } else {
+                get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6)
+            },
             max_position_embeddings,
             rope,
             activation,
@@ -307,6 +326,9 @@ impl ModelConfig {
             local_rope,
             local_rope_layers,
             text_of_multimodal: false,
+            layer_norm: is("phi"),
+            parallel_block: is("phi"),
+            ungated_mlp: is("phi"),
             bos_token_id: get_ids(obj, "bos_token_id")?.first().copied(),
             eos_token_ids: get_ids(obj, "eos_token_id")?,
             pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
@@ -542,7 +564,15 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
             ("pad_token_id", Value::from(0u64)),
         ]
     };
+    static PHI: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
     match model_type {
+        // PhiConfig gives partial_rotary_factor 0.5 when a config has none.
+        "phi" => PHI.get_or_init(|| {
+            vec![
+                ("partial_rotary_factor", Value::from(0.5)),
+                ("hidden_act", Value::from("gelu_new")),
+            ]
+        }),
         "gemma2" => GEMMA2.get_or_init(|| common(256_000, 8192)),
         "gemma3_text" => GEMMA3.get_or_init(|| common(262_208, 131_072)),
         _ => &[],
@@ -767,6 +797,7 @@ mod tests {
     fn gemma2_defaults_follow_transformers_and_null_disables() {
         let mut c = base();
         c["model_type"] = json!("gemma2");
+        c["num_key_value_heads"] = json!(1);
         c["num_hidden_layers"] = json!(4);
         let g = ModelConfig::from_hf_json(&c).unwrap();
         // Absent keys: transformers' Gemma2Config defaults.
@@ -796,6 +827,7 @@ mod tests {
     fn gemma3_rope_per_layer_type_in_both_config_styles() {
         let mut c = base();
         c["model_type"] = json!("gemma3_text");
+        c["num_key_value_heads"] = json!(1);
         c["num_hidden_layers"] = json!(7);
         c["sliding_window"] = json!(512);
         // 4.x: rope_theta / rope_scaling for the global layers, rope_local_base_freq, pattern 6.
@@ -821,6 +853,7 @@ mod tests {
         // 5.x: rope_parameters per layer type, layer_types listed.
         let mut v5 = base();
         v5["model_type"] = json!("gemma3_text");
+        v5["num_key_value_heads"] = json!(1);
         v5["num_hidden_layers"] = json!(7);
         v5["sliding_window"] = json!(512);
         v5["layer_types"] = json!(v4
@@ -842,6 +875,7 @@ mod tests {
         // Nothing given: theta 1e6 globally, 1e4 locally.
         let mut bare = base();
         bare["model_type"] = json!("gemma3_text");
+        bare["num_key_value_heads"] = json!(1);
         let bare = ModelConfig::from_hf_json(&bare).unwrap();
         assert_eq!(bare.rope.theta, 1_000_000.0);
         assert_eq!(bare.local_rope.unwrap().theta, 10_000.0);
@@ -851,6 +885,7 @@ mod tests {
     fn gemma_configs_that_cannot_run_say_why() {
         let mut c = base();
         c["model_type"] = json!("gemma3_text");
+        c["num_key_value_heads"] = json!(1);
         c["layer_types"] = json!(["sliding_attention", "chunked_attention"]);
         let err = ModelConfig::from_hf_json(&c).unwrap_err();
         assert!(err.contains("chunked_attention"), "{err}");
@@ -859,9 +894,38 @@ mod tests {
         assert!(err.contains("layer_types") && err.contains("2"), "{err}");
         let mut c = base();
         c["model_type"] = json!("gemma3_text");
+        c["num_key_value_heads"] = json!(1);
         c["use_bidirectional_attention"] = json!(true);
         let err = ModelConfig::from_hf_json(&c).unwrap_err();
         assert!(err.contains("use_bidirectional_attention"), "{err}");
+    }
+
+    #[test]
+    fn phi2_switches_and_partial_rotary_defaults() {
+        let mut c = base();
+        c["model_type"] = json!("phi");
+        c["layer_norm_eps"] = json!(1e-5);
+        // Phi-2's own 4.x config: partial_rotary_factor 0.4 at the top level.
+        c["partial_rotary_factor"] = json!(0.4);
+        c["rope_theta"] = json!(10000.0);
+        let p = ModelConfig::from_hf_json(&c).unwrap();
+        assert!(p.layer_norm && p.parallel_block && p.ungated_mlp);
+        assert!(!p.sandwich_norms && !p.norm_weight_offset_one && !p.tie_word_embeddings);
+        assert_eq!(p.rope.partial_rotary_factor, 0.4);
+        assert_eq!(p.rms_norm_eps, 1e-5);
+        assert_eq!(p.activation, Activation::GeluTanh);
+        // Absent: PhiConfig's default 0.5.
+        c.as_object_mut().unwrap().remove("partial_rotary_factor");
+        assert_eq!(
+            ModelConfig::from_hf_json(&c)
+                .unwrap()
+                .rope
+                .partial_rotary_factor,
+            0.5
+        );
+        c["qk_layernorm"] = json!(true);
+        let err = ModelConfig::from_hf_json(&c).unwrap_err();
+        assert!(err.contains("qk_layernorm"), "{err}");
     }
 
     #[test]

@@ -362,7 +362,11 @@ impl CausalLm {
         for (i, layer) in self.layers.iter().enumerate() {
             layers[i] = layer.norms().into_iter().map(|(_, t)| bytes(t)).sum();
         }
-        let mut head = bytes(&self.norm);
+        let mut head: u64 = self
+            .final_norm_tensors()
+            .into_iter()
+            .map(|(_, t)| bytes(t))
+            .sum();
         for (name, linear) in self.linears() {
             if name == "lm_head" {
                 head += linear_bytes(linear);

@@ -136,11 +136,13 @@ pub enum QkvProjection {
     },
 }
 
-/// Gate/up projections of the gated MLP: separate, or Phi-3's fused `gate_up_proj`.
+/// The MLP's input projections: gate and up separate, Phi-3's fused `gate_up_proj`, or Phi-2's
+/// single `fc1` of an ungated MLP (`fc2(act(fc1(x)))`, `fc2` being the down projection).
 #[derive(Debug, Clone)]
 pub enum GateUpProjection {
     Separate { gate_proj: Linear, up_proj: Linear },
     Fused { gate_up_proj: Linear },
+    Ungated { fc1: Linear },
 }
 
 /// Self-attention of one layer.
@@ -148,25 +150,40 @@ pub enum GateUpProjection {
 pub struct Attention {
     pub qkv: QkvProjection,
     pub o_proj: Linear,
+    /// The output projection's module name: `self_attn.o_proj` (Phi-2: `self_attn.dense`).
+    pub o_proj_name: &'static str,
     /// Qwen3's per-head RMSNorm weights (`[head_dim]`).
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
 }
 
-/// The gated MLP (SwiGLU / GeGLU).
+/// The MLP: gated (SwiGLU / GeGLU) or Phi-2's ungated one.
 #[derive(Debug, Clone)]
 pub struct Mlp {
     pub gate_up: GateUpProjection,
     pub down_proj: Linear,
 }
 
+impl Mlp {
+    /// The down projection's module name: `mlp.down_proj` (Phi-2: `mlp.fc2`).
+    pub fn down_proj_name(&self) -> &'static str {
+        match self.gate_up {
+            GateUpProjection::Ungated { .. } => "mlp.fc2",
+            _ => "mlp.down_proj",
+        }
+    }
+}
+
 /// One decoder layer (pre-norm residual blocks).
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
     pub input_layernorm: Tensor,
+    /// Phi-2's LayerNorm bias.
+    pub input_layernorm_bias: Option<Tensor>,
     pub self_attn: Attention,
-    /// The MLP's pre-norm; with sandwich norms (Gemma 2/3) the norm of the attention's output.
-    pub post_attention_layernorm: Tensor,
+    /// The MLP's pre-norm; with sandwich norms (Gemma 2/3) the norm of the attention's output;
+    /// none in Phi-2's parallel block.
+    pub post_attention_layernorm: Option<Tensor>,
     /// Gemma 2/3: the MLP's pre-norm.
     pub pre_feedforward_layernorm: Option<Tensor>,
     /// Gemma 2/3: the norm of the MLP's output.
@@ -179,12 +196,13 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// The layer's norm weights with their module names inside it (`input_layernorm`, ...,
-    /// `self_attn.k_norm`), and its linear layers as [`DecoderLayer::linears`] names them: every
-    /// tensor of the layer, borrowed apart.
+    /// The layer's norm tensors with their parameter names inside it (`input_layernorm.weight`,
+    /// ..., `self_attn.k_norm.weight`), and its linear layers as [`DecoderLayer::linears`] names
+    /// them: every tensor of the layer, borrowed apart.
     pub fn parts_mut(&mut self) -> LayerPartsMut<'_> {
         let DecoderLayer {
             input_layernorm,
+            input_layernorm_bias,
             self_attn,
             post_attention_layernorm,
             pre_feedforward_layernorm,
@@ -192,28 +210,34 @@ impl DecoderLayer {
             mlp,
             ..
         } = self;
-        let mut norms: Vec<(&'static str, &mut Tensor)> = vec![
-            ("input_layernorm", input_layernorm),
-            ("post_attention_layernorm", post_attention_layernorm),
-        ];
-        if let Some(n) = pre_feedforward_layernorm {
-            norms.push(("pre_feedforward_layernorm", n));
-        }
-        if let Some(n) = post_feedforward_layernorm {
-            norms.push(("post_feedforward_layernorm", n));
-        }
         let Attention {
             qkv,
             o_proj,
+            o_proj_name,
             q_norm,
             k_norm,
         } = self_attn;
-        if let Some(q) = q_norm {
-            norms.push(("self_attn.q_norm", q));
-        }
-        if let Some(k) = k_norm {
-            norms.push(("self_attn.k_norm", k));
-        }
+        let mut norms: Vec<(&'static str, &mut Tensor)> =
+            vec![("input_layernorm.weight", input_layernorm)];
+        let optional = [
+            ("input_layernorm.bias", input_layernorm_bias),
+            ("post_attention_layernorm.weight", post_attention_layernorm),
+            (
+                "pre_feedforward_layernorm.weight",
+                pre_feedforward_layernorm,
+            ),
+            (
+                "post_feedforward_layernorm.weight",
+                post_feedforward_layernorm,
+            ),
+            ("self_attn.q_norm.weight", q_norm),
+            ("self_attn.k_norm.weight", k_norm),
+        ];
+        norms.extend(
+            optional
+                .into_iter()
+                .filter_map(|(name, t)| t.as_mut().map(|t| (name, t))),
+        );
         let mut linears: Vec<(&'static str, &mut Linear)> = Vec::with_capacity(7);
         match qkv {
             QkvProjection::Separate {
@@ -227,7 +251,8 @@ impl DecoderLayer {
             ]),
             QkvProjection::Fused { qkv_proj } => linears.push(("self_attn.qkv_proj", qkv_proj)),
         }
-        linears.push(("self_attn.o_proj", o_proj));
+        linears.push((*o_proj_name, o_proj));
+        let down_name = mlp.down_proj_name();
         match &mut mlp.gate_up {
             GateUpProjection::Separate { gate_proj, up_proj } => {
                 linears.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
@@ -235,25 +260,32 @@ impl DecoderLayer {
             GateUpProjection::Fused { gate_up_proj } => {
                 linears.push(("mlp.gate_up_proj", gate_up_proj))
             }
+            GateUpProjection::Ungated { fc1 } => linears.push(("mlp.fc1", fc1)),
         }
-        linears.push(("mlp.down_proj", &mut mlp.down_proj));
+        linears.push((down_name, &mut mlp.down_proj));
         LayerPartsMut { norms, linears }
     }
 
-    /// The layer's norm weights with their module names inside it, in checkpoint order.
+    /// The layer's norm tensors with their parameter names inside it
+    /// (`input_layernorm.weight`, ...), in checkpoint order.
     pub fn norms(&self) -> Vec<(&'static str, &Tensor)> {
-        let mut out = vec![
-            ("input_layernorm", &self.input_layernorm),
-            ("post_attention_layernorm", &self.post_attention_layernorm),
-        ];
+        let mut out = vec![("input_layernorm.weight", &self.input_layernorm)];
         let optional = [
-            ("pre_feedforward_layernorm", &self.pre_feedforward_layernorm),
+            ("input_layernorm.bias", &self.input_layernorm_bias),
             (
-                "post_feedforward_layernorm",
+                "post_attention_layernorm.weight",
+                &self.post_attention_layernorm,
+            ),
+            (
+                "pre_feedforward_layernorm.weight",
+                &self.pre_feedforward_layernorm,
+            ),
+            (
+                "post_feedforward_layernorm.weight",
                 &self.post_feedforward_layernorm,
             ),
-            ("self_attn.q_norm", &self.self_attn.q_norm),
-            ("self_attn.k_norm", &self.self_attn.k_norm),
+            ("self_attn.q_norm.weight", &self.self_attn.q_norm),
+            ("self_attn.k_norm.weight", &self.self_attn.k_norm),
         ];
         out.extend(
             optional
@@ -279,7 +311,7 @@ impl DecoderLayer {
             ]),
             QkvProjection::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
         }
-        out.push(("self_attn.o_proj", &self.self_attn.o_proj));
+        out.push((self.self_attn.o_proj_name, &self.self_attn.o_proj));
         match &self.mlp.gate_up {
             GateUpProjection::Separate { gate_proj, up_proj } => {
                 out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
@@ -287,8 +319,9 @@ impl DecoderLayer {
             GateUpProjection::Fused { gate_up_proj } => {
                 out.push(("mlp.gate_up_proj", gate_up_proj))
             }
+            GateUpProjection::Ungated { fc1 } => out.push(("mlp.fc1", fc1)),
         }
-        out.push(("mlp.down_proj", &self.mlp.down_proj));
+        out.push((self.mlp.down_proj_name(), &self.mlp.down_proj));
         out
     }
 }
@@ -538,6 +571,8 @@ pub struct CausalLm {
     pub embed_tokens: Tensor,
     pub layers: Vec<DecoderLayer>,
     pub norm: Tensor,
+    /// Phi-2's final LayerNorm bias.
+    pub norm_bias: Option<Tensor>,
     /// The output head; with tied embeddings its weight is `embed_tokens`.
     pub lm_head: Linear,
     rope: RotaryEmbedding,
@@ -558,6 +593,15 @@ pub struct CausalLm {
 struct DeviceSpread {
     placement: Placement,
     devices: Vec<Device>,
+}
+
+/// The final norm's module name: `model.norm` (Phi-2: `model.final_layernorm`).
+pub(crate) fn final_norm_name(config: &ModelConfig) -> &'static str {
+    if config.layer_norm {
+        "model.final_layernorm"
+    } else {
+        "model.norm"
+    }
 }
 
 /// Takes named tensors out of a checkpoint's map, checking shapes.
@@ -670,7 +714,11 @@ impl CausalLm {
             } else {
                 (None, None)
             };
-            let gate_up = if c.fused_projections {
+            let gate_up = if c.ungated_mlp {
+                GateUpProjection::Ungated {
+                    fc1: take.linear(&format!("{p}.mlp.fc1"), inter, h)?,
+                }
+            } else if c.fused_projections {
                 GateUpProjection::Fused {
                     gate_up_proj: take.linear(&format!("{p}.mlp.gate_up_proj"), 2 * inter, h)?,
                 }
@@ -689,28 +737,53 @@ impl CausalLm {
             };
             let pre_feedforward_layernorm = sandwich("pre_feedforward_layernorm")?;
             let post_feedforward_layernorm = sandwich("post_feedforward_layernorm")?;
+            let o_proj_name = if c.parallel_block {
+                "self_attn.dense"
+            } else {
+                "self_attn.o_proj"
+            };
+            let down_name = if c.ungated_mlp {
+                "mlp.fc2"
+            } else {
+                "mlp.down_proj"
+            };
             layers.push(DecoderLayer {
                 input_layernorm: take.take(&format!("{p}.input_layernorm.weight"), &[h])?,
+                input_layernorm_bias: if c.layer_norm {
+                    Some(take.take(&format!("{p}.input_layernorm.bias"), &[h])?)
+                } else {
+                    None
+                },
                 self_attn: Attention {
                     qkv,
-                    o_proj: take.linear(&format!("{p}.self_attn.o_proj"), h, nh * hd)?,
+                    o_proj: take.linear(&format!("{p}.{o_proj_name}"), h, nh * hd)?,
+                    o_proj_name,
                     q_norm,
                     k_norm,
                 },
-                post_attention_layernorm: take
-                    .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                post_attention_layernorm: if c.parallel_block {
+                    None
+                } else {
+                    Some(take.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?)
+                },
                 pre_feedforward_layernorm,
                 post_feedforward_layernorm,
                 mlp: Mlp {
                     gate_up,
-                    down_proj: take.linear(&format!("{p}.mlp.down_proj"), h, inter)?,
+                    down_proj: take.linear(&format!("{p}.{down_name}"), h, inter)?,
                 },
                 sliding_window: c.layer_sliding_windows.get(i).copied().flatten(),
                 local_rope: c.local_rope.is_some()
                     && c.local_rope_layers.get(i).copied().unwrap_or(false),
             });
         }
-        let norm = take.take("model.norm.weight", &[h])?;
+        let final_norm = final_norm_name(c);
+        let norm = take.take(&format!("{final_norm}.weight"), &[h])?;
+        let norm_bias = if c.layer_norm {
+            Some(take.take(&format!("{final_norm}.bias"), &[h])?)
+        } else {
+            None
+        };
         let lm_head = if c.tie_word_embeddings {
             Linear {
                 weight: embed_tokens.clone(),
@@ -731,6 +804,7 @@ impl CausalLm {
             embed_tokens,
             layers,
             norm,
+            norm_bias,
             lm_head,
             rope,
             local_rope,
@@ -784,10 +858,12 @@ impl CausalLm {
         )?;
         for (i, layer) in self.layers.iter_mut().enumerate() {
             for (name, norm) in layer.parts_mut().norms {
-                var(norm, format!("model.layers.{i}.{name}.weight"), &mut out)?;
+                var(norm, format!("model.layers.{i}.{name}"), &mut out)?;
             }
         }
-        var(&mut self.norm, "model.norm.weight".into(), &mut out)?;
+        for (name, t) in self.final_norm_tensors_mut() {
+            var(t, name, &mut out)?;
+        }
         let tied = self.config.tie_word_embeddings;
         let embed = self.embed_tokens.clone();
         for (name, linear) in self.linears_mut() {
@@ -803,6 +879,27 @@ impl CausalLm {
             }
         }
         Ok(out)
+    }
+
+    /// The final norm's tensors under their HF names (`model.norm.weight`; Phi-2's
+    /// `model.final_layernorm.weight` and `.bias`).
+    pub fn final_norm_tensors(&self) -> Vec<(String, &Tensor)> {
+        let name = final_norm_name(&self.config);
+        let mut out = vec![(format!("{name}.weight"), &self.norm)];
+        if let Some(b) = &self.norm_bias {
+            out.push((format!("{name}.bias"), b));
+        }
+        out
+    }
+
+    /// As [`CausalLm::final_norm_tensors`], mutable.
+    pub fn final_norm_tensors_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        let name = final_norm_name(&self.config);
+        let mut out = vec![(format!("{name}.weight"), &mut self.norm)];
+        if let Some(b) = &mut self.norm_bias {
+            out.push((format!("{name}.bias"), b));
+        }
+        out
     }
 
     /// The compute dtype.
@@ -893,6 +990,11 @@ impl CausalLm {
             layers.push(moved);
         }
         let norm = self.norm.to_device(head_device)?;
+        let norm_bias = self
+            .norm_bias
+            .as_ref()
+            .map(|b| b.to_device(head_device))
+            .transpose()?;
         let mut lm_head = move_linear(&self.lm_head, head_device)?;
         if self.config.tie_word_embeddings && placement.head == placement.embed {
             // Same device: share the embedding's storage instead of holding it twice.
@@ -901,6 +1003,7 @@ impl CausalLm {
         self.embed_tokens = embed_tokens;
         self.layers = layers;
         self.norm = norm;
+        self.norm_bias = norm_bias;
         self.lm_head = lm_head;
         self.device = embed_device.clone();
         self.spread = Some(Arc::new(DeviceSpread {
@@ -1054,14 +1157,19 @@ impl CausalLm {
         self.layer_forward(&self.layers[index], x, inputs, None)
     }
 
-    /// The final RMSNorm.
+    /// The final norm.
     pub fn final_norm(&self, x: &Tensor) -> CResult<Tensor> {
-        fused::rms_norm(
-            x,
-            &self.norm,
-            self.config.rms_norm_eps,
-            self.config.norm_weight_offset_one,
-        )
+        self.norm(x, &self.norm, self.norm_bias.as_ref())
+    }
+
+    /// The family's norm of `x` with weight `w`: RMSNorm (Gemma's with `1 + w`), or Phi-2's
+    /// LayerNorm with bias `b`.
+    fn norm(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> CResult<Tensor> {
+        let c = &self.config;
+        if c.layer_norm {
+            return ops::layer_norm(x, w, b, c.rms_norm_eps);
+        }
+        fused::rms_norm(x, w, c.rms_norm_eps, c.norm_weight_offset_one)
     }
 
     /// Logits `[batch, seq, vocab]` (compute dtype) from hidden states, on
@@ -1100,30 +1208,33 @@ impl CausalLm {
     ) -> CResult<Tensor> {
         let (cos, sin) = inputs.cos_sin(layer);
         let mask = inputs.mask(layer.sliding_window);
-        let norm = |t: &Tensor, w: &Tensor| {
-            fused::rms_norm(
-                t,
-                w,
-                self.config.rms_norm_eps,
-                self.config.norm_weight_offset_one,
-            )
-        };
-        let h = norm(x, &layer.input_layernorm)?;
-        let h = self.attention(&layer.self_attn, &h, cos, sin, mask, cache)?;
+        let norm = |t: &Tensor, w: &Tensor| self.norm(t, w, None);
+        let normed = self.norm(
+            x,
+            &layer.input_layernorm,
+            layer.input_layernorm_bias.as_ref(),
+        )?;
+        let h = self.attention(&layer.self_attn, &normed, cos, sin, mask, cache)?;
         match (
+            &layer.post_attention_layernorm,
             &layer.pre_feedforward_layernorm,
             &layer.post_feedforward_layernorm,
         ) {
             // Gemma 2/3: every block's output is normalized before its residual add.
-            (Some(pre_ff), Some(post_ff)) => {
-                let x = (x + norm(&h, &layer.post_attention_layernorm)?)?;
+            (Some(post_attn), Some(pre_ff), Some(post_ff)) => {
+                let x = (x + norm(&h, post_attn)?)?;
                 let h = self.mlp(&layer.mlp, &norm(&x, pre_ff)?)?;
                 x + norm(&h, post_ff)?
             }
-            _ => {
+            (Some(post_attn), _, _) => {
                 let x = (x + h)?;
-                let h = self.mlp(&layer.mlp, &norm(&x, &layer.post_attention_layernorm)?)?;
+                let h = self.mlp(&layer.mlp, &norm(&x, post_attn)?)?;
                 x + h
+            }
+            // Phi-2: attention and MLP side by side on the same normed input.
+            (None, _, _) => {
+                let m = self.mlp(&layer.mlp, &normed)?;
+                (h + m)? + x
             }
         }
     }
@@ -1237,6 +1348,15 @@ impl CausalLm {
                     gu.narrow(D::Minus1, 0, inter)?,
                     gu.narrow(D::Minus1, inter, inter)?,
                 )
+            }
+            GateUpProjection::Ungated { fc1 } => {
+                let h = fc1.forward(x)?;
+                let h = match self.config.activation {
+                    Activation::Silu => h.silu()?,
+                    Activation::GeluTanh => h.gelu()?,
+                    Activation::GeluErf => h.gelu_erf()?,
+                };
+                return mlp.down_proj.forward(&h);
             }
         };
         mlp.down_proj.forward(&fused::swiglu(&gate, &up, act)?)

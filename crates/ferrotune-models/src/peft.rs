@@ -770,10 +770,12 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
         "model.embed_tokens.weight".to_string(),
         model.embed_tokens.clone(),
     );
-    out.insert("model.norm.weight".to_string(), model.norm.clone());
+    for (name, t) in model.final_norm_tensors() {
+        out.insert(name, t.clone());
+    }
     for (i, layer) in model.layers.iter().enumerate() {
         for (name, norm) in layer.norms() {
-            out.insert(format!("model.layers.{i}.{name}.weight"), norm.clone());
+            out.insert(format!("model.layers.{i}.{name}"), norm.clone());
         }
     }
     let tied = model.config.tie_word_embeddings;

@@ -4,6 +4,7 @@
 
 use candle_core::Tensor;
 
+use crate::model::final_norm_name;
 use crate::peft::PEFT_PREFIX;
 use crate::{CausalLm, Linear};
 
@@ -79,7 +80,11 @@ impl CausalLm {
                     "model.embed_tokens.weight".to_string(),
                     &mut self.embed_tokens,
                 ));
-                out.push(("model.norm.weight".to_string(), &mut self.norm));
+                let final_norm = final_norm_name(&self.config);
+                out.push((format!("{final_norm}.weight"), &mut self.norm));
+                if let Some(b) = &mut self.norm_bias {
+                    out.push((format!("{final_norm}.bias"), b));
+                }
                 // The shared weight of a tied head is listed once, as the embedding; an adapter
                 // on the head still has its own tensors.
                 let tied = self.config.tie_word_embeddings;
@@ -89,7 +94,7 @@ impl CausalLm {
                 let p = format!("model.layers.{i}");
                 let parts = self.layers[i].parts_mut();
                 for (name, norm) in parts.norms {
-                    out.push((format!("{p}.{name}.weight"), norm));
+                    out.push((format!("{p}.{name}"), norm));
                 }
                 for (module, linear) in parts.linears {
                     linear_tensors_mut(&format!("{p}.{module}"), linear, true, &mut out);

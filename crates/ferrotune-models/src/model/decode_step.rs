@@ -112,6 +112,11 @@ impl CausalLm {
                 return Some("only one of the feed-forward sandwich norms is set".into());
             }
         }
+        if c.layer_norm || c.parallel_block || c.ungated_mlp {
+            return Some(
+                "Phi-2's LayerNorm, parallel block and ungated MLP have no decode kernels".into(),
+            );
+        }
         if c.attn_logit_softcapping.is_some() {
             return Some("the decode attention kernel has no score softcapping (Gemma 2)".into());
         }
@@ -218,6 +223,9 @@ impl CausalLm {
                 layer.sliding_window,
                 scale,
             )?;
+            let Some(post_attn) = &layer.post_attention_layernorm else {
+                bail!("decode_step: a layer without post_attention_layernorm");
+            };
             let sandwich = layer
                 .pre_feedforward_layernorm
                 .as_ref()
@@ -227,17 +235,20 @@ impl CausalLm {
                 // GEMV cannot add the residual itself.
                 Some((pre_ff, _)) => {
                     let o = decode::linear_rows(&a, &[projection(&attn.o_proj)], None)?;
-                    x = (&x + fused::rms_norm(&o, &layer.post_attention_layernorm, eps, offset)?)?;
+                    x = (&x + fused::rms_norm(&o, post_attn, eps, offset)?)?;
                     fused::rms_norm(&x, pre_ff, eps, offset)?
                 }
                 None => {
                     x = decode::linear_rows(&a, &[projection(&attn.o_proj)], Some(&x))?;
-                    fused::rms_norm(&x, &layer.post_attention_layernorm, eps, offset)?
+                    fused::rms_norm(&x, post_attn, eps, offset)?
                 }
             };
             let g = match &layer.mlp.gate_up {
                 GateUpProjection::Separate { gate_proj, up_proj } => {
                     decode::gated_rows(&h, projection(gate_proj), projection(up_proj), act)?
+                }
+                GateUpProjection::Ungated { .. } => {
+                    bail!("decode_step: an ungated MLP has no decode kernel")
                 }
                 GateUpProjection::Fused { gate_up_proj } => {
                     // Rows [gate | up] of one matrix (and of its bias).

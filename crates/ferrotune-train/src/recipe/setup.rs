@@ -157,6 +157,7 @@ const COMPONENT_FAMILIES: &[(&str, &[&str])] = &[
     ("gemma2", &["gemma2"]),
     ("gemma3", &["gemma3_text"]),
     ("phi3", &["phi3"]),
+    ("phi2", &["phi"]),
     ("phi4", &["phi3"]),
 ];
 
@@ -247,6 +248,8 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
         match m.as_str() {
             "q_proj" | "k_proj" | "v_proj" if fused => push("qkv_proj"),
             "q_proj" | "k_proj" | "v_proj" | "qkv_proj" => push(m),
+            // Phi-2 names its output projection `dense`.
+            "output_proj" | "o_proj" | "dense" if model.config.parallel_block => push("dense"),
             "output_proj" | "o_proj" => push("o_proj"),
             other => bail!(
                 "{}: model.lora_attn_modules: unknown module '{other}' (use q_proj, k_proj, v_proj, output_proj)",
@@ -255,13 +258,18 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
         }
     }
     if cfg.bool("model.apply_lora_to_mlp")?.unwrap_or(false) {
-        if fused {
+        if model.config.ungated_mlp {
+            // Phi-2's MLP is fc1 → act → fc2.
+            push("fc1");
+            push("fc2");
+        } else if fused {
             push("gate_up_proj");
+            push("down_proj");
         } else {
             push("gate_proj");
             push("up_proj");
+            push("down_proj");
         }
-        push("down_proj");
     }
     if cfg.bool("model.apply_lora_to_output")?.unwrap_or(false) {
         if model.config.tie_word_embeddings {
