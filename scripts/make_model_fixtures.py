@@ -36,7 +36,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import transformers
 from transformers import (
@@ -47,8 +47,11 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     PhiConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
     Qwen2Config,
     Qwen3Config,
 )
@@ -263,6 +266,62 @@ def cfg_phi2():
     ))
 
 
+def cfg_mixtral():
+    # Mixtral: 4 experts (w1 gate / w3 up / w2 down) under block_sparse_moe, top-2 routing with the two
+    # weights renormalized (f32), router block_sparse_moe.gate; GQA 4/2.
+    return MixtralConfig(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        sliding_window=None,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+        router_jitter_noise=0.0,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_qwen3_moe():
+    # Qwen3-MoE: layer 0 dense (mlp_only_layers), layer 1 with 4 experts (moe_intermediate_size 24), top-2
+    # with norm_topk_prob, q/k norms, head_dim 16.
+    return Qwen3MoeConfig(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_qwen2_moe():
+    # Qwen2-MoE: 4 experts top-2 without renormalization, plus the shared expert (intermediate 40) scaled
+    # by sigmoid(shared_expert_gate(x)); q/k/v bias.
+    return Qwen2MoeConfig(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        norm_topk_prob=False,
+        qkv_bias=True,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    ))
+
+
 def cfg_phi3():
     return Phi3Config(**common(
         num_key_value_heads=2,  # GQA inside the fused qkv_proj (like Phi-4-mini), so an even 3-way split is wrong
@@ -473,6 +532,16 @@ CASES = {
                  notes="Phi-2 (phi): LayerNorm with bias (input_layernorm, final_layernorm), parallel attention + MLP "
                        "on one normed input, self_attn.dense, ungated mlp.fc1 -> gelu_new -> mlp.fc2, partial rotary "
                        "0.5 of head_dim 8, biases on every projection and on lm_head, GQA 4/2, untied"),
+    "mixtral": dict(cfg=cfg_mixtral, seed=116, style="v5", grads=True,
+                    notes="Mixtral: 4 experts (block_sparse_moe.experts.N.w1/w3/w2), router block_sparse_moe.gate, "
+                          "top-2 routing renormalized in f32, GQA 4/2, untied"),
+    "qwen3_moe": dict(cfg=cfg_qwen3_moe, seed=117, style="v5", grads=True,
+                      notes="Qwen3-MoE: layer 0 dense (mlp_only_layers [0], intermediate 96), layer 1 sparse: 4 experts "
+                            "(mlp.experts.N.gate_proj/up_proj/down_proj, moe_intermediate_size 24), router mlp.gate, "
+                            "top-2 with norm_topk_prob; q/k norms, head_dim 16"),
+    "qwen2_moe": dict(cfg=cfg_qwen2_moe, seed=118, style="v5", grads=True,
+                      notes="Qwen2-MoE: 4 experts top-2 without renormalization, shared expert (intermediate 40) "
+                            "times sigmoid(mlp.shared_expert_gate(x)); q/k/v bias"),
     "gemma3_multimodal": dict(weights_from="gemma3", multimodal=True, same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "
@@ -507,11 +576,12 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
             p.copy_((embed_std or (EMBED_STD_TIED if tied else EMBED_STD)) * r)
         elif name.startswith("lm_head"):
             p.copy_(LM_HEAD_GAIN * r / shape[1] ** 0.5)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            p.copy_(OUT_GAIN * r / shape[1] ** 0.5)
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            # transformers 5 holds MoE experts as 3D [experts, out, in] parameters: fan-in is the last dim
+            p.copy_(OUT_GAIN * r / shape[-1] ** 0.5)
         else:
-            assert p.dim() == 2, name
-            p.copy_(IN_GAIN * r / shape[1] ** 0.5)
+            assert p.dim() == 2 or name.endswith("experts.gate_up_proj"), name
+            p.copy_(IN_GAIN * r / shape[-1] ** 0.5)
 
 
 def build_model(case: str):
@@ -774,7 +844,15 @@ def write_case(case: str, out_root: Path, golden_cache: dict):
         # Full fine-tuning gradients of the golden loss for every parameter (a tied head is the embedding).
         loaded.zero_grad()
         loaded(input_ids=input_ids, labels=labels).loss.backward()
-        grads = {n: p.grad.float().contiguous() for n, p in loaded.named_parameters()}
+        # Written through save_pretrained, so that the gradients carry the checkpoint's tensor names (MoE
+        # experts are 3D parameters in memory but per-expert matrices on disk).
+        with torch.no_grad():
+            for _, p in loaded.named_parameters():
+                p.copy_(p.grad)
+        grad_dir = case_dir / "grads_tmp"
+        loaded.save_pretrained(grad_dir)
+        grads = {k: v.float().contiguous() for k, v in load_file(str(grad_dir / "model.safetensors")).items()}
+        shutil.rmtree(grad_dir)
         save_file(grads, str(case_dir / "grads.safetensors"))
 
     for f in case_dir.rglob("*"):

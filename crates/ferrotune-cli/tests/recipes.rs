@@ -186,6 +186,8 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         ("models/gemma3", "models/gemma3"),
         ("models/gemma3_multimodal", "models/gemma3"),
         ("models/phi2", "models/phi2"),
+        ("models/mixtral", "models/mixtral"),
+        ("models/qwen2_moe", "models/qwen2_moe"),
     ] {
         let dir = tmpdir(&format!("full-sgd-{}", family.replace('/', "-")));
         let data = dir.join("batch.jsonl");
@@ -224,6 +226,8 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         let want_type = match family {
             "models/gemma2" => "gemma2",
             "models/phi2" => "phi",
+            "models/mixtral" => "mixtral",
+            "models/qwen2_moe" => "qwen2_moe",
             _ => "gemma3_text",
         };
         assert_eq!(saved_config["model_type"], want_type, "{family}");

@@ -21,7 +21,37 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gemma3",
     "phi3",
     "phi",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
 ];
+
+/// A sparse mixture-of-experts MLP's settings (Mixtral, Qwen2-MoE, Qwen3-MoE).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per sparse layer (`num_local_experts` / `num_experts`).
+    pub num_experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// The top-k routing weights are renormalized to sum to 1 (Mixtral always; Qwen's
+    /// `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Each expert's intermediate size (Mixtral: `intermediate_size`; Qwen:
+    /// `moe_intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// Qwen2-MoE's always-on shared expert (`shared_expert_intermediate_size`), scaled by
+    /// `sigmoid(shared_expert_gate(x))`.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Mixtral scales expert outputs by f32 routing weights; Qwen casts them to the compute
+    /// dtype first.
+    pub f32_routing_weights: bool,
+    /// Mixtral's module names (`block_sparse_moe`, experts' `w1` / `w3` / `w2`) instead of Qwen's
+    /// (`mlp`, `gate_proj` / `up_proj` / `down_proj`).
+    pub mixtral_names: bool,
+    /// Per layer: whether it is sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers` leave
+    /// some layers dense).
+    pub sparse_layers: Vec<bool>,
+}
 
 /// The MLP's activation function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,6 +165,8 @@ pub struct ModelConfig {
     pub parallel_block: bool,
     /// Phi-2: the MLP is ungated, `fc2(act(fc1(x)))`.
     pub ungated_mlp: bool,
+    /// Mixtral / Qwen-MoE: sparse mixture-of-experts MLPs.
+    pub moe: Option<MoeConfig>,
     /// Gemma 2/3 ("sandwich" norms): each block's output is normalized before the residual add
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
     /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
@@ -314,7 +346,7 @@ impl ModelConfig {
             rope,
             activation,
             tie_word_embeddings: get_bool(obj, "tie_word_embeddings")?.unwrap_or(is_gemma),
-            qk_norm: is("qwen3") || is("gemma3_text"),
+            qk_norm: is("qwen3") || is("qwen3_moe") || is("gemma3_text"),
             norm_weight_offset_one: is_gemma,
             scale_embeddings: is_gemma,
             fused_projections: is("phi3"),
@@ -329,6 +361,7 @@ impl ModelConfig {
             layer_norm: is("phi"),
             parallel_block: is("phi"),
             ungated_mlp: is("phi"),
+            moe: parse_moe(obj, &model_type, num_hidden_layers)?,
             bos_token_id: get_ids(obj, "bos_token_id")?.first().copied(),
             eos_token_ids: get_ids(obj, "eos_token_id")?,
             pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
@@ -519,7 +552,7 @@ fn parse_sliding_windows(
     };
     let windows = match model_type {
         // Qwen2/Qwen3 only slide when `use_sliding_window` is set, and then from `max_window_layers` on.
-        "qwen2" | "qwen3" => {
+        "qwen2" | "qwen3" | "qwen2_moe" | "qwen3_moe" => {
             if !get_bool(obj, "use_sliding_window")?.unwrap_or(false) {
                 vec![None; layers]
             } else if let Some(types) = layer_types {
@@ -541,6 +574,83 @@ fn parse_sliding_windows(
         ));
     }
     Ok(windows)
+}
+
+/// The mixture-of-experts settings of Mixtral and Qwen-MoE configs (transformers' defaults for
+/// keys left out), `None` for dense families.
+fn parse_moe(
+    obj: &Map<String, Value>,
+    model_type: &str,
+    layers: usize,
+) -> Result<Option<MoeConfig>, String> {
+    let positive = |key: &str, default: usize| -> Result<usize, String> {
+        match get_usize(obj, key)?.unwrap_or(default) {
+            0 => Err(format!("'{key}' must be at least 1")),
+            n => Ok(n),
+        }
+    };
+    let config = match model_type {
+        "mixtral" => MoeConfig {
+            num_experts: match get_usize(obj, "num_local_experts")? {
+                Some(_) => positive("num_local_experts", 0)?,
+                None => positive("num_experts", 8)?,
+            },
+            top_k: positive("num_experts_per_tok", 2)?,
+            norm_topk_prob: true,
+            expert_intermediate_size: req_usize(obj, "intermediate_size")?,
+            shared_expert_intermediate_size: None,
+            f32_routing_weights: true,
+            mixtral_names: true,
+            sparse_layers: vec![true; layers],
+        },
+        "qwen2_moe" | "qwen3_moe" => {
+            let qwen2 = model_type == "qwen2_moe";
+            let step = positive("decoder_sparse_step", 1)?;
+            let dense: Vec<usize> = match obj.get("mlp_only_layers") {
+                None | Some(Value::Null) => vec![],
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|v| {
+                        v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                            format!("'mlp_only_layers' must hold layer indices, found {v}")
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(v) => return Err(format!("'mlp_only_layers' must be a list, found {v}")),
+            };
+            MoeConfig {
+                // Hub configs name it `num_experts`; transformers 5 writes `num_local_experts`.
+                num_experts: match get_usize(obj, "num_experts")? {
+                    Some(_) => positive("num_experts", 0)?,
+                    None => positive("num_local_experts", if qwen2 { 60 } else { 128 })?,
+                },
+                top_k: positive("num_experts_per_tok", if qwen2 { 4 } else { 8 })?,
+                norm_topk_prob: get_bool(obj, "norm_topk_prob")?.unwrap_or(false),
+                expert_intermediate_size: positive(
+                    "moe_intermediate_size",
+                    if qwen2 { 1408 } else { 768 },
+                )?,
+                shared_expert_intermediate_size: if qwen2 {
+                    Some(positive("shared_expert_intermediate_size", 5632)?)
+                } else {
+                    None
+                },
+                f32_routing_weights: false,
+                mixtral_names: false,
+                sparse_layers: (0..layers)
+                    .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+                    .collect(),
+            }
+        }
+        _ => return Ok(None),
+    };
+    if config.top_k > config.num_experts {
+        return Err(format!(
+            "num_experts_per_tok {} is more than the {} experts",
+            config.top_k, config.num_experts
+        ));
+    }
+    Ok(Some(config))
 }
 
 /// Defaults of transformers' config classes for keys a config may leave out, where real

@@ -2,6 +2,7 @@
 //! switched by [`ModelConfig`]. Every op on the path has a backward (see `ferrotune_core::ops`), so
 //! the same code serves generation and training.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -164,6 +165,70 @@ pub struct Mlp {
     pub down_proj: Linear,
 }
 
+/// A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks `top_k`
+/// experts per token, whose outputs are summed with the routing weights.
+#[derive(Debug, Clone)]
+pub struct Moe {
+    /// The router (`gate`, `[experts, hidden]`).
+    pub router: Linear,
+    /// Gated experts (gate / up / down).
+    pub experts: Vec<Mlp>,
+    /// Qwen2-MoE: the always-on shared expert and its gate (`[1, hidden]`, through a sigmoid).
+    pub shared_expert: Option<(Mlp, Linear)>,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    /// Mixtral keeps the routing weights in f32 when scaling expert outputs.
+    pub f32_routing_weights: bool,
+    /// Mixtral's module names (`block_sparse_moe.experts.N.w1`, ...) instead of Qwen's.
+    pub mixtral_names: bool,
+}
+
+impl Moe {
+    /// The block's linear layers with their module names inside the decoder layer
+    /// (`block_sparse_moe.gate`, `block_sparse_moe.experts.0.w1`, ... or `mlp.gate`,
+    /// `mlp.experts.0.gate_proj`, ..., `mlp.shared_expert.gate_proj`, `mlp.shared_expert_gate`).
+    fn linears_mut(&mut self) -> Vec<(Cow<'static, str>, &mut Linear)> {
+        let (block, [gate, up, down]) = if self.mixtral_names {
+            ("block_sparse_moe", ["w1", "w3", "w2"])
+        } else {
+            ("mlp", ["gate_proj", "up_proj", "down_proj"])
+        };
+        fn push_mlp<'a>(
+            prefix: String,
+            [gate, up, down]: [&str; 3],
+            mlp: &'a mut Mlp,
+            out: &mut Vec<(Cow<'static, str>, &'a mut Linear)>,
+        ) {
+            let Mlp { gate_up, down_proj } = mlp;
+            if let GateUpProjection::Separate { gate_proj, up_proj } = gate_up {
+                out.push((Cow::Owned(format!("{prefix}.{gate}")), gate_proj));
+                out.push((Cow::Owned(format!("{prefix}.{up}")), up_proj));
+            }
+            out.push((Cow::Owned(format!("{prefix}.{down}")), down_proj));
+        }
+        let names = [gate, up, down];
+        let mut out: Vec<(Cow<'static, str>, &mut Linear)> =
+            vec![(format!("{block}.gate").into(), &mut self.router)];
+        for (e, expert) in self.experts.iter_mut().enumerate() {
+            push_mlp(format!("{block}.experts.{e}"), names, expert, &mut out);
+        }
+        if let Some((shared, shared_gate)) = &mut self.shared_expert {
+            push_mlp(format!("{block}.shared_expert"), names, shared, &mut out);
+            out.push((format!("{block}.shared_expert_gate").into(), shared_gate));
+        }
+        out
+    }
+}
+
+/// A decoder layer's feed-forward block: one MLP, or a mixture of experts.
+// The dense MLP stays inline: it is every layer of most models, and one enum per layer is small.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(Box<Moe>),
+}
+
 impl Mlp {
     /// The down projection's module name: `mlp.down_proj` (Phi-2: `mlp.fc2`).
     pub fn down_proj_name(&self) -> &'static str {
@@ -188,7 +253,7 @@ pub struct DecoderLayer {
     pub pre_feedforward_layernorm: Option<Tensor>,
     /// Gemma 2/3: the norm of the MLP's output.
     pub post_feedforward_layernorm: Option<Tensor>,
-    pub mlp: Mlp,
+    pub mlp: FeedForward,
     /// Sliding-window span, if this layer uses one.
     pub sliding_window: Option<usize>,
     /// Gemma 3: the layer uses the local rotary embedding.
@@ -238,31 +303,44 @@ impl DecoderLayer {
                 .into_iter()
                 .filter_map(|(name, t)| t.as_mut().map(|t| (name, t))),
         );
-        let mut linears: Vec<(&'static str, &mut Linear)> = Vec::with_capacity(7);
+        let mut linears: Vec<(Cow<'static, str>, &mut Linear)> = Vec::with_capacity(7);
+        fn push<'a>(
+            name: &'static str,
+            l: &'a mut Linear,
+            out: &mut Vec<(Cow<'static, str>, &'a mut Linear)>,
+        ) {
+            out.push((Cow::Borrowed(name), l))
+        }
         match qkv {
             QkvProjection::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
-            } => linears.extend([
-                ("self_attn.q_proj", q_proj),
-                ("self_attn.k_proj", k_proj),
-                ("self_attn.v_proj", v_proj),
-            ]),
-            QkvProjection::Fused { qkv_proj } => linears.push(("self_attn.qkv_proj", qkv_proj)),
-        }
-        linears.push((*o_proj_name, o_proj));
-        let down_name = mlp.down_proj_name();
-        match &mut mlp.gate_up {
-            GateUpProjection::Separate { gate_proj, up_proj } => {
-                linears.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
+            } => {
+                push("self_attn.q_proj", q_proj, &mut linears);
+                push("self_attn.k_proj", k_proj, &mut linears);
+                push("self_attn.v_proj", v_proj, &mut linears);
             }
-            GateUpProjection::Fused { gate_up_proj } => {
-                linears.push(("mlp.gate_up_proj", gate_up_proj))
-            }
-            GateUpProjection::Ungated { fc1 } => linears.push(("mlp.fc1", fc1)),
+            QkvProjection::Fused { qkv_proj } => push("self_attn.qkv_proj", qkv_proj, &mut linears),
         }
-        linears.push((down_name, &mut mlp.down_proj));
+        push(o_proj_name, o_proj, &mut linears);
+        match mlp {
+            FeedForward::Dense(mlp) => {
+                let down_name = mlp.down_proj_name();
+                match &mut mlp.gate_up {
+                    GateUpProjection::Separate { gate_proj, up_proj } => {
+                        push("mlp.gate_proj", gate_proj, &mut linears);
+                        push("mlp.up_proj", up_proj, &mut linears);
+                    }
+                    GateUpProjection::Fused { gate_up_proj } => {
+                        push("mlp.gate_up_proj", gate_up_proj, &mut linears)
+                    }
+                    GateUpProjection::Ungated { fc1 } => push("mlp.fc1", fc1, &mut linears),
+                }
+                push(down_name, &mut mlp.down_proj, &mut linears);
+            }
+            FeedForward::Sparse(moe) => linears.extend(moe.linears_mut()),
+        }
         LayerPartsMut { norms, linears }
     }
 
@@ -296,42 +374,76 @@ impl DecoderLayer {
     }
 
     /// The layer's linear layers with their module names inside it (`self_attn.q_proj`, ...),
-    /// in model order.
-    pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
-        let mut out = Vec::with_capacity(7);
-        match &self.self_attn.qkv {
+    /// in model order (the names only borrowed, except for a mixture of experts').
+    pub fn linears(&self) -> Vec<(Cow<'static, str>, &Linear)> {
+        let mut out: Vec<(Cow<'static, str>, &Linear)> = Vec::with_capacity(7);
+        let attn = &self.self_attn;
+        match &attn.qkv {
             QkvProjection::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
             } => out.extend([
-                ("self_attn.q_proj", q_proj),
-                ("self_attn.k_proj", k_proj),
-                ("self_attn.v_proj", v_proj),
+                ("self_attn.q_proj".into(), q_proj),
+                ("self_attn.k_proj".into(), k_proj),
+                ("self_attn.v_proj".into(), v_proj),
             ]),
-            QkvProjection::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
+            QkvProjection::Fused { qkv_proj } => out.push(("self_attn.qkv_proj".into(), qkv_proj)),
         }
-        out.push((self.self_attn.o_proj_name, &self.self_attn.o_proj));
-        match &self.mlp.gate_up {
-            GateUpProjection::Separate { gate_proj, up_proj } => {
-                out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
+        out.push((attn.o_proj_name.into(), &attn.o_proj));
+        match &self.mlp {
+            FeedForward::Dense(mlp) => {
+                match &mlp.gate_up {
+                    GateUpProjection::Separate { gate_proj, up_proj } => out.extend([
+                        ("mlp.gate_proj".into(), gate_proj),
+                        ("mlp.up_proj".into(), up_proj),
+                    ]),
+                    GateUpProjection::Fused { gate_up_proj } => {
+                        out.push(("mlp.gate_up_proj".into(), gate_up_proj))
+                    }
+                    GateUpProjection::Ungated { fc1 } => out.push(("mlp.fc1".into(), fc1)),
+                }
+                out.push((mlp.down_proj_name().into(), &mlp.down_proj));
             }
-            GateUpProjection::Fused { gate_up_proj } => {
-                out.push(("mlp.gate_up_proj", gate_up_proj))
+            FeedForward::Sparse(moe) => {
+                // The same names as the mutable listing, from a clone of the block's handles
+                // (tensors are reference-counted: the clone copies no data).
+                let mut copy = (**moe).clone();
+                let names: Vec<Cow<'static, str>> =
+                    copy.linears_mut().into_iter().map(|(n, _)| n).collect();
+                let mut linears: Vec<&Linear> = vec![&moe.router];
+                for e in &moe.experts {
+                    linears.extend(mlp_linears(e));
+                }
+                if let Some((shared, gate)) = &moe.shared_expert {
+                    linears.extend(mlp_linears(shared));
+                    linears.push(gate);
+                }
+                out.extend(names.into_iter().zip(linears));
             }
-            GateUpProjection::Ungated { fc1 } => out.push(("mlp.fc1", fc1)),
         }
-        out.push((self.mlp.down_proj_name(), &self.mlp.down_proj));
         out
     }
 }
 
+/// A gated MLP's linear layers in model order (gate, up, down).
+fn mlp_linears(mlp: &Mlp) -> Vec<&Linear> {
+    let mut out = Vec::with_capacity(3);
+    match &mlp.gate_up {
+        GateUpProjection::Separate { gate_proj, up_proj } => out.extend([gate_proj, up_proj]),
+        GateUpProjection::Fused { gate_up_proj } => out.push(gate_up_proj),
+        GateUpProjection::Ungated { fc1 } => out.push(fc1),
+    }
+    out.push(&mlp.down_proj);
+    out
+}
+
 /// Every tensor of one decoder layer, mutable and borrowed apart ([`DecoderLayer::parts_mut`]).
 pub struct LayerPartsMut<'a> {
-    /// Norm weights by module name (`input_layernorm`, `self_attn.q_norm`, ...).
+    /// Norm tensors by parameter name (`input_layernorm.weight`, `self_attn.q_norm.weight`, ...).
     pub norms: Vec<(&'static str, &'a mut Tensor)>,
     /// Linear layers by module name (`self_attn.q_proj`, ...), in model order.
-    pub linears: Vec<(&'static str, &'a mut Linear)>,
+    pub linears: Vec<(Cow<'static, str>, &'a mut Linear)>,
 }
 
 /// Keys and values of earlier positions, per layer: `[batch, kv_heads, positions, head_dim]`.
@@ -647,6 +759,48 @@ impl TensorTaker<'_> {
         })
     }
 
+    /// The mixture-of-experts block of layer `p` (`model.layers.N`).
+    fn moe(&mut self, p: &str, m: &crate::config::MoeConfig, h: usize) -> Result<Moe, ModelError> {
+        let (block, [gate, up, down]) = if m.mixtral_names {
+            ("block_sparse_moe", ["w1", "w3", "w2"])
+        } else {
+            ("mlp", ["gate_proj", "up_proj", "down_proj"])
+        };
+        let pre = format!("{p}.{block}");
+        let mut gated = |prefix: &str, inter: usize| -> Result<Mlp, ModelError> {
+            Ok(Mlp {
+                gate_up: GateUpProjection::Separate {
+                    gate_proj: self.linear(&format!("{prefix}.{gate}"), inter, h)?,
+                    up_proj: self.linear(&format!("{prefix}.{up}"), inter, h)?,
+                },
+                down_proj: self.linear(&format!("{prefix}.{down}"), h, inter)?,
+            })
+        };
+        let experts = (0..m.num_experts)
+            .map(|e| gated(&format!("{pre}.experts.{e}"), m.expert_intermediate_size))
+            .collect::<Result<Vec<_>, _>>()?;
+        let shared = match m.shared_expert_intermediate_size {
+            Some(inter) => Some(gated(&format!("{pre}.shared_expert"), inter)?),
+            None => None,
+        };
+        let shared_expert = match shared {
+            Some(mlp) => Some((
+                mlp,
+                self.linear(&format!("{pre}.shared_expert_gate"), 1, h)?,
+            )),
+            None => None,
+        };
+        Ok(Moe {
+            router: self.linear(&format!("{pre}.gate"), m.num_experts, h)?,
+            experts,
+            shared_expert,
+            top_k: m.top_k,
+            norm_topk_prob: m.norm_topk_prob,
+            f32_routing_weights: m.f32_routing_weights,
+            mixtral_names: m.mixtral_names,
+        })
+    }
+
     fn take_packed(&mut self, name: &str, out: usize, inp: usize) -> Option<Arc<QuantizedMatrix>> {
         self.packed
             .remove(name)
@@ -714,19 +868,25 @@ impl CausalLm {
             } else {
                 (None, None)
             };
-            let gate_up = if c.ungated_mlp {
-                GateUpProjection::Ungated {
-                    fc1: take.linear(&format!("{p}.mlp.fc1"), inter, h)?,
-                }
-            } else if c.fused_projections {
-                GateUpProjection::Fused {
-                    gate_up_proj: take.linear(&format!("{p}.mlp.gate_up_proj"), 2 * inter, h)?,
-                }
-            } else {
-                GateUpProjection::Separate {
-                    gate_proj: take.linear(&format!("{p}.mlp.gate_proj"), inter, h)?,
-                    up_proj: take.linear(&format!("{p}.mlp.up_proj"), inter, h)?,
-                }
+            let dense_gate_up = |take: &mut TensorTaker| -> Result<GateUpProjection, ModelError> {
+                Ok(if c.ungated_mlp {
+                    GateUpProjection::Ungated {
+                        fc1: take.linear(&format!("{p}.mlp.fc1"), inter, h)?,
+                    }
+                } else if c.fused_projections {
+                    GateUpProjection::Fused {
+                        gate_up_proj: take.linear(
+                            &format!("{p}.mlp.gate_up_proj"),
+                            2 * inter,
+                            h,
+                        )?,
+                    }
+                } else {
+                    GateUpProjection::Separate {
+                        gate_proj: take.linear(&format!("{p}.mlp.gate_proj"), inter, h)?,
+                        up_proj: take.linear(&format!("{p}.mlp.up_proj"), inter, h)?,
+                    }
+                })
             };
             let mut sandwich = |name: &str| -> Result<Option<Tensor>, ModelError> {
                 if c.sandwich_norms {
@@ -737,15 +897,32 @@ impl CausalLm {
             };
             let pre_feedforward_layernorm = sandwich("pre_feedforward_layernorm")?;
             let post_feedforward_layernorm = sandwich("post_feedforward_layernorm")?;
+            let sparse = c
+                .moe
+                .as_ref()
+                .filter(|m| m.sparse_layers.get(i).copied().unwrap_or(false));
+            let mlp = match sparse {
+                Some(m) => FeedForward::Sparse(Box::new(take.moe(&p, m, h)?)),
+                None => FeedForward::Dense(Mlp {
+                    gate_up: dense_gate_up(&mut take)?,
+                    down_proj: take.linear(
+                        &format!(
+                            "{p}.{}",
+                            if c.ungated_mlp {
+                                "mlp.fc2"
+                            } else {
+                                "mlp.down_proj"
+                            }
+                        ),
+                        h,
+                        inter,
+                    )?,
+                }),
+            };
             let o_proj_name = if c.parallel_block {
                 "self_attn.dense"
             } else {
                 "self_attn.o_proj"
-            };
-            let down_name = if c.ungated_mlp {
-                "mlp.fc2"
-            } else {
-                "mlp.down_proj"
             };
             layers.push(DecoderLayer {
                 input_layernorm: take.take(&format!("{p}.input_layernorm.weight"), &[h])?,
@@ -768,10 +945,7 @@ impl CausalLm {
                 },
                 pre_feedforward_layernorm,
                 post_feedforward_layernorm,
-                mlp: Mlp {
-                    gate_up,
-                    down_proj: take.linear(&format!("{p}.{down_name}"), h, inter)?,
-                },
+                mlp,
                 sliding_window: c.layer_sliding_windows.get(i).copied().flatten(),
                 local_rope: c.local_rope.is_some()
                     && c.local_rope_layers.get(i).copied().unwrap_or(false),
@@ -1223,17 +1397,17 @@ impl CausalLm {
             // Gemma 2/3: every block's output is normalized before its residual add.
             (Some(post_attn), Some(pre_ff), Some(post_ff)) => {
                 let x = (x + norm(&h, post_attn)?)?;
-                let h = self.mlp(&layer.mlp, &norm(&x, pre_ff)?)?;
+                let h = self.feed_forward(&layer.mlp, &norm(&x, pre_ff)?)?;
                 x + norm(&h, post_ff)?
             }
             (Some(post_attn), _, _) => {
                 let x = (x + h)?;
-                let h = self.mlp(&layer.mlp, &norm(&x, post_attn)?)?;
+                let h = self.feed_forward(&layer.mlp, &norm(&x, post_attn)?)?;
                 x + h
             }
             // Phi-2: attention and MLP side by side on the same normed input.
             (None, _, _) => {
-                let m = self.mlp(&layer.mlp, &normed)?;
+                let m = self.feed_forward(&layer.mlp, &normed)?;
                 (h + m)? + x
             }
         }
@@ -1308,6 +1482,82 @@ impl CausalLm {
             Activation::GeluTanh => fused::GatedAct::GeluTanh,
             Activation::GeluErf => fused::GatedAct::GeluErf,
         }
+    }
+
+    fn feed_forward(&self, ffn: &FeedForward, x: &Tensor) -> CResult<Tensor> {
+        match ffn {
+            FeedForward::Dense(mlp) => self.mlp(mlp, x),
+            FeedForward::Sparse(moe) => self.moe(moe, x),
+        }
+    }
+
+    /// A mixture-of-experts block on `x` (`[b, t, hidden]`), as transformers computes it: router
+    /// logits, softmax in f32, the top-k experts per token (renormalized with
+    /// `norm_topk_prob`), each expert on its tokens, outputs scaled by their weights and summed in
+    /// expert order; plus Qwen2-MoE's gated shared expert. The routing weights stay
+    /// differentiable (the router trains); the choice of experts is made on the host.
+    fn moe(&self, moe: &Moe, x: &Tensor) -> CResult<Tensor> {
+        let (b, t, h) = x.dims3()?;
+        let n = b * t;
+        let flat = x.reshape((n, h))?;
+        let probs = ops::softmax_last_dim(&moe.router.forward(&flat)?.to_dtype(DType::F32)?)?;
+        let experts = moe.experts.len();
+        let k = moe.top_k;
+        let host: Vec<Vec<f32>> = probs.detach().to_vec2()?;
+        // Per expert, the tokens routed to it and where their weight sits in the `[n, k]` table.
+        let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); experts];
+        let mut picked = Vec::with_capacity(n * k);
+        let mut order: Vec<usize> = (0..experts).collect();
+        for (row, p) in host.iter().enumerate() {
+            // Largest first; equal probabilities keep the lower expert first, as torch.topk.
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            for (slot, &e) in order[..k].iter().enumerate() {
+                picked.push((row * experts + e) as u32);
+                routed[e].0.push(row as u32);
+                routed[e].1.push((row * k + slot) as u32);
+            }
+        }
+        let device = x.device();
+        let top = probs
+            .flatten_all()?
+            .index_select(&Tensor::new(picked, device)?, 0)?
+            .reshape((n, k))?;
+        let top = if moe.norm_topk_prob {
+            top.broadcast_div(&top.sum_keepdim(1)?)?
+        } else {
+            top
+        };
+        let weight_dtype = if moe.f32_routing_weights {
+            DType::F32
+        } else {
+            self.dtype
+        };
+        let weights = top.to_dtype(weight_dtype)?.flatten_all()?;
+        let mut out = flat.zeros_like()?;
+        for (expert, (tokens, slots)) in moe.experts.iter().zip(routed) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let m = tokens.len();
+            let tokens = Tensor::new(tokens, device)?;
+            let rows = flat.index_select(&tokens, 0)?.unsqueeze(0)?;
+            let y = self.mlp(expert, &rows)?.squeeze(0)?;
+            let w = weights
+                .index_select(&Tensor::new(slots, device)?, 0)?
+                .reshape((m, 1))?;
+            let y = y
+                .to_dtype(weight_dtype)?
+                .broadcast_mul(&w)?
+                .to_dtype(self.dtype)?;
+            out = out.index_add(&tokens, &y, 0)?;
+        }
+        if let Some((shared, gate)) = &moe.shared_expert {
+            let s = self.mlp(shared, x)?.reshape((n, h))?;
+            // sigmoid(g) = 1 / (1 + e^−g), from differentiable ops.
+            let g = (gate.forward(&flat)?.neg()?.exp()? + 1.0)?.recip()?;
+            out = (out + s.broadcast_mul(&g)?)?;
+        }
+        out.reshape((b, t, h))
     }
 
     fn mlp(&self, mlp: &Mlp, x: &Tensor) -> CResult<Tensor> {

@@ -253,11 +253,19 @@ fn full_finetune_gradients_with_and_without_checkpointing_and_tied_embeddings() 
 
 /// Full fine-tuning through `forward_backward` against PyTorch's gradients of the same loss, for
 /// the model fixtures that carry them (Gemma 2: softcapped scores and logits, sandwich norms;
-/// Gemma 3: q/k norms and a local rope; Phi-2: LayerNorm, parallel block, ungated MLP, biases):
+/// Gemma 3: q/k norms and a local rope; Phi-2: LayerNorm, parallel block, ungated MLP, biases;
+/// Mixtral / Qwen-MoE: routers, experts and Qwen2-MoE's shared expert):
 /// every parameter, with and without activation checkpointing.
 #[test]
-fn full_finetune_gradients_match_torch_for_gemma_2_3_and_phi_2() {
-    for case in ["gemma2", "gemma3", "phi2"] {
+fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
+    for case in [
+        "gemma2",
+        "gemma3",
+        "phi2",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+    ] {
         let dir = fixtures().join("models").join(case);
         let g: Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())

@@ -117,6 +117,9 @@ impl CausalLm {
                 "Phi-2's LayerNorm, parallel block and ungated MLP have no decode kernels".into(),
             );
         }
+        if c.moe.is_some() {
+            return Some("a mixture of experts has no decode kernels".into());
+        }
         if c.attn_logit_softcapping.is_some() {
             return Some("the decode attention kernel has no score softcapping (Gemma 2)".into());
         }
@@ -223,6 +226,9 @@ impl CausalLm {
                 layer.sliding_window,
                 scale,
             )?;
+            let super::FeedForward::Dense(mlp) = &layer.mlp else {
+                bail!("decode_step: a mixture of experts has no decode kernel");
+            };
             let Some(post_attn) = &layer.post_attention_layernorm else {
                 bail!("decode_step: a layer without post_attention_layernorm");
             };
@@ -243,7 +249,7 @@ impl CausalLm {
                     fused::rms_norm(&x, post_attn, eps, offset)?
                 }
             };
-            let g = match &layer.mlp.gate_up {
+            let g = match &mlp.gate_up {
                 GateUpProjection::Separate { gate_proj, up_proj } => {
                     decode::gated_rows(&h, projection(gate_proj), projection(up_proj), act)?
                 }
@@ -278,10 +284,10 @@ impl CausalLm {
             };
             x = match sandwich {
                 Some((_, post_ff)) => {
-                    let d = decode::linear_rows(&g, &[projection(&layer.mlp.down_proj)], None)?;
+                    let d = decode::linear_rows(&g, &[projection(&mlp.down_proj)], None)?;
                     (&x + fused::rms_norm(&d, post_ff, eps, offset)?)?
                 }
-                None => decode::linear_rows(&g, &[projection(&layer.mlp.down_proj)], Some(&x))?,
+                None => decode::linear_rows(&g, &[projection(&mlp.down_proj)], Some(&x))?,
             };
         }
         cache.filled = Some(pos + 1);

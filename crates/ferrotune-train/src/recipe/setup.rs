@@ -258,7 +258,12 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
         }
     }
     if cfg.bool("model.apply_lora_to_mlp")?.unwrap_or(false) {
-        if model.config.ungated_mlp {
+        if model.config.moe.as_ref().is_some_and(|m| m.mixtral_names) {
+            // Mixtral's experts: w1 (gate), w3 (up), w2 (down).
+            push("w1");
+            push("w3");
+            push("w2");
+        } else if model.config.ungated_mlp {
             // Phi-2's MLP is fc1 → act → fc2.
             push("fc1");
             push("fc2");
