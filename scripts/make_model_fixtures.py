@@ -46,6 +46,8 @@ from transformers import (
     GemmaConfig,
     GenerationConfig,
     LlamaConfig,
+    Ministral3Config,
+    MinistralConfig,
     MistralConfig,
     MixtralConfig,
     Phi3Config,
@@ -54,6 +56,7 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 transformers.logging.set_verbosity_error()
@@ -322,6 +325,49 @@ def cfg_qwen2_moe():
     ))
 
 
+def cfg_ministral():
+    # Ministral: Mistral with layer_types; layer 0 sliding (window 5), layer 1 full.
+    return MinistralConfig(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_ministral3():
+    # Ministral 3: YaRN (factor 4 over 4 original positions) and the llama-4 query temperature
+    # 1 + 0.3 ln(1 + floor(p / 4)), which is > 1 from position 4 on.
+    return Ministral3Config(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3},
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_smollm3():
+    # SmolLM3: layer 1 is a NoPE layer (no_rope_layers [1, 0]); GQA 4/2, tied.
+    return SmolLM3Config(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0},
+        no_rope_layers=[1, 0],
+        use_sliding_window=False,
+        tie_word_embeddings=True,
+    ))
+
+
 def cfg_phi3():
     return Phi3Config(**common(
         num_key_value_heads=2,  # GQA inside the fused qkv_proj (like Phi-4-mini), so an even 3-way split is wrong
@@ -542,6 +588,13 @@ CASES = {
     "qwen2_moe": dict(cfg=cfg_qwen2_moe, seed=118, style="v5", grads=True,
                       notes="Qwen2-MoE: 4 experts top-2 without renormalization, shared expert (intermediate 40) "
                             "times sigmoid(mlp.shared_expert_gate(x)); q/k/v bias"),
+    "ministral": dict(cfg=cfg_ministral, seed=119, style="v5",
+                      notes="Ministral: layer_types [sliding (window 5), full], head_dim 16, GQA 4/2"),
+    "ministral3": dict(cfg=cfg_ministral3, seed=120, style="v5",
+                       notes="Ministral 3: YaRN (factor 4, original 4) and llama_4_scaling_beta 0.3: queries at "
+                             "position p scaled by 1 + 0.3 ln(1 + floor(p / 4)) after rope"),
+    "smollm3": dict(cfg=cfg_smollm3, seed=121, style="v5",
+                    notes="SmolLM3: no_rope_layers [1, 0] (layer 1 has no rotary embedding), tied, GQA 4/2"),
     "gemma3_multimodal": dict(weights_from="gemma3", multimodal=True, same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "

@@ -24,6 +24,9 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "ministral",
+    "ministral3",
+    "smollm3",
 ];
 
 /// A sparse mixture-of-experts MLP's settings (Mixtral, Qwen2-MoE, Qwen3-MoE).
@@ -167,6 +170,12 @@ pub struct ModelConfig {
     pub ungated_mlp: bool,
     /// Mixtral / Qwen-MoE: sparse mixture-of-experts MLPs.
     pub moe: Option<MoeConfig>,
+    /// Per layer: whether it applies RoPE (SmolLM3's `no_rope_layers` leave every fourth layer
+    /// without position embedding).
+    pub rope_layers: Vec<bool>,
+    /// Ministral 3's query temperature `(beta, original context)`: queries at position `p` are
+    /// scaled by `1 + beta · ln(1 + ⌊p / original⌋)` after RoPE (`llama_4_scaling_beta`).
+    pub llama4_attn_scale: Option<(f64, usize)>,
     /// Gemma 2/3 ("sandwich" norms): each block's output is normalized before the residual add
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
     /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
@@ -362,6 +371,8 @@ impl ModelConfig {
             parallel_block: is("phi"),
             ungated_mlp: is("phi"),
             moe: parse_moe(obj, &model_type, num_hidden_layers)?,
+            rope_layers: parse_rope_layers(obj, &model_type, num_hidden_layers)?,
+            llama4_attn_scale: parse_llama4_attn_scale(obj)?,
             bos_token_id: get_ids(obj, "bos_token_id")?.first().copied(),
             eos_token_ids: get_ids(obj, "eos_token_id")?,
             pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
@@ -552,7 +563,7 @@ fn parse_sliding_windows(
     };
     let windows = match model_type {
         // Qwen2/Qwen3 only slide when `use_sliding_window` is set, and then from `max_window_layers` on.
-        "qwen2" | "qwen3" | "qwen2_moe" | "qwen3_moe" => {
+        "qwen2" | "qwen3" | "qwen2_moe" | "qwen3_moe" | "smollm3" => {
             if !get_bool(obj, "use_sliding_window")?.unwrap_or(false) {
                 vec![None; layers]
             } else if let Some(types) = layer_types {
@@ -565,7 +576,14 @@ fn parse_sliding_windows(
                 (0..layers).map(|i| (i >= from).then_some(window)).collect()
             }
         }
-        _ => vec![Some(window); layers],
+        // Ministral (and any config listing them): sliding only where `layer_types` says so.
+        _ => match layer_types {
+            Some(types) => types
+                .iter()
+                .map(|t| (t == "sliding_attention").then_some(window))
+                .collect(),
+            None => vec![Some(window); layers],
+        },
     };
     if windows.len() != layers {
         return Err(format!(
@@ -574,6 +592,65 @@ fn parse_sliding_windows(
         ));
     }
     Ok(windows)
+}
+
+/// Which layers apply RoPE: SmolLM3's `no_rope_layers` (1 = RoPE, 0 = none; by default every
+/// `no_rope_layer_interval`-th layer, 4, has none); every layer elsewhere.
+fn parse_rope_layers(
+    obj: &Map<String, Value>,
+    model_type: &str,
+    layers: usize,
+) -> Result<Vec<bool>, String> {
+    if model_type != "smollm3" {
+        return Ok(vec![true; layers]);
+    }
+    match obj.get("no_rope_layers") {
+        Some(Value::Array(a)) => {
+            if a.len() != layers {
+                return Err(format!(
+                    "'no_rope_layers' has {} entries but num_hidden_layers is {layers}",
+                    a.len()
+                ));
+            }
+            a.iter()
+                .map(|v| match v.as_u64() {
+                    Some(0) => Ok(false),
+                    Some(1) => Ok(true),
+                    _ => Err(format!(
+                        "'no_rope_layers' entries must be 0 or 1, found {v}"
+                    )),
+                })
+                .collect()
+        }
+        None | Some(Value::Null) => {
+            let interval = get_usize(obj, "no_rope_layer_interval")?.unwrap_or(4);
+            if interval == 0 {
+                return Err("'no_rope_layer_interval' must be at least 1".into());
+            }
+            Ok((0..layers).map(|i| (i + 1) % interval != 0).collect())
+        }
+        Some(v) => Err(format!("'no_rope_layers' must be a list, found {v}")),
+    }
+}
+
+/// Ministral 3's `llama_4_scaling_beta` (in `rope_parameters`, with its
+/// `original_max_position_embeddings`).
+fn parse_llama4_attn_scale(obj: &Map<String, Value>) -> Result<Option<(f64, usize)>, String> {
+    let Some(Value::Object(params)) = obj.get("rope_parameters").or(obj.get("rope_scaling")) else {
+        return Ok(None);
+    };
+    let Some(beta) = get_f64(params, "llama_4_scaling_beta")? else {
+        return Ok(None);
+    };
+    let original = get_usize(params, "original_max_position_embeddings")?
+        .or(get_usize(obj, "original_max_position_embeddings")?)
+        .ok_or(
+            "'llama_4_scaling_beta' needs 'original_max_position_embeddings' in rope_parameters",
+        )?;
+    if original == 0 {
+        return Err("'original_max_position_embeddings' must be at least 1".into());
+    }
+    Ok(Some((beta, original)))
 }
 
 /// The mixture-of-experts settings of Mixtral and Qwen-MoE configs (transformers' defaults for

@@ -258,6 +258,8 @@ pub struct DecoderLayer {
     pub sliding_window: Option<usize>,
     /// Gemma 3: the layer uses the local rotary embedding.
     pub local_rope: bool,
+    /// The layer applies RoPE (SmolLM3's NoPE layers do not).
+    pub use_rope: bool,
 }
 
 impl DecoderLayer {
@@ -628,6 +630,8 @@ pub struct LayerInputs {
     sin: Tensor,
     /// Gemma 3: the local rotary tables of the sliding-attention layers.
     local_cos_sin: Option<(Tensor, Tensor)>,
+    /// Ministral 3: the query temperature per position (`[b, 1, t, 1]`), when one differs from 1.
+    q_scale: Option<Tensor>,
     full_mask: Option<Tensor>,
     window_masks: Vec<(usize, Option<Tensor>)>,
 }
@@ -646,6 +650,7 @@ impl LayerInputs {
                     Ok::<_, candle_core::Error>((c.to_device(device)?, s.to_device(device)?))
                 })
                 .transpose()?,
+            q_scale: opt(&self.q_scale)?,
             full_mask: opt(&self.full_mask)?,
             window_masks: self
                 .window_masks
@@ -705,6 +710,26 @@ pub struct CausalLm {
 struct DeviceSpread {
     placement: Placement,
     devices: Vec<Device>,
+}
+
+/// Ministral 3's query temperature `1 + beta · ln(1 + ⌊p / original⌋)` for every position, as
+/// transformers computes it in f32, with the shape `[b, 1, t, 1]`; `None` when every factor is 1
+/// (all positions below `original`).
+pub(crate) fn llama4_query_scale(
+    positions: &[Vec<u32>],
+    beta: f64,
+    original: usize,
+) -> Option<(Vec<f32>, (usize, usize, usize, usize))> {
+    if positions.iter().flatten().all(|&p| (p as usize) < original) {
+        return None;
+    }
+    let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
+    let values = positions
+        .iter()
+        .flatten()
+        .map(|&p| 1.0 + beta as f32 * (1.0 + (p as f32 / original as f32).floor()).ln())
+        .collect();
+    Some((values, (b, 1, t, 1)))
 }
 
 /// The final norm's module name: `model.norm` (Phi-2: `model.final_layernorm`).
@@ -949,6 +974,7 @@ impl CausalLm {
                 sliding_window: c.layer_sliding_windows.get(i).copied().flatten(),
                 local_rope: c.local_rope.is_some()
                     && c.local_rope_layers.get(i).copied().unwrap_or(false),
+                use_rope: c.rope_layers.get(i).copied().unwrap_or(true),
             });
         }
         let final_norm = final_norm_name(c);
@@ -1316,10 +1342,19 @@ impl CausalLm {
                 }
             }
         }
+        let q_scale = match self.config.llama4_attn_scale {
+            Some((beta, original)) => llama4_query_scale(&layout.positions, beta, original)
+                .map(|(values, shape)| {
+                    Tensor::from_vec(values, shape, device)?.to_dtype(self.dtype)
+                })
+                .transpose()?,
+            None => None,
+        };
         Ok(LayerInputs {
             cos,
             sin,
             local_cos_sin,
+            q_scale,
             full_mask,
             window_masks,
         })
@@ -1388,7 +1423,15 @@ impl CausalLm {
             &layer.input_layernorm,
             layer.input_layernorm_bias.as_ref(),
         )?;
-        let h = self.attention(&layer.self_attn, &normed, cos, sin, mask, cache)?;
+        let rope = layer.use_rope.then_some((cos, sin));
+        let h = self.attention(
+            &layer.self_attn,
+            &normed,
+            rope,
+            inputs.q_scale.as_ref(),
+            mask,
+            cache,
+        )?;
         match (
             &layer.post_attention_layernorm,
             &layer.pre_feedforward_layernorm,
@@ -1413,12 +1456,14 @@ impl CausalLm {
         }
     }
 
+    /// Self-attention of one layer; `rope` is `None` for a NoPE layer, `q_scale` Ministral 3's
+    /// per-position query temperature (`[b, 1, t, 1]`).
     fn attention(
         &self,
         attn: &Attention,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
+        q_scale: Option<&Tensor>,
         mask: Option<&Tensor>,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> CResult<Tensor> {
@@ -1448,8 +1493,20 @@ impl CausalLm {
         }
         // The kernels take the transposed views as they are (RoPE on the GPU reads them in place;
         // the CPU kernels copy them), so no contiguous copy is kept in the graph here.
-        let q = fused::rope(&q.transpose(1, 2)?, cos, sin)?;
-        let mut k = fused::rope(&k.transpose(1, 2)?, cos, sin)?;
+        let (q, mut k) = match rope {
+            Some((cos, sin)) => (
+                fused::rope(&q.transpose(1, 2)?, cos, sin)?,
+                fused::rope(&k.transpose(1, 2)?, cos, sin)?,
+            ),
+            None => (
+                q.transpose(1, 2)?.contiguous()?,
+                k.transpose(1, 2)?.contiguous()?,
+            ),
+        };
+        let q = match q_scale {
+            Some(s) => q.broadcast_mul(s)?,
+            None => q,
+        };
         let mut v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
         if let Some(slot) = cache {
             if let Some((pk, pv)) = slot.as_ref() {

@@ -177,6 +177,25 @@ impl CausalLm {
             Ok((cos.reshape((batch, rot))?, sin.reshape((batch, rot))?))
         };
         let global = tables(&self.rope)?;
+        // Ministral 3's query temperature per row (`[rows, 1, 1]`), when one differs from 1.
+        let q_scale = match c.llama4_attn_scale {
+            Some((beta, original)) => super::llama4_query_scale(&layout.positions, beta, original)
+                .map(|(values, _)| {
+                    Tensor::from_vec(values, (batch, 1, 1), &self.device)?.to_dtype(self.dtype)
+                })
+                .transpose()?,
+            None => None,
+        };
+        // NoPE layers (SmolLM3) go through the same kernel with identity tables: cos 1, sin 0.
+        let identity = if self.layers.iter().any(|l| !l.use_rope) {
+            let rot = global.0.dim(1)?;
+            Some((
+                Tensor::ones((batch, rot), self.dtype, &self.device)?,
+                Tensor::zeros((batch, rot), self.dtype, &self.device)?,
+            ))
+        } else {
+            None
+        };
         let local = self.local_rope.as_ref().map(tables).transpose()?;
         let first: Vec<u32> = layout
             .key_valid
@@ -212,11 +231,16 @@ impl CausalLm {
                 }),
                 _ => None,
             };
-            let (cos, sin) = match (&local, layer.local_rope) {
-                (Some(local), true) => (&local.0, &local.1),
+            let (cos, sin) = match (&local, layer.local_rope, &identity) {
+                (_, _, Some(id)) if !layer.use_rope => (&id.0, &id.1),
+                (Some(local), true, _) => (&local.0, &local.1),
                 _ => (&global.0, &global.1),
             };
             let q = decode::rope_into_cache(&qkv, cos, sin, norm, heads, k_cache, v_cache, pos)?;
+            let q = match &q_scale {
+                Some(s) => q.broadcast_mul(s)?,
+                None => q,
+            };
             let a = decode::cached_attention(
                 &q,
                 k_cache,
