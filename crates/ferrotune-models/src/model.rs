@@ -713,23 +713,22 @@ struct DeviceSpread {
 }
 
 /// Ministral 3's query temperature `1 + beta · ln(1 + ⌊p / original⌋)` for every position, as
-/// transformers computes it in f32, with the shape `[b, 1, t, 1]`; `None` when every factor is 1
-/// (all positions below `original`).
+/// transformers computes it in f32, row by row; `None` when every factor is 1 (all positions
+/// below `original`).
 pub(crate) fn llama4_query_scale(
     positions: &[Vec<u32>],
     beta: f64,
     original: usize,
-) -> Option<(Vec<f32>, (usize, usize, usize, usize))> {
+) -> Option<Vec<f32>> {
     if positions.iter().flatten().all(|&p| (p as usize) < original) {
         return None;
     }
-    let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
     let values = positions
         .iter()
         .flatten()
         .map(|&p| 1.0 + beta as f32 * (1.0 + (p as f32 / original as f32).floor()).ln())
         .collect();
-    Some((values, (b, 1, t, 1)))
+    Some(values)
 }
 
 /// The final norm's module name: `model.norm` (Phi-2: `model.final_layernorm`).
@@ -1343,11 +1342,17 @@ impl CausalLm {
             }
         }
         let q_scale = match self.config.llama4_attn_scale {
-            Some((beta, original)) => llama4_query_scale(&layout.positions, beta, original)
-                .map(|(values, shape)| {
-                    Tensor::from_vec(values, shape, device)?.to_dtype(self.dtype)
-                })
-                .transpose()?,
+            Some((beta, original)) => {
+                let (b, t) = (
+                    layout.positions.len(),
+                    layout.positions.first().map_or(0, Vec::len),
+                );
+                llama4_query_scale(&layout.positions, beta, original)
+                    .map(|values| {
+                        Tensor::from_vec(values, (b, 1, t, 1), device)?.to_dtype(self.dtype)
+                    })
+                    .transpose()?
+            }
             None => None,
         };
         Ok(LayerInputs {

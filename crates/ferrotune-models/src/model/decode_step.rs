@@ -180,7 +180,7 @@ impl CausalLm {
         // Ministral 3's query temperature per row (`[rows, 1, 1]`), when one differs from 1.
         let q_scale = match c.llama4_attn_scale {
             Some((beta, original)) => super::llama4_query_scale(&layout.positions, beta, original)
-                .map(|(values, _)| {
+                .map(|values| {
                     Tensor::from_vec(values, (batch, 1, 1), &self.device)?.to_dtype(self.dtype)
                 })
                 .transpose()?,
