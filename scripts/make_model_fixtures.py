@@ -595,7 +595,11 @@ CASES = {
                              "position p scaled by 1 + 0.3 ln(1 + floor(p / 4)) after rope"),
     "smollm3": dict(cfg=cfg_smollm3, seed=121, style="v5",
                     notes="SmolLM3: no_rope_layers [1, 0] (layer 1 has no rotary embedding), tied, GQA 4/2"),
-    "gemma3_multimodal": dict(weights_from="gemma3", multimodal=True, same_golden_as="gemma3", style="v4",
+    "mistral3_multimodal": dict(weights_from="mistral", multimodal="mistral3", same_golden_as="mistral", style="v4",
+                                notes="Mistral3ForConditionalGeneration (model_type mistral3) holding mistral's text "
+                                      "weights (language_model.model.*, language_model.lm_head.*) and a tiny Pixtral "
+                                      "vision tower, untied; text-only logits equal mistral's"),
+    "gemma3_multimodal": dict(weights_from="gemma3", multimodal="gemma3", same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "
                                     "diff against Gemma3TextConfig's defaults (as the Hub's gemma-3-*-it configs); "
@@ -736,42 +740,10 @@ def weights_size(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
-def write_multimodal_gemma3(case: str, out_root: Path, golden_cache: dict):
-    """A multimodal Gemma 3 (Gemma3ForConditionalGeneration, model_type gemma3) whose text model holds the
-    `weights_from` case's weights, with a tiny SigLIP vision tower. Its config is written the way the Hub's
-    gemma-3-*-it configs are: text_config keeps only the keys that differ from Gemma3TextConfig's defaults
-    (rope in 4.x style), so a loader must fill the rest from those defaults. The golden is the text case's:
-    on text-only input the multimodal model's logits must equal it (checked here)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
-
-    spec = CASES[case]
-    src = spec["weights_from"]
-    text_model = build_model(src)
-    case_dir = out_root / case
-    if case_dir.exists():
-        shutil.rmtree(case_dir)
-    model_dir = case_dir / "model"
-    model_dir.mkdir(parents=True)
-
-    text_cfg = text_model.config
-    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    cfg = Gemma3Config(text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                       image_token_index=VOCAB - 3, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 1,
-                       bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
-    torch.manual_seed(0)
-    mm = Gemma3ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        missing, unexpected = mm.model.language_model.load_state_dict(text_model.model.state_dict(), strict=True)
-        assert not missing and not unexpected
-    mm.save_pretrained(model_dir)
-    for f in TOKENIZER_FILES:
-        shutil.copyfile(TOKENIZER_DIR / f, model_dir / f)
-
-    # Hub style: text_config as a diff against the class defaults, 4.x rope keys.
-    cfg_path = model_dir / "config.json"
-    saved = json.loads(cfg_path.read_text())
-    text = dict(saved["text_config"])
+def gemma3_hub_text_config(text: dict) -> dict:
+    """Gemma 3's text_config as the Hub's gemma-3-*-it configs hold it: only the keys that differ from
+    Gemma3TextConfig's defaults, rope in 4.x style."""
+    text = dict(text)
     rp = text.pop("rope_parameters")
     full, local = dict(rp["full_attention"]), dict(rp["sliding_attention"])
     text["rope_theta"] = full.pop("rope_theta")
@@ -784,13 +756,65 @@ def write_multimodal_gemma3(case: str, out_root: Path, golden_cache: dict):
                    "sliding_window_pattern": 6}
     diff = {k: v for k, v in text.items()
             if k == "model_type" or v != defaults_v4.get(k, defaults.get(k, object()))}
-    saved["text_config"] = dict(sorted(diff.items()))
+    return dict(sorted(diff.items()))
+
+
+def write_multimodal(case: str, out_root: Path, golden_cache: dict):
+    """A multimodal model (Gemma3ForConditionalGeneration with a tiny SigLIP tower, or
+    Mistral3ForConditionalGeneration with a tiny Pixtral tower) whose text model holds the `weights_from`
+    case's weights. Gemma 3's config is written the way the Hub's gemma-3-*-it configs are: text_config keeps
+    only the keys that differ from Gemma3TextConfig's defaults (rope in 4.x style), so a loader must fill the
+    rest from those defaults. The golden is the text case's: on text-only input the multimodal model's logits
+    must equal it (checked here)."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Mistral3Config,
+                              Mistral3ForConditionalGeneration, PixtralVisionConfig, SiglipVisionConfig)
+
+    spec = CASES[case]
+    kind = spec["multimodal"]
+    src = spec["weights_from"]
+    text_model = build_model(src)
+    case_dir = out_root / case
+    if case_dir.exists():
+        shutil.rmtree(case_dir)
+    model_dir = case_dir / "model"
+    model_dir.mkdir(parents=True)
+
+    text_cfg = text_model.config
+    if kind == "gemma3":
+        vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        cfg = Gemma3Config(text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                           image_token_index=VOCAB - 3, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 1,
+                           bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+        mm_class = Gemma3ForConditionalGeneration
+    else:
+        vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=28, patch_size=14, head_dim=8)
+        # Untied like Mistral Small 3.x: the top-level flag is the one transformers 5 ties on.
+        cfg = Mistral3Config(text_config=text_cfg.to_dict(), vision_config=vision.to_dict(),
+                             image_token_index=VOCAB - 3, tie_word_embeddings=False)
+        mm_class = Mistral3ForConditionalGeneration
+    torch.manual_seed(0)
+    mm = mm_class(cfg).eval()
+    with torch.no_grad():
+        missing, unexpected = mm.model.language_model.load_state_dict(text_model.model.state_dict(), strict=True)
+        assert not missing and not unexpected
+        if not text_cfg.tie_word_embeddings:
+            mm.lm_head.weight.copy_(text_model.lm_head.weight)
+    mm.save_pretrained(model_dir)
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(TOKENIZER_DIR / f, model_dir / f)
+
+    cfg_path = model_dir / "config.json"
+    saved = json.loads(cfg_path.read_text())
+    if kind == "gemma3":
+        saved["text_config"] = gemma3_hub_text_config(saved["text_config"])
     if "dtype" in saved:
         saved["torch_dtype"] = saved.pop("dtype")
     saved["transformers_version"] = "4.50.0"
     cfg_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
-    loaded = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    loaded = mm_class.from_pretrained(model_dir, dtype=torch.float32).eval()
     other = golden_cache[spec["same_golden_as"]]
     ref = json.loads((out_root / spec["same_golden_as"] / "golden.json").read_text())
     with torch.no_grad():
@@ -798,13 +822,13 @@ def write_multimodal_gemma3(case: str, out_root: Path, golden_cache: dict):
     err = (logits - other["logits"]).abs().max().item()
     assert err <= 1e-5, f"{case}: multimodal logits differ from {spec['same_golden_as']} by {err}"
     golden = dict(ref)
-    golden.update(model_type="gemma3", architecture=loaded.__class__.__name__, config_style="v4",
+    golden.update(model_type=kind, architecture=loaded.__class__.__name__, config_style="v4",
                   weights_from=src, notes=spec.get("notes", ""))
     (case_dir / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
     save_file({"logits": other["logits"]}, str(case_dir / "golden.safetensors"))
     for f in case_dir.rglob("*"):
         f.chmod(0o644 if f.is_file() else 0o755)
-    return {"case": case, "model_type": "gemma3", "style": "v4", "dtype": "float32",
+    return {"case": case, "model_type": kind, "style": "v4", "dtype": "float32",
             "n_weight_files": 1, "weights_kb": weights_size(model_dir) / 1024, "total_kb": dir_size(case_dir) / 1024,
             "loss": ref["loss"], "logit_std": float(logits.std()), "margin": ref["greedy_min_top2_margin"],
             "greedy": ref["greedy_new_tokens"]}
@@ -813,7 +837,7 @@ def write_multimodal_gemma3(case: str, out_root: Path, golden_cache: dict):
 def write_case(case: str, out_root: Path, golden_cache: dict):
     spec = CASES[case]
     if spec.get("multimodal"):
-        return write_multimodal_gemma3(case, out_root, golden_cache)
+        return write_multimodal(case, out_root, golden_cache)
     case_dir = out_root / case
     if case_dir.exists():
         shutil.rmtree(case_dir)

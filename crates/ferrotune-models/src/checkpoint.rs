@@ -116,10 +116,10 @@ pub fn read_safetensors(
     read_safetensors_renamed(files, dtype, device, &|name| Some(name.to_string()))
 }
 
-/// The HF name inside the text model of a multimodal Gemma 3 checkpoint's tensor, or `None` for
-/// the vision tower and projector: transformers 4.5x saves `language_model.model.*` and
+/// The HF name inside the text model of a multimodal (Gemma 3, Mistral 3) checkpoint's tensor, or
+/// `None` for the vision tower and projector: transformers 4.5x saves `language_model.model.*` and
 /// `language_model.lm_head.*`, transformers 5 `model.language_model.*` and `lm_head.*`.
-fn gemma3_text_tensor(name: &str) -> Option<String> {
+fn text_model_tensor(name: &str) -> Option<String> {
     if let Some(rest) = name
         .strip_prefix("language_model.model.")
         .or_else(|| name.strip_prefix("model.language_model."))
@@ -201,9 +201,17 @@ fn read(
             } else {
                 path.parent().unwrap_or(Path::new(".")).to_path_buf()
             };
-            let config = ModelConfig::from_hf_file(&dir)?;
+            let mut config = ModelConfig::from_hf_file(&dir)?;
             let tensors = if config.text_of_multimodal {
-                read_safetensors_renamed(files, dtype, device, &gemma3_text_tensor)?
+                let tensors = read_safetensors_renamed(files, dtype, device, &text_model_tensor)?;
+                // Multimodal configs say little reliable about tying (transformers 5 ties on the
+                // top-level flag, which the text config may contradict): the tensors decide.
+                let tied = !tensors.contains_key("lm_head.weight");
+                config.tie_word_embeddings = tied;
+                if let Some(raw) = config.raw.as_object_mut() {
+                    raw.insert("tie_word_embeddings".into(), tied.into());
+                }
+                tensors
             } else {
                 read_safetensors(files, dtype, device)?
             };

@@ -19,6 +19,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gemma2",
     "gemma3_text",
     "gemma3",
+    "mistral3",
     "phi3",
     "phi",
     "mixtral",
@@ -195,12 +196,14 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
-    /// The checkpoint is a multimodal Gemma 3 (`model_type: gemma3`) and this is its text model:
-    /// its tensors are read from `language_model.*` / `model.language_model.*`, the vision tower
-    /// is left out, and what is saved is the text model (`Gemma3ForCausalLM`).
+    /// The checkpoint is a multimodal Gemma 3 or Mistral 3 (`model_type: gemma3` / `mistral3`) and
+    /// this is its text model: its tensors are read from `language_model.*` /
+    /// `model.language_model.*`, the vision tower is left out, the output head is tied exactly
+    /// when the checkpoint has no `lm_head`, and what is saved is the text model
+    /// (`Gemma3ForCausalLM`, `MistralForCausalLM`, ...).
     pub text_of_multimodal: bool,
     /// The original config.json object, written back unchanged (but for dtype) when we save models;
-    /// for a multimodal Gemma 3, its text model's config.
+    /// for a multimodal checkpoint, its text model's config.
     pub raw: Value,
 }
 
@@ -222,8 +225,12 @@ impl ModelConfig {
     /// Builds the config from a parsed HF `config.json` object.
     pub fn from_hf_json(value: &Value) -> Result<Self, String> {
         let top = value.as_object().ok_or("config must be a JSON object")?;
-        if get_str(top, "model_type")? == Some("gemma3") {
-            let text = gemma3_text_config(top)?;
+        let top_type = get_str(top, "model_type")?;
+        if let Some((_, text_types)) = MULTIMODAL_TEXT_TYPES
+            .iter()
+            .find(|(t, _)| Some(*t) == top_type)
+        {
+            let text = multimodal_text_config(top, text_types)?;
             let mut config = Self::from_hf_json(&text)?;
             config.text_of_multimodal = true;
             return Ok(config);
@@ -766,27 +773,47 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
     }
 }
 
-/// The text model's config of a multimodal Gemma 3 config (`Gemma3ForConditionalGeneration`):
-/// its `text_config` with the token ids and dtype kept at the top level, as the standalone
-/// `Gemma3ForCausalLM` config ferrotune runs and saves.
-fn gemma3_text_config(top: &Map<String, Value>) -> Result<Value, String> {
+/// Multimodal `model_type`s ferrotune runs as their text model: the text `model_type`s each
+/// may hold in `text_config` (the first is the default when it names none).
+const MULTIMODAL_TEXT_TYPES: &[(&str, &[&str])] = &[
+    ("gemma3", &["gemma3_text"]),
+    ("mistral3", &["mistral", "ministral3", "ministral"]),
+];
+
+/// transformers' causal-LM class of a text `model_type`, for the saved text model's config.
+fn causal_lm_class(model_type: &str) -> &'static str {
+    match model_type {
+        "gemma3_text" => "Gemma3ForCausalLM",
+        "ministral3" => "Ministral3ForCausalLM",
+        "ministral" => "MinistralForCausalLM",
+        _ => "MistralForCausalLM",
+    }
+}
+
+/// The text model's config of a multimodal config (Gemma 3's or Mistral 3's
+/// `...ForConditionalGeneration`): its `text_config` with the token ids and dtype kept at the top
+/// level, as the standalone causal LM config ferrotune runs and saves. Whether the output head is
+/// tied is decided by the checkpoint's tensors when it is read (see `text_of_multimodal`).
+fn multimodal_text_config(top: &Map<String, Value>, text_types: &[&str]) -> Result<Value, String> {
     let mut text = match top.get("text_config") {
         Some(Value::Object(t)) => t.clone(),
         None | Some(Value::Null) => Map::new(),
         Some(_) => return Err("'text_config' must be an object".into()),
     };
-    match get_str(&text, "model_type")? {
-        None | Some("gemma3_text") => {}
+    let text_type = match get_str(&text, "model_type")? {
+        None => text_types[0],
+        Some(t) if text_types.contains(&t) => t,
         Some(other) => {
             return Err(format!(
-                "text_config.model_type is '{other}', expected 'gemma3_text'"
+                "text_config.model_type is '{other}', expected one of {}",
+                text_types.join(", ")
             ))
         }
     }
-    text.insert("model_type".into(), Value::from("gemma3_text"));
+    .to_string();
     text.insert(
         "architectures".into(),
-        serde_json::json!(["Gemma3ForCausalLM"]),
+        serde_json::json!([causal_lm_class(&text_type)]),
     );
     for key in [
         "bos_token_id",
@@ -794,7 +821,6 @@ fn gemma3_text_config(top: &Map<String, Value>) -> Result<Value, String> {
         "pad_token_id",
         "torch_dtype",
         "dtype",
-        "tie_word_embeddings",
     ] {
         match (text.get(key), top.get(key)) {
             (None | Some(Value::Null), Some(v)) if !v.is_null() => {
@@ -804,9 +830,10 @@ fn gemma3_text_config(top: &Map<String, Value>) -> Result<Value, String> {
         }
     }
     // Written out whole (defaults filled), so that the saved text model needs no class defaults.
-    for (key, default) in family_defaults("gemma3_text") {
+    for (key, default) in family_defaults(&text_type) {
         text.entry(*key).or_insert_with(|| default.clone());
     }
+    text.insert("model_type".into(), Value::from(text_type));
     Ok(Value::Object(text))
 }
 

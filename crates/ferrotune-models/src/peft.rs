@@ -559,7 +559,7 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, Mode
     Ok(config)
 }
 
-/// An adapter trained by PEFT on a whole multimodal Gemma 3, as adapter tensors of its text
+/// An adapter trained by PEFT on a whole multimodal model (Gemma 3, Mistral 3), as adapter tensors of its text
 /// model: `language_model.model.*` (transformers 4.5x) and `model.language_model.*` (5.x) become
 /// `model.*`; the vision tower's and projector's adapters are left out, with a warning.
 fn text_model_adapter_tensors(

@@ -1,4 +1,4 @@
-//! A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`) runs as its text model: the
+//! Multimodal Gemma 3 and Mistral 3 checkpoints (`...ForConditionalGeneration`) run as their text model: the
 //! same logits as the text-only checkpoint of the same weights (golden_models checks them against
 //! transformers), and PEFT adapters trained on the whole multimodal model attach to it.
 
@@ -114,4 +114,17 @@ fn a_peft_adapter_of_the_whole_multimodal_model_attaches_to_its_text_model() {
     );
     assert!(max_abs_diff(&got, &want) <= 1e-6);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_multimodal_mistral_3_runs_as_its_untied_text_model() {
+    let text = load("mistral");
+    let mm = load("mistral3_multimodal");
+    assert!(mm.config.text_of_multimodal);
+    assert_eq!(mm.config.model_type, "mistral");
+    // The checkpoint holds language_model.lm_head: untied, whatever the top-level flag says.
+    assert!(!mm.config.tie_word_embeddings);
+    assert_eq!(mm.config.raw["architectures"][0], "MistralForCausalLM");
+    assert_eq!(mm.config.raw["tie_word_embeddings"], false);
+    assert_eq!(max_abs_diff(&logits(&text), &logits(&mm)), 0.0);
 }
