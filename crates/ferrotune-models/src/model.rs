@@ -184,40 +184,70 @@ pub struct Moe {
 }
 
 impl Moe {
-    /// The block's linear layers with their module names inside the decoder layer
-    /// (`block_sparse_moe.gate`, `block_sparse_moe.experts.0.w1`, ... or `mlp.gate`,
-    /// `mlp.experts.0.gate_proj`, ..., `mlp.shared_expert.gate_proj`, `mlp.shared_expert_gate`).
-    fn linears_mut(&mut self) -> Vec<(Cow<'static, str>, &mut Linear)> {
-        let (block, [gate, up, down]) = if self.mixtral_names {
+    /// The block's module names inside the decoder layer, in the order of [`Moe::linears`]:
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.0.w1` / `w3` / `w2`, ... (Mixtral) or
+    /// `mlp.gate`, `mlp.experts.0.gate_proj` / `up_proj` / `down_proj`, ...,
+    /// `mlp.shared_expert.*`, `mlp.shared_expert_gate` (Qwen).
+    fn names(&self) -> Vec<String> {
+        let (block, projections) = if self.mixtral_names {
             ("block_sparse_moe", ["w1", "w3", "w2"])
         } else {
             ("mlp", ["gate_proj", "up_proj", "down_proj"])
         };
-        fn push_mlp<'a>(
-            prefix: String,
-            [gate, up, down]: [&str; 3],
-            mlp: &'a mut Mlp,
-            out: &mut Vec<(Cow<'static, str>, &'a mut Linear)>,
-        ) {
-            let Mlp { gate_up, down_proj } = mlp;
-            if let GateUpProjection::Separate { gate_proj, up_proj } = gate_up {
-                out.push((Cow::Owned(format!("{prefix}.{gate}")), gate_proj));
-                out.push((Cow::Owned(format!("{prefix}.{up}")), up_proj));
-            }
-            out.push((Cow::Owned(format!("{prefix}.{down}")), down_proj));
+        let mut out = vec![format!("{block}.gate")];
+        let mut mlp = |prefix: String| {
+            out.extend(projections.iter().map(|p| format!("{prefix}.{p}")));
+        };
+        for e in 0..self.experts.len() {
+            mlp(format!("{block}.experts.{e}"));
         }
-        let names = [gate, up, down];
-        let mut out: Vec<(Cow<'static, str>, &mut Linear)> =
-            vec![(format!("{block}.gate").into(), &mut self.router)];
-        for (e, expert) in self.experts.iter_mut().enumerate() {
-            push_mlp(format!("{block}.experts.{e}"), names, expert, &mut out);
-        }
-        if let Some((shared, shared_gate)) = &mut self.shared_expert {
-            push_mlp(format!("{block}.shared_expert"), names, shared, &mut out);
-            out.push((format!("{block}.shared_expert_gate").into(), shared_gate));
+        if self.shared_expert.is_some() {
+            mlp(format!("{block}.shared_expert"));
+            out.push(format!("{block}.shared_expert_gate"));
         }
         out
     }
+
+    /// The router, each expert's gate / up / down projections, then the shared expert's and its
+    /// gate. Experts are always separate gated MLPs (the loader builds them so).
+    fn linears(&self) -> Vec<&Linear> {
+        let mut out = vec![&self.router];
+        for e in &self.experts {
+            out.extend(mlp_linears(e));
+        }
+        if let Some((shared, gate)) = &self.shared_expert {
+            out.extend(mlp_linears(shared));
+            out.push(gate);
+        }
+        out
+    }
+
+    /// [`Moe::linears`], mutable, with their [`Moe::names`].
+    fn named_linears_mut(&mut self) -> Vec<(Cow<'static, str>, &mut Linear)> {
+        let names = self.names();
+        let mut linears = vec![&mut self.router];
+        for e in self.experts.iter_mut() {
+            linears.extend(mlp_linears_mut(e));
+        }
+        if let Some((shared, gate)) = &mut self.shared_expert {
+            linears.extend(mlp_linears_mut(shared));
+            linears.push(gate);
+        }
+        names.into_iter().map(Cow::Owned).zip(linears).collect()
+    }
+}
+
+/// A gated MLP's linear layers in model order (gate, up, down), mutable.
+fn mlp_linears_mut(mlp: &mut Mlp) -> Vec<&mut Linear> {
+    let Mlp { gate_up, down_proj } = mlp;
+    let mut out = Vec::with_capacity(3);
+    match gate_up {
+        GateUpProjection::Separate { gate_proj, up_proj } => out.extend([gate_proj, up_proj]),
+        GateUpProjection::Fused { gate_up_proj } => out.push(gate_up_proj),
+        GateUpProjection::Ungated { fc1 } => out.push(fc1),
+    }
+    out.push(down_proj);
+    out
 }
 
 /// A decoder layer's feed-forward block: one MLP, or a mixture of experts.
@@ -341,7 +371,7 @@ impl DecoderLayer {
                 }
                 push(down_name, &mut mlp.down_proj, &mut linears);
             }
-            FeedForward::Sparse(moe) => linears.extend(moe.linears_mut()),
+            FeedForward::Sparse(moe) => linears.extend(moe.named_linears_mut()),
         }
         LayerPartsMut { norms, linears }
     }
@@ -408,20 +438,7 @@ impl DecoderLayer {
                 out.push((mlp.down_proj_name().into(), &mlp.down_proj));
             }
             FeedForward::Sparse(moe) => {
-                // The same names as the mutable listing, from a clone of the block's handles
-                // (tensors are reference-counted: the clone copies no data).
-                let mut copy = (**moe).clone();
-                let names: Vec<Cow<'static, str>> =
-                    copy.linears_mut().into_iter().map(|(n, _)| n).collect();
-                let mut linears: Vec<&Linear> = vec![&moe.router];
-                for e in &moe.experts {
-                    linears.extend(mlp_linears(e));
-                }
-                if let Some((shared, gate)) = &moe.shared_expert {
-                    linears.extend(mlp_linears(shared));
-                    linears.push(gate);
-                }
-                out.extend(names.into_iter().zip(linears));
+                out.extend(moe.names().into_iter().map(Cow::Owned).zip(moe.linears()))
             }
         }
         out
