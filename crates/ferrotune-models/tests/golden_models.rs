@@ -156,11 +156,11 @@ fn every_family_matches_transformers() {
     }
 }
 
-#[test]
-fn bf16_compute_stays_close_to_f32() {
-    let dir = fixtures().join("llama3");
-    let g = golden(&dir);
-    let (model, _) = load_model(&dir.join("model"), DType::BF16, &Device::Cpu).unwrap();
+/// Relative L2 error of bf16 logits against the f32 golden of `dir`.
+fn bf16_relative_error(dir: &Path) -> f32 {
+    let g = golden(dir);
+    let (model, _) = load_model(&dir.join("model"), DType::BF16, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let ids = ids_tensor(&g["input_ids"]);
     let (b, t) = ids.dims2().unwrap();
     let logits = model
@@ -171,21 +171,45 @@ fn bf16_compute_stays_close_to_f32() {
     let want =
         candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let want = &want["logits"];
-    let rel = ((&logits - want)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-        / want
-            .sqr()
+    let sum_sq = |t: &Tensor| {
+        t.sqr()
             .unwrap()
             .sum_all()
             .unwrap()
             .to_scalar::<f32>()
-            .unwrap())
-    .sqrt();
+            .unwrap()
+    };
+    (sum_sq(&(&logits - want).unwrap()) / sum_sq(want)).sqrt()
+}
+
+#[test]
+fn bf16_compute_stays_close_to_f32() {
+    let rel = bf16_relative_error(&fixtures().join("llama3"));
     assert!(rel < 2e-2, "bf16 relative L2 error {rel}");
+}
+
+/// Every family runs in bf16 (norms, softcaps, LayerNorm, routing, ... in that dtype) and stays
+/// near its f32 golden.
+#[test]
+fn every_family_runs_in_bf16() {
+    let root = fixtures().join("models");
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("golden.json").is_file())
+        .collect();
+    cases.sort();
+    for case in &cases {
+        let rel = bf16_relative_error(case);
+        // A bf16 rounding can flip a token's expert choice; transformers' own bf16 run of these
+        // fixtures lands as far (qwen2_moe: 0.137 there, 0.116 here).
+        let moe = ["mixtral", "qwen2_moe", "qwen3_moe"]
+            .contains(&golden(case)["model_type"].as_str().unwrap_or(""));
+        let bound = if moe { 0.2 } else { 0.05 };
+        assert!(
+            rel < bound,
+            "{}: bf16 relative L2 error {rel} (bound {bound})",
+            case.display()
+        );
+    }
 }

@@ -137,7 +137,9 @@ fn composite(
     let groups = nh / nkv;
     // Query heads sharing a key/value head are stacked along the rows: one matmul per kv head.
     let q = q.reshape((b, nkv, groups * t, hd))?;
-    let scores = (q.matmul(&k.t()?)? * scale)?;
+    // Keys may arrive as a strided view (a fused qkv projection narrowed, RoPE's output): the CPU
+    // matmul takes only contiguous operands.
+    let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?;
     let scores = match softcap {
         Some(cap) => crate::ops::softcap(&scores, cap)?,
         None => scores,
