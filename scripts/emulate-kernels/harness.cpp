@@ -216,7 +216,8 @@ void test_qkv_rope(int B, int nh, int nkv, int hd, int rot, bool norms, int offs
 }
 
 template <typename T>
-void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vector<uint32_t> lo, int window) {
+void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vector<uint32_t> lo, int window,
+                    float softcap = 0.f) {
   auto q = random_vec<T>((size_t)B * nh * hd);
   auto kc = random_vec<T>((size_t)B * nkv * cap * hd), vc = random_vec<T>((size_t)B * nkv * cap * hd);
   float scale = 1.f / std::sqrt((float)hd);
@@ -234,6 +235,7 @@ void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vecto
           acc += from_t(q[((size_t)b * nh + h) * hd + d]) *
                  from_t(kc[(((size_t)b * nkv + kvh) * cap + j) * hd + d]);
         s[j] = rt<T>(acc) * scale;
+        if (softcap > 0.f) s[j] = softcap * std::tanh(s[j] / softcap);
         m = std::max(m, s[j]);
       }
       float sum = 0;
@@ -249,10 +251,10 @@ void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vecto
   float *dsc = dev(std::vector<float>((size_t)B * nh * cap));
   uint32_t *dlo = dev(lo);
   hipLaunchKernelGGL(dec_attention<T>, dim3(nh, B), dim3(256), (hd + 8 * 256) * sizeof(float), 0, dq, dkc, dvc,
-                     dout, dsc, dlo, len, window, nh, nkv, hd, cap, scale);
+                     dout, dsc, dlo, len, window, nh, nkv, hd, cap, scale, softcap);
   char name[128];
-  std::snprintf(name, sizeof name, "attention %s B%d h%d/%d d%d len%d/%d win%d", sizeof(T) == 4 ? "f32" : "bf16",
-                B, nh, nkv, hd, len, cap, window);
+  std::snprintf(name, sizeof name, "attention %s B%d h%d/%d d%d len%d/%d win%d cap%g",
+                sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, window, softcap);
   check(name, host(dout, want.size()), want, tol<T>());
 }
 
@@ -297,6 +299,7 @@ template <typename T> void all() {
   test_attention<T>(2, 4, 4, 256, 24, 24, {2, 0}, 7);
   test_attention<T>(2, 8, 1, 32, 600, 555, {0, 100}, 0);
   test_attention<T>(1, 4, 2, 96, 300, 300, {17}, 40);
+  test_attention<T>(2, 4, 2, 64, 48, 45, {0, 9}, 16, 0.5f);
 }
 
 int main() {

@@ -261,8 +261,9 @@ impl FirstKeys {
 
 /// Attention of one query per row, `q` `[rows, query heads, dim]`, over keys `first[r] .. len` of
 /// `k_cache` / `v_cache` (`[rows, kv heads, cap, dim]`; a sliding `window` raises the first key to
-/// `len − window`), scaled by `scale`. Returns `[rows, query heads · dim]` (the layout `o_proj`
-/// takes).
+/// `len − window`), scaled by `scale` and softcapped (`cap · tanh(s / cap)`, Gemma 2) when
+/// `softcap` is given. Returns `[rows, query heads · dim]` (the layout `o_proj` takes).
+#[allow(clippy::too_many_arguments)]
 pub fn cached_attention(
     q: &Tensor,
     k_cache: &Tensor,
@@ -271,6 +272,7 @@ pub fn cached_attention(
     first: &FirstKeys,
     window: Option<usize>,
     scale: f64,
+    softcap: Option<f64>,
 ) -> Result<Tensor> {
     let (rows, query, dim) = q.dims3()?;
     let (kr, kv, cap, kd) = k_cache.dims4()?;
@@ -308,6 +310,7 @@ pub fn cached_attention(
             &first.device,
             window,
             scale as f32,
+            softcap.unwrap_or(0.0) as f32,
         );
     }
     let k = k_cache.narrow(2, 0, len)?.contiguous()?;
@@ -336,12 +339,13 @@ pub fn cached_attention(
             q.device(),
         )?)
     };
-    let out = fused::attention(
+    let out = fused::attention_softcapped(
         &q.reshape((rows, query, 1, dim))?,
         &k,
         &v,
         mask.as_ref(),
         scale,
+        softcap,
     )?;
     out.reshape((rows, query * dim))
 }

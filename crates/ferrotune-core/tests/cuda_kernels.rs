@@ -550,12 +550,13 @@ fn decode_cached_attention_matches_cpu() {
     use ferrotune_core::decode::{cached_attention, FirstKeys};
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(24);
-    // (rows, heads, kv heads, head dim, capacity, keys, first key per row, window)
-    for (rows, query, kv, dim, cap, len, first, window) in [
-        (1, 4, 2, 64, 16, 11, vec![0], None),
-        (3, 6, 2, 128, 40, 37, vec![0, 5, 36], None),
-        (2, 4, 4, 256, 24, 24, vec![2, 0], Some(7)),
-        (2, 8, 1, 32, 600, 555, vec![0, 100], None),
+    // (rows, heads, kv heads, head dim, capacity, keys, first key per row, window, softcap)
+    for (rows, query, kv, dim, cap, len, first, window, softcap) in [
+        (1, 4, 2, 64, 16, 11, vec![0], None, None),
+        (3, 6, 2, 128, 40, 37, vec![0, 5, 36], None, None),
+        (2, 4, 4, 256, 24, 24, vec![2, 0], Some(7), None),
+        (2, 8, 1, 32, 600, 555, vec![0, 100], None, None),
+        (2, 4, 2, 64, 48, 45, vec![0, 9], Some(16), Some(0.5)),
     ] {
         let inputs = vec![
             rng.tensor(&[rows, query, dim], 1.0),
@@ -567,7 +568,7 @@ fn decode_cached_attention_matches_cpu() {
                 let first = FirstKeys::new(first.clone(), t[0].device())?;
                 let scale = (dim as f64).powf(-0.5);
                 Ok(vec![cached_attention(
-                    &t[0], &t[1], &t[2], len, &first, window, scale,
+                    &t[0], &t[1], &t[2], len, &first, window, scale, softcap,
                 )?])
             });
         }

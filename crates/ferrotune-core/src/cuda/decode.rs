@@ -152,7 +152,8 @@ pub(crate) fn qkv_rope(
 }
 
 /// [`crate::decode::cached_attention`]: one `dec_attention` launch, one block per (query head,
-/// row), with an f32 scratch row of scores per block. `window` 0 means none.
+/// row), with an f32 scratch row of scores per block. `window` 0 means none; `softcap` 0 too.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     q: &Tensor,
     k_cache: &Tensor,
@@ -161,6 +162,7 @@ pub(crate) fn attention(
     first: &Tensor,
     window: usize,
     scale: f32,
+    softcap: f32,
 ) -> Result<Tensor> {
     let dev = cuda_device(q)?;
     let dtype = q.dtype();
@@ -189,6 +191,7 @@ pub(crate) fn attention(
             Arg::I32(dim as i32),
             Arg::I32(cap as i32),
             Arg::F32(scale),
+            Arg::F32(softcap),
         ],
     )?;
     Ok(out)

@@ -593,7 +593,7 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
 template <typename T>
 __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, float *scores,
                               const uint32_t *lo_rows, int len, int window, int nh, int nkv, int hd,
-                              int cap, float scale) {
+                              int cap, float scale, float softcap) {
   FT_DYNAMIC_SHARED(float, dsh);
   int h = blockIdx.x, b = blockIdx.y;
   int kvh = h / (nh / nkv);
@@ -618,6 +618,8 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
       for (int i = 0; i < 8; ++i) acc += qs[d + i] * k8[i];
     }
     float s = round_to<T>(acc) * scale;
+    // Gemma 2's softcap (0 = none): cap · tanh(s / cap), before the softmax as in the forward.
+    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
     sc[j] = s;
     m = fmaxf(m, s);
   }
@@ -713,8 +715,9 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   extern "C" __global__ void dec_attention_##SUF(const T *q, const T *kc, const T *vc, T *out,      \
                                                float *scores, const uint32_t *lo_rows, int len,   \
                                                int window, int nh, int nkv, int hd, int cap,      \
-                                               float scale) {                                     \
-    dec_attention<T>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale);      \
+                                               float scale, float softcap) {                      \
+    dec_attention<T>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale,       \
+                     softcap);                                                                    \
   }                                                                                               \
   extern "C" __global__ void adamw_##SUF(float *p32, T *p_out, const T *g, float *m, float *v,    \
                                          long n, float grad_scale, float decay, float omb1,      \

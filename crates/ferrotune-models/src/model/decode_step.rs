@@ -120,9 +120,6 @@ impl CausalLm {
         if c.moe.is_some() {
             return Some("a mixture of experts has no decode kernels".into());
         }
-        if c.attn_logit_softcapping.is_some() {
-            return Some("the decode attention kernel has no score softcapping (Gemma 2)".into());
-        }
         None
     }
 
@@ -249,6 +246,7 @@ impl CausalLm {
                 &first,
                 layer.sliding_window,
                 scale,
+                c.attn_logit_softcapping,
             )?;
             let super::FeedForward::Dense(mlp) = &layer.mlp else {
                 bail!("decode_step: a mixture of experts has no decode kernel");
