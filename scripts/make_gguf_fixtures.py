@@ -5,11 +5,17 @@
       SmolLM2-135M-Instruct.Q4_1.gguf loaded by transformers (AutoModelForCausalLM with gguf_file=...,
       float32): selected rows of a few weights (each `NAME` with its row indices in `NAME.rows`) and
       the config values transformers derived from the GGUF metadata.
+  tests/fixtures/gguf/gemma2_tiny.gguf, gemma3_tiny.gguf + *_reference.safetensors
+      Tiny random Gemma 2 / Gemma 3 checkpoints written as llama.cpp's convert_hf_to_gguf.py does (F32,
+      llama.cpp tensor names, norm weights stored as 1 + w, softcaps and rope scaling in the metadata), with
+      `input_ids` and the source (safetensors) model's `logits` for them. transformers loads the Gemma 2 file
+      to the same logits (checked here); for Gemma 3 its GGUF loader drops the rope scaling (linear 8 on the
+      global layers), which llama.cpp applies, so the reference is the source model.
   tests/fixtures/gguf/quant_reference.safetensors
       For each ggml type, `TYPE.raw` (the bytes of a [4, 256] tensor in that type) and
       `TYPE.expected` (what the python `gguf` package's `gguf.quants.dequantize` makes of them).
 
-Usage: python3 scripts/make_gguf_fixtures.py   (needs torch, transformers, gguf, numpy, safetensors;
+Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
 the GGUF comes from scripts/fetch-assets.sh, FERROTUNE_ASSETS overrides its folder)
 """
 
@@ -141,8 +147,120 @@ def quant_reference() -> None:
     save_file(out, str(OUT / "quant_reference.safetensors"))
 
 
+def gemma_family_ggufs() -> None:
+    import tempfile
+
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_model_fixtures as mf
+
+    def build(kind):
+        common = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=0,
+                      eos_token_id=2, pad_token_id=3, tie_word_embeddings=True, sliding_window=5,
+                      hidden_activation="gelu_pytorch_tanh")
+        if kind == "gemma2":
+            # head_dim 256 and the default caps: what transformers' GGUF loader assumes (it reads neither
+            # query_pre_attn_scalar nor the caps), so its load of the file is a second reference.
+            cfg = Gemma2Config(num_hidden_layers=2, head_dim=256, query_pre_attn_scalar=256,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+        else:
+            # Six layers: the default pattern makes layer 5 full attention (global rope, linear 8).
+            cfg = Gemma3TextConfig(num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32,
+                                   rope_parameters={
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                                   **common)
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        mf.init_weights(m, 7 if kind == "gemma2" else 8, gemma_norm=True, embed_std=mf.EMBED_STD_SANDWICH)
+        return m
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+
+    def write(m, kind, path):
+        c = m.config
+        w = gguf.GGUFWriter(str(path), kind)
+        w.add_name(f"tiny {kind}")
+        w.add_block_count(c.num_hidden_layers)
+        w.add_context_length(c.max_position_embeddings)
+        w.add_embedding_length(c.hidden_size)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_head_count(c.num_attention_heads)
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_sliding_window(c.sliding_window)
+        w.add_vocab_size(c.vocab_size)
+        if kind == "gemma2":
+            w.add_rope_freq_base(10000.0)
+            w.add_float32("gemma2.attn_logit_softcapping", 50.0)
+            w.add_float32("gemma2.final_logit_softcapping", 30.0)
+        else:
+            w.add_rope_freq_base(1e6)
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(8.0)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(3)
+        for n, t in m.state_dict().items():
+            a = t.float().numpy().copy()
+            if n.endswith("norm.weight"):
+                a = a + 1.0
+            if n == "model.embed_tokens.weight":
+                g = "token_embd.weight"
+            elif n == "model.norm.weight":
+                g = "output_norm.weight"
+            elif n == "lm_head.weight":
+                continue  # tied
+            else:
+                _, _, i, rest = n.split(".", 3)
+                mod, suffix = rest.rsplit(".", 1)
+                g = f"blk.{i}.{names[mod]}.{suffix}"
+            w.add_tensor(g, a.astype(np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    ids = torch.tensor([[5, 9, 44, 7, 100, 13, 250, 17, 300, 21, 66, 77, 480, 11]])
+    for kind in ["gemma2", "gemma3"]:
+        m = build(kind)
+        path = OUT / f"{kind}_tiny.gguf"
+        write(m, kind, path)
+        with torch.no_grad():
+            logits = m(ids).logits.float().contiguous()
+        if kind == "gemma2":
+            with tempfile.TemporaryDirectory() as tmp:
+                import shutil
+                shutil.copy(path, Path(tmp) / path.name)
+                hf = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, dtype=torch.float32).eval()
+                with torch.no_grad():
+                    err = (hf(ids).logits - logits).abs().max().item()
+            assert err <= 1e-5, f"transformers' load of {path.name} differs by {err}"
+        ref = OUT / f"{kind}_tiny_reference.safetensors"
+        save_file({"input_ids": ids.to(torch.int64), "logits": logits}, str(ref))
+        os.chmod(ref, 0o644)  # safetensors writes 0600 files
+        print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--gemma-only"]:
+        gemma_family_ggufs()
+        sys.exit(0)
     quant_reference()
     smollm2_reference()
+    gemma_family_ggufs()
     for f in sorted(OUT.iterdir()):
         print(f"{f.relative_to(ROOT)}: {f.stat().st_size} bytes")

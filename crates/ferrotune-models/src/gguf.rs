@@ -505,7 +505,7 @@ impl<'a> GgufFile<'a> {
         if let Some(scaling) = self.rope_scaling(arch, hp)? {
             c.insert("rope_scaling".into(), scaling);
         }
-        if arch.model_type == "gemma" {
+        if arch.model_type.starts_with("gemma") {
             c.insert("hidden_act".into(), json!("gelu_pytorch_tanh"));
             c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
         } else {
@@ -530,6 +530,37 @@ impl<'a> GgufFile<'a> {
             "phi3" => {
                 if let Some(w) = self.uint(&format!("{a}.attention.sliding_window"))? {
                     c.insert("sliding_window".into(), json!(w));
+                }
+            }
+            "gemma2" | "gemma3_text" => {
+                let window = self.uint(&format!("{a}.attention.sliding_window"))?;
+                c.insert("sliding_window".into(), json!(window));
+                // GGUF has no query_pre_attn_scalar: llama.cpp scales by the head size, but by
+                // hidden / heads for the 27B models (46 and 62 layers), which is what their HF
+                // configs say too.
+                let is_27b = matches!(
+                    (arch.model_type, hp.layers),
+                    ("gemma2", 46) | ("gemma3_text", 62)
+                );
+                let scalar = if is_27b {
+                    hp.hidden / hp.heads
+                } else {
+                    hp.head_dim
+                };
+                c.insert("query_pre_attn_scalar".into(), json!(scalar));
+                if arch.model_type == "gemma2" {
+                    // llama.cpp writes the caps; transformers' defaults (50, 30) otherwise.
+                    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+                        if let Some(cap) = self.float(&format!("{a}.{key}"))? {
+                            c.insert(key.into(), json!(cap));
+                        }
+                    }
+                }
+                // Gemma 3: llama.cpp's local rope base is fixed at 10000 and its pattern at 6
+                // (Gemma3TextConfig's defaults) unless the file says otherwise; `rope_scaling`
+                // (linear, 4B+) applies to the global layers.
+                if let Some(p) = self.uint(&format!("{a}.attention.sliding_window_pattern"))? {
+                    c.insert("sliding_window_pattern".into(), json!(p));
                 }
             }
             _ => {}
@@ -762,16 +793,19 @@ impl Arch {
             "qwen2" => ("qwen2", "Qwen2ForCausalLM"),
             "qwen3" => ("qwen3", "Qwen3ForCausalLM"),
             "gemma" => ("gemma", "GemmaForCausalLM"),
+            "gemma2" => ("gemma2", "Gemma2ForCausalLM"),
+            "gemma3" => ("gemma3_text", "Gemma3ForCausalLM"),
             "phi3" => ("phi3", "Phi3ForCausalLM"),
             other => {
                 return Err(g.err(format!(
-                    "unsupported GGUF architecture '{other}': supported are llama (and mistral), qwen2, qwen3, gemma, phi3"
+                    "unsupported GGUF architecture '{other}': supported are llama (and mistral), qwen2, qwen3, gemma, gemma2, gemma3, phi3"
                 )))
             }
         };
         // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture.
         let permuted_qk = gguf == "llama";
-        let norm_plus_one = gguf == "gemma";
+        // convert_hf_to_gguf.py adds 1 to every Gemma norm weight (q/k norms included).
+        let norm_plus_one = matches!(gguf.as_str(), "gemma" | "gemma2" | "gemma3");
         Ok(Self {
             gguf,
             model_type,
@@ -779,6 +813,13 @@ impl Arch {
             permuted_qk,
             norm_plus_one,
         })
+    }
+}
+
+impl Arch {
+    /// Gemma 2/3's four norms per layer.
+    fn sandwich_norms(&self) -> bool {
+        matches!(self.model_type, "gemma2" | "gemma3_text")
     }
 }
 
@@ -907,6 +948,10 @@ enum Kind {
     FinalNorm,
     AttnNorm,
     FfnNorm,
+    /// Gemma 2/3: the norm of the attention's output (`post_attention_norm`).
+    PostAttnNorm,
+    /// Gemma 2/3: the norm of the MLP's output (`post_ffw_norm`).
+    PostFfwNorm,
     Q,
     K,
     V,
@@ -956,6 +1001,8 @@ impl Role {
         let kind = match part {
             "attn_norm" => Kind::AttnNorm,
             "ffn_norm" => Kind::FfnNorm,
+            "post_attention_norm" => Kind::PostAttnNorm,
+            "post_ffw_norm" => Kind::PostFfwNorm,
             "attn_q" => Kind::Q,
             "attn_k" => Kind::K,
             "attn_v" => Kind::V,
@@ -1001,7 +1048,11 @@ impl Role {
             Kind::Output => return format!("lm_head.{suffix}"),
             Kind::FinalNorm => return format!("model.norm.{suffix}"),
             Kind::AttnNorm => "input_layernorm",
-            Kind::FfnNorm => "post_attention_layernorm",
+            // Gemma 2/3's `ffn_norm` is the MLP's own pre-norm; their attention output norm is
+            // `post_attention_norm`.
+            Kind::FfnNorm if arch.sandwich_norms() => "pre_feedforward_layernorm",
+            Kind::FfnNorm | Kind::PostAttnNorm => "post_attention_layernorm",
+            Kind::PostFfwNorm => "post_feedforward_layernorm",
             Kind::Q => "self_attn.q_proj",
             Kind::K => "self_attn.k_proj",
             Kind::V => "self_attn.v_proj",
@@ -1038,7 +1089,11 @@ impl Role {
         };
         let (out, inp) = match self.kind {
             Kind::Embed | Kind::Output => (hp.vocab, h),
-            Kind::FinalNorm | Kind::AttnNorm | Kind::FfnNorm => return Ok(vec![h]),
+            Kind::FinalNorm
+            | Kind::AttnNorm
+            | Kind::FfnNorm
+            | Kind::PostAttnNorm
+            | Kind::PostFfwNorm => return Ok(vec![h]),
             Kind::QNorm | Kind::KNorm => return Ok(vec![hp.head_dim]),
             Kind::Q => (q, h),
             Kind::K | Kind::V => (kv, h),

@@ -1062,3 +1062,44 @@ fn error_corrupt_headers() {
     let msg = load_err(&write(&dir, "be.gguf", &bytes));
     assert!(msg.contains("big-endian"), "{msg}");
 }
+
+/// Gemma 2 and Gemma 3 GGUF files as convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py):
+/// loaded, they give the source checkpoint's logits (for Gemma 2 transformers' own GGUF load
+/// agrees; for Gemma 3 it drops the rope scaling that llama.cpp and we apply).
+#[test]
+fn gemma2_and_gemma3_ggufs_give_the_source_models_logits() {
+    for kind in ["gemma2", "gemma3"] {
+        let path = fixtures().join(format!("{kind}_tiny.gguf"));
+        let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        let c = &model.config;
+        assert!(c.sandwich_norms && c.norm_weight_offset_one, "{kind}");
+        if kind == "gemma2" {
+            assert_eq!(c.attn_logit_softcapping, Some(50.0));
+            assert_eq!(c.final_logit_softcapping, Some(30.0));
+            assert_eq!(c.layer_sliding_windows, vec![Some(5), None]);
+        } else {
+            assert!(c.qk_norm && c.local_rope.is_some());
+            assert_eq!(
+                c.local_rope_layers,
+                vec![true, true, true, true, true, false]
+            );
+        }
+        let reference = candle_core::safetensors::load(
+            fixtures().join(format!("{kind}_tiny_reference.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+        let (b, t) = ids.dims2().unwrap();
+        let logits = model
+            .forward(
+                &ids,
+                &ferrotune_models::AttentionLayout::causal(b, t, 0),
+                None,
+            )
+            .unwrap();
+        let err = max_abs_diff(&logits, &reference["logits"]);
+        assert!(err <= 1e-4, "{kind}: logits differ by {err}");
+    }
+}
