@@ -83,6 +83,15 @@ impl CausalLm {
                 decode::MAX_HEAD_DIM
             ));
         }
+        if c.layer_norm || c.parallel_block || c.ungated_mlp {
+            return Some(
+                "Phi-2's LayerNorm, parallel block and ungated MLP have no decode kernels".into(),
+            );
+        }
+        // Before the per-layer scan below, which would name every expert.
+        if c.moe.is_some() {
+            return Some("a mixture of experts has no decode kernels".into());
+        }
         if self.embed_tokens.track_op() {
             return Some("the embedding is being trained".into());
         }
@@ -111,14 +120,6 @@ impl CausalLm {
             {
                 return Some("only one of the feed-forward sandwich norms is set".into());
             }
-        }
-        if c.layer_norm || c.parallel_block || c.ungated_mlp {
-            return Some(
-                "Phi-2's LayerNorm, parallel block and ungated MLP have no decode kernels".into(),
-            );
-        }
-        if c.moe.is_some() {
-            return Some("a mixture of experts has no decode kernels".into());
         }
         None
     }
