@@ -32,6 +32,18 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
+/// Every case folder in tests/fixtures/models, sorted.
+fn model_cases() -> Vec<PathBuf> {
+    let root = fixtures().join("models");
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("golden.json").is_file())
+        .collect();
+    cases.sort();
+    cases
+}
+
 fn load(dir: &Path) -> CausalLm {
     load_model(&dir.join("model"), DType::F32, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
@@ -138,18 +150,8 @@ fn kv_cache_decoding_equals_full_forward() {
 /// Phi-3, SmolLM2-like, 4.x-style configs, bf16 and sharded checkpoints).
 #[test]
 fn every_family_matches_transformers() {
-    let root = fixtures().join("models");
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("golden.json").is_file())
-        .collect();
-    cases.sort();
-    assert!(
-        cases.len() >= 8,
-        "expected the family fixtures in {}",
-        root.display()
-    );
+    let cases = model_cases();
+    assert!(cases.len() >= 8, "expected the family fixtures");
     for case in &cases {
         check_logits(case);
         check_kv_cache(case);
@@ -192,14 +194,7 @@ fn bf16_compute_stays_close_to_f32() {
 /// near its f32 golden.
 #[test]
 fn every_family_runs_in_bf16() {
-    let root = fixtures().join("models");
-    let mut cases: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("golden.json").is_file())
-        .collect();
-    cases.sort();
-    for case in &cases {
+    for case in &model_cases() {
         let rel = bf16_relative_error(case);
         // A bf16 rounding can flip a token's expert choice; transformers' own bf16 run of these
         // fixtures lands as far (qwen2_moe: 0.137 there, 0.116 here).

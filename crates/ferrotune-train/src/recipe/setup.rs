@@ -150,7 +150,10 @@ const COMPONENT_FAMILIES: &[(&str, &[&str])] = &[
     ("llama3_3", &["llama"]),
     ("smollm2", &["llama"]),
     ("smollm3", &["smollm3"]),
-    ("mistral", &["mistral", "llama", "mixtral", "ministral", "ministral3"]),
+    (
+        "mistral",
+        &["mistral", "llama", "mixtral", "ministral", "ministral3"],
+    ),
     ("qwen2", &["qwen2", "qwen2_moe"]),
     ("qwen2_5", &["qwen2"]),
     ("qwen3", &["qwen3", "qwen3_moe"]),
