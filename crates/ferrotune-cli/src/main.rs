@@ -4,6 +4,7 @@ mod bench;
 mod download;
 mod generate;
 mod launch;
+mod logging;
 mod merge;
 mod model_io;
 mod plot;
@@ -68,14 +69,7 @@ fn main() {
     if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
         std::env::set_var("RUST_LIB_BACKTRACE", "0");
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                // hf-hub logs each exhausted retry; the error itself is reported once, below.
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,hf_hub::retry=off")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    logging::init();
     let cli = Cli::parse();
     if matches!(
         cli.command,

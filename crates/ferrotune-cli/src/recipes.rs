@@ -143,6 +143,12 @@ pub fn run(args: RunArgs) -> Result<()> {
         return crate::launch::launch(&args.launch);
     }
     let cfg = prepare_config(&args.config, &args.overrides)?;
+    if let Some(level) = cfg.str("log_level")? {
+        crate::logging::set_level(
+            ferrotune_train::config::tracing_level(&level)
+                .map_err(|e| anyhow::anyhow!("{}: log_level: {e}", cfg.origin))?,
+        );
+    }
     // One of several ranks: rank 0 alone prints (as it alone logs and saves).
     let rank = std::env::var("RANK")
         .ok()

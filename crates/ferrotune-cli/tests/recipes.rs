@@ -471,3 +471,39 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
         "recipe printed {recipe_text:?}, generate printed {verb_text:?}"
     );
 }
+
+/// torchtune's `log_level` key: INFO shows the model line torchtune users see, ERROR hides it,
+/// `RUST_LOG` overrides the config, and an unknown level is an error naming the key.
+#[test]
+fn log_level_sets_what_the_run_reports() {
+    let dir = tmpdir("log-level");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = write_config(&dir, "llama3", &data);
+    let run = |level: &str, env: &[(&str, &str)]| -> Output {
+        ferrotune(
+            &[
+                "run",
+                "lora_finetune_single_device",
+                "--config",
+                cfg.to_str().unwrap(),
+                &format!("log_level={level}"),
+                "max_steps_per_epoch=1",
+            ],
+            &dir,
+            env,
+        )
+    };
+    let line = "is initialized from";
+    let o = run("INFO", &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains(line), "{}", text(&o));
+    let o = run("ERROR", &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains(line), "{}", text(&o));
+    let o = run("INFO", &[("RUST_LOG", "error")]);
+    assert!(!text(&o).contains(line), "RUST_LOG decides: {}", text(&o));
+    let o = run("LOUD", &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).contains("log_level"), "{}", text(&o));
+}

@@ -529,6 +529,7 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("metric_logger", Ty::Map(LOGGER_KEYS)),
     ("log_every_n_steps", Ty::Int),
     ("log_peak_memory_stats", Ty::Bool),
+    ("log_level", Ty::Str),
     ("save_every_n_steps", Ty::Int),
     ("profiler", Ty::Any),
     ("fsdp_sharding", Ty::Str),
@@ -553,7 +554,14 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
 pub fn validate(root: &Value, origin: &str) -> std::result::Result<(), Vec<String>> {
     let mut problems = Vec::new();
     match root {
-        Value::Object(map) => check_map(map, TOP_LEVEL_KEYS, "", origin, &mut problems),
+        Value::Object(map) => {
+            check_map(map, TOP_LEVEL_KEYS, "", origin, &mut problems);
+            if let Some(Value::String(level)) = map.get("log_level") {
+                if let Err(e) = tracing_level(level) {
+                    problems.push(format!("{origin}: log_level: {e}"));
+                }
+            }
+        }
         other => problems.push(format!(
             "{origin}: a config must be a mapping, got {}",
             kind(other)
@@ -563,6 +571,19 @@ pub fn validate(root: &Value, origin: &str) -> std::result::Result<(), Vec<Strin
         Ok(())
     } else {
         Err(problems)
+    }
+}
+
+/// torchtune's `log_level` (Python logging names, any case) as a `tracing` level directive.
+pub fn tracing_level(level: &str) -> std::result::Result<&'static str, String> {
+    match level.to_ascii_uppercase().as_str() {
+        "DEBUG" => Ok("debug"),
+        "INFO" => Ok("info"),
+        "WARN" | "WARNING" => Ok("warn"),
+        "ERROR" | "CRITICAL" | "FATAL" => Ok("error"),
+        _ => Err(format!(
+            "'{level}' is not a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL)"
+        )),
     }
 }
 

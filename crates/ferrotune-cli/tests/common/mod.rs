@@ -15,10 +15,11 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
 
-/// Runs `ferrotune args...` in `cwd` with `env` added (later pairs win).
+/// Runs `ferrotune args...` in `cwd` with `env` added (later pairs win). The caller's `RUST_LOG`
+/// is not passed on, so what a run reports does not depend on the shell the tests run from.
 pub fn ferrotune(args: &[impl AsRef<OsStr>], cwd: &Path, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotune"));
-    cmd.args(args).current_dir(cwd);
+    cmd.args(args).current_dir(cwd).env_remove("RUST_LOG");
     for (k, v) in env {
         cmd.env(k, v);
     }

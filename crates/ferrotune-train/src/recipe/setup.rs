@@ -137,6 +137,14 @@ pub fn load_model(
         dir: ckpt.dir.clone(),
     };
     let model = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &path.display().to_string())?;
+    // torchtune's configs run at `log_level: INFO`, which shows this line as torchtune shows its
+    // "Model is initialized" one.
+    tracing::info!(
+        "Model {} ({} layers) is initialized from {} with precision {dtype:?} on {device:?}",
+        model.config.model_type,
+        model.layers.len(),
+        path.display()
+    );
     Ok((model, source))
 }
 
