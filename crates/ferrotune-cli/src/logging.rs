@@ -20,7 +20,12 @@ pub fn init() {
     let (filter, handle) = reload::Layer::new(filter);
     tracing_subscriber::registry()
         .with(filter)
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                // Colour codes only for a terminal: logs piped to a file stay plain text.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
         .init();
     let _ = FILTER.set(handle);
 }

@@ -472,7 +472,7 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
     );
 }
 
-/// torchtune's `log_level` key: INFO shows the model line torchtune users see, ERROR hides it,
+/// torchtune's `log_level` key: INFO shows the tokenizer line torchtune users see, ERROR hides it,
 /// `RUST_LOG` overrides the config, and an unknown level is an error naming the key.
 #[test]
 fn log_level_sets_what_the_run_reports() {
@@ -494,7 +494,7 @@ fn log_level_sets_what_the_run_reports() {
             env,
         )
     };
-    let line = "is initialized from";
+    let line = "Tokenizer is initialized from";
     let o = run("INFO", &[]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains(line), "{}", text(&o));

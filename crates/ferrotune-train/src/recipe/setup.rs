@@ -137,14 +137,6 @@ pub fn load_model(
         dir: ckpt.dir.clone(),
     };
     let model = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &path.display().to_string())?;
-    // torchtune's configs run at `log_level: INFO`, which shows this line as torchtune shows its
-    // "Model is initialized" one.
-    tracing::info!(
-        "Model {} ({} layers) is initialized from {} with precision {dtype:?} on {device:?}",
-        model.config.model_type,
-        model.layers.len(),
-        path.display()
-    );
     Ok((model, source))
 }
 
@@ -213,6 +205,14 @@ pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
 /// for tokenizer.json beside it or one folder up, as in torchtune's `original/tokenizer.model` —
 /// or a .gguf), else the checkpoint's own.
 pub fn tokenizer(cfg: &Config, checkpoint: &Path) -> Result<Tokenizer> {
+    let (tokenizer, dir) = find_tokenizer(cfg, checkpoint)?;
+    // torchtune's configs run at `log_level: INFO`, which shows this as torchtune shows its line.
+    tracing::info!("Tokenizer is initialized from {}", dir.display());
+    Ok(tokenizer)
+}
+
+/// The tokenizer [`tokenizer`] reads, and the file or folder it came from.
+fn find_tokenizer(cfg: &Config, checkpoint: &Path) -> Result<(Tokenizer, PathBuf)> {
     let path = cfg
         .path("tokenizer.path")?
         .unwrap_or_else(|| checkpoint.to_path_buf());
@@ -224,15 +224,15 @@ pub fn tokenizer(cfg: &Config, checkpoint: &Path) -> Result<Tokenizer> {
         );
     }
     if path.extension().is_some_and(|e| e == "gguf") {
-        return Ok(Tokenizer::from_gguf(&path)?);
+        return Ok((Tokenizer::from_gguf(&path)?, path));
     }
     if path.is_dir() {
-        return Ok(Tokenizer::from_dir(&path)?);
+        return Ok((Tokenizer::from_dir(&path)?, path));
     }
     let parent = path.parent().unwrap_or(Path::new("."));
     for dir in [Some(parent), parent.parent()].into_iter().flatten() {
         if dir.join("tokenizer.json").is_file() || dir.join("tokenizer_config.json").is_file() {
-            return Ok(Tokenizer::from_dir(dir)?);
+            return Ok((Tokenizer::from_dir(dir)?, dir.to_path_buf()));
         }
     }
     bail!(
