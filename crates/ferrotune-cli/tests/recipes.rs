@@ -507,3 +507,73 @@ fn log_level_sets_what_the_run_reports() {
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).contains("log_level"), "{}", text(&o));
 }
+
+/// torchtune's validation keys: with `run_val_every_n_steps` every N optimizer steps the model is
+/// scored on `dataset_val` (in `batch_size_val` rows) and `val_loss` is logged. From a PEFT
+/// adapter with a zero learning rate that is PEFT's loss on the same rows; without
+/// `dataset_val` the run stops with torchtune's message.
+#[test]
+fn validation_every_n_steps_logs_the_val_loss() {
+    let dir = tmpdir("validation");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = write_config(&dir, "llama3", &data);
+    let adapter = fixtures().join("llama3/adapter");
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "optimizer._component_=torch.optim.SGD",
+            "optimizer.lr=0.0",
+            "optimizer.weight_decay=0.0",
+            "batch_size=1",
+            "run_val_every_n_steps=1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.push(format!(
+            "checkpointer.adapter_checkpoint={}",
+            adapter.display()
+        ));
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let val = [
+        "dataset_val._component_=torchtune.datasets.tokenized_dataset".to_string(),
+        "dataset_val.source=json".to_string(),
+        format!("dataset_val.data_files={}", data.display()),
+        "batch_size_val=2".to_string(),
+    ];
+    let with_val: Vec<&str> = val.iter().map(String::as_str).collect();
+    let o = common::ferrotune(&args(&with_val), &dir, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("Validation loss:"), "{}", text(&o));
+    let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
+    let vals: Vec<f64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter_map(|v| v.get("val_loss").and_then(Value::as_f64))
+        .collect();
+    assert_eq!(vals.len(), 2, "one val_loss per step (2 steps): {metrics}");
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let want = g["lora_loss"].as_f64().unwrap();
+    for v in vals {
+        assert!(
+            ((v - want) / want).abs() < 1e-5,
+            "val_loss {v} vs PEFT {want}"
+        );
+    }
+    let o = common::ferrotune(&args(&[]), &dir, &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o).contains("run_val_every_n_steps is set but dataset_val is not configured"),
+        "{}",
+        text(&o)
+    );
+}

@@ -510,6 +510,9 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("resume_from_checkpoint", Ty::Bool),
     ("save_adapter_weights_only", Ty::Bool),
     ("dataset", Ty::MapOrList(DATASET_KEYS)),
+    ("dataset_val", Ty::MapOrList(DATASET_KEYS)),
+    ("batch_size_val", Ty::Int),
+    ("run_val_every_n_steps", Ty::Int),
     ("seed", Ty::Int),
     ("shuffle", Ty::Bool),
     ("batch_size", Ty::Int),
@@ -525,6 +528,7 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("enable_activation_checkpointing", Ty::Bool),
     ("enable_activation_offloading", Ty::Bool),
     ("compile", Ty::Bool),
+    ("low_cpu_ram", Ty::Bool),
     ("optimizer_in_bwd", Ty::Bool),
     ("metric_logger", Ty::Map(LOGGER_KEYS)),
     ("log_every_n_steps", Ty::Int),
@@ -613,6 +617,13 @@ fn check_map(
 
 fn check_value(v: &Value, ty: Ty, path: &str, origin: &str, problems: &mut Vec<String>) {
     if v.is_null() {
+        return;
+    }
+    // `${other_key}` takes the other key's value when the config is resolved, and its type is
+    // checked where it is read (torchtune's `batch_size_val: ${batch_size}`).
+    if v.as_str()
+        .is_some_and(|s| s.starts_with("${") && s.ends_with('}'))
+    {
         return;
     }
     let ok = match ty {

@@ -26,6 +26,37 @@ pub struct EvalResult {
     pub targets: usize,
 }
 
+/// The mean cross-entropy over the target tokens of `rows` (in batches of `batch_size`, at most
+/// `cap` batches), and the number of target tokens: the whole set's token-weighted mean, as
+/// torchtune's validation computes it. NaN without targets.
+pub fn mean_target_loss(
+    model: &ferrotune_models::CausalLm,
+    rows: &[Row],
+    batch_size: usize,
+    cap: Option<usize>,
+    pad: u32,
+    device: &candle_core::Device,
+) -> Result<(f64, usize)> {
+    let (mut sum, mut targets) = (0f64, 0usize);
+    for (i, chunk) in rows.chunks(batch_size.max(1)).enumerate() {
+        if cap.is_some_and(|c| i >= c) {
+            break;
+        }
+        let picked: Vec<&Row> = chunk.iter().collect();
+        let batch = MicroBatch::from_batch(&collate(&picked, pad), device)?;
+        let logits = model.forward(&batch.input_ids, &batch.layout, None)?;
+        let loss = causal_lm_loss(&logits, &batch.labels, true)?;
+        sum += loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        targets += loss.count;
+    }
+    let mean = if targets > 0 {
+        sum / targets as f64
+    } else {
+        f64::NAN
+    };
+    Ok((mean, targets))
+}
+
 /// Runs the evaluation recipe and prints its result (also as a JSON line).
 pub fn run(cfg: &Config) -> Result<EvalResult> {
     let device = setup::device(cfg)?;
@@ -42,23 +73,7 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
     let cap = cfg.usize("max_steps_per_epoch")?;
     let pad = setup::pad_id(&tok, &model.config);
     let t0 = Instant::now();
-    let (mut sum, mut targets) = (0f64, 0usize);
-    for (i, chunk) in rows.chunks(batch_size).enumerate() {
-        if cap.is_some_and(|c| i >= c) {
-            break;
-        }
-        let picked: Vec<&Row> = chunk.iter().collect();
-        let batch = MicroBatch::from_batch(&collate(&picked, pad), &device)?;
-        let logits = model.forward(&batch.input_ids, &batch.layout, None)?;
-        let loss = causal_lm_loss(&logits, &batch.labels, true)?;
-        sum += loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        targets += loss.count;
-    }
-    let mean = if targets > 0 {
-        sum / targets as f64
-    } else {
-        f64::NAN
-    };
+    let (mean, targets) = mean_target_loss(&model, &rows, batch_size, cap, pad, &device)?;
     let result = EvalResult {
         loss: mean,
         perplexity: mean.exp(),

@@ -120,6 +120,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         "compile",
         "optimizer_in_bwd",
         "enable_activation_offloading",
+        "low_cpu_ram",
     ] {
         if cfg.bool(ignored)?.unwrap_or(false) && lead {
             eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
@@ -250,6 +251,26 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let dataset = setup::dataset(cfg, &tokenizer)?;
     let rows = dataset.rows;
     let pad = setup::pad_id(&tokenizer, &model.config);
+    // Validation every `run_val_every_n_steps` optimizer steps on `dataset_val` (torchtune's keys).
+    let validation = match cfg.usize("run_val_every_n_steps")?.filter(|&n| n > 0) {
+        None => None,
+        Some(_) if distributed => bail!(
+            "{}: run_val_every_n_steps: validation during training runs in the single-device \
+             recipes; set it to null here and evaluate the saved checkpoints with the eval recipe",
+            cfg.origin
+        ),
+        Some(every) => {
+            if cfg.get("dataset_val").is_none_or(|v| v.is_null()) {
+                bail!(
+                    "{}: run_val_every_n_steps is set but dataset_val is not configured",
+                    cfg.origin
+                );
+            }
+            let val_rows = setup::dataset_at(cfg, &tokenizer, "dataset_val")?.rows;
+            let val_batch = cfg.usize("batch_size_val")?.unwrap_or(batch_size).max(1);
+            Some((every, val_rows, val_batch))
+        }
+    };
     // Each optimizer step takes batch_size × ranks × gradient_accumulation_steps rows.
     let batches_per_epoch = rows.len() / (batch_size * world);
     let mut steps_per_epoch = batches_per_epoch / grad_accum;
@@ -456,6 +477,20 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     metrics.push(("peak_memory_rss_mb", peak_rss_mb()));
                 }
                 logger.log_step(global_step as u64, &metrics)?;
+            }
+            if let Some((every, val_rows, val_batch)) = &validation {
+                if global_step.is_multiple_of(*every) {
+                    // Dropout off while validating, as torchtune's `model.eval()`.
+                    ferrotune_models::lora::set_training(&mut model, false);
+                    let (val_loss, _) = crate::recipe::eval::mean_target_loss(
+                        &model, val_rows, *val_batch, None, pad, &device,
+                    )?;
+                    ferrotune_models::lora::set_training(&mut model, mode == Mode::Lora);
+                    bar.suspend(|| eprintln!("Validation loss: {val_loss:.4}"));
+                    if let Some(logger) = logger.as_mut() {
+                        logger.log_step(global_step as u64, &[("val_loss", val_loss)])?;
+                    }
+                }
             }
             kill_if_asked(global_step, rank);
             let end_of_epoch = step_in_epoch + 1 == steps_per_epoch;

@@ -437,10 +437,19 @@ pub fn check_loss(cfg: &Config) -> Result<()> {
 
 /// The `dataset` section with `tokenizer.max_seq_len` applied where a dataset sets none.
 pub fn dataset(cfg: &Config, tok: &Tokenizer) -> Result<ferrotune_data::dataset::Dataset> {
+    dataset_at(cfg, tok, "dataset")
+}
+
+/// The dataset described by section `key` (`dataset`, or `dataset_val` for validation).
+pub fn dataset_at(
+    cfg: &Config,
+    tok: &Tokenizer,
+    key: &str,
+) -> Result<ferrotune_data::dataset::Dataset> {
     let mut section = cfg
-        .get("dataset")
+        .get(key)
         .cloned()
-        .ok_or_else(|| anyhow!("{}: 'dataset' is required", cfg.origin))?;
+        .ok_or_else(|| anyhow!("{}: '{key}' is required", cfg.origin))?;
     if let Some(max) = cfg.usize("tokenizer.max_seq_len")? {
         let fill = |v: &mut serde_json::Value| {
             if let Some(m) = v.as_object_mut() {
@@ -455,7 +464,7 @@ pub fn dataset(cfg: &Config, tok: &Tokenizer) -> Result<ferrotune_data::dataset:
         }
     }
     ferrotune_data::dataset::build_dataset(&section, tok, Path::new("."))
-        .with_context(|| format!("{}: dataset", cfg.origin))
+        .with_context(|| format!("{}: {key}", cfg.origin))
 }
 
 /// The token used to pad batches.
