@@ -577,3 +577,43 @@ fn validation_every_n_steps_logs_the_val_loss() {
         text(&o)
     );
 }
+
+/// torchtune's `checkpointer.keep_last_n_checkpoints`: after each save only the newest N
+/// `epoch_*` folders stay (other folders untouched); 0 is an error naming the key.
+#[test]
+fn keep_last_n_checkpoints_prunes_older_epochs() {
+    let dir = tmpdir("keep-last");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = write_config(&dir, "llama3", &data);
+    std::fs::create_dir_all(dir.join("out/notes")).unwrap();
+    let run = |keep: &str| -> Output {
+        ferrotune(
+            &[
+                "run",
+                "lora_finetune_single_device",
+                "--config",
+                cfg.to_str().unwrap(),
+                "epochs=3",
+                &format!("checkpointer.keep_last_n_checkpoints={keep}"),
+            ],
+            &dir,
+            &[],
+        )
+    };
+    let o = run("2");
+    assert!(o.status.success(), "{}", text(&o));
+    let mut left: Vec<String> = std::fs::read_dir(dir.join("out"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        ["config.yaml", "epoch_1", "epoch_2", "logs", "notes"],
+        "{left:?}"
+    );
+    let o = run("0");
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).contains("keep_last_n_checkpoints"), "{}", text(&o));
+}

@@ -438,6 +438,9 @@ const TOKENIZER_KEYS: &[(&str, Ty)] = &[
     ("path", Ty::Str),
     ("max_seq_len", Ty::Int),
     ("merges_file", Ty::Str),
+    // torchtune's Phi-4 tokenizer names its files this way.
+    ("vocab_path", Ty::Str),
+    ("merges_path", Ty::Str),
     ("prompt_template", Ty::Any),
 ];
 const CHECKPOINTER_KEYS: &[(&str, Ty)] = &[
@@ -449,6 +452,7 @@ const CHECKPOINTER_KEYS: &[(&str, Ty)] = &[
     ("output_dir", Ty::Str),
     ("model_type", Ty::Str),
     ("safe_serialization", Ty::Bool),
+    ("keep_last_n_checkpoints", Ty::Int),
 ];
 /// Keys of one dataset section.
 pub const DATASET_KEYS: &[(&str, Ty)] = &[

@@ -213,9 +213,13 @@ pub fn tokenizer(cfg: &Config, checkpoint: &Path) -> Result<Tokenizer> {
 
 /// The tokenizer [`tokenizer`] reads, and the file or folder it came from.
 fn find_tokenizer(cfg: &Config, checkpoint: &Path) -> Result<(Tokenizer, PathBuf)> {
-    let path = cfg
-        .path("tokenizer.path")?
-        .unwrap_or_else(|| checkpoint.to_path_buf());
+    let path = match cfg.path("tokenizer.path")? {
+        Some(p) => p,
+        // torchtune's Phi-4 tokenizer takes `vocab_path` (tokenizer.json sits beside it).
+        None => cfg
+            .path("tokenizer.vocab_path")?
+            .unwrap_or_else(|| checkpoint.to_path_buf()),
+    };
     if !path.exists() {
         bail!(
             "{}: tokenizer.path: {} does not exist",
