@@ -222,18 +222,17 @@ impl Moe {
         out
     }
 
-    /// [`Moe::linears`], mutable, with their [`Moe::names`].
-    fn named_linears_mut(&mut self) -> Vec<(Cow<'static, str>, &mut Linear)> {
-        let names = self.names();
-        let mut linears = vec![&mut self.router];
+    /// [`Moe::linears`], mutable.
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut out = vec![&mut self.router];
         for e in self.experts.iter_mut() {
-            linears.extend(mlp_linears_mut(e));
+            out.extend(mlp_linears_mut(e));
         }
         if let Some((shared, gate)) = &mut self.shared_expert {
-            linears.extend(mlp_linears_mut(shared));
-            linears.push(gate);
+            out.extend(mlp_linears_mut(shared));
+            out.push(gate);
         }
-        names.into_iter().map(Cow::Owned).zip(linears).collect()
+        out
     }
 }
 
@@ -267,6 +266,51 @@ impl Mlp {
             _ => "mlp.down_proj",
         }
     }
+
+    /// The module names of a dense layer's MLP, in the order of [`mlp_linears`].
+    fn names(&self) -> Vec<&'static str> {
+        let mut out = match self.gate_up {
+            GateUpProjection::Separate { .. } => vec!["mlp.gate_proj", "mlp.up_proj"],
+            GateUpProjection::Fused { .. } => vec!["mlp.gate_up_proj"],
+            GateUpProjection::Ungated { .. } => vec!["mlp.fc1"],
+        };
+        out.push(self.down_proj_name());
+        out
+    }
+}
+
+impl QkvProjection {
+    /// The module names, in the order of [`QkvProjection::linears`].
+    fn names(&self) -> &'static [&'static str] {
+        match self {
+            QkvProjection::Separate { .. } => {
+                &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+            }
+            QkvProjection::Fused { .. } => &["self_attn.qkv_proj"],
+        }
+    }
+
+    fn linears(&self) -> Vec<&Linear> {
+        match self {
+            QkvProjection::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => vec![q_proj, k_proj, v_proj],
+            QkvProjection::Fused { qkv_proj } => vec![qkv_proj],
+        }
+    }
+
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        match self {
+            QkvProjection::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => vec![q_proj, k_proj, v_proj],
+            QkvProjection::Fused { qkv_proj } => vec![qkv_proj],
+        }
+    }
 }
 
 /// One decoder layer (pre-norm residual blocks).
@@ -297,6 +341,7 @@ impl DecoderLayer {
     /// ..., `self_attn.k_norm.weight`), and its linear layers as [`DecoderLayer::linears`] names
     /// them: every tensor of the layer, borrowed apart.
     pub fn parts_mut(&mut self) -> LayerPartsMut<'_> {
+        let names = self.linear_names();
         let DecoderLayer {
             input_layernorm,
             input_layernorm_bias,
@@ -310,9 +355,9 @@ impl DecoderLayer {
         let Attention {
             qkv,
             o_proj,
-            o_proj_name,
             q_norm,
             k_norm,
+            ..
         } = self_attn;
         let mut norms: Vec<(&'static str, &mut Tensor)> =
             vec![("input_layernorm.weight", input_layernorm)];
@@ -335,44 +380,14 @@ impl DecoderLayer {
                 .into_iter()
                 .filter_map(|(name, t)| t.as_mut().map(|t| (name, t))),
         );
-        let mut linears: Vec<(Cow<'static, str>, &mut Linear)> = Vec::with_capacity(7);
-        fn push<'a>(
-            name: &'static str,
-            l: &'a mut Linear,
-            out: &mut Vec<(Cow<'static, str>, &'a mut Linear)>,
-        ) {
-            out.push((Cow::Borrowed(name), l))
-        }
-        match qkv {
-            QkvProjection::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => {
-                push("self_attn.q_proj", q_proj, &mut linears);
-                push("self_attn.k_proj", k_proj, &mut linears);
-                push("self_attn.v_proj", v_proj, &mut linears);
-            }
-            QkvProjection::Fused { qkv_proj } => push("self_attn.qkv_proj", qkv_proj, &mut linears),
-        }
-        push(o_proj_name, o_proj, &mut linears);
+        let mut linears = qkv.linears_mut();
+        linears.push(o_proj);
         match mlp {
-            FeedForward::Dense(mlp) => {
-                let down_name = mlp.down_proj_name();
-                match &mut mlp.gate_up {
-                    GateUpProjection::Separate { gate_proj, up_proj } => {
-                        push("mlp.gate_proj", gate_proj, &mut linears);
-                        push("mlp.up_proj", up_proj, &mut linears);
-                    }
-                    GateUpProjection::Fused { gate_up_proj } => {
-                        push("mlp.gate_up_proj", gate_up_proj, &mut linears)
-                    }
-                    GateUpProjection::Ungated { fc1 } => push("mlp.fc1", fc1, &mut linears),
-                }
-                push(down_name, &mut mlp.down_proj, &mut linears);
-            }
-            FeedForward::Sparse(moe) => linears.extend(moe.named_linears_mut()),
+            FeedForward::Dense(mlp) => linears.extend(mlp_linears_mut(mlp)),
+            FeedForward::Sparse(moe) => linears.extend(moe.linears_mut()),
         }
+        debug_assert_eq!(names.len(), linears.len());
+        let linears = names.into_iter().zip(linears).collect();
         LayerPartsMut { norms, linears }
     }
 
@@ -408,40 +423,29 @@ impl DecoderLayer {
     /// The layer's linear layers with their module names inside it (`self_attn.q_proj`, ...),
     /// in model order (the names only borrowed, except for a mixture of experts').
     pub fn linears(&self) -> Vec<(Cow<'static, str>, &Linear)> {
-        let mut out: Vec<(Cow<'static, str>, &Linear)> = Vec::with_capacity(7);
-        let attn = &self.self_attn;
-        match &attn.qkv {
-            QkvProjection::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => out.extend([
-                ("self_attn.q_proj".into(), q_proj),
-                ("self_attn.k_proj".into(), k_proj),
-                ("self_attn.v_proj".into(), v_proj),
-            ]),
-            QkvProjection::Fused { qkv_proj } => out.push(("self_attn.qkv_proj".into(), qkv_proj)),
-        }
-        out.push((attn.o_proj_name.into(), &attn.o_proj));
+        let mut linears = self.self_attn.qkv.linears();
+        linears.push(&self.self_attn.o_proj);
         match &self.mlp {
-            FeedForward::Dense(mlp) => {
-                match &mlp.gate_up {
-                    GateUpProjection::Separate { gate_proj, up_proj } => out.extend([
-                        ("mlp.gate_proj".into(), gate_proj),
-                        ("mlp.up_proj".into(), up_proj),
-                    ]),
-                    GateUpProjection::Fused { gate_up_proj } => {
-                        out.push(("mlp.gate_up_proj".into(), gate_up_proj))
-                    }
-                    GateUpProjection::Ungated { fc1 } => out.push(("mlp.fc1".into(), fc1)),
-                }
-                out.push((mlp.down_proj_name().into(), &mlp.down_proj));
-            }
-            FeedForward::Sparse(moe) => {
-                out.extend(moe.names().into_iter().map(Cow::Owned).zip(moe.linears()))
-            }
+            FeedForward::Dense(mlp) => linears.extend(mlp_linears(mlp)),
+            FeedForward::Sparse(moe) => linears.extend(moe.linears()),
         }
-        out
+        let names = self.linear_names();
+        debug_assert_eq!(names.len(), linears.len());
+        names.into_iter().zip(linears).collect()
+    }
+
+    /// The module names of [`DecoderLayer::linears`], in its order (borrowed, except a mixture
+    /// of experts' per-expert names).
+    fn linear_names(&self) -> Vec<Cow<'static, str>> {
+        let attn = &self.self_attn;
+        let mut names: Vec<Cow<'static, str>> =
+            attn.qkv.names().iter().map(|&n| Cow::Borrowed(n)).collect();
+        names.push(Cow::Borrowed(attn.o_proj_name));
+        match &self.mlp {
+            FeedForward::Dense(mlp) => names.extend(mlp.names().into_iter().map(Cow::Borrowed)),
+            FeedForward::Sparse(moe) => names.extend(moe.names().into_iter().map(Cow::Owned)),
+        }
+        names
     }
 }
 
