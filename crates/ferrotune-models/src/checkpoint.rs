@@ -116,10 +116,12 @@ pub fn read_safetensors(
     read_safetensors_renamed(files, dtype, device, &|name| Some(name.to_string()))
 }
 
-/// The HF name inside the text model of a multimodal (Gemma 3, Mistral 3) checkpoint's tensor, or
-/// `None` for the vision tower and projector: transformers 4.5x saves `language_model.model.*` and
-/// `language_model.lm_head.*`, transformers 5 `model.language_model.*` and `lm_head.*`.
-fn text_model_tensor(name: &str) -> Option<String> {
+/// The HF name inside the text model of a multimodal (Gemma 3, Mistral 3) model's tensor or module,
+/// or `None` for the vision tower and projector: transformers 4.5x names them
+/// `language_model.model.*` and `language_model.lm_head.*`, transformers 5
+/// `model.language_model.*` and `lm_head.*`; names already in the text model's form stay. Serves
+/// checkpoints and PEFT adapters of the whole model alike.
+pub(crate) fn text_model_tensor(name: &str) -> Option<String> {
     if let Some(rest) = name
         .strip_prefix("language_model.model.")
         .or_else(|| name.strip_prefix("model.language_model."))
@@ -129,7 +131,11 @@ fn text_model_tensor(name: &str) -> Option<String> {
     if let Some(rest) = name.strip_prefix("language_model.lm_head.") {
         return Some(format!("lm_head.{rest}"));
     }
-    name.starts_with("lm_head.").then(|| name.to_string())
+    let vision = ["model.vision_tower.", "model.multi_modal_projector."]
+        .iter()
+        .any(|p| name.starts_with(p));
+    let text = name.starts_with("lm_head.") || name.starts_with("model.");
+    (text && !vision).then(|| name.to_string())
 }
 
 /// As [`read_safetensors`], keeping only the tensors `rename` maps to a name (under that name);

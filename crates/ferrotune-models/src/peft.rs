@@ -573,20 +573,9 @@ fn text_model_adapter_tensors(
             out.insert(name, t);
             continue;
         };
-        let text = rest
-            .strip_prefix("language_model.model.")
-            .or_else(|| rest.strip_prefix("model.language_model."))
-            .map(|r| format!("model.{r}"))
-            .or_else(|| {
-                rest.strip_prefix("language_model.lm_head.")
-                    .map(|r| format!("lm_head.{r}"))
-            });
-        match text {
+        match crate::checkpoint::text_model_tensor(rest) {
             Some(text) => {
                 out.insert(format!("{PEFT_PREFIX}{text}"), t);
-            }
-            None if rest.starts_with("model.") || rest.starts_with("lm_head.") => {
-                out.insert(name, t);
             }
             None => dropped += 1,
         }
