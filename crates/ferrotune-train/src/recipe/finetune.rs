@@ -707,7 +707,7 @@ impl Saver<'_> {
     ) -> Result<PathBuf> {
         let dir = self.write_folder(model, name, st, optimizer_state)?;
         if let Some(keep) = self.keep_last {
-            prune_checkpoints(self.output_dir, name, keep)?;
+            state::prune_checkpoints(self.output_dir, name, keep)?;
         }
         Ok(dir)
     }
@@ -768,36 +768,6 @@ impl Saver<'_> {
 /// `FERROTUNE_KILL_AFTER_STEP=N` sends this process SIGKILL right after step N is logged: how the
 /// tests interrupt a run at a known point to check that resuming is step-exact.
 /// With `FERROTUNE_KILL_RANK=R` only rank R is killed (the others must notice).
-/// Removes all but the newest `keep` checkpoint folders of the kind `name` is (`epoch_N` or
-/// `step_N`, newest = highest N) in `output_dir`. Only folders named exactly so are touched.
-fn prune_checkpoints(output_dir: &Path, name: &str, keep: usize) -> Result<()> {
-    let Some((kind, _)) = name.rsplit_once('_') else {
-        return Ok(());
-    };
-    let prefix = format!("{kind}_");
-    let mut found: Vec<(u64, PathBuf)> = Vec::new();
-    for entry in std::fs::read_dir(output_dir)
-        .with_context(|| format!("{}: cannot list", output_dir.display()))?
-    {
-        let path = entry?.path();
-        let number = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_prefix(&prefix))
-            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|n| n.parse::<u64>().ok());
-        if let (Some(n), true) = (number, path.is_dir()) {
-            found.push((n, path));
-        }
-    }
-    found.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
-    for (_, old) in found.into_iter().skip(keep) {
-        std::fs::remove_dir_all(&old)
-            .with_context(|| format!("{}: cannot remove", old.display()))?;
-    }
-    Ok(())
-}
-
 fn kill_if_asked(global_step: usize, rank: usize) {
     let number = |var: &str| {
         std::env::var(var)

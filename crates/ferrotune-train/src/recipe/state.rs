@@ -150,6 +150,36 @@ pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<SavedCheckpoint>> {
     Ok(best)
 }
 
+/// Removes all but the newest `keep` checkpoint folders of the kind `name` is (`epoch_N` or
+/// `step_N`, newest = highest N) in `output_dir`. Only folders named exactly so are touched.
+pub fn prune_checkpoints(output_dir: &Path, name: &str, keep: usize) -> Result<()> {
+    let Some((kind, _)) = name.rsplit_once('_') else {
+        return Ok(());
+    };
+    let prefix = format!("{kind}_");
+    let mut found: Vec<(u64, PathBuf)> = Vec::new();
+    for entry in std::fs::read_dir(output_dir)
+        .with_context(|| format!("{}: cannot list", output_dir.display()))?
+    {
+        let path = entry?.path();
+        let number = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix(&prefix))
+            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|n| n.parse::<u64>().ok());
+        if let (Some(n), true) = (number, path.is_dir()) {
+            found.push((n, path));
+        }
+    }
+    found.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
+    for (_, old) in found.into_iter().skip(keep) {
+        std::fs::remove_dir_all(&old)
+            .with_context(|| format!("{}: cannot remove", old.display()))?;
+    }
+    Ok(())
+}
+
 /// The optimizer state saved in checkpoint folder `dir`, as named tensors.
 pub fn read_optimizer_state(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let file = dir.join(STATE_DIR).join(OPTIMIZER_FILE);
