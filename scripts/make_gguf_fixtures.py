@@ -255,12 +255,170 @@ def gemma_family_ggufs() -> None:
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
 
+def moe_and_phi2_ggufs() -> None:
+    """Mixtral, Qwen2-MoE, Qwen3-MoE and Phi-2 GGUFs written from the tiny HF fixtures in
+    tests/fixtures/models as convert_hf_to_gguf.py writes them (F32): stacked expert tensors
+    (`ffn_{gate,up,down}_exps`, [experts, out, in] in PyTorch order), the router `ffn_gate_inp`,
+    Qwen2-MoE's shared expert (`ffn_*_shexp`, its gate `ffn_gate_inp_shexp` as a vector), dense
+    layers of a sparse model (Qwen3-MoE's `mlp_only_layers`) as plain `ffn_*`; Mixtral as
+    `llama` with q/k rows permuted; Phi-2 with LayerNorm biases and `ffn_up`/`ffn_down` for
+    fc1/fc2. Two older layouts are written too: Mixtral with one tensor per expert
+    (`ffn_gate.E`, llama.cpp before April 2024) and Phi-2 with a fused `attn_qkv`. The reference
+    is each source checkpoint's logits for `input_ids` (transformers' GGUF loader reads neither
+    moe_intermediate_size nor the shared expert's size, so it cannot load these)."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def write(kind, arch, src, path, variant=""):
+        legacy = variant in ("legacy", "qkv")
+        m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        c = m.config
+        # The checkpoint's own tensors (per-expert, as on the Hub), not transformers 5's fused experts.
+        from safetensors.numpy import load_file
+        sd = {k: v.astype(np.float32) for k, v in load_file(str(Path(src) / "model.safetensors")).items()}
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_name(f"tiny {kind}")
+        w.add_block_count(c.num_hidden_layers)
+        w.add_context_length(c.max_position_embeddings)
+        w.add_embedding_length(c.hidden_size)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_head_count(c.num_attention_heads)
+        w.add_head_count_kv(c.num_key_value_heads)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        rope = c.rope_parameters
+        w.add_rope_freq_base(rope["rope_theta"])
+        if kind == "phi2":
+            w.add_layer_norm_eps(c.layer_norm_eps)
+            w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
+        else:
+            w.add_layer_norm_rms_eps(c.rms_norm_eps)
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+            if arch == "llama":
+                w.add_rope_dimension_count(head_dim)
+            w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+            w.add_expert_used_count(c.num_experts_per_tok)
+            if kind != "mixtral":
+                w.add_expert_feed_forward_length(c.moe_intermediate_size)
+            if kind == "qwen2_moe":
+                w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        w.add_vocab_size(c.vocab_size)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(3)
+        out = {}
+        top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+               "model.final_layernorm": "output_norm", "lm_head": "output"}
+        names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "self_attn.dense": "attn_output",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+                 "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+                 "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+                 "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                 "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                 "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+        expert_parts = {"w1": "gate", "w3": "up", "w2": "down",
+                        "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+        experts = {}
+        for n, a in sd.items():
+            mod, suffix = n.rsplit(".", 1)
+            if mod in top:
+                out[f"{top[mod]}.{suffix}"] = a
+                continue
+            _, _, i, rest = mod.split(".", 3)
+            if ".experts." in rest:
+                e, part = rest.split(".experts.")[1].split(".")
+                experts.setdefault((int(i), expert_parts[part]), {})[int(e)] = a
+                continue
+            if rest == "self_attn.q_proj" and arch == "llama":
+                a = permute(a, c.num_attention_heads)
+            if rest == "self_attn.k_proj" and arch == "llama":
+                a = permute(a, c.num_key_value_heads)
+            if rest == "mlp.shared_expert_gate":
+                a = a.reshape(-1)
+            out[f"blk.{i}.{names[rest]}.{suffix}"] = a
+        quantized = {}
+        for (i, part), per in experts.items():
+            if legacy:
+                for e, a in per.items():
+                    out[f"blk.{i}.ffn_{part}.{e}.weight"] = a
+            elif variant == "q8" and part != "down":
+                # Gate and up of every expert as one Q8_0 `ffn_gate_up_exps` (gate rows first);
+                # the reference model gets the dequantized values.
+                if part == "gate":
+                    up = experts[(i, "up")]
+                    both = np.stack([np.concatenate([per[e], up[e]]) for e in sorted(per)])
+                    q = gguf.quants.quantize(both, gguf.GGMLQuantizationType.Q8_0)
+                    quantized[f"blk.{i}.ffn_gate_up_exps.weight"] = q
+                    deq = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(both.shape)
+                    half = both.shape[1] // 2
+                    prefix = f"model.layers.{i}.block_sparse_moe.experts"
+                    for e in sorted(per):
+                        sd[f"{prefix}.{e}.w1.weight"] = deq[e, :half]
+                        sd[f"{prefix}.{e}.w3.weight"] = deq[e, half:]
+            else:
+                out[f"blk.{i}.ffn_{part}_exps.weight"] = np.stack([per[e] for e in sorted(per)])
+        if legacy and kind == "phi2":
+            for i in range(c.num_hidden_layers):
+                for s in ("weight", "bias"):
+                    parts = [out.pop(f"blk.{i}.attn_{x}.{s}") for x in "qkv"]
+                    out[f"blk.{i}.attn_qkv.{s}"] = np.concatenate(parts, axis=0)
+        for g in sorted(out):
+            w.add_tensor(g, np.ascontiguousarray(out[g], dtype=np.float32))
+        for g, q in sorted(quantized.items()):
+            w.add_tensor(g, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        if quantized:
+            import shutil
+            import tempfile
+            from safetensors.numpy import save_file as save_np
+            with tempfile.TemporaryDirectory() as tmp:
+                shutil.copy(Path(src) / "config.json", tmp)
+                save_np({k: np.ascontiguousarray(v) for k, v in sd.items()}, str(Path(tmp) / "model.safetensors"))
+                m = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        return m
+
+    ids = torch.tensor([[5, 9, 44, 7, 100, 13, 250, 17, 300, 21, 66, 77, 480, 11]])
+    models = ROOT / "tests" / "fixtures" / "models"
+    for kind, arch, src, variant in [("mixtral", "llama", "mixtral", ""),
+                                     ("mixtral_legacy", "llama", "mixtral", "legacy"),
+                                     ("mixtral_q8", "llama", "mixtral", "q8"),
+                                     ("qwen2_moe", "qwen2moe", "qwen2_moe", ""),
+                                     ("qwen3_moe", "qwen3moe", "qwen3_moe", ""),
+                                     ("phi2", "phi2", "phi2", ""),
+                                     ("phi2_qkv", "phi2", "phi2", "qkv")]:
+        path = OUT / f"{kind}_tiny.gguf"
+        m = write(src, arch, models / src / "model", path, variant)
+        os.chmod(path, 0o644)
+        with torch.no_grad():
+            logits = m(ids).logits.float().contiguous()
+        if variant in ("", "q8"):  # the older layouts share their source's reference
+            ref = OUT / f"{kind}_tiny_reference.safetensors"
+            save_file({"input_ids": ids.to(torch.int64), "logits": logits}, str(ref))
+            os.chmod(ref, 0o644)
+        print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--gemma-only"]:
         gemma_family_ggufs()
         sys.exit(0)
+    if sys.argv[1:] == ["--moe-phi-only"]:
+        moe_and_phi2_ggufs()
+        sys.exit(0)
     quant_reference()
     smollm2_reference()
     gemma_family_ggufs()
+    moe_and_phi2_ggufs()
     for f in sorted(OUT.iterdir()):
         print(f"{f.relative_to(ROOT)}: {f.stat().st_size} bytes")

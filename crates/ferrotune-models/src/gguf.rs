@@ -9,6 +9,8 @@
 //! - llama (and Mistral, which llama.cpp writes as `llama`) query/key rows are permuted for
 //!   llama.cpp's interleaved RoPE; they are permuted back.
 //! - Gemma norm weights were stored as `1 + w`; the 1 is subtracted again.
+//! - Mixture-of-experts tensors stacked over experts (`ffn_gate_exps`, ...) are split into
+//!   transformers' per-expert tensors; Phi-2's fused `attn_qkv` (older files) into q, k and v.
 //!
 //! Beyond transformers (whose GGUF loader leaves these out), rotary scaling is recovered too:
 //! `rope.scaling.*` keys (linear, YaRN), Phi-3 LongRoPE factors stored as tensors, and Llama 3.x
@@ -30,7 +32,8 @@ use crate::error::ModelError;
 
 /// Loads a llama.cpp GGUF (v2/v3) model: config from metadata, tensors dequantized to `dtype` on `device`, named as in HF checkpoints.
 ///
-/// Supported architectures: `llama` (and Mistral), `qwen2`, `qwen3`, `gemma`, `phi3`; tensor
+/// Supported architectures: `llama` (and Mistral, Mixtral), `qwen2`, `qwen2moe`, `qwen3`,
+/// `qwen3moe`, `gemma`, `gemma2`, `gemma3`, `phi2`, `phi3`; tensor
 /// types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K. Every problem with the
 /// file (missing, not a GGUF, truncated, unsupported type, missing metadata, tensor shapes that
 /// disagree with the metadata) is a [`ModelError::File`] naming the file and what is wrong.
@@ -90,7 +93,9 @@ fn read_gguf(
             .expected_shape(&hp, &arch)
             .map_err(|msg| gguf.tensor_err(name, msg))?;
         let info = &gguf.content.tensor_infos[name];
-        if info.shape.dims() != expected.as_slice() {
+        // Qwen2-MoE's shared-expert gate may be stored as `[1, hidden]` as well as `[hidden]`.
+        let row_vector = role.kind == Kind::SharedRouter && info.shape.dims() == [1, hp.hidden];
+        if info.shape.dims() != expected.as_slice() && !row_vector {
             return Err(gguf.tensor_err(
                 name,
                 format!(
@@ -108,8 +113,26 @@ fn read_gguf(
     let mut packed = PackedWeights::new();
     for (name, role) in plan {
         let q = gguf.read_qtensor(&name)?;
+        let parts = role.hf_parts(&arch, &hp);
+        if keep_packed && device.is_cpu() && role.is_stacked() {
+            // Each expert's rows are contiguous blocks of the stacked tensor.
+            if let Ok(data) = q.data() {
+                let per_expert = data.len() / hp.experts;
+                let row_bytes = per_expert / q.shape().dims()[1];
+                for part in &parts {
+                    let start = part.index.unwrap_or(0) * per_expert + part.start * row_bytes;
+                    let bytes = data[start..start + part.len * row_bytes].to_vec();
+                    let cols = q.shape().dims()[2];
+                    if let Ok(m) =
+                        QuantizedMatrix::from_ggml_bytes(q.dtype(), part.len, cols, bytes)
+                    {
+                        packed.insert(part.name.clone(), m);
+                    }
+                }
+            }
+        }
         // Block types the fused kernel does not cover (and F32/F16) stay dense only.
-        let kernel = (keep_packed && device.is_cpu() && role.is_matrix())
+        let kernel = (keep_packed && device.is_cpu() && role.is_matrix() && parts.len() == 1)
             .then(|| QuantizedMatrix::from_qtensor(&q).ok())
             .flatten();
         if let Some(mut m) = kernel {
@@ -127,7 +150,7 @@ fn read_gguf(
                         .map_err(|e| gguf.tensor_err(&name, e))?;
                 }
             }
-            packed.insert(role.hf_name(&arch), m);
+            packed.insert(parts[0].name.clone(), m);
         }
         let mut t = gguf.dequantize_blocks(&name, &q)?;
         if arch.permuted_qk {
@@ -156,9 +179,38 @@ fn read_gguf(
                 format!("cannot be converted to {dtype:?} on {device:?}: {e}"),
             )
         })?;
-        tensors.insert(role.hf_name(&arch), t);
+        if let [whole] = parts.as_slice() {
+            let t = if role.kind == Kind::SharedRouter {
+                // transformers' `shared_expert_gate` is a `[1, hidden]` linear layer.
+                t.reshape((1, hp.hidden))
+                    .map_err(|e| gguf.tensor_err(&name, e))?
+            } else {
+                t
+            };
+            tensors.insert(whole.name.clone(), t);
+            continue;
+        }
+        for part in parts {
+            let piece = match part.index {
+                Some(e) => t.get(e),
+                None => Ok(t.clone()),
+            }
+            .and_then(|p| p.narrow(0, part.start, part.len))
+            .map_err(|e| gguf.tensor_err(&name, format!("cannot be split: {e}")))?;
+            tensors.insert(part.name, piece);
+        }
     }
     Ok((config, tensors, packed))
+}
+
+/// One HF tensor cut from a GGUF tensor (see [`Role::hf_parts`]).
+struct HfPart {
+    name: String,
+    /// The expert (first dimension) of a stacked tensor.
+    index: Option<usize>,
+    /// Rows `start .. start + len` of it (`len` 0 with a single part: the whole tensor).
+    start: usize,
+    len: usize,
 }
 
 /// Tensors that feed the config (rotary factors) rather than the model.
@@ -491,9 +543,9 @@ impl<'a> GgufFile<'a> {
         c.insert("rms_norm_eps".into(), json!(hp.rms_eps));
         c.insert("rope_theta".into(), json!(hp.rope_theta));
         if hp.rope_dims != hp.head_dim {
-            if arch.model_type != "phi3" {
+            if !matches!(arch.model_type, "phi3" | "phi") {
                 return Err(self.err(format!(
-                    "{a}.rope.dimension_count is {} but the head dimension is {}: partial rotary embeddings are only supported for phi3",
+                    "{a}.rope.dimension_count is {} but the head dimension is {}: partial rotary embeddings are only supported for phi2 and phi3",
                     hp.rope_dims, hp.head_dim
                 )));
             }
@@ -508,6 +560,8 @@ impl<'a> GgufFile<'a> {
         if arch.model_type.starts_with("gemma") {
             c.insert("hidden_act".into(), json!("gelu_pytorch_tanh"));
             c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+        } else if arch.model_type == "phi" {
+            c.insert("hidden_act".into(), json!("gelu_new"));
         } else {
             c.insert("hidden_act".into(), json!("silu"));
         }
@@ -526,6 +580,34 @@ impl<'a> GgufFile<'a> {
             }
             "qwen2" | "qwen3" => {
                 c.insert("use_sliding_window".into(), json!(false));
+            }
+            "mixtral" => {
+                c.insert("num_local_experts".into(), json!(hp.experts));
+                c.insert("num_experts_per_tok".into(), json!(hp.experts_used));
+                c.insert("sliding_window".into(), Value::Null);
+            }
+            "qwen2_moe" | "qwen3_moe" => {
+                c.insert("num_experts".into(), json!(hp.experts));
+                c.insert("num_experts_per_tok".into(), json!(hp.experts_used));
+                c.insert("moe_intermediate_size".into(), json!(hp.expert_ffn));
+                if let Some(shared) = hp.shared_ffn {
+                    c.insert("shared_expert_intermediate_size".into(), json!(shared));
+                }
+                // llama.cpp renormalizes the top-k weights for Qwen3-MoE and not for Qwen2-MoE
+                // (what the released configs say), unless the file says otherwise.
+                let norm = match self.meta(&format!("{a}.expert_weights_norm")) {
+                    Some(GgufValue::Bool(b)) => *b,
+                    _ => arch.model_type == "qwen3_moe",
+                };
+                c.insert("norm_topk_prob".into(), json!(norm));
+                c.insert("decoder_sparse_step".into(), json!(1));
+                let dense: Vec<usize> = (0..hp.layers).filter(|&i| !hp.sparse_layers[i]).collect();
+                c.insert("mlp_only_layers".into(), json!(dense));
+                c.insert("use_sliding_window".into(), json!(false));
+            }
+            "phi" => {
+                c.insert("layer_norm_eps".into(), json!(hp.rms_eps));
+                c.insert("qk_layernorm".into(), json!(false));
             }
             "phi3" => {
                 if let Some(w) = self.uint(&format!("{a}.attention.sliding_window"))? {
@@ -764,6 +846,10 @@ fn show(v: &GgufValue) -> String {
     }
 }
 
+/// `general.architecture` values we load, for messages.
+const SUPPORTED_ARCHITECTURES: &str =
+    "llama (and mistral, mixtral), qwen2, qwen2moe, qwen3, qwen3moe, gemma, gemma2, gemma3, phi2, phi3";
+
 /// Architecture-specific handling.
 struct Arch {
     /// `general.architecture`, the prefix of the architecture's metadata keys.
@@ -785,7 +871,10 @@ impl Arch {
             .ok_or_else(|| g.err("missing metadata key 'general.architecture'"))?
             .to_string();
         let name = g.string("general.name")?.unwrap_or("").to_ascii_lowercase();
+        let experts = g.uint(&format!("{gguf}.expert_count"))?.unwrap_or(0);
         let (model_type, hf_class) = match gguf.as_str() {
+            // llama.cpp writes Mixtral as `llama` with experts.
+            "llama" if experts > 0 => ("mixtral", "MixtralForCausalLM"),
             // llama.cpp writes Mistral models as `llama`; transformers tells them apart by name.
             "llama" if name.contains("mistral") => ("mistral", "MistralForCausalLM"),
             "llama" => ("llama", "LlamaForCausalLM"),
@@ -796,11 +885,12 @@ impl Arch {
             "gemma2" => ("gemma2", "Gemma2ForCausalLM"),
             "gemma3" => ("gemma3_text", "Gemma3ForCausalLM"),
             "phi3" => ("phi3", "Phi3ForCausalLM"),
-            other => {
-                return Err(g.err(format!(
-                    "unsupported GGUF architecture '{other}': supported are llama (and mistral), qwen2, qwen3, gemma, gemma2, gemma3, phi3"
-                )))
-            }
+            "phi2" => ("phi", "PhiForCausalLM"),
+            "qwen2moe" => ("qwen2_moe", "Qwen2MoeForCausalLM"),
+            "qwen3moe" => ("qwen3_moe", "Qwen3MoeForCausalLM"),
+            other => return Err(g.err(format!(
+                "unsupported GGUF architecture '{other}': supported are {SUPPORTED_ARCHITECTURES}"
+            ))),
         };
         // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture.
         let permuted_qk = gguf == "llama";
@@ -821,6 +911,31 @@ impl Arch {
     fn sandwich_norms(&self) -> bool {
         matches!(self.model_type, "gemma2" | "gemma3_text")
     }
+
+    /// A sparse mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
+    fn is_moe(&self) -> bool {
+        matches!(self.model_type, "mixtral" | "qwen2_moe" | "qwen3_moe")
+    }
+
+    /// The HF module (under `model.layers.N`) of an expert's gate, up or down projection
+    /// (`expert` = None: the router), in transformers 4.x's per-expert names, which is what Hub
+    /// checkpoints hold and what PEFT adapters target.
+    fn expert_module(&self, expert: Option<usize>, part: Kind) -> String {
+        let mixtral = self.model_type == "mixtral";
+        let block = if mixtral { "block_sparse_moe" } else { "mlp" };
+        let Some(e) = expert else {
+            return format!("{block}.gate");
+        };
+        let proj = match (part, mixtral) {
+            (Kind::Gate, true) => "w1",
+            (Kind::Up, true) => "w3",
+            (Kind::Down, true) => "w2",
+            (Kind::Gate, false) => "gate_proj",
+            (Kind::Up, false) => "up_proj",
+            _ => "down_proj",
+        };
+        format!("{block}.experts.{e}.{proj}")
+    }
 }
 
 /// The hyperparameters read from metadata.
@@ -836,16 +951,30 @@ struct HParams {
     context: usize,
     rms_eps: f64,
     rope_theta: f64,
+    /// Mixture of experts: experts per sparse layer (0: a dense model).
+    experts: usize,
+    /// Experts each token is routed to.
+    experts_used: usize,
+    /// Each expert's intermediate size.
+    expert_ffn: usize,
+    /// Qwen2-MoE's shared expert's intermediate size.
+    shared_ffn: Option<usize>,
+    /// Which layers are sparse (they have a router, `ffn_gate_inp`); the rest are dense MLPs.
+    sparse_layers: Vec<bool>,
 }
 
 impl HParams {
     fn read(g: &GgufFile, arch: &Arch) -> Result<Self, ModelError> {
         let a = &arch.gguf;
         let k = |s: &str| format!("{a}.{s}");
-        if let Some(n) = g.uint(&k("expert_count"))?.filter(|&n| n > 0) {
+        let experts = g.uint(&k("expert_count"))?.unwrap_or(0) as usize;
+        if experts > 0 && !arch.is_moe() {
             return Err(g.err(format!(
-                "mixture-of-experts models ({a}.expert_count = {n}) are not supported"
+                "mixture-of-experts models ({a}.expert_count = {experts}) are only supported for llama (Mixtral), qwen2moe and qwen3moe"
             )));
+        }
+        if arch.is_moe() && experts == 0 {
+            return Err(g.err(format!("missing metadata key '{}'", k("expert_count"))));
         }
         let hidden = g.req_count(&k("embedding_length"))?;
         let layers = g.req_count(&k("block_count"))?;
@@ -863,14 +992,15 @@ impl HParams {
             }
             None => heads,
         };
+        // Phi-2 normalizes with LayerNorm, the others with RMSNorm.
+        let eps_key = if arch.model_type == "phi" {
+            k("attention.layer_norm_epsilon")
+        } else {
+            k("attention.layer_norm_rms_epsilon")
+        };
         let rms_eps = g
-            .float(&k("attention.layer_norm_rms_epsilon"))?
-            .ok_or_else(|| {
-                g.err(format!(
-                    "missing metadata key '{}'",
-                    k("attention.layer_norm_rms_epsilon")
-                ))
-            })?;
+            .float(&eps_key)?
+            .ok_or_else(|| g.err(format!("missing metadata key '{eps_key}'")))?;
         let rope_theta = g.float(&k("rope.freq_base"))?.unwrap_or(10000.0);
         let rope_dims = g.uint(&k("rope.dimension_count"))?.map(|n| n as usize);
         // Head size: `attention.key_length` when given; for llama transformers takes
@@ -924,6 +1054,11 @@ impl HParams {
         if vocab == 0 {
             return Err(g.err("the vocabulary is empty"));
         }
+        let (experts_used, expert_ffn, shared_ffn, sparse_layers) = if experts > 0 {
+            Self::experts(g, arch, experts, ffn, layers)?
+        } else {
+            (0, 0, None, vec![false; layers])
+        };
         Ok(Self {
             vocab,
             hidden,
@@ -936,7 +1071,80 @@ impl HParams {
             context,
             rms_eps,
             rope_theta,
+            experts,
+            experts_used,
+            expert_ffn,
+            shared_ffn,
+            sparse_layers,
         })
+    }
+
+    /// A mixture of experts' top-k, expert and shared-expert sizes and sparse layers. The sizes
+    /// come from the metadata, else (files written before llama.cpp recorded them) from the
+    /// tensors' shapes; Mixtral's experts are `feed_forward_length` wide.
+    fn experts(
+        g: &GgufFile,
+        arch: &Arch,
+        experts: usize,
+        ffn: usize,
+        layers: usize,
+    ) -> Result<(usize, usize, Option<usize>, Vec<bool>), ModelError> {
+        let a = &arch.gguf;
+        let k = |s: &str| format!("{a}.{s}");
+        let used = g.req_count(&k("expert_used_count"))?;
+        if used > experts {
+            return Err(g.err(format!(
+                "{a}.expert_used_count {used} is more than {a}.expert_count {experts}"
+            )));
+        }
+        let infos = &g.content.tensor_infos;
+        // Rows of the first tensor of a kind found in any layer (PyTorch order).
+        let rows_of = |part: &str, dim: usize| -> Option<usize> {
+            (0..layers).find_map(|i| {
+                infos
+                    .get(&format!("blk.{i}.{part}.weight"))
+                    .and_then(|t| t.shape.dims().get(dim).copied())
+            })
+        };
+        let expert_ffn = if arch.model_type == "mixtral" {
+            ffn
+        } else {
+            match g.uint(&k("expert_feed_forward_length"))? {
+                Some(n) if n > 0 => n as usize,
+                _ => rows_of("ffn_gate_exps", 1)
+                    .or_else(|| rows_of("ffn_gate.0", 0))
+                    .ok_or_else(|| {
+                        g.err(format!(
+                            "missing metadata key '{}'",
+                            k("expert_feed_forward_length")
+                        ))
+                    })?,
+            }
+        };
+        let shared_ffn = if arch.model_type == "qwen2_moe" {
+            Some(match g.uint(&k("expert_shared_feed_forward_length"))? {
+                Some(n) if n > 0 => n as usize,
+                _ => rows_of("ffn_gate_shexp", 0).ok_or_else(|| {
+                    g.err(format!(
+                        "missing metadata key '{}' (and no ffn_gate_shexp tensor)",
+                        k("expert_shared_feed_forward_length")
+                    ))
+                })?,
+            })
+        } else {
+            None
+        };
+        let sparse: Vec<bool> = (0..layers)
+            .map(|i| infos.contains_key(&format!("blk.{i}.ffn_gate_inp.weight")))
+            .collect();
+        if arch.model_type == "mixtral" {
+            if let Some(i) = sparse.iter().position(|s| !s) {
+                return Err(g.err(format!(
+                    "layer {i} has no router (blk.{i}.ffn_gate_inp.weight): every Mixtral layer is a mixture of experts"
+                )));
+            }
+        }
+        Ok((used, expert_ffn, shared_ffn, sparse))
     }
 }
 
@@ -962,13 +1170,29 @@ enum Kind {
     Gate,
     Up,
     Down,
+    /// A mixture of experts' router (`ffn_gate_inp`, `[experts, hidden]`).
+    Router,
+    /// Qwen2-MoE's shared expert's gate (`ffn_gate_inp_shexp`, `[hidden]` or `[1, hidden]`).
+    SharedRouter,
+    /// Every expert's gate / up / down projection stacked: `[experts, out, in]`.
+    GateExps,
+    UpExps,
+    DownExps,
+    /// Gate and up stacked per expert: `[experts, 2 · expert_ffn, hidden]`, gate rows first.
+    GateUpExps,
+    /// Qwen2-MoE's shared expert.
+    SharedGate,
+    SharedUp,
+    SharedDown,
 }
 
-/// A GGUF tensor's kind, layer and whether it is a bias.
+/// A GGUF tensor's kind, layer, expert (llama.cpp's older per-expert tensors `ffn_gate.E`) and
+/// whether it is a bias.
 #[derive(Debug, Clone, Copy)]
 struct Role {
     kind: Kind,
     layer: Option<usize>,
+    expert: Option<usize>,
     bias: bool,
 }
 
@@ -983,6 +1207,7 @@ impl Role {
             Some(Self {
                 kind,
                 layer: None,
+                expert: None,
                 bias,
             })
         };
@@ -998,6 +1223,17 @@ impl Role {
             return None;
         }
         let layer = layer.parse().ok()?;
+        // Older Mixtral files: one tensor per expert, `ffn_gate.E` / `ffn_up.E` / `ffn_down.E`.
+        let (part, expert) = match part.split_once('.') {
+            Some((p, e)) if !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit()) => {
+                if !matches!(p, "ffn_gate" | "ffn_up" | "ffn_down") {
+                    return None;
+                }
+                (p, Some(e.parse().ok()?))
+            }
+            Some(_) => return None,
+            None => (part, None),
+        };
         let kind = match part {
             "attn_norm" => Kind::AttnNorm,
             "ffn_norm" => Kind::FfnNorm,
@@ -1013,17 +1249,86 @@ impl Role {
             "ffn_gate" => Kind::Gate,
             "ffn_up" => Kind::Up,
             "ffn_down" => Kind::Down,
+            "ffn_gate_inp" => Kind::Router,
+            "ffn_gate_inp_shexp" => Kind::SharedRouter,
+            "ffn_gate_exps" => Kind::GateExps,
+            "ffn_up_exps" => Kind::UpExps,
+            "ffn_down_exps" => Kind::DownExps,
+            "ffn_gate_up_exps" => Kind::GateUpExps,
+            "ffn_gate_shexp" => Kind::SharedGate,
+            "ffn_up_shexp" => Kind::SharedUp,
+            "ffn_down_shexp" => Kind::SharedDown,
             _ => return None,
         };
         Some(Self {
             kind,
             layer: Some(layer),
+            expert,
             bias,
         })
     }
 
+    /// Stacked experts: one GGUF tensor for every expert of a layer.
+    fn is_stacked(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::GateExps | Kind::UpExps | Kind::DownExps | Kind::GateUpExps
+        )
+    }
+
+    /// The HF tensors this GGUF tensor becomes, `(name, rows of this tensor)`: itself renamed, or
+    /// its parts — each expert of a stacked tensor (`[experts, rows, in]`; gate and up halves of
+    /// `ffn_gate_up_exps`) or Phi-2's fused `attn_qkv` split into q, k and v. Each part is
+    /// `index` along the first dimension (stacked) and then rows `start .. start + len`.
+    fn hf_parts(&self, arch: &Arch, hp: &HParams) -> Vec<HfPart> {
+        let layer = self.layer.unwrap_or(0);
+        let suffix = if self.bias { "bias" } else { "weight" };
+        let named = |module: String| format!("model.layers.{layer}.{module}.{suffix}");
+        if self.is_stacked() {
+            let rows = match self.kind {
+                Kind::DownExps => hp.hidden,
+                _ => hp.expert_ffn,
+            };
+            let halves: &[(Kind, usize)] = match self.kind {
+                Kind::GateExps => &[(Kind::Gate, 0)],
+                Kind::UpExps => &[(Kind::Up, 0)],
+                Kind::DownExps => &[(Kind::Down, 0)],
+                _ => &[(Kind::Gate, 0), (Kind::Up, 1)],
+            };
+            return (0..hp.experts)
+                .flat_map(|e| {
+                    halves.iter().map(move |&(part, half)| HfPart {
+                        name: named(arch.expert_module(Some(e), part)),
+                        index: Some(e),
+                        start: half * rows,
+                        len: rows,
+                    })
+                })
+                .collect();
+        }
+        if self.kind == Kind::Qkv && arch.model_type == "phi" {
+            let (q, kv) = (hp.heads * hp.head_dim, hp.kv_heads * hp.head_dim);
+            return [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)]
+                .into_iter()
+                .map(|(proj, start, len)| HfPart {
+                    name: named(format!("self_attn.{proj}")),
+                    index: None,
+                    start,
+                    len,
+                })
+                .collect();
+        }
+        vec![HfPart {
+            name: self.hf_name(arch),
+            index: None,
+            start: 0,
+            len: 0,
+        }]
+    }
+
     /// A weight matrix used as `x @ W.T` (projections, the head, and the embedding, which is the
-    /// head when tied).
+    /// head when tied), kept whole under one HF name; stacked experts are matrices too, split
+    /// per expert.
     fn is_matrix(&self) -> bool {
         !self.bias
             && matches!(
@@ -1038,14 +1343,20 @@ impl Role {
                     | Kind::Gate
                     | Kind::Up
                     | Kind::Down
+                    | Kind::SharedGate
+                    | Kind::SharedUp
+                    | Kind::SharedDown
             )
     }
 
+    /// The HF name of a tensor that maps to one HF tensor (see [`Role::hf_parts`]).
     fn hf_name(&self, arch: &Arch) -> String {
         let suffix = if self.bias { "bias" } else { "weight" };
+        let phi = arch.model_type == "phi";
         let module = match self.kind {
             Kind::Embed => return format!("model.embed_tokens.{suffix}"),
             Kind::Output => return format!("lm_head.{suffix}"),
+            Kind::FinalNorm if phi => return format!("model.final_layernorm.{suffix}"),
             Kind::FinalNorm => return format!("model.norm.{suffix}"),
             Kind::AttnNorm => "input_layernorm",
             // Gemma 2/3's `ffn_norm` is the MLP's own pre-norm; their attention output norm is
@@ -1056,15 +1367,40 @@ impl Role {
             Kind::Q => "self_attn.q_proj",
             Kind::K => "self_attn.k_proj",
             Kind::V => "self_attn.v_proj",
+            // Phi-2: `dense`, and the ungated MLP's `fc1` / `fc2`.
+            Kind::O if phi => "self_attn.dense",
             Kind::O => "self_attn.o_proj",
             Kind::Qkv => "self_attn.qkv_proj",
             Kind::QNorm => "self_attn.q_norm",
             Kind::KNorm => "self_attn.k_norm",
+            Kind::Gate | Kind::Up | Kind::Down | Kind::Router if self.expert.is_some() => {
+                return format!(
+                    "model.layers.{}.{}.{suffix}",
+                    self.layer.unwrap_or(0),
+                    arch.expert_module(self.expert, self.kind)
+                )
+            }
+            Kind::Router => {
+                return format!(
+                    "model.layers.{}.{}.{suffix}",
+                    self.layer.unwrap_or(0),
+                    arch.expert_module(None, self.kind)
+                )
+            }
             Kind::Gate => "mlp.gate_proj",
             // Phi-3's fused gate and up projection is stored as `ffn_up`.
             Kind::Up if arch.model_type == "phi3" => "mlp.gate_up_proj",
+            Kind::Up if phi => "mlp.fc1",
             Kind::Up => "mlp.up_proj",
+            Kind::Down if phi => "mlp.fc2",
             Kind::Down => "mlp.down_proj",
+            Kind::SharedRouter => "mlp.shared_expert_gate",
+            Kind::SharedGate => "mlp.shared_expert.gate_proj",
+            Kind::SharedUp => "mlp.shared_expert.up_proj",
+            Kind::SharedDown => "mlp.shared_expert.down_proj",
+            Kind::GateExps | Kind::UpExps | Kind::DownExps | Kind::GateUpExps => {
+                unreachable!("stacked experts are split by hf_parts")
+            }
         };
         format!("model.layers.{}.{module}.{suffix}", self.layer.unwrap_or(0))
     }
@@ -1087,7 +1423,51 @@ impl Role {
         } else {
             hp.ffn
         };
+        let moe_part = matches!(
+            self.kind,
+            Kind::Router
+                | Kind::SharedRouter
+                | Kind::GateExps
+                | Kind::UpExps
+                | Kind::DownExps
+                | Kind::GateUpExps
+                | Kind::SharedGate
+                | Kind::SharedUp
+                | Kind::SharedDown
+        ) || self.expert.is_some();
+        if moe_part && hp.experts == 0 {
+            return Err(format!(
+                "is part of a mixture of experts but {}.expert_count is not set",
+                arch.gguf
+            ));
+        }
+        if let Some(e) = self.expert {
+            if e >= hp.experts {
+                return Err(format!(
+                    "belongs to expert {e} but {}.expert_count is {}",
+                    arch.gguf, hp.experts
+                ));
+            }
+        }
+        let (e, ffe) = (hp.experts, hp.expert_ffn);
+        let shared = || {
+            hp.shared_ffn.ok_or_else(|| {
+                format!("is a shared expert, which {} models do not have", arch.gguf)
+            })
+        };
+        if self.bias && moe_part {
+            return Err("is a bias, which mixture-of-experts layers do not have".into());
+        }
         let (out, inp) = match self.kind {
+            Kind::Router => (e, h),
+            Kind::SharedRouter => return Ok(vec![h]),
+            Kind::GateExps | Kind::UpExps => return Ok(vec![e, ffe, h]),
+            Kind::DownExps => return Ok(vec![e, h, ffe]),
+            Kind::GateUpExps => return Ok(vec![e, 2 * ffe, h]),
+            Kind::SharedGate | Kind::SharedUp => (shared()?, h),
+            Kind::SharedDown => (h, shared()?),
+            Kind::Gate | Kind::Up if self.expert.is_some() => (ffe, h),
+            Kind::Down if self.expert.is_some() => (h, ffe),
             Kind::Embed | Kind::Output => (hp.vocab, h),
             Kind::FinalNorm
             | Kind::AttnNorm

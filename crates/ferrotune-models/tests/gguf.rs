@@ -950,10 +950,27 @@ fn error_missing_metadata() {
     let msg = load_err(&write(&dir, "neg.gguf", &gguf_bytes(3, &meta, &[])));
     assert!(msg.contains("llama.attention.head_count_kv"), "{msg}");
 
+    // `llama` with experts is Mixtral, which needs the top-k; other dense architectures with
+    // experts are refused.
     let mut meta = metadata("llama", TINY);
     meta.push(("llama.expert_count".into(), Meta::U32(8)));
     let msg = load_err(&write(&dir, "moe.gguf", &gguf_bytes(3, &meta, &[])));
-    assert!(msg.contains("mixture-of-experts"), "{msg}");
+    assert!(
+        msg.contains("missing metadata key 'llama.expert_used_count'"),
+        "{msg}"
+    );
+    let mut meta = metadata("qwen2", TINY);
+    meta.push(("qwen2.expert_count".into(), Meta::U32(8)));
+    let msg = load_err(&write(&dir, "qwen2-moe.gguf", &gguf_bytes(3, &meta, &[])));
+    assert!(
+        msg.contains("mixture-of-experts") && msg.contains("qwen2moe"),
+        "{msg}"
+    );
+    let mut meta = metadata("llama", TINY);
+    meta.push(("llama.expert_count".into(), Meta::U32(2)));
+    meta.push(("llama.expert_used_count".into(), Meta::U32(3)));
+    let msg = load_err(&write(&dir, "topk.gguf", &gguf_bytes(3, &meta, &[])));
+    assert!(msg.contains("expert_used_count 3 is more than"), "{msg}");
 
     let mut meta = metadata("gpt2", TINY);
     meta.truncate(3);
@@ -1102,4 +1119,89 @@ fn gemma2_and_gemma3_ggufs_give_the_source_models_logits() {
         let err = max_abs_diff(&logits, &reference["logits"]);
         assert!(err <= 1e-4, "{kind}: logits differ by {err}");
     }
+}
+
+/// Mixtral (`llama` with experts; stacked, per-expert and Q8_0 gate+up layouts), Qwen2-MoE
+/// (shared expert), Qwen3-MoE (a dense `mlp_only_layers` layer) and Phi-2 (separate and fused
+/// qkv) GGUF files as convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py), from the
+/// tiny checkpoints in tests/fixtures/models: loaded, they give the source checkpoint's logits.
+#[test]
+fn moe_and_phi2_ggufs_give_the_source_models_logits() {
+    for (file, reference) in [
+        ("mixtral", "mixtral"),
+        ("mixtral_legacy", "mixtral"),
+        ("mixtral_q8", "mixtral_q8"),
+        ("qwen2_moe", "qwen2_moe"),
+        ("qwen3_moe", "qwen3_moe"),
+        ("phi2", "phi2"),
+        ("phi2_qkv", "phi2"),
+    ] {
+        let path = fixtures().join(format!("{file}_tiny.gguf"));
+        let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let c = &model.config;
+        let source = ModelConfig::from_hf_json(
+            &serde_json::from_str(
+                &std::fs::read_to_string(
+                    fixtures()
+                        .join("../models")
+                        .join(reference.trim_end_matches("_q8"))
+                        .join("model/config.json"),
+                )
+                .unwrap(),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(c.model_type, source.model_type, "{file}");
+        assert_eq!(c.moe, source.moe, "{file}");
+        assert_eq!(c.rope, source.rope, "{file}");
+        assert_eq!(c.layer_norm, source.layer_norm, "{file}");
+        assert_eq!(c.rms_norm_eps as f32, source.rms_norm_eps as f32, "{file}");
+        assert_eq!(c.intermediate_size, source.intermediate_size, "{file}");
+        let reference = candle_core::safetensors::load(
+            fixtures().join(format!("{reference}_tiny_reference.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+        let (b, t) = ids.dims2().unwrap();
+        let logits = model
+            .forward(
+                &ids,
+                &ferrotune_models::AttentionLayout::causal(b, t, 0),
+                None,
+            )
+            .unwrap();
+        let err = max_abs_diff(&logits, &reference["logits"]);
+        assert!(err <= 1e-4, "{file}: logits differ by {err}");
+    }
+}
+
+/// A quantized stacked expert tensor is kept packed per expert (for the CPU's fused kernels):
+/// each expert's gate and up halves of `ffn_gate_up_exps` (Q8_0) become a packed matrix that
+/// holds exactly the dequantized values (the logits test above runs them: few tokens reach each
+/// expert, so the experts take their packed path).
+#[test]
+fn quantized_stacked_experts_are_packed_per_expert() {
+    let path = fixtures().join("mixtral_q8_tiny.gguf");
+    let (_, tensors, packed) =
+        ferrotune_models::gguf::load_gguf_with_packed(&path, DType::F32, &Device::Cpu).unwrap();
+    for layer in 0..2 {
+        for e in 0..4 {
+            for w in ["w1", "w3"] {
+                let name = format!("model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight");
+                let m = packed
+                    .get(&name)
+                    .unwrap_or_else(|| panic!("{name} is not packed"));
+                assert_eq!((m.rows(), m.cols()), (48, 32), "{name}");
+                let err = max_abs_diff(&m.dequantize(&Device::Cpu).unwrap(), &tensors[&name]);
+                assert_eq!(err, 0.0, "{name}");
+            }
+        }
+    }
+    // Gate and up differ (the halves are not swapped or repeated).
+    let w1 = &tensors["model.layers.0.block_sparse_moe.experts.1.w1.weight"];
+    let w3 = &tensors["model.layers.0.block_sparse_moe.experts.1.w3.weight"];
+    assert!(max_abs_diff(w1, w3) > 0.01);
 }
