@@ -888,9 +888,11 @@ impl Arch {
             "phi2" => ("phi", "PhiForCausalLM"),
             "qwen2moe" => ("qwen2_moe", "Qwen2MoeForCausalLM"),
             "qwen3moe" => ("qwen3_moe", "Qwen3MoeForCausalLM"),
-            other => return Err(g.err(format!(
+            other => {
+                return Err(g.err(format!(
                 "unsupported GGUF architecture '{other}': supported are {SUPPORTED_ARCHITECTURES}"
-            ))),
+            )))
+            }
         };
         // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture.
         let permuted_qk = gguf == "llama";
