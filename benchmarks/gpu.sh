@@ -2,9 +2,10 @@
 # Everything measured on the GPU (packed by benchmarks/gpu-pack.sh, run on the GPU machine from
 # .gpu/), in one call per mode; logs go to $OUT and a short summary is printed last.
 #   decode: the GPU kernel tests (training and decode kernels), the decode step against the
-#           forward's ops for every tiny family, `bench decode` on the Llama-3.1-8B shape (decode
-#           kernels and forward ops, against the bandwidth bound) beside HF transformers
-#           (hf_decode.py: dynamic cache, then static cache + torch.compile).
+#           forward's ops and its CUDA graph replays against kernel launches for every tiny
+#           family, `bench decode` on the Llama-3.1-8B shape (graphs, kernels without graphs and
+#           forward ops, against the bandwidth bound) beside HF transformers (hf_decode.py:
+#           dynamic cache, then static cache + torch.compile).
 #   train:  the loss of a small shape in f32 and bf16 (to set beside the CPU f32 run); NCCL at world
 #           size 1 against single device (LoRA and full fine-tuning); `bench ops`; ferrotune beside
 #           HF + PEFT (hf_lora.py) on the Llama-3.1-8B shape, alternating; activation checkpointing
@@ -75,7 +76,7 @@ echo "== kernels"; grep -E 'panicked|test result|rc=' -A2 $OUT/kernels.log | hea
 if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   echo "== decode step vs forward ops"; grep -E 'panicked|test result|rc=|differ' $OUT/decode_step.log | head -10
   echo "== decode 8B bf16 (ferrotune | HF dynamic cache), then HF static + compile"
-  for i in 1 2; do grep -v '^\s*$' $OUT/decode_$i.log | tail -n 7; done
+  for i in 1 2; do grep -v '^\s*$' $OUT/decode_$i.log | tail -n 9; done
   tail -n 1 $OUT/hf_decode_1.log; tail -n 2 $OUT/hf_decode_static.log 2>/dev/null
 fi
 [ "$MODE" = decode ] && exit 0

@@ -156,7 +156,8 @@ template <typename T> void test_gated(int B, int K, int N, int act, bool bias) {
 }
 
 template <typename T>
-void test_qkv_rope(int B, int nh, int nkv, int hd, int rot, bool norms, int offset_one, int cap, int pos) {
+void test_qkv_rope(int B, int nh, int nkv, int hd, int rot, bool norms, int offset_one, int cap, int pos,
+                   bool counters = false) {
   int width = (nh + 2 * nkv) * hd;
   auto qkv = random_vec<T>((size_t)B * width);
   auto cs = random_vec<T>((size_t)B * rot), sn = random_vec<T>((size_t)B * rot);
@@ -204,12 +205,15 @@ void test_qkv_rope(int B, int nh, int nkv, int hd, int rot, bool norms, int offs
   T *dqkv = dev(qkv), *dcs = dev(cs), *dsn = dev(sn), *dqn = dev(qn), *dkn = dev(kn);
   T *dq = dev(std::vector<T>((size_t)B * nh * hd)), *dkc = dev(kc), *dvc = dev(vc);
   int threads = (hd + 31) / 32 * 32;
+  // With counters (a replayed graph's [slot, len]) the kernel must take the slot from them: the
+  // scalar argument is then deliberately wrong.
+  uint32_t *dcounters = counters ? dev(std::vector<uint32_t>{(uint32_t)pos, (uint32_t)pos + 1}) : nullptr;
   hipLaunchKernelGGL(dec_qkv_rope<T>, dim3(nh + 2 * nkv, B), dim3(threads), hd * sizeof(float), 0, dqkv,
                      dcs, dsn, norms ? dqn : nullptr, norms ? dkn : nullptr, eps, offset_one, dq, dkc, dvc,
-                     nh, nkv, hd, rot, cap, pos);
+                     nh, nkv, hd, rot, cap, counters ? (pos + 1) % cap : pos, dcounters);
   char name[128];
-  std::snprintf(name, sizeof name, "qkv rope %s B%d h%d/%d d%d rot%d%s%s", sizeof(T) == 4 ? "f32" : "bf16",
-                B, nh, nkv, hd, rot, norms ? " norms" : "", offset_one ? "+1" : "");
+  std::snprintf(name, sizeof name, "qkv rope %s B%d h%d/%d d%d rot%d%s%s%s", sizeof(T) == 4 ? "f32" : "bf16",
+                B, nh, nkv, hd, rot, norms ? " norms" : "", offset_one ? "+1" : "", counters ? " counters" : "");
   check((std::string(name) + " q").c_str(), host(dq, (size_t)B * nh * hd), want_q, tol<T>());
   check((std::string(name) + " k cache").c_str(), host(dkc, kc.size()), want_k, tol<T>());
   check((std::string(name) + " v cache").c_str(), host(dvc, vc.size()), want_v, 0.f);
@@ -217,7 +221,7 @@ void test_qkv_rope(int B, int nh, int nkv, int hd, int rot, bool norms, int offs
 
 template <typename T>
 void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vector<uint32_t> lo, int window,
-                    float softcap = 0.f) {
+                    float softcap = 0.f, bool counters = false) {
   auto q = random_vec<T>((size_t)B * nh * hd);
   auto kc = random_vec<T>((size_t)B * nkv * cap * hd), vc = random_vec<T>((size_t)B * nkv * cap * hd);
   float scale = 1.f / std::sqrt((float)hd);
@@ -250,11 +254,14 @@ void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vecto
   T *dq = dev(q), *dkc = dev(kc), *dvc = dev(vc), *dout = dev(std::vector<T>(want.size()));
   float *dsc = dev(std::vector<float>((size_t)B * nh * cap));
   uint32_t *dlo = dev(lo);
+  // With counters the kernel must read len from them; the scalar argument is then wrong.
+  uint32_t *dcounters = counters ? dev(std::vector<uint32_t>{(uint32_t)len - 1, (uint32_t)len}) : nullptr;
   hipLaunchKernelGGL(dec_attention<T>, dim3(nh, B), dim3(256), (hd + 8 * 256) * sizeof(float), 0, dq, dkc, dvc,
-                     dout, dsc, dlo, len, window, nh, nkv, hd, cap, scale, softcap);
+                     dout, dsc, dlo, counters ? cap : len, window, nh, nkv, hd, cap, scale, softcap, dcounters);
   char name[128];
-  std::snprintf(name, sizeof name, "attention %s B%d h%d/%d d%d len%d/%d win%d cap%g",
-                sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, window, softcap);
+  std::snprintf(name, sizeof name, "attention %s B%d h%d/%d d%d len%d/%d win%d cap%g%s",
+                sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, window, softcap,
+                counters ? " counters" : "");
   check(name, host(dout, want.size()), want, tol<T>());
 }
 
@@ -294,10 +301,12 @@ template <typename T> void all() {
   test_qkv_rope<T>(1, 4, 2, 64, 64, false, 0, 8, 3);
   test_qkv_rope<T>(3, 6, 2, 48, 32, true, 0, 5, 4);
   test_qkv_rope<T>(2, 2, 1, 128, 128, true, 1, 3, 0);
+  test_qkv_rope<T>(2, 4, 2, 64, 64, true, 0, 9, 5, true);
   test_attention<T>(1, 4, 2, 64, 16, 11, {0}, 0);
   test_attention<T>(3, 6, 2, 128, 40, 37, {0, 5, 36}, 0);
   test_attention<T>(2, 4, 4, 256, 24, 24, {2, 0}, 7);
   test_attention<T>(2, 8, 1, 32, 600, 555, {0, 100}, 0);
+  test_attention<T>(2, 4, 2, 64, 300, 123, {0, 7}, 0, 0.f, true);
   test_attention<T>(1, 4, 2, 96, 300, 300, {17}, 40);
   test_attention<T>(2, 4, 2, 64, 48, 45, {0, 9}, 16, 0.5f);
 }

@@ -477,6 +477,27 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
         Ok((median(&mut decode_tps), median(&mut prefill_tps), tokens))
     };
     let (decode_tps, prefill_tps, tokens) = measure()?;
+    let agree = |other: &[u32]| tokens.iter().zip(other).take_while(|(a, b)| a == b).count();
+    // The same kernels without CUDA graphs (each step's kernels launched one by one): the tokens
+    // must be the same, every one.
+    let no_graphs = if device.is_cuda()
+        && ferrotune_core::decode::enabled()
+        && ferrotune_core::graph::enabled()
+    {
+        ferrotune_core::graph::set_enabled(false);
+        let measured = measure();
+        ferrotune_core::graph::set_enabled(true);
+        let (tps, _, eager_tokens) = measured?;
+        Some((tps, agree(&eager_tokens)))
+    } else {
+        None
+    };
+    if device.is_cuda() && !ferrotune_core::graph::enabled() {
+        println!(
+            "  note: CUDA graphs are off ({}=0, or recording failed: see the warning above)",
+            ferrotune_core::graph::DISABLE_VAR
+        );
+    }
     if device.is_cuda() && !ferrotune_core::decode::enabled() {
         println!(
             "  note: the decode kernels are off ({}=0, or they failed: see the warning above)",
@@ -491,12 +512,7 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
         let measured = measure();
         ferrotune_core::decode::set_enabled(true);
         let (tps, _, forward_tokens) = measured?;
-        let same = tokens
-            .iter()
-            .zip(&forward_tokens)
-            .take_while(|(a, b)| a == b)
-            .count();
-        Some((tps, same))
+        Some((tps, agree(&forward_tokens)))
     } else {
         None
     };
@@ -509,6 +525,13 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
         a.prompt, a.new_tokens
     );
     println!("  decode     {decode_tps:.1} tokens/s");
+    if let Some((tps, same)) = no_graphs {
+        println!(
+            "  no graphs  {tps:.1} tokens/s with the decode kernels launched one by one ({}=0); greedy tokens agree on the first {same} of {}",
+            ferrotune_core::graph::DISABLE_VAR,
+            tokens.len()
+        );
+    }
     if let Some((tps, same)) = forward_ops {
         println!(
             "  forward    {tps:.1} tokens/s with the forward's ops ({}=0); greedy tokens agree on the first {same} of {}",
@@ -529,6 +552,10 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
         if let Some((tps, same)) = forward_ops {
             j["forward_ops_decode_tokens_per_s"] = tps.into();
             j["same_leading_greedy_tokens"] = same.into();
+        }
+        if let Some((tps, same)) = no_graphs {
+            j["no_graphs_decode_tokens_per_s"] = tps.into();
+            j["no_graphs_same_leading_greedy_tokens"] = same.into();
         }
         println!("{j}");
     }

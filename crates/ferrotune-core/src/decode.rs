@@ -159,10 +159,40 @@ pub struct QkNorm<'a> {
 /// Largest head dimension the decode kernels take.
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// Where a decode step is in the KV cache: it writes slot `len − 1` and attends to keys up to
+/// `len`. The kernels take `len` as an argument, except inside a captured CUDA graph
+/// ([`crate::graph`]), whose arguments stay as they were at capture: there they read
+/// `[len − 1, len]` from `counters` (u32, on the device), which is rewritten before every replay.
+/// The CPU path reads `counters` too when given, so a replay can be checked on the CPU.
+#[derive(Debug, Clone, Copy)]
+pub struct StepPosition<'a> {
+    /// Cached positions after this step (its slot + 1).
+    pub len: usize,
+    /// `[len − 1, len]` as the kernels read them in a replayed graph.
+    pub counters: Option<&'a Tensor>,
+}
+
+impl StepPosition<'_> {
+    /// The step's `len` as the ops will see it: from `counters` when they are on the CPU (on a GPU
+    /// the kernels read them; `len`, the value at capture, only sizes the launch).
+    fn effective_len(&self) -> Result<usize> {
+        match self.counters {
+            Some(c) if c.device().is_cpu() => {
+                let v = c.to_vec1::<u32>()?;
+                match v.as_slice() {
+                    [slot, len] if *len == slot + 1 => Ok(*len as usize),
+                    other => bail!("step counters must be [slot, slot + 1], got {other:?}"),
+                }
+            }
+            _ => Ok(self.len),
+        }
+    }
+}
+
 /// Splits `qkv` `[rows, (query + 2·kv) · dim]` (one token per row) into heads, normalizes query
 /// and key heads when `norm` is given, applies RoPE (`cos`, `sin`: `[rows, rot]`) to both, and
-/// writes keys and values into slot `pos` of `k_cache` / `v_cache` (`[rows, kv, cap, dim]`,
-/// contiguous, modified in place). Returns the queries, `[rows, query, dim]`.
+/// writes keys and values into slot `at.len − 1` of `k_cache` / `v_cache` (`[rows, kv, cap,
+/// dim]`, contiguous, modified in place). Returns the queries, `[rows, query, dim]`.
 #[allow(clippy::too_many_arguments)]
 pub fn rope_into_cache(
     qkv: &Tensor,
@@ -172,8 +202,9 @@ pub fn rope_into_cache(
     heads: Heads,
     k_cache: &Tensor,
     v_cache: &Tensor,
-    pos: usize,
+    at: StepPosition,
 ) -> Result<Tensor> {
+    let pos = at.effective_len()?.wrapping_sub(1);
     let (rows, width) = qkv.dims2()?;
     let Heads { query, kv, dim } = heads;
     let (cr, rot) = cos.dims2()?;
@@ -186,6 +217,9 @@ pub fn rope_into_cache(
         || (kr, kh, kd) != (rows, kv, dim)
         || v_cache.dims() != k_cache.dims()
         || pos >= cap
+        || at
+            .counters
+            .is_some_and(|c| c.dims() != [2] || c.dtype() != candle_core::DType::U32)
         || kv == 0
         || query % kv != 0
     {
@@ -207,8 +241,21 @@ pub fn rope_into_cache(
             .iter()
             .all(|t| same_kind(qkv, t))
         && norm.is_none_or(|n| same_kind(qkv, n.q) && same_kind(qkv, n.k))
+        && at
+            .counters
+            .is_none_or(|c| c.device().same_device(qkv.device()))
     {
-        return crate::cuda::decode::qkv_rope(qkv, cos, sin, norm, heads, k_cache, v_cache, pos);
+        return crate::cuda::decode::qkv_rope(
+            qkv,
+            cos,
+            sin,
+            norm,
+            heads,
+            k_cache,
+            v_cache,
+            pos,
+            at.counters,
+        );
     }
     // The model's forward, one position: [rows, 1, heads, dim], norms, RoPE on the transposed view.
     let mut q = qkv
@@ -259,21 +306,23 @@ impl FirstKeys {
     }
 }
 
-/// Attention of one query per row, `q` `[rows, query heads, dim]`, over keys `first[r] .. len` of
-/// `k_cache` / `v_cache` (`[rows, kv heads, cap, dim]`; a sliding `window` raises the first key to
-/// `len − window`), scaled by `scale` and softcapped (`cap · tanh(s / cap)`, Gemma 2) when
-/// `softcap` is given. Returns `[rows, query heads · dim]` (the layout `o_proj` takes).
+/// Attention of one query per row, `q` `[rows, query heads, dim]`, over keys `first[r] .. len`
+/// (`len` = `at`'s) of `k_cache` / `v_cache` (`[rows, kv heads, cap, dim]`; a sliding `window`
+/// raises the first key to `len − window`), scaled by `scale` and softcapped
+/// (`cap · tanh(s / cap)`, Gemma 2) when `softcap` is given. Returns `[rows, query heads · dim]`
+/// (the layout `o_proj` takes).
 #[allow(clippy::too_many_arguments)]
 pub fn cached_attention(
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
-    len: usize,
+    at: StepPosition,
     first: &FirstKeys,
     window: Option<usize>,
     scale: f64,
     softcap: Option<f64>,
 ) -> Result<Tensor> {
+    let len = at.effective_len()?;
     let (rows, query, dim) = q.dims3()?;
     let (kr, kv, cap, kd) = k_cache.dims4()?;
     if (kr, kd) != (rows, dim)
@@ -300,6 +349,9 @@ pub fn cached_attention(
         && same_kind(q, k_cache)
         && same_kind(q, v_cache)
         && first.device.device().same_device(q.device())
+        && at
+            .counters
+            .is_none_or(|c| c.device().same_device(q.device()))
     {
         let window = window.unwrap_or(0);
         return crate::cuda::decode::attention(
@@ -311,6 +363,7 @@ pub fn cached_attention(
             window,
             scale as f32,
             softcap.unwrap_or(0.0) as f32,
+            at.counters,
         );
     }
     let k = k_cache.narrow(2, 0, len)?.contiguous()?;

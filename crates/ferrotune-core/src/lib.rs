@@ -13,6 +13,7 @@ pub mod decode;
 pub mod device;
 pub mod frozen;
 pub mod fused;
+pub mod graph;
 pub mod ops;
 pub mod quant;
 

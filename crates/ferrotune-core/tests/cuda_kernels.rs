@@ -511,14 +511,17 @@ fn decode_gated_rows_match_cpu() {
 
 #[test]
 fn decode_rope_into_cache_matches_cpu() {
-    use ferrotune_core::decode::{rope_into_cache, Heads, QkNorm};
+    use ferrotune_core::decode::{rope_into_cache, Heads, QkNorm, StepPosition};
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(23);
-    // (rows, heads, kv heads, head dim, rotated dims, per-head norms, Gemma's 1 + w, capacity, slot)
-    for (rows, query, kv, dim, rot, norms, offset_one, cap, pos) in [
-        (1, 4, 2, 64, 64, false, false, 8, 3),
-        (3, 6, 2, 48, 32, true, false, 5, 4),
-        (2, 2, 1, 128, 128, true, true, 3, 0),
+    // (rows, heads, kv heads, head dim, rotated dims, per-head norms, Gemma's 1 + w, capacity,
+    // slot, slot read from device counters as in a replayed CUDA graph — the host value is then
+    // slot 0, which the kernel must ignore)
+    for (rows, query, kv, dim, rot, norms, offset_one, cap, pos, counters) in [
+        (1, 4, 2, 64, 64, false, false, 8, 3, false),
+        (3, 6, 2, 48, 32, true, false, 5, 4, false),
+        (2, 2, 1, 128, 128, true, true, 3, 0, false),
+        (2, 4, 2, 64, 64, true, false, 9, 5, true),
     ] {
         let inputs = vec![
             rng.tensor(&[rows, (query + 2 * kv) * dim], 1.0),
@@ -538,7 +541,14 @@ fn decode_rope_into_cache_matches_cpu() {
                     offset_one,
                 });
                 let heads = Heads { query, kv, dim };
-                let q = rope_into_cache(&t[0], &t[1], &t[2], norm, heads, &t[5], &t[6], pos)?;
+                let device_counters = counters
+                    .then(|| Tensor::new(&[pos as u32, pos as u32 + 1], t[0].device()))
+                    .transpose()?;
+                let at = StepPosition {
+                    len: if counters { 1 } else { pos + 1 },
+                    counters: device_counters.as_ref(),
+                };
+                let q = rope_into_cache(&t[0], &t[1], &t[2], norm, heads, &t[5], &t[6], at)?;
                 Ok(vec![q, t[5].clone(), t[6].clone()])
             });
         }
@@ -547,16 +557,19 @@ fn decode_rope_into_cache_matches_cpu() {
 
 #[test]
 fn decode_cached_attention_matches_cpu() {
-    use ferrotune_core::decode::{cached_attention, FirstKeys};
+    use ferrotune_core::decode::{cached_attention, FirstKeys, StepPosition};
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(24);
-    // (rows, heads, kv heads, head dim, capacity, keys, first key per row, window, softcap)
-    for (rows, query, kv, dim, cap, len, first, window, softcap) in [
-        (1, 4, 2, 64, 16, 11, vec![0], None, None),
-        (3, 6, 2, 128, 40, 37, vec![0, 5, 36], None, None),
-        (2, 4, 4, 256, 24, 24, vec![2, 0], Some(7), None),
-        (2, 8, 1, 32, 600, 555, vec![0, 100], None, None),
-        (2, 4, 2, 64, 48, 45, vec![0, 9], Some(16), Some(0.5)),
+    // (rows, heads, kv heads, head dim, capacity, keys, first key per row, window, softcap, keys
+    // read from device counters as in a replayed CUDA graph — the host value is then the
+    // capacity, which the kernel must ignore)
+    for (rows, query, kv, dim, cap, len, first, window, softcap, counters) in [
+        (1, 4, 2, 64, 16, 11, vec![0], None, None, false),
+        (3, 6, 2, 128, 40, 37, vec![0, 5, 36], None, None, false),
+        (2, 4, 4, 256, 24, 24, vec![2, 0], Some(7), None, false),
+        (2, 8, 1, 32, 600, 555, vec![0, 100], None, None, false),
+        (2, 4, 2, 64, 48, 45, vec![0, 9], Some(16), Some(0.5), false),
+        (2, 4, 2, 64, 300, 123, vec![0, 7], None, None, true),
     ] {
         let inputs = vec![
             rng.tensor(&[rows, query, dim], 1.0),
@@ -567,8 +580,15 @@ fn decode_cached_attention_matches_cpu() {
             check_decode("cached_attention", &inputs, dtype, &gpu, &|t| {
                 let first = FirstKeys::new(first.clone(), t[0].device())?;
                 let scale = (dim as f64).powf(-0.5);
+                let device_counters = counters
+                    .then(|| Tensor::new(&[len as u32 - 1, len as u32], t[0].device()))
+                    .transpose()?;
+                let at = StepPosition {
+                    len: if counters { cap } else { len },
+                    counters: device_counters.as_ref(),
+                };
                 Ok(vec![cached_attention(
-                    &t[0], &t[1], &t[2], len, &first, window, scale, softcap,
+                    &t[0], &t[1], &t[2], at, &first, window, scale, softcap,
                 )?])
             });
         }

@@ -480,6 +480,13 @@ pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
     /// While the entries are fixed-capacity buffers: how many positions are filled.
     filled: Option<usize>,
+    /// The decode step recorded as a graph for these buffers (see `CausalLm::decode_step`).
+    graph: decode_step::Recorded,
+    /// The buffers, rows and first keys the last eager decode step ran on: the next step on the
+    /// same ones is recorded.
+    warm: Option<decode_step::GraphKey>,
+    /// How recorded steps replay.
+    replay: decode_step::Replay,
 }
 
 /// Fixed-capacity buffers grow in steps of this many positions (and at least double).
@@ -490,8 +497,29 @@ impl KvCache {
     pub fn new(num_layers: usize) -> Self {
         Self {
             layers: vec![None; num_layers],
-            filled: None,
+            ..Self::default()
         }
+    }
+
+    /// Tests: decode steps go through the graph bookkeeping on any device, each replay emulated
+    /// by running the step's ops again on the recorded buffers with the position they were
+    /// recorded at, so that everything a replayed CUDA graph depends on (inputs copied into its
+    /// buffers, the position read from device counters) is checked without a GPU.
+    #[doc(hidden)]
+    pub fn emulate_graph_replay(&mut self) {
+        self.replay = decode_step::Replay::Emulated;
+    }
+
+    /// Tests: decode steps on this cache are never recorded as CUDA graphs.
+    #[doc(hidden)]
+    pub fn never_record_steps(&mut self) {
+        self.replay = decode_step::Replay::Off;
+    }
+
+    /// Whether a decode step is recorded for the current buffers (tests).
+    #[doc(hidden)]
+    pub fn has_recorded_step(&self) -> bool {
+        self.graph.0.is_some()
     }
 
     /// Number of cached positions.
@@ -514,6 +542,9 @@ impl KvCache {
 
     /// Makes every entry hold exactly the filled positions again (what concatenation expects).
     fn make_exact(&mut self) -> CResult<()> {
+        // A recorded step wrote into the buffers being replaced.
+        self.graph = Default::default();
+        self.warm = None;
         if let Some(filled) = self.filled.take() {
             for (k, v) in self.layers.iter_mut().flatten() {
                 *k = k.narrow(2, 0, filled)?.contiguous()?;
@@ -543,6 +574,9 @@ impl KvCache {
             0
         };
         let new_capacity = needed.max(grown).next_multiple_of(KV_CAPACITY_STEP);
+        // New buffers: a recorded step wrote into the old ones.
+        self.graph = Default::default();
+        self.warm = None;
         let (batch, kv_heads, head_dim) = shape;
         let widen = |t: Option<&Tensor>| -> CResult<Tensor> {
             let buffer = Tensor::zeros((batch, kv_heads, new_capacity, head_dim), dtype, device)?;

@@ -84,9 +84,21 @@ fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
 /// Decodes `steps` tokens of `prompts` twice (forward with its cache, decode_step with its own)
 /// and checks every step's hidden states agree; greedy tokens from the forward drive both.
 fn compare(model: &CausalLm, prompts: &[Vec<u32>], steps: usize, what: &str) {
+    compare_with(model, prompts, steps, what, false);
+}
+
+/// [`compare`], with `replayed`: the steps go through the graph bookkeeping a GPU uses (the
+/// first step on a buffer set eager, the next recorded, later ones replaying it with their inputs
+/// copied into its buffers), each replay emulated by running the ops again with the recorded
+/// position, so a step only comes out right if its position reaches the ops through the
+/// device counters and every input through the refilled buffers.
+fn compare_with(model: &CausalLm, prompts: &[Vec<u32>], steps: usize, what: &str, replayed: bool) {
     let (input, mut layout) = padded_batch(prompts);
     let mut forward_cache = KvCache::new(model.layers.len());
     let mut step_cache = KvCache::new(model.layers.len());
+    if replayed {
+        step_cache.emulate_graph_replay();
+    }
     let hidden = model
         .forward_hidden(&input, &layout, Some(&mut forward_cache))
         .unwrap();
@@ -104,6 +116,10 @@ fn compare(model: &CausalLm, prompts: &[Vec<u32>], steps: usize, what: &str) {
         let d = max_rel_diff(&got, &want);
         assert!(d <= 1e-5, "{what} step {step}: hidden states differ by {d}");
         assert_eq!(step_cache.len(), forward_cache.len(), "{what} step {step}");
+        // Recorded from the second step on (and again after the cache grows).
+        if replayed && (step == 1 || step + 1 == steps) {
+            assert!(step_cache.has_recorded_step(), "{what} step {step}");
+        }
         next = argmax_tokens(model, &want);
     }
 }
@@ -137,6 +153,26 @@ fn decode_step_equals_the_forward_for_every_family_on_a_padded_batch() {
         let prompts = vec![vec![5, 9, 2, 7, 1, 3], vec![4, 8, 6], vec![11]];
         compare(&model, &prompts, 6, &case.display().to_string());
     }
+}
+
+/// Every dense family decodes the same through recorded and replayed steps (the CUDA graph path's
+/// bookkeeping, replays emulated on the CPU), including Gemma 3's two ropes, SmolLM3's NoPE
+/// layers, Ministral 3's query temperature and the cache growing past its first capacity (which
+/// drops the recording and makes a new one).
+#[test]
+fn replayed_decode_steps_equal_the_forward() {
+    for case in fixture_models() {
+        let model = load(&case);
+        let c = &model.config;
+        if c.layer_norm || c.moe.is_some() {
+            continue;
+        }
+        let prompts = vec![vec![5, 9, 2, 7, 1, 3], vec![4, 8, 6], vec![11]];
+        compare_with(&model, &prompts, 6, &case.display().to_string(), true);
+    }
+    let model = load(&fixtures().join("models/llama3_2/model"));
+    let prompt: Vec<u32> = (0..250).map(|i| (i * 7 + 3) % 100).collect();
+    compare_with(&model, &[prompt, vec![1, 2]], 20, "growth", true);
 }
 
 #[test]
@@ -284,6 +320,75 @@ fn decode_kernels_equal_the_forward_ops_on_a_gpu() {
                     "{} {dtype:?} step {step}: hidden states differ by {d}",
                     case.display()
                 );
+                next = argmax_tokens(&model, &want);
+            }
+            eprintln!("{} {dtype:?}: ok", case.display());
+        }
+    }
+}
+
+/// On a GPU decode steps are recorded as CUDA graphs and replayed: every dense family's greedy
+/// steps through replays equal the same kernels launched one by one exactly (same kernels, same
+/// order), f32 and bf16, across the cache growing past its first capacity (a new recording).
+/// Fails if recording fails (graphs would turn off). Passes without checking anything where there
+/// is no GPU.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_graph_replays_equal_kernel_launches_on_a_gpu() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("no GPU ({e}): skipped");
+            return;
+        }
+    };
+    for case in fixture_models() {
+        for dtype in [DType::F32, DType::BF16] {
+            let model = load_model(&case, dtype, &gpu).unwrap().0;
+            let c = &model.config;
+            if c.layer_norm || c.moe.is_some() {
+                continue;
+            }
+            let long: Vec<u32> = (0..250).map(|i| (i * 7 + 3) % 100).collect();
+            let (input, mut layout) = padded_batch(&[long, vec![4, 8, 6]]);
+            let input = input.to_device(&gpu).unwrap();
+            let mut replayed = KvCache::new(model.layers.len());
+            let mut launched = KvCache::new(model.layers.len());
+            launched.never_record_steps();
+            let hidden = model
+                .forward_hidden(&input, &layout, Some(&mut launched))
+                .unwrap();
+            model
+                .forward_hidden(&input, &layout, Some(&mut replayed))
+                .unwrap();
+            let mut next = argmax_tokens(&model, &hidden);
+            for step in 0..12 {
+                advance(&mut layout);
+                let want = model
+                    .forward_hidden(&next, &layout, Some(&mut launched))
+                    .unwrap();
+                let got = model
+                    .forward_hidden(&next, &layout, Some(&mut replayed))
+                    .unwrap();
+                let f32 = |t: &Tensor| {
+                    t.to_dtype(DType::F32)
+                        .unwrap()
+                        .to_device(&Device::Cpu)
+                        .unwrap()
+                };
+                let d = max_rel_diff(&f32(&got), &f32(&want));
+                assert!(
+                    d == 0.0,
+                    "{} {dtype:?} step {step}: replayed hidden states differ by {d}",
+                    case.display()
+                );
+                if step == 2 || step == 11 {
+                    assert!(
+                        replayed.has_recorded_step(),
+                        "{} {dtype:?} step {step}: no recorded step (did recording fail?)",
+                        case.display()
+                    );
+                }
                 next = argmax_tokens(&model, &want);
             }
             eprintln!("{} {dtype:?}: ok", case.display());

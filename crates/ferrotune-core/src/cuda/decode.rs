@@ -98,7 +98,8 @@ pub(crate) fn gated_gemv(
     Ok(out)
 }
 
-/// [`crate::decode::rope_into_cache`]: one `dec_qkv_rope` launch, one block per (head, row).
+/// [`crate::decode::rope_into_cache`]: one `dec_qkv_rope` launch, one block per (head, row);
+/// `counters` (`[slot, len]`, u32), when given, overrides `pos` on the device.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn qkv_rope(
     qkv: &Tensor,
@@ -109,6 +110,7 @@ pub(crate) fn qkv_rope(
     k_cache: &Tensor,
     v_cache: &Tensor,
     pos: usize,
+    counters: Option<&Tensor>,
 ) -> Result<Tensor> {
     let dev = cuda_device(qkv)?;
     let dtype = qkv.dtype();
@@ -146,13 +148,15 @@ pub(crate) fn qkv_rope(
             Arg::I32(rot as i32),
             Arg::I32(cap as i32),
             Arg::I32(pos as i32),
+            Arg::Ptr(ptr_or_null(counters)?),
         ],
     )?;
     Ok(q)
 }
 
 /// [`crate::decode::cached_attention`]: one `dec_attention` launch, one block per (query head,
-/// row), with an f32 scratch row of scores per block. `window` 0 means none; `softcap` 0 too.
+/// row), with an f32 scratch row of scores per block. `window` 0 means none; `softcap` 0 too;
+/// `counters` (`[slot, len]`, u32), when given, overrides `len` on the device.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     q: &Tensor,
@@ -163,6 +167,7 @@ pub(crate) fn attention(
     window: usize,
     scale: f32,
     softcap: f32,
+    counters: Option<&Tensor>,
 ) -> Result<Tensor> {
     let dev = cuda_device(q)?;
     let dtype = q.dtype();
@@ -192,6 +197,7 @@ pub(crate) fn attention(
             Arg::I32(cap as i32),
             Arg::F32(scale),
             Arg::F32(softcap),
+            Arg::Ptr(ptr_or_null(counters)?),
         ],
     )?;
     Ok(out)

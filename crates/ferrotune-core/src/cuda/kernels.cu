@@ -546,13 +546,15 @@ __device__ void dec_gated_gemv(const T *x, int K, const T *wg, const T *bg, cons
 // per-head RMSNorm (Qwen3's q_norm / k_norm, rounded as rmsnorm_fwd does) and RoPE over the first
 // `rot` features (cos, sin: [B, rot]; one rounding, as the rope kernel); queries go to
 // q_out [B, nh, hd], keys to slot `pos` of kc [B, nkv, cap, hd]; values are copied to slot `pos`
-// of vc.
+// of vc. With `counters` ([slot, len], a replayed CUDA graph's step position), the slot is
+// counters[0] instead of `pos`.
 template <typename T>
 __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn, const T *kn,
                              float eps, int offset_one, T *q_out, T *kc, T *vc, int nh, int nkv,
-                             int hd, int rot, int cap, int pos) {
+                             int hd, int rot, int cap, int pos, const uint32_t *counters) {
   FT_DYNAMIC_SHARED(float, head_vals);  // hd floats
   int head = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  if (counters) pos = (int)counters[0];
   bool on = d < hd;
   long width = (long)(nh + 2 * nkv) * hd;
   float v = on ? ld(qkv, b * width + (long)head * hd + d) : 0.f;
@@ -589,13 +591,15 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
 // A decode step's attention is short and latency-bound, so every thread keeps many independent
 // loads in flight: one key per thread for the scores, 8 features of every groups-th key per
 // thread for P·V. Needs hd a multiple of 8 and hd ≤ 8 · blockDim.x; dynamic shared memory:
-// (hd + 8 · blockDim.x) floats.
+// (hd + 8 · blockDim.x) floats. With `counters` ([slot, len], a replayed CUDA graph's step
+// position), the keys end at counters[1] instead of `len`.
 template <typename T>
 __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, float *scores,
                               const uint32_t *lo_rows, int len, int window, int nh, int nkv, int hd,
-                              int cap, float scale, float softcap) {
+                              int cap, float scale, float softcap, const uint32_t *counters) {
   FT_DYNAMIC_SHARED(float, dsh);
   int h = blockIdx.x, b = blockIdx.y;
+  if (counters) len = (int)counters[1];
   int kvh = h / (nh / nkv);
   int lo = (int)lo_rows[b];
   if (window > 0) lo = max(lo, len - window);
@@ -708,16 +712,18 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   extern "C" __global__ void dec_qkv_rope_##SUF(const T *qkv, const T *cs, const T *sn,             \
                                               const T *qn, const T *kn, float eps, int offset_one, \
                                               T *q_out, T *kc, T *vc, int nh, int nkv, int hd,    \
-                                              int rot, int cap, int pos) {                        \
+                                              int rot, int cap, int pos,                          \
+                                              const uint32_t *counters) {                         \
     dec_qkv_rope<T>(qkv, cs, sn, qn, kn, eps, offset_one, q_out, kc, vc, nh, nkv, hd, rot, cap,   \
-                    pos);                                                                         \
+                    pos, counters);                                                               \
   }                                                                                               \
   extern "C" __global__ void dec_attention_##SUF(const T *q, const T *kc, const T *vc, T *out,      \
                                                float *scores, const uint32_t *lo_rows, int len,   \
                                                int window, int nh, int nkv, int hd, int cap,      \
-                                               float scale, float softcap) {                      \
+                                               float scale, float softcap,                        \
+                                               const uint32_t *counters) {                        \
     dec_attention<T>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale,       \
-                     softcap);                                                                    \
+                     softcap, counters);                                                          \
   }                                                                                               \
   extern "C" __global__ void adamw_##SUF(float *p32, T *p_out, const T *g, float *m, float *v,    \
                                          long n, float grad_scale, float decay, float omb1,      \
