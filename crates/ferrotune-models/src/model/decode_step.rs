@@ -171,14 +171,14 @@ impl CausalLm {
             .iter()
             .map(|v| v.iter().position(|&ok| ok).unwrap_or(pos) as u32)
             .collect();
-        let replay = cache.replay;
-        let graphs = match replay {
+        let graphs = match cache.replay {
             Replay::Cuda => self.device.is_cuda() && ferrotune_core::graph::enabled(),
             Replay::Emulated => true,
             Replay::Off => false,
         };
         let hidden = if graphs {
-            self.graphed_step(inputs, first, pos, cache)?
+            let emulated = cache.replay == Replay::Emulated;
+            self.graphed_step(inputs, first, pos, cache, emulated)?
         } else {
             let first = FirstKeys::new(first, &self.device)?;
             let constants = self.step_constants(batch)?;
@@ -194,13 +194,15 @@ impl CausalLm {
 
     /// The step through a recorded graph (see [`CausalLm::decode_step_checked`]): replayed when
     /// the cache holds one for these buffers, recorded when the previous step ran eagerly on
-    /// them, else run eagerly.
+    /// them, else run eagerly. `emulated`: recordings are replayed by running the ops again
+    /// ([`Replay::Emulated`]) instead of as CUDA graphs.
     fn graphed_step(
         &self,
         inputs: StepInputs,
         first: Vec<u32>,
         pos: usize,
         cache: &mut KvCache,
+        emulated: bool,
     ) -> CResult<Tensor> {
         let key = GraphKey {
             rows: first.len(),
@@ -241,31 +243,29 @@ impl CausalLm {
             self.dtype,
             &self.device,
         )?;
-        let recording = match cache.replay {
-            Replay::Emulated => Recording::Emulated { pos },
-            Replay::Off => unreachable!("no recording without graphs"),
-            Replay::Cuda => {
-                let work = || {
+        let recording = if emulated {
+            Recording::Emulated { pos }
+        } else {
+            let work = || {
+                let at = StepPosition {
+                    len: pos + 1,
+                    counters: Some(&inputs.counters),
+                };
+                let h = self.step_body(&inputs, &constants, &first, &cache.layers, at)?;
+                out.slice_set(&h, 0, 0)
+            };
+            match ferrotune_core::graph::CapturedGraph::capture(&self.device, work) {
+                Ok(g) => Recording::Cuda(g),
+                Err(e) => {
+                    tracing::warn!(
+                        "recording the decode step as a CUDA graph failed ({e}); decoding goes on without CUDA graphs"
+                    );
+                    ferrotune_core::graph::set_enabled(false);
                     let at = StepPosition {
                         len: pos + 1,
-                        counters: Some(&inputs.counters),
+                        counters: None,
                     };
-                    let h = self.step_body(&inputs, &constants, &first, &cache.layers, at)?;
-                    out.slice_set(&h, 0, 0)
-                };
-                match ferrotune_core::graph::CapturedGraph::capture(&self.device, work) {
-                    Ok(g) => Recording::Cuda(g),
-                    Err(e) => {
-                        tracing::warn!(
-                            "recording the decode step as a CUDA graph failed ({e}); decoding goes on without CUDA graphs"
-                        );
-                        ferrotune_core::graph::set_enabled(false);
-                        let at = StepPosition {
-                            len: pos + 1,
-                            counters: None,
-                        };
-                        return self.step_body(&inputs, &constants, &first, &cache.layers, at);
-                    }
+                    return self.step_body(&inputs, &constants, &first, &cache.layers, at);
                 }
             }
         };
