@@ -392,6 +392,40 @@ impl ModelConfig {
     pub fn kv_groups(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
     }
+
+    /// Training settings of the config that ferrotune's training does not apply, one sentence
+    /// each (the recipes warn with them): the router's auxiliary load-balancing loss
+    /// (`output_router_logits` with a non-zero `router_aux_loss_coef`), router jitter, and
+    /// Phi-2's residual / embedding dropout.
+    pub fn training_caveats(&self) -> Vec<String> {
+        let obj = match &self.raw {
+            Value::Object(o) => match o.get("text_config") {
+                Some(Value::Object(t)) => t,
+                _ => o,
+            },
+            _ => return Vec::new(),
+        };
+        let positive = |key: &str| obj.get(key).and_then(Value::as_f64).filter(|v| *v > 0.0);
+        let mut out = Vec::new();
+        if obj.get("output_router_logits").and_then(Value::as_bool) == Some(true) {
+            if let Some(coef) = positive("router_aux_loss_coef") {
+                out.push(format!(
+                    "output_router_logits is true, but the router's auxiliary load-balancing loss (router_aux_loss_coef {coef}) is not added: the loss is the cross-entropy alone"
+                ));
+            }
+        }
+        if let Some(j) = positive("router_jitter_noise") {
+            out.push(format!(
+                "router_jitter_noise {j} is not applied: the router sees its inputs unchanged"
+            ));
+        }
+        for key in ["resid_pdrop", "embd_pdrop"] {
+            if let Some(p) = positive(key) {
+                out.push(format!("{key} {p} (dropout) is not applied"));
+            }
+        }
+        out
+    }
 }
 
 /// The rotary settings of a config: transformers 5's `rope_parameters`, or 4.x's top-level
@@ -971,6 +1005,42 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn training_caveats_name_what_training_leaves_out() {
+        let mut c = base();
+        assert!(ModelConfig::from_hf_json(&c)
+            .unwrap()
+            .training_caveats()
+            .is_empty());
+        c["model_type"] = json!("mixtral");
+        c["output_router_logits"] = json!(true);
+        c["router_aux_loss_coef"] = json!(0.02);
+        c["router_jitter_noise"] = json!(0.0);
+        let caveats = ModelConfig::from_hf_json(&c).unwrap().training_caveats();
+        assert_eq!(caveats.len(), 1, "{caveats:?}");
+        assert!(
+            caveats[0].contains("router_aux_loss_coef 0.02"),
+            "{caveats:?}"
+        );
+        c["output_router_logits"] = json!(false);
+        c["router_jitter_noise"] = json!(0.1);
+        let caveats = ModelConfig::from_hf_json(&c).unwrap().training_caveats();
+        assert_eq!(caveats.len(), 1, "{caveats:?}");
+        assert!(
+            caveats[0].contains("router_jitter_noise 0.1"),
+            "{caveats:?}"
+        );
+        let mut phi = base();
+        phi["model_type"] = json!("phi");
+        phi["resid_pdrop"] = json!(0.1);
+        phi["embd_pdrop"] = json!(0.0);
+        let caveats = ModelConfig::from_hf_json(&phi).unwrap().training_caveats();
+        assert_eq!(
+            caveats,
+            vec!["resid_pdrop 0.1 (dropout) is not applied".to_string()]
+        );
     }
 
     #[test]

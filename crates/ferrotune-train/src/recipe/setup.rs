@@ -132,6 +132,9 @@ pub fn load_model(
 ) -> Result<(CausalLm, ModelSource)> {
     let ckpt = read_checkpoint(path, dtype, device)?;
     check_model_component(cfg, &ckpt.config)?;
+    for caveat in ckpt.config.training_caveats() {
+        tracing::warn!("{}: {caveat}", path.display());
+    }
     let source = ModelSource {
         format: ckpt.format.clone(),
         dir: ckpt.dir.clone(),
