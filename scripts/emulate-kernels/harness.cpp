@@ -265,6 +265,60 @@ void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vecto
   check(name, host(dout, want.size()), want, tol<T>());
 }
 
+// The split attention (dec_attention_part + dec_attention_combine) against the same reference
+// as dec_attention's, except that the probabilities are not rounded to T (the split form knows
+// them only after the combine). Splits follow the capacity: some may be empty (len << cap) or
+// masked out entirely (first keys, window).
+template <typename T>
+void test_attention_split(int B, int nh, int nkv, int hd, int cap, int len, std::vector<uint32_t> lo, int window,
+                          float softcap, int chunk, bool counters) {
+  auto q = random_vec<T>((size_t)B * nh * hd);
+  auto kc = random_vec<T>((size_t)B * nkv * cap * hd), vc = random_vec<T>((size_t)B * nkv * cap * hd);
+  float scale = 1.f / std::sqrt((float)hd);
+  std::vector<float> want((size_t)B * nh * hd);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < nh; ++h) {
+      int kvh = h / (nh / nkv);
+      int l0 = (int)lo[b];
+      if (window > 0) l0 = std::max(l0, len - window);
+      std::vector<double> s(len);
+      double m = -INFINITY;
+      for (int j = l0; j < len; ++j) {
+        float acc = 0;
+        for (int d = 0; d < hd; ++d)
+          acc += from_t(q[((size_t)b * nh + h) * hd + d]) *
+                 from_t(kc[(((size_t)b * nkv + kvh) * cap + j) * hd + d]);
+        float sv = rt<T>(acc) * scale;
+        if (softcap > 0.f) sv = softcap * std::tanh(sv / softcap);
+        s[j] = sv;
+        m = std::max(m, s[j]);
+      }
+      double sum = 0;
+      for (int j = l0; j < len; ++j) sum += std::exp(s[j] - m);
+      for (int d = 0; d < hd; ++d) {
+        double acc = 0;
+        for (int j = l0; j < len; ++j)
+          acc += std::exp(s[j] - m) / sum * from_t(vc[(((size_t)b * nkv + kvh) * cap + j) * hd + d]);
+        want[((size_t)b * nh + h) * hd + d] = rt<T>((float)acc);
+      }
+    }
+  int splits = (cap + chunk - 1) / chunk;
+  T *dq = dev(q), *dkc = dev(kc), *dvc = dev(vc), *dout = dev(std::vector<T>(want.size()));
+  float *dsc = dev(std::vector<float>((size_t)B * nh * cap));
+  float *dpart = dev(std::vector<float>((size_t)B * nh * splits * (hd + 2)));
+  uint32_t *dlo = dev(lo);
+  uint32_t *dcounters = counters ? dev(std::vector<uint32_t>{(uint32_t)len - 1, (uint32_t)len}) : nullptr;
+  hipLaunchKernelGGL(dec_attention_part<T>, dim3(nh, B, splits), dim3(256), (hd + 8 * 256) * sizeof(float), 0,
+                     dq, dkc, dvc, dpart, dsc, dlo, counters ? cap : len, window, nh, nkv, hd, cap, chunk, scale,
+                     softcap, dcounters);
+  hipLaunchKernelGGL(dec_attention_combine<T>, dim3(nh, B), dim3(128), 0, 0, dpart, dout, nh, hd, splits);
+  char name[160];
+  std::snprintf(name, sizeof name, "split attention %s B%d h%d/%d d%d len%d/%d chunk%d win%d cap%g%s",
+                sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, chunk, window, softcap,
+                counters ? " counters" : "");
+  check(name, host(dout, want.size()), want, sizeof(T) == 4 ? 2e-6f : 1e-2f);
+}
+
 // The training kernels' RMSNorm forward (block_sum, shared by every row-wise kernel).
 template <typename T> void test_rmsnorm(int rows, int h, int offset_one) {
   auto x = random_vec<T>((size_t)rows * h), w = random_vec<T>(h);
@@ -307,6 +361,11 @@ template <typename T> void all() {
   test_attention<T>(2, 4, 4, 256, 24, 24, {2, 0}, 7);
   test_attention<T>(2, 8, 1, 32, 600, 555, {0, 100}, 0);
   test_attention<T>(2, 4, 2, 64, 300, 123, {0, 7}, 0, 0.f, true);
+  test_attention_split<T>(1, 4, 2, 64, 1030, 1000, {0}, 0, 0.f, 256, false);
+  test_attention_split<T>(2, 8, 2, 128, 1100, 900, {0, 450}, 0, 0.f, 512, true);
+  test_attention_split<T>(2, 4, 4, 256, 700, 650, {3, 0}, 100, 0.f, 256, false);
+  test_attention_split<T>(2, 4, 2, 32, 2048, 77, {0, 60}, 0, 0.5f, 512, false);
+  test_attention_split<T>(1, 6, 3, 96, 1500, 1499, {0}, 700, 0.f, 512, true);
   test_attention<T>(1, 4, 2, 96, 300, 300, {17}, 40);
   test_attention<T>(2, 4, 2, 64, 48, 45, {0, 9}, 16, 0.5f);
 }

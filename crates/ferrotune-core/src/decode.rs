@@ -6,7 +6,7 @@
 //! here is one kernel: the projections are GEMVs that stream the weights with wide loads (several
 //! stacked matrices, a bias and the residual add in the same pass; gate, up and the activation in
 //! one), and RoPE, the per-head norms, the cache write and the attention over the cache are one
-//! kernel each. Elsewhere they are the same candle ops the model's forward uses, so a decode
+//! kernel each (attention over a long cache two: keys split over blocks, then the combine). Elsewhere they are the same candle ops the model's forward uses, so a decode
 //! step built from them gives the forward's results on the CPU (the reference the GPU kernels
 //! are tested against). Nothing here records a backward: this is inference only.
 

@@ -570,6 +570,21 @@ fn decode_cached_attention_matches_cpu() {
         (2, 8, 1, 32, 600, 555, vec![0, 100], None, None, false),
         (2, 4, 2, 64, 48, 45, vec![0, 9], Some(16), Some(0.5), false),
         (2, 4, 2, 64, 300, 123, vec![0, 7], None, None, true),
+        // Capacities from 1024 on are attended in splits of 256 keys (dec_attention_part).
+        (1, 8, 2, 128, 2048, 1900, vec![0], None, None, false),
+        (
+            2,
+            4,
+            2,
+            64,
+            1280,
+            1000,
+            vec![0, 300],
+            Some(512),
+            Some(0.5),
+            true,
+        ),
+        (2, 4, 4, 256, 1024, 40, vec![3, 0], None, None, false),
     ] {
         let inputs = vec![
             rng.tensor(&[rows, query, dim], 1.0),

@@ -4,7 +4,7 @@
 
 use candle_core::{Result, Tensor};
 
-use super::{act_code, cuda_device, empty, launch, ptr, suffix, Arg};
+use super::{act_code, cuda_device, empty, launch, launch_3d, ptr, suffix, Arg};
 use crate::decode::{Heads, Projection, QkNorm};
 use crate::fused::GatedAct;
 
@@ -12,6 +12,13 @@ use crate::fused::GatedAct;
 const GEMV_WARPS: usize = 8;
 /// Threads per block of the attention kernel (at least an eighth of the head dimension).
 const ATTENTION_THREADS: usize = 256;
+/// Keys per block of the split attention (`dec_attention_part`), used from caches of
+/// [`SPLIT_FROM_CAPACITY`] positions on: one block per (head, row) would leave most of the GPU
+/// idle while it reads a long cache.
+const SPLIT_KEYS: usize = 256;
+/// The smallest cache capacity attended in splits. The choice depends on the capacity, fixed
+/// while the cache fills, so a recorded CUDA graph keeps its kernels until the cache grows.
+const SPLIT_FROM_CAPACITY: usize = 1024;
 
 fn ptr_or_null(t: Option<&Tensor>) -> Result<u64> {
     t.map(ptr).transpose().map(|p| p.unwrap_or(0))
@@ -176,6 +183,54 @@ pub(crate) fn attention(
     let q = q.contiguous()?;
     let scores = empty(&dev, candle_core::DType::F32, (rows, query, cap))?;
     let out = empty(&dev, dtype, (rows, query * dim))?;
+    if cap >= SPLIT_FROM_CAPACITY {
+        let splits = cap.div_ceil(SPLIT_KEYS);
+        let part = empty(
+            &dev,
+            candle_core::DType::F32,
+            (rows, query, splits, dim + 2),
+        )?;
+        launch_3d(
+            &dev,
+            &format!("dec_attention_part_{}", suffix(dtype)?),
+            (query as u32, rows as u32, splits as u32),
+            ATTENTION_THREADS as u32,
+            ((dim + 8 * ATTENTION_THREADS) * 4) as u32,
+            &[
+                Arg::Ptr(ptr(&q)?),
+                Arg::Ptr(ptr(k_cache)?),
+                Arg::Ptr(ptr(v_cache)?),
+                Arg::Ptr(ptr(&part)?),
+                Arg::Ptr(ptr(&scores)?),
+                Arg::Ptr(ptr(first)?),
+                Arg::I32(len as i32),
+                Arg::I32(window as i32),
+                Arg::I32(query as i32),
+                Arg::I32(kv as i32),
+                Arg::I32(dim as i32),
+                Arg::I32(cap as i32),
+                Arg::I32(SPLIT_KEYS as i32),
+                Arg::F32(scale),
+                Arg::F32(softcap),
+                Arg::Ptr(ptr_or_null(counters)?),
+            ],
+        )?;
+        launch(
+            &dev,
+            &format!("dec_attention_combine_{}", suffix(dtype)?),
+            (query as u32, rows as u32),
+            dim.next_multiple_of(32).min(256) as u32,
+            0,
+            &[
+                Arg::Ptr(ptr(&part)?),
+                Arg::Ptr(ptr(&out)?),
+                Arg::I32(query as i32),
+                Arg::I32(dim as i32),
+                Arg::I32(splits as i32),
+            ],
+        )?;
+        return Ok(out);
+    }
     launch(
         &dev,
         &format!("dec_attention_{}", suffix(dtype)?),

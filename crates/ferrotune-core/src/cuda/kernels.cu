@@ -657,6 +657,111 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   }
 }
 
+// Long caches: dec_attention has one block per (query head, row), a few dozen blocks for a whole
+// GPU, and reads every key of a long cache in that one block. Split over keys instead
+// (flash-decoding): block (head, row, split) takes keys [split · chunk, (split + 1) · chunk) of
+// the visible range and leaves its running max m, its sum l = Σ exp(s − m) and the unnormalized
+// Σ exp(s − m) · v in `part` ([B, nh, splits, hd + 2] floats: hd accumulators, then m and l);
+// dec_attention_combine weighs the splits by exp(m − max m) and writes the output. The split
+// count follows the cache capacity, not the length, so a recorded CUDA graph stays valid as the
+// cache fills. Scores are rounded to T before scaling as in dec_attention; the probabilities are
+// not rounded to T (they are only known up to the final sum), a difference within T's precision.
+// Dynamic shared memory: (hd + 8 · blockDim.x) floats.
+template <typename T>
+__device__ void dec_attention_part(const T *q, const T *kc, const T *vc, float *part, float *scores,
+                                   const uint32_t *lo_rows, int len, int window, int nh, int nkv,
+                                   int hd, int cap, int chunk, float scale, float softcap,
+                                   const uint32_t *counters) {
+  FT_DYNAMIC_SHARED(float, dsh);
+  int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  if (counters) len = (int)counters[1];
+  int kvh = h / (nh / nkv);
+  int lo = (int)lo_rows[b];
+  if (window > 0) lo = max(lo, len - window);
+  int start = max(lo, split * chunk), end = min(len, (split + 1) * chunk);
+  const T *qr = q + ((long)b * nh + h) * hd;
+  long kv_off = ((long)b * nkv + kvh) * (long)cap * hd;
+  const T *kb = kc + kv_off;
+  const T *vb = vc + kv_off;
+  float *sc = scores + ((long)b * nh + h) * (long)cap;
+  float *out = part + (((long)b * nh + h) * splits + split) * (hd + 2);
+  float *qs = dsh, *acc_sh = dsh + hd;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ld(qr, d);
+  __syncthreads();
+  float m = -INFINITY;
+  for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+    const T *kr = kb + (long)j * hd;
+    float acc = 0.f;
+    for (int d = 0; d < hd; d += 8) {
+      float k8[8];
+      load8(kr + d, k8);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc += qs[d + i] * k8[i];
+    }
+    float s = round_to<T>(acc) * scale;
+    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+    sc[j] = s;
+    m = fmaxf(m, s);
+  }
+  m = block_max(m);
+  float l = 0.f;
+  for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+    float e = expf(sc[j] - m);
+    sc[j] = e;
+    l += e;
+  }
+  l = block_sum(l);  // its barriers publish the exponentials written above
+  int per_key = hd / 8;
+  int groups = blockDim.x / per_key;
+  int d8 = (threadIdx.x % per_key) * 8, g = threadIdx.x / per_key;
+  if (g < groups) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = start + g; j < end; j += groups) {
+      float p = sc[j], v8[8];
+      load8(vb + (long)j * hd + d8, v8);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += p * v8[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc_sh[g * hd + d8 + i] = acc[i];
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float s = 0.f;
+    if (end > start)
+      for (int gg = 0; gg < groups; ++gg) s += acc_sh[gg * hd + d];
+    out[d] = s;
+  }
+  if (threadIdx.x == 0) {
+    out[hd] = end > start ? m : -INFINITY;
+    out[hd + 1] = end > start ? l : 0.f;
+  }
+}
+
+// out[b][h] = Σ_split exp(m − M) · acc / Σ_split exp(m − M) · l over the splits of
+// dec_attention_part (M the largest m), rounded to T; one block per (query head, row).
+template <typename T>
+__device__ void dec_attention_combine(const float *part, T *out, int nh, int hd, int splits) {
+  int h = blockIdx.x, b = blockIdx.y;
+  const float *p = part + ((long)b * nh + h) * splits * (hd + 2);
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p[s * (hd + 2) + hd]);
+  float denom = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    float m = p[s * (hd + 2) + hd];
+    if (m != -INFINITY) denom += expf(m - mx) * p[s * (hd + 2) + hd + 1];
+  }
+  float inv = denom > 0.f ? 1.f / denom : 0.f;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float v = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      float m = p[s * (hd + 2) + hd];
+      if (m != -INFINITY) v += expf(m - mx) * p[s * (hd + 2) + d];
+    }
+    st(out, ((long)b * nh + h) * hd + d, v * inv);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 #define FOR_TYPES(X) X(float, f32) X(bf16, bf16)
 
@@ -724,6 +829,17 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
                                                const uint32_t *counters) {                        \
     dec_attention<T>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale,       \
                      softcap, counters);                                                          \
+  }                                                                                               \
+  extern "C" __global__ void dec_attention_part_##SUF(                                            \
+      const T *q, const T *kc, const T *vc, float *part, float *scores, const uint32_t *lo_rows,  \
+      int len, int window, int nh, int nkv, int hd, int cap, int chunk, float scale,              \
+      float softcap, const uint32_t *counters) {                                                  \
+    dec_attention_part<T>(q, kc, vc, part, scores, lo_rows, len, window, nh, nkv, hd, cap, chunk, \
+                          scale, softcap, counters);                                              \
+  }                                                                                               \
+  extern "C" __global__ void dec_attention_combine_##SUF(const float *part, T *out, int nh,       \
+                                                         int hd, int splits) {                    \
+    dec_attention_combine<T>(part, out, nh, hd, splits);                                          \
   }                                                                                               \
   extern "C" __global__ void adamw_##SUF(float *p32, T *p_out, const T *g, float *m, float *v,    \
                                          long n, float grad_scale, float decay, float omb1,      \

@@ -169,11 +169,23 @@ fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     Ok(f)
 }
 
-/// Launches `name` from the module (loaded on first use).
+/// Launches `name` from the module (loaded on first use) on a 2-D grid.
 fn launch(
     dev: &CudaDevice,
     name: &str,
     grid: (u32, u32),
+    block: u32,
+    shared_bytes: u32,
+    args: &[Arg],
+) -> Result<()> {
+    launch_3d(dev, name, (grid.0, grid.1, 1), block, shared_bytes, args)
+}
+
+/// [`launch`] on a 3-D grid.
+fn launch_3d(
+    dev: &CudaDevice,
+    name: &str,
+    grid: (u32, u32, u32),
     block: u32,
     shared_bytes: u32,
     args: &[Arg],
@@ -190,7 +202,7 @@ fn launch(
         };
     }
     let cfg = LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
+        grid_dim: grid,
         block_dim: (block, 1, 1),
         shared_mem_bytes: shared_bytes,
     };
