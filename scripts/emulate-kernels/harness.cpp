@@ -319,6 +319,74 @@ void test_attention_split(int B, int nh, int nkv, int hd, int cap, int len, std:
   check(name, host(dout, want.size()), want, sizeof(T) == 4 ? 2e-6f : 1e-2f);
 }
 
+// The training attention's softmax over one chunk of scores (attn_softmax: forward and
+// recompute) and the softcapped backward (attn_softcap_bwd), against a float reference: b · nkv
+// blocks of g · C rows (query rows r0 .. r0 + C of g heads), L keys from key ks of s, an additive
+// mask [b, t, s] with masked (−inf) entries, Gemma 2's softcap when cap > 0.
+template <typename T> void test_attn_softmax(int L, float cap) {
+  int b = 2, nkv = 2, g = 2, C = 5, r0 = 3, t = 9, ks = 2, s = L + 4;
+  int rows = g * C;
+  long n = (long)b * nkv * rows * L;
+  float scale = 0.3f;
+  auto S = random_vec<T>(n);
+  std::vector<float> mask((size_t)b * t * s);
+  for (size_t i = 0; i < mask.size(); ++i) mask[i] = (i * 7919) % 5 == 0 ? -INFINITY : 0.25f * ((i * 31) % 7);
+  auto score = [&](float raw) {
+    float x = raw * scale;
+    return cap > 0.f ? cap * std::tanh(x / cap) : x;
+  };
+  std::vector<float> want_p(n), stats(2 * (size_t)b * nkv * rows), want_ds(n);
+  auto dP = random_vec<T>(n);
+  std::vector<float> D((size_t)b * nkv * rows);
+  for (size_t i = 0; i < D.size(); ++i) D[i] = 0.1f * (float)((i * 13) % 9) - 0.4f;
+  for (long bh = 0; bh < b * nkv; ++bh)
+    for (int rr = 0; rr < rows; ++rr) {
+      long bi = bh / nkv;
+      int tq = r0 + rr % C;
+      const float *mrow = &mask[(size_t)bi * t * s + (size_t)tq * s + ks];
+      long off = (bh * rows + rr) * (long)L;
+      float m = -INFINITY;
+      for (int j = 0; j < L; ++j) m = std::max(m, score(from_t(S[off + j])) + mrow[j]);
+      double sum = 0;
+      for (int j = 0; j < L; ++j) sum += std::exp(score(from_t(S[off + j])) + mrow[j] - m);
+      float inv = 1.f / (float)sum;
+      stats[2 * (bh * rows + rr)] = m;
+      stats[2 * (bh * rows + rr) + 1] = inv;
+      for (int j = 0; j < L; ++j) {
+        float raw = from_t(S[off + j]);
+        float p = std::exp(score(raw) + mrow[j] - m) * inv;
+        want_p[off + j] = rt<T>(p);
+        float th = cap > 0.f ? std::tanh(raw * scale / cap) : 0.f;
+        want_ds[off + j] = rt<T>(p * (from_t(dP[off + j]) - D[bh * rows + rr]) * (1 - th * th) * scale);
+      }
+    }
+  float *dmask = dev(mask), *dstats = dev(std::vector<float>(stats.size())), *dD = dev(D);
+  char name[128];
+  for (int recompute = 0; recompute < 2; ++recompute) {
+    T *dS = dev(S);
+    if (recompute) dstats = dev(stats);
+    hipLaunchKernelGGL(attn_softmax<T>, dim3(rows, b * nkv), dim3(256), 0, 0, dS, dstats, dmask, rows, L, C, r0,
+                       ks, nkv, s, (long)t * s, scale, recompute, cap);
+    std::snprintf(name, sizeof name, "attn softmax %s L%d cap%g%s", sizeof(T) == 4 ? "f32" : "bf16", L, cap,
+                  recompute ? " recompute" : "");
+    check(name, host(dS, n), want_p, tol<T>());
+    if (!recompute) {
+      std::vector<float> got(stats.size());
+      hipMemcpy(got.data(), dstats, got.size() * sizeof(float), hipMemcpyDeviceToHost);
+      check((std::string(name) + " stats").c_str(), got, stats, 1e-5f);
+    }
+  }
+  if (cap > 0.f) {
+    T *dS = dev(S), *ddP = dev(dP);
+    float *dst = dev(stats);
+    hipLaunchKernelGGL(attn_softcap_bwd<T>, dim3(rows, b * nkv), dim3(256), 0, 0, dS, ddP, dst, dD, dmask, rows,
+                       L, C, r0, ks, nkv, s, (long)t * s, scale, cap);
+    std::snprintf(name, sizeof name, "attn softcap bwd %s L%d cap%g", sizeof(T) == 4 ? "f32" : "bf16", L, cap);
+    check((std::string(name) + " P").c_str(), host(dS, n), want_p, tol<T>());
+    check((std::string(name) + " dS").c_str(), host(ddP, n), want_ds, tol<T>());
+  }
+}
+
 // The training kernels' RMSNorm forward (block_sum, shared by every row-wise kernel).
 template <typename T> void test_rmsnorm(int rows, int h, int offset_one) {
   auto x = random_vec<T>((size_t)rows * h), w = random_vec<T>(h);
@@ -361,6 +429,9 @@ template <typename T> void all() {
   test_attention<T>(2, 4, 4, 256, 24, 24, {2, 0}, 7);
   test_attention<T>(2, 8, 1, 32, 600, 555, {0, 100}, 0);
   test_attention<T>(2, 4, 2, 64, 300, 123, {0, 7}, 0, 0.f, true);
+  test_attn_softmax<T>(37, 0.f);
+  test_attn_softmax<T>(37, 0.9f);
+  test_attn_softmax<T>(4200, 1.3f);
   test_attention_split<T>(1, 4, 2, 64, 1030, 1000, {0}, 0, 0.f, 256, false);
   test_attention_split<T>(2, 8, 2, 128, 1100, 900, {0, 450}, 0, 0.f, 512, true);
   test_attention_split<T>(2, 4, 4, 256, 700, 650, {3, 0}, 100, 0.f, 256, false);

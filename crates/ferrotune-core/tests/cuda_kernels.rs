@@ -236,17 +236,66 @@ fn mask(b: usize, t: usize, s: usize, pad: usize, doc: Option<usize>) -> Tensor 
 fn attention_matches_cpu() {
     let Some(gpu) = gpu() else { return };
     let mut rng = Rng(4);
-    // (b, nh, nkv, t, s, hd, mask): causal with padding; packed documents; several chunks
-    // (t > 256 rows); no mask; a decode step (t = 1).
-    type Case = (usize, usize, usize, usize, usize, usize, Option<Tensor>);
+    // (b, nh, nkv, t, s, hd, mask, softcap): causal with padding; packed documents; several
+    // chunks (t > 256 rows); no mask; a decode step (t = 1); Gemma 2's softcap (small enough to
+    // bend the scores) with padding and over several chunks.
+    type Case = (
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        Option<Tensor>,
+        Option<f64>,
+    );
     let cases: Vec<Case> = vec![
-        (2, 4, 2, 37, 37, 16, Some(mask(2, 37, 37, 5, None))),
-        (2, 4, 4, 64, 64, 32, Some(mask(2, 64, 64, 0, Some(20)))),
-        (1, 4, 1, 300, 300, 16, Some(mask(1, 300, 300, 0, None))),
-        (2, 2, 1, 9, 9, 8, None),
-        (2, 8, 2, 1, 20, 16, None),
+        (2, 4, 2, 37, 37, 16, Some(mask(2, 37, 37, 5, None)), None),
+        (
+            2,
+            4,
+            4,
+            64,
+            64,
+            32,
+            Some(mask(2, 64, 64, 0, Some(20))),
+            None,
+        ),
+        (
+            1,
+            4,
+            1,
+            300,
+            300,
+            16,
+            Some(mask(1, 300, 300, 0, None)),
+            None,
+        ),
+        (2, 2, 1, 9, 9, 8, None, None),
+        (2, 8, 2, 1, 20, 16, None, None),
+        (
+            2,
+            4,
+            2,
+            37,
+            37,
+            16,
+            Some(mask(2, 37, 37, 5, None)),
+            Some(0.7),
+        ),
+        (
+            1,
+            4,
+            1,
+            300,
+            300,
+            16,
+            Some(mask(1, 300, 300, 0, None)),
+            Some(1.5),
+        ),
+        (2, 2, 1, 9, 9, 8, None, Some(0.5)),
     ];
-    for (b, nh, nkv, t, s, hd, m) in cases {
+    for (b, nh, nkv, t, s, hd, m, softcap) in cases {
         let q = rng.tensor(&[b, nh, t, hd], 1.0);
         let k = rng.tensor(&[b, nkv, s, hd], 1.0);
         let v = rng.tensor(&[b, nkv, s, hd], 1.0);
@@ -254,7 +303,7 @@ fn attention_matches_cpu() {
             let m = m.clone();
             check(
                 &format!(
-                    "attention b={b} nh={nh} nkv={nkv} t={t} s={s} hd={hd} mask={}",
+                    "attention b={b} nh={nh} nkv={nkv} t={t} s={s} hd={hd} mask={} softcap={softcap:?}",
                     m.is_some()
                 ),
                 &[q.clone(), k.clone(), v.clone()],
@@ -266,7 +315,8 @@ fn attention_matches_cpu() {
                         Some(m) => Some(m.to_dtype(ts[0].dtype())?.to_device(ts[0].device())?),
                         None => None,
                     };
-                    fused::attention(&ts[0], &ts[1], &ts[2], m.as_ref(), 1.0 / (hd as f64).sqrt())
+                    let scale = 1.0 / (hd as f64).sqrt();
+                    fused::attention_softcapped(&ts[0], &ts[1], &ts[2], m.as_ref(), scale, softcap)
                 },
             );
         }

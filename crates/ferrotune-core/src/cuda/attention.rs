@@ -141,14 +141,16 @@ fn plan(mask: Option<&Tensor>, b: usize, nh: usize, t: usize, s: usize) -> Resul
     Ok(p)
 }
 
-/// [`crate::fused::attention`] for CUDA tensors (validated by the caller): `q` `[b, nh, t, hd]`,
-/// `k`/`v` `[b, nkv, s, hd]`, additive `mask` `[b or 1, 1, t, s]`.
+/// [`crate::fused::attention_softcapped`] for CUDA tensors (validated by the caller): `q`
+/// `[b, nh, t, hd]`, `k`/`v` `[b, nkv, s, hd]`, additive `mask` `[b or 1, 1, t, s]`, Gemma 2's
+/// `softcap` on the scaled scores (0 = none).
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
     scale: f64,
+    softcap: f32,
 ) -> Result<Tensor> {
     let (b, nh, t, _) = q.dims4()?;
     let (_, _, s, _) = k.dims4()?;
@@ -161,6 +163,7 @@ pub(crate) fn attention(
         &v.detach().contiguous()?,
         &plan,
         scale as f32,
+        softcap,
     )?;
     if !(q.track_op() || k.track_op() || v.track_op()) {
         return Ok(out);
@@ -170,11 +173,13 @@ pub(crate) fn attention(
         stats,
         plan,
         scale: scale as f32,
+        softcap,
     };
     q.apply_op3_arc(k, v, Arc::new(Box::new(op)))
 }
 
 /// Launches the softmax kernel over one chunk's scores `[b, nkv, rows, len]` (in place).
+#[allow(clippy::too_many_arguments)]
 fn softmax(
     scores: &Tensor,
     stats: &Tensor,
@@ -182,6 +187,7 @@ fn softmax(
     c: &Chunk,
     s: usize,
     scale: f32,
+    softcap: f32,
     recompute: bool,
 ) -> Result<()> {
     let (b, nkv, rows, len) = scores.dims4()?;
@@ -209,6 +215,7 @@ fn softmax(
             Arg::I64(plan.mask_bstride as i64),
             Arg::F32(scale),
             Arg::I32(recompute as i32),
+            Arg::F32(softcap),
         ],
     )
 }
@@ -229,6 +236,7 @@ fn forward(
     v: &Tensor,
     plan: &Plan,
     scale: f32,
+    softcap: f32,
 ) -> Result<(Tensor, Tensor)> {
     let (b, nh, t, hd) = q.dims4()?;
     let (_, nkv, s, _) = k.dims4()?;
@@ -243,7 +251,7 @@ fn forward(
         let vc = v.narrow(2, c.ks, c.len)?.contiguous()?;
         let scores = qc.matmul(&kc.t()?)?;
         let st = empty(&dev, DType::F32, (b, nkv, g * c.rows, 2))?;
-        softmax(&scores, &st, plan, c, s, scale, false)?;
+        softmax(&scores, &st, plan, c, s, scale, softcap, false)?;
         let oc = scores.matmul(&vc)?;
         outs.push(oc.reshape((b, nkv, g, c.rows, hd))?);
         stats.push(st.reshape((b, nkv, g, c.rows, 2))?);
@@ -283,12 +291,58 @@ fn add_key_rows(acc: &Tensor, src: &Tensor, ks: usize) -> Result<()> {
     )
 }
 
+impl Attention {
+    /// `attn_softcap_bwd` over one chunk: raw scores `p` become probabilities and `dp`
+    /// (`dO · Vᵀ`) the scores' gradient, both `[b, nkv, rows, len]`, in place.
+    fn softcap_backward(
+        &self,
+        p: &Tensor,
+        dp: &Tensor,
+        stats: &Tensor,
+        d_rows: &Tensor,
+        c: &Chunk,
+        s: usize,
+    ) -> Result<()> {
+        let (b, nkv, rows, len) = p.dims4()?;
+        let dev = cuda_device(p)?;
+        launch(
+            &dev,
+            &format!("attn_softcap_bwd_{}", suffix(p.dtype())?),
+            (rows as u32, (b * nkv) as u32),
+            256,
+            0,
+            &[
+                Arg::Ptr(ptr(p)?),
+                Arg::Ptr(ptr(dp)?),
+                Arg::Ptr(ptr(stats)?),
+                Arg::Ptr(ptr(d_rows)?),
+                Arg::Ptr(match &self.plan.mask {
+                    Some(m) => ptr(m)?,
+                    None => 0,
+                }),
+                Arg::I32(rows as i32),
+                Arg::I32(len as i32),
+                Arg::I32(c.rows as i32),
+                Arg::I32(c.r0 as i32),
+                Arg::I32(c.ks as i32),
+                Arg::I32(nkv as i32),
+                Arg::I32(s as i32),
+                Arg::I64(self.plan.mask_bstride as i64),
+                Arg::F32(self.scale),
+                Arg::F32(self.softcap),
+            ],
+        )
+    }
+}
+
 struct Attention {
     /// The output, computed before the op was attached to the graph; handed over by `cuda_fwd`.
     out: Mutex<Option<Tensor>>,
     stats: Tensor,
     plan: Arc<Plan>,
     scale: f32,
+    /// Gemma 2's softcap of the scaled scores (0 = none).
+    softcap: f32,
 }
 
 impl CustomOp3 for Attention {
@@ -382,25 +436,35 @@ impl CustomOp3 for Attention {
                 .contiguous()?
                 .reshape((b, nkv, g * c.rows))?;
             let p = qc.matmul(&kc.t()?)?;
-            softmax(&p, &stats, &self.plan, c, s, self.scale, true)?;
-            add_key_rows(&dv, &p.t()?.matmul(&doc)?, c.ks)?;
-            let ds = doc.matmul(&vc.t()?)?;
-            let n = b * nkv * g * c.rows * c.len;
-            launch(
-                &dev,
-                &format!("attn_dsoftmax_{}", suffix(dtype)?),
-                (stride_grid(n), 1),
-                256,
-                0,
-                &[
-                    Arg::Ptr(ptr(&p)?),
-                    Arg::Ptr(ptr(&ds)?),
-                    Arg::Ptr(ptr(&dc)?),
-                    Arg::I64(n as i64),
-                    Arg::I32(c.len as i32),
-                    Arg::F32(self.scale),
-                ],
-            )?;
+            let ds = if self.softcap > 0.0 {
+                // The softcap's derivative needs the raw scores, which the probabilities would
+                // overwrite: one kernel turns (scores, dP) into (P, dS) in place.
+                let ds = doc.matmul(&vc.t()?)?;
+                self.softcap_backward(&p, &ds, &stats, &dc, c, s)?;
+                add_key_rows(&dv, &p.t()?.matmul(&doc)?, c.ks)?;
+                ds
+            } else {
+                softmax(&p, &stats, &self.plan, c, s, self.scale, 0.0, true)?;
+                add_key_rows(&dv, &p.t()?.matmul(&doc)?, c.ks)?;
+                let ds = doc.matmul(&vc.t()?)?;
+                let n = b * nkv * g * c.rows * c.len;
+                launch(
+                    &dev,
+                    &format!("attn_dsoftmax_{}", suffix(dtype)?),
+                    (stride_grid(n), 1),
+                    256,
+                    0,
+                    &[
+                        Arg::Ptr(ptr(&p)?),
+                        Arg::Ptr(ptr(&ds)?),
+                        Arg::Ptr(ptr(&dc)?),
+                        Arg::I64(n as i64),
+                        Arg::I32(c.len as i32),
+                        Arg::F32(self.scale),
+                    ],
+                )?;
+                ds
+            };
             dqs.push(ds.matmul(&kc)?.reshape((b, nkv, g, c.rows, hd))?);
             add_key_rows(&dk, &ds.t()?.matmul(&qc)?, c.ks)?;
         }

@@ -224,9 +224,16 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// A raw score's logit: scaled, then (Gemma 2, softcap > 0) softcapped as cap · tanh(x / cap).
+__device__ __forceinline__ float attn_score(float raw, float scale, float softcap) {
+  float x = raw * scale;
+  return softcap > 0.f ? softcap * tanhf(x / softcap) : x;
+}
+
 template <typename T>
 __device__ void attn_softmax(T *S, float *stats, const float *mask, int rows, int L, int C, int r0,
-                             int ks, int nkv, int s, long mask_bstride, float scale, int recompute) {
+                             int ks, int nkv, int s, long mask_bstride, float scale, int recompute,
+                             float softcap) {
   // One block per row: consecutive threads read consecutive keys (coalesced).
   long bh = blockIdx.y;
   int rr = blockIdx.x;
@@ -238,7 +245,7 @@ __device__ void attn_softmax(T *S, float *stats, const float *mask, int rows, in
   if (recompute) {
     float m = srow[0], inv = srow[1];
     for (int j = threadIdx.x; j < L; j += blockDim.x) {
-      float v = ld(row, j) * scale + (mrow ? mrow[j] : 0.f);
+      float v = attn_score(ld(row, j), scale, softcap) + (mrow ? mrow[j] : 0.f);
       st(row, j, m == -INFINITY ? 0.f : expf(v - m) * inv);
     }
     return;
@@ -252,7 +259,7 @@ __device__ void attn_softmax(T *S, float *stats, const float *mask, int rows, in
     for (int k = 0; k < PER; ++k) {
       int j = threadIdx.x + k * blockDim.x;
       float v = -INFINITY;
-      if (j < L) v = ld(row, j) * scale + (mrow ? mrow[j] : 0.f);
+      if (j < L) v = attn_score(ld(row, j), scale, softcap) + (mrow ? mrow[j] : 0.f);
       vals[k] = v;
       m = fmaxf(m, v);
     }
@@ -278,15 +285,15 @@ __device__ void attn_softmax(T *S, float *stats, const float *mask, int rows, in
     return;
   }
   for (int j = threadIdx.x; j < L; j += blockDim.x)
-    m = fmaxf(m, ld(row, j) * scale + (mrow ? mrow[j] : 0.f));
+    m = fmaxf(m, attn_score(ld(row, j), scale, softcap) + (mrow ? mrow[j] : 0.f));
   m = block_max(m);
   if (m != -INFINITY)
     for (int j = threadIdx.x; j < L; j += blockDim.x)
-      sum += expf(ld(row, j) * scale + (mrow ? mrow[j] : 0.f) - m);
+      sum += expf(attn_score(ld(row, j), scale, softcap) + (mrow ? mrow[j] : 0.f) - m);
   sum = block_sum(sum);
   float inv = m == -INFINITY ? 0.f : 1.f / sum;
   for (int j = threadIdx.x; j < L; j += blockDim.x)
-    st(row, j, m == -INFINITY ? 0.f : expf(ld(row, j) * scale + (mrow ? mrow[j] : 0.f) - m) * inv);
+    st(row, j, m == -INFINITY ? 0.f : expf(attn_score(ld(row, j), scale, softcap) + (mrow ? mrow[j] : 0.f) - m) * inv);
   if (threadIdx.x == 0) {
     srow[0] = m;
     srow[1] = inv;
@@ -299,6 +306,33 @@ template <typename T>
 __device__ void attn_dsoftmax(const T *P, T *dP, const float *D, long n, int L, float scale) {
   for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
     st(dP, i, ld(P, i) * (ld(dP, i) - D[n < 2147483647L ? (long)((unsigned)i / (unsigned)L) : i / L]) * scale);
+}
+
+// The softmax backward of softcapped attention for one chunk, in one pass per row (one block per
+// row, as attn_softmax): S holds the raw scores Q·Kᵀ and dP = dO·Vᵀ; with x = S · scale,
+// t = tanh(x / cap), the probabilities P = exp(cap · t + mask − m) · inv from the forward's
+// statistics overwrite S (for dV = Pᵀ·dO), and dS = P ∘ (dP − D) ∘ (1 − t²) · scale overwrites dP
+// (for dQ and dK). Needs no buffer beyond the two the chunk has.
+template <typename T>
+__device__ void attn_softcap_bwd(T *S, T *dP, const float *stats, const float *D, const float *mask,
+                                 int rows, int L, int C, int r0, int ks, int nkv, int s,
+                                 long mask_bstride, float scale, float softcap) {
+  long bh = blockIdx.y;
+  int rr = blockIdx.x;
+  long bi = bh / nkv;
+  int tq = r0 + rr % C;
+  long off = (bh * rows + rr) * (long)L;
+  const float *mrow = mask ? mask + bi * mask_bstride + (long)tq * s + ks : nullptr;
+  const float *srow = stats + 2 * (bh * rows + rr);
+  float m = srow[0], inv = srow[1], d = D[bh * rows + rr];
+  for (int j = threadIdx.x; j < L; j += blockDim.x) {
+    float t = tanhf(ld(S, off + j) * scale / softcap);
+    float v = softcap * t + (mrow ? mrow[j] : 0.f);
+    float p = m == -INFINITY ? 0.f : expf(v - m) * inv;
+    float ds = p * (ld(dP, off + j) - d) * (1.f - t * t) * scale;
+    st(S, off + j, p);
+    st(dP, off + j, ds);
+  }
 }
 
 // D[r] = Σ_j dO[r][j] · O[r][j] over rows of width d, one warp per row.
@@ -787,10 +821,20 @@ __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd,
                                       long sb, long sh, long st_) {                               \
     rope<T>(x, c, s, y, n, heads, t, d, rot, cos_per_batch, backward, sb, sh, st_);               \
   }                                                                                               \
+  extern "C" __global__ void attn_softcap_bwd_##SUF(T *S, T *dP, const float *stats,             \
+                                                    const float *D, const float *mask, int rows,   \
+                                                    int L, int C, int r0, int ks, int nkv, int s,  \
+                                                    long mask_bstride, float scale,                \
+                                                    float softcap) {                               \
+    attn_softcap_bwd<T>(S, dP, stats, D, mask, rows, L, C, r0, ks, nkv, s, mask_bstride, scale,    \
+                        softcap);                                                                  \
+  }                                                                                               \
   extern "C" __global__ void attn_softmax_##SUF(T *S, float *lse, const float *mask, int rows,      \
                                               int L, int C, int r0, int ks, int nkv, int s,       \
-                                              long mask_bstride, float scale, int recompute) {    \
-    attn_softmax<T>(S, lse, mask, rows, L, C, r0, ks, nkv, s, mask_bstride, scale, recompute);    \
+                                              long mask_bstride, float scale, int recompute,      \
+                                              float softcap) {                                    \
+    attn_softmax<T>(S, lse, mask, rows, L, C, r0, ks, nkv, s, mask_bstride, scale, recompute,     \
+                    softcap);                                                                     \
   }                                                                                               \
   extern "C" __global__ void attn_dsoftmax_##SUF(const T *P, T *dP, const float *D, long n,        \
                                                int L, float scale) {                              \

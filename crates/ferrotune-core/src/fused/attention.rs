@@ -78,12 +78,8 @@ pub fn attention_softcapped(
     // Empty tensors gain nothing from the kernel (and would give it zero-sized blocks).
     let empty = q.elem_count() == 0 || k.elem_count() == 0;
     #[cfg(feature = "cuda")]
-    if !empty
-        && softcap.is_none()
-        && crate::cuda::applies(&[q, k, v])
-        && mask.is_none_or(|m| m.device().is_cuda())
-    {
-        return crate::cuda::attention(q, k, v, mask, scale);
+    if !empty && crate::cuda::applies(&[q, k, v]) && mask.is_none_or(|m| m.device().is_cuda()) {
+        return crate::cuda::attention(q, k, v, mask, scale, softcap.unwrap_or(0.0) as f32);
     }
     if empty
         || !fused_applies(&[q, k, v])
