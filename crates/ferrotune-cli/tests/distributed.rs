@@ -408,3 +408,64 @@ fn single_device_recipes_refuse_several_processes() {
     let source = std::fs::read_to_string(&dest).unwrap();
     assert!(source.contains("forward_backward_sharded"));
 }
+
+/// `val_loss` of every step from a log.
+fn val_losses(metrics: &Path) -> Vec<f64> {
+    metrics_lines(metrics)
+        .iter()
+        .filter_map(|v| v.get("val_loss").and_then(serde_json::Value::as_f64))
+        .collect()
+}
+
+/// Validation in the distributed recipes deals `dataset_val` as torchtune's does: a sampler
+/// without shuffling pads the 7 rows to 8 with row 0, rank 0 takes rows 0, 2, 4, 6 and rank 1
+/// rows 1, 3, 5, 0, and each rank's last incomplete batch of `batch_size_val: 3` is dropped (rows
+/// 6 and 0): the ranks together score rows 0..6, their token-weighted mean all-reduced. So every
+/// step's `val_loss` equals one device's over the first 6 rows, along the same training.
+#[test]
+fn validation_on_two_ranks_scores_the_rows_torchtunes_sampler_deals() {
+    let case = Case::new("validation", "llama3");
+    let rows = std::fs::read_to_string(case.dir.join("rows.jsonl")).unwrap();
+    let first = |n: usize| rows.lines().take(n).collect::<Vec<_>>().join("\n") + "\n";
+    std::fs::write(case.dir.join("val7.jsonl"), first(7)).unwrap();
+    std::fs::write(case.dir.join("val6.jsonl"), first(6)).unwrap();
+    let val = |file: &str, batch: usize| -> Vec<String> {
+        vec![
+            "run_val_every_n_steps=1".into(),
+            "dataset_val._component_=torchtune.datasets.tokenized_dataset".into(),
+            "dataset_val.source=json".into(),
+            format!("dataset_val.data_files={}", case.dir.join(file).display()),
+            format!("batch_size_val={batch}"),
+        ]
+    };
+    let single = case.dir.join("single");
+    let mut extra = vec!["batch_size=4".to_string()];
+    extra.extend(val("val6.jsonl", 2));
+    let extra_refs: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let o = case.run(1, "lora_finetune_single_device", &single, &extra_refs, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let want = val_losses(&single.join("logs/metrics.jsonl"));
+    assert!(want.len() >= 4, "{want:?}");
+
+    let out = case.dir.join("dist");
+    let mut extra = vec!["fsdp_sharding=full".to_string()];
+    extra.extend(val("val7.jsonl", 3));
+    let extra_refs: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let o = case.run(2, "lora_finetune_distributed", &out, &extra_refs, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        text(&o).matches("Validation loss:").count(),
+        want.len(),
+        "printed once a step, by rank 0: {}",
+        text(&o)
+    );
+    let got = val_losses(&out.join("logs/metrics.jsonl"));
+    assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            ((g - w) / w).abs() <= 1e-5,
+            "step {}: val_loss {g} vs one device's {w}",
+            step + 1
+        );
+    }
+}

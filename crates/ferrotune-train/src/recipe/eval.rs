@@ -37,6 +37,25 @@ pub fn mean_target_loss(
     pad: u32,
     device: &candle_core::Device,
 ) -> Result<(f64, usize)> {
+    let (sum, targets) = target_loss_sum(model, rows, batch_size, cap, pad, device)?;
+    let mean = if targets > 0 {
+        sum / targets as f64
+    } else {
+        f64::NAN
+    };
+    Ok((mean, targets))
+}
+
+/// The summed cross-entropy over the target tokens of `rows` (in batches of `batch_size`, at
+/// most `cap` batches) and the number of target tokens: what ranks add up before dividing.
+pub fn target_loss_sum(
+    model: &ferrotune_models::CausalLm,
+    rows: &[Row],
+    batch_size: usize,
+    cap: Option<usize>,
+    pad: u32,
+    device: &candle_core::Device,
+) -> Result<(f64, usize)> {
     let (mut sum, mut targets) = (0f64, 0usize);
     for (i, chunk) in rows.chunks(batch_size.max(1)).enumerate() {
         if cap.is_some_and(|c| i >= c) {
@@ -49,12 +68,29 @@ pub fn mean_target_loss(
         sum += loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         targets += loss.count;
     }
-    let mean = if targets > 0 {
-        sum / targets as f64
-    } else {
-        f64::NAN
-    };
-    Ok((mean, targets))
+    Ok((sum, targets))
+}
+
+/// The validation rows of `rank` out of `world`, as torchtune's distributed recipes take them: a
+/// `DistributedSampler` without shuffling (the row list padded with its first rows up to a
+/// multiple of `world`, then every `world`-th row from `rank`), in batches of `batch_size` with
+/// the last incomplete batch dropped (`drop_last=True`). Returns the rows and how many batches.
+pub fn rank_validation_rows(
+    rows: &[Row],
+    batch_size: usize,
+    rank: usize,
+    world: usize,
+) -> (Vec<Row>, usize) {
+    let n = rows.len();
+    if n == 0 || world == 0 {
+        return (Vec::new(), 0);
+    }
+    let per_rank = n.div_ceil(world);
+    let mine: Vec<Row> = (0..per_rank)
+        .map(|i| rows[(rank + i * world) % n].clone())
+        .collect();
+    let batches = mine.len() / batch_size.max(1);
+    (mine, batches)
 }
 
 /// Runs the evaluation recipe and prints its result (also as a JSON line).

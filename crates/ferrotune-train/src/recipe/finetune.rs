@@ -254,11 +254,6 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     // Validation every `run_val_every_n_steps` optimizer steps on `dataset_val` (torchtune's keys).
     let validation = match cfg.usize("run_val_every_n_steps")?.filter(|&n| n > 0) {
         None => None,
-        Some(_) if distributed => bail!(
-            "{}: run_val_every_n_steps: validation during training runs in the single-device \
-             recipes; set it to null here and evaluate the saved checkpoints with the eval recipe",
-            cfg.origin
-        ),
         Some(every) => {
             if cfg.get("dataset_val").is_none_or(|v| v.is_null()) {
                 bail!(
@@ -268,7 +263,16 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             }
             let val_rows = setup::dataset_at(cfg, &tokenizer, "dataset_val")?.rows;
             let val_batch = cfg.usize("batch_size_val")?.unwrap_or(batch_size).max(1);
-            Some((every, val_rows, val_batch))
+            // One device scores every row; ranks take theirs as torchtune's sampler deals them
+            // (and, like its loader, leave out each rank's last incomplete batch).
+            let (val_rows, val_batches) = if distributed {
+                let (mine, batches) =
+                    crate::recipe::eval::rank_validation_rows(&val_rows, val_batch, rank, world);
+                (mine, Some(batches))
+            } else {
+                (val_rows, None)
+            };
+            Some((every, val_rows, val_batch, val_batches))
         }
     };
     // Each optimizer step takes batch_size × ranks × gradient_accumulation_steps rows.
@@ -485,15 +489,40 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 }
                 logger.log_step(global_step as u64, &metrics)?;
             }
-            if let Some((every, val_rows, val_batch)) = &validation {
+            if let Some((every, val_rows, val_batch, val_batches)) = &validation {
                 if global_step.is_multiple_of(*every) {
                     // Dropout off while validating, as torchtune's `model.eval()`.
                     ferrotune_models::lora::set_training(&mut model, false);
-                    let (val_loss, _) = crate::recipe::eval::mean_target_loss(
-                        &model, val_rows, *val_batch, None, pad, &device,
-                    )?;
+                    if let Some(sm) = &mut sharded {
+                        sm.gather_all(&mut model)?;
+                    }
+                    let scored = crate::recipe::eval::target_loss_sum(
+                        &model,
+                        val_rows,
+                        *val_batch,
+                        *val_batches,
+                        pad,
+                        &device,
+                    );
+                    if let Some(sm) = &mut sharded {
+                        sm.release_all(&mut model);
+                    }
+                    let (mut sum, targets) = scored?;
+                    let mut targets = targets as f64;
+                    if let Some(sm) = &sharded {
+                        // Every rank's sums, as torchtune all-reduces them.
+                        let all = sm.all_reduce_f64(&[sum, targets])?;
+                        (sum, targets) = (all[0], all[1]);
+                    }
+                    let val_loss = if targets > 0.0 {
+                        sum / targets
+                    } else {
+                        f64::NAN
+                    };
                     ferrotune_models::lora::set_training(&mut model, mode == Mode::Lora);
-                    bar.suspend(|| eprintln!("Validation loss: {val_loss:.4}"));
+                    if lead {
+                        bar.suspend(|| eprintln!("Validation loss: {val_loss:.4}"));
+                    }
                     if let Some(logger) = logger.as_mut() {
                         logger.log_step(global_step as u64, &[("val_loss", val_loss)])?;
                     }
