@@ -201,7 +201,24 @@ pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
             model.model_type
         );
     }
+    if let Some(why) = qlora_caveat(&component) {
+        tracing::warn!("{}: {why}", cfg.origin);
+    }
     Ok(())
+}
+
+/// torchtune's QLoRA builders (`qlora_*`) keep the frozen base in 4-bit NF4; ferrotune trains the
+/// same LoRA on the base in the checkpoint's dtype, which this says (rather than silently
+/// changing the memory a run needs and, slightly, its numbers).
+pub fn qlora_caveat(component: &str) -> Option<String> {
+    let builder = component.rsplit('.').next().unwrap_or(component);
+    builder.starts_with("qlora_").then(|| {
+        format!(
+            "model._component_ '{component}' is a QLoRA builder: ferrotune does not quantize the \
+             frozen base to NF4, so this trains LoRA on the base weights as stored (more memory \
+             than QLoRA, and without NF4's rounding of the base)"
+        )
+    })
 }
 
 /// The tokenizer: `tokenizer.path` (an HF folder, a tokenizer.json / tokenizer.model file — looking
@@ -491,4 +508,20 @@ pub fn seed(cfg: &Config) -> Result<u64> {
             .map(|d| d.as_nanos() as u64 & 0xFFFF_FFFF)
             .unwrap_or(0),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::qlora_caveat;
+
+    #[test]
+    fn qlora_builders_are_named_and_lora_ones_are_not() {
+        let why = qlora_caveat("torchtune.models.llama3_1.qlora_llama3_1_8b").unwrap();
+        assert!(
+            why.contains("NF4") && why.contains("qlora_llama3_1_8b"),
+            "{why}"
+        );
+        assert!(qlora_caveat("torchtune.models.llama3_1.lora_llama3_1_8b").is_none());
+        assert!(qlora_caveat("torchtune.models.qwen2_5.qwen2_5_0_5b").is_none());
+    }
 }
