@@ -6,9 +6,10 @@
 //! here is one kernel: the projections are GEMVs that stream the weights with wide loads (several
 //! stacked matrices, a bias and the residual add in the same pass; gate, up and the activation in
 //! one), and RoPE, the per-head norms, the cache write and the attention over the cache are one
-//! kernel each (attention over a long cache two: keys split over blocks, then the combine). Elsewhere they are the same candle ops the model's forward uses, so a decode
-//! step built from them gives the forward's results on the CPU (the reference the GPU kernels
-//! are tested against). Nothing here records a backward: this is inference only.
+//! kernel each (attention over a long cache two: keys split over blocks, then the combine).
+//! Elsewhere they are the same candle ops the model's forward uses, so a decode step built from
+//! them gives the forward's results on the CPU (the reference the GPU kernels are tested
+//! against). Nothing here records a backward: this is inference only.
 
 use candle_core::{bail, Device, Result, Tensor};
 
@@ -257,6 +258,11 @@ pub fn rope_into_cache(
             at.counters,
         );
     }
+    if at.counters.is_some() && !qkv.device().is_cpu() {
+        // The ops below take the slot from the host: recorded in a graph, every replay would
+        // write the recording's slot.
+        bail!("rope_into_cache: no decode kernel for these inputs, so it cannot be recorded");
+    }
     // The model's forward, one position: [rows, 1, heads, dim], norms, RoPE on the transposed view.
     let mut q = qkv
         .narrow(1, 0, query * dim)?
@@ -365,6 +371,11 @@ pub fn cached_attention(
             softcap.unwrap_or(0.0) as f32,
             at.counters,
         );
+    }
+    if at.counters.is_some() && !q.device().is_cpu() {
+        // The ops below take the length from the host: recorded in a graph, every replay would
+        // attend to the recording's keys.
+        bail!("cached_attention: no decode kernel for these inputs, so it cannot be recorded");
     }
     let k = k_cache.narrow(2, 0, len)?.contiguous()?;
     let v = v_cache.narrow(2, 0, len)?.contiguous()?;
