@@ -1,8 +1,9 @@
 //! One decode step (one new token per row) built from [`ferrotune_core::decode`]: eight kernels a
-//! layer on a GPU, with the KV cache in fixed-capacity buffers written in place. The forward pass
-//! sends single-token steps here on CUDA; on the CPU the same step is made of the forward's own
-//! ops, which is how its bookkeeping (cache slots, padding, windows, every family's options) is
-//! tested against the forward.
+//! layer on a GPU, with the KV cache in fixed-capacity buffers written in place, recorded once as
+//! a CUDA graph and replayed for the following steps. The forward pass sends single-token steps
+//! here on CUDA; on the CPU the same step is made of the forward's own ops, which is how its
+//! bookkeeping (cache slots, padding, windows, every family's options, and — with emulated
+//! replays — what a recorded step reads from its buffers) is tested against the forward.
 
 use candle_core::{bail, DType, Result as CResult, Tensor};
 use ferrotune_core::decode::{self, FirstKeys, Heads, Projection, QkNorm, StepPosition};
