@@ -23,27 +23,17 @@ pub const MAX_ROWS: usize = 8;
 /// forward pass's ops (cuBLAS GEMMs, a concatenated KV cache), for comparison.
 pub const DISABLE_VAR: &str = "FERROTUNE_DECODE_KERNELS";
 
-/// 0 = not yet read from the environment, 1 = on, 2 = off.
-static ENABLED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static ENABLED: crate::switch::EnvSwitch = crate::switch::EnvSwitch::new(DISABLE_VAR);
 
 /// Whether the decode kernels are on: [`set_enabled`]'s last value, else on unless
 /// `FERROTUNE_DECODE_KERNELS=0`.
 pub fn enabled() -> bool {
-    use std::sync::atomic::Ordering;
-    match ENABLED.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            let on = std::env::var(DISABLE_VAR).map_or(true, |v| v.trim() != "0");
-            ENABLED.store(if on { 1 } else { 2 }, Ordering::Relaxed);
-            on
-        }
-    }
+    ENABLED.get()
 }
 
 /// Turns the decode kernels on or off for the whole process (`bench decode` times both).
 pub fn set_enabled(on: bool) {
-    ENABLED.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    ENABLED.set(on);
 }
 
 /// Whether the GPU decode kernels serve `x`: a CUDA f32/bf16 tensor of at most [`MAX_ROWS`] rows

@@ -14,28 +14,18 @@ use candle_core::{bail, Device, Result};
 /// Whether decode steps may run as CUDA graphs: on unless `FERROTUNE_CUDA_GRAPHS=0`, or as
 /// [`set_enabled`] last said.
 pub fn enabled() -> bool {
-    use std::sync::atomic::Ordering;
-    match ENABLED.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            let on = std::env::var(DISABLE_VAR).map_or(true, |v| v.trim() != "0");
-            ENABLED.store(if on { 1 } else { 2 }, Ordering::Relaxed);
-            on
-        }
-    }
+    ENABLED.get()
 }
 
 /// Turns CUDA graphs on or off for the whole process (`bench decode` times both).
 pub fn set_enabled(on: bool) {
-    ENABLED.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    ENABLED.set(on);
 }
 
 /// The environment variable that turns CUDA graphs off (`0`).
 pub const DISABLE_VAR: &str = "FERROTUNE_CUDA_GRAPHS";
 
-/// 0 = not yet read from the environment, 1 = on, 2 = off.
-static ENABLED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static ENABLED: crate::switch::EnvSwitch = crate::switch::EnvSwitch::new(DISABLE_VAR);
 
 /// Some candle ops upload their operands' shapes from the host on every call (index_select,
 /// broadcasting binary ops), which a capture cannot record. While the returned guard lives (on

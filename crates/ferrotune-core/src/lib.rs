@@ -16,6 +16,7 @@ pub mod fused;
 pub mod graph;
 pub mod ops;
 pub mod quant;
+pub mod switch;
 
 pub use candle_core::{DType, Device, Tensor};
 pub use device::{parse_device, parse_dtype, peak_memory_bytes, reset_peak_memory};
