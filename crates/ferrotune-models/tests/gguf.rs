@@ -1102,23 +1102,29 @@ fn gemma2_and_gemma3_ggufs_give_the_source_models_logits() {
                 vec![true, true, true, true, true, false]
             );
         }
-        let reference = candle_core::safetensors::load(
-            fixtures().join(format!("{kind}_tiny_reference.safetensors")),
-            &Device::Cpu,
+        assert_reference_logits(&model, kind, kind);
+    }
+}
+
+/// `model`'s logits for the `input_ids` of `{reference}_tiny_reference.safetensors` are that
+/// file's `logits` within 1e-4.
+fn assert_reference_logits(model: &ferrotune_models::CausalLm, what: &str, reference: &str) {
+    let reference = candle_core::safetensors::load(
+        fixtures().join(format!("{reference}_tiny_reference.safetensors")),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+    let (b, t) = ids.dims2().unwrap();
+    let logits = model
+        .forward(
+            &ids,
+            &ferrotune_models::AttentionLayout::causal(b, t, 0),
+            None,
         )
         .unwrap();
-        let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
-        let (b, t) = ids.dims2().unwrap();
-        let logits = model
-            .forward(
-                &ids,
-                &ferrotune_models::AttentionLayout::causal(b, t, 0),
-                None,
-            )
-            .unwrap();
-        let err = max_abs_diff(&logits, &reference["logits"]);
-        assert!(err <= 1e-4, "{kind}: logits differ by {err}");
-    }
+    let err = max_abs_diff(&logits, &reference["logits"]);
+    assert!(err <= 1e-4, "{what}: logits differ by {err}");
 }
 
 /// Mixtral (`llama` with experts; stacked, per-expert and Q8_0 gate+up layouts), Qwen2-MoE
@@ -1159,22 +1165,7 @@ fn moe_and_phi2_ggufs_give_the_source_models_logits() {
         assert_eq!(c.layer_norm, source.layer_norm, "{file}");
         assert_eq!(c.rms_norm_eps as f32, source.rms_norm_eps as f32, "{file}");
         assert_eq!(c.intermediate_size, source.intermediate_size, "{file}");
-        let reference = candle_core::safetensors::load(
-            fixtures().join(format!("{reference}_tiny_reference.safetensors")),
-            &Device::Cpu,
-        )
-        .unwrap();
-        let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
-        let (b, t) = ids.dims2().unwrap();
-        let logits = model
-            .forward(
-                &ids,
-                &ferrotune_models::AttentionLayout::causal(b, t, 0),
-                None,
-            )
-            .unwrap();
-        let err = max_abs_diff(&logits, &reference["logits"]);
-        assert!(err <= 1e-4, "{file}: logits differ by {err}");
+        assert_reference_logits(&model, file, reference);
     }
 }
 

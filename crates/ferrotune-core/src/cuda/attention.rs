@@ -190,34 +190,43 @@ fn softmax(
     softcap: f32,
     recompute: bool,
 ) -> Result<()> {
-    let (b, nkv, rows, len) = scores.dims4()?;
-    let dev = cuda_device(scores)?;
+    let (b, nkv, rows, _) = scores.dims4()?;
+    let mut args = vec![Arg::Ptr(ptr(scores)?), Arg::Ptr(ptr(stats)?)];
+    args.extend(chunk_args(scores, plan, c, s)?);
+    args.extend([
+        Arg::F32(scale),
+        Arg::I32(recompute as i32),
+        Arg::F32(softcap),
+    ]);
     launch(
-        &dev,
+        &cuda_device(scores)?,
         &format!("attn_softmax_{}", suffix(scores.dtype())?),
         (rows as u32, (b * nkv) as u32),
         256,
         0,
-        &[
-            Arg::Ptr(ptr(scores)?),
-            Arg::Ptr(ptr(stats)?),
-            Arg::Ptr(match &plan.mask {
-                Some(m) => ptr(m)?,
-                None => 0,
-            }),
-            Arg::I32(rows as i32),
-            Arg::I32(len as i32),
-            Arg::I32(c.rows as i32),
-            Arg::I32(c.r0 as i32),
-            Arg::I32(c.ks as i32),
-            Arg::I32(nkv as i32),
-            Arg::I32(s as i32),
-            Arg::I64(plan.mask_bstride as i64),
-            Arg::F32(scale),
-            Arg::I32(recompute as i32),
-            Arg::F32(softcap),
-        ],
+        &args,
     )
+}
+
+/// The arguments the row-wise chunk kernels (`attn_softmax`, `attn_softcap_bwd`) share, for
+/// `scores` `[b, nkv, rows, len]` of chunk `c` out of `s` keys: the mask, the chunk's shape and
+/// place.
+fn chunk_args(scores: &Tensor, plan: &Plan, c: &Chunk, s: usize) -> Result<[Arg; 9]> {
+    let (_, nkv, rows, len) = scores.dims4()?;
+    Ok([
+        Arg::Ptr(match &plan.mask {
+            Some(m) => ptr(m)?,
+            None => 0,
+        }),
+        Arg::I32(rows as i32),
+        Arg::I32(len as i32),
+        Arg::I32(c.rows as i32),
+        Arg::I32(c.r0 as i32),
+        Arg::I32(c.ks as i32),
+        Arg::I32(nkv as i32),
+        Arg::I32(s as i32),
+        Arg::I64(plan.mask_bstride as i64),
+    ])
 }
 
 /// Rows `r0 .. r0 + rows` of `x` `[b, nkv, g, t, d]` as `[b, nkv, g · rows, d]` (contiguous).
@@ -303,34 +312,22 @@ impl Attention {
         c: &Chunk,
         s: usize,
     ) -> Result<()> {
-        let (b, nkv, rows, len) = p.dims4()?;
-        let dev = cuda_device(p)?;
+        let (b, nkv, rows, _) = p.dims4()?;
+        let mut args = vec![
+            Arg::Ptr(ptr(p)?),
+            Arg::Ptr(ptr(dp)?),
+            Arg::Ptr(ptr(stats)?),
+            Arg::Ptr(ptr(d_rows)?),
+        ];
+        args.extend(chunk_args(p, &self.plan, c, s)?);
+        args.extend([Arg::F32(self.scale), Arg::F32(self.softcap)]);
         launch(
-            &dev,
+            &cuda_device(p)?,
             &format!("attn_softcap_bwd_{}", suffix(p.dtype())?),
             (rows as u32, (b * nkv) as u32),
             256,
             0,
-            &[
-                Arg::Ptr(ptr(p)?),
-                Arg::Ptr(ptr(dp)?),
-                Arg::Ptr(ptr(stats)?),
-                Arg::Ptr(ptr(d_rows)?),
-                Arg::Ptr(match &self.plan.mask {
-                    Some(m) => ptr(m)?,
-                    None => 0,
-                }),
-                Arg::I32(rows as i32),
-                Arg::I32(len as i32),
-                Arg::I32(c.rows as i32),
-                Arg::I32(c.r0 as i32),
-                Arg::I32(c.ks as i32),
-                Arg::I32(nkv as i32),
-                Arg::I32(s as i32),
-                Arg::I64(self.plan.mask_bstride as i64),
-                Arg::F32(self.scale),
-                Arg::F32(self.softcap),
-            ],
+            &args,
         )
     }
 }

@@ -183,38 +183,55 @@ pub(crate) fn attention(
     let q = q.contiguous()?;
     let scores = empty(&dev, candle_core::DType::F32, (rows, query, cap))?;
     let out = empty(&dev, dtype, (rows, query * dim))?;
-    if cap >= SPLIT_FROM_CAPACITY {
-        let splits = cap.div_ceil(SPLIT_KEYS);
-        let part = empty(
+    let split = cap >= SPLIT_FROM_CAPACITY;
+    let splits = cap.div_ceil(SPLIT_KEYS);
+    // The split kernel leaves per-split partial sums for the combine; the other writes `out`.
+    let part = if split {
+        Some(empty(
             &dev,
             candle_core::DType::F32,
             (rows, query, splits, dim + 2),
-        )?;
-        launch_3d(
-            &dev,
-            &format!("dec_attention_part_{}", suffix(dtype)?),
-            (query as u32, rows as u32, splits as u32),
-            ATTENTION_THREADS as u32,
-            ((dim + 8 * ATTENTION_THREADS) * 4) as u32,
-            &[
-                Arg::Ptr(ptr(&q)?),
-                Arg::Ptr(ptr(k_cache)?),
-                Arg::Ptr(ptr(v_cache)?),
-                Arg::Ptr(ptr(&part)?),
-                Arg::Ptr(ptr(&scores)?),
-                Arg::Ptr(ptr(first)?),
-                Arg::I32(len as i32),
-                Arg::I32(window as i32),
-                Arg::I32(query as i32),
-                Arg::I32(kv as i32),
-                Arg::I32(dim as i32),
-                Arg::I32(cap as i32),
-                Arg::I32(SPLIT_KEYS as i32),
-                Arg::F32(scale),
-                Arg::F32(softcap),
-                Arg::Ptr(ptr_or_null(counters)?),
-            ],
-        )?;
+        )?)
+    } else {
+        None
+    };
+    // Both kernels take the same arguments, the split one with its key count after `cap`.
+    let mut args = vec![
+        Arg::Ptr(ptr(&q)?),
+        Arg::Ptr(ptr(k_cache)?),
+        Arg::Ptr(ptr(v_cache)?),
+        Arg::Ptr(ptr(part.as_ref().unwrap_or(&out))?),
+        Arg::Ptr(ptr(&scores)?),
+        Arg::Ptr(ptr(first)?),
+        Arg::I32(len as i32),
+        Arg::I32(window as i32),
+        Arg::I32(query as i32),
+        Arg::I32(kv as i32),
+        Arg::I32(dim as i32),
+        Arg::I32(cap as i32),
+    ];
+    if split {
+        args.push(Arg::I32(SPLIT_KEYS as i32));
+    }
+    args.extend([
+        Arg::F32(scale),
+        Arg::F32(softcap),
+        Arg::Ptr(ptr_or_null(counters)?),
+    ]);
+    let (name, z) = if split {
+        ("dec_attention_part", splits)
+    } else {
+        ("dec_attention", 1)
+    };
+    launch_3d(
+        &dev,
+        &format!("{name}_{}", suffix(dtype)?),
+        (query as u32, rows as u32, z as u32),
+        ATTENTION_THREADS as u32,
+        ((dim + 8 * ATTENTION_THREADS) * 4) as u32,
+        &args,
+    )?;
+    if let Some(part) = &part {
         launch(
             &dev,
             &format!("dec_attention_combine_{}", suffix(dtype)?),
@@ -222,38 +239,13 @@ pub(crate) fn attention(
             dim.next_multiple_of(32).min(256) as u32,
             0,
             &[
-                Arg::Ptr(ptr(&part)?),
+                Arg::Ptr(ptr(part)?),
                 Arg::Ptr(ptr(&out)?),
                 Arg::I32(query as i32),
                 Arg::I32(dim as i32),
                 Arg::I32(splits as i32),
             ],
         )?;
-        return Ok(out);
     }
-    launch(
-        &dev,
-        &format!("dec_attention_{}", suffix(dtype)?),
-        (query as u32, rows as u32),
-        ATTENTION_THREADS as u32,
-        ((dim + 8 * ATTENTION_THREADS) * 4) as u32,
-        &[
-            Arg::Ptr(ptr(&q)?),
-            Arg::Ptr(ptr(k_cache)?),
-            Arg::Ptr(ptr(v_cache)?),
-            Arg::Ptr(ptr(&out)?),
-            Arg::Ptr(ptr(&scores)?),
-            Arg::Ptr(ptr(first)?),
-            Arg::I32(len as i32),
-            Arg::I32(window as i32),
-            Arg::I32(query as i32),
-            Arg::I32(kv as i32),
-            Arg::I32(dim as i32),
-            Arg::I32(cap as i32),
-            Arg::F32(scale),
-            Arg::F32(softcap),
-            Arg::Ptr(ptr_or_null(counters)?),
-        ],
-    )?;
     Ok(out)
 }

@@ -618,6 +618,57 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
     st(kc, (((long)b * nkv + (head - nh)) * cap + pos) * hd + d, y);
 }
 
+// The decode attention's two passes over the keys of one (query head, row), shared by
+// dec_attention and dec_attention_part. dec_scores: the scores of keys [start, end) against the
+// query `qs` (shared memory), one key per thread with 8 features a load, rounded to T before
+// scaling as the training kernels do, softcapped when softcap > 0 (Gemma 2: cap · tanh(s / cap),
+// before the softmax as in the forward), written to sc[j]; returns the block's max (−∞ without
+// keys). Each thread later reads back only the scores it wrote itself.
+template <typename T>
+__device__ float dec_scores(const float *qs, const T *kb, int hd, int start, int end, float scale,
+                            float softcap, float *sc) {
+  float m = -INFINITY;
+  for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+    const T *kr = kb + (long)j * hd;
+    float acc = 0.f;
+    for (int d = 0; d < hd; d += 8) {
+      float k8[8];
+      load8(kr + d, k8);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc += qs[d + i] * k8[i];
+    }
+    float s = round_to<T>(acc) * scale;
+    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+    sc[j] = s;
+    m = fmaxf(m, s);
+  }
+  return block_max(m);
+}
+
+// dec_values: Σ_j sc[j] · v_j over keys [start, end), the weights sc published to the block
+// (a barrier after they were written): 8 features of every groups-th key per thread, each
+// group's sums left in acc_sh ([groups, hd] floats, groups = blockDim.x / (hd / 8)); returns
+// groups, after a barrier, so that a thread can add up feature d as Σ_g acc_sh[g · hd + d].
+template <typename T>
+__device__ int dec_values(const float *sc, const T *vb, int hd, int start, int end, float *acc_sh) {
+  int per_key = hd / 8;
+  int groups = blockDim.x / per_key;
+  int d8 = (threadIdx.x % per_key) * 8, g = threadIdx.x / per_key;
+  if (g < groups) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = start + g; j < end; j += groups) {
+      float p = sc[j], v8[8];
+      load8(vb + (long)j * hd + d8, v8);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += p * v8[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc_sh[g * hd + d8 + i] = acc[i];
+  }
+  __syncthreads();
+  return groups;
+}
+
 // Attention of one query per row over keys lo .. len−1 of the cache (lo = the row's first real key,
 // raised to len − window for a sliding window), one block per (query head, row). Rounds as the
 // training kernels do: scores rounded to T before scaling, P rounded to T, the output once.
@@ -645,23 +696,7 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   float *qs = dsh, *part = dsh + hd;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ld(qr, d);
   __syncthreads();
-  float m = -INFINITY;
-  for (int j = lo + threadIdx.x; j < len; j += blockDim.x) {
-    const T *kr = kb + (long)j * hd;
-    float acc = 0.f;
-    for (int d = 0; d < hd; d += 8) {
-      float k8[8];
-      load8(kr + d, k8);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc += qs[d + i] * k8[i];
-    }
-    float s = round_to<T>(acc) * scale;
-    // Gemma 2's softcap (0 = none): cap · tanh(s / cap), before the softmax as in the forward.
-    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-    sc[j] = s;
-    m = fmaxf(m, s);
-  }
-  m = block_max(m);
+  float m = dec_scores<T>(qs, kb, hd, lo, len, scale, softcap, sc);
   // Each thread rescales the scores it wrote itself; the barrier below publishes them.
   float sum = 0.f;
   for (int j = lo + threadIdx.x; j < len; j += blockDim.x) sum += expf(sc[j] - m);
@@ -669,21 +704,7 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   float inv = 1.f / sum;
   for (int j = lo + threadIdx.x; j < len; j += blockDim.x) sc[j] = round_to<T>(expf(sc[j] - m) * inv);
   __syncthreads();
-  int per_key = hd / 8;
-  int groups = blockDim.x / per_key;
-  int d8 = (threadIdx.x % per_key) * 8, g = threadIdx.x / per_key;
-  if (g < groups) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = lo + g; j < len; j += groups) {
-      float p = sc[j], v8[8];
-      load8(vb + (long)j * hd + d8, v8);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += p * v8[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) part[g * hd + d8 + i] = acc[i];
-  }
-  __syncthreads();
+  int groups = dec_values<T>(sc, vb, hd, lo, len, part);
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float s = 0.f;
     for (int gg = 0; gg < groups; ++gg) s += part[gg * hd + d];
@@ -722,22 +743,7 @@ __device__ void dec_attention_part(const T *q, const T *kc, const T *vc, float *
   float *qs = dsh, *acc_sh = dsh + hd;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ld(qr, d);
   __syncthreads();
-  float m = -INFINITY;
-  for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
-    const T *kr = kb + (long)j * hd;
-    float acc = 0.f;
-    for (int d = 0; d < hd; d += 8) {
-      float k8[8];
-      load8(kr + d, k8);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc += qs[d + i] * k8[i];
-    }
-    float s = round_to<T>(acc) * scale;
-    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-    sc[j] = s;
-    m = fmaxf(m, s);
-  }
-  m = block_max(m);
+  float m = dec_scores<T>(qs, kb, hd, start, end, scale, softcap, sc);
   float l = 0.f;
   for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
     float e = expf(sc[j] - m);
@@ -745,21 +751,7 @@ __device__ void dec_attention_part(const T *q, const T *kc, const T *vc, float *
     l += e;
   }
   l = block_sum(l);  // its barriers publish the exponentials written above
-  int per_key = hd / 8;
-  int groups = blockDim.x / per_key;
-  int d8 = (threadIdx.x % per_key) * 8, g = threadIdx.x / per_key;
-  if (g < groups) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = start + g; j < end; j += groups) {
-      float p = sc[j], v8[8];
-      load8(vb + (long)j * hd + d8, v8);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += p * v8[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc_sh[g * hd + d8 + i] = acc[i];
-  }
-  __syncthreads();
+  int groups = dec_values<T>(sc, vb, hd, start, end, acc_sh);
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float s = 0.f;
     if (end > start)
