@@ -33,6 +33,9 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   # transformers' fastest decode (static cache, CUDA graphs through torch.compile), in the time left.
   [ "$MODE" = decode ] && [ $SECONDS -lt 420 ] && timeout $((570 - SECONDS)) python3 hf_decode.py --shape llama3_1_8b \
     --device cuda --dtype bfloat16 --prompt 128 --new-tokens 128 --runs 2 --cache static --compile > $OUT/hf_decode_static.log 2>&1
+  # A long cache (split attention over 4096 positions), if time is still left.
+  [ "$MODE" = decode ] && [ $SECONDS -lt 480 ] && timeout $((580 - SECONDS)) $F bench decode --shape llama3_1_8b \
+    --device cuda --dtype bf16 --prompt 3900 --new-tokens 64 --runs 1 --json > $OUT/decode_long.log 2>&1
 fi
 if [ "$MODE" = train ] || [ "$MODE" = all ]; then
 for d in "cuda f32" "cuda bf16"; do set -- $d
@@ -78,6 +81,7 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   echo "== decode 8B bf16 (ferrotune | HF dynamic cache), then HF static + compile"
   for i in 1 2; do grep -v '^\s*$' $OUT/decode_$i.log | tail -n 9; done
   tail -n 1 $OUT/hf_decode_1.log; tail -n 2 $OUT/hf_decode_static.log 2>/dev/null
+  echo "== decode 8B bf16, prompt 3900 (split attention)"; grep -v '^\s*$' $OUT/decode_long.log 2>/dev/null | tail -n 9
 fi
 [ "$MODE" = decode ] && exit 0
 echo "== losses (last loss: cuda f32 / cuda bf16; lora then full)"; for f in lora full; do grep -h 'last loss' $OUT/loss_${f}_cuda_f32.log $OUT/loss_${f}_cuda_bf16.log | paste -sd' '; done
