@@ -11,11 +11,16 @@
       `input_ids` and the source (safetensors) model's `logits` for them. transformers loads the Gemma 2 file
       to the same logits (checked here); for Gemma 3 its GGUF loader drops the rope scaling (linear 8 on the
       global layers), which llama.cpp applies, so the reference is the source model.
+  tests/fixtures/gguf/{mixtral,mixtral_legacy,mixtral_q8,qwen2_moe,qwen3_moe,phi2,phi2_qkv}_tiny.gguf
+      The tiny Mixtral, Qwen2-MoE, Qwen3-MoE and Phi-2 checkpoints of tests/fixtures/models as GGUF (stacked,
+      per-expert and Q8_0 gate+up experts; separate and fused Phi-2 qkv), with the source models' logits.
+  tests/fixtures/gguf/smollm3_tiny.gguf + smollm3_tiny_reference.safetensors
+      A tiny 4-layer SmolLM3 (default NoPE pattern) as GGUF, with the source model's logits.
   tests/fixtures/gguf/quant_reference.safetensors
       For each ggml type, `TYPE.raw` (the bytes of a [4, 256] tensor in that type) and
       `TYPE.expected` (what the python `gguf` package's `gguf.quants.dequantize` makes of them).
 
-Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
+Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
 the GGUF comes from scripts/fetch-assets.sh, FERROTUNE_ASSETS overrides its folder)
 """
 
@@ -409,6 +414,83 @@ def moe_and_phi2_ggufs() -> None:
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
 
+
+def smollm3_gguf() -> None:
+    """A tiny SmolLM3 GGUF as convert_hf_to_gguf.py writes it (architecture `smollm3`, llama's
+    tensor names with q/k rows permuted, F32), from a 4-layer checkpoint with SmolLM3's default
+    NoPE pattern (every fourth layer without RoPE, which llama.cpp assumes: GGUF has no key for
+    it), and the source model's logits for `input_ids`."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, SmolLM3Config
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_model_fixtures as mf
+
+    cfg = SmolLM3Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2, pad_token_id=3,
+                        tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5e6})
+    assert list(cfg.no_rope_layers) == [1, 1, 1, 0], cfg.no_rope_layers
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    mf.init_weights(m, 9, gemma_norm=False, embed_std=mf.EMBED_STD_TIED)
+
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    path = OUT / "smollm3_tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "smollm3")
+    w.add_name("tiny smollm3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(5e6)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(3)
+    for n, t in m.state_dict().items():
+        a = t.float().numpy().copy()
+        if n == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif n == "model.norm.weight":
+            g = "output_norm.weight"
+        elif n == "lm_head.weight":
+            continue  # tied
+        else:
+            _, _, i, rest = n.split(".", 3)
+            mod, suffix = rest.rsplit(".", 1)
+            if mod == "self_attn.q_proj":
+                a = permute(a, cfg.num_attention_heads)
+            elif mod == "self_attn.k_proj":
+                a = permute(a, cfg.num_key_value_heads)
+            g = f"blk.{i}.{names[mod]}.{suffix}"
+        w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.chmod(path, 0o644)
+    ids = torch.tensor([[5, 9, 44, 7, 100, 13, 250, 17, 300, 21, 66, 77, 480, 11]])
+    with torch.no_grad():
+        logits = m(ids).logits.float().contiguous()
+    ref = OUT / "smollm3_tiny_reference.safetensors"
+    save_file({"input_ids": ids.to(torch.int64), "logits": logits}, str(ref))
+    os.chmod(ref, 0o644)
+    print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--gemma-only"]:
         gemma_family_ggufs()
@@ -416,9 +498,13 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--moe-phi-only"]:
         moe_and_phi2_ggufs()
         sys.exit(0)
+    if sys.argv[1:] == ["--smollm3-only"]:
+        smollm3_gguf()
+        sys.exit(0)
     quant_reference()
     smollm2_reference()
     gemma_family_ggufs()
     moe_and_phi2_ggufs()
+    smollm3_gguf()
     for f in sorted(OUT.iterdir()):
         print(f"{f.relative_to(ROOT)}: {f.stat().st_size} bytes")

@@ -33,7 +33,7 @@ use crate::error::ModelError;
 /// Loads a llama.cpp GGUF (v2/v3) model: config from metadata, tensors dequantized to `dtype` on `device`, named as in HF checkpoints.
 ///
 /// Supported architectures: `llama` (and Mistral, Mixtral), `qwen2`, `qwen2moe`, `qwen3`,
-/// `qwen3moe`, `gemma`, `gemma2`, `gemma3`, `phi2`, `phi3`; tensor
+/// `qwen3moe`, `gemma`, `gemma2`, `gemma3`, `phi2`, `phi3`, `smollm3`; tensor
 /// types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K. Every problem with the
 /// file (missing, not a GGUF, truncated, unsupported type, missing metadata, tensor shapes that
 /// disagree with the metadata) is a [`ModelError::File`] naming the file and what is wrong.
@@ -847,8 +847,8 @@ fn show(v: &GgufValue) -> String {
 }
 
 /// `general.architecture` values we load, for messages.
-const SUPPORTED_ARCHITECTURES: &str =
-    "llama (and mistral, mixtral), qwen2, qwen2moe, qwen3, qwen3moe, gemma, gemma2, gemma3, phi2, phi3";
+const SUPPORTED_ARCHITECTURES: &str = "llama (and mistral, mixtral), qwen2, qwen2moe, qwen3, \
+     qwen3moe, gemma, gemma2, gemma3, phi2, phi3, smollm3";
 
 /// Architecture-specific handling.
 struct Arch {
@@ -886,6 +886,9 @@ impl Arch {
             "gemma3" => ("gemma3_text", "Gemma3ForCausalLM"),
             "phi3" => ("phi3", "Phi3ForCausalLM"),
             "phi2" => ("phi", "PhiForCausalLM"),
+            // llama.cpp runs SmolLM3 as llama with every fourth layer without RoPE (fixed there,
+            // and SmolLM3Config's default), so no key says which layers.
+            "smollm3" => ("smollm3", "SmolLM3ForCausalLM"),
             "qwen2moe" => ("qwen2_moe", "Qwen2MoeForCausalLM"),
             "qwen3moe" => ("qwen3_moe", "Qwen3MoeForCausalLM"),
             other => {
@@ -894,8 +897,9 @@ impl Arch {
             )))
             }
         };
-        // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture.
-        let permuted_qk = gguf == "llama";
+        // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture
+        // (convert_hf_to_gguf.py's SmolLM3 is its llama converter).
+        let permuted_qk = matches!(gguf.as_str(), "llama" | "smollm3");
         // convert_hf_to_gguf.py adds 1 to every Gemma norm weight (q/k norms included).
         let norm_plus_one = matches!(gguf.as_str(), "gemma" | "gemma2" | "gemma3");
         Ok(Self {
@@ -1010,7 +1014,7 @@ impl HParams {
         let head_dim = match g.uint(&k("attention.key_length"))? {
             Some(n) => n as usize,
             None => match rope_dims {
-                Some(d) if matches!(arch.model_type, "llama" | "mistral") => d,
+                Some(d) if matches!(arch.model_type, "llama" | "mistral" | "smollm3") => d,
                 _ => {
                     if hidden % heads != 0 {
                         return Err(g.err(format!(

@@ -1128,11 +1128,12 @@ fn assert_reference_logits(model: &ferrotune_models::CausalLm, what: &str, refer
 }
 
 /// Mixtral (`llama` with experts; stacked, per-expert and Q8_0 gate+up layouts), Qwen2-MoE
-/// (shared expert), Qwen3-MoE (a dense `mlp_only_layers` layer) and Phi-2 (separate and fused
-/// qkv) GGUF files as convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py), from the
-/// tiny checkpoints in tests/fixtures/models: loaded, they give the source checkpoint's logits.
+/// (shared expert), Qwen3-MoE (a dense `mlp_only_layers` layer), Phi-2 (separate and fused qkv)
+/// and SmolLM3 (q/k permuted as llama's, NoPE every fourth layer) GGUF files as
+/// convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py), from the tiny checkpoints
+/// in tests/fixtures/models (SmolLM3: its own): loaded, they give the source checkpoint's logits.
 #[test]
-fn moe_and_phi2_ggufs_give_the_source_models_logits() {
+fn moe_phi2_and_smollm3_ggufs_give_the_source_models_logits() {
     for (file, reference) in [
         ("mixtral", "mixtral"),
         ("mixtral_legacy", "mixtral"),
@@ -1141,11 +1142,20 @@ fn moe_and_phi2_ggufs_give_the_source_models_logits() {
         ("qwen3_moe", "qwen3_moe"),
         ("phi2", "phi2"),
         ("phi2_qkv", "phi2"),
+        ("smollm3", "smollm3"),
     ] {
         let path = fixtures().join(format!("{file}_tiny.gguf"));
         let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu)
             .unwrap_or_else(|e| panic!("{file}: {e}"));
         let c = &model.config;
+        if file == "smollm3" {
+            // Its own 4-layer checkpoint (SmolLM3's default NoPE pattern, as llama.cpp assumes).
+            assert_eq!(c.model_type, "smollm3");
+            assert_eq!(c.rope_layers, vec![true, true, true, false]);
+            assert!(c.tie_word_embeddings);
+            assert_reference_logits(&model, file, reference);
+            continue;
+        }
         let source = ModelConfig::from_hf_json(
             &serde_json::from_str(
                 &std::fs::read_to_string(
