@@ -395,8 +395,8 @@ impl ModelConfig {
 
     /// Training settings of the config that ferrotune's training does not apply, one sentence
     /// each (the recipes warn with them): the router's auxiliary load-balancing loss
-    /// (`output_router_logits` with a non-zero `router_aux_loss_coef`), router jitter, and
-    /// Phi-2's residual / embedding dropout.
+    /// (`output_router_logits` with a non-zero `router_aux_loss_coef`), router jitter, Phi-2's
+    /// residual / embedding dropout, and dropout on the attention probabilities.
     pub fn training_caveats(&self) -> Vec<String> {
         let obj = match &self.raw {
             Value::Object(o) => match o.get("text_config") {
@@ -419,7 +419,7 @@ impl ModelConfig {
                 "router_jitter_noise {j} is not applied: the router sees its inputs unchanged"
             ));
         }
-        for key in ["resid_pdrop", "embd_pdrop"] {
+        for key in ["resid_pdrop", "embd_pdrop", "attention_dropout"] {
             if let Some(p) = positive(key) {
                 out.push(format!("{key} {p} (dropout) is not applied"));
             }
@@ -1036,10 +1036,17 @@ mod tests {
         phi["model_type"] = json!("phi");
         phi["resid_pdrop"] = json!(0.1);
         phi["embd_pdrop"] = json!(0.0);
+        phi["attention_dropout"] = json!(0.0);
         let caveats = ModelConfig::from_hf_json(&phi).unwrap().training_caveats();
         assert_eq!(
             caveats,
             vec!["resid_pdrop 0.1 (dropout) is not applied".to_string()]
+        );
+        c["attention_dropout"] = json!(0.1);
+        let caveats = ModelConfig::from_hf_json(&c).unwrap().training_caveats();
+        assert!(
+            caveats.iter().any(|w| w.contains("attention_dropout 0.1")),
+            "{caveats:?}"
         );
     }
 
