@@ -3,18 +3,14 @@
 //! made of the same ops: every family's tiny checkpoint, a left-padded batch, sliding windows,
 //! the cache growing past its first capacity, and the forward taking over a fixed cache.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, D};
 use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache};
 
-/// The repository's tests/fixtures, or `FERROTUNE_TEST_FIXTURES` (a test binary run on another
-/// machine, where the build's path does not exist).
-fn fixtures() -> PathBuf {
-    std::env::var_os("FERROTUNE_TEST_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
-}
+use common::fixtures;
 
 fn fixture_models() -> Vec<PathBuf> {
     let root = fixtures();

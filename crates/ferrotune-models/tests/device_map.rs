@@ -5,7 +5,8 @@
 //! The build machine has no GPU: repeating `Device::Cpu` makes `to_device` a no-op, but the
 //! dispatched code path (per-device layer inputs, moves between layers, the head's device) runs.
 
-use std::path::{Path, PathBuf};
+mod common;
+
 
 use candle_core::{DType, Device, Tensor};
 use ferrotune_models::device_map::{format_bytes, plan, usable_bytes};
@@ -14,11 +15,9 @@ use ferrotune_models::{
     load_adapter, load_model, AttentionLayout, CausalLm, DeviceMapMode, KvCache,
 };
 
-const GIB: u64 = 1 << 30;
+use common::fixtures;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+const GIB: u64 = 1 << 30;
 
 fn layers_on(p: &Placement, device: usize) -> usize {
     p.layers.iter().filter(|&&d| d == device).count()

@@ -4,6 +4,8 @@
 //!
 //! Reference data: `scripts/make_gguf_fixtures.py` writes `tests/fixtures/gguf/`.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -12,6 +14,8 @@ use candle_core::{DType, Device, Tensor};
 use ferrotune_models::config::ModelConfig;
 use ferrotune_models::gguf::load_gguf;
 use ferrotune_models::ModelError;
+
+use common::max_abs_diff;
 
 const GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -38,7 +42,7 @@ fn real_gguf() -> PathBuf {
 }
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf")
+    common::fixtures().join("gguf")
 }
 
 /// A fresh scratch folder for one test, removed when dropped (the truncated copy of the real
@@ -82,28 +86,6 @@ fn smollm2() -> &'static Loaded {
 fn reference_json() -> serde_json::Value {
     let text = std::fs::read_to_string(fixtures().join("smollm2_reference.json")).unwrap();
     serde_json::from_str(&text).unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    let a = a
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let b = b
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    a.iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 fn values(t: &Tensor) -> Vec<f32> {

@@ -1,15 +1,15 @@
 //! The decoder against transformers: logits of tiny random models of every family (fixtures made by
 //! transformers, see tests/fixtures/README.md), and KV-cache decoding equal to a full forward.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache};
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+use common::{fixtures, max_abs_diff};
 
 fn golden(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap()
@@ -19,17 +19,6 @@ fn ids_tensor(rows: &Value) -> Tensor {
     let rows: Vec<Vec<u32>> = serde_json::from_value(rows.clone()).unwrap();
     let (b, t) = (rows.len(), rows[0].len());
     Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// Every case folder in tests/fixtures/models, sorted.

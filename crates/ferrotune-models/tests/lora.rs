@@ -2,6 +2,8 @@
 //! logits, PEFT-format save/load, config errors, rsLoRA, rank/alpha patterns, lm_head adapters and
 //! layers_to_transform (fixtures: tests/fixtures/README.md and scripts/make_lora_fixtures.py).
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -16,9 +18,7 @@ use ferrotune_models::{
 };
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+use common::{fixtures, max_abs_diff};
 
 fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
@@ -33,17 +33,6 @@ fn rows_tensor<T: serde::de::DeserializeOwned + candle_core::WithDType>(rows: &V
     let rows: Vec<Vec<T>> = serde_json::from_value(rows.clone()).unwrap();
     let (b, t) = (rows.len(), rows[0].len());
     Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {

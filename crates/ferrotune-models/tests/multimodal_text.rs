@@ -2,7 +2,9 @@
 //! same logits as the text-only checkpoint of the same weights (golden_models checks them against
 //! transformers), and PEFT adapters trained on the whole multimodal model attach to it.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use ferrotune_models::peft::{
@@ -12,8 +14,10 @@ use ferrotune_models::{
     load_adapter, load_model, AttentionLayout, CausalLm, LoraConfig, TargetModules,
 };
 
+use common::{fixtures, max_abs_diff};
+
 fn models() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")
+    fixtures().join("models")
 }
 
 fn load(case: &str) -> CausalLm {
@@ -26,17 +30,6 @@ fn logits(model: &CausalLm) -> Tensor {
     let ids = Tensor::new(&[[5u32, 9, 44, 7, 100, 3, 250, 17]], &Device::Cpu).unwrap();
     model
         .forward(&ids, &AttentionLayout::causal(1, 8, 0), None)
-        .unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
         .unwrap()
 }
 
