@@ -152,12 +152,88 @@ def quant_reference() -> None:
     save_file(out, str(OUT / "quant_reference.safetensors"))
 
 
+# The prompt every GGUF fixture's reference logits are computed for.
+INPUT_IDS = [[5, 9, 44, 7, 100, 13, 250, 17, 300, 21, 66, 77, 480, 11]]
+
+# llama.cpp's names for transformers' top-level tensors and decoder-layer modules (`blk.N.*`), as
+# convert_hf_to_gguf.py maps them. Gemma 2/3 name their four norms differently (GEMMA_NORMS).
+GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+                  "model.final_layernorm": "output_norm", "lm_head": "output"}
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.dense": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_tensor_name(hf_name: str, layer_names: dict) -> str:
+    """The GGUF name of a transformers tensor (not an expert's)."""
+    mod, suffix = hf_name.rsplit(".", 1)
+    if mod in GGUF_TOP_NAMES:
+        return f"{GGUF_TOP_NAMES[mod]}.{suffix}"
+    _, _, i, rest = mod.split(".", 3)
+    return f"blk.{i}.{layer_names[rest]}.{suffix}"
+
+
+def llama_cpp_permute(w, n_head):
+    """convert_hf_to_gguf.py's q/k row permutation for llama.cpp's interleaved RoPE."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def start_gguf(path: Path, arch: str, name: str, c):
+    """A GGUF writer with the metadata every fixture starts with: name, sizes, heads."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {name}")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    return w
+
+
+def finish_gguf(w, path: Path, tensors, quantized=()) -> None:
+    """Ends what start_gguf began: the special token ids, `tensors` ((name, array) pairs, written
+    as F32 in order) and `quantized` ((name, Q8_0 bytes) pairs); writes the file world-readable."""
+    import gguf
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(3)
+    for g, a in tensors:
+        w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+    for g, q in quantized:
+        w.add_tensor(g, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.chmod(path, 0o644)
+
+
+def save_reference(kind: str, logits) -> None:
+    """`{kind}_tiny_reference.safetensors`: INPUT_IDS and the source model's logits for them."""
+    import torch
+    from safetensors.torch import save_file
+    ref = OUT / f"{kind}_tiny_reference.safetensors"
+    save_file({"input_ids": torch.tensor(INPUT_IDS, dtype=torch.int64), "logits": logits}, str(ref))
+    os.chmod(ref, 0o644)  # safetensors writes 0600 files
+
+
 def gemma_family_ggufs() -> None:
     import tempfile
 
     import gguf
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -186,23 +262,11 @@ def gemma_family_ggufs() -> None:
         mf.init_weights(m, 7 if kind == "gemma2" else 8, gemma_norm=True, embed_std=mf.EMBED_STD_SANDWICH)
         return m
 
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    names = {**GGUF_LAYER_NAMES, **GEMMA_NORMS}
 
     def write(m, kind, path):
         c = m.config
-        w = gguf.GGUFWriter(str(path), kind)
-        w.add_name(f"tiny {kind}")
-        w.add_block_count(c.num_hidden_layers)
-        w.add_context_length(c.max_position_embeddings)
-        w.add_embedding_length(c.hidden_size)
-        w.add_feed_forward_length(c.intermediate_size)
-        w.add_head_count(c.num_attention_heads)
-        w.add_head_count_kv(c.num_key_value_heads)
+        w = start_gguf(path, kind, kind, c)
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -216,30 +280,17 @@ def gemma_family_ggufs() -> None:
             w.add_rope_freq_base(1e6)
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(8.0)
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(2)
-        w.add_pad_token_id(3)
+        tensors = []
         for n, t in m.state_dict().items():
+            if n == "lm_head.weight":
+                continue  # tied
             a = t.float().numpy().copy()
             if n.endswith("norm.weight"):
                 a = a + 1.0
-            if n == "model.embed_tokens.weight":
-                g = "token_embd.weight"
-            elif n == "model.norm.weight":
-                g = "output_norm.weight"
-            elif n == "lm_head.weight":
-                continue  # tied
-            else:
-                _, _, i, rest = n.split(".", 3)
-                mod, suffix = rest.rsplit(".", 1)
-                g = f"blk.{i}.{names[mod]}.{suffix}"
-            w.add_tensor(g, a.astype(np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+            tensors.append((gguf_tensor_name(n, names), a))
+        finish_gguf(w, path, tensors)
 
-    ids = torch.tensor([[5, 9, 44, 7, 100, 13, 250, 17, 300, 21, 66, 77, 480, 11]])
+    ids = torch.tensor(INPUT_IDS)
     for kind in ["gemma2", "gemma3"]:
         m = build(kind)
         path = OUT / f"{kind}_tiny.gguf"
@@ -254,9 +305,7 @@ def gemma_family_ggufs() -> None:
                 with torch.no_grad():
                     err = (hf(ids).logits - logits).abs().max().item()
             assert err <= 1e-5, f"transformers' load of {path.name} differs by {err}"
-        ref = OUT / f"{kind}_tiny_reference.safetensors"
-        save_file({"input_ids": ids.to(torch.int64), "logits": logits}, str(ref))
-        os.chmod(ref, 0o644)  # safetensors writes 0600 files
+        save_reference(kind, logits)
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
 
@@ -273,11 +322,7 @@ def moe_and_phi2_ggufs() -> None:
     moe_intermediate_size nor the shared expert's size, so it cannot load these)."""
     import gguf
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-
-    def permute(w, n_head):
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     def write(kind, arch, src, path, variant=""):
         legacy = variant in ("legacy", "qkv")
@@ -286,14 +331,7 @@ def moe_and_phi2_ggufs() -> None:
         # The checkpoint's own tensors (per-expert, as on the Hub), not transformers 5's fused experts.
         from safetensors.numpy import load_file
         sd = {k: v.astype(np.float32) for k, v in load_file(str(Path(src) / "model.safetensors")).items()}
-        w = gguf.GGUFWriter(str(path), arch)
-        w.add_name(f"tiny {kind}")
-        w.add_block_count(c.num_hidden_layers)
-        w.add_context_length(c.max_position_embeddings)
-        w.add_embedding_length(c.hidden_size)
-        w.add_feed_forward_length(c.intermediate_size)
-        w.add_head_count(c.num_attention_heads)
-        w.add_head_count_kv(c.num_key_value_heads)
+        w = start_gguf(path, arch, kind, c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         rope = c.rope_parameters
         w.add_rope_freq_base(rope["rope_theta"])
@@ -313,42 +351,23 @@ def moe_and_phi2_ggufs() -> None:
             if kind == "qwen2_moe":
                 w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
         w.add_vocab_size(c.vocab_size)
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(2)
-        w.add_pad_token_id(3)
         out = {}
-        top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-               "model.final_layernorm": "output_norm", "lm_head": "output"}
-        names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                 "self_attn.o_proj": "attn_output", "self_attn.dense": "attn_output",
-                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-                 "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
-                 "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
-                 "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-                 "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-                 "mlp.shared_expert.down_proj": "ffn_down_shexp"}
         expert_parts = {"w1": "gate", "w3": "up", "w2": "down",
                         "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
         experts = {}
         for n, a in sd.items():
-            mod, suffix = n.rsplit(".", 1)
-            if mod in top:
-                out[f"{top[mod]}.{suffix}"] = a
-                continue
-            _, _, i, rest = mod.split(".", 3)
-            if ".experts." in rest:
-                e, part = rest.split(".experts.")[1].split(".")
+            if ".experts." in n:
+                i = n.split(".")[2]
+                e, part = n.split(".experts.")[1].split(".")[:2]
                 experts.setdefault((int(i), expert_parts[part]), {})[int(e)] = a
                 continue
-            if rest == "self_attn.q_proj" and arch == "llama":
-                a = permute(a, c.num_attention_heads)
-            if rest == "self_attn.k_proj" and arch == "llama":
-                a = permute(a, c.num_key_value_heads)
-            if rest == "mlp.shared_expert_gate":
+            if n.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")) and arch == "llama":
+                a = llama_cpp_permute(a, c.num_attention_heads)
+            if n.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")) and arch == "llama":
+                a = llama_cpp_permute(a, c.num_key_value_heads)
+            if n.endswith("mlp.shared_expert_gate.weight"):
                 a = a.reshape(-1)
-            out[f"blk.{i}.{names[rest]}.{suffix}"] = a
+            out[gguf_tensor_name(n, GGUF_LAYER_NAMES)] = a
         quantized = {}
         for (i, part), per in experts.items():
             if legacy:
@@ -375,14 +394,7 @@ def moe_and_phi2_ggufs() -> None:
                 for s in ("weight", "bias"):
                     parts = [out.pop(f"blk.{i}.attn_{x}.{s}") for x in "qkv"]
                     out[f"blk.{i}.attn_qkv.{s}"] = np.concatenate(parts, axis=0)
-        for g in sorted(out):
-            w.add_tensor(g, np.ascontiguousarray(out[g], dtype=np.float32))
-        for g, q in sorted(quantized.items()):
-            w.add_tensor(g, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        finish_gguf(w, path, sorted(out.items()), sorted(quantized.items()))
         if quantized:
             import shutil
             import tempfile
@@ -393,7 +405,7 @@ def moe_and_phi2_ggufs() -> None:
                 m = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
         return m
 
-    ids = torch.tensor([[5, 9, 44, 7, 100, 13, 250, 17, 300, 21, 66, 77, 480, 11]])
+    ids = torch.tensor(INPUT_IDS)
     models = ROOT / "tests" / "fixtures" / "models"
     for kind, arch, src, variant in [("mixtral", "llama", "mixtral", ""),
                                      ("mixtral_legacy", "llama", "mixtral", "legacy"),
@@ -404,13 +416,10 @@ def moe_and_phi2_ggufs() -> None:
                                      ("phi2_qkv", "phi2", "phi2", "qkv")]:
         path = OUT / f"{kind}_tiny.gguf"
         m = write(src, arch, models / src / "model", path, variant)
-        os.chmod(path, 0o644)
         with torch.no_grad():
             logits = m(ids).logits.float().contiguous()
         if variant in ("", "q8"):  # the older layouts share their source's reference
-            ref = OUT / f"{kind}_tiny_reference.safetensors"
-            save_file({"input_ids": ids.to(torch.int64), "logits": logits}, str(ref))
-            os.chmod(ref, 0o644)
+            save_reference(kind, logits)
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
 
@@ -420,9 +429,7 @@ def smollm3_gguf() -> None:
     tensor names with q/k rows permuted, F32), from a 4-layer checkpoint with SmolLM3's default
     NoPE pattern (every fourth layer without RoPE, which llama.cpp assumes: GGUF has no key for
     it), and the source model's logits for `input_ids`."""
-    import gguf
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, SmolLM3Config
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -438,57 +445,26 @@ def smollm3_gguf() -> None:
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     mf.init_weights(m, 9, gemma_norm=False, embed_std=mf.EMBED_STD_TIED)
 
-    def permute(w, n_head):
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
     path = OUT / "smollm3_tiny.gguf"
-    w = gguf.GGUFWriter(str(path), "smollm3")
-    w.add_name("tiny smollm3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = start_gguf(path, "smollm3", "smollm3", cfg)
     w.add_rope_freq_base(5e6)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(3)
+    tensors = []
     for n, t in m.state_dict().items():
-        a = t.float().numpy().copy()
-        if n == "model.embed_tokens.weight":
-            g = "token_embd.weight"
-        elif n == "model.norm.weight":
-            g = "output_norm.weight"
-        elif n == "lm_head.weight":
+        if n == "lm_head.weight":
             continue  # tied
-        else:
-            _, _, i, rest = n.split(".", 3)
-            mod, suffix = rest.rsplit(".", 1)
-            if mod == "self_attn.q_proj":
-                a = permute(a, cfg.num_attention_heads)
-            elif mod == "self_attn.k_proj":
-                a = permute(a, cfg.num_key_value_heads)
-            g = f"blk.{i}.{names[mod]}.{suffix}"
-        w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.chmod(path, 0o644)
-    ids = torch.tensor([[5, 9, 44, 7, 100, 13, 250, 17, 300, 21, 66, 77, 480, 11]])
+        a = t.float().numpy().copy()
+        if n.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            a = llama_cpp_permute(a, cfg.num_attention_heads)
+        elif n.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            a = llama_cpp_permute(a, cfg.num_key_value_heads)
+        tensors.append((gguf_tensor_name(n, GGUF_LAYER_NAMES), a))
+    finish_gguf(w, path, tensors)
     with torch.no_grad():
-        logits = m(ids).logits.float().contiguous()
-    ref = OUT / "smollm3_tiny_reference.safetensors"
-    save_file({"input_ids": ids.to(torch.int64), "logits": logits}, str(ref))
-    os.chmod(ref, 0o644)
+        logits = m(torch.tensor(INPUT_IDS)).logits.float().contiguous()
+    save_reference("smollm3", logits)
     print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
 if __name__ == "__main__":
