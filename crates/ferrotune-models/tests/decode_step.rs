@@ -265,6 +265,67 @@ fn decode_step_refuses_what_it_does_not_serve() {
     );
 }
 
+/// The GPU, or `None` (and a note) where there is none.
+#[cfg(feature = "cuda")]
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("no GPU ({e}): skipped");
+            None
+        }
+    }
+}
+
+/// Greedy decoding of `prompts` with `model` (on a GPU) through two caches side by side for
+/// `steps` single-token steps, driven by `want`'s tokens: `want` steps with the decode kernels
+/// off when `want_without_kernels`, `got` as configured; `check(step, largest relative
+/// difference of the hidden states, got)` judges every step.
+#[cfg(feature = "cuda")]
+fn steps_side_by_side(
+    model: &CausalLm,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    (mut want, mut got): (KvCache, KvCache),
+    want_without_kernels: bool,
+    check: impl Fn(usize, f32, &KvCache),
+) {
+    use ferrotune_core::decode::set_enabled;
+    let device = model.device().clone();
+    let (input, mut layout) = padded_batch(prompts);
+    let input = input.to_device(&device).unwrap();
+    let hidden = model
+        .forward_hidden(&input, &layout, Some(&mut want))
+        .unwrap();
+    model
+        .forward_hidden(&input, &layout, Some(&mut got))
+        .unwrap();
+    let mut next = argmax_tokens(model, &hidden);
+    let f32 = |t: &Tensor| {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap()
+    };
+    for step in 0..steps {
+        advance(&mut layout);
+        if want_without_kernels {
+            set_enabled(false);
+        }
+        let wanted = model
+            .forward_hidden(&next, &layout, Some(&mut want))
+            .unwrap();
+        if want_without_kernels {
+            set_enabled(true);
+        }
+        let gotten = model
+            .forward_hidden(&next, &layout, Some(&mut got))
+            .unwrap();
+        check(step, max_rel_diff(&f32(&gotten), &f32(&wanted)), &got);
+        next = argmax_tokens(model, &wanted);
+    }
+}
+
 /// On a GPU the forward sends single-token steps to `decode_step`, whose ops are then the CUDA
 /// decode kernels: every family's generation with them against the forward's ops on the same GPU
 /// (`decode::set_enabled(false)`), f32 and bf16, driven by the same greedy tokens. Passes without
@@ -272,52 +333,22 @@ fn decode_step_refuses_what_it_does_not_serve() {
 #[cfg(feature = "cuda")]
 #[test]
 fn decode_kernels_equal_the_forward_ops_on_a_gpu() {
-    use ferrotune_core::decode::set_enabled;
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no GPU ({e}): skipped");
-            return;
-        }
-    };
+    let Some(gpu) = gpu() else { return };
     for case in fixture_models() {
         for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2)] {
             let model = load_model(&case, dtype, &gpu).unwrap().0;
-            let (input, mut layout) = padded_batch(&[vec![5, 9, 2, 7, 1, 3], vec![4, 8, 6]]);
-            let input = input.to_device(&gpu).unwrap();
-            let mut kernels_cache = KvCache::new(model.layers.len());
-            let mut ops_cache = KvCache::new(model.layers.len());
-            let hidden = model
-                .forward_hidden(&input, &layout, Some(&mut ops_cache))
-                .unwrap();
-            model
-                .forward_hidden(&input, &layout, Some(&mut kernels_cache))
-                .unwrap();
-            let mut next = argmax_tokens(&model, &hidden);
-            for step in 0..6 {
-                advance(&mut layout);
-                set_enabled(false);
-                let want = model
-                    .forward_hidden(&next, &layout, Some(&mut ops_cache))
-                    .unwrap();
-                set_enabled(true);
-                let got = model
-                    .forward_hidden(&next, &layout, Some(&mut kernels_cache))
-                    .unwrap();
-                let f32 = |t: &Tensor| {
-                    t.to_dtype(DType::F32)
-                        .unwrap()
-                        .to_device(&Device::Cpu)
-                        .unwrap()
-                };
-                let d = max_rel_diff(&f32(&got), &f32(&want));
+            let caches = (
+                KvCache::new(model.layers.len()),
+                KvCache::new(model.layers.len()),
+            );
+            let prompts = [vec![5, 9, 2, 7, 1, 3], vec![4, 8, 6]];
+            steps_side_by_side(&model, &prompts, 6, caches, true, |step, d, _| {
                 assert!(
                     d <= tol,
                     "{} {dtype:?} step {step}: hidden states differ by {d}",
                     case.display()
                 );
-                next = argmax_tokens(&model, &want);
-            }
+            });
             eprintln!("{} {dtype:?}: ok", case.display());
         }
     }
@@ -331,13 +362,7 @@ fn decode_kernels_equal_the_forward_ops_on_a_gpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_graph_replays_equal_kernel_launches_on_a_gpu() {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no GPU ({e}): skipped");
-            return;
-        }
-    };
+    let Some(gpu) = gpu() else { return };
     for case in fixture_models() {
         for dtype in [DType::F32, DType::BF16] {
             let model = load_model(&case, dtype, &gpu).unwrap().0;
@@ -346,33 +371,11 @@ fn cuda_graph_replays_equal_kernel_launches_on_a_gpu() {
                 continue;
             }
             let long: Vec<u32> = (0..250).map(|i| (i * 7 + 3) % 100).collect();
-            let (input, mut layout) = padded_batch(&[long, vec![4, 8, 6]]);
-            let input = input.to_device(&gpu).unwrap();
-            let mut replayed = KvCache::new(model.layers.len());
             let mut launched = KvCache::new(model.layers.len());
             launched.never_record_steps();
-            let hidden = model
-                .forward_hidden(&input, &layout, Some(&mut launched))
-                .unwrap();
-            model
-                .forward_hidden(&input, &layout, Some(&mut replayed))
-                .unwrap();
-            let mut next = argmax_tokens(&model, &hidden);
-            for step in 0..12 {
-                advance(&mut layout);
-                let want = model
-                    .forward_hidden(&next, &layout, Some(&mut launched))
-                    .unwrap();
-                let got = model
-                    .forward_hidden(&next, &layout, Some(&mut replayed))
-                    .unwrap();
-                let f32 = |t: &Tensor| {
-                    t.to_dtype(DType::F32)
-                        .unwrap()
-                        .to_device(&Device::Cpu)
-                        .unwrap()
-                };
-                let d = max_rel_diff(&f32(&got), &f32(&want));
+            let caches = (launched, KvCache::new(model.layers.len()));
+            let prompts = [long, vec![4, 8, 6]];
+            steps_side_by_side(&model, &prompts, 12, caches, false, |step, d, replayed| {
                 assert!(
                     d == 0.0,
                     "{} {dtype:?} step {step}: replayed hidden states differ by {d}",
@@ -385,8 +388,7 @@ fn cuda_graph_replays_equal_kernel_launches_on_a_gpu() {
                         case.display()
                     );
                 }
-                next = argmax_tokens(&model, &want);
-            }
+            });
             eprintln!("{} {dtype:?}: ok", case.display());
         }
     }

@@ -7,7 +7,6 @@
 
 mod common;
 
-
 use candle_core::{DType, Device, Tensor};
 use ferrotune_models::device_map::{format_bytes, plan, usable_bytes};
 use ferrotune_models::Placement;
