@@ -219,6 +219,28 @@ void test_qkv_rope(int B, int nh, int nkv, int hd, int rot, bool norms, int offs
   check((std::string(name) + " v cache").c_str(), host(dvc, vc.size()), want_v, 0.f);
 }
 
+// The decode attention's reference scores of query head h, row b over keys l0 .. len−1 (zeros
+// before l0), rounded to T before scaling and softcapped as the kernels do; l0 is the row's first
+// key, raised to len − window for a sliding window.
+template <typename T>
+std::vector<float> ref_scores(const std::vector<T> &q, const std::vector<T> &kc, int b, int h, int nh, int nkv,
+                              int hd, int cap, int l0, int len, float scale, float softcap) {
+  int kvh = h / (nh / nkv);
+  std::vector<float> s(len);
+  for (int j = l0; j < len; ++j) {
+    float acc = 0;
+    for (int d = 0; d < hd; ++d)
+      acc += from_t(q[((size_t)b * nh + h) * hd + d]) * from_t(kc[(((size_t)b * nkv + kvh) * cap + j) * hd + d]);
+    s[j] = rt<T>(acc) * scale;
+    if (softcap > 0.f) s[j] = softcap * std::tanh(s[j] / softcap);
+  }
+  return s;
+}
+
+int first_key(const std::vector<uint32_t> &lo, int b, int len, int window) {
+  return window > 0 ? std::max((int)lo[b], len - window) : (int)lo[b];
+}
+
 template <typename T>
 void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vector<uint32_t> lo, int window,
                     float softcap = 0.f, bool counters = false) {
@@ -229,19 +251,10 @@ void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vecto
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < nh; ++h) {
       int kvh = h / (nh / nkv);
-      int l0 = (int)lo[b];
-      if (window > 0) l0 = std::max(l0, len - window);
-      std::vector<float> s(len);
+      int l0 = first_key(lo, b, len, window);
+      std::vector<float> s = ref_scores(q, kc, b, h, nh, nkv, hd, cap, l0, len, scale, softcap);
       float m = -INFINITY;
-      for (int j = l0; j < len; ++j) {
-        float acc = 0;
-        for (int d = 0; d < hd; ++d)
-          acc += from_t(q[((size_t)b * nh + h) * hd + d]) *
-                 from_t(kc[(((size_t)b * nkv + kvh) * cap + j) * hd + d]);
-        s[j] = rt<T>(acc) * scale;
-        if (softcap > 0.f) s[j] = softcap * std::tanh(s[j] / softcap);
-        m = std::max(m, s[j]);
-      }
+      for (int j = l0; j < len; ++j) m = std::max(m, s[j]);
       float sum = 0;
       for (int j = l0; j < len; ++j) sum += std::exp(s[j] - m);
       for (int j = l0; j < len; ++j) s[j] = rt<T>(std::exp(s[j] - m) * (1.f / sum));
@@ -279,20 +292,11 @@ void test_attention_split(int B, int nh, int nkv, int hd, int cap, int len, std:
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < nh; ++h) {
       int kvh = h / (nh / nkv);
-      int l0 = (int)lo[b];
-      if (window > 0) l0 = std::max(l0, len - window);
-      std::vector<double> s(len);
+      int l0 = first_key(lo, b, len, window);
+      std::vector<float> sf = ref_scores(q, kc, b, h, nh, nkv, hd, cap, l0, len, scale, softcap);
+      std::vector<double> s(sf.begin(), sf.end());
       double m = -INFINITY;
-      for (int j = l0; j < len; ++j) {
-        float acc = 0;
-        for (int d = 0; d < hd; ++d)
-          acc += from_t(q[((size_t)b * nh + h) * hd + d]) *
-                 from_t(kc[(((size_t)b * nkv + kvh) * cap + j) * hd + d]);
-        float sv = rt<T>(acc) * scale;
-        if (softcap > 0.f) sv = softcap * std::tanh(sv / softcap);
-        s[j] = sv;
-        m = std::max(m, s[j]);
-      }
+      for (int j = l0; j < len; ++j) m = std::max(m, s[j]);
       double sum = 0;
       for (int j = l0; j < len; ++j) sum += std::exp(s[j] - m);
       for (int d = 0; d < hd; ++d) {
