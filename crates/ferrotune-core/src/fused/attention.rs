@@ -37,9 +37,8 @@ pub fn attention(
 }
 
 /// [`attention`] with Gemma 2's softcapping: the scaled scores become `cap · tanh(s / cap)` before
-/// the mask is added (`softcap = Some(cap)`). The fused CPU op applies it in the forward and
-/// multiplies the score gradient by `1 − tanh²` in the backward; the GPU's attention kernels have
-/// no softcap, so there a softcapped call takes the composite formula.
+/// the mask is added (`softcap = Some(cap)`). The fused CPU op and the GPU's chunked kernels apply
+/// it in the forward and multiply the score gradient by `1 − tanh²` in the backward.
 pub fn attention_softcapped(
     q: &Tensor,
     k: &Tensor,
