@@ -258,13 +258,21 @@ pub enum FeedForward {
     Sparse(Box<Moe>),
 }
 
-impl Mlp {
-    /// The down projection's module name: `mlp.down_proj` (Phi-2: `mlp.fc2`).
-    pub fn down_proj_name(&self) -> &'static str {
-        match self.gate_up {
+impl GateUpProjection {
+    /// The module name of the down projection that follows: `mlp.down_proj` (Phi-2's ungated
+    /// MLP: `mlp.fc2`).
+    fn down_proj_name(&self) -> &'static str {
+        match self {
             GateUpProjection::Ungated { .. } => "mlp.fc2",
             _ => "mlp.down_proj",
         }
+    }
+}
+
+impl Mlp {
+    /// The down projection's module name: `mlp.down_proj` (Phi-2: `mlp.fc2`).
+    pub fn down_proj_name(&self) -> &'static str {
+        self.gate_up.down_proj_name()
     }
 
     /// The module names of a dense layer's MLP, in the order of [`mlp_linears`].
@@ -982,21 +990,14 @@ impl CausalLm {
                 .filter(|m| m.sparse_layers.get(i).copied().unwrap_or(false));
             let mlp = match sparse {
                 Some(m) => FeedForward::Sparse(Box::new(take.moe(&p, m, h)?)),
-                None => FeedForward::Dense(Mlp {
-                    gate_up: dense_gate_up(&mut take)?,
-                    down_proj: take.linear(
-                        &format!(
-                            "{p}.{}",
-                            if c.ungated_mlp {
-                                "mlp.fc2"
-                            } else {
-                                "mlp.down_proj"
-                            }
-                        ),
-                        h,
-                        inter,
-                    )?,
-                }),
+                None => {
+                    let gate_up = dense_gate_up(&mut take)?;
+                    let down = format!("{p}.{}", gate_up.down_proj_name());
+                    FeedForward::Dense(Mlp {
+                        down_proj: take.linear(&down, h, inter)?,
+                        gate_up,
+                    })
+                }
             };
             let o_proj_name = if c.parallel_block {
                 "self_attn.dense"
