@@ -398,12 +398,9 @@ impl ModelConfig {
     /// (`output_router_logits` with a non-zero `router_aux_loss_coef`), router jitter, Phi-2's
     /// residual / embedding dropout, and dropout on the attention probabilities.
     pub fn training_caveats(&self) -> Vec<String> {
-        let obj = match &self.raw {
-            Value::Object(o) => match o.get("text_config") {
-                Some(Value::Object(t)) => t,
-                _ => o,
-            },
-            _ => return Vec::new(),
+        // `raw` is already the text model's config for a multimodal checkpoint.
+        let Value::Object(obj) = &self.raw else {
+            return Vec::new();
         };
         let positive = |key: &str| obj.get(key).and_then(Value::as_f64).filter(|v| *v > 0.0);
         let mut out = Vec::new();
