@@ -1379,7 +1379,7 @@ impl Role {
             Kind::Qkv => "self_attn.qkv_proj",
             Kind::QNorm => "self_attn.q_norm",
             Kind::KNorm => "self_attn.k_norm",
-            Kind::Gate | Kind::Up | Kind::Down | Kind::Router if self.expert.is_some() => {
+            Kind::Gate | Kind::Up | Kind::Down if self.expert.is_some() => {
                 return format!(
                     "model.layers.{}.{}.{suffix}",
                     self.layer.unwrap_or(0),
