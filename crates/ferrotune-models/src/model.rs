@@ -803,6 +803,22 @@ pub(crate) fn final_norm_name(config: &ModelConfig) -> &'static str {
     }
 }
 
+/// The final norm's weight (and Phi-2's bias) under their HF names, mutable: what
+/// [`CausalLm::final_norm_tensors_mut`] lists, from the fields alone so that callers can borrow
+/// the model's other fields beside them.
+pub(crate) fn final_norm_entries_mut<'a>(
+    config: &ModelConfig,
+    norm: &'a mut Tensor,
+    bias: Option<&'a mut Tensor>,
+) -> Vec<(String, &'a mut Tensor)> {
+    let name = final_norm_name(config);
+    let mut out = vec![(format!("{name}.weight"), norm)];
+    if let Some(b) = bias {
+        out.push((format!("{name}.bias"), b));
+    }
+    out
+}
+
 /// Takes named tensors out of a checkpoint's map, checking shapes.
 struct TensorTaker<'a> {
     tensors: &'a mut HashMap<String, Tensor>,
@@ -1149,12 +1165,7 @@ impl CausalLm {
 
     /// As [`CausalLm::final_norm_tensors`], mutable.
     pub fn final_norm_tensors_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        let name = final_norm_name(&self.config);
-        let mut out = vec![(format!("{name}.weight"), &mut self.norm)];
-        if let Some(b) = &mut self.norm_bias {
-            out.push((format!("{name}.bias"), b));
-        }
-        out
+        final_norm_entries_mut(&self.config, &mut self.norm, self.norm_bias.as_mut())
     }
 
     /// The compute dtype.

@@ -4,7 +4,7 @@
 
 use candle_core::Tensor;
 
-use crate::model::final_norm_name;
+use crate::model::final_norm_entries_mut;
 use crate::peft::PEFT_PREFIX;
 use crate::{CausalLm, Linear};
 
@@ -80,11 +80,11 @@ impl CausalLm {
                     "model.embed_tokens.weight".to_string(),
                     &mut self.embed_tokens,
                 ));
-                let final_norm = final_norm_name(&self.config);
-                out.push((format!("{final_norm}.weight"), &mut self.norm));
-                if let Some(b) = &mut self.norm_bias {
-                    out.push((format!("{final_norm}.bias"), b));
-                }
+                out.extend(final_norm_entries_mut(
+                    &self.config,
+                    &mut self.norm,
+                    self.norm_bias.as_mut(),
+                ));
                 // The shared weight of a tied head is listed once, as the embedding; an adapter
                 // on the head still has its own tensors.
                 let tied = self.config.tie_word_embeddings;
