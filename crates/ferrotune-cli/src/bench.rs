@@ -477,18 +477,27 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
         Ok((median(&mut decode_tps), median(&mut prefill_tps), tokens))
     };
     let (decode_tps, prefill_tps, tokens) = measure()?;
-    let agree = |other: &[u32]| tokens.iter().zip(other).take_while(|(a, b)| a == b).count();
+    // Tokens/s with a fast path switched off by `set`, and how many leading greedy tokens agree
+    // with the run above.
+    let measure_without = |set: fn(bool)| -> Result<(f64, usize)> {
+        set(false);
+        let measured = measure();
+        set(true);
+        let (tps, _, other) = measured?;
+        let same = tokens
+            .iter()
+            .zip(&other)
+            .take_while(|(a, b)| a == b)
+            .count();
+        Ok((tps, same))
+    };
     // The same kernels without CUDA graphs (each step's kernels launched one by one): the tokens
     // must be the same, every one.
     let no_graphs = if device.is_cuda()
         && ferrotune_core::decode::enabled()
         && ferrotune_core::graph::enabled()
     {
-        ferrotune_core::graph::set_enabled(false);
-        let measured = measure();
-        ferrotune_core::graph::set_enabled(true);
-        let (tps, _, eager_tokens) = measured?;
-        Some((tps, agree(&eager_tokens)))
+        Some(measure_without(ferrotune_core::graph::set_enabled)?)
     } else {
         None
     };
@@ -508,11 +517,7 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
     // how many greedy tokens the two agree on before the first difference (bf16 sums in another
     // order may tip a near tie).
     let forward_ops = if device.is_cuda() && ferrotune_core::decode::enabled() {
-        ferrotune_core::decode::set_enabled(false);
-        let measured = measure();
-        ferrotune_core::decode::set_enabled(true);
-        let (tps, _, forward_tokens) = measured?;
-        Some((tps, agree(&forward_tokens)))
+        Some(measure_without(ferrotune_core::decode::set_enabled)?)
     } else {
         None
     };
