@@ -6,27 +6,44 @@
 //! model. This op records only the input in the graph: backward is `dx = dy @ weight`, and the
 //! weight never gets a gradient buffer.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
 
-/// The op; holds the weight `[out, in]` (contiguous).
-struct FrozenMatmul {
-    weight: Tensor,
+use crate::nf4::Nf4Matrix;
+
+/// The frozen weight `[out, in]`: dense (contiguous), or NF4 blocks (QLoRA) that are expanded for
+/// each product and dropped after it, so that the graph keeps only the 4-bit copy alive.
+enum FrozenWeight {
+    Dense(Tensor),
+    Nf4(Arc<Nf4Matrix>),
 }
 
-impl FrozenMatmul {
-    /// `(m, n, k)` and the transposed weight layout for an `[m, k]` input.
-    fn dims(&self, layout: &Layout) -> Result<((usize, usize, usize), Layout)> {
-        let (m, k) = layout.shape().dims2()?;
-        let (n, wk) = self.weight.dims2()?;
-        if wk != k {
-            candle_core::bail!("frozen matmul: input has {k} features, weight expects {wk}");
+impl FrozenWeight {
+    fn dense(&self) -> Result<Cow<'_, Tensor>> {
+        match self {
+            Self::Dense(w) => Ok(Cow::Borrowed(w)),
+            Self::Nf4(q) => Ok(Cow::Owned(q.dequantize()?)),
         }
-        let (_, w_layout) = self.weight.storage_and_layout();
-        Ok(((m, n, k), w_layout.transpose(0, 1)?))
     }
+}
+
+/// The op; holds the weight.
+struct FrozenMatmul {
+    weight: FrozenWeight,
+}
+
+/// `(m, n, k)` and the transposed weight layout for an `[m, k]` input and a weight `[n, k]`.
+fn dims(weight: &Tensor, layout: &Layout) -> Result<((usize, usize, usize), Layout)> {
+    let (m, k) = layout.shape().dims2()?;
+    let (n, wk) = weight.dims2()?;
+    if wk != k {
+        candle_core::bail!("frozen matmul: input has {k} features, weight expects {wk}");
+    }
+    let (_, w_layout) = weight.storage_and_layout();
+    Ok(((m, n, k), w_layout.transpose(0, 1)?))
 }
 
 impl CustomOp1 for FrozenMatmul {
@@ -35,8 +52,9 @@ impl CustomOp1 for FrozenMatmul {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let ((m, n, k), wt_layout) = self.dims(layout)?;
-        let (w_storage, _) = self.weight.storage_and_layout();
+        let weight = self.weight.dense()?;
+        let ((m, n, k), wt_layout) = dims(&weight, layout)?;
+        let (w_storage, _) = weight.storage_and_layout();
         let Storage::Cpu(w) = &*w_storage else {
             candle_core::bail!("frozen matmul: input on the CPU, weight elsewhere")
         };
@@ -50,8 +68,9 @@ impl CustomOp1 for FrozenMatmul {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let ((m, n, k), wt_layout) = self.dims(layout)?;
-        let (w_storage, _) = self.weight.storage_and_layout();
+        let weight = self.weight.dense()?;
+        let ((m, n, k), wt_layout) = dims(&weight, layout)?;
+        let (w_storage, _) = weight.storage_and_layout();
         let Storage::Cuda(w) = &*w_storage else {
             candle_core::bail!("frozen matmul: input on a GPU, weight elsewhere")
         };
@@ -60,7 +79,7 @@ impl CustomOp1 for FrozenMatmul {
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(grad_res.matmul(&self.weight)?))
+        Ok(Some(grad_res.matmul(&*self.weight.dense()?)?))
     }
 }
 
@@ -70,7 +89,20 @@ impl CustomOp1 for FrozenMatmul {
 /// `rows.matmul(&weight.t())`, and so is the gradient of `rows`.
 pub fn frozen_matmul(rows: &Tensor, weight: &Tensor) -> Result<Tensor> {
     let op = FrozenMatmul {
-        weight: weight.contiguous()?,
+        weight: FrozenWeight::Dense(weight.contiguous()?),
+    };
+    rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
+}
+
+/// `rows @ weight.T` for an NF4 weight (QLoRA's frozen base), as torchao's `linear_nf4`: the weight
+/// is dequantized to its dtype for the product and again for the backward (`dx = dy @ weight`),
+/// never kept, and takes no gradient.
+pub fn nf4_matmul(rows: &Tensor, weight: &Arc<Nf4Matrix>) -> Result<Tensor> {
+    if !rows.track_op() {
+        return rows.matmul(&weight.dequantize()?.t()?);
+    }
+    let op = FrozenMatmul {
+        weight: FrozenWeight::Nf4(weight.clone()),
     };
     rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
 }

@@ -14,6 +14,7 @@ pub mod device;
 pub mod frozen;
 pub mod fused;
 pub mod graph;
+pub mod nf4;
 pub mod ops;
 pub mod quant;
 pub mod switch;

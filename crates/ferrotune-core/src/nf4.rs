@@ -1,0 +1,253 @@
+//! 4-bit NormalFloat (NF4) weights for QLoRA, built exactly as torchao's `to_nf4` builds them
+//! (torchtune's `qlora_*` models quantize their frozen base with it).
+//!
+//! A weight is flattened and cut into blocks of 64; each value is divided by its block's absolute
+//! maximum and replaced by the index of the nearest of 16 NF4 levels (two indices per byte, the
+//! first in the high nibble). The block maxima are themselves quantized ("double quantization"):
+//! their mean is subtracted, and each group of 256 of them is scaled by `256 / (2 · absmax)`,
+//! rounded and stored as an `i8`, with one scale factor per group. Dequantizing gives
+//! `level[code] · (q / factor + mean)`.
+//!
+//! Every step rounds to the weight's dtype as torch does (its bf16/f16 arithmetic computes in f32
+//! and rounds each result), so the dequantized weight equals torchao's value for value — the
+//! tests compare them bit for bit. Two generalizations, which leave every shape torchao accepts
+//! unchanged: torchao requires the element count to be a multiple of 64 × 256; here a last, shorter
+//! block (of values, or of block maxima) takes the maximum over what it has. Small models
+//! (SmolLM2-135M's 576-wide layers) can then be trained with QLoRA as well.
+//!
+//! Written here rather than taken from a crate: no Rust crate implements torchao's NF4 (bitsandbytes'
+//! NF4 differs in its levels and its scale quantization).
+
+use std::sync::Arc;
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+use rayon::prelude::*;
+
+/// torchao's block size: values per absmax scale.
+pub const BLOCK_SIZE: usize = 64;
+/// torchao's scaler block size: block scales per double-quantization factor.
+pub const SCALER_BLOCK_SIZE: usize = 256;
+
+/// The 16 NF4 levels as torchao lists them (rounded to the weight's dtype before use).
+const LEVELS: [f32; 16] = [
+    -1.0000, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0000, 0.0796, 0.1609, 0.2461,
+    0.3379, 0.4407, 0.5626, 0.7230, 1.0000,
+];
+
+/// An NF4-quantized matrix `[rows, cols]` (a frozen linear weight `[out, in]`).
+#[derive(Debug)]
+pub struct Nf4Matrix {
+    rows: usize,
+    cols: usize,
+    /// The dtype the weight had: every step of quantizing and dequantizing rounds to it, and
+    /// dequantizing returns it.
+    dtype: DType,
+    /// Where the dequantized weight is wanted.
+    device: Device,
+    /// Two 4-bit level indices per byte, element `2j` in the high nibble of byte `j`.
+    codes: Vec<u8>,
+    /// One per block of [`BLOCK_SIZE`] values: the block's absmax minus the mean, quantized.
+    quantized_scalers: Vec<i8>,
+    /// One per group of [`SCALER_BLOCK_SIZE`] blocks: `256 / (2 · absmax)` of the group.
+    quantization_factor: Vec<f32>,
+    /// The mean of all block absmaxes.
+    scaler_mean: f32,
+}
+
+/// `x` rounded to `dtype` (round to nearest even, as torch converts f32 results).
+fn round_to(dtype: DType, x: f32) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        DType::F16 => half::f16::from_f32(x).to_f32(),
+        _ => x,
+    }
+}
+
+/// The maximum of `|v|` over `values` (NaN if any value is NaN, as torch's `max` propagates it).
+fn absmax(values: &[f32]) -> f32 {
+    values.iter().fold(0f32, |m, v| {
+        if m.is_nan() || v.is_nan() {
+            f32::NAN
+        } else {
+            m.max(v.abs())
+        }
+    })
+}
+
+/// The index of the level nearest to `scaled`, with torch's `min(dim).indices` tie and NaN rules:
+/// the first of equal distances wins, and a NaN distance counts as the minimum.
+fn nearest_level(dtype: DType, levels: &[f32; 16], scaled: f32) -> u8 {
+    let mut best = round_to(dtype, scaled - levels[0]).abs();
+    let mut index = 0u8;
+    for (i, level) in levels.iter().enumerate().skip(1) {
+        if best.is_nan() {
+            break;
+        }
+        let d = round_to(dtype, scaled - level).abs();
+        if d.is_nan() || d < best {
+            best = d;
+            index = i as u8;
+        }
+    }
+    index
+}
+
+/// An `i8` from a rounded, clamped value; NaN (a group whose maxima are all equal to the mean
+/// gives `0 · ∞`) becomes 0, as torch's conversion does on the CPU.
+fn to_i8(x: f32) -> i8 {
+    if x.is_nan() {
+        0
+    } else {
+        x.round_ties_even().clamp(-128.0, 127.0) as i8
+    }
+}
+
+impl Nf4Matrix {
+    /// Quantizes a 2-D weight (any float dtype; the arithmetic follows that dtype).
+    pub fn quantize(weight: &Tensor) -> Result<Self> {
+        let (rows, cols) = weight.dims2()?;
+        let dtype = weight.dtype();
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            bail!("NF4 quantizes f32, bf16 or f16 weights, not {dtype:?}");
+        }
+        let device = weight.device().clone();
+        let values = weight
+            .flatten_all()?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        let n = values.len();
+        let levels = LEVELS.map(|l| round_to(dtype, l));
+
+        // Block absmaxes, their mean (f64 sum, then the dtype: torch accumulates reduced types in
+        // f32 and rounds the result), and the maxima minus the mean.
+        let block_max: Vec<f32> = values.chunks(BLOCK_SIZE).map(absmax).collect();
+        let sum: f64 = block_max.iter().map(|&v| v as f64).sum();
+        let scaler_mean = round_to(dtype, (sum / block_max.len().max(1) as f64) as f32);
+        let centred: Vec<f32> = block_max
+            .iter()
+            .map(|&s| round_to(dtype, s - scaler_mean))
+            .collect();
+        let mut quantized_scalers = Vec::with_capacity(centred.len());
+        let mut quantization_factor = Vec::new();
+        for group in centred.chunks(SCALER_BLOCK_SIZE) {
+            let factor = round_to(dtype, 256.0 / round_to(dtype, 2.0 * absmax(group)));
+            quantization_factor.push(factor);
+            quantized_scalers.extend(group.iter().map(|&s| to_i8(round_to(dtype, s * factor))));
+        }
+
+        // Level indices: each value divided by its block's (unquantized) absmax.
+        let indices: Vec<u8> = values
+            .par_chunks(BLOCK_SIZE)
+            .zip(block_max.par_iter())
+            .flat_map_iter(|(block, &max)| {
+                block
+                    .iter()
+                    .map(move |&v| nearest_level(dtype, &levels, round_to(dtype, v / max)))
+            })
+            .collect();
+        let codes = indices
+            .chunks(2)
+            .map(|pair| pair[0] << 4 | pair.get(1).copied().unwrap_or(0))
+            .collect();
+        debug_assert_eq!(n, rows * cols);
+        Ok(Self {
+            rows,
+            cols,
+            dtype,
+            device,
+            codes,
+            quantized_scalers,
+            quantization_factor,
+            scaler_mean,
+        })
+    }
+
+    /// `[rows, cols]`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// The dtype the weight was quantized from, and dequantizes to.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device dequantized weights are placed on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The same quantized weight, dequantizing onto `device`.
+    pub fn to_device(&self, device: &Device) -> Self {
+        Self {
+            device: device.clone(),
+            codes: self.codes.clone(),
+            quantized_scalers: self.quantized_scalers.clone(),
+            quantization_factor: self.quantization_factor.clone(),
+            ..*self
+        }
+    }
+
+    /// Bytes held: half a byte per value, one per block, four per group.
+    pub fn size_in_bytes(&self) -> usize {
+        self.codes.len() + self.quantized_scalers.len() + 4 * self.quantization_factor.len()
+    }
+
+    /// The packed level indices (two per byte, the first in the high nibble), as torchao's
+    /// `quantized_data`.
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    /// The quantized block scales, as torchao's `quantized_scalers`.
+    pub fn quantized_scalers(&self) -> &[i8] {
+        &self.quantized_scalers
+    }
+
+    /// The per-group factors, as torchao's `quantization_factor`.
+    pub fn quantization_factor(&self) -> &[f32] {
+        &self.quantization_factor
+    }
+
+    /// The mean of the block absmaxes, as torchao's `scaler_mean`.
+    pub fn scaler_mean(&self) -> f32 {
+        self.scaler_mean
+    }
+
+    /// The dequantized values, row-major, each exactly representable in [`Nf4Matrix::dtype`].
+    pub fn dequantize_values(&self) -> Vec<f32> {
+        let dtype = self.dtype;
+        let levels = LEVELS.map(|l| round_to(dtype, l));
+        let n = self.rows * self.cols;
+        let mut out = vec![0f32; n];
+        out.par_chunks_mut(BLOCK_SIZE)
+            .enumerate()
+            .for_each(|(block, values)| {
+                let factor = self.quantization_factor[block / SCALER_BLOCK_SIZE];
+                let q = self.quantized_scalers[block] as f32;
+                let scaler = round_to(dtype, round_to(dtype, q / factor) + self.scaler_mean);
+                let start = block * BLOCK_SIZE;
+                for (k, v) in values.iter_mut().enumerate() {
+                    let i = start + k;
+                    let byte = self.codes[i / 2];
+                    let code = if i % 2 == 0 { byte >> 4 } else { byte & 0x0f };
+                    *v = round_to(dtype, levels[code as usize] * scaler);
+                }
+            });
+        out
+    }
+
+    /// The dequantized weight `[rows, cols]` in its dtype, on its device.
+    pub fn dequantize(&self) -> Result<Tensor> {
+        Tensor::from_vec(
+            self.dequantize_values(),
+            (self.rows, self.cols),
+            &Device::Cpu,
+        )?
+        .to_dtype(self.dtype)?
+        .to_device(&self.device)
+    }
+}
+
+/// A shared NF4 weight (layers hold it, autograd ops keep a reference for the backward).
+pub type SharedNf4 = Arc<Nf4Matrix>;
