@@ -352,7 +352,7 @@ impl CausalLm {
             (t.elem_count() * t.dtype().size_in_bytes()) as u64
         }
         fn linear_bytes(l: &crate::Linear) -> u64 {
-            let mut b = bytes(&l.weight) + l.bias.as_ref().map_or(0, bytes);
+            let mut b = l.weight.size_in_bytes() as u64 + l.bias.as_ref().map_or(0, bytes);
             if let Some(a) = &l.adapter {
                 b += bytes(&a.a) + bytes(&a.b) + a.dora_magnitude.as_ref().map_or(0, bytes);
             }

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Result as CResult, Tensor, Var};
 use ferrotune_core::ops;
 
-use crate::model::CausalLm;
+use crate::model::{BaseWeight, CausalLm};
 
 /// PEFT's scaling of the low-rank update: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA.
 pub fn lora_scaling(r: usize, alpha: f64, use_rslora: bool) -> f64 {
@@ -105,7 +105,7 @@ impl LoraAdapter {
     /// B zeros, so the adapted layer starts equal to the base layer. For DoRA the magnitude starts
     /// as the row norms of `weight` (`B = 0`), as PEFT's `DoraLinearLayer.update_layer`.
     pub fn init(
-        weight: &Tensor,
+        weight: &BaseWeight,
         r: usize,
         scale: f64,
         use_dora: bool,
@@ -121,7 +121,7 @@ impl LoraAdapter {
         let mut adapter = Self::new(a, b, scale);
         if use_dora {
             let lora_weight = adapter.b.matmul(&adapter.a)?;
-            adapter.dora_magnitude = Some(weight_norm(weight, &lora_weight, scale)?);
+            adapter.dora_magnitude = Some(weight_norm(&*weight.dense()?, &lora_weight, scale)?);
         }
         Ok(adapter)
     }
@@ -157,7 +157,7 @@ impl LoraAdapter {
         &self,
         x: &Tensor,
         base: &Tensor,
-        weight: &Tensor,
+        weight: &BaseWeight,
         bias: Option<&Tensor>,
     ) -> CResult<Tensor> {
         let out_dtype = base.dtype();
@@ -174,7 +174,10 @@ impl LoraAdapter {
                 let lora = ops::linear(&ops::linear(&xd, &self.a, None)?, &self.b, None)?;
                 (base.to_dtype(self.a.dtype())? + (lora * self.scale)?)?
             }
-            Some(m) => self.dora_forward(&x, base, weight, bias, m, use_dropout)?,
+            Some(m) => {
+                let weight = weight.dense()?;
+                self.dora_forward(&x, base, &weight, bias, m, use_dropout)?
+            }
         };
         result.to_dtype(out_dtype)
     }
@@ -304,7 +307,8 @@ mod tests {
         let base = x.matmul(&w.t().unwrap()).unwrap();
         let mut rng = SplitMix64::new(7);
         for dora in [false, true] {
-            let ad = LoraAdapter::init(&w, 2, 2.0, dora, &mut rng).unwrap();
+            let weight = BaseWeight::Dense(w.clone());
+            let ad = LoraAdapter::init(&weight, 2, 2.0, dora, &mut rng).unwrap();
             let bound = 1.0 / 5f32.sqrt();
             let amax =
                 ad.a.abs()
@@ -314,7 +318,7 @@ mod tests {
                     .to_scalar::<f32>()
                     .unwrap();
             assert!(amax <= bound && amax > 0.0);
-            let y = ad.forward(&x, &base, &w, None).unwrap();
+            let y = ad.forward(&x, &base, &weight, None).unwrap();
             let d = (y - &base).unwrap().abs().unwrap().max_all().unwrap();
             assert!(d.to_scalar::<f32>().unwrap() < 1e-5);
         }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, DeviceLocation, Result as CResult, Tensor, Var, D};
+use ferrotune_core::nf4::Nf4Matrix;
 use ferrotune_core::quant::QuantizedMatrix;
 use ferrotune_core::{fused, ops};
 
@@ -22,10 +23,92 @@ mod decode_step;
 /// longer ones go through the dense f32 GEMM, which is faster once the weight read is amortized.
 const PACKED_MAX_ROWS: usize = 32;
 
+/// A linear layer's base weight, `[out, in]`.
+#[derive(Debug, Clone)]
+pub enum BaseWeight {
+    /// A dense matrix in the model's dtype (trainable in full fine-tuning).
+    Dense(Tensor),
+    /// QLoRA's frozen base: 4-bit NF4 blocks (torchao's format), expanded to the dtype for each
+    /// product and dropped after it.
+    Nf4(Arc<Nf4Matrix>),
+}
+
+impl BaseWeight {
+    /// The dense matrix, when the weight is one.
+    pub fn as_dense(&self) -> Option<&Tensor> {
+        match self {
+            Self::Dense(w) => Some(w),
+            Self::Nf4(_) => None,
+        }
+    }
+
+    /// The dense matrix to change in place; an NF4 weight is frozen and cannot be.
+    pub fn as_dense_mut(&mut self) -> CResult<&mut Tensor> {
+        match self {
+            Self::Dense(w) => Ok(w),
+            Self::Nf4(_) => candle_core::bail!("an NF4 (QLoRA) base weight is frozen"),
+        }
+    }
+
+    /// The values as a dense tensor: the matrix itself, or the NF4 blocks dequantized (a new
+    /// tensor each call).
+    pub fn dense(&self) -> CResult<Cow<'_, Tensor>> {
+        match self {
+            Self::Dense(w) => Ok(Cow::Borrowed(w)),
+            Self::Nf4(q) => Ok(Cow::Owned(q.dequantize()?)),
+        }
+    }
+
+    /// `(out, in)`.
+    pub fn dims2(&self) -> CResult<(usize, usize)> {
+        match self {
+            Self::Dense(w) => w.dims2(),
+            Self::Nf4(q) => Ok(q.dims()),
+        }
+    }
+
+    /// The dtype the values have (an NF4 weight dequantizes to the dtype it was quantized from).
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Dense(w) => w.dtype(),
+            Self::Nf4(q) => q.dtype(),
+        }
+    }
+
+    /// Where the values live.
+    pub fn device(&self) -> &Device {
+        match self {
+            Self::Dense(w) => w.device(),
+            Self::Nf4(q) => q.device(),
+        }
+    }
+
+    /// Whether the weight is being trained (a `Var` of full fine-tuning); NF4 never is.
+    pub fn track_op(&self) -> bool {
+        self.as_dense().is_some_and(|w| w.track_op())
+    }
+
+    /// Bytes held.
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            Self::Dense(w) => w.elem_count() * w.dtype().size_in_bytes(),
+            Self::Nf4(q) => q.size_in_bytes(),
+        }
+    }
+
+    /// The same weight on `device`.
+    pub fn to_device(&self, device: &Device) -> CResult<Self> {
+        Ok(match self {
+            Self::Dense(w) => Self::Dense(w.to_device(device)?),
+            Self::Nf4(q) => Self::Nf4(Arc::new(q.to_device(device))),
+        })
+    }
+}
+
 /// A linear layer in PyTorch's layout: `weight` is `[out, in]`.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    pub weight: Tensor,
+    pub weight: BaseWeight,
     pub bias: Option<Tensor>,
     /// The same matrix in its GGUF block format (exactly `weight`'s values). Decoding is bound by
     /// reading weights, and 4–8-bit blocks are several times fewer bytes than f32; used only for
@@ -39,7 +122,7 @@ impl Linear {
     /// A dense layer.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Self {
-            weight,
+            weight: BaseWeight::Dense(weight),
             bias,
             packed: None,
             adapter: None,
@@ -51,6 +134,7 @@ impl Linear {
     fn trained_plain_lora(&self, x: &Tensor) -> Option<&LoraAdapter> {
         self.adapter.as_ref().filter(|adapter| {
             adapter.dora_magnitude.is_none()
+                && self.weight.as_dense().is_some()
                 && !(adapter.training && adapter.dropout > 0.0)
                 && adapter.a.track_op()
                 && x.dtype() == adapter.a.dtype()
@@ -59,23 +143,37 @@ impl Linear {
 
     /// `x @ weight.T + bias`, plus the adapter's contribution when one is attached.
     pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        let dense = match &self.weight {
+            BaseWeight::Dense(w) => w,
+            // QLoRA: the NF4 base through its own op (which keeps only the 4-bit blocks for the
+            // backward), the adapter on top as for any base.
+            BaseWeight::Nf4(q) => {
+                let base = ops::linear_with(x, q.dims().0, self.bias.as_ref(), |rows| {
+                    ferrotune_core::frozen::nf4_matmul(rows, q)
+                })?;
+                return match &self.adapter {
+                    Some(adapter) => adapter.forward(x, &base, &self.weight, self.bias.as_ref()),
+                    None => Ok(base),
+                };
+            }
+        };
         if let Some(adapter) = self.trained_plain_lora(x) {
             // Training a plain LoRA adapter: base and adapter branch in one fused op.
             if x.device().is_cuda() {
                 // The op takes `[b, t, in]` as it is: no reshape nodes in the graph.
                 return fused::lora_linear(
                     x,
-                    &self.weight,
+                    dense,
                     self.bias.as_ref(),
                     &adapter.a,
                     &adapter.b,
                     adapter.scale,
                 );
             }
-            return ops::linear_with(x, self.weight.dim(0)?, None, |rows| {
+            return ops::linear_with(x, dense.dim(0)?, None, |rows| {
                 fused::lora_linear(
                     rows,
-                    &self.weight,
+                    dense,
                     self.bias.as_ref(),
                     &adapter.a,
                     &adapter.b,
@@ -83,7 +181,7 @@ impl Linear {
                 )
             });
         }
-        let base = self.forward_base(x)?;
+        let base = self.forward_base(x, dense)?;
         match &self.adapter {
             // PEFT computes the base layer first and adds the adapter on top; the packed copy holds
             // exactly `weight`'s values, so it may serve as that base result.
@@ -92,19 +190,19 @@ impl Linear {
         }
     }
 
-    /// The base layer alone: `x @ weight.T + bias`.
-    fn forward_base(&self, x: &Tensor) -> CResult<Tensor> {
+    /// The base layer alone: `x @ weight.T + bias`, `weight` being the dense base weight.
+    fn forward_base(&self, x: &Tensor, weight: &Tensor) -> CResult<Tensor> {
         if ferrotune_core::decode::kernels_apply(x)
-            && !self.weight.track_op()
+            && !weight.track_op()
             && self.bias.as_ref().is_none_or(|b| !b.track_op())
         {
             // A few rows on the GPU (decode steps, the output head): one GEMV kernel, which
             // adds the bias itself.
             let projection = ferrotune_core::decode::Projection {
-                weight: &self.weight,
+                weight,
                 bias: self.bias.as_ref(),
             };
-            return ops::linear_with(x, self.weight.dim(0)?, None, |rows| {
+            return ops::linear_with(x, weight.dim(0)?, None, |rows| {
                 ferrotune_core::decode::linear_rows(rows, &[projection], None)
             });
         }
@@ -114,7 +212,7 @@ impl Linear {
                 return self.forward_packed(packed, x);
             }
         }
-        ops::linear(x, &self.weight, self.bias.as_ref())
+        ops::linear(x, weight, self.bias.as_ref())
     }
 
     fn forward_packed(&self, packed: &QuantizedMatrix, x: &Tensor) -> CResult<Tensor> {
@@ -855,7 +953,7 @@ impl TensorTaker<'_> {
     fn linear(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Linear, ModelError> {
         let name = format!("{prefix}.weight");
         Ok(Linear {
-            weight: self.take(&name, &[out, inp])?,
+            weight: BaseWeight::Dense(self.take(&name, &[out, inp])?),
             bias: self.take_opt(&format!("{prefix}.bias"), &[out])?,
             packed: self.take_packed(&name, out, inp),
             adapter: None,
@@ -1057,7 +1155,7 @@ impl CausalLm {
         };
         let lm_head = if c.tie_word_embeddings {
             Linear {
-                weight: embed_tokens.clone(),
+                weight: BaseWeight::Dense(embed_tokens.clone()),
                 bias: None,
                 packed: embed_packed,
                 adapter: None,
@@ -1111,6 +1209,35 @@ impl CausalLm {
         out
     }
 
+    /// QLoRA's frozen base, as torchtune's `qlora_*` builders make it: every linear layer inside
+    /// the decoder layers (attention and MLP projections, experts included; a mixture of experts'
+    /// router and shared-expert gate stay dense, as they decide the routing) is replaced by its
+    /// NF4 quantization (torchao's `to_nf4`, in the weight's dtype). Embeddings, norms and the
+    /// output head are untouched. Returns how many layers were quantized and the bytes their
+    /// weights now take. Attach adapters afterwards: DoRA's magnitude is taken from the
+    /// quantized weight, as torchtune's `DoRALinear(quantize_base=True)` does.
+    pub fn quantize_base_nf4(&mut self) -> CResult<(usize, usize)> {
+        let mut count = 0;
+        let mut bytes = 0;
+        for (name, linear) in self.linears_mut() {
+            let router = name.ends_with(".gate") || name.ends_with(".shared_expert_gate");
+            if !name.starts_with("model.layers.") || router {
+                continue;
+            }
+            if let BaseWeight::Dense(w) = &linear.weight {
+                if w.track_op() {
+                    candle_core::bail!("{name}: a trained weight cannot be quantized to NF4");
+                }
+                linear.weight = BaseWeight::Nf4(Arc::new(Nf4Matrix::quantize(w)?));
+                // A GGUF block copy would be a second, different base.
+                linear.packed = None;
+            }
+            count += 1;
+            bytes += linear.weight.size_in_bytes();
+        }
+        Ok((count, bytes))
+    }
+
     /// Makes every weight trainable (full fine-tuning) and returns the [`Var`]s under their HF
     /// names, in checkpoint order. With tied embeddings the output head shares the embedding's
     /// `Var`, so its gradient collects both uses, as in PyTorch.
@@ -1141,10 +1268,14 @@ impl CausalLm {
             // Dense weights change every step: a packed (GGUF block) copy would go stale.
             linear.packed = None;
             if name == "lm_head" && tied {
-                linear.weight = embed.clone();
+                linear.weight = BaseWeight::Dense(embed.clone());
                 continue;
             }
-            var(&mut linear.weight, format!("{name}.weight"), &mut out)?;
+            var(
+                linear.weight.as_dense_mut()?,
+                format!("{name}.weight"),
+                &mut out,
+            )?;
             if let Some(b) = &mut linear.bias {
                 var(b, format!("{name}.bias"), &mut out)?;
             }
@@ -1264,7 +1395,7 @@ impl CausalLm {
         let mut lm_head = move_linear(&self.lm_head, head_device)?;
         if self.config.tie_word_embeddings && placement.head == placement.embed {
             // Same device: share the embedding's storage instead of holding it twice.
-            lm_head.weight = embed_tokens.clone();
+            lm_head.weight = BaseWeight::Dense(embed_tokens.clone());
         }
         self.embed_tokens = embed_tokens;
         self.layers = layers;
@@ -1694,19 +1825,21 @@ impl CausalLm {
         if let GateUpProjection::Separate { gate_proj, up_proj } = &mlp.gate_up {
             // Training LoRA on both projections on a GPU: gate, up and the activation as one op
             // (`fused::gated_lora`), which keeps their results out of the autograd graph.
-            if let (Some(ga), Some(ua)) = (
+            if let (Some(ga), Some(ua), Some(gw), Some(uw)) = (
                 gate_proj.trained_plain_lora(x),
                 up_proj.trained_plain_lora(x),
+                gate_proj.weight.as_dense(),
+                up_proj.weight.as_dense(),
             ) {
                 if x.device().is_cuda() && gate_proj.bias.is_none() && up_proj.bias.is_none() {
                     let gate = fused::LoraProjection {
-                        weight: &gate_proj.weight,
+                        weight: gw,
                         a: &ga.a,
                         b: &ga.b,
                         scale: ga.scale,
                     };
                     let up = fused::LoraProjection {
-                        weight: &up_proj.weight,
+                        weight: uw,
                         a: &ua.a,
                         b: &ua.b,
                         scale: ua.scale,

@@ -619,8 +619,8 @@ pub fn attach_adapter(
         .linears()
         .into_iter()
         .map(|(n, l)| {
-            let d = l.weight.dims();
-            (n, (d[0], d[1]))
+            let (out, inp) = l.weight.dims2().unwrap_or((0, 0));
+            (n, (out, inp))
         })
         .collect();
     let mut adapters = HashMap::new();
@@ -780,8 +780,8 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
             continue;
         }
         let weight = match &linear.adapter {
-            Some(adapter) => adapter.merged_weight(&linear.weight)?.detach(),
-            None => linear.weight.clone(),
+            Some(adapter) => adapter.merged_weight(&*linear.weight.dense()?)?.detach(),
+            None => linear.weight.dense()?.into_owned(),
         };
         out.insert(format!("{name}.weight"), weight);
         if let Some(b) = &linear.bias {
@@ -804,7 +804,8 @@ pub fn merge_and_unload(model: &mut CausalLm) -> Result<(), ModelError> {
                     "cannot merge an lm_head adapter into tied embeddings".into(),
                 ));
             }
-            linear.weight = adapter.merged_weight(&linear.weight)?.detach();
+            let merged = adapter.merged_weight(&*linear.weight.dense()?)?.detach();
+            linear.weight = crate::model::BaseWeight::Dense(merged);
             linear.packed = None;
         }
     }

@@ -36,8 +36,9 @@ fn linear_tensors_mut<'a>(
     with_weight: bool,
     out: &mut Vec<(String, &'a mut Tensor)>,
 ) {
-    if with_weight {
-        out.push((format!("{module}.weight"), &mut linear.weight));
+    // An NF4 base is not a tensor: it is frozen and never a slot.
+    if let (true, Some(weight)) = (with_weight, linear.weight.as_dense_mut().ok()) {
+        out.push((format!("{module}.weight"), weight));
     }
     if let Some(b) = &mut linear.bias {
         out.push((format!("{module}.bias"), b));
@@ -107,7 +108,7 @@ impl CausalLm {
     /// Points a tied output head at the (possibly replaced) embedding tensor again.
     pub fn retie_head(&mut self) {
         if self.config.tie_word_embeddings {
-            self.lm_head.weight = self.embed_tokens.clone();
+            self.lm_head.weight = crate::model::BaseWeight::Dense(self.embed_tokens.clone());
         }
     }
 }

@@ -91,23 +91,23 @@ pub fn causal_lm_head_loss(
     shift: bool,
 ) -> Result<LossSum> {
     let lm_head = &model.lm_head;
-    let plain = lm_head.adapter.is_none()
-        && lm_head.bias.is_none()
-        && model.config.final_logit_softcapping.is_none()
-        && ferrotune_core::fused::chunked_head_applies(hidden, &lm_head.weight);
-    if !plain {
-        return causal_lm_loss(&model.logits(hidden)?, labels, shift);
-    }
+    let weight = match lm_head.weight.as_dense() {
+        Some(w)
+            if lm_head.adapter.is_none()
+                && lm_head.bias.is_none()
+                && model.config.final_logit_softcapping.is_none()
+                && ferrotune_core::fused::chunked_head_applies(hidden, w) =>
+        {
+            w
+        }
+        _ => return causal_lm_loss(&model.logits(hidden)?, labels, shift),
+    };
     let (b, t, h) = hidden.dims3()?;
-    let vocab = lm_head.weight.dim(0)?;
+    let vocab = weight.dim(0)?;
     let targets = shifted_targets(labels, shift, vocab)?;
     let flat = hidden.reshape((b * t, h))?;
-    let (sum, count) = ferrotune_core::fused::linear_cross_entropy_sum(
-        &flat,
-        &lm_head.weight,
-        &targets,
-        IGNORE_INDEX,
-    )?;
+    let (sum, count) =
+        ferrotune_core::fused::linear_cross_entropy_sum(&flat, weight, &targets, IGNORE_INDEX)?;
     Ok(LossSum { sum, count })
 }
 

@@ -97,7 +97,8 @@ impl CausalLm {
             return Some("the embedding is being trained".into());
         }
         // Checked every step, so without building the layers' names unless one is refused.
-        let plain = |l: &Linear| l.adapter.is_none() && !l.weight.track_op();
+        let plain =
+            |l: &Linear| l.adapter.is_none() && l.weight.as_dense().is_some_and(|w| !w.track_op());
         let all_plain = self
             .layers
             .iter()
@@ -399,11 +400,15 @@ impl CausalLm {
                     v_proj,
                 } => decode::linear_rows(
                     &h,
-                    &[projection(q_proj), projection(k_proj), projection(v_proj)],
+                    &[
+                        projection(q_proj)?,
+                        projection(k_proj)?,
+                        projection(v_proj)?,
+                    ],
                     None,
                 )?,
                 QkvProjection::Fused { qkv_proj } => {
-                    decode::linear_rows(&h, &[projection(qkv_proj)], None)?
+                    decode::linear_rows(&h, &[projection(qkv_proj)?], None)?
                 }
             };
             let norm = match (&attn.q_norm, &attn.k_norm) {
@@ -449,18 +454,18 @@ impl CausalLm {
                 // Gemma 2/3: the block's output is normalized before the residual add, so the
                 // GEMV cannot add the residual itself.
                 Some((pre_ff, _)) => {
-                    let o = decode::linear_rows(&a, &[projection(&attn.o_proj)], None)?;
+                    let o = decode::linear_rows(&a, &[projection(&attn.o_proj)?], None)?;
                     x = (&x + fused::rms_norm(&o, post_attn, eps, offset)?)?;
                     fused::rms_norm(&x, pre_ff, eps, offset)?
                 }
                 None => {
-                    x = decode::linear_rows(&a, &[projection(&attn.o_proj)], Some(&x))?;
+                    x = decode::linear_rows(&a, &[projection(&attn.o_proj)?], Some(&x))?;
                     fused::rms_norm(&x, post_attn, eps, offset)?
                 }
             };
             let g = match &mlp.gate_up {
                 GateUpProjection::Separate { gate_proj, up_proj } => {
-                    decode::gated_rows(&h, projection(gate_proj), projection(up_proj), act)?
+                    decode::gated_rows(&h, projection(gate_proj)?, projection(up_proj)?, act)?
                 }
                 GateUpProjection::Ungated { .. } => {
                     bail!("decode_step: an ungated MLP has no decode kernel")
@@ -470,7 +475,7 @@ impl CausalLm {
                     let inter = c.intermediate_size;
                     let half = |start: usize| -> CResult<(Tensor, Option<Tensor>)> {
                         Ok((
-                            gate_up_proj.weight.narrow(0, start, inter)?,
+                            projection(gate_up_proj)?.weight.narrow(0, start, inter)?,
                             gate_up_proj
                                 .bias
                                 .as_ref()
@@ -493,10 +498,10 @@ impl CausalLm {
             };
             x = match sandwich {
                 Some((_, post_ff)) => {
-                    let d = decode::linear_rows(&g, &[projection(&mlp.down_proj)], None)?;
+                    let d = decode::linear_rows(&g, &[projection(&mlp.down_proj)?], None)?;
                     (&x + fused::rms_norm(&d, post_ff, eps, offset)?)?
                 }
-                None => decode::linear_rows(&g, &[projection(&mlp.down_proj)], Some(&x))?,
+                None => decode::linear_rows(&g, &[projection(&mlp.down_proj)?], Some(&x))?,
             };
         }
         self.final_norm(&x)
@@ -601,9 +606,12 @@ impl DecodeGraph {
     }
 }
 
-fn projection(l: &Linear) -> Projection<'_> {
-    Projection {
-        weight: &l.weight,
+fn projection(l: &Linear) -> CResult<Projection<'_>> {
+    let Some(weight) = l.weight.as_dense() else {
+        bail!("decode_step: an NF4 (QLoRA) base has no decode kernel")
+    };
+    Ok(Projection {
+        weight,
         bias: l.bias.as_ref(),
-    }
+    })
 }
