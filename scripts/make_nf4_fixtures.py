@@ -8,8 +8,8 @@ as i64), `quantization_factor` (`.factor`, as f32), `scaler_mean` (`.mean`) and 
 weight (`.dequantized`, in the case's dtype).
 
 tests/fixtures/nf4/qlora/: a tiny Llama whose layer shapes torchao accepts (`model/`, bf16 on
-disk), and a QLoRA reference in f32: every decoder-layer linear replaced by its NF4 round trip
-(as torchtune's `FrozenNF4Linear` / `LoRALinear(quantize_base=True)` compute it), a PEFT LoRA
+disk, with the tiny Llama's tokenizer), and a QLoRA reference in f32: every decoder-layer linear
+replaced by its NF4 round trip (as torchtune's `FrozenNF4Linear` / `LoRALinear(quantize_base=True)` compute it), a PEFT LoRA
 adapter on q_proj, v_proj and down_proj only (the other projections stay NF4 without an adapter),
 its `adapter/`, `golden.json` (input_ids, labels, loss) and `lora_grads.safetensors`.
 
@@ -18,6 +18,7 @@ python3 scripts/make_nf4_fixtures.py
 """
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -77,6 +78,9 @@ def qlora_reference():
     )
     base = LlamaForCausalLM(config).to(torch.bfloat16)
     base.save_pretrained(os.path.join(d, "model"))
+    # The recipes want a tokenizer beside the weights: the tiny Llama's (its ids cover these).
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(os.path.join(ROOT, "..", "llama3", "model", f), os.path.join(d, "model", f))
 
     model = LlamaForCausalLM.from_pretrained(os.path.join(d, "model"), dtype=torch.float32)
     with torch.no_grad():

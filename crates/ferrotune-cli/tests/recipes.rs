@@ -617,3 +617,76 @@ fn keep_last_n_checkpoints_prunes_older_epochs() {
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).contains("keep_last_n_checkpoints"), "{}", text(&o));
 }
+
+/// QLoRA through the recipe: a `qlora_*` builder quantizes every decoder-layer linear to NF4
+/// (torchao's format); one SGD step (lr 1) from a PEFT adapter then logs the loss of the torchao +
+/// PEFT reference and saves `start − gradient` with the reference's gradients; the merged
+/// checkpoint holds the dequantized base (plus the adapter's delta where there is one).
+#[test]
+fn qlora_builder_trains_on_an_nf4_base_as_torchao_and_peft() {
+    let case = fixtures().join("nf4/qlora");
+    let dir = tmpdir("qlora-sgd");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("nf4/qlora", &data);
+    let cfg = write_config(&dir, "nf4/qlora", &data);
+    let adapter = case.join("adapter");
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "model._component_=torchtune.models.llama3_1.qlora_llama3_1_8b",
+            &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
+            "optimizer._component_=torch.optim.SGD",
+            "optimizer.lr=1.0",
+            "optimizer.weight_decay=0.0",
+            "clip_grad_norm=null",
+            "max_steps_per_epoch=1",
+        ],
+        &dir,
+        &[],
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("QLoRA: 14 linear layers quantized to NF4"),
+        "{log}"
+    );
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let want_loss = g["loss"].as_f64().unwrap();
+    let got_loss = losses(&metrics_lines(&dir.join("out/logs/metrics.jsonl")))[0].1;
+    assert!(
+        ((got_loss - want_loss) / want_loss).abs() < 1e-5,
+        "logged loss {got_loss} vs torchao + PEFT {want_loss}"
+    );
+    let saved_dir = dir.join("out/epoch_0");
+    let saved = load(&saved_dir.join("adapter_model.safetensors"));
+    let start = load(&adapter.join("adapter_model.safetensors"));
+    let grads = load(&case.join("lora_grads.safetensors"));
+    assert_eq!(saved.len(), 12);
+    for (key, s) in &start {
+        let want = (s - &grads[key]).unwrap();
+        let e = rel_l2(&saved[key], &want);
+        assert!(e <= 1e-4, "{key}: relative L2 {e}");
+    }
+    // The merged k_proj (no adapter) is the NF4 round trip of the base: not the base, but close.
+    let merged = load(&saved_dir.join("merged/model.safetensors"));
+    let base = load(&case.join("model/model.safetensors"));
+    let key = "model.layers.0.self_attn.k_proj.weight";
+    let base_k = base[key].to_dtype(candle_core::DType::F32).unwrap();
+    let diff = rel_l2(&merged[key], &base_k);
+    assert!(
+        diff > 1e-3 && diff < 0.2,
+        "NF4 round trip moved k_proj by {diff}"
+    );
+    assert_eq!(
+        merged["lm_head.weight"].to_vec2::<f32>().unwrap(),
+        base["lm_head.weight"]
+            .to_dtype(candle_core::DType::F32)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+    );
+}

@@ -14,18 +14,29 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor}
 
 use crate::nf4::Nf4Matrix;
 
-/// The frozen weight `[out, in]`: dense (contiguous), or NF4 blocks (QLoRA) that are expanded for
-/// each product and dropped after it, so that the graph keeps only the 4-bit copy alive.
-enum FrozenWeight {
+/// A frozen weight `[out, in]` as the fused ops hold it: dense (contiguous), or NF4 blocks
+/// (QLoRA) that are expanded for each product and dropped after it, so that an autograd graph
+/// keeps only the 4-bit copy alive.
+#[derive(Clone)]
+pub enum FrozenWeight {
     Dense(Tensor),
     Nf4(Arc<Nf4Matrix>),
 }
 
 impl FrozenWeight {
-    fn dense(&self) -> Result<Cow<'_, Tensor>> {
+    /// The values as a dense tensor (the NF4 blocks dequantized: a new tensor each call).
+    pub fn dense(&self) -> Result<Cow<'_, Tensor>> {
         match self {
             Self::Dense(w) => Ok(Cow::Borrowed(w)),
             Self::Nf4(q) => Ok(Cow::Owned(q.dequantize()?)),
+        }
+    }
+
+    /// `(out, in)`.
+    pub fn dims2(&self) -> Result<(usize, usize)> {
+        match self {
+            Self::Dense(w) => w.dims2(),
+            Self::Nf4(q) => Ok(q.dims()),
         }
     }
 }

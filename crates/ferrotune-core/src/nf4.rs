@@ -226,12 +226,15 @@ impl Nf4Matrix {
                 let factor = self.quantization_factor[block / SCALER_BLOCK_SIZE];
                 let q = self.quantized_scalers[block] as f32;
                 let scaler = round_to(dtype, round_to(dtype, q / factor) + self.scaler_mean);
-                let start = block * BLOCK_SIZE;
-                for (k, v) in values.iter_mut().enumerate() {
-                    let i = start + k;
-                    let byte = self.codes[i / 2];
-                    let code = if i % 2 == 0 { byte >> 4 } else { byte & 0x0f };
-                    *v = round_to(dtype, levels[code as usize] * scaler);
+                // The block's 16 possible values, then a lookup per code.
+                let table = levels.map(|l| round_to(dtype, l * scaler));
+                // Blocks hold an even count (64), so a block starts at a byte boundary.
+                let start = block * BLOCK_SIZE / 2;
+                for (pair, &byte) in values.chunks_mut(2).zip(&self.codes[start..]) {
+                    pair[0] = table[(byte >> 4) as usize];
+                    if let Some(second) = pair.get_mut(1) {
+                        *second = table[(byte & 0x0f) as usize];
+                    }
                 }
             });
         out

@@ -150,3 +150,38 @@ fn nf4_linear_is_the_dense_product_with_the_dequantized_weight() {
     let plain = nf4_matmul(&x.as_tensor().detach(), &q).unwrap();
     assert_eq!(bits(&plain), bits(&expect));
 }
+
+#[test]
+fn fused_lora_on_nf4_equals_fused_lora_on_the_dequantized_weight() {
+    let mut rng = common::Rng(9);
+    let q = Arc::new(Nf4Matrix::quantize(&rng.tensor(&[48, 128], 0.2)).unwrap());
+    let dense = q.dequantize().unwrap();
+    let x0 = rng.tensor(&[2, 5, 128], 1.0);
+    let a0 = rng.tensor(&[4, 128], 0.3);
+    let b0 = rng.tensor(&[48, 4], 0.3);
+    let bias = rng.tensor(&[48], 0.3);
+    let probe = rng.tensor(&[2, 5, 48], 1.0);
+    let run = |nf4: bool| {
+        let (x, a, b) = (
+            Var::from_tensor(&x0).unwrap(),
+            Var::from_tensor(&a0).unwrap(),
+            Var::from_tensor(&b0).unwrap(),
+        );
+        let (xt, at, bt) = (x.as_tensor(), a.as_tensor(), b.as_tensor());
+        let y = if nf4 {
+            ferrotune_core::fused::lora_linear_nf4(xt, &q, Some(&bias), at, bt, 2.0)
+        } else {
+            ferrotune_core::fused::lora_linear(xt, &dense, Some(&bias), at, bt, 2.0)
+        }
+        .unwrap();
+        let grads = (&y * &probe)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let g = |v: &Var| bits(grads.get(v.as_tensor()).unwrap());
+        (bits(&y), g(&x), g(&a), g(&b))
+    };
+    assert!(run(true) == run(false));
+}

@@ -134,7 +134,6 @@ impl Linear {
     fn trained_plain_lora(&self, x: &Tensor) -> Option<&LoraAdapter> {
         self.adapter.as_ref().filter(|adapter| {
             adapter.dora_magnitude.is_none()
-                && self.weight.as_dense().is_some()
                 && !(adapter.training && adapter.dropout > 0.0)
                 && adapter.a.track_op()
                 && x.dtype() == adapter.a.dtype()
@@ -148,6 +147,10 @@ impl Linear {
             // QLoRA: the NF4 base through its own op (which keeps only the 4-bit blocks for the
             // backward), the adapter on top as for any base.
             BaseWeight::Nf4(q) => {
+                if let Some(adapter) = self.trained_plain_lora(x) {
+                    let b = self.bias.as_ref();
+                    return fused::lora_linear_nf4(x, q, b, &adapter.a, &adapter.b, adapter.scale);
+                }
                 let base = ops::linear_with(x, q.dims().0, self.bias.as_ref(), |rows| {
                     ferrotune_core::frozen::nf4_matmul(rows, q)
                 })?;
@@ -1213,17 +1216,17 @@ impl CausalLm {
     /// the decoder layers (attention and MLP projections, experts included; a mixture of experts'
     /// router and shared-expert gate stay dense, as they decide the routing) is replaced by its
     /// NF4 quantization (torchao's `to_nf4`, in the weight's dtype). Embeddings, norms and the
-    /// output head are untouched. Returns how many layers were quantized and the bytes their
-    /// weights now take. Attach adapters afterwards: DoRA's magnitude is taken from the
+    /// output head are untouched. Returns how many layers were quantized, and the bytes their
+    /// weights took before and take now. Attach adapters afterwards: DoRA's magnitude is taken from the
     /// quantized weight, as torchtune's `DoRALinear(quantize_base=True)` does.
-    pub fn quantize_base_nf4(&mut self) -> CResult<(usize, usize)> {
-        let mut count = 0;
-        let mut bytes = 0;
+    pub fn quantize_base_nf4(&mut self) -> CResult<(usize, usize, usize)> {
+        let (mut count, mut before, mut after) = (0, 0, 0);
         for (name, linear) in self.linears_mut() {
             let router = name.ends_with(".gate") || name.ends_with(".shared_expert_gate");
             if !name.starts_with("model.layers.") || router {
                 continue;
             }
+            before += linear.weight.size_in_bytes();
             if let BaseWeight::Dense(w) = &linear.weight {
                 if w.track_op() {
                     candle_core::bail!("{name}: a trained weight cannot be quantized to NF4");
@@ -1233,9 +1236,9 @@ impl CausalLm {
                 linear.packed = None;
             }
             count += 1;
-            bytes += linear.weight.size_in_bytes();
+            after += linear.weight.size_in_bytes();
         }
-        Ok((count, bytes))
+        Ok((count, before, after))
     }
 
     /// Makes every weight trainable (full fine-tuning) and returns the [`Var`]s under their HF

@@ -22,14 +22,20 @@ use super::{
 /// `b` `[out, r]`.
 pub(crate) fn lora_linear(
     x: &Tensor,
-    weight: &Tensor,
+    weight: crate::frozen::FrozenWeight,
     bias: Option<&Tensor>,
     a: &Tensor,
     b: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
+    let weight = match weight {
+        crate::frozen::FrozenWeight::Dense(w) => {
+            crate::frozen::FrozenWeight::Dense(w.contiguous()?)
+        }
+        nf4 => nf4,
+    };
     let op = LoraOp {
-        weight: weight.contiguous()?,
+        weight,
         bias: bias.map(|t| t.contiguous()).transpose()?,
         scale: scale as f32,
         xa: Mutex::new(None),
@@ -39,7 +45,7 @@ pub(crate) fn lora_linear(
 }
 
 struct LoraOp {
-    weight: Tensor,
+    weight: crate::frozen::FrozenWeight,
     bias: Option<Tensor>,
     scale: f32,
     /// `x Aᵀ` `[m, r]`, saved by the forward.
@@ -78,6 +84,8 @@ impl CustomOp3 for LoraOp {
         let m = xl.shape().elem_count() / inp.max(1);
         let (r, _) = al.shape().dims2()?;
         let (out, _) = self.weight.dims2()?;
+        // An NF4 base is expanded here and dropped when the op returns.
+        let weight = self.weight.dense()?;
         let y = alloc_storage(dev, dtype, m * out)?;
         let y_ptr = storage_ptr(&y, &Layout::contiguous((m, out)))?;
         let xa = alloc_storage(dev, dtype, m * r)?;
@@ -90,7 +98,7 @@ impl CustomOp3 for LoraOp {
             (m, out, inp),
             x_ptr,
             false,
-            ptr(&self.weight)?,
+            ptr(&weight)?,
             true,
             y_ptr,
             1.0,
@@ -205,6 +213,7 @@ impl CustomOp3 for LoraOp {
         )?;
         // The first layers' inputs (the frozen embedding's output) need no gradient.
         let dx = if x.track_op() {
+            let weight = self.weight.dense()?;
             let dx = empty(&dev, dtype, x.shape())?;
             gemm(
                 &dev,
@@ -212,7 +221,7 @@ impl CustomOp3 for LoraOp {
                 (m, inp, out),
                 dy_p,
                 false,
-                ptr(&self.weight)?,
+                ptr(&weight)?,
                 false,
                 ptr(&dx)?,
                 1.0,

@@ -7,9 +7,12 @@
 //! that computes it, `dx` gathers both branches in one buffer, and only `x Aᵀ` (`[tokens, r]`) is
 //! kept for the backward.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
+
+use crate::frozen::FrozenWeight;
+use crate::nf4::Nf4Matrix;
 
 use super::kernels;
 use super::{fused_applies, guard_slice, slice_of};
@@ -26,6 +29,36 @@ pub fn lora_linear(
     b: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
+    if weight.track_op() {
+        // A trained weight is not this op's case: the composed form gives it its gradient.
+        let base = crate::ops::linear(x, weight, bias)?;
+        let lora = crate::ops::linear(&crate::ops::linear(x, a, None)?, b, None)?;
+        return base + (lora * scale)?;
+    }
+    lora_linear_frozen(x, FrozenWeight::Dense(weight.clone()), bias, a, b, scale)
+}
+
+/// [`lora_linear`] on an NF4 base (QLoRA): the same op, the weight dequantized for the forward's
+/// and the backward's product and never kept.
+pub fn lora_linear_nf4(
+    x: &Tensor,
+    weight: &Arc<Nf4Matrix>,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    lora_linear_frozen(x, FrozenWeight::Nf4(weight.clone()), bias, a, b, scale)
+}
+
+fn lora_linear_frozen(
+    x: &Tensor,
+    weight: FrozenWeight,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
     if x.rank() < 2 {
         bail!("lora_linear: x {:?} needs rows and features", x.dims());
     }
@@ -37,13 +70,18 @@ pub fn lora_linear(
         bail!(
             "lora_linear: x {:?}, weight {:?}, a {:?}, b {:?} do not fit together",
             x.dims(),
-            weight.dims(),
+            (out, win),
             a.dims(),
             b.dims()
         );
     }
-    let frozen = !weight.track_op() && bias.is_none_or(|t| !t.track_op());
-    let mut all = vec![x, weight, a, b];
+    let frozen = bias.is_none_or(|t| !t.track_op());
+    // The weight's dtype and device: a dense one's own, an NF4 one's dequantized form's.
+    let weight_like = match &weight {
+        FrozenWeight::Dense(w) => w.clone(),
+        FrozenWeight::Nf4(q) => Tensor::zeros(1, q.dtype(), q.device())?,
+    };
+    let mut all = vec![x, &weight_like, a, b];
     all.extend(bias);
     #[cfg(feature = "cuda")]
     if frozen && x.elem_count() > 0 && crate::cuda::applies(&all) {
@@ -54,17 +92,25 @@ pub fn lora_linear(
     if x.rank() > 2 {
         let mut dims = x.dims().to_vec();
         let rows = x.elem_count() / inp.max(1);
-        let y = lora_linear(&x.reshape((rows, inp))?, weight, bias, a, b, scale)?;
+        let y = lora_linear_frozen(&x.reshape((rows, inp))?, weight, bias, a, b, scale)?;
         *dims.last_mut().expect("rank ≥ 2") = out;
         return y.reshape(dims);
     }
     if !frozen || !fused_applies(&all) {
-        let base = crate::ops::linear(x, weight, bias)?;
+        let base = match &weight {
+            FrozenWeight::Dense(w) => crate::ops::linear(x, w, bias)?,
+            FrozenWeight::Nf4(q) => {
+                crate::ops::linear_with(x, out, bias, |rows| crate::frozen::nf4_matmul(rows, q))?
+            }
+        };
         let lora = crate::ops::linear(&crate::ops::linear(x, a, None)?, b, None)?;
         return base + (lora * scale)?;
     }
     let op = LoraLinear {
-        weight: weight.contiguous()?,
+        weight: match weight {
+            FrozenWeight::Dense(w) => FrozenWeight::Dense(w.contiguous()?),
+            nf4 => nf4,
+        },
         bias: bias.map(|t| t.contiguous()).transpose()?,
         scale: scale as f32,
         xa: Mutex::new(None),
@@ -74,7 +120,7 @@ pub fn lora_linear(
 }
 
 struct LoraLinear {
-    weight: Tensor,
+    weight: FrozenWeight,
     bias: Option<Tensor>,
     scale: f32,
     /// `x Aᵀ` from the forward pass, `[m, r]`.
@@ -101,7 +147,8 @@ impl CustomOp3 for LoraLinear {
         let x = slice_of(xs, xl, "lora_linear")?;
         let a = slice_of(as_, al, "lora_linear")?;
         let b = slice_of(bs, bl, "lora_linear")?;
-        let wg = self.weight.storage_and_layout();
+        let weight = self.weight.dense()?;
+        let wg = weight.storage_and_layout();
         let w = guard_slice(&wg, "lora_linear")?;
         let mut y = vec![0f32; m * out];
         let mut accumulate = false;
@@ -171,7 +218,8 @@ impl CustomOp3 for LoraLinear {
         let av = guard_slice(&ag, "lora_linear")?;
         let bg = b.storage_and_layout();
         let bv = guard_slice(&bg, "lora_linear")?;
-        let wg = self.weight.storage_and_layout();
+        let weight = self.weight.dense()?;
+        let wg = weight.storage_and_layout();
         let w = guard_slice(&wg, "lora_linear")?;
         let stored = self.xa.lock().unwrap_or_else(|e| e.into_inner());
         let Some(xa) = stored.as_ref() else {

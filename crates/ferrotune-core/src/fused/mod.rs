@@ -29,7 +29,7 @@ pub use attention::{attention, attention_softcapped, register_mask_rows, registe
 pub use cross_entropy::cross_entropy_sum;
 pub use linear::trainable_linear;
 pub use linear_ce::{chunked_head_applies, linear_cross_entropy_sum};
-pub use lora::lora_linear;
+pub use lora::{lora_linear, lora_linear_nf4};
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use swiglu::{gated_lora, swiglu, GatedAct, LoraProjection};

@@ -211,6 +211,24 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         t0.elapsed().as_secs_f64()
     ));
 
+    let qlora = setup::quantize_base(cfg)?;
+    if qlora && mode == Mode::Full {
+        bail!(
+            "{}: model.quantize_base (a qlora_* builder) freezes the base in NF4; full fine-tuning \
+             trains every weight: use a LoRA recipe, or a lora_*/full model builder",
+            cfg.origin
+        );
+    }
+    if qlora {
+        // QLoRA: the frozen base in NF4 before any adapter exists (DoRA's magnitude is taken
+        // from the quantized weight, as in torchtune).
+        let (layers, before, after) = model.quantize_base_nf4()?;
+        say(format!(
+            "QLoRA: {layers} linear layers quantized to NF4 ({:.1} MB, was {:.1} MB)",
+            after as f64 / 1e6,
+            before as f64 / 1e6
+        ));
+    }
     let (params, lora_config) = match mode {
         Mode::Lora => {
             let lc = setup_adapters(

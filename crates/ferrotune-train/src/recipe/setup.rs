@@ -201,24 +201,19 @@ pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
             model.model_type
         );
     }
-    if let Some(why) = qlora_caveat(&component) {
-        tracing::warn!("{}: {why}", cfg.origin);
-    }
     Ok(())
 }
 
-/// torchtune's QLoRA builders (`qlora_*`) keep the frozen base in 4-bit NF4; ferrotune trains the
-/// same LoRA on the base in the checkpoint's dtype, which this says (rather than silently
-/// changing the memory a run needs and, slightly, its numbers).
-pub fn qlora_caveat(component: &str) -> Option<String> {
-    let builder = component.rsplit('.').next().unwrap_or(component);
-    builder.starts_with("qlora_").then(|| {
-        format!(
-            "model._component_ '{component}' is a QLoRA builder: ferrotune does not quantize the \
-             frozen base to NF4, so this trains LoRA on the base weights as stored (more memory \
-             than QLoRA, and without NF4's rounding of the base)"
-        )
-    })
+/// Whether the frozen base is quantized to NF4 (QLoRA): `model.quantize_base` when given (as the
+/// torchtune builders' keyword, which overrides what a builder sets), else whether
+/// `model._component_` is one of torchtune's `qlora_*` builders.
+pub fn quantize_base(cfg: &Config) -> Result<bool> {
+    if let Some(q) = cfg.bool("model.quantize_base")? {
+        return Ok(q);
+    }
+    let component = cfg.str("model._component_")?.unwrap_or_default();
+    let builder = component.rsplit('.').next().unwrap_or(&component);
+    Ok(builder.starts_with("qlora_"))
 }
 
 /// The tokenizer: `tokenizer.path` (an HF folder, a tokenizer.json / tokenizer.model file — looking
@@ -344,12 +339,6 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
     }
     lc.use_dora = cfg.bool("model.use_dora")?.unwrap_or(false);
     lc.use_rslora = cfg.bool("model.use_rslora")?.unwrap_or(false);
-    if cfg.bool("model.quantize_base")?.unwrap_or(false) {
-        bail!(
-            "{}: model.quantize_base (QLoRA) is not supported yet",
-            cfg.origin
-        );
-    }
     lc.base_model_name_or_path = Some(base_path.display().to_string());
     Ok(lc)
 }
@@ -512,16 +501,26 @@ pub fn seed(cfg: &Config) -> Result<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::qlora_caveat;
+    use super::quantize_base;
 
     #[test]
-    fn qlora_builders_are_named_and_lora_ones_are_not() {
-        let why = qlora_caveat("torchtune.models.llama3_1.qlora_llama3_1_8b").unwrap();
-        assert!(
-            why.contains("NF4") && why.contains("qlora_llama3_1_8b"),
-            "{why}"
-        );
-        assert!(qlora_caveat("torchtune.models.llama3_1.lora_llama3_1_8b").is_none());
-        assert!(qlora_caveat("torchtune.models.qwen2_5.qwen2_5_0_5b").is_none());
+    fn qlora_builders_quantize_the_base_unless_told_otherwise() {
+        let cfg = |yaml: &str| crate::config::Config {
+            root: crate::config::parse_yaml(yaml, "test").unwrap(),
+            origin: "test".into(),
+        };
+        let q = |yaml: &str| quantize_base(&cfg(yaml)).unwrap();
+        assert!(q(
+            "model:\n  _component_: torchtune.models.llama3_1.qlora_llama3_1_8b\n"
+        ));
+        assert!(!q(
+            "model:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n"
+        ));
+        assert!(!q(
+            "model:\n  _component_: torchtune.models.qwen2_5.qwen2_5_0_5b\n"
+        ));
+        assert!(!q("output_dir: /tmp\n"));
+        assert!(q("model:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n  quantize_base: True\n"));
+        assert!(!q("model:\n  _component_: torchtune.models.llama3_1.qlora_llama3_1_8b\n  quantize_base: false\n"));
     }
 }
