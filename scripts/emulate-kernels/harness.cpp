@@ -413,7 +413,39 @@ template <typename T> void test_rmsnorm(int rows, int h, int offset_one) {
   check(name, host(dy, want.size()), want, tol<T>());
 }
 
+// NF4 expansion: nibble order (first value in the high nibble), block (64) and group (256 blocks)
+// indexing, an odd element count; exact.
+template <typename T> void test_nf4(long n) {
+  long blocks = (n + 63) / 64, groups = (blocks + 255) / 256;
+  std::uniform_int_distribution<int> byte(0, 255), q8(-128, 127);
+  std::vector<uint8_t> codes((n + 1) / 2);
+  for (auto &c : codes) c = (uint8_t)byte(rng);
+  std::vector<int8_t> scalers(blocks);
+  for (auto &q : scalers) q = (int8_t)q8(rng);
+  std::vector<float> factors(groups), levels(16);
+  for (auto &f : factors) f = rt<T>(200.f + 50.f * (float)(byte(rng)));
+  for (int i = 0; i < 16; ++i) levels[i] = rt<T>(-1.f + i * 0.1333f);
+  float mean = rt<T>(0.0371f);
+  std::vector<float> want(n);
+  for (long e = 0; e < n; ++e) {
+    long b = e / 64;
+    float scaler = rt<T>(rt<T>((float)scalers[b] / factors[b / 256]) + mean);
+    int c = e % 2 == 0 ? codes[e / 2] >> 4 : codes[e / 2] & 15;
+    want[e] = rt<T>(levels[c] * scaler);
+  }
+  uint8_t *dc = dev(codes);
+  int8_t *ds = dev(scalers);
+  float *df = dev(factors), *dl = dev(levels);
+  T *dout = dev(std::vector<T>(n));
+  hipLaunchKernelGGL(nf4_dequant<T>, dim3(7), dim3(64), 0, 0, dc, ds, df, dl, mean, dout, n);
+  char name[128];
+  std::snprintf(name, sizeof name, "nf4 %s n%ld", sizeof(T) == 4 ? "f32" : "bf16", n);
+  check(name, host(dout, n), want, 0.f);
+}
+
 template <typename T> void all() {
+  test_nf4<T>(64 * 256 * 2 + 64 * 3 + 17);
+  test_nf4<T>(4096);
   test_rmsnorm<T>(3, 1000, 0);
   test_rmsnorm<T>(2, 96, 1);
   test_gemv<T>(1, 256, 40, 0, 0, false, false);

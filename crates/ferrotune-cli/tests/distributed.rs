@@ -41,11 +41,14 @@ fn distance(a: &Tensor, b: &Tensor) -> (f32, f32) {
 
 /// 16 rows of different lengths (so padding and per-rank target counts differ), some with
 /// labels masked, as pre-tokenized JSONL.
-fn write_rows(path: &Path) {
+/// Token ids run from 3 to `vocab - 1`.
+fn write_rows(path: &Path, vocab: u32) {
     let mut lines = Vec::new();
     for i in 0..16u32 {
         let len = 6 + (i * 5) % 9;
-        let ids: Vec<u32> = (0..len).map(|j| (i * 37 + j * 11) % 500 + 3).collect();
+        let ids: Vec<u32> = (0..len)
+            .map(|j| (i * 37 + j * 11) % (vocab - 3) + 3)
+            .collect();
         let labels: Vec<i64> = ids
             .iter()
             .enumerate()
@@ -103,9 +106,14 @@ struct Case {
 
 impl Case {
     fn new(name: &str, family: &str) -> Self {
+        Self::with_vocab(name, family, 503)
+    }
+
+    /// A case whose rows' ids stay below `vocab`.
+    fn with_vocab(name: &str, family: &str, vocab: u32) -> Self {
         let dir = tmpdir(name);
         let data = dir.join("rows.jsonl");
-        write_rows(&data);
+        write_rows(&data, vocab);
         let cfg = write_config(CONFIG, &dir, family, &data);
         Self { dir, cfg }
     }
@@ -277,6 +285,36 @@ fn lora_finetune_on_two_ranks_equals_one_device() {
                 &format!("{mode}: {f}"),
             );
         }
+    }
+}
+
+/// QLoRA on 2 ranks (each holding the whole NF4 base, the rest sharded) equals one device.
+#[test]
+fn qlora_on_two_ranks_equals_one_device() {
+    let case = Case::with_vocab("qlora", "nf4/qlora", 256);
+    let qlora = "model._component_=torchtune.models.llama3_1.qlora_llama3_1_8b";
+    let single = case.dir.join("single");
+    let o = case.run(
+        1,
+        "lora_finetune_single_device",
+        &single,
+        &["batch_size=4", qlora],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("QLoRA: 14 linear layers"), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+    let out = case.dir.join("dist");
+    let o = case.run(2, "lora_finetune_distributed", &out, &[qlora], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, "qlora");
+    for f in ["adapter_model.safetensors", "merged/model.safetensors"] {
+        assert_same_tensors(
+            &out.join("epoch_1").join(f),
+            &single.join("epoch_1").join(f),
+            1e-4,
+            &format!("qlora: {f}"),
+        );
     }
 }
 

@@ -52,6 +52,9 @@ pub struct Nf4Matrix {
     quantization_factor: Vec<f32>,
     /// The mean of all block absmaxes.
     scaler_mean: f32,
+    /// On a GPU, the blocks uploaded once: the weight is expanded there by a kernel.
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::cuda::nf4::DeviceNf4>,
 }
 
 /// `x` rounded to `dtype` (round to nearest even, as torch converts f32 results).
@@ -150,16 +153,40 @@ impl Nf4Matrix {
             .map(|pair| pair[0] << 4 | pair.get(1).copied().unwrap_or(0))
             .collect();
         debug_assert_eq!(n, rows * cols);
-        Ok(Self {
+        Self {
             rows,
             cols,
             dtype,
-            device,
+            device: Device::Cpu,
             codes,
             quantized_scalers,
             quantization_factor,
             scaler_mean,
-        })
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        }
+        .placed_on(&device)
+    }
+
+    /// This matrix dequantizing onto `device` (its blocks uploaded there when it is a GPU whose
+    /// kernel serves the dtype).
+    fn placed_on(mut self, device: &Device) -> Result<Self> {
+        self.device = device.clone();
+        #[cfg(feature = "cuda")]
+        {
+            self.gpu = None;
+            if device.is_cuda() && matches!(self.dtype, DType::F32 | DType::BF16) {
+                let levels = LEVELS.map(|l| round_to(self.dtype, l));
+                self.gpu = Some(crate::cuda::nf4::DeviceNf4::upload(
+                    &self.codes,
+                    &self.quantized_scalers,
+                    &self.quantization_factor,
+                    levels,
+                    device,
+                )?);
+            }
+        }
+        Ok(self)
     }
 
     /// `[rows, cols]`.
@@ -178,14 +205,20 @@ impl Nf4Matrix {
     }
 
     /// The same quantized weight, dequantizing onto `device`.
-    pub fn to_device(&self, device: &Device) -> Self {
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
         Self {
-            device: device.clone(),
+            rows: self.rows,
+            cols: self.cols,
+            dtype: self.dtype,
+            device: Device::Cpu,
             codes: self.codes.clone(),
             quantized_scalers: self.quantized_scalers.clone(),
             quantization_factor: self.quantization_factor.clone(),
-            ..*self
+            scaler_mean: self.scaler_mean,
+            #[cfg(feature = "cuda")]
+            gpu: None,
         }
+        .placed_on(device)
     }
 
     /// Bytes held: half a byte per value, one per block, four per group.
@@ -242,6 +275,10 @@ impl Nf4Matrix {
 
     /// The dequantized weight `[rows, cols]` in its dtype, on its device.
     pub fn dequantize(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            return gpu.dequantize(self.rows, self.cols, self.dtype, self.scaler_mean);
+        }
         Tensor::from_vec(
             self.dequantize_values(),
             (self.rows, self.cols),

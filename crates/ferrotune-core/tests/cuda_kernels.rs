@@ -659,3 +659,58 @@ fn decode_cached_attention_matches_cpu() {
         }
     }
 }
+
+/// The NF4 expansion kernel gives the CPU's values bit for bit (f32 and bf16, a shape with a
+/// shorter last block and scale group), and QLoRA's fused LoRA op on an NF4 base equals the same
+/// op on the dequantized weight.
+#[test]
+fn nf4_dequantization_on_the_gpu_equals_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    use ferrotune_core::nf4::Nf4Matrix;
+    let mut rng = Rng(21);
+    for dtype in [DType::F32, DType::BF16] {
+        let w = rng.tensor(&[192, 576], 0.1).to_dtype(dtype).unwrap();
+        let cpu = Nf4Matrix::quantize(&w).unwrap();
+        let on_gpu = Nf4Matrix::quantize(&w.to_device(&dev).unwrap()).unwrap();
+        assert_eq!(cpu.codes(), on_gpu.codes());
+        let bits = |t: Tensor| -> Vec<u32> {
+            let v: Vec<f32> = t
+                .to_device(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        let g = on_gpu.dequantize().unwrap();
+        assert!(g.device().is_cuda());
+        assert!(bits(g) == bits(cpu.dequantize().unwrap()), "{dtype:?}");
+
+        let q = std::sync::Arc::new(on_gpu);
+        let dense = q.dequantize().unwrap();
+        let x = rng
+            .tensor(&[3, 7, 576], 1.0)
+            .to_dtype(dtype)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap();
+        let a = rng
+            .tensor(&[8, 576], 0.2)
+            .to_dtype(dtype)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap();
+        let b = rng
+            .tensor(&[192, 8], 0.2)
+            .to_dtype(dtype)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap();
+        let y4 = fused::lora_linear_nf4(&x, &q, None, &a, &b, 2.0).unwrap();
+        let yd = fused::lora_linear(&x, &dense, None, &a, &b, 2.0).unwrap();
+        assert!(bits(y4) == bits(yd), "{dtype:?}: fused LoRA on NF4");
+    }
+}

@@ -100,7 +100,7 @@ impl BaseWeight {
     pub fn to_device(&self, device: &Device) -> CResult<Self> {
         Ok(match self {
             Self::Dense(w) => Self::Dense(w.to_device(device)?),
-            Self::Nf4(q) => Self::Nf4(Arc::new(q.to_device(device))),
+            Self::Nf4(q) => Self::Nf4(Arc::new(q.to_device(device)?)),
         })
     }
 }

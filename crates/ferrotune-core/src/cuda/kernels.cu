@@ -404,6 +404,25 @@ __device__ void bias_add(T *out, const T *bias, long rows, int cols) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// An NF4 weight (QLoRA's frozen base, torchao's layout) expanded to T: two 4-bit level indices per
+// byte (the first in the high nibble), one int8 scale per 64 values and one factor per 256 scales.
+// Each value is levels[code] * (q / factor + mean), every step rounded to T as torch rounds it
+// (crate::nf4 holds the CPU form and its reference). `levels` are the 16 levels rounded to T.
+template <typename T>
+__device__ void nf4_dequant(const uint8_t *codes, const int8_t *scalers, const float *factors,
+                            const float *levels, float mean, T *out, long n) {
+  long pairs = (n + 1) / 2;
+  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < pairs;
+       i += (long)gridDim.x * blockDim.x) {
+    long e = 2 * i, block = e / 64;
+    float scaler = round_to<T>(round_to<T>((float)scalers[block] / factors[block / 256]) + mean);
+    uint8_t c = codes[i];
+    st(out, e, round_to<T>(levels[c >> 4] * scaler));
+    if (e + 1 < n) st(out, e + 1, round_to<T>(levels[c & 15] * scaler));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // One AdamW step (torch.optim.AdamW's single-tensor arithmetic, with lerp's weight < 0.5 branch)
 // on the f32 parameter p32, its moments m and v, and the gradient g (in T, times grad_scale);
 // p_out (when not null) receives the result rounded to T (the model's bf16 copy of a parameter
@@ -849,6 +868,11 @@ __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd,
   }                                                                                               \
   extern "C" __global__ void bias_add_##SUF(T *out, const T *bias, long rows, int cols) {         \
     bias_add<T>(out, bias, rows, cols);                                                           \
+  }                                                                                               \
+  extern "C" __global__ void nf4_dequant_##SUF(const uint8_t *codes, const int8_t *scalers,        \
+                                             const float *factors, const float *levels,           \
+                                             float mean, T *out, long n) {                        \
+    nf4_dequant<T>(codes, scalers, factors, levels, mean, out, n);                                \
   }                                                                                               \
   extern "C" __global__ void dec_qkv_rope_##SUF(const T *qkv, const T *cs, const T *sn,             \
                                               const T *qn, const T *kn, float eps, int offset_one, \

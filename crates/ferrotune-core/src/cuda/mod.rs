@@ -12,6 +12,7 @@ pub(crate) mod decode;
 mod gated_mlp;
 mod linear_ce;
 mod lora;
+pub(crate) mod nf4;
 mod optim;
 mod pointwise;
 
