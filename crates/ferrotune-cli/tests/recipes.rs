@@ -661,6 +661,32 @@ fn qlora_builder_trains_on_an_nf4_base_as_torchao_and_peft() {
         ((got_loss - want_loss) / want_loss).abs() < 1e-5,
         "logged loss {got_loss} vs torchao + PEFT {want_loss}"
     );
+    // The eval recipe with the same builder scores the adapter on the NF4 base too.
+    let out = ferrotune(
+        &[
+            "run",
+            "eval",
+            "--config",
+            cfg.to_str().unwrap(),
+            "model._component_=torchtune.models.llama3_1.qlora_llama3_1_8b",
+            &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
+        ],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let last = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap()
+        .to_string();
+    let eval_loss = serde_json::from_str::<Value>(&last).unwrap()["loss"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        ((eval_loss - want_loss) / want_loss).abs() < 1e-5,
+        "eval loss {eval_loss} vs torchao + PEFT {want_loss}"
+    );
     let saved_dir = dir.join("out/epoch_0");
     let saved = load(&saved_dir.join("adapter_model.safetensors"));
     let start = load(&adapter.join("adapter_model.safetensors"));

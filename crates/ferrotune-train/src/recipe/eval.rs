@@ -101,6 +101,10 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
     let tok = setup::tokenizer(cfg, &path)?;
     let (mut model, _) = ferrotune_models::load_model(&path, dtype, &device)?;
     setup::check_model_component(cfg, &model.config)?;
+    // A QLoRA adapter is scored on the NF4 base it was trained on (the config's builder says).
+    if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
+        eprintln!("{line}");
+    }
     if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
         ferrotune_models::peft::load_adapter(&mut model, &dir)?;
     }

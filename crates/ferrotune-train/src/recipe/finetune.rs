@@ -219,15 +219,8 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             cfg.origin
         );
     }
-    if qlora {
-        // QLoRA: the frozen base in NF4 before any adapter exists (DoRA's magnitude is taken
-        // from the quantized weight, as in torchtune).
-        let (layers, before, after) = model.quantize_base_nf4()?;
-        say(format!(
-            "QLoRA: {layers} linear layers quantized to NF4 ({:.1} MB, was {:.1} MB)",
-            after as f64 / 1e6,
-            before as f64 / 1e6
-        ));
+    if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
+        say(line);
     }
     let (params, lora_config) = match mode {
         Mode::Lora => {

@@ -204,6 +204,21 @@ pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// Quantizes `model`'s base to NF4 when the config asks for QLoRA ([`quantize_base`]) and returns
+/// the line saying so. Before any adapter is attached: DoRA's magnitude is taken from the
+/// quantized weight, as in torchtune.
+pub fn quantize_base_if_asked(cfg: &Config, model: &mut CausalLm) -> Result<Option<String>> {
+    if !quantize_base(cfg)? {
+        return Ok(None);
+    }
+    let (layers, before, after) = model.quantize_base_nf4()?;
+    Ok(Some(format!(
+        "QLoRA: {layers} linear layers quantized to NF4 ({:.1} MB, was {:.1} MB)",
+        after as f64 / 1e6,
+        before as f64 / 1e6
+    )))
+}
+
 /// Whether the frozen base is quantized to NF4 (QLoRA): `model.quantize_base` when given (as the
 /// torchtune builders' keyword, which overrides what a builder sets), else whether
 /// `model._component_` is one of torchtune's `qlora_*` builders.
