@@ -70,6 +70,7 @@ for i in 1 2; do
   timeout 200 python3 hf_lora.py --shape llama3_1_8b --device cuda --dtype bfloat16 --seq 2048 --batch 2 > $OUT/hf_lora_$i.log 2>&1
 done
 timeout 200 $F bench train --shape llama3_1_8b --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --activation-checkpointing --json > $OUT/ft_lora_ckpt.log 2>&1
+timeout 300 $F bench train --shape llama3_1_8b --qlora --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --json > $OUT/ft_qlora.log 2>&1
 for l in 4 8; do
   timeout 200 $F bench train --shape llama3_1_8b --layers $l --full --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --json > $OUT/ft_full_$l.log 2>&1
   timeout 200 $F bench train --shape llama3_1_8b --layers $l --full --activation-checkpointing --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 3 --json > $OUT/ft_full_ckpt_$l.log 2>&1
@@ -88,4 +89,4 @@ echo "== losses (last loss: cuda f32 / cuda bf16; lora then full)"; for f in lor
 echo "== nccl"; cat $OUT/nccl_compare.txt 2>/dev/null | head -20
 echo "== ops"; cat $OUT/ops.log
 echo "== 8B LoRA seq 2048 batch 2 (ferrotune | HF+PEFT)"; for i in 1 2; do tail -n 1 $OUT/ft_lora_$i.log; tail -n 1 $OUT/hf_lora_$i.log; done
-echo "== ckpt / full (layers 4, 8; plain then ckpt)"; for f in ft_lora_ckpt ft_full_4 ft_full_ckpt_4 ft_full_8 ft_full_ckpt_8; do echo "$f $(tail -n 1 $OUT/$f.log)"; done
+echo "== ckpt, QLoRA, full (layers 4, 8; plain then ckpt)"; for f in ft_lora_ckpt ft_qlora ft_full_4 ft_full_ckpt_4 ft_full_8 ft_full_ckpt_8; do echo "$f $(tail -n 1 $OUT/$f.log)"; done

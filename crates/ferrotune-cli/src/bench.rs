@@ -109,6 +109,9 @@ struct TrainBenchArgs {
     /// Full fine-tuning (every weight trains) instead of LoRA.
     #[arg(long)]
     full: bool,
+    /// QLoRA: the decoder layers' frozen weights in NF4 (as a `qlora_*` builder).
+    #[arg(long, conflicts_with = "full")]
+    qlora: bool,
     /// Recompute each decoder layer in backward instead of keeping its activations.
     #[arg(long)]
     activation_checkpointing: bool,
@@ -252,6 +255,14 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     let t0 = Instant::now();
     let (mut model, what) = load(&a.model, &a.shape, a.layers, dtype, &device)?;
     eprintln!("loaded {what} in {:.1}s", t0.elapsed().as_secs_f64());
+    if a.qlora {
+        let (layers, before, after) = model.quantize_base_nf4()?;
+        eprintln!(
+            "QLoRA: {layers} linear layers quantized to NF4 ({:.1} MB, was {:.1} MB)",
+            after as f64 / 1e6,
+            before as f64 / 1e6
+        );
+    }
     let params = if a.full {
         model.make_all_trainable()?
     } else {
@@ -352,6 +363,8 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         a.batch,
         if a.full {
             "full fine-tuning".to_string()
+        } else if a.qlora {
+            format!("QLoRA (NF4 base) r={}", a.lora_rank)
         } else {
             format!("LoRA r={}", a.lora_rank)
         },
