@@ -34,7 +34,10 @@ const LEVELS: [f32; 16] = [
     0.3379, 0.4407, 0.5626, 0.7230, 1.0000,
 ];
 
-/// An NF4-quantized matrix `[rows, cols]` (a frozen linear weight `[out, in]`).
+/// An NF4-quantized matrix `[rows, cols]` (a frozen linear weight `[out, in]`): one or more row
+/// segments, each quantized as its own tensor. A fused projection (Phi-3's `qkv_proj` and
+/// `gate_up_proj`) is several: torchtune splits those into q/k/v (gate/up) on load and quantizes
+/// each apart, which changes the block maxima's mean and the groups' boundaries.
 #[derive(Debug)]
 pub struct Nf4Matrix {
     rows: usize,
@@ -44,6 +47,14 @@ pub struct Nf4Matrix {
     dtype: DType,
     /// Where the dequantized weight is wanted.
     device: Device,
+    /// Row ranges in order, together `rows` rows.
+    segments: Vec<Nf4Segment>,
+}
+
+/// One tensor as torchao's `NF4Tensor` holds it.
+#[derive(Debug)]
+pub struct Nf4Segment {
+    rows: usize,
     /// Two 4-bit level indices per byte, element `2j` in the high nibble of byte `j`.
     codes: Vec<u8>,
     /// One per block of [`BLOCK_SIZE`] values: the block's absmax minus the mean, quantized.
@@ -55,6 +66,113 @@ pub struct Nf4Matrix {
     /// On a GPU, the blocks uploaded once: the weight is expanded there by a kernel.
     #[cfg(feature = "cuda")]
     gpu: Option<crate::cuda::nf4::DeviceNf4>,
+}
+
+impl Nf4Segment {
+    /// The packed level indices (two per byte, the first in the high nibble), as torchao's
+    /// `quantized_data`.
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    /// The quantized block scales, as torchao's `quantized_scalers`.
+    pub fn quantized_scalers(&self) -> &[i8] {
+        &self.quantized_scalers
+    }
+
+    /// The per-group factors, as torchao's `quantization_factor`.
+    pub fn quantization_factor(&self) -> &[f32] {
+        &self.quantization_factor
+    }
+
+    /// The mean of the block absmaxes, as torchao's `scaler_mean`.
+    pub fn scaler_mean(&self) -> f32 {
+        self.scaler_mean
+    }
+
+    /// Bytes held: half a byte per value, one per block, four per group.
+    fn size_in_bytes(&self) -> usize {
+        self.codes.len() + self.quantized_scalers.len() + 4 * self.quantization_factor.len()
+    }
+
+    /// A copy without the GPU upload.
+    fn host_copy(&self) -> Self {
+        Self {
+            rows: self.rows,
+            codes: self.codes.clone(),
+            quantized_scalers: self.quantized_scalers.clone(),
+            quantization_factor: self.quantization_factor.clone(),
+            scaler_mean: self.scaler_mean,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        }
+    }
+
+    /// Quantizes `values` (row-major, `rows` rows), all arithmetic rounded to `dtype`.
+    fn quantize(values: &[f32], rows: usize, dtype: DType) -> Self {
+        let levels = LEVELS.map(|l| round_to(dtype, l));
+        // Block absmaxes, their mean (f64 sum, then the dtype: torch accumulates reduced types in
+        // f32 and rounds the result), and the maxima minus the mean.
+        let block_max: Vec<f32> = values.chunks(BLOCK_SIZE).map(absmax).collect();
+        let sum: f64 = block_max.iter().map(|&v| v as f64).sum();
+        let scaler_mean = round_to(dtype, (sum / block_max.len().max(1) as f64) as f32);
+        let centred: Vec<f32> = block_max
+            .iter()
+            .map(|&s| round_to(dtype, s - scaler_mean))
+            .collect();
+        let mut quantized_scalers = Vec::with_capacity(centred.len());
+        let mut quantization_factor = Vec::new();
+        for group in centred.chunks(SCALER_BLOCK_SIZE) {
+            let factor = round_to(dtype, 256.0 / round_to(dtype, 2.0 * absmax(group)));
+            quantization_factor.push(factor);
+            quantized_scalers.extend(group.iter().map(|&s| to_i8(round_to(dtype, s * factor))));
+        }
+        // Level indices: each value divided by its block's (unquantized) absmax.
+        let indices: Vec<u8> = values
+            .par_chunks(BLOCK_SIZE)
+            .zip(block_max.par_iter())
+            .flat_map_iter(|(block, &max)| {
+                block
+                    .iter()
+                    .map(move |&v| nearest_level(dtype, &levels, round_to(dtype, v / max)))
+            })
+            .collect();
+        let codes = indices
+            .chunks(2)
+            .map(|pair| pair[0] << 4 | pair.get(1).copied().unwrap_or(0))
+            .collect();
+        Self {
+            rows,
+            codes,
+            quantized_scalers,
+            quantization_factor,
+            scaler_mean,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        }
+    }
+
+    /// Writes the dequantized values into `out` (this segment's part of the matrix).
+    fn dequantize_into(&self, dtype: DType, out: &mut [f32]) {
+        let levels = LEVELS.map(|l| round_to(dtype, l));
+        out.par_chunks_mut(BLOCK_SIZE)
+            .enumerate()
+            .for_each(|(block, values)| {
+                let factor = self.quantization_factor[block / SCALER_BLOCK_SIZE];
+                let q = self.quantized_scalers[block] as f32;
+                let scaler = round_to(dtype, round_to(dtype, q / factor) + self.scaler_mean);
+                // The block's 16 possible values, then a lookup per code.
+                let table = levels.map(|l| round_to(dtype, l * scaler));
+                // Blocks hold an even count (64), so a block starts at a byte boundary.
+                let start = block * BLOCK_SIZE / 2;
+                for (pair, &byte) in values.chunks_mut(2).zip(&self.codes[start..]) {
+                    pair[0] = table[(byte >> 4) as usize];
+                    if let Some(second) = pair.get_mut(1) {
+                        *second = table[(byte & 0x0f) as usize];
+                    }
+                }
+            });
+    }
 }
 
 /// `x` rounded to `dtype` (round to nearest even, as torch converts f32 results).
@@ -106,64 +224,41 @@ fn to_i8(x: f32) -> i8 {
 }
 
 impl Nf4Matrix {
-    /// Quantizes a 2-D weight (any float dtype; the arithmetic follows that dtype).
+    /// Quantizes a 2-D weight as one tensor (any float dtype; the arithmetic follows that dtype).
     pub fn quantize(weight: &Tensor) -> Result<Self> {
+        let rows = weight.dims2()?.0;
+        Self::quantize_rows(weight, &[rows])
+    }
+
+    /// Quantizes a 2-D weight as consecutive row ranges of `split` rows, each its own tensor (a
+    /// fused projection whose parts torchtune quantizes apart).
+    pub fn quantize_rows(weight: &Tensor, split: &[usize]) -> Result<Self> {
         let (rows, cols) = weight.dims2()?;
         let dtype = weight.dtype();
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
             bail!("NF4 quantizes f32, bf16 or f16 weights, not {dtype:?}");
+        }
+        if split.iter().sum::<usize>() != rows || split.contains(&0) {
+            bail!("NF4: row split {split:?} does not cover the {rows} rows");
         }
         let device = weight.device().clone();
         let values = weight
             .flatten_all()?
             .to_dtype(DType::F32)?
             .to_vec1::<f32>()?;
-        let n = values.len();
-        let levels = LEVELS.map(|l| round_to(dtype, l));
-
-        // Block absmaxes, their mean (f64 sum, then the dtype: torch accumulates reduced types in
-        // f32 and rounds the result), and the maxima minus the mean.
-        let block_max: Vec<f32> = values.chunks(BLOCK_SIZE).map(absmax).collect();
-        let sum: f64 = block_max.iter().map(|&v| v as f64).sum();
-        let scaler_mean = round_to(dtype, (sum / block_max.len().max(1) as f64) as f32);
-        let centred: Vec<f32> = block_max
-            .iter()
-            .map(|&s| round_to(dtype, s - scaler_mean))
-            .collect();
-        let mut quantized_scalers = Vec::with_capacity(centred.len());
-        let mut quantization_factor = Vec::new();
-        for group in centred.chunks(SCALER_BLOCK_SIZE) {
-            let factor = round_to(dtype, 256.0 / round_to(dtype, 2.0 * absmax(group)));
-            quantization_factor.push(factor);
-            quantized_scalers.extend(group.iter().map(|&s| to_i8(round_to(dtype, s * factor))));
+        let mut segments = Vec::with_capacity(split.len());
+        let mut start = 0;
+        for &r in split {
+            let part = &values[start * cols..(start + r) * cols];
+            segments.push(Nf4Segment::quantize(part, r, dtype));
+            start += r;
         }
-
-        // Level indices: each value divided by its block's (unquantized) absmax.
-        let indices: Vec<u8> = values
-            .par_chunks(BLOCK_SIZE)
-            .zip(block_max.par_iter())
-            .flat_map_iter(|(block, &max)| {
-                block
-                    .iter()
-                    .map(move |&v| nearest_level(dtype, &levels, round_to(dtype, v / max)))
-            })
-            .collect();
-        let codes = indices
-            .chunks(2)
-            .map(|pair| pair[0] << 4 | pair.get(1).copied().unwrap_or(0))
-            .collect();
-        debug_assert_eq!(n, rows * cols);
         Self {
             rows,
             cols,
             dtype,
             device: Device::Cpu,
-            codes,
-            quantized_scalers,
-            quantization_factor,
-            scaler_mean,
-            #[cfg(feature = "cuda")]
-            gpu: None,
+            segments,
         }
         .placed_on(&device)
     }
@@ -173,14 +268,14 @@ impl Nf4Matrix {
     fn placed_on(mut self, device: &Device) -> Result<Self> {
         self.device = device.clone();
         #[cfg(feature = "cuda")]
-        {
-            self.gpu = None;
+        for segment in &mut self.segments {
+            segment.gpu = None;
             if device.is_cuda() && matches!(self.dtype, DType::F32 | DType::BF16) {
                 let levels = LEVELS.map(|l| round_to(self.dtype, l));
-                self.gpu = Some(crate::cuda::nf4::DeviceNf4::upload(
-                    &self.codes,
-                    &self.quantized_scalers,
-                    &self.quantization_factor,
+                segment.gpu = Some(crate::cuda::nf4::DeviceNf4::upload(
+                    &segment.codes,
+                    &segment.quantized_scalers,
+                    &segment.quantization_factor,
                     levels,
                     device,
                 )?);
@@ -204,6 +299,12 @@ impl Nf4Matrix {
         &self.device
     }
 
+    /// The row segments, each quantized as its own tensor (one unless built by
+    /// [`Nf4Matrix::quantize_rows`]).
+    pub fn segments(&self) -> &[Nf4Segment] {
+        &self.segments
+    }
+
     /// The same quantized weight, dequantizing onto `device`.
     pub fn to_device(&self, device: &Device) -> Result<Self> {
         Self {
@@ -211,73 +312,44 @@ impl Nf4Matrix {
             cols: self.cols,
             dtype: self.dtype,
             device: Device::Cpu,
-            codes: self.codes.clone(),
-            quantized_scalers: self.quantized_scalers.clone(),
-            quantization_factor: self.quantization_factor.clone(),
-            scaler_mean: self.scaler_mean,
-            #[cfg(feature = "cuda")]
-            gpu: None,
+            segments: self.segments.iter().map(Nf4Segment::host_copy).collect(),
         }
         .placed_on(device)
     }
 
     /// Bytes held: half a byte per value, one per block, four per group.
     pub fn size_in_bytes(&self) -> usize {
-        self.codes.len() + self.quantized_scalers.len() + 4 * self.quantization_factor.len()
-    }
-
-    /// The packed level indices (two per byte, the first in the high nibble), as torchao's
-    /// `quantized_data`.
-    pub fn codes(&self) -> &[u8] {
-        &self.codes
-    }
-
-    /// The quantized block scales, as torchao's `quantized_scalers`.
-    pub fn quantized_scalers(&self) -> &[i8] {
-        &self.quantized_scalers
-    }
-
-    /// The per-group factors, as torchao's `quantization_factor`.
-    pub fn quantization_factor(&self) -> &[f32] {
-        &self.quantization_factor
-    }
-
-    /// The mean of the block absmaxes, as torchao's `scaler_mean`.
-    pub fn scaler_mean(&self) -> f32 {
-        self.scaler_mean
+        self.segments.iter().map(Nf4Segment::size_in_bytes).sum()
     }
 
     /// The dequantized values, row-major, each exactly representable in [`Nf4Matrix::dtype`].
     pub fn dequantize_values(&self) -> Vec<f32> {
-        let dtype = self.dtype;
-        let levels = LEVELS.map(|l| round_to(dtype, l));
-        let n = self.rows * self.cols;
-        let mut out = vec![0f32; n];
-        out.par_chunks_mut(BLOCK_SIZE)
-            .enumerate()
-            .for_each(|(block, values)| {
-                let factor = self.quantization_factor[block / SCALER_BLOCK_SIZE];
-                let q = self.quantized_scalers[block] as f32;
-                let scaler = round_to(dtype, round_to(dtype, q / factor) + self.scaler_mean);
-                // The block's 16 possible values, then a lookup per code.
-                let table = levels.map(|l| round_to(dtype, l * scaler));
-                // Blocks hold an even count (64), so a block starts at a byte boundary.
-                let start = block * BLOCK_SIZE / 2;
-                for (pair, &byte) in values.chunks_mut(2).zip(&self.codes[start..]) {
-                    pair[0] = table[(byte >> 4) as usize];
-                    if let Some(second) = pair.get_mut(1) {
-                        *second = table[(byte & 0x0f) as usize];
-                    }
-                }
-            });
+        let mut out = vec![0f32; self.rows * self.cols];
+        let mut rest = out.as_mut_slice();
+        for segment in &self.segments {
+            let (part, tail) = rest.split_at_mut(segment.rows * self.cols);
+            segment.dequantize_into(self.dtype, part);
+            rest = tail;
+        }
         out
     }
 
     /// The dequantized weight `[rows, cols]` in its dtype, on its device.
     pub fn dequantize(&self) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = &self.gpu {
-            return gpu.dequantize(self.rows, self.cols, self.dtype, self.scaler_mean);
+        {
+            let on_gpu: Option<Vec<_>> = self
+                .segments
+                .iter()
+                .map(|s| {
+                    s.gpu
+                        .as_ref()
+                        .map(|g| (g, s.rows * self.cols, s.scaler_mean))
+                })
+                .collect();
+            if let Some(parts) = on_gpu {
+                return crate::cuda::nf4::dequantize(&parts, (self.rows, self.cols), self.dtype);
+            }
         }
         Tensor::from_vec(
             self.dequantize_values(),

@@ -661,7 +661,7 @@ fn decode_cached_attention_matches_cpu() {
 }
 
 /// The NF4 expansion kernel gives the CPU's values bit for bit (f32 and bf16, a shape with a
-/// shorter last block and scale group), and QLoRA's fused LoRA op on an NF4 base equals the same
+/// shorter last block and scale group, row segments of odd sizes), and QLoRA's fused LoRA op on an NF4 base equals the same
 /// op on the dequantized weight.
 #[test]
 fn nf4_dequantization_on_the_gpu_equals_the_cpu() {
@@ -672,7 +672,7 @@ fn nf4_dequantization_on_the_gpu_equals_the_cpu() {
         let w = rng.tensor(&[192, 576], 0.1).to_dtype(dtype).unwrap();
         let cpu = Nf4Matrix::quantize(&w).unwrap();
         let on_gpu = Nf4Matrix::quantize(&w.to_device(&dev).unwrap()).unwrap();
-        assert_eq!(cpu.codes(), on_gpu.codes());
+        assert_eq!(cpu.segments()[0].codes(), on_gpu.segments()[0].codes());
         let bits = |t: Tensor| -> Vec<u32> {
             let v: Vec<f32> = t
                 .to_device(&Device::Cpu)
@@ -688,6 +688,15 @@ fn nf4_dequantization_on_the_gpu_equals_the_cpu() {
         let g = on_gpu.dequantize().unwrap();
         assert!(g.device().is_cuda());
         assert!(bits(g) == bits(cpu.dequantize().unwrap()), "{dtype:?}");
+        // Row segments (a fused projection) land at their offsets.
+        let split = [97, 64, 31];
+        let seg_cpu = Nf4Matrix::quantize_rows(&w, &split).unwrap();
+        let seg_gpu = Nf4Matrix::quantize_rows(&w.to_device(&dev).unwrap(), &split).unwrap();
+        let sg = seg_gpu.dequantize().unwrap();
+        assert!(
+            bits(sg) == bits(seg_cpu.dequantize().unwrap()),
+            "{dtype:?}: segments"
+        );
 
         let q = std::sync::Arc::new(on_gpu);
         let dense = q.dequantize().unwrap();

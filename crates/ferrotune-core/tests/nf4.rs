@@ -43,20 +43,28 @@ fn quantization_equals_torchao_bit_for_bit() {
         let q = Nf4Matrix::quantize(weight).unwrap();
         assert_eq!(q.dtype(), weight.dtype(), "{case}");
         assert_eq!(
-            q.codes(),
+            q.segments()[0].codes(),
             get("codes").to_vec1::<u8>().unwrap().as_slice(),
             "{case}: codes"
         );
-        let scalers: Vec<i64> = q.quantized_scalers().iter().map(|&s| s as i64).collect();
+        let scalers: Vec<i64> = q.segments()[0]
+            .quantized_scalers()
+            .iter()
+            .map(|&s| s as i64)
+            .collect();
         assert_eq!(scalers, get("scalers").to_vec1::<i64>().unwrap(), "{case}");
         let dq = q.dequantize().unwrap();
         assert_eq!(dq.dtype(), weight.dtype());
         assert_eq!(dq.dims(), weight.dims());
         let mut floats = vec![
-            ("mean", vec![q.scaler_mean()], get("mean").clone()),
+            (
+                "mean",
+                vec![q.segments()[0].scaler_mean()],
+                get("mean").clone(),
+            ),
             (
                 "factors",
-                q.quantization_factor().to_vec(),
+                q.segments()[0].quantization_factor().to_vec(),
                 get("factor").clone(),
             ),
         ];
@@ -107,8 +115,8 @@ fn shapes_torchao_refuses_quantize_with_shorter_last_blocks() {
     let mut rng = common::Rng(11);
     let w = rng.tensor(&[192, 576], 0.1).to_dtype(DType::BF16).unwrap();
     let q = Nf4Matrix::quantize(&w).unwrap();
-    assert_eq!(q.quantized_scalers().len(), 1728);
-    assert_eq!(q.quantization_factor().len(), 7);
+    assert_eq!(q.segments()[0].quantized_scalers().len(), 1728);
+    assert_eq!(q.segments()[0].quantization_factor().len(), 7);
     // Every block's maximum is reproduced to within the scale quantization's error, and the last
     // group uses its own maximum (an all-zero tail group would blow up its factor).
     let dq = q.dequantize().unwrap().to_dtype(DType::F32).unwrap();
@@ -121,7 +129,7 @@ fn shapes_torchao_refuses_quantize_with_shorter_last_blocks() {
     // An odd element count packs its last code into a high nibble.
     let odd = rng.tensor(&[3, 5], 1.0);
     let q = Nf4Matrix::quantize(&odd).unwrap();
-    assert_eq!(q.codes().len(), 8);
+    assert_eq!(q.segments()[0].codes().len(), 8);
     assert_eq!(q.dequantize().unwrap().dims(), &[3, 5]);
 }
 
@@ -184,4 +192,44 @@ fn fused_lora_on_nf4_equals_fused_lora_on_the_dequantized_weight() {
         (bits(&y), g(&x), g(&a), g(&b))
     };
     assert!(run(true) == run(false));
+}
+
+#[test]
+fn row_segments_quantize_as_separate_tensors() {
+    // A fused [q; k; v] projection quantized as torchtune quantizes its split parts.
+    let mut rng = common::Rng(17);
+    // Parts of different scales (as q, k and v have): their block maxima's means differ.
+    let w = Tensor::cat(
+        &[
+            rng.tensor(&[96, 128], 0.1),
+            rng.tensor(&[32, 128], 0.4),
+            rng.tensor(&[32, 128], 0.02),
+        ],
+        0,
+    )
+    .unwrap()
+    .to_dtype(DType::BF16)
+    .unwrap();
+    let fused = Nf4Matrix::quantize_rows(&w, &[96, 32, 32]).unwrap();
+    assert_eq!(fused.segments().len(), 3);
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for rows in [96, 32, 32] {
+        let part = Nf4Matrix::quantize(&w.narrow(0, start, rows).unwrap()).unwrap();
+        assert_eq!(
+            part.segments()[0].codes(),
+            fused.segments()[parts.len()].codes()
+        );
+        parts.push(part.dequantize().unwrap());
+        start += rows;
+    }
+    let want = Tensor::cat(&parts, 0).unwrap();
+    assert_eq!(bits(&fused.dequantize().unwrap()), bits(&want));
+    // As one tensor the blocks' mean differs: so do the values.
+    let whole = Nf4Matrix::quantize(&w).unwrap().dequantize().unwrap();
+    assert!(
+        bits(&whole) != bits(&want),
+        "one tensor and three quantize alike"
+    );
+    assert!(Nf4Matrix::quantize_rows(&w, &[96, 32]).is_err());
 }

@@ -1215,12 +1215,18 @@ impl CausalLm {
     /// QLoRA's frozen base, as torchtune's `qlora_*` builders make it: every linear layer inside
     /// the decoder layers (attention and MLP projections, experts included; a mixture of experts'
     /// router and shared-expert gate stay dense, as they decide the routing) is replaced by its
-    /// NF4 quantization (torchao's `to_nf4`, in the weight's dtype). Embeddings, norms and the
+    /// NF4 quantization (torchao's `to_nf4`, in the weight's dtype; Phi-3's fused `qkv_proj` and
+    /// `gate_up_proj` part by part, as torchtune splits them). Embeddings, norms and the
     /// output head are untouched. Returns how many layers were quantized, and the bytes their
     /// weights took before and take now. Attach adapters afterwards: DoRA's magnitude is taken from the
     /// quantized weight, as torchtune's `DoRALinear(quantize_base=True)` does.
     pub fn quantize_base_nf4(&mut self) -> CResult<(usize, usize, usize)> {
         let (mut count, mut before, mut after) = (0, 0, 0);
+        let c = &self.config;
+        let (q_rows, kv_rows) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
         for (name, linear) in self.linears_mut() {
             let router = name.ends_with(".gate") || name.ends_with(".shared_expert_gate");
             if !name.starts_with("model.layers.") || router {
@@ -1231,7 +1237,18 @@ impl CausalLm {
                 if w.track_op() {
                     candle_core::bail!("{name}: a trained weight cannot be quantized to NF4");
                 }
-                linear.weight = BaseWeight::Nf4(Arc::new(Nf4Matrix::quantize(w)?));
+                // Fused projections are quantized part by part, as torchtune (which splits them
+                // on load) quantizes q, k, v and gate, up.
+                let rows = w.dim(0)?;
+                let split = if name.ends_with(".qkv_proj") {
+                    vec![q_rows, kv_rows, kv_rows]
+                } else if name.ends_with(".gate_up_proj") {
+                    vec![rows / 2, rows / 2]
+                } else {
+                    vec![rows]
+                };
+                let q = Nf4Matrix::quantize_rows(w, &split)?;
+                linear.weight = BaseWeight::Nf4(Arc::new(q));
                 // A GGUF block copy would be a second, different base.
                 linear.packed = None;
             }

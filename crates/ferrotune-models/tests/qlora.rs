@@ -159,3 +159,46 @@ fn merged_weights_are_the_dequantized_base_plus_the_delta() {
     let head = &merged["lm_head.weight"];
     assert_eq!(max_abs_diff(head, original["lm_head"]), 0.0);
 }
+
+/// Phi-3's fused projections are quantized part by part (torchtune splits q/k/v and gate/up on
+/// load and quantizes each): the NF4 `qkv_proj` equals q, k and v quantized apart, stacked.
+#[test]
+fn fused_projections_are_quantized_part_by_part() {
+    let dir = fixtures().join("models/phi3/model");
+    let mut model = load_model(&dir, DType::F32, &Device::Cpu).unwrap().0;
+    let dense: HashMap<String, Tensor> = model
+        .linears()
+        .into_iter()
+        .map(|(n, l)| (n, l.weight.as_dense().unwrap().clone()))
+        .collect();
+    model.quantize_base_nf4().unwrap();
+    let c = model.config.clone();
+    let (q, kv) = (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let i = c.intermediate_size;
+    let linears: HashMap<String, _> = model.linears().into_iter().collect();
+    for (module, split) in [
+        ("model.layers.0.self_attn.qkv_proj", vec![q, kv, kv]),
+        ("model.layers.1.mlp.gate_up_proj", vec![i, i]),
+    ] {
+        let BaseWeight::Nf4(nf4) = &linears[module].weight else {
+            panic!("{module} is not NF4")
+        };
+        assert_eq!(nf4.segments().len(), split.len(), "{module}");
+        let mut parts = Vec::new();
+        let mut start = 0;
+        for rows in split {
+            let part = dense[module].narrow(0, start, rows).unwrap();
+            parts.push(Nf4Matrix::quantize(&part).unwrap().dequantize().unwrap());
+            start += rows;
+        }
+        let want = Tensor::cat(&parts, 0).unwrap();
+        assert_eq!(
+            max_abs_diff(&nf4.dequantize().unwrap(), &want),
+            0.0,
+            "{module}"
+        );
+    }
+}

@@ -46,18 +46,23 @@ impl DeviceNf4 {
             levels: Tensor::from_slice(&levels, 16, device)?,
         })
     }
+}
 
-    /// The weight `[rows, cols]` in `dtype` (f32 or bf16).
-    pub(crate) fn dequantize(
-        &self,
-        rows: usize,
-        cols: usize,
-        dtype: DType,
-        mean: f32,
-    ) -> Result<Tensor> {
-        let dev = cuda_device(&self.codes)?;
-        let n = rows * cols;
-        let out = empty(&dev, dtype, (rows, cols))?;
+/// A weight `[rows, cols]` in `dtype` (f32 or bf16) from its row segments in order: each
+/// `(blocks, element count, mean)` expands into its part of one output.
+pub(crate) fn dequantize(
+    segments: &[(&DeviceNf4, usize, f32)],
+    (rows, cols): (usize, usize),
+    dtype: DType,
+) -> Result<Tensor> {
+    let Some((first, _, _)) = segments.first() else {
+        candle_core::bail!("NF4: a weight without segments")
+    };
+    let dev = cuda_device(&first.codes)?;
+    let out = empty(&dev, dtype, (rows, cols))?;
+    let base = ptr(&out)?;
+    let mut offset = 0usize;
+    for (blocks, n, mean) in segments {
         launch(
             &dev,
             &format!("nf4_dequant_{}", suffix(dtype)?),
@@ -65,15 +70,16 @@ impl DeviceNf4 {
             256,
             0,
             &[
-                Arg::Ptr(ptr(&self.codes)?),
-                Arg::Ptr(ptr(&self.scalers)?),
-                Arg::Ptr(ptr(&self.factors)?),
-                Arg::Ptr(ptr(&self.levels)?),
-                Arg::F32(mean),
-                Arg::Ptr(ptr(&out)?),
-                Arg::I64(n as i64),
+                Arg::Ptr(ptr(&blocks.codes)?),
+                Arg::Ptr(ptr(&blocks.scalers)?),
+                Arg::Ptr(ptr(&blocks.factors)?),
+                Arg::Ptr(ptr(&blocks.levels)?),
+                Arg::F32(*mean),
+                Arg::Ptr(base + (offset * dtype.size_in_bytes()) as u64),
+                Arg::I64(*n as i64),
             ],
         )?;
-        Ok(out)
+        offset += n;
     }
+    Ok(out)
 }
