@@ -505,6 +505,8 @@ const LOGGER_KEYS: &[(&str, Ty)] = &[
     ("organize_logs", Ty::Bool),
 ];
 
+const FSDP_KEYS: &[(&str, Ty)] = &[("cpu_offload", Ty::Bool)];
+
 /// Every top-level key of every recipe.
 pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("output_dir", Ty::Str),
@@ -542,6 +544,8 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("profiler", Ty::Any),
     ("fsdp_sharding", Ty::Str),
     ("fsdp_cpu_offload", Ty::Bool),
+    // The older spelling in torchtune's distributed QLoRA configs (`fsdp: {cpu_offload: ...}`).
+    ("fsdp", Ty::Map(FSDP_KEYS)),
     ("fsdp_reshard_after_forward", Ty::Bool),
     ("custom_sharded_layers", Ty::StrList),
     ("cpu_offload", Ty::Bool),
@@ -963,6 +967,9 @@ mod tests {
         assert!(all.contains("did you mean 'optimizer.lr'?"), "{all}");
         assert!(all.contains("did you mean 'dataset[0].packed'?"), "{all}");
         assert!(validate(&cfg("epochs: 3\nseed: null\n").root, "ok").is_ok());
+        // torchtune's distributed QLoRA configs spell the offload `fsdp: {cpu_offload: ...}`.
+        assert!(validate(&cfg("fsdp:\n  cpu_offload: False\n").root, "ok").is_ok());
+        assert!(validate(&cfg("fsdp:\n  offload: False\n").root, "bad").is_err());
     }
 
     #[test]

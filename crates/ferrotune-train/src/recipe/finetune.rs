@@ -85,7 +85,11 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let dtype = setup::dtype(cfg)?;
     let group = if distributed {
         let sharding = setup::sharding(cfg)?;
-        let offload = cfg.bool("fsdp_cpu_offload")?.unwrap_or(false);
+        // `fsdp.cpu_offload` is the spelling of torchtune's distributed QLoRA configs.
+        let offload = match cfg.bool("fsdp_cpu_offload")? {
+            Some(o) => o,
+            None => cfg.bool("fsdp.cpu_offload")?.unwrap_or(false),
+        };
         let store = Store::connect(&env, RENDEZVOUS_TIMEOUT).with_context(|| {
             format!(
                 "rank {rank}: rendezvous at {}:{}",
@@ -107,7 +111,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         }
         Some((store, CommQueue::start(collectives), sharding, offload))
     } else {
-        for key in ["fsdp_sharding", "fsdp_cpu_offload"] {
+        for key in ["fsdp_sharding", "fsdp_cpu_offload", "fsdp"] {
             if cfg.get(key).is_some_and(|v| !v.is_null()) && lead {
                 eprintln!("note: '{key}' applies to the _distributed recipes; {recipe} ignores it");
             }
