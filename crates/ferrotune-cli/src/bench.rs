@@ -312,6 +312,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         layout: AttentionLayout::causal(a.batch, a.seq, 0),
         num_targets: a.batch * (a.seq - prompt.max(1)),
         num_tokens: a.batch * a.seq,
+        distill: None,
     };
     let (mut fb_s, mut opt_s) = (0.0f64, 0.0f64);
     let mut step = |model: &CausalLm, profile: bool| -> Result<f64> {
@@ -334,7 +335,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
             device.synchronize()?;
             opt_s += t1.elapsed().as_secs_f64();
         }
-        Ok(loss / batch.num_targets as f64)
+        Ok(loss.sum / batch.num_targets as f64)
     };
     for _ in 0..2 {
         step(&model, false)?;

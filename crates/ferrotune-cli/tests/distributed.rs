@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 
-use common::{load, metrics_lines, text, write_config};
+use common::{fixtures, load, metrics_lines, text, write_config};
 
 fn ferrotune(args: &[String], cwd: &Path, env: &[(&str, &str)]) -> Output {
     // The ranks of a test share the machine with other tests: one thread each.
@@ -316,6 +316,37 @@ fn qlora_on_two_ranks_equals_one_device() {
             &format!("qlora: {f}"),
         );
     }
+}
+
+/// Knowledge distillation on 2 ranks (each with the whole teacher) equals one device.
+#[test]
+fn distillation_on_two_ranks_equals_one_device() {
+    let case = Case::new("kd", "llama3");
+    let teacher = fixtures().join("kd/teacher");
+    let teacher = format!("teacher_checkpointer.checkpoint_dir={}", teacher.display());
+    let kd = [teacher.as_str(), "kd_ratio=0.4"];
+    let single = case.dir.join("single");
+    let mut args = vec!["batch_size=4"];
+    args.extend(kd);
+    let o = case.run(
+        1,
+        "knowledge_distillation_single_device",
+        &single,
+        &args,
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+    let out = case.dir.join("dist");
+    let o = case.run(2, "knowledge_distillation_distributed", &out, &kd, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, "kd");
+    assert_same_tensors(
+        &out.join("epoch_1/adapter_model.safetensors"),
+        &single.join("epoch_1/adapter_model.safetensors"),
+        1e-4,
+        "kd: adapter",
+    );
 }
 
 /// A checkpoint written by 2 ranks resumes on one device (the global batch kept), and the run

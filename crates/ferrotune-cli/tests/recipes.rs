@@ -716,3 +716,80 @@ fn qlora_builder_trains_on_an_nf4_base_as_torchao_and_peft() {
             .unwrap()
     );
 }
+
+/// torchtune's `knowledge_distillation_single_device`: a LoRA student learns from the labels and a
+/// frozen teacher (kd_ratio 0.3, forward KL). One SGD step (lr 1) from a PEFT adapter logs the
+/// reference's loss, class_loss and kd_loss, and saves `start − gradient` with the gradient of the
+/// mixed loss computed with PyTorch + PEFT (scripts/make_kd_fixtures.py).
+#[test]
+fn knowledge_distillation_step_matches_torchtunes_losses_and_gradients() {
+    let dir = tmpdir("kd-sgd");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = write_config(&dir, "llama3", &data);
+    let adapter = fixtures().join("llama3/adapter");
+    let teacher = fixtures().join("kd/teacher");
+    let out = ferrotune(
+        &[
+            "run",
+            "knowledge_distillation_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
+            "teacher_model._component_=torchtune.models.llama3_2.llama3_2_1b",
+            &format!("teacher_checkpointer.checkpoint_dir={}", teacher.display()),
+            "kd_loss._component_=torchtune.modules.loss.ForwardKLWithChunkedOutputLoss",
+            "kd_ratio=0.3",
+            "optimizer._component_=torch.optim.SGD",
+            "optimizer.lr=1.0",
+            "optimizer.weight_decay=0.0",
+            "clip_grad_norm=null",
+            "max_steps_per_epoch=1",
+        ],
+        &dir,
+        &[],
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("Teacher "), "{log}");
+    let want: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("kd/golden.json")).unwrap())
+            .unwrap();
+    let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
+    for key in ["loss", "class_loss", "kd_loss"] {
+        let (got, w) = (
+            first[key].as_f64().unwrap(),
+            want["forward"][key].as_f64().unwrap(),
+        );
+        assert!(((got - w) / w).abs() < 1e-5, "{key}: {got} vs {w}");
+    }
+    let saved = load(&dir.join("out/epoch_0/adapter_model.safetensors"));
+    let start = load(&adapter.join("adapter_model.safetensors"));
+    let grads = load(&fixtures().join("kd/forward_grads.safetensors"));
+    for (key, s) in &start {
+        let e = rel_l2(&saved[key], &(s - &grads[key]).unwrap());
+        assert!(e <= 1e-4, "{key}: relative L2 {e}");
+    }
+    // A teacher of another vocabulary is refused, naming both sizes.
+    let out = ferrotune(
+        &[
+            "run",
+            "knowledge_distillation_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            &format!(
+                "teacher_checkpointer.checkpoint_dir={}",
+                fixtures().join("nf4/qlora/model").display()
+            ),
+            "max_steps_per_epoch=1",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("vocabulary of 256 tokens, the student 512"),
+        "{}",
+        text(&out)
+    );
+}

@@ -76,6 +76,8 @@ pub const RECIPES: &[&str] = &[
     "full_finetune_distributed",
     "lora_finetune_single_device",
     "lora_finetune_distributed",
+    "knowledge_distillation_single_device",
+    "knowledge_distillation_distributed",
     "generate",
     "eval",
 ];
@@ -506,11 +508,21 @@ const LOGGER_KEYS: &[(&str, Ty)] = &[
 ];
 
 const FSDP_KEYS: &[(&str, Ty)] = &[("cpu_offload", Ty::Bool)];
+const KD_LOSS_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("num_output_chunks", Ty::Int),
+    ("ignore_index", Ty::Int),
+    ("sym_kd_ratio", Ty::Float),
+];
 
 /// Every top-level key of every recipe.
 pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("output_dir", Ty::Str),
     ("model", Ty::Map(MODEL_KEYS)),
+    ("teacher_model", Ty::Map(MODEL_KEYS)),
+    ("teacher_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
+    ("kd_loss", Ty::Map(KD_LOSS_KEYS)),
+    ("kd_ratio", Ty::Float),
     ("tokenizer", Ty::Map(TOKENIZER_KEYS)),
     ("checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("resume_from_checkpoint", Ty::Bool),

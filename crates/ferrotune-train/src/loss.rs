@@ -146,3 +146,102 @@ fn shifted_targets(labels: &Tensor, shift: bool, vocab: usize) -> Result<Vec<i64
 pub fn causal_lm_loss_mean(logits: &Tensor, labels: &Tensor, shift: bool) -> Result<Tensor> {
     causal_lm_loss(logits, labels, shift)?.mean()
 }
+
+/// torchtune's distillation losses (`kd_loss._component_`), each summed over the positions with a
+/// target. torchtune's "forward KL" is the cross-entropy of the student against the teacher's
+/// distribution, `−Σ p_t · log p_s` (without the teacher's entropy, which has no gradient).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KdLoss {
+    /// `ForwardKLLoss` / `ForwardKLWithChunkedOutputLoss`: `−Σ p_t log p_s`.
+    Forward,
+    /// `ReverseKLLoss` / `ReverseKLWithChunkedOutputLoss`: `−Σ (p_s log p_t − p_s log p_s)`.
+    Reverse,
+    /// `SymmetricKLLoss` / `SymmetricKLWithChunkedOutputLoss`: `r · forward + (1 − r) · reverse`.
+    Symmetric(f64),
+}
+
+impl KdLoss {
+    /// The loss a torchtune component names (`torchtune.modules.loss.ForwardKLWithChunkedOutputLoss`,
+    /// ...); `sym_kd_ratio` is the symmetric loss's weight of the forward term.
+    pub fn from_component(component: &str, sym_kd_ratio: Option<f64>) -> Option<Self> {
+        let name = component.rsplit('.').next().unwrap_or(component);
+        let name = name.replace("WithChunkedOutput", "");
+        match name.as_str() {
+            "ForwardKLLoss" => Some(Self::Forward),
+            "ReverseKLLoss" => Some(Self::Reverse),
+            "SymmetricKLLoss" => Some(Self::Symmetric(sym_kd_ratio.unwrap_or(0.5))),
+            _ => None,
+        }
+    }
+}
+
+/// `x − logsumexp(x)` along the last dimension, from differentiable ops (the max is a constant
+/// shift, as in torch's implementation).
+fn log_softmax(x: &Tensor) -> Result<Tensor> {
+    let shifted = x.broadcast_sub(&x.max_keepdim(candle_core::D::Minus1)?.detach())?;
+    let lse = shifted.exp()?.sum_keepdim(candle_core::D::Minus1)?.log()?;
+    shifted.broadcast_sub(&lse)
+}
+
+/// The distillation loss *sum* of `student` logits against `teacher` logits (both `[b, t, V]`)
+/// over the positions that have a target in `labels` (shifted as [`causal_lm_loss`] shifts
+/// them), with the number of those positions. Computed in f32 (torchtune upcasts both); the
+/// teacher's logits take no gradient. Terms at infinite logits count 0, as torchtune masks them.
+pub fn kd_loss_sum(
+    student: &Tensor,
+    teacher: &Tensor,
+    labels: &Tensor,
+    kind: KdLoss,
+) -> Result<LossSum> {
+    let (b, t, vocab) = student.dims3()?;
+    if teacher.dims() != student.dims() {
+        bail!(
+            "distillation: teacher logits {:?} vs student logits {:?} (the models' vocabularies must match)",
+            teacher.dims(),
+            student.dims()
+        );
+    }
+    let targets = shifted_targets(labels, true, vocab)?;
+    let rows: Vec<u32> = targets
+        .iter()
+        .enumerate()
+        .filter(|(_, &l)| l != IGNORE_INDEX)
+        .map(|(i, _)| i as u32)
+        .collect();
+    let count = rows.len();
+    if count == 0 {
+        return Ok(LossSum {
+            sum: Tensor::zeros((), DType::F32, student.device())?,
+            count,
+        });
+    }
+    let idx = Tensor::from_vec(rows, count, student.device())?;
+    let pick = |x: &Tensor| -> Result<Tensor> {
+        x.reshape((b * t, vocab))?
+            .index_select(&idx, 0)?
+            .to_dtype(DType::F32)
+    };
+    let s = pick(student)?;
+    let tl = pick(&teacher.detach())?;
+    let inf = |x: &Tensor| x.abs()?.ge(f32::INFINITY);
+    let zeros = s.zeros_like()?;
+    let log_s = log_softmax(&s)?;
+    let log_t = log_softmax(&tl)?;
+    let forward = || -> Result<Tensor> {
+        let prod = (log_t.exp()? * &log_s)?;
+        inf(&s)?.where_cond(&zeros, &prod)?.sum_all()?.neg()
+    };
+    let reverse = || -> Result<Tensor> {
+        let p_s = log_s.exp()?;
+        let mask = inf(&s)?.maximum(&inf(&tl)?)?;
+        let cross = mask.where_cond(&zeros, &(&p_s * &log_t)?)?;
+        let own = mask.where_cond(&zeros, &(&p_s * &log_s)?)?;
+        (cross - own)?.sum_all()?.neg()
+    };
+    let sum = match kind {
+        KdLoss::Forward => forward()?,
+        KdLoss::Reverse => reverse()?,
+        KdLoss::Symmetric(r) => ((forward()? * r)? + (reverse()? * (1.0 - r))?)?,
+    };
+    Ok(LossSum { sum, count })
+}

@@ -19,7 +19,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use ferrotune_models::{AttentionLayout, CausalLm, Unit};
 
-use crate::loss::causal_lm_head_loss;
+use crate::loss::{causal_lm_head_loss, causal_lm_loss, kd_loss_sum, KdLoss};
 
 /// One micro-batch as tensors.
 #[derive(Debug, Clone)]
@@ -34,6 +34,76 @@ pub struct MicroBatch {
     pub num_targets: usize,
     /// Number of real (non-padding) tokens, for throughput.
     pub num_tokens: usize,
+    /// Knowledge distillation: the teacher's logits for this batch, and how to mix the losses.
+    pub distill: Option<Distill>,
+}
+
+/// What a distillation run adds to a micro-batch (torchtune's `knowledge_distillation_*`).
+#[derive(Debug, Clone)]
+pub struct Distill {
+    /// The teacher's logits `[b, t, V]` (no gradient).
+    pub teacher_logits: Tensor,
+    /// `kd_ratio`: the loss is `(1 − r) · cross-entropy + r · distillation loss`.
+    pub ratio: f64,
+    /// `kd_loss._component_`.
+    pub loss: KdLoss,
+}
+
+/// A micro-batch's summed losses: what was back-propagated (`sum`), and for distillation its two
+/// parts (`class`: the cross-entropy, `kd`: the distillation loss; without a teacher `class` is
+/// `sum` and `kd` 0). Sums over target tokens, normalised by the recipe.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepLoss {
+    pub sum: f64,
+    pub class: f64,
+    pub kd: f64,
+}
+
+impl std::ops::AddAssign for StepLoss {
+    fn add_assign(&mut self, o: Self) {
+        self.sum += o.sum;
+        self.class += o.class;
+        self.kd += o.kd;
+    }
+}
+
+/// The loss at the head for `hidden` `[b, t, h]`: the cross-entropy sum (chunked, without
+/// logits, where it can be), or with a teacher `(1 − r) · CE + r · KD` over the full logits;
+/// returns the tensor to back-propagate and, for distillation, its two parts.
+fn head_loss(
+    hidden: &Tensor,
+    model: &CausalLm,
+    batch: &MicroBatch,
+) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+    let Some(d) = &batch.distill else {
+        return Ok((
+            causal_lm_head_loss(hidden, model, &batch.labels, true)?.sum,
+            None,
+        ));
+    };
+    let logits = model.logits(hidden)?;
+    let class = causal_lm_loss(&logits, &batch.labels, true)?.sum;
+    let kd = kd_loss_sum(&logits, &d.teacher_logits, &batch.labels, d.loss)?.sum;
+    let total = ((&class * (1.0 - d.ratio))? + (&kd * d.ratio)?)?;
+    Ok((total, Some((class, kd))))
+}
+
+/// The values of [`head_loss`]'s tensors (read after the backward is queued).
+fn step_loss(total: &Tensor, parts: Option<&(Tensor, Tensor)>) -> Result<StepLoss> {
+    let value = |t: &Tensor| t.to_dtype(DType::F64)?.to_scalar::<f64>();
+    let sum = value(total)?;
+    Ok(match parts {
+        None => StepLoss {
+            sum,
+            class: sum,
+            kd: 0.0,
+        },
+        Some((class, kd)) => StepLoss {
+            sum,
+            class: value(class)?,
+            kd: value(kd)?,
+        },
+    })
 }
 
 impl MicroBatch {
@@ -59,6 +129,7 @@ impl MicroBatch {
             },
             num_targets,
             num_tokens,
+            distill: None,
         })
     }
 }
@@ -88,22 +159,22 @@ fn absorb(acc: &mut GradStore, from: &GradStore, params: &[(String, Var)]) -> Re
 }
 
 /// Runs `batch` forward and backward, adds the gradients of `params` (the loss *sum*, not yet
-/// normalised) into `acc`, and returns the summed loss.
+/// normalised) into `acc`, and returns the summed losses.
 pub fn forward_backward(
     model: &CausalLm,
     batch: &MicroBatch,
     params: &[(String, Var)],
     acc: &mut GradStore,
     activation_checkpointing: bool,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<StepLoss> {
     if !activation_checkpointing {
         let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
-        let loss = causal_lm_head_loss(&hidden, model, &batch.labels, true)?;
-        let grads = loss.sum.backward()?;
+        let (total, parts) = head_loss(&hidden, model, batch)?;
+        let grads = total.backward()?;
         absorb(acc, &grads, params)?;
         // Read after the backward is queued: reading first would make the host wait for the
         // forward to finish on a GPU before issuing any of the backward.
-        return Ok(loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?);
+        return Ok(step_loss(&total, parts.as_ref())?);
     }
     let mut pass = Accumulate { model, params, acc };
     layered_forward_backward(&mut pass, batch, true)
@@ -149,7 +220,7 @@ impl LayerPass for Accumulate<'_> {
 }
 
 /// `batch` forward and backward one decoder layer at a time, with `pass` called around each
-/// unit; returns the summed loss.
+/// unit; returns the summed losses.
 ///
 /// With `recompute` a layer's graph is dropped after its forward (only its input is kept) and
 /// rebuilt from that input for its backward — activation checkpointing; otherwise every layer's
@@ -159,7 +230,7 @@ pub fn layered_forward_backward(
     pass: &mut impl LayerPass,
     batch: &MicroBatch,
     recompute: bool,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<StepLoss> {
     let n = pass.model().layers.len();
     pass.gather(Unit::Root)?;
     let inputs = pass.model().layer_inputs(&batch.layout)?;
@@ -188,10 +259,10 @@ pub fn layered_forward_backward(
     let top = Var::from_tensor(&x)?;
     let model = pass.model();
     let hidden = model.final_norm(top.as_tensor())?;
-    let loss = causal_lm_head_loss(&hidden, model, &batch.labels, true)?;
-    let value = loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    let mut head_grads = loss.sum.backward()?;
-    drop((hidden, loss));
+    let (total, parts) = head_loss(&hidden, model, batch)?;
+    let mut head_grads = total.backward()?;
+    let value = step_loss(&total, parts.as_ref())?;
+    drop((hidden, total, parts));
     let mut grad_out = head_grads
         .remove(top.as_tensor())
         .ok_or_else(|| anyhow::anyhow!("no gradient reached the last layer"))?;

@@ -82,7 +82,9 @@ fn packed_loss_and_gradients_equal_unpacked() {
         let picked: Vec<&Row> = rows.iter().collect();
         let batch = MicroBatch::from_batch(&collate(&picked, pad), &Device::Cpu).unwrap();
         let mut grads = empty_grads().unwrap();
-        let sum = forward_backward(&model, &batch, &params, &mut grads, checkpointing).unwrap();
+        let sum = forward_backward(&model, &batch, &params, &mut grads, checkpointing)
+            .unwrap()
+            .sum;
         (sum, batch.num_targets, grads)
     };
     let (sum_u, n_u, g_u) = run(&unpacked, false);

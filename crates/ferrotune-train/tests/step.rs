@@ -46,6 +46,7 @@ fn batch(g: &Value, rows: std::ops::Range<usize>) -> MicroBatch {
         layout: AttentionLayout::causal(b, t, 0),
         num_targets,
         num_tokens: b * t,
+        distill: None,
     }
 }
 
@@ -241,7 +242,9 @@ fn full_finetune_gradients_with_and_without_checkpointing_and_tied_embeddings() 
         // The loss through the step equals transformers' (a full-model sanity check).
         let mut acc = empty_grads().unwrap();
         let b = batch(&g, 0..2);
-        let sum = forward_backward(&m, &b, &params, &mut acc, false).unwrap();
+        let sum = forward_backward(&m, &b, &params, &mut acc, false)
+            .unwrap()
+            .sum;
         let want = g["loss"].as_f64().unwrap();
         let got = sum / b.num_targets as f64;
         assert!(

@@ -742,7 +742,7 @@ pub fn forward_backward_sharded(
     sm: &mut ShardedModel,
     batch: &MicroBatch,
     activation_checkpointing: bool,
-) -> Result<f64> {
+) -> Result<crate::step::StepLoss> {
     let recompute = activation_checkpointing || sm.sharding == Sharding::Full;
     layered_forward_backward(&mut ShardedPass { model, sm }, batch, recompute)
 }

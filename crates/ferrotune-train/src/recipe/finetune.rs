@@ -22,11 +22,14 @@ use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
 use crate::dist::store::Store;
 use crate::export::{write_hf_model, ModelSource};
+use crate::loss::KdLoss;
 use crate::metrics::{peak_rss_mb, MetricLogger};
 use crate::optim::Optimizer;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
-use crate::step::{dropout_states, empty_grads, forward_backward, set_dropout_states, MicroBatch};
+use crate::step::{
+    dropout_states, empty_grads, forward_backward, set_dropout_states, Distill, MicroBatch,
+};
 
 /// Which weights train.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +38,9 @@ pub enum Mode {
     Lora,
     /// Every weight.
     Full,
+    /// LoRA adapters trained against a frozen teacher's outputs as well as the labels
+    /// (torchtune's `knowledge_distillation_*`).
+    Distill,
 }
 
 impl Mode {
@@ -44,6 +50,8 @@ impl Mode {
             (Mode::Full, false) => "full_finetune_single_device",
             (Mode::Lora, true) => "lora_finetune_distributed",
             (Mode::Full, true) => "full_finetune_distributed",
+            (Mode::Distill, false) => "knowledge_distillation_single_device",
+            (Mode::Distill, true) => "knowledge_distillation_distributed",
         }
     }
 }
@@ -227,7 +235,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         say(line);
     }
     let (params, lora_config) = match mode {
-        Mode::Lora => {
+        Mode::Lora | Mode::Distill => {
             let lc = setup_adapters(
                 cfg,
                 &mut model,
@@ -247,6 +255,10 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         trainable,
         params.len()
     ));
+    let teacher = match mode {
+        Mode::Distill => Some(setup_teacher(cfg, &model, dtype, &device, lead)?),
+        _ => None,
+    };
     // Distributed: the model is spread over the ranks, and the optimizer updates this rank's part.
     let mut sharded = match &group {
         Some((_, queue, sharding, offload)) => Some(ShardedModel::new(
@@ -407,6 +419,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             optimizer.set_lr(lr);
             let mut grads = empty_grads()?;
             let (mut loss_sum, mut targets, mut tokens) = (0f64, 0usize, 0usize);
+            let (mut class_sum, mut kd_sum) = (0f64, 0f64);
             for micro in 0..grad_accum {
                 let b = step_in_epoch * grad_accum + micro;
                 // Rank r takes every world-th row of the step's block (torch's DistributedSampler),
@@ -414,23 +427,42 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 let picked: Vec<&Row> = (b * batch_size..(b + 1) * batch_size)
                     .map(|j| &rows[order[j * world + rank]])
                     .collect();
-                let batch = MicroBatch::from_batch(&collate(&picked, pad), &device)?;
-                loss_sum += match &mut sharded {
+                let mut batch = MicroBatch::from_batch(&collate(&picked, pad), &device)?;
+                if let Some(t) = &teacher {
+                    // The teacher's logits for the same tokens (outside autograd: it has no Vars).
+                    let teacher_logits = t.model.forward(&batch.input_ids, &batch.layout, None)?;
+                    batch.distill = Some(Distill {
+                        teacher_logits,
+                        ratio: t.ratio,
+                        loss: t.loss,
+                    });
+                }
+                let step = match &mut sharded {
                     Some(sm) => forward_backward_sharded(&mut model, sm, &batch, checkpointing)?,
                     None => {
                         forward_backward(&model, &batch, &param_refs, &mut grads, checkpointing)?
                     }
                 };
+                loss_sum += step.sum;
+                class_sum += step.class;
+                kd_sum += step.kd;
                 targets += batch.num_targets;
                 tokens += batch.num_tokens;
             }
             if let Some(sm) = &mut sharded {
                 // The loss is normalised over the target tokens of every rank.
                 sm.finish_reductions()?;
-                let sums = sm.all_reduce_f64(&[loss_sum, targets as f64, tokens as f64])?;
+                let sums = sm.all_reduce_f64(&[
+                    loss_sum,
+                    targets as f64,
+                    tokens as f64,
+                    class_sum,
+                    kd_sum,
+                ])?;
                 loss_sum = sums[0];
                 targets = sums[1].round() as usize;
                 tokens = sums[2].round() as usize;
+                (class_sum, kd_sum) = (sums[3], sums[4]);
                 grads = sm.take_grads()?;
             }
             // Normalise by the target tokens of the whole step (not per micro-batch). Without
@@ -496,6 +528,12 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     ("lr", lr),
                     ("tokens_per_second", tps),
                 ];
+                if teacher.is_some() {
+                    // torchtune's KD recipes log both parts of the loss.
+                    let per_target = |s: f64| if targets > 0 { s / targets as f64 } else { 0.0 };
+                    metrics.push(("class_loss", per_target(class_sum)));
+                    metrics.push(("kd_loss", per_target(kd_sum)));
+                }
                 if let Some(n) = grad_norm {
                     metrics.push(("grad_norm", n));
                 }
@@ -534,7 +572,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     } else {
                         f64::NAN
                     };
-                    ferrotune_models::lora::set_training(&mut model, mode == Mode::Lora);
+                    ferrotune_models::lora::set_training(&mut model, mode != Mode::Full);
                     if lead {
                         bar.suspend(|| eprintln!("Validation loss: {val_loss:.4}"));
                     }
@@ -667,6 +705,67 @@ fn setup_adapters(
     Ok(lc)
 }
 
+/// The frozen teacher of a distillation run and how its loss mixes in.
+struct Teacher {
+    model: CausalLm,
+    ratio: f64,
+    loss: KdLoss,
+}
+
+/// Loads `teacher_checkpointer`'s model (frozen, in the run's dtype, on the student's device) and
+/// reads `kd_ratio` and `kd_loss`. The two models must share the vocabulary.
+fn setup_teacher(
+    cfg: &Config,
+    student: &CausalLm,
+    dtype: DType,
+    device: &candle_core::Device,
+    lead: bool,
+) -> Result<Teacher> {
+    let path = setup::checkpoint_path_at(cfg, "teacher_checkpointer")?;
+    let t0 = Instant::now();
+    let (model, _) = ferrotune_models::load_model(&path, dtype, device)
+        .with_context(|| format!("{}: teacher_checkpointer", cfg.origin))?;
+    setup::check_component_at(cfg, "teacher_model._component_", &model.config)?;
+    if model.config.vocab_size != student.config.vocab_size {
+        bail!(
+            "{}: the teacher ({}) has a vocabulary of {} tokens, the student {}: distillation \
+             compares their distributions over one vocabulary",
+            cfg.origin,
+            path.display(),
+            model.config.vocab_size,
+            student.config.vocab_size
+        );
+    }
+    let ratio = cfg.f64("kd_ratio")?.unwrap_or(0.5);
+    if !(0.0..=1.0).contains(&ratio) {
+        bail!("{}: kd_ratio must be in [0, 1], got {ratio}", cfg.origin);
+    }
+    let component = cfg
+        .str("kd_loss._component_")?
+        .unwrap_or_else(|| "torchtune.modules.loss.ForwardKLWithChunkedOutputLoss".into());
+    let sym = cfg.f64("kd_loss.sym_kd_ratio")?;
+    if sym.is_some_and(|r| !(0.0..=1.0).contains(&r)) {
+        bail!("{}: kd_loss.sym_kd_ratio must be in [0, 1]", cfg.origin);
+    }
+    let Some(loss) = KdLoss::from_component(&component, sym) else {
+        bail!(
+            "{}: kd_loss._component_ '{component}' is not supported (torchtune.modules.loss.\
+             ForwardKLLoss, ReverseKLLoss, SymmetricKLLoss, or their WithChunkedOutput forms)",
+            cfg.origin
+        );
+    };
+    if lead {
+        eprintln!(
+            "Teacher {} ({}, {} layers) loaded in {:.1}s; kd_ratio {ratio}, {loss:?} KL",
+            path.display(),
+            model.config.model_type,
+            model.config.num_hidden_layers,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(Teacher { model, ratio, loss })
+}
+
 fn base_source(path: &Path) -> Result<(ferrotune_models::CheckpointFormat, PathBuf)> {
     let format = ferrotune_models::checkpoint::locate_weights(path)?;
     let dir = match &format {
@@ -765,7 +864,7 @@ impl Saver<'_> {
     ) -> Result<PathBuf> {
         state::save_checkpoint(self.output_dir, name, st, optimizer_state, |dir| {
             match (self.mode, self.lora_config) {
-                (Mode::Lora, Some(lc)) => {
+                (Mode::Lora | Mode::Distill, Some(lc)) => {
                     peft::save_adapter(model, lc, dir)?;
                     // The merged model goes one folder down: transformers treats a folder holding
                     // adapter_config.json as "base + adapter", so merged weights beside it would

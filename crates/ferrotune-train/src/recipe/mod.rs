@@ -17,6 +17,10 @@ pub fn run(name: &str, cfg: &Config) -> Result<()> {
         "full_finetune_single_device" => finetune::run(cfg, finetune::Mode::Full, false),
         "lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::Lora, true),
         "full_finetune_distributed" => finetune::run(cfg, finetune::Mode::Full, true),
+        "knowledge_distillation_single_device" => {
+            finetune::run(cfg, finetune::Mode::Distill, false)
+        }
+        "knowledge_distillation_distributed" => finetune::run(cfg, finetune::Mode::Distill, true),
         "generate" => generate::run(cfg),
         "eval" | "eleuther_eval" => eval::run(cfg).map(|_| ()),
         other => {

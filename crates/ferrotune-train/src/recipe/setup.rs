@@ -69,25 +69,33 @@ pub fn dtype(cfg: &Config) -> Result<DType> {
 /// The base checkpoint path (`checkpointer.checkpoint_dir`, an HF folder or a .gguf), checking
 /// `checkpointer.checkpoint_files` when given.
 pub fn checkpoint_path(cfg: &Config) -> Result<PathBuf> {
+    checkpoint_path_at(cfg, "checkpointer")
+}
+
+/// [`checkpoint_path`] for the checkpointer section `section` (`teacher_checkpointer` too).
+pub fn checkpoint_path_at(cfg: &Config, section: &str) -> Result<PathBuf> {
     let dir = cfg
-        .path("checkpointer.checkpoint_dir")?
-        .ok_or_else(|| anyhow!("{}: 'checkpointer.checkpoint_dir' is required", cfg.origin))?;
+        .path(&format!("{section}.checkpoint_dir"))?
+        .ok_or_else(|| anyhow!("{}: '{section}.checkpoint_dir' is required", cfg.origin))?;
     if !dir.exists() {
         bail!(
-            "{}: checkpointer.checkpoint_dir: {} does not exist",
+            "{}: {section}.checkpoint_dir: {} does not exist",
             cfg.origin,
             dir.display()
         );
     }
     let gguf = dir.extension().is_some_and(|e| e == "gguf");
-    if gguf && cfg.get("checkpointer.checkpoint_files").is_some() {
+    if gguf && cfg.get(&format!("{section}.checkpoint_files")).is_some() {
         // A torchtune config retargeted at a GGUF keeps its shard list: the file is the checkpoint.
         eprintln!(
-            "note: checkpointer.checkpoint_files is ignored: {} is a single GGUF checkpoint",
+            "note: {section}.checkpoint_files is ignored: {} is a single GGUF checkpoint",
             dir.display()
         );
     }
-    if let Some(files) = cfg.get("checkpointer.checkpoint_files").filter(|_| !gguf) {
+    if let Some(files) = cfg
+        .get(&format!("{section}.checkpoint_files"))
+        .filter(|_| !gguf)
+    {
         let names: Vec<String> = match files {
             serde_json::Value::Array(a) => a
                 .iter()
@@ -106,14 +114,14 @@ pub fn checkpoint_path(cfg: &Config) -> Result<PathBuf> {
             let f = base.join(name);
             if !f.is_file() {
                 bail!(
-                    "{}: checkpointer.checkpoint_files: {} does not exist",
+                    "{}: {section}.checkpoint_files: {} does not exist",
                     cfg.origin,
                     f.display()
                 );
             }
             if name.ends_with(".pt") || name.ends_with(".bin") || name.ends_with(".pth") {
                 bail!(
-                    "{}: checkpointer.checkpoint_files: {name}: PyTorch pickle checkpoints are not \
+                    "{}: {section}.checkpoint_files: {name}: PyTorch pickle checkpoints are not \
                      supported; use the safetensors files of the HF checkpoint",
                     cfg.origin
                 );
@@ -171,7 +179,12 @@ const COMPONENT_FAMILIES: &[(&str, &[&str])] = &[
 /// `model._component_` is optional (the checkpoint decides the architecture), but a torchtune
 /// builder naming another family than the checkpoint's is a mistake worth stopping for.
 pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
-    let Some(component) = cfg.str("model._component_")? else {
+    check_component_at(cfg, "model._component_", model)
+}
+
+/// [`check_model_component`] for the builder at `key` (`teacher_model._component_` too).
+pub fn check_component_at(cfg: &Config, key: &str, model: &ModelConfig) -> Result<()> {
+    let Some(component) = cfg.str(key)? else {
         return Ok(());
     };
     let rest = component
@@ -179,7 +192,7 @@ pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
         .or_else(|| component.strip_prefix("ferrotune.models."));
     let Some(rest) = rest else {
         bail!(
-            "{}: model._component_ '{component}' is not a torchtune model builder \
+            "{}: {key} '{component}' is not a torchtune model builder \
              (torchtune.models.<family>.<builder>); leave it out to take the architecture from the checkpoint",
             cfg.origin
         );
@@ -188,15 +201,15 @@ pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
     let Some((_, types)) = COMPONENT_FAMILIES.iter().find(|(f, _)| *f == family) else {
         let known: Vec<&str> = COMPONENT_FAMILIES.iter().map(|(f, _)| *f).collect();
         bail!(
-            "{}: model._component_ '{component}': unknown model family '{family}' (known: {})",
+            "{}: {key} '{component}': unknown model family '{family}' (known: {})",
             cfg.origin,
             known.join(", ")
         );
     };
     if !types.contains(&model.model_type.as_str()) {
         bail!(
-            "{}: model._component_ '{component}' builds a {family} model, but the checkpoint is a \
-             '{}' model; fix model._component_ or remove it (the checkpoint's architecture is used)",
+            "{}: {key} '{component}' builds a {family} model, but the checkpoint is a \
+             '{}' model; fix {key} or remove it (the checkpoint's architecture is used)",
             cfg.origin,
             model.model_type
         );
