@@ -25,6 +25,10 @@ pub struct MergeArgs {
     /// Largest safetensors file; bigger models are sharded with an index (e.g. 5GB, 500MB, 2GiB).
     #[arg(long, default_value = "5GB")]
     max_shard_size: String,
+    /// The adapter was trained with QLoRA: merge it into the NF4 round trip of the base, quantized
+    /// and merged in `--dtype` (what a QLoRA recipe saves as its merged model).
+    #[arg(long)]
+    quantize_base: bool,
 }
 
 pub fn run(args: MergeArgs) -> Result<()> {
@@ -40,17 +44,23 @@ pub fn run(args: MergeArgs) -> Result<()> {
             args.output.display()
         );
     }
-    let ckpt = read_checkpoint(
-        &args.model,
-        candle_core::DType::F32,
-        &candle_core::Device::Cpu,
-    )?;
+    // QLoRA's base is quantized in the dtype it trained in; a plain merge is computed in f32.
+    let load_dtype = if args.quantize_base {
+        dtype
+    } else {
+        candle_core::DType::F32
+    };
+    let ckpt = read_checkpoint(&args.model, load_dtype, &candle_core::Device::Cpu)?;
     let source = ModelSource {
         format: ckpt.format.clone(),
         dir: ckpt.dir.clone(),
     };
     let name = args.model.display().to_string();
     let mut model = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &name)?;
+    if args.quantize_base {
+        let (layers, _, _) = model.quantize_base_nf4()?;
+        eprintln!("QLoRA: {layers} linear layers quantized to NF4 ({dtype:?})");
+    }
     peft::load_adapter(&mut model, &args.adapter)?;
     let merged = peft::merged_tensors(&model)?;
     // Weights, config, the source's generation config and its tokenizer files (exported from a

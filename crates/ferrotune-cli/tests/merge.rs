@@ -215,3 +215,54 @@ fn gguf_base_merge_equals_adapter_on_the_fly() {
         "the adapter changes the answer"
     );
 }
+
+/// `--quantize-base` merges a QLoRA adapter into the NF4 round trip of the base: a layer without
+/// an adapter is exactly its dequantized NF4 weight, an adapted one that plus the adapter's delta;
+/// the head is the base's.
+#[test]
+fn quantize_base_merges_into_the_nf4_round_trip() {
+    use ferrotune_core::nf4::Nf4Matrix;
+    let out = tmp("qlora");
+    merge("nf4/qlora", &out, &["--quantize-base"]);
+    let merged = read_all(&out);
+    let base = read_all(&fixtures().join("nf4/qlora/model"));
+    let adapter = ferrotune_models::checkpoint::read_safetensors(
+        &[fixtures().join("nf4/qlora/adapter/adapter_model.safetensors")],
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let nf4 = |name: &str| {
+        Nf4Matrix::quantize(&base[name])
+            .unwrap()
+            .dequantize()
+            .unwrap()
+    };
+    let k = "model.layers.0.self_attn.k_proj.weight";
+    let mut want = HashMap::new();
+    want.insert(k.to_string(), nf4(k));
+    let q = "model.layers.1.self_attn.q_proj";
+    let a = &adapter[&format!("base_model.model.{q}.lora_A.weight")];
+    let b = &adapter[&format!("base_model.model.{q}.lora_B.weight")];
+    // r = 4, alpha = 8: scale 2.
+    let delta = (b.matmul(a).unwrap() * 2.0).unwrap();
+    let qw = format!("{q}.weight");
+    want.insert(qw.clone(), (nf4(&qw) + delta).unwrap());
+    want.insert("lm_head.weight".into(), base["lm_head.weight"].clone());
+    let got: HashMap<String, Tensor> = want
+        .keys()
+        .map(|k| (k.clone(), merged[k].clone()))
+        .collect();
+    assert_same_tensors(&got, &want, 1e-6);
+    // Without the flag the base is merged as stored: k_proj is the base's own weight.
+    let plain = tmp("qlora-plain");
+    merge("nf4/qlora", &plain, &[]);
+    let plain = read_all(&plain);
+    let diff = (&plain[k] - &merged[k])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap();
+    assert!(diff.to_scalar::<f32>().unwrap() > 1e-4);
+}

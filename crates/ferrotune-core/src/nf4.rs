@@ -18,8 +18,6 @@
 //! Written here rather than taken from a crate: no Rust crate implements torchao's NF4 (bitsandbytes'
 //! NF4 differs in its levels and its scale quantization).
 
-use std::sync::Arc;
-
 use candle_core::{bail, DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
@@ -360,6 +358,3 @@ impl Nf4Matrix {
         .to_device(&self.device)
     }
 }
-
-/// A shared NF4 weight (layers hold it, autograd ops keep a reference for the backward).
-pub type SharedNf4 = Arc<Nf4Matrix>;
