@@ -49,6 +49,17 @@ fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
     norm(&(got - want).unwrap()) / norm(want).max(1e-30)
 }
 
+/// `ferrotune run eval` of `adapter` with config `cfg` and `extra` overrides: its JSON result line.
+fn eval_result(dir: &Path, cfg: &Path, adapter: &Path, extra: &[&str]) -> Value {
+    let adapter = format!("checkpointer.adapter_checkpoint={}", adapter.display());
+    let mut args = vec!["run", "eval", "--config", cfg.to_str().unwrap(), &adapter];
+    args.extend(extra);
+    let out = ferrotune(&args, dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
 /// A LoRA config for the tiny models; the caller adds overrides.
 const TINY_LORA: &str = "
 output_dir: OUT
@@ -404,24 +415,7 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
     write_golden_rows("llama3", &data);
     let cfg = write_config(&dir, "llama3", &data);
     let adapter = fixtures().join("llama3/adapter");
-    let out = ferrotune(
-        &[
-            "run",
-            "eval",
-            "--config",
-            cfg.to_str().unwrap(),
-            &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
-        ],
-        &dir,
-        &[],
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    let last = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()
-        .unwrap()
-        .to_string();
-    let v: Value = serde_json::from_str(&last).unwrap();
+    let v = eval_result(&dir, &cfg, &adapter, &[]);
     let g: Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
     )
@@ -662,25 +656,8 @@ fn qlora_builder_trains_on_an_nf4_base_as_torchao_and_peft() {
         "logged loss {got_loss} vs torchao + PEFT {want_loss}"
     );
     // The eval recipe with the same builder scores the adapter on the NF4 base too.
-    let out = ferrotune(
-        &[
-            "run",
-            "eval",
-            "--config",
-            cfg.to_str().unwrap(),
-            "model._component_=torchtune.models.llama3_1.qlora_llama3_1_8b",
-            &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
-        ],
-        &dir,
-        &[],
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    let last = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .last()
-        .unwrap()
-        .to_string();
-    let eval_loss = serde_json::from_str::<Value>(&last).unwrap()["loss"]
+    let qlora = "model._component_=torchtune.models.llama3_1.qlora_llama3_1_8b";
+    let eval_loss = eval_result(&dir, &cfg, &adapter, &[qlora])["loss"]
         .as_f64()
         .unwrap();
     assert!(

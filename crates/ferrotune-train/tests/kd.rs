@@ -12,25 +12,15 @@ use ferrotune_train::loss::KdLoss;
 use ferrotune_train::step::{empty_grads, forward_backward, Distill, MicroBatch};
 use serde_json::Value;
 
+mod common;
+use common::rel_l2;
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
 
 fn json(path: PathBuf) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
-    let norm = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .sqrt()
-    };
-    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
 }
 
 #[test]

@@ -4,28 +4,18 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use ferrotune_data::dataset::{build_dataset, collate, Row};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::peft;
 use ferrotune_models::CausalLm;
 use ferrotune_train::step::{empty_grads, forward_backward, MicroBatch};
 
+mod common;
+use common::rel_l2;
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
-    let norm = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .sqrt()
-    };
-    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
 }
 
 #[test]

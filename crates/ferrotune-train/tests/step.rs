@@ -14,6 +14,9 @@ use ferrotune_train::scale_grads;
 use ferrotune_train::step::{empty_grads, forward_backward, MicroBatch};
 use serde_json::Value;
 
+mod common;
+use common::rel_l2;
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
@@ -48,19 +51,6 @@ fn batch(g: &Value, rows: std::ops::Range<usize>) -> MicroBatch {
         num_tokens: b * t,
         distill: None,
     }
-}
-
-fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
-    let norm = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .sqrt()
-    };
-    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
 }
 
 /// Gradients of one step over `micro` micro-batches, normalised by the step's target count.

@@ -62,3 +62,17 @@ pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor, rtol: f32, a
         e[worst.0]
     );
 }
+
+/// `‖got − want‖ / ‖want‖` over all elements (f32 tensors of one shape).
+pub fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
+    let norm = |t: &Tensor| {
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt()
+    };
+    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
+}
