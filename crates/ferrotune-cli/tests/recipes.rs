@@ -49,6 +49,26 @@ fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
     norm(&(got - want).unwrap()) / norm(want).max(1e-30)
 }
 
+/// Overrides for one plain SGD step with lr 1 (the saved weights are then `start − gradient`).
+const ONE_SGD_STEP: [&str; 5] = [
+    "optimizer._component_=torch.optim.SGD",
+    "optimizer.lr=1.0",
+    "optimizer.weight_decay=0.0",
+    "clip_grad_norm=null",
+    "max_steps_per_epoch=1",
+];
+
+/// Every tensor of `start` (an adapter file) minus its gradient in `grads` is in `saved`, within
+/// 1e-4 relative L2.
+fn assert_start_minus_gradient(saved: &Path, start: &Path, grads: &Path) {
+    let (saved, start, grads) = (load(saved), load(start), load(grads));
+    assert_eq!(saved.len(), start.len());
+    for (key, s) in &start {
+        let e = rel_l2(&saved[key], &(s - &grads[key]).unwrap());
+        assert!(e <= 1e-4, "{key}: relative L2 {e}");
+    }
+}
+
 /// `ferrotune run eval` of `adapter` with config `cfg` and `extra` overrides: its JSON result line.
 fn eval_result(dir: &Path, cfg: &Path, adapter: &Path, extra: &[&str]) -> Value {
     let adapter = format!("checkpointer.adapter_checkpoint={}", adapter.display());
@@ -632,12 +652,10 @@ fn qlora_builder_trains_on_an_nf4_base_as_torchao_and_peft() {
             cfg.to_str().unwrap(),
             "model._component_=torchtune.models.llama3_1.qlora_llama3_1_8b",
             &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
-            "optimizer._component_=torch.optim.SGD",
-            "optimizer.lr=1.0",
-            "optimizer.weight_decay=0.0",
-            "clip_grad_norm=null",
-            "max_steps_per_epoch=1",
-        ],
+        ]
+        .into_iter()
+        .chain(ONE_SGD_STEP)
+        .collect::<Vec<_>>(),
         &dir,
         &[],
     );
@@ -665,15 +683,11 @@ fn qlora_builder_trains_on_an_nf4_base_as_torchao_and_peft() {
         "eval loss {eval_loss} vs torchao + PEFT {want_loss}"
     );
     let saved_dir = dir.join("out/epoch_0");
-    let saved = load(&saved_dir.join("adapter_model.safetensors"));
-    let start = load(&adapter.join("adapter_model.safetensors"));
-    let grads = load(&case.join("lora_grads.safetensors"));
-    assert_eq!(saved.len(), 12);
-    for (key, s) in &start {
-        let want = (s - &grads[key]).unwrap();
-        let e = rel_l2(&saved[key], &want);
-        assert!(e <= 1e-4, "{key}: relative L2 {e}");
-    }
+    assert_start_minus_gradient(
+        &saved_dir.join("adapter_model.safetensors"),
+        &adapter.join("adapter_model.safetensors"),
+        &case.join("lora_grads.safetensors"),
+    );
     // The merged k_proj (no adapter) is the NF4 round trip of the base: not the base, but close.
     let merged = load(&saved_dir.join("merged/model.safetensors"));
     let base = load(&case.join("model/model.safetensors"));
@@ -717,12 +731,10 @@ fn knowledge_distillation_step_matches_torchtunes_losses_and_gradients() {
             &format!("teacher_checkpointer.checkpoint_dir={}", teacher.display()),
             "kd_loss._component_=torchtune.modules.loss.ForwardKLWithChunkedOutputLoss",
             "kd_ratio=0.3",
-            "optimizer._component_=torch.optim.SGD",
-            "optimizer.lr=1.0",
-            "optimizer.weight_decay=0.0",
-            "clip_grad_norm=null",
-            "max_steps_per_epoch=1",
-        ],
+        ]
+        .into_iter()
+        .chain(ONE_SGD_STEP)
+        .collect::<Vec<_>>(),
         &dir,
         &[],
     );
@@ -740,13 +752,11 @@ fn knowledge_distillation_step_matches_torchtunes_losses_and_gradients() {
         );
         assert!(((got - w) / w).abs() < 1e-5, "{key}: {got} vs {w}");
     }
-    let saved = load(&dir.join("out/epoch_0/adapter_model.safetensors"));
-    let start = load(&adapter.join("adapter_model.safetensors"));
-    let grads = load(&fixtures().join("kd/forward_grads.safetensors"));
-    for (key, s) in &start {
-        let e = rel_l2(&saved[key], &(s - &grads[key]).unwrap());
-        assert!(e <= 1e-4, "{key}: relative L2 {e}");
-    }
+    assert_start_minus_gradient(
+        &dir.join("out/epoch_0/adapter_model.safetensors"),
+        &adapter.join("adapter_model.safetensors"),
+        &fixtures().join("kd/forward_grads.safetensors"),
+    );
     // A teacher of another vocabulary is refused, naming both sizes.
     let out = ferrotune(
         &[
