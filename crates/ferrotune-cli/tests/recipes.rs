@@ -196,7 +196,14 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
             ((got_loss - want_loss) / want_loss).abs() < 1e-5,
             "{case:?}: logged loss {got_loss} vs PEFT {want_loss}"
         );
-        for key in ["step", "epoch", "loss", "lr", "tokens_per_second"] {
+        for key in [
+            "step",
+            "epoch",
+            "loss",
+            "lr",
+            "tokens_per_second",
+            "tokens_per_second_per_gpu",
+        ] {
             assert!(
                 first.get(key).is_some(),
                 "metrics line lacks {key}: {first}"

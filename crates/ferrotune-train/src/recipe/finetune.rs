@@ -449,6 +449,8 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 targets += batch.num_targets;
                 tokens += batch.num_tokens;
             }
+            // This rank's own tokens: torchtune's `tokens_per_second_per_gpu`.
+            let local_tokens = tokens;
             if let Some(sm) = &mut sharded {
                 // The loss is normalised over the target tokens of every rank.
                 sm.finish_reductions()?;
@@ -527,6 +529,10 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     ("loss", loss),
                     ("lr", lr),
                     ("tokens_per_second", tps),
+                    (
+                        "tokens_per_second_per_gpu",
+                        local_tokens as f64 / secs.max(1e-9),
+                    ),
                 ];
                 if teacher.is_some() {
                     // torchtune's KD recipes log both parts of the loss.
