@@ -257,7 +257,22 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     ));
     let teacher = match mode {
         Mode::Distill => Some(setup_teacher(cfg, &model, dtype, &device, lead)?),
-        _ => None,
+        _ => {
+            for key in [
+                "teacher_model",
+                "teacher_checkpointer",
+                "kd_loss",
+                "kd_ratio",
+            ] {
+                if cfg.get(key).is_some_and(|v| !v.is_null()) && lead {
+                    eprintln!(
+                        "note: '{key}' applies to the knowledge_distillation recipes; {} ignores it",
+                        mode.recipe(distributed)
+                    );
+                }
+            }
+            None
+        }
     };
     // Distributed: the model is spread over the ranks, and the optimizer updates this rank's part.
     let mut sharded = match &group {
