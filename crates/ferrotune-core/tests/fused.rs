@@ -839,3 +839,50 @@ fn linear_cross_entropy_with_a_trained_head_gives_both_gradients() {
     assert_close("trained head d hidden", &dx1, &dx2, TOL);
     assert_close("trained head d weight", &dw1, &dw2, TOL);
 }
+
+/// Distillation's soft-target cross-entropy `−Σ softmax(t) · log_softmax(s)`: the fused op's value
+/// and student gradient equal the composite formula's; an infinite student logit sends the caller
+/// to the composite form (which masks those terms, as torchtune does).
+#[test]
+fn soft_cross_entropy_matches_the_composite_formula() {
+    let mut rng = Rng(41);
+    let s0 = (rng.tensor(&[7, 301], 1.0) * 4.0).unwrap();
+    let t = (rng.tensor(&[7, 301], 1.0) * 3.0).unwrap();
+    let probe = 0.7f64;
+    let log_softmax = |x: &Tensor| -> Tensor {
+        let m = x.max_keepdim(D::Minus1).unwrap().detach();
+        let z = x.broadcast_sub(&m).unwrap();
+        let lse = z
+            .exp()
+            .unwrap()
+            .sum_keepdim(D::Minus1)
+            .unwrap()
+            .log()
+            .unwrap();
+        z.broadcast_sub(&lse).unwrap()
+    };
+    assert!(fused::soft_cross_entropy_applies(&s0, &t).unwrap());
+    let s = Var::from_tensor(&s0).unwrap();
+    let fused_loss = fused::soft_cross_entropy_sum(s.as_tensor(), &t).unwrap();
+    let g_fused = (&fused_loss * probe).unwrap().backward().unwrap();
+    let s2 = Var::from_tensor(&s0).unwrap();
+    let composite = (log_softmax(&t).exp().unwrap() * log_softmax(s2.as_tensor()))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .neg()
+        .unwrap();
+    let g_comp = (&composite * probe).unwrap().backward().unwrap();
+    assert_close("value", &fused_loss, &composite, TOL);
+    assert_close(
+        "student gradient",
+        g_fused.get(s.as_tensor()).unwrap(),
+        g_comp.get(s2.as_tensor()).unwrap(),
+        TOL,
+    );
+    let mut with_inf = s0.to_vec2::<f32>().unwrap();
+    with_inf[2][5] = f32::NEG_INFINITY;
+    let with_inf = Tensor::new(with_inf, &Device::Cpu).unwrap();
+    assert!(!fused::soft_cross_entropy_applies(&with_inf, &t).unwrap());
+    assert!(!fused::soft_cross_entropy_applies(&s0.to_dtype(DType::BF16).unwrap(), &t).unwrap());
+}

@@ -23,6 +23,7 @@ mod linear_ce;
 mod lora;
 mod rms_norm;
 mod rope;
+mod soft_cross_entropy;
 mod swiglu;
 
 pub use attention::{attention, attention_softcapped, register_mask_rows, registered_mask_rows};
@@ -32,6 +33,7 @@ pub use linear_ce::{chunked_head_applies, linear_cross_entropy_sum};
 pub use lora::{lora_linear, lora_linear_nf4};
 pub use rms_norm::rms_norm;
 pub use rope::rope;
+pub use soft_cross_entropy::{soft_cross_entropy_applies, soft_cross_entropy_sum};
 pub use swiglu::{gated_lora, swiglu, GatedAct, LoraProjection};
 
 use candle_core::{bail, DType, Device, Result, Storage, Tensor};

@@ -1,0 +1,120 @@
+//! Cross-entropy against a second model's distribution (distillation's "forward KL"), summed over
+//! rows in one pass per row, keeping only per-row statistics for the backward: no `[n, vocab]`
+//! softmax, log-softmax or product is held between the two passes.
+
+use std::sync::Mutex;
+
+use candle_core::{bail, CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{fused_applies, guard_slice, slice_of};
+
+/// Whether [`soft_cross_entropy_sum`] runs fused: f32 CPU rows with every student logit finite
+/// (torchtune zeroes the terms at infinite student logits, which the composite form does).
+pub fn soft_cross_entropy_applies(student: &Tensor, teacher: &Tensor) -> Result<bool> {
+    if !fused_applies(&[student, teacher]) {
+        return Ok(false);
+    }
+    let finite = student.abs()?.max_all()?.to_scalar::<f32>()?.is_finite();
+    Ok(finite)
+}
+
+/// `−Σ_rows Σ_v softmax(teacher)_v · log_softmax(student)_v` for `[n, vocab]` f32 CPU rows (check
+/// [`soft_cross_entropy_applies`] first). Differentiable in `student` (`grad · (softmax(student) −
+/// softmax(teacher))` per row, recomputed from stored row statistics); the teacher takes none.
+pub fn soft_cross_entropy_sum(student: &Tensor, teacher: &Tensor) -> Result<Tensor> {
+    if student.dims() != teacher.dims() || student.rank() != 2 {
+        bail!(
+            "soft_cross_entropy_sum: student {:?} and teacher {:?} must be the same [n, vocab]",
+            student.dims(),
+            teacher.dims()
+        );
+    }
+    let op = SoftCrossEntropy {
+        stats: Mutex::new(Vec::new()),
+    };
+    student
+        .contiguous()?
+        .apply_op2(&teacher.detach().contiguous()?, op)
+}
+
+/// Per row: the student's `(max, ln Σ exp(s − max))` and the teacher's `(max, Σ exp(t − max))`.
+type RowStats = (f32, f32, f32, f32);
+
+struct SoftCrossEntropy {
+    stats: Mutex<Vec<RowStats>>,
+}
+
+fn row_max(row: &[f32]) -> f32 {
+    row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+impl CustomOp2 for SoftCrossEntropy {
+    fn name(&self) -> &'static str {
+        "fused-soft-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s_storage: &CpuStorage,
+        s_layout: &Layout,
+        t_storage: &CpuStorage,
+        t_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, vocab) = s_layout.shape().dims2()?;
+        let s = slice_of(s_storage, s_layout, "soft_cross_entropy_sum")?;
+        let t = slice_of(t_storage, t_layout, "soft_cross_entropy_sum")?;
+        let rows: Vec<(RowStats, f64)> = s
+            .par_chunks(vocab)
+            .zip(t.par_chunks(vocab))
+            .map(|(srow, trow)| {
+                let ms = row_max(srow);
+                let ls = srow.iter().map(|&v| (v - ms).exp()).sum::<f32>().ln();
+                let mt = row_max(trow);
+                let zt: f32 = trow.iter().map(|&v| (v - mt).exp()).sum();
+                // −Σ p_t (s − ms − ls), in f64 over the row.
+                let dot: f64 = srow
+                    .iter()
+                    .zip(trow)
+                    .map(|(&sv, &tv)| ((tv - mt).exp() / zt) as f64 * (sv - ms - ls) as f64)
+                    .sum();
+                ((ms, ls, mt, zt), -dot)
+            })
+            .collect();
+        let total: f64 = rows.iter().map(|(_, l)| l).sum();
+        *self.stats.lock().expect("stats lock") = rows.into_iter().map(|(st, _)| st).collect();
+        Ok((CpuStorage::F32(vec![total as f32]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        student: &Tensor,
+        teacher: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let (n, vocab) = student.dims2()?;
+        let (s_c, t_c) = (student.contiguous()?, teacher.contiguous()?);
+        let (sg, tg) = (s_c.storage_and_layout(), t_c.storage_and_layout());
+        let s = guard_slice(&sg, "soft_cross_entropy_sum")?;
+        let t = guard_slice(&tg, "soft_cross_entropy_sum")?;
+        let stats = self.stats.lock().expect("stats lock");
+        if stats.len() != n {
+            bail!("soft_cross_entropy_sum: backward before forward");
+        }
+        let mut ds = vec![0f32; s.len()];
+        ds.par_chunks_mut(vocab)
+            .zip(s.par_chunks(vocab).zip(t.par_chunks(vocab)))
+            .zip(stats.par_iter())
+            .for_each(|((out, (srow, trow)), &(ms, ls, mt, zt))| {
+                for ((o, &sv), &tv) in out.iter_mut().zip(srow).zip(trow) {
+                    *o = g * ((sv - ms - ls).exp() - (tv - mt).exp() / zt);
+                }
+            });
+        Ok((
+            Some(Tensor::from_vec(ds, student.shape(), &Device::Cpu)?),
+            None,
+        ))
+    }
+}
