@@ -256,12 +256,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     let (mut model, what) = load(&a.model, &a.shape, a.layers, dtype, &device)?;
     eprintln!("loaded {what} in {:.1}s", t0.elapsed().as_secs_f64());
     if a.qlora {
-        let (layers, before, after) = model.quantize_base_nf4()?;
-        eprintln!(
-            "QLoRA: {layers} linear layers quantized to NF4 ({:.1} MB, was {:.1} MB)",
-            after as f64 / 1e6,
-            before as f64 / 1e6
-        );
+        eprintln!("QLoRA: {}", model.quantize_base_nf4()?);
     }
     let params = if a.full {
         model.make_all_trainable()?

@@ -58,7 +58,7 @@ pub fn run(args: MergeArgs) -> Result<()> {
     let name = args.model.display().to_string();
     let mut model = CausalLm::from_tensors(ckpt.config, ckpt.tensors, &name)?;
     if args.quantize_base {
-        let (layers, _, _) = model.quantize_base_nf4()?;
+        let layers = model.quantize_base_nf4()?.layers;
         eprintln!("QLoRA: {layers} linear layers quantized to NF4 ({dtype:?})");
     }
     peft::load_adapter(&mut model, &args.adapter)?;

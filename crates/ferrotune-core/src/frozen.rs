@@ -6,44 +6,17 @@
 //! model. This op records only the input in the graph: backward is `dx = dy @ weight`, and the
 //! weight never gets a gradient buffer.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
 
 use crate::nf4::Nf4Matrix;
-
-/// A frozen weight `[out, in]` as the fused ops hold it: dense (contiguous), or NF4 blocks
-/// (QLoRA) that are expanded for each product and dropped after it, so that an autograd graph
-/// keeps only the 4-bit copy alive.
-#[derive(Clone)]
-pub enum FrozenWeight {
-    Dense(Tensor),
-    Nf4(Arc<Nf4Matrix>),
-}
-
-impl FrozenWeight {
-    /// The values as a dense tensor (the NF4 blocks dequantized: a new tensor each call).
-    pub fn dense(&self) -> Result<Cow<'_, Tensor>> {
-        match self {
-            Self::Dense(w) => Ok(Cow::Borrowed(w)),
-            Self::Nf4(q) => Ok(Cow::Owned(q.dequantize()?)),
-        }
-    }
-
-    /// `(out, in)`.
-    pub fn dims2(&self) -> Result<(usize, usize)> {
-        match self {
-            Self::Dense(w) => w.dims2(),
-            Self::Nf4(q) => Ok(q.dims()),
-        }
-    }
-}
+use crate::weight::BaseWeight;
 
 /// The op; holds the weight.
 struct FrozenMatmul {
-    weight: FrozenWeight,
+    weight: BaseWeight,
 }
 
 /// `(m, n, k)` and the transposed weight layout for an `[m, k]` input and a weight `[n, k]`.
@@ -100,7 +73,7 @@ impl CustomOp1 for FrozenMatmul {
 /// `rows.matmul(&weight.t())`, and so is the gradient of `rows`.
 pub fn frozen_matmul(rows: &Tensor, weight: &Tensor) -> Result<Tensor> {
     let op = FrozenMatmul {
-        weight: FrozenWeight::Dense(weight.contiguous()?),
+        weight: BaseWeight::Dense(weight.contiguous()?),
     };
     rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
 }
@@ -113,7 +86,7 @@ pub fn nf4_matmul(rows: &Tensor, weight: &Arc<Nf4Matrix>) -> Result<Tensor> {
         return rows.matmul(&weight.dequantize()?.t()?);
     }
     let op = FrozenMatmul {
-        weight: FrozenWeight::Nf4(weight.clone()),
+        weight: BaseWeight::Nf4(weight.clone()),
     };
     rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
 }

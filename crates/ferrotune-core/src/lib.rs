@@ -18,6 +18,7 @@ pub mod nf4;
 pub mod ops;
 pub mod quant;
 pub mod switch;
+pub mod weight;
 
 pub use candle_core::{DType, Device, Tensor};
 pub use device::{parse_device, parse_dtype, peak_memory_bytes, reset_peak_memory};

@@ -108,7 +108,7 @@ impl Nf4Segment {
 
     /// Quantizes `values` (row-major, `rows` rows), all arithmetic rounded to `dtype`.
     fn quantize(values: &[f32], rows: usize, dtype: DType) -> Self {
-        let levels = LEVELS.map(|l| round_to(dtype, l));
+        let levels = levels(dtype);
         // Block absmaxes, their mean (f64 sum, then the dtype: torch accumulates reduced types in
         // f32 and rounds the result), and the maxima minus the mean.
         let block_max: Vec<f32> = values.chunks(BLOCK_SIZE).map(absmax).collect();
@@ -152,7 +152,7 @@ impl Nf4Segment {
 
     /// Writes the dequantized values into `out` (this segment's part of the matrix).
     fn dequantize_into(&self, dtype: DType, out: &mut [f32]) {
-        let levels = LEVELS.map(|l| round_to(dtype, l));
+        let levels = levels(dtype);
         out.par_chunks_mut(BLOCK_SIZE)
             .enumerate()
             .for_each(|(block, values)| {
@@ -180,6 +180,11 @@ fn round_to(dtype: DType, x: f32) -> f32 {
         DType::F16 => half::f16::from_f32(x).to_f32(),
         _ => x,
     }
+}
+
+/// The 16 levels as `dtype` holds them (torchao builds its table in the weight's dtype).
+fn levels(dtype: DType) -> [f32; 16] {
+    LEVELS.map(|l| round_to(dtype, l))
 }
 
 /// The maximum of `|v|` over `values` (NaN if any value is NaN, as torch's `max` propagates it).
@@ -269,7 +274,7 @@ impl Nf4Matrix {
         for segment in &mut self.segments {
             segment.gpu = None;
             if device.is_cuda() && matches!(self.dtype, DType::F32 | DType::BF16) {
-                let levels = LEVELS.map(|l| round_to(self.dtype, l));
+                let levels = levels(self.dtype);
                 segment.gpu = Some(crate::cuda::nf4::DeviceNf4::upload(
                     &segment.codes,
                     &segment.quantized_scalers,

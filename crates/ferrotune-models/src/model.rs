@@ -9,6 +9,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, DeviceLocation, Result as CResult, Tensor, Var, D};
 use ferrotune_core::nf4::Nf4Matrix;
 use ferrotune_core::quant::QuantizedMatrix;
+pub use ferrotune_core::weight::BaseWeight;
 use ferrotune_core::{fused, ops};
 
 use crate::config::{Activation, ModelConfig};
@@ -23,85 +24,27 @@ mod decode_step;
 /// longer ones go through the dense f32 GEMM, which is faster once the weight read is amortized.
 const PACKED_MAX_ROWS: usize = 32;
 
-/// A linear layer's base weight, `[out, in]`.
-#[derive(Debug, Clone)]
-pub enum BaseWeight {
-    /// A dense matrix in the model's dtype (trainable in full fine-tuning).
-    Dense(Tensor),
-    /// QLoRA's frozen base: 4-bit NF4 blocks (torchao's format), expanded to the dtype for each
-    /// product and dropped after it.
-    Nf4(Arc<Nf4Matrix>),
+/// What [`CausalLm::quantize_base_nf4`] quantized; displays as "N linear layers quantized to NF4
+/// (X MB, was Y MB)".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nf4Summary {
+    /// Linear layers now NF4.
+    pub layers: usize,
+    /// Their weights' bytes before.
+    pub dense_bytes: usize,
+    /// Their weights' bytes as NF4 blocks.
+    pub nf4_bytes: usize,
 }
 
-impl BaseWeight {
-    /// The dense matrix, when the weight is one.
-    pub fn as_dense(&self) -> Option<&Tensor> {
-        match self {
-            Self::Dense(w) => Some(w),
-            Self::Nf4(_) => None,
-        }
-    }
-
-    /// The dense matrix to change in place; an NF4 weight is frozen and cannot be.
-    pub fn as_dense_mut(&mut self) -> CResult<&mut Tensor> {
-        match self {
-            Self::Dense(w) => Ok(w),
-            Self::Nf4(_) => candle_core::bail!("an NF4 (QLoRA) base weight is frozen"),
-        }
-    }
-
-    /// The values as a dense tensor: the matrix itself, or the NF4 blocks dequantized (a new
-    /// tensor each call).
-    pub fn dense(&self) -> CResult<Cow<'_, Tensor>> {
-        match self {
-            Self::Dense(w) => Ok(Cow::Borrowed(w)),
-            Self::Nf4(q) => Ok(Cow::Owned(q.dequantize()?)),
-        }
-    }
-
-    /// `(out, in)`.
-    pub fn dims2(&self) -> CResult<(usize, usize)> {
-        match self {
-            Self::Dense(w) => w.dims2(),
-            Self::Nf4(q) => Ok(q.dims()),
-        }
-    }
-
-    /// The dtype the values have (an NF4 weight dequantizes to the dtype it was quantized from).
-    pub fn dtype(&self) -> DType {
-        match self {
-            Self::Dense(w) => w.dtype(),
-            Self::Nf4(q) => q.dtype(),
-        }
-    }
-
-    /// Where the values live.
-    pub fn device(&self) -> &Device {
-        match self {
-            Self::Dense(w) => w.device(),
-            Self::Nf4(q) => q.device(),
-        }
-    }
-
-    /// Whether the weight is being trained (a `Var` of full fine-tuning); NF4 never is.
-    pub fn track_op(&self) -> bool {
-        self.as_dense().is_some_and(|w| w.track_op())
-    }
-
-    /// Bytes held.
-    pub fn size_in_bytes(&self) -> usize {
-        match self {
-            Self::Dense(w) => w.elem_count() * w.dtype().size_in_bytes(),
-            Self::Nf4(q) => q.size_in_bytes(),
-        }
-    }
-
-    /// The same weight on `device`.
-    pub fn to_device(&self, device: &Device) -> CResult<Self> {
-        Ok(match self {
-            Self::Dense(w) => Self::Dense(w.to_device(device)?),
-            Self::Nf4(q) => Self::Nf4(Arc::new(q.to_device(device)?)),
-        })
+impl std::fmt::Display for Nf4Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} linear layers quantized to NF4 ({:.1} MB, was {:.1} MB)",
+            self.layers,
+            self.nf4_bytes as f64 / 1e6,
+            self.dense_bytes as f64 / 1e6
+        )
     }
 }
 
@@ -142,53 +85,33 @@ impl Linear {
 
     /// `x @ weight.T + bias`, plus the adapter's contribution when one is attached.
     pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        let dense = match &self.weight {
-            BaseWeight::Dense(w) => w,
-            // QLoRA: the NF4 base through its own op (which keeps only the 4-bit blocks for the
-            // backward), the adapter on top as for any base.
-            BaseWeight::Nf4(q) => {
-                if let Some(adapter) = self.trained_plain_lora(x) {
-                    let b = self.bias.as_ref();
-                    return fused::lora_linear_nf4(x, q, b, &adapter.a, &adapter.b, adapter.scale);
-                }
-                let base = ops::linear_with(x, q.dims().0, self.bias.as_ref(), |rows| {
-                    ferrotune_core::frozen::nf4_matmul(rows, q)
-                })?;
-                return match &self.adapter {
-                    Some(adapter) => adapter.forward(x, &base, &self.weight, self.bias.as_ref()),
-                    None => Ok(base),
-                };
-            }
-        };
+        let bias = self.bias.as_ref();
         if let Some(adapter) = self.trained_plain_lora(x) {
             // Training a plain LoRA adapter: base and adapter branch in one fused op.
-            if x.device().is_cuda() {
+            let (a, b, scale) = (&adapter.a, &adapter.b, adapter.scale);
+            return match &self.weight {
+                BaseWeight::Nf4(q) => fused::lora_linear_nf4(x, q, bias, a, b, scale),
                 // The op takes `[b, t, in]` as it is: no reshape nodes in the graph.
-                return fused::lora_linear(
-                    x,
-                    dense,
-                    self.bias.as_ref(),
-                    &adapter.a,
-                    &adapter.b,
-                    adapter.scale,
-                );
-            }
-            return ops::linear_with(x, dense.dim(0)?, None, |rows| {
-                fused::lora_linear(
-                    rows,
-                    dense,
-                    self.bias.as_ref(),
-                    &adapter.a,
-                    &adapter.b,
-                    adapter.scale,
-                )
-            });
+                BaseWeight::Dense(w) if x.device().is_cuda() => {
+                    fused::lora_linear(x, w, bias, a, b, scale)
+                }
+                BaseWeight::Dense(w) => ops::linear_with(x, w.dim(0)?, None, |rows| {
+                    fused::lora_linear(rows, w, bias, a, b, scale)
+                }),
+            };
         }
-        let base = self.forward_base(x, dense)?;
+        let base = match &self.weight {
+            BaseWeight::Dense(w) => self.forward_base(x, w)?,
+            // QLoRA: the NF4 base through its own op, which keeps only the 4-bit blocks for the
+            // backward.
+            BaseWeight::Nf4(q) => ops::linear_with(x, q.dims().0, bias, |rows| {
+                ferrotune_core::frozen::nf4_matmul(rows, q)
+            })?,
+        };
         match &self.adapter {
             // PEFT computes the base layer first and adds the adapter on top; the packed copy holds
             // exactly `weight`'s values, so it may serve as that base result.
-            Some(adapter) => adapter.forward(x, &base, &self.weight, self.bias.as_ref()),
+            Some(adapter) => adapter.forward(x, &base, &self.weight, bias),
             None => Ok(base),
         }
     }
@@ -1217,10 +1140,10 @@ impl CausalLm {
     /// router and shared-expert gate stay dense, as they decide the routing) is replaced by its
     /// NF4 quantization (torchao's `to_nf4`, in the weight's dtype; Phi-3's fused `qkv_proj` and
     /// `gate_up_proj` part by part, as torchtune splits them). Embeddings, norms and the
-    /// output head are untouched. Returns how many layers were quantized, and the bytes their
-    /// weights took before and take now. Attach adapters afterwards: DoRA's magnitude is taken from the
+    /// output head are untouched. Returns how many layers were quantized and their bytes before
+    /// and after. Attach adapters afterwards: DoRA's magnitude is taken from the
     /// quantized weight, as torchtune's `DoRALinear(quantize_base=True)` does.
-    pub fn quantize_base_nf4(&mut self) -> CResult<(usize, usize, usize)> {
+    pub fn quantize_base_nf4(&mut self) -> CResult<Nf4Summary> {
         let (mut count, mut before, mut after) = (0, 0, 0);
         let c = &self.config;
         let (q_rows, kv_rows) = (
@@ -1255,7 +1178,11 @@ impl CausalLm {
             count += 1;
             after += linear.weight.size_in_bytes();
         }
-        Ok((count, before, after))
+        Ok(Nf4Summary {
+            layers: count,
+            dense_bytes: before,
+            nf4_bytes: after,
+        })
     }
 
     /// Makes every weight trainable (full fine-tuning) and returns the [`Var`]s under their HF

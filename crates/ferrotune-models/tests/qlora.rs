@@ -73,7 +73,8 @@ fn qlora_loss_and_adapter_gradients_match_torchao_and_peft() {
         .filter(|(n, _)| n.starts_with("model.layers."))
         .map(|(_, l)| l.weight.size_in_bytes())
         .sum();
-    let (count, before, bytes) = model.quantize_base_nf4().unwrap();
+    let summary = model.quantize_base_nf4().unwrap();
+    let (count, before, bytes) = (summary.layers, summary.dense_bytes, summary.nf4_bytes);
     assert_eq!(before, dense_bytes);
     assert_eq!(count, 14, "2 layers × q, k, v, o, gate, up, down");
     // f32 → 4 bits plus a byte per 64 values and 4 bytes per 256 blocks: ~7.7× smaller.

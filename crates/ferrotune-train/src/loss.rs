@@ -223,15 +223,19 @@ pub fn kd_loss_sum(
     };
     let s = pick(student)?;
     let tl = pick(&teacher.detach())?;
+    // One pass per row without `[n, V]` intermediates where it can (f32 CPU, finite logits).
+    if kind == KdLoss::Forward && ferrotune_core::fused::soft_cross_entropy_applies(&s, &tl)? {
+        let sum = ferrotune_core::fused::soft_cross_entropy_sum(&s, &tl)?;
+        return Ok(LossSum { sum, count });
+    }
     let inf = |x: &Tensor| x.abs()?.ge(f32::INFINITY);
-    let zeros = || s.zeros_like();
+    let zeros = s.zeros_like()?;
+    let (log_s, log_t) = (log_softmax(&s)?, log_softmax(&tl)?);
     let forward = || -> Result<Tensor> {
-        let prod = (log_softmax(&tl)?.exp()? * log_softmax(&s)?)?;
-        inf(&s)?.where_cond(&zeros()?, &prod)?.sum_all()?.neg()
+        let prod = (log_t.exp()? * &log_s)?;
+        inf(&s)?.where_cond(&zeros, &prod)?.sum_all()?.neg()
     };
     let reverse = || -> Result<Tensor> {
-        let (log_s, log_t) = (log_softmax(&s)?, log_softmax(&tl)?);
-        let zeros = zeros()?;
         let p_s = log_s.exp()?;
         let mask = inf(&s)?.maximum(&inf(&tl)?)?;
         let cross = mask.where_cond(&zeros, &(&p_s * &log_t)?)?;
@@ -239,10 +243,6 @@ pub fn kd_loss_sum(
         (cross - own)?.sum_all()?.neg()
     };
     let sum = match kind {
-        // One pass per row without `[n, V]` intermediates where it can (f32 CPU, finite logits).
-        KdLoss::Forward if ferrotune_core::fused::soft_cross_entropy_applies(&s, &tl)? => {
-            ferrotune_core::fused::soft_cross_entropy_sum(&s, &tl)?
-        }
         KdLoss::Forward => forward()?,
         KdLoss::Reverse => reverse()?,
         KdLoss::Symmetric(r) => ((forward()? * r)? + (reverse()? * (1.0 - r))?)?,

@@ -22,20 +22,14 @@ use super::{
 /// `b` `[out, r]`.
 pub(crate) fn lora_linear(
     x: &Tensor,
-    weight: crate::frozen::FrozenWeight,
+    weight: crate::weight::BaseWeight,
     bias: Option<&Tensor>,
     a: &Tensor,
     b: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    let weight = match weight {
-        crate::frozen::FrozenWeight::Dense(w) => {
-            crate::frozen::FrozenWeight::Dense(w.contiguous()?)
-        }
-        nf4 => nf4,
-    };
     let op = LoraOp {
-        weight,
+        weight: weight.contiguous()?,
         bias: bias.map(|t| t.contiguous()).transpose()?,
         scale: scale as f32,
         xa: Mutex::new(None),
@@ -45,7 +39,7 @@ pub(crate) fn lora_linear(
 }
 
 struct LoraOp {
-    weight: crate::frozen::FrozenWeight,
+    weight: crate::weight::BaseWeight,
     bias: Option<Tensor>,
     scale: f32,
     /// `x Aᵀ` `[m, r]`, saved by the forward.

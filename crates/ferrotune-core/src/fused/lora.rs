@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 
-use crate::frozen::FrozenWeight;
 use crate::nf4::Nf4Matrix;
+use crate::weight::BaseWeight;
 
 use super::kernels;
 use super::{fused_applies, guard_slice, slice_of};
@@ -29,13 +29,7 @@ pub fn lora_linear(
     b: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    if weight.track_op() {
-        // A trained weight is not this op's case: the composed form gives it its gradient.
-        let base = crate::ops::linear(x, weight, bias)?;
-        let lora = crate::ops::linear(&crate::ops::linear(x, a, None)?, b, None)?;
-        return base + (lora * scale)?;
-    }
-    lora_linear_frozen(x, FrozenWeight::Dense(weight.clone()), bias, a, b, scale)
+    lora_linear_on(x, BaseWeight::Dense(weight.clone()), bias, a, b, scale)
 }
 
 /// [`lora_linear`] on an NF4 base (QLoRA): the same op, the weight dequantized for the forward's
@@ -48,12 +42,12 @@ pub fn lora_linear_nf4(
     b: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    lora_linear_frozen(x, FrozenWeight::Nf4(weight.clone()), bias, a, b, scale)
+    lora_linear_on(x, BaseWeight::Nf4(weight.clone()), bias, a, b, scale)
 }
 
-fn lora_linear_frozen(
+fn lora_linear_on(
     x: &Tensor,
-    weight: FrozenWeight,
+    weight: BaseWeight,
     bias: Option<&Tensor>,
     a: &Tensor,
     b: &Tensor,
@@ -75,16 +69,14 @@ fn lora_linear_frozen(
             b.dims()
         );
     }
-    let frozen = bias.is_none_or(|t| !t.track_op());
-    // The weight's dtype and device: a dense one's own, an NF4 one's dequantized form's.
-    let weight_like = match &weight {
-        FrozenWeight::Dense(w) => w.clone(),
-        FrozenWeight::Nf4(q) => Tensor::zeros(1, q.dtype(), q.device())?,
-    };
-    let mut all = vec![x, &weight_like, a, b];
+    // A trained weight or bias (full fine-tuning) is not this op's case: the composed form gives
+    // them their gradients. The weight (an NF4 one: what it dequantizes to) must match the input.
+    let frozen = !weight.track_op() && bias.is_none_or(|t| !t.track_op());
+    let weight_fits = weight.dtype() == x.dtype() && weight.device().same_device(x.device());
+    let mut all = vec![x, a, b];
     all.extend(bias);
     #[cfg(feature = "cuda")]
-    if frozen && x.elem_count() > 0 && crate::cuda::applies(&all) {
+    if frozen && weight_fits && x.elem_count() > 0 && crate::cuda::applies(&all) {
         // Any rank: the op treats the leading dimensions as rows, so the graph gets no reshape
         // nodes (each would cost a zero-fill and an add of its gradient in the backward).
         return crate::cuda::lora_linear(x, weight, bias, a, b, scale);
@@ -92,14 +84,14 @@ fn lora_linear_frozen(
     if x.rank() > 2 {
         let mut dims = x.dims().to_vec();
         let rows = x.elem_count() / inp.max(1);
-        let y = lora_linear_frozen(&x.reshape((rows, inp))?, weight, bias, a, b, scale)?;
+        let y = lora_linear_on(&x.reshape((rows, inp))?, weight, bias, a, b, scale)?;
         *dims.last_mut().expect("rank ≥ 2") = out;
         return y.reshape(dims);
     }
-    if !frozen || !fused_applies(&all) {
+    if !frozen || !weight_fits || !fused_applies(&all) {
         let base = match &weight {
-            FrozenWeight::Dense(w) => crate::ops::linear(x, w, bias)?,
-            FrozenWeight::Nf4(q) => {
+            BaseWeight::Dense(w) => crate::ops::linear(x, w, bias)?,
+            BaseWeight::Nf4(q) => {
                 crate::ops::linear_with(x, out, bias, |rows| crate::frozen::nf4_matmul(rows, q))?
             }
         };
@@ -107,10 +99,7 @@ fn lora_linear_frozen(
         return base + (lora * scale)?;
     }
     let op = LoraLinear {
-        weight: match weight {
-            FrozenWeight::Dense(w) => FrozenWeight::Dense(w.contiguous()?),
-            nf4 => nf4,
-        },
+        weight: weight.contiguous()?,
         bias: bias.map(|t| t.contiguous()).transpose()?,
         scale: scale as f32,
         xa: Mutex::new(None),
@@ -120,7 +109,7 @@ fn lora_linear_frozen(
 }
 
 struct LoraLinear {
-    weight: FrozenWeight,
+    weight: BaseWeight,
     bias: Option<Tensor>,
     scale: f32,
     /// `x Aᵀ` from the forward pass, `[m, r]`.

@@ -29,6 +29,7 @@ use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::step::{
     dropout_states, empty_grads, forward_backward, set_dropout_states, Distill, MicroBatch,
+    StepLoss,
 };
 
 /// Which weights train.
@@ -119,10 +120,9 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         }
         Some((store, CommQueue::start(collectives), sharding, offload))
     } else {
-        for key in ["fsdp_sharding", "fsdp_cpu_offload", "fsdp"] {
-            if cfg.get(key).is_some_and(|v| !v.is_null()) && lead {
-                eprintln!("note: '{key}' applies to the _distributed recipes; {recipe} ignores it");
-            }
+        if lead {
+            let keys = ["fsdp_sharding", "fsdp_cpu_offload", "fsdp"];
+            note_ignored_keys(cfg, &keys, "_distributed", recipe);
         }
         None
     };
@@ -258,18 +258,14 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let teacher = match mode {
         Mode::Distill => Some(setup_teacher(cfg, &model, dtype, &device, lead)?),
         _ => {
-            for key in [
-                "teacher_model",
-                "teacher_checkpointer",
-                "kd_loss",
-                "kd_ratio",
-            ] {
-                if cfg.get(key).is_some_and(|v| !v.is_null()) && lead {
-                    eprintln!(
-                        "note: '{key}' applies to the knowledge_distillation recipes; {} ignores it",
-                        mode.recipe(distributed)
-                    );
-                }
+            if lead {
+                let keys = [
+                    "teacher_model",
+                    "teacher_checkpointer",
+                    "kd_loss",
+                    "kd_ratio",
+                ];
+                note_ignored_keys(cfg, &keys, "knowledge_distillation", recipe);
             }
             None
         }
@@ -433,8 +429,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             let lr = base_lr * schedule.multiplier(global_step);
             optimizer.set_lr(lr);
             let mut grads = empty_grads()?;
-            let (mut loss_sum, mut targets, mut tokens) = (0f64, 0usize, 0usize);
-            let (mut class_sum, mut kd_sum) = (0f64, 0f64);
+            let (mut losses, mut targets, mut tokens) = (StepLoss::default(), 0usize, 0usize);
             for micro in 0..grad_accum {
                 let b = step_in_epoch * grad_accum + micro;
                 // Rank r takes every world-th row of the step's block (torch's DistributedSampler),
@@ -458,9 +453,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                         forward_backward(&model, &batch, &param_refs, &mut grads, checkpointing)?
                     }
                 };
-                loss_sum += step.sum;
-                class_sum += step.class;
-                kd_sum += step.kd;
+                losses += step;
                 targets += batch.num_targets;
                 tokens += batch.num_tokens;
             }
@@ -470,16 +463,16 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 // The loss is normalised over the target tokens of every rank.
                 sm.finish_reductions()?;
                 let sums = sm.all_reduce_f64(&[
-                    loss_sum,
+                    losses.sum,
                     targets as f64,
                     tokens as f64,
-                    class_sum,
-                    kd_sum,
+                    losses.class,
+                    losses.kd,
                 ])?;
-                loss_sum = sums[0];
+                losses.sum = sums[0];
                 targets = sums[1].round() as usize;
                 tokens = sums[2].round() as usize;
-                (class_sum, kd_sum) = (sums[3], sums[4]);
+                (losses.class, losses.kd) = (sums[3], sums[4]);
                 grads = sm.take_grads()?;
             }
             // Normalise by the target tokens of the whole step (not per micro-batch). Without
@@ -518,7 +511,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             drop(grads);
             global_step += 1;
             let loss = if targets > 0 {
-                loss_sum / targets as f64
+                losses.sum / targets as f64
             } else {
                 0.0
             };
@@ -552,8 +545,8 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 if teacher.is_some() {
                     // torchtune's KD recipes log both parts of the loss.
                     let per_target = |s: f64| if targets > 0 { s / targets as f64 } else { 0.0 };
-                    metrics.push(("class_loss", per_target(class_sum)));
-                    metrics.push(("kd_loss", per_target(kd_sum)));
+                    metrics.push(("class_loss", per_target(losses.class)));
+                    metrics.push(("kd_loss", per_target(losses.kd)));
                 }
                 if let Some(n) = grad_norm {
                     metrics.push(("grad_norm", n));
@@ -724,6 +717,15 @@ fn setup_adapters(
         eprintln!("LoRA r={} alpha={} on {n} modules", lc.r, lc.lora_alpha);
     }
     Ok(lc)
+}
+
+/// Says which of `keys` the config sets although only the `family` recipes read them.
+fn note_ignored_keys(cfg: &Config, keys: &[&str], family: &str, recipe: &str) {
+    for key in keys {
+        if cfg.get(key).is_some_and(|v| !v.is_null()) {
+            eprintln!("note: '{key}' applies to the {family} recipes; {recipe} ignores it");
+        }
+    }
 }
 
 /// The frozen teacher of a distillation run and how its loss mixes in.

@@ -224,12 +224,7 @@ pub fn quantize_base_if_asked(cfg: &Config, model: &mut CausalLm) -> Result<Opti
     if !quantize_base(cfg)? {
         return Ok(None);
     }
-    let (layers, before, after) = model.quantize_base_nf4()?;
-    Ok(Some(format!(
-        "QLoRA: {layers} linear layers quantized to NF4 ({:.1} MB, was {:.1} MB)",
-        after as f64 / 1e6,
-        before as f64 / 1e6
-    )))
+    Ok(Some(format!("QLoRA: {}", model.quantize_base_nf4()?)))
 }
 
 /// Whether the frozen base is quantized to NF4 (QLoRA): `model.quantize_base` when given (as the
