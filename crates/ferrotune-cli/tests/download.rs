@@ -521,6 +521,22 @@ fn dataset_repos() -> Vec<HubRepo> {
                 ],
             }],
         },
+        // Subsets in folders, as lvwerra/stack-exchange-paired (`data_dir: data/rl`).
+        HubRepo {
+            kind: "datasets",
+            id: "acme/paired".into(),
+            revisions: vec![HubRevision {
+                name: "main".into(),
+                sha: COMMIT.into(),
+                files: vec![
+                    HubFile::plain(
+                        "data/finetune/train-00000-of-00001.parquet",
+                        &pattern(700, 7),
+                    ),
+                    HubFile::plain("data/rl/train-00000-of-00001.parquet", &pattern(600, 8)),
+                ],
+            }],
+        },
         // A loading-script dataset: only the Hub's parquet conversion has its rows.
         HubRepo {
             kind: "datasets",
@@ -612,6 +628,17 @@ fn dataset_files_returns_the_split_parquet_from_the_cache() {
         err.contains("config 'fr' not found; folders with data files: data"),
         "{err}"
     );
+
+    // `data_dir` picks one folder's files.
+    let paths =
+        ferrotune_data::hub::dataset_files_in("acme/paired", None, Some("data/rl"), "train")
+            .unwrap();
+    assert_eq!(paths.len(), 1, "{paths:?}");
+    assert_eq!(std::fs::read(&paths[0]).unwrap(), pattern(600, 8));
+    let err = ferrotune_data::hub::dataset_files_in("acme/paired", None, Some("data/x"), "train")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("under data_dir 'data/x/'"), "{err}");
 
     let err = ferrotune_data::hub::dataset_files("acme/missing", None, "train")
         .unwrap_err()

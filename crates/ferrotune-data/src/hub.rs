@@ -319,6 +319,19 @@ pub fn download_snapshot(
 /// repository has a loading script, whose output only the conversion reflects), then committed
 /// JSON / JSONL / CSV. Files go to the Hugging Face cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`).
 pub fn dataset_files(repo_id: &str, name: Option<&str>, split: &str) -> Result<Vec<PathBuf>> {
+    dataset_files_in(repo_id, name, None, split)
+}
+
+/// [`dataset_files`] limited to the committed files under folder `data_dir` of the repository
+/// (`load_dataset`'s `data_dir`, e.g. `data/rl` of `lvwerra/stack-exchange-paired`, which
+/// torchtune's `stack_exchange_paired_dataset` reads). The parquet conversion covers the whole
+/// repository, so with a `data_dir` only committed files are used.
+pub fn dataset_files_in(
+    repo_id: &str,
+    name: Option<&str>,
+    data_dir: Option<&str>,
+    split: &str,
+) -> Result<Vec<PathBuf>> {
     let split = split.split('[').next().unwrap_or("").trim();
     if split.is_empty() {
         return Err(DataError::Dataset(format!(
@@ -339,7 +352,11 @@ pub fn dataset_files(repo_id: &str, name: Option<&str>, split: &str) -> Result<V
         ..main_ctx
     };
     runtime()?.block_on(async {
-        let main = list_files(&main_ctx, &repo).await?;
+        let mut main = list_files(&main_ctx, &repo).await?;
+        let data_dir = data_dir.map(|d| format!("{}/", d.trim_matches('/')));
+        if let Some(dir) = &data_dir {
+            main.retain(|f| f.path.starts_with(dir.as_str()));
+        }
         let script = format!("{repo_name}.py");
         let has_script = main.iter().any(|f| f.path == script);
         let config = name.filter(|n| *n != "default");
@@ -350,7 +367,7 @@ pub fn dataset_files(repo_id: &str, name: Option<&str>, split: &str) -> Result<V
         if !has_script && !main_pick.parquet.is_empty() {
             chosen = Some(("main", main_pick.parquet.clone()));
         }
-        if chosen.is_none() {
+        if chosen.is_none() && data_dir.is_none() {
             let files = list_converted(&convert_ctx, &repo).await?;
             let pick = pick_converted(repo_id, &files, name, split)?;
             converted = Some(files);
@@ -387,7 +404,10 @@ pub fn dataset_files(repo_id: &str, name: Option<&str>, split: &str) -> Result<V
             if let Some(conv) = &converted {
                 splits.extend(converted_splits(conv, name));
             }
-            let config_note = name.map(|n| format!(" (config '{n}')")).unwrap_or_default();
+            let mut config_note = name.map(|n| format!(" (config '{n}')")).unwrap_or_default();
+            if let Some(dir) = &data_dir {
+                config_note.push_str(&format!(" under data_dir '{dir}'"));
+            }
             let found = if splits.is_empty() {
                 "none".to_string()
             } else {

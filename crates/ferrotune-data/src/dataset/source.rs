@@ -300,7 +300,12 @@ pub(crate) enum Source {
     /// Local files per split name, each with its format.
     Local(BTreeMap<String, Vec<(PathBuf, Format)>>),
     /// A hub dataset repository (files fetched per split).
-    Hub { repo: String, name: Option<String> },
+    Hub {
+        repo: String,
+        name: Option<String>,
+        /// `data_dir`: only the repository's files under this folder.
+        data_dir: Option<String>,
+    },
 }
 
 fn as_str_list(value: &Value, key: &str) -> Result<Vec<String>> {
@@ -535,7 +540,20 @@ pub(crate) fn resolve_source(section: &Map<String, Value>, base_dir: &Path) -> R
             )))
         }
     };
-    Ok(Source::Hub { repo: source, name })
+    let data_dir = match section.get("data_dir") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(other) => {
+            return Err(DataError::Dataset(format!(
+                "dataset 'data_dir' must be a string, got {other}"
+            )))
+        }
+    };
+    Ok(Source::Hub {
+        repo: source,
+        name,
+        data_dir,
+    })
 }
 
 /// Loads the rows a split string selects from `source`. `field` is the JSON key holding the rows
@@ -555,8 +573,17 @@ pub(crate) fn load_split(source: &Source, split: &str, field: Option<&str>) -> R
                     ))
                 })?
                 .clone(),
-            Source::Hub { repo, name } => {
-                let files = crate::hub::dataset_files(repo, name.as_deref(), &part.name)?;
+            Source::Hub {
+                repo,
+                name,
+                data_dir,
+            } => {
+                let files = crate::hub::dataset_files_in(
+                    repo,
+                    name.as_deref(),
+                    data_dir.as_deref(),
+                    &part.name,
+                )?;
                 with_format(files, None)?
             }
         };
