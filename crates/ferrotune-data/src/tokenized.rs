@@ -24,6 +24,50 @@ pub struct TokenizedExample {
 /// Reads a JSONL file of pre-tokenized rows. Blank lines are skipped; every malformed row is an
 /// error naming the file, the line and the problem (nothing is silently dropped).
 pub fn read_tokenized_jsonl(path: &Path) -> Result<Vec<TokenizedExample>> {
+    read_rows(path, |obj, bad| example(obj, "", bad))
+}
+
+/// One preference pair of a pre-tokenized preference dataset: what torchtune's
+/// `PreferenceDataset` yields for a row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizedPair {
+    /// `chosen_input_ids` / `chosen_labels`.
+    pub chosen: TokenizedExample,
+    /// `rejected_input_ids` / `rejected_labels`.
+    pub rejected: TokenizedExample,
+}
+
+/// Reads a JSONL file of pre-tokenized preference pairs, rows `{"chosen_input_ids": [...],
+/// "chosen_labels": [...], "rejected_input_ids": [...], "rejected_labels": [...]}` (labels
+/// optional, as in [`read_tokenized_jsonl`]), with the same error reporting.
+pub fn read_tokenized_pairs_jsonl(path: &Path) -> Result<Vec<TokenizedPair>> {
+    read_rows(path, |obj, bad| {
+        Ok(TokenizedPair {
+            chosen: example(obj, "chosen_", bad)?,
+            rejected: example(obj, "rejected_", bad)?,
+        })
+    })
+}
+
+/// Whether the first row of a pre-tokenized JSONL file is a preference pair (has
+/// `chosen_input_ids`); false for an unreadable or empty file (reading it reports why).
+pub fn holds_pairs(path: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return false;
+    };
+    text.lines()
+        .find(|l| !l.trim().is_empty())
+        .and_then(|l| serde_json::from_str::<Value>(l).ok())
+        .is_some_and(|v| v.get("chosen_input_ids").is_some())
+}
+
+type Bad<'a> = &'a dyn Fn(String) -> DataError;
+
+/// Every non-blank line of `path` as a JSON object, through `parse`.
+fn read_rows<T>(
+    path: &Path,
+    parse: impl Fn(&serde_json::Map<String, Value>, Bad) -> Result<T>,
+) -> Result<Vec<T>> {
     let text = std::fs::read_to_string(path).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
             DataError::NotFound {
@@ -52,39 +96,51 @@ pub fn read_tokenized_jsonl(path: &Path) -> Result<Vec<TokenizedExample>> {
         let obj = row
             .as_object()
             .ok_or_else(|| bad("a row must be a JSON object".into()))?;
-        let input_ids: Vec<u32> = match obj.get("input_ids") {
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
-                .collect::<Option<_>>()
-                .ok_or_else(
-                    || bad("'input_ids' must hold non-negative integer token ids".into()),
-                )?,
-            Some(_) => return Err(bad("'input_ids' must be a list of token ids".into())),
-            None => return Err(bad("missing 'input_ids'".into())),
-        };
-        if input_ids.is_empty() {
-            return Err(bad("'input_ids' is empty".into()));
-        }
-        let labels: Vec<i64> = match obj.get("labels") {
-            None | Some(Value::Null) => input_ids.iter().map(|&t| t as i64).collect(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| v.as_i64().filter(|&n| n >= 0 || n == IGNORE_INDEX))
-                .collect::<Option<_>>()
-                .ok_or_else(|| bad("'labels' must hold token ids or -100".into()))?,
-            Some(_) => return Err(bad("'labels' must be a list".into())),
-        };
-        if labels.len() != input_ids.len() {
-            return Err(bad(format!(
-                "'labels' has {} entries but 'input_ids' has {}",
-                labels.len(),
-                input_ids.len()
-            )));
-        }
-        rows.push(TokenizedExample { input_ids, labels });
+        rows.push(parse(obj, &bad)?);
     }
     Ok(rows)
+}
+
+/// The example under `{prefix}input_ids` and `{prefix}labels`.
+fn example(
+    obj: &serde_json::Map<String, Value>,
+    prefix: &str,
+    bad: Bad,
+) -> Result<TokenizedExample> {
+    let (ids_key, labels_key) = (format!("{prefix}input_ids"), format!("{prefix}labels"));
+    let input_ids: Vec<u32> = match obj.get(&ids_key) {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
+                bad(format!(
+                    "'{ids_key}' must hold non-negative integer token ids"
+                ))
+            })?,
+        Some(_) => return Err(bad(format!("'{ids_key}' must be a list of token ids"))),
+        None => return Err(bad(format!("missing '{ids_key}'"))),
+    };
+    if input_ids.is_empty() {
+        return Err(bad(format!("'{ids_key}' is empty")));
+    }
+    let labels: Vec<i64> = match obj.get(&labels_key) {
+        None | Some(Value::Null) => input_ids.iter().map(|&t| t as i64).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_i64().filter(|&n| n >= 0 || n == IGNORE_INDEX))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad(format!("'{labels_key}' must hold token ids or -100")))?,
+        Some(_) => return Err(bad(format!("'{labels_key}' must be a list"))),
+    };
+    if labels.len() != input_ids.len() {
+        return Err(bad(format!(
+            "'{labels_key}' has {} entries but '{ids_key}' has {}",
+            labels.len(),
+            input_ids.len()
+        )));
+    }
+    Ok(TokenizedExample { input_ids, labels })
 }
 
 #[cfg(test)]
@@ -118,6 +174,22 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn preference_pairs_and_their_errors() {
+        let p = write(
+            "pairs",
+            "{\"chosen_input_ids\": [1, 2], \"chosen_labels\": [-100, 2], \"rejected_input_ids\": [1, 3, 4]}\n",
+        );
+        assert!(holds_pairs(&p));
+        let pairs = read_tokenized_pairs_jsonl(&p).unwrap();
+        assert_eq!(pairs[0].chosen.labels, vec![-100, 2]);
+        assert_eq!(pairs[0].rejected.labels, vec![1, 3, 4]);
+        let p = write("pairs-bad", "{\"chosen_input_ids\": [1, 2]}\n");
+        let msg = read_tokenized_pairs_jsonl(&p).unwrap_err().to_string();
+        assert!(msg.contains("1: missing 'rejected_input_ids'"), "{msg}");
+        assert!(!holds_pairs(&write("plain", "{\"input_ids\": [1]}\n")));
     }
 
     #[test]

@@ -554,3 +554,135 @@ fn errors_name_the_problem() {
         }
     }
 }
+
+/// torchtune's preference builders tokenize each side exactly as the SFT builders tokenize the
+/// same conversation (those are checked against transformers above): `preference_dataset`
+/// (message lists, with `column_map` and `new_system_prompt`) as `chat_dataset`,
+/// `stack_exchange_paired_dataset` (question / response_j / response_k) as `instruct_dataset`;
+/// `max_seq_len` truncates alike. Pairs and sequences are refused by each other's builders.
+#[test]
+fn preference_builders_tokenize_each_side_as_the_sft_builders() {
+    use ferrotune_data::dataset::build_preference_dataset;
+    let dir = std::env::temp_dir().join(format!("ferrotune-pref-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let chats: Vec<Value> = std::fs::read_to_string(data_dir().join("chat_openai.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let worse = |conv: &Value| {
+        let mut messages = conv["messages"].as_array().unwrap().clone();
+        let last = messages.len() - 1;
+        messages[last]["content"] = json!("I would rather not say.");
+        json!({ "messages": messages })
+    };
+    let write = |name: &str, rows: Vec<Value>| {
+        let path = dir.join(name);
+        let text: Vec<String> = rows.iter().map(Value::to_string).collect();
+        std::fs::write(&path, text.join("\n") + "\n").unwrap();
+        path.display().to_string()
+    };
+    let pairs_file = write(
+        "pairs.jsonl",
+        chats
+            .iter()
+            .map(|c| json!({"good": c["messages"], "bad": worse(c)["messages"]}))
+            .collect(),
+    );
+    let chosen_file = write("chosen.jsonl", chats.clone());
+    let rejected_file = write("rejected.jsonl", chats.iter().map(worse).collect());
+    for tok in ["qwen3", "llama2"] {
+        let tokenizer = real_tokenizer(tok);
+        for extra in [
+            json!({}),
+            json!({"max_seq_len": 12, "new_system_prompt": "Be kind."}),
+        ] {
+            let with = |mut section: Value| {
+                for (k, v) in extra.as_object().unwrap() {
+                    section[k] = v.clone();
+                }
+                section
+            };
+            let pairs = build_preference_dataset(
+                &with(
+                    json!({"_component_": "torchtune.datasets.preference_dataset",
+                    "source": pairs_file, "column_map": {"chosen": "good", "rejected": "bad"}}),
+                ),
+                &tokenizer,
+                &dir,
+            )
+            .unwrap();
+            let chat = |file: &str| {
+                build(
+                    with(json!({"_component_": "chat_dataset", "source": file,
+                        "conversation_style": "openai"})),
+                    tok,
+                )
+                .rows
+            };
+            let (chosen, rejected) = (chat(&chosen_file), chat(&rejected_file));
+            assert_eq!(pairs.len(), chats.len());
+            for (i, pair) in pairs.iter().enumerate() {
+                assert_eq!(pair.chosen, chosen[i], "{tok} {extra} pair {i} chosen");
+                assert_eq!(
+                    pair.rejected, rejected[i],
+                    "{tok} {extra} pair {i} rejected"
+                );
+                if extra.get("max_seq_len").is_none() {
+                    assert_ne!(pair.chosen.input_ids, pair.rejected.input_ids);
+                }
+            }
+        }
+
+        let qa = write(
+            "stack.jsonl",
+            vec![
+                json!({"question": "Why is the sky blue?", "response_j": "Rayleigh scattering.",
+                "response_k": "Because it is."}),
+            ],
+        );
+        let pairs = build_preference_dataset(
+            &json!({"_component_": "stack_exchange_paired_dataset", "source": qa}),
+            &tokenizer,
+            &dir,
+        )
+        .unwrap();
+        for (side, column) in [
+            (&pairs[0].chosen, "response_j"),
+            (&pairs[0].rejected, "response_k"),
+        ] {
+            let want = build(
+                json!({"_component_": "instruct_dataset", "source": qa,
+                    "column_map": {"input": "question", "output": column}}),
+                tok,
+            )
+            .rows;
+            assert_eq!(side, &want[0], "{tok} stack_exchange_paired {column}");
+        }
+    }
+
+    let tokenizer = real_tokenizer("llama2");
+    let err = |section: Value| {
+        build_preference_dataset(&section, &tokenizer, &dir)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(
+        err(json!({"_component_": "chat_dataset", "source": chosen_file,
+            "conversation_style": "openai"}))
+        .contains("gives single sequences"),
+    );
+    assert!(err(
+        json!({"_component_": "preference_dataset", "source": pairs_file,
+        "packed": true})
+    )
+    .contains("packed"));
+    assert!(
+        err(json!({"_component_": "preference_dataset", "source": pairs_file}))
+            .contains("'chosen'")
+    );
+    assert!(
+        build_err(json!({"_component_": "preference_dataset", "source": pairs_file}))
+            .contains("only the DPO recipes")
+    );
+}

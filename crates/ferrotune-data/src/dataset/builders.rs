@@ -362,3 +362,102 @@ impl ChatSpec {
 pub(crate) fn text_of(table: &Table, record: &Record, column: &str) -> Result<String> {
     Ok(cell_text(table, record, column, false)?.unwrap_or_default())
 }
+
+/// The preference builders' columns: two lists of messages (`preference_dataset`,
+/// `hh_rlhf_helpful_dataset`: torchtune's `ChosenRejectedToMessages`), or one prompt and two
+/// responses (`stack_exchange_paired_dataset`: `StackExchangePairedToMessages`).
+pub(crate) enum PairSpec {
+    Messages {
+        chosen: ChatSpec,
+        rejected: ChatSpec,
+    },
+    Texts {
+        prompt: String,
+        chosen: String,
+        rejected: String,
+        train_on_input: bool,
+    },
+}
+
+impl PairSpec {
+    /// Reads `column_map`, `train_on_input` (default false) and, for message lists,
+    /// `new_system_prompt`.
+    pub fn from_section(section: &Map<String, Value>, texts: bool) -> Result<Self> {
+        let columns = column_map(section)?;
+        let column =
+            |key: &str, default: &str| mapped(&columns, key).unwrap_or(default).to_string();
+        let train_on_input = get_bool(section, "train_on_input", false)?;
+        if texts {
+            return Ok(PairSpec::Texts {
+                prompt: column("prompt", "question"),
+                chosen: column("chosen", "response_j"),
+                rejected: column("rejected", "response_k"),
+                train_on_input,
+            });
+        }
+        let system = get_str(section, "new_system_prompt")?.map(str::to_string);
+        let side = |key: &str| ChatSpec {
+            style: ChatStyle::OpenAi,
+            column: column(key, key),
+            train_on_input,
+            system: system.clone(),
+        };
+        Ok(PairSpec::Messages {
+            chosen: side("chosen"),
+            rejected: side("rejected"),
+        })
+    }
+
+    /// Checks the needed columns exist before any row is read.
+    pub fn check(&self, table: &Table) -> Result<()> {
+        match self {
+            PairSpec::Messages { chosen, rejected } => {
+                table.require(&chosen.column)?;
+                table.require(&rejected.column)
+            }
+            PairSpec::Texts {
+                prompt,
+                chosen,
+                rejected,
+                ..
+            } => {
+                table.require(prompt)?;
+                table.require(chosen)?;
+                table.require(rejected)
+            }
+        }
+    }
+
+    /// The chosen and the rejected conversation of a row.
+    pub fn conversations(
+        &self,
+        table: &Table,
+        record: &Record,
+    ) -> Result<(Conversation, Conversation)> {
+        match self {
+            PairSpec::Messages { chosen, rejected } => Ok((
+                chosen.conversation(table, record)?,
+                rejected.conversation(table, record)?,
+            )),
+            PairSpec::Texts {
+                prompt,
+                chosen,
+                rejected,
+                train_on_input,
+            } => {
+                let prompt = cell_text(table, record, prompt, false)?.unwrap_or_default();
+                let side = |column: &str| -> Result<Conversation> {
+                    let response = cell_text(table, record, column, false)?.unwrap_or_default();
+                    Ok(Conversation {
+                        messages: vec![
+                            ChatMessage::new("user", prompt.clone()),
+                            ChatMessage::new("assistant", response),
+                        ],
+                        train_on_input: *train_on_input,
+                    })
+                };
+                Ok((side(chosen)?, side(rejected)?))
+            }
+        }
+    }
+}

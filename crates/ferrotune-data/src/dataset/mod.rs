@@ -16,6 +16,14 @@
 //! | `text_completion_dataset` | `column` (`text`) | none: loss on every token | — |
 //! | `tokenized_dataset` | JSONL `input_ids`, `labels` (optional; -100 = no loss) | none | — |
 //!
+//! Preference pairs, for the DPO recipes ([`build_preference_dataset`]): `preference_dataset` and
+//! `hh_rlhf_helpful_dataset` (columns `chosen` and `rejected`, each a list of messages, as
+//! `chat_dataset`'s openai style), `stack_exchange_paired_dataset` (text columns `question`,
+//! `response_j`, `response_k`; `column_map` keys `prompt`, `chosen`, `rejected`), and
+//! `tokenized_dataset` rows `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`,
+//! `rejected_labels`. Each side is tokenized as the SFT builders tokenize a conversation;
+//! [`collate_pairs`] lays a batch out as torchtune's `padded_collate_dpo`.
+//!
 //! - `template` (instruct_dataset): `AlpacaInstructTemplate` (placeholders `instruction`,
 //!   `input`), `SummarizeTemplate` (`dialogue`), `GrammarErrorCorrectionTemplate` (`sentence`),
 //!   `QuestionAnswerTemplate` (`question`), or none; the class path `torchtune.data.X` or the short
@@ -140,6 +148,9 @@ enum Builder {
     Chat,
     TextCompletion,
     Tokenized,
+    Preference,
+    StackExchangePaired,
+    HhRlhfHelpful,
 }
 
 impl Builder {
@@ -156,11 +167,15 @@ impl Builder {
             "chat_dataset" => Builder::Chat,
             "text_completion_dataset" => Builder::TextCompletion,
             "tokenized_dataset" => Builder::Tokenized,
+            "preference_dataset" => Builder::Preference,
+            "stack_exchange_paired_dataset" => Builder::StackExchangePaired,
+            "hh_rlhf_helpful_dataset" => Builder::HhRlhfHelpful,
             _ => {
                 return Err(DataError::Dataset(format!(
                     "unknown dataset _component_ '{component}' (known: instruct_dataset, \
                      chat_dataset, text_completion_dataset, tokenized_dataset, alpaca_dataset, \
-                     alpaca_cleaned_dataset, samsum_dataset, grammar_dataset)"
+                     alpaca_cleaned_dataset, samsum_dataset, grammar_dataset; preference pairs: \
+                     preference_dataset, stack_exchange_paired_dataset, hh_rlhf_helpful_dataset)"
                 )))
             }
         })
@@ -172,10 +187,36 @@ impl Builder {
             Builder::AlpacaCleaned => Some("yahma/alpaca-cleaned"),
             Builder::Samsum => Some("Samsung/samsum"),
             Builder::Grammar => Some("liweili/c4_200m"),
+            Builder::StackExchangePaired => Some("lvwerra/stack-exchange-paired"),
+            Builder::HhRlhfHelpful => Some("RLHFlow/HH-RLHF-Helpful-standard"),
             _ => None,
         }
     }
+
+    /// Whether the builder gives chosen/rejected pairs (the DPO recipes) rather than sequences.
+    fn gives_pairs(self) -> bool {
+        matches!(
+            self,
+            Builder::Preference | Builder::StackExchangePaired | Builder::HhRlhfHelpful
+        )
+    }
 }
+
+/// One preference pair (torchtune's `PreferenceDataset` sample): the chosen and the rejected
+/// conversation, each as a row whose prompt tokens carry no label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreferencePair {
+    /// The preferred conversation.
+    pub chosen: Row,
+    /// The dispreferred conversation.
+    pub rejected: Row,
+}
+
+/// What the DPO recipes are told when given a dataset of single sequences, and the SFT recipes
+/// when given pairs.
+const PAIRS_NEEDED: &str = "the DPO recipes train on preference pairs: use preference_dataset, \
+    stack_exchange_paired_dataset, hh_rlhf_helpful_dataset, or tokenized_dataset rows with \
+    chosen_input_ids/chosen_labels/rejected_input_ids/rejected_labels";
 
 /// The id padding uses: the tokenizer's pad id, else its EOS id, else 0.
 pub fn default_pad_id(tokenizer: &Tokenizer) -> u32 {
@@ -252,22 +293,18 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
     let component = builders::get_str(&map, "_component_")?
         .ok_or_else(|| DataError::Dataset("the dataset section has no '_component_'".into()))?;
     let builder = Builder::parse(component)?;
+    if builder.gives_pairs() {
+        return Err(DataError::Dataset(format!(
+            "'{component}' gives preference pairs (chosen/rejected), which only the DPO recipes \
+             (lora_dpo_single_device, lora_dpo_distributed, full_dpo_distributed) train on"
+        )));
+    }
     if map.get("filter_fn").is_some_and(|v| !v.is_null()) {
         return Err(DataError::Unsupported(
             "dataset 'filter_fn' is not supported: filter the data files instead".into(),
         ));
     }
-    let max_seq_len = match map.get("max_seq_len") {
-        None | Some(Value::Null) => None,
-        Some(v) => match v.as_u64() {
-            Some(n) if n > 0 => Some(n as usize),
-            _ => {
-                return Err(DataError::Dataset(format!(
-                    "dataset 'max_seq_len' must be a positive integer, got {v}"
-                )))
-            }
-        },
-    };
+    let max_seq_len = max_seq_len_of(&map)?;
     let packed = builders::get_bool(&map, "packed", false)?;
     if packed && max_seq_len.is_none() {
         return Err(DataError::Dataset(
@@ -279,7 +316,19 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
 
     let mut samples: Vec<(Vec<u32>, Vec<i64>)> = Vec::new();
     if builder == Builder::Tokenized {
-        samples = tokenized_samples(&source, &split)?;
+        samples = tokenized_files(&source, &split, |path| {
+            if crate::tokenized::holds_pairs(path) {
+                return Err(DataError::Dataset(format!(
+                    "{}: the rows are preference pairs (chosen_input_ids, ...), which only the \
+                     DPO recipes train on",
+                    path.display()
+                )));
+            }
+            Ok(crate::tokenized::read_tokenized_jsonl(path)?
+                .into_iter()
+                .map(|e| (e.input_ids, e.labels))
+                .collect())
+        })?;
         if let Some(max) = max_seq_len {
             for (ids, labels) in &mut samples {
                 ids.truncate(max);
@@ -340,7 +389,7 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
                         &[("input", "input"), ("output", "output")],
                         false,
                     )?,
-                    _ => unreachable!("handled above"),
+                    _ => unreachable!("handled above (pairs builders are refused first)"),
                 };
                 spec.check(&table)?;
                 for record in &table.rows {
@@ -395,8 +444,13 @@ fn encode_sft(
     check_nonempty(ids, labels, table, record)
 }
 
-/// `tokenized_dataset`: pre-tokenized JSON Lines files of the split, sliced like any split.
-fn tokenized_samples(source: &source::Source, split: &str) -> Result<Vec<(Vec<u32>, Vec<i64>)>> {
+/// `tokenized_dataset`: the pre-tokenized JSON Lines files of the split, each read by `read`,
+/// sliced like any split.
+fn tokenized_files<T>(
+    source: &source::Source,
+    split: &str,
+    read: impl Fn(&Path) -> Result<Vec<T>>,
+) -> Result<Vec<T>> {
     let splits = match source {
         source::Source::Local(splits) => splits,
         source::Source::Hub { repo, .. } => {
@@ -426,15 +480,144 @@ fn tokenized_samples(source: &source::Source, split: &str) -> Result<Vec<(Vec<u3
                     path.display()
                 )));
             }
-            rows.extend(crate::tokenized::read_tokenized_jsonl(path)?);
+            rows.extend(read(path)?);
         }
         let range = part.range(rows.len())?;
-        out.extend(
-            rows.drain(range)
-                .map(|example| (example.input_ids, example.labels)),
-        );
+        out.extend(rows.drain(range));
     }
     Ok(out)
+}
+
+fn max_seq_len_of(map: &Map<String, Value>) -> Result<Option<usize>> {
+    match map.get("max_seq_len") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 => Ok(Some(n as usize)),
+            _ => Err(DataError::Dataset(format!(
+                "dataset 'max_seq_len' must be a positive integer, got {v}"
+            ))),
+        },
+    }
+}
+
+/// Builds the preference pairs a DPO recipe's `dataset` section describes (a mapping, or a list
+/// of mappings concatenated): torchtune's `preference_dataset` (columns `chosen` and `rejected`,
+/// each a list of messages), `stack_exchange_paired_dataset` (text columns `question`,
+/// `response_j` = chosen, `response_k` = rejected), `hh_rlhf_helpful_dataset` (as
+/// `preference_dataset`), or `tokenized_dataset` rows of pairs. Each side is tokenized as an SFT
+/// conversation is (same template, masking and `max_seq_len` truncation).
+pub fn build_preference_dataset(
+    section: &Value,
+    tokenizer: &Tokenizer,
+    base_dir: &Path,
+) -> Result<Vec<PreferencePair>> {
+    match section {
+        Value::Array(sections) => {
+            if sections.is_empty() {
+                return Err(DataError::Dataset("the dataset list is empty".into()));
+            }
+            let mut pairs = Vec::new();
+            for (i, s) in sections.iter().enumerate() {
+                let part = build_pairs(s, tokenizer, base_dir).map_err(|e| match e {
+                    DataError::Dataset(m) => DataError::Dataset(format!("dataset {}: {m}", i + 1)),
+                    other => other,
+                })?;
+                pairs.extend(part);
+            }
+            Ok(pairs)
+        }
+        other => build_pairs(other, tokenizer, base_dir),
+    }
+}
+
+fn build_pairs(
+    section: &Value,
+    tokenizer: &Tokenizer,
+    base_dir: &Path,
+) -> Result<Vec<PreferencePair>> {
+    let mut map = section_map(section)?;
+    let component = builders::get_str(&map, "_component_")?
+        .ok_or_else(|| DataError::Dataset("the dataset section has no '_component_'".into()))?
+        .to_string();
+    let builder = Builder::parse(&component)?;
+    if !builder.gives_pairs() && builder != Builder::Tokenized {
+        return Err(DataError::Dataset(format!(
+            "'{component}' gives single sequences; {PAIRS_NEEDED}"
+        )));
+    }
+    if map.get("filter_fn").is_some_and(|v| !v.is_null()) {
+        return Err(DataError::Unsupported(
+            "dataset 'filter_fn' is not supported: filter the data files instead".into(),
+        ));
+    }
+    if builders::get_bool(&map, "packed", false)? {
+        return Err(DataError::Unsupported(
+            "dataset 'packed: true' is not supported for preference datasets (torchtune refuses \
+             it too)"
+                .into(),
+        ));
+    }
+    let max_seq_len = max_seq_len_of(&map)?;
+    if builder == Builder::StackExchangePaired && !map.contains_key("source") {
+        // torchtune reads the RL subset of the hub dataset.
+        map.insert("data_dir".into(), Value::String("data/rl".into()));
+    }
+    let (source, split) = source_of(&map, builder.default_source(), base_dir)?;
+    let truncate = |ids: &mut Vec<u32>, labels: &mut Vec<i64>| {
+        if let Some(max) = max_seq_len {
+            ids.truncate(max);
+            labels.truncate(max);
+        }
+    };
+    if builder == Builder::Tokenized {
+        let pairs = tokenized_files(&source, &split, |path| {
+            if !crate::tokenized::holds_pairs(path) {
+                return Err(DataError::Dataset(format!(
+                    "{}: the rows are single sequences; {PAIRS_NEEDED}",
+                    path.display()
+                )));
+            }
+            crate::tokenized::read_tokenized_pairs_jsonl(path)
+        })?;
+        return Ok(pairs
+            .into_iter()
+            .map(|p| {
+                let (mut c, mut r) = (p.chosen, p.rejected);
+                truncate(&mut c.input_ids, &mut c.labels);
+                truncate(&mut r.input_ids, &mut r.labels);
+                PreferencePair {
+                    chosen: Row::new(c.input_ids, c.labels),
+                    rejected: Row::new(r.input_ids, r.labels),
+                }
+            })
+            .collect());
+    }
+    let table = source::load_split(&source, &split, source_field(&map)?)?;
+    let encoder = Encoder::new(tokenizer)?;
+    let spec = builders::PairSpec::from_section(&map, builder == Builder::StackExchangePaired)?;
+    spec.check(&table)?;
+    let mut pairs = Vec::with_capacity(table.rows.len());
+    for record in &table.rows {
+        let (chosen, rejected) = spec.conversations(&table, record)?;
+        let (ci, cl) = encode_sft(&encoder, &chosen, max_seq_len, &table, record)?;
+        let (ri, rl) = encode_sft(&encoder, &rejected, max_seq_len, &table, record)?;
+        pairs.push(PreferencePair {
+            chosen: Row::new(ci, cl),
+            rejected: Row::new(ri, rl),
+        });
+    }
+    Ok(pairs)
+}
+
+/// A batch of preference pairs as torchtune's `padded_collate_dpo` lays it out: the chosen rows
+/// of every pair, then their rejected rows, padded to the longest of all.
+pub fn collate_pairs(pairs: &[&PreferencePair], pad_id: u32) -> Batch {
+    let rows: Vec<&Row> = pairs
+        .iter()
+        .map(|p| &p.chosen)
+        .chain(pairs.iter().map(|p| &p.rejected))
+        .collect();
+    collate(&rows, pad_id)
 }
 
 /// Packs samples (each at most `max_len` tokens) into rows of exactly `max_len`, in order.
