@@ -308,6 +308,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         num_targets: a.batch * (a.seq - prompt.max(1)),
         num_tokens: a.batch * a.seq,
         distill: None,
+        preference: None,
     };
     let (mut fb_s, mut opt_s) = (0.0f64, 0.0f64);
     let mut step = |model: &CausalLm, profile: bool| -> Result<f64> {

@@ -54,6 +54,9 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
     ("full_finetune_distributed", FINETUNE_SOURCE),
     ("knowledge_distillation_single_device", FINETUNE_SOURCE),
     ("knowledge_distillation_distributed", FINETUNE_SOURCE),
+    ("lora_dpo_single_device", FINETUNE_SOURCE),
+    ("lora_dpo_distributed", FINETUNE_SOURCE),
+    ("full_dpo_distributed", FINETUNE_SOURCE),
     (
         "generate",
         include_str!("../../ferrotune-train/src/recipe/generate.rs"),

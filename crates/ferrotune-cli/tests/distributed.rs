@@ -349,6 +349,95 @@ fn distillation_on_two_ranks_equals_one_device() {
     );
 }
 
+/// 16 preference pairs of different lengths: a shared prompt (no labels), then two different
+/// responses, as pre-tokenized JSONL. Token ids run from 3 to `vocab - 1`.
+fn write_pairs(path: &Path, vocab: u32) {
+    let ids = |seed: u32, len: u32| -> Vec<u32> {
+        (0..len)
+            .map(|j| (seed * 37 + j * 11) % (vocab - 3) + 3)
+            .collect()
+    };
+    let mut lines = Vec::new();
+    for i in 0..16u32 {
+        let prompt = ids(i, 3 + i % 4);
+        let side = |seed: u32, len: u32| {
+            let response = ids(seed, len);
+            let input: Vec<u32> = prompt.iter().chain(&response).copied().collect();
+            let labels: Vec<i64> = std::iter::repeat_n(-100, prompt.len())
+                .chain(response.iter().map(|&t| t as i64))
+                .collect();
+            (input, labels)
+        };
+        let (ci, cl) = side(i + 100, 4 + (i * 3) % 7);
+        let (ri, rl) = side(i + 200, 3 + (i * 5) % 8);
+        lines.push(
+            serde_json::json!({
+                "chosen_input_ids": ci, "chosen_labels": cl,
+                "rejected_input_ids": ri, "rejected_labels": rl,
+            })
+            .to_string(),
+        );
+    }
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+}
+
+/// DPO on 2 ranks equals one device at the same global batch: LoRA (the reference is the model
+/// with its adapters disabled, gathered from the shards) and full (a frozen reference model on
+/// every rank, the policy's weights sharded).
+#[test]
+fn dpo_on_two_ranks_equals_one_device() {
+    let case = Case::new("dpo", "llama3");
+    let data = case.dir.join("pairs.jsonl");
+    write_pairs(&data, 503);
+    let data = format!("dataset.data_files={}", data.display());
+    let dpo = [
+        data.as_str(),
+        "loss._component_=torchtune.rlhf.loss.DPOLoss",
+        "loss.beta=0.5",
+    ];
+    for (single_recipe, recipe, weights) in [
+        (
+            "lora_dpo_single_device",
+            "lora_dpo_distributed",
+            "adapter_model.safetensors",
+        ),
+        (
+            "full_dpo_distributed",
+            "full_dpo_distributed",
+            "model.safetensors",
+        ),
+    ] {
+        let single = case.dir.join(format!("single-{recipe}"));
+        let mut args = vec!["batch_size=4"];
+        args.extend(dpo);
+        let o = case.run(1, single_recipe, &single, &args, &[]);
+        assert!(o.status.success(), "{}", text(&o));
+        let want = losses(&single.join("logs/metrics.jsonl"));
+        assert_eq!(want.len(), 4, "16 pairs / (4 × 2 accumulation) × 2 epochs");
+        let out = case.dir.join(format!("dist-{recipe}"));
+        let o = case.run(2, recipe, &out, &dpo, &[]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, recipe);
+        let (got, want) = (
+            &metrics_lines(&out.join("logs/metrics.jsonl"))[3],
+            &metrics_lines(&single.join("logs/metrics.jsonl"))[3],
+        );
+        for key in ["rewards/chosen", "rewards/margins", "log_probs/rejected"] {
+            let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+            assert!(
+                (g - w).abs() <= 1e-4 * w.abs().max(1e-2),
+                "{recipe}: {key} {g} vs {w}"
+            );
+        }
+        assert_same_tensors(
+            &out.join("epoch_1").join(weights),
+            &single.join("epoch_1").join(weights),
+            1e-4,
+            recipe,
+        );
+    }
+}
+
 /// A checkpoint written by 2 ranks resumes on one device (the global batch kept), and the run
 /// ends where an uninterrupted single-device run ends.
 #[test]

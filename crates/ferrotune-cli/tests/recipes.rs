@@ -787,3 +787,165 @@ fn knowledge_distillation_step_matches_torchtunes_losses_and_gradients() {
         text(&out)
     );
 }
+
+/// torchtune's `lora_dpo_single_device`: the policy is the model with its LoRA adapter, the
+/// reference the same model with the adapter disabled. One SGD step (lr 1) from a PEFT adapter on
+/// two pre-tokenized pairs logs the loss and torchtune's reward/log-prob/logit metrics computed
+/// with PyTorch + PEFT (scripts/make_dpo_fixtures.py) and saves `start − gradient`; one pair per
+/// micro-batch with 2 accumulation steps gives the same step; RSOLoss likewise.
+#[test]
+fn lora_dpo_step_matches_torchtunes_loss_metrics_and_gradients() {
+    let dir = tmpdir("dpo-sgd");
+    let data = fixtures().join("dpo/pairs.jsonl");
+    let cfg = write_config(&dir, "llama3", &data);
+    let adapter = fixtures().join("llama3/adapter");
+    let want: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("dpo/golden.json")).unwrap())
+            .unwrap();
+    let cases: [(&str, &[&str], &[&str]); 3] = [
+        (
+            "dpo",
+            &[
+                "loss._component_=torchtune.rlhf.loss.DPOLoss",
+                "loss.beta=0.3",
+                "loss.label_smoothing=0.2",
+            ],
+            &[],
+        ),
+        (
+            "dpo",
+            &[
+                "loss._component_=torchtune.rlhf.loss.DPOLoss",
+                "loss.beta=0.3",
+                "loss.label_smoothing=0.2",
+            ],
+            &["batch_size=1", "gradient_accumulation_steps=2"],
+        ),
+        (
+            "rso",
+            &[
+                "loss._component_=torchtune.rlhf.loss.RSOLoss",
+                "loss.gamma=0.4",
+            ],
+            &[],
+        ),
+    ];
+    for (i, (name, loss, batching)) in cases.into_iter().enumerate() {
+        let out_dir = dir.join(format!("out{i}"));
+        let mut args = vec![
+            "run".to_string(),
+            "lora_dpo_single_device".into(),
+            "--config".into(),
+            cfg.display().to_string(),
+            format!("output_dir={}", out_dir.display()),
+            format!("checkpointer.adapter_checkpoint={}", adapter.display()),
+        ];
+        args.extend(
+            loss.iter()
+                .chain(&ONE_SGD_STEP)
+                .chain(batching)
+                .map(|s| s.to_string()),
+        );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = ferrotune(&args, &dir, &[]);
+        let log = text(&out);
+        assert!(out.status.success(), "{log}");
+        let first = &metrics_lines(&out_dir.join("logs/metrics.jsonl"))[0];
+        for (key, tol) in [
+            ("loss", 1e-5),
+            ("log_probs/chosen", 1e-5),
+            ("log_probs/rejected", 1e-5),
+            ("logits/chosen", 1e-3),
+            ("logits/rejected", 1e-3),
+        ] {
+            if key.starts_with("logits/") && !batching.is_empty() {
+                // The mean logit covers padding positions, which one pair per batch has none of.
+                continue;
+            }
+            let (got, w) = (
+                first[key].as_f64().unwrap(),
+                want[name][key].as_f64().unwrap(),
+            );
+            assert!(
+                ((got - w) / w).abs() < tol,
+                "{name} {batching:?}: {key} {got} vs {w}"
+            );
+        }
+        for key in [
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "rewards/accuracies",
+        ] {
+            let (got, w) = (
+                first[key].as_f64().unwrap(),
+                want[name][key].as_f64().unwrap(),
+            );
+            // Scaled differences of f32 sums near -85: a few of their ulps (7.6e-6).
+            assert!(
+                (got - w).abs() < 2e-5,
+                "{name} {batching:?}: {key} {got} vs {w}"
+            );
+        }
+        assert_start_minus_gradient(
+            &out_dir.join("epoch_0/adapter_model.safetensors"),
+            &adapter.join("adapter_model.safetensors"),
+            &fixtures().join(format!("dpo/{name}_grads.safetensors")),
+        );
+    }
+
+    // Single sequences are refused by the DPO recipes, preference losses by the SFT recipes.
+    let rows = dir.join("rows.jsonl");
+    write_golden_rows("llama3", &rows);
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_dpo_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            &format!("dataset.data_files={}", rows.display()),
+            "loss._component_=torchtune.rlhf.loss.DPOLoss",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("the rows are single sequences"),
+        "{}",
+        text(&out)
+    );
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "loss._component_=torchtune.rlhf.loss.DPOLoss",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("is a preference loss"),
+        "{}",
+        text(&out)
+    );
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+        ],
+        &dir,
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("which only the DPO recipes train on"),
+        "{}",
+        text(&out)
+    );
+}

@@ -699,6 +699,22 @@ pub fn trainable_parameters(model: &mut CausalLm) -> Result<Vec<(String, Var)>, 
     Ok(out)
 }
 
+/// Runs `f` on `model` with every adapter taken out (the base model alone, as inside PEFT's
+/// `disable_adapter()` context, which torchtune's LoRA DPO recipes use for the reference
+/// model), then puts the adapters back in place.
+pub fn with_adapters_disabled<R>(model: &mut CausalLm, f: impl FnOnce(&CausalLm) -> R) -> R {
+    let taken: Vec<Option<LoraAdapter>> = model
+        .linears_mut()
+        .into_iter()
+        .map(|(_, linear)| linear.adapter.take())
+        .collect();
+    let result = f(model);
+    for ((_, linear), adapter) in model.linears_mut().into_iter().zip(taken) {
+        linear.adapter = adapter;
+    }
+    result
+}
+
 /// The adapter tensors of `model` under PEFT's file names (as in `adapter_model.safetensors`).
 pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
     let mut out = BTreeMap::new();

@@ -78,6 +78,9 @@ pub const RECIPES: &[&str] = &[
     "lora_finetune_distributed",
     "knowledge_distillation_single_device",
     "knowledge_distillation_distributed",
+    "lora_dpo_single_device",
+    "lora_dpo_distributed",
+    "full_dpo_distributed",
     "generate",
     "eval",
 ];
@@ -498,7 +501,14 @@ const SCHEDULER_KEYS: &[(&str, Ty)] = &[
     ("num_training_steps", Ty::Int),
     ("num_cycles", Ty::Float),
 ];
-const LOSS_KEYS: &[(&str, Ty)] = &[("_component_", Ty::Str), ("num_output_chunks", Ty::Int)];
+const LOSS_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("num_output_chunks", Ty::Int),
+    // DPOLoss / RSOLoss (the DPO recipes).
+    ("beta", Ty::Float),
+    ("label_smoothing", Ty::Float),
+    ("gamma", Ty::Float),
+];
 const LOGGER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
     ("log_dir", Ty::Str),
@@ -523,6 +533,7 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("teacher_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("kd_loss", Ty::Map(KD_LOSS_KEYS)),
     ("kd_ratio", Ty::Float),
+    ("ref_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("tokenizer", Ty::Map(TOKENIZER_KEYS)),
     ("checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("resume_from_checkpoint", Ty::Bool),

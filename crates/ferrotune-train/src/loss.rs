@@ -249,3 +249,91 @@ pub fn kd_loss_sum(
     };
     Ok(LossSum { sum, count })
 }
+
+/// torchtune's preference losses (`loss._component_` of the DPO recipes), on the summed log
+/// probabilities of each pair's chosen and rejected response under the policy and the reference
+/// model. With `z = (π_chosen − π_rejected) − (ref_chosen − ref_rejected)`:
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PreferenceLoss {
+    /// `DPOLoss`: `−(1 − ε) log σ(β z) − ε log σ(−β z)` (β = `beta`, ε = `label_smoothing`).
+    Dpo { beta: f64, label_smoothing: f64 },
+    /// `RSOLoss` (hinge): `max(0, 1 − γ z)` (γ = `gamma`).
+    Rso { gamma: f64 },
+}
+
+impl PreferenceLoss {
+    /// The loss a torchtune component names (`torchtune.rlhf.loss.DPOLoss`, `RSOLoss`; also under
+    /// `torchtune.modules.rlhf.loss`), with its keyword arguments (torchtune's defaults: β 0.1,
+    /// ε 0, γ 0.1).
+    pub fn from_component(
+        component: &str,
+        beta: Option<f64>,
+        label_smoothing: Option<f64>,
+        gamma: Option<f64>,
+    ) -> Option<Self> {
+        match component.rsplit('.').next().unwrap_or(component) {
+            "DPOLoss" => Some(Self::Dpo {
+                beta: beta.unwrap_or(0.1),
+                label_smoothing: label_smoothing.unwrap_or(0.0),
+            }),
+            "RSOLoss" => Some(Self::Rso {
+                gamma: gamma.unwrap_or(0.1),
+            }),
+            _ => None,
+        }
+    }
+
+    /// The factor of the logged rewards (`β · (π − ref)`; γ for RSO).
+    pub fn reward_scale(self) -> f64 {
+        match self {
+            Self::Dpo { beta, .. } => beta,
+            Self::Rso { gamma } => gamma,
+        }
+    }
+}
+
+/// `log(1 + exp(x))` without overflow: `max(x, 0) + log(1 + exp(−|x|))`.
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    let tail = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;
+    x.relu()? + tail
+}
+
+/// The preference loss *summed* over the pairs of a micro-batch. `policy` is `[2n]` (the chosen
+/// responses' summed log probabilities, then the rejected ones', as torchtune's concatenated
+/// batch), differentiable; `reference` the same from the frozen reference (constants).
+pub fn preference_loss_sum(
+    policy: &Tensor,
+    reference: &[f32],
+    loss: PreferenceLoss,
+) -> Result<Tensor> {
+    let rows = policy.dim(0)?;
+    if rows % 2 != 0 || reference.len() != rows {
+        bail!(
+            "preference loss: {rows} policy and {} reference log probabilities; expected the \
+             same even number (chosen rows, then rejected rows)",
+            reference.len()
+        );
+    }
+    let n = rows / 2;
+    let policy = policy.to_dtype(DType::F32)?;
+    let margin = (policy.narrow(0, 0, n)? - policy.narrow(0, n, n)?)?;
+    let ref_margin: Vec<f32> = (0..n).map(|i| reference[i] - reference[n + i]).collect();
+    let z = margin.broadcast_sub(&Tensor::from_vec(ref_margin, n, policy.device())?)?;
+    let losses = match loss {
+        PreferenceLoss::Dpo {
+            beta,
+            label_smoothing,
+        } => {
+            // −log σ(x) = softplus(−x).
+            let bz = (z * beta)?;
+            let chosen = (softplus(&bz.neg()?)? * (1.0 - label_smoothing))?;
+            if label_smoothing == 0.0 {
+                chosen
+            } else {
+                (chosen + (softplus(&bz)? * label_smoothing)?)?
+            }
+        }
+        PreferenceLoss::Rso { gamma } => ((z * -gamma)? + 1.0)?.relu()?,
+    };
+    losses.sum_all()
+}

@@ -19,7 +19,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use ferrotune_models::{AttentionLayout, CausalLm, Unit};
 
-use crate::loss::{causal_lm_head_loss, causal_lm_loss, kd_loss_sum, KdLoss};
+use crate::loss::{
+    causal_lm_head_loss, causal_lm_loss, kd_loss_sum, preference_loss_sum, KdLoss, PreferenceLoss,
+};
 
 /// One micro-batch as tensors.
 #[derive(Debug, Clone)]
@@ -36,6 +38,19 @@ pub struct MicroBatch {
     pub num_tokens: usize,
     /// Knowledge distillation: the teacher's logits for this batch, and how to mix the losses.
     pub distill: Option<Distill>,
+    /// Preference optimization: the batch is `n` chosen rows then their `n` rejected rows, and
+    /// the loss compares their log probabilities with the reference model's.
+    pub preference: Option<Preference>,
+}
+
+/// What a DPO run adds to a micro-batch (torchtune's `lora_dpo_*` / `full_dpo_distributed`).
+#[derive(Debug, Clone)]
+pub struct Preference {
+    /// The reference model's summed log probability of each row's response (`[2n]`, chosen rows
+    /// first), from [`reference_log_probs`].
+    pub reference_logps: Vec<f32>,
+    /// `loss._component_`.
+    pub loss: PreferenceLoss,
 }
 
 /// What a distillation run adds to a micro-batch (torchtune's `knowledge_distillation_*`).
@@ -57,6 +72,8 @@ pub struct StepLoss {
     pub sum: f64,
     pub class: f64,
     pub kd: f64,
+    /// Preference optimization's metrics, summed over the pairs.
+    pub pairs: PairStats,
 }
 
 impl std::ops::AddAssign for StepLoss {
@@ -64,44 +81,253 @@ impl std::ops::AddAssign for StepLoss {
         self.sum += o.sum;
         self.class += o.class;
         self.kd += o.kd;
+        self.pairs += o.pairs;
     }
+}
+
+/// What torchtune's DPO recipes log, as sums over the pairs of a step (the recipe divides by the
+/// number of pairs): rewards `scale · (π − ref)` of the chosen and rejected responses, how many
+/// pairs reward the chosen one more, the policy's summed log probabilities, and the mean logit
+/// of the chosen and rejected rows (each micro-batch's mean, weighted by its pairs).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PairStats {
+    pub chosen_reward: f64,
+    pub rejected_reward: f64,
+    pub correct: f64,
+    pub chosen_logps: f64,
+    pub rejected_logps: f64,
+    pub chosen_logits: f64,
+    pub rejected_logits: f64,
+}
+
+impl PairStats {
+    /// The sums in a fixed order, to all-reduce across ranks.
+    pub fn to_vec(self) -> Vec<f64> {
+        vec![
+            self.chosen_reward,
+            self.rejected_reward,
+            self.correct,
+            self.chosen_logps,
+            self.rejected_logps,
+            self.chosen_logits,
+            self.rejected_logits,
+        ]
+    }
+
+    /// The inverse of [`PairStats::to_vec`].
+    pub fn from_slice(v: &[f64]) -> Self {
+        Self {
+            chosen_reward: v[0],
+            rejected_reward: v[1],
+            correct: v[2],
+            chosen_logps: v[3],
+            rejected_logps: v[4],
+            chosen_logits: v[5],
+            rejected_logits: v[6],
+        }
+    }
+
+    /// torchtune's metric names and values for `pairs` pairs.
+    pub fn metrics(&self, pairs: usize) -> Vec<(&'static str, f64)> {
+        let n = pairs.max(1) as f64;
+        vec![
+            ("rewards/chosen", self.chosen_reward / n),
+            ("rewards/rejected", self.rejected_reward / n),
+            ("rewards/accuracies", self.correct / n),
+            (
+                "rewards/margins",
+                (self.chosen_reward - self.rejected_reward) / n,
+            ),
+            ("log_probs/chosen", self.chosen_logps / n),
+            ("log_probs/rejected", self.rejected_logps / n),
+            ("logits/chosen", self.chosen_logits / n),
+            ("logits/rejected", self.rejected_logits / n),
+        ]
+    }
+}
+
+impl std::ops::AddAssign for PairStats {
+    fn add_assign(&mut self, o: Self) {
+        self.chosen_reward += o.chosen_reward;
+        self.rejected_reward += o.rejected_reward;
+        self.correct += o.correct;
+        self.chosen_logps += o.chosen_logps;
+        self.rejected_logps += o.rejected_logps;
+        self.chosen_logits += o.chosen_logits;
+        self.rejected_logits += o.rejected_logits;
+    }
+}
+
+/// What the head of a micro-batch computed besides the tensor to back-propagate.
+enum HeadParts {
+    /// Plain cross-entropy.
+    None,
+    /// Distillation: the cross-entropy and the distillation loss.
+    Distill(Tensor, Tensor),
+    /// Preference optimization: the metrics, already read.
+    Pairs(PairStats),
+}
+
+/// The summed log probability of each row's labelled tokens (`[rows]`, labels shifted as the
+/// loss shifts them): minus each row's cross-entropy sum, through the chunked head where it
+/// applies. Differentiable when `hidden` is.
+pub fn sequence_log_probs(hidden: &Tensor, model: &CausalLm, labels: &Tensor) -> Result<Tensor> {
+    let rows = hidden.dim(0)?;
+    let mut out = Vec::with_capacity(rows);
+    for r in 0..rows {
+        let ce = causal_lm_head_loss(
+            &hidden.narrow(0, r, 1)?,
+            model,
+            &labels.narrow(0, r, 1)?,
+            true,
+        )?;
+        out.push(ce.sum.neg()?.reshape(1)?);
+    }
+    Tensor::cat(&out, 0)
+}
+
+/// The reference model's [`sequence_log_probs`] of `batch` (no gradient is recorded: call it on a
+/// model without trainable tensors, e.g. inside `peft::with_adapters_disabled`).
+pub fn reference_log_probs(model: &CausalLm, batch: &MicroBatch) -> Result<Vec<f32>> {
+    let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
+    sequence_log_probs(&hidden, model, &batch.labels)?
+        .detach()
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()
+}
+
+/// The mean logit over rows `start..start + len` of `hidden` and every position and vocabulary
+/// entry (a logged metric; no gradient). Where the head is affine (no softcap) the logits are
+/// never formed: the mean of an affine map is the map of the mean, so it is the mean hidden state
+/// against the head's mean row (`1ᵀW / V`, one GEMV in the weight's dtype with f32
+/// accumulation; no f32 copy of `[V, h]`). With Gemma 2's softcap the logits are formed in
+/// chunks of positions.
+fn mean_logit(model: &CausalLm, hidden: &Tensor, start: usize, len: usize) -> Result<f64> {
+    let head = &model.lm_head;
+    let weight = head.weight.dense()?;
+    let weight = match &head.adapter {
+        // DoRA rescales rows by their norms: only the merged weight says what the rows are.
+        Some(adapter) if adapter.dora_magnitude.is_some() => std::borrow::Cow::Owned(
+            adapter
+                .merged_weight(&weight.to_dtype(adapter.a.dtype())?)?
+                .detach(),
+        ),
+        _ => weight,
+    };
+    let (vocab, h) = weight.dims2()?;
+    let bias = head
+        .bias
+        .as_ref()
+        .map(|b| b.detach().to_dtype(DType::F32))
+        .transpose()?;
+    let rows = hidden.narrow(0, start, len)?.detach();
+    let flat = rows.reshape(((), h))?;
+    let Some(cap) = model.config.final_logit_softcapping else {
+        let ones = Tensor::ones((1, vocab), weight.dtype(), weight.device())?;
+        let mut mean_row = (ones.matmul(&weight)?.to_dtype(DType::F32)? / vocab as f64)?;
+        if let Some(adapter) = head.adapter.as_ref().filter(|a| a.dora_magnitude.is_none()) {
+            // W + s·BA: the mean row gains s · (mean row of B) · A.
+            let ones = ones.to_dtype(adapter.b.dtype())?;
+            let b_mean = (ones.matmul(&adapter.b.detach())? / vocab as f64)?;
+            let delta = (b_mean.matmul(&adapter.a.detach())? * adapter.scale)?;
+            mean_row = (mean_row + delta.to_dtype(DType::F32)?)?;
+        }
+        let mean_h = flat.to_dtype(DType::F32)?.mean_keepdim(0)?;
+        let dot = (mean_h * mean_row)?.sum_all()?.to_dtype(DType::F64)?;
+        let bias_mean = match &bias {
+            Some(b) => b.to_dtype(DType::F64)?.mean_all()?.to_scalar::<f64>()?,
+            None => 0.0,
+        };
+        return Ok(dot.to_scalar::<f64>()? + bias_mean);
+    };
+    // Chunks of positions small enough that their f32 logits stay near 64 MB.
+    let n = flat.dim(0)?;
+    let chunk = (16_000_000 / vocab).clamp(1, n.max(1));
+    let mut total = 0.0;
+    for first in (0..n).step_by(chunk) {
+        let part = flat.narrow(0, first, chunk.min(n - first))?;
+        let mut logits = part
+            .to_dtype(weight.dtype())?
+            .matmul(&weight.t()?)?
+            .to_dtype(DType::F32)?;
+        if let Some(b) = &bias {
+            logits = logits.broadcast_add(b)?;
+        }
+        let capped = ((logits / cap)?.tanh()? * cap)?;
+        total += capped.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    }
+    Ok(total / (n.max(1) * vocab) as f64)
 }
 
 /// The loss at the head for `hidden` `[b, t, h]`: the cross-entropy sum (chunked, without
 /// logits, where it can be), or with a teacher `(1 − r) · CE + r · KD` over the full logits;
 /// returns the tensor to back-propagate and, for distillation, its two parts.
-fn head_loss(
-    hidden: &Tensor,
-    model: &CausalLm,
-    batch: &MicroBatch,
-) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+fn head_loss(hidden: &Tensor, model: &CausalLm, batch: &MicroBatch) -> Result<(Tensor, HeadParts)> {
+    if let Some(p) = &batch.preference {
+        return preference_head_loss(hidden, model, batch, p);
+    }
     let Some(d) = &batch.distill else {
         return Ok((
             causal_lm_head_loss(hidden, model, &batch.labels, true)?.sum,
-            None,
+            HeadParts::None,
         ));
     };
     let logits = model.logits(hidden)?;
     let class = causal_lm_loss(&logits, &batch.labels, true)?.sum;
     let kd = kd_loss_sum(&logits, &d.teacher_logits, &batch.labels, d.loss)?.sum;
     let total = ((&class * (1.0 - d.ratio))? + (&kd * d.ratio)?)?;
-    Ok((total, Some((class, kd))))
+    Ok((total, HeadParts::Distill(class, kd)))
+}
+
+/// [`head_loss`] of a preference batch: the pairs' summed loss, and their metrics.
+fn preference_head_loss(
+    hidden: &Tensor,
+    model: &CausalLm,
+    batch: &MicroBatch,
+    p: &Preference,
+) -> Result<(Tensor, HeadParts)> {
+    let logps = sequence_log_probs(hidden, model, &batch.labels)?;
+    let total = preference_loss_sum(&logps, &p.reference_logps, p.loss)?;
+    let n = logps.dim(0)? / 2;
+    let values = logps.detach().to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let reference = &p.reference_logps;
+    let scale = p.loss.reward_scale();
+    let mut stats = PairStats::default();
+    for i in 0..n {
+        // In f32, as torchtune's tensors: `chosen > rejected` is decided on the rounded rewards.
+        let chosen = (scale as f32) * (values[i] - reference[i]);
+        let rejected = (scale as f32) * (values[n + i] - reference[n + i]);
+        stats.chosen_reward += chosen as f64;
+        stats.rejected_reward += rejected as f64;
+        stats.correct += f64::from(u8::from(chosen > rejected));
+        stats.chosen_logps += values[i] as f64;
+        stats.rejected_logps += values[n + i] as f64;
+    }
+    stats.chosen_logits = mean_logit(model, hidden, 0, n)? * n as f64;
+    stats.rejected_logits = mean_logit(model, hidden, n, n)? * n as f64;
+    Ok((total, HeadParts::Pairs(stats)))
 }
 
 /// The values of [`head_loss`]'s tensors (read after the backward is queued).
-fn step_loss(total: &Tensor, parts: Option<&(Tensor, Tensor)>) -> Result<StepLoss> {
+fn step_loss(total: &Tensor, parts: &HeadParts) -> Result<StepLoss> {
     let value = |t: &Tensor| t.to_dtype(DType::F64)?.to_scalar::<f64>();
     let sum = value(total)?;
     Ok(match parts {
-        None => StepLoss {
+        HeadParts::None => StepLoss {
             sum,
             class: sum,
-            kd: 0.0,
+            ..StepLoss::default()
         },
-        Some((class, kd)) => StepLoss {
+        HeadParts::Distill(class, kd) => StepLoss {
             sum,
             class: value(class)?,
             kd: value(kd)?,
+            ..StepLoss::default()
+        },
+        HeadParts::Pairs(pairs) => StepLoss {
+            sum,
+            pairs: *pairs,
+            ..StepLoss::default()
         },
     })
 }
@@ -130,7 +356,32 @@ impl MicroBatch {
             num_targets,
             num_tokens,
             distill: None,
+            preference: None,
         })
+    }
+}
+
+impl MicroBatch {
+    /// A batch of preference pairs with their reference log probabilities: the chosen rows, then
+    /// the rejected rows (torchtune's `padded_collate_dpo`). The step's loss is normalised by its
+    /// number of pairs, so `num_targets` counts pairs. As torchtune's DPO recipes, the padding
+    /// is not masked: it is on the right, where causal attention keeps it from every real token,
+    /// and the logged mean logits (over every position) then include padding positions that
+    /// attend as torchtune's do.
+    pub fn from_pairs(
+        pairs: &[&ferrotune_data::dataset::PreferencePair],
+        pad_id: u32,
+        device: &Device,
+    ) -> Result<Self> {
+        let mut batch = Self::from_batch(
+            &ferrotune_data::dataset::collate_pairs(pairs, pad_id),
+            device,
+        )?;
+        for row in &mut batch.layout.key_valid {
+            row.iter_mut().for_each(|v| *v = true);
+        }
+        batch.num_targets = pairs.len();
+        Ok(batch)
     }
 }
 
@@ -174,7 +425,7 @@ pub fn forward_backward(
         absorb(acc, &grads, params)?;
         // Read after the backward is queued: reading first would make the host wait for the
         // forward to finish on a GPU before issuing any of the backward.
-        return Ok(step_loss(&total, parts.as_ref())?);
+        return Ok(step_loss(&total, &parts)?);
     }
     let mut pass = Accumulate { model, params, acc };
     layered_forward_backward(&mut pass, batch, true)
@@ -261,7 +512,7 @@ pub fn layered_forward_backward(
     let hidden = model.final_norm(top.as_tensor())?;
     let (total, parts) = head_loss(&hidden, model, batch)?;
     let mut head_grads = total.backward()?;
-    let value = step_loss(&total, parts.as_ref())?;
+    let value = step_loss(&total, &parts)?;
     drop((hidden, total, parts));
     let mut grad_out = head_grads
         .remove(top.as_tensor())

@@ -65,6 +65,7 @@ fn distillation_losses_and_gradients_match_torchtunes_formulas() {
                     ratio: want["kd_ratio"].as_f64().unwrap(),
                     loss: kind,
                 }),
+                preference: None,
             };
             let mut grads = empty_grads().unwrap();
             let step =

@@ -50,6 +50,7 @@ fn batch(g: &Value, rows: std::ops::Range<usize>) -> MicroBatch {
         num_targets,
         num_tokens: b * t,
         distill: None,
+        preference: None,
     }
 }
 

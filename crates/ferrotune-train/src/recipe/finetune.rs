@@ -1,8 +1,10 @@
-//! `lora_finetune_single_device`, `full_finetune_single_device` and their `_distributed` twins:
-//! setup, the training loop, checkpoints — torchtune's recipes, top to bottom. LoRA and full
-//! fine-tuning differ only in which weights train and what a checkpoint holds; one device and
-//! several ranks differ in which rows a rank takes, how gradients are reduced (through
-//! [`ShardedModel`]) and that rank 0 alone logs and writes — each marked where it happens.
+//! `lora_finetune_single_device`, `full_finetune_single_device` and their `_distributed` twins,
+//! knowledge distillation and DPO: setup, the training loop, checkpoints — torchtune's recipes,
+//! top to bottom. LoRA and full fine-tuning differ only in which weights train and what a
+//! checkpoint holds; one device and several ranks differ in which rows a rank takes, how
+//! gradients are reduced (through [`ShardedModel`]) and that rank 0 alone logs and writes;
+//! distillation adds a teacher's logits to each micro-batch, DPO a reference model's log
+//! probabilities of each pair — each marked where it happens.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Var};
-use ferrotune_data::dataset::{collate, shuffled_order, Row};
+use ferrotune_data::dataset::{collate, shuffled_order, PreferencePair, Row};
 use ferrotune_models::peft::{self, LoraConfig};
 use ferrotune_models::CausalLm;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -28,8 +30,8 @@ use crate::optim::Optimizer;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::step::{
-    dropout_states, empty_grads, forward_backward, set_dropout_states, Distill, MicroBatch,
-    StepLoss,
+    dropout_states, empty_grads, forward_backward, reference_log_probs, set_dropout_states,
+    Distill, MicroBatch, PairStats, Preference, StepLoss,
 };
 
 /// Which weights train.
@@ -42,6 +44,11 @@ pub enum Mode {
     /// LoRA adapters trained against a frozen teacher's outputs as well as the labels
     /// (torchtune's `knowledge_distillation_*`).
     Distill,
+    /// LoRA adapters trained on preference pairs by DPO, the reference being the model with its
+    /// adapters disabled (torchtune's `lora_dpo_*`).
+    Dpo,
+    /// Every weight trained by DPO against a frozen reference model (`full_dpo_distributed`).
+    FullDpo,
 }
 
 impl Mode {
@@ -53,7 +60,55 @@ impl Mode {
             (Mode::Full, true) => "full_finetune_distributed",
             (Mode::Distill, false) => "knowledge_distillation_single_device",
             (Mode::Distill, true) => "knowledge_distillation_distributed",
+            (Mode::Dpo, false) => "lora_dpo_single_device",
+            (Mode::Dpo, true) => "lora_dpo_distributed",
+            // torchtune has no single-device full DPO recipe; one process is a world of one.
+            (Mode::FullDpo, _) => "full_dpo_distributed",
         }
+    }
+
+    /// Whether every weight trains (otherwise LoRA adapters on a frozen base).
+    fn full(self) -> bool {
+        matches!(self, Mode::Full | Mode::FullDpo)
+    }
+
+    /// Whether the data are preference pairs and the loss a preference loss.
+    fn preference(self) -> bool {
+        matches!(self, Mode::Dpo | Mode::FullDpo)
+    }
+}
+
+/// A recipe's training examples: rows, or preference pairs for DPO.
+enum Examples {
+    Rows(Vec<Row>),
+    Pairs(Vec<PreferencePair>),
+}
+
+impl Examples {
+    fn len(&self) -> usize {
+        match self {
+            Examples::Rows(r) => r.len(),
+            Examples::Pairs(p) => p.len(),
+        }
+    }
+
+    /// The micro-batch of examples `picked` (indices), padded with `pad`.
+    fn micro_batch(
+        &self,
+        picked: impl Iterator<Item = usize>,
+        pad: u32,
+        device: &candle_core::Device,
+    ) -> Result<MicroBatch> {
+        Ok(match self {
+            Examples::Rows(rows) => {
+                let rows: Vec<&Row> = picked.map(|i| &rows[i]).collect();
+                MicroBatch::from_batch(&collate(&rows, pad), device)?
+            }
+            Examples::Pairs(pairs) => {
+                let pairs: Vec<&PreferencePair> = picked.map(|i| &pairs[i]).collect();
+                MicroBatch::from_pairs(&pairs, pad, device)?
+            }
+        })
     }
 }
 
@@ -126,7 +181,12 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         }
         None
     };
-    setup::check_loss(cfg)?;
+    let preference_loss = if mode.preference() {
+        Some(setup::preference_loss(cfg)?)
+    } else {
+        setup::check_loss(cfg)?;
+        None
+    };
     // torchtune speed/memory switches that change no number: accepted, and said to be ignored.
     for ignored in [
         "compile",
@@ -197,7 +257,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let tokenizer = setup::tokenizer(cfg, &base_path)?;
     // Full fine-tuning resumes from the saved full weights; LoRA from the base plus the saved adapter.
     let weights_path = match (&saved, mode) {
-        (Some(s), Mode::Full) => s.dir.clone(),
+        (Some(s), m) if m.full() => s.dir.clone(),
         _ => base_path.clone(),
     };
     let t0 = Instant::now();
@@ -209,7 +269,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     };
     let source = match (&saved, mode) {
         // Tokenizer/generation files still come from the original base.
-        (Some(_), Mode::Full) => {
+        (Some(_), m) if m.full() => {
             let (fmt, dir) = base_source(&base_path)?;
             ModelSource { format: fmt, dir }
         }
@@ -224,7 +284,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     ));
 
     let qlora = setup::quantize_base(cfg)?;
-    if qlora && mode == Mode::Full {
+    if qlora && mode.full() {
         bail!(
             "{}: model.quantize_base (a qlora_* builder) freezes the base in NF4; full fine-tuning \
              trains every weight: use a LoRA recipe, or a lora_*/full model builder",
@@ -235,7 +295,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         say(line);
     }
     let (params, lora_config) = match mode {
-        Mode::Lora | Mode::Distill => {
+        Mode::Lora | Mode::Distill | Mode::Dpo => {
             let lc = setup_adapters(
                 cfg,
                 &mut model,
@@ -247,7 +307,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             ferrotune_models::lora::set_training(&mut model, true);
             (peft::trainable_parameters(&mut model)?, Some(lc))
         }
-        Mode::Full => (model.make_all_trainable()?, None),
+        Mode::Full | Mode::FullDpo => (model.make_all_trainable()?, None),
     };
     let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     say(format!(
@@ -270,6 +330,23 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             None
         }
     };
+    // DPO's reference: the base model with the adapters disabled (LoRA), or a frozen copy.
+    let reference = match mode {
+        Mode::FullDpo => Some(setup_reference(
+            cfg, &model, &base_path, dtype, &device, lead,
+        )?),
+        _ => {
+            if lead && mode != Mode::Dpo {
+                note_ignored_keys(cfg, &["ref_checkpointer"], "full_dpo", recipe);
+            }
+            None
+        }
+    };
+    if lead {
+        if let Some(loss) = preference_loss {
+            eprintln!("Preference loss: {loss:?}");
+        }
+    }
     // Distributed: the model is spread over the ranks, and the optimizer updates this rank's part.
     let mut sharded = match &group {
         Some((_, queue, sharding, offload)) => Some(ShardedModel::new(
@@ -286,12 +363,20 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         None => params,
     };
 
-    let dataset = setup::dataset(cfg, &tokenizer)?;
-    let rows = dataset.rows;
+    let examples = if mode.preference() {
+        Examples::Pairs(setup::preference_dataset(cfg, &tokenizer)?)
+    } else {
+        Examples::Rows(setup::dataset(cfg, &tokenizer)?.rows)
+    };
     let pad = setup::pad_id(&tokenizer, &model.config);
     // Validation every `run_val_every_n_steps` optimizer steps on `dataset_val` (torchtune's keys).
     let validation = match cfg.usize("run_val_every_n_steps")?.filter(|&n| n > 0) {
         None => None,
+        Some(_) if mode.preference() => bail!(
+            "{}: run_val_every_n_steps: the DPO recipes have no validation loop (torchtune's \
+             neither)",
+            cfg.origin
+        ),
         Some(every) => {
             if cfg.get("dataset_val").is_none_or(|v| v.is_null()) {
                 bail!(
@@ -314,17 +399,18 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         }
     };
     // Each optimizer step takes batch_size × ranks × gradient_accumulation_steps rows.
-    let batches_per_epoch = rows.len() / (batch_size * world);
+    let batches_per_epoch = examples.len() / (batch_size * world);
     let mut steps_per_epoch = batches_per_epoch / grad_accum;
     if let Some(m) = max_steps {
         steps_per_epoch = steps_per_epoch.min(m);
     }
     if steps_per_epoch == 0 {
         bail!(
-            "{}: the dataset has {} rows, fewer than one optimizer step needs \
+            "{}: the dataset has {} {}, fewer than one optimizer step needs \
              (batch_size {batch_size} × {world} ranks × gradient_accumulation_steps {grad_accum})",
             cfg.origin,
-            rows.len()
+            examples.len(),
+            if mode.preference() { "pairs" } else { "rows" }
         );
     }
     let total_steps = steps_per_epoch * epochs;
@@ -338,7 +424,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         step_in_epoch: 0,
         global_step: 0,
         seed,
-        dataset_rows: rows.len(),
+        dataset_rows: examples.len(),
         steps_per_epoch,
         dropout_states: dropout_states(&model),
         recipe: recipe.to_string(),
@@ -354,7 +440,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         set_dropout_states(&model, &mixed);
     }
     if let Some(s) = &saved {
-        state::check_resumable(s, recipe, rows.len(), steps_per_epoch)?;
+        state::check_resumable(s, recipe, examples.len(), steps_per_epoch)?;
         let full = state::read_optimizer_state(&s.dir, &device)?;
         let mine = match &sharded {
             Some(sm) => sm.shard_optimizer_state(full)?,
@@ -410,9 +496,9 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let mut global_step = start.global_step;
     for epoch in start.epoch..epochs {
         let order: Vec<usize> = if cfg.bool("shuffle")?.unwrap_or(true) {
-            shuffled_order(rows.len(), seed, epoch as u64)
+            shuffled_order(examples.len(), seed, epoch as u64)
         } else {
-            (0..rows.len()).collect()
+            (0..examples.len()).collect()
         };
         let first = if epoch == start.epoch {
             start.step_in_epoch
@@ -434,10 +520,9 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 let b = step_in_epoch * grad_accum + micro;
                 // Rank r takes every world-th row of the step's block (torch's DistributedSampler),
                 // so the ranks together take the rows one device would.
-                let picked: Vec<&Row> = (b * batch_size..(b + 1) * batch_size)
-                    .map(|j| &rows[order[j * world + rank]])
-                    .collect();
-                let mut batch = MicroBatch::from_batch(&collate(&picked, pad), &device)?;
+                let picked =
+                    (b * batch_size..(b + 1) * batch_size).map(|j| order[j * world + rank]);
+                let mut batch = examples.micro_batch(picked, pad, &device)?;
                 if let Some(t) = &teacher {
                     // The teacher's logits for the same tokens (outside autograd: it has no Vars).
                     let teacher_logits = t.model.forward(&batch.input_ids, &batch.layout, None)?;
@@ -445,6 +530,28 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                         teacher_logits,
                         ratio: t.ratio,
                         loss: t.loss,
+                    });
+                }
+                if let Some(loss) = preference_loss {
+                    // The reference model's log probabilities of the same pairs (no gradient).
+                    let reference_logps = match &reference {
+                        Some(r) => reference_log_probs(r, &batch)?,
+                        None => {
+                            if let Some(sm) = &mut sharded {
+                                sm.gather_all(&mut model)?;
+                            }
+                            let logps = peft::with_adapters_disabled(&mut model, |m| {
+                                reference_log_probs(m, &batch)
+                            });
+                            if let Some(sm) = &mut sharded {
+                                sm.release_all(&mut model);
+                            }
+                            logps?
+                        }
+                    };
+                    batch.preference = Some(Preference {
+                        reference_logps,
+                        loss,
                     });
                 }
                 let step = match &mut sharded {
@@ -462,21 +569,26 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             if let Some(sm) = &mut sharded {
                 // The loss is normalised over the target tokens of every rank.
                 sm.finish_reductions()?;
-                let sums = sm.all_reduce_f64(&[
+                let mut local = vec![
                     losses.sum,
                     targets as f64,
                     tokens as f64,
                     losses.class,
                     losses.kd,
-                ])?;
+                ];
+                local.extend(losses.pairs.to_vec());
+                let sums = sm.all_reduce_f64(&local)?;
                 losses.sum = sums[0];
                 targets = sums[1].round() as usize;
                 tokens = sums[2].round() as usize;
                 (losses.class, losses.kd) = (sums[3], sums[4]);
+                losses.pairs = PairStats::from_slice(&sums[5..]);
                 grads = sm.take_grads()?;
             }
-            // Normalise by the target tokens of the whole step (not per micro-batch). Without
-            // clipping the factor is folded into the optimizer's pass over the gradients.
+            // Normalise by the target tokens of the whole step (not per micro-batch); for DPO by
+            // its pairs (`targets` counts pairs), which with equal micro-batches is torchtune's
+            // mean per micro-batch over gradient_accumulation_steps. Without clipping the factor
+            // is folded into the optimizer's pass over the gradients.
             let factor = if targets > 0 {
                 1.0 / targets as f64
             } else {
@@ -548,6 +660,10 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     metrics.push(("class_loss", per_target(losses.class)));
                     metrics.push(("kd_loss", per_target(losses.kd)));
                 }
+                if mode.preference() {
+                    // torchtune's DPO metrics, as means over the step's pairs (every rank's).
+                    metrics.extend(losses.pairs.metrics(targets));
+                }
                 if let Some(n) = grad_norm {
                     metrics.push(("grad_norm", n));
                 }
@@ -586,7 +702,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     } else {
                         f64::NAN
                     };
-                    ferrotune_models::lora::set_training(&mut model, mode != Mode::Full);
+                    ferrotune_models::lora::set_training(&mut model, !mode.full());
                     if lead {
                         bar.suspend(|| eprintln!("Validation loss: {val_loss:.4}"));
                     }
@@ -789,6 +905,44 @@ fn setup_teacher(
     Ok(Teacher { model, ratio, loss })
 }
 
+/// `full_dpo_distributed`'s frozen reference model: `ref_checkpointer`'s (torchtune's key), else
+/// the base checkpoint the policy starts from, in the run's dtype on its device.
+fn setup_reference(
+    cfg: &Config,
+    policy: &CausalLm,
+    base_path: &Path,
+    dtype: DType,
+    device: &candle_core::Device,
+    lead: bool,
+) -> Result<CausalLm> {
+    let path = if cfg.get("ref_checkpointer").is_some_and(|v| !v.is_null()) {
+        setup::checkpoint_path_at(cfg, "ref_checkpointer")?
+    } else {
+        base_path.to_path_buf()
+    };
+    let t0 = Instant::now();
+    let (model, _) = ferrotune_models::load_model(&path, dtype, device)
+        .with_context(|| format!("{}: ref_checkpointer", cfg.origin))?;
+    if model.config.vocab_size != policy.config.vocab_size {
+        bail!(
+            "{}: the reference model ({}) has a vocabulary of {} tokens, the policy {}: DPO \
+             compares their log probabilities of the same tokens",
+            cfg.origin,
+            path.display(),
+            model.config.vocab_size,
+            policy.config.vocab_size
+        );
+    }
+    if lead {
+        eprintln!(
+            "Reference model {} loaded in {:.1}s",
+            path.display(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(model)
+}
+
 fn base_source(path: &Path) -> Result<(ferrotune_models::CheckpointFormat, PathBuf)> {
     let format = ferrotune_models::checkpoint::locate_weights(path)?;
     let dir = match &format {
@@ -887,7 +1041,7 @@ impl Saver<'_> {
     ) -> Result<PathBuf> {
         state::save_checkpoint(self.output_dir, name, st, optimizer_state, |dir| {
             match (self.mode, self.lora_config) {
-                (Mode::Lora | Mode::Distill, Some(lc)) => {
+                (m, Some(lc)) if !m.full() => {
                     peft::save_adapter(model, lc, dir)?;
                     // The merged model goes one folder down: transformers treats a folder holding
                     // adapter_config.json as "base + adapter", so merged weights beside it would

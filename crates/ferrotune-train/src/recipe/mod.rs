@@ -21,6 +21,9 @@ pub fn run(name: &str, cfg: &Config) -> Result<()> {
             finetune::run(cfg, finetune::Mode::Distill, false)
         }
         "knowledge_distillation_distributed" => finetune::run(cfg, finetune::Mode::Distill, true),
+        "lora_dpo_single_device" => finetune::run(cfg, finetune::Mode::Dpo, false),
+        "lora_dpo_distributed" => finetune::run(cfg, finetune::Mode::Dpo, true),
+        "full_dpo_distributed" => finetune::run(cfg, finetune::Mode::FullDpo, true),
         "generate" => generate::run(cfg),
         "eval" | "eleuther_eval" => eval::run(cfg).map(|_| ()),
         other => {

@@ -463,6 +463,11 @@ pub fn check_loss(cfg: &Config) -> Result<()> {
     let name = c.rsplit('.').next().unwrap_or("");
     match name {
         "CrossEntropyLoss" | "CEWithChunkedOutputLoss" | "LinearCrossEntropyLoss" => Ok(()),
+        "DPOLoss" | "RSOLoss" => bail!(
+            "{}: loss._component_ '{c}' is a preference loss: it trains with the DPO recipes \
+             (lora_dpo_single_device, lora_dpo_distributed, full_dpo_distributed)",
+            cfg.origin
+        ),
         _ => bail!(
             "{}: loss._component_ '{c}' is not supported (torch.nn.CrossEntropyLoss, \
              torchtune.modules.loss.CEWithChunkedOutputLoss or LinearCrossEntropyLoss)",
@@ -471,9 +476,45 @@ pub fn check_loss(cfg: &Config) -> Result<()> {
     }
 }
 
+/// The DPO recipes' `loss` section: `torchtune.rlhf.loss.DPOLoss` (the default; `beta`,
+/// `label_smoothing`) or `RSOLoss` (`gamma`).
+pub fn preference_loss(cfg: &Config) -> Result<crate::loss::PreferenceLoss> {
+    let component = cfg
+        .str("loss._component_")?
+        .unwrap_or_else(|| "torchtune.rlhf.loss.DPOLoss".into());
+    let smoothing = cfg.f64("loss.label_smoothing")?;
+    if smoothing.is_some_and(|e| !(0.0..=1.0).contains(&e)) {
+        bail!("{}: loss.label_smoothing must be in [0, 1]", cfg.origin);
+    }
+    crate::loss::PreferenceLoss::from_component(
+        &component,
+        cfg.f64("loss.beta")?,
+        smoothing,
+        cfg.f64("loss.gamma")?,
+    )
+    .ok_or_else(|| {
+        anyhow!(
+            "{}: loss._component_ '{component}' is not a preference loss the DPO recipes \
+             support (torchtune.rlhf.loss.DPOLoss or RSOLoss)",
+            cfg.origin
+        )
+    })
+}
+
 /// The `dataset` section with `tokenizer.max_seq_len` applied where a dataset sets none.
 pub fn dataset(cfg: &Config, tok: &Tokenizer) -> Result<ferrotune_data::dataset::Dataset> {
     dataset_at(cfg, tok, "dataset")
+}
+
+/// The DPO recipes' `dataset` section as preference pairs, `tokenizer.max_seq_len` applied as
+/// for [`dataset`].
+pub fn preference_dataset(
+    cfg: &Config,
+    tok: &Tokenizer,
+) -> Result<Vec<ferrotune_data::dataset::PreferencePair>> {
+    let section = dataset_section(cfg, "dataset")?;
+    ferrotune_data::dataset::build_preference_dataset(&section, tok, Path::new("."))
+        .with_context(|| format!("{}: dataset", cfg.origin))
 }
 
 /// The dataset described by section `key` (`dataset`, or `dataset_val` for validation).
@@ -482,6 +523,13 @@ pub fn dataset_at(
     tok: &Tokenizer,
     key: &str,
 ) -> Result<ferrotune_data::dataset::Dataset> {
+    let section = dataset_section(cfg, key)?;
+    ferrotune_data::dataset::build_dataset(&section, tok, Path::new("."))
+        .with_context(|| format!("{}: {key}", cfg.origin))
+}
+
+/// Dataset section `key` with `tokenizer.max_seq_len` filled in where a dataset sets none.
+fn dataset_section(cfg: &Config, key: &str) -> Result<serde_json::Value> {
     let mut section = cfg
         .get(key)
         .cloned()
@@ -499,8 +547,7 @@ pub fn dataset_at(
             other => fill(other),
         }
     }
-    ferrotune_data::dataset::build_dataset(&section, tok, Path::new("."))
-        .with_context(|| format!("{}: {key}", cfg.origin))
+    Ok(section)
 }
 
 /// The token used to pad batches.
