@@ -897,55 +897,27 @@ fn lora_dpo_step_matches_torchtunes_loss_metrics_and_gradients() {
     // Single sequences are refused by the DPO recipes, preference losses by the SFT recipes.
     let rows = dir.join("rows.jsonl");
     write_golden_rows("llama3", &rows);
-    let out = ferrotune(
-        &[
-            "run",
-            "lora_dpo_single_device",
-            "--config",
-            cfg.to_str().unwrap(),
-            &format!("dataset.data_files={}", rows.display()),
-            "loss._component_=torchtune.rlhf.loss.DPOLoss",
-        ],
-        &dir,
+    let refused = |recipe: &str, overrides: &[&str], needle: &str| {
+        let mut args = vec!["run", recipe, "--config", cfg.to_str().unwrap()];
+        args.extend(overrides);
+        let out = ferrotune(&args, &dir, &[]);
+        assert!(!out.status.success(), "{recipe} {overrides:?}");
+        assert!(text(&out).contains(needle), "{}", text(&out));
+    };
+    let dpo_loss = "loss._component_=torchtune.rlhf.loss.DPOLoss";
+    refused(
+        "lora_dpo_single_device",
+        &[&format!("dataset.data_files={}", rows.display()), dpo_loss],
+        "the rows are single sequences",
+    );
+    refused(
+        "lora_finetune_single_device",
+        &[dpo_loss],
+        "is a preference loss",
+    );
+    refused(
+        "lora_finetune_single_device",
         &[],
-    );
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("the rows are single sequences"),
-        "{}",
-        text(&out)
-    );
-    let out = ferrotune(
-        &[
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            cfg.to_str().unwrap(),
-            "loss._component_=torchtune.rlhf.loss.DPOLoss",
-        ],
-        &dir,
-        &[],
-    );
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("is a preference loss"),
-        "{}",
-        text(&out)
-    );
-    let out = ferrotune(
-        &[
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            cfg.to_str().unwrap(),
-        ],
-        &dir,
-        &[],
-    );
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("which only the DPO recipes train on"),
-        "{}",
-        text(&out)
+        "which only the DPO recipes train on",
     );
 }

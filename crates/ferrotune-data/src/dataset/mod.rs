@@ -229,23 +229,27 @@ pub fn default_pad_id(tokenizer: &Tokenizer) -> u32 {
 /// Builds the dataset a recipe config's `dataset` section describes (a mapping, or a list of
 /// mappings concatenated). Relative local paths resolve against `base_dir`.
 pub fn build_dataset(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<Dataset> {
-    match section {
-        Value::Array(sections) => {
-            if sections.is_empty() {
-                return Err(DataError::Dataset("the dataset list is empty".into()));
-            }
-            let mut rows = Vec::new();
-            for (i, s) in sections.iter().enumerate() {
-                let part = build_one(s, tokenizer, base_dir).map_err(|e| match e {
-                    DataError::Dataset(m) => DataError::Dataset(format!("dataset {}: {m}", i + 1)),
-                    other => other,
-                })?;
-                rows.extend(part.rows);
-            }
-            Ok(Dataset { rows })
-        }
-        other => build_one(other, tokenizer, base_dir),
+    let rows = concatenated(section, |s| Ok(build_one(s, tokenizer, base_dir)?.rows))?;
+    Ok(Dataset { rows })
+}
+
+/// `build` of one section, or of each section of a list in order, concatenated (an error in a
+/// list names the section's position).
+fn concatenated<T>(section: &Value, build: impl Fn(&Value) -> Result<Vec<T>>) -> Result<Vec<T>> {
+    let Value::Array(sections) = section else {
+        return build(section);
+    };
+    if sections.is_empty() {
+        return Err(DataError::Dataset("the dataset list is empty".into()));
     }
+    let mut all = Vec::new();
+    for (i, s) in sections.iter().enumerate() {
+        all.extend(build(s).map_err(|e| match e {
+            DataError::Dataset(m) => DataError::Dataset(format!("dataset {}: {m}", i + 1)),
+            other => other,
+        })?);
+    }
+    Ok(all)
 }
 
 /// The raw rows (column → value) a dataset section's `source`, `data_files`, `field` and `split`
@@ -511,23 +515,7 @@ pub fn build_preference_dataset(
     tokenizer: &Tokenizer,
     base_dir: &Path,
 ) -> Result<Vec<PreferencePair>> {
-    match section {
-        Value::Array(sections) => {
-            if sections.is_empty() {
-                return Err(DataError::Dataset("the dataset list is empty".into()));
-            }
-            let mut pairs = Vec::new();
-            for (i, s) in sections.iter().enumerate() {
-                let part = build_pairs(s, tokenizer, base_dir).map_err(|e| match e {
-                    DataError::Dataset(m) => DataError::Dataset(format!("dataset {}: {m}", i + 1)),
-                    other => other,
-                })?;
-                pairs.extend(part);
-            }
-            Ok(pairs)
-        }
-        other => build_pairs(other, tokenizer, base_dir),
-    }
+    concatenated(section, |s| build_pairs(s, tokenizer, base_dir))
 }
 
 fn build_pairs(
