@@ -491,6 +491,31 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
         recipe_text.starts_with("Hello there") && recipe_text.ends_with(&verb_text),
         "recipe printed {recipe_text:?}, generate printed {verb_text:?}"
     );
+
+    // A chat prompt, with the user turn as a string or as generate_v2's `{text: ...}`.
+    let chat = |prompt: &str| {
+        let out = ferrotune(
+            &[
+                "run",
+                "generate",
+                "--config",
+                cfg.to_str().unwrap(),
+                prompt,
+                "temperature=0",
+                "max_new_tokens=8",
+            ],
+            &dir,
+            &[],
+        );
+        assert!(out.status.success(), "{prompt}: {}", text(&out));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let plain = chat("prompt={system: Be brief., user: Hello there}");
+    assert!(plain.contains("Hello there"), "{plain}");
+    assert_eq!(
+        chat("prompt={system: Be brief., user: {text: Hello there}}"),
+        plain
+    );
 }
 
 /// torchtune's `log_level` key: INFO shows the tokenizer line torchtune users see, ERROR hides it,

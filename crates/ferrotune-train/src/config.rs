@@ -421,7 +421,7 @@ impl Ty {
             Ty::Map(_) => "a mapping",
             Ty::MapOrList(_) => "a mapping or a list of mappings",
             Ty::Any => "anything",
-            Ty::Prompt => "a string or a mapping with system/user",
+            Ty::Prompt => "a string or a mapping with system/user (user a string or {text})",
         }
     }
 }
@@ -675,8 +675,18 @@ fn check_value(v: &Value, ty: Ty, path: &str, origin: &str, problems: &mut Vec<S
         Ty::Prompt => {
             v.is_string()
                 || v.as_object().is_some_and(|m| {
-                    m.iter().all(|(k, x)| {
-                        (k == "system" || k == "user") && (x.is_string() || x.is_null())
+                    m.iter().all(|(k, x)| match k.as_str() {
+                        "system" => x.is_string() || x.is_null(),
+                        // generate_v2's `user: {text: ...}` (text only; no `image`).
+                        "user" => {
+                            x.is_string()
+                                || x.is_null()
+                                || x.as_object().is_some_and(|u| {
+                                    u.keys().all(|k| k == "text")
+                                        && u.get("text").is_some_and(Value::is_string)
+                                })
+                        }
+                        _ => false,
                     })
                 })
         }

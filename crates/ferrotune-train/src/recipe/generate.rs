@@ -31,10 +31,25 @@ pub fn run(cfg: &Config) -> Result<()> {
             if let Some(s) = m.get("system").and_then(|v| v.as_str()) {
                 msgs.push(ChatMessage::system(s));
             }
+            // A string, or torchtune's generate_v2 form `{text: ...}`.
             let user = m
                 .get("user")
-                .and_then(|v| v.as_str())
-                .ok_or_else(|| anyhow!("{}: prompt.user is required", cfg.origin))?;
+                .and_then(|v| {
+                    v.as_str()
+                        .or_else(|| v.get("text").and_then(|t| t.as_str()))
+                })
+                .ok_or_else(|| {
+                    anyhow!(
+                        "{}: prompt.user is required: a string or {{text: ...}}",
+                        cfg.origin
+                    )
+                })?;
+            if m.get("user").and_then(|u| u.get("image")).is_some() {
+                bail!(
+                    "{}: prompt.user.image: images are not supported (text models only)",
+                    cfg.origin
+                );
+            }
             msgs.push(ChatMessage::user(user));
             tok.encode_chat(&msgs, true)?
         }
