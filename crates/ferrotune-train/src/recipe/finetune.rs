@@ -198,6 +198,13 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
         }
     }
+    if lead && cfg.get("quantizer").is_some_and(|v| !v.is_null()) {
+        // torchtune's QAT recipes fake-quantize with it; ferrotune has no QAT recipe.
+        eprintln!(
+            "warning: 'quantizer' (quantization-aware training) is not supported: {recipe} \
+             trains without fake quantization"
+        );
+    }
     let output_dir = cfg
         .path("output_dir")?
         .ok_or_else(|| anyhow!("{}: 'output_dir' is required", cfg.origin))?;
