@@ -693,6 +693,9 @@ fn lora_linear_matches_the_composite_adapter_branch() {
     for (m, inp, out, r, bias) in [
         (37usize, 24usize, 40usize, 4usize, false),
         (130, 64, 48, 8, true),
+        // Few rows (a distillation chunk, a decode step): the products' inner size is tiny.
+        (1, 64, 512, 4, false),
+        (5, 64, 512, 4, false),
     ] {
         let x0 = Tensor::randn(0f32, 1.0, (m, inp), &dev).unwrap();
         let w = Tensor::randn(0f32, 0.2, (out, inp), &dev).unwrap();

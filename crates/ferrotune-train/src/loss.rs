@@ -113,7 +113,7 @@ pub fn causal_lm_head_loss(
 
 /// Per-position targets for `[b, t]` labels: `labels[i + 1]` with `shift` (the last position of a
 /// row scores nothing), checked against the vocabulary; -100 (also as u32) = none.
-fn shifted_targets(labels: &Tensor, shift: bool, vocab: usize) -> Result<Vec<i64>> {
+pub(crate) fn shifted_targets(labels: &Tensor, shift: bool, vocab: usize) -> Result<Vec<i64>> {
     let t = labels.dim(1)?;
     if shift && t < 2 {
         bail!("causal_lm_loss: shifting needs at least 2 positions, got {t}");
@@ -216,17 +216,20 @@ pub fn kd_loss_sum(
         });
     }
     let idx = Tensor::from_vec(rows, count, student.device())?;
-    let pick = |x: &Tensor| -> Result<Tensor> {
-        x.reshape((b * t, vocab))?
-            .index_select(&idx, 0)?
-            .to_dtype(DType::F32)
-    };
-    let s = pick(student)?;
-    let tl = pick(&teacher.detach())?;
+    let pick = |x: &Tensor| -> Result<Tensor> { x.reshape((b * t, vocab))?.index_select(&idx, 0) };
+    let sum = kd_rows_sum(&pick(student)?, &pick(teacher)?, kind)?;
+    Ok(LossSum { sum, count })
+}
+
+/// The distillation loss *sum* over rows of `student` and `teacher` logits (both `[n, V]`, every
+/// row counted), in f32; the teacher takes no gradient. The core of [`kd_loss_sum`], and what the
+/// chunked distillation head applies to each chunk of target rows.
+pub fn kd_rows_sum(student: &Tensor, teacher: &Tensor, kind: KdLoss) -> Result<Tensor> {
+    let s = student.to_dtype(DType::F32)?;
+    let tl = teacher.detach().to_dtype(DType::F32)?;
     // One pass per row without `[n, V]` intermediates where it can (f32 CPU, finite logits).
     if kind == KdLoss::Forward && ferrotune_core::fused::soft_cross_entropy_applies(&s, &tl)? {
-        let sum = ferrotune_core::fused::soft_cross_entropy_sum(&s, &tl)?;
-        return Ok(LossSum { sum, count });
+        return ferrotune_core::fused::soft_cross_entropy_sum(&s, &tl);
     }
     let inf = |x: &Tensor| x.abs()?.ge(f32::INFINITY);
     let zeros = s.zeros_like()?;
@@ -242,12 +245,11 @@ pub fn kd_loss_sum(
         let own = mask.where_cond(&zeros, &(&p_s * &log_s)?)?;
         (cross - own)?.sum_all()?.neg()
     };
-    let sum = match kind {
-        KdLoss::Forward => forward()?,
-        KdLoss::Reverse => reverse()?,
-        KdLoss::Symmetric(r) => ((forward()? * r)? + (reverse()? * (1.0 - r))?)?,
-    };
-    Ok(LossSum { sum, count })
+    match kind {
+        KdLoss::Forward => forward(),
+        KdLoss::Reverse => reverse(),
+        KdLoss::Symmetric(r) => (forward()? * r)? + (reverse()? * (1.0 - r))?,
+    }
 }
 
 /// torchtune's preference losses (`loss._component_` of the DPO recipes), on the summed log

@@ -19,8 +19,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use ferrotune_models::{AttentionLayout, CausalLm, Unit};
 
+use std::sync::Arc;
+
 use crate::loss::{
-    causal_lm_head_loss, causal_lm_loss, kd_loss_sum, preference_loss_sum, KdLoss, PreferenceLoss,
+    causal_lm_head_loss, kd_rows_sum, preference_loss_sum, shifted_targets, KdLoss, PreferenceLoss,
+    IGNORE_INDEX,
 };
 
 /// One micro-batch as tensors.
@@ -54,15 +57,28 @@ pub struct Preference {
 }
 
 /// What a distillation run adds to a micro-batch (torchtune's `knowledge_distillation_*`).
+///
+/// The teacher's final hidden states are kept, not its logits: the head forms both models'
+/// logits a chunk of target rows at a time and back-propagates each chunk on its own
+/// (torchtune's `num_output_chunks`, with each chunk's graph freed before the next), so neither
+/// model's `[rows, vocab]` logits exist whole.
 #[derive(Debug, Clone)]
 pub struct Distill {
-    /// The teacher's logits `[b, t, V]` (no gradient).
-    pub teacher_logits: Tensor,
+    /// The frozen teacher (its output head forms the teacher's logits).
+    pub teacher: Arc<CausalLm>,
+    /// The teacher's final hidden states `[b, t, h_teacher]` for this batch (no gradient).
+    pub teacher_hidden: Tensor,
     /// `kd_ratio`: the loss is `(1 − r) · cross-entropy + r · distillation loss`.
     pub ratio: f64,
     /// `kd_loss._component_`.
     pub loss: KdLoss,
+    /// `kd_loss.num_output_chunks`: the target rows are split into this many chunks (more when
+    /// a chunk's logits would exceed [`MAX_CHUNK_LOGITS`] entries).
+    pub chunks: usize,
 }
+
+/// The most logits (`rows × vocab`) one distillation chunk forms: 32 Mi entries, 128 MB in f32.
+pub const MAX_CHUNK_LOGITS: usize = 1 << 25;
 
 /// A micro-batch's summed losses: what was back-propagated (`sum`), and for distillation its two
 /// parts (`class`: the cross-entropy, `kd`: the distillation loss; without a teacher `class` is
@@ -162,10 +178,25 @@ impl std::ops::AddAssign for PairStats {
 enum HeadParts {
     /// Plain cross-entropy.
     None,
-    /// Distillation: the cross-entropy and the distillation loss.
-    Distill(Tensor, Tensor),
+    /// Distillation, already back-propagated chunk by chunk: the losses' values (the tensor
+    /// returned beside is a surrogate with the right gradient at the hidden states, not the
+    /// loss), and the gradients of the output head's own tensors.
+    Distill {
+        step: StepLoss,
+        head_grads: GradStore,
+    },
     /// Preference optimization: the metrics, already read.
     Pairs(PairStats),
+}
+
+impl HeadParts {
+    /// Gradients the head computed itself, for the caller to add to the step's.
+    fn head_grads(&self) -> Option<&GradStore> {
+        match self {
+            HeadParts::Distill { head_grads, .. } => Some(head_grads),
+            _ => None,
+        }
+    }
 }
 
 /// The summed log probability of each row's labelled tokens (`[rows]`, labels shifted as the
@@ -266,17 +297,111 @@ fn head_loss(hidden: &Tensor, model: &CausalLm, batch: &MicroBatch) -> Result<(T
     if let Some(p) = &batch.preference {
         return preference_head_loss(hidden, model, batch, p);
     }
-    let Some(d) = &batch.distill else {
-        return Ok((
+    match &batch.distill {
+        Some(d) => distill_head(hidden, model, &batch.labels, d),
+        None => Ok((
             causal_lm_head_loss(hidden, model, &batch.labels, true)?.sum,
             HeadParts::None,
-        ));
+        )),
+    }
+}
+
+/// The output head's own tensors (what a chunk's backward may give gradients to).
+fn head_tensors(model: &CausalLm) -> Vec<Tensor> {
+    let head = &model.lm_head;
+    let mut out: Vec<Tensor> = head.weight.as_dense().into_iter().cloned().collect();
+    out.extend(head.bias.iter().cloned());
+    if let Some(a) = &head.adapter {
+        out.extend([a.a.clone(), a.b.clone()]);
+        out.extend(a.dora_magnitude.iter().cloned());
+    }
+    out
+}
+
+/// [`head_loss`] of a distillation batch: `(1 − r) · CE + r · KD` over the positions with a
+/// target, formed and back-propagated a chunk of rows at a time. Returns a surrogate whose
+/// gradient at `hidden` is the loss's (`Σ hidden · g`, `g` the chunks' gradients, detached) and
+/// the losses' values and head gradients in [`HeadParts::Distill`].
+fn distill_head(
+    hidden: &Tensor,
+    model: &CausalLm,
+    labels: &Tensor,
+    d: &Distill,
+) -> Result<(Tensor, HeadParts)> {
+    hidden.dims3()?;
+    let vocab = model.config.vocab_size;
+    let targets = shifted_targets(labels, true, vocab)?;
+    let (rows, row_targets): (Vec<u32>, Vec<i64>) = targets
+        .iter()
+        .enumerate()
+        .filter(|(_, &l)| l != IGNORE_INDEX)
+        .map(|(i, &l)| (i as u32, l))
+        .unzip();
+    let mut head_grads = empty_grads()?;
+    let n = rows.len();
+    if n == 0 {
+        let zero = (hidden.sum_all()? * 0.0)?;
+        let step = StepLoss::default();
+        return Ok((zero, HeadParts::Distill { step, head_grads }));
+    }
+    let pick = |x: &Tensor| -> Result<Tensor> {
+        let (xb, xt, xh) = x.dims3()?;
+        let idx = Tensor::from_vec(rows.clone(), n, x.device())?;
+        x.reshape((xb * xt, xh))?.index_select(&idx, 0)
     };
-    let logits = model.logits(hidden)?;
-    let class = causal_lm_loss(&logits, &batch.labels, true)?.sum;
-    let kd = kd_loss_sum(&logits, &d.teacher_logits, &batch.labels, d.loss)?.sum;
-    let total = ((&class * (1.0 - d.ratio))? + (&kd * d.ratio)?)?;
-    Ok((total, HeadParts::Distill(class, kd)))
+    let student = pick(hidden)?;
+    let teacher = pick(&d.teacher_hidden)?;
+    let per_chunk = n
+        .div_ceil(d.chunks.max(1))
+        .min((MAX_CHUNK_LOGITS / vocab.max(1)).max(1));
+    let head = head_tensors(model);
+    let (mut class, mut kd) = (0.0f64, 0.0f64);
+    let mut grad_rows = Vec::with_capacity(n.div_ceil(per_chunk));
+    for start in (0..n).step_by(per_chunk) {
+        let len = per_chunk.min(n - start);
+        let rows_in = Var::from_tensor(&student.narrow(0, start, len)?.detach())?;
+        let logits = model
+            .logits(&rows_in.as_tensor().unsqueeze(0)?)?
+            .reshape((len, vocab))?
+            .to_dtype(DType::F32)?;
+        let teacher_logits = d
+            .teacher
+            .logits(&teacher.narrow(0, start, len)?.unsqueeze(0)?)?
+            .reshape((len, vocab))?;
+        let (ce, _) = ferrotune_core::fused::cross_entropy_sum(
+            &logits,
+            &row_targets[start..start + len],
+            IGNORE_INDEX,
+        )?;
+        let kl = kd_rows_sum(&logits, &teacher_logits, d.loss)?;
+        let total = ((&ce * (1.0 - d.ratio))? + (&kl * d.ratio)?)?;
+        let grads = total.backward()?;
+        let value = |x: &Tensor| x.to_dtype(DType::F64)?.to_scalar::<f64>();
+        class += value(&ce)?;
+        kd += value(&kl)?;
+        let g = grads.get(rows_in.as_tensor()).ok_or_else(|| {
+            candle_core::Error::Msg("no gradient reached the head's input".into())
+        })?;
+        grad_rows.push(g.detach());
+        for x in &head {
+            if let Some(g) = grads.get(x) {
+                let sum = match head_grads.get(x) {
+                    Some(prev) => (prev + g)?.detach(),
+                    None => g.detach(),
+                };
+                head_grads.insert(x, sum);
+            }
+        }
+    }
+    let g = Tensor::cat(&grad_rows, 0)?.to_dtype(student.dtype())?;
+    let surrogate = (student * g)?.sum_all()?;
+    let step = StepLoss {
+        sum: (1.0 - d.ratio) * class + d.ratio * kd,
+        class,
+        kd,
+        ..StepLoss::default()
+    };
+    Ok((surrogate, HeadParts::Distill { step, head_grads }))
 }
 
 /// [`head_loss`] of a preference batch: the pairs' summed loss, and their metrics.
@@ -318,12 +443,7 @@ fn step_loss(total: &Tensor, parts: &HeadParts) -> Result<StepLoss> {
             class: sum,
             ..StepLoss::default()
         },
-        HeadParts::Distill(class, kd) => StepLoss {
-            sum,
-            class: value(class)?,
-            kd: value(kd)?,
-            ..StepLoss::default()
-        },
+        HeadParts::Distill { step, .. } => *step,
         HeadParts::Pairs(pairs) => StepLoss {
             sum,
             pairs: *pairs,
@@ -423,6 +543,9 @@ pub fn forward_backward(
         let (total, parts) = head_loss(&hidden, model, batch)?;
         let grads = total.backward()?;
         absorb(acc, &grads, params)?;
+        if let Some(head) = parts.head_grads() {
+            absorb(acc, head, params)?;
+        }
         // Read after the backward is queued: reading first would make the host wait for the
         // forward to finish on a GPU before issuing any of the backward.
         return Ok(step_loss(&total, &parts)?);
@@ -513,7 +636,11 @@ pub fn layered_forward_backward(
     let (total, parts) = head_loss(&hidden, model, batch)?;
     let mut head_grads = total.backward()?;
     let value = step_loss(&total, &parts)?;
-    drop((hidden, total, parts));
+    let own_head_grads = match parts {
+        HeadParts::Distill { head_grads, .. } => Some(head_grads),
+        _ => None,
+    };
+    drop((hidden, total));
     let mut grad_out = head_grads
         .remove(top.as_tensor())
         .ok_or_else(|| anyhow::anyhow!("no gradient reached the last layer"))?;
@@ -542,9 +669,13 @@ pub fn layered_forward_backward(
     if embedded.track_op() {
         // Full fine-tuning: the embedding table itself is trained.
         let embed_grads = (embedded * grad_out)?.sum_all()?.backward()?;
-        pass.grads(Unit::Root, &[&head_grads, &embed_grads])?;
+        let mut stores = vec![&head_grads, &embed_grads];
+        stores.extend(own_head_grads.as_ref());
+        pass.grads(Unit::Root, &stores)?;
     } else {
-        pass.grads(Unit::Root, &[&head_grads])?;
+        let mut stores = vec![&head_grads];
+        stores.extend(own_head_grads.as_ref());
+        pass.grads(Unit::Root, &stores)?;
     }
     pass.backward_done(Unit::Root);
     Ok(value)

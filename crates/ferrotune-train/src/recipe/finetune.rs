@@ -531,12 +531,17 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     (b * batch_size..(b + 1) * batch_size).map(|j| order[j * world + rank]);
                 let mut batch = examples.micro_batch(picked, pad, &device)?;
                 if let Some(t) = &teacher {
-                    // The teacher's logits for the same tokens (outside autograd: it has no Vars).
-                    let teacher_logits = t.model.forward(&batch.input_ids, &batch.layout, None)?;
+                    // The teacher's hidden states for the same tokens (outside autograd: it has
+                    // no Vars); the head forms its logits chunk by chunk.
+                    let teacher_hidden =
+                        t.model
+                            .forward_hidden(&batch.input_ids, &batch.layout, None)?;
                     batch.distill = Some(Distill {
-                        teacher_logits,
+                        teacher: t.model.clone(),
+                        teacher_hidden,
                         ratio: t.ratio,
                         loss: t.loss,
+                        chunks: t.chunks,
                     });
                 }
                 if let Some(loss) = preference_loss {
@@ -853,9 +858,11 @@ fn note_ignored_keys(cfg: &Config, keys: &[&str], family: &str, recipe: &str) {
 
 /// The frozen teacher of a distillation run and how its loss mixes in.
 struct Teacher {
-    model: CausalLm,
+    model: Arc<CausalLm>,
     ratio: f64,
     loss: KdLoss,
+    /// `kd_loss.num_output_chunks`.
+    chunks: usize,
 }
 
 /// Loads `teacher_checkpointer`'s model (frozen, in the run's dtype, on the student's device) and
@@ -893,6 +900,17 @@ fn setup_teacher(
     if sym.is_some_and(|r| !(0.0..=1.0).contains(&r)) {
         bail!("{}: kd_loss.sym_kd_ratio must be in [0, 1]", cfg.origin);
     }
+    // torchtune's chunked losses default to 8 chunks; the plain ones form every row at once
+    // (here still at most MAX_CHUNK_LOGITS logits per chunk).
+    let chunks = match cfg.usize("kd_loss.num_output_chunks")? {
+        Some(0) => bail!(
+            "{}: kd_loss.num_output_chunks must be at least 1",
+            cfg.origin
+        ),
+        Some(n) => n,
+        None if component.contains("WithChunkedOutput") => 8,
+        None => 1,
+    };
     let Some(loss) = KdLoss::from_component(&component, sym) else {
         bail!(
             "{}: kd_loss._component_ '{component}' is not supported (torchtune.modules.loss.\
@@ -909,7 +927,12 @@ fn setup_teacher(
             t0.elapsed().as_secs_f64()
         );
     }
-    Ok(Teacher { model, ratio, loss })
+    Ok(Teacher {
+        model: Arc::new(model),
+        ratio,
+        loss,
+        chunks,
+    })
 }
 
 /// `full_dpo_distributed`'s frozen reference model: `ref_checkpointer`'s (torchtune's key), else
