@@ -309,6 +309,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         num_tokens: a.batch * a.seq,
         distill: None,
         preference: None,
+        aux_loss_weight: None,
     };
     let (mut fb_s, mut opt_s) = (0.0f64, 0.0f64);
     let mut step = |model: &CausalLm, profile: bool| -> Result<f64> {

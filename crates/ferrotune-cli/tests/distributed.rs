@@ -438,6 +438,79 @@ fn dpo_on_two_ranks_equals_one_device() {
     }
 }
 
+/// A mixture-of-experts model trained with the router's load-balancing loss
+/// (`output_router_logits`) on 2 sharded ranks equals one device whose micro-batches hold the
+/// rows each rank's do (the auxiliary loss is not additive over rows, so micro-batches must
+/// match): the loss is weighed against every rank's targets and `aux_loss` is the mean over all
+/// micro-batches.
+#[test]
+fn router_aux_loss_on_two_ranks_equals_one_device() {
+    let case = Case::with_vocab("moe-aux", "models/qwen2_moe", 512);
+    let model = case.dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let src = fixtures().join("models/qwen2_moe/model");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    config["output_router_logits"] = serde_json::Value::Bool(true);
+    config["router_aux_loss_coef"] = serde_json::json!(0.1);
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    // Unshuffled, rank r's micro-batch m of a step takes rows 4m + r and 4m + r + 2 of its block
+    // of 8; one device with batch 2 takes consecutive rows, so its file lists them in that order.
+    let rows: Vec<String> = std::fs::read_to_string(case.dir.join("rows.jsonl"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let order = [0, 2, 1, 3];
+    let single_rows: Vec<&str> = (0..rows.len())
+        .map(|i| rows[i / 4 * 4 + order[i % 4]].as_str())
+        .collect();
+    let single_data = case.dir.join("rows-single.jsonl");
+    std::fs::write(&single_data, single_rows.join("\n") + "\n").unwrap();
+    let ckpt = format!("checkpointer.checkpoint_dir={}", model.display());
+    let tok = format!("tokenizer.path={}", model.display());
+    let moe = [ckpt.as_str(), tok.as_str(), "shuffle=false"];
+    let single = case.dir.join("single");
+    let data = format!("dataset.data_files={}", single_data.display());
+    let mut args = vec![
+        "batch_size=2",
+        "gradient_accumulation_steps=4",
+        data.as_str(),
+    ];
+    args.extend(moe);
+    let o = case.run(1, "full_finetune_single_device", &single, &args, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+    let out = case.dir.join("dist");
+    let o = case.run(2, "full_finetune_distributed", &out, &moe, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, "moe aux");
+    for step in 0..want.len() {
+        let (got, want) = (
+            &metrics_lines(&out.join("logs/metrics.jsonl"))[step],
+            &metrics_lines(&single.join("logs/metrics.jsonl"))[step],
+        );
+        let (g, w) = (
+            got["aux_loss"].as_f64().unwrap(),
+            want["aux_loss"].as_f64().unwrap(),
+        );
+        assert!(
+            (g - w).abs() <= 1e-5 * w,
+            "step {step}: aux_loss {g} vs {w}"
+        );
+    }
+    assert_same_tensors(
+        &out.join("epoch_1/model.safetensors"),
+        &single.join("epoch_1/model.safetensors"),
+        1e-4,
+        "moe aux",
+    );
+}
+
 /// A checkpoint written by 2 ranks resumes on one device (the global batch kept), and the run
 /// ends where an uninterrupted single-device run ends.
 #[test]

@@ -946,3 +946,88 @@ fn lora_dpo_step_matches_torchtunes_loss_metrics_and_gradients() {
         "which only the DPO recipes train on",
     );
 }
+
+/// A mixture-of-experts checkpoint whose config sets `output_router_logits` trains with the
+/// router's load-balancing loss, as transformers does: one full fine-tuning SGD step (lr 1) of
+/// Qwen3-MoE (one dense layer, one sparse) on the golden batch with a shorter second row logs
+/// transformers' loss and `aux_loss` and moves every weight by exactly its gradient
+/// (scripts/make_moe_aux_fixtures.py).
+#[test]
+fn moe_router_aux_loss_trains_as_transformers_adds_it() {
+    let dir = tmpdir("moe-aux");
+    let want: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("moe_aux/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let pad = want["padding"].as_u64().unwrap() as usize;
+    // The fixture model with the config asking for the auxiliary loss.
+    let src = fixtures().join("models/qwen3_moe/model");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    config["output_router_logits"] = Value::Bool(true);
+    config["router_aux_loss_coef"] = want["router_aux_loss_coef"].clone();
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    // The golden rows, the second without its last `pad` tokens (collation pads it back).
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("models/qwen3_moe/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let rows: Vec<String> = (0..2)
+        .map(|r| {
+            let ids = g["input_ids"][r].as_array().unwrap();
+            let labels = g["labels"][r].as_array().unwrap();
+            let keep = if r == 1 { ids.len() - pad } else { ids.len() };
+            serde_json::json!({"input_ids": &ids[..keep], "labels": &labels[..keep]}).to_string()
+        })
+        .collect();
+    let data = dir.join("batch.jsonl");
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let cfg = write_config(&dir, "models/qwen3_moe", &data);
+    let out = ferrotune(
+        &[
+            "run",
+            "full_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            &format!("checkpointer.checkpoint_dir={}", model.display()),
+            &format!("tokenizer.path={}", model.display()),
+            "optimizer._component_=torch.optim.SGD",
+            "optimizer.lr=1.0",
+            "optimizer.weight_decay=0.0",
+            "clip_grad_norm=null",
+            "max_steps_per_epoch=1",
+        ],
+        &dir,
+        &[],
+    );
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("Router load-balancing loss added with weight 0.05"),
+        "{log}"
+    );
+    let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
+    for key in ["loss", "aux_loss"] {
+        let (got, w) = (
+            first[key].as_f64().unwrap(),
+            want["qwen3_moe"][key].as_f64().unwrap(),
+        );
+        assert!(
+            ((got - w) / w).abs() < 1e-5,
+            "{key}: {got} vs transformers {w}"
+        );
+    }
+    let saved = load(&dir.join("out/epoch_0/model.safetensors"));
+    let start = load(&model.join("model.safetensors"));
+    let grads = load(&fixtures().join("moe_aux/qwen3_moe_grads.safetensors"));
+    for (key, s) in &start {
+        let e = rel_l2(&(s - &saved[key]).unwrap(), &grads[key]);
+        assert!(e <= 1e-4, "{key}: relative L2 {e}");
+    }
+}

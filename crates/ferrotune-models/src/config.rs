@@ -393,10 +393,26 @@ impl ModelConfig {
         self.num_attention_heads / self.num_key_value_heads
     }
 
+    /// The weight of the router's auxiliary load-balancing loss in the training loss, as
+    /// transformers' MoE models add it: `router_aux_loss_coef` when `output_router_logits` is true,
+    /// the coefficient is positive and the model has sparse layers; otherwise `None`.
+    pub fn router_aux_loss_coef(&self) -> Option<f64> {
+        let Value::Object(obj) = &self.raw else {
+            return None;
+        };
+        if self.moe.is_none()
+            || obj.get("output_router_logits").and_then(Value::as_bool) != Some(true)
+        {
+            return None;
+        }
+        obj.get("router_aux_loss_coef")
+            .and_then(Value::as_f64)
+            .filter(|c| *c > 0.0)
+    }
+
     /// Training settings of the config that ferrotune's training does not apply, one sentence
-    /// each (the recipes warn with them): the router's auxiliary load-balancing loss
-    /// (`output_router_logits` with a non-zero `router_aux_loss_coef`), router jitter, Phi-2's
-    /// residual / embedding dropout, and dropout on the attention probabilities.
+    /// each (the recipes warn with them): router jitter, Phi-2's residual / embedding dropout, and
+    /// dropout on the attention probabilities.
     pub fn training_caveats(&self) -> Vec<String> {
         // `raw` is already the text model's config for a multimodal checkpoint.
         let Value::Object(obj) = &self.raw else {
@@ -404,13 +420,6 @@ impl ModelConfig {
         };
         let positive = |key: &str| obj.get(key).and_then(Value::as_f64).filter(|v| *v > 0.0);
         let mut out = Vec::new();
-        if obj.get("output_router_logits").and_then(Value::as_bool) == Some(true) {
-            if let Some(coef) = positive("router_aux_loss_coef") {
-                out.push(format!(
-                    "output_router_logits is true, but the router's auxiliary load-balancing loss (router_aux_loss_coef {coef}) is not added: the loss is the cross-entropy alone"
-                ));
-            }
-        }
         if let Some(j) = positive("router_jitter_noise") {
             out.push(format!(
                 "router_jitter_noise {j} is not applied: the router sees its inputs unchanged"
@@ -1012,16 +1021,22 @@ mod tests {
             .training_caveats()
             .is_empty());
         c["model_type"] = json!("mixtral");
+        c["num_local_experts"] = json!(4);
+        c["num_experts_per_tok"] = json!(2);
         c["output_router_logits"] = json!(true);
         c["router_aux_loss_coef"] = json!(0.02);
         c["router_jitter_noise"] = json!(0.0);
-        let caveats = ModelConfig::from_hf_json(&c).unwrap().training_caveats();
-        assert_eq!(caveats.len(), 1, "{caveats:?}");
-        assert!(
-            caveats[0].contains("router_aux_loss_coef 0.02"),
-            "{caveats:?}"
-        );
+        // The auxiliary loss is applied (not a caveat); its weight is read.
+        let config = ModelConfig::from_hf_json(&c).unwrap();
+        assert!(config.training_caveats().is_empty());
+        assert_eq!(config.router_aux_loss_coef(), Some(0.02));
         c["output_router_logits"] = json!(false);
+        assert_eq!(
+            ModelConfig::from_hf_json(&c)
+                .unwrap()
+                .router_aux_loss_coef(),
+            None
+        );
         c["router_jitter_noise"] = json!(0.1);
         let caveats = ModelConfig::from_hf_json(&c).unwrap().training_caveats();
         assert_eq!(caveats.len(), 1, "{caveats:?}");

@@ -790,6 +790,21 @@ pub struct CausalLm {
     /// The last layer inputs built, by layout and device: training batches of one shape share
     /// them, so the masks are built on the host and copied to the device once, not every step.
     inputs_cache: Arc<std::sync::Mutex<Option<(AttentionLayout, DeviceLocation, LayerInputs)>>>,
+    /// While recording ([`CausalLm::record_routers`]), each sparse layer's router output, in
+    /// the order the layers run: what the router's auxiliary load-balancing loss is computed
+    /// from. Shared by clones of the model.
+    router_tape: Arc<std::sync::Mutex<Option<Vec<RouterRecord>>>>,
+}
+
+/// One sparse layer's routing of a batch, as the router's auxiliary loss needs it.
+#[derive(Debug, Clone)]
+pub struct RouterRecord {
+    /// The router's softmax probabilities `[tokens, experts]` in f32 (differentiable).
+    pub probs: Tensor,
+    /// The experts each token was sent to, `top_k` per token in order (`[tokens * top_k]`).
+    pub selected: Vec<u32>,
+    /// `probs` as read on the host (row-major `[tokens, experts]`).
+    pub host_probs: Vec<f32>,
 }
 
 /// A model's placement over several devices, as [`CausalLm::dispatch`] left it.
@@ -1107,6 +1122,7 @@ impl CausalLm {
             device,
             spread: None,
             inputs_cache: Arc::default(),
+            router_tape: Arc::default(),
         })
     }
 
@@ -1510,6 +1526,21 @@ impl CausalLm {
         })
     }
 
+    /// Starts recording every sparse layer's routing (see [`RouterRecord`]) until
+    /// [`CausalLm::take_router_records`].
+    pub fn record_routers(&self) {
+        *self.router_tape.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+    }
+
+    /// The routing recorded since [`CausalLm::record_routers`], which stops recording.
+    pub fn take_router_records(&self) -> Vec<RouterRecord> {
+        self.router_tape
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default()
+    }
+
     /// Decoder layer `index` on hidden states `x` (no cache): the unit activation checkpointing
     /// recomputes.
     pub fn layer(&self, index: usize, x: &Tensor, inputs: &LayerInputs) -> CResult<Tensor> {
@@ -1714,15 +1745,29 @@ impl CausalLm {
         // Per expert, the tokens routed to it and where their weight sits in the `[n, k]` table.
         let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); experts];
         let mut picked = Vec::with_capacity(n * k);
+        let mut selected = Vec::with_capacity(n * k);
         let mut order: Vec<usize> = (0..experts).collect();
         for (row, p) in host.iter().enumerate() {
             // Largest first; equal probabilities keep the lower expert first, as torch.topk.
             order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
             for (slot, &e) in order[..k].iter().enumerate() {
                 picked.push((row * experts + e) as u32);
+                selected.push(e as u32);
                 routed[e].0.push(row as u32);
                 routed[e].1.push((row * k + slot) as u32);
             }
+        }
+        if let Some(tape) = self
+            .router_tape
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            tape.push(RouterRecord {
+                probs: probs.clone(),
+                selected,
+                host_probs: host.concat(),
+            });
         }
         let device = x.device();
         let top = probs

@@ -17,7 +17,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
-use ferrotune_models::{AttentionLayout, CausalLm, Unit};
+use ferrotune_models::{AttentionLayout, CausalLm, RouterRecord, Unit};
 
 use std::sync::Arc;
 
@@ -44,6 +44,11 @@ pub struct MicroBatch {
     /// Preference optimization: the batch is `n` chosen rows then their `n` rejected rows, and
     /// the loss compares their log probabilities with the reference model's.
     pub preference: Option<Preference>,
+    /// Mixture-of-experts models with `output_router_logits`: the weight of the batch's router
+    /// load-balancing loss in the summed loss (the recipe's `router_aux_loss_coef × step
+    /// targets / micro-batches`, so that after the step's normalisation the loss is the
+    /// cross-entropy mean plus the coefficient times the micro-batches' mean auxiliary loss).
+    pub aux_loss_weight: Option<f64>,
 }
 
 /// What a DPO run adds to a micro-batch (torchtune's `lora_dpo_*` / `full_dpo_distributed`).
@@ -90,6 +95,8 @@ pub struct StepLoss {
     pub kd: f64,
     /// Preference optimization's metrics, summed over the pairs.
     pub pairs: PairStats,
+    /// The router load-balancing loss (unweighted), summed over micro-batches.
+    pub aux: f64,
 }
 
 impl std::ops::AddAssign for StepLoss {
@@ -98,6 +105,7 @@ impl std::ops::AddAssign for StepLoss {
         self.class += o.class;
         self.kd += o.kd;
         self.pairs += o.pairs;
+        self.aux += o.aux;
     }
 }
 
@@ -477,6 +485,7 @@ impl MicroBatch {
             num_tokens,
             distill: None,
             preference: None,
+            aux_loss_weight: None,
         })
     }
 }
@@ -503,6 +512,76 @@ impl MicroBatch {
         batch.num_targets = pairs.len();
         Ok(batch)
     }
+}
+
+/// transformers' `load_balancing_loss_func` over a batch's sparse layers (with the attention
+/// mask): `E · Σ_e (C_e / R) · (P_e / R)`, `C_e` the tokens routed to expert `e`, `P_e` the sum of
+/// its router probabilities, `R` the tokens, all over every layer's real tokens. Only `P` carries
+/// a gradient, so the loss is linear in the probabilities: each weighs `E · C_e / R²`.
+struct RouterBalance {
+    /// The loss.
+    value: f64,
+    /// Each expert's weight `E · C_e / R²`.
+    per_expert: Vec<f32>,
+    /// Per token: 1 for a real token, 0 for padding.
+    mask: Vec<f32>,
+}
+
+impl RouterBalance {
+    fn new(records: &[&RouterRecord], batch: &MicroBatch, experts: usize) -> Self {
+        let mask: Vec<f32> = batch
+            .layout
+            .key_valid
+            .iter()
+            .flatten()
+            .map(|&v| f32::from(u8::from(v)))
+            .collect();
+        let (mut counts, mut probs, mut rows) = (vec![0f64; experts], vec![0f64; experts], 0f64);
+        for r in records {
+            let n = mask.len();
+            let k = r.selected.len() / n.max(1);
+            for (tok, &m) in mask.iter().enumerate() {
+                if m == 0.0 {
+                    continue;
+                }
+                rows += 1.0;
+                for &e in &r.selected[tok * k..(tok + 1) * k] {
+                    counts[e as usize] += 1.0;
+                }
+                for (e, p) in probs.iter_mut().enumerate() {
+                    *p += r.host_probs[tok * experts + e] as f64;
+                }
+            }
+        }
+        let weight = |e: usize| {
+            if rows > 0.0 {
+                experts as f64 * counts[e] / (rows * rows)
+            } else {
+                0.0
+            }
+        };
+        Self {
+            value: (0..experts).map(|e| weight(e) * probs[e]).sum(),
+            per_expert: (0..experts).map(|e| weight(e) as f32).collect(),
+            mask,
+        }
+    }
+
+    /// `scale · Σ mask · weight · probs` of one layer's record: the part of the loss (times
+    /// `scale`) that depends on that layer's router, differentiable.
+    fn term(&self, probs: &Tensor, scale: f64) -> Result<Tensor> {
+        let (n, e) = probs.dims2()?;
+        let w: Vec<f32> = (0..n)
+            .flat_map(|t| self.per_expert.iter().map(move |&w| w * self.mask[t]))
+            .collect();
+        let w = Tensor::from_vec(w, (n, e), probs.device())?;
+        (probs.to_dtype(DType::F32)? * w)?.sum_all()? * scale
+    }
+}
+
+/// The number of experts of `model`'s sparse layers (0 without any).
+fn num_experts(model: &CausalLm) -> usize {
+    model.config.moe.as_ref().map_or(0, |m| m.num_experts)
 }
 
 /// An empty gradient store (candle only hands them out from `backward`).
@@ -539,8 +618,25 @@ pub fn forward_backward(
     activation_checkpointing: bool,
 ) -> anyhow::Result<StepLoss> {
     if !activation_checkpointing {
+        if batch.aux_loss_weight.is_some() {
+            model.record_routers();
+        }
         let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
-        let (total, parts) = head_loss(&hidden, model, batch)?;
+        let (head_total, parts) = head_loss(&hidden, model, batch)?;
+        let mut total = head_total.clone();
+        let mut aux = 0.0;
+        if let Some(weight) = batch.aux_loss_weight {
+            let records = model.take_router_records();
+            let balance = RouterBalance::new(
+                &records.iter().collect::<Vec<_>>(),
+                batch,
+                num_experts(model),
+            );
+            for r in &records {
+                total = (total + balance.term(&r.probs, weight)?)?;
+            }
+            aux = balance.value;
+        }
         let grads = total.backward()?;
         absorb(acc, &grads, params)?;
         if let Some(head) = parts.head_grads() {
@@ -548,7 +644,10 @@ pub fn forward_backward(
         }
         // Read after the backward is queued: reading first would make the host wait for the
         // forward to finish on a GPU before issuing any of the backward.
-        return Ok(step_loss(&total, &parts)?);
+        let mut step = step_loss(&head_total, &parts)?;
+        step.sum += batch.aux_loss_weight.unwrap_or(0.0) * aux;
+        step.aux = aux;
+        return Ok(step);
     }
     let mut pass = Accumulate { model, params, acc };
     layered_forward_backward(&mut pass, batch, true)
@@ -613,9 +712,16 @@ pub fn layered_forward_backward(
     let mut saved: Vec<Tensor> = Vec::with_capacity(n);
     let mut kept: Vec<(Var, Tensor)> = Vec::with_capacity(n);
     let mut dropout_before = Vec::with_capacity(n);
+    // The router's auxiliary loss: each layer's routing from the forward (its gradient part is
+    // added to that layer's backward once every layer's counts are known).
+    let aux_weight = batch.aux_loss_weight;
+    let mut routing: Vec<Vec<RouterRecord>> = Vec::new();
     for i in 0..n {
         pass.gather(Unit::Layer(i))?;
         dropout_before.push(dropout_states(pass.model()));
+        if aux_weight.is_some() {
+            pass.model().record_routers();
+        }
         if recompute {
             saved.push(x.clone());
             // `detach` drops the layer's graph: its activations are freed here, recomputed later.
@@ -627,7 +733,21 @@ pub fn layered_forward_backward(
             x = out.detach();
             kept.push((input, out));
         }
+        if aux_weight.is_some() {
+            let mut records = pass.model().take_router_records();
+            if recompute {
+                // Only the host copies are needed now; the recompute records the tensors again.
+                for r in &mut records {
+                    r.probs = r.probs.detach();
+                }
+            }
+            routing.push(records);
+        }
     }
+    let balance = aux_weight.map(|_| {
+        let all: Vec<&RouterRecord> = routing.iter().flatten().collect();
+        RouterBalance::new(&all, batch, num_experts(pass.model()))
+    });
     let dropout_after = dropout_states(pass.model());
 
     let top = Var::from_tensor(&x)?;
@@ -635,7 +755,11 @@ pub fn layered_forward_backward(
     let hidden = model.final_norm(top.as_tensor())?;
     let (total, parts) = head_loss(&hidden, model, batch)?;
     let mut head_grads = total.backward()?;
-    let value = step_loss(&total, &parts)?;
+    let mut value = step_loss(&total, &parts)?;
+    if let (Some(weight), Some(b)) = (aux_weight, &balance) {
+        value.sum += weight * b.value;
+        value.aux = b.value;
+    }
     let own_head_grads = match parts {
         HeadParts::Distill { head_grads, .. } => Some(head_grads),
         _ => None,
@@ -646,17 +770,32 @@ pub fn layered_forward_backward(
         .ok_or_else(|| anyhow::anyhow!("no gradient reached the last layer"))?;
 
     for i in (0..n).rev() {
-        let (input, out) = if recompute {
+        let (input, out, records) = if recompute {
             pass.gather(Unit::Layer(i))?;
             set_dropout_states(pass.model(), &dropout_before[i]);
+            if aux_weight.is_some() {
+                pass.model().record_routers();
+            }
             let input = Var::from_tensor(&saved[i])?;
             let out = pass.model().layer(i, input.as_tensor(), &inputs)?;
             saved.truncate(i);
-            (input, out)
+            let records = if aux_weight.is_some() {
+                pass.model().take_router_records()
+            } else {
+                Vec::new()
+            };
+            (input, out, records)
         } else {
-            kept.pop().expect("one kept graph per layer")
+            let (input, out) = kept.pop().expect("one kept graph per layer");
+            (input, out, routing.pop().unwrap_or_default())
         };
-        let grads = (out * &grad_out)?.sum_all()?.backward()?;
+        let mut scalar = (out * &grad_out)?.sum_all()?;
+        if let (Some(weight), Some(b)) = (aux_weight, &balance) {
+            for r in &records {
+                scalar = (scalar + b.term(&r.probs, weight)?)?;
+            }
+        }
+        let grads = scalar.backward()?;
         pass.grads(Unit::Layer(i), &[&grads])?;
         grad_out = grads
             .get(input.as_tensor())

@@ -70,6 +70,7 @@ fn distillation_losses_and_gradients_match_torchtunes_formulas() {
                     chunks,
                 }),
                 preference: None,
+                aux_loss_weight: None,
             };
             let mut grads = empty_grads().unwrap();
             let step =
@@ -197,6 +198,7 @@ fn chunked_distillation_head_equals_the_whole_logits_composite() {
                     chunks,
                 }),
                 preference: None,
+                aux_loss_weight: None,
             };
             for checkpointing in [false, true] {
                 let mut grads = empty_grads().unwrap();

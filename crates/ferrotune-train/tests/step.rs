@@ -51,6 +51,7 @@ fn batch(g: &Value, rows: std::ops::Range<usize>) -> MicroBatch {
         num_tokens: b * t,
         distill: None,
         preference: None,
+        aux_loss_weight: None,
     }
 }
 
@@ -333,5 +334,62 @@ fn every_family_trains_in_bf16_near_its_f32_gradients() {
             worst.1,
             worst.0
         );
+    }
+}
+
+/// The router's auxiliary load-balancing loss of Mixtral, Qwen2-MoE and Qwen3-MoE (one dense
+/// layer) against transformers with `output_router_logits: true` and `router_aux_loss_coef`
+/// 0.05 (scripts/make_moe_aux_fixtures.py): the loss (cross-entropy mean + 0.05 · aux) and every
+/// full fine-tuning gradient, with right padding that the auxiliary loss leaves out, with and
+/// without activation checkpointing.
+#[test]
+fn router_aux_loss_matches_transformers() {
+    let want: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("moe_aux/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let coef = want["router_aux_loss_coef"].as_f64().unwrap();
+    let pad = want["padding"].as_u64().unwrap() as usize;
+    for case in ["mixtral", "qwen2_moe", "qwen3_moe"] {
+        let family = format!("models/{case}");
+        let g = golden(&family);
+        let mut m = model(&family);
+        let params = m.make_all_trainable().unwrap();
+        let mut mb = batch(&g, 0..2);
+        let t = mb.layout.key_valid[1].len();
+        let mut labels: Vec<Vec<i64>> = mb.labels.to_vec2().unwrap();
+        mb.layout.key_valid[1][t - pad..].fill(false);
+        labels[1][t - pad..].fill(-100);
+        mb.labels = Tensor::from_vec(labels.concat(), (2, t), &Device::Cpu).unwrap();
+        mb.num_targets = labels
+            .iter()
+            .map(|r| r.iter().skip(1).filter(|&&l| l != -100).count())
+            .sum();
+        mb.aux_loss_weight = Some(coef * mb.num_targets as f64);
+        let ref_grads = candle_core::safetensors::load(
+            fixtures().join(format!("moe_aux/{case}_grads.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
+        for checkpointing in [false, true] {
+            let mut grads = empty_grads().unwrap();
+            let step = forward_backward(&m, &mb, &params, &mut grads, checkpointing).unwrap();
+            let n = mb.num_targets as f64;
+            let (loss, aux) = (step.sum / n, step.aux);
+            for (what, got, w) in [
+                ("loss", loss, want[case]["loss"].as_f64().unwrap()),
+                ("aux_loss", aux, want[case]["aux_loss"].as_f64().unwrap()),
+            ] {
+                assert!(
+                    ((got - w) / w).abs() < 1e-5,
+                    "{case} (checkpointing {checkpointing}): {what} {got} vs {w}"
+                );
+            }
+            for (name, var) in &params {
+                let got = (grads.get(var.as_tensor()).unwrap() / n).unwrap();
+                let e = rel_l2(&got, &ref_grads[name]);
+                assert!(e <= 1e-4, "{case} ckpt={checkpointing}: {name}: rel L2 {e}");
+            }
+        }
     }
 }

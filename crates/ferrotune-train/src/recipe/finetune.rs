@@ -349,9 +349,15 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             None
         }
     };
+    // transformers' MoE models add the router's load-balancing loss when the checkpoint's
+    // config asks for it (`output_router_logits`).
+    let aux_coef = model.config.router_aux_loss_coef();
     if lead {
         if let Some(loss) = preference_loss {
             eprintln!("Preference loss: {loss:?}");
+        }
+        if let Some(coef) = aux_coef {
+            eprintln!("Router load-balancing loss added with weight {coef} (output_router_logits)");
         }
     }
     // Distributed: the model is spread over the ranks, and the optimizer updates this rank's part.
@@ -523,13 +529,29 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             optimizer.set_lr(lr);
             let mut grads = empty_grads()?;
             let (mut losses, mut targets, mut tokens) = (StepLoss::default(), 0usize, 0usize);
-            for micro in 0..grad_accum {
-                let b = step_in_epoch * grad_accum + micro;
-                // Rank r takes every world-th row of the step's block (torch's DistributedSampler),
-                // so the ranks together take the rows one device would.
-                let picked =
-                    (b * batch_size..(b + 1) * batch_size).map(|j| order[j * world + rank]);
-                let mut batch = examples.micro_batch(picked, pad, &device)?;
+            // The step's micro-batches. Rank r takes every world-th row of the step's block
+            // (torch's DistributedSampler), so the ranks together take the rows one device would.
+            let mut batches = (0..grad_accum)
+                .map(|micro| {
+                    let b = step_in_epoch * grad_accum + micro;
+                    let picked =
+                        (b * batch_size..(b + 1) * batch_size).map(|j| order[j * world + rank]);
+                    examples.micro_batch(picked, pad, &device)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            if let Some(coef) = aux_coef {
+                // The router loss is weighed against the whole step's targets (every rank's), so
+                // that after normalisation it is the coefficient times the micro-batches' mean.
+                let mut step_targets = batches.iter().map(|b| b.num_targets).sum::<usize>() as f64;
+                if let Some(sm) = &sharded {
+                    step_targets = sm.all_reduce_f64(&[step_targets])?[0];
+                }
+                let weight = coef * step_targets / (grad_accum * world) as f64;
+                for b in &mut batches {
+                    b.aux_loss_weight = Some(weight);
+                }
+            }
+            for mut batch in batches {
                 if let Some(t) = &teacher {
                     // The teacher's hidden states for the same tokens (outside autograd: it has
                     // no Vars); the head forms its logits chunk by chunk.
@@ -589,12 +611,14 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     losses.kd,
                 ];
                 local.extend(losses.pairs.to_vec());
+                local.push(losses.aux);
                 let sums = sm.all_reduce_f64(&local)?;
                 losses.sum = sums[0];
                 targets = sums[1].round() as usize;
                 tokens = sums[2].round() as usize;
                 (losses.class, losses.kd) = (sums[3], sums[4]);
-                losses.pairs = PairStats::from_slice(&sums[5..]);
+                losses.pairs = PairStats::from_slice(&sums[5..12]);
+                losses.aux = sums[12];
                 grads = sm.take_grads()?;
             }
             // Normalise by the target tokens of the whole step (not per micro-batch); for DPO by
@@ -675,6 +699,10 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 if mode.preference() {
                     // torchtune's DPO metrics, as means over the step's pairs (every rank's).
                     metrics.extend(losses.pairs.metrics(targets));
+                }
+                if aux_coef.is_some() {
+                    // transformers' `aux_loss`: the micro-batches' mean (every rank's).
+                    metrics.push(("aux_loss", losses.aux / (grad_accum * world) as f64));
                 }
                 if let Some(n) = grad_norm {
                     metrics.push(("grad_norm", n));
