@@ -288,7 +288,8 @@ fn lora_finetune_on_two_ranks_equals_one_device() {
     }
 }
 
-/// QLoRA on 2 ranks (each holding the whole NF4 base, the rest sharded) equals one device.
+/// QLoRA on 2 ranks (the NF4 base sharded with the rest, its bytes gathered around each layer)
+/// equals one device.
 #[test]
 fn qlora_on_two_ranks_equals_one_device() {
     let case = Case::with_vocab("qlora", "nf4/qlora", 256);

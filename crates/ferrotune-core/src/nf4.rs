@@ -49,6 +49,26 @@ pub struct Nf4Matrix {
     segments: Vec<Nf4Segment>,
 }
 
+/// The shape of an [`Nf4Matrix`] without its blocks: `[rows, cols]`, the dtype, and per row
+/// segment (rows, code bytes, scalers, factors).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nf4Layout {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+    pub segments: Vec<(usize, usize, usize, usize)>,
+}
+
+impl Nf4Layout {
+    /// The length of [`Nf4Matrix::to_bytes`].
+    pub fn byte_len(&self) -> usize {
+        self.segments
+            .iter()
+            .map(|&(_, codes, scalers, factors)| codes + scalers + 4 * factors + 4)
+            .sum()
+    }
+}
+
 /// One tensor as torchao's `NF4Tensor` holds it.
 #[derive(Debug)]
 pub struct Nf4Segment {
@@ -320,6 +340,102 @@ impl Nf4Matrix {
         .placed_on(device)
     }
 
+    /// What rebuilding this matrix from [`Nf4Matrix::to_bytes`] needs besides the bytes.
+    pub fn layout(&self) -> Nf4Layout {
+        Nf4Layout {
+            rows: self.rows,
+            cols: self.cols,
+            dtype: self.dtype,
+            segments: self
+                .segments
+                .iter()
+                .map(|s| {
+                    (
+                        s.rows,
+                        s.codes.len(),
+                        s.quantized_scalers.len(),
+                        s.quantization_factor.len(),
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// The blocks as bytes (per segment: codes, scalers, factors and the mean, the floats
+    /// little-endian): what sharded training splits over ranks and gathers back, exactly.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.layout().byte_len());
+        for s in &self.segments {
+            out.extend_from_slice(&s.codes);
+            out.extend(s.quantized_scalers.iter().map(|&q| q as u8));
+            for f in &s.quantization_factor {
+                out.extend_from_slice(&f.to_le_bytes());
+            }
+            out.extend_from_slice(&s.scaler_mean.to_le_bytes());
+        }
+        out
+    }
+
+    /// The matrix [`Nf4Matrix::to_bytes`] wrote, dequantizing onto `device`.
+    pub fn from_bytes(layout: &Nf4Layout, bytes: &[u8], device: &Device) -> Result<Self> {
+        if bytes.len() != layout.byte_len() {
+            bail!(
+                "NF4: {} bytes for a {}x{} matrix that takes {}",
+                bytes.len(),
+                layout.rows,
+                layout.cols,
+                layout.byte_len()
+            );
+        }
+        let mut rest = bytes;
+        let mut take = |n: usize| {
+            let (head, tail) = rest.split_at(n);
+            rest = tail;
+            head
+        };
+        let f32s = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let mut segments = Vec::with_capacity(layout.segments.len());
+        for &(rows, codes, scalers, factors) in &layout.segments {
+            let codes = take(codes).to_vec();
+            let quantized_scalers = take(scalers).iter().map(|&b| b as i8).collect();
+            let quantization_factor = f32s(take(4 * factors));
+            let scaler_mean = f32s(take(4))[0];
+            segments.push(Nf4Segment {
+                rows,
+                codes,
+                quantized_scalers,
+                quantization_factor,
+                scaler_mean,
+                #[cfg(feature = "cuda")]
+                gpu: None,
+            });
+        }
+        Self {
+            rows: layout.rows,
+            cols: layout.cols,
+            dtype: layout.dtype,
+            device: Device::Cpu,
+            segments,
+        }
+        .placed_on(device)
+    }
+
+    /// A stand-in with this layout's shape and no blocks, for a weight whose blocks are not on
+    /// this rank right now (sharded training); dequantizing it is an error.
+    pub fn placeholder(layout: &Nf4Layout, device: &Device) -> Self {
+        Self {
+            rows: layout.rows,
+            cols: layout.cols,
+            dtype: layout.dtype,
+            device: device.clone(),
+            segments: Vec::new(),
+        }
+    }
+
     /// Bytes held: half a byte per value, one per block, four per group.
     pub fn size_in_bytes(&self) -> usize {
         self.segments.iter().map(Nf4Segment::size_in_bytes).sum()
@@ -339,6 +455,9 @@ impl Nf4Matrix {
 
     /// The dequantized weight `[rows, cols]` in its dtype, on its device.
     pub fn dequantize(&self) -> Result<Tensor> {
+        if self.segments.is_empty() && self.rows * self.cols > 0 {
+            bail!("NF4: this weight's blocks are not on this rank (a sharded placeholder)");
+        }
         #[cfg(feature = "cuda")]
         {
             let on_gpu: Option<Vec<_>> = self

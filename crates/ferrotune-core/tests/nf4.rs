@@ -233,3 +233,35 @@ fn row_segments_quantize_as_separate_tensors() {
     );
     assert!(Nf4Matrix::quantize_rows(&w, &[96, 32]).is_err());
 }
+
+/// The byte form sharded training splits and gathers rebuilds the same matrix (every segment's
+/// codes, scalers, factors and mean; the same dequantized weight); a placeholder of its layout
+/// has the shape and refuses to dequantize.
+#[test]
+fn nf4_bytes_round_trip_and_placeholders_refuse_to_dequantize() {
+    use candle_core::{DType, Device, Tensor};
+    use ferrotune_core::nf4::Nf4Matrix;
+    let dev = Device::Cpu;
+    let w = Tensor::randn(0f32, 0.05, (40, 96), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let q = Nf4Matrix::quantize_rows(&w, &[16, 8, 16]).unwrap();
+    let layout = q.layout();
+    let bytes = q.to_bytes();
+    assert_eq!(bytes.len(), layout.byte_len());
+    let back = Nf4Matrix::from_bytes(&layout, &bytes, &dev).unwrap();
+    assert_eq!(back.layout(), layout);
+    for (a, b) in q.segments().iter().zip(back.segments()) {
+        assert_eq!(a.codes(), b.codes());
+        assert_eq!(a.quantized_scalers(), b.quantized_scalers());
+        assert_eq!(a.quantization_factor(), b.quantization_factor());
+        assert_eq!(a.scaler_mean(), b.scaler_mean());
+    }
+    assert_eq!(back.dequantize_values(), q.dequantize_values());
+    assert!(Nf4Matrix::from_bytes(&layout, &bytes[1..], &dev).is_err());
+    let stand_in = Nf4Matrix::placeholder(&layout, &dev);
+    assert_eq!(stand_in.dims(), (40, 96));
+    let err = stand_in.dequantize().unwrap_err().to_string();
+    assert!(err.contains("not on this rank"), "{err}");
+}

@@ -105,6 +105,28 @@ impl CausalLm {
         out
     }
 
+    /// The NF4 (QLoRA) base weights of `unit`, mutable, under their modules' weight names, in a
+    /// fixed order: frozen weights that are not tensors, which sharded training splits apart.
+    pub fn unit_nf4_mut(&mut self, unit: Unit) -> Vec<(String, &mut crate::model::BaseWeight)> {
+        let linears: Vec<(String, &mut Linear)> = match unit {
+            Unit::Root => vec![("lm_head".to_string(), &mut self.lm_head)],
+            Unit::Layer(i) => {
+                let p = format!("model.layers.{i}");
+                self.layers[i]
+                    .parts_mut()
+                    .linears
+                    .into_iter()
+                    .map(|(module, linear)| (format!("{p}.{module}"), linear))
+                    .collect()
+            }
+        };
+        linears
+            .into_iter()
+            .filter(|(_, l)| matches!(l.weight, crate::model::BaseWeight::Nf4(_)))
+            .map(|(module, l)| (format!("{module}.weight"), &mut l.weight))
+            .collect()
+    }
+
     /// Points a tied output head at the (possibly replaced) embedding tensor again.
     pub fn retie_head(&mut self) {
         if self.config.tie_word_embeddings {

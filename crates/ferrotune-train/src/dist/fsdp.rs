@@ -30,7 +30,8 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
-use ferrotune_models::{CausalLm, Unit};
+use ferrotune_core::nf4::{Nf4Layout, Nf4Matrix};
+use ferrotune_models::{BaseWeight, CausalLm, Unit};
 
 use crate::dist::comm::Collectives;
 use crate::step::{empty_grads, layered_forward_backward, LayerPass, MicroBatch};
@@ -243,6 +244,13 @@ struct UnitState {
     pending: Vec<Pending>,
     /// Reduced gradients of this optimizer step: the chunk (sharded) or the whole flat buffer.
     grad: Option<Tensor>,
+    /// Sharded modes: the unit's NF4 (QLoRA) base weights, in [`CausalLm::unit_nf4_mut`] order,
+    /// with this rank's chunk of their bytes ([`Nf4Matrix::to_bytes`], concatenated and
+    /// zero-padded to a multiple of the ranks). Frozen and never reduced: only gathered.
+    nf4: Vec<Nf4Layout>,
+    nf4_shard: Option<Tensor>,
+    /// Bytes of the unit's NF4 base weights (all of them, whatever the sharding).
+    nf4_bytes: usize,
 }
 
 /// A model spread over the ranks of a data-parallel group.
@@ -299,7 +307,15 @@ impl ShardedModel {
                 gathered: true,
                 pending: Vec::new(),
                 grad: None,
+                nf4: Vec::new(),
+                nf4_shard: None,
+                nf4_bytes: 0,
             };
+            for (_, weight) in model.unit_nf4_mut(unit) {
+                if let BaseWeight::Nf4(q) = weight {
+                    st.nf4_bytes += q.layout().byte_len();
+                }
+            }
             let mut train_parts = Vec::new();
             let mut frozen_parts = Vec::new();
             for (name, tensor) in model.unit_tensors_mut(unit) {
@@ -329,6 +345,24 @@ impl ShardedModel {
                 st.vars.clear();
                 for (_, tensor) in model.unit_tensors_mut(unit) {
                     *tensor = placeholder.clone();
+                }
+                // QLoRA's NF4 base: each rank keeps 1/N of its bytes, like any frozen tensor.
+                let mut bytes = Vec::new();
+                for (_, weight) in model.unit_nf4_mut(unit) {
+                    if let BaseWeight::Nf4(q) = weight {
+                        let layout = q.layout();
+                        bytes.extend(q.to_bytes());
+                        *weight =
+                            BaseWeight::Nf4(Arc::new(Nf4Matrix::placeholder(&layout, &device)));
+                        st.nf4.push(layout);
+                    }
+                }
+                if !st.nf4.is_empty() {
+                    let chunk = bytes.len().div_ceil(shards);
+                    bytes.resize(chunk * shards, 0);
+                    let mine = bytes[shard_index * chunk..(shard_index + 1) * chunk].to_vec();
+                    st.nf4_shard =
+                        Some(Tensor::from_vec(mine, chunk, &Device::Cpu)?.to_device(&device)?);
                 }
                 st.gathered = false;
             }
@@ -406,6 +440,24 @@ impl ShardedModel {
         if unit == Unit::Root {
             model.retie_head();
         }
+        if let Some(shard) = &st.nf4_shard {
+            let all = self.queue.all_gather(shard)?.to_device(&Device::Cpu)?;
+            let bytes = all.to_vec1::<u8>()?;
+            let mut offset = 0;
+            let mut matrices = Vec::with_capacity(st.nf4.len());
+            for layout in &st.nf4 {
+                let n = layout.byte_len();
+                matrices.push(Nf4Matrix::from_bytes(
+                    layout,
+                    &bytes[offset..offset + n],
+                    &self.device,
+                )?);
+                offset += n;
+            }
+            for ((_, weight), q) in model.unit_nf4_mut(unit).into_iter().zip(matrices) {
+                *weight = BaseWeight::Nf4(Arc::new(q));
+            }
+        }
         let st = &mut self.units[k];
         st.vars = vars;
         st.gathered = true;
@@ -420,6 +472,9 @@ impl ShardedModel {
         }
         for (_, tensor) in model.unit_tensors_mut(unit) {
             *tensor = self.placeholder.clone();
+        }
+        for ((_, weight), layout) in model.unit_nf4_mut(unit).into_iter().zip(&self.units[k].nf4) {
+            *weight = BaseWeight::Nf4(Arc::new(Nf4Matrix::placeholder(layout, &self.device)));
         }
         if unit == Unit::Root {
             model.retie_head();
@@ -634,11 +689,12 @@ impl ShardedModel {
         for st in &self.units {
             match self.sharding {
                 Sharding::None => {
-                    params += (st.trainable.len + st.frozen.len) * size;
+                    params += (st.trainable.len + st.frozen.len) * size + st.nf4_bytes;
                     grads += st.trainable.len * size;
                 }
                 _ => {
                     params += (st.trainable.chunk + st.frozen.chunk) * size;
+                    params += st.nf4_shard.as_ref().map_or(0, Tensor::elem_count);
                     grads += st.trainable.chunk * size;
                 }
             }
@@ -652,7 +708,7 @@ impl ShardedModel {
         let params = self
             .units
             .iter()
-            .map(|u| (u.trainable.len + u.frozen.len) * size)
+            .map(|u| (u.trainable.len + u.frozen.len) * size + u.nf4_bytes)
             .sum();
         let grads = self.units.iter().map(|u| u.trainable.len * size).sum();
         (params, grads)
