@@ -484,6 +484,48 @@ impl ShardedModel {
         st.gathered = false;
     }
 
+    /// An inference pass (no gradient) over `input_ids` with one unit gathered at a time, as the
+    /// training pass holds them, instead of the whole model at once: the embedding, each layer
+    /// (gathered, run, released), then `head` on the final hidden states with the root unit
+    /// gathered. `without_adapters` runs the base model alone (the LoRA DPO reference). Every
+    /// unit is released again at the end.
+    pub fn inference_pass<R>(
+        &mut self,
+        model: &mut CausalLm,
+        input_ids: &Tensor,
+        layout: &ferrotune_models::AttentionLayout,
+        without_adapters: bool,
+        head: impl FnOnce(&CausalLm, &Tensor) -> Result<R>,
+    ) -> Result<R> {
+        // Runs `f` on the model, its adapters taken out when asked.
+        fn run<T>(
+            model: &mut CausalLm,
+            without_adapters: bool,
+            f: impl FnOnce(&CausalLm) -> T,
+        ) -> T {
+            if without_adapters {
+                ferrotune_models::peft::with_adapters_disabled(model, f)
+            } else {
+                f(model)
+            }
+        }
+        self.gather(model, Unit::Root)?;
+        let inputs = model.layer_inputs(layout)?;
+        let mut x = model.embed(input_ids)?.detach();
+        for i in 0..model.layers.len() {
+            self.gather(model, Unit::Layer(i))?;
+            let out = run(model, without_adapters, |m| m.layer(i, &x, &inputs));
+            self.release(model, Unit::Layer(i));
+            x = out?.detach();
+        }
+        let result = run(model, without_adapters, |m| -> Result<R> {
+            let hidden = m.final_norm(&x)?;
+            head(m, &hidden)
+        });
+        self.release(model, Unit::Root);
+        result
+    }
+
     /// Gathers every unit (to save a checkpoint); [`ShardedModel::release_all`] undoes it.
     pub fn gather_all(&mut self, model: &mut CausalLm) -> Result<()> {
         for unit in model.units() {

@@ -56,6 +56,26 @@ pub fn target_loss_sum(
     pad: u32,
     device: &candle_core::Device,
 ) -> Result<(f64, usize)> {
+    target_loss_sum_by(rows, batch_size, cap, pad, device, |batch| {
+        let logits = model.forward(&batch.input_ids, &batch.layout, None)?;
+        let loss = causal_lm_loss(&logits, &batch.labels, true)?;
+        Ok((
+            loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            loss.count,
+        ))
+    })
+}
+
+/// [`target_loss_sum`] with each batch's (loss sum, target count) from `score`: how a sharded
+/// model scores batches one unit at a time.
+pub fn target_loss_sum_by(
+    rows: &[Row],
+    batch_size: usize,
+    cap: Option<usize>,
+    pad: u32,
+    device: &candle_core::Device,
+    mut score: impl FnMut(&MicroBatch) -> Result<(f64, usize)>,
+) -> Result<(f64, usize)> {
     let (mut sum, mut targets) = (0f64, 0usize);
     for (i, chunk) in rows.chunks(batch_size.max(1)).enumerate() {
         if cap.is_some_and(|c| i >= c) {
@@ -63,10 +83,9 @@ pub fn target_loss_sum(
         }
         let picked: Vec<&Row> = chunk.iter().collect();
         let batch = MicroBatch::from_batch(&collate(&picked, pad), device)?;
-        let logits = model.forward(&batch.input_ids, &batch.layout, None)?;
-        let loss = causal_lm_loss(&logits, &batch.labels, true)?;
-        sum += loss.sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        targets += loss.count;
+        let (s, n) = score(&batch)?;
+        sum += s;
+        targets += n;
     }
     Ok((sum, targets))
 }

@@ -30,8 +30,8 @@ use crate::optim::Optimizer;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::step::{
-    dropout_states, empty_grads, forward_backward, reference_log_probs, set_dropout_states,
-    Distill, MicroBatch, PairStats, Preference, StepLoss,
+    dropout_states, empty_grads, forward_backward, reference_log_probs, sequence_log_probs,
+    set_dropout_states, Distill, MicroBatch, PairStats, Preference, StepLoss,
 };
 
 /// Which weights train.
@@ -570,18 +570,26 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     // The reference model's log probabilities of the same pairs (no gradient).
                     let reference_logps = match &reference {
                         Some(r) => reference_log_probs(r, &batch)?,
-                        None => {
-                            if let Some(sm) = &mut sharded {
-                                sm.gather_all(&mut model)?;
+                        // The model with its adapters disabled; sharded, one unit at a time.
+                        None => match &mut sharded {
+                            Some(sm) => {
+                                let labels = batch.labels.clone();
+                                sm.inference_pass(
+                                    &mut model,
+                                    &batch.input_ids,
+                                    &batch.layout,
+                                    true,
+                                    |m, hidden| {
+                                        Ok(sequence_log_probs(hidden, m, &labels)?
+                                            .to_dtype(DType::F32)?
+                                            .to_vec1::<f32>()?)
+                                    },
+                                )?
                             }
-                            let logps = peft::with_adapters_disabled(&mut model, |m| {
+                            None => peft::with_adapters_disabled(&mut model, |m| {
                                 reference_log_probs(m, &batch)
-                            });
-                            if let Some(sm) = &mut sharded {
-                                sm.release_all(&mut model);
-                            }
-                            logps?
-                        }
+                            })?,
+                        },
                     };
                     batch.preference = Some(Preference {
                         reference_logps,
@@ -716,21 +724,42 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 if global_step.is_multiple_of(*every) {
                     // Dropout off while validating, as torchtune's `model.eval()`.
                     ferrotune_models::lora::set_training(&mut model, false);
-                    if let Some(sm) = &mut sharded {
-                        sm.gather_all(&mut model)?;
-                    }
-                    let scored = crate::recipe::eval::target_loss_sum(
-                        &model,
-                        val_rows,
-                        *val_batch,
-                        *val_batches,
-                        pad,
-                        &device,
-                    );
-                    if let Some(sm) = &mut sharded {
-                        sm.release_all(&mut model);
-                    }
-                    let (mut sum, targets) = scored?;
+                    let (mut sum, targets) = match &mut sharded {
+                        // One unit gathered at a time, as in training.
+                        Some(sm) => crate::recipe::eval::target_loss_sum_by(
+                            val_rows,
+                            *val_batch,
+                            *val_batches,
+                            pad,
+                            &device,
+                            |batch| {
+                                sm.inference_pass(
+                                    &mut model,
+                                    &batch.input_ids,
+                                    &batch.layout,
+                                    false,
+                                    |m, hidden| {
+                                        let loss = crate::loss::causal_lm_head_loss(
+                                            hidden,
+                                            m,
+                                            &batch.labels,
+                                            true,
+                                        )?;
+                                        let sum = loss.sum.to_dtype(DType::F64)?.to_scalar()?;
+                                        Ok((sum, loss.count))
+                                    },
+                                )
+                            },
+                        )?,
+                        None => crate::recipe::eval::target_loss_sum(
+                            &model,
+                            val_rows,
+                            *val_batch,
+                            *val_batches,
+                            pad,
+                            &device,
+                        )?,
+                    };
                     let mut targets = targets as f64;
                     if let Some(sm) = &sharded {
                         // Every rank's sums, as torchtune all-reduces them.
