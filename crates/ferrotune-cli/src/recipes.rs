@@ -57,6 +57,8 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
     ("lora_dpo_single_device", FINETUNE_SOURCE),
     ("lora_dpo_distributed", FINETUNE_SOURCE),
     ("full_dpo_distributed", FINETUNE_SOURCE),
+    ("qat_distributed", FINETUNE_SOURCE),
+    ("qat_lora_finetune_distributed", FINETUNE_SOURCE),
     (
         "generate",
         include_str!("../../ferrotune-train/src/recipe/generate.rs"),

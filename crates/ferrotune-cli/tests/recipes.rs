@@ -1031,3 +1031,96 @@ fn moe_router_aux_loss_trains_as_transformers_adds_it() {
         assert!(e <= 1e-4, "{key}: relative L2 {e}");
     }
 }
+
+/// torchtune's QAT recipes with `Int8DynActInt4WeightQATQuantizer` (group 32): one SGD step (lr
+/// 1) logs torchao's loss and saves `start − gradient` (scripts/make_qat_fixtures.py), for
+/// `qat_distributed` (every weight, every linear fake-quantized) and `qat_lora_finetune_distributed`
+/// (a PEFT adapter, the adapted layers' base fake-quantized); `fake_quant_after_n_steps: 1` makes
+/// the first step a plain one (transformers' loss).
+#[test]
+fn qat_steps_match_torchao() {
+    let dir = tmpdir("qat");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = write_config(&dir, "llama3", &data);
+    let want: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("qat/golden.json")).unwrap())
+            .unwrap();
+    let adapter = fixtures().join("llama3/adapter");
+    let model = fixtures().join("llama3/model");
+    let quantizer = [
+        "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
+        "quantizer.groupsize=32",
+    ];
+    let run = |recipe: &str, out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "run".to_string(),
+            recipe.to_string(),
+            "--config".into(),
+            cfg.display().to_string(),
+            format!("output_dir={}", out.display()),
+        ];
+        args.extend(
+            quantizer
+                .iter()
+                .chain(&ONE_SGD_STEP)
+                .chain(extra)
+                .map(|s| s.to_string()),
+        );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = ferrotune(&args, &dir, &[]);
+        assert!(o.status.success(), "{recipe}: {}", text(&o));
+        assert!(text(&o).contains("QAT: "), "{}", text(&o));
+        metrics_lines(&out.join("logs/metrics.jsonl"))[0]["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let close = |got: f64, w: f64, what: &str| {
+        assert!(((got - w) / w).abs() < 1e-5, "{what}: loss {got} vs {w}");
+    };
+
+    let out = dir.join("full");
+    let loss = run("qat_distributed", &out, &[]);
+    close(
+        loss,
+        want["full"]["loss"].as_f64().unwrap(),
+        "qat_distributed",
+    );
+    let saved = load(&out.join("epoch_0/model.safetensors"));
+    let start = load(&model.join("model.safetensors"));
+    let grads = load(&fixtures().join("qat/full_grads.safetensors"));
+    for (key, s) in &start {
+        let e = rel_l2(&(s - &saved[key]).unwrap(), &grads[key]);
+        assert!(e <= 1e-4, "qat_distributed: {key}: relative L2 {e}");
+    }
+
+    let out = dir.join("lora");
+    let adapter_arg = format!("checkpointer.adapter_checkpoint={}", adapter.display());
+    let loss = run("qat_lora_finetune_distributed", &out, &[&adapter_arg]);
+    close(
+        loss,
+        want["lora"]["loss"].as_f64().unwrap(),
+        "qat_lora_finetune_distributed",
+    );
+    assert_start_minus_gradient(
+        &out.join("epoch_0/adapter_model.safetensors"),
+        &adapter.join("adapter_model.safetensors"),
+        &fixtures().join("qat/lora_grads.safetensors"),
+    );
+
+    // The first step without fake quantization is transformers' plain step.
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let loss = run(
+        "qat_distributed",
+        &dir.join("delayed"),
+        &["fake_quant_after_n_steps=1"],
+    );
+    close(
+        loss,
+        g["loss"].as_f64().unwrap(),
+        "fake_quant_after_n_steps",
+    );
+}

@@ -16,6 +16,7 @@ pub mod fused;
 pub mod graph;
 pub mod nf4;
 pub mod ops;
+pub mod qat;
 pub mod quant;
 pub mod switch;
 pub mod weight;

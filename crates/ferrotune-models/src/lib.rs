@@ -19,7 +19,8 @@ pub use device_map::{DeviceMapMode, Placement};
 pub use error::ModelError;
 pub use lora::LoraAdapter;
 pub use model::{
-    AttentionLayout, BaseWeight, CausalLm, KvCache, LayerInputs, Linear, Nf4Summary, RouterRecord,
+    AttentionLayout, BaseWeight, CausalLm, FakeQuant, KvCache, LayerInputs, Linear, Nf4Summary,
+    RouterRecord,
 };
 pub use peft::{load_adapter, save_adapter, LoraConfig, TargetModules};
 pub use save::{parse_shard_size, save_hf_checkpoint};

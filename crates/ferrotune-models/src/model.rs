@@ -59,6 +59,19 @@ pub struct Linear {
     pub packed: Option<Arc<QuantizedMatrix>>,
     /// A LoRA/DoRA adapter applied on top of the (frozen) base layer, as PEFT's `lora.Linear`.
     pub adapter: Option<LoraAdapter>,
+    /// Quantization-aware training: the base product's input and weight fake-quantized
+    /// (`ferrotune_core::qat`), as torchtune's QAT recipes do; an adapter still sees the input
+    /// as it is (torchtune's `QATLoRALinear`).
+    pub fake_quant: Option<FakeQuant>,
+}
+
+/// torchao's `Int8DynActInt4WeightQATQuantizer` on one linear layer: int8 per-token inputs, int4
+/// weights in groups of `group_size` inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FakeQuant {
+    pub group_size: usize,
+    /// Off for torchtune's `fake_quant_after_n_steps` first steps.
+    pub enabled: bool,
 }
 
 impl Linear {
@@ -69,12 +82,16 @@ impl Linear {
             bias,
             packed: None,
             adapter: None,
+            fake_quant: None,
         }
     }
 
     /// The adapter when it is a plain LoRA adapter being trained on inputs like `x` (no DoRA, no
     /// active dropout, the input's dtype): the case the fused LoRA ops serve.
     fn trained_plain_lora(&self, x: &Tensor) -> Option<&LoraAdapter> {
+        if self.fake_quant.is_some_and(|f| f.enabled) {
+            return None;
+        }
         self.adapter.as_ref().filter(|adapter| {
             adapter.dora_magnitude.is_none()
                 && !(adapter.training && adapter.dropout > 0.0)
@@ -86,6 +103,16 @@ impl Linear {
     /// `x @ weight.T + bias`, plus the adapter's contribution when one is attached.
     pub fn forward(&self, x: &Tensor) -> CResult<Tensor> {
         let bias = self.bias.as_ref();
+        if let Some(fq) = self.fake_quant.filter(|f| f.enabled) {
+            let weight = self.weight.dense()?;
+            let xq = ferrotune_core::qat::fake_quantize_per_token_int8(x)?;
+            let wq = ferrotune_core::qat::fake_quantize_per_group_int4(&weight, fq.group_size)?;
+            let base = ops::linear(&xq, &wq, bias)?;
+            return match &self.adapter {
+                Some(adapter) => adapter.forward(x, &base, &self.weight, bias),
+                None => Ok(base),
+            };
+        }
         if let Some(adapter) = self.trained_plain_lora(x) {
             // Training a plain LoRA adapter: base and adapter branch in one fused op.
             let (a, b, scale) = (&adapter.a, &adapter.b, adapter.scale);
@@ -898,6 +925,7 @@ impl TensorTaker<'_> {
             bias: self.take_opt(&format!("{prefix}.bias"), &[out])?,
             packed: self.take_packed(&name, out, inp),
             adapter: None,
+            fake_quant: None,
         })
     }
 
@@ -1100,6 +1128,7 @@ impl CausalLm {
                 bias: None,
                 packed: embed_packed,
                 adapter: None,
+                fake_quant: None,
             }
         } else {
             take.linear("lm_head", c.vocab_size, h)?

@@ -81,6 +81,8 @@ pub const RECIPES: &[&str] = &[
     "lora_dpo_single_device",
     "lora_dpo_distributed",
     "full_dpo_distributed",
+    "qat_distributed",
+    "qat_lora_finetune_distributed",
     "generate",
     "eval",
 ];
@@ -581,6 +583,7 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("instruct_template", Ty::Str),
     ("chat_format", Ty::Str),
     ("quantizer", Ty::Any),
+    ("fake_quant_after_n_steps", Ty::Int),
     ("max_seq_len", Ty::Int),
 ];
 

@@ -95,6 +95,7 @@ pub fn causal_lm_head_loss(
         Some(w)
             if lm_head.adapter.is_none()
                 && lm_head.bias.is_none()
+                && lm_head.fake_quant.is_none_or(|f| !f.enabled)
                 && model.config.final_logit_softcapping.is_none()
                 && ferrotune_core::fused::chunked_head_applies(hidden, w) =>
         {

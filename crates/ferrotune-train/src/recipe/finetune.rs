@@ -49,6 +49,10 @@ pub enum Mode {
     Dpo,
     /// Every weight trained by DPO against a frozen reference model (`full_dpo_distributed`).
     FullDpo,
+    /// Every weight trained through fake-quantized linear layers (`qat_distributed`).
+    Qat,
+    /// LoRA adapters on fake-quantized base layers (`qat_lora_finetune_distributed`).
+    QatLora,
 }
 
 impl Mode {
@@ -62,14 +66,22 @@ impl Mode {
             (Mode::Distill, true) => "knowledge_distillation_distributed",
             (Mode::Dpo, false) => "lora_dpo_single_device",
             (Mode::Dpo, true) => "lora_dpo_distributed",
-            // torchtune has no single-device full DPO recipe; one process is a world of one.
+            // torchtune has no single-device full DPO or QAT recipes; one process is a world of
+            // one.
             (Mode::FullDpo, _) => "full_dpo_distributed",
+            (Mode::Qat, _) => "qat_distributed",
+            (Mode::QatLora, _) => "qat_lora_finetune_distributed",
         }
     }
 
     /// Whether every weight trains (otherwise LoRA adapters on a frozen base).
     fn full(self) -> bool {
-        matches!(self, Mode::Full | Mode::FullDpo)
+        matches!(self, Mode::Full | Mode::FullDpo | Mode::Qat)
+    }
+
+    /// Whether linear layers train fake-quantized (torchtune's QAT recipes).
+    fn qat(self) -> bool {
+        matches!(self, Mode::Qat | Mode::QatLora)
     }
 
     /// Whether the data are preference pairs and the loss a preference loss.
@@ -198,13 +210,6 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
         }
     }
-    if lead && cfg.get("quantizer").is_some_and(|v| !v.is_null()) {
-        // torchtune's QAT recipes fake-quantize with it; ferrotune has no QAT recipe.
-        eprintln!(
-            "warning: 'quantizer' (quantization-aware training) is not supported: {recipe} \
-             trains without fake quantization"
-        );
-    }
     let output_dir = cfg
         .path("output_dir")?
         .ok_or_else(|| anyhow!("{}: 'output_dir' is required", cfg.origin))?;
@@ -302,7 +307,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         say(line);
     }
     let (params, lora_config) = match mode {
-        Mode::Lora | Mode::Distill | Mode::Dpo => {
+        Mode::Lora | Mode::Distill | Mode::Dpo | Mode::QatLora => {
             let lc = setup_adapters(
                 cfg,
                 &mut model,
@@ -314,7 +319,36 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             ferrotune_models::lora::set_training(&mut model, true);
             (peft::trainable_parameters(&mut model)?, Some(lc))
         }
-        Mode::Full | Mode::FullDpo => (model.make_all_trainable()?, None),
+        Mode::Full | Mode::FullDpo | Mode::Qat => (model.make_all_trainable()?, None),
+    };
+    // QAT: the linear layers' base products fake-quantized from here on.
+    let fake_quant_after = if mode.qat() {
+        if qlora {
+            bail!(
+                "{}: the QAT recipes fake-quantize a dense base; model.quantize_base (QLoRA) \
+                 is not supported with them",
+                cfg.origin
+            );
+        }
+        let group_size = setup::qat_group_size(cfg)?;
+        let n = apply_fake_quant(cfg, &mut model, mode, group_size)?;
+        say(format!(
+            "QAT: {n} linear layers fake-quantized (int8 per-token activations, int4 weights in \
+             groups of {group_size})"
+        ));
+        match mode {
+            Mode::Qat => cfg.usize("fake_quant_after_n_steps")?,
+            _ => None,
+        }
+    } else {
+        if lead && cfg.get("quantizer").is_some_and(|v| !v.is_null()) {
+            // torchtune's QAT recipes fake-quantize with it; this one does not.
+            eprintln!(
+                "warning: 'quantizer' applies to the QAT recipes (qat_distributed, \
+                 qat_lora_finetune_distributed): {recipe} trains without fake quantization"
+            );
+        }
+        None
     };
     let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     say(format!(
@@ -525,6 +559,10 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         };
         for step_in_epoch in first..steps_per_epoch {
             let t_step = Instant::now();
+            if let Some(n) = fake_quant_after {
+                // torchtune's `fake_quant_after_n_steps`: plain steps first, then fake quantization.
+                set_fake_quant_enabled(&mut model, global_step >= n);
+            }
             let lr = base_lr * schedule.multiplier(global_step);
             optimizer.set_lr(lr);
             let mut grads = empty_grads()?;
@@ -902,6 +940,60 @@ fn setup_adapters(
         eprintln!("LoRA r={} alpha={} on {n} modules", lc.r, lc.lora_alpha);
     }
     Ok(lc)
+}
+
+/// Puts torchao's `Int8DynActInt4WeightQATQuantizer` on `model`'s linear layers, as torchtune's
+/// QAT recipes prepare the model: `qat_distributed` every linear layer whose input count is a
+/// multiple of the group size (the output head too, unless tied to the embedding; others are
+/// left as they are, as torchao skips them); `qat_lora_finetune_distributed` the layers with an
+/// adapter (each must divide, as torchtune's `QATLoRALinear` requires; DoRA is refused). Returns
+/// how many layers.
+fn apply_fake_quant(
+    cfg: &Config,
+    model: &mut CausalLm,
+    mode: Mode,
+    group_size: usize,
+) -> Result<usize> {
+    let tied = model.config.tie_word_embeddings;
+    let mut n = 0;
+    for (name, linear) in model.linears_mut() {
+        let inputs = linear.weight.dims2()?.1;
+        if mode == Mode::QatLora {
+            let Some(adapter) = &linear.adapter else {
+                continue;
+            };
+            if adapter.dora_magnitude.is_some() {
+                bail!(
+                    "{}: QAT is not compatible with DoRA (torchtune's neither)",
+                    cfg.origin
+                );
+            }
+            if inputs % group_size != 0 {
+                bail!(
+                    "{}: {name} has {inputs} inputs, not a multiple of quantizer.groupsize \
+                     {group_size}",
+                    cfg.origin
+                );
+            }
+        } else if inputs % group_size != 0 || (name == "lm_head" && tied) {
+            continue;
+        }
+        linear.fake_quant = Some(ferrotune_models::FakeQuant {
+            group_size,
+            enabled: true,
+        });
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Switches the fake quantization of every prepared layer on or off.
+fn set_fake_quant_enabled(model: &mut CausalLm, enabled: bool) {
+    for (_, linear) in model.linears_mut() {
+        if let Some(fq) = &mut linear.fake_quant {
+            fq.enabled = enabled;
+        }
+    }
 }
 
 /// Says which of `keys` the config sets although only the `family` recipes read them.

@@ -24,6 +24,8 @@ pub fn run(name: &str, cfg: &Config) -> Result<()> {
         "lora_dpo_single_device" => finetune::run(cfg, finetune::Mode::Dpo, false),
         "lora_dpo_distributed" => finetune::run(cfg, finetune::Mode::Dpo, true),
         "full_dpo_distributed" => finetune::run(cfg, finetune::Mode::FullDpo, true),
+        "qat_distributed" => finetune::run(cfg, finetune::Mode::Qat, true),
+        "qat_lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::QatLora, true),
         "generate" => generate::run(cfg),
         "eval" | "eleuther_eval" => eval::run(cfg).map(|_| ()),
         other => {

@@ -501,6 +501,30 @@ pub fn preference_loss(cfg: &Config) -> Result<crate::loss::PreferenceLoss> {
     })
 }
 
+/// The QAT recipes' `quantizer` section: torchtune's `Int8DynActInt4WeightQATQuantizer` (or its
+/// `ModuleSwap` form), whose `groupsize` (default 256) is returned.
+pub fn qat_group_size(cfg: &Config) -> Result<usize> {
+    let component = cfg.str("quantizer._component_")?.ok_or_else(|| {
+        anyhow!(
+            "{}: the QAT recipes need 'quantizer' (torchtune.training.quantization.\
+             Int8DynActInt4WeightQATQuantizer)",
+            cfg.origin
+        )
+    })?;
+    match component.rsplit('.').next().unwrap_or("") {
+        "Int8DynActInt4WeightQATQuantizer" | "Int8DynActInt4WeightQATQuantizerModuleSwap" => {}
+        _ => bail!(
+            "{}: quantizer._component_ '{component}' is not supported (Int8DynActInt4WeightQATQuantizer)",
+            cfg.origin
+        ),
+    }
+    match cfg.usize("quantizer.groupsize")? {
+        Some(g) if g < 2 => bail!("{}: quantizer.groupsize must be at least 2", cfg.origin),
+        Some(g) => Ok(g),
+        None => Ok(256),
+    }
+}
+
 /// The `dataset` section with `tokenizer.max_seq_len` applied where a dataset sets none.
 pub fn dataset(cfg: &Config, tok: &Tokenizer) -> Result<ferrotune_data::dataset::Dataset> {
     dataset_at(cfg, tok, "dataset")
