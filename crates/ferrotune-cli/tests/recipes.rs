@@ -1032,11 +1032,11 @@ fn moe_router_aux_loss_trains_as_transformers_adds_it() {
     }
 }
 
-/// torchtune's QAT recipes with `Int8DynActInt4WeightQATQuantizer` (group 32): one SGD step (lr
-/// 1) logs torchao's loss and saves `start − gradient` (scripts/make_qat_fixtures.py), for
-/// `qat_distributed` (every weight, every linear fake-quantized) and `qat_lora_finetune_distributed`
-/// (a PEFT adapter, the adapted layers' base fake-quantized); `fake_quant_after_n_steps: 1` makes
-/// the first step a plain one (transformers' loss).
+/// torchtune's QAT recipes with `Int8DynActInt4WeightQATQuantizer` (group 32): one SGD step at
+/// lr 1 logs torchao's loss and saves `start − gradient` (scripts/make_qat_fixtures.py), for
+/// `qat_distributed` (every weight, every linear fake-quantized) and
+/// `qat_lora_finetune_distributed` (a PEFT adapter, the adapted layers' base fake-quantized);
+/// `fake_quant_after_n_steps: 1` makes the first step a plain one (transformers' loss).
 #[test]
 fn qat_steps_match_torchao() {
     let dir = tmpdir("qat");

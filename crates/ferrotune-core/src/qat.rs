@@ -10,9 +10,12 @@
 //! 2.15's clamp gives its bounds none).
 //! The gradient is therefore the incoming one masked, for activations and weights alike.
 //!
-//! Composed from candle ops that exist on every device: no kernel of its own.
+//! f32 on the CPU runs as one fused pass per row ([`crate::fused::fake_quantize_rows`]); other
+//! dtypes and devices compose candle ops that exist everywhere (no kernel of their own).
 
 use candle_core::{DType, Result, Tensor, D};
+
+use crate::fused;
 
 /// `round` with ties to even (torch.round), without gradient.
 fn round_half_even(x: &Tensor) -> Result<Tensor> {
@@ -67,6 +70,9 @@ pub fn fake_quantize_per_token_int8(x: &Tensor) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let n = *dims.last().unwrap_or(&1);
     let rows = x.reshape(((), n))?;
+    if crate::fused::fused_applies(&[&rows]) {
+        return fused::fake_quantize_rows(&rows, fused::FakeQuantKind::PerTokenInt8)?.reshape(dims);
+    }
     let stats = rows.detach();
     let min_neg = stats.min_keepdim(D::Minus1)?.minimum(0.0)?;
     let max_pos = stats.max_keepdim(D::Minus1)?.maximum(0.0)?;
@@ -95,6 +101,10 @@ pub fn fake_quantize_per_group_int4(w: &Tensor, group_size: usize) -> Result<Ten
         _ => f32::MIN_POSITIVE as f64,
     };
     let groups = w.reshape((out * inp / group_size, group_size))?;
+    if crate::fused::fused_applies(&[&groups]) {
+        return fused::fake_quantize_rows(&groups, fused::FakeQuantKind::SymmetricInt4)?
+            .reshape((out, inp));
+    }
     // The scale in the weight's dtype, then held in f32 (torchao's `scale_precision`).
     let stats = groups.detach();
     let min_neg = stats.min_keepdim(D::Minus1)?.minimum(0.0)?;

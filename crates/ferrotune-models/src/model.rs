@@ -177,6 +177,9 @@ impl Linear {
 
 /// Query/key/value projections: separate, or Phi-3's fused `qkv_proj`.
 #[derive(Debug, Clone)]
+// One per decoder layer: boxing the three projections would add an indirection to every
+// forward to save memory nobody would notice.
+#[allow(clippy::large_enum_variant)]
 pub enum QkvProjection {
     Separate {
         q_proj: Linear,

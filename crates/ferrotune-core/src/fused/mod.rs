@@ -17,6 +17,7 @@
 
 mod attention;
 mod cross_entropy;
+mod fake_quant;
 mod kernels;
 mod linear;
 mod linear_ce;
@@ -28,6 +29,7 @@ mod swiglu;
 
 pub use attention::{attention, attention_softcapped, register_mask_rows, registered_mask_rows};
 pub use cross_entropy::cross_entropy_sum;
+pub use fake_quant::{fake_quantize_rows, FakeQuantKind};
 pub use linear::trainable_linear;
 pub use linear_ce::{chunked_head_applies, linear_cross_entropy_sum};
 pub use lora::{lora_linear, lora_linear_nf4};
@@ -39,7 +41,7 @@ pub use swiglu::{gated_lora, swiglu, GatedAct, LoraProjection};
 use candle_core::{bail, DType, Device, Result, Storage, Tensor};
 
 /// Whether every tensor is f32 on the CPU, i.e. whether the fused kernels apply.
-fn fused_applies(tensors: &[&Tensor]) -> bool {
+pub(crate) fn fused_applies(tensors: &[&Tensor]) -> bool {
     tensors
         .iter()
         .all(|t| t.dtype() == DType::F32 && matches!(t.device(), Device::Cpu))

@@ -1,0 +1,97 @@
+//! Fake quantization of f32 rows in one pass (QAT on the CPU): the same arithmetic as the
+//! composite in [`crate::qat`], per row of the `[rows, n]` input, with the pass-through mask kept
+//! for the backward.
+
+use std::sync::Mutex;
+
+use candle_core::{bail, CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{guard_slice, slice_of};
+
+/// Which of torchao's fake quantizers a row gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeQuantKind {
+    /// int8, asymmetric: scale `(max(max,0) − min(min,0)) / 255` ≥ f32's epsilon, zero point
+    /// `−128 − round(min(min,0) / scale)` clamped to `[−128, 127]`.
+    PerTokenInt8,
+    /// int4, symmetric: scale `max(|min|, |max|) / 7.5` ≥ f32's smallest normal, zero point 0.
+    SymmetricInt4,
+}
+
+struct FakeQuantRows {
+    kind: FakeQuantKind,
+    /// 1 where the gradient passes (the rounded value strictly inside the integer range).
+    mask: Mutex<Vec<u8>>,
+}
+
+/// One row: writes the fake-quantized values and the mask.
+fn row(kind: FakeQuantKind, x: &[f32], out: &mut [f32], mask: &mut [u8]) {
+    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+    for &v in x {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    let (min_neg, max_pos) = (lo.min(0.0), hi.max(0.0));
+    let (scale, zp, qmin, qmax) = match kind {
+        FakeQuantKind::PerTokenInt8 => {
+            let scale = ((max_pos - min_neg) / 255.0).max(f32::EPSILON);
+            let zp = (-128.0 - (min_neg / scale).round_ties_even()).clamp(-128.0, 127.0);
+            (scale, zp, -128.0f32, 127.0f32)
+        }
+        FakeQuantKind::SymmetricInt4 => {
+            let scale = ((-min_neg).max(max_pos) / 7.5).max(f32::MIN_POSITIVE);
+            (scale, 0.0, -8.0, 7.0)
+        }
+    };
+    let inv = 1.0 / scale;
+    for ((o, m), &v) in out.iter_mut().zip(mask.iter_mut()).zip(x) {
+        let q = (v * inv).round_ties_even() + zp;
+        *m = u8::from(q > qmin && q < qmax);
+        *o = (q.clamp(qmin, qmax) - zp) * scale;
+    }
+}
+
+impl CustomOp1 for FakeQuantRows {
+    fn name(&self) -> &'static str {
+        "fused-fake-quantize"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, n) = layout.shape().dims2()?;
+        let x = slice_of(storage, layout, "fake_quantize")?;
+        let mut out = vec![0f32; x.len()];
+        let mut mask = vec![0u8; x.len()];
+        out.par_chunks_mut(n)
+            .zip(mask.par_chunks_mut(n))
+            .zip(x.par_chunks(n))
+            .for_each(|((o, m), r)| row(self.kind, r, o, m));
+        *self.mask.lock().unwrap_or_else(|e| e.into_inner()) = mask;
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mask = self.mask.lock().unwrap_or_else(|e| e.into_inner());
+        if mask.len() != arg.elem_count() {
+            bail!("fake_quantize: backward before forward");
+        }
+        let g = grad.contiguous()?;
+        let gg = g.storage_and_layout();
+        let gs = guard_slice(&gg, "fake_quantize")?;
+        let dx: Vec<f32> = gs
+            .par_iter()
+            .zip(mask.par_iter())
+            .map(|(&d, &m)| if m == 1 { d } else { 0.0 })
+            .collect();
+        Ok(Some(Tensor::from_vec(dx, arg.shape(), &Device::Cpu)?))
+    }
+}
+
+/// Fake-quantizes each row of the f32 CPU tensor `x` (`[rows, n]`) as `kind` says; the gradient is
+/// the incoming one where the rounded value stayed strictly inside the integer range.
+pub fn fake_quantize_rows(x: &Tensor, kind: FakeQuantKind) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(FakeQuantRows {
+        kind,
+        mask: Mutex::new(Vec::new()),
+    })
+}
