@@ -512,6 +512,44 @@ fn router_aux_loss_on_two_ranks_equals_one_device() {
     );
 }
 
+/// QAT on 2 sharded ranks equals one process (the fake quantization rides on each layer through
+/// every gather): full (`qat_distributed`) and LoRA (`qat_lora_finetune_distributed`), one
+/// optimizer step of 2 accumulated micro-batches. One step: rounding to int4 is discontinuous, so
+/// after the ranks' differently ordered gradient sums have moved a weight by an ulp, a later
+/// step may see it cross a rounding boundary that one process's does not.
+#[test]
+fn qat_on_two_ranks_equals_one_process() {
+    let case = Case::new("qat", "llama3");
+    let settings = [
+        "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
+        "quantizer.groupsize=32",
+        "epochs=1",
+        "max_steps_per_epoch=1",
+    ];
+    for (recipe, weights) in [
+        ("qat_distributed", "model.safetensors"),
+        ("qat_lora_finetune_distributed", "adapter_model.safetensors"),
+    ] {
+        let single = case.dir.join(format!("single-{recipe}"));
+        let mut args = vec!["batch_size=4"];
+        args.extend(settings);
+        let o = case.run(1, recipe, &single, &args, &[]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(text(&o).contains("QAT: "), "{}", text(&o));
+        let want = losses(&single.join("logs/metrics.jsonl"));
+        let out = case.dir.join(format!("dist-{recipe}"));
+        let o = case.run(2, recipe, &out, &settings, &[]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, recipe);
+        assert_same_tensors(
+            &out.join("epoch_0").join(weights),
+            &single.join("epoch_0").join(weights),
+            1e-4,
+            recipe,
+        );
+    }
+}
+
 /// A checkpoint written by 2 ranks resumes on one device (the global batch kept), and the run
 /// ends where an uninterrupted single-device run ends.
 #[test]
