@@ -1,10 +1,11 @@
 //! `lora_finetune_single_device`, `full_finetune_single_device` and their `_distributed` twins,
-//! knowledge distillation and DPO: setup, the training loop, checkpoints — torchtune's recipes,
-//! top to bottom. LoRA and full fine-tuning differ only in which weights train and what a
+//! knowledge distillation, DPO and QAT: setup, the training loop, checkpoints — torchtune's
+//! recipes, top to bottom. LoRA and full fine-tuning differ only in which weights train and what a
 //! checkpoint holds; one device and several ranks differ in which rows a rank takes, how
 //! gradients are reduced (through [`ShardedModel`]) and that rank 0 alone logs and writes;
-//! distillation adds a teacher's logits to each micro-batch, DPO a reference model's log
-//! probabilities of each pair — each marked where it happens.
+//! distillation adds a teacher's hidden states to each micro-batch, DPO a reference model's log
+//! probabilities of each pair, QAT fake quantization to the linear layers — each marked where it
+//! happens.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
