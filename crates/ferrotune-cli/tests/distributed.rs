@@ -448,17 +448,10 @@ fn dpo_on_two_ranks_equals_one_device() {
 fn router_aux_loss_on_two_ranks_equals_one_device() {
     let case = Case::with_vocab("moe-aux", "models/qwen2_moe", 512);
     let model = case.dir.join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    let src = fixtures().join("models/qwen2_moe/model");
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
-    }
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
-    config["output_router_logits"] = serde_json::Value::Bool(true);
-    config["router_aux_loss_coef"] = serde_json::json!(0.1);
-    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    common::copy_model_with_config(&fixtures().join("models/qwen2_moe/model"), &model, |c| {
+        c["output_router_logits"] = serde_json::Value::Bool(true);
+        c["router_aux_loss_coef"] = serde_json::json!(0.1);
+    });
     // Unshuffled, rank r's micro-batch m of a step takes rows 4m + r and 4m + r + 2 of its block
     // of 8; one device with batch 2 takes consecutive rows, so its file lists them in that order.
     let rows: Vec<String> = std::fs::read_to_string(case.dir.join("rows.jsonl"))

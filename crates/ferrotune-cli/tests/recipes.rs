@@ -961,18 +961,11 @@ fn moe_router_aux_loss_trains_as_transformers_adds_it() {
     .unwrap();
     let pad = want["padding"].as_u64().unwrap() as usize;
     // The fixture model with the config asking for the auxiliary loss.
-    let src = fixtures().join("models/qwen3_moe/model");
     let model = dir.join("model");
-    std::fs::create_dir_all(&model).unwrap();
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
-    }
-    let mut config: Value =
-        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
-    config["output_router_logits"] = Value::Bool(true);
-    config["router_aux_loss_coef"] = want["router_aux_loss_coef"].clone();
-    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    common::copy_model_with_config(&fixtures().join("models/qwen3_moe/model"), &model, |c| {
+        c["output_router_logits"] = Value::Bool(true);
+        c["router_aux_loss_coef"] = want["router_aux_loss_coef"].clone();
+    });
     // The golden rows, the second without its last `pad` tokens (collation pads it back).
     let g: Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("models/qwen3_moe/golden.json")).unwrap(),
@@ -997,12 +990,10 @@ fn moe_router_aux_loss_trains_as_transformers_adds_it() {
             cfg.to_str().unwrap(),
             &format!("checkpointer.checkpoint_dir={}", model.display()),
             &format!("tokenizer.path={}", model.display()),
-            "optimizer._component_=torch.optim.SGD",
-            "optimizer.lr=1.0",
-            "optimizer.weight_decay=0.0",
-            "clip_grad_norm=null",
-            "max_steps_per_epoch=1",
-        ],
+        ]
+        .into_iter()
+        .chain(ONE_SGD_STEP)
+        .collect::<Vec<_>>(),
         &dir,
         &[],
     );

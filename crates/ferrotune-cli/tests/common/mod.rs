@@ -84,3 +84,18 @@ pub fn write_config(template: &str, dir: &Path, family: &str, data: &Path) -> Pa
     std::fs::write(&path, yaml).unwrap();
     path
 }
+
+/// A copy of the model folder `src` in `dst` with `edit` applied to its `config.json` (a
+/// checkpoint whose config asks for something the fixture's does not).
+#[allow(dead_code)]
+pub fn copy_model_with_config(src: &Path, dst: &Path, edit: impl FnOnce(&mut Value)) {
+    std::fs::create_dir_all(dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
+    }
+    let path = dst.join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+}
