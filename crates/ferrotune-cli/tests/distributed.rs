@@ -32,11 +32,15 @@ fn losses(metrics: &Path) -> Vec<(u64, f64, f64)> {
 
 /// (relative L2 distance, largest absolute difference) of two tensors.
 fn distance(a: &Tensor, b: &Tensor) -> (f32, f32) {
-    let scalar = |t: Tensor| t.to_scalar::<f32>().unwrap();
     let diff = (a - b).unwrap();
-    let l2 = |t: &Tensor| scalar(t.sqr().unwrap().sum_all().unwrap()).sqrt();
-    let rel = l2(&diff) / l2(b).max(1e-30);
-    (rel, scalar(diff.abs().unwrap().max_all().unwrap()))
+    let largest = diff
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    (common::rel_l2(a, b), largest)
 }
 
 /// 16 rows of different lengths (so padding and per-rank target counts differ), some with

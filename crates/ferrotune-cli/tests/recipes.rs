@@ -7,10 +7,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use candle_core::Tensor;
 use serde_json::Value;
 
-use common::{fixtures, load, losses, metrics_lines, text};
+use common::{fixtures, load, losses, metrics_lines, rel_l2, text};
 
 fn ferrotune(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
     common::ferrotune(args, cwd, env)
@@ -34,19 +33,6 @@ fn write_golden_rows(family: &str, path: &Path) {
         .map(|(i, l)| serde_json::json!({"input_ids": i, "labels": l}).to_string())
         .collect();
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
-}
-
-fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
-    let norm = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .sqrt()
-    };
-    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
 }
 
 /// Overrides for one plain SGD step with lr 1 (the saved weights are then `start − gradient`).

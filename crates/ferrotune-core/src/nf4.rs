@@ -115,15 +115,13 @@ impl Nf4Segment {
 
     /// A copy without the GPU upload.
     fn host_copy(&self) -> Self {
-        Self {
-            rows: self.rows,
-            codes: self.codes.clone(),
-            quantized_scalers: self.quantized_scalers.clone(),
-            quantization_factor: self.quantization_factor.clone(),
-            scaler_mean: self.scaler_mean,
-            #[cfg(feature = "cuda")]
-            gpu: None,
-        }
+        Self::from_parts(
+            self.rows,
+            self.codes.clone(),
+            self.quantized_scalers.clone(),
+            self.quantization_factor.clone(),
+            self.scaler_mean,
+        )
     }
 
     /// Quantizes `values` (row-major, `rows` rows), all arithmetic rounded to `dtype`.
@@ -159,6 +157,23 @@ impl Nf4Segment {
             .chunks(2)
             .map(|pair| pair[0] << 4 | pair.get(1).copied().unwrap_or(0))
             .collect();
+        Self::from_parts(
+            rows,
+            codes,
+            quantized_scalers,
+            quantization_factor,
+            scaler_mean,
+        )
+    }
+
+    /// A segment of host blocks (not yet uploaded to a GPU).
+    fn from_parts(
+        rows: usize,
+        codes: Vec<u8>,
+        quantized_scalers: Vec<i8>,
+        quantization_factor: Vec<f32>,
+        scaler_mean: f32,
+    ) -> Self {
         Self {
             rows,
             codes,
@@ -404,15 +419,13 @@ impl Nf4Matrix {
             let quantized_scalers = take(scalers).iter().map(|&b| b as i8).collect();
             let quantization_factor = f32s(take(4 * factors));
             let scaler_mean = f32s(take(4))[0];
-            segments.push(Nf4Segment {
+            segments.push(Nf4Segment::from_parts(
                 rows,
                 codes,
                 quantized_scalers,
                 quantization_factor,
                 scaler_mean,
-                #[cfg(feature = "cuda")]
-                gpu: None,
-            });
+            ));
         }
         Self {
             rows: layout.rows,

@@ -229,7 +229,17 @@ pub fn sequence_log_probs(hidden: &Tensor, model: &CausalLm, labels: &Tensor) ->
 /// model without trainable tensors, e.g. inside `peft::with_adapters_disabled`).
 pub fn reference_log_probs(model: &CausalLm, batch: &MicroBatch) -> Result<Vec<f32>> {
     let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
-    sequence_log_probs(&hidden, model, &batch.labels)?
+    reference_log_probs_at(&hidden, model, &batch.labels)
+}
+
+/// [`reference_log_probs`] from the final hidden states (a sharded model's unit-by-unit pass
+/// ends there).
+pub fn reference_log_probs_at(
+    hidden: &Tensor,
+    model: &CausalLm,
+    labels: &Tensor,
+) -> Result<Vec<f32>> {
+    sequence_log_probs(hidden, model, labels)?
         .detach()
         .to_dtype(DType::F32)?
         .to_vec1::<f32>()
@@ -760,10 +770,6 @@ pub fn layered_forward_backward(
         value.sum += weight * b.value;
         value.aux = b.value;
     }
-    let own_head_grads = match parts {
-        HeadParts::Distill { head_grads, .. } => Some(head_grads),
-        _ => None,
-    };
     drop((hidden, total));
     let mut grad_out = head_grads
         .remove(top.as_tensor())
@@ -809,11 +815,11 @@ pub fn layered_forward_backward(
         // Full fine-tuning: the embedding table itself is trained.
         let embed_grads = (embedded * grad_out)?.sum_all()?.backward()?;
         let mut stores = vec![&head_grads, &embed_grads];
-        stores.extend(own_head_grads.as_ref());
+        stores.extend(parts.head_grads());
         pass.grads(Unit::Root, &stores)?;
     } else {
         let mut stores = vec![&head_grads];
-        stores.extend(own_head_grads.as_ref());
+        stores.extend(parts.head_grads());
         pass.grads(Unit::Root, &stores)?;
     }
     pass.backward_done(Unit::Root);

@@ -99,3 +99,18 @@ pub fn copy_model_with_config(src: &Path, dst: &Path, edit: impl FnOnce(&mut Val
     edit(&mut config);
     std::fs::write(&path, config.to_string()).unwrap();
 }
+
+/// `‖got − want‖ / ‖want‖` over all elements (f32 tensors of one shape).
+#[allow(dead_code)]
+pub fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
+    let norm = |t: &Tensor| {
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt()
+    };
+    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
+}

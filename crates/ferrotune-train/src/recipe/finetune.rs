@@ -31,7 +31,7 @@ use crate::optim::Optimizer;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::step::{
-    dropout_states, empty_grads, forward_backward, reference_log_probs, sequence_log_probs,
+    dropout_states, empty_grads, forward_backward, reference_log_probs, reference_log_probs_at,
     set_dropout_states, Distill, MicroBatch, PairStats, Preference, StepLoss,
 };
 
@@ -618,11 +618,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                                     &batch.input_ids,
                                     &batch.layout,
                                     true,
-                                    |m, hidden| {
-                                        Ok(sequence_log_probs(hidden, m, &labels)?
-                                            .to_dtype(DType::F32)?
-                                            .to_vec1::<f32>()?)
-                                    },
+                                    |m, hidden| Ok(reference_log_probs_at(hidden, m, &labels)?),
                                 )?
                             }
                             None => peft::with_adapters_disabled(&mut model, |m| {
@@ -656,16 +652,15 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     tokens as f64,
                     losses.class,
                     losses.kd,
+                    losses.aux,
                 ];
                 local.extend(losses.pairs.to_vec());
-                local.push(losses.aux);
                 let sums = sm.all_reduce_f64(&local)?;
                 losses.sum = sums[0];
                 targets = sums[1].round() as usize;
                 tokens = sums[2].round() as usize;
-                (losses.class, losses.kd) = (sums[3], sums[4]);
-                losses.pairs = PairStats::from_slice(&sums[5..12]);
-                losses.aux = sums[12];
+                (losses.class, losses.kd, losses.aux) = (sums[3], sums[4], sums[5]);
+                losses.pairs = PairStats::from_slice(&sums[6..]);
                 grads = sm.take_grads()?;
             }
             // Normalise by the target tokens of the whole step (not per micro-batch); for DPO by
