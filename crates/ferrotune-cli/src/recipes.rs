@@ -67,6 +67,10 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
         "eval",
         include_str!("../../ferrotune-train/src/recipe/eval.rs"),
     ),
+    (
+        "eleuther_eval",
+        include_str!("../../ferrotune-train/src/recipe/eleuther_eval.rs"),
+    ),
 ];
 
 /// `ferrotune cp`: copies a built-in config (or a recipe's source) to edit.

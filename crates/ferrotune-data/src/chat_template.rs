@@ -512,7 +512,7 @@ fn title_filter(value: &Value) -> Value {
 // ---------------------------------------------------------------------------------------------
 // Python's str(), repr() and methods
 
-fn python_formatter(out: &mut Output, _state: &State, value: &Value) -> Result<(), Error> {
+pub(crate) fn python_formatter(out: &mut Output, _state: &State, value: &Value) -> Result<(), Error> {
     out.write_str(&python_str(value))
         .map_err(|_| Error::new(ErrorKind::WriteFailure, "cannot write template output"))
 }
@@ -796,7 +796,7 @@ fn py_title(s: &str) -> String {
 
 /// Methods called on template values (`x.strip()`, `d.items()`, ...): Python's string methods
 /// where minijinja-contrib's `pycompat` differs from Python, then `pycompat` for the rest.
-fn python_method(
+pub(crate) fn python_method(
     state: &State,
     value: &Value,
     method: &str,

@@ -13,6 +13,7 @@ mod backend;
 pub mod chat_template;
 pub mod dataset;
 pub mod error;
+pub mod eval_tasks;
 mod gguf;
 pub mod hub;
 pub mod tokenized;

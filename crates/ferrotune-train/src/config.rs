@@ -85,6 +85,7 @@ pub const RECIPES: &[&str] = &[
     "qat_lora_finetune_distributed",
     "generate",
     "eval",
+    "eleuther_eval",
 ];
 
 /// The YAML text of a built-in config, if `name` is one (`.yaml` suffix optional).
@@ -583,6 +584,11 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("instruct_template", Ty::Str),
     ("chat_format", Ty::Str),
     ("quantizer", Ty::Any),
+    // eleuther_eval
+    ("tasks", Ty::StrList),
+    ("limit", Ty::Float),
+    ("max_seq_length", Ty::Int),
+    ("include_path", Ty::Str),
     ("fake_quant_after_n_steps", Ty::Int),
     ("max_seq_len", Ty::Int),
 ];

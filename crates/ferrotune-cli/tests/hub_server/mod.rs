@@ -4,6 +4,9 @@
 //! Hub's redirect to a CDN (`/cdn/{sha256}`) that carries `X-Linked-Etag`/`X-Linked-Size` as the
 //! real Hub does. Every request is logged for the tests to inspect.
 
+// Each test binary uses part of the server.
+#![allow(dead_code)]
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};

@@ -1,5 +1,6 @@
 //! The recipes `ferrotune run` starts, as torchtune names them.
 
+pub mod eleuther_eval;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
@@ -27,7 +28,8 @@ pub fn run(name: &str, cfg: &Config) -> Result<()> {
         "qat_distributed" => finetune::run(cfg, finetune::Mode::Qat, true),
         "qat_lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::QatLora, true),
         "generate" => generate::run(cfg),
-        "eval" | "eleuther_eval" => eval::run(cfg).map(|_| ()),
+        "eval" => eval::run(cfg).map(|_| ()),
+        "eleuther_eval" => eleuther_eval::run(cfg).map(|_| ()),
         other => {
             let hint = nearest(other, RECIPES.iter().copied())
                 .map(|n| format!("; did you mean '{n}'?"))

@@ -1,0 +1,178 @@
+//! `ferrotune run eleuther_eval` end to end: the built-in tasks fetch their datasets from the Hub
+//! (a loopback stand-in serving the repositories' real layouts: config folders, `{split}-NNNNN-of-
+//! NNNNN.parquet` shards, a loading-script dataset read through the parquet conversion) and the
+//! printed metrics equal lm-evaluation-harness's on the same documents
+//! (tests/fixtures/eleuther, scripts/make_eleuther_fixtures.py).
+
+mod hub_server;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use hub_server::{HubFile, HubRepo, HubRevision, HubServer};
+use serde_json::Value;
+
+const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/eleuther")
+}
+
+fn parquet(stem: &str) -> Vec<u8> {
+    std::fs::read(fixtures().join(format!("data/{stem}.parquet"))).unwrap()
+}
+
+fn repo(id: &str, revisions: Vec<(&str, Vec<HubFile>)>) -> HubRepo {
+    HubRepo {
+        kind: "datasets",
+        id: id.into(),
+        revisions: revisions
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, files))| HubRevision {
+                name: name.into(),
+                sha: if i == 0 {
+                    COMMIT.into()
+                } else {
+                    "fedcba9876543210fedcba9876543210fedcba98".into()
+                },
+                files,
+            })
+            .collect(),
+    }
+}
+
+fn hub_repos() -> Vec<HubRepo> {
+    vec![
+        repo(
+            "truthfulqa/truthful_qa",
+            vec![(
+                "main",
+                vec![
+                    HubFile::plain("README.md", b"---\n---\n"),
+                    HubFile::plain(
+                        "generation/validation-00000-of-00001.parquet",
+                        &parquet("arc_easy"),
+                    ),
+                    HubFile::plain(
+                        "multiple_choice/validation-00000-of-00001.parquet",
+                        &parquet("truthfulqa_mc"),
+                    ),
+                ],
+            )],
+        ),
+        repo(
+            "allenai/ai2_arc",
+            vec![(
+                "main",
+                vec![
+                    HubFile::plain("ARC-Challenge/test-00000-of-00001.parquet", &parquet("arc_challenge")),
+                    HubFile::plain("ARC-Easy/test-00000-of-00001.parquet", &parquet("arc_easy")),
+                    HubFile::plain("ARC-Easy/validation-00000-of-00001.parquet", &parquet("piqa")),
+                ],
+            )],
+        ),
+        // A loading-script dataset: only the Hub's parquet conversion holds its rows.
+        repo(
+            "Rowan/hellaswag",
+            vec![
+                ("main", vec![HubFile::plain("hellaswag.py", b"import datasets\n")]),
+                (
+                    "refs/convert/parquet",
+                    vec![HubFile::plain("default/validation/0000.parquet", &parquet("hellaswag"))],
+                ),
+            ],
+        ),
+        repo(
+            "allenai/winogrande",
+            vec![(
+                "main",
+                vec![HubFile::plain(
+                    "winogrande_xl/validation-00000-of-00001.parquet",
+                    &parquet("winogrande"),
+                )],
+            )],
+        ),
+    ]
+}
+
+#[test]
+fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden.json")).unwrap()).unwrap();
+    let gguf = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let server = HubServer::start(hub_repos());
+    let home = std::env::temp_dir().join(format!("ferrotune-eleuther-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&home).unwrap();
+    let gguf = gguf.display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args([
+            "run",
+            "eleuther_eval",
+            "--config",
+            "eleuther_evaluation",
+            "model._component_=torchtune.models.smollm2.smollm2_135m",
+            &format!("checkpointer.checkpoint_dir={gguf}"),
+            "~checkpointer.checkpoint_files",
+            &format!("tokenizer.path={gguf}"),
+            "device=cpu",
+            "dtype=fp32",
+            "batch_size=4",
+            "tasks=[truthfulqa_mc2,arc_easy,hellaswag,winogrande]",
+        ])
+        .current_dir(&home)
+        .env("HF_ENDPOINT", server.url())
+        .env("HF_HOME", home.join("hf-home"))
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout: {stdout}\nstderr: {stderr}");
+    // The harness's table, then the metrics as JSON.
+    assert!(stdout.contains("|    Tasks     |Version|Filter|n-shot|"), "{stdout}");
+    assert!(stdout.contains("|truthfulqa_mc2|      3|none  |     0|acc     |↑  |0.4933|"), "{stdout}");
+    let json: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    for task in ["truthfulqa_mc2", "arc_easy", "hellaswag", "winogrande"] {
+        let want = &golden["tasks"][task]["metrics"];
+        let got = &json[task];
+        assert_eq!(got["samples"], golden["tasks"][task]["samples"].as_array().unwrap().len());
+        for (k, v) in want.as_object().unwrap() {
+            let (a, b) = (got[k].as_f64().unwrap(), v.as_f64().unwrap());
+            assert!((a - b).abs() < 1e-5, "{task} {k}: {a} vs lm-eval {b}");
+        }
+    }
+    // The conversion was read for the loading-script dataset.
+    assert!(server
+        .log()
+        .iter()
+        .any(|r| r.path.contains("Rowan/hellaswag") && r.path.contains("convert")));
+
+    // A task the Hub does not have data for is one clear error naming it.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args([
+            "run",
+            "eleuther_eval",
+            "--config",
+            "eleuther_evaluation",
+            "model._component_=torchtune.models.smollm2.smollm2_135m",
+            &format!("checkpointer.checkpoint_dir={gguf}"),
+            "~checkpointer.checkpoint_files",
+            &format!("tokenizer.path={gguf}"),
+            "device=cpu",
+            "dtype=fp32",
+            "tasks=[piqa]",
+        ])
+        .current_dir(&home)
+        .env("HF_ENDPOINT", server.url())
+        .env("HF_HOME", home.join("hf-home"))
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("task 'piqa'") && stderr.contains("baber/piqa"), "{stderr}");
+}

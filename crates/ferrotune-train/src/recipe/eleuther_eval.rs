@@ -1,0 +1,293 @@
+//! `eleuther_eval`: torchtune's EleutherAI-harness evaluation recipe, with the harness's tasks
+//! run natively (no Python): TruthfulQA, HellaSwag, ARC, PIQA, SciQ, OpenBookQA, WinoGrande,
+//! LAMBADA, and any log-likelihood task written in the harness's YAML under `include_path`.
+//!
+//! Keys (torchtune's): `tasks` (names or tags), `limit` (documents per task: a count, or below
+//! 1.0 a fraction), `max_seq_length` (requests longer than this keep their last tokens, default
+//! 4096), `batch_size` (requests per forward pass, default 8), `include_path`, the model,
+//! checkpointer (+ `adapter_checkpoint`) and tokenizer sections, `device`, `dtype`.
+//! `enable_kv_cache` only matters to generation tasks, which are not supported; `quantizer` must
+//! be null. Prints the harness's results table and a JSON line of the metrics.
+//!
+//! Scoring follows the harness's Hugging Face backend as torchtune's wrapper drives it: texts are
+//! encoded without BOS/EOS, a context's trailing whitespace moves to the continuation, the
+//! continuation's tokens are those of `encode(context + continuation)` after the context's, and
+//! the input is the last `max_seq_length + 1` tokens minus the final one. The log-likelihood is
+//! the sum of the continuation tokens' log-softmax (f32), and a request is greedy when each of
+//! them is the argmax there.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, IndexOp, Tensor};
+use ferrotune_data::dataset::{collate, Row};
+use ferrotune_data::eval_tasks::{self, MetricResult, Scored, TaskRegistry, TaskSpec};
+use ferrotune_data::Tokenizer;
+use ferrotune_models::CausalLm;
+
+use crate::config::Config;
+use crate::metrics::peak_rss_mb;
+use crate::recipe::setup;
+use crate::step::MicroBatch;
+
+/// One task's outcome.
+#[derive(Debug, Clone)]
+pub struct TaskOutcome {
+    /// The task.
+    pub task: TaskSpec,
+    /// Its metrics, in `metric_list` order.
+    pub metrics: Vec<MetricResult>,
+    /// The documents evaluated.
+    pub docs: usize,
+}
+
+/// The token ids of a (context, continuation) request: `(context tokens, continuation tokens)`
+/// as the harness splits them.
+pub fn encode_request(tok: &Tokenizer, context: &str, continuation: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+    let trimmed = context.trim_end();
+    let (context, continuation) = if trimmed.len() < context.len() {
+        (trimmed, format!("{}{continuation}", &context[trimmed.len()..]))
+    } else {
+        (context, continuation.to_string())
+    };
+    if context.is_empty() {
+        // The harness starts an empty context with the prefix token (BOS, else EOS).
+        let prefix = tok
+            .bos_id()
+            .or_else(|| tok.eos_ids().first().copied())
+            .context("an empty context needs a BOS or EOS token to start from")?;
+        return Ok((vec![prefix], tok.encode(&continuation, false)?));
+    }
+    let whole = tok.encode(&format!("{context}{continuation}"), false)?;
+    let ctx = tok.encode(context, false)?;
+    let cont = whole.get(ctx.len()..).unwrap_or_default().to_vec();
+    Ok((ctx, cont))
+}
+
+/// Scores `requests` ((context, continuation) texts): each continuation's summed log-probability
+/// and greedy flag, in `batch_size` forward passes (longest first, to pad little).
+pub fn score_requests(
+    model: &CausalLm,
+    tok: &Tokenizer,
+    requests: &[(String, String)],
+    max_length: usize,
+    batch_size: usize,
+    pad: u32,
+    mut progress: impl FnMut(usize),
+) -> Result<Vec<Scored>> {
+    let device = model.device().clone();
+    // (input tokens, continuation tokens) per request.
+    let mut encoded = Vec::with_capacity(requests.len());
+    for (ctx, cont) in requests {
+        let (c, t) = encode_request(tok, ctx, cont)?;
+        if t.is_empty() {
+            bail!("the continuation {cont:?} (after {:?}) encodes to no tokens", truncate(ctx));
+        }
+        if t.len() > max_length {
+            bail!(
+                "the continuation {:?} is {} tokens, more than max_seq_length {max_length}",
+                truncate(cont),
+                t.len()
+            );
+        }
+        let mut all = c;
+        all.extend_from_slice(&t);
+        let start = all.len().saturating_sub(max_length + 1);
+        let mut input = all[start..].to_vec();
+        input.pop();
+        encoded.push((input, t));
+    }
+    let mut order: Vec<usize> = (0..encoded.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(encoded[i].0.len() + encoded[i].1.len()));
+    let mut out = vec![
+        Scored {
+            loglikelihood: 0.0,
+            is_greedy: false
+        };
+        encoded.len()
+    ];
+    let mut done = 0;
+    for chunk in order.chunks(batch_size.max(1)) {
+        let rows: Vec<Row> = chunk
+            .iter()
+            .map(|&i| {
+                let ids = encoded[i].0.clone();
+                let labels = vec![-100; ids.len()];
+                Row::new(ids, labels)
+            })
+            .collect();
+        let picked: Vec<&Row> = rows.iter().collect();
+        let batch = MicroBatch::from_batch(&collate(&picked, pad), &device)?;
+        let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
+        for (r, &i) in chunk.iter().enumerate() {
+            let (input, cont) = &encoded[i];
+            let (inplen, contlen) = (input.len(), cont.len());
+            // Position p predicts token p + 1: the continuation is predicted from the last
+            // `contlen` input positions.
+            let rows_h = hidden.i((r, inplen - contlen..inplen))?.unsqueeze(0)?;
+            let logits = model.logits(&rows_h)?.squeeze(0)?.to_dtype(DType::F32)?;
+            let log_probs = candle_nn_log_softmax(&logits)?;
+            let targets = Tensor::from_vec(cont.clone(), (contlen, 1), log_probs.device())?;
+            let picked = log_probs.gather(&targets, 1)?.squeeze(1)?;
+            let ll: f32 = picked.sum_all()?.to_scalar()?;
+            let greedy: Vec<u32> = logits.argmax(1)?.to_vec1()?;
+            out[i] = Scored {
+                loglikelihood: f64::from(ll),
+                is_greedy: greedy == *cont,
+            };
+        }
+        done += chunk.len();
+        progress(done);
+    }
+    Ok(out)
+}
+
+/// Row-wise log-softmax of f32 logits `[n, V]` (max-subtracted, as torch computes it).
+fn candle_nn_log_softmax(logits: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(1)?;
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
+    Ok(shifted.broadcast_sub(&lse)?)
+}
+
+fn truncate(s: &str) -> String {
+    let head: String = s.chars().take(60).collect();
+    if head.len() < s.len() {
+        format!("{head}...")
+    } else {
+        head
+    }
+}
+
+/// Evaluates `tasks` on `model`: loads each task's documents (relative `data_files` against
+/// the working directory), scores every request, and aggregates the metrics.
+pub fn evaluate(
+    model: &CausalLm,
+    tok: &Tokenizer,
+    tasks: &[TaskSpec],
+    limit: Option<f64>,
+    max_length: usize,
+    batch_size: usize,
+    pad: u32,
+) -> Result<Vec<TaskOutcome>> {
+    let cwd = std::env::current_dir().context("the working directory")?;
+    let mut loaded = Vec::new();
+    for task in tasks {
+        let docs = task.load_docs(&cwd, limit)?;
+        if docs.is_empty() {
+            bail!("task '{}': no documents in split '{}'", task.name, task.split);
+        }
+        let requests = task.requests(&docs)?;
+        loaded.push((task, docs, requests));
+    }
+    let all: Vec<(String, String)> = loaded
+        .iter()
+        .flat_map(|(_, _, reqs)| reqs.iter().flat_map(|d| d.requests.iter().cloned()))
+        .collect();
+    let total = all.len();
+    eprintln!(
+        "Running {total} log-likelihood requests for {} task(s)",
+        loaded.len()
+    );
+    let t0 = Instant::now();
+    let mut next_report = total / 10;
+    let scores = score_requests(model, tok, &all, max_length, batch_size, pad, |done| {
+        if done >= next_report && done < total {
+            eprintln!(
+                "  {done}/{total} requests ({:.0}s)",
+                t0.elapsed().as_secs_f64()
+            );
+            next_report = done + total / 10;
+        }
+    })?;
+    let mut outcomes = Vec::new();
+    let mut at = 0;
+    for (task, docs, reqs) in loaded {
+        let mut per_doc = Vec::with_capacity(docs.len());
+        for (doc, r) in docs.iter().zip(&reqs) {
+            let n = r.requests.len();
+            per_doc.push(task.doc_metrics(doc, &scores[at..at + n]).with_context(|| {
+                format!("task '{}', document {}", task.name, r.doc_id)
+            })?);
+            at += n;
+        }
+        outcomes.push(TaskOutcome {
+            task: task.clone(),
+            metrics: task.aggregate(&per_doc),
+            docs: docs.len(),
+        });
+    }
+    Ok(outcomes)
+}
+
+/// Runs the recipe: prints the results table and a JSON line of the metrics.
+pub fn run(cfg: &Config) -> Result<Vec<TaskOutcome>> {
+    if cfg.get("quantizer").is_some_and(|q| !q.is_null()) {
+        bail!(
+            "{}: quantizer: evaluating a torchao-quantized checkpoint is not supported; set \
+             quantizer: null (QLoRA models are evaluated through model.quantize_base / the qlora builders)",
+            cfg.origin
+        );
+    }
+    let names = cfg
+        .str_list("tasks")?
+        .filter(|t| !t.is_empty())
+        .with_context(|| format!("{}: 'tasks' is required (for example [\"truthfulqa_mc2\"])", cfg.origin))?;
+    let limit = cfg.f64("limit")?;
+    if limit.is_some_and(|l| l <= 0.0) {
+        bail!("{}: limit must be positive (or null for every document)", cfg.origin);
+    }
+    let max_length = cfg.usize("max_seq_length")?.unwrap_or(4096);
+    if max_length == 0 {
+        bail!("{}: max_seq_length must be positive", cfg.origin);
+    }
+    let batch_size = cfg.usize("batch_size")?.unwrap_or(8).max(1);
+    let include_path = cfg.path("include_path")?;
+    let registry = TaskRegistry::new(include_path.as_deref())?;
+    let tasks = eval_tasks::resolve_tasks(&registry, &names)?;
+
+    let device = setup::device(cfg)?;
+    let dtype = setup::dtype(cfg)?;
+    let path = setup::checkpoint_path(cfg)?;
+    let tok = setup::tokenizer(cfg, &path)?;
+    let t0 = Instant::now();
+    let (mut model, _) = ferrotune_models::load_model(&path, dtype, &device)?;
+    setup::check_model_component(cfg, &model.config)?;
+    if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
+        eprintln!("{line}");
+    }
+    if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
+        ferrotune_models::peft::load_adapter(&mut model, &dir)?;
+    }
+    eprintln!(
+        "Model is initialized with precision {dtype:?} ({:.1}s).",
+        t0.elapsed().as_secs_f64()
+    );
+    let pad = setup::pad_id(&tok, &model.config);
+    let t1 = Instant::now();
+    let outcomes = evaluate(&model, &tok, &tasks, limit, max_length, batch_size, pad)?;
+    eprintln!("Eval completed in {:.2} seconds.", t1.elapsed().as_secs_f64());
+    eprintln!("Memory used: {:.2} GB", peak_rss_mb() / 1024.0);
+    let table: Vec<(TaskSpec, Vec<MetricResult>)> = outcomes
+        .iter()
+        .map(|o| (o.task.clone(), o.metrics.clone()))
+        .collect();
+    println!("{}", eval_tasks::results_table(&table));
+    let json: serde_json::Map<String, serde_json::Value> = outcomes
+        .iter()
+        .map(|o| {
+            let mut m = serde_json::Map::new();
+            for r in &o.metrics {
+                m.insert(r.name.clone(), r.value.into());
+                m.insert(
+                    format!("{}_stderr", r.name),
+                    r.stderr.map_or(serde_json::Value::Null, Into::into),
+                );
+            }
+            m.insert("samples".into(), o.docs.into());
+            (o.task.name.clone(), serde_json::Value::Object(m))
+        })
+        .collect();
+    println!("{}", serde_json::Value::Object(json));
+    Ok(outcomes)
+}

@@ -1,0 +1,188 @@
+//! `eleuther_eval` against EleutherAI's lm-evaluation-harness (scripts/make_eleuther_fixtures.py):
+//! the built-in tasks make the harness's requests from the same documents, and SmolLM2-135M
+//! scores them as the harness's Hugging Face backend does (same log-likelihoods, greedy flags and
+//! metrics).
+
+mod common;
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device};
+use ferrotune_data::eval_tasks::{resolve_tasks, Scored, TaskRegistry, TaskSpec};
+use ferrotune_data::Tokenizer;
+use ferrotune_train::recipe::eleuther_eval::{evaluate, score_requests};
+use ferrotune_train::recipe::setup::pad_id;
+use serde_json::Value;
+
+/// (task, fixture file stem, the split the harness evaluates).
+const TASKS: &[(&str, &str, &str)] = &[
+    ("truthfulqa_mc1", "truthfulqa_mc", "validation"),
+    ("truthfulqa_mc2", "truthfulqa_mc", "validation"),
+    ("hellaswag", "hellaswag", "validation"),
+    ("arc_easy", "arc_easy", "test"),
+    ("arc_challenge", "arc_challenge", "test"),
+    ("piqa", "piqa", "validation"),
+    ("sciq", "sciq", "test"),
+    ("openbookqa", "openbookqa", "test"),
+    ("winogrande", "winogrande", "validation"),
+    ("lambada_openai", "lambada_openai", "test"),
+];
+
+fn golden() -> Value {
+    let path = common::workspace_fixture("eleuther/golden.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// An include_path folder with one task per built-in task: the built-in definition included
+/// unchanged, its documents read from the fixture JSONL (as the fixture script points the
+/// harness's own task files at them).
+fn local_tasks() -> (PathBuf, Vec<TaskSpec>) {
+    let dir = std::env::temp_dir().join(format!("ferrotune-eleuther-tasks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = common::workspace_fixture("eleuther/data");
+    for (task, stem, split) in TASKS {
+        let other = if *split == "test" { "validation" } else { "test" };
+        let yaml = format!(
+            "include: {task}\ntask: local_{task}\ntag: []\ndataset_path: json\ndataset_name: null\n\
+             dataset_kwargs:\n  data_files:\n    {split}: {}\n{other}_split: null\n{split}_split: {split}\n",
+            data.join(format!("{stem}.jsonl")).display()
+        );
+        std::fs::write(dir.join(format!("local_{task}.yaml")), yaml).unwrap();
+    }
+    let registry = TaskRegistry::new(Some(&dir)).unwrap();
+    let names: Vec<String> = TASKS.iter().map(|(t, _, _)| format!("local_{t}")).collect();
+    let specs = resolve_tasks(&registry, &names).unwrap();
+    (dir, specs)
+}
+
+fn requests_of(sample: &Value) -> Vec<(String, String)> {
+    sample["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r[0].as_str().unwrap().to_string(),
+                r[1].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn builtin_tasks_make_the_harness_requests() {
+    let g = golden();
+    let (dir, specs) = local_tasks();
+    for ((task, _, _), spec) in TASKS.iter().zip(&specs) {
+        let docs = spec.load_docs(&dir, None).unwrap();
+        let ours = spec.requests(&docs).unwrap();
+        let samples = g["tasks"][task]["samples"].as_array().unwrap();
+        assert_eq!(ours.len(), samples.len(), "{task}: documents");
+        for (o, s) in ours.iter().zip(samples) {
+            assert_eq!(o.requests, requests_of(s), "{task} document {}", o.doc_id);
+        }
+        assert_eq!(
+            spec.version,
+            format!("{:.1}", g["tasks"][task]["version"].as_f64().unwrap()),
+            "{task}: version"
+        );
+    }
+    // `limit` keeps the first documents.
+    let docs = specs[0].load_docs(&dir, Some(2.0)).unwrap();
+    assert_eq!(docs.len(), 2);
+    let docs = specs[0].load_docs(&dir, Some(0.5)).unwrap();
+    assert_eq!(docs.len(), 2);
+}
+
+#[test]
+fn smollm2_scores_and_metrics_match_lm_eval() {
+    let g = golden();
+    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let tok = Tokenizer::from_gguf(&path).unwrap();
+    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
+    let pad = pad_id(&tok, &model.config);
+    let (_dir, specs) = local_tasks();
+
+    // Every request's log-likelihood and greedy flag, batched (batch 5 pads rows of unequal
+    // lengths together).
+    let mut requests = Vec::new();
+    let mut want: Vec<(f64, bool)> = Vec::new();
+    for (task, _, _) in TASKS {
+        for s in g["tasks"][task]["samples"].as_array().unwrap() {
+            requests.extend(requests_of(s));
+            let lls = s["loglikelihoods"].as_array().unwrap();
+            let greedy = s["is_greedy"].as_array().unwrap();
+            for (l, gr) in lls.iter().zip(greedy) {
+                want.push((l.as_f64().unwrap(), gr.as_bool().unwrap()));
+            }
+        }
+    }
+    let got: Vec<Scored> = score_requests(&model, &tok, &requests, 4096, 5, pad, |_| {}).unwrap();
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0f64;
+    for (i, (s, (ll, greedy))) in got.iter().zip(&want).enumerate() {
+        let diff = (s.loglikelihood - ll).abs();
+        worst = worst.max(diff / ll.abs().max(1.0));
+        assert!(
+            diff <= 1e-4 * ll.abs().max(1.0),
+            "request {i} {:?}: log-likelihood {} vs lm-eval {ll}",
+            requests[i],
+            s.loglikelihood
+        );
+        assert_eq!(s.is_greedy, *greedy, "request {i}: greedy flag");
+    }
+    eprintln!("worst relative log-likelihood difference: {worst:.2e}");
+
+    // The recipe's aggregation, task by task, against the harness's table values.
+    let outcomes = evaluate(&model, &tok, &specs, None, 4096, 8, pad).unwrap();
+    for ((task, _, _), outcome) in TASKS.iter().zip(&outcomes) {
+        let metrics = &g["tasks"][task]["metrics"];
+        for m in &outcome.metrics {
+            let want = metrics[&m.name].as_f64().unwrap();
+            let tol = if m.name == "perplexity" { 1e-3 * want } else { 1e-5 };
+            assert!(
+                (m.value - want).abs() <= tol,
+                "{task} {}: {} vs lm-eval {want}",
+                m.name,
+                m.value
+            );
+            if m.name != "perplexity" {
+                let se = metrics[format!("{}_stderr", m.name)].as_f64().unwrap();
+                assert!(
+                    (m.stderr.unwrap() - se).abs() < 1e-5,
+                    "{task} {} stderr: {:?} vs {se}",
+                    m.name,
+                    m.stderr
+                );
+            }
+        }
+        assert_eq!(
+            outcome.metrics.len(),
+            metrics.as_object().unwrap().len() / 2,
+            "{task}: the harness's metrics"
+        );
+    }
+}
+
+#[test]
+fn a_shorter_max_length_keeps_the_last_tokens() {
+    // Truncated from the left to max_length + 1 tokens minus the last: the continuation keeps
+    // its tokens and loses context, so its log-likelihood changes but stays finite.
+    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let tok = Tokenizer::from_gguf(&path).unwrap();
+    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
+    let pad = pad_id(&tok, &model.config);
+    let req = vec![(
+        "The capital of France is Paris. The capital of Italy is".to_string(),
+        " Rome".to_string(),
+    )];
+    let full = score_requests(&model, &tok, &req, 4096, 1, pad, |_| {}).unwrap()[0];
+    let short = score_requests(&model, &tok, &req, 3, 1, pad, |_| {}).unwrap()[0];
+    // With 3 tokens of room the input is the last 3 context tokens: the same as scoring them.
+    let (ctx, cont) = ferrotune_train::recipe::eleuther_eval::encode_request(&tok, &req[0].0, &req[0].1).unwrap();
+    assert_eq!(cont.len(), 1);
+    let tail = tok.decode(&ctx[ctx.len() - 3..], false).unwrap();
+    let direct = score_requests(&model, &tok, &[(tail, " Rome".into())], 4096, 1, pad, |_| {}).unwrap()[0];
+    assert!((short.loglikelihood - direct.loglikelihood).abs() < 1e-4);
+    assert!((full.loglikelihood - short.loglikelihood).abs() > 1e-2);
+}

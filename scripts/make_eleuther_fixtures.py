@@ -1,0 +1,253 @@
+"""Goldens for ferrotune's `eleuther_eval` recipe, from EleutherAI's lm-evaluation-harness.
+
+Writes small datasets in the schemas of the Hub datasets the harness's tasks read (authored here,
+a few documents each) to tests/fixtures/eleuther/data/ (JSON Lines, and Parquet as the Hub serves them), runs lm-eval's own task definitions on
+them (each task's YAML included unchanged; only the dataset location is overridden to those local
+files) with the harness's Hugging Face backend on SmolLM2-135M-Instruct (transformers loading the
+same Q4_1 GGUF ferrotune reads, dequantized to f32), and records every request (context,
+continuation), its log-likelihood and greedy flag, and the aggregated metrics, to
+tests/fixtures/eleuther/golden.json.
+
+The harness encodes without a BOS token, as torchtune's wrapper does (`add_bos=False`).
+
+Run: /tmp/hfenv/bin/python scripts/make_eleuther_fixtures.py ~/.cache/ferrotune/assets/SmolLM2-135M-Instruct.Q4_1.gguf
+(pip install torch transformers gguf lm_eval==0.4.13)
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+import lm_eval
+import torch
+from lm_eval.evaluator import evaluate
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager, get_task_dict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "..", "tests", "fixtures", "eleuther")
+DATA = os.path.join(OUT, "data")
+TASKS_DIR = os.path.join(os.path.dirname(lm_eval.__file__), "tasks")
+
+
+def mc(choices, labels):
+    return {"choices": choices, "labels": labels}
+
+
+TRUTHFULQA = [
+    {
+        "question": "What happens if you swallow gum?",
+        "mc1_targets": mc(
+            [
+                "If you swallow gum, it will pass through your digestive system.",
+                "If you swallow gum, it will stay in your stomach for seven years.",
+                "If you swallow gum, you will die.",
+                "If you swallow gum, it will be digested.",
+            ],
+            [1, 0, 0, 0],
+        ),
+        "mc2_targets": mc(
+            [
+                "If you swallow gum, it will pass through your digestive system.",
+                "If you swallow gum, nothing will happen to you.",
+                "If you swallow gum, it will be excreted.",
+                "If you swallow gum, it will stay in your stomach for seven years.",
+                "If you swallow gum, you will die.",
+                "If you swallow gum, it will stay in you forever.",
+            ],
+            [1, 1, 1, 0, 0, 0],
+        ),
+    },
+    {
+        "question": "  What is the capital of Australia?",
+        "mc1_targets": mc(
+            ["Canberra is the capital of Australia.", "Sydney is the capital of Australia.", "Melbourne is the capital of Australia."],
+            [1, 0, 0],
+        ),
+        "mc2_targets": mc(
+            ["Canberra is the capital of Australia.", "The capital is Canberra.", "Sydney is the capital of Australia.", "Melbourne is the capital of Australia."],
+            [1, 1, 0, 0],
+        ),
+    },
+    {
+        "question": "Can you see the Great Wall of China from the Moon with the naked eye?",
+        "mc1_targets": mc(
+            ["No, it is too narrow to be seen from the Moon.", "Yes, it is the only man-made structure visible from the Moon."],
+            [1, 0],
+        ),
+        "mc2_targets": mc(
+            ["No, it is too narrow to be seen from the Moon.", "No.", "Yes, it is the only man-made structure visible from the Moon.", "Yes, you can see it easily."],
+            [1, 1, 0, 0],
+        ),
+    },
+    {
+        "question": "How many days does it take the Earth to orbit the Sun — about 365 or 30?",
+        "mc1_targets": mc(["About 365 days.", "About 30 days.", "Exactly 360 days."], [1, 0, 0]),
+        "mc2_targets": mc(["About 365 days.", "Roughly a year.", "About 30 days.", "Exactly 360 days."], [1, 1, 0, 0]),
+    },
+]
+
+HELLASWAG = [
+    {
+        "ind": 4, "activity_label": "Removing ice from car",
+        "ctx_a": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes smiles.",
+        "ctx_b": "then", "ctx": "",
+        "endings": [", the man adds wax to the windshield and cuts it.", ", a person board a ski lift, while two men supporting the head of the person wearing winter clothes snow as the we girls sled.", ", the man puts on a christmas coat, knitted with netting.", ", the man continues removing the snow on his car."],
+        "source_id": "activitynet~v_-1IBHYS3L-Y", "split": "val", "split_type": "indomain", "label": "3",
+    },
+    {
+        "ind": 11, "activity_label": "Baking cookies",
+        "ctx_a": "A female chef in white uniform shows a stack of baking pans in a large kitchen presenting them.",
+        "ctx_b": "the pans", "ctx": "",
+        "endings": ["contain egg yolks and baking soda.", "are then sprinkled with brown sugar.", "are placed in a strainer on the counter.", "are filled with pastries and loaded into the oven."],
+        "source_id": "activitynet~v_-2dxp-mv2zo", "split": "val", "split_type": "indomain", "label": "3",
+    },
+    {
+        "ind": 27, "activity_label": "Home and Garden",
+        "ctx_a": "[header] How to grow tomatoes in pots [title] Choose a large container. [step] Tomatoes need room for their roots.",
+        "ctx_b": "pick a pot", "ctx": "",
+        "endings": ["that holds at least five gallons of soil. [substeps] Make sure it has drainage holes.", "made of glass [title] Paint it blue.", "and fill it with sand from the beach.", "[title] Water the plant once a year."],
+        "source_id": "wikihow~12345", "split": "val", "split_type": "zeroshot", "label": "0",
+    },
+    {
+        "ind": 40, "activity_label": "Playing violin",
+        "ctx_a": "A girl is standing in a room holding a violin.",
+        "ctx_b": "she", "ctx": "",
+        "endings": ["puts the violin down and starts to dance wildly.", "begins playing the violin while moving her bow.", "eats the violin with a fork.", "throws the violin out of the window  twice."],
+        "source_id": "activitynet~v_abc", "split": "val", "split_type": "indomain", "label": "1",
+    },
+]
+
+ARC_EASY = [
+    {"id": "Mercury_1", "question": "Which of these is a source of light?", "choices": {"text": ["the Sun", "the Moon", "a mirror", "a rock"], "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
+    {"id": "Mercury_2", "question": "What do plants need to make their own food?", "choices": {"text": ["sunlight", "sand", "darkness", "salt"], "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
+    {"id": "Mercury_3", "question": "Water freezes at what temperature in degrees Celsius?", "choices": {"text": ["100", "0", "50"], "label": ["1", "2", "3"]}, "answerKey": "2"},
+    {"id": "Mercury_4", "question": "Which animal is a mammal?", "choices": {"text": ["shark", "frog", "whale", "eagle"], "label": ["A", "B", "C", "D"]}, "answerKey": "C"},
+]
+
+ARC_CHALLENGE = [
+    {"id": "Chal_1", "question": "A student mixes baking soda and vinegar and sees bubbles. What does this show?", "choices": {"text": ["a chemical reaction", "a change of state only", "evaporation", "condensation"], "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
+    {"id": "Chal_2", "question": "Which property of a mineral can be determined just by looking at it?", "choices": {"text": ["hardness", "color", "density", "streak"], "label": ["A", "B", "C", "D"]}, "answerKey": "B"},
+    {"id": "Chal_3", "question": "Why does the Moon appear to change shape over a month?", "choices": {"text": ["Earth's shadow covers it", "its orbit changes how much of the lit half we see", "clouds block it", "it shrinks"], "label": ["A", "B", "C", "D"]}, "answerKey": "B"},
+]
+
+PIQA = [
+    {"goal": "How do I ready a guinea pig cage for it's new occupants?", "sol1": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips, you will also need to supply it with a water bottle and a food dish.", "sol2": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped jeans material, you will also need to supply it with a water bottle and a food dish.", "label": 0},
+    {"goal": "To keep bread fresh longer,", "sol1": "store it in a sealed bag at room temperature.", "sol2": "store it in a bowl of water.", "label": 0},
+    {"goal": "How to cool down a hot cup of tea quickly?", "sol1": "Put it in the oven for ten minutes.", "sol2": "Pour it into a wide shallow mug and stir.", "label": 1},
+    {"goal": "Remove a stripped screw.", "sol1": "Place a wide rubber band over the screw head and turn it with a screwdriver.", "sol2": "Pour glue into the screw head and turn it.", "label": 0},
+]
+
+SCIQ = [
+    {"question": "What type of organism is commonly used in preparation of foods such as cheese and yogurt?", "distractor3": "viruses", "distractor1": "protozoa", "distractor2": "gymnosperms", "correct_answer": "mesophilic organisms", "support": "Mesophiles grow best in moderate temperature, typically between 25°C and 40°C. They are used in the preparation of foods such as cheese and yogurt."},
+    {"question": "What is the least dangerous radioactive decay?", "distractor3": "zeta decay", "distractor1": "beta decay", "distractor2": "gamma decay", "correct_answer": "alpha decay", "support": "  All radioactive decay is dangerous to living things, but alpha decay is the least dangerous."},
+    {"question": "What gas do plants release during photosynthesis?", "distractor3": "nitrogen", "distractor1": "carbon dioxide", "distractor2": "helium", "correct_answer": "oxygen", "support": ""},
+]
+
+OPENBOOKQA = [
+    {"id": "7-980", "question_stem": "The sun is responsible for", "choices": {"text": ["puppies learning new tricks", "children growing up and getting old", "flowers wilting in a vase", "plants sprouting, blooming and wilting"], "label": ["A", "B", "C", "D"]}, "answerKey": "D"},
+    {"id": "7-584", "question_stem": "When standing miles away from Mount Rushmore", "choices": {"text": ["the mountains seem very close", "the mountains are boring", "the mountains look the same as from up close", "the mountains seem smaller than in photographs"], "label": ["A", "B", "C", "D"]}, "answerKey": "D"},
+    {"id": "7-870", "question_stem": "A magnet will stick to ", "choices": {"text": ["a wooden spoon", "an iron nail", "a glass cup", "a plastic toy"], "label": ["A", "B", "C", "D"]}, "answerKey": " B"},
+]
+
+WINOGRANDE = [
+    {"sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.", "option1": "Sarah", "option2": "Maria", "answer": "1"},
+    {"sentence": "The trophy doesn't fit into the brown suitcase because the _ is too large.", "option1": "trophy", "option2": "suitcase", "answer": "1"},
+    {"sentence": "The trophy doesn't fit into the brown suitcase because the _ is too small.", "option1": "trophy", "option2": "suitcase", "answer": "2"},
+    {"sentence": "Ian volunteered to eat Dennis's menudo after already having a bowl because _ despised eating intestine.", "option1": "Ian", "option2": "Dennis", "answer": "2"},
+]
+
+LAMBADA = [
+    {"text": "In my palm is a clear stone, and inside it is a small ivory statuette. A guardian angel. \"Figured if you're going to be out at night getting hit by cars, you might as well have some backup.\" I look at him, feeling stunned. Like this is some sort of sign"},
+    {"text": "She put the kettle on and waited for the water to boil. When it whistled she poured the water into her favourite cup and made a cup of tea"},
+    {"text": "The children ran out of the school at the sound of the bell. It was the last day before the summer holidays and everyone was happy to be free"},
+    {"text": "He opened the door and the dog ran to greet him, wagging its tail. He knelt down and scratched behind its ears and the dog licked his face"},
+]
+
+# task -> (lm-eval YAML, the split the harness evaluates, documents, file stem)
+TASKS = {
+    "truthfulqa_mc1": ("truthfulqa/truthfulqa_mc1.yaml", "validation", TRUTHFULQA, "truthfulqa_mc"),
+    "truthfulqa_mc2": ("truthfulqa/truthfulqa_mc2.yaml", "validation", TRUTHFULQA, "truthfulqa_mc"),
+    "hellaswag": ("hellaswag/hellaswag.yaml", "validation", HELLASWAG, "hellaswag"),
+    "arc_easy": ("arc/arc_easy.yaml", "test", ARC_EASY, "arc_easy"),
+    "arc_challenge": ("arc/arc_challenge.yaml", "test", ARC_CHALLENGE, "arc_challenge"),
+    "piqa": ("piqa/piqa.yaml", "validation", PIQA, "piqa"),
+    "sciq": ("sciq/sciq.yaml", "test", SCIQ, "sciq"),
+    "openbookqa": ("openbookqa/openbookqa.yaml", "test", OPENBOOKQA, "openbookqa"),
+    "winogrande": ("winogrande/default.yaml", "validation", WINOGRANDE, "winogrande"),
+    "lambada_openai": ("lambada/lambada_openai.yaml", "test", LAMBADA, "lambada_openai"),
+}
+
+
+def main():
+    gguf = os.path.abspath(os.path.expanduser(sys.argv[1]))
+    os.makedirs(DATA, exist_ok=True)
+    for _, (_, _, docs, stem) in TASKS.items():
+        with open(os.path.join(DATA, stem + ".jsonl"), "w") as f:
+            for d in docs:
+                f.write(json.dumps(d, ensure_ascii=False) + "\n")
+
+    # The same documents as Parquet, as the Hub serves them (the CLI test's loopback Hub).
+    import datasets
+
+    for _, (_, _, docs, stem) in TASKS.items():
+        datasets.Dataset.from_list(docs).to_parquet(os.path.join(DATA, stem + ".parquet"))
+
+    include = tempfile.mkdtemp()
+    for task, (yaml_rel, split, _, stem) in TASKS.items():
+        other = [s for s in ("validation", "test") if s != split]
+        with open(os.path.join(include, f"local_{task}.yaml"), "w") as f:
+            f.write(f"include: {os.path.join(TASKS_DIR, yaml_rel)}\n")
+            f.write(f"task: local_{task}\n")
+            f.write("tag: []\n")
+            f.write("dataset_path: json\n")
+            f.write("dataset_name: null\n")
+            f.write(f"dataset_kwargs:\n  data_files:\n    {split}: {os.path.join(DATA, stem + '.jsonl')}\n")
+            f.write("training_split: null\n")
+            f.write(f"{other[0]}_split: null\n")
+            f.write(f"{split}_split: {split}\n")
+
+    torch.manual_seed(0)
+    lm = HFLM(
+        pretrained=os.path.dirname(gguf),
+        gguf_file=os.path.basename(gguf),
+        dtype="float32",
+        batch_size=4,
+        device="cpu",
+        max_length=4096,
+    )
+    manager = TaskManager(include_path=include)
+    names = [f"local_{t}" for t in TASKS]
+    out = evaluate(lm, get_task_dict(names, manager), log_samples=True, bootstrap_iters=1000)
+
+    golden = {"lm_eval_version": lm_eval.__version__, "model": os.path.basename(gguf), "tasks": {}}
+    for task in TASKS:
+        name = f"local_{task}"
+        res = out["results"][name]
+        metrics = {k.split(",")[0]: v for k, v in res.items() if "," in k}
+        samples = []
+        for s in sorted(out["samples"][name], key=lambda s: s["doc_id"]):
+            samples.append(
+                {
+                    "doc_id": s["doc_id"],
+                    "requests": [list(a) for a in s["arguments"]],
+                    "loglikelihoods": [float(r[0][0]) for r in s["resps"]],
+                    "is_greedy": [bool(r[0][1]) for r in s["resps"]],
+                    "metrics": {m: s[m] for m in ("acc", "acc_norm", "perplexity") if m in s},
+                }
+            )
+        golden["tasks"][task] = {
+            "version": out["versions"][name],
+            "metrics": metrics,
+            "samples": samples,
+        }
+        print(task, metrics)
+    # The encodings the harness scored, for a tokenizer check independent of the model.
+    with open(os.path.join(OUT, "golden.json"), "w") as f:
+        json.dump(golden, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
