@@ -66,9 +66,15 @@ fn hub_repos() -> Vec<HubRepo> {
             vec![(
                 "main",
                 vec![
-                    HubFile::plain("ARC-Challenge/test-00000-of-00001.parquet", &parquet("arc_challenge")),
+                    HubFile::plain(
+                        "ARC-Challenge/test-00000-of-00001.parquet",
+                        &parquet("arc_challenge"),
+                    ),
                     HubFile::plain("ARC-Easy/test-00000-of-00001.parquet", &parquet("arc_easy")),
-                    HubFile::plain("ARC-Easy/validation-00000-of-00001.parquet", &parquet("piqa")),
+                    HubFile::plain(
+                        "ARC-Easy/validation-00000-of-00001.parquet",
+                        &parquet("piqa"),
+                    ),
                 ],
             )],
         ),
@@ -76,10 +82,16 @@ fn hub_repos() -> Vec<HubRepo> {
         repo(
             "Rowan/hellaswag",
             vec![
-                ("main", vec![HubFile::plain("hellaswag.py", b"import datasets\n")]),
+                (
+                    "main",
+                    vec![HubFile::plain("hellaswag.py", b"import datasets\n")],
+                ),
                 (
                     "refs/convert/parquet",
-                    vec![HubFile::plain("default/validation/0000.parquet", &parquet("hellaswag"))],
+                    vec![HubFile::plain(
+                        "default/validation/0000.parquet",
+                        &parquet("hellaswag"),
+                    )],
                 ),
             ],
         ),
@@ -99,7 +111,8 @@ fn hub_repos() -> Vec<HubRepo> {
 #[test]
 fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
     let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden.json")).unwrap())
+            .unwrap();
     let gguf = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
     let server = HubServer::start(hub_repos());
     let home = std::env::temp_dir().join(format!("ferrotune-eleuther-cli-{}", std::process::id()));
@@ -132,13 +145,22 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "stdout: {stdout}\nstderr: {stderr}");
     // The harness's table, then the metrics as JSON.
-    assert!(stdout.contains("|    Tasks     |Version|Filter|n-shot|"), "{stdout}");
-    assert!(stdout.contains("|truthfulqa_mc2|      3|none  |     0|acc     |↑  |0.4933|"), "{stdout}");
+    assert!(
+        stdout.contains("|    Tasks     |Version|Filter|n-shot|"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("|truthfulqa_mc2|      3|none  |     0|acc     |↑  |0.4933|"),
+        "{stdout}"
+    );
     let json: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     for task in ["truthfulqa_mc2", "arc_easy", "hellaswag", "winogrande"] {
         let want = &golden["tasks"][task]["metrics"];
         let got = &json[task];
-        assert_eq!(got["samples"], golden["tasks"][task]["samples"].as_array().unwrap().len());
+        assert_eq!(
+            got["samples"],
+            golden["tasks"][task]["samples"].as_array().unwrap().len()
+        );
         for (k, v) in want.as_object().unwrap() {
             let (a, b) = (got[k].as_f64().unwrap(), v.as_f64().unwrap());
             assert!((a - b).abs() < 1e-5, "{task} {k}: {a} vs lm-eval {b}");
@@ -174,5 +196,8 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("task 'piqa'") && stderr.contains("baber/piqa"), "{stderr}");
+    assert!(
+        stderr.contains("task 'piqa'") && stderr.contains("baber/piqa"),
+        "{stderr}"
+    );
 }

@@ -512,7 +512,11 @@ fn title_filter(value: &Value) -> Value {
 // ---------------------------------------------------------------------------------------------
 // Python's str(), repr() and methods
 
-pub(crate) fn python_formatter(out: &mut Output, _state: &State, value: &Value) -> Result<(), Error> {
+pub(crate) fn python_formatter(
+    out: &mut Output,
+    _state: &State,
+    value: &Value,
+) -> Result<(), Error> {
     out.write_str(&python_str(value))
         .map_err(|_| Error::new(ErrorKind::WriteFailure, "cannot write template output"))
 }

@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 use ferrotune_data::eval_tasks::{resolve_tasks, Scored, TaskRegistry};
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferrotune-eval-tasks-{name}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "ferrotune-eval-tasks-{name}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -44,9 +47,15 @@ fn scored(lls: &[f64]) -> Vec<Scored> {
 fn tags_name_their_tasks_and_unknown_names_list_the_known_ones() {
     let registry = TaskRegistry::new(None).unwrap();
     assert_eq!(names(&registry, "ai2_arc"), ["arc_challenge", "arc_easy"]);
-    assert_eq!(names(&registry, "truthfulqa"), ["truthfulqa_mc1", "truthfulqa_mc2"]);
+    assert_eq!(
+        names(&registry, "truthfulqa"),
+        ["truthfulqa_mc1", "truthfulqa_mc2"]
+    );
     let err = registry.resolve("hellaswg").unwrap_err().to_string();
-    assert!(err.contains("unknown task 'hellaswg'") && err.contains("hellaswag"), "{err}");
+    assert!(
+        err.contains("unknown task 'hellaswg'") && err.contains("hellaswag"),
+        "{err}"
+    );
     // A tag and a task it covers give the task once.
     let specs = resolve_tasks(&registry, &["arc_easy".into(), "ai2_arc".into()]).unwrap();
     let got: Vec<&str> = specs.iter().map(|t| t.name.as_str()).collect();
@@ -54,13 +63,25 @@ fn tags_name_their_tasks_and_unknown_names_list_the_known_ones() {
     // Built-in tasks read the Hub datasets the harness reads.
     let arc = &registry.resolve("arc_challenge").unwrap()[0];
     assert_eq!(
-        (arc.dataset_path.as_str(), arc.dataset_name.as_deref(), arc.split.as_str()),
+        (
+            arc.dataset_path.as_str(),
+            arc.dataset_name.as_deref(),
+            arc.split.as_str()
+        ),
         ("allenai/ai2_arc", Some("ARC-Challenge"), "test")
     );
     let tqa = &registry.resolve("truthfulqa_mc2").unwrap()[0];
     assert_eq!(
-        (tqa.dataset_path.as_str(), tqa.dataset_name.as_deref(), tqa.split.as_str()),
-        ("truthfulqa/truthful_qa", Some("multiple_choice"), "validation")
+        (
+            tqa.dataset_path.as_str(),
+            tqa.dataset_name.as_deref(),
+            tqa.split.as_str()
+        ),
+        (
+            "truthfulqa/truthful_qa",
+            Some("multiple_choice"),
+            "validation"
+        )
     );
 }
 
@@ -114,16 +135,28 @@ fn a_custom_task_renders_templates_as_the_harness_does() {
     assert_eq!(
         reqs[0].requests,
         [
-            ("About physics:\nQ: Is water wet?\nA:".to_string(), " yes".to_string()),
-            ("About physics:\nQ: Is water wet?\nA:".to_string(), " no".to_string()),
+            (
+                "About physics:\nQ: Is water wet?\nA:".to_string(),
+                " yes".to_string()
+            ),
+            (
+                "About physics:\nQ: Is water wet?\nA:".to_string(),
+                " no".to_string()
+            ),
         ]
     );
     // The gold is the choice whose text the target column holds.
     let m = yesno.doc_metrics(&docs[1], &scored(&[-3.0, -1.0])).unwrap();
-    assert_eq!(m, BTreeMap::from([("acc".into(), 1.0), ("acc_norm".into(), 1.0)]));
+    assert_eq!(
+        m,
+        BTreeMap::from([("acc".into(), 1.0), ("acc_norm".into(), 1.0)])
+    );
     // acc_norm divides by each choice's length in characters: -3/3 = -1.0 beats -2.5/2.
     let m = yesno.doc_metrics(&docs[0], &scored(&[-3.0, -2.5])).unwrap();
-    assert_eq!(m, BTreeMap::from([("acc".into(), 0.0), ("acc_norm".into(), 1.0)]));
+    assert_eq!(
+        m,
+        BTreeMap::from([("acc".into(), 0.0), ("acc_norm".into(), 1.0)])
+    );
     let agg = yesno.aggregate(&[
         BTreeMap::from([("acc".into(), 1.0), ("acc_norm".into(), 1.0)]),
         BTreeMap::from([("acc".into(), 0.0), ("acc_norm".into(), 1.0)]),
@@ -135,8 +168,13 @@ fn a_custom_task_renders_templates_as_the_harness_does() {
     let indexed = &registry.resolve("indexed").unwrap()[0];
     let docs = indexed.load_docs(&dir, None).unwrap();
     let reqs = indexed.requests(&docs).unwrap();
-    assert_eq!(reqs[1].requests[0], ("Is fire cold?".to_string(), "yes".to_string()));
-    let m = indexed.doc_metrics(&docs[0], &scored(&[-2.0, -1.0])).unwrap();
+    assert_eq!(
+        reqs[1].requests[0],
+        ("Is fire cold?".to_string(), "yes".to_string())
+    );
+    let m = indexed
+        .doc_metrics(&docs[0], &scored(&[-2.0, -1.0]))
+        .unwrap();
     assert_eq!(m["acc"], 1.0, "gold index 1 ('b')");
     // Multiple-choice tasks report acc and acc_norm unless metric_list says otherwise.
     assert_eq!(indexed.metrics.len(), 2);
@@ -147,14 +185,38 @@ fn what_cannot_run_is_refused_with_the_reason() {
     let dir = temp_dir("refused");
     let base = "output_type: multiple_choice\ndataset_path: json\ntest_split: test\n\
                 doc_to_text: q\ndoc_to_target: 0\ndoc_to_choice: c\n";
-    write(&dir, "py.yaml", &format!("task: py\n{base}process_docs: !function utils.process_docs\n"));
+    write(
+        &dir,
+        "py.yaml",
+        &format!("task: py\n{base}process_docs: !function utils.process_docs\n"),
+    );
     write(&dir, "gen.yaml", "task: gen\noutput_type: generate_until\ndataset_path: json\ntest_split: test\ndoc_to_text: q\ndoc_to_target: a\n");
-    write(&dir, "shots.yaml", &format!("task: shots\n{base}num_fewshot: 5\n"));
-    write(&dir, "typo.yaml", &format!("task: typo\n{base}doc_to_txt: q\n"));
-    write(&dir, "filters.yaml", &format!("task: filters\n{base}filter_list: []\n"));
+    write(
+        &dir,
+        "shots.yaml",
+        &format!("task: shots\n{base}num_fewshot: 5\n"),
+    );
+    write(
+        &dir,
+        "typo.yaml",
+        &format!("task: typo\n{base}doc_to_txt: q\n"),
+    );
+    write(
+        &dir,
+        "filters.yaml",
+        &format!("task: filters\n{base}filter_list: []\n"),
+    );
     write(&dir, "nosplit.yaml", "task: nosplit\noutput_type: loglikelihood\ndataset_path: json\ndoc_to_text: q\ndoc_to_target: a\n");
-    write(&dir, "badinc.yaml", &format!("task: badinc\ninclude: nothing_here\n{base}"));
-    write(&dir, "metric.yaml", &format!("task: metric\n{base}metric_list:\n  - metric: f1\n"));
+    write(
+        &dir,
+        "badinc.yaml",
+        &format!("task: badinc\ninclude: nothing_here\n{base}"),
+    );
+    write(
+        &dir,
+        "metric.yaml",
+        &format!("task: metric\n{base}metric_list:\n  - metric: f1\n"),
+    );
     let cases = [
         ("py", "Python functions cannot run"),
         ("gen", "output_type 'generate_until' is not supported"),
@@ -168,9 +230,17 @@ fn what_cannot_run_is_refused_with_the_reason() {
     for (task, needle) in cases {
         let err = error_of(&dir, task);
         assert!(err.contains(needle), "{task}: {err}");
-        assert!(err.contains(&format!("{task}.yaml")), "{task}: names the file: {err}");
+        assert!(
+            err.contains(&format!("{task}.yaml")),
+            "{task}: names the file: {err}"
+        );
     }
     // A missing include_path folder is named.
-    let err = TaskRegistry::new(Some(&dir.join("missing"))).unwrap_err().to_string();
-    assert!(err.contains("missing") && err.contains("include_path"), "{err}");
+    let err = TaskRegistry::new(Some(&dir.join("missing")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("missing") && err.contains("include_path"),
+        "{err}"
+    );
 }

@@ -594,6 +594,29 @@ impl KvCache {
         self.len() == 0
     }
 
+    /// A cache of `rows` rows, each a copy of this cache's first row (entries exact): one shared
+    /// prefix continued `rows` ways in one batch (the evaluation harness's answer choices).
+    pub fn repeat_first_row(&self, rows: usize) -> CResult<KvCache> {
+        let filled = self.len();
+        let take = |t: &Tensor| -> CResult<Tensor> {
+            t.narrow(0, 0, 1)?
+                .narrow(2, 0, filled)?
+                .repeat((rows, 1, 1, 1))?
+                .contiguous()
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for entry in &self.layers {
+            layers.push(match entry {
+                Some((k, v)) => Some((take(k)?, take(v)?)),
+                None => None,
+            });
+        }
+        Ok(KvCache {
+            layers,
+            ..KvCache::default()
+        })
+    }
+
     /// Positions the entries can hold without growing (their length when they are exact).
     fn capacity(&self) -> usize {
         self.layers

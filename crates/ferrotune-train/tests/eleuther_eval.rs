@@ -41,7 +41,11 @@ fn local_tasks() -> (PathBuf, Vec<TaskSpec>) {
     std::fs::create_dir_all(&dir).unwrap();
     let data = common::workspace_fixture("eleuther/data");
     for (task, stem, split) in TASKS {
-        let other = if *split == "test" { "validation" } else { "test" };
+        let other = if *split == "test" {
+            "validation"
+        } else {
+            "test"
+        };
         let yaml = format!(
             "include: {task}\ntask: local_{task}\ntag: []\ndataset_path: json\ndataset_name: null\n\
              dataset_kwargs:\n  data_files:\n    {split}: {}\n{other}_split: null\n{split}_split: {split}\n",
@@ -139,7 +143,11 @@ fn smollm2_scores_and_metrics_match_lm_eval() {
         let metrics = &g["tasks"][task]["metrics"];
         for m in &outcome.metrics {
             let want = metrics[&m.name].as_f64().unwrap();
-            let tol = if m.name == "perplexity" { 1e-3 * want } else { 1e-5 };
+            let tol = if m.name == "perplexity" {
+                1e-3 * want
+            } else {
+                1e-5
+            };
             assert!(
                 (m.value - want).abs() <= tol,
                 "{task} {}: {} vs lm-eval {want}",
@@ -179,10 +187,20 @@ fn a_shorter_max_length_keeps_the_last_tokens() {
     let full = score_requests(&model, &tok, &req, 4096, 1, pad, |_| {}).unwrap()[0];
     let short = score_requests(&model, &tok, &req, 3, 1, pad, |_| {}).unwrap()[0];
     // With 3 tokens of room the input is the last 3 context tokens: the same as scoring them.
-    let (ctx, cont) = ferrotune_train::recipe::eleuther_eval::encode_request(&tok, &req[0].0, &req[0].1).unwrap();
+    let (ctx, cont) =
+        ferrotune_train::recipe::eleuther_eval::encode_request(&tok, &req[0].0, &req[0].1).unwrap();
     assert_eq!(cont.len(), 1);
     let tail = tok.decode(&ctx[ctx.len() - 3..], false).unwrap();
-    let direct = score_requests(&model, &tok, &[(tail, " Rome".into())], 4096, 1, pad, |_| {}).unwrap()[0];
+    let direct = score_requests(
+        &model,
+        &tok,
+        &[(tail, " Rome".into())],
+        4096,
+        1,
+        pad,
+        |_| {},
+    )
+    .unwrap()[0];
     assert!((short.loglikelihood - direct.loglikelihood).abs() < 1e-4);
     assert!((full.loglikelihood - short.loglikelihood).abs() > 1e-2);
 }

@@ -141,10 +141,18 @@ impl Parser {
                         'u' => 4,
                         _ => 8,
                     };
-                    let hex: String = self.chars.get(self.at..self.at + len).ok_or("a short escape")?.iter().collect();
+                    let hex: String = self
+                        .chars
+                        .get(self.at..self.at + len)
+                        .ok_or("a short escape")?
+                        .iter()
+                        .collect();
                     self.at += len;
-                    let code = u32::from_str_radix(&hex, 16).map_err(|_| format!("bad escape \\{e}{hex}"))?;
-                    out.push(char::from_u32(code).ok_or_else(|| format!("bad code point \\{e}{hex}"))?);
+                    let code = u32::from_str_radix(&hex, 16)
+                        .map_err(|_| format!("bad escape \\{e}{hex}"))?;
+                    out.push(
+                        char::from_u32(code).ok_or_else(|| format!("bad code point \\{e}{hex}"))?,
+                    );
                 }
                 other => {
                     // Python keeps unknown escapes as written.
@@ -163,7 +171,10 @@ impl Parser {
         {
             self.at += 1;
         }
-        let text: String = self.chars[start..self.at].iter().filter(|c| **c != '_').collect();
+        let text: String = self.chars[start..self.at]
+            .iter()
+            .filter(|c| **c != '_')
+            .collect();
         if let Ok(i) = text.parse::<i64>() {
             return Ok(Value::Number(i.into()));
         }
@@ -183,10 +194,14 @@ mod tests {
     #[test]
     fn reads_what_python_repr_writes() {
         assert_eq!(
-            parse_python_literal(r#"['it\'s', "a \"b\"", 'c\nd', 3, -1.5, True, None, (1, 2)]"#).unwrap(),
+            parse_python_literal(r#"['it\'s', "a \"b\"", 'c\nd', 3, -1.5, True, None, (1, 2)]"#)
+                .unwrap(),
             json!(["it's", "a \"b\"", "c\nd", 3, -1.5, true, null, [1, 2]])
         );
-        assert_eq!(parse_python_literal("{'a': [1], 'b': 'x'}").unwrap(), json!({"a": [1], "b": "x"}));
+        assert_eq!(
+            parse_python_literal("{'a': [1], 'b': 'x'}").unwrap(),
+            json!({"a": [1], "b": "x"})
+        );
         assert_eq!(parse_python_literal("'\\xe9\\u00e9'").unwrap(), json!("éé"));
         assert!(parse_python_literal("[1, 2").is_err());
         assert!(parse_python_literal("['a'] x").is_err());

@@ -469,12 +469,16 @@ impl TaskSpec {
                 return task_err(origin, format!("task '{name}': repeats must be 1"));
             }
         }
-        let dataset_path = string("dataset_path")?
-            .ok_or_else(|| DataError::Dataset(format!("{origin}: task '{name}': no dataset_path")))?;
+        let dataset_path = string("dataset_path")?.ok_or_else(|| {
+            DataError::Dataset(format!("{origin}: task '{name}': no dataset_path"))
+        })?;
         let (mut data_files, mut data_dir) = (None, None);
         if let Some(kwargs) = get("dataset_kwargs") {
             let Some(kw) = kwargs.as_mapping() else {
-                return task_err(origin, format!("task '{name}': dataset_kwargs must be a mapping"));
+                return task_err(
+                    origin,
+                    format!("task '{name}': dataset_kwargs must be a mapping"),
+                );
             };
             for (k, v) in kw {
                 match k.as_str().unwrap_or_default() {
@@ -501,8 +505,9 @@ impl TaskSpec {
         let field = |k: &str| -> Result<Option<DocField>> {
             get(k).map(|v| doc_field(v, origin, name, k)).transpose()
         };
-        let doc_to_text = field("doc_to_text")?
-            .ok_or_else(|| DataError::Dataset(format!("{origin}: task '{name}': no doc_to_text")))?;
+        let doc_to_text = field("doc_to_text")?.ok_or_else(|| {
+            DataError::Dataset(format!("{origin}: task '{name}': no doc_to_text"))
+        })?;
         let doc_to_target = field("doc_to_target")?.ok_or_else(|| {
             DataError::Dataset(format!("{origin}: task '{name}': no doc_to_target"))
         })?;
@@ -517,10 +522,7 @@ impl TaskSpec {
             match field(k)? {
                 None => Ok(None),
                 Some(DocField::Function(f)) => Ok(Some(f)),
-                Some(_) => task_err(
-                    origin,
-                    format!("task '{name}': '{k}' must be a !function"),
-                ),
+                Some(_) => task_err(origin, format!("task '{name}': '{k}' must be a !function")),
             }
         };
         let process_docs = function("process_docs")?;
@@ -655,7 +657,11 @@ impl TaskSpec {
 
     /// The documents evaluated: the split's rows (relative `data_files` are resolved against
     /// `base_dir`), through `process_docs`, the first `limit` of them.
-    pub fn load_docs(&self, base_dir: &Path, limit: Option<f64>) -> Result<Vec<Map<String, Value>>> {
+    pub fn load_docs(
+        &self,
+        base_dir: &Path,
+        limit: Option<f64>,
+    ) -> Result<Vec<Map<String, Value>>> {
         let rows = crate::dataset::load_source(&self.source_section(), base_dir)
             .map_err(|e| DataError::Dataset(format!("task '{}': {e}", self.name)))?;
         let mut docs = match self.process_docs.as_deref() {
@@ -689,7 +695,11 @@ impl TaskSpec {
         DataError::Dataset(format!("task '{}', document {doc_id}: {e}", self.name))
     }
 
-    fn doc_requests(&self, env: &Environment, doc: &Map<String, Value>) -> Result<Vec<(String, String)>> {
+    fn doc_requests(
+        &self,
+        env: &Environment,
+        doc: &Map<String, Value>,
+    ) -> Result<Vec<(String, String)>> {
         let description = render(env, &self.description, doc)?;
         let text = self.text_of(env, doc)?;
         match self.output_type {
@@ -724,14 +734,20 @@ impl TaskSpec {
                         Ok(choices
                             .iter()
                             .map(|c| {
-                                (format!("{description}{c}"), format!("{}{cont}", self.target_delimiter))
+                                (
+                                    format!("{description}{c}"),
+                                    format!("{}{cont}", self.target_delimiter),
+                                )
                             })
                             .collect())
                     }
                     TextOrIndex::Text(ctx) => Ok(choices
                         .iter()
                         .map(|c| {
-                            (format!("{description}{ctx}"), format!("{}{c}", self.target_delimiter))
+                            (
+                                format!("{description}{ctx}"),
+                                format!("{}{c}", self.target_delimiter),
+                            )
                         })
                         .collect()),
                 }
@@ -740,12 +756,18 @@ impl TaskSpec {
     }
 
     /// The per-document metric values from the scores of its requests (in request order).
-    pub fn doc_metrics(&self, doc: &Map<String, Value>, scores: &[Scored]) -> Result<BTreeMap<String, f64>> {
+    pub fn doc_metrics(
+        &self,
+        doc: &Map<String, Value>,
+        scores: &[Scored],
+    ) -> Result<BTreeMap<String, f64>> {
         let env = template_env();
         let mut out = BTreeMap::new();
         match self.output_type {
             OutputType::Loglikelihood => {
-                let s = scores.first().ok_or_else(|| DataError::Dataset("no score".into()))?;
+                let s = scores
+                    .first()
+                    .ok_or_else(|| DataError::Dataset("no score".into()))?;
                 for m in &self.metrics {
                     let v = match m.name.as_str() {
                         "perplexity" => s.loglikelihood,
@@ -789,7 +811,11 @@ impl TaskSpec {
                 };
                 let hit = |p: usize| f64::from(u8::from(golds.contains(&(p as i64))));
                 for m in &self.metrics {
-                    let v = if m.name == "acc_norm" { hit(pred_norm) } else { hit(pred) };
+                    let v = if m.name == "acc_norm" {
+                        hit(pred_norm)
+                    } else {
+                        hit(pred)
+                    };
                     out.insert(m.name.clone(), v);
                 }
             }
@@ -802,7 +828,10 @@ impl TaskSpec {
         self.metrics
             .iter()
             .map(|m| {
-                let values: Vec<f64> = per_doc.iter().filter_map(|d| d.get(&m.name).copied()).collect();
+                let values: Vec<f64> = per_doc
+                    .iter()
+                    .filter_map(|d| d.get(&m.name).copied())
+                    .collect();
                 let n = values.len() as f64;
                 let mean = values.iter().sum::<f64>() / n;
                 if m.name == "perplexity" {
@@ -841,13 +870,17 @@ impl TaskSpec {
                     ))),
                 }
             }
-            DocField::Function(f) => Err(DataError::Dataset(format!("{f} cannot give doc_to_text"))),
+            DocField::Function(f) => {
+                Err(DataError::Dataset(format!("{f} cannot give doc_to_text")))
+            }
             DocField::List(_) => Err(DataError::Dataset("doc_to_text cannot be a list".into())),
             DocField::Text(t) => {
                 if let Some(v) = doc.get(t) {
                     return match v {
                         Value::String(s) => Ok(TextOrIndex::Text(s.clone())),
-                        Value::Number(n) if n.is_i64() => Ok(TextOrIndex::Index(n.as_i64().unwrap_or(0))),
+                        Value::Number(n) if n.is_i64() => {
+                            Ok(TextOrIndex::Index(n.as_i64().unwrap_or(0)))
+                        }
                         other => Err(DataError::Dataset(format!(
                             "doc_to_text: column '{t}' holds {other}, not a text"
                         ))),
@@ -871,12 +904,16 @@ impl TaskSpec {
                 let idx = blank_index(&sentence)?;
                 Ok(Target::Text(sentence[idx + 1..].trim().to_string()))
             }
-            DocField::Function(f) => Err(DataError::Dataset(format!("{f} cannot give doc_to_target"))),
+            DocField::Function(f) => {
+                Err(DataError::Dataset(format!("{f} cannot give doc_to_target")))
+            }
             DocField::Text(t) => {
                 if let Some(v) = doc.get(t) {
                     return match v {
                         Value::String(s) => Ok(Target::Text(s.clone())),
-                        Value::Number(n) if n.is_i64() => Ok(Target::Index(n.as_i64().unwrap_or(0))),
+                        Value::Number(n) if n.is_i64() => {
+                            Ok(Target::Index(n.as_i64().unwrap_or(0)))
+                        }
                         Value::Bool(b) => Ok(Target::Index(i64::from(*b))),
                         Value::Array(items) => Ok(Target::Indices(
                             items.iter().filter_map(Value::as_i64).collect(),
@@ -893,7 +930,9 @@ impl TaskSpec {
                 if s.len() >= 2 && s.starts_with('[') && s.ends_with(']') {
                     if let Ok(Value::Array(items)) = parse_python_literal(&s) {
                         if items.iter().all(Value::is_i64) {
-                            return Ok(Target::Indices(items.iter().filter_map(Value::as_i64).collect()));
+                            return Ok(Target::Indices(
+                                items.iter().filter_map(Value::as_i64).collect(),
+                            ));
                         }
                     }
                 }
@@ -908,7 +947,11 @@ impl TaskSpec {
         };
         let value = match field {
             DocField::List(items) => return Ok(items.clone()),
-            DocField::Int(_) => return Err(DataError::Dataset("doc_to_choice cannot be a number".into())),
+            DocField::Int(_) => {
+                return Err(DataError::Dataset(
+                    "doc_to_choice cannot be a number".into(),
+                ))
+            }
             DocField::Function(f) if f == "winogrande.doc_to_choice" => {
                 let sentence = doc_str(doc, "sentence")?;
                 let idx = blank_index(&sentence)?;
@@ -918,7 +961,9 @@ impl TaskSpec {
                     format!("{head}{}", doc_str(doc, "option2")?),
                 ]);
             }
-            DocField::Function(f) => return Err(DataError::Dataset(format!("{f} cannot give doc_to_choice"))),
+            DocField::Function(f) => {
+                return Err(DataError::Dataset(format!("{f} cannot give doc_to_choice")))
+            }
             DocField::Text(t) => match doc.get(t) {
                 Some(v) => v.clone(),
                 None => parse_python_literal(&render(env, t, doc)?).map_err(|e| {
@@ -932,10 +977,14 @@ impl TaskSpec {
                 .map(|v| match v {
                     Value::String(s) => Ok(s),
                     Value::Number(n) => Ok(n.to_string()),
-                    other => Err(DataError::Dataset(format!("a choice is {other}, not a text"))),
+                    other => Err(DataError::Dataset(format!(
+                        "a choice is {other}, not a text"
+                    ))),
                 })
                 .collect(),
-            other => Err(DataError::Dataset(format!("doc_to_choice gave {other}, not a list"))),
+            other => Err(DataError::Dataset(format!(
+                "doc_to_choice gave {other}, not a list"
+            ))),
         }
     }
 }
@@ -979,8 +1028,12 @@ fn parse_index(s: &str) -> Result<i64> {
 fn doc_str(doc: &Map<String, Value>, key: &str) -> Result<String> {
     match doc.get(key) {
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(other) => Err(DataError::Dataset(format!("column '{key}' holds {other}, not a text"))),
-        None => Err(DataError::Dataset(format!("the document has no column '{key}'"))),
+        Some(other) => Err(DataError::Dataset(format!(
+            "column '{key}' holds {other}, not a text"
+        ))),
+        None => Err(DataError::Dataset(format!(
+            "the document has no column '{key}'"
+        ))),
     }
 }
 
@@ -992,19 +1045,26 @@ fn blank_index(sentence: &str) -> Result<usize> {
 
 fn doc_field(v: &Yaml, origin: &str, name: &str, key: &str) -> Result<DocField> {
     match v {
-        Yaml::Number(n) => n
-            .as_i64()
-            .map(DocField::Int)
-            .ok_or_else(|| DataError::Dataset(format!("{origin}: task '{name}': '{key}' must be an integer, a text or a list"))),
+        Yaml::Number(n) => n.as_i64().map(DocField::Int).ok_or_else(|| {
+            DataError::Dataset(format!(
+                "{origin}: task '{name}': '{key}' must be an integer, a text or a list"
+            ))
+        }),
         Yaml::String(s) => Ok(DocField::Text(s.clone())),
         Yaml::Sequence(items) => Ok(DocField::List(items.iter().map(yaml_display).collect())),
         // A mapping of choices: its values, in order (the harness's `list(d.values())`).
         Yaml::Mapping(m) => Ok(DocField::List(m.values().map(yaml_display).collect())),
         Yaml::Tagged(t) if t.tag == "!function" || t.tag == "function" => match t.value.as_str() {
             Some(f) => Ok(DocField::Function(f.to_string())),
-            None => task_err(origin, format!("task '{name}': '{key}: !function' needs a name")),
+            None => task_err(
+                origin,
+                format!("task '{name}': '{key}: !function' needs a name"),
+            ),
         },
-        _ => task_err(origin, format!("task '{name}': '{key}' has an unsupported value")),
+        _ => task_err(
+            origin,
+            format!("task '{name}': '{key}' has an unsupported value"),
+        ),
     }
 }
 
@@ -1023,7 +1083,10 @@ fn yaml_display(v: &Yaml) -> String {
         }
         Yaml::Bool(b) => if *b { "True" } else { "False" }.to_string(),
         Yaml::Null => "None".into(),
-        other => serde_yaml_ng::to_string(other).unwrap_or_default().trim().to_string(),
+        other => serde_yaml_ng::to_string(other)
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
     }
 }
 
@@ -1077,7 +1140,8 @@ fn render(env: &Environment, template: &str, doc: &Map<String, Value>) -> Result
 /// HellaSwag's `process_docs`: the query is `activity_label: ctx_a Ctx_b` and the choices the
 /// endings, both cleaned of WikiHow's bracketed artifacts.
 fn hellaswag_doc(doc: &Map<String, Value>, task: &str) -> Result<Map<String, Value>> {
-    let s = |k: &str| doc_str(doc, k).map_err(|e| DataError::Dataset(format!("task '{task}': {e}")));
+    let s =
+        |k: &str| doc_str(doc, k).map_err(|e| DataError::Dataset(format!("task '{task}': {e}")));
     let ctx = format!("{} {}", s("ctx_a")?, py_capitalize(&s("ctx_b")?));
     let query = hellaswag_clean(&format!("{}: {ctx}", s("activity_label")?));
     let endings: Vec<Value> = match doc.get("endings") {
@@ -1085,10 +1149,16 @@ fn hellaswag_doc(doc: &Map<String, Value>, task: &str) -> Result<Map<String, Val
             .iter()
             .map(|e| match e {
                 Value::String(t) => Ok(Value::String(hellaswag_clean(t))),
-                other => Err(DataError::Dataset(format!("task '{task}': an ending is {other}"))),
+                other => Err(DataError::Dataset(format!(
+                    "task '{task}': an ending is {other}"
+                ))),
             })
             .collect::<Result<_>>()?,
-        _ => return Err(DataError::Dataset(format!("task '{task}': 'endings' must be a list"))),
+        _ => {
+            return Err(DataError::Dataset(format!(
+                "task '{task}': 'endings' must be a list"
+            )))
+        }
     };
     let label = match doc.get("label") {
         Some(Value::String(l)) => l.trim().parse::<i64>().ok(),
@@ -1107,7 +1177,10 @@ fn py_capitalize(s: &str) -> String {
     let mut chars = s.chars();
     match chars.next() {
         None => String::new(),
-        Some(first) => first.to_uppercase().chain(chars.flat_map(char::to_lowercase)).collect(),
+        Some(first) => first
+            .to_uppercase()
+            .chain(chars.flat_map(char::to_lowercase))
+            .collect(),
     }
 }
 
@@ -1165,7 +1238,9 @@ fn truthfulqa_mc2(doc: &Map<String, Value>, lls: &[f64]) -> Result<f64> {
 /// The harness's results table (`lm_eval.utils.make_table`, a pytablewriter Markdown table):
 /// one row per task and metric, tasks and metrics in name order, numeric columns right-aligned.
 pub fn results_table(results: &[(TaskSpec, Vec<MetricResult>)]) -> String {
-    let headers = ["Tasks", "Version", "Filter", "n-shot", "Metric", "", "Value", "", "Stderr"];
+    let headers = [
+        "Tasks", "Version", "Filter", "n-shot", "Metric", "", "Value", "", "Stderr",
+    ];
     let mut sorted_tasks: Vec<&(TaskSpec, Vec<MetricResult>)> = results.iter().collect();
     sorted_tasks.sort_by(|a, b| a.0.name.cmp(&b.0.name));
     let mut rows: Vec<[String; 9]> = Vec::new();
@@ -1175,8 +1250,16 @@ pub fn results_table(results: &[(TaskSpec, Vec<MetricResult>)]) -> String {
         for (i, m) in sorted.iter().enumerate() {
             let first = i == 0;
             rows.push([
-                if first { task.name.clone() } else { String::new() },
-                if first { table_number(&task.version) } else { String::new() },
+                if first {
+                    task.name.clone()
+                } else {
+                    String::new()
+                },
+                if first {
+                    table_number(&task.version)
+                } else {
+                    String::new()
+                },
                 "none".into(),
                 "0".into(),
                 m.name.clone(),
@@ -1198,7 +1281,11 @@ pub fn results_table(results: &[(TaskSpec, Vec<MetricResult>)]) -> String {
     // pytablewriter right-aligns a column whose every (non-empty) cell is a number.
     let right: Vec<bool> = (0..9)
         .map(|c| {
-            let mut cells = rows.iter().map(|r| r[c].trim()).filter(|s| !s.is_empty()).peekable();
+            let mut cells = rows
+                .iter()
+                .map(|r| r[c].trim())
+                .filter(|s| !s.is_empty())
+                .peekable();
             cells.peek().is_some() && cells.all(|s| s.parse::<f64>().is_ok())
         })
         .collect();

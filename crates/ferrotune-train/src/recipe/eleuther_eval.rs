@@ -23,7 +23,7 @@ use candle_core::{DType, IndexOp, Tensor};
 use ferrotune_data::dataset::{collate, Row};
 use ferrotune_data::eval_tasks::{self, MetricResult, Scored, TaskRegistry, TaskSpec};
 use ferrotune_data::Tokenizer;
-use ferrotune_models::CausalLm;
+use ferrotune_models::{AttentionLayout, CausalLm, KvCache};
 
 use crate::config::Config;
 use crate::metrics::peak_rss_mb;
@@ -43,10 +43,17 @@ pub struct TaskOutcome {
 
 /// The token ids of a (context, continuation) request: `(context tokens, continuation tokens)`
 /// as the harness splits them.
-pub fn encode_request(tok: &Tokenizer, context: &str, continuation: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+pub fn encode_request(
+    tok: &Tokenizer,
+    context: &str,
+    continuation: &str,
+) -> Result<(Vec<u32>, Vec<u32>)> {
     let trimmed = context.trim_end();
     let (context, continuation) = if trimmed.len() < context.len() {
-        (trimmed, format!("{}{continuation}", &context[trimmed.len()..]))
+        (
+            trimmed,
+            format!("{}{continuation}", &context[trimmed.len()..]),
+        )
     } else {
         (context, continuation.to_string())
     };
@@ -65,7 +72,14 @@ pub fn encode_request(tok: &Tokenizer, context: &str, continuation: &str) -> Res
 }
 
 /// Scores `requests` ((context, continuation) texts): each continuation's summed log-probability
-/// and greedy flag, in `batch_size` forward passes (longest first, to pad little).
+/// and greedy flag.
+///
+/// Consecutive requests with the same context (a document's answer choices) share one pass over
+/// it: the context runs once into a KV cache, and the continuations run as one batch after it
+/// (`batch_size` at a time). The numbers are the harness's, which runs context + continuation
+/// for every choice; for TruthfulQA's six-shot prompt that is most of the work saved. Requests
+/// that stand alone, or that `max_length` truncates, run whole, `batch_size` per forward pass
+/// (longest first, to pad little).
 pub fn score_requests(
     model: &CausalLm,
     tok: &Tokenizer,
@@ -75,13 +89,15 @@ pub fn score_requests(
     pad: u32,
     mut progress: impl FnMut(usize),
 ) -> Result<Vec<Scored>> {
-    let device = model.device().clone();
-    // (input tokens, continuation tokens) per request.
+    let batch_size = batch_size.max(1);
     let mut encoded = Vec::with_capacity(requests.len());
     for (ctx, cont) in requests {
         let (c, t) = encode_request(tok, ctx, cont)?;
         if t.is_empty() {
-            bail!("the continuation {cont:?} (after {:?}) encodes to no tokens", truncate(ctx));
+            bail!(
+                "the continuation {cont:?} (after {:?}) encodes to no tokens",
+                truncate(ctx)
+            );
         }
         if t.len() > max_length {
             bail!(
@@ -90,15 +106,27 @@ pub fn score_requests(
                 t.len()
             );
         }
-        let mut all = c;
-        all.extend_from_slice(&t);
-        let start = all.len().saturating_sub(max_length + 1);
-        let mut input = all[start..].to_vec();
-        input.pop();
-        encoded.push((input, t));
+        encoded.push((c, t));
     }
-    let mut order: Vec<usize> = (0..encoded.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(encoded[i].0.len() + encoded[i].1.len()));
+    let fits = |i: usize| encoded[i].0.len() + encoded[i].1.len() <= max_length + 1;
+    // Runs of requests sharing a context that fits whole; everything else runs on its own.
+    let mut shared: Vec<Vec<usize>> = Vec::new();
+    let mut alone: Vec<usize> = Vec::new();
+    let mut i = 0;
+    while i < encoded.len() {
+        let mut j = i + 1;
+        while j < encoded.len() && encoded[j].0 == encoded[i].0 {
+            j += 1;
+        }
+        let (run, rest): (Vec<usize>, Vec<usize>) = (i..j).partition(|&k| fits(k));
+        if run.len() >= 2 {
+            shared.push(run);
+            alone.extend(rest);
+        } else {
+            alone.extend((i..j).collect::<Vec<_>>());
+        }
+        i = j;
+    }
     let mut out = vec![
         Scored {
             loglikelihood: 0.0,
@@ -107,39 +135,126 @@ pub fn score_requests(
         encoded.len()
     ];
     let mut done = 0;
-    for chunk in order.chunks(batch_size.max(1)) {
+    for run in &shared {
+        score_shared_context(model, &encoded, run, batch_size, pad, &mut out)?;
+        done += run.len();
+        progress(done);
+    }
+
+    let device = model.device().clone();
+    // The harness's input: the last max_length + 1 tokens of context + continuation, minus the
+    // final token.
+    let inputs: Vec<Vec<u32>> = alone
+        .iter()
+        .map(|&i| {
+            let (c, t) = &encoded[i];
+            let mut all = c.clone();
+            all.extend_from_slice(t);
+            let start = all.len().saturating_sub(max_length + 1);
+            let mut input = all[start..].to_vec();
+            input.pop();
+            input
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..alone.len()).collect();
+    order.sort_by_key(|&k| std::cmp::Reverse(inputs[k].len()));
+    for chunk in order.chunks(batch_size) {
         let rows: Vec<Row> = chunk
             .iter()
-            .map(|&i| {
-                let ids = encoded[i].0.clone();
-                let labels = vec![-100; ids.len()];
-                Row::new(ids, labels)
-            })
+            .map(|&k| Row::new(inputs[k].clone(), vec![-100; inputs[k].len()]))
             .collect();
         let picked: Vec<&Row> = rows.iter().collect();
         let batch = MicroBatch::from_batch(&collate(&picked, pad), &device)?;
         let hidden = model.forward_hidden(&batch.input_ids, &batch.layout, None)?;
-        for (r, &i) in chunk.iter().enumerate() {
-            let (input, cont) = &encoded[i];
-            let (inplen, contlen) = (input.len(), cont.len());
+        for (r, &k) in chunk.iter().enumerate() {
+            let i = alone[k];
+            let cont = &encoded[i].1;
+            let inplen = inputs[k].len();
             // Position p predicts token p + 1: the continuation is predicted from the last
             // `contlen` input positions.
-            let rows_h = hidden.i((r, inplen - contlen..inplen))?.unsqueeze(0)?;
-            let logits = model.logits(&rows_h)?.squeeze(0)?.to_dtype(DType::F32)?;
-            let log_probs = candle_nn_log_softmax(&logits)?;
-            let targets = Tensor::from_vec(cont.clone(), (contlen, 1), log_probs.device())?;
-            let picked = log_probs.gather(&targets, 1)?.squeeze(1)?;
-            let ll: f32 = picked.sum_all()?.to_scalar()?;
-            let greedy: Vec<u32> = logits.argmax(1)?.to_vec1()?;
-            out[i] = Scored {
-                loglikelihood: f64::from(ll),
-                is_greedy: greedy == *cont,
-            };
+            let states = hidden.i((r, inplen - cont.len()..inplen))?;
+            out[i] = score_continuation(model, &states, cont)?;
         }
         done += chunk.len();
         progress(done);
     }
     Ok(out)
+}
+
+/// Scores the requests `run` (one context, several continuations): the context once into a KV
+/// cache, then the continuations minus their last tokens as batches after it. The state that
+/// predicts a continuation's first token is the context's last.
+fn score_shared_context(
+    model: &CausalLm,
+    encoded: &[(Vec<u32>, Vec<u32>)],
+    run: &[usize],
+    batch_size: usize,
+    pad: u32,
+    out: &mut [Scored],
+) -> Result<()> {
+    let device = model.device().clone();
+    let context = &encoded[run[0]].0;
+    let past = context.len();
+    let mut cache = KvCache::new(model.layers.len());
+    let ids = Tensor::from_vec(context.clone(), (1, past), &device)?;
+    let hidden =
+        model.forward_hidden(&ids, &AttentionLayout::causal(1, past, 0), Some(&mut cache))?;
+    let last = hidden.i((0, past - 1..past))?;
+    // Continuations of one token need nothing past the context.
+    let (single, longer): (Vec<usize>, Vec<usize>) =
+        run.iter().partition(|&&i| encoded[i].1.len() == 1);
+    for &i in &single {
+        out[i] = score_continuation(model, &last, &encoded[i].1)?;
+    }
+    for chunk in longer.chunks(batch_size) {
+        let width = chunk
+            .iter()
+            .map(|&i| encoded[i].1.len() - 1)
+            .max()
+            .unwrap_or(0);
+        let mut ids = Vec::with_capacity(chunk.len() * width);
+        let mut key_valid = Vec::with_capacity(chunk.len());
+        for &i in chunk {
+            let body = &encoded[i].1[..encoded[i].1.len() - 1];
+            ids.extend_from_slice(body);
+            ids.extend(std::iter::repeat_n(pad, width - body.len()));
+            let mut valid = vec![true; past + body.len()];
+            valid.resize(past + width, false);
+            key_valid.push(valid);
+        }
+        let layout = AttentionLayout {
+            positions: vec![(past as u32..(past + width) as u32).collect(); chunk.len()],
+            key_valid,
+            segments: None,
+        };
+        let mut rows_cache = cache.repeat_first_row(chunk.len())?;
+        let ids = Tensor::from_vec(ids, (chunk.len(), width), &device)?;
+        let hidden = model.forward_hidden(&ids, &layout, Some(&mut rows_cache))?;
+        for (r, &i) in chunk.iter().enumerate() {
+            let cont = &encoded[i].1;
+            let states = Tensor::cat(&[&last, &hidden.i((r, ..cont.len() - 1))?], 0)?;
+            out[i] = score_continuation(model, &states, cont)?;
+        }
+    }
+    Ok(())
+}
+
+/// The summed log-probability of `cont` and its greedy flag, from the hidden states `[len, h]`
+/// that predict its tokens.
+fn score_continuation(model: &CausalLm, states: &Tensor, cont: &[u32]) -> Result<Scored> {
+    let logits = model
+        .logits(&states.unsqueeze(0)?)?
+        .squeeze(0)?
+        .to_dtype(DType::F32)?;
+    let log_probs = candle_nn_log_softmax(&logits)?;
+    let targets = Tensor::from_vec(cont.to_vec(), (cont.len(), 1), log_probs.device())?;
+    let picked = log_probs.gather(&targets, 1)?.squeeze(1)?;
+    let ll: f32 = picked.sum_all()?.to_scalar()?;
+    let greedy: Vec<u32> = logits.argmax(1)?.to_vec1()?;
+    Ok(Scored {
+        loglikelihood: f64::from(ll),
+        is_greedy: greedy == cont,
+    })
 }
 
 /// Row-wise log-softmax of f32 logits `[n, V]` (max-subtracted, as torch computes it).
@@ -175,7 +290,11 @@ pub fn evaluate(
     for task in tasks {
         let docs = task.load_docs(&cwd, limit)?;
         if docs.is_empty() {
-            bail!("task '{}': no documents in split '{}'", task.name, task.split);
+            bail!(
+                "task '{}': no documents in split '{}'",
+                task.name,
+                task.split
+            );
         }
         let requests = task.requests(&docs)?;
         loaded.push((task, docs, requests));
@@ -206,9 +325,10 @@ pub fn evaluate(
         let mut per_doc = Vec::with_capacity(docs.len());
         for (doc, r) in docs.iter().zip(&reqs) {
             let n = r.requests.len();
-            per_doc.push(task.doc_metrics(doc, &scores[at..at + n]).with_context(|| {
-                format!("task '{}', document {}", task.name, r.doc_id)
-            })?);
+            per_doc.push(
+                task.doc_metrics(doc, &scores[at..at + n])
+                    .with_context(|| format!("task '{}', document {}", task.name, r.doc_id))?,
+            );
             at += n;
         }
         outcomes.push(TaskOutcome {
@@ -232,10 +352,18 @@ pub fn run(cfg: &Config) -> Result<Vec<TaskOutcome>> {
     let names = cfg
         .str_list("tasks")?
         .filter(|t| !t.is_empty())
-        .with_context(|| format!("{}: 'tasks' is required (for example [\"truthfulqa_mc2\"])", cfg.origin))?;
+        .with_context(|| {
+            format!(
+                "{}: 'tasks' is required (for example [\"truthfulqa_mc2\"])",
+                cfg.origin
+            )
+        })?;
     let limit = cfg.f64("limit")?;
     if limit.is_some_and(|l| l <= 0.0) {
-        bail!("{}: limit must be positive (or null for every document)", cfg.origin);
+        bail!(
+            "{}: limit must be positive (or null for every document)",
+            cfg.origin
+        );
     }
     let max_length = cfg.usize("max_seq_length")?.unwrap_or(4096);
     if max_length == 0 {
@@ -266,7 +394,10 @@ pub fn run(cfg: &Config) -> Result<Vec<TaskOutcome>> {
     let pad = setup::pad_id(&tok, &model.config);
     let t1 = Instant::now();
     let outcomes = evaluate(&model, &tok, &tasks, limit, max_length, batch_size, pad)?;
-    eprintln!("Eval completed in {:.2} seconds.", t1.elapsed().as_secs_f64());
+    eprintln!(
+        "Eval completed in {:.2} seconds.",
+        t1.elapsed().as_secs_f64()
+    );
     eprintln!("Memory used: {:.2} GB", peak_rss_mb() / 1024.0);
     let table: Vec<(TaskSpec, Vec<MetricResult>)> = outcomes
         .iter()
