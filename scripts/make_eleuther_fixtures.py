@@ -23,7 +23,7 @@ import lm_eval
 import torch
 from lm_eval.evaluator import evaluate
 from lm_eval.models.huggingface import HFLM
-from lm_eval.tasks import TaskManager, get_task_dict
+from lm_eval.tasks import TaskManager
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "..", "tests", "fixtures", "eleuther")
@@ -165,6 +165,30 @@ LAMBADA = [
     {"text": "He opened the door and the dog ran to greet him, wagging its tail. He knelt down and scratched behind its ears and the dog licked his face"},
 ]
 
+# MMLU documents by category (every subject of a category reads its category's file; the
+# counts differ so that the groups' size weighting shows).
+MMLU = {
+    "stem": [
+        {"question": "Find the degree of the field extension Q(sqrt(2)) over Q.", "subject": "abstract_algebra", "choices": ["0", "2", "1", "4"], "answer": 1},
+        {"question": "What is 2 + 2?", "subject": "elementary_mathematics", "choices": ["3", "4", "5", "22"], "answer": 1},
+        {"question": "Which planet is closest to the Sun?", "subject": "astronomy", "choices": ["Mercury", "Venus", "Earth", "Mars"], "answer": 0},
+    ],
+    "other": [
+        {"question": " What is the powerhouse of the cell? ", "subject": "biology", "choices": ["the nucleus", "the ribosome", "the mitochondrion", "the membrane"], "answer": 2},
+        {"question": "Which vitamin does sunlight help the body make?", "subject": "nutrition", "choices": ["Vitamin D", "Vitamin A", "Vitamin C", "Vitamin K"], "answer": 0},
+    ],
+    "social_sciences": [
+        {"question": "What is the capital of France?", "subject": "high_school_geography", "choices": ["Berlin", "Paris", "Madrid", "Rome"], "answer": 1},
+        {"question": "When demand rises and supply stays the same, prices usually", "subject": "high_school_microeconomics", "choices": ["fall", "rise", "stay the same", "become zero"], "answer": 1},
+    ],
+    "humanities": [
+        {"question": "Who wrote 'Romeo and Juliet'?", "subject": "literature", "choices": ["Charles Dickens", "William Shakespeare", "Jane Austen", "Mark Twain"], "answer": 1},
+        {"question": "If all men are mortal and Socrates is a man, then Socrates is", "subject": "formal_logic", "choices": ["immortal", "mortal", "a god", "unknown"], "answer": 1},
+        {"question": "In which year did World War II end?", "subject": "high_school_world_history", "choices": ["1918", "1939", "1945", "1965"], "answer": 2},
+        {"question": "Which philosopher wrote 'The Republic'?", "subject": "philosophy", "choices": ["Plato", "Aristotle", "Kant", "Hume"], "answer": 0},
+    ],
+}
+
 # task -> (lm-eval YAML, the split the harness evaluates, documents, file stem)
 TASKS = {
     "truthfulqa_mc1": ("truthfulqa/truthfulqa_mc1.yaml", "validation", TRUTHFULQA, "truthfulqa_mc"),
@@ -183,7 +207,8 @@ TASKS = {
 def main():
     gguf = os.path.abspath(os.path.expanduser(sys.argv[1]))
     os.makedirs(DATA, exist_ok=True)
-    for _, (_, _, docs, stem) in TASKS.items():
+    mmlu_files = [(None, None, docs, f"mmlu_{cat}") for cat, docs in MMLU.items()]
+    for _, _, docs, stem in list(TASKS.values()) + mmlu_files:
         with open(os.path.join(DATA, stem + ".jsonl"), "w") as f:
             for d in docs:
                 f.write(json.dumps(d, ensure_ascii=False) + "\n")
@@ -191,7 +216,7 @@ def main():
     # The same documents as Parquet, as the Hub serves them (the CLI test's loopback Hub).
     import datasets
 
-    for _, (_, _, docs, stem) in TASKS.items():
+    for _, _, docs, stem in list(TASKS.values()) + mmlu_files:
         datasets.Dataset.from_list(docs).to_parquet(os.path.join(DATA, stem + ".parquet"))
 
     include = tempfile.mkdtemp()
@@ -208,6 +233,37 @@ def main():
             f.write(f"{other[0]}_split: null\n")
             f.write(f"{split}_split: {split}\n")
 
+    # MMLU: every subject's own task file, reading the same two documents, grouped as the
+    # harness's `mmlu` group (local copies of its group files, pointing at the local tasks).
+    import glob
+
+    import yaml
+
+    categories = set()
+    subjects = {}
+    for path in sorted(glob.glob(os.path.join(TASKS_DIR, "mmlu", "default", "mmlu_*.yaml"))):
+        subject_cfg = yaml.safe_load(open(path))
+        subject, tag = subject_cfg["dataset_name"], subject_cfg["tag"]
+        category = tag.removeprefix("mmlu_").removesuffix("_tasks")
+        categories.add(category)
+        subjects[subject] = category
+        mmlu_data = os.path.join(DATA, f"mmlu_{category}.jsonl")
+        with open(os.path.join(include, f"local_mmlu_{subject}.yaml"), "w") as f:
+            f.write(f"include: {path}\ntask: local_mmlu_{subject}\ntag: local_{tag}\n")
+            f.write(f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {mmlu_data}\n")
+            f.write("fewshot_split: null\ntraining_split: null\nvalidation_split: null\n")
+    for cat in sorted(categories):
+        group = yaml.safe_load(open(os.path.join(TASKS_DIR, "mmlu", "default", f"_mmlu_{cat}.yaml")))
+        with open(os.path.join(include, f"_local_mmlu_{cat}.yaml"), "w") as f:
+            f.write(f"group: local_mmlu_{cat}\ngroup_alias: {group['group_alias']}\n")
+            f.write(f"task:\n  - local_mmlu_{cat}_tasks\n")
+            f.write("aggregate_metric_list:\n  - metric: acc\n    weight_by_size: True\nmetadata:\n  version: 2\n")
+    with open(os.path.join(include, "_local_mmlu.yaml"), "w") as f:
+        f.write("group: local_mmlu\ntask:\n")
+        for cat in ("stem", "other", "social_sciences", "humanities"):
+            f.write(f"  - local_mmlu_{cat}\n")
+        f.write("aggregate_metric_list:\n  - metric: acc\n    weight_by_size: True\nmetadata:\n  version: 2\n")
+
     torch.manual_seed(0)
     lm = HFLM(
         pretrained=os.path.dirname(gguf),
@@ -218,8 +274,8 @@ def main():
         max_length=4096,
     )
     manager = TaskManager(include_path=include)
-    names = [f"local_{t}" for t in TASKS]
-    out = evaluate(lm, get_task_dict(names, manager), log_samples=True, bootstrap_iters=1000)
+    names = [f"local_{t}" for t in TASKS] + ["local_mmlu"]
+    out = evaluate(lm, manager.load(names), log_samples=True, bootstrap_iters=1000)
 
     golden = {"lm_eval_version": lm_eval.__version__, "model": os.path.basename(gguf), "tasks": {}}
     for task in TASKS:
@@ -243,7 +299,23 @@ def main():
             "samples": samples,
         }
         print(task, metrics)
-    # The encodings the harness scored, for a tokenizer check independent of the model.
+    golden["mmlu_subjects"] = subjects
+    golden["mmlu"] = {
+        name.removeprefix("local_"): {k.split(",")[0]: v for k, v in res.items() if "," in k}
+        for name, res in out["results"].items()
+        if name.startswith("local_mmlu")
+    }
+    golden["mmlu_samples"] = [
+        {"requests": [list(a) for a in s["arguments"]], "loglikelihoods": [float(r[0][0]) for r in s["resps"]]}
+        for s in sorted(out["samples"]["local_mmlu_abstract_algebra"], key=lambda s: s["doc_id"])
+    ]
+    # The table torchtune's recipe prints (`make_table`), with the one value the harness
+    # bootstraps (LAMBADA's perplexity stderr) shown as ferrotune shows it.
+    from lm_eval.utils import make_table
+
+    out["results"]["local_lambada_openai"]["perplexity_stderr,none"] = "N/A"
+    golden["table"] = make_table(out)
+
     with open(os.path.join(OUT, "golden.json"), "w") as f:
         json.dump(golden, f, indent=1, ensure_ascii=False)
         f.write("\n")

@@ -42,8 +42,25 @@ fn repo(id: &str, revisions: Vec<(&str, Vec<HubFile>)>) -> HubRepo {
     }
 }
 
-fn hub_repos() -> Vec<HubRepo> {
+fn hub_repos(golden: &Value) -> Vec<HubRepo> {
+    // MMLU: a folder per subject with its splits (and `all/`), as `cais/mmlu` has them.
+    let mut mmlu_files = vec![HubFile::plain(
+        "all/test-00000-of-00001.parquet",
+        &parquet("arc_easy"),
+    )];
+    for (subject, category) in golden["mmlu_subjects"].as_object().unwrap() {
+        let file = parquet(&format!("mmlu_{}", category.as_str().unwrap()));
+        mmlu_files.push(HubFile::plain(
+            &format!("{subject}/dev-00000-of-00001.parquet"),
+            &parquet("arc_easy"),
+        ));
+        mmlu_files.push(HubFile::plain(
+            &format!("{subject}/test-00000-of-00001.parquet"),
+            &file,
+        ));
+    }
     vec![
+        repo("cais/mmlu", vec![("main", mmlu_files)]),
         repo(
             "truthfulqa/truthful_qa",
             vec![(
@@ -114,7 +131,7 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
         serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden.json")).unwrap())
             .unwrap();
     let gguf = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let server = HubServer::start(hub_repos());
+    let server = HubServer::start(hub_repos(&golden));
     let home = std::env::temp_dir().join(format!("ferrotune-eleuther-cli-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&home);
     std::fs::create_dir_all(&home).unwrap();
@@ -132,7 +149,7 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
             "device=cpu",
             "dtype=fp32",
             "batch_size=4",
-            "tasks=[truthfulqa_mc2,arc_easy,hellaswag,winogrande]",
+            "tasks=[truthfulqa_mc2,arc_easy,hellaswag,winogrande,mmlu]",
         ])
         .current_dir(&home)
         .env("HF_ENDPOINT", server.url())
@@ -145,12 +162,19 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "stdout: {stdout}\nstderr: {stderr}");
     // The harness's table, then the metrics as JSON.
+    // MMLU's groups first, as a tree, then the other tasks.
+    let lines: Vec<&str> = stdout.lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.contains(" Tasks "))
+        .expect("a table");
+    assert!(lines[at + 2].starts_with("|mmlu "), "{stdout}");
+    assert!(lines[at + 3].starts_with("| - humanities "), "{stdout}");
+    assert!(lines[at + 4].starts_with("|  - formal_logic "), "{stdout}");
     assert!(
-        stdout.contains("|    Tasks     |Version|Filter|n-shot|"),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains("|truthfulqa_mc2|      3|none  |     0|acc     |↑  |0.4933|"),
+        lines
+            .iter()
+            .any(|l| l.starts_with("|truthfulqa_mc2 ") && l.contains("|0.4933|")),
         "{stdout}"
     );
     let json: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
@@ -164,6 +188,12 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
         for (k, v) in want.as_object().unwrap() {
             let (a, b) = (got[k].as_f64().unwrap(), v.as_f64().unwrap());
             assert!((a - b).abs() < 1e-5, "{task} {k}: {a} vs lm-eval {b}");
+        }
+    }
+    for (name, want) in golden["mmlu"].as_object().unwrap() {
+        for (k, v) in want.as_object().unwrap() {
+            let (a, b) = (json[name][k].as_f64().unwrap(), v.as_f64().unwrap());
+            assert!((a - b).abs() < 1e-5, "{name} {k}: {a} vs lm-eval {b}");
         }
     }
     // The conversion was read for the loading-script dataset.

@@ -244,3 +244,84 @@ fn what_cannot_run_is_refused_with_the_reason() {
         "{err}"
     );
 }
+
+#[test]
+fn groups_select_their_tasks_and_aggregate_as_the_harness() {
+    use ferrotune_data::eval_tasks::{aggregate_groups, select, MetricResult, Outcome};
+
+    let registry = TaskRegistry::new(None).unwrap();
+    let mmlu = select(&registry, &["mmlu".into()]).unwrap();
+    assert_eq!(mmlu.tasks.len(), 57);
+    assert_eq!(mmlu.groups.len(), 5);
+    assert_eq!(mmlu.leaves("mmlu_stem").len(), 19);
+    let algebra = mmlu
+        .tasks
+        .iter()
+        .find(|t| t.name == "mmlu_abstract_algebra")
+        .unwrap();
+    assert_eq!(
+        (
+            algebra.dataset_path.as_str(),
+            algebra.dataset_name.as_deref(),
+            algebra.split.as_str()
+        ),
+        ("cais/mmlu", Some("abstract_algebra"), "test")
+    );
+    assert_eq!(
+        algebra.description,
+        "The following are multiple choice questions (with answers) about abstract algebra.\n\n"
+    );
+
+    let dir = temp_dir("groups");
+    let task = |name: &str| {
+        format!(
+            "task: {name}\noutput_type: multiple_choice\ndataset_path: json\ntest_split: test\n\
+             doc_to_text: q\ndoc_to_target: 0\ndoc_to_choice: c\n"
+        )
+    };
+    write(&dir, "a.yaml", &task("a"));
+    write(&dir, "b.yaml", &task("b"));
+    write(
+        &dir,
+        "g.yaml",
+        "group: plain\ngroup_alias: plain mean\ntask: [a, b]\naggregate_metric_list:\n  - metric: acc\n    weight_by_size: false\n",
+    );
+    write(
+        &dir,
+        "w.yaml",
+        "group: weighted\ntask: [a, b]\naggregate_metric_list:\n  - metric: acc\n",
+    );
+    write(&dir, "bad.yaml", "group: bad\ntask: [a, nothing]\n");
+    let registry = TaskRegistry::new(Some(&dir)).unwrap();
+    let sel = select(&registry, &["plain".into(), "weighted".into()]).unwrap();
+    assert_eq!(sel.tasks.len(), 2, "each task once");
+    let outcome = |v: f64, se: f64, docs: usize| Outcome {
+        metrics: vec![MetricResult {
+            name: "acc".into(),
+            value: v,
+            stderr: Some(se),
+            higher_is_better: true,
+        }],
+        docs,
+    };
+    let tasks = BTreeMap::from([
+        ("a".to_string(), outcome(1.0, 0.0, 2)),
+        ("b".to_string(), outcome(0.25, 0.25, 4)),
+    ]);
+    let groups = aggregate_groups(&sel, &tasks);
+    let plain = &groups["plain"].metrics[0];
+    assert!((plain.value - 0.625).abs() < 1e-12);
+    assert!(
+        (plain.stderr.unwrap() - 0.125).abs() < 1e-12,
+        "√(0² + 0.25²) / 2"
+    );
+    let weighted = &groups["weighted"].metrics[0];
+    assert!((weighted.value - 0.5).abs() < 1e-12, "(2·1 + 4·0.25) / 6");
+    // The pooled variance: Σ (n−1)·se²·n / (N − k), over N.
+    let pooled = ((3.0 * 0.0625 * 4.0) / 4.0 / 6.0f64).sqrt();
+    assert!((weighted.stderr.unwrap() - pooled).abs() < 1e-12);
+    assert_eq!(groups["weighted"].docs, 6);
+
+    let err = registry.resolve("bad").unwrap_err().to_string();
+    assert!(err.contains("unknown task 'nothing'"), "{err}");
+}

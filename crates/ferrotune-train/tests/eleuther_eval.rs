@@ -8,7 +8,7 @@ mod common;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device};
-use ferrotune_data::eval_tasks::{resolve_tasks, Scored, TaskRegistry, TaskSpec};
+use ferrotune_data::eval_tasks::{select, Scored, Selection, TaskRegistry};
 use ferrotune_data::Tokenizer;
 use ferrotune_train::recipe::eleuther_eval::{evaluate, score_requests};
 use ferrotune_train::recipe::setup::pad_id;
@@ -35,8 +35,9 @@ fn golden() -> Value {
 
 /// An include_path folder with one task per built-in task: the built-in definition included
 /// unchanged, its documents read from the fixture JSONL (as the fixture script points the
-/// harness's own task files at them).
-fn local_tasks() -> (PathBuf, Vec<TaskSpec>) {
+/// harness's own task files at them); MMLU's subjects likewise, grouped as `local_mmlu` the way
+/// the built-in `mmlu` group is.
+fn local_tasks() -> (PathBuf, Selection) {
     let dir = std::env::temp_dir().join(format!("ferrotune-eleuther-tasks-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let data = common::workspace_fixture("eleuther/data");
@@ -53,10 +54,36 @@ fn local_tasks() -> (PathBuf, Vec<TaskSpec>) {
         );
         std::fs::write(dir.join(format!("local_{task}.yaml")), yaml).unwrap();
     }
+    let g = golden();
+    for (subject, category) in g["mmlu_subjects"].as_object().unwrap() {
+        let category = category.as_str().unwrap();
+        let yaml = format!(
+            "include: mmlu_{subject}\ntask: local_mmlu_{subject}\ntag: local_mmlu_{category}_tasks\n\
+             dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\n",
+            data.join(format!("mmlu_{category}.jsonl")).display()
+        );
+        std::fs::write(dir.join(format!("local_mmlu_{subject}.yaml")), yaml).unwrap();
+    }
+    let aggregate = "aggregate_metric_list:\n  - metric: acc\n    weight_by_size: True\nmetadata:\n  version: 2\n";
+    for (category, alias) in [
+        ("stem", "stem"),
+        ("other", "other"),
+        ("social_sciences", "social sciences"),
+        ("humanities", "humanities"),
+    ] {
+        let yaml = format!(
+            "group: local_mmlu_{category}\ngroup_alias: {alias}\ntask:\n  - local_mmlu_{category}_tasks\n{aggregate}"
+        );
+        std::fs::write(dir.join(format!("_local_mmlu_{category}.yaml")), yaml).unwrap();
+    }
+    let yaml = format!(
+        "group: local_mmlu\ntask:\n  - local_mmlu_stem\n  - local_mmlu_other\n  - local_mmlu_social_sciences\n  - local_mmlu_humanities\n{aggregate}"
+    );
+    std::fs::write(dir.join("_local_mmlu.yaml"), yaml).unwrap();
     let registry = TaskRegistry::new(Some(&dir)).unwrap();
-    let names: Vec<String> = TASKS.iter().map(|(t, _, _)| format!("local_{t}")).collect();
-    let specs = resolve_tasks(&registry, &names).unwrap();
-    (dir, specs)
+    let mut names: Vec<String> = TASKS.iter().map(|(t, _, _)| format!("local_{t}")).collect();
+    names.push("local_mmlu".into());
+    (dir, select(&registry, &names).unwrap())
 }
 
 fn requests_of(sample: &Value) -> Vec<(String, String)> {
@@ -76,8 +103,23 @@ fn requests_of(sample: &Value) -> Vec<(String, String)> {
 #[test]
 fn builtin_tasks_make_the_harness_requests() {
     let g = golden();
-    let (dir, specs) = local_tasks();
-    for ((task, _, _), spec) in TASKS.iter().zip(&specs) {
+    let (dir, sel) = local_tasks();
+    let specs = &sel.tasks;
+    // MMLU's requests: the built-in template and description, document by document.
+    let mmlu = specs
+        .iter()
+        .find(|t| t.name == "local_mmlu_abstract_algebra")
+        .unwrap();
+    let docs = mmlu.load_docs(&dir, None).unwrap();
+    let ours = mmlu.requests(&docs).unwrap();
+    let want = g["mmlu_samples"].as_array().unwrap();
+    assert_eq!(ours.len(), want.len());
+    for (o, s) in ours.iter().zip(want) {
+        assert_eq!(o.requests, requests_of(s), "mmlu document {}", o.doc_id);
+    }
+    assert_eq!(sel.tasks.len(), TASKS.len() + 57);
+    assert_eq!(sel.groups.len(), 5);
+    for ((task, _, _), spec) in TASKS.iter().zip(specs) {
         let docs = spec.load_docs(&dir, None).unwrap();
         let ours = spec.requests(&docs).unwrap();
         let samples = g["tasks"][task]["samples"].as_array().unwrap();
@@ -105,7 +147,7 @@ fn smollm2_scores_and_metrics_match_lm_eval() {
     let tok = Tokenizer::from_gguf(&path).unwrap();
     let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
     let pad = pad_id(&tok, &model.config);
-    let (_dir, specs) = local_tasks();
+    let (_dir, sel) = local_tasks();
 
     // Every request's log-likelihood and greedy flag, batched (batch 5 pads rows of unequal
     // lengths together).
@@ -137,10 +179,26 @@ fn smollm2_scores_and_metrics_match_lm_eval() {
     }
     eprintln!("worst relative log-likelihood difference: {worst:.2e}");
 
-    // The recipe's aggregation, task by task, against the harness's table values.
-    let outcomes = evaluate(&model, &tok, &specs, None, 4096, 8, pad).unwrap();
-    for ((task, _, _), outcome) in TASKS.iter().zip(&outcomes) {
-        let metrics = &g["tasks"][task]["metrics"];
+    // The recipe's aggregation, task by task and group by group, against the harness's values,
+    // and the table torchtune's recipe prints, character for character.
+    let report = evaluate(&model, &tok, &sel, None, 4096, 8, pad).unwrap();
+    let mut checked = 0;
+    let expected = TASKS
+        .iter()
+        .map(|(t, _, _)| (format!("local_{t}"), &g["tasks"][t]["metrics"]))
+        .chain(
+            g["mmlu"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (format!("local_{k}"), v)),
+        );
+    for (name, metrics) in expected {
+        let outcome = report
+            .tasks
+            .get(&name)
+            .or_else(|| report.groups.get(&name))
+            .unwrap_or_else(|| panic!("{name}: no result"));
         for m in &outcome.metrics {
             let want = metrics[&m.name].as_f64().unwrap();
             let tol = if m.name == "perplexity" {
@@ -150,7 +208,7 @@ fn smollm2_scores_and_metrics_match_lm_eval() {
             };
             assert!(
                 (m.value - want).abs() <= tol,
-                "{task} {}: {} vs lm-eval {want}",
+                "{name} {}: {} vs lm-eval {want}",
                 m.name,
                 m.value
             );
@@ -158,7 +216,7 @@ fn smollm2_scores_and_metrics_match_lm_eval() {
                 let se = metrics[format!("{}_stderr", m.name)].as_f64().unwrap();
                 assert!(
                     (m.stderr.unwrap() - se).abs() < 1e-5,
-                    "{task} {} stderr: {:?} vs {se}",
+                    "{name} {} stderr: {:?} vs {se}",
                     m.name,
                     m.stderr
                 );
@@ -167,8 +225,26 @@ fn smollm2_scores_and_metrics_match_lm_eval() {
         assert_eq!(
             outcome.metrics.len(),
             metrics.as_object().unwrap().len() / 2,
-            "{task}: the harness's metrics"
+            "{name}: the harness's metrics"
         );
+        checked += 1;
+    }
+    assert_eq!(checked, TASKS.len() + 57 + 5);
+    // Perplexity is exp of a sum of f32 log-likelihoods: its 4th decimal may differ (checked
+    // to 1e-3 relative above); every other cell must be identical.
+    let ours = report.table();
+    let theirs = g["table"].as_str().unwrap();
+    assert_eq!(ours.lines().count(), theirs.lines().count(), "{ours}");
+    for (a, b) in ours.lines().zip(theirs.lines()) {
+        if a.contains("|perplexity|") {
+            let (mut x, mut y): (Vec<&str>, Vec<&str>) =
+                (a.split('|').collect(), b.split('|').collect());
+            x[7] = "";
+            y[7] = "";
+            assert_eq!(x, y);
+        } else {
+            assert_eq!(a, b, "table row");
+        }
     }
 }
 

@@ -7,8 +7,10 @@
 //! `doc_to_choice`, `description`, `target_delimiter`, `output_type`, `metric_list`,
 //! `process_docs`/`process_results`, `include`, `tag`, `metadata.version`). The built-in tasks
 //! (`builtin.yaml`) are the harness's own definitions of TruthfulQA (mc1, mc2), HellaSwag, ARC
-//! (easy, challenge), PIQA, SciQ, OpenBookQA, WinoGrande and LAMBADA (OpenAI); an `include_path`
-//! folder adds tasks written the same way. The harness's semantics, kept here:
+//! (easy, challenge), PIQA, SciQ, OpenBookQA, WinoGrande, LAMBADA (OpenAI) and MMLU (57 subject
+//! tasks in the groups `mmlu_stem`, `mmlu_other`, `mmlu_social_sciences`, `mmlu_humanities`, and
+//! those in `mmlu`); an `include_path` folder adds tasks and groups written the same way. The
+//! harness's semantics, kept here:
 //!
 //! - Documents: the test split if the task has one, else the validation split; `limit` keeps the
 //!   first N (or, below 1, that fraction, rounded up).
@@ -24,6 +26,9 @@
 //!   log-likelihood per character), TruthfulQA mc2's true-answer probability mass; `perplexity`
 //!   (`exp(-mean log-likelihood)`) and `acc` (greedy) for `loglikelihood`. Means come with the
 //!   harness's standard error (sample standard deviation / √n).
+//! - Groups (`group`, `task: [...]`, `aggregate_metric_list`): a metric is the mean over the
+//!   group's tasks (at any depth) weighted by their document counts (`weight_by_size`, the
+//!   default) or not, its standard error pooled from theirs.
 //!
 //! Python functions (`!function module.name`) run only where ferrotune implements them (the
 //! built-in tasks' functions); generation tasks, filters and few-shot examples are refused with
@@ -94,6 +99,8 @@ pub struct MetricSpec {
 pub struct TaskSpec {
     /// The task's name.
     pub name: String,
+    /// `task_alias`: the name the table shows.
+    pub alias: Option<String>,
     /// Where it was defined (a file, or `built-in task NAME`), for messages.
     pub origin: String,
     /// A Hub dataset id, or a format (`json`, `csv`, `parquet`) read from `data_files`.
@@ -184,30 +191,101 @@ struct RawTask {
     dir: Option<PathBuf>,
 }
 
-/// The tasks that can be named: built-in ones and those of an `include_path` folder.
+/// The tasks and groups that can be named: built-in ones and those of an `include_path` folder.
 #[derive(Debug, Clone)]
 pub struct TaskRegistry {
     tasks: BTreeMap<String, RawTask>,
+    groups: BTreeMap<String, RawTask>,
 }
 
+/// MMLU's 57 subjects and the category group each belongs to (the harness's `mmlu` tasks:
+/// `mmlu_<subject>`, grouped into `mmlu_stem`, `mmlu_other`, `mmlu_social_sciences`,
+/// `mmlu_humanities`, and those into `mmlu`).
+const MMLU_SUBJECTS: &[(&str, &str)] = &[
+    ("abstract_algebra", "stem"),
+    ("anatomy", "stem"),
+    ("astronomy", "stem"),
+    ("business_ethics", "other"),
+    ("clinical_knowledge", "other"),
+    ("college_biology", "stem"),
+    ("college_chemistry", "stem"),
+    ("college_computer_science", "stem"),
+    ("college_mathematics", "stem"),
+    ("college_medicine", "other"),
+    ("college_physics", "stem"),
+    ("computer_security", "stem"),
+    ("conceptual_physics", "stem"),
+    ("econometrics", "social_sciences"),
+    ("electrical_engineering", "stem"),
+    ("elementary_mathematics", "stem"),
+    ("formal_logic", "humanities"),
+    ("global_facts", "other"),
+    ("high_school_biology", "stem"),
+    ("high_school_chemistry", "stem"),
+    ("high_school_computer_science", "stem"),
+    ("high_school_european_history", "humanities"),
+    ("high_school_geography", "social_sciences"),
+    ("high_school_government_and_politics", "social_sciences"),
+    ("high_school_macroeconomics", "social_sciences"),
+    ("high_school_mathematics", "stem"),
+    ("high_school_microeconomics", "social_sciences"),
+    ("high_school_physics", "stem"),
+    ("high_school_psychology", "social_sciences"),
+    ("high_school_statistics", "stem"),
+    ("high_school_us_history", "humanities"),
+    ("high_school_world_history", "humanities"),
+    ("human_aging", "other"),
+    ("human_sexuality", "social_sciences"),
+    ("international_law", "humanities"),
+    ("jurisprudence", "humanities"),
+    ("logical_fallacies", "humanities"),
+    ("machine_learning", "stem"),
+    ("management", "other"),
+    ("marketing", "other"),
+    ("medical_genetics", "other"),
+    ("miscellaneous", "other"),
+    ("moral_disputes", "humanities"),
+    ("moral_scenarios", "humanities"),
+    ("nutrition", "other"),
+    ("philosophy", "humanities"),
+    ("prehistory", "humanities"),
+    ("professional_accounting", "other"),
+    ("professional_law", "humanities"),
+    ("professional_medicine", "other"),
+    ("professional_psychology", "social_sciences"),
+    ("public_relations", "social_sciences"),
+    ("security_studies", "social_sciences"),
+    ("sociology", "social_sciences"),
+    ("us_foreign_policy", "social_sciences"),
+    ("virology", "other"),
+    ("world_religions", "humanities"),
+];
+
 impl TaskRegistry {
-    /// The built-in tasks, plus every task YAML under `include_path` (searched recursively; a
-    /// file's task overrides a built-in one of the same name, as the harness's include path does).
+    /// The built-in tasks and groups, plus every task or group YAML under `include_path`
+    /// (searched recursively; a file's task overrides a built-in one of the same name, as the
+    /// harness's include path does).
     pub fn new(include_path: Option<&Path>) -> Result<Self> {
-        let mut tasks = BTreeMap::new();
+        let mut registry = Self {
+            tasks: BTreeMap::new(),
+            groups: BTreeMap::new(),
+        };
         let builtin: Yaml = serde_yaml_ng::from_str(BUILTIN_TASKS)
             .map_err(|e| DataError::Dataset(format!("built-in tasks: invalid YAML: {e}")))?;
         for entry in builtin.as_sequence().into_iter().flatten() {
             let map = entry.as_mapping().cloned().unwrap_or_default();
-            let name = yaml_str(&map, "task").unwrap_or_default();
-            tasks.insert(
-                name.clone(),
-                RawTask {
-                    map,
-                    origin: format!("built-in task {name}"),
-                    dir: None,
-                },
+            registry.add(map, "built-in".into(), None)?;
+        }
+        for (subject, category) in MMLU_SUBJECTS {
+            let text = format!(
+                "task: mmlu_{subject}\ntask_alias: {subject}\ninclude: _mmlu_template\n\
+                 dataset_name: {subject}\ntag: mmlu_{category}_tasks\n\
+                 description: \"The following are multiple choice questions (with answers) about {}.\\n\\n\"\n",
+                subject.replace('_', " ")
             );
+            let map: serde_yaml_ng::Mapping = serde_yaml_ng::from_str(&text)
+                .map_err(|e| DataError::Dataset(format!("built-in task mmlu_{subject}: {e}")))?;
+            registry.add(map, "built-in".into(), None)?;
         }
         if let Some(dir) = include_path {
             if !dir.is_dir() {
@@ -221,27 +299,49 @@ impl TaskRegistry {
             files.sort();
             for file in files {
                 let (map, origin) = read_yaml_map(&file)?;
-                // Files without `task` are shared pieces other tasks include.
-                let Some(name) = map.get("task") else {
-                    continue;
-                };
-                let Some(name) = name.as_str() else {
-                    if map.contains_key("group") || name.is_sequence() {
-                        return task_err(&origin, "task groups are not supported; list the tasks");
-                    }
-                    return task_err(&origin, "'task' must be a string");
-                };
-                tasks.insert(
-                    name.to_string(),
-                    RawTask {
-                        map: map.clone(),
-                        origin,
-                        dir: file.parent().map(Path::to_path_buf),
-                    },
-                );
+                registry.add(map, origin, file.parent().map(Path::to_path_buf))?;
             }
         }
-        Ok(Self { tasks })
+        Ok(registry)
+    }
+
+    /// Registers a task (`task: name`) or a group (`group: name` with a `task` list); a mapping
+    /// with neither is a shared piece other files include.
+    fn add(
+        &mut self,
+        map: serde_yaml_ng::Mapping,
+        origin: String,
+        dir: Option<PathBuf>,
+    ) -> Result<()> {
+        if let Some(group) = map.get("group") {
+            let Some(name) = group.as_str() else {
+                return task_err(&origin, "'group' must be a string");
+            };
+            let origin = if dir.is_none() {
+                format!("built-in group {name}")
+            } else {
+                origin
+            };
+            self.groups
+                .insert(name.to_string(), RawTask { map, origin, dir });
+            return Ok(());
+        }
+        let Some(name) = map.get("task") else {
+            return Ok(());
+        };
+        let Some(name) = name.as_str().map(str::to_string) else {
+            return task_err(
+                &origin,
+                "'task' must be a string (a list of tasks needs 'group')",
+            );
+        };
+        let origin = if dir.is_none() {
+            format!("built-in task {name}")
+        } else {
+            origin
+        };
+        self.tasks.insert(name, RawTask { map, origin, dir });
+        Ok(())
     }
 
     /// Every task name, sorted.
@@ -249,13 +349,15 @@ impl TaskRegistry {
         self.tasks.keys().cloned().collect()
     }
 
-    /// The tasks `name` stands for: a task, or a tag (its tasks in name order).
+    /// The tasks `name` stands for: a task, a tag (its tasks in name order), or a group (every
+    /// task under it).
     pub fn resolve(&self, name: &str) -> Result<Vec<TaskSpec>> {
-        if self.tasks.contains_key(name) {
-            return Ok(vec![self.spec(name)?]);
-        }
-        let tagged: Vec<String> = self
-            .tasks
+        Ok(select(self, &[name.to_string()])?.tasks)
+    }
+
+    /// The tasks of tag `name`, in name order (empty if it is no tag).
+    fn tagged(&self, name: &str) -> Vec<String> {
+        self.tasks
             .iter()
             // Tags are inherited through `include` (arc_challenge is ai2_arc through arc_easy).
             .filter(|(_, raw)| {
@@ -263,14 +365,93 @@ impl TaskRegistry {
                     .is_ok_and(|m| tags_of(&m).iter().any(|t| t == name))
             })
             .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    fn unknown(&self, name: &str) -> DataError {
+        let mut known: Vec<&str> = self
+            .tasks
+            .keys()
+            .filter(|n| !n.starts_with("mmlu_") && !n.starts_with('_'))
+            .map(String::as_str)
             .collect();
-        if tagged.is_empty() {
-            return Err(DataError::Dataset(format!(
-                "tasks: unknown task '{name}' (known: {}; more through include_path)",
-                self.names().join(", ")
-            )));
+        known.extend(self.groups.keys().map(String::as_str));
+        known.sort_unstable();
+        DataError::Dataset(format!(
+            "tasks: unknown task '{name}' (known: {}, mmlu_<subject>; more through include_path)",
+            known.join(", ")
+        ))
+    }
+
+    fn group_spec(&self, name: &str) -> Result<(GroupSpec, Vec<Yaml>)> {
+        let raw = &self.groups[name];
+        let map = self.merged(raw, 0)?;
+        let origin = &raw.origin;
+        for key in map.keys() {
+            let k = key.as_str().unwrap_or_default();
+            if ![
+                "group",
+                "group_alias",
+                "task",
+                "aggregate_metric_list",
+                "metadata",
+            ]
+            .contains(&k)
+            {
+                return task_err(origin, format!("group '{name}': unknown key '{k}'"));
+            }
         }
-        tagged.iter().map(|n| self.spec(n)).collect()
+        let children = match map.get("task") {
+            Some(Yaml::Sequence(items)) => items.clone(),
+            Some(Yaml::String(s)) => vec![Yaml::String(s.clone())],
+            _ => {
+                return task_err(
+                    origin,
+                    format!("group '{name}': 'task' must list its tasks"),
+                )
+            }
+        };
+        let mut aggregate = Vec::new();
+        for item in map
+            .get("aggregate_metric_list")
+            .and_then(|v| v.as_sequence())
+            .into_iter()
+            .flatten()
+        {
+            let metric = item.get("metric").and_then(|m| m.as_str()).ok_or_else(|| {
+                DataError::Dataset(format!(
+                    "{origin}: group '{name}': every aggregate_metric_list entry needs a 'metric'"
+                ))
+            })?;
+            if let Some(agg) = item.get("aggregation").and_then(|a| a.as_str()) {
+                if agg != "mean" {
+                    return task_err(
+                        origin,
+                        format!("group '{name}': aggregation '{agg}' is not supported (mean)"),
+                    );
+                }
+            }
+            aggregate.push(AggregateSpec {
+                metric: metric.to_string(),
+                weight_by_size: item
+                    .get("weight_by_size")
+                    .and_then(|w| w.as_bool())
+                    .unwrap_or(true),
+            });
+        }
+        let version = map
+            .get("metadata")
+            .and_then(|m| m.get("version"))
+            .map(yaml_display)
+            .unwrap_or_else(|| "N/A".into());
+        let spec = GroupSpec {
+            name: name.to_string(),
+            alias: yaml_str(&map, "group_alias"),
+            version,
+            children: Vec::new(),
+            aggregate,
+        };
+        Ok((spec, children))
     }
 
     fn spec(&self, name: &str) -> Result<TaskSpec> {
@@ -582,6 +763,7 @@ impl TaskSpec {
             .unwrap_or_else(|| "N/A".into());
         let spec = TaskSpec {
             name: name.to_string(),
+            alias: string("task_alias")?,
             origin: origin.to_string(),
             dataset_path,
             dataset_name: string("dataset_name")?,
@@ -1235,58 +1417,397 @@ fn truthfulqa_mc2(doc: &Map<String, Value>, lls: &[f64]) -> Result<f64> {
         .sum())
 }
 
-/// The harness's results table (`lm_eval.utils.make_table`, a pytablewriter Markdown table):
-/// one row per task and metric, tasks and metrics in name order, numeric columns right-aligned.
-pub fn results_table(results: &[(TaskSpec, Vec<MetricResult>)]) -> String {
+/// A group of tasks (`group:` with a `task:` list), whose metrics aggregate its tasks'.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupSpec {
+    /// The group's name.
+    pub name: String,
+    /// `group_alias`: the name the table shows.
+    pub alias: Option<String>,
+    /// `metadata.version`.
+    pub version: String,
+    /// Its direct members: task and group names (a tag in the list stands for its tasks).
+    pub children: Vec<String>,
+    /// `aggregate_metric_list`; empty: the group only arranges the table.
+    pub aggregate: Vec<AggregateSpec>,
+}
+
+/// One metric a group aggregates over its tasks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AggregateSpec {
+    /// The tasks' metric.
+    pub metric: String,
+    /// Weight each task by its document count (default), else each task counts once.
+    pub weight_by_size: bool,
+}
+
+/// What a `tasks` list selects: every task to run (once each, in order) and every group met.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// The tasks to run.
+    pub tasks: Vec<TaskSpec>,
+    /// The groups, each with its direct members.
+    pub groups: Vec<GroupSpec>,
+}
+
+impl Selection {
+    /// The tasks under group `name`, at any depth.
+    pub fn leaves(&self, name: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        self.collect_leaves(name, &mut out, 0);
+        out
+    }
+
+    fn collect_leaves(&self, name: &str, out: &mut Vec<String>, depth: usize) {
+        match self.groups.iter().find(|g| g.name == name) {
+            Some(g) if depth < 32 => {
+                for c in &g.children {
+                    self.collect_leaves(c, out, depth + 1);
+                }
+            }
+            Some(_) => {}
+            None => {
+                if !out.iter().any(|o| o == name) {
+                    out.push(name.to_string());
+                }
+            }
+        }
+    }
+}
+
+/// The tasks and groups `names` select (tasks, tags, groups), checked.
+pub fn select(registry: &TaskRegistry, names: &[String]) -> Result<Selection> {
+    let mut sel = Selection::default();
+    let mut seen = BTreeSet::new();
+    for name in names {
+        add_selected(registry, name, &mut sel, &mut seen, 0)?;
+    }
+    Ok(sel)
+}
+
+/// Adds `name` to the selection; returns the names it stands for among a group's members.
+fn add_selected(
+    registry: &TaskRegistry,
+    name: &str,
+    sel: &mut Selection,
+    seen: &mut BTreeSet<String>,
+    depth: usize,
+) -> Result<Vec<String>> {
+    if depth > 16 {
+        return Err(DataError::Dataset(format!(
+            "group '{name}': groups nest more than 16 deep (a cycle?)"
+        )));
+    }
+    if registry.groups.contains_key(name) {
+        if seen.insert(format!("group {name}")) {
+            let (mut spec, children) = registry.group_spec(name)?;
+            for child in children {
+                let Some(c) = child.as_str() else {
+                    return task_err(
+                        &registry.groups[name].origin,
+                        format!(
+                            "group '{name}': list task names; a task defined inside a group is not \
+                             supported (give it its own file)"
+                        ),
+                    );
+                };
+                let members = add_selected(registry, c, sel, seen, depth + 1)?;
+                spec.children.extend(members);
+            }
+            sel.groups.push(spec);
+        }
+        return Ok(vec![name.to_string()]);
+    }
+    if registry.tasks.contains_key(name) {
+        if seen.insert(format!("task {name}")) {
+            sel.tasks.push(registry.spec(name)?);
+        }
+        return Ok(vec![name.to_string()]);
+    }
+    let tagged = registry.tagged(name);
+    if tagged.is_empty() {
+        return Err(registry.unknown(name));
+    }
+    for t in &tagged {
+        add_selected(registry, t, sel, seen, depth + 1)?;
+    }
+    Ok(tagged)
+}
+
+/// The tasks `names` select, in order, without repeats.
+pub fn resolve_tasks(registry: &TaskRegistry, names: &[String]) -> Result<Vec<TaskSpec>> {
+    Ok(select(registry, names)?.tasks)
+}
+
+/// A task's or group's results: its metrics and how many documents they cover.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The metrics.
+    pub metrics: Vec<MetricResult>,
+    /// Documents evaluated (a group: of all its tasks).
+    pub docs: usize,
+}
+
+/// Every group's metrics from its tasks' (`tasks`: task name → outcome), as the harness
+/// aggregates them: each `aggregate_metric_list` metric the mean of the tasks' values weighted by
+/// their document counts (or not, `weight_by_size: false`), the standard error pooled from the
+/// tasks' (or `√Σse²/k` unweighted).
+pub fn aggregate_groups(
+    sel: &Selection,
+    tasks: &BTreeMap<String, Outcome>,
+) -> BTreeMap<String, Outcome> {
+    let mut out = BTreeMap::new();
+    for group in &sel.groups {
+        let leaves: Vec<&Outcome> = sel
+            .leaves(&group.name)
+            .iter()
+            .filter_map(|l| tasks.get(l))
+            .collect();
+        let docs = leaves.iter().map(|o| o.docs).sum();
+        let mut metrics = Vec::new();
+        for agg in &group.aggregate {
+            let found: Vec<(&MetricResult, usize)> = leaves
+                .iter()
+                .filter_map(|o| {
+                    o.metrics
+                        .iter()
+                        .find(|m| m.name == agg.metric)
+                        .map(|m| (m, o.docs))
+                })
+                .collect();
+            if found.is_empty() {
+                continue;
+            }
+            let weight = |n: usize| if agg.weight_by_size { n as f64 } else { 1.0 };
+            let total: f64 = found.iter().map(|(_, n)| weight(*n)).sum();
+            let value = found.iter().map(|(m, n)| m.value * weight(*n)).sum::<f64>() / total;
+            let stderrs: Option<Vec<f64>> = found.iter().map(|(m, _)| m.stderr).collect();
+            let stderr = stderrs.and_then(|se| {
+                let k = se.len() as f64;
+                if agg.weight_by_size {
+                    let n_all: f64 = found.iter().map(|(_, n)| *n as f64).sum();
+                    let pooled: f64 = found
+                        .iter()
+                        .zip(&se)
+                        .map(|((_, n), e)| (*n as f64 - 1.0) * e * e * *n as f64)
+                        .sum::<f64>()
+                        / (n_all - k);
+                    let v = (pooled / n_all).sqrt();
+                    v.is_finite().then_some(v)
+                } else {
+                    Some(se.iter().map(|e| e * e).sum::<f64>().sqrt() / k)
+                }
+            });
+            metrics.push(MetricResult {
+                name: agg.metric.clone(),
+                value,
+                stderr,
+                higher_is_better: found[0].0.higher_is_better,
+            });
+        }
+        out.insert(group.name.clone(), Outcome { metrics, docs });
+    }
+    out
+}
+
+/// The harness's results table (`lm_eval.utils.make_table`, a pytablewriter Markdown table, as
+/// torchtune's recipe prints it): groups first as a tree (members indented `" - "`, in name
+/// order), then the other tasks in name order; one row per metric in name order; numeric
+/// columns right-aligned.
+pub fn results_table(
+    sel: &Selection,
+    tasks: &BTreeMap<String, Outcome>,
+    groups: &BTreeMap<String, Outcome>,
+) -> String {
+    // (display name, version, n-shot, metrics, a top-level group) in the harness's order.
+    let mut entries: Vec<Entry> = Vec::new();
+    let children: BTreeSet<&str> = sel
+        .groups
+        .iter()
+        .flat_map(|g| g.children.iter().map(String::as_str))
+        .collect();
+    let mut placed: BTreeSet<String> = BTreeSet::new();
+    let mut roots: Vec<&GroupSpec> = sel
+        .groups
+        .iter()
+        .filter(|g| !children.contains(g.name.as_str()))
+        .collect();
+    roots.sort_by(|a, b| a.name.cmp(&b.name));
+    let ctx = TableCtx { sel, tasks, groups };
+    for g in roots {
+        ctx.visit(&g.name, 0, &mut placed, &mut entries);
+    }
+    let mut rest: Vec<&TaskSpec> = sel
+        .tasks
+        .iter()
+        .filter(|t| !placed.contains(&t.name))
+        .collect();
+    rest.sort_by(|a, b| a.name.cmp(&b.name));
+    for t in rest {
+        if let Some(o) = tasks.get(&t.name) {
+            let shown = t.alias.as_deref().unwrap_or(&t.name).to_string();
+            entries.push(Entry {
+                shown,
+                version: table_number(&t.version),
+                shots: "0".into(),
+                outcome: o,
+                root_group: false,
+            });
+        }
+    }
+
     let headers = [
         "Tasks", "Version", "Filter", "n-shot", "Metric", "", "Value", "", "Stderr",
     ];
-    let mut sorted_tasks: Vec<&(TaskSpec, Vec<MetricResult>)> = results.iter().collect();
-    sorted_tasks.sort_by(|a, b| a.0.name.cmp(&b.0.name));
     let mut rows: Vec<[String; 9]> = Vec::new();
-    for (task, metrics) in sorted_tasks {
-        let mut sorted: Vec<&MetricResult> = metrics.iter().collect();
+    for e in entries {
+        let mut sorted: Vec<&MetricResult> = e.outcome.metrics.iter().collect();
         sorted.sort_by(|a, b| a.name.cmp(&b.name));
         for (i, m) in sorted.iter().enumerate() {
             let first = i == 0;
+            // The harness leaves a top-level group's direction and shot count blank.
+            let arrow = match (e.root_group, m.higher_is_better) {
+                (true, _) => "",
+                (false, true) => "↑",
+                (false, false) => "↓",
+            };
             rows.push([
                 if first {
-                    task.name.clone()
+                    e.shown.clone()
                 } else {
                     String::new()
                 },
                 if first {
-                    table_number(&task.version)
+                    e.version.clone()
                 } else {
                     String::new()
                 },
                 "none".into(),
-                "0".into(),
+                e.shots.clone(),
                 m.name.clone(),
-                if m.higher_is_better { "↑" } else { "↓" }.into(),
+                arrow.into(),
                 format!("{:.4}", m.value),
                 "±".into(),
                 m.stderr.map_or("   N/A".into(), |s| format!("{s:.4}")),
             ]);
         }
     }
-    let width = |c: usize| {
-        rows.iter()
-            .map(|r| r[c].chars().count())
-            .chain([headers[c].chars().count(), 3])
-            .max()
-            .unwrap_or(3)
-    };
-    let widths: Vec<usize> = (0..9).map(width).collect();
-    // pytablewriter right-aligns a column whose every (non-empty) cell is a number.
-    let right: Vec<bool> = (0..9)
+    markdown_table(&headers, &rows)
+}
+
+struct Entry<'a> {
+    shown: String,
+    version: String,
+    shots: String,
+    outcome: &'a Outcome,
+    root_group: bool,
+}
+
+struct TableCtx<'a> {
+    sel: &'a Selection,
+    tasks: &'a BTreeMap<String, Outcome>,
+    groups: &'a BTreeMap<String, Outcome>,
+}
+
+impl<'a> TableCtx<'a> {
+    /// The harness's tree walk: a group's row, then its members in name order, indented.
+    fn visit(
+        &self,
+        name: &str,
+        depth: usize,
+        placed: &mut BTreeSet<String>,
+        entries: &mut Vec<Entry<'a>>,
+    ) {
+        if depth > 32 {
+            return;
+        }
+        placed.insert(name.to_string());
+        let indent = |shown: &str| {
+            if depth == 0 {
+                shown.to_string()
+            } else {
+                format!("{}- {shown}", " ".repeat(depth))
+            }
+        };
+        if let Some(g) = self.sel.groups.iter().find(|g| g.name == name) {
+            if let Some(o) = self.groups.get(name).filter(|o| !o.metrics.is_empty()) {
+                let shown = g.alias.as_deref().unwrap_or(&g.name);
+                entries.push(Entry {
+                    shown: indent(shown),
+                    version: table_number(&g.version),
+                    shots: if depth == 0 { " ".into() } else { "0".into() },
+                    outcome: o,
+                    root_group: depth == 0,
+                });
+            }
+            let mut kids: Vec<&String> = g.children.iter().collect();
+            kids.sort();
+            kids.dedup();
+            for c in kids {
+                self.visit(c, depth + 1, placed, entries);
+            }
+        } else if let (Some(t), Some(o)) = (
+            self.sel.tasks.iter().find(|t| t.name == name),
+            self.tasks.get(name),
+        ) {
+            let shown = t.alias.as_deref().unwrap_or(&t.name);
+            entries.push(Entry {
+                shown: indent(shown),
+                version: table_number(&t.version),
+                shots: "0".into(),
+                outcome: o,
+                root_group: false,
+            });
+        }
+    }
+}
+
+/// Decimal places of a number as written, trailing zeros dropped (`"0.2500"` → 2); `None` for
+/// text that is not a number.
+fn written_places(cell: &str) -> Option<usize> {
+    let t = cell.trim();
+    t.parse::<f64>().ok()?;
+    Some(match t.split_once('.') {
+        Some((_, frac)) => frac.trim_end_matches('0').len(),
+        None => 0,
+    })
+}
+
+/// A Markdown table as pytablewriter writes one: headers centred; a column of numbers is
+/// right-aligned with as many decimals as its most precise cell; in a column mixing numbers and
+/// text, whole numbers lose their decimals, other numbers keep the column's, and numbers
+/// right-align while text left-aligns.
+fn markdown_table(headers: &[&str; 9], rows: &[[String; 9]]) -> String {
+    let mut cells: Vec<[String; 9]> = rows.to_vec();
+    let mut numeric_column = [false; 9];
+    let mut right = vec![[false; 9]; rows.len()];
+    for c in 0..9 {
+        let filled: Vec<usize> = (0..rows.len())
+            .filter(|&r| !rows[r][c].trim().is_empty())
+            .collect();
+        let places: Vec<Option<usize>> = filled
+            .iter()
+            .map(|&r| written_places(&rows[r][c]))
+            .collect();
+        let all_numbers = !filled.is_empty() && places.iter().all(Option::is_some);
+        numeric_column[c] = all_numbers;
+        let most = places.iter().flatten().copied().max().unwrap_or(0);
+        for (&r, p) in filled.iter().zip(&places) {
+            let Some(p) = p else { continue };
+            let v: f64 = rows[r][c].trim().parse().unwrap_or(0.0);
+            let shown_places = if all_numbers || *p > 0 { most } else { 0 };
+            cells[r][c] = format!("{v:.shown_places$}");
+            right[r][c] = true;
+        }
+    }
+    let widths: Vec<usize> = (0..9)
         .map(|c| {
-            let mut cells = rows
+            cells
                 .iter()
-                .map(|r| r[c].trim())
-                .filter(|s| !s.is_empty())
-                .peekable();
-            cells.peek().is_some() && cells.all(|s| s.parse::<f64>().is_ok())
+                .map(|r| r[c].chars().count())
+                .chain([headers[c].chars().count(), 3])
+                .max()
+                .unwrap_or(3)
         })
         .collect();
     let mut out = String::new();
@@ -1294,7 +1815,7 @@ pub fn results_table(results: &[(TaskSpec, Vec<MetricResult>)]) -> String {
     out.push_str(&format!("|{}|\n", header.join("|")));
     let rule: Vec<String> = (0..9)
         .map(|c| {
-            if right[c] {
+            if numeric_column[c] {
                 format!("{}:", "-".repeat(widths[c] - 1))
             } else {
                 "-".repeat(widths[c])
@@ -1302,18 +1823,18 @@ pub fn results_table(results: &[(TaskSpec, Vec<MetricResult>)]) -> String {
         })
         .collect();
     out.push_str(&format!("|{}|\n", rule.join("|")));
-    for r in &rows {
-        let cells: Vec<String> = (0..9)
+    for (r, row) in cells.iter().enumerate() {
+        let line: Vec<String> = (0..9)
             .map(|c| {
-                let pad = " ".repeat(widths[c] - r[c].chars().count());
-                if right[c] {
-                    format!("{pad}{}", r[c])
+                let pad = " ".repeat(widths[c] - row[c].chars().count());
+                if right[r][c] {
+                    format!("{pad}{}", row[c])
                 } else {
-                    format!("{}{pad}", r[c])
+                    format!("{}{pad}", row[c])
                 }
             })
             .collect();
-        out.push_str(&format!("|{}|\n", cells.join("|")));
+        out.push_str(&format!("|{}|\n", line.join("|")));
     }
     out
 }
@@ -1335,20 +1856,6 @@ fn py_center(s: &str, width: usize) -> String {
     let marg = width - len;
     let left = marg / 2 + (marg & width & 1);
     format!("{}{s}{}", " ".repeat(left), " ".repeat(marg - left))
-}
-
-/// The names a task list expands to, checked (`tasks` of a config), in order, without repeats.
-pub fn resolve_tasks(registry: &TaskRegistry, names: &[String]) -> Result<Vec<TaskSpec>> {
-    let mut seen = BTreeSet::new();
-    let mut out = Vec::new();
-    for name in names {
-        for spec in registry.resolve(name)? {
-            if seen.insert(spec.name.clone()) {
-                out.push(spec);
-            }
-        }
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! `eleuther_eval`: torchtune's EleutherAI-harness evaluation recipe, with the harness's tasks
 //! run natively (no Python): TruthfulQA, HellaSwag, ARC, PIQA, SciQ, OpenBookQA, WinoGrande,
-//! LAMBADA, and any log-likelihood task written in the harness's YAML under `include_path`.
+//! LAMBADA, MMLU, and any log-likelihood task or group written in the harness's YAML under
+//! `include_path`.
 //!
 //! Keys (torchtune's): `tasks` (names or tags), `limit` (documents per task: a count, or below
 //! 1.0 a fraction), `max_seq_length` (requests longer than this keep their last tokens, default
@@ -16,12 +17,13 @@
 //! the sum of the continuation tokens' log-softmax (f32), and a request is greedy when each of
 //! them is the argmax there.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
 use ferrotune_data::dataset::{collate, Row};
-use ferrotune_data::eval_tasks::{self, MetricResult, Scored, TaskRegistry, TaskSpec};
+use ferrotune_data::eval_tasks::{self, Outcome, Scored, Selection, TaskRegistry};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::{AttentionLayout, CausalLm, KvCache};
 
@@ -30,15 +32,40 @@ use crate::metrics::peak_rss_mb;
 use crate::recipe::setup;
 use crate::step::MicroBatch;
 
-/// One task's outcome.
+/// What an evaluation found: each task's and each group's metrics.
 #[derive(Debug, Clone)]
-pub struct TaskOutcome {
-    /// The task.
-    pub task: TaskSpec,
-    /// Its metrics, in `metric_list` order.
-    pub metrics: Vec<MetricResult>,
-    /// The documents evaluated.
-    pub docs: usize,
+pub struct EvalReport {
+    /// The tasks and groups evaluated.
+    pub selection: Selection,
+    /// Task name → metrics and document count.
+    pub tasks: BTreeMap<String, Outcome>,
+    /// Group name → metrics aggregated over its tasks.
+    pub groups: BTreeMap<String, Outcome>,
+}
+
+impl EvalReport {
+    /// The harness's results table.
+    pub fn table(&self) -> String {
+        eval_tasks::results_table(&self.selection, &self.tasks, &self.groups)
+    }
+
+    /// The metrics as one JSON object: name → {metric, metric_stderr, ..., samples}.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut all = serde_json::Map::new();
+        for (name, o) in self.groups.iter().chain(&self.tasks) {
+            let mut m = serde_json::Map::new();
+            for r in &o.metrics {
+                m.insert(r.name.clone(), r.value.into());
+                m.insert(
+                    format!("{}_stderr", r.name),
+                    r.stderr.map_or(serde_json::Value::Null, Into::into),
+                );
+            }
+            m.insert("samples".into(), o.docs.into());
+            all.insert(name.clone(), serde_json::Value::Object(m));
+        }
+        serde_json::Value::Object(all)
+    }
 }
 
 /// The token ids of a (context, continuation) request: `(context tokens, continuation tokens)`
@@ -274,20 +301,21 @@ fn truncate(s: &str) -> String {
     }
 }
 
-/// Evaluates `tasks` on `model`: loads each task's documents (relative `data_files` against
-/// the working directory), scores every request, and aggregates the metrics.
+/// Evaluates the selected tasks on `model`: loads each task's documents (relative
+/// `data_files` against the working directory), scores every request, and aggregates the
+/// metrics of tasks and groups.
 pub fn evaluate(
     model: &CausalLm,
     tok: &Tokenizer,
-    tasks: &[TaskSpec],
+    selection: &Selection,
     limit: Option<f64>,
     max_length: usize,
     batch_size: usize,
     pad: u32,
-) -> Result<Vec<TaskOutcome>> {
+) -> Result<EvalReport> {
     let cwd = std::env::current_dir().context("the working directory")?;
     let mut loaded = Vec::new();
-    for task in tasks {
+    for task in &selection.tasks {
         let docs = task.load_docs(&cwd, limit)?;
         if docs.is_empty() {
             bail!(
@@ -319,7 +347,7 @@ pub fn evaluate(
             next_report = done + total / 10;
         }
     })?;
-    let mut outcomes = Vec::new();
+    let mut tasks = BTreeMap::new();
     let mut at = 0;
     for (task, docs, reqs) in loaded {
         let mut per_doc = Vec::with_capacity(docs.len());
@@ -331,17 +359,24 @@ pub fn evaluate(
             );
             at += n;
         }
-        outcomes.push(TaskOutcome {
-            task: task.clone(),
-            metrics: task.aggregate(&per_doc),
-            docs: docs.len(),
-        });
+        tasks.insert(
+            task.name.clone(),
+            Outcome {
+                metrics: task.aggregate(&per_doc),
+                docs: docs.len(),
+            },
+        );
     }
-    Ok(outcomes)
+    let groups = eval_tasks::aggregate_groups(selection, &tasks);
+    Ok(EvalReport {
+        selection: selection.clone(),
+        tasks,
+        groups,
+    })
 }
 
 /// Runs the recipe: prints the results table and a JSON line of the metrics.
-pub fn run(cfg: &Config) -> Result<Vec<TaskOutcome>> {
+pub fn run(cfg: &Config) -> Result<EvalReport> {
     if cfg.get("quantizer").is_some_and(|q| !q.is_null()) {
         bail!(
             "{}: quantizer: evaluating a torchao-quantized checkpoint is not supported; set \
@@ -372,7 +407,7 @@ pub fn run(cfg: &Config) -> Result<Vec<TaskOutcome>> {
     let batch_size = cfg.usize("batch_size")?.unwrap_or(8).max(1);
     let include_path = cfg.path("include_path")?;
     let registry = TaskRegistry::new(include_path.as_deref())?;
-    let tasks = eval_tasks::resolve_tasks(&registry, &names)?;
+    let selection = eval_tasks::select(&registry, &names)?;
 
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
@@ -393,32 +428,13 @@ pub fn run(cfg: &Config) -> Result<Vec<TaskOutcome>> {
     );
     let pad = setup::pad_id(&tok, &model.config);
     let t1 = Instant::now();
-    let outcomes = evaluate(&model, &tok, &tasks, limit, max_length, batch_size, pad)?;
+    let report = evaluate(&model, &tok, &selection, limit, max_length, batch_size, pad)?;
     eprintln!(
         "Eval completed in {:.2} seconds.",
         t1.elapsed().as_secs_f64()
     );
     eprintln!("Memory used: {:.2} GB", peak_rss_mb() / 1024.0);
-    let table: Vec<(TaskSpec, Vec<MetricResult>)> = outcomes
-        .iter()
-        .map(|o| (o.task.clone(), o.metrics.clone()))
-        .collect();
-    println!("{}", eval_tasks::results_table(&table));
-    let json: serde_json::Map<String, serde_json::Value> = outcomes
-        .iter()
-        .map(|o| {
-            let mut m = serde_json::Map::new();
-            for r in &o.metrics {
-                m.insert(r.name.clone(), r.value.into());
-                m.insert(
-                    format!("{}_stderr", r.name),
-                    r.stderr.map_or(serde_json::Value::Null, Into::into),
-                );
-            }
-            m.insert("samples".into(), o.docs.into());
-            (o.task.name.clone(), serde_json::Value::Object(m))
-        })
-        .collect();
-    println!("{}", serde_json::Value::Object(json));
-    Ok(outcomes)
+    println!("{}", report.table());
+    println!("{}", report.to_json());
+    Ok(report)
 }
