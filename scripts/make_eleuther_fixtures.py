@@ -21,6 +21,7 @@ import tempfile
 
 import lm_eval
 import torch
+from lm_eval.utils import make_table
 from lm_eval.evaluator import evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
@@ -189,6 +190,22 @@ MMLU = {
     ],
 }
 
+GSM8K_TRAIN = [
+    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?", "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"},
+    {"question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?", "answer": "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"},
+    {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
+    {"question": "A box holds 6 eggs. How many eggs are in 5 boxes?", "answer": "There are 6 x 5 = <<6*5=30>>30 eggs.\n#### 30"},
+    {"question": "Sam had 20 dollars and spent 8. How much money is left?", "answer": "Sam has 20 - 8 = <<20-8=12>>12 dollars left.\n#### 12"},
+    {"question": "A train travels 60 miles per hour for 2 hours. How far does it go?", "answer": "It travels 60 x 2 = <<60*2=120>>120 miles.\n#### 120"},
+    {"question": "There are 9 birds on a tree and 3 fly away. How many birds remain?", "answer": "9 - 3 = <<9-3=6>>6 birds remain.\n#### 6"},
+]
+
+GSM8K_TEST = [
+    {"question": "Lisa has 2 cats and gets 3 more. How many cats does she have?", "answer": "Lisa has 2 + 3 = <<2+3=5>>5 cats.\n#### 5"},
+    {"question": "A pack has 10 pencils. How many pencils are in 4 packs?", "answer": "10 x 4 = <<10*4=40>>40 pencils.\n#### 40"},
+    {"question": "John read 15 pages on Monday and 25 pages on Tuesday. How many pages did he read in total?", "answer": "15 + 25 = <<15+25=40>>40 pages.\n#### 40"},
+]
+
 # task -> (lm-eval YAML, the split the harness evaluates, documents, file stem)
 TASKS = {
     "truthfulqa_mc1": ("truthfulqa/truthfulqa_mc1.yaml", "validation", TRUTHFULQA, "truthfulqa_mc"),
@@ -208,6 +225,7 @@ def main():
     gguf = os.path.abspath(os.path.expanduser(sys.argv[1]))
     os.makedirs(DATA, exist_ok=True)
     mmlu_files = [(None, None, docs, f"mmlu_{cat}") for cat, docs in MMLU.items()]
+    mmlu_files += [(None, None, GSM8K_TRAIN, "gsm8k_train"), (None, None, GSM8K_TEST, "gsm8k_test")]
     for _, _, docs, stem in list(TASKS.values()) + mmlu_files:
         with open(os.path.join(DATA, stem + ".jsonl"), "w") as f:
             for d in docs:
@@ -264,6 +282,22 @@ def main():
             f.write(f"  - local_mmlu_{cat}\n")
         f.write("aggregate_metric_list:\n  - metric: acc\n    weight_by_size: True\nmetadata:\n  version: 2\n")
 
+    # Few-shot: GSM8K as the harness defines it (5 examples from the train split by its default
+    # sampler, generation, two answer filters); ARC-Easy with 2 drawn examples; an MMLU subject
+    # with 2 examples from its dev split by the first_n sampler.
+    with open(os.path.join(include, "local_gsm8k.yaml"), "w") as f:
+        f.write(f"include: {os.path.join(TASKS_DIR, 'gsm8k', 'gsm8k.yaml')}\ntask: local_gsm8k\ntag: []\n")
+        f.write("dataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:\n")
+        f.write(f"    train: {os.path.join(DATA, 'gsm8k_train.jsonl')}\n    test: {os.path.join(DATA, 'gsm8k_test.jsonl')}\n")
+    with open(os.path.join(include, "local_arc_easy_2shot.yaml"), "w") as f:
+        f.write(f"include: {os.path.join(TASKS_DIR, 'arc', 'arc_easy.yaml')}\ntask: local_arc_easy_2shot\ntag: []\n")
+        f.write("dataset_path: json\ndataset_name: null\nnum_fewshot: 2\nvalidation_split: null\ndataset_kwargs:\n  data_files:\n")
+        f.write(f"    train: {os.path.join(DATA, 'arc_challenge.jsonl')}\n    test: {os.path.join(DATA, 'arc_easy.jsonl')}\n")
+    with open(os.path.join(include, "local_mmlu_2shot.yaml"), "w") as f:
+        f.write(f"include: {os.path.join(TASKS_DIR, 'mmlu', 'default', 'mmlu_astronomy.yaml')}\ntask: local_mmlu_2shot\ntag: []\n")
+        f.write("dataset_path: json\nnum_fewshot: 2\ndataset_kwargs:\n  data_files:\n")
+        f.write(f"    dev: {os.path.join(DATA, 'mmlu_humanities.jsonl')}\n    test: {os.path.join(DATA, 'mmlu_stem.jsonl')}\n")
+
     torch.manual_seed(0)
     lm = HFLM(
         pretrained=os.path.dirname(gguf),
@@ -274,8 +308,25 @@ def main():
         max_length=4096,
     )
     manager = TaskManager(include_path=include)
-    names = [f"local_{t}" for t in TASKS] + ["local_mmlu"]
-    out = evaluate(lm, manager.load(names), log_samples=True, bootstrap_iters=1000)
+    names = [f"local_{t}" for t in TASKS] + ["local_mmlu", "local_arc_easy_2shot", "local_mmlu_2shot"]
+    loaded = manager.load(names)
+    # lm-eval's default few-shot seed (simple_evaluate's fewshot_random_seed).
+    for task in loaded["tasks"].values():
+        task.set_fewshot_seed(seed=1234)
+    out = evaluate(lm, loaded, log_samples=True, bootstrap_iters=1000)
+    # Generation one document at a time (batched generation pads rows, which moves logits).
+    lm1 = HFLM(
+        pretrained=os.path.dirname(gguf),
+        gguf_file=os.path.basename(gguf),
+        dtype="float32",
+        batch_size=1,
+        device="cpu",
+        max_length=4096,
+    )
+    gen_tasks = manager.load(["local_gsm8k"])
+    for task in gen_tasks["tasks"].values():
+        task.set_fewshot_seed(seed=1234)
+    gen_out = evaluate(lm1, gen_tasks, log_samples=True, bootstrap_iters=1000)
 
     golden = {"lm_eval_version": lm_eval.__version__, "model": os.path.basename(gguf), "tasks": {}}
     for task in TASKS:
@@ -299,11 +350,34 @@ def main():
             "samples": samples,
         }
         print(task, metrics)
+    for name in ("local_arc_easy_2shot", "local_mmlu_2shot"):
+        golden[name] = {
+            "metrics": {k.split(",")[0]: v for k, v in out["results"][name].items() if "," in k},
+            "requests": [
+                [list(a) for a in smp["arguments"]]
+                for smp in sorted(out["samples"][name], key=lambda x: x["doc_id"])
+            ],
+        }
+    golden["gsm8k"] = {
+        "version": gen_out["versions"]["local_gsm8k"],
+        "metrics": {k: v for k, v in gen_out["results"]["local_gsm8k"].items() if "," in k},
+        "samples": [
+            {
+                "context": smp["arguments"][0][0],
+                "response": smp["resps"][0][0],
+                "filtered": smp["filtered_resps"],
+                "filter": smp["filter"],
+                "exact_match": smp["exact_match"],
+            }
+            for smp in sorted(gen_out["samples"]["local_gsm8k"], key=lambda x: (x["filter"], x["doc_id"]))
+        ],
+        "table": make_table(gen_out),
+    }
     golden["mmlu_subjects"] = subjects
     golden["mmlu"] = {
         name.removeprefix("local_"): {k.split(",")[0]: v for k, v in res.items() if "," in k}
         for name, res in out["results"].items()
-        if name.startswith("local_mmlu")
+        if name.startswith("local_mmlu") and not name.endswith("_2shot")
     }
     golden["mmlu_samples"] = [
         {"requests": [list(a) for a in s["arguments"]], "loglikelihoods": [float(r[0][0]) for r in s["resps"]]}
@@ -311,8 +385,8 @@ def main():
     ]
     # The table torchtune's recipe prints (`make_table`), with the one value the harness
     # bootstraps (LAMBADA's perplexity stderr) shown as ferrotune shows it.
-    from lm_eval.utils import make_table
-
+    for name in ("local_arc_easy_2shot", "local_mmlu_2shot"):
+        out["results"].pop(name)
     out["results"]["local_lambada_openai"]["perplexity_stderr,none"] = "N/A"
     golden["table"] = make_table(out)
 

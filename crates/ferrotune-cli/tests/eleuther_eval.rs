@@ -62,6 +62,17 @@ fn hub_repos(golden: &Value) -> Vec<HubRepo> {
     vec![
         repo("cais/mmlu", vec![("main", mmlu_files)]),
         repo(
+            "openai/gsm8k",
+            vec![(
+                "main",
+                vec![
+                    HubFile::plain("main/train-00000-of-00001.parquet", &parquet("gsm8k_train")),
+                    HubFile::plain("main/test-00000-of-00001.parquet", &parquet("gsm8k_test")),
+                    HubFile::plain("socratic/test-00000-of-00001.parquet", &parquet("arc_easy")),
+                ],
+            )],
+        ),
+        repo(
             "truthfulqa/truthful_qa",
             vec![(
                 "main",
@@ -149,7 +160,7 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
             "device=cpu",
             "dtype=fp32",
             "batch_size=4",
-            "tasks=[truthfulqa_mc2,arc_easy,hellaswag,winogrande,mmlu]",
+            "tasks=[truthfulqa_mc2,arc_easy,hellaswag,winogrande,mmlu,gsm8k]",
         ])
         .current_dir(&home)
         .env("HF_ENDPOINT", server.url())
@@ -189,6 +200,11 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
             let (a, b) = (got[k].as_f64().unwrap(), v.as_f64().unwrap());
             assert!((a - b).abs() < 1e-5, "{task} {k}: {a} vs lm-eval {b}");
         }
+    }
+    // GSM8K: 5 examples drawn from the train split, generated answers, both filters.
+    for (k, v) in golden["gsm8k"]["metrics"].as_object().unwrap() {
+        let (a, b) = (json["gsm8k"][k].as_f64().unwrap(), v.as_f64().unwrap());
+        assert!((a - b).abs() < 1e-9, "gsm8k {k}: {a} vs lm-eval {b}");
     }
     for (name, want) in golden["mmlu"].as_object().unwrap() {
         for (k, v) in want.as_object().unwrap() {

@@ -131,7 +131,7 @@ fn a_custom_task_renders_templates_as_the_harness_does() {
     let yesno = &registry.resolve("yesno").unwrap()[0];
     assert_eq!(yesno.version, "2");
     let docs = yesno.load_docs(&dir, None).unwrap();
-    let reqs = yesno.requests(&docs).unwrap();
+    let reqs = yesno.requests(&docs, &[]).unwrap();
     assert_eq!(
         reqs[0].requests,
         [
@@ -167,7 +167,7 @@ fn a_custom_task_renders_templates_as_the_harness_does() {
 
     let indexed = &registry.resolve("indexed").unwrap()[0];
     let docs = indexed.load_docs(&dir, None).unwrap();
-    let reqs = indexed.requests(&docs).unwrap();
+    let reqs = indexed.requests(&docs, &[]).unwrap();
     assert_eq!(
         reqs[1].requests[0],
         ("Is fire cold?".to_string(), "yes".to_string())
@@ -190,11 +190,12 @@ fn what_cannot_run_is_refused_with_the_reason() {
         "py.yaml",
         &format!("task: py\n{base}process_docs: !function utils.process_docs\n"),
     );
-    write(&dir, "gen.yaml", "task: gen\noutput_type: generate_until\ndataset_path: json\ntest_split: test\ndoc_to_text: q\ndoc_to_target: a\n");
+    write(&dir, "gen.yaml", "task: gen\noutput_type: generate_until\ndataset_path: json\ntest_split: test\ndoc_to_text: q\ndoc_to_target: a\ngeneration_kwargs:\n  do_sample: true\n");
+    write(&dir, "rolling.yaml", "task: rolling\noutput_type: loglikelihood_rolling\ndataset_path: json\ntest_split: test\ndoc_to_text: q\ndoc_to_target: a\n");
     write(
         &dir,
         "shots.yaml",
-        &format!("task: shots\n{base}num_fewshot: 5\n"),
+        &format!("task: shots\n{base}num_fewshot: 5\nfewshot_config:\n  sampler: balanced\n"),
     );
     write(
         &dir,
@@ -204,7 +205,7 @@ fn what_cannot_run_is_refused_with_the_reason() {
     write(
         &dir,
         "filters.yaml",
-        &format!("task: filters\n{base}filter_list: []\n"),
+        &format!("task: filters\n{base}filter_list:\n  - name: x\n    filter:\n      - function: take_first\n"),
     );
     write(&dir, "nosplit.yaml", "task: nosplit\noutput_type: loglikelihood\ndataset_path: json\ndoc_to_text: q\ndoc_to_target: a\n");
     write(
@@ -219,10 +220,14 @@ fn what_cannot_run_is_refused_with_the_reason() {
     );
     let cases = [
         ("py", "Python functions cannot run"),
-        ("gen", "output_type 'generate_until' is not supported"),
-        ("shots", "few-shot examples are not supported"),
+        ("gen", "only greedy decoding is supported"),
+        (
+            "rolling",
+            "output_type 'loglikelihood_rolling' is not supported",
+        ),
+        ("shots", "only sampler (default, first_n)"),
         ("typo", "unknown key 'doc_to_txt'"),
-        ("filters", "filters are not supported"),
+        ("filters", "filters apply to generate_until tasks only"),
         ("nosplit", "needs a test_split or validation_split"),
         ("badinc", "'include: nothing_here' is neither"),
         ("metric", "metric 'f1' is not supported"),
@@ -298,6 +303,7 @@ fn groups_select_their_tasks_and_aggregate_as_the_harness() {
     let outcome = |v: f64, se: f64, docs: usize| Outcome {
         metrics: vec![MetricResult {
             name: "acc".into(),
+            filter: "none".into(),
             value: v,
             stderr: Some(se),
             higher_is_better: true,

@@ -111,7 +111,7 @@ fn builtin_tasks_make_the_harness_requests() {
         .find(|t| t.name == "local_mmlu_abstract_algebra")
         .unwrap();
     let docs = mmlu.load_docs(&dir, None).unwrap();
-    let ours = mmlu.requests(&docs).unwrap();
+    let ours = mmlu.requests(&docs, &[]).unwrap();
     let want = g["mmlu_samples"].as_array().unwrap();
     assert_eq!(ours.len(), want.len());
     for (o, s) in ours.iter().zip(want) {
@@ -121,7 +121,8 @@ fn builtin_tasks_make_the_harness_requests() {
     assert_eq!(sel.groups.len(), 5);
     for ((task, _, _), spec) in TASKS.iter().zip(specs) {
         let docs = spec.load_docs(&dir, None).unwrap();
-        let ours = spec.requests(&docs).unwrap();
+        let fewshot = spec.load_fewshot_docs(&dir).unwrap();
+        let ours = spec.requests(&docs, &fewshot).unwrap();
         let samples = g["tasks"][task]["samples"].as_array().unwrap();
         assert_eq!(ours.len(), samples.len(), "{task}: documents");
         for (o, s) in ours.iter().zip(samples) {
@@ -279,4 +280,165 @@ fn a_shorter_max_length_keeps_the_last_tokens() {
     .unwrap()[0];
     assert!((short.loglikelihood - direct.loglikelihood).abs() < 1e-4);
     assert!((full.loglikelihood - short.loglikelihood).abs() > 1e-2);
+}
+
+/// The few-shot and generation tasks of the fixture: GSM8K (the built-in definition, 5 drawn
+/// examples, greedy generation, two filters), ARC-Easy with 2 drawn examples, an MMLU subject with
+/// 2 first examples of its dev split.
+fn fewshot_tasks() -> (PathBuf, Selection) {
+    let dir =
+        std::env::temp_dir().join(format!("ferrotune-eleuther-fewshot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = common::workspace_fixture("eleuther/data");
+    let file = |stem: &str| data.join(format!("{stem}.jsonl")).display().to_string();
+    let write =
+        |name: &str, text: String| std::fs::write(dir.join(format!("{name}.yaml")), text).unwrap();
+    write(
+        "local_gsm8k",
+        format!(
+            "include: gsm8k\ntask: local_gsm8k\ntag: []\ndataset_path: json\ndataset_name: null\n\
+             dataset_kwargs:\n  data_files:\n    train: {}\n    test: {}\n",
+            file("gsm8k_train"),
+            file("gsm8k_test")
+        ),
+    );
+    write(
+        "local_arc_easy_2shot",
+        format!(
+            "include: arc_easy\ntask: local_arc_easy_2shot\ntag: []\ndataset_path: json\ndataset_name: null\n\
+             num_fewshot: 2\nvalidation_split: null\ndataset_kwargs:\n  data_files:\n    train: {}\n    test: {}\n",
+            file("arc_challenge"),
+            file("arc_easy")
+        ),
+    );
+    write(
+        "local_mmlu_2shot",
+        format!(
+            "include: mmlu_astronomy\ntask: local_mmlu_2shot\ntag: []\ndataset_path: json\nnum_fewshot: 2\n\
+             dataset_kwargs:\n  data_files:\n    dev: {}\n    test: {}\n",
+            file("mmlu_humanities"),
+            file("mmlu_stem")
+        ),
+    );
+    let registry = TaskRegistry::new(Some(&dir)).unwrap();
+    let names = ["local_gsm8k", "local_arc_easy_2shot", "local_mmlu_2shot"].map(String::from);
+    (dir, select(&registry, &names).unwrap())
+}
+
+#[test]
+fn fewshot_examples_are_drawn_as_the_harness_draws_them() {
+    let g = golden();
+    let (dir, sel) = fewshot_tasks();
+    for spec in &sel.tasks[1..] {
+        let docs = spec.load_docs(&dir, None).unwrap();
+        let fewshot = spec.load_fewshot_docs(&dir).unwrap();
+        let ours = spec.requests(&docs, &fewshot).unwrap();
+        let want = g[&spec.name]["requests"].as_array().unwrap();
+        assert_eq!(ours.len(), want.len(), "{}", spec.name);
+        for (o, w) in ours.iter().zip(want) {
+            let w: Vec<(String, String)> = w
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| (r[0].as_str().unwrap().into(), r[1].as_str().unwrap().into()))
+                .collect();
+            assert_eq!(o.requests, w, "{} document {}", spec.name, o.doc_id);
+        }
+    }
+    // GSM8K's five examples from the train split, drawn per document.
+    let gsm8k = &sel.tasks[0];
+    let docs = gsm8k.load_docs(&dir, None).unwrap();
+    let fewshot = gsm8k.load_fewshot_docs(&dir).unwrap();
+    let ours = gsm8k.requests(&docs, &fewshot).unwrap();
+    let samples = g["gsm8k"]["samples"].as_array().unwrap();
+    for (o, s) in ours.iter().zip(samples) {
+        assert_eq!(
+            o.requests[0].0,
+            s["context"].as_str().unwrap(),
+            "gsm8k document {}",
+            o.doc_id
+        );
+    }
+}
+
+#[test]
+fn smollm2_generates_and_scores_gsm8k_as_lm_eval() {
+    let g = golden();
+    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let tok = Tokenizer::from_gguf(&path).unwrap();
+    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
+    let pad = pad_id(&tok, &model.config);
+    let (_dir, sel) = fewshot_tasks();
+    // One document per batch, as the fixture ran the harness.
+    let report = evaluate(&model, &tok, &sel, None, 4096, 1, pad).unwrap();
+
+    // The responses themselves, cut at the stop strings.
+    let gsm8k = &sel.tasks[0];
+    let spec = gsm8k.generation.as_ref().unwrap();
+    let samples = g["gsm8k"]["samples"].as_array().unwrap();
+    let contexts: Vec<String> = samples[..3]
+        .iter()
+        .map(|s| s["context"].as_str().unwrap().into())
+        .collect();
+    let responses = ferrotune_train::recipe::eleuther_eval::generate_until(
+        &model, &tok, &contexts, spec, 4096, 1, pad,
+    )
+    .unwrap();
+    for (r, s) in responses.iter().zip(samples) {
+        assert_eq!(r, s["response"].as_str().unwrap());
+    }
+    // Each filter's answer, as the harness extracted it.
+    for s in samples {
+        let filter = gsm8k
+            .filters
+            .iter()
+            .find(|f| f.name == s["filter"].as_str().unwrap())
+            .unwrap();
+        assert_eq!(
+            filter.apply(s["response"].as_str().unwrap()),
+            s["filtered"][0].as_str().unwrap()
+        );
+    }
+    // Metrics per filter, and the table row by row.
+    let outcome = &report.tasks["local_gsm8k"];
+    let want = g["gsm8k"]["metrics"].as_object().unwrap();
+    assert_eq!(outcome.metrics.len(), 2);
+    for m in &outcome.metrics {
+        let key = format!("{},{}", m.name, m.filter);
+        assert!(
+            (m.value - want[&key].as_f64().unwrap()).abs() < 1e-9,
+            "{key}"
+        );
+        let se = want[&format!("{}_stderr,{}", m.name, m.filter)]
+            .as_f64()
+            .unwrap();
+        assert!((m.stderr.unwrap() - se).abs() < 1e-9, "{key} stderr");
+    }
+    let only_gsm8k = Selection {
+        tasks: vec![gsm8k.clone()],
+        groups: Vec::new(),
+    };
+    let table = ferrotune_data::eval_tasks::results_table(
+        &only_gsm8k,
+        &report.tasks,
+        &std::collections::BTreeMap::new(),
+    );
+    assert_eq!(
+        table.trim_end(),
+        g["gsm8k"]["table"].as_str().unwrap().trim_end()
+    );
+
+    // The few-shot log-likelihood tasks' metrics.
+    for name in ["local_arc_easy_2shot", "local_mmlu_2shot"] {
+        let want = &g[name]["metrics"];
+        for m in &report.tasks[name].metrics {
+            let v = want[&m.name].as_f64().unwrap();
+            assert!(
+                (m.value - v).abs() < 1e-9,
+                "{name} {}: {} vs {v}",
+                m.name,
+                m.value
+            );
+        }
+    }
 }

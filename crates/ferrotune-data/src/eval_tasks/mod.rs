@@ -7,7 +7,7 @@
 //! `doc_to_choice`, `description`, `target_delimiter`, `output_type`, `metric_list`,
 //! `process_docs`/`process_results`, `include`, `tag`, `metadata.version`). The built-in tasks
 //! (`builtin.yaml`) are the harness's own definitions of TruthfulQA (mc1, mc2), HellaSwag, ARC
-//! (easy, challenge), PIQA, SciQ, OpenBookQA, WinoGrande, LAMBADA (OpenAI) and MMLU (57 subject
+//! (easy, challenge), PIQA, SciQ, OpenBookQA, WinoGrande, LAMBADA (OpenAI), GSM8K and MMLU (57 subject
 //! tasks in the groups `mmlu_stem`, `mmlu_other`, `mmlu_social_sciences`, `mmlu_humanities`, and
 //! those in `mmlu`); an `include_path` folder adds tasks and groups written the same way. The
 //! harness's semantics, kept here:
@@ -21,20 +21,29 @@
 //! - Requests: `multiple_choice` scores `target_delimiter + choice` after the context
 //!   (`description + doc_to_text`) for every choice; where `doc_to_text` gives an index, each
 //!   choice is a context and `target_delimiter + doc_to_target` is scored after each (WinoGrande);
-//!   `loglikelihood` scores `doc_to_target` after the context.
+//!   `loglikelihood` scores `doc_to_target` after the context; `generate_until` generates
+//!   greedily after the context until a stop string (`generation_kwargs.until`, plus EOS).
+//! - Few-shot (`num_fewshot`): examples from `fewshot_split` (else the training, validation or
+//!   test split) before each context, `question + target_delimiter + answer +
+//!   fewshot_delimiter` each; drawn with CPython's `random.Random(1234).sample` per document in
+//!   order (lm-eval's default sampler and seed), or the first ones (`sampler: first_n`).
 //! - Metrics: `acc` (the top choice is the gold one), `acc_norm` (the top choice by
 //!   log-likelihood per character), TruthfulQA mc2's true-answer probability mass; `perplexity`
-//!   (`exp(-mean log-likelihood)`) and `acc` (greedy) for `loglikelihood`. Means come with the
+//!   (`exp(-mean log-likelihood)`) and `acc` (greedy) for `loglikelihood`; `exact_match` of each
+//!   `filter_list` pipeline's answer (`regex` with Python's `findall` semantics, `take_first`,
+//!   ...) for `generate_until`. Means come with the
 //!   harness's standard error (sample standard deviation / √n).
 //! - Groups (`group`, `task: [...]`, `aggregate_metric_list`): a metric is the mean over the
 //!   group's tasks (at any depth) weighted by their document counts (`weight_by_size`, the
 //!   default) or not, its standard error pooled from theirs.
 //!
 //! Python functions (`!function module.name`) run only where ferrotune implements them (the
-//! built-in tasks' functions); generation tasks, filters and few-shot examples are refused with
-//! a message.
+//! built-in tasks' functions); sampling, rolling log-likelihoods and other samplers are refused
+//! with a message.
 
+mod generation;
 mod literal;
+mod pyrandom;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -46,7 +55,9 @@ use serde_yaml_ng::Value as Yaml;
 
 use crate::error::{DataError, Result};
 
+pub use generation::{ExactMatchSpec, FewshotSampler, FilterSpec, FilterStep, GenerationSpec};
 pub use literal::parse_python_literal;
+pub use pyrandom::PyRandom;
 
 const BUILTIN_TASKS: &str = include_str!("builtin.yaml");
 
@@ -70,6 +81,8 @@ pub enum OutputType {
     MultipleChoice,
     /// The log-likelihood of one continuation, and whether greedy decoding gives it.
     Loglikelihood,
+    /// A greedy generation, cut at the first stop string, then filtered and compared.
+    GenerateUntil,
 }
 
 /// A `doc_to_*` field: what the harness accepts there.
@@ -129,6 +142,30 @@ pub struct TaskSpec {
     pub description: String,
     /// Between a context and its continuation (default `" "`).
     pub target_delimiter: String,
+    /// Few-shot examples before each document (`num_fewshot`, default 0).
+    pub num_fewshot: usize,
+    /// `fewshot_split`: where few-shot examples come from (else the training, validation or test
+    /// split, the harness's rule).
+    pub fewshot_split: Option<String>,
+    /// `training_split`.
+    pub training_split: Option<String>,
+    /// `validation_split`.
+    pub validation_split: Option<String>,
+    /// `test_split` (an example equal to the document is left out when `fewshot_split` is it).
+    pub test_split: Option<String>,
+    /// How examples are picked (`fewshot_config.sampler`).
+    pub fewshot_sampler: FewshotSampler,
+    /// Between an example's question and answer (`fewshot_config.target_delimiter`, else
+    /// `target_delimiter`).
+    pub fewshot_target_delimiter: String,
+    /// After each example (`fewshot_delimiter`, default `"\n\n"`).
+    pub fewshot_delimiter: String,
+    /// generate_until: stop strings and the token budget.
+    pub generation: Option<GenerationSpec>,
+    /// Answer-extraction pipelines (`filter_list`); one named `none` taking the response as is.
+    pub filters: Vec<FilterSpec>,
+    /// `exact_match`'s normalisation.
+    pub exact_match: ExactMatchSpec,
     /// The metrics reported, in `metric_list` order.
     pub metrics: Vec<MetricSpec>,
     /// `metadata.version`, as the table prints it.
@@ -170,6 +207,8 @@ pub struct Scored {
 pub struct MetricResult {
     /// The metric's name.
     pub name: String,
+    /// The filter its responses went through (`none` unless the task has a `filter_list`).
+    pub filter: String,
     /// Its value over the documents.
     pub value: f64,
     /// The harness's standard error of a mean metric; `None` where the harness bootstraps it
@@ -581,6 +620,8 @@ const TASK_KEYS: &[&str] = &[
     "metadata",
     "repeats",
     "unsafe_code",
+    "generation_kwargs",
+    "filter_list",
 ];
 
 impl TaskSpec {
@@ -591,10 +632,7 @@ impl TaskSpec {
             if !TASK_KEYS.contains(&k) {
                 let why = match k {
                     "group" => "task groups are not supported; list the tasks",
-                    "filter_list" => "filters are not supported (log-likelihood tasks need none)",
-                    "generation_kwargs" | "gen_prefix" => {
-                        "generation tasks are not supported (log-likelihood tasks only)"
-                    }
+                    "gen_prefix" => "generation prefixes are not supported",
                     "use_prompt" => "promptsource prompts are not supported",
                     "doc_to_image" | "doc_to_audio" => "multimodal tasks are not supported",
                     _ => "",
@@ -617,12 +655,13 @@ impl TaskSpec {
         let output_type = match string("output_type")?.as_deref() {
             Some("multiple_choice") => OutputType::MultipleChoice,
             Some("loglikelihood") => OutputType::Loglikelihood,
-            Some(other @ ("generate_until" | "loglikelihood_rolling")) => {
+            Some("generate_until") => OutputType::GenerateUntil,
+            Some(other @ "loglikelihood_rolling") => {
                 return task_err(
                     origin,
                     format!(
                         "task '{name}': output_type '{other}' is not supported \
-                         (multiple_choice and loglikelihood are)"
+                         (multiple_choice, loglikelihood and generate_until are)"
                     ),
                 )
             }
@@ -634,15 +673,38 @@ impl TaskSpec {
             }
             None => OutputType::Loglikelihood,
         };
-        if let Some(n) = get("num_fewshot") {
-            if n.as_u64() != Some(0) {
+        let num_fewshot = match get("num_fewshot") {
+            None => 0,
+            Some(n) => n.as_u64().map(|n| n as usize).ok_or_else(|| {
+                DataError::Dataset(format!(
+                    "{origin}: task '{name}': num_fewshot must be a whole number"
+                ))
+            })?,
+        };
+        let mut fewshot_sampler = FewshotSampler::Random;
+        let mut fewshot_target_delimiter = None;
+        if let Some(cfg) = get("fewshot_config") {
+            let Some(cfg) = cfg.as_mapping() else {
                 return task_err(
                     origin,
-                    format!(
-                        "task '{name}': num_fewshot {}: few-shot examples are not supported (0 only)",
-                        yaml_display(n)
-                    ),
+                    format!("task '{name}': fewshot_config must be a mapping"),
                 );
+            };
+            for (k, v) in cfg {
+                match (k.as_str().unwrap_or_default(), v.as_str()) {
+                    ("sampler", Some("first_n")) => fewshot_sampler = FewshotSampler::FirstN,
+                    ("sampler", Some("default")) => fewshot_sampler = FewshotSampler::Random,
+                    ("target_delimiter", Some(d)) => fewshot_target_delimiter = Some(d.to_string()),
+                    (other, _) => {
+                        return task_err(
+                            origin,
+                            format!(
+                                "task '{name}': fewshot_config.{other}: only sampler (default, \
+                                 first_n) and target_delimiter are supported"
+                            ),
+                        )
+                    }
+                }
             }
         }
         if let Some(r) = get("repeats") {
@@ -709,6 +771,7 @@ impl TaskSpec {
         let process_docs = function("process_docs")?;
         let process_results = function("process_results")?;
         let mut metrics = Vec::new();
+        let mut exact_match = ExactMatchSpec::default();
         for item in get("metric_list")
             .and_then(|v| v.as_sequence())
             .into_iter()
@@ -722,6 +785,7 @@ impl TaskSpec {
             let allowed: &[&str] = match output_type {
                 OutputType::MultipleChoice => &["acc", "acc_norm"],
                 OutputType::Loglikelihood => &["acc", "perplexity"],
+                OutputType::GenerateUntil => &["exact_match"],
             };
             if !allowed.contains(&metric) {
                 return task_err(
@@ -737,6 +801,11 @@ impl TaskSpec {
                 .get("higher_is_better")
                 .and_then(|h| h.as_bool())
                 .unwrap_or(default_hib);
+            if metric == "exact_match" {
+                exact_match = ExactMatchSpec::from_yaml(item).map_err(|e| {
+                    DataError::Dataset(format!("{origin}: task '{name}': exact_match: {e}"))
+                })?;
+            }
             metrics.push(MetricSpec {
                 name: metric.to_string(),
                 higher_is_better,
@@ -747,6 +816,7 @@ impl TaskSpec {
             let names: &[&str] = match output_type {
                 OutputType::MultipleChoice => &["acc", "acc_norm"],
                 OutputType::Loglikelihood => &["perplexity", "acc"],
+                OutputType::GenerateUntil => &["exact_match"],
             };
             metrics = names
                 .iter()
@@ -761,6 +831,30 @@ impl TaskSpec {
             .and_then(|m| m.get("version"))
             .map(yaml_display)
             .unwrap_or_else(|| "N/A".into());
+        let target_delimiter = string("target_delimiter")?.unwrap_or_else(|| " ".into());
+        let generation = match output_type {
+            OutputType::GenerateUntil => Some(
+                GenerationSpec::from_yaml(get("generation_kwargs")).map_err(|e| {
+                    DataError::Dataset(format!("{origin}: task '{name}': generation_kwargs: {e}"))
+                })?,
+            ),
+            _ => None,
+        };
+        let filters = match get("filter_list") {
+            None => vec![FilterSpec {
+                name: "none".into(),
+                steps: vec![FilterStep::TakeFirst],
+            }],
+            Some(list) => FilterSpec::list_from_yaml(list).map_err(|e| {
+                DataError::Dataset(format!("{origin}: task '{name}': filter_list: {e}"))
+            })?,
+        };
+        if output_type != OutputType::GenerateUntil && filters.iter().any(|f| f.name != "none") {
+            return task_err(
+                origin,
+                format!("task '{name}': filters apply to generate_until tasks only"),
+            );
+        }
         let spec = TaskSpec {
             name: name.to_string(),
             alias: string("task_alias")?,
@@ -777,7 +871,18 @@ impl TaskSpec {
             process_docs,
             process_results,
             description: string("description")?.unwrap_or_default(),
-            target_delimiter: string("target_delimiter")?.unwrap_or_else(|| " ".into()),
+            target_delimiter: target_delimiter.clone(),
+            num_fewshot,
+            fewshot_split: string("fewshot_split")?,
+            training_split: string("training_split")?,
+            validation_split: string("validation_split")?,
+            test_split: string("test_split")?,
+            fewshot_sampler,
+            fewshot_target_delimiter: fewshot_target_delimiter.unwrap_or(target_delimiter),
+            fewshot_delimiter: string("fewshot_delimiter")?.unwrap_or_else(|| "\n\n".into()),
+            generation,
+            filters,
+            exact_match,
             metrics,
             version,
         };
@@ -859,18 +964,141 @@ impl TaskSpec {
         Ok(docs)
     }
 
-    /// The (context, continuation) requests of every document.
-    pub fn requests(&self, docs: &[Map<String, Value>]) -> Result<Vec<DocRequests>> {
+    /// The documents few-shot examples are drawn from (none without `num_fewshot`): the
+    /// `fewshot_split`, else the training, validation or test split, through `process_docs`.
+    pub fn load_fewshot_docs(&self, base_dir: &Path) -> Result<Vec<Map<String, Value>>> {
+        if self.num_fewshot == 0 {
+            return Ok(Vec::new());
+        }
+        let split = self
+            .fewshot_split
+            .clone()
+            .or(self.training_split.clone())
+            .or(self.validation_split.clone())
+            .or(self.test_split.clone())
+            .unwrap_or_else(|| self.split.clone());
+        let mut section = self.source_section();
+        section["split"] = Value::String(split.clone());
+        let rows = crate::dataset::load_source(&section, base_dir).map_err(|e| {
+            DataError::Dataset(format!(
+                "task '{}': few-shot split '{split}': {e}",
+                self.name
+            ))
+        })?;
+        match self.process_docs.as_deref() {
+            Some("hellaswag.process_docs") => {
+                rows.iter().map(|d| hellaswag_doc(d, &self.name)).collect()
+            }
+            _ => Ok(rows),
+        }
+    }
+
+    /// The requests of every document: (context, continuation) pairs, or for generate_until
+    /// one (context, "") each. With `num_fewshot`, each context starts with examples from
+    /// `fewshot_docs` ([`TaskSpec::load_fewshot_docs`]) drawn as the harness draws them.
+    pub fn requests(
+        &self,
+        docs: &[Map<String, Value>],
+        fewshot_docs: &[Map<String, Value>],
+    ) -> Result<Vec<DocRequests>> {
         let env = template_env();
+        if self.num_fewshot > 0 && fewshot_docs.len() < self.num_fewshot {
+            return Err(DataError::Dataset(format!(
+                "task '{}': num_fewshot {} but the few-shot split has {} documents",
+                self.name,
+                self.num_fewshot,
+                fewshot_docs.len()
+            )));
+        }
+        // One generator per task, drawing for each document in order (the harness's sampler).
+        let mut rng = PyRandom::new(1234);
+        // An example equal to the document is left out when the examples come from its split.
+        let exclude = self.fewshot_split == self.test_split;
         docs.iter()
             .enumerate()
             .map(|(doc_id, doc)| {
+                let examples = self
+                    .examples(&env, doc, fewshot_docs, exclude, &mut rng)
+                    .map_err(|e| self.doc_error(doc_id, e))?;
                 let requests = self
-                    .doc_requests(&env, doc)
+                    .doc_requests(&env, doc, &examples)
                     .map_err(|e| self.doc_error(doc_id, e))?;
                 Ok(DocRequests { doc_id, requests })
             })
             .collect()
+    }
+
+    /// The few-shot text before `doc`'s question: each example's question, the target
+    /// delimiter, its answer, then the few-shot delimiter.
+    fn examples(
+        &self,
+        env: &Environment,
+        doc: &Map<String, Value>,
+        pool: &[Map<String, Value>],
+        exclude: bool,
+        rng: &mut PyRandom,
+    ) -> Result<String> {
+        let n = self.num_fewshot;
+        if n == 0 {
+            return Ok(String::new());
+        }
+        let picked: Vec<&Map<String, Value>> = match self.fewshot_sampler {
+            FewshotSampler::FirstN => pool
+                .iter()
+                .filter(|d| !(exclude && *d == doc))
+                .take(n)
+                .collect(),
+            FewshotSampler::Random => {
+                let draw = if exclude { n + 1 } else { n };
+                let mut chosen: Vec<&Map<String, Value>> = rng
+                    .sample(pool.len(), draw.min(pool.len()))
+                    .into_iter()
+                    .map(|i| &pool[i])
+                    .filter(|d| !(exclude && *d == doc))
+                    .collect();
+                chosen.truncate(n);
+                chosen
+            }
+        };
+        let mut out = String::new();
+        for ex in picked {
+            let choices = match &self.doc_to_choice {
+                Some(_) => Some(self.choices_of(env, ex)?),
+                None => None,
+            };
+            let question = match self.text_of(env, ex)? {
+                TextOrIndex::Text(t) => t,
+                TextOrIndex::Index(i) => choices
+                    .as_ref()
+                    .and_then(|c| c.get(i as usize).cloned())
+                    .ok_or_else(|| {
+                        DataError::Dataset(format!("example input index {i} out of range"))
+                    })?,
+            };
+            let answer = match self.target_of(env, ex)? {
+                Target::Text(t) => t,
+                Target::Index(i) => match &choices {
+                    Some(c) => c.get(i as usize).cloned().ok_or_else(|| {
+                        DataError::Dataset(format!("example answer index {i} out of range"))
+                    })?,
+                    None => i.to_string(),
+                },
+                Target::Indices(v) => {
+                    let i = v.first().copied().unwrap_or(0);
+                    match &choices {
+                        Some(c) => c.get(i as usize).cloned().unwrap_or_default(),
+                        None => i.to_string(),
+                    }
+                }
+            };
+            out.push_str(&question);
+            if !answer.is_empty() {
+                out.push_str(&self.fewshot_target_delimiter);
+                out.push_str(&answer);
+                out.push_str(&self.fewshot_delimiter);
+            }
+        }
+        Ok(out)
     }
 
     fn doc_error(&self, doc_id: usize, e: DataError) -> DataError {
@@ -881,10 +1109,17 @@ impl TaskSpec {
         &self,
         env: &Environment,
         doc: &Map<String, Value>,
+        examples: &str,
     ) -> Result<Vec<(String, String)>> {
-        let description = render(env, &self.description, doc)?;
+        let description = format!("{}{examples}", render(env, &self.description, doc)?);
         let text = self.text_of(env, doc)?;
         match self.output_type {
+            OutputType::GenerateUntil => {
+                let TextOrIndex::Text(ctx) = text else {
+                    return Err(DataError::Dataset("doc_to_text gave an index".into()));
+                };
+                Ok(vec![(format!("{description}{ctx}"), String::new())])
+            }
             OutputType::Loglikelihood => {
                 let TextOrIndex::Text(ctx) = text else {
                     return Err(DataError::Dataset("doc_to_text gave an index".into()));
@@ -946,6 +1181,11 @@ impl TaskSpec {
         let env = template_env();
         let mut out = BTreeMap::new();
         match self.output_type {
+            OutputType::GenerateUntil => {
+                return Err(DataError::Dataset(
+                    "a generate_until task is scored from its responses (generated_metrics)".into(),
+                ))
+            }
             OutputType::Loglikelihood => {
                 let s = scores
                     .first()
@@ -1005,14 +1245,62 @@ impl TaskSpec {
         Ok(out)
     }
 
-    /// The task's metrics over all documents (`per_doc` from [`TaskSpec::doc_metrics`]).
+    /// A generate_until document's metrics from its response (cut at the stop strings): each
+    /// filter's answer against the reference, keyed `metric,filter` (`metric` for filter
+    /// `none`).
+    pub fn generated_metrics(
+        &self,
+        doc: &Map<String, Value>,
+        response: &str,
+    ) -> Result<BTreeMap<String, f64>> {
+        let env = template_env();
+        let reference = match self.target_of(&env, doc)? {
+            Target::Text(t) => t,
+            Target::Index(i) => match &self.doc_to_choice {
+                Some(_) => self
+                    .choices_of(&env, doc)?
+                    .get(i as usize)
+                    .cloned()
+                    .unwrap_or_default(),
+                None => i.to_string(),
+            },
+            Target::Indices(v) => v.first().map(i64::to_string).unwrap_or_default(),
+        };
+        let mut out = BTreeMap::new();
+        for f in &self.filters {
+            let answer = f.apply(response);
+            for m in &self.metrics {
+                out.insert(
+                    metric_key(&m.name, &f.name),
+                    self.exact_match.score(&answer, &reference),
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// (metric, filter) pairs the task reports.
+    fn metric_filters(&self) -> Vec<(&MetricSpec, &str)> {
+        match self.output_type {
+            OutputType::GenerateUntil => self
+                .filters
+                .iter()
+                .flat_map(|f| self.metrics.iter().map(move |m| (m, f.name.as_str())))
+                .collect(),
+            _ => self.metrics.iter().map(|m| (m, "none")).collect(),
+        }
+    }
+
+    /// The task's metrics over all documents (`per_doc` from [`TaskSpec::doc_metrics`] or
+    /// [`TaskSpec::generated_metrics`]).
     pub fn aggregate(&self, per_doc: &[BTreeMap<String, f64>]) -> Vec<MetricResult> {
-        self.metrics
-            .iter()
-            .map(|m| {
+        self.metric_filters()
+            .into_iter()
+            .map(|(m, filter)| {
+                let key = metric_key(&m.name, filter);
                 let values: Vec<f64> = per_doc
                     .iter()
-                    .filter_map(|d| d.get(&m.name).copied())
+                    .filter_map(|d| d.get(&key).copied())
                     .collect();
                 let n = values.len() as f64;
                 let mean = values.iter().sum::<f64>() / n;
@@ -1020,6 +1308,7 @@ impl TaskSpec {
                     // The harness reports exp(-mean log-likelihood) and bootstraps its error.
                     return MetricResult {
                         name: m.name.clone(),
+                        filter: filter.to_string(),
                         value: (-mean).exp(),
                         stderr: None,
                         higher_is_better: m.higher_is_better,
@@ -1031,6 +1320,7 @@ impl TaskSpec {
                 });
                 MetricResult {
                     name: m.name.clone(),
+                    filter: filter.to_string(),
                     value: mean,
                     stderr,
                     higher_is_better: m.higher_is_better,
@@ -1168,6 +1458,15 @@ impl TaskSpec {
                 "doc_to_choice gave {other}, not a list"
             ))),
         }
+    }
+}
+
+/// The key of a metric in a document's values: `metric`, or `metric,filter` for a named filter.
+pub fn metric_key(metric: &str, filter: &str) -> String {
+    if filter == "none" {
+        metric.to_string()
+    } else {
+        format!("{metric},{filter}")
     }
 }
 
@@ -1566,48 +1865,71 @@ pub fn aggregate_groups(
         let docs = leaves.iter().map(|o| o.docs).sum();
         let mut metrics = Vec::new();
         for agg in &group.aggregate {
-            let found: Vec<(&MetricResult, usize)> = leaves
+            // Each filter the tasks report this metric under (the harness discovers them).
+            let mut filters: Vec<&str> = leaves
                 .iter()
-                .filter_map(|o| {
-                    o.metrics
-                        .iter()
-                        .find(|m| m.name == agg.metric)
-                        .map(|m| (m, o.docs))
-                })
+                .flat_map(|o| o.metrics.iter())
+                .filter(|m| m.name == agg.metric)
+                .map(|m| m.filter.as_str())
                 .collect();
-            if found.is_empty() {
-                continue;
-            }
-            let weight = |n: usize| if agg.weight_by_size { n as f64 } else { 1.0 };
-            let total: f64 = found.iter().map(|(_, n)| weight(*n)).sum();
-            let value = found.iter().map(|(m, n)| m.value * weight(*n)).sum::<f64>() / total;
-            let stderrs: Option<Vec<f64>> = found.iter().map(|(m, _)| m.stderr).collect();
-            let stderr = stderrs.and_then(|se| {
-                let k = se.len() as f64;
-                if agg.weight_by_size {
-                    let n_all: f64 = found.iter().map(|(_, n)| *n as f64).sum();
-                    let pooled: f64 = found
-                        .iter()
-                        .zip(&se)
-                        .map(|((_, n), e)| (*n as f64 - 1.0) * e * e * *n as f64)
-                        .sum::<f64>()
-                        / (n_all - k);
-                    let v = (pooled / n_all).sqrt();
-                    v.is_finite().then_some(v)
-                } else {
-                    Some(se.iter().map(|e| e * e).sum::<f64>().sqrt() / k)
+            filters.sort_unstable();
+            filters.dedup();
+            for filter in filters {
+                if let Some(m) = aggregate_metric(agg, filter, &leaves) {
+                    metrics.push(m);
                 }
-            });
-            metrics.push(MetricResult {
-                name: agg.metric.clone(),
-                value,
-                stderr,
-                higher_is_better: found[0].0.higher_is_better,
-            });
+            }
         }
         out.insert(group.name.clone(), Outcome { metrics, docs });
     }
     out
+}
+
+/// One group metric over its tasks' `(metric, filter)` values.
+fn aggregate_metric(
+    agg: &AggregateSpec,
+    filter: &str,
+    leaves: &[&Outcome],
+) -> Option<MetricResult> {
+    let found: Vec<(&MetricResult, usize)> = leaves
+        .iter()
+        .filter_map(|o| {
+            o.metrics
+                .iter()
+                .find(|m| m.name == agg.metric && m.filter == filter)
+                .map(|m| (m, o.docs))
+        })
+        .collect();
+    if found.is_empty() {
+        return None;
+    }
+    let weight = |n: usize| if agg.weight_by_size { n as f64 } else { 1.0 };
+    let total: f64 = found.iter().map(|(_, n)| weight(*n)).sum();
+    let value = found.iter().map(|(m, n)| m.value * weight(*n)).sum::<f64>() / total;
+    let stderrs: Option<Vec<f64>> = found.iter().map(|(m, _)| m.stderr).collect();
+    let stderr = stderrs.and_then(|se| {
+        let k = se.len() as f64;
+        if agg.weight_by_size {
+            let n_all: f64 = found.iter().map(|(_, n)| *n as f64).sum();
+            let pooled: f64 = found
+                .iter()
+                .zip(&se)
+                .map(|((_, n), e)| (*n as f64 - 1.0) * e * e * *n as f64)
+                .sum::<f64>()
+                / (n_all - k);
+            let v = (pooled / n_all).sqrt();
+            v.is_finite().then_some(v)
+        } else {
+            Some(se.iter().map(|e| e * e).sum::<f64>().sqrt() / k)
+        }
+    });
+    Some(MetricResult {
+        name: agg.metric.clone(),
+        filter: filter.to_string(),
+        value,
+        stderr,
+        higher_is_better: found[0].0.higher_is_better,
+    })
 }
 
 /// The harness's results table (`lm_eval.utils.make_table`, a pytablewriter Markdown table, as
@@ -1649,7 +1971,7 @@ pub fn results_table(
             entries.push(Entry {
                 shown,
                 version: table_number(&t.version),
-                shots: "0".into(),
+                shots: t.num_fewshot.to_string(),
                 outcome: o,
                 root_group: false,
             });
@@ -1662,7 +1984,8 @@ pub fn results_table(
     let mut rows: Vec<[String; 9]> = Vec::new();
     for e in entries {
         let mut sorted: Vec<&MetricResult> = e.outcome.metrics.iter().collect();
-        sorted.sort_by(|a, b| a.name.cmp(&b.name));
+        // The harness sorts its `metric,filter` keys.
+        sorted.sort_by_key(|m| format!("{},{}", m.name, m.filter));
         for (i, m) in sorted.iter().enumerate() {
             let first = i == 0;
             // The harness leaves a top-level group's direction and shot count blank.
@@ -1682,7 +2005,7 @@ pub fn results_table(
                 } else {
                     String::new()
                 },
-                "none".into(),
+                m.filter.clone(),
                 e.shots.clone(),
                 m.name.clone(),
                 arrow.into(),
@@ -1754,7 +2077,7 @@ impl<'a> TableCtx<'a> {
             entries.push(Entry {
                 shown: indent(shown),
                 version: table_number(&t.version),
-                shots: "0".into(),
+                shots: t.num_fewshot.to_string(),
                 outcome: o,
                 root_group: false,
             });
@@ -1847,15 +2170,14 @@ fn table_number(text: &str) -> String {
     }
 }
 
-/// Python's `str.center`.
+/// A header centred as pytablewriter centres it (an odd space goes to the right).
 fn py_center(s: &str, width: usize) -> String {
     let len = s.chars().count();
     if len >= width {
         return s.to_string();
     }
-    let marg = width - len;
-    let left = marg / 2 + (marg & width & 1);
-    format!("{}{s}{}", " ".repeat(left), " ".repeat(marg - left))
+    let left = (width - len) / 2;
+    format!("{}{s}{}", " ".repeat(left), " ".repeat(width - len - left))
 }
 
 #[cfg(test)]
@@ -1866,7 +2188,7 @@ mod tests {
     fn hellaswag_cleaning_matches_the_harness_regex() {
         assert_eq!(
             hellaswag_clean(" [header] How to grow [title] Choose a pot. [step] Water it. "),
-            "How to grow. Choose a pot. Water it."
+            " How to grow. Choose a pot. Water it."
         );
         // An unclosed bracket, and one closed only after a newline, stay.
         assert_eq!(hellaswag_clean("a [b\n c] d [e"), "a [b\n c] d [e");

@@ -23,8 +23,12 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
 use ferrotune_data::dataset::{collate, Row};
-use ferrotune_data::eval_tasks::{self, Outcome, Scored, Selection, TaskRegistry};
+use ferrotune_data::eval_tasks::{
+    self, GenerationSpec, Outcome, OutputType, Scored, Selection, TaskRegistry,
+};
 use ferrotune_data::Tokenizer;
+use ferrotune_infer::generate::{generate, GenerationOptions};
+use ferrotune_infer::sampling::SamplingOptions;
 use ferrotune_models::{AttentionLayout, CausalLm, KvCache};
 
 use crate::config::Config;
@@ -55,9 +59,9 @@ impl EvalReport {
         for (name, o) in self.groups.iter().chain(&self.tasks) {
             let mut m = serde_json::Map::new();
             for r in &o.metrics {
-                m.insert(r.name.clone(), r.value.into());
+                m.insert(eval_tasks::metric_key(&r.name, &r.filter), r.value.into());
                 m.insert(
-                    format!("{}_stderr", r.name),
+                    eval_tasks::metric_key(&format!("{}_stderr", r.name), &r.filter),
                     r.stderr.map_or(serde_json::Value::Null, Into::into),
                 );
             }
@@ -284,6 +288,75 @@ fn score_continuation(model: &CausalLm, states: &Tensor, cont: &[u32]) -> Result
     })
 }
 
+/// Greedy continuations of `contexts` as the harness's generate_until gets them through
+/// torchtune's wrapper: each context encoded without BOS and cut to its last
+/// `max_length - max_gen_toks` tokens, at most `max_gen_toks` new tokens (EOS or a stop string
+/// ends a row), decoded without special tokens and cut before the first stop string (the
+/// EOS token's text included).
+pub fn generate_until(
+    model: &CausalLm,
+    tok: &Tokenizer,
+    contexts: &[String],
+    spec: &GenerationSpec,
+    max_length: usize,
+    batch_size: usize,
+    pad: u32,
+) -> Result<Vec<String>> {
+    if spec.max_gen_toks >= max_length {
+        bail!(
+            "max_gen_toks {} must be less than max_seq_length {max_length}",
+            spec.max_gen_toks
+        );
+    }
+    let max_ctx = max_length - spec.max_gen_toks;
+    let mut eos = tok.eos_ids().to_vec();
+    for id in &model.config.eos_token_ids {
+        if !eos.contains(id) {
+            eos.push(*id);
+        }
+    }
+    let mut until = spec.until.clone();
+    if let Some(&first) = tok.eos_ids().first() {
+        let text = tok.decode(&[first], false)?;
+        if !text.is_empty() && !until.contains(&text) {
+            until.push(text);
+        }
+    }
+    let opts = GenerationOptions {
+        max_new_tokens: spec.max_gen_toks,
+        sampling: SamplingOptions::default(),
+        eos_token_ids: eos,
+        stop_strings: until.iter().filter(|u| !u.is_empty()).cloned().collect(),
+        ignore_eos: false,
+        pad_token_id: pad,
+    };
+    let decode = |ids: &[u32]| tok.decode(ids, true).unwrap_or_default();
+    let mut out = Vec::with_capacity(contexts.len());
+    for chunk in contexts.chunks(batch_size.max(1)) {
+        let prompts: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|c| {
+                let ids = tok.encode(c, false)?;
+                let start = ids.len().saturating_sub(max_ctx);
+                Ok(ids[start..].to_vec())
+            })
+            .collect::<Result<_>>()?;
+        let generated = generate(model, &prompts, &opts, &decode, &mut |_, _| {})?;
+        for ids in &generated.new_token_ids {
+            let mut text = tok.decode(ids, true)?;
+            for term in &until {
+                if !term.is_empty() {
+                    if let Some(at) = text.find(term.as_str()) {
+                        text.truncate(at);
+                    }
+                }
+            }
+            out.push(text);
+        }
+    }
+    Ok(out)
+}
+
 /// Row-wise log-softmax of f32 logits `[n, V]` (max-subtracted, as torch computes it).
 fn candle_nn_log_softmax(logits: &Tensor) -> Result<Tensor> {
     let max = logits.max_keepdim(1)?;
@@ -324,40 +397,77 @@ pub fn evaluate(
                 task.split
             );
         }
-        let requests = task.requests(&docs)?;
+        let fewshot = task.load_fewshot_docs(&cwd)?;
+        let requests = task.requests(&docs, &fewshot)?;
         loaded.push((task, docs, requests));
     }
-    let all: Vec<(String, String)> = loaded
+    let (generating, scoring): (Vec<_>, Vec<_>) = loaded
+        .into_iter()
+        .partition(|(t, _, _)| t.output_type == OutputType::GenerateUntil);
+    let mut tasks = BTreeMap::new();
+
+    // Log-likelihood requests of every task, scored together.
+    let all: Vec<(String, String)> = scoring
         .iter()
         .flat_map(|(_, _, reqs)| reqs.iter().flat_map(|d| d.requests.iter().cloned()))
         .collect();
-    let total = all.len();
-    eprintln!(
-        "Running {total} log-likelihood requests for {} task(s)",
-        loaded.len()
-    );
-    let t0 = Instant::now();
-    let mut next_report = total / 10;
-    let scores = score_requests(model, tok, &all, max_length, batch_size, pad, |done| {
-        if done >= next_report && done < total {
-            eprintln!(
-                "  {done}/{total} requests ({:.0}s)",
-                t0.elapsed().as_secs_f64()
+    if !all.is_empty() {
+        let total = all.len();
+        eprintln!(
+            "Running {total} log-likelihood requests for {} task(s)",
+            scoring.len()
+        );
+        let t0 = Instant::now();
+        let mut next_report = total / 10;
+        let scores = score_requests(model, tok, &all, max_length, batch_size, pad, |done| {
+            if done >= next_report && done < total {
+                eprintln!(
+                    "  {done}/{total} requests ({:.0}s)",
+                    t0.elapsed().as_secs_f64()
+                );
+                next_report = done + total / 10;
+            }
+        })?;
+        let mut at = 0;
+        for (task, docs, reqs) in &scoring {
+            let mut per_doc = Vec::with_capacity(docs.len());
+            for (doc, r) in docs.iter().zip(reqs) {
+                let n = r.requests.len();
+                per_doc.push(
+                    task.doc_metrics(doc, &scores[at..at + n])
+                        .with_context(|| format!("task '{}', document {}", task.name, r.doc_id))?,
+                );
+                at += n;
+            }
+            tasks.insert(
+                task.name.clone(),
+                Outcome {
+                    metrics: task.aggregate(&per_doc),
+                    docs: docs.len(),
+                },
             );
-            next_report = done + total / 10;
         }
-    })?;
-    let mut tasks = BTreeMap::new();
-    let mut at = 0;
-    for (task, docs, reqs) in loaded {
+    }
+
+    // Generation tasks: greedy continuations, cut at the stop strings, filtered and compared.
+    for (task, docs, reqs) in &generating {
+        let spec = task
+            .generation
+            .as_ref()
+            .expect("generate_until tasks carry their kwargs");
+        let contexts: Vec<String> = reqs.iter().map(|r| r.requests[0].0.clone()).collect();
+        eprintln!(
+            "Running {} generations for task '{}'",
+            contexts.len(),
+            task.name
+        );
+        let responses = generate_until(model, tok, &contexts, spec, max_length, batch_size, pad)?;
         let mut per_doc = Vec::with_capacity(docs.len());
-        for (doc, r) in docs.iter().zip(&reqs) {
-            let n = r.requests.len();
+        for (i, (doc, response)) in docs.iter().zip(&responses).enumerate() {
             per_doc.push(
-                task.doc_metrics(doc, &scores[at..at + n])
-                    .with_context(|| format!("task '{}', document {}", task.name, r.doc_id))?,
+                task.generated_metrics(doc, response)
+                    .with_context(|| format!("task '{}', document {i}", task.name))?,
             );
-            at += n;
         }
         tasks.insert(
             task.name.clone(),
