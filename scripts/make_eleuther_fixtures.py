@@ -206,6 +206,11 @@ GSM8K_TEST = [
     {"question": "John read 15 pages on Monday and 25 pages on Tuesday. How many pages did he read in total?", "answer": "15 + 25 = <<15+25=40>>40 pages.\n#### 40"},
 ]
 
+WIKITEXT = [
+    {"page": " = Valkyria Chronicles III = \n\n Senjō no Valkyria 3 : Unrecorded Chronicles ( Japanese : 戦場のヴァルキュリア3 , lit . Valkyria of the Battlefield 3 ) , commonly referred to as Valkyria Chronicles III outside Japan , is a tactical role @-@ playing video game developed by Sega and Media.Vision for the PlayStation Portable . Released in January 2011 in Japan , it is the third game in the Valkyria series . It sold 1 @,@ 000 @,@ 000 copies at 3 @.@ 5 thousand yen ; critics called it \" the best \" entry { of all } [ the series ] . \n = = Gameplay = = \n The player s ' units move across a map . Each unit 's turn ends when its action points run out ! \n"},
+    {"page": " = Tropical Storm Alpha = \n\n Tropical Storm Alpha was a short @-@ lived tropical cyclone that formed in the Caribbean Sea . It brought heavy rain to Haiti and the Dominican Republic , where N people died . The storm reached winds of 50 mph ( 85 km / h ) before weakening over land . \n"},
+]
+
 # task -> (lm-eval YAML, the split the harness evaluates, documents, file stem)
 TASKS = {
     "truthfulqa_mc1": ("truthfulqa/truthfulqa_mc1.yaml", "validation", TRUTHFULQA, "truthfulqa_mc"),
@@ -226,6 +231,7 @@ def main():
     os.makedirs(DATA, exist_ok=True)
     mmlu_files = [(None, None, docs, f"mmlu_{cat}") for cat, docs in MMLU.items()]
     mmlu_files += [(None, None, GSM8K_TRAIN, "gsm8k_train"), (None, None, GSM8K_TEST, "gsm8k_test")]
+    mmlu_files += [(None, None, WIKITEXT, "wikitext")]
     for _, _, docs, stem in list(TASKS.values()) + mmlu_files:
         with open(os.path.join(DATA, stem + ".jsonl"), "w") as f:
             for d in docs:
@@ -323,6 +329,20 @@ def main():
         device="cpu",
         max_length=4096,
     )
+    # WikiText with a 64-token window, so that documents roll over several windows.
+    with open(os.path.join(include, "local_wikitext.yaml"), "w") as f:
+        f.write(f"include: {os.path.join(TASKS_DIR, 'wikitext', 'wikitext.yaml')}\ntask: local_wikitext\n")
+        f.write("dataset_path: json\ndataset_name: null\ntraining_split: null\nvalidation_split: null\n")
+        f.write(f"dataset_kwargs:\n  data_files:\n    test: {os.path.join(DATA, 'wikitext.jsonl')}\n")
+    lm64 = HFLM(
+        pretrained=os.path.dirname(gguf),
+        gguf_file=os.path.basename(gguf),
+        dtype="float32",
+        batch_size=4,
+        device="cpu",
+        max_length=64,
+    )
+    roll_out = evaluate(lm64, TaskManager(include_path=include).load(["local_wikitext"]), log_samples=True, bootstrap_iters=0)
     gen_tasks = manager.load(["local_gsm8k"])
     for task in gen_tasks["tasks"].values():
         task.set_fewshot_seed(seed=1234)
@@ -372,6 +392,14 @@ def main():
             for smp in sorted(gen_out["samples"]["local_gsm8k"], key=lambda x: (x["filter"], x["doc_id"]))
         ],
         "table": make_table(gen_out),
+    }
+    golden["wikitext"] = {
+        "max_length": 64,
+        "metrics": {k.split(",")[0]: v for k, v in roll_out["results"]["local_wikitext"].items() if "," in k and "stderr" not in k},
+        "loglikelihoods": [
+            float(smp["resps"][0][0]) if isinstance(smp["resps"][0], list) else float(smp["resps"][0])
+            for smp in sorted(roll_out["samples"]["local_wikitext"], key=lambda x: x["doc_id"])
+        ],
     }
     golden["mmlu_subjects"] = subjects
     golden["mmlu"] = {

@@ -191,7 +191,7 @@ fn what_cannot_run_is_refused_with_the_reason() {
         &format!("task: py\n{base}process_docs: !function utils.process_docs\n"),
     );
     write(&dir, "gen.yaml", "task: gen\noutput_type: generate_until\ndataset_path: json\ntest_split: test\ndoc_to_text: q\ndoc_to_target: a\ngeneration_kwargs:\n  do_sample: true\n");
-    write(&dir, "rolling.yaml", "task: rolling\noutput_type: loglikelihood_rolling\ndataset_path: json\ntest_split: test\ndoc_to_text: q\ndoc_to_target: a\n");
+    write(&dir, "rolling.yaml", "task: rolling\noutput_type: loglikelihood_rolling\ndataset_path: json\ntest_split: test\ndoc_to_text: q\ndoc_to_target: a\nmetric_list:\n  - metric: acc\n");
     write(
         &dir,
         "shots.yaml",
@@ -223,7 +223,7 @@ fn what_cannot_run_is_refused_with_the_reason() {
         ("gen", "only greedy decoding is supported"),
         (
             "rolling",
-            "output_type 'loglikelihood_rolling' is not supported",
+            "metric 'acc' is not supported for this output_type (word_perplexity",
         ),
         ("shots", "only sampler (default, first_n)"),
         ("typo", "unknown key 'doc_to_txt'"),

@@ -10,7 +10,9 @@ use std::path::PathBuf;
 use candle_core::{DType, Device};
 use ferrotune_data::eval_tasks::{select, Scored, Selection, TaskRegistry};
 use ferrotune_data::Tokenizer;
-use ferrotune_train::recipe::eleuther_eval::{evaluate, score_requests};
+use ferrotune_train::recipe::eleuther_eval::{
+    evaluate, rolling_windows, score_encoded, score_requests,
+};
 use ferrotune_train::recipe::setup::pad_id;
 use serde_json::Value;
 
@@ -441,4 +443,70 @@ fn smollm2_generates_and_scores_gsm8k_as_lm_eval() {
             );
         }
     }
+}
+
+#[test]
+fn smollm2_wikitext_rolls_windows_as_lm_eval() {
+    let g = golden();
+    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let tok = Tokenizer::from_gguf(&path).unwrap();
+    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
+    let pad = pad_id(&tok, &model.config);
+    let dir = std::env::temp_dir().join(format!(
+        "ferrotune-eleuther-wikitext-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = common::workspace_fixture("eleuther/data/wikitext.jsonl");
+    std::fs::write(
+        dir.join("local_wikitext.yaml"),
+        format!(
+            "include: wikitext\ntask: local_wikitext\ndataset_path: json\ndataset_name: null\n\
+             training_split: null\nvalidation_split: null\ndataset_kwargs:\n  data_files:\n    test: {}\n",
+            data.display()
+        ),
+    )
+    .unwrap();
+    let registry = TaskRegistry::new(Some(&dir)).unwrap();
+    let sel = select(&registry, &["local_wikitext".into()]).unwrap();
+    let max_length = g["wikitext"]["max_length"].as_u64().unwrap() as usize;
+
+    // Each document's log-likelihood: its windows' summed.
+    let task = &sel.tasks[0];
+    let docs = task.load_docs(&dir, None).unwrap();
+    let reqs = task.requests(&docs, &[]).unwrap();
+    let prefix = tok.bos_id().or(tok.eos_ids().first().copied()).unwrap();
+    let want = g["wikitext"]["loglikelihoods"].as_array().unwrap();
+    let mut rolled = false;
+    for (r, w) in reqs.iter().zip(want) {
+        let tokens = tok.encode(&r.requests[0].1, false).unwrap();
+        let windows = rolling_windows(&tokens, prefix, max_length);
+        assert_eq!(windows.len(), tokens.len().div_ceil(max_length));
+        rolled |= windows.len() > 2;
+        // Every token scored exactly once, each window's context ending where its tokens start.
+        let scored: Vec<u32> = windows.iter().flat_map(|(_, t)| t.clone()).collect();
+        assert_eq!(scored, tokens);
+        let ll: f64 = score_encoded(&model, &windows, max_length, 4, pad, |_| {})
+            .unwrap()
+            .iter()
+            .map(|s| s.loglikelihood)
+            .sum();
+        let w = w.as_f64().unwrap();
+        assert!((ll - w).abs() < 1e-4 * w.abs(), "{ll} vs lm-eval {w}");
+    }
+
+    assert!(rolled, "a document rolls over more than two windows");
+    let report = evaluate(&model, &tok, &sel, None, max_length, 4, pad).unwrap();
+    let metrics = &g["wikitext"]["metrics"];
+    for m in &report.tasks["local_wikitext"].metrics {
+        let want = metrics[&m.name].as_f64().unwrap();
+        assert!(
+            (m.value - want).abs() < 1e-4 * want,
+            "{}: {} vs {want}",
+            m.name,
+            m.value
+        );
+        assert_eq!(m.stderr, None);
+    }
+    assert_eq!(report.tasks["local_wikitext"].metrics.len(), 3);
 }

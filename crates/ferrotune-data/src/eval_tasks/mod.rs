@@ -7,7 +7,7 @@
 //! `doc_to_choice`, `description`, `target_delimiter`, `output_type`, `metric_list`,
 //! `process_docs`/`process_results`, `include`, `tag`, `metadata.version`). The built-in tasks
 //! (`builtin.yaml`) are the harness's own definitions of TruthfulQA (mc1, mc2), HellaSwag, ARC
-//! (easy, challenge), PIQA, SciQ, OpenBookQA, WinoGrande, LAMBADA (OpenAI), GSM8K and MMLU (57 subject
+//! (easy, challenge), PIQA, SciQ, OpenBookQA, WinoGrande, LAMBADA (OpenAI), WikiText-2, GSM8K and MMLU (57 subject
 //! tasks in the groups `mmlu_stem`, `mmlu_other`, `mmlu_social_sciences`, `mmlu_humanities`, and
 //! those in `mmlu`); an `include_path` folder adds tasks and groups written the same way. The
 //! harness's semantics, kept here:
@@ -22,7 +22,8 @@
 //!   (`description + doc_to_text`) for every choice; where `doc_to_text` gives an index, each
 //!   choice is a context and `target_delimiter + doc_to_target` is scored after each (WinoGrande);
 //!   `loglikelihood` scores `doc_to_target` after the context; `generate_until` generates
-//!   greedily after the context until a stop string (`generation_kwargs.until`, plus EOS).
+//!   greedily after the context until a stop string (`generation_kwargs.until`, plus EOS);
+//!   `loglikelihood_rolling` scores a whole text in windows (word and byte perplexities).
 //! - Few-shot (`num_fewshot`): examples from `fewshot_split` (else the training, validation or
 //!   test split) before each context, `question + target_delimiter + answer +
 //!   fewshot_delimiter` each; drawn with CPython's `random.Random(1234).sample` per document in
@@ -61,8 +62,13 @@ pub use pyrandom::PyRandom;
 
 const BUILTIN_TASKS: &str = include_str!("builtin.yaml");
 
+/// The metrics of a loglikelihood_rolling task.
+const ROLLING_METRICS: &[&str] = &["word_perplexity", "byte_perplexity", "bits_per_byte"];
+
 /// The functions a task may name with `!function` (the harness's Python, implemented here).
 pub const BUILTIN_FUNCTIONS: &[&str] = &[
+    "wikitext.detokenizer",
+    "wikitext.process_results",
     "hellaswag.process_docs",
     "truthfulqa.process_results_mc2",
     "winogrande.doc_to_text",
@@ -83,6 +89,9 @@ pub enum OutputType {
     Loglikelihood,
     /// A greedy generation, cut at the first stop string, then filtered and compared.
     GenerateUntil,
+    /// The log-likelihood of a whole text, scored in windows of `max_seq_length` tokens
+    /// (perplexities per word and byte).
+    LoglikelihoodRolling,
 }
 
 /// A `doc_to_*` field: what the harness accepts there.
@@ -656,15 +665,7 @@ impl TaskSpec {
             Some("multiple_choice") => OutputType::MultipleChoice,
             Some("loglikelihood") => OutputType::Loglikelihood,
             Some("generate_until") => OutputType::GenerateUntil,
-            Some(other @ "loglikelihood_rolling") => {
-                return task_err(
-                    origin,
-                    format!(
-                        "task '{name}': output_type '{other}' is not supported \
-                         (multiple_choice, loglikelihood and generate_until are)"
-                    ),
-                )
-            }
+            Some("loglikelihood_rolling") => OutputType::LoglikelihoodRolling,
             Some(other) => {
                 return task_err(
                     origin,
@@ -786,6 +787,7 @@ impl TaskSpec {
                 OutputType::MultipleChoice => &["acc", "acc_norm"],
                 OutputType::Loglikelihood => &["acc", "perplexity"],
                 OutputType::GenerateUntil => &["exact_match"],
+                OutputType::LoglikelihoodRolling => ROLLING_METRICS,
             };
             if !allowed.contains(&metric) {
                 return task_err(
@@ -796,7 +798,7 @@ impl TaskSpec {
                     ),
                 );
             }
-            let default_hib = metric != "perplexity";
+            let default_hib = !metric.ends_with("perplexity") && metric != "bits_per_byte";
             let higher_is_better = item
                 .get("higher_is_better")
                 .and_then(|h| h.as_bool())
@@ -817,12 +819,13 @@ impl TaskSpec {
                 OutputType::MultipleChoice => &["acc", "acc_norm"],
                 OutputType::Loglikelihood => &["perplexity", "acc"],
                 OutputType::GenerateUntil => &["exact_match"],
+                OutputType::LoglikelihoodRolling => ROLLING_METRICS,
             };
             metrics = names
                 .iter()
                 .map(|n| MetricSpec {
                     name: n.to_string(),
-                    higher_is_better: *n != "perplexity",
+                    higher_is_better: !n.ends_with("perplexity") && *n != "bits_per_byte",
                 })
                 .collect();
         }
@@ -1120,6 +1123,10 @@ impl TaskSpec {
                 };
                 Ok(vec![(format!("{description}{ctx}"), String::new())])
             }
+            // The whole target is scored; the harness ignores the context here.
+            OutputType::LoglikelihoodRolling => {
+                Ok(vec![(String::new(), self.rolling_text(env, doc)?)])
+            }
             OutputType::Loglikelihood => {
                 let TextOrIndex::Text(ctx) = text else {
                     return Err(DataError::Dataset("doc_to_text gave an index".into()));
@@ -1181,9 +1188,11 @@ impl TaskSpec {
         let env = template_env();
         let mut out = BTreeMap::new();
         match self.output_type {
-            OutputType::GenerateUntil => {
+            OutputType::GenerateUntil | OutputType::LoglikelihoodRolling => {
                 return Err(DataError::Dataset(
-                    "a generate_until task is scored from its responses (generated_metrics)".into(),
+                    "generate_until and loglikelihood_rolling tasks are scored by \
+                     generated_metrics and rolling_metrics"
+                        .into(),
                 ))
             }
             OutputType::Loglikelihood => {
@@ -1279,6 +1288,37 @@ impl TaskSpec {
         Ok(out)
     }
 
+    fn rolling_text(&self, env: &Environment, doc: &Map<String, Value>) -> Result<String> {
+        match self.target_of(env, doc)? {
+            Target::Text(t) => Ok(t),
+            other => Err(DataError::Dataset(format!(
+                "a loglikelihood_rolling task's doc_to_target must be a text, got {other:?}"
+            ))),
+        }
+    }
+
+    /// A loglikelihood_rolling document's values from the log-likelihood of its whole text:
+    /// the log-likelihood under each metric, and the word and byte counts they are divided by
+    /// (`_words`, `_bytes`; of the original page for WikiText, as the harness counts them).
+    pub fn rolling_metrics(
+        &self,
+        doc: &Map<String, Value>,
+        loglikelihood: f64,
+    ) -> Result<BTreeMap<String, f64>> {
+        let counted = if self.process_results.as_deref() == Some("wikitext.process_results") {
+            doc_str(doc, "page")?
+        } else {
+            self.rolling_text(&template_env(), doc)?
+        };
+        let mut out = BTreeMap::new();
+        for m in &self.metrics {
+            out.insert(m.name.clone(), loglikelihood);
+        }
+        out.insert("_words".into(), py_word_count(&counted) as f64);
+        out.insert("_bytes".into(), counted.len() as f64);
+        Ok(out)
+    }
+
     /// (metric, filter) pairs the task reports.
     fn metric_filters(&self) -> Vec<(&MetricSpec, &str)> {
         match self.output_type {
@@ -1304,6 +1344,23 @@ impl TaskSpec {
                     .collect();
                 let n = values.len() as f64;
                 let mean = values.iter().sum::<f64>() / n;
+                if self.output_type == OutputType::LoglikelihoodRolling {
+                    // The harness's weighted means (its errors are bootstrapped: not run).
+                    let total = |k: &str| per_doc.iter().filter_map(|d| d.get(k)).sum::<f64>();
+                    let ll = values.iter().sum::<f64>();
+                    let value = match m.name.as_str() {
+                        "word_perplexity" => (-ll / total("_words")).exp(),
+                        "byte_perplexity" => (-ll / total("_bytes")).exp(),
+                        _ => -ll / total("_bytes") / std::f64::consts::LN_2,
+                    };
+                    return MetricResult {
+                        name: m.name.clone(),
+                        filter: filter.to_string(),
+                        value,
+                        stderr: None,
+                        higher_is_better: m.higher_is_better,
+                    };
+                }
                 if m.name == "perplexity" {
                     // The harness reports exp(-mean log-likelihood) and bootstraps its error.
                     return MetricResult {
@@ -1371,6 +1428,9 @@ impl TaskSpec {
         match &self.doc_to_target {
             DocField::Int(i) => Ok(Target::Index(*i)),
             DocField::List(items) => Ok(Target::Text(items.first().cloned().unwrap_or_default())),
+            DocField::Function(f) if f == "wikitext.detokenizer" => {
+                Ok(Target::Text(wikitext_detokenize(&doc_str(doc, "page")?)))
+            }
             DocField::Function(f) if f == "winogrande.doc_to_target" => {
                 let sentence = doc_str(doc, "sentence")?;
                 let idx = blank_index(&sentence)?;
@@ -1617,6 +1677,65 @@ fn render(env: &Environment, template: &str, doc: &Map<String, Value>) -> Result
 
 // ---------------------------------------------------------------------------------------------
 // The built-in tasks' Python functions
+
+/// Python's `len(re.split(r"\s+", text))`: one more than the runs of whitespace.
+fn py_word_count(text: &str) -> usize {
+    let mut runs = 0;
+    let mut in_space = false;
+    for c in text.chars() {
+        let space = c.is_whitespace();
+        if space && !in_space {
+            runs += 1;
+        }
+        in_space = space;
+    }
+    runs + 1
+}
+
+/// WikiText's `wikitext_detokenizer`: the dataset's spaced-out punctuation and `@-@` number
+/// separators put back together.
+fn wikitext_detokenize(page: &str) -> String {
+    let sub = |s: String, pattern: &str, with: &str| -> String {
+        match fancy_regex::Regex::new(pattern) {
+            Ok(r) => r.replace_all(&s, with).into_owned(),
+            Err(_) => s,
+        }
+    };
+    let mut s = page.replace("s '", "s'");
+    // The harness's pattern and its literal replacement, as written there.
+    s = sub(s, r"/' [0-9]/", "/'[0-9]/");
+    for (from, to) in [
+        (" @-@ ", "-"),
+        (" @,@ ", ","),
+        (" @.@ ", "."),
+        (" : ", ": "),
+        (" ; ", "; "),
+        (" . ", ". "),
+        (" ! ", "! "),
+        (" ? ", "? "),
+        (" , ", ", "),
+    ] {
+        s = s.replace(from, to);
+    }
+    s = sub(s, r"\(\s*([^\)]*?)\s*\)", "(${1})");
+    s = sub(s, r"\[\s*([^\]]*?)\s*\]", "[${1}]");
+    s = sub(s, r"\{\s*([^}]*?)\s*\}", "{${1}}");
+    s = sub(s, r#""\s*([^"]*?)\s*""#, "\"${1}\"");
+    s = sub(s, r"'\s*([^']*?)\s*'", "'${1}'");
+    for (from, to) in [
+        ("= = = =", "===="),
+        ("= = =", "==="),
+        ("= =", "=="),
+        (" \u{b0} ", "\u{b0}"),
+        (" \n", "\n"),
+        ("\n ", "\n"),
+        (" N ", " 1 "),
+        (" 's", "'s"),
+    ] {
+        s = s.replace(from, to);
+    }
+    s
+}
 
 /// HellaSwag's `process_docs`: the query is `activity_label: ctx_a Ctx_b` and the choices the
 /// endings, both cleaned of WikiHow's bracketed artifacts.
@@ -2193,6 +2312,16 @@ mod tests {
         // An unclosed bracket, and one closed only after a newline, stay.
         assert_eq!(hellaswag_clean("a [b\n c] d [e"), "a [b\n c] d [e");
         assert_eq!(py_capitalize("tHE pans"), "The pans");
+    }
+
+    /// The harness's `wikitext_detokenizer` on a page with every rule's pattern (Python's output).
+    #[test]
+    fn wikitext_detokenizer_matches_the_harness() {
+        let page: String = serde_json::from_str("\" = Valkyria Chronicles III = \\n\\n Senjō no Valkyria 3 : Unrecorded Chronicles ( Japanese : 戦場のヴァルキュリア3 , lit . Valkyria of the Battlefield 3 ) , commonly referred to as Valkyria Chronicles III outside Japan , is a tactical role @-@ playing video game . It sold 1 @,@ 000 copies at 3 @.@ 5 dollars ; the \\\" best \\\" game { of all } [ time ] . It is 25 ° C . The player s ' turn . = = Gameplay = = \\n Its N units 's work ! Really ? \\n\"").unwrap();
+        let want: String = serde_json::from_str("\" = Valkyria Chronicles III =\\n\\nSenjō no Valkyria 3: Unrecorded Chronicles (Japanese: 戦場のヴァルキュリア3, lit. Valkyria of the Battlefield 3), commonly referred to as Valkyria Chronicles III outside Japan, is a tactical role-playing video game. It sold 1,000 copies at 3.5 dollars; the \\\"best\\\" game {of all} [time]. It is 25°C. The player s'turn. == Gameplay ==\\nIts 1 units's work! Really?\\n\"").unwrap();
+        assert_eq!(wikitext_detokenize(&page), want);
+        assert_eq!(py_word_count(&page), 97);
+        assert_eq!(py_word_count(" a  b\n"), 4);
     }
 
     #[test]

@@ -118,9 +118,8 @@ pub fn score_requests(
     max_length: usize,
     batch_size: usize,
     pad: u32,
-    mut progress: impl FnMut(usize),
+    progress: impl FnMut(usize),
 ) -> Result<Vec<Scored>> {
-    let batch_size = batch_size.max(1);
     let mut encoded = Vec::with_capacity(requests.len());
     for (ctx, cont) in requests {
         let (c, t) = encode_request(tok, ctx, cont)?;
@@ -139,6 +138,19 @@ pub fn score_requests(
         }
         encoded.push((c, t));
     }
+    score_encoded(model, &encoded, max_length, batch_size, pad, progress)
+}
+
+/// [`score_requests`] on requests already encoded: (context tokens, continuation tokens).
+pub fn score_encoded(
+    model: &CausalLm,
+    encoded: &[(Vec<u32>, Vec<u32>)],
+    max_length: usize,
+    batch_size: usize,
+    pad: u32,
+    mut progress: impl FnMut(usize),
+) -> Result<Vec<Scored>> {
+    let batch_size = batch_size.max(1);
     let fits = |i: usize| encoded[i].0.len() + encoded[i].1.len() <= max_length + 1;
     // Runs of requests sharing a context that fits whole; everything else runs on its own.
     let mut shared: Vec<Vec<usize>> = Vec::new();
@@ -167,7 +179,7 @@ pub fn score_requests(
     ];
     let mut done = 0;
     for run in &shared {
-        score_shared_context(model, &encoded, run, batch_size, pad, &mut out)?;
+        score_shared_context(model, encoded, run, batch_size, pad, &mut out)?;
         done += run.len();
         progress(done);
     }
@@ -288,6 +300,36 @@ fn score_continuation(model: &CausalLm, states: &Tensor, cont: &[u32]) -> Result
     })
 }
 
+/// The harness's rolling windows over `tokens` (`get_rolling_token_windows` with context 1, then
+/// `make_disjoint_window`): (context, tokens scored) pairs covering every token once, the first
+/// conditioned on `prefix` alone, each later one on the `max_length` tokens before it.
+pub fn rolling_windows(
+    tokens: &[u32],
+    prefix: u32,
+    max_length: usize,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let mut out = Vec::new();
+    if tokens.is_empty() || max_length == 0 {
+        return out;
+    }
+    let first = max_length.min(tokens.len());
+    out.push((vec![prefix], tokens[..first].to_vec()));
+    let mut predicted = first;
+    while predicted < tokens.len() {
+        let len = (tokens.len() - predicted).min(max_length);
+        let end = predicted + len;
+        // The window's inputs are tokens[end - max_length - 1 .. end - 1]; the disjoint context
+        // is what comes before the scored part.
+        let start = end - max_length - 1;
+        out.push((
+            tokens[start..end - len].to_vec(),
+            tokens[end - len..end].to_vec(),
+        ));
+        predicted = end;
+    }
+    out
+}
+
 /// Greedy continuations of `contexts` as the harness's generate_until gets them through
 /// torchtune's wrapper: each context encoded without BOS and cut to its last
 /// `max_length - max_gen_toks` tokens, at most `max_gen_toks` new tokens (EOS or a stop string
@@ -401,10 +443,52 @@ pub fn evaluate(
         let requests = task.requests(&docs, &fewshot)?;
         loaded.push((task, docs, requests));
     }
-    let (generating, scoring): (Vec<_>, Vec<_>) = loaded
+    let (generating, rest): (Vec<_>, Vec<_>) = loaded
         .into_iter()
         .partition(|(t, _, _)| t.output_type == OutputType::GenerateUntil);
+    let (rolling, scoring): (Vec<_>, Vec<_>) = rest
+        .into_iter()
+        .partition(|(t, _, _)| t.output_type == OutputType::LoglikelihoodRolling);
     let mut tasks = BTreeMap::new();
+
+    // Whole texts: each scored in rolling windows, the windows' log-likelihoods summed.
+    for (task, docs, reqs) in &rolling {
+        let prefix = tok
+            .bos_id()
+            .or_else(|| tok.eos_ids().first().copied())
+            .context("rolling log-likelihoods need a BOS or EOS token to start from")?;
+        let mut windows = Vec::new();
+        let mut owner = Vec::new();
+        for (d, r) in reqs.iter().enumerate() {
+            let tokens = tok.encode(&r.requests[0].1, false)?;
+            for w in rolling_windows(&tokens, prefix, max_length) {
+                windows.push(w);
+                owner.push(d);
+            }
+        }
+        eprintln!(
+            "Running {} rolling windows for task '{}'",
+            windows.len(),
+            task.name
+        );
+        let scores = score_encoded(model, &windows, max_length, batch_size, pad, |_| {})?;
+        let mut lls = vec![0f64; docs.len()];
+        for (s, d) in scores.iter().zip(&owner) {
+            lls[*d] += s.loglikelihood;
+        }
+        let per_doc = docs
+            .iter()
+            .zip(&lls)
+            .map(|(doc, ll)| task.rolling_metrics(doc, *ll))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        tasks.insert(
+            task.name.clone(),
+            Outcome {
+                metrics: task.aggregate(&per_doc),
+                docs: docs.len(),
+            },
+        );
+    }
 
     // Log-likelihood requests of every task, scored together.
     let all: Vec<(String, String)> = scoring
