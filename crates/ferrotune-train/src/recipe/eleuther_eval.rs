@@ -24,7 +24,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, IndexOp, Tensor};
 use ferrotune_data::dataset::{collate, Row};
 use ferrotune_data::eval_tasks::{
-    self, GenerationSpec, Outcome, OutputType, Scored, Selection, TaskRegistry,
+    self, DocRequests, GenerationSpec, Outcome, OutputType, Scored, Selection, TaskRegistry,
+    TaskSpec,
 };
 use ferrotune_data::Tokenizer;
 use ferrotune_infer::generate::{generate, GenerationOptions};
@@ -428,6 +429,23 @@ pub fn evaluate(
     batch_size: usize,
     pad: u32,
 ) -> Result<EvalReport> {
+    let prepared = prepare(selection, limit)?;
+    evaluate_prepared(
+        model, tok, selection, &prepared, max_length, batch_size, pad,
+    )
+}
+
+/// One task's documents and the requests they make.
+pub type PreparedTask = (
+    TaskSpec,
+    Vec<serde_json::Map<String, serde_json::Value>>,
+    Vec<DocRequests>,
+);
+
+/// Loads every selected task's documents (and few-shot examples; relative `data_files` against
+/// the working directory) and builds their requests: what can fail on the data fails here,
+/// before a model is loaded.
+pub fn prepare(selection: &Selection, limit: Option<f64>) -> Result<Vec<PreparedTask>> {
     let cwd = std::env::current_dir().context("the working directory")?;
     let mut loaded = Vec::new();
     for task in &selection.tasks {
@@ -441,10 +459,23 @@ pub fn evaluate(
         }
         let fewshot = task.load_fewshot_docs(&cwd)?;
         let requests = task.requests(&docs, &fewshot)?;
-        loaded.push((task, docs, requests));
+        loaded.push((task.clone(), docs, requests));
     }
-    let (generating, rest): (Vec<_>, Vec<_>) = loaded
-        .into_iter()
+    Ok(loaded)
+}
+
+/// [`evaluate`] on tasks [`prepare`]d already.
+pub fn evaluate_prepared(
+    model: &CausalLm,
+    tok: &Tokenizer,
+    selection: &Selection,
+    prepared: &[PreparedTask],
+    max_length: usize,
+    batch_size: usize,
+    pad: u32,
+) -> Result<EvalReport> {
+    let (generating, rest): (Vec<_>, Vec<_>) = prepared
+        .iter()
         .partition(|(t, _, _)| t.output_type == OutputType::GenerateUntil);
     let (rolling, scoring): (Vec<_>, Vec<_>) = rest
         .into_iter()
@@ -602,6 +633,8 @@ pub fn run(cfg: &Config) -> Result<EvalReport> {
     let include_path = cfg.path("include_path")?;
     let registry = TaskRegistry::new(include_path.as_deref())?;
     let selection = eval_tasks::select(&registry, &names)?;
+    // The data first: a missing dataset fails before a large model is loaded.
+    let prepared = prepare(&selection, limit)?;
 
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
@@ -622,7 +655,9 @@ pub fn run(cfg: &Config) -> Result<EvalReport> {
     );
     let pad = setup::pad_id(&tok, &model.config);
     let t1 = Instant::now();
-    let report = evaluate(&model, &tok, &selection, limit, max_length, batch_size, pad)?;
+    let report = evaluate_prepared(
+        &model, &tok, &selection, &prepared, max_length, batch_size, pad,
+    )?;
     eprintln!(
         "Eval completed in {:.2} seconds.",
         t1.elapsed().as_secs_f64()
