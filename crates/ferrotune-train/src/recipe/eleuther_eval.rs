@@ -290,7 +290,7 @@ fn score_continuation(model: &CausalLm, states: &Tensor, cont: &[u32]) -> Result
         .logits(&states.unsqueeze(0)?)?
         .squeeze(0)?
         .to_dtype(DType::F32)?;
-    let log_probs = candle_nn_log_softmax(&logits)?;
+    let log_probs = log_softmax_rows(&logits)?;
     let targets = Tensor::from_vec(cont.to_vec(), (cont.len(), 1), log_probs.device())?;
     let picked = log_probs.gather(&targets, 1)?.squeeze(1)?;
     let ll: f32 = picked.sum_all()?.to_scalar()?;
@@ -401,7 +401,7 @@ pub fn generate_until(
 }
 
 /// Row-wise log-softmax of f32 logits `[n, V]` (max-subtracted, as torch computes it).
-fn candle_nn_log_softmax(logits: &Tensor) -> Result<Tensor> {
+fn log_softmax_rows(logits: &Tensor) -> Result<Tensor> {
     let max = logits.max_keepdim(1)?;
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
