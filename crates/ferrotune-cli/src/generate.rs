@@ -153,12 +153,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if let Some(bad) = prompts.iter().flatten().find(|&&id| id >= vocab) {
         bail!("prompt token id {bad} is outside the model's vocabulary (size {vocab})");
     }
-    let mut eos = tok.eos_ids().to_vec();
-    for id in &model.config.eos_token_ids {
-        if !eos.contains(id) {
-            eos.push(*id);
-        }
-    }
+    let eos = ferrotune_train::recipe::setup::stop_ids(&tok, &model.config);
     let pad = tok
         .pad_id()
         .or(model.config.pad_token_id)

@@ -6,8 +6,8 @@
 
 mod hub_server;
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 use hub_server::{HubFile, HubRepo, HubRevision, HubServer};
 use serde_json::Value;
@@ -136,18 +136,10 @@ fn hub_repos(golden: &Value) -> Vec<HubRepo> {
     ]
 }
 
-#[test]
-fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden.json")).unwrap())
-            .unwrap();
-    let gguf = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let server = HubServer::start(hub_repos(&golden));
-    let home = std::env::temp_dir().join(format!("ferrotune-eleuther-cli-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&home);
-    std::fs::create_dir_all(&home).unwrap();
-    let gguf = gguf.display().to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+/// `ferrotune run eleuther_eval --config eleuther_evaluation` on SmolLM2 (f32, CPU) against the
+/// loopback Hub, with `extra` overrides, from `home`.
+fn run_eval(server: &HubServer, home: &Path, gguf: &str, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotune"))
         .args([
             "run",
             "eleuther_eval",
@@ -159,21 +151,50 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
             &format!("tokenizer.path={gguf}"),
             "device=cpu",
             "dtype=fp32",
-            "batch_size=4",
-            "tasks=[truthfulqa_mc2,arc_easy,hellaswag,winogrande,mmlu,gsm8k]",
         ])
-        .current_dir(&home)
+        .args(extra)
+        .current_dir(home)
         .env("HF_ENDPOINT", server.url())
         .env("HF_HOME", home.join("hf-home"))
         .env_remove("HF_TOKEN")
         .env_remove("HF_HUB_CACHE")
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// Each of lm-eval's metrics for `name` (a task or group) within `tol` of the printed JSON's.
+fn assert_metrics(json: &Value, name: &str, want: &Value, tol: f64) {
+    for (k, v) in want.as_object().unwrap() {
+        let (a, b) = (json[name][k].as_f64().unwrap(), v.as_f64().unwrap());
+        assert!((a - b).abs() < tol, "{name} {k}: {a} vs lm-eval {b}");
+    }
+}
+
+#[test]
+fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden.json")).unwrap())
+            .unwrap();
+    let gguf = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let server = HubServer::start(hub_repos(&golden));
+    let home = std::env::temp_dir().join(format!("ferrotune-eleuther-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&home).unwrap();
+    let gguf = gguf.display().to_string();
+    let out = run_eval(
+        &server,
+        &home,
+        &gguf,
+        &[
+            "batch_size=4",
+            "tasks=[truthfulqa_mc2,arc_easy,hellaswag,winogrande,mmlu,gsm8k]",
+        ],
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "stdout: {stdout}\nstderr: {stderr}");
-    // The harness's table, then the metrics as JSON.
-    // MMLU's groups first, as a tree, then the other tasks.
+    // The harness's table (MMLU's groups first, as a tree, then the other tasks), then the
+    // metrics as JSON.
     let lines: Vec<&str> = stdout.lines().collect();
     let at = lines
         .iter()
@@ -190,27 +211,16 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
     );
     let json: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     for task in ["truthfulqa_mc2", "arc_easy", "hellaswag", "winogrande"] {
-        let want = &golden["tasks"][task]["metrics"];
-        let got = &json[task];
         assert_eq!(
-            got["samples"],
+            json[task]["samples"],
             golden["tasks"][task]["samples"].as_array().unwrap().len()
         );
-        for (k, v) in want.as_object().unwrap() {
-            let (a, b) = (got[k].as_f64().unwrap(), v.as_f64().unwrap());
-            assert!((a - b).abs() < 1e-5, "{task} {k}: {a} vs lm-eval {b}");
-        }
+        assert_metrics(&json, task, &golden["tasks"][task]["metrics"], 1e-5);
     }
     // GSM8K: 5 examples drawn from the train split, generated answers, both filters.
-    for (k, v) in golden["gsm8k"]["metrics"].as_object().unwrap() {
-        let (a, b) = (json["gsm8k"][k].as_f64().unwrap(), v.as_f64().unwrap());
-        assert!((a - b).abs() < 1e-9, "gsm8k {k}: {a} vs lm-eval {b}");
-    }
+    assert_metrics(&json, "gsm8k", &golden["gsm8k"]["metrics"], 1e-9);
     for (name, want) in golden["mmlu"].as_object().unwrap() {
-        for (k, v) in want.as_object().unwrap() {
-            let (a, b) = (json[name][k].as_f64().unwrap(), v.as_f64().unwrap());
-            assert!((a - b).abs() < 1e-5, "{name} {k}: {a} vs lm-eval {b}");
-        }
+        assert_metrics(&json, name, want, 1e-5);
     }
     // The conversion was read for the loading-script dataset.
     assert!(server
@@ -219,27 +229,7 @@ fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
         .any(|r| r.path.contains("Rowan/hellaswag") && r.path.contains("convert")));
 
     // A task the Hub does not have data for is one clear error naming it.
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
-        .args([
-            "run",
-            "eleuther_eval",
-            "--config",
-            "eleuther_evaluation",
-            "model._component_=torchtune.models.smollm2.smollm2_135m",
-            &format!("checkpointer.checkpoint_dir={gguf}"),
-            "~checkpointer.checkpoint_files",
-            &format!("tokenizer.path={gguf}"),
-            "device=cpu",
-            "dtype=fp32",
-            "tasks=[piqa]",
-        ])
-        .current_dir(&home)
-        .env("HF_ENDPOINT", server.url())
-        .env("HF_HOME", home.join("hf-home"))
-        .env_remove("HF_TOKEN")
-        .env_remove("HF_HUB_CACHE")
-        .output()
-        .unwrap();
+    let out = run_eval(&server, &home, &gguf, &["tasks=[piqa]"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(

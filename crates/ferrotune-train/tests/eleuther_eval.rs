@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device};
 use ferrotune_data::eval_tasks::{select, Scored, Selection, TaskRegistry};
 use ferrotune_data::Tokenizer;
+use ferrotune_models::CausalLm;
 use ferrotune_train::recipe::eleuther_eval::{
     evaluate, rolling_windows, score_encoded, score_requests,
 };
@@ -29,6 +30,15 @@ const TASKS: &[(&str, &str, &str)] = &[
     ("winogrande", "winogrande", "validation"),
     ("lambada_openai", "lambada_openai", "test"),
 ];
+
+/// SmolLM2-135M-Instruct from its GGUF in f32, its tokenizer, and the pad id.
+fn smollm2() -> (Tokenizer, CausalLm, u32) {
+    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let tok = Tokenizer::from_gguf(&path).unwrap();
+    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
+    let pad = pad_id(&tok, &model.config);
+    (tok, model, pad)
+}
 
 fn golden() -> Value {
     let path = common::workspace_fixture("eleuther/golden.json");
@@ -146,10 +156,7 @@ fn builtin_tasks_make_the_harness_requests() {
 #[test]
 fn smollm2_scores_and_metrics_match_lm_eval() {
     let g = golden();
-    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let tok = Tokenizer::from_gguf(&path).unwrap();
-    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
-    let pad = pad_id(&tok, &model.config);
+    let (tok, model, pad) = smollm2();
     let (_dir, sel) = local_tasks();
 
     // Every request's log-likelihood and greedy flag, batched (batch 5 pads rows of unequal
@@ -255,10 +262,7 @@ fn smollm2_scores_and_metrics_match_lm_eval() {
 fn a_shorter_max_length_keeps_the_last_tokens() {
     // Truncated from the left to max_length + 1 tokens minus the last: the continuation keeps
     // its tokens and loses context, so its log-likelihood changes but stays finite.
-    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let tok = Tokenizer::from_gguf(&path).unwrap();
-    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
-    let pad = pad_id(&tok, &model.config);
+    let (tok, model, pad) = smollm2();
     let req = vec![(
         "The capital of France is Paris. The capital of Italy is".to_string(),
         " Rome".to_string(),
@@ -366,10 +370,7 @@ fn fewshot_examples_are_drawn_as_the_harness_draws_them() {
 #[test]
 fn smollm2_generates_and_scores_gsm8k_as_lm_eval() {
     let g = golden();
-    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let tok = Tokenizer::from_gguf(&path).unwrap();
-    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
-    let pad = pad_id(&tok, &model.config);
+    let (tok, model, pad) = smollm2();
     let (_dir, sel) = fewshot_tasks();
     // One document per batch, as the fixture ran the harness.
     let report = evaluate(&model, &tok, &sel, None, 4096, 1, pad).unwrap();
@@ -448,10 +449,7 @@ fn smollm2_generates_and_scores_gsm8k_as_lm_eval() {
 #[test]
 fn smollm2_wikitext_rolls_windows_as_lm_eval() {
     let g = golden();
-    let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let tok = Tokenizer::from_gguf(&path).unwrap();
-    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
-    let pad = pad_id(&tok, &model.config);
+    let (tok, model, pad) = smollm2();
     let dir = std::env::temp_dir().join(format!(
         "ferrotune-eleuther-wikitext-{}",
         std::process::id()

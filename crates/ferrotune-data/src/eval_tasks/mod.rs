@@ -954,13 +954,7 @@ impl TaskSpec {
     ) -> Result<Vec<Map<String, Value>>> {
         let rows = crate::dataset::load_source(&self.source_section(), base_dir)
             .map_err(|e| DataError::Dataset(format!("task '{}': {e}", self.name)))?;
-        let mut docs = match self.process_docs.as_deref() {
-            Some("hellaswag.process_docs") => rows
-                .iter()
-                .map(|d| hellaswag_doc(d, &self.name))
-                .collect::<Result<Vec<_>>>()?,
-            _ => rows,
-        };
+        let mut docs = self.processed(rows)?;
         if let Some(n) = limit_count(limit, docs.len()) {
             docs.truncate(n);
         }
@@ -988,6 +982,11 @@ impl TaskSpec {
                 self.name
             ))
         })?;
+        self.processed(rows)
+    }
+
+    /// `rows` through the task's `process_docs`.
+    fn processed(&self, rows: Vec<Map<String, Value>>) -> Result<Vec<Map<String, Value>>> {
         match self.process_docs.as_deref() {
             Some("hellaswag.process_docs") => {
                 rows.iter().map(|d| hellaswag_doc(d, &self.name)).collect()
@@ -1021,10 +1020,10 @@ impl TaskSpec {
             .enumerate()
             .map(|(doc_id, doc)| {
                 let examples = self
-                    .examples(&env, doc, fewshot_docs, exclude, &mut rng)
+                    .examples(env, doc, fewshot_docs, exclude, &mut rng)
                     .map_err(|e| self.doc_error(doc_id, e))?;
                 let requests = self
-                    .doc_requests(&env, doc, &examples)
+                    .doc_requests(env, doc, &examples)
                     .map_err(|e| self.doc_error(doc_id, e))?;
                 Ok(DocRequests { doc_id, requests })
             })
@@ -1213,7 +1212,7 @@ impl TaskSpec {
                     out.insert("acc".into(), truthfulqa_mc2(doc, &lls)?);
                     return Ok(out);
                 }
-                let choices = self.choices_of(&env, doc)?;
+                let choices = self.choices_of(env, doc)?;
                 if choices.len() != lls.len() {
                     return Err(DataError::Dataset(format!(
                         "{} scores for {} choices",
@@ -1228,9 +1227,9 @@ impl TaskSpec {
                     .map(|(ll, c)| ll / c.chars().count() as f64)
                     .collect();
                 let pred_norm = argmax(&normed);
-                let gold = match self.text_of(&env, doc)? {
+                let gold = match self.text_of(env, doc)? {
                     TextOrIndex::Index(i) => Target::Index(i),
-                    TextOrIndex::Text(_) => self.target_of(&env, doc)?,
+                    TextOrIndex::Text(_) => self.target_of(env, doc)?,
                 };
                 let golds: Vec<i64> = match gold {
                     Target::Index(i) => vec![i],
@@ -1263,11 +1262,11 @@ impl TaskSpec {
         response: &str,
     ) -> Result<BTreeMap<String, f64>> {
         let env = template_env();
-        let reference = match self.target_of(&env, doc)? {
+        let reference = match self.target_of(env, doc)? {
             Target::Text(t) => t,
             Target::Index(i) => match &self.doc_to_choice {
                 Some(_) => self
-                    .choices_of(&env, doc)?
+                    .choices_of(env, doc)?
                     .get(i as usize)
                     .cloned()
                     .unwrap_or_default(),
@@ -1308,7 +1307,7 @@ impl TaskSpec {
         let counted = if self.process_results.as_deref() == Some("wikitext.process_results") {
             doc_str(doc, "page")?
         } else {
-            self.rolling_text(&template_env(), doc)?
+            self.rolling_text(template_env(), doc)?
         };
         let mut out = BTreeMap::new();
         for m in &self.metrics {
@@ -1328,6 +1327,14 @@ impl TaskSpec {
                 .flat_map(|f| self.metrics.iter().map(move |m| (m, f.name.as_str())))
                 .collect(),
             _ => self.metrics.iter().map(|m| (m, "none")).collect(),
+        }
+    }
+
+    /// The task's [`Outcome`]: [`TaskSpec::aggregate`] over its documents' values.
+    pub fn outcome(&self, per_doc: &[BTreeMap<String, f64>]) -> Outcome {
+        Outcome {
+            metrics: self.aggregate(per_doc),
+            docs: per_doc.len(),
         }
     }
 
@@ -1639,8 +1646,13 @@ fn yaml_to_json(v: &Yaml) -> Value {
 // Templates
 
 /// The harness renders `doc_to_*` with Jinja2: strict undefined, trailing newlines kept, values
-/// printed as Python prints them, Python's methods on strings and lists.
-fn template_env() -> Environment<'static> {
+/// printed as Python prints them, Python's methods on strings and lists. Built once.
+fn template_env() -> &'static Environment<'static> {
+    static ENV: std::sync::OnceLock<Environment<'static>> = std::sync::OnceLock::new();
+    ENV.get_or_init(build_template_env)
+}
+
+fn build_template_env() -> Environment<'static> {
     let mut env = Environment::new();
     env.set_keep_trailing_newline(true);
     env.set_undefined_behavior(UndefinedBehavior::Strict);
@@ -2085,16 +2097,7 @@ pub fn results_table(
         .collect();
     rest.sort_by(|a, b| a.name.cmp(&b.name));
     for t in rest {
-        if let Some(o) = tasks.get(&t.name) {
-            let shown = t.alias.as_deref().unwrap_or(&t.name).to_string();
-            entries.push(Entry {
-                shown,
-                version: table_number(&t.version),
-                shots: t.num_fewshot.to_string(),
-                outcome: o,
-                root_group: false,
-            });
-        }
+        ctx.visit(&t.name, 0, &mut placed, &mut entries);
     }
 
     let headers = [

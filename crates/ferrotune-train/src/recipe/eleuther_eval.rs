@@ -90,17 +90,21 @@ pub fn encode_request(
         (context, continuation.to_string())
     };
     if context.is_empty() {
-        // The harness starts an empty context with the prefix token (BOS, else EOS).
-        let prefix = tok
-            .bos_id()
-            .or_else(|| tok.eos_ids().first().copied())
-            .context("an empty context needs a BOS or EOS token to start from")?;
-        return Ok((vec![prefix], tok.encode(&continuation, false)?));
+        return Ok((vec![prefix_token(tok)?], tok.encode(&continuation, false)?));
     }
     let whole = tok.encode(&format!("{context}{continuation}"), false)?;
     let ctx = tok.encode(context, false)?;
     let cont = whole.get(ctx.len()..).unwrap_or_default().to_vec();
     Ok((ctx, cont))
+}
+
+/// The token the harness starts an empty context (or a rolling text) with: BOS, else EOS.
+fn prefix_token(tok: &Tokenizer) -> Result<u32> {
+    tok.bos_id()
+        .or_else(|| tok.eos_ids().first().copied())
+        .context(
+        "the tokenizer has neither BOS nor EOS to start an empty context or a rolling text with",
+    )
 }
 
 /// Scores `requests` ((context, continuation) texts): each continuation's summed log-probability
@@ -352,12 +356,7 @@ pub fn generate_until(
         );
     }
     let max_ctx = max_length - spec.max_gen_toks;
-    let mut eos = tok.eos_ids().to_vec();
-    for id in &model.config.eos_token_ids {
-        if !eos.contains(id) {
-            eos.push(*id);
-        }
-    }
+    let eos = setup::stop_ids(tok, &model.config);
     let mut until = spec.until.clone();
     if let Some(&first) = tok.eos_ids().first() {
         let text = tok.decode(&[first], false)?;
@@ -484,10 +483,7 @@ pub fn evaluate_prepared(
 
     // Whole texts: each scored in rolling windows, the windows' log-likelihoods summed.
     for (task, docs, reqs) in &rolling {
-        let prefix = tok
-            .bos_id()
-            .or_else(|| tok.eos_ids().first().copied())
-            .context("rolling log-likelihoods need a BOS or EOS token to start from")?;
+        let prefix = prefix_token(tok)?;
         let mut windows = Vec::new();
         let mut owner = Vec::new();
         for (d, r) in reqs.iter().enumerate() {
@@ -512,13 +508,7 @@ pub fn evaluate_prepared(
             .zip(&lls)
             .map(|(doc, ll)| task.rolling_metrics(doc, *ll))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        tasks.insert(
-            task.name.clone(),
-            Outcome {
-                metrics: task.aggregate(&per_doc),
-                docs: docs.len(),
-            },
-        );
+        tasks.insert(task.name.clone(), task.outcome(&per_doc));
     }
 
     // Log-likelihood requests of every task, scored together.
@@ -554,13 +544,7 @@ pub fn evaluate_prepared(
                 );
                 at += n;
             }
-            tasks.insert(
-                task.name.clone(),
-                Outcome {
-                    metrics: task.aggregate(&per_doc),
-                    docs: docs.len(),
-                },
-            );
+            tasks.insert(task.name.clone(), task.outcome(&per_doc));
         }
     }
 
@@ -584,13 +568,7 @@ pub fn evaluate_prepared(
                     .with_context(|| format!("task '{}', document {i}", task.name))?,
             );
         }
-        tasks.insert(
-            task.name.clone(),
-            Outcome {
-                metrics: task.aggregate(&per_doc),
-                docs: docs.len(),
-            },
-        );
+        tasks.insert(task.name.clone(), task.outcome(&per_doc));
     }
     let groups = eval_tasks::aggregate_groups(selection, &tasks);
     Ok(EvalReport {

@@ -72,12 +72,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         ferrotune_models::peft::load_adapter(&mut model, &dir)?;
     }
     eprintln!("Model loaded in {:.1}s", t0.elapsed().as_secs_f64());
-    let mut eos = tok.eos_ids().to_vec();
-    for id in &model.config.eos_token_ids {
-        if !eos.contains(id) {
-            eos.push(*id);
-        }
-    }
+    let eos = setup::stop_ids(&tok, &model.config);
     let temperature = cfg.f64("temperature")?.unwrap_or(0.6);
     let opts = GenerationOptions {
         max_new_tokens: cfg.usize("max_new_tokens")?.unwrap_or(300),
