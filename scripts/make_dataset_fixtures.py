@@ -425,7 +425,8 @@ def write_expected():
                 if add_eos:
                     ids.append(tok.eos_token_id)
                 if max_len is not None:
-                    ids = ids[:max_len]
+                    # torchtune's TextCompletionDataset keeps max_seq_len - 1 tokens.
+                    ids = ids[: max_len - 1]
                 rows.append({"input_ids": ids, "labels": list(ids)})
             per_tok[name] = rows
         cases[case] = {"section": section, "expected": per_tok}

@@ -370,6 +370,7 @@ fn collate_pads_right() {
         labels: vec![-100, 2, -100, 4, -100],
         seq_lens: vec![2, 2, 1],
         padding: 1,
+        start_position: 0,
     };
     let short = Row::new(vec![7, 8], vec![7, 8]);
     let batch = collate(&[&packed, &short], 9);
@@ -429,6 +430,7 @@ fn tokenized_rows_and_concatenation() {
             labels: vec![-100, 8, 9, 10, 11, 12, -100, -100],
             seq_lens: vec![6, 2],
             padding: 2,
+            start_position: 0,
         }
     );
 }
@@ -685,4 +687,160 @@ fn preference_builders_tokenize_each_side_as_the_sft_builders() {
         build_err(json!({"_component_": "preference_dataset", "source": pairs_file}))
             .contains("only the DPO recipes")
     );
+}
+
+/// Text completion against torchtune 0.6.1's own `text_completion_dataset` + `PackedDataset`
+/// (scripts/make_packing_fixtures.py): a text keeps `max_seq_len - 1` tokens; packed rows have
+/// torchtune's tokens, `seq_lens` and positions, with `split_across_pack` (the default) and
+/// without. Labels are torchtune's except at the first token of each sample, which is -100 here
+/// (transformers' `DataCollatorWithFlattening` convention: no target crosses between samples).
+#[test]
+fn text_completion_packing_matches_torchtune() {
+    let cases = fixture_json("datasets/torchtune_packing.json");
+    let mut packs_checked = 0;
+    for (case, spec) in cases.as_object().unwrap() {
+        for (tok_name, expected) in spec["expected"].as_object().unwrap() {
+            let rows = build(spec["section"].clone(), tok_name).rows;
+            let expected = expected.as_array().unwrap();
+            assert_eq!(rows.len(), expected.len(), "{case} {tok_name}: rows");
+            if !spec["section"]["packed"].as_bool().unwrap_or(false) {
+                for (row, want) in rows.iter().zip(expected) {
+                    assert_eq!(row.input_ids, ids(&want["tokens"]), "{case} {tok_name}");
+                    let labels: Vec<i64> = serde_json::from_value(want["labels"].clone()).unwrap();
+                    assert_eq!(row.labels, labels, "{case} {tok_name}");
+                }
+                continue;
+            }
+            let refs: Vec<&Row> = rows.iter().collect();
+            let batch = collate(&refs, default_pad_id(&real_tokenizer(tok_name)));
+            for (b, (row, want)) in rows.iter().zip(expected).enumerate() {
+                let at = format!("{case} {tok_name} row {b}");
+                let seq_lens: Vec<usize> =
+                    serde_json::from_value(want["seq_lens"].clone()).unwrap();
+                assert_eq!(row.seq_lens, seq_lens, "{at}: seq_lens");
+                let real = row.input_ids.len() - row.padding;
+                let tokens = ids(&want["tokens"]);
+                assert_eq!(row.input_ids[..real], tokens[..real], "{at}: tokens");
+                let labels: Vec<i64> = serde_json::from_value(want["labels"].clone()).unwrap();
+                let input_pos: Vec<u32> =
+                    serde_json::from_value(want["input_pos"].clone()).unwrap();
+                assert_eq!(
+                    batch.positions[b][..real],
+                    input_pos[..real],
+                    "{at}: positions"
+                );
+                for t in 0..row.input_ids.len() {
+                    let want_label = if t < real && input_pos[t] == 0 {
+                        -100
+                    } else {
+                        labels[t]
+                    };
+                    assert_eq!(row.labels[t], want_label, "{at}: label {t}");
+                }
+                packs_checked += 1;
+            }
+        }
+    }
+    assert!(packs_checked >= 12, "{packs_checked}");
+    // The fixtures do split samples across rows (a row starting mid-sample).
+    let split = build(cases["packed_split"]["section"].clone(), "llama2").rows;
+    assert!(split.iter().any(|r| r.start_position > 0));
+}
+
+/// A folder of one-file sources for the builders whose default columns differ.
+fn temp_sources(rows: &[(&str, Value)]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotune-datasets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, value) in rows {
+        let lines: Vec<String> = value
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.to_string())
+            .collect();
+        std::fs::write(dir.join(name), lines.join("\n") + "\n").unwrap();
+    }
+    dir
+}
+
+/// `slimorca_dataset` is ShareGPT chat through `column_map`; `wikitext_dataset` and
+/// `cnn_dailymail_articles_dataset` are text completion of the `page` / `article` column.
+#[test]
+fn slimorca_wikitext_and_cnn_builders() {
+    let convs = json!([
+        {"chat": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"},
+                  {"from": "gpt", "value": "Hello."}]},
+        {"chat": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+    ]);
+    let texts = json!([{"page": "One page of text.", "article": "An article."},
+                       {"page": "Another page, longer than the first one.", "article": "News."}]);
+    let dir = temp_sources(&[("chat.jsonl", convs), ("texts.jsonl", texts)]);
+    let tok = real_tokenizer("qwen3");
+    let build_in = |section: Value| {
+        build_dataset(&section, &tok, &dir).unwrap_or_else(|e| panic!("{section}: {e}"))
+    };
+    for train_on_input in [false, true] {
+        let slimorca = build_in(json!({"_component_": "torchtune.datasets.slimorca_dataset",
+            "source": "chat.jsonl", "column_map": {"conversations": "chat"},
+            "train_on_input": train_on_input}));
+        let chat = build_in(
+            json!({"_component_": "chat_dataset", "source": "chat.jsonl",
+            "conversation_style": "sharegpt", "conversation_column": "chat",
+            "train_on_input": train_on_input}),
+        );
+        assert_eq!(slimorca.rows, chat.rows);
+        assert_eq!(slimorca.rows.len(), 2);
+    }
+    for (component, column) in [
+        ("wikitext_dataset", "page"),
+        ("cnn_dailymail_articles_dataset", "article"),
+    ] {
+        let built = build_in(json!({"_component_": component, "source": "texts.jsonl",
+                                    "max_seq_len": 6}));
+        let plain = build_in(json!({"_component_": "text_completion_dataset",
+            "source": "texts.jsonl", "column": column, "max_seq_len": 6}));
+        assert_eq!(built.rows, plain.rows, "{component}");
+        assert!(built.rows.iter().all(|r| r.input_ids.len() <= 5));
+        let first = tok
+            .encode(
+                if column == "page" {
+                    "One page of text."
+                } else {
+                    "An article."
+                },
+                false,
+            )
+            .unwrap();
+        assert_eq!(built.rows[0].input_ids[..3], first[..3], "{component}");
+    }
+    // Errors name the key.
+    let err = |section: Value| match build_dataset(&section, &tok, &dir) {
+        Ok(_) => panic!("{section}: expected an error"),
+        Err(e) => e.to_string(),
+    };
+    let e = err(
+        json!({"_component_": "slimorca_dataset", "source": "chat.jsonl",
+                       "column_map": {"messages": "chat"}}),
+    );
+    assert!(e.contains("'conversations'"), "{e}");
+    let e = err(
+        json!({"_component_": "chat_dataset", "source": "chat.jsonl",
+        "conversation_style": "sharegpt", "conversation_column": "chat", "packed": true,
+        "max_seq_len": 64, "split_across_pack": true}),
+    );
+    assert!(
+        e.contains("split_across_pack") && e.contains("chat_dataset"),
+        "{e}"
+    );
+    let e = err(
+        json!({"_component_": "text_completion_dataset", "source": "texts.jsonl",
+                       "column": "page", "subset": "wikitext-2-v1"}),
+    );
+    assert!(e.contains("'subset'"), "{e}");
+    let e = err(
+        json!({"_component_": "wikitext_dataset", "source": "texts.jsonl",
+                       "subset": "wikitext-2-v1", "name": "wikitext-2-v1"}),
+    );
+    assert!(e.contains("not both"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
 }

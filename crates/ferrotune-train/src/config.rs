@@ -483,6 +483,8 @@ pub const DATASET_KEYS: &[(&str, Ty)] = &[
     ("add_eos", Ty::Bool),
     ("trust_remote_code", Ty::Bool),
     ("split_across_pack", Ty::Bool),
+    // wikitext_dataset's hub configuration.
+    ("subset", Ty::Str),
 ];
 const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),

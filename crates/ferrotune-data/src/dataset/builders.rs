@@ -271,6 +271,27 @@ impl ChatSpec {
         })
     }
 
+    /// `slimorca_dataset`: ShareGPT conversations in the column `column_map` names for
+    /// `conversations` (default `conversations`), as torchtune's `ShareGPTToMessages`.
+    pub fn slimorca(section: &Map<String, Value>) -> Result<Self> {
+        let columns = column_map(section)?;
+        if !columns.is_empty() && !columns.contains_key("conversations") {
+            return Err(DataError::Dataset(format!(
+                "slimorca_dataset column_map needs the key 'conversations' (the column of the \
+                 conversation), got {}",
+                columns.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        Ok(Self {
+            style: ChatStyle::ShareGpt,
+            column: mapped(&columns, "conversations")
+                .unwrap_or("conversations")
+                .to_string(),
+            train_on_input: get_bool(section, "train_on_input", false)?,
+            system: get_str(section, "new_system_prompt")?.map(str::to_string),
+        })
+    }
+
     pub fn conversation(&self, table: &Table, record: &Record) -> Result<Conversation> {
         let bad = |what: String| {
             DataError::Dataset(format!(

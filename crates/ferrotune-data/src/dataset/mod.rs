@@ -13,7 +13,9 @@
 //! | `samsum_dataset` | `dialogue`, `summary` | Summarize | false |
 //! | `grammar_dataset` | `input`, `output` | Grammar | false |
 //! | `chat_dataset` | `conversation_column` (`messages` / `conversations`) | the conversation | false |
+//! | `slimorca_dataset` | `column_map` key `conversations` (ShareGPT style) | the conversation | false |
 //! | `text_completion_dataset` | `column` (`text`) | none: loss on every token | — |
+//! | `wikitext_dataset`, `cnn_dailymail_articles_dataset` | `page`, `article` | as text completion | — |
 //! | `tokenized_dataset` | JSONL `input_ids`, `labels` (optional; -100 = no loss) | none | — |
 //!
 //! Preference pairs, for the DPO recipes ([`build_preference_dataset`]): `preference_dataset` and
@@ -34,9 +36,13 @@
 //!   parts) or `sharegpt` (`from: system|human|gpt`, `value`).
 //! - `new_system_prompt` (instruct, samsum, grammar, chat): a system message first, replacing the
 //!   row's own system messages. System messages never carry loss.
-//! - `text_completion_dataset`: `add_eos` (default true).
+//! - `text_completion_dataset` (and `wikitext_dataset`, `cnn_dailymail_articles_dataset`):
+//!   `add_eos` (default true); `max_seq_len` keeps the first `max_seq_len - 1` tokens, as
+//!   torchtune's `TextCompletionDataset`; `subset` (wikitext) or `name` picks the hub
+//!   configuration (defaults `wikitext-103-v1`, `3.0.0`).
 //! - The named builders default `source` to their hub dataset (`tatsu-lab/alpaca`,
-//!   `yahma/alpaca-cleaned`, `Samsung/samsum`, `liweili/c4_200m`); `column_map` renames columns.
+//!   `yahma/alpaca-cleaned`, `Samsung/samsum`, `liweili/c4_200m`, `Open-Orca/SlimOrca-Dedup`,
+//!   `EleutherAI/wikitext_document_level`, `ccdv/cnn_dailymail`); `column_map` renames columns.
 //!
 //! # Sources
 //!
@@ -72,14 +78,16 @@
 //!   (unlike torchtune's SentencePiece tokenizers, the leading space a SentencePiece vocabulary
 //!   adds to the response is kept, as `tokenizer.encode(response)` gives it).
 //! - `max_seq_len` truncates (torchtune's rule): the first `max_seq_len` tokens are kept and,
-//!   when a conversation was cut, its last kept token becomes EOS. Text completion and
-//!   pre-tokenized rows are cut without that.
+//!   when a conversation was cut, its last kept token becomes EOS. Pre-tokenized rows are cut
+//!   without that, text completion to `max_seq_len - 1` tokens without it.
 //!
 //! # Packing
 //!
 //! `packed: true` (needs `max_seq_len`) fills rows of exactly `max_seq_len` tokens with
-//! consecutive samples in dataset order (torchtune's `PackedDataset` without splitting a sample
-//! across rows); the rest of a row is padding (pad id, label -100), and `seq_lens` lists the
+//! consecutive samples in dataset order (torchtune's `PackedDataset`): a sample that does not fit
+//! starts the next row, or — `split_across_pack`, the default of the text-completion builders
+//! as in torchtune — fills the row and goes on in the next (its positions continue there, its
+//! attention stays within each row's part); the rest of a row is padding (pad id, label -100), and `seq_lens` lists the
 //! samples' lengths then the padding's ([`default_pad_id`]: the tokenizer's pad id, else EOS,
 //! else 0). The label of each packed sample's first token is -100:
 //! the loss predicts `labels[i + 1]` at position `i`, so no target crosses from one sample into
@@ -116,6 +124,9 @@ pub struct Row {
     pub seq_lens: Vec<usize>,
     /// Packed rows: how many trailing tokens are padding (the last `seq_lens` entry when > 0).
     pub padding: usize,
+    /// The position id of the row's first token: 0, except for a packed row that begins with the
+    /// rest of a sample split across rows (`split_across_pack`), whose positions continue.
+    pub start_position: usize,
 }
 
 impl Row {
@@ -126,6 +137,7 @@ impl Row {
             labels,
             seq_lens: Vec::new(),
             padding: 0,
+            start_position: 0,
         }
     }
 }
@@ -146,7 +158,10 @@ enum Builder {
     Samsum,
     Grammar,
     Chat,
+    SlimOrca,
     TextCompletion,
+    Wikitext,
+    CnnDailymail,
     Tokenized,
     Preference,
     StackExchangePaired,
@@ -165,7 +180,10 @@ impl Builder {
             "samsum_dataset" => Builder::Samsum,
             "grammar_dataset" => Builder::Grammar,
             "chat_dataset" => Builder::Chat,
+            "slimorca_dataset" => Builder::SlimOrca,
             "text_completion_dataset" => Builder::TextCompletion,
+            "wikitext_dataset" => Builder::Wikitext,
+            "cnn_dailymail_articles_dataset" => Builder::CnnDailymail,
             "tokenized_dataset" => Builder::Tokenized,
             "preference_dataset" => Builder::Preference,
             "stack_exchange_paired_dataset" => Builder::StackExchangePaired,
@@ -174,7 +192,8 @@ impl Builder {
                 return Err(DataError::Dataset(format!(
                     "unknown dataset _component_ '{component}' (known: instruct_dataset, \
                      chat_dataset, text_completion_dataset, tokenized_dataset, alpaca_dataset, \
-                     alpaca_cleaned_dataset, samsum_dataset, grammar_dataset; preference pairs: \
+                     alpaca_cleaned_dataset, samsum_dataset, grammar_dataset, slimorca_dataset, \
+                     wikitext_dataset, cnn_dailymail_articles_dataset; preference pairs: \
                      preference_dataset, stack_exchange_paired_dataset, hh_rlhf_helpful_dataset)"
                 )))
             }
@@ -187,8 +206,21 @@ impl Builder {
             Builder::AlpacaCleaned => Some("yahma/alpaca-cleaned"),
             Builder::Samsum => Some("Samsung/samsum"),
             Builder::Grammar => Some("liweili/c4_200m"),
+            Builder::SlimOrca => Some("Open-Orca/SlimOrca-Dedup"),
+            Builder::Wikitext => Some("EleutherAI/wikitext_document_level"),
+            Builder::CnnDailymail => Some("ccdv/cnn_dailymail"),
             Builder::StackExchangePaired => Some("lvwerra/stack-exchange-paired"),
             Builder::HhRlhfHelpful => Some("RLHFlow/HH-RLHF-Helpful-standard"),
+            _ => None,
+        }
+    }
+
+    /// The text column of the text-completion builders.
+    fn text_column(self) -> Option<&'static str> {
+        match self {
+            Builder::TextCompletion => Some("text"),
+            Builder::Wikitext => Some("page"),
+            Builder::CnnDailymail => Some("article"),
             _ => None,
         }
     }
@@ -315,6 +347,18 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
             "dataset 'packed: true' needs 'max_seq_len' (the length of a packed row)".into(),
         ));
     }
+    // torchtune splits samples across packed rows only for its text-completion datasets (where
+    // it is the default); its SFT datasets have no such option.
+    let text_column = builder.text_column();
+    let split_across_pack = builders::get_bool(&map, "split_across_pack", text_column.is_some())?;
+    if split_across_pack && text_column.is_none() {
+        return Err(DataError::Dataset(format!(
+            "dataset 'split_across_pack: true' applies to text_completion_dataset, \
+             wikitext_dataset and cnn_dailymail_articles_dataset, not '{component}' (a \
+             conversation is never split across packed rows)"
+        )));
+    }
+    let map = with_hub_configuration(builder, map)?;
     let (source, split) = source_of(&map, builder.default_source(), base_dir)?;
     let encoder = Encoder::new(tokenizer)?;
 
@@ -342,22 +386,30 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
     } else {
         let table = source::load_split(&source, &split, source_field(&map)?)?;
         match builder {
-            Builder::TextCompletion => {
-                let column = builders::get_str(&map, "column")?.unwrap_or("text");
+            Builder::TextCompletion | Builder::Wikitext | Builder::CnnDailymail => {
+                let column = builders::get_str(&map, "column")?
+                    .or(text_column)
+                    .expect("text-completion builders have a column");
                 let add_eos = builders::get_bool(&map, "add_eos", true)?;
                 table.require(column)?;
                 for record in &table.rows {
                     let text = builders::text_of(&table, record, column)?;
                     let (mut ids, mut labels) = encoder.text(&text, add_eos)?;
                     if let Some(max) = max_seq_len {
-                        ids.truncate(max);
-                        labels.truncate(max);
+                        // torchtune's TextCompletionDataset keeps max_seq_len - 1 tokens (and,
+                        // unlike a conversation, does not end a cut text with EOS).
+                        ids.truncate(max - 1);
+                        labels.truncate(max - 1);
                     }
                     samples.push(check_nonempty(ids, labels, &table, record)?);
                 }
             }
-            Builder::Chat => {
-                let spec = ChatSpec::from_section(&map)?;
+            Builder::Chat | Builder::SlimOrca => {
+                let spec = if builder == Builder::SlimOrca {
+                    ChatSpec::slimorca(&map)?
+                } else {
+                    ChatSpec::from_section(&map)?
+                };
                 table.require(&spec.column)?;
                 for record in &table.rows {
                     let conv = spec.conversation(&table, record)?;
@@ -406,7 +458,7 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
 
     let rows = if packed {
         let max = max_seq_len.expect("checked above");
-        pack(samples, max, default_pad_id(tokenizer))
+        pack(samples, max, default_pad_id(tokenizer), split_across_pack)
     } else {
         samples
             .into_iter()
@@ -608,8 +660,44 @@ pub fn collate_pairs(pairs: &[&PreferencePair], pad_id: u32) -> Batch {
     collate(&rows, pad_id)
 }
 
-/// Packs samples (each at most `max_len` tokens) into rows of exactly `max_len`, in order.
-fn pack(samples: Vec<(Vec<u32>, Vec<i64>)>, max_len: usize, pad_id: u32) -> Vec<Row> {
+/// `wikitext_dataset`'s `subset` and `cnn_dailymail_articles_dataset`'s version as the hub
+/// configuration (`name`) torchtune passes to `load_dataset`.
+fn with_hub_configuration(
+    builder: Builder,
+    mut map: Map<String, Value>,
+) -> Result<Map<String, Value>> {
+    let has_name = map.get("name").is_some_and(|v| !v.is_null());
+    let subset = builders::get_str(&map, "subset")?.map(str::to_string);
+    if builder != Builder::Wikitext && subset.is_some() {
+        return Err(DataError::Dataset(
+            "dataset 'subset' belongs to wikitext_dataset; other builders take the hub \
+             configuration as 'name'"
+                .into(),
+        ));
+    }
+    let default_name = match builder {
+        Builder::Wikitext if has_name && subset.is_some() => {
+            return Err(DataError::Dataset(
+                "wikitext_dataset takes the hub configuration as 'subset' or 'name', not both"
+                    .into(),
+            ))
+        }
+        Builder::Wikitext => subset.unwrap_or_else(|| "wikitext-103-v1".into()),
+        // The version the ccdv/cnn_dailymail loading script requires.
+        Builder::CnnDailymail => "3.0.0".into(),
+        _ => return Ok(map),
+    };
+    if !has_name {
+        map.insert("name".into(), Value::String(default_name));
+    }
+    Ok(map)
+}
+
+/// Packs samples (each at most `max_len` tokens) into rows of exactly `max_len`, in order, as
+/// torchtune's `PackedDataset`: a sample that does not fit in what is left of a row starts the
+/// next row, or with `split` fills the row and goes on in the next one (its positions continuing
+/// there, its attention limited to the part in each row).
+fn pack(samples: Vec<(Vec<u32>, Vec<i64>)>, max_len: usize, pad_id: u32, split: bool) -> Vec<Row> {
     let mut rows = Vec::new();
     let mut current = Row::new(Vec::new(), Vec::new());
     let flush = |current: &mut Row, rows: &mut Vec<Row>| {
@@ -628,16 +716,33 @@ fn pack(samples: Vec<(Vec<u32>, Vec<i64>)>, max_len: usize, pad_id: u32) -> Vec<
     for (mut ids, mut labels) in samples {
         ids.truncate(max_len);
         labels.truncate(max_len);
-        if current.input_ids.len() + ids.len() > max_len {
-            flush(&mut current, &mut rows);
-        }
         // No target may cross into this sample from the previous one (see the module doc).
         if let Some(first) = labels.first_mut() {
             *first = IGNORE_INDEX;
         }
-        current.seq_lens.push(ids.len());
-        current.input_ids.extend(ids);
-        current.labels.extend(labels);
+        if !split {
+            if current.input_ids.len() + ids.len() > max_len {
+                flush(&mut current, &mut rows);
+            }
+            current.seq_lens.push(ids.len());
+            current.input_ids.extend(ids);
+            current.labels.extend(labels);
+            continue;
+        }
+        let mut offset = 0;
+        while offset < ids.len() {
+            let take = (max_len - current.input_ids.len()).min(ids.len() - offset);
+            if current.input_ids.is_empty() {
+                current.start_position = offset;
+            }
+            current.seq_lens.push(take);
+            current.input_ids.extend(&ids[offset..offset + take]);
+            current.labels.extend(&labels[offset..offset + take]);
+            offset += take;
+            if current.input_ids.len() == max_len {
+                flush(&mut current, &mut rows);
+            }
+        }
     }
     flush(&mut current, &mut rows);
     rows
@@ -689,7 +794,8 @@ pub fn collate(rows: &[&Row], pad_id: u32) -> Batch {
         };
         for (segment, &n) in lens.iter().enumerate() {
             let is_padding = row.padding > 0 && segment == lens.len() - 1;
-            for p in 0..n {
+            let start = if segment == 0 { row.start_position } else { 0 };
+            for p in start..start + n {
                 positions.push(p as u32);
                 segments.push(segment as u32);
                 valid.push(!is_padding);
@@ -740,4 +846,50 @@ pub fn shuffled_order(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
         order.swap(i, j);
     }
     order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name_for(component: &str, section: Value) -> Option<String> {
+        let builder = Builder::parse(component).unwrap();
+        let map = with_hub_configuration(builder, section.as_object().unwrap().clone()).unwrap();
+        map.get("name").and_then(Value::as_str).map(str::to_string)
+    }
+
+    /// The hub configurations torchtune's builders pass to `load_dataset`.
+    #[test]
+    fn hub_configuration_of_the_named_builders() {
+        let empty = serde_json::json!({});
+        assert_eq!(
+            name_for("wikitext_dataset", empty.clone()).as_deref(),
+            Some("wikitext-103-v1")
+        );
+        assert_eq!(
+            name_for(
+                "wikitext_dataset",
+                serde_json::json!({"subset": "wikitext-2-raw-v1"})
+            )
+            .as_deref(),
+            Some("wikitext-2-raw-v1")
+        );
+        assert_eq!(
+            name_for("cnn_dailymail_articles_dataset", empty.clone()).as_deref(),
+            Some("3.0.0")
+        );
+        assert_eq!(
+            name_for(
+                "cnn_dailymail_articles_dataset",
+                serde_json::json!({"name": "2.0.0"})
+            )
+            .as_deref(),
+            Some("2.0.0")
+        );
+        assert_eq!(name_for("text_completion_dataset", empty), None);
+        assert_eq!(
+            Builder::parse("slimorca_dataset").unwrap().default_source(),
+            Some("Open-Orca/SlimOrca-Dedup")
+        );
+    }
 }
