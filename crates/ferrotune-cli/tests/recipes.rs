@@ -365,6 +365,32 @@ fn validate_names_bad_keys_and_types() {
         assert!(t.contains(expect), "{yaml}: expected '{expect}' in: {t}");
         assert!(!t.contains("panicked"), "{t}");
     }
+    // torchtune's tensor-parallel keys validate; a dimension above 1 is refused when run.
+    let tp = dir.join("tp.yaml");
+    std::fs::write(
+        &tp,
+        "output_dir: /tmp/x\ntensor_parallel_dim: 2\ntensor_parallel_plan:\n  \
+         _component_: torchtune.models.llama3.base_llama_tp_plan\n",
+    )
+    .unwrap();
+    let out = ferrotune(&["validate", tp.to_str().unwrap()], &dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = ferrotune(
+        &[
+            "run",
+            "full_finetune_single_device",
+            "--config",
+            tp.to_str().unwrap(),
+        ],
+        &dir,
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out).contains("tensor_parallel_dim: 2 is not supported"),
+        "{}",
+        text(&out)
+    );
     // Every built-in config validates.
     let out = ferrotune(&["ls"], &dir, &[]);
     assert!(out.status.success());

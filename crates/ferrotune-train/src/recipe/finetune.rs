@@ -211,6 +211,17 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
         }
     }
+    // torchtune's 70B configs name a tensor-parallel plan with `tensor_parallel_dim: 1`, which
+    // is no tensor parallelism; a larger dimension would change how rows are dealt to ranks,
+    // so it is refused rather than run as something else.
+    match cfg.usize("tensor_parallel_dim")? {
+        None | Some(1) => {}
+        Some(n) => bail!(
+            "{}: tensor_parallel_dim: {n} is not supported (ferrotune has no tensor \
+             parallelism; its distributed recipes shard with fsdp_sharding): set it to 1",
+            cfg.origin
+        ),
+    }
     let output_dir = cfg
         .path("output_dir")?
         .ok_or_else(|| anyhow!("{}: 'output_dir' is required", cfg.origin))?;
