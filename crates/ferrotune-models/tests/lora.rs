@@ -18,7 +18,7 @@ use ferrotune_models::{
 };
 use serde_json::Value;
 
-use common::{fixtures, max_abs_diff};
+use common::{fixtures, max_abs_diff, rel_l2};
 
 fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
@@ -33,19 +33,6 @@ fn rows_tensor<T: serde::de::DeserializeOwned + candle_core::WithDType>(rows: &V
     let rows: Vec<Vec<T>> = serde_json::from_value(rows.clone()).unwrap();
     let (b, t) = (rows.len(), rows[0].len());
     Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap()
-}
-
-fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
-    let norm = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .sqrt()
-    };
-    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
 }
 
 fn base_model(family: &str) -> CausalLm {

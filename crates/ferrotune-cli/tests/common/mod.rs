@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use candle_core::{Device, Tensor};
+#[allow(unused_imports)]
+pub use ferrotune_testing::rel_l2;
 use serde_json::Value;
 
 /// The repository's `tests/fixtures`.
@@ -98,19 +100,4 @@ pub fn copy_model_with_config(src: &Path, dst: &Path, edit: impl FnOnce(&mut Val
     let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     edit(&mut config);
     std::fs::write(&path, config.to_string()).unwrap();
-}
-
-/// `‖got − want‖ / ‖want‖` over all elements (f32 tensors of one shape).
-#[allow(dead_code)]
-pub fn rel_l2(got: &Tensor, want: &Tensor) -> f32 {
-    let norm = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .sqrt()
-    };
-    norm(&(got - want).unwrap()) / norm(want).max(1e-30)
 }
