@@ -211,6 +211,66 @@ WIKITEXT = [
     {"page": " = Tropical Storm Alpha = \n\n Tropical Storm Alpha was a short @-@ lived tropical cyclone that formed in the Caribbean Sea . It brought heavy rain to Haiti and the Dominican Republic , where N people died . The storm reached winds of 50 mph ( 85 km / h ) before weakening over land . \n"},
 ]
 
+BOOLQ = [
+    {"question": "is the pacific ocean the largest ocean on earth", "passage": "The Pacific Ocean is the largest and deepest of Earth's five oceanic divisions.", "idx": 0, "label": 1},
+    {"question": "can a penguin fly", "passage": "Penguins are a group of aquatic flightless birds living almost exclusively in the Southern Hemisphere.", "idx": 1, "label": 0},
+    {"question": "is water made of hydrogen and oxygen", "passage": "Water is an inorganic compound with the chemical formula H2O.", "idx": 2, "label": 1},
+]
+
+COPA = [
+    {"premise": "The man broke his toe.", "choice1": "He dropped a hammer on his foot.", "choice2": "He got a hole in his sock.", "question": "cause", "idx": 0, "label": 0},
+    {"premise": "I tipped the bottle. ", "choice1": "The liquid in the bottle froze.", "choice2": "The liquid in the bottle poured out.", "question": "effect", "idx": 1, "label": 1},
+    {"premise": "The woman repaired her faucet.", "choice1": "The faucet was leaky.", "choice2": "The faucet was turned off.", "question": "cause", "idx": 2, "label": 0},
+]
+
+RTE = [
+    {"sentence1": "Dana Reeve, the widow of the actor Christopher Reeve, has died of lung cancer at age 44.", "sentence2": "Christopher Reeve had an accident.", "label": 1, "idx": 0},
+    {"sentence1": "Paris is the capital and most populous city of France.", "sentence2": "Paris is in France.", "label": 0, "idx": 1},
+    {"sentence1": "The cat sat on the mat all afternoon.", "sentence2": "The dog sat on the mat.", "label": 1, "idx": 2},
+]
+
+SIQA = [
+    {"context": "Tracy didn't go home that evening and resisted Riley's attacks.", "question": "What does Tracy need to do before this?", "answerA": "make a new plan", "answerB": "Go home and see Riley", "answerC": "Find somewhere to go", "label": "3"},
+    {"context": "Sydney walked past a homeless woman asking for change but did not have any money they could give to her.", "question": "How would you describe Sydney?", "answerA": "sympathetic", "answerB": "like a person who was unable to help", "answerC": "incredulous", "label": "1"},
+    {"context": "Sasha protected the patients' rights by making new laws regarding cancer drug trials.", "question": "What will patients want to do next?", "answerA": "write new laws", "answerB": "get petitions signed", "answerC": "live longer", "label": "3"},
+]
+
+COMMONSENSE_QA = [
+    {"id": "1", "question": "The sanctions against the school were a punishing blow, and they seemed to what the efforts the school had made to change? ", "question_concept": "punishing", "choices": {"label": ["A", "B", "C", "D", "E"], "text": ["ignore", "enforce", "authoritarian", "yell at", "avoid"]}, "answerKey": "A"},
+    {"id": "2", "question": "Where would you put a plate after washing it?", "question_concept": "plate", "choices": {"label": ["A", "B", "C", "D", "E"], "text": ["cupboard", "floor", "oven", "garden", "car"]}, "answerKey": "A"},
+    {"id": "3", "question": "What do people use to cut paper?", "question_concept": "cut", "choices": {"label": ["A", "B", "C", "D", "E"], "text": ["spoon", "scissors", "pillow", "cup", "shoe"]}, "answerKey": "B"},
+]
+
+LOGIQA = [
+    {"label": "d", "context": "Some Cantonese don't like chili, so some southerners don't like chili.", "question": "Which of the following can guarantee the above argument?", "options": ["Some Cantonese love chili.", "Some people who like peppers are southerners.", "All Cantonese are southerners.", "Some Cantonese like neither peppers nor sweets."]},
+    {"label": " b", "context": "All birds have feathers. A sparrow is a bird.", "question": "What follows?", "options": ["A sparrow has no feathers.", "A sparrow has feathers.", "All feathered animals are sparrows.", "Birds are sparrows."]},
+    {"label": "a", "context": "If it rains, the ground gets wet. It rained.", "question": "What can be concluded?", "options": ["The ground is wet.", "The ground is dry.", "It did not rain.", "Nothing."]},
+]
+
+MATHQA = [
+    {"Problem": "the banker ' s gain of a certain sum due 3 years hence at 10 % per annum is rs . 36 . what is the present worth ?", "Rationale": "explanation", "options": "a ) rs . 400 , b ) rs . 300 , c ) rs . 500 , d ) rs . 350 , e ) none of these", "correct": "a", "annotated_formula": "f", "linear_formula": "l", "category": "gain"},
+    {"Problem": "what is 12 times 3 ?", "Rationale": "12 * 3 = 36", "options": "a ) 30 , b ) 33 , c ) 36 , d ) 39 , e ) 42", "correct": "c", "annotated_formula": "f", "linear_formula": "l", "category": "general"},
+    {"Problem": "a train covers 60 km in 1.5 hours . what is its speed ?", "Rationale": "60 / 1.5 = 40", "options": "a ) 40 kmph , b ) 45 kmph , c ) 50 kmph , d ) 35 kmph , e ) 30 kmph\n", "correct": "a", "annotated_formula": "f", "linear_formula": "l", "category": "physics"},
+]
+
+LAMBADA_STANDARD = [
+    {"text": "He picked up the phone and dialed her number. It rang three times before she finally answered the phone", "domain": None},
+    {"text": "The baker took the bread out of the oven. The smell of fresh bread filled the whole kitchen", "domain": None},
+    {"text": "They walked along the beach at sunset, watching the waves roll onto the sand", "domain": None},
+]
+
+TRIVIAQA = [
+    {"question": "What is the capital of France", "question_id": "q1", "question_source": "x", "answer": {"aliases": ["Paris", "Paris, France", "City of Light"], "normalized_aliases": ["paris"], "matched_wiki_entity_name": "", "normalized_matched_wiki_entity_name": "", "normalized_value": "paris", "type": "WikipediaEntity", "value": "Paris"}},
+    {"question": "Which playwright wrote Long Day's Journey into Night", "question_id": "q2", "question_source": "x", "answer": {"aliases": ["Eugene O'Neill", "O'Neill", "Eugene Gladstone O'Neill"], "normalized_aliases": ["eugene oneill"], "matched_wiki_entity_name": "", "normalized_matched_wiki_entity_name": "", "normalized_value": "eugene oneill", "type": "WikipediaEntity", "value": "Eugene O'Neill"}},
+    {"question": "How many legs does a spider have", "question_id": "q3", "question_source": "x", "answer": {"aliases": ["eight", "8"], "normalized_aliases": ["8", "eight"], "matched_wiki_entity_name": "", "normalized_matched_wiki_entity_name": "", "normalized_value": "8", "type": "Numerical", "value": "8"}},
+]
+
+NQ_OPEN = [
+    {"question": "what is the capital city of france", "answer": ["the city of Paris", "Paris"]},
+    {"question": "who wrote romeo and juliet", "answer": ["William Shakespeare", "Shakespeare"]},
+    {"question": "how many days are in a week", "answer": ["seven", "7"]},
+]
+
 # task -> (lm-eval YAML, the split the harness evaluates, documents, file stem)
 TASKS = {
     "truthfulqa_mc1": ("truthfulqa/truthfulqa_mc1.yaml", "validation", TRUTHFULQA, "truthfulqa_mc"),
@@ -223,7 +283,37 @@ TASKS = {
     "openbookqa": ("openbookqa/openbookqa.yaml", "test", OPENBOOKQA, "openbookqa"),
     "winogrande": ("winogrande/default.yaml", "validation", WINOGRANDE, "winogrande"),
     "lambada_openai": ("lambada/lambada_openai.yaml", "test", LAMBADA, "lambada_openai"),
+    "boolq": ("super_glue/boolq/default.yaml", "validation", BOOLQ, "boolq"),
+    "copa": ("super_glue/copa/default.yaml", "validation", COPA, "copa"),
+    "rte": ("glue/rte/default.yaml", "validation", RTE, "rte"),
+    "social_iqa": ("siqa/siqa.yaml", "validation", SIQA, "social_iqa"),
+    "commonsense_qa": ("commonsense_qa/default.yaml", "validation", COMMONSENSE_QA, "commonsense_qa"),
+    "logiqa": ("logiqa/logiqa.yaml", "test", LOGIQA, "logiqa"),
+    "mathqa": ("mathqa/mathqa.yaml", "test", MATHQA, "mathqa"),
+    "lambada_standard": ("lambada/lambada_standard.yaml", "test", LAMBADA_STANDARD, "lambada_standard"),
 }
+
+TRIVIAQA_TRAIN = [
+    {"question": "Who painted the Mona Lisa", "question_id": "t1", "question_source": "x", "answer": {"aliases": ["Leonardo da Vinci", "Leonardo"], "normalized_aliases": ["leonardo da vinci"], "matched_wiki_entity_name": "", "normalized_matched_wiki_entity_name": "", "normalized_value": "leonardo da vinci", "type": "WikipediaEntity", "value": "Leonardo da Vinci"}},
+    {"question": "What is the largest planet in the Solar System", "question_id": "t2", "question_source": "x", "answer": {"aliases": ["Jupiter", "Planet Jupiter"], "normalized_aliases": ["jupiter"], "matched_wiki_entity_name": "", "normalized_matched_wiki_entity_name": "", "normalized_value": "jupiter", "type": "WikipediaEntity", "value": "Jupiter"}},
+    {"question": "What is the chemical symbol for gold", "question_id": "t3", "question_source": "x", "answer": {"aliases": ["Au"], "normalized_aliases": ["au"], "matched_wiki_entity_name": "", "normalized_matched_wiki_entity_name": "", "normalized_value": "au", "type": "WikipediaEntity", "value": "Au"}},
+    {"question": "In which country is the Taj Mahal", "question_id": "t4", "question_source": "x", "answer": {"aliases": ["India", "Republic of India"], "normalized_aliases": ["india"], "matched_wiki_entity_name": "", "normalized_matched_wiki_entity_name": "", "normalized_value": "india", "type": "WikipediaEntity", "value": "India"}},
+]
+
+NQ_OPEN_TRAIN = [
+    {"question": "what is the largest ocean on earth", "answer": ["the Pacific Ocean", "Pacific"]},
+    {"question": "who painted the mona lisa", "answer": ["Leonardo da Vinci"]},
+    {"question": "what color is the sky on a clear day", "answer": ["blue"]},
+    {"question": "how many continents are there", "answer": ["seven", "7"]},
+]
+
+# Generation tasks with list targets, 3-shot from their train documents:
+# task -> (lm-eval YAML, split, documents, file stem)
+GEN_TASKS = {
+    "triviaqa": ("triviaqa/default.yaml", "validation", TRIVIAQA, "triviaqa"),
+    "nq_open": ("nq_open/nq_open.yaml", "validation", NQ_OPEN, "nq_open"),
+}
+GEN_TRAIN = {"triviaqa": TRIVIAQA_TRAIN, "nq_open": NQ_OPEN_TRAIN}
 
 
 def main():
@@ -232,7 +322,8 @@ def main():
     mmlu_files = [(None, None, docs, f"mmlu_{cat}") for cat, docs in MMLU.items()]
     mmlu_files += [(None, None, GSM8K_TRAIN, "gsm8k_train"), (None, None, GSM8K_TEST, "gsm8k_test")]
     mmlu_files += [(None, None, WIKITEXT, "wikitext")]
-    for _, _, docs, stem in list(TASKS.values()) + mmlu_files:
+    mmlu_files += [(None, None, docs, f"{task}_train") for task, docs in GEN_TRAIN.items()]
+    for _, _, docs, stem in list(TASKS.values()) + list(GEN_TASKS.values()) + mmlu_files:
         with open(os.path.join(DATA, stem + ".jsonl"), "w") as f:
             for d in docs:
                 f.write(json.dumps(d, ensure_ascii=False) + "\n")
@@ -240,7 +331,7 @@ def main():
     # The same documents as Parquet, as the Hub serves them (the CLI test's loopback Hub).
     import datasets
 
-    for _, _, docs, stem in list(TASKS.values()) + mmlu_files:
+    for _, _, docs, stem in list(TASKS.values()) + list(GEN_TASKS.values()) + mmlu_files:
         datasets.Dataset.from_list(docs).to_parquet(os.path.join(DATA, stem + ".parquet"))
 
     include = tempfile.mkdtemp()
@@ -256,6 +347,14 @@ def main():
             f.write("training_split: null\n")
             f.write(f"{other[0]}_split: null\n")
             f.write(f"{split}_split: {split}\n")
+
+    for task, (yaml_rel, split, _, stem) in GEN_TASKS.items():
+        with open(os.path.join(include, f"local_{task}.yaml"), "w") as f:
+            f.write(f"include: {os.path.join(TASKS_DIR, yaml_rel)}\n")
+            f.write(f"task: local_{task}\ntag: []\ndataset_path: json\ndataset_name: null\n")
+            f.write("training_split: train\nnum_fewshot: 3\n")
+            f.write(f"dataset_kwargs:\n  data_files:\n    {split}: {os.path.join(DATA, stem + '.jsonl')}\n")
+            f.write(f"    train: {os.path.join(DATA, stem + '_train.jsonl')}\n")
 
     # MMLU: every subject's own task file, reading the same two documents, grouped as the
     # harness's `mmlu` group (local copies of its group files, pointing at the local tasks).
@@ -347,6 +446,10 @@ def main():
     for task in gen_tasks["tasks"].values():
         task.set_fewshot_seed(seed=1234)
     gen_out = evaluate(lm1, gen_tasks, log_samples=True, bootstrap_iters=1000)
+    list_gen = manager.load([f"local_{t}" for t in GEN_TASKS])
+    for task in list_gen["tasks"].values():
+        task.set_fewshot_seed(seed=1234)
+    zero_shot_gen = evaluate(lm1, list_gen, log_samples=True, bootstrap_iters=1000)
 
     golden = {"lm_eval_version": lm_eval.__version__, "model": os.path.basename(gguf), "tasks": {}}
     for task in TASKS:
@@ -393,6 +496,22 @@ def main():
         ],
         "table": make_table(gen_out),
     }
+    golden["generation_tasks"] = {
+        task: {
+            "metrics": {k: v for k, v in zero_shot_gen["results"][f"local_{task}"].items() if "," in k},
+            "samples": [
+                {
+                    "context": smp["arguments"][0][0],
+                    "response": smp["resps"][0][0],
+                    "filtered": smp["filtered_resps"],
+                    "exact_match": smp["exact_match"],
+                }
+                for smp in sorted(zero_shot_gen["samples"][f"local_{task}"], key=lambda x: x["doc_id"])
+            ],
+        }
+        for task in GEN_TASKS
+    }
+    golden["generation_tasks_table"] = make_table(zero_shot_gen)
     golden["wikitext"] = {
         "max_length": 64,
         "metrics": {k.split(",")[0]: v for k, v in roll_out["results"]["local_wikitext"].items() if "," in k and "stderr" not in k},
@@ -416,6 +535,7 @@ def main():
     for name in ("local_arc_easy_2shot", "local_mmlu_2shot"):
         out["results"].pop(name)
     out["results"]["local_lambada_openai"]["perplexity_stderr,none"] = "N/A"
+    out["results"]["local_lambada_standard"]["perplexity_stderr,none"] = "N/A"
     golden["table"] = make_table(out)
 
     with open(os.path.join(OUT, "golden.json"), "w") as f:

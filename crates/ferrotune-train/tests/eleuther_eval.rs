@@ -29,6 +29,20 @@ const TASKS: &[(&str, &str, &str)] = &[
     ("openbookqa", "openbookqa", "test"),
     ("winogrande", "winogrande", "validation"),
     ("lambada_openai", "lambada_openai", "test"),
+    ("boolq", "boolq", "validation"),
+    ("copa", "copa", "validation"),
+    ("rte", "rte", "validation"),
+    ("social_iqa", "social_iqa", "validation"),
+    ("commonsense_qa", "commonsense_qa", "validation"),
+    ("logiqa", "logiqa", "test"),
+    ("mathqa", "mathqa", "test"),
+    ("lambada_standard", "lambada_standard", "test"),
+];
+
+/// The zero-shot generation tasks with list targets: (task, data file stem, split).
+const GEN_TASKS: &[(&str, &str, &str)] = &[
+    ("triviaqa", "triviaqa", "validation"),
+    ("nq_open", "nq_open", "validation"),
 ];
 
 /// SmolLM2-135M-Instruct from its GGUF in f32, its tokenizer, and the pad id.
@@ -53,19 +67,7 @@ fn local_tasks() -> (PathBuf, Selection) {
     let dir = std::env::temp_dir().join(format!("ferrotune-eleuther-tasks-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let data = common::workspace_fixture("eleuther/data");
-    for (task, stem, split) in TASKS {
-        let other = if *split == "test" {
-            "validation"
-        } else {
-            "test"
-        };
-        let yaml = format!(
-            "include: {task}\ntask: local_{task}\ntag: []\ndataset_path: json\ndataset_name: null\n\
-             dataset_kwargs:\n  data_files:\n    {split}: {}\n{other}_split: null\n{split}_split: {split}\n",
-            data.join(format!("{stem}.jsonl")).display()
-        );
-        std::fs::write(dir.join(format!("local_{task}.yaml")), yaml).unwrap();
-    }
+    write_local_tasks(&dir, TASKS);
     let g = golden();
     for (subject, category) in g["mmlu_subjects"].as_object().unwrap() {
         let category = category.as_str().unwrap();
@@ -96,6 +98,25 @@ fn local_tasks() -> (PathBuf, Selection) {
     let mut names: Vec<String> = TASKS.iter().map(|(t, _, _)| format!("local_{t}")).collect();
     names.push("local_mmlu".into());
     (dir, select(&registry, &names).unwrap())
+}
+
+/// Writes `local_<task>.yaml` for each (task, stem, split): the built-in task included unchanged,
+/// its evaluated split read from the fixture's `<stem>.jsonl`.
+fn write_local_tasks(dir: &std::path::Path, tasks: &[(&str, &str, &str)]) {
+    let data = common::workspace_fixture("eleuther/data");
+    for (task, stem, split) in tasks {
+        let other = if *split == "test" {
+            "validation"
+        } else {
+            "test"
+        };
+        let yaml = format!(
+            "include: {task}\ntask: local_{task}\ntag: []\ndataset_path: json\ndataset_name: null\n\
+             dataset_kwargs:\n  data_files:\n    {split}: {}\n{other}_split: null\n{split}_split: {split}\n",
+            data.join(format!("{stem}.jsonl")).display()
+        );
+        std::fs::write(dir.join(format!("local_{task}.yaml")), yaml).unwrap();
+    }
 }
 
 fn requests_of(sample: &Value) -> Vec<(String, String)> {
@@ -140,11 +161,12 @@ fn builtin_tasks_make_the_harness_requests() {
         for (o, s) in ours.iter().zip(samples) {
             assert_eq!(o.requests, requests_of(s), "{task} document {}", o.doc_id);
         }
-        assert_eq!(
-            spec.version,
-            format!("{:.1}", g["tasks"][task]["version"].as_f64().unwrap()),
-            "{task}: version"
-        );
+        let version = &g["tasks"][task]["version"];
+        let want = match version.as_f64() {
+            Some(v) => format!("{v:.1}"),
+            None => version.as_str().unwrap().to_string(),
+        };
+        assert_eq!(spec.version, want, "{task}: version");
     }
     // `limit` keeps the first documents.
     let docs = specs[0].load_docs(&dir, Some(2.0)).unwrap();
@@ -507,4 +529,97 @@ fn smollm2_wikitext_rolls_windows_as_lm_eval() {
         assert_eq!(m.stderr, None);
     }
     assert_eq!(report.tasks["local_wikitext"].metrics.len(), 3);
+}
+
+/// TriviaQA and Natural Questions (3 drawn examples): SmolLM2's greedy answers cut at "\n", "." or ",",
+/// whitespace-stripped, a hit when they match any of the reference answers (case and punctuation
+/// ignored; NQ drops articles too), with lm-eval's responses, per-document scores, metrics and
+/// table.
+#[test]
+fn smollm2_answers_list_target_questions_as_lm_eval() {
+    let g = golden();
+    let (tok, model, pad) = smollm2();
+    let dir = std::env::temp_dir().join(format!("ferrotune-eleuther-gen-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = common::workspace_fixture("eleuther/data");
+    for (task, stem, split) in GEN_TASKS {
+        let file = |stem: &str| data.join(format!("{stem}.jsonl")).display().to_string();
+        let yaml = format!(
+            "include: {task}\ntask: local_{task}\ntag: []\ndataset_path: json\ndataset_name: null\n\
+             training_split: train\nnum_fewshot: 3\ndataset_kwargs:\n  data_files:\n    {split}: {}\n\
+             \x20   train: {}\n",
+            file(stem),
+            file(&format!("{stem}_train"))
+        );
+        std::fs::write(dir.join(format!("local_{task}.yaml")), yaml).unwrap();
+    }
+    let registry = TaskRegistry::new(Some(&dir)).unwrap();
+    let names: Vec<String> = GEN_TASKS
+        .iter()
+        .map(|(t, _, _)| format!("local_{t}"))
+        .collect();
+    let sel = select(&registry, &names).unwrap();
+    let report = evaluate(&model, &tok, &sel, None, 4096, 1, pad).unwrap();
+    let mut hits = 0.0;
+    for ((task, _, _), spec) in GEN_TASKS.iter().zip(&sel.tasks) {
+        let want = &g["generation_tasks"][task];
+        let samples = want["samples"].as_array().unwrap();
+        let docs = spec.load_docs(&dir, None).unwrap();
+        let fewshot = spec.load_fewshot_docs(&dir).unwrap();
+        let requests = spec.requests(&docs, &fewshot).unwrap();
+        let contexts: Vec<String> = requests.iter().map(|r| r.requests[0].0.clone()).collect();
+        for (c, s) in contexts.iter().zip(samples) {
+            assert_eq!(c, s["context"].as_str().unwrap(), "{task}: context");
+        }
+        let responses = ferrotune_train::recipe::eleuther_eval::generate_until(
+            &model,
+            &tok,
+            &contexts,
+            spec.generation.as_ref().unwrap(),
+            4096,
+            1,
+            pad,
+        )
+        .unwrap();
+        for ((doc, response), s) in docs.iter().zip(&responses).zip(samples) {
+            assert_eq!(
+                response,
+                s["response"].as_str().unwrap(),
+                "{task}: response"
+            );
+            let scored = spec.generated_metrics(doc, response).unwrap();
+            let em = s["exact_match"].as_f64().unwrap();
+            assert_eq!(
+                scored["exact_match,remove_whitespace"], em,
+                "{task}: {response:?}"
+            );
+            hits += em;
+        }
+        let outcome = &report.tasks[&format!("local_{task}")];
+        let metrics = want["metrics"].as_object().unwrap();
+        for m in &outcome.metrics {
+            let key = format!("{},{}", m.name, m.filter);
+            let v = metrics[&key].as_f64().unwrap();
+            assert!(
+                (m.value - v).abs() < 1e-9,
+                "{task} {key}: {} vs {v}",
+                m.value
+            );
+            let se = metrics[&format!("{}_stderr,{}", m.name, m.filter)]
+                .as_f64()
+                .unwrap();
+            assert!((m.stderr.unwrap() - se).abs() < 1e-9, "{task} {key} stderr");
+        }
+    }
+    // The fixture's questions are easy enough that some answers match (and some need an alias).
+    assert!(hits >= 2.0, "{hits}");
+    let table = ferrotune_data::eval_tasks::results_table(
+        &sel,
+        &report.tasks,
+        &std::collections::BTreeMap::new(),
+    );
+    assert_eq!(
+        table.trim_end(),
+        g["generation_tasks_table"].as_str().unwrap().trim_end()
+    );
 }

@@ -74,6 +74,12 @@ pub const BUILTIN_FUNCTIONS: &[&str] = &[
     "winogrande.doc_to_text",
     "winogrande.doc_to_target",
     "winogrande.doc_to_choice",
+    "copa.doc_to_text",
+    "copa.doc_to_target",
+    "copa.doc_to_choice",
+    "logiqa.doc_to_text",
+    "logiqa.doc_to_target",
+    "mathqa.doc_to_choice",
 ];
 
 fn task_err<T>(origin: &str, msg: impl std::fmt::Display) -> Result<T> {
@@ -190,6 +196,8 @@ pub enum Target {
     Text(String),
     /// Several acceptable indices.
     Indices(Vec<i64>),
+    /// Several acceptable texts (a generation matching any of them is right).
+    Texts(Vec<String>),
 }
 
 /// The requests of one document: (context, continuation) pairs whose log-likelihoods decide it.
@@ -829,11 +837,12 @@ impl TaskSpec {
                 })
                 .collect();
         }
+        // The harness's ConfigurableTask says "Yaml" for a task without metadata.version.
         let version = map
             .get("metadata")
             .and_then(|m| m.get("version"))
             .map(yaml_display)
-            .unwrap_or_else(|| "N/A".into());
+            .unwrap_or_else(|| "Yaml".into());
         let target_delimiter = string("target_delimiter")?.unwrap_or_else(|| " ".into());
         let generation = match output_type {
             OutputType::GenerateUntil => Some(
@@ -1092,6 +1101,8 @@ impl TaskSpec {
                         None => i.to_string(),
                     }
                 }
+                // The harness writes a list target's first answer.
+                Target::Texts(v) => v.first().cloned().unwrap_or_default(),
             };
             out.push_str(&question);
             if !answer.is_empty() {
@@ -1133,7 +1144,7 @@ impl TaskSpec {
                 let cont = match self.target_of(env, doc)? {
                     Target::Text(t) => t,
                     Target::Index(i) => i.to_string(),
-                    Target::Indices(_) => {
+                    Target::Indices(_) | Target::Texts(_) => {
                         return Err(DataError::Dataset(
                             "a loglikelihood task's doc_to_target must be a text".into(),
                         ))
@@ -1238,6 +1249,15 @@ impl TaskSpec {
                         .iter()
                         .position(|c| *c == t)
                         .map_or(-100, |p| p as i64)],
+                    Target::Texts(v) => v
+                        .iter()
+                        .map(|t| {
+                            choices
+                                .iter()
+                                .position(|c| c == t)
+                                .map_or(-100, |p| p as i64)
+                        })
+                        .collect(),
                 };
                 let hit = |p: usize| f64::from(u8::from(golds.contains(&(p as i64))));
                 for m in &self.metrics {
@@ -1262,26 +1282,29 @@ impl TaskSpec {
         response: &str,
     ) -> Result<BTreeMap<String, f64>> {
         let env = template_env();
-        let reference = match self.target_of(env, doc)? {
-            Target::Text(t) => t,
-            Target::Index(i) => match &self.doc_to_choice {
+        let references = match self.target_of(env, doc)? {
+            Target::Text(t) => vec![t],
+            Target::Index(i) => vec![match &self.doc_to_choice {
                 Some(_) => self
                     .choices_of(env, doc)?
                     .get(i as usize)
                     .cloned()
                     .unwrap_or_default(),
                 None => i.to_string(),
-            },
-            Target::Indices(v) => v.first().map(i64::to_string).unwrap_or_default(),
+            }],
+            Target::Indices(v) => vec![v.first().map(i64::to_string).unwrap_or_default()],
+            // The harness scores a list target as a hit when any answer matches.
+            Target::Texts(v) => v,
         };
         let mut out = BTreeMap::new();
         for f in &self.filters {
             let answer = f.apply(response);
+            let score = references
+                .iter()
+                .map(|r| self.exact_match.score(&answer, r))
+                .fold(0.0, f64::max);
             for m in &self.metrics {
-                out.insert(
-                    metric_key(&m.name, &f.name),
-                    self.exact_match.score(&answer, &reference),
-                );
+                out.insert(metric_key(&m.name, &f.name), score);
             }
         }
         Ok(out)
@@ -1406,6 +1429,35 @@ impl TaskSpec {
                     ))),
                 }
             }
+            DocField::Function(f) if f == "copa.doc_to_text" => {
+                let connector = match doc_str(doc, "question")?.as_str() {
+                    "cause" => "because",
+                    "effect" => "therefore",
+                    other => {
+                        return Err(DataError::Dataset(format!(
+                            "copa: 'question' must be \"cause\" or \"effect\", got {other:?}"
+                        )))
+                    }
+                };
+                // The premise without its final character (its period).
+                let premise = doc_str(doc, "premise")?;
+                let premise = py_strip(&premise);
+                let mut chars = premise.chars();
+                chars.next_back();
+                Ok(TextOrIndex::Text(format!("{} {connector}", chars.as_str())))
+            }
+            DocField::Function(f) if f == "logiqa.doc_to_text" => {
+                let mut prompt = format!(
+                    "Passage: {}\nQuestion: {}\nChoices:\n",
+                    doc_str(doc, "context")?,
+                    doc_str(doc, "question")?
+                );
+                for (letter, option) in ["A", "B", "C", "D"].iter().zip(doc_strs(doc, "options")?) {
+                    prompt.push_str(&format!("{letter}. {option}\n"));
+                }
+                prompt.push_str("Answer:");
+                Ok(TextOrIndex::Text(prompt))
+            }
             DocField::Function(f) => {
                 Err(DataError::Dataset(format!("{f} cannot give doc_to_text")))
             }
@@ -1443,6 +1495,25 @@ impl TaskSpec {
                 let idx = blank_index(&sentence)?;
                 Ok(Target::Text(sentence[idx + 1..].trim().to_string()))
             }
+            DocField::Function(f) if f == "copa.doc_to_target" => {
+                let choice = match doc.get("label").and_then(Value::as_i64) {
+                    Some(0) => doc_str(doc, "choice1")?,
+                    _ => doc_str(doc, "choice2")?,
+                };
+                Ok(Target::Text(format!(" {}", copa_choice(&choice))))
+            }
+            DocField::Function(f) if f == "logiqa.doc_to_target" => {
+                let label = doc_str(doc, "label")?;
+                let index = ["a", "b", "c", "d"]
+                    .iter()
+                    .position(|l| *l == py_strip(&label))
+                    .ok_or_else(|| {
+                        DataError::Dataset(format!(
+                            "logiqa: 'label' must be one of a, b, c, d, got {label:?}"
+                        ))
+                    })?;
+                Ok(Target::Index(index as i64))
+            }
             DocField::Function(f) => {
                 Err(DataError::Dataset(format!("{f} cannot give doc_to_target")))
             }
@@ -1454,6 +1525,14 @@ impl TaskSpec {
                             Ok(Target::Index(n.as_i64().unwrap_or(0)))
                         }
                         Value::Bool(b) => Ok(Target::Index(i64::from(*b))),
+                        Value::Array(items) if items.iter().all(Value::is_string) => {
+                            Ok(Target::Texts(
+                                items
+                                    .iter()
+                                    .filter_map(|v| v.as_str().map(str::to_string))
+                                    .collect(),
+                            ))
+                        }
                         Value::Array(items) => Ok(Target::Indices(
                             items.iter().filter_map(Value::as_i64).collect(),
                         )),
@@ -1471,6 +1550,14 @@ impl TaskSpec {
                         if items.iter().all(Value::is_i64) {
                             return Ok(Target::Indices(
                                 items.iter().filter_map(Value::as_i64).collect(),
+                            ));
+                        }
+                        if items.iter().all(Value::is_string) {
+                            return Ok(Target::Texts(
+                                items
+                                    .iter()
+                                    .filter_map(|v| v.as_str().map(str::to_string))
+                                    .collect(),
                             ));
                         }
                     }
@@ -1499,6 +1586,15 @@ impl TaskSpec {
                     format!("{head}{}", doc_str(doc, "option1")?),
                     format!("{head}{}", doc_str(doc, "option2")?),
                 ]);
+            }
+            DocField::Function(f) if f == "copa.doc_to_choice" => {
+                return Ok(vec![
+                    format!(" {}", copa_choice(&doc_str(doc, "choice1")?)),
+                    format!(" {}", copa_choice(&doc_str(doc, "choice2")?)),
+                ]);
+            }
+            DocField::Function(f) if f == "mathqa.doc_to_choice" => {
+                return Ok(mathqa_choices(&doc_str(doc, "options")?));
             }
             DocField::Function(f) => {
                 return Err(DataError::Dataset(format!("{f} cannot give doc_to_choice")))
@@ -1583,6 +1679,56 @@ fn doc_str(doc: &Map<String, Value>, key: &str) -> Result<String> {
             "the document has no column '{key}'"
         ))),
     }
+}
+
+/// Python's `str.strip()`: whitespace off both ends.
+fn py_strip(s: &str) -> &str {
+    s.trim_matches(char::is_whitespace)
+}
+
+/// A list-of-texts column.
+fn doc_strs(doc: &Map<String, Value>, key: &str) -> Result<Vec<String>> {
+    match doc.get(key) {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_str().map(str::to_string).ok_or_else(|| {
+                    DataError::Dataset(format!("column '{key}' holds {v}, not a text"))
+                })
+            })
+            .collect(),
+        other => Err(DataError::Dataset(format!(
+            "column '{key}' must be a list of texts, got {other:?}"
+        ))),
+    }
+}
+
+/// COPA's choice as the continuation of its premise: the first character lower-cased.
+fn copa_choice(choice: &str) -> String {
+    let mut chars = choice.chars();
+    match chars.next() {
+        Some(first) => first.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
+}
+
+/// MathQA's options string (`a ) 38 , b ) 27.675 , ... e ) none`) as its choices: the harness's
+/// `re.findall(r"[abcd] \) .*?, |e \) .*?$", options)`, each without its `x ) ` head and trailing
+/// spaces and commas.
+fn mathqa_choices(options: &str) -> Vec<String> {
+    static PATTERN: std::sync::OnceLock<fancy_regex::Regex> = std::sync::OnceLock::new();
+    let pattern = PATTERN.get_or_init(|| {
+        // Python's `$` also matches before a final newline; `.` never matches a newline.
+        fancy_regex::Regex::new(r"[abcd] \) [^\n]*?, |e \) [^\n]*?(?=\n?\z)").expect("valid")
+    });
+    pattern
+        .find_iter(options)
+        .filter_map(|m| m.ok())
+        .map(|m| {
+            let text: String = m.as_str().chars().skip(4).collect();
+            text.trim_end_matches([' ', ',']).to_string()
+        })
+        .collect()
 }
 
 fn blank_index(sentence: &str) -> Result<usize> {
