@@ -188,6 +188,10 @@ pub fn validate(args: ValidateArgs) -> Result<()> {
     }
     let mut resolved = cfg.clone();
     resolved.resolve()?;
+    let problems = ferrotune_train::recipe::setup::check_components(&resolved);
+    if !problems.is_empty() {
+        bail!("{}", problems.join("\n  "));
+    }
     check_paths(&resolved);
     println!("Config is well-formed!");
     Ok(())

@@ -355,6 +355,28 @@ fn validate_names_bad_keys_and_types() {
         ("optimizer:\n  lrr: 0.1\n", "optimizer.lr"),
         ("batch_size: many\n", "must be an integer"),
         ("dataset:\n  packed: maybe\n", "must be a boolean"),
+        // Components are resolved as torchtune's validate resolves them, without any file.
+        (
+            "optimizer:\n  _component_: torch.optim.Adamw\n  lr: 0.1\n",
+            "'torch.optim.Adamw' is not supported",
+        ),
+        (
+            "dataset:\n  _component_: torchtune.datasets.alpaca_datset\n",
+            "unknown dataset _component_ 'torchtune.datasets.alpaca_datset'",
+        ),
+        (
+            "dataset:\n  - _component_: alpaca_dataset\n  - _component_: chat_dataset\n    conversation_style: json\n",
+            "dataset 2: dataset conversation_style 'json'",
+        ),
+        ("dataset:\n  _component_: alpaca_dataset\n  split: train[:x]\n", "bad split 'train[:x]'"),
+        ("loss:\n  _component_: torch.nn.MSELoss\n", "'torch.nn.MSELoss' is not supported"),
+        ("lr_scheduler:\n  _component_: cosine\n", "'cosine' is not supported"),
+        (
+            "metric_logger:\n  _component_: torchtune.training.metric_logging.WandBLogger\n",
+            "WandBLogger is not supported",
+        ),
+        ("device: tpu\n", "unknown device 'tpu'"),
+        ("dtype: fp16\n", "fp16 training is not supported"),
     ];
     for (yaml, expect) in cases {
         let path = dir.join("bad.yaml");
@@ -365,6 +387,17 @@ fn validate_names_bad_keys_and_types() {
         assert!(t.contains(expect), "{yaml}: expected '{expect}' in: {t}");
         assert!(!t.contains("panicked"), "{t}");
     }
+    // What torchtune's own configs name validates: bitsandbytes' optimizers, DPO's loss, a GPU.
+    let fine = dir.join("fine.yaml");
+    std::fs::write(
+        &fine,
+        "output_dir: /tmp/x\ndevice: cuda:1\ndtype: bf16\noptimizer:\n  _component_: \
+         bitsandbytes.optim.PagedAdamW8bit\n  lr: 2e-5\nloss:\n  _component_: \
+         torchtune.rlhf.loss.DPOLoss\ndataset:\n  _component_: torchtune.datasets.slimorca_dataset\n",
+    )
+    .unwrap();
+    let out = ferrotune(&["validate", fine.to_str().unwrap()], &dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
     // torchtune's tensor-parallel keys validate; a dimension above 1 is refused when run.
     let tp = dir.join("tp.yaml");
     std::fs::write(

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Context, Result};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 /// The JSONL file a `DiskLogger` writes in its `log_dir` unless the config names another.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -40,6 +40,52 @@ enum Sink {
     TensorBoard(TensorBoardLogger),
 }
 
+/// The `metric_logger` section's mapping and logger class (`DiskLogger`, `StdoutLogger`,
+/// `TensorBoardLogger`), after checking the component and that every key is one of its options.
+fn logger_class(section: &Value) -> Result<(&Map<String, Value>, &str)> {
+    let map = section
+        .as_object()
+        .ok_or_else(|| anyhow!("metric_logger: expected a mapping, got {section}"))?;
+    let component = match map.get("_component_") {
+            Some(Value::String(s)) => s.as_str(),
+            Some(other) => bail!("metric_logger._component_: expected a string, got {other}"),
+            None => bail!("metric_logger: missing _component_ (e.g. torchtune.training.metric_logging.DiskLogger)"),
+        };
+    let class = COMPONENT_PREFIXES
+        .iter()
+        .find_map(|p| component.strip_prefix(p))
+        .unwrap_or(component);
+    let allowed: &[&str] = match class {
+        "DiskLogger" => &["log_dir", "filename"],
+        "TensorBoardLogger" => &["log_dir", "organize_logs"],
+        // `log_dir` is tolerated so switching a config's component from DiskLogger just works.
+        "StdoutLogger" => &["log_dir"],
+        "WandBLogger" | "CometLogger" | "MLFlowLogger" => bail!(
+            "metric_logger._component_: {component} is not supported (ferrotune logs only \
+                 locally); use DiskLogger, StdoutLogger or TensorBoardLogger"
+        ),
+        _ => bail!(
+            "metric_logger._component_: unknown logger '{component}'; expected DiskLogger, \
+                 StdoutLogger or TensorBoardLogger (torchtune.training.metric_logging.*)"
+        ),
+    };
+    if let Some(key) = map
+        .keys()
+        .find(|k| *k != "_component_" && !allowed.contains(&k.as_str()))
+    {
+        bail!(
+            "metric_logger.{key}: not an option of {class} (options: {})",
+            allowed.join(", ")
+        );
+    }
+    Ok((map, class))
+}
+
+/// Checks a `metric_logger` section without creating anything (`ferrotune validate`).
+pub fn check_logger_config(section: Option<&Value>) -> Result<()> {
+    section.map_or(Ok(()), |s| logger_class(s).map(|_| ()))
+}
+
 impl MetricLogger {
     /// Builds the logger named by `section["_component_"]`.
     ///
@@ -56,41 +102,7 @@ impl MetricLogger {
                 &default_dir.join(METRICS_FILE),
             )?)));
         };
-        let map = section
-            .as_object()
-            .ok_or_else(|| anyhow!("metric_logger: expected a mapping, got {section}"))?;
-        let component = match map.get("_component_") {
-            Some(Value::String(s)) => s.as_str(),
-            Some(other) => bail!("metric_logger._component_: expected a string, got {other}"),
-            None => bail!("metric_logger: missing _component_ (e.g. torchtune.training.metric_logging.DiskLogger)"),
-        };
-        let class = COMPONENT_PREFIXES
-            .iter()
-            .find_map(|p| component.strip_prefix(p))
-            .unwrap_or(component);
-        let allowed: &[&str] = match class {
-            "DiskLogger" => &["log_dir", "filename"],
-            "TensorBoardLogger" => &["log_dir", "organize_logs"],
-            // `log_dir` is tolerated so switching a config's component from DiskLogger just works.
-            "StdoutLogger" => &["log_dir"],
-            "WandBLogger" | "CometLogger" | "MLFlowLogger" => bail!(
-                "metric_logger._component_: {component} is not supported (ferrotune logs only \
-                 locally); use DiskLogger, StdoutLogger or TensorBoardLogger"
-            ),
-            _ => bail!(
-                "metric_logger._component_: unknown logger '{component}'; expected DiskLogger, \
-                 StdoutLogger or TensorBoardLogger (torchtune.training.metric_logging.*)"
-            ),
-        };
-        if let Some(key) = map
-            .keys()
-            .find(|k| *k != "_component_" && !allowed.contains(&k.as_str()))
-        {
-            bail!(
-                "metric_logger.{key}: not an option of {class} (options: {})",
-                allowed.join(", ")
-            );
-        }
+        let (map, class) = logger_class(section)?;
         let log_dir = match map.get("log_dir") {
             None | Some(Value::Null) => default_dir,
             Some(Value::String(s)) if s.contains("${") => {

@@ -284,6 +284,41 @@ fn concatenated<T>(section: &Value, build: impl Fn(&Value) -> Result<Vec<T>>) ->
     Ok(all)
 }
 
+/// Checks a `dataset` section (a mapping, or a list of mappings) without reading any file: each
+/// builder name, `split` string, `template`, `conversation_style`, `column_map` and the packing
+/// options, with the message a run would give. What needs the data (files, columns, rows) is
+/// left to [`build_dataset`].
+pub fn check_section(section: &Value) -> Result<()> {
+    concatenated(section, |s| {
+        let map = section_map(s)?;
+        let component = builders::get_str(&map, "_component_")?
+            .ok_or_else(|| DataError::Dataset("the dataset section has no '_component_'".into()))?;
+        let builder = Builder::parse(component)?;
+        if let Some(split) = builders::get_str(&map, "split")? {
+            source::parse_split(split)?;
+        }
+        max_seq_len_of(&map)?;
+        match builder {
+            Builder::Instruct => {
+                let template = Template::parse(map.get("template").unwrap_or(&Value::Null))?;
+                InstructSpec::from_section(&map, template, &[], false)?;
+            }
+            Builder::Chat => {
+                ChatSpec::from_section(&map)?;
+            }
+            Builder::SlimOrca => {
+                ChatSpec::slimorca(&map)?;
+            }
+            _ => {}
+        }
+        builders::get_bool(&map, "packed", false)?;
+        split_across_pack_of(builder, component, &map)?;
+        with_hub_configuration(builder, map)?;
+        Ok(Vec::<()>::new())
+    })
+    .map(|_| ())
+}
+
 /// The raw rows (column → value) a dataset section's `source`, `data_files`, `field` and `split`
 /// select, before any builder: what the sources are checked with.
 pub fn load_source(section: &Value, base_dir: &Path) -> Result<Vec<Map<String, Value>>> {
@@ -347,17 +382,8 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
             "dataset 'packed: true' needs 'max_seq_len' (the length of a packed row)".into(),
         ));
     }
-    // torchtune splits samples across packed rows only for its text-completion datasets (where
-    // it is the default); its SFT datasets have no such option.
     let text_column = builder.text_column();
-    let split_across_pack = builders::get_bool(&map, "split_across_pack", text_column.is_some())?;
-    if split_across_pack && text_column.is_none() {
-        return Err(DataError::Dataset(format!(
-            "dataset 'split_across_pack: true' applies to text_completion_dataset, \
-             wikitext_dataset and cnn_dailymail_articles_dataset, not '{component}' (a \
-             conversation is never split across packed rows)"
-        )));
-    }
+    let split_across_pack = split_across_pack_of(builder, component, &map)?;
     let map = with_hub_configuration(builder, map)?;
     let (source, split) = source_of(&map, builder.default_source(), base_dir)?;
     let encoder = Encoder::new(tokenizer)?;
@@ -658,6 +684,25 @@ pub fn collate_pairs(pairs: &[&PreferencePair], pad_id: u32) -> Batch {
         .chain(pairs.iter().map(|p| &p.rejected))
         .collect();
     collate(&rows, pad_id)
+}
+
+/// `split_across_pack`: torchtune splits samples across packed rows only for its text-completion
+/// datasets (where it is the default); its SFT datasets have no such option.
+fn split_across_pack_of(
+    builder: Builder,
+    component: &str,
+    map: &Map<String, Value>,
+) -> Result<bool> {
+    let text = builder.text_column().is_some();
+    let split = builders::get_bool(map, "split_across_pack", text)?;
+    if split && !text {
+        return Err(DataError::Dataset(format!(
+            "dataset 'split_across_pack: true' applies to text_completion_dataset, \
+             wikitext_dataset and cnn_dailymail_articles_dataset, not '{component}' (a \
+             conversation is never split across packed rows)"
+        )));
+    }
+    Ok(split)
 }
 
 /// `wikitext_dataset`'s `subset` and `cnn_dailymail_articles_dataset`'s version as the hub

@@ -475,6 +475,9 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let total_steps = steps_per_epoch * epochs;
     let schedule = setup::schedule(cfg, total_steps)?;
     let param_refs: Vec<(String, Var)> = params.clone();
+    if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
+        eprintln!("warning: {note}");
+    }
     let mut optimizer = setup::optimizer(cfg, params)?;
     let base_lr = optimizer.lr();
 

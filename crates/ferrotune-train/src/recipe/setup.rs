@@ -382,7 +382,12 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
             cfg.origin
         );
     }
-    match component.rsplit('.').next().unwrap_or("") {
+    // bitsandbytes' and torchao's AdamW classes run as AdamW (see `adamw_variant`).
+    let class = match adamw_variant(&component) {
+        Some(_) => "AdamW",
+        None => component.rsplit('.').next().unwrap_or(""),
+    };
+    match class {
         "AdamW" => {
             let mut c = AdamWConfig {
                 lr,
@@ -401,9 +406,9 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
                 c.beta1 = b[0];
                 c.beta2 = b[1];
             }
-            Ok(Box::new(AdamW::new(params, c).map_err(|e| {
-                anyhow!("{}: optimizer: {e}", cfg.origin)
-            })?))
+            Ok(Box::new(
+                AdamW::new(params, c).map_err(|e| anyhow!("{}: optimizer: {e}", cfg.origin))?,
+            ))
         }
         "SGD" => {
             let c = SgdConfig {
@@ -413,15 +418,44 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
                 weight_decay: cfg.f64("optimizer.weight_decay")?.unwrap_or(0.0),
                 nesterov: cfg.bool("optimizer.nesterov")?.unwrap_or(false),
             };
-            Ok(Box::new(Sgd::new(params, c).map_err(|e| {
-                anyhow!("{}: optimizer: {e}", cfg.origin)
-            })?))
+            Ok(Box::new(
+                Sgd::new(params, c).map_err(|e| anyhow!("{}: optimizer: {e}", cfg.origin))?,
+            ))
         }
         _ => bail!(
-            "{}: optimizer._component_ '{component}' is not supported (torch.optim.AdamW or torch.optim.SGD)",
+            "{}: optimizer._component_ '{component}' is not supported (torch.optim.AdamW or \
+             torch.optim.SGD; bitsandbytes' and torchao's AdamW classes run as AdamW)",
             cfg.origin
         ),
     }
+}
+
+/// How an AdamW class of another library maps onto ferrotune's AdamW (f32 state): `Some(true)`
+/// exactly (torch's, and bitsandbytes' 32-bit ones, whose paging only moves the state in
+/// memory), `Some(false)` with a different state precision (the 8- and 4-bit ones), `None` for
+/// anything else. torchtune's single-device full fine-tuning configs name bitsandbytes'.
+fn adamw_variant(component: &str) -> Option<bool> {
+    match component.rsplit('.').next().unwrap_or("") {
+        "AdamW" | "PagedAdamW" | "AdamW32bit" | "PagedAdamW32bit" => Some(true),
+        "AdamW8bit" | "PagedAdamW8bit" | "AdamW4bit" => Some(false),
+        _ => None,
+    }
+}
+
+/// What to tell the user about `optimizer._component_` when ferrotune's AdamW stands in for a
+/// low-precision one: it keeps the state in f32, so it takes more memory and its numbers are
+/// AdamW's, not the quantized state's.
+pub fn optimizer_note(cfg: &Config) -> Result<Option<String>> {
+    let Some(component) = cfg.str("optimizer._component_")? else {
+        return Ok(None);
+    };
+    Ok((adamw_variant(&component) == Some(false)).then(|| {
+        format!(
+            "optimizer._component_ '{component}' keeps its state in 8 or 4 bits; ferrotune runs \
+             AdamW with f32 state instead (4-8x the optimizer memory; the updates are AdamW's, \
+             which the quantized state only approximates)"
+        )
+    }))
 }
 
 /// The LR schedule of `lr_scheduler` over `total_steps` optimizer steps (null = constant).
@@ -605,9 +639,79 @@ pub fn seed(cfg: &Config) -> Result<u64> {
     })
 }
 
+/// What `ferrotune validate` checks beyond keys and types, as torchtune's `tune validate`
+/// resolves each `_component_`: the device's and dtype's names, `fsdp_sharding`, the optimizer,
+/// LR schedule, loss, metric logger and dataset components with their settings. Nothing is read
+/// or created; each problem is one message, as a run would give it.
+pub fn check_components(cfg: &Config) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut note = |r: Result<()>| {
+        if let Err(e) = r {
+            problems.push(e.to_string());
+        }
+    };
+    note(check_device_name(cfg));
+    note(dtype(cfg).map(|_| ()));
+    note(sharding(cfg).map(|_| ()));
+    if cfg.get("optimizer").is_some_and(|v| !v.is_null()) {
+        note(optimizer(cfg, Vec::new()).map(|_| ()));
+    }
+    note(schedule(cfg, 1).map(|_| ()));
+    if let Ok(Some(component)) = cfg.str("loss._component_") {
+        // The SFT recipes take a cross-entropy, the DPO ones a preference loss.
+        if check_loss(cfg).is_err() {
+            let preference =
+                crate::loss::PreferenceLoss::from_component(&component, None, None, None);
+            note(match preference {
+                Some(_) => preference_loss(cfg).map(|_| ()),
+                None => Err(anyhow!(
+                    "{}: loss._component_ '{component}' is not supported \
+                     (torch.nn.CrossEntropyLoss, torchtune.modules.loss.CEWithChunkedOutputLoss \
+                     or LinearCrossEntropyLoss; for the DPO recipes torchtune.rlhf.loss.DPOLoss \
+                     or RSOLoss)",
+                    cfg.origin
+                )),
+            });
+        }
+    }
+    note(
+        crate::metrics::check_logger_config(cfg.get("metric_logger"))
+            .map_err(|e| anyhow!("{}: {e}", cfg.origin)),
+    );
+    for key in ["dataset", "dataset_val"] {
+        if let Some(section) = cfg.get(key).filter(|v| !v.is_null()) {
+            note(
+                ferrotune_data::dataset::check_section(section)
+                    .map_err(|e| anyhow!("{}: {key}: {e}", cfg.origin)),
+            );
+        }
+    }
+    problems
+}
+
+/// `device` is `cpu`, `cuda` or `cuda:N` (whether this machine has that GPU is for a run to find).
+fn check_device_name(cfg: &Config) -> Result<()> {
+    let Some(name) = cfg.str("device")? else {
+        return Ok(());
+    };
+    let lower = name.trim().to_ascii_lowercase();
+    let ok = lower == "cpu"
+        || lower == "cuda"
+        || lower
+            .strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if !ok {
+        bail!(
+            "{}: 'device': unknown device '{name}': expected cpu, cuda or cuda:N",
+            cfg.origin
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::quantize_base;
+    use super::*;
 
     #[test]
     fn qlora_builders_quantize_the_base_unless_told_otherwise() {
@@ -628,5 +732,35 @@ mod tests {
         assert!(!q("output_dir: /tmp\n"));
         assert!(q("model:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n  quantize_base: True\n"));
         assert!(!q("model:\n  _component_: torchtune.models.llama3_1.qlora_llama3_1_8b\n  quantize_base: false\n"));
+    }
+
+    fn cfg(yaml: &str) -> Config {
+        Config {
+            root: crate::config::parse_yaml(yaml, "test.yaml").unwrap(),
+            origin: "test.yaml".into(),
+        }
+    }
+
+    /// torchtune's single-device full fine-tuning configs name bitsandbytes' AdamW classes: they
+    /// run as AdamW, the low-precision ones with a note saying what differs.
+    #[test]
+    fn other_libraries_adamw_classes_run_as_adamw() {
+        for (component, noted) in [
+            ("torch.optim.AdamW", false),
+            ("bitsandbytes.optim.PagedAdamW", false),
+            ("bitsandbytes.optim.AdamW32bit", false),
+            ("bitsandbytes.optim.PagedAdamW8bit", true),
+            ("torchao.optim.AdamW8bit", true),
+        ] {
+            let c = cfg(&format!(
+                "optimizer:\n  _component_: {component}\n  lr: 0.001\n"
+            ));
+            let opt = optimizer(&c, Vec::new()).unwrap();
+            assert_eq!(opt.lr(), 0.001, "{component}");
+            assert_eq!(optimizer_note(&c).unwrap().is_some(), noted, "{component}");
+        }
+        let adam = cfg("optimizer:\n  _component_: torch.optim.Adam\n  lr: 0.1\n");
+        assert!(optimizer(&adam, Vec::new()).is_err());
+        assert!(check_components(&adam)[0].contains("'torch.optim.Adam' is not supported"));
     }
 }
