@@ -2,6 +2,7 @@
 
 mod bench;
 mod download;
+mod export_gguf;
 mod generate;
 mod launch;
 mod logging;
@@ -39,6 +40,8 @@ enum Command {
     Tokenize(tokenize::TokenizeArgs),
     /// Merge a PEFT LoRA/DoRA adapter into its base model and write an HF checkpoint.
     Merge(merge::MergeArgs),
+    /// Write an HF checkpoint folder as one GGUF file (llama.cpp, Ollama).
+    ExportGguf(export_gguf::ExportGgufArgs),
     /// Download a model or dataset repository from the Hugging Face Hub (resumable).
     Download(download::DownloadArgs),
     /// Plot a training run's loss and learning rate against step into a PNG.
@@ -88,6 +91,7 @@ fn main() {
         Command::Generate(args) => generate::run(*args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Merge(args) => merge::run(args),
+        Command::ExportGguf(args) => export_gguf::run(args),
         Command::Download(args) => download::run(args),
         Command::Plot(args) => plot::run(args),
     };

@@ -320,3 +320,57 @@ fn bench_decode_and_train_report_their_numbers() {
         &["--layers", "--shape"],
     );
 }
+
+/// `export-gguf` through the binary: the GGUF it writes generates the checkpoint's greedy tokens
+/// (transformers' goldens), and an architecture it cannot write is one error line.
+#[test]
+fn export_gguf_writes_a_file_that_generates_the_same_tokens() {
+    let dir = std::env::temp_dir().join(format!("ferrotune-cli-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let case = fixtures().join("models/qwen2_5");
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let gguf = dir.join("qwen2_5.gguf");
+    let out = ferrotune(&[
+        "export-gguf",
+        case.join("model").to_str().unwrap(),
+        gguf.to_str().unwrap(),
+        "--outtype",
+        "f32",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("qwen2 architecture"));
+    let prompt: Vec<String> = golden_ids(&g["greedy_prompt"])
+        .iter()
+        .map(u64::to_string)
+        .collect();
+    let j = last_json(&ferrotune(&[
+        "generate",
+        "--model",
+        gguf.to_str().unwrap(),
+        "--prompt-ids",
+        &prompt.join(","),
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--json",
+    ]));
+    assert_eq!(
+        golden_ids(&j["new_token_ids"]),
+        golden_ids(&g["greedy_new_tokens"])
+    );
+    let refused = ferrotune(&[
+        "export-gguf",
+        fixtures().join("models/phi3/model").to_str().unwrap(),
+        dir.join("phi3.gguf").to_str().unwrap(),
+    ]);
+    assert_error(&refused, &["not 'phi3'"]);
+    assert!(!dir.join("phi3.gguf").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

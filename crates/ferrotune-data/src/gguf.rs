@@ -537,6 +537,124 @@ fn int_of(value: &Value) -> Option<i64> {
     })
 }
 
+/// The tokenizer's own JSON (not GGUF metadata).
+type Json = serde_json::Value;
+
+/// A byte-level BPE vocabulary as llama.cpp's GGUF tokenizer keys hold it (`tokenizer.ggml.*`
+/// with `model = "gpt2"`), for writing a GGUF file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufVocab {
+    /// Every token by id, `vocab_size` of them (ids the tokenizer lacks are `[PAD{id}]`).
+    pub tokens: Vec<String>,
+    /// llama.cpp's token types: 1 normal, 3 control (special added tokens), 4 user-defined
+    /// (other added tokens), 5 unused (the padding ids).
+    pub token_types: Vec<i32>,
+    /// The merges as `"left right"`, in rank order.
+    pub merges: Vec<String>,
+    /// `tokenizer.ggml.pre`: llama.cpp's name for the pre-tokenizer, when the tokenizer's is one
+    /// transformers maps back to the same split (`None`: not one of those).
+    pub pre: Option<&'static str>,
+}
+
+/// The GGUF vocabulary of `tok` padded to `vocab_size` ids, or an error saying why it cannot be
+/// written as one: only byte-level BPE vocabularies (Llama 3, Qwen, SmolLM, Mistral's tekken)
+/// are, the form llama.cpp calls `gpt2`.
+pub fn gguf_vocab(
+    tok: &crate::Tokenizer,
+    vocab_size: usize,
+) -> std::result::Result<GgufVocab, String> {
+    let json: Json = serde_json::from_str(
+        &tok.inner()
+            .to_string(false)
+            .map_err(|e| format!("cannot serialise the tokenizer: {e}"))?,
+    )
+    .map_err(|e| format!("cannot read the tokenizer's JSON: {e}"))?;
+    let model = &json["model"];
+    let byte_level = json["decoder"]["type"] == "ByteLevel"
+        || json["pre_tokenizer"].to_string().contains("\"ByteLevel\"");
+    if model["type"] != "BPE" || !byte_level || model["byte_fallback"] == Json::Bool(true) {
+        return Err(
+            "only byte-level BPE tokenizers (Llama 3, Qwen, SmolLM, Mistral tekken) can be \
+             written as a GGUF vocabulary; this one is SentencePiece-style (Llama 2, Mistral 7B, \
+             Gemma, Phi-3) or another kind"
+                .into(),
+        );
+    }
+    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
+    let mut types = vec![1i32; vocab_size];
+    let mut put = |id: u64, token: &str, kind: i32| -> std::result::Result<(), String> {
+        let slot = tokens.get_mut(id as usize).ok_or_else(|| {
+            format!("token {token:?} has id {id}, beyond the model's {vocab_size} embeddings")
+        })?;
+        *slot = Some(token.to_string());
+        types[id as usize] = kind;
+        Ok(())
+    };
+    for (token, id) in model["vocab"].as_object().into_iter().flatten() {
+        put(id.as_u64().unwrap_or(u64::MAX), token, 1)?;
+    }
+    for added in json["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(content)) = (added["id"].as_u64(), added["content"].as_str()) else {
+            continue;
+        };
+        put(id, content, if added["special"] == true { 3 } else { 4 })?;
+    }
+    let mut token_types = types;
+    let tokens = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(id, t)| {
+            t.unwrap_or_else(|| {
+                token_types[id] = 5;
+                format!("[PAD{id}]")
+            })
+        })
+        .collect();
+    let merges = model["merges"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| match m {
+            Json::String(s) => Ok(s.clone()),
+            Json::Array(pair) => match (pair.first(), pair.get(1)) {
+                (Some(Json::String(a)), Some(Json::String(b))) => Ok(format!("{a} {b}")),
+                _ => Err(format!("a merge is {m}, not two tokens")),
+            },
+            other => Err(format!("a merge is {other}, not two tokens")),
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(GgufVocab {
+        tokens,
+        token_types,
+        merges,
+        pre: pre_name(&json["pre_tokenizer"]),
+    })
+}
+
+/// llama.cpp's `tokenizer.ggml.pre` for a pre-tokenizer: the name whose split regex
+/// [`split_regex_for`] gives back (so that reading the file splits text the same way), `smollm`
+/// for digits split one by one then byte level (SmolLM), `gpt-2` for byte level alone.
+fn pre_name(pre: &Json) -> Option<&'static str> {
+    let steps: Vec<&Json> = match pre["type"].as_str() {
+        Some("Sequence") => pre["pretokenizers"].as_array()?.iter().collect(),
+        Some(_) => vec![pre],
+        None => return None,
+    };
+    let kinds: Vec<&str> = steps.iter().filter_map(|s| s["type"].as_str()).collect();
+    let regex = steps
+        .iter()
+        .find(|s| s["type"] == "Split")
+        .and_then(|s| s["pattern"]["Regex"].as_str());
+    match (kinds.as_slice(), regex) {
+        (["Split", "ByteLevel"], Some(r)) => ["llama-bpe", "qwen2", "tekken", "gpt-4o", "qwen35"]
+            .into_iter()
+            .find(|name| split_regex_for(name) == Some(r)),
+        (["Digits", "ByteLevel"], None) if steps[0]["individual_digits"] == true => Some("smollm"),
+        (["ByteLevel"], None) => Some("gpt-2"),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,7 @@ pub mod clip;
 pub mod config;
 pub mod dist;
 pub mod export;
+pub mod gguf_export;
 pub mod loss;
 pub mod metrics;
 pub mod optim;

@@ -1,0 +1,37 @@
+//! `ferrotune export-gguf`: an HF checkpoint folder (a fine-tuned or merged model) as one GGUF
+//! file for llama.cpp, Ollama or `ferrotune generate`.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use ferrotune_train::gguf_export::{export_gguf, OutType};
+
+#[derive(Args)]
+pub struct ExportGgufArgs {
+    /// The HF checkpoint folder (config.json, safetensors, tokenizer), e.g. a LoRA run's
+    /// `epoch_N/merged` or a full fine-tune's `epoch_N`.
+    model: PathBuf,
+    /// The GGUF file to write.
+    output: PathBuf,
+    /// Storage of the weight matrices: f32, f16, bf16 or q8_0 (vectors stay f32).
+    #[arg(long, default_value = "f16")]
+    outtype: String,
+}
+
+pub fn run(args: ExportGgufArgs) -> Result<()> {
+    let outtype = OutType::parse(&args.outtype)?;
+    let done = export_gguf(&args.model, &args.output, outtype)?;
+    for note in &done.notes {
+        eprintln!("note: {note}");
+    }
+    println!(
+        "Wrote {} ({} architecture, {} tensors, {:.1} MB, pre-tokenizer '{}')",
+        args.output.display(),
+        done.architecture,
+        done.tensors,
+        done.bytes as f64 / 1e6,
+        done.pre_tokenizer
+    );
+    Ok(())
+}

@@ -1,0 +1,652 @@
+//! A fine-tuned model as one GGUF file, llama.cpp's format (what `convert_hf_to_gguf.py` writes,
+//! and unsloth's `save_pretrained_gguf`): the weights in f32, f16, bf16 or Q8_0, the
+//! architecture's metadata and the tokenizer, so that llama.cpp, Ollama or `ferrotune generate`
+//! run it.
+//!
+//! Written here: no Rust crate writes GGUF files (candle reads them), and the format is small —
+//! a header, typed key/value metadata, tensor descriptions, then the aligned tensor data. The
+//! tensors are streamed from the memory-mapped safetensors one at a time, so exporting an 8B
+//! model does not hold it in memory.
+//!
+//! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
+//! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`, with
+//! a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use ferrotune_data::{gguf_vocab, Tokenizer};
+use ferrotune_models::config::RopeScaling;
+use ferrotune_models::{CheckpointFormat, ModelConfig};
+use half::{bf16, f16};
+use safetensors::{Dtype, SafeTensors};
+
+/// Alignment of the tensor data (GGUF's default, `general.alignment` unset).
+const ALIGNMENT: u64 = 32;
+/// Values per Q8_0 block.
+const Q8_0_BLOCK: usize = 32;
+
+/// The storage type of the exported matrices (`--outtype`, as llama.cpp's converter names them).
+/// Vectors (norms, biases) are always f32, as llama.cpp's converter writes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutType {
+    F32,
+    F16,
+    Bf16,
+    /// 8-bit blocks of 32 values with an f16 scale each.
+    Q8_0,
+}
+
+impl OutType {
+    /// `f32`, `f16`, `bf16` or `q8_0`.
+    pub fn parse(name: &str) -> Result<Self> {
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "f32" => OutType::F32,
+            "f16" => OutType::F16,
+            "bf16" => OutType::Bf16,
+            "q8_0" => OutType::Q8_0,
+            other => bail!("--outtype '{other}': expected f32, f16, bf16 or q8_0"),
+        })
+    }
+
+    /// `general.file_type` (llama.cpp's `LLAMA_FTYPE_*`).
+    fn file_type(self) -> u32 {
+        match self {
+            OutType::F32 => 0,
+            OutType::F16 => 1,
+            OutType::Q8_0 => 7,
+            OutType::Bf16 => 32,
+        }
+    }
+}
+
+/// A tensor's GGML type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GgmlType {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+}
+
+impl GgmlType {
+    fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Bf16 => 30,
+        }
+    }
+
+    fn bytes(self, numel: usize) -> u64 {
+        (match self {
+            GgmlType::F32 => numel * 4,
+            GgmlType::F16 | GgmlType::Bf16 => numel * 2,
+            GgmlType::Q8_0 => numel / Q8_0_BLOCK * (2 + Q8_0_BLOCK),
+        }) as u64
+    }
+}
+
+/// What [`export_gguf`] wrote.
+#[derive(Debug, Clone)]
+pub struct GgufExport {
+    /// `general.architecture`.
+    pub architecture: String,
+    /// Tensors written.
+    pub tensors: usize,
+    /// Size of the file.
+    pub bytes: u64,
+    /// `tokenizer.ggml.pre`.
+    pub pre_tokenizer: String,
+    /// What the file cannot carry, for the user to know.
+    pub notes: Vec<String>,
+}
+
+/// The llama.cpp architecture of a config, and whether its converter permutes q/k rows.
+fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
+    let arch = match config.model_type.as_str() {
+        // llama.cpp runs Mistral models as `llama`.
+        "llama" | "mistral" => ("llama", true),
+        "qwen2" => ("qwen2", false),
+        "qwen3" => ("qwen3", false),
+        other => {
+            bail!("GGUF export supports llama, mistral, qwen2 and qwen3 checkpoints, not '{other}'")
+        }
+    };
+    if config.layer_sliding_windows.iter().any(Option::is_some) {
+        bail!(
+            "the checkpoint uses sliding-window attention, which llama.cpp's '{}' architecture \
+             does not apply: the GGUF would compute something else",
+            arch.0
+        );
+    }
+    if config.rope.partial_rotary_factor != 1.0 {
+        bail!("GGUF export needs RoPE over whole heads (partial_rotary_factor 1)");
+    }
+    Ok(arch)
+}
+
+/// The GGUF name of an HF tensor, or `None` for one llama.cpp has no place for.
+fn gguf_name(hf: &str) -> Option<String> {
+    let (stem, kind) = hf.rsplit_once('.')?;
+    if kind != "weight" && kind != "bias" {
+        return None;
+    }
+    let top = match stem {
+        "model.embed_tokens" => Some("token_embd"),
+        "model.norm" => Some("output_norm"),
+        "lm_head" => Some("output"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(format!("{t}.{kind}"));
+    }
+    let rest = stem.strip_prefix("model.layers.")?;
+    let (layer, module) = rest.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    let part = match module {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{part}.{kind}"))
+}
+
+/// llama.cpp's q/k row order for its RoPE: within each head, the rows of the first and second
+/// halves interleaved (`convert_hf_to_gguf.py`'s `permute`). Row `p` of the result is row
+/// `order[p]` of the HF tensor.
+fn permuted_rows(rows: usize, heads: usize) -> Vec<usize> {
+    let head_dim = rows / heads;
+    let half = head_dim / 2;
+    (0..rows)
+        .map(|p| {
+            let (h, r) = (p / head_dim, p % head_dim);
+            h * head_dim + (r % 2) * half + r / 2
+        })
+        .collect()
+}
+
+/// llama.cpp's per-frequency factors of Llama 3's RoPE scaling (its `rope_freqs` tensor): 1 for
+/// high frequencies, `factor` for low ones, smoothly in between, over `head_dim / 2` frequencies.
+fn llama3_rope_factors(
+    theta: f64,
+    head_dim: usize,
+    factor: f64,
+    low_freq_factor: f64,
+    high_freq_factor: f64,
+    original: usize,
+) -> Vec<f32> {
+    let old = original as f64;
+    let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+    (0..head_dim / 2)
+        .map(|i| {
+            // In f32, as the converter computes the frequencies with torch.
+            let freq = 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32);
+            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+            let f = if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth =
+                    (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            f as f32
+        })
+        .collect()
+}
+
+/// One tensor to write: its GGUF name, GGML dims (innermost first), type, and where its values
+/// come from.
+struct Planned {
+    name: String,
+    dims: Vec<u64>,
+    ty: GgmlType,
+    source: Source,
+}
+
+enum Source {
+    /// An HF tensor (file index, name), rows reordered when `rows` is given.
+    Hf {
+        file: usize,
+        name: String,
+        rows: Option<Vec<usize>>,
+    },
+    /// Values computed here (`rope_freqs`).
+    Values(Vec<f32>),
+}
+
+/// The type a tensor of `shape` is stored in.
+fn storage_type(shape: &[usize], outtype: OutType) -> GgmlType {
+    if shape.len() < 2 {
+        return GgmlType::F32;
+    }
+    match outtype {
+        OutType::F32 => GgmlType::F32,
+        OutType::F16 => GgmlType::F16,
+        OutType::Bf16 => GgmlType::Bf16,
+        // As gguf-py: rows that are not whole blocks fall back to f16.
+        OutType::Q8_0 if shape[shape.len() - 1].is_multiple_of(Q8_0_BLOCK) => GgmlType::Q8_0,
+        OutType::Q8_0 => GgmlType::F16,
+    }
+}
+
+/// Writes the HF checkpoint folder `model_dir` (config, safetensors, tokenizer) as the GGUF file
+/// `out` with its matrices in `outtype`. The file is written under a temporary name and renamed
+/// into place when complete.
+pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<GgufExport> {
+    let files = match ferrotune_models::checkpoint::locate_weights(model_dir)? {
+        CheckpointFormat::Safetensors(files) => files,
+        CheckpointFormat::Gguf(path) => bail!(
+            "{} is already a GGUF file; export-gguf converts an HF checkpoint folder",
+            path.display()
+        ),
+    };
+    let config = ModelConfig::from_hf_file(&model_dir.join("config.json"))?;
+    let (arch, permute) = architecture(&config)?;
+    let tok = Tokenizer::from_dir(model_dir)
+        .with_context(|| format!("reading the tokenizer of {}", model_dir.display()))?;
+    let vocab =
+        gguf_vocab(&tok, config.vocab_size).map_err(|e| anyhow!("{}: {e}", model_dir.display()))?;
+    let mut notes = Vec::new();
+    let pre = match vocab.pre {
+        Some(p) => p.to_string(),
+        None => {
+            notes.push(
+                "the tokenizer's pre-tokenizer is not one llama.cpp names: written as 'default' \
+                 (llama.cpp then splits text with GPT-2's rules)"
+                    .into(),
+            );
+            "default".into()
+        }
+    };
+    if config.eos_token_ids.len() > 1 {
+        notes.push(format!(
+            "GGUF holds one end-of-sequence id: {} of {:?} is written",
+            config.eos_token_ids[0], config.eos_token_ids
+        ));
+    }
+
+    // Memory-mapped safetensors: their headers plan the file, their data fills it.
+    let maps: Vec<memmap2::Mmap> = files
+        .iter()
+        .map(|f| {
+            let file = File::open(f).with_context(|| format!("opening {}", f.display()))?;
+            // SAFETY: the checkpoint is only read, and not expected to change while exporting.
+            unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping {}", f.display()))
+        })
+        .collect::<Result<_>>()?;
+    let tensors: Vec<SafeTensors> = maps
+        .iter()
+        .zip(&files)
+        .map(|(m, f)| {
+            SafeTensors::deserialize(m).with_context(|| format!("reading {}", f.display()))
+        })
+        .collect::<Result<_>>()?;
+    let mut plan = Vec::new();
+    let mut skipped = Vec::new();
+    for (file, st) in tensors.iter().enumerate() {
+        let mut names = st.names();
+        names.sort();
+        for name in names {
+            let view = st.tensor(name)?;
+            let Some(gguf) = gguf_name(name) else {
+                skipped.push(name.to_string());
+                continue;
+            };
+            let shape = view.shape().to_vec();
+            let rows = match (permute, gguf.rsplit('.').nth(1)) {
+                (true, Some(part)) if part == "attn_q" || part == "attn_k" => {
+                    let heads = if part == "attn_q" {
+                        config.num_attention_heads
+                    } else {
+                        config.num_key_value_heads
+                    };
+                    Some(permuted_rows(shape[0], heads))
+                }
+                _ => None,
+            };
+            plan.push(Planned {
+                name: gguf,
+                dims: shape.iter().rev().map(|&d| d as u64).collect(),
+                ty: storage_type(&shape, outtype),
+                source: Source::Hf {
+                    file,
+                    name: name.to_string(),
+                    rows,
+                },
+            });
+        }
+    }
+    if !skipped.is_empty() {
+        bail!(
+            "{}: tensors llama.cpp's '{arch}' has no place for: {}",
+            model_dir.display(),
+            skipped.join(", ")
+        );
+    }
+    match config.rope.scaling {
+        RopeScaling::Default => {}
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } if arch == "llama" => {
+            let factors = llama3_rope_factors(
+                config.rope.theta,
+                config.head_dim,
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            );
+            plan.push(Planned {
+                name: "rope_freqs.weight".into(),
+                dims: vec![factors.len() as u64],
+                ty: GgmlType::F32,
+                source: Source::Values(factors),
+            });
+        }
+        ref other => bail!("GGUF export supports plain RoPE and Llama 3's scaling, not {other:?}"),
+    }
+
+    let mut meta = Metadata::default();
+    let name = model_dir
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
+        .unwrap_or_else(|| "model".into());
+    // ferrotune (as transformers) tells Mistral from Llama by the name in a `llama` GGUF.
+    let name = if config.model_type == "mistral" && !name.to_lowercase().contains("mistral") {
+        format!("Mistral {name}")
+    } else {
+        name
+    };
+    meta.string("general.architecture", arch);
+    meta.string("general.name", &name);
+    meta.u32("general.file_type", outtype.file_type());
+    meta.u32("general.quantization_version", 2);
+    let k = |key: &str| format!("{arch}.{key}");
+    meta.u32(&k("context_length"), config.max_position_embeddings as u32);
+    meta.u32(&k("embedding_length"), config.hidden_size as u32);
+    meta.u32(&k("block_count"), config.num_hidden_layers as u32);
+    meta.u32(&k("feed_forward_length"), config.intermediate_size as u32);
+    meta.u32(
+        &k("attention.head_count"),
+        config.num_attention_heads as u32,
+    );
+    meta.u32(
+        &k("attention.head_count_kv"),
+        config.num_key_value_heads as u32,
+    );
+    meta.f32(&k("rope.freq_base"), config.rope.theta as f32);
+    meta.f32(
+        &k("attention.layer_norm_rms_epsilon"),
+        config.rms_norm_eps as f32,
+    );
+    meta.u32(&k("rope.dimension_count"), config.head_dim as u32);
+    meta.u32(&k("attention.key_length"), config.head_dim as u32);
+    meta.u32(&k("attention.value_length"), config.head_dim as u32);
+    meta.u32(&k("vocab_size"), config.vocab_size as u32);
+    meta.string("tokenizer.ggml.model", "gpt2");
+    meta.string("tokenizer.ggml.pre", &pre);
+    meta.strings("tokenizer.ggml.tokens", &vocab.tokens);
+    meta.i32s("tokenizer.ggml.token_type", &vocab.token_types);
+    meta.strings("tokenizer.ggml.merges", &vocab.merges);
+    let bos = tok.bos_id().or(config.bos_token_id);
+    if let Some(id) = bos {
+        meta.u32("tokenizer.ggml.bos_token_id", id);
+    }
+    if let Some(&id) = tok.eos_ids().first().or(config.eos_token_ids.first()) {
+        meta.u32("tokenizer.ggml.eos_token_id", id);
+    }
+    if let Some(id) = tok.unk_id() {
+        meta.u32("tokenizer.ggml.unknown_token_id", id);
+    }
+    if let Some(id) = tok.pad_id().or(config.pad_token_id) {
+        meta.u32("tokenizer.ggml.padding_token_id", id);
+    }
+    meta.bool("tokenizer.ggml.add_bos_token", tok.add_bos_token());
+    meta.bool("tokenizer.ggml.add_eos_token", tok.add_eos_token());
+    if let Some(template) = tok.chat_template() {
+        meta.string("tokenizer.chat_template", template);
+    }
+
+    // Header, metadata, tensor descriptions, then the data at aligned offsets.
+    let partial = PathBuf::from(format!("{}.partial", out.display()));
+    let mut w = BufWriter::new(
+        File::create(&partial).with_context(|| format!("creating {}", partial.display()))?,
+    );
+    w.write_all(b"GGUF")?;
+    w.write_all(&3u32.to_le_bytes())?;
+    w.write_all(&(plan.len() as u64).to_le_bytes())?;
+    w.write_all(&(meta.count as u64).to_le_bytes())?;
+    w.write_all(&meta.bytes)?;
+    let mut offset = 0u64;
+    let mut offsets = Vec::with_capacity(plan.len());
+    let mut head_len = 4 + 4 + 8 + 8 + meta.bytes.len() as u64;
+    for t in &plan {
+        let mut info = Vec::new();
+        put_string(&mut info, &t.name);
+        info.extend((t.dims.len() as u32).to_le_bytes());
+        for d in &t.dims {
+            info.extend(d.to_le_bytes());
+        }
+        info.extend(t.ty.id().to_le_bytes());
+        info.extend(offset.to_le_bytes());
+        w.write_all(&info)?;
+        head_len += info.len() as u64;
+        offsets.push(offset);
+        let numel: u64 = t.dims.iter().product();
+        offset = (offset + t.ty.bytes(numel as usize)).next_multiple_of(ALIGNMENT);
+    }
+    pad_to(&mut w, head_len)?;
+    let mut written = head_len.next_multiple_of(ALIGNMENT);
+    let data_start = written;
+    for (t, &off) in plan.iter().zip(&offsets) {
+        pad_to(&mut w, written - data_start)?;
+        written = data_start + off;
+        let values = match &t.source {
+            Source::Values(v) => v.clone(),
+            Source::Hf { file, name, rows } => {
+                let view = tensors[*file].tensor(name)?;
+                let values = to_f32(view.dtype(), view.data())
+                    .with_context(|| format!("{name}: {:?} weights", view.dtype()))?;
+                match rows {
+                    Some(order) => {
+                        let width = values.len() / order.len();
+                        order
+                            .iter()
+                            .flat_map(|&r| values[r * width..(r + 1) * width].iter().copied())
+                            .collect()
+                    }
+                    None => values,
+                }
+            }
+        };
+        let bytes = encode(&values, t.ty);
+        w.write_all(&bytes)?;
+        written += bytes.len() as u64;
+    }
+    w.flush()?;
+    drop(w);
+    std::fs::rename(&partial, out)
+        .with_context(|| format!("moving {} into place", partial.display()))?;
+    Ok(GgufExport {
+        architecture: arch.into(),
+        tensors: plan.len(),
+        bytes: written,
+        pre_tokenizer: pre,
+        notes,
+    })
+}
+
+/// Zero bytes up to the next multiple of the alignment after `len` bytes.
+fn pad_to(w: &mut impl Write, len: u64) -> Result<()> {
+    let pad = len.next_multiple_of(ALIGNMENT) - len;
+    w.write_all(&vec![0u8; pad as usize])?;
+    Ok(())
+}
+
+/// A safetensors tensor's values as f32.
+fn to_f32(dtype: Dtype, data: &[u8]) -> Result<Vec<f32>> {
+    Ok(match dtype {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => bail!("weights of type {other:?} cannot be exported"),
+    })
+}
+
+/// Values in a GGML type's bytes.
+fn encode(values: &[f32], ty: GgmlType) -> Vec<u8> {
+    match ty {
+        GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        GgmlType::F16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        GgmlType::Bf16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        GgmlType::Q8_0 => quantize_q8_0(values),
+    }
+}
+
+/// Q8_0 as gguf-py's `quants.quantize` writes it: per block of 32 values the scale
+/// `d = max|x| / 127` (stored as f16) and `round(x / d)` rounded half away from zero, computed
+/// with the f32 scale.
+pub fn quantize_q8_0(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() / Q8_0_BLOCK * (2 + Q8_0_BLOCK));
+    for block in values.chunks_exact(Q8_0_BLOCK) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        out.extend(f16::from_f32(d).to_le_bytes());
+        out.extend(block.iter().map(|&x| {
+            let q = x * id;
+            (q.signum() * (q.abs() + 0.5).floor()) as i8 as u8
+        }));
+    }
+    out
+}
+
+/// GGUF key/value metadata, serialised as it is added.
+#[derive(Default)]
+struct Metadata {
+    bytes: Vec<u8>,
+    count: usize,
+}
+
+/// GGUF's value types.
+const T_UINT32: u32 = 4;
+const T_INT32: u32 = 5;
+const T_FLOAT32: u32 = 6;
+const T_BOOL: u32 = 7;
+const T_STRING: u32 = 8;
+const T_ARRAY: u32 = 9;
+
+fn put_string(buf: &mut Vec<u8>, s: &str) {
+    buf.extend((s.len() as u64).to_le_bytes());
+    buf.extend(s.as_bytes());
+}
+
+impl Metadata {
+    fn key(&mut self, key: &str, ty: u32) {
+        put_string(&mut self.bytes, key);
+        self.bytes.extend(ty.to_le_bytes());
+        self.count += 1;
+    }
+
+    fn u32(&mut self, key: &str, v: u32) {
+        self.key(key, T_UINT32);
+        self.bytes.extend(v.to_le_bytes());
+    }
+
+    fn f32(&mut self, key: &str, v: f32) {
+        self.key(key, T_FLOAT32);
+        self.bytes.extend(v.to_le_bytes());
+    }
+
+    fn bool(&mut self, key: &str, v: bool) {
+        self.key(key, T_BOOL);
+        self.bytes.push(u8::from(v));
+    }
+
+    fn string(&mut self, key: &str, v: &str) {
+        self.key(key, T_STRING);
+        put_string(&mut self.bytes, v);
+    }
+
+    fn strings(&mut self, key: &str, v: &[String]) {
+        self.key(key, T_ARRAY);
+        self.bytes.extend(T_STRING.to_le_bytes());
+        self.bytes.extend((v.len() as u64).to_le_bytes());
+        for s in v {
+            put_string(&mut self.bytes, s);
+        }
+    }
+
+    fn i32s(&mut self, key: &str, v: &[i32]) {
+        self.key(key, T_ARRAY);
+        self.bytes.extend(T_INT32.to_le_bytes());
+        self.bytes.extend((v.len() as u64).to_le_bytes());
+        for x in v {
+            self.bytes.extend(x.to_le_bytes());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The permutation is convert_hf_to_gguf.py's `reshape(n_head, 2, hd/2, ...)
+    /// .swapaxes(1, 2)`: within a head, rows 0, hd/2, 1, hd/2+1, ...
+    #[test]
+    fn qk_rows_interleave_the_two_halves_of_each_head() {
+        assert_eq!(permuted_rows(8, 2), vec![0, 2, 1, 3, 4, 6, 5, 7]);
+        assert_eq!(permuted_rows(6, 1), vec![0, 3, 1, 4, 2, 5]);
+    }
+
+    #[test]
+    fn q8_0_rounds_half_away_from_zero_with_the_f32_scale() {
+        let mut block = vec![0f32; 32];
+        block[0] = 127.0;
+        block[1] = -0.5;
+        block[2] = 0.5;
+        block[3] = 1.5;
+        block[4] = -63.5;
+        let bytes = quantize_q8_0(&block);
+        assert_eq!(bytes.len(), 34);
+        assert_eq!(f16::from_le_bytes([bytes[0], bytes[1]]).to_f32(), 1.0);
+        let q: Vec<i8> = bytes[2..].iter().map(|&b| b as i8).collect();
+        assert_eq!(&q[..5], &[127, -1, 1, 2, -64]);
+        // An all-zero block has scale 0 and zeros.
+        assert!(quantize_q8_0(&[0.0; 32]).iter().all(|&b| b == 0));
+    }
+}

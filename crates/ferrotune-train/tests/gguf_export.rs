@@ -1,0 +1,165 @@
+//! `export-gguf`: each supported fixture checkpoint written as GGUF (f32, f16, bf16, Q8_0) and
+//! read back by ferrotune's GGUF loader (which follows transformers' GGUF conversion) gives
+//! transformers' logits of the original checkpoint — exactly up to f32 rounding for f32, within
+//! the storage's precision otherwise — and the same tokenizer; unsupported checkpoints are
+//! refused naming the reason.
+
+mod common;
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use ferrotune_data::Tokenizer;
+use ferrotune_models::{load_model, AttentionLayout};
+use ferrotune_train::gguf_export::{export_gguf, OutType};
+use serde_json::Value;
+
+fn model_dir(name: &str) -> PathBuf {
+    common::workspace_fixture(&format!("models/{name}"))
+}
+
+fn out_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotune-gguf-export-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The logits of the golden input through the model at `path`, and transformers' for it.
+fn logits(name: &str, path: &std::path::Path) -> (Tensor, Tensor) {
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir(name).join("golden.json")).unwrap(),
+    )
+    .unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(g["input_ids"].clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
+    let (model, _) = load_model(path, DType::F32, &Device::Cpu).unwrap();
+    let got = model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap();
+    let want =
+        candle_core::safetensors::load(model_dir(name).join("golden.safetensors"), &Device::Cpu)
+            .unwrap()
+            .remove("logits")
+            .unwrap();
+    (got, want)
+}
+
+#[test]
+fn exported_gguf_gives_transformers_logits() {
+    let out = out_dir();
+    // Tied and untied heads, GQA, explicit head_dim, Qwen2's biases, Qwen3's q/k norms, Mistral
+    // as llama.cpp's `llama`. (Q8_0's tolerance is its rounding on these tiny random models;
+    // its bytes are checked exactly below.)
+    let names = ["llama2", "smollm2_like", "mistral", "qwen2_5", "qwen3"];
+    let only = std::env::var("ONLY").ok();
+    for name in names
+        .into_iter()
+        .filter(|n| only.as_deref().is_none_or(|o| o == *n))
+    {
+        for (outtype, tol) in [
+            (OutType::F32, 1e-5),
+            (OutType::F16, 2e-3),
+            (OutType::Bf16, 1.5e-2),
+            (OutType::Q8_0, 4e-2),
+        ] {
+            let path = out.join(format!("{name}-{outtype:?}.gguf"));
+            let done = export_gguf(&model_dir(name).join("model"), &path, outtype).unwrap();
+            assert!(done.bytes > 0 && path.is_file());
+            let (got, want) = logits(name, &path);
+            let err = common::rel_l2(&got, &want);
+            assert!(err <= tol, "{name} {outtype:?}: relative L2 {err} > {tol}");
+            if outtype == OutType::F32 {
+                // The GGUF's tokenizer encodes as the checkpoint's does.
+                let hf = Tokenizer::from_dir(model_dir(name).join("model")).unwrap();
+                let gguf = Tokenizer::from_gguf(&path).unwrap();
+                for text in ["Hello, world! 12345", "<|im_start|>user\nhi<|im_end|>"] {
+                    assert_eq!(
+                        gguf.encode(text, true).unwrap(),
+                        hf.encode(text, true).unwrap(),
+                        "{name}: {text:?}"
+                    );
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(&out).ok();
+}
+
+#[test]
+fn unsupported_checkpoints_are_refused_with_the_reason() {
+    let out = out_dir().join("refused.gguf");
+    let err = |name: &str| {
+        export_gguf(&model_dir(name).join("model"), &out, OutType::F16)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err("gemma2").contains("not 'gemma2'"), "{}", err("gemma2"));
+    assert!(
+        err("mistral_window").contains("sliding-window"),
+        "{}",
+        err("mistral_window")
+    );
+    assert!(!out.exists());
+    assert!(OutType::parse("q4_k")
+        .unwrap_err()
+        .to_string()
+        .contains("q8_0"));
+}
+
+/// Q8_0 blocks byte for byte as gguf-py (llama.cpp's Python package) writes them
+/// (scripts/make_gguf_export_fixtures.py).
+#[test]
+fn q8_0_matches_gguf_py_byte_for_byte() {
+    let f: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::workspace_fixture("gguf_export/q8_0.json")).unwrap(),
+    )
+    .unwrap();
+    let values: Vec<f32> = serde_json::from_value(f["values"].clone()).unwrap();
+    let want = f["q8_0_hex"].as_str().unwrap();
+    let got: String = ferrotune_train::gguf_export::quantize_q8_0(&values)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(got, want);
+}
+
+/// Llama 3's RoPE scaling travels as llama.cpp's `rope_freqs` factors: a checkpoint with the
+/// released models' settings (low 1, high 4, original context 8192) exported and read back gives
+/// the logits of the checkpoint itself.
+#[test]
+fn llama3_rope_scaling_round_trips_through_rope_freqs() {
+    let out = out_dir().join("llama3");
+    std::fs::create_dir_all(&out).unwrap();
+    let src = model_dir("llama3_2").join("model");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let rope = config.get_mut("rope_parameters").expect("a v5 config");
+    rope["original_max_position_embeddings"] = 8192.into();
+    rope["low_freq_factor"] = 1.0.into();
+    rope["high_freq_factor"] = 4.0.into();
+    rope["factor"] = 8.0.into();
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    let gguf = out.join("model.gguf");
+    export_gguf(&out, &gguf, OutType::F32).unwrap();
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir("llama3_2").join("golden.json")).unwrap(),
+    )
+    .unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(g["input_ids"].clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
+    let forward = |path: &std::path::Path| {
+        let (model, _) = load_model(path, DType::F32, &Device::Cpu).unwrap();
+        model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap()
+    };
+    let err = common::rel_l2(&forward(&gguf), &forward(&out));
+    assert!(err <= 1e-5, "relative L2 {err}");
+    std::fs::remove_dir_all(&out).ok();
+}
