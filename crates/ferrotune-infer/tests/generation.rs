@@ -163,16 +163,7 @@ fn smollm2_gguf_logits_and_greedy_answer_match_transformers() {
         candle_core::safetensors::load(fixtures().join("smollm2_golden.safetensors"), &Device::Cpu)
             .unwrap();
     let want = &want["last_logits_0"];
-    let l2 = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            .sqrt()
-    };
-    let rel = l2(&(&logits - want).unwrap()) / l2(want);
+    let rel = ferrotune_testing::rel_l2(&logits, want);
     eprintln!("SmolLM2 last-position logits relative L2 error: {rel:e}");
     assert!(rel <= 1e-3, "last-position logits relative L2 error {rel}");
     // The same logits through the packed (quantized-block) path: chunks of at most 32 rows.
@@ -190,7 +181,7 @@ fn smollm2_gguf_logits_and_greedy_answer_match_transformers() {
             .unwrap();
         last = Some(out.get(0).unwrap().get(len - 1).unwrap());
     }
-    let packed_rel = l2(&(&last.unwrap() - want).unwrap()) / l2(want);
+    let packed_rel = ferrotune_testing::rel_l2(&last.unwrap(), want);
     eprintln!("SmolLM2 packed-path logits relative L2 error: {packed_rel:e}");
     assert!(
         packed_rel <= 1e-3,

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache};
 use serde_json::Value;
 
-use common::{fixtures, max_abs_diff};
+use common::{fixtures, max_abs_diff, rel_l2};
 
 fn golden(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap()
@@ -161,16 +161,7 @@ fn bf16_relative_error(dir: &Path) -> f32 {
         .unwrap();
     let want =
         candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let want = &want["logits"];
-    let sum_sq = |t: &Tensor| {
-        t.sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    };
-    (sum_sq(&(&logits - want).unwrap()) / sum_sq(want)).sqrt()
+    rel_l2(&logits, &want["logits"])
 }
 
 #[test]
