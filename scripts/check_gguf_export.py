@@ -67,6 +67,51 @@ def main():
                 except Exception as e:  # a reader refusing the file is a result too
                     cells.append(f"error: {str(e).splitlines()[0][:60]}")
             print(f"{name:14} {outtype:8} {cells[0]:>10} {cells[1]:>13}", flush=True)
+    sentencepiece_case(binary, out)
+
+
+def sentencepiece_case(binary, out):
+    """Llama 2's real tokenizer (SentencePiece-style BPE, 32 000 tokens) on a small random Llama:
+    llama.cpp's tokenization of sample texts (it merges by the exported scores) and its logits
+    against transformers'."""
+    import os
+    import shutil
+
+    import torch
+    from llama_cpp import Llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    assets = Path(os.environ.get("FERROTUNE_ASSETS") or Path.home() / ".cache/ferrotune/assets")
+    model_dir = out / "llama2-spm"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model.save_pretrained(model_dir)
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(assets / "tokenizers" / "llama2" / f, model_dir / f)
+    path = out / "llama2-spm.gguf"
+    subprocess.run([binary, "export-gguf", model_dir, path, "--outtype", "f32"], check=True,
+                   capture_output=True)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    llm = Llama(model_path=str(path), n_ctx=256, verbose=False, logits_all=True, type_k=0, type_v=0)
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog.",
+             "Numbers 12345 and émojis 🙂 ünïcödé", "def f(x):\n    return x**2\n",
+             "Ceci n'est pas une pipe. Ça va? 你好，世界！", "mixed   internal   spaces\ttabs",
+             "URL: https://example.com/a?b=c&d=e", "The year 1999 was—arguably—odd."]
+    same = sum(hf.encode(t) == llm.tokenize(t.encode(), add_bos=True, special=True) for t in texts)
+    ids = hf.encode(texts[1])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(
+            torch.tensor([ids])).logits[0].numpy()
+    llm.reset()
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    print(f"llama2 tokenizer (SentencePiece): llama.cpp tokenizes {same}/{len(texts)} texts as "
+          f"transformers; logits relative L2 {rel_l2(got, want):.2e}")
 
 
 if __name__ == "__main__":

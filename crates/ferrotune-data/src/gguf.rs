@@ -540,25 +540,34 @@ fn int_of(value: &Value) -> Option<i64> {
 /// The tokenizer's own JSON (not GGUF metadata).
 type Json = serde_json::Value;
 
-/// A byte-level BPE vocabulary as llama.cpp's GGUF tokenizer keys hold it (`tokenizer.ggml.*`
-/// with `model = "gpt2"`), for writing a GGUF file.
+/// A vocabulary as llama.cpp's GGUF tokenizer keys hold it (`tokenizer.ggml.*`), for writing a
+/// GGUF file: byte-level BPE (`model = "gpt2"`) or SentencePiece-style BPE (`"llama"`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GgufVocab {
+    /// `tokenizer.ggml.model`: `gpt2` or `llama`.
+    pub model: &'static str,
     /// Every token by id, `vocab_size` of them (ids the tokenizer lacks are `[PAD{id}]`).
     pub tokens: Vec<String>,
-    /// llama.cpp's token types: 1 normal, 3 control (special added tokens), 4 user-defined
-    /// (other added tokens), 5 unused (the padding ids).
+    /// llama.cpp's token types: 1 normal, 2 unknown, 3 control (special added tokens), 4
+    /// user-defined (other added tokens), 5 unused (the padding ids), 6 byte (`<0xNN>`).
     pub token_types: Vec<i32>,
     /// The merges as `"left right"`, in rank order.
     pub merges: Vec<String>,
+    /// `llama` vocabularies: each token's score, which llama.cpp's SentencePiece tokenizer merges
+    /// by: minus the rank of the first merge that forms the token, so that it applies the
+    /// merges in the tokenizer's order (tokens no merge forms: 0 for single characters, bytes
+    /// and special tokens, -1e9 for the rest).
+    pub scores: Option<Vec<f32>>,
     /// `tokenizer.ggml.pre`: llama.cpp's name for the pre-tokenizer, when the tokenizer's is one
     /// transformers maps back to the same split (`None`: not one of those).
     pub pre: Option<&'static str>,
+    /// `llama` vocabularies: whether a space (`▁`) is put before the text.
+    pub add_space_prefix: Option<bool>,
 }
 
 /// The GGUF vocabulary of `tok` padded to `vocab_size` ids, or an error saying why it cannot be
-/// written as one: only byte-level BPE vocabularies (Llama 3, Qwen, SmolLM, Mistral's tekken)
-/// are, the form llama.cpp calls `gpt2`.
+/// written as one: byte-level BPE vocabularies (Llama 3, Qwen, SmolLM, Mistral's tekken) and
+/// SentencePiece-style BPE ones with byte fallback (Llama 2, Mistral 7B) are.
 pub fn gguf_vocab(
     tok: &crate::Tokenizer,
     vocab_size: usize,
@@ -570,13 +579,16 @@ pub fn gguf_vocab(
     )
     .map_err(|e| format!("cannot read the tokenizer's JSON: {e}"))?;
     let model = &json["model"];
-    let byte_level = json["decoder"]["type"] == "ByteLevel"
-        || json["pre_tokenizer"].to_string().contains("\"ByteLevel\"");
-    if model["type"] != "BPE" || !byte_level || model["byte_fallback"] == Json::Bool(true) {
+    let pipeline = format!("{}{}", json["normalizer"], json["pre_tokenizer"]);
+    let byte_fallback = model["byte_fallback"] == Json::Bool(true);
+    let sentencepiece = byte_fallback && pipeline.contains('\u{2581}');
+    let byte_level = !byte_fallback
+        && (json["decoder"]["type"] == "ByteLevel" || pipeline.contains("\"ByteLevel\""));
+    if model["type"] != "BPE" || !(byte_level || sentencepiece) {
         return Err(
-            "only byte-level BPE tokenizers (Llama 3, Qwen, SmolLM, Mistral tekken) can be \
-             written as a GGUF vocabulary; this one is SentencePiece-style (Llama 2, Mistral 7B, \
-             Gemma, Phi-3) or another kind"
+            "only BPE tokenizers, byte-level (Llama 3, Qwen, SmolLM, Mistral tekken) or \
+             SentencePiece-style with byte fallback (Llama 2, Mistral 7B), can be written as a \
+             GGUF vocabulary; this one is another kind (a Unigram model, or Gemma's)"
                 .into(),
         );
     }
@@ -591,16 +603,34 @@ pub fn gguf_vocab(
         Ok(())
     };
     for (token, id) in model["vocab"].as_object().into_iter().flatten() {
-        put(id.as_u64().unwrap_or(u64::MAX), token, 1)?;
+        let is_byte = sentencepiece
+            && token.len() == 6
+            && token.starts_with("<0x")
+            && token.ends_with('>')
+            && u8::from_str_radix(&token[3..5], 16).is_ok();
+        put(
+            id.as_u64().unwrap_or(u64::MAX),
+            token,
+            if is_byte { 6 } else { 1 },
+        )?;
     }
+    let unk = model["unk_token"].as_str();
     for added in json["added_tokens"].as_array().into_iter().flatten() {
         let (Some(id), Some(content)) = (added["id"].as_u64(), added["content"].as_str()) else {
             continue;
         };
-        put(id, content, if added["special"] == true { 3 } else { 4 })?;
+        let kind = match (
+            Some(content) == unk && sentencepiece,
+            added["special"] == true,
+        ) {
+            (true, _) => 2,
+            (false, true) => 3,
+            (false, false) => 4,
+        };
+        put(id, content, kind)?;
     }
     let mut token_types = types;
-    let tokens = tokens
+    let tokens: Vec<String> = tokens
         .into_iter()
         .enumerate()
         .map(|(id, t)| {
@@ -623,11 +653,44 @@ pub fn gguf_vocab(
             other => Err(format!("a merge is {other}, not two tokens")),
         })
         .collect::<std::result::Result<Vec<_>, _>>()?;
+    if byte_level {
+        return Ok(GgufVocab {
+            model: "gpt2",
+            tokens,
+            token_types,
+            merges,
+            scores: None,
+            pre: pre_name(&json["pre_tokenizer"]),
+            add_space_prefix: None,
+        });
+    }
+    let mut rank_of: HashMap<String, usize> = HashMap::new();
+    for (rank, m) in merges.iter().enumerate() {
+        rank_of.entry(m.replacen(' ', "", 1)).or_insert(rank);
+    }
+    let scores = tokens
+        .iter()
+        .zip(&token_types)
+        .map(|(t, &kind)| match rank_of.get(t) {
+            Some(&rank) => -(rank as f32),
+            None if kind != 1 || t.chars().count() == 1 => 0.0,
+            None => -1e9,
+        })
+        .collect();
     Ok(GgufVocab {
+        model: "llama",
         tokens,
         token_types,
         merges,
-        pre: pre_name(&json["pre_tokenizer"]),
+        scores: Some(scores),
+        pre: None,
+        // `▁` put first by the normalizer (`Prepend`) or the pre-tokenizer (Metaspace).
+        add_space_prefix: Some(
+            pipeline.contains("\"Prepend\"")
+                || json["pre_tokenizer"]["prepend_scheme"]
+                    .as_str()
+                    .is_some_and(|s| s != "never"),
+        ),
     })
 }
 

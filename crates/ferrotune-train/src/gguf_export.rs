@@ -10,7 +10,8 @@
 //!
 //! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
 //! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`, with
-//! a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary).
+//! a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a SentencePiece-style BPE one
+//! (its `llama` vocabulary).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -264,6 +265,8 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     let mut notes = Vec::new();
     let pre = match vocab.pre {
         Some(p) => p.to_string(),
+        // llama.cpp's SentencePiece tokenizer has no pre-tokenizer.
+        None if vocab.model == "llama" => "default".into(),
         None => {
             notes.push(
                 "the tokenizer's pre-tokenizer is not one llama.cpp names: written as 'default' \
@@ -402,11 +405,19 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     meta.u32(&k("attention.key_length"), config.head_dim as u32);
     meta.u32(&k("attention.value_length"), config.head_dim as u32);
     meta.u32(&k("vocab_size"), config.vocab_size as u32);
-    meta.string("tokenizer.ggml.model", "gpt2");
+    meta.string("tokenizer.ggml.model", vocab.model);
     meta.string("tokenizer.ggml.pre", &pre);
     meta.strings("tokenizer.ggml.tokens", &vocab.tokens);
+    if let Some(scores) = &vocab.scores {
+        meta.f32s("tokenizer.ggml.scores", scores);
+    }
     meta.i32s("tokenizer.ggml.token_type", &vocab.token_types);
+    // A SentencePiece vocabulary keeps its merges too: transformers' and ferrotune's GGUF
+    // readers take them as they are (llama.cpp merges by the scores).
     meta.strings("tokenizer.ggml.merges", &vocab.merges);
+    if let Some(prefix) = vocab.add_space_prefix {
+        meta.bool("tokenizer.ggml.add_space_prefix", prefix);
+    }
     let bos = tok.bos_id().or(config.bos_token_id);
     if let Some(id) = bos {
         meta.u32("tokenizer.ggml.bos_token_id", id);
@@ -608,6 +619,15 @@ impl Metadata {
         self.bytes.extend((v.len() as u64).to_le_bytes());
         for s in v {
             put_string(&mut self.bytes, s);
+        }
+    }
+
+    fn f32s(&mut self, key: &str, v: &[f32]) {
+        self.key(key, T_ARRAY);
+        self.bytes.extend(T_FLOAT32.to_le_bytes());
+        self.bytes.extend((v.len() as u64).to_le_bytes());
+        for x in v {
+            self.bytes.extend(x.to_le_bytes());
         }
     }
 

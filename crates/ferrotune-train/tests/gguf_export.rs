@@ -18,8 +18,12 @@ fn model_dir(name: &str) -> PathBuf {
     common::workspace_fixture(&format!("models/{name}"))
 }
 
-fn out_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferrotune-gguf-export-{}", std::process::id()));
+/// A scratch folder of this test (tests run in parallel and each removes its own).
+fn out_dir(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "ferrotune-gguf-export-{test}-{}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
@@ -47,7 +51,7 @@ fn logits(name: &str, path: &std::path::Path) -> (Tensor, Tensor) {
 
 #[test]
 fn exported_gguf_gives_transformers_logits() {
-    let out = out_dir();
+    let out = out_dir("logits");
     // Tied and untied heads, GQA, explicit head_dim, Qwen2's biases, Qwen3's q/k norms, Mistral
     // as llama.cpp's `llama`. (Q8_0's tolerance is its rounding on these tiny random models;
     // its bytes are checked exactly below.)
@@ -88,7 +92,7 @@ fn exported_gguf_gives_transformers_logits() {
 
 #[test]
 fn unsupported_checkpoints_are_refused_with_the_reason() {
-    let out = out_dir().join("refused.gguf");
+    let out = out_dir("refused").join("refused.gguf");
     let err = |name: &str| {
         export_gguf(&model_dir(name).join("model"), &out, OutType::F16)
             .unwrap_err()
@@ -105,6 +109,7 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
         .unwrap_err()
         .to_string()
         .contains("q8_0"));
+    std::fs::remove_dir_all(out.parent().unwrap()).ok();
 }
 
 /// Q8_0 blocks byte for byte as gguf-py (llama.cpp's Python package) writes them
@@ -129,7 +134,7 @@ fn q8_0_matches_gguf_py_byte_for_byte() {
 /// the logits of the checkpoint itself.
 #[test]
 fn llama3_rope_scaling_round_trips_through_rope_freqs() {
-    let out = out_dir().join("llama3");
+    let out = out_dir("llama3");
     std::fs::create_dir_all(&out).unwrap();
     let src = model_dir("llama3_2").join("model");
     for entry in std::fs::read_dir(&src).unwrap() {
@@ -162,4 +167,72 @@ fn llama3_rope_scaling_round_trips_through_rope_freqs() {
     let err = common::rel_l2(&forward(&gguf), &forward(&out));
     assert!(err <= 1e-5, "relative L2 {err}");
     std::fs::remove_dir_all(&out).ok();
+}
+
+/// A SentencePiece-style vocabulary (Llama 2's real tokenizer, 32 000 tokens) travels as
+/// llama.cpp's `llama` vocabulary (tokens, scores, types, and the merges for the readers that
+/// take them): the GGUF's tokenizer encodes as the checkpoint's, and the logits are the
+/// checkpoint's. The model is the llama2 fixture with its embeddings widened to 32 000 rows.
+#[test]
+fn sentencepiece_vocabulary_round_trips() {
+    let dir = out_dir("spm");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = model_dir("llama2").join("model");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let vocab = 32000usize;
+    config["vocab_size"] = vocab.into();
+    config["bos_token_id"] = 1.into();
+    config["eos_token_id"] = 2.into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let tokenizers = ferrotune_data::asset_path("tokenizers/llama2").unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tokenizers.join(f), dir.join(f)).unwrap();
+    }
+    let mut weights =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    // Deterministic values for the new rows (an LCG; candle's RNG is unseeded).
+    let mut state = 12345u64;
+    let mut rows = |n: usize| {
+        let v: Vec<f32> = (0..n * 32)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
+            })
+            .collect();
+        Tensor::from_vec(v, (n, 32), &Device::Cpu).unwrap()
+    };
+    weights.insert("model.embed_tokens.weight".into(), rows(vocab));
+    weights.insert("lm_head.weight".into(), rows(vocab));
+    candle_core::safetensors::save(&weights, dir.join("model.safetensors")).unwrap();
+
+    let gguf = dir.join("model.gguf");
+    export_gguf(&dir, &gguf, OutType::F32).unwrap();
+    let hf = Tokenizer::from_dir(&dir).unwrap();
+    let from_gguf = Tokenizer::from_gguf(&gguf).unwrap();
+    let mut ids = Vec::new();
+    for text in [
+        "Hello world",
+        "The quick brown fox jumps over the lazy dog.",
+        "Numbers 12345 and émojis 🙂 ünïcödé",
+        "def f(x):\n    return x**2\n",
+        "Ceci n'est pas une pipe. 你好，世界！",
+    ] {
+        let want = hf.encode(text, true).unwrap();
+        assert_eq!(from_gguf.encode(text, true).unwrap(), want, "{text:?}");
+        ids.push(want);
+    }
+    let row = &ids[1];
+    let input = Tensor::from_vec(row.clone(), (1, row.len()), &Device::Cpu).unwrap();
+    let forward = |path: &std::path::Path| {
+        let (model, _) = load_model(path, DType::F32, &Device::Cpu).unwrap();
+        model
+            .forward(&input, &AttentionLayout::causal(1, row.len(), 0), None)
+            .unwrap()
+    };
+    let err = common::rel_l2(&forward(&gguf), &forward(&dir));
+    assert!(err <= 1e-5, "relative L2 {err}");
+    std::fs::remove_dir_all(&dir).ok();
 }
