@@ -52,7 +52,7 @@ def main():
     binary = Path(sys.argv[1]).resolve()
     out = Path(tempfile.mkdtemp())
     print(f"{'model':14} {'outtype':8} {'llama.cpp':>10} {'transformers':>13}")
-    for name in ["llama2", "llama3_2", "smollm2_like", "mistral", "qwen2_5", "qwen3"]:
+    for name in ["llama2", "llama3_2", "smollm2_like", "mistral", "qwen2_5", "qwen3", "gemma"]:
         golden = json.loads((MODELS / name / "golden.json").read_text())
         want = load_file(str(MODELS / name / "golden.safetensors"))["logits"]
         ids = golden["input_ids"]
@@ -67,7 +67,36 @@ def main():
                 except Exception as e:  # a reader refusing the file is a result too
                     cells.append(f"error: {str(e).splitlines()[0][:60]}")
             print(f"{name:14} {outtype:8} {cells[0]:>10} {cells[1]:>13}", flush=True)
+    gemma_cases(binary, out)
     sentencepiece_case(binary, out)
+
+
+def gemma_cases(binary, out):
+    """Gemma 2 with the score scale llama.cpp fixes (the fixture's config edited: scaled by the
+    head size), against transformers' logits of the edited checkpoint."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    edits = {
+        "gemma2": {"query_pre_attn_scalar": 16},
+    }
+    for name, edit in edits.items():
+        model_dir = out / f"{name}-edited"
+        shutil.copytree(MODELS / name / "model", model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        config.update(edit)
+        (model_dir / "config.json").write_text(json.dumps(config))
+        ids = json.loads((MODELS / name / "golden.json").read_text())["input_ids"]
+        with torch.no_grad():
+            want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(
+                torch.tensor(ids)).logits.numpy()
+        path = out / f"{name}-edited.gguf"
+        subprocess.run([binary, "export-gguf", model_dir, path, "--outtype", "f32"], check=True,
+                       capture_output=True)
+        print(f"{name + ' (edited)':14} {'f32':8} {rel_l2(llama_cpp_logits(path, ids), want):10.2e}",
+              flush=True)
 
 
 def sentencepiece_case(binary, out):

@@ -9,9 +9,9 @@
 //! model does not hold it in memory.
 //!
 //! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
-//! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`, with
-//! a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a SentencePiece-style BPE one
-//! (its `llama` vocabulary).
+//! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`,
+//! `gemma`, `gemma2`, with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
+//! SentencePiece-style BPE one (its `llama` vocabulary).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -106,32 +106,70 @@ pub struct GgufExport {
     pub notes: Vec<String>,
 }
 
-/// The llama.cpp architecture of a config, and whether its converter permutes q/k rows.
+/// The llama.cpp architecture of a config, and whether its converter permutes q/k rows; an error
+/// for what the architecture cannot express (llama.cpp fixes some settings per architecture).
 fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
     let arch = match config.model_type.as_str() {
         // llama.cpp runs Mistral models as `llama`.
         "llama" | "mistral" => ("llama", true),
         "qwen2" => ("qwen2", false),
         "qwen3" => ("qwen3", false),
-        other => {
-            bail!("GGUF export supports llama, mistral, qwen2 and qwen3 checkpoints, not '{other}'")
-        }
+        "gemma" => ("gemma", false),
+        "gemma2" => ("gemma2", false),
+        // Not yet Gemma 3: llama.cpp (llama-cpp-python 0.3.16) crashed evaluating a tiny Gemma 3
+        // export, so none is written until one is verified.
+        other => bail!(
+            "GGUF export supports llama, mistral, qwen2, qwen3, gemma and gemma2 checkpoints, \
+             not '{other}'"
+        ),
     };
-    if config.layer_sliding_windows.iter().any(Option::is_some) {
+    // Which layers attend in a window is fixed by llama.cpp per architecture: none, or every
+    // other layer from the first (Gemma 2).
+    let windowed = |i: usize| arch.0 == "gemma2" && i.is_multiple_of(2);
+    let window = config
+        .layer_sliding_windows
+        .iter()
+        .flatten()
+        .next()
+        .copied();
+    let pattern_ok = config
+        .layer_sliding_windows
+        .iter()
+        .enumerate()
+        .all(|(i, w)| w.is_some() == windowed(i) && (w.is_none() || *w == window));
+    if !pattern_ok {
         bail!(
-            "the checkpoint uses sliding-window attention, which llama.cpp's '{}' architecture \
-             does not apply: the GGUF would compute something else",
+            "the checkpoint's sliding-window layers are not the ones llama.cpp's '{}' \
+             architecture uses (none, or every other layer for Gemma 2): the GGUF would compute \
+             something else",
             arch.0
         );
     }
     if config.rope.partial_rotary_factor != 1.0 {
         bail!("GGUF export needs RoPE over whole heads (partial_rotary_factor 1)");
     }
+    if arch.0 == "gemma2" {
+        // llama.cpp scales scores by the head size (hidden / heads for the 27B model).
+        let scalar = config
+            .query_pre_attn_scalar
+            .unwrap_or(config.head_dim as f64);
+        let llama_cpp = if config.num_hidden_layers == 46 {
+            (config.hidden_size / config.num_attention_heads) as f64
+        } else {
+            config.head_dim as f64
+        };
+        if scalar != llama_cpp {
+            bail!(
+                "query_pre_attn_scalar {scalar} is not what llama.cpp's '{}' uses ({llama_cpp})",
+                arch.0
+            );
+        }
+    }
     Ok(arch)
 }
 
 /// The GGUF name of an HF tensor, or `None` for one llama.cpp has no place for.
-fn gguf_name(hf: &str) -> Option<String> {
+fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     let (stem, kind) = hf.rsplit_once('.')?;
     if kind != "weight" && kind != "bias" {
         return None;
@@ -150,6 +188,10 @@ fn gguf_name(hf: &str) -> Option<String> {
     layer.parse::<usize>().ok()?;
     let part = match module {
         "input_layernorm" => "attn_norm",
+        // Gemma 2: the attention's output norm, then the MLP's own pre- and post-norms.
+        "post_attention_layernorm" if sandwich_norms => "post_attention_norm",
+        "pre_feedforward_layernorm" if sandwich_norms => "ffn_norm",
+        "post_feedforward_layernorm" if sandwich_norms => "post_ffw_norm",
         "post_attention_layernorm" => "ffn_norm",
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
@@ -225,6 +267,8 @@ enum Source {
         file: usize,
         name: String,
         rows: Option<Vec<usize>>,
+        /// Gemma's norms: llama.cpp stores `1 + w`.
+        plus_one: bool,
     },
     /// Values computed here (`rope_freqs`).
     Values(Vec<f32>),
@@ -306,7 +350,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         names.sort();
         for name in names {
             let view = st.tensor(name)?;
-            let Some(gguf) = gguf_name(name) else {
+            let Some(gguf) = gguf_name(name, config.sandwich_norms) else {
                 skipped.push(name.to_string());
                 continue;
             };
@@ -322,6 +366,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                 }
                 _ => None,
             };
+            let plus_one = config.norm_weight_offset_one && gguf.ends_with("norm.weight");
             plan.push(Planned {
                 name: gguf,
                 dims: shape.iter().rev().map(|&d| d as u64).collect(),
@@ -330,6 +375,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                     file,
                     name: name.to_string(),
                     rows,
+                    plus_one,
                 },
             });
         }
@@ -405,6 +451,16 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     meta.u32(&k("attention.key_length"), config.head_dim as u32);
     meta.u32(&k("attention.value_length"), config.head_dim as u32);
     meta.u32(&k("vocab_size"), config.vocab_size as u32);
+    if let Some(window) = config.layer_sliding_windows.iter().flatten().next() {
+        meta.u32(&k("attention.sliding_window"), *window as u32);
+    }
+    if arch == "gemma2" {
+        // llama.cpp's keys; transformers' defaults when the config has none.
+        let attn = config.attn_logit_softcapping.unwrap_or(50.0);
+        let fin = config.final_logit_softcapping.unwrap_or(30.0);
+        meta.f32(&k("attn_logit_softcapping"), attn as f32);
+        meta.f32(&k("final_logit_softcapping"), fin as f32);
+    }
     meta.string("tokenizer.ggml.model", vocab.model);
     meta.string("tokenizer.ggml.pre", &pre);
     meta.strings("tokenizer.ggml.tokens", &vocab.tokens);
@@ -473,10 +529,18 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         written = data_start + off;
         let values = match &t.source {
             Source::Values(v) => v.clone(),
-            Source::Hf { file, name, rows } => {
+            Source::Hf {
+                file,
+                name,
+                rows,
+                plus_one,
+            } => {
                 let view = tensors[*file].tensor(name)?;
-                let values = to_f32(view.dtype(), view.data())
+                let mut values = to_f32(view.dtype(), view.data())
                     .with_context(|| format!("{name}: {:?} weights", view.dtype()))?;
+                if *plus_one {
+                    values.iter_mut().for_each(|v| *v += 1.0);
+                }
                 match rows {
                     Some(order) => {
                         let width = values.len() / order.len();

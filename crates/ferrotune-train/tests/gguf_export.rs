@@ -53,9 +53,16 @@ fn logits(name: &str, path: &std::path::Path) -> (Tensor, Tensor) {
 fn exported_gguf_gives_transformers_logits() {
     let out = out_dir("logits");
     // Tied and untied heads, GQA, explicit head_dim, Qwen2's biases, Qwen3's q/k norms, Mistral
-    // as llama.cpp's `llama`. (Q8_0's tolerance is its rounding on these tiny random models;
+    // as llama.cpp's `llama`, Gemma's `1 + w` norms and scaled embeddings. (Q8_0's tolerance is its rounding on these tiny random models;
     // its bytes are checked exactly below.)
-    let names = ["llama2", "smollm2_like", "mistral", "qwen2_5", "qwen3"];
+    let names = [
+        "llama2",
+        "smollm2_like",
+        "mistral",
+        "qwen2_5",
+        "qwen3",
+        "gemma",
+    ];
     let only = std::env::var("ONLY").ok();
     for name in names
         .into_iter()
@@ -98,7 +105,7 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
             .unwrap_err()
             .to_string()
     };
-    assert!(err("gemma2").contains("not 'gemma2'"), "{}", err("gemma2"));
+    assert!(err("phi3").contains("not 'phi3'"), "{}", err("phi3"));
     assert!(
         err("mistral_window").contains("sliding-window"),
         "{}",
@@ -235,4 +242,57 @@ fn sentencepiece_vocabulary_round_trips() {
     let err = common::rel_l2(&forward(&gguf), &forward(&dir));
     assert!(err <= 1e-5, "relative L2 {err}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A copy of fixture `name`'s checkpoint with its config edited, in `dir`.
+fn edited_copy(name: &str, dir: &std::path::Path, edit: impl FnOnce(&mut Value)) {
+    std::fs::create_dir_all(dir).unwrap();
+    let src = model_dir(name).join("model");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+}
+
+/// Gemma 2 (sandwich norms, both softcaps, a sliding window on every other layer) with the
+/// score scale llama.cpp fixes (the head size): exported and read back, the checkpoint's own
+/// logits. The fixture's own scale, and Gemma 3, are refused naming the reason.
+#[test]
+fn gemma2_round_trips_with_llama_cpps_settings() {
+    let out = out_dir("gemma");
+    let dir = out.join("gemma2");
+    edited_copy("gemma2", &dir, |c| c["query_pre_attn_scalar"] = 16.into());
+    let gguf = dir.join("model.gguf");
+    export_gguf(&dir, &gguf, OutType::F32).unwrap();
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir("gemma2").join("golden.json")).unwrap(),
+    )
+    .unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(g["input_ids"].clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
+    let forward = |path: &std::path::Path| {
+        let (model, _) = load_model(path, DType::F32, &Device::Cpu).unwrap();
+        model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap()
+    };
+    let err = common::rel_l2(&forward(&gguf), &forward(&dir));
+    assert!(err <= 1e-5, "relative L2 {err}");
+    let refused = |name: &str| {
+        export_gguf(
+            &model_dir(name).join("model"),
+            &out.join("x.gguf"),
+            OutType::F32,
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    assert!(refused("gemma2").contains("query_pre_attn_scalar 24"));
+    assert!(refused("gemma3").contains("not 'gemma3_text'"));
+    std::fs::remove_dir_all(&out).ok();
 }
