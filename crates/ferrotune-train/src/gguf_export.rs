@@ -10,7 +10,7 @@
 //!
 //! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
 //! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`,
-//! `gemma`, `gemma2`, with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
+//! `gemma`, `gemma2`, `phi3` (fused projections, LongRoPE factors), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
 //! SentencePiece-style BPE one (its `llama` vocabulary).
 
 use std::fs::File;
@@ -116,16 +116,18 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
         "qwen3" => ("qwen3", false),
         "gemma" => ("gemma", false),
         "gemma2" => ("gemma2", false),
+        "phi3" => ("phi3", false),
         // Not yet Gemma 3: llama.cpp (llama-cpp-python 0.3.16) crashed evaluating a tiny Gemma 3
         // export, so none is written until one is verified.
         other => bail!(
-            "GGUF export supports llama, mistral, qwen2, qwen3, gemma and gemma2 checkpoints, \
-             not '{other}'"
+            "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2 and phi3 \
+             checkpoints, not '{other}'"
         ),
     };
-    // Which layers attend in a window is fixed by llama.cpp per architecture: none, or every
-    // other layer from the first (Gemma 2).
-    let windowed = |i: usize| arch.0 == "gemma2" && i.is_multiple_of(2);
+    // Which layers attend in a window is fixed by llama.cpp per architecture: none, every other
+    // layer from the first (Gemma 2), or for Phi-3 all of them when it has a window.
+    let phi3_window = arch.0 == "phi3" && config.layer_sliding_windows.iter().any(Option::is_some);
+    let windowed = |i: usize| (arch.0 == "gemma2" && i.is_multiple_of(2)) || phi3_window;
     let window = config
         .layer_sliding_windows
         .iter()
@@ -140,12 +142,12 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
     if !pattern_ok {
         bail!(
             "the checkpoint's sliding-window layers are not the ones llama.cpp's '{}' \
-             architecture uses (none, or every other layer for Gemma 2): the GGUF would compute \
-             something else",
+             architecture uses (none, every other layer for Gemma 2, all for Phi-3): the GGUF \
+             would compute something else",
             arch.0
         );
     }
-    if config.rope.partial_rotary_factor != 1.0 {
+    if config.rope.partial_rotary_factor != 1.0 && arch.0 != "phi3" {
         bail!("GGUF export needs RoPE over whole heads (partial_rotary_factor 1)");
     }
     if arch.0 == "gemma2" {
@@ -197,6 +199,9 @@ fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
         "self_attn.o_proj" => "attn_output",
+        // Phi-3's fused projections.
+        "self_attn.qkv_proj" => "attn_qkv",
+        "mlp.gate_up_proj" => "ffn_up",
         "self_attn.q_norm" => "attn_q_norm",
         "self_attn.k_norm" => "attn_k_norm",
         "mlp.gate_proj" => "ffn_gate",
@@ -410,6 +415,24 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                 source: Source::Values(factors),
             });
         }
+        // Phi-3's LongRoPE: llama.cpp keeps the per-frequency factors as tensors.
+        RopeScaling::LongRope {
+            ref short_factor,
+            ref long_factor,
+            ..
+        } if arch == "phi3" => {
+            for (name, factors) in [
+                ("rope_factors_long.weight", long_factor),
+                ("rope_factors_short.weight", short_factor),
+            ] {
+                plan.push(Planned {
+                    name: name.into(),
+                    dims: vec![factors.len() as u64],
+                    ty: GgmlType::F32,
+                    source: Source::Values(factors.iter().map(|&f| f as f32).collect()),
+                });
+            }
+        }
         ref other => bail!("GGUF export supports plain RoPE and Llama 3's scaling, not {other:?}"),
     }
 
@@ -447,12 +470,29 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         &k("attention.layer_norm_rms_epsilon"),
         config.rms_norm_eps as f32,
     );
-    meta.u32(&k("rope.dimension_count"), config.head_dim as u32);
+    let rope_dims = (config.head_dim as f64 * config.rope.partial_rotary_factor).round() as u32;
+    meta.u32(&k("rope.dimension_count"), rope_dims);
     meta.u32(&k("attention.key_length"), config.head_dim as u32);
     meta.u32(&k("attention.value_length"), config.head_dim as u32);
     meta.u32(&k("vocab_size"), config.vocab_size as u32);
     if let Some(window) = config.layer_sliding_windows.iter().flatten().next() {
         meta.u32(&k("attention.sliding_window"), *window as u32);
+    }
+    if let RopeScaling::LongRope {
+        original_max_position_embeddings: original,
+        attention_factor,
+        ..
+    } = config.rope.scaling
+    {
+        // llama.cpp's converter: sqrt(1 + ln(scale) / ln(original)) unless the config says.
+        let scale = config.max_position_embeddings as f64 / original as f64;
+        let attn = attention_factor.unwrap_or(if scale <= 1.0 {
+            1.0
+        } else {
+            (1.0 + scale.ln() / (original as f64).ln()).sqrt()
+        });
+        meta.u32(&k("rope.scaling.original_context_length"), original as u32);
+        meta.f32(&k("rope.scaling.attn_factor"), attn as f32);
     }
     if arch == "gemma2" {
         // llama.cpp's keys; transformers' defaults when the config has none.
