@@ -533,8 +533,30 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         meta.string("tokenizer.chat_template", template);
     }
 
-    // Header, metadata, tensor descriptions, then the data at aligned offsets.
+    // Written under a temporary name, renamed when complete, removed if anything fails.
     let partial = PathBuf::from(format!("{}.partial", out.display()));
+    let written = write_gguf(&partial, &plan, &meta, &tensors).inspect_err(|_| {
+        let _ = std::fs::remove_file(&partial);
+    })?;
+    std::fs::rename(&partial, out)
+        .with_context(|| format!("moving {} into place", partial.display()))?;
+    Ok(GgufExport {
+        architecture: arch.into(),
+        tensors: plan.len(),
+        bytes: written,
+        pre_tokenizer: pre,
+        notes,
+    })
+}
+
+/// Writes the header, the metadata, the tensor descriptions, then each tensor's data at its
+/// aligned offset; returns the file's size.
+fn write_gguf(
+    partial: &Path,
+    plan: &[Planned],
+    meta: &Metadata,
+    tensors: &[SafeTensors],
+) -> Result<u64> {
     let mut w = BufWriter::new(
         File::create(&partial).with_context(|| format!("creating {}", partial.display()))?,
     );
@@ -546,7 +568,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     let mut offset = 0u64;
     let mut offsets = Vec::with_capacity(plan.len());
     let mut head_len = 4 + 4 + 8 + 8 + meta.bytes.len() as u64;
-    for t in &plan {
+    for t in plan {
         let mut info = Vec::new();
         put_string(&mut info, &t.name);
         info.extend((t.dims.len() as u32).to_le_bytes());
@@ -599,15 +621,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     }
     w.flush()?;
     drop(w);
-    std::fs::rename(&partial, out)
-        .with_context(|| format!("moving {} into place", partial.display()))?;
-    Ok(GgufExport {
-        architecture: arch.into(),
-        tensors: plan.len(),
-        bytes: written,
-        pre_tokenizer: pre,
-        notes,
-    })
+    Ok(written)
 }
 
 /// Zero bytes up to the next multiple of the alignment after `len` bytes.

@@ -119,6 +119,19 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
         .unwrap_err()
         .to_string()
         .contains("q8_0"));
+    // A failure while writing (here a weight of integer type) leaves no file behind.
+    let dir = out.parent().unwrap().join("ints");
+    edited_copy("llama2", &dir, |_| {});
+    let mut weights =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let norm = "model.layers.0.input_layernorm.weight".to_string();
+    let ints = weights[&norm].to_dtype(DType::U32).unwrap();
+    weights.insert(norm, ints);
+    candle_core::safetensors::save(&weights, dir.join("model.safetensors")).unwrap();
+    let e = export_gguf(&dir, &out, OutType::F32).unwrap_err();
+    assert!(format!("{e:#}").contains("input_layernorm"), "{e:#}");
+    assert!(!out.exists());
+    assert!(!out.with_extension("gguf.partial").exists());
     std::fs::remove_dir_all(out.parent().unwrap()).ok();
 }
 
