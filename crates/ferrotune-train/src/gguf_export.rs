@@ -558,7 +558,7 @@ fn write_gguf(
     tensors: &[SafeTensors],
 ) -> Result<u64> {
     let mut w = BufWriter::new(
-        File::create(&partial).with_context(|| format!("creating {}", partial.display()))?,
+        File::create(partial).with_context(|| format!("creating {}", partial.display()))?,
     );
     w.write_all(b"GGUF")?;
     w.write_all(&3u32.to_le_bytes())?;
