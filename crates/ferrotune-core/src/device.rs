@@ -17,26 +17,37 @@ pub fn parse_dtype(name: &str) -> Result<DType, String> {
 
 /// Parses a device name: `cpu`, `cuda` (GPU 0) or `cuda:N`.
 pub fn parse_device(name: &str) -> Result<Device, String> {
-    let name = name.trim().to_ascii_lowercase();
-    if name == "cpu" {
+    let Some(ordinal) = parse_device_name(name)? else {
         return Ok(Device::Cpu);
-    }
-    let ordinal = if name == "cuda" {
-        0
-    } else if let Some(n) = name.strip_prefix("cuda:") {
-        n.parse::<usize>()
-            .map_err(|_| format!("invalid device '{name}': expected cuda:N with N a GPU index"))?
-    } else {
-        return Err(format!(
-            "unknown device '{name}': expected cpu, cuda or cuda:N"
-        ));
     };
+    let name = name.trim().to_ascii_lowercase();
     let device = Device::new_cuda(ordinal).map_err(|e| {
         format!("device '{name}' is not available: {e} (this binary needs the `cuda` feature and a GPU)")
     })?;
     #[cfg(feature = "cuda")]
     gpu::configure(&device);
     Ok(device)
+}
+
+/// The GPU index a device name (`cpu`, `cuda`, `cuda:N`, any case) names, `None` for the CPU,
+/// without opening the device: what a config is checked with on a machine that may have no GPU.
+pub fn parse_device_name(name: &str) -> Result<Option<usize>, String> {
+    let name = name.trim().to_ascii_lowercase();
+    if name == "cpu" {
+        return Ok(None);
+    }
+    if name == "cuda" {
+        return Ok(Some(0));
+    }
+    match name.strip_prefix("cuda:") {
+        Some(n) => n
+            .parse::<usize>()
+            .map(Some)
+            .map_err(|_| format!("invalid device '{name}': expected cuda:N with N a GPU index")),
+        None => Err(format!(
+            "unknown device '{name}': expected cpu, cuda or cuda:N"
+        )),
+    }
 }
 
 /// Peak GPU memory in bytes held by tensors since the last [`reset_peak_memory`] (the CUDA

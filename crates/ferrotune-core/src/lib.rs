@@ -22,7 +22,9 @@ pub mod switch;
 pub mod weight;
 
 pub use candle_core::{DType, Device, Tensor};
-pub use device::{parse_device, parse_dtype, peak_memory_bytes, reset_peak_memory};
+pub use device::{
+    parse_device, parse_device_name, parse_dtype, peak_memory_bytes, reset_peak_memory,
+};
 
 /// Pins the CPU thread count once, for the whole process.
 ///

@@ -654,7 +654,8 @@ pub(crate) fn is_py_space(c: char) -> bool {
     c.is_whitespace() || matches!(c, '\u{1c}'..='\u{1f}')
 }
 
-fn py_strip(s: &str, chars: Option<&str>, left: bool, right: bool) -> String {
+/// Python's `str.strip` / `lstrip` / `rstrip` (`chars` = None: Python's whitespace).
+pub(crate) fn py_strip(s: &str, chars: Option<&str>, left: bool, right: bool) -> String {
     let strip_char = |c: char| match chars {
         Some(set) => set.contains(c),
         None => is_py_space(c),

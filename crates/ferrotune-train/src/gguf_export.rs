@@ -731,31 +731,26 @@ impl Metadata {
         put_string(&mut self.bytes, v);
     }
 
-    fn strings(&mut self, key: &str, v: &[String]) {
+    /// An array: its element type, its length, then each element as `put` writes it.
+    fn array<T>(&mut self, key: &str, elem: u32, v: &[T], put: impl Fn(&mut Vec<u8>, &T)) {
         self.key(key, T_ARRAY);
-        self.bytes.extend(T_STRING.to_le_bytes());
+        self.bytes.extend(elem.to_le_bytes());
         self.bytes.extend((v.len() as u64).to_le_bytes());
-        for s in v {
-            put_string(&mut self.bytes, s);
+        for x in v {
+            put(&mut self.bytes, x);
         }
+    }
+
+    fn strings(&mut self, key: &str, v: &[String]) {
+        self.array(key, T_STRING, v, |b, s| put_string(b, s));
     }
 
     fn f32s(&mut self, key: &str, v: &[f32]) {
-        self.key(key, T_ARRAY);
-        self.bytes.extend(T_FLOAT32.to_le_bytes());
-        self.bytes.extend((v.len() as u64).to_le_bytes());
-        for x in v {
-            self.bytes.extend(x.to_le_bytes());
-        }
+        self.array(key, T_FLOAT32, v, |b, x| b.extend(x.to_le_bytes()));
     }
 
     fn i32s(&mut self, key: &str, v: &[i32]) {
-        self.key(key, T_ARRAY);
-        self.bytes.extend(T_INT32.to_le_bytes());
-        self.bytes.extend((v.len() as u64).to_le_bytes());
-        for x in v {
-            self.bytes.extend(x.to_le_bytes());
-        }
+        self.array(key, T_INT32, v, |b, x| b.extend(x.to_le_bytes()));
     }
 }
 

@@ -225,6 +225,47 @@ impl Builder {
         }
     }
 
+    /// The prompt/response builders' settings (`None` for the other builders).
+    fn instruct_spec(self, map: &Map<String, Value>) -> Result<Option<InstructSpec>> {
+        let (template, columns, train_on_input): (_, &[(&str, &str)], _) = match self {
+            Builder::Instruct => (
+                Template::parse(map.get("template").unwrap_or(&Value::Null))?,
+                &[],
+                false,
+            ),
+            Builder::Alpaca | Builder::AlpacaCleaned => (
+                Some(Template::Alpaca),
+                &[
+                    ("instruction", "instruction"),
+                    ("input", "input"),
+                    ("output", "output"),
+                ],
+                true,
+            ),
+            Builder::Samsum => (
+                Some(Template::Summarize),
+                &[("input", "dialogue"), ("output", "summary")],
+                false,
+            ),
+            Builder::Grammar => (
+                Some(Template::Grammar),
+                &[("input", "input"), ("output", "output")],
+                false,
+            ),
+            _ => return Ok(None),
+        };
+        InstructSpec::from_section(map, template, columns, train_on_input).map(Some)
+    }
+
+    /// The conversation builders' settings (`None` for the other builders).
+    fn chat_spec(self, map: &Map<String, Value>) -> Result<Option<ChatSpec>> {
+        match self {
+            Builder::Chat => ChatSpec::from_section(map).map(Some),
+            Builder::SlimOrca => ChatSpec::slimorca(map).map(Some),
+            _ => Ok(None),
+        }
+    }
+
     /// Whether the builder gives chosen/rejected pairs (the DPO recipes) rather than sequences.
     fn gives_pairs(self) -> bool {
         matches!(
@@ -298,19 +339,8 @@ pub fn check_section(section: &Value) -> Result<()> {
             source::parse_split(split)?;
         }
         max_seq_len_of(&map)?;
-        match builder {
-            Builder::Instruct => {
-                let template = Template::parse(map.get("template").unwrap_or(&Value::Null))?;
-                InstructSpec::from_section(&map, template, &[], false)?;
-            }
-            Builder::Chat => {
-                ChatSpec::from_section(&map)?;
-            }
-            Builder::SlimOrca => {
-                ChatSpec::slimorca(&map)?;
-            }
-            _ => {}
-        }
+        builder.instruct_spec(&map)?;
+        builder.chat_spec(&map)?;
         builders::get_bool(&map, "packed", false)?;
         split_across_pack_of(builder, component, &map)?;
         with_hub_configuration(builder, map)?;
@@ -431,11 +461,7 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
                 }
             }
             Builder::Chat | Builder::SlimOrca => {
-                let spec = if builder == Builder::SlimOrca {
-                    ChatSpec::slimorca(&map)?
-                } else {
-                    ChatSpec::from_section(&map)?
-                };
+                let spec = builder.chat_spec(&map)?.expect("a conversation builder");
                 table.require(&spec.column)?;
                 for record in &table.rows {
                     let conv = spec.conversation(&table, record)?;
@@ -443,36 +469,9 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
                 }
             }
             _ => {
-                let spec = match builder {
-                    Builder::Instruct => {
-                        let template =
-                            Template::parse(map.get("template").unwrap_or(&Value::Null))?;
-                        InstructSpec::from_section(&map, template, &[], false)?
-                    }
-                    Builder::Alpaca | Builder::AlpacaCleaned => InstructSpec::from_section(
-                        &map,
-                        Some(Template::Alpaca),
-                        &[
-                            ("instruction", "instruction"),
-                            ("input", "input"),
-                            ("output", "output"),
-                        ],
-                        true,
-                    )?,
-                    Builder::Samsum => InstructSpec::from_section(
-                        &map,
-                        Some(Template::Summarize),
-                        &[("input", "dialogue"), ("output", "summary")],
-                        false,
-                    )?,
-                    Builder::Grammar => InstructSpec::from_section(
-                        &map,
-                        Some(Template::Grammar),
-                        &[("input", "input"), ("output", "output")],
-                        false,
-                    )?,
-                    _ => unreachable!("handled above (pairs builders are refused first)"),
-                };
+                let spec = builder
+                    .instruct_spec(&map)?
+                    .expect("handled above (pairs builders are refused first)");
                 spec.check(&table)?;
                 for record in &table.rows {
                     let conv = spec.conversation(&table, record)?;

@@ -1441,7 +1441,7 @@ impl TaskSpec {
                 };
                 // The premise without its final character (its period).
                 let premise = doc_str(doc, "premise")?;
-                let premise = py_strip(&premise);
+                let premise = crate::chat_template::py_strip(&premise, None, true, true);
                 let mut chars = premise.chars();
                 chars.next_back();
                 Ok(TextOrIndex::Text(format!("{} {connector}", chars.as_str())))
@@ -1506,7 +1506,7 @@ impl TaskSpec {
                 let label = doc_str(doc, "label")?;
                 let index = ["a", "b", "c", "d"]
                     .iter()
-                    .position(|l| *l == py_strip(&label))
+                    .position(|l| *l == crate::chat_template::py_strip(&label, None, true, true))
                     .ok_or_else(|| {
                         DataError::Dataset(format!(
                             "logiqa: 'label' must be one of a, b, c, d, got {label:?}"
@@ -1679,11 +1679,6 @@ fn doc_str(doc: &Map<String, Value>, key: &str) -> Result<String> {
             "the document has no column '{key}'"
         ))),
     }
-}
-
-/// Python's `str.strip()`: whitespace off both ends.
-fn py_strip(s: &str) -> &str {
-    s.trim_matches(char::is_whitespace)
 }
 
 /// A list-of-texts column.

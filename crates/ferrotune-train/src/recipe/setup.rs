@@ -691,20 +691,9 @@ pub fn check_components(cfg: &Config) -> Vec<String> {
 
 /// `device` is `cpu`, `cuda` or `cuda:N` (whether this machine has that GPU is for a run to find).
 fn check_device_name(cfg: &Config) -> Result<()> {
-    let Some(name) = cfg.str("device")? else {
-        return Ok(());
-    };
-    let lower = name.trim().to_ascii_lowercase();
-    let ok = lower == "cpu"
-        || lower == "cuda"
-        || lower
-            .strip_prefix("cuda:")
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-    if !ok {
-        bail!(
-            "{}: 'device': unknown device '{name}': expected cpu, cuda or cuda:N",
-            cfg.origin
-        );
+    if let Some(name) = cfg.str("device")? {
+        ferrotune_core::parse_device_name(&name)
+            .map_err(|e| anyhow!("{}: 'device': {e}", cfg.origin))?;
     }
     Ok(())
 }
