@@ -316,6 +316,31 @@ GEN_TASKS = {
 GEN_TRAIN = {"triviaqa": TRIVIAQA_TRAIN, "nq_open": NQ_OPEN_TRAIN}
 
 
+def hf_lm(gguf, batch_size, max_length):
+    """lm-eval's HF backend on the GGUF's model, in f32 on the CPU."""
+    return HFLM(
+        pretrained=os.path.dirname(gguf),
+        gguf_file=os.path.basename(gguf),
+        dtype="float32",
+        batch_size=batch_size,
+        device="cpu",
+        max_length=max_length,
+    )
+
+
+def generation_sample(smp, with_filter=False):
+    """A logged generate_until sample: context, response, each filter's answer and its score."""
+    sample = {
+        "context": smp["arguments"][0][0],
+        "response": smp["resps"][0][0],
+        "filtered": smp["filtered_resps"],
+    }
+    if with_filter:
+        sample["filter"] = smp["filter"]
+    sample["exact_match"] = smp["exact_match"]
+    return sample
+
+
 def main():
     gguf = os.path.abspath(os.path.expanduser(sys.argv[1]))
     os.makedirs(DATA, exist_ok=True)
@@ -404,14 +429,7 @@ def main():
         f.write(f"    dev: {os.path.join(DATA, 'mmlu_humanities.jsonl')}\n    test: {os.path.join(DATA, 'mmlu_stem.jsonl')}\n")
 
     torch.manual_seed(0)
-    lm = HFLM(
-        pretrained=os.path.dirname(gguf),
-        gguf_file=os.path.basename(gguf),
-        dtype="float32",
-        batch_size=4,
-        device="cpu",
-        max_length=4096,
-    )
+    lm = hf_lm(gguf, 4, 4096)
     manager = TaskManager(include_path=include)
     names = [f"local_{t}" for t in TASKS] + ["local_mmlu", "local_arc_easy_2shot", "local_mmlu_2shot"]
     loaded = manager.load(names)
@@ -420,27 +438,13 @@ def main():
         task.set_fewshot_seed(seed=1234)
     out = evaluate(lm, loaded, log_samples=True, bootstrap_iters=1000)
     # Generation one document at a time (batched generation pads rows, which moves logits).
-    lm1 = HFLM(
-        pretrained=os.path.dirname(gguf),
-        gguf_file=os.path.basename(gguf),
-        dtype="float32",
-        batch_size=1,
-        device="cpu",
-        max_length=4096,
-    )
+    lm1 = hf_lm(gguf, 1, 4096)
     # WikiText with a 64-token window, so that documents roll over several windows.
     with open(os.path.join(include, "local_wikitext.yaml"), "w") as f:
         f.write(f"include: {os.path.join(TASKS_DIR, 'wikitext', 'wikitext.yaml')}\ntask: local_wikitext\n")
         f.write("dataset_path: json\ndataset_name: null\ntraining_split: null\nvalidation_split: null\n")
         f.write(f"dataset_kwargs:\n  data_files:\n    test: {os.path.join(DATA, 'wikitext.jsonl')}\n")
-    lm64 = HFLM(
-        pretrained=os.path.dirname(gguf),
-        gguf_file=os.path.basename(gguf),
-        dtype="float32",
-        batch_size=4,
-        device="cpu",
-        max_length=64,
-    )
+    lm64 = hf_lm(gguf, 4, 64)
     roll_out = evaluate(lm64, TaskManager(include_path=include).load(["local_wikitext"]), log_samples=True, bootstrap_iters=0)
     gen_tasks = manager.load(["local_gsm8k"])
     for task in gen_tasks["tasks"].values():
@@ -449,7 +453,7 @@ def main():
     list_gen = manager.load([f"local_{t}" for t in GEN_TASKS])
     for task in list_gen["tasks"].values():
         task.set_fewshot_seed(seed=1234)
-    zero_shot_gen = evaluate(lm1, list_gen, log_samples=True, bootstrap_iters=1000)
+    list_gen_out = evaluate(lm1, list_gen, log_samples=True, bootstrap_iters=1000)
 
     golden = {"lm_eval_version": lm_eval.__version__, "model": os.path.basename(gguf), "tasks": {}}
     for task in TASKS:
@@ -485,33 +489,22 @@ def main():
         "version": gen_out["versions"]["local_gsm8k"],
         "metrics": {k: v for k, v in gen_out["results"]["local_gsm8k"].items() if "," in k},
         "samples": [
-            {
-                "context": smp["arguments"][0][0],
-                "response": smp["resps"][0][0],
-                "filtered": smp["filtered_resps"],
-                "filter": smp["filter"],
-                "exact_match": smp["exact_match"],
-            }
+            generation_sample(smp, with_filter=True)
             for smp in sorted(gen_out["samples"]["local_gsm8k"], key=lambda x: (x["filter"], x["doc_id"]))
         ],
         "table": make_table(gen_out),
     }
     golden["generation_tasks"] = {
         task: {
-            "metrics": {k: v for k, v in zero_shot_gen["results"][f"local_{task}"].items() if "," in k},
+            "metrics": {k: v for k, v in list_gen_out["results"][f"local_{task}"].items() if "," in k},
             "samples": [
-                {
-                    "context": smp["arguments"][0][0],
-                    "response": smp["resps"][0][0],
-                    "filtered": smp["filtered_resps"],
-                    "exact_match": smp["exact_match"],
-                }
-                for smp in sorted(zero_shot_gen["samples"][f"local_{task}"], key=lambda x: x["doc_id"])
+                generation_sample(smp)
+                for smp in sorted(list_gen_out["samples"][f"local_{task}"], key=lambda x: x["doc_id"])
             ],
         }
         for task in GEN_TASKS
     }
-    golden["generation_tasks_table"] = make_table(zero_shot_gen)
+    golden["generation_tasks_table"] = make_table(list_gen_out)
     golden["wikitext"] = {
         "max_length": 64,
         "metrics": {k.split(",")[0]: v for k, v in roll_out["results"]["local_wikitext"].items() if "," in k and "stderr" not in k},

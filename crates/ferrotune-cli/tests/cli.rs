@@ -48,6 +48,29 @@ fn golden_ids(v: &Value) -> Vec<u64> {
     serde_json::from_value(v.clone()).unwrap()
 }
 
+/// `generate --json`: 16 greedy tokens (`--temperature 0`, never stopping at EOS) after the
+/// golden's `greedy_prompt` ids, with `extra` arguments (the model, an adapter, ...).
+fn greedy_generation(golden: &Value, extra: &[&str]) -> Value {
+    let prompt: Vec<String> = golden_ids(&golden["greedy_prompt"])
+        .iter()
+        .map(u64::to_string)
+        .collect();
+    let prompt = prompt.join(",");
+    let mut args = vec![
+        "generate",
+        "--prompt-ids",
+        &prompt,
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    last_json(&ferrotune(&args))
+}
+
 fn smollm2() -> String {
     ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf")
         .unwrap()
@@ -61,25 +84,8 @@ fn generate_json_with_prompt_ids_is_greedy_and_exact() {
         &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
     )
     .unwrap();
-    let prompt: Vec<String> = golden_ids(&g["greedy_prompt"])
-        .iter()
-        .map(u64::to_string)
-        .collect();
     let model = fixtures().join("llama3/model");
-    let out = ferrotune(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        &prompt.join(","),
-        "--max-new-tokens",
-        "16",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--json",
-    ]);
-    let j = last_json(&out);
+    let j = greedy_generation(&g, &["--model", model.to_str().unwrap()]);
     assert_eq!(
         golden_ids(&j["prompt_ids"]),
         golden_ids(&g["greedy_prompt"])
@@ -100,25 +106,8 @@ fn generate_with_adapter_equals_the_merged_model() {
         &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
     )
     .unwrap();
-    let prompt: Vec<String> = golden_ids(&g["greedy_prompt"])
-        .iter()
-        .map(u64::to_string)
-        .collect();
-    let prompt = prompt.join(",");
     let dir = fixtures().join("llama3");
-    let run = |extra: &[&str]| {
-        let mut args = vec![
-            "generate",
-            "--prompt-ids",
-            &prompt,
-            "--max-new-tokens",
-            "16",
-            "--ignore-eos",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        golden_ids(&last_json(&ferrotune(&args))["new_token_ids"])
-    };
+    let run = |extra: &[&str]| golden_ids(&greedy_generation(&g, extra)["new_token_ids"]);
     let model = dir.join("model");
     let with_adapter = run(&[
         "--model",
@@ -344,23 +333,7 @@ fn export_gguf_writes_a_file_that_generates_the_same_tokens() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("qwen2 architecture"));
-    let prompt: Vec<String> = golden_ids(&g["greedy_prompt"])
-        .iter()
-        .map(u64::to_string)
-        .collect();
-    let j = last_json(&ferrotune(&[
-        "generate",
-        "--model",
-        gguf.to_str().unwrap(),
-        "--prompt-ids",
-        &prompt.join(","),
-        "--max-new-tokens",
-        "16",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--json",
-    ]));
+    let j = greedy_generation(&g, &["--model", gguf.to_str().unwrap()]);
     assert_eq!(
         golden_ids(&j["new_token_ids"]),
         golden_ids(&g["greedy_new_tokens"])

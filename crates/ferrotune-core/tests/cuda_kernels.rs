@@ -25,15 +25,7 @@ fn gpu() -> Option<Device> {
 /// `‖a − b‖ / ‖b‖` over all elements, in f64.
 fn rel(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims());
-    let values = |t: &Tensor| -> Vec<f32> {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
-    let (a, b) = (values(a), values(b));
+    let (a, b) = (ferrotune_testing::f32s(a), ferrotune_testing::f32s(b));
     let (mut num, mut den) = (0f64, 0f64);
     for (x, y) in a.iter().zip(&b) {
         assert!(x.is_finite(), "non-finite value {x}");

@@ -28,8 +28,8 @@ fn out_dir(test: &str) -> PathBuf {
     dir
 }
 
-/// The logits of the golden input through the model at `path`, and transformers' for it.
-fn logits(name: &str, path: &std::path::Path) -> (Tensor, Tensor) {
+/// The logits of fixture `name`'s golden input through the model at `path`.
+fn golden_logits(name: &str, path: &std::path::Path) -> Tensor {
     let g: Value = serde_json::from_str(
         &std::fs::read_to_string(model_dir(name).join("golden.json")).unwrap(),
     )
@@ -38,15 +38,17 @@ fn logits(name: &str, path: &std::path::Path) -> (Tensor, Tensor) {
     let (b, t) = (rows.len(), rows[0].len());
     let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
     let (model, _) = load_model(path, DType::F32, &Device::Cpu).unwrap();
-    let got = model
+    model
         .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
-        .unwrap();
-    let want =
-        candle_core::safetensors::load(model_dir(name).join("golden.safetensors"), &Device::Cpu)
-            .unwrap()
-            .remove("logits")
-            .unwrap();
-    (got, want)
+        .unwrap()
+}
+
+/// transformers' logits of fixture `name`'s golden input.
+fn transformers_logits(name: &str) -> Tensor {
+    candle_core::safetensors::load(model_dir(name).join("golden.safetensors"), &Device::Cpu)
+        .unwrap()
+        .remove("logits")
+        .unwrap()
 }
 
 #[test]
@@ -54,8 +56,8 @@ fn exported_gguf_gives_transformers_logits() {
     let out = out_dir("logits");
     // Tied and untied heads, GQA, explicit head_dim, Qwen2's biases, Qwen3's q/k norms, Mistral
     // as llama.cpp's `llama`, Gemma's `1 + w` norms and scaled embeddings, Phi-3's fused
-    // projections and LongRoPE factors with a partial rotary dimension. (Q8_0's tolerance is its rounding on these tiny random models;
-    // its bytes are checked exactly below.)
+    // projections and LongRoPE factors with a partial rotary dimension. (Q8_0's tolerance is its
+    // rounding on these tiny random models; its bytes are checked exactly below.)
     let names = [
         "llama2",
         "smollm2_like",
@@ -80,8 +82,7 @@ fn exported_gguf_gives_transformers_logits() {
             let path = out.join(format!("{name}-{outtype:?}.gguf"));
             let done = export_gguf(&model_dir(name).join("model"), &path, outtype).unwrap();
             assert!(done.bytes > 0 && path.is_file());
-            let (got, want) = logits(name, &path);
-            let err = common::rel_l2(&got, &want);
+            let err = common::rel_l2(&golden_logits(name, &path), &transformers_logits(name));
             assert!(err <= tol, "{name} {outtype:?}: relative L2 {err} > {tol}");
             if outtype == OutType::F32 {
                 // The GGUF's tokenizer encodes as the checkpoint's does.
@@ -158,36 +159,19 @@ fn q8_0_matches_gguf_py_byte_for_byte() {
 #[test]
 fn llama3_rope_scaling_round_trips_through_rope_freqs() {
     let out = out_dir("llama3");
-    std::fs::create_dir_all(&out).unwrap();
-    let src = model_dir("llama3_2").join("model");
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
-    }
-    let mut config: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
-    let rope = config.get_mut("rope_parameters").expect("a v5 config");
-    rope["original_max_position_embeddings"] = 8192.into();
-    rope["low_freq_factor"] = 1.0.into();
-    rope["high_freq_factor"] = 4.0.into();
-    rope["factor"] = 8.0.into();
-    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    edited_copy("llama3_2", &out, |config| {
+        let rope = config.get_mut("rope_parameters").expect("a v5 config");
+        rope["original_max_position_embeddings"] = 8192.into();
+        rope["low_freq_factor"] = 1.0.into();
+        rope["high_freq_factor"] = 4.0.into();
+        rope["factor"] = 8.0.into();
+    });
     let gguf = out.join("model.gguf");
     export_gguf(&out, &gguf, OutType::F32).unwrap();
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(model_dir("llama3_2").join("golden.json")).unwrap(),
-    )
-    .unwrap();
-    let rows: Vec<Vec<u32>> = serde_json::from_value(g["input_ids"].clone()).unwrap();
-    let (b, t) = (rows.len(), rows[0].len());
-    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
-    let forward = |path: &std::path::Path| {
-        let (model, _) = load_model(path, DType::F32, &Device::Cpu).unwrap();
-        model
-            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
-            .unwrap()
-    };
-    let err = common::rel_l2(&forward(&gguf), &forward(&out));
+    let err = common::rel_l2(
+        &golden_logits("llama3_2", &gguf),
+        &golden_logits("llama3_2", &out),
+    );
     assert!(err <= 1e-5, "relative L2 {err}");
     std::fs::remove_dir_all(&out).ok();
 }
@@ -284,20 +268,10 @@ fn gemma2_round_trips_with_llama_cpps_settings() {
     edited_copy("gemma2", &dir, |c| c["query_pre_attn_scalar"] = 16.into());
     let gguf = dir.join("model.gguf");
     export_gguf(&dir, &gguf, OutType::F32).unwrap();
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(model_dir("gemma2").join("golden.json")).unwrap(),
-    )
-    .unwrap();
-    let rows: Vec<Vec<u32>> = serde_json::from_value(g["input_ids"].clone()).unwrap();
-    let (b, t) = (rows.len(), rows[0].len());
-    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
-    let forward = |path: &std::path::Path| {
-        let (model, _) = load_model(path, DType::F32, &Device::Cpu).unwrap();
-        model
-            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
-            .unwrap()
-    };
-    let err = common::rel_l2(&forward(&gguf), &forward(&dir));
+    let err = common::rel_l2(
+        &golden_logits("gemma2", &gguf),
+        &golden_logits("gemma2", &dir),
+    );
     assert!(err <= 1e-5, "relative L2 {err}");
     let refused = |name: &str| {
         export_gguf(
