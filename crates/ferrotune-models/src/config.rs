@@ -202,6 +202,10 @@ pub struct ModelConfig {
     /// when the checkpoint has no `lm_head`, and what is saved is the text model
     /// (`Gemma3ForCausalLM`, `MistralForCausalLM`, ...).
     pub text_of_multimodal: bool,
+    /// A `*ForSequenceClassification` checkpoint (a reward or value model): its output head is
+    /// `score` (`[num_labels, hidden]`, no bias, never tied), giving this many outputs per
+    /// position instead of vocabulary logits.
+    pub score_labels: Option<usize>,
     /// The original config.json object, written back unchanged (but for dtype) when we save models;
     /// for a multimodal checkpoint, its text model's config.
     pub raw: Value,
@@ -345,6 +349,7 @@ impl ModelConfig {
             None
         };
 
+        let score_labels = parse_score_labels(obj)?;
         Ok(Self {
             vocab_size: req_usize(obj, "vocab_size")?,
             hidden_size,
@@ -361,7 +366,10 @@ impl ModelConfig {
             max_position_embeddings,
             rope,
             activation,
-            tie_word_embeddings: get_bool(obj, "tie_word_embeddings")?.unwrap_or(is_gemma),
+            // A classifier's `score` head is its own matrix whatever the tying flag says.
+            tie_word_embeddings: score_labels.is_none()
+                && get_bool(obj, "tie_word_embeddings")?.unwrap_or(is_gemma),
+            score_labels,
             qk_norm: is("qwen3") || is("qwen3_moe") || is("gemma3_text"),
             norm_weight_offset_one: is_gemma,
             scale_embeddings: is_gemma,
@@ -925,6 +933,36 @@ fn get_positive(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, Stri
         }
         other => Ok(other),
     }
+}
+
+/// The number of outputs of a `*ForSequenceClassification` checkpoint's `score` head, as
+/// transformers' `PretrainedConfig` sets it: `num_labels`, else the size of `id2label`, else 2;
+/// `None` for any other architecture.
+fn parse_score_labels(obj: &Map<String, Value>) -> Result<Option<usize>, String> {
+    let classifier = obj
+        .get("architectures")
+        .and_then(Value::as_array)
+        .is_some_and(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .any(|name| name.ends_with("ForSequenceClassification"))
+        });
+    if !classifier {
+        return Ok(None);
+    }
+    let labels = match get_usize(obj, "num_labels")? {
+        Some(n) => n,
+        None => match obj.get("id2label").and_then(Value::as_object) {
+            Some(map) => map.len(),
+            None => 2,
+        },
+    };
+    if labels == 0 {
+        return Err(
+            "a sequence classifier needs at least one label (num_labels / id2label)".into(),
+        );
+    }
+    Ok(Some(labels))
 }
 
 fn get_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, String> {

@@ -1157,7 +1157,10 @@ impl CausalLm {
                 fake_quant: None,
             }
         } else {
-            take.linear("lm_head", c.vocab_size, h)?
+            match c.score_labels {
+                Some(labels) => take.linear("score", labels, h)?,
+                None => take.linear("lm_head", c.vocab_size, h)?,
+            }
         };
         let rope = RotaryEmbedding::new(c);
         let local_rope = c
@@ -1190,20 +1193,31 @@ impl CausalLm {
                 out.push((format!("model.layers.{i}.{module}"), linear));
             }
         }
-        out.push(("lm_head".to_string(), &self.lm_head));
+        out.push((self.head_name().to_string(), &self.lm_head));
         out
     }
 
     /// As [`CausalLm::linears`], mutable: where adapters are attached.
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let head = self.head_name();
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter_mut().enumerate() {
             for (module, linear) in layer.parts_mut().linears {
                 out.push((format!("model.layers.{i}.{module}"), linear));
             }
         }
-        out.push(("lm_head".to_string(), &mut self.lm_head));
+        out.push((head.to_string(), &mut self.lm_head));
         out
+    }
+
+    /// The HF module name of the output head: `lm_head`, or `score` for a sequence classifier
+    /// (a reward or value model, [`ModelConfig::score_labels`]).
+    pub fn head_name(&self) -> &'static str {
+        if self.config.score_labels.is_some() {
+            "score"
+        } else {
+            "lm_head"
+        }
     }
 
     /// QLoRA's frozen base, as torchtune's `qlora_*` builders make it: every linear layer inside
@@ -1628,8 +1642,9 @@ impl CausalLm {
             None => self.lm_head.forward(hidden),
         }?;
         match self.config.final_logit_softcapping {
-            Some(cap) => ops::softcap(&logits, cap),
-            None => Ok(logits),
+            // transformers' sequence classifiers score the hidden states without the softcap.
+            Some(cap) if self.config.score_labels.is_none() => ops::softcap(&logits, cap),
+            _ => Ok(logits),
         }
     }
 

@@ -83,6 +83,7 @@ pub const RECIPES: &[&str] = &[
     "full_dpo_distributed",
     "qat_distributed",
     "qat_lora_finetune_distributed",
+    "ppo_full_finetune_single_device",
     "generate",
     "eval",
     "eleuther_eval",
@@ -513,6 +514,27 @@ const LOSS_KEYS: &[(&str, Ty)] = &[
     ("beta", Ty::Float),
     ("label_smoothing", Ty::Float),
     ("gamma", Ty::Float),
+    // PPOLoss (ppo_full_finetune_single_device).
+    ("epsilon", Ty::Float),
+    ("value_clip_range", Ty::Float),
+    ("value_coeff", Ty::Float),
+];
+/// torchtune's classifier builders (`mistral_classifier`, ...): the architecture is read from the
+/// checkpoint, so the builder's dimensions are accepted and not used.
+const CLASSIFIER_KEYS: &[(&str, Ty)] = &[
+    ("_component_", Ty::Str),
+    ("attn_dropout", Ty::Float),
+    ("embed_dim", Ty::Int),
+    ("intermediate_dim", Ty::Int),
+    ("max_seq_len", Ty::Int),
+    ("norm_eps", Ty::Float),
+    ("num_classes", Ty::Int),
+    ("num_heads", Ty::Int),
+    ("num_kv_heads", Ty::Int),
+    ("num_layers", Ty::Int),
+    ("vocab_size", Ty::Int),
+    ("rope_base", Ty::Float),
+    ("head_dim", Ty::Int),
 ];
 const LOGGER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
@@ -596,6 +618,25 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("include_path", Ty::Str),
     ("fake_quant_after_n_steps", Ty::Int),
     ("max_seq_len", Ty::Int),
+    // ppo_full_finetune_single_device
+    ("policy_model", Ty::Map(MODEL_KEYS)),
+    ("reward_and_value_model", Ty::Map(CLASSIFIER_KEYS)),
+    ("ref_policy_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
+    ("value_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
+    ("reward_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
+    ("num_steps", Ty::Int),
+    ("ppo_epochs", Ty::Int),
+    ("ppo_batch_size", Ty::Int),
+    ("forward_batch_size", Ty::Int),
+    ("max_generated_tokens", Ty::Int),
+    ("min_response_length", Ty::Int),
+    ("penalise_no_eos", Ty::Bool),
+    ("reward_penalty", Ty::Float),
+    ("stop_token_ids", Ty::Any),
+    ("whiten_rewards", Ty::Bool),
+    ("gamma", Ty::Float),
+    ("lmbda", Ty::Float),
+    ("kl_coeff", Ty::Float),
 ];
 
 /// Checks `root` against the known keys and types. Returns every problem found, each a line

@@ -178,7 +178,7 @@ impl KdLoss {
 
 /// `x − logsumexp(x)` along the last dimension, from differentiable ops (the max is a constant
 /// shift, as in torch's implementation).
-fn log_softmax(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn log_softmax(x: &Tensor) -> Result<Tensor> {
     let shifted = x.broadcast_sub(&x.max_keepdim(candle_core::D::Minus1)?.detach())?;
     let lse = shifted.exp()?.sum_keepdim(candle_core::D::Minus1)?.log()?;
     shifted.broadcast_sub(&lse)

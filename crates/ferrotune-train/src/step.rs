@@ -604,7 +604,11 @@ pub fn empty_grads() -> Result<GradStore> {
 
 /// Adds the gradients of `params` found in `from` into `acc`; everything else in `from` (grads
 /// of intermediate or frozen tensors) is dropped with it.
-fn absorb(acc: &mut GradStore, from: &GradStore, params: &[(String, Var)]) -> Result<()> {
+pub(crate) fn absorb(
+    acc: &mut GradStore,
+    from: &GradStore,
+    params: &[(String, Var)],
+) -> Result<()> {
     for (_, var) in params {
         let p = var.as_tensor();
         if let Some(g) = from.get(p) {

@@ -132,7 +132,7 @@ const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3
 pub const MERGED_DIR: &str = "merged";
 
 /// Largest safetensors file of saved merged/full checkpoints (transformers' default).
-const MAX_SHARD_BYTES: u64 = 5_000_000_000;
+pub(crate) const MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
 /// Runs a fine-tuning recipe: on one device, or (`distributed`) as one rank of the group that
 /// torchrun's environment variables describe (world size 1 without them).
@@ -1277,7 +1277,7 @@ impl Saver<'_> {
 /// `FERROTUNE_KILL_AFTER_STEP=N` sends this process SIGKILL right after step N is logged: how the
 /// tests interrupt a run at a known point to check that resuming is step-exact.
 /// With `FERROTUNE_KILL_RANK=R` only rank R is killed (the others must notice).
-fn kill_if_asked(global_step: usize, rank: usize) {
+pub(crate) fn kill_if_asked(global_step: usize, rank: usize) {
     let number = |var: &str| {
         std::env::var(var)
             .ok()

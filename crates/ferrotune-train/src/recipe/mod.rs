@@ -4,6 +4,7 @@ pub mod eleuther_eval;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
+pub mod ppo;
 pub mod setup;
 pub mod state;
 
@@ -27,6 +28,7 @@ pub fn run(name: &str, cfg: &Config) -> Result<()> {
         "full_dpo_distributed" => finetune::run(cfg, finetune::Mode::FullDpo, true),
         "qat_distributed" => finetune::run(cfg, finetune::Mode::Qat, true),
         "qat_lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::QatLora, true),
+        "ppo_full_finetune_single_device" => ppo::run(cfg),
         "generate" => generate::run(cfg),
         "eval" => eval::run(cfg).map(|_| ()),
         "eleuther_eval" => eleuther_eval::run(cfg).map(|_| ()),

@@ -657,7 +657,15 @@ pub fn check_components(cfg: &Config) -> Vec<String> {
         note(optimizer(cfg, Vec::new()).map(|_| ()));
     }
     note(schedule(cfg, 1).map(|_| ()));
-    if let Ok(Some(component)) = cfg.str("loss._component_") {
+    let ppo = cfg.get("reward_and_value_model").is_some()
+        || cfg
+            .str("loss._component_")
+            .ok()
+            .flatten()
+            .is_some_and(|c| c.ends_with("PPOLoss"));
+    if ppo {
+        note(crate::recipe::ppo::check_config(cfg));
+    } else if let Ok(Some(component)) = cfg.str("loss._component_") {
         // The SFT recipes take a cross-entropy, the DPO ones a preference loss.
         if check_loss(cfg).is_err() {
             let preference =

@@ -55,6 +55,25 @@ pub fn save_checkpoint(
     optimizer_state: Vec<(String, Tensor)>,
     fill: impl FnOnce(&Path) -> Result<()>,
 ) -> Result<PathBuf> {
+    write_folder(output_dir, name, |tmp| {
+        std::fs::create_dir_all(tmp.join(STATE_DIR))
+            .with_context(|| format!("{}: cannot create", tmp.display()))?;
+        fill(tmp)?;
+        write_optimizer(&tmp.join(STATE_DIR).join(OPTIMIZER_FILE), optimizer_state)?;
+        let json = serde_json::to_string_pretty(state).expect("state serializes");
+        write_atomic(&tmp.join(STATE_DIR).join(STATE_FILE), json.as_bytes())?;
+        Ok(())
+    })
+}
+
+/// Writes folder `output_dir/name` through `fill` under a temporary name and renames it into
+/// place when complete (replacing an older folder of the same name): a run killed mid-save
+/// leaves the old folder or the new one, never half of one.
+pub fn write_folder(
+    output_dir: &Path,
+    name: &str,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(output_dir)
         .with_context(|| format!("{}: cannot create output_dir", output_dir.display()))?;
     let final_dir = output_dir.join(name);
@@ -63,12 +82,11 @@ pub fn save_checkpoint(
         std::fs::remove_dir_all(&tmp)
             .with_context(|| format!("{}: cannot clear", tmp.display()))?;
     }
-    std::fs::create_dir_all(tmp.join(STATE_DIR))
-        .with_context(|| format!("{}: cannot create", tmp.display()))?;
-    fill(&tmp)?;
-    write_optimizer(&tmp.join(STATE_DIR).join(OPTIMIZER_FILE), optimizer_state)?;
-    let json = serde_json::to_string_pretty(state).expect("state serializes");
-    write_atomic(&tmp.join(STATE_DIR).join(STATE_FILE), json.as_bytes())?;
+    std::fs::create_dir_all(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+    if let Err(e) = fill(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
     if final_dir.exists() {
         let old = output_dir.join(format!(".{name}.old{}", std::process::id()));
         std::fs::rename(&final_dir, &old)

@@ -1,0 +1,1018 @@
+//! `ppo_full_finetune_single_device`: RLHF with PPO from a reward model, as torchtune's recipe
+//! runs it. Setup (policy, frozen reference policy, trained value model, frozen reward model;
+//! one optimizer over policy and value), the loop (generate a batch of trajectories, score them,
+//! estimate advantages, then PPO epochs over minibatches), and checkpoints of the policy and
+//! the value model at the end of each epoch.
+//!
+//! The trajectory's old log probabilities come from a forward pass of the policy over the
+//! generated sequences (torchtune keeps the logits of its generation loop; the two agree to
+//! rounding). Sampling draws from the same distribution as torchtune's but from ferrotune's
+//! generator, so sampled responses are not torch's.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+use ferrotune_data::dataset::shuffled_order;
+use ferrotune_infer::generate::{generate, GenerationOptions};
+use ferrotune_infer::sampling::SamplingOptions;
+use ferrotune_models::{peft, AttentionLayout, CausalLm};
+
+use crate::config::Config;
+use crate::export::{write_hf_model, ModelSource};
+use crate::loss::log_softmax;
+use crate::metrics::MetricLogger;
+use crate::recipe::finetune::MAX_SHARD_BYTES;
+use crate::recipe::setup;
+use crate::recipe::state::{self, TrainState};
+use crate::rlhf::{self, PpoLossConfig, PpoTargets};
+use crate::step::{absorb, empty_grads};
+
+/// The recipe's name, as torchtune's.
+pub const RECIPE: &str = "ppo_full_finetune_single_device";
+
+/// What shapes trajectories and their rewards (the recipe's top-level keys).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PpoSettings {
+    /// Sampling temperature; log probabilities are of `logits / temperature`.
+    pub temperature: f64,
+    pub top_k: Option<usize>,
+    /// Every response is generated to this length, then cut at its first stop token.
+    pub max_generated_tokens: usize,
+    /// Responses whose last kept index is below this get `reward_penalty` as their score.
+    pub min_response_length: Option<usize>,
+    /// Responses without a stop token get `reward_penalty` as their score.
+    pub penalise_no_eos: bool,
+    pub reward_penalty: f32,
+    pub stop_token_ids: Vec<u32>,
+    pub pad_id: u32,
+    pub kl_coeff: f64,
+    pub gamma: f64,
+    pub lmbda: f64,
+    pub loss: PpoLossConfig,
+}
+
+/// The four models of a PPO run. The reward and reference models never train.
+#[derive(Clone, Copy)]
+pub struct PpoModels<'a> {
+    pub policy: &'a CausalLm,
+    pub reference: &'a CausalLm,
+    pub value: &'a CausalLm,
+    pub reward: &'a CausalLm,
+}
+
+/// A batch of generated responses and everything PPO needs from them (torchtune's
+/// `Trajectory`): per-token quantities are `[rows][response tokens]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trajectory {
+    /// Left-padded prompt followed by the response as generated (not truncated), per row.
+    pub query_responses: Vec<Vec<u32>>,
+    pub context_length: usize,
+    /// The policy's log probabilities of the response tokens (1.0 where cut).
+    pub logprobs: Vec<Vec<f32>>,
+    /// The reference policy's (1.0 where cut).
+    pub ref_logprobs: Vec<Vec<f32>>,
+    /// The value model's estimates (0 where `value_padding`).
+    pub values: Vec<Vec<f32>>,
+    /// True after a row's first stop token.
+    pub response_padding: Vec<Vec<bool>>,
+    /// `response_padding` with each row's `value_seq_idx` kept.
+    pub value_padding: Vec<Vec<bool>>,
+    pub value_seq_idxs: Vec<usize>,
+    /// The reward model's score of each row (or the penalty).
+    pub scores: Vec<f32>,
+    /// The index of each row's last kept response token.
+    pub seq_lens: Vec<usize>,
+}
+
+impl Trajectory {
+    /// The rows `idx`, in that order.
+    pub fn select(&self, idx: &[usize]) -> Trajectory {
+        fn pick<T: Clone>(v: &[T], idx: &[usize]) -> Vec<T> {
+            idx.iter().map(|&i| v[i].clone()).collect()
+        }
+        Trajectory {
+            query_responses: pick(&self.query_responses, idx),
+            context_length: self.context_length,
+            logprobs: pick(&self.logprobs, idx),
+            ref_logprobs: pick(&self.ref_logprobs, idx),
+            values: pick(&self.values, idx),
+            response_padding: pick(&self.response_padding, idx),
+            value_padding: pick(&self.value_padding, idx),
+            value_seq_idxs: pick(&self.value_seq_idxs, idx),
+            scores: pick(&self.scores, idx),
+            seq_lens: pick(&self.seq_lens, idx),
+        }
+    }
+
+    /// These rows followed by `other`'s (same context length).
+    fn extend(&mut self, other: Trajectory) {
+        self.query_responses.extend(other.query_responses);
+        self.logprobs.extend(other.logprobs);
+        self.ref_logprobs.extend(other.ref_logprobs);
+        self.values.extend(other.values);
+        self.response_padding.extend(other.response_padding);
+        self.value_padding.extend(other.value_padding);
+        self.value_seq_idxs.extend(other.value_seq_idxs);
+        self.scores.extend(other.scores);
+        self.seq_lens.extend(other.seq_lens);
+    }
+}
+
+/// The attention layout of full sequences in which `pad` marks padding (torchtune's causal mask
+/// and position ids from the padding mask): pad keys are masked, positions count real tokens.
+fn padded_layout(rows: &[Vec<u32>], pad: u32) -> AttentionLayout {
+    let key_valid: Vec<Vec<bool>> = rows
+        .iter()
+        .map(|r| r.iter().map(|&t| t != pad).collect())
+        .collect();
+    let positions = key_valid
+        .iter()
+        .map(|valid| {
+            let mut seen = 0u32;
+            valid
+                .iter()
+                .map(|&v| {
+                    seen += v as u32;
+                    if v {
+                        seen - 1
+                    } else {
+                        0
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    AttentionLayout {
+        positions,
+        key_valid,
+        segments: None,
+    }
+}
+
+fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor> {
+    let width = rows.first().map_or(0, Vec::len);
+    Ok(Tensor::from_vec(
+        rows.concat(),
+        (rows.len(), width),
+        device,
+    )?)
+}
+
+/// The hidden states that predict the response tokens (`[rows, response, hidden]`): positions
+/// `context_length - 1 ..` of the sequence, without the last (torchtune's
+/// `truncate_sequence_for_logprobs`).
+fn response_hidden(model: &CausalLm, rows: &[Vec<u32>], ctx: usize, pad: u32) -> Result<Tensor> {
+    let ids = ids_tensor(rows, model.device())?;
+    let layout = padded_layout(rows, pad);
+    let hidden = model.forward_hidden(&ids, &layout, None)?;
+    let total = rows.first().map_or(0, Vec::len);
+    Ok(hidden.narrow(1, ctx - 1, total - ctx)?)
+}
+
+/// `log softmax(logits / temperature)` of each response token (`[rows, response]`, f32;
+/// differentiable when the model trains).
+pub fn response_logprobs(
+    model: &CausalLm,
+    rows: &[Vec<u32>],
+    ctx: usize,
+    pad: u32,
+    temperature: f64,
+) -> Result<Tensor> {
+    let hidden = response_hidden(model, rows, ctx, pad)?;
+    let logits = (model.logits(&hidden)?.to_dtype(DType::F32)? / temperature)?;
+    let logp = log_softmax(&logits)?;
+    let targets: Vec<u32> = rows.iter().flat_map(|r| r[ctx..].iter().copied()).collect();
+    let (b, len) = (rows.len(), rows[0].len() - ctx);
+    let index = Tensor::from_vec(targets, (b, len, 1), model.device())?;
+    Ok(logp.gather(&index, D::Minus1)?.squeeze(D::Minus1)?)
+}
+
+/// The value model's estimate at each response token (`[rows, response]`, f32).
+pub fn response_values(
+    model: &CausalLm,
+    rows: &[Vec<u32>],
+    ctx: usize,
+    pad: u32,
+) -> Result<Tensor> {
+    let hidden = response_hidden(model, rows, ctx, pad)?;
+    let out = model.logits(&hidden)?.to_dtype(DType::F32)?;
+    Ok(out.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?)
+}
+
+/// Each row's score from the reward model at the token `at[row]` of the full sequence.
+fn reward_scores(model: &CausalLm, rows: &[Vec<u32>], at: &[usize], pad: u32) -> Result<Vec<f32>> {
+    let ids = ids_tensor(rows, model.device())?;
+    let hidden = model.forward_hidden(&ids, &padded_layout(rows, pad), None)?;
+    let picked = at
+        .iter()
+        .enumerate()
+        .map(|(r, &i)| hidden.narrow(0, r, 1)?.narrow(1, i, 1))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let scores = model
+        .logits(&Tensor::cat(&picked, 0)?)?
+        .to_dtype(DType::F32)?;
+    Ok(scores.flatten_all()?.to_vec1::<f32>()?)
+}
+
+fn host(t: &Tensor) -> Result<Vec<Vec<f32>>> {
+    Ok(t.detach().to_dtype(DType::F32)?.to_vec2()?)
+}
+
+/// Builds the trajectory of `responses` (as generated, `max_generated_tokens` each) to the
+/// left-padded `prompts` (torchtune's `generate_trajectory` after its generation call): log
+/// probabilities under the policy and the reference, values, responses cut at their first stop
+/// token, scores with penalties, and the masks.
+pub fn trajectory(
+    models: PpoModels<'_>,
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    s: &PpoSettings,
+) -> Result<Trajectory> {
+    let ctx = prompts.first().map_or(0, Vec::len);
+    if ctx == 0 || prompts.iter().any(|p| p.len() != ctx) {
+        bail!("PPO: prompts must be left-padded to one non-zero length");
+    }
+    let query_responses: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(responses)
+        .map(|(p, r)| [p.as_slice(), r].concat())
+        .collect();
+    let pad = s.pad_id;
+    let mut logprobs = host(&response_logprobs(
+        models.policy,
+        &query_responses,
+        ctx,
+        pad,
+        s.temperature,
+    )?)?;
+    let mut ref_logprobs = host(&response_logprobs(
+        models.reference,
+        &query_responses,
+        ctx,
+        pad,
+        s.temperature,
+    )?)?;
+    let mut values = host(&response_values(models.value, &query_responses, ctx, pad)?)?;
+    let mut cut = responses.to_vec();
+    let response_padding = rlhf::truncate_at_first_stop(&mut cut, &s.stop_token_ids, pad);
+    let seq_lens: Vec<usize> = response_padding
+        .iter()
+        .map(|p| rlhf::last_kept_index(p))
+        .collect();
+    // The reward model reads the sequence up to the last kept token; what follows it cannot
+    // change that position's output (causal attention), so the uncut sequence serves.
+    let at: Vec<usize> = seq_lens.iter().map(|l| l + ctx).collect();
+    let mut scores = reward_scores(models.reward, &query_responses, &at, pad)?;
+    if s.penalise_no_eos || s.min_response_length.is_some() {
+        let penalised = rlhf::reward_penalty_mask(
+            &response_padding,
+            &seq_lens,
+            s.penalise_no_eos,
+            s.min_response_length,
+        );
+        for (score, p) in scores.iter_mut().zip(penalised) {
+            if p {
+                *score = s.reward_penalty;
+            }
+        }
+    }
+    for (r, mask) in response_padding.iter().enumerate() {
+        for (i, &m) in mask.iter().enumerate() {
+            if m {
+                logprobs[r][i] = 1.0;
+                ref_logprobs[r][i] = 1.0;
+            }
+        }
+    }
+    let value_seq_idxs = rlhf::value_indices(&seq_lens, s.max_generated_tokens);
+    let mut value_padding = response_padding.clone();
+    for (r, &i) in value_seq_idxs.iter().enumerate() {
+        value_padding[r][i] = false;
+        for (v, &m) in values[r].iter_mut().zip(&value_padding[r]) {
+            if m {
+                *v = 0.0;
+            }
+        }
+    }
+    Ok(Trajectory {
+        query_responses,
+        context_length: ctx,
+        logprobs,
+        ref_logprobs,
+        values,
+        response_padding,
+        value_padding,
+        value_seq_idxs,
+        scores,
+        seq_lens,
+    })
+}
+
+/// One PPO micro-batch's statistics (torchtune's `PPOStats`), already divided by the gradient
+/// accumulation steps as torchtune divides them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PpoStats {
+    pub loss: f64,
+    pub policy_loss: f64,
+    pub value_loss: f64,
+    pub ratios: f64,
+    pub clipfrac: f64,
+    pub approx_policy_kl: f64,
+}
+
+impl std::ops::AddAssign for PpoStats {
+    fn add_assign(&mut self, o: Self) {
+        self.loss += o.loss;
+        self.policy_loss += o.policy_loss;
+        self.value_loss += o.value_loss;
+        self.ratios += o.ratios;
+        self.clipfrac += o.clipfrac;
+        self.approx_policy_kl += o.approx_policy_kl;
+    }
+}
+
+fn mask_tensor(m: &[Vec<bool>], keep: bool, device: &Device) -> Result<Tensor> {
+    let (rows, len) = (m.len(), m.first().map_or(0, Vec::len));
+    let v: Vec<f32> = m
+        .iter()
+        .flatten()
+        .map(|&x| (x == keep) as u8 as f32)
+        .collect();
+    Ok(Tensor::from_vec(v, (rows, len), device)?)
+}
+
+/// torchtune's `ppo_step`: the loss of `batch` under the current policy and value model, its
+/// gradients (of `loss / grad_accum`) added into `acc` for `params`.
+#[allow(clippy::too_many_arguments)]
+pub fn ppo_step(
+    policy: &CausalLm,
+    value: &CausalLm,
+    batch: &Trajectory,
+    advantages: &[Vec<f32>],
+    returns: &[Vec<f32>],
+    s: &PpoSettings,
+    grad_accum: usize,
+    params: &[(String, Var)],
+    acc: &mut candle_core::backprop::GradStore,
+) -> Result<PpoStats> {
+    let (ctx, pad) = (batch.context_length, s.pad_id);
+    let device = policy.device();
+    let rows = &batch.query_responses;
+    // Cut tokens get log probability 1 and value 0, as torchtune's in-place fills (no gradient).
+    let raw_lp = response_logprobs(policy, rows, ctx, pad, s.temperature)?;
+    let pi_logprobs = ((raw_lp * mask_tensor(&batch.response_padding, false, device)?)?
+        + mask_tensor(&batch.response_padding, true, device)?)?;
+    let raw_v = response_values(value, rows, ctx, pad)?;
+    let phi_values = (raw_v * mask_tensor(&batch.value_padding, false, device)?)?;
+    let keep: Vec<Vec<bool>> = batch
+        .response_padding
+        .iter()
+        .map(|r| r.iter().map(|&p| !p).collect())
+        .collect();
+    let value_keep: Vec<Vec<bool>> = batch
+        .value_padding
+        .iter()
+        .map(|r| r.iter().map(|&p| !p).collect())
+        .collect();
+    let out = rlhf::ppo_loss(
+        &pi_logprobs,
+        &phi_values,
+        PpoTargets {
+            old_logprobs: &batch.logprobs,
+            advantages,
+            old_values: &batch.values,
+            returns,
+            keep: &keep,
+            value_keep: &value_keep,
+        },
+        s.loss,
+    )?;
+    let n = grad_accum as f64;
+    let loss = (&out.loss / n)?;
+    let grads = loss.backward()?;
+    absorb(acc, &grads, params)?;
+    let new_lp = host(&pi_logprobs)?;
+    let (mut kl_sum, mut count) = (0f64, 0usize);
+    for (a, b) in new_lp.iter().zip(&batch.logprobs) {
+        for (x, y) in a.iter().zip(b) {
+            kl_sum += 0.5 * ((x - y) as f64).powi(2);
+            count += 1;
+        }
+    }
+    Ok(PpoStats {
+        loss: loss.to_scalar::<f32>()? as f64,
+        policy_loss: out.policy_loss as f64 / n,
+        value_loss: out.value_loss as f64 / n,
+        ratios: out.ratios as f64 / n,
+        clipfrac: out.clipfrac as f64 / n,
+        approx_policy_kl: kl_sum / count.max(1) as f64 / n,
+    })
+}
+
+/// Generates the responses of `prompts` (unpadded) with the policy: `max_generated_tokens` each,
+/// never stopping early (torchtune cuts at stop tokens afterwards).
+fn generate_responses(
+    policy: &CausalLm,
+    prompts: &[Vec<u32>],
+    s: &PpoSettings,
+    seed: u64,
+) -> Result<Vec<Vec<u32>>> {
+    let opts = GenerationOptions {
+        max_new_tokens: s.max_generated_tokens,
+        sampling: SamplingOptions {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: None,
+            repetition_penalty: 1.0,
+            seed,
+        },
+        eos_token_ids: Vec::new(),
+        stop_strings: Vec::new(),
+        ignore_eos: true,
+        pad_token_id: s.pad_id,
+    };
+    let out = generate(policy, prompts, &opts, &|_| String::new(), &mut |_, _| {})?;
+    Ok(out.new_token_ids)
+}
+
+/// Left-pads `prompts` with `pad` to the longest (torchtune's `padded_collate` with
+/// `pad_direction="left"`).
+pub fn left_pad(prompts: &[Vec<u32>], pad: u32) -> Vec<Vec<u32>> {
+    let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    prompts
+        .iter()
+        .map(|p| {
+            let mut row = vec![pad; width - p.len()];
+            row.extend_from_slice(p);
+            row
+        })
+        .collect()
+}
+
+/// Loads the model of checkpointer section `section`, checking `component` against it.
+fn load(
+    cfg: &Config,
+    section: &str,
+    component: &str,
+    dtype: DType,
+    device: &Device,
+) -> Result<(CausalLm, ModelSource, PathBuf)> {
+    let path = setup::checkpoint_path_at(cfg, section)?;
+    let (model, source) = setup::load_model(cfg, &path, dtype, device)
+        .with_context(|| format!("{}: {section}", cfg.origin))?;
+    setup::check_component_at(cfg, &format!("{component}._component_"), &model.config)?;
+    Ok((model, source, path))
+}
+
+/// Checks that `model` (from `section`) is a single-output sequence classifier.
+fn require_scalar_head(cfg: &Config, section: &str, model: &CausalLm, path: &Path) -> Result<()> {
+    match model.config.score_labels {
+        Some(1) => Ok(()),
+        Some(n) => bail!(
+            "{}: {section}: {} is a classifier with {n} labels; PPO's reward and value models \
+             give one score (num_labels: 1)",
+            cfg.origin,
+            path.display()
+        ),
+        None => bail!(
+            "{}: {section}: {} is not a reward model: its config.json must name a \
+             *ForSequenceClassification architecture with a `score` head (num_labels: 1)",
+            cfg.origin,
+            path.display()
+        ),
+    }
+}
+
+/// The recipe's settings from the config, with torchtune's defaults and checks.
+pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<PpoSettings> {
+    let o = &cfg.origin;
+    let temperature = cfg.f64("temperature")?.unwrap_or(1.0);
+    if temperature <= 0.0 {
+        bail!("{o}: temperature must be positive (log probabilities are of logits / temperature)");
+    }
+    let max_generated_tokens = cfg
+        .usize("max_generated_tokens")?
+        .ok_or_else(|| anyhow!("{o}: 'max_generated_tokens' is required"))?;
+    if max_generated_tokens == 0 {
+        bail!("{o}: max_generated_tokens must be at least 1");
+    }
+    let stop_token_ids = match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
+        Some(v) => v
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|x| x.as_u64().map(|n| n as u32))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| anyhow!("{o}: stop_token_ids must be a list of token ids"))?,
+        None => default_stops,
+    };
+    let loss = match cfg.get("loss") {
+        Some(section) if !section.is_null() => {
+            let component = cfg.str("loss._component_")?.unwrap_or_default();
+            if !component.ends_with("PPOLoss") {
+                bail!("{o}: loss '{component}': the PPO recipe takes torchtune.rlhf.loss.PPOLoss");
+            }
+            let d = PpoLossConfig::default();
+            PpoLossConfig {
+                epsilon: cfg.f64("loss.epsilon")?.unwrap_or(d.epsilon),
+                value_clip_range: cfg
+                    .f64("loss.value_clip_range")?
+                    .unwrap_or(d.value_clip_range),
+                value_coeff: cfg.f64("loss.value_coeff")?.unwrap_or(d.value_coeff),
+            }
+        }
+        _ => PpoLossConfig::default(),
+    };
+    let required = |k: &str| -> Result<f64> {
+        cfg.f64(k)?
+            .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
+    };
+    Ok(PpoSettings {
+        temperature,
+        top_k: cfg.usize("top_k")?.filter(|&k| k > 0),
+        max_generated_tokens,
+        min_response_length: cfg.usize("min_response_length")?,
+        penalise_no_eos: cfg.bool("penalise_no_eos")?.unwrap_or(false),
+        reward_penalty: cfg.f64("reward_penalty")?.unwrap_or(0.0) as f32,
+        stop_token_ids,
+        pad_id,
+        kl_coeff: required("kl_coeff")?,
+        gamma: required("gamma")?,
+        lmbda: required("lmbda")?,
+        loss,
+    })
+}
+
+/// How a run divides its batches (torchtune's `_setup_training_parameters`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Batching {
+    batch_size: usize,
+    forward_batch_size: usize,
+    ppo_epochs: usize,
+    ppo_batch_size: usize,
+    grad_accum: usize,
+    total_steps: usize,
+}
+
+fn batching(cfg: &Config) -> Result<Batching> {
+    let o = &cfg.origin;
+    let get = |k: &str| -> Result<usize> {
+        cfg.usize(k)?
+            .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
+    };
+    let batch_size = get("batch_size")?;
+    let forward_batch_size = cfg.usize("forward_batch_size")?.unwrap_or(batch_size);
+    let ppo_epochs = cfg.usize("ppo_epochs")?.unwrap_or(1);
+    let ppo_batch_size = cfg.usize("ppo_batch_size")?.unwrap_or(batch_size);
+    let grad_accum = cfg.usize("gradient_accumulation_steps")?.unwrap_or(1);
+    let num_steps = get("num_steps")?;
+    if batch_size == 0 || forward_batch_size == 0 || ppo_batch_size == 0 || grad_accum == 0 {
+        bail!("{o}: batch_size, forward_batch_size, ppo_batch_size and gradient_accumulation_steps must be at least 1");
+    }
+    if batch_size % forward_batch_size != 0 {
+        bail!("{o}: batch_size ({batch_size}) must be exactly divisible by forward_batch_size ({forward_batch_size})");
+    }
+    if batch_size % ppo_batch_size != 0 {
+        bail!("{o}: batch_size ({batch_size}) must be exactly divisible by ppo_batch_size ({ppo_batch_size})");
+    }
+    if ppo_batch_size % grad_accum != 0 {
+        bail!("{o}: ppo_batch_size ({ppo_batch_size}) must be exactly divisible by gradient_accumulation_steps ({grad_accum})");
+    }
+    let total_steps = num_steps / batch_size;
+    if total_steps == 0 {
+        bail!("{o}: num_steps {num_steps} must be at least the batch size {batch_size} (num_steps counts prompts)");
+    }
+    Ok(Batching {
+        batch_size,
+        forward_batch_size,
+        ppo_epochs,
+        ppo_batch_size,
+        grad_accum,
+        total_steps,
+    })
+}
+
+/// Checks the recipe's own keys without loading anything (for `validate`).
+pub fn check_config(cfg: &Config) -> Result<()> {
+    batching(cfg)?;
+    settings(cfg, 0, Vec::new())?;
+    for section in [
+        "checkpointer",
+        "ref_policy_checkpointer",
+        "value_checkpointer",
+        "reward_checkpointer",
+    ] {
+        if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
+            bail!(
+                "{}: '{section}.checkpoint_dir' is required by {RECIPE}",
+                cfg.origin
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Runs the recipe.
+pub fn run(cfg: &Config) -> Result<()> {
+    // ---------------------------------------------------------------- setup
+    let o = cfg.origin.clone();
+    let device = setup::device(cfg)?;
+    let dtype = setup::dtype(cfg)?;
+    let b = batching(cfg)?;
+    for ignored in [
+        "compile",
+        "optimizer_in_bwd",
+        "enable_activation_checkpointing",
+    ] {
+        if cfg.bool(ignored)?.unwrap_or(false) {
+            eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
+        }
+    }
+    let output_dir = cfg
+        .path("output_dir")?
+        .ok_or_else(|| anyhow!("{o}: 'output_dir' is required"))?;
+    let policy_out = cfg
+        .path("checkpointer.output_dir")?
+        .unwrap_or(output_dir.clone());
+    let value_out = cfg
+        .path("value_checkpointer.output_dir")?
+        .unwrap_or(output_dir.join("value"));
+    let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
+    let saved = if resume {
+        match state::latest_checkpoint(&policy_out)? {
+            Some(s) => Some(s),
+            None => bail!(
+                "{o}: resume_from_checkpoint is true but {} holds no checkpoint with a recipe state",
+                policy_out.display()
+            ),
+        }
+    } else {
+        let (p, r) = (
+            setup::checkpoint_path_at(cfg, "checkpointer")?,
+            setup::checkpoint_path_at(cfg, "ref_policy_checkpointer")?,
+        );
+        if p != r {
+            bail!(
+                "{o}: the policy and the reference policy must start from the same checkpoint \
+                 (checkpointer.checkpoint_dir {} vs ref_policy_checkpointer.checkpoint_dir {})",
+                p.display(),
+                r.display()
+            );
+        }
+        None
+    };
+    let seed = match &saved {
+        Some(s) => s.state.seed,
+        None => setup::seed(cfg)?,
+    };
+
+    let t0 = Instant::now();
+    let (mut policy, policy_source, policy_path) =
+        load(cfg, "checkpointer", "policy_model", dtype, &device)?;
+    let tokenizer = setup::tokenizer(cfg, &policy_path)?;
+    let (reference, _, _) = load(
+        cfg,
+        "ref_policy_checkpointer",
+        "policy_model",
+        dtype,
+        &device,
+    )?;
+    let (mut value, value_source, value_path) = load(
+        cfg,
+        "value_checkpointer",
+        "reward_and_value_model",
+        dtype,
+        &device,
+    )?;
+    let (reward, _, reward_path) = load(
+        cfg,
+        "reward_checkpointer",
+        "reward_and_value_model",
+        dtype,
+        &device,
+    )?;
+    require_scalar_head(cfg, "value_checkpointer", &value, &value_path)?;
+    require_scalar_head(cfg, "reward_checkpointer", &reward, &reward_path)?;
+    if let Some(s) = &saved {
+        // The trained weights of both models come from the checkpoint being resumed.
+        policy = setup::load_model(cfg, &s.dir, dtype, &device)?.0;
+        let value_dir = value_out.join(s.dir.file_name().unwrap_or_default());
+        value = setup::load_model(cfg, &value_dir, dtype, &device)
+            .with_context(|| format!("{o}: resuming the value model"))?
+            .0;
+    }
+    for (name, m) in [("value", &value), ("reward", &reward)] {
+        if m.config.vocab_size < policy.config.vocab_size {
+            bail!(
+                "{o}: the {name} model's vocabulary ({} tokens) is smaller than the policy's ({}): \
+                 it must read every token the policy generates",
+                m.config.vocab_size,
+                policy.config.vocab_size
+            );
+        }
+    }
+    eprintln!(
+        "Policy, reference, value and reward models loaded in {:.1}s on {device:?} as {dtype:?}",
+        t0.elapsed().as_secs_f64()
+    );
+    let pad = setup::pad_id(&tokenizer, &policy.config);
+    let stops = setup::stop_ids(&tokenizer, &policy.config);
+    let s = settings(cfg, pad, stops)?;
+    if let Some(eos) = tokenizer.eos_ids().first() {
+        if !s.stop_token_ids.contains(eos) {
+            eprintln!(
+                "warning: tokenizer eos_id ({eos}) is not in stop_token_ids ({:?})",
+                s.stop_token_ids
+            );
+        }
+    }
+
+    let mut params = policy.make_all_trainable()?;
+    let value_params: Vec<(String, Var)> = value
+        .make_all_trainable()?
+        .into_iter()
+        .map(|(n, v)| (format!("value.{n}"), v))
+        .collect();
+    params.extend(value_params);
+    let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+    eprintln!("{trainable} trainable parameters (policy and value model)");
+    if let Some(note) = setup::optimizer_note(cfg)? {
+        eprintln!("warning: {note}");
+    }
+    let mut optimizer = setup::optimizer(cfg, params.clone())?;
+
+    let rows = setup::dataset(cfg, &tokenizer)?.rows;
+    // torchtune's loader drops the last incomplete batch.
+    let batches_per_epoch = rows.len() / b.batch_size;
+    if batches_per_epoch == 0 {
+        bail!(
+            "{o}: the dataset has {} prompts, fewer than one batch (batch_size {})",
+            rows.len(),
+            b.batch_size
+        );
+    }
+    let epochs = b.total_steps.div_ceil(batches_per_epoch);
+    if b.total_steps < batches_per_epoch {
+        eprintln!(
+            "warning: there are fewer total steps ({}, num_steps // batch_size) than batches ({batches_per_epoch}) in the dataset: training stops after {} steps without intermediate checkpoints",
+            b.total_steps, b.total_steps
+        );
+    }
+    let minibatches = b.batch_size / b.ppo_batch_size;
+    let mut start = TrainState {
+        epoch: 0,
+        step_in_epoch: 0,
+        global_step: 0,
+        seed,
+        dataset_rows: rows.len(),
+        steps_per_epoch: batches_per_epoch,
+        dropout_states: Vec::new(),
+        recipe: RECIPE.to_string(),
+        rank_dropout_states: Vec::new(),
+    };
+    if let Some(sv) = &saved {
+        state::check_resumable(sv, RECIPE, rows.len(), batches_per_epoch)?;
+        let opt_state = state::read_optimizer_state(&sv.dir, &device)?;
+        state::load_optimizer_state(&sv.dir, optimizer.as_mut(), &opt_state)?;
+        start = sv.state.clone();
+        eprintln!(
+            "Resuming from {} at epoch {} (PPO step {})",
+            sv.dir.display(),
+            start.epoch,
+            start.global_step
+        );
+    }
+    state::write_config_copy(&output_dir, &cfg.to_yaml())?;
+    let mut logger = MetricLogger::from_config(cfg.get("metric_logger"), &output_dir)
+        .with_context(|| format!("{o}: metric_logger"))?;
+    logger.truncate_after(start.global_step as u64)?;
+    let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
+    eprintln!(
+        "PPO: {} steps of {} prompts, {epochs} epoch(s); {} PPO epoch(s) of {minibatches} minibatch(es)",
+        b.total_steps, b.batch_size, b.ppo_epochs
+    );
+
+    // ---------------------------------------------------------------- training loop
+    let mut global_step = start.global_step;
+    let mut steps_run = start.epoch * batches_per_epoch;
+    let shuffle = cfg.bool("shuffle")?.unwrap_or(true);
+    for epoch in start.epoch..epochs {
+        let order: Vec<usize> = if shuffle {
+            shuffled_order(rows.len(), seed, epoch as u64)
+        } else {
+            (0..rows.len()).collect()
+        };
+        let mut done = false;
+        for batch_idx in 0..batches_per_epoch {
+            let prompts: Vec<Vec<u32>> = order[batch_idx * b.batch_size..][..b.batch_size]
+                .iter()
+                .map(|&i| rows[i].input_ids.clone())
+                .collect();
+            if let Some(i) = prompts.iter().position(Vec::is_empty) {
+                bail!(
+                    "{o}: dataset row {} has no tokens: PPO needs a prompt",
+                    order[batch_idx * b.batch_size + i]
+                );
+            }
+            let padded = left_pad(&prompts, pad);
+            let num_tokens = padded.len() * padded[0].len();
+            // Trajectories, forward_batch_size prompts at a time.
+            let t_traj = Instant::now();
+            let mut traj: Option<Trajectory> = None;
+            for (chunk_idx, start_row) in
+                (0..b.batch_size).step_by(b.forward_batch_size).enumerate()
+            {
+                let end = start_row + b.forward_batch_size;
+                let sample_seed = seed
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    .wrapping_add((steps_run * b.batch_size + chunk_idx) as u64);
+                let responses =
+                    generate_responses(&policy, &prompts[start_row..end], &s, sample_seed)?;
+                let models = PpoModels {
+                    policy: &policy,
+                    reference: &reference,
+                    value: &value,
+                    reward: &reward,
+                };
+                let part = trajectory(models, &padded[start_row..end], &responses, &s)?;
+                match &mut traj {
+                    Some(t) => t.extend(part),
+                    None => traj = Some(part),
+                }
+            }
+            let traj = traj.expect("batch_size >= 1");
+            let traj_s = t_traj.elapsed().as_secs_f64();
+            let (rewards, kl, kl_rewards) = rlhf::rewards_ppo(
+                &traj.scores,
+                &traj.logprobs,
+                &traj.ref_logprobs,
+                s.kl_coeff,
+                &traj.value_seq_idxs,
+            );
+            let keep: Vec<Vec<bool>> = traj
+                .response_padding
+                .iter()
+                .map(|r| r.iter().map(|&p| !p).collect())
+                .collect();
+            let (advantages, returns) =
+                rlhf::estimate_advantages(&traj.values, &rewards, s.gamma, s.lmbda, &keep);
+
+            let t_ppo = Instant::now();
+            let mut stats: Vec<PpoStats> = Vec::new();
+            let backward_rows = b.ppo_batch_size / b.grad_accum;
+            for ppo_epoch in 0..b.ppo_epochs {
+                let perm = shuffled_order(
+                    b.batch_size,
+                    seed ^ 0x5050_5050,
+                    (steps_run * b.ppo_epochs + ppo_epoch) as u64,
+                );
+                for mini in perm.chunks(b.ppo_batch_size) {
+                    let mut grads = empty_grads()?;
+                    let mut mini_stats = PpoStats::default();
+                    for micro in mini.chunks(backward_rows) {
+                        let part = traj.select(micro);
+                        let adv: Vec<Vec<f32>> =
+                            micro.iter().map(|&i| advantages[i].clone()).collect();
+                        let ret: Vec<Vec<f32>> =
+                            micro.iter().map(|&i| returns[i].clone()).collect();
+                        mini_stats += ppo_step(
+                            &policy,
+                            &value,
+                            &part,
+                            &adv,
+                            &ret,
+                            &s,
+                            b.grad_accum,
+                            &params,
+                            &mut grads,
+                        )?;
+                    }
+                    optimizer.step(&grads)?;
+                    stats.push(mini_stats);
+                    global_step += 1;
+                }
+            }
+            let ppo_s = t_ppo.elapsed().as_secs_f64();
+            steps_run += 1;
+            if steps_run.is_multiple_of(log_every) {
+                let metrics =
+                    step_metrics(&traj, &stats, &kl, &kl_rewards, num_tokens, traj_s, ppo_s);
+                logger.log_step(global_step as u64, &metrics)?;
+                let get = |k: &str| metrics.iter().find(|(n, _)| *n == k).map_or(0.0, |m| m.1);
+                eprintln!(
+                    "step {steps_run}/{}: loss {:.4} policy_loss {:.4} value_loss {:.4} scores {:.4} kl {:.4} response_lengths {:.1}",
+                    b.total_steps,
+                    get("loss"),
+                    get("policy_loss"),
+                    get("value_loss"),
+                    get("scores"),
+                    get("kl"),
+                    get("response_lengths"),
+                );
+            }
+            if steps_run == b.total_steps {
+                done = true;
+                break;
+            }
+        }
+        // ------------------------------------------------------------ checkpoint
+        let name = format!("epoch_{epoch}");
+        let st = TrainState {
+            epoch: epoch + 1,
+            step_in_epoch: 0,
+            global_step,
+            ..start.clone()
+        };
+        let value_dir = state::write_folder(&value_out, &name, |dir| {
+            write_hf_model(
+                dir,
+                &value.config,
+                &peft::merged_tensors(&value)?,
+                dtype,
+                MAX_SHARD_BYTES,
+                &value_source,
+                None,
+            )
+        })?;
+        let policy_dir =
+            state::save_checkpoint(&policy_out, &name, &st, optimizer.state_dict()?, |dir| {
+                write_hf_model(
+                    dir,
+                    &policy.config,
+                    &peft::merged_tensors(&policy)?,
+                    dtype,
+                    MAX_SHARD_BYTES,
+                    &policy_source,
+                    Some(&tokenizer),
+                )
+            })?;
+        eprintln!(
+            "Checkpoint saved: policy {}, value model {}",
+            policy_dir.display(),
+            value_dir.display()
+        );
+        crate::recipe::finetune::kill_if_asked(global_step, 0);
+        if done {
+            break;
+        }
+    }
+    logger.flush()?;
+    Ok(())
+}
+
+/// The metrics torchtune's PPO recipe logs for one step.
+fn step_metrics(
+    traj: &Trajectory,
+    stats: &[PpoStats],
+    kl: &[Vec<f32>],
+    kl_rewards: &[Vec<f32>],
+    num_tokens: usize,
+    traj_s: f64,
+    ppo_s: f64,
+) -> Vec<(&'static str, f64)> {
+    let rows = traj.scores.len().max(1) as f64;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let row_sums = |m: &[Vec<f32>]| -> f64 {
+        m.iter()
+            .map(|r| r.iter().map(|&x| x as f64).sum::<f64>())
+            .sum::<f64>()
+            / rows
+    };
+    let scores = traj.scores.iter().map(|&x| x as f64).sum::<f64>() / rows;
+    let kl_reward = row_sums(kl_rewards);
+    let stat = |f: fn(&PpoStats) -> f64| mean(&stats.iter().map(f).collect::<Vec<_>>());
+    vec![
+        ("scores", scores),
+        (
+            "num_stop_tokens",
+            traj.response_padding
+                .iter()
+                .filter(|r| r.iter().any(|&p| p))
+                .count() as f64,
+        ),
+        ("rlhf_reward", scores + kl_reward),
+        ("kl", row_sums(kl)),
+        ("kl_reward", kl_reward),
+        ("loss", stat(|s| s.loss)),
+        ("policy_loss", stat(|s| s.policy_loss)),
+        ("value_loss", stat(|s| s.value_loss)),
+        ("clipfrac", stat(|s| s.clipfrac)),
+        ("ratios", stat(|s| s.ratios)),
+        ("approx_policy_kl", stat(|s| s.approx_policy_kl)),
+        (
+            "response_lengths",
+            traj.seq_lens.iter().map(|&l| l as f64).sum::<f64>() / rows,
+        ),
+        (
+            "tokens_per_second_per_gpu_trajectory",
+            num_tokens as f64 / traj_s.max(1e-9),
+        ),
+        (
+            "tokens_per_second_per_gpu_ppo",
+            num_tokens as f64 / ppo_s.max(1e-9),
+        ),
+    ]
+}
