@@ -1315,6 +1315,41 @@ impl CausalLm {
         Ok(out)
     }
 
+    /// A copy that shares every weight's storage but records no gradient: what the no-grad
+    /// passes of a model in training run on (torch's `no_grad`). Without it every op on a
+    /// trained weight keeps its inputs alive until its output is dropped, so a forward holds a
+    /// training forward's activations and a KV cache a whole generation's. The optimizer updates
+    /// weights in place, so the copy follows them.
+    pub fn detached(&self) -> CausalLm {
+        fn linear(l: &mut Linear) {
+            if let BaseWeight::Dense(w) = &l.weight {
+                l.weight = BaseWeight::Dense(w.detach());
+            }
+            l.bias = l.bias.as_ref().map(Tensor::detach);
+            if let Some(a) = &mut l.adapter {
+                a.a = a.a.detach();
+                a.b = a.b.detach();
+                a.dora_magnitude = a.dora_magnitude.as_ref().map(Tensor::detach);
+            }
+        }
+        let mut m = self.clone();
+        m.embed_tokens = m.embed_tokens.detach();
+        for layer in &mut m.layers {
+            let parts = layer.parts_mut();
+            for (_, norm) in parts.norms {
+                *norm = norm.detach();
+            }
+            for (_, l) in parts.linears {
+                linear(l);
+            }
+        }
+        for (_, t) in m.final_norm_tensors_mut() {
+            *t = t.detach();
+        }
+        linear(&mut m.lm_head);
+        m
+    }
+
     /// The final norm's tensors under their HF names (`model.norm.weight`; Phi-2's
     /// `model.final_layernorm.weight` and `.bias`).
     pub fn final_norm_tensors(&self) -> Vec<(String, &Tensor)> {

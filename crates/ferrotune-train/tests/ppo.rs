@@ -292,3 +292,26 @@ fn ppo_epochs_match_torchtune_losses_and_updates() {
     let clipfrac: f64 = get(&epochs[1], "clipfrac");
     assert!(clipfrac > 0.1 && clipfrac < 0.9, "fixture clips {clipfrac}");
 }
+
+#[test]
+fn detached_copy_follows_trained_weights_without_recording_gradients() {
+    use ferrotune_models::AttentionLayout;
+    let dev = Device::Cpu;
+    let (mut model, _) = load_model(&workspace_fixture("llama3/model"), DType::F32, &dev).unwrap();
+    let params = model.make_all_trainable().unwrap();
+    let copy = model.detached();
+    let ids = candle_core::Tensor::new(&[[40u32, 41, 42]], &dev).unwrap();
+    let layout = AttentionLayout::causal(1, 3, 0);
+    let tracked = model.forward(&ids, &layout, None).unwrap();
+    let plain = copy.forward(&ids, &layout, None).unwrap();
+    assert!(tracked.track_op() && !plain.track_op());
+    assert_eq!(ferrotune_testing::max_abs_diff(&tracked, &plain), 0.0);
+    // The optimizer writes parameters in place: the copy sees the new values.
+    let (name, var) = &params[0];
+    assert_eq!(name, "model.embed_tokens.weight");
+    var.set(&(var.as_tensor().detach() * 2.0).unwrap()).unwrap();
+    let d = ferrotune_testing::max_abs_diff(&copy.embed_tokens, var.as_tensor());
+    assert_eq!(d, 0.0);
+    let moved = copy.forward(&ids, &layout, None).unwrap();
+    assert!(ferrotune_testing::max_abs_diff(&moved, &plain) > 0.0);
+}

@@ -821,6 +821,8 @@ pub fn run(cfg: &Config) -> Result<()> {
             let num_tokens = padded.len() * padded[0].len();
             // Trajectories, forward_batch_size prompts at a time.
             let t_traj = Instant::now();
+            // Trajectories take no gradient: generated and scored by copies that record none.
+            let (policy_ng, value_ng) = (policy.detached(), value.detached());
             let mut traj: Option<Trajectory> = None;
             for (chunk_idx, start_row) in
                 (0..b.batch_size).step_by(b.forward_batch_size).enumerate()
@@ -830,11 +832,11 @@ pub fn run(cfg: &Config) -> Result<()> {
                     .wrapping_mul(0x9E37_79B9_7F4A_7C15)
                     .wrapping_add((steps_run * b.batch_size + chunk_idx) as u64);
                 let responses =
-                    generate_responses(&policy, &prompts[start_row..end], &s, sample_seed)?;
+                    generate_responses(&policy_ng, &prompts[start_row..end], &s, sample_seed)?;
                 let models = PpoModels {
-                    policy: &policy,
+                    policy: &policy_ng,
                     reference: &reference,
-                    value: &value,
+                    value: &value_ng,
                     reward: &reward,
                 };
                 let part = trajectory(models, &padded[start_row..end], &responses, &s)?;
