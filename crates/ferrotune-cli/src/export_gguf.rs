@@ -14,7 +14,8 @@ pub struct ExportGgufArgs {
     model: PathBuf,
     /// The GGUF file to write.
     output: PathBuf,
-    /// Storage of the weight matrices: f32, f16, bf16 or q8_0 (vectors stay f32).
+    /// Storage of the weight matrices: f32, f16, bf16, q8_0, or llama-quantize's mixes q4_k_m,
+    /// q5_k_m, q6_k (vectors stay f32).
     #[arg(long, default_value = "f16")]
     outtype: String,
 }

@@ -1,5 +1,6 @@
 //! A fine-tuned model as one GGUF file, llama.cpp's format (what `convert_hf_to_gguf.py` writes,
-//! and unsloth's `save_pretrained_gguf`): the weights in f32, f16, bf16 or Q8_0, the
+//! and unsloth's `save_pretrained_gguf`): the weights in f32, f16, bf16, Q8_0 or one of
+//! `llama-quantize`'s k-quant mixes (Q4_K_M, Q5_K_M, Q6_K; see [`crate::gguf_quants`]), the
 //! architecture's metadata and the tokenizer, so that llama.cpp, Ollama or `ferrotune generate`
 //! run it.
 //!
@@ -24,6 +25,8 @@ use ferrotune_models::{CheckpointFormat, ModelConfig};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
+use crate::gguf_quants::{quantize, QuantKind};
+
 /// Alignment of the tensor data (GGUF's default, `general.alignment` unset).
 const ALIGNMENT: u64 = 32;
 /// Values per Q8_0 block.
@@ -38,18 +41,40 @@ pub enum OutType {
     Bf16,
     /// 8-bit blocks of 32 values with an f16 scale each.
     Q8_0,
+    /// `llama-quantize`'s Q4_K_M mix: Q4_K, with Q6_K for the output head and for the value
+    /// projections and `ffn_down` of some layers.
+    Q4KM,
+    /// The Q5_K_M mix: Q5_K, Q6_K where Q4_K_M has it.
+    Q5KM,
+    /// Q6_K throughout.
+    Q6K,
 }
 
 impl OutType {
-    /// `f32`, `f16`, `bf16` or `q8_0`.
+    /// `f32`, `f16`, `bf16`, `q8_0`, `q4_k_m`, `q5_k_m` or `q6_k`.
     pub fn parse(name: &str) -> Result<Self> {
         Ok(match name.to_ascii_lowercase().as_str() {
             "f32" => OutType::F32,
             "f16" => OutType::F16,
             "bf16" => OutType::Bf16,
             "q8_0" => OutType::Q8_0,
-            other => bail!("--outtype '{other}': expected f32, f16, bf16 or q8_0"),
+            "q4_k_m" => OutType::Q4KM,
+            "q5_k_m" => OutType::Q5KM,
+            "q6_k" => OutType::Q6K,
+            other => {
+                bail!("--outtype '{other}': expected f32, f16, bf16, q8_0, q4_k_m, q5_k_m or q6_k")
+            }
         })
+    }
+
+    /// The k-quant a mix is made of, or `None` for a plain type.
+    fn mix_base(self) -> Option<QuantKind> {
+        match self {
+            OutType::Q4KM => Some(QuantKind::Q4K),
+            OutType::Q5KM => Some(QuantKind::Q5K),
+            OutType::Q6K => Some(QuantKind::Q6K),
+            _ => None,
+        }
     }
 
     /// `general.file_type` (llama.cpp's `LLAMA_FTYPE_*`).
@@ -58,6 +83,9 @@ impl OutType {
             OutType::F32 => 0,
             OutType::F16 => 1,
             OutType::Q8_0 => 7,
+            OutType::Q4KM => 15,
+            OutType::Q5KM => 17,
+            OutType::Q6K => 18,
             OutType::Bf16 => 32,
         }
     }
@@ -70,6 +98,7 @@ enum GgmlType {
     F16,
     Bf16,
     Q8_0,
+    Quant(QuantKind),
 }
 
 impl GgmlType {
@@ -79,6 +108,7 @@ impl GgmlType {
             GgmlType::F16 => 1,
             GgmlType::Q8_0 => 8,
             GgmlType::Bf16 => 30,
+            GgmlType::Quant(k) => k.ggml_id(),
         }
     }
 
@@ -87,7 +117,20 @@ impl GgmlType {
             GgmlType::F32 => numel * 4,
             GgmlType::F16 | GgmlType::Bf16 => numel * 2,
             GgmlType::Q8_0 => numel / Q8_0_BLOCK * (2 + Q8_0_BLOCK),
+            GgmlType::Quant(k) => {
+                let (values, bytes) = k.block();
+                numel / values * bytes
+            }
         }) as u64
+    }
+
+    /// Values per block (1 for the float types).
+    fn block(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
+            GgmlType::Q8_0 => Q8_0_BLOCK,
+            GgmlType::Quant(k) => k.block().0,
+        }
     }
 }
 
@@ -291,6 +334,79 @@ fn storage_type(shape: &[usize], outtype: OutType) -> GgmlType {
         // As gguf-py: rows that are not whole blocks fall back to f16.
         OutType::Q8_0 if shape[shape.len() - 1].is_multiple_of(Q8_0_BLOCK) => GgmlType::Q8_0,
         OutType::Q8_0 => GgmlType::F16,
+        // Chosen per tensor by `assign_mix_types` once the whole file is planned.
+        OutType::Q4KM | OutType::Q5KM | OutType::Q6K => GgmlType::F32,
+    }
+}
+
+/// llama.cpp's `use_more_bits`: which of `n` layers the Q4_K_M / Q5_K_M mixes give Q6_K.
+fn use_more_bits(i: usize, n: usize) -> bool {
+    i < n / 8 || i >= 7 * n / 8 || (i as isize - (n / 8) as isize).rem_euclid(3) == 2
+}
+
+/// The types of a k-quant mix, as `llama-quantize` chooses them for an f32 file with these
+/// tensors in this order (`llama_tensor_get_type` without an importance matrix): only matrices
+/// named `*weight` (not norms) are quantized; the output head (or the token embedding when it
+/// is tied) gets Q6_K, or Q8_0 when its rows are not whole superblocks; Q4_K_M and Q5_K_M give
+/// Q6_K to the value projections (`attn_v`) and `ffn_down` of the layers [`use_more_bits`]
+/// picks (llama.cpp visits tensors by layer number, so its counters are layer indices), and a
+/// fused `attn_qkv` Q5_K (Q4_K_M)
+/// or Q6_K (Q5_K_M); a row length that is
+/// not a multiple of 256 falls back to Q5_0 / Q5_1 / Q8_0, and to f16 when not even of 32.
+fn assign_mix_types(plan: &mut [Planned], outtype: OutType) {
+    let Some(base) = outtype.mix_base() else {
+        return;
+    };
+    let more_bits_mix = matches!(outtype, OutType::Q4KM | OutType::Q5KM);
+    let is_value = |name: &str| name.contains("attn_v.weight") || name.contains("attn_qkv.weight");
+    let n_value = plan.iter().filter(|t| is_value(&t.name)).count();
+    let n_down = plan.iter().filter(|t| t.name.contains("ffn_down")).count();
+    let has_output = plan.iter().any(|t| t.name == "output.weight");
+    // The layer number of `blk.N.*`.
+    let layer = |name: &str| -> usize {
+        name.strip_prefix("blk.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    for t in plan.iter_mut() {
+        let name = t.name.as_str();
+        if t.dims.len() < 2 || !name.ends_with("weight") || name.contains("_norm.weight") {
+            continue;
+        }
+        let cols = t.dims[0] as usize;
+        let mut ty = GgmlType::Quant(base);
+        if name == "output.weight" || (!has_output && name == "token_embd.weight") {
+            ty = if cols.is_multiple_of(base.block().0) {
+                GgmlType::Quant(QuantKind::Q6K)
+            } else {
+                GgmlType::Q8_0
+            };
+        } else if name.contains("attn_qkv.weight") {
+            // A fused projection's own rule in llama.cpp of mid-2025 (what the tests check
+            // against); later llama.cpp treats it as `attn_v`.
+            ty = match outtype {
+                OutType::Q4KM => GgmlType::Quant(QuantKind::Q5K),
+                _ => GgmlType::Quant(QuantKind::Q6K),
+            };
+        } else if is_value(name) {
+            if more_bits_mix && use_more_bits(layer(name), n_value) {
+                ty = GgmlType::Quant(QuantKind::Q6K);
+            }
+        } else if name.contains("ffn_down") && more_bits_mix && use_more_bits(layer(name), n_down) {
+            ty = GgmlType::Quant(QuantKind::Q6K);
+        }
+        if !cols.is_multiple_of(ty.block()) {
+            ty = match ty {
+                GgmlType::Quant(QuantKind::Q4K) => GgmlType::Quant(QuantKind::Q5_0),
+                GgmlType::Quant(QuantKind::Q5K) => GgmlType::Quant(QuantKind::Q5_1),
+                _ => GgmlType::Q8_0,
+            };
+            if !cols.is_multiple_of(ty.block()) {
+                ty = GgmlType::F16;
+            }
+        }
+        t.ty = ty;
     }
 }
 
@@ -436,6 +552,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         ref other => bail!("GGUF export supports plain RoPE and Llama 3's scaling, not {other:?}"),
     }
 
+    assign_mix_types(&mut plan, outtype);
     let mut meta = Metadata::default();
     let name = model_dir
         .canonicalize()
@@ -663,6 +780,7 @@ fn encode(values: &[f32], ty: GgmlType) -> Vec<u8> {
             .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
             .collect(),
         GgmlType::Q8_0 => quantize_q8_0(values),
+        GgmlType::Quant(k) => quantize(values, k),
     }
 }
 
@@ -781,5 +899,48 @@ mod tests {
         assert_eq!(&q[..5], &[127, -1, 1, 2, -64]);
         // An all-zero block has scale 0 and zeros.
         assert!(quantize_q8_0(&[0.0; 32]).iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn use_more_bits_picks_llama_cpps_layers() {
+        let picked = |n| (0..n).filter(|&i| use_more_bits(i, n)).collect::<Vec<_>>();
+        assert_eq!(picked(4), vec![2, 3]);
+        assert_eq!(picked(8), vec![0, 3, 6, 7]);
+        assert_eq!(
+            picked(30),
+            vec![0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+        );
+    }
+
+    /// llama.cpp's Q4_K_M and Q5_K_M of SmolLM2-135M (30 layers, tied embeddings), recorded by
+    /// scripts/make_kquant_fixtures.py: every tensor's type from its name and shape alone.
+    #[test]
+    fn k_quant_mixes_type_a_30_layer_model_as_llama_cpp() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/gguf_export/kquants.json");
+        let fixture: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        for (mix, outtype) in [("q4_k_m", OutType::Q4KM), ("q5_k_m", OutType::Q5KM)] {
+            let rows: Vec<(String, Vec<u64>, u32)> =
+                serde_json::from_value(fixture["smollm2_types"][mix].clone()).unwrap();
+            // Planned in the exporter's (lexicographic) order, not llama.cpp's.
+            let mut plan: Vec<Planned> = rows
+                .iter()
+                .map(|(name, dims, _)| Planned {
+                    name: name.clone(),
+                    dims: dims.clone(),
+                    ty: GgmlType::F32,
+                    source: Source::Values(Vec::new()),
+                })
+                .collect();
+            plan.sort_by(|a, b| a.name.cmp(&b.name));
+            assign_mix_types(&mut plan, outtype);
+            let got: std::collections::HashMap<&str, u32> =
+                plan.iter().map(|t| (t.name.as_str(), t.ty.id())).collect();
+            assert_eq!(got.len(), 272);
+            for (name, _, want) in &rows {
+                assert_eq!(got[name.as_str()], *want, "{mix} {name}");
+            }
+        }
     }
 }

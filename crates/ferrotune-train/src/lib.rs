@@ -20,6 +20,7 @@ pub mod config;
 pub mod dist;
 pub mod export;
 pub mod gguf_export;
+pub mod gguf_quants;
 pub mod loss;
 pub mod metrics;
 pub mod optim;

@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""References for ferrotune's k-quant GGUF export, from llama.cpp itself (the libggml and libllama
+that llama-cpp-python ships):
+
+1. tests/fixtures/gguf_export/kquants.json "blocks": rows of test values (normal, all-positive,
+   outliers, an all-zero and a constant superblock, tiny and large magnitudes) and ggml's
+   `ggml_quantize_chunk` bytes of them as Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (no importance matrix:
+   the reference quantizers `llama-quantize` runs).
+2. "mixes": small models whose weights come from a fixed integer hash (so the Rust test rebuilds
+   them exactly): a Llama with untied head and rows that are not whole superblocks
+   (intermediate 320), a Llama with tied embeddings, and a Phi-3 (fused qkv). Each is exported by
+   ferrotune as f32 GGUF, then quantized by `llama_model_quantize` to Q4_K_M, Q5_K_M and Q6_K; the
+   type and sha256 of every tensor of llama.cpp's file are recorded.
+3. "smollm2_types": the types llama.cpp's Q4_K_M and Q5_K_M give each tensor of
+   SmolLM2-135M-Instruct (30 layers: the per-layer rules at depth).
+
+  python scripts/make_kquant_fixtures.py target/release/ferrotune
+
+Needs numpy, gguf, safetensors, llama-cpp-python."""
+
+import ctypes
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures" / "gguf_export" / "kquants.json"
+TOKENIZER = ROOT / "tests" / "fixtures" / "llama3" / "model"
+
+GGML_TYPES = {"q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+FTYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+MASK64 = (1 << 64) - 1
+
+
+def ggml_lib():
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    lib = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_void_p,
+    ]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    return lib
+
+
+def block_rows():
+    rng = np.random.default_rng(7)
+    n = 512
+    rows = [
+        rng.standard_normal(n) * 0.05,
+        np.abs(rng.standard_normal(n)) * 0.3 + 0.01,  # all positive: the minimum is clamped to 0
+        np.where(rng.random(n) < 0.02, 4.0, 1.0) * rng.standard_normal(n) * 0.02,  # outliers
+        np.concatenate([np.zeros(256), rng.standard_normal(256) * 0.1]),  # a zero superblock
+        np.concatenate([np.full(256, 0.75), -np.abs(rng.standard_normal(256))]),  # constant
+        rng.standard_normal(n) * 1e-20,  # below the k-quants' scale epsilon
+        rng.standard_normal(n) * 1e4,  # large
+        np.round(rng.standard_normal(n) * 8) / 8,  # exact ties for the rounding
+    ]
+    return [r.astype(np.float32) for r in rows]
+
+
+def quantize_blocks(lib):
+    rows = block_rows()
+    out = {"values": [[float(v) for v in r] for r in rows]}
+    for name, ty in GGML_TYPES.items():
+        hexes = []
+        for r in rows:
+            src = np.ascontiguousarray(r)
+            size = lib.ggml_row_size(ty, len(r))
+            dst = ctypes.create_string_buffer(size)
+            written = lib.ggml_quantize_chunk(ty, src.ctypes.data, dst, 0, 1, len(r), None)
+            assert written == size
+            hexes.append(dst.raw.hex())
+        out[name] = hexes
+    return out
+
+
+def splitmix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    z = x
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def fnv1a(s):
+    h = 0xCBF29CE484222325
+    for b in s.encode():
+        h = ((h ^ b) * 0x100000001B3) & MASK64
+    return h
+
+
+def tensor_values(name, shape):
+    """The hash-defined weights (the Rust test computes the same): uniform in ±0.1 times a
+    per-row factor 1..5; norms 1 + that."""
+    numel = int(np.prod(shape))
+    seed = fnv1a(name)
+    idx = np.arange(numel, dtype=np.uint64)
+    # splitmix64 vectorized in uint64 arithmetic (wrapping).
+    x = (np.uint64(seed) ^ (idx * np.uint64(0x9E3779B97F4A7C15))) + np.uint64(0x9E3779B97F4A7C15)
+    z = x
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    u = (z >> np.uint64(40)).astype(np.float32) / np.float32(16777216.0) - np.float32(0.5)
+    v = u * np.float32(0.2)
+    cols = shape[-1]
+    factor = (1 + (np.arange(numel) // cols) % 5).astype(np.float32)
+    v = v * factor
+    if name.endswith("norm.weight"):
+        v = v + np.float32(1.0)
+    return v.reshape(shape).astype(np.float32)
+
+
+def llama_tensors(cfg):
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    out = [("model.embed_tokens.weight", [cfg["vocab_size"], h]), ("model.norm.weight", [h])]
+    if not cfg["tie_word_embeddings"]:
+        out.append(("lm_head.weight", [cfg["vocab_size"], h]))
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", [h]), (f"{p}.post_attention_layernorm.weight", [h])]
+        if cfg["model_type"] == "phi3":
+            out += [(f"{p}.self_attn.qkv_proj.weight", [q + 2 * kv, h]),
+                    (f"{p}.mlp.gate_up_proj.weight", [2 * inter, h])]
+        else:
+            out += [(f"{p}.self_attn.q_proj.weight", [q, h]), (f"{p}.self_attn.k_proj.weight", [kv, h]),
+                    (f"{p}.self_attn.v_proj.weight", [kv, h]), (f"{p}.mlp.gate_proj.weight", [inter, h]),
+                    (f"{p}.mlp.up_proj.weight", [inter, h])]
+        out += [(f"{p}.self_attn.o_proj.weight", [h, q]), (f"{p}.mlp.down_proj.weight", [h, inter])]
+    return out
+
+
+def model_configs():
+    llama = json.loads((TOKENIZER / "config.json").read_text())
+    llama.update(hidden_size=256, intermediate_size=320, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
+                 tie_word_embeddings=False)
+    tied = dict(llama, intermediate_size=512, num_hidden_layers=2, tie_word_embeddings=True)
+    phi3 = json.loads((ROOT / "tests/fixtures/models/phi3/model/config.json").read_text())
+    phi3.update(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=4, num_hidden_layers=3, head_dim=64)
+    return {"llama_untied": llama, "llama_tied": tied, "phi3": phi3}
+
+
+def write_model(folder, cfg):
+    folder.mkdir(parents=True)
+    tensors = {n: tensor_values(n, s) for n, s in llama_tensors(cfg)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(TOKENIZER / f, folder / f)
+
+
+def gguf_tensors(path):
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {
+        t.name: {"type": int(t.tensor_type), "sha256": hashlib.sha256(t.data.tobytes()).hexdigest()}
+        for t in reader.tensors
+    }
+
+
+def quantize_models(binary):
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    work = Path(tempfile.mkdtemp())
+    mixes = {}
+    for name, cfg in model_configs().items():
+        folder = work / name
+        write_model(folder, cfg)
+        f32 = work / f"{name}.f32.gguf"
+        subprocess.run([str(binary), "export-gguf", str(folder), str(f32), "--outtype", "f32"],
+                       check=True)
+        per_type = {}
+        for mix, ftype in FTYPES.items():
+            out = work / f"{name}.{mix}.gguf"
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = ftype
+            params.nthread = 1
+            rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(),
+                                                ctypes.byref(params))
+            assert rc == 0, f"llama_model_quantize {name} {mix}: {rc}"
+            per_type[mix] = gguf_tensors(out)
+        mixes[name] = {"config": cfg, "tensors": llama_tensors(cfg), "quantized": per_type}
+    shutil.rmtree(work)
+    return mixes
+
+
+def smollm2_types(binary):
+    """The tensor types llama.cpp's Q4_K_M and Q5_K_M give SmolLM2-135M-Instruct (30 layers, tied
+    embeddings; the weights from the GGUF that scripts/fetch-assets.sh caches, through
+    transformers): names, GGUF dimensions and types, for the layer-counting rules at depth."""
+    import os
+
+    import llama_cpp
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assets = Path(os.environ.get("FERROTUNE_ASSETS", Path.home() / ".cache/ferrotune/assets"))
+    gguf_name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    work = Path(tempfile.mkdtemp())
+    model = AutoModelForCausalLM.from_pretrained(assets, gguf_file=gguf_name, dtype=torch.float32)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    plain.save_pretrained(work / "hf")
+    AutoTokenizer.from_pretrained(assets, gguf_file=gguf_name).save_pretrained(work / "hf")
+    f32 = work / "f32.gguf"
+    subprocess.run([str(binary), "export-gguf", str(work / "hf"), str(f32), "--outtype", "f32"],
+                   check=True)
+    out = {}
+    for mix in ["q4_k_m", "q5_k_m"]:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = FTYPES[mix]
+        params.nthread = 2
+        q = work / f"{mix}.gguf"
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q).encode(),
+                                              ctypes.byref(params)) == 0
+        out[mix] = [[t.name, [int(d) for d in t.shape], int(t.tensor_type)]
+                    for t in GGUFReader(str(q)).tensors]
+    shutil.rmtree(work)
+    return out
+
+
+def main():
+    binary = Path(sys.argv[1]).resolve()
+    lib = ggml_lib()
+    fixture = {"blocks": quantize_blocks(lib), "mixes": quantize_models(binary),
+               "smollm2_types": smollm2_types(binary)}
+    OUT.write_text(json.dumps(fixture) + "\n")
+    for name, m in fixture["mixes"].items():
+        for mix, tensors in m["quantized"].items():
+            types = sorted({t["type"] for t in tensors.values()})
+            print(f"{name:14} {mix:7} ggml types {types}")
+    print("wrote", OUT)
+
+
+if __name__ == "__main__":
+    main()
