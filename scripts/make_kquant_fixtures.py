@@ -8,7 +8,8 @@ that llama-cpp-python ships):
    the reference quantizers `llama-quantize` runs).
 2. "mixes": small models whose weights come from a fixed integer hash (so the Rust test rebuilds
    them exactly): a Llama with untied head and rows that are not whole superblocks
-   (intermediate 320), a Llama with tied embeddings, and a Phi-3 (fused qkv). Each is exported by
+   (intermediate 320), a Llama with tied embeddings, a Phi-3 (fused qkv), and the mixtures of
+   experts Mixtral (8 experts), Qwen2-MoE (shared expert) and Qwen3-MoE. Each is exported by
    ferrotune as f32 GGUF, then quantized by `llama_model_quantize` to Q4_K_M, Q5_K_M and Q6_K; the
    type and sha256 of every tensor of llama.cpp's file are recorded.
 3. "smollm2_types": the types llama.cpp's Q4_K_M and Q5_K_M give each tensor of
@@ -130,9 +131,35 @@ def llama_tensors(cfg):
     out = [("model.embed_tokens.weight", [cfg["vocab_size"], h]), ("model.norm.weight", [h])]
     if not cfg["tie_word_embeddings"]:
         out.append(("lm_head.weight", [cfg["vocab_size"], h]))
+    mt = cfg["model_type"]
     for i in range(layers):
         p = f"model.layers.{i}"
         out += [(f"{p}.input_layernorm.weight", [h]), (f"{p}.post_attention_layernorm.weight", [h])]
+        if mt in ("mixtral", "qwen2_moe", "qwen3_moe"):
+            out += [(f"{p}.self_attn.q_proj.weight", [q, h]), (f"{p}.self_attn.k_proj.weight", [kv, h]),
+                    (f"{p}.self_attn.v_proj.weight", [kv, h]), (f"{p}.self_attn.o_proj.weight", [h, q])]
+            if mt == "qwen2_moe":
+                out += [(f"{p}.self_attn.q_proj.bias", [q]), (f"{p}.self_attn.k_proj.bias", [kv]),
+                        (f"{p}.self_attn.v_proj.bias", [kv])]
+            if mt == "qwen3_moe":
+                out += [(f"{p}.self_attn.q_norm.weight", [hd]), (f"{p}.self_attn.k_norm.weight", [hd])]
+            experts = cfg.get("num_local_experts") or cfg["num_experts"]
+            if mt == "mixtral":
+                ff, block, names = inter, "block_sparse_moe", ("w1", "w3", "w2")
+            else:
+                ff, block, names = cfg["moe_intermediate_size"], "mlp", ("gate_proj", "up_proj", "down_proj")
+            out.append((f"{p}.{block}.gate.weight", [experts, h]))
+            for e in range(experts):
+                out += [(f"{p}.{block}.experts.{e}.{names[0]}.weight", [ff, h]),
+                        (f"{p}.{block}.experts.{e}.{names[1]}.weight", [ff, h]),
+                        (f"{p}.{block}.experts.{e}.{names[2]}.weight", [h, ff])]
+            if mt == "qwen2_moe":
+                sff = cfg["shared_expert_intermediate_size"]
+                out += [(f"{p}.mlp.shared_expert.gate_proj.weight", [sff, h]),
+                        (f"{p}.mlp.shared_expert.up_proj.weight", [sff, h]),
+                        (f"{p}.mlp.shared_expert.down_proj.weight", [h, sff]),
+                        (f"{p}.mlp.shared_expert_gate.weight", [1, h])]
+            continue
         if cfg["model_type"] == "phi3":
             out += [(f"{p}.self_attn.qkv_proj.weight", [q + 2 * kv, h]),
                     (f"{p}.mlp.gate_up_proj.weight", [2 * inter, h])]
@@ -153,7 +180,18 @@ def model_configs():
     phi3 = json.loads((ROOT / "tests/fixtures/models/phi3/model/config.json").read_text())
     phi3.update(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                 num_key_value_heads=4, num_hidden_layers=3, head_dim=64)
-    return {"llama_untied": llama, "llama_tied": tied, "phi3": phi3}
+    models = ROOT / "tests/fixtures/models"
+    dims = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                num_hidden_layers=2)
+    mixtral = json.loads((models / "mixtral/model/config.json").read_text())
+    mixtral.update(dims, intermediate_size=256, num_local_experts=8)
+    qwen2_moe = json.loads((models / "qwen2_moe/model/config.json").read_text())
+    qwen2_moe.update(dims, intermediate_size=512, moe_intermediate_size=256,
+                     shared_expert_intermediate_size=512)
+    qwen3_moe = json.loads((models / "qwen3_moe/model/config.json").read_text())
+    qwen3_moe.update(dims, intermediate_size=512, moe_intermediate_size=256, mlp_only_layers=[])
+    return {"llama_untied": llama, "llama_tied": tied, "phi3": phi3, "mixtral": mixtral,
+            "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
 
 
 def write_model(folder, cfg):

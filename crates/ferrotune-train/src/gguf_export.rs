@@ -11,9 +11,11 @@
 //!
 //! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
 //! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`,
-//! `gemma`, `gemma2`, `phi3` (fused projections, LongRoPE factors), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
+//! `gemma`, `gemma2`, `phi3` (fused projections, LongRoPE factors), `mixtral`, `qwen2_moe`,
+//! `qwen3_moe` (experts stacked as llama.cpp's `ffn_*_exps`), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
 //! SentencePiece-style BPE one (its `llama` vocabulary).
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -160,11 +162,15 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
         "gemma" => ("gemma", false),
         "gemma2" => ("gemma2", false),
         "phi3" => ("phi3", false),
+        // llama.cpp runs Mixtral as `llama` with experts.
+        "mixtral" => ("llama", true),
+        "qwen2_moe" => ("qwen2moe", false),
+        "qwen3_moe" => ("qwen3moe", false),
         // Not yet Gemma 3: llama.cpp (llama-cpp-python 0.3.16) crashed evaluating a tiny Gemma 3
         // export, so none is written until one is verified.
         other => bail!(
-            "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2 and phi3 \
-             checkpoints, not '{other}'"
+            "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, mixtral, \
+             qwen2_moe and qwen3_moe checkpoints, not '{other}'"
         ),
     };
     // Which layers attend in a window is fixed by llama.cpp per architecture: none, every other
@@ -189,6 +195,25 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
              would compute something else",
             arch.0
         );
+    }
+    if let Some(moe) = &config.moe {
+        // llama.cpp's graphs fix what transformers' configs choose: every layer sparse, and
+        // renormalized top-k weights for Mixtral and Qwen3-MoE but not for Qwen2-MoE.
+        if moe.sparse_layers.iter().any(|&s| !s) {
+            bail!(
+                "the checkpoint has dense layers among its mixture-of-experts layers \
+                 (decoder_sparse_step / mlp_only_layers): llama.cpp's '{}' makes every layer sparse",
+                arch.0
+            );
+        }
+        let llama_cpp_norm = arch.0 != "qwen2moe";
+        if moe.norm_topk_prob != llama_cpp_norm {
+            bail!(
+                "norm_topk_prob {} is not what llama.cpp's '{}' computes ({llama_cpp_norm})",
+                moe.norm_topk_prob,
+                arch.0
+            );
+        }
     }
     if config.rope.partial_rotary_factor != 1.0 && arch.0 != "phi3" {
         bail!("GGUF export needs RoPE over whole heads (partial_rotary_factor 1)");
@@ -250,9 +275,34 @@ fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // Mixture of experts: the router, Qwen2-MoE's shared expert and its gate (the experts
+        // themselves are stacked, see `expert_part`).
+        "block_sparse_moe.gate" | "mlp.gate" => "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+        "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
         _ => return None,
     };
     Some(format!("blk.{layer}.{part}.{kind}"))
+}
+
+/// An expert's tensor (transformers 4.x's per-expert names, what checkpoints hold): its layer,
+/// expert and the part (`gate`, `up`, `down`) of llama.cpp's stacked `ffn_{part}_exps`.
+fn expert_part(hf: &str) -> Option<(usize, usize, &'static str)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let rest = rest
+        .strip_prefix("block_sparse_moe.experts.")
+        .or_else(|| rest.strip_prefix("mlp.experts."))?;
+    let (expert, proj) = rest.split_once('.')?;
+    let part = match proj {
+        "w1.weight" | "gate_proj.weight" => "gate",
+        "w3.weight" | "up_proj.weight" => "up",
+        "w2.weight" | "down_proj.weight" => "down",
+        _ => return None,
+    };
+    Some((layer.parse().ok()?, expert.parse().ok()?, part))
 }
 
 /// llama.cpp's q/k row order for its RoPE: within each head, the rows of the first and second
@@ -320,11 +370,17 @@ enum Source {
     },
     /// Values computed here (`rope_freqs`).
     Values(Vec<f32>),
+    /// Experts' tensors (file index, name) stacked in expert order.
+    Stacked(Vec<(usize, String)>),
 }
 
 /// The type a tensor of `shape` is stored in.
-fn storage_type(shape: &[usize], outtype: OutType) -> GgmlType {
+fn storage_type(name: &str, shape: &[usize], outtype: OutType) -> GgmlType {
     if shape.len() < 2 {
+        return GgmlType::F32;
+    }
+    if name.contains("ffn_gate_inp") {
+        // Routers stay f32, as llama.cpp's converter and quantizer keep them.
         return GgmlType::F32;
     }
     match outtype {
@@ -351,16 +407,16 @@ fn use_more_bits(i: usize, n: usize) -> bool {
 /// Q6_K to the value projections (`attn_v`) and `ffn_down` of the layers [`use_more_bits`]
 /// picks (llama.cpp visits tensors by layer number, so its counters are layer indices), and a
 /// fused `attn_qkv` Q5_K (Q4_K_M)
-/// or Q6_K (Q5_K_M); a row length that is
+/// or Q6_K (Q5_K_M); with 8 experts (Mixtral) `attn_v` and `attn_k` get Q8_0 and Q4_K_M's
+/// `attn_output` Q5_K; a row length that is
 /// not a multiple of 256 falls back to Q5_0 / Q5_1 / Q8_0, and to f16 when not even of 32.
-fn assign_mix_types(plan: &mut [Planned], outtype: OutType) {
+fn assign_mix_types(plan: &mut [Planned], outtype: OutType, experts: usize) {
     let Some(base) = outtype.mix_base() else {
         return;
     };
     let more_bits_mix = matches!(outtype, OutType::Q4KM | OutType::Q5KM);
     let is_value = |name: &str| name.contains("attn_v.weight") || name.contains("attn_qkv.weight");
     let n_value = plan.iter().filter(|t| is_value(&t.name)).count();
-    let n_down = plan.iter().filter(|t| t.name.contains("ffn_down")).count();
     let has_output = plan.iter().any(|t| t.name == "output.weight");
     // The layer number of `blk.N.*`.
     let layer = |name: &str| -> usize {
@@ -369,9 +425,21 @@ fn assign_mix_types(plan: &mut [Planned], outtype: OutType) {
             .and_then(|n| n.parse().ok())
             .unwrap_or(0)
     };
+    // llama.cpp sets its `ffn_down` count to the number of layers (a layer's experts and shared
+    // expert both take that layer's choice).
+    let n_down = plan
+        .iter()
+        .filter(|t| t.name.contains("ffn_down"))
+        .map(|t| layer(&t.name) + 1)
+        .max()
+        .unwrap_or(0);
     for t in plan.iter_mut() {
         let name = t.name.as_str();
-        if t.dims.len() < 2 || !name.ends_with("weight") || name.contains("_norm.weight") {
+        if t.dims.len() < 2
+            || !name.ends_with("weight")
+            || name.contains("_norm.weight")
+            || name.contains("ffn_gate_inp")
+        {
             continue;
         }
         let cols = t.dims[0] as usize;
@@ -392,6 +460,16 @@ fn assign_mix_types(plan: &mut [Planned], outtype: OutType) {
         } else if is_value(name) {
             if more_bits_mix && use_more_bits(layer(name), n_value) {
                 ty = GgmlType::Quant(QuantKind::Q6K);
+            }
+            if experts == 8 {
+                // Mixtral's value (and key) projections are small beside 8 experts: 8 bits.
+                ty = GgmlType::Q8_0;
+            }
+        } else if name.contains("attn_k.weight") && experts == 8 {
+            ty = GgmlType::Q8_0;
+        } else if name.contains("attn_output.weight") && experts == 8 {
+            if outtype == OutType::Q4KM {
+                ty = GgmlType::Quant(QuantKind::Q5K);
             }
         } else if name.contains("ffn_down") && more_bits_mix && use_more_bits(layer(name), n_down) {
             ty = GgmlType::Quant(QuantKind::Q6K);
@@ -466,16 +544,30 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         .collect::<Result<_>>()?;
     let mut plan = Vec::new();
     let mut skipped = Vec::new();
+    // Experts by (layer, part), then by expert: (file, name, shape).
+    type ExpertTensors = BTreeMap<usize, (usize, String, Vec<usize>)>;
+    let mut experts: BTreeMap<(usize, &'static str), ExpertTensors> = BTreeMap::new();
     for (file, st) in tensors.iter().enumerate() {
         let mut names = st.names();
         names.sort();
         for name in names {
             let view = st.tensor(name)?;
+            if let Some((layer, expert, part)) = expert_part(name) {
+                experts
+                    .entry((layer, part))
+                    .or_default()
+                    .insert(expert, (file, name.to_string(), view.shape().to_vec()));
+                continue;
+            }
             let Some(gguf) = gguf_name(name, config.sandwich_norms) else {
                 skipped.push(name.to_string());
                 continue;
             };
-            let shape = view.shape().to_vec();
+            let mut shape = view.shape().to_vec();
+            if gguf.ends_with("ffn_gate_inp_shexp.weight") {
+                // transformers' `[1, hidden]` linear layer; llama.cpp's converter writes a vector.
+                shape = vec![shape.iter().product()];
+            }
             let rows = match (permute, gguf.rsplit('.').nth(1)) {
                 (true, Some(part)) if part == "attn_q" || part == "attn_k" => {
                     let heads = if part == "attn_q" {
@@ -489,9 +581,9 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             };
             let plus_one = config.norm_weight_offset_one && gguf.ends_with("norm.weight");
             plan.push(Planned {
+                ty: storage_type(&gguf, &shape, outtype),
                 name: gguf,
                 dims: shape.iter().rev().map(|&d| d as u64).collect(),
-                ty: storage_type(&shape, outtype),
                 source: Source::Hf {
                     file,
                     name: name.to_string(),
@@ -500,6 +592,31 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                 },
             });
         }
+    }
+    let expert_count = config.moe.as_ref().map_or(0, |m| m.num_experts);
+    for ((layer, part), per_expert) in experts {
+        let first_shape = per_expert.values().next().map(|(_, _, s)| s.clone());
+        let complete = per_expert.len() == expert_count
+            && per_expert.keys().copied().eq(0..expert_count)
+            && per_expert
+                .values()
+                .all(|(_, _, s)| Some(s) == first_shape.as_ref());
+        let shape = match (complete, first_shape) {
+            (true, Some(s)) if s.len() == 2 => s,
+            _ => bail!(
+                "{}: layer {layer}'s experts' {part} projections are not {expert_count} matrices \
+                 of one shape",
+                model_dir.display()
+            ),
+        };
+        let name = format!("blk.{layer}.ffn_{part}_exps.weight");
+        let stacked = [expert_count, shape[0], shape[1]];
+        plan.push(Planned {
+            ty: storage_type(&name, &stacked, outtype),
+            name,
+            dims: stacked.iter().rev().map(|&d| d as u64).collect(),
+            source: Source::Stacked(per_expert.into_values().map(|(f, n, _)| (f, n)).collect()),
+        });
     }
     if !skipped.is_empty() {
         bail!(
@@ -552,7 +669,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         ref other => bail!("GGUF export supports plain RoPE and Llama 3's scaling, not {other:?}"),
     }
 
-    assign_mix_types(&mut plan, outtype);
+    assign_mix_types(&mut plan, outtype, expert_count);
     let mut meta = Metadata::default();
     let name = model_dir
         .canonicalize()
@@ -592,6 +709,19 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     meta.u32(&k("attention.key_length"), config.head_dim as u32);
     meta.u32(&k("attention.value_length"), config.head_dim as u32);
     meta.u32(&k("vocab_size"), config.vocab_size as u32);
+    if let Some(moe) = &config.moe {
+        meta.u32(&k("expert_count"), moe.num_experts as u32);
+        meta.u32(&k("expert_used_count"), moe.top_k as u32);
+        if arch != "llama" {
+            meta.u32(
+                &k("expert_feed_forward_length"),
+                moe.expert_intermediate_size as u32,
+            );
+        }
+        if let Some(shared) = moe.shared_expert_intermediate_size {
+            meta.u32(&k("expert_shared_feed_forward_length"), shared as u32);
+        }
+    }
     if let Some(window) = config.layer_sliding_windows.iter().flatten().next() {
         meta.u32(&k("attention.sliding_window"), *window as u32);
     }
@@ -708,6 +838,17 @@ fn write_gguf(
         written = data_start + off;
         let values = match &t.source {
             Source::Values(v) => v.clone(),
+            Source::Stacked(parts) => {
+                let mut values = Vec::new();
+                for (file, name) in parts {
+                    let view = tensors[*file].tensor(name)?;
+                    values.extend(
+                        to_f32(view.dtype(), view.data())
+                            .with_context(|| format!("{name}: {:?} weights", view.dtype()))?,
+                    );
+                }
+                values
+            }
             Source::Hf {
                 file,
                 name,
@@ -934,7 +1075,7 @@ mod tests {
                 })
                 .collect();
             plan.sort_by(|a, b| a.name.cmp(&b.name));
-            assign_mix_types(&mut plan, outtype);
+            assign_mix_types(&mut plan, outtype, 0);
             let got: std::collections::HashMap<&str, u32> =
                 plan.iter().map(|t| (t.name.as_str(), t.ty.id())).collect();
             assert_eq!(got.len(), 272);
