@@ -160,6 +160,10 @@ def llama_tensors(cfg):
                         (f"{p}.mlp.shared_expert.down_proj.weight", [h, sff]),
                         (f"{p}.mlp.shared_expert_gate.weight", [1, h])]
             continue
+        if mt == "gemma3_text":
+            out += [(f"{p}.pre_feedforward_layernorm.weight", [h]),
+                    (f"{p}.post_feedforward_layernorm.weight", [h]),
+                    (f"{p}.self_attn.q_norm.weight", [hd]), (f"{p}.self_attn.k_norm.weight", [hd])]
         if cfg["model_type"] == "phi3":
             out += [(f"{p}.self_attn.qkv_proj.weight", [q + 2 * kv, h]),
                     (f"{p}.mlp.gate_up_proj.weight", [2 * inter, h])]
@@ -190,8 +194,13 @@ def model_configs():
                      shared_expert_intermediate_size=512)
     qwen3_moe = json.loads((models / "qwen3_moe/model/config.json").read_text())
     qwen3_moe.update(dims, intermediate_size=512, moe_intermediate_size=256, mlp_only_layers=[])
+    gemma3 = json.loads((models / "gemma3/model/config.json").read_text())
+    gemma3.update(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=64, num_hidden_layers=6, query_pre_attn_scalar=64,
+                  sliding_window=4, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    gemma3.pop("_sliding_window_pattern", None)
     return {"llama_untied": llama, "llama_tied": tied, "phi3": phi3, "mixtral": mixtral,
-            "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
+            "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma3": gemma3}
 
 
 def write_model(folder, cfg):

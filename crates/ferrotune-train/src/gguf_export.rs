@@ -11,7 +11,7 @@
 //!
 //! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
 //! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`,
-//! `gemma`, `gemma2`, `phi3` (fused projections, LongRoPE factors), `mixtral`, `qwen2_moe`,
+//! `gemma`, `gemma2`, `gemma3_text`, `phi3` (fused projections, LongRoPE factors), `mixtral`, `qwen2_moe`,
 //! `qwen3_moe` (experts stacked as llama.cpp's `ffn_*_exps`), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
 //! SentencePiece-style BPE one (its `llama` vocabulary).
 
@@ -166,17 +166,21 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
         "mixtral" => ("llama", true),
         "qwen2_moe" => ("qwen2moe", false),
         "qwen3_moe" => ("qwen3moe", false),
-        // Not yet Gemma 3: llama.cpp (llama-cpp-python 0.3.16) crashed evaluating a tiny Gemma 3
-        // export, so none is written until one is verified.
+        "gemma3_text" => ("gemma3", false),
         other => bail!(
-            "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, mixtral, \
-             qwen2_moe and qwen3_moe checkpoints, not '{other}'"
+            "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, \
+             mixtral, qwen2_moe and qwen3_moe checkpoints, not '{other}'"
         ),
     };
     // Which layers attend in a window is fixed by llama.cpp per architecture: none, every other
     // layer from the first (Gemma 2), or for Phi-3 all of them when it has a window.
     let phi3_window = arch.0 == "phi3" && config.layer_sliding_windows.iter().any(Option::is_some);
-    let windowed = |i: usize| (arch.0 == "gemma2" && i.is_multiple_of(2)) || phi3_window;
+    // Gemma 3: five sliding layers, then a full one (llama.cpp's fixed pattern of 6).
+    let windowed = |i: usize| {
+        (arch.0 == "gemma2" && i.is_multiple_of(2))
+            || (arch.0 == "gemma3" && i % 6 != 5)
+            || phi3_window
+    };
     let window = config
         .layer_sliding_windows
         .iter()
@@ -191,10 +195,38 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
     if !pattern_ok {
         bail!(
             "the checkpoint's sliding-window layers are not the ones llama.cpp's '{}' \
-             architecture uses (none, every other layer for Gemma 2, all for Phi-3): the GGUF \
+             architecture uses (none, every other layer for Gemma 2, five of every six for Gemma 3, \
+             all for Phi-3): the GGUF \
              would compute something else",
             arch.0
         );
+    }
+    if arch.0 == "gemma3" {
+        if window.is_none() {
+            bail!("llama.cpp's 'gemma3' needs a sliding window (sliding_window is null)");
+        }
+        // llama.cpp fixes the local layers' rope (base 10000, unscaled) and has no softcaps.
+        let local_ok = config
+            .local_rope
+            .as_ref()
+            .is_some_and(|r| r.theta == 10_000.0 && matches!(r.scaling, RopeScaling::Default));
+        if !local_ok {
+            bail!(
+                "the sliding layers' rope is not llama.cpp's for 'gemma3' (base 10000, no scaling)"
+            );
+        }
+        if config.attn_logit_softcapping.is_some() || config.final_logit_softcapping.is_some() {
+            bail!("llama.cpp's 'gemma3' applies no logit softcapping; the checkpoint sets one");
+        }
+        if !matches!(
+            config.rope.scaling,
+            RopeScaling::Default | RopeScaling::Linear { .. }
+        ) {
+            bail!(
+                "llama.cpp's 'gemma3' scales the global rope linearly or not at all, not {:?}",
+                config.rope.scaling
+            );
+        }
     }
     if let Some(moe) = &config.moe {
         // llama.cpp's graphs fix what transformers' configs choose: every layer sparse, and
@@ -218,12 +250,13 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
     if config.rope.partial_rotary_factor != 1.0 && arch.0 != "phi3" {
         bail!("GGUF export needs RoPE over whole heads (partial_rotary_factor 1)");
     }
-    if arch.0 == "gemma2" {
-        // llama.cpp scales scores by the head size (hidden / heads for the 27B model).
+    if arch.0 == "gemma2" || arch.0 == "gemma3" {
+        // llama.cpp scales scores by the head size (hidden / heads for the 27B models).
         let scalar = config
             .query_pre_attn_scalar
             .unwrap_or(config.head_dim as f64);
-        let llama_cpp = if config.num_hidden_layers == 46 {
+        let big = if arch.0 == "gemma2" { 46 } else { 62 };
+        let llama_cpp = if config.num_hidden_layers == big {
             (config.hidden_size / config.num_attention_heads) as f64
         } else {
             config.head_dim as f64
@@ -627,6 +660,8 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     }
     match config.rope.scaling {
         RopeScaling::Default => {}
+        // Gemma 3 4B+: written as llama.cpp's `rope.scaling.*` keys below.
+        RopeScaling::Linear { .. } if arch == "gemma3" => {}
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -740,6 +775,10 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         });
         meta.u32(&k("rope.scaling.original_context_length"), original as u32);
         meta.f32(&k("rope.scaling.attn_factor"), attn as f32);
+    }
+    if let (RopeScaling::Linear { factor }, "gemma3") = (&config.rope.scaling, arch) {
+        meta.string(&k("rope.scaling.type"), "linear");
+        meta.f32(&k("rope.scaling.factor"), *factor as f32);
     }
     if arch == "gemma2" {
         // llama.cpp's keys; transformers' defaults when the config has none.
