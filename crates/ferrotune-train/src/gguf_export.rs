@@ -660,8 +660,17 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     }
     match config.rope.scaling {
         RopeScaling::Default => {}
-        // Gemma 3 4B+: written as llama.cpp's `rope.scaling.*` keys below.
-        RopeScaling::Linear { .. } if arch == "gemma3" => {}
+        // Written as llama.cpp's `rope.scaling.*` keys below (Gemma 3 4B+'s global rope too).
+        RopeScaling::Linear { .. } => {}
+        // YaRN as llama.cpp computes it: its default attention factor and rounded correction
+        // range (transformers' `truncate`), with the betas in the file.
+        RopeScaling::Yarn {
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: true,
+            ..
+        } => {}
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -701,7 +710,10 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                 });
             }
         }
-        ref other => bail!("GGUF export supports plain RoPE and Llama 3's scaling, not {other:?}"),
+        ref other => bail!(
+            "GGUF export supports plain RoPE, linear and YaRN scaling (with its default \
+             attention factor), Llama 3's and Phi-3's, not {other:?}"
+        ),
     }
 
     assign_mix_types(&mut plan, outtype, expert_count);
@@ -776,9 +788,28 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         meta.u32(&k("rope.scaling.original_context_length"), original as u32);
         meta.f32(&k("rope.scaling.attn_factor"), attn as f32);
     }
-    if let (RopeScaling::Linear { factor }, "gemma3") = (&config.rope.scaling, arch) {
-        meta.string(&k("rope.scaling.type"), "linear");
-        meta.f32(&k("rope.scaling.factor"), *factor as f32);
+    match config.rope.scaling {
+        RopeScaling::Linear { factor } => {
+            meta.string(&k("rope.scaling.type"), "linear");
+            meta.f32(&k("rope.scaling.factor"), factor as f32);
+        }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            ..
+        } => {
+            meta.string(&k("rope.scaling.type"), "yarn");
+            meta.f32(&k("rope.scaling.factor"), factor as f32);
+            meta.u32(
+                &k("rope.scaling.original_context_length"),
+                original_max_position_embeddings as u32,
+            );
+            meta.f32(&k("rope.scaling.yarn_beta_fast"), beta_fast as f32);
+            meta.f32(&k("rope.scaling.yarn_beta_slow"), beta_slow as f32);
+        }
+        _ => {}
     }
     if arch == "gemma2" {
         // llama.cpp's keys; transformers' defaults when the config has none.

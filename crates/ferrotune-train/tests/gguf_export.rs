@@ -194,6 +194,46 @@ fn llama3_rope_scaling_round_trips_through_rope_freqs() {
     std::fs::remove_dir_all(&out).ok();
 }
 
+/// Linear and YaRN scaling travel as llama.cpp's `rope.scaling.*` keys (llama.cpp on these files
+/// is within 7.5e-7 of transformers over 16 tokens, twice YaRN's original context): read back,
+/// the checkpoint's logits; YaRN with a custom attention factor is refused.
+#[test]
+fn linear_and_yarn_rope_scaling_round_trip() {
+    let out = out_dir("rope_scalings");
+    let cases: [(&str, Value); 2] = [
+        (
+            "linear",
+            serde_json::json!({"rope_theta": 10000.0, "rope_type": "linear", "factor": 3.0}),
+        ),
+        (
+            "yarn",
+            serde_json::json!({"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 8}),
+        ),
+    ];
+    for (name, rope) in cases {
+        let dir = out.join(name);
+        edited_copy("llama2", &dir, |config| {
+            config["rope_parameters"] = rope.clone();
+        });
+        let gguf = dir.join("model.gguf");
+        export_gguf(&dir, &gguf, OutType::F32).unwrap();
+        let err = common::rel_l2(
+            &golden_logits("llama2", &gguf),
+            &golden_logits("llama2", &dir),
+        );
+        assert!(err <= 1e-5, "{name}: relative L2 {err}");
+    }
+    let dir = out.join("yarn_attention_factor");
+    edited_copy("llama2", &dir, |config| {
+        config["rope_parameters"] = serde_json::json!({"rope_theta": 10000.0, "rope_type": "yarn",
+            "factor": 4.0, "original_max_position_embeddings": 8, "attention_factor": 0.5});
+    });
+    let err = export_gguf(&dir, &dir.join("model.gguf"), OutType::F32).unwrap_err();
+    assert!(err.to_string().contains("YaRN"), "{err}");
+    std::fs::remove_dir_all(&out).ok();
+}
+
 /// A SentencePiece-style vocabulary (Llama 2's real tokenizer, 32 000 tokens) travels as
 /// llama.cpp's `llama` vocabulary (tokens, scores, types, and the merges for the readers that
 /// take them): the GGUF's tokenizer encodes as the checkpoint's, and the logits are the
