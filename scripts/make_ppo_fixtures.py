@@ -85,6 +85,8 @@ RESPONSES = [
 ]
 # A few parameters to compare after each PPO epoch (policy's, and the value model's `value.*`).
 TRACKED = [
+    "model.embed_tokens.weight",
+    "value.model.embed_tokens.weight",
     "model.layers.0.self_attn.q_proj.weight",
     "model.layers.1.mlp.down_proj.weight",
     "model.norm.weight",

@@ -244,30 +244,46 @@ pub struct PpoTargets<'a> {
 }
 
 /// The clipped PPO loss (torchtune's `PPOLoss.forward`) of the current log probabilities
-/// `logprobs` and values `values` (`[rows, tokens]`, f32, differentiable).
-///
-/// Each clipped maximum is formed as its active branch: where the clipped term wins strictly it
-/// enters as a constant (a clipped ratio or value passes no gradient), elsewhere the unclipped
-/// term carries the gradient. This is exactly torch's gradient, which splits it between equal
-/// branches of `maximum` while `clamp` passes it inside its range: the two branches are equal only
-/// when the clamp is inactive, and then the halves add up to the unclipped gradient.
+/// `logprobs` and values `values` (`[rows, tokens]`, f32, differentiable): the policy part
+/// ([`ppo_policy_loss`]) plus `value_coeff` times the value part ([`ppo_value_loss`]). The two
+/// parts depend on different models, so each can be back-propagated on its own.
 pub fn ppo_loss(
     logprobs: &Tensor,
     values: &Tensor,
     t: PpoTargets<'_>,
     cfg: PpoLossConfig,
 ) -> Result<PpoLoss> {
+    let policy = ppo_policy_loss(logprobs, t, cfg)?;
+    let value = ppo_value_loss(values, t, cfg)?;
+    Ok(PpoLoss {
+        loss: (&policy.loss + &value.loss)?,
+        policy_loss: policy.policy_loss,
+        value_loss: value.value_loss,
+        ratios: policy.ratios,
+        clipfrac: policy.clipfrac,
+    })
+}
+
+/// The clipped policy part of [`ppo_loss`]; its `value_loss` is 0.
+///
+/// Each clipped maximum is formed as its active branch: where the clipped term wins strictly it
+/// enters as a constant (a clipped ratio passes no gradient), elsewhere the unclipped term
+/// carries the gradient. This is exactly torch's gradient, which splits it between equal
+/// branches of `maximum` while `clamp` passes it inside its range: the two branches are equal only
+/// when the clamp is inactive, and then the halves add up to the unclipped gradient.
+pub fn ppo_policy_loss(
+    logprobs: &Tensor,
+    t: PpoTargets<'_>,
+    cfg: PpoLossConfig,
+) -> Result<PpoLoss> {
     let device = logprobs.device();
     let (rows, len) = logprobs.dims2()?;
     let host_lp: Vec<Vec<f32>> = logprobs.detach().to_dtype(DType::F32)?.to_vec2()?;
-    let host_v: Vec<Vec<f32>> = values.detach().to_dtype(DType::F32)?.to_vec2()?;
     let (lo, hi) = ((1.0 - cfg.epsilon) as f32, (1.0 + cfg.epsilon) as f32);
-    let clip = cfg.value_clip_range as f32;
     let n = rows * len;
     let (mut neg_adv, mut policy_const, mut policy_live) =
         (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-    let (mut value_const, mut value_live) = (vec![0f32; n], vec![0f32; n]);
-    let (mut keep, mut value_keep) = (vec![0f32; n], vec![0f32; n]);
+    let mut keep = vec![0f32; n];
     let mut clipped_rows = vec![vec![0f32; len]; rows];
     let mut ratio_sum = 0f32;
     for r in 0..rows {
@@ -285,8 +301,41 @@ pub fn ppo_loss(
             } else {
                 policy_live[k] = 1.0;
             }
+            keep[k] = t.keep[r][i] as u8 as f32;
+        }
+    }
+    let tensor = |v: Vec<f32>| Tensor::from_vec(v, (rows, len), device);
+    let lp = logprobs.to_dtype(DType::F32)?;
+    let old_lp = tensor(t.old_logprobs.concat())?;
+    let ratio = (lp - old_lp)?.exp()?;
+    let terms =
+        ((ratio * tensor(neg_adv)?)? * tensor(policy_live)?)?.add(&tensor(policy_const)?)?;
+    let n_keep = count(t.keep);
+    let loss = ((terms * tensor(keep)?)?.sum_all()? / n_keep as f64)?;
+    Ok(PpoLoss {
+        policy_loss: loss.to_scalar::<f32>()?,
+        value_loss: 0.0,
+        ratios: ratio_sum / n.max(1) as f32,
+        clipfrac: masked_mean(&clipped_rows, t.keep),
+        loss,
+    })
+}
+
+/// The clipped value part of [`ppo_loss`], already weighted by `value_coeff` in `loss` (its
+/// `value_loss` is the unweighted `0.5 · masked mean`). Same construction of the maximum as
+/// [`ppo_policy_loss`].
+pub fn ppo_value_loss(values: &Tensor, t: PpoTargets<'_>, cfg: PpoLossConfig) -> Result<PpoLoss> {
+    let device = values.device();
+    let (rows, len) = values.dims2()?;
+    let host_v: Vec<Vec<f32>> = values.detach().to_dtype(DType::F32)?.to_vec2()?;
+    let clip = cfg.value_clip_range as f32;
+    let n = rows * len;
+    let (mut value_const, mut value_live, mut value_keep) =
+        (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    for (r, row) in host_v.iter().enumerate() {
+        for (i, &v) in row.iter().enumerate() {
+            let k = r * len + i;
             let old = t.old_values[r][i];
-            let v = host_v[r][i];
             let v_clipped = v.clamp(old - clip, old + clip);
             let ret = t.returns[r][i];
             let (plain, clipped_sq) = ((v - ret).powi(2), (v_clipped - ret).powi(2));
@@ -295,32 +344,27 @@ pub fn ppo_loss(
             } else {
                 value_live[k] = 1.0;
             }
-            keep[k] = t.keep[r][i] as u8 as f32;
             value_keep[k] = t.value_keep[r][i] as u8 as f32;
         }
     }
     let tensor = |v: Vec<f32>| Tensor::from_vec(v, (rows, len), device);
-    let lp = logprobs.to_dtype(DType::F32)?;
     let vals = values.to_dtype(DType::F32)?;
-    let old_lp = tensor(t.old_logprobs.concat())?;
     let returns = tensor(t.returns.concat())?;
-    let ratio = (lp - old_lp)?.exp()?;
-    let policy_terms =
-        ((ratio * tensor(neg_adv)?)? * tensor(policy_live)?)?.add(&tensor(policy_const)?)?;
-    let value_terms =
-        ((vals - returns)?.sqr()? * tensor(value_live)?)?.add(&tensor(value_const)?)?;
-    let count = |m: &[Vec<bool>]| m.iter().flatten().filter(|&&k| k).count() as f32 + 1e-8;
-    let (n_keep, n_value) = (count(t.keep), count(t.value_keep));
-    let policy_loss = ((policy_terms * tensor(keep)?)?.sum_all()? / n_keep as f64)?;
-    let value_loss = (((value_terms * tensor(value_keep)?)?.sum_all()? / n_value as f64)? * 0.5)?;
-    let loss = (&policy_loss + (&value_loss * cfg.value_coeff)?)?;
+    let terms = ((vals - returns)?.sqr()? * tensor(value_live)?)?.add(&tensor(value_const)?)?;
+    let n_value = count(t.value_keep);
+    let value_loss = (((terms * tensor(value_keep)?)?.sum_all()? / n_value as f64)? * 0.5)?;
     Ok(PpoLoss {
-        policy_loss: policy_loss.to_scalar::<f32>()?,
+        policy_loss: 0.0,
         value_loss: value_loss.to_scalar::<f32>()?,
-        ratios: ratio_sum / n.max(1) as f32,
-        clipfrac: masked_mean(&clipped_rows, t.keep),
-        loss,
+        ratios: 0.0,
+        clipfrac: 0.0,
+        loss: (value_loss * cfg.value_coeff)?,
     })
+}
+
+/// Kept entries of a mask plus torch's `1e-8`, as [`masked_mean`] divides.
+fn count(m: &[Vec<bool>]) -> f32 {
+    m.iter().flatten().filter(|&&k| k).count() as f32 + 1e-8
 }
 
 #[cfg(test)]

@@ -849,3 +849,58 @@ pub fn set_dropout_states(model: &CausalLm, states: &[u64]) {
         adapter.set_dropout_state(s);
     }
 }
+
+/// Forward and backward of `model` over `input_ids` with activation checkpointing, for a loss
+/// that `head` computes from the final normed hidden states (`[batch, seq, hidden]`): each
+/// decoder layer's graph is dropped after its forward and rebuilt from its saved input for its
+/// backward, so only one layer's activations are alive at a time. The gradients of `params` are
+/// added into `acc`; returns the loss (detached). What [`layered_forward_backward`] does for the
+/// fine-tuning losses, for any loss (the RLHF recipes').
+pub fn checkpointed_backward(
+    model: &CausalLm,
+    input_ids: &Tensor,
+    layout: &AttentionLayout,
+    params: &[(String, Var)],
+    acc: &mut GradStore,
+    head: impl FnOnce(&Tensor) -> anyhow::Result<Tensor>,
+) -> anyhow::Result<Tensor> {
+    let n = model.layers.len();
+    let inputs = model.layer_inputs(layout)?;
+    let embedded = model.embed(input_ids)?;
+    let mut x = embedded.detach();
+    let mut saved: Vec<Tensor> = Vec::with_capacity(n);
+    let mut dropout_before = Vec::with_capacity(n);
+    for i in 0..n {
+        dropout_before.push(dropout_states(model));
+        saved.push(x.clone());
+        x = model.layer(i, &x, &inputs)?.detach();
+    }
+    let dropout_after = dropout_states(model);
+    let top = Var::from_tensor(&x)?;
+    let loss = head(&model.final_norm(top.as_tensor())?)?;
+    let mut head_grads = loss.backward()?;
+    absorb(acc, &head_grads, params)?;
+    let mut grad_out = head_grads
+        .remove(top.as_tensor())
+        .ok_or_else(|| anyhow::anyhow!("no gradient reached the last layer"))?;
+    drop(head_grads);
+    for i in (0..n).rev() {
+        set_dropout_states(model, &dropout_before[i]);
+        let input = Var::from_tensor(&saved[i])?;
+        let out = model.layer(i, input.as_tensor(), &inputs)?;
+        saved.truncate(i);
+        let grads = (out * &grad_out)?.sum_all()?.backward()?;
+        absorb(acc, &grads, params)?;
+        grad_out = grads
+            .get(input.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no gradient reached layer {i}"))?
+            .detach();
+    }
+    set_dropout_states(model, &dropout_after);
+    if embedded.track_op() {
+        // Full fine-tuning: the embedding table itself is trained.
+        let grads = (embedded * grad_out)?.sum_all()?.backward()?;
+        absorb(acc, &grads, params)?;
+    }
+    Ok(loss.detach())
+}

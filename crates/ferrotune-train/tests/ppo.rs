@@ -178,6 +178,16 @@ fn golden_trajectory(g: &Value) -> Trajectory {
 
 #[test]
 fn ppo_epochs_match_torchtune_losses_and_updates() {
+    check_ppo_epochs(false);
+}
+
+/// The same with each decoder layer recomputed in the backward (`enable_activation_checkpointing`).
+#[test]
+fn ppo_epochs_with_activation_checkpointing_match_too() {
+    check_ppo_epochs(true);
+}
+
+fn check_ppo_epochs(checkpointing: bool) {
     let g = golden();
     let s = settings(&g);
     let dev = Device::Cpu;
@@ -220,6 +230,7 @@ fn ppo_epochs_match_torchtune_losses_and_updates() {
                 &pick(&returns),
                 &s,
                 groups.len(),
+                checkpointing,
                 &params,
                 &mut grads,
             )

@@ -27,7 +27,7 @@ use crate::recipe::finetune::MAX_SHARD_BYTES;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::rlhf::{self, PpoLossConfig, PpoTargets};
-use crate::step::{absorb, empty_grads};
+use crate::step::{absorb, checkpointed_backward, empty_grads};
 
 /// The recipe's name, as torchtune's.
 pub const RECIPE: &str = "ppo_full_finetune_single_device";
@@ -160,15 +160,45 @@ fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor> {
     )?)
 }
 
-/// The hidden states that predict the response tokens (`[rows, response, hidden]`): positions
-/// `context_length - 1 ..` of the sequence, without the last (torchtune's
+/// The positions of full-sequence hidden states `[rows, seq, hidden]` that predict the response
+/// tokens: `context_length - 1 ..`, without the last (torchtune's
 /// `truncate_sequence_for_logprobs`).
-fn response_hidden(model: &CausalLm, rows: &[Vec<u32>], ctx: usize, pad: u32) -> Result<Tensor> {
-    let ids = ids_tensor(rows, model.device())?;
-    let layout = padded_layout(rows, pad);
-    let hidden = model.forward_hidden(&ids, &layout, None)?;
-    let total = rows.first().map_or(0, Vec::len);
+fn response_positions(hidden: &Tensor, ctx: usize) -> Result<Tensor> {
+    let total = hidden.dim(1)?;
     Ok(hidden.narrow(1, ctx - 1, total - ctx)?)
+}
+
+/// `log softmax(logits / temperature)` of each response token (`[rows, response]`, f32) from the
+/// model's final hidden states over the full sequences (differentiable when they are).
+fn logprobs_from_hidden(
+    model: &CausalLm,
+    hidden: &Tensor,
+    rows: &[Vec<u32>],
+    ctx: usize,
+    temperature: f64,
+) -> Result<Tensor> {
+    let h = response_positions(hidden, ctx)?;
+    let logits = (model.logits(&h)?.to_dtype(DType::F32)? / temperature)?;
+    let logp = log_softmax(&logits)?;
+    let targets: Vec<u32> = rows.iter().flat_map(|r| r[ctx..].iter().copied()).collect();
+    let (b, len) = (rows.len(), rows[0].len() - ctx);
+    let index = Tensor::from_vec(targets, (b, len, 1), hidden.device())?;
+    Ok(logp.gather(&index, D::Minus1)?.squeeze(D::Minus1)?)
+}
+
+/// The value model's estimate at each response token (`[rows, response]`, f32) from its final
+/// hidden states over the full sequences.
+fn values_from_hidden(model: &CausalLm, hidden: &Tensor, ctx: usize) -> Result<Tensor> {
+    let out = model
+        .logits(&response_positions(hidden, ctx)?)?
+        .to_dtype(DType::F32)?;
+    Ok(out.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?)
+}
+
+/// The final hidden states of `rows` (padding marked by `pad`).
+fn full_hidden(model: &CausalLm, rows: &[Vec<u32>], pad: u32) -> Result<Tensor> {
+    let ids = ids_tensor(rows, model.device())?;
+    Ok(model.forward_hidden(&ids, &padded_layout(rows, pad), None)?)
 }
 
 /// `log softmax(logits / temperature)` of each response token (`[rows, response]`, f32;
@@ -180,13 +210,13 @@ pub fn response_logprobs(
     pad: u32,
     temperature: f64,
 ) -> Result<Tensor> {
-    let hidden = response_hidden(model, rows, ctx, pad)?;
-    let logits = (model.logits(&hidden)?.to_dtype(DType::F32)? / temperature)?;
-    let logp = log_softmax(&logits)?;
-    let targets: Vec<u32> = rows.iter().flat_map(|r| r[ctx..].iter().copied()).collect();
-    let (b, len) = (rows.len(), rows[0].len() - ctx);
-    let index = Tensor::from_vec(targets, (b, len, 1), model.device())?;
-    Ok(logp.gather(&index, D::Minus1)?.squeeze(D::Minus1)?)
+    logprobs_from_hidden(
+        model,
+        &full_hidden(model, rows, pad)?,
+        rows,
+        ctx,
+        temperature,
+    )
 }
 
 /// The value model's estimate at each response token (`[rows, response]`, f32).
@@ -196,9 +226,28 @@ pub fn response_values(
     ctx: usize,
     pad: u32,
 ) -> Result<Tensor> {
-    let hidden = response_hidden(model, rows, ctx, pad)?;
-    let out = model.logits(&hidden)?.to_dtype(DType::F32)?;
-    Ok(out.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?)
+    values_from_hidden(model, &full_hidden(model, rows, pad)?, ctx)
+}
+
+/// Back-propagates the loss `head` computes from `model`'s final hidden states over `rows` into
+/// `acc` for `params`, with activation checkpointing when asked.
+fn backward_from_hidden(
+    model: &CausalLm,
+    rows: &[Vec<u32>],
+    pad: u32,
+    checkpointing: bool,
+    params: &[(String, Var)],
+    acc: &mut candle_core::backprop::GradStore,
+    head: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<()> {
+    if checkpointing {
+        let ids = ids_tensor(rows, model.device())?;
+        checkpointed_backward(model, &ids, &padded_layout(rows, pad), params, acc, head)?;
+    } else {
+        let loss = head(&full_hidden(model, rows, pad)?)?;
+        absorb(acc, &loss.backward()?, params)?;
+    }
+    Ok(())
 }
 
 /// Each row's score from the reward model at the token `at[row]` of the full sequence.
@@ -344,7 +393,9 @@ fn mask_tensor(m: &[Vec<bool>], keep: bool, device: &Device) -> Result<Tensor> {
 }
 
 /// torchtune's `ppo_step`: the loss of `batch` under the current policy and value model, its
-/// gradients (of `loss / grad_accum`) added into `acc` for `params`.
+/// gradients (of `loss / grad_accum`) added into `acc` for `params`. The policy and the value
+/// model are back-propagated one after the other (the loss is a sum of a part of each), each with
+/// activation checkpointing when `checkpointing`.
 #[allow(clippy::too_many_arguments)]
 pub fn ppo_step(
     policy: &CausalLm,
@@ -354,18 +405,12 @@ pub fn ppo_step(
     returns: &[Vec<f32>],
     s: &PpoSettings,
     grad_accum: usize,
+    checkpointing: bool,
     params: &[(String, Var)],
     acc: &mut candle_core::backprop::GradStore,
 ) -> Result<PpoStats> {
     let (ctx, pad) = (batch.context_length, s.pad_id);
-    let device = policy.device();
     let rows = &batch.query_responses;
-    // Cut tokens get log probability 1 and value 0, as torchtune's in-place fills (no gradient).
-    let raw_lp = response_logprobs(policy, rows, ctx, pad, s.temperature)?;
-    let pi_logprobs = ((raw_lp * mask_tensor(&batch.response_padding, false, device)?)?
-        + mask_tensor(&batch.response_padding, true, device)?)?;
-    let raw_v = response_values(value, rows, ctx, pad)?;
-    let phi_values = (raw_v * mask_tensor(&batch.value_padding, false, device)?)?;
     let keep: Vec<Vec<bool>> = batch
         .response_padding
         .iter()
@@ -376,24 +421,38 @@ pub fn ppo_step(
         .iter()
         .map(|r| r.iter().map(|&p| !p).collect())
         .collect();
-    let out = rlhf::ppo_loss(
-        &pi_logprobs,
-        &phi_values,
-        PpoTargets {
-            old_logprobs: &batch.logprobs,
-            advantages,
-            old_values: &batch.values,
-            returns,
-            keep: &keep,
-            value_keep: &value_keep,
-        },
-        s.loss,
-    )?;
+    let targets = PpoTargets {
+        old_logprobs: &batch.logprobs,
+        advantages,
+        old_values: &batch.values,
+        returns,
+        keep: &keep,
+        value_keep: &value_keep,
+    };
     let n = grad_accum as f64;
-    let loss = (&out.loss / n)?;
-    let grads = loss.backward()?;
-    absorb(acc, &grads, params)?;
-    let new_lp = host(&pi_logprobs)?;
+    // Cut tokens get log probability 1 and value 0, as torchtune's in-place fills (no gradient).
+    let mut policy_part = None;
+    backward_from_hidden(policy, rows, pad, checkpointing, params, acc, |hidden| {
+        let raw = logprobs_from_hidden(policy, hidden, rows, ctx, s.temperature)?;
+        let device = raw.device().clone();
+        let lp = ((&raw * mask_tensor(&batch.response_padding, false, &device)?)?
+            + mask_tensor(&batch.response_padding, true, &device)?)?;
+        let out = rlhf::ppo_policy_loss(&lp, targets, s.loss)?;
+        let loss = (&out.loss / n)?;
+        policy_part = Some((out, host(&lp)?));
+        Ok(loss)
+    })?;
+    let mut value_part = None;
+    backward_from_hidden(value, rows, pad, checkpointing, params, acc, |hidden| {
+        let raw = values_from_hidden(value, hidden, ctx)?;
+        let v = (&raw * mask_tensor(&batch.value_padding, false, raw.device())?)?;
+        let out = rlhf::ppo_value_loss(&v, targets, s.loss)?;
+        let loss = (&out.loss / n)?;
+        value_part = Some(out);
+        Ok(loss)
+    })?;
+    let (policy_out, new_lp) = policy_part.expect("the head ran");
+    let value_out = value_part.expect("the head ran");
     let (mut kl_sum, mut count) = (0f64, 0usize);
     for (a, b) in new_lp.iter().zip(&batch.logprobs) {
         for (x, y) in a.iter().zip(b) {
@@ -401,12 +460,13 @@ pub fn ppo_step(
             count += 1;
         }
     }
+    let total = policy_out.policy_loss as f64 + s.loss.value_coeff * value_out.value_loss as f64;
     Ok(PpoStats {
-        loss: loss.to_scalar::<f32>()? as f64,
-        policy_loss: out.policy_loss as f64 / n,
-        value_loss: out.value_loss as f64 / n,
-        ratios: out.ratios as f64 / n,
-        clipfrac: out.clipfrac as f64 / n,
+        loss: total / n,
+        policy_loss: policy_out.policy_loss as f64 / n,
+        value_loss: value_out.value_loss as f64 / n,
+        ratios: policy_out.ratios as f64 / n,
+        clipfrac: policy_out.clipfrac as f64 / n,
         approx_policy_kl: kl_sum / count.max(1) as f64 / n,
     })
 }
@@ -622,11 +682,11 @@ pub fn run(cfg: &Config) -> Result<()> {
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
     let b = batching(cfg)?;
-    for ignored in [
-        "compile",
-        "optimizer_in_bwd",
-        "enable_activation_checkpointing",
-    ] {
+    // Each decoder layer recomputed in the backward of the policy and the value model.
+    let checkpointing = cfg
+        .bool("enable_activation_checkpointing")?
+        .unwrap_or(false);
+    for ignored in ["compile", "optimizer_in_bwd"] {
         if cfg.bool(ignored)?.unwrap_or(false) {
             eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
         }
@@ -888,6 +948,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                             &ret,
                             &s,
                             b.grad_accum,
+                            checkpointing,
                             &params,
                             &mut grads,
                         )?;
