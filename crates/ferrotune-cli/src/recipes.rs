@@ -60,6 +60,10 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
     ("qat_distributed", FINETUNE_SOURCE),
     ("qat_lora_finetune_distributed", FINETUNE_SOURCE),
     (
+        "ppo_full_finetune_single_device",
+        include_str!("../../ferrotune-train/src/recipe/ppo.rs"),
+    ),
+    (
         "generate",
         include_str!("../../ferrotune-train/src/recipe/generate.rs"),
     ),
@@ -208,6 +212,21 @@ fn check_paths(cfg: &Config) {
                     p.display()
                 );
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_recipe_can_be_copied() {
+        for recipe in config::RECIPES {
+            assert!(
+                RECIPE_SOURCES.iter().any(|(n, _)| n == recipe),
+                "`ferrotune cp {recipe}` has no source"
+            );
         }
     }
 }
