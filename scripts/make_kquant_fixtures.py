@@ -12,8 +12,9 @@ that llama-cpp-python ships):
    experts Mixtral (8 experts), Qwen2-MoE (shared expert) and Qwen3-MoE. Each is exported by
    ferrotune as f32 GGUF, then quantized by `llama_model_quantize` to Q4_K_M, Q5_K_M and Q6_K; the
    type and sha256 of every tensor of llama.cpp's file are recorded.
-3. "smollm2_types": the types llama.cpp's Q4_K_M and Q5_K_M give each tensor of
-   SmolLM2-135M-Instruct (30 layers: the per-layer rules at depth).
+3. "smollm2_types": the types llama.cpp's Q4_K_M, Q5_K_M, Q4_K_S and Q4_0 give each tensor of
+   SmolLM2-135M-Instruct (30 layers: the per-layer rules at depth), and "llama80_types" those of
+   Q4_K_M and Q4_K_S for an 80-layer Llama (llama.cpp's 70B rule).
 
   python scripts/make_kquant_fixtures.py target/release/ferrotune
 
@@ -35,8 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "gguf_export" / "kquants.json"
 TOKENIZER = ROOT / "tests" / "fixtures" / "llama3" / "model"
 
-GGML_TYPES = {"q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
-FTYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+FTYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "q4_k_s": 14, "q5_k_s": 16, "q4_0": 2,
+          "q4_1": 3, "q5_0": 8, "q5_1": 9}
 MASK64 = (1 << 64) - 1
 
 
@@ -275,7 +277,36 @@ def smollm2_types(binary):
     subprocess.run([str(binary), "export-gguf", str(work / "hf"), str(f32), "--outtype", "f32"],
                    check=True)
     out = {}
-    for mix in ["q4_k_m", "q5_k_m"]:
+    for mix in ["q4_k_m", "q5_k_m", "q4_k_s", "q4_0"]:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = FTYPES[mix]
+        params.nthread = 2
+        q = work / f"{mix}.gguf"
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q).encode(),
+                                              ctypes.byref(params)) == 0
+        out[mix] = [[t.name, [int(d) for d in t.shape], int(t.tensor_type)]
+                    for t in GGUFReader(str(q)).tensors]
+    shutil.rmtree(work)
+    return out
+
+
+def llama80_types(binary):
+    """The types llama.cpp's Q4_K_M and Q4_K_S give an 80-layer grouped-query Llama (its 70B
+    rule widens `attn_v`): names, GGUF dimensions and types."""
+    import llama_cpp
+    from gguf import GGUFReader
+
+    cfg = json.loads((TOKENIZER / "config.json").read_text())
+    cfg.update(hidden_size=256, intermediate_size=256, num_attention_heads=4,
+               num_key_value_heads=1, head_dim=64, num_hidden_layers=80,
+               tie_word_embeddings=False)
+    work = Path(tempfile.mkdtemp())
+    write_model(work / "hf", cfg)
+    f32 = work / "f32.gguf"
+    subprocess.run([str(binary), "export-gguf", str(work / "hf"), str(f32), "--outtype", "f32"],
+                   check=True)
+    out = {}
+    for mix in ["q4_k_m", "q4_k_s"]:
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = FTYPES[mix]
         params.nthread = 2
@@ -292,7 +323,7 @@ def main():
     binary = Path(sys.argv[1]).resolve()
     lib = ggml_lib()
     fixture = {"blocks": quantize_blocks(lib), "mixes": quantize_models(binary),
-               "smollm2_types": smollm2_types(binary)}
+               "smollm2_types": smollm2_types(binary), "llama80_types": llama80_types(binary)}
     OUT.write_text(json.dumps(fixture) + "\n")
     for name, m in fixture["mixes"].items():
         for mix, tensors in m["quantized"].items():

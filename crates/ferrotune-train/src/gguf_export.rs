@@ -50,6 +50,15 @@ pub enum OutType {
     Q5KM,
     /// Q6_K throughout.
     Q6K,
+    /// The Q4_K_S mix: Q4_K, Q5_K for the first layers' `attn_v` and `ffn_down`.
+    Q4KS,
+    /// The Q5_K_S mix: Q5_K.
+    Q5KS,
+    /// llama.cpp's legacy block types (blocks of 32), the output head Q6_K.
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
 }
 
 impl OutType {
@@ -63,9 +72,16 @@ impl OutType {
             "q4_k_m" => OutType::Q4KM,
             "q5_k_m" => OutType::Q5KM,
             "q6_k" => OutType::Q6K,
-            other => {
-                bail!("--outtype '{other}': expected f32, f16, bf16, q8_0, q4_k_m, q5_k_m or q6_k")
-            }
+            "q4_k_s" => OutType::Q4KS,
+            "q5_k_s" => OutType::Q5KS,
+            "q4_0" => OutType::Q4_0,
+            "q4_1" => OutType::Q4_1,
+            "q5_0" => OutType::Q5_0,
+            "q5_1" => OutType::Q5_1,
+            other => bail!(
+                "--outtype '{other}': expected f32, f16, bf16, q8_0, q4_k_m, q4_k_s, q5_k_m, \
+                 q5_k_s, q6_k, q4_0, q4_1, q5_0 or q5_1"
+            ),
         })
     }
 
@@ -75,6 +91,12 @@ impl OutType {
             OutType::Q4KM => Some(QuantKind::Q4K),
             OutType::Q5KM => Some(QuantKind::Q5K),
             OutType::Q6K => Some(QuantKind::Q6K),
+            OutType::Q4KS => Some(QuantKind::Q4K),
+            OutType::Q5KS => Some(QuantKind::Q5K),
+            OutType::Q4_0 => Some(QuantKind::Q4_0),
+            OutType::Q4_1 => Some(QuantKind::Q4_1),
+            OutType::Q5_0 => Some(QuantKind::Q5_0),
+            OutType::Q5_1 => Some(QuantKind::Q5_1),
             _ => None,
         }
     }
@@ -88,6 +110,12 @@ impl OutType {
             OutType::Q4KM => 15,
             OutType::Q5KM => 17,
             OutType::Q6K => 18,
+            OutType::Q4KS => 14,
+            OutType::Q5KS => 16,
+            OutType::Q4_0 => 2,
+            OutType::Q4_1 => 3,
+            OutType::Q5_0 => 8,
+            OutType::Q5_1 => 9,
             OutType::Bf16 => 32,
         }
     }
@@ -424,7 +452,7 @@ fn storage_type(name: &str, shape: &[usize], outtype: OutType) -> GgmlType {
         OutType::Q8_0 if shape[shape.len() - 1].is_multiple_of(Q8_0_BLOCK) => GgmlType::Q8_0,
         OutType::Q8_0 => GgmlType::F16,
         // Chosen per tensor by `assign_mix_types` once the whole file is planned.
-        OutType::Q4KM | OutType::Q5KM | OutType::Q6K => GgmlType::F32,
+        _ => GgmlType::F32,
     }
 }
 
@@ -439,11 +467,12 @@ fn use_more_bits(i: usize, n: usize) -> bool {
 /// is tied) gets Q6_K, or Q8_0 when its rows are not whole superblocks; Q4_K_M and Q5_K_M give
 /// Q6_K to the value projections (`attn_v`) and `ffn_down` of the layers [`use_more_bits`]
 /// picks (llama.cpp visits tensors by layer number, so its counters are layer indices), and a
-/// fused `attn_qkv` Q5_K (Q4_K_M)
-/// or Q6_K (Q5_K_M); with 8 experts (Mixtral) `attn_v` and `attn_k` get Q8_0 and Q4_K_M's
-/// `attn_output` Q5_K; a row length that is
+/// fused `attn_qkv` Q5_K (Q4_K_M) or Q6_K (Q5_K_M); Q4_K_S gives Q5_K to the first 4 layers'
+/// `attn_v` and the first eighth's `ffn_down`; a 70B model's Q4_K `attn_v` becomes Q5_K; with 8
+/// experts (Mixtral) `attn_v` and `attn_k` get Q8_0 and Q4_K_M's / Q4_K_S's `attn_output` Q5_K;
+/// the legacy types (Q4_0, ...) are uniform but for the output; a row length that is
 /// not a multiple of 256 falls back to Q5_0 / Q5_1 / Q8_0, and to f16 when not even of 32.
-fn assign_mix_types(plan: &mut [Planned], outtype: OutType, experts: usize) {
+fn assign_mix_types(plan: &mut [Planned], outtype: OutType, experts: usize, seventy_b: bool) {
     let Some(base) = outtype.mix_base() else {
         return;
     };
@@ -466,6 +495,7 @@ fn assign_mix_types(plan: &mut [Planned], outtype: OutType, experts: usize) {
         .map(|t| layer(&t.name) + 1)
         .max()
         .unwrap_or(0);
+    let q = GgmlType::Quant;
     for t in plan.iter_mut() {
         let name = t.name.as_str();
         if t.dims.len() < 2
@@ -476,23 +506,31 @@ fn assign_mix_types(plan: &mut [Planned], outtype: OutType, experts: usize) {
             continue;
         }
         let cols = t.dims[0] as usize;
-        let mut ty = GgmlType::Quant(base);
+        let mut ty = q(base);
         if name == "output.weight" || (!has_output && name == "token_embd.weight") {
             ty = if cols.is_multiple_of(base.block().0) {
-                GgmlType::Quant(QuantKind::Q6K)
+                q(QuantKind::Q6K)
             } else {
                 GgmlType::Q8_0
             };
         } else if name.contains("attn_qkv.weight") {
             // A fused projection's own rule in llama.cpp of mid-2025 (what the tests check
             // against); later llama.cpp treats it as `attn_v`.
-            ty = match outtype {
-                OutType::Q4KM => GgmlType::Quant(QuantKind::Q5K),
-                _ => GgmlType::Quant(QuantKind::Q6K),
-            };
+            match outtype {
+                OutType::Q4KM => ty = q(QuantKind::Q5K),
+                OutType::Q5KM => ty = q(QuantKind::Q6K),
+                _ => {}
+            }
         } else if is_value(name) {
-            if more_bits_mix && use_more_bits(layer(name), n_value) {
-                ty = GgmlType::Quant(QuantKind::Q6K);
+            let i = layer(name);
+            if more_bits_mix && use_more_bits(i, n_value) {
+                ty = q(QuantKind::Q6K);
+            } else if outtype == OutType::Q4KS && i < 4 {
+                ty = q(QuantKind::Q5K);
+            }
+            if seventy_b && ty == q(QuantKind::Q4K) {
+                // 70B models share each value projection among 8 heads: cheap to widen.
+                ty = q(QuantKind::Q5K);
             }
             if experts == 8 {
                 // Mixtral's value (and key) projections are small beside 8 experts: 8 bits.
@@ -501,17 +539,23 @@ fn assign_mix_types(plan: &mut [Planned], outtype: OutType, experts: usize) {
         } else if name.contains("attn_k.weight") && experts == 8 {
             ty = GgmlType::Q8_0;
         } else if name.contains("attn_output.weight") && experts == 8 {
-            if outtype == OutType::Q4KM {
-                ty = GgmlType::Quant(QuantKind::Q5K);
+            if matches!(outtype, OutType::Q4KM | OutType::Q4KS) {
+                ty = q(QuantKind::Q5K);
             }
-        } else if name.contains("ffn_down") && more_bits_mix && use_more_bits(layer(name), n_down) {
-            ty = GgmlType::Quant(QuantKind::Q6K);
+        } else if name.contains("ffn_down") {
+            let i = layer(name);
+            if more_bits_mix && use_more_bits(i, n_down) {
+                ty = q(QuantKind::Q6K);
+            } else if outtype == OutType::Q4KS && i < n_down / 8 {
+                ty = q(QuantKind::Q5K);
+            }
         }
         if !cols.is_multiple_of(ty.block()) {
             ty = match ty {
-                GgmlType::Quant(QuantKind::Q4K) => GgmlType::Quant(QuantKind::Q5_0),
-                GgmlType::Quant(QuantKind::Q5K) => GgmlType::Quant(QuantKind::Q5_1),
-                _ => GgmlType::Q8_0,
+                GgmlType::Quant(QuantKind::Q4K) => q(QuantKind::Q5_0),
+                GgmlType::Quant(QuantKind::Q5K) => q(QuantKind::Q5_1),
+                GgmlType::Quant(QuantKind::Q6K) => GgmlType::Q8_0,
+                other => other,
             };
             if !cols.is_multiple_of(ty.block()) {
                 ty = GgmlType::F16;
@@ -716,7 +760,11 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         ),
     }
 
-    assign_mix_types(&mut plan, outtype, expert_count);
+    // llama.cpp's `LLM_TYPE_70B`: 80 layers of a Llama (grouped-query) or Qwen2.
+    let seventy_b = config.num_hidden_layers == 80
+        && ((arch == "llama" && config.num_attention_heads != config.num_key_value_heads)
+            || arch == "qwen2");
+    assign_mix_types(&mut plan, outtype, expert_count, seventy_b);
     let mut meta = Metadata::default();
     let name = model_dir
         .canonicalize()
@@ -1123,17 +1171,27 @@ mod tests {
         );
     }
 
-    /// llama.cpp's Q4_K_M and Q5_K_M of SmolLM2-135M (30 layers, tied embeddings), recorded by
-    /// scripts/make_kquant_fixtures.py: every tensor's type from its name and shape alone.
+    /// llama.cpp's mixes of SmolLM2-135M (30 layers, tied embeddings) and of an 80-layer Llama
+    /// (its 70B rule), recorded by scripts/make_kquant_fixtures.py: every tensor's type from its
+    /// name and shape alone.
     #[test]
-    fn k_quant_mixes_type_a_30_layer_model_as_llama_cpp() {
+    fn k_quant_mixes_type_deep_models_as_llama_cpp() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/gguf_export/kquants.json");
         let fixture: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        for (mix, outtype) in [("q4_k_m", OutType::Q4KM), ("q5_k_m", OutType::Q5KM)] {
+        let cases = [
+            ("smollm2_types", "q4_k_m", false),
+            ("smollm2_types", "q5_k_m", false),
+            ("smollm2_types", "q4_k_s", false),
+            ("smollm2_types", "q4_0", false),
+            ("llama80_types", "q4_k_m", true),
+            ("llama80_types", "q4_k_s", true),
+        ];
+        for (table, mix, seventy_b) in cases {
             let rows: Vec<(String, Vec<u64>, u32)> =
-                serde_json::from_value(fixture["smollm2_types"][mix].clone()).unwrap();
+                serde_json::from_value(fixture[table][mix].clone()).unwrap();
+            assert!(!rows.is_empty(), "{table} {mix}");
             // Planned in the exporter's (lexicographic) order, not llama.cpp's.
             let mut plan: Vec<Planned> = rows
                 .iter()
@@ -1145,12 +1203,11 @@ mod tests {
                 })
                 .collect();
             plan.sort_by(|a, b| a.name.cmp(&b.name));
-            assign_mix_types(&mut plan, outtype, 0);
+            assign_mix_types(&mut plan, OutType::parse(mix).unwrap(), 0, seventy_b);
             let got: std::collections::HashMap<&str, u32> =
                 plan.iter().map(|t| (t.name.as_str(), t.ty.id())).collect();
-            assert_eq!(got.len(), 272);
             for (name, _, want) in &rows {
-                assert_eq!(got[name.as_str()], *want, "{mix} {name}");
+                assert_eq!(got[name.as_str()], *want, "{table} {mix} {name}");
             }
         }
     }

@@ -1,7 +1,7 @@
 //! llama.cpp's block quantizations for GGUF export, bit for bit as its reference quantizers
 //! (`quantize_row_*_ref` in ggml, what `llama-quantize` runs without an importance matrix):
-//! Q5_0, Q5_1 (the fallbacks for rows that are not whole 256-value superblocks) and the k-quants
-//! Q4_K, Q5_K, Q6_K that the `q4_k_m`, `q5_k_m` and `q6_k` mixes are made of.
+//! the legacy blocks of 32 Q4_0, Q4_1, Q5_0, Q5_1 (also the fallbacks for rows that are not whole
+//! 256-value superblocks) and the k-quants Q4_K, Q5_K, Q6_K the k-quant mixes are made of.
 //!
 //! Written here because no Rust crate quantizes to these formats (candle dequantizes them, and
 //! its quantizers are not llama.cpp's reference ones). Every operation is f32 in the reference's
@@ -42,6 +42,8 @@ pub fn quantize(values: &[f32], kind: QuantKind) -> Vec<u8> {
             let mut out = Vec::with_capacity(part.len() / block * bytes);
             for chunk in part.chunks_exact(block) {
                 match kind {
+                    QuantKind::Q4_0 => q4_0_block(chunk, &mut out),
+                    QuantKind::Q4_1 => q4_1_block(chunk, &mut out),
                     QuantKind::Q5_0 => q5_0_block(chunk, &mut out),
                     QuantKind::Q5_1 => q5_1_block(chunk, &mut out),
                     QuantKind::Q4K => q4k_block(chunk, &mut out),
@@ -58,6 +60,8 @@ pub fn quantize(values: &[f32], kind: QuantKind) -> Vec<u8> {
 /// The block formats implemented here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantKind {
+    Q4_0,
+    Q4_1,
     Q5_0,
     Q5_1,
     Q4K,
@@ -69,6 +73,8 @@ impl QuantKind {
     /// (values, bytes) per block.
     pub fn block(self) -> (usize, usize) {
         match self {
+            QuantKind::Q4_0 => (QK5, 18),
+            QuantKind::Q4_1 => (QK5, 20),
             QuantKind::Q5_0 => (QK5, 22),
             QuantKind::Q5_1 => (QK5, 24),
             QuantKind::Q4K => (QK_K, 144),
@@ -80,12 +86,51 @@ impl QuantKind {
     /// GGML's type id.
     pub fn ggml_id(self) -> u32 {
         match self {
+            QuantKind::Q4_0 => 2,
+            QuantKind::Q4_1 => 3,
             QuantKind::Q5_0 => 6,
             QuantKind::Q5_1 => 7,
             QuantKind::Q4K => 12,
             QuantKind::Q5K => 13,
             QuantKind::Q6K => 14,
         }
+    }
+}
+
+/// Q4_0: `d = max / -8` from the value of largest magnitude, 4-bit codes `x / d + 8`.
+fn q4_0_block(x: &[f32], out: &mut Vec<u8>) {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_le_bytes());
+    for j in 0..QK5 / 2 {
+        let x0 = ((x[j] * id + 8.5) as i8).min(15) as u8;
+        let x1 = ((x[j + QK5 / 2] * id + 8.5) as i8).min(15) as u8;
+        out.push(x0 | (x1 << 4));
+    }
+}
+
+/// Q4_1: scale `(max − min) / 15` and offset `min`, 4-bit codes `(x − min) / d`.
+fn q4_1_block(x: &[f32], out: &mut Vec<u8>) {
+    let (mut min, mut max) = (f32::MAX, -f32::MAX);
+    for &v in x {
+        min = if v < min { v } else { min };
+        max = if v > max { v } else { max };
+    }
+    let d = (max - min) / 15.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_le_bytes());
+    out.extend(f16::from_f32(min).to_le_bytes());
+    for j in 0..QK5 / 2 {
+        let x0 = (((x[j] - min) * id + 0.5) as i8).min(15) as u8;
+        let x1 = (((x[j + QK5 / 2] - min) * id + 0.5) as i8).min(15) as u8;
+        out.push(x0 | (x1 << 4));
     }
 }
 

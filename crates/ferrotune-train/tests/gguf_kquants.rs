@@ -34,6 +34,8 @@ fn block_quantizers_match_ggml_byte_for_byte() {
     let blocks = &g["blocks"];
     let rows: Vec<Vec<f32>> = serde_json::from_value(blocks["values"].clone()).unwrap();
     for (key, kind) in [
+        ("q4_0", QuantKind::Q4_0),
+        ("q4_1", QuantKind::Q4_1),
         ("q5_0", QuantKind::Q5_0),
         ("q5_1", QuantKind::Q5_1),
         ("q4_k", QuantKind::Q4K),
@@ -124,6 +126,8 @@ fn ggml_id(t: GgmlDType) -> u32 {
     match t {
         GgmlDType::F32 => 0,
         GgmlDType::F16 => 1,
+        GgmlDType::Q4_0 => 2,
+        GgmlDType::Q4_1 => 3,
         GgmlDType::Q5_0 => 6,
         GgmlDType::Q5_1 => 7,
         GgmlDType::Q8_0 => 8,
