@@ -257,9 +257,7 @@ def smollm2_types(binary):
     transformers): names, GGUF dimensions and types, for the layer-counting rules at depth."""
     import os
 
-    import llama_cpp
     import torch
-    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assets = Path(os.environ.get("FERROTUNE_ASSETS", Path.home() / ".cache/ferrotune/assets"))
@@ -276,16 +274,7 @@ def smollm2_types(binary):
     f32 = work / "f32.gguf"
     subprocess.run([str(binary), "export-gguf", str(work / "hf"), str(f32), "--outtype", "f32"],
                    check=True)
-    out = {}
-    for mix in ["q4_k_m", "q5_k_m", "q4_k_s", "q4_0"]:
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = FTYPES[mix]
-        params.nthread = 2
-        q = work / f"{mix}.gguf"
-        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q).encode(),
-                                              ctypes.byref(params)) == 0
-        out[mix] = [[t.name, [int(d) for d in t.shape], int(t.tensor_type)]
-                    for t in GGUFReader(str(q)).tensors]
+    out = mix_types(f32, work, ["q4_k_m", "q5_k_m", "q4_k_s", "q4_0"])
     shutil.rmtree(work)
     return out
 
@@ -293,9 +282,6 @@ def smollm2_types(binary):
 def llama80_types(binary):
     """The types llama.cpp's Q4_K_M and Q4_K_S give an 80-layer grouped-query Llama (its 70B
     rule widens `attn_v`): names, GGUF dimensions and types."""
-    import llama_cpp
-    from gguf import GGUFReader
-
     cfg = json.loads((TOKENIZER / "config.json").read_text())
     cfg.update(hidden_size=256, intermediate_size=256, num_attention_heads=4,
                num_key_value_heads=1, head_dim=64, num_hidden_layers=80,
@@ -305,8 +291,18 @@ def llama80_types(binary):
     f32 = work / "f32.gguf"
     subprocess.run([str(binary), "export-gguf", str(work / "hf"), str(f32), "--outtype", "f32"],
                    check=True)
+    out = mix_types(f32, work, ["q4_k_m", "q4_k_s"])
+    shutil.rmtree(work)
+    return out
+
+
+def mix_types(f32, work, mixes):
+    """llama_model_quantize of `f32` to each mix: every tensor's [name, GGUF dims, type]."""
+    import llama_cpp
+    from gguf import GGUFReader
+
     out = {}
-    for mix in ["q4_k_m", "q4_k_s"]:
+    for mix in mixes:
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = FTYPES[mix]
         params.nthread = 2
@@ -315,7 +311,6 @@ def llama80_types(binary):
                                               ctypes.byref(params)) == 0
         out[mix] = [[t.name, [int(d) for d in t.shape], int(t.tensor_type)]
                     for t in GGUFReader(str(q)).tensors]
-    shutil.rmtree(work)
     return out
 
 

@@ -187,16 +187,7 @@ fn ppo_runs_saves_both_models_and_resumes_exactly() {
     let saved_value = load(&out.join("value/epoch_1/model.safetensors"));
     let start_value = load(&fixtures().join("ppo/reward/model.safetensors"));
     assert!(!saved_value.contains_key("lm_head.weight"));
-    let diff = |a: &candle_core::Tensor, b: &candle_core::Tensor| {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    };
+    let diff = ferrotune_testing::max_abs_diff;
     assert!(diff(&saved_value["score.weight"], &start_value["score.weight"]) > 0.0);
     let saved_policy = load(&out.join("epoch_1/model.safetensors"));
     let start_policy = load(&fixtures().join("llama3/model/model.safetensors"));

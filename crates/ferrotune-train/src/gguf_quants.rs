@@ -97,8 +97,8 @@ impl QuantKind {
     }
 }
 
-/// Q4_0: `d = max / -8` from the value of largest magnitude, 4-bit codes `x / d + 8`.
-fn q4_0_block(x: &[f32], out: &mut Vec<u8>) {
+/// The value of largest magnitude (the first of equals), as the reference blocks scan for it.
+fn largest_magnitude(x: &[f32]) -> f32 {
     let (mut amax, mut max) = (0f32, 0f32);
     for &v in x {
         if amax < v.abs() {
@@ -106,7 +106,22 @@ fn q4_0_block(x: &[f32], out: &mut Vec<u8>) {
             max = v;
         }
     }
-    let d = max / -8.0;
+    max
+}
+
+/// The minimum and maximum, as the reference blocks with an offset scan for them.
+fn min_max(x: &[f32]) -> (f32, f32) {
+    let (mut min, mut max) = (f32::MAX, -f32::MAX);
+    for &v in x {
+        min = if v < min { v } else { min };
+        max = if v > max { v } else { max };
+    }
+    (min, max)
+}
+
+/// Q4_0: `d = max / -8` from the value of largest magnitude, 4-bit codes `x / d + 8`.
+fn q4_0_block(x: &[f32], out: &mut Vec<u8>) {
+    let d = largest_magnitude(x) / -8.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
     for j in 0..QK5 / 2 {
@@ -118,11 +133,7 @@ fn q4_0_block(x: &[f32], out: &mut Vec<u8>) {
 
 /// Q4_1: scale `(max − min) / 15` and offset `min`, 4-bit codes `(x − min) / d`.
 fn q4_1_block(x: &[f32], out: &mut Vec<u8>) {
-    let (mut min, mut max) = (f32::MAX, -f32::MAX);
-    for &v in x {
-        min = if v < min { v } else { min };
-        max = if v > max { v } else { max };
-    }
+    let (min, max) = min_max(x);
     let d = (max - min) / 15.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
@@ -136,14 +147,7 @@ fn q4_1_block(x: &[f32], out: &mut Vec<u8>) {
 
 /// Q5_0: `d = max / -16` from the value of largest magnitude, 5-bit codes `x / d + 16`.
 fn q5_0_block(x: &[f32], out: &mut Vec<u8>) {
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    let d = max / -16.0;
+    let d = largest_magnitude(x) / -16.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
     let mut qh = 0u32;
@@ -161,11 +165,7 @@ fn q5_0_block(x: &[f32], out: &mut Vec<u8>) {
 
 /// Q5_1: scale `(max − min) / 31` and offset `min`, 5-bit codes `(x − min) / d`.
 fn q5_1_block(x: &[f32], out: &mut Vec<u8>) {
-    let (mut min, mut max) = (f32::MAX, -f32::MAX);
-    for &v in x {
-        min = if v < min { v } else { min };
-        max = if v > max { v } else { max };
-    }
+    let (min, max) = min_max(x);
     let d = (max - min) / 31.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());

@@ -122,6 +122,15 @@ fn write_model(dir: &Path, spec: &Value) {
     }
 }
 
+/// Fixture model `name` with plain RoPE: the GGUF reader recovers Llama 3's scaling only for
+/// the released settings, which these tiny configs do not have.
+fn write_plain_rope_model(dir: &Path, g: &Value, name: &str) {
+    let mut spec = g["mixes"][name].clone();
+    spec["config"]["rope_parameters"] =
+        serde_json::json!({"rope_theta": 10000.0, "rope_type": "default"});
+    write_model(dir, &spec);
+}
+
 fn ggml_id(t: GgmlDType) -> u32 {
     match t {
         GgmlDType::F32 => 0,
@@ -199,11 +208,7 @@ fn k_quant_files_load_back_close_to_the_weights() {
     let work = std::env::temp_dir().join(format!("ferrotune-kquants-load-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
     let dir = work.join("llama_untied");
-    // Plain RoPE: the GGUF reader recovers Llama 3's scaling only for released settings.
-    let mut spec = g["mixes"]["llama_untied"].clone();
-    spec["config"]["rope_parameters"] =
-        serde_json::json!({"rope_theta": 10000.0, "rope_type": "default"});
-    write_model(&dir, &spec);
+    write_plain_rope_model(&dir, &g, "llama_untied");
     let dev = Device::Cpu;
     let weight = |name: &str, shape: &[usize]| {
         Tensor::from_vec(tensor_values(&format!("{name}.weight"), shape), shape, &dev).unwrap()
@@ -246,13 +251,11 @@ fn gemma3_and_moe_exports_read_back_as_the_checkpoint() {
     let layout = AttentionLayout::causal(1, 12, 0);
     for name in ["gemma3", "mixtral", "qwen2_moe", "qwen3_moe"] {
         let dir = work.join(name);
-        let mut spec = g["mixes"][name].clone();
-        if name != "gemma3" {
-            // Plain RoPE: the GGUF reader recovers Llama 3's scaling only for released settings.
-            spec["config"]["rope_parameters"] =
-                serde_json::json!({"rope_theta": 10000.0, "rope_type": "default"});
+        if name == "gemma3" {
+            write_model(&dir, &g["mixes"][name]);
+        } else {
+            write_plain_rope_model(&dir, &g, name);
         }
-        write_model(&dir, &spec);
         let out = work.join(format!("{name}.gguf"));
         export_gguf(&dir, &out, OutType::F32).unwrap();
         let logits = |path: &Path| {
