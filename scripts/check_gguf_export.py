@@ -52,7 +52,7 @@ def main():
     binary = Path(sys.argv[1]).resolve()
     out = Path(tempfile.mkdtemp())
     print(f"{'model':14} {'outtype':8} {'llama.cpp':>10} {'transformers':>13}")
-    for name in ["llama2", "llama3_2", "smollm2_like", "mistral", "qwen2_5", "qwen3", "gemma",
+    for name in ["llama2", "llama3_2", "smollm2_like", "mistral", "qwen2_5", "qwen3", "gemma", "phi2",
                  "phi3", "phi3_longrope", "mixtral", "qwen2_moe"]:
         golden = json.loads((MODELS / name / "golden.json").read_text())
         want = load_file(str(MODELS / name / "golden.safetensors"))["logits"]

@@ -11,7 +11,8 @@
 //!
 //! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
 //! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`,
-//! `gemma`, `gemma2`, `gemma3_text`, `phi3` (fused projections, LongRoPE factors), `mixtral`, `qwen2_moe`,
+//! `gemma`, `gemma2`, `gemma3_text`, `phi` (llama.cpp's `phi2`), `phi3` (fused projections,
+//! LongRoPE factors), `mixtral`, `qwen2_moe`,
 //! `qwen3_moe` (experts stacked as llama.cpp's `ffn_*_exps`), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
 //! SentencePiece-style BPE one (its `llama` vocabulary).
 
@@ -195,9 +196,11 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
         "qwen2_moe" => ("qwen2moe", false),
         "qwen3_moe" => ("qwen3moe", false),
         "gemma3_text" => ("gemma3", false),
+        // Phi-1.5 / Phi-2: LayerNorm with biases, attention and MLP in parallel.
+        "phi" => ("phi2", false),
         other => bail!(
-            "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, \
-             mixtral, qwen2_moe and qwen3_moe checkpoints, not '{other}'"
+            "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi, \
+             phi3, mixtral, qwen2_moe and qwen3_moe checkpoints, not '{other}'"
         ),
     };
     // Which layers attend in a window is fixed by llama.cpp per architecture: none, every other
@@ -275,7 +278,7 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
             );
         }
     }
-    if config.rope.partial_rotary_factor != 1.0 && arch.0 != "phi3" {
+    if config.rope.partial_rotary_factor != 1.0 && arch.0 != "phi3" && arch.0 != "phi2" {
         bail!("GGUF export needs RoPE over whole heads (partial_rotary_factor 1)");
     }
     if arch.0 == "gemma2" || arch.0 == "gemma3" {
@@ -307,7 +310,7 @@ fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
     }
     let top = match stem {
         "model.embed_tokens" => Some("token_embd"),
-        "model.norm" => Some("output_norm"),
+        "model.norm" | "model.final_layernorm" => Some("output_norm"),
         "lm_head" => Some("output"),
         _ => None,
     };
@@ -327,7 +330,7 @@ fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
+        "self_attn.o_proj" | "self_attn.dense" => "attn_output",
         // Phi-3's fused projections.
         "self_attn.qkv_proj" => "attn_qkv",
         "mlp.gate_up_proj" => "ffn_up",
@@ -335,7 +338,8 @@ fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
         "self_attn.k_norm" => "attn_k_norm",
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
+        "mlp.down_proj" | "mlp.fc2" => "ffn_down",
+        "mlp.fc1" => "ffn_up",
         // Mixture of experts: the router, Qwen2-MoE's shared expert and its gate (the experts
         // themselves are stacked, see `expert_part`).
         "block_sparse_moe.gate" | "mlp.gate" => "ffn_gate_inp",
@@ -795,10 +799,13 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         config.num_key_value_heads as u32,
     );
     meta.f32(&k("rope.freq_base"), config.rope.theta as f32);
-    meta.f32(
-        &k("attention.layer_norm_rms_epsilon"),
-        config.rms_norm_eps as f32,
-    );
+    // Phi-2's norms are LayerNorms, with their own key.
+    let eps_key = if config.layer_norm {
+        "attention.layer_norm_epsilon"
+    } else {
+        "attention.layer_norm_rms_epsilon"
+    };
+    meta.f32(&k(eps_key), config.rms_norm_eps as f32);
     let rope_dims = (config.head_dim as f64 * config.rope.partial_rotary_factor).round() as u32;
     meta.u32(&k("rope.dimension_count"), rope_dims);
     meta.u32(&k("attention.key_length"), config.head_dim as u32);

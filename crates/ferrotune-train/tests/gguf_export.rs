@@ -57,7 +57,8 @@ fn exported_gguf_gives_transformers_logits() {
     // Tied and untied heads, GQA, explicit head_dim, Qwen2's biases, Qwen3's q/k norms, Mistral
     // as llama.cpp's `llama`, Gemma's `1 + w` norms and scaled embeddings, Phi-3's fused
     // projections and LongRoPE factors with a partial rotary dimension, Mixtral's and
-    // Qwen2-MoE's stacked experts, routers and shared expert. (Q8_0's tolerance is its
+    // Qwen2-MoE's stacked experts, routers and shared expert, Phi-2's LayerNorm biases, parallel
+    // block and partial rotary dimension. (Q8_0's tolerance is its
     // rounding on these tiny random models; its bytes are checked exactly below.)
     let names = [
         "llama2",
@@ -70,6 +71,7 @@ fn exported_gguf_gives_transformers_logits() {
         "phi3_longrope",
         "mixtral",
         "qwen2_moe",
+        "phi2",
     ];
     let only = std::env::var("ONLY").ok();
     for name in names
@@ -121,7 +123,11 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
             .unwrap_err()
             .to_string()
     };
-    assert!(err("phi2").contains("not 'phi'"), "{}", err("phi2"));
+    assert!(
+        err("smollm3").contains("not 'smollm3'"),
+        "{}",
+        err("smollm3")
+    );
     // llama.cpp's qwen3moe has no dense layers (this fixture's first layer is one).
     assert!(
         err("qwen3_moe").contains("dense layers"),
