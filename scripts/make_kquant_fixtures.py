@@ -9,7 +9,8 @@ that llama-cpp-python ships):
 2. "mixes": small models whose weights come from a fixed integer hash (so the Rust test rebuilds
    them exactly): a Llama with untied head and rows that are not whole superblocks
    (intermediate 320), a Llama with tied embeddings, a Phi-3 (fused qkv), and the mixtures of
-   experts Mixtral (8 experts), Qwen2-MoE (shared expert) and Qwen3-MoE. Each is exported by
+   experts Mixtral (8 experts), Qwen2-MoE (shared expert) and Qwen3-MoE, a Gemma 3 and a SmolLM3
+   (its fourth layer without RoPE). Each is exported by
    ferrotune as f32 GGUF, then quantized by `llama_model_quantize` to Q4_K_M, Q5_K_M and Q6_K; the
    type and sha256 of every tensor of llama.cpp's file are recorded.
 3. "smollm2_types": the types llama.cpp's Q4_K_M, Q5_K_M, Q4_K_S and Q4_0 give each tensor of
@@ -201,8 +202,10 @@ def model_configs():
                   num_key_value_heads=1, head_dim=64, num_hidden_layers=6, query_pre_attn_scalar=64,
                   sliding_window=4, layer_types=["sliding_attention"] * 5 + ["full_attention"])
     gemma3.pop("_sliding_window_pattern", None)
+    smollm3 = json.loads((models / "smollm3/model/config.json").read_text())
+    smollm3.update(dims, intermediate_size=512, num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0])
     return {"llama_untied": llama, "llama_tied": tied, "phi3": phi3, "mixtral": mixtral,
-            "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma3": gemma3}
+            "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma3": gemma3, "smollm3": smollm3}
 
 
 def write_model(folder, cfg):

@@ -340,10 +340,10 @@ fn export_gguf_writes_a_file_that_generates_the_same_tokens() {
     );
     let refused = ferrotune(&[
         "export-gguf",
-        fixtures().join("models/smollm3/model").to_str().unwrap(),
-        dir.join("smollm3.gguf").to_str().unwrap(),
+        fixtures().join("models/ministral3/model").to_str().unwrap(),
+        dir.join("ministral3.gguf").to_str().unwrap(),
     ]);
-    assert_error(&refused, &["not 'smollm3'"]);
-    assert!(!dir.join("smollm3.gguf").exists());
+    assert_error(&refused, &["not 'ministral3'"]);
+    assert!(!dir.join("ministral3.gguf").exists());
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -11,7 +11,7 @@
 //!
 //! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
 //! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`,
-//! `gemma`, `gemma2`, `gemma3_text`, `phi` (llama.cpp's `phi2`), `phi3` (fused projections,
+//! `gemma`, `gemma2`, `gemma3_text`, `phi` (llama.cpp's `phi2`), `smollm3`, `phi3` (fused projections,
 //! LongRoPE factors), `mixtral`, `qwen2_moe`,
 //! `qwen3_moe` (experts stacked as llama.cpp's `ffn_*_exps`), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
 //! SentencePiece-style BPE one (its `llama` vocabulary).
@@ -198,9 +198,11 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
         "gemma3_text" => ("gemma3", false),
         // Phi-1.5 / Phi-2: LayerNorm with biases, attention and MLP in parallel.
         "phi" => ("phi2", false),
+        // Llama's layout with every fourth layer without RoPE.
+        "smollm3" => ("smollm3", true),
         other => bail!(
             "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi, \
-             phi3, mixtral, qwen2_moe and qwen3_moe checkpoints, not '{other}'"
+             phi3, smollm3, mixtral, qwen2_moe and qwen3_moe checkpoints, not '{other}'"
         ),
     };
     // Which layers attend in a window is fixed by llama.cpp per architecture: none, every other
@@ -258,6 +260,19 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
                 config.rope.scaling
             );
         }
+    }
+    // llama.cpp's SmolLM3 leaves RoPE out of every fourth layer, whatever the config lists.
+    let rope_ok = config
+        .rope_layers
+        .iter()
+        .enumerate()
+        .all(|(i, &rope)| rope == (arch.0 != "smollm3" || (i + 1) % 4 != 0));
+    if !rope_ok {
+        bail!(
+            "the checkpoint's layers without RoPE (no_rope_layers) are not llama.cpp's '{}' \
+             (every fourth layer for smollm3, none elsewhere)",
+            arch.0
+        );
     }
     if let Some(moe) = &config.moe {
         // llama.cpp's graphs fix what transformers' configs choose: every layer sparse, and

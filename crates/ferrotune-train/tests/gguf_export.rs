@@ -124,7 +124,13 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
             .to_string()
     };
     assert!(
-        err("smollm3").contains("not 'smollm3'"),
+        err("ministral3").contains("not 'ministral3'"),
+        "{}",
+        err("ministral3")
+    );
+    // This SmolLM3 drops RoPE in its second layer; llama.cpp's leaves out every fourth.
+    assert!(
+        err("smollm3").contains("no_rope_layers"),
         "{}",
         err("smollm3")
     );

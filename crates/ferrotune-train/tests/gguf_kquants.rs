@@ -236,7 +236,8 @@ fn k_quant_files_load_back_close_to_the_weights() {
 }
 
 /// Gemma 3 (five sliding layers with a 4-token window, then a full one; linear scaling on the
-/// global rope; tied embeddings) and the mixtures of experts read back from their f32 export give
+/// global rope; tied embeddings), SmolLM3 (its fourth layer without RoPE) and the mixtures of
+/// experts read back from their f32 export give
 /// the checkpoint's logits (llama.cpp on the same files is within 2.4e-4 of transformers for Gemma
 /// 3 — its GELU table — and 1.8e-6 for the mixtures of experts).
 #[test]
@@ -249,9 +250,9 @@ fn gemma3_and_moe_exports_read_back_as_the_checkpoint() {
     let dev = Device::Cpu;
     let ids = Tensor::new(&[[5u32, 40, 41, 42, 100, 7, 300, 12, 9, 77, 3, 64]], &dev).unwrap();
     let layout = AttentionLayout::causal(1, 12, 0);
-    for name in ["gemma3", "mixtral", "qwen2_moe", "qwen3_moe"] {
+    for name in ["gemma3", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe"] {
         let dir = work.join(name);
-        if name == "gemma3" {
+        if name == "gemma3" || name == "smollm3" {
             write_model(&dir, &g["mixes"][name]);
         } else {
             write_plain_rope_model(&dir, &g, name);
