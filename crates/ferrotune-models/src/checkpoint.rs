@@ -121,7 +121,7 @@ pub fn read_safetensors(
 /// `language_model.model.*` and `language_model.lm_head.*`, transformers 5
 /// `model.language_model.*` and `lm_head.*`; names already in the text model's form stay. Serves
 /// checkpoints and PEFT adapters of the whole model alike.
-pub(crate) fn text_model_tensor(name: &str) -> Option<String> {
+pub fn text_model_tensor(name: &str) -> Option<String> {
     if let Some(rest) = name
         .strip_prefix("language_model.model.")
         .or_else(|| name.strip_prefix("model.language_model."))

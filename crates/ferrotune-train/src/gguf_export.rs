@@ -646,13 +646,25 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     for (file, st) in tensors.iter().enumerate() {
         let mut names = st.names();
         names.sort();
-        for name in names {
-            let view = st.tensor(name)?;
+        for stored in names {
+            let view = st.tensor(stored)?;
+            // A multimodal checkpoint (Gemma 3, Mistral 3): its text model, under the text
+            // model's names; the vision tower and projector are left out (llama.cpp keeps them in
+            // a separate projector file).
+            let text_name = if config.text_of_multimodal {
+                match ferrotune_models::checkpoint::text_model_tensor(stored) {
+                    Some(n) => n,
+                    None => continue,
+                }
+            } else {
+                stored.to_string()
+            };
+            let name = text_name.as_str();
             if let Some((layer, expert, part)) = expert_part(name) {
                 experts
                     .entry((layer, part))
                     .or_default()
-                    .insert(expert, (file, name.to_string(), view.shape().to_vec()));
+                    .insert(expert, (file, stored.to_string(), view.shape().to_vec()));
                 continue;
             }
             let Some(gguf) = gguf_name(name, config.sandwich_norms) else {
@@ -682,7 +694,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                 dims: shape.iter().rev().map(|&d| d as u64).collect(),
                 source: Source::Hf {
                     file,
-                    name: name.to_string(),
+                    name: stored.to_string(),
                     rows,
                     plus_one,
                 },

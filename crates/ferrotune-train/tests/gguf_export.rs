@@ -246,6 +246,29 @@ fn linear_and_yarn_rope_scaling_round_trip() {
     std::fs::remove_dir_all(&out).ok();
 }
 
+/// A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, transformers 4.5x names)
+/// exports its text model, the vision tower and projector left out: read back, the checkpoint's
+/// text logits. (Its config edited to what llama.cpp computes: both layers sliding, as llama.cpp's
+/// pattern of 6 has it, and the score scale the head size.)
+#[test]
+fn multimodal_gemma3_exports_its_text_model() {
+    let dir = out_dir("gemma3_multimodal");
+    edited_copy("gemma3_multimodal", &dir, |config| {
+        let text = &mut config["text_config"];
+        text["query_pre_attn_scalar"] = 16.into();
+        text["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention"]);
+    });
+    let gguf = dir.join("model.gguf");
+    let done = export_gguf(&dir, &gguf, OutType::F32).unwrap();
+    assert_eq!(done.architecture, "gemma3");
+    let err = common::rel_l2(
+        &golden_logits("gemma3_multimodal", &gguf),
+        &golden_logits("gemma3_multimodal", &dir),
+    );
+    assert!(err <= 1e-5, "relative L2 {err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A SentencePiece-style vocabulary (Llama 2's real tokenizer, 32 000 tokens) travels as
 /// llama.cpp's `llama` vocabulary (tokens, scores, types, and the merges for the readers that
 /// take them): the GGUF's tokenizer encodes as the checkpoint's, and the logits are the
