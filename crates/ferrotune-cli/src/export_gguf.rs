@@ -14,8 +14,9 @@ pub struct ExportGgufArgs {
     model: PathBuf,
     /// The GGUF file to write.
     output: PathBuf,
-    /// Storage of the weight matrices: f32, f16, bf16, q8_0, or llama-quantize's mixes q4_k_m,
-    /// q5_k_m, q6_k (vectors stay f32).
+    /// Storage of the weight matrices: f32, f16, bf16, auto (bf16 for a bf16 checkpoint, else
+    /// f16), q8_0, or llama-quantize's mixes q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q4_0, q4_1,
+    /// q5_0, q5_1 (vectors stay f32).
     #[arg(long, default_value = "f16")]
     outtype: String,
 }

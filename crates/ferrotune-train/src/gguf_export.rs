@@ -55,6 +55,8 @@ pub enum OutType {
     Q4KS,
     /// The Q5_K_S mix: Q5_K.
     Q5KS,
+    /// f16, or bf16 when the checkpoint's weights are bf16 (llama.cpp's converter's `auto`).
+    Auto,
     /// llama.cpp's legacy block types (blocks of 32), the output head Q6_K.
     Q4_0,
     Q4_1,
@@ -75,13 +77,14 @@ impl OutType {
             "q6_k" => OutType::Q6K,
             "q4_k_s" => OutType::Q4KS,
             "q5_k_s" => OutType::Q5KS,
+            "auto" => OutType::Auto,
             "q4_0" => OutType::Q4_0,
             "q4_1" => OutType::Q4_1,
             "q5_0" => OutType::Q5_0,
             "q5_1" => OutType::Q5_1,
             other => bail!(
-                "--outtype '{other}': expected f32, f16, bf16, q8_0, q4_k_m, q4_k_s, q5_k_m, \
-                 q5_k_s, q6_k, q4_0, q4_1, q5_0 or q5_1"
+                "--outtype '{other}': expected f32, f16, bf16, auto, q8_0, q4_k_m, q4_k_s, \
+                 q5_k_m, q5_k_s, q6_k, q4_0, q4_1, q5_0 or q5_1"
             ),
         })
     }
@@ -106,7 +109,7 @@ impl OutType {
     fn file_type(self) -> u32 {
         match self {
             OutType::F32 => 0,
-            OutType::F16 => 1,
+            OutType::F16 | OutType::Auto => 1,
             OutType::Q8_0 => 7,
             OutType::Q4KM => 15,
             OutType::Q5KM => 17,
@@ -465,7 +468,7 @@ fn storage_type(name: &str, shape: &[usize], outtype: OutType) -> GgmlType {
     }
     match outtype {
         OutType::F32 => GgmlType::F32,
-        OutType::F16 => GgmlType::F16,
+        OutType::F16 | OutType::Auto => GgmlType::F16,
         OutType::Bf16 => GgmlType::Bf16,
         // As gguf-py: rows that are not whole blocks fall back to f16.
         OutType::Q8_0 if shape[shape.len() - 1].is_multiple_of(Q8_0_BLOCK) => GgmlType::Q8_0,
@@ -638,6 +641,21 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             SafeTensors::deserialize(m).with_context(|| format!("reading {}", f.display()))
         })
         .collect::<Result<_>>()?;
+    let outtype = match outtype {
+        // The first matrix's dtype decides, as llama.cpp's converter's `auto` does.
+        OutType::Auto => {
+            let first_matrix = tensors
+                .iter()
+                .flat_map(|st| st.tensors())
+                .find(|(_, v)| v.shape().len() >= 2)
+                .map(|(_, v)| v.dtype());
+            match first_matrix {
+                Some(Dtype::BF16) => OutType::Bf16,
+                _ => OutType::F16,
+            }
+        }
+        other => other,
+    };
     let mut plan = Vec::new();
     let mut skipped = Vec::new();
     // Experts by (layer, part), then by expert: (file, name, shape).

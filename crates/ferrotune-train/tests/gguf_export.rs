@@ -246,6 +246,24 @@ fn linear_and_yarn_rope_scaling_round_trip() {
     std::fs::remove_dir_all(&out).ok();
 }
 
+/// `--outtype auto` is llama.cpp's converter's: bf16 for a bf16 checkpoint, f16 otherwise.
+#[test]
+fn auto_outtype_follows_the_checkpoint_dtype() {
+    use candle_core::quantized::{gguf_file::Content, GgmlDType};
+    let out = out_dir("auto");
+    for (name, want) in [("bf16_llama", GgmlDType::BF16), ("llama2", GgmlDType::F16)] {
+        let path = out.join(format!("{name}.gguf"));
+        export_gguf(&model_dir(name).join("model"), &path, OutType::Auto).unwrap();
+        let mut f = std::fs::File::open(&path).unwrap();
+        let content = Content::read(&mut f).unwrap();
+        let ty = content.tensor_infos["blk.0.attn_q.weight"].ggml_dtype;
+        assert_eq!(ty, want, "{name}");
+        let norm = content.tensor_infos["blk.0.attn_norm.weight"].ggml_dtype;
+        assert_eq!(norm, GgmlDType::F32, "{name}: vectors stay f32");
+    }
+    std::fs::remove_dir_all(&out).ok();
+}
+
 /// A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, transformers 4.5x names)
 /// exports its text model, the vision tower and projector left out: read back, the checkpoint's
 /// text logits. (Its config edited to what llama.cpp computes: both layers sliding, as llama.cpp's
