@@ -150,6 +150,15 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
         .unwrap_err()
         .to_string()
         .contains("q8_0"));
+    // A LoRA run's checkpoint folder (adapter + merged/): pointed at the merged model.
+    let run = out.parent().unwrap().join("lora_run");
+    std::fs::create_dir_all(run.join("merged")).unwrap();
+    std::fs::write(run.join("adapter_config.json"), "{}").unwrap();
+    std::fs::write(run.join("merged/config.json"), "{}").unwrap();
+    let e = export_gguf(&run, &out, OutType::F16)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("PEFT adapter") && e.contains("merged"), "{e}");
     // A failure while writing (here a weight of integer type) leaves no file behind.
     let dir = out.parent().unwrap().join("ints");
     edited_copy("llama2", &dir, |_| {});
