@@ -186,6 +186,12 @@ pub struct GgufExport {
 /// The llama.cpp architecture of a config, and whether its converter permutes q/k rows; an error
 /// for what the architecture cannot express (llama.cpp fixes some settings per architecture).
 fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
+    if config.score_labels.is_some() {
+        bail!(
+            "the checkpoint is a sequence classifier (a reward or value model, `score` head): \
+             GGUF export writes causal language models"
+        );
+    }
     let arch = match config.model_type.as_str() {
         // llama.cpp runs Mistral models as `llama`.
         "llama" | "mistral" => ("llama", true),

@@ -150,6 +150,11 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
         .unwrap_err()
         .to_string()
         .contains("q8_0"));
+    // A reward model (sequence classifier) is no language model for llama.cpp.
+    let e = export_gguf(&common::workspace_fixture("ppo/reward"), &out, OutType::F16)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sequence classifier"), "{e}");
     // A LoRA run's checkpoint folder (adapter + merged/): pointed at the merged model.
     let run = out.parent().unwrap().join("lora_run");
     std::fs::create_dir_all(run.join("merged")).unwrap();
