@@ -142,6 +142,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     let (mut model, _) = ferrotune_models::load_model(&args.model, dtype, &device)?;
+    model
+        .config
+        .require_language_model()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
     if let Some(dir) = &args.adapter {
         ferrotune_models::peft::load_adapter(&mut model, dir)?;
     }

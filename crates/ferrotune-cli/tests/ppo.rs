@@ -251,6 +251,42 @@ fn ppo_refuses_a_causal_lm_as_reward_model() {
         log.contains("reward_checkpointer") && log.contains("is not a reward model"),
         "{log}"
     );
+    // And the other way round: a reward model is no policy, and no model to generate with.
+    let reward = fixtures().join("ppo/reward");
+    let o = run(
+        &dir,
+        &cfg,
+        &dir.join("out1"),
+        &[
+            &format!("checkpointer.checkpoint_dir={}", reward.display()),
+            &format!(
+                "ref_policy_checkpointer.checkpoint_dir={}",
+                reward.display()
+            ),
+        ],
+        &[],
+    );
+    assert!(
+        !o.status.success() && text(&o).contains("sequence classifier"),
+        "{}",
+        text(&o)
+    );
+    let o = ferrotune(
+        &[
+            "generate",
+            "--model",
+            reward.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(
+        !o.status.success() && text(&o).contains("not a causal language model"),
+        "{}",
+        text(&o)
+    );
     let o = run(&dir, &cfg, &dir.join("out2"), &["num_steps=3"], &[]);
     assert!(
         text(&o).contains("num_steps 3 must be at least the batch size 4"),

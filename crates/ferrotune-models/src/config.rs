@@ -396,6 +396,19 @@ impl ModelConfig {
         })
     }
 
+    /// An error for a sequence classifier ([`ModelConfig::score_labels`]) where a causal language
+    /// model is needed (generation, fine-tuning, evaluation): its head scores, it does not predict
+    /// tokens.
+    pub fn require_language_model(&self) -> Result<(), String> {
+        match self.score_labels {
+            Some(n) => Err(format!(
+                "this checkpoint is a sequence classifier (a `score` head with {n} label(s), e.g. \
+                 a reward model), not a causal language model"
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Number of query heads per key/value head (grouped-query attention).
     pub fn kv_groups(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads

@@ -620,6 +620,10 @@ pub fn run(cfg: &Config) -> Result<EvalReport> {
     let tok = setup::tokenizer(cfg, &path)?;
     let t0 = Instant::now();
     let (mut model, _) = ferrotune_models::load_model(&path, dtype, &device)?;
+    model
+        .config
+        .require_language_model()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     setup::check_model_component(cfg, &model.config)?;
     if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
         eprintln!("{line}");

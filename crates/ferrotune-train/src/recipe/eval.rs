@@ -119,6 +119,10 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
     let path = setup::checkpoint_path(cfg)?;
     let tok = setup::tokenizer(cfg, &path)?;
     let (mut model, _) = ferrotune_models::load_model(&path, dtype, &device)?;
+    model
+        .config
+        .require_language_model()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     setup::check_model_component(cfg, &model.config)?;
     // A QLoRA adapter is scored on the NF4 base it was trained on (the config's builder says).
     if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {

@@ -286,6 +286,10 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     };
     let t0 = Instant::now();
     let (mut model, source) = setup::load_model(cfg, &weights_path, dtype, &device)?;
+    model
+        .config
+        .require_language_model()
+        .map_err(|e| anyhow!("{}: {e}", weights_path.display()))?;
     let say = |msg: String| {
         if lead {
             eprintln!("{msg}");
@@ -1037,6 +1041,10 @@ fn setup_teacher(
     let t0 = Instant::now();
     let (model, _) = ferrotune_models::load_model(&path, dtype, device)
         .with_context(|| format!("{}: teacher_checkpointer", cfg.origin))?;
+    model
+        .config
+        .require_language_model()
+        .map_err(|e| anyhow!("{}: teacher_checkpointer: {e}", cfg.origin))?;
     setup::check_component_at(cfg, "teacher_model._component_", &model.config)?;
     if model.config.vocab_size != student.config.vocab_size {
         bail!(
@@ -1112,6 +1120,10 @@ fn setup_reference(
     let t0 = Instant::now();
     let (model, _) = ferrotune_models::load_model(&path, dtype, device)
         .with_context(|| format!("{}: ref_checkpointer", cfg.origin))?;
+    model
+        .config
+        .require_language_model()
+        .map_err(|e| anyhow!("{}: ref_checkpointer: {e}", cfg.origin))?;
     if model.config.vocab_size != policy.config.vocab_size {
         bail!(
             "{}: the reference model ({}) has a vocabulary of {} tokens, the policy {}: DPO \

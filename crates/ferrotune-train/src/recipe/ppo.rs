@@ -754,6 +754,14 @@ pub fn run(cfg: &Config) -> Result<()> {
         dtype,
         &device,
     )?;
+    for (section, m) in [
+        ("checkpointer", &policy),
+        ("ref_policy_checkpointer", &reference),
+    ] {
+        m.config
+            .require_language_model()
+            .map_err(|e| anyhow!("{o}: {section}: {e}"))?;
+    }
     require_scalar_head(cfg, "value_checkpointer", &value, &value_path)?;
     require_scalar_head(cfg, "reward_checkpointer", &reward, &reward_path)?;
     if let Some(s) = &saved {
