@@ -112,6 +112,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             args.model.display()
         );
     }
+    if args.model.join("adapter_config.json").is_file() && !args.model.join("config.json").is_file()
+    {
+        bail!(
+            "{}: {}",
+            args.model.display(),
+            ferrotune_models::checkpoint::adapter_folder_hint(&args.model)
+        );
+    }
     let tok = tokenizer_for(args.tokenizer.as_ref().unwrap_or(&args.model))?;
     let prompts: Vec<Vec<u32>> = match &args.prompt_ids {
         Some(ids) => vec![ids.clone()],

@@ -127,6 +127,15 @@ fn generate_with_adapter_equals_the_merged_model() {
         golden_ids(&g["greedy_new_tokens"]),
         "the adapter changes the output"
     );
+    // The adapter folder given as the model: one line saying how to load it.
+    let out = ferrotune(&[
+        "generate",
+        "--model",
+        dir.join("adapter").to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
+    assert_error(&out, &["holds a PEFT adapter", "--adapter"]);
 }
 
 #[test]

@@ -99,12 +99,31 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     }
     match ggufs.len() {
         1 => Ok(CheckpointFormat::Gguf(ggufs.remove(0))),
+        0 if path.join("adapter_config.json").is_file() => Err(ModelError::file(
+            path,
+            adapter_folder_hint(path),
+        )),
         0 => Err(ModelError::file(
             path,
             "no model weights found (expected model.safetensors, model.safetensors.index.json or a .gguf file)",
         )),
         _ => Err(ModelError::file(path, "several .gguf files: pass the one to load")),
     }
+}
+
+/// What to do with a folder that holds a PEFT adapter (`adapter_config.json`) rather than a model:
+/// load its base with it, or the merged model a LoRA run saves beside it.
+pub fn adapter_folder_hint(path: &Path) -> String {
+    let merged = path.join("merged");
+    let merged = if merged.join("config.json").is_file() {
+        format!(", or its merged model {}", merged.display())
+    } else {
+        String::new()
+    };
+    format!(
+        "holds a PEFT adapter (adapter_config.json), not a model: load its base model with it \
+         (`--adapter`, `checkpointer.adapter_checkpoint`){merged}"
+    )
 }
 
 /// Reads every tensor of the given safetensors files, converted to `dtype` on `device`.

@@ -597,17 +597,12 @@ fn assign_mix_types(plan: &mut [Planned], outtype: OutType, experts: usize, seve
 /// `out` with its matrices in `outtype`. The file is written under a temporary name and renamed
 /// into place when complete.
 pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<GgufExport> {
-    if model_dir.join("adapter_config.json").is_file() {
+    if model_dir.join("adapter_config.json").is_file() && !model_dir.join("config.json").is_file() {
         // A LoRA run's checkpoint folder: the adapter alone is not a model llama.cpp can run.
-        let merged = model_dir.join(crate::recipe::finetune::MERGED_DIR);
-        let hint = if merged.join("config.json").is_file() {
-            format!("export its merged model instead: {}", merged.display())
-        } else {
-            "merge it into its base first (`ferrotune merge`)".to_string()
-        };
         bail!(
-            "{} holds a PEFT adapter, not a whole model: {hint}",
-            model_dir.display()
+            "{}: {} (`ferrotune merge` writes one)",
+            model_dir.display(),
+            ferrotune_models::checkpoint::adapter_folder_hint(model_dir)
         );
     }
     let files = match ferrotune_models::checkpoint::locate_weights(model_dir)? {
