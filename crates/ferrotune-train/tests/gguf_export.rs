@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::{load_model, AttentionLayout};
-use ferrotune_train::gguf_export::{export_gguf, OutType};
+use ferrotune_train::gguf_export::{export_gguf, GgufExport, OutType};
 use serde_json::Value;
 
 fn model_dir(name: &str) -> PathBuf {
@@ -41,6 +41,16 @@ fn golden_logits(name: &str, path: &std::path::Path) -> Tensor {
     model
         .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
         .unwrap()
+}
+
+/// Exports checkpoint folder `dir` (an edited copy of fixture `name`) as `dir/model.gguf` in f32
+/// and returns what was written and the relative L2 distance between the logits ferrotune reads
+/// from the GGUF and from the checkpoint, for fixture `name`'s golden input.
+fn round_trip(name: &str, dir: &std::path::Path) -> (GgufExport, f32) {
+    let gguf = dir.join("model.gguf");
+    let done = export_gguf(dir, &gguf, OutType::F32).unwrap();
+    let err = common::rel_l2(&golden_logits(name, &gguf), &golden_logits(name, dir));
+    (done, err)
 }
 
 /// transformers' logits of fixture `name`'s golden input.
@@ -210,12 +220,7 @@ fn llama3_rope_scaling_round_trips_through_rope_freqs() {
         rope["high_freq_factor"] = 4.0.into();
         rope["factor"] = 8.0.into();
     });
-    let gguf = out.join("model.gguf");
-    export_gguf(&out, &gguf, OutType::F32).unwrap();
-    let err = common::rel_l2(
-        &golden_logits("llama3_2", &gguf),
-        &golden_logits("llama3_2", &out),
-    );
+    let (_, err) = round_trip("llama3_2", &out);
     assert!(err <= 1e-5, "relative L2 {err}");
     std::fs::remove_dir_all(&out).ok();
 }
@@ -242,12 +247,7 @@ fn linear_and_yarn_rope_scaling_round_trip() {
         edited_copy("llama2", &dir, |config| {
             config["rope_parameters"] = rope.clone();
         });
-        let gguf = dir.join("model.gguf");
-        export_gguf(&dir, &gguf, OutType::F32).unwrap();
-        let err = common::rel_l2(
-            &golden_logits("llama2", &gguf),
-            &golden_logits("llama2", &dir),
-        );
+        let (_, err) = round_trip("llama2", &dir);
         assert!(err <= 1e-5, "{name}: relative L2 {err}");
     }
     let dir = out.join("yarn_attention_factor");
@@ -290,13 +290,8 @@ fn multimodal_gemma3_exports_its_text_model() {
         text["query_pre_attn_scalar"] = 16.into();
         text["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention"]);
     });
-    let gguf = dir.join("model.gguf");
-    let done = export_gguf(&dir, &gguf, OutType::F32).unwrap();
+    let (done, err) = round_trip("gemma3_multimodal", &dir);
     assert_eq!(done.architecture, "gemma3");
-    let err = common::rel_l2(
-        &golden_logits("gemma3_multimodal", &gguf),
-        &golden_logits("gemma3_multimodal", &dir),
-    );
     assert!(err <= 1e-5, "relative L2 {err}");
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -391,12 +386,7 @@ fn gemma2_round_trips_with_llama_cpps_settings() {
     let out = out_dir("gemma");
     let dir = out.join("gemma2");
     edited_copy("gemma2", &dir, |c| c["query_pre_attn_scalar"] = 16.into());
-    let gguf = dir.join("model.gguf");
-    export_gguf(&dir, &gguf, OutType::F32).unwrap();
-    let err = common::rel_l2(
-        &golden_logits("gemma2", &gguf),
-        &golden_logits("gemma2", &dir),
-    );
+    let (_, err) = round_trip("gemma2", &dir);
     assert!(err <= 1e-5, "relative L2 {err}");
     let refused = |name: &str| {
         export_gguf(
