@@ -39,6 +39,14 @@ pub fn truncate_at_first_stop(
         .collect()
 }
 
+/// The mask of kept tokens (true = counts) from a padding mask (true = cut).
+pub fn kept(padding: &[Vec<bool>]) -> Vec<Vec<bool>> {
+    padding
+        .iter()
+        .map(|row| row.iter().map(|&p| !p).collect())
+        .collect()
+}
+
 /// The index of the last kept token of a row (torchtune's `get_unmasked_sequence_lengths`: the
 /// first position where the count of kept tokens peaks, clipped to the row): one less than the
 /// response length, and 0 for a row with nothing kept.

@@ -144,11 +144,7 @@ fn trajectory_rewards_and_advantages_match_torchtune() {
         &get::<Vec<Vec<f32>>>(&g, "kl_rewards"),
         2e-6,
     );
-    let keep: Vec<Vec<bool>> = t
-        .response_padding
-        .iter()
-        .map(|r| r.iter().map(|&p| !p).collect())
-        .collect();
+    let keep = rlhf::kept(&t.response_padding);
     let (adv, ret) = rlhf::estimate_advantages(&t.values, &rewards, s.gamma, s.lmbda, &keep);
     assert_table(
         "advantages",

@@ -1144,7 +1144,7 @@ fn setup_reference(
     Ok(model)
 }
 
-fn base_source(path: &Path) -> Result<(ferrotune_models::CheckpointFormat, PathBuf)> {
+pub(crate) fn base_source(path: &Path) -> Result<(ferrotune_models::CheckpointFormat, PathBuf)> {
     let format = ferrotune_models::checkpoint::locate_weights(path)?;
     let dir = match &format {
         ferrotune_models::CheckpointFormat::Gguf(f) => {

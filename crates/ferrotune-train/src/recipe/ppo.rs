@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::export::{write_hf_model, ModelSource};
 use crate::loss::log_softmax;
 use crate::metrics::MetricLogger;
-use crate::recipe::finetune::MAX_SHARD_BYTES;
+use crate::recipe::finetune::{base_source, MAX_SHARD_BYTES};
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::rlhf::{self, PpoLossConfig, PpoTargets};
@@ -252,8 +252,7 @@ fn backward_from_hidden(
 
 /// Each row's score from the reward model at the token `at[row]` of the full sequence.
 fn reward_scores(model: &CausalLm, rows: &[Vec<u32>], at: &[usize], pad: u32) -> Result<Vec<f32>> {
-    let ids = ids_tensor(rows, model.device())?;
-    let hidden = model.forward_hidden(&ids, &padded_layout(rows, pad), None)?;
+    let hidden = full_hidden(model, rows, pad)?;
     let picked = at
         .iter()
         .enumerate()
@@ -411,16 +410,8 @@ pub fn ppo_step(
 ) -> Result<PpoStats> {
     let (ctx, pad) = (batch.context_length, s.pad_id);
     let rows = &batch.query_responses;
-    let keep: Vec<Vec<bool>> = batch
-        .response_padding
-        .iter()
-        .map(|r| r.iter().map(|&p| !p).collect())
-        .collect();
-    let value_keep: Vec<Vec<bool>> = batch
-        .value_padding
-        .iter()
-        .map(|r| r.iter().map(|&p| !p).collect())
-        .collect();
+    let keep = rlhf::kept(&batch.response_padding);
+    let value_keep = rlhf::kept(&batch.value_padding);
     let targets = PpoTargets {
         old_logprobs: &batch.logprobs,
         advantages,
@@ -511,17 +502,29 @@ pub fn left_pad(prompts: &[Vec<u32>], pad: u32) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Loads the model of checkpointer section `section`, checking `component` against it.
+/// Loads the model of checkpointer section `section`, or the checkpoint `resumed` when resuming
+/// (the section's checkpoint still supplies the tokenizer and generation files), and checks
+/// `component` against it. Returns the model, its source files and the section's path.
 fn load(
     cfg: &Config,
     section: &str,
     component: &str,
+    resumed: Option<&Path>,
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, ModelSource, PathBuf)> {
     let path = setup::checkpoint_path_at(cfg, section)?;
-    let (model, source) = setup::load_model(cfg, &path, dtype, device)
-        .with_context(|| format!("{}: {section}", cfg.origin))?;
+    let (model, source) = match resumed {
+        Some(dir) => {
+            let (model, _) = setup::load_model(cfg, dir, dtype, device).with_context(|| {
+                format!("{}: resuming {section} from {}", cfg.origin, dir.display())
+            })?;
+            let (format, base) = base_source(&path)?;
+            (model, ModelSource { format, dir: base })
+        }
+        None => setup::load_model(cfg, &path, dtype, device)
+            .with_context(|| format!("{}: {section}", cfg.origin))?,
+    };
     setup::check_component_at(cfg, &format!("{component}._component_"), &model.config)?;
     Ok((model, source, path))
 }
@@ -729,14 +732,26 @@ pub fn run(cfg: &Config) -> Result<()> {
         None => setup::seed(cfg)?,
     };
 
+    // Resuming: the trained weights of both models come from the checkpoint being resumed.
+    let resumed_policy = saved.as_ref().map(|s| s.dir.clone());
+    let resumed_value = saved
+        .as_ref()
+        .map(|s| value_out.join(s.dir.file_name().unwrap_or_default()));
     let t0 = Instant::now();
-    let (mut policy, policy_source, policy_path) =
-        load(cfg, "checkpointer", "policy_model", dtype, &device)?;
+    let (mut policy, policy_source, policy_path) = load(
+        cfg,
+        "checkpointer",
+        "policy_model",
+        resumed_policy.as_deref(),
+        dtype,
+        &device,
+    )?;
     let tokenizer = setup::tokenizer(cfg, &policy_path)?;
     let (reference, _, _) = load(
         cfg,
         "ref_policy_checkpointer",
         "policy_model",
+        None,
         dtype,
         &device,
     )?;
@@ -744,6 +759,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         cfg,
         "value_checkpointer",
         "reward_and_value_model",
+        resumed_value.as_deref(),
         dtype,
         &device,
     )?;
@@ -751,6 +767,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         cfg,
         "reward_checkpointer",
         "reward_and_value_model",
+        None,
         dtype,
         &device,
     )?;
@@ -764,14 +781,6 @@ pub fn run(cfg: &Config) -> Result<()> {
     }
     require_scalar_head(cfg, "value_checkpointer", &value, &value_path)?;
     require_scalar_head(cfg, "reward_checkpointer", &reward, &reward_path)?;
-    if let Some(s) = &saved {
-        // The trained weights of both models come from the checkpoint being resumed.
-        policy = setup::load_model(cfg, &s.dir, dtype, &device)?.0;
-        let value_dir = value_out.join(s.dir.file_name().unwrap_or_default());
-        value = setup::load_model(cfg, &value_dir, dtype, &device)
-            .with_context(|| format!("{o}: resuming the value model"))?
-            .0;
-    }
     for (name, m) in [("value", &value), ("reward", &reward)] {
         if m.config.vocab_size < policy.config.vocab_size {
             bail!(
@@ -922,11 +931,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                 s.kl_coeff,
                 &traj.value_seq_idxs,
             );
-            let keep: Vec<Vec<bool>> = traj
-                .response_padding
-                .iter()
-                .map(|r| r.iter().map(|&p| !p).collect())
-                .collect();
+            let keep = rlhf::kept(&traj.response_padding);
             let (advantages, returns) =
                 rlhf::estimate_advantages(&traj.values, &rewards, s.gamma, s.lmbda, &keep);
 
