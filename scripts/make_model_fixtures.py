@@ -463,6 +463,115 @@ def cfg_llama_linear_bias():
     ))
 
 
+def cfg_llama3_meta(tied: bool, factor: float):
+    # A config Meta's params.json can express: head_dim = hidden / heads = 8, intermediate from
+    # ffn_dim_multiplier 1.5 and multiple_of 16 (4 * 32 -> 85 -> 127 -> 128), Meta's fixed llama3 rope
+    # constants (low 1, high 4, original 8192). With theta 5e5 the four frequencies have wavelengths ~6, ~167,
+    # ~4443 and ~118k: two kept, one smoothed, one divided by the factor.
+    return LlamaConfig(**common(
+        intermediate_size=128,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=tied,
+        attention_bias=False,
+        mlp_bias=False,
+    ))
+
+
+def cfg_llama3_1_meta():
+    return cfg_llama3_meta(tied=False, factor=8.0)
+
+
+def cfg_llama3_2_meta():
+    return cfg_llama3_meta(tied=True, factor=32.0)
+
+
+def load_convert_weights():
+    """torchtune's own converter (torchtune/models/convert_weights.py, self-contained), loaded from its
+    source so that the Meta files written here are checked against the conversion torchtune applies."""
+    import importlib.util
+    src = Path(os.environ.get("TORCHTUNE_SRC", "/tmp/tt/src")) / "torchtune" / "models" / "convert_weights.py"
+    spec = importlib.util.spec_from_file_location("tt_convert_weights", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write_pickles(case: str, model_dir: Path, config):
+    """Replaces the safetensors just written by PyTorch pickles: HF's `pytorch_model-*.bin` shards with
+    `pytorch_model.bin.index.json` (kind "hf"), or Meta's `consolidated.00.pth` + `params.json` (kind "meta")."""
+    spec = CASES[case]
+    hf = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    if spec["pickle"] == "hf":
+        names = sorted(hf)
+        parts = [names[: len(names) // 2], names[len(names) // 2:]]
+        weight_map = {}
+        for i, part in enumerate(parts):
+            fname = f"pytorch_model-{i + 1:05d}-of-{len(parts):05d}.bin"
+            torch.save({k: hf[k] for k in part}, model_dir / fname)
+            weight_map.update({k: fname for k in part})
+        total = sum(v.numel() * v.element_size() for v in hf.values())
+        (model_dir / "pytorch_model.bin.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        return
+    heads, kv, dim = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    head_dim = dim // heads
+    assert getattr(config, "head_dim", head_dim) == head_dim, "Meta's format has head_dim = dim / n_heads"
+
+    def to_meta_rows(t, n):  # HF's rotate-half rows back to Meta's interleaved pairs
+        return t.view(n, 2, head_dim // 2, dim).transpose(1, 2).reshape(n * head_dim, dim).contiguous()
+
+    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+                 "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+                 "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+                 "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+    meta = {}
+    for k, v in hf.items():
+        if k in names:
+            meta[names[k]] = v
+            continue
+        layer, rest = k.removeprefix("model.layers.").split(".", 1)
+        mod = rest.removesuffix(".weight")
+        new = f"layers.{layer}.{per_layer[mod]}.weight"
+        if mod == "self_attn.q_proj":
+            v = to_meta_rows(v, heads)
+        elif mod == "self_attn.k_proj":
+            v = to_meta_rows(v, kv)
+        meta[new] = v
+    if config.tie_word_embeddings:
+        meta["output.weight"] = meta["tok_embeddings.weight"].clone()  # as torchtune's Meta checkpointer saves 3.2
+    # torchtune's converter must read these files back into the same HF tensors.
+    cw = load_convert_weights()
+    tune = cw.meta_to_tune({k: v for k, v in meta.items()})
+    back = cw.tune_to_hf(tune, num_heads=heads, num_kv_heads=kv, dim=dim)
+    for k, v in hf.items():
+        assert torch.equal(back[k], v), f"{case}: torchtune reads {k} differently"
+    params = dict(spec["params"])
+    params.update(dim=dim, n_layers=config.num_hidden_layers, n_heads=heads, n_kv_heads=kv,
+                  norm_eps=config.rms_norm_eps)
+    if spec.get("rope_freqs"):
+        # Llama 2's consolidated files carry the rotary frequencies as a buffer, which loaders skip.
+        meta["rope.freqs"] = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    torch.save(meta, model_dir / "consolidated.00.pth")
+    (model_dir / "params.json").write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+    for f in ["config.json", "generation_config.json"]:
+        (model_dir / f).unlink()
+
+
 # --------------------------------------------------------------------------------------------------------
 # Cases
 # --------------------------------------------------------------------------------------------------------
@@ -595,6 +704,26 @@ CASES = {
                              "position p scaled by 1 + 0.3 ln(1 + floor(p / 4)) after rope"),
     "smollm3": dict(cfg=cfg_smollm3, seed=121, style="v5",
                     notes="SmolLM3: no_rope_layers [1, 0] (layer 1 has no rotary embedding), tied, GQA 4/2"),
+    "llama2_bin": dict(weights_from="llama2", style="v5", pickle="hf", same_golden_as="llama2",
+                       notes="llama2 saved as PyTorch pickles: pytorch_model-0000{1,2}-of-00002.bin + "
+                             "pytorch_model.bin.index.json (no safetensors); golden identical to llama2"),
+    "llama2_meta": dict(weights_from="llama2", style="v5", pickle="meta", same_golden_as="llama2", rope_freqs=True,
+                        params={"multiple_of": 32, "vocab_size": -1},
+                        notes="llama2 in Meta's original format: consolidated.00.pth (Meta names, q/k rows in "
+                              "interleaved rotary pairs, a rope.freqs buffer) + params.json (vocab_size -1, no "
+                              "config.json); golden identical to llama2"),
+    "llama3_1_meta": dict(cfg=cfg_llama3_1_meta, seed=122, style="v5", pickle="meta",
+                          params={"ffn_dim_multiplier": 1.5, "multiple_of": 16, "rope_theta": 500000.0,
+                                  "use_scaled_rope": True, "vocab_size": VOCAB},
+                          notes="Meta format of a Llama 3.1-like model: GQA 4/2, use_scaled_rope (factor 8, "
+                                "Meta's constants low 1 / high 4 / original 8192, theta 5e5), ffn_dim_multiplier, "
+                                "untied output; golden from transformers on the equivalent HF model"),
+    "llama3_2_meta": dict(cfg=cfg_llama3_2_meta, seed=123, style="v5", pickle="meta",
+                          params={"ffn_dim_multiplier": 1.5, "multiple_of": 16, "rope_theta": 500000.0,
+                                  "use_scaled_rope": True, "vocab_size": VOCAB},
+                          notes="Meta format of a Llama 3.2-like model: output.weight stored equal to "
+                                "tok_embeddings (tied), which makes the rope factor 32 as Llama 3.2's; golden "
+                                "from transformers on the equivalent HF model"),
     "mistral3_multimodal": dict(weights_from="mistral", multimodal="mistral3", same_golden_as="mistral", style="v4",
                                 notes="Mistral3ForConditionalGeneration (model_type mistral3) holding mistral's text "
                                       "weights (language_model.model.*, language_model.lm_head.*) and a tiny Pixtral "
@@ -737,7 +866,7 @@ def dir_size(path: Path) -> int:
 
 
 def weights_size(model_dir: Path) -> int:
-    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in model_dir.iterdir() if f.suffix in (".safetensors", ".bin", ".pth"))
 
 
 def gemma3_hub_text_config(text: dict) -> dict:
@@ -883,6 +1012,8 @@ def write_case(case: str, out_root: Path, golden_cache: dict):
             assert torch.equal(v, expect), f"{case}: reloaded {k} differs"
 
     gd = compute_golden(loaded, case)
+    if spec.get("pickle"):
+        write_pickles(case, model_dir, loaded.config)
     input_ids, labels, logits, loss = gd["input_ids"], gd["labels"], gd["logits"], gd["loss"]
     prompt, new, margin = gd["prompt"], gd["new"], gd["margin"]
 
@@ -941,7 +1072,7 @@ def write_case(case: str, out_root: Path, golden_cache: dict):
         "model_type": lc.model_type,
         "style": spec["style"],
         "dtype": golden["weights_dtype"],
-        "n_weight_files": len(list(model_dir.glob("*.safetensors"))),
+        "n_weight_files": len([f for f in model_dir.iterdir() if f.suffix in (".safetensors", ".bin", ".pth")]),
         "weights_kb": weights_size(model_dir) / 1024,
         "total_kb": dir_size(case_dir) / 1024,
         "loss": loss,

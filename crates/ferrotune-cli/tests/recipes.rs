@@ -1160,3 +1160,101 @@ fn qat_steps_match_torchao() {
         "fake_quant_after_n_steps",
     );
 }
+
+#[test]
+fn pytorch_and_meta_checkpoints_train_from_the_listed_files_and_save_hf_folders() {
+    // llama2's weights as HF `.bin` shards and as Meta's consolidated.00.pth + params.json. Each
+    // folder also holds a decoy model.safetensors (another model): `checkpoint_files` decides what
+    // is loaded, as in torchtune, so the logged loss must be llama2's.
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("models/llama2/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let want_loss = golden["loss"].as_f64().unwrap();
+    let start = load(&fixtures().join("models/llama2/model/model.safetensors"));
+    for (case, files) in [
+        (
+            "llama2_bin",
+            "[pytorch_model-00001-of-00002.bin, pytorch_model-00002-of-00002.bin]",
+        ),
+        ("llama2_meta", "[consolidated.00.pth]"),
+    ] {
+        let dir = tmpdir(&format!("pickle-{case}"));
+        let model = dir.join("model");
+        std::fs::create_dir_all(&model).unwrap();
+        let src = fixtures().join("models").join(case).join("model");
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+        }
+        std::fs::copy(
+            fixtures().join("models/llama3_2/model/model.safetensors"),
+            model.join("model.safetensors"),
+        )
+        .unwrap();
+        let data = dir.join("batch.jsonl");
+        write_golden_rows("models/llama2", &data);
+        let yaml = TINY_LORA
+            .replace("OUT", &dir.join("out").display().to_string())
+            .replace("MODEL", &model.display().to_string())
+            .replace("DATA", &data.display().to_string());
+        let cfg = dir.join("config.yaml");
+        std::fs::write(&cfg, yaml).unwrap();
+        let listed = format!("checkpointer.checkpoint_files={files}");
+        let out = ferrotune(
+            &[
+                "run",
+                "full_finetune_single_device",
+                "--config",
+                cfg.to_str().unwrap(),
+                &listed,
+                "optimizer._component_=torch.optim.SGD",
+                "optimizer.lr=0.0",
+                "optimizer.weight_decay=0.0",
+                "max_steps_per_epoch=1",
+            ],
+            &dir,
+            &[],
+        );
+        assert!(out.status.success(), "{case}: {}", text(&out));
+        let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
+        let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+        let got = first["loss"].as_f64().unwrap();
+        assert!(
+            ((got - want_loss) / want_loss).abs() < 1e-5,
+            "{case}: logged loss {got} vs transformers {want_loss}"
+        );
+        // Saved as an HF folder: llama2's own tensors (lr 0), q/k rows in HF's layout, and a
+        // config.json transformers reads as that model.
+        let saved = load(&dir.join("out/epoch_0/model.safetensors"));
+        assert_eq!(saved.len(), start.len(), "{case}: saved tensor set");
+        for (key, s) in &start {
+            let e = rel_l2(&saved[key], s);
+            assert!(e == 0.0, "{case}: {key}: relative L2 {e}");
+        }
+        let config: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("out/epoch_0/config.json")).unwrap(),
+        )
+        .unwrap();
+        let want: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures().join("models/llama2/model/config.json")).unwrap(),
+        )
+        .unwrap();
+        for key in [
+            "model_type",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_hidden_layers",
+            "vocab_size",
+            "tie_word_embeddings",
+        ] {
+            assert_eq!(config[key], want[key], "{case}: config.json {key}");
+        }
+        assert!(
+            dir.join("out/epoch_0/tokenizer.json").is_file(),
+            "{case}: tokenizer saved"
+        );
+    }
+}

@@ -1,4 +1,5 @@
-//! Reading model checkpoints: HF folders (single or sharded safetensors, memory-mapped) and GGUF.
+//! Reading model checkpoints: HF folders (single or sharded safetensors, memory-mapped, or
+//! PyTorch `.bin` pickles), Meta's `consolidated.00.pth`, and GGUF.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -10,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::gguf::PackedWeights;
 use crate::model::CausalLm;
+use crate::torch_pickle;
 
 /// Where a checkpoint's weights came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +20,11 @@ pub enum CheckpointFormat {
     Safetensors(Vec<PathBuf>),
     /// A llama.cpp GGUF file.
     Gguf(PathBuf),
+    /// `torch.save` files with HF tensor names beside a `config.json` (`pytorch_model*.bin`,
+    /// torchtune's `hf_model_*.pt`).
+    Pickle(Vec<PathBuf>),
+    /// Meta's original format: one `consolidated.00.pth` with `params.json` beside it.
+    Meta(PathBuf),
 }
 
 /// A checkpoint read into memory: its config and HF-named tensors in the compute dtype.
@@ -32,8 +39,9 @@ pub struct Checkpoint {
     pub dir: PathBuf,
 }
 
-/// Resolves `path` (an HF folder, a `.safetensors` file, a `.gguf` file, or a folder holding
-/// exactly one `.gguf`) to the files that hold the weights.
+/// Resolves `path` (an HF folder, a `.safetensors`/`.bin`/`.pt`/`.pth` file, a `.gguf` file, a
+/// folder holding exactly one `.gguf`, or a Meta folder with `params.json`) to the files that
+/// hold the weights. Safetensors win over pickles of the same model in one folder.
 pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     if !path.exists() {
         return Err(ModelError::file(path, "no such file or directory"));
@@ -42,9 +50,14 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
         return match path.extension().and_then(|e| e.to_str()) {
             Some("gguf") => Ok(CheckpointFormat::Gguf(path.to_path_buf())),
             Some("safetensors") => Ok(CheckpointFormat::Safetensors(vec![path.to_path_buf()])),
+            _ if torch_pickle::is_pickle_file(path) => locate_listed(
+                path.parent().unwrap_or(Path::new(".")),
+                &[path.to_path_buf()],
+            ),
             _ => Err(ModelError::file(
                 path,
-                "not a model: expected an HF checkpoint folder, a .safetensors or a .gguf file",
+                "not a model: expected an HF checkpoint folder, a .safetensors, .bin, .pth or \
+                 .gguf file",
             )),
         };
     }
@@ -81,6 +94,7 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     }
     let mut safetensors = Vec::new();
     let mut ggufs = Vec::new();
+    let mut consolidated = Vec::new();
     for entry in
         std::fs::read_dir(path).map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
     {
@@ -90,6 +104,13 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
         match p.extension().and_then(|e| e.to_str()) {
             Some("safetensors") if !p.ends_with("adapter_model.safetensors") => safetensors.push(p),
             Some("gguf") => ggufs.push(p),
+            Some("pth")
+                if p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("consolidated.")) =>
+            {
+                consolidated.push(p)
+            }
             _ => {}
         }
     }
@@ -97,17 +118,76 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     if !safetensors.is_empty() {
         return Ok(CheckpointFormat::Safetensors(safetensors));
     }
+    let pickle_index = path.join("pytorch_model.bin.index.json");
+    if pickle_index.is_file() {
+        return Ok(CheckpointFormat::Pickle(torch_pickle::pickle_index_files(
+            &pickle_index,
+        )?));
+    }
+    let pickle = path.join("pytorch_model.bin");
+    if pickle.is_file() {
+        return Ok(CheckpointFormat::Pickle(vec![pickle]));
+    }
+    if !consolidated.is_empty() && path.join("params.json").is_file() {
+        consolidated.sort();
+        return locate_listed(path, &consolidated);
+    }
     match ggufs.len() {
         1 => Ok(CheckpointFormat::Gguf(ggufs.remove(0))),
-        0 if path.join("adapter_config.json").is_file() => Err(ModelError::file(
-            path,
-            adapter_folder_hint(path),
-        )),
+        0 if path.join("adapter_config.json").is_file() => {
+            Err(ModelError::file(path, adapter_folder_hint(path)))
+        }
         0 => Err(ModelError::file(
             path,
-            "no model weights found (expected model.safetensors, model.safetensors.index.json or a .gguf file)",
+            "no model weights found (expected model.safetensors, model.safetensors.index.json, \
+             pytorch_model.bin, pytorch_model.bin.index.json, consolidated.00.pth with \
+             params.json, or a .gguf file)",
         )),
-        _ => Err(ModelError::file(path, "several .gguf files: pass the one to load")),
+        _ => Err(ModelError::file(
+            path,
+            "several .gguf files: pass the one to load",
+        )),
+    }
+}
+
+/// The format of the weight files `files` (in the checkpoint folder `dir`), as a config's
+/// `checkpoint_files` lists them: all safetensors, or all PyTorch pickles (Meta's when `dir` has
+/// `params.json` and no `config.json`).
+pub fn locate_listed(dir: &Path, files: &[PathBuf]) -> Result<CheckpointFormat, ModelError> {
+    let Some(first) = files.first() else {
+        return locate_weights(dir);
+    };
+    let safetensors = |f: &PathBuf| f.extension().is_some_and(|e| e == "safetensors");
+    if files.iter().all(safetensors) {
+        return Ok(CheckpointFormat::Safetensors(files.to_vec()));
+    }
+    if !files.iter().all(|f| torch_pickle::is_pickle_file(f)) {
+        return Err(ModelError::file(
+            first,
+            "checkpoint files must be all .safetensors or all PyTorch pickles (.bin, .pt, .pth)",
+        ));
+    }
+    let meta = dir.join("params.json").is_file() && !dir.join("config.json").is_file();
+    if !meta {
+        if !dir.join("config.json").is_file() {
+            return Err(ModelError::file(
+                dir,
+                "PyTorch checkpoint files need the model's config.json (an HF checkpoint) or \
+                 params.json (Meta's format) beside them",
+            ));
+        }
+        return Ok(CheckpointFormat::Pickle(files.to_vec()));
+    }
+    match files {
+        [one] => Ok(CheckpointFormat::Meta(one.clone())),
+        _ => Err(ModelError::file(
+            dir,
+            format!(
+                "{} Meta checkpoint files: model-parallel shards are not supported (torchtune \
+                 reads one consolidated.00.pth too); use the model's HF checkpoint",
+                files.len()
+            ),
+        )),
     }
 }
 
@@ -187,23 +267,76 @@ fn read_safetensors_renamed(
     Ok(out)
 }
 
-/// Reads a checkpoint (HF folder or GGUF) with tensors in `dtype` on `device`.
+/// Reads a checkpoint (HF folder, PyTorch or Meta pickle, or GGUF) with tensors in `dtype` on
+/// `device`.
 pub fn read_checkpoint(
     path: &Path,
     dtype: DType,
     device: &Device,
 ) -> Result<Checkpoint, ModelError> {
-    read(path, dtype, device, false)
+    read(path, &[], dtype, device, false)
+}
+
+/// [`read_checkpoint`] of exactly the weight files `files` of the folder `path` (a config's
+/// `checkpoint_files`; empty: the folder decides).
+pub fn read_checkpoint_files(
+    path: &Path,
+    files: &[PathBuf],
+    dtype: DType,
+    device: &Device,
+) -> Result<Checkpoint, ModelError> {
+    read(path, files, dtype, device, false)
 }
 
 fn read(
     path: &Path,
+    files: &[PathBuf],
     dtype: DType,
     device: &Device,
     keep_packed: bool,
 ) -> Result<Checkpoint, ModelError> {
-    let format = locate_weights(path)?;
+    let format = if files.is_empty() {
+        locate_weights(path)?
+    } else {
+        locate_listed(path, files)?
+    };
+    let folder = || {
+        if path.is_dir() {
+            path.to_path_buf()
+        } else {
+            path.parent().unwrap_or(Path::new(".")).to_path_buf()
+        }
+    };
     match &format {
+        CheckpointFormat::Pickle(files) => {
+            let dir = folder();
+            let config = ModelConfig::from_hf_file(&dir)?;
+            if config.text_of_multimodal {
+                return Err(ModelError::file(
+                    &dir,
+                    "a multimodal model's PyTorch .bin checkpoint is not supported; use its \
+                     safetensors",
+                ));
+            }
+            let tensors = torch_pickle::read_hf_pickles(files, dtype, device)?;
+            Ok(Checkpoint {
+                config,
+                tensors,
+                packed: PackedWeights::new(),
+                format,
+                dir,
+            })
+        }
+        CheckpointFormat::Meta(file) => {
+            let (config, tensors) = torch_pickle::read_meta(file, dtype, device)?;
+            Ok(Checkpoint {
+                config,
+                tensors,
+                packed: PackedWeights::new(),
+                format,
+                dir: folder(),
+            })
+        }
         CheckpointFormat::Gguf(file) => {
             let (config, tensors, packed) = if keep_packed && dtype == DType::F32 {
                 crate::gguf::load_gguf_with_packed(file, dtype, device)?
@@ -221,11 +354,7 @@ fn read(
             })
         }
         CheckpointFormat::Safetensors(files) => {
-            let dir = if path.is_dir() {
-                path.to_path_buf()
-            } else {
-                path.parent().unwrap_or(Path::new(".")).to_path_buf()
-            };
+            let dir = folder();
             let mut config = ModelConfig::from_hf_file(&dir)?;
             let tensors = if config.text_of_multimodal {
                 let tensors = read_safetensors_renamed(files, dtype, device, &text_model_tensor)?;
@@ -258,7 +387,18 @@ pub fn load_model(
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, PathBuf), ModelError> {
-    let ckpt = read(path, dtype, device, true)?;
+    load_model_files(path, &[], dtype, device)
+}
+
+/// [`load_model`] of exactly the weight files `files` of the folder `path` (empty: the folder
+/// decides).
+pub fn load_model_files(
+    path: &Path,
+    files: &[PathBuf],
+    dtype: DType,
+    device: &Device,
+) -> Result<(CausalLm, PathBuf), ModelError> {
+    let ckpt = read(path, files, dtype, device, true)?;
     let source = path.display().to_string();
     let model = CausalLm::from_tensors_and_packed(ckpt.config, ckpt.tensors, ckpt.packed, &source)?;
     Ok((model, ckpt.dir))

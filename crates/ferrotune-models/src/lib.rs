@@ -12,8 +12,12 @@ pub mod peft;
 pub mod rope;
 pub mod save;
 pub mod slots;
+pub mod torch_pickle;
 
-pub use checkpoint::{load_model, read_checkpoint, Checkpoint, CheckpointFormat};
+pub use checkpoint::{
+    load_model, load_model_files, read_checkpoint, read_checkpoint_files, Checkpoint,
+    CheckpointFormat,
+};
 pub use config::{ModelConfig, SUPPORTED_MODEL_TYPES};
 pub use device_map::{DeviceMapMode, Placement};
 pub use error::ModelError;

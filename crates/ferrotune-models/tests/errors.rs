@@ -119,3 +119,79 @@ fn missing_shard() {
         "{err}"
     );
 }
+
+fn pickle_fixture(case: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models")
+        .join(case)
+        .join("model")
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn bad_pytorch_checkpoints() {
+    // Not a torch.save zip (a pre-1.6 pickle or anything else): named, with what is expected.
+    let d = tmp("legacy-bin");
+    copy_dir(&pickle_fixture("llama2_bin"), &d);
+    std::fs::remove_file(d.join("pytorch_model.bin.index.json")).unwrap();
+    for f in std::fs::read_dir(&d).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "bin") {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+    std::fs::write(d.join("pytorch_model.bin"), b"\x80\x02legacy pickle").unwrap();
+    let err = load_err(&d);
+    assert!(
+        err.contains("pytorch_model.bin") && err.contains("torch.save"),
+        "{err}"
+    );
+
+    // A shard the index lists is missing.
+    let d = tmp("missing-shard");
+    copy_dir(&pickle_fixture("llama2_bin"), &d);
+    std::fs::remove_file(d.join("pytorch_model-00002-of-00002.bin")).unwrap();
+    let err = load_err(&d);
+    assert!(
+        err.contains("pytorch_model-00002-of-00002.bin") && err.contains("missing"),
+        "{err}"
+    );
+
+    // Pickles with neither config.json nor params.json: no way to know the model.
+    let d = tmp("no-config");
+    copy_dir(&pickle_fixture("llama2_bin"), &d);
+    std::fs::remove_file(d.join("config.json")).unwrap();
+    let err = load_err(&d.join("pytorch_model-00001-of-00002.bin"));
+    assert!(
+        err.contains("config.json") && err.contains("params.json"),
+        "{err}"
+    );
+
+    // Meta's model-parallel shards (70B ships eight): refused, not half-loaded.
+    let d = tmp("meta-shards");
+    copy_dir(&pickle_fixture("llama2_meta"), &d);
+    std::fs::copy(d.join("consolidated.00.pth"), d.join("consolidated.01.pth")).unwrap();
+    let err = load_err(&d);
+    assert!(err.contains("2 Meta checkpoint files"), "{err}");
+
+    // params.json disagreeing with the weights.
+    let d = tmp("meta-params");
+    copy_dir(&pickle_fixture("llama2_meta"), &d);
+    let path = d.join("params.json");
+    let mut params: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    params["n_layers"] = 3.into();
+    std::fs::write(&path, params.to_string()).unwrap();
+    let err = load_err(&d);
+    assert!(
+        err.contains("consolidated.00.pth") && err.contains("3 layers"),
+        "{err}"
+    );
+}

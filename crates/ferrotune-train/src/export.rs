@@ -45,8 +45,10 @@ pub fn write_hf_model(
     tokenizer: Option<&Tokenizer>,
 ) -> Result<()> {
     let generation = match &source.format {
-        CheckpointFormat::Safetensors(_) => read_json(&source.dir.join("generation_config.json"))?,
-        CheckpointFormat::Gguf(_) => None,
+        CheckpointFormat::Safetensors(_) | CheckpointFormat::Pickle(_) => {
+            read_json(&source.dir.join("generation_config.json"))?
+        }
+        CheckpointFormat::Gguf(_) | CheckpointFormat::Meta(_) => None,
     };
     save_hf_checkpoint(
         out,
@@ -67,7 +69,14 @@ pub fn copy_or_export_tokenizer(
     out: &Path,
 ) -> Result<()> {
     match &source.format {
-        CheckpointFormat::Safetensors(_) => {
+        CheckpointFormat::Meta(_) => {
+            // Meta's folder holds its own tokenizer.model (tiktoken for Llama 3, not a file HF
+            // reads as one): the run's HF tokenizer is what the saved folder gets.
+            if let Some(tok) = tokenizer {
+                copy_tokenizer_files(tok.origin(), out)?;
+            }
+        }
+        CheckpointFormat::Safetensors(_) | CheckpointFormat::Pickle(_) => {
             let copied = copy_tokenizer_files(&source.dir, out)?;
             // A tokenizer from elsewhere (`tokenizer.path`) when the checkpoint folder has none.
             if !copied {

@@ -611,6 +611,12 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             "{} is already a GGUF file; export-gguf converts an HF checkpoint folder",
             path.display()
         ),
+        CheckpointFormat::Pickle(_) | CheckpointFormat::Meta(_) => bail!(
+            "{}: export-gguf reads safetensors checkpoints; this one is PyTorch pickles (a \
+             fine-tuning run on it saves safetensors, or save it with transformers' \
+             save_pretrained)",
+            model_dir.display()
+        ),
     };
     let config = ModelConfig::from_hf_file(&model_dir.join("config.json"))?;
     let (arch, permute) = architecture(&config)?;

@@ -116,9 +116,10 @@ pub fn rank_validation_rows(
 pub fn run(cfg: &Config) -> Result<EvalResult> {
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
-    let path = setup::checkpoint_path(cfg)?;
+    let location = setup::checkpoint_path(cfg)?;
+    let path = location.path.clone();
     let tok = setup::tokenizer(cfg, &path)?;
-    let (mut model, _) = ferrotune_models::load_model(&path, dtype, &device)?;
+    let (mut model, _) = location.load(dtype, &device)?;
     model
         .config
         .require_language_model()

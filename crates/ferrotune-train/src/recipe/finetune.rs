@@ -277,19 +277,20 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         None => setup::seed(cfg)?,
     };
 
-    let base_path = setup::checkpoint_path(cfg)?;
+    let base = setup::checkpoint_path(cfg)?;
+    let base_path = base.path.clone();
     let tokenizer = setup::tokenizer(cfg, &base_path)?;
     // Full fine-tuning resumes from the saved full weights; LoRA from the base plus the saved adapter.
-    let weights_path = match (&saved, mode) {
-        (Some(s), m) if m.full() => s.dir.clone(),
-        _ => base_path.clone(),
+    let weights = match (&saved, mode) {
+        (Some(s), m) if m.full() => setup::CheckpointLocation::folder(&s.dir),
+        _ => base.clone(),
     };
     let t0 = Instant::now();
-    let (mut model, source) = setup::load_model(cfg, &weights_path, dtype, &device)?;
+    let (mut model, source) = setup::load_model(cfg, &weights, dtype, &device)?;
     model
         .config
         .require_language_model()
-        .map_err(|e| anyhow!("{}: {e}", weights_path.display()))?;
+        .map_err(|e| anyhow!("{}: {e}", weights.path.display()))?;
     let say = |msg: String| {
         if lead {
             eprintln!("{msg}");
@@ -298,7 +299,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let source = match (&saved, mode) {
         // Tokenizer/generation files still come from the original base.
         (Some(_), m) if m.full() => {
-            let (fmt, dir) = base_source(&base_path)?;
+            let (fmt, dir) = base_source(&base)?;
             ModelSource { format: fmt, dir }
         }
         _ => source,
@@ -389,9 +390,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     };
     // DPO's reference: the base model with the adapters disabled (LoRA), or a frozen copy.
     let reference = match mode {
-        Mode::FullDpo => Some(setup_reference(
-            cfg, &model, &base_path, dtype, &device, lead,
-        )?),
+        Mode::FullDpo => Some(setup_reference(cfg, &model, &base, dtype, &device, lead)?),
         _ => {
             if lead && mode != Mode::Dpo {
                 note_ignored_keys(cfg, &["ref_checkpointer"], "full_dpo", recipe);
@@ -1037,9 +1036,11 @@ fn setup_teacher(
     device: &candle_core::Device,
     lead: bool,
 ) -> Result<Teacher> {
-    let path = setup::checkpoint_path_at(cfg, "teacher_checkpointer")?;
+    let location = setup::checkpoint_path_at(cfg, "teacher_checkpointer")?;
+    let path = location.path.clone();
     let t0 = Instant::now();
-    let (model, _) = ferrotune_models::load_model(&path, dtype, device)
+    let (model, _) = location
+        .load(dtype, device)
         .with_context(|| format!("{}: teacher_checkpointer", cfg.origin))?;
     model
         .config
@@ -1107,18 +1108,20 @@ fn setup_teacher(
 fn setup_reference(
     cfg: &Config,
     policy: &CausalLm,
-    base_path: &Path,
+    base: &setup::CheckpointLocation,
     dtype: DType,
     device: &candle_core::Device,
     lead: bool,
 ) -> Result<CausalLm> {
-    let path = if cfg.get("ref_checkpointer").is_some_and(|v| !v.is_null()) {
+    let location = if cfg.get("ref_checkpointer").is_some_and(|v| !v.is_null()) {
         setup::checkpoint_path_at(cfg, "ref_checkpointer")?
     } else {
-        base_path.to_path_buf()
+        base.clone()
     };
+    let path = location.path.clone();
     let t0 = Instant::now();
-    let (model, _) = ferrotune_models::load_model(&path, dtype, device)
+    let (model, _) = location
+        .load(dtype, device)
         .with_context(|| format!("{}: ref_checkpointer", cfg.origin))?;
     model
         .config
@@ -1144,8 +1147,11 @@ fn setup_reference(
     Ok(model)
 }
 
-pub(crate) fn base_source(path: &Path) -> Result<(ferrotune_models::CheckpointFormat, PathBuf)> {
-    let format = ferrotune_models::checkpoint::locate_weights(path)?;
+pub(crate) fn base_source(
+    location: &setup::CheckpointLocation,
+) -> Result<(ferrotune_models::CheckpointFormat, PathBuf)> {
+    let path = &location.path;
+    let format = ferrotune_models::checkpoint::locate_listed(path, &location.files)?;
     let dir = match &format {
         ferrotune_models::CheckpointFormat::Gguf(f) => {
             f.parent().unwrap_or(Path::new(".")).to_path_buf()

@@ -21,7 +21,8 @@ use crate::recipe::setup;
 pub fn run(cfg: &Config) -> Result<()> {
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
-    let path = setup::checkpoint_path(cfg)?;
+    let location = setup::checkpoint_path(cfg)?;
+    let path = location.path.clone();
     let tok = setup::tokenizer(cfg, &path)?;
     let prompt_ids = match cfg.get("prompt") {
         None => bail!("{}: 'prompt' is required", cfg.origin),
@@ -62,7 +63,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         bail!("{}: the prompt encodes to no tokens", cfg.origin);
     }
     let t0 = Instant::now();
-    let (mut model, _) = ferrotune_models::load_model(&path, dtype, &device)?;
+    let (mut model, _) = location.load(dtype, &device)?;
     model
         .config
         .require_language_model()

@@ -513,18 +513,21 @@ fn load(
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, ModelSource, PathBuf)> {
-    let path = setup::checkpoint_path_at(cfg, section)?;
+    let location = setup::checkpoint_path_at(cfg, section)?;
     let (model, source) = match resumed {
         Some(dir) => {
-            let (model, _) = setup::load_model(cfg, dir, dtype, device).with_context(|| {
-                format!("{}: resuming {section} from {}", cfg.origin, dir.display())
-            })?;
-            let (format, base) = base_source(&path)?;
+            let (model, _) =
+                setup::load_model(cfg, &setup::CheckpointLocation::folder(dir), dtype, device)
+                    .with_context(|| {
+                        format!("{}: resuming {section} from {}", cfg.origin, dir.display())
+                    })?;
+            let (format, base) = base_source(&location)?;
             (model, ModelSource { format, dir: base })
         }
-        None => setup::load_model(cfg, &path, dtype, device)
+        None => setup::load_model(cfg, &location, dtype, device)
             .with_context(|| format!("{}: {section}", cfg.origin))?,
     };
+    let path = location.path;
     setup::check_component_at(cfg, &format!("{component}._component_"), &model.config)?;
     Ok((model, source, path))
 }
@@ -721,8 +724,8 @@ pub fn run(cfg: &Config) -> Result<()> {
             bail!(
                 "{o}: the policy and the reference policy must start from the same checkpoint \
                  (checkpointer.checkpoint_dir {} vs ref_policy_checkpointer.checkpoint_dir {})",
-                p.display(),
-                r.display()
+                p.path.display(),
+                r.path.display()
             );
         }
         None

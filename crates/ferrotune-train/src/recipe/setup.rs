@@ -7,7 +7,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Var};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::peft::{LoraConfig, TargetModules};
-use ferrotune_models::{read_checkpoint, CausalLm, ModelConfig};
+use ferrotune_models::{read_checkpoint_files, CausalLm, ModelConfig};
 
 use crate::config::Config;
 use crate::export::ModelSource;
@@ -66,14 +66,43 @@ pub fn dtype(cfg: &Config) -> Result<DType> {
     }
 }
 
-/// The base checkpoint path (`checkpointer.checkpoint_dir`, an HF folder or a .gguf), checking
-/// `checkpointer.checkpoint_files` when given.
-pub fn checkpoint_path(cfg: &Config) -> Result<PathBuf> {
+/// A checkpointer section's model: its `checkpoint_dir` (an HF or Meta folder, or a .gguf) and
+/// the weight files its `checkpoint_files` names, which are what is loaded, as torchtune's
+/// checkpointers do (empty: the folder decides).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointLocation {
+    pub path: PathBuf,
+    pub files: Vec<PathBuf>,
+}
+
+impl CheckpointLocation {
+    /// A checkpoint folder whose weights the folder itself names (a run's own checkpoint).
+    pub fn folder(path: &Path) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            files: Vec::new(),
+        }
+    }
+
+    /// Loads the model for inference (see [`ferrotune_models::load_model`]); returns it and the
+    /// folder holding its config and tokenizer files.
+    pub fn load(&self, dtype: DType, device: &Device) -> Result<(CausalLm, PathBuf)> {
+        Ok(ferrotune_models::load_model_files(
+            &self.path,
+            &self.files,
+            dtype,
+            device,
+        )?)
+    }
+}
+
+/// The base checkpoint (`checkpointer.checkpoint_dir` and `checkpoint_files`).
+pub fn checkpoint_path(cfg: &Config) -> Result<CheckpointLocation> {
     checkpoint_path_at(cfg, "checkpointer")
 }
 
 /// [`checkpoint_path`] for the checkpointer section `section` (`teacher_checkpointer` too).
-pub fn checkpoint_path_at(cfg: &Config, section: &str) -> Result<PathBuf> {
+pub fn checkpoint_path_at(cfg: &Config, section: &str) -> Result<CheckpointLocation> {
     let dir = cfg
         .path(&format!("{section}.checkpoint_dir"))?
         .ok_or_else(|| anyhow!("{}: '{section}.checkpoint_dir' is required", cfg.origin))?;
@@ -92,6 +121,7 @@ pub fn checkpoint_path_at(cfg: &Config, section: &str) -> Result<PathBuf> {
             dir.display()
         );
     }
+    let mut listed = Vec::new();
     if let Some(files) = cfg
         .get(&format!("{section}.checkpoint_files"))
         .filter(|_| !gguf)
@@ -119,26 +149,31 @@ pub fn checkpoint_path_at(cfg: &Config, section: &str) -> Result<PathBuf> {
                     f.display()
                 );
             }
-            if name.ends_with(".pt") || name.ends_with(".bin") || name.ends_with(".pth") {
-                bail!(
-                    "{}: {section}.checkpoint_files: {name}: PyTorch pickle checkpoints are not \
-                     supported; use the safetensors files of the HF checkpoint",
-                    cfg.origin
-                );
-            }
+            listed.push(f);
+        }
+        if dir.is_dir() && !listed.is_empty() {
+            ferrotune_models::checkpoint::locate_listed(&dir, &listed)
+                .map_err(|e| anyhow!("{}: {section}.checkpoint_files: {e}", cfg.origin))?;
+        } else {
+            // checkpoint_dir names a file: that file is the checkpoint.
+            listed.clear();
         }
     }
-    Ok(dir)
+    Ok(CheckpointLocation {
+        path: dir,
+        files: listed,
+    })
 }
 
 /// Loads the base model (training copy: no packed weights) in `dtype` on `device`.
 pub fn load_model(
     cfg: &Config,
-    path: &Path,
+    location: &CheckpointLocation,
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, ModelSource)> {
-    let ckpt = read_checkpoint(path, dtype, device)?;
+    let path = &location.path;
+    let ckpt = read_checkpoint_files(path, &location.files, dtype, device)?;
     check_model_component(cfg, &ckpt.config)?;
     for caveat in ckpt.config.training_caveats() {
         tracing::warn!("{}: {caveat}", path.display());
