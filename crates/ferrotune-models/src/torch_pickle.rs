@@ -2,13 +2,16 @@
 //! `hf_model_*.pt`), which carry HF tensor names beside a `config.json`, and Meta's original
 //! `consolidated.00.pth` + `params.json` (torchtune's `FullModelMetaCheckpointer`).
 //!
-//! The zip-and-pickle container is parsed by candle's reader (`candle_core::pickle`); what is ours
-//! is the glue: shard lists, the Meta names and config, and the rotary layout of Meta's q/k rows.
+//! The pickle opcodes are parsed by candle's unpickler (`candle_core::pickle::Stack`); walking the
+//! state dict is ours, because candle's own loader skips (with a print) the storage types it does
+//! not know — int8 codes among them — where we must fail loudly or read them. Writing is ours too
+//! (no crate writes torch's format): a dict of tensors as `torch.save` lays it out. Also ours: shard
+//! lists, the Meta names and config, and the rotary layout of Meta's q/k rows.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::pickle::PthTensors;
+use candle_core::pickle::Object;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
@@ -23,47 +26,522 @@ pub fn is_pickle_file(path: &Path) -> bool {
     )
 }
 
+/// The element type of a torch storage (`torch.FloatStorage` and the like).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TorchDType {
+    F32,
+    F64,
+    F16,
+    BF16,
+    I64,
+    I32,
+    I16,
+    I8,
+    U8,
+    Bool,
+}
+
+impl TorchDType {
+    const ALL: [TorchDType; 10] = [
+        Self::F32,
+        Self::F64,
+        Self::F16,
+        Self::BF16,
+        Self::I64,
+        Self::I32,
+        Self::I16,
+        Self::I8,
+        Self::U8,
+        Self::Bool,
+    ];
+
+    /// The storage class `torch.save` names for this type.
+    pub fn storage_class(self) -> &'static str {
+        match self {
+            Self::F32 => "FloatStorage",
+            Self::F64 => "DoubleStorage",
+            Self::F16 => "HalfStorage",
+            Self::BF16 => "BFloat16Storage",
+            Self::I64 => "LongStorage",
+            Self::I32 => "IntStorage",
+            Self::I16 => "ShortStorage",
+            Self::I8 => "CharStorage",
+            Self::U8 => "ByteStorage",
+            Self::Bool => "BoolStorage",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F64 | Self::I64 => 8,
+            Self::F32 | Self::I32 => 4,
+            Self::F16 | Self::BF16 | Self::I16 => 2,
+            Self::I8 | Self::U8 | Self::Bool => 1,
+        }
+    }
+}
+
+/// One tensor of a `torch.save` file: its type, shape and contiguous little-endian bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TorchTensor {
+    pub dtype: TorchDType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl TorchTensor {
+    /// An int8 tensor (torch's `CharStorage`), e.g. quantized codes.
+    pub fn from_i8(shape: Vec<usize>, values: &[i8]) -> Self {
+        Self {
+            dtype: TorchDType::I8,
+            shape,
+            data: values.iter().map(|&v| v as u8).collect(),
+        }
+    }
+
+    /// An int32 tensor.
+    pub fn from_i32(shape: Vec<usize>, values: &[i32]) -> Self {
+        Self {
+            dtype: TorchDType::I32,
+            shape,
+            data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
+    /// A candle tensor's values in its dtype (f32, f64, f16, bf16, i64, i32, i16, u8).
+    pub fn from_tensor(t: &Tensor) -> candle_core::Result<Self> {
+        let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
+        let (dtype, data): (TorchDType, Vec<u8>) = match t.dtype() {
+            DType::F32 => (
+                TorchDType::F32,
+                le(flat.to_vec1::<f32>()?, f32::to_le_bytes),
+            ),
+            DType::F64 => (
+                TorchDType::F64,
+                le(flat.to_vec1::<f64>()?, f64::to_le_bytes),
+            ),
+            DType::F16 => (
+                TorchDType::F16,
+                le(flat.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
+            ),
+            DType::BF16 => (
+                TorchDType::BF16,
+                le(flat.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
+            ),
+            DType::I64 => (
+                TorchDType::I64,
+                le(flat.to_vec1::<i64>()?, i64::to_le_bytes),
+            ),
+            DType::I32 => (
+                TorchDType::I32,
+                le(flat.to_vec1::<i32>()?, i32::to_le_bytes),
+            ),
+            DType::I16 => (
+                TorchDType::I16,
+                le(flat.to_vec1::<i16>()?, i16::to_le_bytes),
+            ),
+            DType::U8 => (TorchDType::U8, flat.to_vec1::<u8>()?),
+            other => candle_core::bail!("no torch storage for {other:?}"),
+        };
+        Ok(Self {
+            dtype,
+            shape: t.dims().to_vec(),
+            data,
+        })
+    }
+
+    /// The values as a candle tensor in `dtype` (integers through f32/f64, exactly while they
+    /// fit).
+    pub fn to_tensor(&self, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+        let shape = self.shape.as_slice();
+        let raw = |d: DType| Tensor::from_raw_buffer(&self.data, d, shape, &Device::Cpu);
+        let t = match self.dtype {
+            TorchDType::F32 => raw(DType::F32)?,
+            TorchDType::F64 => raw(DType::F64)?,
+            TorchDType::F16 => raw(DType::F16)?,
+            TorchDType::BF16 => raw(DType::BF16)?,
+            TorchDType::I64 => raw(DType::I64)?,
+            TorchDType::I32 => raw(DType::I32)?,
+            TorchDType::I16 => raw(DType::I16)?,
+            TorchDType::U8 | TorchDType::Bool => raw(DType::U8)?,
+            TorchDType::I8 => {
+                let v: Vec<f32> = self.data.iter().map(|&b| b as i8 as f32).collect();
+                Tensor::from_vec(v, shape, &Device::Cpu)?
+            }
+        };
+        t.to_dtype(dtype)?.to_device(device)
+    }
+}
+
+fn le<T: Copy, const N: usize>(v: Vec<T>, f: fn(T) -> [u8; N]) -> Vec<u8> {
+    v.into_iter().flat_map(f).collect()
+}
+
+/// Where one tensor's bytes are in a `torch.save` file.
+struct TensorRecord {
+    name: String,
+    dtype: TorchDType,
+    shape: Vec<usize>,
+    storage: String,
+    offset: usize,
+}
+
+/// Reads every tensor of a `torch.save` file holding a state dict (a dict of tensors, as
+/// `torch.save(model.state_dict())` writes it), sorted by name. Tensors sharing a storage (tied
+/// weights) each get their own copy. Only what a state dict holds is accepted: another object, a
+/// non-tensor value or a tensor subclass (torchao's quantized tensors) is an error naming it.
+pub fn read_torch_file(file: &Path) -> Result<Vec<(String, TorchTensor)>, ModelError> {
+    let ferr = |msg: String| ModelError::file(file, msg);
+    let not_torch = |e: &dyn std::fmt::Display| {
+        ferr(format!(
+            "not a readable PyTorch checkpoint ({e}); expected a zip file written by torch.save \
+             (PyTorch 1.6 or later) holding a state dict of tensors"
+        ))
+    };
+    let f = std::fs::File::open(file).map_err(|e| ferr(format!("cannot open: {e}")))?;
+    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(f)).map_err(|e| not_torch(&e))?;
+    let pkl = zip
+        .file_names()
+        .filter_map(|n| n.ok().map(|n| n.into_owned()))
+        .find(|n| n.ends_with("data.pkl"))
+        .ok_or_else(|| not_torch(&"no data.pkl inside"))?;
+    let prefix = pkl.strip_suffix("data.pkl").unwrap_or("").to_string();
+    let obj = {
+        let entry = zip.by_name(&pkl).map_err(|e| not_torch(&e))?;
+        let mut reader = std::io::BufReader::new(entry);
+        let mut stack = candle_core::pickle::Stack::empty();
+        stack.read_loop(&mut reader).map_err(|e| not_torch(&e))?;
+        stack.finalize().map_err(|e| not_torch(&e))?
+    };
+    let entries = match obj {
+        Object::Dict(entries) => entries,
+        other => {
+            return Err(ferr(format!(
+                "holds {}, not a state dict of tensors",
+                describe(&other)
+            )))
+        }
+    };
+    let mut records = Vec::with_capacity(entries.len());
+    for (key, value) in entries {
+        let name = match key {
+            Object::Unicode(s) => s,
+            other => return Err(ferr(format!("a state dict key is {}", describe(&other)))),
+        };
+        let record = tensor_record(value)
+            .map_err(|msg| ferr(format!("'{name}': {msg}")))?
+            .with_name(name);
+        records.push(record);
+    }
+    // Each storage is read once, for all the tensors that view it.
+    let mut by_storage: HashMap<String, Vec<usize>> = HashMap::new();
+    for (i, r) in records.iter().enumerate() {
+        by_storage.entry(r.storage.clone()).or_default().push(i);
+    }
+    let mut out: Vec<Option<TorchTensor>> = vec![None; records.len()];
+    let mut storages: Vec<_> = by_storage.into_iter().collect();
+    storages.sort();
+    for (key, users) in storages {
+        let path = format!("{prefix}data/{key}");
+        let mut bytes = Vec::new();
+        {
+            use std::io::Read;
+            let mut entry = zip
+                .by_name(&path)
+                .map_err(|e| ferr(format!("storage '{path}': {e}")))?;
+            entry
+                .read_to_end(&mut bytes)
+                .map_err(|e| ferr(format!("storage '{path}': {e}")))?;
+        }
+        for i in users {
+            let r = &records[i];
+            let numel: usize = r.shape.iter().product();
+            let (start, len) = (r.offset * r.dtype.size(), numel * r.dtype.size());
+            let data = bytes.get(start..start + len).ok_or_else(|| {
+                ferr(format!(
+                    "'{}': {len} bytes at {start} are past its storage's {} bytes (truncated \
+                     file?)",
+                    r.name,
+                    bytes.len()
+                ))
+            })?;
+            out[i] = Some(TorchTensor {
+                dtype: r.dtype,
+                shape: r.shape.clone(),
+                data: data.to_vec(),
+            });
+        }
+    }
+    let mut tensors: Vec<(String, TorchTensor)> = records
+        .into_iter()
+        .zip(out)
+        .map(|(r, t)| (r.name, t.expect("every record belongs to a storage")))
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(tensors)
+}
+
+impl TensorRecord {
+    fn with_name(mut self, name: String) -> Self {
+        self.name = name;
+        self
+    }
+}
+
+/// A short description of a pickled object for error messages.
+fn describe(obj: &Object) -> String {
+    match obj {
+        Object::Reduce { callable, .. } | Object::Build { callable, .. } => match &**callable {
+            Object::Class {
+                module_name,
+                class_name,
+            } => format!("a {module_name}.{class_name} object"),
+            _ => "an object".into(),
+        },
+        Object::Dict(_) => "a dict".into(),
+        Object::Int(_) | Object::Long(_) => "an integer".into(),
+        Object::Float(_) => "a float".into(),
+        Object::Unicode(_) => "a string".into(),
+        Object::List(_) => "a list".into(),
+        Object::Tuple(_) => "a tuple".into(),
+        Object::None => "None".into(),
+        _ => "an unsupported object".into(),
+    }
+}
+
+/// The tensor a state-dict value rebuilds (`torch._utils._rebuild_tensor_v2`, possibly inside
+/// `_rebuild_parameter`).
+fn tensor_record(value: Object) -> Result<TensorRecord, String> {
+    let what = describe(&value);
+    let (callable, args) = value
+        .reduce()
+        .map_err(|_| format!("{what}, not a tensor"))?;
+    let Object::Class {
+        module_name,
+        class_name,
+    } = callable
+    else {
+        return Err(format!("{what}, not a tensor"));
+    };
+    match (module_name.as_str(), class_name.as_str()) {
+        ("torch._utils", "_rebuild_tensor_v2") => {}
+        ("torch._utils", "_rebuild_parameter") => {
+            let mut a = args
+                .tuple()
+                .map_err(|_| "malformed parameter".to_string())?;
+            if a.is_empty() {
+                return Err("malformed parameter".into());
+            }
+            return tensor_record(a.remove(0));
+        }
+        ("torch._tensor", "_rebuild_from_type_v2")
+        | ("torch._utils", "_rebuild_wrapper_subclass") => {
+            return Err(
+                "a tensor subclass (e.g. torchao's quantized tensors), which only the \
+                        library that made it can read"
+                    .into(),
+            )
+        }
+        (m, c) => return Err(format!("a {m}.{c} object, not a tensor")),
+    }
+    let malformed = |what: &str| format!("malformed tensor record ({what})");
+    let mut a = args.tuple().map_err(|_| malformed("arguments"))?;
+    if a.len() < 4 {
+        return Err(malformed("arguments"));
+    }
+    let stride: Vec<usize> =
+        Vec::<usize>::try_from(a.remove(3)).map_err(|_| malformed("stride"))?;
+    let shape: Vec<usize> = Vec::<usize>::try_from(a.remove(2)).map_err(|_| malformed("size"))?;
+    let offset = a
+        .remove(1)
+        .int_or_long()
+        .map_err(|_| malformed("storage offset"))? as usize;
+    let storage = a
+        .remove(0)
+        .persistent_load()
+        .map_err(|_| malformed("storage"))?;
+    let mut st = storage.tuple().map_err(|_| malformed("storage"))?;
+    if st.len() < 5 {
+        return Err(malformed("storage"));
+    }
+    let key = st
+        .remove(2)
+        .unicode()
+        .map_err(|_| malformed("storage key"))?;
+    let (_, class) = st
+        .remove(1)
+        .class()
+        .map_err(|_| malformed("storage type"))?;
+    let dtype = TorchDType::ALL
+        .into_iter()
+        .find(|d| d.storage_class() == class)
+        .ok_or_else(|| format!("storage type {class} is not supported"))?;
+    // Row-major strides (a dimension of size 1 may have any stride).
+    let mut want = 1usize;
+    for (d, (&n, &s)) in shape.iter().zip(&stride).enumerate().rev() {
+        if n != 1 && s != want {
+            return Err(format!(
+                "non-contiguous tensor (size {shape:?}, stride {stride:?}, dimension {d}); save \
+                 it with .contiguous()"
+            ));
+        }
+        want *= n;
+    }
+    Ok(TensorRecord {
+        name: String::new(),
+        dtype,
+        shape,
+        storage: key,
+        offset,
+    })
+}
+
+/// Writes `tensors` as `torch.save` writes a state dict (a dict of tensors): a zip of
+/// `data.pkl` (pickle protocol 2, read by `torch.load(..., weights_only=True)`), one storage per
+/// tensor under `data/`, 64-byte aligned as torch aligns them, `byteorder` and `version`. The file
+/// is written under a temporary name and renamed into place.
+pub fn write_torch_file(file: &Path, tensors: &[(String, TorchTensor)]) -> Result<(), ModelError> {
+    use std::io::Write;
+    let ferr = |e: &dyn std::fmt::Display| ModelError::file(file, format!("cannot write: {e}"));
+    let stem = file
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .filter(|s| {
+            s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c))
+        })
+        .unwrap_or("archive")
+        .to_string();
+    let tmp = file.with_file_name(format!(
+        ".{}.tmp-{}",
+        file.file_name().and_then(|n| n.to_str()).unwrap_or("torch"),
+        std::process::id()
+    ));
+    let result = (|| -> Result<(), ModelError> {
+        let f = std::fs::File::create(&tmp).map_err(|e| ferr(&e))?;
+        let mut zip = zip::ZipWriter::new(std::io::BufWriter::new(f));
+        let opts = |size: usize| {
+            zip::write::SimpleFileOptions::default()
+                .compression_method(zip::CompressionMethod::Stored)
+                .with_alignment(64)
+                .large_file(size as u64 >= u32::MAX as u64)
+        };
+        let pickle = state_dict_pickle(tensors);
+        zip.start_file(format!("{stem}/data.pkl"), opts(pickle.len()))
+            .map_err(|e| ferr(&e))?;
+        zip.write_all(&pickle).map_err(|e| ferr(&e))?;
+        zip.start_file(format!("{stem}/byteorder"), opts(6))
+            .map_err(|e| ferr(&e))?;
+        zip.write_all(b"little").map_err(|e| ferr(&e))?;
+        for (i, (_, t)) in tensors.iter().enumerate() {
+            zip.start_file(format!("{stem}/data/{i}"), opts(t.data.len()))
+                .map_err(|e| ferr(&e))?;
+            zip.write_all(&t.data).map_err(|e| ferr(&e))?;
+        }
+        zip.start_file(format!("{stem}/version"), opts(2))
+            .map_err(|e| ferr(&e))?;
+        zip.write_all(b"3\n").map_err(|e| ferr(&e))?;
+        let mut inner = zip.finish().map_err(|e| ferr(&e))?;
+        inner.flush().map_err(|e| ferr(&e))?;
+        inner
+            .into_inner()
+            .map_err(|e| ferr(&e.error().to_string()))?
+            .sync_all()
+            .map_err(|e| ferr(&e))?;
+        std::fs::rename(&tmp, file).map_err(|e| ferr(&e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// The pickle (protocol 2) of a dict mapping each name to a tensor rebuilt by
+/// `torch._utils._rebuild_tensor_v2` from storage `data/<i>`.
+fn state_dict_pickle(tensors: &[(String, TorchTensor)]) -> Vec<u8> {
+    let mut p = vec![0x80, 2]; // PROTO 2
+    p.push(b'}'); // EMPTY_DICT
+    for (i, (name, t)) in tensors.iter().enumerate() {
+        p.push(b'('); // MARK
+        unicode(&mut p, name);
+        global(&mut p, "torch._utils", "_rebuild_tensor_v2");
+        p.push(b'('); // MARK: the arguments
+        p.push(b'('); // MARK: the persistent id
+        unicode(&mut p, "storage");
+        global(&mut p, "torch", t.dtype.storage_class());
+        unicode(&mut p, &i.to_string());
+        unicode(&mut p, "cpu");
+        int(&mut p, t.shape.iter().product::<usize>());
+        p.push(b't'); // TUPLE
+        p.push(b'Q'); // BINPERSID
+        int(&mut p, 0); // storage offset
+        let mut strides = vec![1usize; t.shape.len()];
+        for d in (0..t.shape.len().saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * t.shape[d + 1];
+        }
+        for dims in [&t.shape, &strides] {
+            p.push(b'(');
+            for &n in dims.iter() {
+                int(&mut p, n);
+            }
+            p.push(b't');
+        }
+        p.push(0x89); // NEWFALSE: requires_grad
+        global(&mut p, "collections", "OrderedDict");
+        p.push(b')'); // EMPTY_TUPLE
+        p.push(b'R'); // REDUCE: backward hooks
+        p.push(b't'); // TUPLE
+        p.push(b'R'); // REDUCE: the tensor
+        p.push(b'u'); // SETITEMS
+    }
+    p.push(b'.'); // STOP
+    p
+}
+
+fn unicode(p: &mut Vec<u8>, s: &str) {
+    p.push(b'X'); // BINUNICODE
+    p.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    p.extend_from_slice(s.as_bytes());
+}
+
+fn global(p: &mut Vec<u8>, module: &str, name: &str) {
+    p.push(b'c'); // GLOBAL
+    p.extend_from_slice(module.as_bytes());
+    p.push(b'\n');
+    p.extend_from_slice(name.as_bytes());
+    p.push(b'\n');
+}
+
+fn int(p: &mut Vec<u8>, n: usize) {
+    if n < (1 << 31) {
+        p.push(b'J'); // BININT
+        p.extend_from_slice(&(n as i32).to_le_bytes());
+    } else {
+        p.push(0x8a); // LONG1
+        p.push(8);
+        p.extend_from_slice(&(n as i64).to_le_bytes());
+    }
+}
+
 /// The tensors of one `torch.save` file, under their names in the file, in `dtype` on `device`.
 pub fn read_pickle_file(
     file: &Path,
     dtype: DType,
     device: &Device,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
-    let pth = open(file)?;
-    let mut names: Vec<&String> = pth.tensor_infos().keys().collect();
-    names.sort();
-    let mut out = HashMap::with_capacity(names.len());
-    for name in names {
-        let t = pth
-            .get(name)
-            .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?
-            .ok_or_else(|| ModelError::file(file, format!("tensor '{name}' vanished")))?;
+    let tensors = read_torch_file(file)?;
+    if tensors.is_empty() {
+        return Err(ModelError::file(file, "holds no tensors"));
+    }
+    let mut out = HashMap::with_capacity(tensors.len());
+    for (name, t) in tensors {
         let t = t
-            .to_dtype(dtype)
-            .and_then(|t| t.to_device(device))
-            .map_err(|e| ModelError::file(file, format!("tensor '{name}': cannot convert: {e}")))?;
-        out.insert(name.clone(), t);
+            .to_tensor(dtype, device)
+            .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
+        out.insert(name, t);
     }
     Ok(out)
-}
-
-fn open(file: &Path) -> Result<PthTensors, ModelError> {
-    let pth = PthTensors::new(file, None).map_err(|e| {
-        ModelError::file(
-            file,
-            format!(
-                "not a readable PyTorch checkpoint ({e}); expected a zip file written by \
-                 torch.save (PyTorch 1.6 or later) holding a state dict of tensors"
-            ),
-        )
-    })?;
-    if pth.tensor_infos().is_empty() {
-        return Err(ModelError::file(
-            file,
-            "holds no tensors ferrotune can read (a state dict of float32/float16/bfloat16 tensors)",
-        ));
-    }
-    Ok(pth)
 }
 
 /// Reads HF-named pickle files (shards of one state dict) into one map.
@@ -175,7 +653,18 @@ pub fn read_meta(
         .and_then(Value::as_bool)
         .unwrap_or(false);
 
-    let raw = read_pickle_file(file, dtype, device)?;
+    let stored = read_torch_file(file)?;
+    let stored_dtype = stored
+        .iter()
+        .find(|(n, _)| n == "tok_embeddings.weight")
+        .map(|(_, t)| t.dtype);
+    let mut raw = HashMap::with_capacity(stored.len());
+    for (name, t) in stored {
+        let t = t
+            .to_tensor(dtype, device)
+            .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
+        raw.insert(name, t);
+    }
     let mut tensors = HashMap::with_capacity(raw.len());
     let mut output = None;
     for (name, t) in raw {
@@ -239,9 +728,9 @@ pub fn read_meta(
     } else {
         4096
     };
-    let stored = match dtype_of_file(file)? {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
+    let stored = match stored_dtype {
+        Some(TorchDType::BF16) => "bfloat16",
+        Some(TorchDType::F16) => "float16",
         _ => "float32",
     };
     let config = json!({
@@ -275,14 +764,6 @@ pub fn read_meta(
         ));
     }
     Ok((config, tensors))
-}
-
-/// The dtype the file stores its (first) tensor in.
-fn dtype_of_file(file: &Path) -> Result<DType, ModelError> {
-    let pth = open(file)?;
-    let mut infos: Vec<_> = pth.tensor_infos().values().collect();
-    infos.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(infos.first().map(|i| i.dtype).unwrap_or(DType::F32))
 }
 
 fn same_values(a: &Tensor, b: &Tensor) -> Result<bool, ModelError> {
@@ -371,5 +852,46 @@ mod tests {
             hf.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             [0., 2., 1., 3.]
         );
+    }
+}
+
+#[cfg(test)]
+mod io_tests {
+    use super::*;
+
+    #[test]
+    fn write_then_read_every_dtype() {
+        let dir = std::env::temp_dir().join(format!("ferrotune-torchio-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f32s = Tensor::new(&[[1.5f32, -2.0, 3.25], [0.0, 7.0, -0.5]], &Device::Cpu).unwrap();
+        let tensors = vec![
+            (
+                "a.f32".to_string(),
+                TorchTensor::from_tensor(&f32s).unwrap(),
+            ),
+            (
+                "b.bf16".to_string(),
+                TorchTensor::from_tensor(&f32s.to_dtype(DType::BF16).unwrap()).unwrap(),
+            ),
+            (
+                "c.i8".to_string(),
+                TorchTensor::from_i8(vec![2, 2], &[-8, 7, 0, -1]),
+            ),
+            (
+                "d.i32".to_string(),
+                TorchTensor::from_i32(vec![3], &[-5, 0, 1 << 20]),
+            ),
+            (
+                "e.scalar".to_string(),
+                TorchTensor::from_tensor(&Tensor::new(3.0f32, &Device::Cpu).unwrap()).unwrap(),
+            ),
+        ];
+        let path = dir.join("state.pt");
+        write_torch_file(&path, &tensors).unwrap();
+        let back = read_torch_file(&path).unwrap();
+        assert_eq!(back, tensors); // already in name order
+        let codes = back[2].1.to_tensor(DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(codes.to_vec2::<f32>().unwrap(), [[-8., 7.], [0., -1.]]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
