@@ -64,6 +64,10 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
         include_str!("../../ferrotune-train/src/recipe/ppo.rs"),
     ),
     (
+        "quantize",
+        include_str!("../../ferrotune-train/src/recipe/quantize.rs"),
+    ),
+    (
         "generate",
         include_str!("../../ferrotune-train/src/recipe/generate.rs"),
     ),

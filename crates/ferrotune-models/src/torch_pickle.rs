@@ -824,6 +824,24 @@ fn unpermute_rotary(
         .reshape((heads * head_dim, dim))
 }
 
+/// HF's q/k rows (`[heads, 2, pairs, in]`: rotary halves) in Meta's and torchtune's layout
+/// (`[heads, pairs, 2, in]`: interleaved pairs); the inverse of the permutation Meta checkpoints
+/// are read with.
+pub fn permute_rotary_to_pairs(
+    t: &Tensor,
+    heads: usize,
+    head_dim: usize,
+) -> candle_core::Result<Tensor> {
+    let (rows, cols) = t.dims2()?;
+    if rows != heads * head_dim {
+        candle_core::bail!("{rows} rows, expected {heads} heads of {head_dim}");
+    }
+    t.reshape((heads, 2, head_dim / 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((rows, cols))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -851,6 +869,11 @@ mod tests {
         assert_eq!(
             hf.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             [0., 2., 1., 3.]
+        );
+        let back = permute_rotary_to_pairs(&hf, 1, 4).unwrap();
+        assert_eq!(
+            back.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [0., 1., 2., 3.]
         );
     }
 }

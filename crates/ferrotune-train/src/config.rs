@@ -84,6 +84,7 @@ pub const RECIPES: &[&str] = &[
     "qat_distributed",
     "qat_lora_finetune_distributed",
     "ppo_full_finetune_single_device",
+    "quantize",
     "generate",
     "eval",
     "eleuther_eval",

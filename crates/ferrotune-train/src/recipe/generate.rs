@@ -19,6 +19,15 @@ use crate::recipe::setup;
 
 /// Runs the generation recipe and prints the prompt and its continuation.
 pub fn run(cfg: &Config) -> Result<()> {
+    if cfg.get("quantizer").is_some_and(|q| !q.is_null()) {
+        // torchtune quantizes its model and loads the `quantize` recipe's file into it; ferrotune
+        // runs models as trained, so a quantizer would be silently ignored.
+        bail!(
+            "{}: quantizer: generating from a torchao-quantized checkpoint is not supported; set \
+             quantizer: null to generate from the model before quantization",
+            cfg.origin
+        );
+    }
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
     let location = setup::checkpoint_path(cfg)?;

@@ -5,6 +5,7 @@ pub mod eval;
 pub mod finetune;
 pub mod generate;
 pub mod ppo;
+pub mod quantize;
 pub mod setup;
 pub mod state;
 
@@ -29,6 +30,7 @@ pub fn run(name: &str, cfg: &Config) -> Result<()> {
         "qat_distributed" => finetune::run(cfg, finetune::Mode::Qat, true),
         "qat_lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::QatLora, true),
         "ppo_full_finetune_single_device" => ppo::run(cfg),
+        "quantize" => quantize::run(cfg).map(|_| ()),
         "generate" => generate::run(cfg),
         "eval" => eval::run(cfg).map(|_| ()),
         "eleuther_eval" => eleuther_eval::run(cfg).map(|_| ()),

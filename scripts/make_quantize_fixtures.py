@@ -1,0 +1,127 @@
+"""Fixtures for the `quantize` recipe: what torchtune's quantize recipe saves for tiny models, made by torchao.
+
+Usage: python3 scripts/make_quantize_fixtures.py [--torchtune-src /tmp/tt/src]
+(PyTorch 2.x, torchao 0.18; torchtune 0.6.1's source for its weight converters)
+
+For each case, the HF checkpoint of tests/fixtures/models/<model> is converted to torchtune's names by
+torchtune's own converter (the one its FullModelHFCheckpointer applies for the model type), loaded in `dtype`
+into a module tree with those names (the nn.Linear layers where torchtune's models have them), and run
+through torchao's Int8DynActInt4WeightQATQuantizer(groupsize).prepare + convert, as torchtune's quantize
+recipe does for `8da4w-qat`. The resulting state dict is what `torch.save` writes:
+    tests/fixtures/quantize/<case>.pt
+with each quantized linear as Int8DynActInt4WeightLinear buffers (`weight` int8 codes, `scales` float32,
+`zeros` int32), and linears whose input size is not a multiple of the group size left as they were.
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torchao.quantization.qat import Int8DynActInt4WeightQATQuantizer
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = REPO / "tests" / "fixtures" / "models"
+OUT = REPO / "tests" / "fixtures" / "quantize"
+
+CASES = {
+    # case: (model fixture, torchtune converter, dtype, groupsize)
+    "llama3_2_gs32": ("llama3_2", "llama", torch.float32, 32),
+    "llama3_2_bf16_gs64": ("llama3_2", "llama", torch.bfloat16, 64),
+    "qwen2_5_gs32": ("qwen2_5", "qwen2", torch.float32, 32),
+    "qwen2_5_bf16_gs16": ("qwen2_5", "qwen2", torch.bfloat16, 16),
+    "phi3_gs16": ("phi3", "phi3", torch.bfloat16, 16),
+}
+
+
+def load_module(src: Path, rel: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, src / rel)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def converters(src: Path):
+    # qwen2's and phi3's converters import get_mapped_key from torchtune.models.convert_weights.
+    import types
+    cw = load_module(src, "torchtune/models/convert_weights.py", "torchtune.models.convert_weights")
+    for pkg in ["torchtune", "torchtune.models"]:
+        sys.modules.setdefault(pkg, types.ModuleType(pkg))
+    sys.modules["torchtune.models"].convert_weights = cw
+    qwen2 = load_module(src, "torchtune/models/qwen2/_convert_weights.py", "tt_qwen2_convert")
+    phi3 = load_module(src, "torchtune/models/phi3/_convert_weights.py", "tt_phi3_convert")
+    return cw, qwen2, phi3
+
+
+class Tree(torch.nn.Module):
+    """A module tree holding `state` under its dotted names: `*.weight` of a linear layer of torchtune's
+    decoder (attention projections, MLP w1/w2/w3, output) as an nn.Linear, everything else as a parameter."""
+
+    def __init__(self, state):
+        super().__init__()
+        linear = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+        is_linear = lambda name: name.endswith(linear) or name == "output.weight"
+
+        def owner(parts):
+            mod = self
+            for p in parts:
+                if not hasattr(mod, p):
+                    mod.add_module(p, torch.nn.Module())
+                mod = getattr(mod, p)
+            return mod
+
+        for name, t in state.items():  # linear layers first, their biases next, the rest last
+            if is_linear(name):
+                parts = name.split(".")
+                lin = torch.nn.Linear(t.shape[1], t.shape[0], bias=False, dtype=t.dtype)
+                lin.weight = torch.nn.Parameter(t.clone(), requires_grad=False)
+                owner(parts[:-2]).add_module(parts[-2], lin)
+        for name, t in state.items():
+            parts = name.split(".")
+            if is_linear(name):
+                continue
+            if name.endswith(".bias") and is_linear(name[: -len("bias")] + "weight"):
+                getattr(owner(parts[:-2]), parts[-2]).bias = torch.nn.Parameter(t.clone(), requires_grad=False)
+            else:
+                owner(parts[:-1]).register_parameter(parts[-1], torch.nn.Parameter(t.clone(), requires_grad=False))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--torchtune-src", default="/tmp/tt/src")
+    args = ap.parse_args()
+    cw, qwen2, phi3 = converters(Path(args.torchtune_src))
+    OUT.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for case, (model, kind, dtype, gs) in CASES.items():
+        cfg = json.loads((MODELS / model / "model" / "config.json").read_text())
+        hf = {k: v.to(dtype) for k, v in load_file(str(MODELS / model / "model" / "model.safetensors")).items()}
+        heads, kv, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+        if kind == "llama":
+            tune = cw.hf_to_tune(hf, num_heads=heads, num_kv_heads=kv, dim=dim, head_dim=cfg.get("head_dim"))
+        elif kind == "qwen2":
+            tune = qwen2.qwen2_hf_to_tune(hf, num_heads=heads, num_kv_heads=kv, dim=dim,
+                                          tie_word_embeddings=cfg["tie_word_embeddings"])
+        else:
+            gqa = heads != kv
+            tune = phi3.phi3_hf_to_tune(hf, num_heads=heads if gqa else None, num_kv_heads=kv if gqa else None,
+                                        dim=dim if gqa else None)
+        tree = Tree(tune)
+        assert set(tree.state_dict()) == set(tune), sorted(set(tree.state_dict()) ^ set(tune))
+        q = Int8DynActInt4WeightQATQuantizer(groupsize=gs)
+        tree = q.convert(q.prepare(tree))
+        sd = {k: v.contiguous() for k, v in tree.state_dict().items()}
+        torch.save(sd, OUT / f"{case}.pt")
+        n_q = sum(1 for k in sd if k.endswith(".scales"))
+        summary[case] = {"model": model, "dtype": str(dtype).removeprefix("torch."), "groupsize": gs,
+                         "quantized_linears": n_q, "tensors": len(sd)}
+        print(case, summary[case])
+    (OUT / "cases.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
