@@ -8,9 +8,14 @@ torchtune's own converter (the one its FullModelHFCheckpointer applies for the m
 into a module tree with those names (the nn.Linear layers where torchtune's models have them), and run
 through torchao's Int8DynActInt4WeightQATQuantizer(groupsize).prepare + convert, as torchtune's quantize
 recipe does for `8da4w-qat`. The resulting state dict is what `torch.save` writes:
-    tests/fixtures/quantize/<case>.pt
-with each quantized linear as Int8DynActInt4WeightLinear buffers (`weight` int8 codes, `scales` float32,
-`zeros` int32), and linears whose input size is not a multiple of the group size left as they were.
+    tests/fixtures/quantize/<case>/model/model-8da4w.pt   (+ the model's config.json beside it)
+with each quantized linear as Int8DynActInt4WeightLinear buffers (`weight` int8 codes, `scales` and `zeros`
+float32), and linears whose input size is not a multiple of the group size left as they were.
+
+For the float32 cases, golden.safetensors holds the logits of the quantized model on the model fixture's golden
+input_ids: transformers' model with each quantized nn.Linear replaced by torchao's Int8DynActInt4WeightLinear
+holding those buffers (rows back in HF's order), i.e. int8 per-token dynamic activations times the dequantized
+int4 weights, as torchtune's generate and eleuther_eval run the file.
 """
 
 import argparse
@@ -90,6 +95,52 @@ class Tree(torch.nn.Module):
                 owner(parts[:-1]).register_parameter(parts[-1], torch.nn.Parameter(t.clone(), requires_grad=False))
 
 
+HF_MODULES = {"attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj",
+              "attn.v_proj": "self_attn.v_proj", "attn.output_proj": "self_attn.o_proj",
+              "mlp.w1": "mlp.gate_proj", "mlp.w2": "mlp.down_proj", "mlp.w3": "mlp.up_proj"}
+
+
+@torch.no_grad()
+def quantized_logits(model_dir: Path, kind: str, sd: dict, input_ids: torch.Tensor):
+    """Logits of transformers' model with torchao's Int8DynActInt4WeightLinear in place of each quantized
+    linear of the torchtune state dict `sd`."""
+    from transformers import AutoModelForCausalLM
+    from torchao.quantization.linear_quant_modules import Int8DynActInt4WeightLinear
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+
+    def hf_rows(t, n):  # torchtune's interleaved rotary rows back to HF's halves (tune_to_hf's permute)
+        x = t.shape[1]
+        return t.view(n, head_dim // 2, 2, x).transpose(1, 2).reshape(n * head_dim, x).contiguous()
+
+    modules = dict(model.named_modules())
+    bases = sorted(k[: -len(".scales")] for k in sd if k.endswith(".scales"))
+    assert kind in ("llama", "qwen2"), kind
+    for base in bases:
+        codes, scales, zeros = sd[f"{base}.weight"], sd[f"{base}.scales"], sd[f"{base}.zeros"]
+        if base == "output":
+            hf = "lm_head"
+        else:
+            layer, tail = base.removeprefix("layers.").split(".", 1)
+            hf = f"model.layers.{layer}.{HF_MODULES[tail]}"
+            if kind == "llama" and tail in ("attn.q_proj", "attn.k_proj"):
+                n = heads if tail == "attn.q_proj" else kv
+                codes, scales, zeros = hf_rows(codes, n), hf_rows(scales, n), hf_rows(zeros, n)
+        old = modules[hf]
+        gs = codes.shape[1] // scales.shape[1]
+        lin = Int8DynActInt4WeightLinear(old.in_features, old.out_features, bias=old.bias is not None,
+                                         groupsize=gs, precision=torch.float32, scales_precision=torch.float32)
+        lin.weight, lin.scales, lin.zeros = codes, scales, zeros
+        if old.bias is not None:
+            lin.bias = old.bias.detach().clone()
+        parent, _, child = hf.rpartition(".")
+        setattr(modules[parent] if parent else model, child, lin)
+    return model(input_ids=input_ids).logits.float().contiguous()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--torchtune-src", default="/tmp/tt/src")
@@ -115,7 +166,17 @@ def main():
         q = Int8DynActInt4WeightQATQuantizer(groupsize=gs)
         tree = q.convert(q.prepare(tree))
         sd = {k: v.contiguous() for k, v in tree.state_dict().items()}
-        torch.save(sd, OUT / f"{case}.pt")
+        case_dir = OUT / case
+        (case_dir / "model").mkdir(parents=True, exist_ok=True)
+        torch.save(sd, case_dir / "model" / "model-8da4w.pt")
+        (case_dir / "model" / "config.json").write_text((MODELS / model / "model" / "config.json").read_text())
+        if dtype == torch.float32:
+            golden = json.loads((MODELS / model / "golden.json").read_text())
+            ids = torch.tensor(golden["input_ids"])
+            logits = quantized_logits(MODELS / model / "model", kind, sd, ids)
+            from safetensors.torch import save_file
+            save_file({"logits": logits}, str(case_dir / "golden.safetensors"))
+            (case_dir / "golden.json").write_text(json.dumps({"input_ids": golden["input_ids"]}) + "\n")
         n_q = sum(1 for k in sd if k.endswith(".scales"))
         summary[case] = {"model": model, "dtype": str(dtype).removeprefix("torch."), "groupsize": gs,
                          "quantized_linears": n_q, "tensors": len(sd)}

@@ -44,7 +44,9 @@ fn quantize_writes_torchaos_8da4w_checkpoint() {
         let log = text(&out);
         assert!(log.contains("Time for quantization"), "{case}: {log}");
         let got = read_torch_file(&dir.join("out/model-8da4w.pt")).unwrap();
-        let want = read_torch_file(&fixtures().join(format!("quantize/{case}.pt"))).unwrap();
+        let want =
+            read_torch_file(&fixtures().join(format!("quantize/{case}/model/model-8da4w.pt")))
+                .unwrap();
         let names = |v: &[(String, _)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
         assert_eq!(names(&got), names(&want), "{case}: tensor names");
         for ((name, g), (_, w)) in got.iter().zip(&want) {
@@ -108,4 +110,96 @@ fn quantize_refuses_what_it_cannot_write() {
     );
     assert!(!out.status.success());
     assert!(text(&out).contains("'qwen3'"), "{}", text(&out));
+}
+
+#[test]
+fn generate_runs_the_quantized_checkpoint_and_refuses_mismatches() {
+    let dir = tmpdir("quantize", "generate");
+    let model = fixtures().join("models/llama3_2/model");
+    let q = dir.join("q.yaml");
+    std::fs::write(
+        &q,
+        format!(
+            "output_dir: {}\ncheckpointer:\n  checkpoint_dir: {}\ndevice: cpu\ndtype: fp32\n\
+             quantizer:\n  _component_: torchtune.training.quantization.\
+             Int8DynActInt4WeightQATQuantizer\n  groupsize: 32\n",
+            dir.join("out").display(),
+            model.display()
+        ),
+    )
+    .unwrap();
+    let out = ferrotune(
+        &["run", "quantize", "--config", q.to_str().unwrap()],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(dir.join("out/config.json").is_file());
+
+    let generation = |checkpoint_dir: &std::path::Path, files: &str, quantizer: &str| {
+        let g = dir.join("g.yaml");
+        std::fs::write(
+            &g,
+            format!(
+                "output_dir: {out}\ncheckpointer:\n  checkpoint_dir: {ckpt}\n  checkpoint_files: \
+                 {files}\ntokenizer:\n  path: {model}\ndevice: cpu\ndtype: fp32\nseed: 1\n\
+                 prompt: hello there\nmax_new_tokens: 6\ntemperature: 0.0\nquantizer: {quantizer}\n",
+                out = dir.join("gen").display(),
+                ckpt = checkpoint_dir.display(),
+                model = model.display(),
+            ),
+        )
+        .unwrap();
+        ferrotune(
+            &["run", "generate", "--config", g.to_str().unwrap()],
+            &dir,
+            &[],
+        )
+    };
+    let quantizer =
+        "{_component_: torchtune.training.quantization.Int8DynActInt4WeightQuantizer, groupsize: 32}";
+    // torchtune's flow: the quantized file with the quantizer set.
+    let out = generation(&dir.join("out"), "[model-8da4w.pt]", quantizer);
+    assert!(out.status.success(), "{}", text(&out));
+    // A quantizer with a float checkpoint: torchtune could not load it either.
+    let out = generation(&model, "[model.safetensors]", quantizer);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("not a quantized checkpoint"),
+        "{}",
+        text(&out)
+    );
+    // Training from a quantized file is refused.
+    let t = dir.join("t.yaml");
+    std::fs::write(
+        &t,
+        format!(
+            "output_dir: {}\ncheckpointer:\n  checkpoint_dir: {}\n  checkpoint_files: \
+             [model-8da4w.pt]\ntokenizer:\n  path: {}\ndataset:\n  _component_: \
+             torchtune.datasets.text_completion_dataset\n  source: text\n  data_files: {}\n\
+             device: cpu\ndtype: fp32\nbatch_size: 1\nepochs: 1\noptimizer:\n  _component_: \
+             torch.optim.SGD\n  lr: 0.1\n",
+            dir.join("train").display(),
+            dir.join("out").display(),
+            model.display(),
+            q.display()
+        ),
+    )
+    .unwrap();
+    let out = ferrotune(
+        &[
+            "run",
+            "full_finetune_single_device",
+            "--config",
+            t.to_str().unwrap(),
+        ],
+        &dir,
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("quantized checkpoint"),
+        "{}",
+        text(&out)
+    );
 }

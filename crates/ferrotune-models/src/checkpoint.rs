@@ -11,7 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::gguf::PackedWeights;
 use crate::model::CausalLm;
-use crate::torch_pickle;
+use crate::{torch_pickle, torchtune_names};
 
 /// Where a checkpoint's weights came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,6 +37,10 @@ pub struct Checkpoint {
     pub format: CheckpointFormat,
     /// The folder holding config/tokenizer files (the GGUF's folder for a GGUF).
     pub dir: PathBuf,
+    /// The linear layers (HF module names) a `quantize` recipe's file holds as torchao's int8
+    /// dynamic-activation / int4-weight layers, with their group size: `tensors` holds their
+    /// dequantized weights, and their inputs are to be quantized per token as torchao does.
+    pub quantized_linears: Vec<(String, usize)>,
 }
 
 /// Resolves `path` (an HF folder, a `.safetensors`/`.bin`/`.pt`/`.pth` file, a `.gguf` file, a
@@ -131,6 +135,29 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     if !consolidated.is_empty() && path.join("params.json").is_file() {
         consolidated.sort();
         return locate_listed(path, &consolidated);
+    }
+    if path.join("config.json").is_file() {
+        // One torch.save file beside the config (torchtune's `hf_model_0001_0.pt` of a one-shard
+        // model, the quantize recipe's `*-8da4w.pt`); several without an index are ambiguous.
+        let mut pickles: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && torch_pickle::is_pickle_file(p))
+            .collect();
+        pickles.sort();
+        match pickles.len() {
+            0 => {}
+            1 => return Ok(CheckpointFormat::Pickle(pickles)),
+            n => {
+                return Err(ModelError::file(
+                    path,
+                    format!(
+                        "{n} PyTorch checkpoint files and no pytorch_model.bin.index.json: name \
+                         the ones to load (checkpointer.checkpoint_files, or the file itself)"
+                    ),
+                ))
+            }
+        }
     }
     match ggufs.len() {
         1 => Ok(CheckpointFormat::Gguf(ggufs.remove(0))),
@@ -318,13 +345,28 @@ fn read(
                      safetensors",
                 ));
             }
-            let tensors = torch_pickle::read_hf_pickles(files, dtype, device)?;
+            let raw = torch_pickle::read_pickle_shards(files)?;
+            let (tensors, quantized_linears) =
+                if torchtune_names::is_torchtune_state_dict(raw.iter().map(|(n, _)| n)) {
+                    torchtune_names::torchtune_to_hf(&config, raw, dtype, device)
+                        .map_err(|msg| ModelError::file(&files[0], msg))?
+                } else {
+                    let mut tensors = HashMap::with_capacity(raw.len());
+                    for (name, t) in raw {
+                        let t = t.to_tensor(dtype, device).map_err(|e| {
+                            ModelError::file(&files[0], format!("tensor '{name}': {e}"))
+                        })?;
+                        tensors.insert(name, t);
+                    }
+                    (tensors, Vec::new())
+                };
             Ok(Checkpoint {
                 config,
                 tensors,
                 packed: PackedWeights::new(),
                 format,
                 dir,
+                quantized_linears,
             })
         }
         CheckpointFormat::Meta(file) => {
@@ -335,6 +377,7 @@ fn read(
                 packed: PackedWeights::new(),
                 format,
                 dir: folder(),
+                quantized_linears: Vec::new(),
             })
         }
         CheckpointFormat::Gguf(file) => {
@@ -351,6 +394,7 @@ fn read(
                 packed,
                 format,
                 dir,
+                quantized_linears: Vec::new(),
             })
         }
         CheckpointFormat::Safetensors(files) => {
@@ -375,6 +419,7 @@ fn read(
                 packed: PackedWeights::new(),
                 format,
                 dir,
+                quantized_linears: Vec::new(),
             })
         }
     }
@@ -400,6 +445,34 @@ pub fn load_model_files(
 ) -> Result<(CausalLm, PathBuf), ModelError> {
     let ckpt = read(path, files, dtype, device, true)?;
     let source = path.display().to_string();
-    let model = CausalLm::from_tensors_and_packed(ckpt.config, ckpt.tensors, ckpt.packed, &source)?;
+    let mut model =
+        CausalLm::from_tensors_and_packed(ckpt.config, ckpt.tensors, ckpt.packed, &source)?;
+    apply_activation_quant(&mut model, &ckpt.quantized_linears)
+        .map_err(|msg| ModelError::file(path, msg))?;
     Ok((model, ckpt.dir))
+}
+
+/// Marks the quantized linears of a `quantize` recipe's file: their weights already hold the
+/// dequantized int4 values; their inputs are quantized to int8 per token, as torchao's
+/// `Int8DynActInt4WeightLinear` runs.
+pub fn apply_activation_quant(
+    model: &mut CausalLm,
+    quantized: &[(String, usize)],
+) -> Result<(), String> {
+    if quantized.is_empty() {
+        return Ok(());
+    }
+    let mut linears: HashMap<String, &mut crate::model::Linear> =
+        model.linears_mut().into_iter().collect();
+    for (name, group_size) in quantized {
+        let linear = linears.get_mut(name).ok_or_else(|| {
+            format!("quantized layer '{name}' is not a linear layer of the model")
+        })?;
+        linear.fake_quant = Some(crate::model::FakeQuant {
+            group_size: *group_size,
+            enabled: true,
+            quantize_weight: false,
+        });
+    }
+    Ok(())
 }

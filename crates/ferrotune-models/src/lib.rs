@@ -13,6 +13,7 @@ pub mod rope;
 pub mod save;
 pub mod slots;
 pub mod torch_pickle;
+pub mod torchtune_names;
 
 pub use checkpoint::{
     load_model, load_model_files, read_checkpoint, read_checkpoint_files, Checkpoint,

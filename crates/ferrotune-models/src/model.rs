@@ -72,6 +72,9 @@ pub struct FakeQuant {
     pub group_size: usize,
     /// Off for torchtune's `fake_quant_after_n_steps` first steps.
     pub enabled: bool,
+    /// Whether the weight is fake-quantized too (QAT); off for a quantized checkpoint's layers,
+    /// whose weights already hold the int4 values.
+    pub quantize_weight: bool,
 }
 
 impl Linear {
@@ -106,7 +109,11 @@ impl Linear {
         if let Some(fq) = self.fake_quant.filter(|f| f.enabled) {
             let weight = self.weight.dense()?;
             let xq = ferrotune_core::qat::fake_quantize_per_token_int8(x)?;
-            let wq = ferrotune_core::qat::fake_quantize_per_group_int4(&weight, fq.group_size)?;
+            let wq = if fq.quantize_weight {
+                ferrotune_core::qat::fake_quantize_per_group_int4(&weight, fq.group_size)?
+            } else {
+                weight.into_owned()
+            };
             let base = ops::linear(&xq, &wq, bias)?;
             return match &self.adapter {
                 Some(adapter) => adapter.forward(x, &base, &self.weight, bias),

@@ -544,25 +544,27 @@ pub fn read_pickle_file(
     Ok(out)
 }
 
-/// Reads HF-named pickle files (shards of one state dict) into one map.
-pub fn read_hf_pickles(
-    files: &[PathBuf],
-    dtype: DType,
-    device: &Device,
-) -> Result<HashMap<String, Tensor>, ModelError> {
-    let mut out = HashMap::new();
+/// Reads pickle files that are shards of one state dict (HF's or torchtune's names).
+pub fn read_pickle_shards(files: &[PathBuf]) -> Result<Vec<(String, TorchTensor)>, ModelError> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for file in files {
-        for (name, t) in read_pickle_file(file, dtype, device)? {
+        let tensors = read_torch_file(file)?;
+        if tensors.is_empty() {
+            return Err(ModelError::file(file, "holds no tensors"));
+        }
+        for (name, t) in tensors {
             // HF's own key for a rotary cache some old checkpoints saved; never a weight.
             if name.ends_with("rotary_emb.inv_freq") {
                 continue;
             }
-            if out.insert(name.clone(), t).is_some() {
+            if !seen.insert(name.clone()) {
                 return Err(ModelError::file(
                     file,
                     format!("tensor '{name}' is also in an earlier shard"),
                 ));
             }
+            out.push((name, t));
         }
     }
     Ok(out)
@@ -803,9 +805,9 @@ fn meta_to_hf_name(name: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}"))
 }
 
-/// Rows `[heads, pairs, 2, dim]` (Meta's interleaved rotary pairs) to `[heads, 2, pairs, dim]`
-/// (HF's halves).
-fn unpermute_rotary(
+/// Rows `[heads, pairs, 2, dim]` (Meta's and torchtune's interleaved rotary pairs) to
+/// `[heads, 2, pairs, dim]` (HF's halves).
+pub fn unpermute_rotary(
     t: &Tensor,
     heads: usize,
     head_dim: usize,

@@ -50,6 +50,7 @@ fn fake_quantize(model: &mut CausalLm, only_adapted: bool, group_size: usize) ->
             linear.fake_quant = Some(FakeQuant {
                 group_size,
                 enabled: true,
+                quantize_weight: true,
             });
             n += 1;
         }

@@ -97,8 +97,11 @@ impl CausalLm {
             return Some("the embedding is being trained".into());
         }
         // Checked every step, so without building the layers' names unless one is refused.
-        let plain =
-            |l: &Linear| l.adapter.is_none() && l.weight.as_dense().is_some_and(|w| !w.track_op());
+        let plain = |l: &Linear| {
+            l.adapter.is_none()
+                && l.fake_quant.is_none()
+                && l.weight.as_dense().is_some_and(|w| !w.track_op())
+        };
         let all_plain = self
             .layers
             .iter()

@@ -7,8 +7,9 @@
 //! 1.0 a fraction), `max_seq_length` (requests longer than this keep their last tokens, default
 //! 4096), `batch_size` (requests per forward pass, default 8), `include_path`, the model,
 //! checkpointer (+ `adapter_checkpoint`) and tokenizer sections, `device`, `dtype`.
-//! `enable_kv_cache` only matters to generation tasks, which are not supported; `quantizer` must
-//! be null. Prints the harness's results table and a JSON line of the metrics.
+//! `enable_kv_cache` only matters to generation tasks, which are not supported; `quantizer` is
+//! null, or torchao's 8da4w quantizer for a `quantize` recipe's checkpoint. Prints the harness's
+//! results table and a JSON line of the metrics.
 //!
 //! Scoring follows the harness's Hugging Face backend as torchtune's wrapper drives it: texts are
 //! encoded without BOS/EOS, a context's trailing whitespace moves to the continuation, the
@@ -580,13 +581,7 @@ pub fn evaluate_prepared(
 
 /// Runs the recipe: prints the results table and a JSON line of the metrics.
 pub fn run(cfg: &Config) -> Result<EvalReport> {
-    if cfg.get("quantizer").is_some_and(|q| !q.is_null()) {
-        bail!(
-            "{}: quantizer: evaluating a torchao-quantized checkpoint is not supported; set \
-             quantizer: null (QLoRA models are evaluated through model.quantize_base / the qlora builders)",
-            cfg.origin
-        );
-    }
+    setup::quantizer_mode(cfg)?;
     let names = cfg
         .str_list("tasks")?
         .filter(|t| !t.is_empty())
@@ -626,6 +621,7 @@ pub fn run(cfg: &Config) -> Result<EvalReport> {
         .require_language_model()
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     setup::check_model_component(cfg, &model.config)?;
+    setup::check_quantized(cfg, &model, &path)?;
     if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
         eprintln!("{line}");
     }

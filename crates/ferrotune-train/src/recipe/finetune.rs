@@ -994,6 +994,7 @@ fn apply_fake_quant(
         linear.fake_quant = Some(ferrotune_models::FakeQuant {
             group_size,
             enabled: true,
+            quantize_weight: true,
         });
         n += 1;
     }

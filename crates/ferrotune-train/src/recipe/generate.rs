@@ -3,7 +3,9 @@
 //! Keys: `checkpointer.checkpoint_dir` (+ `checkpoint_files`, `adapter_checkpoint`),
 //! `tokenizer.path`, `prompt` (a string, used as is, or `{system, user}` formatted with the
 //! tokenizer's chat template), `max_new_tokens`, `temperature`, `top_k`, `top_p`, `seed`, `device`,
-//! `dtype`, `enable_kv_cache` (ferrotune always caches: same tokens, less work).
+//! `dtype`, `enable_kv_cache` (ferrotune always caches: same tokens, less work), `quantizer`
+//! (null, or torchao's 8da4w quantizer for a `quantize` recipe's checkpoint, which runs as
+//! torchao's int8-activation / int4-weight layers).
 
 use std::time::Instant;
 
@@ -19,15 +21,7 @@ use crate::recipe::setup;
 
 /// Runs the generation recipe and prints the prompt and its continuation.
 pub fn run(cfg: &Config) -> Result<()> {
-    if cfg.get("quantizer").is_some_and(|q| !q.is_null()) {
-        // torchtune quantizes its model and loads the `quantize` recipe's file into it; ferrotune
-        // runs models as trained, so a quantizer would be silently ignored.
-        bail!(
-            "{}: quantizer: generating from a torchao-quantized checkpoint is not supported; set \
-             quantizer: null to generate from the model before quantization",
-            cfg.origin
-        );
-    }
+    setup::quantizer_mode(cfg)?;
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
     let location = setup::checkpoint_path(cfg)?;
@@ -78,6 +72,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         .require_language_model()
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     setup::check_model_component(cfg, &model.config)?;
+    setup::check_quantized(cfg, &model, &path)?;
     // A QLoRA adapter is scored on the NF4 base it was trained on (the config's builder says).
     if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
         eprintln!("{line}");

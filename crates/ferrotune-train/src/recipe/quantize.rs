@@ -26,8 +26,8 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use ferrotune_models::torch_pickle::{permute_rotary_to_pairs, write_torch_file, TorchTensor};
-use ferrotune_models::ModelConfig;
+use ferrotune_models::torch_pickle::{write_torch_file, TorchTensor};
+use ferrotune_models::torchtune_names::{hf_to_torchtune, is_torchtune_linear};
 use rayon::prelude::*;
 
 use crate::config::Config;
@@ -95,8 +95,16 @@ pub fn run(cfg: &Config) -> Result<PathBuf> {
         .require_language_model()
         .map_err(|e| anyhow!("{}: {e}", location.path.display()))?;
     eprintln!("Model is initialized with precision {dtype:?}.");
-    let tensors = torchtune_state_dict(&ckpt.config, ckpt.tensors)
-        .with_context(|| format!("{}", location.path.display()))?;
+    if !ckpt.quantized_linears.is_empty() {
+        bail!(
+            "{}: {} is already quantized (a quantize run's output)",
+            cfg.origin,
+            location.path.display()
+        );
+    }
+    let config = ckpt.config.clone();
+    let tensors = hf_to_torchtune(&ckpt.config, ckpt.tensors)
+        .map_err(|e| anyhow!("{}: {e}", location.path.display()))?;
 
     // Quantize.
     let t0 = Instant::now();
@@ -123,6 +131,24 @@ pub fn run(cfg: &Config) -> Result<PathBuf> {
         .with_context(|| format!("{}: cannot create", out_dir.display()))?;
     let file = out_dir.join(format!("{name}.pt"));
     write_torch_file(&file, &state)?;
+    // torchtune's builders know the architecture; ferrotune reads it from the config beside the
+    // file, so that generate and eleuther_eval (and `ferrotune generate --model FILE`) run it.
+    let mut raw = config.raw.clone();
+    if let Some(obj) = raw.as_object_mut() {
+        obj.insert(
+            "torch_dtype".into(),
+            if dtype == DType::BF16 {
+                "bfloat16"
+            } else {
+                "float32"
+            }
+            .into(),
+        );
+    }
+    ferrotune_models::save::write_atomic(
+        &out_dir.join("config.json"),
+        serde_json::to_string_pretty(&raw)?.as_bytes(),
+    )?;
     let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
     eprintln!(
         "Model checkpoint of size {:.2} GiB saved to {}",
@@ -151,113 +177,8 @@ fn checkpoint_stem(location: &setup::CheckpointLocation) -> Result<String> {
     Ok(name.split('.').next().unwrap_or("model").to_string())
 }
 
-/// The model's tensors under torchtune's names, as torchtune's checkpointer converts an HF
-/// checkpoint for the model type.
-pub fn torchtune_state_dict(
-    config: &ModelConfig,
-    tensors: std::collections::HashMap<String, Tensor>,
-) -> Result<BTreeMap<String, Tensor>> {
-    #[derive(PartialEq)]
-    enum Kind {
-        Llama,
-        Qwen2,
-        Phi3,
-    }
-    let kind = match config.model_type.as_str() {
-        "llama" | "mistral" | "gemma" => Kind::Llama,
-        "qwen2" => Kind::Qwen2,
-        "phi3" => Kind::Phi3,
-        other => bail!(
-            "quantize converts llama, mistral, gemma, qwen2 and phi3 checkpoints to torchtune's \
-             tensor names (the model types torchtune 0.6.1's checkpointer converts); this one \
-             is '{other}'"
-        ),
-    };
-    let (heads, kv, head_dim) = (
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-    );
-    let mut out = BTreeMap::new();
-    for (name, t) in tensors {
-        let unknown = || anyhow!("tensor '{name}' has no torchtune name for this model type");
-        let new = match name.as_str() {
-            "model.embed_tokens.weight" => "tok_embeddings.weight".to_string(),
-            "model.norm.weight" => "norm.scale".to_string(),
-            "lm_head.weight" if config.tie_word_embeddings => continue,
-            "lm_head.weight" => "output.weight".to_string(),
-            _ => {
-                let rest = name.strip_prefix("model.layers.").ok_or_else(unknown)?;
-                let (layer, tail) = rest.split_once('.').ok_or_else(unknown)?;
-                let tune = match (tail, &kind) {
-                    ("self_attn.q_proj.weight", Kind::Llama | Kind::Qwen2) => "attn.q_proj.weight",
-                    ("self_attn.k_proj.weight", Kind::Llama | Kind::Qwen2) => "attn.k_proj.weight",
-                    ("self_attn.v_proj.weight", Kind::Llama | Kind::Qwen2) => "attn.v_proj.weight",
-                    ("self_attn.q_proj.bias", Kind::Qwen2) => "attn.q_proj.bias",
-                    ("self_attn.k_proj.bias", Kind::Qwen2) => "attn.k_proj.bias",
-                    ("self_attn.v_proj.bias", Kind::Qwen2) => "attn.v_proj.bias",
-                    ("self_attn.o_proj.weight", _) => "attn.output_proj.weight",
-                    ("mlp.gate_proj.weight", Kind::Llama | Kind::Qwen2) => "mlp.w1.weight",
-                    ("mlp.up_proj.weight", Kind::Llama | Kind::Qwen2) => "mlp.w3.weight",
-                    ("mlp.down_proj.weight", _) => "mlp.w2.weight",
-                    ("input_layernorm.weight", _) => "sa_norm.scale",
-                    ("post_attention_layernorm.weight", _) => "mlp_norm.scale",
-                    ("self_attn.qkv_proj.weight", Kind::Phi3) => {
-                        let (q, k) = (heads * head_dim, kv * head_dim);
-                        for (part, start, len) in [("q", 0, q), ("k", q, k), ("v", q + k, k)] {
-                            out.insert(
-                                format!("layers.{layer}.attn.{part}_proj.weight"),
-                                t.narrow(0, start, len)?,
-                            );
-                        }
-                        continue;
-                    }
-                    ("mlp.gate_up_proj.weight", Kind::Phi3) => {
-                        let half = t.dim(0)? / 2;
-                        out.insert(
-                            format!("layers.{layer}.mlp.w1.weight"),
-                            t.narrow(0, 0, half)?,
-                        );
-                        out.insert(
-                            format!("layers.{layer}.mlp.w3.weight"),
-                            t.narrow(0, half, half)?,
-                        );
-                        continue;
-                    }
-                    _ => return Err(unknown()),
-                };
-                format!("layers.{layer}.{tune}")
-            }
-        };
-        let t = match (&kind, new.rsplit_once('.').map(|(m, _)| m)) {
-            (Kind::Llama, Some(m)) if m.ends_with("attn.q_proj") && new.ends_with("weight") => {
-                permute_rotary_to_pairs(&t, heads, head_dim)?
-            }
-            (Kind::Llama, Some(m)) if m.ends_with("attn.k_proj") && new.ends_with("weight") => {
-                permute_rotary_to_pairs(&t, kv, head_dim)?
-            }
-            _ => t,
-        };
-        out.insert(new, t);
-    }
-    Ok(out)
-}
-
 /// Named tensors as `torch.save` writes them.
 pub type StateDict = Vec<(String, TorchTensor)>;
-
-/// Whether torchtune's model holds tensor `name` (`*.weight`) as an `nn.Linear`'s weight.
-fn is_linear(name: &str) -> bool {
-    name == "output.weight"
-        || [
-            "_proj.weight",
-            ".mlp.w1.weight",
-            ".mlp.w2.weight",
-            ".mlp.w3.weight",
-        ]
-        .iter()
-        .any(|s| name.ends_with(s))
-}
 
 /// torchtune's state dict after torchao's 8da4w conversion: each linear weight whose input size
 /// is a multiple of `groupsize` as `weight` (int8), `scales` and `zeros` (float32); every other
@@ -269,7 +190,7 @@ pub fn quantize_8da4w(
     let mut out = Vec::new();
     let mut skipped = Vec::new();
     for (name, t) in tensors {
-        if !is_linear(name) {
+        if !is_torchtune_linear(name) {
             out.push((name.clone(), TorchTensor::from_tensor(t)?));
             continue;
         }

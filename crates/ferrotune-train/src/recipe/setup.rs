@@ -96,6 +96,50 @@ impl CheckpointLocation {
     }
 }
 
+/// The inference recipes' `quantizer` (torchtune's generate and eleuther_eval): null, or one of
+/// the int8-dynamic-activation / int4-weight quantizers whose `quantize` output the checkpoint
+/// is. Returns whether one is set.
+pub fn quantizer_mode(cfg: &Config) -> Result<bool> {
+    let Some(q) = cfg.get("quantizer").filter(|q| !q.is_null()) else {
+        return Ok(false);
+    };
+    let component = q
+        .get("_component_")
+        .and_then(|c| c.as_str())
+        .unwrap_or_default();
+    let short = component.rsplit('.').next().unwrap_or_default();
+    match short {
+        "Int8DynActInt4WeightQuantizer"
+        | "Int8DynActInt4WeightQATQuantizer"
+        | "Int8DynActInt4WeightQATQuantizerModuleSwap" => Ok(true),
+        _ => bail!(
+            "{}: quantizer._component_ '{component}' is not supported here: a checkpoint \
+             written by the quantize recipe runs with Int8DynActInt4WeightQuantizer (or its QAT \
+             form), or with quantizer: null",
+            cfg.origin
+        ),
+    }
+}
+
+/// With a `quantizer` set, the loaded model must be a `quantize` recipe's output (torchtune loads
+/// that file into its quantized model; a float checkpoint would not load there).
+pub fn check_quantized(cfg: &Config, model: &CausalLm, path: &Path) -> Result<()> {
+    let quantized = model
+        .linears()
+        .iter()
+        .any(|(_, l)| l.fake_quant.is_some_and(|f| !f.quantize_weight));
+    if quantizer_mode(cfg)? && !quantized {
+        bail!(
+            "{}: quantizer is set but {} is not a quantized checkpoint: point \
+             checkpointer.checkpoint_dir / checkpoint_files at the quantize recipe's \
+             *-8da4w.pt (or set quantizer: null)",
+            cfg.origin,
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 /// The base checkpoint (`checkpointer.checkpoint_dir` and `checkpoint_files`).
 pub fn checkpoint_path(cfg: &Config) -> Result<CheckpointLocation> {
     checkpoint_path_at(cfg, "checkpointer")
@@ -174,6 +218,15 @@ pub fn load_model(
 ) -> Result<(CausalLm, ModelSource)> {
     let path = &location.path;
     let ckpt = read_checkpoint_files(path, &location.files, dtype, device)?;
+    if !ckpt.quantized_linears.is_empty() {
+        bail!(
+            "{}: {} is a quantized checkpoint (the quantize recipe's output): it is for \
+             generate and eleuther_eval, not for training; train from the model before \
+             quantization",
+            cfg.origin,
+            path.display()
+        );
+    }
     check_model_component(cfg, &ckpt.config)?;
     for caveat in ckpt.config.training_caveats() {
         tracing::warn!("{}: {caveat}", path.display());

@@ -1,0 +1,69 @@
+//! A `quantize` recipe's file (torchtune's names, torchao's int8 codes, scales and zeros) runs as
+//! torchao's `Int8DynActInt4WeightLinear` does: int8 per-token inputs times the dequantized int4
+//! weights. Goldens: transformers' model with those modules in place of its linears
+//! (scripts/make_quantize_fixtures.py).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use ferrotune_models::{load_model, AttentionLayout};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn logits(model_path: &Path, ids: &Value) -> Tensor {
+    let (model, _) = load_model(model_path, DType::F32, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", model_path.display()));
+    let rows: Vec<Vec<u32>> = serde_json::from_value(ids.clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
+    model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+#[test]
+fn quantized_checkpoint_runs_as_torchao() {
+    for (case, model) in [("llama3_2_gs32", "llama3_2"), ("qwen2_5_gs32", "qwen2_5")] {
+        let dir = fixtures().join("quantize").join(case);
+        let g: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+                .unwrap();
+        let want = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)
+            .unwrap()
+            .remove("logits")
+            .unwrap();
+        // The file itself, and its folder (one .pt beside config.json).
+        for path in [dir.join("model/model-8da4w.pt"), dir.join("model")] {
+            let got = logits(&path, &g["input_ids"]);
+            let err = max_abs(&got, &want);
+            assert!(
+                err < 1e-4,
+                "{case}: {}: max abs error {err}",
+                path.display()
+            );
+        }
+        // The quantization matters: the float model is far from these logits.
+        let float = logits(
+            &fixtures().join("models").join(model).join("model"),
+            &g["input_ids"],
+        );
+        let gap = max_abs(&float, &want);
+        assert!(gap > 1e-2, "{case}: float model within {gap}");
+    }
+}
