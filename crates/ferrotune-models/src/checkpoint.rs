@@ -345,21 +345,12 @@ fn read(
                      safetensors",
                 ));
             }
-            let raw = torch_pickle::read_pickle_shards(files)?;
-            let (tensors, quantized_linears) =
-                if torchtune_names::is_torchtune_state_dict(raw.iter().map(|(n, _)| n)) {
-                    torchtune_names::torchtune_to_hf(&config, raw, dtype, device)
-                        .map_err(|msg| ModelError::file(&files[0], msg))?
-                } else {
-                    let mut tensors = HashMap::with_capacity(raw.len());
-                    for (name, t) in raw {
-                        let t = t.to_tensor(dtype, device).map_err(|e| {
-                            ModelError::file(&files[0], format!("tensor '{name}': {e}"))
-                        })?;
-                        tensors.insert(name, t);
-                    }
-                    (tensors, Vec::new())
-                };
+            let (tensors, quantized_linears) = torch_pickle::read_pickle_shards(
+                files,
+                |raw| torchtune_names::torchtune_to_hf(&config, raw, dtype, device),
+                dtype,
+                device,
+            )?;
             Ok(Checkpoint {
                 config,
                 tensors,

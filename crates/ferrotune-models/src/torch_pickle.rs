@@ -254,22 +254,32 @@ pub fn read_torch_file(file: &Path) -> Result<Vec<(String, TorchTensor)>, ModelE
                 .read_to_end(&mut bytes)
                 .map_err(|e| ferr(format!("storage '{path}': {e}")))?;
         }
+        let single = users.len() == 1;
         for i in users {
             let r = &records[i];
             let numel: usize = r.shape.iter().product();
             let (start, len) = (r.offset * r.dtype.size(), numel * r.dtype.size());
-            let data = bytes.get(start..start + len).ok_or_else(|| {
-                ferr(format!(
+            if start + len > bytes.len() {
+                return Err(ferr(format!(
                     "'{}': {len} bytes at {start} are past its storage's {} bytes (truncated \
                      file?)",
                     r.name,
                     bytes.len()
-                ))
-            })?;
+                )));
+            }
+            // The usual case, one tensor over its whole storage, takes the bytes as they are
+            // (no second copy of a large matrix).
+            let data = if single && start == 0 {
+                let mut whole = std::mem::take(&mut bytes);
+                whole.truncate(len);
+                whole
+            } else {
+                bytes[start..start + len].to_vec()
+            };
             out[i] = Some(TorchTensor {
                 dtype: r.dtype,
                 shape: r.shape.clone(),
-                data: data.to_vec(),
+                data,
             });
         }
     }
@@ -403,7 +413,7 @@ fn tensor_record(value: Object) -> Result<TensorRecord, String> {
 /// is written under a temporary name and renamed into place.
 pub fn write_torch_file(file: &Path, tensors: &[(String, TorchTensor)]) -> Result<(), ModelError> {
     use std::io::Write;
-    let ferr = |e: &dyn std::fmt::Display| ModelError::file(file, format!("cannot write: {e}"));
+    // The archive's folder name inside the zip (torch uses the file's stem).
     let stem = file
         .file_stem()
         .and_then(|s| s.to_str())
@@ -413,13 +423,9 @@ pub fn write_torch_file(file: &Path, tensors: &[(String, TorchTensor)]) -> Resul
         })
         .unwrap_or("archive")
         .to_string();
-    let tmp = file.with_file_name(format!(
-        ".{}.tmp-{}",
-        file.file_name().and_then(|n| n.to_str()).unwrap_or("torch"),
-        std::process::id()
-    ));
-    let result = (|| -> Result<(), ModelError> {
-        let f = std::fs::File::create(&tmp).map_err(|e| ferr(&e))?;
+    crate::save::write_atomic_with(file, |tmp| {
+        let err = |e: &dyn std::fmt::Display| e.to_string();
+        let f = std::fs::File::create(tmp).map_err(|e| err(&e))?;
         let mut zip = zip::ZipWriter::new(std::io::BufWriter::new(f));
         let opts = |size: usize| {
             zip::write::SimpleFileOptions::default()
@@ -428,33 +434,27 @@ pub fn write_torch_file(file: &Path, tensors: &[(String, TorchTensor)]) -> Resul
                 .large_file(size as u64 >= u32::MAX as u64)
         };
         let pickle = state_dict_pickle(tensors);
-        zip.start_file(format!("{stem}/data.pkl"), opts(pickle.len()))
-            .map_err(|e| ferr(&e))?;
-        zip.write_all(&pickle).map_err(|e| ferr(&e))?;
-        zip.start_file(format!("{stem}/byteorder"), opts(6))
-            .map_err(|e| ferr(&e))?;
-        zip.write_all(b"little").map_err(|e| ferr(&e))?;
+        let mut entries: Vec<(String, &[u8])> = vec![
+            (format!("{stem}/data.pkl"), &pickle),
+            (format!("{stem}/byteorder"), b"little"),
+        ];
         for (i, (_, t)) in tensors.iter().enumerate() {
-            zip.start_file(format!("{stem}/data/{i}"), opts(t.data.len()))
-                .map_err(|e| ferr(&e))?;
-            zip.write_all(&t.data).map_err(|e| ferr(&e))?;
+            entries.push((format!("{stem}/data/{i}"), &t.data));
         }
-        zip.start_file(format!("{stem}/version"), opts(2))
-            .map_err(|e| ferr(&e))?;
-        zip.write_all(b"3\n").map_err(|e| ferr(&e))?;
-        let mut inner = zip.finish().map_err(|e| ferr(&e))?;
-        inner.flush().map_err(|e| ferr(&e))?;
+        entries.push((format!("{stem}/version"), b"3\n"));
+        for (name, bytes) in entries {
+            zip.start_file(name, opts(bytes.len()))
+                .map_err(|e| err(&e))?;
+            zip.write_all(bytes).map_err(|e| err(&e))?;
+        }
+        let mut inner = zip.finish().map_err(|e| err(&e))?;
+        inner.flush().map_err(|e| err(&e))?;
         inner
             .into_inner()
-            .map_err(|e| ferr(&e.error().to_string()))?
+            .map_err(|e| e.error().to_string())?
             .sync_all()
-            .map_err(|e| ferr(&e))?;
-        std::fs::rename(&tmp, file).map_err(|e| ferr(&e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+            .map_err(|e| err(&e))
+    })
 }
 
 /// The pickle (protocol 2) of a dict mapping each name to a tensor rebuilt by
@@ -524,35 +524,40 @@ fn int(p: &mut Vec<u8>, n: usize) {
     }
 }
 
-/// The tensors of one `torch.save` file, under their names in the file, in `dtype` on `device`.
-pub fn read_pickle_file(
-    file: &Path,
+/// Reads pickle files that are shards of one state dict. HF-named tensors are converted to
+/// `dtype` on `device` as each file is read (its raw bytes dropped tensor by tensor, so that a
+/// 7B checkpoint does not sit in memory twice); a torchtune-named state dict (the `quantize`
+/// recipe's) is handed whole to `torchtune`, which returns HF tensors and the quantized layers.
+pub fn read_pickle_shards(
+    files: &[PathBuf],
+    torchtune: impl FnOnce(
+        Vec<(String, TorchTensor)>,
+    ) -> Result<
+        (
+            HashMap<String, Tensor>,
+            crate::torchtune_names::QuantizedLinears,
+        ),
+        String,
+    >,
     dtype: DType,
     device: &Device,
-) -> Result<HashMap<String, Tensor>, ModelError> {
-    let tensors = read_torch_file(file)?;
-    if tensors.is_empty() {
-        return Err(ModelError::file(file, "holds no tensors"));
-    }
-    let mut out = HashMap::with_capacity(tensors.len());
-    for (name, t) in tensors {
-        let t = t
-            .to_tensor(dtype, device)
-            .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
-        out.insert(name, t);
-    }
-    Ok(out)
-}
-
-/// Reads pickle files that are shards of one state dict (HF's or torchtune's names).
-pub fn read_pickle_shards(files: &[PathBuf]) -> Result<Vec<(String, TorchTensor)>, ModelError> {
-    let mut out = Vec::new();
+) -> Result<
+    (
+        HashMap<String, Tensor>,
+        crate::torchtune_names::QuantizedLinears,
+    ),
+    ModelError,
+> {
+    let mut hf = HashMap::new();
+    let mut tune: Vec<(String, TorchTensor)> = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for file in files {
         let tensors = read_torch_file(file)?;
         if tensors.is_empty() {
             return Err(ModelError::file(file, "holds no tensors"));
         }
+        let torchtune_names =
+            crate::torchtune_names::is_torchtune_state_dict(tensors.iter().map(|(n, _)| n));
         for (name, t) in tensors {
             // HF's own key for a rotary cache some old checkpoints saved; never a weight.
             if name.ends_with("rotary_emb.inv_freq") {
@@ -564,10 +569,26 @@ pub fn read_pickle_shards(files: &[PathBuf]) -> Result<Vec<(String, TorchTensor)
                     format!("tensor '{name}' is also in an earlier shard"),
                 ));
             }
-            out.push((name, t));
+            if torchtune_names || !tune.is_empty() {
+                tune.push((name, t));
+            } else {
+                let t = t
+                    .to_tensor(dtype, device)
+                    .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
+                hf.insert(name, t);
+            }
         }
     }
-    Ok(out)
+    if tune.is_empty() {
+        return Ok((hf, Vec::new()));
+    }
+    if !hf.is_empty() {
+        return Err(ModelError::file(
+            &files[0],
+            "the files mix HF and torchtune tensor names",
+        ));
+    }
+    torchtune(tune).map_err(|msg| ModelError::file(&files[0], msg))
 }
 
 /// The shard files listed by `pytorch_model.bin.index.json`.
