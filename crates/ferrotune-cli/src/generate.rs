@@ -22,7 +22,8 @@ pub struct GenerateArgs {
     /// without merging.
     #[arg(long)]
     adapter: Option<PathBuf>,
-    /// Tokenizer folder or .gguf, if not the model's own.
+    /// Tokenizer folder or .gguf, if not the model's own (or the adapter folder's, when it has a
+    /// tokenizer.json).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Prompt text; repeat for a batch (left-padded).
@@ -120,7 +121,18 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             ferrotune_models::checkpoint::adapter_folder_hint(&args.model)
         );
     }
-    let tok = tokenizer_for(args.tokenizer.as_ref().unwrap_or(&args.model))?;
+    // An adapter folder with its own tokenizer (tokens added for it, saved beside it as PEFT
+    // users do) speaks for the adapted model, as `AutoTokenizer.from_pretrained(adapter)`.
+    let adapter_tokenizer = args
+        .adapter
+        .as_ref()
+        .filter(|dir| dir.join("tokenizer.json").is_file());
+    let tok = tokenizer_for(
+        args.tokenizer
+            .as_ref()
+            .or(adapter_tokenizer)
+            .unwrap_or(&args.model),
+    )?;
     let prompts: Vec<Vec<u32>> = match &args.prompt_ids {
         Some(ids) => vec![ids.clone()],
         None => args

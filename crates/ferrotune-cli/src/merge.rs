@@ -74,6 +74,10 @@ pub fn run(args: MergeArgs) -> Result<()> {
         &source,
         None,
     )?;
+    if args.adapter.join("tokenizer.json").is_file() {
+        // The adapter's own tokenizer (tokens added for it) is the merged model's.
+        ferrotune_train::export::copy_tokenizer_files(&args.adapter, &args.output)?;
+    }
     eprintln!(
         "merged {} into {} → {}",
         args.adapter.display(),

@@ -266,3 +266,63 @@ fn quantize_base_merges_into_the_nf4_round_trip() {
         .unwrap();
     assert!(diff.to_scalar::<f32>().unwrap() > 1e-4);
 }
+
+#[test]
+fn merge_keeps_peft_modules_to_save_with_a_resized_vocabulary() {
+    // PEFT adapter with modules_to_save [embed_tokens, lm_head] over a vocabulary resized from 512
+    // to 520 tokens; its folder also holds the tokenizer with the added tokens.
+    let case = fixtures().join("peft_modules_to_save/resized");
+    let adapter = tmp("mts-adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    for entry in std::fs::read_dir(case.join("adapter")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), adapter.join(entry.file_name())).unwrap();
+    }
+    let marker = "{\"version\": \"1.0\", \"marker\": \"the adapter's tokenizer\"}";
+    std::fs::write(adapter.join("tokenizer.json"), marker).unwrap();
+    let out = tmp("mts-out");
+    let status = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args(["merge", "--model"])
+        .arg(fixtures().join("models/llama2/model"))
+        .arg("--adapter")
+        .arg(&adapter)
+        .arg("--output")
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["vocab_size"], 520);
+    assert_eq!(
+        std::fs::read_to_string(out.join("tokenizer.json")).unwrap(),
+        marker
+    );
+    // The merged model computes PEFT's logits.
+    let g: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(g["input_ids"].clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
+    let (model, _) = ferrotune_models::load_model(&out, DType::F32, &Device::Cpu).unwrap();
+    let got = model
+        .forward(
+            &ids,
+            &ferrotune_models::AttentionLayout::causal(b, t, 0),
+            None,
+        )
+        .unwrap();
+    let want = candle_core::safetensors::load(case.join("golden.safetensors"), &Device::Cpu)
+        .unwrap()
+        .remove("logits")
+        .unwrap();
+    let d = (&got - &want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(d < 1e-4, "max abs difference {d}");
+}

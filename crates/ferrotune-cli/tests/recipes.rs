@@ -1258,3 +1258,35 @@ fn pytorch_and_meta_checkpoints_train_from_the_listed_files_and_save_hf_folders(
         );
     }
 }
+
+#[test]
+fn an_adapter_with_modules_to_save_is_not_trained_further() {
+    let dir = tmpdir("mts-train");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("models/llama2", &data);
+    let cfg = write_config(&dir, "models/llama2", &data);
+    let adapter = format!(
+        "checkpointer.adapter_checkpoint={}",
+        fixtures()
+            .join("peft_modules_to_save/untied/adapter")
+            .display()
+    );
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            &adapter,
+            "max_steps_per_epoch=1",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(!out.status.success());
+    let log = text(&out);
+    assert!(
+        log.contains("modules_to_save") && log.contains("ferrotune merge"),
+        "{log}"
+    );
+}

@@ -107,6 +107,9 @@ pub struct LoraConfig {
     pub layers_pattern: Option<Vec<String>>,
     /// Recorded in the saved config for PEFT's `PeftModel.from_pretrained`.
     pub base_model_name_or_path: Option<String>,
+    /// Modules PEFT trains in full beside the adapters (`lm_head`, `embed_tokens`, ...): the
+    /// file holds their whole tensors, which replace the base's when the adapter is loaded.
+    pub modules_to_save: Vec<String>,
 }
 
 impl LoraConfig {
@@ -125,6 +128,7 @@ impl LoraConfig {
             layers_to_transform: None,
             layers_pattern: None,
             base_model_name_or_path: None,
+            modules_to_save: Vec::new(),
         }
     }
 
@@ -165,11 +169,15 @@ impl LoraConfig {
         if raw.lora_bias == Some(true) {
             return Err("lora_bias is true: adapters with a lora_B bias are not supported".into());
         }
-        if raw.modules_to_save.as_ref().is_some_and(non_empty) {
-            return Err(
-                "modules_to_save is set: fully trained extra modules are not supported".into(),
-            );
-        }
+        let modules_to_save = match &raw.modules_to_save {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or("modules_to_save must be a list of module names")?,
+            Some(other) => return Err(format!("modules_to_save: unexpected value {other}")),
+        };
         if raw.layer_replication.as_ref().is_some_and(non_empty) {
             return Err("layer_replication is set: not supported".into());
         }
@@ -254,6 +262,7 @@ impl LoraConfig {
             layers_to_transform,
             layers_pattern,
             base_model_name_or_path: raw.base_model_name_or_path,
+            modules_to_save,
         };
         config.check_patterns()?;
         Ok(config)
@@ -369,7 +378,7 @@ impl LoraConfig {
             "lora_ga_config": null,
             "megatron_config": null,
             "megatron_core": "megatron.core",
-            "modules_to_save": null,
+            "modules_to_save": if self.modules_to_save.is_empty() { Value::Null } else { json!(self.modules_to_save) },
             "monteclora_config": null,
             "peft_type": "LORA",
             "peft_version": "0.21.2",
@@ -540,23 +549,158 @@ fn targeted_modules(
 /// missing, unexpected or mis-shaped tensors are errors naming the tensor.
 pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, ModelError> {
     let config = LoraConfig::read(dir)?;
-    let file = dir.join(ADAPTER_WEIGHTS_FILE);
-    if !file.is_file() {
-        let bin = dir.join("adapter_model.bin");
-        let msg = if bin.is_file() {
-            "missing; only safetensors adapters are supported (found adapter_model.bin)"
-        } else {
-            "no such file"
-        };
-        return Err(ModelError::file(&file, msg));
-    }
-    let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu)
-        .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
+    let mut file = dir.join(ADAPTER_WEIGHTS_FILE);
+    let mut tensors = if file.is_file() {
+        candle_core::safetensors::load(&file, &Device::Cpu)
+            .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?
+    } else if dir.join("adapter_model.bin").is_file() {
+        // PEFT's `safe_serialization=False`: a torch.save file.
+        file = dir.join("adapter_model.bin");
+        let mut out = HashMap::new();
+        for (name, t) in crate::torch_pickle::read_torch_file(&file)? {
+            let t = t
+                .to_tensor(candle_core::DType::F32, &Device::Cpu)
+                .map_err(|e| ModelError::file(&file, format!("tensor '{name}': {e}")))?;
+            out.insert(name, t);
+        }
+        out
+    } else {
+        return Err(ModelError::file(&file, "no such file"));
+    };
     if model.config.text_of_multimodal {
         tensors = text_model_adapter_tensors(tensors, &file);
     }
-    attach_adapter(model, &config, tensors, &file.display().to_string())?;
+    let saved = saved_module_tensors(&mut tensors, &config.modules_to_save);
+    let source = file.display().to_string();
+    attach_adapter(model, &config, tensors, &source)?;
+    replace_saved_modules(model, saved, &source)?;
     Ok(config)
+}
+
+/// Takes out of `tensors` the whole tensors of `modules_to_save` modules, under the model's
+/// names (`lm_head.weight`, `model.embed_tokens.weight`). PEFT saves them as
+/// `base_model.model.{module}.{param}`, or — for an embedding saved with a resized vocabulary —
+/// as the wrapper's `{module}.modules_to_save.{param}` (the trained copy, which is what runs) beside
+/// `{module}.original_module.{param}` (the base's, unused while the adapter is on: left out); a
+/// module matches when its name ends with an entry, as PEFT matches.
+fn saved_module_tensors(
+    tensors: &mut HashMap<String, Tensor>,
+    modules_to_save: &[String],
+) -> HashMap<String, Tensor> {
+    if modules_to_save.is_empty() {
+        return HashMap::new();
+    }
+    let mut out = HashMap::new();
+    let names: Vec<String> = tensors.keys().cloned().collect();
+    for key in names {
+        let Some(rest) = key.strip_prefix(PEFT_PREFIX) else {
+            continue;
+        };
+        let Some((module, param)) = rest.rsplit_once('.') else {
+            continue;
+        };
+        if param.starts_with("lora_") || module.contains(".lora_") {
+            continue;
+        }
+        let (module, keep) = if let Some(m) = module.strip_suffix(".modules_to_save") {
+            (m, true)
+        } else if let Some(m) = module.strip_suffix(".original_module") {
+            (m, false)
+        } else {
+            (module, true)
+        };
+        if !modules_to_save.iter().any(|m| module.ends_with(m.as_str())) {
+            continue;
+        }
+        let t = tensors.remove(&key).expect("listed");
+        if keep {
+            out.insert(format!("{module}.{param}"), t);
+        }
+    }
+    out
+}
+
+/// Puts PEFT's saved whole modules in place of the base's tensors, as `PeftModel` runs them:
+/// each replaces the tensor of the same name; an embedding or head with more rows (tokens added
+/// with `resize_token_embeddings`) resizes the vocabulary; a head tied to the embedding is untied
+/// when either is replaced (PEFT trains a copy of the one module; the other keeps the original).
+pub fn replace_saved_modules(
+    model: &mut CausalLm,
+    saved: HashMap<String, Tensor>,
+    source: &str,
+) -> Result<(), ModelError> {
+    if saved.is_empty() {
+        return Ok(());
+    }
+    let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
+    let (dtype, device) = (model.dtype(), model.device().clone());
+    let head = model.head_name();
+    let mut saved: HashMap<String, Tensor> = saved
+        .into_iter()
+        .map(|(name, t)| {
+            // A classifier's head is `score` in files, the model's head slot inside.
+            let name = match name.strip_prefix(head).and_then(|r| r.strip_prefix('.')) {
+                Some(param) if head != "lm_head" => format!("lm_head.{param}"),
+                _ => name,
+            };
+            Ok((name, t.to_dtype(dtype)?.to_device(&device)?))
+        })
+        .collect::<Result<_, ModelError>>()?;
+    let embed_rows = |m: &CausalLm| m.embed_tokens.dim(0).unwrap_or(0);
+    if model.config.tie_word_embeddings
+        && (saved.contains_key("lm_head.weight") || saved.contains_key("model.embed_tokens.weight"))
+    {
+        let head_weight = saved
+            .remove("lm_head.weight")
+            .unwrap_or_else(|| model.embed_tokens.clone());
+        model.lm_head.weight = crate::model::BaseWeight::Dense(head_weight);
+        model.config.tie_word_embeddings = false;
+        if let Some(raw) = model.config.raw.as_object_mut() {
+            raw.insert("tie_word_embeddings".into(), false.into());
+        }
+    }
+    for unit in model.units() {
+        for (name, slot) in model.unit_tensors_mut(unit) {
+            let Some(t) = saved.remove(&name) else {
+                continue;
+            };
+            let vocab_rows = name == "model.embed_tokens.weight" || name == "lm_head.weight";
+            let fits = t.dims() == slot.dims()
+                || (vocab_rows && t.rank() == 2 && t.dim(1)? == slot.dim(1)?);
+            if !fits {
+                return Err(err(format!(
+                    "saved module tensor '{name}' has shape {:?}, the model's {:?}",
+                    t.dims(),
+                    slot.dims()
+                )));
+            }
+            *slot = t;
+        }
+    }
+    if !saved.is_empty() {
+        let mut left: Vec<String> = saved.into_keys().collect();
+        left.sort();
+        return Err(err(format!(
+            "modules_to_save tensor(s) {} match no tensor of the model",
+            left.join(", ")
+        )));
+    }
+    model.retie_head();
+    let rows = embed_rows(model);
+    let head_rows = model.lm_head.weight.dims2().map(|(r, _)| r).unwrap_or(rows);
+    if model.config.score_labels.is_none() && head_rows != rows {
+        return Err(err(format!(
+            "the embedding has {rows} tokens and the output head {head_rows}: save both in \
+             modules_to_save when the vocabulary is resized"
+        )));
+    }
+    if rows != model.config.vocab_size {
+        model.config.vocab_size = rows;
+        if let Some(raw) = model.config.raw.as_object_mut() {
+            raw.insert("vocab_size".into(), rows.into());
+        }
+    }
+    Ok(())
 }
 
 /// An adapter trained by PEFT on a whole multimodal model (Gemma 3, Mistral 3), as adapter tensors of its text
@@ -1277,7 +1421,7 @@ mod tests {
             err(r#""peft_type": "LORA", "target_modules": "q_proj", "layers_to_transform": [1]"#);
         assert!(e.contains("layers_to_transform"));
         let e = err(
-            r#""peft_type": "LORA", "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]"#,
+            r#""peft_type": "LORA", "target_modules": ["q_proj"], "modules_to_save": "lm_head""#,
         );
         assert!(e.contains("modules_to_save"));
         let e = err(r#""peft_type": "LORA", "target_modules": "(q_proj""#);

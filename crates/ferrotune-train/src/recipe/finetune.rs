@@ -937,6 +937,20 @@ fn setup_adapters(
         } else {
             dir
         };
+        let saved = peft::LoraConfig::read(&dir)
+            .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?
+            .modules_to_save;
+        if !saved.is_empty() {
+            // torchtune trains adapters only; continuing PEFT's fully trained modules would need
+            // them as trainable parameters beside the adapters.
+            bail!(
+                "{}: checkpointer.adapter_checkpoint {} has modules_to_save {saved:?}: training \
+                 them further is not supported; `ferrotune merge` it into the base and train \
+                 the merged model",
+                cfg.origin,
+                dir.display()
+            );
+        }
         let mut lc = peft::load_adapter(model, &dir)
             .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?;
         if lc.base_model_name_or_path.is_none() {
