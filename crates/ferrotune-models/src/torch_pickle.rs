@@ -677,10 +677,15 @@ pub fn read_meta(
         .unwrap_or(false);
 
     let stored = read_torch_file(file)?;
-    let stored_dtype = stored
-        .iter()
-        .find(|(n, _)| n == "tok_embeddings.weight")
-        .map(|(_, t)| t.dtype);
+    let find = |name: &str| stored.iter().find(|(n, _)| n == name).map(|(_, t)| t);
+    let stored_dtype = find("tok_embeddings.weight").map(|t| t.dtype);
+    // Tied when the head is absent or holds the embedding's bytes (compared as stored: no
+    // full-size comparison tensors for a 128k-token vocabulary).
+    let tied = match (find("output.weight"), find("tok_embeddings.weight")) {
+        (None, _) => true,
+        (Some(out), Some(embed)) => out == embed,
+        (Some(_), None) => false,
+    };
     let mut raw = HashMap::with_capacity(stored.len());
     for (name, t) in stored {
         let t = t
@@ -719,10 +724,6 @@ pub fn read_meta(
         .get("model.embed_tokens.weight")
         .ok_or_else(|| ModelError::file(file, "missing tensor 'tok_embeddings.weight'"))?;
     let vocab = embed.dim(0)?;
-    let tied = match &output {
-        None => true,
-        Some(out) => same_values(out, embed)?,
-    };
     if let (Some(out), false) = (output, tied) {
         tensors.insert("lm_head.weight".into(), out);
     }
@@ -789,17 +790,6 @@ pub fn read_meta(
     Ok((config, tensors))
 }
 
-fn same_values(a: &Tensor, b: &Tensor) -> Result<bool, ModelError> {
-    if a.shape() != b.shape() {
-        return Ok(false);
-    }
-    let ne = a
-        .ne(b)?
-        .to_dtype(DType::F32)?
-        .sum_all()?
-        .to_scalar::<f32>()?;
-    Ok(ne == 0.0)
-}
 
 /// Meta's Llama tensor names in HF's form.
 fn meta_to_hf_name(name: &str) -> Option<String> {
