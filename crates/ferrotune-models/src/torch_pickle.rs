@@ -790,7 +790,6 @@ pub fn read_meta(
     Ok((config, tensors))
 }
 
-
 /// Meta's Llama tensor names in HF's form.
 fn meta_to_hf_name(name: &str) -> Option<String> {
     match name {
