@@ -8,9 +8,21 @@ use ferrotune_data::Tokenizer;
 /// The tokenizer of a model: the GGUF's embedded one, or the HF folder's tokenizer files.
 pub fn tokenizer_for(path: &Path) -> Result<Tokenizer> {
     let is_gguf = path.extension().is_some_and(|e| e == "gguf");
-    Ok(if is_gguf {
-        Tokenizer::from_gguf(path)?
+    if is_gguf {
+        return Ok(Tokenizer::from_gguf(path)?);
+    }
+    // A weights file (`model-8da4w.pt`, `pytorch_model.bin`) speaks for its folder; Meta's
+    // `original/` folder for the HF folder above it, where tokenizer.json is.
+    let dir = if path.is_file() {
+        path.parent().unwrap_or(Path::new("."))
     } else {
-        Tokenizer::from_dir(path)?
-    })
+        path
+    };
+    let has =
+        |d: &Path| d.join("tokenizer.json").is_file() || d.join("tokenizer_config.json").is_file();
+    let dir = match dir.parent() {
+        Some(up) if !has(dir) && has(up) => up,
+        _ => dir,
+    };
+    Ok(Tokenizer::from_dir(dir)?)
 }

@@ -135,6 +135,7 @@ fn generate_runs_the_quantized_checkpoint_and_refuses_mismatches() {
     );
     assert!(out.status.success(), "{}", text(&out));
     assert!(dir.join("out/config.json").is_file());
+    assert!(dir.join("out/tokenizer.json").is_file());
 
     let generation = |checkpoint_dir: &std::path::Path, files: &str, quantizer: &str| {
         let g = dir.join("g.yaml");

@@ -14,7 +14,8 @@
 //! round-half-even(w × (1 / scale)) clamped);
 //! other linears stay as they are (torchao skips them too). Checkpoint: the state dict as
 //! `torch.save` writes it, `{output_dir}/{first checkpoint file's stem}-8da4w.pt`, read by
-//! `torch.load(path, weights_only=True)` and by torchao's `Int8DynActInt4WeightLinear`.
+//! `torch.load(path, weights_only=True)` and by torchao's `Int8DynActInt4WeightLinear`, with the
+//! source's `config.json` and tokenizer files beside it.
 //!
 //! torchtune's `Int8DynActInt4WeightQuantizer` (without QAT) saves torchao tensor subclasses
 //! instead, which only torchao can unpickle; ferrotune writes the same plain buffers for both
@@ -107,6 +108,10 @@ pub fn run(cfg: &Config) -> Result<PathBuf> {
         );
     }
     let config = ckpt.config.clone();
+    let source = crate::export::ModelSource {
+        format: ckpt.format.clone(),
+        dir: ckpt.dir.clone(),
+    };
     let tensors = hf_to_torchtune(&ckpt.config, ckpt.tensors)
         .map_err(|e| anyhow!("{}: {e}", location.path.display()))?;
 
@@ -153,6 +158,8 @@ pub fn run(cfg: &Config) -> Result<PathBuf> {
         &out_dir.join("config.json"),
         serde_json::to_string_pretty(&raw)?.as_bytes(),
     )?;
+    // And its tokenizer, so that the folder runs as it is (`ferrotune generate --model FILE`).
+    crate::export::copy_or_export_tokenizer(&source, None, &out_dir)?;
     let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
     eprintln!(
         "Model checkpoint of size {:.2} GiB saved to {}",

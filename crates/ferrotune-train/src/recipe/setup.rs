@@ -357,7 +357,15 @@ fn find_tokenizer(cfg: &Config, checkpoint: &Path) -> Result<(Tokenizer, PathBuf
         return Ok((Tokenizer::from_gguf(&path)?, path));
     }
     if path.is_dir() {
-        return Ok((Tokenizer::from_dir(&path)?, path));
+        // Meta's `original/` folder holds its own tokenizer.model; the HF tokenizer is one up.
+        let has = |d: &Path| {
+            d.join("tokenizer.json").is_file() || d.join("tokenizer_config.json").is_file()
+        };
+        let dir = match path.parent() {
+            Some(up) if !has(&path) && has(up) => up.to_path_buf(),
+            _ => path,
+        };
+        return Ok((Tokenizer::from_dir(&dir)?, dir));
     }
     let parent = path.parent().unwrap_or(Path::new("."));
     for dir in [Some(parent), parent.parent()].into_iter().flatten() {
