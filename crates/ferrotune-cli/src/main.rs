@@ -1,6 +1,7 @@
 //! `ferrotune`: fine-tune and run LLMs — torchtune's verbs and configs in one Rust binary.
 
 mod bench;
+mod cat;
 mod download;
 mod export_gguf;
 mod generate;
@@ -32,6 +33,8 @@ enum Command {
     Run(recipes::RunArgs),
     /// Check a config without running it.
     Validate(recipes::ValidateArgs),
+    /// Print a config as torchtune's `tune cat` does (the keys you can override with `run`).
+    Cat(cat::CatArgs),
     /// Measure training speed and memory.
     Bench(bench::BenchArgs),
     /// Generate text from a model (HF checkpoint folder or .gguf file).
@@ -87,6 +90,7 @@ fn main() {
         Command::Cp(args) => recipes::cp(args),
         Command::Run(args) => recipes::run(args),
         Command::Validate(args) => recipes::validate(args),
+        Command::Cat(args) => cat::cat(args),
         Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(*args),
         Command::Tokenize(args) => tokenize::run(args),

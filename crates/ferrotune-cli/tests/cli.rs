@@ -356,3 +356,45 @@ fn export_gguf_writes_a_file_that_generates_the_same_tokens() {
     assert!(!dir.join("ministral3.gguf").exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn cat_prints_configs_as_tune_cat() {
+    // Expected: PyYAML's dump, as torchtune's `tune cat` prints (scripts/make_cat_fixtures.py).
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/cat");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    for (case, outputs) in expected.as_object().unwrap() {
+        let target = if case.ends_with(".yaml") {
+            dir.join(case).display().to_string()
+        } else {
+            case.clone()
+        };
+        for (sort, want) in outputs.as_object().unwrap() {
+            let mut args = vec!["cat", target.as_str()];
+            if sort == "true" {
+                args.push("--sort");
+            }
+            let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+                .args(&args)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{case}");
+            assert_eq!(
+                String::from_utf8(out.stdout).unwrap(),
+                want.as_str().unwrap(),
+                "{case} (sorted: {sort})"
+            );
+        }
+    }
+    // A recipe name is pointed at configs, as torchtune does.
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args(["cat", "lora_finetune_single_device"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("is a recipe, not a config"));
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args(["cat", "no/such_config"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
