@@ -12,10 +12,11 @@ recipe does for `8da4w-qat`. The resulting state dict is what `torch.save` write
 with each quantized linear as Int8DynActInt4WeightLinear buffers (`weight` int8 codes, `scales` and `zeros`
 float32), and linears whose input size is not a multiple of the group size left as they were.
 
-For the float32 cases, golden.safetensors holds the logits of the quantized model on the model fixture's golden
+For the Llama and Qwen cases, golden.safetensors holds the logits of the quantized model on the model fixture's golden
 input_ids: transformers' model with each quantized nn.Linear replaced by torchao's Int8DynActInt4WeightLinear
 holding those buffers (rows back in HF's order), i.e. int8 per-token dynamic activations times the dequantized
-int4 weights, as torchtune's generate and eleuther_eval run the file.
+int4 weights, as torchtune's generate and eleuther_eval run the file; in the case's dtype (bf16 cases: the model
+and the modules' precision bf16, the scales float32 as loaded from the file).
 """
 
 import argparse
@@ -101,13 +102,13 @@ HF_MODULES = {"attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_pro
 
 
 @torch.no_grad()
-def quantized_logits(model_dir: Path, kind: str, sd: dict, input_ids: torch.Tensor):
+def quantized_logits(model_dir: Path, kind: str, sd: dict, input_ids: torch.Tensor, dtype=torch.float32):
     """Logits of transformers' model with torchao's Int8DynActInt4WeightLinear in place of each quantized
     linear of the torchtune state dict `sd`."""
     from transformers import AutoModelForCausalLM
     from torchao.quantization.linear_quant_modules import Int8DynActInt4WeightLinear
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     cfg = model.config
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -132,7 +133,7 @@ def quantized_logits(model_dir: Path, kind: str, sd: dict, input_ids: torch.Tens
         old = modules[hf]
         gs = codes.shape[1] // scales.shape[1]
         lin = Int8DynActInt4WeightLinear(old.in_features, old.out_features, bias=old.bias is not None,
-                                         groupsize=gs, precision=torch.float32, scales_precision=torch.float32)
+                                         groupsize=gs, precision=dtype, scales_precision=torch.float32)
         lin.weight, lin.scales, lin.zeros = codes, scales, zeros
         if old.bias is not None:
             lin.bias = old.bias.detach().clone()
@@ -170,10 +171,10 @@ def main():
         (case_dir / "model").mkdir(parents=True, exist_ok=True)
         torch.save(sd, case_dir / "model" / "model-8da4w.pt")
         (case_dir / "model" / "config.json").write_text((MODELS / model / "model" / "config.json").read_text())
-        if dtype == torch.float32:
+        if kind in ("llama", "qwen2"):
             golden = json.loads((MODELS / model / "golden.json").read_text())
             ids = torch.tensor(golden["input_ids"])
-            logits = quantized_logits(MODELS / model / "model", kind, sd, ids)
+            logits = quantized_logits(MODELS / model / "model", kind, sd, ids, dtype)
             from safetensors.torch import save_file
             save_file({"logits": logits}, str(case_dir / "golden.safetensors"))
             (case_dir / "golden.json").write_text(json.dumps({"input_ids": golden["input_ids"]}) + "\n")
