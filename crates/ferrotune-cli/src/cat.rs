@@ -104,7 +104,7 @@ pub fn dump(value: &Value, sort: bool) -> String {
         Value::Sequence(s) => sequence(&mut out, s, 0, sort),
         Value::Null => {}
         other => {
-            scalar(&mut out, other, 0, 4);
+            scalar(&mut out, other, 0);
             out.push('\n');
         }
     }
@@ -129,7 +129,7 @@ fn entries(m: &serde_yaml_ng::Mapping, sort: bool) -> Vec<(&Value, &Value)> {
 
 fn key_text(k: &Value) -> String {
     let mut s = String::new();
-    scalar(&mut s, k, 0, 0);
+    scalar(&mut s, k, 0);
     s
 }
 
@@ -160,7 +160,7 @@ fn value_after_key(out: &mut String, v: &Value, indent: usize, sort: bool) {
         Value::Tagged(t) => value_after_key(out, &t.value, indent, sort),
         _ => {
             out.push(' ');
-            scalar(out, v, indent + 4, 4);
+            scalar(out, v, indent + 4);
             out.push('\n');
         }
     }
@@ -185,13 +185,13 @@ fn sequence(out: &mut String, s: &[Value], indent: usize, sort: bool) {
                     }
                     first = false;
                     out.push_str("- ");
-                    scalar(out, x, indent + 6, 4);
+                    scalar(out, x, indent + 6);
                     out.push('\n');
                 }
             }
             _ => {
                 out.push_str("- ");
-                scalar(out, item, indent + 2, 4);
+                scalar(out, item, indent + 2);
                 out.push('\n');
             }
         }
@@ -210,7 +210,7 @@ fn pad_to(out: &mut String, indent: usize) {
 
 /// A scalar (or an empty collection) at the cursor; long strings fold at 80 columns onto lines
 /// indented to `cont`.
-fn scalar(out: &mut String, v: &Value, cont: usize, _indent: usize) {
+fn scalar(out: &mut String, v: &Value, cont: usize) {
     match v {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
@@ -226,7 +226,7 @@ fn scalar(out: &mut String, v: &Value, cont: usize, _indent: usize) {
         Value::String(s) => string(out, s, cont),
         Value::Mapping(_) => out.push_str("{}"),
         Value::Sequence(_) => out.push_str("[]"),
-        Value::Tagged(t) => scalar(out, &t.value, cont, _indent),
+        Value::Tagged(t) => scalar(out, &t.value, cont),
     }
 }
 

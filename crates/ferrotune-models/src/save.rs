@@ -43,6 +43,17 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     })
 }
 
+/// The model's `config.json` text with its weights' dtype (`float32`, `bfloat16`, ...) under both
+/// spellings transformers reads (`torch_dtype` for 4.x, `dtype` for 5.x).
+pub fn config_json(config: &ModelConfig, dtype_name: &str) -> String {
+    let mut raw = config.raw.clone();
+    if let Some(obj) = raw.as_object_mut() {
+        obj.insert("torch_dtype".into(), json!(dtype_name));
+        obj.insert("dtype".into(), json!(dtype_name));
+    }
+    serde_json::to_string_pretty(&raw).expect("JSON values serialize")
+}
+
 /// Parses a shard size as transformers does: `5GB` = 5·10⁹ bytes, `5GiB` = 5·2³⁰, also `MB`,
 /// `MiB`, `KB`, `KiB`, `B`, or a plain number of bytes.
 pub fn parse_shard_size(text: &str) -> Result<u64, String> {
@@ -155,13 +166,10 @@ pub fn save_hf_checkpoint(
         let _ = std::fs::remove_file(dir.join("model.safetensors.index.json"));
     }
 
-    let mut raw = config.raw.clone();
-    if let Some(obj) = raw.as_object_mut() {
-        obj.insert("torch_dtype".into(), json!(dtype_name));
-        obj.insert("dtype".into(), json!(dtype_name));
-    }
-    let text = serde_json::to_string_pretty(&raw).expect("JSON values serialize");
-    write_atomic(&dir.join("config.json"), text.as_bytes())?;
+    write_atomic(
+        &dir.join("config.json"),
+        config_json(config, dtype_name).as_bytes(),
+    )?;
 
     let generation = match generation_config {
         Some(g) => g.clone(),

@@ -142,21 +142,14 @@ pub fn run(cfg: &Config) -> Result<PathBuf> {
     write_torch_file(&file, &state)?;
     // torchtune's builders know the architecture; ferrotune reads it from the config beside the
     // file, so that generate and eleuther_eval (and `ferrotune generate --model FILE`) run it.
-    let mut raw = config.raw.clone();
-    if let Some(obj) = raw.as_object_mut() {
-        obj.insert(
-            "torch_dtype".into(),
-            if dtype == DType::BF16 {
-                "bfloat16"
-            } else {
-                "float32"
-            }
-            .into(),
-        );
-    }
+    let dtype_name = if dtype == DType::BF16 {
+        "bfloat16"
+    } else {
+        "float32"
+    };
     ferrotune_models::save::write_atomic(
         &out_dir.join("config.json"),
-        serde_json::to_string_pretty(&raw)?.as_bytes(),
+        ferrotune_models::save::config_json(&config, dtype_name).as_bytes(),
     )?;
     // And its tokenizer, so that the folder runs as it is (`ferrotune generate --model FILE`).
     crate::export::copy_or_export_tokenizer(&source, None, &out_dir)?;
