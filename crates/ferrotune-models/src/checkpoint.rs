@@ -67,30 +67,7 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     }
     let index = path.join("model.safetensors.index.json");
     if index.is_file() {
-        let text = std::fs::read_to_string(&index)
-            .map_err(|e| ModelError::file(&index, format!("cannot read: {e}")))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| ModelError::file(&index, format!("invalid JSON: {e}")))?;
-        let map = value
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| ModelError::file(&index, "missing 'weight_map' object"))?;
-        let mut files = BTreeSet::new();
-        for (name, file) in map {
-            let file = file.as_str().ok_or_else(|| {
-                ModelError::file(&index, format!("weight_map['{name}'] is not a file name"))
-            })?;
-            files.insert(path.join(file));
-        }
-        for f in &files {
-            if !f.is_file() {
-                return Err(ModelError::file(
-                    f,
-                    "shard listed in model.safetensors.index.json is missing",
-                ));
-            }
-        }
-        return Ok(CheckpointFormat::Safetensors(files.into_iter().collect()));
+        return Ok(CheckpointFormat::Safetensors(index_shard_files(&index)?));
     }
     let single = path.join("model.safetensors");
     if single.is_file() {
@@ -124,9 +101,7 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     }
     let pickle_index = path.join("pytorch_model.bin.index.json");
     if pickle_index.is_file() {
-        return Ok(CheckpointFormat::Pickle(torch_pickle::pickle_index_files(
-            &pickle_index,
-        )?));
+        return Ok(CheckpointFormat::Pickle(index_shard_files(&pickle_index)?));
     }
     let pickle = path.join("pytorch_model.bin");
     if pickle.is_file() {
@@ -175,6 +150,40 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
             "several .gguf files: pass the one to load",
         )),
     }
+}
+
+/// The shard files an HF index (`model.safetensors.index.json`, `pytorch_model.bin.index.json`)
+/// lists in its `weight_map`, each checked to exist beside it.
+pub fn index_shard_files(index: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let text = std::fs::read_to_string(index)
+        .map_err(|e| ModelError::file(index, format!("cannot read: {e}")))?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::file(index, format!("invalid JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| ModelError::file(index, "missing 'weight_map' object"))?;
+    let mut files = BTreeSet::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            ModelError::file(index, format!("weight_map['{name}'] is not a file name"))
+        })?;
+        files.insert(dir.join(file));
+    }
+    let index_name = index
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    for f in &files {
+        if !f.is_file() {
+            return Err(ModelError::file(
+                f,
+                format!("shard listed in {index_name} is missing"),
+            ));
+        }
+    }
+    Ok(files.into_iter().collect())
 }
 
 /// The format of the weight files `files` (in the checkpoint folder `dir`), as a config's

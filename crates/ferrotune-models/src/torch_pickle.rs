@@ -591,35 +591,6 @@ pub fn read_pickle_shards(
     torchtune(tune).map_err(|msg| ModelError::file(&files[0], msg))
 }
 
-/// The shard files listed by `pytorch_model.bin.index.json`.
-pub fn pickle_index_files(index: &Path) -> Result<Vec<PathBuf>, ModelError> {
-    let dir = index.parent().unwrap_or(Path::new("."));
-    let text = std::fs::read_to_string(index)
-        .map_err(|e| ModelError::file(index, format!("cannot read: {e}")))?;
-    let value: Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::file(index, format!("invalid JSON: {e}")))?;
-    let map = value
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| ModelError::file(index, "missing 'weight_map' object"))?;
-    let mut files = std::collections::BTreeSet::new();
-    for (name, file) in map {
-        let file = file.as_str().ok_or_else(|| {
-            ModelError::file(index, format!("weight_map['{name}'] is not a file name"))
-        })?;
-        files.insert(dir.join(file));
-    }
-    for f in &files {
-        if !f.is_file() {
-            return Err(ModelError::file(
-                f,
-                format!("shard listed in {} is missing", index.display()),
-            ));
-        }
-    }
-    Ok(files.into_iter().collect())
-}
-
 /// A Meta checkpoint (`consolidated.00.pth`, with `params.json` beside it) as an HF Llama model:
 /// its config, and its tensors under HF names with the q/k rows in HF's rotary layout.
 ///
