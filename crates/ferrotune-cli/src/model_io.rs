@@ -13,16 +13,12 @@ pub fn tokenizer_for(path: &Path) -> Result<Tokenizer> {
     }
     // A weights file (`model-8da4w.pt`, `pytorch_model.bin`) speaks for its folder; Meta's
     // `original/` folder for the HF folder above it, where tokenizer.json is.
-    let dir = if path.is_file() {
-        path.parent().unwrap_or(Path::new("."))
-    } else {
-        path
-    };
-    let has =
-        |d: &Path| d.join("tokenizer.json").is_file() || d.join("tokenizer_config.json").is_file();
-    let dir = match dir.parent() {
-        Some(up) if !has(dir) && has(up) => up,
-        _ => dir,
-    };
+    let dir = ferrotune_data::tokenizer::tokenizer_folder(path).unwrap_or_else(|| {
+        if path.is_file() {
+            path.parent().unwrap_or(Path::new(".")).to_path_buf()
+        } else {
+            path.to_path_buf()
+        }
+    });
     Ok(Tokenizer::from_dir(dir)?)
 }

@@ -757,3 +757,22 @@ fn read_json_object(path: &Path, what: &'static str) -> Result<Option<Map<String
         }),
     }
 }
+
+/// The folder whose tokenizer files serve `path`: for a file (a `tokenizer.model`, a weights file)
+/// its folder, for a folder itself — or, when that holds no `tokenizer.json` /
+/// `tokenizer_config.json`, the folder above it if that does (torchtune's
+/// `original/tokenizer.model`, Meta's `original/` checkpoint folder). `None` when neither does.
+pub fn tokenizer_folder(path: &Path) -> Option<PathBuf> {
+    let start = if path.is_file() {
+        path.parent().unwrap_or(Path::new("."))
+    } else {
+        path
+    };
+    let has =
+        |d: &Path| d.join("tokenizer.json").is_file() || d.join("tokenizer_config.json").is_file();
+    [Some(start), start.parent()]
+        .into_iter()
+        .flatten()
+        .find(|d| has(d))
+        .map(Path::to_path_buf)
+}

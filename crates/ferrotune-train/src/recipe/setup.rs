@@ -358,20 +358,11 @@ fn find_tokenizer(cfg: &Config, checkpoint: &Path) -> Result<(Tokenizer, PathBuf
     }
     if path.is_dir() {
         // Meta's `original/` folder holds its own tokenizer.model; the HF tokenizer is one up.
-        let has = |d: &Path| {
-            d.join("tokenizer.json").is_file() || d.join("tokenizer_config.json").is_file()
-        };
-        let dir = match path.parent() {
-            Some(up) if !has(&path) && has(up) => up.to_path_buf(),
-            _ => path,
-        };
+        let dir = ferrotune_data::tokenizer::tokenizer_folder(&path).unwrap_or(path);
         return Ok((Tokenizer::from_dir(&dir)?, dir));
     }
-    let parent = path.parent().unwrap_or(Path::new("."));
-    for dir in [Some(parent), parent.parent()].into_iter().flatten() {
-        if dir.join("tokenizer.json").is_file() || dir.join("tokenizer_config.json").is_file() {
-            return Ok((Tokenizer::from_dir(dir)?, dir.to_path_buf()));
-        }
+    if let Some(dir) = ferrotune_data::tokenizer::tokenizer_folder(&path) {
+        return Ok((Tokenizer::from_dir(&dir)?, dir));
     }
     bail!(
         "{}: tokenizer.path: no tokenizer.json next to {} or in its parent folder",
