@@ -316,13 +316,6 @@ fn merge_keeps_peft_modules_to_save_with_a_resized_vocabulary() {
         .unwrap()
         .remove("logits")
         .unwrap();
-    let d = (&got - &want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = ferrotune_testing::max_abs_diff(&got, &want);
     assert!(d < 1e-4, "max abs difference {d}");
 }

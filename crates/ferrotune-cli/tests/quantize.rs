@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::path::Path;
+
 use common::{ferrotune, fixtures, text, tmpdir};
 use ferrotune_models::torch_pickle::read_torch_file;
 
@@ -60,6 +62,27 @@ fn quantize_writes_torchaos_8da4w_checkpoint() {
     }
 }
 
+/// `ferrotune run quantize` of `model` into `dir/out` (f32, CPU) with the `quantizer` section's
+/// lines (YAML under `quantizer:`).
+fn run_quantize(dir: &Path, model: &Path, quantizer: &str) -> std::process::Output {
+    let cfg = dir.join("q.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "output_dir: {}\ncheckpointer:\n  checkpoint_dir: {}\ndevice: cpu\ndtype: fp32\n\
+             quantizer:\n{quantizer}",
+            dir.join("out").display(),
+            model.display()
+        ),
+    )
+    .unwrap();
+    ferrotune(
+        &["run", "quantize", "--config", cfg.to_str().unwrap()],
+        dir,
+        &[],
+    )
+}
+
 #[test]
 fn quantize_refuses_what_it_cannot_write() {
     let dir = tmpdir("quantize", "refusals");
@@ -71,42 +94,16 @@ fn quantize_refuses_what_it_cannot_write() {
         ),
         ("torchao.quantization.Float8Quantizer", "not supported"),
     ] {
-        let cfg = dir.join("q.yaml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "output_dir: {}\ncheckpointer:\n  checkpoint_dir: {}\ndevice: cpu\ndtype: fp32\n\
-                 quantizer:\n  _component_: {quantizer}\n",
-                dir.join("out").display(),
-                model.display()
-            ),
-        )
-        .unwrap();
-        let out = ferrotune(
-            &["run", "quantize", "--config", cfg.to_str().unwrap()],
-            &dir,
-            &[],
-        );
+        let out = run_quantize(&dir, &model, &format!("  _component_: {quantizer}\n"));
         assert!(!out.status.success(), "{quantizer}");
         assert!(text(&out).contains(expect), "{quantizer}: {}", text(&out));
     }
     // A family torchtune's checkpointer has no conversion for.
-    let cfg = dir.join("q.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "output_dir: {}\ncheckpointer:\n  checkpoint_dir: {}\ndevice: cpu\ndtype: fp32\n\
-             quantizer:\n  _component_: torchtune.training.quantization.\
-             Int8DynActInt4WeightQuantizer\n  groupsize: 32\n",
-            dir.join("out").display(),
-            fixtures().join("models/qwen3/model").display()
-        ),
-    )
-    .unwrap();
-    let out = ferrotune(
-        &["run", "quantize", "--config", cfg.to_str().unwrap()],
+    let out = run_quantize(
         &dir,
-        &[],
+        &fixtures().join("models/qwen3/model"),
+        "  _component_: torchtune.training.quantization.Int8DynActInt4WeightQuantizer\n  \
+         groupsize: 32\n",
     );
     assert!(!out.status.success());
     assert!(text(&out).contains("'qwen3'"), "{}", text(&out));
@@ -116,23 +113,13 @@ fn quantize_refuses_what_it_cannot_write() {
 fn generate_runs_the_quantized_checkpoint_and_refuses_mismatches() {
     let dir = tmpdir("quantize", "generate");
     let model = fixtures().join("models/llama3_2/model");
-    let q = dir.join("q.yaml");
-    std::fs::write(
-        &q,
-        format!(
-            "output_dir: {}\ncheckpointer:\n  checkpoint_dir: {}\ndevice: cpu\ndtype: fp32\n\
-             quantizer:\n  _component_: torchtune.training.quantization.\
-             Int8DynActInt4WeightQATQuantizer\n  groupsize: 32\n",
-            dir.join("out").display(),
-            model.display()
-        ),
-    )
-    .unwrap();
-    let out = ferrotune(
-        &["run", "quantize", "--config", q.to_str().unwrap()],
+    let out = run_quantize(
         &dir,
-        &[],
+        &model,
+        "  _component_: torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer\n  \
+         groupsize: 32\n",
     );
+    let q = dir.join("q.yaml");
     assert!(out.status.success(), "{}", text(&out));
     assert!(dir.join("out/config.json").is_file());
     assert!(dir.join("out/tokenizer.json").is_file());

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use ferrotune_models::{load_model, AttentionLayout};
+use ferrotune_testing::max_abs_diff;
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -30,34 +31,26 @@ fn logits_in(model_path: &Path, ids: &Value, dtype: DType) -> Tensor {
         .unwrap()
 }
 
-fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
+/// The case's golden input ids and logits.
+fn golden(dir: &Path) -> (Value, Tensor) {
+    let g: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let logits = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)
         .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+        .remove("logits")
+        .unwrap();
+    (g, logits)
 }
 
 #[test]
 fn quantized_checkpoint_runs_as_torchao() {
     for (case, model) in [("llama3_2_gs32", "llama3_2"), ("qwen2_5_gs32", "qwen2_5")] {
         let dir = fixtures().join("quantize").join(case);
-        let g: Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
-                .unwrap();
-        let want = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)
-            .unwrap()
-            .remove("logits")
-            .unwrap();
+        let (g, want) = golden(&dir);
         // The file itself, and its folder (one .pt beside config.json).
         for path in [dir.join("model/model-8da4w.pt"), dir.join("model")] {
             let got = logits(&path, &g["input_ids"]);
-            let err = max_abs(&got, &want);
+            let err = max_abs_diff(&got, &want);
             assert!(
                 err < 1e-4,
                 "{case}: {}: max abs error {err}",
@@ -69,7 +62,7 @@ fn quantized_checkpoint_runs_as_torchao() {
             &fixtures().join("models").join(model).join("model"),
             &g["input_ids"],
         );
-        let gap = max_abs(&float, &want);
+        let gap = max_abs_diff(&float, &want);
         assert!(gap > 1e-2, "{case}: float model within {gap}");
     }
 }
@@ -82,13 +75,7 @@ fn quantized_checkpoint_runs_in_bf16_as_torchao() {
     // bf16's own rounding).
     for case in ["llama3_2_bf16_gs64", "qwen2_5_bf16_gs16"] {
         let dir = fixtures().join("quantize").join(case);
-        let g: Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
-                .unwrap();
-        let want = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu)
-            .unwrap()
-            .remove("logits")
-            .unwrap();
+        let (g, want) = golden(&dir);
         let got = logits_in(&dir.join("model"), &g["input_ids"], DType::BF16);
         let rel = ferrotune_testing::rel_l2(&got, &want);
         // bf16 rounding dominates: torch's own bf16 run of these files differs from its f32 run by
