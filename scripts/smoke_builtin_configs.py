@@ -51,8 +51,8 @@ for recipe, cfg in pairs:
         ov += [f"tokenizer.vocab_path={model if not meta else FIX/'llama2/model'}", "~tokenizer.merges_path"]
     else:
         ov.append(f"tokenizer.path={model if not meta else FIX/'llama2/model'}")
-    if recipe in ("generate", "quantize", "eval"):
-        if recipe == "generate": ov += ["max_new_tokens=4"]
+    if recipe in ("generate", "dev/generate_v2", "dev/generate_v2_distributed", "quantize", "eval"):
+        if "generate" in recipe: ov += ["max_new_tokens=4"]
         if recipe == "quantize": ov += ["quantizer.groupsize=16"]
     else:
         ov += [f"dataset.source=json", f"dataset.data_files={data}", "dataset.split=train", "max_steps_per_epoch=1",

@@ -8,8 +8,7 @@ use clap::Args;
 use ferrotune_core::{parse_device, parse_dtype};
 use ferrotune_data::ChatMessage;
 use ferrotune_infer::{generate, GenerationOptions, SamplingOptions, TextStream};
-use ferrotune_models::device_map::{format_bytes, plan, usable_bytes};
-use ferrotune_models::{CausalLm, DeviceMapMode};
+use ferrotune_models::DeviceMapMode;
 
 use crate::model_io::tokenizer_for;
 
@@ -171,7 +170,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     if let Some(mode) = device_map {
         // After the adapter: dispatch moves adapter tensors along with their layers.
-        spread_model(&mut model, mode)?;
+        ferrotune_train::spread::spread_model(&mut model, mode, "--device-map")?;
     }
     let vocab = model.config.vocab_size as u32;
     if let Some(bad) = prompts.iter().flatten().find(|&&id| id >= vocab) {
@@ -237,118 +236,4 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// Test hook, not a user setting: `FERROTUNE_DEVICE_MAP_FAKE="cpu:BYTES,cpu:BYTES,..."` makes
-/// `--device-map` see that many CPU "devices" with those capacities (bytes, or sizes such as
-/// `2MiB`) instead of the visible GPUs, so that planning, dispatch and the multi-device forward run
-/// on machines without a GPU.
-const FAKE_DEVICES_ENV: &str = "FERROTUNE_DEVICE_MAP_FAKE";
-
-/// Capacity assumed for a GPU whose free memory cannot be read (the driver query failed).
-const UNKNOWN_GPU_CAPACITY: u64 = 16 << 30;
-
-/// A device `--device-map` may place parts on.
-struct Target {
-    name: String,
-    device: Device,
-    /// Free bytes when the plan is made.
-    capacity: u64,
-}
-
-/// Plans `mode` over the visible GPUs, dispatches the model and prints one line per device. With
-/// no GPU visible the model stays on the CPU, as Accelerate does.
-fn spread_model(model: &mut CausalLm, mode: DeviceMapMode) -> Result<()> {
-    let targets = visible_targets()?;
-    if targets.is_empty() {
-        eprintln!(
-            "note: --device-map {}: no GPU visible, the whole model stays on the CPU",
-            mode.name()
-        );
-        return Ok(());
-    }
-    let (layer_bytes, root_bytes) = model.part_bytes();
-    let capacities: Vec<u64> = targets.iter().map(|t| t.capacity).collect();
-    let placement = plan(mode, &layer_bytes, root_bytes, &capacities)
-        .map_err(anyhow::Error::msg)
-        .with_context(|| format!("--device-map {}", mode.name()))?;
-    let devices: Vec<Device> = targets.iter().map(|t| t.device.clone()).collect();
-    model.dispatch(&placement, &devices)?;
-    let held = placement.bytes_per_device(&layer_bytes, root_bytes, targets.len());
-    for (i, t) in targets.iter().enumerate() {
-        eprintln!(
-            "{}: {} ({} of {} usable)",
-            t.name,
-            placement.describe(i),
-            format_bytes(held[i]),
-            format_bytes(usable_bytes(t.capacity))
-        );
-    }
-    Ok(())
-}
-
-/// The GPUs the driver shows (so CUDA_VISIBLE_DEVICES applies), or the fake CPU devices of the
-/// test hook.
-fn visible_targets() -> Result<Vec<Target>> {
-    if let Ok(spec) = std::env::var(FAKE_DEVICES_ENV) {
-        return fake_targets(&spec);
-    }
-    let mut out = Vec::new();
-    // Without the `cuda` feature the first attempt already fails.
-    while let Ok(device) = Device::new_cuda(out.len()) {
-        let capacity = free_memory(&device).unwrap_or_else(|| {
-            eprintln!(
-                "note: free memory of cuda:{} unknown, assuming {}",
-                out.len(),
-                format_bytes(UNKNOWN_GPU_CAPACITY)
-            );
-            UNKNOWN_GPU_CAPACITY
-        });
-        out.push(Target {
-            name: format!("cuda:{}", out.len()),
-            device,
-            capacity,
-        });
-    }
-    Ok(out)
-}
-
-/// The devices of [`FAKE_DEVICES_ENV`].
-fn fake_targets(spec: &str) -> Result<Vec<Target>> {
-    spec.split(',')
-        .enumerate()
-        .map(|(i, entry)| {
-            let size = entry.trim().strip_prefix("cpu:").with_context(|| {
-                format!("{FAKE_DEVICES_ENV}: expected cpu:BYTES, got '{entry}'")
-            })?;
-            let capacity = ferrotune_models::parse_shard_size(size)
-                .map_err(anyhow::Error::msg)
-                .context(FAKE_DEVICES_ENV)?;
-            Ok(Target {
-                name: format!("cpu:{i}"),
-                device: Device::Cpu,
-                capacity,
-            })
-        })
-        .collect()
-}
-
-/// Free bytes on a CUDA device, from the driver.
-#[cfg(feature = "cuda")]
-fn free_memory(device: &Device) -> Option<u64> {
-    match device {
-        Device::Cuda(cuda) => cuda
-            .cuda_stream()
-            .context()
-            .mem_get_info()
-            .ok()
-            .map(|(free, _total)| free as u64),
-        _ => None,
-    }
-}
-
-/// Without the `cuda` feature no GPU is ever visible.
-#[cfg(not(feature = "cuda"))]
-fn free_memory(_device: &Device) -> Option<u64> {
-    None
 }

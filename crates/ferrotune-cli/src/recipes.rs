@@ -46,6 +46,9 @@ pub struct CpArgs {
 /// The fine-tuning recipes' one source file (single device and distributed, LoRA and full).
 const FINETUNE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/finetune.rs");
 
+/// The generation recipes' one source file.
+const GENERATE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/generate.rs");
+
 /// The source of each recipe, for `ferrotune cp RECIPE` (a starting point to read or adapt).
 const RECIPE_SOURCES: &[(&str, &str)] = &[
     ("lora_finetune_single_device", FINETUNE_SOURCE),
@@ -67,10 +70,9 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
         "quantize",
         include_str!("../../ferrotune-train/src/recipe/quantize.rs"),
     ),
-    (
-        "generate",
-        include_str!("../../ferrotune-train/src/recipe/generate.rs"),
-    ),
+    ("generate", GENERATE_SOURCE),
+    ("dev/generate_v2", GENERATE_SOURCE),
+    ("dev/generate_v2_distributed", GENERATE_SOURCE),
     (
         "eval",
         include_str!("../../ferrotune-train/src/recipe/eval.rs"),
@@ -156,8 +158,9 @@ pub fn prepare_config(name: &str, overrides: &[String]) -> Result<Config> {
 /// `ferrotune run`: a recipe with a config and overrides.
 pub fn run(args: RunArgs) -> Result<()> {
     if args.launch.world_size()? > 1 {
-        // A config problem shows once here rather than once per rank. Whether the recipe can run
-        // distributed is for the recipe to say, in the ranks.
+        // A config problem shows once here rather than once per rank. Whether a fine-tuning
+        // recipe can run distributed is for the recipe to say, in the ranks.
+        ferrotune_train::recipe::check_world_size(&args.recipe, args.launch.world_size()?)?;
         prepare_config(&args.config, &args.overrides)?;
         return crate::launch::launch(&args.launch);
     }

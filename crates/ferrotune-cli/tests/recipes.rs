@@ -478,6 +478,25 @@ fn cp_copies_a_builtin_config_that_runs_with_overrides() {
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("distributed"), "{}", text(&out));
+    // A one-process recipe is refused before any rank starts (each would repeat the whole run).
+    let out = ferrotune(
+        &[
+            "run",
+            "--nproc-per-node",
+            "2",
+            "generate",
+            "--config",
+            "mine.yaml",
+        ],
+        &dir,
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out).contains("recipe generate runs as one process, but 2 were asked for"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[test]
@@ -561,6 +580,36 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
         chat("prompt={system: Be brief., user: {text: Hello there}}"),
         plain
     );
+
+    // dev/generate_v2 (and its one-process distributed form) print the response alone, the
+    // continuation `generate` printed after the prompt, and log the bandwidth achieved.
+    for recipe in ["dev/generate_v2", "dev/generate_v2_distributed"] {
+        let out = ferrotune(
+            &[
+                "run",
+                recipe,
+                "--config",
+                cfg.to_str().unwrap(),
+                "prompt=Hello there",
+                "temperature=0",
+                "max_new_tokens=8",
+            ],
+            &dir,
+            &[],
+        );
+        assert!(out.status.success(), "{recipe}: {}", text(&out));
+        let response = String::from_utf8_lossy(&out.stdout).trim_end().to_string();
+        assert!(
+            !response.is_empty() && !response.contains("Hello there"),
+            "{recipe} printed {response:?}"
+        );
+        assert!(
+            recipe_text.ends_with(&response),
+            "{recipe} printed {response:?}, generate {recipe_text:?}"
+        );
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(log.contains("Bandwidth achieved: "), "{log}");
+    }
 }
 
 /// torchtune's `log_level` key: INFO shows the tokenizer line torchtune users see, ERROR hides it,

@@ -86,6 +86,8 @@ pub const RECIPES: &[&str] = &[
     "ppo_full_finetune_single_device",
     "quantize",
     "generate",
+    "dev/generate_v2",
+    "dev/generate_v2_distributed",
     "eval",
     "eleuther_eval",
 ];

@@ -1,4 +1,5 @@
-//! `generate`: torchtune's config-driven generation recipe (`tune run generate --config ...`).
+//! `generate`: torchtune's config-driven generation recipe (`tune run generate --config ...`), and
+//! its `dev/generate_v2` / `dev/generate_v2_distributed` successors.
 //!
 //! Keys: `checkpointer.checkpoint_dir` (+ `checkpoint_files`, `adapter_checkpoint`),
 //! `tokenizer.path`, `prompt` (a string, used as is, or `{system, user}` formatted with the
@@ -6,28 +7,43 @@
 //! `dtype`, `enable_kv_cache` (ferrotune always caches: same tokens, less work), `quantizer`
 //! (null, or torchao's 8da4w quantizer for a `quantize` recipe's checkpoint, which runs as
 //! torchao's int8-activation / int4-weight layers).
+//!
+//! `generate` prints the prompt and its continuation; the v2 recipes print the response alone
+//! and log the time, tokens per second and the bandwidth achieved (the model's bytes times tokens
+//! per second), as torchtune's `InferenceRecipe`. `dev/generate_v2_distributed` (torchtune's
+//! tensor-parallel generation of 70B models over 8 GPUs) runs in one process here and, with
+//! `device: cuda`, spreads the decoder layers over every visible GPU as Accelerate's
+//! `device_map: auto` does.
 
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
+use candle_core::Device;
 use ferrotune_data::ChatMessage;
 use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
 use ferrotune_infer::TextStream;
+use ferrotune_models::DeviceMapMode;
 
 use crate::config::Config;
 use crate::metrics::peak_rss_mb;
 use crate::recipe::setup;
 
-/// Runs the generation recipe and prints the prompt and its continuation.
-pub fn run(cfg: &Config) -> Result<()> {
-    setup::quantizer_mode(cfg)?;
-    let device = setup::device(cfg)?;
-    let dtype = setup::dtype(cfg)?;
-    let location = setup::checkpoint_path(cfg)?;
-    let path = location.path.clone();
-    let tok = setup::tokenizer(cfg, &path)?;
-    let prompt_ids = match cfg.get("prompt") {
+/// Which of torchtune's generation recipes runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// `generate`: prints the prompt and its continuation.
+    V1,
+    /// `dev/generate_v2`: prints the response, logs time and bandwidth.
+    V2,
+    /// `dev/generate_v2_distributed`: V2 with the model spread over the visible GPUs.
+    V2Distributed,
+}
+
+/// The prompt's token ids: a string as is (with the tokenizer's BOS), or `{system, user}`
+/// messages through the chat template with the generation prompt.
+fn prompt_ids(cfg: &Config, tok: &ferrotune_data::Tokenizer) -> Result<Vec<u32>> {
+    let ids = match cfg.get("prompt") {
         None => bail!("{}: 'prompt' is required", cfg.origin),
         Some(serde_json::Value::String(text)) => tok.encode(text, true)?,
         Some(serde_json::Value::Object(m)) => {
@@ -62,11 +78,26 @@ pub fn run(cfg: &Config) -> Result<()> {
             cfg.origin
         ),
     };
-    if prompt_ids.is_empty() {
+    if ids.is_empty() {
         bail!("{}: the prompt encodes to no tokens", cfg.origin);
     }
+    Ok(ids)
+}
+
+/// Runs the generation recipe `flavor`.
+pub fn run(cfg: &Config, flavor: Flavor) -> Result<()> {
+    setup::quantizer_mode(cfg)?;
+    let device = setup::device(cfg)?;
+    let dtype = setup::dtype(cfg)?;
+    let location = setup::checkpoint_path(cfg)?;
+    let path = location.path.clone();
+    let tok = setup::tokenizer(cfg, &path)?;
+    let prompt_ids = prompt_ids(cfg, &tok)?;
+    let spread = flavor == Flavor::V2Distributed && device.is_cuda();
+    // Spread over the GPUs: read into host memory, then move layer by layer.
+    let load_device = if spread { Device::Cpu } else { device.clone() };
     let t0 = Instant::now();
-    let (mut model, _) = location.load(dtype, &device)?;
+    let (mut model, _) = location.load(dtype, &load_device)?;
     model
         .config
         .require_language_model()
@@ -79,6 +110,9 @@ pub fn run(cfg: &Config) -> Result<()> {
     }
     if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
         ferrotune_models::peft::load_adapter(&mut model, &dir)?;
+    }
+    if spread {
+        crate::spread::spread_model(&mut model, DeviceMapMode::Auto, "device: cuda")?;
     }
     eprintln!("Model loaded in {:.1}s", t0.elapsed().as_secs_f64());
     let eos = setup::stop_ids(&tok, &model.config);
@@ -98,7 +132,9 @@ pub fn run(cfg: &Config) -> Result<()> {
         pad_token_id: setup::pad_id(&tok, &model.config),
     };
     let decode = |ids: &[u32]| tok.decode(ids, false).unwrap_or_default();
-    print!("{}", tok.decode(&prompt_ids, true)?);
+    if flavor == Flavor::V1 {
+        print!("{}", tok.decode(&prompt_ids, true)?);
+    }
     let mut stream = TextStream::new(&tok, &eos);
     let mut on_token = |_row: usize, id: u32| stream.push(id);
     let t1 = Instant::now();
@@ -106,10 +142,20 @@ pub fn run(cfg: &Config) -> Result<()> {
     println!();
     let secs = t1.elapsed().as_secs_f64();
     let n = out.new_token_ids[0].len();
-    eprintln!(
-        "Time for inference: {secs:.2} sec total, {:.2} tokens/sec",
-        n as f64 / secs.max(1e-9)
-    );
+    let tokens_per_second = n as f64 / secs.max(1e-9);
+    eprintln!("Time for inference: {secs:.2} sec total, {tokens_per_second:.2} tokens/sec");
+    if flavor != Flavor::V1 {
+        // torchtune sums the parameters once each: a tied head is the embedding.
+        let (layers, (embedding, mut head)) = model.part_bytes();
+        if model.config.tie_word_embeddings {
+            head = head.saturating_sub(embedding);
+        }
+        let model_bytes = layers.iter().sum::<u64>() + embedding + head;
+        eprintln!(
+            "Bandwidth achieved: {:.2} GiB/s",
+            model_bytes as f64 * tokens_per_second / (1u64 << 30) as f64
+        );
+    }
     eprintln!("Memory used: {:.2} GB", peak_rss_mb() / 1024.0);
     Ok(())
 }

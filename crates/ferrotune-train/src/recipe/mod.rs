@@ -13,8 +13,38 @@ use anyhow::{bail, Result};
 
 use crate::config::{nearest, Config, RECIPES};
 
+/// The recipes that run as one process: launched as several ranks, each would repeat the
+/// whole run (and write the same files).
+const ONE_PROCESS: &[&str] = &[
+    "ppo_full_finetune_single_device",
+    "quantize",
+    "generate",
+    "dev/generate_v2",
+    "dev/generate_v2_distributed",
+    "eval",
+    "eleuther_eval",
+];
+
+/// The error of launching one-process recipe `name` as `world_size` ranks, if it is one.
+pub fn check_world_size(name: &str, world_size: usize) -> Result<()> {
+    if world_size > 1 && ONE_PROCESS.contains(&name) {
+        bail!(
+            "recipe {name} runs as one process, but {world_size} were asked for: launch it \
+             without --nproc-per-node/--nnodes{}",
+            if name == "dev/generate_v2_distributed" {
+                " (with `device: cuda` it spreads the model over every visible GPU)"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
+}
+
 /// Runs recipe `name` with a loaded, overridden and resolved config.
 pub fn run(name: &str, cfg: &Config) -> Result<()> {
+    let env = crate::dist::env::DistEnv::from_env()?;
+    check_world_size(name, env.map_or(1, |e| e.world_size))?;
     match name {
         "lora_finetune_single_device" => finetune::run(cfg, finetune::Mode::Lora, false),
         "full_finetune_single_device" => finetune::run(cfg, finetune::Mode::Full, false),
@@ -31,7 +61,9 @@ pub fn run(name: &str, cfg: &Config) -> Result<()> {
         "qat_lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::QatLora, true),
         "ppo_full_finetune_single_device" => ppo::run(cfg),
         "quantize" => quantize::run(cfg).map(|_| ()),
-        "generate" => generate::run(cfg),
+        "generate" => generate::run(cfg, generate::Flavor::V1),
+        "dev/generate_v2" => generate::run(cfg, generate::Flavor::V2),
+        "dev/generate_v2_distributed" => generate::run(cfg, generate::Flavor::V2Distributed),
         "eval" => eval::run(cfg).map(|_| ()),
         "eleuther_eval" => eleuther_eval::run(cfg).map(|_| ()),
         other => {
