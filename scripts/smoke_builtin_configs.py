@@ -19,7 +19,7 @@ rows = []
 for i in range(8):
     rows.append({"instruction": f"say {i}", "input": "" if i % 2 else "x y", "output": f"ok {i} done",
                  "text": f"the quick brown fox {i}", "question": f"q {i}?", "response_j": "good answer",
-                 "response_k": "bad", "prompt": f"p {i}",
+                 "response_k": "bad", "prompt": f"p {i}", "answer": f"{i} + 1 = <<{i}+1={i+1}>>{i+1}\n#### {i+1}",
                  "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good"}],
                  "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bad"}]})
 data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -63,6 +63,9 @@ for recipe, cfg in pairs:
             ov += [f"teacher_checkpointer.checkpoint_dir={FIX / FAM[tm.group(1)] / 'model'}", "~teacher_checkpointer.checkpoint_files"]
         if "ref_checkpointer" in text:
             ov += [f"ref_checkpointer.checkpoint_dir={model}", "~ref_checkpointer.checkpoint_files"]
+        if "partition:" in text: ov.append("dataset.partition=0-9/10")
+        if recipe == "dev/grpo_full_finetune_distributed":
+            ov += ["grpo_samples=2", "max_generated_tokens=4", "num_steps=1", "forward_batch_size=1"]
     if "smollm2" in cfg and recipe != "quantize": continue  # demo configs: tested elsewhere
     cmd = [BIN, "run", recipe, "--config", cfg] + ov
     t0 = time.time()

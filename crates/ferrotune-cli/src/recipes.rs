@@ -67,6 +67,10 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
         include_str!("../../ferrotune-train/src/recipe/ppo.rs"),
     ),
     (
+        "dev/grpo_full_finetune_distributed",
+        include_str!("../../ferrotune-train/src/recipe/grpo.rs"),
+    ),
+    (
         "quantize",
         include_str!("../../ferrotune-train/src/recipe/quantize.rs"),
     ),
@@ -147,8 +151,9 @@ pub struct RunArgs {
 /// Loads, overrides, validates and resolves a config.
 pub fn prepare_config(name: &str, overrides: &[String]) -> Result<Config> {
     let mut cfg = config::load(name)?;
+    let original = cfg.root.clone();
     cfg.apply_overrides(overrides)?;
-    if let Err(problems) = config::validate(&cfg.root, &cfg.origin) {
+    if let Err(problems) = config::validate_overridden(&original, &cfg.root, &cfg.origin) {
         bail!("{}", problems.join("\n  "));
     }
     cfg.resolve()?;

@@ -844,3 +844,59 @@ fn slimorca_wikitext_and_cnn_builders() {
     assert!(e.contains("not both"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// torchtune's GSM8K builders (`torchtune.dev.grpo.gsm8k`) on six rows with `partition: 1-2/4`
+/// (rows 1, 2 and 5 kept): the GRPO problems (prompt ids, final answers) and the SFT rows, against
+/// torchtune's module run with the tiny Llama's tokenizer (scripts/make_grpo_fixtures.py).
+#[test]
+fn gsm8k_builders_match_torchtune() {
+    use ferrotune_data::dataset::build_reasoning_dataset;
+    let want = fixture_json("grpo/golden.json")["gsm8k"].clone();
+    let tok = ferrotune_data::Tokenizer::from_dir(fixtures_dir().join("llama3/model")).unwrap();
+    let dir = fixtures_dir().join("grpo");
+    let section = |component: &str| {
+        json!({"_component_": component, "source": "json", "data_files": "gsm8k.jsonl",
+               "partition": want["partition"]})
+    };
+    let problems = build_reasoning_dataset(
+        &section("torchtune.dev.grpo.gsm8k.gsm8k_dataset"),
+        &tok,
+        &dir,
+    )
+    .unwrap();
+    let expected = want["problems"].as_array().unwrap();
+    assert_eq!(problems.len(), expected.len());
+    for (got, w) in problems.iter().zip(expected) {
+        assert_eq!(got.prompt_ids, ids(&w["prompt_ids"]));
+        assert_eq!(got.answer, w["answer"].as_str().unwrap());
+    }
+    let sft = build_dataset(&section("torchtune.dev.grpo.gsm8k.gsm8k_sft"), &tok, &dir).unwrap();
+    let expected = want["sft"].as_array().unwrap();
+    assert_eq!(sft.rows.len(), expected.len());
+    for (got, w) in sft.rows.iter().zip(expected) {
+        assert_eq!(got.input_ids, ids(&w["input_ids"]));
+        let labels: Vec<i64> = serde_json::from_value(w["labels"].clone()).unwrap();
+        assert_eq!(got.labels, labels);
+    }
+    // Each builder belongs to its recipe, and the partition and the answer's layout are checked.
+    let err = build_dataset(&section("gsm8k_dataset"), &tok, &dir).unwrap_err();
+    assert!(err.to_string().contains("only the GRPO recipe"), "{err}");
+    let mut bad = section("gsm8k_dataset");
+    bad["partition"] = json!("1-2");
+    let err = build_reasoning_dataset(&bad, &tok, &dir).unwrap_err();
+    assert!(
+        err.to_string().contains("expected start-end/total"),
+        "{err}"
+    );
+    let err = build_reasoning_dataset(
+        &json!({"_component_": "gsm8k_dataset", "source": "json",
+                "data_files": "../datasets/qa.jsonl"}),
+        &tok,
+        &dir,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("qa.jsonl") && err.to_string().contains("'#### ' once"),
+        "{err}"
+    );
+}

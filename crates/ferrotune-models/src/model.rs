@@ -1559,12 +1559,24 @@ impl CausalLm {
 
     /// Token embeddings `[batch, seq, hidden]` of `input_ids` (`[batch, seq]`, u32), scaled where
     /// the family does so (Gemma).
+    ///
+    /// When the embedding trains, the rows of `pad_token_id` pass no gradient to it: transformers
+    /// builds every family's embedding with `padding_idx = pad_token_id`, so where the pad token
+    /// is also a real input (SmolLM2's and Qwen's pad is their end-of-turn or end-of-text token)
+    /// its row stays as loaded, as under HF's Trainer. A tied output head still trains that row.
     pub fn embed(&self, input_ids: &Tensor) -> CResult<Tensor> {
         let (batch, seq) = input_ids.dims2()?;
-        let x = self
-            .embed_tokens
-            .index_select(&input_ids.flatten_all()?, 0)?
-            .reshape((batch, seq, self.config.hidden_size))?;
+        let flat = input_ids.flatten_all()?;
+        let mut x = self.embed_tokens.index_select(&flat, 0)?;
+        if let Some(pad) = self
+            .config
+            .pad_token_id
+            .filter(|&p| (p as usize) < self.config.vocab_size && self.embed_tokens.track_op())
+        {
+            let is_pad = flat.eq(pad)?.unsqueeze(1)?.broadcast_as(x.shape())?;
+            x = is_pad.where_cond(&x.detach(), &x)?;
+        }
+        let x = x.reshape((batch, seq, self.config.hidden_size))?;
         if self.config.scale_embeddings {
             // transformers builds the normalizer as a tensor of the hidden dtype: round it the same way.
             let s = Tensor::new((self.config.hidden_size as f32).sqrt(), &self.device)?

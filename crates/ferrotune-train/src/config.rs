@@ -84,6 +84,7 @@ pub const RECIPES: &[&str] = &[
     "qat_distributed",
     "qat_lora_finetune_distributed",
     "ppo_full_finetune_single_device",
+    "dev/grpo_full_finetune_distributed",
     "quantize",
     "generate",
     "dev/generate_v2",
@@ -489,6 +490,8 @@ pub const DATASET_KEYS: &[(&str, Ty)] = &[
     ("split_across_pack", Ty::Bool),
     // wikitext_dataset's hub configuration.
     ("subset", Ty::Str),
+    // torchtune.dev.grpo.gsm8k's builders: `start-end/total` of the row indices.
+    ("partition", Ty::Str),
 ];
 const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
@@ -521,6 +524,8 @@ const LOSS_KEYS: &[(&str, Ty)] = &[
     ("epsilon", Ty::Float),
     ("value_clip_range", Ty::Float),
     ("value_coeff", Ty::Float),
+    // GRPOSimpleLoss / GRPOLoss (dev/grpo_full_finetune_distributed).
+    ("kl_coeff", Ty::Float),
 ];
 /// torchtune's classifier builders (`mistral_classifier`, ...): the architecture is read from the
 /// checkpoint, so the builder's dimensions are accepted and not used.
@@ -640,15 +645,42 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("gamma", Ty::Float),
     ("lmbda", Ty::Float),
     ("kl_coeff", Ty::Float),
+    // dev/grpo_full_finetune_distributed
+    ("grpo_samples", Ty::Int),
+    ("save_every_n_epochs", Ty::Int),
+    ("reward_fn", Ty::Map(&[("_component_", Ty::Str)])),
 ];
 
 /// Checks `root` against the known keys and types. Returns every problem found, each a line
 /// naming the key (with the nearest valid key for unknown ones).
 pub fn validate(root: &Value, origin: &str) -> std::result::Result<(), Vec<String>> {
+    validate_overridden(root, root, origin)
+}
+
+/// [`validate`] of `root`, the config `original` after command-line overrides: a top-level key
+/// that either interpolates is the config's own variable (an override of `output_dir` leaves
+/// the `name` it interpolated a variable still).
+pub fn validate_overridden(
+    original: &Value,
+    root: &Value,
+    origin: &str,
+) -> std::result::Result<(), Vec<String>> {
     let mut problems = Vec::new();
     match root {
         Value::Object(map) => {
-            check_map(map, TOP_LEVEL_KEYS, "", origin, &mut problems);
+            // A top-level key that other values interpolate (`output_dir: /tmp/${name}`) is the
+            // config's own variable, as torchtune's configs use `name` and `base_model_path`.
+            let mut variables = Vec::new();
+            interpolated_names(original, &mut variables);
+            interpolated_names(root, &mut variables);
+            let own: Map<String, Value> = map
+                .iter()
+                .filter(|(k, _)| {
+                    !variables.contains(k) || TOP_LEVEL_KEYS.iter().any(|(n, _)| n == k)
+                })
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            check_map(&own, TOP_LEVEL_KEYS, "", origin, &mut problems);
             if let Some(Value::String(level)) = map.get("log_level") {
                 if let Err(e) = tracing_level(level) {
                     problems.push(format!("{origin}: log_level: {e}"));
@@ -664,6 +696,31 @@ pub fn validate(root: &Value, origin: &str) -> std::result::Result<(), Vec<Strin
         Ok(())
     } else {
         Err(problems)
+    }
+}
+
+/// The first segment of every `${a.b}` interpolation in the string values of `v` (resolvers
+/// such as `${oc.env:VAR}` left out).
+fn interpolated_names(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::String(s) => {
+            let mut rest = s.as_str();
+            while let Some(i) = rest.find("${") {
+                let after = &rest[i + 2..];
+                let Some(j) = after.find('}') else { break };
+                let inner = &after[..j];
+                if !inner.contains(':') {
+                    let name = inner.split('.').next().unwrap_or("").trim();
+                    if !name.is_empty() && !out.iter().any(|n| n == name) {
+                        out.push(name.to_string());
+                    }
+                }
+                rest = &after[j + 1..];
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|x| interpolated_names(x, out)),
+        Value::Object(m) => m.values().for_each(|x| interpolated_names(x, out)),
+        _ => {}
     }
 }
 
@@ -1061,6 +1118,12 @@ mod tests {
         // torchtune's distributed QLoRA configs spell the offload `fsdp: {cpu_offload: ...}`.
         assert!(validate(&cfg("fsdp:\n  cpu_offload: False\n").root, "ok").is_ok());
         assert!(validate(&cfg("fsdp:\n  offload: False\n").root, "bad").is_err());
+        // A top-level key others interpolate is the config's variable; one nobody uses is not,
+        // and a known key stays type-checked when it is interpolated.
+        let vars = "name: run1\noutput_dir: /tmp/${name}\nbase: /m\ncheckpointer:\n  checkpoint_dir: ${base.x}\n";
+        assert!(validate(&cfg(vars).root, "ok").is_ok());
+        assert!(validate(&cfg("name: run1\noutput_dir: /tmp/x\n").root, "bad").is_err());
+        assert!(validate(&cfg("epochs: many\nlog_dir: ${epochs}\n").root, "bad").is_err());
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod dist;
 pub mod export;
 pub mod gguf_export;
 pub mod gguf_quants;
+pub mod grpo;
 pub mod loss;
 pub mod metrics;
 pub mod optim;

@@ -97,6 +97,7 @@
 
 mod builders;
 mod encode;
+mod gsm8k;
 mod source;
 
 use std::path::Path;
@@ -107,6 +108,7 @@ use crate::error::{DataError, Result};
 use crate::tokenized::IGNORE_INDEX;
 use crate::tokenizer::Tokenizer;
 
+pub use gsm8k::{ReasoningProblem, RL_PROMPT, SFT_PROMPT};
 pub use source::resolve_split;
 
 use builders::{ChatSpec, InstructSpec, Template};
@@ -166,12 +168,17 @@ enum Builder {
     Preference,
     StackExchangePaired,
     HhRlhfHelpful,
+    /// GSM8K problems with their answers (the GRPO recipe's prompts).
+    Gsm8k,
+    /// GSM8K as SFT rows in the format the GRPO rewards check.
+    Gsm8kSft,
 }
 
 impl Builder {
     fn parse(component: &str) -> Result<Builder> {
         let name = component
             .strip_prefix("torchtune.datasets.")
+            .or_else(|| component.strip_prefix("torchtune.dev.grpo.gsm8k."))
             .unwrap_or(component);
         Ok(match name {
             "instruct_dataset" => Builder::Instruct,
@@ -188,13 +195,17 @@ impl Builder {
             "preference_dataset" => Builder::Preference,
             "stack_exchange_paired_dataset" => Builder::StackExchangePaired,
             "hh_rlhf_helpful_dataset" => Builder::HhRlhfHelpful,
+            "gsm8k_dataset" => Builder::Gsm8k,
+            "gsm8k_sft" => Builder::Gsm8kSft,
             _ => {
                 return Err(DataError::Dataset(format!(
                     "unknown dataset _component_ '{component}' (known: instruct_dataset, \
                      chat_dataset, text_completion_dataset, tokenized_dataset, alpaca_dataset, \
                      alpaca_cleaned_dataset, samsum_dataset, grammar_dataset, slimorca_dataset, \
                      wikitext_dataset, cnn_dailymail_articles_dataset; preference pairs: \
-                     preference_dataset, stack_exchange_paired_dataset, hh_rlhf_helpful_dataset)"
+                     preference_dataset, stack_exchange_paired_dataset, hh_rlhf_helpful_dataset; \
+                     reasoning: torchtune.dev.grpo.gsm8k.gsm8k_dataset (GRPO), \
+                     torchtune.dev.grpo.gsm8k.gsm8k_sft)"
                 )))
             }
         })
@@ -211,6 +222,7 @@ impl Builder {
             Builder::CnnDailymail => Some("ccdv/cnn_dailymail"),
             Builder::StackExchangePaired => Some("lvwerra/stack-exchange-paired"),
             Builder::HhRlhfHelpful => Some("RLHFlow/HH-RLHF-Helpful-standard"),
+            Builder::Gsm8k | Builder::Gsm8kSft => Some("openai/gsm8k"),
             _ => None,
         }
     }
@@ -343,6 +355,7 @@ pub fn check_section(section: &Value) -> Result<()> {
         builder.chat_spec(&map)?;
         builders::get_bool(&map, "packed", false)?;
         split_across_pack_of(builder, component, &map)?;
+        gsm8k::Partition::from_section(&map)?;
         with_hub_configuration(builder, map)?;
         Ok(Vec::<()>::new())
     })
@@ -398,6 +411,12 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
         return Err(DataError::Dataset(format!(
             "'{component}' gives preference pairs (chosen/rejected), which only the DPO recipes \
              (lora_dpo_single_device, lora_dpo_distributed, full_dpo_distributed) train on"
+        )));
+    }
+    if builder == Builder::Gsm8k {
+        return Err(DataError::Dataset(format!(
+            "'{component}' gives problems with reference answers, which only the GRPO recipe \
+             (dev/grpo_full_finetune_distributed) trains on; gsm8k_sft gives SFT rows"
         )));
     }
     if map.get("filter_fn").is_some_and(|v| !v.is_null()) {
@@ -458,6 +477,15 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
                         labels.truncate(max - 1);
                     }
                     samples.push(check_nonempty(ids, labels, &table, record)?);
+                }
+            }
+            Builder::Gsm8kSft => {
+                let partition = gsm8k::Partition::from_section(&map)?;
+                for (mut ids, mut labels) in gsm8k::sft_samples(&table, partition, &encoder)? {
+                    if let Some(max) = max_seq_len {
+                        encode::truncate_sft(&mut ids, &mut labels, max, encoder.eos);
+                    }
+                    samples.push((ids, labels));
                 }
             }
             Builder::Chat | Builder::SlimOrca => {
@@ -579,6 +607,40 @@ fn max_seq_len_of(map: &Map<String, Value>) -> Result<Option<usize>> {
             ))),
         },
     }
+}
+
+/// Builds the problems a GRPO recipe's `dataset` section describes (a mapping, or a list of
+/// mappings concatenated): torchtune's `gsm8k_dataset` (source `openai/gsm8k`, configuration
+/// `main`, columns `question` and `answer`, `partition`), each prompt [`RL_PROMPT`] encoded with
+/// the tokenizer's prefix and no EOS.
+pub fn build_reasoning_dataset(
+    section: &Value,
+    tokenizer: &Tokenizer,
+    base_dir: &Path,
+) -> Result<Vec<ReasoningProblem>> {
+    concatenated(section, |s| {
+        let map = section_map(s)?;
+        let component = builders::get_str(&map, "_component_")?
+            .ok_or_else(|| DataError::Dataset("the dataset section has no '_component_'".into()))?
+            .to_string();
+        if Builder::parse(&component)? != Builder::Gsm8k {
+            return Err(DataError::Dataset(format!(
+                "'{component}' does not give problems with reference answers: the GRPO recipe \
+                 takes torchtune.dev.grpo.gsm8k.gsm8k_dataset (columns question and answer)"
+            )));
+        }
+        if map.get("filter_fn").is_some_and(|v| !v.is_null()) {
+            return Err(DataError::Unsupported(
+                "dataset 'filter_fn' is not supported: use 'partition' or filter the data files"
+                    .into(),
+            ));
+        }
+        let partition = gsm8k::Partition::from_section(&map)?;
+        let map = with_hub_configuration(Builder::Gsm8k, map)?;
+        let (source, split) = source_of(&map, Builder::Gsm8k.default_source(), base_dir)?;
+        let table = source::load_split(&source, &split, source_field(&map)?)?;
+        gsm8k::problems(&table, partition, &Encoder::new(tokenizer)?)
+    })
 }
 
 /// Builds the preference pairs a DPO recipe's `dataset` section describes (a mapping, or a list
@@ -729,6 +791,7 @@ fn with_hub_configuration(
         Builder::Wikitext => subset.unwrap_or_else(|| "wikitext-103-v1".into()),
         // The version the ccdv/cnn_dailymail loading script requires.
         Builder::CnnDailymail => "3.0.0".into(),
+        Builder::Gsm8k | Builder::Gsm8kSft => "main".into(),
         _ => return Ok(map),
     };
     if !has_name {

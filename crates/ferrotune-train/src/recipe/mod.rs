@@ -4,6 +4,7 @@ pub mod eleuther_eval;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
+pub mod grpo;
 pub mod ppo;
 pub mod quantize;
 pub mod setup;
@@ -17,6 +18,7 @@ use crate::config::{nearest, Config, RECIPES};
 /// whole run (and write the same files).
 const ONE_PROCESS: &[&str] = &[
     "ppo_full_finetune_single_device",
+    "dev/grpo_full_finetune_distributed",
     "quantize",
     "generate",
     "dev/generate_v2",
@@ -60,6 +62,7 @@ pub fn run(name: &str, cfg: &Config) -> Result<()> {
         "qat_distributed" => finetune::run(cfg, finetune::Mode::Qat, true),
         "qat_lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::QatLora, true),
         "ppo_full_finetune_single_device" => ppo::run(cfg),
+        "dev/grpo_full_finetune_distributed" => grpo::run(cfg),
         "quantize" => quantize::run(cfg).map(|_| ()),
         "generate" => generate::run(cfg, generate::Flavor::V1),
         "dev/generate_v2" => generate::run(cfg, generate::Flavor::V2),

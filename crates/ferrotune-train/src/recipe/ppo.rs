@@ -170,7 +170,7 @@ fn response_positions(hidden: &Tensor, ctx: usize) -> Result<Tensor> {
 
 /// `log softmax(logits / temperature)` of each response token (`[rows, response]`, f32) from the
 /// model's final hidden states over the full sequences (differentiable when they are).
-fn logprobs_from_hidden(
+pub(crate) fn logprobs_from_hidden(
     model: &CausalLm,
     hidden: &Tensor,
     rows: &[Vec<u32>],
@@ -231,7 +231,7 @@ pub fn response_values(
 
 /// Back-propagates the loss `head` computes from `model`'s final hidden states over `rows` into
 /// `acc` for `params`, with activation checkpointing when asked.
-fn backward_from_hidden(
+pub(crate) fn backward_from_hidden(
     model: &CausalLm,
     rows: &[Vec<u32>],
     pad: u32,
@@ -264,7 +264,7 @@ fn reward_scores(model: &CausalLm, rows: &[Vec<u32>], at: &[usize], pad: u32) ->
     Ok(scores.flatten_all()?.to_vec1::<f32>()?)
 }
 
-fn host(t: &Tensor) -> Result<Vec<Vec<f32>>> {
+pub(crate) fn host(t: &Tensor) -> Result<Vec<Vec<f32>>> {
     Ok(t.detach().to_dtype(DType::F32)?.to_vec2()?)
 }
 
@@ -381,7 +381,7 @@ impl std::ops::AddAssign for PpoStats {
     }
 }
 
-fn mask_tensor(m: &[Vec<bool>], keep: bool, device: &Device) -> Result<Tensor> {
+pub(crate) fn mask_tensor(m: &[Vec<bool>], keep: bool, device: &Device) -> Result<Tensor> {
     let (rows, len) = (m.len(), m.first().map_or(0, Vec::len));
     let v: Vec<f32> = m
         .iter()

@@ -750,8 +750,16 @@ pub fn check_components(cfg: &Config) -> Vec<String> {
             .ok()
             .flatten()
             .is_some_and(|c| c.ends_with("PPOLoss"));
+    let grpo = cfg.get("grpo_samples").is_some()
+        || cfg
+            .str("loss._component_")
+            .ok()
+            .flatten()
+            .is_some_and(|c| c.contains(".grpo.") || c.contains("GRPO"));
     if ppo {
         note(crate::recipe::ppo::check_config(cfg));
+    } else if grpo {
+        note(crate::recipe::grpo::check_config(cfg));
     } else if let Ok(Some(component)) = cfg.str("loss._component_") {
         // The SFT recipes take a cross-entropy, the DPO ones a preference loss.
         if check_loss(cfg).is_err() {

@@ -1,0 +1,741 @@
+//! `dev/grpo_full_finetune_distributed`: reasoning trained by GRPO (group relative policy
+//! optimization) with verifiable rewards, as torchtune's dev recipe runs it. Setup (the policy,
+//! every weight trained, and a frozen reference policy; GSM8K problems), the loop (for each
+//! batch of prompts: `grpo_samples` sampled completions per prompt, their shaped correctness
+//! rewards, group-relative advantages, then `ppo_epochs` optimizer steps on the batch), and a
+//! checkpoint of the policy every `save_every_n_epochs` epochs.
+//!
+//! Sampling draws from the same distribution as torchtune's but from ferrotune's generator, so
+//! sampled completions are not torch's; everything after sampling (log probabilities, rewards,
+//! advantages, losses, updates) is torchtune's arithmetic (tests/grpo.rs checks it against
+//! torchtune's code on fixed completions). It runs as one process.
+
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::Var;
+use ferrotune_data::dataset::{build_reasoning_dataset, shuffled_order, ReasoningProblem};
+use ferrotune_data::Tokenizer;
+use ferrotune_infer::generate::{generate, GenerationOptions};
+use ferrotune_infer::sampling::SamplingOptions;
+use ferrotune_models::{peft, CausalLm};
+
+use crate::clip::clip_grad_norm;
+use crate::config::Config;
+use crate::export::write_hf_model;
+use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
+use crate::metrics::MetricLogger;
+use crate::recipe::finetune::MAX_SHARD_BYTES;
+use crate::recipe::ppo::{
+    backward_from_hidden, host, left_pad, logprobs_from_hidden, mask_tensor, response_logprobs,
+};
+use crate::recipe::setup;
+use crate::recipe::state::{self, TrainState};
+use crate::rlhf;
+use crate::step::empty_grads;
+
+/// The recipe's name, as torchtune's.
+pub const RECIPE: &str = "dev/grpo_full_finetune_distributed";
+
+/// What shapes completions and the loss (the recipe's top-level keys and `loss`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpoSettings {
+    /// Completions sampled per prompt (the group).
+    pub grpo_samples: usize,
+    /// Sampling temperature; log probabilities are of `logits / temperature`.
+    pub temperature: f64,
+    pub top_k: Option<usize>,
+    pub max_generated_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub pad_id: u32,
+    pub loss: GrpoLossConfig,
+}
+
+/// A batch of completions and what GRPO needs from them (torchtune's `GRPOTrajectory`); rows
+/// are prompt-major: the `grpo_samples` completions of prompt 0, then those of prompt 1, ...
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpoTrajectory {
+    /// Left-padded prompt followed by the completion (padded after its end), per row.
+    pub query_responses: Vec<Vec<u32>>,
+    pub context_length: usize,
+    /// The sampling policy's log probabilities of the completion tokens (1.0 where cut).
+    pub logprobs: Vec<Vec<f32>>,
+    /// The reference policy's (1.0 where cut).
+    pub ref_logprobs: Vec<Vec<f32>>,
+    pub rewards: Vec<f32>,
+    pub successes: Vec<f32>,
+    pub advantages: Vec<f32>,
+    /// True after a row's first stop token.
+    pub response_padding: Vec<Vec<bool>>,
+    /// The index of each row's last kept completion token.
+    pub seq_lens: Vec<usize>,
+}
+
+/// Builds the trajectory of `completions` (one row per completion, prompt-major, each cut or
+/// padded as generated) to the left-padded `prompts` (one per group): log probabilities under
+/// the policy and the reference, completions cut at their first stop token, their rewards
+/// against `answers` (one per group) and the group-relative advantages.
+pub fn trajectory(
+    policy: &CausalLm,
+    reference: &CausalLm,
+    tokenizer: &Tokenizer,
+    prompts: &[Vec<u32>],
+    completions: &[Vec<u32>],
+    answers: &[String],
+    s: &GrpoSettings,
+) -> Result<GrpoTrajectory> {
+    let ctx = prompts.first().map_or(0, Vec::len);
+    if ctx == 0 || prompts.iter().any(|p| p.len() != ctx) {
+        bail!("GRPO: prompts must be left-padded to one non-zero length");
+    }
+    let g = s.grpo_samples;
+    if completions.len() != prompts.len() * g || answers.len() != prompts.len() {
+        bail!(
+            "GRPO: {} prompts with {} answers need {} completions, got {}",
+            prompts.len(),
+            answers.len(),
+            prompts.len() * g,
+            completions.len()
+        );
+    }
+    // Every completion padded to the longest, so the batch is one rectangle.
+    let width = completions.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut responses: Vec<Vec<u32>> = completions
+        .iter()
+        .map(|c| {
+            let mut r = c.clone();
+            r.resize(width, s.pad_id);
+            r
+        })
+        .collect();
+    let query_responses: Vec<Vec<u32>> = responses
+        .iter()
+        .enumerate()
+        .map(|(row, r)| [prompts[row / g].as_slice(), r].concat())
+        .collect();
+    let (pad, t) = (s.pad_id, s.temperature);
+    let mut logprobs = host(&response_logprobs(policy, &query_responses, ctx, pad, t)?)?;
+    let mut ref_logprobs = host(&response_logprobs(
+        reference,
+        &query_responses,
+        ctx,
+        pad,
+        t,
+    )?)?;
+    let response_padding = rlhf::truncate_at_first_stop(&mut responses, &s.stop_token_ids, pad);
+    let seq_lens: Vec<usize> = response_padding
+        .iter()
+        .map(|p| rlhf::last_kept_index(p))
+        .collect();
+    let (mut rewards, mut successes) = (Vec::new(), Vec::new());
+    for (row, (r, cut)) in responses.iter().zip(&response_padding).enumerate() {
+        // torchtune decodes skipping special tokens and stopping at EOS: the kept tokens.
+        let kept: Vec<u32> = r
+            .iter()
+            .zip(cut)
+            .filter(|(_, &c)| !c)
+            .map(|(&id, _)| id)
+            .collect();
+        let text = tokenizer.decode(&kept, true)?;
+        let (reward, success) = grpo::shaped_correctness_reward(&answers[row / g], &text);
+        rewards.push(reward);
+        successes.push(success);
+    }
+    let advantages = grpo::group_advantages(&rewards, g)?;
+    for (r, mask) in response_padding.iter().enumerate() {
+        for (i, &m) in mask.iter().enumerate() {
+            if m {
+                logprobs[r][i] = 1.0;
+                ref_logprobs[r][i] = 1.0;
+            }
+        }
+    }
+    Ok(GrpoTrajectory {
+        query_responses,
+        context_length: ctx,
+        logprobs,
+        ref_logprobs,
+        rewards,
+        successes,
+        advantages,
+        response_padding,
+        seq_lens,
+    })
+}
+
+/// One optimizer step's statistics (torchtune's `GRPOStats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GrpoStats {
+    pub loss: f64,
+    pub policy_loss: f64,
+    pub kl_loss: f64,
+    pub ratios: f64,
+    pub clipfrac: f64,
+    pub approx_policy_kl: f64,
+}
+
+/// torchtune's `grpo_step`: the loss of the whole trajectory under the current policy, its
+/// gradient added into `acc` for `params`. Rows go through the model `rows_per_pass` at a time
+/// (each part's loss is its share of the batch's, so the sum is torchtune's one-pass loss), with
+/// activation checkpointing when `checkpointing`.
+#[allow(clippy::too_many_arguments)]
+pub fn grpo_step(
+    policy: &CausalLm,
+    traj: &GrpoTrajectory,
+    s: &GrpoSettings,
+    rows_per_pass: usize,
+    checkpointing: bool,
+    params: &[(String, Var)],
+    acc: &mut candle_core::backprop::GradStore,
+) -> Result<GrpoStats> {
+    let keep = rlhf::kept(&traj.response_padding);
+    let totals = BatchTotals::of(&keep);
+    let ctx = traj.context_length;
+    let mut stats = GrpoStats::default();
+    let (mut kl_sum, mut count) = (0f64, 0usize);
+    let rows = traj.query_responses.len();
+    for start in (0..rows).step_by(rows_per_pass.max(1)) {
+        let end = (start + rows_per_pass).min(rows);
+        let part_rows = &traj.query_responses[start..end];
+        let part_keep = &keep[start..end];
+        let padding = &traj.response_padding[start..end];
+        let mut new_lp = None;
+        let mut part = None;
+        backward_from_hidden(
+            policy,
+            part_rows,
+            s.pad_id,
+            checkpointing,
+            params,
+            acc,
+            |hidden| {
+                let raw = logprobs_from_hidden(policy, hidden, part_rows, ctx, s.temperature)?;
+                let device = raw.device().clone();
+                // Cut positions hold 1.0, as torchtune's in-place fill (no gradient there).
+                let lp = ((&raw * mask_tensor(padding, false, &device)?)?
+                    + mask_tensor(padding, true, &device)?)?;
+                let out = grpo::grpo_loss(
+                    &lp,
+                    &traj.logprobs[start..end],
+                    &traj.ref_logprobs[start..end],
+                    &traj.advantages[start..end],
+                    part_keep,
+                    s.loss,
+                    totals,
+                )?;
+                new_lp = Some(host(&lp)?);
+                let loss = out.loss.clone();
+                part = Some(out);
+                Ok(loss)
+            },
+        )?;
+        let out = part.expect("the head ran");
+        stats.loss += out.loss.to_scalar::<f32>()? as f64;
+        stats.policy_loss += out.policy_loss;
+        stats.kl_loss += out.kl_loss;
+        stats.ratios += out.ratios;
+        stats.clipfrac += out.clipfrac;
+        for (a, b) in new_lp
+            .expect("the head ran")
+            .iter()
+            .zip(&traj.logprobs[start..end])
+        {
+            for (x, y) in a.iter().zip(b) {
+                kl_sum += 0.5 * ((x - y) as f64).powi(2);
+                count += 1;
+            }
+        }
+    }
+    stats.approx_policy_kl = kl_sum / count.max(1) as f64;
+    Ok(stats)
+}
+
+/// Samples `grpo_samples` completions of each of `prompts` (unpadded) with the policy: each ends
+/// at its first stop token or after `max_generated_tokens`.
+fn sample_completions(
+    policy: &CausalLm,
+    prompts: &[Vec<u32>],
+    s: &GrpoSettings,
+    seed: u64,
+) -> Result<Vec<Vec<u32>>> {
+    let rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(p.clone(), s.grpo_samples))
+        .collect();
+    let opts = GenerationOptions {
+        max_new_tokens: s.max_generated_tokens,
+        sampling: SamplingOptions {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: None,
+            repetition_penalty: 1.0,
+            seed,
+        },
+        eos_token_ids: s.stop_token_ids.clone(),
+        stop_strings: Vec::new(),
+        ignore_eos: false,
+        pad_token_id: s.pad_id,
+    };
+    let out = generate(policy, &rows, &opts, &|_| String::new(), &mut |_, _| {})?;
+    Ok(out.new_token_ids)
+}
+
+/// The loss section: torchtune's `GRPOSimpleLoss` (the default) or `GRPOLoss`, with `kl_coeff`
+/// and `epsilon` (defaults 0.1 and 0.1, as torchtune's).
+fn loss_config(cfg: &Config) -> Result<GrpoLossConfig> {
+    let o = &cfg.origin;
+    let component = cfg
+        .str("loss._component_")?
+        .unwrap_or_else(|| "torchtune.dev.grpo.loss.GRPOSimpleLoss".into());
+    let kl_coeff = cfg.f64("loss.kl_coeff")?.unwrap_or(0.1);
+    let epsilon = cfg.f64("loss.epsilon")?.unwrap_or(0.1);
+    if kl_coeff < 0.0 || epsilon < 0.0 {
+        bail!("{o}: loss.kl_coeff and loss.epsilon must not be negative");
+    }
+    let kind = match component.rsplit('.').next().unwrap_or("") {
+        "GRPOSimpleLoss" => GrpoLossKind::Simple,
+        "GRPOLoss" => GrpoLossKind::Clipped { epsilon },
+        "GRPOCompletionLoss" => bail!(
+            "{o}: loss._component_ '{component}' is not supported: torchtune's version cannot \
+             run (its KL term masks a per-completion value with per-token masks); use \
+             GRPOSimpleLoss or GRPOLoss"
+        ),
+        _ => bail!(
+            "{o}: loss._component_ '{component}': {RECIPE} takes \
+             torchtune.dev.grpo.loss.GRPOSimpleLoss or GRPOLoss"
+        ),
+    };
+    Ok(GrpoLossConfig { kind, kl_coeff })
+}
+
+/// The recipe's settings from the config, with torchtune's defaults and checks.
+pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<GrpoSettings> {
+    let o = &cfg.origin;
+    let required = |k: &str| -> Result<usize> {
+        cfg.usize(k)?
+            .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
+    };
+    let grpo_samples = required("grpo_samples")?;
+    if grpo_samples < 2 {
+        bail!(
+            "{o}: grpo_samples must be at least 2: advantages are relative to the group's mean \
+             and standard deviation"
+        );
+    }
+    let temperature = cfg.f64("temperature")?.unwrap_or(1.0);
+    if temperature <= 0.0 {
+        bail!("{o}: temperature must be positive (log probabilities are of logits / temperature)");
+    }
+    let max_generated_tokens = required("max_generated_tokens")?;
+    if max_generated_tokens == 0 {
+        bail!("{o}: max_generated_tokens must be at least 1");
+    }
+    let stop_token_ids = match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
+        Some(v) => v
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|x| x.as_u64().map(|n| n as u32))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| anyhow!("{o}: stop_token_ids must be a list of token ids"))?,
+        None => default_stops,
+    };
+    Ok(GrpoSettings {
+        grpo_samples,
+        temperature,
+        top_k: cfg.usize("top_k")?.filter(|&k| k > 0),
+        max_generated_tokens,
+        stop_token_ids,
+        pad_id,
+        loss: loss_config(cfg)?,
+    })
+}
+
+/// How a run divides its batches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Batching {
+    batch_size: usize,
+    forward_batch_size: usize,
+    ppo_epochs: usize,
+    num_steps: usize,
+    epochs: usize,
+    save_every_n_epochs: usize,
+}
+
+fn batching(cfg: &Config) -> Result<Batching> {
+    let o = &cfg.origin;
+    let get = |k: &str| -> Result<usize> {
+        cfg.usize(k)?
+            .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
+    };
+    let batch_size = get("batch_size")?;
+    let forward_batch_size = cfg.usize("forward_batch_size")?.unwrap_or(batch_size);
+    let b = Batching {
+        batch_size,
+        forward_batch_size,
+        ppo_epochs: cfg.usize("ppo_epochs")?.unwrap_or(1),
+        num_steps: get("num_steps")?,
+        epochs: get("epochs")?,
+        save_every_n_epochs: cfg.usize("save_every_n_epochs")?.unwrap_or(1),
+    };
+    if [
+        b.batch_size,
+        b.forward_batch_size,
+        b.ppo_epochs,
+        b.num_steps,
+        b.epochs,
+    ]
+    .contains(&0)
+        || b.save_every_n_epochs == 0
+    {
+        bail!(
+            "{o}: batch_size, forward_batch_size, ppo_epochs, num_steps, epochs and \
+             save_every_n_epochs must be at least 1"
+        );
+    }
+    if batch_size % forward_batch_size != 0 {
+        bail!("{o}: batch_size ({batch_size}) must be exactly divisible by forward_batch_size ({forward_batch_size})");
+    }
+    Ok(b)
+}
+
+/// Checks the recipe's own keys without loading anything (for `validate`).
+pub fn check_config(cfg: &Config) -> Result<()> {
+    batching(cfg)?;
+    settings(cfg, 0, Vec::new())?;
+    for section in ["checkpointer", "ref_checkpointer"] {
+        if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
+            bail!(
+                "{}: '{section}.checkpoint_dir' is required by {RECIPE}",
+                cfg.origin
+            );
+        }
+    }
+    if let Some(c) = cfg.str("reward_fn._component_")? {
+        if !c.ends_with("batch_shaped_correctness_reward") {
+            bail!(
+                "{}: reward_fn._component_ '{c}' is not supported \
+                 (torchtune.dev.grpo.rewards.batch_shaped_correctness_reward)",
+                cfg.origin
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Runs the recipe.
+pub fn run(cfg: &Config) -> Result<()> {
+    // ---------------------------------------------------------------- setup
+    let o = cfg.origin.clone();
+    check_config(cfg)?;
+    let device = setup::device(cfg)?;
+    let dtype = setup::dtype(cfg)?;
+    let b = batching(cfg)?;
+    let checkpointing = cfg
+        .bool("enable_activation_checkpointing")?
+        .unwrap_or(false);
+    for ignored in ["compile", "fsdp_cpu_offload"] {
+        if cfg.bool(ignored)?.unwrap_or(false) {
+            eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
+        }
+    }
+    let output_dir = cfg
+        .path("output_dir")?
+        .ok_or_else(|| anyhow!("{o}: 'output_dir' is required"))?;
+    let policy_out = cfg
+        .path("checkpointer.output_dir")?
+        .unwrap_or(output_dir.clone());
+    let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
+    let saved = if resume {
+        match state::latest_checkpoint(&policy_out)? {
+            Some(s) => Some(s),
+            None => bail!(
+                "{o}: resume_from_checkpoint is true but {} holds no checkpoint with a recipe state",
+                policy_out.display()
+            ),
+        }
+    } else {
+        None
+    };
+    let seed = match &saved {
+        Some(s) => s.state.seed,
+        None => setup::seed(cfg)?,
+    };
+    let t0 = Instant::now();
+    let location = setup::checkpoint_path_at(cfg, "checkpointer")?;
+    let (mut policy, policy_source) = match &saved {
+        Some(s) => {
+            let (model, _) = setup::load_model(
+                cfg,
+                &setup::CheckpointLocation::folder(&s.dir),
+                dtype,
+                &device,
+            )
+            .with_context(|| format!("{o}: resuming from {}", s.dir.display()))?;
+            let (format, dir) = crate::recipe::finetune::base_source(&location)?;
+            (model, crate::export::ModelSource { format, dir })
+        }
+        None => setup::load_model(cfg, &location, dtype, &device)
+            .with_context(|| format!("{o}: checkpointer"))?,
+    };
+    let ref_location = setup::checkpoint_path_at(cfg, "ref_checkpointer")?;
+    let (reference, _) = setup::load_model(cfg, &ref_location, dtype, &device)
+        .with_context(|| format!("{o}: ref_checkpointer"))?;
+    for (section, m) in [("checkpointer", &policy), ("ref_checkpointer", &reference)] {
+        m.config
+            .require_language_model()
+            .map_err(|e| anyhow!("{o}: {section}: {e}"))?;
+        setup::check_component_at(cfg, "model._component_", &m.config)?;
+    }
+    if reference.config.vocab_size != policy.config.vocab_size {
+        bail!(
+            "{o}: the reference policy's vocabulary ({} tokens) differs from the policy's ({})",
+            reference.config.vocab_size,
+            policy.config.vocab_size
+        );
+    }
+    let tokenizer = setup::tokenizer(cfg, &location.path)?;
+    eprintln!(
+        "Policy and reference policy loaded in {:.1}s on {device:?} as {dtype:?}",
+        t0.elapsed().as_secs_f64()
+    );
+    let pad = setup::pad_id(&tokenizer, &policy.config);
+    let s = settings(cfg, pad, setup::stop_ids(&tokenizer, &policy.config))?;
+    if s.stop_token_ids.is_empty() {
+        eprintln!("warning: no stop tokens (tokenizer or stop_token_ids): every completion runs to max_generated_tokens");
+    }
+    if let Some(eos) = tokenizer.eos_ids().first() {
+        if !s.stop_token_ids.contains(eos) {
+            eprintln!(
+                "warning: tokenizer eos_id ({eos}) is not in stop_token_ids ({:?})",
+                s.stop_token_ids
+            );
+        }
+    }
+    let params = policy.make_all_trainable()?;
+    let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+    eprintln!("{trainable} trainable parameters");
+    if let Some(note) = setup::optimizer_note(cfg)? {
+        eprintln!("warning: {note}");
+    }
+    let mut optimizer = setup::optimizer(cfg, params.clone())?;
+    let base_lr = optimizer.lr();
+    let clip = cfg.f64("clip_grad_norm")?;
+
+    let section = cfg
+        .get("dataset")
+        .filter(|v| !v.is_null())
+        .ok_or_else(|| anyhow!("{o}: 'dataset' is required"))?;
+    let problems: Vec<ReasoningProblem> =
+        build_reasoning_dataset(section, &tokenizer, std::path::Path::new("."))
+            .map_err(|e| anyhow!("{o}: dataset: {e}"))?;
+    // torchtune's loader drops the last incomplete batch.
+    let batches_per_epoch = problems.len() / b.batch_size;
+    if batches_per_epoch == 0 {
+        bail!(
+            "{o}: the dataset has {} problems, fewer than one batch (batch_size {})",
+            problems.len(),
+            b.batch_size
+        );
+    }
+    // torchtune's schedule spans every epoch's optimizer steps, whatever num_steps says.
+    let schedule = setup::schedule(cfg, b.epochs * batches_per_epoch)?;
+    let mut start = TrainState {
+        epoch: 0,
+        step_in_epoch: 0,
+        global_step: 0,
+        seed,
+        dataset_rows: problems.len(),
+        steps_per_epoch: batches_per_epoch,
+        dropout_states: Vec::new(),
+        recipe: RECIPE.to_string(),
+        rank_dropout_states: Vec::new(),
+    };
+    if let Some(sv) = &saved {
+        state::check_resumable(sv, RECIPE, problems.len(), batches_per_epoch)?;
+        let opt_state = state::read_optimizer_state(&sv.dir, &device)?;
+        state::load_optimizer_state(&sv.dir, optimizer.as_mut(), &opt_state)?;
+        start = sv.state.clone();
+        eprintln!(
+            "Resuming from {} at epoch {} (step {})",
+            sv.dir.display(),
+            start.epoch,
+            start.global_step
+        );
+    }
+    state::write_config_copy(&output_dir, &cfg.to_yaml())?;
+    let mut logger = MetricLogger::from_config(cfg.get("metric_logger"), &output_dir)
+        .with_context(|| format!("{o}: metric_logger"))?;
+    logger.truncate_after(start.global_step as u64)?;
+    let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
+    let total_batches = b.num_steps.min(b.epochs * batches_per_epoch);
+    eprintln!(
+        "GRPO: {total_batches} batch(es) of {} prompts × {} completions, {} optimizer step(s) each",
+        b.batch_size, s.grpo_samples, b.ppo_epochs
+    );
+
+    // ---------------------------------------------------------------- training loop
+    let mut global_step = start.global_step;
+    let mut steps_run = start.epoch * batches_per_epoch;
+    let shuffle = cfg.bool("shuffle")?.unwrap_or(true);
+    let rows_per_pass = b.forward_batch_size * s.grpo_samples;
+    for epoch in start.epoch..b.epochs {
+        let order: Vec<usize> = if shuffle {
+            shuffled_order(problems.len(), seed, epoch as u64)
+        } else {
+            (0..problems.len()).collect()
+        };
+        let mut done = false;
+        for batch_idx in 0..batches_per_epoch {
+            let picked = &order[batch_idx * b.batch_size..][..b.batch_size];
+            let prompts: Vec<Vec<u32>> = picked
+                .iter()
+                .map(|&i| problems[i].prompt_ids.clone())
+                .collect();
+            let answers: Vec<String> = picked.iter().map(|&i| problems[i].answer.clone()).collect();
+            let padded = left_pad(&prompts, pad);
+            // Completions, forward_batch_size prompts at a time, by a copy that records no
+            // gradient; one trajectory over the batch.
+            let t_traj = Instant::now();
+            let policy_ng = policy.detached();
+            let mut completions = Vec::new();
+            for (chunk_idx, first) in (0..b.batch_size).step_by(b.forward_batch_size).enumerate() {
+                let sample_seed = seed
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    .wrapping_add((steps_run * b.batch_size + chunk_idx) as u64);
+                completions.extend(sample_completions(
+                    &policy_ng,
+                    &prompts[first..first + b.forward_batch_size],
+                    &s,
+                    sample_seed,
+                )?);
+            }
+            let traj = trajectory(
+                &policy_ng,
+                &reference,
+                &tokenizer,
+                &padded,
+                &completions,
+                &answers,
+                &s,
+            )?;
+            drop(policy_ng);
+            let traj_s = t_traj.elapsed().as_secs_f64();
+
+            let t_step = Instant::now();
+            let mut stats = Vec::new();
+            let mut grad_norm = None;
+            for _ in 0..b.ppo_epochs {
+                optimizer.set_lr(base_lr * schedule.multiplier(global_step));
+                let mut grads = empty_grads()?;
+                let st = grpo_step(
+                    &policy,
+                    &traj,
+                    &s,
+                    rows_per_pass,
+                    checkpointing,
+                    &params,
+                    &mut grads,
+                )?;
+                if !st.loss.is_finite() {
+                    bail!("the GRPO loss became {} at step {global_step}: lower optimizer.lr or set clip_grad_norm", st.loss);
+                }
+                if let Some(max) = clip {
+                    let refs = params.iter().map(|(_, v)| v.as_tensor());
+                    grad_norm = Some(clip_grad_norm(&mut grads, refs, max)?);
+                }
+                optimizer.step(&grads)?;
+                stats.push(st);
+                global_step += 1;
+            }
+            let step_s = t_step.elapsed().as_secs_f64();
+            steps_run += 1;
+            if steps_run.is_multiple_of(log_every) {
+                let mut metrics = step_metrics(&traj, &stats);
+                metrics.push(("lr", optimizer.lr()));
+                if let Some(n) = grad_norm {
+                    metrics.push(("grad_norm", n));
+                }
+                let tokens = (traj.query_responses.len() * traj.query_responses[0].len()) as f64;
+                metrics.push(("tokens_per_second_trajectory", tokens / traj_s.max(1e-9)));
+                metrics.push((
+                    "tokens_per_second_grpo",
+                    tokens * b.ppo_epochs as f64 / step_s.max(1e-9),
+                ));
+                logger.log_step(global_step as u64, &metrics)?;
+                let get = |k: &str| metrics.iter().find(|(n, _)| *n == k).map_or(0.0, |m| m.1);
+                eprintln!(
+                    "step {steps_run}/{total_batches}: loss {:.4} rewards {:.2} successes {:.3} kl_loss {:.4} response_lengths {:.1}",
+                    get("loss"),
+                    get("rewards"),
+                    get("successes"),
+                    get("kl_loss"),
+                    get("response_lengths"),
+                );
+            }
+            if steps_run == b.num_steps {
+                done = true;
+                break;
+            }
+        }
+        // ------------------------------------------------------------ checkpoint
+        if (epoch + 1).is_multiple_of(b.save_every_n_epochs) || done || epoch + 1 == b.epochs {
+            let name = format!("epoch_{epoch}");
+            let st = TrainState {
+                epoch: epoch + 1,
+                step_in_epoch: 0,
+                global_step,
+                ..start.clone()
+            };
+            let dir =
+                state::save_checkpoint(&policy_out, &name, &st, optimizer.state_dict()?, |dir| {
+                    write_hf_model(
+                        dir,
+                        &policy.config,
+                        &peft::merged_tensors(&policy)?,
+                        dtype,
+                        MAX_SHARD_BYTES,
+                        &policy_source,
+                        Some(&tokenizer),
+                    )
+                })?;
+            eprintln!("Checkpoint saved: {}", dir.display());
+        }
+        crate::recipe::finetune::kill_if_asked(global_step, 0);
+        if done {
+            break;
+        }
+    }
+    logger.flush()?;
+    Ok(())
+}
+
+/// The metrics torchtune's GRPO recipe logs for one batch (the optimizer steps' means).
+fn step_metrics(traj: &GrpoTrajectory, stats: &[GrpoStats]) -> Vec<(&'static str, f64)> {
+    let rows = traj.rewards.len().max(1) as f64;
+    let mean = |v: &[f32]| v.iter().map(|&x| x as f64).sum::<f64>() / rows;
+    let stat =
+        |f: fn(&GrpoStats) -> f64| stats.iter().map(f).sum::<f64>() / stats.len().max(1) as f64;
+    vec![
+        ("rewards", mean(&traj.rewards)),
+        ("successes", mean(&traj.successes)),
+        (
+            "num_stop_tokens",
+            traj.response_padding
+                .iter()
+                .filter(|r| r.iter().any(|&p| p))
+                .count() as f64,
+        ),
+        ("loss", stat(|s| s.loss)),
+        ("policy_loss", stat(|s| s.policy_loss)),
+        ("kl_loss", stat(|s| s.kl_loss)),
+        ("clipfrac", stat(|s| s.clipfrac)),
+        ("ratios", stat(|s| s.ratios)),
+        ("approx_policy_kl", stat(|s| s.approx_policy_kl)),
+        (
+            "response_lengths",
+            traj.seq_lens.iter().map(|&l| l as f64).sum::<f64>() / rows,
+        ),
+    ]
+}
