@@ -666,7 +666,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                 logger.log_step(global_step as u64, &metrics)?;
                 let get = |k: &str| metrics.iter().find(|(n, _)| *n == k).map_or(0.0, |m| m.1);
                 eprintln!(
-                    "step {steps_run}/{total_batches}: loss {:.4} rewards {:.2} successes {:.3} kl_loss {:.4} response_lengths {:.1}",
+                    "step {steps_run}/{total_batches}: loss {:.4} rewards {:.2} successes {:.3} kl_loss {:.4} response_lengths {:.1} ({traj_s:.1} s sampling and scoring, {step_s:.1} s optimizing)",
                     get("loss"),
                     get("rewards"),
                     get("successes"),
