@@ -1,0 +1,213 @@
+//! `ferrotune run dev/grpo_full_finetune_distributed` end to end on the tiny Llama with GSM8K-style
+//! rows: the run logs torchtune's GRPO metrics at each step, saves the policy as an HF folder that
+//! loads back, trained (the reference is another checkpoint of the same shape, so the KL term
+//! moves the policy even where every completion gets the same reward), a run killed after its
+//! first epoch's checkpoint resumes to the same weights as an uninterrupted run, and bad settings
+//! are refused with the key named.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use common::{ferrotune, fixtures, load, metrics_lines, text, tmpdir};
+
+fn write_config(dir: &Path) -> PathBuf {
+    let rows: Vec<String> = (0..4)
+        .map(|i| {
+            serde_json::json!({
+                "question": format!("What is {i} plus {i}?"),
+                "answer": format!("{i} + {i} = <<{i}+{i}={}>>{}\n#### {}", 2 * i, 2 * i, 2 * i),
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("gsm.jsonl"), rows.join("\n") + "\n").unwrap();
+    let f = fixtures();
+    let yaml = format!(
+        r#"output_dir: {out}
+base_model_path: {policy}
+tokenizer:
+  _component_: torchtune.models.llama3.llama3_tokenizer
+  path: {policy}
+  max_seq_len: null
+dataset:
+  _component_: torchtune.dev.grpo.gsm8k.gsm8k_dataset
+  source: json
+  data_files: gsm.jsonl
+seed: 3
+shuffle: true
+reward_fn:
+  _component_: torchtune.dev.grpo.rewards.batch_shaped_correctness_reward
+model:
+  _component_: torchtune.models.llama3_2.llama3_2_1b
+checkpointer:
+  _component_: torchtune.training.FullModelHFCheckpointer
+  checkpoint_dir: ${{base_model_path}}
+  output_dir: ${{output_dir}}
+ref_checkpointer:
+  _component_: torchtune.training.FullModelHFCheckpointer
+  checkpoint_dir: {reference}
+resume_from_checkpoint: false
+save_every_n_epochs: 1
+batch_size: 2
+grpo_samples: 3
+forward_batch_size: 1
+max_generated_tokens: 6
+top_k: null
+temperature: 1.0
+ppo_epochs: 2
+num_steps: 100
+clip_grad_norm: 1.0
+epochs: 2
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 1e-3
+lr_scheduler:
+  _component_: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup
+  num_warmup_steps: 1
+loss:
+  _component_: torchtune.dev.grpo.loss.GRPOSimpleLoss
+  kl_coeff: 0.5
+  epsilon: 0.2
+device: cpu
+dtype: fp32
+metric_logger:
+  _component_: torchtune.training.metric_logging.DiskLogger
+  log_dir: ${{output_dir}}/logs
+log_every_n_steps: 1
+"#,
+        out = dir.join("out").display(),
+        policy = f.join("llama3/model").display(),
+        reference = f.join("llama3/merged").display(),
+    );
+    let path = dir.join("grpo.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+fn run(
+    dir: &Path,
+    cfg: &Path,
+    out: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    let mut args = vec![
+        "run".to_string(),
+        "dev/grpo_full_finetune_distributed".into(),
+        "--config".into(),
+        cfg.display().to_string(),
+        format!("output_dir={}", out.display()),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    ferrotune(&args, dir, env)
+}
+
+#[test]
+fn grpo_runs_saves_the_policy_and_resumes_exactly() {
+    let dir = tmpdir("grpo", "run");
+    let cfg = write_config(&dir);
+    let out = dir.join("full");
+    let o = run(&dir, &cfg, &out, &[], &[]);
+    let log = text(&o);
+    assert!(o.status.success(), "{log}");
+
+    // 4 problems in batches of 2: 2 batches an epoch, 2 epochs; each batch takes 2 optimizer
+    // steps (ppo_epochs), the logged step.
+    let lines = metrics_lines(&out.join("logs/metrics.jsonl"));
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![2, 4, 6, 8], "{log}");
+    for l in &lines {
+        for key in [
+            "rewards",
+            "successes",
+            "num_stop_tokens",
+            "loss",
+            "policy_loss",
+            "kl_loss",
+            "clipfrac",
+            "ratios",
+            "approx_policy_kl",
+            "response_lengths",
+            "lr",
+            "grad_norm",
+        ] {
+            let v = l[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key} missing in {l}"));
+            assert!(v.is_finite(), "{key} = {v}");
+        }
+        // At most 6 new tokens: the last kept index is at most 5.
+        assert!(l["response_lengths"].as_f64().unwrap() <= 5.0);
+        // The reference is another model: the KL estimate is positive.
+        assert!(l["kl_loss"].as_f64().unwrap() > 0.0, "{l}");
+    }
+
+    // Saved per epoch as an HF folder that loads, trained away from the start.
+    for epoch in ["epoch_0", "epoch_1"] {
+        assert!(
+            out.join(epoch).join("model.safetensors").is_file(),
+            "{epoch}"
+        );
+    }
+    let (policy, _) =
+        ferrotune_models::load_model(&out.join("epoch_1"), DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(policy.config.num_hidden_layers, 2);
+    let saved = load(&out.join("epoch_1/model.safetensors"));
+    let start = load(&fixtures().join("llama3/model/model.safetensors"));
+    let diff = ferrotune_testing::max_abs_diff;
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    assert!(diff(&saved[q], &start[q]) > 0.0);
+
+    // Killed right after the first epoch's checkpoint (optimizer step 4), then resumed.
+    let resumed = dir.join("resumed");
+    let killed = run(
+        &dir,
+        &cfg,
+        &resumed,
+        &[],
+        &[("FERROTUNE_KILL_AFTER_STEP", "4")],
+    );
+    assert!(!killed.status.success(), "the run was not killed");
+    assert!(resumed.join("epoch_0").is_dir() && !resumed.join("epoch_1").exists());
+    let o = run(&dir, &cfg, &resumed, &["resume_from_checkpoint=true"], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let b = load(&resumed.join("epoch_1/model.safetensors"));
+    for (name, t) in &saved {
+        assert_eq!(diff(t, &b[name]), 0.0, "{name} differs after resuming");
+    }
+    let resumed_lines = metrics_lines(&resumed.join("logs/metrics.jsonl"));
+    assert_eq!(resumed_lines.len(), 4);
+    assert_eq!(resumed_lines[3]["loss"].as_f64(), lines[3]["loss"].as_f64());
+}
+
+#[test]
+fn grpo_refuses_bad_settings_naming_them() {
+    let dir = tmpdir("grpo", "bad");
+    let cfg = write_config(&dir);
+    for (extra, expected) in [
+        ("grpo_samples=1", "grpo_samples must be at least 2"),
+        (
+            "loss._component_=torchtune.dev.grpo.loss.GRPOCompletionLoss",
+            "GRPOCompletionLoss' is not supported",
+        ),
+        (
+            "forward_batch_size=3",
+            "exactly divisible by forward_batch_size",
+        ),
+        (
+            "reward_fn._component_=my.reward",
+            "reward_fn._component_ 'my.reward' is not supported",
+        ),
+        (
+            "dataset._component_=torchtune.datasets.alpaca_dataset",
+            "does not give problems with reference answers",
+        ),
+    ] {
+        let o = run(&dir, &cfg, &dir.join("out"), &[extra], &[]);
+        let log = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{extra}: {log}");
+        assert!(log.contains(expected), "{extra}: {log}");
+    }
+}
