@@ -13,8 +13,10 @@ partition (tests/fixtures/grpo/gsm8k.jsonl; prompts from torchtune's gsm8k modul
 its tokenizers do). Recorded (tests/fixtures/grpo/golden.json): the trajectory
 (log probabilities, reference log probabilities, rewards, successes, advantages, masks), then two
 optimizer steps (ppo_epochs: 2) with AdamW and gradient clipping for each loss (GRPOSimpleLoss and
-the clipped GRPOLoss, each from the fresh model): their statistics, a few parameters' gradients
-(grads_{loss}_epoch{1,2}.safetensors) and values after each step (params_{loss}_epoch{1,2}).
+the clipped GRPOLoss, each from the fresh model; and GRPOSimpleLoss with LoRA: the PEFT adapter of
+tests/fixtures/llama3/adapter trained, the reference being the model with the adapter disabled):
+their statistics, a few parameters' gradients (grads_{case}_epoch{1,2}.safetensors) and values after
+each step (params_{case}_epoch{1,2}).
 
 Run from the repository root with torch, transformers, safetensors installed, torchtune 0.6.1's
 source at /tmp/tt/src and torchtune's git repository at TORCHTUNE_REPO:
@@ -132,6 +134,54 @@ def logprobs_of(model, query_responses, ctx):
 
 def tolist(t):
     return t.detach().cpu().tolist()
+
+
+def lora_steps(query_responses, ctx):
+    """GRPOSimpleLoss with LoRA: the tiny Llama with the PEFT adapter of tests/fixtures/llama3/adapter
+    (trainable) as the policy, the same model with its adapter disabled as the reference; two
+    optimizer steps on the adapter weights. Writes grads_lora_epoch{1,2} and params_lora_epoch{1,2}
+    (PEFT's names without the adapter's `.default`)."""
+    from peft import PeftModel
+
+    load = dict(dtype=torch.float32, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_pretrained(POLICY, **load)
+    model = PeftModel.from_pretrained(base, os.path.join(ROOT, "llama3", "adapter"), is_trainable=True)
+    model.eval()
+    loss_fn = grpo_loss.GRPOSimpleLoss(epsilon=EPSILON, kl_coeff=KL_COEFF)
+    tok = AutoTokenizer.from_pretrained(POLICY)
+    with torch.no_grad():
+        logprobs = logprobs_of(model, query_responses, ctx)
+        with model.disable_adapter():
+            ref_logprobs = logprobs_of(model, query_responses, ctx)
+        padding, cut = rlhf.truncate_sequence_at_first_stop_token(
+            query_responses[:, ctx:].clone(), torch.tensor(STOPS), PAD
+        )
+        rewards, _ = grpo_rewards.batch_shaped_correctness_reward(
+            Decoder(tok), cut.reshape(len(PROMPTS), G, -1), ANSWERS
+        )
+        advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+        advantages = advantages.reshape(-1)
+        logprobs[padding] = 1.0
+        ref_logprobs[padding] = 1.0
+    named = {k.replace(".default", ""): p for k, p in model.named_parameters() if p.requires_grad}
+    tracked = [k for k in named if "layers.0.self_attn.q_proj" in k or "layers.1.mlp.down_proj" in k]
+    opt = torch.optim.AdamW([p for p in named.values()], lr=LR)
+    steps = []
+    for epoch in (1, 2):
+        pi = logprobs_of(model, query_responses, ctx)
+        pi[padding] = 1.0
+        loss, policy_loss, kl_loss, _, _ = loss_fn(logprobs, pi, ref_logprobs, advantages, padding_masks=~padding)
+        loss.backward()
+        save_file({k: named[k].grad.detach().clone() for k in tracked},
+                  os.path.join(OUT, f"grads_lora_epoch{epoch}.safetensors"))
+        norm = torch.nn.utils.clip_grad_norm_(list(named.values()), max_norm=CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        save_file({k: named[k].detach().clone() for k in tracked},
+                  os.path.join(OUT, f"params_lora_epoch{epoch}.safetensors"))
+        steps.append({"loss": loss.item(), "policy_loss": policy_loss.item(), "kl_loss": kl_loss.item(),
+                      "grad_norm": norm.item()})
+    return {"ref_logprobs": tolist(ref_logprobs), "logprobs": tolist(logprobs), "steps": steps}
 
 
 GSM8K_ROWS = [
@@ -256,6 +306,7 @@ def main():
                 }
             )
         golden[f"steps_{name}"] = steps
+    golden["steps_lora"] = lora_steps(query_responses, ctx)
     golden["gsm8k"] = gsm8k_cases(tok)
     with open(os.path.join(OUT, "golden.json"), "w") as f:
         json.dump(golden, f, indent=1)

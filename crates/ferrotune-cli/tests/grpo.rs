@@ -211,3 +211,59 @@ fn grpo_refuses_bad_settings_naming_them() {
         assert!(log.contains(expected), "{extra}: {log}");
     }
 }
+
+/// With a `lora_*` model builder only the adapters train, against the base itself as reference
+/// (no `ref_checkpointer` needed): the checkpoint is a PEFT adapter folder with the merged model
+/// one folder down. The run continues a trained adapter (`checkpointer.adapter_checkpoint`), so
+/// that the policy differs from the base and the KL term moves the adapter (a fresh adapter, B =
+/// 0, is the base itself, and the tiny model's completions all get the same reward).
+#[test]
+fn grpo_with_lora_saves_a_peft_adapter_and_the_merged_model() {
+    let dir = tmpdir("grpo", "lora");
+    let cfg = write_config(&dir);
+    let out = dir.join("out");
+    let o = run(
+        &dir,
+        &cfg,
+        &out,
+        &[
+            "~ref_checkpointer",
+            "model._component_=torchtune.models.llama3_2.lora_llama3_2_1b",
+            "model.lora_attn_modules=[q_proj,v_proj]",
+            "model.lora_rank=4",
+            "model.lora_alpha=8",
+            &format!(
+                "checkpointer.adapter_checkpoint={}",
+                fixtures().join("llama3/adapter").display()
+            ),
+            "epochs=1",
+            "optimizer.lr=1e-2",
+        ],
+        &[],
+    );
+    let log = text(&o);
+    assert!(o.status.success(), "{log}");
+    let epoch = out.join("epoch_0");
+    assert!(epoch.join("adapter_config.json").is_file(), "{log}");
+    assert!(epoch.join("merged/model.safetensors").is_file());
+    let adapter = load(&epoch.join("adapter_model.safetensors"));
+    let b = adapter
+        .iter()
+        .find(|(k, _)| k.ends_with("layers.0.self_attn.q_proj.lora_B.weight"))
+        .map(|(_, t)| t.clone())
+        .expect("a q_proj lora_B");
+    let start = load(&fixtures().join("llama3/adapter/adapter_model.safetensors"));
+    let (_, b0) = start
+        .iter()
+        .find(|(k, _)| k.ends_with("layers.0.self_attn.q_proj.lora_B.weight"))
+        .expect("the fixture adapts q_proj");
+    assert!(
+        ferrotune_testing::max_abs_diff(&b, b0) > 0.0,
+        "lora_B did not train"
+    );
+    // The merged model loads as a plain causal LM.
+    ferrotune_models::load_model(&epoch.join("merged"), DType::F32, &Device::Cpu).unwrap();
+    for l in metrics_lines(&out.join("logs/metrics.jsonl")) {
+        assert!(l["kl_loss"].as_f64().unwrap() >= 0.0);
+    }
+}

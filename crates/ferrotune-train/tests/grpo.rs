@@ -12,7 +12,7 @@ use ferrotune_models::load_model;
 use ferrotune_train::clip::clip_grad_norm;
 use ferrotune_train::grpo::{GrpoLossConfig, GrpoLossKind};
 use ferrotune_train::optim::{AdamW, AdamWConfig, Optimizer};
-use ferrotune_train::recipe::grpo::{self, GrpoSettings, GrpoTrajectory};
+use ferrotune_train::recipe::grpo::{self, GrpoSettings, GrpoTrajectory, Reference};
 use ferrotune_train::recipe::ppo::left_pad;
 use ferrotune_train::step::empty_grads;
 use serde_json::Value;
@@ -73,14 +73,15 @@ fn close(what: &str, got: f64, want: f64, tol: f64) {
 fn build_trajectory(g: &Value, s: &GrpoSettings) -> GrpoTrajectory {
     let dev = Device::Cpu;
     let dir = workspace_fixture("llama3/model");
-    let (model, _) = load_model(&dir, DType::F32, &dev).unwrap();
+    let (mut model, _) = load_model(&dir, DType::F32, &dev).unwrap();
+    let (reference, _) = load_model(&dir, DType::F32, &dev).unwrap();
     let tok = Tokenizer::from_dir(&dir).unwrap();
     let prompts: Vec<Vec<u32>> = get(g, "prompts");
     let completions: Vec<Vec<u32>> = get(g, "completions");
     let answers: Vec<String> = get(g, "answers");
     grpo::trajectory(
-        &model,
-        &model,
+        &mut model,
+        Reference::Model(&reference),
         &tok,
         &left_pad(&prompts, s.pad_id),
         &completions,
@@ -255,4 +256,114 @@ fn check_steps(clipped: bool, rows_per_pass: usize, checkpointing: bool) {
         let clipfrac: f64 = get(&steps[1], "clipfrac");
         assert!(clipfrac > 0.1 && clipfrac < 0.9, "fixture clips {clipfrac}");
     }
+}
+
+/// LoRA: the PEFT adapter trained, the reference being the same model with its adapter disabled
+/// (no second model), against PEFT + torchtune's GRPOSimpleLoss: the trajectory's log
+/// probabilities of both, then two steps' losses, adapter gradients and AdamW updates.
+#[test]
+fn lora_steps_match_peft_with_the_adapter_disabled_as_reference() {
+    let g = golden();
+    let s = settings(&g, false);
+    let want = &g["steps_lora"];
+    let dev = Device::Cpu;
+    let dir = workspace_fixture("llama3/model");
+    let (mut policy, _) = load_model(&dir, DType::F32, &dev).unwrap();
+    ferrotune_models::peft::load_adapter(&mut policy, &workspace_fixture("llama3/adapter"))
+        .unwrap();
+    ferrotune_models::lora::set_training(&mut policy, true);
+    let params = ferrotune_models::peft::trainable_parameters(&mut policy).unwrap();
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let prompts: Vec<Vec<u32>> = get(&g, "prompts");
+    let traj = grpo::trajectory(
+        &mut policy.detached(),
+        Reference::AdaptersDisabled,
+        &tok,
+        &left_pad(&prompts, s.pad_id),
+        &get::<Vec<Vec<u32>>>(&g, "completions"),
+        &get::<Vec<String>>(&g, "answers"),
+        &s,
+    )
+    .unwrap();
+    assert_table(
+        "logprobs",
+        &traj.logprobs,
+        &get::<Vec<Vec<f32>>>(want, "logprobs"),
+        2e-5,
+    );
+    assert_table(
+        "ref_logprobs",
+        &traj.ref_logprobs,
+        &get::<Vec<Vec<f32>>>(want, "ref_logprobs"),
+        2e-5,
+    );
+    let mut opt = AdamW::new(
+        params.clone(),
+        AdamWConfig {
+            lr: get(&g, "lr"),
+            ..AdamWConfig::default()
+        },
+    )
+    .unwrap();
+    let lr: f64 = get(&g, "lr");
+    for (e, w) in want["steps"].as_array().unwrap().iter().enumerate() {
+        let epoch = e + 1;
+        let mut grads = empty_grads().unwrap();
+        let stats = grpo::grpo_step(&policy, &traj, &s, 6, false, &params, &mut grads).unwrap();
+        close(
+            &format!("lora epoch {epoch} loss"),
+            stats.loss,
+            get(w, "loss"),
+            1e-5,
+        );
+        close(
+            &format!("lora epoch {epoch} kl_loss"),
+            stats.kl_loss,
+            get(w, "kl_loss"),
+            1e-4,
+        );
+        let want_grads = load(workspace_fixture(&format!(
+            "grpo/grads_lora_epoch{epoch}.safetensors"
+        )));
+        assert!(!want_grads.is_empty());
+        for (pname, want_g) in &want_grads {
+            let var: &Var = &params
+                .iter()
+                .find(|(n, _)| n == pname)
+                .unwrap_or_else(|| panic!("no parameter {pname}"))
+                .1;
+            let got = grads.get(var.as_tensor()).unwrap();
+            let err = rel_l2(got, want_g);
+            assert!(
+                err < 1e-4,
+                "lora epoch {epoch} d loss / d {pname}: rel L2 {err}"
+            );
+        }
+        let norm = clip_grad_norm(
+            &mut grads,
+            params.iter().map(|(_, v)| v.as_tensor()),
+            get(&g, "clip_grad_norm"),
+        )
+        .unwrap();
+        close(
+            &format!("lora epoch {epoch} grad_norm"),
+            norm,
+            get(w, "grad_norm"),
+            1e-4,
+        );
+        opt.step(&grads).unwrap();
+        for (pname, want_t) in &load(workspace_fixture(&format!(
+            "grpo/params_lora_epoch{epoch}.safetensors"
+        ))) {
+            let var: &Var = &params.iter().find(|(n, _)| n == pname).unwrap().1;
+            let d = ferrotune_testing::max_abs_diff(var.as_tensor(), want_t);
+            assert!(
+                (d as f64) < 5e-3 * lr,
+                "lora epoch {epoch} {pname}: max |diff| {d}"
+            );
+        }
+    }
+    // The adapter makes the policy differ from its reference from the first step.
+    let kl: f64 = get(&want["steps"][0], "kl_loss");
+    assert!(kl > 1e-4, "fixture KL {kl}");
 }

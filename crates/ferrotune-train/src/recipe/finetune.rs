@@ -919,7 +919,7 @@ fn report_memory(sm: &ShardedModel, optimizer: &dyn Optimizer, rank: usize) -> R
 
 /// The LoRA adapters to train: from `checkpointer.adapter_checkpoint` (a PEFT folder, whose config
 /// wins), from a checkpoint being resumed, or fresh from the model keys.
-fn setup_adapters(
+pub(crate) fn setup_adapters(
     cfg: &Config,
     model: &mut CausalLm,
     base_path: &Path,

@@ -3,7 +3,8 @@
 //! every weight trained, and a frozen reference policy; GSM8K problems), the loop (for each
 //! batch of prompts: `grpo_samples` sampled completions per prompt, their shaped correctness
 //! rewards, group-relative advantages, then `ppo_epochs` optimizer steps on the batch), and a
-//! checkpoint of the policy every `save_every_n_epochs` epochs.
+//! checkpoint of the policy every `save_every_n_epochs` epochs. With a `lora_*` model builder only
+//! LoRA adapters train and the reference is the base (the policy with its adapters disabled).
 //!
 //! Sampling draws from the same distribution as torchtune's but from ferrotune's generator, so
 //! sampled completions are not torch's; everything after sampling (log probabilities, rewards,
@@ -71,13 +72,19 @@ pub struct GrpoTrajectory {
     pub seq_lens: Vec<usize>,
 }
 
+/// The reference policy: a model of its own, or (LoRA) the policy with its adapters disabled.
+pub enum Reference<'a> {
+    Model(&'a CausalLm),
+    AdaptersDisabled,
+}
+
 /// Builds the trajectory of `completions` (one row per completion, prompt-major, each cut or
 /// padded as generated) to the left-padded `prompts` (one per group): log probabilities under
 /// the policy and the reference, completions cut at their first stop token, their rewards
 /// against `answers` (one per group) and the group-relative advantages.
 pub fn trajectory(
-    policy: &CausalLm,
-    reference: &CausalLm,
+    policy: &mut CausalLm,
+    reference: Reference<'_>,
     tokenizer: &Tokenizer,
     prompts: &[Vec<u32>],
     completions: &[Vec<u32>],
@@ -115,13 +122,12 @@ pub fn trajectory(
         .collect();
     let (pad, t) = (s.pad_id, s.temperature);
     let mut logprobs = host(&response_logprobs(policy, &query_responses, ctx, pad, t)?)?;
-    let mut ref_logprobs = host(&response_logprobs(
-        reference,
-        &query_responses,
-        ctx,
-        pad,
-        t,
-    )?)?;
+    let mut ref_logprobs = match reference {
+        Reference::Model(m) => host(&response_logprobs(m, &query_responses, ctx, pad, t)?)?,
+        Reference::AdaptersDisabled => peft::with_adapters_disabled(policy, |m| {
+            host(&response_logprobs(m, &query_responses, ctx, pad, t)?)
+        })?,
+    };
     let response_padding = rlhf::truncate_at_first_stop(&mut responses, &s.stop_token_ids, pad);
     let seq_lens: Vec<usize> = response_padding
         .iter()
@@ -404,7 +410,11 @@ fn batching(cfg: &Config) -> Result<Batching> {
 pub fn check_config(cfg: &Config) -> Result<()> {
     batching(cfg)?;
     settings(cfg, 0, Vec::new())?;
+    let lora = cfg.get("model.lora_attn_modules").is_some();
     for section in ["checkpointer", "ref_checkpointer"] {
+        if lora && section == "ref_checkpointer" {
+            continue;
+        }
         if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
             bail!(
                 "{}: '{section}.checkpoint_dir' is required by {RECIPE}",
@@ -464,7 +474,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     };
     let t0 = Instant::now();
     let location = setup::checkpoint_path_at(cfg, "checkpointer")?;
+    // LoRA (a `lora_*` model builder's keys): the adapters train, the base stays frozen, and the
+    // reference is the base itself (the policy with its adapters disabled), as torchtune's LoRA
+    // RL recipes do; no second model is loaded.
+    let lora = cfg.get("model.lora_attn_modules").is_some();
     let (mut policy, policy_source) = match &saved {
+        Some(_) if lora => setup::load_model(cfg, &location, dtype, &device)
+            .with_context(|| format!("{o}: checkpointer"))?,
         Some(s) => {
             let (model, _) = setup::load_model(
                 cfg,
@@ -479,21 +495,30 @@ pub fn run(cfg: &Config) -> Result<()> {
         None => setup::load_model(cfg, &location, dtype, &device)
             .with_context(|| format!("{o}: checkpointer"))?,
     };
-    let ref_location = setup::checkpoint_path_at(cfg, "ref_checkpointer")?;
-    let (reference, _) = setup::load_model(cfg, &ref_location, dtype, &device)
-        .with_context(|| format!("{o}: ref_checkpointer"))?;
-    for (section, m) in [("checkpointer", &policy), ("ref_checkpointer", &reference)] {
+    let reference = if lora {
+        None
+    } else {
+        let ref_location = setup::checkpoint_path_at(cfg, "ref_checkpointer")?;
+        let (m, _) = setup::load_model(cfg, &ref_location, dtype, &device)
+            .with_context(|| format!("{o}: ref_checkpointer"))?;
+        Some(m)
+    };
+    for (section, m) in std::iter::once(("checkpointer", &policy))
+        .chain(reference.as_ref().map(|m| ("ref_checkpointer", m)))
+    {
         m.config
             .require_language_model()
             .map_err(|e| anyhow!("{o}: {section}: {e}"))?;
         setup::check_component_at(cfg, "model._component_", &m.config)?;
     }
-    if reference.config.vocab_size != policy.config.vocab_size {
-        bail!(
-            "{o}: the reference policy's vocabulary ({} tokens) differs from the policy's ({})",
-            reference.config.vocab_size,
-            policy.config.vocab_size
-        );
+    if let Some(r) = &reference {
+        if r.config.vocab_size != policy.config.vocab_size {
+            bail!(
+                "{o}: the reference policy's vocabulary ({} tokens) differs from the policy's ({})",
+                r.config.vocab_size,
+                policy.config.vocab_size
+            );
+        }
     }
     let tokenizer = setup::tokenizer(cfg, &location.path)?;
     eprintln!(
@@ -513,7 +538,24 @@ pub fn run(cfg: &Config) -> Result<()> {
             );
         }
     }
-    let params = policy.make_all_trainable()?;
+    let lora_config = if lora {
+        let lc = crate::recipe::finetune::setup_adapters(
+            cfg,
+            &mut policy,
+            &location.path,
+            saved.as_ref().map(|s| s.dir.as_path()),
+            seed,
+            true,
+        )?;
+        ferrotune_models::lora::set_training(&mut policy, true);
+        Some(lc)
+    } else {
+        None
+    };
+    let params = match lora {
+        true => peft::trainable_parameters(&mut policy)?,
+        false => policy.make_all_trainable()?,
+    };
     let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     eprintln!("{trainable} trainable parameters");
     if let Some(note) = setup::optimizer_note(cfg)? {
@@ -598,7 +640,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             // Completions, forward_batch_size prompts at a time, by a copy that records no
             // gradient; one trajectory over the batch.
             let t_traj = Instant::now();
-            let policy_ng = policy.detached();
+            let mut policy_ng = policy.detached();
             let mut completions = Vec::new();
             for (chunk_idx, first) in (0..b.batch_size).step_by(b.forward_batch_size).enumerate() {
                 let sample_seed = seed
@@ -611,9 +653,13 @@ pub fn run(cfg: &Config) -> Result<()> {
                     sample_seed,
                 )?);
             }
+            let reference = match &reference {
+                Some(m) => Reference::Model(m),
+                None => Reference::AdaptersDisabled,
+            };
             let traj = trajectory(
-                &policy_ng,
-                &reference,
+                &mut policy_ng,
+                reference,
                 &tokenizer,
                 &padded,
                 &completions,
@@ -690,8 +736,25 @@ pub fn run(cfg: &Config) -> Result<()> {
             };
             let dir =
                 state::save_checkpoint(&policy_out, &name, &st, optimizer.state_dict()?, |dir| {
+                    // LoRA: the PEFT adapter, and the merged model one folder down (as the LoRA
+                    // fine-tuning recipes save them).
+                    let target = match &lora_config {
+                        Some(lc) => {
+                            peft::save_adapter(&policy, lc, dir)?;
+                            crate::export::copy_or_export_tokenizer(
+                                &policy_source,
+                                Some(&tokenizer),
+                                dir,
+                            )?;
+                            let merged = dir.join(crate::recipe::finetune::MERGED_DIR);
+                            std::fs::create_dir_all(&merged)
+                                .with_context(|| format!("{}: cannot create", merged.display()))?;
+                            merged
+                        }
+                        None => dir.to_path_buf(),
+                    };
                     write_hf_model(
-                        dir,
+                        &target,
                         &policy.config,
                         &peft::merged_tensors(&policy)?,
                         dtype,
