@@ -65,13 +65,10 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
             )),
         };
     }
-    let index = path.join("model.safetensors.index.json");
-    if index.is_file() {
-        return Ok(CheckpointFormat::Safetensors(index_shard_files(&index)?));
-    }
-    let single = path.join("model.safetensors");
-    if single.is_file() {
-        return Ok(CheckpointFormat::Safetensors(vec![single]));
+    if let Some(files) =
+        indexed_or_single(path, "model.safetensors.index.json", "model.safetensors")?
+    {
+        return Ok(CheckpointFormat::Safetensors(files));
     }
     let mut safetensors = Vec::new();
     let mut ggufs = Vec::new();
@@ -99,13 +96,10 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     if !safetensors.is_empty() {
         return Ok(CheckpointFormat::Safetensors(safetensors));
     }
-    let pickle_index = path.join("pytorch_model.bin.index.json");
-    if pickle_index.is_file() {
-        return Ok(CheckpointFormat::Pickle(index_shard_files(&pickle_index)?));
-    }
-    let pickle = path.join("pytorch_model.bin");
-    if pickle.is_file() {
-        return Ok(CheckpointFormat::Pickle(vec![pickle]));
+    if let Some(files) =
+        indexed_or_single(path, "pytorch_model.bin.index.json", "pytorch_model.bin")?
+    {
+        return Ok(CheckpointFormat::Pickle(files));
     }
     if !consolidated.is_empty() && path.join("params.json").is_file() {
         consolidated.sort();
@@ -150,6 +144,21 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
             "several .gguf files: pass the one to load",
         )),
     }
+}
+
+/// The files of an HF checkpoint in `dir` in one format: the shards its `index` file lists, or
+/// its `single` file, or none of either.
+fn indexed_or_single(
+    dir: &Path,
+    index: &str,
+    single: &str,
+) -> Result<Option<Vec<PathBuf>>, ModelError> {
+    let index = dir.join(index);
+    if index.is_file() {
+        return Ok(Some(index_shard_files(&index)?));
+    }
+    let single = dir.join(single);
+    Ok(single.is_file().then(|| vec![single]))
 }
 
 /// The shard files an HF index (`model.safetensors.index.json`, `pytorch_model.bin.index.json`)

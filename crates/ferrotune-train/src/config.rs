@@ -299,15 +299,13 @@ fn interpolate(
     let mut out = String::new();
     let mut rest = s;
     let mut whole: Option<Value> = None;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let after = &rest[start + 2..];
-        let Some(end) = after.find('}') else {
+    while let Some(found) = next_interpolation(rest) {
+        let Some((before, expr, after)) = found else {
             return err(format!("{origin}: {here}: unterminated '${{' in '{s}'"));
         };
-        let expr = after[..end].trim();
+        out.push_str(before);
         let value = resolve_expr(expr, root, origin, stack, here)?;
-        if start == 0 && end + 3 == rest.len() && out.is_empty() {
+        if before.is_empty() && after.is_empty() && out.is_empty() {
             whole = Some(value.clone());
         }
         out.push_str(&match &value {
@@ -315,10 +313,22 @@ fn interpolate(
             Value::Null => "None".into(),
             other => other.to_string(),
         });
-        rest = &after[end + 1..];
+        rest = after;
     }
     out.push_str(rest);
     Ok(whole.unwrap_or(Value::String(out)))
+}
+
+/// The first `${expr}` of `s` as (the text before it, the trimmed expression, the text after
+/// it), `Some(None)` when a `${` is never closed, `None` when there is none.
+fn next_interpolation(s: &str) -> Option<Option<(&str, &str, &str)>> {
+    let start = s.find("${")?;
+    let inner = &s[start + 2..];
+    Some(
+        inner
+            .find('}')
+            .map(|end| (&s[..start], inner[..end].trim(), &inner[end + 1..])),
+    )
 }
 
 fn resolve_expr(
@@ -705,17 +715,14 @@ fn interpolated_names(v: &Value, out: &mut Vec<String>) {
     match v {
         Value::String(s) => {
             let mut rest = s.as_str();
-            while let Some(i) = rest.find("${") {
-                let after = &rest[i + 2..];
-                let Some(j) = after.find('}') else { break };
-                let inner = &after[..j];
-                if !inner.contains(':') {
-                    let name = inner.split('.').next().unwrap_or("").trim();
+            while let Some(Some((_, expr, after))) = next_interpolation(rest) {
+                if !expr.contains(':') {
+                    let name = expr.split('.').next().unwrap_or("").trim();
                     if !name.is_empty() && !out.iter().any(|n| n == name) {
                         out.push(name.to_string());
                     }
                 }
-                rest = &after[j + 1..];
+                rest = after;
             }
         }
         Value::Array(items) => items.iter().for_each(|x| interpolated_names(x, out)),

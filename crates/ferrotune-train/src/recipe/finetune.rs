@@ -26,7 +26,7 @@ use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Shard
 use crate::dist::store::Store;
 use crate::export::{write_hf_model, ModelSource};
 use crate::loss::KdLoss;
-use crate::metrics::{peak_rss_mb, MetricLogger};
+use crate::metrics::peak_rss_mb;
 use crate::optim::Optimizer;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -250,25 +250,17 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
 
     // Where to start from: a saved checkpoint of this run, or the configured base.
     let saved = if resume {
-        let found = match cfg.path("checkpointer.recipe_checkpoint")? {
+        Some(match cfg.path("checkpointer.recipe_checkpoint")? {
             Some(p) => {
                 let dir = if p.is_dir() {
                     p
                 } else {
                     p.parent().map(Path::to_path_buf).unwrap_or_default()
                 };
-                Some(state::read_checkpoint_state(&dir)?)
+                state::read_checkpoint_state(&dir)?
             }
-            None => state::latest_checkpoint(&ckpt_out)?,
-        };
-        match found {
-            Some(s) => Some(s),
-            None => bail!(
-                "{}: resume_from_checkpoint is true but {} holds no checkpoint with a recipe state",
-                cfg.origin,
-                ckpt_out.display()
-            ),
-        }
+            None => state::latest_to_resume(&cfg.origin, &ckpt_out)?,
+        })
     } else {
         None
     };
@@ -485,15 +477,8 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let base_lr = optimizer.lr();
 
     let mut start = TrainState {
-        epoch: 0,
-        step_in_epoch: 0,
-        global_step: 0,
-        seed,
-        dataset_rows: examples.len(),
-        steps_per_epoch,
         dropout_states: dropout_states(&model),
-        recipe: recipe.to_string(),
-        rank_dropout_states: Vec::new(),
+        ..TrainState::fresh(recipe, seed, examples.len(), steps_per_epoch)
     };
     if rank > 0 {
         // Ranks draw different LoRA dropout masks (their data differs too).
@@ -529,16 +514,9 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             start.global_step
         ));
     }
-    let mut logger = if lead {
-        state::write_config_copy(&output_dir, &cfg.to_yaml())?;
-        let mut logger = MetricLogger::from_config(cfg.get("metric_logger"), &output_dir)
-            .with_context(|| format!("{}: metric_logger", cfg.origin))?;
-        // Resuming redoes the steps after the checkpoint; a fresh run starts a fresh log. Either
-        // way no line of an earlier run is left to be mistaken for this one's.
-        logger.truncate_after(start.global_step as u64)?;
-        Some(logger)
-    } else {
-        None
+    let mut logger = match lead {
+        true => Some(state::open_run_log(cfg, &output_dir, start.global_step)?),
+        false => None,
     };
 
     // ---------------------------------------------------------------- training loop

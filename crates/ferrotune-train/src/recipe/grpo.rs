@@ -25,10 +25,10 @@ use crate::clip::clip_grad_norm;
 use crate::config::Config;
 use crate::export::write_hf_model;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
-use crate::metrics::MetricLogger;
 use crate::recipe::finetune::MAX_SHARD_BYTES;
 use crate::recipe::ppo::{
-    backward_from_hidden, host, left_pad, logprobs_from_hidden, mask_tensor, response_logprobs,
+    backward_from_hidden, host, left_pad, load, logprobs_from_hidden, mask_tensor,
+    response_logprobs,
 };
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -328,25 +328,12 @@ pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<Gr
              and standard deviation"
         );
     }
-    let temperature = cfg.f64("temperature")?.unwrap_or(1.0);
-    if temperature <= 0.0 {
-        bail!("{o}: temperature must be positive (log probabilities are of logits / temperature)");
-    }
+    let temperature = setup::sampling_temperature(cfg)?;
     let max_generated_tokens = required("max_generated_tokens")?;
     if max_generated_tokens == 0 {
         bail!("{o}: max_generated_tokens must be at least 1");
     }
-    let stop_token_ids = match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
-        Some(v) => v
-            .as_array()
-            .and_then(|a| {
-                a.iter()
-                    .map(|x| x.as_u64().map(|n| n as u32))
-                    .collect::<Option<Vec<_>>>()
-            })
-            .ok_or_else(|| anyhow!("{o}: stop_token_ids must be a list of token ids"))?,
-        None => default_stops,
-    };
+    let stop_token_ids = setup::stop_token_ids(cfg, default_stops)?;
     Ok(GrpoSettings {
         grpo_samples,
         temperature,
@@ -458,13 +445,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         .unwrap_or(output_dir.clone());
     let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
     let saved = if resume {
-        match state::latest_checkpoint(&policy_out)? {
-            Some(s) => Some(s),
-            None => bail!(
-                "{o}: resume_from_checkpoint is true but {} holds no checkpoint with a recipe state",
-                policy_out.display()
-            ),
-        }
+        Some(state::latest_to_resume(&o, &policy_out)?)
     } else {
         None
     };
@@ -473,35 +454,17 @@ pub fn run(cfg: &Config) -> Result<()> {
         None => setup::seed(cfg)?,
     };
     let t0 = Instant::now();
-    let location = setup::checkpoint_path_at(cfg, "checkpointer")?;
     // LoRA (a `lora_*` model builder's keys): the adapters train, the base stays frozen, and the
     // reference is the base itself (the policy with its adapters disabled), as torchtune's LoRA
-    // RL recipes do; no second model is loaded.
+    // RL recipes do; no second model is loaded. Resuming LoRA reloads the base (the adapter comes
+    // from the checkpoint below); resuming full training, the checkpoint's weights.
     let lora = cfg.get("model.lora_attn_modules").is_some();
-    let (mut policy, policy_source) = match &saved {
-        Some(_) if lora => setup::load_model(cfg, &location, dtype, &device)
-            .with_context(|| format!("{o}: checkpointer"))?,
-        Some(s) => {
-            let (model, _) = setup::load_model(
-                cfg,
-                &setup::CheckpointLocation::folder(&s.dir),
-                dtype,
-                &device,
-            )
-            .with_context(|| format!("{o}: resuming from {}", s.dir.display()))?;
-            let (format, dir) = crate::recipe::finetune::base_source(&location)?;
-            (model, crate::export::ModelSource { format, dir })
-        }
-        None => setup::load_model(cfg, &location, dtype, &device)
-            .with_context(|| format!("{o}: checkpointer"))?,
-    };
-    let reference = if lora {
-        None
-    } else {
-        let ref_location = setup::checkpoint_path_at(cfg, "ref_checkpointer")?;
-        let (m, _) = setup::load_model(cfg, &ref_location, dtype, &device)
-            .with_context(|| format!("{o}: ref_checkpointer"))?;
-        Some(m)
+    let resumed = saved.as_ref().filter(|_| !lora).map(|s| s.dir.as_path());
+    let (mut policy, policy_source, policy_path) =
+        load(cfg, "checkpointer", "model", resumed, dtype, &device)?;
+    let reference = match lora {
+        true => None,
+        false => Some(load(cfg, "ref_checkpointer", "model", None, dtype, &device)?.0),
     };
     for (section, m) in std::iter::once(("checkpointer", &policy))
         .chain(reference.as_ref().map(|m| ("ref_checkpointer", m)))
@@ -509,7 +472,6 @@ pub fn run(cfg: &Config) -> Result<()> {
         m.config
             .require_language_model()
             .map_err(|e| anyhow!("{o}: {section}: {e}"))?;
-        setup::check_component_at(cfg, "model._component_", &m.config)?;
     }
     if let Some(r) = &reference {
         if r.config.vocab_size != policy.config.vocab_size {
@@ -520,7 +482,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             );
         }
     }
-    let tokenizer = setup::tokenizer(cfg, &location.path)?;
+    let tokenizer = setup::tokenizer(cfg, &policy_path)?;
     eprintln!(
         "Policy and reference policy loaded in {:.1}s on {device:?} as {dtype:?}",
         t0.elapsed().as_secs_f64()
@@ -530,19 +492,12 @@ pub fn run(cfg: &Config) -> Result<()> {
     if s.stop_token_ids.is_empty() {
         eprintln!("warning: no stop tokens (tokenizer or stop_token_ids): every completion runs to max_generated_tokens");
     }
-    if let Some(eos) = tokenizer.eos_ids().first() {
-        if !s.stop_token_ids.contains(eos) {
-            eprintln!(
-                "warning: tokenizer eos_id ({eos}) is not in stop_token_ids ({:?})",
-                s.stop_token_ids
-            );
-        }
-    }
+    setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
     let lora_config = if lora {
         let lc = crate::recipe::finetune::setup_adapters(
             cfg,
             &mut policy,
-            &location.path,
+            &policy_path,
             saved.as_ref().map(|s| s.dir.as_path()),
             seed,
             true,
@@ -583,33 +538,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     }
     // torchtune's schedule spans every epoch's optimizer steps, whatever num_steps says.
     let schedule = setup::schedule(cfg, b.epochs * batches_per_epoch)?;
-    let mut start = TrainState {
-        epoch: 0,
-        step_in_epoch: 0,
-        global_step: 0,
-        seed,
-        dataset_rows: problems.len(),
-        steps_per_epoch: batches_per_epoch,
-        dropout_states: Vec::new(),
-        recipe: RECIPE.to_string(),
-        rank_dropout_states: Vec::new(),
-    };
-    if let Some(sv) = &saved {
-        state::check_resumable(sv, RECIPE, problems.len(), batches_per_epoch)?;
-        let opt_state = state::read_optimizer_state(&sv.dir, &device)?;
-        state::load_optimizer_state(&sv.dir, optimizer.as_mut(), &opt_state)?;
-        start = sv.state.clone();
-        eprintln!(
-            "Resuming from {} at epoch {} (step {})",
-            sv.dir.display(),
-            start.epoch,
-            start.global_step
-        );
-    }
-    state::write_config_copy(&output_dir, &cfg.to_yaml())?;
-    let mut logger = MetricLogger::from_config(cfg.get("metric_logger"), &output_dir)
-        .with_context(|| format!("{o}: metric_logger"))?;
-    logger.truncate_after(start.global_step as u64)?;
+    let start = state::start_or_resume(
+        TrainState::fresh(RECIPE, seed, problems.len(), batches_per_epoch),
+        saved.as_ref(),
+        optimizer.as_mut(),
+        &device,
+    )?;
+    let mut logger = state::open_run_log(cfg, &output_dir, start.global_step)?;
     let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
     let total_batches = b.num_steps.min(b.epochs * batches_per_epoch);
     eprintln!(

@@ -14,22 +14,31 @@ use anyhow::{bail, Result};
 
 use crate::config::{nearest, Config, RECIPES};
 
-/// The recipes that run as one process: launched as several ranks, each would repeat the
-/// whole run (and write the same files).
-const ONE_PROCESS: &[&str] = &[
-    "ppo_full_finetune_single_device",
-    "dev/grpo_full_finetune_distributed",
-    "quantize",
-    "generate",
-    "dev/generate_v2",
-    "dev/generate_v2_distributed",
-    "eval",
-    "eleuther_eval",
-];
+/// The fine-tuning recipes, run by [`finetune::run`] with their mode and whether they may run as
+/// several ranks.
+fn finetune_recipe(name: &str) -> Option<(finetune::Mode, bool)> {
+    use finetune::Mode;
+    Some(match name {
+        "lora_finetune_single_device" => (Mode::Lora, false),
+        "full_finetune_single_device" => (Mode::Full, false),
+        "lora_finetune_distributed" => (Mode::Lora, true),
+        "full_finetune_distributed" => (Mode::Full, true),
+        "knowledge_distillation_single_device" => (Mode::Distill, false),
+        "knowledge_distillation_distributed" => (Mode::Distill, true),
+        "lora_dpo_single_device" => (Mode::Dpo, false),
+        "lora_dpo_distributed" => (Mode::Dpo, true),
+        "full_dpo_distributed" => (Mode::FullDpo, true),
+        "qat_distributed" => (Mode::Qat, true),
+        "qat_lora_finetune_distributed" => (Mode::QatLora, true),
+        _ => return None,
+    })
+}
 
-/// The error of launching one-process recipe `name` as `world_size` ranks, if it is one.
+/// The error of launching recipe `name` as `world_size` ranks when it runs as one process: every
+/// recipe but the fine-tuning ones (whose single-device forms say so themselves), since each rank
+/// would repeat the whole run and write the same files.
 pub fn check_world_size(name: &str, world_size: usize) -> Result<()> {
-    if world_size > 1 && ONE_PROCESS.contains(&name) {
+    if world_size > 1 && RECIPES.contains(&name) && finetune_recipe(name).is_none() {
         bail!(
             "recipe {name} runs as one process, but {world_size} were asked for: launch it \
              without --nproc-per-node/--nnodes{}",
@@ -47,20 +56,10 @@ pub fn check_world_size(name: &str, world_size: usize) -> Result<()> {
 pub fn run(name: &str, cfg: &Config) -> Result<()> {
     let env = crate::dist::env::DistEnv::from_env()?;
     check_world_size(name, env.map_or(1, |e| e.world_size))?;
+    if let Some((mode, distributed)) = finetune_recipe(name) {
+        return finetune::run(cfg, mode, distributed);
+    }
     match name {
-        "lora_finetune_single_device" => finetune::run(cfg, finetune::Mode::Lora, false),
-        "full_finetune_single_device" => finetune::run(cfg, finetune::Mode::Full, false),
-        "lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::Lora, true),
-        "full_finetune_distributed" => finetune::run(cfg, finetune::Mode::Full, true),
-        "knowledge_distillation_single_device" => {
-            finetune::run(cfg, finetune::Mode::Distill, false)
-        }
-        "knowledge_distillation_distributed" => finetune::run(cfg, finetune::Mode::Distill, true),
-        "lora_dpo_single_device" => finetune::run(cfg, finetune::Mode::Dpo, false),
-        "lora_dpo_distributed" => finetune::run(cfg, finetune::Mode::Dpo, true),
-        "full_dpo_distributed" => finetune::run(cfg, finetune::Mode::FullDpo, true),
-        "qat_distributed" => finetune::run(cfg, finetune::Mode::Qat, true),
-        "qat_lora_finetune_distributed" => finetune::run(cfg, finetune::Mode::QatLora, true),
         "ppo_full_finetune_single_device" => ppo::run(cfg),
         "dev/grpo_full_finetune_distributed" => grpo::run(cfg),
         "quantize" => quantize::run(cfg).map(|_| ()),

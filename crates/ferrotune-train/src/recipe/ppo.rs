@@ -22,7 +22,6 @@ use ferrotune_models::{peft, AttentionLayout, CausalLm};
 use crate::config::Config;
 use crate::export::{write_hf_model, ModelSource};
 use crate::loss::log_softmax;
-use crate::metrics::MetricLogger;
 use crate::recipe::finetune::{base_source, MAX_SHARD_BYTES};
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -505,7 +504,7 @@ pub fn left_pad(prompts: &[Vec<u32>], pad: u32) -> Vec<Vec<u32>> {
 /// Loads the model of checkpointer section `section`, or the checkpoint `resumed` when resuming
 /// (the section's checkpoint still supplies the tokenizer and generation files), and checks
 /// `component` against it. Returns the model, its source files and the section's path.
-fn load(
+pub(crate) fn load(
     cfg: &Config,
     section: &str,
     component: &str,
@@ -554,27 +553,14 @@ fn require_scalar_head(cfg: &Config, section: &str, model: &CausalLm, path: &Pat
 /// The recipe's settings from the config, with torchtune's defaults and checks.
 pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<PpoSettings> {
     let o = &cfg.origin;
-    let temperature = cfg.f64("temperature")?.unwrap_or(1.0);
-    if temperature <= 0.0 {
-        bail!("{o}: temperature must be positive (log probabilities are of logits / temperature)");
-    }
+    let temperature = setup::sampling_temperature(cfg)?;
     let max_generated_tokens = cfg
         .usize("max_generated_tokens")?
         .ok_or_else(|| anyhow!("{o}: 'max_generated_tokens' is required"))?;
     if max_generated_tokens == 0 {
         bail!("{o}: max_generated_tokens must be at least 1");
     }
-    let stop_token_ids = match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
-        Some(v) => v
-            .as_array()
-            .and_then(|a| {
-                a.iter()
-                    .map(|x| x.as_u64().map(|n| n as u32))
-                    .collect::<Option<Vec<_>>>()
-            })
-            .ok_or_else(|| anyhow!("{o}: stop_token_ids must be a list of token ids"))?,
-        None => default_stops,
-    };
+    let stop_token_ids = setup::stop_token_ids(cfg, default_stops)?;
     let loss = match cfg.get("loss") {
         Some(section) if !section.is_null() => {
             let component = cfg.str("loss._component_")?.unwrap_or_default();
@@ -708,13 +694,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         .unwrap_or(output_dir.join("value"));
     let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
     let saved = if resume {
-        match state::latest_checkpoint(&policy_out)? {
-            Some(s) => Some(s),
-            None => bail!(
-                "{o}: resume_from_checkpoint is true but {} holds no checkpoint with a recipe state",
-                policy_out.display()
-            ),
-        }
+        Some(state::latest_to_resume(&o, &policy_out)?)
     } else {
         let (p, r) = (
             setup::checkpoint_path_at(cfg, "checkpointer")?,
@@ -801,14 +781,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let pad = setup::pad_id(&tokenizer, &policy.config);
     let stops = setup::stop_ids(&tokenizer, &policy.config);
     let s = settings(cfg, pad, stops)?;
-    if let Some(eos) = tokenizer.eos_ids().first() {
-        if !s.stop_token_ids.contains(eos) {
-            eprintln!(
-                "warning: tokenizer eos_id ({eos}) is not in stop_token_ids ({:?})",
-                s.stop_token_ids
-            );
-        }
-    }
+    setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
 
     let mut params = policy.make_all_trainable()?;
     let value_params: Vec<(String, Var)> = value
@@ -842,33 +815,13 @@ pub fn run(cfg: &Config) -> Result<()> {
         );
     }
     let minibatches = b.batch_size / b.ppo_batch_size;
-    let mut start = TrainState {
-        epoch: 0,
-        step_in_epoch: 0,
-        global_step: 0,
-        seed,
-        dataset_rows: rows.len(),
-        steps_per_epoch: batches_per_epoch,
-        dropout_states: Vec::new(),
-        recipe: RECIPE.to_string(),
-        rank_dropout_states: Vec::new(),
-    };
-    if let Some(sv) = &saved {
-        state::check_resumable(sv, RECIPE, rows.len(), batches_per_epoch)?;
-        let opt_state = state::read_optimizer_state(&sv.dir, &device)?;
-        state::load_optimizer_state(&sv.dir, optimizer.as_mut(), &opt_state)?;
-        start = sv.state.clone();
-        eprintln!(
-            "Resuming from {} at epoch {} (PPO step {})",
-            sv.dir.display(),
-            start.epoch,
-            start.global_step
-        );
-    }
-    state::write_config_copy(&output_dir, &cfg.to_yaml())?;
-    let mut logger = MetricLogger::from_config(cfg.get("metric_logger"), &output_dir)
-        .with_context(|| format!("{o}: metric_logger"))?;
-    logger.truncate_after(start.global_step as u64)?;
+    let start = state::start_or_resume(
+        TrainState::fresh(RECIPE, seed, rows.len(), batches_per_epoch),
+        saved.as_ref(),
+        optimizer.as_mut(),
+        &device,
+    )?;
+    let mut logger = state::open_run_log(cfg, &output_dir, start.global_step)?;
     let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
     eprintln!(
         "PPO: {} steps of {} prompts, {epochs} epoch(s); {} PPO epoch(s) of {minibatches} minibatch(es)",

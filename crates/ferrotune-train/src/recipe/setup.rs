@@ -695,6 +695,45 @@ fn dataset_section(cfg: &Config, key: &str) -> Result<serde_json::Value> {
     Ok(section)
 }
 
+/// The sampling `temperature` of the RL recipes (default 1; it must be positive: their log
+/// probabilities are of `logits / temperature`).
+pub fn sampling_temperature(cfg: &Config) -> Result<f64> {
+    let temperature = cfg.f64("temperature")?.unwrap_or(1.0);
+    if temperature <= 0.0 {
+        bail!(
+            "{}: temperature must be positive (log probabilities are of logits / temperature)",
+            cfg.origin
+        );
+    }
+    Ok(temperature)
+}
+
+/// `stop_token_ids` (a list of ids), or `default` when absent or null.
+pub fn stop_token_ids(cfg: &Config, default: Vec<u32>) -> Result<Vec<u32>> {
+    match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
+        Some(v) => v
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|x| x.as_u64().map(|n| n as u32))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| anyhow!("{}: stop_token_ids must be a list of token ids", cfg.origin)),
+        None => Ok(default),
+    }
+}
+
+/// torchtune's warning when the tokenizer's EOS does not end a generated response.
+pub fn warn_if_eos_does_not_stop(tok: &Tokenizer, stop_token_ids: &[u32]) {
+    if let Some(eos) = tok.eos_ids().first() {
+        if !stop_token_ids.contains(eos) {
+            eprintln!(
+                "warning: tokenizer eos_id ({eos}) is not in stop_token_ids ({stop_token_ids:?})"
+            );
+        }
+    }
+}
+
 /// The tokens that end a generated row: the tokenizer's EOS tokens, then the model config's
 /// (generation_config.json) that the tokenizer does not name.
 pub fn stop_ids(tok: &Tokenizer, model: &ModelConfig) -> Vec<u32> {

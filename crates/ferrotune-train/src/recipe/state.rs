@@ -41,6 +41,23 @@ pub struct TrainState {
     pub rank_dropout_states: Vec<Vec<u64>>,
 }
 
+impl TrainState {
+    /// The state of a run that starts afresh.
+    pub fn fresh(recipe: &str, seed: u64, dataset_rows: usize, steps_per_epoch: usize) -> Self {
+        TrainState {
+            epoch: 0,
+            step_in_epoch: 0,
+            global_step: 0,
+            seed,
+            dataset_rows,
+            steps_per_epoch,
+            dropout_states: Vec::new(),
+            recipe: recipe.to_string(),
+            rank_dropout_states: Vec::new(),
+        }
+    }
+}
+
 const STATE_DIR: &str = "recipe_state";
 const STATE_FILE: &str = "state.json";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
@@ -215,6 +232,59 @@ pub fn load_optimizer_state(
     optimizer
         .load_state_dict(state)
         .with_context(|| format!("{}: optimizer state does not fit this run", file.display()))
+}
+
+/// The checkpoint `resume_from_checkpoint: true` continues from: the latest one with a recipe
+/// state under `dir`, or an error (config `origin`) naming the folder searched.
+pub fn latest_to_resume(origin: &str, dir: &Path) -> Result<SavedCheckpoint> {
+    match latest_checkpoint(dir)? {
+        Some(s) => Ok(s),
+        None => bail!(
+            "{origin}: resume_from_checkpoint is true but {} holds no checkpoint with a recipe state",
+            dir.display()
+        ),
+    }
+}
+
+/// The state a one-process recipe (PPO, GRPO) starts from: `fresh`, or `saved`'s after checking
+/// that it continues this run (`fresh`'s recipe, dataset rows and steps per epoch) and loading its
+/// optimizer state into `optimizer`.
+pub fn start_or_resume(
+    fresh: TrainState,
+    saved: Option<&SavedCheckpoint>,
+    optimizer: &mut dyn Optimizer,
+    device: &Device,
+) -> Result<TrainState> {
+    let Some(sv) = saved else {
+        return Ok(fresh);
+    };
+    check_resumable(sv, &fresh.recipe, fresh.dataset_rows, fresh.steps_per_epoch)?;
+    let opt_state = read_optimizer_state(&sv.dir, device)?;
+    load_optimizer_state(&sv.dir, optimizer, &opt_state)?;
+    eprintln!(
+        "Resuming from {} at epoch {} (optimizer step {})",
+        sv.dir.display(),
+        sv.state.epoch,
+        sv.state.global_step
+    );
+    Ok(sv.state.clone())
+}
+
+/// What every run writes before its first step: the resolved config as `output_dir/config.yaml`,
+/// and the config's metric logger with any line after `global_step` dropped (resuming redoes the
+/// steps after the checkpoint; a fresh run starts a fresh log: no line of an earlier run is left
+/// to be mistaken for this one's).
+pub fn open_run_log(
+    cfg: &crate::config::Config,
+    output_dir: &Path,
+    global_step: usize,
+) -> Result<crate::metrics::MetricLogger> {
+    write_config_copy(output_dir, &cfg.to_yaml())?;
+    let mut logger =
+        crate::metrics::MetricLogger::from_config(cfg.get("metric_logger"), output_dir)
+            .with_context(|| format!("{}: metric_logger", cfg.origin))?;
+    logger.truncate_after(global_step as u64)?;
+    Ok(logger)
 }
 
 /// Checks that a saved state can continue this run.
