@@ -170,8 +170,12 @@ def lora_steps(query_responses, ctx):
     for epoch in (1, 2):
         pi = logprobs_of(model, query_responses, ctx)
         pi[padding] = 1.0
-        loss, policy_loss, kl_loss, _, _ = loss_fn(logprobs, pi, ref_logprobs, advantages, padding_masks=~padding)
+        loss, policy_loss, kl_loss, ratios, clipfrac = loss_fn(
+            logprobs, pi, ref_logprobs, advantages, padding_masks=~padding
+        )
         loss.backward()
+        with torch.no_grad():
+            approx_kl = (0.5 * (pi - logprobs).pow(2)).mean()
         save_file({k: named[k].grad.detach().clone() for k in tracked},
                   os.path.join(OUT, f"grads_lora_epoch{epoch}.safetensors"))
         norm = torch.nn.utils.clip_grad_norm_(list(named.values()), max_norm=CLIP)
@@ -180,7 +184,8 @@ def lora_steps(query_responses, ctx):
         save_file({k: named[k].detach().clone() for k in tracked},
                   os.path.join(OUT, f"params_lora_epoch{epoch}.safetensors"))
         steps.append({"loss": loss.item(), "policy_loss": policy_loss.item(), "kl_loss": kl_loss.item(),
-                      "grad_norm": norm.item()})
+                      "ratios": ratios.item(), "clipfrac": clipfrac.item(),
+                      "approx_policy_kl": approx_kl.item(), "grad_norm": norm.item()})
     return {"ref_logprobs": tolist(ref_logprobs), "logprobs": tolist(logprobs), "steps": steps}
 
 

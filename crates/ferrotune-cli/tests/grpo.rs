@@ -10,7 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
-use common::{ferrotune, fixtures, load, metrics_lines, text, tmpdir};
+use common::{fixtures, load, metrics_lines, run_recipe, text, tmpdir};
 
 fn write_config(dir: &Path) -> PathBuf {
     let rows: Vec<String> = (0..4)
@@ -93,15 +93,14 @@ fn run(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> std::process::Output {
-    let mut args = vec![
-        "run".to_string(),
-        "dev/grpo_full_finetune_distributed".into(),
-        "--config".into(),
-        cfg.display().to_string(),
-        format!("output_dir={}", out.display()),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    ferrotune(&args, dir, env)
+    run_recipe(
+        "dev/grpo_full_finetune_distributed",
+        cfg,
+        out,
+        extra,
+        dir,
+        env,
+    )
 }
 
 #[test]

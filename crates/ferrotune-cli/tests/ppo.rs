@@ -9,7 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
-use common::{ferrotune, fixtures, load, metrics_lines, text, tmpdir};
+use common::{ferrotune, fixtures, load, metrics_lines, run_recipe, text, tmpdir};
 
 fn write_config(dir: &Path) -> PathBuf {
     let prompts: Vec<String> = [
@@ -109,15 +109,7 @@ fn run(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> std::process::Output {
-    let mut args = vec![
-        "run".to_string(),
-        "ppo_full_finetune_single_device".into(),
-        "--config".into(),
-        cfg.display().to_string(),
-        format!("output_dir={}", out.display()),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    ferrotune(&args, dir, env)
+    run_recipe("ppo_full_finetune_single_device", cfg, out, extra, dir, env)
 }
 
 #[test]

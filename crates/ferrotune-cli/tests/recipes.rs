@@ -519,22 +519,28 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
     );
     assert!((v["perplexity"].as_f64().unwrap() - want.exp()).abs() / want.exp() < 1e-5);
 
+    // A generation recipe with the prompt override `prompt`, greedy, 8 new tokens.
+    let run_greedy = |recipe: &str, prompt: &str| {
+        let out = ferrotune(
+            &[
+                "run",
+                recipe,
+                "--config",
+                cfg.to_str().unwrap(),
+                prompt,
+                "temperature=0",
+                "max_new_tokens=8",
+            ],
+            &dir,
+            &[],
+        );
+        assert!(out.status.success(), "{recipe} {prompt}: {}", text(&out));
+        out
+    };
+
     // `run generate` with a string prompt, greedy, equals the generate verb's continuation.
     let model = fixtures().join("llama3/model");
-    let out = ferrotune(
-        &[
-            "run",
-            "generate",
-            "--config",
-            cfg.to_str().unwrap(),
-            "prompt=Hello there",
-            "temperature=0",
-            "max_new_tokens=8",
-        ],
-        &dir,
-        &[],
-    );
-    assert!(out.status.success(), "{}", text(&out));
+    let out = run_greedy("generate", "prompt=Hello there");
     let recipe_text = String::from_utf8_lossy(&out.stdout).trim_end().to_string();
     let out = ferrotune(
         &[
@@ -557,23 +563,8 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
     );
 
     // A chat prompt, with the user turn as a string or as generate_v2's `{text: ...}`.
-    let chat = |prompt: &str| {
-        let out = ferrotune(
-            &[
-                "run",
-                "generate",
-                "--config",
-                cfg.to_str().unwrap(),
-                prompt,
-                "temperature=0",
-                "max_new_tokens=8",
-            ],
-            &dir,
-            &[],
-        );
-        assert!(out.status.success(), "{prompt}: {}", text(&out));
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
+    let chat =
+        |prompt: &str| String::from_utf8_lossy(&run_greedy("generate", prompt).stdout).to_string();
     let plain = chat("prompt={system: Be brief., user: Hello there}");
     assert!(plain.contains("Hello there"), "{plain}");
     assert_eq!(
@@ -584,20 +575,7 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
     // dev/generate_v2 (and its one-process distributed form) print the response alone, the
     // continuation `generate` printed after the prompt, and log the bandwidth achieved.
     for recipe in ["dev/generate_v2", "dev/generate_v2_distributed"] {
-        let out = ferrotune(
-            &[
-                "run",
-                recipe,
-                "--config",
-                cfg.to_str().unwrap(),
-                "prompt=Hello there",
-                "temperature=0",
-                "max_new_tokens=8",
-            ],
-            &dir,
-            &[],
-        );
-        assert!(out.status.success(), "{recipe}: {}", text(&out));
+        let out = run_greedy(recipe, "prompt=Hello there");
         let response = String::from_utf8_lossy(&out.stdout).trim_end().to_string();
         assert!(
             !response.is_empty() && !response.contains("Hello there"),

@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Device, Var};
 use ferrotune_data::Tokenizer;
-use ferrotune_models::load_model;
+use ferrotune_models::{load_model, CausalLm};
 use ferrotune_train::clip::clip_grad_norm;
 use ferrotune_train::grpo::{GrpoLossConfig, GrpoLossKind};
 use ferrotune_train::optim::{AdamW, AdamWConfig, Optimizer};
@@ -70,33 +70,42 @@ fn close(what: &str, got: f64, want: f64, tol: f64) {
     );
 }
 
-fn build_trajectory(g: &Value, s: &GrpoSettings) -> GrpoTrajectory {
-    let dev = Device::Cpu;
-    let dir = workspace_fixture("llama3/model");
-    let (mut model, _) = load_model(&dir, DType::F32, &dev).unwrap();
-    let (reference, _) = load_model(&dir, DType::F32, &dev).unwrap();
-    let tok = Tokenizer::from_dir(&dir).unwrap();
+/// The trajectory of the fixture's completions under `policy` and `reference`.
+fn trajectory_of(
+    g: &Value,
+    s: &GrpoSettings,
+    policy: &mut CausalLm,
+    reference: Reference<'_>,
+) -> GrpoTrajectory {
+    let tok = Tokenizer::from_dir(workspace_fixture("llama3/model")).unwrap();
     let prompts: Vec<Vec<u32>> = get(g, "prompts");
-    let completions: Vec<Vec<u32>> = get(g, "completions");
-    let answers: Vec<String> = get(g, "answers");
     grpo::trajectory(
-        &mut model,
-        Reference::Model(&reference),
+        policy,
+        reference,
         &tok,
         &left_pad(&prompts, s.pad_id),
-        &completions,
-        &answers,
+        &get::<Vec<Vec<u32>>>(g, "completions"),
+        &get::<Vec<String>>(g, "answers"),
         s,
     )
     .unwrap()
 }
 
-#[test]
-fn trajectory_rewards_and_advantages_match_torchtune() {
-    let g = golden();
-    let s = settings(&g, false);
-    let traj = build_trajectory(&g, &s);
-    let want = &g["trajectory"];
+/// The tiny Llama, f32.
+fn tiny_llama() -> CausalLm {
+    load_model(&workspace_fixture("llama3/model"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .0
+}
+
+/// The trajectory with the tiny Llama as policy and as reference (two copies).
+fn build_trajectory(g: &Value, s: &GrpoSettings) -> GrpoTrajectory {
+    let reference = tiny_llama();
+    trajectory_of(g, s, &mut tiny_llama(), Reference::Model(&reference))
+}
+
+/// The trajectory's log probabilities (policy and reference) against `want`'s.
+fn assert_logprobs(traj: &GrpoTrajectory, want: &Value) {
     assert_table(
         "logprobs",
         &traj.logprobs,
@@ -109,6 +118,15 @@ fn trajectory_rewards_and_advantages_match_torchtune() {
         &get::<Vec<Vec<f32>>>(want, "ref_logprobs"),
         2e-5,
     );
+}
+
+#[test]
+fn trajectory_rewards_and_advantages_match_torchtune() {
+    let g = golden();
+    let s = settings(&g, false);
+    let traj = build_trajectory(&g, &s);
+    let want = &g["trajectory"];
+    assert_logprobs(&traj, want);
     assert_eq!(
         traj.response_padding,
         get::<Vec<Vec<bool>>>(want, "response_padding")
@@ -152,30 +170,66 @@ fn check_steps(clipped: bool, rows_per_pass: usize, checkpointing: bool) {
     let s = settings(&g, clipped);
     let name = if clipped { "clipped" } else { "simple" };
     let traj = build_trajectory(&g, &s);
-    let dev = Device::Cpu;
-    let (mut policy, _) = load_model(&workspace_fixture("llama3/model"), DType::F32, &dev).unwrap();
+    let mut policy = tiny_llama();
     let params = policy.make_all_trainable().unwrap();
+    let steps = g[format!("steps_{name}")].as_array().unwrap().clone();
+    let case = Case {
+        name,
+        rows_per_pass,
+        checkpointing,
+    };
+    check_optimizer_steps(&g, &s, &case, &steps, &policy, &params, &traj);
+    // The second step is the interesting one: the policy has moved from the reference.
+    let kl: f64 = get(&steps[1], "kl_loss");
+    assert!(kl > 1e-3, "fixture KL {kl}");
+    if clipped {
+        let clipfrac: f64 = get(&steps[1], "clipfrac");
+        assert!(clipfrac > 0.1 && clipfrac < 0.9, "fixture clips {clipfrac}");
+    }
+}
+
+/// Which fixture steps (`grads_{name}_epoch*`, `params_{name}_epoch*`) and how the batch goes
+/// through the model.
+struct Case {
+    name: &'static str,
+    rows_per_pass: usize,
+    checkpointing: bool,
+}
+
+/// Takes the fixture's optimizer steps (`want`) on `traj` with AdamW and gradient clipping,
+/// checking each step's statistics, gradients and updated parameters against torch's.
+fn check_optimizer_steps(
+    g: &Value,
+    s: &GrpoSettings,
+    case: &Case,
+    want_steps: &[Value],
+    policy: &CausalLm,
+    params: &[(String, Var)],
+    traj: &GrpoTrajectory,
+) {
+    let name = case.name;
+    let rows_per_pass = case.rows_per_pass;
+    let lr: f64 = get(g, "lr");
     let mut opt = AdamW::new(
-        params.clone(),
+        params.to_vec(),
         AdamWConfig {
-            lr: get(&g, "lr"),
+            lr,
             ..AdamWConfig::default()
         },
     )
     .unwrap();
-    let max_norm: f64 = get(&g, "clip_grad_norm");
-    let steps = g[format!("steps_{name}")].as_array().unwrap().clone();
-    for (e, want) in steps.iter().enumerate() {
+    let max_norm: f64 = get(g, "clip_grad_norm");
+    for (e, want) in want_steps.iter().enumerate() {
         let epoch = e + 1;
         let what = format!("{name} epoch {epoch} (rows_per_pass {rows_per_pass})");
         let mut grads = empty_grads().unwrap();
         let stats = grpo::grpo_step(
-            &policy,
-            &traj,
-            &s,
+            policy,
+            traj,
+            s,
             rows_per_pass,
-            checkpointing,
-            &params,
+            case.checkpointing,
+            params,
             &mut grads,
         )
         .unwrap();
@@ -213,8 +267,16 @@ fn check_steps(clipped: bool, rows_per_pass: usize, checkpointing: bool) {
         let want_grads = load(workspace_fixture(&format!(
             "grpo/grads_{name}_epoch{epoch}.safetensors"
         )));
+        assert!(
+            !want_grads.is_empty(),
+            "{what}: no gradients in the fixture"
+        );
         for (pname, want_g) in &want_grads {
-            let var: &Var = &params.iter().find(|(n, _)| n == pname).unwrap().1;
+            let var: &Var = &params
+                .iter()
+                .find(|(n, _)| n == pname)
+                .unwrap_or_else(|| panic!("no parameter {pname}"))
+                .1;
             let got = grads
                 .get(var.as_tensor())
                 .unwrap_or_else(|| panic!("no gradient for {pname}"));
@@ -242,19 +304,11 @@ fn check_steps(clipped: bool, rows_per_pass: usize, checkpointing: bool) {
             // Adam moves each entry by about lr: entries whose gradient is near Adam's eps are
             // sensitive to rounding, so the bound is a small fraction of lr.
             let d = ferrotune_testing::max_abs_diff(var.as_tensor(), want_t);
-            let lr: f64 = get(&g, "lr");
             assert!(
                 (d as f64) < 5e-3 * lr,
                 "{what} {pname}: max |diff| {d} from torch's AdamW step"
             );
         }
-    }
-    // The second step is the interesting one: the policy has moved from the reference.
-    let kl: f64 = get(&steps[1], "kl_loss");
-    assert!(kl > 1e-3, "fixture KL {kl}");
-    if clipped {
-        let clipfrac: f64 = get(&steps[1], "clipfrac");
-        assert!(clipfrac > 0.1 && clipfrac < 0.9, "fixture clips {clipfrac}");
     }
 }
 
@@ -266,104 +320,21 @@ fn lora_steps_match_peft_with_the_adapter_disabled_as_reference() {
     let g = golden();
     let s = settings(&g, false);
     let want = &g["steps_lora"];
-    let dev = Device::Cpu;
-    let dir = workspace_fixture("llama3/model");
-    let (mut policy, _) = load_model(&dir, DType::F32, &dev).unwrap();
+    let mut policy = tiny_llama();
     ferrotune_models::peft::load_adapter(&mut policy, &workspace_fixture("llama3/adapter"))
         .unwrap();
     ferrotune_models::lora::set_training(&mut policy, true);
     let params = ferrotune_models::peft::trainable_parameters(&mut policy).unwrap();
-    let tok = Tokenizer::from_dir(&dir).unwrap();
-    let prompts: Vec<Vec<u32>> = get(&g, "prompts");
-    let traj = grpo::trajectory(
-        &mut policy.detached(),
-        Reference::AdaptersDisabled,
-        &tok,
-        &left_pad(&prompts, s.pad_id),
-        &get::<Vec<Vec<u32>>>(&g, "completions"),
-        &get::<Vec<String>>(&g, "answers"),
-        &s,
-    )
-    .unwrap();
-    assert_table(
-        "logprobs",
-        &traj.logprobs,
-        &get::<Vec<Vec<f32>>>(want, "logprobs"),
-        2e-5,
-    );
-    assert_table(
-        "ref_logprobs",
-        &traj.ref_logprobs,
-        &get::<Vec<Vec<f32>>>(want, "ref_logprobs"),
-        2e-5,
-    );
-    let mut opt = AdamW::new(
-        params.clone(),
-        AdamWConfig {
-            lr: get(&g, "lr"),
-            ..AdamWConfig::default()
-        },
-    )
-    .unwrap();
-    let lr: f64 = get(&g, "lr");
-    for (e, w) in want["steps"].as_array().unwrap().iter().enumerate() {
-        let epoch = e + 1;
-        let mut grads = empty_grads().unwrap();
-        let stats = grpo::grpo_step(&policy, &traj, &s, 6, false, &params, &mut grads).unwrap();
-        close(
-            &format!("lora epoch {epoch} loss"),
-            stats.loss,
-            get(w, "loss"),
-            1e-5,
-        );
-        close(
-            &format!("lora epoch {epoch} kl_loss"),
-            stats.kl_loss,
-            get(w, "kl_loss"),
-            1e-4,
-        );
-        let want_grads = load(workspace_fixture(&format!(
-            "grpo/grads_lora_epoch{epoch}.safetensors"
-        )));
-        assert!(!want_grads.is_empty());
-        for (pname, want_g) in &want_grads {
-            let var: &Var = &params
-                .iter()
-                .find(|(n, _)| n == pname)
-                .unwrap_or_else(|| panic!("no parameter {pname}"))
-                .1;
-            let got = grads.get(var.as_tensor()).unwrap();
-            let err = rel_l2(got, want_g);
-            assert!(
-                err < 1e-4,
-                "lora epoch {epoch} d loss / d {pname}: rel L2 {err}"
-            );
-        }
-        let norm = clip_grad_norm(
-            &mut grads,
-            params.iter().map(|(_, v)| v.as_tensor()),
-            get(&g, "clip_grad_norm"),
-        )
-        .unwrap();
-        close(
-            &format!("lora epoch {epoch} grad_norm"),
-            norm,
-            get(w, "grad_norm"),
-            1e-4,
-        );
-        opt.step(&grads).unwrap();
-        for (pname, want_t) in &load(workspace_fixture(&format!(
-            "grpo/params_lora_epoch{epoch}.safetensors"
-        ))) {
-            let var: &Var = &params.iter().find(|(n, _)| n == pname).unwrap().1;
-            let d = ferrotune_testing::max_abs_diff(var.as_tensor(), want_t);
-            assert!(
-                (d as f64) < 5e-3 * lr,
-                "lora epoch {epoch} {pname}: max |diff| {d}"
-            );
-        }
-    }
+    let traj = trajectory_of(&g, &s, &mut policy.detached(), Reference::AdaptersDisabled);
+    assert_logprobs(&traj, want);
+    let steps = want["steps"].as_array().unwrap();
+    let case = Case {
+        name: "lora",
+        rows_per_pass: 6,
+        checkpointing: false,
+    };
+    check_optimizer_steps(&g, &s, &case, steps, &policy, &params, &traj);
     // The adapter makes the policy differ from its reference from the first step.
-    let kl: f64 = get(&want["steps"][0], "kl_loss");
+    let kl: f64 = get(&steps[0], "kl_loss");
     assert!(kl > 1e-4, "fixture KL {kl}");
 }

@@ -28,6 +28,26 @@ pub fn ferrotune(args: &[impl AsRef<OsStr>], cwd: &Path, env: &[(&str, &str)]) -
     cmd.output().expect("run ferrotune")
 }
 
+/// `ferrotune run RECIPE --config CFG output_dir=OUT EXTRA...` in `cwd` with `env` added.
+pub fn run_recipe(
+    recipe: &str,
+    cfg: &Path,
+    out: &Path,
+    extra: &[&str],
+    cwd: &Path,
+    env: &[(&str, &str)],
+) -> Output {
+    let mut args = vec![
+        "run".to_string(),
+        recipe.to_string(),
+        "--config".into(),
+        cfg.display().to_string(),
+        format!("output_dir={}", out.display()),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    ferrotune(&args, cwd, env)
+}
+
 /// stdout then stderr, for assertion messages.
 pub fn text(o: &Output) -> String {
     format!(
