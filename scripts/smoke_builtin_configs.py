@@ -18,7 +18,7 @@ data = WORK / "data.jsonl"
 rows = []
 for i in range(8):
     rows.append({"instruction": f"say {i}", "input": "" if i % 2 else "x y", "output": f"ok {i} done",
-                 "text": f"the quick brown fox {i}", "question": f"q {i}?", "response_j": "good answer",
+                 "text": f"the quick brown fox {i}", "utterance": f"wake me at {i}", "semantic_parse": f"[IN:ALARM {i} ]", "question": f"q {i}?", "response_j": "good answer",
                  "response_k": "bad", "prompt": f"p {i}", "answer": f"{i} + 1 = <<{i}+1={i+1}>>{i+1}\n#### {i+1}",
                  "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good"}],
                  "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bad"}]})

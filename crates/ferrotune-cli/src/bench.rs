@@ -310,6 +310,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         distill: None,
         preference: None,
         aux_loss_weight: None,
+        layer_skip: None,
     };
     let (mut fb_s, mut opt_s) = (0.0f64, 0.0f64);
     let mut step = |model: &CausalLm, profile: bool| -> Result<f64> {

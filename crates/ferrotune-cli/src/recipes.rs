@@ -62,6 +62,7 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
     ("full_dpo_distributed", FINETUNE_SOURCE),
     ("qat_distributed", FINETUNE_SOURCE),
     ("qat_lora_finetune_distributed", FINETUNE_SOURCE),
+    ("dev/early_exit_finetune_distributed", FINETUNE_SOURCE),
     (
         "ppo_full_finetune_single_device",
         include_str!("../../ferrotune-train/src/recipe/ppo.rs"),

@@ -547,6 +547,55 @@ fn qat_on_two_ranks_equals_one_process() {
     }
 }
 
+/// The early-exit recipe (LayerSkip) on 2 sharded ranks equals one process with the same global
+/// batch: the rotating exits reach the same hidden states, the exits' head gradients are reduced
+/// with the root's, and the last layer (above the highest exit) gets no gradient on any rank. With
+/// layer dropout every rank draws the same rows (so a layer skipped for all of them is skipped, its
+/// reduction left out, on every rank alike) and the run completes.
+#[test]
+fn early_exit_on_two_ranks_equals_one_process() {
+    let case = Case::new("early_exit", "llama3");
+    let exits = [
+        "early_exit_loss.layers=0",
+        "early_exit_loss.curriculum=torchtune.modules.early_exit_loss.RotationalEarlyExitCurriculum",
+        "early_exit_loss.scale=0.5",
+    ];
+    let recipe = "dev/early_exit_finetune_distributed";
+    let single = case.dir.join("single");
+    let mut args = vec!["batch_size=4"];
+    args.extend(exits);
+    let o = case.run(1, recipe, &single, &args, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+    let out = case.dir.join("dist");
+    let o = case.run(2, recipe, &out, &exits, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, recipe);
+    assert_same_tensors(
+        &out.join("epoch_1/model.safetensors"),
+        &single.join("epoch_1/model.safetensors"),
+        1e-4,
+        recipe,
+    );
+
+    let dropout = case.dir.join("dropout");
+    let o = case.run(
+        2,
+        recipe,
+        &dropout,
+        &[
+            "layer_dropout.prob=0.9",
+            "layer_dropout.layers_scale=uniform",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        losses(&dropout.join("logs/metrics.jsonl")).len(),
+        want.len()
+    );
+}
+
 /// A checkpoint written by 2 ranks resumes on one device (the global batch kept), and the run
 /// ends where an uninterrupted single-device run ends.
 #[test]

@@ -715,6 +715,19 @@ impl AttentionLayout {
         }
     }
 
+    /// The layout of the batch rows `rows` (in that order): what a layer sees when it runs only
+    /// some rows (layer dropout).
+    pub fn select_rows(&self, rows: &[usize]) -> Self {
+        Self {
+            positions: rows.iter().map(|&r| self.positions[r].clone()).collect(),
+            key_valid: rows.iter().map(|&r| self.key_valid[r].clone()).collect(),
+            segments: self
+                .segments
+                .as_ref()
+                .map(|s| rows.iter().map(|&r| s[r].clone()).collect()),
+        }
+    }
+
     /// Additive mask `[batch, 1, seq, past + seq]` (0 = attend, the dtype's minimum = masked, as
     /// transformers' `finfo(dtype).min`), or `None` when every query may see every key (a single
     /// decode step without padding). The keys each query row can see are registered with the mask

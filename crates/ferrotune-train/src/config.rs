@@ -85,6 +85,7 @@ pub const RECIPES: &[&str] = &[
     "qat_lora_finetune_distributed",
     "ppo_full_finetune_single_device",
     "dev/grpo_full_finetune_distributed",
+    "dev/early_exit_finetune_distributed",
     "quantize",
     "generate",
     "dev/generate_v2",
@@ -570,6 +571,23 @@ const KD_LOSS_KEYS: &[(&str, Ty)] = &[
     ("sym_kd_ratio", Ty::Float),
 ];
 
+/// The early-exit recipe's `early_exit_loss` (torchtune.modules.early_exit_loss).
+const EARLY_EXIT_KEYS: &[(&str, Ty)] = &[
+    ("layers", Ty::Any),
+    ("curriculum", Ty::Str),
+    ("scale_fn", Ty::Str),
+    ("scale", Ty::Float),
+    ("include_last_layer", Ty::Bool),
+    ("verbose", Ty::Bool),
+];
+/// The early-exit recipe's `layer_dropout` (torchtune.modules.layer_dropout).
+const LAYER_DROPOUT_KEYS: &[(&str, Ty)] = &[
+    ("prob", Ty::Float),
+    ("layers", Ty::Any),
+    ("layers_scale", Ty::Str),
+    ("disable_on_eval", Ty::Bool),
+];
+
 /// Every top-level key of every recipe.
 pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("output_dir", Ty::Str),
@@ -659,6 +677,9 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("grpo_samples", Ty::Int),
     ("save_every_n_epochs", Ty::Int),
     ("reward_fn", Ty::Map(&[("_component_", Ty::Str)])),
+    // dev/early_exit_finetune_distributed
+    ("early_exit_loss", Ty::Map(EARLY_EXIT_KEYS)),
+    ("layer_dropout", Ty::Map(LAYER_DROPOUT_KEYS)),
 ];
 
 /// Checks `root` against the known keys and types. Returns every problem found, each a line

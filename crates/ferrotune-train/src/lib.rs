@@ -18,6 +18,7 @@
 pub mod clip;
 pub mod config;
 pub mod dist;
+pub mod early_exit;
 pub mod export;
 pub mod gguf_export;
 pub mod gguf_quants;

@@ -17,7 +17,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var};
-use ferrotune_models::{AttentionLayout, CausalLm, RouterRecord, Unit};
+use ferrotune_models::{AttentionLayout, CausalLm, LayerInputs, RouterRecord, Unit};
 
 use std::sync::Arc;
 
@@ -49,6 +49,21 @@ pub struct MicroBatch {
     /// targets / micro-batches`, so that after the step's normalisation the loss is the
     /// cross-entropy mean plus the coefficient times the micro-batches' mean auxiliary loss).
     pub aux_loss_weight: Option<f64>,
+    /// LayerSkip (torchtune's early-exit recipe): early-exit losses and layer dropout.
+    pub layer_skip: Option<LayerSkip>,
+}
+
+/// What LayerSkip training changes in a micro-batch's pass (`crate::early_exit`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LayerSkip {
+    /// `(layer, weight)`, ascending: the loss is `Σ weight · cross-entropy` of the hidden state
+    /// entering each of these layers, through the final norm and the head. The layers from the
+    /// highest one up are not run (their output is in no loss, so, as in torchtune, they get no
+    /// gradient). Empty: the usual loss of the final output.
+    pub exits: Vec<(usize, f64)>,
+    /// Per layer, the rows that run it (`None`: all); the other rows' hidden states pass through
+    /// unchanged (layer dropout). A layer that runs no row gets no gradient from the batch.
+    pub kept_rows: Vec<Option<Vec<usize>>>,
 }
 
 /// What a DPO run adds to a micro-batch (torchtune's `lora_dpo_*` / `full_dpo_distributed`).
@@ -401,15 +416,7 @@ fn distill_head(
             candle_core::Error::Msg("no gradient reached the head's input".into())
         })?;
         grad_rows.push(g.detach());
-        for x in &head {
-            if let Some(g) = grads.get(x) {
-                let sum = match head_grads.get(x) {
-                    Some(prev) => (prev + g)?.detach(),
-                    None => g.detach(),
-                };
-                head_grads.insert(x, sum);
-            }
-        }
+        add_grads(&mut head_grads, &grads, head.iter())?;
     }
     let g = Tensor::cat(&grad_rows, 0)?.to_dtype(student.dtype())?;
     let surrogate = (student * g)?.sum_all()?;
@@ -496,6 +503,7 @@ impl MicroBatch {
             distill: None,
             preference: None,
             aux_loss_weight: None,
+            layer_skip: None,
         })
     }
 }
@@ -609,14 +617,22 @@ pub(crate) fn absorb(
     from: &GradStore,
     params: &[(String, Var)],
 ) -> Result<()> {
-    for (_, var) in params {
-        let p = var.as_tensor();
-        if let Some(g) = from.get(p) {
-            let sum = match acc.get(p) {
+    add_grads(acc, from, params.iter().map(|(_, var)| var.as_tensor()))
+}
+
+/// Adds the gradients of `tensors` found in `from` into `acc` (detached).
+fn add_grads<'a>(
+    acc: &mut GradStore,
+    from: &GradStore,
+    tensors: impl Iterator<Item = &'a Tensor>,
+) -> Result<()> {
+    for t in tensors {
+        if let Some(g) = from.get(t) {
+            let sum = match acc.get(t) {
                 Some(prev) => (prev + g)?.detach(),
                 None => g.detach(),
             };
-            acc.insert(p, sum);
+            acc.insert(t, sum);
         }
     }
     Ok(())
@@ -631,7 +647,7 @@ pub fn forward_backward(
     acc: &mut GradStore,
     activation_checkpointing: bool,
 ) -> anyhow::Result<StepLoss> {
-    if !activation_checkpointing {
+    if !activation_checkpointing && batch.layer_skip.is_none() {
         if batch.aux_loss_weight.is_some() {
             model.record_routers();
         }
@@ -664,7 +680,7 @@ pub fn forward_backward(
         return Ok(step);
     }
     let mut pass = Accumulate { model, params, acc };
-    layered_forward_backward(&mut pass, batch, true)
+    layered_forward_backward(&mut pass, batch, activation_checkpointing)
 }
 
 /// What [`layered_forward_backward`] does around each unit of the model. One device only
@@ -719,33 +735,80 @@ pub fn layered_forward_backward(
     recompute: bool,
 ) -> anyhow::Result<StepLoss> {
     let n = pass.model().layers.len();
+    let skip = batch.layer_skip.as_ref();
+    let exits: &[(usize, f64)] = skip.map_or(&[], |s| s.exits.as_slice());
+    if let Some(&(l, _)) = exits.iter().find(|&&(l, _)| l >= n) {
+        anyhow::bail!("an early exit at layer {l}, but the model has {n} layers");
+    }
+    // With early exits the loss ends at the highest one: the layers from there up do not run.
+    let run_to = exits.iter().map(|&(l, _)| l).max().unwrap_or(n);
+    let kept = |i: usize| -> Option<&[usize]> {
+        skip.and_then(|s| s.kept_rows.get(i))
+            .and_then(|k| k.as_deref())
+    };
+    // A layer that layer dropout skips for every row is not run at all.
+    let runs = |i: usize| kept(i).is_none_or(|rows| !rows.is_empty());
+    let aux_weight = batch.aux_loss_weight;
+    if aux_weight.is_some() && skip.is_some() {
+        anyhow::bail!(
+            "the router load-balancing loss (output_router_logits) cannot be combined with early \
+             exits or layer dropout"
+        );
+    }
     pass.gather(Unit::Root)?;
     let inputs = pass.model().layer_inputs(&batch.layout)?;
     let embedded = pass.model().embed(&batch.input_ids)?;
     let mut x = embedded.detach();
-    let mut saved: Vec<Tensor> = Vec::with_capacity(n);
-    let mut kept: Vec<(Var, Tensor)> = Vec::with_capacity(n);
-    let mut dropout_before = Vec::with_capacity(n);
+    let mut saved: Vec<Tensor> = Vec::with_capacity(run_to);
+    let mut kept_graphs: Vec<Option<(Var, Tensor)>> = Vec::with_capacity(run_to);
+    let mut dropout_before = Vec::with_capacity(run_to);
+    // Early exits: each exit's loss is back-propagated to its hidden state during the forward;
+    // the gradient there waits for the backward, the head's own gradients for the root unit.
+    let mut value = StepLoss::default();
+    // (layer, gradient at its entering hidden state), ascending: the backward takes them from the end.
+    let mut exit_grads: Vec<(usize, Tensor)> = Vec::with_capacity(exits.len());
+    let mut exit_root_grads = empty_grads()?;
     // The router's auxiliary loss: each layer's routing from the forward (its gradient part is
     // added to that layer's backward once every layer's counts are known).
-    let aux_weight = batch.aux_loss_weight;
     let mut routing: Vec<Vec<RouterRecord>> = Vec::new();
-    for i in 0..n {
-        pass.gather(Unit::Layer(i))?;
+    for i in 0..=run_to {
+        if let Some(&(_, weight)) = exits.iter().find(|&&(l, _)| l == i) {
+            let (sum, grad) = exit_loss(pass.model(), &x, batch, weight, &mut exit_root_grads)?;
+            value.sum += sum;
+            value.class += sum;
+            exit_grads.push((i, grad));
+        }
+        if i == n || (i == run_to && !exits.is_empty()) {
+            break;
+        }
         dropout_before.push(dropout_states(pass.model()));
+        if !runs(i) {
+            saved.push(x.clone());
+            kept_graphs.push(None);
+            routing.push(Vec::new());
+            continue;
+        }
+        pass.gather(Unit::Layer(i))?;
         if aux_weight.is_some() {
             pass.model().record_routers();
         }
         if recompute {
             saved.push(x.clone());
             // `detach` drops the layer's graph: its activations are freed here, recomputed later.
-            x = pass.model().layer(i, &x, &inputs)?.detach();
+            x = layer_on_rows(pass.model(), i, &x, &inputs, &batch.layout, kept(i))?.detach();
             pass.forward_done(Unit::Layer(i));
         } else {
             let input = Var::from_tensor(&x)?;
-            let out = pass.model().layer(i, input.as_tensor(), &inputs)?;
+            let out = layer_on_rows(
+                pass.model(),
+                i,
+                input.as_tensor(),
+                &inputs,
+                &batch.layout,
+                kept(i),
+            )?;
             x = out.detach();
-            kept.push((input, out));
+            kept_graphs.push(Some((input, out)));
         }
         if aux_weight.is_some() {
             let mut records = pass.model().take_router_records();
@@ -764,70 +827,161 @@ pub fn layered_forward_backward(
     });
     let dropout_after = dropout_states(pass.model());
 
-    let top = Var::from_tensor(&x)?;
-    let model = pass.model();
-    let hidden = model.final_norm(top.as_tensor())?;
-    let (total, parts) = head_loss(&hidden, model, batch)?;
-    let mut head_grads = total.backward()?;
-    let mut value = step_loss(&total, &parts)?;
-    if let (Some(weight), Some(b)) = (aux_weight, &balance) {
-        value.sum += weight * b.value;
-        value.aux = b.value;
-    }
-    drop((hidden, total));
-    let mut grad_out = head_grads
-        .remove(top.as_tensor())
-        .ok_or_else(|| anyhow::anyhow!("no gradient reached the last layer"))?;
-
-    for i in (0..n).rev() {
-        let (input, out, records) = if recompute {
-            pass.gather(Unit::Layer(i))?;
-            set_dropout_states(pass.model(), &dropout_before[i]);
-            if aux_weight.is_some() {
-                pass.model().record_routers();
-            }
-            let input = Var::from_tensor(&saved[i])?;
-            let out = pass.model().layer(i, input.as_tensor(), &inputs)?;
-            saved.truncate(i);
-            let records = if aux_weight.is_some() {
-                pass.model().take_router_records()
-            } else {
-                Vec::new()
-            };
-            (input, out, records)
-        } else {
-            let (input, out) = kept.pop().expect("one kept graph per layer");
-            (input, out, routing.pop().unwrap_or_default())
-        };
-        let mut scalar = (out * &grad_out)?.sum_all()?;
+    let (mut grad_out, head_grads, parts) = if exits.is_empty() {
+        let top = Var::from_tensor(&x)?;
+        let model = pass.model();
+        let hidden = model.final_norm(top.as_tensor())?;
+        let (total, parts) = head_loss(&hidden, model, batch)?;
+        let mut head_grads = total.backward()?;
+        value = step_loss(&total, &parts)?;
         if let (Some(weight), Some(b)) = (aux_weight, &balance) {
-            for r in &records {
-                scalar = (scalar + b.term(&r.probs, weight)?)?;
-            }
+            value.sum += weight * b.value;
+            value.aux = b.value;
         }
-        let grads = scalar.backward()?;
-        pass.grads(Unit::Layer(i), &[&grads])?;
-        grad_out = grads
-            .get(input.as_tensor())
-            .ok_or_else(|| anyhow::anyhow!("no gradient reached layer {i}"))?
-            .detach();
-        drop(grads);
-        pass.backward_done(Unit::Layer(i));
+        drop((hidden, total));
+        let grad_out = head_grads
+            .remove(top.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no gradient reached the last layer"))?;
+        (grad_out, Some(head_grads), Some(parts))
+    } else {
+        let (_, top) = exit_grads.pop().expect("the highest exit's gradient");
+        (top, None, None)
+    };
+
+    for i in (0..run_to).rev() {
+        if !runs(i) {
+            // Skipped for every row: the gradient passes through unchanged.
+            saved.truncate(i);
+            kept_graphs.pop();
+            routing.pop();
+        } else {
+            let (input, out, records) = if recompute {
+                pass.gather(Unit::Layer(i))?;
+                set_dropout_states(pass.model(), &dropout_before[i]);
+                if aux_weight.is_some() {
+                    pass.model().record_routers();
+                }
+                let input = Var::from_tensor(&saved[i])?;
+                let out = layer_on_rows(
+                    pass.model(),
+                    i,
+                    input.as_tensor(),
+                    &inputs,
+                    &batch.layout,
+                    kept(i),
+                )?;
+                saved.truncate(i);
+                let records = if aux_weight.is_some() {
+                    pass.model().take_router_records()
+                } else {
+                    Vec::new()
+                };
+                (input, out, records)
+            } else {
+                let (input, out) = kept_graphs
+                    .pop()
+                    .flatten()
+                    .expect("one kept graph per layer run");
+                (input, out, routing.pop().unwrap_or_default())
+            };
+            let mut scalar = (out * &grad_out)?.sum_all()?;
+            if let (Some(weight), Some(b)) = (aux_weight, &balance) {
+                for r in &records {
+                    scalar = (scalar + b.term(&r.probs, weight)?)?;
+                }
+            }
+            let grads = scalar.backward()?;
+            pass.grads(Unit::Layer(i), &[&grads])?;
+            grad_out = grads
+                .get(input.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("no gradient reached layer {i}"))?
+                .detach();
+            drop(grads);
+            pass.backward_done(Unit::Layer(i));
+        }
+        if exit_grads.last().is_some_and(|(l, _)| *l == i) {
+            let (_, g) = exit_grads.pop().expect("checked");
+            grad_out = (grad_out + g)?;
+        }
     }
     set_dropout_states(pass.model(), &dropout_after);
+    let mut stores: Vec<&GradStore> = vec![&exit_root_grads];
+    stores.extend(head_grads.as_ref());
+    stores.extend(parts.as_ref().and_then(HeadParts::head_grads));
+    let embed_grads;
     if embedded.track_op() {
         // Full fine-tuning: the embedding table itself is trained.
-        let embed_grads = (embedded * grad_out)?.sum_all()?.backward()?;
-        let mut stores = vec![&head_grads, &embed_grads];
-        stores.extend(parts.head_grads());
-        pass.grads(Unit::Root, &stores)?;
-    } else {
-        let mut stores = vec![&head_grads];
-        stores.extend(parts.head_grads());
-        pass.grads(Unit::Root, &stores)?;
+        embed_grads = (embedded * grad_out)?.sum_all()?.backward()?;
+        stores.push(&embed_grads);
     }
+    pass.grads(Unit::Root, &stores)?;
     pass.backward_done(Unit::Root);
     Ok(value)
+}
+
+/// An early exit's loss at hidden state `x` (detached, `[b, t, h]`): `weight` times the
+/// cross-entropy sum of `x` through the final norm and the head, back-propagated at once. Adds the
+/// gradients of the head's and final norm's tensors into `root_grads`; returns the weighted sum
+/// and the gradient at `x`.
+fn exit_loss(
+    model: &CausalLm,
+    x: &Tensor,
+    batch: &MicroBatch,
+    weight: f64,
+    root_grads: &mut GradStore,
+) -> anyhow::Result<(f64, Tensor)> {
+    let at = Var::from_tensor(x)?;
+    let hidden = model.final_norm(at.as_tensor())?;
+    let ce = causal_lm_head_loss(&hidden, model, &batch.labels, true)?;
+    let loss = (ce.sum * weight)?;
+    let grads = loss.backward()?;
+    let mut root: Vec<Tensor> = head_tensors(model);
+    root.extend(
+        model
+            .final_norm_tensors()
+            .into_iter()
+            .map(|(_, t)| t.clone()),
+    );
+    add_grads(root_grads, &grads, root.iter())?;
+    let grad = grads
+        .get(at.as_tensor())
+        .ok_or_else(|| anyhow::anyhow!("no gradient reached an early exit's hidden state"))?
+        .detach();
+    Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, grad))
+}
+
+/// Decoder layer `i` on the rows `kept` of `x` (every row with `None`); the other rows' hidden
+/// states pass through unchanged, as torchtune's `LayerDropout` leaves them.
+fn layer_on_rows(
+    model: &CausalLm,
+    i: usize,
+    x: &Tensor,
+    inputs: &LayerInputs,
+    layout: &AttentionLayout,
+    kept: Option<&[usize]>,
+) -> anyhow::Result<Tensor> {
+    let Some(rows) = kept else {
+        return Ok(model.layer(i, x, inputs)?);
+    };
+    let b = x.dim(0)?;
+    let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    let picked = x.index_select(&Tensor::from_vec(ids, rows.len(), x.device())?, 0)?;
+    let sub_inputs = model.layer_inputs(&layout.select_rows(rows))?;
+    let out = model.layer(i, &picked, &sub_inputs)?;
+    // Row r of the result: the layer's output where it ran, else row r of the input, picked from
+    // [x; out] (index_select's backward routes each gradient row to its source).
+    let mut order = Vec::with_capacity(b);
+    let mut next = 0;
+    for r in 0..b {
+        if rows.get(next) == Some(&r) {
+            order.push((b + next) as u32);
+            next += 1;
+        } else {
+            order.push(r as u32);
+        }
+    }
+    let both = Tensor::cat(&[x, &out], 0)?;
+    Ok(both.index_select(&Tensor::from_vec(order, b, x.device())?, 0)?)
 }
 
 /// Dropout generator states of every adapter, in module order.

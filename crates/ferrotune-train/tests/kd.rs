@@ -71,6 +71,7 @@ fn distillation_losses_and_gradients_match_torchtunes_formulas() {
                 }),
                 preference: None,
                 aux_loss_weight: None,
+                layer_skip: None,
             };
             let mut grads = empty_grads().unwrap();
             let step =
@@ -199,6 +200,7 @@ fn chunked_distillation_head_equals_the_whole_logits_composite() {
                 }),
                 preference: None,
                 aux_loss_weight: None,
+                layer_skip: None,
             };
             for checkpointing in [false, true] {
                 let mut grads = empty_grads().unwrap();

@@ -40,6 +40,7 @@ fn golden_batch() -> MicroBatch {
         distill: None,
         preference: None,
         aux_loss_weight: None,
+        layer_skip: None,
     }
 }
 

@@ -52,6 +52,7 @@ fn batch(g: &Value, rows: std::ops::Range<usize>) -> MicroBatch {
         distill: None,
         preference: None,
         aux_loss_weight: None,
+        layer_skip: None,
     }
 }
 

@@ -54,6 +54,9 @@ pub enum Mode {
     Qat,
     /// LoRA adapters on fake-quantized base layers (`qat_lora_finetune_distributed`).
     QatLora,
+    /// Every weight, with LayerSkip's early-exit loss and layer dropout
+    /// (`dev/early_exit_finetune_distributed`, see [`crate::early_exit`]).
+    EarlyExit,
 }
 
 impl Mode {
@@ -72,12 +75,16 @@ impl Mode {
             (Mode::FullDpo, _) => "full_dpo_distributed",
             (Mode::Qat, _) => "qat_distributed",
             (Mode::QatLora, _) => "qat_lora_finetune_distributed",
+            (Mode::EarlyExit, _) => "dev/early_exit_finetune_distributed",
         }
     }
 
     /// Whether every weight trains (otherwise LoRA adapters on a frozen base).
     fn full(self) -> bool {
-        matches!(self, Mode::Full | Mode::FullDpo | Mode::Qat)
+        matches!(
+            self,
+            Mode::Full | Mode::FullDpo | Mode::Qat | Mode::EarlyExit
+        )
     }
 
     /// Whether linear layers train fake-quantized (torchtune's QAT recipes).
@@ -328,7 +335,9 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             ferrotune_models::lora::set_training(&mut model, true);
             (peft::trainable_parameters(&mut model)?, Some(lc))
         }
-        Mode::Full | Mode::FullDpo | Mode::Qat => (model.make_all_trainable()?, None),
+        Mode::Full | Mode::FullDpo | Mode::Qat | Mode::EarlyExit => {
+            (model.make_all_trainable()?, None)
+        }
     };
     // QAT: the linear layers' base products fake-quantized from here on.
     let fake_quant_after = if mode.qat() {
@@ -469,6 +478,25 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     }
     let total_steps = steps_per_epoch * epochs;
     let schedule = setup::schedule(cfg, total_steps)?;
+    // LayerSkip (the early-exit recipe): which layers' exits count at each step, and which rows
+    // each layer skips.
+    let num_layers = model.layers.len();
+    let (early_exit, layer_dropout) = if mode == Mode::EarlyExit {
+        setup::layer_skip(cfg, num_layers, total_steps)?
+    } else {
+        if lead {
+            let keys = ["early_exit_loss", "layer_dropout"];
+            note_ignored_keys(cfg, &keys, "dev/early_exit_finetune_distributed", recipe);
+        }
+        (None, None)
+    };
+    if aux_coef.is_some() && (early_exit.is_some() || layer_dropout.is_some()) {
+        bail!(
+            "{}: early_exit_loss and layer_dropout are not supported with a mixture-of-experts \
+             model's router load-balancing loss",
+            cfg.origin
+        );
+    }
     let param_refs: Vec<(String, Var)> = params.clone();
     if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
         eprintln!("warning: {note}");
@@ -518,6 +546,20 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         true => Some(state::open_run_log(cfg, &output_dir, start.global_step)?),
         false => None,
     };
+    // Every rank draws the same rows (torchtune seeds each layer's generator with its index); a
+    // resumed run continues the draws after the rows of the steps already taken.
+    let mut layer_dropout = layer_dropout.map(|d| {
+        let drawn = (start.global_step * grad_accum * batch_size) as u64;
+        crate::early_exit::LayerDropout::new(d.prob, d.scale, &d.applies, drawn)
+    });
+    if let Some(d) = &layer_dropout {
+        say(format!(
+            "Layer dropout: probability per layer {:?}",
+            d.probabilities()
+        ));
+    }
+    let verbose_exits = cfg.bool("early_exit_loss.verbose")?.unwrap_or(false);
+    let mut last_exits: Option<Vec<usize>> = None;
 
     // ---------------------------------------------------------------- training loop
     let saver = Saver {
@@ -585,7 +627,31 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     b.aux_loss_weight = Some(weight);
                 }
             }
+            let exits = early_exit
+                .as_ref()
+                .map(|e| e.exits_at(global_step, num_layers))
+                .unwrap_or_default();
+            if early_exit.is_some() {
+                let layers: Vec<usize> = exits.iter().map(|&(l, _)| l).collect();
+                if lead
+                    && last_exits.as_ref() != Some(&layers)
+                    && (verbose_exits || last_exits.is_none())
+                {
+                    bar.suspend(|| eprintln!("Early-exit loss on the inputs of layers {layers:?}"));
+                }
+                last_exits = Some(layers);
+            }
             for mut batch in batches {
+                if early_exit.is_some() || layer_dropout.is_some() {
+                    let rows = batch.input_ids.dim(0)?;
+                    batch.layer_skip = Some(crate::step::LayerSkip {
+                        exits: exits.clone(),
+                        kept_rows: match layer_dropout.as_mut() {
+                            Some(d) => d.draw(rows),
+                            None => Vec::new(),
+                        },
+                    });
+                }
                 if let Some(t) = &teacher {
                     // The teacher's hidden states for the same tokens (outside autograd: it has
                     // no Vars); the head forms its logits chunk by chunk.

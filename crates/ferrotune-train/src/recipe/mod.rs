@@ -30,6 +30,7 @@ fn finetune_recipe(name: &str) -> Option<(finetune::Mode, bool)> {
         "full_dpo_distributed" => (Mode::FullDpo, true),
         "qat_distributed" => (Mode::Qat, true),
         "qat_lora_finetune_distributed" => (Mode::QatLora, true),
+        "dev/early_exit_finetune_distributed" => (Mode::EarlyExit, true),
         _ => return None,
     })
 }
