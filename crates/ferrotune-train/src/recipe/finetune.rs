@@ -133,7 +133,8 @@ impl Examples {
 }
 
 /// How long a rank waits for the others at the rendezvous.
-const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+/// How long a rank waits for the others to join.
+pub(crate) const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// The subfolder of a LoRA checkpoint that holds the merged HF model.
 pub const MERGED_DIR: &str = "merged";
@@ -167,13 +168,21 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         setup::device(cfg)?
     };
     let dtype = setup::dtype(cfg)?;
-    let group = if distributed {
+    // `fsdp.cpu_offload` is the spelling of torchtune's distributed QLoRA configs.
+    let offload = match cfg.bool("fsdp_cpu_offload")? {
+        Some(o) => o,
+        None => cfg.bool("fsdp.cpu_offload")?.unwrap_or(false),
+    };
+    // A backend asked for by name (`FERROTUNE_DIST_BACKEND`) runs its collectives even for one
+    // rank: how the NCCL path is checked on a single GPU.
+    let backend_asked = std::env::var_os("FERROTUNE_DIST_BACKEND").is_some_and(|v| !v.is_empty());
+    let group = if distributed && world == 1 && !offload && !backend_asked {
+        // One rank has nothing to shard or reduce: it takes the single-device path (the same
+        // numbers), which keeps no flat copies of the parameters and gradients.
+        setup::sharding(cfg)?;
+        None
+    } else if distributed {
         let sharding = setup::sharding(cfg)?;
-        // `fsdp.cpu_offload` is the spelling of torchtune's distributed QLoRA configs.
-        let offload = match cfg.bool("fsdp_cpu_offload")? {
-            Some(o) => o,
-            None => cfg.bool("fsdp.cpu_offload")?.unwrap_or(false),
-        };
         let store = Store::connect(&env, RENDEZVOUS_TIMEOUT).with_context(|| {
             format!(
                 "rank {rank}: rendezvous at {}:{}",
