@@ -1,5 +1,5 @@
-//! `ferrotune export-gguf`: an HF checkpoint folder (a fine-tuned or merged model) as one GGUF
-//! file for llama.cpp, Ollama or `ferrotune generate`.
+//! `ferrotune export-gguf`: a checkpoint folder (a fine-tuned or merged model; HF safetensors or
+//! `.bin`, or Meta's files) as one GGUF file for llama.cpp, Ollama or `ferrotune generate`.
 
 use std::path::PathBuf;
 
@@ -9,8 +9,8 @@ use ferrotune_train::gguf_export::{export_gguf, OutType};
 
 #[derive(Args)]
 pub struct ExportGgufArgs {
-    /// The HF checkpoint folder (config.json, safetensors, tokenizer), e.g. a LoRA run's
-    /// `epoch_N/merged` or a full fine-tune's `epoch_N`.
+    /// The checkpoint folder (config.json, safetensors or `.bin`, tokenizer), e.g. a LoRA run's
+    /// `epoch_N/merged` or a full fine-tune's `epoch_N`; or Meta's `original/` folder.
     model: PathBuf,
     /// The GGUF file to write.
     output: PathBuf,

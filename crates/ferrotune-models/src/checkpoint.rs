@@ -366,7 +366,7 @@ fn read(
             let (tensors, quantized_linears) = torch_pickle::read_pickle_shards(
                 files,
                 |raw| torchtune_names::torchtune_to_hf(&config, raw, dtype, device),
-                dtype,
+                Some(dtype),
                 device,
             )?;
             Ok(Checkpoint {
@@ -379,7 +379,7 @@ fn read(
             })
         }
         CheckpointFormat::Meta(file) => {
-            let (config, tensors) = torch_pickle::read_meta(file, dtype, device)?;
+            let (config, tensors) = torch_pickle::read_meta(file, Some(dtype), device)?;
             Ok(Checkpoint {
                 config,
                 tensors,

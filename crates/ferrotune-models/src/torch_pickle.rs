@@ -71,6 +71,20 @@ impl TorchDType {
         }
     }
 
+    /// The candle type holding these values exactly (i8 and bool widened).
+    pub fn candle(self) -> DType {
+        match self {
+            Self::F32 | Self::I8 => DType::F32,
+            Self::F64 => DType::F64,
+            Self::F16 => DType::F16,
+            Self::BF16 => DType::BF16,
+            Self::I64 => DType::I64,
+            Self::I32 => DType::I32,
+            Self::I16 => DType::I16,
+            Self::U8 | Self::Bool => DType::U8,
+        }
+    }
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
@@ -525,7 +539,7 @@ fn int(p: &mut Vec<u8>, n: usize) {
 }
 
 /// Reads pickle files that are shards of one state dict. HF-named tensors are converted to
-/// `dtype` on `device` as each file is read (its raw bytes dropped tensor by tensor, so that a
+/// `dtype` (`None`: kept as stored) on `device` as each file is read (its raw bytes dropped tensor by tensor, so that a
 /// 7B checkpoint does not sit in memory twice); a torchtune-named state dict (the `quantize`
 /// recipe's) is handed whole to `torchtune`, which returns HF tensors and the quantized layers.
 pub fn read_pickle_shards(
@@ -539,7 +553,7 @@ pub fn read_pickle_shards(
         ),
         String,
     >,
-    dtype: DType,
+    dtype: Option<DType>,
     device: &Device,
 ) -> Result<
     (
@@ -573,7 +587,7 @@ pub fn read_pickle_shards(
                 tune.push((name, t));
             } else {
                 let t = t
-                    .to_tensor(dtype, device)
+                    .to_tensor(dtype.unwrap_or_else(|| t.dtype.candle()), device)
                     .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
                 hf.insert(name, t);
             }
@@ -599,10 +613,10 @@ pub fn read_pickle_shards(
 /// `[pairs, 2]` to `[2, pairs]`, and so do we. Meta's `params.json` has no rope scaling factor:
 /// Llama 3.1/3.3 use 8 and Llama 3.2 (the 1B/3B models, the only ones with the output tied to the
 /// embeddings) 32, as transformers' configs and torchtune's builders do; `rope_scaling_factor` in
-/// `params.json` wins when present.
+/// `params.json` wins when present. The tensors are read in `dtype`, or as stored when `None`.
 pub fn read_meta(
     file: &Path,
-    dtype: DType,
+    dtype: Option<DType>,
     device: &Device,
 ) -> Result<(ModelConfig, HashMap<String, Tensor>), ModelError> {
     let dir = file.parent().unwrap_or(Path::new("."));
@@ -660,7 +674,7 @@ pub fn read_meta(
     let mut raw = HashMap::with_capacity(stored.len());
     for (name, t) in stored {
         let t = t
-            .to_tensor(dtype, device)
+            .to_tensor(dtype.unwrap_or_else(|| t.dtype.candle()), device)
             .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
         raw.insert(name, t);
     }

@@ -7,7 +7,8 @@
 //! Written here: no Rust crate writes GGUF files (candle reads them), and the format is small —
 //! a header, typed key/value metadata, tensor descriptions, then the aligned tensor data. The
 //! tensors are streamed from the memory-mapped safetensors one at a time, so exporting an 8B
-//! model does not hold it in memory.
+//! model does not hold it in memory; PyTorch `.bin` shards and Meta's `consolidated.00.pth` (as
+//! llama.cpp's converter reads them) are read whole in their stored types.
 //!
 //! Supported: `llama` (Llama 2/3.x with llama3 RoPE, SmolLM2, Mistral without a sliding window;
 //! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`,
@@ -22,8 +23,11 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
 use ferrotune_data::{gguf_vocab, Tokenizer};
 use ferrotune_models::config::RopeScaling;
+use ferrotune_models::torch_pickle::{read_meta, read_pickle_shards};
+use ferrotune_models::torchtune_names::torchtune_to_hf;
 use ferrotune_models::{CheckpointFormat, ModelConfig};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
@@ -593,8 +597,9 @@ fn assign_mix_types(plan: &mut [Planned], outtype: OutType, experts: usize, seve
     }
 }
 
-/// Writes the HF checkpoint folder `model_dir` (config, safetensors, tokenizer) as the GGUF file
-/// `out` with its matrices in `outtype`. The file is written under a temporary name and renamed
+/// Writes the checkpoint folder `model_dir` — HF (config, safetensors or PyTorch `.bin`,
+/// tokenizer) or Meta's (`consolidated.00.pth`, `params.json`; the tokenizer beside it or in the
+/// parent folder) — as the GGUF file `out` with its matrices in `outtype`. The file is written under a temporary name and renamed
 /// into place when complete.
 pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<GgufExport> {
     if model_dir.join("adapter_config.json").is_file() && !model_dir.join("config.json").is_file() {
@@ -605,25 +610,88 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             ferrotune_models::checkpoint::adapter_folder_hint(model_dir)
         );
     }
-    let files = match ferrotune_models::checkpoint::locate_weights(model_dir)? {
-        CheckpointFormat::Safetensors(files) => files,
+    let format = ferrotune_models::checkpoint::locate_weights(model_dir)?;
+    // Memory-mapped safetensors (their headers plan the file, their data fills it), or
+    // PyTorch pickles read whole.
+    let maps = match &format {
+        CheckpointFormat::Safetensors(files) => files
+            .iter()
+            .map(|f| {
+                let file = File::open(f).with_context(|| format!("opening {}", f.display()))?;
+                // SAFETY: the checkpoint is only read, and not expected to change while
+                // exporting.
+                unsafe { memmap2::Mmap::map(&file) }
+                    .with_context(|| format!("mapping {}", f.display()))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        _ => Vec::new(),
+    };
+    let (config, weights) = match &format {
+        CheckpointFormat::Safetensors(files) => {
+            let config = ModelConfig::from_hf_file(&model_dir.join("config.json"))?;
+            let views = maps
+                .iter()
+                .zip(files)
+                .map(|(m, f)| {
+                    SafeTensors::deserialize(m).with_context(|| format!("reading {}", f.display()))
+                })
+                .collect::<Result<_>>()?;
+            (config, Weights::Mapped(views))
+        }
         CheckpointFormat::Gguf(path) => bail!(
             "{} is already a GGUF file; export-gguf converts an HF checkpoint folder",
             path.display()
         ),
-        CheckpointFormat::Pickle(_) | CheckpointFormat::Meta(_) => bail!(
-            "{}: export-gguf reads safetensors checkpoints; this one is PyTorch pickles (a \
-             fine-tuning run on it saves safetensors, or save it with transformers' \
-             save_pretrained)",
-            model_dir.display()
-        ),
+        CheckpointFormat::Pickle(files) => {
+            let config = ModelConfig::from_hf_file(&model_dir.join("config.json"))?;
+            if config.text_of_multimodal {
+                bail!(
+                    "{}: a multimodal model's PyTorch .bin checkpoint is not supported; use its \
+                     safetensors",
+                    model_dir.display()
+                );
+            }
+            // A torchtune-named state dict is renamed in its first tensor's type.
+            let (tensors, quantized) = read_pickle_shards(
+                files,
+                |raw| {
+                    let dtype = raw.first().map_or(DType::F32, |(_, t)| t.dtype.candle());
+                    torchtune_to_hf(&config, raw, dtype, &Device::Cpu)
+                },
+                None,
+                &Device::Cpu,
+            )?;
+            if !quantized.is_empty() {
+                bail!(
+                    "{}: the checkpoint holds torchao-quantized layers ({}); export-gguf \
+                     converts float weights",
+                    model_dir.display(),
+                    quantized[0].0
+                );
+            }
+            (config, Weights::Loaded(tensors.into_iter().collect()))
+        }
+        CheckpointFormat::Meta(file) => {
+            let (config, tensors) = read_meta(file, None, &Device::Cpu)?;
+            (config, Weights::Loaded(tensors.into_iter().collect()))
+        }
     };
-    let config = ModelConfig::from_hf_file(&model_dir.join("config.json"))?;
     let (arch, permute) = architecture(&config)?;
-    let tok = Tokenizer::from_dir(model_dir)
-        .with_context(|| format!("reading the tokenizer of {}", model_dir.display()))?;
+    // Meta's files sit in the `original/` folder of an HF download, whose tokenizer.json (and
+    // name) is the parent's.
+    let home = match (&format, model_dir.parent()) {
+        (CheckpointFormat::Meta(_), Some(parent))
+            if !model_dir.join("tokenizer.json").is_file()
+                && parent.join("tokenizer.json").is_file() =>
+        {
+            parent
+        }
+        _ => model_dir,
+    };
+    let tok = Tokenizer::from_dir(home)
+        .with_context(|| format!("reading the tokenizer of {}", home.display()))?;
     let vocab =
-        gguf_vocab(&tok, config.vocab_size).map_err(|e| anyhow!("{}: {e}", model_dir.display()))?;
+        gguf_vocab(&tok, config.vocab_size).map_err(|e| anyhow!("{}: {e}", home.display()))?;
     let mut notes = Vec::new();
     let pre = match vocab.pre {
         Some(p) => p.to_string(),
@@ -645,30 +713,11 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         ));
     }
 
-    // Memory-mapped safetensors: their headers plan the file, their data fills it.
-    let maps: Vec<memmap2::Mmap> = files
-        .iter()
-        .map(|f| {
-            let file = File::open(f).with_context(|| format!("opening {}", f.display()))?;
-            // SAFETY: the checkpoint is only read, and not expected to change while exporting.
-            unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping {}", f.display()))
-        })
-        .collect::<Result<_>>()?;
-    let tensors: Vec<SafeTensors> = maps
-        .iter()
-        .zip(&files)
-        .map(|(m, f)| {
-            SafeTensors::deserialize(m).with_context(|| format!("reading {}", f.display()))
-        })
-        .collect::<Result<_>>()?;
+    let listed = weights.list();
     let outtype = match outtype {
         // The first matrix's dtype decides, as llama.cpp's converter's `auto` does.
         OutType::Auto => {
-            let first_matrix = tensors
-                .iter()
-                .flat_map(|st| st.tensors())
-                .find(|(_, v)| v.shape().len() >= 2)
-                .map(|(_, v)| v.dtype());
+            let first_matrix = weights.first_matrix_dtype();
             match first_matrix {
                 Some(Dtype::BF16) => OutType::Bf16,
                 _ => OutType::F16,
@@ -681,11 +730,9 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     // Experts by (layer, part), then by expert: (file, name, shape).
     type ExpertTensors = BTreeMap<usize, (usize, String, Vec<usize>)>;
     let mut experts: BTreeMap<(usize, &'static str), ExpertTensors> = BTreeMap::new();
-    for (file, st) in tensors.iter().enumerate() {
-        let mut names = st.names();
-        names.sort();
-        for stored in names {
-            let view = st.tensor(stored)?;
+    for (file, stored, stored_shape) in &listed {
+        let (file, stored) = (*file, stored.as_str());
+        {
             // A multimodal checkpoint (Gemma 3, Mistral 3): its text model, under the text
             // model's names; the vision tower and projector are left out (llama.cpp keeps them in
             // a separate projector file).
@@ -702,14 +749,14 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                 experts
                     .entry((layer, part))
                     .or_default()
-                    .insert(expert, (file, stored.to_string(), view.shape().to_vec()));
+                    .insert(expert, (file, stored.to_string(), stored_shape.clone()));
                 continue;
             }
             let Some(gguf) = gguf_name(name, config.sandwich_norms) else {
                 skipped.push(name.to_string());
                 continue;
             };
-            let mut shape = view.shape().to_vec();
+            let mut shape = stored_shape.clone();
             if gguf.ends_with("ffn_gate_inp_shexp.weight") {
                 // transformers' `[1, hidden]` linear layer; llama.cpp's converter writes a vector.
                 shape = vec![shape.iter().product()];
@@ -835,7 +882,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             || arch == "qwen2");
     assign_mix_types(&mut plan, outtype, expert_count, seventy_b);
     let mut meta = Metadata::default();
-    let name = model_dir
+    let name = home
         .canonicalize()
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
@@ -972,7 +1019,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
 
     // Written under a temporary name, renamed when complete, removed if anything fails.
     let partial = PathBuf::from(format!("{}.partial", out.display()));
-    let written = write_gguf(&partial, &plan, &meta, &tensors).inspect_err(|_| {
+    let written = write_gguf(&partial, &plan, &meta, &weights).inspect_err(|_| {
         let _ = std::fs::remove_file(&partial);
     })?;
     std::fs::rename(&partial, out)
@@ -988,12 +1035,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
 
 /// Writes the header, the metadata, the tensor descriptions, then each tensor's data at its
 /// aligned offset; returns the file's size.
-fn write_gguf(
-    partial: &Path,
-    plan: &[Planned],
-    meta: &Metadata,
-    tensors: &[SafeTensors],
-) -> Result<u64> {
+fn write_gguf(partial: &Path, plan: &[Planned], meta: &Metadata, weights: &Weights) -> Result<u64> {
     let mut w = BufWriter::new(
         File::create(partial).with_context(|| format!("creating {}", partial.display()))?,
     );
@@ -1031,11 +1073,7 @@ fn write_gguf(
             Source::Stacked(parts) => {
                 let mut values = Vec::new();
                 for (file, name) in parts {
-                    let view = tensors[*file].tensor(name)?;
-                    values.extend(
-                        to_f32(view.dtype(), view.data())
-                            .with_context(|| format!("{name}: {:?} weights", view.dtype()))?,
-                    );
+                    values.extend(weights.values(*file, name)?);
                 }
                 values
             }
@@ -1045,9 +1083,7 @@ fn write_gguf(
                 rows,
                 plus_one,
             } => {
-                let view = tensors[*file].tensor(name)?;
-                let mut values = to_f32(view.dtype(), view.data())
-                    .with_context(|| format!("{name}: {:?} weights", view.dtype()))?;
+                let mut values = weights.values(*file, name)?;
                 if *plus_one {
                     values.iter_mut().for_each(|v| *v += 1.0);
                 }
@@ -1077,6 +1113,80 @@ fn pad_to(w: &mut impl Write, len: u64) -> Result<()> {
     let pad = len.next_multiple_of(ALIGNMENT) - len;
     w.write_all(&vec![0u8; pad as usize])?;
     Ok(())
+}
+
+/// The checkpoint's tensors as the export reads them.
+enum Weights<'a> {
+    /// Memory-mapped safetensors files: a tensor's bytes are read when it is written, so the
+    /// checkpoint is never held in memory.
+    Mapped(Vec<SafeTensors<'a>>),
+    /// PyTorch pickles or Meta's file under HF names, in their stored types: read whole, as a
+    /// pickle's tensors are not laid out to be mapped one by one.
+    Loaded(BTreeMap<String, Tensor>),
+}
+
+impl Weights<'_> {
+    /// Every tensor as (file index, stored name, shape), each file's in name order.
+    fn list(&self) -> Vec<(usize, String, Vec<usize>)> {
+        match self {
+            Weights::Mapped(files) => files
+                .iter()
+                .enumerate()
+                .flat_map(|(file, st)| {
+                    let mut named: Vec<_> = st
+                        .tensors()
+                        .into_iter()
+                        .map(|(name, view)| (file, name, view.shape().to_vec()))
+                        .collect();
+                    named.sort();
+                    named
+                })
+                .collect(),
+            Weights::Loaded(tensors) => tensors
+                .iter()
+                .map(|(name, t)| (0, name.clone(), t.dims().to_vec()))
+                .collect(),
+        }
+    }
+
+    /// The type of the first matrix stored.
+    fn first_matrix_dtype(&self) -> Option<Dtype> {
+        match self {
+            Weights::Mapped(files) => files
+                .iter()
+                .flat_map(|st| st.tensors())
+                .find(|(_, v)| v.shape().len() >= 2)
+                .map(|(_, v)| v.dtype()),
+            Weights::Loaded(tensors) => {
+                tensors
+                    .values()
+                    .find(|t| t.rank() >= 2)
+                    .map(|t| match t.dtype() {
+                        DType::BF16 => Dtype::BF16,
+                        DType::F16 => Dtype::F16,
+                        _ => Dtype::F32,
+                    })
+            }
+        }
+    }
+
+    /// One tensor's values as f32.
+    fn values(&self, file: usize, name: &str) -> Result<Vec<f32>> {
+        match self {
+            Weights::Mapped(files) => {
+                let view = files[file].tensor(name)?;
+                to_f32(view.dtype(), view.data())
+                    .with_context(|| format!("{name}: {:?} weights", view.dtype()))
+            }
+            Weights::Loaded(tensors) => {
+                let t = &tensors[name];
+                if !t.dtype().is_float() {
+                    bail!("{name}: {:?} weights cannot be exported", t.dtype());
+                }
+                Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?)
+            }
+        }
+    }
 }
 
 /// A safetensors tensor's values as f32.

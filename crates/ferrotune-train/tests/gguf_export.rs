@@ -82,6 +82,12 @@ fn exported_gguf_gives_transformers_logits() {
         "mixtral",
         "qwen2_moe",
         "phi2",
+        // PyTorch `.bin` shards, and Meta's format (interleaved q/k rows, Llama 3.1's and
+        // 3.2's scaled rope, a tied head).
+        "llama2_bin",
+        "llama2_meta",
+        "llama3_1_meta",
+        "llama3_2_meta",
     ];
     let only = std::env::var("ONLY").ok();
     for name in names
@@ -276,6 +282,51 @@ fn auto_outtype_follows_the_checkpoint_dtype() {
         assert_eq!(norm, GgmlDType::F32, "{name}: vectors stay f32");
     }
     std::fs::remove_dir_all(&out).ok();
+}
+
+/// Meta's files in an HF download's `original/` folder (no tokenizer.json beside them), stored in
+/// bf16: the tokenizer and the model's name come from the parent folder, `auto` keeps bf16, and
+/// the logits read back are the checkpoint's.
+#[test]
+fn meta_original_folder_exports_in_its_stored_type() {
+    use candle_core::quantized::{gguf_file::Content, GgmlDType};
+    use ferrotune_models::torch_pickle::{read_torch_file, write_torch_file, TorchTensor};
+    let hf = out_dir("meta_original").join("Llama-3.2-tiny");
+    let original = hf.join("original");
+    std::fs::create_dir_all(&original).unwrap();
+    let src = model_dir("llama3_2_meta").join("model");
+    std::fs::copy(src.join("params.json"), original.join("params.json")).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), hf.join(f)).unwrap();
+    }
+    let bf16: Vec<(String, TorchTensor)> = read_torch_file(&src.join("consolidated.00.pth"))
+        .unwrap()
+        .into_iter()
+        .map(|(name, t)| {
+            let t = t.to_tensor(DType::BF16, &Device::Cpu).unwrap();
+            (name, TorchTensor::from_tensor(&t).unwrap())
+        })
+        .collect();
+    write_torch_file(&original.join("consolidated.00.pth"), &bf16).unwrap();
+
+    let path = hf.join("model.gguf");
+    export_gguf(&original, &path, OutType::Auto).unwrap();
+    let mut f = std::fs::File::open(&path).unwrap();
+    let content = Content::read(&mut f).unwrap();
+    let ty = content.tensor_infos["blk.0.attn_q.weight"].ggml_dtype;
+    assert_eq!(ty, GgmlDType::BF16);
+    let name = content.metadata["general.name"]
+        .to_string()
+        .unwrap()
+        .clone();
+    assert_eq!(name, "Llama-3.2-tiny");
+    let err = common::rel_l2(
+        &golden_logits("llama3_2_meta", &path),
+        &golden_logits("llama3_2_meta", &original),
+    );
+    // The same bf16 weights on both sides: only f32 rounding apart.
+    assert!(err <= 1e-5, "relative L2 {err}");
+    std::fs::remove_dir_all(hf.parent().unwrap()).ok();
 }
 
 /// A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, transformers 4.5x names)
