@@ -266,3 +266,78 @@ fn grpo_with_lora_saves_a_peft_adapter_and_the_merged_model() {
         assert!(l["kl_loss"].as_f64().unwrap() >= 0.0);
     }
 }
+
+/// Two ranks of batch size 1 train what one process of batch size 2 trains, every weight or LoRA
+/// adapters: torch's sampler deals the problems, each prompt is sampled alike, and the ranks'
+/// gradients are averaged before each step; the logged rewards and successes are the means over
+/// the ranks.
+#[test]
+fn grpo_on_two_ranks_trains_what_one_process_trains() {
+    let dir = tmpdir("grpo", "ranks");
+    let cfg = write_config(&dir);
+    let adapter = format!(
+        "checkpointer.adapter_checkpoint={}",
+        fixtures().join("llama3/adapter").display()
+    );
+    let lora = [
+        "~ref_checkpointer",
+        "model._component_=torchtune.models.llama3_2.lora_llama3_2_1b",
+        "model.lora_attn_modules=[q_proj,v_proj]",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        adapter.as_str(),
+        "optimizer.lr=1e-2",
+    ];
+    let cases: [(&str, &[&str], &str); 2] = [
+        ("full", &[], "model.safetensors"),
+        ("lora", &lora, "adapter_model.safetensors"),
+    ];
+    for (name, extra, weights) in cases {
+        let single = dir.join(format!("{name}-single"));
+        let mut args = vec!["epochs=1"];
+        args.extend(extra);
+        let o = run(&dir, &cfg, &single, &args, &[]);
+        assert!(o.status.success(), "{}", text(&o));
+        let ranks = dir.join(format!("{name}-ranks"));
+        let mut cmd = vec![
+            "run".to_string(),
+            "--nproc-per-node".into(),
+            "2".into(),
+            "dev/grpo_full_finetune_distributed".into(),
+            "--config".into(),
+            cfg.display().to_string(),
+            format!("output_dir={}", ranks.display()),
+            "batch_size=1".into(),
+        ];
+        cmd.extend(args.iter().map(|s| s.to_string()));
+        let o = common::ferrotune(&cmd, &dir, &[]);
+        let log = text(&o);
+        assert!(o.status.success(), "{name}: {log}");
+        assert!(log.contains("Distributed: 2 ranks"), "{log}");
+
+        let want = metrics_lines(&single.join("logs/metrics.jsonl"));
+        let got = metrics_lines(&ranks.join("logs/metrics.jsonl"));
+        assert_eq!(got.len(), want.len(), "{name}: {log}");
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g["step"], w["step"]);
+            for key in ["rewards", "successes"] {
+                let (g, w) = (g[key].as_f64().unwrap(), w[key].as_f64().unwrap());
+                assert!((g - w).abs() <= 1e-6, "{name} {key}: {g} vs {w}");
+            }
+        }
+        let a = load(&ranks.join("epoch_0").join(weights));
+        let b = load(&single.join("epoch_0").join(weights));
+        let start = match name {
+            "full" => load(&fixtures().join("llama3/model/model.safetensors")),
+            _ => load(&fixtures().join("llama3/adapter/adapter_model.safetensors")),
+        };
+        for (key, t) in &b {
+            let moved = ferrotune_testing::max_abs_diff(t, &start[key]);
+            let apart = ferrotune_testing::max_abs_diff(t, &a[key]);
+            assert!(
+                apart <= 1e-4 * moved.max(1e-3),
+                "{name} {key}: {apart} apart, moved {moved}"
+            );
+        }
+    }
+}

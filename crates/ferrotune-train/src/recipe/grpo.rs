@@ -9,12 +9,22 @@
 //! Sampling draws from the same distribution as torchtune's but from ferrotune's generator, so
 //! sampled completions are not torch's; everything after sampling (log probabilities, rewards,
 //! advantages, losses, updates) is torchtune's arithmetic (tests/grpo.rs checks it against
-//! torchtune's code on fixed completions). It runs as one process.
+//! torchtune's code on fixed completions).
+//!
+//! Launched as several ranks (`--nproc-per-node N`), the ranks run data-parallel as torchtune's
+//! do: each takes its share of every epoch's problems (torch's `DistributedSampler`, `batch_size`
+//! problems per rank), samples and scores its own completions, and the gradients of the ranks'
+//! losses are averaged before every optimizer step, so that every rank holds the same policy.
+//! Each rank keeps the whole policy and reference (DDP; torchtune shards them with FSDP, which
+//! changes memory, not numbers). A completion's sampling seed follows its prompt's place in the
+//! epoch, so N ranks of `batch_size` B sample what one process of batch size N×B samples.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::Var;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
 use ferrotune_data::dataset::{build_reasoning_dataset, shuffled_order, ReasoningProblem};
 use ferrotune_data::Tokenizer;
 use ferrotune_infer::generate::{generate, GenerationOptions};
@@ -23,9 +33,12 @@ use ferrotune_models::{peft, CausalLm};
 
 use crate::clip::clip_grad_norm;
 use crate::config::Config;
+use crate::dist::comm::{self, Collectives};
+use crate::dist::env::DistEnv;
+use crate::dist::store::Store;
 use crate::export::write_hf_model;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
-use crate::recipe::finetune::MAX_SHARD_BYTES;
+use crate::recipe::finetune::{MAX_SHARD_BYTES, RENDEZVOUS_TIMEOUT};
 use crate::recipe::ppo::{
     backward_from_hidden, host, left_pad, load, logprobs_from_hidden, mask_tensor,
     response_logprobs,
@@ -426,14 +439,43 @@ pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
     let o = cfg.origin.clone();
     check_config(cfg)?;
-    let device = setup::device(cfg)?;
+    let env = DistEnv::from_env()?.unwrap_or_else(DistEnv::single);
+    let (rank, world) = (env.rank, env.world_size);
+    // Rank 0 prints, logs and writes checkpoints; every rank samples and trains.
+    let lead = rank == 0;
+    let say = |line: String| {
+        if lead {
+            eprintln!("{line}");
+        }
+    };
+    let device = setup::device_for_rank(cfg, env.local_rank)?;
     let dtype = setup::dtype(cfg)?;
+    // The store stays open for the whole run: it is also the watchdog that stops every rank
+    // when one of them dies.
+    let group: Option<(Store, Arc<dyn Collectives>)> = if world > 1 {
+        let store = Store::connect(&env, RENDEZVOUS_TIMEOUT).with_context(|| {
+            format!(
+                "rank {rank}: rendezvous at {}:{}",
+                env.master_addr, env.master_port
+            )
+        })?;
+        let collectives: Arc<dyn Collectives> = Arc::from(comm::init(&env, &store, &device)?);
+        say(format!(
+            "Distributed: {world} ranks, {} backend, data parallel (gradients averaged over \
+             the ranks)",
+            collectives.backend()
+        ));
+        Some((store, collectives))
+    } else {
+        None
+    };
+    let comm = group.as_ref().map(|(_, c)| c.as_ref());
     let b = batching(cfg)?;
     let checkpointing = cfg
         .bool("enable_activation_checkpointing")?
         .unwrap_or(false);
     for ignored in ["compile", "fsdp_cpu_offload"] {
-        if cfg.bool(ignored)?.unwrap_or(false) {
+        if cfg.bool(ignored)?.unwrap_or(false) && lead {
             eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
         }
     }
@@ -483,16 +525,18 @@ pub fn run(cfg: &Config) -> Result<()> {
         }
     }
     let tokenizer = setup::tokenizer(cfg, &policy_path)?;
-    eprintln!(
+    say(format!(
         "Policy and reference policy loaded in {:.1}s on {device:?} as {dtype:?}",
         t0.elapsed().as_secs_f64()
-    );
+    ));
     let pad = setup::pad_id(&tokenizer, &policy.config);
     let s = settings(cfg, pad, setup::stop_ids(&tokenizer, &policy.config))?;
-    if s.stop_token_ids.is_empty() {
-        eprintln!("warning: no stop tokens (tokenizer or stop_token_ids): every completion runs to max_generated_tokens");
+    if lead {
+        if s.stop_token_ids.is_empty() {
+            eprintln!("warning: no stop tokens (tokenizer or stop_token_ids): every completion runs to max_generated_tokens");
+        }
+        setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
     }
-    setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
     let lora_config = if lora {
         let lc = crate::recipe::finetune::setup_adapters(
             cfg,
@@ -512,8 +556,8 @@ pub fn run(cfg: &Config) -> Result<()> {
         false => policy.make_all_trainable()?,
     };
     let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
-    eprintln!("{trainable} trainable parameters");
-    if let Some(note) = setup::optimizer_note(cfg)? {
+    say(format!("{trainable} trainable parameters"));
+    if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
         eprintln!("warning: {note}");
     }
     let mut optimizer = setup::optimizer(cfg, params.clone())?;
@@ -527,13 +571,21 @@ pub fn run(cfg: &Config) -> Result<()> {
     let problems: Vec<ReasoningProblem> =
         build_reasoning_dataset(section, &tokenizer, std::path::Path::new("."))
             .map_err(|e| anyhow!("{o}: dataset: {e}"))?;
-    // torchtune's loader drops the last incomplete batch.
-    let batches_per_epoch = problems.len() / b.batch_size;
+    // torch's DistributedSampler deals each rank every world-th problem of the epoch's order
+    // (padded with its first problems to a multiple of the ranks), and torchtune's loader drops
+    // each rank's last incomplete batch.
+    let per_rank = problems.len().div_ceil(world);
+    let batches_per_epoch = per_rank / b.batch_size;
     if batches_per_epoch == 0 {
         bail!(
-            "{o}: the dataset has {} problems, fewer than one batch (batch_size {})",
+            "{o}: the dataset has {} problems, fewer than one batch (batch_size {}{})",
             problems.len(),
-            b.batch_size
+            b.batch_size,
+            if world > 1 {
+                format!(" on each of {world} ranks")
+            } else {
+                String::new()
+            }
         );
     }
     // torchtune's schedule spans every epoch's optimizer steps, whatever num_steps says.
@@ -544,13 +596,23 @@ pub fn run(cfg: &Config) -> Result<()> {
         optimizer.as_mut(),
         &device,
     )?;
-    let mut logger = state::open_run_log(cfg, &output_dir, start.global_step)?;
+    let mut logger = match lead {
+        true => Some(state::open_run_log(cfg, &output_dir, start.global_step)?),
+        false => None,
+    };
     let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
     let total_batches = b.num_steps.min(b.epochs * batches_per_epoch);
-    eprintln!(
-        "GRPO: {total_batches} batch(es) of {} prompts × {} completions, {} optimizer step(s) each",
-        b.batch_size, s.grpo_samples, b.ppo_epochs
-    );
+    say(format!(
+        "GRPO: {total_batches} batch(es) of {} prompts × {} completions{}, {} optimizer step(s) each",
+        b.batch_size,
+        s.grpo_samples,
+        if world > 1 {
+            format!(" on each of {world} ranks")
+        } else {
+            String::new()
+        },
+        b.ppo_epochs
+    ));
 
     // ---------------------------------------------------------------- training loop
     let mut global_step = start.global_step;
@@ -565,7 +627,9 @@ pub fn run(cfg: &Config) -> Result<()> {
         };
         let mut done = false;
         for batch_idx in 0..batches_per_epoch {
-            let picked = &order[batch_idx * b.batch_size..][..b.batch_size];
+            let picked: Vec<usize> = (0..b.batch_size)
+                .map(|i| order[((batch_idx * b.batch_size + i) * world + rank) % order.len()])
+                .collect();
             let prompts: Vec<Vec<u32>> = picked
                 .iter()
                 .map(|&i| problems[i].prompt_ids.clone())
@@ -578,9 +642,12 @@ pub fn run(cfg: &Config) -> Result<()> {
             let mut policy_ng = policy.detached();
             let mut completions = Vec::new();
             for (chunk_idx, first) in (0..b.batch_size).step_by(b.forward_batch_size).enumerate() {
+                // The chunk's place among every rank's chunks of the epoch: with one prompt a
+                // chunk, a prompt is sampled alike whatever the number of ranks.
+                let place = (steps_run * b.batch_size + chunk_idx) * world + rank;
                 let sample_seed = seed
                     .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                    .wrapping_add((steps_run * b.batch_size + chunk_idx) as u64);
+                    .wrapping_add(place as u64);
                 completions.extend(sample_completions(
                     &policy_ng,
                     &prompts[first..first + b.forward_batch_size],
@@ -622,6 +689,9 @@ pub fn run(cfg: &Config) -> Result<()> {
                 if !st.loss.is_finite() {
                     bail!("the GRPO loss became {} at step {global_step}: lower optimizer.lr or set clip_grad_norm", st.loss);
                 }
+                if let Some(c) = comm {
+                    average_grads(c, &params, &mut grads)?;
+                }
                 if let Some(max) = clip {
                     let refs = params.iter().map(|(_, v)| v.as_tensor());
                     grad_norm = Some(clip_grad_norm(&mut grads, refs, max)?);
@@ -632,8 +702,21 @@ pub fn run(cfg: &Config) -> Result<()> {
             }
             let step_s = t_step.elapsed().as_secs_f64();
             steps_run += 1;
-            if steps_run.is_multiple_of(log_every) {
+            // As torchtune: rewards and successes are the means over the ranks, the other
+            // statistics rank 0's.
+            let over_ranks = match comm {
+                Some(c) => Some(ranks_mean(c, &traj, &device)?),
+                None => None,
+            };
+            if let (Some(logger), true) = (logger.as_mut(), steps_run.is_multiple_of(log_every)) {
                 let mut metrics = step_metrics(&traj, &stats);
+                if let Some((rewards, successes)) = over_ranks {
+                    for (name, value) in [("rewards", rewards), ("successes", successes)] {
+                        if let Some(m) = metrics.iter_mut().find(|(n, _)| *n == name) {
+                            m.1 = value;
+                        }
+                    }
+                }
                 metrics.push(("lr", optimizer.lr()));
                 if let Some(n) = grad_norm {
                     metrics.push(("grad_norm", n));
@@ -661,7 +744,9 @@ pub fn run(cfg: &Config) -> Result<()> {
             }
         }
         // ------------------------------------------------------------ checkpoint
-        if (epoch + 1).is_multiple_of(b.save_every_n_epochs) || done || epoch + 1 == b.epochs {
+        let save =
+            (epoch + 1).is_multiple_of(b.save_every_n_epochs) || done || epoch + 1 == b.epochs;
+        if save && lead {
             let name = format!("epoch_{epoch}");
             let st = TrainState {
                 epoch: epoch + 1,
@@ -700,13 +785,73 @@ pub fn run(cfg: &Config) -> Result<()> {
                 })?;
             eprintln!("Checkpoint saved: {}", dir.display());
         }
-        crate::recipe::finetune::kill_if_asked(global_step, 0);
+        if let (true, Some(c)) = (save, comm) {
+            // The other ranks wait for rank 0's checkpoint, as torchtune's do.
+            c.barrier()?;
+        }
+        crate::recipe::finetune::kill_if_asked(global_step, rank);
         if done {
             break;
         }
     }
-    logger.flush()?;
+    if let Some(logger) = logger.as_mut() {
+        logger.flush()?;
+    }
+    if let Some((store, _)) = group {
+        // Leaving together: a rank that exits early looks lost to the others' watchdog.
+        store.barrier("end of training")?;
+        store.shutdown()?;
+    }
     Ok(())
+}
+
+/// Averages the gradients of `params` over the ranks (DDP's all-reduce, as one flat bucket):
+/// each rank's loss is the mean over its rows, so with the same rows on every rank the average
+/// is the gradient of the loss of all the ranks' rows. Every rank gets the same bits.
+fn average_grads(
+    comm: &dyn Collectives,
+    params: &[(String, Var)],
+    grads: &mut GradStore,
+) -> Result<()> {
+    let Some((_, first)) = params.first() else {
+        return Ok(());
+    };
+    let device = first.device().clone();
+    let flat: Vec<Tensor> = params
+        .iter()
+        .map(|(_, v)| match grads.get(v.as_tensor()) {
+            Some(g) => Ok(g.flatten_all()?.to_dtype(DType::F32)?),
+            // A parameter the loss did not reach contributes zeros, as in torch.
+            None => Ok(Tensor::zeros(v.elem_count(), DType::F32, &device)?),
+        })
+        .collect::<Result<_>>()?;
+    let summed = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?;
+    let mean = (summed / comm.world_size() as f64)?;
+    let mut offset = 0;
+    for (_, v) in params {
+        let n = v.elem_count();
+        let g = mean
+            .narrow(0, offset, n)?
+            .reshape(v.shape())?
+            .to_dtype(v.dtype())?;
+        grads.insert(v.as_tensor(), g);
+        offset += n;
+    }
+    Ok(())
+}
+
+/// The mean reward and success of the batch over every rank.
+fn ranks_mean(c: &dyn Collectives, traj: &GrpoTrajectory, device: &Device) -> Result<(f64, f64)> {
+    let rows = traj.rewards.len().max(1) as f32;
+    let mine = [
+        traj.rewards.iter().sum::<f32>() / rows,
+        traj.successes.iter().sum::<f32>() / rows,
+    ];
+    let sum = c
+        .all_reduce_sum(&Tensor::new(&mine[..], device)?)?
+        .to_vec1::<f32>()?;
+    let n = c.world_size() as f64;
+    Ok((sum[0] as f64 / n, sum[1] as f64 / n))
 }
 
 /// The metrics torchtune's GRPO recipe logs for one batch (the optimizer steps' means).

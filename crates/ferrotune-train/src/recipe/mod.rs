@@ -36,10 +36,11 @@ fn finetune_recipe(name: &str) -> Option<(finetune::Mode, bool)> {
 }
 
 /// The error of launching recipe `name` as `world_size` ranks when it runs as one process: every
-/// recipe but the fine-tuning ones (whose single-device forms say so themselves), since each rank
-/// would repeat the whole run and write the same files.
+/// recipe but the fine-tuning ones (whose single-device forms say so themselves) and GRPO, since
+/// each rank would repeat the whole run and write the same files.
 pub fn check_world_size(name: &str, world_size: usize) -> Result<()> {
-    if world_size > 1 && RECIPES.contains(&name) && finetune_recipe(name).is_none() {
+    let several_ranks = finetune_recipe(name).is_some() || name == grpo::RECIPE;
+    if world_size > 1 && RECIPES.contains(&name) && !several_ranks {
         bail!(
             "recipe {name} runs as one process, but {world_size} were asked for: launch it \
              without --nproc-per-node/--nnodes{}",
