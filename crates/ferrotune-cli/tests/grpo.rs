@@ -314,6 +314,32 @@ fn grpo_on_two_ranks_trains_what_one_process_trains() {
         let log = text(&o);
         assert!(o.status.success(), "{name}: {log}");
         assert!(log.contains("Distributed: 2 ranks"), "{log}");
+        if name == "full" {
+            // Two epochs on two ranks, killed (rank 1) after the first epoch's checkpoint at
+            // optimizer step 4, resumed: the weights of the uninterrupted two-epoch run.
+            let mut two_epochs = cmd.clone();
+            let through = dir.join("through");
+            two_epochs[6] = format!("output_dir={}", through.display());
+            two_epochs.push("epochs=2".into());
+            let o = common::ferrotune(&two_epochs, &dir, &[]);
+            assert!(o.status.success(), "{}", text(&o));
+            let resumed = dir.join("resumed");
+            two_epochs[6] = format!("output_dir={}", resumed.display());
+            let kill = [
+                ("FERROTUNE_KILL_AFTER_STEP", "4"),
+                ("FERROTUNE_KILL_RANK", "1"),
+            ];
+            let o = common::ferrotune(&two_epochs, &dir, &kill);
+            assert!(!o.status.success(), "the run was not killed");
+            assert!(resumed.join("epoch_0").is_dir() && !resumed.join("epoch_1").exists());
+            two_epochs.push("resume_from_checkpoint=true".into());
+            let o = common::ferrotune(&two_epochs, &dir, &[]);
+            assert!(o.status.success(), "{}", text(&o));
+            let a = load(&resumed.join("epoch_1/model.safetensors"));
+            for (key, t) in load(&through.join("epoch_1/model.safetensors")) {
+                assert_eq!(ferrotune_testing::max_abs_diff(&t, &a[&key]), 0.0, "{key}");
+            }
+        }
 
         let want = metrics_lines(&single.join("logs/metrics.jsonl"));
         let got = metrics_lines(&ranks.join("logs/metrics.jsonl"));
