@@ -9,3 +9,26 @@ pub mod store;
 pub use comm::{init as init_collectives, Collectives};
 pub use env::DistEnv;
 pub use store::Store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use candle_core::Device;
+
+/// How long a rank waits for the others to join.
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Joins the group torchrun's environment `env` describes: the rendezvous store (to be kept for
+/// the whole run: it is also the watchdog that stops every rank when one dies) and the
+/// collectives for `device`.
+pub fn join_group(env: &DistEnv, device: &Device) -> Result<(Store, Arc<dyn Collectives>)> {
+    let store = Store::connect(env, RENDEZVOUS_TIMEOUT).with_context(|| {
+        format!(
+            "rank {}: rendezvous at {}:{}",
+            env.rank, env.master_addr, env.master_port
+        )
+    })?;
+    let collectives: Arc<dyn Collectives> = Arc::from(comm::init(env, &store, device)?);
+    Ok((store, collectives))
+}

@@ -20,10 +20,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::clip::{clip_grad_norm, clip_grad_norm_global, scale_grads};
 use crate::config::Config;
-use crate::dist::comm::{self, Collectives};
 use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
-use crate::dist::store::Store;
 use crate::export::{write_hf_model, ModelSource};
 use crate::loss::KdLoss;
 use crate::metrics::peak_rss_mb;
@@ -133,9 +131,6 @@ impl Examples {
 }
 
 /// How long a rank waits for the others at the rendezvous.
-/// How long a rank waits for the others to join.
-pub(crate) const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
-
 /// The subfolder of a LoRA checkpoint that holds the merged HF model.
 pub const MERGED_DIR: &str = "merged";
 
@@ -183,13 +178,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         None
     } else if distributed {
         let sharding = setup::sharding(cfg)?;
-        let store = Store::connect(&env, RENDEZVOUS_TIMEOUT).with_context(|| {
-            format!(
-                "rank {rank}: rendezvous at {}:{}",
-                env.master_addr, env.master_port
-            )
-        })?;
-        let collectives: Arc<dyn Collectives> = Arc::from(comm::init(&env, &store, &device)?);
+        let (store, collectives) = crate::dist::join_group(&env, &device)?;
         if lead {
             eprintln!(
                 "Distributed: {world} ranks, {} backend, fsdp_sharding: {}{}",

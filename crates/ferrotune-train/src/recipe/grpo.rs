@@ -33,12 +33,12 @@ use ferrotune_models::{peft, CausalLm};
 
 use crate::clip::clip_grad_norm;
 use crate::config::Config;
-use crate::dist::comm::{self, Collectives};
+use crate::dist::comm::Collectives;
 use crate::dist::env::DistEnv;
 use crate::dist::store::Store;
 use crate::export::write_hf_model;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
-use crate::recipe::finetune::{MAX_SHARD_BYTES, RENDEZVOUS_TIMEOUT};
+use crate::recipe::finetune::MAX_SHARD_BYTES;
 use crate::recipe::ppo::{
     backward_from_hidden, host, left_pad, load, logprobs_from_hidden, mask_tensor,
     response_logprobs,
@@ -453,13 +453,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     // The store stays open for the whole run: it is also the watchdog that stops every rank
     // when one of them dies.
     let group: Option<(Store, Arc<dyn Collectives>)> = if world > 1 {
-        let store = Store::connect(&env, RENDEZVOUS_TIMEOUT).with_context(|| {
-            format!(
-                "rank {rank}: rendezvous at {}:{}",
-                env.master_addr, env.master_port
-            )
-        })?;
-        let collectives: Arc<dyn Collectives> = Arc::from(comm::init(&env, &store, &device)?);
+        let (store, collectives) = crate::dist::join_group(&env, &device)?;
         say(format!(
             "Distributed: {world} ranks, {} backend, data parallel (gradients averaged over \
              the ranks)",
@@ -576,16 +570,15 @@ pub fn run(cfg: &Config) -> Result<()> {
     // each rank's last incomplete batch.
     let per_rank = problems.len().div_ceil(world);
     let batches_per_epoch = per_rank / b.batch_size;
+    let on_ranks = match world {
+        1 => String::new(),
+        n => format!(" on each of {n} ranks"),
+    };
     if batches_per_epoch == 0 {
         bail!(
-            "{o}: the dataset has {} problems, fewer than one batch (batch_size {}{})",
+            "{o}: the dataset has {} problems, fewer than one batch (batch_size {}{on_ranks})",
             problems.len(),
             b.batch_size,
-            if world > 1 {
-                format!(" on each of {world} ranks")
-            } else {
-                String::new()
-            }
         );
     }
     // torchtune's schedule spans every epoch's optimizer steps, whatever num_steps says.
@@ -603,15 +596,8 @@ pub fn run(cfg: &Config) -> Result<()> {
     let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
     let total_batches = b.num_steps.min(b.epochs * batches_per_epoch);
     say(format!(
-        "GRPO: {total_batches} batch(es) of {} prompts × {} completions{}, {} optimizer step(s) each",
-        b.batch_size,
-        s.grpo_samples,
-        if world > 1 {
-            format!(" on each of {world} ranks")
-        } else {
-            String::new()
-        },
-        b.ppo_epochs
+        "GRPO: {total_batches} batch(es) of {} prompts × {} completions{on_ranks}, {} optimizer step(s) each",
+        b.batch_size, s.grpo_samples, b.ppo_epochs
     ));
 
     // ---------------------------------------------------------------- training loop
@@ -702,13 +688,14 @@ pub fn run(cfg: &Config) -> Result<()> {
             }
             let step_s = t_step.elapsed().as_secs_f64();
             steps_run += 1;
+            let log_now = steps_run.is_multiple_of(log_every);
             // As torchtune: rewards and successes are the means over the ranks, the other
-            // statistics rank 0's.
-            let over_ranks = match comm {
-                Some(c) => Some(ranks_mean(c, &traj, &device)?),
-                None => None,
+            // statistics rank 0's (every rank takes part in the reduction).
+            let over_ranks = match (comm, log_now) {
+                (Some(c), true) => Some(ranks_mean(c, &traj, &device)?),
+                _ => None,
             };
-            if let (Some(logger), true) = (logger.as_mut(), steps_run.is_multiple_of(log_every)) {
+            if let (Some(logger), true) = (logger.as_mut(), log_now) {
                 let mut metrics = step_metrics(&traj, &stats);
                 if let Some((rewards, successes)) = over_ranks {
                     for (name, value) in [("rewards", rewards), ("successes", successes)] {
