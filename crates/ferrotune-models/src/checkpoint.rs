@@ -312,6 +312,57 @@ fn read_safetensors_renamed(
     Ok(out)
 }
 
+/// A checkpoint of PyTorch pickles (`format` `Pickle`, beside `dir`'s `config.json`) or Meta's
+/// file: its config, its tensors under HF names in `dtype` (`None`: as stored; a torchtune-named
+/// state dict in its first tensor's type) on `device`, and the layers a `quantize` recipe's file
+/// holds quantized.
+pub fn read_pickled(
+    format: &CheckpointFormat,
+    dir: &Path,
+    dtype: Option<DType>,
+    device: &Device,
+) -> Result<
+    (
+        ModelConfig,
+        HashMap<String, Tensor>,
+        torchtune_names::QuantizedLinears,
+    ),
+    ModelError,
+> {
+    match format {
+        CheckpointFormat::Pickle(files) => {
+            let config = ModelConfig::from_hf_file(dir)?;
+            if config.text_of_multimodal {
+                return Err(ModelError::file(
+                    dir,
+                    "a multimodal model's PyTorch .bin checkpoint is not supported; use its \
+                     safetensors",
+                ));
+            }
+            let (tensors, quantized_linears) = torch_pickle::read_pickle_shards(
+                files,
+                |raw| {
+                    let dtype = dtype.unwrap_or_else(|| {
+                        raw.first().map_or(DType::F32, |(_, t)| t.dtype.candle())
+                    });
+                    torchtune_names::torchtune_to_hf(&config, raw, dtype, device)
+                },
+                dtype,
+                device,
+            )?;
+            Ok((config, tensors, quantized_linears))
+        }
+        CheckpointFormat::Meta(file) => {
+            let (config, tensors) = torch_pickle::read_meta(file, dtype, device)?;
+            Ok((config, tensors, Vec::new()))
+        }
+        CheckpointFormat::Safetensors(_) | CheckpointFormat::Gguf(_) => Err(ModelError::file(
+            dir,
+            "not a PyTorch or Meta pickle checkpoint",
+        )),
+    }
+}
+
 /// Reads a checkpoint (HF folder, PyTorch or Meta pickle, or GGUF) with tensors in `dtype` on
 /// `device`.
 pub fn read_checkpoint(
@@ -353,22 +404,10 @@ fn read(
         }
     };
     match &format {
-        CheckpointFormat::Pickle(files) => {
+        CheckpointFormat::Pickle(_) | CheckpointFormat::Meta(_) => {
             let dir = folder();
-            let config = ModelConfig::from_hf_file(&dir)?;
-            if config.text_of_multimodal {
-                return Err(ModelError::file(
-                    &dir,
-                    "a multimodal model's PyTorch .bin checkpoint is not supported; use its \
-                     safetensors",
-                ));
-            }
-            let (tensors, quantized_linears) = torch_pickle::read_pickle_shards(
-                files,
-                |raw| torchtune_names::torchtune_to_hf(&config, raw, dtype, device),
-                Some(dtype),
-                device,
-            )?;
+            let (config, tensors, quantized_linears) =
+                read_pickled(&format, &dir, Some(dtype), device)?;
             Ok(Checkpoint {
                 config,
                 tensors,
@@ -376,17 +415,6 @@ fn read(
                 format,
                 dir,
                 quantized_linears,
-            })
-        }
-        CheckpointFormat::Meta(file) => {
-            let (config, tensors) = torch_pickle::read_meta(file, Some(dtype), device)?;
-            Ok(Checkpoint {
-                config,
-                tensors,
-                packed: PackedWeights::new(),
-                format,
-                dir: folder(),
-                quantized_linears: Vec::new(),
             })
         }
         CheckpointFormat::Gguf(file) => {

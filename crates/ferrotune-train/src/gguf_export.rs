@@ -25,9 +25,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use ferrotune_data::{gguf_vocab, Tokenizer};
+use ferrotune_models::checkpoint::read_pickled;
 use ferrotune_models::config::RopeScaling;
-use ferrotune_models::torch_pickle::{read_meta, read_pickle_shards};
-use ferrotune_models::torchtune_names::torchtune_to_hf;
 use ferrotune_models::{CheckpointFormat, ModelConfig};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
@@ -642,25 +641,9 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             "{} is already a GGUF file; export-gguf converts an HF checkpoint folder",
             path.display()
         ),
-        CheckpointFormat::Pickle(files) => {
-            let config = ModelConfig::from_hf_file(&model_dir.join("config.json"))?;
-            if config.text_of_multimodal {
-                bail!(
-                    "{}: a multimodal model's PyTorch .bin checkpoint is not supported; use its \
-                     safetensors",
-                    model_dir.display()
-                );
-            }
-            // A torchtune-named state dict is renamed in its first tensor's type.
-            let (tensors, quantized) = read_pickle_shards(
-                files,
-                |raw| {
-                    let dtype = raw.first().map_or(DType::F32, |(_, t)| t.dtype.candle());
-                    torchtune_to_hf(&config, raw, dtype, &Device::Cpu)
-                },
-                None,
-                &Device::Cpu,
-            )?;
+        CheckpointFormat::Pickle(_) | CheckpointFormat::Meta(_) => {
+            let (config, tensors, quantized) =
+                read_pickled(&format, model_dir, None, &Device::Cpu)?;
             if !quantized.is_empty() {
                 bail!(
                     "{}: the checkpoint holds torchao-quantized layers ({}); export-gguf \
@@ -669,10 +652,6 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                     quantized[0].0
                 );
             }
-            (config, Weights::Loaded(tensors.into_iter().collect()))
-        }
-        CheckpointFormat::Meta(file) => {
-            let (config, tensors) = read_meta(file, None, &Device::Cpu)?;
             (config, Weights::Loaded(tensors.into_iter().collect()))
         }
     };
