@@ -59,18 +59,22 @@ fn row(kind: FakeQuantKind, x: &[f32], out: &mut [f32], mask: Option<&mut [u8]>)
         }
     };
     let inv = 1.0 / scale;
+    // The rounded value (for the mask) and the value mapped back.
+    let quantize = |v: f32| {
+        let q = round_ties_even(v * inv) + zp;
+        (q, (q.clamp(qmin, qmax) - zp) * scale)
+    };
     match mask {
         Some(mask) => {
             for ((o, m), &v) in out.iter_mut().zip(mask.iter_mut()).zip(x) {
-                let q = round_ties_even(v * inv) + zp;
+                let (q, value) = quantize(v);
                 *m = u8::from(q > qmin && q < qmax);
-                *o = (q.clamp(qmin, qmax) - zp) * scale;
+                *o = value;
             }
         }
         None => {
             for (o, &v) in out.iter_mut().zip(x) {
-                let q = round_ties_even(v * inv) + zp;
-                *o = (q.clamp(qmin, qmax) - zp) * scale;
+                *o = quantize(v).1;
             }
         }
     }
