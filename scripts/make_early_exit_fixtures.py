@@ -23,21 +23,13 @@ Run from the repository root with torch, transformers, safetensors and torchtune
     python3 scripts/make_early_exit_fixtures.py
 """
 import json
-import os
-import sys
-import types
 from pathlib import Path
 
 import torch
 
-# torchtune imports torchao's NF4 tensor at package import; nothing here uses it.
-nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
-nf4.NF4Tensor = type("NF4Tensor", (), {})
-nf4.linear_nf4 = lambda *a, **k: None
-nf4.to_nf4 = lambda *a, **k: None
-nf4.implements = lambda *a, **k: (lambda f: f)
-sys.modules["torchao.dtypes.nf4tensor"] = nf4
-sys.path.insert(0, os.environ.get("TORCHTUNE_SRC", "/tmp/tt/src"))
+from torchtune_source import use_torchtune_source
+
+use_torchtune_source()
 from torchtune.models import convert_weights  # noqa: E402
 from torchtune.models.llama2._component_builders import llama2  # noqa: E402
 from torchtune.modules import early_exit_loss as eel  # noqa: E402

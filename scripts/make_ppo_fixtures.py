@@ -23,18 +23,12 @@ source at /tmp/tt/src (its NF4 import stubbed): python3 scripts/make_ppo_fixture
 import json
 import os
 import sys
-import types
 
 import torch
 
-# torchtune imports torchao's NF4 tensor at package import; these functions do not use it.
-nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
-nf4.NF4Tensor = type("NF4Tensor", (), {})
-nf4.linear_nf4 = lambda *a, **k: None
-nf4.to_nf4 = lambda *a, **k: None
-nf4.implements = lambda *a, **k: (lambda f: f)
-sys.modules["torchao.dtypes.nf4tensor"] = nf4
-sys.path.insert(0, os.environ.get("TORCHTUNE_SRC", "/tmp/tt/src"))
+from torchtune_source import use_torchtune_source
+
+use_torchtune_source()
 from torchtune import rlhf  # noqa: E402
 from torchtune.rlhf.loss import PPOLoss  # noqa: E402
 import importlib.util  # noqa: E402

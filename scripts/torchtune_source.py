@@ -1,0 +1,18 @@
+"""torchtune's source tree made importable for the fixture scripts that run its code."""
+
+import os
+import sys
+import types
+
+
+def use_torchtune_source():
+    """Puts torchtune's source (`TORCHTUNE_SRC`, default /tmp/tt/src) first on `sys.path`, with
+    torchao's NF4 tensor stubbed: torchtune imports it at package import, and the functions the
+    fixture scripts run do not use it."""
+    nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
+    nf4.NF4Tensor = type("NF4Tensor", (), {})
+    nf4.linear_nf4 = lambda *a, **k: None
+    nf4.to_nf4 = lambda *a, **k: None
+    nf4.implements = lambda *a, **k: (lambda f: f)
+    sys.modules["torchao.dtypes.nf4tensor"] = nf4
+    sys.path.insert(0, os.environ.get("TORCHTUNE_SRC", "/tmp/tt/src"))
