@@ -1287,6 +1287,164 @@ fn pytorch_and_meta_checkpoints_train_from_the_listed_files_and_save_hf_folders(
 }
 
 #[test]
+fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
+    // torchtune's FullModelMetaCheckpointer writes `epoch_N/model-00001-of-00001.bin` (Meta's
+    // names, q/k rows interleaved, Llama 3.2's tied head as `output.weight`) beside copies of the
+    // checkpoint folder's other files. With lr 0 every saved tensor must be the source's, byte
+    // for byte, and the saved folder must load back as the same model.
+    use ferrotune_models::torch_pickle::read_torch_file;
+    for case in ["llama2_meta", "llama3_2_meta"] {
+        let dir = tmpdir(&format!("meta-out-{case}"));
+        let model = dir.join("model");
+        std::fs::create_dir_all(model.join("notes")).unwrap();
+        let src = fixtures().join("models").join(case).join("model");
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+        }
+        // torchtune's copy_files keeps sub-folders and skips hidden files.
+        std::fs::write(model.join("notes/README.txt"), "kept").unwrap();
+        std::fs::write(model.join(".cache"), "hidden").unwrap();
+        let golden: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixtures().join("models").join(case).join("golden.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        let want_loss = golden["loss"].as_f64().unwrap();
+        let data = dir.join("batch.jsonl");
+        write_golden_rows(&format!("models/{case}"), &data);
+        let cfg = dir.join("config.yaml");
+        std::fs::write(
+            &cfg,
+            TINY_LORA
+                .replace("OUT", &dir.join("out").display().to_string())
+                .replace("MODEL", &model.display().to_string())
+                .replace("DATA", &data.display().to_string()),
+        )
+        .unwrap();
+        let run = |recipe: &str, out: &str, extra: &[&str]| {
+            let out_dir = format!("output_dir={}", dir.join(out).display());
+            let mut args = vec![
+                "run",
+                recipe,
+                "--config",
+                cfg.to_str().unwrap(),
+                "checkpointer._component_=torchtune.training.FullModelMetaCheckpointer",
+                &out_dir,
+                "optimizer._component_=torch.optim.SGD",
+                "optimizer.lr=0.0",
+                "optimizer.weight_decay=0.0",
+                "max_steps_per_epoch=1",
+            ];
+            args.extend_from_slice(extra);
+            let o = ferrotune(&args, &dir, &[]);
+            assert!(o.status.success(), "{case} {recipe}: {}", text(&o));
+            let metrics =
+                std::fs::read_to_string(dir.join(out).join("logs/metrics.jsonl")).unwrap();
+            let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+            let got = first["loss"].as_f64().unwrap();
+            assert!(
+                ((got - want_loss) / want_loss).abs() < 1e-5,
+                "{case} {recipe} into {out}: logged loss {got} vs transformers {want_loss}"
+            );
+        };
+        let source = read_torch_file(&model.join("consolidated.00.pth")).unwrap();
+        let embed = source
+            .iter()
+            .find(|(n, _)| n == "tok_embeddings.weight")
+            .unwrap()
+            .1
+            .clone();
+        let check_saved = |folder: &Path| {
+            let saved = read_torch_file(&folder.join("model-00001-of-00001.bin")).unwrap();
+            // Meta's names: the source's, less Llama 2's precomputed `rope.freqs`, with the head.
+            let mut want: Vec<(String, _)> = source
+                .iter()
+                .filter(|(n, _)| n != "rope.freqs")
+                .cloned()
+                .collect();
+            if !want.iter().any(|(n, _)| n == "output.weight") {
+                want.push(("output.weight".into(), embed.clone()));
+            }
+            want.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut got = saved.clone();
+            got.sort_by(|a, b| a.0.cmp(&b.0));
+            let names = |v: &[(String, _)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+            assert_eq!(names(&got), names(&want), "{case}: saved names");
+            for ((name, g), (_, w)) in got.iter().zip(&want) {
+                assert!(g == w, "{case}: {name} differs from the source");
+            }
+            for f in ["params.json", "notes/README.txt"] {
+                assert_eq!(
+                    std::fs::read(folder.join(f)).unwrap(),
+                    std::fs::read(model.join(f)).unwrap(),
+                    "{case}: {f} copied"
+                );
+            }
+            for absent in [
+                ".cache",
+                "consolidated.00.pth",
+                "config.json",
+                "model.safetensors",
+            ] {
+                assert!(
+                    !folder.join(absent).exists(),
+                    "{case}: {absent} not in the saved folder"
+                );
+            }
+            assert!(folder.join("tokenizer.json").is_file(), "{case}: tokenizer");
+        };
+        let listed = "checkpointer.checkpoint_files=[consolidated.00.pth]";
+        run("full_finetune_single_device", "full", &[listed]);
+        check_saved(&dir.join("full/epoch_0"));
+        // The saved folder is a checkpoint again, without naming its file.
+        let again = format!(
+            "checkpointer.checkpoint_dir={}",
+            dir.join("full/epoch_0").display()
+        );
+        run("full_finetune_single_device", "again", &[&again]);
+        check_saved(&dir.join("again/epoch_0"));
+        // Training (AdamW, lr 1e-3, bf16) killed after its second of three epochs resumes from
+        // the Meta folder to the uninterrupted run's file, byte for byte.
+        let train = |out: &str, env: &[(&str, &str)], extra: &[&str]| {
+            let out_dir = format!("output_dir={}", dir.join(out).display());
+            let mut args = vec![
+                "run",
+                "full_finetune_single_device",
+                "--config",
+                cfg.to_str().unwrap(),
+                "checkpointer._component_=torchtune.training.FullModelMetaCheckpointer",
+                listed,
+                &out_dir,
+                "epochs=3",
+                "dtype=bf16",
+            ];
+            args.extend_from_slice(extra);
+            ferrotune(&args, &dir, env)
+        };
+        let whole = train("whole", &[], &[]);
+        assert!(whole.status.success(), "{case}: {}", text(&whole));
+        let killed = train("resumed", &[("FERROTUNE_KILL_AFTER_STEP", "2")], &[]);
+        assert!(!killed.status.success(), "{case}: the run was to be killed");
+        let resumed = train("resumed", &[], &["resume_from_checkpoint=true"]);
+        assert!(resumed.status.success(), "{case}: {}", text(&resumed));
+        let file = |out: &str| {
+            std::fs::read(dir.join(out).join("epoch_2/model-00001-of-00001.bin")).unwrap()
+        };
+        assert!(
+            file("whole") == file("resumed"),
+            "{case}: resumed run's weights"
+        );
+        // LoRA: the PEFT adapter, and the merged model (B = 0 at the start) in Meta's format one
+        // folder down.
+        run("lora_finetune_single_device", "lora", &[listed]);
+        assert!(dir.join("lora/epoch_0/adapter_config.json").is_file());
+        check_saved(&dir.join("lora/epoch_0/merged"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
 fn an_adapter_with_modules_to_save_is_not_trained_further() {
     let dir = tmpdir("mts-train");
     let data = dir.join("batch.jsonl");

@@ -44,7 +44,8 @@ pub struct Checkpoint {
 }
 
 /// Resolves `path` (an HF folder, a `.safetensors`/`.bin`/`.pt`/`.pth` file, a `.gguf` file, a
-/// folder holding exactly one `.gguf`, or a Meta folder with `params.json`) to the files that
+/// folder holding exactly one `.gguf`, or a Meta folder with `params.json`: Meta's
+/// `consolidated.00.pth` or the one `.bin` torchtune's Meta checkpointer saves) to the files that
 /// hold the weights. Safetensors win over pickles of the same model in one folder.
 pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     if !path.exists() {
@@ -104,6 +105,27 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     if !consolidated.is_empty() && path.join("params.json").is_file() {
         consolidated.sort();
         return locate_listed(path, &consolidated);
+    }
+    if path.join("params.json").is_file() && !path.join("config.json").is_file() {
+        // torchtune's FullModelMetaCheckpointer saves Meta's tensors as
+        // `model-00001-of-00001.bin` beside a copy of params.json (and a LoRA run's
+        // `adapter_model.pt`, which is not the model).
+        let mut pickles: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.is_file()
+                    && torch_pickle::is_pickle_file(p)
+                    && !p
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("adapter_model."))
+            })
+            .collect();
+        pickles.sort();
+        if !pickles.is_empty() {
+            return locate_listed(path, &pickles);
+        }
     }
     if path.join("config.json").is_file() {
         // One torch.save file beside the config (torchtune's `hf_model_0001_0.pt` of a one-shard

@@ -426,6 +426,80 @@ fn tensor_record(value: Object) -> Result<TensorRecord, String> {
 /// tensor under `data/`, 64-byte aligned as torch aligns them, `byteorder` and `version`. The file
 /// is written under a temporary name and renamed into place.
 pub fn write_torch_file(file: &Path, tensors: &[(String, TorchTensor)]) -> Result<(), ModelError> {
+    let entries: Vec<StateEntry> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (name, t))| StateEntry {
+            name: name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            storage: i,
+        })
+        .collect();
+    write_state_dict(file, &entries, tensors.len(), |i| {
+        Ok(tensors[i].1.data.clone())
+    })
+}
+
+/// [`write_torch_file`] of candle tensors, each converted to bytes only when its storage is
+/// written (a model's worth of bytes is never held at once). Entries that are the same tensor
+/// (a tied head and its embedding) share one storage, as `torch.save` writes them.
+pub fn write_torch_tensors(file: &Path, tensors: &[(String, Tensor)]) -> Result<(), ModelError> {
+    let mut owners: Vec<usize> = Vec::new(); // storage -> index of the tensor that owns it
+    let mut entries = Vec::with_capacity(tensors.len());
+    for (i, (name, t)) in tensors.iter().enumerate() {
+        let dtype = torch_dtype(t.dtype()).ok_or_else(|| {
+            ModelError::file(
+                file,
+                format!("tensor '{name}': no torch storage for {:?}", t.dtype()),
+            )
+        })?;
+        let storage = match owners.iter().position(|&o| tensors[o].1.id() == t.id()) {
+            Some(s) => s,
+            None => {
+                owners.push(i);
+                owners.len() - 1
+            }
+        };
+        entries.push(StateEntry {
+            name: name.clone(),
+            dtype,
+            shape: t.dims().to_vec(),
+            storage,
+        });
+    }
+    write_state_dict(file, &entries, owners.len(), |s| {
+        let (name, t) = &tensors[owners[s]];
+        TorchTensor::from_tensor(t)
+            .map(|t| t.data)
+            .map_err(|e| format!("tensor '{name}': {e}"))
+    })
+}
+
+/// The torch storage type of a candle dtype.
+fn torch_dtype(dtype: DType) -> Option<TorchDType> {
+    TorchDType::ALL
+        .into_iter()
+        .filter(|d| !matches!(d, TorchDType::I8 | TorchDType::Bool))
+        .find(|d| d.candle() == dtype)
+}
+
+/// One name of a state dict being written: a contiguous tensor viewing storage `storage` whole.
+struct StateEntry {
+    name: String,
+    dtype: TorchDType,
+    shape: Vec<usize>,
+    storage: usize,
+}
+
+/// Writes the zip `torch.save` writes for `entries`, asking `bytes` for each of the `storages`
+/// storages' contents in turn.
+fn write_state_dict(
+    file: &Path,
+    entries: &[StateEntry],
+    storages: usize,
+    mut bytes: impl FnMut(usize) -> Result<Vec<u8>, String>,
+) -> Result<(), ModelError> {
     use std::io::Write;
     // The archive's folder name inside the zip (torch uses the file's stem).
     let stem = file
@@ -447,20 +521,17 @@ pub fn write_torch_file(file: &Path, tensors: &[(String, TorchTensor)]) -> Resul
                 .with_alignment(64)
                 .large_file(size as u64 >= u32::MAX as u64)
         };
-        let pickle = state_dict_pickle(tensors);
-        let mut entries: Vec<(String, &[u8])> = vec![
-            (format!("{stem}/data.pkl"), &pickle),
-            (format!("{stem}/byteorder"), b"little"),
-        ];
-        for (i, (_, t)) in tensors.iter().enumerate() {
-            entries.push((format!("{stem}/data/{i}"), &t.data));
-        }
-        entries.push((format!("{stem}/version"), b"3\n"));
-        for (name, bytes) in entries {
-            zip.start_file(name, opts(bytes.len()))
+        let mut put = |name: String, data: &[u8]| -> Result<(), String> {
+            zip.start_file(name, opts(data.len()))
                 .map_err(|e| err(&e))?;
-            zip.write_all(bytes).map_err(|e| err(&e))?;
+            zip.write_all(data).map_err(|e| err(&e))
+        };
+        put(format!("{stem}/data.pkl"), &state_dict_pickle(entries))?;
+        put(format!("{stem}/byteorder"), b"little")?;
+        for s in 0..storages {
+            put(format!("{stem}/data/{s}"), &bytes(s)?)?;
         }
+        put(format!("{stem}/version"), b"3\n")?;
         let mut inner = zip.finish().map_err(|e| err(&e))?;
         inner.flush().map_err(|e| err(&e))?;
         inner
@@ -472,19 +543,19 @@ pub fn write_torch_file(file: &Path, tensors: &[(String, TorchTensor)]) -> Resul
 }
 
 /// The pickle (protocol 2) of a dict mapping each name to a tensor rebuilt by
-/// `torch._utils._rebuild_tensor_v2` from storage `data/<i>`.
-fn state_dict_pickle(tensors: &[(String, TorchTensor)]) -> Vec<u8> {
+/// `torch._utils._rebuild_tensor_v2` from its storage `data/<storage>`.
+fn state_dict_pickle(entries: &[StateEntry]) -> Vec<u8> {
     let mut p = vec![0x80, 2]; // PROTO 2
     p.push(b'}'); // EMPTY_DICT
-    for (i, (name, t)) in tensors.iter().enumerate() {
+    for t in entries {
         p.push(b'('); // MARK
-        unicode(&mut p, name);
+        unicode(&mut p, &t.name);
         global(&mut p, "torch._utils", "_rebuild_tensor_v2");
         p.push(b'('); // MARK: the arguments
         p.push(b'('); // MARK: the persistent id
         unicode(&mut p, "storage");
         global(&mut p, "torch", t.dtype.storage_class());
-        unicode(&mut p, &i.to_string());
+        unicode(&mut p, &t.storage.to_string());
         unicode(&mut p, "cpu");
         int(&mut p, t.shape.iter().product::<usize>());
         p.push(b't'); // TUPLE
@@ -800,6 +871,94 @@ fn meta_to_hf_name(name: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}"))
 }
 
+/// HF Llama tensors (as [`read_meta`] returns them) under Meta's names, in the order Meta's
+/// model holds them, with the q/k rows back in Meta's interleaved rotary layout: what torchtune's
+/// `FullModelMetaCheckpointer` saves. A tied head is written as `output.weight` holding the
+/// embedding (the same tensor, so one storage in the file), as torchtune saves Llama 3.2.
+pub fn hf_to_meta(
+    config: &ModelConfig,
+    tensors: &HashMap<String, Tensor>,
+) -> Result<Vec<(String, Tensor)>, String> {
+    const LAYER: &[(&str, &str)] = &[
+        ("attention.wq.weight", "self_attn.q_proj.weight"),
+        ("attention.wk.weight", "self_attn.k_proj.weight"),
+        ("attention.wv.weight", "self_attn.v_proj.weight"),
+        ("attention.wo.weight", "self_attn.o_proj.weight"),
+        ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
+        ("feed_forward.w2.weight", "mlp.down_proj.weight"),
+        ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+        ("attention_norm.weight", "input_layernorm.weight"),
+        ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ];
+    if config.model_type != "llama" {
+        return Err(format!(
+            "Meta's checkpoint format holds Llama models; this one is '{}'",
+            config.model_type
+        ));
+    }
+    let take = |hf: &str| {
+        tensors
+            .get(hf)
+            .cloned()
+            .ok_or_else(|| format!("missing tensor '{hf}'"))
+    };
+    let embed = take("model.embed_tokens.weight")?;
+    let mut out = vec![("tok_embeddings.weight".to_string(), embed.clone())];
+    let (heads, kv, head_dim) = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    );
+    for layer in 0..config.num_hidden_layers {
+        for (meta, hf) in LAYER {
+            let hf = format!("model.layers.{layer}.{hf}");
+            let t = take(&hf)?;
+            let t = match *meta {
+                "attention.wq.weight" => permute_rotary_to_pairs(&t, heads, head_dim),
+                "attention.wk.weight" => permute_rotary_to_pairs(&t, kv, head_dim),
+                _ => Ok(t),
+            }
+            .map_err(|e| format!("tensor '{hf}': {e}"))?;
+            out.push((format!("layers.{layer}.{meta}"), t));
+        }
+    }
+    out.push(("norm.weight".to_string(), take("model.norm.weight")?));
+    let head = match tensors.get("lm_head.weight") {
+        Some(t) => t.clone(),
+        None if config.tie_word_embeddings => embed,
+        None => return Err("missing tensor 'lm_head.weight'".into()),
+    };
+    out.push(("output.weight".to_string(), head));
+    // Anything else (biases, extra layers) would be dropped silently: refuse instead.
+    let placed = out.len() - 1 + usize::from(tensors.contains_key("lm_head.weight"));
+    if tensors.len() != placed {
+        let mut names: Vec<&String> = tensors.keys().collect();
+        names.sort();
+        let placed_name = |n: &str| {
+            [
+                "model.embed_tokens.weight",
+                "model.norm.weight",
+                "lm_head.weight",
+            ]
+            .contains(&n)
+                || n.strip_prefix("model.layers.")
+                    .and_then(|r| r.split_once('.'))
+                    .is_some_and(|(layer, tail)| {
+                        layer
+                            .parse::<usize>()
+                            .is_ok_and(|l| l < config.num_hidden_layers)
+                            && LAYER.iter().any(|(_, hf)| *hf == tail)
+                    })
+        };
+        let extra = names.into_iter().find(|n| !placed_name(n));
+        return Err(format!(
+            "tensor '{}' has no place in Meta's Llama format",
+            extra.map_or("?", |n| n.as_str())
+        ));
+    }
+    Ok(out)
+}
+
 /// Rows `[heads, pairs, 2, dim]` (Meta's and torchtune's interleaved rotary pairs) to
 /// `[heads, 2, pairs, dim]` (HF's halves).
 pub fn unpermute_rotary(
@@ -912,6 +1071,43 @@ mod io_tests {
         assert_eq!(back, tensors); // already in name order
         let codes = back[2].1.to_tensor(DType::F32, &Device::Cpu).unwrap();
         assert_eq!(codes.to_vec2::<f32>().unwrap(), [[-8., 7.], [0., -1.]]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn one_tensor_under_two_names_is_one_storage() {
+        // A tied head: torch.save writes the embedding's storage once, referenced twice.
+        let dir = std::env::temp_dir().join(format!("ferrotune-torchtied-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let embed = Tensor::new(&[[1.5f32, -2.0], [0.25, 4.0]], &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let norm = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        let tensors = vec![
+            ("tok_embeddings.weight".to_string(), embed.clone()),
+            ("norm.weight".to_string(), norm.clone()),
+            ("output.weight".to_string(), embed.clone()),
+        ];
+        let path = dir.join("model-00001-of-00001.bin");
+        write_torch_tensors(&path, &tensors).unwrap();
+        let mut zip = zip::ZipArchive::new(std::fs::File::open(&path).unwrap()).unwrap();
+        let names: Vec<String> = (0..zip.len())
+            .map(|i| zip.by_index(i).unwrap().name().unwrap().to_string())
+            .collect();
+        let storages: Vec<&String> = names.iter().filter(|n| n.contains("/data/")).collect();
+        assert_eq!(
+            storages,
+            ["model-00001-of-00001/data/0", "model-00001-of-00001/data/1"]
+        );
+        let back = read_torch_file(&path).unwrap();
+        let get = |name: &str| back.iter().find(|(n, _)| n == name).unwrap().1.clone();
+        assert_eq!(get("output.weight"), get("tok_embeddings.weight"));
+        assert_eq!(
+            get("output.weight"),
+            TorchTensor::from_tensor(&embed).unwrap()
+        );
+        assert_eq!(get("norm.weight"), TorchTensor::from_tensor(&norm).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,6 +1,7 @@
 //! Writing complete HF checkpoint folders: weights, `config.json`, `generation_config.json` and the
 //! tokenizer files, so that `AutoModelForCausalLM.from_pretrained(dir)` and
-//! `AutoTokenizer.from_pretrained(dir)` load the result unchanged.
+//! `AutoTokenizer.from_pretrained(dir)` load the result unchanged; and Meta-format folders as
+//! torchtune's `FullModelMetaCheckpointer` writes them.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -59,6 +60,138 @@ pub fn write_hf_model(
         max_shard_bytes,
     )?;
     copy_or_export_tokenizer(source, tokenizer, out)
+}
+
+/// The format a training recipe saves its model in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveFormat {
+    /// An HF folder (safetensors, `config.json`, tokenizer): what transformers loads.
+    Hf,
+    /// Meta's format, as torchtune's `FullModelMetaCheckpointer` saves it: see
+    /// [`write_meta_model`].
+    Meta,
+}
+
+/// The name of the one weight file torchtune's `FullModelMetaCheckpointer` saves.
+pub const META_MODEL_FILE: &str = "model-00001-of-00001.bin";
+
+/// Writes `tensors` (HF names) into `out` in `format`: [`write_hf_model`] or [`write_meta_model`].
+#[allow(clippy::too_many_arguments)]
+pub fn write_model(
+    format: SaveFormat,
+    out: &Path,
+    config: &ModelConfig,
+    tensors: &HashMap<String, Tensor>,
+    dtype: DType,
+    max_shard_bytes: u64,
+    source: &ModelSource,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<()> {
+    match format {
+        SaveFormat::Hf => write_hf_model(
+            out,
+            config,
+            tensors,
+            dtype,
+            max_shard_bytes,
+            source,
+            tokenizer,
+        ),
+        SaveFormat::Meta => write_meta_model(out, config, tensors, dtype, source, tokenizer),
+    }
+}
+
+/// Writes a Llama model's `tensors` (HF names) into `out` as torchtune's
+/// `FullModelMetaCheckpointer` does: `model-00001-of-00001.bin` (`torch.save` of Meta's tensor
+/// names, in `dtype`), then the source folder's other files (params.json, tokenizer.model, ...:
+/// every file but weights and indexes, up to 100 MiB, not starting with '.'), as torchtune's
+/// `copy_files` copies them. The run's HF tokenizer files are added where the source has no file
+/// of that name, so that ferrotune's own verbs find a tokenizer in the folder.
+pub fn write_meta_model(
+    out: &Path,
+    config: &ModelConfig,
+    tensors: &HashMap<String, Tensor>,
+    dtype: DType,
+    source: &ModelSource,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<()> {
+    // In `dtype` first, so that a tied head stays the embedding's very tensor (one storage).
+    let typed = tensors
+        .iter()
+        .map(|(name, t)| Ok((name.clone(), t.to_dtype(dtype)?)))
+        .collect::<candle_core::Result<HashMap<_, _>>>()?;
+    let meta = ferrotune_models::torch_pickle::hf_to_meta(config, &typed)
+        .map_err(|e| anyhow::anyhow!("{}: cannot save in Meta's format: {e}", out.display()))?;
+    drop(typed);
+    ferrotune_models::torch_pickle::write_torch_tensors(&out.join(META_MODEL_FILE), &meta)?;
+    copy_checkpoint_files(&source.dir, out)?;
+    if let Some(tok) = tokenizer {
+        let from = tok.origin();
+        let from = if from.is_file() {
+            from.parent().unwrap_or(Path::new("."))
+        } else {
+            from
+        };
+        for name in TOKENIZER_FILES {
+            let (src, dst) = (from.join(name), out.join(name));
+            if src.is_file() && !dst.exists() {
+                let bytes = std::fs::read(&src)
+                    .with_context(|| format!("{}: cannot read", src.display()))?;
+                write_atomic(&dst, &bytes)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// File endings torchtune's checkpointers do not copy from the checkpoint folder (weights, their
+/// indexes and adapters).
+const NOT_COPIED: &[&str] = &[
+    ".pt",
+    ".pth",
+    ".bin",
+    ".safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "adapter_config.json",
+    "adapter_model",
+];
+
+/// torchtune's `copy_files`: every file under `from` (recursively, keeping sub-folders) that
+/// is not a weight file, not hidden and not over 100 MiB, and not already in `to`.
+pub fn copy_checkpoint_files(from: &Path, to: &Path) -> Result<()> {
+    const MAX_BYTES: u64 = 100 * 1024 * 1024;
+    std::fs::create_dir_all(to).with_context(|| format!("{}: cannot create", to.display()))?;
+    let entries =
+        std::fs::read_dir(from).with_context(|| format!("{}: cannot list", from.display()))?;
+    for entry in entries {
+        let entry = entry.with_context(|| format!("{}: cannot list", from.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        if path.is_dir() {
+            // Not into itself: an output_dir inside the checkpoint folder is not copied.
+            let holds_output = match (path.canonicalize(), to.canonicalize()) {
+                (Ok(dir), Ok(out)) => out.starts_with(dir),
+                _ => false,
+            };
+            if !holds_output {
+                copy_checkpoint_files(&path, &to.join(&name))?;
+            }
+            continue;
+        }
+        let dst = to.join(&name);
+        let size = entry.metadata().map(|m| m.len()).unwrap_or(u64::MAX);
+        if NOT_COPIED.iter().any(|s| name.ends_with(s)) || size > MAX_BYTES || dst.exists() {
+            continue;
+        }
+        let bytes =
+            std::fs::read(&path).with_context(|| format!("{}: cannot read", path.display()))?;
+        write_atomic(&dst, &bytes)?;
+    }
+    Ok(())
 }
 
 /// Puts the tokenizer files of the model's source into `out`: copied from an HF folder (or from

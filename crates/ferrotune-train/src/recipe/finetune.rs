@@ -22,7 +22,7 @@ use crate::clip::{clip_grad_norm, clip_grad_norm_global, scale_grads};
 use crate::config::Config;
 use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
-use crate::export::{write_hf_model, ModelSource};
+use crate::export::{write_model, ModelSource, SaveFormat};
 use crate::loss::KdLoss;
 use crate::metrics::peak_rss_mb;
 use crate::optim::Optimizer;
@@ -563,6 +563,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let saver = Saver {
         mode,
         output_dir: &ckpt_out,
+        format: setup::save_format(cfg, &source, say),
         source: &source,
         tokenizer: &tokenizer,
         lora_config: lora_config.as_ref(),
@@ -1223,6 +1224,8 @@ pub(crate) fn base_source(
 struct Saver<'a> {
     mode: Mode,
     output_dir: &'a Path,
+    /// HF folders, or Meta's format under torchtune's `FullModelMetaCheckpointer`.
+    format: SaveFormat,
     source: &'a ModelSource,
     tokenizer: &'a ferrotune_data::Tokenizer,
     lora_config: Option<&'a LoraConfig>,
@@ -1315,7 +1318,8 @@ impl Saver<'_> {
                         let out = dir.join(MERGED_DIR);
                         std::fs::create_dir_all(&out)
                             .with_context(|| format!("{}: cannot create", out.display()))?;
-                        write_hf_model(
+                        write_model(
+                            self.format,
                             &out,
                             &model.config,
                             &merged,
@@ -1333,7 +1337,8 @@ impl Saver<'_> {
                 }
                 _ => {
                     let weights = peft::merged_tensors(model)?;
-                    write_hf_model(
+                    write_model(
+                        self.format,
                         dir,
                         &model.config,
                         &weights,

@@ -7,10 +7,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Var};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::peft::{LoraConfig, TargetModules};
-use ferrotune_models::{read_checkpoint_files, CausalLm, ModelConfig};
+use ferrotune_models::{read_checkpoint_files, CausalLm, CheckpointFormat, ModelConfig};
 
 use crate::config::Config;
-use crate::export::ModelSource;
+use crate::export::{ModelSource, SaveFormat};
 use crate::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use crate::schedule::LrSchedule;
 
@@ -138,6 +138,30 @@ pub fn check_quantized(cfg: &Config, model: &CausalLm, path: &Path) -> Result<()
         );
     }
     Ok(())
+}
+
+/// The format the run saves its model in: Meta's when `checkpointer._component_` is torchtune's
+/// `FullModelMetaCheckpointer` and the base is a Meta checkpoint (what that checkpointer reads),
+/// HF's otherwise (an HF or GGUF base under a Meta checkpointer is saved as HF, with a note
+/// passed to `say`).
+pub fn save_format(cfg: &Config, source: &ModelSource, say: impl Fn(String)) -> SaveFormat {
+    let component = cfg
+        .get("checkpointer._component_")
+        .and_then(|c| c.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let meta_checkpointer = component.rsplit('.').next() == Some("FullModelMetaCheckpointer");
+    match (meta_checkpointer, &source.format) {
+        (true, CheckpointFormat::Meta(_)) => SaveFormat::Meta,
+        (true, _) => {
+            say(format!(
+                "note: checkpointer is FullModelMetaCheckpointer but {} is not a Meta checkpoint \
+                 (consolidated.00.pth + params.json): checkpoints are saved as HF folders",
+                source.dir.display()
+            ));
+            SaveFormat::Hf
+        }
+        (false, _) => SaveFormat::Hf,
+    }
 }
 
 /// The base checkpoint (`checkpointer.checkpoint_dir` and `checkpoint_files`).
