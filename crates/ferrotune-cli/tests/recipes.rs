@@ -1404,6 +1404,26 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
         );
         run("full_finetune_single_device", "again", &[&again]);
         check_saved(&dir.join("again/epoch_0"));
+        // A listed file that is not there: the error says what the folder holds.
+        let wrong = ferrotune(
+            &[
+                "run",
+                "full_finetune_single_device",
+                "--config",
+                cfg.to_str().unwrap(),
+                &again,
+                "checkpointer.checkpoint_files=[model-00001-of-00002.bin]",
+            ],
+            &dir,
+            &[],
+        );
+        let err = text(&wrong);
+        assert!(!wrong.status.success());
+        assert!(
+            err.contains("model-00001-of-00002.bin does not exist")
+                && err.contains("holds model-00001-of-00001.bin:"),
+            "{case}: {err}"
+        );
         // Training (AdamW, lr 1e-3, bf16) killed after its second of three epochs resumes from
         // the Meta folder to the uninterrupted run's file, byte for byte.
         let train = |out: &str, env: &[(&str, &str)], extra: &[&str]| {

@@ -140,6 +140,35 @@ pub fn check_quantized(cfg: &Config, model: &CausalLm, path: &Path) -> Result<()
     Ok(())
 }
 
+/// What a folder named by `checkpoint_dir` does hold, for an error about a listed file that is
+/// not there (e.g. torchtune's `model-00001-of-00001.safetensors` where ferrotune saved
+/// `model.safetensors`).
+fn weight_files_hint(dir: &Path) -> String {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return String::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            [".safetensors", ".bin", ".pt", ".pth", ".gguf"]
+                .iter()
+                .any(|s| n.ends_with(s))
+                && !n.starts_with("adapter_model.")
+        })
+        .collect();
+    names.sort();
+    match names.len() {
+        0 => String::new(),
+        _ => format!(
+            " ({} holds {}: list those, or leave checkpoint_files out and the folder decides)",
+            dir.display(),
+            names.join(", ")
+        ),
+    }
+}
+
 /// The format the run saves its model in: Meta's when `checkpointer._component_` is torchtune's
 /// `FullModelMetaCheckpointer` and the base is a Meta checkpoint (what that checkpointer reads),
 /// HF's otherwise (an HF or GGUF base under a Meta checkpointer is saved as HF, with a note
@@ -212,9 +241,10 @@ pub fn checkpoint_path_at(cfg: &Config, section: &str) -> Result<CheckpointLocat
             let f = base.join(name);
             if !f.is_file() {
                 bail!(
-                    "{}: {section}.checkpoint_files: {} does not exist",
+                    "{}: {section}.checkpoint_files: {} does not exist{}",
                     cfg.origin,
-                    f.display()
+                    f.display(),
+                    weight_files_hint(&base)
                 );
             }
             listed.push(f);
