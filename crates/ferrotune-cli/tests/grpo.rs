@@ -288,11 +288,20 @@ fn grpo_on_two_ranks_trains_what_one_process_trains() {
         adapter.as_str(),
         "optimizer.lr=1e-2",
     ];
-    let cases: [(&str, &[&str], &str); 2] = [
-        ("full", &[], "model.safetensors"),
-        ("lora", &lora, "adapter_model.safetensors"),
+    // Full fine-tuning shards gradients and optimizer state over the ranks (or, with
+    // `fsdp_sharding: none`, replicates them as DDP); LoRA is DDP. Each trains what one process
+    // trains.
+    let cases: [(&str, &[&str], &str, &str); 3] = [
+        ("full", &[], "model.safetensors", "fsdp_sharding: grad_op"),
+        (
+            "full-ddp",
+            &["fsdp_sharding=none"],
+            "model.safetensors",
+            "data parallel",
+        ),
+        ("lora", &lora, "adapter_model.safetensors", "data parallel"),
     ];
-    for (name, extra, weights) in cases {
+    for (name, extra, weights, mode) in cases {
         let single = dir.join(format!("{name}-single"));
         let mut args = vec!["epochs=1"];
         args.extend(extra);
@@ -313,7 +322,28 @@ fn grpo_on_two_ranks_trains_what_one_process_trains() {
         let o = common::ferrotune(&cmd, &dir, &[]);
         let log = text(&o);
         assert!(o.status.success(), "{name}: {log}");
-        assert!(log.contains("Distributed: 2 ranks"), "{log}");
+        assert!(
+            log.contains("Distributed: 2 ranks") && log.contains(mode),
+            "{log}"
+        );
+        if name == "full" {
+            // Each rank holds half of the optimizer state (AdamW's two moments, in f32).
+            let line = log
+                .lines()
+                .find(|l| l.starts_with("rank 1: parameters"))
+                .unwrap_or_else(|| panic!("no memory line: {log}"));
+            let mb = |after: &str| -> f64 {
+                let rest = &line[line.find(after).unwrap() + after.len()..];
+                rest.split_whitespace().next().unwrap().parse().unwrap()
+            };
+            let held = mb("optimizer state ");
+            let one: Vec<f64> = line[line.find("(one device: ").unwrap() + 13..]
+                .split(" + ")
+                .map(|p| p.split_whitespace().next().unwrap().parse().unwrap())
+                .collect();
+            let ratio = held / one[2];
+            assert!((0.45..=0.55).contains(&ratio), "{line}");
+        }
         if name == "full" {
             // Two epochs on two ranks, killed (rank 1) after the first epoch's checkpoint at
             // optimizer step 4, resumed: the weights of the uninterrupted two-epoch run.
@@ -354,7 +384,7 @@ fn grpo_on_two_ranks_trains_what_one_process_trains() {
         let a = load(&ranks.join("epoch_0").join(weights));
         let b = load(&single.join("epoch_0").join(weights));
         let start = match name {
-            "full" => load(&fixtures().join("llama3/model/model.safetensors")),
+            "full" | "full-ddp" => load(&fixtures().join("llama3/model/model.safetensors")),
             _ => load(&fixtures().join("llama3/adapter/adapter_model.safetensors")),
         };
         for (key, t) in &b {

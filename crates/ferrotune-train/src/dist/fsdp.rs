@@ -612,6 +612,21 @@ impl ShardedModel {
         out
     }
 
+    /// The trainable tensors in the model while every unit is gathered, by name: the `Var`s a
+    /// backward through the whole model fills (what [`ShardedModel::reduce_grads`] reads).
+    pub fn gathered_params(&self) -> Vec<(String, Var)> {
+        self.units
+            .iter()
+            .flat_map(|st| {
+                st.trainable
+                    .slots
+                    .iter()
+                    .zip(&st.vars)
+                    .map(|(slot, var)| (slot.name.clone(), var.clone()))
+            })
+            .collect()
+    }
+
     /// The reduced gradients of this step, keyed by [`ShardedModel::optimizer_params`]; clears
     /// them from the model.
     pub fn take_grads(&mut self) -> Result<GradStore> {

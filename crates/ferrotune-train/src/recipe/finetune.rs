@@ -925,7 +925,11 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
 
 /// Prints what this rank holds between steps against what one device would hold: the measure
 /// of sharding.
-fn report_memory(sm: &ShardedModel, optimizer: &dyn Optimizer, rank: usize) -> Result<()> {
+pub(crate) fn report_memory(
+    sm: &ShardedModel,
+    optimizer: &dyn Optimizer,
+    rank: usize,
+) -> Result<()> {
     let (params, grads) = sm.resident_bytes();
     let (one_params, one_grads) = sm.single_device_bytes();
     let state = optimizer.state_dict()?;

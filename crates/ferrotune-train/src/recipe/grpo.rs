@@ -31,10 +31,11 @@ use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
 use ferrotune_models::{peft, CausalLm};
 
-use crate::clip::clip_grad_norm;
+use crate::clip::{clip_grad_norm, clip_grad_norm_global, scale_grads};
 use crate::config::Config;
 use crate::dist::comm::Collectives;
 use crate::dist::env::DistEnv;
+use crate::dist::fsdp::{CommQueue, ShardedModel, Sharding};
 use crate::dist::store::Store;
 use crate::export::write_hf_model;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
@@ -454,11 +455,6 @@ pub fn run(cfg: &Config) -> Result<()> {
     // when one of them dies.
     let group: Option<(Store, Arc<dyn Collectives>)> = if world > 1 {
         let (store, collectives) = crate::dist::join_group(&env, &device)?;
-        say(format!(
-            "Distributed: {world} ranks, {} backend, data parallel (gradients averaged over \
-             the ranks)",
-            collectives.backend()
-        ));
         Some((store, collectives))
     } else {
         None
@@ -554,6 +550,39 @@ pub fn run(cfg: &Config) -> Result<()> {
     if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
         eprintln!("warning: {note}");
     }
+    // Full fine-tuning on several ranks: the gradients and the optimizer state (with its f32
+    // master copies, most of the memory) are sharded over the ranks, as torchtune's FSDP shards
+    // them; the policy is gathered whole for each batch's sampling, scoring and optimizer steps
+    // (FSDP's SHARD_GRAD_OP). LoRA, and `fsdp_sharding: none`, keep DDP: a LoRA optimizer state
+    // is small, and its frozen base would be gathered again for every batch.
+    let mut sharded = match &group {
+        Some((_, c)) if !lora && setup::sharding(cfg)? != Sharding::None => {
+            Some(ShardedModel::new(
+                &mut policy,
+                &params,
+                Sharding::GradOp,
+                CommQueue::start(c.clone()),
+                false,
+            )?)
+        }
+        _ => None,
+    };
+    if let Some((_, c)) = &group {
+        say(format!(
+            "Distributed: {world} ranks, {} backend, {}",
+            c.backend(),
+            match sharded {
+                Some(_) =>
+                    "fsdp_sharding: grad_op (gradients and optimizer state sharded; the \
+                            policy gathered for each batch)",
+                None => "data parallel (gradients averaged over the ranks)",
+            }
+        ));
+    }
+    let params = match &sharded {
+        Some(sm) => sm.optimizer_params(),
+        None => params,
+    };
     let mut optimizer = setup::optimizer(cfg, params.clone())?;
     let base_lr = optimizer.lr();
     let clip = cfg.f64("clip_grad_norm")?;
@@ -587,6 +616,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         TrainState::fresh(RECIPE, seed, problems.len(), batches_per_epoch),
         saved.as_ref(),
         optimizer.as_mut(),
+        sharded.as_ref(),
         &device,
     )?;
     let mut logger = match lead {
@@ -625,6 +655,9 @@ pub fn run(cfg: &Config) -> Result<()> {
             // Completions, forward_batch_size prompts at a time, by a copy that records no
             // gradient; one trajectory over the batch.
             let t_traj = Instant::now();
+            if let Some(sm) = sharded.as_mut() {
+                sm.gather_all(&mut policy)?;
+            }
             let mut policy_ng = policy.detached();
             let mut completions = Vec::new();
             for (chunk_idx, first) in (0..b.batch_size).step_by(b.forward_batch_size).enumerate() {
@@ -663,26 +696,66 @@ pub fn run(cfg: &Config) -> Result<()> {
             for _ in 0..b.ppo_epochs {
                 optimizer.set_lr(base_lr * schedule.multiplier(global_step));
                 let mut grads = empty_grads()?;
+                let in_model = match sharded.as_mut() {
+                    Some(sm) => {
+                        sm.gather_all(&mut policy)?;
+                        sm.gathered_params()
+                    }
+                    None => params.clone(),
+                };
                 let st = grpo_step(
                     &policy,
                     &traj,
                     &s,
                     rows_per_pass,
                     checkpointing,
-                    &params,
+                    &in_model,
                     &mut grads,
                 )?;
                 if !st.loss.is_finite() {
                     bail!("the GRPO loss became {} at step {global_step}: lower optimizer.lr or set clip_grad_norm", st.loss);
                 }
-                if let Some(c) = comm {
-                    average_grads(c, &params, &mut grads)?;
-                }
-                if let Some(max) = clip {
-                    let refs = params.iter().map(|(_, v)| v.as_tensor());
-                    grad_norm = Some(clip_grad_norm(&mut grads, refs, max)?);
+                let refs = || params.iter().map(|(_, v)| v.as_tensor());
+                match sharded.as_mut() {
+                    Some(sm) => {
+                        // Reduce-scattered sums: this rank's part of the mean over the ranks.
+                        for unit in policy.units() {
+                            sm.reduce_grads(unit, &[&grads])?;
+                        }
+                        drop(grads);
+                        sm.finish_reductions()?;
+                        grads = sm.take_grads()?;
+                        scale_grads(&mut grads, refs(), 1.0 / world as f64)?;
+                        if let Some(max) = clip {
+                            let queue = sm.queue();
+                            grad_norm =
+                                Some(clip_grad_norm_global(&mut grads, refs(), max, |sq| {
+                                    let t = Tensor::new(&[sq], &device)?;
+                                    let total = queue
+                                        .all_reduce(&t)
+                                        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                                    total.to_vec1::<f32>().map(|v| v[0])
+                                })?);
+                        }
+                    }
+                    None => {
+                        if let Some(c) = comm {
+                            average_grads(c, &params, &mut grads)?;
+                        }
+                        if let Some(max) = clip {
+                            grad_norm = Some(clip_grad_norm(&mut grads, refs(), max)?);
+                        }
+                    }
                 }
                 optimizer.step(&grads)?;
+                drop(grads);
+                if let Some(sm) = sharded.as_mut() {
+                    // The next gather takes up the updated shards.
+                    sm.release_all(&mut policy);
+                    if global_step == start.global_step {
+                        crate::recipe::finetune::report_memory(sm, optimizer.as_ref(), rank)?;
+                    }
+                }
                 stats.push(st);
                 global_step += 1;
             }
@@ -733,7 +806,17 @@ pub fn run(cfg: &Config) -> Result<()> {
         // ------------------------------------------------------------ checkpoint
         let save =
             (epoch + 1).is_multiple_of(b.save_every_n_epochs) || done || epoch + 1 == b.epochs;
-        if save && lead {
+        // Sharded: every rank gathers the policy and its part of the optimizer state; rank 0
+        // writes them whole.
+        let opt_state = match (save, sharded.as_mut()) {
+            (true, Some(sm)) => {
+                sm.gather_all(&mut policy)?;
+                Some(sm.full_optimizer_state(optimizer.state_dict()?)?)
+            }
+            (true, None) if lead => Some(optimizer.state_dict()?),
+            _ => None,
+        };
+        if let (true, Some(opt_state)) = (lead, opt_state) {
             let name = format!("epoch_{epoch}");
             let st = TrainState {
                 epoch: epoch + 1,
@@ -741,36 +824,38 @@ pub fn run(cfg: &Config) -> Result<()> {
                 global_step,
                 ..start.clone()
             };
-            let dir =
-                state::save_checkpoint(&policy_out, &name, &st, optimizer.state_dict()?, |dir| {
-                    // LoRA: the PEFT adapter, and the merged model one folder down (as the LoRA
-                    // fine-tuning recipes save them).
-                    let target = match &lora_config {
-                        Some(lc) => {
-                            peft::save_adapter(&policy, lc, dir)?;
-                            crate::export::copy_or_export_tokenizer(
-                                &policy_source,
-                                Some(&tokenizer),
-                                dir,
-                            )?;
-                            let merged = dir.join(crate::recipe::finetune::MERGED_DIR);
-                            std::fs::create_dir_all(&merged)
-                                .with_context(|| format!("{}: cannot create", merged.display()))?;
-                            merged
-                        }
-                        None => dir.to_path_buf(),
-                    };
-                    write_hf_model(
-                        &target,
-                        &policy.config,
-                        &peft::merged_tensors(&policy)?,
-                        dtype,
-                        MAX_SHARD_BYTES,
-                        &policy_source,
-                        Some(&tokenizer),
-                    )
-                })?;
+            let dir = state::save_checkpoint(&policy_out, &name, &st, opt_state, |dir| {
+                // LoRA: the PEFT adapter, and the merged model one folder down (as the LoRA
+                // fine-tuning recipes save them).
+                let target = match &lora_config {
+                    Some(lc) => {
+                        peft::save_adapter(&policy, lc, dir)?;
+                        crate::export::copy_or_export_tokenizer(
+                            &policy_source,
+                            Some(&tokenizer),
+                            dir,
+                        )?;
+                        let merged = dir.join(crate::recipe::finetune::MERGED_DIR);
+                        std::fs::create_dir_all(&merged)
+                            .with_context(|| format!("{}: cannot create", merged.display()))?;
+                        merged
+                    }
+                    None => dir.to_path_buf(),
+                };
+                write_hf_model(
+                    &target,
+                    &policy.config,
+                    &peft::merged_tensors(&policy)?,
+                    dtype,
+                    MAX_SHARD_BYTES,
+                    &policy_source,
+                    Some(&tokenizer),
+                )
+            })?;
             eprintln!("Checkpoint saved: {}", dir.display());
+        }
+        if let Some(sm) = sharded.as_mut() {
+            sm.release_all(&mut policy);
         }
         if let (true, Some(c)) = (save, comm) {
             // The other ranks wait for rank 0's checkpoint, as torchtune's do.

@@ -819,6 +819,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         TrainState::fresh(RECIPE, seed, rows.len(), batches_per_epoch),
         saved.as_ref(),
         optimizer.as_mut(),
+        None,
         &device,
     )?;
     let mut logger = state::open_run_log(cfg, &output_dir, start.global_step)?;

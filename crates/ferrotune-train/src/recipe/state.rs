@@ -246,20 +246,25 @@ pub fn latest_to_resume(origin: &str, dir: &Path) -> Result<SavedCheckpoint> {
     }
 }
 
-/// The state a one-process recipe (PPO, GRPO) starts from: `fresh`, or `saved`'s after checking
-/// that it continues this run (`fresh`'s recipe, dataset rows and steps per epoch) and loading its
-/// optimizer state into `optimizer`.
+/// The state a PPO or GRPO run starts from: `fresh`, or `saved`'s after checking that it
+/// continues this run (`fresh`'s recipe, dataset rows and steps per epoch) and loading its
+/// optimizer state into `optimizer` (this rank's part of it when the model is `sharded`).
 pub fn start_or_resume(
     fresh: TrainState,
     saved: Option<&SavedCheckpoint>,
     optimizer: &mut dyn Optimizer,
+    sharded: Option<&crate::dist::fsdp::ShardedModel>,
     device: &Device,
 ) -> Result<TrainState> {
     let Some(sv) = saved else {
         return Ok(fresh);
     };
     check_resumable(sv, &fresh.recipe, fresh.dataset_rows, fresh.steps_per_epoch)?;
-    let opt_state = read_optimizer_state(&sv.dir, device)?;
+    let mut opt_state = read_optimizer_state(&sv.dir, device)?;
+    if let Some(sm) = sharded {
+        // The checkpoint holds the whole state under single-device names: this rank's part.
+        opt_state = sm.shard_optimizer_state(opt_state)?;
+    }
     load_optimizer_state(&sv.dir, optimizer, &opt_state)?;
     eprintln!(
         "Resuming from {} at epoch {} (optimizer step {})",
