@@ -15,9 +15,10 @@
 //! do: each takes its share of every epoch's problems (torch's `DistributedSampler`, `batch_size`
 //! problems per rank), samples and scores its own completions, and the gradients of the ranks'
 //! losses are averaged before every optimizer step, so that every rank holds the same policy.
-//! Each rank keeps the whole policy and reference (DDP; torchtune shards them with FSDP, which
-//! changes memory, not numbers). A completion's sampling seed follows its prompt's place in the
-//! epoch, so N ranks of `batch_size` B sample what one process of batch size N×B samples.
+//! Full fine-tuning shards the policy's gradients and optimizer state and the reference's weights
+//! over the ranks (FSDP; memory, not numbers); LoRA keeps whole copies (DDP). A completion's
+//! sampling seed follows its prompt's place in the epoch, so N ranks of `batch_size` B sample
+//! what one process of batch size N×B samples.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,8 +42,8 @@ use crate::export::write_hf_model;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
 use crate::recipe::finetune::MAX_SHARD_BYTES;
 use crate::recipe::ppo::{
-    backward_from_hidden, host, left_pad, load, logprobs_from_hidden, mask_tensor,
-    response_logprobs,
+    backward_from_hidden, host, ids_tensor, left_pad, load, logprobs_from_hidden, mask_tensor,
+    padded_layout, response_logprobs,
 };
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -86,9 +87,11 @@ pub struct GrpoTrajectory {
     pub seq_lens: Vec<usize>,
 }
 
-/// The reference policy: a model of its own, or (LoRA) the policy with its adapters disabled.
+/// The reference policy: a model of its own (whole, or sharded over the ranks and run one
+/// gathered layer at a time), or (LoRA) the policy with its adapters disabled.
 pub enum Reference<'a> {
     Model(&'a CausalLm),
+    Sharded(&'a mut CausalLm, &'a mut ShardedModel),
     AdaptersDisabled,
 }
 
@@ -138,6 +141,13 @@ pub fn trajectory(
     let mut logprobs = host(&response_logprobs(policy, &query_responses, ctx, pad, t)?)?;
     let mut ref_logprobs = match reference {
         Reference::Model(m) => host(&response_logprobs(m, &query_responses, ctx, pad, t)?)?,
+        Reference::Sharded(m, sm) => {
+            let ids = ids_tensor(&query_responses, m.device())?;
+            let layout = padded_layout(&query_responses, pad);
+            host(&sm.inference_pass(m, &ids, &layout, false, |m, hidden| {
+                logprobs_from_hidden(m, hidden, &query_responses, ctx, t)
+            })?)?
+        }
         Reference::AdaptersDisabled => peft::with_adapters_disabled(policy, |m| {
             host(&response_logprobs(m, &query_responses, ctx, pad, t)?)
         })?,
@@ -494,7 +504,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let resumed = saved.as_ref().filter(|_| !lora).map(|s| s.dir.as_path());
     let (mut policy, policy_source, policy_path) =
         load(cfg, "checkpointer", "model", resumed, dtype, &device)?;
-    let reference = match lora {
+    let mut reference = match lora {
         true => None,
         false => Some(load(cfg, "ref_checkpointer", "model", None, dtype, &device)?.0),
     };
@@ -567,14 +577,26 @@ pub fn run(cfg: &Config) -> Result<()> {
         }
         _ => None,
     };
+    // The frozen reference is sharded with the policy: each rank keeps 1/N of its weights and
+    // gathers one layer at a time to score a batch.
+    let mut reference_shards = match (&sharded, reference.as_mut()) {
+        (Some(sm), Some(r)) => Some(ShardedModel::new(
+            r,
+            &[],
+            Sharding::Full,
+            sm.queue().clone(),
+            false,
+        )?),
+        _ => None,
+    };
     if let Some((_, c)) = &group {
         say(format!(
             "Distributed: {world} ranks, {} backend, {}",
             c.backend(),
             match sharded {
                 Some(_) =>
-                    "fsdp_sharding: grad_op (gradients and optimizer state sharded; the \
-                            policy gathered for each batch)",
+                    "fsdp_sharding: grad_op (the policy's gradients and optimizer state \
+                     sharded, the policy gathered for each batch; the reference sharded)",
                 None => "data parallel (gradients averaged over the ranks)",
             }
         ));
@@ -674,9 +696,10 @@ pub fn run(cfg: &Config) -> Result<()> {
                     sample_seed,
                 )?);
             }
-            let reference = match &reference {
-                Some(m) => Reference::Model(m),
-                None => Reference::AdaptersDisabled,
+            let reference = match (reference.as_mut(), reference_shards.as_mut()) {
+                (Some(m), Some(sm)) => Reference::Sharded(m, sm),
+                (Some(m), None) => Reference::Model(m),
+                (None, _) => Reference::AdaptersDisabled,
             };
             let traj = trajectory(
                 &mut policy_ng,

@@ -121,7 +121,7 @@ impl Trajectory {
 
 /// The attention layout of full sequences in which `pad` marks padding (torchtune's causal mask
 /// and position ids from the padding mask): pad keys are masked, positions count real tokens.
-fn padded_layout(rows: &[Vec<u32>], pad: u32) -> AttentionLayout {
+pub(crate) fn padded_layout(rows: &[Vec<u32>], pad: u32) -> AttentionLayout {
     let key_valid: Vec<Vec<bool>> = rows
         .iter()
         .map(|r| r.iter().map(|&t| t != pad).collect())
@@ -150,7 +150,7 @@ fn padded_layout(rows: &[Vec<u32>], pad: u32) -> AttentionLayout {
     }
 }
 
-fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor> {
+pub(crate) fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor> {
     let width = rows.first().map_or(0, Vec::len);
     Ok(Tensor::from_vec(
         rows.concat(),
