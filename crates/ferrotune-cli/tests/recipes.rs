@@ -1293,7 +1293,7 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
     // checkpoint folder's other files. With lr 0 every saved tensor must be the source's, byte
     // for byte, and the saved folder must load back as the same model.
     use ferrotune_models::torch_pickle::read_torch_file;
-    for case in ["llama2_meta", "llama3_2_meta"] {
+    for case in ["llama2_meta", "llama3_1_meta", "llama3_2_meta"] {
         let dir = tmpdir(&format!("meta-out-{case}"));
         let model = dir.join("model");
         std::fs::create_dir_all(model.join("notes")).unwrap();
