@@ -612,6 +612,30 @@ impl ShardedModel {
         out
     }
 
+    /// Clips the gradients in `grads` (this rank's shards, of `params`) to `max_norm` by the norm
+    /// of the whole gradient over every rank (the squared norms all-reduced), as torch's
+    /// `clip_grad_norm_` does under FSDP; returns that norm.
+    pub fn clip_grad_norm<'a>(
+        &self,
+        grads: &mut GradStore,
+        params: impl IntoIterator<Item = &'a Tensor>,
+        max_norm: f64,
+    ) -> Result<f64> {
+        Ok(crate::clip::clip_grad_norm_global(
+            grads,
+            params,
+            max_norm,
+            |sq| {
+                let t = Tensor::new(&[sq], &self.device)?;
+                let total = self
+                    .queue
+                    .all_reduce(&t)
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                total.to_vec1::<f32>().map(|v| v[0])
+            },
+        )?)
+    }
+
     /// The trainable tensors in the model while every unit is gathered, by name: the `Var`s a
     /// backward through the whole model fills (what [`ShardedModel::reduce_grads`] reads).
     pub fn gathered_params(&self) -> Vec<(String, Var)> {

@@ -18,7 +18,7 @@ use ferrotune_models::peft::{self, LoraConfig};
 use ferrotune_models::CausalLm;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::clip::{clip_grad_norm, clip_grad_norm_global, scale_grads};
+use crate::clip::{clip_grad_norm, scale_grads};
 use crate::config::Config;
 use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
@@ -739,14 +739,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     let norm = match &sharded {
                         // Each rank holds a part of the gradient: the norm is over all parts.
                         Some(sm) if sm.sharding() != Sharding::None => {
-                            let queue = sm.queue();
-                            clip_grad_norm_global(&mut grads, params_iter(), max, |sq| {
-                                let t = candle_core::Tensor::new(&[sq], &device)?;
-                                let total = queue
-                                    .all_reduce(&t)
-                                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                                total.to_vec1::<f32>().map(|v| v[0])
-                            })?
+                            sm.clip_grad_norm(&mut grads, params_iter(), max)?
                         }
                         _ => clip_grad_norm(&mut grads, params_iter(), max)?,
                     };

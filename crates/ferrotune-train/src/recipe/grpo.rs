@@ -32,7 +32,7 @@ use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
 use ferrotune_models::{peft, CausalLm};
 
-use crate::clip::{clip_grad_norm, clip_grad_norm_global, scale_grads};
+use crate::clip::{clip_grad_norm, scale_grads};
 use crate::config::Config;
 use crate::dist::comm::Collectives;
 use crate::dist::env::DistEnv;
@@ -750,15 +750,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                         grads = sm.take_grads()?;
                         scale_grads(&mut grads, refs(), 1.0 / world as f64)?;
                         if let Some(max) = clip {
-                            let queue = sm.queue();
-                            grad_norm =
-                                Some(clip_grad_norm_global(&mut grads, refs(), max, |sq| {
-                                    let t = Tensor::new(&[sq], &device)?;
-                                    let total = queue
-                                        .all_reduce(&t)
-                                        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                                    total.to_vec1::<f32>().map(|v| v[0])
-                                })?);
+                            grad_norm = Some(sm.clip_grad_norm(&mut grads, refs(), max)?);
                         }
                     }
                     None => {
