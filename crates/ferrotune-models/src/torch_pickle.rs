@@ -8,6 +8,7 @@
 //! (no crate writes torch's format): a dict of tensors as `torch.save` lays it out. Also ours: shard
 //! lists, the Meta names and config, and the rotary layout of Meta's q/k rows.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -437,7 +438,7 @@ pub fn write_torch_file(file: &Path, tensors: &[(String, TorchTensor)]) -> Resul
         })
         .collect();
     write_state_dict(file, &entries, tensors.len(), |i| {
-        Ok(tensors[i].1.data.clone())
+        Ok(Cow::Borrowed(&tensors[i].1.data))
     })
 }
 
@@ -471,7 +472,7 @@ pub fn write_torch_tensors(file: &Path, tensors: &[(String, Tensor)]) -> Result<
     write_state_dict(file, &entries, owners.len(), |s| {
         let (name, t) = &tensors[owners[s]];
         TorchTensor::from_tensor(t)
-            .map(|t| t.data)
+            .map(|t| Cow::Owned(t.data))
             .map_err(|e| format!("tensor '{name}': {e}"))
     })
 }
@@ -493,12 +494,12 @@ struct StateEntry {
 }
 
 /// Writes the zip `torch.save` writes for `entries`, asking `bytes` for each of the `storages`
-/// storages' contents in turn.
-fn write_state_dict(
+/// storages' contents in turn (borrowed when already in memory, built on demand otherwise).
+fn write_state_dict<'a>(
     file: &Path,
     entries: &[StateEntry],
     storages: usize,
-    mut bytes: impl FnMut(usize) -> Result<Vec<u8>, String>,
+    mut bytes: impl FnMut(usize) -> Result<Cow<'a, [u8]>, String>,
 ) -> Result<(), ModelError> {
     use std::io::Write;
     // The archive's folder name inside the zip (torch uses the file's stem).
