@@ -74,12 +74,16 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
     let mut safetensors = Vec::new();
     let mut ggufs = Vec::new();
     let mut consolidated = Vec::new();
+    let mut pickles = Vec::new();
     for entry in
         std::fs::read_dir(path).map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
     {
         let p = entry
             .map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
             .path();
+        if p.is_file() && torch_pickle::is_pickle_file(&p) {
+            pickles.push(p.clone());
+        }
         match p.extension().and_then(|e| e.to_str()) {
             Some("safetensors") if !p.ends_with("adapter_model.safetensors") => safetensors.push(p),
             Some("gguf") => ggufs.push(p),
@@ -94,6 +98,7 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
         }
     }
     safetensors.sort();
+    pickles.sort();
     if !safetensors.is_empty() {
         return Ok(CheckpointFormat::Safetensors(safetensors));
     }
@@ -110,32 +115,22 @@ pub fn locate_weights(path: &Path) -> Result<CheckpointFormat, ModelError> {
         // torchtune's FullModelMetaCheckpointer saves Meta's tensors as
         // `model-00001-of-00001.bin` beside a copy of params.json (and a LoRA run's
         // `adapter_model.pt`, which is not the model).
-        let mut pickles: Vec<PathBuf> = std::fs::read_dir(path)
-            .map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
+        let model: Vec<PathBuf> = pickles
+            .iter()
             .filter(|p| {
-                p.is_file()
-                    && torch_pickle::is_pickle_file(p)
-                    && !p
-                        .file_name()
-                        .and_then(|n| n.to_str())
-                        .is_some_and(|n| n.starts_with("adapter_model."))
+                !p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("adapter_model."))
             })
+            .cloned()
             .collect();
-        pickles.sort();
-        if !pickles.is_empty() {
-            return locate_listed(path, &pickles);
+        if !model.is_empty() {
+            return locate_listed(path, &model);
         }
     }
     if path.join("config.json").is_file() {
         // One torch.save file beside the config (torchtune's `hf_model_0001_0.pt` of a one-shard
         // model, the quantize recipe's `*-8da4w.pt`); several without an index are ambiguous.
-        let mut pickles: Vec<PathBuf> = std::fs::read_dir(path)
-            .map_err(|e| ModelError::file(path, format!("cannot list: {e}")))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && torch_pickle::is_pickle_file(p))
-            .collect();
-        pickles.sort();
         match pickles.len() {
             0 => {}
             1 => return Ok(CheckpointFormat::Pickle(pickles)),
