@@ -126,20 +126,7 @@ pub fn write_meta_model(
     ferrotune_models::torch_pickle::write_torch_tensors(&out.join(META_MODEL_FILE), &meta)?;
     copy_checkpoint_files(&source.dir, out)?;
     if let Some(tok) = tokenizer {
-        let from = tok.origin();
-        let from = if from.is_file() {
-            from.parent().unwrap_or(Path::new("."))
-        } else {
-            from
-        };
-        for name in TOKENIZER_FILES {
-            let (src, dst) = (from.join(name), out.join(name));
-            if src.is_file() && !dst.exists() {
-                let bytes = std::fs::read(&src)
-                    .with_context(|| format!("{}: cannot read", src.display()))?;
-                write_atomic(&dst, &bytes)?;
-            }
-        }
+        copy_tokenizer_files_where(tok.origin(), out, Existing::Keep)?;
     }
     Ok(())
 }
@@ -244,6 +231,19 @@ fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
 /// Copies the tokenizer files present in `from` (a folder, or a file whose folder is used) to
 /// `to`, each atomically; returns whether `tokenizer.json` was among them.
 pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<bool> {
+    copy_tokenizer_files_where(from, to, Existing::Replace)
+}
+
+/// What [`copy_tokenizer_files_where`] does with a file of the same name already in `to`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Existing {
+    Replace,
+    Keep,
+}
+
+/// [`copy_tokenizer_files`], keeping or replacing files already in `to`; returns whether
+/// `tokenizer.json` was copied.
+fn copy_tokenizer_files_where(from: &Path, to: &Path, existing: Existing) -> Result<bool> {
     let from = if from.is_file() {
         from.parent().unwrap_or(Path::new("."))
     } else {
@@ -252,7 +252,7 @@ pub fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<bool> {
     let mut found = false;
     for name in TOKENIZER_FILES {
         let src = from.join(name);
-        if src.is_file() {
+        if src.is_file() && (existing == Existing::Replace || !to.join(name).exists()) {
             let bytes =
                 std::fs::read(&src).with_context(|| format!("{}: cannot read", src.display()))?;
             write_atomic(&to.join(name), &bytes)?;
