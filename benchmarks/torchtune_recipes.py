@@ -37,17 +37,14 @@ from pathlib import Path
 
 SITECUSTOMIZE = '''
 # torchtune 0.6.1 imports torchao names that later torchao releases moved; this recipe quantizes
-# nothing, so the two modules are stubbed.
+# nothing, so the two modules are stubbed (the NF4 one by scripts/torchtune_source.py).
 import sys, types
 try:
     import torchao.dtypes.nf4tensor  # noqa: F401
 except Exception:
-    nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
-    nf4.NF4Tensor = type("NF4Tensor", (), {})
-    nf4.linear_nf4 = lambda *a, **k: None
-    nf4.to_nf4 = lambda *a, **k: None
-    nf4.implements = lambda *a, **k: (lambda f: f)
-    sys.modules["torchao.dtypes.nf4tensor"] = nf4
+    sys.path.insert(0, SCRIPTS_DIR)
+    from torchtune_source import install_nf4_stub
+    install_nf4_stub()
 try:
     import torchao.dtypes
     torchao.dtypes.TensorCoreTiledLayout  # noqa: B018
@@ -313,7 +310,8 @@ def main():
     c = json.loads((model_dir / "config.json").read_text())
     pad = c.get("pad_token_id") if c.get("pad_token_id") is not None else 0
     work = Path(tempfile.mkdtemp(prefix="tt-bench-"))
-    (work / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    (work / "sitecustomize.py").write_text(SITECUSTOMIZE.replace("SCRIPTS_DIR", repr(str(scripts))))
     (work / "eebench_data.py").write_text(DATA_MODULE)
     rs = rows(model_dir / "tokenizer.json")
     ft_data, tt_data = work / "rows_ferrotune.jsonl", work / "rows_torchtune.jsonl"
