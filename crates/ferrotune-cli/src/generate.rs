@@ -17,10 +17,14 @@ pub struct GenerateArgs {
     /// An HF checkpoint folder or a .gguf file.
     #[arg(long)]
     model: PathBuf,
-    /// A PEFT LoRA/DoRA adapter folder (adapter_config.json + adapter_model.safetensors), applied
-    /// without merging.
+    /// A LoRA/DoRA adapter, applied without merging: a PEFT folder (adapter_config.json +
+    /// adapter_model.safetensors), or torchtune's adapter_model.pt (the file or its folder).
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// The alpha of a torchtune adapter_model.pt with no adapter_config.json beside it (Phi-3:
+    /// torchtune writes none); the `model.lora_alpha` it was trained with.
+    #[arg(long)]
+    lora_alpha: Option<f64>,
     /// Tokenizer folder or .gguf, if not the model's own (or the adapter folder's, when it has a
     /// tokenizer.json).
     #[arg(long)]
@@ -166,7 +170,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         .require_language_model()
         .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
     if let Some(dir) = &args.adapter {
-        ferrotune_models::peft::load_adapter(&mut model, dir)?;
+        ferrotune_models::peft::load_adapter_from(&mut model, dir, args.lora_alpha)?;
     }
     if let Some(mode) = device_map {
         // After the adapter: dispatch moves adapter tensors along with their layers.

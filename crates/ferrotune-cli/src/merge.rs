@@ -13,9 +13,14 @@ pub struct MergeArgs {
     /// The base model: an HF checkpoint folder or a .gguf file.
     #[arg(long)]
     model: PathBuf,
-    /// The PEFT adapter folder (adapter_config.json + adapter_model.safetensors).
+    /// The adapter: a PEFT folder (adapter_config.json + adapter_model.safetensors), or
+    /// torchtune's adapter_model.pt (the file or its folder).
     #[arg(long)]
     adapter: PathBuf,
+    /// The alpha of a torchtune adapter_model.pt with no adapter_config.json beside it (Phi-3:
+    /// torchtune writes none); the `model.lora_alpha` it was trained with.
+    #[arg(long)]
+    lora_alpha: Option<f64>,
     /// Where to write the merged HF checkpoint.
     #[arg(long)]
     output: PathBuf,
@@ -61,7 +66,7 @@ pub fn run(args: MergeArgs) -> Result<()> {
         let layers = model.quantize_base_nf4()?.layers;
         eprintln!("QLoRA: {layers} linear layers quantized to NF4 ({dtype:?})");
     }
-    peft::load_adapter(&mut model, &args.adapter)?;
+    peft::load_adapter_from(&mut model, &args.adapter, args.lora_alpha)?;
     let merged = peft::merged_tensors(&model)?;
     // Weights, config, the source's generation config and its tokenizer files (exported from a
     // GGUF): the same folder a recipe writes for a merged model.

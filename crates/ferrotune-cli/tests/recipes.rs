@@ -1495,3 +1495,163 @@ fn an_adapter_with_modules_to_save_is_not_trained_further() {
         "{log}"
     );
 }
+
+/// Mean cross-entropy of `logits` ([b, t, v]) over `labels`' shifted non-ignored targets, in f64.
+fn shifted_cross_entropy(logits: &candle_core::Tensor, labels: &Value) -> f64 {
+    let logits: Vec<Vec<Vec<f32>>> = logits.to_vec3().unwrap();
+    let labels: Vec<Vec<i64>> = serde_json::from_value(labels.clone()).unwrap();
+    let (mut sum, mut n) = (0.0f64, 0usize);
+    for (row, lab) in logits.iter().zip(&labels) {
+        for t in 0..row.len() - 1 {
+            let target = lab[t + 1];
+            if target < 0 {
+                continue;
+            }
+            let l = &row[t];
+            let max = l.iter().fold(f32::MIN, |m, &x| m.max(x)) as f64;
+            let lse = max + l.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            sum += lse - l[target as usize] as f64;
+            n += 1;
+        }
+    }
+    sum / n as f64
+}
+
+/// torchtune's own adapter file both ways: a run continues torchtune's Phi-3 `adapter_model.pt`
+/// (separate q/k/v adapters, no adapter_config.json: the alpha comes from `model.lora_alpha`)
+/// from torchtune's loss, and under a torchtune checkpointer saves `adapter_model.pt` again
+/// beside the PEFT adapter; `merge` and `generate` take the file with `--lora-alpha`.
+#[test]
+fn torchtune_adapter_files_are_read_and_written() {
+    use ferrotune_models::torch_pickle::read_torch_file;
+    let dir = tmpdir("torchtune-adapter");
+    let family = "models/phi3";
+    let data = dir.join("batch.jsonl");
+    write_golden_rows(family, &data);
+    let cfg = write_config(&dir, family, &data);
+    let case = fixtures().join("torchtune_adapter/phi3");
+    let adapter = case.join("adapter_model.pt");
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(family).join("golden.json")).unwrap(),
+    )
+    .unwrap();
+    let base = |args: &[&str]| {
+        let mut all = vec![
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
+            "optimizer.lr=0.0",
+            "max_steps_per_epoch=1",
+        ];
+        all.extend_from_slice(args);
+        ferrotune(&all, &dir, &[])
+    };
+    let adapter_arg = format!("checkpointer.adapter_checkpoint={}", adapter.display());
+
+    // Without an alpha anywhere the run stops, naming the key.
+    let out = base(&[&adapter_arg, "model.lora_alpha=null"]);
+    assert!(!out.status.success());
+    assert!(text(&out).contains("model.lora_alpha"), "{}", text(&out));
+
+    let out = base(&[&adapter_arg, "model.lora_alpha=8"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let torchtune_logits = load(&case.join("golden.safetensors"))
+        .remove("logits")
+        .unwrap();
+    let want = shifted_cross_entropy(&torchtune_logits, &golden["labels"]);
+    let lines = metrics_lines(&dir.join("out/logs/metrics.jsonl"));
+    let got = lines[0]["loss"].as_f64().unwrap();
+    assert!(
+        ((got - want) / want).abs() < 1e-5,
+        "first loss {got} vs torchtune's model with its adapter {want}"
+    );
+    // lr 0: the adapter is saved as it was read, in torchtune's file and (fused) in PEFT's.
+    let saved = dir.join("out/epoch_0");
+    let read = |p: &Path| -> Vec<(String, Vec<f32>)> {
+        read_torch_file(p)
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| {
+                let v = t
+                    .to_tensor(candle_core::DType::F32, &candle_core::Device::Cpu)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                (n, v)
+            })
+            .collect()
+    };
+    let mut a = read(&saved.join("adapter_model.pt"));
+    let mut b = read(&adapter);
+    a.sort_by(|x, y| x.0.cmp(&y.0));
+    b.sort_by(|x, y| x.0.cmp(&y.0));
+    assert!(a == b, "adapter_model.pt differs from the one read");
+    let peft: Value =
+        serde_json::from_str(&std::fs::read_to_string(saved.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert!(
+        peft["rank_pattern"].to_string().contains("qkv_proj"),
+        "{peft}"
+    );
+
+    // Without a torchtune checkpointer no adapter_model.pt is written.
+    let out = base(&[
+        &adapter_arg,
+        "model.lora_alpha=8",
+        "checkpointer._component_=null",
+        "output_dir=plain",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(dir
+        .join("plain/epoch_0/adapter_model.safetensors")
+        .is_file());
+    assert!(!dir.join("plain/epoch_0/adapter_model.pt").exists());
+
+    // merge: --lora-alpha is needed for this file, and gives the merged model.
+    let model = fixtures().join(family).join("model");
+    let merged = dir.join("merged");
+    let merge = |extra: &[&str]| {
+        let mut args = vec![
+            "merge".to_string(),
+            "--model".into(),
+            model.display().to_string(),
+            "--adapter".into(),
+            adapter.display().to_string(),
+            "--output".into(),
+            merged.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        common::ferrotune(&args, &dir, &[])
+    };
+    let out = merge(&[]);
+    assert!(!out.status.success());
+    assert!(text(&out).contains("--lora-alpha"), "{}", text(&out));
+    let out = merge(&["--lora-alpha", "8"]);
+    assert!(out.status.success(), "{}", text(&out));
+    // The merged model's loss is torchtune's too.
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            &format!("checkpointer.checkpoint_dir={}", merged.display()),
+            "optimizer.lr=0.0",
+            "max_steps_per_epoch=1",
+            "output_dir=from_merged",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let lines = metrics_lines(&dir.join("from_merged/logs/metrics.jsonl"));
+    let got = lines[0]["loss"].as_f64().unwrap();
+    assert!(
+        ((got - want) / want).abs() < 1e-5,
+        "merged model's loss {got} vs torchtune's {want}"
+    );
+}

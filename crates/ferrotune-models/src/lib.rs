@@ -13,6 +13,7 @@ pub mod rope;
 pub mod save;
 pub mod slots;
 pub mod torch_pickle;
+pub mod torchtune_adapter;
 pub mod torchtune_names;
 
 pub use checkpoint::{

@@ -577,6 +577,50 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, Mode
     Ok(config)
 }
 
+/// Loads the adapter at `path` into `model`, whichever way it was saved: a PEFT folder (or its
+/// `adapter_model.safetensors` / `.bin`), or torchtune's `adapter_model.pt` (the file, or a
+/// folder holding it and no PEFT weights). torchtune's file has no alpha: it is taken from an
+/// `adapter_config.json` beside it (torchtune writes one for every model type but Phi-3), else
+/// from `lora_alpha`, else the load fails asking for it.
+pub fn load_adapter_from(
+    model: &mut CausalLm,
+    path: &Path,
+    lora_alpha: Option<f64>,
+) -> Result<LoraConfig, ModelError> {
+    use crate::torchtune_adapter::{load_torchtune_adapter, TORCHTUNE_ADAPTER_FILE};
+    let (dir, torchtune_file) = if path.is_file() {
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let torchtune = path.extension().is_some_and(|e| e == "pt");
+        (dir, torchtune.then(|| path.to_path_buf()))
+    } else {
+        let peft = dir_has_peft_weights(path);
+        let tt = path.join(TORCHTUNE_ADAPTER_FILE);
+        (path.to_path_buf(), (!peft && tt.is_file()).then_some(tt))
+    };
+    let Some(file) = torchtune_file else {
+        return load_adapter(model, &dir);
+    };
+    let beside = dir.join(ADAPTER_CONFIG_FILE);
+    let alpha = if beside.is_file() {
+        LoraConfig::read(&dir)?.lora_alpha
+    } else {
+        lora_alpha.ok_or_else(|| {
+            ModelError::file(
+                &file,
+                "torchtune's adapter file holds no lora_alpha and there is no \
+                 adapter_config.json beside it: give the alpha it was trained with \
+                 (`model.lora_alpha` in a config, `--lora-alpha` on the command line)",
+            )
+        })?
+    };
+    load_torchtune_adapter(model, &file, alpha)
+}
+
+/// Whether `dir` holds PEFT adapter weights.
+fn dir_has_peft_weights(dir: &Path) -> bool {
+    dir.join(ADAPTER_WEIGHTS_FILE).is_file() || dir.join("adapter_model.bin").is_file()
+}
+
 /// Takes out of `tensors` the whole tensors of `modules_to_save` modules, under the model's
 /// names (`lm_head.weight`, `model.embed_tokens.weight`). PEFT saves them as
 /// `base_model.model.{module}.{param}`, or — for an embedding saved with a resized vocabulary —

@@ -626,7 +626,7 @@ pub fn run(cfg: &Config) -> Result<EvalReport> {
         eprintln!("{line}");
     }
     if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
-        ferrotune_models::peft::load_adapter(&mut model, &dir)?;
+        ferrotune_models::peft::load_adapter_from(&mut model, &dir, cfg.f64("model.lora_alpha")?)?;
     }
     eprintln!(
         "Model is initialized with precision {dtype:?} ({:.1}s).",

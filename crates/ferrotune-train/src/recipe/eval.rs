@@ -130,7 +130,7 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
         eprintln!("{line}");
     }
     if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
-        ferrotune_models::peft::load_adapter(&mut model, &dir)?;
+        ferrotune_models::peft::load_adapter_from(&mut model, &dir, cfg.f64("model.lora_alpha")?)?;
     }
     let rows = setup::dataset(cfg, &tok)?.rows;
     let batch_size = cfg.usize("batch_size")?.unwrap_or(1).max(1);

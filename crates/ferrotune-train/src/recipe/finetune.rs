@@ -569,6 +569,8 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         lora_config: lora_config.as_ref(),
         dtype,
         adapter_only,
+        torchtune_adapter: setup::torchtune_checkpointer(cfg)
+            && ferrotune_models::torchtune_adapter::supports(&model.config),
         keep_last: match cfg.usize("checkpointer.keep_last_n_checkpoints")? {
             Some(0) => bail!(
                 "{}: checkpointer.keep_last_n_checkpoints must be at least 1",
@@ -971,15 +973,20 @@ pub(crate) fn setup_adapters(
         let lc = peft::load_adapter(model, dir)?;
         return Ok(lc);
     }
-    if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
-        let dir = if dir.is_file() {
-            dir.parent().map(Path::to_path_buf).unwrap_or_default()
+    if let Some(path) = cfg.path("checkpointer.adapter_checkpoint")? {
+        let dir = if path.is_file() {
+            path.parent().map(Path::to_path_buf).unwrap_or_default()
         } else {
-            dir
+            path.clone()
         };
-        let saved = peft::LoraConfig::read(&dir)
-            .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?
-            .modules_to_save;
+        // torchtune's own adapter_model.pt may have no adapter_config.json beside it (Phi-3).
+        let saved = if dir.join(peft::ADAPTER_CONFIG_FILE).is_file() {
+            peft::LoraConfig::read(&dir)
+                .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?
+                .modules_to_save
+        } else {
+            Vec::new()
+        };
         if !saved.is_empty() {
             // torchtune trains adapters only; continuing PEFT's fully trained modules would need
             // them as trainable parameters beside the adapters.
@@ -991,7 +998,7 @@ pub(crate) fn setup_adapters(
                 dir.display()
             );
         }
-        let mut lc = peft::load_adapter(model, &dir)
+        let mut lc = peft::load_adapter_from(model, &path, cfg.f64("model.lora_alpha")?)
             .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?;
         if lc.base_model_name_or_path.is_none() {
             lc.base_model_name_or_path = Some(base_path.display().to_string());
@@ -1228,6 +1235,9 @@ struct Saver<'a> {
     lora_config: Option<&'a LoraConfig>,
     dtype: DType,
     adapter_only: bool,
+    /// Also write torchtune's `adapter_model.pt` (a torchtune checkpointer, a model type it
+    /// converts).
+    torchtune_adapter: bool,
     /// `checkpointer.keep_last_n_checkpoints`: older `epoch_N` (or `step_N`) folders are removed
     /// after each save, as torchtune's checkpointer does.
     keep_last: Option<usize>,
@@ -1307,6 +1317,9 @@ impl Saver<'_> {
             match (self.mode, self.lora_config) {
                 (m, Some(lc)) if !m.full() => {
                     peft::save_adapter(model, lc, dir)?;
+                    if self.torchtune_adapter {
+                        ferrotune_models::torchtune_adapter::save_torchtune_adapter(model, dir)?;
+                    }
                     // The merged model goes one folder down: transformers treats a folder holding
                     // adapter_config.json as "base + adapter", so merged weights beside it would
                     // get the adapter applied a second time by `from_pretrained`.

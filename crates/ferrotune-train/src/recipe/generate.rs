@@ -109,7 +109,7 @@ pub fn run(cfg: &Config, flavor: Flavor) -> Result<()> {
         eprintln!("{line}");
     }
     if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
-        ferrotune_models::peft::load_adapter(&mut model, &dir)?;
+        ferrotune_models::peft::load_adapter_from(&mut model, &dir, cfg.f64("model.lora_alpha")?)?;
     }
     if spread {
         crate::spread::spread_model(&mut model, DeviceMapMode::Auto, "device: cuda")?;

@@ -193,6 +193,16 @@ pub fn save_format(cfg: &Config, source: &ModelSource, say: impl Fn(String)) -> 
     }
 }
 
+/// Whether `checkpointer._component_` is one of torchtune's checkpointers (`FullModelHFCheckpointer`,
+/// `FullModelMetaCheckpointer`, `FullModelTorchTuneCheckpointer`): LoRA checkpoints then hold
+/// torchtune's `adapter_model.pt` too, as its checkpointers write it.
+pub fn torchtune_checkpointer(cfg: &Config) -> bool {
+    cfg.get("checkpointer._component_")
+        .and_then(|c| c.as_str())
+        .and_then(|c| c.rsplit('.').next())
+        .is_some_and(|name| name.starts_with("FullModel") && name.ends_with("Checkpointer"))
+}
+
 /// The base checkpoint (`checkpointer.checkpoint_dir` and `checkpoint_files`).
 pub fn checkpoint_path(cfg: &Config) -> Result<CheckpointLocation> {
     checkpoint_path_at(cfg, "checkpointer")
