@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CUDA_HOME=${CUDA_HOME:-/tmp/cu/cuda13} CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export PATH=$CUDA_HOME/bin:$PATH
-T=${CUDA_TARGET_DIR:-/tmp/target-cuda}; TN=${NCCL_TARGET_DIR:-/tmp/target-nccl}
+# Under target/ (git-ignored), so a later session builds incrementally.
+T=${CUDA_TARGET_DIR:-target/cuda}; TN=${NCCL_TARGET_DIR:-target/nccl}
 cargo build --release -p ferrotune-cli --features cuda --target-dir "$T"
 cargo build --release -p ferrotune-cli --features nccl --target-dir "$TN"
 # The path of test binary $3 of package $1 built with features $2.
