@@ -7,7 +7,11 @@ through torchtune's converter for that model type, every adapter parameter is se
 values (B non-zero, a DoRA magnitude away from the weight norms), and
 - `adapter_model.pt` is `torch.save` of `get_adapter_params(model)` (what the checkpointer saves),
 - `golden.json` holds the builder's LoRA settings and `input_ids`,
-- `golden.safetensors` holds torchtune's `logits` for `input_ids`.
+- `golden.safetensors` holds torchtune's `logits` for `input_ids`,
+- except for Phi-3, `adapter_config.json` and `adapter_model.safetensors` are the PEFT files
+  torchtune's `FullModelHFCheckpointer` writes beside the `.pt` (`tune_to_peft_adapter_config`
+  of the recipe's adapter config, `tune_to_peft_adapter_weights`) — wrong for Qwen2's q/k and
+  DoRA's q/k magnitudes in torchtune 0.6.1, which is what the tests show ferrotune working around.
 
 Needs torch, safetensors and torchtune 0.6.1's source (`TORCHTUNE_SRC`, default /tmp/tt/src:
 `pip download --no-deps torchtune==0.6.1` and unzip it).
@@ -34,7 +38,7 @@ from torchtune.models.phi3 import lora_phi3  # noqa: E402
 from torchtune.models.phi3._convert_weights import phi3_hf_to_tune  # noqa: E402
 from torchtune.models.qwen2 import lora_qwen2  # noqa: E402
 from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune  # noqa: E402
-from torchtune.modules.peft import get_adapter_params  # noqa: E402
+from torchtune.modules.peft import get_adapter_params, get_lora_module_names  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
 OUT = os.path.join(ROOT, "torchtune_adapter")
@@ -142,6 +146,26 @@ def main():
             indent=1,
         )
         save_file({"logits": logits.contiguous()}, os.path.join(out, "golden.safetensors"))
+        if base != "phi3":
+            # What the checkpointer writes for PEFT (the recipe's adapter config, converted).
+            peft_config = convert_weights.tune_to_peft_adapter_config(
+                {
+                    "r": lora["rank"],
+                    "lora_alpha": lora["alpha"],
+                    "target_modules": get_lora_module_names(
+                        lora["modules"], lora["mlp"], lora["output"]
+                    ),
+                    "peft_type": "LORA",
+                }
+            )
+            json.dump(peft_config, open(os.path.join(out, "adapter_config.json"), "w"))
+            peft = convert_weights.tune_to_peft_adapter_weights(
+                state, num_heads=cfg["num_attention_heads"],
+                num_kv_heads=cfg["num_key_value_heads"], dim=cfg["hidden_size"],
+                head_dim=cfg.get("head_dim"),
+            )
+            save_file({k: v.contiguous() for k, v in peft.items()},
+                      os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
         print(case, len(state), "tensors, logits", tuple(logits.shape))
 
 

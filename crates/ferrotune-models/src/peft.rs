@@ -598,7 +598,8 @@ pub fn load_adapter_from(
         (path.to_path_buf(), (!peft && tt.is_file()).then_some(tt))
     };
     let Some(file) = torchtune_file else {
-        return load_adapter(model, &dir);
+        let peft = load_adapter(model, &dir);
+        return with_torchtune_file(model, &dir, peft);
     };
     let beside = dir.join(ADAPTER_CONFIG_FILE);
     let alpha = if beside.is_file() {
@@ -614,6 +615,65 @@ pub fn load_adapter_from(
         })?
     };
     load_torchtune_adapter(model, &file, alpha)
+}
+
+/// A folder torchtune wrote holds its adapter twice: `adapter_model.pt` (what torchtune's model
+/// ran and resumes from) and the PEFT files converted from it. torchtune 0.6.1 converts some
+/// wrongly: it permutes Qwen2's q/k `lora_B` rows (whose weights it never permuted), leaves
+/// DoRA's q/k magnitudes in its own row order, and writes no `use_dora` into the config. So when
+/// the folder also holds `adapter_model.pt` for this model and the PEFT load (`peft`) failed, or
+/// loaded tensors that differ from the `.pt` read exactly, the `.pt` is what was trained: it is
+/// attached instead, with a warning. A folder ferrotune wrote holds the same tensors twice and
+/// stays loaded as PEFT, options and all.
+fn with_torchtune_file(
+    model: &mut CausalLm,
+    dir: &Path,
+    peft: Result<LoraConfig, ModelError>,
+) -> Result<LoraConfig, ModelError> {
+    use crate::torchtune_adapter::{read_torchtune_adapter, supports, TORCHTUNE_ADAPTER_FILE};
+    let file = dir.join(TORCHTUNE_ADAPTER_FILE);
+    if !file.is_file() || !supports(&model.config) {
+        return peft;
+    }
+    let Ok(alpha) = LoraConfig::read(dir).map(|c| c.lora_alpha) else {
+        return peft;
+    };
+    let Ok((tt_config, tt)) = read_torchtune_adapter(model, &file, alpha) else {
+        // Not an adapter of this model in torchtune's names: the PEFT folder decides.
+        return peft;
+    };
+    let why = match &peft {
+        Ok(_) => {
+            let loaded = adapter_tensors(model);
+            let same = loaded.len() == tt.len()
+                && loaded.iter().all(|(name, t)| {
+                    // Compared in the model's dtype, as both were loaded.
+                    tt.get(name).is_some_and(|u| {
+                        t.dims() == u.dims()
+                            && u.to_dtype(t.dtype())
+                                .and_then(|u| u.to_device(t.device()))
+                                .and_then(|u| {
+                                    t.eq(&u)?.to_dtype(candle_core::DType::F32)?.min_all()
+                                })
+                                .and_then(|m| m.to_scalar::<f32>())
+                                .is_ok_and(|m| m == 1.0)
+                    })
+                });
+            if same {
+                return peft;
+            }
+            "the PEFT adapter differs from it".to_string()
+        }
+        Err(e) => format!("the PEFT adapter does not load ({e})"),
+    };
+    tracing::warn!(
+        "{}: using torchtune's {TORCHTUNE_ADAPTER_FILE}: {why} (torchtune 0.6.1 writes Qwen2's \
+         q/k lora_B and DoRA's q/k magnitudes in the wrong row order to the PEFT file, and no \
+         use_dora)",
+        dir.display()
+    );
+    attach_adapter(model, &tt_config, tt, &file.display().to_string())?;
+    Ok(tt_config)
 }
 
 /// Whether `dir` holds PEFT adapter weights.

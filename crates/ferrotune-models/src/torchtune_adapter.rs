@@ -263,6 +263,18 @@ pub fn load_torchtune_adapter(
     file: &Path,
     lora_alpha: f64,
 ) -> Result<LoraConfig, ModelError> {
+    let (lc, peft) = read_torchtune_adapter(model, file, lora_alpha)?;
+    attach_adapter(model, &lc, peft, &file.display().to_string())?;
+    Ok(lc)
+}
+
+/// torchtune's `adapter_model.pt` (`file`) for `model` as a PEFT config and PEFT-named tensors
+/// (f32, CPU), without attaching them.
+pub fn read_torchtune_adapter(
+    model: &CausalLm,
+    file: &Path,
+    lora_alpha: f64,
+) -> Result<(LoraConfig, HashMap<String, Tensor>), ModelError> {
     let err = |msg: String| ModelError::file(file, msg);
     let config = model.config.clone();
     let lay = layout(&config)
@@ -422,8 +434,7 @@ pub fn load_torchtune_adapter(
         lc.alpha_pattern
             .push((module.clone(), lora_alpha * *rank as f64 / r as f64));
     }
-    attach_adapter(model, &lc, peft, &file.display().to_string())?;
-    Ok(lc)
+    Ok((lc, peft))
 }
 
 /// One adapter on a fused module from its torchtune parts (`parts`: index, name, tensors; some

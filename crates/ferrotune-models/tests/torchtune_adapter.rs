@@ -224,3 +224,44 @@ fn a_fused_phi3_adapter_goes_to_torchtune_and_back_at_its_rank() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn torchtunes_output_folders_load_as_torchtune_trained_them() {
+    // torchtune's epoch folder holds adapter_model.pt and the PEFT files it converts from it;
+    // torchtune 0.6.1 gets Qwen2's q/k lora_B and DoRA's q/k magnitudes (and use_dora) wrong
+    // there, so the folder loads by its .pt, which is what torchtune trained.
+    for (case, peft_alone_is_right) in [("gemma", true), ("qwen2_5", false), ("llama2_dora", false)]
+    {
+        let want =
+            candle_core::safetensors::load(case_dir(case).join("golden.safetensors"), &Device::Cpu)
+                .unwrap()
+                .remove("logits")
+                .unwrap();
+        let mut model = base(case);
+        let config = load_adapter_from(&mut model, &case_dir(case), None)
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
+        assert_eq!(config.use_dora, case.ends_with("dora"), "{case}");
+        let got = logits(&model, case);
+        assert!(
+            rel_l2(&got, &want) <= 1e-5,
+            "{case}: {}",
+            rel_l2(&got, &want)
+        );
+
+        // The PEFT files alone, as transformers + PEFT would read them.
+        let dir =
+            std::env::temp_dir().join(format!("ferrotune-tt-peft-{}-{case}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(case_dir(case).join(f), dir.join(f)).unwrap();
+        }
+        let mut alone = base(case);
+        let right = load_adapter_from(&mut alone, &dir, None)
+            .is_ok_and(|_| rel_l2(&logits(&alone, case), &want) <= 1e-5);
+        assert_eq!(
+            right, peft_alone_is_right,
+            "{case}: torchtune's PEFT files alone"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
