@@ -357,6 +357,69 @@ fn export_gguf_writes_a_file_that_generates_the_same_tokens() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `export-gguf` of a LoRA adapter folder: a llama.cpp adapter GGUF, its base taken from the
+/// adapter's recorded `base_model_name_or_path` (or `--base`); DoRA, which llama.cpp cannot
+/// apply, and `--base` with a model folder are one error line each.
+#[test]
+fn export_gguf_writes_a_lora_adapter_for_llama_cpp() {
+    let dir = std::env::temp_dir().join(format!("ferrotune-cli-gguf-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = fixtures().join("llama3/model");
+    // A copy of the fixture adapter recording this checkout's base path, as ferrotune's runs do.
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let src = fixtures().join("llama3/adapter");
+    std::fs::copy(
+        src.join("adapter_model.safetensors"),
+        adapter.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap())
+            .unwrap();
+    config["base_model_name_or_path"] = Value::from(base.to_str().unwrap());
+    std::fs::write(adapter.join("adapter_config.json"), config.to_string()).unwrap();
+    let gguf = dir.join("lora.gguf");
+    let out = ferrotune(&[
+        "export-gguf",
+        adapter.to_str().unwrap(),
+        gguf.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // 7 modules × 2 layers, an A and a B each.
+    assert!(
+        stdout.contains("LoRA adapter for llama.cpp's llama architecture, 28 tensors"),
+        "{stdout}"
+    );
+    let bytes = std::fs::read(&gguf).unwrap();
+    assert_eq!(&bytes[..4], b"GGUF");
+
+    let dora = fixtures().join("llama3/variants/dora/adapter");
+    let out = ferrotune(&[
+        "export-gguf",
+        dora.to_str().unwrap(),
+        dir.join("dora.gguf").to_str().unwrap(),
+        "--base",
+        base.to_str().unwrap(),
+    ]);
+    assert_error(&out, &["DoRA", "ferrotune merge"]);
+    let out = ferrotune(&[
+        "export-gguf",
+        base.to_str().unwrap(),
+        dir.join("x.gguf").to_str().unwrap(),
+        "--base",
+        base.to_str().unwrap(),
+    ]);
+    assert_error(&out, &["--base is for exporting an adapter"]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn cat_prints_configs_as_tune_cat() {
     // Expected: PyYAML's dump, as torchtune's `tune cat` prints (scripts/make_cat_fixtures.py).

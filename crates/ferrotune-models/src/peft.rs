@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor, Var};
 use serde::de::{Deserializer, MapAccess, Visitor};
@@ -549,24 +549,7 @@ fn targeted_modules(
 /// missing, unexpected or mis-shaped tensors are errors naming the tensor.
 pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, ModelError> {
     let config = LoraConfig::read(dir)?;
-    let mut file = dir.join(ADAPTER_WEIGHTS_FILE);
-    let mut tensors = if file.is_file() {
-        candle_core::safetensors::load(&file, &Device::Cpu)
-            .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?
-    } else if dir.join("adapter_model.bin").is_file() {
-        // PEFT's `safe_serialization=False`: a torch.save file.
-        file = dir.join("adapter_model.bin");
-        let mut out = HashMap::new();
-        for (name, t) in crate::torch_pickle::read_torch_file(&file)? {
-            let t = t
-                .to_tensor(candle_core::DType::F32, &Device::Cpu)
-                .map_err(|e| ModelError::file(&file, format!("tensor '{name}': {e}")))?;
-            out.insert(name, t);
-        }
-        out
-    } else {
-        return Err(ModelError::file(&file, "no such file"));
-    };
+    let (file, mut tensors) = read_adapter_tensors(dir)?;
     if model.config.text_of_multimodal {
         tensors = text_model_adapter_tensors(tensors, &file);
     }
@@ -575,6 +558,30 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, Mode
     attach_adapter(model, &config, tensors, &source)?;
     replace_saved_modules(model, saved, &source)?;
     Ok(config)
+}
+
+/// The tensors of the PEFT adapter in `dir` under their file names (CPU; a `.bin`'s in f32), and
+/// the file they came from: `adapter_model.safetensors`, or `adapter_model.bin` (PEFT's
+/// `safe_serialization=False`, a torch.save file).
+pub fn read_adapter_tensors(dir: &Path) -> Result<(PathBuf, HashMap<String, Tensor>), ModelError> {
+    let file = dir.join(ADAPTER_WEIGHTS_FILE);
+    if file.is_file() {
+        let tensors = candle_core::safetensors::load(&file, &Device::Cpu)
+            .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
+        return Ok((file, tensors));
+    }
+    let bin = dir.join("adapter_model.bin");
+    if !bin.is_file() {
+        return Err(ModelError::file(&file, "no such file"));
+    }
+    let mut out = HashMap::new();
+    for (name, t) in crate::torch_pickle::read_torch_file(&bin)? {
+        let t = t
+            .to_tensor(candle_core::DType::F32, &Device::Cpu)
+            .map_err(|e| ModelError::file(&bin, format!("tensor '{name}': {e}")))?;
+        out.insert(name, t);
+    }
+    Ok((bin, out))
 }
 
 /// Loads the adapter at `path` into `model`, whichever way it was saved: a PEFT folder (or its

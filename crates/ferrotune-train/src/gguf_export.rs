@@ -1012,6 +1012,222 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     })
 }
 
+/// A PEFT LoRA adapter (`adapter_dir`) of the HF model `base_dir` as llama.cpp's LoRA adapter
+/// GGUF (what its `convert_lora_to_gguf.py` writes, for `llama-cli --lora`, Ollama's `ADAPTER`):
+/// `general.type` `adapter`, `adapter.type` `lora`, `adapter.lora.alpha`, and per adapted
+/// matrix `{gguf name}.lora_a` (`[r, in]`) and `.lora_b` (`[out, r]`, q/k rows in llama.cpp's
+/// order where the architecture permutes them), in `outtype` (f32, f16 or bf16).
+///
+/// llama.cpp scales every matrix by `alpha / r` with one alpha per file: per-module ranks keep
+/// their own `r`, but a scale it cannot express (rsLoRA's `alpha / sqrt(r)` beside other ranks,
+/// `alpha_pattern`) is folded into `lora_b`. DoRA, adapters on experts or tied embeddings, and
+/// `modules_to_save` have no llama.cpp form and are refused (merge instead).
+pub fn export_gguf_adapter(
+    adapter_dir: &Path,
+    base_dir: &Path,
+    out: &Path,
+    outtype: OutType,
+) -> Result<GgufExport> {
+    use ferrotune_models::peft::{read_adapter_tensors, LoraConfig, PEFT_PREFIX};
+    let lc = LoraConfig::read(adapter_dir)?;
+    let merge_instead = "`ferrotune merge` it and export the merged model";
+    if lc.use_dora {
+        bail!(
+            "{}: a DoRA adapter (use_dora); llama.cpp applies LoRA adapters only: {merge_instead}",
+            adapter_dir.display()
+        );
+    }
+    if !lc.modules_to_save.is_empty() {
+        bail!(
+            "{}: the adapter trains whole modules too (modules_to_save {:?}), which a llama.cpp \
+             adapter cannot hold: {merge_instead}",
+            adapter_dir.display(),
+            lc.modules_to_save
+        );
+    }
+    let ty = match outtype {
+        OutType::F32 => GgmlType::F32,
+        OutType::F16 => GgmlType::F16,
+        OutType::Bf16 => GgmlType::Bf16,
+        other => bail!("an adapter is exported as f32, f16 or bf16, not {other:?}"),
+    };
+    let config_file = base_dir.join("config.json");
+    if !config_file.is_file() {
+        bail!(
+            "{}: the base model's HF folder (with config.json) is needed to name the adapter's \
+             tensors as llama.cpp's architecture does",
+            base_dir.display()
+        );
+    }
+    let config = ModelConfig::from_hf_file(&config_file)?;
+    let (arch, permute) = architecture(&config)?;
+    let (file, tensors) = read_adapter_tensors(adapter_dir)?;
+
+    // module -> (A, B)
+    let mut modules: BTreeMap<String, (Option<Tensor>, Option<Tensor>)> = BTreeMap::new();
+    let mut notes = Vec::new();
+    let mut left_out = 0;
+    for (key, t) in tensors {
+        let stem = key.strip_prefix(PEFT_PREFIX).unwrap_or(&key);
+        let (module, is_a) = if let Some(m) = stem.strip_suffix(".lora_A.weight") {
+            (m, true)
+        } else if let Some(m) = stem.strip_suffix(".lora_B.weight") {
+            (m, false)
+        } else {
+            bail!(
+                "{}: tensor '{key}' is not a LoRA A or B matrix; llama.cpp adapters hold only \
+                 those: {merge_instead}",
+                file.display()
+            );
+        };
+        let module = if config.text_of_multimodal {
+            match ferrotune_models::checkpoint::text_model_tensor(module) {
+                Some(m) => m,
+                None => {
+                    left_out += 1;
+                    continue;
+                }
+            }
+        } else {
+            module.to_string()
+        };
+        let slot = modules.entry(module).or_default();
+        if is_a {
+            slot.0 = Some(t);
+        } else {
+            slot.1 = Some(t);
+        }
+    }
+    if left_out > 0 {
+        notes.push(format!(
+            "{left_out} adapter tensors of the vision tower / projector left out (the GGUF is the \
+             text model's)"
+        ));
+    }
+    if modules.is_empty() {
+        bail!("{}: holds no LoRA matrices", file.display());
+    }
+    // One alpha for the file: the first module's `scale · r`; other modules' scales relative
+    // to it go into their B.
+    let mut alpha: Option<f64> = None;
+    let mut folded = false;
+    let mut plan = Vec::new();
+    for (module, (a, b)) in modules {
+        let (Some(a), Some(b)) = (a, b) else {
+            bail!(
+                "{}: module '{module}' lacks its lora_A or lora_B",
+                file.display()
+            );
+        };
+        let hf = format!("{module}.weight");
+        if expert_part(&hf).is_some() {
+            bail!(
+                "{}: '{module}' is an expert; llama.cpp's adapters on stacked experts are not \
+                 written here: {merge_instead}",
+                file.display()
+            );
+        }
+        if module == "lm_head" && config.tie_word_embeddings {
+            bail!(
+                "{}: the adapter changes lm_head, which the base ties to the embeddings (llama.cpp \
+                 has no separate output matrix to adapt): {merge_instead}",
+                file.display()
+            );
+        }
+        let Some(gguf) = gguf_name(&hf, config.sandwich_norms) else {
+            bail!(
+                "{}: llama.cpp's '{arch}' has no matrix for adapted module '{module}'",
+                file.display()
+            );
+        };
+        let (r, inp) = a.dims2()?;
+        let (rows, rb) = b.dims2()?;
+        let Some((want_r, scale)) = lc.resolve(&module) else {
+            bail!(
+                "{}: module '{module}' has tensors but adapter_config.json does not target it",
+                file.display()
+            );
+        };
+        if r != want_r || rb != r {
+            bail!(
+                "{}: module '{module}' has lora_A {:?} and lora_B {:?}, adapter_config.json says \
+                 rank {want_r}",
+                file.display(),
+                a.dims(),
+                b.dims()
+            );
+        }
+        let alpha_gguf = *alpha.get_or_insert(scale * r as f64);
+        let factor = scale * r as f64 / alpha_gguf;
+        let mut b_values = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if factor != 1.0 {
+            folded = true;
+            b_values
+                .iter_mut()
+                .for_each(|v| *v = (*v as f64 * factor) as f32);
+        }
+        let part = gguf.rsplit('.').nth(1).unwrap_or_default();
+        if permute && (part == "attn_q" || part == "attn_k") {
+            let heads = if part == "attn_q" {
+                config.num_attention_heads
+            } else {
+                config.num_key_value_heads
+            };
+            let order = permuted_rows(rows, heads);
+            b_values = order
+                .iter()
+                .flat_map(|&i| b_values[i * r..(i + 1) * r].iter().copied())
+                .collect();
+        }
+        let a_values = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        plan.push(Planned {
+            name: format!("{gguf}.lora_a"),
+            dims: vec![inp as u64, r as u64],
+            ty,
+            source: Source::Values(a_values),
+        });
+        plan.push(Planned {
+            name: format!("{gguf}.lora_b"),
+            dims: vec![r as u64, rows as u64],
+            ty,
+            source: Source::Values(b_values),
+        });
+    }
+    if folded {
+        notes.push(
+            "llama.cpp scales every matrix by one alpha / r: the modules whose scale differs \
+             (rsLoRA, alpha_pattern) have it folded into their lora_b"
+                .into(),
+        );
+    }
+    let mut meta = Metadata::default();
+    let name = adapter_dir
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
+        .unwrap_or_else(|| "adapter".into());
+    meta.string("general.architecture", arch);
+    meta.string("general.type", "adapter");
+    meta.string("general.name", &name);
+    meta.u32("general.file_type", outtype.file_type());
+    meta.string("adapter.type", "lora");
+    meta.f32("adapter.lora.alpha", alpha.unwrap_or(0.0) as f32);
+    let partial = PathBuf::from(format!("{}.partial", out.display()));
+    let written = write_gguf(&partial, &plan, &meta, &Weights::Loaded(BTreeMap::new()))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&partial);
+        })?;
+    std::fs::rename(&partial, out)
+        .with_context(|| format!("moving {} into place", partial.display()))?;
+    Ok(GgufExport {
+        architecture: arch.into(),
+        tensors: plan.len(),
+        bytes: written,
+        pre_tokenizer: String::new(),
+        notes,
+    })
+}
+
 /// Writes the header, the metadata, the tensor descriptions, then each tensor's data at its
 /// aligned offset; returns the file's size.
 fn write_gguf(partial: &Path, plan: &[Planned], meta: &Metadata, weights: &Weights) -> Result<u64> {

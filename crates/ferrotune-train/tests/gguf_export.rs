@@ -454,3 +454,108 @@ fn gemma2_round_trips_with_llama_cpps_settings() {
     assert!(refused("gemma3").contains("five of every six for Gemma 3"));
     std::fs::remove_dir_all(&out).ok();
 }
+
+/// Every tensor of a GGUF file, dequantized to f32, in candle's (row-major) shapes.
+fn gguf_tensors(path: &std::path::Path) -> (std::collections::HashMap<String, Tensor>, Value) {
+    use candle_core::quantized::gguf_file;
+    let mut f = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut meta = serde_json::Map::new();
+    for (k, v) in &content.metadata {
+        let v = match v {
+            gguf_file::Value::String(s) => Value::from(s.clone()),
+            gguf_file::Value::F32(x) => Value::from(*x as f64),
+            gguf_file::Value::U32(x) => Value::from(*x),
+            _ => continue,
+        };
+        meta.insert(k.clone(), v);
+    }
+    let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
+    let tensors = names
+        .into_iter()
+        .map(|n| {
+            let t = content
+                .tensor(&mut f, &n, &Device::Cpu)
+                .unwrap()
+                .dequantize(&Device::Cpu)
+                .unwrap();
+            (n, t)
+        })
+        .collect();
+    (tensors, Value::Object(meta))
+}
+
+/// A PEFT adapter as llama.cpp's LoRA GGUF: applied the way llama.cpp applies it (every
+/// `{name}.lora_a` / `.lora_b` pair adds `alpha / r · B·A` to the base GGUF's matrix `name`), it
+/// gives the GGUF of the model PEFT merges — so names, shapes, llama.cpp's q/k row order and the
+/// scale (rsLoRA and alpha patterns folded into B) are all llama.cpp's.
+/// (`scripts/check_gguf_export.py --adapters` runs llama.cpp itself on these files.)
+#[test]
+fn lora_adapter_gguf_applies_as_peft_merges() {
+    use ferrotune_train::gguf_export::export_gguf_adapter;
+    let base = model_dir("../llama3/model");
+    for (case, adapter) in [
+        ("llama3", common::workspace_fixture("llama3/adapter")),
+        (
+            "rslora_patterns",
+            common::workspace_fixture("lora_variants/rslora_patterns/adapter"),
+        ),
+    ] {
+        let dir = out_dir(&format!("adapter-{case}"));
+        let adapter_gguf = dir.join("adapter.gguf");
+        let done = export_gguf_adapter(&adapter, &base, &adapter_gguf, OutType::F32).unwrap();
+        assert_eq!(done.architecture, "llama");
+        // The merged model, through the same export.
+        let (mut model, _) = load_model(&base, DType::F32, &Device::Cpu).unwrap();
+        ferrotune_models::load_adapter(&mut model, &adapter).unwrap();
+        let merged_dir = dir.join("merged");
+        let merged = ferrotune_models::peft::merged_tensors(&model).unwrap();
+        ferrotune_models::save_hf_checkpoint(
+            &merged_dir,
+            &model.config,
+            None,
+            &merged,
+            DType::F32,
+            u64::MAX,
+        )
+        .unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(base.join(f), merged_dir.join(f)).unwrap();
+        }
+        export_gguf(&base, &dir.join("base.gguf"), OutType::F32).unwrap();
+        export_gguf(&merged_dir, &dir.join("merged.gguf"), OutType::F32).unwrap();
+        let (base_t, _) = gguf_tensors(&dir.join("base.gguf"));
+        let (merged_t, _) = gguf_tensors(&dir.join("merged.gguf"));
+        let (lora, meta) = gguf_tensors(&adapter_gguf);
+        assert_eq!(meta["general.type"], "adapter", "{case}");
+        assert_eq!(meta["adapter.type"], "lora", "{case}");
+        assert_eq!(meta["general.architecture"], "llama", "{case}");
+        let alpha = meta["adapter.lora.alpha"].as_f64().unwrap();
+        let mut adapted = 0;
+        for (name, w) in &base_t {
+            let want = &merged_t[name];
+            let got = match (
+                lora.get(&format!("{name}.lora_a")),
+                lora.get(&format!("{name}.lora_b")),
+            ) {
+                (Some(a), Some(b)) => {
+                    adapted += 1;
+                    let r = a.dim(0).unwrap();
+                    assert_eq!(b.dim(1).unwrap(), r, "{case} {name}");
+                    let delta = (b.matmul(a).unwrap() * (alpha / r as f64)).unwrap();
+                    (w + delta).unwrap()
+                }
+                _ => w.clone(),
+            };
+            let err = common::rel_l2(&got, want);
+            assert!(err <= 1e-6, "{case}: {name}: relative L2 {err}");
+        }
+        assert_eq!(
+            adapted * 2,
+            lora.len(),
+            "{case}: every pair names a base matrix"
+        );
+        assert!(adapted > 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
