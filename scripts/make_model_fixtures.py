@@ -269,6 +269,15 @@ def cfg_phi2():
     ))
 
 
+def cfg_phi2_tied():
+    # Phi-2 with tied embeddings: the head's weight is the embedding's, its bias its own (saved as
+    # lm_head.bias with no lm_head.weight); MHA.
+    c = cfg_phi2()
+    c.tie_word_embeddings = True
+    c.num_key_value_heads = c.num_attention_heads
+    return c
+
+
 def cfg_mixtral():
     # Mixtral: 4 experts (w1 gate / w3 up / w2 down) under block_sparse_moe, top-2 routing with the two
     # weights renormalized (f32), router block_sparse_moe.gate; GQA 4/2.
@@ -687,6 +696,9 @@ CASES = {
                  notes="Phi-2 (phi): LayerNorm with bias (input_layernorm, final_layernorm), parallel attention + MLP "
                        "on one normed input, self_attn.dense, ungated mlp.fc1 -> gelu_new -> mlp.fc2, partial rotary "
                        "0.5 of head_dim 8, biases on every projection and on lm_head, GQA 4/2, untied"),
+    "phi2_tied": dict(cfg=cfg_phi2_tied, seed=131, style="v5",
+                      notes="phi2 with tie_word_embeddings: lm_head.weight is the embedding, lm_head.bias "
+                            "stays the head's own (the checkpoint holds lm_head.bias only); MHA"),
     "mixtral": dict(cfg=cfg_mixtral, seed=116, style="v5", grads=True,
                     notes="Mixtral: 4 experts (block_sparse_moe.experts.N.w1/w3/w2), router block_sparse_moe.gate, "
                           "top-2 routing renormalized in f32, GQA 4/2, untied"),

@@ -1171,7 +1171,8 @@ impl CausalLm {
         let lm_head = if c.tie_word_embeddings {
             Linear {
                 weight: BaseWeight::Dense(embed_tokens.clone()),
-                bias: None,
+                // Tying shares the weight only: a head with a bias (Phi-2's) keeps its own.
+                bias: take.take_opt("lm_head.bias", &[c.vocab_size])?,
                 packed: embed_packed,
                 adapter: None,
                 fake_quant: None,

@@ -1048,6 +1048,10 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
                         .into(),
                 ));
             }
+            // The weight is the embedding's; a bias is the head's own.
+            if let Some(b) = &linear.bias {
+                out.insert("lm_head.bias".to_string(), b.clone());
+            }
             continue;
         }
         let weight = match &linear.adapter {

@@ -188,3 +188,36 @@ fn every_family_runs_in_bf16() {
         );
     }
 }
+
+/// A tied head with its own bias (Phi-2 with `tie_word_embeddings`): the bias is the head's,
+/// read and written back (`merged_tensors` is what every checkpoint save writes), and the saved
+/// folder gives the same logits.
+#[test]
+fn a_tied_heads_bias_is_kept_through_save() {
+    let dir = fixtures().join("models/phi2_tied");
+    let model = load(&dir);
+    let stored =
+        candle_core::safetensors::load(dir.join("model/model.safetensors"), &Device::Cpu).unwrap();
+    assert!(!stored.contains_key("lm_head.weight"));
+    let tensors = ferrotune_models::peft::merged_tensors(&model).unwrap();
+    assert!(
+        !tensors.contains_key("lm_head.weight"),
+        "tied: the embedding is the weight"
+    );
+    assert_eq!(
+        max_abs_diff(&tensors["lm_head.bias"], &stored["lm_head.bias"]),
+        0.0
+    );
+    let out = std::env::temp_dir().join(format!("ferrotune-tied-bias-{}", std::process::id()));
+    ferrotune_models::save_hf_checkpoint(&out, &model.config, None, &tensors, DType::F32, u64::MAX)
+        .unwrap();
+    let again = load_model(&out, DType::F32, &Device::Cpu).unwrap().0;
+    let g = golden(&dir);
+    let ids = ids_tensor(&g["input_ids"]);
+    let (b, t) = ids.dims2().unwrap();
+    let layout = AttentionLayout::causal(b, t, 0);
+    let a = model.forward(&ids, &layout, None).unwrap();
+    let c = again.forward(&ids, &layout, None).unwrap();
+    assert_eq!(max_abs_diff(&a, &c), 0.0);
+    std::fs::remove_dir_all(&out).unwrap();
+}

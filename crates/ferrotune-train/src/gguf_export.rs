@@ -765,6 +765,27 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             });
         }
     }
+    // llama.cpp's `phi2` requires its own `output.weight` (other architectures fall back to the
+    // embeddings): a tied head with its bias is written out as the embedding's copy.
+    if arch == "phi2" && config.tie_word_embeddings {
+        if let Some((file, stored, shape)) = listed
+            .iter()
+            .find(|(_, n, _)| n == "model.embed_tokens.weight")
+        {
+            let name = "output.weight".to_string();
+            plan.push(Planned {
+                ty: storage_type(&name, shape, outtype),
+                dims: shape.iter().rev().map(|&d| d as u64).collect(),
+                name,
+                source: Source::Hf {
+                    file: *file,
+                    name: stored.clone(),
+                    rows: None,
+                    plus_one: false,
+                },
+            });
+        }
+    }
     let expert_count = config.moe.as_ref().map_or(0, |m| m.num_experts);
     for ((layer, part), per_expert) in experts {
         let first_shape = per_expert.values().next().map(|(_, _, s)| s.clone());

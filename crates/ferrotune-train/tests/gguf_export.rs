@@ -82,6 +82,8 @@ fn exported_gguf_gives_transformers_logits() {
         "mixtral",
         "qwen2_moe",
         "phi2",
+        // Phi-2 with a tied head and its own bias (llama.cpp's phi2 needs output.weight).
+        "phi2_tied",
         // PyTorch `.bin` shards, and Meta's format (interleaved q/k rows, Llama 3.1's and
         // 3.2's scaled rope, a tied head).
         "llama2_bin",
