@@ -931,6 +931,29 @@ pub(crate) fn final_norm_entries_mut<'a>(
     out
 }
 
+/// Warns about checkpoint tensors the model did not take (as transformers reports unused
+/// weights): a tensor the model should use but ignores would otherwise change its outputs
+/// silently. Rotary caches (`rotary_emb.inv_freq`) and a tied head's stored copy are expected.
+fn warn_unused(left: &HashMap<String, Tensor>, c: &ModelConfig, source: &str) {
+    let mut unused: Vec<&String> = left
+        .keys()
+        .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
+        .filter(|n| !(c.tie_word_embeddings && n.as_str() == "lm_head.weight"))
+        .collect();
+    if unused.is_empty() {
+        return;
+    }
+    unused.sort();
+    let shown: Vec<&str> = unused.iter().take(5).map(|s| s.as_str()).collect();
+    tracing::warn!(
+        "{source}: {} tensor(s) of the checkpoint are not used by the '{}' model: {}{}",
+        unused.len(),
+        c.model_type,
+        shown.join(", "),
+        if unused.len() > 5 { ", ..." } else { "" }
+    );
+}
+
 /// Takes named tensors out of a checkpoint's map, checking shapes.
 struct TensorTaker<'a> {
     tensors: &'a mut HashMap<String, Tensor>,
@@ -1028,7 +1051,8 @@ impl TensorTaker<'_> {
 impl CausalLm {
     /// Builds the model from HF-named tensors (already in the compute dtype, on `device`).
     ///
-    /// `source` names the checkpoint in error messages. Tensors the model does not use are ignored.
+    /// `source` names the checkpoint in error messages. Tensors the model does not use are left
+    /// out, with a warning naming them.
     pub fn from_tensors(
         config: ModelConfig,
         tensors: HashMap<String, Tensor>,
@@ -1183,6 +1207,7 @@ impl CausalLm {
                 None => take.linear("lm_head", c.vocab_size, h)?,
             }
         };
+        warn_unused(&tensors, c, source);
         let rope = RotaryEmbedding::new(c);
         let local_rope = c
             .local_rope
