@@ -696,7 +696,7 @@ CASES = {
                  notes="Phi-2 (phi): LayerNorm with bias (input_layernorm, final_layernorm), parallel attention + MLP "
                        "on one normed input, self_attn.dense, ungated mlp.fc1 -> gelu_new -> mlp.fc2, partial rotary "
                        "0.5 of head_dim 8, biases on every projection and on lm_head, GQA 4/2, untied"),
-    "phi2_tied": dict(cfg=cfg_phi2_tied, seed=131, style="v5",
+    "phi2_tied": dict(cfg=cfg_phi2_tied, seed=131, style="v5", grads=True,
                       notes="phi2 with tie_word_embeddings: lm_head.weight is the embedding, lm_head.bias "
                             "stays the head's own (the checkpoint holds lm_head.bias only); MHA"),
     "mixtral": dict(cfg=cfg_mixtral, seed=116, style="v5", grads=True,

@@ -210,6 +210,8 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         ("models/gemma3", "models/gemma3"),
         ("models/gemma3_multimodal", "models/gemma3"),
         ("models/phi2", "models/phi2"),
+        // A tied head with its own bias: the bias trains, the embedding gets both gradients.
+        ("models/phi2_tied", "models/phi2_tied"),
         ("models/mixtral", "models/mixtral"),
         ("models/qwen2_moe", "models/qwen2_moe"),
     ] {
@@ -249,7 +251,7 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         .unwrap();
         let want_type = match family {
             "models/gemma2" => "gemma2",
-            "models/phi2" => "phi",
+            "models/phi2" | "models/phi2_tied" => "phi",
             "models/mixtral" => "mixtral",
             "models/qwen2_moe" => "qwen2_moe",
             _ => "gemma3_text",

@@ -1346,14 +1346,15 @@ impl CausalLm {
             // Dense weights change every step: a packed (GGUF block) copy would go stale.
             linear.packed = None;
             if name == "lm_head" && tied {
+                // The weight is the embedding's Var; a bias is the head's own parameter.
                 linear.weight = BaseWeight::Dense(embed.clone());
-                continue;
+            } else {
+                var(
+                    linear.weight.as_dense_mut()?,
+                    format!("{name}.weight"),
+                    &mut out,
+                )?;
             }
-            var(
-                linear.weight.as_dense_mut()?,
-                format!("{name}.weight"),
-                &mut out,
-            )?;
             if let Some(b) = &mut linear.bias {
                 var(b, format!("{name}.bias"), &mut out)?;
             }
