@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Random tiny models of every supported family, checked against transformers (+ PEFT) through the
+`ferrotune` binary: the fixture tests cover chosen configurations, this draws others (head sizes,
+GQA ratios, tied heads, biases, rope scalings, sliding windows, softcaps, partial rotary, expert
+counts) to find the combinations nobody wrote down.
+
+  python3 scripts/sweep_random_configs.py forward [--seed 1] [--trials 3] [--types llama,phi]
+  python3 scripts/sweep_random_configs.py lora    ...   # one SGD step (lr 1) from a PEFT adapter
+  python3 scripts/sweep_random_configs.py full    ...   # one full fine-tuning SGD step
+
+- forward: `run eval`'s loss against transformers' (relative 1e-5) and 10 greedy tokens of
+  `generate` against `model.generate`.
+- lora: a PEFT adapter on all linear layers (sometimes DoRA, sometimes rsLoRA, B non-zero);
+  ferrotune's saved adapter after one SGD step with lr 1 is `start − PEFT's gradient` (1e-4).
+- full: the saved checkpoint after one SGD step with lr 1 is `start − torch's gradient` (1e-4),
+  with exactly the checkpoint's tensors.
+
+Needs torch, transformers, peft, safetensors; `--binary` (default target/release/ferrotune).
+Found so far: a tied head's own bias (Phi-2 with tie_word_embeddings) dropped on load, save and
+in full fine-tuning.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+TOK = os.path.join(ROOT, "tests", "fixtures", "tiny_tokenizer")
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi",
+            "smollm3", "mixtral", "qwen2_moe", "qwen3_moe"]
+# transformers 5 keeps experts as fused parameters (saved under per-expert names), which PEFT's
+# LoRA cannot target as ferrotune's per-expert modules and whose gradients do not carry the
+# checkpoint's names: the MoE families are checked by the forward sweep only (their fixtures
+# hold per-expert gradients).
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
+
+
+def random_config(rng, mt):
+    heads = rng.choice([2, 4])
+    kv = rng.choice([k for k in [1, 2, 4] if heads % k == 0])
+    hd = rng.choice([8, 16])
+    c = dict(vocab_size=512, hidden_size=rng.choice([32, 48]),
+             intermediate_size=rng.choice([64, 96]), num_hidden_layers=rng.choice([2, 3]),
+             num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=256,
+             tie_word_embeddings=rng.random() < 0.5, rms_norm_eps=1e-5, pad_token_id=3,
+             bos_token_id=0, eos_token_id=2)
+    rp = {"rope_theta": rng.choice([10000.0, 500000.0]), "rope_type": "default"}
+    r = rng.random()
+    if r < 0.2:
+        rp.update(rope_type="linear", factor=2.0)
+    elif r < 0.35:
+        rp.update(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+    elif r < 0.5 and mt == "llama":
+        rp.update(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=32)
+    elif r < 0.6:
+        rp.update(rope_type="dynamic", factor=2.0)
+    if mt in ("llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "mixtral",
+              "qwen3_moe"):
+        c["head_dim"] = hd
+    if mt == "llama":
+        c["attention_bias"] = rng.random() < 0.3
+        c["mlp_bias"] = rng.random() < 0.3
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        c["use_sliding_window"] = False
+    if mt == "mistral":
+        c["sliding_window"] = rng.choice([None, 6])
+    if mt in ("gemma2", "gemma3_text"):
+        c["sliding_window"] = rng.choice([4, 8])
+        c["query_pre_attn_scalar"] = rng.choice([hd, 24])
+        c["hidden_activation"] = "gelu_pytorch_tanh"
+    if mt == "gemma2":
+        c["attn_logit_softcapping"] = rng.choice([None, 20.0])
+        c["final_logit_softcapping"] = rng.choice([None, 15.0])
+    if mt in MOE:
+        c.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        if mt == "qwen3_moe":
+            c["norm_topk_prob"] = rng.random() < 0.5
+    if mt in ("phi3", "phi"):
+        partial = rng.choice([1.0, 0.5]) if mt == "phi3" else 0.5
+        c["partial_rotary_factor"] = partial
+        if mt == "phi":
+            c["layer_norm_eps"] = 1e-5
+        if rp["rope_type"] != "default":
+            # Phi-3 takes longrope only; Phi-2 is tested with plain and dynamic.
+            if mt == "phi3" or rp["rope_type"] != "dynamic":
+                rp = {"rope_theta": 10000.0, "rope_type": "default"}
+        rp["partial_rotary_factor"] = partial
+    c["rope_parameters"] = rp
+    return c
+
+
+def make_model(rng, mt, folder):
+    """A random model of family `mt` saved with the tiny tokenizer: (config dict, model dir)."""
+    cfgd = random_config(rng, mt)
+    cfg = AutoConfig.for_model(mt, **cfgd)
+    torch.manual_seed(rng.randrange(1 << 30))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Norms away from 1 and larger weights, so that a mistake shows in the logits.
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+            else:
+                p.mul_(3.0)
+    mdir = os.path.join(folder, "model")
+    model.save_pretrained(mdir)
+    for f in os.listdir(TOK):
+        shutil.copy(os.path.join(TOK, f), mdir)
+    return cfgd, mdir
+
+
+def rows(rng, folder, n=2, t=20):
+    ids = [[rng.randrange(4, 512) for _ in range(t)] for _ in range(n)]
+    labels = [[-100] * 3 + r[3:] for r in ids]
+    data = os.path.join(folder, "rows.jsonl")
+    with open(data, "w") as f:
+        for i, lab in zip(ids, labels):
+            f.write(json.dumps({"input_ids": i, "labels": lab}) + "\n")
+    return ids, labels, data
+
+
+def config(folder, mdir, data, extra=""):
+    path = os.path.join(folder, "config.yaml")
+    with open(path, "w") as f:
+        f.write(f"""
+output_dir: {folder}/out
+tokenizer:
+  path: {mdir}
+checkpointer:
+  checkpoint_dir: {mdir}
+  output_dir: {folder}/out
+dataset:
+  _component_: torchtune.datasets.tokenized_dataset
+  source: json
+  data_files: {data}
+batch_size: 2
+epochs: 1
+max_steps_per_epoch: 1
+shuffle: false
+optimizer:
+  _component_: torch.optim.SGD
+  lr: 1.0
+lr_scheduler: null
+clip_grad_norm: null
+loss:
+  _component_: torch.nn.CrossEntropyLoss
+device: cpu
+dtype: fp32
+{extra}""")
+    return path
+
+
+def run(binary, *args):
+    r = subprocess.run([binary, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.strip().splitlines()[-1][:300])
+    return r.stdout
+
+
+def check_forward(rng, binary, mt, folder):
+    cfgd, mdir = make_model(rng, mt, folder)
+    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
+    ids, labels, data = rows(rng, folder)
+    with torch.no_grad():
+        want = model(torch.tensor(ids), labels=torch.tensor(labels)).loss.item()
+        prompt = ids[0][:8]
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                eos_token_id=None, pad_token_id=3)[0, 8:].tolist()
+    out = run(binary, "run", "eval", "--config", config(folder, mdir, data))
+    got = json.loads(out.strip().splitlines()[-1])["loss"]
+    out = run(binary, "generate", "--model", mdir, "--prompt-ids", ",".join(map(str, prompt)),
+              "--max-new-tokens", "10", "--ignore-eos", "--json")
+    tokens = json.loads(out.strip().splitlines()[-1])["new_token_ids"]
+    rel = abs(got - want) / abs(want)
+    return cfgd, rel < 1e-5 and tokens == greedy, f"loss rel {rel:.1e}, greedy {'same' if tokens == greedy else 'DIFFERENT'}"
+
+
+def check_lora(rng, binary, mt, folder):
+    import peft.tuners.lora.torchao as peft_torchao
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    peft_torchao.is_torchao_available = lambda: False  # an old torchao would stop PEFT
+    cfgd, mdir = make_model(rng, mt, folder)
+    dora, rslora = rng.random() < 0.3, rng.random() < 0.3
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                      use_dora=dora, use_rslora=rslora))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p) * 0.1)
+    adir = os.path.join(folder, "adapter")
+    model.save_pretrained(adir)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32),
+                                      adir, is_trainable=True)
+    ids, labels, data = rows(rng, folder, t=16)
+    model(torch.tensor(ids), labels=torch.tensor(labels)).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    run(binary, "run", "lora_finetune_single_device", "--config",
+        config(folder, mdir, data, f"model:\n  lora_rank: 4\n  lora_alpha: 8\n"),
+        f"checkpointer.adapter_checkpoint={adir}")
+    saved = load_file(os.path.join(folder, "out/epoch_0/adapter_model.safetensors"))
+    start = load_file(os.path.join(adir, "adapter_model.safetensors"))
+    worst, at = 0.0, None
+    for k, s in start.items():
+        param = (k.replace(".lora_A.weight", ".lora_A.default.weight")
+                  .replace(".lora_B.weight", ".lora_B.default.weight")
+                  .replace(".lora_magnitude_vector", ".lora_magnitude_vector.default.weight"))
+        want = s - grads[param]
+        e = ((saved[k] - want).norm() / want.norm()).item()
+        if e > worst:
+            worst, at = e, k
+    return cfgd, worst < 1e-4 and set(saved) == set(start), f"dora={dora} rslora={rslora} worst {worst:.1e} ({at})"
+
+
+def check_full(rng, binary, mt, folder):
+    cfgd, mdir = make_model(rng, mt, folder)
+    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).train()
+    ids, labels, data = rows(rng, folder, t=16)
+    model(torch.tensor(ids), labels=torch.tensor(labels)).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    run(binary, "run", "full_finetune_single_device", "--config", config(folder, mdir, data))
+    saved = load_file(os.path.join(folder, "out/epoch_0/model.safetensors"))
+    start = load_file(os.path.join(mdir, "model.safetensors"))
+    worst, at = 0.0, None
+    for k, s in start.items():
+        want = s - grads[k]
+        e = ((saved.get(k, torch.zeros_like(s)) - want).norm() / want.norm()).item()
+        if e > worst:
+            worst, at = e, k
+    return cfgd, worst < 1e-4 and set(saved) == set(start), f"worst {worst:.1e} ({at})"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["forward", "lora", "full"])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--types", default=",".join(FAMILIES))
+    ap.add_argument("--binary", default=os.path.join(ROOT, "target", "release", "ferrotune"))
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    check = {"forward": check_forward, "lora": check_lora, "full": check_full}[args.mode]
+    bad = total = 0
+    for mt in args.types.split(","):
+        if args.mode != "forward" and mt in MOE:
+            continue
+        for trial in range(args.trials):
+            folder = tempfile.mkdtemp()
+            try:
+                cfgd, ok, line = check(rng, args.binary, mt, folder)
+            except RuntimeError as e:
+                cfgd, ok, line = None, False, f"ferrotune failed: {e}"
+            total += 1
+            bad += not ok
+            print(f"{mt:12} {trial} {line}" + ("" if ok else f"   <-- {json.dumps(cfgd)}"), flush=True)
+            shutil.rmtree(folder)
+    print(f"{total - bad}/{total} agree")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
