@@ -217,6 +217,15 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
              phi3, smollm3, mixtral, qwen2_moe and qwen3_moe checkpoints, not '{other}'"
         ),
     };
+    // llama.cpp's Gemma and Gemma 2 always use the embeddings as the output head (an
+    // `output.weight` in the file would make it refuse the file).
+    if (arch.0 == "gemma" || arch.0 == "gemma2") && !config.tie_word_embeddings {
+        bail!(
+            "llama.cpp's '{}' ties the output head to the embeddings; this checkpoint has its own \
+             lm_head (tie_word_embeddings false)",
+            arch.0
+        );
+    }
     // Which layers attend in a window is fixed by llama.cpp per architecture: none, every other
     // layer from the first (Gemma 2), or for Phi-3 all of them when it has a window.
     let phi3_window = arch.0 == "phi3" && config.layer_sliding_windows.iter().any(Option::is_some);

@@ -163,6 +163,15 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
         "{}",
         err("mistral_window")
     );
+    // llama.cpp's Gemma always reads the embeddings as its output head.
+    let untied = out.parent().unwrap().join("gemma_untied");
+    edited_copy("gemma", &untied, |c| {
+        c["tie_word_embeddings"] = Value::from(false)
+    });
+    let e = export_gguf(&untied, &out, OutType::F16)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("ties the output head"), "{e}");
     assert!(!out.exists());
     assert!(OutType::parse("q4_k")
         .unwrap_err()
