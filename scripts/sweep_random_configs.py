@@ -7,6 +7,7 @@ counts) to find the combinations nobody wrote down.
   python3 scripts/sweep_random_configs.py forward [--seed 1] [--trials 3] [--types llama,phi]
   python3 scripts/sweep_random_configs.py lora    ...   # one SGD step (lr 1) from a PEFT adapter
   python3 scripts/sweep_random_configs.py full    ...   # one full fine-tuning SGD step
+  python3 scripts/sweep_random_configs.py gguf    ...   # export-gguf f32, run by llama.cpp
 
 - forward: `run eval`'s loss against transformers' (relative 1e-5) and 10 greedy tokens of
   `generate` against `model.generate`.
@@ -14,10 +15,16 @@ counts) to find the combinations nobody wrote down.
   ferrotune's saved adapter after one SGD step with lr 1 is `start − PEFT's gradient` (1e-4).
 - full: the saved checkpoint after one SGD step with lr 1 is `start − torch's gradient` (1e-4),
   with exactly the checkpoint's tensors.
+- gguf: `export-gguf --outtype f32` run by llama.cpp (llama-cpp-python, in a child process: a
+  crash is reported, not fatal) against transformers' logits (1e-5 relative L2; 1e-3 for Gemma
+  and Phi-2, whose GELU llama.cpp takes from an f16 table); a refusal with its reason counts as
+  agreeing (the config is one llama.cpp cannot run), as does a note that llama.cpp cannot run
+  the file (a Gemma 3 of fewer than six layers, on which llama.cpp crashes).
 
-Needs torch, transformers, peft, safetensors; `--binary` (default target/release/ferrotune).
-Found so far: a tied head's own bias (Phi-2 with tie_word_embeddings) dropped on load, save and
-in full fine-tuning.
+Needs torch, transformers, peft, safetensors (and llama-cpp-python for gguf); `--binary`
+(default target/release/ferrotune). Found so far: a tied head's own bias (Phi-2 with
+tie_word_embeddings) dropped on load, save and in full fine-tuning; GGUF files of an untied
+Gemma / Gemma 2, which llama.cpp refuses (now refused by export-gguf with the reason).
 """
 
 import argparse
@@ -243,19 +250,55 @@ def check_full(rng, binary, mt, folder):
     return cfgd, worst < 1e-4 and set(saved) == set(start), f"worst {worst:.1e} ({at})"
 
 
+LLAMA_CPP = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from check_gguf_export import llama_cpp_logits
+import numpy as np
+np.save(sys.argv[4], llama_cpp_logits(sys.argv[2], json.loads(sys.argv[3])))
+"""
+
+
+def check_gguf(rng, binary, mt, folder):
+    import numpy as np
+
+    cfgd, mdir = make_model(rng, mt, folder)
+    ids = [[rng.randrange(4, 512) for _ in range(12)] for _ in range(2)]
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
+        want = model(torch.tensor(ids)).logits.numpy()
+    gguf = os.path.join(folder, "model.gguf")
+    r = subprocess.run([binary, "export-gguf", mdir, gguf, "--outtype", "f32"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return cfgd, True, "refused: " + r.stderr.strip().splitlines()[-1][:140]
+    if "llama.cpp cannot run it" in r.stderr:
+        return cfgd, True, "noted: " + r.stderr.strip().splitlines()[0][:140]
+    npy = os.path.join(folder, "logits.npy")
+    r = subprocess.run([sys.executable, "-c", LLAMA_CPP, os.path.dirname(os.path.abspath(__file__)),
+                        gguf, json.dumps(ids), npy], capture_output=True, text=True)
+    if r.returncode != 0:
+        return cfgd, False, f"llama.cpp failed (exit {r.returncode})"
+    got = np.load(npy)
+    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    tol = 1e-3 if mt in ("gemma", "gemma2", "gemma3_text", "phi") else 1e-5
+    return cfgd, rel < tol, f"llama.cpp rel {rel:.1e}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["forward", "lora", "full"])
+    ap.add_argument("mode", choices=["forward", "lora", "full", "gguf"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--types", default=",".join(FAMILIES))
     ap.add_argument("--binary", default=os.path.join(ROOT, "target", "release", "ferrotune"))
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    check = {"forward": check_forward, "lora": check_lora, "full": check_full}[args.mode]
+    check = {"forward": check_forward, "lora": check_lora, "full": check_full,
+             "gguf": check_gguf}[args.mode]
     bad = total = 0
     for mt in args.types.split(","):
-        if args.mode != "forward" and mt in MOE:
+        if args.mode in ("lora", "full") and mt in MOE:
             continue
         for trial in range(args.trials):
             folder = tempfile.mkdtemp()

@@ -694,6 +694,16 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             "default".into()
         }
     };
+    if arch == "gemma3" && config.num_hidden_layers < 6 {
+        // llama.cpp's pattern then has no full-attention layer, and its KV cache for those
+        // layers is empty: llama.cpp 0.3.16 crashes on such a file (ferrotune and transformers
+        // read it).
+        notes.push(format!(
+            "llama.cpp's 'gemma3' makes every sixth layer a full-attention layer; this model has \
+             {} layers, none of them full, and llama.cpp cannot run it",
+            config.num_hidden_layers
+        ));
+    }
     if config.eos_token_ids.len() > 1 {
         notes.push(format!(
             "GGUF holds one end-of-sequence id: {} of {:?} is written",
