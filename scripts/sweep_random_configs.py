@@ -8,6 +8,7 @@ counts) to find the combinations nobody wrote down.
   python3 scripts/sweep_random_configs.py lora    ...   # one SGD step (lr 1) from a PEFT adapter
   python3 scripts/sweep_random_configs.py full    ...   # one full fine-tuning SGD step
   python3 scripts/sweep_random_configs.py gguf    ...   # export-gguf f32, run by llama.cpp
+  python3 scripts/sweep_random_configs.py gguf-lora ... # a PEFT adapter as llama.cpp's LoRA GGUF
 
 - forward: `run eval`'s loss against transformers' (relative 1e-5) and 10 greedy tokens of
   `generate` against `model.generate`.
@@ -20,6 +21,8 @@ counts) to find the combinations nobody wrote down.
   and Phi-2, whose GELU llama.cpp takes from an f16 table); a refusal with its reason counts as
   agreeing (the config is one llama.cpp cannot run), as does a note that llama.cpp cannot run
   the file (a Gemma 3 of fewer than six layers, on which llama.cpp crashes).
+- gguf-lora: a PEFT adapter on all linear layers (rsLoRA at times), exported with `export-gguf
+  ADAPTER --base MODEL`, run by llama.cpp on the base's f32 GGUF, against transformers + PEFT.
 
 Needs torch, transformers, peft, safetensors (and llama-cpp-python for gguf); `--binary`
 (default target/release/ferrotune). Found so far: a tied head's own bias (Phi-2 with
@@ -252,11 +255,30 @@ def check_full(rng, binary, mt, folder):
 
 LLAMA_CPP = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
-from check_gguf_export import llama_cpp_logits
 import numpy as np
-np.save(sys.argv[4], llama_cpp_logits(sys.argv[2], json.loads(sys.argv[3])))
+from llama_cpp import Llama
+model, lora, ids, out = sys.argv[1], sys.argv[2] or None, json.loads(sys.argv[3]), sys.argv[4]
+llm = Llama(model_path=model, lora_path=lora, logits_all=True, n_ctx=64, verbose=False,
+            n_threads=2, type_k=0, type_v=0)
+rows = []
+for row in ids:
+    llm.reset()
+    llm.eval(row)
+    rows.append(np.array(llm.scores[: len(row)], dtype=np.float32))
+np.save(out, np.stack(rows))
 """
+
+
+def llama_cpp(folder, gguf, ids, lora=""):
+    """llama.cpp's logits in a child process (a crash is an exit code, not the sweep's end)."""
+    import numpy as np
+
+    npy = os.path.join(folder, "logits.npy")
+    r = subprocess.run([sys.executable, "-c", LLAMA_CPP, gguf, lora, json.dumps(ids), npy],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, r.returncode
+    return np.load(npy), 0
 
 
 def check_gguf(rng, binary, mt, folder):
@@ -274,20 +296,56 @@ def check_gguf(rng, binary, mt, folder):
         return cfgd, True, "refused: " + r.stderr.strip().splitlines()[-1][:140]
     if "llama.cpp cannot run it" in r.stderr:
         return cfgd, True, "noted: " + r.stderr.strip().splitlines()[0][:140]
-    npy = os.path.join(folder, "logits.npy")
-    r = subprocess.run([sys.executable, "-c", LLAMA_CPP, os.path.dirname(os.path.abspath(__file__)),
-                        gguf, json.dumps(ids), npy], capture_output=True, text=True)
-    if r.returncode != 0:
-        return cfgd, False, f"llama.cpp failed (exit {r.returncode})"
-    got = np.load(npy)
+    got, code = llama_cpp(folder, gguf, ids)
+    if got is None:
+        return cfgd, False, f"llama.cpp failed (exit {code})"
     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     tol = 1e-3 if mt in ("gemma", "gemma2", "gemma3_text", "phi") else 1e-5
     return cfgd, rel < tol, f"llama.cpp rel {rel:.1e}"
 
 
+def check_gguf_lora(rng, binary, mt, folder):
+    import numpy as np
+    import peft.tuners.lora.torchao as peft_torchao
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    peft_torchao.is_torchao_available = lambda: False
+    cfgd, mdir = make_model(rng, mt, folder)
+    rslora = rng.random() < 0.3
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32),
+                           LoraConfig(r=rng.choice([2, 4]), lora_alpha=8,
+                                      target_modules="all-linear", use_rslora=rslora))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p) * 0.1)
+    adir = os.path.join(folder, "adapter")
+    model.save_pretrained(adir)
+    ids = [[rng.randrange(4, 512) for _ in range(12)] for _ in range(2)]
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32), adir).eval()
+        want = peft_model(torch.tensor(ids)).logits.numpy()
+    base, lora = os.path.join(folder, "base.gguf"), os.path.join(folder, "lora.gguf")
+    r = subprocess.run([binary, "export-gguf", mdir, base, "--outtype", "f32"],
+                       capture_output=True, text=True)
+    if r.returncode != 0 or "llama.cpp cannot run it" in r.stderr:
+        return cfgd, True, "base refused or noted: " + r.stderr.strip().splitlines()[-1][:120]
+    r = subprocess.run([binary, "export-gguf", adir, lora, "--base", mdir],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return cfgd, True, "adapter refused: " + r.stderr.strip().splitlines()[-1][:120]
+    got, code = llama_cpp(folder, base, ids, lora)
+    if got is None:
+        return cfgd, False, f"llama.cpp failed (exit {code})"
+    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    tol = 1e-3 if mt in ("gemma", "gemma2", "gemma3_text", "phi") else 1e-5
+    return cfgd, rel < tol, f"rslora={rslora} llama.cpp rel {rel:.1e}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["forward", "lora", "full", "gguf"])
+    ap.add_argument("mode", choices=["forward", "lora", "full", "gguf", "gguf-lora"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--types", default=",".join(FAMILIES))
@@ -295,10 +353,10 @@ def main():
     args = ap.parse_args()
     rng = random.Random(args.seed)
     check = {"forward": check_forward, "lora": check_lora, "full": check_full,
-             "gguf": check_gguf}[args.mode]
+             "gguf": check_gguf, "gguf-lora": check_gguf_lora}[args.mode]
     bad = total = 0
     for mt in args.types.split(","):
-        if args.mode in ("lora", "full") and mt in MOE:
+        if args.mode in ("lora", "full", "gguf-lora") and mt in MOE:
             continue
         for trial in range(args.trials):
             folder = tempfile.mkdtemp()
