@@ -9,6 +9,7 @@ counts) to find the combinations nobody wrote down.
   python3 scripts/sweep_random_configs.py full    ...   # one full fine-tuning SGD step
   python3 scripts/sweep_random_configs.py gguf    ...   # export-gguf f32, run by llama.cpp
   python3 scripts/sweep_random_configs.py gguf-lora ... # a PEFT adapter as llama.cpp's LoRA GGUF
+  python3 scripts/sweep_random_configs.py packed  ...   # packed rows train as the samples alone
 
 - forward: `run eval`'s loss against transformers' (relative 1e-5) and 10 greedy tokens of
   `generate` against `model.generate`.
@@ -21,6 +22,10 @@ counts) to find the combinations nobody wrote down.
   and Phi-2, whose GELU llama.cpp takes from an f16 table); a refusal with its reason counts as
   agreeing (the config is one llama.cpp cannot run), as does a note that llama.cpp cannot run
   the file (a Gemma 3 of fewer than six layers, on which llama.cpp crashes).
+- packed: six samples of 5 to 20 tokens, once one per row (a batch of six) and once packed
+  into one row of 128 (`packed: true`): the first step's loss is the same (1e-5), and so is the model after one SGD step
+  (relative 1e-4 of how far it moved) — block-causal masks, restarted positions, windows,
+  softcaps and partial rotary included.
 - gguf-lora: a PEFT adapter on all linear layers (rsLoRA at times), exported with `export-gguf
   ADAPTER --base MODEL`, run by llama.cpp on the base's f32 GGUF, against transformers + PEFT.
 
@@ -343,9 +348,41 @@ def check_gguf_lora(rng, binary, mt, folder):
     return cfgd, rel < tol, f"rslora={rslora} llama.cpp rel {rel:.1e}"
 
 
+def check_packed(rng, binary, mt, folder):
+    cfgd, mdir = make_model(rng, mt, folder)
+    samples = []
+    for _ in range(6):
+        n = rng.randrange(5, 21)
+        ids = [rng.randrange(4, 512) for _ in range(n)]
+        samples.append((ids, [-100] * 2 + ids[2:]))
+    data = os.path.join(folder, "rows.jsonl")
+    with open(data, "w") as f:
+        for ids, labels in samples:
+            f.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
+    results = []
+    for packed in (False, True):
+        sub = os.path.join(folder, "packed" if packed else "plain")
+        os.makedirs(sub)
+        # One packed row of 128 holds all six samples (at most 120 tokens): one step, as the
+        # unpacked batch of six.
+        extra = "  packed: true\n  max_seq_len: 128\n" if packed else ""
+        cfg = config(sub, mdir, data)
+        text = open(cfg).read().replace(f"  data_files: {data}\n", f"  data_files: {data}\n{extra}")
+        text = text.replace("batch_size: 2", "batch_size: 1" if packed else "batch_size: 6")
+        open(cfg, "w").write(text)
+        run(binary, "run", "full_finetune_single_device", "--config", cfg)
+        loss = json.loads(open(os.path.join(sub, "out/logs/metrics.jsonl")).readline())["loss"]
+        results.append((loss, load_file(os.path.join(sub, "out/epoch_0/model.safetensors"))))
+    (l0, w0), (l1, w1) = results
+    start = load_file(os.path.join(mdir, "model.safetensors"))
+    worst = max(((w0[k] - w1[k]).norm() / ((w0[k] - start[k]).norm() + 1e-30)).item() for k in w0)
+    rel = abs(l0 - l1) / abs(l0)
+    return cfgd, rel < 1e-5 and worst < 1e-4, f"loss rel {rel:.1e}, step worst {worst:.1e}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["forward", "lora", "full", "gguf", "gguf-lora"])
+    ap.add_argument("mode", choices=["forward", "lora", "full", "gguf", "gguf-lora", "packed"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--types", default=",".join(FAMILIES))
@@ -353,7 +390,7 @@ def main():
     args = ap.parse_args()
     rng = random.Random(args.seed)
     check = {"forward": check_forward, "lora": check_lora, "full": check_full,
-             "gguf": check_gguf, "gguf-lora": check_gguf_lora}[args.mode]
+             "gguf": check_gguf, "gguf-lora": check_gguf_lora, "packed": check_packed}[args.mode]
     bad = total = 0
     for mt in args.types.split(","):
         if args.mode in ("lora", "full", "gguf-lora") and mt in MOE:
