@@ -901,11 +901,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             || arch == "qwen2");
     assign_mix_types(&mut plan, outtype, expert_count, seventy_b);
     let mut meta = Metadata::default();
-    let name = home
-        .canonicalize()
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
-        .unwrap_or_else(|| "model".into());
+    let name = folder_name(home, "model");
     // ferrotune (as transformers) tells Mistral from Llama by the name in a `llama` GGUF.
     let name = if config.model_type == "mistral" && !name.to_lowercase().contains("mistral") {
         format!("Mistral {name}")
@@ -1036,13 +1032,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         meta.string("tokenizer.chat_template", template);
     }
 
-    // Written under a temporary name, renamed when complete, removed if anything fails.
-    let partial = PathBuf::from(format!("{}.partial", out.display()));
-    let written = write_gguf(&partial, &plan, &meta, &weights).inspect_err(|_| {
-        let _ = std::fs::remove_file(&partial);
-    })?;
-    std::fs::rename(&partial, out)
-        .with_context(|| format!("moving {} into place", partial.display()))?;
+    let written = write_gguf(out, &plan, &meta, &weights)?;
     Ok(GgufExport {
         architecture: arch.into(),
         tensors: plan.len(),
@@ -1241,24 +1231,14 @@ pub fn export_gguf_adapter(
         );
     }
     let mut meta = Metadata::default();
-    let name = adapter_dir
-        .canonicalize()
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
-        .unwrap_or_else(|| "adapter".into());
+    let name = folder_name(adapter_dir, "adapter");
     meta.string("general.architecture", arch);
     meta.string("general.type", "adapter");
     meta.string("general.name", &name);
     meta.u32("general.file_type", outtype.file_type());
     meta.string("adapter.type", "lora");
     meta.f32("adapter.lora.alpha", alpha.unwrap_or(0.0) as f32);
-    let partial = PathBuf::from(format!("{}.partial", out.display()));
-    let written = write_gguf(&partial, &plan, &meta, &Weights::Loaded(BTreeMap::new()))
-        .inspect_err(|_| {
-            let _ = std::fs::remove_file(&partial);
-        })?;
-    std::fs::rename(&partial, out)
-        .with_context(|| format!("moving {} into place", partial.display()))?;
+    let written = write_gguf(out, &plan, &meta, &Weights::Loaded(BTreeMap::new()))?;
     Ok(GgufExport {
         architecture: arch.into(),
         tensors: plan.len(),
@@ -1268,9 +1248,35 @@ pub fn export_gguf_adapter(
     })
 }
 
+/// `general.name`: the folder's own name (of its canonical path, so `.` names itself), else
+/// `fallback`.
+fn folder_name(dir: &Path, fallback: &str) -> String {
+    dir.canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().to_string()))
+        .unwrap_or_else(|| fallback.into())
+}
+
+/// Writes the GGUF file `out` under a temporary name, renamed into place when complete and
+/// removed if anything fails; returns the file's size.
+fn write_gguf(out: &Path, plan: &[Planned], meta: &Metadata, weights: &Weights) -> Result<u64> {
+    let partial = PathBuf::from(format!("{}.partial", out.display()));
+    let written = write_gguf_data(&partial, plan, meta, weights).inspect_err(|_| {
+        let _ = std::fs::remove_file(&partial);
+    })?;
+    std::fs::rename(&partial, out)
+        .with_context(|| format!("moving {} into place", partial.display()))?;
+    Ok(written)
+}
+
 /// Writes the header, the metadata, the tensor descriptions, then each tensor's data at its
 /// aligned offset; returns the file's size.
-fn write_gguf(partial: &Path, plan: &[Planned], meta: &Metadata, weights: &Weights) -> Result<u64> {
+fn write_gguf_data(
+    partial: &Path,
+    plan: &[Planned],
+    meta: &Metadata,
+    weights: &Weights,
+) -> Result<u64> {
     let mut w = BufWriter::new(
         File::create(partial).with_context(|| format!("creating {}", partial.display()))?,
     );
