@@ -30,20 +30,8 @@ peft_torchao.is_torchao_available = lambda: False
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"
-
-
-def llama_cpp_logits(model, lora, ids):
-    from llama_cpp import Llama
-
-    # An f32 KV cache, so that the comparison sees the weights.
-    llm = Llama(model_path=str(model), lora_path=str(lora), logits_all=True, n_ctx=64,
-                verbose=False, n_threads=2, type_k=0, type_v=0)
-    rows = []
-    for row in ids:
-        llm.reset()
-        llm.eval(row)
-        rows.append(np.array(llm.scores[: len(row)], dtype=np.float32))
-    return np.stack(rows)
+sys.path.insert(0, str(ROOT / "scripts"))
+from check_gguf_export import llama_cpp_logits  # noqa: E402
 
 
 def peft_logits(base, adapter, ids):
@@ -96,7 +84,7 @@ def main():
         subprocess.run([binary, "export-gguf", adapter, lora_gguf, "--base", base], check=True,
                        capture_output=True)
         want = peft_logits(base, adapter, ids)
-        got = llama_cpp_logits(base_gguf, lora_gguf, ids)
+        got = llama_cpp_logits(base_gguf, ids, lora_gguf)
         err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         effect = float(np.linalg.norm(want - base_logits(base, ids)) / np.linalg.norm(want))
         print(f"{name:24} {err:18.2e} {effect:15.2e}")

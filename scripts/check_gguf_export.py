@@ -25,12 +25,14 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def llama_cpp_logits(path, ids):
+def llama_cpp_logits(path, ids, lora=None):
+    """llama.cpp's logits of each row of `ids` through the GGUF `path` (with the LoRA adapter
+    GGUF `lora`, if given)."""
     from llama_cpp import Llama
 
     # An f32 KV cache (llama.cpp's default is f16), so that the comparison sees the weights.
-    llm = Llama(model_path=str(path), logits_all=True, n_ctx=64, verbose=False, n_threads=2,
-                type_k=0, type_v=0)
+    llm = Llama(model_path=str(path), lora_path=str(lora) if lora else None, logits_all=True,
+                n_ctx=64, verbose=False, n_threads=2, type_k=0, type_v=0)
     rows = []
     for row in ids:
         llm.reset()

@@ -261,34 +261,31 @@ def check_full(rng, binary, mt, folder):
 LLAMA_CPP = """
 import json, sys
 import numpy as np
-from llama_cpp import Llama
-model, lora, ids, out = sys.argv[1], sys.argv[2] or None, json.loads(sys.argv[3]), sys.argv[4]
-llm = Llama(model_path=model, lora_path=lora, logits_all=True, n_ctx=64, verbose=False,
-            n_threads=2, type_k=0, type_v=0)
-rows = []
-for row in ids:
-    llm.reset()
-    llm.eval(row)
-    rows.append(np.array(llm.scores[: len(row)], dtype=np.float32))
-np.save(out, np.stack(rows))
+sys.path.insert(0, sys.argv[1])
+from check_gguf_export import llama_cpp_logits
+np.save(sys.argv[5], llama_cpp_logits(sys.argv[2], json.loads(sys.argv[4]), sys.argv[3] or None))
 """
 
 
-def llama_cpp(folder, gguf, ids, lora=""):
-    """llama.cpp's logits in a child process (a crash is an exit code, not the sweep's end)."""
+def llama_cpp_agrees(folder, mt, gguf, ids, want, lora=""):
+    """Whether llama.cpp's logits of `ids` through `gguf` (+ the adapter `lora`) are `want`'s,
+    and the line saying how close; run in a child process, so that a crash is an exit code, not
+    the sweep's end. Gemma's and Phi-2's GELU llama.cpp takes from an f16 table (1e-3)."""
     import numpy as np
 
     npy = os.path.join(folder, "logits.npy")
-    r = subprocess.run([sys.executable, "-c", LLAMA_CPP, gguf, lora, json.dumps(ids), npy],
+    scripts = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", LLAMA_CPP, scripts, gguf, lora, json.dumps(ids), npy],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        return None, r.returncode
-    return np.load(npy), 0
+        return False, f"llama.cpp failed (exit {r.returncode})"
+    got = np.load(npy)
+    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    tol = 1e-3 if mt in ("gemma", "gemma2", "gemma3_text", "phi") else 1e-5
+    return rel < tol, f"llama.cpp rel {rel:.1e}"
 
 
 def check_gguf(rng, binary, mt, folder):
-    import numpy as np
-
     cfgd, mdir = make_model(rng, mt, folder)
     ids = [[rng.randrange(4, 512) for _ in range(12)] for _ in range(2)]
     with torch.no_grad():
@@ -301,16 +298,11 @@ def check_gguf(rng, binary, mt, folder):
         return cfgd, True, "refused: " + r.stderr.strip().splitlines()[-1][:140]
     if "llama.cpp cannot run it" in r.stderr:
         return cfgd, True, "noted: " + r.stderr.strip().splitlines()[0][:140]
-    got, code = llama_cpp(folder, gguf, ids)
-    if got is None:
-        return cfgd, False, f"llama.cpp failed (exit {code})"
-    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    tol = 1e-3 if mt in ("gemma", "gemma2", "gemma3_text", "phi") else 1e-5
-    return cfgd, rel < tol, f"llama.cpp rel {rel:.1e}"
+    ok, line = llama_cpp_agrees(folder, mt, gguf, ids, want)
+    return cfgd, ok, line
 
 
 def check_gguf_lora(rng, binary, mt, folder):
-    import numpy as np
     import peft.tuners.lora.torchao as peft_torchao
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -340,12 +332,8 @@ def check_gguf_lora(rng, binary, mt, folder):
                        capture_output=True, text=True)
     if r.returncode != 0:
         return cfgd, True, "adapter refused: " + r.stderr.strip().splitlines()[-1][:120]
-    got, code = llama_cpp(folder, base, ids, lora)
-    if got is None:
-        return cfgd, False, f"llama.cpp failed (exit {code})"
-    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    tol = 1e-3 if mt in ("gemma", "gemma2", "gemma3_text", "phi") else 1e-5
-    return cfgd, rel < tol, f"rslora={rslora} llama.cpp rel {rel:.1e}"
+    ok, line = llama_cpp_agrees(folder, mt, base, ids, want, lora)
+    return cfgd, ok, f"rslora={rslora} {line}"
 
 
 def check_packed(rng, binary, mt, folder):
