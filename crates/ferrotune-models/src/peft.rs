@@ -637,13 +637,20 @@ fn with_torchtune_file(
     dir: &Path,
     peft: Result<LoraConfig, ModelError>,
 ) -> Result<LoraConfig, ModelError> {
-    use crate::torchtune_adapter::{read_torchtune_adapter, supports, TORCHTUNE_ADAPTER_FILE};
+    use crate::torchtune_adapter::{
+        read_torchtune_adapter, same_values, supports, TORCHTUNE_ADAPTER_FILE,
+    };
     let file = dir.join(TORCHTUNE_ADAPTER_FILE);
     if !file.is_file() || !supports(&model.config) {
         return peft;
     }
-    let Ok(alpha) = LoraConfig::read(dir).map(|c| c.lora_alpha) else {
-        return peft;
+    // The config the PEFT load read, or (when it failed) read here.
+    let alpha = match &peft {
+        Ok(c) => c.lora_alpha,
+        Err(_) => match LoraConfig::read(dir) {
+            Ok(c) => c.lora_alpha,
+            Err(_) => return peft,
+        },
     };
     let Ok((tt_config, tt)) = read_torchtune_adapter(model, &file, alpha) else {
         // Not an adapter of this model in torchtune's names: the PEFT folder decides.
@@ -655,16 +662,7 @@ fn with_torchtune_file(
             let same = loaded.len() == tt.len()
                 && loaded.iter().all(|(name, t)| {
                     // Compared in the model's dtype, as both were loaded.
-                    tt.get(name).is_some_and(|u| {
-                        t.dims() == u.dims()
-                            && u.to_dtype(t.dtype())
-                                .and_then(|u| u.to_device(t.device()))
-                                .and_then(|u| {
-                                    t.eq(&u)?.to_dtype(candle_core::DType::F32)?.min_all()
-                                })
-                                .and_then(|m| m.to_scalar::<f32>())
-                                .is_ok_and(|m| m == 1.0)
-                    })
+                    tt.get(name).is_some_and(|u| same_values(t, u))
                 });
             if same {
                 return peft;

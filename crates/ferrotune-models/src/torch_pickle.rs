@@ -970,7 +970,7 @@ pub fn unpermute_rotary(
 ) -> candle_core::Result<Tensor> {
     if t.dims() != [heads * head_dim, dim] {
         candle_core::bail!(
-            "shape {:?}, expected [{}, {dim}] from params.json",
+            "shape {:?}, expected [{}, {dim}] ({heads} heads of {head_dim})",
             t.dims(),
             heads * head_dim
         );

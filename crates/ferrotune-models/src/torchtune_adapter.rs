@@ -23,7 +23,9 @@ use crate::error::ModelError;
 use crate::lora::weight_norm;
 use crate::model::CausalLm;
 use crate::peft::{attach_adapter, LoraConfig, TargetModules, PEFT_PREFIX};
-use crate::torch_pickle::{permute_rotary_to_pairs, read_torch_file, write_torch_tensors};
+use crate::torch_pickle::{
+    permute_rotary_to_pairs, read_torch_file, unpermute_rotary, write_torch_tensors,
+};
 
 /// The file torchtune's checkpointers save adapters to.
 pub const TORCHTUNE_ADAPTER_FILE: &str = "adapter_model.pt";
@@ -39,7 +41,12 @@ enum Layout {
     SplitFused,
 }
 
+/// The layout for a model type torchtune's checkpointer converts (a multimodal checkpoint's
+/// text model is none of them).
 fn layout(config: &ModelConfig) -> Option<Layout> {
+    if config.text_of_multimodal {
+        return None;
+    }
     match config.model_type.as_str() {
         "llama" | "mistral" | "gemma" | "gemma2" => Some(Layout::Permuted),
         "qwen2" => Some(Layout::Plain),
@@ -51,7 +58,16 @@ fn layout(config: &ModelConfig) -> Option<Layout> {
 /// Whether torchtune has adapter names for this model type (the types its checkpointer converts:
 /// Llama, Mistral, Gemma, Gemma 2, Qwen2, Phi-3).
 pub fn supports(config: &ModelConfig) -> bool {
-    layout(config).is_some() && !config.text_of_multimodal
+    layout(config).is_some()
+}
+
+/// Why a model has no torchtune adapter names.
+fn unsupported(config: &ModelConfig) -> String {
+    format!(
+        "torchtune has no adapter names for model type '{}' (it converts llama, mistral, gemma, \
+         gemma2, qwen2 and phi3 checkpoints)",
+        config.model_type
+    )
 }
 
 /// HF module (inside a layer) → torchtune module, for modules that are one module on both sides.
@@ -108,17 +124,10 @@ fn permute_rows(
 ) -> candle_core::Result<Tensor> {
     let vector = t.rank() == 1;
     let m = if vector { t.unsqueeze(1)? } else { t.clone() };
-    let (rows, cols) = m.dims2()?;
     let p = if to_pairs {
         permute_rotary_to_pairs(&m, heads, head_dim)?
     } else {
-        if rows != heads * head_dim {
-            candle_core::bail!("{rows} rows, expected {heads} heads of {head_dim}");
-        }
-        m.reshape((heads, head_dim / 2, 2, cols))?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((rows, cols))?
+        unpermute_rotary(&m, heads, head_dim, m.dim(1)?)?
     };
     if vector {
         p.squeeze(1)
@@ -131,12 +140,7 @@ fn permute_rows(
 /// on the CPU.
 pub fn torchtune_adapter_tensors(model: &CausalLm) -> Result<Vec<(String, Tensor)>, ModelError> {
     let config = &model.config;
-    let lay = layout(config).filter(|_| supports(config)).ok_or_else(|| {
-        ModelError::Msg(format!(
-            "torchtune has no adapter names for model type '{}'",
-            config.model_type
-        ))
-    })?;
+    let lay = layout(config).ok_or_else(|| ModelError::Msg(unsupported(config)))?;
     let cpu = |t: &Tensor| -> candle_core::Result<Tensor> {
         t.to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
@@ -241,6 +245,21 @@ fn used_columns(b: &Tensor) -> candle_core::Result<Vec<u32>> {
         .collect())
 }
 
+/// Whether `a` and `b` hold the same values, element for element (`b` taken to `a`'s dtype
+/// and device).
+pub(crate) fn same_values(a: &Tensor, b: &Tensor) -> bool {
+    a.dims() == b.dims()
+        && b.to_dtype(a.dtype())
+            .and_then(|b| b.to_device(a.device()))
+            .and_then(|b| {
+                a.eq(&b)?
+                    .to_dtype(DType::F32)?
+                    .min_all()?
+                    .to_scalar::<f32>()
+            })
+            .is_ok_and(|v| v == 1.0)
+}
+
 /// Writes `model`'s adapters to `dir/adapter_model.pt` as torchtune saves them.
 pub fn save_torchtune_adapter(model: &CausalLm, dir: &Path) -> Result<(), ModelError> {
     let tensors = torchtune_adapter_tensors(model)?;
@@ -277,15 +296,7 @@ pub fn read_torchtune_adapter(
 ) -> Result<(LoraConfig, HashMap<String, Tensor>), ModelError> {
     let err = |msg: String| ModelError::file(file, msg);
     let config = model.config.clone();
-    let lay = layout(&config)
-        .filter(|_| supports(&config))
-        .ok_or_else(|| {
-            err(format!(
-                "torchtune has no adapter names for model type '{}' (it converts llama, mistral, \
-             gemma, gemma2, qwen2 and phi3 checkpoints)",
-                config.model_type
-            ))
-        })?;
+    let lay = layout(&config).ok_or_else(|| err(unsupported(&config)))?;
     let mut modules: BTreeMap<String, Parts> = BTreeMap::new();
     for (name, t) in read_torch_file(file)? {
         let t = t
@@ -462,13 +473,9 @@ fn fuse_parts(
         })
         .collect();
     let a0 = parts[0].2.a.as_ref().expect("checked");
-    let shared = parts.iter().all(|(_, _, p)| {
-        let a = p.a.as_ref().expect("checked");
-        a.dims() == a0.dims()
-            && a.eq(a0)
-                .and_then(|m| m.to_dtype(DType::F32)?.min_all()?.to_scalar::<f32>())
-                .is_ok_and(|v| v == 1.0)
-    });
+    let shared = parts
+        .iter()
+        .all(|(_, _, p)| same_values(p.a.as_ref().expect("checked"), a0));
     let a = if shared {
         a0.clone()
     } else {
