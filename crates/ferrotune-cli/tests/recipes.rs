@@ -104,20 +104,35 @@ fn write_config(dir: &Path, family: &str, data: &Path) -> PathBuf {
     common::write_config(TINY_LORA, dir, family, data)
 }
 
+/// One SGD step (lr 1) from a PEFT adapter logs PEFT's loss and saves `start − gradient`, with
+/// PEFT's gradients: LoRA, DoRA, and adapters on the token embedding.
 #[test]
 fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
+    // (base model, adapter case, the fixture whose golden.json holds the batch)
     let cases = [
-        ("llama3", fixtures().join("llama3")),
-        ("qwen2", fixtures().join("qwen2")),
-        ("llama3", fixtures().join("llama3/variants/dora")),
+        ("llama3", "llama3", "llama3"),
+        ("qwen2", "qwen2", "qwen2"),
+        ("llama3", "llama3/variants/dora", "llama3"),
+        // Adapters on the token embedding; Qwen2's head is tied to it.
+        (
+            "qwen2",
+            "embedding_lora/qwen2_tied",
+            "embedding_lora/qwen2_tied",
+        ),
+        (
+            "llama3",
+            "embedding_lora/llama3_dora",
+            "embedding_lora/llama3_dora",
+        ),
     ];
-    for (family, case) in cases {
+    for (family, case, rows) in cases {
+        let case = fixtures().join(case);
         let dir = tmpdir(&format!(
             "sgd-{family}-{}",
             case.file_name().unwrap().to_string_lossy()
         ));
         let data = dir.join("batch.jsonl");
-        write_golden_rows(family, &data);
+        write_golden_rows(rows, &data);
         let cfg = write_config(&dir, family, &data);
         let adapter = case.join("adapter");
         let out = ferrotune(
@@ -171,6 +186,17 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
         ] {
             assert!(saved_dir.join(f).is_file(), "{case:?}: missing {f}");
         }
+        if rows.starts_with("embedding_lora") {
+            // The merged checkpoint of a tied model unties its head (which keeps the base
+            // weights), so that it runs as the adapter does.
+            let config: Value = serde_json::from_str(
+                &std::fs::read_to_string(saved_dir.join("merged/config.json")).unwrap(),
+            )
+            .unwrap();
+            let merged = load(&saved_dir.join("merged/model.safetensors"));
+            assert!(merged.contains_key("lm_head.weight"), "{case:?}");
+            assert_ne!(config["tie_word_embeddings"], Value::Bool(true), "{case:?}");
+        }
         let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
         let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
         let g: Value =
@@ -195,6 +221,74 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
                 "metrics line lacks {key}: {first}"
             );
         }
+    }
+}
+
+/// `model.apply_lora_to_embeddings` adds PEFT's embedding adapter (A zeros, B normal): one AdamW
+/// step moves A's columns of the batch's tokens (those before a scored label) and no other, the adapter is saved under PEFT's
+/// names with `embed_tokens` among the targets, and a torchtune checkpointer skips the
+/// `adapter_model.pt` it cannot hold, saying so.
+#[test]
+fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
+    let dir = tmpdir("embed-lora");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("qwen2", &data);
+    let cfg = write_config(&dir, "qwen2", &data);
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "model.apply_lora_to_embeddings=true",
+            "max_steps_per_epoch=1",
+            "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("no adapter_model.pt"), "{}", text(&out));
+    let saved_dir = dir.join("out/epoch_0");
+    assert!(!saved_dir.join("adapter_model.pt").exists());
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        config["target_modules"]
+            .to_string()
+            .contains("embed_tokens"),
+        "{config}"
+    );
+    let saved = load(&saved_dir.join("adapter_model.safetensors"));
+    let a = &saved["base_model.model.model.embed_tokens.lora_embedding_A"];
+    let b = &saved["base_model.model.model.embed_tokens.lora_embedding_B"];
+    assert_eq!(a.dims(), &[4, 512]);
+    assert_eq!(b.dims(), &[64, 4]);
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("qwen2/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let used: std::collections::HashSet<usize> = g["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| {
+            // The last token predicts nothing that is scored: its embedding gets no gradient.
+            let row = row.as_array().unwrap();
+            row[..row.len() - 1].iter()
+        })
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    let columns: Vec<Vec<f32>> = a.t().unwrap().to_vec2().unwrap();
+    for (token, column) in columns.iter().enumerate() {
+        let moved = column.iter().any(|&v| v != 0.0);
+        assert_eq!(
+            moved,
+            used.contains(&token),
+            "token {token}: A's column moved {moved}"
+        );
     }
 }
 

@@ -344,19 +344,22 @@ fn shortfall(items: &[u64], limits: &[u64], first_left: usize) -> String {
 
 impl CausalLm {
     /// Weight bytes of each part as [`plan`] takes them: every decoder layer, then (embedding,
-    /// final norm + head). LoRA adapter tensors count with their layer. A tied head is counted at
+    /// final norm + head). LoRA adapter tensors count with their layer (the embedding's with the embedding). A tied head is counted at
     /// full size, as it needs its own copy whenever it lands on another device than the embedding.
     /// Packed (GGUF block) copies are not counted: they only exist on the CPU.
     pub fn part_bytes(&self) -> (Vec<u64>, (u64, u64)) {
         fn bytes(t: &candle_core::Tensor) -> u64 {
             (t.elem_count() * t.dtype().size_in_bytes()) as u64
         }
+        fn adapter_bytes(a: Option<&crate::lora::LoraAdapter>) -> u64 {
+            a.map_or(0, |a| {
+                bytes(&a.a) + bytes(&a.b) + a.dora_magnitude.as_ref().map_or(0, bytes)
+            })
+        }
         fn linear_bytes(l: &crate::Linear) -> u64 {
-            let mut b = l.weight.size_in_bytes() as u64 + l.bias.as_ref().map_or(0, bytes);
-            if let Some(a) = &l.adapter {
-                b += bytes(&a.a) + bytes(&a.b) + a.dora_magnitude.as_ref().map_or(0, bytes);
-            }
-            b
+            l.weight.size_in_bytes() as u64
+                + l.bias.as_ref().map_or(0, bytes)
+                + adapter_bytes(l.adapter.as_ref())
         }
         let mut layers = vec![0u64; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
@@ -374,7 +377,8 @@ impl CausalLm {
                 layers[i] += linear_bytes(linear);
             }
         }
-        (layers, (bytes(&self.embed_tokens), head))
+        let embed = bytes(&self.embed_tokens) + adapter_bytes(self.embed_adapter.as_ref());
+        (layers, (embed, head))
     }
 }
 

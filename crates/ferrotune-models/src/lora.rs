@@ -126,6 +126,106 @@ impl LoraAdapter {
         Ok(adapter)
     }
 
+    /// A fresh adapter for the token embedding `table` (`[vocab, hidden]`) with PEFT's default
+    /// init for `lora.Embedding`: `lora_embedding_A` (`a`, `[r, vocab]`) zeros and
+    /// `lora_embedding_B` (`b`, `[hidden, r]`) standard normal, so the adapted embedding starts
+    /// equal to the base. For DoRA the magnitude starts as the norm of each hidden unit's column.
+    ///
+    /// An embedding adapter is the linear adapter of the embedding seen as a linear map from the
+    /// one-hot vocabulary (weight `table.T`, `[hidden, vocab]`): PEFT's `lora_embedding_A/B`,
+    /// delta `(B @ A).T * scaling` and DoRA's per-hidden-unit magnitude are exactly that.
+    pub fn init_embedding(
+        table: &Tensor,
+        r: usize,
+        scale: f64,
+        use_dora: bool,
+        rng: &mut SplitMix64,
+    ) -> CResult<Self> {
+        let (vocab, hidden) = table.dims2()?;
+        // Box-Muller from the seeded generator: torch.randn's distribution, reproducibly.
+        let b: Vec<f32> = (0..hidden * r)
+            .map(|_| {
+                let u1 = rng.next_f64().max(f64::MIN_POSITIVE);
+                let u2 = rng.next_f64();
+                ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+            })
+            .collect();
+        let b = Tensor::from_vec(b, (hidden, r), table.device())?.to_dtype(table.dtype())?;
+        let a = Tensor::zeros((r, vocab), table.dtype(), table.device())?;
+        let mut adapter = Self::new(a, b, scale);
+        if use_dora {
+            let zeros = Tensor::zeros((hidden, vocab), table.dtype(), table.device())?;
+            adapter.dora_magnitude = Some(weight_norm(&table.t()?, &zeros, 0.0)?);
+        }
+        Ok(adapter)
+    }
+
+    /// The embedding rows of `ids` (flat, u32) adapted as PEFT's `lora.Embedding.forward`, given
+    /// the base rows `base = table[ids]` (`[n, hidden]`).
+    ///
+    /// LoRA adds `A.T[ids] @ B.T * scaling`; DoRA scales base and update by `m / ||W.T + delta||`
+    /// per hidden unit. No dropout, as PEFT applies none to embeddings. PEFT looks up `A.T` with
+    /// the base's `padding_idx`, so the pad token's column of A gets no gradient: `pad` names it.
+    pub fn embedding_forward(
+        &self,
+        ids: &Tensor,
+        base: &Tensor,
+        table: &Tensor,
+        pad: Option<u32>,
+    ) -> CResult<Tensor> {
+        let out_dtype = base.dtype();
+        let dtype = self.a.dtype();
+        let mut after_a = self.a.index_select(ids, 1)?.t()?;
+        if let Some(pad) = pad.filter(|_| self.a.track_op()) {
+            let is_pad = ids.eq(pad)?.unsqueeze(1)?.broadcast_as(after_a.shape())?;
+            after_a = is_pad.where_cond(&after_a.detach(), &after_a)?;
+        }
+        let lora = after_a.matmul(&self.b.t()?)?;
+        let base = base.to_dtype(dtype)?;
+        let result = match &self.dora_magnitude {
+            None => (base + (lora * self.scale)?)?,
+            Some(m) => {
+                // As for linear layers, the norm sees B @ A detached and is itself detached.
+                let lora_weight = self.b.matmul(&self.a)?.detach();
+                let weight = table.to_dtype(dtype)?.t()?;
+                let norm = weight_norm(&weight, &lora_weight, self.scale)?.detach();
+                let mag_norm_scale = m.to_dtype(dtype)?.broadcast_div(&norm)?;
+                (mag_norm_scale.broadcast_mul(&base)?
+                    + (mag_norm_scale.broadcast_mul(&lora)? * self.scale)?)?
+            }
+        };
+        result.to_dtype(out_dtype)
+    }
+
+    /// The embedding `table` (`[vocab, hidden]`) with this adapter merged in, as PEFT's
+    /// `lora.Embedding.merge` (LoRA: `W + (B @ A).T * scaling`; DoRA: each hidden unit's column
+    /// scaled by `m / ||W.T + delta||`).
+    pub fn merged_embedding(&self, table: &Tensor) -> CResult<Tensor> {
+        self.merged_weight(&table.t()?)?.t()?.contiguous()
+    }
+
+    /// This adapter with its tensors on `device`.
+    pub fn to_device(&self, device: &candle_core::Device) -> CResult<Self> {
+        let mut out = self.clone();
+        out.a = self.a.to_device(device)?;
+        out.b = self.b.to_device(device)?;
+        out.dora_magnitude = self
+            .dora_magnitude
+            .as_ref()
+            .map(|m| m.to_device(device))
+            .transpose()?;
+        Ok(out)
+    }
+
+    /// This adapter with its tensors detached from autograd (same storage).
+    pub fn detached(&self) -> Self {
+        let mut out = self.clone();
+        out.a = self.a.detach();
+        out.b = self.b.detach();
+        out.dora_magnitude = self.dora_magnitude.as_ref().map(Tensor::detach);
+        out
+    }
+
     /// The rank `r`.
     pub fn rank(&self) -> usize {
         self.a.dims().first().copied().unwrap_or(0)

@@ -846,6 +846,10 @@ impl LayerInputs {
 pub struct CausalLm {
     pub config: ModelConfig,
     pub embed_tokens: Tensor,
+    /// A LoRA/DoRA adapter on the token embedding (PEFT's `lora.Embedding`: `target_modules`
+    /// naming `embed_tokens`); `a` is `lora_embedding_A` `[r, vocab]`, `b` `lora_embedding_B`
+    /// `[hidden, r]`.
+    pub embed_adapter: Option<LoraAdapter>,
     pub layers: Vec<DecoderLayer>,
     pub norm: Tensor,
     /// Phi-2's final LayerNorm bias.
@@ -1216,6 +1220,7 @@ impl CausalLm {
         Ok(Self {
             config,
             embed_tokens,
+            embed_adapter: None,
             layers,
             norm,
             norm_bias,
@@ -1373,14 +1378,11 @@ impl CausalLm {
                 l.weight = BaseWeight::Dense(w.detach());
             }
             l.bias = l.bias.as_ref().map(Tensor::detach);
-            if let Some(a) = &mut l.adapter {
-                a.a = a.a.detach();
-                a.b = a.b.detach();
-                a.dora_magnitude = a.dora_magnitude.as_ref().map(Tensor::detach);
-            }
+            l.adapter = l.adapter.as_ref().map(LoraAdapter::detached);
         }
         let mut m = self.clone();
         m.embed_tokens = m.embed_tokens.detach();
+        m.embed_adapter = m.embed_adapter.as_ref().map(LoraAdapter::detached);
         for layer in &mut m.layers {
             let parts = layer.parts_mut();
             for (_, norm) in parts.norms {
@@ -1473,20 +1475,21 @@ impl CausalLm {
             if !device.is_cpu() {
                 out.packed = None;
             }
-            if let Some(a) = &mut out.adapter {
-                a.a = a.a.to_device(device)?;
-                a.b = a.b.to_device(device)?;
-                a.dora_magnitude = a
-                    .dora_magnitude
-                    .as_ref()
-                    .map(|m| m.to_device(device))
-                    .transpose()?;
-            }
+            out.adapter = l
+                .adapter
+                .as_ref()
+                .map(|a| a.to_device(device))
+                .transpose()?;
             Ok(out)
         }
         let embed_device = &devices[placement.embed];
         let head_device = &devices[placement.head];
         let embed_tokens = self.embed_tokens.to_device(embed_device)?;
+        let embed_adapter = self
+            .embed_adapter
+            .as_ref()
+            .map(|a| a.to_device(embed_device))
+            .transpose()?;
         let mut layers = Vec::with_capacity(self.layers.len());
         for (layer, &d) in self.layers.iter().zip(&placement.layers) {
             let dev = &devices[d];
@@ -1512,6 +1515,7 @@ impl CausalLm {
             lm_head.weight = BaseWeight::Dense(embed_tokens.clone());
         }
         self.embed_tokens = embed_tokens;
+        self.embed_adapter = embed_adapter;
         self.layers = layers;
         self.norm = norm;
         self.norm_bias = norm_bias;
@@ -1615,6 +1619,13 @@ impl CausalLm {
         {
             let is_pad = flat.eq(pad)?.unsqueeze(1)?.broadcast_as(x.shape())?;
             x = is_pad.where_cond(&x.detach(), &x)?;
+        }
+        if let Some(adapter) = &self.embed_adapter {
+            let pad = self
+                .config
+                .pad_token_id
+                .filter(|&p| (p as usize) < self.config.vocab_size);
+            x = adapter.embedding_forward(&flat, &x, &self.embed_tokens, pad)?;
         }
         let x = x.reshape((batch, seq, self.config.hidden_size))?;
         if self.config.scale_embeddings {

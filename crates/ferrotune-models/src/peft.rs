@@ -41,6 +41,7 @@ pub const LORA_TARGET_NAMES: &[&str] = &[
     "qkv_proj",
     "gate_up_proj",
     "lm_head",
+    "embed_tokens",
 ];
 
 /// `target_modules` (and `exclude_modules`): module names, or one regular expression.
@@ -110,6 +111,9 @@ pub struct LoraConfig {
     /// Modules PEFT trains in full beside the adapters (`lm_head`, `embed_tokens`, ...): the
     /// file holds their whole tensors, which replace the base's when the adapter is loaded.
     pub modules_to_save: Vec<String>,
+    /// PEFT's `ensure_weight_tying`: a head tied to the embedding shares the embedding's
+    /// adapter. Not supported where it would take effect (refused when attaching).
+    pub ensure_weight_tying: bool,
 }
 
 impl LoraConfig {
@@ -129,6 +133,7 @@ impl LoraConfig {
             layers_pattern: None,
             base_model_name_or_path: None,
             modules_to_save: Vec::new(),
+            ensure_weight_tying: false,
         }
     }
 
@@ -263,6 +268,7 @@ impl LoraConfig {
             layers_pattern,
             base_model_name_or_path: raw.base_model_name_or_path,
             modules_to_save,
+            ensure_weight_tying: raw.ensure_weight_tying.unwrap_or(false),
         };
         config.check_patterns()?;
         Ok(config)
@@ -361,7 +367,7 @@ impl LoraConfig {
             "base_model_name_or_path": self.base_model_name_or_path,
             "bias": "none",
             "corda_config": null,
-            "ensure_weight_tying": false,
+            "ensure_weight_tying": self.ensure_weight_tying,
             "eva_config": null,
             "exclude_modules": self.exclude_modules.as_ref().map(TargetModules::to_json),
             "fan_in_fan_out": false,
@@ -498,11 +504,26 @@ struct RawConfig {
     modules_to_save: Option<Value>,
     layer_replication: Option<Value>,
     trainable_token_indices: Option<Value>,
+    ensure_weight_tying: Option<bool>,
     #[serde(default)]
     layers_to_transform: Value,
     #[serde(default)]
     layers_pattern: Value,
     base_model_name_or_path: Option<String>,
+}
+
+/// The HF module name of the token embedding, as PEFT targets it (`embed_tokens`).
+pub const EMBED_MODULE: &str = "model.embed_tokens";
+
+/// The adapter-file names of the embedding adapter's tensors: PEFT's `lora.Embedding` keeps
+/// `lora_embedding_A`/`lora_embedding_B` as bare parameters (no `.weight`).
+fn embed_file_keys() -> (String, String, String) {
+    let p = format!("{PEFT_PREFIX}{EMBED_MODULE}");
+    (
+        format!("{p}.lora_embedding_A"),
+        format!("{p}.lora_embedding_B"),
+        format!("{p}.lora_magnitude_vector"),
+    )
 }
 
 /// The adapter-file names of one module's tensors.
@@ -515,31 +536,54 @@ fn file_keys(module: &str) -> (String, String, String) {
     )
 }
 
-/// The modules `config` adapts in `model`, with rank and scaling; an error when there are none.
-fn targeted_modules(
-    model: &CausalLm,
-    config: &LoraConfig,
-) -> Result<Vec<(String, usize, f64)>, String> {
-    if let TargetModules::Names(names) = &config.target_modules {
-        if let Some(n) = names.iter().find(|n| n.ends_with("embed_tokens")) {
-            return Err(format!(
-                "target_modules names '{n}': adapters on embeddings are not supported"
-            ));
-        }
-    }
-    let found: Vec<_> = model
+/// The modules a config adapts in a model.
+struct Targets {
+    /// Linear layers by HF module name, with rank and scaling.
+    linears: Vec<(String, usize, f64)>,
+    /// Rank and scaling of the token embedding's adapter, when it is targeted.
+    embed: Option<(usize, f64)>,
+}
+
+/// The modules `config` adapts in `model`; an error when there are none.
+fn targeted_modules(model: &CausalLm, config: &LoraConfig) -> Result<Targets, String> {
+    let linears: Vec<_> = model
         .linears()
         .into_iter()
         .filter_map(|(name, _)| config.resolve(&name).map(|(r, s)| (name, r, s)))
         .collect();
-    if found.is_empty() {
+    let embed = config.resolve(EMBED_MODULE);
+    if linears.is_empty() && embed.is_none() {
         return Err(format!(
-            "target_modules {} matches no linear layer of the model (names look like \
-             'model.layers.0.self_attn.q_proj' and 'lm_head')",
+            "target_modules {} matches no linear layer or embedding of the model (names look \
+             like 'model.layers.0.self_attn.q_proj', 'lm_head' and 'model.embed_tokens')",
             config.target_modules.to_json()
         ));
     }
-    Ok(found)
+    if embed.is_some() && config.ensure_weight_tying && model.config.tie_word_embeddings {
+        return Err(
+            "ensure_weight_tying is true with an adapter on the embedding of a model \
+                    whose output head is tied to it: a head sharing the embedding's adapter is \
+                    not supported (set ensure_weight_tying to false: the head then keeps the \
+                    base weights, as PEFT runs it by default)"
+                .into(),
+        );
+    }
+    Ok(Targets { linears, embed })
+}
+
+/// Unties an output head tied to the embedding: the head keeps the embedding's current tensor
+/// (shared storage, no copy) while the embedding may change on its own, and the config says so.
+/// PEFT runs a tied head this way when the embedding alone is adapted or saved; untying makes a
+/// merge and a saved checkpoint give the same outputs.
+fn untie_head(model: &mut CausalLm) {
+    if !model.config.tie_word_embeddings {
+        return;
+    }
+    model.lm_head.weight = crate::model::BaseWeight::Dense(model.embed_tokens.clone());
+    model.config.tie_word_embeddings = false;
+    if let Some(raw) = model.config.raw.as_object_mut() {
+        raw.insert("tie_word_embeddings".into(), false.into());
+    }
 }
 
 /// Reads the PEFT adapter in `dir` and attaches it to `model` (replacing any adapters there).
@@ -759,13 +803,9 @@ pub fn replace_saved_modules(
     if model.config.tie_word_embeddings
         && (saved.contains_key("lm_head.weight") || saved.contains_key("model.embed_tokens.weight"))
     {
-        let head_weight = saved
-            .remove("lm_head.weight")
-            .unwrap_or_else(|| model.embed_tokens.clone());
-        model.lm_head.weight = crate::model::BaseWeight::Dense(head_weight);
-        model.config.tie_word_embeddings = false;
-        if let Some(raw) = model.config.raw.as_object_mut() {
-            raw.insert("tie_word_embeddings".into(), false.into());
+        untie_head(model);
+        if let Some(head_weight) = saved.remove("lm_head.weight") {
+            model.lm_head.weight = crate::model::BaseWeight::Dense(head_weight);
         }
     }
     for unit in model.units() {
@@ -868,7 +908,7 @@ pub fn attach_adapter(
         }
         Ok(t.to_dtype(dtype)?.to_device(&device)?)
     };
-    let shapes: HashMap<String, (usize, usize)> = model
+    let mut shapes: HashMap<String, (usize, usize)> = model
         .linears()
         .into_iter()
         .map(|(n, l)| {
@@ -876,10 +916,20 @@ pub fn attach_adapter(
             (n, (out, inp))
         })
         .collect();
+    // The embedding as PEFT's adapter sees it: a linear map from the vocabulary, `[hidden, vocab]`.
+    let (vocab, hidden) = model.embed_tokens.dims2()?;
+    shapes.insert(EMBED_MODULE.to_string(), (hidden, vocab));
+    let embed_target = targets
+        .embed
+        .map(|(r, scale)| (EMBED_MODULE.to_string(), r, scale));
     let mut adapters = HashMap::new();
-    for (i, (module, r, scale)) in targets.iter().enumerate() {
+    for (i, (module, r, scale)) in targets.linears.iter().chain(&embed_target).enumerate() {
         let (out, inp) = shapes[module];
-        let (ka, kb, km) = file_keys(module);
+        let (ka, kb, km) = if module == EMBED_MODULE {
+            embed_file_keys()
+        } else {
+            file_keys(module)
+        };
         let a = take(&ka, &[*r, inp])?;
         let b = take(&kb, &[out, *r])?;
         let mut adapter =
@@ -907,7 +957,16 @@ pub fn attach_adapter(
     for (name, linear) in model.linears_mut() {
         linear.adapter = adapters.remove(&name);
     }
+    set_embed_adapter(model, adapters.remove(EMBED_MODULE));
     Ok(())
+}
+
+/// Puts `adapter` on the token embedding (untying a tied head, which keeps the base weights).
+fn set_embed_adapter(model: &mut CausalLm, adapter: Option<LoraAdapter>) {
+    if adapter.is_some() {
+        untie_head(model);
+    }
+    model.embed_adapter = adapter;
 }
 
 /// Attaches fresh adapters for training to every module `config` targets, initialised as PEFT
@@ -921,6 +980,15 @@ pub fn add_adapter(
     let targets = targeted_modules(model, config).map_err(ModelError::Msg)?;
     let mut rng = SplitMix64::new(seed);
     let mut count = 0;
+    let embed_adapter = targets
+        .embed
+        .map(|(r, scale)| {
+            LoraAdapter::init_embedding(&model.embed_tokens, r, scale, config.use_dora, &mut rng)
+        })
+        .transpose()?;
+    count += usize::from(embed_adapter.is_some());
+    set_embed_adapter(model, embed_adapter);
+    let targets = targets.linears;
     for (name, linear) in model.linears_mut() {
         let Some((i, (_, r, scale))) = targets.iter().enumerate().find(|(_, t)| t.0 == name) else {
             linear.adapter = None;
@@ -942,6 +1010,17 @@ pub fn add_adapter(
 /// `...lora_magnitude_vector.weight`), the names of PEFT's `named_parameters()` and gradients.
 pub fn trainable_parameters(model: &mut CausalLm) -> Result<Vec<(String, Var)>, ModelError> {
     let mut out = Vec::new();
+    if let Some(adapter) = &mut model.embed_adapter {
+        for (suffix, var) in adapter.make_trainable()? {
+            // PEFT's `lora.Embedding` holds A and B as bare parameters.
+            let suffix = match suffix {
+                "lora_A.weight" => "lora_embedding_A",
+                "lora_B.weight" => "lora_embedding_B",
+                other => other,
+            };
+            out.push((format!("{PEFT_PREFIX}{EMBED_MODULE}.{suffix}"), var));
+        }
+    }
     for (name, linear) in model.linears_mut() {
         if let Some(adapter) = &mut linear.adapter {
             for (suffix, var) in adapter.make_trainable()? {
@@ -961,24 +1040,28 @@ pub fn with_adapters_disabled<R>(model: &mut CausalLm, f: impl FnOnce(&CausalLm)
         .into_iter()
         .map(|(_, linear)| linear.adapter.take())
         .collect();
+    let embed = model.embed_adapter.take();
     let result = f(model);
     for ((_, linear), adapter) in model.linears_mut().into_iter().zip(taken) {
         linear.adapter = adapter;
     }
+    model.embed_adapter = embed;
     result
 }
 
 /// The adapter tensors of `model` under PEFT's file names (as in `adapter_model.safetensors`).
 pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
     let mut out = BTreeMap::new();
-    for (name, linear) in model.linears() {
-        if let Some(adapter) = &linear.adapter {
-            let (ka, kb, km) = file_keys(&name);
-            out.insert(ka, adapter.a.clone());
-            out.insert(kb, adapter.b.clone());
-            if let Some(m) = &adapter.dora_magnitude {
-                out.insert(km, m.clone());
-            }
+    let embed = model.embed_adapter.as_ref().map(|a| (embed_file_keys(), a));
+    let linears = model.linears();
+    let linears = linears
+        .iter()
+        .filter_map(|(name, l)| l.adapter.as_ref().map(|a| (file_keys(name), a)));
+    for ((ka, kb, km), adapter) in embed.into_iter().chain(linears) {
+        out.insert(ka, adapter.a.clone());
+        out.insert(kb, adapter.b.clone());
+        if let Some(m) = &adapter.dora_magnitude {
+            out.insert(km, m.clone());
         }
     }
     out
@@ -990,10 +1073,16 @@ pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
 /// The adapters must be the ones `config` describes (same modules and ranks): a mismatch is an
 /// error rather than a folder PEFT would load differently.
 pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result<(), ModelError> {
-    for (name, linear) in model.linears() {
+    let linears = model.linears();
+    let embed = (EMBED_MODULE.to_string(), model.embed_adapter.as_ref());
+    let modules = linears
+        .iter()
+        .map(|(name, l)| (name.clone(), l.adapter.as_ref()))
+        .chain([embed]);
+    for (name, adapter) in modules {
         let want = config.resolve(&name).map(|(r, _)| r);
-        let have = linear.adapter.as_ref().map(LoraAdapter::rank);
-        let dora = linear.adapter.as_ref().map(|a| a.dora_magnitude.is_some());
+        let have = adapter.map(LoraAdapter::rank);
+        let dora = adapter.map(|a| a.dora_magnitude.is_some());
         if want != have || dora.is_some_and(|d| d != config.use_dora) {
             return Err(ModelError::Msg(format!(
                 "cannot save: module '{name}' has adapter rank {have:?} (DoRA {dora:?}) but the \
@@ -1024,10 +1113,11 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
 /// input embeddings with it.
 pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut out = HashMap::new();
-    out.insert(
-        "model.embed_tokens.weight".to_string(),
-        model.embed_tokens.clone(),
-    );
+    let embed = match &model.embed_adapter {
+        Some(adapter) => adapter.merged_embedding(&model.embed_tokens)?.detach(),
+        None => model.embed_tokens.clone(),
+    };
+    out.insert("model.embed_tokens.weight".to_string(), embed);
     for (name, t) in model.final_norm_tensors() {
         out.insert(name, t.clone());
     }
@@ -1068,6 +1158,10 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
 /// `merge_and_unload`). Packed (GGUF) copies of merged weights are dropped: they no longer hold
 /// the layer's values.
 pub fn merge_and_unload(model: &mut CausalLm) -> Result<(), ModelError> {
+    if let Some(adapter) = model.embed_adapter.take() {
+        // A tied head was untied when the adapter was attached: it keeps the base weights.
+        model.embed_tokens = adapter.merged_embedding(&model.embed_tokens)?.detach();
+    }
     let tied = model.config.tie_word_embeddings;
     for (name, linear) in model.linears_mut() {
         if let Some(adapter) = linear.adapter.take() {

@@ -141,6 +141,13 @@ fn permute_rows(
 pub fn torchtune_adapter_tensors(model: &CausalLm) -> Result<Vec<(String, Tensor)>, ModelError> {
     let config = &model.config;
     let lay = layout(config).ok_or_else(|| ModelError::Msg(unsupported(config)))?;
+    if model.embed_adapter.is_some() {
+        return Err(ModelError::Msg(
+            "the token embedding has an adapter, which torchtune's adapter_model.pt cannot hold \
+             (torchtune adapts linear layers only): use the PEFT adapter files"
+                .into(),
+        ));
+    }
     let cpu = |t: &Tensor| -> candle_core::Result<Tensor> {
         t.to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?

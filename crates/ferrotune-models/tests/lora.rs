@@ -36,13 +36,11 @@ fn rows_tensor<T: serde::de::DeserializeOwned + candle_core::WithDType>(rows: &V
 }
 
 fn base_model(family: &str) -> CausalLm {
-    load_model(
-        &fixtures().join(family).join("model"),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap()
-    .0
+    load_model_at(&fixtures().join(family).join("model"))
+}
+
+fn load_model_at(dir: &Path) -> CausalLm {
+    load_model(dir, DType::F32, &Device::Cpu).unwrap().0
 }
 
 /// transformers' causal-LM loss: mean cross-entropy of `logits[:, :-1]` against `labels[:, 1:]`,
@@ -77,7 +75,10 @@ fn causal_lm_loss(logits: &Tensor, labels: &Value) -> Tensor {
 
 /// One adapter fixture: where the adapter lives and where its references are.
 struct Case {
-    family: &'static str,
+    /// The base model's folder.
+    base: PathBuf,
+    /// The JSON file with the `input_ids` and `labels` the references were computed on.
+    inputs: PathBuf,
     /// Folder holding `adapter/`, `golden.json` (`lora_loss`), `golden.safetensors`
     /// (`lora_logits`) and `lora_grads.safetensors`.
     dir: PathBuf,
@@ -86,18 +87,31 @@ struct Case {
 impl Case {
     fn new(family: &'static str, sub: &str) -> Self {
         Self {
-            family,
+            base: fixtures().join(family).join("model"),
+            inputs: fixtures().join(family).join("golden.json"),
             dir: fixtures().join(sub),
         }
     }
 
+    /// A case of tests/fixtures/embedding_lora: its golden.json names the base and holds the
+    /// inputs (with the pad token among them).
+    fn embedding(name: &str) -> Self {
+        let dir = fixtures().join("embedding_lora").join(name);
+        let g = read_json(&dir.join("golden.json"));
+        Self {
+            base: fixtures().join(g["base"].as_str().unwrap()),
+            inputs: dir.join("golden.json"),
+            dir,
+        }
+    }
+
     fn inputs(&self) -> (Tensor, Value) {
-        let g = read_json(&fixtures().join(self.family).join("golden.json"));
+        let g = read_json(&self.inputs);
         (rows_tensor::<u32>(&g["input_ids"]), g["labels"].clone())
     }
 
     fn model_with_adapter(&self) -> (CausalLm, LoraConfig) {
-        let mut model = base_model(self.family);
+        let mut model = load_model_at(&self.base);
         let config = load_adapter(&mut model, &self.dir.join("adapter"))
             .unwrap_or_else(|e| panic!("{}: {e}", self.dir.display()));
         (model, config)
@@ -540,4 +554,169 @@ fn dropout_only_in_training() {
             assert!(grads.get(var).is_some(), "{sub}: {name} has no gradient");
         }
     }
+}
+
+/// The adapter cases on the token embedding (tests/fixtures/embedding_lora).
+const EMBEDDING_CASES: [&str; 6] = [
+    "llama3",
+    "llama3_dora",
+    "llama3_regex_rslora",
+    "qwen2_tied",
+    "gemma",
+    "gemma3_dora",
+];
+
+/// Adapters on `embed_tokens` (LoRA, DoRA, rsLoRA with a regex target; Gemma's scaled
+/// embeddings; heads tied to the embedding) give PEFT's logits, loss and gradients, the pad
+/// token's column of `lora_embedding_A` included (PEFT's lookup keeps it out of the gradient).
+#[test]
+fn embedding_adapters_match_peft() {
+    for name in EMBEDDING_CASES {
+        let case = Case::embedding(name);
+        let (model, _) = case.model_with_adapter();
+        assert!(model.embed_adapter.is_some(), "{name}");
+        case.check_forward_and_gradients();
+    }
+}
+
+/// Merging an embedding adapter: PEFT's merged weights where PEFT's merge keeps the outputs;
+/// where the head is tied to the embedding (PEFT's merge then changes the head too, and the
+/// outputs), the merge unties the head, which keeps the base weights, so the merged model gives
+/// the adapter's outputs. The merged model runs as the adapter does either way.
+#[test]
+fn embedding_adapters_merge() {
+    for name in EMBEDDING_CASES {
+        let case = Case::embedding(name);
+        let (model, _) = case.model_with_adapter();
+        let g = read_json(&case.dir.join("golden.json"));
+        let merged = merged_tensors(&model).unwrap();
+        let want = tensors(&case.dir.join("merged.safetensors"));
+        for (key, w) in &want {
+            let err = max_abs_diff(&merged[key], w);
+            assert!(err <= 1e-5, "{name}: merged '{key}' max abs error {err}");
+        }
+        if g["merged_equals_adapter"].as_bool().unwrap() {
+            assert_eq!(merged.len(), want.len(), "{name}");
+        } else {
+            // The untied head: the base embedding.
+            assert!(!model.config.tie_word_embeddings, "{name}");
+            let base = load_model_at(&case.base);
+            assert_eq!(
+                max_abs_diff(&merged["lm_head.weight"], &base.embed_tokens),
+                0.0,
+                "{name}"
+            );
+            assert_eq!(merged.len(), want.len() + 1, "{name}");
+        }
+        let mut model = model;
+        merge_and_unload(&mut model).unwrap();
+        assert!(model.embed_adapter.is_none());
+        let (ids, _) = case.inputs();
+        let (b, t) = ids.dims2().unwrap();
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap();
+        let golden = tensors(&case.dir.join("golden.safetensors"));
+        let err = max_abs_diff(&logits, &golden["lora_logits"]);
+        assert!(err <= 1e-4, "{name}: merged logits max abs error {err}");
+    }
+}
+
+/// An embedding adapter saves under PEFT's names (`lora_embedding_A/B`, DoRA's
+/// `lora_magnitude_vector`) and loads back to the same tensors.
+#[test]
+fn embedding_adapters_save_and_load_back() {
+    for name in ["llama3_dora", "qwen2_tied"] {
+        let case = Case::embedding(name);
+        let (model, config) = case.model_with_adapter();
+        let dir = temp_dir(&format!("embed-{name}"));
+        save_adapter(&model, &config, &dir).unwrap();
+        let saved = tensors(&dir.join(ADAPTER_WEIGHTS_FILE));
+        let orig = tensors(&case.dir.join("adapter").join(ADAPTER_WEIGHTS_FILE));
+        let mut names: Vec<&String> = saved.keys().collect();
+        names.sort();
+        let mut want: Vec<&String> = orig.keys().collect();
+        want.sort();
+        assert_eq!(names, want, "{name}");
+        for (k, t) in &orig {
+            assert_eq!(max_abs_diff(&saved[k], t), 0.0, "{name}: {k}");
+        }
+        let mut reloaded = load_model_at(&case.base);
+        load_adapter(&mut reloaded, &dir).unwrap();
+        assert!(reloaded.embed_adapter.is_some());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A fresh embedding adapter (PEFT's init: A zeros, B normal; DoRA's magnitude the norm of each
+/// hidden unit's column) leaves the model as it was; its first gradient reaches A, not B.
+#[test]
+fn fresh_embedding_adapters_start_as_the_base_model() {
+    let g = read_json(&fixtures().join("qwen2/golden.json"));
+    let ids = rows_tensor::<u32>(&g["input_ids"]);
+    let (b, t) = ids.dims2().unwrap();
+    let golden = tensors(&fixtures().join("qwen2/golden.safetensors"));
+    for use_dora in [false, true] {
+        let mut config = LoraConfig::new(
+            4,
+            8.0,
+            TargetModules::Names(vec!["embed_tokens".into(), "v_proj".into()]),
+        );
+        config.use_dora = use_dora;
+        let mut model = base_model("qwen2");
+        assert!(model.config.tie_word_embeddings);
+        assert_eq!(add_adapter(&mut model, &config, 3).unwrap(), 3);
+        let params = trainable_parameters(&mut model).unwrap();
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap();
+        let err = max_abs_diff(&logits, &golden["logits"]);
+        assert!(
+            err <= 1e-4,
+            "fresh embedding adapter (DoRA {use_dora}): {err}"
+        );
+        let grads = causal_lm_loss(&logits, &g["labels"]).backward().unwrap();
+        let grad_max = |suffix: &str| {
+            let (_, var) = params.iter().find(|(n, _)| n.ends_with(suffix)).unwrap();
+            let g = grads.get(var).unwrap();
+            max_abs_diff(g, &g.zeros_like().unwrap())
+        };
+        assert!(grad_max("embed_tokens.lora_embedding_A") > 0.0);
+        assert_eq!(grad_max("embed_tokens.lora_embedding_B"), 0.0);
+        // The tied head was untied and keeps the base weights.
+        assert!(!model.config.tie_word_embeddings);
+        let b_std = model
+            .embed_adapter
+            .as_ref()
+            .unwrap()
+            .b
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt();
+        assert!((b_std - 1.0).abs() < 0.2, "B's std {b_std}");
+    }
+}
+
+/// `ensure_weight_tying` on a tied model with an embedding adapter (the head would share the
+/// embedding's adapter) is refused by name rather than run differently.
+#[test]
+fn ensure_weight_tying_on_a_tied_embedding_is_refused() {
+    let case = Case::embedding("qwen2_tied");
+    let dir = temp_dir("ensure-tying");
+    std::fs::copy(
+        case.dir.join("adapter").join(ADAPTER_WEIGHTS_FILE),
+        dir.join(ADAPTER_WEIGHTS_FILE),
+    )
+    .unwrap();
+    let mut json = read_json(&case.dir.join("adapter").join(ADAPTER_CONFIG_FILE));
+    json["ensure_weight_tying"] = Value::Bool(true);
+    std::fs::write(dir.join(ADAPTER_CONFIG_FILE), json.to_string()).unwrap();
+    let mut model = load_model_at(&case.base);
+    let err = load_adapter(&mut model, &dir).unwrap_err().to_string();
+    assert!(err.contains("ensure_weight_tying"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

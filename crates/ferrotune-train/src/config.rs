@@ -450,6 +450,7 @@ const MODEL_KEYS: &[(&str, Ty)] = &[
     ("lora_attn_modules", Ty::StrList),
     ("apply_lora_to_mlp", Ty::Bool),
     ("apply_lora_to_output", Ty::Bool),
+    ("apply_lora_to_embeddings", Ty::Bool),
     ("lora_rank", Ty::Int),
     ("lora_alpha", Ty::Float),
     ("lora_dropout", Ty::Float),

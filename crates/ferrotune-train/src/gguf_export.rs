@@ -1103,6 +1103,12 @@ pub fn export_gguf_adapter(
             (m, true)
         } else if let Some(m) = stem.strip_suffix(".lora_B.weight") {
             (m, false)
+        } else if stem.contains(".lora_embedding_") {
+            bail!(
+                "{}: the adapter changes the token embedding ('{key}'); llama.cpp adapter \
+                 files are written here for linear layers only: {merge_instead}",
+                file.display()
+            );
         } else {
             bail!(
                 "{}: tensor '{key}' is not a LoRA A or B matrix; llama.cpp adapters hold only \

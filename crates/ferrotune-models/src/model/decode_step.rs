@@ -96,6 +96,9 @@ impl CausalLm {
         if self.embed_tokens.track_op() {
             return Some("the embedding is being trained".into());
         }
+        if self.embed_adapter.is_some() {
+            return Some("the embedding has an unmerged adapter".into());
+        }
         // Checked every step, so without building the layers' names unless one is refused.
         let plain = |l: &Linear| {
             l.adapter.is_none()

@@ -560,6 +560,15 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     let mut last_exits: Option<Vec<usize>> = None;
 
     // ---------------------------------------------------------------- training loop
+    let torchtune_adapter = setup::torchtune_checkpointer(cfg)
+        && ferrotune_models::torchtune_adapter::supports(&model.config);
+    if torchtune_adapter && model.embed_adapter.is_some() {
+        say(
+            "note: no adapter_model.pt is written: torchtune's adapter file holds no embedding \
+             adapter (the PEFT adapter files are written as always)"
+                .into(),
+        );
+    }
     let saver = Saver {
         mode,
         output_dir: &ckpt_out,
@@ -569,8 +578,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         lora_config: lora_config.as_ref(),
         dtype,
         adapter_only,
-        torchtune_adapter: setup::torchtune_checkpointer(cfg)
-            && ferrotune_models::torchtune_adapter::supports(&model.config),
+        torchtune_adapter: torchtune_adapter && model.embed_adapter.is_none(),
         keep_last: match cfg.usize("checkpointer.keep_last_n_checkpoints")? {
             Some(0) => bail!(
                 "{}: checkpointer.keep_last_n_checkpoints must be at least 1",

@@ -437,7 +437,8 @@ fn find_tokenizer(cfg: &Config, checkpoint: &Path) -> Result<(Tokenizer, PathBuf
 
 /// The LoRA adapter settings from torchtune's model keys (`lora_attn_modules`,
 /// `apply_lora_to_mlp`, `apply_lora_to_output`, `lora_rank`, `lora_alpha`, `lora_dropout`,
-/// `use_dora`), in HF module names for `model`'s layout.
+/// `use_dora`) and ferrotune's `apply_lora_to_embeddings`, in HF module names for `model`'s
+/// layout.
 pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<LoraConfig> {
     let fused = model.config.fused_projections;
     let attn = cfg
@@ -490,6 +491,10 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
             );
         }
         push("lm_head");
+    }
+    if cfg.bool("model.apply_lora_to_embeddings")?.unwrap_or(false) {
+        // ferrotune's key (torchtune adapts linear layers only): PEFT's `lora.Embedding`.
+        push("embed_tokens");
     }
     if targets.is_empty() {
         bail!(

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""PEFT references for LoRA/DoRA on the token embedding (`target_modules` naming `embed_tokens`).
+
+For each case under tests/fixtures/embedding_lora/<name>/:
+- `adapter/`: PEFT's save_pretrained (lora_embedding_A/B, DoRA's lora_magnitude_vector).
+- `golden.json`: `input_ids`, `labels` (they include the pad token, whose embedding row PEFT's
+  `F.embedding(..., padding_idx=pad)` keeps out of lora_embedding_A's gradient), `lora_loss`, and
+  `merged_equals_adapter` (False where PEFT's merge changes the outputs: a head tied to the embedding
+  takes the merged delta too).
+- `golden.safetensors`: `lora_logits` (the adapter in train mode) and `merged_logits` (after
+  PEFT's merge_and_unload).
+- `lora_grads.safetensors`: d lora_loss / d param, PEFT parameter names without the adapter name.
+- `merged.safetensors`: the merged model's state dict (PEFT's merge_and_unload).
+
+Adapter values are random (A and B non-zero), so every part shows in the outputs. CPU, float32.
+Run from the repository root: python3 scripts/make_embedding_lora_fixtures.py
+"""
+import json
+import os
+
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
+OUT = os.path.join(ROOT, "embedding_lora")
+
+# name: (base model folder under tests/fixtures, LoraConfig keyword arguments)
+CASES = {
+    # Llama, untied head: the embedding and two projections.
+    "llama3": ("llama3/model", dict(r=2, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "down_proj"])),
+    # DoRA on the embedding: the magnitude is per hidden unit (the embedding as a linear map from
+    # the one-hot vocabulary).
+    "llama3_dora": ("llama3/model", dict(r=3, lora_alpha=6, use_dora=True, target_modules=["embed_tokens", "v_proj"])),
+    # rsLoRA and a regex target that matches the embedding.
+    "llama3_regex_rslora": (
+        "llama3/model",
+        dict(r=4, lora_alpha=4, use_rslora=True, target_modules=r".*(embed_tokens|o_proj)"),
+    ),
+    # Qwen2 ties its head to the embedding: the head keeps the base weight while the adapter is on.
+    "qwen2_tied": ("qwen2/model", dict(r=2, lora_alpha=4, target_modules=["embed_tokens", "o_proj"])),
+    # Gemma scales the embeddings by sqrt(hidden) (the adapter's output too) and ties its head.
+    "gemma": ("models/gemma/model", dict(r=2, lora_alpha=8, target_modules=["embed_tokens", "k_proj"])),
+    "gemma3_dora": ("models/gemma3/model", dict(r=2, lora_alpha=8, use_dora=True, target_modules=["embed_tokens", "up_proj"])),
+}
+
+
+def inputs(vocab, pad):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab, (2, 12), generator=g)
+    # The pad token as a real input in both rows, and as padding at the end of the second.
+    ids[0, 3] = pad
+    ids[1, 9:] = pad
+    labels = ids.clone()
+    labels[1, 9:] = -100
+    return ids, labels
+
+
+def main():
+    for name, (base, kwargs) in CASES.items():
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, base), dtype=torch.float32)
+        ids, labels = inputs(model.config.vocab_size, model.config.pad_token_id)
+        assert model.get_input_embeddings().padding_idx == model.config.pad_token_id
+        cfg = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, init_lora_weights=False, **kwargs)
+        model = get_peft_model(model, cfg)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_" in pname and "magnitude" not in pname:
+                    p.copy_(torch.randn_like(p) * 0.2)
+                elif "magnitude" in pname:
+                    p.mul_(1 + 0.1 * torch.randn_like(p))
+        model.train()
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        grads = {
+            n.replace(".default", ""): p.grad.detach().clone().contiguous()
+            for n, p in model.named_parameters()
+            if p.requires_grad and p.grad is not None
+        }
+        d = os.path.join(OUT, name)
+        os.makedirs(d, exist_ok=True)
+        model.save_pretrained(os.path.join(d, "adapter"), save_embedding_layers=False)
+        os.remove(os.path.join(d, "adapter", "README.md"))
+        model.eval()
+        with torch.no_grad():
+            lora_logits = model(input_ids=ids).logits
+            merged = model.merge_and_unload()
+            merged_logits = merged(input_ids=ids).logits
+        state = {k: v.detach().clone().contiguous() for k, v in merged.state_dict().items()}
+        if merged.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(
+            {"lora_logits": lora_logits.contiguous(), "merged_logits": merged_logits.contiguous()},
+            os.path.join(d, "golden.safetensors"),
+        )
+        save_file(grads, os.path.join(d, "lora_grads.safetensors"))
+        save_file(state, os.path.join(d, "merged.safetensors"))
+        same = bool(torch.allclose(lora_logits, merged_logits, atol=1e-4))
+        json.dump(
+            {
+                "base": base,
+                "input_ids": ids.tolist(),
+                "labels": labels.tolist(),
+                "lora_loss": out.loss.item(),
+                "merged_equals_adapter": same,
+            },
+            open(os.path.join(d, "golden.json"), "w"),
+            indent=1,
+        )
+        print(name, out.loss.item(), sorted(grads), "merged == adapter:", same)
+
+
+if __name__ == "__main__":
+    main()
