@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""PEFT references for LoRA/DoRA on the token embedding (`target_modules` naming `embed_tokens`).
+"""PEFT references for LoRA/DoRA on the token embedding (`target_modules` naming `embed_tokens`), and
+for trainable tokens (`trainable_token_indices`).
 
 For each case under tests/fixtures/embedding_lora/<name>/:
-- `adapter/`: PEFT's save_pretrained (lora_embedding_A/B, DoRA's lora_magnitude_vector).
+- `adapter/`: PEFT's save_pretrained with its defaults (lora_embedding_A/B, DoRA's
+  lora_magnitude_vector, and the base weights of the adapted embedding and head,
+  `*.base_layer.weight`).
 - `golden.json`: `input_ids`, `labels` (they include the pad token, whose embedding row PEFT's
   `F.embedding(..., padding_idx=pad)` keeps out of lora_embedding_A's gradient), `lora_loss`, and
   `merged_equals_adapter` (False where PEFT's merge changes the outputs: a head tied to the embedding
@@ -29,7 +32,7 @@ OUT = os.path.join(ROOT, "embedding_lora")
 # name: (base model folder under tests/fixtures, LoraConfig keyword arguments)
 CASES = {
     # Llama, untied head: the embedding and two projections.
-    "llama3": ("llama3/model", dict(r=2, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "down_proj"])),
+    "llama3": ("llama3/model", dict(r=2, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "down_proj", "lm_head"])),
     # DoRA on the embedding: the magnitude is per hidden unit (the embedding as a linear map from
     # the one-hot vocabulary).
     "llama3_dora": ("llama3/model", dict(r=3, lora_alpha=6, use_dora=True, target_modules=["embed_tokens", "v_proj"])),
@@ -41,8 +44,16 @@ CASES = {
     # Qwen2 ties its head to the embedding: the head keeps the base weight while the adapter is on.
     "qwen2_tied": ("qwen2/model", dict(r=2, lora_alpha=4, target_modules=["embed_tokens", "o_proj"])),
     # Gemma scales the embeddings by sqrt(hidden) (the adapter's output too) and ties its head.
-    "gemma": ("models/gemma/model", dict(r=2, lora_alpha=8, target_modules=["embed_tokens", "k_proj"])),
+    # ... and the head, tied to the embedding, adapted too.
+    "gemma": ("models/gemma/model", dict(r=2, lora_alpha=8, target_modules=["embed_tokens", "k_proj", "lm_head"])),
     "gemma3_dora": ("models/gemma3/model", dict(r=2, lora_alpha=8, use_dora=True, target_modules=["embed_tokens", "up_proj"])),
+    # PEFT's trainable tokens: the listed rows of the embedding replaced by trained values
+    # (`trainable_tokens_delta`), the pad token among them; a tied head uses the same rows.
+    "tokens_llama3": ("llama3/model", dict(r=2, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 17, 300])),
+    "tokens_qwen2_tied": (
+        "qwen2/model",
+        dict(r=2, lora_alpha=4, target_modules=["v_proj"], trainable_token_indices={"embed_tokens": [5, 100, 511]}),
+    ),
 }
 
 
@@ -69,6 +80,8 @@ def main():
             for pname, p in model.named_parameters():
                 if "lora_" in pname and "magnitude" not in pname:
                     p.copy_(torch.randn_like(p) * 0.2)
+                elif "trainable_tokens_delta" in pname:
+                    p.copy_(torch.randn_like(p))
                 elif "magnitude" in pname:
                     p.mul_(1 + 0.1 * torch.randn_like(p))
         model.train()
@@ -81,7 +94,9 @@ def main():
         }
         d = os.path.join(OUT, name)
         os.makedirs(d, exist_ok=True)
-        model.save_pretrained(os.path.join(d, "adapter"), save_embedding_layers=False)
+        # PEFT's default save_embedding_layers="auto": with embed_tokens (or lm_head) among the
+        # targets, the adapted embedding's and head's base weights are saved beside the adapter.
+        model.save_pretrained(os.path.join(d, "adapter"))
         os.remove(os.path.join(d, "adapter", "README.md"))
         model.eval()
         with torch.no_grad():

@@ -13,7 +13,8 @@ counts) to find the combinations nobody wrote down.
 
 - forward: `run eval`'s loss against transformers' (relative 1e-5) and 10 greedy tokens of
   `generate` against `model.generate`.
-- lora: a PEFT adapter on all linear layers (sometimes DoRA, sometimes rsLoRA, B non-zero);
+- lora: a PEFT adapter on all linear layers, half the time the token embedding too, at times the
+  head (tied or not; sometimes DoRA, sometimes rsLoRA, B non-zero), saved with PEFT's defaults;
   ferrotune's saved adapter after one SGD step with lr 1 is `start − PEFT's gradient` (1e-4).
 - full: the saved checkpoint after one SGD step with lr 1 is `start − torch's gradient` (1e-4),
   with exactly the checkpoint's tensors.
@@ -136,8 +137,11 @@ def make_model(rng, mt, folder):
     return cfgd, mdir
 
 
-def rows(rng, folder, n=2, t=20):
+def rows(rng, folder, n=2, t=20, pad=False):
     ids = [[rng.randrange(4, 512) for _ in range(t)] for _ in range(n)]
+    if pad:
+        # The pad token (3) as an input: its embedding row takes no gradient.
+        ids[0][5] = 3
     labels = [[-100] * 3 + r[3:] for r in ids]
     data = os.path.join(folder, "rows.jsonl")
     with open(data, "w") as f:
@@ -208,19 +212,27 @@ def check_lora(rng, binary, mt, folder):
 
     peft_torchao.is_torchao_available = lambda: False  # an old torchao would stop PEFT
     cfgd, mdir = make_model(rng, mt, folder)
-    dora, rslora = rng.random() < 0.3, rng.random() < 0.3
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                      use_dora=dora, use_rslora=rslora))
+    dora, rslora, embed, head = (rng.random() < 0.3, rng.random() < 0.3, rng.random() < 0.5,
+                                 rng.random() < 0.3)
+    base = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
+    # PEFT's "all-linear" (every linear layer but the head), and at times the token embedding.
+    targets = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules()
+                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")})
+    if embed:
+        targets.append("embed_tokens")
+    if head:
+        targets.append("lm_head")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                            use_dora=dora, use_rslora=rslora))
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "lora_B" in n:
+            if "lora_B" in n or "lora_embedding_A" in n:
                 p.copy_(torch.randn_like(p) * 0.1)
     adir = os.path.join(folder, "adapter")
     model.save_pretrained(adir)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32),
                                       adir, is_trainable=True)
-    ids, labels, data = rows(rng, folder, t=16)
+    ids, labels, data = rows(rng, folder, t=16, pad=embed)
     model(torch.tensor(ids), labels=torch.tensor(labels)).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     run(binary, "run", "lora_finetune_single_device", "--config",
@@ -233,11 +245,18 @@ def check_lora(rng, binary, mt, folder):
         param = (k.replace(".lora_A.weight", ".lora_A.default.weight")
                   .replace(".lora_B.weight", ".lora_B.default.weight")
                   .replace(".lora_magnitude_vector", ".lora_magnitude_vector.default.weight"))
+        if ".lora_embedding_" in k:
+            param = k + ".default"
+        if ".base_layer." in k:
+            # The base weights PEFT saves beside an adapted embedding: frozen, saved as read.
+            if not torch.equal(saved[k], s):
+                worst, at = float("inf"), k
+            continue
         want = s - grads[param]
         e = ((saved[k] - want).norm() / want.norm()).item()
         if e > worst:
             worst, at = e, k
-    return cfgd, worst < 1e-4 and set(saved) == set(start), f"dora={dora} rslora={rslora} worst {worst:.1e} ({at})"
+    return cfgd, worst < 1e-4 and set(saved) == set(start), f"dora={dora} rslora={rslora} embed={embed} head={head} worst {worst:.1e} ({at})"
 
 
 def check_full(rng, binary, mt, folder):

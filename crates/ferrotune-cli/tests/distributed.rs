@@ -292,6 +292,48 @@ fn lora_finetune_on_two_ranks_equals_one_device() {
     }
 }
 
+/// Adapters on the token embedding and on the head of a model that ties them (Qwen2, untied
+/// by the adapters) train on 2 ranks as on one device, sharded or not.
+#[test]
+fn embedding_and_head_adapters_on_two_ranks_equal_one_device() {
+    let case = Case::new("lora-embed", "qwen2");
+    let extra = [
+        "model.apply_lora_to_embeddings=true",
+        "model.apply_lora_to_output=true",
+    ];
+    let single = case.dir.join("single");
+    let o = case.run(
+        1,
+        "lora_finetune_single_device",
+        &single,
+        &[&extra[..], &["batch_size=4"]].concat(),
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let want = losses(&single.join("logs/metrics.jsonl"));
+    for mode in ["full", "none"] {
+        let out = case.dir.join(format!("dist-{mode}"));
+        let sharding = format!("fsdp_sharding={mode}");
+        let o = case.run(
+            2,
+            "lora_finetune_distributed",
+            &out,
+            &[&extra[..], &[sharding.as_str()]].concat(),
+            &[],
+        );
+        assert!(o.status.success(), "{mode}: {}", text(&o));
+        assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, mode);
+        for f in ["adapter_model.safetensors", "merged/model.safetensors"] {
+            assert_same_tensors(
+                &out.join("epoch_1").join(f),
+                &single.join("epoch_1").join(f),
+                1e-4,
+                &format!("{mode}: {f}"),
+            );
+        }
+    }
+}
+
 /// QLoRA on 2 ranks (the NF4 base sharded with the rest, its bytes gathered around each layer)
 /// equals one device.
 #[test]

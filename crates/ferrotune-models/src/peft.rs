@@ -599,9 +599,100 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, Mode
     }
     let saved = saved_module_tensors(&mut tensors, &config.modules_to_save);
     let source = file.display().to_string();
+    load_base_layers(model, &mut tensors, &source)?;
     attach_adapter(model, &config, tensors, &source)?;
     replace_saved_modules(model, saved, &source)?;
     Ok(config)
+}
+
+/// The modules whose base weights PEFT saves beside their adapters: the token embedding and the
+/// language-model head (`get_input_embeddings`/`get_output_embeddings`; a classifier's `score`
+/// is neither).
+fn embedding_modules(model: &CausalLm) -> Vec<&'static str> {
+    let mut out = vec![EMBED_MODULE];
+    if model.head_name() == "lm_head" {
+        out.push("lm_head");
+    }
+    out
+}
+
+/// PEFT's `save_embedding_layers="auto"` (its default) decision: the base weights of adapted
+/// embedding layers are saved when `target_modules` names `embed_tokens` or `lm_head` (a list
+/// entry equal to one of them, or a regex that matches either module's name).
+fn saves_embedding_layers(model: &CausalLm, config: &LoraConfig) -> bool {
+    match &config.target_modules {
+        TargetModules::Names(names) => names.iter().any(|n| n == "embed_tokens" || n == "lm_head"),
+        TargetModules::Regex(r) if r == "all-linear" => false,
+        TargetModules::Regex(r) => embedding_modules(model).iter().any(|m| full_match(r, m)),
+    }
+}
+
+/// Loads the base weights PEFT saves beside adapters on the embedding or the head
+/// (`base_model.model.{module}.base_layer.weight`, and Phi-2's head `.bias`), taking them out
+/// of `tensors`, as PEFT loads them: into the base parameters in place, so a head tied to the
+/// embedding follows it. A different number of rows (a resized vocabulary) is taken when the
+/// embedding and the head end up with the same number.
+fn load_base_layers(
+    model: &mut CausalLm,
+    tensors: &mut HashMap<String, Tensor>,
+    source: &str,
+) -> Result<(), ModelError> {
+    let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
+    let (dtype, device) = (model.dtype(), model.device().clone());
+    let hidden = model.config.hidden_size;
+    let mut changed = false;
+    for module in embedding_modules(model) {
+        for param in ["weight", "bias"] {
+            let key = format!("{PEFT_PREFIX}{module}.base_layer.{param}");
+            let Some(t) = tensors.remove(&key) else {
+                continue;
+            };
+            let t = t.to_dtype(dtype)?.to_device(&device)?;
+            let tied = model.config.tie_word_embeddings;
+            match (module, param) {
+                (_, "weight") => {
+                    if t.rank() != 2 || t.dim(1)? != hidden {
+                        return Err(err(format!(
+                            "'{key}' has shape {:?}, expected [rows, {hidden}]",
+                            t.dims()
+                        )));
+                    }
+                    if module == EMBED_MODULE || tied {
+                        model.embed_tokens = t;
+                        model.retie_head();
+                    } else {
+                        model.lm_head.weight = crate::model::BaseWeight::Dense(t);
+                        model.lm_head.packed = None;
+                    }
+                    changed = true;
+                }
+                ("lm_head", "bias") => {
+                    if model.lm_head.bias.is_none() {
+                        return Err(err(format!("'{key}': the model's head has no bias")));
+                    }
+                    model.lm_head.bias = Some(t);
+                }
+                _ => return Err(err(format!("'{key}': the embedding has no bias"))),
+            }
+        }
+    }
+    if changed {
+        let rows = model.embed_tokens.dim(0)?;
+        let head_rows = model.lm_head.weight.dims2()?.0;
+        if rows != head_rows {
+            return Err(err(format!(
+                "the saved base weights leave the embedding with {rows} rows and the head with \
+                 {head_rows}"
+            )));
+        }
+        if rows != model.config.vocab_size {
+            model.config.vocab_size = rows;
+            if let Some(raw) = model.config.raw.as_object_mut() {
+                raw.insert("vocab_size".into(), rows.into());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The tensors of the PEFT adapter in `dir` under their file names (CPU; a `.bin`'s in f32), and
@@ -957,16 +1048,18 @@ pub fn attach_adapter(
     for (name, linear) in model.linears_mut() {
         linear.adapter = adapters.remove(&name);
     }
-    set_embed_adapter(model, adapters.remove(EMBED_MODULE));
+    model.embed_adapter = adapters.remove(EMBED_MODULE);
+    untie_adapted_head(model);
     Ok(())
 }
 
-/// Puts `adapter` on the token embedding (untying a tied head, which keeps the base weights).
-fn set_embed_adapter(model: &mut CausalLm, adapter: Option<LoraAdapter>) {
-    if adapter.is_some() {
+/// Unties a head tied to the embedding when either has an adapter: PEFT adapts the one module,
+/// the other keeps the base weights, and a merge must keep them apart (PEFT's own merge adds the
+/// delta to the shared weight, which changes the other module too).
+fn untie_adapted_head(model: &mut CausalLm) {
+    if model.embed_adapter.is_some() || model.lm_head.adapter.is_some() {
         untie_head(model);
     }
-    model.embed_adapter = adapter;
 }
 
 /// Attaches fresh adapters for training to every module `config` targets, initialised as PEFT
@@ -987,7 +1080,7 @@ pub fn add_adapter(
         })
         .transpose()?;
     count += usize::from(embed_adapter.is_some());
-    set_embed_adapter(model, embed_adapter);
+    model.embed_adapter = embed_adapter;
     let targets = targets.linears;
     for (name, linear) in model.linears_mut() {
         let Some((i, (_, r, scale))) = targets.iter().enumerate().find(|(_, t)| t.0 == name) else {
@@ -1002,6 +1095,7 @@ pub fn add_adapter(
         linear.adapter = Some(adapter);
         count += 1;
     }
+    untie_adapted_head(model);
     Ok(count)
 }
 
@@ -1093,7 +1187,22 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
     }
     std::fs::create_dir_all(dir)
         .map_err(|e| ModelError::file(dir, format!("cannot create folder: {e}")))?;
-    let tensors: Vec<(String, Tensor)> = adapter_tensors(model)
+    let mut tensors = adapter_tensors(model);
+    if saves_embedding_layers(model, config) {
+        // As PEFT saves by default: the base weights of the adapted embedding and head.
+        if model.embed_adapter.is_some() {
+            let key = format!("{PEFT_PREFIX}{EMBED_MODULE}.base_layer.weight");
+            tensors.insert(key, model.embed_tokens.clone());
+        }
+        if model.head_name() == "lm_head" && model.lm_head.adapter.is_some() {
+            let key = format!("{PEFT_PREFIX}lm_head.base_layer.weight");
+            tensors.insert(key, model.lm_head.weight.dense()?.into_owned());
+            if let Some(b) = &model.lm_head.bias {
+                tensors.insert(format!("{PEFT_PREFIX}lm_head.base_layer.bias"), b.clone());
+            }
+        }
+    }
+    let tensors: Vec<(String, Tensor)> = tensors
         .into_iter()
         .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu)?.contiguous()?)))
         .collect::<Result<_, candle_core::Error>>()?;
@@ -1109,8 +1218,9 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
 
 /// All weights of `model` by HF name with the adapters merged in (PEFT's `merge_and_unload`
 /// followed by `save_pretrained`). With tied embeddings `lm_head.weight` is omitted, as in HF
-/// checkpoints; merging an adapter into a tied `lm_head` is refused, since PEFT would change the
-/// input embeddings with it.
+/// checkpoints. A head tied to the embedding is untied when either gets an adapter, so each
+/// merges on its own; an adapter on a head still tied (set up by other means) is refused, since
+/// merging it would change the input embeddings too.
 pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut out = HashMap::new();
     let embed = match &model.embed_adapter {

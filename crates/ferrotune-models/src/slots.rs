@@ -44,20 +44,25 @@ fn linear_tensors_mut<'a>(
         out.push((format!("{module}.bias"), b));
     }
     if let Some(adapter) = &mut linear.adapter {
+        adapter_tensors_mut(module, ["lora_A.weight", "lora_B.weight"], adapter, out);
+    }
+}
+
+/// An adapter's tensors under their PEFT parameter names: `a_b` are the names of A and B
+/// (`lora_A.weight`, or the embedding's bare `lora_embedding_A`).
+fn adapter_tensors_mut<'a>(
+    module: &str,
+    a_b: [&str; 2],
+    adapter: &'a mut crate::lora::LoraAdapter,
+    out: &mut Vec<(String, &'a mut Tensor)>,
+) {
+    out.push((format!("{PEFT_PREFIX}{module}.{}", a_b[0]), &mut adapter.a));
+    out.push((format!("{PEFT_PREFIX}{module}.{}", a_b[1]), &mut adapter.b));
+    if let Some(m) = &mut adapter.dora_magnitude {
         out.push((
-            format!("{PEFT_PREFIX}{module}.lora_A.weight"),
-            &mut adapter.a,
+            format!("{PEFT_PREFIX}{module}.lora_magnitude_vector.weight"),
+            m,
         ));
-        out.push((
-            format!("{PEFT_PREFIX}{module}.lora_B.weight"),
-            &mut adapter.b,
-        ));
-        if let Some(m) = &mut adapter.dora_magnitude {
-            out.push((
-                format!("{PEFT_PREFIX}{module}.lora_magnitude_vector.weight"),
-                m,
-            ));
-        }
     }
 }
 
@@ -81,6 +86,10 @@ impl CausalLm {
                     "model.embed_tokens.weight".to_string(),
                     &mut self.embed_tokens,
                 ));
+                if let Some(adapter) = &mut self.embed_adapter {
+                    let names = ["lora_embedding_A", "lora_embedding_B"];
+                    adapter_tensors_mut(crate::peft::EMBED_MODULE, names, adapter, &mut out);
+                }
                 out.extend(final_norm_entries_mut(
                     &self.config,
                     &mut self.norm,

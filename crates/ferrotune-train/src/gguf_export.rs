@@ -1097,8 +1097,15 @@ pub fn export_gguf_adapter(
     let mut modules: BTreeMap<String, (Option<Tensor>, Option<Tensor>)> = BTreeMap::new();
     let mut notes = Vec::new();
     let mut left_out = 0;
+    let mut base_layers = 0;
     for (key, t) in tensors {
         let stem = key.strip_prefix(PEFT_PREFIX).unwrap_or(&key);
+        if stem.contains(".base_layer.") {
+            // PEFT's default save keeps the base weights of an adapted head beside the adapter;
+            // llama.cpp applies the adapter to the base GGUF's own.
+            base_layers += 1;
+            continue;
+        }
         let (module, is_a) = if let Some(m) = stem.strip_suffix(".lora_A.weight") {
             (m, true)
         } else if let Some(m) = stem.strip_suffix(".lora_B.weight") {
@@ -1133,6 +1140,12 @@ pub fn export_gguf_adapter(
         } else {
             slot.1 = Some(t);
         }
+    }
+    if base_layers > 0 {
+        notes.push(format!(
+            "{base_layers} base weight tensor(s) PEFT saved beside the adapter left out (llama.cpp \
+             applies the adapter to the base GGUF's weights)"
+        ));
     }
     if left_out > 0 {
         notes.push(format!(

@@ -483,13 +483,8 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
         }
     }
     if cfg.bool("model.apply_lora_to_output")?.unwrap_or(false) {
-        if model.config.tie_word_embeddings {
-            bail!(
-                "{}: model.apply_lora_to_output: this model ties its output head to the embeddings, \
-                 so an output adapter cannot be merged (torchtune refuses it too); set it to false",
-                cfg.origin
-            );
-        }
+        // torchtune refuses this for a head tied to the embeddings; as PEFT does, the head is
+        // adapted on its own (untied; the embedding keeps the base weights).
         push("lm_head");
     }
     if cfg.bool("model.apply_lora_to_embeddings")?.unwrap_or(false) {
