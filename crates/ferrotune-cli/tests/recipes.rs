@@ -1567,34 +1567,46 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
 
 #[test]
 fn an_adapter_with_modules_to_save_is_not_trained_further() {
-    let dir = tmpdir("mts-train");
-    let data = dir.join("batch.jsonl");
-    write_golden_rows("models/llama2", &data);
-    let cfg = write_config(&dir, "models/llama2", &data);
-    let adapter = format!(
-        "checkpointer.adapter_checkpoint={}",
-        fixtures()
-            .join("peft_modules_to_save/untied/adapter")
-            .display()
-    );
-    let out = ferrotune(
-        &[
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            cfg.to_str().unwrap(),
-            &adapter,
-            "max_steps_per_epoch=1",
-        ],
-        &dir,
-        &[],
-    );
-    assert!(!out.status.success());
-    let log = text(&out);
-    assert!(
-        log.contains("modules_to_save") && log.contains("ferrotune merge"),
-        "{log}"
-    );
+    let cases = [
+        (
+            "models/llama2",
+            "peft_modules_to_save/untied",
+            "modules_to_save",
+        ),
+        (
+            "llama3",
+            "embedding_lora/tokens_llama3",
+            "trainable_token_indices",
+        ),
+    ];
+    for (family, case, key) in cases {
+        let dir = tmpdir(&format!("mts-train-{key}"));
+        let data = dir.join("batch.jsonl");
+        write_golden_rows(family, &data);
+        let cfg = write_config(&dir, family, &data);
+        let adapter = format!(
+            "checkpointer.adapter_checkpoint={}",
+            fixtures().join(case).join("adapter").display()
+        );
+        let out = ferrotune(
+            &[
+                "run",
+                "lora_finetune_single_device",
+                "--config",
+                cfg.to_str().unwrap(),
+                &adapter,
+                "max_steps_per_epoch=1",
+            ],
+            &dir,
+            &[],
+        );
+        assert!(!out.status.success());
+        let log = text(&out);
+        assert!(
+            log.contains(key) && log.contains("ferrotune merge"),
+            "{log}"
+        );
+    }
 }
 
 /// Mean cross-entropy of `logits` ([b, t, v]) over `labels`' shifted non-ignored targets, in f64.

@@ -114,6 +114,10 @@ pub struct LoraConfig {
     /// PEFT's `ensure_weight_tying`: a head tied to the embedding shares the embedding's
     /// adapter. Not supported where it would take effect (refused when attaching).
     pub ensure_weight_tying: bool,
+    /// PEFT's trainable tokens (`trainable_token_indices`): these rows of the token embedding
+    /// are replaced by the adapter's `trainable_tokens_delta` (a head tied to the embedding uses
+    /// the same rows). Empty when unused.
+    pub trainable_token_indices: Vec<u32>,
 }
 
 impl LoraConfig {
@@ -134,6 +138,7 @@ impl LoraConfig {
             base_model_name_or_path: None,
             modules_to_save: Vec::new(),
             ensure_weight_tying: false,
+            trainable_token_indices: Vec::new(),
         }
     }
 
@@ -186,9 +191,23 @@ impl LoraConfig {
         if raw.layer_replication.as_ref().is_some_and(non_empty) {
             return Err("layer_replication is set: not supported".into());
         }
-        if raw.trainable_token_indices.as_ref().is_some_and(non_empty) {
-            return Err("trainable_token_indices is set: not supported".into());
-        }
+        let trainable_token_indices = match raw.trainable_token_indices.as_ref() {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Object(map)) => {
+                let mut indices = Vec::new();
+                for (module, ids) in map {
+                    if module != "embed_tokens" && !module.ends_with(".embed_tokens") {
+                        return Err(format!(
+                            "trainable_token_indices names '{module}': only the token embedding \
+                             ('embed_tokens') is supported"
+                        ));
+                    }
+                    indices.extend(token_indices(ids)?);
+                }
+                indices
+            }
+            Some(ids) => token_indices(ids)?,
+        };
         let r = raw.r.unwrap_or(8);
         if r == 0 {
             return Err("r must be a positive integer, got 0".into());
@@ -269,6 +288,7 @@ impl LoraConfig {
             base_model_name_or_path: raw.base_model_name_or_path,
             modules_to_save,
             ensure_weight_tying: raw.ensure_weight_tying.unwrap_or(false),
+            trainable_token_indices,
         };
         config.check_patterns()?;
         Ok(config)
@@ -395,7 +415,7 @@ impl LoraConfig {
             "target_modules": self.target_modules.to_json(),
             "target_parameters": null,
             "task_type": "CAUSAL_LM",
-            "trainable_token_indices": null,
+            "trainable_token_indices": if self.trainable_token_indices.is_empty() { Value::Null } else { json!(self.trainable_token_indices) },
             "use_bdlora": null,
             "use_dora": self.use_dora,
             "use_qalora": false,
@@ -412,6 +432,17 @@ fn number(v: f64) -> Value {
     } else {
         json!(v)
     }
+}
+
+/// The token ids of a `trainable_token_indices` list.
+fn token_indices(ids: &Value) -> Result<Vec<u32>, String> {
+    ids.as_array()
+        .and_then(|a| {
+            a.iter()
+                .map(|v| v.as_u64().and_then(|i| u32::try_from(i).ok()))
+                .collect::<Option<Vec<u32>>>()
+        })
+        .ok_or_else(|| format!("trainable_token_indices must list token ids, got {ids}"))
 }
 
 fn non_empty(v: &Value) -> bool {
@@ -600,9 +631,82 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, Mode
     let saved = saved_module_tensors(&mut tensors, &config.modules_to_save);
     let source = file.display().to_string();
     load_base_layers(model, &mut tensors, &source)?;
+    load_trainable_tokens(model, &config, &mut tensors, &source)?;
     attach_adapter(model, &config, tensors, &source)?;
     replace_saved_modules(model, saved, &source)?;
     Ok(config)
+}
+
+/// The file name of PEFT's trainable-token rows (`TrainableTokensLayer.trainable_tokens_delta`).
+fn trainable_tokens_key() -> String {
+    format!("{PEFT_PREFIX}{EMBED_MODULE}.token_adapter.trainable_tokens_delta")
+}
+
+/// Puts PEFT's trainable tokens in place (taking their tensor out of `tensors`): the rows
+/// `trainable_token_indices` of the embedding become the saved values, which is what PEFT's
+/// `TrainableTokensLayer` runs (the values replace the rows; they are not added) and what its
+/// merge writes. A head tied to the embedding follows, as PEFT ties its layer to the embedding's.
+fn load_trainable_tokens(
+    model: &mut CausalLm,
+    config: &LoraConfig,
+    tensors: &mut HashMap<String, Tensor>,
+    source: &str,
+) -> Result<(), ModelError> {
+    let key = trainable_tokens_key();
+    let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
+    let indices = &config.trainable_token_indices;
+    let Some(values) = tensors.remove(&key) else {
+        if indices.is_empty() {
+            return Ok(());
+        }
+        return Err(err(format!(
+            "trainable_token_indices is set but '{key}' is missing"
+        )));
+    };
+    if indices.is_empty() {
+        return Err(err(format!(
+            "'{key}' is present but trainable_token_indices is not set"
+        )));
+    }
+    if config.resolve(EMBED_MODULE).is_some() {
+        return Err(err(
+            "trainable_token_indices and an adapter on embed_tokens together are not supported"
+                .into(),
+        ));
+    }
+    let (vocab, hidden) = model.embed_tokens.dims2()?;
+    if values.dims() != [indices.len(), hidden] {
+        return Err(err(format!(
+            "'{key}' has shape {:?}, expected [{}, {hidden}] (one row per trainable token)",
+            values.dims(),
+            indices.len()
+        )));
+    }
+    // Each row's source in `values`, and whether it is replaced.
+    let mut source_row = vec![0u32; vocab];
+    let mut replaced = vec![0u8; vocab];
+    for (k, &id) in indices.iter().enumerate() {
+        let row = id as usize;
+        if row >= vocab {
+            return Err(err(format!(
+                "trainable token {id} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if replaced[row] != 0 {
+            return Err(err(format!("trainable_token_indices lists {id} twice")));
+        }
+        source_row[row] = k as u32;
+        replaced[row] = 1;
+    }
+    let device = model.embed_tokens.device().clone();
+    let values = values
+        .to_dtype(model.embed_tokens.dtype())?
+        .to_device(&device)?;
+    let spread = values.index_select(&Tensor::new(source_row, &device)?, 0)?;
+    let mask = Tensor::from_vec(replaced, (vocab, 1), &device)?.broadcast_as((vocab, hidden))?;
+    model.embed_tokens = mask.where_cond(&spread, &model.embed_tokens)?;
+    model.retie_head();
+    Ok(())
 }
 
 /// The modules whose base weights PEFT saves beside their adapters: the token embedding and the
@@ -1188,7 +1292,13 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
     std::fs::create_dir_all(dir)
         .map_err(|e| ModelError::file(dir, format!("cannot create folder: {e}")))?;
     let mut tensors = adapter_tensors(model);
-    if saves_embedding_layers(model, config) {
+    if !config.trainable_token_indices.is_empty() {
+        // The trainable tokens were put into the embedding when loaded: their rows are there.
+        let ids = Tensor::new(config.trainable_token_indices.as_slice(), model.device())?;
+        let rows = model.embed_tokens.index_select(&ids, 0)?;
+        tensors.insert(trainable_tokens_key(), rows);
+    }
+    if saves_embedding_layers(model, config) && config.trainable_token_indices.is_empty() {
         // As PEFT saves by default: the base weights of the adapted embedding and head.
         if model.embed_adapter.is_some() {
             let key = format!("{PEFT_PREFIX}{EMBED_MODULE}.base_layer.weight");

@@ -798,3 +798,71 @@ fn a_tied_head_with_an_adapter_merges_untied() {
         "merged logits differ from the adapter's by {err}"
     );
 }
+
+/// PEFT's trainable tokens (`trainable_token_indices`, a list or `{"embed_tokens": [...]}`):
+/// the rows are replaced by the saved values (the pad token's among them; a tied head uses the
+/// same rows), giving PEFT's logits and its merged weights, and saved back under PEFT's name.
+#[test]
+fn trainable_tokens_match_peft() {
+    for name in ["tokens_llama3", "tokens_qwen2_tied"] {
+        let case = Case::embedding(name);
+        let (model, config) = case.model_with_adapter();
+        assert_eq!(config.trainable_token_indices.len(), 3, "{name}");
+        let (ids, _) = case.inputs();
+        let (b, t) = ids.dims2().unwrap();
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap();
+        let golden = tensors(&case.dir.join("golden.safetensors"));
+        let err = max_abs_diff(&logits, &golden["lora_logits"]);
+        assert!(err <= 1e-4, "{name}: logits max abs error {err}");
+
+        let merged = merged_tensors(&model).unwrap();
+        let want = tensors(&case.dir.join("merged.safetensors"));
+        assert_eq!(merged.len(), want.len(), "{name}");
+        for (key, w) in &want {
+            let err = max_abs_diff(&merged[key], w);
+            assert!(err <= 1e-5, "{name}: merged '{key}' max abs error {err}");
+        }
+
+        let dir = temp_dir(&format!("tokens-{name}"));
+        save_adapter(&model, &config, &dir).unwrap();
+        let saved = tensors(&dir.join(ADAPTER_WEIGHTS_FILE));
+        let orig = tensors(&case.dir.join("adapter").join(ADAPTER_WEIGHTS_FILE));
+        assert_eq!(saved.len(), orig.len(), "{name}");
+        for (k, t) in &orig {
+            assert_eq!(max_abs_diff(&saved[k], t), 0.0, "{name}: {k}");
+        }
+        let json = read_json(&dir.join(ADAPTER_CONFIG_FILE));
+        assert_eq!(json["trainable_token_indices"].as_array().unwrap().len(), 3);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A trainable-tokens adapter whose rows do not fit is an error naming the tensor.
+#[test]
+fn trainable_tokens_errors_are_named() {
+    let case = Case::embedding("tokens_llama3");
+    let src = case.dir.join("adapter");
+    let key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta";
+    let mut json = read_json(&src.join(ADAPTER_CONFIG_FILE));
+    json["trainable_token_indices"] = serde_json::json!([3, 17]);
+    let dir = temp_dir("tokens-shape");
+    std::fs::copy(
+        src.join(ADAPTER_WEIGHTS_FILE),
+        dir.join(ADAPTER_WEIGHTS_FILE),
+    )
+    .unwrap();
+    std::fs::write(dir.join(ADAPTER_CONFIG_FILE), json.to_string()).unwrap();
+    let mut model = load_model_at(&case.base);
+    let err = load_adapter(&mut model, &dir).unwrap_err().to_string();
+    assert!(err.contains(key) && err.contains("[2, 64]"), "{err}");
+    json["trainable_token_indices"] = serde_json::json!({"lm_head": [3, 17, 300]});
+    std::fs::write(dir.join(ADAPTER_CONFIG_FILE), json.to_string()).unwrap();
+    let err = load_adapter(&mut model, &dir).unwrap_err().to_string();
+    assert!(
+        err.contains("lm_head") && err.contains("embed_tokens"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

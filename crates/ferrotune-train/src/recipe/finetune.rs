@@ -988,23 +988,30 @@ pub(crate) fn setup_adapters(
             path.clone()
         };
         // torchtune's own adapter_model.pt may have no adapter_config.json beside it (Phi-3).
-        let saved = if dir.join(peft::ADAPTER_CONFIG_FILE).is_file() {
-            peft::LoraConfig::read(&dir)
-                .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?
-                .modules_to_save
-        } else {
-            Vec::new()
-        };
-        if !saved.is_empty() {
-            // torchtune trains adapters only; continuing PEFT's fully trained modules would need
-            // them as trainable parameters beside the adapters.
-            bail!(
-                "{}: checkpointer.adapter_checkpoint {} has modules_to_save {saved:?}: training \
-                 them further is not supported; `ferrotune merge` it into the base and train \
-                 the merged model",
-                cfg.origin,
-                dir.display()
-            );
+        if dir.join(peft::ADAPTER_CONFIG_FILE).is_file() {
+            let saved = peft::LoraConfig::read(&dir)
+                .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?;
+            // torchtune trains adapters only; continuing PEFT's fully trained modules (or
+            // trainable token rows) would need them as trainable parameters beside the adapters.
+            let what = if !saved.modules_to_save.is_empty() {
+                Some(format!("modules_to_save {:?}", saved.modules_to_save))
+            } else if !saved.trainable_token_indices.is_empty() {
+                Some(format!(
+                    "trainable_token_indices {:?}",
+                    saved.trainable_token_indices
+                ))
+            } else {
+                None
+            };
+            if let Some(what) = what {
+                bail!(
+                    "{}: checkpointer.adapter_checkpoint {} has {what}: training them further \
+                     is not supported; `ferrotune merge` it into the base and train the merged \
+                     model",
+                    cfg.origin,
+                    dir.display()
+                );
+            }
         }
         let mut lc = peft::load_adapter_from(model, &path, cfg.f64("model.lora_alpha")?)
             .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?;
