@@ -47,6 +47,13 @@ CASES = {
     # ... and the head, tied to the embedding, adapted too.
     "gemma": ("models/gemma/model", dict(r=2, lora_alpha=8, target_modules=["embed_tokens", "k_proj", "lm_head"])),
     "gemma3_dora": ("models/gemma3/model", dict(r=2, lora_alpha=8, use_dora=True, target_modules=["embed_tokens", "up_proj"])),
+    # ensure_weight_tying: the tied head shares the embedding's adapter (its lora_A is the
+    # embedding's lora_embedding_B transposed, its lora_B lora_embedding_A transposed). PEFT's own
+    # merge then adds the delta twice to the shared weight.
+    "qwen2_tied_ensure": (
+        "qwen2/model",
+        dict(r=2, lora_alpha=4, target_modules=["embed_tokens", "o_proj"], ensure_weight_tying=True),
+    ),
     # PEFT's trainable tokens: the listed rows of the embedding replaced by trained values
     # (`trainable_tokens_delta`), the pad token among them; a tied head uses the same rows.
     "tokens_llama3": ("llama3/model", dict(r=2, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 17, 300])),

@@ -573,6 +573,9 @@ struct Targets {
     linears: Vec<(String, usize, f64)>,
     /// Rank and scaling of the token embedding's adapter, when it is targeted.
     embed: Option<(usize, f64)>,
+    /// `ensure_weight_tying` on a head tied to an adapted embedding: the head's adapter is the
+    /// embedding's, transposed (PEFT's `tied_adapter`), not one of its own.
+    head_shares_embed: bool,
 }
 
 /// The modules `config` adapts in `model`; an error when there are none.
@@ -590,16 +593,57 @@ fn targeted_modules(model: &CausalLm, config: &LoraConfig) -> Result<Targets, St
             config.target_modules.to_json()
         ));
     }
-    if embed.is_some() && config.ensure_weight_tying && model.config.tie_word_embeddings {
-        return Err(
-            "ensure_weight_tying is true with an adapter on the embedding of a model \
-                    whose output head is tied to it: a head sharing the embedding's adapter is \
-                    not supported (set ensure_weight_tying to false: the head then keeps the \
-                    base weights, as PEFT runs it by default)"
-                .into(),
-        );
+    let head_shares_embed = embed.is_some()
+        && config.ensure_weight_tying
+        && model.config.tie_word_embeddings
+        && model.head_name() == "lm_head";
+    if head_shares_embed && config.use_dora {
+        return Err("ensure_weight_tying with DoRA on a tied embedding is not supported".into());
     }
-    Ok(Targets { linears, embed })
+    let mut linears = linears;
+    if head_shares_embed {
+        // PEFT takes the head out of the targets and ties it to the embedding's adapter.
+        linears.retain(|(name, _, _)| name != "lm_head");
+    }
+    Ok(Targets {
+        linears,
+        embed,
+        head_shares_embed,
+    })
+}
+
+/// Why an adapter whose head shares the embedding's is not trained.
+const SHARED_HEAD_TRAINING: &str = "training an adapter with ensure_weight_tying on a tied \
+     embedding is not supported (PEFT trains the shared tensors as two parameters): merge it \
+     first, or set ensure_weight_tying to false";
+
+/// The adapter of a head that shares the embedding's (`ensure_weight_tying`): PEFT's
+/// `tied_adapter`, `lora_A = lora_embedding_B.T`, `lora_B = lora_embedding_A.T`, so that the
+/// head's delta is the embedding's transposed and the two stay tied when merged.
+fn shared_head_adapter(embed: &LoraAdapter) -> candle_core::Result<LoraAdapter> {
+    Ok(LoraAdapter::new(embed.b.t()?, embed.a.t()?, embed.scale))
+}
+
+/// Whether `model`'s head is tied to the embedding and its adapter is the embedding's
+/// (`ensure_weight_tying`), so that merging the embedding merges the head.
+fn head_shares_embedding_adapter(model: &CausalLm) -> bool {
+    let (Some(embed), Some(head)) = (&model.embed_adapter, &model.lm_head.adapter) else {
+        return false;
+    };
+    let same = |x: &Tensor, y: candle_core::Result<Tensor>| {
+        y.and_then(|y| {
+            if x.dims() != y.dims() {
+                return Ok(false);
+            }
+            let d = (x - y.to_dtype(x.dtype())?)?.abs()?.max_all()?;
+            Ok(d.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? == 0.0)
+        })
+        .unwrap_or(false)
+    };
+    model.config.tie_word_embeddings
+        && head.dora_magnitude.is_none()
+        && same(&head.a, embed.b.t())
+        && same(&head.b, embed.a.t())
 }
 
 /// Unties an output head tied to the embedding: the head keeps the embedding's current tensor
@@ -1138,6 +1182,34 @@ pub fn attach_adapter(
         }
         adapters.insert(module.clone(), adapter);
     }
+    if targets.head_shares_embed {
+        let embed = &adapters[EMBED_MODULE];
+        let head = shared_head_adapter(embed)?;
+        // PEFT's file holds the head's tensors too: the embedding's, transposed.
+        let (ka, kb, _) = file_keys("lm_head");
+        for (key, want) in [(ka, &head.a), (kb, &head.b)] {
+            let Some(t) = tensors.remove(&key) else {
+                continue;
+            };
+            let t = t.to_dtype(want.dtype())?.to_device(want.device())?;
+            let d = if t.dims() == want.dims() {
+                (t - want)?
+                    .abs()?
+                    .max_all()?
+                    .to_dtype(candle_core::DType::F32)?
+                    .to_scalar::<f32>()?
+            } else {
+                f32::INFINITY
+            };
+            if d != 0.0 {
+                return Err(ModelError::Msg(format!(
+                    "{source}: '{key}' is not the embedding's adapter transposed, which \
+                     ensure_weight_tying ties the head to"
+                )));
+            }
+        }
+        adapters.insert("lm_head".to_string(), head);
+    }
     if !tensors.is_empty() {
         let mut extra: Vec<&String> = tensors.keys().collect();
         extra.sort();
@@ -1153,7 +1225,9 @@ pub fn attach_adapter(
         linear.adapter = adapters.remove(&name);
     }
     model.embed_adapter = adapters.remove(EMBED_MODULE);
-    untie_adapted_head(model);
+    if !targets.head_shares_embed {
+        untie_adapted_head(model);
+    }
     Ok(())
 }
 
@@ -1175,6 +1249,9 @@ pub fn add_adapter(
     seed: u64,
 ) -> Result<usize, ModelError> {
     let targets = targeted_modules(model, config).map_err(ModelError::Msg)?;
+    if targets.head_shares_embed {
+        return Err(ModelError::Msg(SHARED_HEAD_TRAINING.into()));
+    }
     let mut rng = SplitMix64::new(seed);
     let mut count = 0;
     let embed_adapter = targets
@@ -1207,6 +1284,9 @@ pub fn add_adapter(
 /// names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, DoRA's
 /// `...lora_magnitude_vector.weight`), the names of PEFT's `named_parameters()` and gradients.
 pub fn trainable_parameters(model: &mut CausalLm) -> Result<Vec<(String, Var)>, ModelError> {
+    if head_shares_embedding_adapter(model) {
+        return Err(ModelError::Msg(SHARED_HEAD_TRAINING.into()));
+    }
     let mut out = Vec::new();
     if let Some(adapter) = &mut model.embed_adapter {
         for (suffix, var) in adapter.make_trainable()? {
@@ -1277,7 +1357,12 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
         .iter()
         .map(|(name, l)| (name.clone(), l.adapter.as_ref()))
         .chain([embed]);
+    let shared_head = head_shares_embedding_adapter(model);
     for (name, adapter) in modules {
+        if shared_head && name == "lm_head" {
+            // The embedding's adapter, saved under the head's names too, as PEFT does.
+            continue;
+        }
         let want = config.resolve(&name).map(|(r, _)| r);
         let have = adapter.map(LoraAdapter::rank);
         let dora = adapter.map(|a| a.dora_magnitude.is_some());
@@ -1347,9 +1432,11 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
         }
     }
     let tied = model.config.tie_word_embeddings;
+    let shared_head = head_shares_embedding_adapter(model);
     for (name, linear) in model.linears() {
         if name == "lm_head" && tied {
-            if linear.adapter.is_some() {
+            // A head sharing the embedding's adapter is merged with the embedding.
+            if linear.adapter.is_some() && !shared_head {
                 return Err(ModelError::Msg(
                     "cannot merge an lm_head adapter into tied embeddings: the merged weight \
                      would also replace the input embeddings"
@@ -1378,9 +1465,15 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
 /// `merge_and_unload`). Packed (GGUF) copies of merged weights are dropped: they no longer hold
 /// the layer's values.
 pub fn merge_and_unload(model: &mut CausalLm) -> Result<(), ModelError> {
+    if head_shares_embedding_adapter(model) {
+        // The head follows the merged embedding it is tied to.
+        model.lm_head.adapter = None;
+    }
     if let Some(adapter) = model.embed_adapter.take() {
-        // A tied head was untied when the adapter was attached: it keeps the base weights.
+        // A head with its own weights keeps the base weights (it was untied when the adapter
+        // was attached); a tied one follows the merged embedding.
         model.embed_tokens = adapter.merged_embedding(&model.embed_tokens)?.detach();
+        model.retie_head();
     }
     let tied = model.config.tie_word_embeddings;
     for (name, linear) in model.linears_mut() {

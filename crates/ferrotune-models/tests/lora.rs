@@ -706,24 +706,47 @@ fn fresh_embedding_adapters_start_as_the_base_model() {
     }
 }
 
-/// `ensure_weight_tying` on a tied model with an embedding adapter (the head would share the
-/// embedding's adapter) is refused by name rather than run differently.
+/// `ensure_weight_tying` on a tied model: the head's adapter is the embedding's, transposed
+/// (PEFT's tied adapter), giving PEFT's logits; merging keeps the two tied and the adapter's
+/// outputs (PEFT's own merge adds the delta twice); the adapter saves back as PEFT wrote it;
+/// training it further is refused by name.
 #[test]
-fn ensure_weight_tying_on_a_tied_embedding_is_refused() {
-    let case = Case::embedding("qwen2_tied");
+fn ensure_weight_tying_shares_the_embedding_adapter_with_the_head() {
+    let case = Case::embedding("qwen2_tied_ensure");
+    let (mut model, config) = case.model_with_adapter();
+    assert!(config.ensure_weight_tying);
+    assert!(model.config.tie_word_embeddings);
+    assert!(model.lm_head.adapter.is_some());
+    let (ids, _) = case.inputs();
+    let (b, t) = ids.dims2().unwrap();
+    let layout = AttentionLayout::causal(b, t, 0);
+    let golden = tensors(&case.dir.join("golden.safetensors"));
+    let logits = model.forward(&ids, &layout, None).unwrap();
+    let err = max_abs_diff(&logits, &golden["lora_logits"]);
+    assert!(err <= 1e-4, "logits max abs error {err}");
+
     let dir = temp_dir("ensure-tying");
-    std::fs::copy(
-        case.dir.join("adapter").join(ADAPTER_WEIGHTS_FILE),
-        dir.join(ADAPTER_WEIGHTS_FILE),
-    )
-    .unwrap();
-    let mut json = read_json(&case.dir.join("adapter").join(ADAPTER_CONFIG_FILE));
-    json["ensure_weight_tying"] = Value::Bool(true);
-    std::fs::write(dir.join(ADAPTER_CONFIG_FILE), json.to_string()).unwrap();
-    let mut model = load_model_at(&case.base);
-    let err = load_adapter(&mut model, &dir).unwrap_err().to_string();
-    assert!(err.contains("ensure_weight_tying"), "{err}");
+    save_adapter(&model, &config, &dir).unwrap();
+    let saved = tensors(&dir.join(ADAPTER_WEIGHTS_FILE));
+    let orig = tensors(&case.dir.join("adapter").join(ADAPTER_WEIGHTS_FILE));
+    assert_eq!(saved.len(), orig.len());
+    for (k, t) in &orig {
+        assert_eq!(max_abs_diff(&saved[k], t), 0.0, "{k}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
+
+    let err = trainable_parameters(&mut model.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ensure_weight_tying"), "{err}");
+
+    let merged = merged_tensors(&model).unwrap();
+    assert!(!merged.contains_key("lm_head.weight"));
+    merge_and_unload(&mut model).unwrap();
+    assert!(model.config.tie_word_embeddings && model.lm_head.adapter.is_none());
+    let logits = model.forward(&ids, &layout, None).unwrap();
+    let err = max_abs_diff(&logits, &golden["lora_logits"]);
+    assert!(err <= 1e-4, "merged logits max abs error {err}");
 }
 
 /// The base weights PEFT saves beside adapters on the embedding and head
