@@ -7,8 +7,9 @@ with transformers + PEFT running the PEFT adapter on the original checkpoint.
   python scripts/check_gguf_adapter.py target/release/ferrotune
 
 Cases: the Llama 3 fixture's adapter (q/k rows in llama.cpp's order, GQA), its rsLoRA adapter
-with rank and alpha patterns (scales folded into B), the Qwen2 fixture's adapter, and a PEFT
-adapter made here on the Phi-3 fixture (fused qkv_proj / gate_up_proj).
+with rank and alpha patterns (scales folded into B), the Qwen2 fixture's adapter, an adapter on
+Llama 3's token embedding and head (PEFT's lora_embedding_A/B), and a PEFT adapter made here on
+the Phi-3 fixture (fused qkv_proj / gate_up_proj).
 
 Needs: torch, transformers, peft, safetensors, llama-cpp-python."""
 
@@ -71,6 +72,10 @@ def main():
         ("llama3 rslora+patterns", FIX / "llama3" / "model",
          FIX / "lora_variants" / "rslora_patterns" / "adapter", FIX / "llama3" / "golden.json"),
         ("qwen2", FIX / "qwen2" / "model", FIX / "qwen2" / "adapter", FIX / "qwen2" / "golden.json"),
+        # The token embedding and the head adapted too (lora_embedding_A/B; PEFT's default save
+        # with the base weights beside the adapter).
+        ("llama3 embed+head", FIX / "llama3" / "model", FIX / "embedding_lora" / "llama3" / "adapter",
+         FIX / "embedding_lora" / "llama3" / "golden.json"),
     ]
     base, adapter = phi3_adapter(tmp / "phi3_adapter")
     cases.append(("phi3 (fused)", base, adapter, FIX / "models" / "phi3" / "golden.json"))

@@ -1067,6 +1067,13 @@ pub fn export_gguf_adapter(
             adapter_dir.display()
         );
     }
+    if !lc.trainable_token_indices.is_empty() {
+        bail!(
+            "{}: the adapter replaces embedding rows (trainable_token_indices), which a llama.cpp \
+             adapter cannot hold: {merge_instead}",
+            adapter_dir.display()
+        );
+    }
     if !lc.modules_to_save.is_empty() {
         bail!(
             "{}: the adapter trains whole modules too (modules_to_save {:?}), which a llama.cpp \
@@ -1110,12 +1117,10 @@ pub fn export_gguf_adapter(
             (m, true)
         } else if let Some(m) = stem.strip_suffix(".lora_B.weight") {
             (m, false)
-        } else if stem.contains(".lora_embedding_") {
-            bail!(
-                "{}: the adapter changes the token embedding ('{key}'); llama.cpp adapter \
-                 files are written here for linear layers only: {merge_instead}",
-                file.display()
-            );
+        } else if let Some(m) = stem.strip_suffix(".lora_embedding_A") {
+            (m, true)
+        } else if let Some(m) = stem.strip_suffix(".lora_embedding_B") {
+            (m, false)
         } else {
             bail!(
                 "{}: tensor '{key}' is not a LoRA A or B matrix; llama.cpp adapters hold only \
@@ -1183,6 +1188,16 @@ pub fn export_gguf_adapter(
                 file.display()
             );
         }
+        // PEFT's embedding adapter: A `[r, vocab]`, B `[hidden, r]`, the embedding seen as a
+        // linear map from the vocabulary.
+        let embedding = module == ferrotune_models::peft::EMBED_MODULE;
+        if embedding && config.tie_word_embeddings {
+            bail!(
+                "{}: the adapter changes the token embedding, which the base ties to the output \
+                 head (llama.cpp would adapt the head with it; PEFT does not): {merge_instead}",
+                file.display()
+            );
+        }
         let Some(gguf) = gguf_name(&hf, config.sandwich_norms) else {
             bail!(
                 "{}: llama.cpp's '{arch}' has no matrix for adapted module '{module}'",
@@ -1228,10 +1243,17 @@ pub fn export_gguf_adapter(
                 .flat_map(|&i| b_values[i * r..(i + 1) * r].iter().copied())
                 .collect();
         }
+        // llama.cpp looks the embedding's lora_a up by token (rows of `[vocab, r]`: A
+        // transposed); a linear layer's lora_a is A as it is.
+        let (a, a_dims) = if embedding {
+            (a.t()?.contiguous()?, vec![r as u64, inp as u64])
+        } else {
+            (a, vec![inp as u64, r as u64])
+        };
         let a_values = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         plan.push(Planned {
             name: format!("{gguf}.lora_a"),
-            dims: vec![inp as u64, r as u64],
+            dims: a_dims,
             ty,
             source: Source::Values(a_values),
         });

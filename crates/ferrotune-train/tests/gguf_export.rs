@@ -511,6 +511,12 @@ fn lora_adapter_gguf_applies_as_peft_merges() {
             "rslora_patterns",
             common::workspace_fixture("lora_variants/rslora_patterns/adapter"),
         ),
+        // The token embedding and the head adapted too (PEFT's default save, with their base
+        // weights beside the adapter).
+        (
+            "embedding",
+            common::workspace_fixture("embedding_lora/llama3/adapter"),
+        ),
     ] {
         let dir = out_dir(&format!("adapter-{case}"));
         let adapter_gguf = dir.join("adapter.gguf");
@@ -549,6 +555,15 @@ fn lora_adapter_gguf_applies_as_peft_merges() {
                 lora.get(&format!("{name}.lora_a")),
                 lora.get(&format!("{name}.lora_b")),
             ) {
+                (Some(a), Some(b)) if name == "token_embd.weight" => {
+                    // llama.cpp looks the embedding's lora_a `[vocab, r]` up by token and
+                    // multiplies by lora_b `[hidden, r]`.
+                    adapted += 1;
+                    let r = a.dim(1).unwrap();
+                    assert_eq!(b.dim(1).unwrap(), r, "{case} {name}");
+                    let delta = (a.matmul(&b.t().unwrap()).unwrap() * (alpha / r as f64)).unwrap();
+                    (w + delta).unwrap()
+                }
                 (Some(a), Some(b)) => {
                     adapted += 1;
                     let r = a.dim(0).unwrap();
