@@ -27,7 +27,8 @@ counts) to find the combinations nobody wrote down.
   into one row of 128 (`packed: true`): the first step's loss is the same (1e-5), and so is the model after one SGD step
   (relative 1e-4 of how far it moved) — block-causal masks, restarted positions, windows,
   softcaps and partial rotary included.
-- gguf-lora: a PEFT adapter on all linear layers (rsLoRA at times), exported with `export-gguf
+- gguf-lora: a PEFT adapter on all linear layers (rsLoRA at times, the token embedding half the
+  time), exported with `export-gguf
   ADAPTER --base MODEL`, run by llama.cpp on the base's f32 GGUF, against transformers + PEFT.
 
 Needs torch, transformers, peft, safetensors (and llama-cpp-python for gguf); `--binary`
@@ -206,6 +207,12 @@ def check_forward(rng, binary, mt, folder):
     return cfgd, rel < 1e-5 and tokens == greedy, f"loss rel {rel:.1e}, greedy {'same' if tokens == greedy else 'DIFFERENT'}"
 
 
+def linear_targets(model):
+    """PEFT's "all-linear" as a list: every linear layer's name but the head's."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")})
+
+
 def check_lora(rng, binary, mt, folder):
     import peft.tuners.lora.torchao as peft_torchao
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -215,9 +222,7 @@ def check_lora(rng, binary, mt, folder):
     dora, rslora, embed, head = (rng.random() < 0.3, rng.random() < 0.3, rng.random() < 0.5,
                                  rng.random() < 0.3)
     base = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
-    # PEFT's "all-linear" (every linear layer but the head), and at times the token embedding.
-    targets = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules()
-                      if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")})
+    targets = linear_targets(base)
     if embed:
         targets.append("embed_tokens")
     if head:
@@ -297,7 +302,8 @@ def llama_cpp_agrees(folder, mt, gguf, ids, want, lora=""):
     r = subprocess.run([sys.executable, "-c", LLAMA_CPP, scripts, gguf, lora, json.dumps(ids), npy],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        return False, f"llama.cpp failed (exit {r.returncode})"
+        last = " | ".join(l for l in r.stderr.strip().splitlines() if "error" in l.lower() or "failed" in l.lower())[-400:]
+        return False, f"llama.cpp failed (exit {r.returncode}): {last}"
     got = np.load(npy)
     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     tol = 1e-3 if mt in ("gemma", "gemma2", "gemma3_text", "phi") else 1e-5
@@ -327,13 +333,15 @@ def check_gguf_lora(rng, binary, mt, folder):
 
     peft_torchao.is_torchao_available = lambda: False
     cfgd, mdir = make_model(rng, mt, folder)
-    rslora = rng.random() < 0.3
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32),
-                           LoraConfig(r=rng.choice([2, 4]), lora_alpha=8,
-                                      target_modules="all-linear", use_rslora=rslora))
+    rslora, embed = rng.random() < 0.3, rng.random() < 0.5
+    base = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
+    # At times the token embedding too (refused on a tied base, which counts as agreeing).
+    targets = linear_targets(base) + (["embed_tokens"] if embed else [])
+    model = get_peft_model(base, LoraConfig(r=rng.choice([2, 4]), lora_alpha=8,
+                                            target_modules=targets, use_rslora=rslora))
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "lora_B" in n:
+            if "lora_B" in n or "lora_embedding_A" in n:
                 p.copy_(torch.randn_like(p) * 0.1)
     adir = os.path.join(folder, "adapter")
     model.save_pretrained(adir)

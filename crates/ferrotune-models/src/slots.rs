@@ -136,9 +136,19 @@ impl CausalLm {
             .collect()
     }
 
-    /// Points a tied output head at the (possibly replaced) embedding tensor again.
+    /// Points a tied output head at the (possibly replaced) embedding tensor again. A packed
+    /// (GGUF block) copy of the head is dropped when the embedding was replaced: it holds the
+    /// old values.
     pub fn retie_head(&mut self) {
         if self.config.tie_word_embeddings {
+            let same = self
+                .lm_head
+                .weight
+                .as_dense()
+                .is_some_and(|w| w.id() == self.embed_tokens.id());
+            if !same {
+                self.lm_head.packed = None;
+            }
             self.lm_head.weight = crate::model::BaseWeight::Dense(self.embed_tokens.clone());
         }
     }

@@ -712,6 +712,20 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     }
 
     let listed = weights.list();
+    let q_rows = config.num_attention_heads * config.head_dim;
+    let q_bias = listed
+        .iter()
+        .any(|(_, name, _)| name.ends_with("self_attn.q_proj.bias"));
+    if arch == "llama" && q_bias && q_rows != config.hidden_size {
+        // llama.cpp 0.3.16 sizes the llama architecture's q bias by the hidden size and refuses
+        // the file otherwise.
+        bail!(
+            "llama.cpp's 'llama' expects attention biases of the hidden size ({}), and this \
+             checkpoint's q projection has {q_rows} outputs (heads × head_dim): llama.cpp \
+             cannot load it",
+            config.hidden_size
+        );
+    }
     let outtype = match outtype {
         // The first matrix's dtype decides, as llama.cpp's converter's `auto` does.
         OutType::Auto => {

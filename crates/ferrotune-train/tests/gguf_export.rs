@@ -173,6 +173,15 @@ fn unsupported_checkpoints_are_refused_with_the_reason() {
         .to_string();
     assert!(e.contains("ties the output head"), "{e}");
     assert!(!out.exists());
+    // llama.cpp's 'llama' sizes the q bias by the hidden size: heads × head_dim must be it.
+    let narrow = out.parent().unwrap().join("llama_bias_narrow");
+    edited_copy("llama_linear_bias", &narrow, |c| {
+        c["head_dim"] = Value::from(4)
+    });
+    let e = export_gguf(&narrow, &out, OutType::F16)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("attention biases of the hidden size"), "{e}");
     assert!(OutType::parse("q4_k")
         .unwrap_err()
         .to_string()
