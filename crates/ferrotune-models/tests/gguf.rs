@@ -1188,3 +1188,29 @@ fn quantized_stacked_experts_are_packed_per_expert() {
     let w3 = &tensors["model.layers.0.block_sparse_moe.experts.1.w3.weight"];
     assert!(max_abs_diff(w1, w3) > 0.01);
 }
+
+/// A tied head's packed (Q8_0 block) copy is dropped when the embedding is replaced and the head
+/// retied (trainable tokens, base weights saved beside an adapter): the head then computes with
+/// the new embedding, not the old blocks.
+#[test]
+fn a_retied_head_drops_its_stale_packed_copy() {
+    let (mut model, _) =
+        ferrotune_models::load_model(&real_gguf(), DType::F32, &Device::Cpu).unwrap();
+    assert!(model.config.tie_word_embeddings && model.lm_head.packed.is_some());
+    model.retie_head();
+    assert!(
+        model.lm_head.packed.is_some(),
+        "the same embedding keeps the copy"
+    );
+    model.embed_tokens = (&model.embed_tokens * 0.5).unwrap();
+    model.retie_head();
+    assert!(model.lm_head.packed.is_none());
+    let h = Tensor::randn(0f32, 1.0, (1, model.config.hidden_size), &Device::Cpu).unwrap();
+    let got = model.lm_head.forward(&h).unwrap();
+    let want = h.matmul(&model.embed_tokens.t().unwrap()).unwrap();
+    let err = max_abs_diff(&got, &want);
+    assert!(
+        err < 1e-4,
+        "head output differs from the new embedding's by {err}"
+    );
+}
