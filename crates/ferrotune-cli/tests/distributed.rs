@@ -125,8 +125,23 @@ impl Case {
     /// Runs `recipe` on one device with the global batch of 2 ranks × `batch_size: 2` into
     /// `dir/single`, and returns that folder and its losses (the reference every test compares to).
     fn single_device_reference(&self, recipe: &str) -> (PathBuf, Vec<(u64, f64, f64)>) {
+        self.single_device_reference_with(recipe, &[])
+    }
+
+    /// [`Case::single_device_reference`] with `extra` overrides.
+    fn single_device_reference_with(
+        &self,
+        recipe: &str,
+        extra: &[&str],
+    ) -> (PathBuf, Vec<(u64, f64, f64)>) {
         let single = self.dir.join("single");
-        let o = self.run(1, recipe, &single, &["batch_size=4"], &[]);
+        let o = self.run(
+            1,
+            recipe,
+            &single,
+            &[extra, &["batch_size=4"]].concat(),
+            &[],
+        );
         assert!(o.status.success(), "{}", text(&o));
         let want = losses(&single.join("logs/metrics.jsonl"));
         (single, want)
@@ -265,18 +280,18 @@ fn full_finetune_on_two_ranks_equals_one_device_in_every_sharding_mode() {
     }
 }
 
-/// LoRA on the fused-LoRA path, sharded and replicated, against one device.
-#[test]
-fn lora_finetune_on_two_ranks_equals_one_device() {
-    let case = Case::new("lora", "llama3");
-    let (single, want) = case.single_device_reference("lora_finetune_single_device");
-    for mode in ["full", "grad_op", "none"] {
+/// `lora_finetune_distributed` on 2 ranks in each FSDP sharding `mode`, with the `extra`
+/// overrides, logs the losses and saves the adapter and merged model of one device.
+fn assert_lora_on_two_ranks_equals_one_device(case: &Case, extra: &[&str], modes: &[&str]) {
+    let (single, want) = case.single_device_reference_with("lora_finetune_single_device", extra);
+    for mode in modes {
         let out = case.dir.join(format!("dist-{mode}"));
+        let sharding = format!("fsdp_sharding={mode}");
         let o = case.run(
             2,
             "lora_finetune_distributed",
             &out,
-            &[&format!("fsdp_sharding={mode}")],
+            &[extra, &[sharding.as_str()]].concat(),
             &[],
         );
         assert!(o.status.success(), "{mode}: {}", text(&o));
@@ -292,6 +307,13 @@ fn lora_finetune_on_two_ranks_equals_one_device() {
     }
 }
 
+/// LoRA on the fused-LoRA path, sharded and replicated, against one device.
+#[test]
+fn lora_finetune_on_two_ranks_equals_one_device() {
+    let case = Case::new("lora", "llama3");
+    assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "grad_op", "none"]);
+}
+
 /// Adapters on the token embedding and on the head of a model that ties them (Qwen2, untied
 /// by the adapters) train on 2 ranks as on one device, sharded or not.
 #[test]
@@ -301,37 +323,7 @@ fn embedding_and_head_adapters_on_two_ranks_equal_one_device() {
         "model.apply_lora_to_embeddings=true",
         "model.apply_lora_to_output=true",
     ];
-    let single = case.dir.join("single");
-    let o = case.run(
-        1,
-        "lora_finetune_single_device",
-        &single,
-        &[&extra[..], &["batch_size=4"]].concat(),
-        &[],
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    let want = losses(&single.join("logs/metrics.jsonl"));
-    for mode in ["full", "none"] {
-        let out = case.dir.join(format!("dist-{mode}"));
-        let sharding = format!("fsdp_sharding={mode}");
-        let o = case.run(
-            2,
-            "lora_finetune_distributed",
-            &out,
-            &[&extra[..], &[sharding.as_str()]].concat(),
-            &[],
-        );
-        assert!(o.status.success(), "{mode}: {}", text(&o));
-        assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, mode);
-        for f in ["adapter_model.safetensors", "merged/model.safetensors"] {
-            assert_same_tensors(
-                &out.join("epoch_1").join(f),
-                &single.join("epoch_1").join(f),
-                1e-4,
-                &format!("{mode}: {f}"),
-            );
-        }
-    }
+    assert_lora_on_two_ranks_equals_one_device(&case, &extra, &["full", "none"]);
 }
 
 /// QLoRA on 2 ranks (the NF4 base sharded with the rest, its bytes gathered around each layer)

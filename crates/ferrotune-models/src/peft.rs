@@ -19,6 +19,7 @@ use crate::error::ModelError;
 use crate::lora::{lora_scaling, LoraAdapter, SplitMix64};
 use crate::model::CausalLm;
 use crate::save::write_atomic;
+use crate::torchtune_adapter::same_values;
 
 use self::pattern::Pattern;
 
@@ -630,16 +631,7 @@ fn head_shares_embedding_adapter(model: &CausalLm) -> bool {
     let (Some(embed), Some(head)) = (&model.embed_adapter, &model.lm_head.adapter) else {
         return false;
     };
-    let same = |x: &Tensor, y: candle_core::Result<Tensor>| {
-        y.and_then(|y| {
-            if x.dims() != y.dims() {
-                return Ok(false);
-            }
-            let d = (x - y.to_dtype(x.dtype())?)?.abs()?.max_all()?;
-            Ok(d.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? == 0.0)
-        })
-        .unwrap_or(false)
-    };
+    let same = |x: &Tensor, y: candle_core::Result<Tensor>| y.is_ok_and(|y| same_values(x, &y));
     model.config.tie_word_embeddings
         && head.dora_magnitude.is_none()
         && same(&head.a, embed.b.t())
@@ -656,8 +648,21 @@ fn untie_head(model: &mut CausalLm) {
     }
     model.lm_head.weight = crate::model::BaseWeight::Dense(model.embed_tokens.clone());
     model.config.tie_word_embeddings = false;
+    set_raw_config(model, "tie_word_embeddings", false.into());
+}
+
+/// The vocabulary size of `model` after its embedding was replaced by one of `rows` rows.
+fn set_vocab_size(model: &mut CausalLm, rows: usize) {
+    if rows != model.config.vocab_size {
+        model.config.vocab_size = rows;
+        set_raw_config(model, "vocab_size", rows.into());
+    }
+}
+
+/// Sets `key` in the model's `config.json` as read, which a saved checkpoint writes back.
+fn set_raw_config(model: &mut CausalLm, key: &str, value: Value) {
     if let Some(raw) = model.config.raw.as_object_mut() {
-        raw.insert("tie_word_embeddings".into(), false.into());
+        raw.insert(key.into(), value);
     }
 }
 
@@ -833,12 +838,7 @@ fn load_base_layers(
                  {head_rows}"
             )));
         }
-        if rows != model.config.vocab_size {
-            model.config.vocab_size = rows;
-            if let Some(raw) = model.config.raw.as_object_mut() {
-                raw.insert("vocab_size".into(), rows.into());
-            }
-        }
+        set_vocab_size(model, rows);
     }
     Ok(())
 }
@@ -920,9 +920,7 @@ fn with_torchtune_file(
     dir: &Path,
     peft: Result<LoraConfig, ModelError>,
 ) -> Result<LoraConfig, ModelError> {
-    use crate::torchtune_adapter::{
-        read_torchtune_adapter, same_values, supports, TORCHTUNE_ADAPTER_FILE,
-    };
+    use crate::torchtune_adapter::{read_torchtune_adapter, supports, TORCHTUNE_ADAPTER_FILE};
     let file = dir.join(TORCHTUNE_ADAPTER_FILE);
     if !file.is_file() || !supports(&model.config) {
         return peft;
@@ -1082,12 +1080,7 @@ pub fn replace_saved_modules(
              modules_to_save when the vocabulary is resized"
         )));
     }
-    if rows != model.config.vocab_size {
-        model.config.vocab_size = rows;
-        if let Some(raw) = model.config.raw.as_object_mut() {
-            raw.insert("vocab_size".into(), rows.into());
-        }
-    }
+    set_vocab_size(model, rows);
     Ok(())
 }
 
@@ -1191,17 +1184,7 @@ pub fn attach_adapter(
             let Some(t) = tensors.remove(&key) else {
                 continue;
             };
-            let t = t.to_dtype(want.dtype())?.to_device(want.device())?;
-            let d = if t.dims() == want.dims() {
-                (t - want)?
-                    .abs()?
-                    .max_all()?
-                    .to_dtype(candle_core::DType::F32)?
-                    .to_scalar::<f32>()?
-            } else {
-                f32::INFINITY
-            };
-            if d != 0.0 {
+            if !same_values(want, &t) {
                 return Err(ModelError::Msg(format!(
                     "{source}: '{key}' is not the embedding's adapter transposed, which \
                      ensure_weight_tying ties the head to"
