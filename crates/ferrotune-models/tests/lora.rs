@@ -501,12 +501,8 @@ fn missing_unexpected_and_misshaped_tensors_are_named() {
 /// A/B(/magnitude), and save as a folder that loads back.
 #[test]
 fn fresh_adapters_start_as_the_base_model() {
-    let Golden {
-        json: g,
-        ids,
-        layout,
-        tensors: golden,
-    } = golden("llama3");
+    let batch = golden("llama3");
+    let (g, ids, layout, golden) = (&batch.json, &batch.ids, &batch.layout, &batch.tensors);
     let names: Vec<String> = [
         "q_proj",
         "k_proj",
@@ -683,12 +679,8 @@ fn embedding_adapters_save_and_load_back() {
 /// hidden unit's column) leaves the model as it was; its first gradient reaches A, not B.
 #[test]
 fn fresh_embedding_adapters_start_as_the_base_model() {
-    let Golden {
-        json: g,
-        ids,
-        layout,
-        tensors: golden,
-    } = golden("qwen2");
+    let batch = golden("qwen2");
+    let (g, ids, layout, golden) = (&batch.json, &batch.ids, &batch.layout, &batch.tensors);
     for use_dora in [false, true] {
         let mut config = LoraConfig::new(
             4,
