@@ -502,7 +502,7 @@ fn missing_unexpected_and_misshaped_tensors_are_named() {
 #[test]
 fn fresh_adapters_start_as_the_base_model() {
     let batch = golden("llama3");
-    let (g, ids, layout, golden) = (&batch.json, &batch.ids, &batch.layout, &batch.tensors);
+    let (g, ids, layout, golden) = (batch.json, batch.ids, batch.layout, batch.tensors);
     let names: Vec<String> = [
         "q_proj",
         "k_proj",
@@ -680,7 +680,7 @@ fn embedding_adapters_save_and_load_back() {
 #[test]
 fn fresh_embedding_adapters_start_as_the_base_model() {
     let batch = golden("qwen2");
-    let (g, ids, layout, golden) = (&batch.json, &batch.ids, &batch.layout, &batch.tensors);
+    let (g, ids, layout, golden) = (batch.json, batch.ids, batch.layout, batch.tensors);
     for use_dora in [false, true] {
         let mut config = LoraConfig::new(
             4,
