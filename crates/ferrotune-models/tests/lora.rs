@@ -110,6 +110,23 @@ impl Case {
         (rows_tensor::<u32>(&g["input_ids"]), g["labels"].clone())
     }
 
+    /// `model` gives the case's reference logits with the adapter (`lora_logits`) to 1e-4:
+    /// what the adapter runs, and what its merge must keep.
+    fn assert_adapter_logits(&self, model: &CausalLm, what: &str) {
+        let (ids, _) = self.inputs();
+        let (b, t) = ids.dims2().unwrap();
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap();
+        let golden = tensors(&self.dir.join("golden.safetensors"));
+        let err = max_abs_diff(&logits, &golden["lora_logits"]);
+        assert!(
+            err <= 1e-4,
+            "{} {what}: logits max abs error {err}",
+            self.dir.display()
+        );
+    }
+
     fn model_with_adapter(&self) -> (CausalLm, LoraConfig) {
         let mut model = load_model_at(&self.base);
         let config = load_adapter(&mut model, &self.dir.join("adapter"))
@@ -279,14 +296,7 @@ fn dora_merge_preserves_the_logits() {
     let case = Case::new("llama3", "llama3/variants/dora");
     let (mut model, _) = case.model_with_adapter();
     merge_and_unload(&mut model).unwrap();
-    let (ids, _) = case.inputs();
-    let (b, t) = ids.dims2().unwrap();
-    let logits = model
-        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
-        .unwrap();
-    let golden = tensors(&case.dir.join("golden.safetensors"));
-    let err = max_abs_diff(&logits, &golden["lora_logits"]);
-    assert!(err <= 1e-4, "DoRA merged logits max abs error {err}");
+    case.assert_adapter_logits(&model, "merged");
 }
 
 /// A family's golden batch: its golden.json (labels), the input ids, their causal layout and the
@@ -649,14 +659,7 @@ fn embedding_adapters_merge() {
         let mut model = model;
         merge_and_unload(&mut model).unwrap();
         assert!(model.embed_adapter.is_none());
-        let (ids, _) = case.inputs();
-        let (b, t) = ids.dims2().unwrap();
-        let logits = model
-            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
-            .unwrap();
-        let golden = tensors(&case.dir.join("golden.safetensors"));
-        let err = max_abs_diff(&logits, &golden["lora_logits"]);
-        assert!(err <= 1e-4, "{name}: merged logits max abs error {err}");
+        case.assert_adapter_logits(&model, "merged");
     }
 }
 
@@ -735,13 +738,7 @@ fn ensure_weight_tying_shares_the_embedding_adapter_with_the_head() {
     assert!(config.ensure_weight_tying);
     assert!(model.config.tie_word_embeddings);
     assert!(model.lm_head.adapter.is_some());
-    let (ids, _) = case.inputs();
-    let (b, t) = ids.dims2().unwrap();
-    let layout = AttentionLayout::causal(b, t, 0);
-    let golden = tensors(&case.dir.join("golden.safetensors"));
-    let logits = model.forward(&ids, &layout, None).unwrap();
-    let err = max_abs_diff(&logits, &golden["lora_logits"]);
-    assert!(err <= 1e-4, "logits max abs error {err}");
+    case.assert_adapter_logits(&model, "adapter");
 
     let dir = assert_saves_as_peft(&model, &config, &case.dir.join("adapter"), "ensure-tying");
     let _ = std::fs::remove_dir_all(&dir);
@@ -755,9 +752,7 @@ fn ensure_weight_tying_shares_the_embedding_adapter_with_the_head() {
     assert!(!merged.contains_key("lm_head.weight"));
     merge_and_unload(&mut model).unwrap();
     assert!(model.config.tie_word_embeddings && model.lm_head.adapter.is_none());
-    let logits = model.forward(&ids, &layout, None).unwrap();
-    let err = max_abs_diff(&logits, &golden["lora_logits"]);
-    assert!(err <= 1e-4, "merged logits max abs error {err}");
+    case.assert_adapter_logits(&model, "merged");
 }
 
 /// The base weights PEFT saves beside adapters on the embedding and head
@@ -839,14 +834,7 @@ fn trainable_tokens_match_peft() {
         let case = Case::embedding(name);
         let (model, config) = case.model_with_adapter();
         assert_eq!(config.trainable_token_indices.len(), 3, "{name}");
-        let (ids, _) = case.inputs();
-        let (b, t) = ids.dims2().unwrap();
-        let logits = model
-            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
-            .unwrap();
-        let golden = tensors(&case.dir.join("golden.safetensors"));
-        let err = max_abs_diff(&logits, &golden["lora_logits"]);
-        assert!(err <= 1e-4, "{name}: logits max abs error {err}");
+        case.assert_adapter_logits(&model, "trainable tokens");
 
         let merged = merged_tensors(&model).unwrap();
         let want = tensors(&case.dir.join("merged.safetensors"));
