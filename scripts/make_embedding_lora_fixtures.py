@@ -54,6 +54,11 @@ CASES = {
         "qwen2/model",
         dict(r=2, lora_alpha=4, target_modules=["embed_tokens", "o_proj"], ensure_weight_tying=True),
     ),
+    # A vocabulary resized for the adapter (`resize_token_embeddings(520)`, `resize_to` here): PEFT
+    # then saves the whole embedding and head (`model.embed_tokens.weight`, `lm_head.weight`)
+    # beside a LoRA on the projections; the inputs use the new tokens.
+    "resized_llama3": ("llama3/model", dict(r=2, lora_alpha=8, target_modules=["q_proj"], resize_to=520)),
+    "resized_qwen2_tied": ("qwen2/model", dict(r=2, lora_alpha=4, target_modules=["v_proj"], resize_to=520)),
     # PEFT's trainable tokens: the listed rows of the embedding replaced by trained values
     # (`trainable_tokens_delta`), the pad token among them; a tied head uses the same rows.
     "tokens_llama3": ("llama3/model", dict(r=2, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 17, 300])),
@@ -79,7 +84,13 @@ def main():
     for name, (base, kwargs) in CASES.items():
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, base), dtype=torch.float32)
+        kwargs = dict(kwargs)
+        resize_to = kwargs.pop("resize_to", None)
+        if resize_to:
+            model.resize_token_embeddings(resize_to)
         ids, labels = inputs(model.config.vocab_size, model.config.pad_token_id)
+        if resize_to:
+            ids[0, 6] = labels[0, 6] = resize_to - 3
         assert model.get_input_embeddings().padding_idx == model.config.pad_token_id
         cfg = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, init_lora_weights=False, **kwargs)
         model = get_peft_model(model, cfg)

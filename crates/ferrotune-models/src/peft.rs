@@ -780,11 +780,33 @@ fn saves_embedding_layers(model: &CausalLm, config: &LoraConfig) -> bool {
     }
 }
 
-/// Loads the base weights PEFT saves beside adapters on the embedding or the head
-/// (`base_model.model.{module}.base_layer.weight`, and Phi-2's head `.bias`), taking them out
-/// of `tensors`, as PEFT loads them: into the base parameters in place, so a head tied to the
-/// embedding follows it. A different number of rows (a resized vocabulary) is taken when the
-/// embedding and the head end up with the same number.
+/// PEFT's test for saving the embedding layers of an adapter whose embeddings are not targeted:
+/// the model's vocabulary differs from that of the base's `config.json`
+/// (`base_model_name_or_path`, when it is a local folder).
+fn vocabulary_resized(model: &CausalLm, config: &LoraConfig) -> bool {
+    let Some(base) = &config.base_model_name_or_path else {
+        return false;
+    };
+    let Ok(text) = std::fs::read_to_string(Path::new(base).join("config.json")) else {
+        return false;
+    };
+    let Ok(json) = serde_json::from_str::<Value>(&text) else {
+        return false;
+    };
+    let vocab = json["vocab_size"]
+        .as_u64()
+        .or_else(|| json["text_config"]["vocab_size"].as_u64());
+    vocab.is_some_and(|v| v as usize != model.config.vocab_size)
+}
+
+/// Loads the embedding and head weights PEFT saves beside an adapter, taking them out of
+/// `tensors`: the base weights of an adapted embedding or head
+/// (`base_model.model.{module}.base_layer.weight`, and Phi-2's head `.bias`), and the whole
+/// embedding and head when the vocabulary was resized for the adapter
+/// (`base_model.model.model.embed_tokens.weight`, `base_model.model.lm_head.weight`). PEFT loads
+/// them into the base parameters in place, so a head tied to the embedding follows it. A
+/// different number of rows (a resized vocabulary) is taken when the embedding and the head end
+/// up with the same number.
 fn load_base_layers(
     model: &mut CausalLm,
     tensors: &mut HashMap<String, Tensor>,
@@ -794,39 +816,51 @@ fn load_base_layers(
     let (dtype, device) = (model.dtype(), model.device().clone());
     let hidden = model.config.hidden_size;
     let mut changed = false;
-    for module in embedding_modules(model) {
-        for param in ["weight", "bias"] {
-            let key = format!("{PEFT_PREFIX}{module}.base_layer.{param}");
-            let Some(t) = tensors.remove(&key) else {
-                continue;
-            };
-            let t = t.to_dtype(dtype)?.to_device(&device)?;
-            let tied = model.config.tie_word_embeddings;
-            match (module, param) {
-                (_, "weight") => {
-                    if t.rank() != 2 || t.dim(1)? != hidden {
-                        return Err(err(format!(
-                            "'{key}' has shape {:?}, expected [rows, {hidden}]",
-                            t.dims()
-                        )));
-                    }
-                    if module == EMBED_MODULE || tied {
-                        model.embed_tokens = t;
-                        model.retie_head();
-                    } else {
-                        model.lm_head.weight = crate::model::BaseWeight::Dense(t);
-                        model.lm_head.packed = None;
-                    }
-                    changed = true;
+    let keys: Vec<(&str, &str, String)> = embedding_modules(model)
+        .into_iter()
+        .flat_map(|module| {
+            ["weight", "bias"].into_iter().flat_map(move |param| {
+                [
+                    (
+                        module,
+                        param,
+                        format!("{PEFT_PREFIX}{module}.base_layer.{param}"),
+                    ),
+                    (module, param, format!("{PEFT_PREFIX}{module}.{param}")),
+                ]
+            })
+        })
+        .collect();
+    for (module, param, key) in keys {
+        let Some(t) = tensors.remove(&key) else {
+            continue;
+        };
+        let t = t.to_dtype(dtype)?.to_device(&device)?;
+        let tied = model.config.tie_word_embeddings;
+        match (module, param) {
+            (_, "weight") => {
+                if t.rank() != 2 || t.dim(1)? != hidden {
+                    return Err(err(format!(
+                        "'{key}' has shape {:?}, expected [rows, {hidden}]",
+                        t.dims()
+                    )));
                 }
-                ("lm_head", "bias") => {
-                    if model.lm_head.bias.is_none() {
-                        return Err(err(format!("'{key}': the model's head has no bias")));
-                    }
-                    model.lm_head.bias = Some(t);
+                if module == EMBED_MODULE || tied {
+                    model.embed_tokens = t;
+                    model.retie_head();
+                } else {
+                    model.lm_head.weight = crate::model::BaseWeight::Dense(t);
+                    model.lm_head.packed = None;
                 }
-                _ => return Err(err(format!("'{key}': the embedding has no bias"))),
+                changed = true;
             }
+            ("lm_head", "bias") => {
+                if model.lm_head.bias.is_none() {
+                    return Err(err(format!("'{key}': the model's head has no bias")));
+                }
+                model.lm_head.bias = Some(t);
+            }
+            _ => return Err(err(format!("'{key}': the embedding has no bias"))),
         }
     }
     if changed {
@@ -836,6 +870,12 @@ fn load_base_layers(
             return Err(err(format!(
                 "the saved base weights leave the embedding with {rows} rows and the head with \
                  {head_rows}"
+            )));
+        }
+        if let Some(b) = model.lm_head.bias.as_ref().filter(|b| b.dims() != [rows]) {
+            return Err(err(format!(
+                "the head's bias has shape {:?} for a vocabulary of {rows}",
+                b.dims()
             )));
         }
         set_vocab_size(model, rows);
@@ -1366,7 +1406,23 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
         let rows = model.embed_tokens.index_select(&ids, 0)?;
         tensors.insert(trainable_tokens_key(), rows);
     }
-    if saves_embedding_layers(model, config) && config.trainable_token_indices.is_empty() {
+    let tokens = !config.trainable_token_indices.is_empty();
+    if !tokens && !saves_embedding_layers(model, config) && vocabulary_resized(model, config) {
+        // As PEFT saves by default when the vocabulary is not the base's: the whole embedding
+        // and head, which a reader must put in the base's place.
+        tensors.insert(
+            format!("{PEFT_PREFIX}{EMBED_MODULE}.weight"),
+            model.embed_tokens.clone(),
+        );
+        if model.head_name() == "lm_head" {
+            let head = model.lm_head.weight.dense()?.into_owned();
+            tensors.insert(format!("{PEFT_PREFIX}lm_head.weight"), head);
+            if let Some(b) = &model.lm_head.bias {
+                tensors.insert(format!("{PEFT_PREFIX}lm_head.bias"), b.clone());
+            }
+        }
+    }
+    if !tokens && saves_embedding_layers(model, config) {
         // As PEFT saves by default: the base weights of the adapted embedding and head.
         if model.embed_adapter.is_some() {
             let key = format!("{PEFT_PREFIX}{EMBED_MODULE}.base_layer.weight");

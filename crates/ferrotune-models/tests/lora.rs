@@ -869,3 +869,35 @@ fn trainable_tokens_errors_are_named() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A vocabulary resized for the adapter (`resize_token_embeddings` before PEFT): PEFT saves the
+/// whole embedding and head beside the adapter, which take the base's place with their new rows
+/// (the inputs use a new token), tied or not; the merged model has the new vocabulary.
+#[test]
+fn a_resized_vocabulary_saved_beside_the_adapter_is_loaded() {
+    for name in ["resized_llama3", "resized_qwen2_tied"] {
+        let case = Case::embedding(name);
+        let (model, _) = case.model_with_adapter();
+        assert_eq!(model.config.vocab_size, 520, "{name}");
+        assert_eq!(model.config.raw["vocab_size"], 520, "{name}");
+        case.assert_adapter_logits(&model, "resized");
+        let merged = merged_tensors(&model).unwrap();
+        let want = tensors(&case.dir.join("merged.safetensors"));
+        assert_eq!(merged.len(), want.len(), "{name}");
+        for (key, w) in &want {
+            let err = max_abs_diff(&merged[key], w);
+            assert!(err <= 1e-5, "{name}: merged '{key}' max abs error {err}");
+        }
+    }
+}
+
+/// An adapter on a resized vocabulary saves the whole embedding and head beside it, as PEFT
+/// does when the vocabulary differs from the base's (`base_model_name_or_path`).
+#[test]
+fn a_resized_vocabulary_is_saved_beside_the_adapter() {
+    let case = Case::embedding("resized_qwen2_tied");
+    let (model, mut config) = case.model_with_adapter();
+    config.base_model_name_or_path = Some(case.base.display().to_string());
+    let dir = assert_saves_as_peft(&model, &config, &case.dir.join("adapter"), "resized");
+    let _ = std::fs::remove_dir_all(&dir);
+}
