@@ -1189,7 +1189,7 @@ fn quantized_stacked_experts_are_packed_per_expert() {
     assert!(max_abs_diff(w1, w3) > 0.01);
 }
 
-/// A tied head's packed (Q8_0 block) copy is dropped when the embedding is replaced and the head
+/// A tied head's packed (Q4_1 block) copy is dropped when the embedding is replaced and the head
 /// retied (trainable tokens, base weights saved beside an adapter): the head then computes with
 /// the new embedding, not the old blocks.
 #[test]
