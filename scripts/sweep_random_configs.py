@@ -213,9 +213,24 @@ def linear_targets(model):
                    if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")})
 
 
+def save_random_adapter(base, config, folder):
+    """A PEFT adapter of `config` on `base` whose B (the embedding's A) is random, so that it
+    changes the model, saved with PEFT's defaults under `folder/adapter`; returns that folder."""
+    from peft import get_peft_model
+
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "lora_embedding_A" in n:
+                p.copy_(torch.randn_like(p) * 0.1)
+    adir = os.path.join(folder, "adapter")
+    model.save_pretrained(adir)
+    return adir
+
+
 def check_lora(rng, binary, mt, folder):
     import peft.tuners.lora.torchao as peft_torchao
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, PeftModel
 
     peft_torchao.is_torchao_available = lambda: False  # an old torchao would stop PEFT
     cfgd, mdir = make_model(rng, mt, folder)
@@ -227,14 +242,8 @@ def check_lora(rng, binary, mt, folder):
         targets.append("embed_tokens")
     if head:
         targets.append("lm_head")
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                            use_dora=dora, use_rslora=rslora))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n or "lora_embedding_A" in n:
-                p.copy_(torch.randn_like(p) * 0.1)
-    adir = os.path.join(folder, "adapter")
-    model.save_pretrained(adir)
+    adir = save_random_adapter(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                use_dora=dora, use_rslora=rslora), folder)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32),
                                       adir, is_trainable=True)
     ids, labels, data = rows(rng, folder, t=16, pad=embed)
@@ -329,7 +338,7 @@ def check_gguf(rng, binary, mt, folder):
 
 def check_gguf_lora(rng, binary, mt, folder):
     import peft.tuners.lora.torchao as peft_torchao
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, PeftModel
 
     peft_torchao.is_torchao_available = lambda: False
     cfgd, mdir = make_model(rng, mt, folder)
@@ -337,14 +346,8 @@ def check_gguf_lora(rng, binary, mt, folder):
     base = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
     # At times the token embedding too (refused on a tied base, which counts as agreeing).
     targets = linear_targets(base) + (["embed_tokens"] if embed else [])
-    model = get_peft_model(base, LoraConfig(r=rng.choice([2, 4]), lora_alpha=8,
-                                            target_modules=targets, use_rslora=rslora))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n or "lora_embedding_A" in n:
-                p.copy_(torch.randn_like(p) * 0.1)
-    adir = os.path.join(folder, "adapter")
-    model.save_pretrained(adir)
+    adir = save_random_adapter(base, LoraConfig(r=rng.choice([2, 4]), lora_alpha=8,
+                                                target_modules=targets, use_rslora=rslora), folder)
     ids = [[rng.randrange(4, 512) for _ in range(12)] for _ in range(2)]
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(

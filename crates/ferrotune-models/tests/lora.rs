@@ -128,6 +128,19 @@ impl Case {
         logits
     }
 
+    /// `model`'s merged weights are PEFT's `merge_and_unload` state dict (`merged.safetensors`):
+    /// the same tensors, each to 1e-5.
+    fn assert_merges_as_peft(&self, model: &CausalLm) {
+        let merged = merged_tensors(model).unwrap();
+        let want = tensors(&self.dir.join("merged.safetensors"));
+        let at = self.dir.display();
+        assert_eq!(merged.len(), want.len(), "{at}");
+        for (key, w) in &want {
+            let err = max_abs_diff(&merged[key], w);
+            assert!(err <= 1e-5, "{at}: merged '{key}' max abs error {err}");
+        }
+    }
+
     fn model_with_adapter(&self) -> (CausalLm, LoraConfig) {
         let mut model = load_model_at(&self.base);
         let config = load_adapter(&mut model, &self.dir.join("adapter"))
@@ -827,13 +840,7 @@ fn trainable_tokens_match_peft() {
         assert_eq!(config.trainable_token_indices.len(), 3, "{name}");
         case.assert_adapter_logits(&model, "trainable tokens");
 
-        let merged = merged_tensors(&model).unwrap();
-        let want = tensors(&case.dir.join("merged.safetensors"));
-        assert_eq!(merged.len(), want.len(), "{name}");
-        for (key, w) in &want {
-            let err = max_abs_diff(&merged[key], w);
-            assert!(err <= 1e-5, "{name}: merged '{key}' max abs error {err}");
-        }
+        case.assert_merges_as_peft(&model);
 
         let dir = assert_saves_as_peft(&model, &config, &case.dir.join("adapter"), name);
         let json = read_json(&dir.join(ADAPTER_CONFIG_FILE));
@@ -881,13 +888,7 @@ fn a_resized_vocabulary_saved_beside_the_adapter_is_loaded() {
         assert_eq!(model.config.vocab_size, 520, "{name}");
         assert_eq!(model.config.raw["vocab_size"], 520, "{name}");
         case.assert_adapter_logits(&model, "resized");
-        let merged = merged_tensors(&model).unwrap();
-        let want = tensors(&case.dir.join("merged.safetensors"));
-        assert_eq!(merged.len(), want.len(), "{name}");
-        for (key, w) in &want {
-            let err = max_abs_diff(&merged[key], w);
-            assert!(err <= 1e-5, "{name}: merged '{key}' max abs error {err}");
-        }
+        case.assert_merges_as_peft(&model);
     }
 }
 
