@@ -80,69 +80,81 @@ def inputs(vocab, pad):
     return ids, labels
 
 
-def main():
-    for name, (base, kwargs) in CASES.items():
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, base), dtype=torch.float32)
-        kwargs = dict(kwargs)
-        resize_to = kwargs.pop("resize_to", None)
-        if resize_to:
-            model.resize_token_embeddings(resize_to)
-        ids, labels = inputs(model.config.vocab_size, model.config.pad_token_id)
-        if resize_to:
-            ids[0, 6] = labels[0, 6] = resize_to - 3
-        assert model.get_input_embeddings().padding_idx == model.config.pad_token_id
-        cfg = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, init_lora_weights=False, **kwargs)
-        model = get_peft_model(model, cfg)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "lora_" in pname and "magnitude" not in pname:
-                    p.copy_(torch.randn_like(p) * 0.2)
-                elif "trainable_tokens_delta" in pname:
-                    p.copy_(torch.randn_like(p))
-                elif "magnitude" in pname:
-                    p.mul_(1 + 0.1 * torch.randn_like(p))
-        model.train()
-        out = model(input_ids=ids, labels=labels)
-        out.loss.backward()
-        grads = {
-            n.replace(".default", ""): p.grad.detach().clone().contiguous()
-            for n, p in model.named_parameters()
-            if p.requires_grad and p.grad is not None
-        }
-        d = os.path.join(OUT, name)
-        os.makedirs(d, exist_ok=True)
-        # PEFT's default save_embedding_layers="auto": with embed_tokens (or lm_head) among the
-        # targets, the adapted embedding's and head's base weights are saved beside the adapter.
-        model.save_pretrained(os.path.join(d, "adapter"))
-        os.remove(os.path.join(d, "adapter", "README.md"))
-        model.eval()
-        with torch.no_grad():
-            lora_logits = model(input_ids=ids).logits
+def make_case(out, name, base, kwargs):
+    """Writes the case `name` (base model folder `base`, LoraConfig keyword arguments `kwargs`)
+    under `out/name`. Where PEFT cannot merge the adapter (`lora_bias` on a layer without a bias)
+    the merged files are left out and golden.json says why (`merge_error`)."""
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, base), dtype=torch.float32)
+    kwargs = dict(kwargs)
+    resize_to = kwargs.pop("resize_to", None)
+    if resize_to:
+        model.resize_token_embeddings(resize_to)
+    ids, labels = inputs(model.config.vocab_size, model.config.pad_token_id)
+    if resize_to:
+        ids[0, 6] = labels[0, 6] = resize_to - 3
+    assert model.get_input_embeddings().padding_idx == model.config.pad_token_id
+    cfg = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, init_lora_weights=False, **kwargs)
+    model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_" in pname and "magnitude" not in pname:
+                p.copy_(torch.randn_like(p) * 0.2)
+            elif "trainable_tokens_delta" in pname:
+                p.copy_(torch.randn_like(p))
+            elif "magnitude" in pname:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+    model.train()
+    out_ = model(input_ids=ids, labels=labels)
+    out_.loss.backward()
+    grads = {
+        n.replace(".default", ""): p.grad.detach().clone().contiguous()
+        for n, p in model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    # PEFT's default save_embedding_layers="auto": with embed_tokens (or lm_head) among the
+    # targets, the adapted embedding's and head's base weights are saved beside the adapter.
+    model.save_pretrained(os.path.join(d, "adapter"))
+    os.remove(os.path.join(d, "adapter", "README.md"))
+    model.eval()
+    golden = {"lora_logits": None}
+    merge_error = None
+    with torch.no_grad():
+        lora_logits = model(input_ids=ids).logits
+        golden["lora_logits"] = lora_logits.contiguous()
+        try:
             merged = model.merge_and_unload()
+        except RuntimeError as e:
+            merge_error = str(e)
+    if merge_error is None:
+        with torch.no_grad():
             merged_logits = merged(input_ids=ids).logits
+        golden["merged_logits"] = merged_logits.contiguous()
         state = {k: v.detach().clone().contiguous() for k, v in merged.state_dict().items()}
         if merged.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        save_file(
-            {"lora_logits": lora_logits.contiguous(), "merged_logits": merged_logits.contiguous()},
-            os.path.join(d, "golden.safetensors"),
-        )
-        save_file(grads, os.path.join(d, "lora_grads.safetensors"))
         save_file(state, os.path.join(d, "merged.safetensors"))
-        same = bool(torch.allclose(lora_logits, merged_logits, atol=1e-4))
-        json.dump(
-            {
-                "base": base,
-                "input_ids": ids.tolist(),
-                "labels": labels.tolist(),
-                "lora_loss": out.loss.item(),
-                "merged_equals_adapter": same,
-            },
-            open(os.path.join(d, "golden.json"), "w"),
-            indent=1,
-        )
-        print(name, out.loss.item(), sorted(grads), "merged == adapter:", same)
+    save_file(golden, os.path.join(d, "golden.safetensors"))
+    save_file(grads, os.path.join(d, "lora_grads.safetensors"))
+    meta = {
+        "base": base,
+        "input_ids": ids.tolist(),
+        "labels": labels.tolist(),
+        "lora_loss": out_.loss.item(),
+    }
+    if merge_error is None:
+        meta["merged_equals_adapter"] = bool(torch.allclose(lora_logits, merged_logits, atol=1e-4))
+    else:
+        meta["merge_error"] = merge_error
+    json.dump(meta, open(os.path.join(d, "golden.json"), "w"), indent=1)
+    print(name, out_.loss.item(), sorted(grads), "merge:", meta.get("merged_equals_adapter", merge_error))
+
+
+def main():
+    for name, (base, kwargs) in CASES.items():
+        make_case(OUT, name, base, kwargs)
 
 
 if __name__ == "__main__":
