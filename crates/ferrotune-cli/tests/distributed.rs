@@ -326,6 +326,19 @@ fn embedding_and_head_adapters_on_two_ranks_equal_one_device() {
     assert_lora_on_two_ranks_equals_one_device(&case, &extra, &["full", "none"]);
 }
 
+/// LoRA biases (`lora_bias`, on Qwen2's biased q/k/v so that the merged model is written too)
+/// train on 2 ranks as on one device: the biases are sharded and reduced with the adapters.
+#[test]
+fn lora_biases_on_two_ranks_equal_one_device() {
+    let case = Case::new("lora-bias", "qwen2");
+    let extra = [
+        "model.lora_bias=true",
+        "model.lora_attn_modules=[q_proj,k_proj,v_proj]",
+        "model.apply_lora_to_mlp=false",
+    ];
+    assert_lora_on_two_ranks_equals_one_device(&case, &extra, &["full", "none"]);
+}
+
 /// QLoRA on 2 ranks (the NF4 base sharded with the rest, its bytes gathered around each layer)
 /// equals one device.
 #[test]

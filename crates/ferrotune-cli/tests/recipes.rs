@@ -105,7 +105,8 @@ fn write_config(dir: &Path, family: &str, data: &Path) -> PathBuf {
 }
 
 /// One SGD step (lr 1) from a PEFT adapter logs PEFT's loss and saves `start − gradient`, with
-/// PEFT's gradients: LoRA, DoRA, and adapters on the token embedding.
+/// PEFT's gradients: LoRA, DoRA, adapters on the token embedding, and LoRA biases (`lora_bias`;
+/// where the base layers have no bias to merge them into, no merged model is written).
 #[test]
 fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
     // (base model, adapter case, the fixture whose golden.json holds the batch)
@@ -123,6 +124,13 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
             "llama3",
             "embedding_lora/llama3_dora",
             "embedding_lora/llama3_dora",
+        ),
+        ("qwen2", "lora_bias/qwen2_qkv", "lora_bias/qwen2_qkv"),
+        ("models/phi2", "lora_bias/phi2_all", "lora_bias/phi2_all"),
+        (
+            "llama3",
+            "lora_bias/llama3_unmergeable",
+            "lora_bias/llama3_unmergeable",
         ),
     ];
     for (family, case, rows) in cases {
@@ -179,7 +187,11 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
             let e = rel_l2(&saved[key], &want);
             assert!(e <= 1e-4, "{case:?}: {key}: relative L2 {e}");
         }
+        let g: Value =
+            serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap())
+                .unwrap();
         // The folder is a PEFT adapter plus a merged HF checkpoint with tokenizer files and state.
+        let mergeable = g.get("merge_error").is_none();
         for f in [
             "adapter_config.json",
             "tokenizer.json",
@@ -189,7 +201,11 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
             "recipe_state/state.json",
             "recipe_state/optimizer.safetensors",
         ] {
-            assert!(saved_dir.join(f).is_file(), "{case:?}: missing {f}");
+            let expected = mergeable || !f.starts_with("merged/");
+            assert_eq!(saved_dir.join(f).is_file(), expected, "{case:?}: {f}");
+        }
+        if !mergeable {
+            assert!(text(&out).contains("no merged/ model"), "{}", text(&out));
         }
         if rows.starts_with("embedding_lora") {
             // The merged checkpoint of a tied model unties its head (which keeps the base
@@ -204,9 +220,6 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
         }
         let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
         let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
-        let g: Value =
-            serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap())
-                .unwrap();
         let want_loss = g["lora_loss"].as_f64().unwrap();
         let got_loss = first["loss"].as_f64().unwrap();
         assert!(
@@ -294,6 +307,55 @@ fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
             used.contains(&token),
             "token {token}: A's column moved {moved}"
         );
+    }
+}
+
+/// `model.lora_bias` gives every adapter PEFT's `lora_B.bias` (zero at first, trained like B):
+/// the saved adapter holds moved biases under PEFT's names with `lora_bias: true`, the merged
+/// model's biases are the base's plus the scaled LoRA biases, and a torchtune checkpointer skips
+/// the `adapter_model.pt` it cannot hold, saying so.
+#[test]
+fn lora_bias_trains_biases_on_the_adapters() {
+    let dir = tmpdir("lora-bias");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("qwen2", &data);
+    let cfg = write_config(&dir, "qwen2", &data);
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "model.lora_bias=true",
+            "max_steps_per_epoch=1",
+            "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("no adapter_model.pt"), "{}", text(&out));
+    let saved_dir = dir.join("out/epoch_0");
+    assert!(!saved_dir.join("adapter_model.pt").exists());
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["lora_bias"], Value::Bool(true));
+    let saved = load(&saved_dir.join("adapter_model.safetensors"));
+    let merged = load(&saved_dir.join("merged/model.safetensors"));
+    let base = load(&fixtures().join("qwen2/model/model.safetensors"));
+    let scale = 8.0 / 4.0;
+    for layer in 0..2 {
+        for proj in ["q_proj", "v_proj"] {
+            let module = format!("model.layers.{layer}.self_attn.{proj}");
+            let bias = &saved[&format!("base_model.model.{module}.lora_B.bias")];
+            let moved = bias.abs().unwrap().max_all().unwrap();
+            assert!(moved.to_scalar::<f32>().unwrap() > 0.0, "{module}");
+            let key = format!("{module}.bias");
+            let want = (&base[&key] + (bias * scale).unwrap()).unwrap();
+            assert!(rel_l2(&merged[&key], &want) <= 1e-6, "{key}");
+        }
     }
 }
 

@@ -353,7 +353,10 @@ impl CausalLm {
         }
         fn adapter_bytes(a: Option<&crate::lora::LoraAdapter>) -> u64 {
             a.map_or(0, |a| {
-                bytes(&a.a) + bytes(&a.b) + a.dora_magnitude.as_ref().map_or(0, bytes)
+                bytes(&a.a)
+                    + bytes(&a.b)
+                    + a.dora_magnitude.as_ref().map_or(0, bytes)
+                    + a.bias.as_ref().map_or(0, bytes)
             })
         }
         fn linear_bytes(l: &crate::Linear) -> u64 {

@@ -67,6 +67,9 @@ pub struct LoraAdapter {
     pub dropout: f64,
     /// DoRA's `lora_magnitude_vector`, `[out]`; `None` for plain LoRA.
     pub dora_magnitude: Option<Tensor>,
+    /// PEFT's `lora_bias=True`: `lora_B.bias`, `[out]`, scaled with the adapter's product and
+    /// merged into the base layer's bias; `None` without (PEFT's default).
+    pub bias: Option<Tensor>,
     /// Training mode: enables dropout, as `nn.Dropout` in a module under `.train()`.
     pub training: bool,
     /// Dropout's generator; shared by clones so that cloned models do not repeat masks.
@@ -82,6 +85,7 @@ impl LoraAdapter {
             scale,
             dropout: 0.0,
             dora_magnitude: None,
+            bias: None,
             training: false,
             rng: Arc::new(Mutex::new(SplitMix64::new(0))),
         }
@@ -97,6 +101,12 @@ impl LoraAdapter {
     /// Makes this a DoRA adapter with the given magnitude vector `[out]`.
     pub fn with_dora_magnitude(mut self, magnitude: Tensor) -> Self {
         self.dora_magnitude = Some(magnitude);
+        self
+    }
+
+    /// Gives this adapter PEFT's `lora_B.bias` (`[out]`).
+    pub fn with_bias(mut self, bias: Tensor) -> Self {
+        self.bias = Some(bias);
         self
     }
 
@@ -214,6 +224,11 @@ impl LoraAdapter {
             .as_ref()
             .map(|m| m.to_device(device))
             .transpose()?;
+        out.bias = self
+            .bias
+            .as_ref()
+            .map(|b| b.to_device(device))
+            .transpose()?;
         Ok(out)
     }
 
@@ -223,6 +238,7 @@ impl LoraAdapter {
         out.a = self.a.detach();
         out.b = self.b.detach();
         out.dora_magnitude = self.dora_magnitude.as_ref().map(Tensor::detach);
+        out.bias = self.bias.as_ref().map(Tensor::detach);
         out
     }
 
@@ -252,6 +268,22 @@ impl LoraAdapter {
         }
     }
 
+    /// The base layer's bias with this adapter's merged in, as PEFT's `merge` with `lora_bias`:
+    /// `bias + lora_B.bias * scaling`. `None` when neither has a bias; an error when only the
+    /// adapter has one (PEFT refuses that merge too: the merged layer would need a bias the
+    /// checkpoint's config does not give it).
+    pub fn merged_bias(&self, base_bias: Option<&Tensor>) -> CResult<Option<Tensor>> {
+        match (&self.bias, base_bias) {
+            (None, base) => Ok(base.cloned()),
+            (Some(b), Some(base)) => Ok(Some((base + (b.to_dtype(base.dtype())? * self.scale)?)?)),
+            (Some(_), None) => Err(candle_core::Error::Msg(
+                "the adapter has a bias (lora_bias) but the base layer has none, so it cannot \
+                 be merged (PEFT cannot either)"
+                    .into(),
+            )),
+        }
+    }
+
     /// The adapted layer's output given the base layer's `base = x @ weight.T + bias`.
     pub fn forward(
         &self,
@@ -271,7 +303,11 @@ impl LoraAdapter {
                 } else {
                     x
                 };
-                let lora = ops::linear(&ops::linear(&xd, &self.a, None)?, &self.b, None)?;
+                let lora = ops::linear(
+                    &ops::linear(&xd, &self.a, None)?,
+                    &self.b,
+                    self.bias.as_ref(),
+                )?;
                 (base.to_dtype(self.a.dtype())? + (lora * self.scale)?)?
             }
             Some(m) => {
@@ -347,7 +383,7 @@ impl LoraAdapter {
         self.rng.lock().unwrap_or_else(|e| e.into_inner()).state = state;
     }
 
-    /// Turns A, B (and the DoRA magnitude) into [`Var`]s so that `loss.backward()` yields their
+    /// Turns A, B (and the DoRA magnitude, the LoRA bias) into [`Var`]s so that `loss.backward()` yields their
     /// gradients, and returns them with their PEFT parameter suffixes (`lora_A.weight`,
     /// `lora_B.weight`, `lora_magnitude_vector.weight`). Calling it again returns the same Vars.
     pub fn make_trainable(&mut self) -> CResult<Vec<(&'static str, Var)>> {
@@ -360,6 +396,11 @@ impl LoraAdapter {
             let m = Var::from_tensor(m)?;
             self.dora_magnitude = Some(m.as_tensor().clone());
             out.push(("lora_magnitude_vector.weight", m));
+        }
+        if let Some(bias) = &self.bias {
+            let bias = Var::from_tensor(bias)?;
+            self.bias = Some(bias.as_tensor().clone());
+            out.push(("lora_B.bias", bias));
         }
         Ok(out)
     }

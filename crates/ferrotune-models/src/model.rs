@@ -123,15 +123,20 @@ impl Linear {
         if let Some(adapter) = self.trained_plain_lora(x) {
             // Training a plain LoRA adapter: base and adapter branch in one fused op.
             let (a, b, scale) = (&adapter.a, &adapter.b, adapter.scale);
-            return match &self.weight {
-                BaseWeight::Nf4(q) => fused::lora_linear_nf4(x, q, bias, a, b, scale),
+            let out = match &self.weight {
+                BaseWeight::Nf4(q) => fused::lora_linear_nf4(x, q, bias, a, b, scale)?,
                 // The op takes `[b, t, in]` as it is: no reshape nodes in the graph.
                 BaseWeight::Dense(w) if x.device().is_cuda() => {
-                    fused::lora_linear(x, w, bias, a, b, scale)
+                    fused::lora_linear(x, w, bias, a, b, scale)?
                 }
                 BaseWeight::Dense(w) => ops::linear_with(x, w.dim(0)?, None, |rows| {
                     fused::lora_linear(rows, w, bias, a, b, scale)
-                }),
+                })?,
+            };
+            return match &adapter.bias {
+                // PEFT's `lora_bias`: lora_B's bias, scaled with the product.
+                Some(lora_bias) => out.broadcast_add(&(lora_bias * scale)?),
+                None => Ok(out),
             };
         }
         let base = match &self.weight {
@@ -1998,7 +2003,8 @@ impl CausalLm {
                 gate_proj.weight.as_dense(),
                 up_proj.weight.as_dense(),
             ) {
-                if x.device().is_cuda() && gate_proj.bias.is_none() && up_proj.bias.is_none() {
+                let biases = [&gate_proj.bias, &up_proj.bias, &ga.bias, &ua.bias];
+                if x.device().is_cuda() && biases.iter().all(|b| b.is_none()) {
                     let gate = fused::LoraProjection {
                         weight: gw,
                         a: &ga.a,

@@ -99,6 +99,9 @@ pub struct LoraConfig {
     pub use_rslora: bool,
     /// DoRA (weight-decomposed LoRA).
     pub use_dora: bool,
+    /// PEFT's `lora_bias`: each `lora_B` has a bias (`lora_B.bias`), scaled with the adapter's
+    /// output. Not with DoRA, nor on the embedding (PEFT refuses both).
+    pub lora_bias: bool,
     /// Per-module rank overrides: pattern → rank, in the file's order (the first match wins).
     pub rank_pattern: Vec<(String, usize)>,
     /// Per-module alpha overrides: pattern → alpha, in the file's order (the first match wins).
@@ -132,6 +135,7 @@ impl LoraConfig {
             exclude_modules: None,
             use_rslora: false,
             use_dora: false,
+            lora_bias: false,
             rank_pattern: Vec::new(),
             alpha_pattern: Vec::new(),
             layers_to_transform: None,
@@ -177,8 +181,10 @@ impl LoraConfig {
         if raw.fan_in_fan_out == Some(true) {
             return Err("fan_in_fan_out is true: only PyTorch-layout (false) is supported".into());
         }
-        if raw.lora_bias == Some(true) {
-            return Err("lora_bias is true: adapters with a lora_B bias are not supported".into());
+        let lora_bias = raw.lora_bias.unwrap_or(false);
+        if lora_bias && raw.use_dora == Some(true) {
+            // PEFT's LoraConfig refuses the pair too.
+            return Err("lora_bias is not supported with DoRA (use_dora)".into());
         }
         let modules_to_save = match &raw.modules_to_save {
             None | Some(Value::Null) => Vec::new(),
@@ -282,6 +288,7 @@ impl LoraConfig {
             exclude_modules,
             use_rslora: raw.use_rslora.unwrap_or(false),
             use_dora: raw.use_dora.unwrap_or(false),
+            lora_bias,
             rank_pattern,
             alpha_pattern,
             layers_to_transform,
@@ -400,7 +407,7 @@ impl LoraConfig {
             "layers_to_transform": self.layers_to_transform,
             "loftq_config": {},
             "lora_alpha": number(self.lora_alpha),
-            "lora_bias": false,
+            "lora_bias": self.lora_bias,
             "lora_dropout": self.lora_dropout,
             "lora_ga_config": null,
             "megatron_config": null,
@@ -568,6 +575,11 @@ fn file_keys(module: &str) -> (String, String, String) {
     )
 }
 
+/// The adapter-file name of one module's LoRA bias (`lora_bias`).
+fn bias_file_key(module: &str) -> String {
+    format!("{PEFT_PREFIX}{module}.lora_B.bias")
+}
+
 /// The modules a config adapts in a model.
 struct Targets {
     /// Linear layers by HF module name, with rank and scaling.
@@ -593,6 +605,10 @@ fn targeted_modules(model: &CausalLm, config: &LoraConfig) -> Result<Targets, St
              like 'model.layers.0.self_attn.q_proj', 'lm_head' and 'model.embed_tokens')",
             config.target_modules.to_json()
         ));
+    }
+    if embed.is_some() && config.lora_bias {
+        // PEFT's `lora.Embedding` refuses it: its lora_embedding_B is a bare parameter.
+        return Err("lora_bias is not supported on the token embedding (embed_tokens)".into());
     }
     let head_shares_embed = embed.is_some()
         && config.ensure_weight_tying
@@ -1213,6 +1229,9 @@ pub fn attach_adapter(
             let key = if !has(&km) && has(&alt) { alt } else { km };
             adapter = adapter.with_dora_magnitude(take(&key, &[out])?);
         }
+        if config.lora_bias {
+            adapter = adapter.with_bias(take(&bias_file_key(module), &[out])?);
+        }
         adapters.insert(module.clone(), adapter);
     }
     if targets.head_shares_embed {
@@ -1291,11 +1310,16 @@ pub fn add_adapter(
             linear.adapter = None;
             continue;
         };
-        let adapter = LoraAdapter::init(&linear.weight, *r, *scale, config.use_dora, &mut rng)?
+        let mut adapter = LoraAdapter::init(&linear.weight, *r, *scale, config.use_dora, &mut rng)?
             .with_dropout(
                 config.lora_dropout,
                 seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9),
             );
+        if config.lora_bias {
+            // PEFT starts the bias at zero, like B.
+            let zeros = Tensor::zeros(adapter.b.dim(0)?, adapter.b.dtype(), adapter.b.device())?;
+            adapter = adapter.with_bias(zeros);
+        }
         linear.adapter = Some(adapter);
         count += 1;
     }
@@ -1353,16 +1377,24 @@ pub fn with_adapters_disabled<R>(model: &mut CausalLm, f: impl FnOnce(&CausalLm)
 /// The adapter tensors of `model` under PEFT's file names (as in `adapter_model.safetensors`).
 pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
     let mut out = BTreeMap::new();
-    let embed = model.embed_adapter.as_ref().map(|a| (embed_file_keys(), a));
+    let embed = model
+        .embed_adapter
+        .as_ref()
+        .map(|a| (embed_file_keys(), EMBED_MODULE.to_string(), a));
     let linears = model.linears();
-    let linears = linears
-        .iter()
-        .filter_map(|(name, l)| l.adapter.as_ref().map(|a| (file_keys(name), a)));
-    for ((ka, kb, km), adapter) in embed.into_iter().chain(linears) {
+    let linears = linears.iter().filter_map(|(name, l)| {
+        l.adapter
+            .as_ref()
+            .map(|a| (file_keys(name), name.clone(), a))
+    });
+    for ((ka, kb, km), module, adapter) in embed.into_iter().chain(linears) {
         out.insert(ka, adapter.a.clone());
         out.insert(kb, adapter.b.clone());
         if let Some(m) = &adapter.dora_magnitude {
             out.insert(km, m.clone());
+        }
+        if let Some(b) = &adapter.bias {
+            out.insert(bias_file_key(&module), b.clone());
         }
     }
     out
@@ -1389,11 +1421,15 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
         let want = config.resolve(&name).map(|(r, _)| r);
         let have = adapter.map(LoraAdapter::rank);
         let dora = adapter.map(|a| a.dora_magnitude.is_some());
-        if want != have || dora.is_some_and(|d| d != config.use_dora) {
+        let bias = adapter.map(|a| a.bias.is_some());
+        if want != have
+            || dora.is_some_and(|d| d != config.use_dora)
+            || bias.is_some_and(|b| b != config.lora_bias)
+        {
             return Err(ModelError::Msg(format!(
-                "cannot save: module '{name}' has adapter rank {have:?} (DoRA {dora:?}) but the \
-                 config implies rank {want:?} (DoRA {})",
-                config.use_dora
+                "cannot save: module '{name}' has adapter rank {have:?} (DoRA {dora:?}, bias \
+                 {bias:?}) but the config implies rank {want:?} (DoRA {}, lora_bias {})",
+                config.use_dora, config.lora_bias
             )));
         }
     }
@@ -1456,6 +1492,9 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
 /// merges on its own; an adapter on a head still tied (set up by other means) is refused, since
 /// merging it would change the input embeddings too.
 pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, ModelError> {
+    if let Some(why) = merge_refusal(model) {
+        return Err(ModelError::Msg(why));
+    }
     let mut out = HashMap::new();
     let embed = match &model.embed_adapter {
         Some(adapter) => adapter.merged_embedding(&model.embed_tokens)?.detach(),
@@ -1488,22 +1527,56 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
             }
             continue;
         }
-        let weight = match &linear.adapter {
-            Some(adapter) => adapter.merged_weight(&*linear.weight.dense()?)?.detach(),
-            None => linear.weight.dense()?.into_owned(),
+        let (weight, bias) = match &linear.adapter {
+            Some(adapter) => (
+                adapter.merged_weight(&*linear.weight.dense()?)?.detach(),
+                merged_bias(&name, adapter, linear.bias.as_ref())?,
+            ),
+            None => (linear.weight.dense()?.into_owned(), linear.bias.clone()),
         };
         out.insert(format!("{name}.weight"), weight);
-        if let Some(b) = &linear.bias {
-            out.insert(format!("{name}.bias"), b.clone());
+        if let Some(b) = bias {
+            out.insert(format!("{name}.bias"), b);
         }
     }
     Ok(out)
+}
+
+/// Why `model`'s adapters cannot be merged into its weights, when they cannot: a LoRA bias
+/// (`lora_bias`) on a layer without a bias of its own, which the merged checkpoint's config could
+/// not give it (PEFT refuses such a merge too).
+pub fn merge_refusal(model: &CausalLm) -> Option<String> {
+    let linears = model.linears();
+    let (name, _) = linears
+        .iter()
+        .find(|(_, l)| l.bias.is_none() && l.adapter.as_ref().is_some_and(|a| a.bias.is_some()))?;
+    Some(format!(
+        "cannot merge the adapters: '{name}' has a LoRA bias (lora_bias) but no bias of its own \
+         to merge it into (PEFT cannot merge it either)"
+    ))
+}
+
+/// The bias of module `name` with its adapter merged in ([`LoraAdapter::merged_bias`]); the
+/// error names the module.
+fn merged_bias(
+    name: &str,
+    adapter: &LoraAdapter,
+    base_bias: Option<&Tensor>,
+) -> Result<Option<Tensor>, ModelError> {
+    let bias = adapter
+        .merged_bias(base_bias)
+        .map_err(|e| ModelError::Msg(format!("cannot merge '{name}': {e}")))?;
+    Ok(bias.map(|b| b.detach()))
 }
 
 /// Merges every adapter into its base weight and removes the adapters (PEFT's
 /// `merge_and_unload`). Packed (GGUF) copies of merged weights are dropped: they no longer hold
 /// the layer's values.
 pub fn merge_and_unload(model: &mut CausalLm) -> Result<(), ModelError> {
+    // Refused before anything is merged, so that an error leaves the model as it was.
+    if let Some(why) = merge_refusal(model) {
+        return Err(ModelError::Msg(why));
+    }
     if head_shares_embedding_adapter(model) {
         // The head follows the merged embedding it is tied to.
         model.lm_head.adapter = None;
@@ -1523,8 +1596,10 @@ pub fn merge_and_unload(model: &mut CausalLm) -> Result<(), ModelError> {
                     "cannot merge an lm_head adapter into tied embeddings".into(),
                 ));
             }
+            let bias = merged_bias(&name, &adapter, linear.bias.as_ref())?;
             let merged = adapter.merged_weight(&*linear.weight.dense()?)?.detach();
             linear.weight = crate::model::BaseWeight::Dense(merged);
+            linear.bias = bias;
             linear.packed = None;
         }
     }

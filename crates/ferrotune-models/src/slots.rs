@@ -64,6 +64,9 @@ fn adapter_tensors_mut<'a>(
             m,
         ));
     }
+    if let Some(b) = &mut adapter.bias {
+        out.push((format!("{PEFT_PREFIX}{module}.lora_B.bias"), b));
+    }
 }
 
 impl CausalLm {

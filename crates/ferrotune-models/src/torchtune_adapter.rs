@@ -136,17 +136,29 @@ fn permute_rows(
     }
 }
 
+/// Why `model`'s adapters do not fit torchtune's `adapter_model.pt`, whose LoRA layers adapt
+/// linear layers only and have no bias on `lora_b`; `None` when they fit.
+pub fn unfit_adapter(model: &CausalLm) -> Option<&'static str> {
+    if model.embed_adapter.is_some() {
+        return Some("the token embedding has an adapter (torchtune adapts linear layers only)");
+    }
+    let biased = model
+        .linears()
+        .iter()
+        .any(|(_, l)| l.adapter.as_ref().is_some_and(|a| a.bias.is_some()));
+    biased.then_some("the adapters have a bias (lora_bias), which torchtune's LoRA layers lack")
+}
+
 /// `model`'s adapters under torchtune's names and layout (what `adapter_model.pt` holds), in f32
 /// on the CPU.
 pub fn torchtune_adapter_tensors(model: &CausalLm) -> Result<Vec<(String, Tensor)>, ModelError> {
     let config = &model.config;
     let lay = layout(config).ok_or_else(|| ModelError::Msg(unsupported(config)))?;
-    if model.embed_adapter.is_some() {
-        return Err(ModelError::Msg(
-            "the token embedding has an adapter, which torchtune's adapter_model.pt cannot hold \
-             (torchtune adapts linear layers only): use the PEFT adapter files"
-                .into(),
-        ));
+    if let Some(why) = unfit_adapter(model) {
+        return Err(ModelError::Msg(format!(
+            "torchtune's adapter_model.pt cannot hold these adapters: {why}; use the PEFT \
+             adapter files"
+        )));
     }
     let cpu = |t: &Tensor| -> candle_core::Result<Tensor> {
         t.to_device(&Device::Cpu)?

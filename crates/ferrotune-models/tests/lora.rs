@@ -96,7 +96,16 @@ impl Case {
     /// A case of tests/fixtures/embedding_lora: its golden.json names the base and holds the
     /// inputs (with the pad token among them).
     fn embedding(name: &str) -> Self {
-        let dir = fixtures().join("embedding_lora").join(name);
+        Self::made_with_base(fixtures().join("embedding_lora").join(name))
+    }
+
+    /// A case of tests/fixtures/lora_bias (the same layout as embedding_lora's).
+    fn lora_bias(name: &str) -> Self {
+        Self::made_with_base(fixtures().join("lora_bias").join(name))
+    }
+
+    /// A case whose golden.json names its base model and holds its inputs.
+    fn made_with_base(dir: PathBuf) -> Self {
         let g = read_json(&dir.join("golden.json"));
         Self {
             base: fixtures().join(g["base"].as_str().unwrap()),
@@ -901,4 +910,111 @@ fn a_resized_vocabulary_is_saved_beside_the_adapter() {
     config.base_model_name_or_path = Some(case.base.display().to_string());
     let dir = assert_saves_as_peft(&model, &config, &case.dir.join("adapter"), "resized");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The cases of tests/fixtures/lora_bias: Qwen2's biased q/k/v, Phi-2's every layer and its head
+/// (rsLoRA), and Llama's bias-free layers (which PEFT cannot merge).
+const LORA_BIAS_CASES: [&str; 3] = ["qwen2_qkv", "phi2_all", "llama3_unmergeable"];
+
+/// PEFT's `lora_bias`: `lora_B.bias`, scaled with the product, gives PEFT's logits, loss and
+/// gradients (the biases' included).
+#[test]
+fn lora_bias_matches_peft() {
+    for name in LORA_BIAS_CASES {
+        let case = Case::lora_bias(name);
+        let (model, config) = case.model_with_adapter();
+        assert!(config.lora_bias, "{name}");
+        let biased = model
+            .linears()
+            .iter()
+            .filter(|(_, l)| l.adapter.as_ref().is_some_and(|a| a.bias.is_some()))
+            .count();
+        assert!(biased >= 6, "{name}: {biased} adapters with a bias");
+        case.check_forward_and_gradients();
+    }
+}
+
+/// A LoRA bias merges into the base layer's bias (`bias + lora_B.bias * scaling`): PEFT's merged
+/// state dict, and the merged model runs as the adapter. Where a base layer has no bias, both
+/// merges are refused naming the layer (PEFT refuses too), and the model keeps its adapters.
+#[test]
+fn lora_bias_merges_into_the_base_bias() {
+    for name in LORA_BIAS_CASES {
+        let case = Case::lora_bias(name);
+        let (mut model, _) = case.model_with_adapter();
+        let g = read_json(&case.dir.join("golden.json"));
+        if g.get("merge_error").is_some() {
+            let err = merged_tensors(&model).unwrap_err().to_string();
+            assert!(
+                err.contains("model.layers.0.") && err.contains("lora_bias"),
+                "{name}: {err}"
+            );
+            let err = merge_and_unload(&mut model).unwrap_err().to_string();
+            assert!(err.contains("lora_bias"), "{name}: {err}");
+            case.assert_adapter_logits(&model, "after a refused merge");
+            continue;
+        }
+        case.assert_merges_as_peft(&model);
+        merge_and_unload(&mut model).unwrap();
+        assert!(model.linears().iter().all(|(_, l)| l.adapter.is_none()));
+        case.assert_adapter_logits(&model, "merged");
+    }
+}
+
+/// A LoRA bias saves as PEFT's `lora_B.bias` with `lora_bias: true`, and loads back.
+#[test]
+fn lora_bias_saves_as_peft() {
+    let case = Case::lora_bias("phi2_all");
+    let (model, config) = case.model_with_adapter();
+    let dir = assert_saves_as_peft(&model, &config, &case.dir.join("adapter"), "lora_bias");
+    let saved = read_json(&dir.join(ADAPTER_CONFIG_FILE));
+    assert_eq!(saved["lora_bias"], Value::Bool(true));
+    let mut reloaded = load_model_at(&case.base);
+    load_adapter(&mut reloaded, &dir).unwrap();
+    case.assert_adapter_logits(&reloaded, "reloaded");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A fresh adapter with `lora_bias` starts with zero biases (PEFT's init), so the model is the
+/// base; the biases are trainable and get the gradient of the scaled sum of the layer's output
+/// gradients.
+#[test]
+fn fresh_lora_bias_starts_at_zero_and_trains() {
+    let batch = golden("qwen2");
+    let (g, ids, layout, golden) = (batch.json, batch.ids, batch.layout, batch.tensors);
+    let targets = TargetModules::Names(vec!["q_proj".into(), "down_proj".into()]);
+    let mut config = LoraConfig::new(2, 6.0, targets);
+    config.lora_bias = true;
+    let mut model = base_model("qwen2");
+    let n = add_adapter(&mut model, &config, 9).unwrap();
+    let params = trainable_parameters(&mut model).unwrap();
+    assert_eq!(params.len(), 3 * n);
+    let logits = model.forward(&ids, &layout, None).unwrap();
+    let err = max_abs_diff(&logits, &golden["logits"]);
+    assert!(err <= 1e-4, "a fresh LoRA bias changed logits by {err}");
+    let grads = causal_lm_loss(&logits, &g["labels"]).backward().unwrap();
+    for (name, var) in params.iter().filter(|(n, _)| n.ends_with("lora_B.bias")) {
+        let grad = grads.get(var).unwrap();
+        assert!(rel_l2(grad, &grad.zeros_like().unwrap()) > 0.0, "{name}");
+    }
+    // DoRA and an embedding adapter take no LoRA bias, as in PEFT.
+    let dir = adapter_with_config("bias_dora", |m| {
+        m.insert("lora_bias".into(), Value::Bool(true));
+        m.insert("use_dora".into(), Value::Bool(true));
+    });
+    let err = load_adapter(&mut base_model("llama3"), &dir)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("lora_bias") && err.contains("DoRA"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let embed = TargetModules::Names(vec!["embed_tokens".into()]);
+    let mut config = LoraConfig::new(2, 4.0, embed);
+    config.lora_bias = true;
+    let err = add_adapter(&mut base_model("qwen2"), &config, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("lora_bias") && err.contains("embed_tokens"),
+        "{err}"
+    );
 }

@@ -456,6 +456,7 @@ const MODEL_KEYS: &[(&str, Ty)] = &[
     ("lora_dropout", Ty::Float),
     ("use_dora", Ty::Bool),
     ("use_rslora", Ty::Bool),
+    ("lora_bias", Ty::Bool),
     ("quantize_base", Ty::Bool),
 ];
 const TOKENIZER_KEYS: &[(&str, Ty)] = &[

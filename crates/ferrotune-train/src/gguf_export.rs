@@ -1081,6 +1081,13 @@ pub fn export_gguf_adapter(
             adapter_dir.display()
         );
     }
+    if lc.lora_bias {
+        bail!(
+            "{}: the adapter has biases on lora_B (lora_bias), which a llama.cpp adapter cannot \
+             hold (its LoRA tensors are A and B only): {merge_instead}",
+            adapter_dir.display()
+        );
+    }
     if !lc.trainable_token_indices.is_empty() {
         bail!(
             "{}: the adapter replaces embedding rows (trainable_token_indices), which a llama.cpp \

@@ -279,11 +279,26 @@ fn mean_logit(model: &CausalLm, hidden: &Tensor, start: usize, len: usize) -> Re
         _ => weight,
     };
     let (vocab, h) = weight.dims2()?;
-    let bias = head
-        .bias
+    // The head's bias, with an adapter's `lora_bias` (scaled) added: both are added to every
+    // position's logits.
+    let bias = match head
+        .adapter
         .as_ref()
-        .map(|b| b.detach().to_dtype(DType::F32))
-        .transpose()?;
+        .and_then(|a| a.bias.as_ref().map(|b| (a, b)))
+    {
+        Some((adapter, lora_bias)) => {
+            let scaled = (lora_bias.detach().to_dtype(DType::F32)? * adapter.scale)?;
+            Some(match &head.bias {
+                Some(b) => (b.detach().to_dtype(DType::F32)? + scaled)?,
+                None => scaled,
+            })
+        }
+        None => head
+            .bias
+            .as_ref()
+            .map(|b| b.detach().to_dtype(DType::F32))
+            .transpose()?,
+    };
     let rows = hidden.narrow(0, start, len)?.detach();
     let flat = rows.reshape(((), h))?;
     let Some(cap) = model.config.final_logit_softcapping else {
@@ -347,6 +362,7 @@ fn head_tensors(model: &CausalLm) -> Vec<Tensor> {
     if let Some(a) = &head.adapter {
         out.extend([a.a.clone(), a.b.clone()]);
         out.extend(a.dora_magnitude.iter().cloned());
+        out.extend(a.bias.iter().cloned());
     }
     out
 }

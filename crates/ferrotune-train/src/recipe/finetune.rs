@@ -562,12 +562,18 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     // ---------------------------------------------------------------- training loop
     let torchtune_adapter = setup::torchtune_checkpointer(cfg)
         && ferrotune_models::torchtune_adapter::supports(&model.config);
-    if torchtune_adapter && model.embed_adapter.is_some() {
-        say(
-            "note: no adapter_model.pt is written: torchtune's adapter file holds no embedding \
-             adapter (the PEFT adapter files are written as always)"
-                .into(),
-        );
+    let unfit = ferrotune_models::torchtune_adapter::unfit_adapter(&model);
+    if let Some(why) = unfit.filter(|_| torchtune_adapter) {
+        say(format!(
+            "note: no adapter_model.pt is written: {why} (the PEFT adapter files are written as \
+             always)"
+        ));
+    }
+    let unmergeable = peft::merge_refusal(&model).filter(|_| !mode.full() && !adapter_only);
+    if let Some(why) = &unmergeable {
+        say(format!(
+            "note: no merged/ model is written: {why}; the adapter files are complete"
+        ));
     }
     let saver = Saver {
         mode,
@@ -577,8 +583,8 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         tokenizer: &tokenizer,
         lora_config: lora_config.as_ref(),
         dtype,
-        adapter_only,
-        torchtune_adapter: torchtune_adapter && model.embed_adapter.is_none(),
+        adapter_only: adapter_only || unmergeable.is_some(),
+        torchtune_adapter: torchtune_adapter && unfit.is_none(),
         keep_last: match cfg.usize("checkpointer.keep_last_n_checkpoints")? {
             Some(0) => bail!(
                 "{}: checkpointer.keep_last_n_checkpoints must be at least 1",

@@ -437,8 +437,8 @@ fn find_tokenizer(cfg: &Config, checkpoint: &Path) -> Result<(Tokenizer, PathBuf
 
 /// The LoRA adapter settings from torchtune's model keys (`lora_attn_modules`,
 /// `apply_lora_to_mlp`, `apply_lora_to_output`, `lora_rank`, `lora_alpha`, `lora_dropout`,
-/// `use_dora`) and ferrotune's `apply_lora_to_embeddings`, in HF module names for `model`'s
-/// layout.
+/// `use_dora`) and ferrotune's `apply_lora_to_embeddings`, `use_rslora` and `lora_bias`, in HF
+/// module names for `model`'s layout.
 pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<LoraConfig> {
     let fused = model.config.fused_projections;
     let attn = cfg
@@ -487,7 +487,8 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
         // adapted on its own (untied; the embedding keeps the base weights).
         push("lm_head");
     }
-    if cfg.bool("model.apply_lora_to_embeddings")?.unwrap_or(false) {
+    let on_embeddings = cfg.bool("model.apply_lora_to_embeddings")?.unwrap_or(false);
+    if on_embeddings {
         // ferrotune's key (torchtune adapts linear layers only): PEFT's `lora.Embedding`.
         push("embed_tokens");
     }
@@ -513,6 +514,21 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
     }
     lc.use_dora = cfg.bool("model.use_dora")?.unwrap_or(false);
     lc.use_rslora = cfg.bool("model.use_rslora")?.unwrap_or(false);
+    // ferrotune's key for PEFT's `lora_bias` (torchtune's LoRA layers have none).
+    lc.lora_bias = cfg.bool("model.lora_bias")?.unwrap_or(false);
+    if lc.lora_bias && lc.use_dora {
+        bail!(
+            "{}: model.lora_bias is not supported with model.use_dora (PEFT refuses the pair too)",
+            cfg.origin
+        );
+    }
+    if lc.lora_bias && on_embeddings {
+        bail!(
+            "{}: model.lora_bias is not supported with model.apply_lora_to_embeddings (PEFT's \
+             embedding adapter has no bias)",
+            cfg.origin
+        );
+    }
     lc.base_model_name_or_path = Some(base_path.display().to_string());
     Ok(lc)
 }
