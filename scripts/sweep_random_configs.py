@@ -236,6 +236,8 @@ def check_lora(rng, binary, mt, folder):
     cfgd, mdir = make_model(rng, mt, folder)
     dora, rslora, embed, head = (rng.random() < 0.3, rng.random() < 0.3, rng.random() < 0.5,
                                  rng.random() < 0.3)
+    # PEFT takes no LoRA bias with DoRA or on the embedding.
+    bias = not dora and not embed and rng.random() < 0.4
     base = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
     targets = linear_targets(base)
     if embed:
@@ -243,7 +245,8 @@ def check_lora(rng, binary, mt, folder):
     if head:
         targets.append("lm_head")
     adir = save_random_adapter(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                use_dora=dora, use_rslora=rslora), folder)
+                                                use_dora=dora, use_rslora=rslora, lora_bias=bias),
+                             folder)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32),
                                       adir, is_trainable=True)
     ids, labels, data = rows(rng, folder, t=16, pad=embed)
@@ -258,6 +261,7 @@ def check_lora(rng, binary, mt, folder):
     for k, s in start.items():
         param = (k.replace(".lora_A.weight", ".lora_A.default.weight")
                   .replace(".lora_B.weight", ".lora_B.default.weight")
+                  .replace(".lora_B.bias", ".lora_B.default.bias")
                   .replace(".lora_magnitude_vector", ".lora_magnitude_vector.default.weight"))
         if ".lora_embedding_" in k:
             param = k + ".default"
@@ -270,7 +274,7 @@ def check_lora(rng, binary, mt, folder):
         e = ((saved[k] - want).norm() / want.norm()).item()
         if e > worst:
             worst, at = e, k
-    return cfgd, worst < 1e-4 and set(saved) == set(start), f"dora={dora} rslora={rslora} embed={embed} head={head} worst {worst:.1e} ({at})"
+    return cfgd, worst < 1e-4 and set(saved) == set(start), f"dora={dora} rslora={rslora} embed={embed} head={head} bias={bias} worst {worst:.1e} ({at})"
 
 
 def check_full(rng, binary, mt, folder):
