@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""PEFT references for `target_parameters` (PEFT's `lora.ParamWrapper`): LoRA on the fused 3-D
+expert parameters transformers 5 keeps for mixtures of experts (`mlp.experts.gate_up_proj`
+`[experts, 2 * inter, hidden]`, `mlp.experts.down_proj` `[experts, hidden, inter]`) and on 2-D
+parameters such as the router's `mlp.gate.weight` (a plain parameter, not an `nn.Linear`, in
+transformers 5).
+
+Same layout as tests/fixtures/embedding_lora (see scripts/make_embedding_lora_fixtures.py), under
+tests/fixtures/target_parameters/<name>/. The module names are transformers 5's (Mixtral's
+`block_sparse_moe` is `mlp` there). `merged.safetensors` is PEFT's merged state dict in
+transformers 5's in-memory names (fused experts).
+Run from the repository root: python3 scripts/make_target_parameters_fixtures.py
+"""
+import os
+
+from make_embedding_lora_fixtures import ROOT, make_case
+
+OUT = os.path.join(ROOT, "target_parameters")
+
+CASES = {
+    # Both expert parameters (PEFT nests the wrappers: gate_up_proj's keys get `.base_layer`),
+    # the router, and the attention by module name; a rank pattern on down_proj.
+    "mixtral": (
+        "models/mixtral/model",
+        dict(
+            r=2,
+            lora_alpha=4,
+            target_modules=["q_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"],
+            rank_pattern={"down_proj": 3},
+        ),
+    ),
+    # gate_up_proj alone (no nesting) beside a LoRA on the shared expert, rsLoRA.
+    "qwen2_moe": (
+        "models/qwen2_moe/model",
+        dict(
+            r=3,
+            lora_alpha=6,
+            use_rslora=True,
+            target_modules=["shared_expert.up_proj"],
+            target_parameters=["experts.gate_up_proj"],
+        ),
+    ),
+    # down_proj alone on the sparse layer (layer 0 is dense), and a dense layer's 2-D weight as a
+    # parameter target.
+    "qwen3_moe": (
+        "models/qwen3_moe/model",
+        dict(r=2, lora_alpha=8, target_modules=[], target_parameters=["experts.down_proj", "layers.0.mlp.up_proj.weight"]),
+    ),
+}
+
+
+def main():
+    for name, (base, kwargs) in CASES.items():
+        make_case(OUT, name, base, kwargs)
+
+
+if __name__ == "__main__":
+    main()
