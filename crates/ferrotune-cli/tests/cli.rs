@@ -358,8 +358,9 @@ fn export_gguf_writes_a_file_that_generates_the_same_tokens() {
 }
 
 /// `export-gguf` of a LoRA adapter folder: a llama.cpp adapter GGUF, its base taken from the
-/// adapter's recorded `base_model_name_or_path` (or `--base`); DoRA, which llama.cpp cannot
-/// apply, and `--base` with a model folder are one error line each.
+/// adapter's recorded `base_model_name_or_path` (or `--base`); DoRA, a LoRA bias and adapters on
+/// fused experts, which llama.cpp cannot apply, and `--base` with a model folder are one error
+/// line each.
 #[test]
 fn export_gguf_writes_a_lora_adapter_for_llama_cpp() {
     let dir = std::env::temp_dir().join(format!("ferrotune-cli-gguf-lora-{}", std::process::id()));
@@ -409,6 +410,24 @@ fn export_gguf_writes_a_lora_adapter_for_llama_cpp() {
         base.to_str().unwrap(),
     ]);
     assert_error(&out, &["DoRA", "ferrotune merge"]);
+    // A LoRA bias and adapters on fused experts have no place in a llama.cpp adapter either.
+    for (case, model, needle) in [
+        ("lora_bias/qwen2_qkv", "qwen2/model", "lora_bias"),
+        (
+            "target_parameters/mixtral",
+            "models/mixtral/model",
+            "target_parameters",
+        ),
+    ] {
+        let out = ferrotune(&[
+            "export-gguf",
+            fixtures().join(case).join("adapter").to_str().unwrap(),
+            dir.join("refused.gguf").to_str().unwrap(),
+            "--base",
+            fixtures().join(model).to_str().unwrap(),
+        ]);
+        assert_error(&out, &[needle, "ferrotune merge"]);
+    }
     let out = ferrotune(&[
         "export-gguf",
         base.to_str().unwrap(),

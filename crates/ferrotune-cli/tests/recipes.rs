@@ -1627,6 +1627,8 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
     }
 }
 
+/// Adapters PEFT trains beside (or instead of) LoRA on modules: whole modules, trainable token
+/// rows, adapters on parameters (fused experts). Training further is refused, naming the key.
 #[test]
 fn an_adapter_with_modules_to_save_is_not_trained_further() {
     let cases = [
@@ -1639,6 +1641,11 @@ fn an_adapter_with_modules_to_save_is_not_trained_further() {
             "llama3",
             "embedding_lora/tokens_llama3",
             "trainable_token_indices",
+        ),
+        (
+            "models/mixtral",
+            "target_parameters/mixtral",
+            "target_parameters",
         ),
     ];
     for (family, case, key) in cases {

@@ -9,6 +9,7 @@ pub mod gguf;
 pub mod lora;
 pub mod model;
 pub mod peft;
+pub mod peft_params;
 pub mod rope;
 pub mod save;
 pub mod slots;

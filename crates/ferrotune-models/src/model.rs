@@ -250,16 +250,31 @@ pub struct Moe {
 }
 
 impl Moe {
+    /// The block's module name inside the decoder layer: `block_sparse_moe` (Mixtral) or `mlp`.
+    pub fn block_name(&self) -> &'static str {
+        if self.mixtral_names {
+            "block_sparse_moe"
+        } else {
+            "mlp"
+        }
+    }
+
+    /// Each expert's gate, up and down projection names: `w1`, `w3`, `w2` (Mixtral) or
+    /// `gate_proj`, `up_proj`, `down_proj`.
+    pub fn projection_names(&self) -> [&'static str; 3] {
+        if self.mixtral_names {
+            ["w1", "w3", "w2"]
+        } else {
+            ["gate_proj", "up_proj", "down_proj"]
+        }
+    }
+
     /// The block's module names inside the decoder layer, in the order of [`Moe::linears`]:
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.0.w1` / `w3` / `w2`, ... (Mixtral) or
     /// `mlp.gate`, `mlp.experts.0.gate_proj` / `up_proj` / `down_proj`, ...,
     /// `mlp.shared_expert.*`, `mlp.shared_expert_gate` (Qwen).
     fn names(&self) -> Vec<String> {
-        let (block, projections) = if self.mixtral_names {
-            ("block_sparse_moe", ["w1", "w3", "w2"])
-        } else {
-            ("mlp", ["gate_proj", "up_proj", "down_proj"])
-        };
+        let (block, projections) = (self.block_name(), self.projection_names());
         let mut out = vec![format!("{block}.gate")];
         let mut mlp = |prefix: String| {
             out.extend(projections.iter().map(|p| format!("{prefix}.{p}")));

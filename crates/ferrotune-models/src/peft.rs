@@ -93,6 +93,10 @@ pub struct LoraConfig {
     pub lora_dropout: f64,
     /// Which linear layers get an adapter.
     pub target_modules: TargetModules,
+    /// PEFT's `target_parameters`: parameters adapted directly (`lora.ParamWrapper`), such as
+    /// transformers 5's fused experts `mlp.experts.gate_up_proj`; see [`crate::peft_params`].
+    /// Loaded and merged; not trained or saved.
+    pub target_parameters: Vec<String>,
     /// Modules never adapted, even when targeted.
     pub exclude_modules: Option<TargetModules>,
     /// Scaling `alpha / sqrt(r)` instead of `alpha / r`.
@@ -132,6 +136,7 @@ impl LoraConfig {
             lora_alpha,
             lora_dropout: 0.0,
             target_modules,
+            target_parameters: Vec::new(),
             exclude_modules: None,
             use_rslora: false,
             use_dora: false,
@@ -219,8 +224,25 @@ impl LoraConfig {
         if r == 0 {
             return Err("r must be a positive integer, got 0".into());
         }
-        let target_modules = TargetModules::from_json(&raw.target_modules, "target_modules")?
-            .ok_or("target_modules is null: targeting parameters only is not supported")?;
+        let target_parameters = match &raw.target_parameters {
+            Value::Null => Vec::new(),
+            Value::Array(a) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or("target_parameters must be a list of parameter names")?,
+            other => return Err(format!("target_parameters: unexpected value {other}")),
+        };
+        if !target_parameters.is_empty() && (raw.use_dora == Some(true) || lora_bias) {
+            // PEFT's ParamWrapper refuses both.
+            return Err("target_parameters cannot be used with use_dora or lora_bias".into());
+        }
+        let target_modules = match TargetModules::from_json(&raw.target_modules, "target_modules")?
+        {
+            Some(t) => t,
+            None if !target_parameters.is_empty() => TargetModules::Names(Vec::new()),
+            None => return Err("target_modules and target_parameters are both null".into()),
+        };
         let exclude_modules = TargetModules::from_json(&raw.exclude_modules, "exclude_modules")?;
         let layers_to_transform = match &raw.layers_to_transform {
             Value::Null => None,
@@ -285,6 +307,7 @@ impl LoraConfig {
             lora_alpha: raw.lora_alpha.unwrap_or(8.0),
             lora_dropout: raw.lora_dropout.unwrap_or(0.0),
             target_modules,
+            target_parameters,
             exclude_modules,
             use_rslora: raw.use_rslora.unwrap_or(false),
             use_dora: raw.use_dora.unwrap_or(false),
@@ -421,7 +444,7 @@ impl LoraConfig {
             "rank_pattern": rank_pattern,
             "revision": null,
             "target_modules": self.target_modules.to_json(),
-            "target_parameters": null,
+            "target_parameters": if self.target_parameters.is_empty() { Value::Null } else { json!(self.target_parameters) },
             "task_type": "CAUSAL_LM",
             "trainable_token_indices": if self.trainable_token_indices.is_empty() { Value::Null } else { json!(self.trainable_token_indices) },
             "use_bdlora": null,
@@ -532,6 +555,8 @@ struct RawConfig {
     #[serde(default)]
     target_modules: Value,
     #[serde(default)]
+    target_parameters: Value,
+    #[serde(default)]
     exclude_modules: Value,
     use_rslora: Option<bool>,
     use_dora: Option<bool>,
@@ -566,7 +591,7 @@ fn embed_file_keys() -> (String, String, String) {
 }
 
 /// The adapter-file names of one module's tensors.
-fn file_keys(module: &str) -> (String, String, String) {
+pub(crate) fn file_keys(module: &str) -> (String, String, String) {
     let p = format!("{PEFT_PREFIX}{module}");
     (
         format!("{p}.lora_A.weight"),
@@ -599,7 +624,7 @@ fn targeted_modules(model: &CausalLm, config: &LoraConfig) -> Result<Targets, St
         .filter_map(|(name, _)| config.resolve(&name).map(|(r, s)| (name, r, s)))
         .collect();
     let embed = config.resolve(EMBED_MODULE);
-    if linears.is_empty() && embed.is_none() {
+    if linears.is_empty() && embed.is_none() && config.target_parameters.is_empty() {
         return Err(format!(
             "target_modules {} matches no linear layer or embedding of the model (names look \
              like 'model.layers.0.self_attn.q_proj', 'lm_head' and 'model.embed_tokens')",
@@ -1178,8 +1203,16 @@ pub fn attach_adapter(
     mut tensors: HashMap<String, Tensor>,
     source: &str,
 ) -> Result<(), ModelError> {
-    let targets =
+    let mut targets =
         targeted_modules(model, config).map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
+    for (name, r, scale) in crate::peft_params::expand(model, config, &mut tensors, source)? {
+        if targets.linears.iter().any(|(n, _, _)| *n == name) {
+            return Err(ModelError::Msg(format!(
+                "{source}: '{name}' is targeted by both target_modules and target_parameters"
+            )));
+        }
+        targets.linears.push((name, r, scale));
+    }
     let dtype = model.dtype();
     let device = model.device().clone();
     let names: std::collections::HashSet<String> = tensors.keys().cloned().collect();
@@ -1406,6 +1439,13 @@ pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
 /// The adapters must be the ones `config` describes (same modules and ranks): a mismatch is an
 /// error rather than a folder PEFT would load differently.
 pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result<(), ModelError> {
+    if !config.target_parameters.is_empty() {
+        return Err(ModelError::Msg(
+            "cannot save an adapter with target_parameters (PEFT's adapters on parameters, such \
+             as fused experts): merge it instead"
+                .into(),
+        ));
+    }
     let linears = model.linears();
     let embed = (EMBED_MODULE.to_string(), model.embed_adapter.as_ref());
     let modules = linears

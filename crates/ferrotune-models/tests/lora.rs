@@ -104,6 +104,11 @@ impl Case {
         Self::made_with_base(fixtures().join("lora_bias").join(name))
     }
 
+    /// A case of tests/fixtures/target_parameters (the same layout as embedding_lora's).
+    fn target_parameters(name: &str) -> Self {
+        Self::made_with_base(fixtures().join("target_parameters").join(name))
+    }
+
     /// A case whose golden.json names its base model and holds its inputs.
     fn made_with_base(dir: PathBuf) -> Self {
         let g = read_json(&dir.join("golden.json"));
@@ -428,7 +433,15 @@ fn adapter_with_config(
     name: &str,
     edit: impl FnOnce(&mut serde_json::Map<String, Value>),
 ) -> PathBuf {
-    let src = fixtures().join("llama3/adapter");
+    copy_adapter_with_config(&fixtures().join("llama3/adapter"), name, edit)
+}
+
+/// A copy of the adapter folder `src` in a fresh folder `name`, its config edited by `edit`.
+fn copy_adapter_with_config(
+    src: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> PathBuf {
     let dir = temp_dir(name);
     std::fs::copy(
         src.join(ADAPTER_WEIGHTS_FILE),
@@ -1017,4 +1030,148 @@ fn fresh_lora_bias_starts_at_zero_and_trains() {
         err.contains("lora_bias") && err.contains("embed_tokens"),
         "{err}"
     );
+}
+
+/// The cases of tests/fixtures/target_parameters: Mixtral's experts (both fused parameters,
+/// nested, one with a rank pattern), router and q_proj; Qwen2-MoE's gate_up_proj beside its shared
+/// expert (rsLoRA); Qwen3-MoE's down_proj and a dense layer's 2-D weight.
+const TARGET_PARAMETERS_CASES: [&str; 3] = ["mixtral", "qwen2_moe", "qwen3_moe"];
+
+/// `merged` (ferrotune's names: one linear per expert, Mixtral's `block_sparse_moe`) in
+/// transformers 5's in-memory names and layout, as PEFT's merged state dict holds it: Mixtral's
+/// block is `mlp`, and each sparse block's experts are fused into `experts.gate_up_proj`
+/// (`[experts, 2 * inter, hidden]`, gate rows first) and `experts.down_proj`.
+fn in_transformers5_layout(merged: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    let mut out = HashMap::new();
+    let mut experts: std::collections::BTreeMap<(String, usize), [Option<Tensor>; 3]> =
+        Default::default();
+    for (key, t) in merged {
+        let key = key.replacen(".block_sparse_moe.", ".mlp.", 1);
+        let Some((block, rest)) = key.split_once(".experts.") else {
+            out.insert(key, t.clone());
+            continue;
+        };
+        let (e, proj) = rest.split_once('.').unwrap();
+        let slot = match proj {
+            "w1.weight" | "gate_proj.weight" => 0,
+            "w3.weight" | "up_proj.weight" => 1,
+            "w2.weight" | "down_proj.weight" => 2,
+            other => panic!("{other}"),
+        };
+        experts
+            .entry((block.to_string(), e.parse().unwrap()))
+            .or_default()[slot] = Some(t.clone());
+    }
+    let mut fused: HashMap<String, (Vec<Tensor>, Vec<Tensor>)> = HashMap::new();
+    for ((block, _), [gate, up, down]) in experts {
+        let entry = fused.entry(block).or_default();
+        let gate_up = Tensor::cat(&[gate.unwrap(), up.unwrap()], 0).unwrap();
+        entry.0.push(gate_up);
+        entry.1.push(down.unwrap());
+    }
+    for (block, (gate_up, down)) in fused {
+        out.insert(
+            format!("{block}.experts.gate_up_proj"),
+            Tensor::stack(&gate_up, 0).unwrap(),
+        );
+        out.insert(
+            format!("{block}.experts.down_proj"),
+            Tensor::stack(&down, 0).unwrap(),
+        );
+    }
+    out
+}
+
+/// PEFT's adapters on parameters (`target_parameters`: transformers 5's fused experts, its
+/// router's bare weight, a 2-D weight) run as one LoRA per expert projection: PEFT's logits (in
+/// training mode too) and loss, and merged weights equal to PEFT's merged state dict once fused
+/// as transformers 5 holds them; the merged model gives the adapter's logits.
+#[test]
+fn target_parameters_match_peft() {
+    for name in TARGET_PARAMETERS_CASES {
+        let case = Case::target_parameters(name);
+        let (mut model, config) = case.model_with_adapter();
+        assert!(!config.target_parameters.is_empty(), "{name}");
+        case.assert_adapter_logits(&model, "inference");
+        set_training(&mut model, true);
+        let logits = case.assert_adapter_logits(&model, "training");
+        let (_, labels) = case.inputs();
+        let loss = causal_lm_loss(&logits, &labels).to_scalar::<f32>().unwrap() as f64;
+        let want = read_json(&case.dir.join("golden.json"))["lora_loss"]
+            .as_f64()
+            .unwrap();
+        assert!(
+            ((loss - want) / want).abs() <= 1e-5,
+            "{name}: loss {loss} vs {want}"
+        );
+        set_training(&mut model, false);
+
+        let merged = in_transformers5_layout(&merged_tensors(&model).unwrap());
+        let want = tensors(&case.dir.join("merged.safetensors"));
+        let mut keys: Vec<&String> = merged.keys().collect();
+        keys.sort();
+        let mut want_keys: Vec<&String> = want.keys().collect();
+        want_keys.sort();
+        assert_eq!(keys, want_keys, "{name}");
+        for (key, w) in &want {
+            let err = max_abs_diff(&merged[key], w);
+            assert!(err <= 1e-5, "{name}: merged '{key}' max abs error {err}");
+        }
+        merge_and_unload(&mut model).unwrap();
+        case.assert_adapter_logits(&model, "merged");
+    }
+}
+
+/// Errors of `target_parameters` adapters name what is wrong: a tensor missing or mis-shaped, a
+/// target matching no parameter, a layer targeted twice; saving one is refused (merge instead).
+#[test]
+fn target_parameters_errors_are_named() {
+    let case = Case::target_parameters("qwen2_moe");
+    let cases: [(&str, &str, Value, &[&str]); 4] = [
+        (
+            "tp_nothing",
+            "target_parameters",
+            serde_json::json!(["experts.up"]),
+            &["target_parameters", "matches no parameter"],
+        ),
+        (
+            "tp_rank",
+            "r",
+            Value::from(2),
+            &[
+                "model.layers.0.mlp.experts.lora_A.weight",
+                "shape",
+                "[8, 32]",
+            ],
+        ),
+        (
+            "tp_both",
+            "target_modules",
+            serde_json::json!(["experts.0.up_proj"]),
+            &["experts.0.up_proj", "both"],
+        ),
+        (
+            "tp_dora",
+            "use_dora",
+            Value::Bool(true),
+            &["target_parameters", "use_dora"],
+        ),
+    ];
+    for (label, key, value, needles) in cases {
+        let dir = copy_adapter_with_config(&case.dir.join("adapter"), label, |m| {
+            m.insert(key.into(), value);
+        });
+        let err = load_adapter(&mut load_model_at(&case.base), &dir)
+            .unwrap_err()
+            .to_string();
+        for n in needles {
+            assert!(err.contains(n), "{label}: '{err}' should mention '{n}'");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let (model, config) = case.model_with_adapter();
+    let dir = temp_dir("tp_save");
+    let err = save_adapter(&model, &config, &dir).unwrap_err().to_string();
+    assert!(err.contains("target_parameters"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

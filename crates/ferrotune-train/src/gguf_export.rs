@@ -1081,6 +1081,14 @@ pub fn export_gguf_adapter(
             adapter_dir.display()
         );
     }
+    if !lc.target_parameters.is_empty() {
+        bail!(
+            "{}: the adapter targets parameters (target_parameters {:?}), which a llama.cpp \
+             adapter cannot hold: {merge_instead}",
+            adapter_dir.display(),
+            lc.target_parameters
+        );
+    }
     if lc.lora_bias {
         bail!(
             "{}: the adapter has biases on lora_B (lora_bias), which a llama.cpp adapter cannot \

@@ -998,7 +998,8 @@ pub(crate) fn setup_adapters(
             let saved = peft::LoraConfig::read(&dir)
                 .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?;
             // torchtune trains adapters only; continuing PEFT's fully trained modules (or
-            // trainable token rows) would need them as trainable parameters beside the adapters.
+            // trainable token rows) would need them as trainable parameters beside the adapters,
+            // and adapters on fused parameters their own layout.
             let what = if !saved.modules_to_save.is_empty() {
                 Some(format!("modules_to_save {:?}", saved.modules_to_save))
             } else if !saved.trainable_token_indices.is_empty() {
@@ -1006,6 +1007,9 @@ pub(crate) fn setup_adapters(
                     "trainable_token_indices {:?}",
                     saved.trainable_token_indices
                 ))
+            } else if !saved.target_parameters.is_empty() {
+                // PEFT's expert adapters share A between the gate and up projections.
+                Some(format!("target_parameters {:?}", saved.target_parameters))
             } else {
                 None
             };
