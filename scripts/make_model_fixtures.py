@@ -57,6 +57,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
+    VaultGemmaConfig,
 )
 
 transformers.logging.set_verbosity_error()
@@ -218,6 +219,24 @@ def cfg_gemma2():
     # logits with caps small enough to bite (3 and 2.5), and layer_types alternating sliding (window 5 <
     # the 16-token sequence) and full attention.
     return Gemma2Config(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=2.5,
+        sliding_window=5,
+        attention_bias=False,
+        tie_word_embeddings=True,
+    ))
+
+
+def cfg_vaultgemma():
+    # VaultGemma: Gemma 2 without the post-attention and post-feedforward norms (input_layernorm, and
+    # pre_feedforward_layernorm before the MLP); Gemma 2's scalar, softcaps and alternating windows.
+    return VaultGemmaConfig(**common(
         num_key_value_heads=2,
         head_dim=16,
         hidden_activation="gelu_pytorch_tanh",
@@ -684,6 +703,10 @@ CASES = {
                    notes="Gemma 2: post-attention, pre- and post-feedforward RMSNorms (1 + w), scale "
                          "query_pre_attn_scalar^-0.5 = 24^-0.5, attention scores softcapped at 3 and final logits at "
                          "2.5 (tanh), layer 0 sliding (window 5), layer 1 full, GQA 4/2, tied embeddings"),
+    "vaultgemma": dict(cfg=cfg_vaultgemma, seed=132, style="v5", grads=True,
+                       notes="VaultGemma: Gemma 2 without the post-norms (input_layernorm, pre_feedforward_layernorm "
+                             "before the MLP), scale 24^-0.5, softcaps 3 and 2.5, layer 0 sliding (window 5), layer 1 "
+                             "full, GQA 4/2, tied embeddings"),
     "gemma3": dict(cfg=cfg_gemma3, seed=114, style="v5", embed_std=EMBED_STD_SANDWICH, grads=True,
                    notes="Gemma 3 text (gemma3_text): Gemma 2's norms, per-head q_norm/k_norm (1 + w), scale 12^-0.5, "
                          "no softcapping; layer 0 sliding (window 5) with a local rope (theta 1e4), layer 1 full with "
@@ -790,7 +813,7 @@ def build_model(case: str):
     config.architectures = None
     torch.manual_seed(src_spec["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    init_weights(model, src_spec["seed"], gemma_norm=config.model_type.startswith("gemma"),
+    init_weights(model, src_spec["seed"], gemma_norm=config.model_type.startswith("gemma") or config.model_type == "vaultgemma",
                  embed_std=src_spec.get("embed_std"))
     model.eval()
     return model
