@@ -52,7 +52,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOK = os.path.join(ROOT, "tests", "fixtures", "tiny_tokenizer")
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi",
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "phi3", "phi",
             "smollm3", "mixtral", "qwen2_moe", "qwen3_moe"]
 # transformers 5 keeps experts as fused parameters (saved under per-expert names), which PEFT's
 # LoRA cannot target as ferrotune's per-expert modules and whose gradients do not carry the
@@ -81,7 +81,7 @@ def random_config(rng, mt):
                   original_max_position_embeddings=32)
     elif r < 0.6:
         rp.update(rope_type="dynamic", factor=2.0)
-    if mt in ("llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "mixtral",
+    if mt in ("llama", "mistral", "qwen3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "smollm3", "mixtral",
               "qwen3_moe"):
         c["head_dim"] = hd
     if mt == "llama":
@@ -91,11 +91,11 @@ def random_config(rng, mt):
         c["use_sliding_window"] = False
     if mt == "mistral":
         c["sliding_window"] = rng.choice([None, 6])
-    if mt in ("gemma2", "gemma3_text"):
+    if mt in ("gemma2", "vaultgemma", "gemma3_text"):
         c["sliding_window"] = rng.choice([4, 8])
         c["query_pre_attn_scalar"] = rng.choice([hd, 24])
         c["hidden_activation"] = "gelu_pytorch_tanh"
-    if mt == "gemma2":
+    if mt in ("gemma2", "vaultgemma"):
         c["attn_logit_softcapping"] = rng.choice([None, 20.0])
         c["final_logit_softcapping"] = rng.choice([None, 15.0])
     if mt in MOE:

@@ -359,7 +359,7 @@ fn lora_bias_trains_biases_on_the_adapters() {
     }
 }
 
-/// Gemma 2, Gemma 3 and Phi-2 end to end: one full fine-tuning SGD step (lr 1) from the tiny
+/// Gemma 2, VaultGemma, Gemma 3 and Phi-2 end to end: one full fine-tuning SGD step (lr 1) from the tiny
 /// fixtures logs transformers' loss and saves, under the checkpoint's own names, weights that
 /// moved by exactly PyTorch's gradient (softcapped scores and logits, sandwich norms, q/k norms,
 /// the local rope, LayerNorm, the parallel block all in the backward).
@@ -368,6 +368,7 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
     // (fixture, the text case whose gradients apply): a multimodal Gemma 3 trains its text model.
     for (family, text_case) in [
         ("models/gemma2", "models/gemma2"),
+        ("models/vaultgemma", "models/vaultgemma"),
         ("models/gemma3", "models/gemma3"),
         ("models/gemma3_multimodal", "models/gemma3"),
         ("models/phi2", "models/phi2"),
@@ -412,6 +413,7 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         .unwrap();
         let want_type = match family {
             "models/gemma2" => "gemma2",
+            "models/vaultgemma" => "vaultgemma",
             "models/phi2" | "models/phi2_tied" => "phi",
             "models/mixtral" => "mixtral",
             "models/qwen2_moe" => "qwen2_moe",

@@ -17,6 +17,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3",
     "gemma",
     "gemma2",
+    "vaultgemma",
     "gemma3_text",
     "gemma3",
     "mistral3",
@@ -179,8 +180,12 @@ pub struct ModelConfig {
     pub llama4_attn_scale: Option<(f64, usize)>,
     /// Gemma 2/3 ("sandwich" norms): each block's output is normalized before the residual add
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
-    /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
+    /// (`pre_feedforward_layernorm`); otherwise the MLP's pre-norm is [`ModelConfig::mlp_norm`].
     pub sandwich_norms: bool,
+    /// The parameter name of the MLP's pre-norm in a layer without sandwich norms:
+    /// `post_attention_layernorm.weight`, or VaultGemma's `pre_feedforward_layernorm.weight`
+    /// (Gemma 2's layer without its two post-norms).
+    pub mlp_norm: &'static str,
     /// Gemma 2/3: attention scores are scaled by `query_pre_attn_scalar^-0.5` instead of
     /// `head_dim^-0.5`.
     pub query_pre_attn_scalar: Option<f64>,
@@ -263,9 +268,11 @@ impl ModelConfig {
             ));
         }
         let is = |t: &str| model_type == t;
-        let is_gemma = model_type.starts_with("gemma");
+        let is_gemma = model_type.starts_with("gemma") || model_type == "vaultgemma";
         // Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, per-layer-type attention.
-        let is_gemma_2_3 = is("gemma2") || is("gemma3_text");
+        // VaultGemma is Gemma 2 without the post-norms.
+        let gemma2_like = is("gemma2") || is("vaultgemma");
+        let is_gemma_2_3 = gemma2_like || is("gemma3_text");
         if get_bool(obj, "use_bidirectional_attention")?.unwrap_or(false) {
             return Err(
                 "'use_bidirectional_attention' is true: that is an encoder (EmbeddingGemma), not a causal language model"
@@ -337,7 +344,7 @@ impl ModelConfig {
         // transformers' Gemma 2 defaults when a key is absent (null turns the feature off).
         let gemma2_default = |key: &str, default: f64| -> Result<Option<f64>, String> {
             match obj.get(key) {
-                None if is("gemma2") => Ok(Some(default)),
+                None if gemma2_like => Ok(Some(default)),
                 _ => get_positive(obj, key),
             }
         };
@@ -375,7 +382,12 @@ impl ModelConfig {
             scale_embeddings: is_gemma,
             fused_projections: is("phi3"),
             layer_sliding_windows,
-            sandwich_norms: is_gemma_2_3,
+            sandwich_norms: is_gemma_2_3 && !is("vaultgemma"),
+            mlp_norm: if is("vaultgemma") {
+                "pre_feedforward_layernorm.weight"
+            } else {
+                "post_attention_layernorm.weight"
+            },
             query_pre_attn_scalar,
             attn_logit_softcapping,
             final_logit_softcapping,
@@ -828,7 +840,7 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
                 ("hidden_act", Value::from("gelu_new")),
             ]
         }),
-        "gemma2" => GEMMA2.get_or_init(|| common(256_000, 8192)),
+        "gemma2" | "vaultgemma" => GEMMA2.get_or_init(|| common(256_000, 8192)),
         "gemma3_text" => GEMMA3.get_or_init(|| common(262_208, 131_072)),
         _ => &[],
     }
@@ -927,7 +939,7 @@ fn gemma_sliding_layers(
             })
             .collect();
     }
-    let pattern = if model_type == "gemma2" {
+    let pattern = if model_type == "gemma2" || model_type == "vaultgemma" {
         2
     } else {
         get_usize(obj, "sliding_window_pattern")?.unwrap_or(6)

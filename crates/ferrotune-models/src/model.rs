@@ -423,6 +423,9 @@ pub struct DecoderLayer {
     pub local_rope: bool,
     /// The layer applies RoPE (SmolLM3's NoPE layers do not).
     pub use_rope: bool,
+    /// The parameter name of `post_attention_layernorm`'s tensor ([`ModelConfig::mlp_norm`] where
+    /// it is the MLP's pre-norm: VaultGemma's `pre_feedforward_layernorm.weight`).
+    pub post_attention_norm_name: &'static str,
 }
 
 impl DecoderLayer {
@@ -431,6 +434,7 @@ impl DecoderLayer {
     /// them: every tensor of the layer, borrowed apart.
     pub fn parts_mut(&mut self) -> LayerPartsMut<'_> {
         let names = self.linear_names();
+        let post_attention_norm_name = self.post_attention_norm_name;
         let DecoderLayer {
             input_layernorm,
             input_layernorm_bias,
@@ -452,7 +456,7 @@ impl DecoderLayer {
             vec![("input_layernorm.weight", input_layernorm)];
         let optional = [
             ("input_layernorm.bias", input_layernorm_bias),
-            ("post_attention_layernorm.weight", post_attention_layernorm),
+            (post_attention_norm_name, post_attention_layernorm),
             (
                 "pre_feedforward_layernorm.weight",
                 pre_feedforward_layernorm,
@@ -487,7 +491,7 @@ impl DecoderLayer {
         let optional = [
             ("input_layernorm.bias", &self.input_layernorm_bias),
             (
-                "post_attention_layernorm.weight",
+                self.post_attention_norm_name,
                 &self.post_attention_layernorm,
             ),
             (
@@ -1197,8 +1201,10 @@ impl CausalLm {
                 },
                 post_attention_layernorm: if c.parallel_block {
                     None
-                } else {
+                } else if c.sandwich_norms {
                     Some(take.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?)
+                } else {
+                    Some(take.take(&format!("{p}.{}", c.mlp_norm), &[h])?)
                 },
                 pre_feedforward_layernorm,
                 post_feedforward_layernorm,
@@ -1207,6 +1213,11 @@ impl CausalLm {
                 local_rope: c.local_rope.is_some()
                     && c.local_rope_layers.get(i).copied().unwrap_or(false),
                 use_rope: c.rope_layers.get(i).copied().unwrap_or(true),
+                post_attention_norm_name: if c.sandwich_norms {
+                    "post_attention_layernorm.weight"
+                } else {
+                    c.mlp_norm
+                },
             });
         }
         let final_norm = final_norm_name(c);

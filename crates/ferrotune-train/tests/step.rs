@@ -249,6 +249,7 @@ fn full_finetune_gradients_with_and_without_checkpointing_and_tied_embeddings() 
 
 /// Full fine-tuning through `forward_backward` against PyTorch's gradients of the same loss, for
 /// the model fixtures that carry them (Gemma 2: softcapped scores and logits, sandwich norms;
+/// VaultGemma: Gemma 2 without the post-norms;
 /// Gemma 3: q/k norms and a local rope; Phi-2: LayerNorm, parallel block, ungated MLP, biases;
 /// Mixtral / Qwen-MoE: routers, experts and Qwen2-MoE's shared expert):
 /// every parameter, with and without activation checkpointing.
@@ -256,6 +257,7 @@ fn full_finetune_gradients_with_and_without_checkpointing_and_tied_embeddings() 
 fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
     for case in [
         "gemma2",
+        "vaultgemma",
         "gemma3",
         "phi2",
         "mixtral",
