@@ -359,6 +359,64 @@ fn lora_bias_trains_biases_on_the_adapters() {
     }
 }
 
+/// LoRA on a mixture of experts' MLPs (Qwen2-MoE: experts, shared expert) also writes the adapter
+/// as PEFT holds it on transformers 5 (`transformers5/`: fused experts as `target_parameters`),
+/// and ferrotune generates the same tokens from either folder.
+#[test]
+fn expert_adapters_are_also_written_for_transformers_5() {
+    let family = "models/qwen2_moe";
+    let dir = tmpdir("lora-moe-t5");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows(family, &data);
+    let cfg = write_config(&dir, family, &data);
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "model.apply_lora_to_mlp=true",
+            "optimizer.lr=0.05",
+            "max_steps_per_epoch=1",
+        ],
+        &dir,
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let saved = dir.join("out/epoch_0");
+    let t5 = saved.join("transformers5");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(t5.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let params = config["target_parameters"].to_string();
+    assert!(params.contains("experts.gate_up_proj"), "{params}");
+    assert!(params.contains("shared_expert.up_proj.weight"), "{params}");
+    let model = fixtures().join(family).join("model");
+    let tokens = |adapter: &Path| -> Value {
+        let out = ferrotune(
+            &[
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--adapter",
+                adapter.to_str().unwrap(),
+                "--prompt-ids",
+                "5,6,7,8",
+                "--max-new-tokens",
+                "12",
+                "--json",
+            ],
+            &dir,
+            &[],
+        );
+        assert!(out.status.success(), "{}", text(&out));
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let last = stdout.lines().last().unwrap().to_string();
+        serde_json::from_str::<Value>(&last).unwrap()["new_token_ids"].clone()
+    };
+    assert_eq!(tokens(&saved), tokens(&t5));
+}
+
 /// Gemma 2, VaultGemma, Gemma 3 and Phi-2 end to end: one full fine-tuning SGD step (lr 1) from the tiny
 /// fixtures logs transformers' loss and saves, under the checkpoint's own names, weights that
 /// moved by exactly PyTorch's gradient (softcapped scores and logits, sandwich norms, q/k norms,

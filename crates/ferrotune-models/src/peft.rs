@@ -618,9 +618,16 @@ struct Targets {
 
 /// The modules `config` adapts in `model`; an error when there are none.
 fn targeted_modules(model: &CausalLm, config: &LoraConfig) -> Result<Targets, String> {
+    // An adapter with parameter targets was made on transformers 5, whose experts and routers
+    // are no modules: module names there cannot reach them.
+    let transformers5 = !config.target_parameters.is_empty();
+    let sparse = crate::peft_params::sparse_layers(model);
     let linears: Vec<_> = model
         .linears()
         .into_iter()
+        .filter(|(name, _)| {
+            !(transformers5 && crate::peft_params::fused_in_transformers5(name, &sparse))
+        })
         .filter_map(|(name, _)| config.resolve(&name).map(|(r, s)| (name, r, s)))
         .collect();
     let embed = config.resolve(EMBED_MODULE);
@@ -1473,8 +1480,17 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
             )));
         }
     }
-    std::fs::create_dir_all(dir)
-        .map_err(|e| ModelError::file(dir, format!("cannot create folder: {e}")))?;
+    let tensors = saved_tensors(model, config)?;
+    write_adapter_files(dir, config, tensors)
+}
+
+/// The tensors PEFT's `save_pretrained` writes for `model`'s adapters under `config`: the
+/// adapters', the trainable tokens' rows, and the embedding and head weights PEFT saves beside
+/// them by default.
+pub(crate) fn saved_tensors(
+    model: &CausalLm,
+    config: &LoraConfig,
+) -> Result<BTreeMap<String, Tensor>, ModelError> {
     let mut tensors = adapter_tensors(model);
     if !config.trainable_token_indices.is_empty() {
         // The trainable tokens were put into the embedding when loaded: their rows are there.
@@ -1512,6 +1528,18 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
             }
         }
     }
+    Ok(tensors)
+}
+
+/// Writes a PEFT adapter folder: `adapter_config.json` (from `config`) and
+/// `adapter_model.safetensors` holding `tensors` (metadata `format: pt`), each atomically.
+pub(crate) fn write_adapter_files(
+    dir: &Path,
+    config: &LoraConfig,
+    tensors: BTreeMap<String, Tensor>,
+) -> Result<(), ModelError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| ModelError::file(dir, format!("cannot create folder: {e}")))?;
     let tensors: Vec<(String, Tensor)> = tensors
         .into_iter()
         .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu)?.contiguous()?)))

@@ -10,13 +10,14 @@
 //! so such an adapter is exactly one LoRA per expert projection (the gate and up projections
 //! sharing expert `e`'s `A`); a 2-D parameter's adapter is a plain LoRA on its layer.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
 
-use crate::lora::lora_scaling;
-use crate::model::FeedForward;
-use crate::peft::{file_keys, LoraConfig, PEFT_PREFIX};
+use crate::lora::{lora_scaling, LoraAdapter};
+use crate::model::{FeedForward, GateUpProjection, Moe};
+use crate::peft::{file_keys, LoraConfig, TargetModules, PEFT_PREFIX};
 use crate::{CausalLm, ModelError};
 
 /// A parameter `target_parameters` may name.
@@ -201,4 +202,322 @@ pub(crate) fn expand(
         }
     }
     Ok(out)
+}
+
+/// An adapter folder's contents: its config and its tensors under PEFT's file names.
+pub type AdapterFolder = (LoraConfig, BTreeMap<String, Tensor>);
+
+/// The folder, inside a saved adapter's, that holds it as PEFT on transformers 5 loads it (see
+/// [`transformers5_adapter`]).
+pub const TRANSFORMERS5_DIR: &str = "transformers5";
+
+/// One fused expert parameter's adapter as PEFT holds it: its name, `lora_A` `[R * E, in]`,
+/// `lora_B` `[out, R * E]`, rank `R` and scaling.
+struct FusedAdapter {
+    key: String,
+    a: Tensor,
+    b: Tensor,
+    rank: usize,
+    scale: f64,
+}
+
+/// Fuses per-expert adapters into one adapter of a fused parameter: expert `e`'s `parts` (one
+/// adapter per row block of the parameter, each of `rows` output rows, `None` where a block has
+/// none) become `A_e` (their A's stacked) and `B_e` (their B's on the block diagonal, each scaled
+/// by its scaling over the fused one), laid out as PEFT's `ParamWrapper` reads them. `None` when
+/// no expert has an adapter.
+fn fuse_experts(
+    key: String,
+    parts: &[Vec<Option<&LoraAdapter>>],
+    rows: usize,
+    inputs: usize,
+) -> candle_core::Result<Option<FusedAdapter>> {
+    let experts = parts.len();
+    let rank = parts
+        .iter()
+        .map(|p| p.iter().flatten().map(|a| a.rank()).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    let Some(first) = parts.iter().flatten().flatten().next() else {
+        return Ok(None);
+    };
+    let (scale, dtype) = (first.scale, first.a.dtype());
+    let blocks = parts.first().map_or(0, Vec::len);
+    let out = rows * blocks;
+    // Dense host buffers: the adapters are small, and the interleaved layout is plain indexing.
+    let mut a = vec![0f32; rank * experts * inputs];
+    let mut b = vec![0f32; out * rank * experts];
+    for (e, expert) in parts.iter().enumerate() {
+        let mut col = 0;
+        for (block, adapter) in expert.iter().enumerate() {
+            let Some(adapter) = adapter else {
+                continue;
+            };
+            let r = adapter.rank();
+            let a_rows: Vec<Vec<f32>> = adapter.a.to_dtype(DType::F32)?.to_vec2()?;
+            let factor = (adapter.scale / scale) as f32;
+            let b_rows: Vec<Vec<f32>> = adapter.b.to_dtype(DType::F32)?.to_vec2()?;
+            for k in 0..r {
+                // A_e's row col + k is fused row e * R + col + k.
+                let at = (e * rank + col + k) * inputs;
+                a[at..at + inputs].copy_from_slice(&a_rows[k]);
+                // B_e's column col + k is fused column (col + k) * E + e.
+                let fused_col = (col + k) * experts + e;
+                for (i, row) in b_rows.iter().enumerate() {
+                    b[(block * rows + i) * rank * experts + fused_col] = row[k] * factor;
+                }
+            }
+            col += r;
+        }
+    }
+    let device = first.a.device();
+    Ok(Some(FusedAdapter {
+        key,
+        a: Tensor::from_vec(a, (rank * experts, inputs), device)?.to_dtype(dtype)?,
+        b: Tensor::from_vec(b, (out, rank * experts), device)?.to_dtype(dtype)?,
+        rank,
+        scale,
+    }))
+}
+
+/// The three projections of a gated expert: gate, up, down.
+fn expert_projections(moe: &Moe) -> Vec<[&crate::Linear; 3]> {
+    moe.experts
+        .iter()
+        .filter_map(|e| match &e.gate_up {
+            GateUpProjection::Separate { gate_proj, up_proj } => {
+                Some([gate_proj, up_proj, &e.down_proj])
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// `model`'s adapters (trained with ferrotune's per-expert modules, transformers 4.x's names) as
+/// PEFT holds them on transformers 5, where experts are fused parameters and the router a bare
+/// weight: the config and the tensors of that adapter folder. `Ok(None)` when no expert or router
+/// has an adapter (the adapter loads on transformers 5 as it is); `Err` says why it cannot be
+/// written so (DoRA or LoRA biases on experts, which PEFT's `ParamWrapper` refuses; a regex
+/// `target_modules`).
+///
+/// The conversion is exact: expert `e`'s gate and up adapters (ranks `r_g`, `r_u`) become one of
+/// rank `r_g + r_u` on the fused `gate_up_proj` (A's stacked, B's on the block diagonal), and
+/// `rank_pattern` / `alpha_pattern` give each fused parameter its rank and scaling (B's rescaled
+/// where experts' scalings differ). Other layers named like an expert projection or the router
+/// (a shared expert's, a dense layer's `gate_proj`) are targeted by their 2-D `weight`, since PEFT
+/// on transformers 5 turns such module names into expert targets. Dropout is written as 0, which
+/// PEFT's `ParamWrapper` requires (it only acts in training).
+pub fn transformers5_adapter(
+    model: &CausalLm,
+    config: &LoraConfig,
+) -> Result<Option<AdapterFolder>, String> {
+    let sparse = sparse_layers(model);
+    let adapted = |l: &crate::Linear| l.adapter.is_some();
+    let any = sparse.iter().any(|(_, moe)| {
+        adapted(&moe.router) || expert_projections(moe).iter().flatten().any(|l| adapted(l))
+    });
+    if !any {
+        return Ok(None);
+    }
+    let TargetModules::Names(names) = &config.target_modules else {
+        return Err("target_modules is a regex".into());
+    };
+    let err = |e: candle_core::Error| e.to_string();
+    let mut tensors = crate::peft::saved_tensors(model, config).map_err(|e| e.to_string())?;
+    let mut fused: Vec<FusedAdapter> = Vec::new();
+    let mut nested: Vec<(String, bool)> = Vec::new();
+    for (i, moe) in &sparse {
+        let ours = format!("model.layers.{i}.{}", moe.block_name());
+        let theirs = format!("model.layers.{i}.mlp");
+        let projections = expert_projections(moe);
+        for linear in projections.iter().flatten().chain([&&moe.router]) {
+            if let Some(a) = &linear.adapter {
+                if a.dora_magnitude.is_some() || a.bias.is_some() {
+                    return Err(
+                        "an expert or router adapter is DoRA or has a LoRA bias, which \
+                                PEFT's adapters on parameters cannot hold"
+                            .into(),
+                    );
+                }
+            }
+        }
+        // The per-expert tensors give way to the fused ones.
+        tensors.retain(|k, _| !k.starts_with(&format!("{PEFT_PREFIX}{ours}.experts.")));
+        let inter = model
+            .config
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.expert_intermediate_size);
+        let hidden = model.config.hidden_size;
+        let gate_up: Vec<Vec<Option<&LoraAdapter>>> = projections
+            .iter()
+            .map(|p| vec![p[0].adapter.as_ref(), p[1].adapter.as_ref()])
+            .collect();
+        let down: Vec<Vec<Option<&LoraAdapter>>> = projections
+            .iter()
+            .map(|p| vec![p[2].adapter.as_ref()])
+            .collect();
+        let experts = format!("{theirs}.experts");
+        let gate_up = fuse_experts(format!("{experts}.gate_up_proj"), &gate_up, inter, hidden);
+        let down = fuse_experts(format!("{experts}.down_proj"), &down, hidden, inter);
+        let (gate_up, down) = (gate_up.map_err(err)?, down.map_err(err)?);
+        // PEFT wraps gate_up_proj first: with both, its tensors sit one `.base_layer` inside.
+        let both = gate_up.is_some() && down.is_some();
+        nested.extend(gate_up.iter().map(|f| (f.key.clone(), both)));
+        nested.extend(down.iter().map(|f| (f.key.clone(), false)));
+        fused.extend(gate_up.into_iter().chain(down));
+        if let Some(a) = &moe.router.adapter {
+            let (ka, kb, _) = file_keys(&format!("{ours}.gate"));
+            tensors.remove(&ka);
+            tensors.remove(&kb);
+            let key = format!("{theirs}.gate.weight");
+            nested.push((key.clone(), false));
+            fused.push(FusedAdapter {
+                key,
+                a: a.a.clone(),
+                b: a.b.clone(),
+                rank: a.rank(),
+                scale: a.scale,
+            });
+        }
+    }
+    // PEFT on transformers 5 turns every module target named like an expert projection or the
+    // router (`gate_proj`, `w1`, `gate`, ...) into a parameter target of the fused experts, which
+    // would drop a shared expert's or a dense layer's adapter of that name: those layers are
+    // parameter targets too (their 2-D `weight`).
+    let renamed: Vec<&str> = sparse.first().map_or(Vec::new(), |(_, moe)| {
+        let mut names = moe.projection_names().to_vec();
+        names.push("gate");
+        names
+    });
+    let mut others: Vec<(String, (usize, f64))> = Vec::new();
+    for (name, linear) in model.linears() {
+        let Some(a) = &linear.adapter else {
+            continue;
+        };
+        if fused_in_transformers5(&name, &sparse) {
+            continue;
+        }
+        let leaf = name.rsplit('.').next().unwrap_or("");
+        if !renamed.contains(&leaf) {
+            others.push((name, (a.rank(), a.scale)));
+            continue;
+        }
+        if a.dora_magnitude.is_some() || a.bias.is_some() {
+            return Err(format!(
+                "'{name}' has a DoRA adapter or a LoRA bias, which PEFT's adapters on parameters \
+                 cannot hold"
+            ));
+        }
+        let key = format!("{name}.weight");
+        nested.push((key.clone(), false));
+        fused.push(FusedAdapter {
+            key,
+            a: a.a.clone(),
+            b: a.b.clone(),
+            rank: a.rank(),
+            scale: a.scale,
+        });
+    }
+    let inside: HashMap<String, bool> = nested.into_iter().collect();
+    let mut out = config.clone();
+    out.lora_dropout = 0.0;
+    // Module targets left: those still naming an adapted `nn.Linear` of transformers 5.
+    let kept: Vec<String> = names
+        .iter()
+        .filter(|t| {
+            others
+                .iter()
+                .any(|(n, _)| n == *t || n.ends_with(&format!(".{t}")))
+                || (*t == "embed_tokens" && model.embed_adapter.is_some())
+        })
+        .cloned()
+        .collect();
+    out.target_modules = TargetModules::Names(kept);
+    out.target_parameters = fused.iter().map(|f| f.key.clone()).collect();
+    let alpha = |f: &FusedAdapter| {
+        let r = f.rank as f64;
+        f.scale * if config.use_rslora { r.sqrt() } else { r }
+    };
+    // Each parameter's own pattern, its name with the dots escaped, in parentheses: the file
+    // orders patterns by name and PEFT takes the first that matches, and `(` sorts before any
+    // module name a pattern would start with.
+    let exact = |f: &FusedAdapter| format!("({})", f.key.replace('.', "\\."));
+    let mut ranks: Vec<(String, usize)> = fused.iter().map(|f| (exact(f), f.rank)).collect();
+    ranks.extend(out.rank_pattern.iter().cloned());
+    out.rank_pattern = ranks;
+    let mut alphas: Vec<(String, f64)> = fused.iter().map(|f| (exact(f), alpha(f))).collect();
+    alphas.extend(out.alpha_pattern.iter().cloned());
+    out.alpha_pattern = alphas;
+    // Check that every target gets its rank and scaling once read back.
+    let text = out.to_json().to_string();
+    let read = LoraConfig::parse(&text)?;
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * x.abs().max(1.0);
+    for f in &fused {
+        let (r, a) = read.rank_and_alpha(&f.key);
+        if r != f.rank || !close(lora_scaling(r, a, config.use_rslora), f.scale) {
+            return Err(format!(
+                "the adapter's rank_pattern / alpha_pattern also match '{}'",
+                f.key
+            ));
+        }
+    }
+    for (name, (r, scale)) in &others {
+        match read.resolve(name) {
+            Some((rr, s)) if rr == *r && close(s, *scale) => {}
+            _ => return Err(format!("'{name}' would not keep its rank and scaling")),
+        }
+    }
+    for f in fused {
+        let stem = format!(
+            "{PEFT_PREFIX}{}{}",
+            f.key.rsplit_once('.').map_or("", |(m, _)| m),
+            if inside[&f.key] { ".base_layer" } else { "" }
+        );
+        tensors.insert(format!("{stem}.lora_A.weight"), f.a);
+        tensors.insert(format!("{stem}.lora_B.weight"), f.b);
+    }
+    Ok(Some((read, tensors)))
+}
+
+/// The sparse (mixture-of-experts) layers of `model` with their indices.
+pub(crate) fn sparse_layers(model: &CausalLm) -> Vec<(usize, &Moe)> {
+    model
+        .layers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| match &l.mlp {
+            FeedForward::Sparse(moe) => Some((i, moe.as_ref())),
+            FeedForward::Dense(_) => None,
+        })
+        .collect()
+}
+
+/// Whether ferrotune's linear layer `name` is no `nn.Linear` in transformers 5: a single expert
+/// (a slice of the fused parameters) or the router (a bare weight) of one of the `sparse` layers.
+pub(crate) fn fused_in_transformers5(name: &str, sparse: &[(usize, &Moe)]) -> bool {
+    sparse.iter().any(|(i, moe)| {
+        let block = format!("model.layers.{i}.{}", moe.block_name());
+        name == format!("{block}.gate") || name.starts_with(&format!("{block}.experts."))
+    })
+}
+
+/// Writes [`transformers5_adapter`]'s folder into `dir/transformers5` when `model` has
+/// adapters on experts or routers; returns whether it did.
+pub fn save_transformers5_adapter(
+    model: &CausalLm,
+    config: &LoraConfig,
+    dir: &Path,
+) -> Result<bool, ModelError> {
+    match transformers5_adapter(model, config).map_err(ModelError::Msg)? {
+        None => Ok(false),
+        Some((config, tensors)) => {
+            let tensors = tensors
+                .into_iter()
+                .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu)?)))
+                .collect::<candle_core::Result<_>>()?;
+            crate::peft::write_adapter_files(&dir.join(TRANSFORMERS5_DIR), &config, tensors)?;
+            Ok(true)
+        }
+    }
 }

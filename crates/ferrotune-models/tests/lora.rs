@@ -1146,9 +1146,9 @@ fn target_parameters_errors_are_named() {
         ),
         (
             "tp_both",
-            "target_modules",
-            serde_json::json!(["experts.0.up_proj"]),
-            &["experts.0.up_proj", "both"],
+            "target_parameters",
+            serde_json::json!(["experts.gate_up_proj", "shared_expert.up_proj.weight"]),
+            &["shared_expert.up_proj", "both"],
         ),
         (
             "tp_dora",
@@ -1173,5 +1173,115 @@ fn target_parameters_errors_are_named() {
     let dir = temp_dir("tp_save");
     let err = save_adapter(&model, &config, &dir).unwrap_err().to_string();
     assert!(err.contains("target_parameters"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// ferrotune's per-expert adapters written as PEFT holds them on transformers 5
+/// (`transformers5/`: fused experts and the router's weight as `target_parameters`) load back to
+/// the same model: every expert, router, shared-expert and attention adapter, with ranks that
+/// differ between gate and up (a rank pattern), rsLoRA or not.
+#[test]
+fn expert_adapters_written_for_transformers_5_load_back_the_same() {
+    use ferrotune_models::peft_params::{save_transformers5_adapter, TRANSFORMERS5_DIR};
+    let cases: [(&str, &[&str], bool); 3] = [
+        (
+            "models/mixtral",
+            &["q_proj", "w1", "w2", "w3", "gate"],
+            false,
+        ),
+        (
+            "models/qwen2_moe",
+            &[
+                "v_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                "gate",
+                "shared_expert_gate",
+            ],
+            true,
+        ),
+        ("models/qwen3_moe", &["gate_proj", "down_proj"], false),
+    ];
+    for (family, targets, rslora) in cases {
+        let targets = TargetModules::Names(targets.iter().map(|t| t.to_string()).collect());
+        let mut config = LoraConfig::new(2, 6.0, targets);
+        config.use_rslora = rslora;
+        config.rank_pattern = vec![("w3".into(), 3), ("up_proj".into(), 3)];
+        config.alpha_pattern = vec![("down_proj".into(), 5.0)];
+        let mut model = base_model(family);
+        add_adapter(&mut model, &config, 5).unwrap();
+        // Random B (and A) so that every adapter changes the outputs.
+        let mut seed = 0u64;
+        for (_, linear) in model.linears_mut() {
+            if let Some(a) = &mut linear.adapter {
+                seed += 1;
+                let noise = |t: &Tensor, s: u64| {
+                    let n = t.elem_count();
+                    let v: Vec<f32> = (0..n)
+                        .map(|i| {
+                            (((i as u64 * 7919 + s * 104_729) % 1000) as f32 / 1000.0 - 0.5) * 0.4
+                        })
+                        .collect();
+                    Tensor::from_vec(v, t.shape(), t.device()).unwrap()
+                };
+                a.a = noise(&a.a, seed);
+                a.b = noise(&a.b, seed + 500);
+            }
+        }
+        let batch = golden(family);
+        let want = model.forward(&batch.ids, &batch.layout, None).unwrap();
+        let dir = temp_dir(&format!("t5-{}", family.replace('/', "_")));
+        assert!(
+            save_transformers5_adapter(&model, &config, &dir).unwrap(),
+            "{family}"
+        );
+        let folder = dir.join(TRANSFORMERS5_DIR);
+        let written = read_json(&folder.join(ADAPTER_CONFIG_FILE));
+        assert!(
+            written["target_parameters"]
+                .as_array()
+                .is_some_and(|a| !a.is_empty()),
+            "{family}: {written}"
+        );
+        assert_eq!(written["lora_dropout"], Value::from(0.0));
+        // PEFT on transformers 5 would turn module targets named like expert projections or the
+        // router into parameter targets of the experts (dropping a shared expert's or a dense
+        // layer's adapter): none are left.
+        for t in written["target_modules"].as_array().unwrap() {
+            let t = t.as_str().unwrap();
+            let renamed = [
+                "w1",
+                "w2",
+                "w3",
+                "gate",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ];
+            assert!(
+                !renamed.contains(&t),
+                "{family}: target_modules keeps '{t}'"
+            );
+        }
+        let mut reloaded = base_model(family);
+        load_adapter(&mut reloaded, &folder).unwrap_or_else(|e| panic!("{family}: {e}"));
+        let got = reloaded.forward(&batch.ids, &batch.layout, None).unwrap();
+        let err = max_abs_diff(&got, &want);
+        assert!(err <= 1e-5, "{family}: logits max abs error {err}");
+        let moved = max_abs_diff(&want, &batch.tensors["logits"]);
+        assert!(
+            moved > 1e-2,
+            "{family}: the adapters changed the logits by {moved}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    // A model without adapters on experts writes nothing.
+    let mut model = base_model("models/mixtral");
+    let config = LoraConfig::new(2, 4.0, TargetModules::Names(vec!["q_proj".into()]));
+    add_adapter(&mut model, &config, 1).unwrap();
+    let dir = temp_dir("t5-none");
+    assert!(!save_transformers5_adapter(&model, &config, &dir).unwrap());
+    assert!(!dir.join(TRANSFORMERS5_DIR).exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -575,8 +575,23 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             "note: no merged/ model is written: {why}; the adapter files are complete"
         ));
     }
+    // Adapters on experts also go out as PEFT holds them on transformers 5 (fused experts).
+    let transformers5 = match lora_config.as_ref().filter(|_| !mode.full()) {
+        Some(lc) => match ferrotune_models::peft_params::transformers5_adapter(&model, lc) {
+            Ok(found) => found.is_some(),
+            Err(why) => {
+                say(format!(
+                    "note: no transformers5/ adapter is written for the experts: {why} (the \
+                     adapter files load with transformers 4's per-expert modules)"
+                ));
+                false
+            }
+        },
+        None => false,
+    };
     let saver = Saver {
         mode,
+        transformers5,
         output_dir: &ckpt_out,
         format: setup::save_format(cfg, &source, say),
         source: &source,
@@ -1263,6 +1278,9 @@ struct Saver<'a> {
     /// Also write torchtune's `adapter_model.pt` (a torchtune checkpointer, a model type it
     /// converts).
     torchtune_adapter: bool,
+    /// Also write the adapter as PEFT holds it on transformers 5 (`transformers5/`), for
+    /// adapters on experts or routers.
+    transformers5: bool,
     /// `checkpointer.keep_last_n_checkpoints`: older `epoch_N` (or `step_N`) folders are removed
     /// after each save, as torchtune's checkpointer does.
     keep_last: Option<usize>,
@@ -1344,6 +1362,9 @@ impl Saver<'_> {
                     peft::save_adapter(model, lc, dir)?;
                     if self.torchtune_adapter {
                         ferrotune_models::torchtune_adapter::save_torchtune_adapter(model, dir)?;
+                    }
+                    if self.transformers5 {
+                        ferrotune_models::peft_params::save_transformers5_adapter(model, lc, dir)?;
                     }
                     // The merged model goes one folder down: transformers treats a folder holding
                     // adapter_config.json as "base + adapter", so merged weights beside it would
