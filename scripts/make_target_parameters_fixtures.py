@@ -9,9 +9,10 @@ Same layout as tests/fixtures/embedding_lora (see scripts/make_embedding_lora_fi
 tests/fixtures/target_parameters/<name>/. The module names are transformers 5's (Mixtral's
 `block_sparse_moe` is `mlp` there). `merged.safetensors` is PEFT's merged state dict in
 transformers 5's in-memory names (fused experts).
-Run from the repository root: python3 scripts/make_target_parameters_fixtures.py
+Run from the repository root: python3 scripts/make_target_parameters_fixtures.py [CASE ...]
 """
 import os
+import sys
 
 from make_embedding_lora_fixtures import ROOT, make_case
 
@@ -47,12 +48,20 @@ CASES = {
         "models/qwen3_moe/model",
         dict(r=2, lora_alpha=8, target_modules=[], target_parameters=["experts.down_proj", "layers.0.mlp.up_proj.weight"]),
     ),
+    # No parameter targets, module names as on transformers 4: on transformers 5 the experts are
+    # no modules, so PEFT adapts the shared expert's gate/up/down_proj (and q_proj) only.
+    "qwen2_moe_modules": (
+        "models/qwen2_moe/model",
+        dict(r=2, lora_alpha=4, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]),
+    ),
 }
 
 
 def main():
+    only = sys.argv[1:]
     for name, (base, kwargs) in CASES.items():
-        make_case(OUT, name, base, kwargs)
+        if not only or name in only:
+            make_case(OUT, name, base, kwargs)
 
 
 if __name__ == "__main__":

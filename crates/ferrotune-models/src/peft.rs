@@ -617,10 +617,14 @@ struct Targets {
 }
 
 /// The modules `config` adapts in `model`; an error when there are none.
-fn targeted_modules(model: &CausalLm, config: &LoraConfig) -> Result<Targets, String> {
-    // An adapter with parameter targets was made on transformers 5, whose experts and routers
-    // are no modules: module names there cannot reach them.
-    let transformers5 = !config.target_parameters.is_empty();
+///
+/// With `transformers5` the adapter was made on transformers 5, whose experts and routers are no
+/// modules: module names cannot reach them there.
+fn targeted_modules(
+    model: &CausalLm,
+    config: &LoraConfig,
+    transformers5: bool,
+) -> Result<Targets, String> {
     let sparse = crate::peft_params::sparse_layers(model);
     let linears: Vec<_> = model
         .linears()
@@ -1210,8 +1214,18 @@ pub fn attach_adapter(
     mut tensors: HashMap<String, Tensor>,
     source: &str,
 ) -> Result<(), ModelError> {
-    let mut targets =
-        targeted_modules(model, config).map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
+    // An adapter made on transformers 5 (PEFT creates one there from module names alone, as the
+    // experts are no modules) holds no tensor of a single expert or of a router; one made on
+    // transformers 4 has them wherever its names reach.
+    let sparse = crate::peft_params::sparse_layers(model);
+    let per_expert = tensors.keys().any(|k| {
+        let module = k.strip_prefix(PEFT_PREFIX).unwrap_or(k);
+        let module = module.split(".lora_").next().unwrap_or(module);
+        crate::peft_params::fused_in_transformers5(module, &sparse)
+    });
+    let transformers5 = !config.target_parameters.is_empty() || !per_expert;
+    let mut targets = targeted_modules(model, config, transformers5)
+        .map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
     for (name, r, scale) in crate::peft_params::expand(model, config, &mut tensors, source)? {
         if targets.linears.iter().any(|(n, _, _)| *n == name) {
             return Err(ModelError::Msg(format!(
@@ -1330,7 +1344,7 @@ pub fn add_adapter(
     config: &LoraConfig,
     seed: u64,
 ) -> Result<usize, ModelError> {
-    let targets = targeted_modules(model, config).map_err(ModelError::Msg)?;
+    let targets = targeted_modules(model, config, false).map_err(ModelError::Msg)?;
     if targets.head_shares_embed {
         return Err(ModelError::Msg(SHARED_HEAD_TRAINING.into()));
     }

@@ -1034,8 +1034,10 @@ fn fresh_lora_bias_starts_at_zero_and_trains() {
 
 /// The cases of tests/fixtures/target_parameters: Mixtral's experts (both fused parameters,
 /// nested, one with a rank pattern), router and q_proj; Qwen2-MoE's gate_up_proj beside its shared
-/// expert (rsLoRA); Qwen3-MoE's down_proj and a dense layer's 2-D weight.
-const TARGET_PARAMETERS_CASES: [&str; 3] = ["mixtral", "qwen2_moe", "qwen3_moe"];
+/// expert (rsLoRA); Qwen3-MoE's down_proj and a dense layer's 2-D weight; and Qwen2-MoE adapted by
+/// module names alone on transformers 5 (its shared expert, no expert: they are no modules there).
+const TARGET_PARAMETERS_CASES: [&str; 4] =
+    ["mixtral", "qwen2_moe", "qwen3_moe", "qwen2_moe_modules"];
 
 /// `merged` (ferrotune's names: one linear per expert, Mixtral's `block_sparse_moe`) in
 /// transformers 5's in-memory names and layout, as PEFT's merged state dict holds it: Mixtral's
@@ -1091,7 +1093,15 @@ fn target_parameters_match_peft() {
     for name in TARGET_PARAMETERS_CASES {
         let case = Case::target_parameters(name);
         let (mut model, config) = case.model_with_adapter();
-        assert!(!config.target_parameters.is_empty(), "{name}");
+        let experts_adapted = model
+            .linears()
+            .iter()
+            .any(|(n, l)| n.contains(".experts.") && l.adapter.is_some());
+        assert_eq!(
+            experts_adapted,
+            !config.target_parameters.is_empty(),
+            "{name}"
+        );
         case.assert_adapter_logits(&model, "inference");
         set_training(&mut model, true);
         let logits = case.assert_adapter_logits(&model, "training");
