@@ -9,6 +9,9 @@
 //! weight becomes `W_e + B_e A_e * scaling`. ferrotune holds every expert as its own gated MLP,
 //! so such an adapter is exactly one LoRA per expert projection (the gate and up projections
 //! sharing expert `e`'s `A`); a 2-D parameter's adapter is a plain LoRA on its layer.
+//!
+//! The other way, [`transformers5_adapter`] writes adapters trained on ferrotune's per-expert
+//! layers in that form, for PEFT on transformers 5.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
