@@ -213,12 +213,12 @@ def cfg_gemma():
     ))
 
 
-def cfg_gemma2():
+def gemma2_args():
     # Gemma 2: sandwich norms (post-attention / pre- and post-feedforward), scores scaled by
     # query_pre_attn_scalar^-0.5 (24, != head_dim 16), tanh softcapping of attention scores and final
     # logits with caps small enough to bite (3 and 2.5), and layer_types alternating sliding (window 5 <
     # the 16-token sequence) and full attention.
-    return Gemma2Config(**common(
+    return common(
         num_key_value_heads=2,
         head_dim=16,
         hidden_activation="gelu_pytorch_tanh",
@@ -230,25 +230,17 @@ def cfg_gemma2():
         sliding_window=5,
         attention_bias=False,
         tie_word_embeddings=True,
-    ))
+    )
+
+
+def cfg_gemma2():
+    return Gemma2Config(**gemma2_args())
 
 
 def cfg_vaultgemma():
     # VaultGemma: Gemma 2 without the post-attention and post-feedforward norms (input_layernorm, and
     # pre_feedforward_layernorm before the MLP); Gemma 2's scalar, softcaps and alternating windows.
-    return VaultGemmaConfig(**common(
-        num_key_value_heads=2,
-        head_dim=16,
-        hidden_activation="gelu_pytorch_tanh",
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        query_pre_attn_scalar=24,
-        attn_logit_softcapping=3.0,
-        final_logit_softcapping=2.5,
-        sliding_window=5,
-        attention_bias=False,
-        tie_word_embeddings=True,
-    ))
+    return VaultGemmaConfig(**gemma2_args())
 
 
 def cfg_gemma3():

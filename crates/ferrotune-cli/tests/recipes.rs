@@ -242,13 +242,11 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
     }
 }
 
-/// `model.apply_lora_to_embeddings` adds PEFT's embedding adapter (A zeros, B normal): one AdamW
-/// step moves A's columns of the batch's tokens (those before a scored label) and no other, the adapter is saved under PEFT's
-/// names with `embed_tokens` among the targets, and a torchtune checkpointer skips the
-/// `adapter_model.pt` it cannot hold, saying so.
-#[test]
-fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
-    let dir = tmpdir("embed-lora");
+/// One AdamW step of LoRA on the Qwen2 fixture with `setting`, under torchtune's HF checkpointer,
+/// for adapters torchtune's `adapter_model.pt` cannot hold: the run says so and writes none.
+/// Returns the saved folder and its `adapter_config.json`.
+fn one_lora_step_without_torchtune_adapter(name: &str, setting: &str) -> (PathBuf, Value) {
+    let dir = tmpdir(name);
     let data = dir.join("batch.jsonl");
     write_golden_rows("qwen2", &data);
     let cfg = write_config(&dir, "qwen2", &data);
@@ -258,7 +256,7 @@ fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
             "lora_finetune_single_device",
             "--config",
             cfg.to_str().unwrap(),
-            "model.apply_lora_to_embeddings=true",
+            setting,
             "max_steps_per_epoch=1",
             "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
         ],
@@ -273,6 +271,19 @@ fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
         &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
     )
     .unwrap();
+    (saved_dir, config)
+}
+
+/// `model.apply_lora_to_embeddings` adds PEFT's embedding adapter (A zeros, B normal): one AdamW
+/// step moves A's columns of the batch's tokens (those before a scored label) and no other, the adapter is saved under PEFT's
+/// names with `embed_tokens` among the targets, and a torchtune checkpointer skips the
+/// `adapter_model.pt` it cannot hold, saying so.
+#[test]
+fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
+    let (saved_dir, config) = one_lora_step_without_torchtune_adapter(
+        "embed-lora",
+        "model.apply_lora_to_embeddings=true",
+    );
     assert!(
         config["target_modules"]
             .to_string()
@@ -316,31 +327,8 @@ fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
 /// the `adapter_model.pt` it cannot hold, saying so.
 #[test]
 fn lora_bias_trains_biases_on_the_adapters() {
-    let dir = tmpdir("lora-bias");
-    let data = dir.join("batch.jsonl");
-    write_golden_rows("qwen2", &data);
-    let cfg = write_config(&dir, "qwen2", &data);
-    let out = ferrotune(
-        &[
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            cfg.to_str().unwrap(),
-            "model.lora_bias=true",
-            "max_steps_per_epoch=1",
-            "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
-        ],
-        &dir,
-        &[],
-    );
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("no adapter_model.pt"), "{}", text(&out));
-    let saved_dir = dir.join("out/epoch_0");
-    assert!(!saved_dir.join("adapter_model.pt").exists());
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
-    )
-    .unwrap();
+    let (saved_dir, config) =
+        one_lora_step_without_torchtune_adapter("lora-bias", "model.lora_bias=true");
     assert_eq!(config["lora_bias"], Value::Bool(true));
     let saved = load(&saved_dir.join("adapter_model.safetensors"));
     let merged = load(&saved_dir.join("merged/model.safetensors"));

@@ -224,6 +224,19 @@ struct FusedAdapter {
     scale: f64,
 }
 
+impl FusedAdapter {
+    /// The adapter of a 2-D parameter `key`: the layer's own LoRA as it is.
+    fn of_weight(key: String, adapter: &LoraAdapter) -> Self {
+        Self {
+            key,
+            a: adapter.a.clone(),
+            b: adapter.b.clone(),
+            rank: adapter.rank(),
+            scale: adapter.scale,
+        }
+    }
+}
+
 /// Fuses per-expert adapters into one adapter of a fused parameter: expert `e`'s `parts` (one
 /// adapter per row block of the parameter, each of `rows` output rows, `None` where a block has
 /// none) become `A_e` (their A's stacked) and `B_e` (their B's on the block diagonal, each scaled
@@ -375,13 +388,7 @@ pub fn transformers5_adapter(
             tensors.remove(&kb);
             let key = format!("{theirs}.gate.weight");
             nested.push((key.clone(), false));
-            fused.push(FusedAdapter {
-                key,
-                a: a.a.clone(),
-                b: a.b.clone(),
-                rank: a.rank(),
-                scale: a.scale,
-            });
+            fused.push(FusedAdapter::of_weight(key, a));
         }
     }
     // PEFT on transformers 5 turns every module target named like an expert projection or the
@@ -414,13 +421,7 @@ pub fn transformers5_adapter(
         }
         let key = format!("{name}.weight");
         nested.push((key.clone(), false));
-        fused.push(FusedAdapter {
-            key,
-            a: a.a.clone(),
-            b: a.b.clone(),
-            rank: a.rank(),
-            scale: a.scale,
-        });
+        fused.push(FusedAdapter::of_weight(key, a));
     }
     let inside: HashMap<String, bool> = nested.into_iter().collect();
     let mut out = config.clone();
