@@ -267,6 +267,44 @@ fn grpo_with_lora_saves_a_peft_adapter_and_the_merged_model() {
     }
 }
 
+/// GRPO continuing an adapter with LoRA biases on Llama's bias-free layers (which cannot be
+/// merged): the biases train, the adapter is saved with them, and no merged model is written,
+/// with a note.
+#[test]
+fn grpo_with_an_unmergeable_lora_bias_adapter_saves_the_adapter_alone() {
+    let dir = tmpdir("grpo", "lora-bias");
+    let cfg = write_config(&dir);
+    let out = dir.join("out");
+    let adapter = fixtures().join("lora_bias/llama3_unmergeable/adapter");
+    let o = run(
+        &dir,
+        &cfg,
+        &out,
+        &[
+            "~ref_checkpointer",
+            "model._component_=torchtune.models.llama3_2.lora_llama3_2_1b",
+            // LoRA mode (the adapter's own config decides its targets).
+            "model.lora_attn_modules=[q_proj]",
+            &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
+            "epochs=1",
+            "optimizer.lr=1e-2",
+        ],
+        &[],
+    );
+    let log = text(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(log.contains("no merged/ model"), "{log}");
+    let epoch = out.join("epoch_0");
+    assert!(!epoch.join("merged").exists());
+    let saved = load(&epoch.join("adapter_model.safetensors"));
+    let start = load(&adapter.join("adapter_model.safetensors"));
+    let key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias";
+    assert!(
+        ferrotune_testing::max_abs_diff(&saved[key], &start[key]) > 0.0,
+        "{key} did not train"
+    );
+}
+
 /// Two ranks of batch size 1 train what one process of batch size 2 trains, every weight or LoRA
 /// adapters: torch's sampler deals the problems, each prompt is sampled alike, and the ranks'
 /// gradients are averaged before each step; the logged rewards and successes are the means over

@@ -551,6 +551,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     } else {
         None
     };
+    // An adapter that cannot be merged (a LoRA bias on layers without one) is saved alone.
+    let unmergeable = peft::merge_refusal(&policy).filter(|_| lora);
+    if let Some(why) = &unmergeable {
+        say(format!(
+            "note: no merged/ model is written: {why}; the adapter files are complete"
+        ));
+    }
     let params = match lora {
         true => peft::trainable_parameters(&mut policy)?,
         false => policy.make_all_trainable()?,
@@ -850,6 +857,9 @@ pub fn run(cfg: &Config) -> Result<()> {
                             Some(&tokenizer),
                             dir,
                         )?;
+                        if unmergeable.is_some() {
+                            return Ok(());
+                        }
                         let merged = dir.join(crate::recipe::finetune::MERGED_DIR);
                         std::fs::create_dir_all(&merged)
                             .with_context(|| format!("{}: cannot create", merged.display()))?;
