@@ -798,9 +798,9 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             });
         }
     }
-    // llama.cpp's `phi2` requires its own `output.weight` (other architectures fall back to the
-    // embeddings): a tied head with its bias is written out as the embedding's copy.
-    if arch == "phi2" && config.tie_word_embeddings {
+    // llama.cpp's `phi2` and `qwen2moe` require their own `output.weight` (other architectures
+    // fall back to the embeddings): a tied head is written out as the embedding's copy.
+    if matches!(arch, "phi2" | "qwen2moe") && config.tie_word_embeddings {
         if let Some((file, stored, shape)) = listed
             .iter()
             .find(|(_, n, _)| n == "model.embed_tokens.weight")

@@ -449,6 +449,27 @@ fn edited_copy(name: &str, dir: &std::path::Path, edit: impl FnOnce(&mut Value))
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
 }
 
+/// A Qwen2-MoE whose head is tied to the embedding: llama.cpp's `qwen2moe` (as its `phi2`) has
+/// no fallback to the embedding, so the file holds `output.weight`, the embedding's copy, and
+/// reads back to the checkpoint's logits.
+#[test]
+fn a_tied_qwen2_moe_head_is_written_as_output_weight() {
+    use candle_core::quantized::gguf_file::Content;
+    let out = out_dir("tied-moe");
+    let dir = out.join("qwen2_moe");
+    edited_copy("qwen2_moe", &dir, |c| {
+        c["tie_word_embeddings"] = true.into()
+    });
+    let (_, err) = round_trip("qwen2_moe", &dir);
+    assert!(err <= 1e-5, "relative L2 {err}");
+    let mut f = std::fs::File::open(dir.join("model.gguf")).unwrap();
+    let content = Content::read(&mut f).unwrap();
+    let output = &content.tensor_infos["output.weight"];
+    let embed = &content.tensor_infos["token_embd.weight"];
+    assert_eq!(output.shape.dims(), embed.shape.dims());
+    std::fs::remove_dir_all(&out).ok();
+}
+
 /// Gemma 2 (sandwich norms, both softcaps, a sliding window on every other layer) with the
 /// score scale llama.cpp fixes (the head size): exported and read back, the checkpoint's own
 /// logits. The fixture's own scale, and Gemma 3, are refused naming the reason.
