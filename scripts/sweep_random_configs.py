@@ -10,6 +10,7 @@ counts) to find the combinations nobody wrote down.
   python3 scripts/sweep_random_configs.py gguf    ...   # export-gguf f32, run by llama.cpp
   python3 scripts/sweep_random_configs.py gguf-lora ... # a PEFT adapter as llama.cpp's LoRA GGUF
   python3 scripts/sweep_random_configs.py packed  ...   # packed rows train as the samples alone
+  python3 scripts/sweep_random_configs.py moe-peft ...  # PEFT adapters on fused experts, both ways
 
 - forward: `run eval`'s loss against transformers' (relative 1e-5) and 10 greedy tokens of
   `generate` against `model.generate`.
@@ -27,6 +28,10 @@ counts) to find the combinations nobody wrote down.
   into one row of 128 (`packed: true`): the first step's loss is the same (1e-5), and so is the model after one SGD step
   (relative 1e-4 of how far it moved) — block-causal masks, restarted positions, windows,
   softcaps and partial rotary included.
+- moe-peft (mixtures of experts only): a PEFT adapter made on transformers 5 with
+  `target_parameters` (fused experts, the router) gives ferrotune's `run eval` PEFT's loss (1e-5);
+  and ferrotune's LoRA on every expert, one SGD step, written as `transformers5/`, gives PEFT on
+  transformers 5 the loss ferrotune computes with its own per-expert adapter (1e-5).
 - gguf-lora: a PEFT adapter on all linear layers (rsLoRA at times, the token embedding half the
   time), exported with `export-gguf
   ADAPTER --base MODEL`, run by llama.cpp on the base's f32 GGUF, against transformers + PEFT.
@@ -402,9 +407,63 @@ def check_packed(rng, binary, mt, folder):
     return cfgd, rel < 1e-5 and worst < 1e-4, f"loss rel {rel:.1e}, step worst {worst:.1e}"
 
 
+def eval_loss(binary, folder, mdir, data, adapter):
+    """`run eval`'s loss of `mdir` with the adapter folder `adapter` on the rows `data`."""
+    sub = tempfile.mkdtemp(dir=folder)
+    out = run(binary, "run", "eval", "--config", config(sub, mdir, data),
+              f"checkpointer.adapter_checkpoint={adapter}")
+    return json.loads(out.strip().splitlines()[-1])["loss"]
+
+
+def peft_loss(mdir, adapter, ids, labels):
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids), labels=torch.tensor(labels)).loss.item()
+
+
+def check_moe_peft(rng, binary, mt, folder):
+    import peft.tuners.lora.torchao as peft_torchao
+    from peft import LoraConfig
+
+    peft_torchao.is_torchao_available = lambda: False
+    cfgd, mdir = make_model(rng, mt, folder)
+    ids, labels, data = rows(rng, folder, t=16)
+    # 1. A PEFT adapter on transformers 5's fused experts / router (`target_parameters`), maybe
+    # beside the attention by module name: ferrotune's eval loss is PEFT's.
+    params = [p for p, keep in (("mlp.experts.gate_up_proj", rng.random() < 0.7),
+                                ("mlp.experts.down_proj", rng.random() < 0.7),
+                                ("mlp.gate.weight", rng.random() < 0.3)) if keep]
+    params = params or ["mlp.experts.down_proj"]
+    r = rng.choice([2, 3, 4])
+    lc = LoraConfig(r=r, lora_alpha=2 * r, use_rslora=rng.random() < 0.3,
+                    target_modules=["q_proj"] if rng.random() < 0.5 else [],
+                    target_parameters=params,
+                    rank_pattern={"down_proj": r + 1} if rng.random() < 0.3 else {})
+    base = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
+    adir = save_random_adapter(base, lc, folder)
+    want = peft_loss(mdir, adir, ids, labels)
+    got = eval_loss(binary, folder, mdir, data, adir)
+    rel1 = abs(got - want) / abs(want)
+    # 2. ferrotune's LoRA on every expert (and the attention), one SGD step from a fresh adapter,
+    # written for transformers 5 (`transformers5/`): PEFT there gives the loss ferrotune gives with
+    # its own per-expert adapter.
+    run(binary, "run", "lora_finetune_single_device", "--config",
+        config(folder, mdir, data, f"model:\n  lora_rank: {r}\n  lora_alpha: {2 * r}\n"
+                                   "  lora_attn_modules: [q_proj, v_proj]\n  apply_lora_to_mlp: true\n"))
+    saved = os.path.join(folder, "out/epoch_0")
+    ours = eval_loss(binary, folder, mdir, data, saved)
+    theirs = peft_loss(mdir, os.path.join(saved, "transformers5"), ids, labels)
+    rel2 = abs(ours - theirs) / abs(theirs)
+    return cfgd, rel1 < 1e-5 and rel2 < 1e-5, (f"target_parameters {params} r={r}: loss rel {rel1:.1e}; "
+                                               f"transformers5/: loss rel {rel2:.1e}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["forward", "lora", "full", "gguf", "gguf-lora", "packed"])
+    ap.add_argument("mode", choices=["forward", "lora", "full", "gguf", "gguf-lora", "packed", "moe-peft"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--types", default=",".join(FAMILIES))
@@ -412,10 +471,13 @@ def main():
     args = ap.parse_args()
     rng = random.Random(args.seed)
     check = {"forward": check_forward, "lora": check_lora, "full": check_full,
-             "gguf": check_gguf, "gguf-lora": check_gguf_lora, "packed": check_packed}[args.mode]
+             "gguf": check_gguf, "gguf-lora": check_gguf_lora, "packed": check_packed,
+             "moe-peft": check_moe_peft}[args.mode]
     bad = total = 0
     for mt in args.types.split(","):
         if args.mode in ("lora", "full", "gguf-lora") and mt in MOE:
+            continue
+        if args.mode == "moe-peft" and mt not in MOE:
             continue
         for trial in range(args.trials):
             folder = tempfile.mkdtemp()
