@@ -218,28 +218,7 @@ fn grpo_refuses_bad_settings_naming_them() {
 /// 0, is the base itself, and the tiny model's completions all get the same reward).
 #[test]
 fn grpo_with_lora_saves_a_peft_adapter_and_the_merged_model() {
-    let dir = tmpdir("grpo", "lora");
-    let cfg = write_config(&dir);
-    let out = dir.join("out");
-    let o = run(
-        &dir,
-        &cfg,
-        &out,
-        &[
-            "~ref_checkpointer",
-            "model._component_=torchtune.models.llama3_2.lora_llama3_2_1b",
-            "model.lora_attn_modules=[q_proj,v_proj]",
-            "model.lora_rank=4",
-            "model.lora_alpha=8",
-            &format!(
-                "checkpointer.adapter_checkpoint={}",
-                fixtures().join("llama3/adapter").display()
-            ),
-            "epochs=1",
-            "optimizer.lr=1e-2",
-        ],
-        &[],
-    );
+    let (o, out) = grpo_lora_from("lora", &fixtures().join("llama3/adapter"));
     let log = text(&o);
     assert!(o.status.success(), "{log}");
     let epoch = out.join("epoch_0");
@@ -267,15 +246,13 @@ fn grpo_with_lora_saves_a_peft_adapter_and_the_merged_model() {
     }
 }
 
-/// GRPO continuing an adapter with LoRA biases on Llama's bias-free layers (which cannot be
-/// merged): the biases train, the adapter is saved with them, and no merged model is written,
-/// with a note.
-#[test]
-fn grpo_with_an_unmergeable_lora_bias_adapter_saves_the_adapter_alone() {
-    let dir = tmpdir("grpo", "lora-bias");
+/// One epoch of GRPO with LoRA (no reference checkpoint: the reference is the base under the
+/// adapter) continuing the PEFT adapter at `adapter` (whose config decides its targets); returns
+/// the run's output and its output folder.
+fn grpo_lora_from(name: &str, adapter: &Path) -> (std::process::Output, PathBuf) {
+    let dir = tmpdir("grpo", name);
     let cfg = write_config(&dir);
     let out = dir.join("out");
-    let adapter = fixtures().join("lora_bias/llama3_unmergeable/adapter");
     let o = run(
         &dir,
         &cfg,
@@ -283,14 +260,25 @@ fn grpo_with_an_unmergeable_lora_bias_adapter_saves_the_adapter_alone() {
         &[
             "~ref_checkpointer",
             "model._component_=torchtune.models.llama3_2.lora_llama3_2_1b",
-            // LoRA mode (the adapter's own config decides its targets).
-            "model.lora_attn_modules=[q_proj]",
+            "model.lora_attn_modules=[q_proj,v_proj]",
+            "model.lora_rank=4",
+            "model.lora_alpha=8",
             &format!("checkpointer.adapter_checkpoint={}", adapter.display()),
             "epochs=1",
             "optimizer.lr=1e-2",
         ],
         &[],
     );
+    (o, out)
+}
+
+/// GRPO continuing an adapter with LoRA biases on Llama's bias-free layers (which cannot be
+/// merged): the biases train, the adapter is saved with them, and no merged model is written,
+/// with a note.
+#[test]
+fn grpo_with_an_unmergeable_lora_bias_adapter_saves_the_adapter_alone() {
+    let adapter = fixtures().join("lora_bias/llama3_unmergeable/adapter");
+    let (o, out) = grpo_lora_from("lora-bias", &adapter);
     let log = text(&o);
     assert!(o.status.success(), "{log}");
     assert!(log.contains("no merged/ model"), "{log}");
