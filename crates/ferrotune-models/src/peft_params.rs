@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::lora::{lora_scaling, LoraAdapter};
 use crate::model::{FeedForward, GateUpProjection, Moe};
@@ -167,12 +167,7 @@ pub(crate) fn expand(
                 experts,
                 gate_up,
             } => {
-                let hidden = model.config.hidden_size;
-                let inter = model
-                    .config
-                    .moe
-                    .as_ref()
-                    .map_or(0, |m| m.expert_intermediate_size);
+                let (hidden, inter) = (model.config.hidden_size, expert_intermediate_size(model));
                 let (rows, cols) = if gate_up {
                     (2 * inter, hidden)
                 } else {
@@ -214,86 +209,121 @@ pub type AdapterFolder = (LoraConfig, BTreeMap<String, Tensor>);
 /// [`transformers5_adapter`]).
 pub const TRANSFORMERS5_DIR: &str = "transformers5";
 
-/// One fused expert parameter's adapter as PEFT holds it: its name, `lora_A` `[R * E, in]`,
-/// `lora_B` `[out, R * E]`, rank `R` and scaling.
-struct FusedAdapter {
+/// Where one parameter target's adapter comes from.
+enum Source<'a> {
+    /// Per-expert adapters to fuse: expert `e`'s `parts[e]`, one adapter per row block of the
+    /// parameter (each of `rows` output rows over `inputs` inputs; `None` where a block has none).
+    Experts {
+        parts: Vec<Vec<Option<&'a LoraAdapter>>>,
+        rows: usize,
+        inputs: usize,
+    },
+    /// A 2-D weight's own LoRA, as it is.
+    Weight(&'a LoraAdapter),
+}
+
+/// One parameter target of the adapter as PEFT holds it on transformers 5: its name, rank `R`
+/// (per expert), scaling, whether PEFT nests its wrapper inside another of the same module, and
+/// where its tensors come from.
+struct ParamTarget<'a> {
     key: String,
-    a: Tensor,
-    b: Tensor,
     rank: usize,
     scale: f64,
+    nested: bool,
+    source: Source<'a>,
 }
 
-impl FusedAdapter {
-    /// The adapter of a 2-D parameter `key`: the layer's own LoRA as it is.
-    fn of_weight(key: String, adapter: &LoraAdapter) -> Self {
+impl<'a> ParamTarget<'a> {
+    /// The target of a 2-D parameter `key`: the layer's own LoRA.
+    fn weight(key: String, adapter: &'a LoraAdapter) -> Self {
         Self {
             key,
-            a: adapter.a.clone(),
-            b: adapter.b.clone(),
             rank: adapter.rank(),
             scale: adapter.scale,
+            nested: false,
+            source: Source::Weight(adapter),
         }
     }
-}
 
-/// Fuses per-expert adapters into one adapter of a fused parameter: expert `e`'s `parts` (one
-/// adapter per row block of the parameter, each of `rows` output rows, `None` where a block has
-/// none) become `A_e` (their A's stacked) and `B_e` (their B's on the block diagonal, each scaled
-/// by its scaling over the fused one), laid out as PEFT's `ParamWrapper` reads them. `None` when
-/// no expert has an adapter.
-fn fuse_experts(
-    key: String,
-    parts: &[Vec<Option<&LoraAdapter>>],
-    rows: usize,
-    inputs: usize,
-) -> candle_core::Result<Option<FusedAdapter>> {
-    let experts = parts.len();
-    let rank = parts
-        .iter()
-        .map(|p| p.iter().flatten().map(|a| a.rank()).sum::<usize>())
-        .max()
-        .unwrap_or(0);
-    let Some(first) = parts.iter().flatten().flatten().next() else {
-        return Ok(None);
-    };
-    let (scale, dtype) = (first.scale, first.a.dtype());
-    let blocks = parts.first().map_or(0, Vec::len);
-    let out = rows * blocks;
-    // Dense host buffers: the adapters are small, and the interleaved layout is plain indexing.
-    let mut a = vec![0f32; rank * experts * inputs];
-    let mut b = vec![0f32; out * rank * experts];
-    for (e, expert) in parts.iter().enumerate() {
-        let mut col = 0;
-        for (block, adapter) in expert.iter().enumerate() {
-            let Some(adapter) = adapter else {
-                continue;
-            };
-            let r = adapter.rank();
-            let a_rows: Vec<Vec<f32>> = adapter.a.to_dtype(DType::F32)?.to_vec2()?;
-            let factor = (adapter.scale / scale) as f32;
-            let b_rows: Vec<Vec<f32>> = adapter.b.to_dtype(DType::F32)?.to_vec2()?;
-            for k in 0..r {
-                // A_e's row col + k is fused row e * R + col + k.
-                let at = (e * rank + col + k) * inputs;
-                a[at..at + inputs].copy_from_slice(&a_rows[k]);
-                // B_e's column col + k is fused column (col + k) * E + e.
-                let fused_col = (col + k) * experts + e;
-                for (i, row) in b_rows.iter().enumerate() {
-                    b[(block * rows + i) * rank * experts + fused_col] = row[k] * factor;
-                }
-            }
-            col += r;
-        }
+    /// The target of a fused expert parameter `key` (see [`Source::Experts`]): rank the largest
+    /// sum of an expert's blocks' ranks, scaling the first adapter's. `None` when no expert has
+    /// an adapter.
+    fn experts(
+        key: String,
+        parts: Vec<Vec<Option<&'a LoraAdapter>>>,
+        rows: usize,
+        inputs: usize,
+    ) -> Option<Self> {
+        let scale = parts.iter().flatten().flatten().next()?.scale;
+        let rank = parts
+            .iter()
+            .map(|p| p.iter().flatten().map(|a| a.rank()).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        Some(Self {
+            key,
+            rank,
+            scale,
+            nested: false,
+            source: Source::Experts {
+                parts,
+                rows,
+                inputs,
+            },
+        })
     }
-    let device = first.a.device();
-    Ok(Some(FusedAdapter {
-        key,
-        a: Tensor::from_vec(a, (rank * experts, inputs), device)?.to_dtype(dtype)?,
-        b: Tensor::from_vec(b, (out, rank * experts), device)?.to_dtype(dtype)?,
-        rank,
-        scale,
-    }))
+
+    /// `lora_A` `[R * E, in]` and `lora_B` `[out, R * E]` as PEFT's `ParamWrapper` reads them.
+    /// Fused experts: `A_e` the blocks' A's stacked, `B_e` their B's on the block diagonal, each
+    /// scaled by its scaling over the target's.
+    fn tensors(&self) -> candle_core::Result<(Tensor, Tensor)> {
+        let (parts, rows, inputs) = match &self.source {
+            Source::Weight(a) => return Ok((a.a.clone(), a.b.clone())),
+            Source::Experts {
+                parts,
+                rows,
+                inputs,
+            } => (parts, *rows, *inputs),
+        };
+        let (experts, rank) = (parts.len(), self.rank);
+        let blocks = parts.first().map_or(0, Vec::len);
+        let out = rows * blocks;
+        // Dense host buffers: the adapters are small, and the interleaved layout is plain
+        // indexing.
+        let mut a = vec![0f32; rank * experts * inputs];
+        let mut b = vec![0f32; out * rank * experts];
+        let mut first = None;
+        for (e, expert) in parts.iter().enumerate() {
+            let mut col = 0;
+            for (block, adapter) in expert.iter().enumerate() {
+                let Some(adapter) = adapter else {
+                    continue;
+                };
+                first.get_or_insert(*adapter);
+                let r = adapter.rank();
+                let a_rows: Vec<Vec<f32>> = adapter.a.to_dtype(DType::F32)?.to_vec2()?;
+                let factor = (adapter.scale / self.scale) as f32;
+                let b_rows: Vec<Vec<f32>> = adapter.b.to_dtype(DType::F32)?.to_vec2()?;
+                for k in 0..r {
+                    // A_e's row col + k is fused row e * R + col + k.
+                    let at = (e * rank + col + k) * inputs;
+                    a[at..at + inputs].copy_from_slice(&a_rows[k]);
+                    // B_e's column col + k is fused column (col + k) * E + e.
+                    let fused_col = (col + k) * experts + e;
+                    for (i, row) in b_rows.iter().enumerate() {
+                        b[(block * rows + i) * rank * experts + fused_col] = row[k] * factor;
+                    }
+                }
+                col += r;
+            }
+        }
+        let first = first.expect("a fused target has an adapter");
+        let (device, dtype) = (first.a.device(), first.a.dtype());
+        Ok((
+            Tensor::from_vec(a, (rank * experts, inputs), device)?.to_dtype(dtype)?,
+            Tensor::from_vec(b, (out, rank * experts), device)?.to_dtype(dtype)?,
+        ))
+    }
 }
 
 /// The three projections of a gated expert: gate, up, down.
@@ -309,24 +339,30 @@ fn expert_projections(moe: &Moe) -> Vec<[&crate::Linear; 3]> {
         .collect()
 }
 
-/// `model`'s adapters (trained with ferrotune's per-expert modules, transformers 4.x's names) as
-/// PEFT holds them on transformers 5, where experts are fused parameters and the router a bare
-/// weight: the config and the tensors of that adapter folder. `Ok(None)` when no expert or router
-/// has an adapter (the adapter loads on transformers 5 as it is); `Err` says why it cannot be
-/// written so (DoRA or LoRA biases on experts, which PEFT's `ParamWrapper` refuses; a regex
-/// `target_modules`).
-///
-/// The conversion is exact: expert `e`'s gate and up adapters (ranks `r_g`, `r_u`) become one of
-/// rank `r_g + r_u` on the fused `gate_up_proj` (A's stacked, B's on the block diagonal), and
-/// `rank_pattern` / `alpha_pattern` give each fused parameter its rank and scaling (B's rescaled
-/// where experts' scalings differ). Other layers named like an expert projection or the router
-/// (a shared expert's, a dense layer's `gate_proj`) are targeted by their 2-D `weight`, since PEFT
-/// on transformers 5 turns such module names into expert targets. Dropout is written as 0, which
-/// PEFT's `ParamWrapper` requires (it only acts in training).
-pub fn transformers5_adapter(
-    model: &CausalLm,
+/// The intermediate size of `model`'s experts (0 without experts).
+fn expert_intermediate_size(model: &CausalLm) -> usize {
+    model
+        .config
+        .moe
+        .as_ref()
+        .map_or(0, |m| m.expert_intermediate_size)
+}
+
+/// The adapter of `model` as PEFT holds it on transformers 5 (see [`transformers5_adapter`]),
+/// without its tensors: the config, the parameter targets, and the prefixes of the per-expert and
+/// router tensors they replace. Cheap: no tensor is read.
+struct Transformers5Plan<'a> {
+    config: LoraConfig,
+    targets: Vec<ParamTarget<'a>>,
+    replaced: Vec<String>,
+}
+
+/// The [`Transformers5Plan`] of `model` under `config`: `Ok(None)` when no expert or router has
+/// an adapter, `Err` when the adapter cannot be written so.
+fn transformers5_plan<'a>(
+    model: &'a CausalLm,
     config: &LoraConfig,
-) -> Result<Option<AdapterFolder>, String> {
+) -> Result<Option<Transformers5Plan<'a>>, String> {
     let sparse = sparse_layers(model);
     let adapted = |l: &crate::Linear| l.adapter.is_some();
     let any = sparse.iter().any(|(_, moe)| {
@@ -338,57 +374,38 @@ pub fn transformers5_adapter(
     let TargetModules::Names(names) = &config.target_modules else {
         return Err("target_modules is a regex".into());
     };
-    let err = |e: candle_core::Error| e.to_string();
-    let mut tensors = crate::peft::saved_tensors(model, config).map_err(|e| e.to_string())?;
-    let mut fused: Vec<FusedAdapter> = Vec::new();
-    let mut nested: Vec<(String, bool)> = Vec::new();
+    let (inter, hidden) = (expert_intermediate_size(model), model.config.hidden_size);
+    let mut targets: Vec<ParamTarget> = Vec::new();
+    let mut replaced = Vec::new();
     for (i, moe) in &sparse {
-        let ours = format!("model.layers.{i}.{}", moe.block_name());
-        let theirs = format!("model.layers.{i}.mlp");
+        let ours = format!("{PEFT_PREFIX}model.layers.{i}.{}", moe.block_name());
+        let experts = format!("model.layers.{i}.mlp.experts");
         let projections = expert_projections(moe);
-        for linear in projections.iter().flatten().chain([&&moe.router]) {
-            if let Some(a) = &linear.adapter {
-                if a.dora_magnitude.is_some() || a.bias.is_some() {
-                    return Err(
-                        "an expert or router adapter is DoRA or has a LoRA bias, which \
-                                PEFT's adapters on parameters cannot hold"
-                            .into(),
-                    );
-                }
-            }
-        }
-        // The per-expert tensors give way to the fused ones.
-        tensors.retain(|k, _| !k.starts_with(&format!("{PEFT_PREFIX}{ours}.experts.")));
-        let inter = model
-            .config
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.expert_intermediate_size);
-        let hidden = model.config.hidden_size;
-        let gate_up: Vec<Vec<Option<&LoraAdapter>>> = projections
-            .iter()
-            .map(|p| vec![p[0].adapter.as_ref(), p[1].adapter.as_ref()])
-            .collect();
-        let down: Vec<Vec<Option<&LoraAdapter>>> = projections
-            .iter()
-            .map(|p| vec![p[2].adapter.as_ref()])
-            .collect();
-        let experts = format!("{theirs}.experts");
-        let gate_up = fuse_experts(format!("{experts}.gate_up_proj"), &gate_up, inter, hidden);
-        let down = fuse_experts(format!("{experts}.down_proj"), &down, hidden, inter);
-        let (gate_up, down) = (gate_up.map_err(err)?, down.map_err(err)?);
+        let blocks = |which: &[usize]| -> Vec<Vec<Option<&LoraAdapter>>> {
+            projections
+                .iter()
+                .map(|p| which.iter().map(|&w| p[w].adapter.as_ref()).collect())
+                .collect()
+        };
+        let gate_up = ParamTarget::experts(
+            format!("{experts}.gate_up_proj"),
+            blocks(&[0, 1]),
+            inter,
+            hidden,
+        );
+        let down =
+            ParamTarget::experts(format!("{experts}.down_proj"), blocks(&[2]), hidden, inter);
         // PEFT wraps gate_up_proj first: with both, its tensors sit one `.base_layer` inside.
         let both = gate_up.is_some() && down.is_some();
-        nested.extend(gate_up.iter().map(|f| (f.key.clone(), both)));
-        nested.extend(down.iter().map(|f| (f.key.clone(), false)));
-        fused.extend(gate_up.into_iter().chain(down));
+        targets.extend(gate_up.map(|t| ParamTarget { nested: both, ..t }));
+        targets.extend(down);
+        replaced.push(format!("{ours}.experts."));
         if let Some(a) = &moe.router.adapter {
-            let (ka, kb, _) = file_keys(&format!("{ours}.gate"));
-            tensors.remove(&ka);
-            tensors.remove(&kb);
-            let key = format!("{theirs}.gate.weight");
-            nested.push((key.clone(), false));
-            fused.push(FusedAdapter::of_weight(key, a));
+            targets.push(ParamTarget::weight(
+                format!("model.layers.{i}.mlp.gate.weight"),
+                a,
+            ));
+            replaced.push(format!("{ours}.gate."));
         }
     }
     // PEFT on transformers 5 turns every module target named like an expert projection or the
@@ -409,21 +426,25 @@ pub fn transformers5_adapter(
             continue;
         }
         let leaf = name.rsplit('.').next().unwrap_or("");
-        if !renamed.contains(&leaf) {
+        if renamed.contains(&leaf) {
+            targets.push(ParamTarget::weight(format!("{name}.weight"), a));
+        } else {
             others.push((name, (a.rank(), a.scale)));
-            continue;
         }
-        if a.dora_magnitude.is_some() || a.bias.is_some() {
-            return Err(format!(
-                "'{name}' has a DoRA adapter or a LoRA bias, which PEFT's adapters on parameters \
-                 cannot hold"
-            ));
-        }
-        let key = format!("{name}.weight");
-        nested.push((key.clone(), false));
-        fused.push(FusedAdapter::of_weight(key, a));
     }
-    let inside: HashMap<String, bool> = nested.into_iter().collect();
+    let param_adapters = targets.iter().flat_map(|t| match &t.source {
+        Source::Weight(a) => vec![*a],
+        Source::Experts { parts, .. } => parts.iter().flatten().flatten().copied().collect(),
+    });
+    for a in param_adapters {
+        if a.dora_magnitude.is_some() || a.bias.is_some() {
+            return Err(
+                "an adapter on an expert, a router or a layer named like them is DoRA \
+                        or has a LoRA bias, which PEFT's adapters on parameters cannot hold"
+                    .into(),
+            );
+        }
+    }
     let mut out = config.clone();
     out.lora_dropout = 0.0;
     // Module targets left: those still naming an adapted `nn.Linear` of transformers 5.
@@ -438,31 +459,31 @@ pub fn transformers5_adapter(
         .cloned()
         .collect();
     out.target_modules = TargetModules::Names(kept);
-    out.target_parameters = fused.iter().map(|f| f.key.clone()).collect();
-    let alpha = |f: &FusedAdapter| {
-        let r = f.rank as f64;
-        f.scale * if config.use_rslora { r.sqrt() } else { r }
+    out.target_parameters = targets.iter().map(|t| t.key.clone()).collect();
+    let alpha = |t: &ParamTarget| {
+        let r = t.rank as f64;
+        t.scale * if config.use_rslora { r.sqrt() } else { r }
     };
     // Each parameter's own pattern, its name with the dots escaped, in parentheses: the file
     // orders patterns by name and PEFT takes the first that matches, and `(` sorts before any
     // module name a pattern would start with.
-    let exact = |f: &FusedAdapter| format!("({})", f.key.replace('.', "\\."));
-    let mut ranks: Vec<(String, usize)> = fused.iter().map(|f| (exact(f), f.rank)).collect();
+    let exact = |t: &ParamTarget| format!("({})", t.key.replace('.', "\\."));
+    let mut ranks: Vec<(String, usize)> = targets.iter().map(|t| (exact(t), t.rank)).collect();
     ranks.extend(out.rank_pattern.iter().cloned());
     out.rank_pattern = ranks;
-    let mut alphas: Vec<(String, f64)> = fused.iter().map(|f| (exact(f), alpha(f))).collect();
+    let mut alphas: Vec<(String, f64)> = targets.iter().map(|t| (exact(t), alpha(t))).collect();
     alphas.extend(out.alpha_pattern.iter().cloned());
     out.alpha_pattern = alphas;
     // Check that every target gets its rank and scaling once read back.
     let text = out.to_json().to_string();
     let read = LoraConfig::parse(&text)?;
     let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * x.abs().max(1.0);
-    for f in &fused {
-        let (r, a) = read.rank_and_alpha(&f.key);
-        if r != f.rank || !close(lora_scaling(r, a, config.use_rslora), f.scale) {
+    for t in &targets {
+        let (r, a) = read.rank_and_alpha(&t.key);
+        if r != t.rank || !close(lora_scaling(r, a, config.use_rslora), t.scale) {
             return Err(format!(
                 "the adapter's rank_pattern / alpha_pattern also match '{}'",
-                f.key
+                t.key
             ));
         }
     }
@@ -472,16 +493,55 @@ pub fn transformers5_adapter(
             _ => return Err(format!("'{name}' would not keep its rank and scaling")),
         }
     }
-    for f in fused {
+    Ok(Some(Transformers5Plan {
+        config: read,
+        targets,
+        replaced,
+    }))
+}
+
+/// Whether `model`'s adapters go out as PEFT holds them on transformers 5 too
+/// ([`save_transformers5_adapter`] writes them): `Ok(true)` when an expert or router has an
+/// adapter, `Err` saying why they cannot be. Reads no tensor.
+pub fn has_transformers5_adapter(model: &CausalLm, config: &LoraConfig) -> Result<bool, String> {
+    Ok(transformers5_plan(model, config)?.is_some())
+}
+
+/// `model`'s adapters (trained with ferrotune's per-expert modules, transformers 4.x's names) as
+/// PEFT holds them on transformers 5, where experts are fused parameters and the router a bare
+/// weight: the config and the tensors of that adapter folder. `Ok(None)` when no expert or router
+/// has an adapter (the adapter loads on transformers 5 as it is); `Err` says why it cannot be
+/// written so (DoRA or LoRA biases on experts, which PEFT's `ParamWrapper` refuses; a regex
+/// `target_modules`).
+///
+/// The conversion is exact: expert `e`'s gate and up adapters (ranks `r_g`, `r_u`) become one of
+/// rank `r_g + r_u` on the fused `gate_up_proj` (A's stacked, B's on the block diagonal), and
+/// `rank_pattern` / `alpha_pattern` give each fused parameter its rank and scaling (B's rescaled
+/// where experts' scalings differ). Other layers named like an expert projection or the router
+/// (a shared expert's, a dense layer's `gate_proj`) are targeted by their 2-D `weight`, since PEFT
+/// on transformers 5 turns such module names into expert targets. Dropout is written as 0, which
+/// PEFT's `ParamWrapper` requires (it only acts in training).
+pub fn transformers5_adapter(
+    model: &CausalLm,
+    config: &LoraConfig,
+) -> Result<Option<AdapterFolder>, String> {
+    let Some(plan) = transformers5_plan(model, config)? else {
+        return Ok(None);
+    };
+    let mut tensors = crate::peft::saved_tensors(model, config).map_err(|e| e.to_string())?;
+    // The per-expert and router tensors give way to the parameter targets'.
+    tensors.retain(|k, _| !plan.replaced.iter().any(|p| k.starts_with(p.as_str())));
+    for t in &plan.targets {
+        let (a, b) = t.tensors().map_err(|e| e.to_string())?;
         let stem = format!(
             "{PEFT_PREFIX}{}{}",
-            f.key.rsplit_once('.').map_or("", |(m, _)| m),
-            if inside[&f.key] { ".base_layer" } else { "" }
+            t.key.rsplit_once('.').map_or("", |(m, _)| m),
+            if t.nested { ".base_layer" } else { "" }
         );
-        tensors.insert(format!("{stem}.lora_A.weight"), f.a);
-        tensors.insert(format!("{stem}.lora_B.weight"), f.b);
+        tensors.insert(format!("{stem}.lora_A.weight"), a);
+        tensors.insert(format!("{stem}.lora_B.weight"), b);
     }
-    Ok(Some((read, tensors)))
+    Ok(Some((plan.config, tensors)))
 }
 
 /// The sparse (mixture-of-experts) layers of `model` with their indices.
@@ -516,10 +576,6 @@ pub fn save_transformers5_adapter(
     match transformers5_adapter(model, config).map_err(ModelError::Msg)? {
         None => Ok(false),
         Some((config, tensors)) => {
-            let tensors = tensors
-                .into_iter()
-                .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu)?)))
-                .collect::<candle_core::Result<_>>()?;
             crate::peft::write_adapter_files(&dir.join(TRANSFORMERS5_DIR), &config, tensors)?;
             Ok(true)
         }

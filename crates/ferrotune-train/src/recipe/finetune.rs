@@ -577,8 +577,8 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     }
     // Adapters on experts also go out as PEFT holds them on transformers 5 (fused experts).
     let transformers5 = match lora_config.as_ref().filter(|_| !mode.full()) {
-        Some(lc) => match ferrotune_models::peft_params::transformers5_adapter(&model, lc) {
-            Ok(found) => found.is_some(),
+        Some(lc) => match ferrotune_models::peft_params::has_transformers5_adapter(&model, lc) {
+            Ok(found) => found,
             Err(why) => {
                 say(format!(
                     "note: no transformers5/ adapter is written for the experts: {why} (the \
