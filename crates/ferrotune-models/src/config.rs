@@ -180,12 +180,12 @@ pub struct ModelConfig {
     pub llama4_attn_scale: Option<(f64, usize)>,
     /// Gemma 2/3 ("sandwich" norms): each block's output is normalized before the residual add
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
-    /// (`pre_feedforward_layernorm`); otherwise the MLP's pre-norm is [`ModelConfig::mlp_norm`].
+    /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
     pub sandwich_norms: bool,
-    /// The parameter name of the MLP's pre-norm in a layer without sandwich norms:
-    /// `post_attention_layernorm.weight`, or VaultGemma's `pre_feedforward_layernorm.weight`
-    /// (Gemma 2's layer without its two post-norms).
-    pub mlp_norm: &'static str,
+    /// The parameter name of the layer's `post_attention_layernorm` tensor:
+    /// `post_attention_layernorm.weight`, but VaultGemma's MLP pre-norm (Gemma 2's layer without
+    /// its two post-norms) is `pre_feedforward_layernorm.weight`.
+    pub post_attention_norm_name: &'static str,
     /// Gemma 2/3: attention scores are scaled by `query_pre_attn_scalar^-0.5` instead of
     /// `head_dim^-0.5`.
     pub query_pre_attn_scalar: Option<f64>,
@@ -383,7 +383,7 @@ impl ModelConfig {
             fused_projections: is("phi3"),
             layer_sliding_windows,
             sandwich_norms: is_gemma_2_3 && !is("vaultgemma"),
-            mlp_norm: if is("vaultgemma") {
+            post_attention_norm_name: if is("vaultgemma") {
                 "pre_feedforward_layernorm.weight"
             } else {
                 "post_attention_layernorm.weight"

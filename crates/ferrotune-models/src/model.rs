@@ -423,8 +423,8 @@ pub struct DecoderLayer {
     pub local_rope: bool,
     /// The layer applies RoPE (SmolLM3's NoPE layers do not).
     pub use_rope: bool,
-    /// The parameter name of `post_attention_layernorm`'s tensor ([`ModelConfig::mlp_norm`] where
-    /// it is the MLP's pre-norm: VaultGemma's `pre_feedforward_layernorm.weight`).
+    /// The parameter name of `post_attention_layernorm`'s tensor
+    /// ([`ModelConfig::post_attention_norm_name`]).
     pub post_attention_norm_name: &'static str,
 }
 
@@ -1201,10 +1201,9 @@ impl CausalLm {
                 },
                 post_attention_layernorm: if c.parallel_block {
                     None
-                } else if c.sandwich_norms {
-                    Some(take.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?)
                 } else {
-                    Some(take.take(&format!("{p}.{}", c.mlp_norm), &[h])?)
+                    let name = c.post_attention_norm_name;
+                    Some(take.take(&format!("{p}.{name}"), &[h])?)
                 },
                 pre_feedforward_layernorm,
                 post_feedforward_layernorm,
@@ -1213,11 +1212,7 @@ impl CausalLm {
                 local_rope: c.local_rope.is_some()
                     && c.local_rope_layers.get(i).copied().unwrap_or(false),
                 use_rope: c.rope_layers.get(i).copied().unwrap_or(true),
-                post_attention_norm_name: if c.sandwich_norms {
-                    "post_attention_layernorm.weight"
-                } else {
-                    c.mlp_norm
-                },
+                post_attention_norm_name: c.post_attention_norm_name,
             });
         }
         let final_norm = final_norm_name(c);
