@@ -88,6 +88,9 @@ def make_case(out, name, base, kwargs):
     model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, base), dtype=torch.float32)
     kwargs = dict(kwargs)
     resize_to = kwargs.pop("resize_to", None)
+    # Phi-3.5-MoE's sparsemixer samples experts in training mode: its gradients are taken in
+    # evaluation mode (deterministic routing), as ferrotune routes.
+    eval_grads = kwargs.pop("eval_grads", False)
     if resize_to:
         model.resize_token_embeddings(resize_to)
     ids, labels = inputs(model.config.vocab_size, model.config.pad_token_id)
@@ -104,7 +107,7 @@ def make_case(out, name, base, kwargs):
                 p.copy_(torch.randn_like(p))
             elif "magnitude" in pname:
                 p.mul_(1 + 0.1 * torch.randn_like(p))
-    model.train()
+    model.eval() if eval_grads else model.train()
     out_ = model(input_ids=ids, labels=labels)
     out_.loss.backward()
     grads = {

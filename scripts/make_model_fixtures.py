@@ -52,6 +52,7 @@ from transformers import (
     MixtralConfig,
     Phi3Config,
     PhiConfig,
+    PhimoeConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
     Qwen2Config,
@@ -302,6 +303,39 @@ def cfg_mixtral():
         num_experts_per_tok=2,
         intermediate_size=48,
         router_jitter_noise=0.0,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_phimoe():
+    # Phi-3.5-MoE: LayerNorms with bias (input, post-attention, final model.norm, eps from rms_norm_eps),
+    # q/k/v/o and lm_head biases, 4 experts (block_sparse_moe.experts.N.w1/w3/w2) routed by the
+    # sparsemixer: router_jitter_noise 0.3 masks logits whose relative gap to the top exceeds 0.6, so
+    # some weights are a softmax over several logits and some are 1; longrope with short_mscale 1.1 and
+    # long_mscale 1.3 (original context 6 < the prompt, so every call scales by 1.3 while rotating with
+    # the short factors, as transformers 5 does), GQA 4/2.
+    rot_half = 4
+    return PhimoeConfig(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.2 * i for i in range(rot_half)],
+            "long_factor": [2.0 + 0.9 * i for i in range(rot_half)],
+            "short_mscale": 1.1,
+            "long_mscale": 1.3,
+            "original_max_position_embeddings": 6,
+        },
+        sliding_window=None,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+        router_jitter_noise=0.3,
+        input_jitter_noise=0.0,
+        attention_bias=True,
+        lm_head_bias=True,
         tie_word_embeddings=False,
     ))
 
@@ -717,6 +751,10 @@ CASES = {
     "mixtral": dict(cfg=cfg_mixtral, seed=116, style="v5", grads=True,
                     notes="Mixtral: 4 experts (block_sparse_moe.experts.N.w1/w3/w2), router block_sparse_moe.gate, "
                           "top-2 routing renormalized in f32, GQA 4/2, untied"),
+    "phimoe": dict(cfg=cfg_phimoe, seed=133, style="v5", grads=True,
+                   notes="Phi-3.5-MoE (phimoe): LayerNorms with bias, q/k/v/o and lm_head bias, 4 experts "
+                         "(block_sparse_moe.experts.N.w1/w3/w2) with sparsemixer routing (router_jitter_noise "
+                         "0.3), longrope with short factors and long_mscale 1.3, GQA 4/2, untied"),
     "qwen3_moe": dict(cfg=cfg_qwen3_moe, seed=117, style="v5", grads=True,
                       notes="Qwen3-MoE: layer 0 dense (mlp_only_layers [0], intermediate 96), layer 1 sparse: 4 experts "
                             "(mlp.experts.N.gate_proj/up_proj/down_proj, moe_intermediate_size 24), router mlp.gate, "

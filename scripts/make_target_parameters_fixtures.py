@@ -48,6 +48,18 @@ CASES = {
         "models/qwen3_moe/model",
         dict(r=2, lora_alpha=8, target_modules=[], target_parameters=["experts.down_proj", "layers.0.mlp.up_proj.weight"]),
     ),
+    # Phi-3.5-MoE: both expert parameters and its router, which transformers 5 names `mlp.router`
+    # (an nn.Linear subclass returning the routing, so only a parameter target can adapt it).
+    "phimoe": (
+        "models/phimoe/model",
+        dict(
+            r=2,
+            lora_alpha=6,
+            target_modules=["q_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.router.weight"],
+            eval_grads=True,
+        ),
+    ),
     # No parameter targets, module names as on transformers 4: on transformers 5 the experts are
     # no modules, so PEFT adapts the shared expert's gate/up/down_proj (and q_proj) only.
     "qwen2_moe_modules": (

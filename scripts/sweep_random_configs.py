@@ -58,12 +58,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOK = os.path.join(ROOT, "tests", "fixtures", "tiny_tokenizer")
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "phi3", "phi",
-            "smollm3", "mixtral", "qwen2_moe", "qwen3_moe"]
+            "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe"]
 # transformers 5 keeps experts as fused parameters (saved under per-expert names), which PEFT's
 # LoRA cannot target as ferrotune's per-expert modules and whose gradients do not carry the
 # checkpoint's names: the MoE families are checked by the forward sweep only (their fixtures
 # hold per-expert gradients).
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "phimoe"}
 
 
 def random_config(rng, mt):
@@ -108,6 +108,18 @@ def random_config(rng, mt):
                  moe_intermediate_size=32, shared_expert_intermediate_size=48)
         if mt == "qwen3_moe":
             c["norm_topk_prob"] = rng.random() < 0.5
+    if mt == "phimoe":
+        # Sparsemixer thresholds from "mask almost everything" to "mask little"; Phi-3.5-MoE takes
+        # default or longrope (with its short/long mscale) only.
+        c.update(router_jitter_noise=rng.choice([0.01, 0.2, 0.5]), input_jitter_noise=0.0,
+                 attention_bias=rng.random() < 0.5, lm_head_bias=rng.random() < 0.5)
+        if rp["rope_type"] != "default":
+            half = hd // 2 if "head_dim" in c else c["hidden_size"] // heads // 2
+            rp = {"rope_theta": 10000.0, "rope_type": "longrope",
+                  "short_factor": [1.0 + 0.3 * rng.random() for _ in range(half)],
+                  "long_factor": [2.0 + rng.random() for _ in range(half)],
+                  "short_mscale": 1.0 + 0.3 * rng.random(), "long_mscale": 1.0 + 0.3 * rng.random(),
+                  "original_max_position_embeddings": rng.choice([8, 64])}
     if mt in ("phi3", "phi"):
         partial = rng.choice([1.0, 0.5]) if mt == "phi3" else 0.5
         c["partial_rotary_factor"] = partial
@@ -435,7 +447,8 @@ def check_moe_peft(rng, binary, mt, folder):
     # beside the attention by module name: ferrotune's eval loss is PEFT's.
     params = [p for p, keep in (("mlp.experts.gate_up_proj", rng.random() < 0.7),
                                 ("mlp.experts.down_proj", rng.random() < 0.7),
-                                ("mlp.gate.weight", rng.random() < 0.3)) if keep]
+                                (f"mlp.{'router' if mt == 'phimoe' else 'gate'}.weight",
+                                 rng.random() < 0.3)) if keep]
     params = params or ["mlp.experts.down_proj"]
     r = rng.choice([2, 3, 4])
     lc = LoraConfig(r=r, lora_alpha=2 * r, use_rslora=rng.random() < 0.3,

@@ -405,7 +405,7 @@ fn expert_adapters_are_also_written_for_transformers_5() {
     assert_eq!(tokens(&saved), tokens(&t5));
 }
 
-/// Gemma 2, VaultGemma, Gemma 3 and Phi-2 end to end: one full fine-tuning SGD step (lr 1) from the tiny
+/// Gemma 2, VaultGemma, Gemma 3, Phi-2 and the MoE families (Phi-3.5-MoE's sparsemixer included) end to end: one full fine-tuning SGD step (lr 1) from the tiny
 /// fixtures logs transformers' loss and saves, under the checkpoint's own names, weights that
 /// moved by exactly PyTorch's gradient (softcapped scores and logits, sandwich norms, q/k norms,
 /// the local rope, LayerNorm, the parallel block all in the backward).
@@ -422,6 +422,7 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         ("models/phi2_tied", "models/phi2_tied"),
         ("models/mixtral", "models/mixtral"),
         ("models/qwen2_moe", "models/qwen2_moe"),
+        ("models/phimoe", "models/phimoe"),
     ] {
         let dir = tmpdir(&format!("full-sgd-{}", family.replace('/', "-")));
         let data = dir.join("batch.jsonl");
@@ -463,6 +464,7 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
             "models/phi2" | "models/phi2_tied" => "phi",
             "models/mixtral" => "mixtral",
             "models/qwen2_moe" => "qwen2_moe",
+            "models/phimoe" => "phimoe",
             _ => "gemma3_text",
         };
         assert_eq!(saved_config["model_type"], want_type, "{family}");

@@ -24,6 +24,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "phi3",
     "phi",
     "mixtral",
+    "phimoe",
     "qwen2_moe",
     "qwen3_moe",
     "ministral",
@@ -56,6 +57,19 @@ pub struct MoeConfig {
     /// Per layer: whether it is sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers` leave
     /// some layers dense).
     pub sparse_layers: Vec<bool>,
+    /// Phi-3.5-MoE routes with the sparsemixer instead of a softmax top-k (see [`SparseMixer`]).
+    pub sparse_mixer: Option<SparseMixer>,
+}
+
+/// Phi-3.5-MoE's router (transformers' `sparsemixer`, as it runs in evaluation): the first expert
+/// is the router logits' largest; logits whose gap to it, relative to `max(|logit|, largest)`,
+/// exceeds `2 · jitter_eps` are masked, and the expert's weight is its softmax over the rest. The
+/// second expert is the largest of the others, weighted the same way against the logits left
+/// (the first one masked). Weights are not renormalized; always two experts per token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SparseMixer {
+    /// `router_jitter_noise`: half the relative gap beyond which a logit is masked.
+    pub jitter_eps: f64,
 }
 
 /// The MLP's activation function.
@@ -120,6 +134,10 @@ pub enum RopeScaling {
         factor: f64,
         original_max_position_embeddings: usize,
         attention_factor: Option<f64>,
+        /// Phi-3.5-MoE (`short_mscale`, `long_mscale`): transformers 5 rotates with the short
+        /// factors at every length and multiplies cos and sin by `short_mscale` up to the original
+        /// context, by `long_mscale` beyond it (instead of the attention factor).
+        mscales: Option<(f64, f64)>,
     },
 }
 
@@ -163,7 +181,8 @@ pub struct ModelConfig {
     pub fused_projections: bool,
     /// Sliding-window attention span for each layer (None = full attention).
     pub layer_sliding_windows: Vec<Option<usize>>,
-    /// Phi-2: LayerNorm with a bias (`(x − mean) / √(var + eps) · w + b`) instead of RMSNorm.
+    /// Phi-2, Phi-3.5-MoE: LayerNorm with a bias (`(x − mean) / √(var + eps) · w + b`) instead
+    /// of RMSNorm.
     pub layer_norm: bool,
     /// Phi-2: attention and MLP read the same normed input and both add to the residual
     /// (`x + attn(h) + mlp(h)`); there is no second norm in a layer.
@@ -335,7 +354,12 @@ impl ModelConfig {
             }
         } else {
             (
-                parse_rope(obj, max_position_embeddings, 10000.0)?,
+                // PhimoeConfig's `default_theta` is 1e6.
+                parse_rope(
+                    obj,
+                    max_position_embeddings,
+                    if is("phimoe") { 1_000_000.0 } else { 10000.0 },
+                )?,
                 None,
                 parse_sliding_windows(obj, &model_type, num_hidden_layers)?,
                 vec![false; num_hidden_layers],
@@ -367,6 +391,9 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: if is("phi") {
                 get_f64(obj, "layer_norm_eps")?.unwrap_or(1e-5)
+            } else if is("phimoe") {
+                // Phi-3.5-MoE's LayerNorms take `rms_norm_eps` (PhimoeConfig's default 1e-5).
+                get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-5)
             } else {
                 get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6)
             },
@@ -394,7 +421,7 @@ impl ModelConfig {
             local_rope,
             local_rope_layers,
             text_of_multimodal: false,
-            layer_norm: is("phi"),
+            layer_norm: is("phi") || is("phimoe"),
             parallel_block: is("phi"),
             ungated_mlp: is("phi"),
             moe: parse_moe(obj, &model_type, num_hidden_layers)?,
@@ -453,7 +480,19 @@ impl ModelConfig {
         };
         let positive = |key: &str| obj.get(key).and_then(Value::as_f64).filter(|v| *v > 0.0);
         let mut out = Vec::new();
-        if let Some(j) = positive("router_jitter_noise") {
+        if self.model_type == "phimoe" {
+            // There `router_jitter_noise` is the sparsemixer's masking threshold, which applies.
+            out.push(
+                "Phi-3.5-MoE's sparsemixer samples experts in transformers' training mode; \
+                 ferrotune routes training steps as in evaluation (the two top experts)"
+                    .into(),
+            );
+            if let Some(j) = positive("input_jitter_noise") {
+                out.push(format!(
+                    "input_jitter_noise {j} is not applied: the experts see their inputs unchanged"
+                ));
+            }
+        } else if let Some(j) = positive("router_jitter_noise") {
             out.push(format!(
                 "router_jitter_noise {j} is not applied: the router sees its inputs unchanged"
             ));
@@ -563,6 +602,15 @@ fn rope_from_params(
             },
         )
     };
+    if get_str(obj, "model_type")? == Some("phimoe")
+        && !matches!(rope_type, "default" | "longrope" | "su")
+    {
+        // transformers scales Phi-3.5-MoE's cos and sin by `short_mscale` / `long_mscale` in
+        // place of every other type's own attention factor.
+        return Err(format!(
+            "Phi-3.5-MoE with rope_type '{rope_type}' is not supported: default and longrope are"
+        ));
+    }
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
         "linear" => RopeScaling::Linear { factor: factor()? },
@@ -602,12 +650,22 @@ fn rope_from_params(
             // Phi-3 keeps the pretrained context in `original_max_position_embeddings` and derives
             // the factor from it, as transformers does.
             let orig = original(max_pos)?;
+            let mscale = |key: &str| {
+                get_f64(params, key)?
+                    .ok_or_else(|| format!("Phi-3.5-MoE's longrope needs '{key}'"))
+            };
+            let phimoe = get_str(obj, "model_type")? == Some("phimoe");
             RopeScaling::LongRope {
                 short_factor: list("short_factor")?,
                 long_factor: list("long_factor")?,
                 factor: if orig > 0 { max_pos as f64 / orig as f64 } else { 1.0 },
                 original_max_position_embeddings: orig,
                 attention_factor: get_f64(params, "attention_factor")?,
+                mscales: if phimoe {
+                    Some((mscale("short_mscale")?, mscale("long_mscale")?))
+                } else {
+                    None
+                },
             }
         }
         other => {
@@ -759,7 +817,32 @@ fn parse_moe(
             f32_routing_weights: true,
             mixtral_names: true,
             sparse_layers: vec![true; layers],
+            sparse_mixer: None,
         },
+        "phimoe" => {
+            let num_experts = positive("num_local_experts", 16)?;
+            if num_experts < 2 {
+                return Err(
+                    "'num_local_experts' must be at least 2: Phi-3.5-MoE's router always picks two experts"
+                        .into(),
+                );
+            }
+            MoeConfig {
+                num_experts,
+                // The sparsemixer always picks two; `num_experts_per_tok` only sets how many the
+                // router's auxiliary loss counts, as in transformers.
+                top_k: positive("num_experts_per_tok", 2)?,
+                norm_topk_prob: false,
+                expert_intermediate_size: req_usize(obj, "intermediate_size")?,
+                shared_expert_intermediate_size: None,
+                f32_routing_weights: false,
+                mixtral_names: true,
+                sparse_layers: vec![true; layers],
+                sparse_mixer: Some(SparseMixer {
+                    jitter_eps: get_f64(obj, "router_jitter_noise")?.unwrap_or(0.01),
+                }),
+            }
+        }
         "qwen2_moe" | "qwen3_moe" => {
             let qwen2 = model_type == "qwen2_moe";
             let step = positive("decoder_sparse_step", 1)?;
@@ -797,6 +880,7 @@ fn parse_moe(
                 sparse_layers: (0..layers)
                     .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
                     .collect(),
+                sparse_mixer: None,
             }
         }
         _ => return Ok(None),

@@ -12,7 +12,7 @@ use ferrotune_core::quant::QuantizedMatrix;
 pub use ferrotune_core::weight::BaseWeight;
 use ferrotune_core::{fused, ops};
 
-use crate::config::{Activation, ModelConfig};
+use crate::config::{Activation, ModelConfig, SparseMixer};
 use crate::device_map::Placement;
 use crate::error::ModelError;
 use crate::lora::LoraAdapter;
@@ -247,6 +247,8 @@ pub struct Moe {
     pub f32_routing_weights: bool,
     /// Mixtral's module names (`block_sparse_moe.experts.N.w1`, ...) instead of Qwen's.
     pub mixtral_names: bool,
+    /// Phi-3.5-MoE routes with the sparsemixer (two experts per token) instead of softmax top-k.
+    pub sparse_mixer: Option<SparseMixer>,
 }
 
 impl Moe {
@@ -256,6 +258,16 @@ impl Moe {
             "block_sparse_moe"
         } else {
             "mlp"
+        }
+    }
+
+    /// The router's module name in transformers 5's in-memory model: `router` for Phi-3.5-MoE,
+    /// `gate` otherwise.
+    pub fn transformers5_router_name(&self) -> &'static str {
+        if self.sparse_mixer.is_some() {
+            "router"
+        } else {
+            "gate"
         }
     }
 
@@ -412,6 +424,8 @@ pub struct DecoderLayer {
     /// The MLP's pre-norm; with sandwich norms (Gemma 2/3) the norm of the attention's output;
     /// none in Phi-2's parallel block.
     pub post_attention_layernorm: Option<Tensor>,
+    /// Phi-3.5-MoE's LayerNorm bias of `post_attention_layernorm`.
+    pub post_attention_layernorm_bias: Option<Tensor>,
     /// Gemma 2/3: the MLP's pre-norm.
     pub pre_feedforward_layernorm: Option<Tensor>,
     /// Gemma 2/3: the norm of the MLP's output.
@@ -440,6 +454,7 @@ impl DecoderLayer {
             input_layernorm_bias,
             self_attn,
             post_attention_layernorm,
+            post_attention_layernorm_bias,
             pre_feedforward_layernorm,
             post_feedforward_layernorm,
             mlp,
@@ -457,6 +472,10 @@ impl DecoderLayer {
         let optional = [
             ("input_layernorm.bias", input_layernorm_bias),
             (post_attention_norm_name, post_attention_layernorm),
+            (
+                "post_attention_layernorm.bias",
+                post_attention_layernorm_bias,
+            ),
             (
                 "pre_feedforward_layernorm.weight",
                 pre_feedforward_layernorm,
@@ -493,6 +512,10 @@ impl DecoderLayer {
             (
                 self.post_attention_norm_name,
                 &self.post_attention_layernorm,
+            ),
+            (
+                "post_attention_layernorm.bias",
+                &self.post_attention_layernorm_bias,
             ),
             (
                 "pre_feedforward_layernorm.weight",
@@ -936,7 +959,7 @@ pub(crate) fn llama4_query_scale(
 
 /// The final norm's module name: `model.norm` (Phi-2: `model.final_layernorm`).
 pub(crate) fn final_norm_name(config: &ModelConfig) -> &'static str {
-    if config.layer_norm {
+    if config.parallel_block {
         "model.final_layernorm"
     } else {
         "model.norm"
@@ -1065,6 +1088,7 @@ impl TensorTaker<'_> {
             norm_topk_prob: m.norm_topk_prob,
             f32_routing_weights: m.f32_routing_weights,
             mixtral_names: m.mixtral_names,
+            sparse_mixer: m.sparse_mixer,
         })
     }
 
@@ -1205,6 +1229,12 @@ impl CausalLm {
                     let name = c.post_attention_norm_name;
                     Some(take.take(&format!("{p}.{name}"), &[h])?)
                 },
+                post_attention_layernorm_bias: if c.layer_norm && !c.parallel_block {
+                    let name = format!("{p}.post_attention_layernorm.bias");
+                    Some(take.take(&name, &[h])?)
+                } else {
+                    None
+                },
                 pre_feedforward_layernorm,
                 post_feedforward_layernorm,
                 mlp,
@@ -1285,6 +1315,13 @@ impl CausalLm {
         }
         out.push((head.to_string(), &mut self.lm_head));
         out
+    }
+
+    /// The context length at which the rotary embedding switches from its short to its long form
+    /// (LongRoPE, Phi-3.5-MoE's mscales), if it does: generation recomputes its KV cache when a
+    /// sequence first outgrows it, as transformers' Phi-3 and Phi-3.5-MoE do.
+    pub fn rope_switch_length(&self) -> Option<usize> {
+        self.rope.switch_length()
     }
 
     /// The HF module name of the output head: `lm_head`, or `score` for a sequence classifier
@@ -1827,7 +1864,8 @@ impl CausalLm {
             }
             (Some(post_attn), _, _) => {
                 let x = (x + h)?;
-                let h = self.feed_forward(&layer.mlp, &norm(&x, post_attn)?)?;
+                let bias = layer.post_attention_layernorm_bias.as_ref();
+                let h = self.feed_forward(&layer.mlp, &self.norm(&x, post_attn, bias)?)?;
                 x + h
             }
             // Phi-2: attention and MLP side by side on the same normed input.
@@ -1939,24 +1977,19 @@ impl CausalLm {
         let (b, t, h) = x.dims3()?;
         let n = b * t;
         let flat = x.reshape((n, h))?;
-        let probs = ops::softmax_last_dim(&moe.router.forward(&flat)?.to_dtype(DType::F32)?)?;
+        let logits = moe.router.forward(&flat)?;
+        let probs = ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
         let experts = moe.experts.len();
         let k = moe.top_k;
         let host: Vec<Vec<f32>> = probs.detach().to_vec2()?;
-        // Per expert, the tokens routed to it and where their weight sits in the `[n, k]` table.
-        let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); experts];
-        let mut picked = Vec::with_capacity(n * k);
+        // The top-k experts of each token by probability: its route with softmax routing, and
+        // what the router's auxiliary loss counts whatever the routing.
         let mut selected = Vec::with_capacity(n * k);
         let mut order: Vec<usize> = (0..experts).collect();
-        for (row, p) in host.iter().enumerate() {
+        for p in &host {
             // Largest first; equal probabilities keep the lower expert first, as torch.topk.
             order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            for (slot, &e) in order[..k].iter().enumerate() {
-                picked.push((row * experts + e) as u32);
-                selected.push(e as u32);
-                routed[e].0.push(row as u32);
-                routed[e].1.push((row * k + slot) as u32);
-            }
+            selected.extend(order[..k].iter().map(|&e| e as u32));
         }
         if let Some(tape) = self
             .router_tape
@@ -1966,20 +1999,40 @@ impl CausalLm {
         {
             tape.push(RouterRecord {
                 probs: probs.clone(),
-                selected,
+                selected: selected.clone(),
                 host_probs: host.concat(),
             });
         }
         let device = x.device();
-        let top = probs
-            .flatten_all()?
-            .index_select(&Tensor::new(picked, device)?, 0)?
-            .reshape((n, k))?;
-        let top = if moe.norm_topk_prob {
-            top.broadcast_div(&top.sum_keepdim(1)?)?
-        } else {
-            top
+        // Each token's experts (`slots` per token) and their weights `[n, slots]`.
+        let (route, top) = match &moe.sparse_mixer {
+            Some(mixer) => sparse_mixer_route(&logits, mixer)?,
+            None => {
+                let picked: Vec<u32> = selected
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &e)| ((i / k) * experts) as u32 + e)
+                    .collect();
+                let top = probs
+                    .flatten_all()?
+                    .index_select(&Tensor::new(picked, device)?, 0)?
+                    .reshape((n, k))?;
+                let top = if moe.norm_topk_prob {
+                    top.broadcast_div(&top.sum_keepdim(1)?)?
+                } else {
+                    top
+                };
+                (selected, top)
+            }
         };
+        let slots = route.len() / n.max(1);
+        // Per expert, the tokens routed to it and where their weight sits in the `[n, slots]`
+        // table, tokens in order.
+        let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); experts];
+        for (i, &e) in route.iter().enumerate() {
+            routed[e as usize].0.push((i / slots) as u32);
+            routed[e as usize].1.push(i as u32);
+        }
         let weight_dtype = if moe.f32_routing_weights {
             DType::F32
         } else {
@@ -2069,9 +2122,93 @@ impl CausalLm {
     }
 }
 
+/// Phi-3.5-MoE's sparsemixer as transformers runs it in evaluation ([`SparseMixer`]): each
+/// token's two experts (`[n * 2]`, first then second) and their weights `[n, 2]`, differentiable
+/// through the router's `logits` (`[n, experts]`). The choices and masks are made on the host; a
+/// weight is the softmax of the logits left unmasked, taken at its expert.
+fn sparse_mixer_route(logits: &Tensor, mixer: &SparseMixer) -> CResult<(Vec<u32>, Tensor)> {
+    let (n, experts) = logits.dims2()?;
+    let host: Vec<Vec<f32>> = logits.detach().to_dtype(DType::F32)?.to_vec2()?;
+    let threshold = (2.0 * mixer.jitter_eps) as f32;
+    // The first largest logit (torch.max), skipping `skip`.
+    let argmax = |s: &[f32], skip: Option<usize>| {
+        let mut best: Option<usize> = None;
+        for (e, &v) in s.iter().enumerate() {
+            if Some(e) != skip && best.is_none_or(|b| v > s[b]) {
+                best = Some(e);
+            }
+        }
+        best.unwrap_or(0)
+    };
+    let mut masks = vec![0f32; n * 2 * experts];
+    let mut route = Vec::with_capacity(n * 2);
+    let mut picked = Vec::with_capacity(n * 2);
+    for (row, s) in host.iter().enumerate() {
+        let first = argmax(s, None);
+        let second = argmax(s, Some(first));
+        for (slot, (chosen, excluded)) in [(first, None), (second, Some(first))]
+            .into_iter()
+            .enumerate()
+        {
+            let top = s[chosen];
+            let at = (row * 2 + slot) * experts;
+            for (e, &v) in s.iter().enumerate() {
+                // transformers: (top − v) / max(|v|, top) > 2·eps masks the logit.
+                if Some(e) == excluded || (top - v) / v.abs().max(top) > threshold {
+                    masks[at + e] = f32::NEG_INFINITY;
+                }
+            }
+            route.push(chosen as u32);
+            picked.push((at + chosen) as u32);
+        }
+    }
+    let device = logits.device();
+    let masks = Tensor::from_vec(masks, (n, 2, experts), device)?;
+    let logits = logits.to_dtype(DType::F32)?.unsqueeze(1)?;
+    let gates = ops::softmax_last_dim(&logits.broadcast_add(&masks)?)?;
+    let top = gates
+        .flatten_all()?
+        .index_select(&Tensor::new(picked, device)?, 0)?
+        .reshape((n, 2))?;
+    Ok((route, top))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The sparsemixer against transformers 5.23's `sparsemixer(scores, 0.1, training=False)` on
+    /// logits with negative maxima, near ties, exact ties (the lower expert first) and zeros.
+    #[test]
+    fn sparse_mixer_routes_as_transformers() {
+        let rows = [
+            [1.0f32, 0.5, 0.9, -2.0],
+            [-1.0, -1.2, -3.0, -1.05],
+            [0.3, 0.3, 0.1, 0.29],
+            [0.0, 0.0, -0.5, 0.2],
+            [2.0, -2.0, 1.0, 1.5],
+        ];
+        let logits = Tensor::from_vec(rows.concat(), (5, 4), &Device::Cpu).unwrap();
+        let (route, weights) =
+            sparse_mixer_route(&logits, &SparseMixer { jitter_eps: 0.1 }).unwrap();
+        assert_eq!(route, [0, 2, 0, 3, 0, 1, 3, 0, 0, 3]);
+        let want = [
+            0.5249792f32,
+            1.0,
+            0.36101604,
+            0.53742987,
+            0.3344426,
+            0.5025,
+            1.0,
+            0.5,
+            1.0,
+            1.0,
+        ];
+        let got = weights.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{got:?}");
+        }
+    }
 
     /// Two rows of four new tokens: row 0 packs two samples (2 + 2 tokens), row 1 has one
     /// padding key in front (left padding).

@@ -38,10 +38,18 @@ enum Slot {
     },
 }
 
-/// transformers 5's name of ferrotune's module `name`: Mixtral's `block_sparse_moe` is `mlp`
-/// there (the checkpoint keeps the old name, the in-memory model, which PEFT names, does not).
-fn transformers5_name(name: &str) -> String {
-    name.replacen(".block_sparse_moe.", ".mlp.", 1)
+/// transformers 5's name of ferrotune's module `name` in `model`: Mixtral's and Phi-3.5-MoE's
+/// `block_sparse_moe` is `mlp` there (the checkpoint keeps the old name, the in-memory model,
+/// which PEFT names, does not), and Phi-3.5-MoE's router `gate` is `router`.
+fn transformers5_name(model: &CausalLm, name: &str) -> String {
+    let name = name.replacen(".block_sparse_moe.", ".mlp.", 1);
+    let router = sparse_layers(model)
+        .first()
+        .map_or("gate", |(_, moe)| moe.transformers5_router_name());
+    match name.strip_suffix(".mlp.gate") {
+        Some(layer) if router != "gate" => format!("{layer}.mlp.{router}"),
+        _ => name,
+    }
 }
 
 /// Every parameter of `model` that `target_parameters` can adapt, under transformers 5's name
@@ -53,7 +61,7 @@ fn slots(model: &CausalLm) -> Vec<(String, Slot)> {
         if name.contains(".experts.") {
             continue;
         }
-        let key = format!("{}.weight", transformers5_name(&name));
+        let key = format!("{}.weight", transformers5_name(model, &name));
         out.push((key, Slot::Weight(name)));
     }
     for (i, layer) in model.layers.iter().enumerate() {
@@ -401,8 +409,9 @@ fn transformers5_plan<'a>(
         targets.extend(down);
         replaced.push(format!("{ours}.experts."));
         if let Some(a) = &moe.router.adapter {
+            let router = moe.transformers5_router_name();
             targets.push(ParamTarget::weight(
-                format!("model.layers.{i}.mlp.gate.weight"),
+                format!("model.layers.{i}.mlp.{router}.weight"),
                 a,
             ));
             replaced.push(format!("{ours}.gate."));

@@ -20,6 +20,9 @@ pub struct RotaryEmbedding {
     dynamic: Option<(f64, usize, f64)>,
     /// Multiplies cos and sin (YaRN / LongRoPE attention factor).
     attention_scaling: f32,
+    /// Phi-3.5-MoE: `(original context, short_mscale, long_mscale)`, the factor on cos and sin
+    /// chosen by the call's longest position instead of `attention_scaling`.
+    mscales: Option<(usize, f32, f32)>,
 }
 
 fn default_inv_freq(base: f64, dim: usize) -> Vec<f32> {
@@ -42,6 +45,7 @@ impl RotaryEmbedding {
         let base = rope.theta;
         let mut long = None;
         let mut dynamic = None;
+        let mut mscales = None;
         let mut attention_scaling = 1.0f32;
         let inv_freq = match &rope.scaling {
             RopeScaling::Default => default_inv_freq(base, dim),
@@ -147,6 +151,7 @@ impl RotaryEmbedding {
                 factor,
                 original_max_position_embeddings,
                 attention_factor,
+                mscales: phimoe_mscales,
             } => {
                 let orig = *original_max_position_embeddings;
                 attention_scaling = attention_factor.unwrap_or_else(|| {
@@ -165,7 +170,12 @@ impl RotaryEmbedding {
                         })
                         .collect()
                 };
-                long = Some((orig, with(long_factor)));
+                match phimoe_mscales {
+                    // transformers 5's Phi-3.5-MoE recomputes its frequencies every call without
+                    // the sequence length, so the short factors serve every length.
+                    Some((short, long)) => mscales = Some((orig, *short as f32, *long as f32)),
+                    None => long = Some((orig, with(long_factor))),
+                }
                 with(short_factor)
             }
         };
@@ -175,7 +185,18 @@ impl RotaryEmbedding {
             long,
             dynamic,
             attention_scaling,
+            mscales,
         }
+    }
+
+    /// The context length past which this embedding changes for every position (LongRoPE's long
+    /// factors, Phi-3.5-MoE's long mscale): keys cached before a sequence outgrows it were rotated
+    /// for the short one.
+    pub fn switch_length(&self) -> Option<usize> {
+        self.long
+            .as_ref()
+            .map(|(orig, _)| *orig)
+            .or(self.mscales.map(|(orig, _, _)| orig))
     }
 
     /// Rotated dimensions per head.
@@ -208,6 +229,16 @@ impl RotaryEmbedding {
             }
             _ => &self.inv_freq,
         };
+        let scaling = match self.mscales {
+            Some((orig, short, long)) => {
+                if max_pos + 1 > orig {
+                    long
+                } else {
+                    short
+                }
+            }
+            None => self.attention_scaling,
+        };
         let half = inv_freq.len();
         let mut cos = Vec::with_capacity(batch * seq * 2 * half);
         let mut sin = Vec::with_capacity(batch * seq * 2 * half);
@@ -218,8 +249,8 @@ impl RotaryEmbedding {
                 for _ in 0..2 {
                     for &f in inv_freq {
                         let angle = p * f;
-                        cos.push(angle.cos() * self.attention_scaling);
-                        sin.push(angle.sin() * self.attention_scaling);
+                        cos.push(angle.cos() * scaling);
+                        sin.push(angle.sin() * scaling);
                     }
                 }
             }
@@ -295,6 +326,55 @@ mod tests {
                     "sin at {pos}: {sin:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn phimoe_longrope_keeps_short_factors_and_switches_mscale() {
+        // transformers 5.23's PhimoeRotaryEmbedding: the short factors at every length, cos and
+        // sin times short_mscale (1.1) while the call's longest position is within the original
+        // context (6), long_mscale (1.3) beyond.
+        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
+            "model_type": "phimoe", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 512, "num_local_experts": 2,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.2, 1.4, 1.6], "long_factor": [2.0, 2.9, 3.8, 4.7],
+                "short_mscale": 1.1, "long_mscale": 1.3, "original_max_position_embeddings": 6}
+        }))
+        .unwrap();
+        let rope = RotaryEmbedding::new(&cfg);
+        check(
+            &rope,
+            &[
+                (
+                    3,
+                    vec![-1.0889918, 1.0658036, 1.0997474, 1.0999981],
+                    vec![0.155232, 0.2721444, 0.0235696, 0.0020625],
+                ),
+                (
+                    5,
+                    vec![0.3120284, 1.0058874, 1.0992986, 1.0999947],
+                    vec![-1.0548167, 0.445186, 0.0392774, 0.0034375],
+                ),
+            ],
+        );
+        // Position 3 in a call reaching position 7.
+        let (cos, sin) = rope
+            .cos_sin(&[(0..8).collect()], DType::F32, &Device::Cpu)
+            .unwrap();
+        let row = |t: &Tensor| t.get(0).unwrap().get(0).unwrap().get(3).unwrap();
+        let (cos, sin) = (
+            row(&cos).to_vec1::<f32>().unwrap(),
+            row(&sin).to_vec1::<f32>().unwrap(),
+        );
+        let (want_cos, want_sin) = (
+            [-1.2869902f32, 1.2595861, 1.2997015, 1.2999977],
+            [0.183456f32, 0.3216251, 0.027855, 0.0024375],
+        );
+        for i in 0..8 {
+            assert!((cos[i] - want_cos[i % 4]).abs() < 3e-6, "cos {cos:?}");
+            assert!((sin[i] - want_sin[i % 4]).abs() < 3e-6, "sin {sin:?}");
         }
     }
 

@@ -1035,20 +1035,34 @@ fn fresh_lora_bias_starts_at_zero_and_trains() {
 /// The cases of tests/fixtures/target_parameters: Mixtral's experts (both fused parameters,
 /// nested, one with a rank pattern), router and q_proj; Qwen2-MoE's gate_up_proj beside its shared
 /// expert (rsLoRA); Qwen3-MoE's down_proj and a dense layer's 2-D weight; and Qwen2-MoE adapted by
-/// module names alone on transformers 5 (its shared expert, no expert: they are no modules there).
-const TARGET_PARAMETERS_CASES: [&str; 4] =
-    ["mixtral", "qwen2_moe", "qwen3_moe", "qwen2_moe_modules"];
+/// module names alone on transformers 5 (its shared expert, no expert: they are no modules there);
+/// Phi-3.5-MoE's experts and its router (`mlp.router` there).
+const TARGET_PARAMETERS_CASES: [&str; 5] = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen2_moe_modules",
+    "phimoe",
+];
 
 /// `merged` (ferrotune's names: one linear per expert, Mixtral's `block_sparse_moe`) in
 /// transformers 5's in-memory names and layout, as PEFT's merged state dict holds it: Mixtral's
-/// block is `mlp`, and each sparse block's experts are fused into `experts.gate_up_proj`
-/// (`[experts, 2 * inter, hidden]`, gate rows first) and `experts.down_proj`.
-fn in_transformers5_layout(merged: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+/// block is `mlp`, Phi-3.5-MoE's router `router` (`router` names it), and each sparse block's
+/// experts are fused into `experts.gate_up_proj` (`[experts, 2 * inter, hidden]`, gate rows
+/// first) and `experts.down_proj`.
+fn in_transformers5_layout(
+    merged: &HashMap<String, Tensor>,
+    router: &str,
+) -> HashMap<String, Tensor> {
     let mut out = HashMap::new();
     let mut experts: std::collections::BTreeMap<(String, usize), [Option<Tensor>; 3]> =
         Default::default();
     for (key, t) in merged {
         let key = key.replacen(".block_sparse_moe.", ".mlp.", 1);
+        let key = match key.strip_suffix(".mlp.gate.weight") {
+            Some(layer) => format!("{layer}.mlp.{router}.weight"),
+            None => key,
+        };
         let Some((block, rest)) = key.split_once(".experts.") else {
             out.insert(key, t.clone());
             continue;
@@ -1116,7 +1130,8 @@ fn target_parameters_match_peft() {
         );
         set_training(&mut model, false);
 
-        let merged = in_transformers5_layout(&merged_tensors(&model).unwrap());
+        let router = if name == "phimoe" { "router" } else { "gate" };
+        let merged = in_transformers5_layout(&merged_tensors(&model).unwrap(), router);
         let want = tensors(&case.dir.join("merged.safetensors"));
         let mut keys: Vec<&String> = merged.keys().collect();
         keys.sort();
@@ -1193,7 +1208,7 @@ fn target_parameters_errors_are_named() {
 #[test]
 fn expert_adapters_written_for_transformers_5_load_back_the_same() {
     use ferrotune_models::peft_params::{save_transformers5_adapter, TRANSFORMERS5_DIR};
-    let cases: [(&str, &[&str], bool); 3] = [
+    let cases: [(&str, &[&str], bool); 4] = [
         (
             "models/mixtral",
             &["q_proj", "w1", "w2", "w3", "gate"],
@@ -1212,6 +1227,7 @@ fn expert_adapters_written_for_transformers_5_load_back_the_same() {
             true,
         ),
         ("models/qwen3_moe", &["gate_proj", "down_proj"], false),
+        ("models/phimoe", &["o_proj", "w1", "w2", "w3", "gate"], true),
     ];
     for (family, targets, rslora) in cases {
         let targets = TargetModules::Names(targets.iter().map(|t| t.to_string()).collect());

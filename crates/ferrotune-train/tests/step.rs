@@ -251,7 +251,8 @@ fn full_finetune_gradients_with_and_without_checkpointing_and_tied_embeddings() 
 /// the model fixtures that carry them (Gemma 2: softcapped scores and logits, sandwich norms;
 /// VaultGemma: Gemma 2 without the post-norms;
 /// Gemma 3: q/k norms and a local rope; Phi-2: LayerNorm, parallel block, ungated MLP, biases;
-/// Mixtral / Qwen-MoE: routers, experts and Qwen2-MoE's shared expert):
+/// Mixtral / Qwen-MoE: routers, experts and Qwen2-MoE's shared expert; Phi-3.5-MoE: the
+/// sparsemixer's masked softmaxes, LayerNorms with bias):
 /// every parameter, with and without activation checkpointing.
 #[test]
 fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
@@ -263,6 +264,7 @@ fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
         "mixtral",
         "qwen2_moe",
         "qwen3_moe",
+        "phimoe",
     ] {
         let dir = fixtures().join("models").join(case);
         let g: Value =
@@ -308,8 +310,8 @@ fn every_family_trains_in_bf16_near_its_f32_gradients() {
             step_grads(&m, &params, &[batch(&g, 0..2)], true)
         };
         let (want, got) = (grads(DType::F32), grads(DType::BF16));
-        let moe =
-            ["mixtral", "qwen2_moe", "qwen3_moe"].contains(&g["model_type"].as_str().unwrap_or(""));
+        let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe"]
+            .contains(&g["model_type"].as_str().unwrap_or(""));
         let mut worst = (0f32, String::new());
         for (name, w) in &want {
             let e = rel_l2(&got[name].to_dtype(DType::F32).unwrap(), w);

@@ -323,7 +323,7 @@ const COMPONENT_FAMILIES: &[(&str, &[&str])] = &[
     ("gemma", &["gemma"]),
     ("gemma2", &["gemma2"]),
     ("gemma3", &["gemma3_text"]),
-    ("phi3", &["phi3"]),
+    ("phi3", &["phi3", "phimoe"]),
     ("phi2", &["phi"]),
     ("phi4", &["phi3"]),
 ];
