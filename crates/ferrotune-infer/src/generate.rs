@@ -65,7 +65,10 @@ pub fn generate(
         pos.extend(0..p.len() as u32);
         positions.push(pos);
     }
-    let input = Tensor::from_vec(ids, (batch, longest), &device)?;
+    let input = Tensor::from_vec(ids.clone(), (batch, longest), &device)?;
+    // Every column so far (ids and positions), for recomputing the cache.
+    let mut all_ids: Vec<Vec<u32>> = ids.chunks(longest).map(<[u32]>::to_vec).collect();
+    let mut all_positions = positions.clone();
     let mut cache = KvCache::new(model.layers.len());
     let mut layout = AttentionLayout {
         positions,
@@ -108,7 +111,8 @@ pub fn generate(
         if !running.iter().any(|&r| r) || step + 1 == opts.max_new_tokens {
             break;
         }
-        for r in 0..batch {
+        for (r, &tok) in next.iter().enumerate() {
+            all_ids[r].push(tok);
             let last = layout.positions[r].last().copied().unwrap_or(0);
             // A row whose prompt was all padding has no real position yet: its first token is 0.
             let pos = if layout.key_valid[r].iter().any(|&v| v) {
@@ -117,11 +121,28 @@ pub fn generate(
                 0
             };
             layout.positions[r] = vec![pos];
+            all_positions[r].push(pos);
             layout.key_valid[r].push(true);
         }
         debug_assert_eq!(layout.key_valid[0].len(), cache.len() + 1);
-        let step_ids = Tensor::from_vec(next, (batch, 1), &device)?;
-        logits = model.forward(&step_ids, &layout, Some(&mut cache))?;
+        if model.rope_switch_length() == Some(cache.len()) {
+            // The sequence outgrows the short rotary embedding with this token: the cached keys
+            // were rotated for the short one, so transformers (Phi-3, Phi-3.5-MoE) drops the
+            // cache and runs the whole sequence again, and so do we.
+            cache = KvCache::new(model.layers.len());
+            let width = all_ids[0].len();
+            let ids = Tensor::from_vec(all_ids.concat(), (batch, width), &device)?;
+            let full = AttentionLayout {
+                positions: all_positions.clone(),
+                key_valid: layout.key_valid.clone(),
+                segments: None,
+            };
+            let hidden = model.forward_hidden(&ids, &full, Some(&mut cache))?;
+            logits = model.logits(&hidden.narrow(1, width - 1, 1)?)?;
+        } else {
+            let step_ids = Tensor::from_vec(next, (batch, 1), &device)?;
+            logits = model.forward(&step_ids, &layout, Some(&mut cache))?;
+        }
         decode_steps += 1;
     }
     let decode_s = decode_start.elapsed().as_secs_f64();

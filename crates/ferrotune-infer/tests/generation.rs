@@ -66,6 +66,33 @@ fn greedy_tokens_match_transformers_for_every_family() {
     }
 }
 
+/// A prompt within LongRoPE's original context whose continuation outgrows it: transformers'
+/// Phi-3 and Phi-3.5-MoE drop the KV cache at the switch and run the whole sequence with the long
+/// embedding (long factors; Phi-3.5-MoE's long mscale), and so must we. Tokens from transformers
+/// 5.23's `generate` (equal to its cache-free argmax loop, margins ≥ 0.011).
+#[test]
+fn generation_recomputes_the_cache_when_longrope_switches() {
+    let cases: [(&str, &[u32], [u32; 10]); 2] = [
+        (
+            "phi3_longrope",
+            &[5, 9, 33, 100, 7],
+            [329, 432, 269, 329, 509, 358, 239, 243, 154, 205],
+        ),
+        (
+            "phimoe",
+            &[5, 9, 33, 100, 7, 8],
+            [480, 399, 320, 276, 56, 189, 471, 172, 156, 276],
+        ),
+    ];
+    for (case, prompt, want) in cases {
+        let dir = fixtures().join("models").join(case).join("model");
+        let (model, _) = load_model(&dir, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(model.rope_switch_length(), Some(6), "{case}");
+        let got = run(&model, &[prompt.to_vec()], &greedy(10, vec![], true));
+        assert_eq!(got[0], want, "{case}");
+    }
+}
+
 #[test]
 fn left_padded_batch_equals_one_prompt_at_a_time() {
     let case = fixtures().join("llama3");

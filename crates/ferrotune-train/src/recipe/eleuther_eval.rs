@@ -157,7 +157,16 @@ pub fn score_encoded(
     mut progress: impl FnMut(usize),
 ) -> Result<Vec<Scored>> {
     let batch_size = batch_size.max(1);
-    let fits = |i: usize| encoded[i].0.len() + encoded[i].1.len() <= max_length + 1;
+    // A shared context is cached once; with LongRoPE (or Phi-3.5-MoE's mscales) that holds only
+    // when the context and the whole input sit on the same side of the switch, the rotary
+    // embedding depending on the longest position of each call.
+    let same_rope = |i: usize| {
+        let (c, t) = &encoded[i];
+        model
+            .rope_switch_length()
+            .is_none_or(|orig| (c.len() + t.len()).saturating_sub(1) <= orig || c.len() > orig)
+    };
+    let fits = |i: usize| encoded[i].0.len() + encoded[i].1.len() <= max_length + 1 && same_rope(i);
     // Runs of requests sharing a context that fits whole; everything else runs on its own.
     let mut shared: Vec<Vec<usize>> = Vec::new();
     let mut alone: Vec<usize> = Vec::new();
