@@ -268,20 +268,29 @@ impl LoraAdapter {
         }
     }
 
-    /// The base layer's bias with this adapter's merged in, as PEFT's `merge` with `lora_bias`:
-    /// `bias + lora_B.bias * scaling`. `None` when neither has a bias; an error when only the
-    /// adapter has one (PEFT refuses that merge too: the merged layer would need a bias the
-    /// checkpoint's config does not give it).
-    pub fn merged_bias(&self, base_bias: Option<&Tensor>) -> CResult<Option<Tensor>> {
+    /// The bias the adapted layer adds to every output: the base layer's `bias` plus
+    /// `lora_B.bias * scaling` (`lora_bias`), either alone where the other is absent.
+    pub fn output_bias(&self, base_bias: Option<&Tensor>) -> CResult<Option<Tensor>> {
         match (&self.bias, base_bias) {
             (None, base) => Ok(base.cloned()),
             (Some(b), Some(base)) => Ok(Some((base + (b.to_dtype(base.dtype())? * self.scale)?)?)),
-            (Some(_), None) => Err(candle_core::Error::Msg(
+            (Some(b), None) => Ok(Some((b * self.scale)?)),
+        }
+    }
+
+    /// The base layer's bias with this adapter's merged in, as PEFT's `merge` with `lora_bias`:
+    /// [`LoraAdapter::output_bias`]. `None` when neither has a bias; an error when only the
+    /// adapter has one (PEFT refuses that merge too: the merged layer would need a bias the
+    /// checkpoint's config does not give it).
+    pub fn merged_bias(&self, base_bias: Option<&Tensor>) -> CResult<Option<Tensor>> {
+        if self.bias.is_some() && base_bias.is_none() {
+            return Err(candle_core::Error::Msg(
                 "the adapter has a bias (lora_bias) but the base layer has none, so it cannot \
                  be merged (PEFT cannot either)"
                     .into(),
-            )),
+            ));
         }
+        self.output_bias(base_bias)
     }
 
     /// The adapted layer's output given the base layer's `base = x @ weight.T + bias`.

@@ -281,24 +281,13 @@ fn mean_logit(model: &CausalLm, hidden: &Tensor, start: usize, len: usize) -> Re
     let (vocab, h) = weight.dims2()?;
     // The head's bias, with an adapter's `lora_bias` (scaled) added: both are added to every
     // position's logits.
-    let bias = match head
-        .adapter
-        .as_ref()
-        .and_then(|a| a.bias.as_ref().map(|b| (a, b)))
-    {
-        Some((adapter, lora_bias)) => {
-            let scaled = (lora_bias.detach().to_dtype(DType::F32)? * adapter.scale)?;
-            Some(match &head.bias {
-                Some(b) => (b.detach().to_dtype(DType::F32)? + scaled)?,
-                None => scaled,
-            })
-        }
-        None => head
-            .bias
-            .as_ref()
-            .map(|b| b.detach().to_dtype(DType::F32))
-            .transpose()?,
-    };
+    let base_bias = head.bias.as_ref().map(Tensor::detach);
+    let bias = match &head.adapter {
+        Some(adapter) => adapter.output_bias(base_bias.as_ref())?,
+        None => base_bias,
+    }
+    .map(|b| b.detach().to_dtype(DType::F32))
+    .transpose()?;
     let rows = hidden.narrow(0, start, len)?.detach();
     let flat = rows.reshape(((), h))?;
     let Some(cap) = model.config.final_logit_softcapping else {

@@ -132,12 +132,29 @@ fn preference_losses_are_read_as_torchtune_names_them() {
 }
 
 /// The logged mean logits equal the mean of the model's logits over the chosen (rejected) rows,
-/// for heads with a bias (Phi-2), with Gemma 2's final softcap (formed in chunks), and plain.
+/// for heads with a bias (Phi-2), with Gemma 2's final softcap (formed in chunks), and plain; and
+/// with a head adapter carrying a `lora_bias`, beside the head's own bias (Phi-2) and without one
+/// (Llama).
 #[test]
 fn logged_mean_logits_are_the_mean_of_the_logits() {
-    for family in ["gemma2", "phi2", "qwen3"] {
-        let dir = fixtures().join("models").join(family).join("model");
-        let model = load_model(&dir, DType::F32, &Device::Cpu).unwrap().0;
+    let cases = [
+        ("models/gemma2", None),
+        ("models/phi2", None),
+        ("models/qwen3", None),
+        ("models/phi2", Some("lora_bias/phi2_all")),
+        ("llama3", Some("lora_bias/llama3_unmergeable")),
+    ];
+    for (family, adapter) in cases {
+        let dir = fixtures().join(family).join("model");
+        let mut model = load_model(&dir, DType::F32, &Device::Cpu).unwrap().0;
+        if let Some(adapter) = adapter {
+            load_adapter(&mut model, &fixtures().join(adapter).join("adapter")).unwrap();
+            assert!(model
+                .lm_head
+                .adapter
+                .as_ref()
+                .is_some_and(|a| a.bias.is_some()));
+        }
         let vocab = model.config.vocab_size as u32;
         let side = |seed: u32, len: u32| {
             let ids: Vec<u32> = (0..len)
