@@ -147,12 +147,8 @@ impl Case {
     fn assert_merges_as_peft(&self, model: &CausalLm) {
         let merged = merged_tensors(model).unwrap();
         let want = tensors(&self.dir.join("merged.safetensors"));
-        let at = self.dir.display();
-        assert_eq!(merged.len(), want.len(), "{at}");
-        for (key, w) in &want {
-            let err = max_abs_diff(&merged[key], w);
-            assert!(err <= 1e-5, "{at}: merged '{key}' max abs error {err}");
-        }
+        let at = format!("{}: merged", self.dir.display());
+        assert_same_tensors(&merged, &want, 1e-5, &at);
     }
 
     fn model_with_adapter(&self) -> (CausalLm, LoraConfig) {
@@ -351,15 +347,26 @@ fn assert_saves_as_peft(
     save_adapter(model, config, &dir).unwrap();
     let saved = tensors(&dir.join(ADAPTER_WEIGHTS_FILE));
     let orig = tensors(&peft_dir.join(ADAPTER_WEIGHTS_FILE));
-    let mut names: Vec<&String> = saved.keys().collect();
-    names.sort();
-    let mut want: Vec<&String> = orig.keys().collect();
-    want.sort();
-    assert_eq!(names, want, "{label}");
-    for (k, t) in &orig {
-        assert_eq!(max_abs_diff(&saved[k], t), 0.0, "{label}: {k}");
-    }
+    assert_same_tensors(&saved, &orig, 0.0, label);
     dir
+}
+
+/// `got` holds exactly `want`'s tensor names, each within `tol` (max abs) of `want`'s.
+fn assert_same_tensors(
+    got: &HashMap<String, Tensor>,
+    want: &HashMap<String, Tensor>,
+    tol: f32,
+    label: &str,
+) {
+    let mut names: Vec<&String> = got.keys().collect();
+    names.sort();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    want_names.sort();
+    assert_eq!(names, want_names, "{label}");
+    for (key, w) in want {
+        let err = max_abs_diff(&got[key], w);
+        assert!(err <= tol, "{label}: '{key}' max abs error {err}");
+    }
 }
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -1133,15 +1140,7 @@ fn target_parameters_match_peft() {
         let router = if name == "phimoe" { "router" } else { "gate" };
         let merged = in_transformers5_layout(&merged_tensors(&model).unwrap(), router);
         let want = tensors(&case.dir.join("merged.safetensors"));
-        let mut keys: Vec<&String> = merged.keys().collect();
-        keys.sort();
-        let mut want_keys: Vec<&String> = want.keys().collect();
-        want_keys.sort();
-        assert_eq!(keys, want_keys, "{name}");
-        for (key, w) in &want {
-            let err = max_abs_diff(&merged[key], w);
-            assert!(err <= 1e-5, "{name}: merged '{key}' max abs error {err}");
-        }
+        assert_same_tensors(&merged, &want, 1e-5, &format!("{name}: merged"));
         merge_and_unload(&mut model).unwrap();
         case.assert_adapter_logits(&model, "merged");
     }
