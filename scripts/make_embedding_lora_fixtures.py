@@ -85,18 +85,21 @@ def make_case(out, name, base, kwargs):
     under `out/name`. Where PEFT cannot merge the adapter (`lora_bias` on a layer without a bias)
     the merged files are left out and golden.json says why (`merge_error`)."""
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, base), dtype=torch.float32)
     kwargs = dict(kwargs)
+    # Vision-language models (Qwen2.5-VL, Qwen3-VL) are no AutoModelForCausalLM in transformers 5.
+    auto = kwargs.pop("auto_class", AutoModelForCausalLM)
+    model = auto.from_pretrained(os.path.join(ROOT, base), dtype=torch.float32)
     resize_to = kwargs.pop("resize_to", None)
     # Phi-3.5-MoE's sparsemixer samples experts in training mode: its gradients are taken in
     # evaluation mode (deterministic routing), as ferrotune routes.
     eval_grads = kwargs.pop("eval_grads", False)
     if resize_to:
         model.resize_token_embeddings(resize_to)
-    ids, labels = inputs(model.config.vocab_size, model.config.pad_token_id)
+    text_config = model.config.get_text_config()
+    ids, labels = inputs(text_config.vocab_size, text_config.pad_token_id)
     if resize_to:
         ids[0, 6] = labels[0, 6] = resize_to - 3
-    assert model.get_input_embeddings().padding_idx == model.config.pad_token_id
+    assert model.get_input_embeddings().padding_idx == text_config.pad_token_id
     cfg = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, init_lora_weights=False, **kwargs)
     model = get_peft_model(model, cfg)
     with torch.no_grad():

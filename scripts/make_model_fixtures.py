@@ -793,6 +793,16 @@ CASES = {
                                 notes="Mistral3ForConditionalGeneration (model_type mistral3) holding mistral's text "
                                       "weights (language_model.model.*, language_model.lm_head.*) and a tiny Pixtral "
                                       "vision tower, untied; text-only logits equal mistral's"),
+    "qwen2_5_vl_multimodal": dict(weights_from="qwen2_5", multimodal="qwen2_5_vl", same_golden_as="qwen2_5",
+                                  style="v4",
+                                  notes="Qwen2_5_VLForConditionalGeneration holding qwen2_5's text weights (model.layers.*, "
+                                        "lm_head.weight) and a tiny vision tower (visual.*); config as the Hub's: text keys "
+                                        "at the top level, rope_scaling {type: mrope, mrope_section}; text-only logits "
+                                        "equal qwen2_5's"),
+    "qwen3_vl_multimodal": dict(weights_from="qwen3", multimodal="qwen3_vl", same_golden_as="qwen3", style="v5",
+                                notes="Qwen3VLForConditionalGeneration holding qwen3's text weights "
+                                      "(model.language_model.*), tied, and a tiny vision tower (model.visual.*); "
+                                      "text_config with interleaved mrope; text-only logits equal qwen3's"),
     "gemma3_multimodal": dict(weights_from="gemma3", multimodal="gemma3", same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "
@@ -981,6 +991,30 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
                            image_token_index=VOCAB - 3, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 1,
                            bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
         mm_class = Gemma3ForConditionalGeneration
+    elif kind in ("qwen2_5_vl", "qwen3_vl"):
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                                  Qwen3VLForConditionalGeneration)
+        text = text_cfg.to_dict()
+        for k in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype"):
+            text.pop(k, None)
+        half = text_cfg.head_dim // 2 if getattr(text_cfg, "head_dim", None) else \
+            text_cfg.hidden_size // text_cfg.num_attention_heads // 2
+        rope = dict(text_cfg.rope_parameters)
+        if kind == "qwen2_5_vl":
+            rope["mrope_section"] = [1, 1, half - 2]
+            text["rope_parameters"] = rope
+            cfg = Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+                depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
+                fullatt_block_indexes=[0]), tie_word_embeddings=text_cfg.tie_word_embeddings)
+            mm_class = Qwen2_5_VLForConditionalGeneration
+        else:
+            rope["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
+            rope["mrope_interleaved"] = True
+            text["rope_parameters"] = rope
+            cfg = Qwen3VLConfig(text_config=text, vision_config=dict(
+                depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
+                deepstack_visual_indexes=[0]), tie_word_embeddings=text_cfg.tie_word_embeddings)
+            mm_class = Qwen3VLForConditionalGeneration
     else:
         vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      image_size=28, patch_size=14, head_dim=8)
@@ -1003,6 +1037,16 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
     saved = json.loads(cfg_path.read_text())
     if kind == "gemma3":
         saved["text_config"] = gemma3_hub_text_config(saved["text_config"])
+    if kind == "qwen2_5_vl":
+        # As the Hub's Qwen2.5-VL configs: the text model's keys at the top level, rope in 4.x style
+        # with the `mrope` type.
+        text = saved.pop("text_config")
+        rope = text.pop("rope_parameters")
+        for k in ("model_type", "architectures", "dtype", "torch_dtype"):
+            text.pop(k, None)
+        saved.update(text)
+        saved["rope_theta"] = rope.pop("rope_theta")
+        saved["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
     if "dtype" in saved:
         saved["torch_dtype"] = saved.pop("dtype")
     saved["transformers_version"] = "4.50.0"

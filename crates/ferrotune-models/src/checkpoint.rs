@@ -277,11 +277,12 @@ pub fn read_safetensors(
     read_safetensors_renamed(files, dtype, device, &|name| Some(name.to_string()))
 }
 
-/// The HF name inside the text model of a multimodal (Gemma 3, Mistral 3) model's tensor or module,
-/// or `None` for the vision tower and projector: transformers 4.5x names them
-/// `language_model.model.*` and `language_model.lm_head.*`, transformers 5
-/// `model.language_model.*` and `lm_head.*`; names already in the text model's form stay. Serves
-/// checkpoints and PEFT adapters of the whole model alike.
+/// The HF name inside the text model of a multimodal (Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL,
+/// Qwen3-VL) model's tensor or module, or `None` for the vision tower and projector (Qwen's
+/// `visual.*` / `model.visual.*`): transformers 4.5x names them `language_model.model.*` and
+/// `language_model.lm_head.*`, transformers 5 `model.language_model.*` and `lm_head.*`; names
+/// already in the text model's form stay. Serves checkpoints and PEFT adapters of the whole model
+/// alike.
 pub fn text_model_tensor(name: &str) -> Option<String> {
     if let Some(rest) = name
         .strip_prefix("language_model.model.")
@@ -292,9 +293,13 @@ pub fn text_model_tensor(name: &str) -> Option<String> {
     if let Some(rest) = name.strip_prefix("language_model.lm_head.") {
         return Some(format!("lm_head.{rest}"));
     }
-    let vision = ["model.vision_tower.", "model.multi_modal_projector."]
-        .iter()
-        .any(|p| name.starts_with(p));
+    let vision = [
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+        "model.visual.",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p));
     let text = name.starts_with("lm_head.") || name.starts_with("model.");
     (text && !vision).then(|| name.to_string())
 }

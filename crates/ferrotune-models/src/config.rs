@@ -935,7 +935,21 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
 const MULTIMODAL_TEXT_TYPES: &[(&str, &[&str])] = &[
     ("gemma3", &["gemma3_text"]),
     ("mistral3", &["mistral", "ministral3", "ministral"]),
+    ("qwen2_vl", &["qwen2_vl_text"]),
+    ("qwen2_5_vl", &["qwen2_5_vl_text"]),
+    ("qwen3_vl", &["qwen3_vl_text"]),
 ];
+
+/// The family a multimodal checkpoint's text model runs as: Qwen2-VL's and Qwen2.5-VL's text
+/// models are Qwen2's and Qwen3-VL's is Qwen3's once their multimodal rope (`mrope`) sees text
+/// alone (every section at the same position, which is plain RoPE).
+fn text_family(text_type: &str) -> &str {
+    match text_type {
+        "qwen2_vl_text" | "qwen2_5_vl_text" => "qwen2",
+        "qwen3_vl_text" => "qwen3",
+        other => other,
+    }
+}
 
 /// transformers' causal-LM class of a text `model_type`, for the saved text model's config.
 fn causal_lm_class(model_type: &str) -> &'static str {
@@ -943,6 +957,8 @@ fn causal_lm_class(model_type: &str) -> &'static str {
         "gemma3_text" => "Gemma3ForCausalLM",
         "ministral3" => "Ministral3ForCausalLM",
         "ministral" => "MinistralForCausalLM",
+        "qwen2" => "Qwen2ForCausalLM",
+        "qwen3" => "Qwen3ForCausalLM",
         _ => "MistralForCausalLM",
     }
 }
@@ -954,9 +970,30 @@ fn causal_lm_class(model_type: &str) -> &'static str {
 fn multimodal_text_config(top: &Map<String, Value>, text_types: &[&str]) -> Result<Value, String> {
     let mut text = match top.get("text_config") {
         Some(Value::Object(t)) => t.clone(),
+        // The Hub's Qwen2-VL / Qwen2.5-VL configs keep the text model's keys at the top level.
+        None | Some(Value::Null) if text_types[0].starts_with("qwen") => {
+            let mut t = top.clone();
+            for key in ["vision_config", "model_type", "architectures"] {
+                t.remove(key);
+            }
+            t
+        }
         None | Some(Value::Null) => Map::new(),
         Some(_) => return Err("'text_config' must be an object".into()),
     };
+    // Text alone puts every mrope section at the same position: plain RoPE, so the sections
+    // (and 4.x's `mrope` type) are dropped.
+    for key in ["rope_parameters", "rope_scaling"] {
+        if let Some(Value::Object(rope)) = text.get_mut(key) {
+            rope.remove("mrope_section");
+            rope.remove("mrope_interleaved");
+            for type_key in ["type", "rope_type"] {
+                if rope.get(type_key).and_then(Value::as_str) == Some("mrope") {
+                    rope.insert(type_key.into(), Value::from("default"));
+                }
+            }
+        }
+    }
     let text_type = match get_str(&text, "model_type")? {
         None => text_types[0],
         Some(t) if text_types.contains(&t) => t,
@@ -968,9 +1005,10 @@ fn multimodal_text_config(top: &Map<String, Value>, text_types: &[&str]) -> Resu
         }
     }
     .to_string();
+    let family = text_family(&text_type).to_string();
     text.insert(
         "architectures".into(),
-        serde_json::json!([causal_lm_class(&text_type)]),
+        serde_json::json!([causal_lm_class(&family)]),
     );
     for key in [
         "bos_token_id",
@@ -990,7 +1028,7 @@ fn multimodal_text_config(top: &Map<String, Value>, text_types: &[&str]) -> Resu
     for (key, default) in family_defaults(&text_type) {
         text.entry(*key).or_insert_with(|| default.clone());
     }
-    text.insert("model_type".into(), Value::from(text_type));
+    text.insert("model_type".into(), Value::from(family));
     Ok(Value::Object(text))
 }
 

@@ -121,3 +121,44 @@ fn a_multimodal_mistral_3_runs_as_its_untied_text_model() {
     assert_eq!(mm.config.raw["tie_word_embeddings"], false);
     assert_eq!(max_abs_diff(&logits(&text), &logits(&mm)), 0.0);
 }
+
+/// Qwen2.5-VL (its Hub config: text keys at the top level, `rope_scaling` of type `mrope`; text
+/// tensors `model.layers.*`, the tower `visual.*`) and Qwen3-VL (transformers 5's `text_config`
+/// with interleaved mrope; `model.language_model.*`, `model.visual.*`, a tied head) run as Qwen2
+/// and Qwen3: on text alone every mrope section sits at the same position, which is plain RoPE.
+#[test]
+fn qwen_vision_language_models_run_as_their_text_model() {
+    for (mm_case, text_case, family, class, tied) in [
+        (
+            "qwen2_5_vl_multimodal",
+            "qwen2_5",
+            "qwen2",
+            "Qwen2ForCausalLM",
+            false,
+        ),
+        (
+            "qwen3_vl_multimodal",
+            "qwen3",
+            "qwen3",
+            "Qwen3ForCausalLM",
+            true,
+        ),
+    ] {
+        let text = load(text_case);
+        let mm = load(mm_case);
+        assert!(mm.config.text_of_multimodal, "{mm_case}");
+        assert_eq!(mm.config.model_type, family);
+        assert_eq!(mm.config.raw["architectures"][0], class);
+        assert_eq!(mm.config.tie_word_embeddings, tied, "{mm_case}");
+        assert_eq!(
+            mm.config.rope.scaling,
+            ferrotune_models::config::RopeScaling::Default
+        );
+        let raw = mm.config.raw.to_string();
+        assert!(
+            !raw.contains("mrope") && !raw.contains("vision_config"),
+            "{raw}"
+        );
+        assert_eq!(max_abs_diff(&logits(&text), &logits(&mm)), 0.0, "{mm_case}");
+    }
+}

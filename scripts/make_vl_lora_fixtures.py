@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""PEFT LoRA adapters trained on whole vision-language models (Qwen2.5-VL, Qwen3-VL), whose text
+model ferrotune runs: target names that also reach the vision tower (Qwen2.5-VL's vision blocks
+have `mlp.gate_proj` / `down_proj`, Qwen3-VL's `linear_fc1`), so the adapter file holds tensors
+ferrotune must leave out.
+
+Same layout as tests/fixtures/embedding_lora (see scripts/make_embedding_lora_fixtures.py), under
+tests/fixtures/vl_lora/<name>/; names are transformers 5's (`model.language_model.*`,
+`model.visual.*`), and `merged.safetensors` is PEFT's merged state dict of the whole model.
+Run from the repository root: python3 scripts/make_vl_lora_fixtures.py [CASE ...]
+"""
+import os
+import sys
+
+from transformers import AutoModelForImageTextToText
+
+from make_embedding_lora_fixtures import ROOT, make_case
+
+OUT = os.path.join(ROOT, "vl_lora")
+
+CASES = {
+    "qwen2_5_vl": (
+        "models/qwen2_5_vl_multimodal/model",
+        dict(r=2, lora_alpha=4, target_modules=["q_proj", "gate_proj", "down_proj"],
+             auto_class=AutoModelForImageTextToText),
+    ),
+    "qwen3_vl": (
+        "models/qwen3_vl_multimodal/model",
+        dict(r=3, lora_alpha=6, use_rslora=True, target_modules=["k_proj", "up_proj", "linear_fc1"],
+             auto_class=AutoModelForImageTextToText),
+    ),
+}
+
+
+def main():
+    only = sys.argv[1:]
+    for name, (base, kwargs) in CASES.items():
+        if not only or name in only:
+            make_case(OUT, name, base, kwargs)
+
+
+if __name__ == "__main__":
+    main()
