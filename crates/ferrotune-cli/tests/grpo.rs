@@ -427,3 +427,56 @@ fn grpo_on_two_ranks_trains_what_one_process_trains() {
         }
     }
 }
+
+/// GRPO with LoRA on a mixture of experts (Mixtral's experts and router) also writes the adapter
+/// as PEFT holds it on transformers 5 (`transformers5/`, fused experts), as the LoRA fine-tuning
+/// recipes do: that folder gives the same model as the per-expert adapter beside it.
+#[test]
+fn grpo_lora_on_experts_writes_the_transformers5_adapter() {
+    use candle_core::Tensor;
+    use ferrotune_models::{load_adapter, load_model, AttentionLayout};
+
+    let dir = tmpdir("grpo", "moe");
+    let cfg = write_config(&dir);
+    let out = dir.join("out");
+    let base = fixtures().join("models/mixtral/model");
+    let o = run(
+        &dir,
+        &cfg,
+        &out,
+        &[
+            &format!("base_model_path={}", base.display()),
+            &format!("tokenizer.path={}", base.display()),
+            "~ref_checkpointer",
+            "model._component_=torchtune.models.mistral.lora_mistral_7b",
+            "model.lora_attn_modules=[q_proj]",
+            "model.apply_lora_to_mlp=true",
+            "model.lora_rank=2",
+            "model.lora_alpha=4",
+            "epochs=1",
+            "optimizer.lr=1e-2",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let epoch = out.join("epoch_0");
+    let t5 = epoch.join("transformers5");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(t5.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert!(
+        config["target_parameters"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty()),
+        "{config}"
+    );
+    let ids = Tensor::new(&[[5u32, 9, 44, 7, 100, 3, 250, 17]], &Device::Cpu).unwrap();
+    let logits = |adapter: &Path| {
+        let mut m = load_model(&base, DType::F32, &Device::Cpu).unwrap().0;
+        load_adapter(&mut m, adapter).unwrap();
+        m.forward(&ids, &AttentionLayout::causal(1, 8, 0), None)
+            .unwrap()
+    };
+    let err = ferrotune_testing::max_abs_diff(&logits(&epoch), &logits(&t5));
+    assert!(err <= 1e-5, "transformers5/ logits differ by {err}");
+}

@@ -575,20 +575,8 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             "note: no merged/ model is written: {why}; the adapter files are complete"
         ));
     }
-    // Adapters on experts also go out as PEFT holds them on transformers 5 (fused experts).
-    let transformers5 = match lora_config.as_ref().filter(|_| !mode.full()) {
-        Some(lc) => match ferrotune_models::peft_params::has_transformers5_adapter(&model, lc) {
-            Ok(found) => found,
-            Err(why) => {
-                say(format!(
-                    "note: no transformers5/ adapter is written for the experts: {why} (the \
-                     adapter files load with transformers 4's per-expert modules)"
-                ));
-                false
-            }
-        },
-        None => false,
-    };
+    let transformers5 =
+        writes_transformers5(&model, lora_config.as_ref().filter(|_| !mode.full()), &say);
     let saver = Saver {
         mode,
         transformers5,
@@ -1262,6 +1250,29 @@ pub(crate) fn base_source(
         _ => path.parent().unwrap_or(Path::new(".")).to_path_buf(),
     };
     Ok((format, dir))
+}
+
+/// Whether a LoRA run also writes its adapter as PEFT holds it on transformers 5
+/// (`transformers5/`: fused experts): when `lora_config`'s adapters reach experts or routers and
+/// that form can hold them; `say` tells why not otherwise.
+pub(crate) fn writes_transformers5(
+    model: &CausalLm,
+    lora_config: Option<&LoraConfig>,
+    say: &dyn Fn(String),
+) -> bool {
+    let Some(lc) = lora_config else {
+        return false;
+    };
+    match ferrotune_models::peft_params::has_transformers5_adapter(model, lc) {
+        Ok(found) => found,
+        Err(why) => {
+            say(format!(
+                "note: no transformers5/ adapter is written for the experts: {why} (the \
+                 adapter files load with transformers 4's per-expert modules)"
+            ));
+            false
+        }
+    }
 }
 
 /// Writes checkpoint folders for this run.

@@ -558,6 +558,8 @@ pub fn run(cfg: &Config) -> Result<()> {
             "note: no merged/ model is written: {why}; the adapter files are complete"
         ));
     }
+    let transformers5 =
+        crate::recipe::finetune::writes_transformers5(&policy, lora_config.as_ref(), &say);
     let params = match lora {
         true => peft::trainable_parameters(&mut policy)?,
         false => policy.make_all_trainable()?,
@@ -852,6 +854,11 @@ pub fn run(cfg: &Config) -> Result<()> {
                 let target = match &lora_config {
                     Some(lc) => {
                         peft::save_adapter(&policy, lc, dir)?;
+                        if transformers5 {
+                            ferrotune_models::peft_params::save_transformers5_adapter(
+                                &policy, lc, dir,
+                            )?;
+                        }
                         crate::export::copy_or_export_tokenizer(
                             &policy_source,
                             Some(&tokenizer),
