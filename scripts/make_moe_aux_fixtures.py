@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Router load-balancing loss references for ferrotune's tests: the tiny Mixtral, Qwen2-MoE and
-Qwen3-MoE models of tests/fixtures/models/ run by transformers with `output_router_logits=True`
+"""Router load-balancing loss references for ferrotune's tests: the tiny Mixtral, Qwen2-MoE,
+Qwen3-MoE and Phi-3.5-MoE models of tests/fixtures/models/ run by transformers with `output_router_logits=True`
 and `router_aux_loss_coef=0.05`, so that their loss is `cross-entropy mean + 0.05 · aux_loss`
 (transformers' `load_balancing_loss_func`, over every sparse layer's router).
 
@@ -29,7 +29,7 @@ PAD = 5
 def main():
     os.makedirs(OUT, exist_ok=True)
     out = {"router_aux_loss_coef": COEF, "padding": PAD}
-    for case in ["mixtral", "qwen2_moe", "qwen3_moe"]:
+    for case in ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe"]:
         path = os.path.join(ROOT, "models", case, "model")
         golden = json.load(open(os.path.join(ROOT, "models", case, "golden.json")))
         ids = torch.tensor(golden["input_ids"])
@@ -41,7 +41,9 @@ def main():
         config.output_router_logits = True
         config.router_aux_loss_coef = COEF
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
-        model.train()
+        # Phi-3.5-MoE's sparsemixer samples experts in training mode: evaluation mode routes as
+        # ferrotune does (the auxiliary loss is added either way).
+        model.eval() if case == "phimoe" else model.train()
         res = model(input_ids=ids, attention_mask=mask, labels=labels)
         res.loss.backward()
         # Written through save_pretrained, so that the gradients carry the checkpoint's tensor
