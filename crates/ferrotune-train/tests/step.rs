@@ -343,8 +343,8 @@ fn every_family_trains_in_bf16_near_its_f32_gradients() {
 }
 
 /// The router's auxiliary load-balancing loss of Mixtral, Qwen2-MoE, Qwen3-MoE (one dense
-/// layer) and Phi-3.5-MoE against transformers with `output_router_logits: true` and `router_aux_loss_coef`
-/// 0.05 (scripts/make_moe_aux_fixtures.py): the loss (cross-entropy mean + 0.05 · aux) and every
+/// layer) and Phi-3.5-MoE against transformers with `output_router_logits: true` and
+/// `router_aux_loss_coef` 0.05 (scripts/make_moe_aux_fixtures.py): the loss (cross-entropy mean + 0.05 · aux) and every
 /// full fine-tuning gradient, with right padding that the auxiliary loss leaves out, with and
 /// without activation checkpointing.
 #[test]
