@@ -339,6 +339,15 @@ fn lora_biases_on_two_ranks_equal_one_device() {
     assert_lora_on_two_ranks_equals_one_device(&case, &extra, &["full", "none"]);
 }
 
+/// `modules_to_save` (the embedding and head of tied Qwen2 trained in full beside the adapters,
+/// untied) train on 2 ranks as on one device, sharded or not.
+#[test]
+fn modules_to_save_on_two_ranks_equal_one_device() {
+    let case = Case::new("lora-modules-to-save", "qwen2");
+    let extra = ["model.modules_to_save=[embed_tokens,lm_head]"];
+    assert_lora_on_two_ranks_equals_one_device(&case, &extra, &["full", "none"]);
+}
+
 /// QLoRA on 2 ranks (the NF4 base sharded with the rest, its bytes gathered around each layer)
 /// equals one device.
 #[test]

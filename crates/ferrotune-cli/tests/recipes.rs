@@ -105,8 +105,10 @@ fn write_config(dir: &Path, family: &str, data: &Path) -> PathBuf {
 }
 
 /// One SGD step (lr 1) from a PEFT adapter logs PEFT's loss and saves `start − gradient`, with
-/// PEFT's gradients: LoRA, DoRA, adapters on the token embedding, and LoRA biases (`lora_bias`;
-/// where the base layers have no bias to merge them into, no merged model is written).
+/// PEFT's gradients: LoRA, DoRA, adapters on the token embedding, LoRA biases (`lora_bias`;
+/// where the base layers have no bias to merge them into, no merged model is written), and
+/// `modules_to_save` (the embedding and head trained in full; Qwen2's tied head keeps the base
+/// weights while the embedding trains).
 #[test]
 fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
     // (base model, adapter case, the fixture whose golden.json holds the batch)
@@ -131,6 +133,16 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
             "llama3",
             "lora_bias/llama3_unmergeable",
             "lora_bias/llama3_unmergeable",
+        ),
+        (
+            "llama3",
+            "modules_to_save_training/llama3_embed_head",
+            "modules_to_save_training/llama3_embed_head",
+        ),
+        (
+            "qwen2",
+            "modules_to_save_training/qwen2_tied_embed",
+            "modules_to_save_training/qwen2_tied_embed",
         ),
     ];
     for (family, case, rows) in cases {
@@ -177,9 +189,12 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
                 assert_eq!(rel_l2(&saved[key], s), 0.0, "{case:?}: {key}");
                 continue;
             }
-            // Gradients use parameter names: the DoRA magnitude's has a `.weight` suffix.
+            // Gradients use parameter names: the DoRA magnitude's has a `.weight` suffix, a
+            // saved module's weight is its trained copy's (`.modules_to_save.weight`).
             let gname = if key.ends_with("lora_magnitude_vector") {
                 format!("{key}.weight")
+            } else if !key.contains(".lora_") {
+                key.replacen(".weight", ".modules_to_save.weight", 1)
             } else {
                 key.clone()
             };
@@ -318,6 +333,77 @@ fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
             used.contains(&token),
             "token {token}: A's column moved {moved}"
         );
+    }
+}
+
+/// `model.modules_to_save` trains the token embedding and output head in full beside the
+/// adapters (PEFT's `modules_to_save`): both move, are saved under PEFT's names with the key in
+/// `adapter_config.json`, and the merged model holds them. Another module there, or the LoRA DPO
+/// recipe (whose reference disables the adapters), is refused by name.
+#[test]
+fn modules_to_save_trains_the_embedding_and_head_in_full() {
+    let dir = tmpdir("modules-to-save");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = write_config(&dir, "llama3", &data);
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "max_steps_per_epoch=1",
+        ];
+        args.extend_from_slice(extra);
+        ferrotune(&args, &dir, &[])
+    };
+    let out = run(&["model.modules_to_save=[embed_tokens,lm_head]"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let saved_dir = dir.join("out/epoch_0");
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        config["modules_to_save"],
+        serde_json::json!(["embed_tokens", "lm_head"])
+    );
+    let saved = load(&saved_dir.join("adapter_model.safetensors"));
+    let base = load(&fixtures().join("llama3/model/model.safetensors"));
+    let merged = load(&saved_dir.join("merged/model.safetensors"));
+    for (key, base_key) in [
+        (
+            "base_model.model.model.embed_tokens.weight",
+            "model.embed_tokens.weight",
+        ),
+        ("base_model.model.lm_head.weight", "lm_head.weight"),
+    ] {
+        let moved = ferrotune_testing::max_abs_diff(&saved[key], &base[base_key]);
+        assert!(moved > 1e-4, "{key} did not train ({moved})");
+        assert_eq!(
+            ferrotune_testing::max_abs_diff(&saved[key], &merged[base_key]),
+            0.0,
+            "{key}: merged"
+        );
+    }
+    for (extra, needles) in [
+        (
+            &["model.modules_to_save=[q_proj]"][..],
+            &["modules_to_save", "q_proj"][..],
+        ),
+        (
+            &[
+                "model.modules_to_save=[embed_tokens]",
+                "model.apply_lora_to_embeddings=true",
+            ][..],
+            &["modules_to_save", "adapter"][..],
+        ),
+    ] {
+        let out = run(extra);
+        assert!(!out.status.success());
+        for n in needles {
+            assert!(text(&out).contains(n), "{extra:?}: {}", text(&out));
+        }
     }
 }
 
@@ -1677,16 +1763,12 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
     }
 }
 
-/// Adapters PEFT trains beside (or instead of) LoRA on modules: whole modules, trainable token
-/// rows, adapters on parameters (fused experts). Training further is refused, naming the key.
+/// Adapters PEFT trains beside (or instead of) LoRA on modules: trainable token rows, adapters
+/// on parameters (fused experts). Training further is refused, naming the key (whole modules,
+/// `modules_to_save`, train further: see `one_sgd_step_from_a_peft_adapter_...`).
 #[test]
-fn an_adapter_with_modules_to_save_is_not_trained_further() {
+fn adapters_with_trainable_tokens_or_parameter_targets_are_not_trained_further() {
     let cases = [
-        (
-            "models/llama2",
-            "peft_modules_to_save/untied",
-            "modules_to_save",
-        ),
         (
             "llama3",
             "embedding_lora/tokens_llama3",

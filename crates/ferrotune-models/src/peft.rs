@@ -1410,6 +1410,71 @@ pub fn trainable_parameters(model: &mut CausalLm) -> Result<Vec<(String, Var)>, 
     Ok(out)
 }
 
+/// The modules of `modules` (PEFT's `modules_to_save`) that `model` trains in full beside its
+/// adapters: `(embedding, head)`. Only the token embedding (`embed_tokens`) and the output head
+/// (`lm_head`, a classifier's `score`) can be; anything else is an error naming it.
+fn saved_modules(model: &CausalLm, modules: &[String]) -> Result<(bool, bool), ModelError> {
+    let head = model.head_name();
+    let names = |m: &str, module: &str| module == m || module.ends_with(&format!(".{m}"));
+    let (mut embed, mut out_head) = (false, false);
+    for m in modules {
+        if names(m, EMBED_MODULE) {
+            embed = true;
+        } else if names(m, head) {
+            out_head = true;
+        } else {
+            return Err(ModelError::Msg(format!(
+                "modules_to_save: '{m}' cannot be trained in full here: only the token \
+                 embedding (embed_tokens) and the output head ({head}) can"
+            )));
+        }
+    }
+    Ok((embed, out_head))
+}
+
+/// Makes PEFT's `modules_to_save` (the token embedding and/or the output head, trained in full
+/// beside the adapters) trainable, named as full fine-tuning names them (`model.embed_tokens.weight`,
+/// `lm_head.weight`, `lm_head.bias`: the names sharded training finds them by). As PEFT
+/// trains a copy of each listed module, a head tied to the embedding is untied first: the module
+/// not listed keeps the base weights, frozen. A listed module may not also have an adapter.
+pub fn make_saved_modules_trainable(
+    model: &mut CausalLm,
+    modules: &[String],
+) -> Result<Vec<(String, Var)>, ModelError> {
+    let (embed, head) = saved_modules(model, modules)?;
+    let mut out = Vec::new();
+    if !embed && !head {
+        return Ok(out);
+    }
+    if (embed && model.embed_adapter.is_some()) || (head && model.lm_head.adapter.is_some()) {
+        return Err(ModelError::Msg(
+            "modules_to_save: a module listed there cannot also have a LoRA adapter (PEFT \
+             refuses the pair too)"
+                .into(),
+        ));
+    }
+    untie_head(model);
+    let mut var = |t: &mut Tensor, name: String| -> Result<(), ModelError> {
+        let v = Var::from_tensor(&t.detach())?;
+        *t = v.as_tensor().clone();
+        out.push((name, v));
+        Ok(())
+    };
+    if embed {
+        var(&mut model.embed_tokens, format!("{EMBED_MODULE}.weight"))?;
+    }
+    if head {
+        let linear = &mut model.lm_head;
+        // The weight changes every step: a packed (GGUF block) copy would go stale.
+        linear.packed = None;
+        var(linear.weight.as_dense_mut()?, "lm_head.weight".into())?;
+        if let Some(b) = &mut linear.bias {
+            var(b, "lm_head.bias".into())?;
+        }
+    }
+    Ok(out)
+}
+
 /// Runs `f` on `model` with every adapter taken out (the base model alone, as inside PEFT's
 /// `disable_adapter()` context, which torchtune's LoRA DPO recipes use for the reference
 /// model), then puts the adapters back in place.
@@ -1511,6 +1576,22 @@ pub(crate) fn saved_tensors(
         let ids = Tensor::new(config.trainable_token_indices.as_slice(), model.device())?;
         let rows = model.embed_tokens.index_select(&ids, 0)?;
         tensors.insert(trainable_tokens_key(), rows);
+    }
+    // `modules_to_save`: the modules trained in full, as PEFT saves them.
+    let (embed, head) = saved_modules(model, &config.modules_to_save)?;
+    if embed {
+        tensors.insert(
+            format!("{PEFT_PREFIX}{EMBED_MODULE}.weight"),
+            model.embed_tokens.clone(),
+        );
+    }
+    if head {
+        let name = model.head_name();
+        let weight = model.lm_head.weight.dense()?.into_owned();
+        tensors.insert(format!("{PEFT_PREFIX}{name}.weight"), weight);
+        if let Some(b) = &model.lm_head.bias {
+            tensors.insert(format!("{PEFT_PREFIX}{name}.bias"), b.clone());
+        }
     }
     let tokens = !config.trainable_token_indices.is_empty();
     if !tokens && !saves_embedding_layers(model, config) && vocabulary_resized(model, config) {

@@ -457,6 +457,7 @@ const MODEL_KEYS: &[(&str, Ty)] = &[
     ("use_dora", Ty::Bool),
     ("use_rslora", Ty::Bool),
     ("lora_bias", Ty::Bool),
+    ("modules_to_save", Ty::StrList),
     ("quantize_base", Ty::Bool),
 ];
 const TOKENIZER_KEYS: &[(&str, Ty)] = &[

@@ -331,7 +331,30 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 lead,
             )?;
             ferrotune_models::lora::set_training(&mut model, true);
-            (peft::trainable_parameters(&mut model)?, Some(lc))
+            let mut params = peft::trainable_parameters(&mut model)?;
+            if !lc.modules_to_save.is_empty() {
+                if mode == Mode::Dpo {
+                    // The reference is the model with its adapters disabled, which would need the
+                    // saved modules' original weights kept beside them.
+                    bail!(
+                        "{}: modules_to_save {:?} is not supported by the LoRA DPO recipe",
+                        cfg.origin,
+                        lc.modules_to_save
+                    );
+                }
+                let saved = peft::make_saved_modules_trainable(&mut model, &lc.modules_to_save)
+                    .with_context(|| cfg.origin.clone())?;
+                say(format!(
+                    "Trained in full beside the adapters (modules_to_save): {}",
+                    saved
+                        .iter()
+                        .map(|(n, _)| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+                params.extend(saved);
+            }
+            (params, Some(lc))
         }
         Mode::Full | Mode::FullDpo | Mode::Qat | Mode::EarlyExit => {
             (model.make_all_trainable()?, None)
@@ -1000,12 +1023,9 @@ pub(crate) fn setup_adapters(
         if dir.join(peft::ADAPTER_CONFIG_FILE).is_file() {
             let saved = peft::LoraConfig::read(&dir)
                 .with_context(|| format!("{}: checkpointer.adapter_checkpoint", cfg.origin))?;
-            // torchtune trains adapters only; continuing PEFT's fully trained modules (or
-            // trainable token rows) would need them as trainable parameters beside the adapters,
-            // and adapters on fused parameters their own layout.
-            let what = if !saved.modules_to_save.is_empty() {
-                Some(format!("modules_to_save {:?}", saved.modules_to_save))
-            } else if !saved.trainable_token_indices.is_empty() {
+            // Trainable token rows would need their own trainable parameters beside the
+            // adapters, and adapters on fused parameters their own layout.
+            let what = if !saved.trainable_token_indices.is_empty() {
                 Some(format!(
                     "trainable_token_indices {:?}",
                     saved.trainable_token_indices

@@ -546,6 +546,14 @@ pub fn run(cfg: &Config) -> Result<()> {
             seed,
             true,
         )?;
+        if !lc.modules_to_save.is_empty() {
+            // The reference is the policy with its adapters disabled, which would need the saved
+            // modules' original weights kept beside them.
+            bail!(
+                "{o}: modules_to_save {:?} is not supported by GRPO",
+                lc.modules_to_save
+            );
+        }
         ferrotune_models::lora::set_training(&mut policy, true);
         Some(lc)
     } else {

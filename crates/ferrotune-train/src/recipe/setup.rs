@@ -529,6 +529,9 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
             cfg.origin
         );
     }
+    // PEFT's `modules_to_save`: the token embedding and/or output head trained in full beside the
+    // adapters (say, for tokens the base never learned).
+    lc.modules_to_save = cfg.str_list("model.modules_to_save")?.unwrap_or_default();
     lc.base_model_name_or_path = Some(base_path.display().to_string());
     Ok(lc)
 }
