@@ -585,7 +585,11 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     // ---------------------------------------------------------------- training loop
     let torchtune_adapter = setup::torchtune_checkpointer(cfg)
         && ferrotune_models::torchtune_adapter::supports(&model.config);
-    let unfit = ferrotune_models::torchtune_adapter::unfit_adapter(&model);
+    let saves_modules = lora_config
+        .as_ref()
+        .is_some_and(|lc| !lc.modules_to_save.is_empty() && !mode.full());
+    let unfit = ferrotune_models::torchtune_adapter::unfit_adapter(&model).or(saves_modules
+        .then_some("modules_to_save trains whole modules, which torchtune's adapter file lacks"));
     if let Some(why) = unfit.filter(|_| torchtune_adapter) {
         say(format!(
             "note: no adapter_model.pt is written: {why} (the PEFT adapter files are written as \
