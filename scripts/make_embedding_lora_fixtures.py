@@ -20,6 +20,7 @@ Run from the repository root: python3 scripts/make_embedding_lora_fixtures.py
 """
 import json
 import os
+import sys
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -158,10 +159,13 @@ def make_case(out, name, base, kwargs):
     print(name, out_.loss.item(), sorted(grads), "merge:", meta.get("merged_equals_adapter", merge_error))
 
 
-def main():
-    for name, (base, kwargs) in CASES.items():
-        make_case(OUT, name, base, kwargs)
+def run_cases(out, cases, only=()):
+    """Writes the cases of `cases` ({name: (base model folder, LoraConfig keyword arguments)})
+    under `out`: those named in `only`, or all of them."""
+    for name, (base, kwargs) in cases.items():
+        if not only or name in only:
+            make_case(out, name, base, kwargs)
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(OUT, CASES, sys.argv[1:])

@@ -8,8 +8,9 @@ such cases golden.json holds `merge_error` and there are no merged files.
 Run from the repository root: python3 scripts/make_lora_bias_fixtures.py
 """
 import os
+import sys
 
-from make_embedding_lora_fixtures import ROOT, make_case
+from make_embedding_lora_fixtures import ROOT, run_cases
 
 OUT = os.path.join(ROOT, "lora_bias")
 
@@ -29,10 +30,5 @@ CASES = {
 }
 
 
-def main():
-    for name, (base, kwargs) in CASES.items():
-        make_case(OUT, name, base, kwargs)
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(OUT, CASES, sys.argv[1:])

@@ -10,7 +10,7 @@ Run from the repository root: python3 scripts/make_modules_to_save_training_fixt
 import os
 import sys
 
-from make_embedding_lora_fixtures import ROOT, make_case
+from make_embedding_lora_fixtures import ROOT, run_cases
 
 OUT = os.path.join(ROOT, "modules_to_save_training")
 
@@ -25,12 +25,5 @@ CASES = {
 }
 
 
-def main():
-    only = sys.argv[1:]
-    for name, (base, kwargs) in CASES.items():
-        if not only or name in only:
-            make_case(OUT, name, base, kwargs)
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(OUT, CASES, sys.argv[1:])

@@ -14,7 +14,7 @@ Run from the repository root: python3 scripts/make_target_parameters_fixtures.py
 import os
 import sys
 
-from make_embedding_lora_fixtures import ROOT, make_case
+from make_embedding_lora_fixtures import ROOT, run_cases
 
 OUT = os.path.join(ROOT, "target_parameters")
 
@@ -69,12 +69,5 @@ CASES = {
 }
 
 
-def main():
-    only = sys.argv[1:]
-    for name, (base, kwargs) in CASES.items():
-        if not only or name in only:
-            make_case(OUT, name, base, kwargs)
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(OUT, CASES, sys.argv[1:])

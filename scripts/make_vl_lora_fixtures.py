@@ -14,7 +14,7 @@ import sys
 
 from transformers import AutoModelForImageTextToText
 
-from make_embedding_lora_fixtures import ROOT, make_case
+from make_embedding_lora_fixtures import ROOT, run_cases
 
 OUT = os.path.join(ROOT, "vl_lora")
 
@@ -32,12 +32,5 @@ CASES = {
 }
 
 
-def main():
-    only = sys.argv[1:]
-    for name, (base, kwargs) in CASES.items():
-        if not only or name in only:
-            make_case(OUT, name, base, kwargs)
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(OUT, CASES, sys.argv[1:])

@@ -257,27 +257,28 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
     }
 }
 
-/// One AdamW step of LoRA on the Qwen2 fixture with `setting`, under torchtune's HF checkpointer,
-/// for adapters torchtune's `adapter_model.pt` cannot hold: the run says so and writes none.
-/// Returns the saved folder and its `adapter_config.json`.
-fn one_lora_step_without_torchtune_adapter(name: &str, setting: &str) -> (PathBuf, Value) {
+/// One AdamW step of LoRA on the `family` fixture with `settings`, under torchtune's HF
+/// checkpointer, for adapters torchtune's `adapter_model.pt` cannot hold: the run says so and
+/// writes none. Returns the saved folder and its `adapter_config.json`.
+fn one_lora_step_without_torchtune_adapter(
+    name: &str,
+    family: &str,
+    settings: &[&str],
+) -> (PathBuf, Value) {
     let dir = tmpdir(name);
     let data = dir.join("batch.jsonl");
-    write_golden_rows("qwen2", &data);
-    let cfg = write_config(&dir, "qwen2", &data);
-    let out = ferrotune(
-        &[
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            cfg.to_str().unwrap(),
-            setting,
-            "max_steps_per_epoch=1",
-            "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
-        ],
-        &dir,
-        &[],
-    );
+    write_golden_rows(family, &data);
+    let cfg = write_config(&dir, family, &data);
+    let mut args = vec![
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        cfg.to_str().unwrap(),
+        "max_steps_per_epoch=1",
+        "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
+    ];
+    args.extend_from_slice(settings);
+    let out = ferrotune(&args, &dir, &[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("no adapter_model.pt"), "{}", text(&out));
     let saved_dir = dir.join("out/epoch_0");
@@ -297,7 +298,8 @@ fn one_lora_step_without_torchtune_adapter(name: &str, setting: &str) -> (PathBu
 fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
     let (saved_dir, config) = one_lora_step_without_torchtune_adapter(
         "embed-lora",
-        "model.apply_lora_to_embeddings=true",
+        "qwen2",
+        &["model.apply_lora_to_embeddings=true"],
     );
     assert!(
         config["target_modules"]
@@ -343,34 +345,11 @@ fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
 /// recipe (whose reference disables the adapters), is refused by name.
 #[test]
 fn modules_to_save_trains_the_embedding_and_head_in_full() {
-    let dir = tmpdir("modules-to-save");
-    let data = dir.join("batch.jsonl");
-    write_golden_rows("llama3", &data);
-    let cfg = write_config(&dir, "llama3", &data);
-    let run = |extra: &[&str]| {
-        let mut args = vec![
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            cfg.to_str().unwrap(),
-            "max_steps_per_epoch=1",
-        ];
-        args.extend_from_slice(extra);
-        ferrotune(&args, &dir, &[])
-    };
-    // Under torchtune's checkpointer: its adapter_model.pt cannot hold whole modules.
-    let out = run(&[
-        "model.modules_to_save=[embed_tokens,lm_head]",
-        "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
-    ]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("no adapter_model.pt"), "{}", text(&out));
-    let saved_dir = dir.join("out/epoch_0");
-    assert!(!saved_dir.join("adapter_model.pt").exists());
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
-    )
-    .unwrap();
+    let (saved_dir, config) = one_lora_step_without_torchtune_adapter(
+        "modules-to-save",
+        "llama3",
+        &["model.modules_to_save=[embed_tokens,lm_head]"],
+    );
     assert_eq!(
         config["modules_to_save"],
         serde_json::json!(["embed_tokens", "lm_head"])
@@ -393,6 +372,21 @@ fn modules_to_save_trains_the_embedding_and_head_in_full() {
             "{key}: merged"
         );
     }
+    let dir = tmpdir("modules-to-save-refused");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = write_config(&dir, "llama3", &data);
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+            "max_steps_per_epoch=1",
+        ];
+        args.extend_from_slice(extra);
+        ferrotune(&args, &dir, &[])
+    };
     for (extra, needles) in [
         (
             &["model.modules_to_save=[q_proj]"][..],
@@ -421,7 +415,7 @@ fn modules_to_save_trains_the_embedding_and_head_in_full() {
 #[test]
 fn lora_bias_trains_biases_on_the_adapters() {
     let (saved_dir, config) =
-        one_lora_step_without_torchtune_adapter("lora-bias", "model.lora_bias=true");
+        one_lora_step_without_torchtune_adapter("lora-bias", "qwen2", &["model.lora_bias=true"]);
     assert_eq!(config["lora_bias"], Value::Bool(true));
     let saved = load(&saved_dir.join("adapter_model.safetensors"));
     let merged = load(&saved_dir.join("merged/model.safetensors"));

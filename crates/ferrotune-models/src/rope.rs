@@ -314,18 +314,23 @@ mod tests {
     fn check(rope: &RotaryEmbedding, want: &[(u32, Vec<f32>, Vec<f32>)]) {
         for (pos, cos_half, sin_half) in want {
             let (cos, sin) = at(rope, *pos);
-            let half = cos_half.len();
-            assert_eq!(cos.len(), 2 * half);
-            for i in 0..2 * half {
-                assert!(
-                    (cos[i] - cos_half[i % half]).abs() < 3e-6,
-                    "cos at {pos}: {cos:?}"
-                );
-                assert!(
-                    (sin[i] - sin_half[i % half]).abs() < 3e-6,
-                    "sin at {pos}: {sin:?}"
-                );
-            }
+            assert_row(&cos, &sin, cos_half, sin_half, &format!("at {pos}"));
+        }
+    }
+
+    /// One position's cos and sin rows are `cos_half` and `sin_half`, each repeated.
+    fn assert_row(cos: &[f32], sin: &[f32], cos_half: &[f32], sin_half: &[f32], what: &str) {
+        let half = cos_half.len();
+        assert_eq!(cos.len(), 2 * half);
+        for i in 0..2 * half {
+            assert!(
+                (cos[i] - cos_half[i % half]).abs() < 3e-6,
+                "cos {what}: {cos:?}"
+            );
+            assert!(
+                (sin[i] - sin_half[i % half]).abs() < 3e-6,
+                "sin {what}: {sin:?}"
+            );
         }
     }
 
@@ -368,14 +373,13 @@ mod tests {
             row(&cos).to_vec1::<f32>().unwrap(),
             row(&sin).to_vec1::<f32>().unwrap(),
         );
-        let (want_cos, want_sin) = (
-            [-1.2869902f32, 1.2595861, 1.2997015, 1.2999977],
-            [0.183456f32, 0.3216251, 0.027855, 0.0024375],
+        assert_row(
+            &cos,
+            &sin,
+            &[-1.2869902, 1.2595861, 1.2997015, 1.2999977],
+            &[0.183456, 0.3216251, 0.027855, 0.0024375],
+            "at 3 of 0..8",
         );
-        for i in 0..8 {
-            assert!((cos[i] - want_cos[i % 4]).abs() < 3e-6, "cos {cos:?}");
-            assert!((sin[i] - want_sin[i % 4]).abs() < 3e-6, "sin {sin:?}");
-        }
     }
 
     #[test]
