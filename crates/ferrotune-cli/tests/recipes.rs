@@ -571,8 +571,17 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
 
 #[test]
 fn resume_after_kill_is_step_exact() {
-    for recipe in ["lora_finetune_single_device", "full_finetune_single_device"] {
-        let dir = tmpdir(&format!("resume-{recipe}"));
+    // LoRA also with the embedding and head trained in full beside it (`modules_to_save`).
+    let cases: [(&str, &[&str]); 3] = [
+        ("lora_finetune_single_device", &[]),
+        (
+            "lora_finetune_single_device",
+            &["model.modules_to_save=[embed_tokens,lm_head]"],
+        ),
+        ("full_finetune_single_device", &[]),
+    ];
+    for (case, (recipe, settings)) in cases.into_iter().enumerate() {
+        let dir = tmpdir(&format!("resume-{case}-{recipe}"));
         // 12 rows, batch 2 → 6 steps per epoch, 2 epochs; shuffled, with dropout and a schedule so
         // that data order, RNG and scheduler state all matter.
         let data = dir.join("rows.jsonl");
@@ -600,6 +609,7 @@ fn resume_after_kill_is_step_exact() {
                 format!("output_dir={}", out_dir.display()),
             ];
             args.extend(common.iter().map(|s| s.to_string()));
+            args.extend(settings.iter().map(|s| s.to_string()));
             args.extend(extra.iter().map(|s| s.to_string()));
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
             ferrotune(&refs, &dir, env)
