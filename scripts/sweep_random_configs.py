@@ -414,9 +414,12 @@ def check_packed(rng, binary, mt, folder):
         results.append((loss, load_file(os.path.join(sub, "out/epoch_0/model.safetensors"))))
     (l0, w0), (l1, w1) = results
     start = load_file(os.path.join(mdir, "model.safetensors"))
-    worst = max(((w0[k] - w1[k]).norm() / ((w0[k] - start[k]).norm() + 1e-30)).item() for k in w0)
+    # A key bias shifts every score of a query row alike, which the softmax cancels: its true
+    # gradient is zero, so how far it moved is rounding noise, and so is its relative difference.
+    moved = lambda k: ((w0[k] - w1[k]).norm() / ((w0[k] - start[k]).norm() + 1e-30)).item()
+    worst = max((moved(k), k) for k in w0 if not k.endswith("k_proj.bias"))
     rel = abs(l0 - l1) / abs(l0)
-    return cfgd, rel < 1e-5 and worst < 1e-4, f"loss rel {rel:.1e}, step worst {worst:.1e}"
+    return cfgd, rel < 1e-5 and worst[0] < 1e-4, f"loss rel {rel:.1e}, step worst {worst[0]:.1e} ({worst[1]})"
 
 
 def eval_loss(binary, folder, mdir, data, adapter):
