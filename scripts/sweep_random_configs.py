@@ -53,7 +53,7 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOK = os.path.join(ROOT, "tests", "fixtures", "tiny_tokenizer")
@@ -64,9 +64,22 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "vaultgemma
 # checkpoint's names: the MoE families are checked by the forward sweep only (their fixtures
 # hold per-expert gradients).
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "phimoe"}
+# Vision-language checkpoints ferrotune runs as their text family (mrope on text alone is plain
+# RoPE); checked by the forward and packed sweeps.
+VL = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+FAMILIES += list(VL)
 
 
 def random_config(rng, mt):
+    if mt in VL:
+        c = random_config(rng, VL[mt])
+        hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        half = hd // 2
+        c["rope_parameters"] = {"rope_type": "default", "rope_theta": c["rope_parameters"]["rope_theta"],
+                                "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+        if mt == "qwen3_vl":
+            c["rope_parameters"]["mrope_interleaved"] = True
+        return c
     heads = rng.choice([2, 4])
     kv = rng.choice([k for k in [1, 2, 4] if heads % k == 0])
     hd = rng.choice([8, 16])
@@ -137,9 +150,18 @@ def random_config(rng, mt):
 def make_model(rng, mt, folder):
     """A random model of family `mt` saved with the tiny tokenizer: (config dict, model dir)."""
     cfgd = random_config(rng, mt)
-    cfg = AutoConfig.for_model(mt, **cfgd)
     torch.manual_seed(rng.randrange(1 << 30))
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if mt in VL:
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                      out_hidden_size=cfgd["hidden_size"])
+        vision.update(fullatt_block_indexes=[0]) if mt == "qwen2_5_vl" else vision.update(
+            deepstack_visual_indexes=[0])
+        cfg = AutoConfig.for_model(mt, text_config=cfgd, vision_config=vision,
+                                   tie_word_embeddings=cfgd["tie_word_embeddings"])
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    else:
+        cfg = AutoConfig.for_model(mt, **cfgd)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Norms away from 1 and larger weights, so that a mistake shows in the logits.
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     with torch.no_grad():
@@ -208,7 +230,8 @@ def run(binary, *args):
 
 def check_forward(rng, binary, mt, folder):
     cfgd, mdir = make_model(rng, mt, folder)
-    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
+    auto = AutoModelForImageTextToText if mt in VL else AutoModelForCausalLM
+    model = auto.from_pretrained(mdir, dtype=torch.float32).eval()
     ids, labels, data = rows(rng, folder)
     with torch.no_grad():
         want = model(torch.tensor(ids), labels=torch.tensor(labels)).loss.item()
@@ -413,7 +436,10 @@ def check_packed(rng, binary, mt, folder):
         loss = json.loads(open(os.path.join(sub, "out/logs/metrics.jsonl")).readline())["loss"]
         results.append((loss, load_file(os.path.join(sub, "out/epoch_0/model.safetensors"))))
     (l0, w0), (l1, w1) = results
-    start = load_file(os.path.join(mdir, "model.safetensors"))
+    # A vision-language checkpoint names its text model `model.language_model.*` (Qwen3-VL); what
+    # ferrotune saves is the text model.
+    start = {k.replace("model.language_model.", "model."): v
+             for k, v in load_file(os.path.join(mdir, "model.safetensors")).items()}
     # A key bias shifts every score of a query row alike, which the softmax cancels: its true
     # gradient is zero, so how far it moved is rounding noise, and so is its relative difference.
     moved = lambda k: ((w0[k] - w1[k]).norm() / ((w0[k] - start[k]).norm() + 1e-30)).item()
@@ -494,6 +520,8 @@ def main():
         if args.mode in ("lora", "full", "gguf-lora") and mt in MOE:
             continue
         if args.mode == "moe-peft" and mt not in MOE:
+            continue
+        if args.mode not in ("forward", "packed") and mt in VL:
             continue
         for trial in range(args.trials):
             folder = tempfile.mkdtemp()
