@@ -1454,22 +1454,25 @@ pub fn make_saved_modules_trainable(
         ));
     }
     untie_head(model);
-    let mut var = |t: &mut Tensor, name: String| -> Result<(), ModelError> {
-        let v = Var::from_tensor(&t.detach())?;
-        *t = v.as_tensor().clone();
-        out.push((name, v));
-        Ok(())
-    };
+    let var = crate::model::make_var;
     if embed {
-        var(&mut model.embed_tokens, format!("{EMBED_MODULE}.weight"))?;
+        var(
+            &mut model.embed_tokens,
+            format!("{EMBED_MODULE}.weight"),
+            &mut out,
+        )?;
     }
     if head {
         let linear = &mut model.lm_head;
         // The weight changes every step: a packed (GGUF block) copy would go stale.
         linear.packed = None;
-        var(linear.weight.as_dense_mut()?, "lm_head.weight".into())?;
+        var(
+            linear.weight.as_dense_mut()?,
+            "lm_head.weight".into(),
+            &mut out,
+        )?;
         if let Some(b) = &mut linear.bias {
-            var(b, "lm_head.bias".into())?;
+            var(b, "lm_head.bias".into(), &mut out)?;
         }
     }
     Ok(out)
@@ -1579,51 +1582,46 @@ pub(crate) fn saved_tensors(
     }
     // `modules_to_save`: the modules trained in full, as PEFT saves them.
     let (embed, head) = saved_modules(model, &config.modules_to_save)?;
+    insert_embedding_and_head(&mut tensors, model, embed, head, "")?;
+    let tokens = !config.trainable_token_indices.is_empty();
+    let lm_head = model.head_name() == "lm_head";
+    if !tokens && !saves_embedding_layers(model, config) && vocabulary_resized(model, config) {
+        // As PEFT saves by default when the vocabulary is not the base's: the whole embedding
+        // and head, which a reader must put in the base's place.
+        insert_embedding_and_head(&mut tensors, model, true, lm_head, "")?;
+    }
+    if !tokens && saves_embedding_layers(model, config) {
+        // As PEFT saves by default: the base weights of the adapted embedding and head.
+        let embed = model.embed_adapter.is_some();
+        let head = lm_head && model.lm_head.adapter.is_some();
+        insert_embedding_and_head(&mut tensors, model, embed, head, ".base_layer")?;
+    }
+    Ok(tensors)
+}
+
+/// Puts `model`'s embedding weight (`embed`) and/or its head's weight and bias (`head`) into
+/// `tensors` under PEFT's names, `infix` between module and parameter (`""`, or `.base_layer`
+/// for the base weights of an adapted module).
+fn insert_embedding_and_head(
+    tensors: &mut BTreeMap<String, Tensor>,
+    model: &CausalLm,
+    embed: bool,
+    head: bool,
+    infix: &str,
+) -> Result<(), ModelError> {
     if embed {
-        tensors.insert(
-            format!("{PEFT_PREFIX}{EMBED_MODULE}.weight"),
-            model.embed_tokens.clone(),
-        );
+        let key = format!("{PEFT_PREFIX}{EMBED_MODULE}{infix}.weight");
+        tensors.insert(key, model.embed_tokens.clone());
     }
     if head {
         let name = model.head_name();
         let weight = model.lm_head.weight.dense()?.into_owned();
-        tensors.insert(format!("{PEFT_PREFIX}{name}.weight"), weight);
+        tensors.insert(format!("{PEFT_PREFIX}{name}{infix}.weight"), weight);
         if let Some(b) = &model.lm_head.bias {
-            tensors.insert(format!("{PEFT_PREFIX}{name}.bias"), b.clone());
+            tensors.insert(format!("{PEFT_PREFIX}{name}{infix}.bias"), b.clone());
         }
     }
-    let tokens = !config.trainable_token_indices.is_empty();
-    if !tokens && !saves_embedding_layers(model, config) && vocabulary_resized(model, config) {
-        // As PEFT saves by default when the vocabulary is not the base's: the whole embedding
-        // and head, which a reader must put in the base's place.
-        tensors.insert(
-            format!("{PEFT_PREFIX}{EMBED_MODULE}.weight"),
-            model.embed_tokens.clone(),
-        );
-        if model.head_name() == "lm_head" {
-            let head = model.lm_head.weight.dense()?.into_owned();
-            tensors.insert(format!("{PEFT_PREFIX}lm_head.weight"), head);
-            if let Some(b) = &model.lm_head.bias {
-                tensors.insert(format!("{PEFT_PREFIX}lm_head.bias"), b.clone());
-            }
-        }
-    }
-    if !tokens && saves_embedding_layers(model, config) {
-        // As PEFT saves by default: the base weights of the adapted embedding and head.
-        if model.embed_adapter.is_some() {
-            let key = format!("{PEFT_PREFIX}{EMBED_MODULE}.base_layer.weight");
-            tensors.insert(key, model.embed_tokens.clone());
-        }
-        if model.head_name() == "lm_head" && model.lm_head.adapter.is_some() {
-            let key = format!("{PEFT_PREFIX}lm_head.base_layer.weight");
-            tensors.insert(key, model.lm_head.weight.dense()?.into_owned());
-            if let Some(b) = &model.lm_head.bias {
-                tensors.insert(format!("{PEFT_PREFIX}lm_head.base_layer.bias"), b.clone());
-            }
-        }
-    }
-    Ok(tensors)
+    Ok(())
 }
 
 /// Writes a PEFT adapter folder: `adapter_config.json` (from `config`) and
