@@ -602,9 +602,8 @@ fn rope_from_params(
             },
         )
     };
-    if get_str(obj, "model_type")? == Some("phimoe")
-        && !matches!(rope_type, "default" | "longrope" | "su")
-    {
+    let phimoe = get_str(obj, "model_type")? == Some("phimoe");
+    if phimoe && !matches!(rope_type, "default" | "longrope" | "su") {
         // transformers scales Phi-3.5-MoE's cos and sin by `short_mscale` / `long_mscale` in
         // place of every other type's own attention factor.
         return Err(format!(
@@ -654,7 +653,6 @@ fn rope_from_params(
                 get_f64(params, key)?
                     .ok_or_else(|| format!("Phi-3.5-MoE's longrope needs '{key}'"))
             };
-            let phimoe = get_str(obj, "model_type")? == Some("phimoe");
             RopeScaling::LongRope {
                 short_factor: list("short_factor")?,
                 long_factor: list("long_factor")?,
