@@ -1388,12 +1388,7 @@ impl CausalLm {
     /// names, in checkpoint order. With tied embeddings the output head shares the embedding's
     /// `Var`, so its gradient collects both uses, as in PyTorch.
     pub fn make_all_trainable(&mut self) -> CResult<Vec<(String, Var)>> {
-        fn var(t: &mut Tensor, name: String, out: &mut Vec<(String, Var)>) -> CResult<()> {
-            let v = Var::from_tensor(&t.detach())?;
-            *t = v.as_tensor().clone();
-            out.push((name, v));
-            Ok(())
-        }
+        let var = make_var;
         let mut out = Vec::new();
         var(
             &mut self.embed_tokens,
@@ -1978,36 +1973,48 @@ impl CausalLm {
         let n = b * t;
         let flat = x.reshape((n, h))?;
         let logits = moe.router.forward(&flat)?;
-        let probs = ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
         let experts = moe.experts.len();
         let k = moe.top_k;
-        let host: Vec<Vec<f32>> = probs.detach().to_vec2()?;
-        // The top-k experts of each token by probability: its route with softmax routing, and
-        // what the router's auxiliary loss counts whatever the routing.
-        let mut selected = Vec::with_capacity(n * k);
-        let mut order: Vec<usize> = (0..experts).collect();
-        for p in &host {
-            // Largest first; equal probabilities keep the lower expert first, as torch.topk.
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-            selected.extend(order[..k].iter().map(|&e| e as u32));
-        }
-        if let Some(tape) = self
+        let device = x.device();
+        let recording = self
             .router_tape
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .as_mut()
-        {
-            tape.push(RouterRecord {
-                probs: probs.clone(),
-                selected: selected.clone(),
-                host_probs: host.concat(),
-            });
-        }
-        let device = x.device();
+            .is_some();
+        // The softmax's top-k experts of each token: its route with softmax routing, and what
+        // the router's auxiliary loss counts whatever the routing (the sparsemixer needs them for
+        // that loss only).
+        let softmax_top_k = if moe.sparse_mixer.is_none() || recording {
+            let probs = ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+            let host: Vec<Vec<f32>> = probs.detach().to_vec2()?;
+            let mut selected = Vec::with_capacity(n * k);
+            let mut order: Vec<usize> = (0..experts).collect();
+            for p in &host {
+                // Largest first; equal probabilities keep the lower expert first, as torch.topk.
+                order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+                selected.extend(order[..k].iter().map(|&e| e as u32));
+            }
+            if let Some(tape) = self
+                .router_tape
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_mut()
+            {
+                tape.push(RouterRecord {
+                    probs: probs.clone(),
+                    selected: selected.clone(),
+                    host_probs: host.concat(),
+                });
+            }
+            Some((probs, selected))
+        } else {
+            None
+        };
         // Each token's experts (`slots` per token) and their weights `[n, slots]`.
-        let (route, top) = match &moe.sparse_mixer {
-            Some(mixer) => sparse_mixer_route(&logits, mixer)?,
-            None => {
+        let (route, top) = match (&moe.sparse_mixer, softmax_top_k) {
+            (Some(mixer), _) => sparse_mixer_route(&logits, mixer)?,
+            (None, top_k) => {
+                let (probs, selected) = top_k.expect("computed for softmax routing");
                 let picked: Vec<u32> = selected
                     .iter()
                     .enumerate()
@@ -2120,6 +2127,15 @@ impl CausalLm {
         };
         mlp.down_proj.forward(&fused::swiglu(&gate, &up, act)?)
     }
+}
+
+/// Makes `t` a trainable parameter in place (a `Var` holding its values, which the model then
+/// uses) and lists it in `out` as `name`.
+pub(crate) fn make_var(t: &mut Tensor, name: String, out: &mut Vec<(String, Var)>) -> CResult<()> {
+    let v = Var::from_tensor(&t.detach())?;
+    *t = v.as_tensor().clone();
+    out.push((name, v));
+    Ok(())
 }
 
 /// Phi-3.5-MoE's sparsemixer as transformers runs it in evaluation ([`SparseMixer`]): each
