@@ -266,19 +266,8 @@ fn one_lora_step_without_torchtune_adapter(
     settings: &[&str],
 ) -> (PathBuf, Value) {
     let dir = tmpdir(name);
-    let data = dir.join("batch.jsonl");
-    write_golden_rows(family, &data);
-    let cfg = write_config(&dir, family, &data);
-    let mut args = vec![
-        "run",
-        "lora_finetune_single_device",
-        "--config",
-        cfg.to_str().unwrap(),
-        "max_steps_per_epoch=1",
-        "checkpointer._component_=torchtune.training.FullModelHFCheckpointer",
-    ];
-    args.extend_from_slice(settings);
-    let out = ferrotune(&args, &dir, &[]);
+    let torchtune = "checkpointer._component_=torchtune.training.FullModelHFCheckpointer";
+    let out = one_lora_step(&dir, family, &[&[torchtune], settings].concat());
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("no adapter_model.pt"), "{}", text(&out));
     let saved_dir = dir.join("out/epoch_0");
@@ -288,6 +277,23 @@ fn one_lora_step_without_torchtune_adapter(
     )
     .unwrap();
     (saved_dir, config)
+}
+
+/// Runs one step of `lora_finetune_single_device` in `dir` on the golden rows of the `family`
+/// fixture, with `settings`.
+fn one_lora_step(dir: &Path, family: &str, settings: &[&str]) -> Output {
+    let data = dir.join("batch.jsonl");
+    write_golden_rows(family, &data);
+    let cfg = write_config(dir, family, &data);
+    let mut args = vec![
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        cfg.to_str().unwrap(),
+        "max_steps_per_epoch=1",
+    ];
+    args.extend_from_slice(settings);
+    ferrotune(&args, dir, &[])
 }
 
 /// `model.apply_lora_to_embeddings` adds PEFT's embedding adapter (A zeros, B normal): one AdamW
@@ -373,20 +379,6 @@ fn modules_to_save_trains_the_embedding_and_head_in_full() {
         );
     }
     let dir = tmpdir("modules-to-save-refused");
-    let data = dir.join("batch.jsonl");
-    write_golden_rows("llama3", &data);
-    let cfg = write_config(&dir, "llama3", &data);
-    let run = |extra: &[&str]| {
-        let mut args = vec![
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            cfg.to_str().unwrap(),
-            "max_steps_per_epoch=1",
-        ];
-        args.extend_from_slice(extra);
-        ferrotune(&args, &dir, &[])
-    };
     for (extra, needles) in [
         (
             &["model.modules_to_save=[q_proj]"][..],
@@ -400,7 +392,7 @@ fn modules_to_save_trains_the_embedding_and_head_in_full() {
             &["modules_to_save", "adapter"][..],
         ),
     ] {
-        let out = run(extra);
+        let out = one_lora_step(&dir, "llama3", extra);
         assert!(!out.status.success());
         for n in needles {
             assert!(text(&out).contains(n), "{extra:?}: {}", text(&out));
@@ -1793,25 +1785,11 @@ fn adapters_with_trainable_tokens_or_parameter_targets_are_not_trained_further()
     ];
     for (family, case, key) in cases {
         let dir = tmpdir(&format!("mts-train-{key}"));
-        let data = dir.join("batch.jsonl");
-        write_golden_rows(family, &data);
-        let cfg = write_config(&dir, family, &data);
         let adapter = format!(
             "checkpointer.adapter_checkpoint={}",
             fixtures().join(case).join("adapter").display()
         );
-        let out = ferrotune(
-            &[
-                "run",
-                "lora_finetune_single_device",
-                "--config",
-                cfg.to_str().unwrap(),
-                &adapter,
-                "max_steps_per_epoch=1",
-            ],
-            &dir,
-            &[],
-        );
+        let out = one_lora_step(&dir, family, &[&adapter]);
         assert!(!out.status.success());
         let log = text(&out);
         assert!(
