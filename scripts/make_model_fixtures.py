@@ -803,6 +803,19 @@ CASES = {
                                 notes="Qwen3VLForConditionalGeneration holding qwen3's text weights "
                                       "(model.language_model.*), tied, and a tiny vision tower (model.visual.*); "
                                       "text_config with interleaved mrope; text-only logits equal qwen3's"),
+    "mllama_multimodal": dict(weights_from="llama3_1_meta", multimodal="mllama", same_golden_as="llama3_1_meta",
+                              style="v4",
+                              notes="MllamaForConditionalGeneration (Llama 3.2 Vision, model_type mllama): 4 text layers "
+                                    "of which 0 and 2 are cross-attention layers (random weights, skipped on text "
+                                    "alone) and 1, 3 hold llama3_1_meta's layers 0, 1; the embedding has 8 random rows "
+                                    "past vocab_size (image tokens); 4.x names (language_model.model.*, "
+                                    "language_model.lm_head.*, vision_model.*), a tiny vision tower; text-only logits "
+                                    "equal llama3_1_meta's"),
+    "mllama_text_model": dict(weights_from="llama3_1_meta", multimodal="mllama_text", same_golden_as="llama3_1_meta",
+                              style="v5",
+                              notes="MllamaForCausalLM (model_type mllama_text_model, Llama 3.2 Vision's text model "
+                                    "alone): mllama_multimodal's text weights, model.layers.* with cross-attention "
+                                    "layers 0 and 2; logits equal llama3_1_meta's"),
     "gemma3_multimodal": dict(weights_from="gemma3", multimodal="gemma3", same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "
@@ -1015,6 +1028,22 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
                 depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
                 deepstack_visual_indexes=[0]), tie_word_embeddings=text_cfg.tie_word_embeddings)
             mm_class = Qwen3VLForConditionalGeneration
+    elif kind in ("mllama", "mllama_text"):
+        from transformers import MllamaConfig, MllamaForCausalLM, MllamaForConditionalGeneration, MllamaTextConfig
+        text = text_cfg.to_dict()
+        for k in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "head_dim",
+                  "attention_bias", "mlp_bias", "attention_dropout", "pretraining_tp"):
+            text.pop(k, None)
+        text.update(num_hidden_layers=2 * text_cfg.num_hidden_layers, cross_attention_layers=[0, 2])
+        if kind == "mllama":
+            cfg = MllamaConfig(text_config=text, vision_config=dict(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                image_size=28, patch_size=14, max_num_tiles=1, vision_output_dim=32,
+                intermediate_layers_indices=[0], supported_aspect_ratios=[[1, 1]]), image_token_index=VOCAB + 1)
+            mm_class = MllamaForConditionalGeneration
+        else:
+            cfg = MllamaTextConfig(**text)
+            mm_class = MllamaForCausalLM
     else:
         vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      image_size=28, patch_size=14, head_dim=8)
@@ -1025,10 +1054,26 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
     torch.manual_seed(0)
     mm = mm_class(cfg).eval()
     with torch.no_grad():
-        missing, unexpected = mm.model.language_model.load_state_dict(text_model.model.state_dict(), strict=True)
-        assert not missing and not unexpected
-        if not text_cfg.tie_word_embeddings:
+        if kind in ("mllama", "mllama_text"):
+            # The text layers sit after each cross-attention layer (1, 3); the embedding keeps its 8 rows
+            # past the vocabulary (image tokens) random.
+            language = mm.model if kind == "mllama_text" else mm.model.language_model
+            g = torch.Generator().manual_seed(7)
+            for p in language.parameters():
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            for name, t in text_model.model.state_dict().items():
+                if name.startswith("layers."):
+                    i, rest = name[len("layers."):].split(".", 1)
+                    name = f"layers.{2 * int(i) + 1}.{rest}"
+                target = language.get_parameter(name)
+                target[: t.shape[0]].copy_(t)
             mm.lm_head.weight.copy_(text_model.lm_head.weight)
+        else:
+            missing, unexpected = mm.model.language_model.load_state_dict(text_model.model.state_dict(),
+                                                                          strict=True)
+            assert not missing and not unexpected
+            if not text_cfg.tie_word_embeddings:
+                mm.lm_head.weight.copy_(text_model.lm_head.weight)
     mm.save_pretrained(model_dir)
     for f in TOKENIZER_FILES:
         shutil.copyfile(TOKENIZER_DIR / f, model_dir / f)
@@ -1047,20 +1092,27 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
         saved.update(text)
         saved["rope_theta"] = rope.pop("rope_theta")
         saved["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    if kind == "mllama":
+        # As the Hub's Llama 3.2 Vision configs: the text model's rope in 4.x style.
+        text = saved["text_config"]
+        rope = text.pop("rope_parameters")
+        text["rope_theta"] = rope.pop("rope_theta")
+        text["rope_scaling"] = rope
     if "dtype" in saved:
         saved["torch_dtype"] = saved.pop("dtype")
     saved["transformers_version"] = "4.50.0"
     cfg_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
     loaded = mm_class.from_pretrained(model_dir, dtype=torch.float32).eval()
-    other = golden_cache[spec["same_golden_as"]]
+    other = golden_cache.get(spec["same_golden_as"]) or \
+        load_file(str(out_root / spec["same_golden_as"] / "golden.safetensors"))
     ref = json.loads((out_root / spec["same_golden_as"] / "golden.json").read_text())
     with torch.no_grad():
         logits = loaded(input_ids=torch.tensor(ref["input_ids"])).logits.float()
     err = (logits - other["logits"]).abs().max().item()
     assert err <= 1e-5, f"{case}: multimodal logits differ from {spec['same_golden_as']} by {err}"
     golden = dict(ref)
-    golden.update(model_type=kind, architecture=loaded.__class__.__name__, config_style="v4",
+    golden.update(model_type=loaded.config.model_type, architecture=loaded.__class__.__name__, config_style="v4",
                   weights_from=src, notes=spec.get("notes", ""))
     (case_dir / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
     save_file({"logits": other["logits"]}, str(case_dir / "golden.safetensors"))
@@ -1207,8 +1259,9 @@ def main():
     unknown = [c for c in wanted if c not in CASES]
     if unknown:
         sys.exit(f"unknown case(s): {unknown}; known: {list(CASES)}")
-    # generate the cases that others compare against first
-    order = [c for c in CASES if c in wanted or any(CASES[w].get("same_golden_as") == c for w in wanted)]
+    # generate the cases that others compare against first (those not on disk yet)
+    order = [c for c in CASES if c in wanted or any(CASES[w].get("same_golden_as") == c for w in wanted)
+             and not (out_root / c / "golden.safetensors").is_file()]
 
     golden_cache: dict = {}
     rows = []

@@ -65,12 +65,24 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "vaultgemma
 # hold per-expert gradients).
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "phimoe"}
 # Vision-language checkpoints ferrotune runs as their text family (mrope on text alone is plain
-# RoPE); checked by the forward and packed sweeps.
-VL = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+# RoPE; Llama 3.2 Vision's cross-attention layers are skipped on text alone); checked by the
+# forward and packed sweeps.
+VL = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "mllama": "llama"}
 FAMILIES += list(VL)
 
 
 def random_config(rng, mt):
+    if mt == "mllama":
+        # Llama 3.2 Vision: head_dim is hidden / heads, no biases, an untied head (the embedding
+        # has 8 more rows); cross-attention layers (skipped on text alone) among the text layers.
+        c = random_config(rng, "llama")
+        for k in ("head_dim", "attention_bias", "mlp_bias"):
+            c.pop(k, None)
+        c["tie_word_embeddings"] = False
+        cross = rng.choice([1, 2])
+        c["num_hidden_layers"] += cross
+        c["cross_attention_layers"] = sorted(rng.sample(range(c["num_hidden_layers"]), cross))
+        return c
     if mt in VL:
         c = random_config(rng, VL[mt])
         hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -151,7 +163,13 @@ def make_model(rng, mt, folder):
     """A random model of family `mt` saved with the tiny tokenizer: (config dict, model dir)."""
     cfgd = random_config(rng, mt)
     torch.manual_seed(rng.randrange(1 << 30))
-    if mt in VL:
+    if mt == "mllama":
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_global_layers=1,
+                      attention_heads=2, image_size=28, patch_size=14, max_num_tiles=1, vision_output_dim=32,
+                      intermediate_layers_indices=[0], supported_aspect_ratios=[[1, 1]])
+        cfg = AutoConfig.for_model(mt, text_config=cfgd, vision_config=vision, image_token_index=513)
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    elif mt in VL:
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                       out_hidden_size=cfgd["hidden_size"])
         vision.update(fullatt_block_indexes=[0]) if mt == "qwen2_5_vl" else vision.update(
@@ -410,6 +428,29 @@ def check_gguf_lora(rng, binary, mt, folder):
     return cfgd, ok, f"rslora={rslora} {line}"
 
 
+def text_model_tensors(cfgd, tensors):
+    """A checkpoint's tensors under the names of the text model ferrotune saves: Qwen3-VL's
+    `model.language_model.*` and Mllama's `language_model.model.*` become `model.*`; Mllama's
+    cross-attention layers (which text alone skips) are left out, the others renumbered, and its
+    embedding keeps the text vocabulary's rows."""
+    cross = cfgd.get("cross_attention_layers", [])
+    out = {}
+    for k, v in tensors.items():
+        k = k.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
+        k = k.replace("language_model.lm_head.", "lm_head.")
+        if not (k.startswith("model.") or k.startswith("lm_head.")) or k.startswith("model.vision"):
+            continue
+        if k.startswith("model.layers."):
+            i, rest = k[len("model.layers."):].split(".", 1)
+            if int(i) in cross:
+                continue
+            k = f"model.layers.{int(i) - sum(c < int(i) for c in cross)}.{rest}"
+        if k == "model.embed_tokens.weight":
+            v = v[: cfgd["vocab_size"]]
+        out[k] = v
+    return out
+
+
 def check_packed(rng, binary, mt, folder):
     cfgd, mdir = make_model(rng, mt, folder)
     samples = []
@@ -436,10 +477,8 @@ def check_packed(rng, binary, mt, folder):
         loss = json.loads(open(os.path.join(sub, "out/logs/metrics.jsonl")).readline())["loss"]
         results.append((loss, load_file(os.path.join(sub, "out/epoch_0/model.safetensors"))))
     (l0, w0), (l1, w1) = results
-    # A vision-language checkpoint names its text model `model.language_model.*` (Qwen3-VL); what
-    # ferrotune saves is the text model.
-    start = {k.replace("model.language_model.", "model."): v
-             for k, v in load_file(os.path.join(mdir, "model.safetensors")).items()}
+    # What ferrotune saves of a vision-language checkpoint is its text model.
+    start = text_model_tensors(cfgd, load_file(os.path.join(mdir, "model.safetensors")))
     # A key bias shifts every score of a query row alike, which the softmax cancels: its true
     # gradient is zero, so how far it moved is rounding noise, and so is its relative difference.
     moved = lambda k: ((w0[k] - w1[k]).norm() / ((w0[k] - start[k]).norm() + 1e-30)).item()

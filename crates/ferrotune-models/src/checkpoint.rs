@@ -278,8 +278,8 @@ pub fn read_safetensors(
 }
 
 /// The HF name inside the text model of a multimodal (Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL,
-/// Qwen3-VL) model's tensor or module, or `None` for the vision tower and projector (Qwen's
-/// `visual.*` / `model.visual.*`): transformers 4.5x names them `language_model.model.*` and
+/// Qwen3-VL, Llama 3.2 Vision) model's tensor or module, or `None` for the vision tower and
+/// projector (Qwen's `visual.*` / `model.visual.*`, Mllama's `vision_model.*`): transformers 4.5x names them `language_model.model.*` and
 /// `language_model.lm_head.*`, transformers 5 `model.language_model.*` and `lm_head.*`; names
 /// already in the text model's form stay. Serves checkpoints and PEFT adapters of the whole model
 /// alike.
@@ -295,6 +295,7 @@ pub fn text_model_tensor(name: &str) -> Option<String> {
     }
     let vision = [
         "model.vision_tower.",
+        "model.vision_model.",
         "model.multi_modal_projector.",
         "model.visual.",
     ]
@@ -302,6 +303,31 @@ pub fn text_model_tensor(name: &str) -> Option<String> {
     .any(|p| name.starts_with(p));
     let text = name.starts_with("lm_head.") || name.starts_with("model.");
     (text && !vision).then(|| name.to_string())
+}
+
+/// A multimodal text model's embedding rows past `vocab_size` (Llama 3.2 Vision's 8 image-token
+/// rows, which text alone never looks up; its output head has `vocab_size` rows) are left out:
+/// the decoder keeps the text vocabulary, so that what it saves is a plain text model.
+fn narrow_multimodal_embedding(
+    config: &ModelConfig,
+    tensors: &mut HashMap<String, Tensor>,
+) -> Result<(), String> {
+    let key = "model.embed_tokens.weight";
+    if let Some(embed) = tensors.get_mut(key) {
+        let rows = embed.dim(0).map_err(|e| format!("{key}: {e}"))?;
+        if rows > config.vocab_size {
+            tracing::info!(
+                "{key}: its {} rows past vocab_size {} (image tokens) are left out: text alone \
+                 never reads them",
+                rows - config.vocab_size,
+                config.vocab_size
+            );
+            *embed = embed
+                .narrow(0, 0, config.vocab_size)
+                .map_err(|e| format!("{key}: {e}"))?;
+        }
+    }
+    Ok(())
 }
 
 /// As [`read_safetensors`], keeping only the tensors `rename` maps to a name (under that name);
@@ -460,7 +486,11 @@ fn read(
             let dir = folder();
             let mut config = ModelConfig::from_hf_file(&dir)?;
             let tensors = if config.text_of_multimodal {
-                let tensors = read_safetensors_renamed(files, dtype, device, &text_model_tensor)?;
+                let mut tensors = read_safetensors_renamed(files, dtype, device, &|name| {
+                    config.text_model_name(name)
+                })?;
+                narrow_multimodal_embedding(&config, &mut tensors)
+                    .map_err(|msg| ModelError::file(&dir, msg))?;
                 // Multimodal configs say little reliable about tying (transformers 5 ties on the
                 // top-level flag, which the text config may contradict): the tensors decide.
                 let tied = !tensors.contains_key("lm_head.weight");

@@ -226,6 +226,11 @@ pub struct ModelConfig {
     /// when the checkpoint has no `lm_head`, and what is saved is the text model
     /// (`Gemma3ForCausalLM`, `MistralForCausalLM`, ...).
     pub text_of_multimodal: bool,
+    /// Llama 3.2 Vision (`mllama`): the checkpoint's layer numbers of its cross-attention layers,
+    /// which transformers skips on text alone (they run only with image states). The decoder's
+    /// layers are the others, numbered in order; [`ModelConfig::text_model_name`] maps the
+    /// checkpoint's names onto them.
+    pub cross_attention_layers: Vec<usize>,
     /// A `*ForSequenceClassification` checkpoint (a reward or value model): its output head is
     /// `score` (`[num_labels, hidden]`, no bias, never tied), giving this many outputs per
     /// position instead of vocabulary logits.
@@ -258,9 +263,11 @@ impl ModelConfig {
             .iter()
             .find(|(t, _)| Some(*t) == top_type)
         {
-            let text = multimodal_text_config(top, text_types)?;
-            let mut config = Self::from_hf_json(&text)?;
+            let mut text = multimodal_text_config(top, text_types)?;
+            let cross_attention_layers = mllama_text_layers(&mut text)?;
+            let mut config = Self::from_hf_json(&Value::Object(text))?;
             config.text_of_multimodal = true;
+            config.cross_attention_layers = cross_attention_layers;
             return Ok(config);
         }
         let with_defaults;
@@ -421,6 +428,7 @@ impl ModelConfig {
             local_rope,
             local_rope_layers,
             text_of_multimodal: false,
+            cross_attention_layers: Vec::new(),
             layer_norm: is("phi") || is("phimoe"),
             parallel_block: is("phi"),
             ungated_mlp: is("phi"),
@@ -433,6 +441,27 @@ impl ModelConfig {
             model_type,
             raw: value.clone(),
         })
+    }
+
+    /// The decoder's name for a tensor or module of a multimodal checkpoint, or of a PEFT adapter
+    /// of the whole model: [`crate::checkpoint::text_model_tensor`]'s, with Llama 3.2 Vision's
+    /// layers renumbered past its cross-attention layers; `None` for what text alone does not run
+    /// (the vision tower, the projector, the cross-attention layers).
+    pub fn text_model_name(&self, name: &str) -> Option<String> {
+        let name = crate::checkpoint::text_model_tensor(name)?;
+        if self.cross_attention_layers.is_empty() {
+            return Some(name);
+        }
+        let Some((layer, rest)) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(n, rest)| Some((n.parse::<usize>().ok()?, rest)))
+        else {
+            return Some(name);
+        };
+        let before = self.cross_attention_layers.partition_point(|&c| c < layer);
+        let cross = self.cross_attention_layers.get(before) == Some(&layer);
+        (!cross).then(|| format!("model.layers.{}.{rest}", layer - before))
     }
 
     /// An error for a sequence classifier ([`ModelConfig::score_labels`]) where a causal language
@@ -893,8 +922,10 @@ fn parse_moe(
 }
 
 /// Defaults of transformers' config classes for keys a config may leave out, where real
-/// checkpoints rely on them (Gemma 2's `Gemma2Config`, Gemma 3's `Gemma3TextConfig`).
+/// checkpoints rely on them (Gemma 2's `Gemma2Config`, Gemma 3's `Gemma3TextConfig`, Llama 3.2
+/// Vision's `MllamaTextConfig`).
 fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
+    static MLLAMA: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
     static GEMMA2: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
     static GEMMA3: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
     let common = |vocab: u64, max_pos: u64| {
@@ -924,6 +955,28 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
         }),
         "gemma2" | "vaultgemma" => GEMMA2.get_or_init(|| common(256_000, 8192)),
         "gemma3_text" => GEMMA3.get_or_init(|| common(262_208, 131_072)),
+        // A top-level `rope_theta` serves only where the rope parameters hold none.
+        "mllama_text_model" => MLLAMA.get_or_init(|| {
+            vec![
+                ("vocab_size", Value::from(128_256u64)),
+                ("hidden_size", Value::from(4096u64)),
+                ("hidden_act", Value::from("silu")),
+                ("num_hidden_layers", Value::from(40u64)),
+                ("num_attention_heads", Value::from(32u64)),
+                ("num_key_value_heads", Value::from(8u64)),
+                ("intermediate_size", Value::from(14_336u64)),
+                ("rope_theta", Value::from(500_000.0)),
+                ("rms_norm_eps", Value::from(1e-5)),
+                ("max_position_embeddings", Value::from(131_072u64)),
+                (
+                    "cross_attention_layers",
+                    Value::from(vec![3u64, 8, 13, 18, 23, 28, 33, 38]),
+                ),
+                ("bos_token_id", Value::from(128_000u64)),
+                ("eos_token_id", Value::from(128_001u64)),
+                ("pad_token_id", Value::from(128_004u64)),
+            ]
+        }),
         _ => &[],
     }
 }
@@ -932,6 +985,9 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
 /// may hold in `text_config` (the first is the default when it names none).
 const MULTIMODAL_TEXT_TYPES: &[(&str, &[&str])] = &[
     ("gemma3", &["gemma3_text"]),
+    ("mllama", &["mllama_text_model"]),
+    // MllamaForCausalLM: Llama 3.2 Vision's text model alone, its config at the top level.
+    ("mllama_text_model", &["mllama_text_model"]),
     ("mistral3", &["mistral", "ministral3", "ministral"]),
     ("qwen2_vl", &["qwen2_vl_text"]),
     ("qwen2_5_vl", &["qwen2_5_vl_text"]),
@@ -945,6 +1001,7 @@ fn text_family(text_type: &str) -> &str {
     match text_type {
         "qwen2_vl_text" | "qwen2_5_vl_text" => "qwen2",
         "qwen3_vl_text" => "qwen3",
+        "mllama_text_model" => "llama",
         other => other,
     }
 }
@@ -957,6 +1014,7 @@ fn causal_lm_class(model_type: &str) -> &'static str {
         "ministral" => "MinistralForCausalLM",
         "qwen2" => "Qwen2ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
+        "llama" => "LlamaForCausalLM",
         _ => "MistralForCausalLM",
     }
 }
@@ -965,9 +1023,13 @@ fn causal_lm_class(model_type: &str) -> &'static str {
 /// `...ForConditionalGeneration`): its `text_config` with the token ids and dtype kept at the top
 /// level, as the standalone causal LM config ferrotune runs and saves. Whether the output head is
 /// tied is decided by the checkpoint's tensors when it is read (see `text_of_multimodal`).
-fn multimodal_text_config(top: &Map<String, Value>, text_types: &[&str]) -> Result<Value, String> {
+fn multimodal_text_config(
+    top: &Map<String, Value>,
+    text_types: &[&str],
+) -> Result<Map<String, Value>, String> {
     let mut text = match top.get("text_config") {
         Some(Value::Object(t)) => t.clone(),
+        None if get_str(top, "model_type")? == Some("mllama_text_model") => top.clone(),
         // The Hub's Qwen2-VL / Qwen2.5-VL configs keep the text model's keys at the top level.
         None | Some(Value::Null) if text_types[0].starts_with("qwen") => {
             let mut t = top.clone();
@@ -1027,7 +1089,49 @@ fn multimodal_text_config(top: &Map<String, Value>, text_types: &[&str]) -> Resu
         text.entry(*key).or_insert_with(|| default.clone());
     }
     text.insert("model_type".into(), Value::from(family));
-    Ok(Value::Object(text))
+    Ok(text)
+}
+
+/// Llama 3.2 Vision's text config (`mllama_text_model`, already turned into a `llama` config by
+/// [`multimodal_text_config`]) as the Llama of its self-attention layers: takes out
+/// `cross_attention_layers` (returned, sorted) and counts only the other layers in
+/// `num_hidden_layers`. Other configs are left as they are (and give no layers).
+fn mllama_text_layers(text: &mut Map<String, Value>) -> Result<Vec<usize>, String> {
+    let listed = match text.remove("cross_attention_layers") {
+        None => return Ok(Vec::new()),
+        // MllamaTextConfig's default, as transformers fills it for null.
+        Some(Value::Null) => family_defaults("mllama_text_model")
+            .iter()
+            .find(|(k, _)| *k == "cross_attention_layers")
+            .map(|(_, v)| v.clone())
+            .expect("Mllama's defaults list its cross-attention layers"),
+        Some(v) => v,
+    };
+    let layers = req_usize(text, "num_hidden_layers")?;
+    let entries = listed.as_array().ok_or_else(|| {
+        format!("'cross_attention_layers' must be a list of layer numbers, found {listed}")
+    })?;
+    // transformers asks of each layer whether it is listed: numbers past the last layer name none.
+    let mut cross = Vec::new();
+    for v in entries {
+        let i = v
+            .as_u64()
+            .ok_or_else(|| format!("'cross_attention_layers' must hold layer numbers, found {v}"))?
+            as usize;
+        if i < layers {
+            cross.push(i);
+        }
+    }
+    cross.sort_unstable();
+    cross.dedup();
+    if cross.len() == layers {
+        return Err("every layer is in 'cross_attention_layers': no text layer is left".into());
+    }
+    text.insert(
+        "num_hidden_layers".into(),
+        Value::from((layers - cross.len()) as u64),
+    );
+    Ok(cross)
 }
 
 /// Gemma 2/3: which layers use sliding-window attention, from `layer_types` or, in older configs,
@@ -1172,6 +1276,46 @@ mod tests {
     fn base() -> Value {
         json!({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
                "num_hidden_layers": 2, "num_attention_heads": 2})
+    }
+
+    /// Llama 3.2 Vision's text config takes `MllamaTextConfig`'s defaults for what it leaves out
+    /// (the Hub's configs spell most of them out), cross-attention layers included: null or absent
+    /// means 3, 8, ..., 38, and numbers past the last layer name none.
+    #[test]
+    fn llama_3_2_vision_takes_mllama_text_defaults() {
+        let config =
+            ModelConfig::from_hf_json(&json!({"model_type": "mllama", "text_config": {}})).unwrap();
+        assert_eq!(config.model_type, "llama");
+        assert_eq!(
+            config.cross_attention_layers,
+            [3, 8, 13, 18, 23, 28, 33, 38]
+        );
+        assert_eq!(config.num_hidden_layers, 32);
+        assert_eq!((config.hidden_size, config.vocab_size), (4096, 128_256));
+        assert_eq!(
+            (config.num_attention_heads, config.num_key_value_heads),
+            (32, 8)
+        );
+        assert_eq!(config.rms_norm_eps, 1e-5);
+        assert_eq!(config.rope.theta, 500_000.0);
+        assert_eq!(config.bos_token_id, Some(128_000));
+        assert_eq!(config.pad_token_id, Some(128_004));
+
+        let small = json!({"model_type": "mllama_text_model", "num_hidden_layers": 10,
+                           "cross_attention_layers": null, "hidden_size": 64,
+                           "num_attention_heads": 4, "num_key_value_heads": 2,
+                           "intermediate_size": 128, "vocab_size": 100,
+                           "rope_theta": 10000.0});
+        let config = ModelConfig::from_hf_json(&small).unwrap();
+        assert_eq!(config.cross_attention_layers, [3, 8]);
+        assert_eq!(config.num_hidden_layers, 8);
+        assert_eq!(config.rope.theta, 10_000.0);
+        assert_eq!(config.raw["architectures"][0], "LlamaForCausalLM");
+
+        let all = json!({"model_type": "mllama_text_model", "num_hidden_layers": 2,
+                         "cross_attention_layers": [0, 1]});
+        let err = ModelConfig::from_hf_json(&all).unwrap_err();
+        assert!(err.contains("no text layer"), "{err}");
     }
 
     #[test]

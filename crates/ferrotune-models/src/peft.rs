@@ -15,6 +15,7 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::lora::{lora_scaling, LoraAdapter, SplitMix64};
 use crate::model::CausalLm;
@@ -727,7 +728,7 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, Mode
     let config = LoraConfig::read(dir)?;
     let (file, mut tensors) = read_adapter_tensors(dir)?;
     if model.config.text_of_multimodal {
-        tensors = text_model_adapter_tensors(tensors, &file);
+        tensors = text_model_adapter_tensors(&model.config, tensors, &file);
     }
     let saved = saved_module_tensors(&mut tensors, &config.modules_to_save);
     let source = file.display().to_string();
@@ -1176,10 +1177,13 @@ pub fn replace_saved_modules(
     Ok(())
 }
 
-/// An adapter trained by PEFT on a whole multimodal model (Gemma 3, Mistral 3), as adapter tensors of its text
-/// model: `language_model.model.*` (transformers 4.5x) and `model.language_model.*` (5.x) become
-/// `model.*`; the vision tower's and projector's adapters are left out, with a warning.
+/// An adapter trained by PEFT on a whole multimodal model (Gemma 3, Mistral 3, Llama 3.2
+/// Vision, ...), as adapter tensors of its text model (see [`ModelConfig::text_model_name`]):
+/// `language_model.model.*` (transformers 4.5x) and `model.language_model.*` (5.x) become
+/// `model.*`; the vision tower's, projector's and cross-attention layers' adapters are left out,
+/// with a warning.
 fn text_model_adapter_tensors(
+    config: &ModelConfig,
     tensors: HashMap<String, Tensor>,
     file: &Path,
 ) -> HashMap<String, Tensor> {
@@ -1190,7 +1194,7 @@ fn text_model_adapter_tensors(
             out.insert(name, t);
             continue;
         };
-        match crate::checkpoint::text_model_tensor(rest) {
+        match config.text_model_name(rest) {
             Some(text) => {
                 out.insert(format!("{PEFT_PREFIX}{text}"), t);
             }
@@ -1199,7 +1203,7 @@ fn text_model_adapter_tensors(
     }
     if dropped > 0 {
         tracing::warn!(
-            "{}: {dropped} adapter tensors of the vision tower / projector left out (ferrotune runs the text model)",
+            "{}: {dropped} adapter tensors of the vision tower / projector / cross-attention layers left out (ferrotune runs the text model)",
             file.display()
         );
     }

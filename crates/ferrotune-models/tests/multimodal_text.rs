@@ -1,4 +1,4 @@
-//! Multimodal Gemma 3 and Mistral 3 checkpoints (`...ForConditionalGeneration`) run as their text model: the
+//! Multimodal Gemma 3, Mistral 3, Qwen-VL and Llama 3.2 Vision checkpoints (`...ForConditionalGeneration`) run as their text model: the
 //! same logits as the text-only checkpoint of the same weights (golden_models checks them against
 //! transformers), and PEFT adapters trained on the whole multimodal model attach to it.
 
@@ -45,15 +45,23 @@ fn the_text_model_of_a_multimodal_checkpoint_is_the_text_checkpoint() {
     assert_eq!(max_abs_diff(&logits(&text), &logits(&mm)), 0.0);
 }
 
-#[test]
-fn a_peft_adapter_of_the_whole_multimodal_model_attaches_to_its_text_model() {
-    let dir = std::env::temp_dir().join(format!("ferrotune-gemma3-mm-{}", std::process::id()));
+/// Saves an adapter (q_proj and down_proj, non-zero B) trained on `text_case`, renames its
+/// tensors as PEFT names them on the whole multimodal model (`rename` of each text-model name),
+/// adds `extra` adapter tensors of parts text alone does not run, and checks that `mm_case` with
+/// that adapter gives the text model's adapted logits.
+fn assert_whole_model_adapter_attaches(
+    text_case: &str,
+    mm_case: &str,
+    rename: impl Fn(&str) -> String,
+    extra: &[&str],
+) {
+    let dir = std::env::temp_dir().join(format!("ferrotune-{mm_case}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let (text_dir, mm_dir) = (dir.join("text"), dir.join("mm"));
     std::fs::create_dir_all(&mm_dir).unwrap();
 
     // An adapter on the text model with non-zero B (PEFT starts B at zero).
-    let mut text = load("gemma3");
+    let mut text = load(text_case);
     let config = LoraConfig::new(
         4,
         8.0,
@@ -70,26 +78,21 @@ fn a_peft_adapter_of_the_whole_multimodal_model_attaches_to_its_text_model() {
     }
     save_adapter(&text, &config, &text_dir).unwrap();
 
-    // The same adapter as PEFT names it on Gemma3ForConditionalGeneration (transformers 4.5x
-    // module paths), plus a vision-tower adapter ferrotune must leave out.
     let saved =
         candle_core::safetensors::load(text_dir.join(ADAPTER_WEIGHTS_FILE), &Device::Cpu).unwrap();
-    let mut renamed: std::collections::HashMap<String, Tensor> = saved
-        .into_iter()
-        .map(|(k, v)| {
-            let k = k.replacen(
-                "base_model.model.model.",
-                "base_model.model.language_model.model.",
-                1,
-            );
-            (k, v)
-        })
-        .collect();
-    renamed.insert(
-        "base_model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"
-            .into(),
-        Tensor::zeros((4, 16), DType::F32, &Device::Cpu).unwrap(),
-    );
+    let mut renamed: std::collections::HashMap<String, Tensor> =
+        saved.into_iter().map(|(k, v)| (rename(&k), v)).collect();
+    for name in extra {
+        let shape = if name.contains("lora_A") {
+            (4, 32)
+        } else {
+            (32, 4)
+        };
+        renamed.insert(
+            name.to_string(),
+            Tensor::ones(shape, DType::F32, &Device::Cpu).unwrap(),
+        );
+    }
     candle_core::safetensors::save(&renamed, mm_dir.join(ADAPTER_WEIGHTS_FILE)).unwrap();
     std::fs::copy(
         text_dir.join(ADAPTER_CONFIG_FILE),
@@ -97,15 +100,121 @@ fn a_peft_adapter_of_the_whole_multimodal_model_attaches_to_its_text_model() {
     )
     .unwrap();
 
-    let mut mm = load("gemma3_multimodal");
+    let mut mm = load(mm_case);
     load_adapter(&mut mm, &mm_dir).unwrap();
-    let base = logits(&load("gemma3"));
+    let base = logits(&load(text_case));
     let (want, got) = (logits(&text), logits(&mm));
     assert!(
         max_abs_diff(&want, &base) > 1e-3,
         "the adapter changes nothing"
     );
-    assert!(max_abs_diff(&got, &want) <= 1e-6);
+    assert!(max_abs_diff(&got, &want) <= 1e-6, "{mm_case}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_peft_adapter_of_the_whole_multimodal_model_attaches_to_its_text_model() {
+    // As PEFT names it on Gemma3ForConditionalGeneration (transformers 4.5x module paths), plus a
+    // vision-tower adapter ferrotune must leave out.
+    assert_whole_model_adapter_attaches(
+        "gemma3",
+        "gemma3_multimodal",
+        |k| k.replacen("base_model.model.model.", "base_model.model.language_model.model.", 1),
+        &["base_model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.lora_A.weight"],
+    );
+}
+
+/// Llama 3.2 Vision (`mllama`): text alone skips the cross-attention layers (0 and 2 here), so
+/// the text model is the Llama of the other layers, renumbered; the embedding's 8 image-token
+/// rows past `vocab_size` are left out. Both the whole model (the Hub's 4.x names and rope keys)
+/// and `MllamaForCausalLM` run as the Llama checkpoint of the same weights.
+#[test]
+fn llama_3_2_vision_runs_as_the_llama_of_its_self_attention_layers() {
+    let text = load("llama3_1_meta");
+    for case in ["mllama_multimodal", "mllama_text_model"] {
+        let mm = load(case);
+        assert!(mm.config.text_of_multimodal, "{case}");
+        assert_eq!(mm.config.model_type, "llama");
+        assert_eq!(mm.config.cross_attention_layers, [0, 2]);
+        assert_eq!(mm.config.num_hidden_layers, 2);
+        assert_eq!(mm.config.rope, text.config.rope, "{case}");
+        assert!(!mm.config.tie_word_embeddings);
+        assert_eq!(mm.config.raw["architectures"][0], "LlamaForCausalLM");
+        assert_eq!(mm.config.raw["num_hidden_layers"], 2);
+        assert!(mm.config.raw.get("cross_attention_layers").is_none());
+        assert_eq!(max_abs_diff(&logits(&text), &logits(&mm)), 0.0, "{case}");
+    }
+    // Layer names map past the cross-attention layers, which (with the tower) map to nothing.
+    let mm = load("mllama_multimodal");
+    let name = |n: &str| mm.config.text_model_name(n);
+    assert_eq!(
+        name("language_model.model.layers.3.mlp.up_proj.weight").as_deref(),
+        Some("model.layers.1.mlp.up_proj.weight")
+    );
+    assert_eq!(
+        name("model.language_model.layers.1.self_attn.q_proj").as_deref(),
+        Some("model.layers.0.self_attn.q_proj")
+    );
+    assert_eq!(
+        name("language_model.model.layers.2.cross_attn.q_proj"),
+        None
+    );
+    assert_eq!(
+        name("model.vision_model.transformer.layers.0.mlp.fc1"),
+        None
+    );
+    assert_eq!(name("vision_model.patch_embedding.weight"), None);
+}
+
+/// A PEFT adapter of the whole Llama 3.2 Vision model: its self-attention layers' adapters land
+/// on the renumbered layers; the cross-attention layers' and the tower's are left out.
+#[test]
+fn a_peft_adapter_of_llama_3_2_vision_attaches_to_its_text_layers() {
+    let to_mllama = |k: &str| -> String {
+        let rest = k
+            .strip_prefix("base_model.model.model.layers.")
+            .unwrap_or_else(|| panic!("{k}"));
+        let (i, rest) = rest.split_once('.').unwrap();
+        let i: usize = i.parse().unwrap();
+        format!(
+            "base_model.model.language_model.model.layers.{}.{rest}",
+            2 * i + 1
+        )
+    };
+    assert_whole_model_adapter_attaches(
+        "llama3_1_meta",
+        "mllama_multimodal",
+        to_mllama,
+        &[
+            "base_model.model.language_model.model.layers.2.cross_attn.q_proj.lora_A.weight",
+            "base_model.model.language_model.model.layers.2.cross_attn.q_proj.lora_B.weight",
+            "base_model.model.vision_model.transformer.layers.0.self_attn.q_proj.lora_A.weight",
+        ],
+    );
+}
+
+/// What a run saves of Llama 3.2 Vision is the Llama text model: two layers, `vocab_size` rows of
+/// embedding, LlamaForCausalLM's config; it loads back to the same logits.
+#[test]
+fn llama_3_2_vision_saves_its_text_model_as_llama() {
+    let mm = load("mllama_multimodal");
+    let tensors = ferrotune_models::peft::merged_tensors(&mm).unwrap();
+    assert_eq!(tensors["model.embed_tokens.weight"].dims(), [512, 32]);
+    assert!(tensors.contains_key("model.layers.1.self_attn.q_proj.weight"));
+    assert!(!tensors
+        .keys()
+        .any(|k| k.starts_with("model.layers.2.") || k.contains("cross_attn")));
+    let dir = std::env::temp_dir().join(format!("ferrotune-mllama-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    ferrotune_models::save_hf_checkpoint(&dir, &mm.config, None, &tensors, DType::F32, u64::MAX)
+        .unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "llama");
+    assert_eq!(config["architectures"][0], "LlamaForCausalLM");
+    let saved = load_model(&dir, DType::F32, &Device::Cpu).unwrap().0;
+    assert!(!saved.config.text_of_multimodal);
+    assert_eq!(max_abs_diff(&logits(&mm), &logits(&saved)), 0.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -749,7 +749,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             // model's names; the vision tower and projector are left out (llama.cpp keeps them in
             // a separate projector file).
             let text_name = if config.text_of_multimodal {
-                match ferrotune_models::checkpoint::text_model_tensor(stored) {
+                match config.text_model_name(stored) {
                     Some(n) => n,
                     None => continue,
                 }
@@ -781,6 +781,15 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                         config.num_key_value_heads
                     };
                     Some(permuted_rows(shape[0], heads))
+                }
+                _ if config.text_of_multimodal
+                    && name == "model.embed_tokens.weight"
+                    && shape[0] > config.vocab_size =>
+                {
+                    // Llama 3.2 Vision's embedding: its rows past the text vocabulary (image
+                    // tokens) are left out, as the decoder leaves them.
+                    shape[0] = config.vocab_size;
+                    Some((0..config.vocab_size).collect())
                 }
                 _ => None,
             };
@@ -1158,7 +1167,7 @@ pub fn export_gguf_adapter(
             );
         };
         let module = if config.text_of_multimodal {
-            match ferrotune_models::checkpoint::text_model_tensor(module) {
+            match config.text_model_name(module) {
                 Some(m) => m,
                 None => {
                     left_out += 1;
@@ -1400,7 +1409,12 @@ fn write_gguf_data(
                 }
                 match rows {
                     Some(order) => {
-                        let width = values.len() / order.len();
+                        // A row holds the planned tensor's innermost dimension (1 for a vector).
+                        let width = if t.dims.len() >= 2 {
+                            t.dims[0] as usize
+                        } else {
+                            1
+                        };
                         order
                             .iter()
                             .flat_map(|&r| values[r * width..(r + 1) * width].iter().copied())

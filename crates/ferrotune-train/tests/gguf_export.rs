@@ -367,6 +367,32 @@ fn multimodal_gemma3_exports_its_text_model() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Llama 3.2 Vision (`MllamaForConditionalGeneration`, the Hub's 4.x names) exports its text
+/// model as llama.cpp's `llama`: the self-attention layers renumbered, the cross-attention layers,
+/// the tower and the embedding's image-token rows left out; read back, transformers' text logits.
+#[test]
+fn llama_3_2_vision_exports_its_text_model_as_llama() {
+    use candle_core::quantized::gguf_file::Content;
+    let dir = out_dir("mllama_multimodal");
+    edited_copy("mllama_multimodal", &dir, |_| {});
+    let (done, err) = round_trip("mllama_multimodal", &dir);
+    assert_eq!(done.architecture, "llama");
+    assert!(err <= 1e-5, "relative L2 {err}");
+    let gguf = common::rel_l2(
+        &golden_logits("mllama_multimodal", &dir.join("model.gguf")),
+        &transformers_logits("mllama_multimodal"),
+    );
+    assert!(gguf <= 1e-5, "relative L2 to transformers {gguf}");
+    let content = Content::read(&mut std::fs::File::open(dir.join("model.gguf")).unwrap()).unwrap();
+    assert_eq!(content.metadata["llama.block_count"].to_u32().unwrap(), 2);
+    assert_eq!(
+        content.tensor_infos["token_embd.weight"].shape.dims(),
+        [512, 32]
+    );
+    assert!(!content.tensor_infos.contains_key("blk.2.attn_q.weight"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A SentencePiece-style vocabulary (Llama 2's real tokenizer, 32 000 tokens) travels as
 /// llama.cpp's `llama` vocabulary (tokens, scores, types, and the merges for the readers that
 /// take them): the GGUF's tokenizer encodes as the checkpoint's, and the logits are the
