@@ -35,6 +35,12 @@ def load_base(path):
         return AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
         )
+    if json.load(open(os.path.join(path, "config.json"))).get("model_type") == "mllama":
+        # Llama 3.2 Vision: ferrotune saves its adapters under the whole model's names, and PEFT
+        # loads them there.
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 

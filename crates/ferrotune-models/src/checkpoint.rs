@@ -316,7 +316,7 @@ fn narrow_multimodal_embedding(
     if let Some(embed) = tensors.get_mut(key) {
         let rows = embed.dim(0).map_err(|e| format!("{key}: {e}"))?;
         if rows > config.vocab_size {
-            tracing::info!(
+            tracing::warn!(
                 "{key}: its {} rows past vocab_size {} (image tokens) are left out: text alone \
                  never reads them",
                 rows - config.vocab_size,

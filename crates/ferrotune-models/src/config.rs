@@ -61,6 +61,20 @@ pub struct MoeConfig {
     pub sparse_mixer: Option<SparseMixer>,
 }
 
+/// Llama 3.2 Vision's layers (`MllamaForConditionalGeneration`, or `MllamaForCausalLM` alone).
+/// On text alone transformers skips the cross-attention layers (they run only with image
+/// states), so the decoder holds the other layers, numbered in order; checkpoint and PEFT names
+/// map onto them through [`ModelConfig::text_model_name`] and back through
+/// [`ModelConfig::checkpoint_name`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct MllamaLayers {
+    /// The checkpoint's layer numbers of its cross-attention layers, sorted.
+    pub cross_attention_layers: Vec<usize>,
+    /// Where the checkpoint's text modules sit as transformers 5 names them:
+    /// `model.language_model.` in the whole model, `model.` in `MllamaForCausalLM`.
+    pub text_prefix: &'static str,
+}
+
 /// Phi-3.5-MoE's router (transformers' `sparsemixer`, as it runs in evaluation): the first expert
 /// is the router logits' largest; logits whose gap to it, relative to `max(|logit|, largest)`,
 /// exceeds `2 · jitter_eps` are masked, and the expert's weight is its softmax over the rest. The
@@ -226,11 +240,8 @@ pub struct ModelConfig {
     /// when the checkpoint has no `lm_head`, and what is saved is the text model
     /// (`Gemma3ForCausalLM`, `MistralForCausalLM`, ...).
     pub text_of_multimodal: bool,
-    /// Llama 3.2 Vision (`mllama`): the checkpoint's layer numbers of its cross-attention layers,
-    /// which transformers skips on text alone (they run only with image states). The decoder's
-    /// layers are the others, numbered in order; [`ModelConfig::text_model_name`] maps the
-    /// checkpoint's names onto them.
-    pub cross_attention_layers: Vec<usize>,
+    /// Llama 3.2 Vision's layers (`mllama`, `mllama_text_model`); `None` for other models.
+    pub mllama: Option<MllamaLayers>,
     /// A `*ForSequenceClassification` checkpoint (a reward or value model): its output head is
     /// `score` (`[num_labels, hidden]`, no bias, never tied), giving this many outputs per
     /// position instead of vocabulary logits.
@@ -264,10 +275,20 @@ impl ModelConfig {
             .find(|(t, _)| Some(*t) == top_type)
         {
             let mut text = multimodal_text_config(top, text_types)?;
-            let cross_attention_layers = mllama_text_layers(&mut text)?;
+            let mllama = match text_types[0] {
+                "mllama_text_model" => Some(MllamaLayers {
+                    cross_attention_layers: mllama_text_layers(&mut text)?,
+                    text_prefix: if top_type == Some("mllama") {
+                        "model.language_model."
+                    } else {
+                        "model."
+                    },
+                }),
+                _ => None,
+            };
             let mut config = Self::from_hf_json(&Value::Object(text))?;
             config.text_of_multimodal = true;
-            config.cross_attention_layers = cross_attention_layers;
+            config.mllama = mllama;
             return Ok(config);
         }
         let with_defaults;
@@ -428,7 +449,7 @@ impl ModelConfig {
             local_rope,
             local_rope_layers,
             text_of_multimodal: false,
-            cross_attention_layers: Vec::new(),
+            mllama: None,
             layer_norm: is("phi") || is("phimoe"),
             parallel_block: is("phi"),
             ungated_mlp: is("phi"),
@@ -449,19 +470,44 @@ impl ModelConfig {
     /// (the vision tower, the projector, the cross-attention layers).
     pub fn text_model_name(&self, name: &str) -> Option<String> {
         let name = crate::checkpoint::text_model_tensor(name)?;
-        if self.cross_attention_layers.is_empty() {
-            return Some(name);
-        }
-        let Some((layer, rest)) = name
-            .strip_prefix("model.layers.")
-            .and_then(|r| r.split_once('.'))
-            .and_then(|(n, rest)| Some((n.parse::<usize>().ok()?, rest)))
-        else {
+        let Some(mllama) = &self.mllama else {
             return Some(name);
         };
-        let before = self.cross_attention_layers.partition_point(|&c| c < layer);
-        let cross = self.cross_attention_layers.get(before) == Some(&layer);
-        (!cross).then(|| format!("model.layers.{}.{rest}", layer - before))
+        let Some((layer, rest)) = layer_and_rest(&name) else {
+            return Some(name);
+        };
+        let cross = &mllama.cross_attention_layers;
+        let before = cross.partition_point(|&c| c < layer);
+        (cross.get(before) != Some(&layer))
+            .then(|| format!("model.layers.{}.{rest}", layer - before))
+    }
+
+    /// The checkpoint's name of the decoder's tensor or module `name`, the inverse of
+    /// [`ModelConfig::text_model_name`] for Llama 3.2 Vision (its layers numbered as the
+    /// checkpoint numbers them, under the checkpoint's prefix as transformers 5 names it); other
+    /// models' names are the decoder's.
+    pub fn checkpoint_name(&self, name: &str) -> String {
+        let Some(mllama) = &self.mllama else {
+            return name.to_string();
+        };
+        let Some(inner) = name.strip_prefix("model.") else {
+            return name.to_string();
+        };
+        let prefix = mllama.text_prefix;
+        match layer_and_rest(name) {
+            Some((layer, rest)) => {
+                // The layer-th text layer: skip the cross-attention layers at or before it.
+                let hf = mllama.cross_attention_layers.iter().fold(layer, |n, &c| {
+                    if c <= n {
+                        n + 1
+                    } else {
+                        n
+                    }
+                });
+                format!("{prefix}layers.{hf}.{rest}")
+            }
+            None => format!("{prefix}{inner}"),
+        }
     }
 
     /// An error for a sequence classifier ([`ModelConfig::score_labels`]) where a causal language
@@ -1092,6 +1138,12 @@ fn multimodal_text_config(
     Ok(text)
 }
 
+/// `(i, rest)` of a `model.layers.{i}.{rest}` name.
+fn layer_and_rest(name: &str) -> Option<(usize, &str)> {
+    let (n, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    Some((n.parse().ok()?, rest))
+}
+
 /// Llama 3.2 Vision's text config (`mllama_text_model`, already turned into a `llama` config by
 /// [`multimodal_text_config`]) as the Llama of its self-attention layers: takes out
 /// `cross_attention_layers` (returned, sorted) and counts only the other layers in
@@ -1307,7 +1359,9 @@ mod tests {
                            "intermediate_size": 128, "vocab_size": 100,
                            "rope_theta": 10000.0});
         let config = ModelConfig::from_hf_json(&small).unwrap();
-        assert_eq!(config.cross_attention_layers, [3, 8]);
+        let mllama = config.mllama.as_ref().unwrap();
+        assert_eq!(mllama.cross_attention_layers, [3, 8]);
+        assert_eq!(mllama.text_prefix, "model.");
         assert_eq!(config.num_hidden_layers, 8);
         assert_eq!(config.rope.theta, 10_000.0);
         assert_eq!(config.raw["architectures"][0], "LlamaForCausalLM");

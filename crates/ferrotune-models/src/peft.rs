@@ -389,6 +389,13 @@ impl LoraConfig {
         (r, alpha)
     }
 
+    /// [`LoraConfig::resolve`] of the decoder's module `name` of a model with `model` config:
+    /// PEFT matches patterns against the checkpoint's module names (Llama 3.2 Vision's layers
+    /// numbered as its checkpoint numbers them, see [`ModelConfig::checkpoint_name`]).
+    pub fn resolve_module(&self, model: &ModelConfig, name: &str) -> Option<(usize, f64)> {
+        self.resolve(&model.checkpoint_name(name))
+    }
+
     /// `Some((rank, scaling))` when `key` gets an adapter under this config.
     pub fn resolve(&self, key: &str) -> Option<(usize, f64)> {
         if !self.targets(key) {
@@ -633,9 +640,12 @@ fn targeted_modules(
         .filter(|(name, _)| {
             !(transformers5 && crate::peft_params::fused_in_transformers5(name, &sparse))
         })
-        .filter_map(|(name, _)| config.resolve(&name).map(|(r, s)| (name, r, s)))
+        .filter_map(|(name, _)| {
+            let resolved = config.resolve_module(&model.config, &name);
+            resolved.map(|(r, s)| (name, r, s))
+        })
         .collect();
-    let embed = config.resolve(EMBED_MODULE);
+    let embed = config.resolve_module(&model.config, EMBED_MODULE);
     if linears.is_empty() && embed.is_none() && config.target_parameters.is_empty() {
         return Err(format!(
             "target_modules {} matches no linear layer or embedding of the model (names look \
@@ -667,6 +677,11 @@ fn targeted_modules(
 }
 
 /// Why an adapter whose head shares the embedding's is not trained.
+/// Why an adapter on Llama 3.2 Vision's token embedding is refused.
+const MLLAMA_EMBEDDING: &str = "Llama 3.2 Vision's token embedding holds 8 image-token rows \
+     past vocab_size, which ferrotune's text model leaves out: an adapter on embed_tokens (or \
+     embed_tokens in modules_to_save) would not have the shape PEFT loads on the checkpoint";
+
 const SHARED_HEAD_TRAINING: &str = "training an adapter with ensure_weight_tying on a tied \
      embedding is not supported (PEFT trains the shared tensors as two parameters): merge it \
      first, or set ensure_weight_tying to false";
@@ -770,7 +785,7 @@ fn load_trainable_tokens(
             "'{key}' is present but trainable_token_indices is not set"
         )));
     }
-    if config.resolve(EMBED_MODULE).is_some() {
+    if config.resolve_module(&model.config, EMBED_MODULE).is_some() {
         return Err(err(
             "trainable_token_indices and an adapter on embed_tokens together are not supported"
                 .into(),
@@ -1352,6 +1367,9 @@ pub fn add_adapter(
     if targets.head_shares_embed {
         return Err(ModelError::Msg(SHARED_HEAD_TRAINING.into()));
     }
+    if model.config.mllama.is_some() && targets.embed.is_some() {
+        return Err(ModelError::Msg(MLLAMA_EMBEDDING.into()));
+    }
     let mut rng = SplitMix64::new(seed);
     let mut count = 0;
     let embed_adapter = targets
@@ -1450,6 +1468,9 @@ pub fn make_saved_modules_trainable(
     if !embed && !head {
         return Ok(out);
     }
+    if embed && model.config.mllama.is_some() {
+        return Err(ModelError::Msg(MLLAMA_EMBEDDING.into()));
+    }
     if (embed && model.embed_adapter.is_some()) || (head && model.lm_head.adapter.is_some()) {
         return Err(ModelError::Msg(
             "modules_to_save: a module listed there cannot also have a LoRA adapter (PEFT \
@@ -1526,6 +1547,31 @@ pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
     out
 }
 
+/// What PEFT must leave alone when it loads an adapter of Llama 3.2 Vision's text layers on the
+/// checkpoint (as a regular expression of module names for `exclude_modules`): the
+/// cross-attention layers and the vision tower hold modules of the names `target_modules` lists
+/// (`q_proj`, `up_proj`, ...), which text alone never runs. `None` when nothing needs leaving out.
+fn mllama_untouched(config: &ModelConfig) -> Option<String> {
+    let mllama = config.mllama.as_ref()?;
+    let mut parts = Vec::new();
+    if !mllama.cross_attention_layers.is_empty() {
+        let layers: Vec<String> = mllama
+            .cross_attention_layers
+            .iter()
+            .map(usize::to_string)
+            .collect();
+        parts.push(format!(
+            r"{}layers\.(?:{})\..*",
+            mllama.text_prefix.replace('.', r"\."),
+            layers.join("|")
+        ));
+    }
+    if mllama.text_prefix != "model." {
+        parts.push(r"model\.vision_model\..*".to_string());
+    }
+    (!parts.is_empty()).then(|| parts.join("|"))
+}
+
 /// Saves `model`'s adapters to `dir` in PEFT's format: `adapter_config.json` (from `config`) and
 /// `adapter_model.safetensors` (metadata `format: pt`), each written atomically.
 ///
@@ -1551,7 +1597,7 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
             // The embedding's adapter, saved under the head's names too, as PEFT does.
             continue;
         }
-        let want = config.resolve(&name).map(|(r, _)| r);
+        let want = config.resolve_module(&model.config, &name).map(|(r, _)| r);
         let have = adapter.map(LoraAdapter::rank);
         let dora = adapter.map(|a| a.dora_magnitude.is_some());
         let bias = adapter.map(|a| a.bias.is_some());
@@ -1567,7 +1613,29 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
         }
     }
     let tensors = saved_tensors(model, config)?;
-    write_adapter_files(dir, config, tensors)
+    if model.config.mllama.is_none() {
+        return write_adapter_files(dir, config, tensors);
+    }
+    // Llama 3.2 Vision: saved under the checkpoint's own names, so that PEFT loads the adapter
+    // on the whole model (and ferrotune maps it back).
+    if tensors.keys().any(|k| k.contains(EMBED_MODULE)) {
+        return Err(ModelError::Msg(MLLAMA_EMBEDDING.into()));
+    }
+    let tensors = tensors
+        .into_iter()
+        .map(|(k, t)| {
+            let name = k.strip_prefix(PEFT_PREFIX).unwrap_or(&k);
+            (
+                format!("{PEFT_PREFIX}{}", model.config.checkpoint_name(name)),
+                t,
+            )
+        })
+        .collect();
+    let mut config = config.clone();
+    if config.exclude_modules.is_none() {
+        config.exclude_modules = mllama_untouched(&model.config).map(TargetModules::Regex);
+    }
+    write_adapter_files(dir, &config, tensors)
 }
 
 /// The tensors PEFT's `save_pretrained` writes for `model`'s adapters under `config`: the

@@ -135,7 +135,10 @@ fn llama_3_2_vision_runs_as_the_llama_of_its_self_attention_layers() {
         let mm = load(case);
         assert!(mm.config.text_of_multimodal, "{case}");
         assert_eq!(mm.config.model_type, "llama");
-        assert_eq!(mm.config.cross_attention_layers, [0, 2]);
+        assert_eq!(
+            mm.config.mllama.as_ref().unwrap().cross_attention_layers,
+            [0, 2]
+        );
         assert_eq!(mm.config.num_hidden_layers, 2);
         assert_eq!(mm.config.rope, text.config.rope, "{case}");
         assert!(!mm.config.tie_word_embeddings);
@@ -164,6 +167,92 @@ fn llama_3_2_vision_runs_as_the_llama_of_its_self_attention_layers() {
         None
     );
     assert_eq!(name("vision_model.patch_embedding.weight"), None);
+    // And back, as transformers 5 names the whole model's modules.
+    for (text, checkpoint) in [
+        (
+            "model.layers.0.self_attn.q_proj",
+            "model.language_model.layers.1.self_attn.q_proj",
+        ),
+        (
+            "model.layers.1.mlp.up_proj.weight",
+            "model.language_model.layers.3.mlp.up_proj.weight",
+        ),
+        ("model.norm.weight", "model.language_model.norm.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+    ] {
+        assert_eq!(mm.config.checkpoint_name(text), checkpoint);
+        assert_eq!(name(checkpoint).as_deref(), Some(text));
+    }
+    let text_model = load("mllama_text_model");
+    assert_eq!(
+        text_model
+            .config
+            .checkpoint_name("model.layers.1.mlp.up_proj"),
+        "model.layers.3.mlp.up_proj"
+    );
+}
+
+/// An adapter trained on Llama 3.2 Vision is saved under the checkpoint's names (its layers
+/// numbered as the checkpoint numbers them, cross-attention layers and the tower excluded for
+/// PEFT), and loads back onto the whole model and onto its text model alone.
+#[test]
+fn llama_3_2_vision_adapters_are_saved_under_the_checkpoints_names() {
+    let dir = std::env::temp_dir().join(format!("ferrotune-mllama-adapter-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut mm = load("mllama_multimodal");
+    let config = LoraConfig::new(
+        4,
+        8.0,
+        TargetModules::Names(vec!["q_proj".into(), "up_proj".into(), "lm_head".into()]),
+    );
+    add_adapter(&mut mm, &config, 5).unwrap();
+    for (_, linear) in mm.linears_mut() {
+        if let Some(a) = &mut linear.adapter {
+            a.b = Tensor::randn(0f32, 0.5, a.b.dims(), &Device::Cpu).unwrap();
+        }
+    }
+    save_adapter(&mm, &config, &dir).unwrap();
+    let saved =
+        candle_core::safetensors::load(dir.join(ADAPTER_WEIGHTS_FILE), &Device::Cpu).unwrap();
+    let mut names: Vec<&str> = saved.keys().map(String::as_str).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            // PEFT's default save keeps an adapted head's base weight beside it.
+            "base_model.model.lm_head.base_layer.weight",
+            "base_model.model.lm_head.lora_A.weight",
+            "base_model.model.lm_head.lora_B.weight",
+            "base_model.model.model.language_model.layers.1.mlp.up_proj.lora_A.weight",
+            "base_model.model.model.language_model.layers.1.mlp.up_proj.lora_B.weight",
+            "base_model.model.model.language_model.layers.1.self_attn.q_proj.lora_A.weight",
+            "base_model.model.model.language_model.layers.1.self_attn.q_proj.lora_B.weight",
+            "base_model.model.model.language_model.layers.3.mlp.up_proj.lora_A.weight",
+            "base_model.model.model.language_model.layers.3.mlp.up_proj.lora_B.weight",
+            "base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_A.weight",
+            "base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_B.weight",
+        ]
+    );
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(ADAPTER_CONFIG_FILE)).unwrap())
+            .unwrap();
+    assert_eq!(
+        written["exclude_modules"],
+        r"model\.language_model\.layers\.(?:0|2)\..*|model\.vision_model\..*"
+    );
+    let want = logits(&mm);
+    assert!(max_abs_diff(&want, &logits(&load("mllama_multimodal"))) > 1e-3);
+    for case in ["mllama_multimodal", "mllama_text_model"] {
+        let mut back = load(case);
+        load_adapter(&mut back, &dir).unwrap();
+        assert_eq!(max_abs_diff(&logits(&back), &want), 0.0, "{case}");
+    }
+    // The embedding's image-token rows are not the text model's: no adapter on it.
+    let mut mm = load("mllama_multimodal");
+    let embed = LoraConfig::new(4, 8.0, TargetModules::Names(vec!["embed_tokens".into()]));
+    let err = add_adapter(&mut mm, &embed, 5).unwrap_err().to_string();
+    assert!(err.contains("image-token rows"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A PEFT adapter of the whole Llama 3.2 Vision model: its self-attention layers' adapters land

@@ -1244,7 +1244,7 @@ pub fn export_gguf_adapter(
         };
         let (r, inp) = a.dims2()?;
         let (rows, rb) = b.dims2()?;
-        let Some((want_r, scale)) = lc.resolve(&module) else {
+        let Some((want_r, scale)) = lc.resolve_module(&config, &module) else {
             bail!(
                 "{}: module '{module}' has tensors but adapter_config.json does not target it",
                 file.display()
