@@ -140,7 +140,8 @@ def make_case(out, name, base, kwargs):
             merged_logits = merged(input_ids=ids).logits
         golden["merged_logits"] = merged_logits.contiguous()
         state = {k: v.detach().clone().contiguous() for k, v in merged.state_dict().items()}
-        if merged.config.tie_word_embeddings:
+        # Multimodal configs without the flag (Llama 3.2 Vision's) are untied.
+        if getattr(merged.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         save_file(state, os.path.join(d, "merged.safetensors"))
     save_file(golden, os.path.join(d, "golden.safetensors"))

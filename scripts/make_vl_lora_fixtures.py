@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PEFT LoRA adapters trained on whole vision-language models (Qwen2.5-VL, Qwen3-VL), whose text
+"""PEFT LoRA adapters trained on whole vision-language models (Qwen2.5-VL, Qwen3-VL, Llama 3.2 Vision), whose text
 model ferrotune runs: target names that also reach the vision tower (Qwen2.5-VL's vision blocks
 have `mlp.gate_proj` / `down_proj`, Qwen3-VL's `linear_fc1`), so the adapter file holds tensors
 ferrotune must leave out.
@@ -27,6 +27,13 @@ CASES = {
     "qwen3_vl": (
         "models/qwen3_vl_multimodal/model",
         dict(r=3, lora_alpha=6, use_rslora=True, target_modules=["k_proj", "up_proj", "linear_fc1"],
+             auto_class=AutoModelForImageTextToText),
+    ),
+    # Llama 3.2 Vision: q_proj / v_proj / down_proj also reach the cross-attention layers (0 and 2:
+    # `cross_attn.q_proj`, their MLPs) and the vision tower, which text alone never runs.
+    "mllama": (
+        "models/mllama_multimodal/model",
+        dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"],
              auto_class=AutoModelForImageTextToText),
     ),
 }

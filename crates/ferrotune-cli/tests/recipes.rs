@@ -1766,6 +1766,79 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
     }
 }
 
+/// Llama 3.2 Vision: one SGD step (lr 1) from PEFT's adapter of the whole model, whose targets
+/// reach the cross-attention layers and the vision tower too (text alone never runs them), logs
+/// PEFT's loss and saves, under the checkpoint's names, the text layers' adapters moved by exactly
+/// PEFT's gradient; the others are left out with a warning, and the saved config keeps PEFT off
+/// them (`exclude_modules`).
+#[test]
+fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
+    let case = fixtures().join("vl_lora/mllama");
+    let dir = tmpdir("sgd-mllama");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("vl_lora/mllama", &data);
+    let cfg = write_config(&dir, "models/mllama_multimodal", &data);
+    let adapter = format!(
+        "checkpointer.adapter_checkpoint={}",
+        case.join("adapter").display()
+    );
+    let mut args = vec![
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        cfg.to_str().unwrap(),
+        &adapter,
+    ];
+    args.extend(ONE_SGD_STEP);
+    let out = ferrotune(&args, &dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("cross-attention layers left out"),
+        "{}",
+        text(&out)
+    );
+    let saved_dir = dir.join("out/epoch_0");
+    let saved = load(&saved_dir.join("adapter_model.safetensors"));
+    let start = load(&case.join("adapter/adapter_model.safetensors"));
+    let grads = load(&case.join("lora_grads.safetensors"));
+    let mut names: Vec<&String> = saved.keys().collect();
+    names.sort();
+    let mut want: Vec<&String> = grads.keys().collect();
+    want.sort();
+    assert_eq!(names, want);
+    for (key, g) in &grads {
+        let e = rel_l2(&saved[key], &(&start[key] - g).unwrap());
+        assert!(e <= 1e-4, "{key}: relative L2 {e}");
+    }
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        config["exclude_modules"],
+        r"model\.language_model\.layers\.(?:0|2)\..*|model\.vision_model\..*"
+    );
+    let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
+    let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let (got, want) = (
+        first["loss"].as_f64().unwrap(),
+        golden["lora_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        ((got - want) / want).abs() < 1e-5,
+        "loss {got} vs PEFT {want}"
+    );
+    // The merged model is the Llama text model.
+    let merged: Value = serde_json::from_str(
+        &std::fs::read_to_string(saved_dir.join("merged/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(merged["architectures"][0], "LlamaForCausalLM");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Adapters PEFT trains beside (or instead of) LoRA on modules: trainable token rows, adapters
 /// on parameters (fused experts). Training further is refused, naming the key (whole modules,
 /// `modules_to_save`, train further: see `one_sgd_step_from_a_peft_adapter_...`).

@@ -181,7 +181,7 @@ impl Case {
         // A vision-language model's adapter names its text model `model.language_model.*`.
         let want: HashMap<String, Tensor> = tensors(&self.dir.join("lora_grads.safetensors"))
             .into_iter()
-            .map(|(k, v)| (in_text_model(&k), v))
+            .map(|(k, v)| (in_text_model(&model.config, &k), v))
             .collect();
         let mut names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
         names.sort();
@@ -199,33 +199,37 @@ impl Case {
 }
 
 /// A PEFT name of the whole multimodal model's module as ferrotune's text model names it
-/// (`base_model.model.model.language_model.layers.0...` → `base_model.model.model.layers.0...`).
-fn in_text_model(name: &str) -> String {
+/// (`base_model.model.model.language_model.layers.0...` → `base_model.model.model.layers.0...`;
+/// Llama 3.2 Vision's layers renumbered past its cross-attention layers).
+fn in_text_model(config: &ferrotune_models::ModelConfig, name: &str) -> String {
     let rest = name.strip_prefix("base_model.model.").unwrap_or(name);
-    let text = ferrotune_models::checkpoint::text_model_tensor(rest).unwrap_or_else(|| rest.into());
+    let text = config.text_model_name(rest).unwrap_or_else(|| rest.into());
     format!("base_model.model.{text}")
 }
 
-/// PEFT adapters trained on whole vision-language models (Qwen2.5-VL, Qwen3-VL with rsLoRA;
-/// tests/fixtures/vl_lora) run on their text model: PEFT's logits, loss and gradients; the
-/// adapters PEFT put on the vision tower (names that reach it too) are left out; merging gives
-/// PEFT's merged text weights.
+/// PEFT adapters trained on whole vision-language models (Qwen2.5-VL, Qwen3-VL with rsLoRA,
+/// Llama 3.2 Vision; tests/fixtures/vl_lora) run on their text model: PEFT's logits, loss and
+/// gradients; the adapters PEFT put on the vision tower and on Llama 3.2 Vision's
+/// cross-attention layers (names that reach them too) are left out; merging gives PEFT's merged
+/// text weights (Llama 3.2 Vision's embedding without its image-token rows).
 #[test]
 fn vision_language_adapters_run_on_the_text_model() {
-    for name in ["qwen2_5_vl", "qwen3_vl"] {
+    for name in ["qwen2_5_vl", "qwen3_vl", "mllama"] {
         let case = Case::made_with_base(fixtures().join("vl_lora").join(name));
         case.check_forward_and_gradients();
         let (mut model, _) = case.model_with_adapter();
         assert!(model.config.text_of_multimodal, "{name}");
         merge_and_unload(&mut model).unwrap();
         case.assert_adapter_logits(&model, "merged");
+        let got = merged_tensors(&model).unwrap();
         let want: HashMap<String, Tensor> = tensors(&case.dir.join("merged.safetensors"))
             .into_iter()
             .filter_map(|(k, v)| {
-                ferrotune_models::checkpoint::text_model_tensor(&k).map(|k| (k, v))
+                let k = model.config.text_model_name(&k)?;
+                let rows = got[&k].dim(0).unwrap();
+                Some((k, v.narrow(0, 0, rows).unwrap()))
             })
             .collect();
-        let got = merged_tensors(&model).unwrap();
         assert_same_tensors(&got, &want, 1e-5, &format!("{name}: merged"));
     }
 }
