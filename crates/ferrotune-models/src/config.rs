@@ -1338,10 +1338,12 @@ mod tests {
         let config =
             ModelConfig::from_hf_json(&json!({"model_type": "mllama", "text_config": {}})).unwrap();
         assert_eq!(config.model_type, "llama");
+        let mllama = config.mllama.as_ref().unwrap();
         assert_eq!(
-            config.cross_attention_layers,
+            mllama.cross_attention_layers,
             [3, 8, 13, 18, 23, 28, 33, 38]
         );
+        assert_eq!(mllama.text_prefix, "model.language_model.");
         assert_eq!(config.num_hidden_layers, 32);
         assert_eq!((config.hidden_size, config.vocab_size), (4096, 128_256));
         assert_eq!(
