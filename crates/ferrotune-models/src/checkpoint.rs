@@ -279,10 +279,11 @@ pub fn read_safetensors(
 
 /// The HF name inside the text model of a multimodal (Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL,
 /// Qwen3-VL, Llama 3.2 Vision) model's tensor or module, or `None` for the vision tower and
-/// projector (Qwen's `visual.*` / `model.visual.*`, Mllama's `vision_model.*`): transformers 4.5x names them `language_model.model.*` and
-/// `language_model.lm_head.*`, transformers 5 `model.language_model.*` and `lm_head.*`; names
-/// already in the text model's form stay. Serves checkpoints and PEFT adapters of the whole model
-/// alike.
+/// projector (Qwen's `visual.*` / `model.visual.*`, Mllama's `vision_model.*`): transformers 4.5x
+/// names them `language_model.model.*` and `language_model.lm_head.*`, transformers 5
+/// `model.language_model.*` and `lm_head.*`; names already in the text model's form stay. Serves
+/// checkpoints and PEFT adapters of the whole model alike; Llama 3.2 Vision's layers are
+/// renumbered on top of this by [`ModelConfig::text_model_name`].
 pub fn text_model_tensor(name: &str) -> Option<String> {
     if let Some(rest) = name
         .strip_prefix("language_model.model.")

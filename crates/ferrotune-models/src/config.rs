@@ -1145,14 +1145,13 @@ fn layer_and_rest(name: &str) -> Option<(usize, &str)> {
 }
 
 /// Llama 3.2 Vision's text config (`mllama_text_model`, already turned into a `llama` config by
-/// [`multimodal_text_config`]) as the Llama of its self-attention layers: takes out
-/// `cross_attention_layers` (returned, sorted) and counts only the other layers in
-/// `num_hidden_layers`. Other configs are left as they are (and give no layers).
+/// [`multimodal_text_config`], which filled in `MllamaTextConfig`'s defaults) as the Llama of
+/// its self-attention layers: takes out `cross_attention_layers` (returned, sorted) and counts
+/// only the other layers in `num_hidden_layers`.
 fn mllama_text_layers(text: &mut Map<String, Value>) -> Result<Vec<usize>, String> {
     let listed = match text.remove("cross_attention_layers") {
-        None => return Ok(Vec::new()),
         // MllamaTextConfig's default, as transformers fills it for null.
-        Some(Value::Null) => family_defaults("mllama_text_model")
+        None | Some(Value::Null) => family_defaults("mllama_text_model")
             .iter()
             .find(|(k, _)| *k == "cross_attention_layers")
             .map(|(_, v)| v.clone())
