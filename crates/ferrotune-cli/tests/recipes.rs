@@ -1818,8 +1818,7 @@ fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
         config["exclude_modules"],
         r"model\.language_model\.layers\.(?:0|2)\..*|model\.vision_model\..*"
     );
-    let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
-    let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
     let golden: Value =
         serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
     let (got, want) = (
