@@ -55,6 +55,7 @@ from transformers import (
     PhimoeConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    Llama4TextConfig,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
@@ -422,6 +423,36 @@ def cfg_smollm3():
     ))
 
 
+def cfg_llama4():
+    # Llama 4 text (Llama4ForCausalLM, llama4_text): 4 layers, no_rope_layers [1, 0, 1, 0] (RoPE layers take
+    # chunked attention, chunk 6, and the weightless L2 q/k norm; NoPE layers full attention with the query
+    # temperature 1 + 0.5 ln(1 + floor((p + 1) / 4))), MoE on layers 1 and 2 (4 experts, top-1 sigmoid
+    # routing that scales the expert's input, fused experts.gate_up_proj / down_proj, a shared expert of
+    # intermediate 24), dense layers 0 and 3 with intermediate_size_mlp 96; rope llama3 as Scout's (factor 16,
+    # low = high frequency factor 1, original 64); head_dim 16, GQA 4/2, untied.
+    return Llama4TextConfig(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        intermediate_size=24,
+        intermediate_size_mlp=INTERMEDIATE,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 1.0, "original_max_position_embeddings": 64},
+        no_rope_layers=[1, 0, 1, 0],
+        moe_layers=[1, 2],
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        use_qk_norm=True,
+        attention_chunk_size=6,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+        attn_scale=0.5,
+        tie_word_embeddings=False,
+        num_hidden_layers=4,
+    ))
+
+
 def cfg_phi3():
     return Phi3Config(**common(
         num_key_value_heads=2,  # GQA inside the fused qkv_proj (like Phi-4-mini), so an even 3-way split is wrong
@@ -769,6 +800,13 @@ CASES = {
                              "position p scaled by 1 + 0.3 ln(1 + floor(p / 4)) after rope"),
     "smollm3": dict(cfg=cfg_smollm3, seed=121, style="v5",
                     notes="SmolLM3: no_rope_layers [1, 0] (layer 1 has no rotary embedding), tied, GQA 4/2"),
+    "llama4": dict(cfg=cfg_llama4, seed=134, style="v5", grads=True,
+                   notes="Llama 4 text (llama4_text): no_rope_layers [1, 0, 1, 0]; RoPE layers with chunked attention "
+                         "(chunk 6) and the L2 q/k norm after Meta's interleaved rotary pairs, NoPE layers with the "
+                         "query temperature (floor_scale 4, attn_scale 0.5); MoE layers 1, 2: 4 experts top-1, "
+                         "sigmoid score scaling the expert's input, fused feed_forward.experts.gate_up_proj "
+                         "[E, hidden, 2 I] / down_proj [E, I, hidden], shared expert; dense layers 0, 3 "
+                         "(intermediate_size_mlp 96); rope llama3 with low = high frequency factor; untied"),
     "llama2_bin": dict(weights_from="llama2", style="v5", pickle="hf", same_golden_as="llama2",
                        notes="llama2 saved as PyTorch pickles: pytorch_model-0000{1,2}-of-00002.bin + "
                              "pytorch_model.bin.index.json (no safetensors); golden identical to llama2"),
@@ -816,6 +854,11 @@ CASES = {
                               notes="MllamaForCausalLM (model_type mllama_text_model, Llama 3.2 Vision's text model "
                                     "alone): mllama_multimodal's text weights, model.layers.* with cross-attention "
                                     "layers 0 and 2; logits equal llama3_1_meta's"),
+    "llama4_multimodal": dict(weights_from="llama4", multimodal="llama4", same_golden_as="llama4", style="v4",
+                              notes="Llama4ForConditionalGeneration (model_type llama4, as Llama 4 Scout / Maverick "
+                                    "ship) holding llama4's text weights (language_model.model.*, "
+                                    "language_model.lm_head.*) and a tiny vision tower (vision_model.*, "
+                                    "multi_modal_projector.*); text-only logits equal llama4's"),
     "gemma3_multimodal": dict(weights_from="gemma3", multimodal="gemma3", same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "
@@ -850,6 +893,11 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
             p.copy_((embed_std or (EMBED_STD_TIED if tied else EMBED_STD)) * r)
         elif name.startswith("lm_head"):
             p.copy_(LM_HEAD_GAIN * r / shape[1] ** 0.5)
+        elif model.config.model_type == "llama4_text" and name.endswith(("experts.gate_up_proj",
+                                                                         "experts.down_proj")):
+            # Llama 4 holds its experts as [experts, in, out]: fan-in is the middle dim
+            gain = OUT_GAIN if name.endswith("down_proj") else IN_GAIN
+            p.copy_(gain * r / shape[1] ** 0.5)
         elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             # transformers 5 holds MoE experts as 3D [experts, out, in] parameters: fan-in is the last dim
             p.copy_(OUT_GAIN * r / shape[-1] ** 0.5)
@@ -1044,6 +1092,17 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
         else:
             cfg = MllamaTextConfig(**text)
             mm_class = MllamaForCausalLM
+    elif kind == "llama4":
+        from transformers import Llama4Config, Llama4ForConditionalGeneration
+        text = text_cfg.to_dict()
+        for k in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+            text.pop(k, None)
+        cfg = Llama4Config(text_config=text, vision_config=dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14, vision_output_dim=32, projector_input_dim=16, projector_output_dim=16,
+            pixel_shuffle_ratio=0.5), image_token_index=VOCAB - 3, boi_token_index=VOCAB - 2,
+            eoi_token_index=VOCAB - 1, tie_word_embeddings=False)
+        mm_class = Llama4ForConditionalGeneration
     else:
         vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      image_size=28, patch_size=14, head_dim=8)
@@ -1069,11 +1128,12 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
                 target[: t.shape[0]].copy_(t)
             mm.lm_head.weight.copy_(text_model.lm_head.weight)
         else:
-            missing, unexpected = mm.model.language_model.load_state_dict(text_model.model.state_dict(),
-                                                                          strict=True)
+            language = mm.language_model.model if kind == "llama4" else mm.model.language_model
+            missing, unexpected = language.load_state_dict(text_model.model.state_dict(), strict=True)
             assert not missing and not unexpected
             if not text_cfg.tie_word_embeddings:
-                mm.lm_head.weight.copy_(text_model.lm_head.weight)
+                head = mm.language_model.lm_head if kind == "llama4" else mm.lm_head
+                head.weight.copy_(text_model.lm_head.weight)
     mm.save_pretrained(model_dir)
     for f in TOKENIZER_FILES:
         shutil.copyfile(TOKENIZER_DIR / f, model_dir / f)
@@ -1092,8 +1152,8 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
         saved.update(text)
         saved["rope_theta"] = rope.pop("rope_theta")
         saved["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
-    if kind == "mllama":
-        # As the Hub's Llama 3.2 Vision configs: the text model's rope in 4.x style.
+    if kind in ("mllama", "llama4"):
+        # As the Hub's Llama 3.2 Vision and Llama 4 configs: the text model's rope in 4.x style.
         text = saved["text_config"]
         rope = text.pop("rope_parameters")
         text["rope_theta"] = rope.pop("rope_theta")

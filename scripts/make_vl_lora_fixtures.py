@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PEFT LoRA adapters trained on whole vision-language models (Qwen2.5-VL, Qwen3-VL, Llama 3.2 Vision), whose text
+"""PEFT LoRA adapters trained on whole vision-language models (Qwen2.5-VL, Qwen3-VL, Llama 3.2 Vision, Llama 4), whose text
 model ferrotune runs: target names that also reach the vision tower (Qwen2.5-VL's vision blocks
 have `mlp.gate_proj` / `down_proj`, Qwen3-VL's `linear_fc1`), so the adapter file holds tensors
 ferrotune must leave out.
@@ -34,6 +34,15 @@ CASES = {
     "mllama": (
         "models/mllama_multimodal/model",
         dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"],
+             auto_class=AutoModelForImageTextToText),
+    ),
+    # Llama 4: every projection name; PEFT adapts the attention, the dense layers' MLPs and the MoE
+    # layers' shared experts (`feed_forward.shared_expert.*`): the fused experts are no linear modules.
+    # The names reach the vision tower too (its attention and `mlp.fc1`-less projections).
+    "llama4": (
+        "models/llama4_multimodal/model",
+        dict(r=2, lora_alpha=4,
+             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
              auto_class=AutoModelForImageTextToText),
     ),
 }
