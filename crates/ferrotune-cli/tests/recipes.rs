@@ -484,7 +484,7 @@ fn expert_adapters_are_also_written_for_transformers_5() {
     assert_eq!(tokens(&saved), tokens(&t5));
 }
 
-/// Gemma 2, VaultGemma, Gemma 3, Phi-2 and the MoE families (Phi-3.5-MoE's sparsemixer included) end to end: one full fine-tuning SGD step (lr 1) from the tiny
+/// Gemma 2, VaultGemma, Gemma 3, Phi-2 and the MoE families (Phi-3.5-MoE's sparsemixer and Llama 4's fused experts included) end to end: one full fine-tuning SGD step (lr 1) from the tiny
 /// fixtures logs transformers' loss and saves, under the checkpoint's own names, weights that
 /// moved by exactly PyTorch's gradient (softcapped scores and logits, sandwich norms, q/k norms,
 /// the local rope, LayerNorm, the parallel block all in the backward).
@@ -502,6 +502,9 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         ("models/mixtral", "models/mixtral"),
         ("models/qwen2_moe", "models/qwen2_moe"),
         ("models/phimoe", "models/phimoe"),
+        // Llama 4: saved with its experts fused again (`feed_forward.experts.gate_up_proj`).
+        ("models/llama4", "models/llama4"),
+        ("models/llama4_multimodal", "models/llama4"),
     ] {
         let dir = tmpdir(&format!("full-sgd-{}", family.replace('/', "-")));
         let data = dir.join("batch.jsonl");
@@ -544,6 +547,7 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
             "models/mixtral" => "mixtral",
             "models/qwen2_moe" => "qwen2_moe",
             "models/phimoe" => "phimoe",
+            "models/llama4" | "models/llama4_multimodal" => "llama4_text",
             _ => "gemma3_text",
         };
         assert_eq!(saved_config["model_type"], want_type, "{family}");
@@ -1835,6 +1839,81 @@ fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
     )
     .unwrap();
     assert_eq!(merged["architectures"][0], "LlamaForCausalLM");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Llama 4: one SGD step (lr 1) from PEFT's adapter of the whole `Llama4ForConditionalGeneration`
+/// (every projection name: the attention, dense MLPs and shared experts of the text model, and the
+/// vision tower's attention) logs PEFT's loss and saves the text model's adapters, under the text
+/// model's checkpoint names (`feed_forward.*`), moved by exactly PEFT's gradient; the merged model
+/// is `Llama4ForCausalLM` with its experts fused.
+#[test]
+fn one_sgd_step_on_llama_4_from_a_peft_adapter_of_the_whole_model() {
+    let case = fixtures().join("vl_lora/llama4");
+    let dir = tmpdir("sgd-llama4");
+    let data = dir.join("batch.jsonl");
+    write_golden_rows("vl_lora/llama4", &data);
+    let cfg = write_config(&dir, "models/llama4_multimodal", &data);
+    let adapter = format!(
+        "checkpointer.adapter_checkpoint={}",
+        case.join("adapter").display()
+    );
+    let mut args = vec![
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        cfg.to_str().unwrap(),
+        &adapter,
+    ];
+    args.extend(ONE_SGD_STEP);
+    let out = ferrotune(&args, &dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let saved_dir = dir.join("out/epoch_0");
+    let saved = load(&saved_dir.join("adapter_model.safetensors"));
+    let start = load(&case.join("adapter/adapter_model.safetensors"));
+    let grads = load(&case.join("lora_grads.safetensors"));
+    // PEFT's whole-model names without the vision tower's, as the text model names them.
+    let text_key = |key: &str| -> Option<String> {
+        let module = key.strip_prefix("base_model.model.").unwrap();
+        let text = ferrotune_models::checkpoint::text_model_tensor(module)?;
+        Some(format!("base_model.model.{text}"))
+    };
+    let mut names: Vec<&String> = saved.keys().collect();
+    names.sort();
+    let mut want: Vec<String> = grads.keys().filter_map(|k| text_key(k)).collect();
+    want.sort();
+    assert_eq!(names, want.iter().collect::<Vec<_>>());
+    assert!(want
+        .iter()
+        .any(|k| k.contains("feed_forward.shared_expert.down_proj")));
+    for (key, g) in &grads {
+        let Some(text) = text_key(key) else {
+            continue;
+        };
+        let e = rel_l2(&saved[&text], &(&start[key] - g).unwrap());
+        assert!(e <= 1e-4, "{key}: relative L2 {e}");
+    }
+    let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let (got, want) = (
+        first["loss"].as_f64().unwrap(),
+        golden["lora_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        ((got - want) / want).abs() < 1e-5,
+        "loss {got} vs PEFT {want}"
+    );
+    let merged: Value = serde_json::from_str(
+        &std::fs::read_to_string(saved_dir.join("merged/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(merged["architectures"][0], "Llama4ForCausalLM");
+    let weights = load(&saved_dir.join("merged/model.safetensors"));
+    assert_eq!(
+        weights["model.layers.1.feed_forward.experts.gate_up_proj"].dims(),
+        [4, 32, 48]
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -486,7 +486,11 @@ fn read(
         CheckpointFormat::Safetensors(files) => {
             let dir = folder();
             let mut config = ModelConfig::from_hf_file(&dir)?;
-            let tensors = if config.text_of_multimodal {
+            let tensors = if config.llama4_names && !config.text_of_multimodal {
+                read_safetensors_renamed(files, dtype, device, &|name| {
+                    config.text_model_name(name)
+                })?
+            } else if config.text_of_multimodal {
                 let mut tensors = read_safetensors_renamed(files, dtype, device, &|name| {
                     config.text_model_name(name)
                 })?;
@@ -565,4 +569,66 @@ pub fn apply_activation_quant(
         });
     }
     Ok(())
+}
+
+/// The decoder's tensors (as [`crate::peft::merged_tensors`] names them, or gradients of them)
+/// in the checkpoint layout a saved model has: unchanged, but for Llama 4, whose names go back to
+/// `feed_forward.*` ([`ModelConfig::checkpoint_name`]) and whose experts are fused again
+/// (`feed_forward.experts.gate_up_proj` `[experts, hidden, 2 × inter]`, gate then up, and
+/// `feed_forward.experts.down_proj` `[experts, inter, hidden]`), as transformers loads them.
+pub fn to_saved_layout(
+    config: &ModelConfig,
+    tensors: HashMap<String, Tensor>,
+) -> Result<HashMap<String, Tensor>, ModelError> {
+    if !config.llama4_names {
+        return Ok(tensors);
+    }
+    // Per MoE layer prefix (`model.layers.N.mlp.experts`), its experts' (gate, up, down).
+    type Experts = Vec<[Option<Tensor>; 3]>;
+    let mut fused: HashMap<String, Experts> = HashMap::new();
+    let mut out = HashMap::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let expert = name.split_once(".mlp.experts.").and_then(|(layer, rest)| {
+            let (e, proj) = rest.split_once('.')?;
+            let slot = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+                .iter()
+                .position(|p| *p == proj)?;
+            Some((
+                format!("{layer}.feed_forward.experts"),
+                e.parse::<usize>().ok()?,
+                slot,
+            ))
+        });
+        match expert {
+            Some((prefix, e, slot)) => {
+                let experts = fused.entry(prefix).or_default();
+                if experts.len() <= e {
+                    experts.resize(e + 1, [None, None, None]);
+                }
+                experts[e][slot] = Some(t);
+            }
+            None => {
+                out.insert(config.checkpoint_name(&name), t);
+            }
+        }
+    }
+    for (prefix, experts) in fused {
+        let mut gate_up = Vec::with_capacity(experts.len());
+        let mut down = Vec::with_capacity(experts.len());
+        for (e, [g, u, d]) in experts.into_iter().enumerate() {
+            let (Some(g), Some(u), Some(d)) = (g, u, d) else {
+                return Err(ModelError::Msg(format!(
+                    "{prefix}: expert {e} lacks one of its gate / up / down projections"
+                )));
+            };
+            gate_up.push(Tensor::cat(&[g.t()?, u.t()?], 1)?);
+            down.push(d.t()?);
+        }
+        out.insert(
+            format!("{prefix}.gate_up_proj"),
+            Tensor::stack(&gate_up, 0)?,
+        );
+        out.insert(format!("{prefix}.down_proj"), Tensor::stack(&down, 0)?);
+    }
+    Ok(out)
 }

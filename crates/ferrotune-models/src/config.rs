@@ -30,6 +30,8 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "ministral",
     "ministral3",
     "smollm3",
+    "llama4_text",
+    "llama4",
 ];
 
 /// A sparse mixture-of-experts MLP's settings (Mixtral, Qwen2-MoE, Qwen3-MoE).
@@ -45,9 +47,14 @@ pub struct MoeConfig {
     /// Each expert's intermediate size (Mixtral: `intermediate_size`; Qwen:
     /// `moe_intermediate_size`).
     pub expert_intermediate_size: usize,
-    /// Qwen2-MoE's always-on shared expert (`shared_expert_intermediate_size`), scaled by
-    /// `sigmoid(shared_expert_gate(x))`.
+    /// The always-on shared expert's intermediate size: Qwen2-MoE's
+    /// (`shared_expert_intermediate_size`, scaled by `sigmoid(shared_expert_gate(x))`) or Llama
+    /// 4's (`intermediate_size`, added as it is).
     pub shared_expert_intermediate_size: Option<usize>,
+    /// Llama 4's routing: the top-k router *logits* go through a sigmoid (in f32) and scale each
+    /// chosen expert's input, not its output; no softmax, no renormalization, no shared-expert
+    /// gate.
+    pub sigmoid_input_routing: bool,
     /// Mixtral scales expert outputs by f32 routing weights; Qwen casts them to the compute
     /// dtype first.
     pub f32_routing_weights: bool,
@@ -211,6 +218,25 @@ pub struct ModelConfig {
     /// Ministral 3's query temperature `(beta, original context)`: queries at position `p` are
     /// scaled by `1 + beta · ln(1 + ⌊p / original⌋)` after RoPE (`llama_4_scaling_beta`).
     pub llama4_attn_scale: Option<(f64, usize)>,
+    /// Llama 4 (`attn_temperature_tuning`): the NoPE layers' query temperature
+    /// `(attn_scale, floor_scale)`: queries at position `p` are scaled by
+    /// `1 + attn_scale · ln(1 + ⌊(p + 1) / floor_scale⌋)`, computed in f32.
+    pub nope_attn_temperature: Option<(f64, f64)>,
+    /// Llama 4: each head's rotary pairs are adjacent elements (`[x0, x1]` = one complex number,
+    /// as Meta's checkpoints hold q/k rows and `torch.view_as_complex` reads them) instead of
+    /// transformers' two halves.
+    pub rope_interleaved: bool,
+    /// Llama 4 (`use_qk_norm`): the RoPE layers' queries and keys are L2-normalized per head
+    /// (an RMSNorm without weight, `rms_norm_eps`) after RoPE.
+    pub rope_layer_qk_l2_norm: bool,
+    /// Llama 4 (`attention_chunk_size`): per layer, the chunk length its attention is confined to
+    /// (a query sees the earlier keys of its own chunk of positions); `None` = full attention.
+    pub layer_attention_chunks: Vec<Option<usize>>,
+    /// Llama 4's checkpoint names: the MLP is `feed_forward` (`feed_forward.router`, the experts
+    /// fused as `feed_forward.experts.gate_up_proj` `[experts, hidden, 2 × inter]` and
+    /// `feed_forward.experts.down_proj` `[experts, inter, hidden]`); the decoder holds them as
+    /// `mlp.gate` and separate experts, see [`ModelConfig::text_model_name`].
+    pub llama4_names: bool,
     /// Gemma 2/3 ("sandwich" norms): each block's output is normalized before the residual add
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
     /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
@@ -412,7 +438,12 @@ impl ModelConfig {
         Ok(Self {
             vocab_size: req_usize(obj, "vocab_size")?,
             hidden_size,
-            intermediate_size: req_usize(obj, "intermediate_size")?,
+            // Llama 4's dense layers take `intermediate_size_mlp`; its experts `intermediate_size`.
+            intermediate_size: if is("llama4_text") {
+                req_usize(obj, "intermediate_size_mlp")?
+            } else {
+                req_usize(obj, "intermediate_size")?
+            },
             num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
@@ -456,6 +487,19 @@ impl ModelConfig {
             moe: parse_moe(obj, &model_type, num_hidden_layers)?,
             rope_layers: parse_rope_layers(obj, &model_type, num_hidden_layers)?,
             llama4_attn_scale: parse_llama4_attn_scale(obj)?,
+            nope_attn_temperature: if is("llama4_text")
+                && get_bool(obj, "attn_temperature_tuning")?.unwrap_or(true)
+            {
+                let floor_scale = get_positive(obj, "floor_scale")?.unwrap_or(8192.0);
+                Some((get_f64(obj, "attn_scale")?.unwrap_or(0.1), floor_scale))
+            } else {
+                None
+            },
+            rope_interleaved: is("llama4_text"),
+            rope_layer_qk_l2_norm: is("llama4_text")
+                && get_bool(obj, "use_qk_norm")?.unwrap_or(true),
+            layer_attention_chunks: parse_attention_chunks(obj, &model_type, num_hidden_layers)?,
+            llama4_names: is("llama4_text"),
             bos_token_id: get_ids(obj, "bos_token_id")?.first().copied(),
             eos_token_ids: get_ids(obj, "eos_token_id")?,
             pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
@@ -470,6 +514,9 @@ impl ModelConfig {
     /// (the vision tower, the projector, the cross-attention layers).
     pub fn text_model_name(&self, name: &str) -> Option<String> {
         let name = crate::checkpoint::text_model_tensor(name)?;
+        if self.llama4_names {
+            return Some(llama4_decoder_name(&name));
+        }
         let Some(mllama) = &self.mllama else {
             return Some(name);
         };
@@ -487,6 +534,9 @@ impl ModelConfig {
     /// checkpoint numbers them, under the checkpoint's prefix as transformers 5 names it); other
     /// models' names are the decoder's.
     pub fn checkpoint_name(&self, name: &str) -> String {
+        if self.llama4_names {
+            return llama4_checkpoint_name(name);
+        }
         let Some(mllama) = &self.mllama else {
             return name.to_string();
         };
@@ -535,7 +585,9 @@ impl ModelConfig {
         let Value::Object(obj) = &self.raw else {
             return None;
         };
+        // Llama4ForCausalLM computes no load-balancing loss, whatever its config says.
         if self.moe.is_none()
+            || self.llama4_names
             || obj.get("output_router_logits").and_then(Value::as_bool) != Some(true)
         {
             return None;
@@ -805,17 +857,26 @@ fn parse_sliding_windows(
     Ok(windows)
 }
 
-/// Which layers apply RoPE: SmolLM3's `no_rope_layers` (1 = RoPE, 0 = none; by default every
+/// Which layers apply RoPE: SmolLM3's and Llama 4's `no_rope_layers` (1 = RoPE, 0 = none; by default every
 /// `no_rope_layer_interval`-th layer, 4, has none); every layer elsewhere.
 fn parse_rope_layers(
     obj: &Map<String, Value>,
     model_type: &str,
     layers: usize,
 ) -> Result<Vec<bool>, String> {
-    if model_type != "smollm3" {
+    if model_type != "smollm3" && model_type != "llama4_text" {
         return Ok(vec![true; layers]);
     }
     match obj.get("no_rope_layers") {
+        // Llama4TextConfig takes an empty list as absent, and a longer one as its first entries.
+        Some(Value::Array(a)) if a.is_empty() && model_type == "llama4_text" => {
+            default_rope_layers(obj, layers)
+        }
+        Some(Value::Array(a)) if a.len() > layers && model_type == "llama4_text" => {
+            let mut first = obj.clone();
+            first.insert("no_rope_layers".into(), Value::from(a[..layers].to_vec()));
+            parse_rope_layers(&first, model_type, layers)
+        }
         Some(Value::Array(a)) => {
             if a.len() != layers {
                 return Err(format!(
@@ -833,15 +894,59 @@ fn parse_rope_layers(
                 })
                 .collect()
         }
-        None | Some(Value::Null) => {
-            let interval = get_usize(obj, "no_rope_layer_interval")?.unwrap_or(4);
-            if interval == 0 {
-                return Err("'no_rope_layer_interval' must be at least 1".into());
-            }
-            Ok((0..layers).map(|i| (i + 1) % interval != 0).collect())
-        }
+        None | Some(Value::Null) => default_rope_layers(obj, layers),
         Some(v) => Err(format!("'no_rope_layers' must be a list, found {v}")),
     }
+}
+
+/// `no_rope_layers` left out: every `no_rope_layer_interval`-th layer (4) has no RoPE.
+fn default_rope_layers(obj: &Map<String, Value>, layers: usize) -> Result<Vec<bool>, String> {
+    let interval = get_usize(obj, "no_rope_layer_interval")?.unwrap_or(4);
+    if interval == 0 {
+        return Err("'no_rope_layer_interval' must be at least 1".into());
+    }
+    Ok((0..layers).map(|i| (i + 1) % interval != 0).collect())
+}
+
+/// Llama 4's chunked attention: the layers `layer_types` marks `chunked_attention` (by default
+/// the RoPE layers) see only their own chunk of `attention_chunk_size` positions; a null chunk
+/// size turns it off, as in transformers. Every other family attends fully (or in windows).
+fn parse_attention_chunks(
+    obj: &Map<String, Value>,
+    model_type: &str,
+    layers: usize,
+) -> Result<Vec<Option<usize>>, String> {
+    if model_type != "llama4_text" {
+        return Ok(vec![None; layers]);
+    }
+    let chunk = match obj.get("attention_chunk_size") {
+        None => Some(8192),
+        Some(_) => get_usize(obj, "attention_chunk_size")?,
+    };
+    if chunk == Some(0) {
+        return Err("'attention_chunk_size' must be at least 1".into());
+    }
+    let chunked: Vec<bool> = match obj.get("layer_types") {
+        Some(Value::Array(types)) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("chunked_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(format!(
+                    "'layer_types' entries must be 'chunked_attention' or 'full_attention', found {t}"
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        None | Some(Value::Null) => parse_rope_layers(obj, model_type, layers)?,
+        Some(v) => return Err(format!("'layer_types' must be a list, found {v}")),
+    };
+    if chunked.len() != layers {
+        return Err(format!(
+            "'layer_types' has {} entries but num_hidden_layers is {layers}",
+            chunked.len()
+        ));
+    }
+    Ok(chunked.into_iter().map(|c| chunk.filter(|_| c)).collect())
 }
 
 /// Ministral 3's `llama_4_scaling_beta` (in `rope_parameters`, with its
@@ -888,6 +993,7 @@ fn parse_moe(
             expert_intermediate_size: req_usize(obj, "intermediate_size")?,
             shared_expert_intermediate_size: None,
             f32_routing_weights: true,
+            sigmoid_input_routing: false,
             mixtral_names: true,
             sparse_layers: vec![true; layers],
             sparse_mixer: None,
@@ -909,6 +1015,7 @@ fn parse_moe(
                 expert_intermediate_size: req_usize(obj, "intermediate_size")?,
                 shared_expert_intermediate_size: None,
                 f32_routing_weights: false,
+                sigmoid_input_routing: false,
                 mixtral_names: true,
                 sparse_layers: vec![true; layers],
                 sparse_mixer: Some(SparseMixer {
@@ -949,10 +1056,44 @@ fn parse_moe(
                     None
                 },
                 f32_routing_weights: false,
+                sigmoid_input_routing: false,
                 mixtral_names: false,
                 sparse_layers: (0..layers)
                     .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
                     .collect(),
+                sparse_mixer: None,
+            }
+        }
+        "llama4_text" => {
+            let sparse_layers = match obj.get("moe_layers") {
+                None | Some(Value::Null) => {
+                    let step = positive("interleave_moe_layer_step", 1)?;
+                    (0..layers).map(|i| (i + 1) % step == 0).collect()
+                }
+                Some(Value::Array(a)) => {
+                    let listed = a
+                        .iter()
+                        .map(|v| {
+                            v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                                format!("'moe_layers' must hold layer indices, found {v}")
+                            })
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    (0..layers).map(|i| listed.contains(&i)).collect()
+                }
+                Some(v) => return Err(format!("'moe_layers' must be a list, found {v}")),
+            };
+            let inter = positive("intermediate_size", 8192)?;
+            MoeConfig {
+                num_experts: positive("num_local_experts", 16)?,
+                top_k: positive("num_experts_per_tok", 1)?,
+                norm_topk_prob: false,
+                expert_intermediate_size: inter,
+                shared_expert_intermediate_size: Some(inter),
+                sigmoid_input_routing: true,
+                f32_routing_weights: false,
+                mixtral_names: false,
+                sparse_layers,
                 sparse_mixer: None,
             }
         }
@@ -991,7 +1132,28 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
         ]
     };
     static PHI: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
+    static LLAMA4: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
     match model_type {
+        // Llama4TextConfig's (Llama 4 Scout's shape); the Llama 4 keys themselves
+        // (`no_rope_layers`, `moe_layers`, `attention_chunk_size`, ...) default where they are read.
+        "llama4_text" => LLAMA4.get_or_init(|| {
+            vec![
+                ("vocab_size", Value::from(202_048u64)),
+                ("hidden_size", Value::from(5120u64)),
+                ("intermediate_size", Value::from(8192u64)),
+                ("intermediate_size_mlp", Value::from(16_384u64)),
+                ("num_hidden_layers", Value::from(48u64)),
+                ("num_attention_heads", Value::from(40u64)),
+                ("num_key_value_heads", Value::from(8u64)),
+                ("head_dim", Value::from(128u64)),
+                ("hidden_act", Value::from("silu")),
+                ("max_position_embeddings", Value::from(131_072u64)),
+                ("rms_norm_eps", Value::from(1e-5)),
+                ("rope_theta", Value::from(500_000.0)),
+                ("bos_token_id", Value::from(1u64)),
+                ("eos_token_id", Value::from(2u64)),
+            ]
+        }),
         // PhiConfig gives partial_rotary_factor 0.5 when a config has none.
         "phi" => PHI.get_or_init(|| {
             vec![
@@ -1035,6 +1197,8 @@ const MULTIMODAL_TEXT_TYPES: &[(&str, &[&str])] = &[
     // MllamaForCausalLM: Llama 3.2 Vision's text model alone, its config at the top level.
     ("mllama_text_model", &["mllama_text_model"]),
     ("mistral3", &["mistral", "ministral3", "ministral"]),
+    // Llama 4 Scout / Maverick ship only as `Llama4ForConditionalGeneration`.
+    ("llama4", &["llama4_text"]),
     ("qwen2_vl", &["qwen2_vl_text"]),
     ("qwen2_5_vl", &["qwen2_5_vl_text"]),
     ("qwen3_vl", &["qwen3_vl_text"]),
@@ -1061,6 +1225,7 @@ fn causal_lm_class(model_type: &str) -> &'static str {
         "qwen2" => "Qwen2ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
         "llama" => "LlamaForCausalLM",
+        "llama4_text" => "Llama4ForCausalLM",
         _ => "MistralForCausalLM",
     }
 }
@@ -1136,6 +1301,48 @@ fn multimodal_text_config(
     }
     text.insert("model_type".into(), Value::from(family));
     Ok(text)
+}
+
+/// The decoder's name of a Llama 4 checkpoint tensor or module: `feed_forward.router` is the
+/// decoder's `mlp.gate`, the rest of `feed_forward.*` its `mlp.*` (the fused experts,
+/// `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, are split when the model is built).
+fn llama4_decoder_name(name: &str) -> String {
+    match layer_and_rest(name) {
+        Some((layer, rest)) => {
+            let rest = match rest.strip_prefix("feed_forward.") {
+                Some(ff) => match ff.strip_prefix("router") {
+                    Some(tail) if tail.is_empty() || tail.starts_with('.') => {
+                        format!("mlp.gate{tail}")
+                    }
+                    _ => format!("mlp.{ff}"),
+                },
+                None => rest.to_string(),
+            };
+            format!("model.layers.{layer}.{rest}")
+        }
+        None => name.to_string(),
+    }
+}
+
+/// The inverse of [`llama4_decoder_name`]. A separate expert's projection
+/// (`mlp.experts.N.gate_proj`) keeps its number: it is no module of the checkpoint, whose experts
+/// are fused, so PEFT patterns never name it.
+fn llama4_checkpoint_name(name: &str) -> String {
+    match layer_and_rest(name) {
+        Some((layer, rest)) => {
+            let rest = match rest.strip_prefix("mlp.") {
+                Some(m) => match m.strip_prefix("gate") {
+                    Some(tail) if tail.is_empty() || tail.starts_with('.') => {
+                        format!("feed_forward.router{tail}")
+                    }
+                    _ => format!("feed_forward.{m}"),
+                },
+                None => rest.to_string(),
+            };
+            format!("model.layers.{layer}.{rest}")
+        }
+        None => name.to_string(),
+    }
 }
 
 /// `(i, rest)` of a `model.layers.{i}.{rest}` name.

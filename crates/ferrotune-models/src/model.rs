@@ -239,8 +239,11 @@ pub struct Moe {
     pub router: Linear,
     /// Gated experts (gate / up / down).
     pub experts: Vec<Mlp>,
-    /// Qwen2-MoE: the always-on shared expert and its gate (`[1, hidden]`, through a sigmoid).
-    pub shared_expert: Option<(Mlp, Linear)>,
+    /// The always-on shared expert, with Qwen2-MoE's gate (`[1, hidden]`, through a sigmoid);
+    /// Llama 4's has no gate.
+    pub shared_expert: Option<(Mlp, Option<Linear>)>,
+    /// Llama 4's routing ([`crate::config::MoeConfig::sigmoid_input_routing`]).
+    pub sigmoid_input_routing: bool,
     pub top_k: usize,
     pub norm_topk_prob: bool,
     /// Mixtral keeps the routing weights in f32 when scaling expert outputs.
@@ -294,9 +297,11 @@ impl Moe {
         for e in 0..self.experts.len() {
             mlp(format!("{block}.experts.{e}"));
         }
-        if self.shared_expert.is_some() {
+        if let Some((_, gate)) = &self.shared_expert {
             mlp(format!("{block}.shared_expert"));
-            out.push(format!("{block}.shared_expert_gate"));
+            if gate.is_some() {
+                out.push(format!("{block}.shared_expert_gate"));
+            }
         }
         out
     }
@@ -310,7 +315,7 @@ impl Moe {
         }
         if let Some((shared, gate)) = &self.shared_expert {
             out.extend(mlp_linears(shared));
-            out.push(gate);
+            out.extend(gate);
         }
         out
     }
@@ -323,7 +328,7 @@ impl Moe {
         }
         if let Some((shared, gate)) = &mut self.shared_expert {
             out.extend(mlp_linears_mut(shared));
-            out.push(gate);
+            out.extend(gate.as_mut());
         }
         out
     }
@@ -433,6 +438,9 @@ pub struct DecoderLayer {
     pub mlp: FeedForward,
     /// Sliding-window span, if this layer uses one.
     pub sliding_window: Option<usize>,
+    /// Llama 4's chunked attention: the chunk length, if this layer's attention is confined to
+    /// its own chunk of positions.
+    pub attention_chunk: Option<usize>,
     /// Gemma 3: the layer uses the local rotary embedding.
     pub local_rope: bool,
     /// The layer applies RoPE (SmolLM3's NoPE layers do not).
@@ -782,6 +790,7 @@ impl AttentionLayout {
     fn additive_mask(
         &self,
         window: Option<usize>,
+        chunk: Option<usize>,
         dtype: DType,
         device: &Device,
     ) -> CResult<Option<Tensor>> {
@@ -797,8 +806,13 @@ impl AttentionLayout {
             let seg = self.segments.as_ref().map(|s| &s[b]);
             for i in 0..seq {
                 let q = past + i;
-                // Only keys in [lo, q] can be visible: causal, and within the sliding window.
-                let lo = window.map_or(0, |w| (q + 1).saturating_sub(w));
+                // Only keys in [lo, q] can be visible: causal, within the sliding window, and in
+                // the query's chunk of positions (the keys before a query hold the positions
+                // before its own, one each, back to its sample's start).
+                let window_lo = window.map_or(0, |w| (q + 1).saturating_sub(w));
+                let chunk_lo =
+                    chunk.map_or(0, |c| q.saturating_sub(self.positions[b][i] as usize % c));
+                let lo = window_lo.max(chunk_lo);
                 let row = &mut allowed[(b * seq + i) * total..][..total];
                 let (mut first, mut last) = (usize::MAX, 0);
                 for j in lo..=q.min(total - 1) {
@@ -839,9 +853,16 @@ pub struct LayerInputs {
     local_cos_sin: Option<(Tensor, Tensor)>,
     /// Ministral 3: the query temperature per position (`[b, 1, t, 1]`), when one differs from 1.
     q_scale: Option<Tensor>,
+    /// Llama 4: the NoPE layers' query temperature per position (`[b, 1, t, 1]`, f32), when one
+    /// differs from 1.
+    nope_q_scale: Option<Tensor>,
     full_mask: Option<Tensor>,
-    window_masks: Vec<(usize, Option<Tensor>)>,
+    /// The masks of layers with a sliding window or an attention chunk, by `(window, chunk)`.
+    limited_masks: Vec<(MaskLimits, Option<Tensor>)>,
 }
+
+/// What confines a layer's attention besides causality: `(sliding window, attention chunk)`.
+type MaskLimits = (Option<usize>, Option<usize>);
 
 impl LayerInputs {
     /// The same inputs on `device` (copies, so the host-side mask building runs once per call).
@@ -858,9 +879,10 @@ impl LayerInputs {
                 })
                 .transpose()?,
             q_scale: opt(&self.q_scale)?,
+            nope_q_scale: opt(&self.nope_q_scale)?,
             full_mask: opt(&self.full_mask)?,
-            window_masks: self
-                .window_masks
+            limited_masks: self
+                .limited_masks
                 .iter()
                 .map(|(w, m)| Ok((*w, opt(m)?)))
                 .collect::<CResult<_>>()?,
@@ -875,14 +897,14 @@ impl LayerInputs {
         }
     }
 
-    /// The additive mask of a layer with the given sliding window (`None` = full causal).
-    fn mask(&self, window: Option<usize>) -> Option<&Tensor> {
-        match window {
-            None => self.full_mask.as_ref(),
-            Some(w) => self
-                .window_masks
+    /// The additive mask of `layer` (full causal, or confined to its sliding window or chunk).
+    fn mask(&self, layer: &DecoderLayer) -> Option<&Tensor> {
+        match (layer.sliding_window, layer.attention_chunk) {
+            (None, None) => self.full_mask.as_ref(),
+            limits => self
+                .limited_masks
                 .iter()
-                .find(|(ww, _)| *ww == w)
+                .find(|(l, _)| *l == limits)
                 .and_then(|(_, m)| m.as_ref()),
         }
     }
@@ -955,6 +977,45 @@ pub(crate) fn llama4_query_scale(
         .map(|&p| 1.0 + beta as f32 * (1.0 + (p as f32 / original as f32).floor()).ln())
         .collect();
     Some(values)
+}
+
+/// A per-position query temperature (`[b, 1, t, 1]`) and the dtype it multiplies in.
+#[derive(Clone, Copy)]
+enum QueryScale<'a> {
+    None,
+    /// In the compute dtype (Ministral 3: transformers casts the factors first).
+    Compute(&'a Tensor),
+    /// f32 factors, the queries multiplied in f32 (Llama 4).
+    F32(&'a Tensor),
+}
+
+/// Each head's last dim from Meta's adjacent rotary pairs `(x0, x1, x2, x3, ...)` to
+/// transformers' halves `(x0, x2, ..., x1, x3, ...)`, for `[b, t, heads, head_dim]`.
+fn pairs_to_halves(x: &Tensor) -> CResult<Tensor> {
+    let (b, t, n, d) = x.dims4()?;
+    x.reshape((b, t, n, d / 2, 2))?
+        .transpose(3, 4)?
+        .contiguous()?
+        .reshape((b, t, n, d))
+}
+
+/// Llama 4's query temperature of its NoPE layers, `1 + attn_scale · ln(1 + ⌊(p + 1) /
+/// floor_scale⌋)` for every position, in f32 as transformers computes it; `None` when every
+/// factor is 1 (all positions before `floor_scale − 1`).
+pub(crate) fn nope_query_temperature(
+    positions: &[Vec<u32>],
+    attn_scale: f64,
+    floor_scale: f64,
+) -> Option<Vec<f32>> {
+    let values: Vec<f32> = positions
+        .iter()
+        .flatten()
+        .map(|&p| {
+            let floor = ((p as f32 + 1.0) / floor_scale as f32).floor();
+            floor.ln_1p() * attn_scale as f32 + 1.0
+        })
+        .collect();
+    values.iter().any(|&v| v != 1.0).then_some(values)
 }
 
 /// The final norm's module name: `model.norm` (Phi-2: `model.final_layernorm`).
@@ -1057,6 +1118,9 @@ impl TensorTaker<'_> {
             ("mlp", ["gate_proj", "up_proj", "down_proj"])
         };
         let pre = format!("{p}.{block}");
+        if m.sigmoid_input_routing {
+            self.split_fused_experts(&pre, m.num_experts, m.expert_intermediate_size, h)?;
+        }
         let mut gated = |prefix: &str, inter: usize| -> Result<Mlp, ModelError> {
             Ok(Mlp {
                 gate_up: GateUpProjection::Separate {
@@ -1074,9 +1138,11 @@ impl TensorTaker<'_> {
             None => None,
         };
         let shared_expert = match shared {
+            // Llama 4's shared expert is added as it is.
+            Some(mlp) if m.sigmoid_input_routing => Some((mlp, None)),
             Some(mlp) => Some((
                 mlp,
-                self.linear(&format!("{pre}.shared_expert_gate"), 1, h)?,
+                Some(self.linear(&format!("{pre}.shared_expert_gate"), 1, h)?),
             )),
             None => None,
         };
@@ -1087,9 +1153,47 @@ impl TensorTaker<'_> {
             top_k: m.top_k,
             norm_topk_prob: m.norm_topk_prob,
             f32_routing_weights: m.f32_routing_weights,
+            sigmoid_input_routing: m.sigmoid_input_routing,
             mixtral_names: m.mixtral_names,
             sparse_mixer: m.sparse_mixer,
         })
+    }
+
+    /// Llama 4's fused experts (`{pre}.experts.gate_up_proj` `[experts, hidden, 2 × inter]`,
+    /// gate then up along the last dim, and `{pre}.experts.down_proj` `[experts, inter,
+    /// hidden]`: inputs first, as `torch.bmm` takes them) as each expert's linear weights
+    /// (`{pre}.experts.N.gate_proj.weight` `[inter, hidden]`, ...), which the decoder keeps
+    /// separate so that each trains, quantizes and merges as any linear layer. Left as they are
+    /// when the experts are separate already.
+    fn split_fused_experts(
+        &mut self,
+        pre: &str,
+        experts: usize,
+        inter: usize,
+        h: usize,
+    ) -> Result<(), ModelError> {
+        let gate_up_name = format!("{pre}.experts.gate_up_proj");
+        if !self.tensors.contains_key(&gate_up_name) {
+            return Ok(());
+        }
+        let gate_up = self.take(&gate_up_name, &[experts, h, 2 * inter])?;
+        let down = self.take(&format!("{pre}.experts.down_proj"), &[experts, inter, h])?;
+        let split = |e: usize| -> CResult<[Tensor; 3]> {
+            let gu = gate_up.get(e)?;
+            Ok([
+                gu.narrow(1, 0, inter)?.t()?.contiguous()?,
+                gu.narrow(1, inter, inter)?.t()?.contiguous()?,
+                down.get(e)?.t()?.contiguous()?,
+            ])
+        };
+        for e in 0..experts {
+            let [gate, up, down] = split(e)?;
+            for (name, t) in [("gate_proj", gate), ("up_proj", up), ("down_proj", down)] {
+                self.tensors
+                    .insert(format!("{pre}.experts.{e}.{name}.weight"), t);
+            }
+        }
+        Ok(())
     }
 
     fn take_packed(&mut self, name: &str, out: usize, inp: usize) -> Option<Arc<QuantizedMatrix>> {
@@ -1239,6 +1343,7 @@ impl CausalLm {
                 post_feedforward_layernorm,
                 mlp,
                 sliding_window: c.layer_sliding_windows.get(i).copied().flatten(),
+                attention_chunk: c.layer_attention_chunks.get(i).copied().flatten(),
                 local_rope: c.local_rope.is_some()
                     && c.local_rope_layers.get(i).copied().unwrap_or(false),
                 use_rope: c.rope_layers.get(i).copied().unwrap_or(true),
@@ -1725,15 +1830,27 @@ impl CausalLm {
             .as_ref()
             .map(|r| r.cos_sin(&layout.positions, self.dtype, device))
             .transpose()?;
-        let full_mask = layout.additive_mask(None, self.dtype, device)?;
-        let mut window_masks: Vec<(usize, Option<Tensor>)> = Vec::new();
+        let full_mask = layout.additive_mask(None, None, self.dtype, device)?;
+        let mut limited_masks: Vec<(MaskLimits, Option<Tensor>)> = Vec::new();
         for layer in &self.layers {
-            if let Some(w) = layer.sliding_window {
-                if !window_masks.iter().any(|(ww, _)| *ww == w) {
-                    window_masks.push((w, layout.additive_mask(Some(w), self.dtype, device)?));
-                }
+            let limits = (layer.sliding_window, layer.attention_chunk);
+            if limits != (None, None) && !limited_masks.iter().any(|(l, _)| *l == limits) {
+                let mask = layout.additive_mask(limits.0, limits.1, self.dtype, device)?;
+                limited_masks.push((limits, mask));
             }
         }
+        let (b, t) = (
+            layout.positions.len(),
+            layout.positions.first().map_or(0, Vec::len),
+        );
+        let nope_q_scale = match self.config.nope_attn_temperature {
+            Some((attn_scale, floor_scale)) => {
+                nope_query_temperature(&layout.positions, attn_scale, floor_scale)
+                    .map(|values| Tensor::from_vec(values, (b, 1, t, 1), device))
+                    .transpose()?
+            }
+            None => None,
+        };
         let q_scale = match self.config.llama4_attn_scale {
             Some((beta, original)) => {
                 let (b, t) = (
@@ -1753,8 +1870,9 @@ impl CausalLm {
             sin,
             local_cos_sin,
             q_scale,
+            nope_q_scale,
             full_mask,
-            window_masks,
+            limited_masks,
         })
     }
 
@@ -1830,7 +1948,7 @@ impl CausalLm {
         cache: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> CResult<Tensor> {
         let (cos, sin) = inputs.cos_sin(layer);
-        let mask = inputs.mask(layer.sliding_window);
+        let mask = inputs.mask(layer);
         let norm = |t: &Tensor, w: &Tensor| self.norm(t, w, None);
         let normed = self.norm(
             x,
@@ -1838,14 +1956,14 @@ impl CausalLm {
             layer.input_layernorm_bias.as_ref(),
         )?;
         let rope = layer.use_rope.then_some((cos, sin));
-        let h = self.attention(
-            &layer.self_attn,
-            &normed,
-            rope,
-            inputs.q_scale.as_ref(),
-            mask,
-            cache,
-        )?;
+        let q_scale = match &inputs.nope_q_scale {
+            Some(s) if !layer.use_rope => QueryScale::F32(s),
+            _ => match &inputs.q_scale {
+                Some(s) => QueryScale::Compute(s),
+                None => QueryScale::None,
+            },
+        };
+        let h = self.attention(&layer.self_attn, &normed, rope, q_scale, mask, cache)?;
         match (
             &layer.post_attention_layernorm,
             &layer.pre_feedforward_layernorm,
@@ -1871,14 +1989,14 @@ impl CausalLm {
         }
     }
 
-    /// Self-attention of one layer; `rope` is `None` for a NoPE layer, `q_scale` Ministral 3's
-    /// per-position query temperature (`[b, 1, t, 1]`).
+    /// Self-attention of one layer; `rope` is `None` for a NoPE layer, `q_scale` the per-position
+    /// query temperature (Ministral 3's, Llama 4's NoPE layers').
     fn attention(
         &self,
         attn: &Attention,
         x: &Tensor,
         rope: Option<(&Tensor, &Tensor)>,
-        q_scale: Option<&Tensor>,
+        q_scale: QueryScale,
         mask: Option<&Tensor>,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> CResult<Tensor> {
@@ -1906,9 +2024,16 @@ impl CausalLm {
             q = fused::rms_norm(&q, qn, c.rms_norm_eps, c.norm_weight_offset_one)?;
             k = fused::rms_norm(&k, kn, c.rms_norm_eps, c.norm_weight_offset_one)?;
         }
+        if rope.is_some() && c.rope_interleaved {
+            // Meta's rotary pairs are adjacent elements; gathered into transformers' halves (the
+            // same reordering of every query and key head leaves their dot products as they
+            // are), the half-split kernels rotate them.
+            q = pairs_to_halves(&q)?;
+            k = pairs_to_halves(&k)?;
+        }
         // The kernels take the transposed views as they are (RoPE on the GPU reads them in place;
         // the CPU kernels copy them), so no contiguous copy is kept in the graph here.
-        let (q, mut k) = match rope {
+        let (mut q, mut k) = match rope {
             Some((cos, sin)) => (
                 fused::rope(&q.transpose(1, 2)?, cos, sin)?,
                 fused::rope(&k.transpose(1, 2)?, cos, sin)?,
@@ -1918,9 +2043,20 @@ impl CausalLm {
                 k.transpose(1, 2)?.contiguous()?,
             ),
         };
+        if rope.is_some() && c.rope_layer_qk_l2_norm {
+            // Llama 4's weightless RMSNorm of each head, after RoPE.
+            let ones = Tensor::ones(hd, q.dtype(), q.device())?;
+            q = fused::rms_norm(&q, &ones, c.rms_norm_eps, false)?;
+            k = fused::rms_norm(&k, &ones, c.rms_norm_eps, false)?;
+        }
         let q = match q_scale {
-            Some(s) => q.broadcast_mul(s)?,
-            None => q,
+            QueryScale::Compute(s) => q.broadcast_mul(s)?,
+            // transformers multiplies the f32 factors into the queries in f32.
+            QueryScale::F32(s) => q
+                .to_dtype(DType::F32)?
+                .broadcast_mul(s)?
+                .to_dtype(q.dtype())?,
+            QueryScale::None => q,
         };
         let mut v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
         if let Some(slot) = cache {
@@ -1973,6 +2109,9 @@ impl CausalLm {
         let n = b * t;
         let flat = x.reshape((n, h))?;
         let logits = moe.router.forward(&flat)?;
+        if moe.sigmoid_input_routing {
+            return self.sigmoid_routed_moe(moe, x, &flat, &logits);
+        }
         let experts = moe.experts.len();
         let k = moe.top_k;
         let device = x.device();
@@ -2066,9 +2205,70 @@ impl CausalLm {
         }
         if let Some((shared, gate)) = &moe.shared_expert {
             let s = self.mlp(shared, x)?.reshape((n, h))?;
-            // sigmoid(g) = 1 / (1 + e^−g), from differentiable ops.
-            let g = (gate.forward(&flat)?.neg()?.exp()? + 1.0)?.recip()?;
-            out = (out + s.broadcast_mul(&g)?)?;
+            out = match gate {
+                // sigmoid(g) = 1 / (1 + e^−g), from differentiable ops.
+                Some(gate) => {
+                    let g = (gate.forward(&flat)?.neg()?.exp()? + 1.0)?.recip()?;
+                    (out + s.broadcast_mul(&g)?)?
+                }
+                None => (out + s)?,
+            };
+        }
+        out.reshape((b, t, h))
+    }
+
+    /// Llama 4's mixture of experts on `x` (`[b, t, hidden]`, `flat` its `[n, hidden]` rows) from
+    /// the router's `logits`: each token's top-k logits (ties to the lower expert, as
+    /// `torch.topk`), each through a sigmoid in f32, cast back and multiplied into the *input* of
+    /// its expert; the experts' outputs summed, plus the shared expert's. transformers runs every
+    /// expert on every token, with zero inputs where an expert is not chosen, which give exactly
+    /// zero (no biases): only the chosen ones are computed here. No load-balancing loss (the
+    /// router is not recorded): `Llama4ForCausalLM` adds none.
+    fn sigmoid_routed_moe(
+        &self,
+        moe: &Moe,
+        x: &Tensor,
+        flat: &Tensor,
+        logits: &Tensor,
+    ) -> CResult<Tensor> {
+        let (b, t, h) = x.dims3()?;
+        let n = b * t;
+        let (experts, k) = (moe.experts.len(), moe.top_k);
+        let device = x.device();
+        let host: Vec<Vec<f32>> = logits.detach().to_dtype(DType::F32)?.to_vec2()?;
+        let mut order: Vec<usize> = (0..experts).collect();
+        // Per expert, its tokens and their places in the flattened `[n, experts]` logits.
+        let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); experts];
+        for (i, row) in host.iter().enumerate() {
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            for &e in &order[..k] {
+                routed[e].0.push(i as u32);
+                routed[e].1.push((i * experts + e) as u32);
+            }
+        }
+        let flat_logits = logits.flatten_all()?;
+        let mut out = flat.zeros_like()?;
+        for (expert, (tokens, places)) in moe.experts.iter().zip(routed) {
+            if tokens.is_empty() {
+                continue;
+            }
+            let m = tokens.len();
+            let tokens = Tensor::new(tokens, device)?;
+            let score = flat_logits
+                .index_select(&Tensor::new(places, device)?, 0)?
+                .to_dtype(DType::F32)?;
+            // sigmoid(s) = 1 / (1 + e^−s), from differentiable ops.
+            let score = (score.neg()?.exp()? + 1.0)?
+                .recip()?
+                .to_dtype(self.dtype)?
+                .reshape((m, 1))?;
+            let rows = flat.index_select(&tokens, 0)?.broadcast_mul(&score)?;
+            let y = self.mlp(expert, &rows.unsqueeze(0)?)?.squeeze(0)?;
+            out = out.index_add(&tokens, &y, 0)?;
+        }
+        if let Some((shared, _)) = &moe.shared_expert {
+            let s = self.mlp(shared, x)?.reshape((n, h))?;
+            out = (s + out)?;
         }
         out.reshape((b, t, h))
     }
@@ -2240,7 +2440,7 @@ mod tests {
     fn mask_allows_exactly_causal_same_sample_real_keys_and_registers_their_ranges() {
         let layout = packed_and_padded();
         let mask = layout
-            .additive_mask(None, DType::F32, &Device::Cpu)
+            .additive_mask(None, None, DType::F32, &Device::Cpu)
             .unwrap()
             .expect("masked");
         let m: Vec<Vec<f32>> = mask.squeeze(1).unwrap().to_vec3().unwrap().concat();
@@ -2265,7 +2465,7 @@ mod tests {
         // transformers fills with finfo(bfloat16).min; f32::MIN would round to -inf in bf16 and
         // turn rows without a visible key into NaN instead of uniform weights.
         let mask = packed_and_padded()
-            .additive_mask(None, DType::BF16, &Device::Cpu)
+            .additive_mask(None, None, DType::BF16, &Device::Cpu)
             .unwrap()
             .expect("masked");
         let v: Vec<f32> = mask
@@ -2289,7 +2489,7 @@ mod tests {
             segments: None,
         };
         assert!(layout
-            .additive_mask(None, DType::F32, &Device::Cpu)
+            .additive_mask(None, None, DType::F32, &Device::Cpu)
             .unwrap()
             .is_none());
     }

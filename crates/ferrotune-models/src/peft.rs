@@ -393,6 +393,11 @@ impl LoraConfig {
     /// PEFT matches patterns against the checkpoint's module names (Llama 3.2 Vision's layers
     /// numbered as its checkpoint numbers them, see [`ModelConfig::checkpoint_name`]).
     pub fn resolve_module(&self, model: &ModelConfig, name: &str) -> Option<(usize, f64)> {
+        // Llama 4's experts are fused parameters in the checkpoint, no linear modules PEFT could
+        // adapt: no pattern reaches them.
+        if model.llama4_names && name.contains(".mlp.experts.") {
+            return None;
+        }
         self.resolve(&model.checkpoint_name(name))
     }
 
@@ -742,7 +747,7 @@ fn set_raw_config(model: &mut CausalLm, key: &str, value: Value) {
 pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, ModelError> {
     let config = LoraConfig::read(dir)?;
     let (file, mut tensors) = read_adapter_tensors(dir)?;
-    if model.config.text_of_multimodal {
+    if model.config.text_of_multimodal || model.config.llama4_names {
         tensors = text_model_adapter_tensors(&model.config, tensors, &file);
     }
     let saved = saved_module_tensors(&mut tensors, &config.modules_to_save);
@@ -1242,7 +1247,9 @@ pub fn attach_adapter(
         let module = module.split(".lora_").next().unwrap_or(module);
         crate::peft_params::fused_in_transformers5(module, &sparse)
     });
-    let transformers5 = !config.target_parameters.is_empty() || !per_expert;
+    // Llama 4's routers are modules in both versions, its experts in neither.
+    let transformers5 =
+        !model.config.llama4_names && (!config.target_parameters.is_empty() || !per_expert);
     let mut targets = targeted_modules(model, config, transformers5)
         .map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
     for (name, r, scale) in crate::peft_params::expand(model, config, &mut tensors, source)? {
@@ -1613,12 +1620,12 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
         }
     }
     let tensors = saved_tensors(model, config)?;
-    if model.config.mllama.is_none() {
+    if model.config.mllama.is_none() && !model.config.llama4_names {
         return write_adapter_files(dir, config, tensors);
     }
-    // Llama 3.2 Vision: saved under the checkpoint's own names, so that PEFT loads the adapter
-    // on the whole model (and ferrotune maps it back).
-    if tensors.keys().any(|k| k.contains(EMBED_MODULE)) {
+    // Llama 3.2 Vision and Llama 4: saved under the checkpoint's own names, so that PEFT loads
+    // the adapter on the checkpoint (and ferrotune maps it back).
+    if model.config.mllama.is_some() && tensors.keys().any(|k| k.contains(EMBED_MODULE)) {
         return Err(ModelError::Msg(MLLAMA_EMBEDDING.into()));
     }
     let tensors = tensors
@@ -1631,6 +1638,9 @@ pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result
             )
         })
         .collect();
+    if model.config.mllama.is_none() {
+        return write_adapter_files(dir, config, tensors);
+    }
     let mut config = config.clone();
     if config.exclude_modules.is_none() {
         config.exclude_modules = mllama_untouched(&model.config).map(TargetModules::Regex);
@@ -1772,7 +1782,7 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
             out.insert(format!("{name}.bias"), b);
         }
     }
-    Ok(out)
+    crate::checkpoint::to_saved_layout(&model.config, out)
 }
 
 /// Why `model`'s adapters cannot be merged into its weights, when they cannot: a LoRA bias

@@ -110,6 +110,14 @@ pub(crate) fn expand(
         return Ok(Vec::new());
     }
     let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
+    if model.config.llama4_names {
+        // Its experts are `[experts, in, out]` where Qwen's and Mixtral's are `[experts, out,
+        // in]`: LoRA on them is not supported rather than applied the wrong way round.
+        return Err(err(format!(
+            "target_parameters {:?}: LoRA on Llama 4's fused expert parameters is not supported              (adapt the attention, dense MLPs and shared experts through target_modules)",
+            config.target_parameters
+        )));
+    }
     let slots: Vec<(String, Slot)> = slots(model)
         .into_iter()
         .filter(|(key, _)| targeted(config, key))

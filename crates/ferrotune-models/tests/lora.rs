@@ -208,13 +208,13 @@ fn in_text_model(config: &ferrotune_models::ModelConfig, name: &str) -> String {
 }
 
 /// PEFT adapters trained on whole vision-language models (Qwen2.5-VL, Qwen3-VL with rsLoRA,
-/// Llama 3.2 Vision; tests/fixtures/vl_lora) run on their text model: PEFT's logits, loss and
+/// Llama 3.2 Vision, Llama 4; tests/fixtures/vl_lora) run on their text model: PEFT's logits, loss and
 /// gradients; the adapters PEFT put on the vision tower and on Llama 3.2 Vision's
 /// cross-attention layers (names that reach them too) are left out; merging gives PEFT's merged
 /// text weights (Llama 3.2 Vision's embedding without its image-token rows).
 #[test]
 fn vision_language_adapters_run_on_the_text_model() {
-    for name in ["qwen2_5_vl", "qwen3_vl", "mllama"] {
+    for name in ["qwen2_5_vl", "qwen3_vl", "mllama", "llama4"] {
         let case = Case::made_with_base(fixtures().join("vl_lora").join(name));
         case.check_forward_and_gradients();
         let (mut model, _) = case.model_with_adapter();
@@ -225,7 +225,13 @@ fn vision_language_adapters_run_on_the_text_model() {
         let want: HashMap<String, Tensor> = tensors(&case.dir.join("merged.safetensors"))
             .into_iter()
             .filter_map(|(k, v)| {
-                let k = model.config.text_model_name(&k)?;
+                // A merged model is saved in the checkpoint's layout: Llama 4's names and fused
+                // experts stay as they are, other text models take the decoder's names.
+                let k = if model.config.llama4_names {
+                    ferrotune_models::checkpoint::text_model_tensor(&k)?
+                } else {
+                    model.config.text_model_name(&k)?
+                };
                 let rows = got[&k].dim(0).unwrap();
                 Some((k, v.narrow(0, 0, rows).unwrap()))
             })
