@@ -36,6 +36,11 @@ counts) to find the combinations nobody wrote down.
   time), exported with `export-gguf
   ADAPTER --base MODEL`, run by llama.cpp on the base's f32 GGUF, against transformers + PEFT.
 
+Llama 4 (`llama4_text`) draws NoPE layers, chunk sizes, the L2 q/k norm, the query temperature,
+top-1 or top-2 sigmoid routing and which layers are sparse; its fused experts carry the
+checkpoint's names, so the lora and full modes check it too (PEFT's names reach the attention,
+dense MLPs and shared experts; its router is left out, which PEFT cannot wrap).
+
 Needs torch, transformers, peft, safetensors (and llama-cpp-python for gguf); `--binary`
 (default target/release/ferrotune). Found so far: a tied head's own bias (Phi-2 with
 tie_word_embeddings) dropped on load, save and in full fine-tuning; GGUF files of an untied
@@ -58,7 +63,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOK = os.path.join(ROOT, "tests", "fixtures", "tiny_tokenizer")
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "phi3", "phi",
-            "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe"]
+            "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "llama4_text"]
 # transformers 5 keeps experts as fused parameters (saved under per-expert names), which PEFT's
 # LoRA cannot target as ferrotune's per-expert modules and whose gradients do not carry the
 # checkpoint's names: the MoE families are checked by the forward sweep only (their fixtures
@@ -106,13 +111,15 @@ def random_config(rng, mt):
         rp.update(rope_type="linear", factor=2.0)
     elif r < 0.35:
         rp.update(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
-    elif r < 0.5 and mt == "llama":
-        rp.update(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    elif r < 0.5 and mt in ("llama", "llama4_text"):
+        # Llama 4 Scout's takes low = high frequency factor (no smoothed band).
+        high = rng.choice([1.0, 4.0]) if mt == "llama4_text" else 4.0
+        rp.update(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=high,
                   original_max_position_embeddings=32)
     elif r < 0.6:
         rp.update(rope_type="dynamic", factor=2.0)
     if mt in ("llama", "mistral", "qwen3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "smollm3", "mixtral",
-              "qwen3_moe"):
+              "qwen3_moe", "llama4_text"):
         c["head_dim"] = hd
     if mt == "llama":
         c["attention_bias"] = rng.random() < 0.3
@@ -145,6 +152,29 @@ def random_config(rng, mt):
                   "long_factor": [2.0 + rng.random() for _ in range(half)],
                   "short_mscale": 1.0 + 0.3 * rng.random(), "long_mscale": 1.0 + 0.3 * rng.random(),
                   "original_max_position_embeddings": rng.choice([8, 64])}
+    if mt == "llama4_text":
+        # Llama 4: NoPE layers (with the query temperature, from early positions when floor_scale
+        # is small), chunked attention on the RoPE layers, the L2 q/k norm, sigmoid top-k experts
+        # (fused) with a shared expert, dense layers with intermediate_size_mlp.
+        layers = rng.choice([2, 3, 4])
+        c["num_hidden_layers"] = layers
+        c["intermediate_size_mlp"] = c["intermediate_size"]
+        c["intermediate_size"] = rng.choice([16, 32])
+        c["num_local_experts"] = rng.choice([2, 4])
+        c["num_experts_per_tok"] = rng.choice([1, 2])
+        if rng.random() < 0.5:
+            c["no_rope_layers"] = [rng.choice([0, 1]) for _ in range(layers)]
+        else:
+            c["no_rope_layer_interval"] = rng.choice([2, 3, 4])
+        if rng.random() < 0.5:
+            c["moe_layers"] = sorted(rng.sample(range(layers), rng.randint(0, layers)))
+        else:
+            c["interleave_moe_layer_step"] = rng.choice([1, 2])
+        c["attention_chunk_size"] = rng.choice([4, 7, 8192])
+        c["use_qk_norm"] = rng.random() < 0.7
+        c["attn_temperature_tuning"] = rng.random() < 0.8
+        c["floor_scale"] = rng.choice([2, 5, 8192])
+        c["attn_scale"] = rng.choice([0.1, 0.5])
     if mt in ("phi3", "phi"):
         partial = rng.choice([1.0, 0.5]) if mt == "phi3" else 0.5
         c["partial_rotary_factor"] = partial
@@ -267,8 +297,9 @@ def check_forward(rng, binary, mt, folder):
 
 def linear_targets(model):
     """PEFT's "all-linear" as a list: every linear layer's name but the head's."""
+    # Llama 4's router is a Linear whose forward returns (scores, logits): PEFT cannot wrap it.
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")})
+                   if isinstance(m, torch.nn.Linear) and not n.endswith(("lm_head", "feed_forward.router"))})
 
 
 def save_random_adapter(base, config, folder):
