@@ -1770,21 +1770,20 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
     }
 }
 
-/// Llama 3.2 Vision: one SGD step (lr 1) from PEFT's adapter of the whole model, whose targets
-/// reach the cross-attention layers and the vision tower too (text alone never runs them), logs
-/// PEFT's loss and saves, under the checkpoint's names, the text layers' adapters moved by exactly
-/// PEFT's gradient; the others are left out with a warning, and the saved config keeps PEFT off
-/// them (`exclude_modules`).
-#[test]
-fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
-    let case = fixtures().join("vl_lora/mllama");
-    let dir = tmpdir("sgd-mllama");
+/// One LoRA SGD step (lr 1) of `model` from the PEFT adapter `vl_lora/{case}/adapter` on its
+/// golden rows: the run's folder and output (checked to have succeeded).
+fn one_sgd_step_from_the_adapter_of(case: &str, model: &str) -> (PathBuf, Output) {
+    let dir = tmpdir(&format!("sgd-{case}"));
     let data = dir.join("batch.jsonl");
-    write_golden_rows("vl_lora/mllama", &data);
-    let cfg = write_config(&dir, "models/mllama_multimodal", &data);
+    write_golden_rows(&format!("vl_lora/{case}"), &data);
+    let cfg = write_config(&dir, model, &data);
     let adapter = format!(
         "checkpointer.adapter_checkpoint={}",
-        case.join("adapter").display()
+        fixtures()
+            .join("vl_lora")
+            .join(case)
+            .join("adapter")
+            .display()
     );
     let mut args = vec![
         "run",
@@ -1796,6 +1795,18 @@ fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
     args.extend(ONE_SGD_STEP);
     let out = ferrotune(&args, &dir, &[]);
     assert!(out.status.success(), "{}", text(&out));
+    (dir, out)
+}
+
+/// Llama 3.2 Vision: one SGD step (lr 1) from PEFT's adapter of the whole model, whose targets
+/// reach the cross-attention layers and the vision tower too (text alone never runs them), logs
+/// PEFT's loss and saves, under the checkpoint's names, the text layers' adapters moved by exactly
+/// PEFT's gradient; the others are left out with a warning, and the saved config keeps PEFT off
+/// them (`exclude_modules`).
+#[test]
+fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
+    let case = fixtures().join("vl_lora/mllama");
+    let (dir, out) = one_sgd_step_from_the_adapter_of("mllama", "models/mllama_multimodal");
     assert!(
         text(&out).contains("cross-attention layers left out"),
         "{}",
@@ -1850,24 +1861,7 @@ fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
 #[test]
 fn one_sgd_step_on_llama_4_from_a_peft_adapter_of_the_whole_model() {
     let case = fixtures().join("vl_lora/llama4");
-    let dir = tmpdir("sgd-llama4");
-    let data = dir.join("batch.jsonl");
-    write_golden_rows("vl_lora/llama4", &data);
-    let cfg = write_config(&dir, "models/llama4_multimodal", &data);
-    let adapter = format!(
-        "checkpointer.adapter_checkpoint={}",
-        case.join("adapter").display()
-    );
-    let mut args = vec![
-        "run",
-        "lora_finetune_single_device",
-        "--config",
-        cfg.to_str().unwrap(),
-        &adapter,
-    ];
-    args.extend(ONE_SGD_STEP);
-    let out = ferrotune(&args, &dir, &[]);
-    assert!(out.status.success(), "{}", text(&out));
+    let (dir, _) = one_sgd_step_from_the_adapter_of("llama4", "models/llama4_multimodal");
     let saved_dir = dir.join("out/epoch_0");
     let saved = load(&saved_dir.join("adapter_model.safetensors"));
     let start = load(&case.join("adapter/adapter_model.safetensors"));

@@ -1307,42 +1307,35 @@ fn multimodal_text_config(
 /// decoder's `mlp.gate`, the rest of `feed_forward.*` its `mlp.*` (the fused experts,
 /// `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, are split when the model is built).
 fn llama4_decoder_name(name: &str) -> String {
-    match layer_and_rest(name) {
-        Some((layer, rest)) => {
-            let rest = match rest.strip_prefix("feed_forward.") {
-                Some(ff) => match ff.strip_prefix("router") {
-                    Some(tail) if tail.is_empty() || tail.starts_with('.') => {
-                        format!("mlp.gate{tail}")
-                    }
-                    _ => format!("mlp.{ff}"),
-                },
-                None => rest.to_string(),
-            };
-            format!("model.layers.{layer}.{rest}")
-        }
-        None => name.to_string(),
-    }
+    rename_layer_block(name, ("feed_forward", "router"), ("mlp", "gate"))
 }
 
 /// The inverse of [`llama4_decoder_name`]. A separate expert's projection
 /// (`mlp.experts.N.gate_proj`) keeps its number: it is no module of the checkpoint, whose experts
 /// are fused, so PEFT patterns never name it.
 fn llama4_checkpoint_name(name: &str) -> String {
-    match layer_and_rest(name) {
-        Some((layer, rest)) => {
-            let rest = match rest.strip_prefix("mlp.") {
-                Some(m) => match m.strip_prefix("gate") {
-                    Some(tail) if tail.is_empty() || tail.starts_with('.') => {
-                        format!("feed_forward.router{tail}")
-                    }
-                    _ => format!("feed_forward.{m}"),
-                },
-                None => rest.to_string(),
-            };
-            format!("model.layers.{layer}.{rest}")
-        }
-        None => name.to_string(),
-    }
+    rename_layer_block(name, ("mlp", "gate"), ("feed_forward", "router"))
+}
+
+/// `model.layers.N.{block}.*` renamed `model.layers.N.{to_block}.*`, and its router
+/// `{block}.{router}` (the module itself, or its tensors) `{to_block}.{to_router}`; other names
+/// as they are.
+fn rename_layer_block(
+    name: &str,
+    (block, router): (&str, &str),
+    (to_block, to_router): (&str, &str),
+) -> String {
+    let Some((layer, rest)) = layer_and_rest(name) else {
+        return name.to_string();
+    };
+    let Some(inner) = rest.strip_prefix(block).and_then(|r| r.strip_prefix('.')) else {
+        return name.to_string();
+    };
+    let inner = match inner.strip_prefix(router) {
+        Some(tail) if tail.is_empty() || tail.starts_with('.') => format!("{to_router}{tail}"),
+        _ => inner.to_string(),
+    };
+    format!("model.layers.{layer}.{to_block}.{inner}")
 }
 
 /// `(i, rest)` of a `model.layers.{i}.{rest}` name.

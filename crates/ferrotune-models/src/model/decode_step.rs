@@ -89,18 +89,9 @@ impl CausalLm {
                 "Phi-2's LayerNorm, parallel block and ungated MLP have no decode kernels".into(),
             );
         }
-        if c.rope_interleaved
-            || c.rope_layer_qk_l2_norm
-            || c.nope_attn_temperature.is_some()
-            || c.layer_attention_chunks.iter().any(Option::is_some)
-        {
-            return Some(
-                "Llama 4's interleaved RoPE, L2 q/k norm, query temperature and chunked \
-                 attention have no decode kernels"
-                    .into(),
-            );
-        }
-        // Before the per-layer scan below, which would name every expert.
+        // Before the per-layer scan below, which would name every expert. This also keeps Llama 4
+        // (always with a MoE config) out: its interleaved RoPE, L2 q/k norm, query temperature
+        // and chunked attention have no decode kernels either.
         if c.moe.is_some() {
             return Some("a mixture of experts has no decode kernels".into());
         }
