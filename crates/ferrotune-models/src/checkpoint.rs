@@ -381,11 +381,11 @@ pub fn read_pickled(
     match format {
         CheckpointFormat::Pickle(files) => {
             let config = ModelConfig::from_hf_file(dir)?;
-            if config.text_of_multimodal {
+            if config.text_of_multimodal || config.llama4_names {
                 return Err(ModelError::file(
                     dir,
-                    "a multimodal model's PyTorch .bin checkpoint is not supported; use its \
-                     safetensors",
+                    "a multimodal or Llama 4 model's PyTorch .bin checkpoint is not supported; \
+                     use its safetensors",
                 ));
             }
             let (tensors, quantized_linears) = torch_pickle::read_pickle_shards(

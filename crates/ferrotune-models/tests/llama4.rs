@@ -284,3 +284,27 @@ fn adapters_skip_the_fused_experts_and_keep_the_checkpoints_names() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Llama 4 checkpoint in PyTorch pickles is refused by name (its fused experts and
+/// `feed_forward.*` names are read from safetensors only).
+#[test]
+fn a_pickled_llama4_checkpoint_is_refused_with_the_reason() {
+    let dir = std::env::temp_dir().join(format!("ferrotune-llama4-bin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        model_dir("llama4").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("pytorch_model.bin"), b"").unwrap();
+    let err = read_checkpoint(&dir, DType::F32, &Device::Cpu)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("Llama 4") && err.contains("safetensors"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
