@@ -908,6 +908,38 @@ fn default_rope_layers(obj: &Map<String, Value>, layers: usize) -> Result<Vec<bo
     Ok((0..layers).map(|i| (i + 1) % interval != 0).collect())
 }
 
+/// Per layer, whether transformers' `layer_types` names it `marked` (`sliding_attention`,
+/// `chunked_attention`) rather than `full_attention`; `None` when the config has no list.
+fn layer_types_marking(
+    obj: &Map<String, Value>,
+    marked: &str,
+    layers: usize,
+) -> Result<Option<Vec<bool>>, String> {
+    let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let types = types
+        .as_array()
+        .ok_or("'layer_types' must be a list of strings")?;
+    if types.len() != layers {
+        return Err(format!(
+            "'layer_types' has {} entries but num_hidden_layers is {layers}",
+            types.len()
+        ));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            Some(m) if m == marked => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(format!(
+                "'layer_types' entry {t} is neither \"{marked}\" nor \"full_attention\""
+            )),
+        })
+        .collect::<Result<_, _>>()
+        .map(Some)
+}
+
 /// Llama 4's chunked attention: the layers `layer_types` marks `chunked_attention` (by default
 /// the RoPE layers) see only their own chunk of `attention_chunk_size` positions; a null chunk
 /// size turns it off, as in transformers. Every other family attends fully (or in windows).
@@ -926,26 +958,10 @@ fn parse_attention_chunks(
     if chunk == Some(0) {
         return Err("'attention_chunk_size' must be at least 1".into());
     }
-    let chunked: Vec<bool> = match obj.get("layer_types") {
-        Some(Value::Array(types)) => types
-            .iter()
-            .map(|t| match t.as_str() {
-                Some("chunked_attention") => Ok(true),
-                Some("full_attention") => Ok(false),
-                _ => Err(format!(
-                    "'layer_types' entries must be 'chunked_attention' or 'full_attention', found {t}"
-                )),
-            })
-            .collect::<Result<_, _>>()?,
-        None | Some(Value::Null) => parse_rope_layers(obj, model_type, layers)?,
-        Some(v) => return Err(format!("'layer_types' must be a list, found {v}")),
+    let chunked = match layer_types_marking(obj, "chunked_attention", layers)? {
+        Some(chunked) => chunked,
+        None => parse_rope_layers(obj, model_type, layers)?,
     };
-    if chunked.len() != layers {
-        return Err(format!(
-            "'layer_types' has {} entries but num_hidden_layers is {layers}",
-            chunked.len()
-        ));
-    }
     Ok(chunked.into_iter().map(|c| chunk.filter(|_| c)).collect())
 }
 
@@ -1393,26 +1409,8 @@ fn gemma_sliding_layers(
     model_type: &str,
     layers: usize,
 ) -> Result<Vec<bool>, String> {
-    if let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) {
-        let types = types
-            .as_array()
-            .ok_or("'layer_types' must be a list of strings")?;
-        if types.len() != layers {
-            return Err(format!(
-                "'layer_types' has {} entries but num_hidden_layers is {layers}",
-                types.len()
-            ));
-        }
-        return types
-            .iter()
-            .map(|t| match t.as_str() {
-                Some("sliding_attention") => Ok(true),
-                Some("full_attention") => Ok(false),
-                _ => Err(format!(
-                    "'layer_types' entry {t} is neither \"sliding_attention\" nor \"full_attention\""
-                )),
-            })
-            .collect();
+    if let Some(sliding) = layer_types_marking(obj, "sliding_attention", layers)? {
+        return Ok(sliding);
     }
     let pattern = if model_type == "gemma2" || model_type == "vaultgemma" {
         2
