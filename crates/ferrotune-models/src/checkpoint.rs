@@ -486,22 +486,23 @@ fn read(
         CheckpointFormat::Safetensors(files) => {
             let dir = folder();
             let mut config = ModelConfig::from_hf_file(&dir)?;
-            let tensors = if config.llama4_names && !config.text_of_multimodal {
-                read_safetensors_renamed(files, dtype, device, &|name| {
-                    config.text_model_name(name)
-                })?
-            } else if config.text_of_multimodal {
+            // Multimodal checkpoints hold their text model under a prefix; Llama 4 names its
+            // MLP `feed_forward`: both read under the decoder's names.
+            let tensors = if config.text_of_multimodal || config.llama4_names {
                 let mut tensors = read_safetensors_renamed(files, dtype, device, &|name| {
                     config.text_model_name(name)
                 })?;
-                narrow_multimodal_embedding(&config, &mut tensors)
-                    .map_err(|msg| ModelError::file(&dir, msg))?;
-                // Multimodal configs say little reliable about tying (transformers 5 ties on the
-                // top-level flag, which the text config may contradict): the tensors decide.
-                let tied = !tensors.contains_key("lm_head.weight");
-                config.tie_word_embeddings = tied;
-                if let Some(raw) = config.raw.as_object_mut() {
-                    raw.insert("tie_word_embeddings".into(), tied.into());
+                if config.text_of_multimodal {
+                    narrow_multimodal_embedding(&config, &mut tensors)
+                        .map_err(|msg| ModelError::file(&dir, msg))?;
+                    // Multimodal configs say little reliable about tying (transformers 5 ties on
+                    // the top-level flag, which the text config may contradict): the tensors
+                    // decide.
+                    let tied = !tensors.contains_key("lm_head.weight");
+                    config.tie_word_embeddings = tied;
+                    if let Some(raw) = config.raw.as_object_mut() {
+                        raw.insert("tie_word_embeddings".into(), tied.into());
+                    }
                 }
                 tensors
             } else {

@@ -1839,6 +1839,7 @@ impl CausalLm {
                 limited_masks.push((limits, mask));
             }
         }
+        // The query temperatures' shape, `[b, 1, t, 1]`.
         let (b, t) = (
             layout.positions.len(),
             layout.positions.first().map_or(0, Vec::len),
@@ -1852,17 +1853,9 @@ impl CausalLm {
             None => None,
         };
         let q_scale = match self.config.llama4_attn_scale {
-            Some((beta, original)) => {
-                let (b, t) = (
-                    layout.positions.len(),
-                    layout.positions.first().map_or(0, Vec::len),
-                );
-                llama4_query_scale(&layout.positions, beta, original)
-                    .map(|values| {
-                        Tensor::from_vec(values, (b, 1, t, 1), device)?.to_dtype(self.dtype)
-                    })
-                    .transpose()?
-            }
+            Some((beta, original)) => llama4_query_scale(&layout.positions, beta, original)
+                .map(|values| Tensor::from_vec(values, (b, 1, t, 1), device)?.to_dtype(self.dtype))
+                .transpose()?,
             None => None,
         };
         Ok(LayerInputs {
