@@ -1798,6 +1798,21 @@ fn one_sgd_step_from_the_adapter_of(case: &str, model: &str) -> (PathBuf, Output
     (dir, out)
 }
 
+/// The run in `dir` logged PEFT's loss of the adapter fixture `case` (`lora_loss`) first.
+fn assert_first_loss_is_pefts(dir: &Path, case: &Path) {
+    let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let (got, want) = (
+        first["loss"].as_f64().unwrap(),
+        golden["lora_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        ((got - want) / want).abs() < 1e-5,
+        "loss {got} vs PEFT {want}"
+    );
+}
+
 /// Llama 3.2 Vision: one SGD step (lr 1) from PEFT's adapter of the whole model, whose targets
 /// reach the cross-attention layers and the vision tower too (text alone never runs them), logs
 /// PEFT's loss and saves, under the checkpoint's names, the text layers' adapters moved by exactly
@@ -1833,17 +1848,7 @@ fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
         config["exclude_modules"],
         r"model\.language_model\.layers\.(?:0|2)\..*|model\.vision_model\..*"
     );
-    let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
-    let (got, want) = (
-        first["loss"].as_f64().unwrap(),
-        golden["lora_loss"].as_f64().unwrap(),
-    );
-    assert!(
-        ((got - want) / want).abs() < 1e-5,
-        "loss {got} vs PEFT {want}"
-    );
+    assert_first_loss_is_pefts(&dir, &case);
     // The merged model is the Llama text model.
     let merged: Value = serde_json::from_str(
         &std::fs::read_to_string(saved_dir.join("merged/config.json")).unwrap(),
@@ -1887,17 +1892,7 @@ fn one_sgd_step_on_llama_4_from_a_peft_adapter_of_the_whole_model() {
         let e = rel_l2(&saved[&text], &(&start[key] - g).unwrap());
         assert!(e <= 1e-4, "{key}: relative L2 {e}");
     }
-    let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
-    let (got, want) = (
-        first["loss"].as_f64().unwrap(),
-        golden["lora_loss"].as_f64().unwrap(),
-    );
-    assert!(
-        ((got - want) / want).abs() < 1e-5,
-        "loss {got} vs PEFT {want}"
-    );
+    assert_first_loss_is_pefts(&dir, &case);
     let merged: Value = serde_json::from_str(
         &std::fs::read_to_string(saved_dir.join("merged/config.json")).unwrap(),
     )
