@@ -14,6 +14,8 @@ Run from the repository root: python3 scripts/make_target_parameters_fixtures.py
 import os
 import sys
 
+from transformers import AutoModelForImageTextToText
+
 from make_embedding_lora_fixtures import ROOT, run_cases
 
 OUT = os.path.join(ROOT, "target_parameters")
@@ -58,6 +60,37 @@ CASES = {
             target_modules=["q_proj", "o_proj"],
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.router.weight"],
             eval_grads=True,
+        ),
+    ),
+    # Llama 4: its fused experts are `[experts, in, out]` (`gate_up_proj` `[experts, hidden,
+    # 2 * inter]`), which PEFT adapts with the factors' roles swapped (lora_A `[r * E, 2 * inter]`,
+    # lora_B `[hidden, r * E]`); both wrappers nested, a rank pattern on down_proj, the router's
+    # weight (`Llama4Router` returns a tuple, which PEFT's module wrapper cannot run) and q_proj.
+    "llama4": (
+        "models/llama4/model",
+        dict(
+            r=2,
+            lora_alpha=6,
+            target_modules=["q_proj"],
+            target_parameters=[
+                "feed_forward.experts.gate_up_proj",
+                "feed_forward.experts.down_proj",
+                "feed_forward.router.weight",
+            ],
+            rank_pattern={"down_proj": 3},
+        ),
+    ),
+    # The whole Llama 4 (vision tower too) with only gate_up_proj targeted, rsLoRA, beside the
+    # shared expert's down_proj.
+    "llama4_multimodal": (
+        "models/llama4_multimodal/model",
+        dict(
+            r=3,
+            lora_alpha=5,
+            use_rslora=True,
+            target_modules=["shared_expert.down_proj"],
+            target_parameters=["experts.gate_up_proj"],
+            auto_class=AutoModelForImageTextToText,
         ),
     ),
     # No parameter targets, module names as on transformers 4: on transformers 5 the experts are

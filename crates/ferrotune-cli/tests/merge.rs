@@ -319,3 +319,28 @@ fn merge_keeps_peft_modules_to_save_with_a_resized_vocabulary() {
     let d = ferrotune_testing::max_abs_diff(&got, &want);
     assert!(d < 1e-4, "max abs difference {d}");
 }
+
+/// A PEFT adapter on Llama 4's fused experts and router (`target_parameters`) merges into PEFT's
+/// merged weights, written as `Llama4ForCausalLM` with the checkpoint's fused experts.
+#[test]
+fn llama4_expert_parameter_adapter_merges_as_peft() {
+    let out = tmp("llama4-experts");
+    let status = Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .args(["merge", "--model"])
+        .arg(fixtures().join("models/llama4/model"))
+        .arg("--adapter")
+        .arg(fixtures().join("target_parameters/llama4/adapter"))
+        .arg("--output")
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let want = ferrotune_models::checkpoint::read_safetensors(
+        &[fixtures().join("target_parameters/llama4/merged.safetensors")],
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert_same_tensors(&read_all(&out), &want, 1e-5);
+    std::fs::remove_dir_all(&out).ok();
+}

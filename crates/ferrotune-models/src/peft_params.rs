@@ -35,6 +35,9 @@ enum Slot {
         projections: [&'static str; 3],
         experts: usize,
         gate_up: bool,
+        /// Llama 4's layout, `[experts, in, out]` (the experts multiply `x @ W_e`), where Qwen's
+        /// and Mixtral's is `[experts, out, in]`.
+        transposed: bool,
     },
 }
 
@@ -52,30 +55,48 @@ fn transformers5_name(model: &CausalLm, name: &str) -> String {
     }
 }
 
-/// Every parameter of `model` that `target_parameters` can adapt, under transformers 5's name
-/// (`model.layers.0.mlp.experts.gate_up_proj`, `model.layers.0.self_attn.q_proj.weight`).
-fn slots(model: &CausalLm) -> Vec<(String, Slot)> {
+/// Every parameter of `model` that `target_parameters` can adapt: its name as PEFT matches it
+/// (transformers 5's, such as `model.layers.0.mlp.experts.gate_up_proj` or
+/// `model.layers.0.self_attn.q_proj.weight`; Llama 4's checkpoint names,
+/// `model.layers.1.feed_forward.experts.gate_up_proj`), the module its adapter tensors are read
+/// under (ferrotune's name after [`ModelConfig::text_model_name`] for Llama 4), and what it is.
+///
+/// [`ModelConfig::text_model_name`]: crate::ModelConfig::text_model_name
+fn slots(model: &CausalLm) -> Vec<(String, String, Slot)> {
+    let llama4 = model.config.llama4_names;
+    // PEFT's name of ferrotune's module `name`, and the module its tensors arrive under.
+    let names = |name: &str| {
+        if llama4 {
+            (model.config.checkpoint_name(name), name.to_string())
+        } else {
+            let t5 = transformers5_name(model, name);
+            (t5.clone(), t5)
+        }
+    };
     let mut out = Vec::new();
     for (name, _) in model.linears() {
         // Single experts are slices of the fused parameters, not parameters of their own.
         if name.contains(".experts.") {
             continue;
         }
-        let key = format!("{}.weight", transformers5_name(model, &name));
-        out.push((key, Slot::Weight(name)));
+        let (key, module) = names(&name);
+        out.push((format!("{key}.weight"), module, Slot::Weight(name)));
     }
     for (i, layer) in model.layers.iter().enumerate() {
         let FeedForward::Sparse(moe) = &layer.mlp else {
             continue;
         };
+        let (key, module) = names(&format!("model.layers.{i}.mlp.experts"));
         for (param, gate_up) in [("gate_up_proj", true), ("down_proj", false)] {
             out.push((
-                format!("model.layers.{i}.mlp.experts.{param}"),
+                format!("{key}.{param}"),
+                module.clone(),
                 Slot::Experts {
                     block: format!("model.layers.{i}.{}", moe.block_name()),
                     projections: moe.projection_names(),
                     experts: moe.experts.len(),
                     gate_up,
+                    transposed: llama4,
                 },
             ));
         }
@@ -110,22 +131,26 @@ pub(crate) fn expand(
         return Ok(Vec::new());
     }
     let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
-    if model.config.llama4_names {
-        // Its experts are `[experts, in, out]` where Qwen's and Mixtral's are `[experts, out,
-        // in]`: LoRA on them is not supported rather than applied the wrong way round.
-        return Err(err(format!(
-            "target_parameters {:?}: LoRA on Llama 4's fused expert parameters is not supported              (adapt the attention, dense MLPs and shared experts through target_modules)",
-            config.target_parameters
-        )));
-    }
-    let slots: Vec<(String, Slot)> = slots(model)
+    let all = slots(model);
+    // Two of the model's own names, for the error below: an expert parameter's and a weight's.
+    let examples: Vec<&str> = [
+        all.iter()
+            .find(|(_, _, s)| matches!(s, Slot::Experts { .. })),
+        all.iter().find(|(_, _, s)| matches!(s, Slot::Weight(_))),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|(key, _, _)| key.as_str())
+    .collect();
+    let examples = format!("'{}'", examples.join("' and '"));
+    let slots: Vec<(String, String, Slot)> = all
         .into_iter()
-        .filter(|(key, _)| targeted(config, key))
+        .filter(|(key, _, _)| targeted(config, key))
         .collect();
     if slots.is_empty() {
         return Err(err(format!(
             "target_parameters {:?} matches no parameter of the model (names look like \
-             'model.layers.0.mlp.experts.gate_up_proj' and 'model.layers.0.mlp.gate.weight')",
+             {examples})",
             config.target_parameters
         )));
     }
@@ -136,17 +161,20 @@ pub(crate) fn expand(
             .map_or(String::new(), |(m, _)| m.into())
     };
     let mut per_module: HashMap<String, usize> = HashMap::new();
-    for (key, _) in &slots {
+    for (key, _, _) in &slots {
         *per_module.entry(module_of(key)).or_default() += 1;
     }
     let mut seen: HashMap<String, usize> = HashMap::new();
     let mut out = Vec::new();
-    for (key, slot) in slots {
+    for (key, tensors_module, slot) in slots {
         let module = module_of(&key);
         let index = seen.entry(module.clone()).or_default();
         let outer = per_module[&module] - 1 - *index;
         *index += 1;
-        let stem = format!("{PEFT_PREFIX}{module}{}", ".base_layer".repeat(outer));
+        let stem = format!(
+            "{PEFT_PREFIX}{tensors_module}{}",
+            ".base_layer".repeat(outer)
+        );
         let (r, alpha) = config.rank_and_alpha(&key);
         let scale = lora_scaling(r, alpha, config.use_rslora);
         let mut take = |suffix: &str, shape: [usize; 2]| -> Result<Tensor, ModelError> {
@@ -182,13 +210,20 @@ pub(crate) fn expand(
                 projections,
                 experts,
                 gate_up,
+                transposed,
             } => {
                 let (hidden, inter) = (model.config.hidden_size, expert_intermediate_size(model));
-                let (rows, cols) = if gate_up {
+                // The parameter's expert matrix as a linear layer's weight, `[out, in]`.
+                let (out, inp) = if gate_up {
                     (2 * inter, hidden)
                 } else {
                     (hidden, inter)
                 };
+                // PEFT takes a 3-D parameter's last dimension as the input of its factors
+                // (lora_A `[r * E, last]`, lora_B `[middle, r * E]`), whichever way the experts
+                // multiply: on Llama 4's `[experts, in, out]` the update `B_e A_e` is the
+                // transposed weight's, so the factors trade roles.
+                let (rows, cols) = if transposed { (inp, out) } else { (out, inp) };
                 let a = take("lora_A.weight", [r * experts, cols])?;
                 let b = take("lora_B.weight", [rows, r * experts])?;
                 for e in 0..experts {
@@ -196,6 +231,12 @@ pub(crate) fn expand(
                     let columns: Vec<u32> = (0..r).map(|k| (k * experts + e) as u32).collect();
                     let columns = Tensor::new(columns, b.device())?;
                     let b_e = b.index_select(&columns, 1)?;
+                    // (B_e A_e)ᵀ = A_eᵀ B_eᵀ: the linear layer's A is B_eᵀ, its B A_eᵀ.
+                    let (a_e, b_e) = if transposed {
+                        (b_e.t()?.contiguous()?, a_e.t()?.contiguous()?)
+                    } else {
+                        (a_e, b_e)
+                    };
                     let expert = format!("{block}.experts.{e}");
                     if gate_up {
                         let gate = b_e.narrow(0, 0, inter)?.contiguous()?;

@@ -1192,6 +1192,52 @@ fn target_parameters_match_peft() {
     }
 }
 
+/// PEFT's `target_parameters` on Llama 4 (the text model, and the whole
+/// `Llama4ForConditionalGeneration`), whose fused experts are `[experts, in, out]`: PEFT's factors
+/// then trade roles (lora_A `[r * E, 2 * inter]` on `gate_up_proj`), and each expert's update is
+/// the transposed weight's. PEFT's logits (inference and training), loss, merged weights in the
+/// checkpoint's layout, and the merged model's logits.
+#[test]
+fn llama4_expert_parameters_match_peft() {
+    for name in ["llama4", "llama4_multimodal"] {
+        let case = Case::target_parameters(name);
+        let (mut model, config) = case.model_with_adapter();
+        assert!(model.config.llama4_names, "{name}");
+        let adapted: Vec<String> = model
+            .linears()
+            .into_iter()
+            .filter(|(_, l)| l.adapter.is_some())
+            .map(|(n, _)| n)
+            .collect();
+        // Every expert of both sparse layers: gate and up (and down for the text model).
+        let experts = adapted.iter().filter(|n| n.contains(".experts.")).count();
+        let per_expert = if name == "llama4" { 3 } else { 2 };
+        assert_eq!(experts, 2 * 4 * per_expert, "{name}: {adapted:?}");
+        assert!(!config.target_parameters.is_empty());
+        case.assert_adapter_logits(&model, "inference");
+        set_training(&mut model, true);
+        let logits = case.assert_adapter_logits(&model, "training");
+        let (_, labels) = case.inputs();
+        let loss = causal_lm_loss(&logits, &labels).to_scalar::<f32>().unwrap() as f64;
+        let want = read_json(&case.dir.join("golden.json"))["lora_loss"]
+            .as_f64()
+            .unwrap();
+        assert!(
+            ((loss - want) / want).abs() <= 1e-5,
+            "{name}: loss {loss} vs {want}"
+        );
+        set_training(&mut model, false);
+        merge_and_unload(&mut model).unwrap();
+        case.assert_adapter_logits(&model, "merged");
+        let got = merged_tensors(&model).unwrap();
+        let want: HashMap<String, Tensor> = tensors(&case.dir.join("merged.safetensors"))
+            .into_iter()
+            .filter_map(|(k, v)| Some((ferrotune_models::checkpoint::text_model_tensor(&k)?, v)))
+            .collect();
+        assert_same_tensors(&got, &want, 1e-5, &format!("{name}: merged"));
+    }
+}
+
 /// Errors of `target_parameters` adapters name what is wrong: a tensor missing or mis-shaped, a
 /// target matching no parameter, a layer targeted twice; saving one is refused (merge instead).
 #[test]
@@ -1243,6 +1289,24 @@ fn target_parameters_errors_are_named() {
     let dir = temp_dir("tp_save");
     let err = save_adapter(&model, &config, &dir).unwrap_err().to_string();
     assert!(err.contains("target_parameters"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+    // Llama 4 names its experts `feed_forward.experts`: transformers 5's `mlp.experts` of other
+    // families matches nothing there, and the error shows the model's own names.
+    let llama4 = Case::target_parameters("llama4");
+    let dir = copy_adapter_with_config(&llama4.dir.join("adapter"), "tp_llama4", |m| {
+        m.insert(
+            "target_parameters".into(),
+            serde_json::json!(["mlp.experts.gate_up_proj"]),
+        );
+    });
+    let err = load_adapter(&mut load_model_at(&llama4.base), &dir)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("matches no parameter")
+            && err.contains("'model.layers.1.feed_forward.experts.gate_up_proj'"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
