@@ -142,6 +142,25 @@ impl Case {
         logits
     }
 
+    /// `model` with its adapter gives PEFT's logits in inference and in training mode, and
+    /// PEFT's loss (1e-5 relative); it is left in inference mode.
+    fn assert_runs_as_peft(&self, model: &mut CausalLm) {
+        self.assert_adapter_logits(model, "inference");
+        set_training(model, true);
+        let logits = self.assert_adapter_logits(model, "training");
+        let (_, labels) = self.inputs();
+        let loss = causal_lm_loss(&logits, &labels).to_scalar::<f32>().unwrap() as f64;
+        let want = read_json(&self.dir.join("golden.json"))["lora_loss"]
+            .as_f64()
+            .unwrap();
+        assert!(
+            ((loss - want) / want).abs() <= 1e-5,
+            "{}: loss {loss} vs {want}",
+            self.dir.display()
+        );
+        set_training(model, false);
+    }
+
     /// `model`'s merged weights are PEFT's `merge_and_unload` state dict (`merged.safetensors`):
     /// the same tensors, each to 1e-5.
     fn assert_merges_as_peft(&self, model: &CausalLm) {
@@ -1169,19 +1188,7 @@ fn target_parameters_match_peft() {
             !config.target_parameters.is_empty(),
             "{name}"
         );
-        case.assert_adapter_logits(&model, "inference");
-        set_training(&mut model, true);
-        let logits = case.assert_adapter_logits(&model, "training");
-        let (_, labels) = case.inputs();
-        let loss = causal_lm_loss(&logits, &labels).to_scalar::<f32>().unwrap() as f64;
-        let want = read_json(&case.dir.join("golden.json"))["lora_loss"]
-            .as_f64()
-            .unwrap();
-        assert!(
-            ((loss - want) / want).abs() <= 1e-5,
-            "{name}: loss {loss} vs {want}"
-        );
-        set_training(&mut model, false);
+        case.assert_runs_as_peft(&mut model);
 
         let router = if name == "phimoe" { "router" } else { "gate" };
         let merged = in_transformers5_layout(&merged_tensors(&model).unwrap(), router);
@@ -1214,19 +1221,7 @@ fn llama4_expert_parameters_match_peft() {
         let per_expert = if name == "llama4" { 3 } else { 2 };
         assert_eq!(experts, 2 * 4 * per_expert, "{name}: {adapted:?}");
         assert!(!config.target_parameters.is_empty());
-        case.assert_adapter_logits(&model, "inference");
-        set_training(&mut model, true);
-        let logits = case.assert_adapter_logits(&model, "training");
-        let (_, labels) = case.inputs();
-        let loss = causal_lm_loss(&logits, &labels).to_scalar::<f32>().unwrap() as f64;
-        let want = read_json(&case.dir.join("golden.json"))["lora_loss"]
-            .as_f64()
-            .unwrap();
-        assert!(
-            ((loss - want) / want).abs() <= 1e-5,
-            "{name}: loss {loss} vs {want}"
-        );
-        set_training(&mut model, false);
+        case.assert_runs_as_peft(&mut model);
         merge_and_unload(&mut model).unwrap();
         case.assert_adapter_logits(&model, "merged");
         let got = merged_tensors(&model).unwrap();
