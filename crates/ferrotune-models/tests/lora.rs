@@ -310,16 +310,21 @@ fn lm_head_adapter() {
     Case::new("llama3", "lora_variants/lm_head").check_forward_and_gradients();
 }
 
-#[test]
-fn layers_to_transform_limits_the_adapted_layers() {
-    let case = Case::new("llama3", "lora_variants/layers_to_transform");
-    let (model, _) = case.model_with_adapter();
-    let adapted: Vec<String> = model
+/// The names of `model`'s linear layers that carry an adapter, in the model's order.
+fn adapted_layers(model: &CausalLm) -> Vec<String> {
+    model
         .linears()
         .into_iter()
         .filter(|(_, l)| l.adapter.is_some())
         .map(|(n, _)| n)
-        .collect();
+        .collect()
+}
+
+#[test]
+fn layers_to_transform_limits_the_adapted_layers() {
+    let case = Case::new("llama3", "lora_variants/layers_to_transform");
+    let (model, _) = case.model_with_adapter();
+    let adapted = adapted_layers(&model);
     assert_eq!(
         adapted,
         [
@@ -1210,12 +1215,7 @@ fn llama4_expert_parameters_match_peft() {
         let case = Case::target_parameters(name);
         let (mut model, config) = case.model_with_adapter();
         assert!(model.config.llama4_names, "{name}");
-        let adapted: Vec<String> = model
-            .linears()
-            .into_iter()
-            .filter(|(_, l)| l.adapter.is_some())
-            .map(|(n, _)| n)
-            .collect();
+        let adapted = adapted_layers(&model);
         // Every expert of both sparse layers: gate and up (and down for the text model).
         let experts = adapted.iter().filter(|n| n.contains(".experts.")).count();
         let per_expert = if name == "llama4" { 3 } else { 2 };
