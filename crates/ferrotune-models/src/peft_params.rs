@@ -131,50 +131,40 @@ pub(crate) fn expand(
         return Ok(Vec::new());
     }
     let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
-    let all = slots(model);
-    // Two of the model's own names, for the error below: an expert parameter's and a weight's.
-    let examples: Vec<&str> = [
-        all.iter()
-            .find(|(_, _, s)| matches!(s, Slot::Experts { .. })),
-        all.iter().find(|(_, _, s)| matches!(s, Slot::Weight(_))),
-    ]
-    .into_iter()
-    .flatten()
-    .map(|(key, _, _)| key.as_str())
-    .collect();
-    let examples = format!("'{}'", examples.join("' and '"));
-    let slots: Vec<(String, String, Slot)> = all
+    let (slots, others): (Vec<_>, Vec<_>) = slots(model)
         .into_iter()
-        .filter(|(key, _, _)| targeted(config, key))
-        .collect();
+        .partition(|(key, _, _)| targeted(config, key));
     if slots.is_empty() {
+        // Two of the model's own names: an expert parameter's and a weight's.
+        let examples: Vec<&str> = [
+            others
+                .iter()
+                .find(|(_, _, s)| matches!(s, Slot::Experts { .. })),
+            others.iter().find(|(_, _, s)| matches!(s, Slot::Weight(_))),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|(key, _, _)| key.as_str())
+        .collect();
         return Err(err(format!(
-            "target_parameters {:?} matches no parameter of the model (names look like \
-             {examples})",
-            config.target_parameters
+            "target_parameters {:?} matches no parameter of the model (names look like '{}')",
+            config.target_parameters,
+            examples.join("' and '")
         )));
     }
     // How many targeted parameters each module has, and how many of them came before: the
     // wrappers around a parameter's own.
-    let module_of = |key: &str| {
-        key.rsplit_once('.')
-            .map_or(String::new(), |(m, _)| m.into())
-    };
     let mut per_module: HashMap<String, usize> = HashMap::new();
-    for (key, _, _) in &slots {
-        *per_module.entry(module_of(key)).or_default() += 1;
+    for (_, module, _) in &slots {
+        *per_module.entry(module.clone()).or_default() += 1;
     }
     let mut seen: HashMap<String, usize> = HashMap::new();
     let mut out = Vec::new();
-    for (key, tensors_module, slot) in slots {
-        let module = module_of(&key);
+    for (key, module, slot) in slots {
         let index = seen.entry(module.clone()).or_default();
         let outer = per_module[&module] - 1 - *index;
         *index += 1;
-        let stem = format!(
-            "{PEFT_PREFIX}{tensors_module}{}",
-            ".base_layer".repeat(outer)
-        );
+        let stem = format!("{PEFT_PREFIX}{module}{}", ".base_layer".repeat(outer));
         let (r, alpha) = config.rank_and_alpha(&key);
         let scale = lora_scaling(r, alpha, config.use_rslora);
         let mut take = |suffix: &str, shape: [usize; 2]| -> Result<Tensor, ModelError> {
