@@ -43,6 +43,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GemmaConfig,
     GenerationConfig,
     LlamaConfig,
@@ -263,6 +264,59 @@ def cfg_gemma3():
         layer_types=["sliding_attention", "full_attention"],
         attention_bias=False,
         tie_word_embeddings=True,
+    ))
+
+
+def cfg_gemma4():
+    # Gemma 4 text, as the dense 31B: sliding and full layers alternating (window 5); the full layers have their
+    # own head size (global_head_dim 32 against 16) and one key/value head whose values are the key projection's
+    # output (attention_k_eq_v), rotated by the proportional rope on a quarter of the head (4 of 16 pairs, theta
+    # 1e6, factor 2); the sliding layers take the default rope (theta 1e4). Norms multiply by the weight itself,
+    # q/k norms, weightless v norm, scores unscaled (scaling 1.0), logits softcapped at 30; no per-layer
+    # embeddings, no KV sharing; tied.
+    return Gemma4TextConfig(**common(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                               "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        tie_word_embeddings=True,
+    ))
+
+
+def cfg_gemma4_e2b_like():
+    # Gemma 4 "E" models (E2B / E4B): per-layer embeddings (a second token table [vocab, layers x 8] mixed with a
+    # projection of the input embeddings, gated into every layer), the last two layers reusing the keys and values
+    # of the last unshared layer of their type (num_kv_shared_layers 2: layer 3 takes layer 2's, layer 4 layer
+    # 1's) with double-wide MLPs there (use_double_wide_mlp), no attention_k_eq_v; global_head_dim 24, untied.
+    return Gemma4TextConfig(**common(
+        num_hidden_layers=5,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=24,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"],
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        tie_word_embeddings=False,
     ))
 
 
@@ -772,6 +826,13 @@ CASES = {
                             notes="gemma3 with a 4.x config.json: rope_theta, rope_local_base_freq, rope_scaling "
                                   "(linear 8) for the global layers, sliding_window_pattern 2 instead of layer_types; "
                                   "weights and golden identical to gemma3"),
+    "gemma4": dict(cfg=cfg_gemma4, seed=135, style="v5", embed_std=EMBED_STD_SANDWICH, grads=True,
+                   notes="Gemma 4 text (Gemma4ForCausalLM), dense: per-layer head sizes, attention_k_eq_v, "
+                         "proportional rope, v norm, final softcap; layer_scalar buffers set"),
+    "gemma4_e2b_like": dict(cfg=cfg_gemma4_e2b_like, seed=136, style="v5", embed_std=EMBED_STD_SANDWICH,
+                            grads=True,
+                            notes="Gemma 4 E-model shape: per-layer embeddings, KV sharing (2 layers), "
+                                  "double-wide MLPs on the sharing layers, untied; layer_scalar buffers set"),
     "phi2": dict(cfg=cfg_phi2, seed=115, style="v5", grads=True,
                  notes="Phi-2 (phi): LayerNorm with bias (input_layernorm, final_layernorm), parallel attention + MLP "
                        "on one normed input, self_attn.dense, ungated mlp.fc1 -> gelu_new -> mlp.fc2, partial rotary "
@@ -906,6 +967,16 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
             p.copy_(IN_GAIN * r / shape[-1] ** 0.5)
 
 
+@torch.no_grad()
+def init_buffers(model, seed: int):
+    """Gemma 4's `layer_scalar` buffers (1 at init) get values of their own, so that a decoder that ignores them
+    shows."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, b in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=g))
+
+
 def build_model(case: str):
     spec = CASES[case]
     src = spec.get("weights_from", case)
@@ -914,8 +985,11 @@ def build_model(case: str):
     config.architectures = None
     torch.manual_seed(src_spec["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    init_weights(model, src_spec["seed"], gemma_norm=config.model_type.startswith("gemma") or config.model_type == "vaultgemma",
-                 embed_std=src_spec.get("embed_std"))
+    # Gemma 4's norms multiply by the weight itself (init 1), the earlier Gemmas' by 1 + weight.
+    gemma_norm = (config.model_type.startswith("gemma") and config.model_type != "gemma4_text") \
+        or config.model_type == "vaultgemma"
+    init_weights(model, src_spec["seed"], gemma_norm=gemma_norm, embed_std=src_spec.get("embed_std"))
+    init_buffers(model, src_spec["seed"])
     model.eval()
     return model
 
@@ -1280,7 +1354,10 @@ def write_case(case: str, out_root: Path, golden_cache: dict):
                 p.copy_(p.grad)
         grad_dir = case_dir / "grads_tmp"
         loaded.save_pretrained(grad_dir)
-        grads = {k: v.float().contiguous() for k, v in load_file(str(grad_dir / "model.safetensors")).items()}
+        # Buffers (Gemma 4's layer_scalar) are saved with the parameters but are not trained.
+        buffers = {k for k, _ in loaded.named_buffers()}
+        grads = {k: v.float().contiguous() for k, v in load_file(str(grad_dir / "model.safetensors")).items()
+                 if k not in buffers}
         shutil.rmtree(grad_dir)
         save_file(grads, str(case_dir / "grads.safetensors"))
 

@@ -299,6 +299,10 @@ pub fn text_model_tensor(name: &str) -> Option<String> {
         "model.vision_model.",
         "model.multi_modal_projector.",
         "model.visual.",
+        // Gemma 4's audio tower and the embedders of image and audio features.
+        "model.audio_tower.",
+        "model.embed_vision.",
+        "model.embed_audio.",
     ]
     .iter()
     .any(|p| name.starts_with(p));

@@ -32,6 +32,8 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "smollm3",
     "llama4_text",
     "llama4",
+    "gemma4_text",
+    "gemma4",
 ];
 
 /// A sparse mixture-of-experts MLP's settings (Mixtral, Qwen2-MoE, Qwen3-MoE).
@@ -80,6 +82,33 @@ pub struct MllamaLayers {
     /// Where the checkpoint's text modules sit as transformers 5 names them:
     /// `model.language_model.` in the whole model, `model.` in `MllamaForCausalLM`.
     pub text_prefix: &'static str,
+}
+
+/// Gemma 4's layer-by-layer structure (`gemma4_text`): what differs from one layer to the next,
+/// beyond Gemma 3's sliding and full layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma4Layers {
+    /// Per layer `(head_dim, num_key_value_heads)`: the full-attention layers take
+    /// `global_head_dim` (and `num_global_key_value_heads` with `attention_k_eq_v`), or what a
+    /// saved config's `per_layer_config` lists.
+    pub attention_dims: Vec<(usize, usize)>,
+    /// Per layer: the values are the key projection's output (`attention_k_eq_v`, on the
+    /// full-attention layers); the layer has no `v_proj`.
+    pub key_is_value: Vec<bool>,
+    /// Per layer: the earlier layer whose keys and values it attends with
+    /// (`num_kv_shared_layers`: the last layers reuse those of the last unshared layer of their
+    /// type); such a layer has no key/value projections or norms.
+    pub kv_source: Vec<Option<usize>>,
+    /// Per layer: the MLP's intermediate size (twice `intermediate_size` on the KV-sharing
+    /// layers with `use_double_wide_mlp`).
+    pub intermediate_sizes: Vec<usize>,
+    /// Per-layer embeddings (PLE) `(vocab_size_per_layer_input, hidden_size_per_layer_input)`:
+    /// every layer adds a gated projection of its own slice of a second token embedding mixed
+    /// with a projection of the input embeddings.
+    pub per_layer_input: Option<(usize, usize)>,
+    /// The mixture-of-experts block beside every layer's MLP (`enable_moe_block`):
+    /// `(num_experts, top_k_experts, moe_intermediate_size)`.
+    pub moe: Option<(usize, usize, usize)>,
 }
 
 /// Phi-3.5-MoE's router (transformers' `sparsemixer`, as it runs in evaluation): the first expert
@@ -148,6 +177,10 @@ pub enum RopeScaling {
         mscale_all_dim: Option<f64>,
         truncate: bool,
     },
+    /// Gemma 4's proportional RoPE: every pair of the head rotates, the first
+    /// `partial_rotary_factor` of them at `theta^(-2i / head_dim) / factor` and the others not
+    /// at all (frequency zero).
+    Proportional { factor: f64 },
     /// Phi-3's LongRoPE: per-frequency factors, short below the original context, long above.
     LongRope {
         short_factor: Vec<f64>,
@@ -268,6 +301,8 @@ pub struct ModelConfig {
     pub text_of_multimodal: bool,
     /// Llama 3.2 Vision's layers (`mllama`, `mllama_text_model`); `None` for other models.
     pub mllama: Option<MllamaLayers>,
+    /// Gemma 4's per-layer structure; `None` for other models.
+    pub gemma4: Option<Gemma4Layers>,
     /// A `*ForSequenceClassification` checkpoint (a reward or value model): its output head is
     /// `score` (`[num_labels, hidden]`, no bias, never tied), giving this many outputs per
     /// position instead of vocabulary logits.
@@ -345,8 +380,22 @@ impl ModelConfig {
         // Gemma 2 and 3: sandwich norms, query_pre_attn_scalar, per-layer-type attention.
         // VaultGemma is Gemma 2 without the post-norms.
         let gemma2_like = is("gemma2") || is("vaultgemma");
-        let is_gemma_2_3 = gemma2_like || is("gemma3_text");
-        if get_bool(obj, "use_bidirectional_attention")?.unwrap_or(false) {
+        let is_gemma4 = is("gemma4_text");
+        // Gemma 4 shares Gemma 3's layer types, two ropes and sandwich norms.
+        let is_gemma_2_3 = gemma2_like || is("gemma3_text") || is_gemma4;
+        if is_gemma4 {
+            // Gemma 4 names who attends both ways: "vision" concerns image tokens only, which
+            // text never holds; "all" makes an encoder.
+            match obj.get("use_bidirectional_attention") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(s)) if s == "vision" => {}
+                Some(other) => {
+                    return Err(format!(
+                        "'use_bidirectional_attention' is {other}: only null or \"vision\" make a causal language model"
+                    ))
+                }
+            }
+        } else if get_bool(obj, "use_bidirectional_attention")?.unwrap_or(false) {
             return Err(
                 "'use_bidirectional_attention' is true: that is an encoder (EmbeddingGemma), not a causal language model"
                     .into(),
@@ -392,14 +441,20 @@ impl ModelConfig {
 
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
         let (rope, local_rope, layer_sliding_windows, local_rope_layers) = if is_gemma_2_3 {
-            let sliding = gemma_sliding_layers(obj, &model_type, num_hidden_layers)?;
+            let mut sliding = gemma_sliding_layers(obj, &model_type, num_hidden_layers)?;
+            if is_gemma4 {
+                // transformers forces Gemma 4's last layer to full attention.
+                if let Some(last) = sliding.last_mut() {
+                    *last = false;
+                }
+            }
             // Gemma 2/3 default to a 4096-token window when the key is absent; null disables it.
             let window = match obj.get("sliding_window") {
                 None => Some(4096),
                 Some(_) => get_usize(obj, "sliding_window")?,
             };
             let windows = sliding.iter().map(|&s| window.filter(|_| s)).collect();
-            if is("gemma3_text") {
+            if is("gemma3_text") || is_gemma4 {
                 let (global, local) = parse_gemma3_rope(obj, max_position_embeddings)?;
                 (global, Some(local), windows, sliding)
             } else {
@@ -428,13 +483,26 @@ impl ModelConfig {
         };
         let attn_logit_softcapping = gemma2_default("attn_logit_softcapping", 50.0)?;
         let final_logit_softcapping = gemma2_default("final_logit_softcapping", 30.0)?;
-        let query_pre_attn_scalar = if is_gemma_2_3 {
+        let query_pre_attn_scalar = if is_gemma4 {
+            // Gemma 4's q/k norms leave the scores unscaled (transformers' `scaling = 1.0`).
+            Some(1.0)
+        } else if is_gemma_2_3 {
             Some(get_positive(obj, "query_pre_attn_scalar")?.unwrap_or(256.0))
         } else {
             None
         };
 
         let score_labels = parse_score_labels(obj)?;
+        let gemma4 = if is_gemma4 {
+            Some(parse_gemma4(
+                obj,
+                &local_rope_layers,
+                (head_dim, num_key_value_heads, num_attention_heads),
+                req_usize(obj, "intermediate_size")?,
+            )?)
+        } else {
+            None
+        };
         Ok(Self {
             vocab_size: req_usize(obj, "vocab_size")?,
             hidden_size,
@@ -463,8 +531,9 @@ impl ModelConfig {
             tie_word_embeddings: score_labels.is_none()
                 && get_bool(obj, "tie_word_embeddings")?.unwrap_or(is_gemma),
             score_labels,
-            qk_norm: is("qwen3") || is("qwen3_moe") || is("gemma3_text"),
-            norm_weight_offset_one: is_gemma,
+            qk_norm: is("qwen3") || is("qwen3_moe") || is("gemma3_text") || is_gemma4,
+            // Gemma 4's norms scale by the weight itself.
+            norm_weight_offset_one: is_gemma && !is_gemma4,
             scale_embeddings: is_gemma,
             fused_projections: is("phi3"),
             layer_sliding_windows,
@@ -481,6 +550,7 @@ impl ModelConfig {
             local_rope_layers,
             text_of_multimodal: false,
             mllama: None,
+            gemma4,
             layer_norm: is("phi") || is("phimoe"),
             parallel_block: is("phi"),
             ungated_mlp: is("phi"),
@@ -763,6 +833,11 @@ fn rope_from_params(
             mscale_all_dim: get_f64(params, "mscale_all_dim")?,
             truncate: get_bool(params, "truncate")?.unwrap_or(true),
         },
+        // Gemma 4: the rotated pairs' frequencies over the whole head (`theta^(-2i / head_dim)`
+        // for the first `partial_rotary_factor` of them, zero for the rest), divided by `factor`.
+        "proportional" => RopeScaling::Proportional {
+            factor: get_f64(params, "factor")?.unwrap_or(1.0),
+        },
         "longrope" | "su" => {
             let list = |key: &str| -> Result<Vec<f64>, String> {
                 params
@@ -795,7 +870,7 @@ fn rope_from_params(
         }
         other => {
             return Err(format!(
-                "unsupported rope_type '{other}': supported are default, linear, dynamic, llama3, yarn, longrope"
+                "unsupported rope_type '{other}': supported are default, linear, dynamic, llama3, yarn, longrope, proportional"
             ))
         }
     };
@@ -1147,6 +1222,7 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
             ("pad_token_id", Value::from(0u64)),
         ]
     };
+    static GEMMA4: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
     static PHI: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
     static LLAMA4: std::sync::OnceLock<Vec<(&str, Value)>> = std::sync::OnceLock::new();
     match model_type {
@@ -1179,6 +1255,28 @@ fn family_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
         }),
         "gemma2" | "vaultgemma" => GEMMA2.get_or_init(|| common(256_000, 8192)),
         "gemma3_text" => GEMMA3.get_or_init(|| common(262_208, 131_072)),
+        // Gemma4TextConfig's: its own sizes, window and per-layer embeddings, and a proportional
+        // rope on a quarter of the full-attention layers' heads.
+        "gemma4_text" => GEMMA4.get_or_init(|| {
+            let mut d = common(262_144, 131_072);
+            d.retain(|(k, _)| *k != "num_hidden_layers");
+            d.extend([
+                ("num_hidden_layers", Value::from(30u64)),
+                ("sliding_window", Value::from(512u64)),
+                ("hidden_size_per_layer_input", Value::from(256u64)),
+                ("vocab_size_per_layer_input", Value::from(262_144u64)),
+                (
+                    "rope_parameters",
+                    serde_json::json!({
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "proportional",
+                                           "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1_000_000.0},
+                    }),
+                ),
+            ]);
+            d
+        }),
         // A top-level `rope_theta` serves only where the rope parameters hold none.
         "mllama_text_model" => MLLAMA.get_or_init(|| {
             vec![
@@ -1218,6 +1316,7 @@ const MULTIMODAL_TEXT_TYPES: &[(&str, &[&str])] = &[
     ("qwen2_vl", &["qwen2_vl_text"]),
     ("qwen2_5_vl", &["qwen2_5_vl_text"]),
     ("qwen3_vl", &["qwen3_vl_text"]),
+    ("gemma4", &["gemma4_text"]),
 ];
 
 /// The family a multimodal checkpoint's text model runs as: Qwen2-VL's and Qwen2.5-VL's text
@@ -1242,6 +1341,7 @@ fn causal_lm_class(model_type: &str) -> &'static str {
         "qwen3" => "Qwen3ForCausalLM",
         "llama" => "LlamaForCausalLM",
         "llama4_text" => "Llama4ForCausalLM",
+        "gemma4_text" => "Gemma4ForCausalLM",
         _ => "MistralForCausalLM",
     }
 }
@@ -1399,6 +1499,125 @@ fn mllama_text_layers(text: &mut Map<String, Value>) -> Result<Vec<usize>, Strin
         Value::from((layers - cross.len()) as u64),
     );
     Ok(cross)
+}
+
+/// Gemma 4's per-layer structure ([`Gemma4Layers`]) from its config; `sliding` marks the
+/// sliding-attention layers, `dims` is `(head_dim, num_key_value_heads, num_attention_heads)`.
+fn parse_gemma4(
+    obj: &Map<String, Value>,
+    sliding: &[bool],
+    dims: (usize, usize, usize),
+    intermediate_size: usize,
+) -> Result<Gemma4Layers, String> {
+    let (head_dim, kv_heads, heads) = dims;
+    let layers = sliding.len();
+    let key_is_value_flag = get_bool(obj, "attention_k_eq_v")?.unwrap_or(false);
+    let mut attention_dims = vec![(head_dim, kv_heads); layers];
+    match obj.get("per_layer_config").filter(|v| !v.is_null()) {
+        // What transformers writes: the overrides by layer index, authoritative.
+        Some(per_layer) => {
+            let per_layer = per_layer
+                .as_object()
+                .ok_or("'per_layer_config' must be an object of layer overrides")?;
+            for (key, overrides) in per_layer {
+                let at = |what: &str| format!("'per_layer_config.{key}'{what}");
+                let layer: usize = key
+                    .parse()
+                    .ok()
+                    .filter(|&l| l < layers)
+                    .ok_or_else(|| at(" does not name a layer"))?;
+                let overrides = overrides
+                    .as_object()
+                    .ok_or_else(|| at(" must be an object"))?;
+                for (name, _) in overrides {
+                    if !matches!(name.as_str(), "head_dim" | "num_key_value_heads") {
+                        return Err(at(&format!(
+                            " overrides '{name}': only head_dim and num_key_value_heads are supported"
+                        )));
+                    }
+                }
+                let (d, kv) = &mut attention_dims[layer];
+                *d = get_usize(overrides, "head_dim")?.unwrap_or(*d);
+                *kv = get_usize(overrides, "num_key_value_heads")?.unwrap_or(*kv);
+            }
+        }
+        // The Hub's configs: the full-attention layers' own head size and, with
+        // `attention_k_eq_v`, their own number of key/value heads.
+        None => {
+            let global_dim = get_usize(obj, "global_head_dim")?.unwrap_or(512);
+            let global_kv = get_usize(obj, "num_global_key_value_heads")?
+                .filter(|_| key_is_value_flag)
+                .unwrap_or(kv_heads);
+            for (dims, &s) in attention_dims.iter_mut().zip(sliding) {
+                if !s {
+                    *dims = (global_dim, global_kv);
+                }
+            }
+        }
+    }
+    for (i, &(d, kv)) in attention_dims.iter().enumerate() {
+        if d == 0 || kv == 0 || heads % kv != 0 {
+            return Err(format!(
+                "layer {i}: num_attention_heads {heads} is not a multiple of its {kv} key/value heads (head_dim {d})"
+            ));
+        }
+        // One rotary table per layer type: a type's layers must share their head size.
+        if let Some(j) = (0..i).find(|&j| sliding[j] == sliding[i] && attention_dims[j].0 != d) {
+            return Err(format!(
+                "layers {j} and {i} are of one attention type but have head_dim {} and {d}",
+                attention_dims[j].0
+            ));
+        }
+    }
+    let shared = get_usize(obj, "num_kv_shared_layers")?.unwrap_or(0);
+    if shared >= layers && shared > 0 {
+        return Err(format!(
+            "'num_kv_shared_layers' {shared} leaves no layer of the {layers} to compute keys and values"
+        ));
+    }
+    let first_shared = layers - shared;
+    let mut kv_source = vec![None; layers];
+    for i in first_shared..layers {
+        let source = (0..first_shared)
+            .rev()
+            .find(|&j| sliding[j] == sliding[i])
+            .ok_or_else(|| {
+                format!(
+                    "layer {i} shares the keys and values of an earlier layer of its type \
+                     (num_kv_shared_layers {shared}), but no unshared layer has its type"
+                )
+            })?;
+        kv_source[i] = Some(source);
+    }
+    let double_wide = get_bool(obj, "use_double_wide_mlp")?.unwrap_or(false);
+    let intermediate_sizes = kv_source
+        .iter()
+        .map(|s| intermediate_size * if double_wide && s.is_some() { 2 } else { 1 })
+        .collect();
+    let per_layer_input = match get_usize(obj, "hidden_size_per_layer_input")? {
+        Some(0) | None => None,
+        Some(dim) => Some((req_usize(obj, "vocab_size_per_layer_input")?, dim)),
+    };
+    let moe = if get_bool(obj, "enable_moe_block")?.unwrap_or(false) {
+        let experts = req_usize(obj, "num_experts")?;
+        let top_k = req_usize(obj, "top_k_experts")?;
+        if top_k == 0 || top_k > experts {
+            return Err(format!(
+                "'top_k_experts' {top_k} must be between 1 and num_experts {experts}"
+            ));
+        }
+        Some((experts, top_k, req_usize(obj, "moe_intermediate_size")?))
+    } else {
+        None
+    };
+    Ok(Gemma4Layers {
+        attention_dims,
+        key_is_value: sliding.iter().map(|&s| key_is_value_flag && !s).collect(),
+        kv_source,
+        intermediate_sizes,
+        per_layer_input,
+        moe,
+    })
 }
 
 /// Gemma 2/3: which layers use sliding-window attention, from `layer_types` or, in older configs,

@@ -201,6 +201,16 @@ pub enum QkvProjection {
     Fused {
         qkv_proj: Linear,
     },
+    /// Gemma 4's `attention_k_eq_v` layers: the values are the key projection's output.
+    KeyIsValue {
+        q_proj: Linear,
+        k_proj: Linear,
+    },
+    /// Gemma 4's KV-sharing layers: queries only; keys and values come from an earlier layer
+    /// ([`Attention::kv_source`]).
+    QueryOnly {
+        q_proj: Linear,
+    },
 }
 
 /// The MLP's input projections: gate and up separate, Phi-3's fused `gate_up_proj`, or Phi-2's
@@ -222,7 +232,47 @@ pub struct Attention {
     /// Qwen3's per-head RMSNorm weights (`[head_dim]`).
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
+    /// `(heads, kv_heads, head_dim)` of this layer (Gemma 4's full-attention layers have their
+    /// own head size and key/value heads).
+    pub dims: (usize, usize, usize),
+    /// Gemma 4: the values pass a weightless RMSNorm of each head.
+    pub v_norm: bool,
+    /// Gemma 4: the earlier layer whose keys and values this one attends with.
+    pub kv_source: Option<usize>,
 }
+
+/// Gemma 4's per-layer input block, after the MLP's residual add: `x + norm(projection(act(gate(x))
+/// · per_layer_input))`, the per-layer input being this layer's slice of
+/// [`PerLayerEmbedding`]'s output.
+#[derive(Debug, Clone)]
+pub struct PerLayerInputBlock {
+    /// `per_layer_input_gate` (`[per_layer_dim, hidden]`).
+    pub gate: Linear,
+    /// `per_layer_projection` (`[hidden, per_layer_dim]`).
+    pub projection: Linear,
+    /// `post_per_layer_input_norm` (`[hidden]`).
+    pub norm: Tensor,
+}
+
+/// Gemma 4's per-layer embeddings (PLE): for every layer a `per_layer_dim` input made from a
+/// second token embedding and a projection of the input embeddings.
+#[derive(Debug, Clone)]
+pub struct PerLayerEmbedding {
+    /// `model.embed_tokens_per_layer` (`[vocab_per_layer, layers · per_layer_dim]`), scaled by
+    /// `√per_layer_dim` on lookup.
+    pub table: Tensor,
+    /// `model.per_layer_model_projection` (`[layers · per_layer_dim, hidden]`).
+    pub projection: Linear,
+    /// `model.per_layer_projection_norm` (`[per_layer_dim]`).
+    pub norm: Tensor,
+}
+
+/// The module names of Gemma 4's per-layer embedding parts.
+pub const PER_LAYER_TABLE: &str = "model.embed_tokens_per_layer.weight";
+/// See [`PER_LAYER_TABLE`].
+pub const PER_LAYER_PROJECTION: &str = "model.per_layer_model_projection";
+/// See [`PER_LAYER_TABLE`].
+pub const PER_LAYER_NORM: &str = "model.per_layer_projection_norm.weight";
 
 /// The MLP: gated (SwiGLU / GeGLU) or Phi-2's ungated one.
 #[derive(Debug, Clone)]
@@ -393,6 +443,8 @@ impl QkvProjection {
                 &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
             }
             QkvProjection::Fused { .. } => &["self_attn.qkv_proj"],
+            QkvProjection::KeyIsValue { .. } => &["self_attn.q_proj", "self_attn.k_proj"],
+            QkvProjection::QueryOnly { .. } => &["self_attn.q_proj"],
         }
     }
 
@@ -404,6 +456,8 @@ impl QkvProjection {
                 v_proj,
             } => vec![q_proj, k_proj, v_proj],
             QkvProjection::Fused { qkv_proj } => vec![qkv_proj],
+            QkvProjection::KeyIsValue { q_proj, k_proj } => vec![q_proj, k_proj],
+            QkvProjection::QueryOnly { q_proj } => vec![q_proj],
         }
     }
 
@@ -415,6 +469,8 @@ impl QkvProjection {
                 v_proj,
             } => vec![q_proj, k_proj, v_proj],
             QkvProjection::Fused { qkv_proj } => vec![qkv_proj],
+            QkvProjection::KeyIsValue { q_proj, k_proj } => vec![q_proj, k_proj],
+            QkvProjection::QueryOnly { q_proj } => vec![q_proj],
         }
     }
 }
@@ -448,6 +504,11 @@ pub struct DecoderLayer {
     /// The parameter name of `post_attention_layernorm`'s tensor
     /// ([`ModelConfig::post_attention_norm_name`]).
     pub post_attention_norm_name: &'static str,
+    /// Gemma 4's per-layer input block.
+    pub per_layer_input: Option<PerLayerInputBlock>,
+    /// Gemma 4's `layer_scalar` (`[1]`), multiplying the layer's output: a buffer of the
+    /// checkpoint, never trained.
+    pub layer_scalar: Option<Tensor>,
 }
 
 impl DecoderLayer {
@@ -466,6 +527,7 @@ impl DecoderLayer {
             pre_feedforward_layernorm,
             post_feedforward_layernorm,
             mlp,
+            per_layer_input,
             ..
         } = self;
         let Attention {
@@ -506,6 +568,10 @@ impl DecoderLayer {
             FeedForward::Dense(mlp) => linears.extend(mlp_linears_mut(mlp)),
             FeedForward::Sparse(moe) => linears.extend(moe.linears_mut()),
         }
+        if let Some(block) = per_layer_input {
+            norms.push(("post_per_layer_input_norm.weight", &mut block.norm));
+            linears.extend([&mut block.gate, &mut block.projection]);
+        }
         debug_assert_eq!(names.len(), linears.len());
         let linears = names.into_iter().zip(linears).collect();
         LayerPartsMut { norms, linears }
@@ -541,7 +607,19 @@ impl DecoderLayer {
                 .into_iter()
                 .filter_map(|(name, t)| t.as_ref().map(|t| (name, t))),
         );
+        if let Some(block) = &self.per_layer_input {
+            out.push(("post_per_layer_input_norm.weight", &block.norm));
+        }
         out
+    }
+
+    /// The layer's buffers with their names inside it: checkpoint tensors that are no
+    /// parameters (Gemma 4's `layer_scalar`), saved back as they are and never trained.
+    pub fn buffers(&self) -> Vec<(&'static str, &Tensor)> {
+        self.layer_scalar
+            .iter()
+            .map(|t| ("layer_scalar", t))
+            .collect()
     }
 
     /// The layer's linear layers with their module names inside it (`self_attn.q_proj`, ...),
@@ -552,6 +630,9 @@ impl DecoderLayer {
         match &self.mlp {
             FeedForward::Dense(mlp) => linears.extend(mlp_linears(mlp)),
             FeedForward::Sparse(moe) => linears.extend(moe.linears()),
+        }
+        if let Some(block) = &self.per_layer_input {
+            linears.extend([&block.gate, &block.projection]);
         }
         let names = self.linear_names();
         debug_assert_eq!(names.len(), linears.len());
@@ -568,6 +649,9 @@ impl DecoderLayer {
         match &self.mlp {
             FeedForward::Dense(mlp) => names.extend(mlp.names().into_iter().map(Cow::Borrowed)),
             FeedForward::Sparse(moe) => names.extend(moe.names().into_iter().map(Cow::Owned)),
+        }
+        if self.per_layer_input.is_some() {
+            names.extend(["per_layer_input_gate", "per_layer_projection"].map(Cow::Borrowed));
         }
         names
     }
@@ -844,6 +928,15 @@ impl AttentionLayout {
     }
 }
 
+/// What one forward call carries from layer to layer besides the hidden states (Gemma 4).
+#[derive(Debug, Default)]
+struct AcrossLayers {
+    /// The per-layer inputs `[b, t, layers, per_layer_dim]`.
+    per_layer_inputs: Option<Tensor>,
+    /// Keys and values by the layer that computed them, for the layers that attend with them.
+    kv: HashMap<usize, (Tensor, Tensor)>,
+}
+
 /// Per-call tensors every decoder layer uses: rotary tables and attention masks.
 #[derive(Debug, Clone)]
 pub struct LayerInputs {
@@ -919,6 +1012,8 @@ pub struct CausalLm {
     /// naming `embed_tokens`); `a` is `lora_embedding_A` `[r, vocab]`, `b` `lora_embedding_B`
     /// `[hidden, r]`.
     pub embed_adapter: Option<LoraAdapter>,
+    /// Gemma 4's per-layer embeddings.
+    pub per_layer_embedding: Option<PerLayerEmbedding>,
     pub layers: Vec<DecoderLayer>,
     pub norm: Tensor,
     /// Phi-2's final LayerNorm bias.
@@ -1238,10 +1333,42 @@ impl CausalLm {
         let embed_packed = take.take_packed("model.embed_tokens.weight", c.vocab_size, h);
         let dtype = embed_tokens.dtype();
         let device = embed_tokens.device().clone();
+        let gemma4 = c.gemma4.as_ref();
+        if let Some((experts, ..)) = gemma4.and_then(|g| g.moe) {
+            return Err(ModelError::Msg(format!(
+                "{source}: Gemma 4's mixture-of-experts block (enable_moe_block, {experts} experts) \
+                 is not supported yet; the dense Gemma 4 models are"
+            )));
+        }
+        let per_layer_embedding = match gemma4.and_then(|g| g.per_layer_input) {
+            Some((vocab, dim)) => {
+                let width = c.num_hidden_layers * dim;
+                Some(PerLayerEmbedding {
+                    table: take.take(PER_LAYER_TABLE, &[vocab, width])?,
+                    projection: take.linear(PER_LAYER_PROJECTION, width, h)?,
+                    norm: take.take(PER_LAYER_NORM, &[dim])?,
+                })
+            }
+            None => None,
+        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let qkv = if c.fused_projections {
+            // Gemma 4's layers differ in head size, key/value heads and MLP width.
+            let (hd, nkv) = gemma4.map_or((hd, nkv), |g| g.attention_dims[i]);
+            let inter = gemma4.map_or(inter, |g| g.intermediate_sizes[i]);
+            let kv_source = gemma4.and_then(|g| g.kv_source[i]);
+            let key_is_value = gemma4.is_some_and(|g| g.key_is_value[i]);
+            let qkv = if kv_source.is_some() {
+                QkvProjection::QueryOnly {
+                    q_proj: take.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h)?,
+                }
+            } else if key_is_value {
+                QkvProjection::KeyIsValue {
+                    q_proj: take.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h)?,
+                    k_proj: take.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h)?,
+                }
+            } else if c.fused_projections {
                 QkvProjection::Fused {
                     qkv_proj: take.linear(
                         &format!("{p}.self_attn.qkv_proj"),
@@ -1259,7 +1386,11 @@ impl CausalLm {
             let (q_norm, k_norm) = if c.qk_norm {
                 (
                     Some(take.take(&format!("{p}.self_attn.q_norm.weight"), &[hd])?),
-                    Some(take.take(&format!("{p}.self_attn.k_norm.weight"), &[hd])?),
+                    // A KV-sharing layer has no keys of its own.
+                    match kv_source {
+                        Some(_) => None,
+                        None => Some(take.take(&format!("{p}.self_attn.k_norm.weight"), &[hd])?),
+                    },
                 )
             } else {
                 (None, None)
@@ -1313,6 +1444,18 @@ impl CausalLm {
             } else {
                 "self_attn.o_proj"
             };
+            let per_layer_input = match gemma4.and_then(|g| g.per_layer_input) {
+                Some((_, dim)) => Some(PerLayerInputBlock {
+                    gate: take.linear(&format!("{p}.per_layer_input_gate"), dim, h)?,
+                    projection: take.linear(&format!("{p}.per_layer_projection"), h, dim)?,
+                    norm: take.take(&format!("{p}.post_per_layer_input_norm.weight"), &[h])?,
+                }),
+                None => None,
+            };
+            let layer_scalar = match gemma4 {
+                Some(_) => take.take_opt(&format!("{p}.layer_scalar"), &[1])?,
+                None => None,
+            };
             layers.push(DecoderLayer {
                 input_layernorm: take.take(&format!("{p}.input_layernorm.weight"), &[h])?,
                 input_layernorm_bias: if c.layer_norm {
@@ -1326,6 +1469,9 @@ impl CausalLm {
                     o_proj_name,
                     q_norm,
                     k_norm,
+                    dims: (nh, nkv, hd),
+                    v_norm: gemma4.is_some(),
+                    kv_source,
                 },
                 post_attention_layernorm: if c.parallel_block {
                     None
@@ -1348,6 +1494,8 @@ impl CausalLm {
                     && c.local_rope_layers.get(i).copied().unwrap_or(false),
                 use_rope: c.rope_layers.get(i).copied().unwrap_or(true),
                 post_attention_norm_name: c.post_attention_norm_name,
+                per_layer_input,
+                layer_scalar,
             });
         }
         let final_norm = final_norm_name(c);
@@ -1373,15 +1521,23 @@ impl CausalLm {
             }
         };
         warn_unused(&tensors, c, source);
-        let rope = RotaryEmbedding::new(c);
+        // Each rope serves heads of its layers' size (Gemma 4's full and sliding layers differ).
+        let head_dim_where = |local: bool| {
+            layers
+                .iter()
+                .find(|l| l.local_rope == local)
+                .map_or(c.head_dim, |l| l.self_attn.dims.2)
+        };
+        let rope = RotaryEmbedding::for_head_dim(head_dim_where(false), &c.rope);
         let local_rope = c
             .local_rope
             .as_ref()
-            .map(|r| RotaryEmbedding::with_rope(c, r));
+            .map(|r| RotaryEmbedding::for_head_dim(head_dim_where(true), r));
         Ok(Self {
             config,
             embed_tokens,
             embed_adapter: None,
+            per_layer_embedding,
             layers,
             norm,
             norm_bias,
@@ -1400,6 +1556,9 @@ impl CausalLm {
     /// `lm_head`), in model order: the names PEFT uses to target and store adapters.
     pub fn linears(&self) -> Vec<(String, &Linear)> {
         let mut out = Vec::new();
+        if let Some(ple) = &self.per_layer_embedding {
+            out.push((PER_LAYER_PROJECTION.to_string(), &ple.projection));
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             for (module, linear) in layer.linears() {
                 out.push((format!("model.layers.{i}.{module}"), linear));
@@ -1413,6 +1572,9 @@ impl CausalLm {
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         let head = self.head_name();
         let mut out = Vec::new();
+        if let Some(ple) = &mut self.per_layer_embedding {
+            out.push((PER_LAYER_PROJECTION.to_string(), &mut ple.projection));
+        }
         for (i, layer) in self.layers.iter_mut().enumerate() {
             for (module, linear) in layer.parts_mut().linears {
                 out.push((format!("model.layers.{i}.{module}"), linear));
@@ -1500,6 +1662,10 @@ impl CausalLm {
             "model.embed_tokens.weight".into(),
             &mut out,
         )?;
+        if let Some(ple) = &mut self.per_layer_embedding {
+            var(&mut ple.table, PER_LAYER_TABLE.into(), &mut out)?;
+            var(&mut ple.norm, PER_LAYER_NORM.into(), &mut out)?;
+        }
         for (i, layer) in self.layers.iter_mut().enumerate() {
             for (name, norm) in layer.parts_mut().norms {
                 var(norm, format!("model.layers.{i}.{name}"), &mut out)?;
@@ -1546,6 +1712,11 @@ impl CausalLm {
         let mut m = self.clone();
         m.embed_tokens = m.embed_tokens.detach();
         m.embed_adapter = m.embed_adapter.as_ref().map(LoraAdapter::detached);
+        if let Some(ple) = &mut m.per_layer_embedding {
+            ple.table = ple.table.detach();
+            ple.norm = ple.norm.detach();
+            linear(&mut ple.projection);
+        }
         for layer in &mut m.layers {
             let parts = layer.parts_mut();
             for (_, norm) in parts.norms {
@@ -1617,6 +1788,11 @@ impl CausalLm {
         placement: &Placement,
         devices: &[Device],
     ) -> Result<(), ModelError> {
+        if let Some(why) = self.layers_not_separable() {
+            return Err(ModelError::Msg(format!(
+                "cannot spread the model over devices: {why}"
+            )));
+        }
         if placement.layers.len() != self.layers.len() {
             return Err(ModelError::Msg(format!(
                 "device placement covers {} layers, the model has {}",
@@ -1719,12 +1895,66 @@ impl CausalLm {
             return self.forward_hidden_spread(spread, input_ids, layout, cache);
         }
         let mut x = self.embed(input_ids)?;
+        let mut across = AcrossLayers {
+            per_layer_inputs: self.per_layer_inputs(input_ids, &x)?,
+            ..AcrossLayers::default()
+        };
         let inputs = self.layer_inputs(layout)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = self.layer_forward(layer, &x, &inputs, layer_cache)?;
+            x = self.layer_forward(i, layer, &x, &inputs, layer_cache, &mut across)?;
         }
         self.final_norm(&x)
+    }
+
+    /// Why this model's layers cannot run one at a time ([`CausalLm::layer`]: activation
+    /// checkpointing, sharded training, early exits, layer dropout, a model spread over devices),
+    /// when they cannot: Gemma 4's layers read the per-layer embeddings or an earlier layer's
+    /// keys and values.
+    pub fn layers_not_separable(&self) -> Option<String> {
+        let g = self.config.gemma4.as_ref()?;
+        let what = match (
+            g.per_layer_input.is_some(),
+            g.kv_source.iter().any(Option::is_some),
+        ) {
+            (false, false) => return None,
+            (true, false) => "per-layer embeddings (hidden_size_per_layer_input)",
+            (false, true) => "keys and values shared across layers (num_kv_shared_layers)",
+            (true, true) => "per-layer embeddings and keys and values shared across layers",
+        };
+        Some(format!(
+            "this Gemma 4 model's layers do not run one at a time: they read {what}"
+        ))
+    }
+
+    /// Gemma 4's per-layer inputs `[b, t, layers, per_layer_dim]` from the input ids and their
+    /// (scaled) embeddings `embeds`, as transformers makes them: `(norm(projection(embeds) ·
+    /// hidden^-½) + table[ids] · √per_layer_dim) · 2^-½`.
+    fn per_layer_inputs(&self, input_ids: &Tensor, embeds: &Tensor) -> CResult<Option<Tensor>> {
+        let Some(ple) = &self.per_layer_embedding else {
+            return Ok(None);
+        };
+        let c = &self.config;
+        let (b, t) = input_ids.dims2()?;
+        let dim = ple.norm.dim(0)?;
+        let shape = (b, t, c.num_hidden_layers, dim);
+        let projected = (ple.projection.forward(embeds)? * (c.hidden_size as f64).powf(-0.5))?
+            .reshape(shape)?;
+        let projected = self.norm(&projected, &ple.norm, None)?;
+        let flat = input_ids.flatten_all()?;
+        let mut looked_up = ple.table.index_select(&flat, 0)?;
+        if let Some(pad) = c.pad_token_id.filter(|_| ple.table.track_op()) {
+            // The table's padding row gets no gradient (`padding_idx`), as the embedding's.
+            let is_pad = flat
+                .eq(pad)?
+                .unsqueeze(1)?
+                .broadcast_as(looked_up.shape())?;
+            looked_up = is_pad.where_cond(&looked_up.detach(), &looked_up)?;
+        }
+        // transformers rounds the scale to the weights' dtype, as the embedding's.
+        let scale = Tensor::new((dim as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
+        let looked_up = looked_up.reshape(shape)?.broadcast_mul(&scale)?;
+        ((projected + looked_up)? * 0.5f64.sqrt()).map(Some)
     }
 
     /// [`CausalLm::forward_hidden`] of a dispatched model: the hidden states follow the layers
@@ -1740,6 +1970,8 @@ impl CausalLm {
         let (placement, devices) = (&spread.placement, &spread.devices);
         let mut at = placement.embed;
         let mut x = self.embed(&input_ids.to_device(&devices[at])?)?;
+        // `dispatch` refuses models whose layers depend on one another (Gemma 4's).
+        let mut across = AcrossLayers::default();
         let mut per_device: Vec<Option<LayerInputs>> = vec![None; devices.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let d = placement.layers[i];
@@ -1756,7 +1988,7 @@ impl CausalLm {
             }
             let inputs = per_device[d].as_ref().expect("built above");
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = self.layer_forward(layer, &x, inputs, layer_cache)?;
+            x = self.layer_forward(i, layer, &x, inputs, layer_cache, &mut across)?;
         }
         if placement.head != at {
             x = x.to_device(&devices[placement.head])?;
@@ -1887,7 +2119,11 @@ impl CausalLm {
     /// Decoder layer `index` on hidden states `x` (no cache): the unit activation checkpointing
     /// recomputes.
     pub fn layer(&self, index: usize, x: &Tensor, inputs: &LayerInputs) -> CResult<Tensor> {
-        self.layer_forward(&self.layers[index], x, inputs, None)
+        if let Some(why) = self.layers_not_separable() {
+            candle_core::bail!("{why}");
+        }
+        let layer = &self.layers[index];
+        self.layer_forward(index, layer, x, inputs, None, &mut AcrossLayers::default())
     }
 
     /// The final norm.
@@ -1935,10 +2171,12 @@ impl CausalLm {
 
     fn layer_forward(
         &self,
+        index: usize,
         layer: &DecoderLayer,
         x: &Tensor,
         inputs: &LayerInputs,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
+        across: &mut AcrossLayers,
     ) -> CResult<Tensor> {
         let (cos, sin) = inputs.cos_sin(layer);
         let mask = inputs.mask(layer);
@@ -1956,8 +2194,27 @@ impl CausalLm {
                 None => QueryScale::None,
             },
         };
-        let h = self.attention(&layer.self_attn, &normed, rope, q_scale, mask, cache)?;
-        match (
+        let shared = match layer.self_attn.kv_source {
+            Some(source) => Some(across.kv.get(&source).ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "layer {index} reuses the keys and values of layer {source}, which has not run"
+                ))
+            })?),
+            None => None,
+        };
+        let (h, kv) = self.attention(
+            &layer.self_attn,
+            &normed,
+            rope,
+            q_scale,
+            mask,
+            cache,
+            shared,
+        )?;
+        if self.kv_is_shared(index) {
+            across.kv.insert(index, kv);
+        }
+        let x = match (
             &layer.post_attention_layernorm,
             &layer.pre_feedforward_layernorm,
             &layer.post_feedforward_layernorm,
@@ -1979,11 +2236,44 @@ impl CausalLm {
                 let m = self.feed_forward(&layer.mlp, &normed)?;
                 (h + m)? + x
             }
+        }?;
+        let x = match (&layer.per_layer_input, &across.per_layer_inputs) {
+            (Some(block), Some(inputs)) => {
+                let own = inputs.narrow(2, index, 1)?.squeeze(2)?;
+                let gated = self.activation(&block.gate.forward(&x)?)?;
+                let h = block.projection.forward(&gated.broadcast_mul(&own)?)?;
+                (&x + self.norm(&h, &block.norm, None)?)?
+            }
+            _ => x,
+        };
+        match &layer.layer_scalar {
+            Some(s) => x.broadcast_mul(s),
+            None => Ok(x),
+        }
+    }
+
+    /// Whether a later layer attends with layer `index`'s keys and values (Gemma 4).
+    fn kv_is_shared(&self, index: usize) -> bool {
+        self.config
+            .gemma4
+            .as_ref()
+            .is_some_and(|g| g.kv_source.contains(&Some(index)))
+    }
+
+    /// The MLP's activation function alone (Gemma 4's per-layer input gate).
+    fn activation(&self, x: &Tensor) -> CResult<Tensor> {
+        match self.config.activation {
+            Activation::Silu => x.silu(),
+            Activation::GeluTanh => x.gelu(),
+            Activation::GeluErf => x.gelu_erf(),
         }
     }
 
     /// Self-attention of one layer; `rope` is `None` for a NoPE layer, `q_scale` the per-position
-    /// query temperature (Ministral 3's, Llama 4's NoPE layers').
+    /// query temperature (Ministral 3's, Llama 4's NoPE layers'); `shared` the keys and values a
+    /// Gemma 4 KV-sharing layer attends with. Returns the output and the keys and values it
+    /// attended with (`[b, kv_heads, past + t, head_dim]`, after the cache).
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         attn: &Attention,
@@ -1992,56 +2282,82 @@ impl CausalLm {
         q_scale: QueryScale,
         mask: Option<&Tensor>,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
-    ) -> CResult<Tensor> {
+        shared: Option<&(Tensor, Tensor)>,
+    ) -> CResult<(Tensor, (Tensor, Tensor))> {
         let c = &self.config;
         let (b, t, _) = x.dims3()?;
-        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let (q, k, v) = match &attn.qkv {
+        let (nh, nkv, hd) = attn.dims;
+        let (q, kv) = match &attn.qkv {
             QkvProjection::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
-            } => (q_proj.forward(x)?, k_proj.forward(x)?, v_proj.forward(x)?),
+            } => (
+                q_proj.forward(x)?,
+                Some((k_proj.forward(x)?, v_proj.forward(x)?)),
+            ),
             QkvProjection::Fused { qkv_proj } => {
                 let qkv = qkv_proj.forward(x)?;
                 (
                     qkv.narrow(D::Minus1, 0, nh * hd)?,
-                    qkv.narrow(D::Minus1, nh * hd, nkv * hd)?,
-                    qkv.narrow(D::Minus1, (nh + nkv) * hd, nkv * hd)?,
+                    Some((
+                        qkv.narrow(D::Minus1, nh * hd, nkv * hd)?,
+                        qkv.narrow(D::Minus1, (nh + nkv) * hd, nkv * hd)?,
+                    )),
                 )
             }
+            // The values are the keys' projection before the key norm and RoPE.
+            QkvProjection::KeyIsValue { q_proj, k_proj } => {
+                let k = k_proj.forward(x)?;
+                (q_proj.forward(x)?, Some((k.clone(), k)))
+            }
+            QkvProjection::QueryOnly { q_proj } => (q_proj.forward(x)?, None),
         };
         let mut q = q.reshape((b, t, nh, hd))?;
-        let mut k = k.reshape((b, t, nkv, hd))?;
-        if let (Some(qn), Some(kn)) = (&attn.q_norm, &attn.k_norm) {
+        if let Some(qn) = &attn.q_norm {
             q = fused::rms_norm(&q, qn, c.rms_norm_eps, c.norm_weight_offset_one)?;
-            k = fused::rms_norm(&k, kn, c.rms_norm_eps, c.norm_weight_offset_one)?;
         }
         if rope.is_some() && c.rope_interleaved {
             // Meta's rotary pairs are adjacent elements; gathered into transformers' halves (the
             // same reordering of every query and key head leaves their dot products as they
             // are), the half-split kernels rotate them.
             q = pairs_to_halves(&q)?;
-            k = pairs_to_halves(&k)?;
         }
         // The kernels take the transposed views as they are (RoPE on the GPU reads them in place;
         // the CPU kernels copy them), so no contiguous copy is kept in the graph here.
-        let (mut q, mut k) = match rope {
-            Some((cos, sin)) => (
-                fused::rope(&q.transpose(1, 2)?, cos, sin)?,
-                fused::rope(&k.transpose(1, 2)?, cos, sin)?,
-            ),
-            None => (
-                q.transpose(1, 2)?.contiguous()?,
-                k.transpose(1, 2)?.contiguous()?,
-            ),
+        let rotate = |t: &Tensor| match rope {
+            Some((cos, sin)) => fused::rope(&t.transpose(1, 2)?, cos, sin),
+            None => t.transpose(1, 2)?.contiguous(),
         };
-        if rope.is_some() && c.rope_layer_qk_l2_norm {
+        let mut q = rotate(&q)?;
+        let ones = Tensor::ones(hd, q.dtype(), q.device())?;
+        let l2_norm = rope.is_some() && c.rope_layer_qk_l2_norm;
+        if l2_norm {
             // Llama 4's weightless RMSNorm of each head, after RoPE.
-            let ones = Tensor::ones(hd, q.dtype(), q.device())?;
             q = fused::rms_norm(&q, &ones, c.rms_norm_eps, false)?;
-            k = fused::rms_norm(&k, &ones, c.rms_norm_eps, false)?;
         }
+        let new_kv = match kv {
+            Some((k, v)) => {
+                let mut k = k.reshape((b, t, nkv, hd))?;
+                if let Some(kn) = &attn.k_norm {
+                    k = fused::rms_norm(&k, kn, c.rms_norm_eps, c.norm_weight_offset_one)?;
+                }
+                if rope.is_some() && c.rope_interleaved {
+                    k = pairs_to_halves(&k)?;
+                }
+                let mut k = rotate(&k)?;
+                if l2_norm {
+                    k = fused::rms_norm(&k, &ones, c.rms_norm_eps, false)?;
+                }
+                let mut v = v.reshape((b, t, nkv, hd))?;
+                if attn.v_norm {
+                    // Gemma 4's weightless RMSNorm of each value head.
+                    v = fused::rms_norm(&v, &ones, c.rms_norm_eps, false)?;
+                }
+                Some((k, v.transpose(1, 2)?))
+            }
+            None => None,
+        };
         let q = match q_scale {
             QueryScale::Compute(s) => q.broadcast_mul(s)?,
             // transformers multiplies the f32 factors into the queries in f32.
@@ -2051,21 +2367,30 @@ impl CausalLm {
                 .to_dtype(q.dtype())?,
             QueryScale::None => q,
         };
-        let mut v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
-        if let Some(slot) = cache {
-            if let Some((pk, pv)) = slot.as_ref() {
-                k = Tensor::cat(&[pk, &k], 2)?;
-                v = Tensor::cat(&[pv, &v], 2)?;
+        let (k, v) = match (new_kv, shared) {
+            (Some((mut k, mut v)), _) => {
+                if let Some(slot) = cache {
+                    if let Some((pk, pv)) = slot.as_ref() {
+                        k = Tensor::cat(&[pk, &k], 2)?;
+                        v = Tensor::cat(&[pv, &v], 2)?;
+                    }
+                    *slot = Some((k.clone(), v.clone()));
+                }
+                (k, v)
             }
-            *slot = Some((k.clone(), v.clone()));
-        }
+            // A KV-sharing layer caches nothing: its source's entry holds every position.
+            (None, Some((k, v))) => (k.clone(), v.clone()),
+            (None, None) => {
+                candle_core::bail!("a layer without key/value projections has no keys to attend to")
+            }
+        };
         let scale = self.attention_scale();
         // softmax(softcap(q kᵀ · scale) + mask) v with grouped-query heads, one fused op with its
         // own backward on the CPU (f32); the composite candle ops elsewhere.
         let softcap = c.attn_logit_softcapping;
         let out = fused::attention_softcapped(&q, &k, &v, mask, scale, softcap)?; // [b, nh, t, hd]
         let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        attn.o_proj.forward(&out)
+        Ok((attn.o_proj.forward(&out)?, (k, v)))
     }
 
     /// The factor on attention scores: `head_dim^-0.5`, or `query_pre_attn_scalar^-0.5` (Gemma 2/3).

@@ -1747,9 +1747,13 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
     for (name, t) in model.final_norm_tensors() {
         out.insert(name, t.clone());
     }
+    if let Some(ple) = &model.per_layer_embedding {
+        out.insert(crate::model::PER_LAYER_TABLE.to_string(), ple.table.clone());
+        out.insert(crate::model::PER_LAYER_NORM.to_string(), ple.norm.clone());
+    }
     for (i, layer) in model.layers.iter().enumerate() {
-        for (name, norm) in layer.norms() {
-            out.insert(format!("model.layers.{i}.{name}"), norm.clone());
+        for (name, t) in layer.norms().into_iter().chain(layer.buffers()) {
+            out.insert(format!("model.layers.{i}.{name}"), t.clone());
         }
     }
     let tied = model.config.tie_word_embeddings;

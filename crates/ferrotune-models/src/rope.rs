@@ -41,7 +41,17 @@ impl RotaryEmbedding {
     /// Builds the frequencies of `rope` for the heads of `cfg` (Gemma 3's local rope is a second
     /// one).
     pub fn with_rope(cfg: &ModelConfig, rope: &RopeConfig) -> Self {
-        let dim = ((cfg.head_dim as f64) * rope.partial_rotary_factor) as usize;
+        Self::for_head_dim(cfg.head_dim, rope)
+    }
+
+    /// Builds the frequencies of `rope` for heads of `head_dim` (Gemma 4's full-attention layers
+    /// have heads of their own size).
+    pub fn for_head_dim(head_dim: usize, rope: &RopeConfig) -> Self {
+        let dim = match rope.scaling {
+            // Every pair rotates (some at frequency zero).
+            RopeScaling::Proportional { .. } => head_dim,
+            _ => ((head_dim as f64) * rope.partial_rotary_factor) as usize,
+        };
         let base = rope.theta;
         let mut long = None;
         let mut dynamic = None;
@@ -91,6 +101,20 @@ impl RotaryEmbedding {
                         } else {
                             scaled
                         }
+                    })
+                    .collect()
+            }
+            RopeScaling::Proportional { factor } => {
+                // transformers: int(partial_rotary_factor * head_dim // 2) rotated pairs.
+                let rotated = (rope.partial_rotary_factor * head_dim as f64 / 2.0).floor() as usize;
+                (0..head_dim / 2)
+                    .map(|i| {
+                        let f = if i < rotated {
+                            1.0f32 / (base as f32).powf((2 * i) as f32 / head_dim as f32)
+                        } else {
+                            0.0
+                        };
+                        f / *factor as f32
                     })
                     .collect()
             }

@@ -93,6 +93,12 @@ impl CausalLm {
                     let names = ["lora_embedding_A", "lora_embedding_B"];
                     adapter_tensors_mut(crate::peft::EMBED_MODULE, names, adapter, &mut out);
                 }
+                if let Some(ple) = &mut self.per_layer_embedding {
+                    out.push((crate::model::PER_LAYER_TABLE.to_string(), &mut ple.table));
+                    out.push((crate::model::PER_LAYER_NORM.to_string(), &mut ple.norm));
+                    let module = crate::model::PER_LAYER_PROJECTION;
+                    linear_tensors_mut(module, &mut ple.projection, true, &mut out);
+                }
                 out.extend(final_norm_entries_mut(
                     &self.config,
                     &mut self.norm,

@@ -131,8 +131,9 @@ fn decode_step_equals_the_forward_for_every_family_on_a_padded_batch() {
     for case in cases {
         let model = load(&case);
         let c = &model.config;
-        if c.layer_norm || c.moe.is_some() {
-            // Phi-2 and MoE models: the step refuses (the forward decodes those), and says why.
+        if c.layer_norm || c.moe.is_some() || c.gemma4.is_some() {
+            // Phi-2, MoE and Gemma 4 models: the step refuses (the forward decodes those), and
+            // says why.
             let one = Tensor::new(&[[1u32]], &Device::Cpu).unwrap();
             let mut cache = KvCache::new(model.layers.len());
             let err = model
@@ -140,6 +141,8 @@ fn decode_step_equals_the_forward_for_every_family_on_a_padded_batch() {
                 .unwrap_err();
             let why = if c.layer_norm {
                 "Phi-2"
+            } else if c.gemma4.is_some() {
+                "Gemma 4"
             } else {
                 "mixture of experts"
             };
@@ -160,7 +163,7 @@ fn replayed_decode_steps_equal_the_forward() {
     for case in fixture_models() {
         let model = load(&case);
         let c = &model.config;
-        if c.layer_norm || c.moe.is_some() {
+        if c.layer_norm || c.moe.is_some() || c.gemma4.is_some() {
             continue;
         }
         let prompts = vec![vec![5, 9, 2, 7, 1, 3], vec![4, 8, 6], vec![11]];

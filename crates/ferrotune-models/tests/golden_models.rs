@@ -178,9 +178,18 @@ fn every_family_runs_in_bf16() {
         let rel = bf16_relative_error(case);
         // A bf16 rounding can flip a token's expert choice; transformers' own bf16 run of these
         // fixtures lands as far (qwen2_moe: 0.137 there, 0.116 here).
-        let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe"]
-            .contains(&golden(case)["model_type"].as_str().unwrap_or(""));
-        let bound = if moe { 0.2 } else { 0.05 };
+        let model_type = golden(case)["model_type"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe"].contains(&model_type.as_str());
+        // The Gemma 4 fixtures' logits are nearly flat (softcapped, unscaled scores): transformers'
+        // own bf16 run lands 0.055 (gemma4) and 0.051 (gemma4_e2b_like) from its f32 golden.
+        let bound = match (moe, model_type.as_str()) {
+            (true, _) => 0.2,
+            (false, "gemma4_text") => 0.08,
+            _ => 0.05,
+        };
         assert!(
             rel < bound,
             "{}: bf16 relative L2 error {rel} (bound {bound})",

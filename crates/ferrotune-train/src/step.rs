@@ -652,7 +652,14 @@ pub fn forward_backward(
     acc: &mut GradStore,
     activation_checkpointing: bool,
 ) -> anyhow::Result<StepLoss> {
-    if !activation_checkpointing && batch.layer_skip.is_none() {
+    let separable = model.layers_not_separable();
+    if let (Some(why), Some(_)) = (&separable, &batch.layer_skip) {
+        anyhow::bail!("early exits and layer dropout run the layers one at a time, but {why}");
+    }
+    // Checkpointing recomputes layer by layer; a model whose layers depend on one another
+    // (Gemma 4's) keeps the whole graph instead (the recipes warn).
+    let checkpointing = activation_checkpointing && separable.is_none();
+    if !checkpointing && batch.layer_skip.is_none() {
         if batch.aux_loss_weight.is_some() {
             model.record_routers();
         }
@@ -1023,6 +1030,13 @@ pub fn checkpointed_backward(
     acc: &mut GradStore,
     head: impl FnOnce(&Tensor) -> anyhow::Result<Tensor>,
 ) -> anyhow::Result<Tensor> {
+    if model.layers_not_separable().is_some() {
+        // Layers that depend on one another (Gemma 4's) are not recomputed one at a time: the
+        // whole graph is kept to the backward.
+        let loss = head(&model.forward_hidden(input_ids, layout, None)?)?;
+        absorb(acc, &loss.backward()?, params)?;
+        return Ok(loss.detach());
+    }
     let n = model.layers.len();
     let inputs = model.layer_inputs(layout)?;
     let embedded = model.embed(input_ids)?;

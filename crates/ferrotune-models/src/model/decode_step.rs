@@ -77,6 +77,12 @@ impl CausalLm {
             }
         }
         let c = &self.config;
+        if c.gemma4.is_some() {
+            return Some(
+                "Gemma 4's per-layer head sizes, shared keys and values and per-layer inputs have no decode kernels"
+                    .into(),
+            );
+        }
         if c.head_dim > decode::MAX_HEAD_DIM {
             return Some(format!(
                 "head dimension {} is over {}",
@@ -417,6 +423,10 @@ impl CausalLm {
                 )?,
                 QkvProjection::Fused { qkv_proj } => {
                     decode::linear_rows(&h, &[projection(qkv_proj)?], None)?
+                }
+                // Refused by `decode_step_unsupported`.
+                QkvProjection::KeyIsValue { .. } | QkvProjection::QueryOnly { .. } => {
+                    candle_core::bail!("Gemma 4's attention has no decode kernels")
                 }
             };
             let norm = match (&attn.q_norm, &attn.k_norm) {

@@ -279,6 +279,9 @@ impl ShardedModel {
         queue: CommQueue,
         cpu_offload: bool,
     ) -> Result<Self> {
+        if let Some(why) = model.layers_not_separable() {
+            anyhow::bail!("training on several ranks runs the layers one at a time, but {why}");
+        }
         let dtype = model.dtype();
         let device = model.device().clone();
         // `fsdp_cpu_offload`: trainable shards, their gradients and the optimizer state live in

@@ -430,6 +430,12 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         if let Some(coef) = aux_coef {
             eprintln!("Router load-balancing loss added with weight {coef} (output_router_logits)");
         }
+        if let (true, Some(why)) = (checkpointing, model.layers_not_separable()) {
+            tracing::warn!(
+                "enable_activation_checkpointing is not applied ({why}): every layer's activations \
+                 are kept to the backward"
+            );
+        }
     }
     // Distributed: the model is spread over the ranks, and the optimizer updates this rank's part.
     let mut sharded = match &group {
