@@ -920,6 +920,12 @@ CASES = {
                                     "ship) holding llama4's text weights (language_model.model.*, "
                                     "language_model.lm_head.*) and a tiny vision tower (vision_model.*, "
                                     "multi_modal_projector.*); text-only logits equal llama4's"),
+    "gemma4_multimodal": dict(weights_from="gemma4_e2b_like", multimodal="gemma4", same_golden_as="gemma4_e2b_like",
+                              style="v5",
+                              notes="Gemma4ForConditionalGeneration (model_type gemma4) holding gemma4_e2b_like's text "
+                                    "weights (model.language_model.*, per-layer embeddings and layer_scalar buffers "
+                                    "included), its own lm_head, a tiny vision tower (model.vision_tower.*, "
+                                    "model.embed_vision.*); text-only logits equal gemma4_e2b_like's"),
     "gemma3_multimodal": dict(weights_from="gemma3", multimodal="gemma3", same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "
@@ -1177,6 +1183,15 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
             pixel_shuffle_ratio=0.5), image_token_index=VOCAB - 3, boi_token_index=VOCAB - 2,
             eoi_token_index=VOCAB - 1, tie_word_embeddings=False)
         mm_class = Llama4ForConditionalGeneration
+    elif kind == "gemma4":
+        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+        text = text_cfg.to_dict()
+        for k in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+            text.pop(k, None)
+        cfg = Gemma4Config(text_config=text, vision_config=dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=8), audio_config=None, tie_word_embeddings=text_cfg.tie_word_embeddings)
+        mm_class = Gemma4ForConditionalGeneration
     else:
         vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      image_size=28, patch_size=14, head_dim=8)

@@ -63,7 +63,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOK = os.path.join(ROOT, "tests", "fixtures", "tiny_tokenizer")
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "phi3", "phi",
-            "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "llama4_text"]
+            "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "llama4_text", "gemma4_text"]
 # transformers 5 keeps experts as fused parameters (saved under per-expert names), which PEFT's
 # LoRA cannot target as ferrotune's per-expert modules and whose gradients do not carry the
 # checkpoint's names: the MoE families are checked by the forward sweep only (their fixtures
@@ -118,7 +118,7 @@ def random_config(rng, mt):
                   original_max_position_embeddings=32)
     elif r < 0.6:
         rp.update(rope_type="dynamic", factor=2.0)
-    if mt in ("llama", "mistral", "qwen3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "smollm3", "mixtral",
+    if mt in ("llama", "mistral", "qwen3", "gemma", "gemma2", "vaultgemma", "gemma3_text", "gemma4_text", "smollm3", "mixtral",
               "qwen3_moe", "llama4_text"):
         c["head_dim"] = hd
     if mt == "llama":
@@ -175,6 +175,33 @@ def random_config(rng, mt):
         c["attn_temperature_tuning"] = rng.random() < 0.8
         c["floor_scale"] = rng.choice([2, 5, 8192])
         c["attn_scale"] = rng.choice([0.1, 0.5])
+    if mt == "gemma4_text":
+        # Gemma 4: sliding and full layers (the last full), the full ones with their own head size
+        # and, with attention_k_eq_v, values from the key projection and their own key/value heads;
+        # the proportional rope there (a part of the pairs rotating, scaled by a factor); at times
+        # per-layer embeddings, and the last layers reusing earlier layers' keys and values (with
+        # double-wide MLPs), a final softcap, attention biases.
+        layers = rng.choice([3, 4, 5])
+        types = [rng.choice(["sliding_attention", "full_attention"]) for _ in range(layers - 1)]
+        types.append("full_attention")
+        c.update(num_hidden_layers=layers, layer_types=types, sliding_window=rng.choice([4, 8]),
+                 hidden_activation="gelu_pytorch_tanh", global_head_dim=rng.choice([hd, 24, 32]),
+                 attention_k_eq_v=rng.random() < 0.5,
+                 num_global_key_value_heads=rng.choice([k for k in [1, 2] if heads % k == 0]),
+                 final_logit_softcapping=rng.choice([None, 15.0]), attention_bias=rng.random() < 0.3,
+                 hidden_size_per_layer_input=0, num_kv_shared_layers=0)
+        # transformers' generate needs per-layer embeddings where layers share keys and values.
+        if rng.random() < 0.6:
+            c.update(hidden_size_per_layer_input=rng.choice([4, 8]), vocab_size_per_layer_input=512)
+            unshared = [i for i in range(1, layers)
+                        if set(types[:i]) == set(types)]
+            if unshared and rng.random() < 0.7:
+                c["num_kv_shared_layers"] = layers - rng.choice(unshared)
+                c["use_double_wide_mlp"] = rng.random() < 0.5
+        rp = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                 "partial_rotary_factor": rng.choice([0.25, 0.5, 1.0]),
+                                 "factor": rng.choice([1.0, 2.0])}}
     if mt in ("phi3", "phi"):
         partial = rng.choice([1.0, 0.5]) if mt == "phi3" else 0.5
         c["partial_rotary_factor"] = partial
@@ -377,7 +404,8 @@ def check_full(rng, binary, mt, folder):
     start = load_file(os.path.join(mdir, "model.safetensors"))
     worst, at = 0.0, None
     for k, s in start.items():
-        want = s - grads[k]
+        # Buffers (Gemma 4's layer_scalar) are saved as they are.
+        want = s - grads[k] if k in grads else s
         e = ((saved.get(k, torch.zeros_like(s)) - want).norm() / want.norm()).item()
         if e > worst:
             worst, at = e, k
