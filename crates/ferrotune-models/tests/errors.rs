@@ -195,3 +195,105 @@ fn bad_pytorch_checkpoints() {
         "{err}"
     );
 }
+
+/// Gemma 4 configurations ferrotune does not run are refused with the key and the reason: the
+/// mixture-of-experts block, bidirectional attention, `per_layer_config` overrides other than the
+/// head size and key/value heads, and KV sharing with no unshared layer of a type.
+#[test]
+fn gemma4_configs_it_cannot_run_are_refused_by_key() {
+    use ferrotune_models::ModelConfig;
+    let base: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/models/gemma4_e2b_like/model/config.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert!(ModelConfig::from_hf_json(&base).is_ok());
+    let refused = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| -> String {
+        let mut cfg = base.clone();
+        edit(cfg.as_object_mut().unwrap());
+        ModelConfig::from_hf_json(&cfg).expect_err("should be refused")
+    };
+    let err = refused(&|c| {
+        c.insert("use_bidirectional_attention".into(), "all".into());
+    });
+    assert!(err.contains("use_bidirectional_attention"), "{err}");
+    let err = refused(&|c| {
+        c.insert(
+            "per_layer_config".into(),
+            serde_json::json!({"1": {"intermediate_size": 64}}),
+        );
+    });
+    assert!(
+        err.contains("per_layer_config.1") && err.contains("intermediate_size"),
+        "{err}"
+    );
+    // Layers 0..3 unshared hold no full-attention layer when layer 1 is sliding too.
+    let err = refused(&|c| {
+        c.remove("per_layer_config");
+        c.insert("num_kv_shared_layers".into(), 2.into());
+        c.insert(
+            "layer_types".into(),
+            serde_json::json!([
+                "sliding_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "full_attention"
+            ]),
+        );
+    });
+    assert!(err.contains("num_kv_shared_layers"), "{err}");
+    // The MoE block is read from the config but refused when the model is built.
+    let mut moe = base.clone();
+    let obj = moe.as_object_mut().unwrap();
+    for (k, v) in [
+        ("enable_moe_block", serde_json::json!(true)),
+        ("num_experts", serde_json::json!(4)),
+        ("top_k_experts", serde_json::json!(2)),
+        ("moe_intermediate_size", serde_json::json!(16)),
+    ] {
+        obj.insert(k.into(), v);
+    }
+    let d = tmp("gemma4-moe");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models/gemma4_e2b_like/model");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::copy(src.join("model.safetensors"), d.join("model.safetensors")).unwrap();
+    std::fs::write(d.join("config.json"), moe.to_string()).unwrap();
+    let err = load_err(&d);
+    assert!(
+        err.contains("enable_moe_block") && err.contains("not supported"),
+        "{err}"
+    );
+}
+
+/// A Gemma 4 model whose layers read per-layer embeddings or share keys and values runs whole:
+/// one layer alone, or a spread over devices, is refused with the reason (the recipes then keep
+/// the whole graph instead of checkpointing layer by layer).
+#[test]
+fn gemma4_layers_that_depend_on_each_other_do_not_run_alone() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models/gemma4_e2b_like/model");
+    let (model, _) = load_model(&dir, DType::F32, &Device::Cpu).unwrap();
+    let why = model
+        .layers_not_separable()
+        .expect("E-model layers are not separable");
+    assert!(
+        why.contains("per-layer embeddings") && why.contains("shared"),
+        "{why}"
+    );
+    let inputs = model
+        .layer_inputs(&ferrotune_models::AttentionLayout::causal(1, 2, 0))
+        .unwrap();
+    let x = candle_core::Tensor::zeros((1, 2, model.config.hidden_size), DType::F32, &Device::Cpu)
+        .unwrap();
+    let err = model.layer(0, &x, &inputs).unwrap_err().to_string();
+    assert!(err.contains("do not run one at a time"), "{err}");
+    // The dense shape's layers stand alone.
+    let dense = dir.join("../../gemma4/model");
+    let (model, _) = load_model(&dense, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(model.layers_not_separable(), None);
+}
