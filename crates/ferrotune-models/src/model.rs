@@ -1941,19 +1941,9 @@ impl CausalLm {
         let projected = (ple.projection.forward(embeds)? * (c.hidden_size as f64).powf(-0.5))?
             .reshape(shape)?;
         let projected = self.norm(&projected, &ple.norm, None)?;
-        let flat = input_ids.flatten_all()?;
-        let mut looked_up = ple.table.index_select(&flat, 0)?;
-        if let Some(pad) = c.pad_token_id.filter(|_| ple.table.track_op()) {
-            // The table's padding row gets no gradient (`padding_idx`), as the embedding's.
-            let is_pad = flat
-                .eq(pad)?
-                .unsqueeze(1)?
-                .broadcast_as(looked_up.shape())?;
-            looked_up = is_pad.where_cond(&looked_up.detach(), &looked_up)?;
-        }
-        // transformers rounds the scale to the weights' dtype, as the embedding's.
-        let scale = Tensor::new((dim as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
-        let looked_up = looked_up.reshape(shape)?.broadcast_mul(&scale)?;
+        let looked_up = embedding_rows(&ple.table, &input_ids.flatten_all()?, c.pad_token_id)?
+            .reshape(shape)?
+            .broadcast_mul(&self.embedding_scale(dim)?)?;
         ((projected + looked_up)? * 0.5f64.sqrt()).map(Some)
     }
 
@@ -2006,15 +1996,7 @@ impl CausalLm {
     pub fn embed(&self, input_ids: &Tensor) -> CResult<Tensor> {
         let (batch, seq) = input_ids.dims2()?;
         let flat = input_ids.flatten_all()?;
-        let mut x = self.embed_tokens.index_select(&flat, 0)?;
-        if let Some(pad) = self
-            .config
-            .pad_token_id
-            .filter(|&p| (p as usize) < self.config.vocab_size && self.embed_tokens.track_op())
-        {
-            let is_pad = flat.eq(pad)?.unsqueeze(1)?.broadcast_as(x.shape())?;
-            x = is_pad.where_cond(&x.detach(), &x)?;
-        }
+        let mut x = embedding_rows(&self.embed_tokens, &flat, self.config.pad_token_id)?;
         if let Some(adapter) = &self.embed_adapter {
             let pad = self
                 .config
@@ -2024,12 +2006,15 @@ impl CausalLm {
         }
         let x = x.reshape((batch, seq, self.config.hidden_size))?;
         if self.config.scale_embeddings {
-            // transformers builds the normalizer as a tensor of the hidden dtype: round it the same way.
-            let s = Tensor::new((self.config.hidden_size as f32).sqrt(), &self.device)?
-                .to_dtype(self.dtype)?;
-            return x.broadcast_mul(&s);
+            return x.broadcast_mul(&self.embedding_scale(self.config.hidden_size)?);
         }
         Ok(x)
+    }
+
+    /// Gemma's embedding scale `√width` as a tensor of the compute dtype: transformers builds it
+    /// as a tensor of the hidden dtype, so it is rounded the same way.
+    fn embedding_scale(&self, width: usize) -> CResult<Tensor> {
+        Tensor::new((width as f32).sqrt(), &self.device)?.to_dtype(self.dtype)
     }
 
     /// What every layer of one forward call shares: rotary tables and attention masks.
@@ -2260,7 +2245,7 @@ impl CausalLm {
             .is_some_and(|g| g.kv_source.contains(&Some(index)))
     }
 
-    /// The MLP's activation function alone (Gemma 4's per-layer input gate).
+    /// The MLP's activation function alone (Phi-2's ungated MLP, Gemma 4's per-layer input gate).
     fn activation(&self, x: &Tensor) -> CResult<Tensor> {
         match self.config.activation {
             Activation::Silu => x.silu(),
@@ -2330,11 +2315,19 @@ impl CausalLm {
             None => t.transpose(1, 2)?.contiguous(),
         };
         let mut q = rotate(&q)?;
-        let ones = Tensor::ones(hd, q.dtype(), q.device())?;
+        // A weightless RMSNorm of each head: Llama 4's of queries and keys after RoPE, Gemma 4's
+        // of values.
+        let weightless_norm = |t: &Tensor| {
+            fused::rms_norm(
+                t,
+                &Tensor::ones(hd, t.dtype(), t.device())?,
+                c.rms_norm_eps,
+                false,
+            )
+        };
         let l2_norm = rope.is_some() && c.rope_layer_qk_l2_norm;
         if l2_norm {
-            // Llama 4's weightless RMSNorm of each head, after RoPE.
-            q = fused::rms_norm(&q, &ones, c.rms_norm_eps, false)?;
+            q = weightless_norm(&q)?;
         }
         let new_kv = match kv {
             Some((k, v)) => {
@@ -2347,12 +2340,11 @@ impl CausalLm {
                 }
                 let mut k = rotate(&k)?;
                 if l2_norm {
-                    k = fused::rms_norm(&k, &ones, c.rms_norm_eps, false)?;
+                    k = weightless_norm(&k)?;
                 }
                 let mut v = v.reshape((b, t, nkv, hd))?;
                 if attn.v_norm {
-                    // Gemma 4's weightless RMSNorm of each value head.
-                    v = fused::rms_norm(&v, &ones, c.rms_norm_eps, false)?;
+                    v = weightless_norm(&v)?;
                 }
                 Some((k, v.transpose(1, 2)?))
             }
@@ -2634,16 +2626,23 @@ impl CausalLm {
                 )
             }
             GateUpProjection::Ungated { fc1 } => {
-                let h = fc1.forward(x)?;
-                let h = match self.config.activation {
-                    Activation::Silu => h.silu()?,
-                    Activation::GeluTanh => h.gelu()?,
-                    Activation::GeluErf => h.gelu_erf()?,
-                };
-                return mlp.down_proj.forward(&h);
+                return mlp.down_proj.forward(&self.activation(&fc1.forward(x)?)?);
             }
         };
         mlp.down_proj.forward(&fused::swiglu(&gate, &up, act)?)
+    }
+}
+
+/// The rows of embedding `table` for the token ids `flat`; when the table is trained, the rows of
+/// the padding token get no gradient (PyTorch's `padding_idx`).
+fn embedding_rows(table: &Tensor, flat: &Tensor, pad: Option<u32>) -> CResult<Tensor> {
+    let rows = table.index_select(flat, 0)?;
+    match pad.filter(|&p| (p as usize) < table.dim(0).unwrap_or(0) && table.track_op()) {
+        Some(pad) => {
+            let is_pad = flat.eq(pad)?.unsqueeze(1)?.broadcast_as(rows.shape())?;
+            is_pad.where_cond(&rows.detach(), &rows)
+        }
+        None => Ok(rows),
     }
 }
 

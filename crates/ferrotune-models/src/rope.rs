@@ -35,17 +35,11 @@ fn default_inv_freq(base: f64, dim: usize) -> Vec<f32> {
 impl RotaryEmbedding {
     /// Builds the frequencies for `cfg` (its `rope`).
     pub fn new(cfg: &ModelConfig) -> Self {
-        Self::with_rope(cfg, &cfg.rope)
+        Self::for_head_dim(cfg.head_dim, &cfg.rope)
     }
 
-    /// Builds the frequencies of `rope` for the heads of `cfg` (Gemma 3's local rope is a second
-    /// one).
-    pub fn with_rope(cfg: &ModelConfig, rope: &RopeConfig) -> Self {
-        Self::for_head_dim(cfg.head_dim, rope)
-    }
-
-    /// Builds the frequencies of `rope` for heads of `head_dim` (Gemma 4's full-attention layers
-    /// have heads of their own size).
+    /// Builds the frequencies of `rope` for heads of `head_dim` (Gemma 3's local rope is a second
+    /// one; Gemma 4's full-attention layers have heads of their own size).
     pub fn for_head_dim(head_dim: usize, rope: &RopeConfig) -> Self {
         let dim = match rope.scaling {
             // Every pair rotates (some at frequency zero).
