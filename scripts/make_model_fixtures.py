@@ -320,6 +320,39 @@ def cfg_gemma4_e2b_like():
     ))
 
 
+def cfg_gemma4_moe():
+    # Gemma 4 MoE (as the 26B-A4B): every layer runs its dense MLP and, beside it, a mixture of 4 experts
+    # (top-2, moe_intermediate_size 24) routed from the MLP's residual input through a weightless RMSNorm, a
+    # learned scale and 1/sqrt(hidden); the top-2 softmax weights renormalized and multiplied by per-expert
+    # scales; experts fused as experts.gate_up_proj [4, 48, 32] / experts.down_proj [4, 32, 24]; the two
+    # outputs normed apart (post_feedforward_layernorm_1 / _2) and summed. Full layers with global_head_dim 32
+    # and attention_k_eq_v (2 key/value heads), proportional rope; untied.
+    return Gemma4TextConfig(**common(
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=2,
+        attention_k_eq_v=True,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        sliding_window=5,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=24,
+        tie_word_embeddings=False,
+    ))
+
+
 def cfg_phi2():
     # Phi-2 (model_type phi): LayerNorm with bias, attention and MLP in parallel on one normed input,
     # output projection `dense`, ungated MLP fc1 -> gelu_new -> fc2, partial rotary 0.5 of head_dim 8,
@@ -833,6 +866,10 @@ CASES = {
                             grads=True,
                             notes="Gemma 4 E-model shape: per-layer embeddings, KV sharing (2 layers), "
                                   "double-wide MLPs on the sharing layers, untied; layer_scalar buffers set"),
+    "gemma4_moe": dict(cfg=cfg_gemma4_moe, seed=137, style="v5", embed_std=EMBED_STD_SANDWICH, grads=True,
+                       notes="Gemma 4 MoE (26B-A4B shape): a dense MLP and 4 experts (top-2) side by side in every "
+                             "layer, router with scale and per-expert scales, fused experts; attention_k_eq_v; "
+                             "untied; router scales and layer_scalar buffers set"),
     "phi2": dict(cfg=cfg_phi2, seed=115, style="v5", grads=True,
                  notes="Phi-2 (phi): LayerNorm with bias (input_layernorm, final_layernorm), parallel attention + MLP "
                        "on one normed input, self_attn.dense, ungated mlp.fc1 -> gelu_new -> mlp.fc2, partial rotary "
@@ -954,6 +991,9 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
             p.copy_(NORM_PERTURB * r if gemma_norm else 1.0 + NORM_PERTURB * r)
         elif name.endswith(".bias"):
             p.copy_(0.1 * r)
+        elif name.endswith(("router.scale", "router.per_expert_scale")):
+            # Gemma 4's router scales (init 1): perturbed so that one left out shows.
+            p.copy_(1.0 + 0.3 * r)
         elif "embed_tokens" in name:
             # Small next to what the layers add: with tied embeddings a dominant residual e_t makes the model
             # predict its own input token forever (a useless greedy golden).

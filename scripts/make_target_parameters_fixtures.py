@@ -93,6 +93,19 @@ CASES = {
             auto_class=AutoModelForImageTextToText,
         ),
     ),
+    # Gemma 4's experts beside the dense MLP (`model.layers.N.experts.gate_up_proj`, Qwen's layout): both
+    # parameters (nested), a rank pattern on down_proj, beside q_proj, the dense MLP's gate_proj (which on
+    # Gemma 4 is no expert name) and the router's projection (`router.proj`, an nn.Linear).
+    "gemma4_moe": (
+        "models/gemma4_moe/model",
+        dict(
+            r=2,
+            lora_alpha=6,
+            target_modules=["q_proj", "gate_proj", "proj"],
+            target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+            rank_pattern={"down_proj": 3},
+        ),
+    ),
     # No parameter targets, module names as on transformers 4: on transformers 5 the experts are
     # no modules, so PEFT adapts the shared expert's gate/up/down_proj (and q_proj) only.
     "qwen2_moe_modules": (

@@ -580,26 +580,36 @@ pub fn apply_activation_quant(
 /// in the checkpoint layout a saved model has: unchanged, but for Llama 4, whose names go back to
 /// `feed_forward.*` ([`ModelConfig::checkpoint_name`]) and whose experts are fused again
 /// (`feed_forward.experts.gate_up_proj` `[experts, hidden, 2 × inter]`, gate then up, and
-/// `feed_forward.experts.down_proj` `[experts, inter, hidden]`), as transformers loads them.
+/// `feed_forward.experts.down_proj` `[experts, inter, hidden]`), and for Gemma 4's mixture of
+/// experts, fused as its checkpoint holds them (`experts.gate_up_proj` `[experts, 2 × inter,
+/// hidden]`, gate rows first, and `experts.down_proj` `[experts, hidden, inter]`), as
+/// transformers loads them.
 pub fn to_saved_layout(
     config: &ModelConfig,
     tensors: HashMap<String, Tensor>,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
-    if !config.llama4_names {
+    let gemma4_moe = config.gemma4.as_ref().is_some_and(|g| g.moe.is_some());
+    if !config.llama4_names && !gemma4_moe {
         return Ok(tensors);
     }
+    // Where a layer's experts sit inside it, and where the fused tensors go.
+    let (within, fused_at) = if gemma4_moe {
+        (".experts.", "experts")
+    } else {
+        (".mlp.experts.", "feed_forward.experts")
+    };
     // Per MoE layer prefix (`model.layers.N.mlp.experts`), its experts' (gate, up, down).
     type Experts = Vec<[Option<Tensor>; 3]>;
     let mut fused: HashMap<String, Experts> = HashMap::new();
     let mut out = HashMap::with_capacity(tensors.len());
     for (name, t) in tensors {
-        let expert = name.split_once(".mlp.experts.").and_then(|(layer, rest)| {
+        let expert = name.split_once(within).and_then(|(layer, rest)| {
             let (e, proj) = rest.split_once('.')?;
             let slot = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
                 .iter()
                 .position(|p| *p == proj)?;
             Some((
-                format!("{layer}.feed_forward.experts"),
+                format!("{layer}.{fused_at}"),
                 e.parse::<usize>().ok()?,
                 slot,
             ))
@@ -626,8 +636,13 @@ pub fn to_saved_layout(
                     "{prefix}: expert {e} lacks one of its gate / up / down projections"
                 )));
             };
-            gate_up.push(Tensor::cat(&[g.t()?, u.t()?], 1)?);
-            down.push(d.t()?);
+            if gemma4_moe {
+                gate_up.push(Tensor::cat(&[g, u], 0)?);
+                down.push(d);
+            } else {
+                gate_up.push(Tensor::cat(&[g.t()?, u.t()?], 1)?);
+                down.push(d.t()?);
+            }
         }
         out.insert(
             format!("{prefix}.gate_up_proj"),

@@ -254,6 +254,83 @@ pub struct PerLayerInputBlock {
     pub norm: Tensor,
 }
 
+/// Gemma 4's mixture of experts beside the dense MLP (`enable_moe_block`, the 26B-A4B model):
+/// on the MLP's residual input `x` the router scores `proj(rms(x) · scale / √hidden)` (a
+/// weightless RMSNorm), softmax in f32, top-k renormalized and multiplied by the chosen experts'
+/// `per_expert_scale`; the experts run on `pre_feedforward_layernorm_2(x)`. The layer's
+/// feed-forward output is `post_feedforward_layernorm_1(mlp) + post_feedforward_layernorm_2(experts)`,
+/// then `post_feedforward_layernorm` as in a dense layer.
+///
+/// The checkpoint holds the experts fused (`experts.gate_up_proj` `[experts, 2 · inter, hidden]`,
+/// gate rows first, `experts.down_proj` `[experts, hidden, inter]`); the decoder keeps each as its
+/// own gated MLP (named `experts.N.gate_proj`, ...) so that it trains, quantizes and merges as
+/// any linear layer, and [`crate::checkpoint::to_saved_layout`] fuses them again.
+#[derive(Debug, Clone)]
+pub struct ParallelMoe {
+    /// `router.proj` (`[experts, hidden]`) and the experts; `top_k` and f32 routing weights.
+    pub moe: Moe,
+    /// `router.scale` (`[hidden]`).
+    pub router_scale: Tensor,
+    /// `router.per_expert_scale` (`[experts]`).
+    pub per_expert_scale: Tensor,
+    /// `pre_feedforward_layernorm_2` (`[hidden]`): the experts' input norm.
+    pub pre_norm: Tensor,
+    /// `post_feedforward_layernorm_1` (`[hidden]`): the dense MLP's output norm.
+    pub post_norm_mlp: Tensor,
+    /// `post_feedforward_layernorm_2` (`[hidden]`): the experts' output norm.
+    pub post_norm_experts: Tensor,
+}
+
+impl ParallelMoe {
+    /// The router and experts, and the block's tensors other than linear layers with their
+    /// parameter names inside the decoder layer, borrowed apart.
+    fn parts_mut(&mut self) -> (&mut Moe, [(&'static str, &mut Tensor); 5]) {
+        let ParallelMoe {
+            moe,
+            router_scale,
+            per_expert_scale,
+            pre_norm,
+            post_norm_mlp,
+            post_norm_experts,
+        } = self;
+        (
+            moe,
+            [
+                ("router.scale", router_scale),
+                ("router.per_expert_scale", per_expert_scale),
+                ("pre_feedforward_layernorm_2.weight", pre_norm),
+                ("post_feedforward_layernorm_1.weight", post_norm_mlp),
+                ("post_feedforward_layernorm_2.weight", post_norm_experts),
+            ],
+        )
+    }
+
+    /// The block's tensors other than linear layers, with their parameter names inside the
+    /// decoder layer.
+    fn small_tensors(&self) -> [(&'static str, &Tensor); 5] {
+        [
+            ("router.scale", &self.router_scale),
+            ("router.per_expert_scale", &self.per_expert_scale),
+            ("pre_feedforward_layernorm_2.weight", &self.pre_norm),
+            ("post_feedforward_layernorm_1.weight", &self.post_norm_mlp),
+            (
+                "post_feedforward_layernorm_2.weight",
+                &self.post_norm_experts,
+            ),
+        ]
+    }
+
+    /// The module names of [`Moe::linears`] inside the decoder layer: `router.proj`, then
+    /// `experts.N.gate_proj` / `up_proj` / `down_proj`.
+    fn names(&self) -> Vec<String> {
+        let mut out = vec!["router.proj".to_string()];
+        for e in 0..self.moe.experts.len() {
+            out.extend(["gate_proj", "up_proj", "down_proj"].map(|p| format!("experts.{e}.{p}")));
+        }
+        out
+    }
+}
+
 /// Gemma 4's per-layer embeddings (PLE): for every layer a `per_layer_dim` input made from a
 /// second token embedding and a projection of the input embeddings.
 #[derive(Debug, Clone)]
@@ -492,6 +569,8 @@ pub struct DecoderLayer {
     /// Gemma 2/3: the norm of the MLP's output.
     pub post_feedforward_layernorm: Option<Tensor>,
     pub mlp: FeedForward,
+    /// Gemma 4's mixture of experts beside the MLP.
+    pub parallel_moe: Option<Box<ParallelMoe>>,
     /// Sliding-window span, if this layer uses one.
     pub sliding_window: Option<usize>,
     /// Llama 4's chunked attention: the chunk length, if this layer's attention is confined to
@@ -527,6 +606,7 @@ impl DecoderLayer {
             pre_feedforward_layernorm,
             post_feedforward_layernorm,
             mlp,
+            parallel_moe,
             per_layer_input,
             ..
         } = self;
@@ -568,6 +648,11 @@ impl DecoderLayer {
             FeedForward::Dense(mlp) => linears.extend(mlp_linears_mut(mlp)),
             FeedForward::Sparse(moe) => linears.extend(moe.linears_mut()),
         }
+        if let Some(block) = parallel_moe {
+            let (moe, small) = block.parts_mut();
+            linears.extend(moe.linears_mut());
+            norms.extend(small);
+        }
         if let Some(block) = per_layer_input {
             norms.push(("post_per_layer_input_norm.weight", &mut block.norm));
             linears.extend([&mut block.gate, &mut block.projection]);
@@ -607,6 +692,9 @@ impl DecoderLayer {
                 .into_iter()
                 .filter_map(|(name, t)| t.as_ref().map(|t| (name, t))),
         );
+        if let Some(block) = &self.parallel_moe {
+            out.extend(block.small_tensors());
+        }
         if let Some(block) = &self.per_layer_input {
             out.push(("post_per_layer_input_norm.weight", &block.norm));
         }
@@ -631,6 +719,9 @@ impl DecoderLayer {
             FeedForward::Dense(mlp) => linears.extend(mlp_linears(mlp)),
             FeedForward::Sparse(moe) => linears.extend(moe.linears()),
         }
+        if let Some(block) = &self.parallel_moe {
+            linears.extend(block.moe.linears());
+        }
         if let Some(block) = &self.per_layer_input {
             linears.extend([&block.gate, &block.projection]);
         }
@@ -649,6 +740,9 @@ impl DecoderLayer {
         match &self.mlp {
             FeedForward::Dense(mlp) => names.extend(mlp.names().into_iter().map(Cow::Borrowed)),
             FeedForward::Sparse(moe) => names.extend(moe.names().into_iter().map(Cow::Owned)),
+        }
+        if let Some(block) = &self.parallel_moe {
+            names.extend(block.names().into_iter().map(Cow::Owned));
         }
         if self.per_layer_input.is_some() {
             names.extend(["per_layer_input_gate", "per_layer_projection"].map(Cow::Borrowed));
@@ -1214,7 +1308,8 @@ impl TensorTaker<'_> {
         };
         let pre = format!("{p}.{block}");
         if m.sigmoid_input_routing {
-            self.split_fused_experts(&pre, m.num_experts, m.expert_intermediate_size, h)?;
+            let experts = m.num_experts;
+            self.split_fused_experts(&pre, experts, m.expert_intermediate_size, h, true)?;
         }
         let mut gated = |prefix: &str, inter: usize| -> Result<Mlp, ModelError> {
             Ok(Mlp {
@@ -1254,31 +1349,50 @@ impl TensorTaker<'_> {
         })
     }
 
-    /// Llama 4's fused experts (`{pre}.experts.gate_up_proj` `[experts, hidden, 2 × inter]`,
-    /// gate then up along the last dim, and `{pre}.experts.down_proj` `[experts, inter,
-    /// hidden]`: inputs first, as `torch.bmm` takes them) as each expert's linear weights
-    /// (`{pre}.experts.N.gate_proj.weight` `[inter, hidden]`, ...), which the decoder keeps
-    /// separate so that each trains, quantizes and merges as any linear layer. Left as they are
-    /// when the experts are separate already.
+    /// Fused experts as each expert's linear weights (`{pre}.experts.N.gate_proj.weight`
+    /// `[inter, hidden]`, ...), which the decoder keeps separate so that each trains, quantizes
+    /// and merges as any linear layer. Llama 4's are `transposed`, inputs first as `torch.bmm`
+    /// takes them (`{pre}.experts.gate_up_proj` `[experts, hidden, 2 × inter]`, gate then up
+    /// along the last dim, and `{pre}.experts.down_proj` `[experts, inter, hidden]`); Gemma 4's
+    /// are `[experts, 2 × inter, hidden]` (gate rows first) and `[experts, hidden, inter]`. Left
+    /// as they are when the experts are separate already.
     fn split_fused_experts(
         &mut self,
         pre: &str,
         experts: usize,
         inter: usize,
         h: usize,
+        transposed: bool,
     ) -> Result<(), ModelError> {
         let gate_up_name = format!("{pre}.experts.gate_up_proj");
         if !self.tensors.contains_key(&gate_up_name) {
             return Ok(());
         }
-        let gate_up = self.take(&gate_up_name, &[experts, h, 2 * inter])?;
-        let down = self.take(&format!("{pre}.experts.down_proj"), &[experts, inter, h])?;
+        let down_name = format!("{pre}.experts.down_proj");
+        let (gate_up, down) = if transposed {
+            (
+                self.take(&gate_up_name, &[experts, h, 2 * inter])?,
+                self.take(&down_name, &[experts, inter, h])?,
+            )
+        } else {
+            (
+                self.take(&gate_up_name, &[experts, 2 * inter, h])?,
+                self.take(&down_name, &[experts, h, inter])?,
+            )
+        };
         let split = |e: usize| -> CResult<[Tensor; 3]> {
-            let gu = gate_up.get(e)?;
+            let (gu, d) = (gate_up.get(e)?, down.get(e)?);
+            if !transposed {
+                return Ok([
+                    gu.narrow(0, 0, inter)?.contiguous()?,
+                    gu.narrow(0, inter, inter)?.contiguous()?,
+                    d.contiguous()?,
+                ]);
+            }
             Ok([
                 gu.narrow(1, 0, inter)?.t()?.contiguous()?,
                 gu.narrow(1, inter, inter)?.t()?.contiguous()?,
-                down.get(e)?.t()?.contiguous()?,
+                d.t()?.contiguous()?,
             ])
         };
         for e in 0..experts {
@@ -1289,6 +1403,54 @@ impl TensorTaker<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Gemma 4's mixture of experts of layer `p` (`model.layers.N`), `(experts, top_k, inter)`.
+    fn parallel_moe(
+        &mut self,
+        p: &str,
+        (experts, top_k, inter): (usize, usize, usize),
+        h: usize,
+    ) -> Result<ParallelMoe, ModelError> {
+        self.split_fused_experts(p, experts, inter, h, false)?;
+        let experts = (0..experts)
+            .map(|e| {
+                let prefix = format!("{p}.experts.{e}");
+                Ok(Mlp {
+                    gate_up: GateUpProjection::Separate {
+                        gate_proj: self.linear(&format!("{prefix}.gate_proj"), inter, h)?,
+                        up_proj: self.linear(&format!("{prefix}.up_proj"), inter, h)?,
+                    },
+                    down_proj: self.linear(&format!("{prefix}.down_proj"), h, inter)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let count = experts.len();
+        let mut norm = |name: &str| self.take(&format!("{p}.{name}.weight"), &[h]);
+        let (pre_norm, post_norm_mlp, post_norm_experts) = (
+            norm("pre_feedforward_layernorm_2")?,
+            norm("post_feedforward_layernorm_1")?,
+            norm("post_feedforward_layernorm_2")?,
+        );
+        Ok(ParallelMoe {
+            moe: Moe {
+                router: self.linear(&format!("{p}.router.proj"), count, h)?,
+                experts,
+                shared_expert: None,
+                sigmoid_input_routing: false,
+                top_k,
+                norm_topk_prob: true,
+                // transformers multiplies the bf16 outputs by the f32 weights.
+                f32_routing_weights: true,
+                mixtral_names: false,
+                sparse_mixer: None,
+            },
+            router_scale: self.take(&format!("{p}.router.scale"), &[h])?,
+            per_expert_scale: self.take(&format!("{p}.router.per_expert_scale"), &[count])?,
+            pre_norm,
+            post_norm_mlp,
+            post_norm_experts,
+        })
     }
 
     fn take_packed(&mut self, name: &str, out: usize, inp: usize) -> Option<Arc<QuantizedMatrix>> {
@@ -1334,12 +1496,6 @@ impl CausalLm {
         let dtype = embed_tokens.dtype();
         let device = embed_tokens.device().clone();
         let gemma4 = c.gemma4.as_ref();
-        if let Some((experts, ..)) = gemma4.and_then(|g| g.moe) {
-            return Err(ModelError::Msg(format!(
-                "{source}: Gemma 4's mixture-of-experts block (enable_moe_block, {experts} experts) \
-                 is not supported yet; the dense Gemma 4 models are"
-            )));
-        }
         let per_layer_embedding = match gemma4.and_then(|g| g.per_layer_input) {
             Some((vocab, dim)) => {
                 let width = c.num_hidden_layers * dim;
@@ -1452,6 +1608,10 @@ impl CausalLm {
                 }),
                 None => None,
             };
+            let parallel_moe = match gemma4.and_then(|g| g.moe) {
+                Some(m) => Some(Box::new(take.parallel_moe(&p, m, h)?)),
+                None => None,
+            };
             let layer_scalar = match gemma4 {
                 Some(_) => take.take_opt(&format!("{p}.layer_scalar"), &[1])?,
                 None => None,
@@ -1488,6 +1648,7 @@ impl CausalLm {
                 pre_feedforward_layernorm,
                 post_feedforward_layernorm,
                 mlp,
+                parallel_moe,
                 sliding_window: c.layer_sliding_windows.get(i).copied().flatten(),
                 attention_chunk: c.layer_attention_chunks.get(i).copied().flatten(),
                 local_rope: c.local_rope.is_some()
@@ -2208,6 +2369,12 @@ impl CausalLm {
             (Some(post_attn), Some(pre_ff), Some(post_ff)) => {
                 let x = (x + norm(&h, post_attn)?)?;
                 let h = self.feed_forward(&layer.mlp, &norm(&x, pre_ff)?)?;
+                let h = match &layer.parallel_moe {
+                    Some(block) => {
+                        (norm(&h, &block.post_norm_mlp)? + self.parallel_moe(block, &x)?)?
+                    }
+                    None => h,
+                };
                 x + norm(&h, post_ff)?
             }
             (Some(post_attn), _, _) => {
@@ -2422,9 +2589,7 @@ impl CausalLm {
         if moe.sigmoid_input_routing {
             return self.sigmoid_routed_moe(moe, x, &flat, &logits);
         }
-        let experts = moe.experts.len();
         let k = moe.top_k;
-        let device = x.device();
         let recording = self
             .router_tape
             .lock()
@@ -2436,13 +2601,7 @@ impl CausalLm {
         let softmax_top_k = if moe.sparse_mixer.is_none() || recording {
             let probs = ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
             let host: Vec<Vec<f32>> = probs.detach().to_vec2()?;
-            let mut selected = Vec::with_capacity(n * k);
-            let mut order: Vec<usize> = (0..experts).collect();
-            for p in &host {
-                // Largest first; equal probabilities keep the lower expert first, as torch.topk.
-                order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-                selected.extend(order[..k].iter().map(|&e| e as u32));
-            }
+            let selected = top_k_experts(&host, k);
             if let Some(tape) = self
                 .router_tape
                 .lock()
@@ -2464,15 +2623,7 @@ impl CausalLm {
             (Some(mixer), _) => sparse_mixer_route(&logits, mixer)?,
             (None, top_k) => {
                 let (probs, selected) = top_k.expect("computed for softmax routing");
-                let picked: Vec<u32> = selected
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &e)| ((i / k) * experts) as u32 + e)
-                    .collect();
-                let top = probs
-                    .flatten_all()?
-                    .index_select(&Tensor::new(picked, device)?, 0)?
-                    .reshape((n, k))?;
+                let top = gather_routes(&probs, &selected)?;
                 let top = if moe.norm_topk_prob {
                     top.broadcast_div(&top.sum_keepdim(1)?)?
                 } else {
@@ -2481,10 +2632,37 @@ impl CausalLm {
                 (selected, top)
             }
         };
-        let slots = route.len() / n.max(1);
+        let mut out = self.run_experts(moe, &flat, &route, &top)?;
+        if let Some((shared, gate)) = &moe.shared_expert {
+            let s = self.mlp(shared, x)?.reshape((n, h))?;
+            out = match gate {
+                // sigmoid(g) = 1 / (1 + e^−g), from differentiable ops.
+                Some(gate) => {
+                    let g = (gate.forward(&flat)?.neg()?.exp()? + 1.0)?.recip()?;
+                    (out + s.broadcast_mul(&g)?)?
+                }
+                None => (out + s)?,
+            };
+        }
+        out.reshape((b, t, h))
+    }
+
+    /// The experts of `moe` on the rows `flat` (`[n, hidden]`) they are routed to (`route`, the
+    /// same number of experts per token, in order), each output scaled by its weight in `top`
+    /// (`[n, slots]`) and summed in expert order, as transformers does.
+    fn run_experts(
+        &self,
+        moe: &Moe,
+        flat: &Tensor,
+        route: &[u32],
+        top: &Tensor,
+    ) -> CResult<Tensor> {
+        let device = flat.device();
+        let slots = route.len() / flat.dim(0)?.max(1);
         // Per expert, the tokens routed to it and where their weight sits in the `[n, slots]`
         // table, tokens in order.
-        let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); experts];
+        let mut routed: Vec<(Vec<u32>, Vec<u32>)> =
+            vec![(Vec::new(), Vec::new()); moe.experts.len()];
         for (i, &e) in route.iter().enumerate() {
             routed[e as usize].0.push((i / slots) as u32);
             routed[e as usize].1.push(i as u32);
@@ -2513,18 +2691,36 @@ impl CausalLm {
                 .to_dtype(self.dtype)?;
             out = out.index_add(&tokens, &y, 0)?;
         }
-        if let Some((shared, gate)) = &moe.shared_expert {
-            let s = self.mlp(shared, x)?.reshape((n, h))?;
-            out = match gate {
-                // sigmoid(g) = 1 / (1 + e^−g), from differentiable ops.
-                Some(gate) => {
-                    let g = (gate.forward(&flat)?.neg()?.exp()? + 1.0)?.recip()?;
-                    (out + s.broadcast_mul(&g)?)?
-                }
-                None => (out + s)?,
-            };
-        }
-        out.reshape((b, t, h))
+        Ok(out)
+    }
+
+    /// Gemma 4's mixture of experts ([`ParallelMoe`]) on the MLP's residual input `x`
+    /// (`[b, t, hidden]`): `post_feedforward_layernorm_2` of the experts' output. No load-balancing
+    /// loss (the router is not recorded): `Gemma4ForCausalLM` adds none.
+    fn parallel_moe(&self, block: &ParallelMoe, x: &Tensor) -> CResult<Tensor> {
+        let (b, t, h) = x.dims3()?;
+        let flat = x.reshape((b * t, h))?;
+        let eps = self.config.rms_norm_eps;
+        let ones = Tensor::ones(h, flat.dtype(), flat.device())?;
+        // transformers multiplies by the scale in the compute dtype, then by 1/√hidden as a
+        // Python float (in f32, rounded once).
+        let scaled =
+            fused::rms_norm(&flat, &ones, eps, false)?.broadcast_mul(&block.router_scale)?;
+        let scaled =
+            (scaled.to_dtype(DType::F32)? * (h as f64).powf(-0.5))?.to_dtype(flat.dtype())?;
+        let logits = block.moe.router.forward(&scaled)?;
+        let probs = ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        let route = top_k_experts(&probs.detach().to_vec2()?, block.moe.top_k);
+        let top = gather_routes(&probs, &route)?;
+        let top = top.broadcast_div(&top.sum_keepdim(1)?)?;
+        let scale = block
+            .per_expert_scale
+            .to_dtype(DType::F32)?
+            .index_select(&Tensor::new(route.as_slice(), x.device())?, 0)?
+            .reshape(top.shape())?;
+        let experts_in = fused::rms_norm(&flat, &block.pre_norm, eps, false)?;
+        let out = self.run_experts(&block.moe, &experts_in, &route, &(top * scale)?)?;
+        fused::rms_norm(&out, &block.post_norm_experts, eps, false)?.reshape((b, t, h))
     }
 
     /// Llama 4's mixture of experts on `x` (`[b, t, hidden]`, `flat` its `[n, hidden]` rows) from
@@ -2653,6 +2849,34 @@ pub(crate) fn make_var(t: &mut Tensor, name: String, out: &mut Vec<(String, Var)
     *t = v.as_tensor().clone();
     out.push((name, v));
     Ok(())
+}
+
+/// Each token's `k` experts from its routing probabilities (`probs[token][expert]`), largest
+/// first; equal probabilities keep the lower expert first, as `torch.topk`.
+fn top_k_experts(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
+    let mut selected = Vec::with_capacity(probs.len() * k);
+    let mut order: Vec<usize> = (0..probs.first().map_or(0, Vec::len)).collect();
+    for p in probs {
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        selected.extend(order[..k].iter().map(|&e| e as u32));
+    }
+    selected
+}
+
+/// The probabilities (`[n, experts]`) of each token's `selected` experts (the same number per
+/// token, in order) as `[n, k]`, differentiable.
+fn gather_routes(probs: &Tensor, selected: &[u32]) -> CResult<Tensor> {
+    let (n, experts) = probs.dims2()?;
+    let k = selected.len() / n.max(1);
+    let picked: Vec<u32> = selected
+        .iter()
+        .enumerate()
+        .map(|(i, &e)| ((i / k) * experts) as u32 + e)
+        .collect();
+    probs
+        .flatten_all()?
+        .index_select(&Tensor::new(picked, probs.device())?, 0)?
+        .reshape((n, k))
 }
 
 /// Phi-3.5-MoE's sparsemixer as transformers runs it in evaluation ([`SparseMixer`]): each

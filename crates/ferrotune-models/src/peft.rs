@@ -393,9 +393,12 @@ impl LoraConfig {
     /// PEFT matches patterns against the checkpoint's module names (Llama 3.2 Vision's layers
     /// numbered as its checkpoint numbers them, see [`ModelConfig::checkpoint_name`]).
     pub fn resolve_module(&self, model: &ModelConfig, name: &str) -> Option<(usize, f64)> {
-        // Llama 4's experts are fused parameters in the checkpoint, no linear modules PEFT could
-        // adapt: no pattern reaches them.
-        if model.llama4_names && name.contains(".mlp.experts.") {
+        // Llama 4's and Gemma 4's experts are fused parameters in the checkpoint, no linear
+        // modules PEFT could adapt: no pattern reaches them.
+        let gemma4_moe = model.gemma4.as_ref().is_some_and(|g| g.moe.is_some());
+        if (model.llama4_names && name.contains(".mlp.experts."))
+            || (gemma4_moe && name.contains(".experts."))
+        {
             return None;
         }
         self.resolve(&model.checkpoint_name(name))

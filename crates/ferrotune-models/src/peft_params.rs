@@ -83,6 +83,23 @@ fn slots(model: &CausalLm) -> Vec<(String, String, Slot)> {
         out.push((format!("{key}.weight"), module, Slot::Weight(name)));
     }
     for (i, layer) in model.layers.iter().enumerate() {
+        // Gemma 4's experts beside the MLP: `model.layers.N.experts.gate_up_proj`, Qwen's layout.
+        if let Some(block) = &layer.parallel_moe {
+            let (key, module) = names(&format!("model.layers.{i}.experts"));
+            for (param, gate_up) in [("gate_up_proj", true), ("down_proj", false)] {
+                out.push((
+                    format!("{key}.{param}"),
+                    module.clone(),
+                    Slot::Experts {
+                        block: format!("model.layers.{i}"),
+                        projections: ["gate_proj", "up_proj", "down_proj"],
+                        experts: block.moe.experts.len(),
+                        gate_up,
+                        transposed: false,
+                    },
+                ));
+            }
+        }
         let FeedForward::Sparse(moe) = &layer.mlp else {
             continue;
         };
@@ -388,11 +405,12 @@ fn expert_projections(moe: &Moe) -> Vec<[&crate::Linear; 3]> {
 
 /// The intermediate size of `model`'s experts (0 without experts).
 fn expert_intermediate_size(model: &CausalLm) -> usize {
-    model
-        .config
-        .moe
-        .as_ref()
-        .map_or(0, |m| m.expert_intermediate_size)
+    let gemma4 = model.config.gemma4.as_ref().and_then(|g| g.moe);
+    match (&model.config.moe, gemma4) {
+        (Some(m), _) => m.expert_intermediate_size,
+        (None, Some((_, _, inter))) => inter,
+        (None, None) => 0,
+    }
 }
 
 /// The adapter of `model` as PEFT holds it on transformers 5 (see [`transformers5_adapter`]),

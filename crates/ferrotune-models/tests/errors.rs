@@ -196,8 +196,8 @@ fn bad_pytorch_checkpoints() {
     );
 }
 
-/// Gemma 4 configurations ferrotune does not run are refused with the key and the reason: the
-/// mixture-of-experts block, bidirectional attention, `per_layer_config` overrides other than the
+/// Gemma 4 configurations ferrotune does not run are refused with the key and the reason: a
+/// mixture-of-experts block without its sizes, bidirectional attention, `per_layer_config` overrides other than the
 /// head size and key/value heads, and KV sharing with no unshared layer of a type.
 #[test]
 fn gemma4_configs_it_cannot_run_are_refused_by_key() {
@@ -246,26 +246,21 @@ fn gemma4_configs_it_cannot_run_are_refused_by_key() {
         );
     });
     assert!(err.contains("num_kv_shared_layers"), "{err}");
-    // The MoE block is read from the config but refused when the model is built.
-    let mut moe = base.clone();
-    let obj = moe.as_object_mut().unwrap();
-    for (k, v) in [
-        ("enable_moe_block", serde_json::json!(true)),
-        ("num_experts", serde_json::json!(4)),
-        ("top_k_experts", serde_json::json!(2)),
-        ("moe_intermediate_size", serde_json::json!(16)),
-    ] {
-        obj.insert(k.into(), v);
-    }
-    let d = tmp("gemma4-moe");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/models/gemma4_e2b_like/model");
-    std::fs::create_dir_all(&d).unwrap();
-    std::fs::copy(src.join("model.safetensors"), d.join("model.safetensors")).unwrap();
-    std::fs::write(d.join("config.json"), moe.to_string()).unwrap();
-    let err = load_err(&d);
+    // The MoE block needs its sizes, and no more experts per token than there are.
+    let err = refused(&|c| {
+        c.insert("enable_moe_block".into(), true.into());
+        c.insert("num_experts".into(), 4.into());
+        c.insert("moe_intermediate_size".into(), 16.into());
+    });
+    assert!(err.contains("top_k_experts"), "{err}");
+    let err = refused(&|c| {
+        c.insert("enable_moe_block".into(), true.into());
+        c.insert("num_experts".into(), 4.into());
+        c.insert("top_k_experts".into(), 5.into());
+        c.insert("moe_intermediate_size".into(), 16.into());
+    });
     assert!(
-        err.contains("enable_moe_block") && err.contains("not supported"),
+        err.contains("top_k_experts") && err.contains("num_experts"),
         "{err}"
     );
 }

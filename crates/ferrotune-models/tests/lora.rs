@@ -1233,6 +1233,33 @@ fn llama4_expert_parameters_match_peft() {
     }
 }
 
+/// PEFT's `target_parameters` on Gemma 4's experts beside the dense MLP
+/// (`model.layers.N.experts.gate_up_proj`, `[experts, 2 * inter, hidden]`), nested and with a rank
+/// pattern, beside module targets on q_proj, the dense MLP's gate_proj (no expert reached by the
+/// name) and the router's projection: PEFT's logits (inference and training), loss, merged
+/// weights in the checkpoint's layout (experts fused again, buffers kept), and the merged model's
+/// logits.
+#[test]
+fn gemma4_expert_parameters_match_peft() {
+    let case = Case::target_parameters("gemma4_moe");
+    let (mut model, _) = case.model_with_adapter();
+    let adapted = adapted_layers(&model);
+    // Three layers of 4 experts, each with gate, up and down; q_proj, mlp.gate_proj, router.proj.
+    let experts = adapted.iter().filter(|n| n.contains(".experts.")).count();
+    assert_eq!(experts, 3 * 4 * 3, "{adapted:?}");
+    assert_eq!(adapted.len() - experts, 3 * 3, "{adapted:?}");
+    assert!(
+        adapted.iter().any(|n| n.ends_with("router.proj")),
+        "{adapted:?}"
+    );
+    case.assert_runs_as_peft(&mut model);
+    merge_and_unload(&mut model).unwrap();
+    case.assert_adapter_logits(&model, "merged");
+    let got = merged_tensors(&model).unwrap();
+    let want = tensors(&case.dir.join("merged.safetensors"));
+    assert_same_tensors(&got, &want, 1e-5, "gemma4_moe: merged");
+}
+
 /// Errors of `target_parameters` adapters name what is wrong: a tensor missing or mis-shaped, a
 /// target matching no parameter, a layer targeted twice; saving one is refused (merge instead).
 #[test]

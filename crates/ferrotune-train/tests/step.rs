@@ -269,6 +269,7 @@ fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
         "llama4",
         "gemma4",
         "gemma4_e2b_like",
+        "gemma4_moe",
     ] {
         let dir = fixtures().join("models").join(case);
         let g: Value =
@@ -316,8 +317,13 @@ fn every_family_trains_in_bf16_near_its_f32_gradients() {
             step_grads(&m, &params, &[batch(&g, 0..2)], true)
         };
         let (want, got) = (grads(DType::F32), grads(DType::BF16));
+        let config: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("model/config.json")).unwrap_or_default(),
+        )
+        .unwrap_or_default();
         let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "llama4_text"]
-            .contains(&g["model_type"].as_str().unwrap_or(""));
+            .contains(&g["model_type"].as_str().unwrap_or(""))
+            || config["enable_moe_block"] == true;
         let mut worst = (0f32, String::new());
         for (name, w) in &want {
             let e = rel_l2(&got[name].to_dtype(DType::F32).unwrap(), w);
