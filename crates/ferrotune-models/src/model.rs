@@ -281,10 +281,20 @@ pub struct ParallelMoe {
     pub post_norm_experts: Tensor,
 }
 
+/// The parameter names, inside the decoder layer, of [`ParallelMoe`]'s tensors other than linear
+/// layers, in the order [`ParallelMoe::parts_mut`] and [`ParallelMoe::small_tensors`] list them.
+const PARALLEL_MOE_TENSORS: [&str; 5] = [
+    "router.scale",
+    "router.per_expert_scale",
+    "pre_feedforward_layernorm_2.weight",
+    "post_feedforward_layernorm_1.weight",
+    "post_feedforward_layernorm_2.weight",
+];
+
 impl ParallelMoe {
     /// The router and experts, and the block's tensors other than linear layers with their
     /// parameter names inside the decoder layer, borrowed apart.
-    fn parts_mut(&mut self) -> (&mut Moe, [(&'static str, &mut Tensor); 5]) {
+    fn parts_mut(&mut self) -> (&mut Moe, Vec<(&'static str, &mut Tensor)>) {
         let ParallelMoe {
             moe,
             router_scale,
@@ -293,31 +303,27 @@ impl ParallelMoe {
             post_norm_mlp,
             post_norm_experts,
         } = self;
-        (
-            moe,
-            [
-                ("router.scale", router_scale),
-                ("router.per_expert_scale", per_expert_scale),
-                ("pre_feedforward_layernorm_2.weight", pre_norm),
-                ("post_feedforward_layernorm_1.weight", post_norm_mlp),
-                ("post_feedforward_layernorm_2.weight", post_norm_experts),
-            ],
-        )
+        let tensors = [
+            router_scale,
+            per_expert_scale,
+            pre_norm,
+            post_norm_mlp,
+            post_norm_experts,
+        ];
+        (moe, PARALLEL_MOE_TENSORS.into_iter().zip(tensors).collect())
     }
 
     /// The block's tensors other than linear layers, with their parameter names inside the
     /// decoder layer.
-    fn small_tensors(&self) -> [(&'static str, &Tensor); 5] {
-        [
-            ("router.scale", &self.router_scale),
-            ("router.per_expert_scale", &self.per_expert_scale),
-            ("pre_feedforward_layernorm_2.weight", &self.pre_norm),
-            ("post_feedforward_layernorm_1.weight", &self.post_norm_mlp),
-            (
-                "post_feedforward_layernorm_2.weight",
-                &self.post_norm_experts,
-            ),
-        ]
+    fn small_tensors(&self) -> Vec<(&'static str, &Tensor)> {
+        let tensors = [
+            &self.router_scale,
+            &self.per_expert_scale,
+            &self.pre_norm,
+            &self.post_norm_mlp,
+            &self.post_norm_experts,
+        ];
+        PARALLEL_MOE_TENSORS.into_iter().zip(tensors).collect()
     }
 
     /// The module names of [`Moe::linears`] inside the decoder layer: `router.proj`, then
@@ -1426,15 +1432,24 @@ impl TensorTaker<'_> {
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         let count = experts.len();
-        let mut norm = |name: &str| self.take(&format!("{p}.{name}.weight"), &[h]);
-        let (pre_norm, post_norm_mlp, post_norm_experts) = (
-            norm("pre_feedforward_layernorm_2")?,
-            norm("post_feedforward_layernorm_1")?,
-            norm("post_feedforward_layernorm_2")?,
-        );
+        let router = self.linear(&format!("{p}.router.proj"), count, h)?;
+        // The router's scales and the three norms, in the order of PARALLEL_MOE_TENSORS.
+        let mut small = Vec::with_capacity(PARALLEL_MOE_TENSORS.len());
+        for name in PARALLEL_MOE_TENSORS {
+            let len = if name == "router.per_expert_scale" {
+                count
+            } else {
+                h
+            };
+            small.push(self.take(&format!("{p}.{name}"), &[len])?);
+        }
+        let [router_scale, per_expert_scale, pre_norm, post_norm_mlp, post_norm_experts]: [Tensor;
+            5] = small
+            .try_into()
+            .map_err(|_| ModelError::Msg(format!("{p}: the mixture of experts' tensors")))?;
         Ok(ParallelMoe {
             moe: Moe {
-                router: self.linear(&format!("{p}.router.proj"), count, h)?,
+                router,
                 experts,
                 shared_expert: None,
                 sigmoid_input_routing: false,
@@ -1445,8 +1460,8 @@ impl TensorTaker<'_> {
                 mixtral_names: false,
                 sparse_mixer: None,
             },
-            router_scale: self.take(&format!("{p}.router.scale"), &[h])?,
-            per_expert_scale: self.take(&format!("{p}.router.per_expert_scale"), &[count])?,
+            router_scale,
+            per_expert_scale,
             pre_norm,
             post_norm_mlp,
             post_norm_experts,
