@@ -963,6 +963,11 @@ CASES = {
                                     "weights (model.language_model.*, per-layer embeddings and layer_scalar buffers "
                                     "included), its own lm_head, a tiny vision tower (model.vision_tower.*, "
                                     "model.embed_vision.*); text-only logits equal gemma4_e2b_like's"),
+    "gemma4_moe_multimodal": dict(weights_from="gemma4_moe", multimodal="gemma4", same_golden_as="gemma4_moe",
+                                  style="v5",
+                                  notes="Gemma4ForConditionalGeneration holding gemma4_moe's text weights, as the "
+                                        "26B-A4B ships (model.language_model.layers.N.experts.*, router.*), its own "
+                                        "lm_head, a tiny vision tower; text-only logits equal gemma4_moe's"),
     "gemma3_multimodal": dict(weights_from="gemma3", multimodal="gemma3", same_golden_as="gemma3", style="v4",
                               notes="Gemma3ForConditionalGeneration (model_type gemma3) with gemma3's text weights under "
                                     "language_model.model.* and a tiny SigLIP vision tower; text_config written as a "

@@ -320,6 +320,27 @@ fn a_multimodal_mistral_3_runs_as_its_untied_text_model() {
     assert_eq!(max_abs_diff(&logits(&text), &logits(&mm)), 0.0);
 }
 
+/// Gemma 4 as it ships (`Gemma4ForConditionalGeneration`, tensors `model.language_model.*`, a
+/// vision tower left unread) runs as its text model: the E-model shape (per-layer embeddings,
+/// shared keys and values) and the mixture-of-experts shape (fused experts, router scales).
+#[test]
+fn multimodal_gemma_4_runs_as_its_text_model() {
+    for (mm_case, text_case) in [
+        ("gemma4_multimodal", "gemma4_e2b_like"),
+        ("gemma4_moe_multimodal", "gemma4_moe"),
+    ] {
+        let (text, mm) = (load(text_case), load(mm_case));
+        assert!(mm.config.text_of_multimodal, "{mm_case}");
+        assert_eq!(mm.config.model_type, "gemma4_text");
+        assert_eq!(mm.config.raw["architectures"][0], "Gemma4ForCausalLM");
+        assert_eq!(
+            mm.config.gemma4.as_ref().map(|g| g.moe.is_some()),
+            Some(text_case == "gemma4_moe")
+        );
+        assert_eq!(max_abs_diff(&logits(&text), &logits(&mm)), 0.0, "{mm_case}");
+    }
+}
+
 /// Qwen2.5-VL (its Hub config: text keys at the top level, `rope_scaling` of type `mrope`; text
 /// tensors `model.layers.*`, the tower `visual.*`) and Qwen3-VL (transformers 5's `text_config`
 /// with interleaved mrope; `model.language_model.*`, `model.visual.*`, a tied head) run as Qwen2
