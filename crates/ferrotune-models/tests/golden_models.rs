@@ -188,7 +188,8 @@ fn every_family_runs_in_bf16() {
         .unwrap_or_default();
         // Gemma 4's mixture of experts (transformers' own bf16 run: 0.073 on gemma4_moe).
         let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe"].contains(&model_type.as_str())
-            || config["enable_moe_block"] == true;
+            || (config["enable_moe_block"] == true
+                || config["text_config"]["enable_moe_block"] == true);
         // The Gemma 4 fixtures' logits are nearly flat (softcapped, unscaled scores): transformers'
         // own bf16 run lands 0.055 (gemma4) and 0.051 (gemma4_e2b_like, and its multimodal copy)
         // from its f32 golden.

@@ -323,7 +323,8 @@ fn every_family_trains_in_bf16_near_its_f32_gradients() {
         .unwrap_or_default();
         let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "llama4_text"]
             .contains(&g["model_type"].as_str().unwrap_or(""))
-            || config["enable_moe_block"] == true;
+            || (config["enable_moe_block"] == true
+                || config["text_config"]["enable_moe_block"] == true);
         let mut worst = (0f32, String::new());
         for (name, w) in &want {
             let e = rel_l2(&got[name].to_dtype(DType::F32).unwrap(), w);
