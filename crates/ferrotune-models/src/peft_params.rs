@@ -83,37 +83,36 @@ fn slots(model: &CausalLm) -> Vec<(String, String, Slot)> {
         out.push((format!("{key}.weight"), module, Slot::Weight(name)));
     }
     for (i, layer) in model.layers.iter().enumerate() {
-        // Gemma 4's experts beside the MLP: `model.layers.N.experts.gate_up_proj`, Qwen's layout.
-        if let Some(block) = &layer.parallel_moe {
-            let (key, module) = names(&format!("model.layers.{i}.experts"));
-            for (param, gate_up) in [("gate_up_proj", true), ("down_proj", false)] {
-                out.push((
-                    format!("{key}.{param}"),
-                    module.clone(),
-                    Slot::Experts {
-                        block: format!("model.layers.{i}"),
-                        projections: ["gate_proj", "up_proj", "down_proj"],
-                        experts: block.moe.experts.len(),
-                        gate_up,
-                        transposed: false,
-                    },
-                ));
-            }
-        }
-        let FeedForward::Sparse(moe) = &layer.mlp else {
-            continue;
+        // Where the layer's experts sit (ferrotune's name of the block holding them), their
+        // projections' names and count, and whether the fused layout is Llama 4's.
+        let (block, projections, experts, transposed) = match (&layer.parallel_moe, &layer.mlp) {
+            // Gemma 4's experts beside the MLP: `model.layers.N.experts.gate_up_proj`, Qwen's
+            // layout.
+            (Some(parallel), _) => (
+                format!("model.layers.{i}"),
+                ["gate_proj", "up_proj", "down_proj"],
+                parallel.moe.experts.len(),
+                false,
+            ),
+            (None, FeedForward::Sparse(moe)) => (
+                format!("model.layers.{i}.{}", moe.block_name()),
+                moe.projection_names(),
+                moe.experts.len(),
+                llama4,
+            ),
+            (None, FeedForward::Dense(_)) => continue,
         };
-        let (key, module) = names(&format!("model.layers.{i}.mlp.experts"));
+        let (key, module) = names(&format!("{block}.experts"));
         for (param, gate_up) in [("gate_up_proj", true), ("down_proj", false)] {
             out.push((
                 format!("{key}.{param}"),
                 module.clone(),
                 Slot::Experts {
-                    block: format!("model.layers.{i}.{}", moe.block_name()),
-                    projections: moe.projection_names(),
-                    experts: moe.experts.len(),
+                    block: block.clone(),
+                    projections,
+                    experts,
                     gate_up,
-                    transposed: llama4,
+                    transposed,
                 },
             ));
         }
