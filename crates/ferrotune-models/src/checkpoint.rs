@@ -588,7 +588,7 @@ pub fn to_saved_layout(
     config: &ModelConfig,
     tensors: HashMap<String, Tensor>,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
-    let gemma4_moe = config.gemma4.as_ref().is_some_and(|g| g.moe.is_some());
+    let gemma4_moe = config.gemma4_moe().is_some();
     if !config.llama4_names && !gemma4_moe {
         return Ok(tensors);
     }

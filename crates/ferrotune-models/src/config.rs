@@ -599,6 +599,12 @@ impl ModelConfig {
             .then(|| format!("model.layers.{}.{rest}", layer - before))
     }
 
+    /// Gemma 4's mixture of experts beside every MLP (`enable_moe_block`):
+    /// `(num_experts, top_k_experts, moe_intermediate_size)`.
+    pub fn gemma4_moe(&self) -> Option<(usize, usize, usize)> {
+        self.gemma4.as_ref().and_then(|g| g.moe)
+    }
+
     /// The checkpoint's name of the decoder's tensor or module `name`, the inverse of
     /// [`ModelConfig::text_model_name`] for Llama 3.2 Vision (its layers numbered as the
     /// checkpoint numbers them, under the checkpoint's prefix as transformers 5 names it); other

@@ -1434,19 +1434,15 @@ impl TensorTaker<'_> {
         let count = experts.len();
         let router = self.linear(&format!("{p}.router.proj"), count, h)?;
         // The router's scales and the three norms, in the order of PARALLEL_MOE_TENSORS.
-        let mut small = Vec::with_capacity(PARALLEL_MOE_TENSORS.len());
-        for name in PARALLEL_MOE_TENSORS {
-            let len = if name == "router.per_expert_scale" {
-                count
-            } else {
-                h
-            };
-            small.push(self.take(&format!("{p}.{name}"), &[len])?);
-        }
-        let [router_scale, per_expert_scale, pre_norm, post_norm_mlp, post_norm_experts]: [Tensor;
-            5] = small
-            .try_into()
-            .map_err(|_| ModelError::Msg(format!("{p}: the mixture of experts' tensors")))?;
+        let [router_scale, per_expert_scale, pre_norm, post_norm_mlp, post_norm_experts] =
+            PARALLEL_MOE_TENSORS.map(|name| {
+                let len = if name == "router.per_expert_scale" {
+                    count
+                } else {
+                    h
+                };
+                self.take(&format!("{p}.{name}"), &[len])
+            });
         Ok(ParallelMoe {
             moe: Moe {
                 router,
@@ -1460,11 +1456,11 @@ impl TensorTaker<'_> {
                 mixtral_names: false,
                 sparse_mixer: None,
             },
-            router_scale,
-            per_expert_scale,
-            pre_norm,
-            post_norm_mlp,
-            post_norm_experts,
+            router_scale: router_scale?,
+            per_expert_scale: per_expert_scale?,
+            pre_norm: pre_norm?,
+            post_norm_mlp: post_norm_mlp?,
+            post_norm_experts: post_norm_experts?,
         })
     }
 
@@ -1623,7 +1619,7 @@ impl CausalLm {
                 }),
                 None => None,
             };
-            let parallel_moe = match gemma4.and_then(|g| g.moe) {
+            let parallel_moe = match c.gemma4_moe() {
                 Some(m) => Some(Box::new(take.parallel_moe(&p, m, h)?)),
                 None => None,
             };
@@ -2499,14 +2495,7 @@ impl CausalLm {
         let mut q = rotate(&q)?;
         // A weightless RMSNorm of each head: Llama 4's of queries and keys after RoPE, Gemma 4's
         // of values.
-        let weightless_norm = |t: &Tensor| {
-            fused::rms_norm(
-                t,
-                &Tensor::ones(hd, t.dtype(), t.device())?,
-                c.rms_norm_eps,
-                false,
-            )
-        };
+        let weightless_norm = |t: &Tensor| weightless_rms_norm(t, c.rms_norm_eps);
         let l2_norm = rope.is_some() && c.rope_layer_qk_l2_norm;
         if l2_norm {
             q = weightless_norm(&q)?;
@@ -2715,12 +2704,10 @@ impl CausalLm {
     fn parallel_moe(&self, block: &ParallelMoe, x: &Tensor) -> CResult<Tensor> {
         let (b, t, h) = x.dims3()?;
         let flat = x.reshape((b * t, h))?;
-        let eps = self.config.rms_norm_eps;
-        let ones = Tensor::ones(h, flat.dtype(), flat.device())?;
         // transformers multiplies by the scale in the compute dtype, then by 1/√hidden as a
         // Python float (in f32, rounded once).
-        let scaled =
-            fused::rms_norm(&flat, &ones, eps, false)?.broadcast_mul(&block.router_scale)?;
+        let scaled = weightless_rms_norm(&flat, self.config.rms_norm_eps)?
+            .broadcast_mul(&block.router_scale)?;
         let scaled =
             (scaled.to_dtype(DType::F32)? * (h as f64).powf(-0.5))?.to_dtype(flat.dtype())?;
         let logits = block.moe.router.forward(&scaled)?;
@@ -2733,9 +2720,10 @@ impl CausalLm {
             .to_dtype(DType::F32)?
             .index_select(&Tensor::new(route.as_slice(), x.device())?, 0)?
             .reshape(top.shape())?;
-        let experts_in = fused::rms_norm(&flat, &block.pre_norm, eps, false)?;
+        let experts_in = self.norm(&flat, &block.pre_norm, None)?;
         let out = self.run_experts(&block.moe, &experts_in, &route, &(top * scale)?)?;
-        fused::rms_norm(&out, &block.post_norm_experts, eps, false)?.reshape((b, t, h))
+        self.norm(&out, &block.post_norm_experts, None)?
+            .reshape((b, t, h))
     }
 
     /// Llama 4's mixture of experts on `x` (`[b, t, hidden]`, `flat` its `[n, hidden]` rows) from
@@ -2864,6 +2852,13 @@ pub(crate) fn make_var(t: &mut Tensor, name: String, out: &mut Vec<(String, Var)
     *t = v.as_tensor().clone();
     out.push((name, v));
     Ok(())
+}
+
+/// RMSNorm without a weight over the last dimension (Gemma 4's v norm and router norm, Llama 4's
+/// L2 q/k norm).
+fn weightless_rms_norm(t: &Tensor, eps: f64) -> CResult<Tensor> {
+    let ones = Tensor::ones(t.dim(D::Minus1)?, t.dtype(), t.device())?;
+    fused::rms_norm(t, &ones, eps, false)
 }
 
 /// Each token's `k` experts from its routing probabilities (`probs[token][expert]`), largest

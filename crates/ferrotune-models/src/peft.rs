@@ -395,9 +395,8 @@ impl LoraConfig {
     pub fn resolve_module(&self, model: &ModelConfig, name: &str) -> Option<(usize, f64)> {
         // Llama 4's and Gemma 4's experts are fused parameters in the checkpoint, no linear
         // modules PEFT could adapt: no pattern reaches them.
-        let gemma4_moe = model.gemma4.as_ref().is_some_and(|g| g.moe.is_some());
         if (model.llama4_names && name.contains(".mlp.experts."))
-            || (gemma4_moe && name.contains(".experts."))
+            || (model.gemma4_moe().is_some() && name.contains(".experts."))
         {
             return None;
         }

@@ -404,8 +404,7 @@ fn expert_projections(moe: &Moe) -> Vec<[&crate::Linear; 3]> {
 
 /// The intermediate size of `model`'s experts (0 without experts).
 fn expert_intermediate_size(model: &CausalLm) -> usize {
-    let gemma4 = model.config.gemma4.as_ref().and_then(|g| g.moe);
-    match (&model.config.moe, gemma4) {
+    match (&model.config.moe, model.config.gemma4_moe()) {
         (Some(m), _) => m.expert_intermediate_size,
         (None, Some((_, _, inter))) => inter,
         (None, None) => 0,
