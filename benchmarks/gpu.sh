@@ -5,7 +5,9 @@
 #           forward's ops and its CUDA graph replays against kernel launches for every tiny
 #           family, `bench decode` on the Llama-3.1-8B shape (graphs, kernels without graphs and
 #           forward ops, against the bandwidth bound) beside HF transformers (hf_decode.py:
-#           dynamic cache, then static cache + torch.compile).
+#           dynamic cache) and the previous build (ferrotune_old.xz, when packed), one round of
+#           LoRA training beside HF + PEFT, then in the time left a 3900-token prompt and
+#           transformers' static cache + torch.compile. Sized for one device call.
 #   train:  the loss of a small shape in f32 and bf16 (to set beside the CPU f32 run); NCCL at world
 #           size 1 against single device (LoRA and full fine-tuning); `bench ops`; ferrotune beside
 #           HF + PEFT (hf_lora.py) on the Llama-3.1-8B shape, alternating; activation checkpointing
@@ -31,15 +33,16 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   # The acceptance numbers first (ferrotune, then transformers on the same GPU), then the decode
   # step's checks against the forward, then whatever fits in the time left (the device tool's
   # budget is one call of under 10 minutes, machine start included).
-  timeout 150 $F bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 --json > $OUT/decode_1.log 2>&1
+  DEC="bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 --json"
+  timeout 150 $F $DEC > $OUT/decode_1.log 2>&1
   # If that failed outright: the same without graphs, then with the forward's ops, to see which part broke.
   if [ $? -ne 0 ]; then
-    FERROTUNE_CUDA_GRAPHS=0 timeout 100 $F bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 --json > $OUT/decode_nographs.log 2>&1 ||
-      FERROTUNE_DECODE_KERNELS=0 timeout 100 $F bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 --json > $OUT/decode_ops.log 2>&1
+    FERROTUNE_CUDA_GRAPHS=0 timeout 100 $F $DEC > $OUT/decode_nographs.log 2>&1 ||
+      FERROTUNE_DECODE_KERNELS=0 timeout 100 $F $DEC > $OUT/decode_ops.log 2>&1
   fi
   timeout 150 python3 hf_decode.py --shape llama3_1_8b --device cuda --dtype bfloat16 --prompt 128 --new-tokens 128 > $OUT/hf_decode_1.log 2>&1
   # The previous build (ferrotune_old.xz, when packed) on the same GPU, for a before/after.
-  [ -x ferrotune_old ] && timeout 120 $R ./ferrotune_old bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 --json > $OUT/decode_old.log 2>&1
+  [ -x ferrotune_old ] && timeout 120 $R ./ferrotune_old $DEC > $OUT/decode_old.log 2>&1
   FERROTUNE_TEST_FIXTURES=$FIXTURES timeout 150 $R ./decode_step --test-threads=1 --nocapture > $OUT/decode_step.log 2>&1
   echo "decode_step rc=$?" >> $OUT/decode_step.log
   # LoRA training beside HF + PEFT once (the train mode measures it twice, alternating).

@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, D};
-use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache};
+use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache, ModelConfig};
 
 use common::fixtures;
 
@@ -23,6 +23,12 @@ fn fixture_models() -> Vec<PathBuf> {
     }
     cases.sort();
     cases
+}
+
+/// Families the decode step refuses (Phi-2, mixtures of experts, Gemma 4): the forward decodes
+/// them.
+fn decode_step_refuses(c: &ModelConfig) -> bool {
+    c.layer_norm || c.moe.is_some() || c.gemma4.is_some()
 }
 
 /// A left-padded batch as generation builds it: ids `[batch, longest]` and its layout.
@@ -131,7 +137,7 @@ fn decode_step_equals_the_forward_for_every_family_on_a_padded_batch() {
     for case in cases {
         let model = load(&case);
         let c = &model.config;
-        if c.layer_norm || c.moe.is_some() || c.gemma4.is_some() {
+        if decode_step_refuses(c) {
             // Phi-2, MoE and Gemma 4 models: the step refuses (the forward decodes those), and
             // says why.
             let one = Tensor::new(&[[1u32]], &Device::Cpu).unwrap();
@@ -163,7 +169,7 @@ fn replayed_decode_steps_equal_the_forward() {
     for case in fixture_models() {
         let model = load(&case);
         let c = &model.config;
-        if c.layer_norm || c.moe.is_some() || c.gemma4.is_some() {
+        if decode_step_refuses(c) {
             continue;
         }
         let prompts = vec![vec![5, 9, 2, 7, 1, 3], vec![4, 8, 6], vec![11]];
@@ -370,8 +376,8 @@ fn cuda_graph_replays_equal_kernel_launches_on_a_gpu() {
         for dtype in [DType::F32, DType::BF16] {
             let model = load_model(&case, dtype, &gpu).unwrap().0;
             let c = &model.config;
-            // Refused by the decode step (the forward decodes these; nothing is recorded).
-            if c.layer_norm || c.moe.is_some() || c.gemma4.is_some() {
+            // Nothing is recorded for these.
+            if decode_step_refuses(c) {
                 continue;
             }
             let long: Vec<u32> = (0..250).map(|i| (i * 7 + 3) % 100).collect();
