@@ -53,6 +53,8 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   # A long cache (split attention over 4096 positions), if time is still left.
   [ $SECONDS -lt 420 ] && timeout $((500 - SECONDS)) $F bench decode --shape llama3_1_8b \
     --device cuda --dtype bf16 --prompt 3900 --new-tokens 64 --runs 1 > $OUT/decode_long.log 2>&1
+  [ -x ferrotune_old ] && [ $SECONDS -lt 440 ] && timeout $((500 - SECONDS)) $R ./ferrotune_old bench decode \
+    --shape llama3_1_8b --device cuda --dtype bf16 --prompt 3900 --new-tokens 64 --runs 1 > $OUT/decode_long_old.log 2>&1
   # transformers' fastest decode (static cache, CUDA graphs through torch.compile), in the time left.
   [ "$MODE" = decode ] && [ $SECONDS -lt 400 ] && timeout $((520 - SECONDS)) python3 hf_decode.py --shape llama3_1_8b \
     --device cuda --dtype bfloat16 --prompt 128 --new-tokens 128 --runs 2 --cache static --compile > $OUT/hf_decode_static.log 2>&1
@@ -106,6 +108,7 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   echo "-- warnings"; grep -ih 'warn\|error\|panic' $OUT/decode_*.log | head -8
   tail -n 1 $OUT/hf_decode_1.log; tail -n 2 $OUT/hf_decode_static.log 2>/dev/null
   echo "== decode 8B bf16, prompt 3900 (split attention)"; grep -v '^\s*$' $OUT/decode_long.log 2>/dev/null | tail -n 9
+  [ -f $OUT/decode_long_old.log ] && { echo "-- previous build"; grep -E 'decode  |of bound' $OUT/decode_long_old.log; }
 fi
 if [ "$MODE" = decode ] && [ -f $OUT/ft_lora_1.log ]; then
   echo "== 8B LoRA seq 2048 batch 2 (ferrotune | HF+PEFT)"; tail -n 1 $OUT/ft_lora_1.log; tail -n 1 $OUT/hf_lora_1.log

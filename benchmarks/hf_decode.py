@@ -2,7 +2,7 @@
 synthetic shape, batch 1, to run beside ferrotune on the same GPU in the same call.
 
   python hf_decode.py --shape llama3_1_8b --device cuda --dtype bfloat16 --prompt 128 --new-tokens 128
-  python hf_decode.py ... --cache static --compile   # transformers' static cache + torch.compile
+  python hf_decode.py ... --cache static --compile   # transformers' static cache, compiled by generate
 
 Weights are random (decode speed does not depend on their values). Decode tokens/s counts the
 tokens after the first (the first comes out of the prefill), over the time after the prefill,
@@ -31,8 +31,12 @@ cfg = LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=L, num_a
                   tie_word_embeddings=(a.shape == 'smollm2_135m'), attn_implementation='sdpa')
 with torch.device(a.device):
     m = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, a.dtype)).eval()
-if a.compile:
-    m.forward = torch.compile(m.forward, mode='reduce-overhead', fullgraph=True)
+# With a static cache, generate compiles the decoding forward itself (torch.compile's
+# reduce-overhead mode: CUDA graphs, each step marked) unless told not to. Wrapping m.forward in
+# torch.compile as well made graph replays overwrite the static cache's outputs still in use.
+if a.compile and a.cache != 'static':
+    ap.error('--compile needs --cache static (transformers compiles only a static cache decode)')
+gen_kwargs = {'disable_compile': not a.compile} if a.cache == 'static' else {}
 ids = torch.randint(0, V, (1, a.prompt), device=a.device)
 
 
@@ -42,7 +46,7 @@ def timed_generate(new_tokens):
     with torch.no_grad():
         out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, cache_implementation=a.cache,
-                         pad_token_id=0)
+                         pad_token_id=0, **gen_kwargs)
     if a.device == 'cuda': torch.cuda.synchronize()
     assert out.shape[1] == a.prompt + new_tokens
     return time.perf_counter() - t

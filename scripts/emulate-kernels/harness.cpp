@@ -315,7 +315,8 @@ void test_attention_split(int B, int nh, int nkv, int hd, int cap, int len, std:
   hipLaunchKernelGGL(dec_attention_part<T>, dim3(nh, B, splits), dim3(256), (hd + 8 * 256) * sizeof(float), 0,
                      dq, dkc, dvc, dpart, dsc, dlo, counters ? cap : len, window, nh, nkv, hd, cap, chunk, scale,
                      softcap, dcounters);
-  hipLaunchKernelGGL(dec_attention_combine<T>, dim3(nh, B), dim3(128), 0, 0, dpart, dout, nh, hd, splits);
+  hipLaunchKernelGGL(dec_attention_combine<T>, dim3(nh, B), dim3(128), splits * sizeof(float), 0, dpart, dout, nh, hd,
+                     splits);
   char name[160];
   std::snprintf(name, sizeof name, "split attention %s B%d h%d/%d d%d len%d/%d chunk%d win%d cap%g%s",
                 sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, chunk, window, softcap,
@@ -392,7 +393,7 @@ template <typename T> void test_attn_softmax(int L, float cap) {
 }
 
 // The training kernels' RMSNorm forward (block_sum, shared by every row-wise kernel).
-template <typename T> void test_rmsnorm(int rows, int h, int offset_one) {
+template <typename T> void test_rmsnorm(int rows, int h, int offset_one, int threads = 256) {
   auto x = random_vec<T>((size_t)rows * h), w = random_vec<T>(h);
   float eps = 1e-5f;
   std::vector<float> want((size_t)rows * h);
@@ -406,10 +407,10 @@ template <typename T> void test_rmsnorm(int rows, int h, int offset_one) {
     }
   }
   T *dx = dev(x), *dw = dev(w), *dy = dev(std::vector<T>(want.size()));
-  hipLaunchKernelGGL(rmsnorm_fwd<T>, dim3(rows), dim3(256), 0, 0, dx, dw, dy, h, eps, offset_one);
+  hipLaunchKernelGGL(rmsnorm_fwd<T>, dim3(rows), dim3(threads), 0, 0, dx, dw, dy, h, eps, offset_one);
   char name[128];
-  std::snprintf(name, sizeof name, "rmsnorm %s rows%d h%d%s", sizeof(T) == 4 ? "f32" : "bf16", rows, h,
-                offset_one ? " +1" : "");
+  std::snprintf(name, sizeof name, "rmsnorm %s rows%d h%d%s threads%d", sizeof(T) == 4 ? "f32" : "bf16", rows,
+                h, offset_one ? " +1" : "", threads);
   check(name, host(dy, want.size()), want, tol<T>());
 }
 
@@ -448,6 +449,10 @@ template <typename T> void all() {
   test_nf4<T>(4096);
   test_rmsnorm<T>(3, 1000, 0);
   test_rmsnorm<T>(2, 96, 1);
+  test_rmsnorm<T>(1, 4096, 0);   // a decode row: the vector path
+  test_rmsnorm<T>(2, 1004, 1);   // h not a multiple of 8: the scalar loop
+  test_rmsnorm<T>(2, 16392, 0);  // wider than the vector path holds: the scalar loop
+  test_rmsnorm<T>(1, 12288, 1, 768);  // the widest row the launcher sends, with its block
   test_gemv<T>(1, 256, 40, 0, 0, false, false);
   test_gemv<T>(3, 1048, 24, 8, 8, true, false);
   test_gemv<T>(2, 776, 13, 0, 0, false, true);
@@ -473,6 +478,7 @@ template <typename T> void all() {
   test_attention_split<T>(2, 4, 4, 256, 700, 650, {3, 0}, 100, 0.f, 256, false);
   test_attention_split<T>(2, 4, 2, 32, 2048, 77, {0, 60}, 0, 0.5f, 512, false);
   test_attention_split<T>(1, 6, 3, 96, 1500, 1499, {0}, 700, 0.f, 512, true);
+  test_attention_split<T>(1, 4, 2, 128, 4100, 3900, {0}, 0, 0.f, 256, true);  // 17 splits
   test_attention<T>(1, 4, 2, 96, 300, 300, {17}, 40);
   test_attention<T>(2, 4, 2, 64, 48, 45, {0, 9}, 16, 0.5f);
 }

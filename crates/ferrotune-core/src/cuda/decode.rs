@@ -237,7 +237,7 @@ pub(crate) fn attention(
             &format!("dec_attention_combine_{}", suffix(dtype)?),
             (query as u32, rows as u32),
             dim.next_multiple_of(32).min(256) as u32,
-            0,
+            (splits * 4) as u32,
             &[
                 Arg::Ptr(ptr(part)?),
                 Arg::Ptr(ptr(&out)?),

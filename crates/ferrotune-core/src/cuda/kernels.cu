@@ -58,15 +58,103 @@ __device__ float block_max(float v) {
   return v;
 }
 
+// 8 elements as loaded (read-only path), unpacked to floats only when used: bf16 chunks stay 4
+// registers each while several are in flight. For data written by an earlier kernel or never
+// written on the device (weights); not for data this kernel writes.
+template <typename T> struct Pack8;
+template <> struct Pack8<bf16> {
+  uint4 v;
+  __device__ __forceinline__ void load(const bf16 *p) { v = __ldg(reinterpret_cast<const uint4 *>(p)); }
+  __device__ __forceinline__ void unpack(float *f) const {
+    const bf16 *h = reinterpret_cast<const bf16 *>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __bfloat162float(h[i]);
+  }
+};
+template <> struct Pack8<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float *p) {
+    a = __ldg(reinterpret_cast<const float4 *>(p));
+    b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+  }
+  __device__ __forceinline__ void unpack(float *f) const {
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  }
+};
+
+// Stores 8 floats as T with 16-byte writes (p 16-byte aligned).
+__device__ __forceinline__ void store8(float *p, const float *f) {
+  reinterpret_cast<float4 *>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4 *>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+__device__ __forceinline__ void store8(bf16 *p, const float *f) {
+  uint4 u;
+  bf16 *h = reinterpret_cast<bf16 *>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = __float2bfloat16(f[i]);
+  *reinterpret_cast<uint4 *>(p) = u;
+}
+
 // ---------------------------------------------------------------------------------------------
 // RMSNorm. Forward: one block per row. y = w * round(x * r)   (LlamaRMSNorm: normed.to(dtype) * w)
 //                                   y = x * r * (1 + w)        (Gemma, in f32, rounded once)
 // with r = 1 / sqrt(mean(x²) + eps).
+// Chunks of 8 elements a thread of rmsnorm_fwd holds in registers on its vector path (few, so
+// that many-row launches keep their occupancy; the launcher widens the block for wide rows).
+#define RMSNORM_CHUNKS 2
+
 template <typename T>
 __device__ void rmsnorm_fwd(const T *x, const T *w, T *y, int h, float eps, int offset_one) {
   long row = blockIdx.x;
   const T *xr = x + row * h;
   T *yr = y + row * h;
+  // Vector path (h a multiple of 8, 16-byte aligned rows, h ≤ 8 · RMSNORM_CHUNKS · blockDim.x):
+  // every load of x and w is issued before the first is used, so a row costs one memory round
+  // trip. A decode step normalizes one row per block, where the scalar loop below waits for
+  // h / blockDim.x loads one after another.
+  int chunks = h / 8;
+  bool vec = h % 8 == 0 && chunks <= RMSNORM_CHUNKS * (int)blockDim.x &&
+             (((uintptr_t)xr | (uintptr_t)w | (uintptr_t)yr) & 15) == 0;
+  if (vec) {
+    Pack8<T> xp[RMSNORM_CHUNKS], wp[RMSNORM_CHUNKS];
+#pragma unroll
+    for (int v = 0; v < RMSNORM_CHUNKS; ++v) {
+      int c = threadIdx.x + v * blockDim.x;
+      if (c < chunks) {
+        xp[v].load(xr + c * 8);
+        wp[v].load(w + c * 8);
+      }
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int v = 0; v < RMSNORM_CHUNKS; ++v) {
+      if (threadIdx.x + v * blockDim.x < chunks) {
+        float f[8];
+        xp[v].unpack(f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss += f[i] * f[i];
+      }
+    }
+    ss = block_sum(ss);
+    float r = 1.f / sqrtf(ss / (float)h + eps);
+#pragma unroll
+    for (int v = 0; v < RMSNORM_CHUNKS; ++v) {
+      int c = threadIdx.x + v * blockDim.x;
+      if (c < chunks) {
+        float f[8], wf[8];
+        xp[v].unpack(f);
+        wp[v].unpack(wf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float xn = f[i] * r;
+          f[i] = offset_one ? xn * (1.f + wf[i]) : round_to<T>(xn) * wf[i];
+        }
+        store8(yr + c * 8, f);
+      }
+    }
+    return;
+  }
   float ss = 0.f;
   for (int j = threadIdx.x; j < h; j += blockDim.x) {
     float v = ld(xr, j);
@@ -466,30 +554,6 @@ __device__ __forceinline__ void load8(const float *p, float *f) {
   f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
-// 8 weight elements as loaded (read-only path), unpacked to floats only when used: bf16 chunks
-// stay 4 registers each while several are in flight.
-template <typename T> struct Pack8;
-template <> struct Pack8<bf16> {
-  uint4 v;
-  __device__ __forceinline__ void load(const bf16 *p) { v = __ldg(reinterpret_cast<const uint4 *>(p)); }
-  __device__ __forceinline__ void unpack(float *f) const {
-    const bf16 *h = reinterpret_cast<const bf16 *>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = __bfloat162float(h[i]);
-  }
-};
-template <> struct Pack8<float> {
-  float4 a, b;
-  __device__ __forceinline__ void load(const float *p) {
-    a = __ldg(reinterpret_cast<const float4 *>(p));
-    b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
-  }
-  __device__ __forceinline__ void unpack(float *f) const {
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-  }
-};
-
 // acc[b] += W[row] · x[b] over this lane's share of K (K a multiple of 8): lane l reads elements
 // 8l .. 8l+7 of every 256-element chunk, UNROLL chunks of the weight row loaded before use.
 template <typename T, int UNROLL, int NB>
@@ -551,6 +615,12 @@ __device__ void dec_gemv(const T *x, int K, const T *w0, const T *b0, int n0, co
       bias = b2;
     }
   }
+  // The epilogue's bias and residual are loaded before the dot product, so that their round trip
+  // overlaps the weight stream instead of following it.
+  float bias_v = bias ? ld(bias, rr) : 0.f;
+  float res[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) res[b] = residual ? ld(residual, (long)b * N + r) : 0.f;
   float acc[NB];
 #pragma unroll
   for (int b = 0; b < NB; ++b) acc[b] = 0.f;
@@ -560,8 +630,8 @@ __device__ void dec_gemv(const T *x, int K, const T *w0, const T *b0, int n0, co
     float s = warp_sum(acc[b]);
     if (active && lane == 0) {
       float v = round_to<T>(s);
-      if (bias) v = round_to<T>(v + ld(bias, rr));
-      if (residual) v = v + ld(residual, (long)b * N + r);
+      if (bias) v = round_to<T>(v + bias_v);
+      if (residual) v = v + res[b];
       st(out, (long)b * N + r, v);
     }
   }
@@ -615,11 +685,14 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
     if (on) st(vc, (((long)b * nkv + (head - nh - nkv)) * cap + pos) * hd + d, v);
     return;
   }
+  // Everything else this thread reads is loaded up front, in one memory round trip with qkv's.
+  bool rotated = on && d < rot;
+  float c = rotated ? ld(cs, (long)b * rot + d) : 0.f, s = rotated ? ld(sn, (long)b * rot + d) : 0.f;
   const T *nw = head < nh ? qn : kn;
+  float wj = nw && on ? ld(nw, d) : 0.f;
   if (nw) {
     float ss = block_sum(v * v);
     float xn = v * (1.f / sqrtf(ss / (float)hd + eps));
-    float wj = on ? ld(nw, d) : 0.f;
     v = round_to<T>(offset_one ? xn * (1.f + wj) : round_to<T>(xn) * wj);
   }
   if (on) head_vals[d] = v;
@@ -628,7 +701,6 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
   float y = v;
   int half = rot / 2;
   if (d < rot) {
-    float c = ld(cs, (long)b * rot + d), s = ld(sn, (long)b * rot + d);
     y = d < half ? v * c - head_vals[d + half] * s : v * c + head_vals[d - half] * s;
   }
   if (head < nh)
@@ -650,11 +722,24 @@ __device__ float dec_scores(const float *qs, const T *kb, int hd, int start, int
   for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
     const T *kr = kb + (long)j * hd;
     float acc = 0.f;
-    for (int d = 0; d < hd; d += 8) {
-      float k8[8];
-      load8(kr + d, k8);
+    // A batch of features' loads (128 for bf16, 64 for f32: 64 registers) is in flight before
+    // the first is used: the keys were written by an earlier kernel, and waiting for each 8
+    // features in turn made this pass a chain of hd / 8 memory round trips.
+    constexpr int BATCH = sizeof(T) == 2 ? 16 : 8;
+    for (int d0 = 0; d0 < hd; d0 += BATCH * 8) {
+      Pack8<T> kp[BATCH];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc += qs[d + i] * k8[i];
+      for (int c = 0; c < BATCH; ++c)
+        if (d0 + c * 8 < hd) kp[c].load(kr + d0 + c * 8);
+#pragma unroll
+      for (int c = 0; c < BATCH; ++c) {
+        if (d0 + c * 8 < hd) {
+          float k8[8];
+          kp[c].unpack(k8);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc += qs[d0 + c * 8 + i] * k8[i];
+        }
+      }
     }
     float s = round_to<T>(acc) * scale;
     if (softcap > 0.f) s = softcap * tanhf(s / softcap);
@@ -675,7 +760,25 @@ __device__ int dec_values(const float *sc, const T *vb, int hd, int start, int e
   int d8 = (threadIdx.x % per_key) * 8, g = threadIdx.x / per_key;
   if (g < groups) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = start + g; j < end; j += groups) {
+    int j = start + g;
+    // 8 keys' loads in flight at a time (same summation order as one key after another).
+    for (; j + 7 * groups < end; j += 8 * groups) {
+      Pack8<T> vp[8];
+      float p[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        p[u] = sc[j + u * groups];
+        vp[u].load(vb + (long)(j + u * groups) * hd + d8);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        float v8[8];
+        vp[u].unpack(v8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += p[u] * v8[i];
+      }
+    }
+    for (; j < end; j += groups) {
       float p = sc[j], v8[8];
       load8(vb + (long)j * hd + d8, v8);
 #pragma unroll
@@ -784,25 +887,38 @@ __device__ void dec_attention_part(const T *q, const T *kc, const T *vc, float *
 }
 
 // out[b][h] = Σ_split exp(m − M) · acc / Σ_split exp(m − M) · l over the splits of
-// dec_attention_part (M the largest m), rounded to T; one block per (query head, row).
+// dec_attention_part (M the largest m), rounded to T; one block per (query head, row), blockDim.x
+// a multiple of 32. Each split's weight exp(m − M) is computed once, by one thread, into dynamic
+// shared memory (`splits` floats); the sums over splits then load 8 splits' partials at a time.
 template <typename T>
 __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd, int splits) {
+  FT_DYNAMIC_SHARED(float, weight);
   int h = blockIdx.x, b = blockIdx.y;
-  const float *p = part + ((long)b * nh + h) * splits * (hd + 2);
+  long stride = hd + 2;
+  const float *p = part + ((long)b * nh + h) * splits * stride;
   float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p[s * (hd + 2) + hd]);
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, p[s * stride + hd]);
+  mx = block_max(mx);
   float denom = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    float m = p[s * (hd + 2) + hd];
-    if (m != -INFINITY) denom += expf(m - mx) * p[s * (hd + 2) + hd + 1];
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+    float m = p[s * stride + hd];
+    float e = m != -INFINITY ? expf(m - mx) : 0.f;
+    weight[s] = e;
+    denom += e * p[s * stride + hd + 1];
   }
+  denom = block_sum(denom);  // its barriers publish `weight`
   float inv = denom > 0.f ? 1.f / denom : 0.f;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float v = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      float m = p[s * (hd + 2) + hd];
-      if (m != -INFINITY) v += expf(m - mx) * p[s * (hd + 2) + d];
+    int s = 0;
+    for (; s + 8 <= splits; s += 8) {
+      float a[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) a[u] = p[(s + u) * stride + d];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v += weight[s + u] * a[u];
     }
+    for (; s < splits; ++s) v += weight[s] * p[s * stride + d];
     st(out, ((long)b * nh + h) * hd + d, v * inv);
   }
 }

@@ -30,6 +30,12 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset_one: bool) 
     )
 }
 
+/// Threads per row of `rmsnorm_fwd`: 256, or enough for its vector path (16 elements a thread,
+/// `RMSNORM_CHUNKS` in kernels.cu) to hold a wider row.
+fn rmsnorm_threads(h: usize) -> u32 {
+    h.div_ceil(16).next_multiple_of(32).clamp(256, 1024) as u32
+}
+
 struct RmsNorm {
     eps: f32,
     offset_one: bool,
@@ -67,7 +73,7 @@ impl CustomOp2 for RmsNorm {
                 &x.device,
                 &format!("rmsnorm_fwd_{}", suffix(dtype)?),
                 (rows as u32, 1),
-                256,
+                rmsnorm_threads(h),
                 0,
                 &[
                     Arg::Ptr(storage_ptr(x, xl)?),
