@@ -444,9 +444,101 @@ template <typename T> void test_nf4(long n) {
   check(name, host(dout, n), want, 0.f);
 }
 
+// Host forms of the kernels' activations (act codes as in kernels.cu: 0 SiLU, 1 GELU tanh, 2 GELU).
+float host_act(float x, int act) {
+  if (act == 0) return x / (1.f + std::exp(-x));
+  if (act == 1) return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+  return 0.5f * x * (1.f + std::erf(x * 0.7071067811865476f));
+}
+float host_act_grad(float x, int act) {
+  if (act == 0) {
+    float s = 1.f / (1.f + std::exp(-x));
+    return s * (1.f + x * (1.f - s));
+  }
+  if (act == 1) {
+    float k = 0.7978845608028654f * (x + 0.044715f * x * x * x), t = std::tanh(k);
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * 0.7978845608028654f * (1.f + 3.f * 0.044715f * x * x);
+  }
+  return 0.5f * (1.f + std::erf(x * 0.7071067811865476f)) + x * 0.3989422804014327f * std::exp(-0.5f * x * x);
+}
+
+// Gated activation forward and backward over n elements, `skew` elements into the buffers (an
+// odd skew leaves them unaligned: the scalar path), on the grid the launcher sends.
+template <typename T> void test_glu(long n, int act, int skew) {
+  auto g = random_vec<T>(n + skew), u = random_vec<T>(n + skew), dy = random_vec<T>(n + skew);
+  std::vector<float> y(n), dg(n), du(n);
+  for (long i = 0; i < n; ++i) {
+    float gv = from_t(g[i + skew]), uv = from_t(u[i + skew]), d = from_t(dy[i + skew]);
+    y[i] = rt<T>(rt<T>(host_act(gv, act)) * uv);
+    du[i] = rt<T>(d * rt<T>(host_act(gv, act)));
+    dg[i] = rt<T>(d * uv * host_act_grad(gv, act));
+  }
+  T *dgp = dev(g), *dup = dev(u), *ddy = dev(dy);
+  T *dy_out = dev(std::vector<T>(n + skew)), *ddg = dev(std::vector<T>(n + skew)), *ddu = dev(std::vector<T>(n + skew));
+  long threads = skew % 8 ? n : (n + 7) / 8;
+  dim3 grid((unsigned)((threads + 255) / 256));
+  hipLaunchKernelGGL(glu_fwd<T>, grid, dim3(256), 0, 0, dgp + skew, dup + skew, dy_out + skew, n, act);
+  hipLaunchKernelGGL(glu_bwd<T>, grid, dim3(256), 0, 0, dgp + skew, dup + skew, ddy + skew, ddg + skew, ddu + skew, n,
+                     act);
+  char name[128];
+  const char *ty = sizeof(T) == 4 ? "f32" : "bf16";
+  std::snprintf(name, sizeof name, "glu fwd %s n%ld act%d skew%d", ty, n, act, skew);
+  check(name, host(dy_out + skew, n), y, tol<T>());
+  std::snprintf(name, sizeof name, "glu bwd dg %s n%ld act%d skew%d", ty, n, act, skew);
+  check(name, host(ddg + skew, n), dg, tol<T>());
+  std::snprintf(name, sizeof name, "glu bwd du %s n%ld act%d skew%d", ty, n, act, skew);
+  check(name, host(ddu + skew, n), du, tol<T>());
+}
+
+// RoPE forward or backward over x [b, heads, t, d], stored contiguously or as the transposed
+// projection [b, t, heads, d]; cos/sin [cb, t, rot]; on the grid the launcher sends.
+template <typename T>
+void test_rope(int b, int heads, int t, int d, int rot, int cb, int backward, bool transposed) {
+  long n = (long)b * heads * t * d;
+  auto x = random_vec<T>(n), cs = random_vec<T>((size_t)cb * t * rot), sn = random_vec<T>((size_t)cb * t * rot);
+  long sb = (long)heads * t * d, sh = transposed ? d : (long)t * d, st_ = transposed ? (long)heads * d : d;
+  int half = rot / 2;
+  std::vector<float> want(n);
+  for (int bi = 0; bi < b; ++bi)
+    for (int hi = 0; hi < heads; ++hi)
+      for (int tq = 0; tq < t; ++tq)
+        for (int col = 0; col < d; ++col) {
+          const T *xr = x.data() + bi * sb + hi * sh + tq * st_;
+          long e = (((long)bi * heads + hi) * t + tq) * d + col;
+          if (col >= rot) {
+            want[e] = from_t(xr[col]);
+            continue;
+          }
+          long base = (cb > 1 ? bi : 0) * (long)t * rot + (long)tq * rot;
+          float xv = from_t(xr[col]), c = from_t(cs[base + col]);
+          int pcol = col < half ? col + half : col - half;
+          float p = from_t(xr[pcol]), s = from_t(sn[base + (backward ? pcol : col)]);
+          bool minus = (col < half) != (bool)backward;
+          want[e] = rt<T>(minus ? xv * c - p * s : xv * c + p * s);
+        }
+  T *dx = dev(x), *dcs = dev(cs), *dsn = dev(sn), *dout = dev(std::vector<T>(n));
+  bool vector = d % 8 == 0 && rot % 16 == 0 && sb % 8 == 0 && sh % 8 == 0 && st_ % 8 == 0;
+  long threads = vector ? n / 8 : n;
+  hipLaunchKernelGGL(rope<T>, dim3((unsigned)((threads + 255) / 256)), dim3(256), 0, 0, dx, dcs, dsn, dout, n, heads,
+                     t, d, rot, cb > 1 ? 1 : 0, backward, sb, sh, st_);
+  char name[128];
+  std::snprintf(name, sizeof name, "rope %s b%d h%d t%d d%d rot%d cb%d %s%s", sizeof(T) == 4 ? "f32" : "bf16", b,
+                heads, t, d, rot, cb, backward ? "bwd" : "fwd", transposed ? " transposed" : "");
+  check(name, host(dout, n), want, tol<T>());
+}
+
 template <typename T> void all() {
   test_nf4<T>(64 * 256 * 2 + 64 * 3 + 17);
   test_nf4<T>(4096);
+  test_glu<T>(4096 + 5, 0, 0);
+  test_glu<T>(1000, 1, 0);
+  test_glu<T>(999, 2, 1);
+  test_rope<T>(2, 3, 5, 64, 64, 1, 0, false);
+  test_rope<T>(2, 3, 5, 64, 64, 2, 1, true);
+  test_rope<T>(1, 2, 7, 128, 32, 1, 0, true);   // partial rotary (Phi): copied tail
+  test_rope<T>(1, 2, 7, 128, 32, 1, 1, false);
+  test_rope<T>(2, 2, 3, 40, 24, 2, 0, false);   // rot/2 not a multiple of 8: the scalar path
+  test_rope<T>(1, 2, 3, 36, 36, 1, 1, true);    // d not a multiple of 8: the scalar path
   test_rmsnorm<T>(3, 1000, 0);
   test_rmsnorm<T>(2, 96, 1);
   test_rmsnorm<T>(1, 4096, 0);   // a decode row: the vector path

@@ -14,8 +14,8 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
-    alloc_storage, cpu_unsupported, cuda_device, empty, gemm, launch, ptr, storage_ptr,
-    stride_grid, suffix, Arg,
+    alloc_storage, cpu_unsupported, cuda_device, empty, gemm, launch_elementwise, ptr, storage_ptr,
+    suffix, Arg,
 };
 
 /// [`crate::fused::gated_lora`] for CUDA tensors of one dtype: `x` `[..., in]`, frozen `w_gate`
@@ -158,12 +158,10 @@ impl CustomOp3 for GatedLora {
         let out = alloc_storage(dev, dtype, m * inter)?;
         let n = m * inter;
         if n > 0 {
-            launch(
+            launch_elementwise(
                 dev,
                 &format!("glu_fwd_{}", suffix(dtype)?),
-                (stride_grid(n), 1),
-                256,
-                0,
+                n,
                 &[
                     Arg::Ptr(ptr(&gate)?),
                     Arg::Ptr(ptr(&up)?),
@@ -208,12 +206,10 @@ impl CustomOp3 for GatedLora {
         let dg = empty(&dev, dtype, (m, inter))?;
         let du = empty(&dev, dtype, (m, inter))?;
         if n > 0 {
-            launch(
+            launch_elementwise(
                 &dev,
                 &format!("glu_bwd_{}", suffix(dtype)?),
-                (stride_grid(n), 1),
-                256,
-                0,
+                n,
                 &[
                     Arg::Ptr(ptr(&saved.gate)?),
                     Arg::Ptr(ptr(&saved.up)?),

@@ -237,34 +237,106 @@ __device__ __forceinline__ float act_grad(float x, int act) {
          x * 0.3989422804014327f * expf(-0.5f * x * x);
 }
 
-template <typename T>
-__device__ void glu_fwd(const T *g, const T *u, T *y, long n, int act) {
-  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-    st(y, i, round_to<T>(act_fwd(ld(g, i), act)) * ld(u, i));
+// Whether every pointer is 16-byte aligned (the vector paths' 8-element loads and stores).
+__device__ __forceinline__ bool aligned16(const void *a, const void *b, const void *c,
+                                          const void *d = nullptr, const void *e = nullptr) {
+  return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e) & 15) == 0;
 }
 
+// The elementwise kernels below take 8 elements a thread with 16-byte loads where the buffers
+// allow (then the launcher sends n / 8 threads): one 2-byte load per thread keeps too few bytes in
+// flight to use the memory bandwidth. Each element is computed exactly as on the scalar path,
+// which takes any elements left over.
+template <typename T>
+__device__ void glu_fwd(const T *g, const T *u, T *y, long n, int act) {
+  long tid = blockIdx.x * (long)blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
+  long chunks = aligned16(g, u, y) ? n / 8 : 0;
+  for (long c = tid; c < chunks; c += stride) {
+    Pack8<T> gp, up;
+    gp.load(g + c * 8);
+    up.load(u + c * 8);
+    float gf[8], uf[8];
+    gp.unpack(gf);
+    up.unpack(uf);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) gf[i] = round_to<T>(act_fwd(gf[i], act)) * uf[i];
+    store8(y + c * 8, gf);
+  }
+  for (long i = chunks * 8 + tid; i < n; i += stride)
+    st(y, i, round_to<T>(act_fwd(ld(g, i), act)) * ld(u, i));
+}
 template <typename T>
 __device__ void glu_bwd(const T *g, const T *u, const T *dy, T *dg, T *du, long n, int act) {
-  for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+  long tid = blockIdx.x * (long)blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
+  long chunks = aligned16(g, u, dy, dg, du) ? n / 8 : 0;
+  for (long c = tid; c < chunks; c += stride) {
+    Pack8<T> gp, up, dp;
+    gp.load(g + c * 8);
+    up.load(u + c * 8);
+    dp.load(dy + c * 8);
+    float gf[8], uf[8], df[8], dgf[8], duf[8];
+    gp.unpack(gf);
+    up.unpack(uf);
+    dp.unpack(df);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      duf[i] = df[i] * round_to<T>(act_fwd(gf[i], act));
+      dgf[i] = df[i] * uf[i] * act_grad(gf[i], act);
+    }
+    store8(du + c * 8, duf);
+    store8(dg + c * 8, dgf);
+  }
+  for (long i = chunks * 8 + tid; i < n; i += stride) {
     float gv = ld(g, i), uv = ld(u, i), d = ld(dy, i);
     st(du, i, d * round_to<T>(act_fwd(gv, act)));
     st(dg, i, d * uv * act_grad(gv, act));
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// RoPE in transformers' rotate_half layout over the first `rot` features of each head (the rest
-// pass through). x, y: [b, h, t, d]; cos, sin: [cb, 1, t, rot] with cb = b or 1.
-// Forward:  y_i = x_i c_i − x_{i+H} s_i (i < H),  y_i = x_i c_i + x_{i−H} s_i (H ≤ i < rot).
-// Backward (dy → dx): dx_i = dy_i c_i + dy_{i+H} s_{i+H} (i < H), dx_i = dy_i c_i − dy_{i−H} s_{i−H}.
-// x may be strided (sb, sh, st: element strides of its batch, head and position dimensions; the
-// feature dimension is contiguous), so a `[b, t, heads, d]` projection transposed to
-// `[b, heads, t, d]` is read in place; y is contiguous `[b, heads, t, d]`.
 template <typename T>
 __device__ void rope(const T *x, const T *cs, const T *sn, T *y, long n, int heads, int t, int d,
                      int rot, int cos_per_batch, int backward, long sb, long sh, long st_) {
   int half = rot / 2;
-  for (long e = blockIdx.x * (long)blockDim.x + threadIdx.x; e < n; e += (long)gridDim.x * blockDim.x) {
+  long tid = blockIdx.x * (long)blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
+  // Vector path: 8 features of one row a thread (a chunk never straddles `half` or `rot`, and its
+  // partner chunk, cos and sin are 8 aligned elements too). The index arithmetic, 64-bit
+  // divisions, is paid once per chunk rather than per element.
+  bool vec = d % 8 == 0 && rot % 16 == 0 && ((sb | sh | st_) & 7) == 0 && aligned16(x, cs, sn, y);
+  long chunks = vec ? n / 8 : 0;
+  for (long c = tid; c < chunks; c += stride) {
+    long e = c * 8;
+    int col = (int)(e % d);
+    long row = e / d;
+    int tq = (int)(row % t);
+    long hi = (row / t) % heads;
+    long bi = row / ((long)heads * t);
+    const T *xr = x + bi * sb + hi * sh + (long)tq * st_;
+    Pack8<T> xp;
+    xp.load(xr + col);
+    float xf[8];
+    xp.unpack(xf);
+    if (col >= rot) {
+      store8(y + e, xf);
+      continue;
+    }
+    long base = (cos_per_batch ? bi : 0) * (long)t * rot + (long)tq * rot;
+    int pcol = col < half ? col + half : col - half;
+    Pack8<T> pp, cp, sp;
+    pp.load(xr + pcol);
+    cp.load(cs + base + col);
+    sp.load(sn + base + (backward ? pcol : col));
+    float pf[8], cf[8], sf[8], v[8];
+    pp.unpack(pf);
+    cp.unpack(cf);
+    sp.unpack(sf);
+    // The scalar path's expressions, element by element (its sign: − for the first half going
+    // forward, + going backward, and the reverse for the second half).
+    bool minus = (col < half) != (bool)backward;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = minus ? xf[i] * cf[i] - pf[i] * sf[i] : xf[i] * cf[i] + pf[i] * sf[i];
+    store8(y + e, v);
+  }
+  for (long e = chunks * 8 + tid; e < n; e += stride) {
     int col = (int)(e % d);
     long row = e / d;
     int tq = (int)(row % t);

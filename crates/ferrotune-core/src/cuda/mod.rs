@@ -213,6 +213,17 @@ fn launch_3d(
     Ok(())
 }
 
+/// Launches an elementwise kernel over `n` elements (256-thread blocks, a grid-stride loop): with
+/// `n / 8` threads where every pointer argument is 16-byte aligned, the condition under which the
+/// kernel takes 8 elements a thread.
+fn launch_elementwise(dev: &CudaDevice, name: &str, n: usize, args: &[Arg]) -> Result<()> {
+    let vector = args
+        .iter()
+        .all(|a| !matches!(a, Arg::Ptr(p) if p % 16 != 0));
+    let threads = if vector { n.div_ceil(8) } else { n };
+    launch(dev, name, (stride_grid(threads), 1), 256, 0, args)
+}
+
 /// Grid size for a grid-stride loop over `n` elements with 256-thread blocks.
 fn stride_grid(n: usize) -> u32 {
     n.div_ceil(256).clamp(1, 65_535 * 16) as u32

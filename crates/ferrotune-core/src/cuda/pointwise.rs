@@ -5,8 +5,8 @@ use candle_core::cuda::CudaStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::{
-    alloc_storage, cpu_unsupported, cuda_device, empty, launch, ptr, storage_ptr, storage_ptr_at,
-    stride_grid, suffix, Arg,
+    alloc_storage, cpu_unsupported, cuda_device, empty, launch, launch_elementwise, ptr,
+    storage_ptr, storage_ptr_at, stride_grid, suffix, Arg,
 };
 use crate::fused::GatedAct;
 
@@ -183,12 +183,10 @@ impl CustomOp2 for Glu {
         let n = gl.shape().elem_count();
         let out = alloc_storage(&g.device, dtype, n)?;
         if n > 0 {
-            launch(
+            launch_elementwise(
                 &g.device,
                 &format!("glu_fwd_{}", suffix(dtype)?),
-                (stride_grid(n), 1),
-                256,
-                0,
+                n,
                 &[
                     Arg::Ptr(storage_ptr(g, gl)?),
                     Arg::Ptr(storage_ptr(u, ul)?),
@@ -214,12 +212,10 @@ impl CustomOp2 for Glu {
         let dg = empty(&dev, g.dtype(), g.shape())?;
         let du = empty(&dev, g.dtype(), g.shape())?;
         if n > 0 {
-            launch(
+            launch_elementwise(
                 &dev,
                 &format!("glu_bwd_{}", suffix(g.dtype())?),
-                (stride_grid(n), 1),
-                256,
-                0,
+                n,
                 &[
                     Arg::Ptr(ptr(g)?),
                     Arg::Ptr(ptr(u)?),
@@ -274,10 +270,15 @@ fn launch_rope(
     if n == 0 {
         return Ok(());
     }
+    // The kernel's vector path (8 features a thread) when shapes and addresses allow it.
+    let vector = d % 8 == 0
+        && rot % 16 == 0
+        && x_strides.iter().all(|s| s % 8 == 0)
+        && [x, cos, sin, y].iter().all(|p| p % 16 == 0);
     launch(
         dev,
         &format!("rope_{}", suffix(dtype)?),
-        (stride_grid(n), 1),
+        (stride_grid(if vector { n / 8 } else { n }), 1),
         256,
         0,
         &[
