@@ -293,6 +293,28 @@ __device__ void glu_bwd(const T *g, const T *u, const T *dy, T *dg, T *du, long 
   }
 }
 
+// Where element e of y [b, heads, t, d] (contiguous) reads from: its feature `col`, the start of
+// its row of cos/sin (`base`) and of x (returned; x strided by sb, sh, st_).
+template <typename T>
+__device__ __forceinline__ const T *rope_at(const T *x, long e, int heads, int t, int d, int rot,
+                                            int cos_per_batch, long sb, long sh, long st_, int &col,
+                                            long &base) {
+  col = (int)(e % d);
+  long row = e / d;
+  int tq = (int)(row % t);
+  long hi = (row / t) % heads;
+  long bi = row / ((long)heads * t);
+  base = (cos_per_batch ? bi : 0) * (long)t * rot + (long)tq * rot;
+  return x + bi * sb + hi * sh + (long)tq * st_;
+}
+
+// One rotated feature: x·cos ∓ partner·sin, with the partner feature col ± rot/2 and sin read at
+// the partner's index going backward. The sign is − for the first half going forward, + going
+// backward, and the reverse for the second half.
+__device__ __forceinline__ float rope_value(float x, float c, float p, float s, bool minus) {
+  return minus ? x * c - p * s : x * c + p * s;
+}
+
 template <typename T>
 __device__ void rope(const T *x, const T *cs, const T *sn, T *y, long n, int heads, int t, int d,
                      int rot, int cos_per_batch, int backward, long sb, long sh, long st_) {
@@ -304,13 +326,9 @@ __device__ void rope(const T *x, const T *cs, const T *sn, T *y, long n, int hea
   bool vec = d % 8 == 0 && rot % 16 == 0 && ((sb | sh | st_) & 7) == 0 && aligned16(x, cs, sn, y);
   long chunks = vec ? n / 8 : 0;
   for (long c = tid; c < chunks; c += stride) {
-    long e = c * 8;
-    int col = (int)(e % d);
-    long row = e / d;
-    int tq = (int)(row % t);
-    long hi = (row / t) % heads;
-    long bi = row / ((long)heads * t);
-    const T *xr = x + bi * sb + hi * sh + (long)tq * st_;
+    long e = c * 8, base;
+    int col;
+    const T *xr = rope_at(x, e, heads, t, d, rot, cos_per_batch, sb, sh, st_, col, base);
     Pack8<T> xp;
     xp.load(xr + col);
     float xf[8];
@@ -319,7 +337,6 @@ __device__ void rope(const T *x, const T *cs, const T *sn, T *y, long n, int hea
       store8(y + e, xf);
       continue;
     }
-    long base = (cos_per_batch ? bi : 0) * (long)t * rot + (long)tq * rot;
     int pcol = col < half ? col + half : col - half;
     Pack8<T> pp, cp, sp;
     pp.load(xr + pcol);
@@ -329,37 +346,22 @@ __device__ void rope(const T *x, const T *cs, const T *sn, T *y, long n, int hea
     pp.unpack(pf);
     cp.unpack(cf);
     sp.unpack(sf);
-    // The scalar path's expressions, element by element (its sign: − for the first half going
-    // forward, + going backward, and the reverse for the second half).
     bool minus = (col < half) != (bool)backward;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = minus ? xf[i] * cf[i] - pf[i] * sf[i] : xf[i] * cf[i] + pf[i] * sf[i];
+    for (int i = 0; i < 8; ++i) v[i] = rope_value(xf[i], cf[i], pf[i], sf[i], minus);
     store8(y + e, v);
   }
   for (long e = chunks * 8 + tid; e < n; e += stride) {
-    int col = (int)(e % d);
-    long row = e / d;
-    int tq = (int)(row % t);
-    long hi = (row / t) % heads;
-    long bi = row / ((long)heads * t);
-    const T *xr = x + bi * sb + hi * sh + (long)tq * st_;
+    long base;
+    int col;
+    const T *xr = rope_at(x, e, heads, t, d, rot, cos_per_batch, sb, sh, st_, col, base);
     if (col >= rot) {
       st(y, e, ld(xr, col));
       continue;
     }
-    long base = (cos_per_batch ? bi : 0) * (long)t * rot + (long)tq * rot;
-    float v;
-    if (!backward) {
-      if (col < half)
-        v = ld(xr, col) * ld(cs, base + col) - ld(xr, col + half) * ld(sn, base + col);
-      else
-        v = ld(xr, col) * ld(cs, base + col) + ld(xr, col - half) * ld(sn, base + col);
-    } else {
-      if (col < half)
-        v = ld(xr, col) * ld(cs, base + col) + ld(xr, col + half) * ld(sn, base + col + half);
-      else
-        v = ld(xr, col) * ld(cs, base + col) - ld(xr, col - half) * ld(sn, base + col - half);
-    }
+    int pcol = col < half ? col + half : col - half;
+    float v = rope_value(ld(xr, col), ld(cs, base + col), ld(xr, pcol),
+                         ld(sn, base + (backward ? pcol : col)), (col < half) != (bool)backward);
     st(y, e, v);
   }
 }
