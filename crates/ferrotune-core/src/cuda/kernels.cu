@@ -100,6 +100,13 @@ __device__ __forceinline__ void store8(bf16 *p, const float *f) {
 // RMSNorm. Forward: one block per row. y = w * round(x * r)   (LlamaRMSNorm: normed.to(dtype) * w)
 //                                   y = x * r * (1 + w)        (Gemma, in f32, rounded once)
 // with r = 1 / sqrt(mean(x²) + eps).
+// One normalized feature scaled by its weight, xn = x · r: round(xn) · w (Llama) or xn · (1 + w)
+// (Gemma, rounded once by the caller's store). Shared by rmsnorm_fwd's two paths and the decode
+// step's q/k norms, so that all three round alike.
+template <typename T> __device__ __forceinline__ float rms_apply(float xn, float w, int offset_one) {
+  return offset_one ? xn * (1.f + w) : round_to<T>(xn) * w;
+}
+
 // Chunks of 8 elements a thread of rmsnorm_fwd holds in registers on its vector path (few, so
 // that many-row launches keep their occupancy; the launcher widens the block for wide rows).
 #define RMSNORM_CHUNKS 2
@@ -148,7 +155,7 @@ __device__ void rmsnorm_fwd(const T *x, const T *w, T *y, int h, float eps, int 
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           float xn = f[i] * r;
-          f[i] = offset_one ? xn * (1.f + wf[i]) : round_to<T>(xn) * wf[i];
+          f[i] = rms_apply<T>(xn, wf[i], offset_one);
         }
         store8(yr + c * 8, f);
       }
@@ -165,7 +172,7 @@ __device__ void rmsnorm_fwd(const T *x, const T *w, T *y, int h, float eps, int 
   for (int j = threadIdx.x; j < h; j += blockDim.x) {
     float xn = ld(xr, j) * r;
     float wj = ld(w, j);
-    st(yr, j, offset_one ? xn * (1.f + wj) : round_to<T>(xn) * wj);
+    st(yr, j, rms_apply<T>(xn, wj, offset_one));
   }
 }
 
@@ -767,7 +774,7 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
   if (nw) {
     float ss = block_sum(v * v);
     float xn = v * (1.f / sqrtf(ss / (float)hd + eps));
-    v = round_to<T>(offset_one ? xn * (1.f + wj) : round_to<T>(xn) * wj);
+    v = round_to<T>(rms_apply<T>(xn, wj, offset_one));
   }
   if (on) head_vals[d] = v;
   __syncthreads();
