@@ -16,6 +16,8 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let cap: String = cap.chars().filter(char::is_ascii_digit).collect();
+    // The Rust side picks kernels by it (the flash attention needs bf16 MMA, 8.0 and later).
+    println!("cargo:rustc-env=FERROTUNE_CUDA_CAP={cap}");
     let nvcc = std::env::var_os("CUDA_HOME")
         .map(|h| PathBuf::from(h).join("bin").join("nvcc"))
         .filter(|p| p.exists())

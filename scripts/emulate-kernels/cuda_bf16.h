@@ -27,3 +27,11 @@ inline __nv_bfloat16 __float2bfloat16(float f) {
   h.bits = (uint16_t)(u >> 16);
   return h;
 }
+
+inline uint16_t __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+
+inline __nv_bfloat16 __ushort_as_bfloat16(uint16_t b) {
+  __nv_bfloat16 h;
+  h.bits = b;
+  return h;
+}

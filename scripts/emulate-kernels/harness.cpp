@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -14,6 +15,33 @@ using std::max;
 using std::min;
 #define __shfl_xor_sync(mask, v, o) __shfl_xor(v, o)
 #define FT_DYNAMIC_SHARED(type, name) HIP_DYNAMIC_SHARED(type, name)
+
+// The tensor-core MMA (mma.sync.m16n8k16, bf16 in, f32 accumulate) from PTX's fragment table, with
+// shuffles: lane 4g + j holds A[g][2j..2j+1], A[g+8][2j..], A[g][2j+8..], A[g+8][2j+8..] and
+// B[2j..2j+1][g], B[2j+8..2j+9][g]; lane 4g + q accumulates C[g][2q..2q+1] and C[g+8][2q..2q+1].
+#include <cuda_bf16.h>
+#define FT_MMA_EMULATED
+static float bf_lo(uint32_t w) { return __bfloat162float(__ushort_as_bfloat16(w & 0xffffu)); }
+static float bf_hi(uint32_t w) { return __bfloat162float(__ushort_as_bfloat16(w >> 16)); }
+static float dot2(uint32_t x, uint32_t y) { return bf_lo(x) * bf_lo(y) + bf_hi(x) * bf_hi(y); }
+__device__ void mma_16816(float *c, const uint32_t *a, const uint32_t *b) {
+  // HIP-CPU's warps are 64 fibers: a CUDA warp is one half, and __shfl takes a lane of the 64.
+  int lane = threadIdx.x & 31, base = (threadIdx.x % 64) & ~31, g = lane >> 2, q = lane & 3;
+  float add[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < 4; ++j) {
+    uint32_t A[4], B0[2], B1[2];
+    for (int r = 0; r < 4; ++r) A[r] = __shfl(a[r], base + 4 * g + j);
+    for (int r = 0; r < 2; ++r) {
+      B0[r] = __shfl(b[r], base + 4 * (2 * q) + j);
+      B1[r] = __shfl(b[r], base + 4 * (2 * q + 1) + j);
+    }
+    add[0] += dot2(A[0], B0[0]) + dot2(A[2], B0[1]);
+    add[1] += dot2(A[0], B1[0]) + dot2(A[2], B1[1]);
+    add[2] += dot2(A[1], B0[0]) + dot2(A[3], B0[1]);
+    add[3] += dot2(A[1], B1[0]) + dot2(A[3], B1[1]);
+  }
+  for (int i = 0; i < 4; ++i) c[i] += add[i];
+}
 #include "../../crates/ferrotune-core/src/cuda/kernels.cu"
 
 // The kernels take the row count as a template argument (one kernel per count).
@@ -527,6 +555,106 @@ void test_rope(int b, int heads, int t, int d, int rot, int cb, int backward, bo
   check(name, host(dout, n), want, tol<T>());
 }
 
+// The training flash-attention forward (bf16) against attention in f32 over the same keys: q
+// [b, nh, t, D], k/v [b, nkv, s, D], an additive mask [b, t, s] (causal with the queries at the
+// end of the keys, `pad` leading keys of batch row 1 masked, packed documents of length `doc`;
+// masked entries `masked`), each 64-row block's key range found as the host finds it (or every
+// key, `full_range`).
+template <int D>
+void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, int doc, float masked, float softcap,
+                bool full_range) {
+  auto q = random_vec<bf16>((size_t)b * nh * t * D), k = random_vec<bf16>((size_t)b * nkv * s * D),
+       v = random_vec<bf16>((size_t)b * nkv * s * D);
+  std::vector<float> mask((size_t)b * t * s, 0.f);
+  for (int bi = 0; bi < b; ++bi)
+    for (int r = 0; r < t; ++r)
+      for (int j = 0; j < s; ++j) {
+        int qpos = s - t + r;
+        bool m = j > qpos || (bi == 1 && j < pad) || (doc > 0 && j / doc != qpos / doc);
+        if (m) mask[((size_t)bi * t + r) * s + j] = masked;
+      }
+  int blocks = (t + 63) / 64;
+  std::vector<int> range(2 * blocks);
+  for (int qb = 0; qb < blocks; ++qb) {
+    int first = s, last = 0;
+    for (int bi = 0; bi < b; ++bi)
+      for (int r = qb * 64; r < std::min(t, qb * 64 + 64); ++r) {
+        int f = -1, l = -1;
+        for (int j = 0; j < s; ++j)
+          if (!use_mask || mask[((size_t)bi * t + r) * s + j] > -1e30f) {
+            if (f < 0) f = j;
+            l = j + 1;
+          }
+        if (f < 0) f = 0, l = s;  // a row that sees no key keeps them all
+        first = std::min(first, f);
+        last = std::max(last, l);
+      }
+    range[2 * qb] = full_range ? 0 : first;
+    range[2 * qb + 1] = full_range ? s : last;
+  }
+  float scale = 1.f / std::sqrt((float)D);
+  int g = nh / nkv;
+  std::vector<float> want_o((size_t)b * nh * t * D), want_st((size_t)b * nh * t * 2);
+  for (int bi = 0; bi < b; ++bi)
+    for (int h = 0; h < nh; ++h)
+      for (int r = 0; r < t; ++r) {
+        int qb = r / 64;
+        std::vector<float> x(s, -INFINITY);
+        float m = -INFINITY;
+        for (int j = range[2 * qb]; j < range[2 * qb + 1]; ++j) {
+          float acc = 0;
+          for (int d = 0; d < D; ++d)
+            acc += from_t(q[(((size_t)bi * nh + h) * t + r) * D + d]) *
+                   from_t(k[(((size_t)bi * nkv + h / g) * s + j) * D + d]);
+          float y = acc * scale;
+          if (softcap > 0) y = softcap * std::tanh(y / softcap);
+          x[j] = y + (use_mask ? mask[((size_t)bi * t + r) * s + j] : 0.f);
+          m = std::max(m, x[j]);
+        }
+        double sum = 0;
+        for (int j = 0; j < s; ++j) sum += m == -INFINITY ? 0.0 : std::exp((double)x[j] - m);
+        float inv = m == -INFINITY ? 0.f : (float)(1.0 / sum);
+        size_t row = ((size_t)bi * nh + h) * t + r;
+        want_st[2 * row] = m;
+        want_st[2 * row + 1] = inv;
+        for (int d = 0; d < D; ++d) {
+          double acc = 0;
+          for (int j = 0; j < s; ++j)
+            if (m != -INFINITY) acc += std::exp((double)x[j] - m) * inv * from_t(v[(((size_t)bi * nkv + h / g) * s + j) * D + d]);
+          want_o[row * D + d] = (float)acc;
+        }
+      }
+  bf16 *dq = dev(q), *dk = dev(k), *dv = dev(v), *dout = dev(std::vector<bf16>((size_t)b * nh * t * D));
+  float *dmask = use_mask ? dev(mask) : nullptr, *dst = dev(std::vector<float>((size_t)b * nh * t * 2));
+  int *drange = dev(range);
+  hipLaunchKernelGGL(flash_fwd<D>, dim3(blocks, b * nh), dim3(FA_THREADS), 0, 0, dq, dk, dv, dmask, (long)t * s,
+                     drange, t, s, nh, nkv, scale, softcap, dout, dst);
+  // The maxima where a key has a finite score, and every 1 / Σexp.
+  auto st = host(dst, (size_t)b * nh * t * 2);
+  std::vector<float> got_m, want_m, got_inv, want_inv;
+  for (size_t r = 0; r < st.size() / 2; ++r) {
+    if (want_st[2 * r] > -1e30f) {
+      got_m.push_back(st[2 * r]);
+      want_m.push_back(want_st[2 * r]);
+    } else if (st[2 * r] > -1e30f) {
+      got_m.push_back(1.f);  // a finite max where the reference has −∞ (or −3e38): a failure
+      want_m.push_back(0.f);
+    }
+    got_inv.push_back(st[2 * r + 1]);
+    want_inv.push_back(want_st[2 * r + 1]);
+  }
+  char name[160];
+  std::snprintf(name, sizeof name, "flash fwd D%d b%d h%d/%d t%d s%d%s pad%d doc%d cap%.1f%s", D, b, nh, nkv, t, s,
+                use_mask ? (masked == -INFINITY ? " mask(-inf)" : " mask") : "", pad, doc, softcap,
+                full_range ? " all keys" : "");
+  check(name, host(dout, (size_t)b * nh * t * D), want_o, 1e-2f);
+  size_t len = std::strlen(name);
+  std::snprintf(name + len, sizeof name - len, " max");
+  check(name, got_m, want_m, 1e-5f);
+  std::snprintf(name + len, sizeof name - len, " 1/sum");
+  check(name, got_inv, want_inv, 1e-5f);
+}
+
 template <typename T> void all() {
   test_nf4<T>(64 * 256 * 2 + 64 * 3 + 17);
   test_nf4<T>(4096);
@@ -575,9 +703,16 @@ template <typename T> void all() {
   test_attention<T>(2, 4, 2, 64, 48, 45, {0, 9}, 16, 0.5f);
 }
 
-int main() {
-  all<float>();
-  all<bf16>();
+int main(int argc, char **argv) {
+  if (!(argc > 1 && std::strcmp(argv[1], "flash") == 0)) {
+    all<float>();
+    all<bf16>();
+  }
+  test_flash<64>(2, 4, 2, 70, 70, true, 5, 0, -3e38f, 0.f, false);     // causal, padding, 2 blocks
+  test_flash<128>(1, 2, 1, 130, 130, true, 0, 40, -3e38f, 0.f, false); // packed documents, 3 blocks
+  test_flash<96>(2, 4, 4, 1, 77, false, 0, 0, 0.f, 0.f, false);       // one row, no mask
+  test_flash<64>(2, 2, 1, 20, 150, true, 0, 0, -3e38f, 1.5f, true);   // softcap, every key
+  test_flash<64>(2, 2, 2, 9, 9, true, 9, 0, -INFINITY, 0.f, true);    // row 1 sees nothing (−∞)
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }

@@ -230,7 +230,7 @@ fn attention_matches_cpu() {
     let mut rng = Rng(4);
     // (b, nh, nkv, t, s, hd, mask, softcap): causal with padding; packed documents; several
     // chunks (t > 256 rows); no mask; a decode step (t = 1); Gemma 2's softcap (small enough to
-    // bend the scores) with padding and over several chunks.
+    // bend the scores) with padding and over several chunks; the flash forward's head dims.
     type Case = (
         usize,
         usize,
@@ -286,6 +286,30 @@ fn attention_matches_cpu() {
             Some(1.5),
         ),
         (2, 2, 1, 9, 9, 8, None, Some(0.5)),
+        // Head dims the flash forward takes in bf16 (f32 stays chunked): two row blocks with
+        // padding and GQA; packed documents over three blocks; one row and no mask; softcap.
+        (2, 4, 2, 70, 70, 64, Some(mask(2, 70, 70, 5, None)), None),
+        (
+            1,
+            4,
+            1,
+            130,
+            130,
+            128,
+            Some(mask(1, 130, 130, 0, Some(40))),
+            None,
+        ),
+        (2, 4, 4, 1, 77, 96, None, None),
+        (
+            2,
+            2,
+            1,
+            20,
+            150,
+            64,
+            Some(mask(2, 20, 150, 0, None)),
+            Some(1.5),
+        ),
     ];
     for (b, nh, nkv, t, s, hd, m, softcap) in cases {
         let q = rng.tensor(&[b, nh, t, hd], 1.0);

@@ -4,11 +4,18 @@
 //! probabilities from it (FlashAttention's recurrence, at chunk rather than tile granularity), so
 //! memory is O(t · chunk) instead of O(t²). Keys that no query of a chunk can see (the causal
 //! future, other documents of a packed row) are left out of that chunk's GEMMs.
+//!
+//! In bf16 with head dims 64, 96 and 128 the forward instead runs `flash_fwd` (kernels.cu): one
+//! kernel, tensor cores for both products, the scores never leaving the chip. It writes the same
+//! per-row statistics, so the chunked backward serves both. `FERROTUNE_ATTN=chunked` keeps the
+//! chunked forward (for measuring one against the other).
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::cuda::CudaStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, TensorId};
+use candle_core::{
+    bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, TensorId,
+};
 
 use super::{
     clone_storage, cpu_unsupported, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg,
@@ -20,6 +27,10 @@ const CHUNK_SCORES: usize = 1 << 26;
 const MAX_CHUNK_ROWS: usize = 512;
 /// Additive mask values at or below this are "masked" (f32::MIN, bf16's minimum, −∞).
 const MASKED: f32 = -1e30;
+/// Query rows per block of the flash kernel (`FA_BQ` in kernels.cu).
+const FLASH_ROWS: usize = 64;
+/// Head dims the flash kernel is built for (`EXPORT_FLASH` in kernels.cu).
+const FLASH_HEAD_DIMS: [usize; 3] = [64, 96, 128];
 
 /// One chunk: query positions `r0 .. r0 + rows`, keys `ks .. ks + len`.
 #[derive(Debug, Clone, Copy)]
@@ -36,14 +47,18 @@ struct Plan {
     /// Elements between two batch rows of the mask (0: one mask for the whole batch).
     mask_bstride: usize,
     chunks: Vec<Chunk>,
+    /// For each block of [`FLASH_ROWS`] query rows, the keys `[first, last)` any of its rows may
+    /// see (u32 pairs on the device): the flash kernel's key loop.
+    block_keys: Tensor,
 }
 
-/// The last plan, reused while the same mask tensor comes back (every layer of a forward pass,
-/// and the backward, share one mask).
+/// The last plan, reused while the same mask tensor (or none) comes back: every layer of a
+/// forward pass, and the backward, share one mask.
 static PLAN_CACHE: Mutex<Option<CachedPlan>> = Mutex::new(None);
 
-/// A plan with what it was made for: the mask's id and `[b, heads, t, s]`.
-type CachedPlan = (TensorId, [usize; 4], Arc<Plan>);
+/// A plan with what it was made for: the mask's id (none: no mask), `[b, heads, t, s]` and the
+/// device holding its tensors.
+type CachedPlan = (Option<TensorId>, [usize; 4], Device, Arc<Plan>);
 
 /// Query rows per chunk; `FERROTUNE_ATTN_CHUNK_ROWS` overrides the choice (for measuring it).
 fn chunk_rows(b: usize, nh: usize, t: usize, s: usize) -> usize {
@@ -54,76 +69,58 @@ fn chunk_rows(b: usize, nh: usize, t: usize, s: usize) -> usize {
     rows.clamp(1, t.max(1))
 }
 
-fn plan(mask: Option<&Tensor>, b: usize, nh: usize, t: usize, s: usize) -> Result<Arc<Plan>> {
-    let rows = chunk_rows(b, nh, t, s);
-    let starts = (0..t).step_by(rows).map(|r0| (r0, rows.min(t - r0)));
-    let Some(mask) = mask else {
-        return Ok(Arc::new(Plan {
-            mask: None,
-            mask_bstride: 0,
-            chunks: starts
-                .map(|(r0, rows)| Chunk {
-                    r0,
-                    rows,
-                    ks: 0,
-                    len: s,
-                })
-                .collect(),
-        }));
-    };
+fn plan(
+    mask: Option<&Tensor>,
+    b: usize,
+    nh: usize,
+    t: usize,
+    s: usize,
+    device: &Device,
+) -> Result<Arc<Plan>> {
+    let id = mask.map(|m| m.id());
     let key = [b, nh, t, s];
-    if let Some((id, k, p)) = PLAN_CACHE
+    if let Some((i, k, d, p)) = PLAN_CACHE
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .as_ref()
     {
-        if *id == mask.id() && *k == key {
+        if *i == id && *k == key && d.same_device(device) {
             return Ok(p.clone());
         }
     }
-    let id = mask.id();
-    let mask_in = mask.clone();
-    let (mb, _, mt, ms) = mask.dims4()?;
-    if mt != t || ms != s {
-        bail!("attention: mask {:?} does not fit [{t}, {s}]", mask.dims());
-    }
-    let mask = mask.to_dtype(DType::F32)?.contiguous()?;
-    // Which keys each query row can see: registered by the mask's builder, or else read back
-    // (one copy to the host per distinct mask).
-    let rows_seen = match crate::fused::registered_mask_rows(&mask_in) {
-        Some(r) if r.len() == t => r.as_ref().clone(),
-        _ => {
-            let host: Vec<f32> = mask.flatten_all()?.to_vec1()?;
-            let mut seen = vec![(usize::MAX, 0usize); t];
-            for bi in 0..mb {
-                for (q, (f, l)) in seen.iter_mut().enumerate() {
-                    let row = &host[(bi * t + q) * s..(bi * t + q + 1) * s];
-                    let (a, z) = match row.iter().position(|&m| m > MASKED) {
-                        Some(a) => (a, row.iter().rposition(|&m| m > MASKED).unwrap_or(a) + 1),
-                        // A row that sees no key keeps them all (uniform weights, as the
-                        // composite softmax gives it).
-                        None => (0, s),
-                    };
-                    *f = (*f).min(a);
-                    *l = (*l).max(z);
-                }
+    let (mask_f32, mask_bstride, rows_seen) = match mask {
+        None => (None, 0, vec![(0, s); t]),
+        Some(mask) => {
+            let (mb, _, mt, ms) = mask.dims4()?;
+            if mt != t || ms != s {
+                bail!("attention: mask {:?} does not fit [{t}, {s}]", mask.dims());
             }
-            seen
+            let f32_mask = mask.to_dtype(DType::F32)?.contiguous()?;
+            let rows_seen = visible_keys(mask, &f32_mask, t, s)?;
+            (
+                Some(f32_mask.reshape((mb, t, s))?),
+                if mb == 1 { 0 } else { t * s },
+                rows_seen,
+            )
         }
     };
-    let chunks = starts
-        .map(|(r0, rows)| {
-            let ks = rows_seen[r0..r0 + rows]
-                .iter()
-                .map(|r| r.0)
-                .min()
-                .unwrap_or(0);
-            let ke = rows_seen[r0..r0 + rows]
-                .iter()
-                .map(|r| r.1)
-                .max()
-                .unwrap_or(s);
-            let (ks, ke) = if ks < ke && ke <= s { (ks, ke) } else { (0, s) };
+    // The keys a range of query rows may see: the union of its rows' ranges.
+    let union = |r0: usize, rows: usize| {
+        let seen = &rows_seen[r0..r0 + rows];
+        let ks = seen.iter().map(|r| r.0).min().unwrap_or(0);
+        let ke = seen.iter().map(|r| r.1).max().unwrap_or(s);
+        if ks < ke && ke <= s {
+            (ks, ke)
+        } else {
+            (0, s)
+        }
+    };
+    let rows = chunk_rows(b, nh, t, s);
+    let chunks = (0..t)
+        .step_by(rows)
+        .map(|r0| {
+            let rows = rows.min(t - r0);
+            let (ks, ke) = union(r0, rows);
             Chunk {
                 r0,
                 rows,
@@ -132,13 +129,54 @@ fn plan(mask: Option<&Tensor>, b: usize, nh: usize, t: usize, s: usize) -> Resul
             }
         })
         .collect();
+    let block_keys: Vec<u32> = (0..t)
+        .step_by(FLASH_ROWS)
+        .flat_map(|r0| {
+            let (ks, ke) = union(r0, FLASH_ROWS.min(t - r0));
+            [ks as u32, ke as u32]
+        })
+        .collect();
+    let n = block_keys.len();
     let p = Arc::new(Plan {
-        mask: Some(mask.reshape((mb, t, s))?),
-        mask_bstride: if mb == 1 { 0 } else { t * s },
+        mask: mask_f32,
+        mask_bstride,
         chunks,
+        block_keys: Tensor::from_vec(block_keys, n, device)?,
     });
-    *PLAN_CACHE.lock().unwrap_or_else(|e| e.into_inner()) = Some((id, key, p.clone()));
+    *PLAN_CACHE.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some((id, key, device.clone(), p.clone()));
     Ok(p)
+}
+
+/// For each query row, the keys `[first, last)` some batch row lets it see: registered by the
+/// mask's builder, or else read back from `f32_mask` (one copy to the host per distinct mask). A
+/// row that sees no key keeps them all (uniform weights, as the composite softmax gives it).
+fn visible_keys(
+    mask: &Tensor,
+    f32_mask: &Tensor,
+    t: usize,
+    s: usize,
+) -> Result<Vec<(usize, usize)>> {
+    if let Some(r) = crate::fused::registered_mask_rows(mask) {
+        if r.len() == t {
+            return Ok(r.as_ref().clone());
+        }
+    }
+    let mb = mask.dim(0)?;
+    let host: Vec<f32> = f32_mask.flatten_all()?.to_vec1()?;
+    let mut seen = vec![(usize::MAX, 0usize); t];
+    for bi in 0..mb {
+        for (q, (f, l)) in seen.iter_mut().enumerate() {
+            let row = &host[(bi * t + q) * s..(bi * t + q + 1) * s];
+            let (a, z) = match row.iter().position(|&m| m > MASKED) {
+                Some(a) => (a, row.iter().rposition(|&m| m > MASKED).unwrap_or(a) + 1),
+                None => (0, s),
+            };
+            *f = (*f).min(a);
+            *l = (*l).max(z);
+        }
+    }
+    Ok(seen)
 }
 
 /// [`crate::fused::attention_softcapped`] for CUDA tensors (validated by the caller): `q`
@@ -154,7 +192,7 @@ pub(crate) fn attention(
 ) -> Result<Tensor> {
     let (b, nh, t, _) = q.dims4()?;
     let (_, _, s, _) = k.dims4()?;
-    let plan = plan(mask, b, nh, t, s)?;
+    let plan = plan(mask, b, nh, t, s, q.device())?;
     // The computation takes contiguous copies outside the graph; the graph keeps q, k and v as
     // given (views of the projections for k and v), so no second copy lives until backward.
     let (out, stats) = forward(
@@ -247,6 +285,9 @@ fn forward(
     scale: f32,
     softcap: f32,
 ) -> Result<(Tensor, Tensor)> {
+    if flash_applies(q, k, v)? {
+        return flash_forward(q, k, v, plan, scale, softcap);
+    }
     let (b, nh, t, hd) = q.dims4()?;
     let (_, nkv, s, _) = k.dims4()?;
     let g = nh / nkv;
@@ -266,6 +307,66 @@ fn forward(
         stats.push(st.reshape((b, nkv, g, c.rows, 2))?);
     }
     Ok((cat3(outs)?.reshape((b, nh, t, hd))?, cat3(stats)?))
+}
+
+/// Whether the flash kernel takes this forward: bf16, a head dim it is built for, 16-byte aligned
+/// rows, tensor cores with bf16 MMA (the PTX targets compute capability 8.0 or later), and not
+/// `FERROTUNE_ATTN=chunked`.
+fn flash_applies(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<bool> {
+    static CHUNKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let chunked = *CHUNKED.get_or_init(|| {
+        std::env::var("FERROTUNE_ATTN").is_ok_and(|v| v.eq_ignore_ascii_case("chunked"))
+    });
+    let cap: u32 = env!("FERROTUNE_CUDA_CAP").parse().unwrap_or(0);
+    Ok(!chunked
+        && cap >= 80
+        && q.dtype() == DType::BF16
+        && FLASH_HEAD_DIMS.contains(&q.dim(3)?)
+        && [q, k, v].iter().all(|x| ptr(x).is_ok_and(|p| p % 16 == 0)))
+}
+
+/// The forward as one kernel (`flash_fwd_bf16_d{hd}`): output `[b, nh, t, hd]` and the
+/// statistics `[b, nkv, g, t, 2]` the backward reads, as [`forward`] returns them.
+fn flash_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    plan: &Plan,
+    scale: f32,
+    softcap: f32,
+) -> Result<(Tensor, Tensor)> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let (_, nkv, s, _) = k.dims4()?;
+    let dev = cuda_device(q)?;
+    let out = empty(&dev, DType::BF16, (b, nh, t, hd))?;
+    let stats = empty(&dev, DType::F32, (b, nkv, nh / nkv, t, 2))?;
+    launch(
+        &dev,
+        &format!("flash_fwd_bf16_d{hd}"),
+        (t.div_ceil(FLASH_ROWS) as u32, (b * nh) as u32),
+        128,
+        0,
+        &[
+            Arg::Ptr(ptr(q)?),
+            Arg::Ptr(ptr(k)?),
+            Arg::Ptr(ptr(v)?),
+            Arg::Ptr(match &plan.mask {
+                Some(m) => ptr(m)?,
+                None => 0,
+            }),
+            Arg::I64(plan.mask_bstride as i64),
+            Arg::Ptr(ptr(&plan.block_keys)?),
+            Arg::I32(t as i32),
+            Arg::I32(s as i32),
+            Arg::I32(nh as i32),
+            Arg::I32(nkv as i32),
+            Arg::F32(scale),
+            Arg::F32(softcap),
+            Arg::Ptr(ptr(&out)?),
+            Arg::Ptr(ptr(&stats)?),
+        ],
+    )?;
+    Ok((out, stats))
 }
 
 /// Chunks joined along the query-position dimension (no copy for a single chunk).

@@ -528,6 +528,226 @@ __device__ void add_rows(float *dst, const T *src, int nb, long inner, long dst_
 }
 
 // ---------------------------------------------------------------------------------------------
+// Flash-attention forward for training (bf16, head dim D ∈ {64, 96, 128}): one block of 4 warps
+// takes 64 query rows of one (batch, head) and walks its keys in tiles of 64, keeping the running
+// row max and sum (the online softmax), so no score matrix reaches global memory. Q·Kᵀ and P·V run
+// on the tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate); the scores stay in f32 and P is
+// rounded to bf16 only as the second product's input, as FlashAttention-2 does. The per-row
+// statistics (max, 1 / Σexp) are the ones the chunked backward (attn_softmax with recompute)
+// reads, so the backward is unchanged.
+//
+// Fragment layouts are PTX's for mma.m16n8k16 (g = lane / 4, q = lane % 4; a register holds two
+// bf16, the lower column/row index in the low half): A (16×16, row-major) a0 = A[g][2q..2q+1],
+// a1 = A[g+8][2q..], a2 = A[g][2q+8..], a3 = A[g+8][2q+8..]; B (16×8, "col") b0 = B[2q..2q+1][g],
+// b1 = B[2q+8..2q+9][g]; C (16×8, f32) c0,c1 = C[g][2q..2q+1], c2,c3 = C[g+8][2q..2q+1]. The CPU
+// emulation (scripts/emulate-kernels) defines FT_MMA_EMULATED and its own mma_16816 from the same
+// table.
+#define FA_BQ 64   // query rows per block (16 per warp)
+#define FA_BK 64   // keys per tile
+#define FA_THREADS 128
+
+#ifndef FT_MMA_EMULATED
+__device__ __forceinline__ void mma_16816(float *c, const uint32_t *a, const uint32_t *b) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();  // the host only launches the flash kernels on compute capability 8.0 and later
+#endif
+}
+#endif
+
+// Two floats as a bf16 pair (lo in the low half).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16(lo)) |
+         ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
+}
+
+// A bf16 pair from memory (4-byte aligned).
+__device__ __forceinline__ uint32_t ld_pair(const bf16 *p) { return *reinterpret_cast<const uint32_t *>(p); }
+
+// q [b, nh, t, D], k/v [b, nkv, s, D] (contiguous, 16-byte aligned); mask f32 [mb, t, s] or null
+// (mask_bstride elements between batch rows, 0 for one mask); key_range [blocks, 2]: the keys
+// [first, last) any row of a 64-row block may see (the rest are masked for all of them). Writes
+// o [b, nh, t, D] and stats [b, nh, t, 2] = (row max, 1 / Σexp); a row whose every score is −∞
+// gets zeros and (−∞, 0), as attn_softmax gives it.
+template <int D>
+__device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const float *mask,
+                          long mask_bstride, const int *key_range, int t, int s, int nh, int nkv,
+                          float scale, float softcap, bf16 *o, float *stats) {
+  static_assert(D % 32 == 0, "head dim must be a multiple of 32");
+  // Row strides of the shared tiles in 32-bit words, padded by 4 so that the fragment reads of
+  // a warp (8 rows × 4 words) fall in 32 distinct banks.
+  constexpr int KW = D / 2 + 4;
+  constexpr int VW = FA_BK / 2 + 4;
+  __shared__ uint32_t kt_s[FA_BK * KW];  // K tile, [key][D]
+  __shared__ uint32_t vt_s[D * VW];      // V tile transposed, [D][key]: B fragments of P·V
+  const int qb = gridDim.x - 1 - blockIdx.x;  // the longest blocks (causal: the last) first
+  const long bh = blockIdx.y;
+  const int bi = bh / nh, h = bh % nh, kvh = h / (nh / nkv);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int rA = qb * FA_BQ + warp * 16 + g, rB = rA + 8;
+  const bf16 *qh = q + bh * (long)t * D;
+  const long kv_off = ((long)bi * nkv + kvh) * (long)s * D;
+  const bf16 *kh = k + kv_off, *vh = v + kv_off;
+
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int c = 0; c < D / 16; ++c) {
+    qf[c][0] = rA < t ? ld_pair(qh + (long)rA * D + 16 * c + 2 * tq) : 0u;
+    qf[c][1] = rB < t ? ld_pair(qh + (long)rB * D + 16 * c + 2 * tq) : 0u;
+    qf[c][2] = rA < t ? ld_pair(qh + (long)rA * D + 16 * c + 8 + 2 * tq) : 0u;
+    qf[c][3] = rB < t ? ld_pair(qh + (long)rB * D + 16 * c + 8 + 2 * tq) : 0u;
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+  const float *maskA = mask && rA < t ? mask + bi * mask_bstride + (long)rA * s : nullptr;
+  const float *maskB = mask && rB < t ? mask + bi * mask_bstride + (long)rB * s : nullptr;
+  const int k_first = key_range[2 * qb], k_end = min(key_range[2 * qb + 1], s);
+
+  for (int k0 = k_first; k0 < k_end; k0 += FA_BK) {
+    // Load both tiles into registers first (every load in flight at once), then store.
+    constexpr int K_LOADS = FA_BK * (D / 8) / FA_THREADS;  // 16-byte chunks per thread
+    constexpr int V_LOADS = (FA_BK / 2) * (D / 8) / FA_THREADS;  // key pairs × chunks per thread
+    uint4 kr[K_LOADS], vr[V_LOADS][2];
+#pragma unroll
+    for (int u = 0; u < K_LOADS; ++u) {
+      int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
+      kr[u] = k0 + r < k_end ? *reinterpret_cast<const uint4 *>(kh + (long)(k0 + r) * D + 8 * c)
+                             : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < V_LOADS; ++u) {
+      int i = threadIdx.x + u * FA_THREADS, p = i % (FA_BK / 2), c = i / (FA_BK / 2);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        int key = k0 + 2 * p + e;
+        vr[u][e] = key < k_end ? *reinterpret_cast<const uint4 *>(vh + (long)key * D + 8 * c)
+                               : make_uint4(0, 0, 0, 0);
+      }
+    }
+    __syncthreads();  // every warp is done with the previous tiles
+#pragma unroll
+    for (int u = 0; u < K_LOADS; ++u) {
+      int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
+      *reinterpret_cast<uint4 *>(&kt_s[r * KW + 4 * c]) = kr[u];
+    }
+#pragma unroll
+    for (int u = 0; u < V_LOADS; ++u) {
+      int i = threadIdx.x + u * FA_THREADS, p = i % (FA_BK / 2), c = i / (FA_BK / 2);
+      const uint32_t *w0 = reinterpret_cast<const uint32_t *>(&vr[u][0]);
+      const uint32_t *w1 = reinterpret_cast<const uint32_t *>(&vr[u][1]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        // Feature 8c + e of keys 2p and 2p + 1, as one pair.
+        uint32_t lo = e & 1 ? w0[e / 2] >> 16 : w0[e / 2] & 0xffffu;
+        uint32_t hi = e & 1 ? w1[e / 2] >> 16 : w1[e / 2] & 0xffffu;
+        vt_s[(8 * c + e) * VW + p] = lo | (hi << 16);
+      }
+    }
+    __syncthreads();
+
+    // S = Q·Kᵀ: the warp's 16 rows × 64 keys, as 8 tiles of 8 keys.
+    float sc[FA_BK / 8][4];
+#pragma unroll
+    for (int n = 0; n < FA_BK / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c)
+#pragma unroll
+      for (int n = 0; n < FA_BK / 8; ++n) {
+        const uint32_t *row = &kt_s[(8 * n + g) * KW + 8 * c + tq];
+        uint32_t b[2] = {row[0], row[4]};
+        mma_16816(sc[n], qf[c], b);
+      }
+    // Logits (scaled, softcapped, masked) and the tile's row maxima.
+    float tmA = -INFINITY, tmB = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < FA_BK / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int key = k0 + 8 * n + 2 * tq + (e & 1);
+        const float *mrow = e < 2 ? maskA : maskB;
+        float x = -INFINITY;
+        if (key < k_end) x = attn_score(sc[n][e], scale, softcap) + (mrow ? mrow[key] : 0.f);
+        sc[n][e] = x;
+        if (e < 2) tmA = fmaxf(tmA, x);
+        else tmB = fmaxf(tmB, x);
+      }
+    // A row's 64 scores are spread over the 4 lanes of a quad.
+    tmA = fmaxf(tmA, __shfl_xor_sync(0xffffffff, tmA, 1));
+    tmA = fmaxf(tmA, __shfl_xor_sync(0xffffffff, tmA, 2));
+    tmB = fmaxf(tmB, __shfl_xor_sync(0xffffffff, tmB, 1));
+    tmB = fmaxf(tmB, __shfl_xor_sync(0xffffffff, tmB, 2));
+    const float nA = fmaxf(mA, tmA), nB = fmaxf(mB, tmB);
+    // Rescale what came before to the new max (exp(−∞) = 0 for the first visible tile).
+    const float cA = nA == -INFINITY ? 1.f : expf(mA - nA), cB = nB == -INFINITY ? 1.f : expf(mB - nB);
+    mA = nA;
+    mB = nB;
+    lA *= cA;
+    lB *= cB;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      acc[n][0] *= cA;
+      acc[n][1] *= cA;
+      acc[n][2] *= cB;
+      acc[n][3] *= cB;
+    }
+#pragma unroll
+    for (int n = 0; n < FA_BK / 8; ++n) {
+      sc[n][0] = nA == -INFINITY ? 0.f : expf(sc[n][0] - nA);
+      sc[n][1] = nA == -INFINITY ? 0.f : expf(sc[n][1] - nA);
+      sc[n][2] = nB == -INFINITY ? 0.f : expf(sc[n][2] - nB);
+      sc[n][3] = nB == -INFINITY ? 0.f : expf(sc[n][3] - nB);
+      lA += sc[n][0] + sc[n][1];
+      lB += sc[n][2] + sc[n][3];
+    }
+    // O += P·V: the C fragments of S are, pairwise, the A fragments of P (16 keys per step).
+#pragma unroll
+    for (int j = 0; j < FA_BK / 16; ++j) {
+      uint32_t a[4] = {pack_bf16(sc[2 * j][0], sc[2 * j][1]), pack_bf16(sc[2 * j][2], sc[2 * j][3]),
+                       pack_bf16(sc[2 * j + 1][0], sc[2 * j + 1][1]),
+                       pack_bf16(sc[2 * j + 1][2], sc[2 * j + 1][3])};
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const uint32_t *row = &vt_s[(8 * n + g) * VW + 8 * j + tq];
+        uint32_t b[2] = {row[0], row[4]};
+        mma_16816(acc[n], a, b);
+      }
+    }
+  }
+  // Each lane summed its own columns: the row sum is the quad's.
+  lA += __shfl_xor_sync(0xffffffff, lA, 1);
+  lA += __shfl_xor_sync(0xffffffff, lA, 2);
+  lB += __shfl_xor_sync(0xffffffff, lB, 1);
+  lB += __shfl_xor_sync(0xffffffff, lB, 2);
+  const float iA = mA == -INFINITY ? 0.f : 1.f / lA, iB = mB == -INFINITY ? 0.f : 1.f / lB;
+  bf16 *oh = o + bh * (long)t * D;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    if (rA < t)
+      *reinterpret_cast<uint32_t *>(oh + (long)rA * D + 8 * n + 2 * tq) = pack_bf16(acc[n][0] * iA, acc[n][1] * iA);
+    if (rB < t)
+      *reinterpret_cast<uint32_t *>(oh + (long)rB * D + 8 * n + 2 * tq) = pack_bf16(acc[n][2] * iB, acc[n][3] * iB);
+  }
+  if (tq == 0) {
+    float *st_h = stats + 2 * bh * (long)t;
+    if (rA < t) {
+      st_h[2 * rA] = mA;
+      st_h[2 * rA + 1] = iA;
+    }
+    if (rB < t) {
+      st_h[2 * rB] = mB;
+      st_h[2 * rB + 1] = iB;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Cross-entropy over rows of logits [rows, V] (in place): loss[r] = lse − logit[target], and the
 // logits become dlogits = softmax − onehot(target), the gradient of the summed loss (PyTorch's
 // F.cross_entropy(logits.float(), reduction="sum"): statistics in f32, gradient cast to T).
@@ -1106,6 +1326,18 @@ __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd,
   }
 
 FOR_TYPES(EXPORT)
+
+// Flash-attention forward, one kernel per head dim (its fragments are unrolled per D).
+#define EXPORT_FLASH(D)                                                                             \
+  extern "C" __global__ void __launch_bounds__(FA_THREADS)                                          \
+      flash_fwd_bf16_d##D(const bf16 *q, const bf16 *k, const bf16 *v, const float *mask,           \
+                          long mask_bstride, const int *key_range, int t, int s, int nh, int nkv,   \
+                          float scale, float softcap, bf16 *o, float *stats) {                      \
+    flash_fwd<D>(q, k, v, mask, mask_bstride, key_range, t, s, nh, nkv, scale, softcap, o, stats);  \
+  }
+EXPORT_FLASH(64)
+EXPORT_FLASH(96)
+EXPORT_FLASH(128)
 
 // The decode GEMVs, one kernel per row count NB (1..8): registers, and with them occupancy, are
 // set per kernel, so one kernel for all counts would run batch 1 at batch 8's register budget.
