@@ -7,7 +7,9 @@
 #           forward ops, against the bandwidth bound) beside HF transformers (hf_decode.py:
 #           dynamic cache) and the previous build (ferrotune_old.xz, when packed), one round of
 #           LoRA training beside HF + PEFT, then in the time left a 3900-token prompt and
-#           transformers' static cache + torch.compile. Sized for one device call.
+#           transformers' static cache + torch.compile, and the LoRA step with the chunked
+#           attention (FERROTUNE_ATTN=chunked) for a before/after of the flash kernels. Sized for
+#           one device call.
 #   train:  the loss of a small shape in f32 and bf16 (to set beside the CPU f32 run); NCCL at world
 #           size 1 against single device (LoRA and full fine-tuning); `bench ops`; ferrotune beside
 #           HF + PEFT (hf_lora.py) on the Llama-3.1-8B shape, alternating; activation checkpointing
@@ -27,8 +29,13 @@ FIXTURES=$ROOT/tests/fixtures; [ -d fixtures ] && FIXTURES=$PWD/fixtures
 R=./run-on-gpu.sh; F="$R ./ferrotune"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $OUT/gpu.txt
 timeout 120 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels.log 2>&1; krc=$?; echo "kernels rc=$krc" >> $OUT/kernels.log
-# A previous, already verified build (ferrotune_old.xz, if packed) when the new kernels fail.
-if [ $krc -ne 0 ] && [ -x ferrotune_old ]; then F="$R ./ferrotune_old"; echo "USING ferrotune_old" >> $OUT/kernels.log; fi
+# If the kernels fail: this build with the chunked attention when that passes (the flash kernels
+# are the newest), else a previous, already verified build (ferrotune_old.xz, if packed).
+if [ $krc -ne 0 ]; then
+  FERROTUNE_ATTN=chunked timeout 120 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels_chunked.log 2>&1
+  if [ $? -eq 0 ]; then export FERROTUNE_ATTN=chunked; echo "USING FERROTUNE_ATTN=chunked" >> $OUT/kernels.log
+  elif [ -x ferrotune_old ]; then F="$R ./ferrotune_old"; echo "USING ferrotune_old" >> $OUT/kernels.log; fi
+fi
 if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   # The acceptance numbers first (ferrotune, then transformers on the same GPU), then the decode
   # step's checks against the forward, then whatever fits in the time left (the device tool's
@@ -49,6 +56,9 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   if [ "$MODE" = decode ] && [ $SECONDS -lt 300 ]; then
     timeout 90 $F bench train --shape llama3_1_8b --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 5 --json > $OUT/ft_lora_1.log 2>&1
     timeout 120 python3 hf_lora.py --shape llama3_1_8b --device cuda --dtype bfloat16 --seq 2048 --batch 2 > $OUT/hf_lora_1.log 2>&1
+    # The same step with the chunked attention instead of the flash kernels (before/after).
+    [ $SECONDS -lt 360 ] && FERROTUNE_ATTN=chunked timeout 90 $F bench train --shape llama3_1_8b --device cuda \
+      --dtype bf16 --seq 2048 --batch 2 --steps 5 --json > $OUT/ft_lora_chunked.log 2>&1
   fi
   # A long cache (split attention over 4096 positions), if time is still left.
   [ $SECONDS -lt 420 ] && timeout $((500 - SECONDS)) $F bench decode --shape llama3_1_8b \
@@ -87,6 +97,7 @@ PY
   done
 fi
 timeout 120 $F bench ops --device cuda --dtype bf16 > $OUT/ops.log 2>&1
+FERROTUNE_ATTN=chunked timeout 120 $F bench ops --device cuda --dtype bf16 > $OUT/ops_chunked.log 2>&1
 for i in 1 2; do
   timeout 200 $F bench train --shape llama3_1_8b --device cuda --dtype bf16 --seq 2048 --batch 2 --steps 5 --json > $OUT/ft_lora_$i.log 2>&1
   timeout 200 python3 hf_lora.py --shape llama3_1_8b --device cuda --dtype bfloat16 --seq 2048 --batch 2 > $OUT/hf_lora_$i.log 2>&1
@@ -111,11 +122,13 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   [ -f $OUT/decode_long_old.log ] && { echo "-- previous build"; grep -E 'decode  |of bound' $OUT/decode_long_old.log; }
 fi
 if [ "$MODE" = decode ] && [ -f $OUT/ft_lora_1.log ]; then
-  echo "== 8B LoRA seq 2048 batch 2 (ferrotune | HF+PEFT)"; tail -n 1 $OUT/ft_lora_1.log; tail -n 1 $OUT/hf_lora_1.log
+  echo "== 8B LoRA seq 2048 batch 2 (ferrotune | HF+PEFT | ferrotune, chunked attention)"; tail -n 1 $OUT/ft_lora_1.log; tail -n 1 $OUT/hf_lora_1.log
+  [ -f $OUT/ft_lora_chunked.log ] && tail -n 1 $OUT/ft_lora_chunked.log
 fi
 [ "$MODE" = decode ] && exit 0
 echo "== losses (last loss: cuda f32 / cuda bf16; lora then full)"; for f in lora full; do grep -h 'last loss' $OUT/loss_${f}_cuda_f32.log $OUT/loss_${f}_cuda_bf16.log | paste -sd' '; done
 echo "== nccl"; cat $OUT/nccl_compare.txt 2>/dev/null | head -20
 echo "== ops"; cat $OUT/ops.log
+echo "-- attention, chunked"; grep -i attention $OUT/ops_chunked.log
 echo "== 8B LoRA seq 2048 batch 2 (ferrotune | HF+PEFT)"; for i in 1 2; do tail -n 1 $OUT/ft_lora_$i.log; tail -n 1 $OUT/hf_lora_$i.log; done
 echo "== ckpt, QLoRA, full (layers 4, 8; plain then ckpt)"; for f in ft_lora_ckpt ft_qlora ft_full_4 ft_full_ckpt_4 ft_full_8 ft_full_ckpt_8; do echo "$f $(tail -n 1 $OUT/$f.log)"; done

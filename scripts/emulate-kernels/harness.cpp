@@ -1,7 +1,8 @@
-// Runs the decode-step kernels of kernels.cu on the CPU under HIP-CPU (fibers for threads, shared
-// memory, barriers and shuffles emulated) and compares each with a plain C++ reference of the same
-// arithmetic, in f32 and bf16, over shapes with several batch rows, GQA, biases, partial RoPE,
-// per-head norms, padding and sliding windows. Exits non-zero on any mismatch.
+// Runs kernels of kernels.cu on the CPU under HIP-CPU (fibers for threads, shared memory, barriers
+// and shuffles emulated; the tensor-core MMA from PTX's fragment table) and compares each with a
+// plain C++ reference of the same arithmetic, in f32 and bf16, over shapes with several batch rows,
+// GQA, biases, partial RoPE, per-head norms, padding, sliding windows and packed documents. Exits
+// non-zero on any mismatch.
 #include <hip/hip_runtime.h>
 
 #include <cmath>
@@ -595,6 +596,7 @@ void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, in
   float scale = 1.f / std::sqrt((float)D);
   int g = nh / nkv;
   std::vector<float> want_o((size_t)b * nh * t * D), want_st((size_t)b * nh * t * 2);
+  std::vector<float> logits((size_t)b * nh * t * s), tanhs((size_t)b * nh * t * s);
   for (int bi = 0; bi < b; ++bi)
     for (int h = 0; h < nh; ++h)
       for (int r = 0; r < t; ++r) {
@@ -607,7 +609,10 @@ void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, in
             acc += from_t(q[(((size_t)bi * nh + h) * t + r) * D + d]) *
                    from_t(k[(((size_t)bi * nkv + h / g) * s + j) * D + d]);
           float y = acc * scale;
-          if (softcap > 0) y = softcap * std::tanh(y / softcap);
+          if (softcap > 0) {
+            tanhs[(((size_t)bi * nh + h) * t + r) * s + j] = std::tanh(y / softcap);
+            y = softcap * std::tanh(y / softcap);
+          }
           x[j] = y + (use_mask ? mask[((size_t)bi * t + r) * s + j] : 0.f);
           m = std::max(m, x[j]);
         }
@@ -615,6 +620,7 @@ void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, in
         for (int j = 0; j < s; ++j) sum += m == -INFINITY ? 0.0 : std::exp((double)x[j] - m);
         float inv = m == -INFINITY ? 0.f : (float)(1.0 / sum);
         size_t row = ((size_t)bi * nh + h) * t + r;
+        for (int j = 0; j < s; ++j) logits[row * s + j] = x[j];
         want_st[2 * row] = m;
         want_st[2 * row + 1] = inv;
         for (int d = 0; d < D; ++d) {
@@ -644,7 +650,7 @@ void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, in
     want_inv.push_back(want_st[2 * r + 1]);
   }
   char name[160];
-  std::snprintf(name, sizeof name, "flash fwd D%d b%d h%d/%d t%d s%d%s pad%d doc%d cap%.1f%s", D, b, nh, nkv, t, s,
+  std::snprintf(name, sizeof name, "flash D%d b%d h%d/%d t%d s%d%s pad%d doc%d cap%.1f%s", D, b, nh, nkv, t, s,
                 use_mask ? (masked == -INFINITY ? " mask(-inf)" : " mask") : "", pad, doc, softcap,
                 full_range ? " all keys" : "");
   check(name, host(dout, (size_t)b * nh * t * D), want_o, 1e-2f);
@@ -653,6 +659,51 @@ void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, in
   check(name, got_m, want_m, 1e-5f);
   std::snprintf(name + len, sizeof name - len, " 1/sum");
   check(name, got_inv, want_inv, 1e-5f);
+  auto o_got = host(dout, (size_t)b * nh * t * D);
+  auto dO = random_vec<bf16>((size_t)b * nh * t * D);
+  std::vector<float> drow((size_t)b * nh * t);
+  for (size_t r = 0; r < drow.size(); ++r) {
+    float acc = 0;
+    for (int d = 0; d < D; ++d) acc += from_t(dO[r * D + d]) * o_got[r * D + d];
+    drow[r] = acc;
+  }
+  std::vector<double> want_dq((size_t)b * nh * t * D), want_dk((size_t)b * nkv * s * D), want_dv((size_t)b * nkv * s * D);
+  for (int bi = 0; bi < b; ++bi)
+    for (int h = 0; h < nh; ++h)
+      for (int r = 0; r < t; ++r) {
+        size_t row = ((size_t)bi * nh + h) * t + r;
+        float m = want_st[2 * row], inv = want_st[2 * row + 1];
+        if (m == -INFINITY) continue;
+        int qb = r / 64;
+        for (int j = range[2 * qb]; j < range[2 * qb + 1]; ++j) {
+          size_t kv = ((size_t)bi * nkv + h / g) * s + j;
+          double p = std::exp((double)logits[row * s + j] - m) * inv, dp = 0;
+          for (int d = 0; d < D; ++d) dp += from_t(dO[row * D + d]) * from_t(v[kv * D + d]);
+          double ds = p * (dp - drow[row]) * scale;
+          if (softcap > 0) ds *= 1.0 - (double)tanhs[row * s + j] * tanhs[row * s + j];
+          for (int d = 0; d < D; ++d) {
+            want_dq[row * D + d] += ds * from_t(k[kv * D + d]);
+            want_dk[kv * D + d] += ds * from_t(q[row * D + d]);
+            want_dv[kv * D + d] += p * from_t(dO[row * D + d]);
+          }
+        }
+      }
+  bf16 *ddo = dev(dO), *ddq = dev(std::vector<bf16>((size_t)b * nh * t * D));
+  float *ddrow = dev(drow), *ddk = dev(std::vector<float>((size_t)b * nkv * s * D)),
+        *ddv = dev(std::vector<float>((size_t)b * nkv * s * D));
+  int smem = (4 * 64 * (D / 2 + 4) + 3 * 64) * 4;
+  hipLaunchKernelGGL(flash_bwd_dkdv<D>, dim3((s + 63) / 64, b * nh), dim3(FA_THREADS), smem, 0, dq, dk, dv, ddo, dst,
+                     ddrow, dmask, (long)t * s, drange, t, s, nh, nkv, scale, softcap, ddk, ddv);
+  hipLaunchKernelGGL(flash_bwd_dq<D>, dim3(blocks, b * nh), dim3(FA_THREADS), 0, 0, dq, dk, dv, ddo, dst, ddrow,
+                     dmask, (long)t * s, drange, t, s, nh, nkv, scale, softcap, ddq);
+  auto to_f = [](const std::vector<double> &x) { return std::vector<float>(x.begin(), x.end()); };
+  name[len] = 0;
+  std::snprintf(name + len, sizeof name - len, " dq");
+  check(name, host(ddq, (size_t)b * nh * t * D), to_f(want_dq), 1e-2f);
+  std::snprintf(name + len, sizeof name - len, " dk");
+  check(name, host(ddk, (size_t)b * nkv * s * D), to_f(want_dk), 1e-2f);
+  std::snprintf(name + len, sizeof name - len, " dv");
+  check(name, host(ddv, (size_t)b * nkv * s * D), to_f(want_dv), 1e-2f);
 }
 
 template <typename T> void all() {

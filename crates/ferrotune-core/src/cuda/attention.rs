@@ -5,10 +5,10 @@
 //! memory is O(t · chunk) instead of O(t²). Keys that no query of a chunk can see (the causal
 //! future, other documents of a packed row) are left out of that chunk's GEMMs.
 //!
-//! In bf16 with head dims 64, 96 and 128 the forward instead runs `flash_fwd` (kernels.cu): one
-//! kernel, tensor cores for both products, the scores never leaving the chip. It writes the same
-//! per-row statistics, so the chunked backward serves both. `FERROTUNE_ATTN=chunked` keeps the
-//! chunked forward (for measuring one against the other).
+//! In bf16 with head dims 64, 96 and 128, flash kernels (kernels.cu) take their place: the
+//! forward in one kernel, the backward in two (dK/dV, then dQ), tensor cores for every product and
+//! no score matrix in global memory. They keep the same per-row statistics as the chunked form.
+//! `FERROTUNE_ATTN=chunked` keeps the chunked form (for measuring one against the other).
 
 use std::sync::{Arc, Mutex};
 
@@ -402,6 +402,70 @@ fn add_key_rows(acc: &Tensor, src: &Tensor, ks: usize) -> Result<()> {
 }
 
 impl Attention {
+    /// The backward as two flash kernels: dK and dV added into the zeroed f32 `dk`, `dv`
+    /// `[b, nkv, s, hd]`, and dQ returned (`[b, nh, t, hd]`, bf16). `d_rows` = rowsum(dO ⊙ O).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        dout: &Tensor,
+        d_rows: &Tensor,
+        dk: &Tensor,
+        dv: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, nh, t, hd) = q.dims4()?;
+        let (_, nkv, s, _) = k.dims4()?;
+        let dev = cuda_device(q)?;
+        let dq = empty(&dev, DType::BF16, (b, nh, t, hd))?;
+        let args = |grads: &[&Tensor]| -> Result<Vec<Arg>> {
+            let mut a = vec![
+                Arg::Ptr(ptr(q)?),
+                Arg::Ptr(ptr(k)?),
+                Arg::Ptr(ptr(v)?),
+                Arg::Ptr(ptr(dout)?),
+                Arg::Ptr(ptr(&self.stats)?),
+                Arg::Ptr(ptr(d_rows)?),
+                Arg::Ptr(match &self.plan.mask {
+                    Some(m) => ptr(m)?,
+                    None => 0,
+                }),
+                Arg::I64(self.plan.mask_bstride as i64),
+                Arg::Ptr(ptr(&self.plan.block_keys)?),
+                Arg::I32(t as i32),
+                Arg::I32(s as i32),
+                Arg::I32(nh as i32),
+                Arg::I32(nkv as i32),
+                Arg::F32(self.scale),
+                Arg::F32(self.softcap),
+            ];
+            for g in grads {
+                a.push(Arg::Ptr(ptr(g)?));
+            }
+            Ok(a)
+        };
+        // K, V, Q and dO tiles of 64 rows (row stride hd/2 + 4 words) and 3 × 64 statistics.
+        let shared = (4 * FLASH_ROWS * (hd / 2 + 4) + 3 * FLASH_ROWS) * 4;
+        launch(
+            &dev,
+            &format!("flash_bwd_dkdv_bf16_d{hd}"),
+            (s.div_ceil(FLASH_ROWS) as u32, (b * nh) as u32),
+            128,
+            shared as u32,
+            &args(&[dk, dv])?,
+        )?;
+        launch(
+            &dev,
+            &format!("flash_bwd_dq_bf16_d{hd}"),
+            (t.div_ceil(FLASH_ROWS) as u32, (b * nh) as u32),
+            128,
+            0,
+            &args(&[&dq])?,
+        )?;
+        Ok(dq)
+    }
+
     /// `attn_softcap_bwd` over one chunk: raw scores `p` become probabilities and `dp`
     /// (`dO · Vᵀ`) the scores' gradient, both `[b, nkv, rows, len]`, in place.
     fn softcap_backward(
@@ -513,10 +577,18 @@ impl CustomOp3 for Attention {
                 Arg::I32(hd as i32),
             ],
         )?;
-        let q5 = q.reshape((b, nkv, g, t, hd))?;
-        let do5 = dout.reshape((b, nkv, g, t, hd))?;
         let dk = Tensor::zeros((b, nkv, s, hd), DType::F32, q.device())?;
         let dv = Tensor::zeros((b, nkv, s, hd), DType::F32, q.device())?;
+        if flash_applies(&q, &k, &v)? && ptr(&dout)? % 16 == 0 {
+            let dq = self.flash_backward(&q, &k, &v, &dout, &d_rows, &dk, &dv)?;
+            return Ok((
+                Some(dq),
+                Some(dk.to_dtype(dtype)?),
+                Some(dv.to_dtype(dtype)?),
+            ));
+        }
+        let q5 = q.reshape((b, nkv, g, t, hd))?;
+        let do5 = dout.reshape((b, nkv, g, t, hd))?;
         let mut dqs = Vec::with_capacity(self.plan.chunks.len());
         for c in &self.plan.chunks {
             let qc = rows_of(&q5, c)?;

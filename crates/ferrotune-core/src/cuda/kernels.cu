@@ -747,6 +747,257 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
   }
 }
 
+// The flash backward, in two kernels that each recompute the probabilities from the forward's
+// statistics (FlashAttention-1's split, which needs no atomics on dQ): flash_bwd_dkdv walks the
+// query blocks for one block of 64 keys and adds dK, dV into f32 accumulators shared by the query
+// heads of a KV group; flash_bwd_dq walks the key tiles for one block of 64 query rows. With
+// x = softcap(S · scale) + mask, P = exp(x − max) / Σ, D = rowsum(dO ∘ O):
+// dS = P ∘ (dP − D) ∘ softcap′ · scale, dV = Pᵀ·dO, dK = dSᵀ·Q, dQ = dS·K, dP = dO·Vᵀ.
+
+// Rows row0 .. row0 + 64 of two [rows, D] bf16 arrays into shared tiles of row stride D/2 + 4 words
+// (zeros past row_end): every load issued before the first store.
+template <int D>
+__device__ __forceinline__ void flash_load2(uint32_t *d1, const bf16 *s1, uint32_t *d2, const bf16 *s2, int row0,
+                                            int row_end) {
+  constexpr int W = D / 2 + 4, L = FA_BK * (D / 8) / FA_THREADS;
+  uint4 r1[L], r2[L];
+#pragma unroll
+  for (int u = 0; u < L; ++u) {
+    int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
+    bool ok = row0 + r < row_end;
+    r1[u] = ok ? *reinterpret_cast<const uint4 *>(s1 + (long)(row0 + r) * D + 8 * c) : make_uint4(0, 0, 0, 0);
+    r2[u] = ok ? *reinterpret_cast<const uint4 *>(s2 + (long)(row0 + r) * D + 8 * c) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < L; ++u) {
+    int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
+    *reinterpret_cast<uint4 *>(&d1[r * W + 4 * c]) = r1[u];
+    *reinterpret_cast<uint4 *>(&d2[r * W + 4 * c]) = r2[u];
+  }
+}
+
+// Elements (r, c) and (r + 1, c) of a shared bf16 tile of row stride W words, as a pair: a B
+// fragment register whose k runs down the tile's rows.
+__device__ __forceinline__ uint32_t tile_col_pair(const uint32_t *tile, int W, int r, int c) {
+  const uint16_t *h = reinterpret_cast<const uint16_t *>(tile);
+  return (uint32_t)h[r * 2 * W + c] | ((uint32_t)h[(r + 1) * 2 * W + c] << 16);
+}
+
+// P and dS of one score (query row `row`, key `key`) from the raw product `raw` = q·k and
+// `dp` = dO·v, the row's statistics (max m, 1 / Σ inv) and D; zeros outside [k_first, k_end) and
+// past the last row, as the forward left those keys out.
+__device__ __forceinline__ void flash_p_ds(float raw, float dp, int row, int key, int t, int s, int k_first,
+                                           int k_end, const float *mask_b, float m, float inv, float d,
+                                           float scale, float softcap, float &p, float &ds) {
+  p = 0.f;
+  ds = 0.f;
+  if (row >= t || key < k_first || key >= k_end || m == -INFINITY) return;
+  float x = raw * scale, tc = 0.f;
+  if (softcap > 0.f) {
+    tc = tanhf(x / softcap);
+    x = softcap * tc;
+  }
+  if (mask_b) x += mask_b[(long)row * s + key];
+  p = expf(x - m) * inv;
+  ds = p * (dp - d) * scale;
+  if (softcap > 0.f) ds *= 1.f - tc * tc;
+}
+
+// dK and dV: one block per 64 keys of one (batch, query head); warp w owns keys 16w .. 16w + 15 and
+// accumulates their gradients over every query block whose key range meets the block, 32 queries
+// at a time, then adds them (atomically: the group's heads share a KV head) into dk/dv, f32
+// [b, nkv, s, D]. Dynamic shared memory: K, V, Q and dO tiles and the query block's statistics.
+template <int D>
+__device__ void flash_bwd_dkdv(const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout, const float *stats,
+                               const float *drow, const float *mask, long mask_bstride, const int *key_range, int t,
+                               int s, int nh, int nkv, float scale, float softcap, float *dk, float *dv) {
+  constexpr int W = D / 2 + 4;
+  FT_DYNAMIC_SHARED(uint32_t, smem);
+  uint32_t *k_s = smem, *v_s = k_s + FA_BK * W, *q_s = v_s + FA_BK * W, *do_s = q_s + FA_BQ * W;
+  float *m_s = reinterpret_cast<float *>(do_s + FA_BQ * W), *inv_s = m_s + FA_BQ, *d_s = inv_s + FA_BQ;
+  const int key0 = blockIdx.x * FA_BK;
+  const long bh = blockIdx.y;
+  const int bi = bh / nh, h = bh % nh, kvh = h / (nh / nkv);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const long kv_off = ((long)bi * nkv + kvh) * (long)s * D;
+  const bf16 *qh = q + bh * (long)t * D, *doh = dout + bh * (long)t * D;
+  const float *mask_b = mask ? mask + bi * mask_bstride : nullptr;
+  const int kA = key0 + warp * 16 + g, kB = kA + 8;  // this lane's keys (C fragment rows)
+  flash_load2<D>(k_s, k + kv_off, v_s, v + kv_off, key0, s);
+  float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
+  const int blocks = (t + FA_BQ - 1) / FA_BQ;
+  for (int qb = 0; qb < blocks; ++qb) {
+    const int k_first = key_range[2 * qb], k_end = min(key_range[2 * qb + 1], s);
+    if (k_end <= key0 || k_first >= key0 + FA_BK) continue;  // no key of this block is seen
+    __syncthreads();  // every warp is done with the previous query block
+    flash_load2<D>(q_s, qh, do_s, doh, qb * FA_BQ, t);
+    if (threadIdx.x < FA_BQ) {
+      int r = qb * FA_BQ + threadIdx.x;
+      m_s[threadIdx.x] = r < t ? stats[2 * (bh * t + r)] : -INFINITY;
+      inv_s[threadIdx.x] = r < t ? stats[2 * (bh * t + r) + 1] : 0.f;
+      d_s[threadIdx.x] = r < t ? drow[bh * t + r] : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      const int qc = half * 32;  // the half's first row within the query block
+      // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys × 32 queries.
+      float sc[4][4], dp[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+      for (int c = 0; c < D / 16; ++c) {
+        const uint32_t *kr = &k_s[(warp * 16 + g) * W + 8 * c + tq], *vr = &v_s[(warp * 16 + g) * W + 8 * c + tq];
+        uint32_t ak[4] = {kr[0], kr[8 * W], kr[4], kr[8 * W + 4]};
+        uint32_t av[4] = {vr[0], vr[8 * W], vr[4], vr[8 * W + 4]};
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const uint32_t *qr = &q_s[(qc + 8 * n + g) * W + 8 * c + tq], *dr = &do_s[(qc + 8 * n + g) * W + 8 * c + tq];
+          uint32_t bq[2] = {qr[0], qr[4]}, bd[2] = {dr[0], dr[4]};
+          mma_16816(sc[n], ak, bq);
+          mma_16816(dp[n], av, bd);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int qi = qc + 8 * n + 2 * tq + (e & 1);
+          float p, ds;
+          flash_p_ds(sc[n][e], dp[n][e], qb * FA_BQ + qi, e < 2 ? kA : kB, t, s, k_first, k_end, mask_b, m_s[qi],
+                     inv_s[qi], d_s[qi], scale, softcap, p, ds);
+          sc[n][e] = p;
+          dp[n][e] = ds;
+        }
+      // dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries per step (C fragments of Pᵀ are A fragments).
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t ap[4] = {pack_bf16(sc[2 * j][0], sc[2 * j][1]), pack_bf16(sc[2 * j][2], sc[2 * j][3]),
+                          pack_bf16(sc[2 * j + 1][0], sc[2 * j + 1][1]), pack_bf16(sc[2 * j + 1][2], sc[2 * j + 1][3])};
+        uint32_t as[4] = {pack_bf16(dp[2 * j][0], dp[2 * j][1]), pack_bf16(dp[2 * j][2], dp[2 * j][3]),
+                          pack_bf16(dp[2 * j + 1][0], dp[2 * j + 1][1]), pack_bf16(dp[2 * j + 1][2], dp[2 * j + 1][3])};
+        const int qr = qc + 16 * j + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          uint32_t bd[2] = {tile_col_pair(do_s, W, qr, 8 * n + g), tile_col_pair(do_s, W, qr + 8, 8 * n + g)};
+          uint32_t bq[2] = {tile_col_pair(q_s, W, qr, 8 * n + g), tile_col_pair(q_s, W, qr + 8, 8 * n + g)};
+          mma_16816(dva[n], ap, bd);
+          mma_16816(dka[n], as, bq);
+        }
+      }
+    }
+  }
+  float *dkh = dk + kv_off, *dvh = dv + kv_off;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    int col = 8 * n + 2 * tq;
+    if (kA < s) {
+      atomicAdd(dkh + (long)kA * D + col, dka[n][0]);
+      atomicAdd(dkh + (long)kA * D + col + 1, dka[n][1]);
+      atomicAdd(dvh + (long)kA * D + col, dva[n][0]);
+      atomicAdd(dvh + (long)kA * D + col + 1, dva[n][1]);
+    }
+    if (kB < s) {
+      atomicAdd(dkh + (long)kB * D + col, dka[n][2]);
+      atomicAdd(dkh + (long)kB * D + col + 1, dka[n][3]);
+      atomicAdd(dvh + (long)kB * D + col, dva[n][2]);
+      atomicAdd(dvh + (long)kB * D + col + 1, dva[n][3]);
+    }
+  }
+}
+
+// dQ: one block per 64 query rows of one (batch, head), as the forward, walking the same key
+// tiles 32 keys at a time; writes dq [b, nh, t, D] (bf16).
+template <int D>
+__device__ void flash_bwd_dq(const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout, const float *stats,
+                             const float *drow, const float *mask, long mask_bstride, const int *key_range, int t,
+                             int s, int nh, int nkv, float scale, float softcap, bf16 *dq) {
+  constexpr int W = D / 2 + 4;
+  __shared__ uint32_t k_s[FA_BK * W];
+  __shared__ uint32_t v_s[FA_BK * W];
+  const int qb = gridDim.x - 1 - blockIdx.x;
+  const long bh = blockIdx.y;
+  const int bi = bh / nh, h = bh % nh, kvh = h / (nh / nkv);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int rA = qb * FA_BQ + warp * 16 + g, rB = rA + 8;
+  const bf16 *qh = q + bh * (long)t * D, *doh = dout + bh * (long)t * D;
+  const long kv_off = ((long)bi * nkv + kvh) * (long)s * D;
+  const float *mask_b = mask ? mask + bi * mask_bstride : nullptr;
+  uint32_t qf[D / 16][4], df[D / 16][4];
+#pragma unroll
+  for (int c = 0; c < D / 16; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int r = e & 1 ? rB : rA, col = 16 * c + 2 * tq + (e & 2 ? 8 : 0);
+      qf[c][e] = r < t ? ld_pair(qh + (long)r * D + col) : 0u;
+      df[c][e] = r < t ? ld_pair(doh + (long)r * D + col) : 0u;
+    }
+  const float mA = rA < t ? stats[2 * (bh * t + rA)] : -INFINITY, iA = rA < t ? stats[2 * (bh * t + rA) + 1] : 0.f;
+  const float mB = rB < t ? stats[2 * (bh * t + rB)] : -INFINITY, iB = rB < t ? stats[2 * (bh * t + rB) + 1] : 0.f;
+  const float dA = rA < t ? drow[bh * t + rA] : 0.f, dB = rB < t ? drow[bh * t + rB] : 0.f;
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  const int k_first = key_range[2 * qb], k_end = min(key_range[2 * qb + 1], s);
+  for (int k0 = k_first; k0 < k_end; k0 += FA_BK) {
+    __syncthreads();
+    flash_load2<D>(k_s, k + kv_off, v_s, v + kv_off, k0, k_end);
+    __syncthreads();
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      const int kc = half * 32;
+      float sc[4][4], dp[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+      for (int c = 0; c < D / 16; ++c)
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const uint32_t *kr = &k_s[(kc + 8 * n + g) * W + 8 * c + tq], *vr = &v_s[(kc + 8 * n + g) * W + 8 * c + tq];
+          uint32_t bk[2] = {kr[0], kr[4]}, bv[2] = {vr[0], vr[4]};
+          mma_16816(sc[n], qf[c], bk);
+          mma_16816(dp[n], df[c], bv);
+        }
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p, ds;
+          bool a = e < 2;
+          flash_p_ds(sc[n][e], dp[n][e], a ? rA : rB, k0 + kc + 8 * n + 2 * tq + (e & 1), t, s, k_first, k_end,
+                     mask_b, a ? mA : mB, a ? iA : iB, a ? dA : dB, scale, softcap, p, ds);
+          dp[n][e] = ds;
+        }
+      // dQ += dS·K, 16 keys per step.
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t as[4] = {pack_bf16(dp[2 * j][0], dp[2 * j][1]), pack_bf16(dp[2 * j][2], dp[2 * j][3]),
+                          pack_bf16(dp[2 * j + 1][0], dp[2 * j + 1][1]), pack_bf16(dp[2 * j + 1][2], dp[2 * j + 1][3])};
+        const int kr = kc + 16 * j + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          uint32_t bk[2] = {tile_col_pair(k_s, W, kr, 8 * n + g), tile_col_pair(k_s, W, kr + 8, 8 * n + g)};
+          mma_16816(acc[n], as, bk);
+        }
+      }
+    }
+  }
+  bf16 *dqh = dq + bh * (long)t * D;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    if (rA < t) *reinterpret_cast<uint32_t *>(dqh + (long)rA * D + 8 * n + 2 * tq) = pack_bf16(acc[n][0], acc[n][1]);
+    if (rB < t) *reinterpret_cast<uint32_t *>(dqh + (long)rB * D + 8 * n + 2 * tq) = pack_bf16(acc[n][2], acc[n][3]);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cross-entropy over rows of logits [rows, V] (in place): loss[r] = lse − logit[target], and the
 // logits become dlogits = softmax − onehot(target), the gradient of the summed loss (PyTorch's
@@ -1327,13 +1578,27 @@ __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd,
 
 FOR_TYPES(EXPORT)
 
-// Flash-attention forward, one kernel per head dim (its fragments are unrolled per D).
+// Flash attention's forward and backward, one kernel per head dim (its fragments are unrolled per D).
 #define EXPORT_FLASH(D)                                                                             \
   extern "C" __global__ void __launch_bounds__(FA_THREADS)                                          \
       flash_fwd_bf16_d##D(const bf16 *q, const bf16 *k, const bf16 *v, const float *mask,           \
                           long mask_bstride, const int *key_range, int t, int s, int nh, int nkv,   \
                           float scale, float softcap, bf16 *o, float *stats) {                      \
     flash_fwd<D>(q, k, v, mask, mask_bstride, key_range, t, s, nh, nkv, scale, softcap, o, stats);  \
+  }                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dkdv_bf16_d##D(                \
+      const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout, const float *stats,           \
+      const float *drow, const float *mask, long mask_bstride, const int *key_range, int t, int s,  \
+      int nh, int nkv, float scale, float softcap, float *dk, float *dv) {                          \
+    flash_bwd_dkdv<D>(q, k, v, dout, stats, drow, mask, mask_bstride, key_range, t, s, nh, nkv,     \
+                      scale, softcap, dk, dv);                                                      \
+  }                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq_bf16_d##D(                  \
+      const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout, const float *stats,           \
+      const float *drow, const float *mask, long mask_bstride, const int *key_range, int t, int s,  \
+      int nh, int nkv, float scale, float softcap, bf16 *dq) {                                      \
+    flash_bwd_dq<D>(q, k, v, dout, stats, drow, mask, mask_bstride, key_range, t, s, nh, nkv,       \
+                    scale, softcap, dq);                                                            \
   }
 EXPORT_FLASH(64)
 EXPORT_FLASH(96)

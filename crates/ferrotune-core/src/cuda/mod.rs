@@ -192,6 +192,15 @@ fn launch_3d(
     args: &[Arg],
 ) -> Result<()> {
     let func = function(dev, name)?;
+    if shared_bytes > 48 * 1024 {
+        // Past 48 KiB a kernel's dynamic shared memory must be asked for (once is enough, but
+        // the call costs less than a launch).
+        func.set_attribute(
+            candle_core::cuda::cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared_bytes as i32,
+        )
+        .map_err(candle_core::Error::wrap)?;
+    }
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
     for a in args {
