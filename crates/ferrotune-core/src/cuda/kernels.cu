@@ -566,6 +566,16 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
          ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16);
 }
 
+// A fragment lane holds 2 rows × 2 columns of each 16×8 C tile; two adjacent C tiles (n-tiles 2j
+// and 2j + 1, columns 16j .. 16j + 15) hold exactly the A fragment of a 16-wide k step over those
+// columns: how a product's result (scores, dS) feeds the next product without leaving registers.
+__device__ __forceinline__ void c_to_a(const float (*c)[4], int j, uint32_t *a) {
+  a[0] = pack_bf16(c[2 * j][0], c[2 * j][1]);
+  a[1] = pack_bf16(c[2 * j][2], c[2 * j][3]);
+  a[2] = pack_bf16(c[2 * j + 1][0], c[2 * j + 1][1]);
+  a[3] = pack_bf16(c[2 * j + 1][2], c[2 * j + 1][3]);
+}
+
 // A bf16 pair from memory (4-byte aligned).
 __device__ __forceinline__ uint32_t ld_pair(const bf16 *p) { return *reinterpret_cast<const uint32_t *>(p); }
 
@@ -709,9 +719,8 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
     // O += P·V: the C fragments of S are, pairwise, the A fragments of P (16 keys per step).
 #pragma unroll
     for (int j = 0; j < FA_BK / 16; ++j) {
-      uint32_t a[4] = {pack_bf16(sc[2 * j][0], sc[2 * j][1]), pack_bf16(sc[2 * j][2], sc[2 * j][3]),
-                       pack_bf16(sc[2 * j + 1][0], sc[2 * j + 1][1]),
-                       pack_bf16(sc[2 * j + 1][2], sc[2 * j + 1][3])};
+      uint32_t a[4];
+      c_to_a(sc, j, a);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         const uint32_t *row = &vt_s[(8 * n + g) * VW + 8 * j + tq];
@@ -846,11 +855,7 @@ __device__ void flash_bwd_dkdv(const bf16 *q, const bf16 *k, const bf16 *v, cons
     for (int half = 0; half < 2; ++half) {
       const int qc = half * 32;  // the half's first row within the query block
       // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the warp's 16 keys × 32 queries.
-      float sc[4][4], dp[4][4];
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[n][e] = dp[n][e] = 0.f;
+      float sc[4][4] = {}, dp[4][4] = {};
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
         const uint32_t *kr = &k_s[(warp * 16 + g) * W + 8 * c + tq], *vr = &v_s[(warp * 16 + g) * W + 8 * c + tq];
@@ -878,10 +883,9 @@ __device__ void flash_bwd_dkdv(const bf16 *q, const bf16 *k, const bf16 *v, cons
       // dV += Pᵀ·dO and dK += dSᵀ·Q, 16 queries per step (C fragments of Pᵀ are A fragments).
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        uint32_t ap[4] = {pack_bf16(sc[2 * j][0], sc[2 * j][1]), pack_bf16(sc[2 * j][2], sc[2 * j][3]),
-                          pack_bf16(sc[2 * j + 1][0], sc[2 * j + 1][1]), pack_bf16(sc[2 * j + 1][2], sc[2 * j + 1][3])};
-        uint32_t as[4] = {pack_bf16(dp[2 * j][0], dp[2 * j][1]), pack_bf16(dp[2 * j][2], dp[2 * j][3]),
-                          pack_bf16(dp[2 * j + 1][0], dp[2 * j + 1][1]), pack_bf16(dp[2 * j + 1][2], dp[2 * j + 1][3])};
+        uint32_t ap[4], as[4];
+        c_to_a(sc, j, ap);
+        c_to_a(dp, j, as);
         const int qr = qc + 16 * j + 2 * tq;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
@@ -952,11 +956,7 @@ __device__ void flash_bwd_dq(const bf16 *q, const bf16 *k, const bf16 *v, const 
 #pragma unroll 1
     for (int half = 0; half < 2; ++half) {
       const int kc = half * 32;
-      float sc[4][4], dp[4][4];
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[n][e] = dp[n][e] = 0.f;
+      float sc[4][4] = {}, dp[4][4] = {};
 #pragma unroll
       for (int c = 0; c < D / 16; ++c)
 #pragma unroll
@@ -979,8 +979,8 @@ __device__ void flash_bwd_dq(const bf16 *q, const bf16 *k, const bf16 *v, const 
       // dQ += dS·K, 16 keys per step.
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        uint32_t as[4] = {pack_bf16(dp[2 * j][0], dp[2 * j][1]), pack_bf16(dp[2 * j][2], dp[2 * j][3]),
-                          pack_bf16(dp[2 * j + 1][0], dp[2 * j + 1][1]), pack_bf16(dp[2 * j + 1][2], dp[2 * j + 1][3])};
+        uint32_t as[4];
+        c_to_a(dp, j, as);
         const int kr = kc + 16 * j + 2 * tq;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
