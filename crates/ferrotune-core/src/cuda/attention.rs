@@ -52,6 +52,13 @@ struct Plan {
     block_keys: Tensor,
 }
 
+impl Plan {
+    /// The f32 mask's device address, or 0 (null) when there is none.
+    fn mask_ptr(&self) -> Result<u64> {
+        self.mask.as_ref().map_or(Ok(0), ptr)
+    }
+}
+
 /// The last plan, reused while the same mask tensor (or none) comes back: every layer of a
 /// forward pass, and the backward, share one mask.
 static PLAN_CACHE: Mutex<Option<CachedPlan>> = Mutex::new(None);
@@ -252,10 +259,7 @@ fn softmax(
 fn chunk_args(scores: &Tensor, plan: &Plan, c: &Chunk, s: usize) -> Result<[Arg; 9]> {
     let (_, nkv, rows, len) = scores.dims4()?;
     Ok([
-        Arg::Ptr(match &plan.mask {
-            Some(m) => ptr(m)?,
-            None => 0,
-        }),
+        Arg::Ptr(plan.mask_ptr()?),
         Arg::I32(rows as i32),
         Arg::I32(len as i32),
         Arg::I32(c.rows as i32),
@@ -350,10 +354,7 @@ fn flash_forward(
             Arg::Ptr(ptr(q)?),
             Arg::Ptr(ptr(k)?),
             Arg::Ptr(ptr(v)?),
-            Arg::Ptr(match &plan.mask {
-                Some(m) => ptr(m)?,
-                None => 0,
-            }),
+            Arg::Ptr(plan.mask_ptr()?),
             Arg::I64(plan.mask_bstride as i64),
             Arg::Ptr(ptr(&plan.block_keys)?),
             Arg::I32(t as i32),
@@ -427,10 +428,7 @@ impl Attention {
                 Arg::Ptr(ptr(dout)?),
                 Arg::Ptr(ptr(&self.stats)?),
                 Arg::Ptr(ptr(d_rows)?),
-                Arg::Ptr(match &self.plan.mask {
-                    Some(m) => ptr(m)?,
-                    None => 0,
-                }),
+                Arg::Ptr(self.plan.mask_ptr()?),
                 Arg::I64(self.plan.mask_bstride as i64),
                 Arg::Ptr(ptr(&self.plan.block_keys)?),
                 Arg::I32(t as i32),
