@@ -579,6 +579,35 @@ __device__ __forceinline__ void c_to_a(const float (*c)[4], int j, uint32_t *a) 
 // A bf16 pair from memory (4-byte aligned).
 __device__ __forceinline__ uint32_t ld_pair(const bf16 *p) { return *reinterpret_cast<const uint32_t *>(p); }
 
+// Rows row0 .. row0 + 64 of two [rows, D] bf16 arrays into shared tiles of row stride D/2 + 4 words
+// (zeros past row_end): every load issued before the first store.
+template <int D>
+__device__ __forceinline__ void flash_load2(uint32_t *d1, const bf16 *s1, uint32_t *d2, const bf16 *s2, int row0,
+                                            int row_end) {
+  constexpr int W = D / 2 + 4, L = FA_BK * (D / 8) / FA_THREADS;
+  uint4 r1[L], r2[L];
+#pragma unroll
+  for (int u = 0; u < L; ++u) {
+    int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
+    bool ok = row0 + r < row_end;
+    r1[u] = ok ? *reinterpret_cast<const uint4 *>(s1 + (long)(row0 + r) * D + 8 * c) : make_uint4(0, 0, 0, 0);
+    r2[u] = ok ? *reinterpret_cast<const uint4 *>(s2 + (long)(row0 + r) * D + 8 * c) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < L; ++u) {
+    int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
+    *reinterpret_cast<uint4 *>(&d1[r * W + 4 * c]) = r1[u];
+    *reinterpret_cast<uint4 *>(&d2[r * W + 4 * c]) = r2[u];
+  }
+}
+
+// Elements (r, c) and (r + 1, c) of a shared bf16 tile of row stride W words, as a pair: a B
+// fragment register whose k runs down the tile's rows.
+__device__ __forceinline__ uint32_t tile_col_pair(const uint32_t *tile, int W, int r, int c) {
+  const uint16_t *h = reinterpret_cast<const uint16_t *>(tile);
+  return (uint32_t)h[r * 2 * W + c] | ((uint32_t)h[(r + 1) * 2 * W + c] << 16);
+}
+
 // q [b, nh, t, D], k/v [b, nkv, s, D] (contiguous, 16-byte aligned); mask f32 [mb, t, s] or null
 // (mask_bstride elements between batch rows, 0 for one mask); key_range [blocks, 2]: the keys
 // [first, last) any row of a 64-row block may see (the rest are masked for all of them). Writes
@@ -590,11 +619,10 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
                           float scale, float softcap, bf16 *o, float *stats) {
   static_assert(D % 32 == 0, "head dim must be a multiple of 32");
   // Row strides of the shared tiles in 32-bit words, padded by 4 so that the fragment reads of
-  // a warp (8 rows × 4 words) fall in 32 distinct banks.
-  constexpr int KW = D / 2 + 4;
-  constexpr int VW = FA_BK / 2 + 4;
-  __shared__ uint32_t kt_s[FA_BK * KW];  // K tile, [key][D]
-  __shared__ uint32_t vt_s[D * VW];      // V tile transposed, [D][key]: B fragments of P·V
+  // a warp (8 rows × 4 words, or 4 row pairs × 8 half-words) fall in distinct banks.
+  constexpr int W = D / 2 + 4;
+  __shared__ uint32_t k_s[FA_BK * W];  // K tile, [key][D]
+  __shared__ uint32_t v_s[FA_BK * W];  // V tile, [key][D]
   const int qb = gridDim.x - 1 - blockIdx.x;  // the longest blocks (causal: the last) first
   const long bh = blockIdx.y;
   const int bi = bh / nh, h = bh % nh, kvh = h / (nh / nkv);
@@ -621,45 +649,8 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
   const int k_first = key_range[2 * qb], k_end = min(key_range[2 * qb + 1], s);
 
   for (int k0 = k_first; k0 < k_end; k0 += FA_BK) {
-    // Load both tiles into registers first (every load in flight at once), then store.
-    constexpr int K_LOADS = FA_BK * (D / 8) / FA_THREADS;  // 16-byte chunks per thread
-    constexpr int V_LOADS = (FA_BK / 2) * (D / 8) / FA_THREADS;  // key pairs × chunks per thread
-    uint4 kr[K_LOADS], vr[V_LOADS][2];
-#pragma unroll
-    for (int u = 0; u < K_LOADS; ++u) {
-      int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
-      kr[u] = k0 + r < k_end ? *reinterpret_cast<const uint4 *>(kh + (long)(k0 + r) * D + 8 * c)
-                             : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < V_LOADS; ++u) {
-      int i = threadIdx.x + u * FA_THREADS, p = i % (FA_BK / 2), c = i / (FA_BK / 2);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        int key = k0 + 2 * p + e;
-        vr[u][e] = key < k_end ? *reinterpret_cast<const uint4 *>(vh + (long)key * D + 8 * c)
-                               : make_uint4(0, 0, 0, 0);
-      }
-    }
     __syncthreads();  // every warp is done with the previous tiles
-#pragma unroll
-    for (int u = 0; u < K_LOADS; ++u) {
-      int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
-      *reinterpret_cast<uint4 *>(&kt_s[r * KW + 4 * c]) = kr[u];
-    }
-#pragma unroll
-    for (int u = 0; u < V_LOADS; ++u) {
-      int i = threadIdx.x + u * FA_THREADS, p = i % (FA_BK / 2), c = i / (FA_BK / 2);
-      const uint32_t *w0 = reinterpret_cast<const uint32_t *>(&vr[u][0]);
-      const uint32_t *w1 = reinterpret_cast<const uint32_t *>(&vr[u][1]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        // Feature 8c + e of keys 2p and 2p + 1, as one pair.
-        uint32_t lo = e & 1 ? w0[e / 2] >> 16 : w0[e / 2] & 0xffffu;
-        uint32_t hi = e & 1 ? w1[e / 2] >> 16 : w1[e / 2] & 0xffffu;
-        vt_s[(8 * c + e) * VW + p] = lo | (hi << 16);
-      }
-    }
+    flash_load2<D>(k_s, kh, v_s, vh, k0, k_end);
     __syncthreads();
 
     // S = Q·Kᵀ: the warp's 16 rows × 64 keys, as 8 tiles of 8 keys.
@@ -670,7 +661,7 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
     for (int c = 0; c < D / 16; ++c)
 #pragma unroll
       for (int n = 0; n < FA_BK / 8; ++n) {
-        const uint32_t *row = &kt_s[(8 * n + g) * KW + 8 * c + tq];
+        const uint32_t *row = &k_s[(8 * n + g) * W + 8 * c + tq];
         uint32_t b[2] = {row[0], row[4]};
         mma_16816(sc[n], qf[c], b);
       }
@@ -723,8 +714,8 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
       c_to_a(sc, j, a);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        const uint32_t *row = &vt_s[(8 * n + g) * VW + 8 * j + tq];
-        uint32_t b[2] = {row[0], row[4]};
+        uint32_t b[2] = {tile_col_pair(v_s, W, 16 * j + 2 * tq, 8 * n + g),
+                         tile_col_pair(v_s, W, 16 * j + 2 * tq + 8, 8 * n + g)};
         mma_16816(acc[n], a, b);
       }
     }
@@ -762,35 +753,6 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
 // heads of a KV group; flash_bwd_dq walks the key tiles for one block of 64 query rows. With
 // x = softcap(S · scale) + mask, P = exp(x − max) / Σ, D = rowsum(dO ∘ O):
 // dS = P ∘ (dP − D) ∘ softcap′ · scale, dV = Pᵀ·dO, dK = dSᵀ·Q, dQ = dS·K, dP = dO·Vᵀ.
-
-// Rows row0 .. row0 + 64 of two [rows, D] bf16 arrays into shared tiles of row stride D/2 + 4 words
-// (zeros past row_end): every load issued before the first store.
-template <int D>
-__device__ __forceinline__ void flash_load2(uint32_t *d1, const bf16 *s1, uint32_t *d2, const bf16 *s2, int row0,
-                                            int row_end) {
-  constexpr int W = D / 2 + 4, L = FA_BK * (D / 8) / FA_THREADS;
-  uint4 r1[L], r2[L];
-#pragma unroll
-  for (int u = 0; u < L; ++u) {
-    int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
-    bool ok = row0 + r < row_end;
-    r1[u] = ok ? *reinterpret_cast<const uint4 *>(s1 + (long)(row0 + r) * D + 8 * c) : make_uint4(0, 0, 0, 0);
-    r2[u] = ok ? *reinterpret_cast<const uint4 *>(s2 + (long)(row0 + r) * D + 8 * c) : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int u = 0; u < L; ++u) {
-    int i = threadIdx.x + u * FA_THREADS, r = i / (D / 8), c = i % (D / 8);
-    *reinterpret_cast<uint4 *>(&d1[r * W + 4 * c]) = r1[u];
-    *reinterpret_cast<uint4 *>(&d2[r * W + 4 * c]) = r2[u];
-  }
-}
-
-// Elements (r, c) and (r + 1, c) of a shared bf16 tile of row stride W words, as a pair: a B
-// fragment register whose k runs down the tile's rows.
-__device__ __forceinline__ uint32_t tile_col_pair(const uint32_t *tile, int W, int r, int c) {
-  const uint16_t *h = reinterpret_cast<const uint16_t *>(tile);
-  return (uint32_t)h[r * 2 * W + c] | ((uint32_t)h[(r + 1) * 2 * W + c] << 16);
-}
 
 // P and dS of one score (query row `row`, key `key`) from the raw product `raw` = q·k and
 // `dp` = dO·v, the row's statistics (max m, 1 / Σ inv) and D; zeros outside [k_first, k_end) and
