@@ -106,6 +106,14 @@ void check(const char *what, const std::vector<float> &got, const std::vector<fl
   if (!ok) ++failures;
 }
 
+// Bit-for-bit equality (−∞ included).
+void same(const char *what, const std::vector<float> &got, const std::vector<float> &want) {
+  size_t diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) diff += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
+  std::printf("%-48s %zu of %zu differ %s\n", what, diff, want.size(), diff ? "FAIL" : "ok");
+  if (diff) ++failures;
+}
+
 template <typename T> float tol() { return sizeof(T) == 4 ? 1e-5f : 1e-2f; }
 
 template <typename T> void test_gemv(int B, int K, int n0, int n1, int n2, bool bias, bool residual) {
@@ -633,8 +641,9 @@ void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, in
   bf16 *dq = dev(q), *dk = dev(k), *dv = dev(v), *dout = dev(std::vector<bf16>((size_t)b * nh * t * D));
   float *dmask = use_mask ? dev(mask) : nullptr, *dst = dev(std::vector<float>((size_t)b * nh * t * 2));
   int *drange = dev(range);
-  hipLaunchKernelGGL(flash_fwd<D>, dim3(blocks, b * nh), dim3(FA_THREADS), 0, 0, dq, dk, dv, dmask, (long)t * s,
-                     drange, t, s, nh, nkv, scale, softcap, dout, dst);
+  const FlashMask fmask = {dmask, (long)t * s, nullptr, 0.f};
+  hipLaunchKernelGGL(flash_fwd<D>, dim3(blocks, b * nh), dim3(FA_THREADS), 0, 0, dq, dk, dv, fmask, drange, t, s,
+                     nh, nkv, scale, softcap, dout, dst);
   // The maxima where a key has a finite score, and every 1 / Σexp.
   auto st = host(dst, (size_t)b * nh * t * 2);
   std::vector<float> got_m, want_m, got_inv, want_inv;
@@ -691,11 +700,11 @@ void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, in
   bf16 *ddo = dev(dO), *ddq = dev(std::vector<bf16>((size_t)b * nh * t * D));
   float *ddrow = dev(drow), *ddk = dev(std::vector<float>((size_t)b * nkv * s * D)),
         *ddv = dev(std::vector<float>((size_t)b * nkv * s * D));
-  int smem = (4 * 64 * (D / 2 + 4) + 3 * 64) * 4;
+  int smem = (4 * 64 * (D / 2 + 4) + 5 * 64) * 4;
   hipLaunchKernelGGL(flash_bwd_dkdv<D>, dim3((s + 63) / 64, b * nh), dim3(FA_THREADS), smem, 0, dq, dk, dv, ddo, dst,
-                     ddrow, dmask, (long)t * s, drange, t, s, nh, nkv, scale, softcap, ddk, ddv);
+                     ddrow, fmask, drange, t, s, nh, nkv, scale, softcap, ddk, ddv);
   hipLaunchKernelGGL(flash_bwd_dq<D>, dim3(blocks, b * nh), dim3(FA_THREADS), 0, 0, dq, dk, dv, ddo, dst, ddrow,
-                     dmask, (long)t * s, drange, t, s, nh, nkv, scale, softcap, ddq);
+                     fmask, drange, t, s, nh, nkv, scale, softcap, ddq);
   auto to_f = [](const std::vector<double> &x) { return std::vector<float>(x.begin(), x.end()); };
   name[len] = 0;
   std::snprintf(name + len, sizeof name - len, " dq");
@@ -704,6 +713,43 @@ void test_flash(int b, int nh, int nkv, int t, int s, bool use_mask, int pad, in
   check(name, host(ddk, (size_t)b * nkv * s * D), to_f(want_dk), 1e-2f);
   std::snprintf(name + len, sizeof name - len, " dv");
   check(name, host(ddv, (size_t)b * nkv * s * D), to_f(want_dv), 1e-2f);
+  if (!use_mask) return;
+  // The same mask as each row's interval of visible keys (every row here sees one interval, or
+  // none: an empty one), as the host passes it when it finds the mask so: the same results,
+  // bit for bit (dK and dV up to the order of their atomic adds).
+  std::vector<int> row_keys(2 * (size_t)b * t, 0);
+  for (int bi = 0; bi < b; ++bi)
+    for (int r = 0; r < t; ++r) {
+      int f = -1, l = 0;
+      for (int j = 0; j < s; ++j)
+        if (mask[((size_t)bi * t + r) * s + j] > -1e30f) {
+          if (f < 0) f = j;
+          l = j + 1;
+        }
+      row_keys[2 * ((size_t)bi * t + r)] = f < 0 ? 0 : f;
+      row_keys[2 * ((size_t)bi * t + r) + 1] = l;
+    }
+  const FlashMask fkeys = {nullptr, (long)t * s, dev(row_keys), masked};
+  bf16 *iout = dev(std::vector<bf16>((size_t)b * nh * t * D)), *idq = dev(std::vector<bf16>((size_t)b * nh * t * D));
+  float *ist = dev(std::vector<float>((size_t)b * nh * t * 2)), *idk = dev(std::vector<float>((size_t)b * nkv * s * D)),
+        *idv = dev(std::vector<float>((size_t)b * nkv * s * D));
+  hipLaunchKernelGGL(flash_fwd<D>, dim3(blocks, b * nh), dim3(FA_THREADS), 0, 0, dq, dk, dv, fkeys, drange, t, s,
+                     nh, nkv, scale, softcap, iout, ist);
+  hipLaunchKernelGGL(flash_bwd_dkdv<D>, dim3((s + 63) / 64, b * nh), dim3(FA_THREADS), smem, 0, dq, dk, dv, ddo, ist,
+                     ddrow, fkeys, drange, t, s, nh, nkv, scale, softcap, idk, idv);
+  hipLaunchKernelGGL(flash_bwd_dq<D>, dim3(blocks, b * nh), dim3(FA_THREADS), 0, 0, dq, dk, dv, ddo, ist, ddrow,
+                     fkeys, drange, t, s, nh, nkv, scale, softcap, idq);
+  name[len] = 0;
+  std::snprintf(name + len, sizeof name - len, " intervals");
+  same(name, host(iout, (size_t)b * nh * t * D), host(dout, (size_t)b * nh * t * D));
+  std::snprintf(name + len, sizeof name - len, " intervals stats");
+  same(name, host(ist, (size_t)b * nh * t * 2), st);
+  std::snprintf(name + len, sizeof name - len, " intervals dq");
+  same(name, host(idq, (size_t)b * nh * t * D), host(ddq, (size_t)b * nh * t * D));
+  std::snprintf(name + len, sizeof name - len, " intervals dk");
+  check(name, host(idk, (size_t)b * nkv * s * D), host(ddk, (size_t)b * nkv * s * D), 1e-6f);
+  std::snprintf(name + len, sizeof name - len, " intervals dv");
+  check(name, host(idv, (size_t)b * nkv * s * D), host(ddv, (size_t)b * nkv * s * D), 1e-6f);
 }
 
 template <typename T> void all() {
@@ -764,6 +810,7 @@ int main(int argc, char **argv) {
   test_flash<96>(2, 4, 4, 1, 77, false, 0, 0, 0.f, 0.f, false);       // one row, no mask
   test_flash<64>(2, 2, 1, 20, 150, true, 0, 0, -3e38f, 1.5f, true);   // softcap, every key
   test_flash<64>(2, 2, 2, 9, 9, true, 9, 0, -INFINITY, 0.f, true);    // row 1 sees nothing (−∞)
+  test_flash<64>(2, 2, 1, 70, 70, true, 69, 0, -3e38f, 0.f, false);   // rows that see nothing (uniform)
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "passed", failures);
   return failures ? 1 : 0;
 }

@@ -120,6 +120,16 @@ pub fn linear_with(
     out.reshape(out_dims)
 }
 
+/// The value [`additive_mask`] gives masked entries in `dtype`, as f32 (exact: 16-bit minima are
+/// f32 values).
+pub fn additive_mask_min(dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::MIN.to_f32(),
+        DType::F16 => half::f16::MIN.to_f32(),
+        _ => f32::MIN,
+    }
+}
+
 /// An additive attention mask from `allowed` (row-major over `shape`): 0 where a query may attend,
 /// elsewhere the dtype's finite minimum (transformers' `finfo(dtype).min`), built directly in
 /// `dtype` (f32's minimum would round to −∞ in 16-bit types).

@@ -224,6 +224,17 @@ fn mask(b: usize, t: usize, s: usize, pad: usize, doc: Option<usize>) -> Tensor 
     Tensor::from_vec(m, (b, 1, t, s), &Device::Cpu).unwrap()
 }
 
+/// `m` with key `key` masked for every query: a gap in the visible keys of the rows past it, so
+/// the flash kernels read the mask rather than per-row key intervals.
+fn with_masked_key(m: Tensor, key: usize) -> Tensor {
+    let (b, _, t, s) = m.dims4().unwrap();
+    let mut v: Vec<f32> = m.flatten_all().unwrap().to_vec1().unwrap();
+    for row in v.chunks_exact_mut(s) {
+        row[key] = -3.0e38;
+    }
+    Tensor::from_vec(v, (b, 1, t, s), &Device::Cpu).unwrap()
+}
+
 #[test]
 fn attention_matches_cpu() {
     let Some(gpu) = gpu() else { return };
@@ -287,7 +298,8 @@ fn attention_matches_cpu() {
         ),
         (2, 2, 1, 9, 9, 8, None, Some(0.5)),
         // Head dims the flash forward takes in bf16 (f32 stays chunked): two row blocks with
-        // padding and GQA; packed documents over three blocks; one row and no mask; softcap.
+        // padding and GQA; packed documents over three blocks; one row and no mask; a mask with
+        // a gap (read per score, not as intervals); softcap.
         (2, 4, 2, 70, 70, 64, Some(mask(2, 70, 70, 5, None)), None),
         (
             1,
@@ -300,6 +312,16 @@ fn attention_matches_cpu() {
             None,
         ),
         (2, 4, 4, 1, 77, 96, None, None),
+        (
+            2,
+            4,
+            2,
+            70,
+            70,
+            64,
+            Some(with_masked_key(mask(2, 70, 70, 5, None), 3)),
+            None,
+        ),
         (
             2,
             2,

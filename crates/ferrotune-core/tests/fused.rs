@@ -349,6 +349,70 @@ fn attention_rejects_inconsistent_shapes() {
     assert!(err.to_string().contains("mask"), "{err}");
 }
 
+#[test]
+fn mask_layout_finds_each_rows_interval_of_keys() {
+    // Two batch rows of 3 queries over 4 keys: causal, batch row 1 with its first key padding,
+    // so its query 0 sees nothing.
+    let allowed: Vec<bool> = [
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [1, 1, 1, 0],
+        [0, 0, 0, 0],
+        [0, 1, 0, 0],
+        [0, 1, 1, 0],
+    ]
+    .concat()
+    .iter()
+    .map(|&a| a == 1)
+    .collect();
+    let masked = ops::additive_mask_min(DType::BF16);
+    assert_eq!(masked, half::bf16::MIN.to_f32());
+    let layout = fused::MaskLayout::from_allowed(&allowed, 3, 4, masked);
+    assert_eq!(layout.rows, [(0, 4), (0, 2), (0, 3)]);
+    let want = [(0, 1), (0, 2), (0, 3), (0, 0), (1, 2), (1, 3)];
+    assert_eq!(layout.intervals.as_deref(), Some(&want[..]));
+    // Read back from the mask's values, as the GPU path does for a mask nobody registered.
+    let mask = ops::additive_mask(&allowed, (2, 1, 3, 4), DType::BF16, &Device::Cpu).unwrap();
+    let values: Vec<f32> = mask
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(fused::MaskLayout::from_values(&values, 3, 4), layout);
+}
+
+#[test]
+fn mask_layout_keeps_no_intervals_for_masks_they_would_not_reproduce() {
+    let min = f32::MIN;
+    let causal = [0.0, min, min, 0.0, 0.0, min];
+    let layout = fused::MaskLayout::from_values(&causal, 2, 3);
+    assert_eq!(layout.intervals.as_deref(), Some(&[(0, 1), (0, 2)][..]));
+    assert_eq!(layout.masked, min);
+    // A gap in a row's visible keys: the union of keys stays, the intervals go.
+    let gap = [0.0, min, 0.0, 0.0, 0.0, min];
+    let layout = fused::MaskLayout::from_values(&gap, 2, 3);
+    assert_eq!(layout.rows, [(0, 3), (0, 2)]);
+    assert_eq!(layout.intervals, None);
+    // A visible key with a bias that is not 0, and two different masked values.
+    for odd in [
+        [0.0, min, min, -2.0, 0.0, min],
+        [0.0, min, min, 0.0, 0.0, f32::NEG_INFINITY],
+    ] {
+        assert_eq!(fused::MaskLayout::from_values(&odd, 2, 3).intervals, None);
+    }
+    // −∞ throughout is kept (its rows with no key get zeros either way).
+    let inf = f32::NEG_INFINITY;
+    let layout = fused::MaskLayout::from_allowed(&[true, false, false, false], 2, 2, inf);
+    assert_eq!(layout.rows, [(0, 1), (0, 2)]);
+    assert_eq!(layout.intervals.as_deref(), Some(&[(0, 1), (0, 0)][..]));
+    assert_eq!(
+        fused::MaskLayout::from_values(&[0.0, inf, inf, inf], 2, 2),
+        layout
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cross-entropy
 // ---------------------------------------------------------------------------------------------

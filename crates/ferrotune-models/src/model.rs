@@ -970,7 +970,7 @@ impl AttentionLayout {
     /// Additive mask `[batch, 1, seq, past + seq]` (0 = attend, the dtype's minimum = masked, as
     /// transformers' `finfo(dtype).min`), or `None` when every query may see every key (a single
     /// decode step without padding). The keys each query row can see are registered with the mask
-    /// ([`fused::register_mask_rows`]) so the GPU kernels can skip the rest without reading it back.
+    /// ([`fused::register_mask_layout`]) so the GPU kernels need not read it back.
     fn additive_mask(
         &self,
         window: Option<usize>,
@@ -984,7 +984,6 @@ impl AttentionLayout {
         let past = total - seq;
         let mut allowed = vec![false; batch * seq * total];
         let mut any_masked = false;
-        let mut rows_seen = vec![(usize::MAX, 0usize); seq];
         for b in 0..batch {
             let valid = &self.key_valid[b];
             let seg = self.segments.as_ref().map(|s| &s[b]);
@@ -998,24 +997,10 @@ impl AttentionLayout {
                     chunk.map_or(0, |c| q.saturating_sub(self.positions[b][i] as usize % c));
                 let lo = window_lo.max(chunk_lo);
                 let row = &mut allowed[(b * seq + i) * total..][..total];
-                let (mut first, mut last) = (usize::MAX, 0);
                 for j in lo..=q.min(total - 1) {
-                    let ok = valid[j] && seg.is_none_or(|s| s[j] == s[q]);
-                    row[j] = ok;
-                    if ok {
-                        first = first.min(j);
-                        last = j + 1;
-                    }
+                    row[j] = valid[j] && seg.is_none_or(|s| s[j] == s[q]);
                 }
-                any_masked |= !(first == 0 && last == total && row.iter().all(|&a| a));
-                let seen = &mut rows_seen[i];
-                if first == usize::MAX {
-                    // No visible key: such a row attends uniformly to all keys (the composite
-                    // softmax of an all-minimum row), so it keeps them all.
-                    *seen = (0, total);
-                } else {
-                    *seen = (seen.0.min(first), seen.1.max(last));
-                }
+                any_masked |= !row.iter().all(|&a| a);
             }
         }
         if !any_masked {
@@ -1023,7 +1008,9 @@ impl AttentionLayout {
         }
         // Built in the compute dtype: half the bytes to copy for bf16, and its own minimum.
         let mask = ops::additive_mask(&allowed, (batch, 1, seq, total), dtype, device)?;
-        fused::register_mask_rows(&mask, rows_seen);
+        let layout =
+            fused::MaskLayout::from_allowed(&allowed, seq, total, ops::additive_mask_min(dtype));
+        fused::register_mask_layout(&mask, layout);
         Ok(Some(mask))
     }
 }
@@ -3007,8 +2994,20 @@ mod tests {
         }
         // Keys seen per query row over both batch rows: row 0 (query 0) sees key 0 in batch 0 but
         // nothing in batch 1 (its only key is padding), so it keeps all keys.
-        let rows = ferrotune_core::fused::registered_mask_rows(&mask).expect("registered");
-        assert_eq!(rows.as_slice(), &[(0, 4), (0, 2), (1, 3), (1, 4)]);
+        let layout = ferrotune_core::fused::registered_mask_layout(&mask).expect("registered");
+        assert_eq!(layout.rows, [(0, 4), (0, 2), (1, 3), (1, 4)]);
+        // Every (batch, query) row sees one interval of keys (none: empty), so the kernels may
+        // take the intervals instead of the mask.
+        let want: Vec<(u32, u32)> = (0..8)
+            .map(|r| {
+                let row = &m[r];
+                let seen: Vec<u32> = (0..4).filter(|&k| row[k as usize] == 0.0).collect();
+                seen.first()
+                    .map_or((0, 0), |&f| (f, seen[seen.len() - 1] + 1))
+            })
+            .collect();
+        assert_eq!(layout.intervals.as_deref(), Some(&want[..]));
+        assert_eq!(layout.masked, f32::MIN);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! no score matrix in global memory. They keep the same per-row statistics as the chunked form.
 //! `FERROTUNE_ATTN=chunked` keeps the chunked form (for measuring one against the other).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::cuda::CudaStorage;
 use candle_core::{
@@ -25,8 +25,6 @@ use super::{
 const CHUNK_SCORES: usize = 1 << 26;
 /// Most query rows per chunk: smaller chunks skip more of the causal future.
 const MAX_CHUNK_ROWS: usize = 512;
-/// Additive mask values at or below this are "masked" (f32::MIN, bf16's minimum, −∞).
-const MASKED: f32 = -1e30;
 /// Query rows per block of the flash kernel (`FA_BQ` in kernels.cu).
 const FLASH_ROWS: usize = 64;
 /// Head dims the flash kernel is built for (`EXPORT_FLASH` in kernels.cu).
@@ -41,21 +39,62 @@ struct Chunk {
     len: usize,
 }
 
-/// The mask as the kernels read it (f32, `[mb, t, s]`) and the chunks it allows.
+/// The mask as the kernels read it and the chunks it allows.
 struct Plan {
+    /// The mask as given, `[mb, 1, t, s]`.
     mask: Option<Tensor>,
+    /// The mask in f32, `[mb, t, s]`, as the chunked kernels (and the flash kernels without
+    /// [`Self::row_keys`]) read it: made on first use, so a flash pass never makes it.
+    mask_f32: OnceLock<Tensor>,
     /// Elements between two batch rows of the mask (0: one mask for the whole batch).
     mask_bstride: usize,
     chunks: Vec<Chunk>,
     /// For each block of [`FLASH_ROWS`] query rows, the keys `[first, last)` any of its rows may
     /// see (u32 pairs on the device): the flash kernel's key loop.
     block_keys: Tensor,
+    /// When the mask is 0 on one interval of keys per (batch, query) row and [`Self::masked`]
+    /// elsewhere: those intervals, `[mb, t]` u32 pairs on the device, which the flash kernels
+    /// take instead of reading the mask for every score.
+    row_keys: Option<Tensor>,
+    masked: f32,
 }
 
 impl Plan {
     /// The f32 mask's device address, or 0 (null) when there is none.
     fn mask_ptr(&self) -> Result<u64> {
-        self.mask.as_ref().map_or(Ok(0), ptr)
+        let Some(mask) = &self.mask else {
+            return Ok(0);
+        };
+        if self.mask_f32.get().is_none() {
+            let (mb, _, t, s) = mask.dims4()?;
+            let f32_mask = mask
+                .to_dtype(DType::F32)?
+                .contiguous()?
+                .reshape((mb, t, s))?;
+            // Another thread may have set it first: the same values either way.
+            let _ = self.mask_f32.set(f32_mask);
+        }
+        ptr(self.mask_f32.get().expect("set above"))
+    }
+
+    /// The flash kernels' mask arguments (mask, its batch stride, row intervals, masked value):
+    /// the intervals where the layout has them, else the f32 mask (null without one).
+    fn flash_mask_args(&self) -> Result<[Arg; 4]> {
+        let bstride = Arg::I64(self.mask_bstride as i64);
+        Ok(match &self.row_keys {
+            Some(keys) => [
+                Arg::Ptr(0),
+                bstride,
+                Arg::Ptr(ptr(keys)?),
+                Arg::F32(self.masked),
+            ],
+            None => [
+                Arg::Ptr(self.mask_ptr()?),
+                bstride,
+                Arg::Ptr(0),
+                Arg::F32(0.0),
+            ],
+        })
     }
 }
 
@@ -95,25 +134,35 @@ fn plan(
             return Ok(p.clone());
         }
     }
-    let (mask_f32, mask_bstride, rows_seen) = match mask {
-        None => (None, 0, vec![(0, s); t]),
+    let (mask_bstride, layout) = match mask {
+        None => (0, None),
         Some(mask) => {
             let (mb, _, mt, ms) = mask.dims4()?;
             if mt != t || ms != s {
                 bail!("attention: mask {:?} does not fit [{t}, {s}]", mask.dims());
             }
-            let f32_mask = mask.to_dtype(DType::F32)?.contiguous()?;
-            let rows_seen = visible_keys(mask, &f32_mask, t, s)?;
             (
-                Some(f32_mask.reshape((mb, t, s))?),
                 if mb == 1 { 0 } else { t * s },
-                rows_seen,
+                Some(mask_layout(mask, t, s)?),
             )
         }
     };
+    let every_key = [(0, s)];
+    let rows_seen = layout.as_ref().map_or(&every_key[..], |l| &l.rows[..]);
+    let row_keys = match layout.as_ref().and_then(|l| l.intervals.as_ref()) {
+        Some(iv) => {
+            let flat: Vec<u32> = iv.iter().flat_map(|&(f, l)| [f, l]).collect();
+            let n = flat.len();
+            Some(Tensor::from_vec(flat, n, device)?)
+        }
+        None => None,
+    };
     // The keys a range of query rows may see: the union of its rows' ranges.
     let union = |r0: usize, rows: usize| {
-        let seen = &rows_seen[r0..r0 + rows];
+        let seen = match rows_seen.len() {
+            1 => rows_seen,
+            _ => &rows_seen[r0..r0 + rows],
+        };
         let ks = seen.iter().map(|r| r.0).min().unwrap_or(0);
         let ke = seen.iter().map(|r| r.1).max().unwrap_or(s);
         if ks < ke && ke <= s {
@@ -145,45 +194,34 @@ fn plan(
         .collect();
     let n = block_keys.len();
     let p = Arc::new(Plan {
-        mask: mask_f32,
+        mask: mask.cloned(),
+        mask_f32: OnceLock::new(),
         mask_bstride,
         chunks,
         block_keys: Tensor::from_vec(block_keys, n, device)?,
+        row_keys,
+        masked: layout.map_or(0.0, |l| l.masked),
     });
     *PLAN_CACHE.lock().unwrap_or_else(|e| e.into_inner()) =
         Some((id, key, device.clone(), p.clone()));
     Ok(p)
 }
 
-/// For each query row, the keys `[first, last)` some batch row lets it see: registered by the
-/// mask's builder, or else read back from `f32_mask` (one copy to the host per distinct mask). A
-/// row that sees no key keeps them all (uniform weights, as the composite softmax gives it).
-fn visible_keys(
-    mask: &Tensor,
-    f32_mask: &Tensor,
-    t: usize,
-    s: usize,
-) -> Result<Vec<(usize, usize)>> {
-    if let Some(r) = crate::fused::registered_mask_rows(mask) {
-        if r.len() == t {
-            return Ok(r.as_ref().clone());
-        }
-    }
+/// The layout of `mask` `[mb, 1, t, s]`: registered by its builder, or else read from its values
+/// (one copy to the host per distinct mask).
+fn mask_layout(mask: &Tensor, t: usize, s: usize) -> Result<crate::fused::MaskLayout> {
     let mb = mask.dim(0)?;
-    let host: Vec<f32> = f32_mask.flatten_all()?.to_vec1()?;
-    let mut seen = vec![(usize::MAX, 0usize); t];
-    for bi in 0..mb {
-        for (q, (f, l)) in seen.iter_mut().enumerate() {
-            let row = &host[(bi * t + q) * s..(bi * t + q + 1) * s];
-            let (a, z) = match row.iter().position(|&m| m > MASKED) {
-                Some(a) => (a, row.iter().rposition(|&m| m > MASKED).unwrap_or(a) + 1),
-                None => (0, s),
-            };
-            *f = (*f).min(a);
-            *l = (*l).max(z);
+    if let Some(layout) = crate::fused::registered_mask_layout(mask) {
+        let intervals_fit = layout
+            .intervals
+            .as_ref()
+            .is_none_or(|iv| iv.len() == mb * t);
+        if layout.rows.len() == t && intervals_fit {
+            return Ok(layout.as_ref().clone());
         }
     }
-    Ok(seen)
+    let host: Vec<f32> = mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    Ok(crate::fused::MaskLayout::from_values(&host, t, s))
 }
 
 /// [`crate::fused::attention_softcapped`] for CUDA tensors (validated by the caller): `q`
@@ -344,28 +382,26 @@ fn flash_forward(
     let dev = cuda_device(q)?;
     let out = empty(&dev, DType::BF16, (b, nh, t, hd))?;
     let stats = empty(&dev, DType::F32, (b, nkv, nh / nkv, t, 2))?;
+    let mut args = vec![Arg::Ptr(ptr(q)?), Arg::Ptr(ptr(k)?), Arg::Ptr(ptr(v)?)];
+    args.extend(plan.flash_mask_args()?);
+    args.extend([
+        Arg::Ptr(ptr(&plan.block_keys)?),
+        Arg::I32(t as i32),
+        Arg::I32(s as i32),
+        Arg::I32(nh as i32),
+        Arg::I32(nkv as i32),
+        Arg::F32(scale),
+        Arg::F32(softcap),
+        Arg::Ptr(ptr(&out)?),
+        Arg::Ptr(ptr(&stats)?),
+    ]);
     launch(
         &dev,
         &format!("flash_fwd_bf16_d{hd}"),
         (t.div_ceil(FLASH_ROWS) as u32, (b * nh) as u32),
         128,
         0,
-        &[
-            Arg::Ptr(ptr(q)?),
-            Arg::Ptr(ptr(k)?),
-            Arg::Ptr(ptr(v)?),
-            Arg::Ptr(plan.mask_ptr()?),
-            Arg::I64(plan.mask_bstride as i64),
-            Arg::Ptr(ptr(&plan.block_keys)?),
-            Arg::I32(t as i32),
-            Arg::I32(s as i32),
-            Arg::I32(nh as i32),
-            Arg::I32(nkv as i32),
-            Arg::F32(scale),
-            Arg::F32(softcap),
-            Arg::Ptr(ptr(&out)?),
-            Arg::Ptr(ptr(&stats)?),
-        ],
+        &args,
     )?;
     Ok((out, stats))
 }
@@ -428,8 +464,9 @@ impl Attention {
                 Arg::Ptr(ptr(dout)?),
                 Arg::Ptr(ptr(&self.stats)?),
                 Arg::Ptr(ptr(d_rows)?),
-                Arg::Ptr(self.plan.mask_ptr()?),
-                Arg::I64(self.plan.mask_bstride as i64),
+            ];
+            a.extend(self.plan.flash_mask_args()?);
+            a.extend([
                 Arg::Ptr(ptr(&self.plan.block_keys)?),
                 Arg::I32(t as i32),
                 Arg::I32(s as i32),
@@ -437,14 +474,15 @@ impl Attention {
                 Arg::I32(nkv as i32),
                 Arg::F32(self.scale),
                 Arg::F32(self.softcap),
-            ];
+            ]);
             for g in grads {
                 a.push(Arg::Ptr(ptr(g)?));
             }
             Ok(a)
         };
-        // K, V, Q and dO tiles of 64 rows (row stride hd/2 + 4 words) and 3 × 64 statistics.
-        let shared = (4 * FLASH_ROWS * (hd / 2 + 4) + 3 * FLASH_ROWS) * 4;
+        // K, V, Q and dO tiles of 64 rows (row stride hd/2 + 4 words), and per query row three
+        // statistics and a key interval.
+        let shared = (4 * FLASH_ROWS * (hd / 2 + 4) + 5 * FLASH_ROWS) * 4;
         launch(
             &dev,
             &format!("flash_bwd_dkdv_bf16_d{hd}"),

@@ -608,15 +608,45 @@ __device__ __forceinline__ uint32_t tile_col_pair(const uint32_t *tile, int W, i
   return (uint32_t)h[r * 2 * W + c] | ((uint32_t)h[(r + 1) * 2 * W + c] << 16);
 }
 
-// q [b, nh, t, D], k/v [b, nkv, s, D] (contiguous, 16-byte aligned); mask f32 [mb, t, s] or null
-// (mask_bstride elements between batch rows, 0 for one mask); key_range [blocks, 2]: the keys
+// The additive mask as the flash kernels take it: an f32 mask [mb, t, s] (bstride elements between
+// batch rows, 0 for one mask); or, where the host found every row of it 0 on one interval of keys
+// and `masked` elsewhere, those intervals (row_keys [mb, t, 2], int pairs [first, last); an empty
+// one for a row that sees no key), which spare a memory read per score; or neither (no mask).
+struct FlashMask {
+  const float *mask;
+  long bstride;
+  const int *row_keys;
+  float masked;
+};
+
+// One query row of a FlashMask.
+struct FlashMaskRow {
+  const float *row;  // the mask's row, or null: 0 on keys [lo, hi), `masked` elsewhere
+  int lo, hi;
+  float masked;
+  __device__ __forceinline__ float at(int key) const {
+    return row ? row[key] : (key >= lo && key < hi ? 0.f : masked);
+  }
+};
+
+// Row r of batch row bi; past the last row (never read), or without a mask, 0 everywhere.
+__device__ __forceinline__ FlashMaskRow flash_mask_row(const FlashMask &m, int bi, int r, int t, int s) {
+  if (r < t && m.row_keys) {
+    const int *rk = m.row_keys + 2 * ((m.bstride ? (long)bi * t : 0) + r);
+    return {nullptr, rk[0], rk[1], m.masked};
+  }
+  if (r < t && m.mask) return {m.mask + bi * m.bstride + (long)r * s, 0, 0, 0.f};
+  return {nullptr, 0, 0x7fffffff, 0.f};
+}
+
+// q [b, nh, t, D], k/v [b, nkv, s, D] (contiguous, 16-byte aligned); fm the mask; key_range [blocks, 2]: the keys
 // [first, last) any row of a 64-row block may see (the rest are masked for all of them). Writes
 // o [b, nh, t, D] and stats [b, nh, t, 2] = (row max, 1 / Σexp); a row whose every score is −∞
 // gets zeros and (−∞, 0), as attn_softmax gives it.
 template <int D>
-__device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const float *mask,
-                          long mask_bstride, const int *key_range, int t, int s, int nh, int nkv,
-                          float scale, float softcap, bf16 *o, float *stats) {
+__device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const FlashMask fm,
+                          const int *key_range, int t, int s, int nh, int nkv, float scale,
+                          float softcap, bf16 *o, float *stats) {
   static_assert(D % 32 == 0, "head dim must be a multiple of 32");
   // Row strides of the shared tiles in 32-bit words, padded by 4 so that the fragment reads of
   // a warp (8 rows × 4 words, or 4 row pairs × 8 half-words) fall in distinct banks.
@@ -644,8 +674,7 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
   float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
-  const float *maskA = mask && rA < t ? mask + bi * mask_bstride + (long)rA * s : nullptr;
-  const float *maskB = mask && rB < t ? mask + bi * mask_bstride + (long)rB * s : nullptr;
+  const FlashMaskRow maskA = flash_mask_row(fm, bi, rA, t, s), maskB = flash_mask_row(fm, bi, rB, t, s);
   const int k_first = key_range[2 * qb], k_end = min(key_range[2 * qb + 1], s);
 
   for (int k0 = k_first; k0 < k_end; k0 += FA_BK) {
@@ -672,9 +701,8 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         int key = k0 + 8 * n + 2 * tq + (e & 1);
-        const float *mrow = e < 2 ? maskA : maskB;
         float x = -INFINITY;
-        if (key < k_end) x = attn_score(sc[n][e], scale, softcap) + (mrow ? mrow[key] : 0.f);
+        if (key < k_end) x = attn_score(sc[n][e], scale, softcap) + (e < 2 ? maskA : maskB).at(key);
         sc[n][e] = x;
         if (e < 2) tmA = fmaxf(tmA, x);
         else tmB = fmaxf(tmB, x);
@@ -755,11 +783,11 @@ __device__ void flash_fwd(const bf16 *q, const bf16 *k, const bf16 *v, const flo
 // dS = P ∘ (dP − D) ∘ softcap′ · scale, dV = Pᵀ·dO, dK = dSᵀ·Q, dQ = dS·K, dP = dO·Vᵀ.
 
 // P and dS of one score (query row `row`, key `key`) from the raw product `raw` = q·k and
-// `dp` = dO·v, the row's statistics (max m, 1 / Σ inv) and D; zeros outside [k_first, k_end) and
-// past the last row, as the forward left those keys out.
-__device__ __forceinline__ void flash_p_ds(float raw, float dp, int row, int key, int t, int s, int k_first,
-                                           int k_end, const float *mask_b, float m, float inv, float d,
-                                           float scale, float softcap, float &p, float &ds) {
+// `dp` = dO·v, the row's mask, statistics (max m, 1 / Σ inv) and D; zeros outside [k_first, k_end)
+// and past the last row, as the forward left those keys out.
+__device__ __forceinline__ void flash_p_ds(float raw, float dp, int row, int key, int t, int k_first, int k_end,
+                                           const FlashMaskRow &mr, float m, float inv, float d, float scale,
+                                           float softcap, float &p, float &ds) {
   p = 0.f;
   ds = 0.f;
   if (row >= t || key < k_first || key >= k_end || m == -INFINITY) return;
@@ -768,7 +796,7 @@ __device__ __forceinline__ void flash_p_ds(float raw, float dp, int row, int key
     tc = tanhf(x / softcap);
     x = softcap * tc;
   }
-  if (mask_b) x += mask_b[(long)row * s + key];
+  x += mr.at(key);
   p = expf(x - m) * inv;
   ds = p * (dp - d) * scale;
   if (softcap > 0.f) ds *= 1.f - tc * tc;
@@ -780,19 +808,20 @@ __device__ __forceinline__ void flash_p_ds(float raw, float dp, int row, int key
 // [b, nkv, s, D]. Dynamic shared memory: K, V, Q and dO tiles and the query block's statistics.
 template <int D>
 __device__ void flash_bwd_dkdv(const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout, const float *stats,
-                               const float *drow, const float *mask, long mask_bstride, const int *key_range, int t,
-                               int s, int nh, int nkv, float scale, float softcap, float *dk, float *dv) {
+                               const float *drow, const FlashMask fm, const int *key_range, int t, int s, int nh,
+                               int nkv, float scale, float softcap, float *dk, float *dv) {
   constexpr int W = D / 2 + 4;
   FT_DYNAMIC_SHARED(uint32_t, smem);
   uint32_t *k_s = smem, *v_s = k_s + FA_BK * W, *q_s = v_s + FA_BK * W, *do_s = q_s + FA_BQ * W;
   float *m_s = reinterpret_cast<float *>(do_s + FA_BQ * W), *inv_s = m_s + FA_BQ, *d_s = inv_s + FA_BQ;
+  int *lo_s = reinterpret_cast<int *>(d_s + FA_BQ), *hi_s = lo_s + FA_BQ;  // the rows' key intervals
   const int key0 = blockIdx.x * FA_BK;
   const long bh = blockIdx.y;
   const int bi = bh / nh, h = bh % nh, kvh = h / (nh / nkv);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const long kv_off = ((long)bi * nkv + kvh) * (long)s * D;
   const bf16 *qh = q + bh * (long)t * D, *doh = dout + bh * (long)t * D;
-  const float *mask_b = mask ? mask + bi * mask_bstride : nullptr;
+  const float *mask_b = fm.mask && !fm.row_keys ? fm.mask + bi * fm.bstride : nullptr;
   const int kA = key0 + warp * 16 + g, kB = kA + 8;  // this lane's keys (C fragment rows)
   flash_load2<D>(k_s, k + kv_off, v_s, v + kv_off, key0, s);
   float dka[D / 8][4], dva[D / 8][4];
@@ -811,6 +840,9 @@ __device__ void flash_bwd_dkdv(const bf16 *q, const bf16 *k, const bf16 *v, cons
       m_s[threadIdx.x] = r < t ? stats[2 * (bh * t + r)] : -INFINITY;
       inv_s[threadIdx.x] = r < t ? stats[2 * (bh * t + r) + 1] : 0.f;
       d_s[threadIdx.x] = r < t ? drow[bh * t + r] : 0.f;
+      const FlashMaskRow mr = flash_mask_row(fm, bi, r, t, s);
+      lo_s[threadIdx.x] = mr.lo;
+      hi_s[threadIdx.x] = mr.hi;
     }
     __syncthreads();
 #pragma unroll 1
@@ -835,10 +867,11 @@ __device__ void flash_bwd_dkdv(const bf16 *q, const bf16 *k, const bf16 *v, cons
       for (int n = 0; n < 4; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          int qi = qc + 8 * n + 2 * tq + (e & 1);
+          const int qi = qc + 8 * n + 2 * tq + (e & 1), row = qb * FA_BQ + qi;
+          const FlashMaskRow mr = {mask_b ? mask_b + (long)row * s : nullptr, lo_s[qi], hi_s[qi], fm.masked};
           float p, ds;
-          flash_p_ds(sc[n][e], dp[n][e], qb * FA_BQ + qi, e < 2 ? kA : kB, t, s, k_first, k_end, mask_b, m_s[qi],
-                     inv_s[qi], d_s[qi], scale, softcap, p, ds);
+          flash_p_ds(sc[n][e], dp[n][e], row, e < 2 ? kA : kB, t, k_first, k_end, mr, m_s[qi], inv_s[qi], d_s[qi],
+                     scale, softcap, p, ds);
           sc[n][e] = p;
           dp[n][e] = ds;
         }
@@ -882,8 +915,8 @@ __device__ void flash_bwd_dkdv(const bf16 *q, const bf16 *k, const bf16 *v, cons
 // tiles 32 keys at a time; writes dq [b, nh, t, D] (bf16).
 template <int D>
 __device__ void flash_bwd_dq(const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout, const float *stats,
-                             const float *drow, const float *mask, long mask_bstride, const int *key_range, int t,
-                             int s, int nh, int nkv, float scale, float softcap, bf16 *dq) {
+                             const float *drow, const FlashMask fm, const int *key_range, int t, int s, int nh,
+                             int nkv, float scale, float softcap, bf16 *dq) {
   constexpr int W = D / 2 + 4;
   __shared__ uint32_t k_s[FA_BK * W];
   __shared__ uint32_t v_s[FA_BK * W];
@@ -894,7 +927,7 @@ __device__ void flash_bwd_dq(const bf16 *q, const bf16 *k, const bf16 *v, const 
   const int rA = qb * FA_BQ + warp * 16 + g, rB = rA + 8;
   const bf16 *qh = q + bh * (long)t * D, *doh = dout + bh * (long)t * D;
   const long kv_off = ((long)bi * nkv + kvh) * (long)s * D;
-  const float *mask_b = mask ? mask + bi * mask_bstride : nullptr;
+  const FlashMaskRow maskA = flash_mask_row(fm, bi, rA, t, s), maskB = flash_mask_row(fm, bi, rB, t, s);
   uint32_t qf[D / 16][4], df[D / 16][4];
 #pragma unroll
   for (int c = 0; c < D / 16; ++c)
@@ -934,8 +967,8 @@ __device__ void flash_bwd_dq(const bf16 *q, const bf16 *k, const bf16 *v, const 
         for (int e = 0; e < 4; ++e) {
           float p, ds;
           bool a = e < 2;
-          flash_p_ds(sc[n][e], dp[n][e], a ? rA : rB, k0 + kc + 8 * n + 2 * tq + (e & 1), t, s, k_first, k_end,
-                     mask_b, a ? mA : mB, a ? iA : iB, a ? dA : dB, scale, softcap, p, ds);
+          flash_p_ds(sc[n][e], dp[n][e], a ? rA : rB, k0 + kc + 8 * n + 2 * tq + (e & 1), t, k_first, k_end,
+                     a ? maskA : maskB, a ? mA : mB, a ? iA : iB, a ? dA : dB, scale, softcap, p, ds);
           dp[n][e] = ds;
         }
       // dQ += dS·K, 16 keys per step.
@@ -1542,25 +1575,27 @@ FOR_TYPES(EXPORT)
 
 // Flash attention's forward and backward, one kernel per head dim (its fragments are unrolled per D).
 #define EXPORT_FLASH(D)                                                                             \
-  extern "C" __global__ void __launch_bounds__(FA_THREADS)                                          \
-      flash_fwd_bf16_d##D(const bf16 *q, const bf16 *k, const bf16 *v, const float *mask,           \
-                          long mask_bstride, const int *key_range, int t, int s, int nh, int nkv,   \
-                          float scale, float softcap, bf16 *o, float *stats) {                      \
-    flash_fwd<D>(q, k, v, mask, mask_bstride, key_range, t, s, nh, nkv, scale, softcap, o, stats);  \
+  extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_fwd_bf16_d##D(                     \
+      const bf16 *q, const bf16 *k, const bf16 *v, const float *mask, long mask_bstride,            \
+      const int *row_keys, float masked, const int *key_range, int t, int s, int nh, int nkv,       \
+      float scale, float softcap, bf16 *o, float *stats) {                                          \
+    flash_fwd<D>(q, k, v, {mask, mask_bstride, row_keys, masked}, key_range, t, s, nh, nkv, scale,  \
+                 softcap, o, stats);                                                                \
   }                                                                                                 \
   extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dkdv_bf16_d##D(                \
       const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout, const float *stats,           \
-      const float *drow, const float *mask, long mask_bstride, const int *key_range, int t, int s,  \
-      int nh, int nkv, float scale, float softcap, float *dk, float *dv) {                          \
-    flash_bwd_dkdv<D>(q, k, v, dout, stats, drow, mask, mask_bstride, key_range, t, s, nh, nkv,     \
-                      scale, softcap, dk, dv);                                                      \
+      const float *drow, const float *mask, long mask_bstride, const int *row_keys, float masked,   \
+      const int *key_range, int t, int s, int nh, int nkv, float scale, float softcap, float *dk,   \
+      float *dv) {                                                                                  \
+    flash_bwd_dkdv<D>(q, k, v, dout, stats, drow, {mask, mask_bstride, row_keys, masked},          \
+                      key_range, t, s, nh, nkv, scale, softcap, dk, dv);                            \
   }                                                                                                 \
   extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_bwd_dq_bf16_d##D(                  \
       const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout, const float *stats,           \
-      const float *drow, const float *mask, long mask_bstride, const int *key_range, int t, int s,  \
-      int nh, int nkv, float scale, float softcap, bf16 *dq) {                                      \
-    flash_bwd_dq<D>(q, k, v, dout, stats, drow, mask, mask_bstride, key_range, t, s, nh, nkv,       \
-                    scale, softcap, dq);                                                            \
+      const float *drow, const float *mask, long mask_bstride, const int *row_keys, float masked,   \
+      const int *key_range, int t, int s, int nh, int nkv, float scale, float softcap, bf16 *dq) {  \
+    flash_bwd_dq<D>(q, k, v, dout, stats, drow, {mask, mask_bstride, row_keys, masked}, key_range, \
+                    t, s, nh, nkv, scale, softcap, dq);                                             \
   }
 EXPORT_FLASH(64)
 EXPORT_FLASH(96)

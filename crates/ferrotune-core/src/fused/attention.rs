@@ -151,28 +151,120 @@ fn composite(
         .reshape((b, nh, t, hd))
 }
 
-/// Keys each query row can see (`(first, last + 1)` per row), shared by the kernels that read them.
-type VisibleKeys = std::sync::Arc<Vec<(usize, usize)>>;
+/// What is known of an additive mask `[mb, 1, t, s]` without reading it: which keys each query
+/// row may see. Built by the mask's builder ([`register_mask_layout`]) or from its values
+/// ([`MaskLayout::from_values`]); the GPU kernels skip the keys no row of a block sees, and where
+/// every row's visible keys form one interval they take the intervals instead of the mask.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MaskLayout {
+    /// Per query row, the keys `[first, last)` some batch row lets it see; `(0, s)` when the row
+    /// sees no key in some batch row (it attends uniformly to all of them, as the composite
+    /// softmax of a row of minima does).
+    pub rows: Vec<(usize, usize)>,
+    /// Per (mask batch row, query row), the keys `[first, last)` on which the mask is exactly 0,
+    /// when it is [`Self::masked`] on every other key of every row (an empty interval for a row
+    /// that sees nothing); `None` when some row's visible keys have a gap.
+    pub intervals: Option<Vec<(u32, u32)>>,
+    /// The value of the masked entries, as f32 (the mask dtype's minimum, or −∞).
+    pub masked: f32,
+}
 
-/// Key ranges of masks whose builder registered them (see [`register_mask_rows`]), newest last.
-static MASK_ROWS: std::sync::Mutex<Vec<(candle_core::TensorId, VisibleKeys)>> =
+impl MaskLayout {
+    /// From which entries of a `[mb, t, s]` mask are visible (`allowed[(b · t + i) · s + j]`),
+    /// masked entries holding `masked` and visible ones 0.
+    pub fn from_allowed(allowed: &[bool], t: usize, s: usize, masked: f32) -> Self {
+        Self::build(
+            t,
+            s,
+            masked,
+            allowed.chunks_exact(s.max(1)).map(|row| {
+                let first = row.iter().position(|&a| a);
+                let last = row.iter().rposition(|&a| a).map_or(0, |l| l + 1);
+                let exact = first.is_none_or(|f| row[f..last].iter().all(|&a| a));
+                (first.map(|f| (f, last)), exact)
+            }),
+        )
+    }
+
+    /// From the values of a `[mb, t, s]` additive mask: entries at or below −1e30 count as
+    /// masked. The intervals are kept only when every visible entry is exactly 0 and every masked
+    /// one the same value.
+    pub fn from_values(values: &[f32], t: usize, s: usize) -> Self {
+        let masked = values
+            .iter()
+            .copied()
+            .find(|&v| v <= MASKED)
+            .unwrap_or(f32::MIN);
+        Self::build(
+            t,
+            s,
+            masked,
+            values.chunks_exact(s.max(1)).map(|row| {
+                let first = row.iter().position(|&v| v > MASKED);
+                let last = row.iter().rposition(|&v| v > MASKED).map_or(0, |l| l + 1);
+                // Compared by bits, so that −∞ matches −∞ and NaN matches nothing.
+                let is_masked = |v: f32| v.to_bits() == masked.to_bits();
+                let exact = match first {
+                    None => row.iter().all(|&v| is_masked(v)),
+                    Some(f) => {
+                        row[f..last].iter().all(|&v| v == 0.0)
+                            && row[..f].iter().chain(&row[last..]).all(|&v| is_masked(v))
+                    }
+                };
+                (first.map(|f| (f, last)), exact)
+            }),
+        )
+    }
+
+    /// Gathers per-row `(visible keys, exactly one interval)` over the mask's rows, batch-major.
+    fn build(
+        t: usize,
+        s: usize,
+        masked: f32,
+        rows: impl Iterator<Item = (Option<(usize, usize)>, bool)>,
+    ) -> Self {
+        let mut union = vec![(usize::MAX, 0usize); t];
+        let mut intervals = Some(Vec::new());
+        for (i, (seen, exact)) in rows.enumerate() {
+            let u = &mut union[i % t.max(1)];
+            *u = match seen {
+                Some((f, l)) => (u.0.min(f), u.1.max(l)),
+                None => (0, s),
+            };
+            intervals = intervals.filter(|_| exact).map(|mut v| {
+                let (f, l) = seen.unwrap_or((0, 0));
+                v.push((f as u32, l as u32));
+                v
+            });
+        }
+        for u in union.iter_mut().filter(|u| u.0 == usize::MAX) {
+            *u = (0, s);
+        }
+        Self {
+            rows: union,
+            intervals,
+            masked,
+        }
+    }
+}
+
+/// Layouts of masks whose builder registered them (see [`register_mask_layout`]), newest last.
+static MASK_LAYOUTS: std::sync::Mutex<Vec<(candle_core::TensorId, std::sync::Arc<MaskLayout>)>> =
     std::sync::Mutex::new(Vec::new());
 
-/// Registers, for an additive mask `[b or 1, 1, t, s]` built by the caller, the keys each query
-/// row can see: `rows[i] = (first, last + 1)` over every batch row, or `(0, s)` when row `i` sees
-/// no key in some batch row. Kernels that skip masked keys then need not read the mask back from
-/// the device. The last few registrations are kept.
-pub fn register_mask_rows(mask: &Tensor, rows: Vec<(usize, usize)>) {
-    let mut reg = MASK_ROWS.lock().unwrap_or_else(|e| e.into_inner());
+/// Registers the layout of an additive mask its builder made, so kernels that skip masked keys
+/// need not read the mask back from the device. The last few registrations are kept.
+pub fn register_mask_layout(mask: &Tensor, layout: MaskLayout) {
+    let mut reg = MASK_LAYOUTS.lock().unwrap_or_else(|e| e.into_inner());
     if reg.len() >= 8 {
         reg.remove(0);
     }
-    reg.push((mask.id(), std::sync::Arc::new(rows)));
+    reg.push((mask.id(), std::sync::Arc::new(layout)));
 }
 
-/// The rows registered for `mask` by [`register_mask_rows`], if any.
-pub fn registered_mask_rows(mask: &Tensor) -> Option<VisibleKeys> {
-    let reg = MASK_ROWS.lock().unwrap_or_else(|e| e.into_inner());
+/// The layout registered for `mask` by [`register_mask_layout`], if any.
+pub fn registered_mask_layout(mask: &Tensor) -> Option<std::sync::Arc<MaskLayout>> {
+    let reg = MASK_LAYOUTS.lock().unwrap_or_else(|e| e.into_inner());
     reg.iter()
         .rev()
         .find(|(id, _)| *id == mask.id())

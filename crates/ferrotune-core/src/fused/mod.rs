@@ -27,7 +27,9 @@ mod rope;
 mod soft_cross_entropy;
 mod swiglu;
 
-pub use attention::{attention, attention_softcapped, register_mask_rows, registered_mask_rows};
+pub use attention::{
+    attention, attention_softcapped, register_mask_layout, registered_mask_layout, MaskLayout,
+};
 pub use cross_entropy::cross_entropy_sum;
 pub use fake_quant::{fake_quantize_rows, FakeQuantKind};
 pub use linear::trainable_linear;
