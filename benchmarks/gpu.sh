@@ -8,8 +8,9 @@
 #           dynamic cache) and the previous build (ferrotune_old.xz, when packed), one round of
 #           LoRA training beside HF + PEFT, then in the time left a 3900-token prompt and
 #           transformers' static cache + torch.compile, and the LoRA step with the chunked
-#           attention (FERROTUNE_ATTN=chunked) for a before/after of the flash kernels. Sized for
-#           one device call.
+#           attention (FERROTUNE_ATTN=chunked) for a before/after of the flash kernels; decode
+#           without programmatic dependent launch (FERROTUNE_PDL=0) for a before/after of it.
+#           Sized for one device call.
 #   train:  the loss of a small shape in f32 and bf16 (to set beside the CPU f32 run); NCCL at world
 #           size 1 against single device (LoRA and full fine-tuning); `bench ops`; ferrotune beside
 #           HF + PEFT (hf_lora.py) on the Llama-3.1-8B shape, alternating; activation checkpointing
@@ -29,11 +30,11 @@ FIXTURES=$ROOT/tests/fixtures; [ -d fixtures ] && FIXTURES=$PWD/fixtures
 R=./run-on-gpu.sh; F="$R ./ferrotune"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $OUT/gpu.txt
 timeout 120 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels.log 2>&1; krc=$?; echo "kernels rc=$krc" >> $OUT/kernels.log
-# If the kernels fail: this build with the chunked attention when that passes (the flash kernels
-# are the newest), else a previous, already verified build (ferrotune_old.xz, if packed).
+# If the kernels fail: this build without its newest parts (the flash kernels, programmatic
+# dependent launch) when that passes, else a previous, verified build (ferrotune_old.xz, if packed).
 if [ $krc -ne 0 ]; then
-  FERROTUNE_ATTN=chunked timeout 120 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels_chunked.log 2>&1
-  if [ $? -eq 0 ]; then export FERROTUNE_ATTN=chunked; echo "USING FERROTUNE_ATTN=chunked" >> $OUT/kernels.log
+  FERROTUNE_ATTN=chunked FERROTUNE_PDL=0 timeout 120 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels_chunked.log 2>&1
+  if [ $? -eq 0 ]; then export FERROTUNE_ATTN=chunked FERROTUNE_PDL=0; echo "USING FERROTUNE_ATTN=chunked FERROTUNE_PDL=0" >> $OUT/kernels.log
   elif [ -x ferrotune_old ]; then F="$R ./ferrotune_old"; echo "USING ferrotune_old" >> $OUT/kernels.log; fi
 fi
 if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
@@ -42,14 +43,18 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   # budget is one call of under 10 minutes, machine start included).
   DEC="bench decode --shape llama3_1_8b --device cuda --dtype bf16 --prompt 128 --new-tokens 128 --runs 3 --json"
   timeout 150 $F $DEC > $OUT/decode_1.log 2>&1
-  # If that failed outright: the same without graphs, then with the forward's ops, to see which part broke.
+  # If that failed outright: the same without programmatic launch, without graphs, then with the
+  # forward's ops, to see which part broke.
   if [ $? -ne 0 ]; then
-    FERROTUNE_CUDA_GRAPHS=0 timeout 100 $F $DEC > $OUT/decode_nographs.log 2>&1 ||
-      FERROTUNE_DECODE_KERNELS=0 timeout 100 $F $DEC > $OUT/decode_ops.log 2>&1
+    if FERROTUNE_PDL=0 timeout 100 $F $DEC > $OUT/decode_nopdl.log 2>&1; then export FERROTUNE_PDL=0
+    else FERROTUNE_CUDA_GRAPHS=0 timeout 100 $F $DEC > $OUT/decode_nographs.log 2>&1 ||
+      FERROTUNE_DECODE_KERNELS=0 timeout 100 $F $DEC > $OUT/decode_ops.log 2>&1; fi
   fi
   timeout 150 python3 hf_decode.py --shape llama3_1_8b --device cuda --dtype bfloat16 --prompt 128 --new-tokens 128 > $OUT/hf_decode_1.log 2>&1
   # The previous build (ferrotune_old.xz, when packed) on the same GPU, for a before/after.
   [ -x ferrotune_old ] && timeout 120 $R ./ferrotune_old $DEC > $OUT/decode_old.log 2>&1
+  # This build without programmatic dependent launch (before/after), unless run above already.
+  [ -f $OUT/decode_nopdl.log ] || FERROTUNE_PDL=0 timeout 100 $F $DEC > $OUT/decode_nopdl.log 2>&1
   FERROTUNE_TEST_FIXTURES=$FIXTURES timeout 150 $R ./decode_step --test-threads=1 --nocapture > $OUT/decode_step.log 2>&1
   echo "decode_step rc=$?" >> $OUT/decode_step.log
   # LoRA training beside HF + PEFT once (the train mode measures it twice, alternating).
@@ -115,7 +120,7 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   echo "== decode 8B bf16 (ferrotune | HF dynamic cache), then HF static + compile"
   grep -v '^\s*$' $OUT/decode_1.log | tail -n 9
   [ -f $OUT/decode_old.log ] && { echo "-- previous build"; grep -E 'decode  |of bound' $OUT/decode_old.log; }
-  for f in nographs ops; do [ -f $OUT/decode_$f.log ] && { echo "-- decode_$f"; grep -v '^\s*$' $OUT/decode_$f.log | tail -n 9; }; done
+  for f in nopdl nographs ops; do [ -f $OUT/decode_$f.log ] && { echo "-- decode_$f"; grep -v '^\s*$' $OUT/decode_$f.log | tail -n 9; }; done
   echo "-- warnings"; grep -ih 'warn\|error\|panic' $OUT/decode_*.log | head -8
   tail -n 1 $OUT/hf_decode_1.log; tail -n 2 $OUT/hf_decode_static.log 2>/dev/null
   echo "== decode 8B bf16, prompt 3900 (split attention)"; grep -v '^\s*$' $OUT/decode_long.log 2>/dev/null | tail -n 9

@@ -4,7 +4,7 @@
 
 use candle_core::{Result, Tensor};
 
-use super::{act_code, cuda_device, empty, launch, launch_3d, ptr, suffix, Arg};
+use super::{act_code, cuda_device, empty, launch_dependent, ptr, suffix, Arg};
 use crate::decode::{Heads, Projection, QkNorm};
 use crate::fused::GatedAct;
 
@@ -57,10 +57,10 @@ pub(crate) fn gemv(
     }
     args.push(Arg::Ptr(ptr_or_null(residual.as_ref())?));
     args.push(Arg::Ptr(ptr(&out)?));
-    launch(
+    launch_dependent(
         &dev,
         &format!("dec_gemv_{}_{rows}", suffix(dtype)?),
-        (total.div_ceil(GEMV_WARPS) as u32, 1),
+        (total.div_ceil(GEMV_WARPS) as u32, 1, 1),
         (GEMV_WARPS * 32) as u32,
         0,
         &args,
@@ -84,10 +84,10 @@ pub(crate) fn gated_gemv(
     let gate_b = gate.bias.map(Tensor::contiguous).transpose()?;
     let up_b = up.bias.map(Tensor::contiguous).transpose()?;
     let out = empty(&dev, dtype, (rows, n))?;
-    launch(
+    launch_dependent(
         &dev,
         &format!("dec_gated_gemv_{}_{rows}", suffix(dtype)?),
-        (n.div_ceil(GEMV_WARPS) as u32, 1),
+        (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
         (GEMV_WARPS * 32) as u32,
         0,
         &[
@@ -132,10 +132,10 @@ pub(crate) fn qkv_rope(
     };
     let (eps, offset_one) = norm.map_or((0.0, false), |n| (n.eps as f32, n.offset_one));
     let q = empty(&dev, dtype, (rows, query, dim))?;
-    launch(
+    launch_dependent(
         &dev,
         &format!("dec_qkv_rope_{}", suffix(dtype)?),
-        ((query + 2 * kv) as u32, rows as u32),
+        ((query + 2 * kv) as u32, rows as u32, 1),
         dim.div_ceil(32) as u32 * 32,
         (dim * 4) as u32,
         &[
@@ -223,7 +223,7 @@ pub(crate) fn attention(
     } else {
         ("dec_attention", 1)
     };
-    launch_3d(
+    launch_dependent(
         &dev,
         &format!("{name}_{}", suffix(dtype)?),
         (query as u32, rows as u32, z as u32),
@@ -232,10 +232,10 @@ pub(crate) fn attention(
         &args,
     )?;
     if let Some(part) = &part {
-        launch(
+        launch_dependent(
             &dev,
             &format!("dec_attention_combine_{}", suffix(dtype)?),
-            (query as u32, rows as u32),
+            (query as u32, rows as u32, 1),
             dim.next_multiple_of(32).min(256) as u32,
             (splits * 4) as u32,
             &[

@@ -17,6 +17,32 @@ typedef __nv_bfloat16 bf16;
 #define FT_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif
 
+// Programmatic dependent launch (compute capability 9.0). A kernel the host launches with the
+// programmatic-serialization attribute (`launch_dependent` in mod.rs) may start while the kernel
+// before it still runs, once every block of that kernel has called pdl_trigger(): until
+// pdl_wait() returns (the kernel before has completed and its writes are visible) it must read
+// nothing a kernel writes (only weights) and write nothing. The decode step's kernels do both,
+// so each one's launch and first weight loads overlap the previous one's tail. Both are no-ops
+// on a launch without the attribute, below compute 9.0, and under the CPU emulation.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Asks for the 128-byte line holding p in L2 (no register waits on it).
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
 __device__ __forceinline__ float ld(const float *p, long i) { return p[i]; }
 __device__ __forceinline__ float ld(const bf16 *p, long i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ void st(float *p, long i, float v) { p[i] = v; }
@@ -113,6 +139,8 @@ template <typename T> __device__ __forceinline__ float rms_apply(float xn, float
 
 template <typename T>
 __device__ void rmsnorm_fwd(const T *x, const T *w, T *y, int h, float eps, int offset_one) {
+  pdl_trigger();
+  pdl_wait();
   long row = blockIdx.x;
   const T *xr = x + row * h;
   T *yr = y + row * h;
@@ -1101,6 +1129,17 @@ __device__ __forceinline__ void load8(const float *p, float *f) {
   f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
+// The first `chunks` 256-element chunks of a weight row in L2, one line per 8 lanes: what dec_dot
+// reads first, requested before pdl_wait() (weights are no kernel's output).
+template <typename T>
+__device__ __forceinline__ void prefetch_row(const T *wr, int K, int chunks, int lane) {
+  if (lane & 7) return;
+  for (int u = 0; u < chunks; ++u) {
+    int k = lane * 8 + u * 256;
+    if (k < K) prefetch_l2(wr + k);
+  }
+}
+
 // acc[b] += W[row] · x[b] over this lane's share of K (K a multiple of 8): lane l reads elements
 // 8l .. 8l+7 of every 256-element chunk, UNROLL chunks of the weight row loaded before use.
 template <typename T, int UNROLL, int NB>
@@ -1162,6 +1201,9 @@ __device__ void dec_gemv(const T *x, int K, const T *w0, const T *b0, int n0, co
       bias = b2;
     }
   }
+  pdl_trigger();
+  prefetch_row(w + (long)rr * K, K, 4, lane);
+  pdl_wait();
   // The epilogue's bias and residual are loaded before the dot product, so that their round trip
   // overlaps the weight stream instead of following it.
   float bias_v = bias ? ld(bias, rr) : 0.f;
@@ -1194,6 +1236,10 @@ __device__ void dec_gated_gemv(const T *x, int K, const T *wg, const T *bg, cons
   int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   bool active = r < N;
   if (!active) r = N - 1;
+  pdl_trigger();
+  prefetch_row(wg + (long)r * K, K, 2, lane);
+  prefetch_row(wu + (long)r * K, K, 2, lane);
+  pdl_wait();
   float ag[NB], au[NB];
 #pragma unroll
   for (int b = 0; b < NB; ++b) ag[b] = au[b] = 0.f;
@@ -1223,6 +1269,8 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
                              float eps, int offset_one, T *q_out, T *kc, T *vc, int nh, int nkv,
                              int hd, int rot, int cap, int pos, const uint32_t *counters) {
   FT_DYNAMIC_SHARED(float, head_vals);  // hd floats
+  pdl_trigger();
+  pdl_wait();
   int head = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   if (counters) pos = (int)counters[0];
   bool on = d < hd;
@@ -1352,6 +1400,8 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
                               const uint32_t *lo_rows, int len, int window, int nh, int nkv, int hd,
                               int cap, float scale, float softcap, const uint32_t *counters) {
   FT_DYNAMIC_SHARED(float, dsh);
+  pdl_trigger();
+  pdl_wait();
   int h = blockIdx.x, b = blockIdx.y;
   if (counters) len = (int)counters[1];
   int kvh = h / (nh / nkv);
@@ -1397,6 +1447,8 @@ __device__ void dec_attention_part(const T *q, const T *kc, const T *vc, float *
                                    int hd, int cap, int chunk, float scale, float softcap,
                                    const uint32_t *counters) {
   FT_DYNAMIC_SHARED(float, dsh);
+  pdl_trigger();
+  pdl_wait();
   int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
   if (counters) len = (int)counters[1];
   int kvh = h / (nh / nkv);
@@ -1440,6 +1492,8 @@ __device__ void dec_attention_part(const T *q, const T *kc, const T *vc, float *
 template <typename T>
 __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd, int splits) {
   FT_DYNAMIC_SHARED(float, weight);
+  pdl_trigger();
+  pdl_wait();
   int h = blockIdx.x, b = blockIdx.y;
   long stride = hd + 2;
   const float *p = part + ((long)b * nh + h) * splits * stride;

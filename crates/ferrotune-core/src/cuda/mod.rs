@@ -191,6 +191,43 @@ fn launch_3d(
     shared_bytes: u32,
     args: &[Arg],
 ) -> Result<()> {
+    launch_with(dev, name, grid, block, shared_bytes, args, false)
+}
+
+/// [`launch`] for a kernel that calls `pdl_wait()` before it reads any other kernel's output or
+/// writes anything (the decode step's kernels and RMSNorm): with programmatic dependent launch
+/// ([`pdl_enabled`]) it may start while the kernel before it finishes.
+fn launch_dependent(
+    dev: &CudaDevice,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    shared_bytes: u32,
+    args: &[Arg],
+) -> Result<()> {
+    launch_with(dev, name, grid, block, shared_bytes, args, pdl_enabled())
+}
+
+/// Whether [`launch_dependent`] uses programmatic dependent launch: the PTX targets compute
+/// capability 9.0 or later (below it the kernels' `griddepcontrol` is compiled out, and a kernel
+/// that does not wait must not start early), and `FERROTUNE_PDL` is not `0`.
+fn pdl_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let cap: u32 = env!("FERROTUNE_CUDA_CAP").parse().unwrap_or(0);
+        cap >= 90 && std::env::var("FERROTUNE_PDL").map_or(true, |v| v != "0")
+    })
+}
+
+fn launch_with(
+    dev: &CudaDevice,
+    name: &str,
+    grid: (u32, u32, u32),
+    block: u32,
+    shared_bytes: u32,
+    args: &[Arg],
+    programmatic: bool,
+) -> Result<()> {
     let func = function(dev, name)?;
     if shared_bytes > 48 * 1024 {
         // Past 48 KiB a kernel's dynamic shared memory must be asked for (once is enough, but
@@ -202,6 +239,15 @@ fn launch_3d(
         .map_err(candle_core::Error::wrap)?;
     }
     let stream = dev.cuda_stream();
+    let cfg = LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared_bytes,
+    };
+    if programmatic {
+        // SAFETY: as below; the kernel waits for the one before it where that matters.
+        return unsafe { launch_programmatic(&func, &stream, cfg, args) };
+    }
     let mut builder = stream.launch_builder(&func);
     for a in args {
         match a {
@@ -211,15 +257,65 @@ fn launch_3d(
             Arg::F32(v) => builder.arg(v),
         };
     }
-    let cfg = LaunchConfig {
-        grid_dim: grid,
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: shared_bytes,
-    };
     // SAFETY: the argument list matches the kernel's signature in kernels.cu (checked by the
     // GPU tests in tests/cuda_kernels.rs), and every pointer refers to a live, large enough buffer.
     unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
     Ok(())
+}
+
+/// `cuLaunchKernelEx` with the programmatic-stream-serialization attribute (cudarc's launch
+/// builder has no launch attributes).
+///
+/// # Safety
+/// `args` must match the kernel's signature, every pointer a live buffer large enough for it.
+unsafe fn launch_programmatic(
+    func: &CudaFunction,
+    stream: &candle_core::cuda::cudarc::driver::CudaStream,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
+    use candle_core::cuda::cudarc::driver::sys;
+    // One 8-byte slot per argument; the driver reads each parameter's size from the start of
+    // its slot (4-byte values in the low half: little-endian).
+    let mut values: Vec<u64> = args
+        .iter()
+        .map(|a| match *a {
+            Arg::Ptr(p) => p,
+            Arg::I32(v) => v as u32 as u64,
+            Arg::I64(v) => v as u64,
+            Arg::F32(v) => v.to_bits() as u64,
+        })
+        .collect();
+    let mut params: Vec<*mut std::ffi::c_void> =
+        values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+    // SAFETY: a plain C struct, all zeros is a valid value before the fields are set.
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(candle_core::Error::wrap)?;
+    sys::cuLaunchKernelEx(
+        &config,
+        func.cu_function(),
+        params.as_mut_ptr(),
+        std::ptr::null_mut(),
+    )
+    .result()
+    .map_err(candle_core::Error::wrap)
 }
 
 /// Launches an elementwise kernel over `n` elements (256-thread blocks, a grid-stride loop): with

@@ -5,8 +5,8 @@ use candle_core::cuda::CudaStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::{
-    alloc_storage, cpu_unsupported, cuda_device, empty, launch, launch_elementwise, ptr,
-    storage_ptr, storage_ptr_at, stride_grid, suffix, Arg,
+    alloc_storage, cpu_unsupported, cuda_device, empty, launch, launch_dependent,
+    launch_elementwise, ptr, storage_ptr, storage_ptr_at, stride_grid, suffix, Arg,
 };
 use crate::fused::GatedAct;
 
@@ -69,10 +69,11 @@ impl CustomOp2 for RmsNorm {
         let out = alloc_storage(&x.device, dtype, rows * h)?;
         let out_ptr = storage_ptr(&out, &Layout::contiguous(xl.shape()))?;
         if rows > 0 {
-            launch(
+            // The decode step's norms sit between its kernels: a dependent launch overlaps them.
+            launch_dependent(
                 &x.device,
                 &format!("rmsnorm_fwd_{}", suffix(dtype)?),
-                (rows as u32, 1),
+                (rows as u32, 1, 1),
                 rmsnorm_threads(h),
                 0,
                 &[
