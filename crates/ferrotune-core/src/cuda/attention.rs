@@ -147,8 +147,9 @@ fn plan(
             )
         }
     };
-    let every_key = [(0, s)];
-    let rows_seen = layout.as_ref().map_or(&every_key[..], |l| &l.rows[..]);
+    let rows_seen = layout
+        .as_ref()
+        .map_or_else(|| vec![(0, s); t], |l| l.rows.clone());
     let row_keys = match layout.as_ref().and_then(|l| l.intervals.as_ref()) {
         Some(iv) => {
             let flat: Vec<u32> = iv.iter().flat_map(|&(f, l)| [f, l]).collect();
@@ -159,10 +160,7 @@ fn plan(
     };
     // The keys a range of query rows may see: the union of its rows' ranges.
     let union = |r0: usize, rows: usize| {
-        let seen = match rows_seen.len() {
-            1 => rows_seen,
-            _ => &rows_seen[r0..r0 + rows],
-        };
+        let seen = &rows_seen[r0..r0 + rows];
         let ks = seen.iter().map(|r| r.0).min().unwrap_or(0);
         let ke = seen.iter().map(|r| r.1).max().unwrap_or(s);
         if ks < ke && ke <= s {
