@@ -796,7 +796,12 @@ template <typename T> void all() {
   test_attention_split<T>(2, 4, 2, 32, 2048, 77, {0, 60}, 0, 0.5f, 512, false);
   test_attention_split<T>(1, 6, 3, 96, 1500, 1499, {0}, 700, 0.f, 512, true);
   test_attention_split<T>(1, 4, 2, 128, 4100, 3900, {0}, 0, 0.f, 256, true);  // 17 splits
+  test_attention_split<T>(1, 2, 1, 512, 1100, 1050, {0}, 0, 0.f, 256, false);
   test_attention<T>(1, 4, 2, 96, 300, 300, {17}, 40);
+  // Head dims past 32 lanes' chunks (Gemma 4's 512: two chunks a lane) and not a power of two
+  // (80: 10 of 16 lanes a key).
+  test_attention<T>(1, 2, 1, 512, 40, 33, {0}, 0);
+  test_attention<T>(2, 4, 2, 80, 50, 47, {0, 3}, 0);
   test_attention<T>(2, 4, 2, 64, 48, 45, {0, 9}, 16, 0.5f);
 }
 

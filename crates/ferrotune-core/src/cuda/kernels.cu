@@ -1306,40 +1306,68 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
 
 // The decode attention's two passes over the keys of one (query head, row), shared by
 // dec_attention and dec_attention_part. dec_scores: the scores of keys [start, end) against the
-// query `qs` (shared memory), one key per thread with 8 features a load, rounded to T before
-// scaling as the training kernels do, softcapped when softcap > 0 (Gemma 2: cap · tanh(s / cap),
-// before the softmax as in the forward), written to sc[j]; returns the block's max (−∞ without
-// keys). Each thread later reads back only the scores it wrote itself.
+// query `qs` (shared memory), rounded to T before scaling as the training kernels do, softcapped
+// when softcap > 0 (Gemma 2: cap · tanh(s / cap), before the softmax as in the forward), written
+// to sc[j]; returns the block's max (−∞ without keys), after a barrier that publishes sc.
+//
+// Lanes share a key: a key's hd / 8 chunks of 8 features go to `lanes` lanes (the next power of
+// two, at most 32; lanes past the last chunk idle, a lane takes every lanes-th chunk past 32), so
+// a warp's load reads whole consecutive key rows, coalesced; each lane keeps KEYS keys' loads in
+// flight, and the lanes' partial dot products are summed by shuffles. (One key per thread read a
+// 2 · hd-byte row per lane, 32 rows per load instruction, and held every feature of its key in
+// registers: 106 registers, two blocks per SM, half the split attention's blocks waiting for the
+// first half on a 4096-key cache.)
 template <typename T>
 __device__ float dec_scores(const float *qs, const T *kb, int hd, int start, int end, float scale,
                             float softcap, float *sc) {
+  constexpr int KEYS = 4;
+  int chunks = hd / 8;
+  int lanes = 1;
+  while (lanes < chunks && lanes < 32) lanes <<= 1;
+  int per_warp = 32 / lanes;  // keys a load instruction covers
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int sub = lane / lanes, c0 = lane % lanes;
   float m = -INFINITY;
-  for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
-    const T *kr = kb + (long)j * hd;
-    float acc = 0.f;
-    // A batch of features' loads (128 for bf16, 64 for f32: 64 registers) is in flight before
-    // the first is used: the keys were written by an earlier kernel, and waiting for each 8
-    // features in turn made this pass a chain of hd / 8 memory round trips.
-    constexpr int BATCH = sizeof(T) == 2 ? 16 : 8;
-    for (int d0 = 0; d0 < hd; d0 += BATCH * 8) {
-      Pack8<T> kp[BATCH];
+  // A warp's tile: KEYS · per_warp consecutive keys. Every thread of the block makes the same
+  // number of passes (a warp past `end` loads nothing), so every shuffle has all of its lanes;
+  // the block-wide bound also keeps the CPU emulation's 64-fiber warps in step.
+  for (int pass = start; pass < end; pass += warps * KEYS * per_warp) {
+    int tile = pass + warp * KEYS * per_warp;
+    float acc[KEYS] = {};
+    for (int cb = 0; cb < chunks; cb += lanes) {
+      int c = cb + c0;
+      Pack8<T> kp[KEYS];
 #pragma unroll
-      for (int c = 0; c < BATCH; ++c)
-        if (d0 + c * 8 < hd) kp[c].load(kr + d0 + c * 8);
+      for (int u = 0; u < KEYS; ++u) {
+        int j = tile + u * per_warp + sub;
+        if (j < end && c < chunks) kp[u].load(kb + (long)j * hd + c * 8);
+      }
+      if (c < chunks) {
+        float q8[8];
 #pragma unroll
-      for (int c = 0; c < BATCH; ++c) {
-        if (d0 + c * 8 < hd) {
-          float k8[8];
-          kp[c].unpack(k8);
+        for (int i = 0; i < 8; ++i) q8[i] = qs[c * 8 + i];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc += qs[d0 + c * 8 + i] * k8[i];
+        for (int u = 0; u < KEYS; ++u) {
+          if (tile + u * per_warp + sub < end) {
+            float k8[8];
+            kp[u].unpack(k8);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[u] += q8[i] * k8[i];
+          }
         }
       }
     }
-    float s = round_to<T>(acc) * scale;
-    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-    sc[j] = s;
-    m = fmaxf(m, s);
+#pragma unroll
+    for (int u = 0; u < KEYS; ++u) {
+      for (int o = lanes / 2; o > 0; o >>= 1) acc[u] += __shfl_xor_sync(0xffffffff, acc[u], o);
+      int j = tile + u * per_warp + sub;
+      if (c0 == 0 && j < end) {
+        float s = round_to<T>(acc[u]) * scale;
+        if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+        sc[j] = s;
+        m = fmaxf(m, s);
+      }
+    }
   }
   return block_max(m);
 }
@@ -1391,7 +1419,7 @@ __device__ int dec_values(const float *sc, const T *vb, int hd, int start, int e
 // training kernels do: scores rounded to T before scaling, P rounded to T, the output once.
 // q: [B, nh, hd]; kc, vc: [B, nkv, cap, hd]; out: [B, nh · hd]; scores: f32 scratch [B, nh, cap].
 // A decode step's attention is short and latency-bound, so every thread keeps many independent
-// loads in flight: one key per thread for the scores, 8 features of every groups-th key per
+// loads in flight: a few keys per lane for the scores, 8 features of every groups-th key per
 // thread for P·V. Needs hd a multiple of 8 and hd ≤ 8 · blockDim.x; dynamic shared memory:
 // (hd + 8 · blockDim.x) floats. With `counters` ([slot, len], a replayed CUDA graph's step
 // position), the keys end at counters[1] instead of `len`.
@@ -1416,7 +1444,8 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ld(qr, d);
   __syncthreads();
   float m = dec_scores<T>(qs, kb, hd, lo, len, scale, softcap, sc);
-  // Each thread rescales the scores it wrote itself; the barrier below publishes them.
+  // dec_scores' barrier published the scores; each thread now rescales the ones at its own j,
+  // and the barrier below publishes those.
   float sum = 0.f;
   for (int j = lo + threadIdx.x; j < len; j += blockDim.x) sum += expf(sc[j] - m);
   sum = block_sum(sum);
