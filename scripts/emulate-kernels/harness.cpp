@@ -301,18 +301,28 @@ void test_attention(int B, int nh, int nkv, int hd, int cap, int len, std::vecto
         want[((size_t)b * nh + h) * hd + d] = rt<T>(acc);
       }
     }
-  T *dq = dev(q), *dkc = dev(kc), *dvc = dev(vc), *dout = dev(std::vector<T>(want.size()));
-  float *dsc = dev(std::vector<float>((size_t)B * nh * cap));
+  T *dq = dev(q), *dkc = dev(kc), *dvc = dev(vc);
   uint32_t *dlo = dev(lo);
   // With counters the kernel must read len from them; the scalar argument is then wrong.
   uint32_t *dcounters = counters ? dev(std::vector<uint32_t>{(uint32_t)len - 1, (uint32_t)len}) : nullptr;
-  hipLaunchKernelGGL(dec_attention<T>, dim3(nh, B), dim3(256), (hd + 8 * 256) * sizeof(float), 0, dq, dkc, dvc,
-                     dout, dsc, dlo, counters ? cap : len, window, nh, nkv, hd, cap, scale, softcap, dcounters);
-  char name[128];
-  std::snprintf(name, sizeof name, "attention %s B%d h%d/%d d%d len%d/%d win%d cap%g%s",
-                sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, window, softcap,
-                counters ? " counters" : "");
-  check(name, host(dout, want.size()), want, tol<T>());
+  // Both score passes (per thread, shared lanes), each into fresh buffers.
+  for (int lanes = 0; lanes < 2; ++lanes) {
+    T *dout = dev(std::vector<T>(want.size()));
+    float *dsc = dev(std::vector<float>((size_t)B * nh * cap));
+    if (lanes)
+      hipLaunchKernelGGL((dec_attention<T, true>), dim3(nh, B), dim3(256), (hd + 8 * 256) * sizeof(float), 0, dq,
+                         dkc, dvc, dout, dsc, dlo, counters ? cap : len, window, nh, nkv, hd, cap, scale, softcap,
+                         dcounters);
+    else
+      hipLaunchKernelGGL((dec_attention<T, false>), dim3(nh, B), dim3(256), (hd + 8 * 256) * sizeof(float), 0, dq,
+                         dkc, dvc, dout, dsc, dlo, counters ? cap : len, window, nh, nkv, hd, cap, scale, softcap,
+                         dcounters);
+    char name[128];
+    std::snprintf(name, sizeof name, "attention%s %s B%d h%d/%d d%d len%d/%d win%d cap%g%s", lanes ? " lanes" : "",
+                  sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, window, softcap,
+                  counters ? " counters" : "");
+    check(name, host(dout, want.size()), want, tol<T>());
+  }
 }
 
 // The split attention (dec_attention_part + dec_attention_combine) against the same reference
@@ -344,21 +354,30 @@ void test_attention_split(int B, int nh, int nkv, int hd, int cap, int len, std:
       }
     }
   int splits = (cap + chunk - 1) / chunk;
-  T *dq = dev(q), *dkc = dev(kc), *dvc = dev(vc), *dout = dev(std::vector<T>(want.size()));
-  float *dsc = dev(std::vector<float>((size_t)B * nh * cap));
-  float *dpart = dev(std::vector<float>((size_t)B * nh * splits * (hd + 2)));
+  T *dq = dev(q), *dkc = dev(kc), *dvc = dev(vc);
   uint32_t *dlo = dev(lo);
   uint32_t *dcounters = counters ? dev(std::vector<uint32_t>{(uint32_t)len - 1, (uint32_t)len}) : nullptr;
-  hipLaunchKernelGGL(dec_attention_part<T>, dim3(nh, B, splits), dim3(256), (hd + 8 * 256) * sizeof(float), 0,
-                     dq, dkc, dvc, dpart, dsc, dlo, counters ? cap : len, window, nh, nkv, hd, cap, chunk, scale,
-                     softcap, dcounters);
-  hipLaunchKernelGGL(dec_attention_combine<T>, dim3(nh, B), dim3(128), splits * sizeof(float), 0, dpart, dout, nh, hd,
-                     splits);
-  char name[160];
-  std::snprintf(name, sizeof name, "split attention %s B%d h%d/%d d%d len%d/%d chunk%d win%d cap%g%s",
-                sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, chunk, window, softcap,
-                counters ? " counters" : "");
-  check(name, host(dout, want.size()), want, sizeof(T) == 4 ? 2e-6f : 1e-2f);
+  // Both score passes (per thread, shared lanes), each into fresh buffers.
+  for (int lanes = 0; lanes < 2; ++lanes) {
+    T *dout = dev(std::vector<T>(want.size()));
+    float *dsc = dev(std::vector<float>((size_t)B * nh * cap));
+    float *dpart = dev(std::vector<float>((size_t)B * nh * splits * (hd + 2)));
+    if (lanes)
+      hipLaunchKernelGGL((dec_attention_part<T, true>), dim3(nh, B, splits), dim3(256),
+                         (hd + 8 * 256) * sizeof(float), 0, dq, dkc, dvc, dpart, dsc, dlo, counters ? cap : len,
+                         window, nh, nkv, hd, cap, chunk, scale, softcap, dcounters);
+    else
+      hipLaunchKernelGGL((dec_attention_part<T, false>), dim3(nh, B, splits), dim3(256),
+                         (hd + 8 * 256) * sizeof(float), 0, dq, dkc, dvc, dpart, dsc, dlo, counters ? cap : len,
+                         window, nh, nkv, hd, cap, chunk, scale, softcap, dcounters);
+    hipLaunchKernelGGL(dec_attention_combine<T>, dim3(nh, B), dim3(128), splits * sizeof(float), 0, dpart, dout, nh,
+                       hd, splits);
+    char name[160];
+    std::snprintf(name, sizeof name, "split attention%s %s B%d h%d/%d d%d len%d/%d chunk%d win%d cap%g%s",
+                  lanes ? " lanes" : "", sizeof(T) == 4 ? "f32" : "bf16", B, nh, nkv, hd, len, cap, chunk, window,
+                  softcap, counters ? " counters" : "");
+    check(name, host(dout, want.size()), want, sizeof(T) == 4 ? 2e-6f : 1e-2f);
+  }
 }
 
 // The training attention's softmax over one chunk of scores (attn_softmax: forward and

@@ -4,7 +4,7 @@
 
 use candle_core::{Result, Tensor};
 
-use super::{act_code, cuda_device, empty, launch_dependent, ptr, suffix, Arg};
+use super::{act_code, cuda_device, empty, launch_dependent, ptr, resident_blocks, suffix, Arg};
 use crate::decode::{Heads, Projection, QkNorm};
 use crate::fused::GatedAct;
 
@@ -223,12 +223,25 @@ pub(crate) fn attention(
     } else {
         ("dec_attention", 1)
     };
+    let grid = (query as u32, rows as u32, z as u32);
+    let shared_bytes = ((dim + 8 * ATTENTION_THREADS) * 4) as u32;
+    // The score pass (kernels.cu, dec_scores): one key per thread where the whole grid runs at
+    // once (fewest round trips in a row), else lanes sharing a key (half the registers, twice
+    // the blocks an SM), as the per-thread form would leave blocks waiting for a second wave.
+    let per_thread = format!("{name}_{}", suffix(dtype)?);
+    let blocks = query * rows * z;
+    let kernel =
+        if blocks <= resident_blocks(&dev, &per_thread, ATTENTION_THREADS as u32, shared_bytes)? {
+            per_thread
+        } else {
+            format!("{name}_lanes_{}", suffix(dtype)?)
+        };
     launch_dependent(
         &dev,
-        &format!("{name}_{}", suffix(dtype)?),
-        (query as u32, rows as u32, z as u32),
+        &kernel,
+        grid,
         ATTENTION_THREADS as u32,
-        ((dim + 8 * ATTENTION_THREADS) * 4) as u32,
+        shared_bytes,
         &args,
     )?;
     if let Some(part) = &part {

@@ -1305,21 +1305,60 @@ __device__ void dec_qkv_rope(const T *qkv, const T *cs, const T *sn, const T *qn
 }
 
 // The decode attention's two passes over the keys of one (query head, row), shared by
-// dec_attention and dec_attention_part. dec_scores: the scores of keys [start, end) against the
-// query `qs` (shared memory), rounded to T before scaling as the training kernels do, softcapped
-// when softcap > 0 (Gemma 2: cap · tanh(s / cap), before the softmax as in the forward), written
-// to sc[j]; returns the block's max (−∞ without keys), after a barrier that publishes sc.
+// dec_attention and dec_attention_part. The score pass computes the scores of keys [start, end)
+// against the query `qs` (shared memory), rounded to T before scaling as the training kernels
+// do, softcapped when softcap > 0 (Gemma 2: cap · tanh(s / cap), before the softmax as in the
+// forward), written to sc[j]; it returns the block's max (−∞ without keys), after a barrier that
+// publishes sc. It comes in two forms with the same results, chosen per launch by the grid:
 //
-// Lanes share a key: a key's hd / 8 chunks of 8 features go to `lanes` lanes (the next power of
-// two, at most 32; lanes past the last chunk idle, a lane takes every lanes-th chunk past 32), so
-// a warp's load reads whole consecutive key rows, coalesced; each lane keeps KEYS keys' loads in
-// flight, and the lanes' partial dot products are summed by shuffles. (One key per thread read a
-// 2 · hd-byte row per lane, 32 rows per load instruction, and held every feature of its key in
-// registers: 106 registers, two blocks per SM, half the split attention's blocks waiting for the
-// first half on a 4096-key cache.)
+// dec_scores_per_thread: one key per thread, its features in batches of loads (128 for bf16)
+// in flight before the first is used. Fewest memory round trips in a row, for grids that fit
+// on the GPU at once (a batch-1 step: one block per head, or a few splits each), but 106
+// registers: two blocks an SM.
 template <typename T>
-__device__ float dec_scores(const float *qs, const T *kb, int hd, int start, int end, float scale,
-                            float softcap, float *sc) {
+__device__ float dec_scores_per_thread(const float *qs, const T *kb, int hd, int start, int end, float scale,
+                                       float softcap, float *sc) {
+  float m = -INFINITY;
+  for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+    const T *kr = kb + (long)j * hd;
+    float acc = 0.f;
+    // A batch of features' loads (128 for bf16, 64 for f32: 64 registers) is in flight before
+    // the first is used: the keys were written by an earlier kernel, and waiting for each 8
+    // features in turn made this pass a chain of hd / 8 memory round trips.
+    constexpr int BATCH = sizeof(T) == 2 ? 16 : 8;
+    for (int d0 = 0; d0 < hd; d0 += BATCH * 8) {
+      Pack8<T> kp[BATCH];
+#pragma unroll
+      for (int c = 0; c < BATCH; ++c)
+        if (d0 + c * 8 < hd) kp[c].load(kr + d0 + c * 8);
+#pragma unroll
+      for (int c = 0; c < BATCH; ++c) {
+        if (d0 + c * 8 < hd) {
+          float k8[8];
+          kp[c].unpack(k8);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc += qs[d0 + c * 8 + i] * k8[i];
+        }
+      }
+    }
+    float s = round_to<T>(acc) * scale;
+    if (softcap > 0.f) s = softcap * tanhf(s / softcap);
+    sc[j] = s;
+    m = fmaxf(m, s);
+  }
+  return block_max(m);
+}
+
+// dec_scores_shared_lanes: lanes share a key: a key's hd / 8 chunks of 8 features go to `lanes`
+// lanes (the next power of two, at most 32; lanes past the last chunk idle, a lane takes every
+// lanes-th chunk past 32), so a warp's load reads whole consecutive key rows, coalesced; each
+// lane keeps KEYS keys' loads in flight, and the lanes' partial dot products are summed by
+// shuffles. 56 registers, four blocks an SM: for grids past what the per-thread form runs at
+// once (the split attention over a long cache: 32 heads × 16 splits at 4096 keys, where the
+// per-thread form waited a second wave and decoded 10 % slower than before it batched loads).
+template <typename T>
+__device__ float dec_scores_shared_lanes(const float *qs, const T *kb, int hd, int start, int end, float scale,
+                                        float softcap, float *sc) {
   constexpr int KEYS = 4;
   int chunks = hd / 8;
   int lanes = 1;
@@ -1370,6 +1409,14 @@ __device__ float dec_scores(const float *qs, const T *kb, int hd, int start, int
     }
   }
   return block_max(m);
+}
+
+// The score pass a launch chose: LANES, dec_scores_shared_lanes, else dec_scores_per_thread.
+template <typename T, bool LANES>
+__device__ float dec_scores(const float *qs, const T *kb, int hd, int start, int end, float scale,
+                            float softcap, float *sc) {
+  if constexpr (LANES) return dec_scores_shared_lanes<T>(qs, kb, hd, start, end, scale, softcap, sc);
+  else return dec_scores_per_thread<T>(qs, kb, hd, start, end, scale, softcap, sc);
 }
 
 // dec_values: Σ_j sc[j] · v_j over keys [start, end), the weights sc published to the block
@@ -1423,7 +1470,7 @@ __device__ int dec_values(const float *sc, const T *vb, int hd, int start, int e
 // thread for P·V. Needs hd a multiple of 8 and hd ≤ 8 · blockDim.x; dynamic shared memory:
 // (hd + 8 · blockDim.x) floats. With `counters` ([slot, len], a replayed CUDA graph's step
 // position), the keys end at counters[1] instead of `len`.
-template <typename T>
+template <typename T, bool LANES>
 __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, float *scores,
                               const uint32_t *lo_rows, int len, int window, int nh, int nkv, int hd,
                               int cap, float scale, float softcap, const uint32_t *counters) {
@@ -1443,7 +1490,7 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
   float *qs = dsh, *part = dsh + hd;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ld(qr, d);
   __syncthreads();
-  float m = dec_scores<T>(qs, kb, hd, lo, len, scale, softcap, sc);
+  float m = dec_scores<T, LANES>(qs, kb, hd, lo, len, scale, softcap, sc);
   // dec_scores' barrier published the scores; each thread now rescales the ones at its own j,
   // and the barrier below publishes those.
   float sum = 0.f;
@@ -1470,7 +1517,7 @@ __device__ void dec_attention(const T *q, const T *kc, const T *vc, T *out, floa
 // cache fills. Scores are rounded to T before scaling as in dec_attention; the probabilities are
 // not rounded to T (they are only known up to the final sum), a difference within T's precision.
 // Dynamic shared memory: (hd + 8 · blockDim.x) floats.
-template <typename T>
+template <typename T, bool LANES>
 __device__ void dec_attention_part(const T *q, const T *kc, const T *vc, float *part, float *scores,
                                    const uint32_t *lo_rows, int len, int window, int nh, int nkv,
                                    int hd, int cap, int chunk, float scale, float softcap,
@@ -1493,7 +1540,7 @@ __device__ void dec_attention_part(const T *q, const T *kc, const T *vc, float *
   float *qs = dsh, *acc_sh = dsh + hd;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = ld(qr, d);
   __syncthreads();
-  float m = dec_scores<T>(qs, kb, hd, start, end, scale, softcap, sc);
+  float m = dec_scores<T, LANES>(qs, kb, hd, start, end, scale, softcap, sc);
   float l = 0.f;
   for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
     float e = expf(sc[j] - m);
@@ -1628,20 +1675,33 @@ __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd,
     dec_qkv_rope<T>(qkv, cs, sn, qn, kn, eps, offset_one, q_out, kc, vc, nh, nkv, hd, rot, cap,   \
                     pos, counters);                                                               \
   }                                                                                               \
-  extern "C" __global__ void dec_attention_##SUF(const T *q, const T *kc, const T *vc, T *out,      \
-                                               float *scores, const uint32_t *lo_rows, int len,   \
-                                               int window, int nh, int nkv, int hd, int cap,      \
-                                               float scale, float softcap,                        \
-                                               const uint32_t *counters) {                        \
-    dec_attention<T>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale,       \
-                     softcap, counters);                                                          \
+  extern "C" __global__ void dec_attention_##SUF(                                           \
+      const T *q, const T *kc, const T *vc, T *out, float *scores, const uint32_t *lo_rows,       \
+      int len, int window, int nh, int nkv, int hd, int cap, float scale, float softcap,          \
+      const uint32_t *counters) {                                                                 \
+    dec_attention<T, false>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale, \
+                            softcap, counters);                                                   \
   }                                                                                               \
-  extern "C" __global__ void dec_attention_part_##SUF(                                            \
+  extern "C" __global__ void dec_attention_part_##SUF(                                      \
       const T *q, const T *kc, const T *vc, float *part, float *scores, const uint32_t *lo_rows,  \
       int len, int window, int nh, int nkv, int hd, int cap, int chunk, float scale,              \
       float softcap, const uint32_t *counters) {                                                  \
-    dec_attention_part<T>(q, kc, vc, part, scores, lo_rows, len, window, nh, nkv, hd, cap, chunk, \
-                          scale, softcap, counters);                                              \
+    dec_attention_part<T, false>(q, kc, vc, part, scores, lo_rows, len, window, nh, nkv, hd, cap, \
+                                 chunk, scale, softcap, counters);                                \
+  }                                                                                               \
+  extern "C" __global__ void dec_attention_lanes_##SUF(                                           \
+      const T *q, const T *kc, const T *vc, T *out, float *scores, const uint32_t *lo_rows,       \
+      int len, int window, int nh, int nkv, int hd, int cap, float scale, float softcap,          \
+      const uint32_t *counters) {                                                                 \
+    dec_attention<T, true>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale, \
+                            softcap, counters);                                                   \
+  }                                                                                               \
+  extern "C" __global__ void dec_attention_part_lanes_##SUF(                                      \
+      const T *q, const T *kc, const T *vc, float *part, float *scores, const uint32_t *lo_rows,  \
+      int len, int window, int nh, int nkv, int hd, int cap, int chunk, float scale,              \
+      float softcap, const uint32_t *counters) {                                                  \
+    dec_attention_part<T, true>(q, kc, vc, part, scores, lo_rows, len, window, nh, nkv, hd, cap, \
+                                 chunk, scale, softcap, counters);                                \
   }                                                                                               \
   extern "C" __global__ void dec_attention_combine_##SUF(const float *part, T *out, int nh,       \
                                                          int hd, int splits) {                    \

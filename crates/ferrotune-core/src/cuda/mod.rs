@@ -318,6 +318,37 @@ unsafe fn launch_programmatic(
     .map_err(candle_core::Error::wrap)
 }
 
+/// How many blocks of `name` (`block` threads, `shared_bytes` of dynamic shared memory) the
+/// device runs at once: the occupancy calculator's blocks per SM times the SMs. Cached per
+/// device and kernel (the decode step asks at every launch it records or makes).
+fn resident_blocks(dev: &CudaDevice, name: &str, block: u32, shared_bytes: u32) -> Result<usize> {
+    type Resident =
+        std::collections::HashMap<(candle_core::cuda::DeviceId, String), (u32, u32, usize)>;
+    static RESIDENT: std::sync::Mutex<Option<Resident>> = std::sync::Mutex::new(None);
+    let key = (dev.id(), name.to_string());
+    let mut cache = RESIDENT.lock().unwrap_or_else(|e| e.into_inner());
+    let cache = cache.get_or_insert_with(Default::default);
+    if let Some(&(b, s, n)) = cache.get(&key) {
+        if (b, s) == (block, shared_bytes) {
+            return Ok(n);
+        }
+    }
+    let func = function(dev, name)?;
+    let per_sm = func
+        .occupancy_max_active_blocks_per_multiprocessor(block, shared_bytes as usize, None)
+        .map_err(candle_core::Error::wrap)?;
+    let sms = dev
+        .cuda_stream()
+        .context()
+        .attribute(
+            candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )
+        .map_err(candle_core::Error::wrap)?;
+    let n = per_sm as usize * sms.max(1) as usize;
+    cache.insert(key, (block, shared_bytes, n));
+    Ok(n)
+}
+
 /// Launches an elementwise kernel over `n` elements (256-thread blocks, a grid-stride loop): with
 /// `n / 8` threads where every pointer argument is 16-byte aligned, the condition under which the
 /// kernel takes 8 elements a thread.
