@@ -1603,6 +1603,25 @@ __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd,
 // ---------------------------------------------------------------------------------------------
 #define FOR_TYPES(X) X(float, f32) X(bf16, bf16)
 
+// The decode attention's two kernels with one score pass (dec_scores): dec_attention_<SUF> and
+// dec_attention_part_<SUF> per thread (LANES false, INFIX empty), dec_attention_lanes_<SUF> and
+// dec_attention_part_lanes_<SUF> with lanes sharing a key.
+#define EXPORT_DEC_ATTENTION(T, SUF, INFIX, LANES)                                                  \
+  extern "C" __global__ void dec_attention_##INFIX##SUF(                                            \
+      const T *q, const T *kc, const T *vc, T *out, float *scores, const uint32_t *lo_rows,       \
+      int len, int window, int nh, int nkv, int hd, int cap, float scale, float softcap,          \
+      const uint32_t *counters) {                                                                 \
+    dec_attention<T, LANES>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale, \
+                            softcap, counters);                                                   \
+  }                                                                                               \
+  extern "C" __global__ void dec_attention_part_##INFIX##SUF(                                       \
+      const T *q, const T *kc, const T *vc, float *part, float *scores, const uint32_t *lo_rows,  \
+      int len, int window, int nh, int nkv, int hd, int cap, int chunk, float scale,              \
+      float softcap, const uint32_t *counters) {                                                  \
+    dec_attention_part<T, LANES>(q, kc, vc, part, scores, lo_rows, len, window, nh, nkv, hd, cap, \
+                                 chunk, scale, softcap, counters);                                \
+  }
+
 #define EXPORT(T, SUF)                                                                              \
   extern "C" __global__ void rmsnorm_fwd_##SUF(const T *x, const T *w, T *y, int h, float eps,      \
                                              int offset_one) {                                    \
@@ -1675,34 +1694,8 @@ __device__ void dec_attention_combine(const float *part, T *out, int nh, int hd,
     dec_qkv_rope<T>(qkv, cs, sn, qn, kn, eps, offset_one, q_out, kc, vc, nh, nkv, hd, rot, cap,   \
                     pos, counters);                                                               \
   }                                                                                               \
-  extern "C" __global__ void dec_attention_##SUF(                                           \
-      const T *q, const T *kc, const T *vc, T *out, float *scores, const uint32_t *lo_rows,       \
-      int len, int window, int nh, int nkv, int hd, int cap, float scale, float softcap,          \
-      const uint32_t *counters) {                                                                 \
-    dec_attention<T, false>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale, \
-                            softcap, counters);                                                   \
-  }                                                                                               \
-  extern "C" __global__ void dec_attention_part_##SUF(                                      \
-      const T *q, const T *kc, const T *vc, float *part, float *scores, const uint32_t *lo_rows,  \
-      int len, int window, int nh, int nkv, int hd, int cap, int chunk, float scale,              \
-      float softcap, const uint32_t *counters) {                                                  \
-    dec_attention_part<T, false>(q, kc, vc, part, scores, lo_rows, len, window, nh, nkv, hd, cap, \
-                                 chunk, scale, softcap, counters);                                \
-  }                                                                                               \
-  extern "C" __global__ void dec_attention_lanes_##SUF(                                           \
-      const T *q, const T *kc, const T *vc, T *out, float *scores, const uint32_t *lo_rows,       \
-      int len, int window, int nh, int nkv, int hd, int cap, float scale, float softcap,          \
-      const uint32_t *counters) {                                                                 \
-    dec_attention<T, true>(q, kc, vc, out, scores, lo_rows, len, window, nh, nkv, hd, cap, scale, \
-                            softcap, counters);                                                   \
-  }                                                                                               \
-  extern "C" __global__ void dec_attention_part_lanes_##SUF(                                      \
-      const T *q, const T *kc, const T *vc, float *part, float *scores, const uint32_t *lo_rows,  \
-      int len, int window, int nh, int nkv, int hd, int cap, int chunk, float scale,              \
-      float softcap, const uint32_t *counters) {                                                  \
-    dec_attention_part<T, true>(q, kc, vc, part, scores, lo_rows, len, window, nh, nkv, hd, cap, \
-                                 chunk, scale, softcap, counters);                                \
-  }                                                                                               \
+  EXPORT_DEC_ATTENTION(T, SUF, , false)                                                             \
+  EXPORT_DEC_ATTENTION(T, SUF, lanes_, true)                                                        \
   extern "C" __global__ void dec_attention_combine_##SUF(const float *part, T *out, int nh,       \
                                                          int hd, int splits) {                    \
     dec_attention_combine<T>(part, out, nh, hd, splits);                                          \
