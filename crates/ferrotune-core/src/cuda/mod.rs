@@ -322,13 +322,19 @@ unsafe fn launch_programmatic(
 /// device runs at once: the occupancy calculator's blocks per SM times the SMs. Cached per
 /// device and kernel (the decode step asks at every launch it records or makes).
 fn resident_blocks(dev: &CudaDevice, name: &str, block: u32, shared_bytes: u32) -> Result<usize> {
-    type Resident =
-        std::collections::HashMap<(candle_core::cuda::DeviceId, String), (u32, u32, usize)>;
+    // Per device, by kernel name (looked up by `&str`, as FUNCTIONS is: no allocation on a hit):
+    // the block size and shared memory asked about, and the answer.
+    type Resident = std::collections::HashMap<
+        candle_core::cuda::DeviceId,
+        std::collections::HashMap<String, (u32, u32, usize)>,
+    >;
     static RESIDENT: std::sync::Mutex<Option<Resident>> = std::sync::Mutex::new(None);
-    let key = (dev.id(), name.to_string());
     let mut cache = RESIDENT.lock().unwrap_or_else(|e| e.into_inner());
-    let cache = cache.get_or_insert_with(Default::default);
-    if let Some(&(b, s, n)) = cache.get(&key) {
+    let by_name = cache
+        .get_or_insert_with(Default::default)
+        .entry(dev.id())
+        .or_default();
+    if let Some(&(b, s, n)) = by_name.get(name) {
         if (b, s) == (block, shared_bytes) {
             return Ok(n);
         }
@@ -345,7 +351,7 @@ fn resident_blocks(dev: &CudaDevice, name: &str, block: u32, shared_bytes: u32) 
         )
         .map_err(candle_core::Error::wrap)?;
     let n = per_sm as usize * sms.max(1) as usize;
-    cache.insert(key, (block, shared_bytes, n));
+    by_name.insert(name.to_string(), (block, shared_bytes, n));
     Ok(n)
 }
 
