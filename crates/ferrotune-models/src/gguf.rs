@@ -29,6 +29,7 @@ use serde_json::{json, Map, Value};
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
+use crate::family;
 
 /// Loads a llama.cpp GGUF (v2/v3) model: config from metadata, tensors dequantized to `dtype` on `device`, named as in HF checkpoints.
 ///
@@ -846,10 +847,6 @@ fn show(v: &GgufValue) -> String {
     }
 }
 
-/// `general.architecture` values we load, for messages.
-const SUPPORTED_ARCHITECTURES: &str = "llama (and mistral, mixtral), qwen2, qwen2moe, qwen3, \
-     qwen3moe, gemma, gemma2, gemma3, phi2, phi3, smollm3";
-
 /// Architecture-specific handling.
 struct Arch {
     /// `general.architecture`, the prefix of the architecture's metadata keys.
@@ -872,36 +869,18 @@ impl Arch {
             .to_string();
         let name = g.string("general.name")?.unwrap_or("").to_ascii_lowercase();
         let experts = g.uint(&format!("{gguf}.expert_count"))?.unwrap_or(0);
-        let (model_type, hf_class) = match gguf.as_str() {
-            // llama.cpp writes Mixtral as `llama` with experts.
-            "llama" if experts > 0 => ("mixtral", "MixtralForCausalLM"),
-            // llama.cpp writes Mistral models as `llama`; transformers tells them apart by name.
-            "llama" if name.contains("mistral") => ("mistral", "MistralForCausalLM"),
-            "llama" => ("llama", "LlamaForCausalLM"),
-            "mistral" => ("mistral", "MistralForCausalLM"),
-            "qwen2" => ("qwen2", "Qwen2ForCausalLM"),
-            "qwen3" => ("qwen3", "Qwen3ForCausalLM"),
-            "gemma" => ("gemma", "GemmaForCausalLM"),
-            "gemma2" => ("gemma2", "Gemma2ForCausalLM"),
-            "gemma3" => ("gemma3_text", "Gemma3ForCausalLM"),
-            "phi3" => ("phi3", "Phi3ForCausalLM"),
-            "phi2" => ("phi", "PhiForCausalLM"),
-            // llama.cpp runs SmolLM3 as llama with every fourth layer without RoPE (fixed there,
-            // and SmolLM3Config's default), so no key says which layers.
-            "smollm3" => ("smollm3", "SmolLM3ForCausalLM"),
-            "qwen2moe" => ("qwen2_moe", "Qwen2MoeForCausalLM"),
-            "qwen3moe" => ("qwen3_moe", "Qwen3MoeForCausalLM"),
-            other => {
-                return Err(g.err(format!(
-                "unsupported GGUF architecture '{other}': supported are {SUPPORTED_ARCHITECTURES}"
-            )))
-            }
+        let Some(entry) = family::gguf_arch(&gguf) else {
+            return Err(g.err(format!(
+                "unsupported GGUF architecture '{gguf}': supported are {}",
+                family::gguf_arch_names()
+            )));
         };
-        // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture
-        // (convert_hf_to_gguf.py's SmolLM3 is its llama converter).
-        let permuted_qk = matches!(gguf.as_str(), "llama" | "smollm3");
-        // convert_hf_to_gguf.py adds 1 to every Gemma norm weight (q/k norms included).
-        let norm_plus_one = matches!(gguf.as_str(), "gemma" | "gemma2" | "gemma3");
+        let model_type = entry.model_type_of(&name, experts);
+        let hf_class = family::causal_lm_class(model_type)
+            .expect("every GGUF architecture reads as a registered model_type");
+        // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture.
+        let permuted_qk = entry.permuted_qk;
+        let norm_plus_one = entry.norm_plus_one;
         Ok(Self {
             gguf,
             model_type,

@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod device_map;
 pub mod error;
+pub mod family;
 pub mod gguf;
 pub mod lora;
 pub mod model;
@@ -21,7 +22,7 @@ pub use checkpoint::{
     load_model, load_model_files, read_checkpoint, read_checkpoint_files, Checkpoint,
     CheckpointFormat,
 };
-pub use config::{ModelConfig, SUPPORTED_MODEL_TYPES};
+pub use config::ModelConfig;
 pub use device_map::{DeviceMapMode, Placement};
 pub use error::ModelError;
 pub use lora::LoraAdapter;

@@ -20,6 +20,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
+use crate::family::{self, TorchtuneLayout};
 use crate::lora::weight_norm;
 use crate::model::CausalLm;
 use crate::peft::{attach_adapter, LoraConfig, TargetModules, PEFT_PREFIX};
@@ -31,15 +32,7 @@ use crate::torch_pickle::{
 pub const TORCHTUNE_ADAPTER_FILE: &str = "adapter_model.pt";
 
 /// How torchtune lays out a model type's adapters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Layout {
-    /// q/k rows in interleaved rotary pairs (`convert_weights.hf_to_tune`).
-    Permuted,
-    /// HF's rows (`qwen2_hf_to_tune`).
-    Plain,
-    /// HF's rows, fused projections split (`phi3_hf_to_tune`).
-    SplitFused,
-}
+type Layout = TorchtuneLayout;
 
 /// The layout for a model type torchtune's checkpointer converts (a multimodal checkpoint's
 /// text model is none of them).
@@ -47,12 +40,7 @@ fn layout(config: &ModelConfig) -> Option<Layout> {
     if config.text_of_multimodal {
         return None;
     }
-    match config.model_type.as_str() {
-        "llama" | "mistral" | "gemma" | "gemma2" => Some(Layout::Permuted),
-        "qwen2" => Some(Layout::Plain),
-        "phi3" => Some(Layout::SplitFused),
-        _ => None,
-    }
+    family::model_type(&config.model_type).and_then(|(_, t)| t.torchtune_adapters)
 }
 
 /// Whether torchtune has adapter names for this model type (the types its checkpointer converts:
@@ -64,9 +52,9 @@ pub fn supports(config: &ModelConfig) -> bool {
 /// Why a model has no torchtune adapter names.
 fn unsupported(config: &ModelConfig) -> String {
     format!(
-        "torchtune has no adapter names for model type '{}' (it converts llama, mistral, gemma, \
-         gemma2, qwen2 and phi3 checkpoints)",
-        config.model_type
+        "torchtune has no adapter names for model type '{}' (it converts {} checkpoints)",
+        config.model_type,
+        family::and_list(&family::torchtune_model_types(true))
     )
 }
 

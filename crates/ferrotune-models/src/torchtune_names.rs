@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
+use crate::family::{self, TorchtuneLayout};
 use crate::torch_pickle::{permute_rotary_to_pairs, unpermute_rotary, TorchDType, TorchTensor};
 
 /// How torchtune's checkpointer converts the model type's tensors.
@@ -25,14 +26,16 @@ enum Kind {
 }
 
 fn kind(config: &ModelConfig) -> Result<Kind, String> {
-    match config.model_type.as_str() {
-        "llama" | "mistral" | "gemma" => Ok(Kind::Llama),
-        "qwen2" => Ok(Kind::Qwen2),
-        "phi3" => Ok(Kind::Phi3),
-        other => Err(format!(
-            "torchtune's tensor names are known for llama, mistral, gemma, qwen2 and phi3 \
-             checkpoints (the model types torchtune 0.6.1's checkpointer converts); this one is \
-             '{other}'"
+    let layout = family::model_type(&config.model_type).and_then(|(_, t)| t.torchtune_weights);
+    match layout {
+        Some(TorchtuneLayout::Permuted) => Ok(Kind::Llama),
+        Some(TorchtuneLayout::Plain) => Ok(Kind::Qwen2),
+        Some(TorchtuneLayout::SplitFused) => Ok(Kind::Phi3),
+        None => Err(format!(
+            "torchtune's tensor names are known for {} checkpoints (the model types torchtune \
+             0.6.1's checkpointer converts); this one is '{}'",
+            family::and_list(&family::torchtune_model_types(false)),
+            config.model_type
         )),
     }
 }

@@ -27,6 +27,7 @@ use candle_core::{DType, Device, Tensor};
 use ferrotune_data::{gguf_vocab, Tokenizer};
 use ferrotune_models::checkpoint::read_pickled;
 use ferrotune_models::config::RopeScaling;
+use ferrotune_models::family;
 use ferrotune_models::{CheckpointFormat, ModelConfig};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
@@ -195,28 +196,14 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
              GGUF export writes causal language models"
         );
     }
-    let arch = match config.model_type.as_str() {
-        // llama.cpp runs Mistral models as `llama`.
-        "llama" | "mistral" => ("llama", true),
-        "qwen2" => ("qwen2", false),
-        "qwen3" => ("qwen3", false),
-        "gemma" => ("gemma", false),
-        "gemma2" => ("gemma2", false),
-        "phi3" => ("phi3", false),
-        // llama.cpp runs Mixtral as `llama` with experts.
-        "mixtral" => ("llama", true),
-        "qwen2_moe" => ("qwen2moe", false),
-        "qwen3_moe" => ("qwen3moe", false),
-        "gemma3_text" => ("gemma3", false),
-        // Phi-1.5 / Phi-2: LayerNorm with biases, attention and MLP in parallel.
-        "phi" => ("phi2", false),
-        // Llama's layout with every fourth layer without RoPE.
-        "smollm3" => ("smollm3", true),
-        other => bail!(
-            "GGUF export supports llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi, \
-             phi3, smollm3, mixtral, qwen2_moe and qwen3_moe checkpoints, not '{other}'"
-        ),
+    let Some(entry) = family::gguf_arch_for(&config.model_type) else {
+        bail!(
+            "GGUF export supports {} checkpoints, not '{}'",
+            family::and_list(&family::gguf_writable_model_types()),
+            config.model_type
+        );
     };
+    let arch = (entry.name, entry.permuted_qk);
     // llama.cpp's Gemma and Gemma 2 always use the embeddings as the output head (an
     // `output.weight` in the file would make it refuse the file).
     if (arch.0 == "gemma" || arch.0 == "gemma2") && !config.tie_word_embeddings {

@@ -303,31 +303,6 @@ pub fn load_model(
     Ok((model, source))
 }
 
-/// torchtune builder families and the transformers `model_type`s they build.
-const COMPONENT_FAMILIES: &[(&str, &[&str])] = &[
-    ("llama2", &["llama"]),
-    ("code_llama2", &["llama"]),
-    ("llama3", &["llama"]),
-    ("llama3_1", &["llama"]),
-    ("llama3_2", &["llama"]),
-    ("llama3_3", &["llama"]),
-    ("smollm2", &["llama"]),
-    ("smollm3", &["smollm3"]),
-    (
-        "mistral",
-        &["mistral", "llama", "mixtral", "ministral", "ministral3"],
-    ),
-    ("qwen2", &["qwen2", "qwen2_moe"]),
-    ("qwen2_5", &["qwen2"]),
-    ("qwen3", &["qwen3", "qwen3_moe"]),
-    ("gemma", &["gemma"]),
-    ("gemma2", &["gemma2"]),
-    ("gemma3", &["gemma3_text"]),
-    ("phi3", &["phi3", "phimoe"]),
-    ("phi2", &["phi"]),
-    ("phi4", &["phi3"]),
-];
-
 /// `model._component_` is optional (the checkpoint decides the architecture), but a torchtune
 /// builder naming another family than the checkpoint's is a mistake worth stopping for.
 pub fn check_model_component(cfg: &Config, model: &ModelConfig) -> Result<()> {
@@ -350,8 +325,9 @@ pub fn check_component_at(cfg: &Config, key: &str, model: &ModelConfig) -> Resul
         );
     };
     let family = rest.split('.').next().unwrap_or("");
-    let Some((_, types)) = COMPONENT_FAMILIES.iter().find(|(f, _)| *f == family) else {
-        let known: Vec<&str> = COMPONENT_FAMILIES.iter().map(|(f, _)| *f).collect();
+    // torchtune's builder families and the `model_type`s they build: the families' registry.
+    let Some(types) = ferrotune_models::family::torchtune_builder(family) else {
+        let known = ferrotune_models::family::torchtune_builder_names();
         bail!(
             "{}: {key} '{component}': unknown model family '{family}' (known: {})",
             cfg.origin,

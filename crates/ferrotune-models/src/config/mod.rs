@@ -1,0 +1,660 @@
+//! Model configuration: one description for every supported family, read from HF `config.json`
+//! (transformers 4.x `rope_theta`/`rope_scaling` and 5.x `rope_parameters` alike) or GGUF metadata.
+//!
+//! Families differ only by the switches in [`ModelConfig`]; the decoder has no per-family code.
+//! [`ModelConfig::from_hf_json`] reads what every family shares (with the readers in `hf`) and
+//! leaves the family's own keys to its [`family::HfConfig`] rules, in the family's file.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::ModelError;
+use crate::family;
+
+pub(crate) mod hf;
+use hf::*;
+
+/// A sparse mixture-of-experts MLP's settings (Mixtral, Qwen2-MoE, Qwen3-MoE).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per sparse layer (`num_local_experts` / `num_experts`).
+    pub num_experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// The top-k routing weights are renormalized to sum to 1 (Mixtral always; Qwen's
+    /// `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Each expert's intermediate size (Mixtral: `intermediate_size`; Qwen:
+    /// `moe_intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// The always-on shared expert's intermediate size: Qwen2-MoE's
+    /// (`shared_expert_intermediate_size`, scaled by `sigmoid(shared_expert_gate(x))`) or Llama
+    /// 4's (`intermediate_size`, added as it is).
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Llama 4's routing: the top-k router *logits* go through a sigmoid (in f32) and scale each
+    /// chosen expert's input, not its output; no softmax, no renormalization, no shared-expert
+    /// gate.
+    pub sigmoid_input_routing: bool,
+    /// Mixtral scales expert outputs by f32 routing weights; Qwen casts them to the compute
+    /// dtype first.
+    pub f32_routing_weights: bool,
+    /// Mixtral's module names (`block_sparse_moe`, experts' `w1` / `w3` / `w2`) instead of Qwen's
+    /// (`mlp`, `gate_proj` / `up_proj` / `down_proj`).
+    pub mixtral_names: bool,
+    /// Per layer: whether it is sparse (Qwen's `decoder_sparse_step` and `mlp_only_layers` leave
+    /// some layers dense).
+    pub sparse_layers: Vec<bool>,
+    /// Phi-3.5-MoE routes with the sparsemixer instead of a softmax top-k (see [`SparseMixer`]).
+    pub sparse_mixer: Option<SparseMixer>,
+}
+
+/// Llama 3.2 Vision's layers (`MllamaForConditionalGeneration`, or `MllamaForCausalLM` alone).
+/// On text alone transformers skips the cross-attention layers (they run only with image
+/// states), so the decoder holds the other layers, numbered in order; checkpoint and PEFT names
+/// map onto them through [`ModelConfig::text_model_name`] and back through
+/// [`ModelConfig::checkpoint_name`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct MllamaLayers {
+    /// The checkpoint's layer numbers of its cross-attention layers, sorted.
+    pub cross_attention_layers: Vec<usize>,
+    /// Where the checkpoint's text modules sit as transformers 5 names them:
+    /// `model.language_model.` in the whole model, `model.` in `MllamaForCausalLM`.
+    pub text_prefix: &'static str,
+}
+
+/// Gemma 4's layer-by-layer structure (`gemma4_text`): what differs from one layer to the next,
+/// beyond Gemma 3's sliding and full layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma4Layers {
+    /// Per layer `(head_dim, num_key_value_heads)`: the full-attention layers take
+    /// `global_head_dim` (and `num_global_key_value_heads` with `attention_k_eq_v`), or what a
+    /// saved config's `per_layer_config` lists.
+    pub attention_dims: Vec<(usize, usize)>,
+    /// Per layer: the values are the key projection's output (`attention_k_eq_v`, on the
+    /// full-attention layers); the layer has no `v_proj`.
+    pub key_is_value: Vec<bool>,
+    /// Per layer: the earlier layer whose keys and values it attends with
+    /// (`num_kv_shared_layers`: the last layers reuse those of the last unshared layer of their
+    /// type); such a layer has no key/value projections or norms.
+    pub kv_source: Vec<Option<usize>>,
+    /// Per layer: the MLP's intermediate size (twice `intermediate_size` on the KV-sharing
+    /// layers with `use_double_wide_mlp`).
+    pub intermediate_sizes: Vec<usize>,
+    /// Per-layer embeddings (PLE) `(vocab_size_per_layer_input, hidden_size_per_layer_input)`:
+    /// every layer adds a gated projection of its own slice of a second token embedding mixed
+    /// with a projection of the input embeddings.
+    pub per_layer_input: Option<(usize, usize)>,
+    /// The mixture-of-experts block beside every layer's MLP (`enable_moe_block`):
+    /// `(num_experts, top_k_experts, moe_intermediate_size)`.
+    pub moe: Option<(usize, usize, usize)>,
+}
+
+/// Phi-3.5-MoE's router (transformers' `sparsemixer`, as it runs in evaluation): the first expert
+/// is the router logits' largest; logits whose gap to it, relative to `max(|logit|, largest)`,
+/// exceeds `2 · jitter_eps` are masked, and the expert's weight is its softmax over the rest. The
+/// second expert is the largest of the others, weighted the same way against the logits left
+/// (the first one masked). Weights are not renormalized; always two experts per token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SparseMixer {
+    /// `router_jitter_noise`: half the relative gap beyond which a logit is masked.
+    pub jitter_eps: f64,
+}
+
+/// The MLP's activation function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu` / `swish` (SwiGLU MLP).
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`, `gelu_new`): Gemma's GeGLU.
+    GeluTanh,
+    /// Exact (erf) GELU, `gelu`.
+    GeluErf,
+}
+
+impl Activation {
+    fn parse(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Self::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu_python_tanh" => {
+                Some(Self::GeluTanh)
+            }
+            "gelu" | "gelu_python" => Some(Self::GeluErf),
+            _ => None,
+        }
+    }
+}
+
+/// How rotary frequencies are scaled (transformers' `rope_type`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    Default,
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Dynamic NTK: the base grows once the sequence exceeds `original_max_position_embeddings`
+    /// (the config's `max_position_embeddings`, as transformers takes it).
+    Dynamic {
+        factor: f64,
+        original_max_position_embeddings: usize,
+    },
+    /// Llama 3.x frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+    /// YaRN (Qwen2.5 long context).
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        attention_factor: Option<f64>,
+        beta_fast: f64,
+        beta_slow: f64,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+        truncate: bool,
+    },
+    /// Gemma 4's proportional RoPE: every pair of the head rotates, the first
+    /// `partial_rotary_factor` of them at `theta^(-2i / head_dim) / factor` and the others not
+    /// at all (frequency zero).
+    Proportional { factor: f64 },
+    /// Phi-3's LongRoPE: per-frequency factors, short below the original context, long above.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        factor: f64,
+        original_max_position_embeddings: usize,
+        attention_factor: Option<f64>,
+        /// Phi-3.5-MoE (`short_mscale`, `long_mscale`): transformers 5 rotates with the short
+        /// factors at every length and multiplies cos and sin by `short_mscale` up to the original
+        /// context, by `long_mscale` beyond it (instead of the attention factor).
+        mscales: Option<(f64, f64)>,
+    },
+}
+
+/// Rotary embedding settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    /// Base frequency (`rope_theta`).
+    pub theta: f64,
+    /// Fraction of each head's dimensions that is rotated.
+    pub partial_rotary_factor: f64,
+    /// Frequency scaling.
+    pub scaling: RopeScaling,
+}
+
+/// Everything the decoder needs to know about an architecture.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// transformers' `model_type` (one of [`family::supported_model_types`]).
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    /// The norms' epsilon: `rms_norm_eps`, or Phi-2's `layer_norm_eps`.
+    pub rms_norm_eps: f64,
+    pub max_position_embeddings: usize,
+    pub rope: RopeConfig,
+    pub activation: Activation,
+    /// The output head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Qwen3: RMSNorm over each query and key head before RoPE.
+    pub qk_norm: bool,
+    /// Gemma: norms scale by `1 + weight`.
+    pub norm_weight_offset_one: bool,
+    /// Gemma: embeddings multiplied by `sqrt(hidden_size)` (in the compute dtype).
+    pub scale_embeddings: bool,
+    /// Phi-3: fused `qkv_proj` and `gate_up_proj` weights.
+    pub fused_projections: bool,
+    /// Sliding-window attention span for each layer (None = full attention).
+    pub layer_sliding_windows: Vec<Option<usize>>,
+    /// Phi-2, Phi-3.5-MoE: LayerNorm with a bias (`(x − mean) / √(var + eps) · w + b`) instead
+    /// of RMSNorm.
+    pub layer_norm: bool,
+    /// Phi-2: attention and MLP read the same normed input and both add to the residual
+    /// (`x + attn(h) + mlp(h)`); there is no second norm in a layer.
+    pub parallel_block: bool,
+    /// Phi-2: the MLP is ungated, `fc2(act(fc1(x)))`.
+    pub ungated_mlp: bool,
+    /// Mixtral / Qwen-MoE: sparse mixture-of-experts MLPs.
+    pub moe: Option<MoeConfig>,
+    /// Per layer: whether it applies RoPE (SmolLM3's `no_rope_layers` leave every fourth layer
+    /// without position embedding).
+    pub rope_layers: Vec<bool>,
+    /// Ministral 3's query temperature `(beta, original context)`: queries at position `p` are
+    /// scaled by `1 + beta · ln(1 + ⌊p / original⌋)` after RoPE (`llama_4_scaling_beta`).
+    pub llama4_attn_scale: Option<(f64, usize)>,
+    /// Llama 4 (`attn_temperature_tuning`): the NoPE layers' query temperature
+    /// `(attn_scale, floor_scale)`: queries at position `p` are scaled by
+    /// `1 + attn_scale · ln(1 + ⌊(p + 1) / floor_scale⌋)`, computed in f32.
+    pub nope_attn_temperature: Option<(f64, f64)>,
+    /// Llama 4: each head's rotary pairs are adjacent elements (`[x0, x1]` = one complex number,
+    /// as Meta's checkpoints hold q/k rows and `torch.view_as_complex` reads them) instead of
+    /// transformers' two halves.
+    pub rope_interleaved: bool,
+    /// Llama 4 (`use_qk_norm`): the RoPE layers' queries and keys are L2-normalized per head
+    /// (an RMSNorm without weight, `rms_norm_eps`) after RoPE.
+    pub rope_layer_qk_l2_norm: bool,
+    /// Llama 4 (`attention_chunk_size`): per layer, the chunk length its attention is confined to
+    /// (a query sees the earlier keys of its own chunk of positions); `None` = full attention.
+    pub layer_attention_chunks: Vec<Option<usize>>,
+    /// Llama 4's checkpoint names: the MLP is `feed_forward` (`feed_forward.router`, the experts
+    /// fused as `feed_forward.experts.gate_up_proj` `[experts, hidden, 2 × inter]` and
+    /// `feed_forward.experts.down_proj` `[experts, inter, hidden]`); the decoder holds them as
+    /// `mlp.gate` and separate experts, see [`ModelConfig::text_model_name`].
+    pub llama4_names: bool,
+    /// Gemma 2/3 ("sandwich" norms): each block's output is normalized before the residual add
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
+    /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
+    pub sandwich_norms: bool,
+    /// The parameter name of the layer's `post_attention_layernorm` tensor:
+    /// `post_attention_layernorm.weight`, but VaultGemma's MLP pre-norm (Gemma 2's layer without
+    /// its two post-norms) is `pre_feedforward_layernorm.weight`.
+    pub post_attention_norm_name: &'static str,
+    /// Gemma 2/3: attention scores are scaled by `query_pre_attn_scalar^-0.5` instead of
+    /// `head_dim^-0.5`.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 2: attention scores become `cap · tanh(score / cap)` before the mask.
+    pub attn_logit_softcapping: Option<f64>,
+    /// Gemma 2: the output logits become `cap · tanh(logit / cap)`.
+    pub final_logit_softcapping: Option<f64>,
+    /// Gemma 3: the rotary embedding of the sliding-attention layers (`rope_local_base_freq`);
+    /// the layers marked in [`ModelConfig::local_rope_layers`] use it instead of `rope`.
+    pub local_rope: Option<RopeConfig>,
+    /// Per layer: whether it uses [`ModelConfig::local_rope`] (Gemma 3's sliding-attention layers).
+    pub local_rope_layers: Vec<bool>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub pad_token_id: Option<u32>,
+    /// The checkpoint is a multimodal Gemma 3 or Mistral 3 (`model_type: gemma3` / `mistral3`) and
+    /// this is its text model: its tensors are read from `language_model.*` /
+    /// `model.language_model.*`, the vision tower is left out, the output head is tied exactly
+    /// when the checkpoint has no `lm_head`, and what is saved is the text model
+    /// (`Gemma3ForCausalLM`, `MistralForCausalLM`, ...).
+    pub text_of_multimodal: bool,
+    /// Llama 3.2 Vision's layers (`mllama`, `mllama_text_model`); `None` for other models.
+    pub mllama: Option<MllamaLayers>,
+    /// Gemma 4's per-layer structure; `None` for other models.
+    pub gemma4: Option<Gemma4Layers>,
+    /// A `*ForSequenceClassification` checkpoint (a reward or value model): its output head is
+    /// `score` (`[num_labels, hidden]`, no bias, never tied), giving this many outputs per
+    /// position instead of vocabulary logits.
+    pub score_labels: Option<usize>,
+    /// The original config.json object, written back unchanged (but for dtype) when we save models;
+    /// for a multimodal checkpoint, its text model's config.
+    pub raw: Value,
+}
+
+impl ModelConfig {
+    /// Reads `config.json` from an HF checkpoint folder (or the file itself).
+    pub fn from_hf_file(path: &Path) -> Result<Self, ModelError> {
+        let file = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
+        let text = std::fs::read_to_string(&file)
+            .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::file(&file, format!("invalid JSON: {e}")))?;
+        Self::from_hf_json(&value).map_err(|msg| ModelError::file(&file, msg))
+    }
+
+    /// Builds the config from a parsed HF `config.json` object.
+    pub fn from_hf_json(value: &Value) -> Result<Self, String> {
+        let top = value.as_object().ok_or("config must be a JSON object")?;
+        let top_type = get_str(top, "model_type")?;
+        if let Some(multimodal) = top_type.and_then(family::multimodal) {
+            let text_types = multimodal.text_types;
+            let mut text = multimodal_text_config(top, multimodal)?;
+            let mllama = match text_types[0] {
+                family::llama::MLLAMA_TEXT => Some(MllamaLayers {
+                    cross_attention_layers: family::llama::mllama_text_layers(&mut text)?,
+                    text_prefix: if top_type == Some("mllama") {
+                        "model.language_model."
+                    } else {
+                        "model."
+                    },
+                }),
+                _ => None,
+            };
+            let mut config = Self::from_hf_json(&Value::Object(text))?;
+            config.text_of_multimodal = true;
+            config.mllama = mllama;
+            return Ok(config);
+        }
+        let with_defaults;
+        let obj = match family::config_defaults(get_str(top, "model_type")?.unwrap_or("")) {
+            [] => top,
+            defaults => {
+                // transformers fills keys a config leaves out from the family's config class;
+                // Gemma 3's multimodal configs leave out most of their text model's.
+                let mut filled = top.clone();
+                for (key, default) in defaults {
+                    filled.entry(*key).or_insert_with(|| default.clone());
+                }
+                with_defaults = filled;
+                &with_defaults
+            }
+        };
+        let model_type = get_str(obj, "model_type")?
+            .ok_or("missing key 'model_type'")?
+            .to_string();
+        let Some((family, _)) = family::model_type(&model_type) else {
+            return Err(format!(
+                "unsupported model_type '{model_type}': supported model types are {}",
+                family::supported_model_types().join(", ")
+            ));
+        };
+        let rules = family.hf_config;
+        let t = model_type.as_str();
+        rules.check(t, obj)?;
+        let hidden_size = req_usize(obj, "hidden_size")?;
+        let num_attention_heads = req_usize(obj, "num_attention_heads")?;
+        let num_key_value_heads =
+            get_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let head_dim = match get_usize(obj, "head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(format!(
+                        "hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads} and head_dim is not given"
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(format!(
+                "num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"
+            ));
+        }
+        let max_position_embeddings = get_usize(obj, "max_position_embeddings")?.unwrap_or(4096);
+        let act_name = rules.activation(t, obj)?;
+        let activation = Activation::parse(act_name)
+            .ok_or_else(|| format!("unsupported activation '{act_name}' (hidden_act)"))?;
+        let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
+        let attention =
+            rules.attention_layers(t, obj, num_hidden_layers, max_position_embeddings)?;
+        let score_labels = parse_score_labels(obj)?;
+        // The Llama-like reading every family starts from; the family's `configure` sets its own
+        // switches on it.
+        let mut config = Self {
+            vocab_size: req_usize(obj, "vocab_size")?,
+            hidden_size,
+            intermediate_size: req_usize(obj, "intermediate_size")?,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6),
+            max_position_embeddings,
+            rope: attention.rope,
+            activation,
+            // A classifier's `score` head is its own matrix whatever the tying flag says.
+            tie_word_embeddings: score_labels.is_none()
+                && get_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
+            score_labels,
+            qk_norm: false,
+            norm_weight_offset_one: false,
+            scale_embeddings: false,
+            fused_projections: false,
+            layer_sliding_windows: attention.sliding_windows,
+            sandwich_norms: false,
+            post_attention_norm_name: "post_attention_layernorm.weight",
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: get_positive(obj, "attn_logit_softcapping")?,
+            final_logit_softcapping: get_positive(obj, "final_logit_softcapping")?,
+            local_rope: attention.local_rope,
+            local_rope_layers: attention.local_rope_layers,
+            text_of_multimodal: false,
+            mllama: None,
+            gemma4: None,
+            layer_norm: false,
+            parallel_block: false,
+            ungated_mlp: false,
+            moe: None,
+            rope_layers: vec![true; num_hidden_layers],
+            llama4_attn_scale: parse_llama4_attn_scale(obj)?,
+            nope_attn_temperature: None,
+            rope_interleaved: false,
+            rope_layer_qk_l2_norm: false,
+            layer_attention_chunks: vec![None; num_hidden_layers],
+            llama4_names: false,
+            bos_token_id: get_ids(obj, "bos_token_id")?.first().copied(),
+            eos_token_ids: get_ids(obj, "eos_token_id")?,
+            pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
+            model_type: model_type.clone(),
+            raw: value.clone(),
+        };
+        rules.configure(t, obj, &mut config)?;
+        if let Some(moe) = &config.moe {
+            if moe.top_k > moe.num_experts {
+                return Err(format!(
+                    "num_experts_per_tok {} is more than the {} experts",
+                    moe.top_k, moe.num_experts
+                ));
+            }
+        }
+        Ok(config)
+    }
+
+    /// The decoder's name for a tensor or module of a multimodal checkpoint, or of a PEFT adapter
+    /// of the whole model: [`crate::checkpoint::text_model_tensor`]'s, with Llama 3.2 Vision's
+    /// layers renumbered past its cross-attention layers; `None` for what text alone does not run
+    /// (the vision tower, the projector, the cross-attention layers).
+    pub fn text_model_name(&self, name: &str) -> Option<String> {
+        let name = crate::checkpoint::text_model_tensor(name)?;
+        if self.llama4_names {
+            return Some(family::llama4::decoder_name(&name));
+        }
+        let Some(mllama) = &self.mllama else {
+            return Some(name);
+        };
+        let Some((layer, rest)) = layer_and_rest(&name) else {
+            return Some(name);
+        };
+        let cross = &mllama.cross_attention_layers;
+        let before = cross.partition_point(|&c| c < layer);
+        (cross.get(before) != Some(&layer))
+            .then(|| format!("model.layers.{}.{rest}", layer - before))
+    }
+
+    /// Gemma 4's mixture of experts beside every MLP (`enable_moe_block`):
+    /// `(num_experts, top_k_experts, moe_intermediate_size)`.
+    pub fn gemma4_moe(&self) -> Option<(usize, usize, usize)> {
+        self.gemma4.as_ref().and_then(|g| g.moe)
+    }
+
+    /// The checkpoint's name of the decoder's tensor or module `name`, the inverse of
+    /// [`ModelConfig::text_model_name`] for Llama 3.2 Vision (its layers numbered as the
+    /// checkpoint numbers them, under the checkpoint's prefix as transformers 5 names it); other
+    /// models' names are the decoder's.
+    pub fn checkpoint_name(&self, name: &str) -> String {
+        if self.llama4_names {
+            return family::llama4::checkpoint_name(name);
+        }
+        let Some(mllama) = &self.mllama else {
+            return name.to_string();
+        };
+        let Some(inner) = name.strip_prefix("model.") else {
+            return name.to_string();
+        };
+        let prefix = mllama.text_prefix;
+        match layer_and_rest(name) {
+            Some((layer, rest)) => {
+                // The layer-th text layer: skip the cross-attention layers at or before it.
+                let hf = mllama.cross_attention_layers.iter().fold(layer, |n, &c| {
+                    if c <= n {
+                        n + 1
+                    } else {
+                        n
+                    }
+                });
+                format!("{prefix}layers.{hf}.{rest}")
+            }
+            None => format!("{prefix}{inner}"),
+        }
+    }
+
+    /// An error for a sequence classifier ([`ModelConfig::score_labels`]) where a causal language
+    /// model is needed (generation, fine-tuning, evaluation): its head scores, it does not predict
+    /// tokens.
+    pub fn require_language_model(&self) -> Result<(), String> {
+        match self.score_labels {
+            Some(n) => Err(format!(
+                "this checkpoint is a sequence classifier (a `score` head with {n} label(s), e.g. \
+                 a reward model), not a causal language model"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Number of query heads per key/value head (grouped-query attention).
+    pub fn kv_groups(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// The weight of the router's auxiliary load-balancing loss in the training loss, as
+    /// transformers' MoE models add it: `router_aux_loss_coef` when `output_router_logits` is true,
+    /// the coefficient is positive and the model has sparse layers; otherwise `None`.
+    pub fn router_aux_loss_coef(&self) -> Option<f64> {
+        let Value::Object(obj) = &self.raw else {
+            return None;
+        };
+        // Llama4ForCausalLM computes no load-balancing loss, whatever its config says.
+        if self.moe.is_none()
+            || self.llama4_names
+            || obj.get("output_router_logits").and_then(Value::as_bool) != Some(true)
+        {
+            return None;
+        }
+        obj.get("router_aux_loss_coef")
+            .and_then(Value::as_f64)
+            .filter(|c| *c > 0.0)
+    }
+
+    /// Training settings of the config that ferrotune's training does not apply, one sentence
+    /// each (the recipes warn with them): router jitter, Phi-2's residual / embedding dropout, and
+    /// dropout on the attention probabilities.
+    pub fn training_caveats(&self) -> Vec<String> {
+        // `raw` is already the text model's config for a multimodal checkpoint.
+        let Value::Object(obj) = &self.raw else {
+            return Vec::new();
+        };
+        let positive = |key: &str| obj.get(key).and_then(Value::as_f64).filter(|v| *v > 0.0);
+        let mut out = Vec::new();
+        // Phi-3.5-MoE's sparsemixer.
+        if self.moe.as_ref().is_some_and(|m| m.sparse_mixer.is_some()) {
+            // There `router_jitter_noise` is the sparsemixer's masking threshold, which applies.
+            out.push(
+                "Phi-3.5-MoE's sparsemixer samples experts in transformers' training mode; \
+                 ferrotune routes training steps as in evaluation (the two top experts)"
+                    .into(),
+            );
+            if let Some(j) = positive("input_jitter_noise") {
+                out.push(format!(
+                    "input_jitter_noise {j} is not applied: the experts see their inputs unchanged"
+                ));
+            }
+        } else if let Some(j) = positive("router_jitter_noise") {
+            out.push(format!(
+                "router_jitter_noise {j} is not applied: the router sees its inputs unchanged"
+            ));
+        }
+        for key in ["resid_pdrop", "embd_pdrop", "attention_dropout"] {
+            if let Some(p) = positive(key) {
+                out.push(format!("{key} {p} (dropout) is not applied"));
+            }
+        }
+        out
+    }
+}
+
+/// The text model's config of a multimodal config (Gemma 3's or Mistral 3's
+/// `...ForConditionalGeneration`): its `text_config` with the token ids and dtype kept at the top
+/// level, as the standalone causal LM config ferrotune runs and saves. Whether the output head is
+/// tied is decided by the checkpoint's tensors when it is read (see `text_of_multimodal`).
+fn multimodal_text_config(
+    top: &Map<String, Value>,
+    multimodal: &family::Multimodal,
+) -> Result<Map<String, Value>, String> {
+    let text_types = multimodal.text_types;
+    let mut text = match top.get("text_config") {
+        Some(Value::Object(t)) => t.clone(),
+        None if get_str(top, "model_type")? == Some(family::llama::MLLAMA_TEXT) => top.clone(),
+        // The Hub's Qwen2-VL / Qwen2.5-VL configs keep the text model's keys at the top level.
+        None | Some(Value::Null) if multimodal.text_keys_at_top => {
+            let mut t = top.clone();
+            for key in ["vision_config", "model_type", "architectures"] {
+                t.remove(key);
+            }
+            t
+        }
+        None | Some(Value::Null) => Map::new(),
+        Some(_) => return Err("'text_config' must be an object".into()),
+    };
+    // Text alone puts every mrope section at the same position: plain RoPE, so the sections
+    // (and 4.x's `mrope` type) are dropped.
+    for key in ["rope_parameters", "rope_scaling"] {
+        if let Some(Value::Object(rope)) = text.get_mut(key) {
+            rope.remove("mrope_section");
+            rope.remove("mrope_interleaved");
+            for type_key in ["type", "rope_type"] {
+                if rope.get(type_key).and_then(Value::as_str) == Some("mrope") {
+                    rope.insert(type_key.into(), Value::from("default"));
+                }
+            }
+        }
+    }
+    let text_type = match get_str(&text, "model_type")? {
+        None => text_types[0],
+        Some(t) if text_types.contains(&t) => t,
+        Some(other) => {
+            return Err(format!(
+                "text_config.model_type is '{other}', expected one of {}",
+                text_types.join(", ")
+            ))
+        }
+    }
+    .to_string();
+    let family = family::text_model_type(&text_type).to_string();
+    // Every text model_type a multimodal family lists is registered (see the family tests).
+    let class = family::causal_lm_class(&family).unwrap_or_default();
+    text.insert("architectures".into(), serde_json::json!([class]));
+    for key in [
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "torch_dtype",
+        "dtype",
+    ] {
+        match (text.get(key), top.get(key)) {
+            (None | Some(Value::Null), Some(v)) if !v.is_null() => {
+                text.insert(key.into(), v.clone());
+            }
+            _ => {}
+        }
+    }
+    // Written out whole (defaults filled), so that the saved text model needs no class defaults.
+    for (key, default) in family::config_defaults(&text_type) {
+        text.entry(*key).or_insert_with(|| default.clone());
+    }
+    text.insert("model_type".into(), Value::from(family));
+    Ok(text)
+}
+
+/// `(i, rest)` of a `model.layers.{i}.{rest}` name.
+pub(crate) fn layer_and_rest(name: &str) -> Option<(usize, &str)> {
+    let (n, rest) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    Some((n.parse().ok()?, rest))
+}
+
+#[cfg(test)]
+mod tests;

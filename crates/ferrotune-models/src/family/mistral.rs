@@ -1,0 +1,73 @@
+//! Mistral AI's models: Mistral, Mixtral (sparse experts), Ministral, Ministral 3, and Mistral 3's
+//! multimodal checkpoints run as their text model.
+
+use serde_json::{Map, Value};
+
+use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
+use crate::config::hf::{get_usize, positive, req_usize};
+use crate::config::{ModelConfig, MoeConfig};
+
+/// The Mistral family.
+pub static FAMILY: Family = Family {
+    name: "Mistral",
+    model_types: &[
+        // llama.cpp runs Mistral and Mixtral as `llama` (Mixtral with experts).
+        ModelType::new("mistral", "MistralForCausalLM")
+            .gguf("llama")
+            .torchtune(TorchtuneLayout::Permuted),
+        ModelType::new("mixtral", "MixtralForCausalLM").gguf("llama"),
+        ModelType::new("ministral", "MinistralForCausalLM"),
+        ModelType::new("ministral3", "Ministral3ForCausalLM"),
+    ],
+    multimodal: &[Multimodal {
+        model_type: "mistral3",
+        text_types: &["mistral", "ministral3", "ministral"],
+        text_keys_at_top: false,
+    }],
+    text_aliases: &[],
+    config_defaults: no_defaults,
+    gguf_archs: &[GgufArch {
+        name: "mistral",
+        model_type: "mistral",
+        variants: &[],
+        permuted_qk: false,
+        norm_plus_one: false,
+    }],
+    torchtune_builders: &[(
+        "mistral",
+        &["mistral", "llama", "mixtral", "ministral", "ministral3"],
+    )],
+    hf_config: &MistralRules,
+};
+
+/// Mistral's reading of its configs: Llama's, and Mixtral's experts.
+#[derive(Debug)]
+struct MistralRules;
+
+impl HfConfig for MistralRules {
+    fn configure(
+        &self,
+        model_type: &str,
+        obj: &Map<String, Value>,
+        c: &mut ModelConfig,
+    ) -> Result<(), String> {
+        if model_type == "mixtral" {
+            c.moe = Some(MoeConfig {
+                num_experts: match get_usize(obj, "num_local_experts")? {
+                    Some(_) => positive(obj, "num_local_experts", 0)?,
+                    None => positive(obj, "num_experts", 8)?,
+                },
+                top_k: positive(obj, "num_experts_per_tok", 2)?,
+                norm_topk_prob: true,
+                expert_intermediate_size: req_usize(obj, "intermediate_size")?,
+                shared_expert_intermediate_size: None,
+                f32_routing_weights: true,
+                sigmoid_input_routing: false,
+                mixtral_names: true,
+                sparse_layers: vec![true; c.num_hidden_layers],
+                sparse_mixer: None,
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,153 @@
+//! Microsoft's Phi models: Phi-1.5 / Phi-2 (`phi`: LayerNorm with biases, attention and MLP in
+//! parallel), Phi-3 / Phi-4 (`phi3`: fused projections) and Phi-3.5-MoE (`phimoe`).
+
+use std::sync::OnceLock;
+
+use serde_json::{Map, Value};
+
+use super::{AttentionLayers, Family, GgufArch, HfConfig, ModelType, TorchtuneLayout};
+use crate::config::hf::{
+    get_bool, get_f64, parse_rope, parse_sliding_windows, positive, req_usize, WindowStyle,
+};
+use crate::config::{ModelConfig, MoeConfig, SparseMixer};
+
+/// The Phi family.
+pub static FAMILY: Family = Family {
+    name: "Phi",
+    model_types: &[
+        ModelType::new("phi3", "Phi3ForCausalLM")
+            .gguf("phi3")
+            .torchtune(TorchtuneLayout::SplitFused),
+        ModelType::new("phi", "PhiForCausalLM").gguf("phi2"),
+        ModelType::new("phimoe", "PhimoeForCausalLM"),
+    ],
+    multimodal: &[],
+    text_aliases: &[],
+    config_defaults,
+    gguf_archs: &[
+        GgufArch {
+            name: "phi3",
+            model_type: "phi3",
+            variants: &[],
+            permuted_qk: false,
+            norm_plus_one: false,
+        },
+        GgufArch {
+            name: "phi2",
+            model_type: "phi",
+            variants: &[],
+            permuted_qk: false,
+            norm_plus_one: false,
+        },
+    ],
+    torchtune_builders: &[
+        ("phi3", &["phi3", "phimoe"]),
+        ("phi2", &["phi"]),
+        ("phi4", &["phi3"]),
+    ],
+    hf_config: &PhiRules,
+};
+
+/// Phi's reading of its configs.
+#[derive(Debug)]
+struct PhiRules;
+
+impl HfConfig for PhiRules {
+    fn check(&self, model_type: &str, obj: &Map<String, Value>) -> Result<(), String> {
+        super::refuse_bidirectional(obj)?;
+        if model_type == "phi" && get_bool(obj, "qk_layernorm")?.unwrap_or(false) {
+            return Err(
+                "'qk_layernorm' true (per-head LayerNorm of queries and keys) is not supported"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Phi-3.5-MoE: `PhimoeConfig`'s `default_theta` is 1e6, and its longrope has mscales.
+    fn attention_layers(
+        &self,
+        model_type: &str,
+        obj: &Map<String, Value>,
+        layers: usize,
+        max_pos: usize,
+    ) -> Result<AttentionLayers, String> {
+        if model_type != "phimoe" {
+            return AttentionLayers::single(obj, layers, max_pos, 10000.0, WindowStyle::Listed);
+        }
+        Ok(AttentionLayers {
+            rope: parse_rope(obj, max_pos, 1_000_000.0, true)?,
+            local_rope: None,
+            sliding_windows: parse_sliding_windows(obj, layers, WindowStyle::Listed)?,
+            local_rope_layers: vec![false; layers],
+        })
+    }
+
+    fn configure(
+        &self,
+        model_type: &str,
+        obj: &Map<String, Value>,
+        c: &mut ModelConfig,
+    ) -> Result<(), String> {
+        match model_type {
+            // Phi-1.5 / Phi-2: LayerNorm with biases (`layer_norm_eps`), attention and MLP in
+            // parallel, an ungated MLP.
+            "phi" => {
+                c.rms_norm_eps = get_f64(obj, "layer_norm_eps")?.unwrap_or(1e-5);
+                c.layer_norm = true;
+                c.parallel_block = true;
+                c.ungated_mlp = true;
+            }
+            "phi3" => c.fused_projections = true,
+            "phimoe" => {
+                // Phi-3.5-MoE's LayerNorms take `rms_norm_eps` (PhimoeConfig's default 1e-5).
+                c.rms_norm_eps = get_f64(obj, "rms_norm_eps")?.unwrap_or(1e-5);
+                c.layer_norm = true;
+                c.moe = Some(parse_moe(obj, c.num_hidden_layers)?);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Phi-3.5-MoE's experts, routed by the sparsemixer.
+fn parse_moe(obj: &Map<String, Value>, layers: usize) -> Result<MoeConfig, String> {
+    let num_experts = positive(obj, "num_local_experts", 16)?;
+    if num_experts < 2 {
+        return Err(
+            "'num_local_experts' must be at least 2: Phi-3.5-MoE's router always picks two experts"
+                .into(),
+        );
+    }
+    Ok(MoeConfig {
+        num_experts,
+        // The sparsemixer always picks two; `num_experts_per_tok` only sets how many the
+        // router's auxiliary loss counts, as in transformers.
+        top_k: positive(obj, "num_experts_per_tok", 2)?,
+        norm_topk_prob: false,
+        expert_intermediate_size: req_usize(obj, "intermediate_size")?,
+        shared_expert_intermediate_size: None,
+        f32_routing_weights: false,
+        sigmoid_input_routing: false,
+        mixtral_names: true,
+        sparse_layers: vec![true; layers],
+        sparse_mixer: Some(SparseMixer {
+            jitter_eps: get_f64(obj, "router_jitter_noise")?.unwrap_or(0.01),
+        }),
+    })
+}
+
+/// `PhiConfig` gives partial_rotary_factor 0.5 when a config has none.
+fn config_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
+    static PHI: OnceLock<Vec<(&str, Value)>> = OnceLock::new();
+    match model_type {
+        "phi" => PHI.get_or_init(|| {
+            vec![
+                ("partial_rotary_factor", Value::from(0.5)),
+                ("hidden_act", Value::from("gelu_new")),
+            ]
+        }),
+        _ => &[],
+    }
+}

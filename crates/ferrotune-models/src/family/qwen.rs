@@ -1,0 +1,139 @@
+//! Qwen 2, 2.5 and 3, dense and sparse (Qwen2-MoE, Qwen3-MoE), and the Qwen VL checkpoints run as
+//! their text model (their multimodal rope is plain RoPE on text alone).
+
+use serde_json::{Map, Value};
+
+use super::{
+    no_defaults, AttentionLayers, Family, GgufArch, HfConfig, ModelType, Multimodal,
+    TorchtuneLayout,
+};
+use crate::config::hf::{get_bool, get_usize, layer_list, positive, WindowStyle};
+use crate::config::{ModelConfig, MoeConfig};
+
+/// The Qwen family.
+pub static FAMILY: Family = Family {
+    name: "Qwen",
+    model_types: &[
+        ModelType::new("qwen2", "Qwen2ForCausalLM")
+            .gguf("qwen2")
+            .torchtune(TorchtuneLayout::Plain),
+        ModelType::new("qwen3", "Qwen3ForCausalLM").gguf("qwen3"),
+        ModelType::new("qwen2_moe", "Qwen2MoeForCausalLM").gguf("qwen2moe"),
+        ModelType::new("qwen3_moe", "Qwen3MoeForCausalLM").gguf("qwen3moe"),
+    ],
+    multimodal: &[
+        Multimodal {
+            model_type: "qwen2_vl",
+            text_types: &["qwen2_vl_text"],
+            text_keys_at_top: true,
+        },
+        Multimodal {
+            model_type: "qwen2_5_vl",
+            text_types: &["qwen2_5_vl_text"],
+            text_keys_at_top: true,
+        },
+        Multimodal {
+            model_type: "qwen3_vl",
+            text_types: &["qwen3_vl_text"],
+            text_keys_at_top: true,
+        },
+    ],
+    // Qwen2-VL's and Qwen2.5-VL's text models are Qwen2's, Qwen3-VL's is Qwen3's.
+    text_aliases: &[
+        ("qwen2_vl_text", "qwen2"),
+        ("qwen2_5_vl_text", "qwen2"),
+        ("qwen3_vl_text", "qwen3"),
+    ],
+    config_defaults: no_defaults,
+    gguf_archs: &[
+        plain_arch("qwen2", "qwen2"),
+        plain_arch("qwen3", "qwen3"),
+        plain_arch("qwen2moe", "qwen2_moe"),
+        plain_arch("qwen3moe", "qwen3_moe"),
+    ],
+    torchtune_builders: &[
+        ("qwen2", &["qwen2", "qwen2_moe"]),
+        ("qwen2_5", &["qwen2"]),
+        ("qwen3", &["qwen3", "qwen3_moe"]),
+    ],
+    hf_config: &QwenRules,
+};
+
+/// Qwen's reading of its configs.
+#[derive(Debug)]
+struct QwenRules;
+
+impl HfConfig for QwenRules {
+    /// Qwen slides only when `use_sliding_window` is set, and then from `max_window_layers` on.
+    fn attention_layers(
+        &self,
+        _model_type: &str,
+        obj: &Map<String, Value>,
+        layers: usize,
+        max_pos: usize,
+    ) -> Result<AttentionLayers, String> {
+        AttentionLayers::single(obj, layers, max_pos, 10000.0, WindowStyle::Gated)
+    }
+
+    fn configure(
+        &self,
+        model_type: &str,
+        obj: &Map<String, Value>,
+        c: &mut ModelConfig,
+    ) -> Result<(), String> {
+        // Qwen3: RMSNorm over each query and key head before RoPE.
+        c.qk_norm = matches!(model_type, "qwen3" | "qwen3_moe");
+        if matches!(model_type, "qwen2_moe" | "qwen3_moe") {
+            c.moe = Some(parse_moe(
+                obj,
+                model_type == "qwen2_moe",
+                c.num_hidden_layers,
+            )?);
+        }
+        Ok(())
+    }
+}
+
+/// Qwen2-MoE's and Qwen3-MoE's experts (`qwen2`: Qwen2-MoE's defaults and shared expert), with
+/// transformers' defaults for keys left out.
+fn parse_moe(obj: &Map<String, Value>, qwen2: bool, layers: usize) -> Result<MoeConfig, String> {
+    let step = positive(obj, "decoder_sparse_step", 1)?;
+    let dense = layer_list(obj, "mlp_only_layers")?;
+    Ok(MoeConfig {
+        // Hub configs name it `num_experts`; transformers 5 writes `num_local_experts`.
+        num_experts: match get_usize(obj, "num_experts")? {
+            Some(_) => positive(obj, "num_experts", 0)?,
+            None => positive(obj, "num_local_experts", if qwen2 { 60 } else { 128 })?,
+        },
+        top_k: positive(obj, "num_experts_per_tok", if qwen2 { 4 } else { 8 })?,
+        norm_topk_prob: get_bool(obj, "norm_topk_prob")?.unwrap_or(false),
+        expert_intermediate_size: positive(
+            obj,
+            "moe_intermediate_size",
+            if qwen2 { 1408 } else { 768 },
+        )?,
+        shared_expert_intermediate_size: if qwen2 {
+            Some(positive(obj, "shared_expert_intermediate_size", 5632)?)
+        } else {
+            None
+        },
+        f32_routing_weights: false,
+        sigmoid_input_routing: false,
+        mixtral_names: false,
+        sparse_layers: (0..layers)
+            .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+            .collect(),
+        sparse_mixer: None,
+    })
+}
+
+/// A llama.cpp architecture stored as transformers holds it (no permutation, no norm offset).
+const fn plain_arch(name: &'static str, model_type: &'static str) -> GgufArch {
+    GgufArch {
+        name,
+        model_type,
+        variants: &[],
+        permuted_qk: false,
+        norm_plus_one: false,
+    }
+}

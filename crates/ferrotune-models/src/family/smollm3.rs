@@ -1,0 +1,55 @@
+//! SmolLM3: Llama's layout with every fourth layer without RoPE (`no_rope_layers`).
+
+use serde_json::{Map, Value};
+
+use super::{no_defaults, AttentionLayers, Family, GgufArch, HfConfig, ModelType};
+use crate::config::hf::{parse_rope_layers, WindowStyle};
+use crate::config::ModelConfig;
+
+/// The SmolLM3 family.
+pub static FAMILY: Family = Family {
+    name: "SmolLM3",
+    model_types: &[ModelType::new("smollm3", "SmolLM3ForCausalLM").gguf("smollm3")],
+    multimodal: &[],
+    text_aliases: &[],
+    config_defaults: no_defaults,
+    // llama.cpp runs SmolLM3 as llama with every fourth layer without RoPE (fixed there, and
+    // SmolLM3Config's default); convert_hf_to_gguf.py's SmolLM3 is its llama converter, so the
+    // q/k rows are permuted as Llama's.
+    gguf_archs: &[GgufArch {
+        name: "smollm3",
+        model_type: "smollm3",
+        variants: &[],
+        permuted_qk: true,
+        norm_plus_one: false,
+    }],
+    torchtune_builders: &[("smollm3", &["smollm3"])],
+    hf_config: &SmolLm3Rules,
+};
+
+/// SmolLM3's reading of its config.
+#[derive(Debug)]
+struct SmolLm3Rules;
+
+impl HfConfig for SmolLm3Rules {
+    /// Like Qwen's: windows only with `use_sliding_window`.
+    fn attention_layers(
+        &self,
+        _model_type: &str,
+        obj: &Map<String, Value>,
+        layers: usize,
+        max_pos: usize,
+    ) -> Result<AttentionLayers, String> {
+        AttentionLayers::single(obj, layers, max_pos, 10000.0, WindowStyle::Gated)
+    }
+
+    fn configure(
+        &self,
+        _model_type: &str,
+        obj: &Map<String, Value>,
+        c: &mut ModelConfig,
+    ) -> Result<(), String> {
+        c.rope_layers = parse_rope_layers(obj, c.num_hidden_layers, false)?;
+        Ok(())
+    }
+}
