@@ -11,6 +11,8 @@ use super::decode_step;
 /// positions. The decode step ([`CausalLm::decode_step`]) instead keeps fixed-capacity buffers and
 /// writes each new position in place (no copy of the whole cache per token); the forward turns
 /// those back into exact entries when it runs next.
+///
+/// [`CausalLm::decode_step`]: super::CausalLm::decode_step
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     pub(super) layers: Vec<Option<(Tensor, Tensor)>>,

@@ -41,6 +41,8 @@ pub struct DecoderLayer {
     pub use_rope: bool,
     /// The parameter name of `post_attention_layernorm`'s tensor
     /// ([`ModelConfig::post_attention_norm_name`]).
+    ///
+    /// [`ModelConfig::post_attention_norm_name`]: crate::config::ModelConfig::post_attention_norm_name
     pub post_attention_norm_name: &'static str,
     /// Gemma 4's per-layer input block.
     pub per_layer_input: Option<PerLayerInputBlock>,
@@ -255,7 +257,11 @@ impl CausalLm {
     /// Gemma 4's per-layer inputs `[b, t, layers, per_layer_dim]` from the input ids and their
     /// (scaled) embeddings `embeds`, as transformers makes them: `(norm(projection(embeds) ·
     /// hidden^-½) + table[ids] · √per_layer_dim) · 2^-½`.
-    pub(super) fn per_layer_inputs(&self, input_ids: &Tensor, embeds: &Tensor) -> CResult<Option<Tensor>> {
+    pub(super) fn per_layer_inputs(
+        &self,
+        input_ids: &Tensor,
+        embeds: &Tensor,
+    ) -> CResult<Option<Tensor>> {
         let Some(ple) = &self.per_layer_embedding else {
             return Ok(None);
         };

@@ -178,7 +178,11 @@ impl CausalLm {
     }
 
     /// [`CausalLm::layer_inputs`] built on `device`.
-    pub(super) fn layer_inputs_on(&self, layout: &AttentionLayout, device: &Device) -> CResult<LayerInputs> {
+    pub(super) fn layer_inputs_on(
+        &self,
+        layout: &AttentionLayout,
+        device: &Device,
+    ) -> CResult<LayerInputs> {
         let location = device.location();
         let mut cache = self.inputs_cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((l, d, inputs)) = cache.as_ref() {

@@ -201,6 +201,8 @@ pub enum QkvProjection {
     },
     /// Gemma 4's KV-sharing layers: queries only; keys and values come from an earlier layer
     /// ([`Attention::kv_source`]).
+    ///
+    /// [`Attention::kv_source`]: super::Attention::kv_source
     QueryOnly {
         q_proj: Linear,
     },

@@ -3,8 +3,8 @@
 //! the same code serves generation and training.
 //!
 //! [`CausalLm`] is the model: embeddings, [`DecoderLayer`]s, final norm and output head. Its
-//! struct, accessors, forward and placement over devices ([`CausalLm::dispatch`]) live here; the
-//! rest by concern:
+//! struct, accessors, forward and placement over devices ([`CausalLm::dispatch`]) live here, with
+//! the helpers several files share; the rest by concern:
 //! - `linear`: [`Linear`], [`FakeQuant`], [`QkvProjection`], [`GateUpProjection`], NF4
 //!   quantization of the base ([`Nf4Summary`]);
 //! - `cache`: [`KvCache`];
@@ -39,9 +39,9 @@ mod load;
 mod mlp;
 mod moe;
 
-pub(crate) use attention::{llama4_query_scale, nope_query_temperature};
-use attention::QueryScale;
 pub use attention::Attention;
+use attention::QueryScale;
+pub(crate) use attention::{llama4_query_scale, nope_query_temperature};
 pub use cache::KvCache;
 pub use layer::{
     DecoderLayer, LayerPartsMut, PerLayerEmbedding, PerLayerInputBlock, PER_LAYER_NORM,

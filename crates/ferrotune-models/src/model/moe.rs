@@ -505,6 +505,8 @@ fn sparse_mixer_route(logits: &Tensor, mixer: &SparseMixer) -> CResult<(Vec<u32>
 
 #[cfg(test)]
 mod tests {
+    use candle_core::Device;
+
     use super::*;
 
     /// The sparsemixer against transformers 5.23's `sparsemixer(scores, 0.1, training=False)` on
