@@ -1,0 +1,159 @@
+//! The KV cache ([`KvCache`]): exact entries the forward appends to, or fixed-capacity buffers
+//! the decode step writes in place.
+
+use candle_core::{DType, Device, Result as CResult, Tensor};
+
+use super::decode_step;
+
+/// Keys and values of earlier positions, per layer: `[batch, kv_heads, positions, head_dim]`.
+///
+/// The forward pass appends to it by concatenation, so each entry holds exactly the cached
+/// positions. The decode step ([`CausalLm::decode_step`]) instead keeps fixed-capacity buffers and
+/// writes each new position in place (no copy of the whole cache per token); the forward turns
+/// those back into exact entries when it runs next.
+///
+/// [`CausalLm::decode_step`]: super::CausalLm::decode_step
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    pub(super) layers: Vec<Option<(Tensor, Tensor)>>,
+    /// While the entries are fixed-capacity buffers: how many positions are filled.
+    pub(super) filled: Option<usize>,
+    /// The decode step recorded as a graph for these buffers (see `CausalLm::decode_step`).
+    pub(super) graph: decode_step::Recorded,
+    /// The buffers, rows and first keys the last eager decode step ran on: the next step on the
+    /// same ones is recorded.
+    pub(super) warm: Option<decode_step::GraphKey>,
+    /// How recorded steps replay.
+    pub(super) replay: decode_step::Replay,
+}
+
+/// Fixed-capacity buffers grow in steps of this many positions (and at least double).
+const KV_CAPACITY_STEP: usize = 256;
+
+impl KvCache {
+    /// An empty cache for `num_layers` layers.
+    pub fn new(num_layers: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+            ..Self::default()
+        }
+    }
+
+    /// Tests: decode steps go through the graph bookkeeping on any device, each replay emulated
+    /// by running the step's ops again on the recorded buffers with the position they were
+    /// recorded at, so that everything a replayed CUDA graph depends on (inputs copied into its
+    /// buffers, the position read from device counters) is checked without a GPU.
+    #[doc(hidden)]
+    pub fn emulate_graph_replay(&mut self) {
+        self.replay = decode_step::Replay::Emulated;
+    }
+
+    /// Tests: decode steps on this cache are never recorded as CUDA graphs.
+    #[doc(hidden)]
+    pub fn never_record_steps(&mut self) {
+        self.replay = decode_step::Replay::Off;
+    }
+
+    /// Whether a decode step is recorded for the current buffers (tests).
+    #[doc(hidden)]
+    pub fn has_recorded_step(&self) -> bool {
+        self.graph.0.is_some()
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.filled.unwrap_or_else(|| self.capacity())
+    }
+
+    /// True when nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A cache of `rows` rows, each a copy of this cache's first row (entries exact): one shared
+    /// prefix continued `rows` ways in one batch (the evaluation harness's answer choices).
+    pub fn repeat_first_row(&self, rows: usize) -> CResult<KvCache> {
+        let filled = self.len();
+        let take = |t: &Tensor| -> CResult<Tensor> {
+            t.narrow(0, 0, 1)?
+                .narrow(2, 0, filled)?
+                .repeat((rows, 1, 1, 1))?
+                .contiguous()
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for entry in &self.layers {
+            layers.push(match entry {
+                Some((k, v)) => Some((take(k)?, take(v)?)),
+                None => None,
+            });
+        }
+        Ok(KvCache {
+            layers,
+            ..KvCache::default()
+        })
+    }
+
+    /// Positions the entries can hold without growing (their length when they are exact).
+    fn capacity(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+    }
+
+    /// Makes every entry hold exactly the filled positions again (what concatenation expects).
+    pub(super) fn make_exact(&mut self) -> CResult<()> {
+        // A recorded step wrote into the buffers being replaced.
+        self.graph = Default::default();
+        self.warm = None;
+        if let Some(filled) = self.filled.take() {
+            for (k, v) in self.layers.iter_mut().flatten() {
+                *k = k.narrow(2, 0, filled)?.contiguous()?;
+                *v = v.narrow(2, 0, filled)?.contiguous()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Turns the entries into fixed-capacity buffers with room for at least `needed` positions
+    /// (contents kept); `shape` is `(batch, kv_heads, head_dim)` for entries not created yet.
+    pub(super) fn reserve(
+        &mut self,
+        needed: usize,
+        shape: (usize, usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> CResult<()> {
+        let filled = self.len();
+        let capacity = self.capacity();
+        if self.filled.is_some() && capacity >= needed {
+            return Ok(());
+        }
+        let grown = if self.filled.is_some() {
+            2 * capacity
+        } else {
+            0
+        };
+        let new_capacity = needed.max(grown).next_multiple_of(KV_CAPACITY_STEP);
+        // New buffers: a recorded step wrote into the old ones.
+        self.graph = Default::default();
+        self.warm = None;
+        let (batch, kv_heads, head_dim) = shape;
+        let widen = |t: Option<&Tensor>| -> CResult<Tensor> {
+            let buffer = Tensor::zeros((batch, kv_heads, new_capacity, head_dim), dtype, device)?;
+            if let Some(t) = t {
+                buffer.slice_set(&t.narrow(2, 0, filled)?.contiguous()?, 2, 0)?;
+            }
+            Ok(buffer)
+        };
+        for entry in self.layers.iter_mut() {
+            let (k, v) = match entry.as_ref() {
+                Some((k, v)) => (widen(Some(k))?, widen(Some(v))?),
+                None => (widen(None)?, widen(None)?),
+            };
+            *entry = Some((k, v));
+        }
+        self.filled = Some(filled);
+        Ok(())
+    }
+}
