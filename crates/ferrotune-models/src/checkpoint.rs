@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
+pub use crate::family::read::text_model_tensor;
 use crate::gguf::PackedWeights;
 use crate::model::CausalLm;
 use crate::{torch_pickle, torchtune_names};
@@ -275,39 +276,6 @@ pub fn read_safetensors(
     device: &Device,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
     read_safetensors_renamed(files, dtype, device, &|name| Some(name.to_string()))
-}
-
-/// The HF name inside the text model of a multimodal (Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL,
-/// Qwen3-VL, Llama 3.2 Vision) model's tensor or module, or `None` for the vision tower and
-/// projector (Qwen's `visual.*` / `model.visual.*`, Mllama's `vision_model.*`): transformers 4.5x
-/// names them `language_model.model.*` and `language_model.lm_head.*`, transformers 5
-/// `model.language_model.*` and `lm_head.*`; names already in the text model's form stay. Serves
-/// checkpoints and PEFT adapters of the whole model alike; Llama 3.2 Vision's layers are
-/// renumbered on top of this by [`ModelConfig::text_model_name`].
-pub fn text_model_tensor(name: &str) -> Option<String> {
-    if let Some(rest) = name
-        .strip_prefix("language_model.model.")
-        .or_else(|| name.strip_prefix("model.language_model."))
-    {
-        return Some(format!("model.{rest}"));
-    }
-    if let Some(rest) = name.strip_prefix("language_model.lm_head.") {
-        return Some(format!("lm_head.{rest}"));
-    }
-    let vision = [
-        "model.vision_tower.",
-        "model.vision_model.",
-        "model.multi_modal_projector.",
-        "model.visual.",
-        // Gemma 4's audio tower and the embedders of image and audio features.
-        "model.audio_tower.",
-        "model.embed_vision.",
-        "model.embed_audio.",
-    ]
-    .iter()
-    .any(|p| name.starts_with(p));
-    let text = name.starts_with("lm_head.") || name.starts_with("model.");
-    (text && !vision).then(|| name.to_string())
 }
 
 /// A multimodal text model's embedding rows past `vocab_size` (Llama 3.2 Vision's 8 image-token

@@ -5,12 +5,13 @@ use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 
+use super::read::layer_and_rest;
 use super::{Family, HfConfig, ModelType, Multimodal};
 use crate::config::hf::{
     get_bool, get_f64, get_positive, get_usize, layer_list, layer_types_marking, parse_rope_layers,
     positive, req_usize,
 };
-use crate::config::{layer_and_rest, ModelConfig, MoeConfig};
+use crate::config::{ModelConfig, MoeConfig};
 
 /// The Llama 4 family.
 pub static FAMILY: Family = Family {

@@ -20,6 +20,7 @@ pub mod llama4;
 pub mod mistral;
 pub mod phi;
 pub mod qwen;
+pub mod read;
 pub mod smollm3;
 
 use serde_json::{Map, Value};

@@ -1,5 +1,6 @@
-//! `ModelConfig::from_hf_json` on each family's configs.
+//! Reading `config.json` on each family's configs.
 use super::*;
+use crate::config::RopeScaling;
 use serde_json::json;
 
 fn base() -> Value {
