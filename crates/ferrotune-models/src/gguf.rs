@@ -30,6 +30,7 @@ use serde_json::{json, Map, Value};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::family;
+use crate::family::gguf::{GgufHParams, GgufMetadata, GgufNames, GgufReading, GgufRopeTensors};
 
 /// Loads a llama.cpp GGUF (v2/v3) model: config from metadata, tensors dequantized to `dtype` on `device`, named as in HF checkpoints.
 ///
@@ -274,6 +275,35 @@ struct GgufFile<'a> {
     reader: BufReader<File>,
     len: u64,
     content: Content,
+}
+
+/// What a family's [`GgufReading`] reads of the file.
+impl GgufMetadata for GgufFile<'_> {
+    fn arch(&self) -> &str {
+        match self.meta("general.architecture") {
+            Some(GgufValue::String(s)) => s,
+            _ => "",
+        }
+    }
+
+    fn uint(&self, key: &str) -> Result<Option<u64>, ModelError> {
+        GgufFile::uint(self, key)
+    }
+
+    fn float(&self, key: &str) -> Result<Option<f64>, ModelError> {
+        GgufFile::float(self, key)
+    }
+
+    fn flag(&self, key: &str) -> Option<bool> {
+        match self.meta(key) {
+            Some(GgufValue::Bool(b)) => Some(*b),
+            _ => None,
+        }
+    }
+
+    fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
 }
 
 impl<'a> GgufFile<'a> {
@@ -544,7 +574,7 @@ impl<'a> GgufFile<'a> {
         c.insert("rms_norm_eps".into(), json!(hp.rms_eps));
         c.insert("rope_theta".into(), json!(hp.rope_theta));
         if hp.rope_dims != hp.head_dim {
-            if !matches!(arch.model_type, "phi3" | "phi") {
+            if !arch.reading.partial_rotary {
                 return Err(self.err(format!(
                     "{a}.rope.dimension_count is {} but the head dimension is {}: partial rotary embeddings are only supported for phi2 and phi3",
                     hp.rope_dims, hp.head_dim
@@ -558,96 +588,13 @@ impl<'a> GgufFile<'a> {
         if let Some(scaling) = self.rope_scaling(arch, hp)? {
             c.insert("rope_scaling".into(), scaling);
         }
-        if arch.model_type.starts_with("gemma") {
-            c.insert("hidden_act".into(), json!("gelu_pytorch_tanh"));
-            c.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
-        } else if arch.model_type == "phi" {
-            c.insert("hidden_act".into(), json!("gelu_new"));
-        } else {
-            c.insert("hidden_act".into(), json!("silu"));
+        for (key, act) in arch.reading.activation {
+            c.insert((*key).into(), json!(act));
         }
         // As transformers decides: tied exactly when there is no separate output matrix.
         let tied = !self.content.tensor_infos.contains_key("output.weight");
         c.insert("tie_word_embeddings".into(), json!(tied));
-        match arch.model_type {
-            "llama" | "mistral" => {
-                let bias = self.content.tensor_infos.contains_key("blk.0.attn_q.bias");
-                c.insert("attention_bias".into(), json!(bias));
-                c.insert("mlp_bias".into(), json!(false));
-                // llama.cpp runs these with full attention whatever the original config said.
-                if arch.model_type == "mistral" {
-                    c.insert("sliding_window".into(), Value::Null);
-                }
-            }
-            "qwen2" | "qwen3" => {
-                c.insert("use_sliding_window".into(), json!(false));
-            }
-            "mixtral" => {
-                c.insert("num_local_experts".into(), json!(hp.experts));
-                c.insert("num_experts_per_tok".into(), json!(hp.experts_used));
-                c.insert("sliding_window".into(), Value::Null);
-            }
-            "qwen2_moe" | "qwen3_moe" => {
-                c.insert("num_experts".into(), json!(hp.experts));
-                c.insert("num_experts_per_tok".into(), json!(hp.experts_used));
-                c.insert("moe_intermediate_size".into(), json!(hp.expert_ffn));
-                if let Some(shared) = hp.shared_ffn {
-                    c.insert("shared_expert_intermediate_size".into(), json!(shared));
-                }
-                // llama.cpp renormalizes the top-k weights for Qwen3-MoE and not for Qwen2-MoE
-                // (what the released configs say), unless the file says otherwise.
-                let norm = match self.meta(&format!("{a}.expert_weights_norm")) {
-                    Some(GgufValue::Bool(b)) => *b,
-                    _ => arch.model_type == "qwen3_moe",
-                };
-                c.insert("norm_topk_prob".into(), json!(norm));
-                c.insert("decoder_sparse_step".into(), json!(1));
-                let dense: Vec<usize> = (0..hp.layers).filter(|&i| !hp.sparse_layers[i]).collect();
-                c.insert("mlp_only_layers".into(), json!(dense));
-                c.insert("use_sliding_window".into(), json!(false));
-            }
-            "phi" => {
-                c.insert("layer_norm_eps".into(), json!(hp.rms_eps));
-                c.insert("qk_layernorm".into(), json!(false));
-            }
-            "phi3" => {
-                if let Some(w) = self.uint(&format!("{a}.attention.sliding_window"))? {
-                    c.insert("sliding_window".into(), json!(w));
-                }
-            }
-            "gemma2" | "gemma3_text" => {
-                let window = self.uint(&format!("{a}.attention.sliding_window"))?;
-                c.insert("sliding_window".into(), json!(window));
-                // GGUF has no query_pre_attn_scalar: llama.cpp scales by the head size, but by
-                // hidden / heads for the 27B models (46 and 62 layers), which is what their HF
-                // configs say too.
-                let is_27b = matches!(
-                    (arch.model_type, hp.layers),
-                    ("gemma2", 46) | ("gemma3_text", 62)
-                );
-                let scalar = if is_27b {
-                    hp.hidden / hp.heads
-                } else {
-                    hp.head_dim
-                };
-                c.insert("query_pre_attn_scalar".into(), json!(scalar));
-                if arch.model_type == "gemma2" {
-                    // llama.cpp writes the caps; transformers' defaults (50, 30) otherwise.
-                    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
-                        if let Some(cap) = self.float(&format!("{a}.{key}"))? {
-                            c.insert(key.into(), json!(cap));
-                        }
-                    }
-                }
-                // Gemma 3: llama.cpp's local rope base is fixed at 10000 and its pattern at 6
-                // (Gemma3TextConfig's defaults) unless the file says otherwise; `rope_scaling`
-                // (linear, 4B+) applies to the global layers.
-                if let Some(p) = self.uint(&format!("{a}.attention.sliding_window_pattern"))? {
-                    c.insert("sliding_window_pattern".into(), json!(p));
-                }
-            }
-            _ => {}
-        }
+        (arch.reading.config_keys)(&*self, hp, &mut c)?;
         for (gguf_key, hf_key) in [
             ("tokenizer.ggml.bos_token_id", "bos_token_id"),
             ("tokenizer.ggml.eos_token_id", "eos_token_id"),
@@ -724,7 +671,7 @@ impl<'a> GgufFile<'a> {
             }
         }
         // Phi-3 LongRoPE: llama.cpp keeps the per-frequency factors as tensors.
-        if arch.model_type == "phi3" {
+        if arch.reading.rope_tensors == GgufRopeTensors::LongRopeFactors {
             let long = self.small_vector("rope_factors_long.weight")?;
             let short = self.small_vector("rope_factors_short.weight")?;
             if let (Some(long), Some(short)) = (long, short) {
@@ -752,7 +699,7 @@ impl<'a> GgufFile<'a> {
             }
         }
         // Llama 3.x: llama.cpp bakes the frequency scaling into a `rope_freqs` tensor.
-        if arch.model_type == "llama" {
+        if arch.reading.rope_tensors == GgufRopeTensors::Llama3Freqs {
             if let Some(freqs) = self.small_vector("rope_freqs.weight")? {
                 match fit_llama3(&freqs, hp.rope_theta, hp.rope_dims) {
                     Some(s) => return Ok(Some(s)),
@@ -853,6 +800,8 @@ struct Arch {
     gguf: String,
     /// transformers' `model_type`.
     model_type: &'static str,
+    /// How the model type's files read.
+    reading: GgufReading,
     /// transformers' model class, for `architectures`.
     hf_class: &'static str,
     /// llama.cpp permuted q/k rows for its RoPE layout.
@@ -876,14 +825,17 @@ impl Arch {
             )));
         };
         let model_type = entry.model_type_of(&name, experts);
-        let hf_class = family::causal_lm_class(model_type)
+        let (_, entry_type) = family::model_type(model_type)
             .expect("every GGUF architecture reads as a registered model_type");
+        let hf_class = entry_type.causal_lm;
+        let reading = entry_type.gguf_reading;
         // As transformers' TENSOR_PROCESSORS: the un-permutation keys on the GGUF architecture.
         let permuted_qk = entry.permuted_qk;
         let norm_plus_one = entry.norm_plus_one;
         Ok(Self {
             gguf,
             model_type,
+            reading,
             hf_class,
             permuted_qk,
             norm_plus_one,
@@ -894,19 +846,29 @@ impl Arch {
 impl Arch {
     /// Gemma 2/3's four norms per layer.
     fn sandwich_norms(&self) -> bool {
-        matches!(self.model_type, "gemma2" | "gemma3_text")
+        self.reading.sandwich_norms
     }
 
     /// A sparse mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
     fn is_moe(&self) -> bool {
-        matches!(self.model_type, "mixtral" | "qwen2_moe" | "qwen3_moe")
+        self.reading.moe.is_some()
+    }
+
+    /// Mixtral's expert names (`block_sparse_moe`, `w1`/`w3`/`w2`).
+    fn mixtral_names(&self) -> bool {
+        self.reading.moe.is_some_and(|m| m.mixtral_names)
+    }
+
+    /// Phi-2's tensor names and LayerNorm.
+    fn phi2(&self) -> bool {
+        self.reading.names == GgufNames::Phi2
     }
 
     /// The HF module (under `model.layers.N`) of an expert's gate, up or down projection
     /// (`expert` = None: the router), in transformers 4.x's per-expert names, which is what Hub
     /// checkpoints hold and what PEFT adapters target.
     fn expert_module(&self, expert: Option<usize>, part: Kind) -> String {
-        let mixtral = self.model_type == "mixtral";
+        let mixtral = self.mixtral_names();
         let block = if mixtral { "block_sparse_moe" } else { "mlp" };
         let Some(e) = expert else {
             return format!("{block}.gate");
@@ -924,29 +886,7 @@ impl Arch {
 }
 
 /// The hyperparameters read from metadata.
-struct HParams {
-    vocab: usize,
-    hidden: usize,
-    ffn: usize,
-    layers: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    rope_dims: usize,
-    context: usize,
-    rms_eps: f64,
-    rope_theta: f64,
-    /// Mixture of experts: experts per sparse layer (0: a dense model).
-    experts: usize,
-    /// Experts each token is routed to.
-    experts_used: usize,
-    /// Each expert's intermediate size.
-    expert_ffn: usize,
-    /// Qwen2-MoE's shared expert's intermediate size.
-    shared_ffn: Option<usize>,
-    /// Which layers are sparse (they have a router, `ffn_gate_inp`); the rest are dense MLPs.
-    sparse_layers: Vec<bool>,
-}
+type HParams = GgufHParams;
 
 impl HParams {
     fn read(g: &GgufFile, arch: &Arch) -> Result<Self, ModelError> {
@@ -978,7 +918,7 @@ impl HParams {
             None => heads,
         };
         // Phi-2 normalizes with LayerNorm, the others with RMSNorm.
-        let eps_key = if arch.model_type == "phi" {
+        let eps_key = if arch.phi2() {
             k("attention.layer_norm_epsilon")
         } else {
             k("attention.layer_norm_rms_epsilon")
@@ -993,7 +933,7 @@ impl HParams {
         let head_dim = match g.uint(&k("attention.key_length"))? {
             Some(n) => n as usize,
             None => match rope_dims {
-                Some(d) if matches!(arch.model_type, "llama" | "mistral" | "smollm3") => d,
+                Some(d) if arch.reading.head_dim_from_rope => d,
                 _ => {
                     if hidden % heads != 0 {
                         return Err(g.err(format!(
@@ -1091,7 +1031,13 @@ impl HParams {
                     .and_then(|t| t.shape.dims().get(dim).copied())
             })
         };
-        let expert_ffn = if arch.model_type == "mixtral" {
+        let moe = arch.reading.moe.unwrap_or(family::gguf::GgufMoe {
+            mixtral_names: false,
+            expert_ffn_is_ffn: false,
+            shared_expert: false,
+            all_sparse: false,
+        });
+        let expert_ffn = if moe.expert_ffn_is_ffn {
             ffn
         } else {
             match g.uint(&k("expert_feed_forward_length"))? {
@@ -1106,7 +1052,7 @@ impl HParams {
                     })?,
             }
         };
-        let shared_ffn = if arch.model_type == "qwen2_moe" {
+        let shared_ffn = if moe.shared_expert {
             Some(match g.uint(&k("expert_shared_feed_forward_length"))? {
                 Some(n) if n > 0 => n as usize,
                 _ => rows_of("ffn_gate_shexp", 0).ok_or_else(|| {
@@ -1122,7 +1068,7 @@ impl HParams {
         let sparse: Vec<bool> = (0..layers)
             .map(|i| infos.contains_key(&format!("blk.{i}.ffn_gate_inp.weight")))
             .collect();
-        if arch.model_type == "mixtral" {
+        if moe.all_sparse {
             if let Some(i) = sparse.iter().position(|s| !s) {
                 return Err(g.err(format!(
                     "layer {i} has no router (blk.{i}.ffn_gate_inp.weight): every Mixtral layer is a mixture of experts"
@@ -1291,7 +1237,7 @@ impl Role {
                 })
                 .collect();
         }
-        if self.kind == Kind::Qkv && arch.model_type == "phi" {
+        if self.kind == Kind::Qkv && arch.phi2() {
             let (q, kv) = (hp.heads * hp.head_dim, hp.kv_heads * hp.head_dim);
             return [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)]
                 .into_iter()
@@ -1337,7 +1283,7 @@ impl Role {
     /// The HF name of a tensor that maps to one HF tensor (see [`Role::hf_parts`]).
     fn hf_name(&self, arch: &Arch) -> String {
         let suffix = if self.bias { "bias" } else { "weight" };
-        let phi = arch.model_type == "phi";
+        let phi = arch.phi2();
         let module = match self.kind {
             Kind::Embed => return format!("model.embed_tokens.{suffix}"),
             Kind::Output => return format!("lm_head.{suffix}"),
@@ -1374,7 +1320,7 @@ impl Role {
             }
             Kind::Gate => "mlp.gate_proj",
             // Phi-3's fused gate and up projection is stored as `ffn_up`.
-            Kind::Up if arch.model_type == "phi3" => "mlp.gate_up_proj",
+            Kind::Up if arch.reading.names == GgufNames::Phi3 => "mlp.gate_up_proj",
             Kind::Up if phi => "mlp.fc1",
             Kind::Up => "mlp.up_proj",
             Kind::Down if phi => "mlp.fc2",
@@ -1403,7 +1349,7 @@ impl Role {
         let h = hp.hidden;
         let q = hp.heads * hp.head_dim;
         let kv = hp.kv_heads * hp.head_dim;
-        let up = if arch.model_type == "phi3" {
+        let up = if arch.reading.names == GgufNames::Phi3 {
             2 * hp.ffn
         } else {
             hp.ffn

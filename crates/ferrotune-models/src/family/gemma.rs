@@ -5,12 +5,14 @@ use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 
+use super::gguf::{GgufHParams, GgufMetadata, GgufReading};
 use super::{AttentionLayers, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::{
     get_bool, get_f64, get_positive, get_str, get_usize, layer_types_marking, parse_rope,
     req_usize, rope_from_params, WindowStyle,
 };
 use crate::config::{Gemma4Layers, ModelConfig, RopeConfig, RopeScaling};
+use crate::error::ModelError;
 
 /// The Gemma family.
 pub static FAMILY: Family = Family {
@@ -18,14 +20,27 @@ pub static FAMILY: Family = Family {
     model_types: &[
         ModelType::new("gemma", "GemmaForCausalLM")
             .gguf("gemma")
-            .torchtune(TorchtuneLayout::Permuted),
+            .torchtune(TorchtuneLayout::Permuted)
+            .reads_gguf(GEMMA_GGUF),
         // torchtune 0.6.1's checkpointer converts Gemma 2's adapters but not its weights.
         ModelType {
             torchtune_adapters: Some(TorchtuneLayout::Permuted),
-            ..ModelType::new("gemma2", "Gemma2ForCausalLM").gguf("gemma2")
+            ..ModelType::new("gemma2", "Gemma2ForCausalLM")
+                .gguf("gemma2")
+                .reads_gguf(GgufReading {
+                    sandwich_norms: true,
+                    config_keys: gemma2_gguf_keys,
+                    ..GEMMA_GGUF
+                })
         },
         ModelType::new("vaultgemma", "VaultGemmaForCausalLM"),
-        ModelType::new("gemma3_text", "Gemma3ForCausalLM").gguf("gemma3"),
+        ModelType::new("gemma3_text", "Gemma3ForCausalLM")
+            .gguf("gemma3")
+            .reads_gguf(GgufReading {
+                sandwich_norms: true,
+                config_keys: gemma3_gguf_keys,
+                ..GEMMA_GGUF
+            }),
         ModelType::new("gemma4_text", "Gemma4ForCausalLM"),
     ],
     multimodal: &[
@@ -193,6 +208,68 @@ impl HfConfig for GemmaRules {
         }
         Ok(())
     }
+}
+
+/// Gemma in GGUF: the tanh GELU, under both of its config names.
+const GEMMA_GGUF: GgufReading = GgufReading {
+    activation: &[
+        ("hidden_act", "gelu_pytorch_tanh"),
+        ("hidden_activation", "gelu_pytorch_tanh"),
+    ],
+    ..GgufReading::LLAMA
+};
+
+fn gemma2_gguf_keys(
+    g: &dyn GgufMetadata,
+    hp: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    layered_gguf_keys(g, hp, c, 46, true)
+}
+
+fn gemma3_gguf_keys(
+    g: &dyn GgufMetadata,
+    hp: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    layered_gguf_keys(g, hp, c, 62, false)
+}
+
+/// A Gemma 2/3 GGUF file's window, score scale (`big_layers`: the layer count of the 27B model)
+/// and, for Gemma 2 (`softcaps`), its caps.
+fn layered_gguf_keys(
+    g: &dyn GgufMetadata,
+    hp: &GgufHParams,
+    c: &mut Map<String, Value>,
+    big_layers: usize,
+    softcaps: bool,
+) -> Result<(), ModelError> {
+    let a = g.arch();
+    let window = g.uint(&format!("{a}.attention.sliding_window"))?;
+    c.insert("sliding_window".into(), window.into());
+    // GGUF has no query_pre_attn_scalar: llama.cpp scales by the head size, but by hidden / heads
+    // for the 27B models (46 and 62 layers), which is what their HF configs say too.
+    let scalar = if hp.layers == big_layers {
+        hp.hidden / hp.heads
+    } else {
+        hp.head_dim
+    };
+    c.insert("query_pre_attn_scalar".into(), scalar.into());
+    if softcaps {
+        // llama.cpp writes the caps; transformers' defaults (50, 30) otherwise.
+        for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if let Some(cap) = g.float(&format!("{a}.{key}"))? {
+                c.insert(key.into(), cap.into());
+            }
+        }
+    }
+    // Gemma 3: llama.cpp's local rope base is fixed at 10000 and its pattern at 6
+    // (Gemma3TextConfig's defaults) unless the file says otherwise; `rope_scaling` (linear, 4B+)
+    // applies to the global layers.
+    if let Some(p) = g.uint(&format!("{a}.attention.sliding_window_pattern"))? {
+        c.insert("sliding_window_pattern".into(), p.into());
+    }
+    Ok(())
 }
 
 const fn gemma_arch(name: &'static str, model_type: &'static str) -> GgufArch {

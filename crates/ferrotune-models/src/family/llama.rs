@@ -5,15 +5,24 @@ use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 
+use super::gguf::{llama_biases, GgufHParams, GgufMetadata, GgufReading, GgufRopeTensors};
 use super::{Family, GgufArch, GgufVariant, LlamaLike, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::req_usize;
+use crate::error::ModelError;
 
 /// The Llama family.
 pub static FAMILY: Family = Family {
     name: "Llama",
     model_types: &[ModelType::new("llama", "LlamaForCausalLM")
         .gguf("llama")
-        .torchtune(TorchtuneLayout::Permuted)],
+        .torchtune(TorchtuneLayout::Permuted)
+        .reads_gguf(GgufReading {
+            head_dim_from_rope: true,
+            // Llama 3.x: llama.cpp bakes the frequency scaling into a `rope_freqs` tensor.
+            rope_tensors: GgufRopeTensors::Llama3Freqs,
+            config_keys: gguf_keys,
+            ..GgufReading::LLAMA
+        })],
     multimodal: &[
         Multimodal {
             model_type: "mllama",
@@ -52,6 +61,16 @@ pub static FAMILY: Family = Family {
     ],
     hf_config: &LlamaLike,
 };
+
+/// A Llama GGUF file's own config keys: its biases.
+fn gguf_keys(
+    g: &dyn GgufMetadata,
+    _: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    llama_biases(g, c);
+    Ok(())
+}
 
 /// Llama 3.2 Vision's text model's `model_type` (`MllamaTextConfig`).
 pub const MLLAMA_TEXT: &str = "mllama_text_model";

@@ -3,9 +3,11 @@
 
 use serde_json::{Map, Value};
 
+use super::gguf::{llama_biases, GgufHParams, GgufMetadata, GgufMoe, GgufReading};
 use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::{get_usize, positive, req_usize};
 use crate::config::{ModelConfig, MoeConfig};
+use crate::error::ModelError;
 
 /// The Mistral family.
 pub static FAMILY: Family = Family {
@@ -14,8 +16,24 @@ pub static FAMILY: Family = Family {
         // llama.cpp runs Mistral and Mixtral as `llama` (Mixtral with experts).
         ModelType::new("mistral", "MistralForCausalLM")
             .gguf("llama")
-            .torchtune(TorchtuneLayout::Permuted),
-        ModelType::new("mixtral", "MixtralForCausalLM").gguf("llama"),
+            .torchtune(TorchtuneLayout::Permuted)
+            .reads_gguf(GgufReading {
+                head_dim_from_rope: true,
+                config_keys: mistral_gguf_keys,
+                ..GgufReading::LLAMA
+            }),
+        ModelType::new("mixtral", "MixtralForCausalLM")
+            .gguf("llama")
+            .reads_gguf(GgufReading {
+                moe: Some(GgufMoe {
+                    mixtral_names: true,
+                    expert_ffn_is_ffn: true,
+                    shared_expert: false,
+                    all_sparse: true,
+                }),
+                config_keys: mixtral_gguf_keys,
+                ..GgufReading::LLAMA
+            }),
         ModelType::new("ministral", "MinistralForCausalLM"),
         ModelType::new("ministral3", "Ministral3ForCausalLM"),
     ],
@@ -39,6 +57,30 @@ pub static FAMILY: Family = Family {
     )],
     hf_config: &MistralRules,
 };
+
+/// A Mistral GGUF file's own config keys: Llama's biases, and full attention (llama.cpp runs
+/// these with full attention whatever the original config said).
+fn mistral_gguf_keys(
+    g: &dyn GgufMetadata,
+    _: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    llama_biases(g, c);
+    c.insert("sliding_window".into(), Value::Null);
+    Ok(())
+}
+
+/// A Mixtral GGUF file's experts, and full attention.
+fn mixtral_gguf_keys(
+    _: &dyn GgufMetadata,
+    hp: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    c.insert("num_local_experts".into(), hp.experts.into());
+    c.insert("num_experts_per_tok".into(), hp.experts_used.into());
+    c.insert("sliding_window".into(), Value::Null);
+    Ok(())
+}
 
 /// Mistral's reading of its configs: Llama's, and Mixtral's experts.
 #[derive(Debug)]

@@ -15,6 +15,7 @@
 //! checks (see docs/architecture.md).
 
 pub mod gemma;
+pub mod gguf;
 pub mod llama;
 pub mod llama4;
 pub mod mistral;
@@ -27,6 +28,7 @@ use serde_json::{Map, Value};
 
 use crate::config::hf::{get_bool, parse_rope, parse_sliding_windows, WindowStyle};
 use crate::config::{ModelConfig, RopeConfig};
+use gguf::GgufReading;
 
 /// Every family ferrotune runs, in the order messages list them.
 pub static FAMILIES: &[&Family] = &[
@@ -169,6 +171,8 @@ pub struct ModelType {
     pub torchtune_weights: Option<TorchtuneLayout>,
     /// How torchtune lays out its LoRA adapters (`adapter_model.pt`); `None` where it has none.
     pub torchtune_adapters: Option<TorchtuneLayout>,
+    /// How the GGUF reader reads its files (where some llama.cpp architecture reads as it).
+    pub gguf_reading: GgufReading,
 }
 
 impl ModelType {
@@ -180,7 +184,14 @@ impl ModelType {
             gguf_arch: None,
             torchtune_weights: None,
             torchtune_adapters: None,
+            gguf_reading: GgufReading::LLAMA,
         }
+    }
+
+    /// Its GGUF files read as `reading` says.
+    pub const fn reads_gguf(mut self, reading: GgufReading) -> Self {
+        self.gguf_reading = reading;
+        self
     }
 
     /// Stored as llama.cpp's architecture `arch`.

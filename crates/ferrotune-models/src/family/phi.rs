@@ -5,11 +5,13 @@ use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 
+use super::gguf::{GgufHParams, GgufMetadata, GgufNames, GgufReading, GgufRopeTensors};
 use super::{AttentionLayers, Family, GgufArch, HfConfig, ModelType, TorchtuneLayout};
 use crate::config::hf::{
     get_bool, get_f64, parse_rope, parse_sliding_windows, positive, req_usize, WindowStyle,
 };
 use crate::config::{ModelConfig, MoeConfig, SparseMixer};
+use crate::error::ModelError;
 
 /// The Phi family.
 pub static FAMILY: Family = Family {
@@ -17,8 +19,23 @@ pub static FAMILY: Family = Family {
     model_types: &[
         ModelType::new("phi3", "Phi3ForCausalLM")
             .gguf("phi3")
-            .torchtune(TorchtuneLayout::SplitFused),
-        ModelType::new("phi", "PhiForCausalLM").gguf("phi2"),
+            .torchtune(TorchtuneLayout::SplitFused)
+            .reads_gguf(GgufReading {
+                names: GgufNames::Phi3,
+                partial_rotary: true,
+                rope_tensors: GgufRopeTensors::LongRopeFactors,
+                config_keys: phi3_gguf_keys,
+                ..GgufReading::LLAMA
+            }),
+        ModelType::new("phi", "PhiForCausalLM")
+            .gguf("phi2")
+            .reads_gguf(GgufReading {
+                names: GgufNames::Phi2,
+                partial_rotary: true,
+                activation: &[("hidden_act", "gelu_new")],
+                config_keys: phi2_gguf_keys,
+                ..GgufReading::LLAMA
+            }),
         ModelType::new("phimoe", "PhimoeForCausalLM"),
     ],
     multimodal: &[],
@@ -47,6 +64,29 @@ pub static FAMILY: Family = Family {
     ],
     hf_config: &PhiRules,
 };
+
+/// A Phi-3 GGUF file's sliding window, where it has one.
+fn phi3_gguf_keys(
+    g: &dyn GgufMetadata,
+    _: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    if let Some(w) = g.uint(&format!("{}.attention.sliding_window", g.arch()))? {
+        c.insert("sliding_window".into(), w.into());
+    }
+    Ok(())
+}
+
+/// A Phi-2 GGUF file's LayerNorm epsilon; it has no q/k LayerNorm.
+fn phi2_gguf_keys(
+    _: &dyn GgufMetadata,
+    hp: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    c.insert("layer_norm_eps".into(), hp.rms_eps.into());
+    c.insert("qk_layernorm".into(), Value::Bool(false));
+    Ok(())
+}
 
 /// Phi's reading of its configs.
 #[derive(Debug)]

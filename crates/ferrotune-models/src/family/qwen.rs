@@ -3,12 +3,14 @@
 
 use serde_json::{Map, Value};
 
+use super::gguf::{GgufHParams, GgufMetadata, GgufMoe, GgufReading};
 use super::{
     no_defaults, AttentionLayers, Family, GgufArch, HfConfig, ModelType, Multimodal,
     TorchtuneLayout,
 };
 use crate::config::hf::{get_bool, get_usize, layer_list, positive, WindowStyle};
 use crate::config::{ModelConfig, MoeConfig};
+use crate::error::ModelError;
 
 /// The Qwen family.
 pub static FAMILY: Family = Family {
@@ -16,10 +18,17 @@ pub static FAMILY: Family = Family {
     model_types: &[
         ModelType::new("qwen2", "Qwen2ForCausalLM")
             .gguf("qwen2")
-            .torchtune(TorchtuneLayout::Plain),
-        ModelType::new("qwen3", "Qwen3ForCausalLM").gguf("qwen3"),
-        ModelType::new("qwen2_moe", "Qwen2MoeForCausalLM").gguf("qwen2moe"),
-        ModelType::new("qwen3_moe", "Qwen3MoeForCausalLM").gguf("qwen3moe"),
+            .torchtune(TorchtuneLayout::Plain)
+            .reads_gguf(DENSE_GGUF),
+        ModelType::new("qwen3", "Qwen3ForCausalLM")
+            .gguf("qwen3")
+            .reads_gguf(DENSE_GGUF),
+        ModelType::new("qwen2_moe", "Qwen2MoeForCausalLM")
+            .gguf("qwen2moe")
+            .reads_gguf(moe_gguf(true)),
+        ModelType::new("qwen3_moe", "Qwen3MoeForCausalLM")
+            .gguf("qwen3moe")
+            .reads_gguf(moe_gguf(false)),
     ],
     multimodal: &[
         Multimodal {
@@ -58,6 +67,74 @@ pub static FAMILY: Family = Family {
     ],
     hf_config: &QwenRules,
 };
+
+/// Dense Qwen in GGUF: llama.cpp runs it without sliding windows.
+const DENSE_GGUF: GgufReading = GgufReading {
+    config_keys: |_, _, c| {
+        c.insert("use_sliding_window".into(), Value::Bool(false));
+        Ok(())
+    },
+    ..GgufReading::LLAMA
+};
+
+/// Qwen-MoE in GGUF (`qwen2`: Qwen2-MoE, with its shared expert).
+const fn moe_gguf(qwen2: bool) -> GgufReading {
+    GgufReading {
+        moe: Some(GgufMoe {
+            mixtral_names: false,
+            expert_ffn_is_ffn: false,
+            shared_expert: qwen2,
+            all_sparse: false,
+        }),
+        config_keys: if qwen2 {
+            qwen2_moe_keys
+        } else {
+            qwen3_moe_keys
+        },
+        ..GgufReading::LLAMA
+    }
+}
+
+fn qwen2_moe_keys(
+    g: &dyn GgufMetadata,
+    hp: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    moe_keys(g, hp, c, false)
+}
+
+fn qwen3_moe_keys(
+    g: &dyn GgufMetadata,
+    hp: &GgufHParams,
+    c: &mut Map<String, Value>,
+) -> Result<(), ModelError> {
+    moe_keys(g, hp, c, true)
+}
+
+/// A Qwen-MoE GGUF file's experts. llama.cpp renormalizes the top-k weights for Qwen3-MoE and not
+/// for Qwen2-MoE (what the released configs say), unless the file says otherwise.
+fn moe_keys(
+    g: &dyn GgufMetadata,
+    hp: &GgufHParams,
+    c: &mut Map<String, Value>,
+    norm_default: bool,
+) -> Result<(), ModelError> {
+    c.insert("num_experts".into(), hp.experts.into());
+    c.insert("num_experts_per_tok".into(), hp.experts_used.into());
+    c.insert("moe_intermediate_size".into(), hp.expert_ffn.into());
+    if let Some(shared) = hp.shared_ffn {
+        c.insert("shared_expert_intermediate_size".into(), shared.into());
+    }
+    let norm = g
+        .flag(&format!("{}.expert_weights_norm", g.arch()))
+        .unwrap_or(norm_default);
+    c.insert("norm_topk_prob".into(), Value::Bool(norm));
+    c.insert("decoder_sparse_step".into(), 1.into());
+    let dense: Vec<usize> = (0..hp.layers).filter(|&i| !hp.sparse_layers[i]).collect();
+    c.insert("mlp_only_layers".into(), dense.into());
+    c.insert("use_sliding_window".into(), Value::Bool(false));
+    Ok(())
+}
 
 /// Qwen's reading of its configs.
 #[derive(Debug)]

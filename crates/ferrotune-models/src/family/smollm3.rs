@@ -2,6 +2,7 @@
 
 use serde_json::{Map, Value};
 
+use super::gguf::GgufReading;
 use super::{no_defaults, AttentionLayers, Family, GgufArch, HfConfig, ModelType};
 use crate::config::hf::{parse_rope_layers, WindowStyle};
 use crate::config::ModelConfig;
@@ -9,7 +10,12 @@ use crate::config::ModelConfig;
 /// The SmolLM3 family.
 pub static FAMILY: Family = Family {
     name: "SmolLM3",
-    model_types: &[ModelType::new("smollm3", "SmolLM3ForCausalLM").gguf("smollm3")],
+    model_types: &[ModelType::new("smollm3", "SmolLM3ForCausalLM")
+        .gguf("smollm3")
+        .reads_gguf(GgufReading {
+            head_dim_from_rope: true,
+            ..GgufReading::LLAMA
+        })],
     multimodal: &[],
     text_aliases: &[],
     config_defaults: no_defaults,
