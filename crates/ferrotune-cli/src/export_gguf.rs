@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use ferrotune_export::gguf::{export_gguf, export_gguf_adapter, OutType};
 use ferrotune_models::peft::LoraConfig;
-use ferrotune_train::gguf_export::{export_gguf, export_gguf_adapter, OutType};
 
 #[derive(Args)]
 pub struct ExportGgufArgs {

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrotune_core::parse_dtype;
+use ferrotune_export::hf::{write_hf_model, ModelSource};
 use ferrotune_models::{parse_shard_size, peft, read_checkpoint, CausalLm};
-use ferrotune_train::export::{write_hf_model, ModelSource};
 
 #[derive(Args)]
 pub struct MergeArgs {
@@ -81,7 +81,7 @@ pub fn run(args: MergeArgs) -> Result<()> {
     )?;
     if args.adapter.join("tokenizer.json").is_file() {
         // The adapter's own tokenizer (tokens added for it) is the merged model's.
-        ferrotune_train::export::copy_tokenizer_files(&args.adapter, &args.output)?;
+        ferrotune_export::hf::copy_tokenizer_files(&args.adapter, &args.output)?;
     }
     eprintln!(
         "merged {} into {} → {}",

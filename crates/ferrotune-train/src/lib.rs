@@ -13,15 +13,11 @@
 //! - [`config`] — torchtune-style YAML configs: built-ins, overrides, interpolation, validation.
 //! - [`recipe`] — the recipes `ferrotune run` starts (fine-tuning, generation, evaluation).
 //! - [`metrics`] — metric loggers (stdout, JSONL, TensorBoard).
-//! - [`export`] — complete HF checkpoint folders (weights, config, tokenizer files).
 
 pub mod clip;
 pub mod config;
 pub mod dist;
 pub mod early_exit;
-pub mod export;
-pub mod gguf_export;
-pub mod gguf_quants;
 pub mod grpo;
 pub mod loss;
 pub mod metrics;

@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Var};
 use ferrotune_data::dataset::{collate, shuffled_order, PreferencePair, Row};
+use ferrotune_export::hf::{write_model, ModelSource, SaveFormat};
 use ferrotune_models::peft::{self, LoraConfig};
 use ferrotune_models::CausalLm;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -22,7 +23,6 @@ use crate::clip::{clip_grad_norm, scale_grads};
 use crate::config::Config;
 use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
-use crate::export::{write_model, ModelSource, SaveFormat};
 use crate::loss::KdLoss;
 use crate::metrics::peak_rss_mb;
 use crate::optim::Optimizer;
@@ -1426,7 +1426,7 @@ impl Saver<'_> {
                             Some(self.tokenizer),
                         )?;
                     }
-                    crate::export::copy_or_export_tokenizer(
+                    ferrotune_export::hf::copy_or_export_tokenizer(
                         self.source,
                         Some(self.tokenizer),
                         dir,

@@ -28,6 +28,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use ferrotune_data::dataset::{build_reasoning_dataset, shuffled_order, ReasoningProblem};
 use ferrotune_data::Tokenizer;
+use ferrotune_export::hf::write_hf_model;
 use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
 use ferrotune_models::{peft, CausalLm};
@@ -38,7 +39,6 @@ use crate::dist::comm::Collectives;
 use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{CommQueue, ShardedModel, Sharding};
 use crate::dist::store::Store;
-use crate::export::write_hf_model;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
 use crate::recipe::finetune::MAX_SHARD_BYTES;
 use crate::recipe::ppo::{
@@ -867,7 +867,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                                 &policy, lc, dir,
                             )?;
                         }
-                        crate::export::copy_or_export_tokenizer(
+                        ferrotune_export::hf::copy_or_export_tokenizer(
                             &policy_source,
                             Some(&tokenizer),
                             dir,

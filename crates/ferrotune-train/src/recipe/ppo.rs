@@ -15,12 +15,12 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use ferrotune_data::dataset::shuffled_order;
+use ferrotune_export::hf::{write_hf_model, ModelSource};
 use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
 use ferrotune_models::{peft, AttentionLayout, CausalLm};
 
 use crate::config::Config;
-use crate::export::{write_hf_model, ModelSource};
 use crate::loss::log_softmax;
 use crate::recipe::finetune::{base_source, MAX_SHARD_BYTES};
 use crate::recipe::setup;

@@ -108,7 +108,7 @@ pub fn run(cfg: &Config) -> Result<PathBuf> {
         );
     }
     let config = ckpt.config.clone();
-    let source = crate::export::ModelSource {
+    let source = ferrotune_export::hf::ModelSource {
         format: ckpt.format.clone(),
         dir: ckpt.dir.clone(),
     };
@@ -152,7 +152,7 @@ pub fn run(cfg: &Config) -> Result<PathBuf> {
         ferrotune_models::save::config_json(&config, dtype_name).as_bytes(),
     )?;
     // And its tokenizer, so that the folder runs as it is (`ferrotune generate --model FILE`).
-    crate::export::copy_or_export_tokenizer(&source, None, &out_dir)?;
+    ferrotune_export::hf::copy_or_export_tokenizer(&source, None, &out_dir)?;
     let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
     eprintln!(
         "Model checkpoint of size {:.2} GiB saved to {}",

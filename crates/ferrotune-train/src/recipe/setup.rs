@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Var};
 use ferrotune_data::Tokenizer;
+use ferrotune_export::hf::{ModelSource, SaveFormat};
 use ferrotune_models::peft::{LoraConfig, TargetModules};
 use ferrotune_models::{read_checkpoint_files, CausalLm, CheckpointFormat, ModelConfig};
 
 use crate::config::Config;
-use crate::export::{ModelSource, SaveFormat};
 use crate::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use crate::schedule::LrSchedule;
 

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::GgmlDType;
-use ferrotune_train::gguf_export::{export_gguf, OutType};
-use ferrotune_train::gguf_quants::{quantize, QuantKind};
+use ferrotune_export::gguf::{export_gguf, OutType};
+use ferrotune_export::gguf_quants::{quantize, QuantKind};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use ferrotune_data::Tokenizer;
+use ferrotune_export::gguf::{export_gguf, GgufExport, OutType};
 use ferrotune_models::{load_model, AttentionLayout};
-use ferrotune_train::gguf_export::{export_gguf, GgufExport, OutType};
 use serde_json::Value;
 
 fn model_dir(name: &str) -> PathBuf {
@@ -226,7 +226,7 @@ fn q8_0_matches_gguf_py_byte_for_byte() {
     .unwrap();
     let values: Vec<f32> = serde_json::from_value(f["values"].clone()).unwrap();
     let want = f["q8_0_hex"].as_str().unwrap();
-    let got: String = ferrotune_train::gguf_export::quantize_q8_0(&values)
+    let got: String = ferrotune_export::gguf::quantize_q8_0(&values)
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
@@ -559,7 +559,7 @@ fn gguf_tensors(path: &std::path::Path) -> (std::collections::HashMap<String, Te
 /// (`scripts/check_gguf_export.py --adapters` runs llama.cpp itself on these files.)
 #[test]
 fn lora_adapter_gguf_applies_as_peft_merges() {
-    use ferrotune_train::gguf_export::export_gguf_adapter;
+    use ferrotune_export::gguf::export_gguf_adapter;
     let base = model_dir("../llama3/model");
     for (case, adapter) in [
         ("llama3", common::workspace_fixture("llama3/adapter")),
