@@ -814,9 +814,11 @@ pub fn read_meta(
         Some(TorchDType::F16) => "float16",
         _ => "float32",
     };
+    let (_, llama) = crate::family::model_type(crate::family::llama::META_FORMAT)
+        .expect("the Llama family is registered");
     let config = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [llama.causal_lm],
+        "model_type": llama.name,
         "hidden_size": dim,
         "intermediate_size": intermediate,
         "num_hidden_layers": n_layers,
@@ -891,7 +893,7 @@ pub fn hf_to_meta(
         ("attention_norm.weight", "input_layernorm.weight"),
         ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ];
-    if config.model_type != "llama" {
+    if config.model_type != crate::family::llama::META_FORMAT {
         return Err(format!(
             "Meta's checkpoint format holds Llama models; this one is '{}'",
             config.model_type

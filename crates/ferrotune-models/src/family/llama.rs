@@ -72,6 +72,9 @@ fn gguf_keys(
     Ok(())
 }
 
+/// The `model_type` Meta's own checkpoint format (`params.json`, `consolidated.NN.pth`) holds.
+pub const META_FORMAT: &str = "llama";
+
 /// Llama 3.2 Vision's text model's `model_type` (`MllamaTextConfig`).
 pub const MLLAMA_TEXT: &str = "mllama_text_model";
 
