@@ -27,7 +27,8 @@ use candle_core::{DType, Device, Tensor};
 use ferrotune_data::{gguf_vocab, Tokenizer};
 use ferrotune_models::checkpoint::read_pickled;
 use ferrotune_models::config::RopeScaling;
-use ferrotune_models::family;
+use ferrotune_models::family::gguf::{GgufRopeTensors, GgufWindows};
+use ferrotune_models::family::{self, GgufArch, GgufVariant};
 use ferrotune_models::{CheckpointFormat, ModelConfig};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
@@ -189,7 +190,7 @@ pub struct GgufExport {
 
 /// The llama.cpp architecture of a config, and whether its converter permutes q/k rows; an error
 /// for what the architecture cannot express (llama.cpp fixes some settings per architecture).
-fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
+fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
     if config.score_labels.is_some() {
         bail!(
             "the checkpoint is a sequence classifier (a reward or value model, `score` head): \
@@ -204,9 +205,10 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
         );
     };
     let arch = (entry.name, entry.permuted_qk);
+    let w = &entry.writing;
     // llama.cpp's Gemma and Gemma 2 always use the embeddings as the output head (an
     // `output.weight` in the file would make it refuse the file).
-    if (arch.0 == "gemma" || arch.0 == "gemma2") && !config.tie_word_embeddings {
+    if w.tied_head_only && !config.tie_word_embeddings {
         bail!(
             "llama.cpp's '{}' ties the output head to the embeddings; this checkpoint has its own \
              lm_head (tie_word_embeddings false)",
@@ -215,12 +217,13 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
     }
     // Which layers attend in a window is fixed by llama.cpp per architecture: none, every other
     // layer from the first (Gemma 2), or for Phi-3 all of them when it has a window.
-    let phi3_window = arch.0 == "phi3" && config.layer_sliding_windows.iter().any(Option::is_some);
-    // Gemma 3: five sliding layers, then a full one (llama.cpp's fixed pattern of 6).
-    let windowed = |i: usize| {
-        (arch.0 == "gemma2" && i.is_multiple_of(2))
-            || (arch.0 == "gemma3" && i % 6 != 5)
-            || phi3_window
+    let any_window = config.layer_sliding_windows.iter().any(Option::is_some);
+    let windowed = |i: usize| match w.windows {
+        GgufWindows::None => false,
+        GgufWindows::EveryOther => i.is_multiple_of(2),
+        // Gemma 3: five sliding layers, then a full one (llama.cpp's fixed pattern of 6).
+        GgufWindows::FiveOfSix => i % 6 != 5,
+        GgufWindows::AllOrNone => any_window,
     };
     let window = config
         .layer_sliding_windows
@@ -242,39 +245,14 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
             arch.0
         );
     }
-    if arch.0 == "gemma3" {
-        if window.is_none() {
-            bail!("llama.cpp's 'gemma3' needs a sliding window (sliding_window is null)");
-        }
-        // llama.cpp fixes the local layers' rope (base 10000, unscaled) and has no softcaps.
-        let local_ok = config
-            .local_rope
-            .as_ref()
-            .is_some_and(|r| r.theta == 10_000.0 && matches!(r.scaling, RopeScaling::Default));
-        if !local_ok {
-            bail!(
-                "the sliding layers' rope is not llama.cpp's for 'gemma3' (base 10000, no scaling)"
-            );
-        }
-        if config.attn_logit_softcapping.is_some() || config.final_logit_softcapping.is_some() {
-            bail!("llama.cpp's 'gemma3' applies no logit softcapping; the checkpoint sets one");
-        }
-        if !matches!(
-            config.rope.scaling,
-            RopeScaling::Default | RopeScaling::Linear { .. }
-        ) {
-            bail!(
-                "llama.cpp's 'gemma3' scales the global rope linearly or not at all, not {:?}",
-                config.rope.scaling
-            );
-        }
-    }
+    // The architecture's own refusals (Gemma 3's fixed local rope, ...).
+    (w.check)(config).map_err(anyhow::Error::msg)?;
     // llama.cpp's SmolLM3 leaves RoPE out of every fourth layer, whatever the config lists.
     let rope_ok = config
         .rope_layers
         .iter()
         .enumerate()
-        .all(|(i, &rope)| rope == (arch.0 != "smollm3" || (i + 1) % 4 != 0));
+        .all(|(i, &rope)| rope == (!w.nope_every_fourth || (i + 1) % 4 != 0));
     if !rope_ok {
         bail!(
             "the checkpoint's layers without RoPE (no_rope_layers) are not llama.cpp's '{}' \
@@ -292,7 +270,7 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
                 arch.0
             );
         }
-        let llama_cpp_norm = arch.0 != "qwen2moe";
+        let llama_cpp_norm = w.moe_norm_topk;
         if moe.norm_topk_prob != llama_cpp_norm {
             bail!(
                 "norm_topk_prob {} is not what llama.cpp's '{}' computes ({llama_cpp_norm})",
@@ -301,15 +279,14 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
             );
         }
     }
-    if config.rope.partial_rotary_factor != 1.0 && arch.0 != "phi3" && arch.0 != "phi2" {
+    if config.rope.partial_rotary_factor != 1.0 && !w.partial_rotary {
         bail!("GGUF export needs RoPE over whole heads (partial_rotary_factor 1)");
     }
-    if arch.0 == "gemma2" || arch.0 == "gemma3" {
+    if let Some(big) = w.score_scale_27b_layers {
         // llama.cpp scales scores by the head size (hidden / heads for the 27B models).
         let scalar = config
             .query_pre_attn_scalar
             .unwrap_or(config.head_dim as f64);
-        let big = if arch.0 == "gemma2" { 46 } else { 62 };
         let llama_cpp = if config.num_hidden_layers == big {
             (config.hidden_size / config.num_attention_heads) as f64
         } else {
@@ -322,7 +299,7 @@ fn architecture(config: &ModelConfig) -> Result<(&'static str, bool)> {
             );
         }
     }
-    Ok(arch)
+    Ok(entry)
 }
 
 /// The GGUF name of an HF tensor, or `None` for one llama.cpp has no place for.
@@ -651,7 +628,8 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             (config, Weights::Loaded(tensors.into_iter().collect()))
         }
     };
-    let (arch, permute) = architecture(&config)?;
+    let entry = architecture(&config)?;
+    let (arch, permute, w) = (entry.name, entry.permuted_qk, &entry.writing);
     // Meta's files sit in the `original/` folder of an HF download, whose tokenizer.json (and
     // name) is the parent's.
     let home = match (&format, model_dir.parent()) {
@@ -681,15 +659,8 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             "default".into()
         }
     };
-    if arch == "gemma3" && config.num_hidden_layers < 6 {
-        // llama.cpp's pattern then has no full-attention layer, and its KV cache for those
-        // layers is empty: llama.cpp 0.3.16 crashes on such a file (ferrotune and transformers
-        // read it).
-        notes.push(format!(
-            "llama.cpp's 'gemma3' makes every sixth layer a full-attention layer; this model has \
-             {} layers, none of them full, and llama.cpp cannot run it",
-            config.num_hidden_layers
-        ));
+    if let Some(note) = (w.note)(&config) {
+        notes.push(note);
     }
     if config.eos_token_ids.len() > 1 {
         notes.push(format!(
@@ -703,7 +674,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     let q_bias = listed
         .iter()
         .any(|(_, name, _)| name.ends_with("self_attn.q_proj.bias"));
-    if arch == "llama" && q_bias && q_rows != config.hidden_size {
+    if w.q_bias_hidden_size && q_bias && q_rows != config.hidden_size {
         // llama.cpp 0.3.16 sizes the llama architecture's q bias by the hidden size and refuses
         // the file otherwise.
         bail!(
@@ -796,7 +767,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     }
     // llama.cpp's `phi2` and `qwen2moe` require their own `output.weight` (other architectures
     // fall back to the embeddings): a tied head is written out as the embedding's copy.
-    if matches!(arch, "phi2" | "qwen2moe") && config.tie_word_embeddings {
+    if w.output_required && config.tie_word_embeddings {
         if let Some((file, stored, shape)) = listed
             .iter()
             .find(|(_, n, _)| n == "model.embed_tokens.weight")
@@ -865,7 +836,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             low_freq_factor,
             high_freq_factor,
             original_max_position_embeddings,
-        } if arch == "llama" => {
+        } if w.rope_tensors == GgufRopeTensors::Llama3Freqs => {
             let factors = llama3_rope_factors(
                 config.rope.theta,
                 config.head_dim,
@@ -886,7 +857,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             ref short_factor,
             ref long_factor,
             ..
-        } if arch == "phi3" => {
+        } if w.rope_tensors == GgufRopeTensors::LongRopeFactors => {
             for (name, factors) in [
                 ("rope_factors_long.weight", long_factor),
                 ("rope_factors_short.weight", short_factor),
@@ -906,17 +877,23 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     }
 
     // llama.cpp's `LLM_TYPE_70B`: 80 layers of a Llama (grouped-query) or Qwen2.
-    let seventy_b = config.num_hidden_layers == 80
-        && ((arch == "llama" && config.num_attention_heads != config.num_key_value_heads)
-            || arch == "qwen2");
+    let seventy_b = (w.seventy_b)(&config);
     assign_mix_types(&mut plan, outtype, expert_count, seventy_b);
     let mut meta = Metadata::default();
     let name = folder_name(home, "model");
-    // ferrotune (as transformers) tells Mistral from Llama by the name in a `llama` GGUF.
-    let name = if config.model_type == "mistral" && !name.to_lowercase().contains("mistral") {
-        format!("Mistral {name}")
-    } else {
-        name
+    // ferrotune (as transformers) tells Mistral from Llama by the name in a `llama` GGUF: a model
+    // type its architecture reads back by name gets that name in front where it lacks it.
+    let by_name = entry.variants.iter().find_map(|(v, t)| match v {
+        GgufVariant::NameContains(s) if *t == config.model_type => Some(*s),
+        _ => None,
+    });
+    let name = match by_name {
+        Some(s) if !name.to_lowercase().contains(s) => {
+            let mut chars = s.chars();
+            let first = chars.next().map(|c| c.to_uppercase().collect::<String>());
+            format!("{}{} {name}", first.unwrap_or_default(), chars.as_str())
+        }
+        _ => name,
     };
     meta.string("general.architecture", arch);
     meta.string("general.name", &name);
@@ -951,7 +928,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     if let Some(moe) = &config.moe {
         meta.u32(&k("expert_count"), moe.num_experts as u32);
         meta.u32(&k("expert_used_count"), moe.top_k as u32);
-        if arch != "llama" {
+        if w.expert_ffn_key {
             meta.u32(
                 &k("expert_feed_forward_length"),
                 moe.expert_intermediate_size as u32,
@@ -1003,7 +980,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         }
         _ => {}
     }
-    if arch == "gemma2" {
+    if w.softcaps {
         // llama.cpp's keys; transformers' defaults when the config has none.
         let attn = config.attn_logit_softcapping.unwrap_or(50.0);
         let fin = config.final_logit_softcapping.unwrap_or(30.0);
@@ -1122,7 +1099,8 @@ pub fn export_gguf_adapter(
         );
     }
     let config = ModelConfig::from_hf_file(&config_file)?;
-    let (arch, permute) = architecture(&config)?;
+    let entry = architecture(&config)?;
+    let (arch, permute) = (entry.name, entry.permuted_qk);
     let (file, tensors) = read_adapter_tensors(adapter_dir)?;
 
     // module -> (A, B)

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 
-use super::gguf::{GgufHParams, GgufMetadata, GgufReading};
+use super::gguf::{GgufHParams, GgufMetadata, GgufReading, GgufWindows, GgufWriting};
 use super::{AttentionLayers, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::{
     get_bool, get_f64, get_positive, get_str, get_usize, layer_types_marking, parse_rope,
@@ -58,10 +58,38 @@ pub static FAMILY: Family = Family {
     text_aliases: &[],
     config_defaults,
     // convert_hf_to_gguf.py adds 1 to every Gemma norm weight (q/k norms included).
+    // llama.cpp's Gemma and Gemma 2 always use the embeddings as the output head.
     gguf_archs: &[
-        gemma_arch("gemma", "gemma"),
-        gemma_arch("gemma2", "gemma2"),
-        gemma_arch("gemma3", "gemma3_text"),
+        gemma_arch(
+            "gemma",
+            "gemma",
+            GgufWriting {
+                tied_head_only: true,
+                ..GgufWriting::PLAIN
+            },
+        ),
+        gemma_arch(
+            "gemma2",
+            "gemma2",
+            GgufWriting {
+                tied_head_only: true,
+                windows: GgufWindows::EveryOther,
+                score_scale_27b_layers: Some(46),
+                softcaps: true,
+                ..GgufWriting::PLAIN
+            },
+        ),
+        gemma_arch(
+            "gemma3",
+            "gemma3_text",
+            GgufWriting {
+                windows: GgufWindows::FiveOfSix,
+                score_scale_27b_layers: Some(62),
+                check: gemma3_gguf_check,
+                note: gemma3_gguf_note,
+                ..GgufWriting::PLAIN
+            },
+        ),
     ],
     torchtune_builders: &[
         ("gemma", &["gemma"]),
@@ -272,14 +300,71 @@ fn layered_gguf_keys(
     Ok(())
 }
 
-const fn gemma_arch(name: &'static str, model_type: &'static str) -> GgufArch {
+const fn gemma_arch(
+    name: &'static str,
+    model_type: &'static str,
+    writing: GgufWriting,
+) -> GgufArch {
     GgufArch {
         name,
         model_type,
         variants: &[],
         permuted_qk: false,
         norm_plus_one: true,
+        writing,
     }
+}
+
+/// What llama.cpp's `gemma3` fixes: a window, the local layers' rope (base 10000, unscaled), no
+/// softcaps, and a global rope scaled linearly or not at all.
+fn gemma3_gguf_check(config: &ModelConfig) -> Result<(), String> {
+    if config
+        .layer_sliding_windows
+        .iter()
+        .flatten()
+        .next()
+        .is_none()
+    {
+        return Err("llama.cpp's 'gemma3' needs a sliding window (sliding_window is null)".into());
+    }
+    let local_ok = config
+        .local_rope
+        .as_ref()
+        .is_some_and(|r| r.theta == 10_000.0 && matches!(r.scaling, RopeScaling::Default));
+    if !local_ok {
+        return Err(
+            "the sliding layers' rope is not llama.cpp's for 'gemma3' (base 10000, no scaling)"
+                .into(),
+        );
+    }
+    if config.attn_logit_softcapping.is_some() || config.final_logit_softcapping.is_some() {
+        return Err(
+            "llama.cpp's 'gemma3' applies no logit softcapping; the checkpoint sets one".into(),
+        );
+    }
+    if !matches!(
+        config.rope.scaling,
+        RopeScaling::Default | RopeScaling::Linear { .. }
+    ) {
+        return Err(format!(
+            "llama.cpp's 'gemma3' scales the global rope linearly or not at all, not {:?}",
+            config.rope.scaling
+        ));
+    }
+    Ok(())
+}
+
+/// llama.cpp's `gemma3` makes every sixth layer a full-attention one: with fewer layers its KV
+/// cache for them is empty, and llama.cpp 0.3.16 crashes on such a file (ferrotune and
+/// transformers read it).
+fn gemma3_gguf_note(config: &ModelConfig) -> Option<String> {
+    (config.num_hidden_layers < 6).then(|| {
+        format!(
+            "llama.cpp's 'gemma3' makes every sixth layer a full-attention layer; this model has \
+             {} layers, none of them full, and llama.cpp cannot run it",
+            config.num_hidden_layers
+        )
+    })
 }
 
 /// Defaults of `Gemma2Config`, `Gemma3TextConfig` and `Gemma4TextConfig` for keys a config may

@@ -138,3 +138,74 @@ pub fn llama_biases(g: &dyn GgufMetadata, c: &mut Map<String, Value>) {
     c.insert("attention_bias".into(), json!(bias));
     c.insert("mlp_bias".into(), json!(false));
 }
+
+/// What llama.cpp fixes for one architecture, for the GGUF writer: a checkpoint that differs is
+/// refused (the file would compute something else), and the architecture's own keys and tensors.
+#[derive(Debug, Clone, Copy)]
+pub struct GgufWriting {
+    /// llama.cpp always uses the embeddings as the output head (Gemma, Gemma 2): an
+    /// `output.weight` in the file would make it refuse the file.
+    pub tied_head_only: bool,
+    /// llama.cpp requires the file's own `output.weight` (Phi-2, Qwen2-MoE): a tied head is
+    /// written out as the embedding's copy.
+    pub output_required: bool,
+    /// Which layers llama.cpp makes sliding-window layers.
+    pub windows: GgufWindows,
+    /// llama.cpp leaves RoPE out of every fourth layer (SmolLM3), and nowhere else.
+    pub nope_every_fourth: bool,
+    /// Whether llama.cpp renormalizes a mixture of experts' top-k weights.
+    pub moe_norm_topk: bool,
+    /// The experts' width is written as `expert_feed_forward_length` (llama's Mixtral writes
+    /// `feed_forward_length`).
+    pub expert_ffn_key: bool,
+    /// Rotary embeddings over part of each head are allowed.
+    pub partial_rotary: bool,
+    /// Gemma 2/3: llama.cpp scales scores by the head size, but by hidden / heads for the model
+    /// with this many layers (the 27B).
+    pub score_scale_27b_layers: Option<usize>,
+    /// Rotary scaling llama.cpp keeps in tensors (Llama 3's `rope_freqs`, Phi-3's factors).
+    pub rope_tensors: GgufRopeTensors,
+    /// llama.cpp's keys for the logit softcaps (Gemma 2).
+    pub softcaps: bool,
+    /// llama.cpp sizes the q bias by the hidden size (its llama).
+    pub q_bias_hidden_size: bool,
+    /// llama.cpp's `LLM_TYPE_70B`, which the k-quant mixes treat apart.
+    pub seventy_b: fn(&crate::ModelConfig) -> bool,
+    /// The architecture's own refusals (Gemma 3's fixed local rope, ...).
+    pub check: fn(&crate::ModelConfig) -> Result<(), String>,
+    /// What the file cannot carry that llama.cpp would need, for the user to know.
+    pub note: fn(&crate::ModelConfig) -> Option<String>,
+}
+
+/// Which layers llama.cpp's architecture makes sliding-window layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufWindows {
+    /// None.
+    None,
+    /// Every other layer from the first (Gemma 2).
+    EveryOther,
+    /// Five sliding layers, then a full one (Gemma 3's fixed pattern of 6).
+    FiveOfSix,
+    /// All of them when the model has a window (Phi-3).
+    AllOrNone,
+}
+
+impl GgufWriting {
+    /// An architecture that fixes nothing beyond llama.cpp's defaults.
+    pub const PLAIN: Self = Self {
+        tied_head_only: false,
+        output_required: false,
+        windows: GgufWindows::None,
+        nope_every_fourth: false,
+        moe_norm_topk: true,
+        expert_ffn_key: true,
+        partial_rotary: false,
+        score_scale_27b_layers: None,
+        rope_tensors: GgufRopeTensors::None,
+        softcaps: false,
+        q_bias_hidden_size: false,
+        seventy_b: |_| false,
+        check: |_| Ok(()),
+        note: |_| None,
+    };
+}

@@ -5,7 +5,9 @@ use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 
-use super::gguf::{llama_biases, GgufHParams, GgufMetadata, GgufReading, GgufRopeTensors};
+use super::gguf::{
+    llama_biases, GgufHParams, GgufMetadata, GgufReading, GgufRopeTensors, GgufWriting,
+};
 use super::{Family, GgufArch, GgufVariant, LlamaLike, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::req_usize;
 use crate::error::ModelError;
@@ -49,6 +51,18 @@ pub static FAMILY: Family = Family {
         ],
         permuted_qk: true,
         norm_plus_one: false,
+        writing: GgufWriting {
+            rope_tensors: GgufRopeTensors::Llama3Freqs,
+            // llama.cpp 0.3.16 sizes the llama architecture's q bias by the hidden size.
+            q_bias_hidden_size: true,
+            // Mixtral's experts are `feed_forward_length` wide there.
+            expert_ffn_key: false,
+            // `LLM_TYPE_70B`: 80 layers of a grouped-query Llama.
+            seventy_b: |c| {
+                c.num_hidden_layers == 80 && c.num_attention_heads != c.num_key_value_heads
+            },
+            ..GgufWriting::PLAIN
+        },
     }],
     torchtune_builders: &[
         ("llama2", &["llama"]),

@@ -3,7 +3,7 @@
 
 use serde_json::{Map, Value};
 
-use super::gguf::{llama_biases, GgufHParams, GgufMetadata, GgufMoe, GgufReading};
+use super::gguf::{llama_biases, GgufHParams, GgufMetadata, GgufMoe, GgufReading, GgufWriting};
 use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::{get_usize, positive, req_usize};
 use crate::config::{ModelConfig, MoeConfig};
@@ -50,6 +50,8 @@ pub static FAMILY: Family = Family {
         variants: &[],
         permuted_qk: false,
         norm_plus_one: false,
+        // Read only: the writer stores Mistral as llama.cpp's `llama`.
+        writing: GgufWriting::PLAIN,
     }],
     torchtune_builders: &[(
         "mistral",

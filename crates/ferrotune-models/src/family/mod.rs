@@ -244,6 +244,8 @@ pub struct GgufArch {
     pub permuted_qk: bool,
     /// llama.cpp's converter stored norm weights as `1 + w`.
     pub norm_plus_one: bool,
+    /// What llama.cpp fixes for it, for the GGUF writer.
+    pub writing: gguf::GgufWriting,
 }
 
 /// What tells a GGUF variant apart from its architecture's main `model_type`.

@@ -5,7 +5,9 @@ use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 
-use super::gguf::{GgufHParams, GgufMetadata, GgufNames, GgufReading, GgufRopeTensors};
+use super::gguf::{
+    GgufHParams, GgufMetadata, GgufNames, GgufReading, GgufRopeTensors, GgufWindows, GgufWriting,
+};
 use super::{AttentionLayers, Family, GgufArch, HfConfig, ModelType, TorchtuneLayout};
 use crate::config::hf::{
     get_bool, get_f64, parse_rope, parse_sliding_windows, positive, req_usize, WindowStyle,
@@ -48,13 +50,25 @@ pub static FAMILY: Family = Family {
             variants: &[],
             permuted_qk: false,
             norm_plus_one: false,
+            writing: GgufWriting {
+                windows: GgufWindows::AllOrNone,
+                partial_rotary: true,
+                rope_tensors: GgufRopeTensors::LongRopeFactors,
+                ..GgufWriting::PLAIN
+            },
         },
+        // Phi-1.5 / Phi-2: LayerNorm with biases, attention and MLP in parallel.
         GgufArch {
             name: "phi2",
             model_type: "phi",
             variants: &[],
             permuted_qk: false,
             norm_plus_one: false,
+            writing: GgufWriting {
+                output_required: true,
+                partial_rotary: true,
+                ..GgufWriting::PLAIN
+            },
         },
     ],
     torchtune_builders: &[

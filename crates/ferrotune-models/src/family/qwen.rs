@@ -3,7 +3,7 @@
 
 use serde_json::{Map, Value};
 
-use super::gguf::{GgufHParams, GgufMetadata, GgufMoe, GgufReading};
+use super::gguf::{GgufHParams, GgufMetadata, GgufMoe, GgufReading, GgufWriting};
 use super::{
     no_defaults, AttentionLayers, Family, GgufArch, HfConfig, ModelType, Multimodal,
     TorchtuneLayout,
@@ -55,10 +55,28 @@ pub static FAMILY: Family = Family {
     ],
     config_defaults: no_defaults,
     gguf_archs: &[
-        plain_arch("qwen2", "qwen2"),
-        plain_arch("qwen3", "qwen3"),
-        plain_arch("qwen2moe", "qwen2_moe"),
-        plain_arch("qwen3moe", "qwen3_moe"),
+        plain_arch(
+            "qwen2",
+            "qwen2",
+            GgufWriting {
+                // `LLM_TYPE_70B`: 80 layers of a Qwen2.
+                seventy_b: |c| c.num_hidden_layers == 80,
+                ..GgufWriting::PLAIN
+            },
+        ),
+        plain_arch("qwen3", "qwen3", GgufWriting::PLAIN),
+        plain_arch(
+            "qwen2moe",
+            "qwen2_moe",
+            GgufWriting {
+                // Qwen2-MoE's top-k weights are not renormalized there, and it needs its own
+                // `output.weight`.
+                moe_norm_topk: false,
+                output_required: true,
+                ..GgufWriting::PLAIN
+            },
+        ),
+        plain_arch("qwen3moe", "qwen3_moe", GgufWriting::PLAIN),
     ],
     torchtune_builders: &[
         ("qwen2", &["qwen2", "qwen2_moe"]),
@@ -205,12 +223,17 @@ fn parse_moe(obj: &Map<String, Value>, qwen2: bool, layers: usize) -> Result<Moe
 }
 
 /// A llama.cpp architecture stored as transformers holds it (no permutation, no norm offset).
-const fn plain_arch(name: &'static str, model_type: &'static str) -> GgufArch {
+const fn plain_arch(
+    name: &'static str,
+    model_type: &'static str,
+    writing: GgufWriting,
+) -> GgufArch {
     GgufArch {
         name,
         model_type,
         variants: &[],
         permuted_qk: false,
         norm_plus_one: false,
+        writing,
     }
 }

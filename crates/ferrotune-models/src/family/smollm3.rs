@@ -2,7 +2,7 @@
 
 use serde_json::{Map, Value};
 
-use super::gguf::GgufReading;
+use super::gguf::{GgufReading, GgufWriting};
 use super::{no_defaults, AttentionLayers, Family, GgufArch, HfConfig, ModelType};
 use crate::config::hf::{parse_rope_layers, WindowStyle};
 use crate::config::ModelConfig;
@@ -28,6 +28,11 @@ pub static FAMILY: Family = Family {
         variants: &[],
         permuted_qk: true,
         norm_plus_one: false,
+        // llama.cpp's SmolLM3 leaves RoPE out of every fourth layer, whatever the config lists.
+        writing: GgufWriting {
+            nope_every_fourth: true,
+            ..GgufWriting::PLAIN
+        },
     }],
     torchtune_builders: &[("smollm3", &["smollm3"])],
     hf_config: &SmolLm3Rules,
