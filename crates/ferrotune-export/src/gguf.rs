@@ -27,7 +27,7 @@ use candle_core::{DType, Device, Tensor};
 use ferrotune_data::{gguf_vocab, Tokenizer};
 use ferrotune_models::checkpoint::read_pickled;
 use ferrotune_models::config::RopeScaling;
-use ferrotune_models::family::gguf::{GgufRopeTensors, GgufWindows};
+use ferrotune_models::family::gguf::{GgufNames, GgufNaming, GgufRopeTensors, GgufWindows};
 use ferrotune_models::family::{self, GgufArch, GgufVariant};
 use ferrotune_models::{CheckpointFormat, ModelConfig};
 use half::{bf16, f16};
@@ -302,54 +302,32 @@ fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
     Ok(entry)
 }
 
-/// The GGUF name of an HF tensor, or `None` for one llama.cpp has no place for.
-fn gguf_name(hf: &str, sandwich_norms: bool) -> Option<String> {
+/// llama.cpp's name of an HF tensor, from the names table GGUF's reader and writer share
+/// ([`family::gguf::TENSOR_NAMES`]); `None` for what llama.cpp has no place for.
+fn gguf_name(hf: &str, naming: &GgufNaming) -> Option<String> {
     let (stem, kind) = hf.rsplit_once('.')?;
     if kind != "weight" && kind != "bias" {
         return None;
     }
-    let top = match stem {
-        "model.embed_tokens" => Some("token_embd"),
-        "model.norm" | "model.final_layernorm" => Some("output_norm"),
-        "lm_head" => Some("output"),
-        _ => None,
-    };
-    if let Some(t) = top {
-        return Some(format!("{t}.{kind}"));
+    if let Some(top) = naming.gguf_part(stem, false) {
+        return Some(format!("{top}.{kind}"));
     }
     let rest = stem.strip_prefix("model.layers.")?;
     let (layer, module) = rest.split_once('.')?;
     layer.parse::<usize>().ok()?;
-    let part = match module {
-        "input_layernorm" => "attn_norm",
-        // Gemma 2: the attention's output norm, then the MLP's own pre- and post-norms.
-        "post_attention_layernorm" if sandwich_norms => "post_attention_norm",
-        "pre_feedforward_layernorm" if sandwich_norms => "ffn_norm",
-        "post_feedforward_layernorm" if sandwich_norms => "post_ffw_norm",
-        "post_attention_layernorm" => "ffn_norm",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" | "self_attn.dense" => "attn_output",
-        // Phi-3's fused projections.
-        "self_attn.qkv_proj" => "attn_qkv",
-        "mlp.gate_up_proj" => "ffn_up",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" | "mlp.fc2" => "ffn_down",
-        "mlp.fc1" => "ffn_up",
-        // Mixture of experts: the router, Qwen2-MoE's shared expert and its gate (the experts
-        // themselves are stacked, see `expert_part`).
-        "block_sparse_moe.gate" | "mlp.gate" => "ffn_gate_inp",
-        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
-        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
-        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
-        "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
-        _ => return None,
-    };
+    let part = naming.gguf_part(module, true)?;
     Some(format!("blk.{layer}.{part}.{kind}"))
+}
+
+/// What decides the names of `config`'s tensors in GGUF: its model type's reading
+/// (Phi-2's and Phi-3's names, Mixtral's expert names) and its norms.
+fn naming(config: &ModelConfig) -> GgufNaming {
+    let reading = family::model_type(&config.model_type).map(|(_, t)| t.gguf_reading);
+    GgufNaming {
+        names: reading.map_or(GgufNames::Llama, |r| r.names),
+        sandwich_norms: config.sandwich_norms,
+        mixtral_names: reading.and_then(|r| r.moe).is_some_and(|m| m.mixtral_names),
+    }
 }
 
 /// An expert's tensor (transformers 4.x's per-expert names, what checkpoints hold): its layer,
@@ -722,7 +700,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                     .insert(expert, (file, stored.to_string(), stored_shape.clone()));
                 continue;
             }
-            let Some(gguf) = gguf_name(name, config.sandwich_norms) else {
+            let Some(gguf) = gguf_name(name, &naming(&config)) else {
                 skipped.push(name.to_string());
                 continue;
             };
@@ -1201,7 +1179,7 @@ pub fn export_gguf_adapter(
                 file.display()
             );
         }
-        let Some(gguf) = gguf_name(&hf, config.sandwich_norms) else {
+        let Some(gguf) = gguf_name(&hf, &naming(&config)) else {
             bail!(
                 "{}: llama.cpp's '{arch}' has no matrix for adapted module '{module}'",
                 file.display()

@@ -30,7 +30,9 @@ use serde_json::{json, Map, Value};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::family;
-use crate::family::gguf::{GgufHParams, GgufMetadata, GgufNames, GgufReading, GgufRopeTensors};
+use crate::family::gguf::{
+    GgufHParams, GgufMetadata, GgufNames, GgufNaming, GgufReading, GgufRopeTensors,
+};
 
 /// Loads a llama.cpp GGUF (v2/v3) model: config from metadata, tensors dequantized to `dtype` on `device`, named as in HF checkpoints.
 ///
@@ -859,6 +861,15 @@ impl Arch {
         self.reading.moe.is_some_and(|m| m.mixtral_names)
     }
 
+    /// What decides its tensors' HF names.
+    fn naming(&self) -> GgufNaming {
+        GgufNaming {
+            names: self.reading.names,
+            sandwich_norms: self.sandwich_norms(),
+            mixtral_names: self.mixtral_names(),
+        }
+    }
+
     /// Phi-2's tensor names and LayerNorm.
     fn phi2(&self) -> bool {
         self.reading.names == GgufNames::Phi2
@@ -1117,6 +1128,51 @@ enum Kind {
     SharedDown,
 }
 
+/// llama.cpp's top-level tensors, by kind.
+const TOP_KINDS: &[(&str, Kind)] = &[
+    ("token_embd", Kind::Embed),
+    ("output", Kind::Output),
+    ("output_norm", Kind::FinalNorm),
+];
+
+/// llama.cpp's tensors under `blk.N.`, by kind.
+const LAYER_KINDS: &[(&str, Kind)] = &[
+    ("attn_norm", Kind::AttnNorm),
+    ("ffn_norm", Kind::FfnNorm),
+    ("post_attention_norm", Kind::PostAttnNorm),
+    ("post_ffw_norm", Kind::PostFfwNorm),
+    ("attn_q", Kind::Q),
+    ("attn_k", Kind::K),
+    ("attn_v", Kind::V),
+    ("attn_output", Kind::O),
+    ("attn_qkv", Kind::Qkv),
+    ("attn_q_norm", Kind::QNorm),
+    ("attn_k_norm", Kind::KNorm),
+    ("ffn_gate", Kind::Gate),
+    ("ffn_up", Kind::Up),
+    ("ffn_down", Kind::Down),
+    ("ffn_gate_inp", Kind::Router),
+    ("ffn_gate_inp_shexp", Kind::SharedRouter),
+    ("ffn_gate_exps", Kind::GateExps),
+    ("ffn_up_exps", Kind::UpExps),
+    ("ffn_down_exps", Kind::DownExps),
+    ("ffn_gate_up_exps", Kind::GateUpExps),
+    ("ffn_gate_shexp", Kind::SharedGate),
+    ("ffn_up_shexp", Kind::SharedUp),
+    ("ffn_down_shexp", Kind::SharedDown),
+];
+
+impl Kind {
+    /// llama.cpp's name of the kind (under `blk.N.` when `in_layer`).
+    fn part(self, in_layer: bool) -> &'static str {
+        let table = if in_layer { LAYER_KINDS } else { TOP_KINDS };
+        table
+            .iter()
+            .find(|(_, k)| *k == self)
+            .map_or("", |(part, _)| part)
+    }
+}
+
 /// A GGUF tensor's kind, layer, expert (llama.cpp's older per-expert tensors `ffn_gate.E`) and
 /// whether it is a bias.
 #[derive(Debug, Clone, Copy)]
@@ -1142,11 +1198,8 @@ impl Role {
                 bias,
             })
         };
-        match stem {
-            "token_embd" => return top(Kind::Embed),
-            "output" => return top(Kind::Output),
-            "output_norm" => return top(Kind::FinalNorm),
-            _ => {}
+        if let Some(&(_, kind)) = TOP_KINDS.iter().find(|(part, _)| *part == stem) {
+            return top(kind);
         }
         let rest = stem.strip_prefix("blk.")?;
         let (layer, part) = rest.split_once('.')?;
@@ -1165,32 +1218,7 @@ impl Role {
             Some(_) => return None,
             None => (part, None),
         };
-        let kind = match part {
-            "attn_norm" => Kind::AttnNorm,
-            "ffn_norm" => Kind::FfnNorm,
-            "post_attention_norm" => Kind::PostAttnNorm,
-            "post_ffw_norm" => Kind::PostFfwNorm,
-            "attn_q" => Kind::Q,
-            "attn_k" => Kind::K,
-            "attn_v" => Kind::V,
-            "attn_output" => Kind::O,
-            "attn_qkv" => Kind::Qkv,
-            "attn_q_norm" => Kind::QNorm,
-            "attn_k_norm" => Kind::KNorm,
-            "ffn_gate" => Kind::Gate,
-            "ffn_up" => Kind::Up,
-            "ffn_down" => Kind::Down,
-            "ffn_gate_inp" => Kind::Router,
-            "ffn_gate_inp_shexp" => Kind::SharedRouter,
-            "ffn_gate_exps" => Kind::GateExps,
-            "ffn_up_exps" => Kind::UpExps,
-            "ffn_down_exps" => Kind::DownExps,
-            "ffn_gate_up_exps" => Kind::GateUpExps,
-            "ffn_gate_shexp" => Kind::SharedGate,
-            "ffn_up_shexp" => Kind::SharedUp,
-            "ffn_down_shexp" => Kind::SharedDown,
-            _ => return None,
-        };
+        let &(_, kind) = LAYER_KINDS.iter().find(|(p, _)| *p == part)?;
         Some(Self {
             kind,
             layer: Some(layer),
@@ -1280,60 +1308,26 @@ impl Role {
             )
     }
 
-    /// The HF name of a tensor that maps to one HF tensor (see [`Role::hf_parts`]).
+    /// The HF name of a tensor that maps to one HF tensor (see [`Role::hf_parts`]), from the
+    /// names table GGUF's reader and writer share ([`family::gguf::TENSOR_NAMES`]).
     fn hf_name(&self, arch: &Arch) -> String {
         let suffix = if self.bias { "bias" } else { "weight" };
-        let phi = arch.phi2();
-        let module = match self.kind {
-            Kind::Embed => return format!("model.embed_tokens.{suffix}"),
-            Kind::Output => return format!("lm_head.{suffix}"),
-            Kind::FinalNorm if phi => return format!("model.final_layernorm.{suffix}"),
-            Kind::FinalNorm => return format!("model.norm.{suffix}"),
-            Kind::AttnNorm => "input_layernorm",
-            // Gemma 2/3's `ffn_norm` is the MLP's own pre-norm; their attention output norm is
-            // `post_attention_norm`.
-            Kind::FfnNorm if arch.sandwich_norms() => "pre_feedforward_layernorm",
-            Kind::FfnNorm | Kind::PostAttnNorm => "post_attention_layernorm",
-            Kind::PostFfwNorm => "post_feedforward_layernorm",
-            Kind::Q => "self_attn.q_proj",
-            Kind::K => "self_attn.k_proj",
-            Kind::V => "self_attn.v_proj",
-            // Phi-2: `dense`, and the ungated MLP's `fc1` / `fc2`.
-            Kind::O if phi => "self_attn.dense",
-            Kind::O => "self_attn.o_proj",
-            Kind::Qkv => "self_attn.qkv_proj",
-            Kind::QNorm => "self_attn.q_norm",
-            Kind::KNorm => "self_attn.k_norm",
-            Kind::Gate | Kind::Up | Kind::Down if self.expert.is_some() => {
-                return format!(
-                    "model.layers.{}.{}.{suffix}",
-                    self.layer.unwrap_or(0),
-                    arch.expert_module(self.expert, self.kind)
-                )
-            }
-            Kind::Router => {
-                return format!(
-                    "model.layers.{}.{}.{suffix}",
-                    self.layer.unwrap_or(0),
-                    arch.expert_module(None, self.kind)
-                )
-            }
-            Kind::Gate => "mlp.gate_proj",
-            // Phi-3's fused gate and up projection is stored as `ffn_up`.
-            Kind::Up if arch.reading.names == GgufNames::Phi3 => "mlp.gate_up_proj",
-            Kind::Up if phi => "mlp.fc1",
-            Kind::Up => "mlp.up_proj",
-            Kind::Down if phi => "mlp.fc2",
-            Kind::Down => "mlp.down_proj",
-            Kind::SharedRouter => "mlp.shared_expert_gate",
-            Kind::SharedGate => "mlp.shared_expert.gate_proj",
-            Kind::SharedUp => "mlp.shared_expert.up_proj",
-            Kind::SharedDown => "mlp.shared_expert.down_proj",
-            Kind::GateExps | Kind::UpExps | Kind::DownExps | Kind::GateUpExps => {
-                unreachable!("stacked experts are split by hf_parts")
-            }
-        };
-        format!("model.layers.{}.{module}.{suffix}", self.layer.unwrap_or(0))
+        let layer = self.layer.unwrap_or(0);
+        if matches!(self.kind, Kind::Gate | Kind::Up | Kind::Down) && self.expert.is_some() {
+            let module = arch.expert_module(self.expert, self.kind);
+            return format!("model.layers.{layer}.{module}.{suffix}");
+        }
+        let in_layer = self.layer.is_some();
+        let part = self.kind.part(in_layer);
+        let module = arch
+            .naming()
+            .hf_module(part, in_layer)
+            .unwrap_or_else(|| unreachable!("'{part}' has an HF name (stacked experts are split)"));
+        if in_layer {
+            format!("model.layers.{layer}.{module}.{suffix}")
+        } else {
+            format!("{module}.{suffix}")
+        }
     }
 
     /// The PyTorch shape the metadata implies.

@@ -209,3 +209,147 @@ impl GgufWriting {
         note: |_| None,
     };
 }
+
+/// When a pair of [`TENSOR_NAMES`] applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum When {
+    Always,
+    /// Four norms per layer (Gemma 2/3).
+    Sandwich,
+    /// These tensor names ([`GgufNames`]).
+    Names(GgufNames),
+    /// Mixtral's expert block names.
+    MixtralNames,
+}
+
+/// What decides a model's tensor names in GGUF.
+#[derive(Debug, Clone, Copy)]
+pub struct GgufNaming {
+    pub names: GgufNames,
+    pub sandwich_norms: bool,
+    pub mixtral_names: bool,
+}
+
+impl GgufNaming {
+    fn applies(&self, when: When) -> bool {
+        match when {
+            When::Always => true,
+            When::Sandwich => self.sandwich_norms,
+            When::Names(n) => self.names == n,
+            When::MixtralNames => self.mixtral_names,
+        }
+    }
+
+    /// transformers' module (under `model.` or `model.layers.N.`, or `lm_head`) of llama.cpp's
+    /// tensor `part` (`token_embd`, or under `blk.N.`), without `.weight` / `.bias`.
+    pub fn hf_module(&self, part: &str, in_layer: bool) -> Option<&'static str> {
+        TENSOR_NAMES
+            .iter()
+            .find(|t| t.in_layer == in_layer && t.gguf == part && self.applies(t.when))
+            .map(|t| t.hf)
+    }
+
+    /// llama.cpp's tensor of transformers' module `module`: the inverse of
+    /// [`GgufNaming::hf_module`].
+    pub fn gguf_part(&self, module: &str, in_layer: bool) -> Option<&'static str> {
+        TENSOR_NAMES
+            .iter()
+            .find(|t| t.in_layer == in_layer && t.hf == module && self.applies(t.when))
+            .map(|t| t.gguf)
+    }
+}
+
+/// One tensor's name in llama.cpp's files and in transformers' checkpoints.
+#[derive(Debug)]
+pub struct TensorName {
+    /// llama.cpp's name: `token_embd`, or `attn_q` under `blk.N.`.
+    pub gguf: &'static str,
+    /// transformers' module: `model.embed_tokens`, or `self_attn.q_proj` under `model.layers.N.`.
+    pub hf: &'static str,
+    /// Under a layer (`blk.N.` / `model.layers.N.`).
+    pub in_layer: bool,
+    pub when: When,
+}
+
+const fn top(gguf: &'static str, hf: &'static str, when: When) -> TensorName {
+    TensorName {
+        gguf,
+        hf,
+        in_layer: false,
+        when,
+    }
+}
+
+const fn layer(gguf: &'static str, hf: &'static str, when: When) -> TensorName {
+    TensorName {
+        gguf,
+        hf,
+        in_layer: true,
+        when,
+    }
+}
+
+/// llama.cpp's tensor names and transformers' module names, for the GGUF reader and writer alike:
+/// the first pair that applies wins, either way. The experts themselves (stacked in GGUF, one
+/// module each in transformers 4.x's names) are named by the reader and writer.
+pub const TENSOR_NAMES: &[TensorName] = &[
+    top("token_embd", "model.embed_tokens", When::Always),
+    top(
+        "output_norm",
+        "model.final_layernorm",
+        When::Names(GgufNames::Phi2),
+    ),
+    top("output_norm", "model.norm", When::Always),
+    top("output", "lm_head", When::Always),
+    layer("attn_norm", "input_layernorm", When::Always),
+    // Gemma 2/3: `ffn_norm` is the MLP's own pre-norm, `post_attention_norm` the attention
+    // output's norm; elsewhere `ffn_norm` is `post_attention_layernorm`, the MLP's pre-norm.
+    layer("ffn_norm", "pre_feedforward_layernorm", When::Sandwich),
+    layer(
+        "post_attention_norm",
+        "post_attention_layernorm",
+        When::Sandwich,
+    ),
+    layer("ffn_norm", "post_attention_layernorm", When::Always),
+    layer(
+        "post_attention_norm",
+        "post_attention_layernorm",
+        When::Always,
+    ),
+    layer("post_ffw_norm", "post_feedforward_layernorm", When::Always),
+    layer("attn_q", "self_attn.q_proj", When::Always),
+    layer("attn_k", "self_attn.k_proj", When::Always),
+    layer("attn_v", "self_attn.v_proj", When::Always),
+    // Phi-2: `dense`, and the ungated MLP's `fc1` / `fc2`.
+    layer(
+        "attn_output",
+        "self_attn.dense",
+        When::Names(GgufNames::Phi2),
+    ),
+    layer("attn_output", "self_attn.o_proj", When::Always),
+    layer("attn_qkv", "self_attn.qkv_proj", When::Always),
+    layer("attn_q_norm", "self_attn.q_norm", When::Always),
+    layer("attn_k_norm", "self_attn.k_norm", When::Always),
+    layer("ffn_gate", "mlp.gate_proj", When::Always),
+    // Phi-3's fused gate and up projection is stored as `ffn_up`.
+    layer("ffn_up", "mlp.gate_up_proj", When::Names(GgufNames::Phi3)),
+    layer("ffn_up", "mlp.fc1", When::Names(GgufNames::Phi2)),
+    layer("ffn_up", "mlp.up_proj", When::Always),
+    layer("ffn_down", "mlp.fc2", When::Names(GgufNames::Phi2)),
+    layer("ffn_down", "mlp.down_proj", When::Always),
+    // A mixture of experts' router, and Qwen2-MoE's shared expert with its gate.
+    layer("ffn_gate_inp", "block_sparse_moe.gate", When::MixtralNames),
+    layer("ffn_gate_inp", "mlp.gate", When::Always),
+    layer(
+        "ffn_gate_shexp",
+        "mlp.shared_expert.gate_proj",
+        When::Always,
+    ),
+    layer("ffn_up_shexp", "mlp.shared_expert.up_proj", When::Always),
+    layer(
+        "ffn_down_shexp",
+        "mlp.shared_expert.down_proj",
+        When::Always,
+    ),
+    layer("ffn_gate_inp_shexp", "mlp.shared_expert_gate", When::Always),
+];
