@@ -1,7 +1,8 @@
 //! Model families: what is known about each architecture, one file per family, and the registry
 //! that lists them.
 //!
-//! A family file ([`llama`], [`mistral`], [`qwen`], [`gemma`], [`phi`], [`smollm3`], [`llama4`])
+//! A family file ([`llama`], [`mistral`], [`qwen`], [`gemma`], [`phi`], [`smollm3`], [`llama4`],
+//! [`olmo2`])
 //! holds one [`Family`] value: the transformers `model_type`s it reads and their causal-LM
 //! classes, the multimodal checkpoints it runs as their text model, the config-class defaults of
 //! keys a `config.json` may leave out, its llama.cpp architectures ([`GgufArch`], read by the GGUF
@@ -18,6 +19,7 @@ pub mod gemma;
 pub mod llama;
 pub mod llama4;
 pub mod mistral;
+pub mod olmo2;
 pub mod phi;
 pub mod qwen;
 pub mod smollm3;
@@ -36,6 +38,7 @@ pub static FAMILIES: &[&Family] = &[
     &phi::FAMILY,
     &smollm3::FAMILY,
     &llama4::FAMILY,
+    &olmo2::FAMILY,
 ];
 
 /// One model family: everything about its architecture that is not the decoder's math.
