@@ -164,8 +164,7 @@ impl CausalLm {
         let new_kv = match kv {
             Some((k, v)) => {
                 let k = qk_norm(k, &attn.k_norm, QkNormSpan::Projection)?;
-                let mut k =
-                    qk_norm(k.reshape((b, t, nkv, hd))?, &attn.k_norm, QkNormSpan::Head)?;
+                let mut k = qk_norm(k.reshape((b, t, nkv, hd))?, &attn.k_norm, QkNormSpan::Head)?;
                 if rope.is_some() && c.rope_interleaved {
                     k = pairs_to_halves(&k)?;
                 }

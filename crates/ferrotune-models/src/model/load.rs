@@ -339,9 +339,9 @@ impl CausalLm {
                     // A KV-sharing layer has no keys of its own.
                     match kv_source {
                         Some(_) => None,
-                        None => Some(
-                            take.take(&format!("{p}.self_attn.k_norm.weight"), &[k_width])?,
-                        ),
+                        None => {
+                            Some(take.take(&format!("{p}.self_attn.k_norm.weight"), &[k_width])?)
+                        }
                     },
                 )
             } else {
