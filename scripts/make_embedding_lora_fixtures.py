@@ -62,6 +62,16 @@ CASES = {
     "resized_qwen2_tied": ("qwen2/model", dict(r=2, lora_alpha=4, target_modules=["v_proj"], resize_to=520)),
     # PEFT's trainable tokens: the listed rows of the embedding replaced by trained values
     # (`trainable_tokens_delta`), the pad token among them; a tied head uses the same rows.
+    # OLMo 2 (no pre-norms, q/k norms over the whole projection): the embedding and every
+    # projection, so that the gradients pass through both norms of each block.
+    "olmo2": (
+        "models/olmo2/model",
+        dict(
+            r=2,
+            lora_alpha=8,
+            target_modules=["embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    ),
     "tokens_llama3": ("llama3/model", dict(r=2, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 17, 300])),
     "tokens_qwen2_tied": (
         "qwen2/model",

@@ -51,6 +51,7 @@ from transformers import (
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Phi3Config,
     PhiConfig,
     PhimoeConfig,
@@ -510,6 +511,19 @@ def cfg_smollm3():
     ))
 
 
+def cfg_olmo2():
+    # OLMo 2: no pre-norms (post_attention_layernorm / post_feedforward_layernorm on each block's output),
+    # q_norm / k_norm over the whole q / k projection (widths 4*8 and 2*8), rope theta 5e5, GQA 4/2, untied.
+    return Olmo2Config(**common(
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        attention_bias=False,
+        tie_word_embeddings=False,
+    ))
+
+
 def cfg_llama4():
     # Llama 4 text (Llama4ForCausalLM, llama4_text): 4 layers, no_rope_layers [1, 0, 1, 0] (RoPE layers take
     # chunked attention, chunk 6, and the weightless L2 q/k norm; NoPE layers full attention with the query
@@ -898,6 +912,11 @@ CASES = {
                              "position p scaled by 1 + 0.3 ln(1 + floor(p / 4)) after rope"),
     "smollm3": dict(cfg=cfg_smollm3, seed=121, style="v5",
                     notes="SmolLM3: no_rope_layers [1, 0] (layer 1 has no rotary embedding), tied, GQA 4/2"),
+    "olmo2": dict(cfg=cfg_olmo2, seed=138, style="v5", grads=True,
+                  notes="OLMo 2: no pre-norms, each block's output normalized before its residual add "
+                        "(post_attention_layernorm, post_feedforward_layernorm); q_norm [32] / k_norm [16] are "
+                        "RMSNorms over the whole q / k projection before the split into heads and rope; theta 5e5, "
+                        "GQA 4/2, untied"),
     "llama4": dict(cfg=cfg_llama4, seed=134, style="v5", grads=True,
                    notes="Llama 4 text (llama4_text): no_rope_layers [1, 0, 1, 0]; RoPE layers with chunked attention "
                          "(chunk 6) and the L2 q/k norm after Meta's interleaved rotary pairs, NoPE layers with the "

@@ -25,10 +25,10 @@ fn fixture_models() -> Vec<PathBuf> {
     cases
 }
 
-/// Families the decode step refuses (Phi-2, mixtures of experts, Gemma 4): the forward decodes
-/// them.
+/// Families the decode step refuses (Phi-2, mixtures of experts, Gemma 4, OLMo 2's layers
+/// without pre-norms): the forward decodes them.
 fn decode_step_refuses(c: &ModelConfig) -> bool {
-    c.layer_norm || c.moe.is_some() || c.gemma4.is_some()
+    c.layer_norm || c.moe.is_some() || c.gemma4.is_some() || !c.pre_norms
 }
 
 /// A left-padded batch as generation builds it: ids `[batch, longest]` and its layout.
@@ -138,8 +138,8 @@ fn decode_step_equals_the_forward_for_every_family_on_a_padded_batch() {
         let model = load(&case);
         let c = &model.config;
         if decode_step_refuses(c) {
-            // Phi-2, MoE and Gemma 4 models: the step refuses (the forward decodes those), and
-            // says why.
+            // Phi-2, MoE, Gemma 4 and OLMo 2 models: the step refuses (the forward decodes those),
+            // and says why.
             let one = Tensor::new(&[[1u32]], &Device::Cpu).unwrap();
             let mut cache = KvCache::new(model.layers.len());
             let err = model
@@ -149,6 +149,8 @@ fn decode_step_equals_the_forward_for_every_family_on_a_padded_batch() {
                 "Phi-2"
             } else if c.gemma4.is_some() {
                 "Gemma 4"
+            } else if !c.pre_norms {
+                "OLMo 2"
             } else {
                 "mixture of experts"
             };

@@ -6,6 +6,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use ferrotune_models::config::QkNormSpan;
 use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache};
 use serde_json::Value;
 
@@ -60,8 +61,8 @@ fn causal_lm_loss(logits: &Tensor, labels: &Value) -> f64 {
 }
 
 /// Full-sequence logits equal transformers' to 1e-4 (f32), and so does the loss over the golden's
-/// labels.
-fn check_logits(dir: &Path) {
+/// labels. Returns the logits' max abs error and the loss's abs error.
+fn check_logits(dir: &Path) -> (f32, f64) {
     let g = golden(dir);
     let model = load(dir);
     let ids = ids_tensor(&g["input_ids"]);
@@ -73,14 +74,17 @@ fn check_logits(dir: &Path) {
         candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let err = max_abs_diff(&logits, &want["logits"]);
     assert!(err <= 1e-4, "{}: logits max abs error {err}", dir.display());
+    let mut loss_err = 0.0;
     if let Some(want_loss) = g["loss"].as_f64() {
         let loss = causal_lm_loss(&logits, &g["labels"]);
+        loss_err = (loss - want_loss).abs();
         assert!(
-            (loss - want_loss).abs() <= 1e-4,
+            loss_err <= 1e-4,
             "{}: loss {loss}, transformers {want_loss}",
             dir.display()
         );
     }
+    (err, loss_err)
 }
 
 /// Prefill then one token at a time through the KV cache gives the same logits as one full pass.
@@ -145,6 +149,29 @@ fn every_family_matches_transformers() {
         check_logits(case);
         check_kv_cache(case);
     }
+}
+
+/// OLMo 2: layers without pre-norms (each block's output normalized before its residual add) and
+/// q/k norms over the whole projection (`[heads · head_dim]`, `[kv_heads · head_dim]`), read as
+/// such and matching transformers.
+#[test]
+fn olmo2_matches_transformers() {
+    let dir = fixtures().join("models/olmo2");
+    let model = load(&dir);
+    let c = &model.config;
+    assert!(!c.pre_norms && c.sandwich_norms && c.qk_norm);
+    assert_eq!(c.qk_norm_span, QkNormSpan::Projection);
+    for layer in &model.layers {
+        assert!(layer.input_layernorm.is_none() && layer.pre_feedforward_layernorm.is_none());
+        assert!(layer.post_attention_layernorm.is_some());
+        assert!(layer.post_feedforward_layernorm.is_some());
+        let width = |t: &Option<Tensor>| t.as_ref().unwrap().dims().to_vec();
+        assert_eq!(width(&layer.self_attn.q_norm), [4 * 8]);
+        assert_eq!(width(&layer.self_attn.k_norm), [2 * 8]);
+    }
+    let (err, loss_err) = check_logits(&dir);
+    eprintln!("olmo2: logits max abs error {err:e}, loss abs error {loss_err:e}");
+    check_kv_cache(&dir);
 }
 
 /// Relative L2 error of bf16 logits against the f32 golden of `dir`.

@@ -703,18 +703,20 @@ fn dropout_only_in_training() {
 }
 
 /// The adapter cases on the token embedding (tests/fixtures/embedding_lora).
-const EMBEDDING_CASES: [&str; 6] = [
+const EMBEDDING_CASES: [&str; 7] = [
     "llama3",
     "llama3_dora",
     "llama3_regex_rslora",
     "qwen2_tied",
     "gemma",
     "gemma3_dora",
+    "olmo2",
 ];
 
 /// Adapters on `embed_tokens` (LoRA, DoRA, rsLoRA with a regex target; Gemma's scaled
-/// embeddings; heads tied to the embedding) give PEFT's logits, loss and gradients, the pad
-/// token's column of `lora_embedding_A` included (PEFT's lookup keeps it out of the gradient).
+/// embeddings; heads tied to the embedding; OLMo 2's every projection beside it) give PEFT's
+/// logits, loss and gradients, the pad token's column of `lora_embedding_A` included (PEFT's
+/// lookup keeps it out of the gradient).
 #[test]
 fn embedding_adapters_match_peft() {
     for name in EMBEDDING_CASES {

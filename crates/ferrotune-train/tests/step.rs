@@ -253,8 +253,9 @@ fn full_finetune_gradients_with_and_without_checkpointing_and_tied_embeddings() 
 /// Gemma 3: q/k norms and a local rope; Phi-2: LayerNorm, parallel block, ungated MLP, biases;
 /// Mixtral / Qwen-MoE: routers, experts and Qwen2-MoE's shared expert; Phi-3.5-MoE: the
 /// sparsemixer's masked softmaxes, LayerNorms with bias; Llama 4: sigmoid routing into the
-/// experts' inputs, fused experts, shared expert, L2 q/k norm, chunked and NoPE layers):
-/// every parameter, with and without activation checkpointing.
+/// experts' inputs, fused experts, shared expert, L2 q/k norm, chunked and NoPE layers; OLMo 2:
+/// no pre-norms, q/k norms over the whole projection): every parameter, with and without
+/// activation checkpointing.
 #[test]
 fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
     for case in [
@@ -270,6 +271,7 @@ fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
         "gemma4",
         "gemma4_e2b_like",
         "gemma4_moe",
+        "olmo2",
     ] {
         let dir = fixtures().join("models").join(case);
         let g: Value =

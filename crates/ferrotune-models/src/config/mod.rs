@@ -96,6 +96,16 @@ pub struct SparseMixer {
     pub jitter_eps: f64,
 }
 
+/// What a q/k norm ([`ModelConfig::qk_norm`]) normalizes over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNormSpan {
+    /// Each head's `head_dim` values, after the projection is split into heads (Qwen3, Gemma 3).
+    Head,
+    /// The whole projection output (`heads · head_dim` of the queries, `kv_heads · head_dim` of
+    /// the keys), before it is split into heads (OLMo 2).
+    Projection,
+}
+
 /// The MLP's activation function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
@@ -199,8 +209,13 @@ pub struct ModelConfig {
     pub activation: Activation,
     /// The output head shares the embedding matrix.
     pub tie_word_embeddings: bool,
-    /// Qwen3: RMSNorm over each query and key head before RoPE.
+    /// Qwen3, Gemma 3, OLMo 2: RMSNorm of the queries and keys before RoPE, over what
+    /// [`ModelConfig::qk_norm_span`] says.
     pub qk_norm: bool,
+    /// What the q/k norm ([`ModelConfig::qk_norm`]) normalizes over: each head (Qwen3, Gemma 3;
+    /// weights `[head_dim]`) or the whole projection output (OLMo 2; weights
+    /// `[heads · head_dim]` and `[kv_heads · head_dim]`).
+    pub qk_norm_span: QkNormSpan,
     /// Gemma: norms scale by `1 + weight`.
     pub norm_weight_offset_one: bool,
     /// Gemma: embeddings multiplied by `sqrt(hidden_size)` (in the compute dtype).
@@ -248,6 +263,12 @@ pub struct ModelConfig {
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`) and the MLP has its own pre-norm
     /// (`pre_feedforward_layernorm`); otherwise `post_attention_layernorm` is the MLP's pre-norm.
     pub sandwich_norms: bool,
+    /// Each block has a norm of its input: `input_layernorm` before the attention and, before the
+    /// MLP, `post_attention_layernorm` (with sandwich norms, `pre_feedforward_layernorm`). True
+    /// for every family but OLMo 2, whose blocks read the residual stream as it is and have only
+    /// the sandwich norms' output norms (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`); false needs [`ModelConfig::sandwich_norms`].
+    pub pre_norms: bool,
     /// The parameter name of the layer's `post_attention_layernorm` tensor:
     /// `post_attention_layernorm.weight`, but VaultGemma's MLP pre-norm (Gemma 2's layer without
     /// its two post-norms) is `pre_feedforward_layernorm.weight`.

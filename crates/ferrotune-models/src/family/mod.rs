@@ -1,7 +1,8 @@
 //! Model families: what is known about each architecture, one file per family, and the registry
 //! that lists them.
 //!
-//! A family file ([`llama`], [`mistral`], [`qwen`], [`gemma`], [`phi`], [`smollm3`], [`llama4`])
+//! A family file ([`llama`], [`mistral`], [`qwen`], [`gemma`], [`phi`], [`smollm3`], [`llama4`],
+//! [`olmo2`])
 //! holds one [`Family`] value: the transformers `model_type`s it reads and their causal-LM
 //! classes, the multimodal checkpoints it runs as their text model, the config-class defaults of
 //! keys a `config.json` may leave out, its llama.cpp architectures ([`GgufArch`], read by the GGUF
@@ -19,6 +20,7 @@ pub mod gguf;
 pub mod llama;
 pub mod llama4;
 pub mod mistral;
+pub mod olmo2;
 pub mod phi;
 pub mod qwen;
 pub mod read;
@@ -39,6 +41,7 @@ pub static FAMILIES: &[&Family] = &[
     &phi::FAMILY,
     &smollm3::FAMILY,
     &llama4::FAMILY,
+    &olmo2::FAMILY,
 ];
 
 /// One model family: everything about its architecture that is not the decoder's math.

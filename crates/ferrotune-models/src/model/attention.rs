@@ -5,6 +5,7 @@ use candle_core::{DType, Result as CResult, Tensor, D};
 use ferrotune_core::fused;
 
 use super::{weightless_rms_norm, CausalLm, Linear, QkvProjection};
+use crate::config::QkNormSpan;
 
 /// Self-attention of one layer.
 #[derive(Debug, Clone)]
@@ -13,7 +14,9 @@ pub struct Attention {
     pub o_proj: Linear,
     /// The output projection's module name: `self_attn.o_proj` (Phi-2: `self_attn.dense`).
     pub o_proj_name: &'static str,
-    /// Qwen3's per-head RMSNorm weights (`[head_dim]`).
+    /// The q/k RMSNorm weights: Qwen3's and Gemma 3's per head (`[head_dim]`), OLMo 2's over the
+    /// whole projection (`[heads · head_dim]`, `[kv_heads · head_dim]`; see
+    /// [`crate::config::ModelConfig::qk_norm_span`]).
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
     /// `(heads, kv_heads, head_dim)` of this layer (Gemma 4's full-attention layers have their
@@ -128,10 +131,16 @@ impl CausalLm {
             }
             QkvProjection::QueryOnly { q_proj } => (q_proj.forward(x)?, None),
         };
-        let mut q = q.reshape((b, t, nh, hd))?;
-        if let Some(qn) = &attn.q_norm {
-            q = fused::rms_norm(&q, qn, c.rms_norm_eps, c.norm_weight_offset_one)?;
-        }
+        // The q/k norm: over the whole projection before it is split into heads (OLMo 2), or
+        // over each head after.
+        let qk_norm = |t: Tensor, w: &Option<Tensor>, span: QkNormSpan| match w {
+            Some(w) if c.qk_norm_span == span => {
+                fused::rms_norm(&t, w, c.rms_norm_eps, c.norm_weight_offset_one)
+            }
+            _ => Ok(t),
+        };
+        let q = qk_norm(q, &attn.q_norm, QkNormSpan::Projection)?;
+        let mut q = qk_norm(q.reshape((b, t, nh, hd))?, &attn.q_norm, QkNormSpan::Head)?;
         if rope.is_some() && c.rope_interleaved {
             // Meta's rotary pairs are adjacent elements; gathered into transformers' halves (the
             // same reordering of every query and key head leaves their dot products as they
@@ -154,10 +163,8 @@ impl CausalLm {
         }
         let new_kv = match kv {
             Some((k, v)) => {
-                let mut k = k.reshape((b, t, nkv, hd))?;
-                if let Some(kn) = &attn.k_norm {
-                    k = fused::rms_norm(&k, kn, c.rms_norm_eps, c.norm_weight_offset_one)?;
-                }
+                let k = qk_norm(k, &attn.k_norm, QkNormSpan::Projection)?;
+                let mut k = qk_norm(k.reshape((b, t, nkv, hd))?, &attn.k_norm, QkNormSpan::Head)?;
                 if rope.is_some() && c.rope_interleaved {
                     k = pairs_to_halves(&k)?;
                 }

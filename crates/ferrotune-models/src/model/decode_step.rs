@@ -10,6 +10,7 @@ use ferrotune_core::decode::{self, FirstKeys, Heads, Projection, QkNorm, StepPos
 use ferrotune_core::fused;
 
 use super::{AttentionLayout, CausalLm, GateUpProjection, KvCache, Linear, QkvProjection};
+use crate::config::QkNormSpan;
 
 impl CausalLm {
     /// Whether a forward call is served by [`CausalLm::decode_step`]: a single-token step of a
@@ -89,6 +90,14 @@ impl CausalLm {
                 c.head_dim,
                 decode::MAX_HEAD_DIM
             ));
+        }
+        if !c.pre_norms {
+            return Some("layers without pre-norms (OLMo 2) have no decode kernels".into());
+        }
+        if c.qk_norm && c.qk_norm_span != QkNormSpan::Head {
+            return Some(
+                "a q/k norm over the whole projection (OLMo 2) has no decode kernel".into(),
+            );
         }
         if c.layer_norm || c.parallel_block || c.ungated_mlp {
             return Some(
@@ -406,7 +415,10 @@ impl CausalLm {
         for (layer, entry) in self.layers.iter().zip(layers) {
             let (k_cache, v_cache) = entry.as_ref().expect("reserved by the step");
             let attn = &layer.self_attn;
-            let h = fused::rms_norm(&x, &layer.input_layernorm, eps, offset)?;
+            let Some(input_norm) = &layer.input_layernorm else {
+                bail!("decode_step: a layer without input_layernorm");
+            };
+            let h = fused::rms_norm(&x, input_norm, eps, offset)?;
             let qkv = match &attn.qkv {
                 QkvProjection::Separate {
                     q_proj,

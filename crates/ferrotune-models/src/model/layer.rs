@@ -11,21 +11,24 @@ use super::{
     LayerInputs, Linear, ParallelMoe, QueryScale,
 };
 
-/// One decoder layer (pre-norm residual blocks).
+/// One decoder layer (residual blocks, pre-norm but for OLMo 2's).
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
-    pub input_layernorm: Tensor,
+    /// The attention's pre-norm; none in OLMo 2's layers ([`ModelConfig::pre_norms`]).
+    ///
+    /// [`ModelConfig::pre_norms`]: crate::config::ModelConfig::pre_norms
+    pub input_layernorm: Option<Tensor>,
     /// Phi-2's LayerNorm bias.
     pub input_layernorm_bias: Option<Tensor>,
     pub self_attn: Attention,
-    /// The MLP's pre-norm; with sandwich norms (Gemma 2/3) the norm of the attention's output;
-    /// none in Phi-2's parallel block.
+    /// The MLP's pre-norm; with sandwich norms (Gemma 2/3, OLMo 2) the norm of the attention's
+    /// output; none in Phi-2's parallel block.
     pub post_attention_layernorm: Option<Tensor>,
     /// Phi-3.5-MoE's LayerNorm bias of `post_attention_layernorm`.
     pub post_attention_layernorm_bias: Option<Tensor>,
-    /// Gemma 2/3: the MLP's pre-norm.
+    /// Gemma 2/3: the MLP's pre-norm (OLMo 2's sandwich has none).
     pub pre_feedforward_layernorm: Option<Tensor>,
-    /// Gemma 2/3: the norm of the MLP's output.
+    /// Gemma 2/3, OLMo 2: the norm of the MLP's output.
     pub post_feedforward_layernorm: Option<Tensor>,
     pub mlp: FeedForward,
     /// Gemma 4's mixture of experts beside the MLP.
@@ -78,9 +81,9 @@ impl DecoderLayer {
             k_norm,
             ..
         } = self_attn;
-        let mut norms: Vec<(&'static str, &mut Tensor)> =
-            vec![("input_layernorm.weight", input_layernorm)];
+        let mut norms: Vec<(&'static str, &mut Tensor)> = Vec::new();
         let optional = [
+            ("input_layernorm.weight", input_layernorm),
             ("input_layernorm.bias", input_layernorm_bias),
             (post_attention_norm_name, post_attention_layernorm),
             (
@@ -126,8 +129,9 @@ impl DecoderLayer {
     /// The layer's norm tensors with their parameter names inside it
     /// (`input_layernorm.weight`, ...), in checkpoint order.
     pub fn norms(&self) -> Vec<(&'static str, &Tensor)> {
-        let mut out = vec![("input_layernorm.weight", &self.input_layernorm)];
+        let mut out = Vec::new();
         let optional = [
+            ("input_layernorm.weight", &self.input_layernorm),
             ("input_layernorm.bias", &self.input_layernorm_bias),
             (
                 self.post_attention_norm_name,
@@ -300,11 +304,11 @@ impl CausalLm {
         let (cos, sin) = inputs.cos_sin(layer);
         let mask = inputs.mask(layer);
         let norm = |t: &Tensor, w: &Tensor| self.norm(t, w, None);
-        let normed = self.norm(
-            x,
-            &layer.input_layernorm,
-            layer.input_layernorm_bias.as_ref(),
-        )?;
+        // OLMo 2's attention reads the residual stream as it is.
+        let normed = match &layer.input_layernorm {
+            Some(w) => self.norm(x, w, layer.input_layernorm_bias.as_ref())?,
+            None => x.clone(),
+        };
         let rope = layer.use_rope.then_some((cos, sin));
         let q_scale = match &inputs.nope_q_scale {
             Some(s) if !layer.use_rope => QueryScale::F32(s),
@@ -338,10 +342,14 @@ impl CausalLm {
             &layer.pre_feedforward_layernorm,
             &layer.post_feedforward_layernorm,
         ) {
-            // Gemma 2/3: every block's output is normalized before its residual add.
-            (Some(post_attn), Some(pre_ff), Some(post_ff)) => {
+            // Gemma 2/3, OLMo 2: every block's output is normalized before its residual add; OLMo
+            // 2's MLP has no pre-norm.
+            (Some(post_attn), pre_ff, Some(post_ff)) => {
                 let x = (x + norm(&h, post_attn)?)?;
-                let h = self.feed_forward(&layer.mlp, &norm(&x, pre_ff)?)?;
+                let h = match pre_ff {
+                    Some(pre_ff) => self.feed_forward(&layer.mlp, &norm(&x, pre_ff)?)?,
+                    None => self.feed_forward(&layer.mlp, &x)?,
+                };
                 let h = match &layer.parallel_moe {
                     Some(block) => {
                         (norm(&h, &block.post_norm_mlp)? + self.parallel_moe(block, &x)?)?

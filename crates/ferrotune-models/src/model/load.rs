@@ -12,7 +12,7 @@ use super::{
     Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding, PerLayerInputBlock, QkvProjection,
     PARALLEL_MOE_TENSORS, PER_LAYER_NORM, PER_LAYER_PROJECTION, PER_LAYER_TABLE,
 };
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, QkNormSpan};
 use crate::error::ModelError;
 use crate::rope::RotaryEmbedding;
 
@@ -329,12 +329,19 @@ impl CausalLm {
                 }
             };
             let (q_norm, k_norm) = if c.qk_norm {
+                // Per head, or over the whole projection (OLMo 2).
+                let (q_width, k_width) = match c.qk_norm_span {
+                    QkNormSpan::Head => (hd, hd),
+                    QkNormSpan::Projection => (nh * hd, nkv * hd),
+                };
                 (
-                    Some(take.take(&format!("{p}.self_attn.q_norm.weight"), &[hd])?),
+                    Some(take.take(&format!("{p}.self_attn.q_norm.weight"), &[q_width])?),
                     // A KV-sharing layer has no keys of its own.
                     match kv_source {
                         Some(_) => None,
-                        None => Some(take.take(&format!("{p}.self_attn.k_norm.weight"), &[hd])?),
+                        None => {
+                            Some(take.take(&format!("{p}.self_attn.k_norm.weight"), &[k_width])?)
+                        }
                     },
                 )
             } else {
@@ -360,15 +367,16 @@ impl CausalLm {
                     }
                 })
             };
-            let mut sandwich = |name: &str| -> Result<Option<Tensor>, ModelError> {
-                if c.sandwich_norms {
+            let mut sandwich = |name: &str, present: bool| -> Result<Option<Tensor>, ModelError> {
+                if c.sandwich_norms && present {
                     take.take(&format!("{p}.{name}.weight"), &[h]).map(Some)
                 } else {
                     Ok(None)
                 }
             };
-            let pre_feedforward_layernorm = sandwich("pre_feedforward_layernorm")?;
-            let post_feedforward_layernorm = sandwich("post_feedforward_layernorm")?;
+            // OLMo 2's sandwich has no pre-norm.
+            let pre_feedforward_layernorm = sandwich("pre_feedforward_layernorm", c.pre_norms)?;
+            let post_feedforward_layernorm = sandwich("post_feedforward_layernorm", true)?;
             let sparse = c
                 .moe
                 .as_ref()
@@ -406,8 +414,12 @@ impl CausalLm {
                 None => None,
             };
             layers.push(DecoderLayer {
-                input_layernorm: take.take(&format!("{p}.input_layernorm.weight"), &[h])?,
-                input_layernorm_bias: if c.layer_norm {
+                input_layernorm: if c.pre_norms {
+                    Some(take.take(&format!("{p}.input_layernorm.weight"), &[h])?)
+                } else {
+                    None
+                },
+                input_layernorm_bias: if c.layer_norm && c.pre_norms {
                     Some(take.take(&format!("{p}.input_layernorm.bias"), &[h])?)
                 } else {
                     None

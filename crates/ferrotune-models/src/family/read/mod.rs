@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use super::{self as family};
 use crate::config::hf::*;
-use crate::config::{Activation, MllamaLayers, ModelConfig};
+use crate::config::{Activation, MllamaLayers, ModelConfig, QkNormSpan};
 use crate::error::ModelError;
 
 impl ModelConfig {
@@ -122,11 +122,13 @@ impl ModelConfig {
                 && get_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
             score_labels,
             qk_norm: false,
+            qk_norm_span: QkNormSpan::Head,
             norm_weight_offset_one: false,
             scale_embeddings: false,
             fused_projections: false,
             layer_sliding_windows: attention.sliding_windows,
             sandwich_norms: false,
+            pre_norms: true,
             post_attention_norm_name: "post_attention_layernorm.weight",
             query_pre_attn_scalar: None,
             attn_logit_softcapping: get_positive(obj, "attn_logit_softcapping")?,
@@ -154,6 +156,12 @@ impl ModelConfig {
             raw: value.clone(),
         };
         rules.configure(t, obj, &mut config)?;
+        if !config.pre_norms && (!config.sandwich_norms || config.parallel_block) {
+            return Err(
+                "a layer without pre-norms needs the sandwich norms' output norms (and no parallel block)"
+                    .into(),
+            );
+        }
         if let Some(moe) = &config.moe {
             if moe.top_k > moe.num_experts {
                 return Err(format!(

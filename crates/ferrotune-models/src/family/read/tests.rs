@@ -303,3 +303,32 @@ fn wrong_types_name_the_key() {
     c["rope_parameters"] = json!({"rope_type": "fancy"});
     assert!(ModelConfig::from_hf_json(&c).unwrap_err().contains("fancy"));
 }
+
+/// OLMo 2: no pre-norms, the sandwich's output norms, q/k norms over the whole projection, and
+/// `Olmo2Config`'s defaults for keys a config leaves out; every other family keeps its pre-norms
+/// and per-head q/k norms.
+#[test]
+fn olmo2_switches_and_defaults() {
+    let mut c = base();
+    c["model_type"] = json!("olmo2");
+    let o = ModelConfig::from_hf_json(&c).unwrap();
+    assert!(!o.pre_norms && o.sandwich_norms && o.qk_norm);
+    assert_eq!(o.qk_norm_span, QkNormSpan::Projection);
+    assert!(!o.tie_word_embeddings && o.activation == Activation::Silu);
+    assert_eq!(o.rms_norm_eps, 1e-5);
+    assert_eq!(o.max_position_embeddings, 2048);
+    assert_eq!(
+        (o.pad_token_id, o.eos_token_ids.clone()),
+        (Some(1), vec![50_279])
+    );
+    c["rms_norm_eps"] = json!(1e-6);
+    assert_eq!(ModelConfig::from_hf_json(&c).unwrap().rms_norm_eps, 1e-6);
+    for t in ["llama", "qwen3"] {
+        c["model_type"] = json!(t);
+        let other = ModelConfig::from_hf_json(&c).unwrap();
+        assert!(
+            other.pre_norms && other.qk_norm_span == QkNormSpan::Head,
+            "{t}"
+        );
+    }
+}
