@@ -160,7 +160,7 @@ fn synthetic(
     let l = layers.unwrap_or(*l);
     let tied = shape == "smollm2_135m";
     let json = serde_json::json!({
-        "model_type": "llama", "hidden_size": h, "intermediate_size": i,
+        "model_type": ferrotune_models::family::llama::LLAMA, "hidden_size": h, "intermediate_size": i,
         "num_hidden_layers": l, "num_attention_heads": nh, "num_key_value_heads": kv,
         "vocab_size": v, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "tie_word_embeddings": tied, "hidden_act": "silu",

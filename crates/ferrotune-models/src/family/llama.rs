@@ -15,7 +15,7 @@ use crate::error::ModelError;
 /// The Llama family.
 pub static FAMILY: Family = Family {
     name: "Llama",
-    model_types: &[ModelType::new("llama", "LlamaForCausalLM")
+    model_types: &[ModelType::new(LLAMA, "LlamaForCausalLM")
         .gguf("llama")
         .torchtune(TorchtuneLayout::Permuted)
         .reads_gguf(GgufReading {
@@ -86,8 +86,11 @@ fn gguf_keys(
     Ok(())
 }
 
+/// Llama's `model_type`.
+pub const LLAMA: &str = "llama";
+
 /// The `model_type` Meta's own checkpoint format (`params.json`, `consolidated.NN.pth`) holds.
-pub const META_FORMAT: &str = "llama";
+pub const META_FORMAT: &str = LLAMA;
 
 /// Llama 3.2 Vision's text model's `model_type` (`MllamaTextConfig`).
 pub const MLLAMA_TEXT: &str = "mllama_text_model";
