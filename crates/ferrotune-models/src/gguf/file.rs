@@ -1,0 +1,342 @@
+//! An open GGUF file: its header, typed metadata and tensor reads.
+
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{Content, Value as GgufValue};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use crate::error::ModelError;
+use crate::family::gguf::GgufMetadata;
+
+use super::*;
+
+/// An open GGUF file with its parsed header.
+pub(super) struct GgufFile<'a> {
+    pub(super) path: &'a Path,
+    pub(super) reader: BufReader<File>,
+    pub(super) len: u64,
+    pub(super) content: Content,
+}
+
+/// What a family's [`GgufReading`] reads of the file.
+impl GgufMetadata for GgufFile<'_> {
+    fn arch(&self) -> &str {
+        match self.meta("general.architecture") {
+            Some(GgufValue::String(s)) => s,
+            _ => "",
+        }
+    }
+
+    fn uint(&self, key: &str) -> Result<Option<u64>, ModelError> {
+        GgufFile::uint(self, key)
+    }
+
+    fn float(&self, key: &str) -> Result<Option<f64>, ModelError> {
+        GgufFile::float(self, key)
+    }
+
+    fn flag(&self, key: &str) -> Option<bool> {
+        match self.meta(key) {
+            Some(GgufValue::Bool(b)) => Some(*b),
+            _ => None,
+        }
+    }
+
+    fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+}
+
+impl<'a> GgufFile<'a> {
+    pub(super) fn open(path: &'a Path) -> Result<Self, ModelError> {
+        let err = |msg: String| ModelError::file(path, msg);
+        let mut file = File::open(path).map_err(|e| err(format!("cannot open GGUF file: {e}")))?;
+        let len = file
+            .metadata()
+            .map_err(|e| err(format!("cannot read GGUF file: {e}")))?
+            .len();
+        let mut head = [0u8; 8];
+        let got = read_up_to(&mut file, &mut head)
+            .map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
+        if got == 0 {
+            return Err(err("not a GGUF file: the file is empty".into()));
+        }
+        if got < 4 || &head[..4] != b"GGUF" {
+            return Err(err(format!(
+                "not a GGUF file: it starts with {:02x?} instead of the magic \"GGUF\"",
+                &head[..got.min(4)]
+            )));
+        }
+        if got < 8 {
+            return Err(err(
+                "the GGUF file is truncated: it ends inside the header".into()
+            ));
+        }
+        let version = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
+        match version {
+            2 | 3 => {}
+            1 => {
+                return Err(err(
+                    "GGUF version 1 is not supported (only v2 and v3): re-convert the model".into(),
+                ))
+            }
+            v if matches!(v.swap_bytes(), 2 | 3) => {
+                return Err(err("big-endian GGUF files are not supported".into()));
+            }
+            v => {
+                return Err(err(format!(
+                    "unsupported GGUF version {v} (only v2 and v3)"
+                )))
+            }
+        }
+        file.seek(SeekFrom::Start(0))
+            .map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
+        let mut reader = BufReader::new(file);
+        // candle's header reader bounds every length by the file size, but divides by
+        // `general.alignment` unchecked: a corrupt file with alignment 0 would panic. That is the one
+        // panic we know of; catching it (the last resort) keeps a bad file an error, not a crash.
+        let read =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)));
+        let content = match read {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(err(header_error_message(&e.to_string()))),
+            Err(_) => {
+                return Err(err(
+                    "corrupt GGUF header (e.g. general.alignment is 0)".into()
+                ))
+            }
+        };
+        if let Some(v) = content.metadata.get("general.alignment") {
+            if !matches!(v, GgufValue::U32(a) if *a > 0) {
+                return Err(err(format!(
+                    "corrupt GGUF header: general.alignment is {v:?}"
+                )));
+            }
+        }
+        Ok(Self {
+            path,
+            reader,
+            len,
+            content,
+        })
+    }
+
+    pub(super) fn err(&self, msg: impl Into<String>) -> ModelError {
+        ModelError::file(self.path, msg)
+    }
+
+    pub(super) fn tensor_err(&self, name: &str, msg: impl std::fmt::Display) -> ModelError {
+        self.err(format!("tensor '{name}' {msg}"))
+    }
+
+    pub(super) fn meta(&self, key: &str) -> Option<&GgufValue> {
+        self.content.metadata.get(key)
+    }
+
+    pub(super) fn uint(&self, key: &str) -> Result<Option<u64>, ModelError> {
+        let Some(v) = self.meta(key) else {
+            return Ok(None);
+        };
+        let n = match *v {
+            GgufValue::U8(n) => Some(n as u64),
+            GgufValue::U16(n) => Some(n as u64),
+            GgufValue::U32(n) => Some(n as u64),
+            GgufValue::U64(n) => Some(n),
+            GgufValue::I8(n) => u64::try_from(n).ok(),
+            GgufValue::I16(n) => u64::try_from(n).ok(),
+            GgufValue::I32(n) => u64::try_from(n).ok(),
+            GgufValue::I64(n) => u64::try_from(n).ok(),
+            _ => None,
+        };
+        match n {
+            Some(n) => Ok(Some(n)),
+            None => Err(self.err(format!(
+                "metadata key '{key}' must be a non-negative integer, found {}",
+                show(v)
+            ))),
+        }
+    }
+
+    pub(super) fn req_uint(&self, key: &str) -> Result<u64, ModelError> {
+        self.uint(key)?
+            .ok_or_else(|| self.err(format!("missing metadata key '{key}'")))
+    }
+
+    /// A count that must be positive and usable as a tensor dimension.
+    pub(super) fn req_count(&self, key: &str) -> Result<usize, ModelError> {
+        let n = self.req_uint(key)?;
+        if n == 0 || n > (1 << 32) {
+            return Err(self.err(format!(
+                "metadata key '{key}' has the implausible value {n}"
+            )));
+        }
+        Ok(n as usize)
+    }
+
+    pub(super) fn float(&self, key: &str) -> Result<Option<f64>, ModelError> {
+        let Some(v) = self.meta(key) else {
+            return Ok(None);
+        };
+        // f32 values widen exactly, as in transformers (1e-5 stored as f32 reads 9.999999747378752e-06).
+        let x = match *v {
+            GgufValue::F32(x) => x as f64,
+            GgufValue::F64(x) => x,
+            _ => match self.uint(key) {
+                Ok(Some(n)) => n as f64,
+                _ => {
+                    return Err(self.err(format!(
+                        "metadata key '{key}' must be a number, found {}",
+                        show(v)
+                    )))
+                }
+            },
+        };
+        if !x.is_finite() {
+            return Err(self.err(format!("metadata key '{key}' is not finite ({x})")));
+        }
+        Ok(Some(x))
+    }
+
+    pub(super) fn string(&self, key: &str) -> Result<Option<&str>, ModelError> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(GgufValue::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.err(format!(
+                "metadata key '{key}' must be a string, found {}",
+                show(v)
+            ))),
+        }
+    }
+
+    pub(super) fn token_id(&self, key: &str) -> Result<Option<u32>, ModelError> {
+        match self.uint(key)? {
+            None => Ok(None),
+            Some(n) => u32::try_from(n)
+                .map(Some)
+                .map_err(|_| self.err(format!("metadata key '{key}' is not a token id ({n})"))),
+        }
+    }
+
+    /// Checks that a tensor's type is one we dequantize and that its bytes lie inside the file.
+    pub(super) fn check_tensor_data(&self, name: &str) -> Result<(), ModelError> {
+        let info = &self.content.tensor_infos[name];
+        let t = info.ggml_dtype;
+        if matches!(t, GgmlDType::Q8_1 | GgmlDType::Q8K) {
+            return Err(self.tensor_err(
+                name,
+                format!("has type {t:?}, which ferrotune cannot dequantize (supported: {SUPPORTED_TYPES})"),
+            ));
+        }
+        let dims = info.shape.dims();
+        let elems = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        let inner = dims.last().copied().unwrap_or(1);
+        let bytes = elems
+            .filter(|_| inner % t.block_size() == 0)
+            .and_then(|n| (n / t.block_size()).checked_mul(t.type_size()));
+        let Some(bytes) = bytes else {
+            return Err(self.tensor_err(
+                name,
+                format!(
+                    "has shape {dims:?}, impossible for type {t:?} (blocks of {})",
+                    t.block_size()
+                ),
+            ));
+        };
+        let start = self.content.tensor_data_offset.checked_add(info.offset);
+        let end = start.and_then(|s| s.checked_add(bytes as u64));
+        match (start, end) {
+            (Some(_), Some(end)) if end <= self.len => Ok(()),
+            (start, _) => Err(self.err(format!(
+                "the GGUF file is truncated: tensor '{name}' needs {bytes} bytes at offset {} but the file has {} bytes",
+                start.map_or_else(|| "(overflow)".to_string(), |s| s.to_string()),
+                self.len
+            ))),
+        }
+    }
+
+    /// Reads a tensor's blocks (CPU), in PyTorch dimension order.
+    pub(super) fn read_qtensor(&mut self, name: &str) -> Result<QTensor, ModelError> {
+        self.content
+            .tensor(&mut self.reader, name, &Device::Cpu)
+            .map_err(|e| ModelError::file(self.path, format!("cannot read tensor '{name}': {e}")))
+    }
+
+    /// Dequantizes a tensor's blocks to f32 on the CPU.
+    pub(super) fn dequantize_blocks(&self, name: &str, q: &QTensor) -> Result<Tensor, ModelError> {
+        q.dequantize(&Device::Cpu).map_err(|e| {
+            ModelError::file(self.path, format!("cannot dequantize tensor '{name}': {e}"))
+        })
+    }
+
+    /// Reads and dequantizes a tensor to f32 on the CPU, in PyTorch dimension order.
+    pub(super) fn dequantize(&mut self, name: &str) -> Result<Tensor, ModelError> {
+        let q = self.read_qtensor(name)?;
+        self.dequantize_blocks(name, &q)
+    }
+
+    /// A small F32 vector tensor (rotary factors), if present.
+    pub(super) fn small_vector(&mut self, name: &str) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(info) = self.content.tensor_infos.get(name) else {
+            return Ok(None);
+        };
+        if info.shape.rank() != 1 || info.shape.elem_count() > 1 << 20 {
+            return Err(self.tensor_err(
+                name,
+                format!("should be a vector, found shape {:?}", info.shape.dims()),
+            ));
+        }
+        self.check_tensor_data(name)?;
+        let v = self
+            .dequantize(name)?
+            .to_vec1::<f32>()
+            .map_err(|e| self.tensor_err(name, e))?;
+        Ok(Some(v))
+    }
+}
+
+/// Reads as many bytes as are available, up to `buf.len()`.
+pub(super) fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// Turns candle's header-reading errors into messages a user can act on.
+pub(super) fn header_error_message(candle_msg: &str) -> String {
+    let first_line = candle_msg.lines().next().unwrap_or(candle_msg);
+    if let Some(rest) = first_line.split("unknown dtype for tensor ").nth(1) {
+        let id = rest
+            .trim()
+            .parse::<u32>()
+            .map_or_else(|_| rest.trim().to_string(), ggml_type_name);
+        return format!(
+            "unsupported tensor type {id}: ferrotune dequantizes {SUPPORTED_TYPES}; convert the model to one of these"
+        );
+    }
+    let truncated = first_line.contains("fill whole buffer")
+        || first_line.contains("remaining")
+        || first_line.contains("UnexpectedEof");
+    if truncated {
+        format!("the GGUF file is truncated or corrupt: its header ends early ({first_line})")
+    } else {
+        format!("corrupt GGUF header: {first_line}")
+    }
+}
+
+pub(super) fn show(v: &GgufValue) -> String {
+    match v {
+        GgufValue::Array(a) => format!("an array of {} values", a.len()),
+        GgufValue::String(s) => format!("the string {s:?}"),
+        v => format!("{v:?}"),
+    }
+}
