@@ -144,7 +144,7 @@ pub(crate) fn rope_from_params(
 
 /// Which layers of a config attend in a window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WindowStyle {
+pub enum WindowStyle {
     /// Qwen2/Qwen3/SmolLM3: only when `use_sliding_window` is set, and then the layers
     /// `layer_types` marks `sliding_attention`, or those from `max_window_layers` on.
     Gated,

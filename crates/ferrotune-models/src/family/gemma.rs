@@ -29,7 +29,7 @@ pub static FAMILY: Family = Family {
                 .gguf("gemma2")
                 .reads_gguf(GgufReading {
                     sandwich_norms: true,
-                    config_keys: gemma2_gguf_keys,
+                    config_keys: |g, hp, c| layered_gguf_keys(g, hp, c, 46, true),
                     ..GEMMA_GGUF
                 })
         },
@@ -38,7 +38,7 @@ pub static FAMILY: Family = Family {
             .gguf("gemma3")
             .reads_gguf(GgufReading {
                 sandwich_norms: true,
-                config_keys: gemma3_gguf_keys,
+                config_keys: |g, hp, c| layered_gguf_keys(g, hp, c, 62, false),
                 ..GEMMA_GGUF
             }),
         ModelType::new("gemma4_text", "Gemma4ForCausalLM"),
@@ -246,22 +246,6 @@ const GEMMA_GGUF: GgufReading = GgufReading {
     ],
     ..GgufReading::LLAMA
 };
-
-fn gemma2_gguf_keys(
-    g: &dyn GgufMetadata,
-    hp: &GgufHParams,
-    c: &mut Map<String, Value>,
-) -> Result<(), ModelError> {
-    layered_gguf_keys(g, hp, c, 46, true)
-}
-
-fn gemma3_gguf_keys(
-    g: &dyn GgufMetadata,
-    hp: &GgufHParams,
-    c: &mut Map<String, Value>,
-) -> Result<(), ModelError> {
-    layered_gguf_keys(g, hp, c, 62, false)
-}
 
 /// A Gemma 2/3 GGUF file's window, score scale (`big_layers`: the layer count of the 27B model)
 /// and, for Gemma 2 (`softcaps`), its caps.

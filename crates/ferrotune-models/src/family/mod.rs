@@ -28,7 +28,8 @@ pub mod smollm3;
 
 use serde_json::{Map, Value};
 
-use crate::config::hf::{get_bool, parse_rope, parse_sliding_windows, WindowStyle};
+pub use crate::config::hf::WindowStyle;
+use crate::config::hf::{get_bool, parse_rope, parse_sliding_windows};
 use crate::config::{ModelConfig, RopeConfig};
 use gguf::GgufReading;
 
@@ -87,8 +88,14 @@ pub trait HfConfig: Sync + std::fmt::Debug {
         Ok(crate::config::hf::get_str(obj, "hidden_act")?.unwrap_or("silu"))
     }
 
+    /// How the config says which layers attend in a window. Default: where `layer_types` lists
+    /// them (every layer when it does not).
+    fn window_style(&self) -> WindowStyle {
+        WindowStyle::Listed
+    }
+
     /// The rotary embeddings and each layer's attention window. Default: one rope (base 10000
-    /// when absent), windows where `layer_types` lists them (every layer when it does not).
+    /// when absent), windows as [`HfConfig::window_style`] reads them.
     fn attention_layers(
         &self,
         _model_type: &str,
@@ -96,7 +103,7 @@ pub trait HfConfig: Sync + std::fmt::Debug {
         layers: usize,
         max_pos: usize,
     ) -> Result<AttentionLayers, String> {
-        AttentionLayers::single(obj, layers, max_pos, 10000.0, WindowStyle::Listed)
+        AttentionLayers::single(obj, layers, max_pos, 10000.0, self.window_style())
     }
 
     /// Sets the family's switches on the config read so far. Default: none.

@@ -4,10 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::gguf::{GgufHParams, GgufMetadata, GgufMoe, GgufReading, GgufWriting};
-use super::{
-    no_defaults, AttentionLayers, Family, GgufArch, HfConfig, ModelType, Multimodal,
-    TorchtuneLayout,
-};
+use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::{get_bool, get_usize, layer_list, positive, WindowStyle};
 use crate::config::{ModelConfig, MoeConfig};
 use crate::error::ModelError;
@@ -104,29 +101,14 @@ const fn moe_gguf(qwen2: bool) -> GgufReading {
             shared_expert: qwen2,
             all_sparse: false,
         }),
+        // llama.cpp renormalizes the top-k weights for Qwen3-MoE and not for Qwen2-MoE.
         config_keys: if qwen2 {
-            qwen2_moe_keys
+            |g, hp, c| moe_keys(g, hp, c, false)
         } else {
-            qwen3_moe_keys
+            |g, hp, c| moe_keys(g, hp, c, true)
         },
         ..GgufReading::LLAMA
     }
-}
-
-fn qwen2_moe_keys(
-    g: &dyn GgufMetadata,
-    hp: &GgufHParams,
-    c: &mut Map<String, Value>,
-) -> Result<(), ModelError> {
-    moe_keys(g, hp, c, false)
-}
-
-fn qwen3_moe_keys(
-    g: &dyn GgufMetadata,
-    hp: &GgufHParams,
-    c: &mut Map<String, Value>,
-) -> Result<(), ModelError> {
-    moe_keys(g, hp, c, true)
 }
 
 /// A Qwen-MoE GGUF file's experts. llama.cpp renormalizes the top-k weights for Qwen3-MoE and not
@@ -160,14 +142,8 @@ struct QwenRules;
 
 impl HfConfig for QwenRules {
     /// Qwen slides only when `use_sliding_window` is set, and then from `max_window_layers` on.
-    fn attention_layers(
-        &self,
-        _model_type: &str,
-        obj: &Map<String, Value>,
-        layers: usize,
-        max_pos: usize,
-    ) -> Result<AttentionLayers, String> {
-        AttentionLayers::single(obj, layers, max_pos, 10000.0, WindowStyle::Gated)
+    fn window_style(&self) -> WindowStyle {
+        WindowStyle::Gated
     }
 
     fn configure(

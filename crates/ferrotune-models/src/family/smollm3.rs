@@ -3,7 +3,7 @@
 use serde_json::{Map, Value};
 
 use super::gguf::{GgufReading, GgufWriting};
-use super::{no_defaults, AttentionLayers, Family, GgufArch, HfConfig, ModelType};
+use super::{no_defaults, Family, GgufArch, HfConfig, ModelType};
 use crate::config::hf::{parse_rope_layers, WindowStyle};
 use crate::config::ModelConfig;
 
@@ -44,14 +44,8 @@ struct SmolLm3Rules;
 
 impl HfConfig for SmolLm3Rules {
     /// Like Qwen's: windows only with `use_sliding_window`.
-    fn attention_layers(
-        &self,
-        _model_type: &str,
-        obj: &Map<String, Value>,
-        layers: usize,
-        max_pos: usize,
-    ) -> Result<AttentionLayers, String> {
-        AttentionLayers::single(obj, layers, max_pos, 10000.0, WindowStyle::Gated)
+    fn window_style(&self) -> WindowStyle {
+        WindowStyle::Gated
     }
 
     fn configure(
