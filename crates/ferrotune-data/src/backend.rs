@@ -17,6 +17,7 @@ use tokenizers::normalizers::replace::Replace;
 use tokenizers::normalizers::unicode::NFC;
 use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
@@ -220,6 +221,16 @@ pub(crate) fn split_then_byte_level(
         ByteLevel::new(add_prefix_space, true, false).into(),
     ])
     .into())
+}
+
+/// `Digits(individual_digits = true)` then `ByteLevel(add_prefix_space = false, use_regex = true)`:
+/// every digit on its own, then GPT-2's split (SmolLM's, StarCoder's `tokenizer.json`).
+pub(crate) fn digits_then_byte_level() -> PreTokenizerWrapper {
+    PreTokenizerSequence::new(vec![
+        Digits::new(true).into(),
+        ByteLevel::new(false, true, true).into(),
+    ])
+    .into()
 }
 
 /// transformers' `update_post_processor`: `bos $A eos` with each part present when its flag is on

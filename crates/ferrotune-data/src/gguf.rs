@@ -161,11 +161,18 @@ pub(crate) fn build(metadata: &HashMap<String, Value>, path: &Path) -> Result<Gg
         }
     }
 
-    // Split text the way this vocabulary's merges were learned, where transformers knows how.
-    if let Some(regex) = pre.as_deref().and_then(split_regex_for) {
-        let pre_tokenizer =
-            backend::split_then_byte_level(regex, false).map_err(|e| DataError::gguf(path, e))?;
-        tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
+    // Split text the way this vocabulary's merges were learned, where the name is known.
+    match pre.as_deref().and_then(pre_shape_for) {
+        Some(PreShape::Split(regex)) => {
+            let pre_tokenizer = backend::split_then_byte_level(regex, false)
+                .map_err(|e| DataError::gguf(path, e))?;
+            tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
+        }
+        Some(PreShape::DigitsThenByteLevel) => {
+            tokenizer.with_pre_tokenizer(Some(backend::digits_then_byte_level()));
+        }
+        // GPT-2's split is what the byte-level tokenizer already has.
+        Some(PreShape::ByteLevel) | None => {}
     }
 
     Ok(GgufTokenizer {
@@ -177,17 +184,81 @@ pub(crate) fn build(metadata: &HashMap<String, Value>, path: &Path) -> Result<Gg
     })
 }
 
-/// The pre-tokenizer regex transformers uses for a `tokenizer.ggml.pre` value.
-fn split_regex_for(pre: &str) -> Option<&'static str> {
-    Some(match pre {
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
-        | "lfm2" | "jina-v5-nano" | "dbrx" | "smaug-bpe" => backend::LLAMA3_SPLIT,
-        "tekken" => backend::TEKKEN_SPLIT,
-        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => backend::QWEN2_SPLIT,
-        "qwen35" => backend::QWEN35_SPLIT,
-        "gpt-4o" | "llama4" | "kanana2" | "talkie" | "minimax-m2" => backend::GPT4O_SPLIT,
-        _ => return None,
-    })
+/// The HF pre-tokenizer a `tokenizer.ggml.pre` name stands for: how llama.cpp splits text before
+/// the merges, as a `tokenizer.json` pre-tokenizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PreShape {
+    /// `Split(regex, "isolated")` then `ByteLevel` (transformers' GGUF split for the name).
+    Split(&'static str),
+    /// `Digits(individual_digits)` then `ByteLevel(use_regex)`: every digit alone, then GPT-2's
+    /// split (llama.cpp's `\p{N}` then GPT-2's regex).
+    DigitsThenByteLevel,
+    /// `ByteLevel(use_regex)` alone: GPT-2's split.
+    ByteLevel,
+}
+
+/// llama.cpp's `tokenizer.ggml.pre` names and the HF pre-tokenizer each stands for: one table for
+/// the reader (a name gives its row's pre-tokenizer) and the writer ([`gguf_vocab`]: a tokenizer's
+/// pre-tokenizer gives the first name of its row, the one `convert_hf_to_gguf.py` writes for the
+/// best known model of that shape).
+///
+/// The names of one row split text alike in llama.cpp, so a pre-tokenizer cannot tell them apart:
+/// a Command-R or StarCoder tokenizer (digits then byte level, as SmolLM's) is written as `smollm`,
+/// which llama.cpp splits the same way, where `convert_hf_to_gguf.py`, which tells them apart by
+/// hashing the tokenizer's output on a test text, writes `command-r` or `starcoder`.
+///
+/// The `Split` rows are transformers' (`GGUF_PRE_TOKENIZER_SPLITS`). transformers has no row for
+/// the digit-splitting names and reads those files with GPT-2's split alone; we build llama.cpp's
+/// split (and the one in SmolLM2's own `tokenizer.json`) instead, which encodes SmolLM2's text as
+/// transformers does, as no SmolLM2 merge joins a digit to anything.
+const PRE_TOKENIZERS: &[(&[&str], PreShape)] = &[
+    (
+        &[
+            "llama-bpe",
+            "llama3",
+            "llama-v3",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ],
+        PreShape::Split(backend::LLAMA3_SPLIT),
+    ),
+    (
+        &["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"],
+        PreShape::Split(backend::QWEN2_SPLIT),
+    ),
+    (&["tekken"], PreShape::Split(backend::TEKKEN_SPLIT)),
+    (
+        &["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"],
+        PreShape::Split(backend::GPT4O_SPLIT),
+    ),
+    (&["qwen35"], PreShape::Split(backend::QWEN35_SPLIT)),
+    (
+        &[
+            "smollm",
+            "starcoder",
+            "refact",
+            "command-r",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+        ],
+        PreShape::DigitsThenByteLevel,
+    ),
+    (&["gpt-2", "mpt", "olmo", "jais"], PreShape::ByteLevel),
+];
+
+/// The pre-tokenizer a `tokenizer.ggml.pre` name stands for ([`PRE_TOKENIZERS`]).
+fn pre_shape_for(pre: &str) -> Option<PreShape> {
+    PRE_TOKENIZERS
+        .iter()
+        .find(|(names, _)| names.contains(&pre))
+        .map(|&(_, shape)| shape)
 }
 
 /// GPT-2's byte-to-character table: printable Latin-1 bytes stand for themselves, the others are
@@ -558,8 +629,8 @@ pub struct GgufVocab {
     /// merges in the tokenizer's order (tokens no merge forms: 0 for single characters, bytes
     /// and special tokens, -1e9 for the rest).
     pub scores: Option<Vec<f32>>,
-    /// `tokenizer.ggml.pre`: llama.cpp's name for the pre-tokenizer, when the tokenizer's is one
-    /// transformers maps back to the same split (`None`: not one of those).
+    /// `tokenizer.ggml.pre`: llama.cpp's name for the pre-tokenizer of `tokenizer.json`, from the
+    /// table the reader splits text by (`None`: the table has none for it).
     pub pre: Option<&'static str>,
     /// `llama` vocabularies: whether a space (`▁`) is put before the text.
     pub add_space_prefix: Option<bool>,
@@ -660,7 +731,12 @@ pub fn gguf_vocab(
             token_types,
             merges,
             scores: None,
-            pre: pre_name(&json["pre_tokenizer"]),
+            // llama.cpp's converter names the split `tokenizer.json` holds, which the tokenizer
+            // class may have replaced with its own (SmolLM2's `GPT2Tokenizer`).
+            pre: tok
+                .written_pre_tokenizer()
+                .and_then(pre_name)
+                .or_else(|| pre_name(&json["pre_tokenizer"])),
             add_space_prefix: None,
         });
     }
@@ -694,9 +770,8 @@ pub fn gguf_vocab(
     })
 }
 
-/// llama.cpp's `tokenizer.ggml.pre` for a pre-tokenizer: the name whose split regex
-/// [`split_regex_for`] gives back (so that reading the file splits text the same way), `smollm`
-/// for digits split one by one then byte level (SmolLM), `gpt-2` for byte level alone.
+/// llama.cpp's `tokenizer.ggml.pre` for a pre-tokenizer (a `tokenizer.json` `pre_tokenizer`): the
+/// first name of the [`PRE_TOKENIZERS`] row whose pre-tokenizer it is (`None`: none is).
 fn pre_name(pre: &Json) -> Option<&'static str> {
     let steps: Vec<&Json> = match pre["type"].as_str() {
         Some("Sequence") => pre["pretokenizers"].as_array()?.iter().collect(),
@@ -704,18 +779,28 @@ fn pre_name(pre: &Json) -> Option<&'static str> {
         None => return None,
     };
     let kinds: Vec<&str> = steps.iter().filter_map(|s| s["type"].as_str()).collect();
-    let regex = steps
+    // `use_regex` (GPT-2's split) is on unless the file turns it off.
+    let gpt2_split = |step: &Json| step["use_regex"] != false;
+    let shape = match kinds.as_slice() {
+        ["Split", "ByteLevel"] => {
+            let regex = steps[0]["pattern"]["Regex"].as_str()?;
+            PRE_TOKENIZERS.iter().find_map(|&(_, shape)| match shape {
+                PreShape::Split(r) if r == regex => Some(shape),
+                _ => None,
+            })?
+        }
+        ["Digits", "ByteLevel"]
+            if steps[0]["individual_digits"] == true && gpt2_split(steps[1]) =>
+        {
+            PreShape::DigitsThenByteLevel
+        }
+        ["ByteLevel"] if gpt2_split(steps[0]) => PreShape::ByteLevel,
+        _ => return None,
+    };
+    PRE_TOKENIZERS
         .iter()
-        .find(|s| s["type"] == "Split")
-        .and_then(|s| s["pattern"]["Regex"].as_str());
-    match (kinds.as_slice(), regex) {
-        (["Split", "ByteLevel"], Some(r)) => ["llama-bpe", "qwen2", "tekken", "gpt-4o", "qwen35"]
-            .into_iter()
-            .find(|name| split_regex_for(name) == Some(r)),
-        (["Digits", "ByteLevel"], None) if steps[0]["individual_digits"] == true => Some("smollm"),
-        (["ByteLevel"], None) => Some("gpt-2"),
-        _ => None,
-    }
+        .find(|&&(_, s)| s == shape)
+        .map(|(names, _)| names[0])
 }
 
 #[cfg(test)]
@@ -747,5 +832,36 @@ mod tests {
             merges,
             vec![("a", "b"), ("ab", "a"), ("a", "ba"), ("b", "a")]
         );
+    }
+
+    /// One table both ways: every name reads as its row's pre-tokenizer, and that pre-tokenizer
+    /// (as the reader builds it) is written back as the row's first name.
+    #[test]
+    fn pre_tokenizer_names_read_and_write_back_through_one_table() {
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+        for &(names, shape) in PRE_TOKENIZERS {
+            for name in names {
+                assert_eq!(pre_shape_for(name), Some(shape), "{name}");
+            }
+            let built: PreTokenizerWrapper = match shape {
+                PreShape::Split(regex) => backend::split_then_byte_level(regex, false).unwrap(),
+                PreShape::DigitsThenByteLevel => backend::digits_then_byte_level(),
+                // What the byte-level tokenizer has already (`Shape::Gpt2`).
+                PreShape::ByteLevel => ByteLevel::new(false, true, true).into(),
+            };
+            let json = serde_json::to_value(&built).unwrap();
+            assert_eq!(pre_name(&json), Some(names[0]), "{json}");
+        }
+        // Digits grouped, or GPT-2's split turned off: not a pre-tokenizer llama.cpp names.
+        let digits = |individual: bool, use_regex: bool| {
+            serde_json::json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": individual},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                 "use_regex": use_regex}]})
+        };
+        assert_eq!(pre_name(&digits(true, true)), Some("smollm"));
+        assert_eq!(pre_name(&digits(false, true)), None);
+        assert_eq!(pre_name(&digits(true, false)), None);
     }
 }

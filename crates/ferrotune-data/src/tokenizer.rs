@@ -50,6 +50,9 @@ pub struct Tokenizer {
     vocab_size: usize,
     origin: PathBuf,
     template_locations: &'static str,
+    /// The pre-tokenizer `tokenizer.json` holds, where the tokenizer class put its own in its
+    /// place (`GPT2Tokenizer` over SmolLM's digit split): what llama.cpp's converter sees.
+    written_pre_tokenizer: Option<Json>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -174,6 +177,10 @@ impl Tokenizer {
         })?;
         drop(raw);
 
+        let written_pre_tokenizer = (shape != Shape::AsIs)
+            .then(|| serde_json::to_value(inner.get_pre_tokenizer()).ok())
+            .flatten()
+            .filter(|pre| !pre.is_null());
         let (named, extras) = special_tokens_of(&config, &shape);
         let unk = named
             .iter()
@@ -266,6 +273,7 @@ impl Tokenizer {
             .set_encode_special_tokens(flag("split_special_tokens", false));
         tokenizer.origin = dir.to_path_buf();
         tokenizer.template_locations = DIR_TEMPLATE_LOCATIONS;
+        tokenizer.written_pre_tokenizer = written_pre_tokenizer;
 
         // EOS may be a list; generation_config.json and config.json add theirs after the tokenizer's.
         for file in ["generation_config.json", "config.json"] {
@@ -439,6 +447,7 @@ impl Tokenizer {
             vocab_size,
             origin: path.to_path_buf(),
             template_locations: DIR_TEMPLATE_LOCATIONS,
+            written_pre_tokenizer: None,
         })
     }
 
@@ -596,6 +605,12 @@ impl Tokenizer {
     /// The folder or GGUF file this tokenizer was loaded from.
     pub fn origin(&self) -> &Path {
         &self.origin
+    }
+
+    /// The pre-tokenizer of the folder's `tokenizer.json` as written, when the tokenizer class
+    /// replaced it with its own (`None`: the pipeline's is the file's).
+    pub(crate) fn written_pre_tokenizer(&self) -> Option<&Json> {
+        self.written_pre_tokenizer.as_ref()
     }
 
     /// The underlying `tokenizers` pipeline.

@@ -2,7 +2,9 @@
 
 mod common;
 
-use common::{check_against_reference, fixture_json, fixtures_dir, ids, messages, real_asset};
+use common::{
+    check_against_reference, fixture_json, fixtures_dir, ids, messages, real_asset, real_tokenizer,
+};
 use ferrotune_data::Tokenizer;
 
 fn smollm2() -> Tokenizer {
@@ -58,4 +60,26 @@ fn llama_type_gguf_adds_bos_by_default() {
         tok.encode("hi", true).unwrap().first().copied(),
         tok.bos_id()
     );
+}
+
+/// `gguf_vocab`'s `tokenizer.ggml.pre`, the name llama.cpp's converter writes: SmolLM2's tokenizer
+/// read from its GGUF (which that converter wrote) gets the GGUF's own name back; Llama 3.1's
+/// `llama-bpe`, Qwen 3's `qwen2`; the SentencePiece vocabularies of Llama 2 and Gemma 3 none
+/// (llama.cpp's SentencePiece tokenizer has no pre-tokenizer: the writer puts `default`).
+#[test]
+fn gguf_vocab_names_the_pre_tokenizer_as_llama_cpp_does() {
+    use candle_core::quantized::gguf_file::Content;
+    use ferrotune_data::gguf_vocab;
+    let path = real_asset("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let content = Content::read(&mut std::fs::File::open(&path).unwrap()).unwrap();
+    let want = content.metadata["tokenizer.ggml.pre"].to_string().unwrap();
+    let pre = |tok: &Tokenizer| gguf_vocab(tok, tok.vocab_size()).map(|v| (v.model, v.pre));
+    assert_eq!(pre(&smollm2()), Ok(("gpt2", Some(want.as_str()))));
+    assert_eq!(
+        pre(&real_tokenizer("llama3_1")),
+        Ok(("gpt2", Some("llama-bpe")))
+    );
+    assert_eq!(pre(&real_tokenizer("qwen3")), Ok(("gpt2", Some("qwen2"))));
+    assert_eq!(pre(&real_tokenizer("llama2")), Ok(("llama", None)));
+    assert_eq!(pre(&real_tokenizer("gemma3")), Ok(("llama", None)));
 }

@@ -475,6 +475,70 @@ fn edited_copy(name: &str, dir: &std::path::Path, edit: impl FnOnce(&mut Value))
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
 }
 
+/// SmolLM2's tokenizer is written with the `tokenizer.ggml.pre` of SmolLM2's own GGUF (made by
+/// llama.cpp's converter), `smollm`: read from that GGUF and written out as ferrotune writes a
+/// GGUF's tokenizer (the reader builds the digit split the name stands for), and as SmolLM2's repo
+/// ships it (`tokenizer_class` `GPT2Tokenizer`, whose own pre-tokenizer, GPT-2's split alone,
+/// replaces the digit split of `tokenizer.json`: the name comes from the file's, as llama.cpp's
+/// converter sees it). The GGUF's tokenizer encodes as the source GGUF's. The model is the
+/// smollm2_like fixture with its (tied) embeddings widened to SmolLM2's 49 152 tokens.
+#[test]
+fn smollm2_tokenizer_gets_the_pre_tokenizer_name_of_smollm2s_gguf() {
+    use candle_core::quantized::gguf_file::Content;
+    let asset = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+    let pre_of = |path: &std::path::Path| {
+        let content = Content::read(&mut std::fs::File::open(path).unwrap()).unwrap();
+        content.metadata["tokenizer.ggml.pre"]
+            .to_string()
+            .unwrap()
+            .clone()
+    };
+    let want = pre_of(&asset);
+    let source = Tokenizer::from_gguf(&asset).unwrap();
+    let vocab = source.vocab_size();
+    let out = out_dir("smollm2-pre");
+    for class in [None, Some("GPT2Tokenizer")] {
+        let dir = out.join(class.unwrap_or("as-exported"));
+        edited_copy("smollm2_like", &dir, |c| {
+            c["vocab_size"] = vocab.into();
+            c["bos_token_id"] = 1.into();
+        });
+        let mut weights =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+        let rows: Vec<f32> = (0..vocab * 32)
+            .map(|i| (i as f32 * 0.7548).sin() * 0.2)
+            .collect();
+        weights.insert(
+            "model.embed_tokens.weight".into(),
+            Tensor::from_vec(rows, (vocab, 32), &Device::Cpu).unwrap(),
+        );
+        candle_core::safetensors::save(&weights, dir.join("model.safetensors")).unwrap();
+        ferrotune_export::hf::export_tokenizer(&source, &dir).unwrap();
+        if let Some(class) = class {
+            let path = dir.join("tokenizer_config.json");
+            let mut config: Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            config["tokenizer_class"] = class.into();
+            std::fs::write(&path, config.to_string()).unwrap();
+        }
+        let gguf = dir.join("model.gguf");
+        export_gguf(&dir, &gguf, OutType::F32).unwrap();
+        assert_eq!(pre_of(&gguf), want, "tokenizer_class {class:?}");
+        let written = Tokenizer::from_gguf(&gguf).unwrap();
+        for text in [
+            "Digits 1234567 3.14159 2024-01-01 and 100,000!",
+            "Hello, world",
+        ] {
+            assert_eq!(
+                written.encode(text, false).unwrap(),
+                source.encode(text, false).unwrap(),
+                "{text:?}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&out).ok();
+}
+
 /// A Qwen2-MoE whose head is tied to the embedding: llama.cpp's `qwen2moe` (as its `phi2`) has
 /// no fallback to the embedding, so the file holds `output.weight`, the embedding's copy, and
 /// reads back to the checkpoint's logits.
