@@ -193,7 +193,7 @@ pub struct RopeConfig {
 /// Everything the decoder needs to know about an architecture.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
-    /// transformers' `model_type` (one of [`family::supported_model_types`]).
+    /// transformers' `model_type` (one of [`crate::family::supported_model_types`]).
     pub model_type: String,
     pub vocab_size: usize,
     pub hidden_size: usize,

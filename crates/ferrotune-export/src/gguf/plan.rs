@@ -1,0 +1,164 @@
+//! The planned tensors of a GGUF file and the storage type of each (the k-quant mixes).
+
+use crate::gguf_quants::QuantKind;
+
+use super::*;
+
+/// One tensor to write: its GGUF name, GGML dims (innermost first), type, and where its values
+/// come from.
+pub(super) struct Planned {
+    pub(super) name: String,
+    pub(super) dims: Vec<u64>,
+    pub(super) ty: GgmlType,
+    pub(super) source: Source,
+}
+
+pub(super) enum Source {
+    /// An HF tensor (file index, name), rows reordered when `rows` is given.
+    Hf {
+        file: usize,
+        name: String,
+        rows: Option<Vec<usize>>,
+        /// Gemma's norms: llama.cpp stores `1 + w`.
+        plus_one: bool,
+    },
+    /// Values computed here (`rope_freqs`).
+    Values(Vec<f32>),
+    /// Experts' tensors (file index, name) stacked in expert order.
+    Stacked(Vec<(usize, String)>),
+}
+
+/// The type a tensor of `shape` is stored in.
+pub(super) fn storage_type(name: &str, shape: &[usize], outtype: OutType) -> GgmlType {
+    if shape.len() < 2 {
+        return GgmlType::F32;
+    }
+    if name.contains("ffn_gate_inp") {
+        // Routers stay f32, as llama.cpp's converter and quantizer keep them.
+        return GgmlType::F32;
+    }
+    match outtype {
+        OutType::F32 => GgmlType::F32,
+        OutType::F16 | OutType::Auto => GgmlType::F16,
+        OutType::Bf16 => GgmlType::Bf16,
+        // As gguf-py: rows that are not whole blocks fall back to f16.
+        OutType::Q8_0 if shape[shape.len() - 1].is_multiple_of(Q8_0_BLOCK) => GgmlType::Q8_0,
+        OutType::Q8_0 => GgmlType::F16,
+        // Chosen per tensor by `assign_mix_types` once the whole file is planned.
+        _ => GgmlType::F32,
+    }
+}
+
+/// llama.cpp's `use_more_bits`: which of `n` layers the Q4_K_M / Q5_K_M mixes give Q6_K.
+pub(super) fn use_more_bits(i: usize, n: usize) -> bool {
+    i < n / 8 || i >= 7 * n / 8 || (i as isize - (n / 8) as isize).rem_euclid(3) == 2
+}
+
+/// The types of a k-quant mix, as `llama-quantize` chooses them for an f32 file with these
+/// tensors in this order (`llama_tensor_get_type` without an importance matrix): only matrices
+/// named `*weight` (not norms) are quantized; the output head (or the token embedding when it
+/// is tied) gets Q6_K, or Q8_0 when its rows are not whole superblocks; Q4_K_M and Q5_K_M give
+/// Q6_K to the value projections (`attn_v`) and `ffn_down` of the layers [`use_more_bits`]
+/// picks (llama.cpp visits tensors by layer number, so its counters are layer indices), and a
+/// fused `attn_qkv` Q5_K (Q4_K_M) or Q6_K (Q5_K_M); Q4_K_S gives Q5_K to the first 4 layers'
+/// `attn_v` and the first eighth's `ffn_down`; a 70B model's Q4_K `attn_v` becomes Q5_K; with 8
+/// experts (Mixtral) `attn_v` and `attn_k` get Q8_0 and Q4_K_M's / Q4_K_S's `attn_output` Q5_K;
+/// the legacy types (Q4_0, ...) are uniform but for the output; a row length that is
+/// not a multiple of 256 falls back to Q5_0 / Q5_1 / Q8_0, and to f16 when not even of 32.
+pub(super) fn assign_mix_types(
+    plan: &mut [Planned],
+    outtype: OutType,
+    experts: usize,
+    seventy_b: bool,
+) {
+    let Some(base) = outtype.mix_base() else {
+        return;
+    };
+    let more_bits_mix = matches!(outtype, OutType::Q4KM | OutType::Q5KM);
+    let is_value = |name: &str| name.contains("attn_v.weight") || name.contains("attn_qkv.weight");
+    let n_value = plan.iter().filter(|t| is_value(&t.name)).count();
+    let has_output = plan.iter().any(|t| t.name == "output.weight");
+    // The layer number of `blk.N.*`.
+    let layer = |name: &str| -> usize {
+        name.strip_prefix("blk.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    // llama.cpp sets its `ffn_down` count to the number of layers (a layer's experts and shared
+    // expert both take that layer's choice).
+    let n_down = plan
+        .iter()
+        .filter(|t| t.name.contains("ffn_down"))
+        .map(|t| layer(&t.name) + 1)
+        .max()
+        .unwrap_or(0);
+    let q = GgmlType::Quant;
+    for t in plan.iter_mut() {
+        let name = t.name.as_str();
+        if t.dims.len() < 2
+            || !name.ends_with("weight")
+            || name.contains("_norm.weight")
+            || name.contains("ffn_gate_inp")
+        {
+            continue;
+        }
+        let cols = t.dims[0] as usize;
+        let mut ty = q(base);
+        if name == "output.weight" || (!has_output && name == "token_embd.weight") {
+            ty = if cols.is_multiple_of(base.block().0) {
+                q(QuantKind::Q6K)
+            } else {
+                GgmlType::Q8_0
+            };
+        } else if name.contains("attn_qkv.weight") {
+            // A fused projection's own rule in llama.cpp of mid-2025 (what the tests check
+            // against); later llama.cpp treats it as `attn_v`.
+            match outtype {
+                OutType::Q4KM => ty = q(QuantKind::Q5K),
+                OutType::Q5KM => ty = q(QuantKind::Q6K),
+                _ => {}
+            }
+        } else if is_value(name) {
+            let i = layer(name);
+            if more_bits_mix && use_more_bits(i, n_value) {
+                ty = q(QuantKind::Q6K);
+            } else if outtype == OutType::Q4KS && i < 4 {
+                ty = q(QuantKind::Q5K);
+            }
+            if seventy_b && ty == q(QuantKind::Q4K) {
+                // 70B models share each value projection among 8 heads: cheap to widen.
+                ty = q(QuantKind::Q5K);
+            }
+            if experts == 8 {
+                // Mixtral's value (and key) projections are small beside 8 experts: 8 bits.
+                ty = GgmlType::Q8_0;
+            }
+        } else if name.contains("attn_k.weight") && experts == 8 {
+            ty = GgmlType::Q8_0;
+        } else if name.contains("attn_output.weight") && experts == 8 {
+            if matches!(outtype, OutType::Q4KM | OutType::Q4KS) {
+                ty = q(QuantKind::Q5K);
+            }
+        } else if name.contains("ffn_down") {
+            let i = layer(name);
+            if more_bits_mix && use_more_bits(i, n_down) {
+                ty = q(QuantKind::Q6K);
+            } else if outtype == OutType::Q4KS && i < n_down / 8 {
+                ty = q(QuantKind::Q5K);
+            }
+        }
+        if !cols.is_multiple_of(ty.block()) {
+            ty = match ty {
+                GgmlType::Quant(QuantKind::Q4K) => q(QuantKind::Q5_0),
+                GgmlType::Quant(QuantKind::Q5K) => q(QuantKind::Q5_1),
+                GgmlType::Quant(QuantKind::Q6K) => GgmlType::Q8_0,
+                other => other,
+            };
+            if !cols.is_multiple_of(ty.block()) {
+                ty = GgmlType::F16;
+            }
+        }
+        t.ty = ty;
+    }
+}
