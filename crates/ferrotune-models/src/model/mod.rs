@@ -589,3 +589,55 @@ fn weightless_rms_norm(t: &Tensor, eps: f64) -> CResult<Tensor> {
     let ones = Tensor::ones(t.dim(D::Minus1)?, t.dtype(), t.device())?;
     fused::rms_norm(t, &ones, eps, false)
 }
+
+impl CausalLm {
+    /// Weight bytes of each part as [`plan`](crate::device_map::plan) takes them: every decoder layer, then (embedding,
+    /// final norm + head). LoRA adapter tensors count with their layer (the embedding's with the embedding). A tied head is counted at
+    /// full size, as it needs its own copy whenever it lands on another device than the embedding.
+    /// Packed (GGUF block) copies are not counted: they only exist on the CPU.
+    pub fn part_bytes(&self) -> (Vec<u64>, (u64, u64)) {
+        fn bytes(t: &candle_core::Tensor) -> u64 {
+            (t.elem_count() * t.dtype().size_in_bytes()) as u64
+        }
+        fn adapter_bytes(a: Option<&crate::lora::LoraAdapter>) -> u64 {
+            a.map_or(0, |a| {
+                bytes(&a.a)
+                    + bytes(&a.b)
+                    + a.dora_magnitude.as_ref().map_or(0, bytes)
+                    + a.bias.as_ref().map_or(0, bytes)
+            })
+        }
+        fn linear_bytes(l: &crate::Linear) -> u64 {
+            l.weight.size_in_bytes() as u64
+                + l.bias.as_ref().map_or(0, bytes)
+                + adapter_bytes(l.adapter.as_ref())
+        }
+        let mut layers = vec![0u64; self.layers.len()];
+        for (i, layer) in self.layers.iter().enumerate() {
+            layers[i] = layer.norms().into_iter().map(|(_, t)| bytes(t)).sum();
+        }
+        let mut head: u64 = self
+            .final_norm_tensors()
+            .into_iter()
+            .map(|(_, t)| bytes(t))
+            .sum();
+        for (name, linear) in self.linears() {
+            if name == "lm_head" {
+                head += linear_bytes(linear);
+            } else if let Some(i) = layer_index(&name) {
+                layers[i] += linear_bytes(linear);
+            }
+        }
+        let embed = bytes(&self.embed_tokens) + adapter_bytes(self.embed_adapter.as_ref());
+        (layers, (embed, head))
+    }
+}
+
+/// `i` of a `model.layers.{i}.` module name.
+fn layer_index(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
