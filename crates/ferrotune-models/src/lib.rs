@@ -7,7 +7,6 @@ pub mod device_map;
 pub mod error;
 pub mod family;
 pub mod gguf;
-pub mod lora;
 pub mod model;
 pub mod peft;
 pub mod peft_params;
@@ -26,6 +25,8 @@ pub use config::ModelConfig;
 pub use device_map::{DeviceMapMode, Placement};
 pub use error::ModelError;
 pub use lora::LoraAdapter;
+/// LoRA and DoRA adapters live with the linear layers they adapt, in [`model::lora`].
+pub use model::lora;
 pub use model::{
     AttentionLayout, BaseWeight, CausalLm, FakeQuant, KvCache, LayerInputs, Linear, Nf4Summary,
     RouterRecord,

@@ -15,7 +15,9 @@
 //! - `moe`: [`Moe`], [`ParallelMoe`], routing, [`RouterRecord`];
 //! - `layer`: [`DecoderLayer`], [`LayerPartsMut`], Gemma 4's per-layer embeddings, the layer
 //!   forward;
-//! - `decode_step`: the single-token decode step on the GPU decode kernels.
+//! - `decode_step`: the single-token decode step on the GPU decode kernels;
+//! - [`lora`]: [`LoraAdapter`](lora::LoraAdapter) on a [`Linear`], with PEFT's arithmetic
+//!   (public also as `ferrotune_models::lora`).
 
 use std::sync::Arc;
 
@@ -26,7 +28,6 @@ use ferrotune_core::{fused, ops};
 use crate::config::ModelConfig;
 use crate::device_map::Placement;
 use crate::error::ModelError;
-use crate::lora::LoraAdapter;
 use crate::rope::RotaryEmbedding;
 
 mod attention;
@@ -36,6 +37,7 @@ mod layer;
 mod layout;
 mod linear;
 mod load;
+pub mod lora;
 mod mlp;
 mod moe;
 
@@ -50,6 +52,7 @@ pub use layer::{
 use layout::AcrossLayers;
 pub use layout::{AttentionLayout, LayerInputs};
 pub use linear::{FakeQuant, GateUpProjection, Linear, Nf4Summary, QkvProjection};
+use lora::LoraAdapter;
 use mlp::{mlp_linears, mlp_linears_mut};
 pub use mlp::{FeedForward, Mlp};
 use moe::PARALLEL_MOE_TENSORS;
@@ -599,7 +602,7 @@ impl CausalLm {
         fn bytes(t: &candle_core::Tensor) -> u64 {
             (t.elem_count() * t.dtype().size_in_bytes()) as u64
         }
-        fn adapter_bytes(a: Option<&crate::lora::LoraAdapter>) -> u64 {
+        fn adapter_bytes(a: Option<&crate::model::lora::LoraAdapter>) -> u64 {
             a.map_or(0, |a| {
                 bytes(&a.a)
                     + bytes(&a.b)

@@ -12,7 +12,7 @@ use super::{
     SHARED_HEAD_TRAINING,
 };
 use crate::error::ModelError;
-use crate::lora::{LoraAdapter, SplitMix64};
+use crate::model::lora::{LoraAdapter, SplitMix64};
 use crate::model::CausalLm;
 use crate::torchtune_adapter::same_values;
 

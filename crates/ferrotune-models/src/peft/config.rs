@@ -13,7 +13,7 @@ use super::pattern::{self, full_match};
 use super::{ADAPTER_CONFIG_FILE, EMBED_MODULE};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::lora::lora_scaling;
+use crate::model::lora::lora_scaling;
 use crate::model::CausalLm;
 
 /// `target_modules` (and `exclude_modules`): module names, or one regular expression.

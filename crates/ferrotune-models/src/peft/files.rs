@@ -18,7 +18,7 @@ use super::{
 };
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::lora::LoraAdapter;
+use crate::model::lora::LoraAdapter;
 use crate::model::CausalLm;
 use crate::save::write_atomic;
 use crate::torchtune_adapter::same_values;
