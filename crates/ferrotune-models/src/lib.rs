@@ -9,7 +9,6 @@ pub mod family;
 pub mod gguf;
 pub mod model;
 pub mod peft;
-pub mod peft_params;
 pub mod rope;
 pub mod save;
 pub mod slots;
@@ -31,6 +30,8 @@ pub use model::{
     AttentionLayout, BaseWeight, CausalLm, FakeQuant, KvCache, LayerInputs, Linear, Nf4Summary,
     RouterRecord,
 };
+/// PEFT's `target_parameters` live with the rest of PEFT's format, in [`peft::peft_params`].
+pub use peft::peft_params;
 pub use peft::{load_adapter, save_adapter, LoraConfig, TargetModules};
 pub use save::{parse_shard_size, save_hf_checkpoint};
 pub use slots::Unit;

@@ -47,18 +47,18 @@ pub fn attach_adapter(
     // An adapter made on transformers 5 (PEFT creates one there from module names alone, as the
     // experts are no modules) holds no tensor of a single expert or of a router; one made on
     // transformers 4 has them wherever its names reach.
-    let sparse = crate::peft_params::sparse_layers(model);
+    let sparse = super::peft_params::sparse_layers(model);
     let per_expert = tensors.keys().any(|k| {
         let module = k.strip_prefix(PEFT_PREFIX).unwrap_or(k);
         let module = module.split(".lora_").next().unwrap_or(module);
-        crate::peft_params::fused_in_transformers5(module, &sparse)
+        super::peft_params::fused_in_transformers5(module, &sparse)
     });
     // Llama 4's routers are modules in both versions, its experts in neither.
     let transformers5 =
         !model.config.llama4_names && (!config.target_parameters.is_empty() || !per_expert);
     let mut targets = targeted_modules(model, config, transformers5)
         .map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
-    for (name, r, scale) in crate::peft_params::expand(model, config, &mut tensors, source)? {
+    for (name, r, scale) in super::peft_params::expand(model, config, &mut tensors, source)? {
         if targets.linears.iter().any(|(n, _, _)| *n == name) {
             return Err(ModelError::Msg(format!(
                 "{source}: '{name}' is targeted by both target_modules and target_parameters"

@@ -27,6 +27,9 @@
 //! - `saved_modules.rs`: PEFT's `modules_to_save` ([`replace_saved_modules`],
 //!   [`make_saved_modules_trainable`]), trainable tokens, and the embedding and head weights
 //!   saved beside an adapter (untying a tied head, a resized vocabulary).
+//! - [`peft_params`]: PEFT's `target_parameters` (LoRA on transformers 5's fused expert
+//!   parameters), expanded to per-expert adapters on attaching and written back in that form
+//!   (public also as `ferrotune_models::peft_params`).
 //!
 //! [`CausalLm`]: crate::model::CausalLm
 //! [`CausalLm::linears`]: crate::model::CausalLm::linears
@@ -36,6 +39,7 @@ mod config;
 mod files;
 mod merge;
 mod pattern;
+pub mod peft_params;
 mod saved_modules;
 
 pub use attach::{add_adapter, attach_adapter, trainable_parameters, with_adapters_disabled};
