@@ -13,7 +13,6 @@ pub mod rope;
 pub mod save;
 pub mod slots;
 pub mod torch_pickle;
-pub mod torchtune_adapter;
 pub mod torchtune_names;
 
 pub use checkpoint::{
@@ -32,6 +31,8 @@ pub use model::{
 };
 /// PEFT's `target_parameters` live with the rest of PEFT's format, in [`peft::peft_params`].
 pub use peft::peft_params;
+/// torchtune's adapter file, PEFT's fallback, lives in [`peft::torchtune_adapter`].
+pub use peft::torchtune_adapter;
 pub use peft::{load_adapter, save_adapter, LoraConfig, TargetModules};
 pub use save::{parse_shard_size, save_hf_checkpoint};
 pub use slots::Unit;

@@ -7,6 +7,7 @@ use candle_core::{Tensor, Var};
 
 use super::config::{targeted_modules, LoraConfig};
 use super::saved_modules::untie_head;
+use super::torchtune_adapter::same_values;
 use super::{
     bias_file_key, embed_file_keys, file_keys, EMBED_MODULE, MLLAMA_EMBEDDING, PEFT_PREFIX,
     SHARED_HEAD_TRAINING,
@@ -14,7 +15,6 @@ use super::{
 use crate::error::ModelError;
 use crate::model::lora::{LoraAdapter, SplitMix64};
 use crate::model::CausalLm;
-use crate::torchtune_adapter::same_values;
 
 /// The adapter of a head that shares the embedding's (`ensure_weight_tying`): PEFT's
 /// `tied_adapter`, `lora_A = lora_embedding_B.T`, `lora_B = lora_embedding_A.T`, so that the
