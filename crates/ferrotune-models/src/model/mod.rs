@@ -16,7 +16,7 @@
 //! - `layer`: [`DecoderLayer`], [`LayerPartsMut`], Gemma 4's per-layer embeddings, the layer
 //!   forward;
 //! - `decode_step`: the single-token decode step on the GPU decode kernels;
-//! - [`lora`]: [`LoraAdapter`](lora::LoraAdapter) on a [`Linear`], with PEFT's arithmetic
+//! - [`lora`]: [`LoraAdapter`] on a [`Linear`], with PEFT's arithmetic
 //!   (public also as `ferrotune_models::lora`).
 
 use std::sync::Arc;
