@@ -12,6 +12,7 @@ use crate::error::ModelError;
 pub use crate::family::read::text_model_tensor;
 use crate::gguf::PackedWeights;
 use crate::model::CausalLm;
+use crate::torch_pickle::{read_torch_file, TorchTensor};
 use crate::{torch_pickle, torchtune_names};
 
 /// Where a checkpoint's weights came from.
@@ -360,7 +361,7 @@ pub fn read_pickled(
                      use its safetensors",
                 ));
             }
-            let (tensors, quantized_linears) = torch_pickle::read_pickle_shards(
+            let (tensors, quantized_linears) = read_pickle_shards(
                 files,
                 |raw| {
                     let dtype = dtype.unwrap_or_else(|| {
@@ -382,6 +383,73 @@ pub fn read_pickled(
             "not a PyTorch or Meta pickle checkpoint",
         )),
     }
+}
+
+/// Reads pickle files that are shards of one state dict. HF-named tensors are converted to
+/// `dtype` (`None`: kept as stored) on `device` as each file is read (its raw bytes dropped tensor by tensor, so that a
+/// 7B checkpoint does not sit in memory twice); a torchtune-named state dict (the `quantize`
+/// recipe's) is handed whole to `torchtune`, which returns HF tensors and the quantized layers.
+pub fn read_pickle_shards(
+    files: &[PathBuf],
+    torchtune: impl FnOnce(
+        Vec<(String, TorchTensor)>,
+    ) -> Result<
+        (
+            HashMap<String, Tensor>,
+            crate::torchtune_names::QuantizedLinears,
+        ),
+        String,
+    >,
+    dtype: Option<DType>,
+    device: &Device,
+) -> Result<
+    (
+        HashMap<String, Tensor>,
+        crate::torchtune_names::QuantizedLinears,
+    ),
+    ModelError,
+> {
+    let mut hf = HashMap::new();
+    let mut tune: Vec<(String, TorchTensor)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for file in files {
+        let tensors = read_torch_file(file)?;
+        if tensors.is_empty() {
+            return Err(ModelError::file(file, "holds no tensors"));
+        }
+        let torchtune_names =
+            crate::torchtune_names::is_torchtune_state_dict(tensors.iter().map(|(n, _)| n));
+        for (name, t) in tensors {
+            // HF's own key for a rotary cache some old checkpoints saved; never a weight.
+            if name.ends_with("rotary_emb.inv_freq") {
+                continue;
+            }
+            if !seen.insert(name.clone()) {
+                return Err(ModelError::file(
+                    file,
+                    format!("tensor '{name}' is also in an earlier shard"),
+                ));
+            }
+            if torchtune_names || !tune.is_empty() {
+                tune.push((name, t));
+            } else {
+                let t = t
+                    .to_tensor(dtype.unwrap_or_else(|| t.dtype.candle()), device)
+                    .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
+                hf.insert(name, t);
+            }
+        }
+    }
+    if tune.is_empty() {
+        return Ok((hf, Vec::new()));
+    }
+    if !hf.is_empty() {
+        return Err(ModelError::file(
+            &files[0],
+            "the files mix HF and torchtune tensor names",
+        ));
+    }
+    torchtune(tune).map_err(|msg| ModelError::file(&files[0], msg))
 }
 
 /// Reads a checkpoint (HF folder, PyTorch or Meta pickle, or GGUF) with tensors in `dtype` on

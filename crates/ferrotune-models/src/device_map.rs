@@ -9,8 +9,6 @@
 //! Differences from Accelerate, on purpose: nothing is offloaded to the CPU or to disk (a model that
 //! does not fit is an error naming the shortfall), and parts are never split below a decoder layer.
 
-use crate::model::CausalLm;
-
 /// Share of each device's capacity, in percent, that planning leaves free. The parts' sizes count
 /// weights only; activations, attention masks, the KV cache and the logits need room beside them.
 pub const ACTIVATION_MARGIN_PERCENT: u64 = 10;
@@ -177,7 +175,7 @@ pub fn format_bytes(bytes: u64) -> String {
 /// `0..capacities.len()`.
 ///
 /// `layer_bytes` are the decoder layers' sizes, `root_bytes` the embedding's and the final norm +
-/// head's ([`CausalLm::part_bytes`] measures a model), `capacities` what each device may hold.
+/// head's ([`CausalLm::part_bytes`](crate::CausalLm::part_bytes) measures a model), `capacities` what each device may hold.
 /// Each device gets one contiguous run of parts and device indices never decrease along the model,
 /// so the hidden states move forward only. Planning fills at most
 /// `100 - ACTIVATION_MARGIN_PERCENT` percent of each capacity.
@@ -340,56 +338,4 @@ fn shortfall(items: &[u64], limits: &[u64], first_left: usize) -> String {
         format_bytes(offered),
         format_bytes(left),
     )
-}
-
-impl CausalLm {
-    /// Weight bytes of each part as [`plan`] takes them: every decoder layer, then (embedding,
-    /// final norm + head). LoRA adapter tensors count with their layer (the embedding's with the embedding). A tied head is counted at
-    /// full size, as it needs its own copy whenever it lands on another device than the embedding.
-    /// Packed (GGUF block) copies are not counted: they only exist on the CPU.
-    pub fn part_bytes(&self) -> (Vec<u64>, (u64, u64)) {
-        fn bytes(t: &candle_core::Tensor) -> u64 {
-            (t.elem_count() * t.dtype().size_in_bytes()) as u64
-        }
-        fn adapter_bytes(a: Option<&crate::lora::LoraAdapter>) -> u64 {
-            a.map_or(0, |a| {
-                bytes(&a.a)
-                    + bytes(&a.b)
-                    + a.dora_magnitude.as_ref().map_or(0, bytes)
-                    + a.bias.as_ref().map_or(0, bytes)
-            })
-        }
-        fn linear_bytes(l: &crate::Linear) -> u64 {
-            l.weight.size_in_bytes() as u64
-                + l.bias.as_ref().map_or(0, bytes)
-                + adapter_bytes(l.adapter.as_ref())
-        }
-        let mut layers = vec![0u64; self.layers.len()];
-        for (i, layer) in self.layers.iter().enumerate() {
-            layers[i] = layer.norms().into_iter().map(|(_, t)| bytes(t)).sum();
-        }
-        let mut head: u64 = self
-            .final_norm_tensors()
-            .into_iter()
-            .map(|(_, t)| bytes(t))
-            .sum();
-        for (name, linear) in self.linears() {
-            if name == "lm_head" {
-                head += linear_bytes(linear);
-            } else if let Some(i) = layer_index(&name) {
-                layers[i] += linear_bytes(linear);
-            }
-        }
-        let embed = bytes(&self.embed_tokens) + adapter_bytes(self.embed_adapter.as_ref());
-        (layers, (embed, head))
-    }
-}
-
-/// `i` of a `model.layers.{i}.` module name.
-fn layer_index(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
 }

@@ -7,15 +7,12 @@ pub mod device_map;
 pub mod error;
 pub mod family;
 pub mod gguf;
-pub mod lora;
 pub mod model;
 pub mod peft;
-pub mod peft_params;
 pub mod rope;
 pub mod save;
 pub mod slots;
 pub mod torch_pickle;
-pub mod torchtune_adapter;
 pub mod torchtune_names;
 
 pub use checkpoint::{
@@ -26,10 +23,16 @@ pub use config::ModelConfig;
 pub use device_map::{DeviceMapMode, Placement};
 pub use error::ModelError;
 pub use lora::LoraAdapter;
+/// LoRA and DoRA adapters live with the linear layers they adapt, in [`model::lora`].
+pub use model::lora;
 pub use model::{
     AttentionLayout, BaseWeight, CausalLm, FakeQuant, KvCache, LayerInputs, Linear, Nf4Summary,
     RouterRecord,
 };
+/// PEFT's `target_parameters` live with the rest of PEFT's format, in [`peft::peft_params`].
+pub use peft::peft_params;
+/// torchtune's adapter file, PEFT's fallback, lives in [`peft::torchtune_adapter`].
+pub use peft::torchtune_adapter;
 pub use peft::{load_adapter, save_adapter, LoraConfig, TargetModules};
 pub use save::{parse_shard_size, save_hf_checkpoint};
 pub use slots::Unit;

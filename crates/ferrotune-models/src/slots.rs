@@ -53,7 +53,7 @@ fn linear_tensors_mut<'a>(
 fn adapter_tensors_mut<'a>(
     module: &str,
     a_b: [&str; 2],
-    adapter: &'a mut crate::lora::LoraAdapter,
+    adapter: &'a mut crate::model::lora::LoraAdapter,
     out: &mut Vec<(String, &'a mut Tensor)>,
 ) {
     out.push((format!("{PEFT_PREFIX}{module}.{}", a_b[0]), &mut adapter.a));

@@ -5,12 +5,13 @@
 //! The pickle opcodes are parsed by candle's unpickler (`candle_core::pickle::Stack`); walking the
 //! state dict is ours, because candle's own loader skips (with a print) the storage types it does
 //! not know — int8 codes among them — where we must fail loudly or read them. Writing is ours too
-//! (no crate writes torch's format): a dict of tensors as `torch.save` lays it out. Also ours: shard
-//! lists, the Meta names and config, and the rotary layout of Meta's q/k rows.
+//! (no crate writes torch's format): a dict of tensors as `torch.save` lays it out. Also ours: the
+//! Meta names and config, and the rotary layout of Meta's q/k rows. Lists of shards, in HF's or
+//! torchtune's names, are read by [`crate::checkpoint::read_pickle_shards`].
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::pickle::Object;
 use candle_core::{DType, Device, Tensor};
@@ -608,73 +609,6 @@ fn int(p: &mut Vec<u8>, n: usize) {
         p.push(8);
         p.extend_from_slice(&(n as i64).to_le_bytes());
     }
-}
-
-/// Reads pickle files that are shards of one state dict. HF-named tensors are converted to
-/// `dtype` (`None`: kept as stored) on `device` as each file is read (its raw bytes dropped tensor by tensor, so that a
-/// 7B checkpoint does not sit in memory twice); a torchtune-named state dict (the `quantize`
-/// recipe's) is handed whole to `torchtune`, which returns HF tensors and the quantized layers.
-pub fn read_pickle_shards(
-    files: &[PathBuf],
-    torchtune: impl FnOnce(
-        Vec<(String, TorchTensor)>,
-    ) -> Result<
-        (
-            HashMap<String, Tensor>,
-            crate::torchtune_names::QuantizedLinears,
-        ),
-        String,
-    >,
-    dtype: Option<DType>,
-    device: &Device,
-) -> Result<
-    (
-        HashMap<String, Tensor>,
-        crate::torchtune_names::QuantizedLinears,
-    ),
-    ModelError,
-> {
-    let mut hf = HashMap::new();
-    let mut tune: Vec<(String, TorchTensor)> = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for file in files {
-        let tensors = read_torch_file(file)?;
-        if tensors.is_empty() {
-            return Err(ModelError::file(file, "holds no tensors"));
-        }
-        let torchtune_names =
-            crate::torchtune_names::is_torchtune_state_dict(tensors.iter().map(|(n, _)| n));
-        for (name, t) in tensors {
-            // HF's own key for a rotary cache some old checkpoints saved; never a weight.
-            if name.ends_with("rotary_emb.inv_freq") {
-                continue;
-            }
-            if !seen.insert(name.clone()) {
-                return Err(ModelError::file(
-                    file,
-                    format!("tensor '{name}' is also in an earlier shard"),
-                ));
-            }
-            if torchtune_names || !tune.is_empty() {
-                tune.push((name, t));
-            } else {
-                let t = t
-                    .to_tensor(dtype.unwrap_or_else(|| t.dtype.candle()), device)
-                    .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
-                hf.insert(name, t);
-            }
-        }
-    }
-    if tune.is_empty() {
-        return Ok((hf, Vec::new()));
-    }
-    if !hf.is_empty() {
-        return Err(ModelError::file(
-            &files[0],
-            "the files mix HF and torchtune tensor names",
-        ));
-    }
-    torchtune(tune).map_err(|msg| ModelError::file(&files[0], msg))
 }
 
 /// A Meta checkpoint (`consolidated.00.pth`, with `params.json` beside it) as an HF Llama model:

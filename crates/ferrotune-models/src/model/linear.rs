@@ -10,8 +10,8 @@ use ferrotune_core::nf4::Nf4Matrix;
 use ferrotune_core::quant::QuantizedMatrix;
 use ferrotune_core::{fused, ops};
 
+use super::lora::LoraAdapter;
 use super::{BaseWeight, CausalLm};
-use crate::lora::LoraAdapter;
 
 /// Inputs with at most this many rows use a layer's packed weight (decode steps, short prompts);
 /// longer ones go through the dense f32 GEMM, which is faster once the weight read is amortized.

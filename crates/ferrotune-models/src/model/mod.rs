@@ -15,7 +15,9 @@
 //! - `moe`: [`Moe`], [`ParallelMoe`], routing, [`RouterRecord`];
 //! - `layer`: [`DecoderLayer`], [`LayerPartsMut`], Gemma 4's per-layer embeddings, the layer
 //!   forward;
-//! - `decode_step`: the single-token decode step on the GPU decode kernels.
+//! - `decode_step`: the single-token decode step on the GPU decode kernels;
+//! - [`lora`]: [`LoraAdapter`] on a [`Linear`], with PEFT's arithmetic
+//!   (public also as `ferrotune_models::lora`).
 
 use std::sync::Arc;
 
@@ -26,7 +28,6 @@ use ferrotune_core::{fused, ops};
 use crate::config::ModelConfig;
 use crate::device_map::Placement;
 use crate::error::ModelError;
-use crate::lora::LoraAdapter;
 use crate::rope::RotaryEmbedding;
 
 mod attention;
@@ -36,6 +37,7 @@ mod layer;
 mod layout;
 mod linear;
 mod load;
+pub mod lora;
 mod mlp;
 mod moe;
 
@@ -50,6 +52,7 @@ pub use layer::{
 use layout::AcrossLayers;
 pub use layout::{AttentionLayout, LayerInputs};
 pub use linear::{FakeQuant, GateUpProjection, Linear, Nf4Summary, QkvProjection};
+use lora::LoraAdapter;
 use mlp::{mlp_linears, mlp_linears_mut};
 pub use mlp::{FeedForward, Mlp};
 use moe::PARALLEL_MOE_TENSORS;
@@ -588,4 +591,56 @@ pub(crate) fn make_var(t: &mut Tensor, name: String, out: &mut Vec<(String, Var)
 fn weightless_rms_norm(t: &Tensor, eps: f64) -> CResult<Tensor> {
     let ones = Tensor::ones(t.dim(D::Minus1)?, t.dtype(), t.device())?;
     fused::rms_norm(t, &ones, eps, false)
+}
+
+impl CausalLm {
+    /// Weight bytes of each part as [`plan`](crate::device_map::plan) takes them: every decoder layer, then (embedding,
+    /// final norm + head). LoRA adapter tensors count with their layer (the embedding's with the embedding). A tied head is counted at
+    /// full size, as it needs its own copy whenever it lands on another device than the embedding.
+    /// Packed (GGUF block) copies are not counted: they only exist on the CPU.
+    pub fn part_bytes(&self) -> (Vec<u64>, (u64, u64)) {
+        fn bytes(t: &candle_core::Tensor) -> u64 {
+            (t.elem_count() * t.dtype().size_in_bytes()) as u64
+        }
+        fn adapter_bytes(a: Option<&crate::model::lora::LoraAdapter>) -> u64 {
+            a.map_or(0, |a| {
+                bytes(&a.a)
+                    + bytes(&a.b)
+                    + a.dora_magnitude.as_ref().map_or(0, bytes)
+                    + a.bias.as_ref().map_or(0, bytes)
+            })
+        }
+        fn linear_bytes(l: &crate::Linear) -> u64 {
+            l.weight.size_in_bytes() as u64
+                + l.bias.as_ref().map_or(0, bytes)
+                + adapter_bytes(l.adapter.as_ref())
+        }
+        let mut layers = vec![0u64; self.layers.len()];
+        for (i, layer) in self.layers.iter().enumerate() {
+            layers[i] = layer.norms().into_iter().map(|(_, t)| bytes(t)).sum();
+        }
+        let mut head: u64 = self
+            .final_norm_tensors()
+            .into_iter()
+            .map(|(_, t)| bytes(t))
+            .sum();
+        for (name, linear) in self.linears() {
+            if name == "lm_head" {
+                head += linear_bytes(linear);
+            } else if let Some(i) = layer_index(&name) {
+                layers[i] += linear_bytes(linear);
+            }
+        }
+        let embed = bytes(&self.embed_tokens) + adapter_bytes(self.embed_adapter.as_ref());
+        (layers, (embed, head))
+    }
+}
+
+/// `i` of a `model.layers.{i}.` module name.
+fn layer_index(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
 }

@@ -7,14 +7,14 @@ use candle_core::{Tensor, Var};
 
 use super::config::{targeted_modules, LoraConfig};
 use super::saved_modules::untie_head;
+use super::torchtune_adapter::same_values;
 use super::{
     bias_file_key, embed_file_keys, file_keys, EMBED_MODULE, MLLAMA_EMBEDDING, PEFT_PREFIX,
     SHARED_HEAD_TRAINING,
 };
 use crate::error::ModelError;
-use crate::lora::{LoraAdapter, SplitMix64};
+use crate::model::lora::{LoraAdapter, SplitMix64};
 use crate::model::CausalLm;
-use crate::torchtune_adapter::same_values;
 
 /// The adapter of a head that shares the embedding's (`ensure_weight_tying`): PEFT's
 /// `tied_adapter`, `lora_A = lora_embedding_B.T`, `lora_B = lora_embedding_A.T`, so that the
@@ -47,18 +47,18 @@ pub fn attach_adapter(
     // An adapter made on transformers 5 (PEFT creates one there from module names alone, as the
     // experts are no modules) holds no tensor of a single expert or of a router; one made on
     // transformers 4 has them wherever its names reach.
-    let sparse = crate::peft_params::sparse_layers(model);
+    let sparse = super::peft_params::sparse_layers(model);
     let per_expert = tensors.keys().any(|k| {
         let module = k.strip_prefix(PEFT_PREFIX).unwrap_or(k);
         let module = module.split(".lora_").next().unwrap_or(module);
-        crate::peft_params::fused_in_transformers5(module, &sparse)
+        super::peft_params::fused_in_transformers5(module, &sparse)
     });
     // Llama 4's routers are modules in both versions, its experts in neither.
     let transformers5 =
         !model.config.llama4_names && (!config.target_parameters.is_empty() || !per_expert);
     let mut targets = targeted_modules(model, config, transformers5)
         .map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
-    for (name, r, scale) in crate::peft_params::expand(model, config, &mut tensors, source)? {
+    for (name, r, scale) in super::peft_params::expand(model, config, &mut tensors, source)? {
         if targets.linears.iter().any(|(n, _, _)| *n == name) {
             return Err(ModelError::Msg(format!(
                 "{source}: '{name}' is targeted by both target_modules and target_parameters"

@@ -13,7 +13,7 @@ use super::pattern::{self, full_match};
 use super::{ADAPTER_CONFIG_FILE, EMBED_MODULE};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::lora::lora_scaling;
+use crate::model::lora::lora_scaling;
 use crate::model::CausalLm;
 
 /// `target_modules` (and `exclude_modules`): module names, or one regular expression.
@@ -65,7 +65,7 @@ pub struct LoraConfig {
     /// Which linear layers get an adapter.
     pub target_modules: TargetModules,
     /// PEFT's `target_parameters`: parameters adapted directly (`lora.ParamWrapper`), such as
-    /// transformers 5's fused experts `mlp.experts.gate_up_proj`; see [`crate::peft_params`].
+    /// transformers 5's fused experts `mlp.experts.gate_up_proj`; see [`crate::peft::peft_params`].
     /// Loaded and merged; not trained or saved.
     pub target_parameters: Vec<String>,
     /// Modules never adapted, even when targeted.
@@ -576,12 +576,12 @@ pub(super) fn targeted_modules(
     config: &LoraConfig,
     transformers5: bool,
 ) -> Result<Targets, String> {
-    let sparse = crate::peft_params::sparse_layers(model);
+    let sparse = super::peft_params::sparse_layers(model);
     let linears: Vec<_> = model
         .linears()
         .into_iter()
         .filter(|(name, _)| {
-            !(transformers5 && crate::peft_params::fused_in_transformers5(name, &sparse))
+            !(transformers5 && super::peft_params::fused_in_transformers5(name, &sparse))
         })
         .filter_map(|(name, _)| {
             let resolved = config.resolve_module(&model.config, &name);

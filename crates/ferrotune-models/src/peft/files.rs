@@ -12,16 +12,16 @@ use super::saved_modules::{
     load_base_layers, load_trainable_tokens, replace_saved_modules, saved_module_tensors,
     saved_modules, saves_embedding_layers, trainable_tokens_key, vocabulary_resized,
 };
+use super::torchtune_adapter::same_values;
 use super::{
     bias_file_key, embed_file_keys, file_keys, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
     EMBED_MODULE, MLLAMA_EMBEDDING, PEFT_PREFIX,
 };
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::lora::LoraAdapter;
+use crate::model::lora::LoraAdapter;
 use crate::model::CausalLm;
 use crate::save::write_atomic;
-use crate::torchtune_adapter::same_values;
 
 /// Reads the PEFT adapter in `dir` and attaches it to `model` (replacing any adapters there).
 ///
@@ -77,7 +77,7 @@ pub fn load_adapter_from(
     path: &Path,
     lora_alpha: Option<f64>,
 ) -> Result<LoraConfig, ModelError> {
-    use crate::torchtune_adapter::{load_torchtune_adapter, TORCHTUNE_ADAPTER_FILE};
+    use super::torchtune_adapter::{load_torchtune_adapter, TORCHTUNE_ADAPTER_FILE};
     let (dir, torchtune_file) = if path.is_file() {
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
         let torchtune = path.extension().is_some_and(|e| e == "pt");
@@ -120,7 +120,7 @@ fn with_torchtune_file(
     dir: &Path,
     peft: Result<LoraConfig, ModelError>,
 ) -> Result<LoraConfig, ModelError> {
-    use crate::torchtune_adapter::{read_torchtune_adapter, supports, TORCHTUNE_ADAPTER_FILE};
+    use super::torchtune_adapter::{read_torchtune_adapter, supports, TORCHTUNE_ADAPTER_FILE};
     let file = dir.join(TORCHTUNE_ADAPTER_FILE);
     if !file.is_file() || !supports(&model.config) {
         return peft;

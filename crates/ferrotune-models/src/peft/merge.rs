@@ -6,7 +6,7 @@ use candle_core::Tensor;
 
 use super::attach::head_shares_embedding_adapter;
 use crate::error::ModelError;
-use crate::lora::LoraAdapter;
+use crate::model::lora::LoraAdapter;
 use crate::model::CausalLm;
 
 /// All weights of `model` by HF name with the adapters merged in (PEFT's `merge_and_unload`

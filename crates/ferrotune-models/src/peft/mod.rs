@@ -27,6 +27,12 @@
 //! - `saved_modules.rs`: PEFT's `modules_to_save` ([`replace_saved_modules`],
 //!   [`make_saved_modules_trainable`]), trainable tokens, and the embedding and head weights
 //!   saved beside an adapter (untying a tied head, a resized vocabulary).
+//! - [`peft_params`]: PEFT's `target_parameters` (LoRA on transformers 5's fused expert
+//!   parameters), expanded to per-expert adapters on attaching and written back in that form
+//!   (public also as `ferrotune_models::peft_params`).
+//! - [`torchtune_adapter`]: torchtune's `adapter_model.pt`, read as [`load_adapter_from`]'s
+//!   fallback and written beside PEFT's files (public also as
+//!   `ferrotune_models::torchtune_adapter`).
 //!
 //! [`CausalLm`]: crate::model::CausalLm
 //! [`CausalLm::linears`]: crate::model::CausalLm::linears
@@ -36,7 +42,9 @@ mod config;
 mod files;
 mod merge;
 mod pattern;
+pub mod peft_params;
 mod saved_modules;
+pub mod torchtune_adapter;
 
 pub use attach::{add_adapter, attach_adapter, trainable_parameters, with_adapters_disabled};
 pub use config::{LoraConfig, TargetModules};

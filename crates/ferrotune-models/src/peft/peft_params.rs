@@ -18,7 +18,7 @@ use std::path::Path;
 
 use candle_core::{DType, Tensor};
 
-use crate::lora::{lora_scaling, LoraAdapter};
+use crate::model::lora::{lora_scaling, LoraAdapter};
 use crate::model::{FeedForward, GateUpProjection, Moe};
 use crate::peft::{file_keys, LoraConfig, TargetModules, PEFT_PREFIX};
 use crate::{CausalLm, ModelError};

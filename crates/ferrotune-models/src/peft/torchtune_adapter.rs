@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::family::{self, TorchtuneLayout};
-use crate::lora::weight_norm;
+use crate::model::lora::weight_norm;
 use crate::model::CausalLm;
 use crate::peft::{attach_adapter, LoraConfig, TargetModules, PEFT_PREFIX};
 use crate::torch_pickle::{
