@@ -40,6 +40,7 @@ mod load;
 pub mod lora;
 mod mlp;
 mod moe;
+mod paths;
 
 pub use attention::Attention;
 use attention::QueryScale;
@@ -428,26 +429,6 @@ impl CausalLm {
             x = self.layer_forward(i, layer, &x, &inputs, layer_cache, &mut across)?;
         }
         self.final_norm(&x)
-    }
-
-    /// Why this model's layers cannot run one at a time ([`CausalLm::layer`]: activation
-    /// checkpointing, sharded training, early exits, layer dropout, a model spread over devices),
-    /// when they cannot: Gemma 4's layers read the per-layer embeddings or an earlier layer's
-    /// keys and values.
-    pub fn layers_not_separable(&self) -> Option<String> {
-        let g = self.config.gemma4.as_ref()?;
-        let what = match (
-            g.per_layer_input.is_some(),
-            g.kv_source.iter().any(Option::is_some),
-        ) {
-            (false, false) => return None,
-            (true, false) => "per-layer embeddings (hidden_size_per_layer_input)",
-            (false, true) => "keys and values shared across layers (num_kv_shared_layers)",
-            (true, true) => "per-layer embeddings and keys and values shared across layers",
-        };
-        Some(format!(
-            "this Gemma 4 model's layers do not run one at a time: they read {what}"
-        ))
     }
 
     /// [`CausalLm::forward_hidden`] of a dispatched model: the hidden states follow the layers
