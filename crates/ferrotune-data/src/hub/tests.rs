@@ -1,0 +1,139 @@
+//! Unit tests of the hub module: pattern matching, safe paths, split file choice.
+
+use super::download::safe_relative;
+use super::pattern::matches_pattern;
+use super::requests::TreeFile;
+use super::splits::{keyword_split, pick_committed, pick_converted};
+use super::*;
+
+#[test]
+fn fnmatch_follows_python() {
+    // Expected values from Python's fnmatch.fnmatch.
+    let cases = [
+        ("*.safetensors", "model.safetensors", true),
+        ("*.safetensors", "sub/model.safetensors", true),
+        ("*.safetensors", "model.safetensors.index.json", false),
+        ("original/*", "original/consolidated.00.pth", true),
+        ("original/*", "orig/x", false),
+        ("model-0000?-of-*", "model-00001-of-00002.safetensors", true),
+        ("[!a]*", "abc", false),
+        ("[!a]*", "bc", true),
+        ("[a-c]x", "bx", true),
+        ("[]]x", "]x", true),
+        ("[x", "[x", true),
+        ("*", "", true),
+        ("a*b*c", "aXbYbZc", true),
+        ("a*b*c", "aXbYbZ", false),
+        ("*.JSON", "a.json", false),
+    ];
+    for (pat, name, want) in cases {
+        assert_eq!(fnmatch(pat, name), want, "fnmatch({pat:?}, {name:?})");
+    }
+    assert!(matches_pattern("original/", "original/params.json"));
+}
+
+fn tree(paths: &[&str]) -> Vec<TreeFile> {
+    paths
+        .iter()
+        .map(|p| TreeFile {
+            path: p.to_string(),
+            size: 1,
+        })
+        .collect()
+}
+
+#[test]
+fn committed_split_layouts() {
+    let shards = tree(&[
+        "README.md",
+        "data/train-00000-of-00002.parquet",
+        "data/train-00001-of-00002.parquet",
+        "data/validation-00000-of-00001.parquet",
+    ]);
+    let p = pick_committed(&shards, None, "train[:10%]".split('[').next().unwrap());
+    assert_eq!(
+        p.parquet,
+        [
+            "data/train-00000-of-00002.parquet",
+            "data/train-00001-of-00002.parquet"
+        ]
+    );
+    let p = pick_committed(&shards, None, "dev");
+    assert_eq!(p.parquet, ["data/validation-00000-of-00001.parquet"]);
+    assert_eq!(
+        p.splits_found.iter().collect::<Vec<_>>(),
+        ["train", "validation"]
+    );
+
+    let configs = tree(&[
+        "en/train-00000-of-00001.parquet",
+        "fr/train-00000-of-00001.parquet",
+    ]);
+    assert_eq!(
+        pick_committed(&configs, Some("fr"), "train").parquet,
+        ["fr/train-00000-of-00001.parquet"]
+    );
+
+    let folders = tree(&[
+        "cfg/train/a.parquet",
+        "cfg/test/a.parquet",
+        "cfg/test/b.parquet",
+    ]);
+    assert_eq!(
+        pick_committed(&folders, Some("cfg"), "test").parquet,
+        ["cfg/test/a.parquet", "cfg/test/b.parquet"]
+    );
+
+    let named = tree(&["xsum-train.jsonl", "xsum-test.jsonl", "training_notes.txt"]);
+    let p = pick_committed(&named, None, "test");
+    assert_eq!(p.other, ["xsum-test.jsonl"]);
+    assert!(p.parquet.is_empty());
+
+    // Metadata JSON is not data.
+    let meta = tree(&["dataset_infos.json", "train.jsonl"]);
+    assert_eq!(pick_committed(&meta, None, "train").other, ["train.jsonl"]);
+    // No split anywhere: everything is train.
+    let plain = tree(&["data.csv"]);
+    assert_eq!(pick_committed(&plain, None, "train").other, ["data.csv"]);
+    assert!(pick_committed(&plain, None, "test").other.is_empty());
+    // "contest.json" has no keyword set off by separators.
+    assert!(keyword_split("contest.json", false).is_none());
+}
+
+#[test]
+fn converted_layouts() {
+    let files = tree(&[
+        "default/train/0000.parquet",
+        "default/train/0001.parquet",
+        "default/partial-test/0000.parquet",
+    ]);
+    assert_eq!(
+        pick_converted("x", &files, None, "train").unwrap(),
+        ["default/train/0000.parquet", "default/train/0001.parquet"]
+    );
+    assert_eq!(
+        pick_converted("x", &files, None, "test").unwrap(),
+        ["default/partial-test/0000.parquet"]
+    );
+    let old = tree(&[
+        "plain_text/squad-train.parquet",
+        "plain_text/squad-validation.parquet",
+    ]);
+    assert_eq!(
+        pick_converted("x", &old, None, "validation").unwrap(),
+        ["plain_text/squad-validation.parquet"]
+    );
+    let two = tree(&["a/train/0000.parquet", "b/train/0000.parquet"]);
+    let err = pick_converted("x", &two, None, "train")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("several configs (a, b)"), "{err}");
+}
+
+#[test]
+fn unsafe_paths_are_refused() {
+    assert!(safe_relative("a/b.json").is_some());
+    assert!(safe_relative("../x").is_none());
+    assert!(safe_relative("/etc/passwd").is_none());
+    assert!(safe_relative("a/../../x").is_none());
+}
