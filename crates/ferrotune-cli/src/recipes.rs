@@ -44,7 +44,7 @@ pub struct CpArgs {
 }
 
 /// The fine-tuning recipes' one source file (single device and distributed, LoRA and full).
-const FINETUNE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/finetune.rs");
+const FINETUNE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/finetune/mod.rs");
 
 /// The generation recipes' one source file.
 const GENERATE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/generate.rs");
