@@ -65,7 +65,7 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
     ("dev/early_exit_finetune_distributed", FINETUNE_SOURCE),
     (
         "ppo_full_finetune_single_device",
-        include_str!("../../ferrotune-train/src/recipe/ppo.rs"),
+        include_str!("../../ferrotune-train/src/recipe/ppo/mod.rs"),
     ),
     (
         "dev/grpo_full_finetune_distributed",
