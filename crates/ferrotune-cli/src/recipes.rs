@@ -44,7 +44,7 @@ pub struct CpArgs {
 }
 
 /// The fine-tuning recipes' one source file (single device and distributed, LoRA and full).
-const FINETUNE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/finetune.rs");
+const FINETUNE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/finetune/mod.rs");
 
 /// The generation recipes' one source file.
 const GENERATE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/generate.rs");
@@ -65,7 +65,7 @@ const RECIPE_SOURCES: &[(&str, &str)] = &[
     ("dev/early_exit_finetune_distributed", FINETUNE_SOURCE),
     (
         "ppo_full_finetune_single_device",
-        include_str!("../../ferrotune-train/src/recipe/ppo.rs"),
+        include_str!("../../ferrotune-train/src/recipe/ppo/mod.rs"),
     ),
     (
         "dev/grpo_full_finetune_distributed",
