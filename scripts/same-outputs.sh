@@ -28,7 +28,9 @@ repo = sys.argv[2]
 TIMED = re.compile(r"(per_s(ec(ond)?)?|_per_second|tokens_per|_s$|seconds|time|elapsed|duration|wall|date|timestamp|throughput|tps|peak_memory|memory)", re.I)
 # Files whose content depends on the clock or on when a process was killed: listed, not hashed.
 VOLATILE = re.compile(r"(\.metadata$|tfevents|\.png$|kill)")
-PID = re.compile(r"-\d{4,}(?=-|/|$)")
+# A process id ends a temp folder's name (`ferrotune-recipes-lora-4242`) or follows its group
+# (`ferrotune-errors-4242-arch`).
+PID = re.compile(r"-\d+(?=/|$)|-\d{3,}(?=-)")
 def norm_json(v):
     if isinstance(v, dict):
         return {k: ("<t>" if TIMED.search(k) else norm_json(x)) for k, x in v.items()}
