@@ -81,6 +81,7 @@ pub fn export_gguf_adapter(
     let config = ModelConfig::from_hf_file(&config_file)?;
     let entry = architecture(&config)?;
     let (arch, permute) = (entry.name, entry.permuted_qk);
+    let naming = naming(&config);
     let (file, tensors) = read_adapter_tensors(adapter_dir)?;
 
     // module -> (A, B)
@@ -181,7 +182,7 @@ pub fn export_gguf_adapter(
                 file.display()
             );
         }
-        let Some(gguf) = gguf_name(&hf, &naming(&config)) else {
+        let Some(gguf) = gguf_name(&hf, &naming) else {
             bail!(
                 "{}: llama.cpp's '{arch}' has no matrix for adapted module '{module}'",
                 file.display()

@@ -2,12 +2,12 @@
 //! the config), its tensors' names, and the q/k row order and rope factors it expects.
 
 use anyhow::{bail, Result};
-use ferrotune_models::family::gguf::{GgufNames, GgufNaming, GgufWindows};
+use ferrotune_models::family::gguf::{GgufNaming, GgufReading, GgufWindows};
 use ferrotune_models::family::{self, GgufArch};
 use ferrotune_models::ModelConfig;
 
-/// The llama.cpp architecture of a config, and whether its converter permutes q/k rows; an error
-/// for what the architecture cannot express (llama.cpp fixes some settings per architecture).
+/// The llama.cpp architecture of a config (its entry in the families' registry); an error for
+/// what the architecture cannot express (llama.cpp fixes some settings per architecture).
 pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
     if config.score_labels.is_some() {
         bail!(
@@ -22,7 +22,7 @@ pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
             config.model_type
         );
     };
-    let arch = (entry.name, entry.permuted_qk);
+    let arch = entry.name;
     let w = &entry.writing;
     // llama.cpp's Gemma and Gemma 2 always use the embeddings as the output head (an
     // `output.weight` in the file would make it refuse the file).
@@ -30,7 +30,7 @@ pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
         bail!(
             "llama.cpp's '{}' ties the output head to the embeddings; this checkpoint has its own \
              lm_head (tie_word_embeddings false)",
-            arch.0
+            arch
         );
     }
     // Which layers attend in a window is fixed by llama.cpp per architecture: none, every other
@@ -60,7 +60,7 @@ pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
              architecture uses (none, every other layer for Gemma 2, five of every six for Gemma 3, \
              all for Phi-3): the GGUF \
              would compute something else",
-            arch.0
+            arch
         );
     }
     // The architecture's own refusals (Gemma 3's fixed local rope, ...).
@@ -75,7 +75,7 @@ pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
         bail!(
             "the checkpoint's layers without RoPE (no_rope_layers) are not llama.cpp's '{}' \
              (every fourth layer for smollm3, none elsewhere)",
-            arch.0
+            arch
         );
     }
     if let Some(moe) = &config.moe {
@@ -85,7 +85,7 @@ pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
             bail!(
                 "the checkpoint has dense layers among its mixture-of-experts layers \
                  (decoder_sparse_step / mlp_only_layers): llama.cpp's '{}' makes every layer sparse",
-                arch.0
+                arch
             );
         }
         let llama_cpp_norm = w.moe_norm_topk;
@@ -93,7 +93,7 @@ pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
             bail!(
                 "norm_topk_prob {} is not what llama.cpp's '{}' computes ({llama_cpp_norm})",
                 moe.norm_topk_prob,
-                arch.0
+                arch
             );
         }
     }
@@ -113,7 +113,7 @@ pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
         if scalar != llama_cpp {
             bail!(
                 "query_pre_attn_scalar {scalar} is not what llama.cpp's '{}' uses ({llama_cpp})",
-                arch.0
+                arch
             );
         }
     }
@@ -140,12 +140,9 @@ pub(super) fn gguf_name(hf: &str, naming: &GgufNaming) -> Option<String> {
 /// What decides the names of `config`'s tensors in GGUF: its model type's reading
 /// (Phi-2's and Phi-3's names, Mixtral's expert names) and its norms.
 pub(super) fn naming(config: &ModelConfig) -> GgufNaming {
-    let reading = family::model_type(&config.model_type).map(|(_, t)| t.gguf_reading);
-    GgufNaming {
-        names: reading.map_or(GgufNames::Llama, |r| r.names),
-        sandwich_norms: config.sandwich_norms,
-        mixtral_names: reading.and_then(|r| r.moe).is_some_and(|m| m.mixtral_names),
-    }
+    let reading =
+        family::model_type(&config.model_type).map_or(GgufReading::LLAMA, |(_, t)| t.gguf_reading);
+    reading.naming(config.sandwich_norms)
 }
 
 /// An expert's tensor (transformers 4.x's per-expert names, what checkpoints hold): its layer,

@@ -258,6 +258,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     };
     let entry = architecture(&config)?;
     let (arch, permute, w) = (entry.name, entry.permuted_qk, &entry.writing);
+    let naming = naming(&config);
     // Meta's files sit in the `original/` folder of an HF download, whose tokenizer.json (and
     // name) is the parent's.
     let home = match (&format, model_dir.parent()) {
@@ -350,7 +351,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                     .insert(expert, (file, stored.to_string(), stored_shape.clone()));
                 continue;
             }
-            let Some(gguf) = gguf_name(name, &naming(&config)) else {
+            let Some(gguf) = gguf_name(name, &naming) else {
                 skipped.push(name.to_string());
                 continue;
             };

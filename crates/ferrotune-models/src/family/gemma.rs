@@ -9,7 +9,7 @@ use super::gguf::{GgufHParams, GgufMetadata, GgufReading, GgufWindows, GgufWriti
 use super::{AttentionLayers, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::{
     get_bool, get_f64, get_positive, get_str, get_usize, layer_types_marking, parse_rope,
-    req_usize, rope_from_params, WindowStyle,
+    req_usize, rope_from_params,
 };
 use crate::config::{Gemma4Layers, ModelConfig, RopeConfig, RopeScaling};
 use crate::error::ModelError;
@@ -148,7 +148,8 @@ impl HfConfig for GemmaRules {
         max_pos: usize,
     ) -> Result<AttentionLayers, String> {
         if !layered(model_type) {
-            return AttentionLayers::single(obj, layers, max_pos, 10000.0, WindowStyle::Listed);
+            let rope = self.rope(model_type, obj, max_pos)?;
+            return AttentionLayers::single(rope, obj, layers, self.window_style());
         }
         let mut sliding = gemma_sliding_layers(obj, model_type, layers)?;
         if model_type == "gemma4_text" {

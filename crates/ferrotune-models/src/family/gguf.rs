@@ -110,6 +110,16 @@ pub struct GgufMoe {
 }
 
 impl GgufReading {
+    /// What decides a model's tensor names in GGUF: this reading's names and experts, with or
+    /// without four norms a layer (`sandwich_norms`).
+    pub fn naming(&self, sandwich_norms: bool) -> GgufNaming {
+        GgufNaming {
+            names: self.names,
+            sandwich_norms,
+            mixtral_names: self.moe.is_some_and(|m| m.mixtral_names),
+        }
+    }
+
     /// Llama's reading: its names, SiLU, no key of its own.
     pub const LLAMA: Self = Self {
         names: GgufNames::Llama,

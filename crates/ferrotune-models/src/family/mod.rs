@@ -94,16 +94,28 @@ pub trait HfConfig: Sync + std::fmt::Debug {
         WindowStyle::Listed
     }
 
-    /// The rotary embeddings and each layer's attention window. Default: one rope (base 10000
-    /// when absent), windows as [`HfConfig::window_style`] reads them.
-    fn attention_layers(
+    /// The rotary embedding of a family with one. Default: base 10000 when the config gives
+    /// none.
+    fn rope(
         &self,
         _model_type: &str,
+        obj: &Map<String, Value>,
+        max_pos: usize,
+    ) -> Result<RopeConfig, String> {
+        parse_rope(obj, max_pos, 10000.0, false)
+    }
+
+    /// The rotary embeddings and each layer's attention window. Default: one rope
+    /// ([`HfConfig::rope`]) for every layer, windows as [`HfConfig::window_style`] reads them.
+    fn attention_layers(
+        &self,
+        model_type: &str,
         obj: &Map<String, Value>,
         layers: usize,
         max_pos: usize,
     ) -> Result<AttentionLayers, String> {
-        AttentionLayers::single(obj, layers, max_pos, 10000.0, self.window_style())
+        let rope = self.rope(model_type, obj, max_pos)?;
+        AttentionLayers::single(rope, obj, layers, self.window_style())
     }
 
     /// Sets the family's switches on the config read so far. Default: none.
@@ -137,17 +149,15 @@ pub struct AttentionLayers {
 }
 
 impl AttentionLayers {
-    /// One rope for every layer (`default_theta` when the config has none) and windows read as
-    /// `style` says.
+    /// One rope for every layer and windows read as `style` says.
     pub(crate) fn single(
+        rope: RopeConfig,
         obj: &Map<String, Value>,
         layers: usize,
-        max_pos: usize,
-        default_theta: f64,
         style: WindowStyle,
     ) -> Result<Self, String> {
         Ok(Self {
-            rope: parse_rope(obj, max_pos, default_theta, false)?,
+            rope,
             local_rope: None,
             sliding_windows: parse_sliding_windows(obj, layers, style)?,
             local_rope_layers: vec![false; layers],

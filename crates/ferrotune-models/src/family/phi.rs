@@ -8,11 +8,9 @@ use serde_json::{Map, Value};
 use super::gguf::{
     GgufHParams, GgufMetadata, GgufNames, GgufReading, GgufRopeTensors, GgufWindows, GgufWriting,
 };
-use super::{AttentionLayers, Family, GgufArch, HfConfig, ModelType, TorchtuneLayout};
-use crate::config::hf::{
-    get_bool, get_f64, parse_rope, parse_sliding_windows, positive, req_usize, WindowStyle,
-};
-use crate::config::{ModelConfig, MoeConfig, SparseMixer};
+use super::{Family, GgufArch, HfConfig, ModelType, TorchtuneLayout};
+use crate::config::hf::{get_bool, get_f64, parse_rope, positive, req_usize};
+use crate::config::{ModelConfig, MoeConfig, RopeConfig, SparseMixer};
 use crate::error::ModelError;
 
 /// The Phi family.
@@ -119,22 +117,15 @@ impl HfConfig for PhiRules {
     }
 
     /// Phi-3.5-MoE: `PhimoeConfig`'s `default_theta` is 1e6, and its longrope has mscales.
-    fn attention_layers(
+    fn rope(
         &self,
         model_type: &str,
         obj: &Map<String, Value>,
-        layers: usize,
         max_pos: usize,
-    ) -> Result<AttentionLayers, String> {
-        if model_type != "phimoe" {
-            return AttentionLayers::single(obj, layers, max_pos, 10000.0, WindowStyle::Listed);
-        }
-        Ok(AttentionLayers {
-            rope: parse_rope(obj, max_pos, 1_000_000.0, true)?,
-            local_rope: None,
-            sliding_windows: parse_sliding_windows(obj, layers, WindowStyle::Listed)?,
-            local_rope_layers: vec![false; layers],
-        })
+    ) -> Result<RopeConfig, String> {
+        let phimoe = model_type == "phimoe";
+        let default_theta = if phimoe { 1_000_000.0 } else { 10000.0 };
+        parse_rope(obj, max_pos, default_theta, phimoe)
     }
 
     fn configure(

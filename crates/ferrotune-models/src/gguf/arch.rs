@@ -4,7 +4,7 @@ use candle_core::quantized::gguf_file::Value as GgufValue;
 
 use crate::error::ModelError;
 use crate::family;
-use crate::family::gguf::{GgufHParams, GgufNames, GgufNaming, GgufReading};
+use crate::family::gguf::{GgufHParams, GgufMoe, GgufNames, GgufNaming, GgufReading};
 
 use super::*;
 
@@ -68,18 +68,9 @@ impl Arch {
         self.reading.moe.is_some()
     }
 
-    /// Mixtral's expert names (`block_sparse_moe`, `w1`/`w3`/`w2`).
-    pub(super) fn mixtral_names(&self) -> bool {
-        self.reading.moe.is_some_and(|m| m.mixtral_names)
-    }
-
     /// What decides its tensors' HF names.
     pub(super) fn naming(&self) -> GgufNaming {
-        GgufNaming {
-            names: self.reading.names,
-            sandwich_norms: self.sandwich_norms(),
-            mixtral_names: self.mixtral_names(),
-        }
+        self.reading.naming(self.sandwich_norms())
     }
 
     /// Phi-2's tensor names and LayerNorm.
@@ -91,7 +82,7 @@ impl Arch {
     /// (`expert` = None: the router), in transformers 4.x's per-expert names, which is what Hub
     /// checkpoints hold and what PEFT adapters target.
     pub(super) fn expert_module(&self, expert: Option<usize>, part: Kind) -> String {
-        let mixtral = self.mixtral_names();
+        let mixtral = self.naming().mixtral_names;
         let block = if mixtral { "block_sparse_moe" } else { "mlp" };
         let Some(e) = expert else {
             return format!("{block}.gate");
@@ -202,10 +193,10 @@ impl HParams {
         if vocab == 0 {
             return Err(g.err("the vocabulary is empty"));
         }
-        let (experts_used, expert_ffn, shared_ffn, sparse_layers) = if experts > 0 {
-            Self::experts(g, arch, experts, ffn, layers)?
-        } else {
-            (0, 0, None, vec![false; layers])
+        // A file with experts has a sparse reading (checked above).
+        let (experts_used, expert_ffn, shared_ffn, sparse_layers) = match arch.reading.moe {
+            Some(moe) if experts > 0 => Self::experts(g, &arch.gguf, moe, experts, ffn, layers)?,
+            _ => (0, 0, None, vec![false; layers]),
         };
         Ok(Self {
             vocab,
@@ -232,12 +223,12 @@ impl HParams {
     /// tensors' shapes; Mixtral's experts are `feed_forward_length` wide.
     pub(super) fn experts(
         g: &GgufFile,
-        arch: &Arch,
+        a: &str,
+        moe: GgufMoe,
         experts: usize,
         ffn: usize,
         layers: usize,
     ) -> Result<(usize, usize, Option<usize>, Vec<bool>), ModelError> {
-        let a = &arch.gguf;
         let k = |s: &str| format!("{a}.{s}");
         let used = g.req_count(&k("expert_used_count"))?;
         if used > experts {
@@ -254,12 +245,6 @@ impl HParams {
                     .and_then(|t| t.shape.dims().get(dim).copied())
             })
         };
-        let moe = arch.reading.moe.unwrap_or(family::gguf::GgufMoe {
-            mixtral_names: false,
-            expert_ffn_is_ffn: false,
-            shared_expert: false,
-            all_sparse: false,
-        });
         let expert_ffn = if moe.expert_ffn_is_ffn {
             ffn
         } else {
