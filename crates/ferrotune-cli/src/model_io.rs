@@ -9,7 +9,10 @@ use ferrotune_data::Tokenizer;
 pub fn tokenizer_for(path: &Path) -> Result<Tokenizer> {
     let is_gguf = path.extension().is_some_and(|e| e == "gguf");
     if is_gguf {
-        return Ok(Tokenizer::from_gguf(path)?);
+        return Ok(Tokenizer::from_gguf(
+            path,
+            ferrotune_models::family::gguf_vocab_style,
+        )?);
     }
     // A weights file (`model-8da4w.pt`, `pytorch_model.bin`) speaks for its folder; Meta's
     // `original/` folder for the HF folder above it, where tokenizer.json is.

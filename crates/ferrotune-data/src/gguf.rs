@@ -35,8 +35,30 @@ pub(crate) struct GgufTokenizer {
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
 
-/// Reads the tokenizer keys of `metadata` (from `path`, named in errors) and builds the tokenizer.
-pub(crate) fn build(metadata: &HashMap<String, Value>, path: &Path) -> Result<GgufTokenizer> {
+/// How transformers' GGUF converter shapes a SentencePiece vocabulary (`tokenizer.ggml.model`
+/// `"llama"`) of a given `general.architecture`. The file does not say; the model family does
+/// (`ferrotune_models::family::gguf_vocab_style`), so callers of [`Tokenizer::from_gguf`] pass it.
+///
+/// [`Tokenizer::from_gguf`]: crate::Tokenizer::from_gguf
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GgufVocabStyle {
+    /// `LlamaTokenizer`: a prefix space, merges derived from the scores.
+    #[default]
+    Llama,
+    /// `GemmaTokenizer`: tokens of two or more spaces re-spelled as `▁▁`, merges derived from the
+    /// file order, and a `<mask>` mask token (the class default).
+    Gemma,
+    /// Phi-3's `LlamaTokenizer` settings.
+    Phi3,
+}
+
+/// Reads the tokenizer keys of `metadata` (from `path`, named in errors) and builds the tokenizer;
+/// `vocab_style` says how a SentencePiece vocabulary of the file's architecture is shaped.
+pub(crate) fn build(
+    metadata: &HashMap<String, Value>,
+    path: &Path,
+    vocab_style: impl Fn(&str) -> GgufVocabStyle,
+) -> Result<GgufTokenizer> {
     let meta = Meta { metadata, path };
     let architecture = meta
         .string("general.architecture")?
@@ -102,7 +124,8 @@ pub(crate) fn build(metadata: &HashMap<String, Value>, path: &Path) -> Result<Gg
 
     // transformers instantiates the model type's tokenizer class around the converted pipeline;
     // for Gemma models that is `GemmaTokenizer`, whose `mask_token` defaults to `<mask>`.
-    if matches!(architecture.as_str(), "gemma" | "gemma2" | "gemma3") {
+    let style = vocab_style(&architecture);
+    if style == GgufVocabStyle::Gemma {
         special_tokens.insert("mask_token".to_string(), "<mask>".to_string());
     }
 
@@ -112,10 +135,10 @@ pub(crate) fn build(metadata: &HashMap<String, Value>, path: &Path) -> Result<Gg
         scores: scores.as_deref(),
         path,
     };
-    let mut tokenizer = match (model.as_str(), architecture.as_str()) {
-        ("llama", "gemma" | "gemma2" | "gemma3") => source.gemma()?,
-        ("llama", "phi3") => source.sentencepiece(Shape::Phi3, None)?,
-        ("llama", _) => source.sentencepiece(Shape::Llama { add_prefix_space: true, legacy: false }, None)?,
+    let mut tokenizer = match (model.as_str(), style) {
+        ("llama", GgufVocabStyle::Gemma) => source.gemma()?,
+        ("llama", GgufVocabStyle::Phi3) => source.sentencepiece(Shape::Phi3, None)?,
+        ("llama", GgufVocabStyle::Llama) => source.sentencepiece(Shape::Llama { add_prefix_space: true, legacy: false }, None)?,
         ("gemma4", _) => source.sentencepiece(Shape::Gemma, None)?,
         ("gpt2", _) => source.byte_level()?,
         (other, _) => {

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use error::{DataError, Result};
-pub use gguf::{gguf_vocab, GgufVocab};
+pub use gguf::{gguf_vocab, GgufVocab, GgufVocabStyle};
 pub use tokenized::{read_tokenized_jsonl, TokenizedExample};
 pub use tokenizer::Tokenizer;
 

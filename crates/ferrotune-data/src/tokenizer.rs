@@ -305,8 +305,13 @@ impl Tokenizer {
 
     /// Builds the tokenizer a llama.cpp GGUF file describes in its metadata (`tokenizer.ggml.*`,
     /// `tokenizer.chat_template`), as transformers does for `AutoTokenizer.from_pretrained(folder,
-    /// gguf_file=...)`.
-    pub fn from_gguf(path: impl AsRef<Path>) -> Result<Self> {
+    /// gguf_file=...)`. `vocab_style` maps the file's `general.architecture` to how its
+    /// SentencePiece vocabulary is shaped: the model family knows
+    /// (`ferrotune_models::family::gguf_vocab_style`).
+    pub fn from_gguf(
+        path: impl AsRef<Path>,
+        vocab_style: impl Fn(&str) -> crate::GgufVocabStyle,
+    ) -> Result<Self> {
         let path = path.as_ref();
         let file = File::open(path).map_err(|e| DataError::io(path, e, "GGUF file"))?;
         let file_len = file
@@ -353,7 +358,7 @@ impl Tokenizer {
                 ));
             }
         }
-        Self::from_gguf_metadata(&content.metadata, path)
+        Self::from_gguf_metadata(&content.metadata, path, vocab_style)
     }
 
     /// [`Tokenizer::from_gguf`] for metadata already read (with
@@ -361,9 +366,10 @@ impl Tokenizer {
     pub fn from_gguf_metadata(
         metadata: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
         path: impl AsRef<Path>,
+        vocab_style: impl Fn(&str) -> crate::GgufVocabStyle,
     ) -> Result<Self> {
         let path = path.as_ref();
-        let built = gguf::build(metadata, path)?;
+        let built = gguf::build(metadata, path, vocab_style)?;
         let mut inner = built.tokenizer;
         let named = [
             "bos_token",

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{fixtures_dir, real_asset};
-use ferrotune_data::{ChatMessage, DataError, Tokenizer};
+use ferrotune_data::{ChatMessage, DataError, GgufVocabStyle, Tokenizer};
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!(
@@ -93,14 +93,14 @@ fn truncated_gguf() {
     ] {
         let path = dir.join(name);
         std::fs::write(&path, &bytes[..len]).unwrap();
-        let err = Tokenizer::from_gguf(&path).unwrap_err();
+        let err = Tokenizer::from_gguf(&path, |_| GgufVocabStyle::Llama).unwrap_err();
         assert!(matches!(err, DataError::Gguf { .. }), "{err}");
         assert!(
             err.to_string().contains(&path.display().to_string()),
             "{err}"
         );
     }
-    let err = Tokenizer::from_gguf(dir.join("body.gguf")).unwrap_err();
+    let err = Tokenizer::from_gguf(dir.join("body.gguf"), |_| GgufVocabStyle::Llama).unwrap_err();
     assert!(err.to_string().contains("truncated"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -110,12 +110,13 @@ fn not_a_gguf_and_missing_gguf() {
     let dir = temp_dir("notgguf");
     let path = dir.join("model.gguf");
     std::fs::write(&path, b"this is not a gguf file at all, just text").unwrap();
-    let err = Tokenizer::from_gguf(&path).unwrap_err();
+    let err = Tokenizer::from_gguf(&path, |_| GgufVocabStyle::Llama).unwrap_err();
     assert!(
         err.to_string().contains("model.gguf") && err.to_string().contains("not a GGUF file"),
         "{err}"
     );
-    let err = Tokenizer::from_gguf(dir.join("missing.gguf")).unwrap_err();
+    let err =
+        Tokenizer::from_gguf(dir.join("missing.gguf"), |_| GgufVocabStyle::Llama).unwrap_err();
     assert!(
         matches!(err, DataError::NotFound { .. }) && err.to_string().contains("missing.gguf"),
         "{err}"

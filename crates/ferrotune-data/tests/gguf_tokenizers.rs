@@ -5,11 +5,11 @@ mod common;
 use common::{
     check_against_reference, fixture_json, fixtures_dir, ids, messages, real_asset, real_tokenizer,
 };
-use ferrotune_data::Tokenizer;
+use ferrotune_data::{GgufVocabStyle, Tokenizer};
 
 fn smollm2() -> Tokenizer {
     let path = real_asset("SmolLM2-135M-Instruct.Q4_1.gguf");
-    Tokenizer::from_gguf(&path).unwrap_or_else(|e| panic!("{e}"))
+    Tokenizer::from_gguf(&path, |_| GgufVocabStyle::Llama).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// `prompt_ids` of smollm2_golden.json: transformers' GGUF tokenizer and the GGUF's chat template.
@@ -38,12 +38,17 @@ fn smollm2_matches_transformers_references() {
 
 /// Small GGUF files covering the other paths: SentencePiece BPE with merges derived from scores
 /// (llama), Gemma's re-spelled whitespace tokens and order-derived merges, byte-level BPE with a
-/// split regex picked by `tokenizer.ggml.pre`.
+/// split regex picked by `tokenizer.ggml.pre`. The Gemma file's family says its vocabulary is
+/// `GemmaTokenizer`'s (`ferrotune_models::family::gguf_vocab_style`, tested there).
 #[test]
 fn small_gguf_files_match_transformers() {
-    for name in ["spm_llama", "spm_gemma", "bpe_qwen2"] {
+    for (name, style) in [
+        ("spm_llama", GgufVocabStyle::Llama),
+        ("spm_gemma", GgufVocabStyle::Gemma),
+        ("bpe_qwen2", GgufVocabStyle::Llama),
+    ] {
         let path = fixtures_dir().join(format!("gguf_tokenizers/{name}.gguf"));
-        let tok = Tokenizer::from_gguf(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let tok = Tokenizer::from_gguf(&path, |_| style).unwrap_or_else(|e| panic!("{name}: {e}"));
         check_against_reference(
             name,
             &tok,
@@ -54,7 +59,11 @@ fn small_gguf_files_match_transformers() {
 
 #[test]
 fn llama_type_gguf_adds_bos_by_default() {
-    let tok = Tokenizer::from_gguf(fixtures_dir().join("gguf_tokenizers/spm_llama.gguf")).unwrap();
+    let tok = Tokenizer::from_gguf(
+        fixtures_dir().join("gguf_tokenizers/spm_llama.gguf"),
+        |_| GgufVocabStyle::Llama,
+    )
+    .unwrap();
     assert!(tok.add_bos_token());
     assert_eq!(
         tok.encode("hi", true).unwrap().first().copied(),

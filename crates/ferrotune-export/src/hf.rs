@@ -208,7 +208,7 @@ pub fn copy_or_export_tokenizer(
         CheckpointFormat::Gguf(file) => {
             let tok = match tokenizer {
                 Some(t) => t.clone(),
-                None => Tokenizer::from_gguf(file)?,
+                None => Tokenizer::from_gguf(file, ferrotune_models::family::gguf_vocab_style)?,
             };
             export_tokenizer(&tok, out)
                 .with_context(|| format!("exporting the tokenizer of {}", file.display()))?;

@@ -119,7 +119,8 @@ fn exported_gguf_gives_transformers_logits() {
             if outtype == OutType::F32 {
                 // The GGUF's tokenizer encodes as the checkpoint's does.
                 let hf = Tokenizer::from_dir(model_dir(name).join("model")).unwrap();
-                let gguf = Tokenizer::from_gguf(&path).unwrap();
+                let gguf = Tokenizer::from_gguf(&path, ferrotune_models::family::gguf_vocab_style)
+                    .unwrap();
                 for text in ["Hello, world! 12345", "<|im_start|>user\nhi<|im_end|>"] {
                     assert_eq!(
                         gguf.encode(text, true).unwrap(),
@@ -435,7 +436,8 @@ fn sentencepiece_vocabulary_round_trips() {
     let gguf = dir.join("model.gguf");
     export_gguf(&dir, &gguf, OutType::F32).unwrap();
     let hf = Tokenizer::from_dir(&dir).unwrap();
-    let from_gguf = Tokenizer::from_gguf(&gguf).unwrap();
+    let from_gguf =
+        Tokenizer::from_gguf(&gguf, ferrotune_models::family::gguf_vocab_style).unwrap();
     let mut ids = Vec::new();
     for text in [
         "Hello world",
@@ -494,7 +496,7 @@ fn smollm2_tokenizer_gets_the_pre_tokenizer_name_of_smollm2s_gguf() {
             .clone()
     };
     let want = pre_of(&asset);
-    let source = Tokenizer::from_gguf(&asset).unwrap();
+    let source = Tokenizer::from_gguf(&asset, ferrotune_models::family::gguf_vocab_style).unwrap();
     let vocab = source.vocab_size();
     let out = out_dir("smollm2-pre");
     for class in [None, Some("GPT2Tokenizer")] {
@@ -524,7 +526,8 @@ fn smollm2_tokenizer_gets_the_pre_tokenizer_name_of_smollm2s_gguf() {
         let gguf = dir.join("model.gguf");
         export_gguf(&dir, &gguf, OutType::F32).unwrap();
         assert_eq!(pre_of(&gguf), want, "tokenizer_class {class:?}");
-        let written = Tokenizer::from_gguf(&gguf).unwrap();
+        let written =
+            Tokenizer::from_gguf(&gguf, ferrotune_models::family::gguf_vocab_style).unwrap();
         for text in [
             "Digits 1234567 3.14159 2024-01-01 and 100,000!",
             "Hello, world",

@@ -48,7 +48,7 @@ const GEN_TASKS: &[(&str, &str, &str)] = &[
 /// SmolLM2-135M-Instruct from its GGUF in f32, its tokenizer, and the pad id.
 fn smollm2() -> (Tokenizer, CausalLm, u32) {
     let path = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
-    let tok = Tokenizer::from_gguf(&path).unwrap();
+    let tok = Tokenizer::from_gguf(&path, ferrotune_models::family::gguf_vocab_style).unwrap();
     let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
     let pad = pad_id(&tok, &model.config);
     (tok, model, pad)

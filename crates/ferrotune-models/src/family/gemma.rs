@@ -6,7 +6,10 @@ use std::sync::OnceLock;
 use serde_json::{Map, Value};
 
 use super::gguf::{GgufHParams, GgufMetadata, GgufReading, GgufWindows, GgufWriting};
-use super::{AttentionLayers, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
+use super::{
+    AttentionLayers, Family, GgufArch, GgufVocabStyle, HfConfig, ModelType, Multimodal,
+    TorchtuneLayout,
+};
 use crate::config::hf::{
     get_bool, get_f64, get_positive, get_str, get_usize, layer_types_marking, parse_rope,
     req_usize, rope_from_params,
@@ -296,6 +299,7 @@ const fn gemma_arch(
         variants: &[],
         permuted_qk: false,
         norm_plus_one: true,
+        vocab: GgufVocabStyle::Gemma,
         writing,
     }
 }

@@ -8,7 +8,10 @@ use serde_json::{Map, Value};
 use super::gguf::{
     llama_biases, GgufHParams, GgufMetadata, GgufReading, GgufRopeTensors, GgufWriting,
 };
-use super::{Family, GgufArch, GgufVariant, LlamaLike, ModelType, Multimodal, TorchtuneLayout};
+use super::{
+    Family, GgufArch, GgufVariant, GgufVocabStyle, LlamaLike, ModelType, Multimodal,
+    TorchtuneLayout,
+};
 use crate::config::hf::req_usize;
 use crate::error::ModelError;
 
@@ -51,6 +54,7 @@ pub static FAMILY: Family = Family {
         ],
         permuted_qk: true,
         norm_plus_one: false,
+        vocab: GgufVocabStyle::Llama,
         writing: GgufWriting {
             rope_tensors: GgufRopeTensors::Llama3Freqs,
             // llama.cpp 0.3.16 sizes the llama architecture's q bias by the hidden size.

@@ -4,7 +4,9 @@
 use serde_json::{Map, Value};
 
 use super::gguf::{llama_biases, GgufHParams, GgufMetadata, GgufMoe, GgufReading, GgufWriting};
-use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
+use super::{
+    no_defaults, Family, GgufArch, GgufVocabStyle, HfConfig, ModelType, Multimodal, TorchtuneLayout,
+};
 use crate::config::hf::{get_usize, positive, req_usize};
 use crate::config::{ModelConfig, MoeConfig};
 use crate::error::ModelError;
@@ -50,6 +52,7 @@ pub static FAMILY: Family = Family {
         variants: &[],
         permuted_qk: false,
         norm_plus_one: false,
+        vocab: GgufVocabStyle::Llama,
         // Read only: the writer stores Mistral as llama.cpp's `llama`.
         writing: GgufWriting::PLAIN,
     }],

@@ -33,6 +33,8 @@ use crate::config::hf::{get_bool, parse_rope, parse_sliding_windows};
 use crate::config::{ModelConfig, RopeConfig};
 use gguf::GgufReading;
 
+pub use ferrotune_data::GgufVocabStyle;
+
 /// Every family ferrotune runs, in the order messages list them.
 pub static FAMILIES: &[&Family] = &[
     &llama::FAMILY,
@@ -264,6 +266,8 @@ pub struct GgufArch {
     pub permuted_qk: bool,
     /// llama.cpp's converter stored norm weights as `1 + w`.
     pub norm_plus_one: bool,
+    /// How transformers shapes a SentencePiece vocabulary stored in a file of this architecture.
+    pub vocab: GgufVocabStyle,
     /// What llama.cpp fixes for it, for the GGUF writer.
     pub writing: gguf::GgufWriting,
 }
@@ -354,6 +358,13 @@ pub fn gguf_arch(name: &str) -> Option<&'static GgufArch> {
         .iter()
         .flat_map(|f| f.gguf_archs.iter())
         .find(|a| a.name == name)
+}
+
+/// How a SentencePiece vocabulary in a GGUF file of architecture `arch` is shaped (the argument
+/// [`ferrotune_data::Tokenizer::from_gguf`] takes): the architecture's, or `LlamaTokenizer`'s for
+/// one no family reads.
+pub fn gguf_vocab_style(arch: &str) -> GgufVocabStyle {
+    gguf_arch(arch).map(|a| a.vocab).unwrap_or_default()
 }
 
 /// The llama.cpp architecture the GGUF writer stores `model_type` as.
@@ -487,6 +498,24 @@ mod tests {
                     arch.name
                 );
             }
+        }
+    }
+    /// The SentencePiece shapes transformers' GGUF converter picks by architecture: Gemma's for
+    /// Gemma 1–3 (`GemmaTokenizer`), Phi-3's settings for `phi3`, `LlamaTokenizer` otherwise,
+    /// unknown architectures included.
+    #[test]
+    fn gguf_vocab_styles_follow_transformers_tokenizer_classes() {
+        for (arch, want) in [
+            ("gemma", GgufVocabStyle::Gemma),
+            ("gemma2", GgufVocabStyle::Gemma),
+            ("gemma3", GgufVocabStyle::Gemma),
+            ("phi3", GgufVocabStyle::Phi3),
+            ("phi2", GgufVocabStyle::Llama),
+            ("llama", GgufVocabStyle::Llama),
+            ("qwen2", GgufVocabStyle::Llama),
+            ("not-an-arch", GgufVocabStyle::Llama),
+        ] {
+            assert_eq!(gguf_vocab_style(arch), want, "{arch}");
         }
     }
 }

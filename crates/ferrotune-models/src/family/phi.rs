@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 use super::gguf::{
     GgufHParams, GgufMetadata, GgufNames, GgufReading, GgufRopeTensors, GgufWindows, GgufWriting,
 };
-use super::{Family, GgufArch, HfConfig, ModelType, TorchtuneLayout};
+use super::{Family, GgufArch, GgufVocabStyle, HfConfig, ModelType, TorchtuneLayout};
 use crate::config::hf::{get_bool, get_f64, parse_rope, positive, req_usize};
 use crate::config::{ModelConfig, MoeConfig, RopeConfig, SparseMixer};
 use crate::error::ModelError;
@@ -48,6 +48,7 @@ pub static FAMILY: Family = Family {
             variants: &[],
             permuted_qk: false,
             norm_plus_one: false,
+            vocab: GgufVocabStyle::Phi3,
             writing: GgufWriting {
                 windows: GgufWindows::AllOrNone,
                 partial_rotary: true,
@@ -62,6 +63,7 @@ pub static FAMILY: Family = Family {
             variants: &[],
             permuted_qk: false,
             norm_plus_one: false,
+            vocab: GgufVocabStyle::Llama,
             writing: GgufWriting {
                 output_required: true,
                 partial_rotary: true,

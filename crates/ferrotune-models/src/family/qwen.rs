@@ -4,7 +4,9 @@
 use serde_json::{Map, Value};
 
 use super::gguf::{GgufHParams, GgufMetadata, GgufMoe, GgufReading, GgufWriting};
-use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
+use super::{
+    no_defaults, Family, GgufArch, GgufVocabStyle, HfConfig, ModelType, Multimodal, TorchtuneLayout,
+};
 use crate::config::hf::{get_bool, get_usize, layer_list, positive, WindowStyle};
 use crate::config::{ModelConfig, MoeConfig};
 use crate::error::ModelError;
@@ -210,6 +212,7 @@ const fn plain_arch(
         variants: &[],
         permuted_qk: false,
         norm_plus_one: false,
+        vocab: GgufVocabStyle::Llama,
         writing,
     }
 }

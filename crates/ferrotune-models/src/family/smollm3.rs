@@ -3,7 +3,7 @@
 use serde_json::{Map, Value};
 
 use super::gguf::{GgufReading, GgufWriting};
-use super::{no_defaults, Family, GgufArch, HfConfig, ModelType};
+use super::{no_defaults, Family, GgufArch, GgufVocabStyle, HfConfig, ModelType};
 use crate::config::hf::{parse_rope_layers, WindowStyle};
 use crate::config::ModelConfig;
 
@@ -28,6 +28,7 @@ pub static FAMILY: Family = Family {
         variants: &[],
         permuted_qk: true,
         norm_plus_one: false,
+        vocab: GgufVocabStyle::Llama,
         // llama.cpp's SmolLM3 leaves RoPE out of every fourth layer, whatever the config lists.
         writing: GgufWriting {
             nope_every_fourth: true,

@@ -398,7 +398,10 @@ fn find_tokenizer(cfg: &Config, checkpoint: &Path) -> Result<(Tokenizer, PathBuf
         );
     }
     if path.extension().is_some_and(|e| e == "gguf") {
-        return Ok((Tokenizer::from_gguf(&path)?, path));
+        return Ok((
+            Tokenizer::from_gguf(&path, ferrotune_models::family::gguf_vocab_style)?,
+            path,
+        ));
     }
     if path.is_dir() {
         // Meta's `original/` folder holds its own tokenizer.model; the HF tokenizer is one up.
