@@ -14,7 +14,7 @@
 #   train:  the loss of a small shape in f32 and bf16 (to set beside the CPU f32 run); NCCL at world
 #           size 1 against single device (LoRA and full fine-tuning); `bench ops`; ferrotune beside
 #           HF + PEFT (hf_lora.py) on the Llama-3.1-8B shape, alternating; activation checkpointing
-#           and full fine-tuning per layer (for docs/distributed.md).
+#           and full fine-tuning per layer (for docs/src/distributed.md).
 #   all:    both.
 MODE=${1:-decode}
 cd "$(dirname "$0")"

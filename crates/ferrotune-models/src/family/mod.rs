@@ -13,7 +13,7 @@
 //!
 //! Still outside the family files (to move here): the per-family switches `ModelConfig::from_hf_json`
 //! sets, the GGUF reader's per-architecture hyperparameters and the GGUF writer's per-architecture
-//! checks (see docs/architecture.md).
+//! checks (see docs/src/architecture.md).
 
 pub mod gemma;
 pub mod gguf;
