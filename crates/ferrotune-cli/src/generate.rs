@@ -3,11 +3,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
 use clap::Args;
 use ferrotune_core::{parse_device, parse_dtype};
 use ferrotune_data::ChatMessage;
-use ferrotune_infer::{generate, GenerationOptions, SamplingOptions, TextStream};
+use ferrotune_infer::{
+    generate, load_for_inference, pad_id, stop_ids, GenerationOptions, LoadOptions,
+    SamplingOptions, TextStream,
+};
 use ferrotune_models::DeviceMapMode;
 
 use crate::model_io::tokenizer_for;
@@ -92,13 +94,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         .transpose()
         .map_err(anyhow::Error::msg)
         .context("--device-map")?;
-    // With a device map the model is read into host memory first and moved part by part.
-    let device = match device_map {
-        Some(_) => Device::Cpu,
-        None => parse_device(&args.device)
-            .map_err(anyhow::Error::msg)
-            .context("--device")?,
-    };
+    // With a device map, --device keeps its default (the two conflict) and is not used.
+    let device = parse_device(&args.device)
+        .map_err(anyhow::Error::msg)
+        .context("--device")?;
     if args.temperature < 0.0 {
         bail!(
             "--temperature must be >= 0 (0 = greedy), got {}",
@@ -164,28 +163,22 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if prompts.iter().any(Vec::is_empty) {
         bail!("the prompt encodes to no tokens");
     }
-    let (mut model, _) = ferrotune_models::load_model(&args.model, dtype, &device)?;
-    model
-        .config
-        .require_language_model()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
-    if let Some(dir) = &args.adapter {
-        ferrotune_models::peft::load_adapter_from(&mut model, dir, args.lora_alpha)?;
-    }
-    if let Some(mode) = device_map {
-        // After the adapter: dispatch moves adapter tensors along with their layers.
-        ferrotune_train::spread::spread_model(&mut model, mode, "--device-map")?;
-    }
+    let load = LoadOptions {
+        files: Vec::new(),
+        dtype,
+        device,
+        quantize_base: false,
+        adapter: args.adapter.clone(),
+        lora_alpha: args.lora_alpha,
+        device_map: device_map.map(|mode| (mode, "--device-map".into())),
+    };
+    let model = load_for_inference(&args.model, &load, |_| Ok(()))?;
     let vocab = model.config.vocab_size as u32;
     if let Some(bad) = prompts.iter().flatten().find(|&&id| id >= vocab) {
         bail!("prompt token id {bad} is outside the model's vocabulary (size {vocab})");
     }
-    let eos = ferrotune_train::recipe::setup::stop_ids(&tok, &model.config);
-    let pad = tok
-        .pad_id()
-        .or(model.config.pad_token_id)
-        .or(eos.first().copied())
-        .unwrap_or(0);
+    let eos = stop_ids(&tok, &model.config);
+    let pad = pad_id(&tok, &model.config);
     let opts = GenerationOptions {
         max_new_tokens: args.max_new_tokens,
         sampling: SamplingOptions {

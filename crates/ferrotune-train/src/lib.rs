@@ -25,7 +25,6 @@ pub mod optim;
 pub mod recipe;
 pub mod rlhf;
 pub mod schedule;
-pub mod spread;
 pub mod step;
 
 pub use clip::{clip_grad_norm, scale_grads};

@@ -31,10 +31,12 @@ use ferrotune_data::eval_tasks::{
 use ferrotune_data::Tokenizer;
 use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
+use ferrotune_infer::{load_for_inference, pad_id, stop_ids};
 use ferrotune_models::{AttentionLayout, CausalLm, KvCache};
 
 use crate::config::Config;
 use crate::metrics::peak_rss_mb;
+use crate::recipe::generate::load_options;
 use crate::recipe::setup;
 use crate::step::MicroBatch;
 
@@ -366,7 +368,7 @@ pub fn generate_until(
         );
     }
     let max_ctx = max_length - spec.max_gen_toks;
-    let eos = setup::stop_ids(tok, &model.config);
+    let eos = stop_ids(tok, &model.config);
     let mut until = spec.until.clone();
     if let Some(&first) = tok.eos_ids().first() {
         let text = tok.decode(&[first], false)?;
@@ -624,24 +626,16 @@ pub fn run(cfg: &Config) -> Result<EvalReport> {
     let path = location.path.clone();
     let tok = setup::tokenizer(cfg, &path)?;
     let t0 = Instant::now();
-    let (mut model, _) = location.load(dtype, &device)?;
-    model
-        .config
-        .require_language_model()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    setup::check_model_component(cfg, &model.config)?;
-    setup::check_quantized(cfg, &model, &path)?;
-    if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
-        eprintln!("{line}");
-    }
-    if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
-        ferrotune_models::peft::load_adapter_from(&mut model, &dir, cfg.f64("model.lora_alpha")?)?;
-    }
+    let opts = load_options(cfg, &location, dtype, device)?;
+    let model = load_for_inference(&path, &opts, |model| {
+        setup::check_model_component(cfg, &model.config)?;
+        setup::check_quantized(cfg, model, &path)
+    })?;
     eprintln!(
         "Model is initialized with precision {dtype:?} ({:.1}s).",
         t0.elapsed().as_secs_f64()
     );
-    let pad = setup::pad_id(&tok, &model.config);
+    let pad = pad_id(&tok, &model.config);
     let t1 = Instant::now();
     let report = evaluate_prepared(
         &model, &tok, &selection, &prepared, max_length, batch_size, pad,

@@ -9,9 +9,11 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::DType;
 use ferrotune_data::dataset::{collate, Row};
+use ferrotune_infer::{load_for_inference, pad_id};
 
 use crate::config::Config;
 use crate::loss::causal_lm_loss;
+use crate::recipe::generate::load_options;
 use crate::recipe::setup;
 use crate::step::MicroBatch;
 
@@ -119,23 +121,14 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
     let location = setup::checkpoint_path(cfg)?;
     let path = location.path.clone();
     let tok = setup::tokenizer(cfg, &path)?;
-    let (mut model, _) = location.load(dtype, &device)?;
-    model
-        .config
-        .require_language_model()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    setup::check_model_component(cfg, &model.config)?;
-    // A QLoRA adapter is scored on the NF4 base it was trained on (the config's builder says).
-    if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
-        eprintln!("{line}");
-    }
-    if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
-        ferrotune_models::peft::load_adapter_from(&mut model, &dir, cfg.f64("model.lora_alpha")?)?;
-    }
+    let opts = load_options(cfg, &location, dtype, device.clone())?;
+    let model = load_for_inference(&path, &opts, |model| {
+        setup::check_model_component(cfg, &model.config)
+    })?;
     let rows = setup::dataset(cfg, &tok)?.rows;
     let batch_size = cfg.usize("batch_size")?.unwrap_or(1).max(1);
     let cap = cfg.usize("max_steps_per_epoch")?;
-    let pad = setup::pad_id(&tok, &model.config);
+    let pad = pad_id(&tok, &model.config);
     let t0 = Instant::now();
     let (mean, targets) = mean_target_loss(&model, &rows, batch_size, cap, pad, &device)?;
     let result = EvalResult {

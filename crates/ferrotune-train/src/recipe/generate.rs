@@ -18,11 +18,11 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
-use candle_core::Device;
+use candle_core::{DType, Device};
 use ferrotune_data::ChatMessage;
 use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
-use ferrotune_infer::TextStream;
+use ferrotune_infer::{load_for_inference, pad_id, stop_ids, LoadOptions, TextStream};
 use ferrotune_models::DeviceMapMode;
 
 use crate::config::Config;
@@ -84,6 +84,26 @@ fn prompt_ids(cfg: &Config, tok: &ferrotune_data::Tokenizer) -> Result<Vec<u32>>
     Ok(ids)
 }
 
+/// What the inference recipes (`generate`, `eval`, `eleuther_eval`) load: the checkpointer's
+/// model in `dtype` on `device`, on the NF4 base for a QLoRA adapter (the config's builder says),
+/// with `checkpointer.adapter_checkpoint` (and `model.lora_alpha`).
+pub fn load_options(
+    cfg: &Config,
+    location: &setup::CheckpointLocation,
+    dtype: DType,
+    device: Device,
+) -> Result<LoadOptions> {
+    Ok(LoadOptions {
+        files: location.files.clone(),
+        dtype,
+        device,
+        quantize_base: setup::quantize_base(cfg)?,
+        adapter: cfg.path("checkpointer.adapter_checkpoint")?,
+        lora_alpha: cfg.f64("model.lora_alpha")?,
+        device_map: None,
+    })
+}
+
 /// Runs the generation recipe `flavor`.
 pub fn run(cfg: &Config, flavor: Flavor) -> Result<()> {
     setup::quantizer_mode(cfg)?;
@@ -94,28 +114,15 @@ pub fn run(cfg: &Config, flavor: Flavor) -> Result<()> {
     let tok = setup::tokenizer(cfg, &path)?;
     let prompt_ids = prompt_ids(cfg, &tok)?;
     let spread = flavor == Flavor::V2Distributed && device.is_cuda();
-    // Spread over the GPUs: read into host memory, then move layer by layer.
-    let load_device = if spread { Device::Cpu } else { device.clone() };
+    let mut opts = load_options(cfg, &location, dtype, device)?;
+    opts.device_map = spread.then(|| (DeviceMapMode::Auto, "device: cuda".into()));
     let t0 = Instant::now();
-    let (mut model, _) = location.load(dtype, &load_device)?;
-    model
-        .config
-        .require_language_model()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    setup::check_model_component(cfg, &model.config)?;
-    setup::check_quantized(cfg, &model, &path)?;
-    // A QLoRA adapter is scored on the NF4 base it was trained on (the config's builder says).
-    if let Some(line) = setup::quantize_base_if_asked(cfg, &mut model)? {
-        eprintln!("{line}");
-    }
-    if let Some(dir) = cfg.path("checkpointer.adapter_checkpoint")? {
-        ferrotune_models::peft::load_adapter_from(&mut model, &dir, cfg.f64("model.lora_alpha")?)?;
-    }
-    if spread {
-        crate::spread::spread_model(&mut model, DeviceMapMode::Auto, "device: cuda")?;
-    }
+    let model = load_for_inference(&path, &opts, |model| {
+        setup::check_model_component(cfg, &model.config)?;
+        setup::check_quantized(cfg, model, &path)
+    })?;
     eprintln!("Model loaded in {:.1}s", t0.elapsed().as_secs_f64());
-    let eos = setup::stop_ids(&tok, &model.config);
+    let eos = stop_ids(&tok, &model.config);
     let temperature = cfg.f64("temperature")?.unwrap_or(0.6);
     let opts = GenerationOptions {
         max_new_tokens: cfg.usize("max_new_tokens")?.unwrap_or(300),
@@ -129,7 +136,7 @@ pub fn run(cfg: &Config, flavor: Flavor) -> Result<()> {
         eos_token_ids: eos.clone(),
         stop_strings: Vec::new(),
         ignore_eos: false,
-        pad_token_id: setup::pad_id(&tok, &model.config),
+        pad_token_id: pad_id(&tok, &model.config),
     };
     let decode = |ids: &[u32]| tok.decode(ids, false).unwrap_or_default();
     if flavor == Flavor::V1 {

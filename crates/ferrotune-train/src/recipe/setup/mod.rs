@@ -17,6 +17,8 @@ use crate::schedule::LrSchedule;
 mod early_exit;
 
 pub use early_exit::{layer_skip, LayerDropoutSettings};
+// The stop and pad tokens are inference's; the training recipes generate and pad with them too.
+pub use ferrotune_infer::{pad_id, stop_ids};
 
 /// `device` (cpu, cuda, cuda:N; default cpu).
 pub fn device(cfg: &Config) -> Result<Device> {
@@ -798,26 +800,6 @@ pub fn warn_if_eos_does_not_stop(tok: &Tokenizer, stop_token_ids: &[u32]) {
             );
         }
     }
-}
-
-/// The tokens that end a generated row: the tokenizer's EOS tokens, then the model config's
-/// (generation_config.json) that the tokenizer does not name.
-pub fn stop_ids(tok: &Tokenizer, model: &ModelConfig) -> Vec<u32> {
-    let mut eos = tok.eos_ids().to_vec();
-    for id in &model.eos_token_ids {
-        if !eos.contains(id) {
-            eos.push(*id);
-        }
-    }
-    eos
-}
-
-/// The token used to pad batches.
-pub fn pad_id(tok: &Tokenizer, model: &ModelConfig) -> u32 {
-    tok.pad_id()
-        .or(model.pad_token_id)
-        .or(tok.eos_ids().first().copied())
-        .unwrap_or(0)
 }
 
 /// The seed: `seed`, or a fresh one (torchtune picks a random seed for `seed: null`).
