@@ -18,6 +18,8 @@ use clap::{Parser, Subcommand};
 /// Fine-tune and run large language models (Llama, Qwen, Mistral, Gemma, Phi, SmolLM2).
 #[derive(Parser)]
 #[command(name = "ferrotune", version, about, long_about = None)]
+// `--help` ends with the environment variables users may set (the registry's, test hooks left out).
+#[command(after_long_help = ferrotune_core::switch::help_text())]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -21,9 +21,10 @@ pub const MAX_ROWS: usize = 8;
 
 /// The environment variable that turns the decode kernels off (`0`): decoding then runs the
 /// forward pass's ops (cuBLAS GEMMs, a concatenated KV cache), for comparison.
-pub const DISABLE_VAR: &str = "FERROTUNE_DECODE_KERNELS";
+pub const DISABLE_VAR: &str = crate::switch::DECODE_KERNELS.name;
 
-static ENABLED: crate::switch::EnvSwitch = crate::switch::EnvSwitch::new(DISABLE_VAR);
+static ENABLED: crate::switch::EnvSwitch =
+    crate::switch::EnvSwitch::new(&crate::switch::DECODE_KERNELS);
 
 /// Whether the decode kernels are on: [`set_enabled`]'s last value, else on unless
 /// `FERROTUNE_DECODE_KERNELS=0`.

@@ -23,9 +23,10 @@ pub fn set_enabled(on: bool) {
 }
 
 /// The environment variable that turns CUDA graphs off (`0`).
-pub const DISABLE_VAR: &str = "FERROTUNE_CUDA_GRAPHS";
+pub const DISABLE_VAR: &str = crate::switch::CUDA_GRAPHS.name;
 
-static ENABLED: crate::switch::EnvSwitch = crate::switch::EnvSwitch::new(DISABLE_VAR);
+static ENABLED: crate::switch::EnvSwitch =
+    crate::switch::EnvSwitch::new(&crate::switch::CUDA_GRAPHS);
 
 /// Some candle ops upload their operands' shapes from the host on every call (index_select,
 /// broadcasting binary ops), which a capture cannot record. While the returned guard lives (on

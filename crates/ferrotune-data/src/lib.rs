@@ -35,7 +35,7 @@ pub fn assets_dir() -> PathBuf {
             .filter(|v| !v.is_empty())
             .map(PathBuf::from)
     };
-    if let Some(dir) = var("FERROTUNE_ASSETS") {
+    if let Some(dir) = ferrotune_core::switch::ASSETS.path() {
         return dir;
     }
     let cache = var("XDG_CACHE_HOME")

@@ -11,7 +11,8 @@ use ferrotune_models::{CausalLm, DeviceMapMode};
 /// `--device-map` see that many CPU "devices" with those capacities (bytes, or sizes such as
 /// `2MiB`) instead of the visible GPUs, so that planning, dispatch and the multi-device forward run
 /// on machines without a GPU.
-const FAKE_DEVICES_ENV: &str = "FERROTUNE_DEVICE_MAP_FAKE";
+#[cfg(feature = "test-hooks")]
+const FAKE_DEVICES_ENV: &str = ferrotune_core::switch::DEVICE_MAP_FAKE.name;
 
 /// Capacity assumed for a GPU whose free memory cannot be read (the driver query failed).
 const UNKNOWN_GPU_CAPACITY: u64 = 16 << 30;
@@ -58,7 +59,8 @@ pub fn spread_model(model: &mut CausalLm, mode: DeviceMapMode, what: &str) -> Re
 /// The GPUs the driver shows (so CUDA_VISIBLE_DEVICES applies), or the fake CPU devices of the
 /// test hook.
 fn visible_targets() -> Result<Vec<Target>> {
-    if let Ok(spec) = std::env::var(FAKE_DEVICES_ENV) {
+    #[cfg(feature = "test-hooks")]
+    if let Some(spec) = ferrotune_core::switch::DEVICE_MAP_FAKE.value() {
         return fake_targets(&spec);
     }
     let mut out = Vec::new();
@@ -82,6 +84,7 @@ fn visible_targets() -> Result<Vec<Target>> {
 }
 
 /// The devices of [`FAKE_DEVICES_ENV`].
+#[cfg(feature = "test-hooks")]
 fn fake_targets(spec: &str) -> Result<Vec<Target>> {
     spec.split(',')
         .enumerate()

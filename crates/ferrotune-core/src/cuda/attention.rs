@@ -108,9 +108,8 @@ type CachedPlan = (Option<TensorId>, [usize; 4], Device, Arc<Plan>);
 
 /// Query rows per chunk; `FERROTUNE_ATTN_CHUNK_ROWS` overrides the choice (for measuring it).
 fn chunk_rows(b: usize, nh: usize, t: usize, s: usize) -> usize {
-    let rows = std::env::var("FERROTUNE_ATTN_CHUNK_ROWS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
+    let rows = crate::switch::ATTN_CHUNK_ROWS
+        .count()
         .unwrap_or_else(|| (CHUNK_SCORES / (b * nh * s).max(1)).clamp(16, MAX_CHUNK_ROWS));
     rows.clamp(1, t.max(1))
 }
@@ -354,10 +353,8 @@ fn forward(
 /// `FERROTUNE_ATTN=chunked`.
 fn flash_applies(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<bool> {
     static CHUNKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let chunked = *CHUNKED.get_or_init(|| {
-        std::env::var("FERROTUNE_ATTN").is_ok_and(|v| v.eq_ignore_ascii_case("chunked"))
-    });
-    let cap: u32 = env!("FERROTUNE_CUDA_CAP").parse().unwrap_or(0);
+    let chunked = *CHUNKED.get_or_init(|| crate::switch::ATTN.is("chunked"));
+    let cap = crate::switch::cuda_cap();
     Ok(!chunked
         && cap >= 80
         && q.dtype() == DType::BF16

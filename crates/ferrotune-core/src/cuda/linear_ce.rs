@@ -19,9 +19,8 @@ const CHUNK_LOGITS: usize = 1 << 28;
 /// Rows per chunk; `FERROTUNE_CE_CHUNK_ROWS` overrides it (the tests use it to cover several
 /// chunks with a small vocabulary).
 fn chunk_rows(vocab: usize) -> usize {
-    std::env::var("FERROTUNE_CE_CHUNK_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
+    crate::switch::CE_CHUNK_ROWS
+        .count()
         .unwrap_or(CHUNK_LOGITS / vocab.max(1))
 }
 

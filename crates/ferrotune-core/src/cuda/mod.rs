@@ -213,10 +213,7 @@ fn launch_dependent(
 /// that does not wait must not start early), and `FERROTUNE_PDL` is not `0`.
 fn pdl_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        let cap: u32 = env!("FERROTUNE_CUDA_CAP").parse().unwrap_or(0);
-        cap >= 90 && std::env::var("FERROTUNE_PDL").map_or(true, |v| v != "0")
-    })
+    *ON.get_or_init(|| crate::switch::cuda_cap() >= 90 && crate::switch::PDL.on())
 }
 
 fn launch_with(

@@ -121,15 +121,16 @@ fn parse<T: std::str::FromStr>(key: &str, value: &str) -> Result<T> {
 /// seconds, default 1800 (as torch.distributed). Long, because one rank may legitimately spend
 /// minutes alone (saving a checkpoint) while the others wait for it.
 pub fn op_timeout() -> Result<Duration> {
-    match std::env::var("FERROTUNE_DIST_TIMEOUT") {
-        Ok(v) if !v.trim().is_empty() => {
+    let knob = ferrotune_core::switch::DIST_TIMEOUT;
+    match knob.value() {
+        Some(v) if !v.trim().is_empty() => {
             let secs: f64 = v
                 .trim()
                 .parse()
                 .ok()
                 .filter(|s: &f64| *s > 0.0)
                 .with_context(|| {
-                    format!("FERROTUNE_DIST_TIMEOUT={v:?} is not a positive number of seconds")
+                    format!("{}={v:?} is not a positive number of seconds", knob.name)
                 })?;
             Ok(Duration::from_secs_f64(secs))
         }

@@ -50,13 +50,15 @@ pub fn init(env: &DistEnv, store: &Store, device: &Device) -> Result<Box<dyn Col
             store.world_size()
         );
     }
-    let forced = std::env::var("FERROTUNE_DIST_BACKEND").unwrap_or_default();
+    let knob = ferrotune_core::switch::DIST_BACKEND;
+    let forced = knob.value().unwrap_or_default();
     match forced.trim() {
         "" => {}
         "tcp" => return Ok(Box::new(TcpRing::connect(env, store)?)),
         "nccl" if cfg!(feature = "nccl") && device.is_cuda() => {}
         other => bail!(
-            "FERROTUNE_DIST_BACKEND={other:?}: use \"tcp\"{}",
+            "{}={other:?}: use \"tcp\"{}",
+            knob.name,
             if cfg!(feature = "nccl") {
                 " or \"nccl\" (CUDA devices only)"
             } else {

@@ -319,8 +319,9 @@ impl TcpRing {
         let peer = self.prev_rank();
         match e.kind() {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => anyhow!(
-                "rank {peer} sent nothing for {} s (FERROTUNE_DIST_TIMEOUT): is it stuck?",
-                self.timeout.as_secs()
+                "rank {peer} sent nothing for {} s ({}): is it stuck?",
+                self.timeout.as_secs(),
+                ferrotune_core::switch::DIST_TIMEOUT.name
             ),
             _ => PeerLost { peer, cause: e }.into(),
         }
@@ -330,8 +331,9 @@ impl TcpRing {
         let peer = self.next_rank();
         match e.kind() {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => anyhow!(
-                "rank {peer} took no data for {} s (FERROTUNE_DIST_TIMEOUT): is it stuck?",
-                self.timeout.as_secs()
+                "rank {peer} took no data for {} s ({}): is it stuck?",
+                self.timeout.as_secs(),
+                ferrotune_core::switch::DIST_TIMEOUT.name
             ),
             _ => PeerLost { peer, cause: e }.into(),
         }

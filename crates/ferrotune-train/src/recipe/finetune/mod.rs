@@ -142,7 +142,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     };
     // A backend asked for by name (`FERROTUNE_DIST_BACKEND`) runs its collectives even for one
     // rank: how the NCCL path is checked on a single GPU.
-    let backend_asked = std::env::var_os("FERROTUNE_DIST_BACKEND").is_some_and(|v| !v.is_empty());
+    let backend_asked = ferrotune_core::switch::DIST_BACKEND.value_os().is_some();
     let group = if distributed && world == 1 && !offload && !backend_asked {
         // One rank has nothing to shard or reduce: it takes the single-device path (the same
         // numbers), which keeps no flat copies of the parameters and gradients.

@@ -544,20 +544,21 @@ impl Saver<'_> {
 /// `FERROTUNE_KILL_AFTER_STEP=N` sends this process SIGKILL right after step N is logged: how the
 /// tests interrupt a run at a known point to check that resuming is step-exact.
 /// With `FERROTUNE_KILL_RANK=R` only rank R is killed (the others must notice).
+/// A test hook: does nothing unless built with the `test-hooks` feature (the test suite's).
 pub(crate) fn kill_if_asked(global_step: usize, rank: usize) {
-    let number = |var: &str| {
-        std::env::var(var)
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-    };
-    let wanted = number("FERROTUNE_KILL_AFTER_STEP");
-    let rank_ok = number("FERROTUNE_KILL_RANK").is_none_or(|r| r == rank);
-    if wanted == Some(global_step) && rank_ok {
-        // SAFETY: kill(2) on our own pid with a valid signal number has no memory effects.
-        unsafe {
-            libc::kill(libc::getpid(), libc::SIGKILL);
+    #[cfg(feature = "test-hooks")]
+    {
+        use ferrotune_core::switch::{KILL_AFTER_STEP, KILL_RANK};
+        let rank_ok = KILL_RANK.count().is_none_or(|r| r == rank);
+        if KILL_AFTER_STEP.count() == Some(global_step) && rank_ok {
+            // SAFETY: kill(2) on our own pid with a valid signal number has no memory effects.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
         }
     }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = (global_step, rank);
 }
 
 pub(super) fn progress_bar(len: usize, pos: usize, epoch: usize) -> ProgressBar {
