@@ -43,7 +43,7 @@ use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, fill_cut, host, ids_tensor, left_pad, load,
     logprobs_from_hidden, masked_logprobs, num_stop_tokens, padded_layout, response_logprobs,
-    Sampling,
+    LoopSettings, Sampling,
 };
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -383,20 +383,19 @@ fn batching(cfg: &Config) -> Result<Batching> {
 
 /// Checks the recipe's own keys without loading anything (for `validate`).
 pub fn check_config(cfg: &Config) -> Result<()> {
-    batching(cfg)?;
+    parse(cfg).map(|_| ())
+}
+
+/// The recipe's settings that need no model or tokenizer, read and checked once.
+fn parse(cfg: &Config) -> Result<(Batching, LoopSettings)> {
+    let b = batching(cfg)?;
     settings(cfg, 0, Vec::new())?;
-    let lora = cfg.get("model.lora_attn_modules").is_some();
-    for section in ["checkpointer", "ref_checkpointer"] {
-        if lora && section == "ref_checkpointer" {
-            continue;
-        }
-        if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
-            bail!(
-                "{}: '{section}.checkpoint_dir' is required by {RECIPE}",
-                cfg.origin
-            );
-        }
-    }
+    let sections: &[&str] = match cfg.get("model.lora_attn_modules").is_some() {
+        // LoRA's reference is the policy with its adapters disabled.
+        true => &["checkpointer"],
+        false => &["checkpointer", "ref_checkpointer"],
+    };
+    rollout::require_checkpoint_dirs(cfg, sections, RECIPE)?;
     if let Some(c) = cfg.str("reward_fn._component_")? {
         if !c.ends_with("batch_shaped_correctness_reward") {
             bail!(
@@ -406,14 +405,17 @@ pub fn check_config(cfg: &Config) -> Result<()> {
             );
         }
     }
-    Ok(())
+    Ok((
+        b,
+        LoopSettings::parse(cfg, &["compile", "fsdp_cpu_offload"])?,
+    ))
 }
 
 /// Runs the recipe.
 pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
     let o = cfg.origin.clone();
-    check_config(cfg)?;
+    let (b, keys) = parse(cfg)?;
     let env = DistEnv::from_env()?.unwrap_or_else(DistEnv::single);
     let (rank, world) = (env.rank, env.world_size);
     // Rank 0 prints, logs and writes checkpoints; every rank samples and trains.
@@ -434,18 +436,13 @@ pub fn run(cfg: &Config) -> Result<()> {
         None
     };
     let comm = group.as_ref().map(|(_, c)| c.as_ref());
-    let b = batching(cfg)?;
-    let checkpointing = cfg
-        .bool("enable_activation_checkpointing")?
-        .unwrap_or(false);
-    for ignored in ["compile", "fsdp_cpu_offload"] {
-        if cfg.bool(ignored)?.unwrap_or(false) && lead {
-            eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
-        }
+    if lead {
+        keys.note_ignored();
     }
-    let (output_dir, policy_out) = state::output_dirs(cfg)?;
-    let saved = match cfg.bool("resume_from_checkpoint")?.unwrap_or(false) {
-        true => Some(state::latest_to_resume(&o, &policy_out)?),
+    let (output_dir, policy_out) = (&keys.output_dir, &keys.checkpoint_dir);
+    let checkpointing = keys.checkpointing;
+    let saved = match keys.resume {
+        true => Some(state::latest_to_resume(&o, policy_out)?),
         false => None,
     };
     let seed = state::run_seed(cfg, saved.as_ref())?;
@@ -570,7 +567,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     };
     let mut optimizer = setup::optimizer(cfg, params.clone())?;
     let base_lr = optimizer.lr();
-    let clip = cfg.f64("clip_grad_norm")?;
+    let clip = keys.clip;
 
     let section = cfg
         .get("dataset")
@@ -605,17 +602,17 @@ pub fn run(cfg: &Config) -> Result<()> {
         &device,
     )?;
     let mut logger = match lead {
-        true => Some(state::open_run_log(cfg, &output_dir, start.global_step)?),
+        true => Some(state::open_run_log(cfg, output_dir, start.global_step)?),
         false => None,
     };
-    let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
+    let log_every = keys.log_every;
     // The policy's checkpoints: HF folders; with LoRA the PEFT adapter, and the merged model one
     // folder down (as the LoRA fine-tuning recipes save them) unless it cannot be merged.
     let saver = Saver {
         lora_config: lora_config.as_ref(),
         adapter_only: unmergeable.is_some(),
         transformers5,
-        ..Saver::hf(&policy_out, &policy_source, &tokenizer, dtype)
+        ..Saver::hf(policy_out, &policy_source, &tokenizer, dtype)
     };
     let total_batches = b.num_steps.min(b.epochs * batches_per_epoch);
     say(format!(
@@ -626,7 +623,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- training loop
     let mut global_step = start.global_step;
     let mut steps_run = start.epoch * batches_per_epoch;
-    let shuffle = cfg.bool("shuffle")?.unwrap_or(true);
+    let shuffle = keys.shuffle;
     let rows_per_pass = b.forward_batch_size * s.grpo_samples;
     for epoch in start.epoch..b.epochs {
         let order: Vec<usize> = if shuffle {

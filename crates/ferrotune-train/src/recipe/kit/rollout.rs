@@ -201,6 +201,76 @@ pub fn approx_kl_sum(new: &[Vec<f32>], old: &[Vec<f32>]) -> (f64, usize) {
     (sum, count)
 }
 
+/// The keys an RL recipe's loop reads beside its batching and its loss (torchtune's top-level
+/// keys), read once before anything is loaded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoopSettings {
+    /// `output_dir`: logs and the config copy.
+    pub output_dir: PathBuf,
+    /// Where the policy's checkpoints go (`checkpointer.output_dir`, else `output_dir`).
+    pub checkpoint_dir: PathBuf,
+    /// `resume_from_checkpoint`.
+    pub resume: bool,
+    /// `enable_activation_checkpointing`: each decoder layer recomputed in the backward.
+    pub checkpointing: bool,
+    /// `log_every_n_steps` (at least 1).
+    pub log_every: usize,
+    /// `shuffle` (default true).
+    pub shuffle: bool,
+    /// `clip_grad_norm`.
+    pub clip: Option<f64>,
+    /// The switches of those the recipe accepts without effect that the config turns on.
+    pub ignored_switches: Vec<&'static str>,
+}
+
+impl LoopSettings {
+    /// Reads the settings from `cfg`; `ignorable` are the switches the recipe accepts and ignores
+    /// (they change no result).
+    pub fn parse(cfg: &Config, ignorable: &[&'static str]) -> Result<LoopSettings> {
+        let checkpointing = cfg
+            .bool("enable_activation_checkpointing")?
+            .unwrap_or(false);
+        let mut ignored_switches = Vec::new();
+        for &switch in ignorable {
+            if cfg.bool(switch)?.unwrap_or(false) {
+                ignored_switches.push(switch);
+            }
+        }
+        let (output_dir, checkpoint_dir) = crate::recipe::state::output_dirs(cfg)?;
+        Ok(LoopSettings {
+            output_dir,
+            checkpoint_dir,
+            resume: cfg.bool("resume_from_checkpoint")?.unwrap_or(false),
+            checkpointing,
+            log_every: cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1),
+            shuffle: cfg.bool("shuffle")?.unwrap_or(true),
+            clip: cfg.f64("clip_grad_norm")?,
+            ignored_switches,
+        })
+    }
+
+    /// Says which switches the run ignores.
+    pub fn note_ignored(&self) {
+        for switch in &self.ignored_switches {
+            eprintln!("note: '{switch}: true' is ignored by ferrotune (it changes no result)");
+        }
+    }
+}
+
+/// The error unless each of the checkpointer `sections` names its `checkpoint_dir`, which
+/// recipe `recipe` requires.
+pub fn require_checkpoint_dirs(cfg: &Config, sections: &[&str], recipe: &str) -> Result<()> {
+    for section in sections {
+        if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
+            bail!(
+                "{}: '{section}.checkpoint_dir' is required by {recipe}",
+                cfg.origin
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The count at `key`, which recipe `recipe` requires.
 pub fn required_count(cfg: &Config, key: &str, recipe: &str) -> Result<usize> {
     cfg.usize(key)?

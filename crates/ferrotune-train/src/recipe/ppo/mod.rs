@@ -23,7 +23,7 @@ use crate::recipe::kit::checkpoint::{Saver, MAX_SHARD_BYTES};
 use crate::recipe::kit::report::kill_if_asked;
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, host, left_pad, load, masked_logprobs,
-    num_stop_tokens, Sampling,
+    num_stop_tokens, LoopSettings, Sampling,
 };
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -330,22 +330,24 @@ fn batching(cfg: &Config) -> Result<Batching> {
 
 /// Checks the recipe's own keys without loading anything (for `validate`).
 pub fn check_config(cfg: &Config) -> Result<()> {
-    batching(cfg)?;
+    parse(cfg).map(|_| ())
+}
+
+/// The recipe's settings that need no model or tokenizer, read and checked once.
+fn parse(cfg: &Config) -> Result<(Batching, LoopSettings)> {
+    let b = batching(cfg)?;
     settings(cfg, 0, Vec::new())?;
-    for section in [
+    let sections = [
         "checkpointer",
         "ref_policy_checkpointer",
         "value_checkpointer",
         "reward_checkpointer",
-    ] {
-        if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
-            bail!(
-                "{}: '{section}.checkpoint_dir' is required by {RECIPE}",
-                cfg.origin
-            );
-        }
-    }
-    Ok(())
+    ];
+    rollout::require_checkpoint_dirs(cfg, &sections, RECIPE)?;
+    Ok((
+        b,
+        LoopSettings::parse(cfg, &["compile", "optimizer_in_bwd"])?,
+    ))
 }
 
 /// Runs the recipe.
@@ -354,23 +356,16 @@ pub fn run(cfg: &Config) -> Result<()> {
     let o = cfg.origin.clone();
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
-    let b = batching(cfg)?;
+    let (b, keys) = parse(cfg)?;
+    keys.note_ignored();
     // Each decoder layer recomputed in the backward of the policy and the value model.
-    let checkpointing = cfg
-        .bool("enable_activation_checkpointing")?
-        .unwrap_or(false);
-    for ignored in ["compile", "optimizer_in_bwd"] {
-        if cfg.bool(ignored)?.unwrap_or(false) {
-            eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
-        }
-    }
-    let (output_dir, policy_out) = state::output_dirs(cfg)?;
+    let checkpointing = keys.checkpointing;
+    let (output_dir, policy_out) = (&keys.output_dir, &keys.checkpoint_dir);
     let value_out = cfg
         .path("value_checkpointer.output_dir")?
         .unwrap_or(output_dir.join("value"));
-    let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
-    let saved = if resume {
-        Some(state::latest_to_resume(&o, &policy_out)?)
+    let saved = if keys.resume {
+        Some(state::latest_to_resume(&o, policy_out)?)
     } else {
         let (p, r) = (
             setup::checkpoint_path_at(cfg, "checkpointer")?,
@@ -497,10 +492,10 @@ pub fn run(cfg: &Config) -> Result<()> {
         None,
         &device,
     )?;
-    let mut logger = state::open_run_log(cfg, &output_dir, start.global_step)?;
+    let mut logger = state::open_run_log(cfg, output_dir, start.global_step)?;
     // The policy's checkpoints: HF folders of the whole model, with the tokenizer files.
-    let saver = Saver::hf(&policy_out, &policy_source, &tokenizer, dtype);
-    let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
+    let saver = Saver::hf(policy_out, &policy_source, &tokenizer, dtype);
+    let log_every = keys.log_every;
     eprintln!(
         "PPO: {} steps of {} prompts, {epochs} epoch(s); {} PPO epoch(s) of {minibatches} minibatch(es)",
         b.total_steps, b.batch_size, b.ppo_epochs
@@ -509,7 +504,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- training loop
     let mut global_step = start.global_step;
     let mut steps_run = start.epoch * batches_per_epoch;
-    let shuffle = cfg.bool("shuffle")?.unwrap_or(true);
+    let shuffle = keys.shuffle;
     for epoch in start.epoch..epochs {
         let order: Vec<usize> = if shuffle {
             shuffled_order(rows.len(), seed, epoch as u64)
