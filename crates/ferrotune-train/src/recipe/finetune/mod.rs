@@ -299,7 +299,7 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
                 cfg.origin
             );
         }
-        let group_size = setup::qat_group_size(cfg)?;
+        let group_size = settings.qat_group_size.expect("parsed for the QAT recipes");
         let n = apply_fake_quant(cfg, &mut model, mode == Mode::QatLora, group_size)?;
         say(format!(
             "QAT: {n} linear layers fake-quantized (int8 per-token activations, int4 weights in \
@@ -323,7 +323,10 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
         params.len()
     ));
     let teacher = match mode {
-        Mode::Distill => Some(setup_teacher(cfg, &model, dtype, &device, lead)?),
+        Mode::Distill => {
+            let kd = settings.kd.expect("parsed for the distillation recipes");
+            Some(setup_teacher(cfg, kd, &model, dtype, &device, lead)?)
+        }
         _ => {
             if lead {
                 let keys = [

@@ -7,6 +7,7 @@ use anyhow::{bail, Result};
 
 use crate::config::Config;
 use crate::loss::PreferenceLoss;
+use crate::recipe::kit::model::KdSettings;
 
 use super::Mode;
 
@@ -66,6 +67,10 @@ pub struct Settings {
     pub fake_quant_after: Option<usize>,
     /// `early_exit_loss.verbose`.
     pub verbose_exits: bool,
+    /// The distillation recipes' `kd_ratio` and `kd_loss`.
+    pub kd: Option<KdSettings>,
+    /// The QAT recipes' `quantizer.groupsize`.
+    pub qat_group_size: Option<usize>,
 }
 
 /// When and how `dataset_val` is scored.
@@ -145,6 +150,14 @@ impl Settings {
             n => n,
         };
         let shuffle = cfg.bool("shuffle")?.unwrap_or(true);
+        let kd = match mode {
+            Mode::Distill => Some(KdSettings::parse(cfg)?),
+            _ => None,
+        };
+        let qat_group_size = match mode.qat() {
+            true => Some(crate::recipe::setup::qat_group_size(cfg)?),
+            false => None,
+        };
         Ok(Settings {
             output_dir,
             checkpoint_dir,
@@ -169,6 +182,8 @@ impl Settings {
             validation,
             fake_quant_after,
             verbose_exits,
+            kd,
+            qat_group_size,
         })
     }
 }

@@ -147,10 +147,63 @@ pub struct Teacher {
     pub chunks: usize,
 }
 
-/// Loads `teacher_checkpointer`'s model (frozen, in the run's dtype, on the student's device) and
-/// reads `kd_ratio` and `kd_loss`. The two models must share the vocabulary.
+/// How a distillation run's loss mixes in the teacher: `kd_ratio` and the `kd_loss` section.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KdSettings {
+    /// `kd_ratio`: the distillation loss's share of the total.
+    pub ratio: f64,
+    /// `kd_loss`: which KL divergence.
+    pub loss: KdLoss,
+    /// `kd_loss.num_output_chunks`.
+    pub chunks: usize,
+}
+
+impl KdSettings {
+    /// Reads and checks `kd_ratio` and `kd_loss` (torchtune's defaults: 0.5, the forward KL in
+    /// 8 chunks).
+    pub fn parse(cfg: &Config) -> Result<KdSettings> {
+        let ratio = cfg.f64("kd_ratio")?.unwrap_or(0.5);
+        if !(0.0..=1.0).contains(&ratio) {
+            bail!("{}: kd_ratio must be in [0, 1], got {ratio}", cfg.origin);
+        }
+        let component = cfg
+            .str("kd_loss._component_")?
+            .unwrap_or_else(|| "torchtune.modules.loss.ForwardKLWithChunkedOutputLoss".into());
+        let sym = cfg.f64("kd_loss.sym_kd_ratio")?;
+        if sym.is_some_and(|r| !(0.0..=1.0).contains(&r)) {
+            bail!("{}: kd_loss.sym_kd_ratio must be in [0, 1]", cfg.origin);
+        }
+        // torchtune's chunked losses default to 8 chunks; the plain ones form every row at once
+        // (here still at most MAX_CHUNK_LOGITS logits per chunk).
+        let chunks = match cfg.usize("kd_loss.num_output_chunks")? {
+            Some(0) => bail!(
+                "{}: kd_loss.num_output_chunks must be at least 1",
+                cfg.origin
+            ),
+            Some(n) => n,
+            None if component.contains("WithChunkedOutput") => 8,
+            None => 1,
+        };
+        let Some(loss) = KdLoss::from_component(&component, sym) else {
+            bail!(
+                "{}: kd_loss._component_ '{component}' is not supported (torchtune.modules.loss.\
+                 ForwardKLLoss, ReverseKLLoss, SymmetricKLLoss, or their WithChunkedOutput forms)",
+                cfg.origin
+            );
+        };
+        Ok(KdSettings {
+            ratio,
+            loss,
+            chunks,
+        })
+    }
+}
+
+/// Loads `teacher_checkpointer`'s model (frozen, in the run's dtype, on the student's device),
+/// to mix in as `kd` says. The two models must share the vocabulary.
 pub fn setup_teacher(
     cfg: &Config,
+    kd: KdSettings,
     student: &CausalLm,
     dtype: DType,
     device: &candle_core::Device,
@@ -177,35 +230,11 @@ pub fn setup_teacher(
             student.config.vocab_size
         );
     }
-    let ratio = cfg.f64("kd_ratio")?.unwrap_or(0.5);
-    if !(0.0..=1.0).contains(&ratio) {
-        bail!("{}: kd_ratio must be in [0, 1], got {ratio}", cfg.origin);
-    }
-    let component = cfg
-        .str("kd_loss._component_")?
-        .unwrap_or_else(|| "torchtune.modules.loss.ForwardKLWithChunkedOutputLoss".into());
-    let sym = cfg.f64("kd_loss.sym_kd_ratio")?;
-    if sym.is_some_and(|r| !(0.0..=1.0).contains(&r)) {
-        bail!("{}: kd_loss.sym_kd_ratio must be in [0, 1]", cfg.origin);
-    }
-    // torchtune's chunked losses default to 8 chunks; the plain ones form every row at once
-    // (here still at most MAX_CHUNK_LOGITS logits per chunk).
-    let chunks = match cfg.usize("kd_loss.num_output_chunks")? {
-        Some(0) => bail!(
-            "{}: kd_loss.num_output_chunks must be at least 1",
-            cfg.origin
-        ),
-        Some(n) => n,
-        None if component.contains("WithChunkedOutput") => 8,
-        None => 1,
-    };
-    let Some(loss) = KdLoss::from_component(&component, sym) else {
-        bail!(
-            "{}: kd_loss._component_ '{component}' is not supported (torchtune.modules.loss.\
-             ForwardKLLoss, ReverseKLLoss, SymmetricKLLoss, or their WithChunkedOutput forms)",
-            cfg.origin
-        );
-    };
+    let KdSettings {
+        ratio,
+        loss,
+        chunks,
+    } = kd;
     if lead {
         eprintln!(
             "Teacher {} ({}, {} layers) loaded in {:.1}s; kd_ratio {ratio}, {loss:?} KL",
