@@ -33,11 +33,10 @@ use ferrotune_models::{peft, CausalLm};
 use crate::clip::{clip_grad_norm, scale_grads};
 use crate::config::Config;
 use crate::dist::comm::Collectives;
-use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{CommQueue, ShardedModel, Sharding};
 use crate::dist::store::Store;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
-use crate::recipe::kit::checkpoint::{writes_transformers5, Saver};
+use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::model::setup_adapters;
 use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
@@ -45,6 +44,7 @@ use crate::recipe::kit::rollout::{
     logprobs_from_hidden, masked_logprobs, num_stop_tokens, padded_layout, response_logprobs,
     LoopSettings, Sampling,
 };
+use crate::recipe::kit::session::Session;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::rlhf;
@@ -416,21 +416,15 @@ pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
     let o = cfg.origin.clone();
     let (b, keys) = parse(cfg)?;
-    let env = DistEnv::from_env()?.unwrap_or_else(DistEnv::single);
-    let (rank, world) = (env.rank, env.world_size);
     // Rank 0 prints, logs and writes checkpoints; every rank samples and trains.
-    let lead = rank == 0;
-    let say = |line: String| {
-        if lead {
-            eprintln!("{line}");
-        }
-    };
-    let device = setup::device_for_rank(cfg, env.local_rank)?;
-    let dtype = setup::dtype(cfg)?;
+    let session = Session::start(cfg, RECIPE, true)?;
+    let (rank, world, lead) = (session.rank, session.world, session.lead());
+    let (env, device, dtype) = (&session.env, session.device.clone(), session.dtype);
+    let say = |line: String| session.say(line);
     // The store stays open for the whole run: it is also the watchdog that stops every rank
     // when one of them dies.
     let group: Option<(Store, Arc<dyn Collectives>)> = if world > 1 {
-        let (store, collectives) = crate::dist::join_group(&env, &device)?;
+        let (store, collectives) = crate::dist::join_group(env, &device)?;
         Some((store, collectives))
     } else {
         None
@@ -503,14 +497,15 @@ pub fn run(cfg: &Config) -> Result<()> {
     } else {
         None
     };
-    // An adapter that cannot be merged (a LoRA bias on layers without one) is saved alone.
-    let unmergeable = peft::merge_refusal(&policy).filter(|_| lora);
-    if let Some(why) = &unmergeable {
-        say(format!(
-            "note: no merged/ model is written: {why}; the adapter files are complete"
-        ));
-    }
-    let transformers5 = writes_transformers5(&policy, lora_config.as_ref(), &say);
+    // The policy's checkpoints: HF folders; with LoRA the PEFT adapter, and the merged model one
+    // folder down (as the LoRA fine-tuning recipes save them) unless it cannot be merged (a LoRA
+    // bias on layers without one).
+    let saver = Saver::hf(policy_out, &policy_source, &tokenizer, dtype).with_adapters(
+        &policy,
+        lora_config.as_ref(),
+        false,
+        &say,
+    );
     let params = match lora {
         true => peft::trainable_parameters(&mut policy)?,
         false => policy.make_all_trainable()?,
@@ -606,14 +601,6 @@ pub fn run(cfg: &Config) -> Result<()> {
         false => None,
     };
     let log_every = keys.log_every;
-    // The policy's checkpoints: HF folders; with LoRA the PEFT adapter, and the merged model one
-    // folder down (as the LoRA fine-tuning recipes save them) unless it cannot be merged.
-    let saver = Saver {
-        lora_config: lora_config.as_ref(),
-        adapter_only: unmergeable.is_some(),
-        transformers5,
-        ..Saver::hf(policy_out, &policy_source, &tokenizer, dtype)
-    };
     let total_batches = b.num_steps.min(b.epochs * batches_per_epoch);
     say(format!(
         "GRPO: {total_batches} batch(es) of {} prompts × {} completions{on_ranks}, {} optimizer step(s) each",

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Var};
+use candle_core::Var;
 use ferrotune_data::dataset::shuffled_order;
 use ferrotune_export::hf::ModelSource;
 use ferrotune_models::peft;
@@ -19,7 +19,6 @@ use indicatif::ProgressBar;
 
 use crate::clip::{clip_grad_norm, scale_grads};
 use crate::config::Config;
-use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
 use crate::metrics::peak_rss_mb;
 use crate::recipe::setup;
@@ -30,12 +29,13 @@ use crate::step::{
     set_dropout_states, Distill, PairStats, Preference, StepLoss,
 };
 
-use crate::recipe::kit::checkpoint::{base_source, writes_transformers5, Saver};
+use crate::recipe::kit::checkpoint::{base_source, Saver};
 use crate::recipe::kit::data::Examples;
 use crate::recipe::kit::model::{
     apply_fake_quant, set_fake_quant_enabled, setup_adapters, setup_reference, setup_teacher,
 };
 use crate::recipe::kit::report::{kill_if_asked, note_ignored_keys, progress_bar, report_memory};
+use crate::recipe::kit::session::Session;
 use crate::recipe::kit::validation;
 
 mod settings;
@@ -105,27 +105,9 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
     let (recipe, mode) = (entry.name, mode_of(entry)?);
     let distributed = entry.ranks == Ranks::Several;
-    let env = DistEnv::from_env()?.unwrap_or_else(DistEnv::single);
-    if !distributed && env.world_size > 1 {
-        bail!(
-            "recipe {recipe} runs on one device, but WORLD_SIZE is {}: use {} for several processes",
-            env.world_size,
-            recipe.replace("_single_device", "_distributed")
-        );
-    }
-    let (rank, world) = if distributed {
-        (env.rank, env.world_size)
-    } else {
-        (0, 1)
-    };
-    // Rank 0 prints, logs and writes checkpoints; every rank computes.
-    let lead = rank == 0;
-    let device = if distributed {
-        setup::device_for_rank(cfg, env.local_rank)?
-    } else {
-        setup::device(cfg)?
-    };
-    let dtype = setup::dtype(cfg)?;
+    let session = Session::start(cfg, recipe, distributed)?;
+    let (rank, world, lead) = (session.rank, session.world, session.lead());
+    let (env, device, dtype) = (&session.env, session.device.clone(), session.dtype);
     let settings = Settings::parse(cfg, mode)?;
     let Settings {
         batch_size,
@@ -153,7 +135,7 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
         None
     } else if distributed {
         let sharding = setup::sharding(cfg)?;
-        let (store, collectives) = crate::dist::join_group(&env, &device)?;
+        let (store, collectives) = crate::dist::join_group(env, &device)?;
         if lead {
             eprintln!(
                 "Distributed: {world} ranks, {} backend, fsdp_sharding: {}{}",
@@ -508,36 +490,16 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- training loop
     let torchtune_adapter = setup::torchtune_checkpointer(cfg)
         && ferrotune_models::torchtune_adapter::supports(&model.config);
-    let saves_modules = lora_config
-        .as_ref()
-        .is_some_and(|lc| !lc.modules_to_save.is_empty() && !mode.full());
-    let unfit = ferrotune_models::torchtune_adapter::unfit_adapter(&model).or(saves_modules
-        .then_some("modules_to_save trains whole modules, which torchtune's adapter file lacks"));
-    if let Some(why) = unfit.filter(|_| torchtune_adapter) {
-        say(format!(
-            "note: no adapter_model.pt is written: {why} (the PEFT adapter files are written as \
-             always)"
-        ));
-    }
-    let unmergeable = peft::merge_refusal(&model).filter(|_| !mode.full() && !adapter_only);
-    if let Some(why) = &unmergeable {
-        say(format!(
-            "note: no merged/ model is written: {why}; the adapter files are complete"
-        ));
-    }
-    let transformers5 =
-        writes_transformers5(&model, lora_config.as_ref().filter(|_| !mode.full()), &say);
     let saver = Saver {
-        transformers5,
-        output_dir: &ckpt_out,
-        format: setup::save_format(cfg, &source, say),
-        source: &source,
-        tokenizer: &tokenizer,
-        lora_config: lora_config.as_ref().filter(|_| !mode.full()),
-        dtype,
-        adapter_only: adapter_only || unmergeable.is_some(),
-        torchtune_adapter: torchtune_adapter && unfit.is_none(),
+        adapter_only,
         keep_last: settings.keep_last,
+        ..Saver::hf(&ckpt_out, &source, &tokenizer, dtype)
+    };
+    let lora_adapters = lora_config.as_ref().filter(|_| !mode.full());
+    let saver = saver.with_adapters(&model, lora_adapters, torchtune_adapter, &say);
+    let saver = Saver {
+        format: setup::save_format(cfg, &source, say),
+        ..saver
     };
     let mut global_step = start.global_step;
     for epoch in start.epoch..epochs {
@@ -773,53 +735,14 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
                 if global_step.is_multiple_of(*every) {
                     // Dropout off while validating, as torchtune's `model.eval()`.
                     ferrotune_models::lora::set_training(&mut model, false);
-                    let (mut sum, targets) = match &mut sharded {
-                        // One unit gathered at a time, as in training.
-                        Some(sm) => validation::target_loss_sum_by(
-                            val_rows,
-                            *val_batch,
-                            *val_batches,
-                            pad,
-                            &device,
-                            |batch| {
-                                sm.inference_pass(
-                                    &mut model,
-                                    &batch.input_ids,
-                                    &batch.layout,
-                                    false,
-                                    |m, hidden| {
-                                        let loss = crate::loss::causal_lm_head_loss(
-                                            hidden,
-                                            m,
-                                            &batch.labels,
-                                            true,
-                                        )?;
-                                        let sum = loss.sum.to_dtype(DType::F64)?.to_scalar()?;
-                                        Ok((sum, loss.count))
-                                    },
-                                )
-                            },
-                        )?,
-                        None => validation::target_loss_sum(
-                            &model,
-                            val_rows,
-                            *val_batch,
-                            *val_batches,
-                            pad,
-                            &device,
-                        )?,
-                    };
-                    let mut targets = targets as f64;
-                    if let Some(sm) = &sharded {
-                        // Every rank's sums, as torchtune all-reduces them.
-                        let all = sm.all_reduce_f64(&[sum, targets])?;
-                        (sum, targets) = (all[0], all[1]);
-                    }
-                    let val_loss = if targets > 0.0 {
-                        sum / targets
-                    } else {
-                        f64::NAN
-                    };
+                    let val_loss = validation::validation_loss(
+                        &mut model,
+                        sharded.as_mut(),
+                        val_rows,
+                        (*val_batch, *val_batches),
+                        pad,
+                        &device,
+                    )?;
                     ferrotune_models::lora::set_training(&mut model, !mode.full());
                     if lead {
                         bar.suspend(|| eprintln!("Validation loss: {val_loss:.4}"));

@@ -112,6 +112,46 @@ impl<'a> Saver<'a> {
         }
     }
 
+    /// This saver with the adapters of `lora_config` (none: whole models) saved as `model` holds
+    /// them: torchtune's `adapter_model.pt` too when `torchtune_adapter` and the adapters fit it,
+    /// the merged model unless `adapter_only` or they cannot be merged, transformers 5's form when
+    /// they reach experts; `say` tells what is not written and why.
+    pub fn with_adapters(
+        self,
+        model: &CausalLm,
+        lora_config: Option<&'a LoraConfig>,
+        torchtune_adapter: bool,
+        say: &dyn Fn(String),
+    ) -> Self {
+        let Some(lc) = lora_config else {
+            return self;
+        };
+        let saves_modules = !lc.modules_to_save.is_empty();
+        let unfit = ferrotune_models::torchtune_adapter::unfit_adapter(model)
+            .or(saves_modules.then_some(
+                "modules_to_save trains whole modules, which torchtune's adapter file lacks",
+            ));
+        if let Some(why) = unfit.filter(|_| torchtune_adapter) {
+            say(format!(
+                "note: no adapter_model.pt is written: {why} (the PEFT adapter files are written \
+                 as always)"
+            ));
+        }
+        let unmergeable = peft::merge_refusal(model).filter(|_| !self.adapter_only);
+        if let Some(why) = &unmergeable {
+            say(format!(
+                "note: no merged/ model is written: {why}; the adapter files are complete"
+            ));
+        }
+        Saver {
+            lora_config: Some(lc),
+            adapter_only: self.adapter_only || unmergeable.is_some(),
+            torchtune_adapter: torchtune_adapter && unfit.is_none(),
+            transformers5: writes_transformers5(model, Some(lc), say),
+            ..self
+        }
+    }
+
     /// Saves checkpoint `name` with state `st` (its dropout states filled in here). Distributed,
     /// every rank calls it: the model and optimizer state are gathered, rank 0 writes one copy,
     /// and the others wait until it is in place.

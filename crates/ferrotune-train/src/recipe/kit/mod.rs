@@ -6,6 +6,7 @@
 //!   datasets, seed);
 //! - [`crate::recipe::state`]: checkpoint folders and the recipe state that makes resuming
 //!   step-exact;
+//! - [`session`]: rank, world, device and dtype of a run's process;
 //! - [`model`]: model setup beyond loading (adapters, QAT, a teacher, a DPO reference);
 //! - [`data`]: training examples and their micro-batches;
 //! - [`checkpoint`]: the checkpointer every training recipe saves with;
@@ -18,4 +19,5 @@ pub mod data;
 pub mod model;
 pub mod report;
 pub mod rollout;
+pub mod session;
 pub mod validation;

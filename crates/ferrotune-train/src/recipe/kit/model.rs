@@ -199,6 +199,25 @@ impl KdSettings {
     }
 }
 
+/// Loads the language model at `location` (of checkpointer section `section`) to run frozen, in
+/// `dtype` on `device`.
+fn load_frozen(
+    cfg: &Config,
+    location: &setup::CheckpointLocation,
+    section: &str,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<CausalLm> {
+    let (model, _) = location
+        .load(dtype, device)
+        .with_context(|| format!("{}: {section}", cfg.origin))?;
+    model
+        .config
+        .require_language_model()
+        .map_err(|e| anyhow!("{}: {section}: {e}", cfg.origin))?;
+    Ok(model)
+}
+
 /// Loads `teacher_checkpointer`'s model (frozen, in the run's dtype, on the student's device),
 /// to mix in as `kd` says. The two models must share the vocabulary.
 pub fn setup_teacher(
@@ -212,13 +231,7 @@ pub fn setup_teacher(
     let location = setup::checkpoint_path_at(cfg, "teacher_checkpointer")?;
     let path = location.path.clone();
     let t0 = Instant::now();
-    let (model, _) = location
-        .load(dtype, device)
-        .with_context(|| format!("{}: teacher_checkpointer", cfg.origin))?;
-    model
-        .config
-        .require_language_model()
-        .map_err(|e| anyhow!("{}: teacher_checkpointer: {e}", cfg.origin))?;
+    let model = load_frozen(cfg, &location, "teacher_checkpointer", dtype, device)?;
     setup::check_component_at(cfg, "teacher_model._component_", &model.config)?;
     if model.config.vocab_size != student.config.vocab_size {
         bail!(
@@ -269,13 +282,7 @@ pub fn setup_reference(
     };
     let path = location.path.clone();
     let t0 = Instant::now();
-    let (model, _) = location
-        .load(dtype, device)
-        .with_context(|| format!("{}: ref_checkpointer", cfg.origin))?;
-    model
-        .config
-        .require_language_model()
-        .map_err(|e| anyhow!("{}: ref_checkpointer: {e}", cfg.origin))?;
+    let model = load_frozen(cfg, &location, "ref_checkpointer", dtype, device)?;
     if model.config.vocab_size != policy.config.vocab_size {
         bail!(
             "{}: the reference model ({}) has a vocabulary of {} tokens, the policy {}: DPO \

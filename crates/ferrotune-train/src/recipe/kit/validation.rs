@@ -6,6 +6,9 @@ use anyhow::Result;
 use candle_core::DType;
 use ferrotune_data::dataset::{collate, Row};
 
+use ferrotune_models::CausalLm;
+
+use crate::dist::fsdp::ShardedModel;
 use crate::loss::causal_lm_loss;
 use crate::step::MicroBatch;
 
@@ -73,4 +76,48 @@ pub fn rank_validation_rows(
         .collect();
     let batches = mine.len() / batch_size.max(1);
     (mine, batches)
+}
+
+/// The validation loss of a training run: the mean cross-entropy over the target tokens of
+/// `rows` in batches of `batch_size` (at most `cap` batches), every rank's sums all-reduced when
+/// the model is `sharded` (and scored one unit gathered at a time, as in training). NaN without
+/// targets.
+pub fn validation_loss(
+    model: &mut CausalLm,
+    sharded: Option<&mut ShardedModel>,
+    rows: &[Row],
+    (batch_size, cap): (usize, Option<usize>),
+    pad: u32,
+    device: &candle_core::Device,
+) -> Result<f64> {
+    let (sum, targets) = match sharded {
+        Some(sm) => {
+            let (sum, targets) = target_loss_sum_by(rows, batch_size, cap, pad, device, |batch| {
+                sm.inference_pass(
+                    model,
+                    &batch.input_ids,
+                    &batch.layout,
+                    false,
+                    |m, hidden| {
+                        let loss =
+                            crate::loss::causal_lm_head_loss(hidden, m, &batch.labels, true)?;
+                        let sum = loss.sum.to_dtype(DType::F64)?.to_scalar()?;
+                        Ok((sum, loss.count))
+                    },
+                )
+            })?;
+            // Every rank's sums, as torchtune all-reduces them.
+            let all = sm.all_reduce_f64(&[sum, targets as f64])?;
+            (all[0], all[1])
+        }
+        None => {
+            let (sum, targets) = target_loss_sum(model, rows, batch_size, cap, pad, device)?;
+            (sum, targets as f64)
+        }
+    };
+    Ok(if targets > 0.0 {
+        sum / targets
+    } else {
+        f64::NAN
+    })
 }
