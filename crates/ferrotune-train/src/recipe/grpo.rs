@@ -26,7 +26,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use ferrotune_data::dataset::{build_reasoning_dataset, shuffled_order, ReasoningProblem};
+use ferrotune_data::dataset::{build_reasoning_dataset, ReasoningProblem};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::{peft, CausalLm};
 
@@ -37,6 +37,7 @@ use crate::dist::fsdp::{CommQueue, ShardedModel, Sharding};
 use crate::dist::store::Store;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
 use crate::recipe::kit::checkpoint::Saver;
+use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::model::setup_adapters;
 use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
@@ -613,11 +614,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let shuffle = keys.shuffle;
     let rows_per_pass = b.forward_batch_size * s.grpo_samples;
     for epoch in start.epoch..b.epochs {
-        let order: Vec<usize> = if shuffle {
-            shuffled_order(problems.len(), seed, epoch as u64)
-        } else {
-            (0..problems.len()).collect()
-        };
+        let order = epoch_order(problems.len(), shuffle, seed, epoch);
         let mut done = false;
         for batch_idx in 0..batches_per_epoch {
             let picked: Vec<usize> = (0..b.batch_size)

@@ -81,6 +81,21 @@ pub fn output_dirs(cfg: &crate::config::Config) -> Result<(PathBuf, PathBuf)> {
     Ok((output_dir, checkpoints))
 }
 
+/// The checkpoint a run resumes: `recipe_checkpoint` (torchtune's
+/// `checkpointer.recipe_checkpoint`: a checkpoint folder or a file in it), else the latest in
+/// `output_dir`; `origin` names the config in errors.
+pub fn resume_point(
+    origin: &str,
+    recipe_checkpoint: Option<&Path>,
+    output_dir: &Path,
+) -> Result<SavedCheckpoint> {
+    match recipe_checkpoint {
+        Some(p) if p.is_dir() => read_checkpoint_state(p),
+        Some(p) => read_checkpoint_state(p.parent().unwrap_or(Path::new(""))),
+        None => latest_to_resume(origin, output_dir),
+    }
+}
+
 /// The run's seed: the resumed checkpoint's, else the config's ([`crate::recipe::setup::seed`]).
 pub fn run_seed(cfg: &crate::config::Config, saved: Option<&SavedCheckpoint>) -> Result<u64> {
     match saved {

@@ -7,12 +7,10 @@
 //! probabilities of each pair, QAT fake quantization to the linear layers — each marked where it
 //! happens.
 
-use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Var;
-use ferrotune_data::dataset::shuffled_order;
 use ferrotune_export::hf::ModelSource;
 use ferrotune_models::peft;
 use indicatif::ProgressBar;
@@ -25,14 +23,15 @@ use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::recipe::{Ranks, Recipe};
 use crate::step::{
-    dropout_states, empty_grads, forward_backward, reference_log_probs, reference_log_probs_at,
-    set_dropout_states, Distill, PairStats, Preference, StepLoss,
+    dropout_states, empty_grads, forward_backward, set_dropout_states, PairStats, Preference,
+    StepLoss,
 };
 
 use crate::recipe::kit::checkpoint::{base_source, Saver};
-use crate::recipe::kit::data::Examples;
+use crate::recipe::kit::data::{epoch_order, Examples};
 use crate::recipe::kit::model::{
-    apply_fake_quant, set_fake_quant_enabled, setup_adapters, setup_reference, setup_teacher,
+    apply_fake_quant, reference_logps, set_fake_quant_enabled, setup_adapters, setup_reference,
+    setup_teacher,
 };
 use crate::recipe::kit::report::{kill_if_asked, note_ignored_keys, progress_bar, report_memory};
 use crate::recipe::kit::session::Session;
@@ -176,20 +175,12 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     let ckpt_out = settings.checkpoint_dir.clone();
 
     // Where to start from: a saved checkpoint of this run, or the configured base.
-    let saved = if settings.resume {
-        Some(match settings.recipe_checkpoint.clone() {
-            Some(p) => {
-                let dir = if p.is_dir() {
-                    p
-                } else {
-                    p.parent().map(Path::to_path_buf).unwrap_or_default()
-                };
-                state::read_checkpoint_state(&dir)?
-            }
-            None => state::latest_to_resume(&cfg.origin, &ckpt_out)?,
-        })
-    } else {
-        None
+    let saved = match settings.resume {
+        true => {
+            let asked = settings.recipe_checkpoint.as_deref();
+            Some(state::resume_point(&cfg.origin, asked, &ckpt_out)?)
+        }
+        false => None,
     };
     let seed = state::run_seed(cfg, saved.as_ref())?;
 
@@ -503,11 +494,7 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     };
     let mut global_step = start.global_step;
     for epoch in start.epoch..epochs {
-        let order: Vec<usize> = if settings.shuffle {
-            shuffled_order(examples.len(), seed, epoch as u64)
-        } else {
-            (0..examples.len()).collect()
-        };
+        let order = epoch_order(examples.len(), settings.shuffle, seed, epoch);
         let first = if epoch == start.epoch {
             start.step_in_epoch
         } else {
@@ -576,40 +563,11 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
                     });
                 }
                 if let Some(t) = &teacher {
-                    // The teacher's hidden states for the same tokens (outside autograd: it has
-                    // no Vars); the head forms its logits chunk by chunk.
-                    let teacher_hidden =
-                        t.model
-                            .forward_hidden(&batch.input_ids, &batch.layout, None)?;
-                    batch.distill = Some(Distill {
-                        teacher: t.model.clone(),
-                        teacher_hidden,
-                        ratio: t.ratio,
-                        loss: t.loss,
-                        chunks: t.chunks,
-                    });
+                    batch.distill = Some(t.distill(&batch)?);
                 }
                 if let Some(loss) = preference_loss {
-                    // The reference model's log probabilities of the same pairs (no gradient).
-                    let reference_logps = match &reference {
-                        Some(r) => reference_log_probs(r, &batch)?,
-                        // The model with its adapters disabled; sharded, one unit at a time.
-                        None => match &mut sharded {
-                            Some(sm) => {
-                                let labels = batch.labels.clone();
-                                sm.inference_pass(
-                                    &mut model,
-                                    &batch.input_ids,
-                                    &batch.layout,
-                                    true,
-                                    |m, hidden| Ok(reference_log_probs_at(hidden, m, &labels)?),
-                                )?
-                            }
-                            None => peft::with_adapters_disabled(&mut model, |m| {
-                                reference_log_probs(m, &batch)
-                            })?,
-                        },
-                    };
+                    let r = reference.as_ref();
+                    let reference_logps = reference_logps(r, &mut model, sharded.as_mut(), &batch)?;
                     batch.preference = Some(Preference {
                         reference_logps,
                         loss,

@@ -1,4 +1,5 @@
-//! The training examples of the supervised and preference recipes, and their micro-batches.
+//! The training examples of the supervised and preference recipes, their micro-batches, and the
+//! order each epoch takes a dataset in.
 
 use anyhow::Result;
 use ferrotune_data::dataset::{collate, PreferencePair, Row};
@@ -44,5 +45,14 @@ impl Examples {
                 MicroBatch::from_pairs(&pairs, pad, device)?
             }
         })
+    }
+}
+
+/// The order epoch `epoch` takes `n` examples in: shuffled from `seed` (torch's
+/// `RandomSampler` as torchtune seeds it), or as they stand.
+pub fn epoch_order(n: usize, shuffle: bool, seed: u64, epoch: usize) -> Vec<usize> {
+    match shuffle {
+        true => ferrotune_data::dataset::shuffled_order(n, seed, epoch as u64),
+        false => (0..n).collect(),
     }
 }

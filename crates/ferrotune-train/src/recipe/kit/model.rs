@@ -11,9 +11,11 @@ use ferrotune_models::peft::{self, LoraConfig};
 use ferrotune_models::CausalLm;
 
 use crate::config::Config;
+use crate::dist::fsdp::ShardedModel;
 use crate::loss::KdLoss;
 use crate::recipe::setup;
 use crate::recipe::state::SavedCheckpoint;
+use crate::step::{reference_log_probs, reference_log_probs_at, Distill, MicroBatch};
 
 /// The LoRA adapters to train: from `checkpointer.adapter_checkpoint` (a PEFT folder, whose config
 /// wins), from a checkpoint being resumed, or fresh from the model keys.
@@ -145,6 +147,44 @@ pub struct Teacher {
     pub loss: KdLoss,
     /// `kd_loss.num_output_chunks`.
     pub chunks: usize,
+}
+
+impl Teacher {
+    /// What a micro-batch needs to distill from this teacher: its hidden states for the batch's
+    /// tokens (outside autograd: it has no Vars; the head forms its logits chunk by chunk).
+    pub fn distill(&self, batch: &MicroBatch) -> Result<Distill> {
+        let teacher_hidden = self
+            .model
+            .forward_hidden(&batch.input_ids, &batch.layout, None)?;
+        Ok(Distill {
+            teacher: self.model.clone(),
+            teacher_hidden,
+            ratio: self.ratio,
+            loss: self.loss,
+            chunks: self.chunks,
+        })
+    }
+}
+
+/// DPO's reference log probabilities of `batch`'s pairs (no gradient): the frozen `reference`
+/// model's, or (LoRA) `model`'s with its adapters disabled — when `sharded`, gathered one unit
+/// at a time.
+pub fn reference_logps(
+    reference: Option<&CausalLm>,
+    model: &mut CausalLm,
+    sharded: Option<&mut ShardedModel>,
+    batch: &MicroBatch,
+) -> Result<Vec<f32>> {
+    Ok(match (reference, sharded) {
+        (Some(r), _) => reference_log_probs(r, batch)?,
+        (None, Some(sm)) => {
+            let labels = batch.labels.clone();
+            sm.inference_pass(model, &batch.input_ids, &batch.layout, true, |m, hidden| {
+                Ok(reference_log_probs_at(hidden, m, &labels)?)
+            })?
+        }
+        (None, None) => peft::with_adapters_disabled(model, |m| reference_log_probs(m, batch))?,
+    })
 }
 
 /// How a distillation run's loss mixes in the teacher: `kd_ratio` and the `kd_loss` section.

@@ -14,12 +14,12 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::Var;
-use ferrotune_data::dataset::shuffled_order;
 use ferrotune_export::hf::write_hf_model;
 use ferrotune_models::{peft, CausalLm};
 
 use crate::config::Config;
 use crate::recipe::kit::checkpoint::{Saver, MAX_SHARD_BYTES};
+use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::report::kill_if_asked;
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, host, left_pad, load, masked_logprobs,
@@ -506,11 +506,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let mut steps_run = start.epoch * batches_per_epoch;
     let shuffle = keys.shuffle;
     for epoch in start.epoch..epochs {
-        let order: Vec<usize> = if shuffle {
-            shuffled_order(rows.len(), seed, epoch as u64)
-        } else {
-            (0..rows.len()).collect()
-        };
+        let order = epoch_order(rows.len(), shuffle, seed, epoch);
         let mut done = false;
         for batch_idx in 0..batches_per_epoch {
             let prompts: Vec<Vec<u32>> = order[batch_idx * b.batch_size..][..b.batch_size]
@@ -566,7 +562,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             let mut stats: Vec<PpoStats> = Vec::new();
             let backward_rows = b.ppo_batch_size / b.grad_accum;
             for ppo_epoch in 0..b.ppo_epochs {
-                let perm = shuffled_order(
+                let perm = ferrotune_data::dataset::shuffled_order(
                     b.batch_size,
                     seed ^ 0x5050_5050,
                     (steps_run * b.ppo_epochs + ppo_epoch) as u64,
