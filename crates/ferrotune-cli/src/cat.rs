@@ -23,7 +23,7 @@ pub struct CatArgs {
 /// `ferrotune cat`.
 pub fn cat(args: CatArgs) -> Result<()> {
     let name = &args.config_name;
-    if config::RECIPES.contains(&name.as_str()) {
+    if ferrotune_train::recipe::find(name).is_some() {
         println!("'{name}' is a recipe, not a config. Please use a config name.");
         return Ok(());
     }

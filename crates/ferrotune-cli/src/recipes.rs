@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrotune_train::config::{self, Config};
+use ferrotune_train::recipe;
 
 #[derive(Args)]
 pub struct LsArgs {}
@@ -13,7 +14,7 @@ pub struct LsArgs {}
 pub fn ls(_args: LsArgs) -> Result<()> {
     let index = config::recipe_index();
     println!("{:<40} {:<40}", "RECIPE", "CONFIG");
-    for recipe in config::RECIPES {
+    for recipe in recipe::names() {
         let configs: Vec<String> = index
             .iter()
             .find(|(r, _)| r == recipe)
@@ -43,62 +44,17 @@ pub struct CpArgs {
     make_parents: bool,
 }
 
-/// The fine-tuning recipes' one source file (single device and distributed, LoRA and full).
-const FINETUNE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/finetune/mod.rs");
-
-/// The generation recipes' one source file.
-const GENERATE_SOURCE: &str = include_str!("../../ferrotune-train/src/recipe/generate.rs");
-
-/// The source of each recipe, for `ferrotune cp RECIPE` (a starting point to read or adapt).
-const RECIPE_SOURCES: &[(&str, &str)] = &[
-    ("lora_finetune_single_device", FINETUNE_SOURCE),
-    ("full_finetune_single_device", FINETUNE_SOURCE),
-    ("lora_finetune_distributed", FINETUNE_SOURCE),
-    ("full_finetune_distributed", FINETUNE_SOURCE),
-    ("knowledge_distillation_single_device", FINETUNE_SOURCE),
-    ("knowledge_distillation_distributed", FINETUNE_SOURCE),
-    ("lora_dpo_single_device", FINETUNE_SOURCE),
-    ("lora_dpo_distributed", FINETUNE_SOURCE),
-    ("full_dpo_distributed", FINETUNE_SOURCE),
-    ("qat_distributed", FINETUNE_SOURCE),
-    ("qat_lora_finetune_distributed", FINETUNE_SOURCE),
-    ("dev/early_exit_finetune_distributed", FINETUNE_SOURCE),
-    (
-        "ppo_full_finetune_single_device",
-        include_str!("../../ferrotune-train/src/recipe/ppo/mod.rs"),
-    ),
-    (
-        "dev/grpo_full_finetune_distributed",
-        include_str!("../../ferrotune-train/src/recipe/grpo.rs"),
-    ),
-    (
-        "quantize",
-        include_str!("../../ferrotune-train/src/recipe/quantize.rs"),
-    ),
-    ("generate", GENERATE_SOURCE),
-    ("dev/generate_v2", GENERATE_SOURCE),
-    ("dev/generate_v2_distributed", GENERATE_SOURCE),
-    (
-        "eval",
-        include_str!("../../ferrotune-train/src/recipe/eval.rs"),
-    ),
-    (
-        "eleuther_eval",
-        include_str!("../../ferrotune-train/src/recipe/eleuther_eval.rs"),
-    ),
-];
-
 /// `ferrotune cp`: copies a built-in config (or a recipe's source) to edit.
 pub fn cp(args: CpArgs) -> Result<()> {
     let (text, ext) = if let Some(yaml) = config::builtin_yaml(&args.file) {
         (yaml, "yaml")
-    } else if let Some((_, src)) = RECIPE_SOURCES.iter().find(|(n, _)| *n == args.file) {
-        (*src, "rs")
+    } else if let Some(recipe) = recipe::find(&args.file) {
+        (recipe.source, "rs")
     } else {
         let names: Vec<&str> = config::builtin_configs()
             .iter()
             .map(|(n, _)| *n)
-            .chain(RECIPE_SOURCES.iter().map(|(n, _)| *n))
+            .chain(recipe::names())
             .collect();
         let hint = config::nearest(&args.file, names.into_iter())
             .map(|n| format!("; did you mean '{n}'?"))
@@ -166,7 +122,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     if args.launch.world_size()? > 1 {
         // A config problem shows once here rather than once per rank. Whether a fine-tuning
         // recipe can run distributed is for the recipe to say, in the ranks.
-        ferrotune_train::recipe::check_world_size(&args.recipe, args.launch.world_size()?)?;
+        recipe::check_world_size(&args.recipe, args.launch.world_size()?)?;
         prepare_config(&args.config, &args.overrides)?;
         return crate::launch::launch(&args.launch);
     }
@@ -188,13 +144,17 @@ pub fn run(args: RunArgs) -> Result<()> {
             cfg.to_yaml()
         );
     }
-    ferrotune_train::recipe::run(&args.recipe, &cfg)
+    recipe::run(&args.recipe, &cfg)
 }
 
 #[derive(Args)]
 pub struct ValidateArgs {
     /// A built-in config name or a YAML file.
     config: String,
+    /// The recipe the config is for (default: the recipe a built-in config is listed under, or
+    /// the one the config's recipe-specific sections name).
+    #[arg(long)]
+    recipe: Option<String>,
 }
 
 /// `ferrotune validate`: checks a config without running anything.
@@ -205,7 +165,16 @@ pub fn validate(args: ValidateArgs) -> Result<()> {
     }
     let mut resolved = cfg.clone();
     resolved.resolve()?;
-    let problems = ferrotune_train::recipe::setup::check_components(&resolved);
+    // A built-in config is its recipe's, as `ferrotune ls` lists it.
+    let listed = config::builtin_yaml(&args.config).and_then(|_| {
+        let name = args.config.strip_suffix(".yaml").unwrap_or(&args.config);
+        config::recipe_index()
+            .into_iter()
+            .find(|(_, configs)| configs.iter().any(|c| c == name))
+            .map(|(recipe, _)| recipe)
+    });
+    let name = args.recipe.clone().or(listed);
+    let problems = recipe::check_config(&resolved, name.as_deref());
     if !problems.is_empty() {
         bail!("{}", problems.join("\n  "));
     }
@@ -225,21 +194,6 @@ fn check_paths(cfg: &Config) {
                     p.display()
                 );
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_recipe_can_be_copied() {
-        for recipe in config::RECIPES {
-            assert!(
-                RECIPE_SOURCES.iter().any(|(n, _)| n == recipe),
-                "`ferrotune cp {recipe}` has no source"
-            );
         }
     }
 }

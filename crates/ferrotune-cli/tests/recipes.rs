@@ -791,6 +791,66 @@ fn validate_names_bad_keys_and_types() {
     assert!(n >= 20, "only {n} built-in configs listed");
 }
 
+/// `validate` refuses what `run` refuses in a recipe's own settings, with `run`'s message: a
+/// negative `batch_size` or `max_steps_per_epoch` (integers to the key check, but not counts),
+/// and an empty file (no `output_dir`). With `--recipe`, the named recipe's settings are checked.
+#[test]
+fn validate_refuses_what_run_refuses() {
+    let dir = tmpdir("validate-run");
+    let data = dir.join("rows.jsonl");
+    write_golden_rows("llama3", &data);
+    let cfg = std::fs::read_to_string(write_config(&dir, "llama3", &data)).unwrap();
+    let cases = [
+        ("batch_size", cfg.replace("batch_size: 2", "batch_size: -1")),
+        ("max_steps", format!("{cfg}max_steps_per_epoch: -5\n")),
+        ("empty", String::new()),
+    ];
+    for (case, yaml) in cases {
+        let path = dir.join(format!("{case}.yaml"));
+        std::fs::write(&path, yaml).unwrap();
+        let path = path.to_str().unwrap();
+        let run = ferrotune(
+            &["run", "lora_finetune_single_device", "--config", path],
+            &dir,
+            &[],
+        );
+        assert_eq!(run.status.code(), Some(1), "{case}: {}", text(&run));
+        let run_text = text(&run);
+        let message = run_text
+            .lines()
+            .find_map(|l| l.strip_prefix("error: "))
+            .unwrap_or_else(|| panic!("{case}: no error line in {run_text}"));
+        for args in [
+            vec!["validate", path],
+            vec!["validate", path, "--recipe", "lora_finetune_single_device"],
+        ] {
+            let out = ferrotune(&args, &dir, &[]);
+            assert_eq!(out.status.code(), Some(1), "{case}: {}", text(&out));
+            assert!(
+                text(&out).contains(message),
+                "{case}: validate should say '{message}': {}",
+                text(&out)
+            );
+        }
+    }
+    let out = ferrotune(
+        &[
+            "validate",
+            "generation",
+            "--recipe",
+            "lora_finetune_singel_device",
+        ],
+        &dir,
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out).contains("did you mean 'lora_finetune_single_device'?"),
+        "{}",
+        text(&out)
+    );
+}
+
 #[test]
 fn cp_copies_a_builtin_config_that_runs_with_overrides() {
     let dir = tmpdir("cp");

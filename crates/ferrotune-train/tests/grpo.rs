@@ -13,7 +13,7 @@ use ferrotune_train::clip::clip_grad_norm;
 use ferrotune_train::grpo::{GrpoLossConfig, GrpoLossKind};
 use ferrotune_train::optim::{AdamW, AdamWConfig, Optimizer};
 use ferrotune_train::recipe::grpo::{self, GrpoSettings, GrpoTrajectory, Reference};
-use ferrotune_train::recipe::ppo::left_pad;
+use ferrotune_train::recipe::kit::rollout::left_pad;
 use ferrotune_train::step::empty_grads;
 use serde_json::Value;
 

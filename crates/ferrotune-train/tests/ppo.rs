@@ -85,7 +85,7 @@ fn trajectory_rewards_and_advantages_match_torchtune() {
     assert_eq!(reward.head_name(), "score");
     let prompts: Vec<Vec<u32>> = get(&g, "prompts");
     let responses: Vec<Vec<u32>> = get(&g, "responses");
-    let padded = ppo::left_pad(&prompts, s.pad_id);
+    let padded = ferrotune_train::recipe::kit::rollout::left_pad(&prompts, s.pad_id);
     let models = PpoModels {
         policy: &policy,
         reference: &policy,

@@ -74,30 +74,6 @@ pub fn recipe_index() -> Vec<(String, Vec<String>)> {
         .collect()
 }
 
-/// The recipes ferrotune runs.
-pub const RECIPES: &[&str] = &[
-    "full_finetune_single_device",
-    "full_finetune_distributed",
-    "lora_finetune_single_device",
-    "lora_finetune_distributed",
-    "knowledge_distillation_single_device",
-    "knowledge_distillation_distributed",
-    "lora_dpo_single_device",
-    "lora_dpo_distributed",
-    "full_dpo_distributed",
-    "qat_distributed",
-    "qat_lora_finetune_distributed",
-    "ppo_full_finetune_single_device",
-    "dev/grpo_full_finetune_distributed",
-    "dev/early_exit_finetune_distributed",
-    "quantize",
-    "generate",
-    "dev/generate_v2",
-    "dev/generate_v2_distributed",
-    "eval",
-    "eleuther_eval",
-];
-
 /// The YAML text of a built-in config, if `name` is one (`.yaml` suffix optional).
 pub fn builtin_yaml(name: &str) -> Option<&'static str> {
     let name = name.strip_suffix(".yaml").unwrap_or(name);

@@ -36,7 +36,7 @@ use ferrotune_models::{AttentionLayout, CausalLm, KvCache};
 
 use crate::config::Config;
 use crate::metrics::peak_rss_mb;
-use crate::recipe::generate::load_options;
+use crate::recipe::kit::model::load_options;
 use crate::recipe::setup;
 use crate::step::MicroBatch;
 

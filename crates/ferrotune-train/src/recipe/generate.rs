@@ -18,15 +18,15 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
-use candle_core::{DType, Device};
 use ferrotune_data::ChatMessage;
 use ferrotune_infer::generate::{generate, GenerationOptions};
 use ferrotune_infer::sampling::SamplingOptions;
-use ferrotune_infer::{load_for_inference, pad_id, stop_ids, LoadOptions, TextStream};
+use ferrotune_infer::{load_for_inference, pad_id, stop_ids, TextStream};
 use ferrotune_models::DeviceMapMode;
 
 use crate::config::Config;
 use crate::metrics::peak_rss_mb;
+use crate::recipe::kit::model::load_options;
 use crate::recipe::setup;
 
 /// Which of torchtune's generation recipes runs.
@@ -82,26 +82,6 @@ fn prompt_ids(cfg: &Config, tok: &ferrotune_data::Tokenizer) -> Result<Vec<u32>>
         bail!("{}: the prompt encodes to no tokens", cfg.origin);
     }
     Ok(ids)
-}
-
-/// What the inference recipes (`generate`, `eval`, `eleuther_eval`) load: the checkpointer's
-/// model in `dtype` on `device`, on the NF4 base for a QLoRA adapter (the config's builder says),
-/// with `checkpointer.adapter_checkpoint` (and `model.lora_alpha`).
-pub fn load_options(
-    cfg: &Config,
-    location: &setup::CheckpointLocation,
-    dtype: DType,
-    device: Device,
-) -> Result<LoadOptions> {
-    Ok(LoadOptions {
-        files: location.files.clone(),
-        dtype,
-        device,
-        quantize_base: setup::quantize_base(cfg)?,
-        adapter: cfg.path("checkpointer.adapter_checkpoint")?,
-        lora_alpha: cfg.f64("model.lora_alpha")?,
-        device_map: None,
-    })
 }
 
 /// Runs the generation recipe `flavor`.

@@ -23,28 +23,29 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
-use ferrotune_data::dataset::{build_reasoning_dataset, shuffled_order, ReasoningProblem};
+use ferrotune_data::dataset::{build_reasoning_dataset, ReasoningProblem};
 use ferrotune_data::Tokenizer;
-use ferrotune_export::hf::write_hf_model;
-use ferrotune_infer::generate::{generate, GenerationOptions};
-use ferrotune_infer::sampling::SamplingOptions;
 use ferrotune_models::{peft, CausalLm};
 
 use crate::clip::{clip_grad_norm, scale_grads};
 use crate::config::Config;
 use crate::dist::comm::Collectives;
-use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{CommQueue, ShardedModel, Sharding};
 use crate::dist::store::Store;
 use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
-use crate::recipe::finetune::MAX_SHARD_BYTES;
-use crate::recipe::ppo::{
-    backward_from_hidden, host, ids_tensor, left_pad, load, logprobs_from_hidden, mask_tensor,
-    padded_layout, response_logprobs,
+use crate::recipe::kit::checkpoint::Saver;
+use crate::recipe::kit::data::epoch_order;
+use crate::recipe::kit::model::setup_adapters;
+use crate::recipe::kit::report::{kill_if_asked, report_memory};
+use crate::recipe::kit::rollout::{
+    self, approx_kl_sum, backward_from_hidden, fill_cut, host, ids_tensor, left_pad, load,
+    logprobs_from_hidden, masked_logprobs, num_stop_tokens, padded_layout, response_logprobs,
+    LoopSettings, Sampling,
 };
+use crate::recipe::kit::session::Session;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::rlhf;
@@ -172,14 +173,7 @@ pub fn trajectory(
         successes.push(success);
     }
     let advantages = grpo::group_advantages(&rewards, g)?;
-    for (r, mask) in response_padding.iter().enumerate() {
-        for (i, &m) in mask.iter().enumerate() {
-            if m {
-                logprobs[r][i] = 1.0;
-                ref_logprobs[r][i] = 1.0;
-            }
-        }
-    }
+    fill_cut(&response_padding, &mut logprobs, &mut ref_logprobs);
     Ok(GrpoTrajectory {
         query_responses,
         context_length: ctx,
@@ -239,11 +233,7 @@ pub fn grpo_step(
             params,
             acc,
             |hidden| {
-                let raw = logprobs_from_hidden(policy, hidden, part_rows, ctx, s.temperature)?;
-                let device = raw.device().clone();
-                // Cut positions hold 1.0, as torchtune's in-place fill (no gradient there).
-                let lp = ((&raw * mask_tensor(padding, false, &device)?)?
-                    + mask_tensor(padding, true, &device)?)?;
+                let lp = masked_logprobs(policy, hidden, part_rows, ctx, s.temperature, padding)?;
                 let out = grpo::grpo_loss(
                     &lp,
                     &traj.logprobs[start..end],
@@ -265,16 +255,9 @@ pub fn grpo_step(
         stats.kl_loss += out.kl_loss;
         stats.ratios += out.ratios;
         stats.clipfrac += out.clipfrac;
-        for (a, b) in new_lp
-            .expect("the head ran")
-            .iter()
-            .zip(&traj.logprobs[start..end])
-        {
-            for (x, y) in a.iter().zip(b) {
-                kl_sum += 0.5 * ((x - y) as f64).powi(2);
-                count += 1;
-            }
-        }
+        let (sum, n) = approx_kl_sum(&new_lp.expect("the head ran"), &traj.logprobs[start..end]);
+        kl_sum += sum;
+        count += n;
     }
     stats.approx_policy_kl = kl_sum / count.max(1) as f64;
     Ok(stats)
@@ -292,22 +275,9 @@ fn sample_completions(
         .iter()
         .flat_map(|p| std::iter::repeat_n(p.clone(), s.grpo_samples))
         .collect();
-    let opts = GenerationOptions {
-        max_new_tokens: s.max_generated_tokens,
-        sampling: SamplingOptions {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: None,
-            repetition_penalty: 1.0,
-            seed,
-        },
-        eos_token_ids: s.stop_token_ids.clone(),
-        stop_strings: Vec::new(),
-        ignore_eos: false,
-        pad_token_id: s.pad_id,
-    };
-    let out = generate(policy, &rows, &opts, &|_| String::new(), &mut |_, _| {})?;
-    Ok(out.new_token_ids)
+    let sampling = Sampling::new(s.temperature, s.top_k, s.max_generated_tokens, s.pad_id)
+        .stopping_at(&s.stop_token_ids);
+    rollout::sample(policy, &rows, &sampling, seed)
 }
 
 /// The loss section: torchtune's `GRPOSimpleLoss` (the default) or `GRPOLoss`, with `kl_coeff`
@@ -341,10 +311,7 @@ fn loss_config(cfg: &Config) -> Result<GrpoLossConfig> {
 /// The recipe's settings from the config, with torchtune's defaults and checks.
 pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<GrpoSettings> {
     let o = &cfg.origin;
-    let required = |k: &str| -> Result<usize> {
-        cfg.usize(k)?
-            .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
-    };
+    let required = |k: &str| rollout::required_count(cfg, k, RECIPE);
     let grpo_samples = required("grpo_samples")?;
     if grpo_samples < 2 {
         bail!(
@@ -382,12 +349,8 @@ struct Batching {
 
 fn batching(cfg: &Config) -> Result<Batching> {
     let o = &cfg.origin;
-    let get = |k: &str| -> Result<usize> {
-        cfg.usize(k)?
-            .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
-    };
-    let batch_size = get("batch_size")?;
-    let forward_batch_size = cfg.usize("forward_batch_size")?.unwrap_or(batch_size);
+    let get = |k: &str| rollout::required_count(cfg, k, RECIPE);
+    let (batch_size, forward_batch_size) = rollout::batch_sizes(cfg, RECIPE)?;
     let b = Batching {
         batch_size,
         forward_batch_size,
@@ -411,28 +374,29 @@ fn batching(cfg: &Config) -> Result<Batching> {
              save_every_n_epochs must be at least 1"
         );
     }
-    if batch_size % forward_batch_size != 0 {
-        bail!("{o}: batch_size ({batch_size}) must be exactly divisible by forward_batch_size ({forward_batch_size})");
-    }
+    rollout::check_divides(
+        cfg,
+        ("batch_size", batch_size),
+        ("forward_batch_size", forward_batch_size),
+    )?;
     Ok(b)
 }
 
 /// Checks the recipe's own keys without loading anything (for `validate`).
 pub fn check_config(cfg: &Config) -> Result<()> {
-    batching(cfg)?;
+    parse(cfg).map(|_| ())
+}
+
+/// The recipe's settings that need no model or tokenizer, read and checked once.
+fn parse(cfg: &Config) -> Result<(Batching, LoopSettings)> {
+    let b = batching(cfg)?;
     settings(cfg, 0, Vec::new())?;
-    let lora = cfg.get("model.lora_attn_modules").is_some();
-    for section in ["checkpointer", "ref_checkpointer"] {
-        if lora && section == "ref_checkpointer" {
-            continue;
-        }
-        if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
-            bail!(
-                "{}: '{section}.checkpoint_dir' is required by {RECIPE}",
-                cfg.origin
-            );
-        }
-    }
+    let sections: &[&str] = match cfg.get("model.lora_attn_modules").is_some() {
+        // LoRA's reference is the policy with its adapters disabled.
+        true => &["checkpointer"],
+        false => &["checkpointer", "ref_checkpointer"],
+    };
+    rollout::require_checkpoint_dirs(cfg, sections, RECIPE)?;
     if let Some(c) = cfg.str("reward_fn._component_")? {
         if !c.ends_with("batch_shaped_correctness_reward") {
             bail!(
@@ -442,59 +406,41 @@ pub fn check_config(cfg: &Config) -> Result<()> {
             );
         }
     }
-    Ok(())
+    Ok((
+        b,
+        LoopSettings::parse(cfg, &["compile", "fsdp_cpu_offload"])?,
+    ))
 }
 
 /// Runs the recipe.
 pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
     let o = cfg.origin.clone();
-    check_config(cfg)?;
-    let env = DistEnv::from_env()?.unwrap_or_else(DistEnv::single);
-    let (rank, world) = (env.rank, env.world_size);
+    let (b, keys) = parse(cfg)?;
     // Rank 0 prints, logs and writes checkpoints; every rank samples and trains.
-    let lead = rank == 0;
-    let say = |line: String| {
-        if lead {
-            eprintln!("{line}");
-        }
-    };
-    let device = setup::device_for_rank(cfg, env.local_rank)?;
-    let dtype = setup::dtype(cfg)?;
+    let session = Session::start(cfg, RECIPE, true)?;
+    let (rank, world, lead) = (session.rank, session.world, session.lead());
+    let (env, device, dtype) = (&session.env, session.device.clone(), session.dtype);
+    let say = |line: String| session.say(line);
     // The store stays open for the whole run: it is also the watchdog that stops every rank
     // when one of them dies.
     let group: Option<(Store, Arc<dyn Collectives>)> = if world > 1 {
-        let (store, collectives) = crate::dist::join_group(&env, &device)?;
+        let (store, collectives) = crate::dist::join_group(env, &device)?;
         Some((store, collectives))
     } else {
         None
     };
     let comm = group.as_ref().map(|(_, c)| c.as_ref());
-    let b = batching(cfg)?;
-    let checkpointing = cfg
-        .bool("enable_activation_checkpointing")?
-        .unwrap_or(false);
-    for ignored in ["compile", "fsdp_cpu_offload"] {
-        if cfg.bool(ignored)?.unwrap_or(false) && lead {
-            eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
-        }
+    if lead {
+        keys.note_ignored();
     }
-    let output_dir = cfg
-        .path("output_dir")?
-        .ok_or_else(|| anyhow!("{o}: 'output_dir' is required"))?;
-    let policy_out = cfg
-        .path("checkpointer.output_dir")?
-        .unwrap_or(output_dir.clone());
-    let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
-    let saved = if resume {
-        Some(state::latest_to_resume(&o, &policy_out)?)
-    } else {
-        None
+    let (output_dir, policy_out) = (&keys.output_dir, &keys.checkpoint_dir);
+    let checkpointing = keys.checkpointing;
+    let saved = match keys.resume {
+        true => Some(state::latest_to_resume(&o, policy_out)?),
+        false => None,
     };
-    let seed = match &saved {
-        Some(s) => s.state.seed,
-        None => setup::seed(cfg)?,
-    };
+    let seed = state::run_seed(cfg, saved.as_ref())?;
     let t0 = Instant::now();
     // LoRA (a `lora_*` model builder's keys): the adapters train, the base stays frozen, and the
     // reference is the base itself (the policy with its adapters disabled), as torchtune's LoRA
@@ -538,14 +484,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
     }
     let lora_config = if lora {
-        let lc = crate::recipe::finetune::setup_adapters(
-            cfg,
-            &mut policy,
-            &policy_path,
-            saved.as_ref().map(|s| s.dir.as_path()),
-            seed,
-            true,
-        )?;
+        let lc = setup_adapters(cfg, &mut policy, &policy_path, saved.as_ref(), seed, true)?;
         if !lc.modules_to_save.is_empty() {
             // The reference is the policy with its adapters disabled, which would need the saved
             // modules' original weights kept beside them.
@@ -559,15 +498,15 @@ pub fn run(cfg: &Config) -> Result<()> {
     } else {
         None
     };
-    // An adapter that cannot be merged (a LoRA bias on layers without one) is saved alone.
-    let unmergeable = peft::merge_refusal(&policy).filter(|_| lora);
-    if let Some(why) = &unmergeable {
-        say(format!(
-            "note: no merged/ model is written: {why}; the adapter files are complete"
-        ));
-    }
-    let transformers5 =
-        crate::recipe::finetune::writes_transformers5(&policy, lora_config.as_ref(), &say);
+    // The policy's checkpoints: HF folders; with LoRA the PEFT adapter, and the merged model one
+    // folder down (as the LoRA fine-tuning recipes save them) unless it cannot be merged (a LoRA
+    // bias on layers without one).
+    let saver = Saver::hf(policy_out, &policy_source, &tokenizer, dtype).with_adapters(
+        &policy,
+        lora_config.as_ref(),
+        false,
+        &say,
+    );
     let params = match lora {
         true => peft::trainable_parameters(&mut policy)?,
         false => policy.make_all_trainable()?,
@@ -624,7 +563,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     };
     let mut optimizer = setup::optimizer(cfg, params.clone())?;
     let base_lr = optimizer.lr();
-    let clip = cfg.f64("clip_grad_norm")?;
+    let clip = keys.clip;
 
     let section = cfg
         .get("dataset")
@@ -659,10 +598,10 @@ pub fn run(cfg: &Config) -> Result<()> {
         &device,
     )?;
     let mut logger = match lead {
-        true => Some(state::open_run_log(cfg, &output_dir, start.global_step)?),
+        true => Some(state::open_run_log(cfg, output_dir, start.global_step)?),
         false => None,
     };
-    let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
+    let log_every = keys.log_every;
     let total_batches = b.num_steps.min(b.epochs * batches_per_epoch);
     say(format!(
         "GRPO: {total_batches} batch(es) of {} prompts × {} completions{on_ranks}, {} optimizer step(s) each",
@@ -672,14 +611,10 @@ pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- training loop
     let mut global_step = start.global_step;
     let mut steps_run = start.epoch * batches_per_epoch;
-    let shuffle = cfg.bool("shuffle")?.unwrap_or(true);
+    let shuffle = keys.shuffle;
     let rows_per_pass = b.forward_batch_size * s.grpo_samples;
     for epoch in start.epoch..b.epochs {
-        let order: Vec<usize> = if shuffle {
-            shuffled_order(problems.len(), seed, epoch as u64)
-        } else {
-            (0..problems.len()).collect()
-        };
+        let order = epoch_order(problems.len(), shuffle, seed, epoch);
         let mut done = false;
         for batch_idx in 0..batches_per_epoch {
             let picked: Vec<usize> = (0..b.batch_size)
@@ -703,9 +638,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                 // The chunk's place among every rank's chunks of the epoch: with one prompt a
                 // chunk, a prompt is sampled alike whatever the number of ranks.
                 let place = (steps_run * b.batch_size + chunk_idx) * world + rank;
-                let sample_seed = seed
-                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                    .wrapping_add(place as u64);
+                let sample_seed = rollout::sample_seed(seed, place);
                 completions.extend(sample_completions(
                     &policy_ng,
                     &prompts[first..first + b.forward_batch_size],
@@ -785,7 +718,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                     // The next gather takes up the updated shards.
                     sm.release_all(&mut policy);
                     if global_step == start.global_step {
-                        crate::recipe::finetune::report_memory(sm, optimizer.as_ref(), rank)?;
+                        report_memory(sm, optimizer.as_ref(), rank)?;
                     }
                 }
                 stats.push(st);
@@ -849,49 +782,8 @@ pub fn run(cfg: &Config) -> Result<()> {
             _ => None,
         };
         if let (true, Some(opt_state)) = (lead, opt_state) {
-            let name = format!("epoch_{epoch}");
-            let st = TrainState {
-                epoch: epoch + 1,
-                step_in_epoch: 0,
-                global_step,
-                ..start.clone()
-            };
-            let dir = state::save_checkpoint(&policy_out, &name, &st, opt_state, |dir| {
-                // LoRA: the PEFT adapter, and the merged model one folder down (as the LoRA
-                // fine-tuning recipes save them).
-                let target = match &lora_config {
-                    Some(lc) => {
-                        peft::save_adapter(&policy, lc, dir)?;
-                        if transformers5 {
-                            ferrotune_models::peft_params::save_transformers5_adapter(
-                                &policy, lc, dir,
-                            )?;
-                        }
-                        ferrotune_export::hf::copy_or_export_tokenizer(
-                            &policy_source,
-                            Some(&tokenizer),
-                            dir,
-                        )?;
-                        if unmergeable.is_some() {
-                            return Ok(());
-                        }
-                        let merged = dir.join(crate::recipe::finetune::MERGED_DIR);
-                        std::fs::create_dir_all(&merged)
-                            .with_context(|| format!("{}: cannot create", merged.display()))?;
-                        merged
-                    }
-                    None => dir.to_path_buf(),
-                };
-                write_hf_model(
-                    &target,
-                    &policy.config,
-                    &peft::merged_tensors(&policy)?,
-                    dtype,
-                    MAX_SHARD_BYTES,
-                    &policy_source,
-                    Some(&tokenizer),
-                )
-            })?;
+            let st = start.after_epoch(epoch, global_step);
+            let dir = saver.write(&policy, &format!("epoch_{epoch}"), &st, opt_state)?;
             eprintln!("Checkpoint saved: {}", dir.display());
         }
         if let Some(sm) = sharded.as_mut() {
@@ -901,7 +793,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             // The other ranks wait for rank 0's checkpoint, as torchtune's do.
             c.barrier()?;
         }
-        crate::recipe::finetune::kill_if_asked(global_step, rank);
+        kill_if_asked(global_step, rank);
         if done {
             break;
         }
@@ -970,27 +862,25 @@ fn ranks_mean(c: &dyn Collectives, traj: &GrpoTrajectory, device: &Device) -> Re
 fn step_metrics(traj: &GrpoTrajectory, stats: &[GrpoStats]) -> Vec<(&'static str, f64)> {
     let rows = traj.rewards.len().max(1) as f64;
     let mean = |v: &[f32]| v.iter().map(|&x| x as f64).sum::<f64>() / rows;
-    let stat =
-        |f: fn(&GrpoStats) -> f64| stats.iter().map(f).sum::<f64>() / stats.len().max(1) as f64;
-    vec![
+    let mut metrics = vec![
         ("rewards", mean(&traj.rewards)),
         ("successes", mean(&traj.successes)),
-        (
-            "num_stop_tokens",
-            traj.response_padding
-                .iter()
-                .filter(|r| r.iter().any(|&p| p))
-                .count() as f64,
-        ),
-        ("loss", stat(|s| s.loss)),
-        ("policy_loss", stat(|s| s.policy_loss)),
-        ("kl_loss", stat(|s| s.kl_loss)),
-        ("clipfrac", stat(|s| s.clipfrac)),
-        ("ratios", stat(|s| s.ratios)),
-        ("approx_policy_kl", stat(|s| s.approx_policy_kl)),
-        (
-            "response_lengths",
-            traj.seq_lens.iter().map(|&l| l as f64).sum::<f64>() / rows,
-        ),
-    ]
+        ("num_stop_tokens", num_stop_tokens(&traj.response_padding)),
+    ];
+    metrics.extend(rollout::step_metrics(
+        stats,
+        "kl_loss",
+        |s| {
+            [
+                s.loss,
+                s.policy_loss,
+                s.kl_loss,
+                s.clipfrac,
+                s.ratios,
+                s.approx_policy_kl,
+            ]
+        },
+        &traj.seq_lens,
+    ));
+    metrics
 }

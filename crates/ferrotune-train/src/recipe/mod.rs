@@ -1,46 +1,248 @@
-//! The recipes `ferrotune run` starts, as torchtune names them.
+//! The recipes `ferrotune run` starts, as torchtune names them, and their registry: the one list
+//! of recipes that `run`, `validate`, `ls`, `cat` and `cp` read.
 
 pub mod eleuther_eval;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
 pub mod grpo;
+pub mod kit;
 pub mod ppo;
 pub mod quantize;
 pub mod setup;
 pub mod state;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 
-use crate::config::{nearest, Config, RECIPES};
+use crate::config::{nearest, Config};
+use finetune::Mode;
 
-/// The fine-tuning recipes, run by [`finetune::run`] with their mode and whether they may run as
-/// several ranks.
-fn finetune_recipe(name: &str) -> Option<(finetune::Mode, bool)> {
-    use finetune::Mode;
-    Some(match name {
-        "lora_finetune_single_device" => (Mode::Lora, false),
-        "full_finetune_single_device" => (Mode::Full, false),
-        "lora_finetune_distributed" => (Mode::Lora, true),
-        "full_finetune_distributed" => (Mode::Full, true),
-        "knowledge_distillation_single_device" => (Mode::Distill, false),
-        "knowledge_distillation_distributed" => (Mode::Distill, true),
-        "lora_dpo_single_device" => (Mode::Dpo, false),
-        "lora_dpo_distributed" => (Mode::Dpo, true),
-        "full_dpo_distributed" => (Mode::FullDpo, true),
-        "qat_distributed" => (Mode::Qat, true),
-        "qat_lora_finetune_distributed" => (Mode::QatLora, true),
-        "dev/early_exit_finetune_distributed" => (Mode::EarlyExit, true),
-        _ => return None,
+/// How many processes a recipe runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ranks {
+    /// One process: launching several is refused before any starts (each would repeat the whole
+    /// run and write the same files).
+    One,
+    /// One device; launched as several ranks, each refuses and names the `_distributed` recipe.
+    OneDevice,
+    /// One rank of the group torchrun's environment describes (a world of one without it).
+    Several,
+}
+
+/// One recipe: what `ferrotune run NAME` runs, what `ferrotune validate` checks a config with,
+/// how many processes it may run as, and the source `ferrotune cp NAME` hands out.
+pub struct Recipe {
+    /// torchtune's name (`lora_finetune_single_device`, `dev/generate_v2`).
+    pub name: &'static str,
+    /// Runs the recipe (this entry) with a loaded, overridden and resolved config.
+    pub run: fn(&Recipe, &Config) -> Result<()>,
+    /// Checks the recipe's own settings without reading or writing anything: what `run` would
+    /// refuse in them, with `run`'s message.
+    pub check: fn(&Recipe, &Config) -> Result<()>,
+    /// How many processes it runs as.
+    pub ranks: Ranks,
+    /// The recipe's source file.
+    pub source: &'static str,
+    /// The fine-tuning recipes' mode (which weights train, and against what).
+    pub mode: Option<Mode>,
+}
+
+impl Recipe {
+    /// A fine-tuning recipe of mode `mode`.
+    const fn finetune(name: &'static str, mode: Mode, ranks: Ranks) -> Recipe {
+        Recipe {
+            name,
+            run: finetune::run,
+            check: finetune::check,
+            ranks,
+            source: include_str!("finetune/mod.rs"),
+            mode: Some(mode),
+        }
+    }
+
+    /// A generation recipe, `run` by [`generate::run`].
+    const fn generate(name: &'static str, run: fn(&Recipe, &Config) -> Result<()>) -> Recipe {
+        Recipe {
+            name,
+            run,
+            check: |_, c| setup::quantizer_mode(c).map(|_| ()),
+            ranks: Ranks::One,
+            source: include_str!("generate.rs"),
+            mode: None,
+        }
+    }
+}
+
+/// Every recipe, in the order `ferrotune ls` lists them. torchtune has no single-device full
+/// DPO, QAT or early-exit recipes; one process is a world of one.
+pub static RECIPES: &[Recipe] = &[
+    Recipe::finetune("full_finetune_single_device", Mode::Full, Ranks::OneDevice),
+    Recipe::finetune("full_finetune_distributed", Mode::Full, Ranks::Several),
+    Recipe::finetune("lora_finetune_single_device", Mode::Lora, Ranks::OneDevice),
+    Recipe::finetune("lora_finetune_distributed", Mode::Lora, Ranks::Several),
+    Recipe::finetune(
+        "knowledge_distillation_single_device",
+        Mode::Distill,
+        Ranks::OneDevice,
+    ),
+    Recipe::finetune(
+        "knowledge_distillation_distributed",
+        Mode::Distill,
+        Ranks::Several,
+    ),
+    Recipe::finetune("lora_dpo_single_device", Mode::Dpo, Ranks::OneDevice),
+    Recipe::finetune("lora_dpo_distributed", Mode::Dpo, Ranks::Several),
+    Recipe::finetune("full_dpo_distributed", Mode::FullDpo, Ranks::Several),
+    Recipe::finetune("qat_distributed", Mode::Qat, Ranks::Several),
+    Recipe::finetune(
+        "qat_lora_finetune_distributed",
+        Mode::QatLora,
+        Ranks::Several,
+    ),
+    Recipe {
+        name: ppo::RECIPE,
+        run: |_, c| ppo::run(c),
+        check: |_, c| ppo::check_config(c),
+        ranks: Ranks::One,
+        source: include_str!("ppo/mod.rs"),
+        mode: None,
+    },
+    Recipe {
+        name: grpo::RECIPE,
+        run: |_, c| grpo::run(c),
+        check: |_, c| grpo::check_config(c),
+        ranks: Ranks::Several,
+        source: include_str!("grpo.rs"),
+        mode: None,
+    },
+    Recipe::finetune(
+        "dev/early_exit_finetune_distributed",
+        Mode::EarlyExit,
+        Ranks::Several,
+    ),
+    Recipe {
+        name: quantize::RECIPE,
+        run: |_, c| quantize::run(c).map(|_| ()),
+        // Its settings are read, and refused, as it runs.
+        check: |_, _| Ok(()),
+        ranks: Ranks::One,
+        source: include_str!("quantize.rs"),
+        mode: None,
+    },
+    Recipe::generate("generate", |_, c| generate::run(c, generate::Flavor::V1)),
+    Recipe::generate("dev/generate_v2", |_, c| {
+        generate::run(c, generate::Flavor::V2)
+    }),
+    Recipe::generate("dev/generate_v2_distributed", |_, c| {
+        generate::run(c, generate::Flavor::V2Distributed)
+    }),
+    Recipe {
+        name: "eval",
+        run: |_, c| eval::run(c).map(|_| ()),
+        // Its settings are read, and refused, as it runs.
+        check: |_, _| Ok(()),
+        ranks: Ranks::One,
+        source: include_str!("eval.rs"),
+        mode: None,
+    },
+    Recipe {
+        name: "eleuther_eval",
+        run: |_, c| eleuther_eval::run(c).map(|_| ()),
+        check: |_, c| setup::quantizer_mode(c).map(|_| ()),
+        ranks: Ranks::One,
+        source: include_str!("eleuther_eval.rs"),
+        mode: None,
+    },
+];
+
+/// The recipe called `name`.
+pub fn find(name: &str) -> Option<&'static Recipe> {
+    RECIPES.iter().find(|r| r.name == name)
+}
+
+/// The recipes' names, in registry order.
+pub fn names() -> impl Iterator<Item = &'static str> {
+    RECIPES.iter().map(|r| r.name)
+}
+
+/// The recipe called `name`, or an error naming the nearest one.
+pub fn lookup(name: &str) -> Result<&'static Recipe> {
+    find(name).ok_or_else(|| {
+        let hint = nearest(name, names())
+            .map(|n| format!("; did you mean '{n}'?"))
+            .unwrap_or_default();
+        anyhow!(
+            "unknown recipe '{name}'{hint} (recipes: {})",
+            names().collect::<Vec<_>>().join(", ")
+        )
     })
+}
+
+/// The recipe a config is for, as its recipe-specific sections say (for `validate` without a
+/// recipe name): PPO's reward and value model or loss, GRPO's `grpo_samples` or loss, a
+/// preference loss (DPO), else fine-tuning. A loss no recipe takes is the error.
+pub fn infer(cfg: &Config) -> Result<&'static Recipe> {
+    let loss = cfg.str("loss._component_").ok().flatten();
+    let ppo = cfg.get("reward_and_value_model").is_some()
+        || loss.as_ref().is_some_and(|c| c.ends_with("PPOLoss"));
+    let grpo = cfg.get("grpo_samples").is_some()
+        || loss
+            .as_ref()
+            .is_some_and(|c| c.contains(".grpo.") || c.contains("GRPO"));
+    let lora = cfg.get("model.lora_attn_modules").is_some();
+    let name = if ppo {
+        ppo::RECIPE
+    } else if grpo {
+        grpo::RECIPE
+    } else {
+        // The SFT recipes take a cross-entropy, the DPO ones a preference loss.
+        let preference = match &loss {
+            Some(component) if setup::check_loss(cfg).is_err() => {
+                if crate::loss::PreferenceLoss::from_component(component, None, None, None)
+                    .is_none()
+                {
+                    bail!(
+                        "{}: loss._component_ '{component}' is not supported \
+                         (torch.nn.CrossEntropyLoss, torchtune.modules.loss.CEWithChunkedOutputLoss \
+                         or LinearCrossEntropyLoss; for the DPO recipes torchtune.rlhf.loss.DPOLoss \
+                         or RSOLoss)",
+                        cfg.origin
+                    );
+                }
+                true
+            }
+            _ => false,
+        };
+        match (preference, lora) {
+            (true, true) => "lora_dpo_single_device",
+            (true, false) => "full_dpo_distributed",
+            (false, true) => "lora_finetune_single_device",
+            (false, false) => "full_finetune_single_device",
+        }
+    };
+    Ok(find(name).expect("a registered recipe"))
+}
+
+/// What `ferrotune validate` checks beyond keys and types: the components every recipe resolves
+/// ([`setup::check_components`]), then the settings of recipe `name` (without one, of the recipe
+/// [`infer`] finds) through its own `check`. Each problem is one message, as a run would give it.
+pub fn check_config(cfg: &Config, name: Option<&str>) -> Vec<String> {
+    let mut problems = setup::check_components(cfg);
+    let recipe = match name {
+        Some(n) => lookup(n),
+        None => infer(cfg),
+    };
+    if let Err(e) = recipe.and_then(|r| (r.check)(r, cfg)) {
+        problems.push(e.to_string());
+    }
+    problems
 }
 
 /// The error of launching recipe `name` as `world_size` ranks when it runs as one process: every
 /// recipe but the fine-tuning ones (whose single-device forms say so themselves) and GRPO, since
 /// each rank would repeat the whole run and write the same files.
 pub fn check_world_size(name: &str, world_size: usize) -> Result<()> {
-    let several_ranks = finetune_recipe(name).is_some() || name == grpo::RECIPE;
-    if world_size > 1 && RECIPES.contains(&name) && !several_ranks {
+    if world_size > 1 && find(name).is_some_and(|r| r.ranks == Ranks::One) {
         bail!(
             "recipe {name} runs as one process, but {world_size} were asked for: launch it \
              without --nproc-per-node/--nnodes{}",
@@ -58,26 +260,32 @@ pub fn check_world_size(name: &str, world_size: usize) -> Result<()> {
 pub fn run(name: &str, cfg: &Config) -> Result<()> {
     let env = crate::dist::env::DistEnv::from_env()?;
     check_world_size(name, env.map_or(1, |e| e.world_size))?;
-    if let Some((mode, distributed)) = finetune_recipe(name) {
-        return finetune::run(cfg, mode, distributed);
+    let recipe = lookup(name)?;
+    (recipe.run)(recipe, cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_recipe_can_be_copied() {
+        for recipe in RECIPES {
+            assert!(
+                !recipe.source.is_empty(),
+                "`ferrotune cp {}` has no source",
+                recipe.name
+            );
+        }
     }
-    match name {
-        "ppo_full_finetune_single_device" => ppo::run(cfg),
-        "dev/grpo_full_finetune_distributed" => grpo::run(cfg),
-        "quantize" => quantize::run(cfg).map(|_| ()),
-        "generate" => generate::run(cfg, generate::Flavor::V1),
-        "dev/generate_v2" => generate::run(cfg, generate::Flavor::V2),
-        "dev/generate_v2_distributed" => generate::run(cfg, generate::Flavor::V2Distributed),
-        "eval" => eval::run(cfg).map(|_| ()),
-        "eleuther_eval" => eleuther_eval::run(cfg).map(|_| ()),
-        other => {
-            let hint = nearest(other, RECIPES.iter().copied())
-                .map(|n| format!("; did you mean '{n}'?"))
-                .unwrap_or_default();
-            bail!(
-                "unknown recipe '{other}'{hint} (recipes: {})",
-                RECIPES.join(", ")
-            )
+
+    #[test]
+    fn every_listed_recipe_is_registered_once() {
+        for (name, _) in crate::config::recipe_index() {
+            assert!(find(&name).is_some(), "configs/index.yaml lists {name}");
+        }
+        for recipe in RECIPES {
+            assert_eq!(names().filter(|n| *n == recipe.name).count(), 1);
         }
     }
 }

@@ -56,6 +56,52 @@ impl TrainState {
             rank_dropout_states: Vec::new(),
         }
     }
+
+    /// The state after epoch `epoch` (0-based) of this run, `global_step` steps in: where the
+    /// next epoch starts.
+    pub fn after_epoch(&self, epoch: usize, global_step: usize) -> TrainState {
+        TrainState {
+            epoch: epoch + 1,
+            step_in_epoch: 0,
+            global_step,
+            ..self.clone()
+        }
+    }
+}
+
+/// Where a run writes: `output_dir` (required: logs, the config copy) and where its checkpoints
+/// go (`checkpointer.output_dir`, else `output_dir`).
+pub fn output_dirs(cfg: &crate::config::Config) -> Result<(PathBuf, PathBuf)> {
+    let output_dir = cfg
+        .path("output_dir")?
+        .ok_or_else(|| anyhow::anyhow!("{}: 'output_dir' is required", cfg.origin))?;
+    let checkpoints = cfg
+        .path("checkpointer.output_dir")?
+        .unwrap_or(output_dir.clone());
+    Ok((output_dir, checkpoints))
+}
+
+/// The checkpoint a run resumes: `recipe_checkpoint` (torchtune's
+/// `checkpointer.recipe_checkpoint`: a checkpoint folder or a file in it), else the latest in
+/// `output_dir`; `origin` names the config in errors.
+pub fn resume_point(
+    origin: &str,
+    recipe_checkpoint: Option<&Path>,
+    output_dir: &Path,
+) -> Result<SavedCheckpoint> {
+    match recipe_checkpoint {
+        Some(p) if p.is_dir() => read_checkpoint_state(p),
+        Some(p) => read_checkpoint_state(p.parent().unwrap_or(Path::new(""))),
+        None => latest_to_resume(origin, output_dir),
+    }
+}
+
+/// The run's seed: the resumed checkpoint's, else the config's ([`crate::recipe::setup::seed`]).
+pub fn run_seed(cfg: &crate::config::Config, saved: Option<&SavedCheckpoint>) -> Result<u64> {
+    match saved {
+        Some(s) => Ok(s.state.seed),
+        None => crate::recipe::setup::seed(cfg),
+    }
 }
 
 const STATE_DIR: &str = "recipe_state";

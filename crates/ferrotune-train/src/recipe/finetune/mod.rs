@@ -7,37 +7,39 @@
 //! probabilities of each pair, QAT fake quantization to the linear layers — each marked where it
 //! happens.
 
-use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Var};
-use ferrotune_data::dataset::shuffled_order;
+use candle_core::Var;
 use ferrotune_export::hf::ModelSource;
 use ferrotune_models::peft;
 use indicatif::ProgressBar;
 
 use crate::clip::{clip_grad_norm, scale_grads};
 use crate::config::Config;
-use crate::dist::env::DistEnv;
 use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
 use crate::metrics::peak_rss_mb;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
+use crate::recipe::{Ranks, Recipe};
 use crate::step::{
-    dropout_states, empty_grads, forward_backward, reference_log_probs, reference_log_probs_at,
-    set_dropout_states, Distill, PairStats, Preference, StepLoss,
+    dropout_states, empty_grads, forward_backward, set_dropout_states, PairStats, Preference,
+    StepLoss,
 };
 
-mod parts;
+use crate::recipe::kit::checkpoint::{base_source, Saver};
+use crate::recipe::kit::data::{epoch_order, Examples};
+use crate::recipe::kit::model::{
+    apply_fake_quant, reference_logps, set_fake_quant_enabled, setup_adapters, setup_reference,
+    setup_teacher,
+};
+use crate::recipe::kit::report::{kill_if_asked, note_ignored_keys, progress_bar, report_memory};
+use crate::recipe::kit::session::Session;
+use crate::recipe::kit::validation;
 
-use parts::{
-    apply_fake_quant, note_ignored_keys, progress_bar, set_fake_quant_enabled, setup_reference,
-    setup_teacher, Examples, Saver,
-};
-pub(crate) use parts::{
-    base_source, kill_if_asked, report_memory, setup_adapters, writes_transformers5,
-};
+mod settings;
+
+pub use settings::{Settings, Validation};
 
 /// Which weights train.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,25 +66,6 @@ pub enum Mode {
 }
 
 impl Mode {
-    fn recipe(self, distributed: bool) -> &'static str {
-        match (self, distributed) {
-            (Mode::Lora, false) => "lora_finetune_single_device",
-            (Mode::Full, false) => "full_finetune_single_device",
-            (Mode::Lora, true) => "lora_finetune_distributed",
-            (Mode::Full, true) => "full_finetune_distributed",
-            (Mode::Distill, false) => "knowledge_distillation_single_device",
-            (Mode::Distill, true) => "knowledge_distillation_distributed",
-            (Mode::Dpo, false) => "lora_dpo_single_device",
-            (Mode::Dpo, true) => "lora_dpo_distributed",
-            // torchtune has no single-device full DPO or QAT recipes; one process is a world of
-            // one.
-            (Mode::FullDpo, _) => "full_dpo_distributed",
-            (Mode::Qat, _) => "qat_distributed",
-            (Mode::QatLora, _) => "qat_lora_finetune_distributed",
-            (Mode::EarlyExit, _) => "dev/early_exit_finetune_distributed",
-        }
-    }
-
     /// Whether every weight trains (otherwise LoRA adapters on a frozen base).
     fn full(self) -> bool {
         matches!(
@@ -102,44 +85,45 @@ impl Mode {
     }
 }
 
-/// How long a rank waits for the others at the rendezvous.
-/// The subfolder of a LoRA checkpoint that holds the merged HF model.
-pub const MERGED_DIR: &str = "merged";
+/// The mode of fine-tuning recipe `recipe`.
+fn mode_of(recipe: &Recipe) -> Result<Mode> {
+    recipe
+        .mode
+        .ok_or_else(|| anyhow!("{} is not a fine-tuning recipe", recipe.name))
+}
 
-/// Largest safetensors file of saved merged/full checkpoints (transformers' default).
-pub(crate) const MAX_SHARD_BYTES: u64 = 5_000_000_000;
+/// Checks a config for fine-tuning recipe `recipe` without loading anything: its [`Settings`]
+/// read as `run` reads them.
+pub fn check(recipe: &Recipe, cfg: &Config) -> Result<()> {
+    Settings::parse(cfg, mode_of(recipe)?).map(|_| ())
+}
 
-/// Runs a fine-tuning recipe: on one device, or (`distributed`) as one rank of the group that
+/// Runs fine-tuning recipe `entry`: on one device, or (`distributed`) as one rank of the group that
 /// torchrun's environment variables describe (world size 1 without them).
-pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
+pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
-    let recipe = mode.recipe(distributed);
-    let env = DistEnv::from_env()?.unwrap_or_else(DistEnv::single);
-    if !distributed && env.world_size > 1 {
-        bail!(
-            "recipe {recipe} runs on one device, but WORLD_SIZE is {}: use {} for several processes",
-            env.world_size,
-            mode.recipe(true)
-        );
-    }
-    let (rank, world) = if distributed {
-        (env.rank, env.world_size)
-    } else {
-        (0, 1)
-    };
-    // Rank 0 prints, logs and writes checkpoints; every rank computes.
-    let lead = rank == 0;
-    let device = if distributed {
-        setup::device_for_rank(cfg, env.local_rank)?
-    } else {
-        setup::device(cfg)?
-    };
-    let dtype = setup::dtype(cfg)?;
-    // `fsdp.cpu_offload` is the spelling of torchtune's distributed QLoRA configs.
-    let offload = match cfg.bool("fsdp_cpu_offload")? {
-        Some(o) => o,
-        None => cfg.bool("fsdp.cpu_offload")?.unwrap_or(false),
-    };
+    let (recipe, mode) = (entry.name, mode_of(entry)?);
+    let distributed = entry.ranks == Ranks::Several;
+    let session = Session::start(cfg, recipe, distributed)?;
+    let (rank, world, lead) = (session.rank, session.world, session.lead());
+    let (env, device, dtype) = (&session.env, session.device.clone(), session.dtype);
+    let settings = Settings::parse(cfg, mode)?;
+    let Settings {
+        batch_size,
+        epochs,
+        grad_accum,
+        clip,
+        checkpointing,
+        offload,
+        preference_loss,
+        max_steps_per_epoch: max_steps,
+        log_every,
+        log_memory,
+        save_every,
+        adapter_only,
+        verbose_exits,
+        ..
+    } = settings;
     // A backend asked for by name (`FERROTUNE_DIST_BACKEND`) runs its collectives even for one
     // rank: how the NCCL path is checked on a single GPU.
     let backend_asked = ferrotune_core::switch::DIST_BACKEND.value_os().is_some();
@@ -150,7 +134,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         None
     } else if distributed {
         let sharding = setup::sharding(cfg)?;
-        let (store, collectives) = crate::dist::join_group(&env, &device)?;
+        let (store, collectives) = crate::dist::join_group(env, &device)?;
         if lead {
             eprintln!(
                 "Distributed: {world} ranks, {} backend, fsdp_sharding: {}{}",
@@ -171,27 +155,15 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         }
         None
     };
-    let preference_loss = if mode.preference() {
-        Some(setup::preference_loss(cfg)?)
-    } else {
-        setup::check_loss(cfg)?;
-        None
-    };
-    // torchtune speed/memory switches that change no number: accepted, and said to be ignored.
-    for ignored in [
-        "compile",
-        "optimizer_in_bwd",
-        "enable_activation_offloading",
-        "low_cpu_ram",
-    ] {
-        if cfg.bool(ignored)?.unwrap_or(false) && lead {
+    if lead {
+        for ignored in &settings.ignored_switches {
             eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
         }
     }
     // torchtune's 70B configs name a tensor-parallel plan with `tensor_parallel_dim: 1`, which
     // is no tensor parallelism; a larger dimension would change how rows are dealt to ranks,
     // so it is refused rather than run as something else.
-    match cfg.usize("tensor_parallel_dim")? {
+    match settings.tensor_parallel_dim {
         None | Some(1) => {}
         Some(n) => bail!(
             "{}: tensor_parallel_dim: {n} is not supported (ferrotune has no tensor \
@@ -199,52 +171,18 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             cfg.origin
         ),
     }
-    let output_dir = cfg
-        .path("output_dir")?
-        .ok_or_else(|| anyhow!("{}: 'output_dir' is required", cfg.origin))?;
-    let ckpt_out = cfg
-        .path("checkpointer.output_dir")?
-        .unwrap_or(output_dir.clone());
-    let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
-    let batch_size = cfg.usize("batch_size")?.unwrap_or(1);
-    let epochs = cfg.usize("epochs")?.unwrap_or(1);
-    let grad_accum = cfg.usize("gradient_accumulation_steps")?.unwrap_or(1);
-    if batch_size == 0 || grad_accum == 0 {
-        bail!(
-            "{}: batch_size and gradient_accumulation_steps must be at least 1",
-            cfg.origin
-        );
-    }
-    let max_steps = cfg.usize("max_steps_per_epoch")?;
-    let clip = cfg.f64("clip_grad_norm")?;
-    let checkpointing = cfg
-        .bool("enable_activation_checkpointing")?
-        .unwrap_or(false);
-    let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
-    let log_memory = cfg.bool("log_peak_memory_stats")?.unwrap_or(false);
-    let save_every = cfg.usize("save_every_n_steps")?.filter(|&n| n > 0);
-    let adapter_only = cfg.bool("save_adapter_weights_only")?.unwrap_or(false);
+    let output_dir = settings.output_dir.clone();
+    let ckpt_out = settings.checkpoint_dir.clone();
 
     // Where to start from: a saved checkpoint of this run, or the configured base.
-    let saved = if resume {
-        Some(match cfg.path("checkpointer.recipe_checkpoint")? {
-            Some(p) => {
-                let dir = if p.is_dir() {
-                    p
-                } else {
-                    p.parent().map(Path::to_path_buf).unwrap_or_default()
-                };
-                state::read_checkpoint_state(&dir)?
-            }
-            None => state::latest_to_resume(&cfg.origin, &ckpt_out)?,
-        })
-    } else {
-        None
+    let saved = match settings.resume {
+        true => {
+            let asked = settings.recipe_checkpoint.as_deref();
+            Some(state::resume_point(&cfg.origin, asked, &ckpt_out)?)
+        }
+        false => None,
     };
-    let seed = match &saved {
-        Some(s) => s.state.seed,
-        None => setup::seed(cfg)?,
-    };
+    let seed = state::run_seed(cfg, saved.as_ref())?;
 
     let base = setup::checkpoint_path(cfg)?;
     let base_path = base.path.clone();
@@ -294,14 +232,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     }
     let (params, lora_config) = match mode {
         Mode::Lora | Mode::Distill | Mode::Dpo | Mode::QatLora => {
-            let lc = setup_adapters(
-                cfg,
-                &mut model,
-                &base_path,
-                saved.as_ref().map(|s| s.dir.as_path()),
-                seed,
-                lead,
-            )?;
+            let lc = setup_adapters(cfg, &mut model, &base_path, saved.as_ref(), seed, lead)?;
             ferrotune_models::lora::set_training(&mut model, true);
             let mut params = peft::trainable_parameters(&mut model)?;
             if !lc.modules_to_save.is_empty() {
@@ -341,16 +272,13 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 cfg.origin
             );
         }
-        let group_size = setup::qat_group_size(cfg)?;
-        let n = apply_fake_quant(cfg, &mut model, mode, group_size)?;
+        let group_size = settings.qat_group_size.expect("parsed for the QAT recipes");
+        let n = apply_fake_quant(cfg, &mut model, mode == Mode::QatLora, group_size)?;
         say(format!(
             "QAT: {n} linear layers fake-quantized (int8 per-token activations, int4 weights in \
              groups of {group_size})"
         ));
-        match mode {
-            Mode::Qat => cfg.usize("fake_quant_after_n_steps")?,
-            _ => None,
-        }
+        settings.fake_quant_after
     } else {
         if lead && cfg.get("quantizer").is_some_and(|v| !v.is_null()) {
             // torchtune's QAT recipes fake-quantize with it; this one does not.
@@ -368,7 +296,10 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         params.len()
     ));
     let teacher = match mode {
-        Mode::Distill => Some(setup_teacher(cfg, &model, dtype, &device, lead)?),
+        Mode::Distill => {
+            let kd = settings.kd.expect("parsed for the distillation recipes");
+            Some(setup_teacher(cfg, kd, &model, dtype, &device, lead)?)
+        }
         _ => {
             if lead {
                 let keys = [
@@ -432,32 +363,20 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
     };
     let pad = setup::pad_id(&tokenizer, &model.config);
     // Validation every `run_val_every_n_steps` optimizer steps on `dataset_val` (torchtune's keys).
-    let validation = match cfg.usize("run_val_every_n_steps")?.filter(|&n| n > 0) {
+    let validation = match settings.validation {
         None => None,
-        Some(_) if mode.preference() => bail!(
-            "{}: run_val_every_n_steps: the DPO recipes have no validation loop (torchtune's \
-             neither)",
-            cfg.origin
-        ),
-        Some(every) => {
-            if cfg.get("dataset_val").is_none_or(|v| v.is_null()) {
-                bail!(
-                    "{}: run_val_every_n_steps is set but dataset_val is not configured",
-                    cfg.origin
-                );
-            }
+        Some(v) => {
             let val_rows = setup::dataset_at(cfg, &tokenizer, "dataset_val")?.rows;
-            let val_batch = cfg.usize("batch_size_val")?.unwrap_or(batch_size).max(1);
             // One device scores every row; ranks take theirs as torchtune's sampler deals them
             // (and, like its loader, leave out each rank's last incomplete batch).
             let (val_rows, val_batches) = if distributed {
                 let (mine, batches) =
-                    crate::recipe::eval::rank_validation_rows(&val_rows, val_batch, rank, world);
+                    validation::rank_validation_rows(&val_rows, v.batch_size, rank, world);
                 (mine, Some(batches))
             } else {
                 (val_rows, None)
             };
-            Some((every, val_rows, val_batch, val_batches))
+            Some((v.every, val_rows, v.batch_size, val_batches))
         }
     };
     // Each optimizer step takes batch_size × ranks × gradient_accumulation_steps rows.
@@ -557,57 +476,25 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
             d.probabilities()
         ));
     }
-    let verbose_exits = cfg.bool("early_exit_loss.verbose")?.unwrap_or(false);
     let mut last_exits: Option<Vec<usize>> = None;
 
     // ---------------------------------------------------------------- training loop
     let torchtune_adapter = setup::torchtune_checkpointer(cfg)
         && ferrotune_models::torchtune_adapter::supports(&model.config);
-    let saves_modules = lora_config
-        .as_ref()
-        .is_some_and(|lc| !lc.modules_to_save.is_empty() && !mode.full());
-    let unfit = ferrotune_models::torchtune_adapter::unfit_adapter(&model).or(saves_modules
-        .then_some("modules_to_save trains whole modules, which torchtune's adapter file lacks"));
-    if let Some(why) = unfit.filter(|_| torchtune_adapter) {
-        say(format!(
-            "note: no adapter_model.pt is written: {why} (the PEFT adapter files are written as \
-             always)"
-        ));
-    }
-    let unmergeable = peft::merge_refusal(&model).filter(|_| !mode.full() && !adapter_only);
-    if let Some(why) = &unmergeable {
-        say(format!(
-            "note: no merged/ model is written: {why}; the adapter files are complete"
-        ));
-    }
-    let transformers5 =
-        writes_transformers5(&model, lora_config.as_ref().filter(|_| !mode.full()), &say);
     let saver = Saver {
-        mode,
-        transformers5,
-        output_dir: &ckpt_out,
+        adapter_only,
+        keep_last: settings.keep_last,
+        ..Saver::hf(&ckpt_out, &source, &tokenizer, dtype)
+    };
+    let lora_adapters = lora_config.as_ref().filter(|_| !mode.full());
+    let saver = saver.with_adapters(&model, lora_adapters, torchtune_adapter, &say);
+    let saver = Saver {
         format: setup::save_format(cfg, &source, say),
-        source: &source,
-        tokenizer: &tokenizer,
-        lora_config: lora_config.as_ref(),
-        dtype,
-        adapter_only: adapter_only || unmergeable.is_some(),
-        torchtune_adapter: torchtune_adapter && unfit.is_none(),
-        keep_last: match cfg.usize("checkpointer.keep_last_n_checkpoints")? {
-            Some(0) => bail!(
-                "{}: checkpointer.keep_last_n_checkpoints must be at least 1",
-                cfg.origin
-            ),
-            n => n,
-        },
+        ..saver
     };
     let mut global_step = start.global_step;
     for epoch in start.epoch..epochs {
-        let order: Vec<usize> = if cfg.bool("shuffle")?.unwrap_or(true) {
-            shuffled_order(examples.len(), seed, epoch as u64)
-        } else {
-            (0..examples.len()).collect()
-        };
+        let order = epoch_order(examples.len(), settings.shuffle, seed, epoch);
         let first = if epoch == start.epoch {
             start.step_in_epoch
         } else {
@@ -676,40 +563,11 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                     });
                 }
                 if let Some(t) = &teacher {
-                    // The teacher's hidden states for the same tokens (outside autograd: it has
-                    // no Vars); the head forms its logits chunk by chunk.
-                    let teacher_hidden =
-                        t.model
-                            .forward_hidden(&batch.input_ids, &batch.layout, None)?;
-                    batch.distill = Some(Distill {
-                        teacher: t.model.clone(),
-                        teacher_hidden,
-                        ratio: t.ratio,
-                        loss: t.loss,
-                        chunks: t.chunks,
-                    });
+                    batch.distill = Some(t.distill(&batch)?);
                 }
                 if let Some(loss) = preference_loss {
-                    // The reference model's log probabilities of the same pairs (no gradient).
-                    let reference_logps = match &reference {
-                        Some(r) => reference_log_probs(r, &batch)?,
-                        // The model with its adapters disabled; sharded, one unit at a time.
-                        None => match &mut sharded {
-                            Some(sm) => {
-                                let labels = batch.labels.clone();
-                                sm.inference_pass(
-                                    &mut model,
-                                    &batch.input_ids,
-                                    &batch.layout,
-                                    true,
-                                    |m, hidden| Ok(reference_log_probs_at(hidden, m, &labels)?),
-                                )?
-                            }
-                            None => peft::with_adapters_disabled(&mut model, |m| {
-                                reference_log_probs(m, &batch)
-                            })?,
-                        },
-                    };
+                    let r = reference.as_ref();
+                    let reference_logps = reference_logps(r, &mut model, sharded.as_mut(), &batch)?;
                     batch.preference = Some(Preference {
                         reference_logps,
                         loss,
@@ -835,53 +693,14 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
                 if global_step.is_multiple_of(*every) {
                     // Dropout off while validating, as torchtune's `model.eval()`.
                     ferrotune_models::lora::set_training(&mut model, false);
-                    let (mut sum, targets) = match &mut sharded {
-                        // One unit gathered at a time, as in training.
-                        Some(sm) => crate::recipe::eval::target_loss_sum_by(
-                            val_rows,
-                            *val_batch,
-                            *val_batches,
-                            pad,
-                            &device,
-                            |batch| {
-                                sm.inference_pass(
-                                    &mut model,
-                                    &batch.input_ids,
-                                    &batch.layout,
-                                    false,
-                                    |m, hidden| {
-                                        let loss = crate::loss::causal_lm_head_loss(
-                                            hidden,
-                                            m,
-                                            &batch.labels,
-                                            true,
-                                        )?;
-                                        let sum = loss.sum.to_dtype(DType::F64)?.to_scalar()?;
-                                        Ok((sum, loss.count))
-                                    },
-                                )
-                            },
-                        )?,
-                        None => crate::recipe::eval::target_loss_sum(
-                            &model,
-                            val_rows,
-                            *val_batch,
-                            *val_batches,
-                            pad,
-                            &device,
-                        )?,
-                    };
-                    let mut targets = targets as f64;
-                    if let Some(sm) = &sharded {
-                        // Every rank's sums, as torchtune all-reduces them.
-                        let all = sm.all_reduce_f64(&[sum, targets])?;
-                        (sum, targets) = (all[0], all[1]);
-                    }
-                    let val_loss = if targets > 0.0 {
-                        sum / targets
-                    } else {
-                        f64::NAN
-                    };
+                    let val_loss = validation::validation_loss(
+                        &mut model,
+                        sharded.as_mut(),
+                        val_rows,
+                        (*val_batch, *val_batches),
+                        pad,
+                        &device,
+                    )?;
                     ferrotune_models::lora::set_training(&mut model, !mode.full());
                     if lead {
                         bar.suspend(|| eprintln!("Validation loss: {val_loss:.4}"));
@@ -915,12 +734,7 @@ pub fn run(cfg: &Config, mode: Mode, distributed: bool) -> Result<()> {
         }
         bar.finish();
         // ------------------------------------------------------------ checkpoint
-        let st = TrainState {
-            epoch: epoch + 1,
-            step_in_epoch: 0,
-            global_step,
-            ..start.clone()
-        };
+        let st = start.after_epoch(epoch, global_step);
         saver.save(
             &mut model,
             sharded.as_mut(),

@@ -9,19 +9,22 @@
 //! rounding). Sampling draws from the same distribution as torchtune's but from ferrotune's
 //! generator, so sampled responses are not torch's.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var};
-use ferrotune_data::dataset::shuffled_order;
-use ferrotune_export::hf::{write_hf_model, ModelSource};
-use ferrotune_infer::generate::{generate, GenerationOptions};
-use ferrotune_infer::sampling::SamplingOptions;
+use anyhow::{anyhow, bail, Result};
+use candle_core::Var;
+use ferrotune_export::hf::write_hf_model;
 use ferrotune_models::{peft, CausalLm};
 
 use crate::config::Config;
-use crate::recipe::finetune::{base_source, MAX_SHARD_BYTES};
+use crate::recipe::kit::checkpoint::{Saver, MAX_SHARD_BYTES};
+use crate::recipe::kit::data::epoch_order;
+use crate::recipe::kit::report::kill_if_asked;
+use crate::recipe::kit::rollout::{
+    self, approx_kl_sum, backward_from_hidden, host, left_pad, load, masked_logprobs,
+    num_stop_tokens, LoopSettings, Sampling,
+};
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::rlhf::{self, PpoLossConfig, PpoTargets};
@@ -30,10 +33,7 @@ use crate::step::empty_grads;
 mod passes;
 
 use passes::values_from_hidden;
-pub(crate) use passes::{
-    backward_from_hidden, host, ids_tensor, logprobs_from_hidden, padded_layout,
-};
-pub use passes::{response_logprobs, response_values, trajectory};
+pub use passes::{response_values, trajectory};
 
 /// The recipe's name, as torchtune's.
 pub const RECIPE: &str = "ppo_full_finetune_single_device";
@@ -149,16 +149,6 @@ impl std::ops::AddAssign for PpoStats {
     }
 }
 
-pub(crate) fn mask_tensor(m: &[Vec<bool>], keep: bool, device: &Device) -> Result<Tensor> {
-    let (rows, len) = (m.len(), m.first().map_or(0, Vec::len));
-    let v: Vec<f32> = m
-        .iter()
-        .flatten()
-        .map(|&x| (x == keep) as u8 as f32)
-        .collect();
-    Ok(Tensor::from_vec(v, (rows, len), device)?)
-}
-
 /// torchtune's `ppo_step`: the loss of `batch` under the current policy and value model, its
 /// gradients (of `loss / grad_accum`) added into `acc` for `params`. The policy and the value
 /// model are back-propagated one after the other (the loss is a sum of a part of each), each with
@@ -192,10 +182,14 @@ pub fn ppo_step(
     // Cut tokens get log probability 1 and value 0, as torchtune's in-place fills (no gradient).
     let mut policy_part = None;
     backward_from_hidden(policy, rows, pad, checkpointing, params, acc, |hidden| {
-        let raw = logprobs_from_hidden(policy, hidden, rows, ctx, s.temperature)?;
-        let device = raw.device().clone();
-        let lp = ((&raw * mask_tensor(&batch.response_padding, false, &device)?)?
-            + mask_tensor(&batch.response_padding, true, &device)?)?;
+        let lp = masked_logprobs(
+            policy,
+            hidden,
+            rows,
+            ctx,
+            s.temperature,
+            &batch.response_padding,
+        )?;
         let out = rlhf::ppo_policy_loss(&lp, targets, s.loss)?;
         let loss = (&out.loss / n)?;
         policy_part = Some((out, host(&lp)?));
@@ -204,7 +198,7 @@ pub fn ppo_step(
     let mut value_part = None;
     backward_from_hidden(value, rows, pad, checkpointing, params, acc, |hidden| {
         let raw = values_from_hidden(value, hidden, ctx)?;
-        let v = (&raw * mask_tensor(&batch.value_padding, false, raw.device())?)?;
+        let v = (&raw * rollout::mask_tensor(&batch.value_padding, false, raw.device())?)?;
         let out = rlhf::ppo_value_loss(&v, targets, s.loss)?;
         let loss = (&out.loss / n)?;
         value_part = Some(out);
@@ -212,13 +206,7 @@ pub fn ppo_step(
     })?;
     let (policy_out, new_lp) = policy_part.expect("the head ran");
     let value_out = value_part.expect("the head ran");
-    let (mut kl_sum, mut count) = (0f64, 0usize);
-    for (a, b) in new_lp.iter().zip(&batch.logprobs) {
-        for (x, y) in a.iter().zip(b) {
-            kl_sum += 0.5 * ((x - y) as f64).powi(2);
-            count += 1;
-        }
-    }
+    let (kl_sum, count) = approx_kl_sum(&new_lp, &batch.logprobs);
     let total = policy_out.policy_loss as f64 + s.loss.value_coeff * value_out.value_loss as f64;
     Ok(PpoStats {
         loss: total / n,
@@ -228,76 +216,6 @@ pub fn ppo_step(
         clipfrac: policy_out.clipfrac as f64 / n,
         approx_policy_kl: kl_sum / count.max(1) as f64 / n,
     })
-}
-
-/// Generates the responses of `prompts` (unpadded) with the policy: `max_generated_tokens` each,
-/// never stopping early (torchtune cuts at stop tokens afterwards).
-fn generate_responses(
-    policy: &CausalLm,
-    prompts: &[Vec<u32>],
-    s: &PpoSettings,
-    seed: u64,
-) -> Result<Vec<Vec<u32>>> {
-    let opts = GenerationOptions {
-        max_new_tokens: s.max_generated_tokens,
-        sampling: SamplingOptions {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: None,
-            repetition_penalty: 1.0,
-            seed,
-        },
-        eos_token_ids: Vec::new(),
-        stop_strings: Vec::new(),
-        ignore_eos: true,
-        pad_token_id: s.pad_id,
-    };
-    let out = generate(policy, prompts, &opts, &|_| String::new(), &mut |_, _| {})?;
-    Ok(out.new_token_ids)
-}
-
-/// Left-pads `prompts` with `pad` to the longest (torchtune's `padded_collate` with
-/// `pad_direction="left"`).
-pub fn left_pad(prompts: &[Vec<u32>], pad: u32) -> Vec<Vec<u32>> {
-    let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    prompts
-        .iter()
-        .map(|p| {
-            let mut row = vec![pad; width - p.len()];
-            row.extend_from_slice(p);
-            row
-        })
-        .collect()
-}
-
-/// Loads the model of checkpointer section `section`, or the checkpoint `resumed` when resuming
-/// (the section's checkpoint still supplies the tokenizer and generation files), and checks
-/// `component` against it. Returns the model, its source files and the section's path.
-pub(crate) fn load(
-    cfg: &Config,
-    section: &str,
-    component: &str,
-    resumed: Option<&Path>,
-    dtype: DType,
-    device: &Device,
-) -> Result<(CausalLm, ModelSource, PathBuf)> {
-    let location = setup::checkpoint_path_at(cfg, section)?;
-    let (model, source) = match resumed {
-        Some(dir) => {
-            let (model, _) =
-                setup::load_model(cfg, &setup::CheckpointLocation::folder(dir), dtype, device)
-                    .with_context(|| {
-                        format!("{}: resuming {section} from {}", cfg.origin, dir.display())
-                    })?;
-            let (format, base) = base_source(&location)?;
-            (model, ModelSource { format, dir: base })
-        }
-        None => setup::load_model(cfg, &location, dtype, device)
-            .with_context(|| format!("{}: {section}", cfg.origin))?,
-    };
-    let path = location.path;
-    setup::check_component_at(cfg, &format!("{component}._component_"), &model.config)?;
-    Ok((model, source, path))
 }
 
 /// Checks that `model` (from `section`) is a single-output sequence classifier.
@@ -380,28 +298,22 @@ struct Batching {
 
 fn batching(cfg: &Config) -> Result<Batching> {
     let o = &cfg.origin;
-    let get = |k: &str| -> Result<usize> {
-        cfg.usize(k)?
-            .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
-    };
-    let batch_size = get("batch_size")?;
-    let forward_batch_size = cfg.usize("forward_batch_size")?.unwrap_or(batch_size);
+    let (batch_size, forward_batch_size) = rollout::batch_sizes(cfg, RECIPE)?;
     let ppo_epochs = cfg.usize("ppo_epochs")?.unwrap_or(1);
     let ppo_batch_size = cfg.usize("ppo_batch_size")?.unwrap_or(batch_size);
     let grad_accum = cfg.usize("gradient_accumulation_steps")?.unwrap_or(1);
-    let num_steps = get("num_steps")?;
+    let num_steps = rollout::required_count(cfg, "num_steps", RECIPE)?;
     if batch_size == 0 || forward_batch_size == 0 || ppo_batch_size == 0 || grad_accum == 0 {
         bail!("{o}: batch_size, forward_batch_size, ppo_batch_size and gradient_accumulation_steps must be at least 1");
     }
-    if batch_size % forward_batch_size != 0 {
-        bail!("{o}: batch_size ({batch_size}) must be exactly divisible by forward_batch_size ({forward_batch_size})");
-    }
-    if batch_size % ppo_batch_size != 0 {
-        bail!("{o}: batch_size ({batch_size}) must be exactly divisible by ppo_batch_size ({ppo_batch_size})");
-    }
-    if ppo_batch_size % grad_accum != 0 {
-        bail!("{o}: ppo_batch_size ({ppo_batch_size}) must be exactly divisible by gradient_accumulation_steps ({grad_accum})");
-    }
+    let batch = ("batch_size", batch_size);
+    rollout::check_divides(cfg, batch, ("forward_batch_size", forward_batch_size))?;
+    rollout::check_divides(cfg, batch, ("ppo_batch_size", ppo_batch_size))?;
+    rollout::check_divides(
+        cfg,
+        ("ppo_batch_size", ppo_batch_size),
+        ("gradient_accumulation_steps", grad_accum),
+    )?;
     let total_steps = num_steps / batch_size;
     if total_steps == 0 {
         bail!("{o}: num_steps {num_steps} must be at least the batch size {batch_size} (num_steps counts prompts)");
@@ -418,22 +330,24 @@ fn batching(cfg: &Config) -> Result<Batching> {
 
 /// Checks the recipe's own keys without loading anything (for `validate`).
 pub fn check_config(cfg: &Config) -> Result<()> {
-    batching(cfg)?;
+    parse(cfg).map(|_| ())
+}
+
+/// The recipe's settings that need no model or tokenizer, read and checked once.
+fn parse(cfg: &Config) -> Result<(Batching, LoopSettings)> {
+    let b = batching(cfg)?;
     settings(cfg, 0, Vec::new())?;
-    for section in [
+    let sections = [
         "checkpointer",
         "ref_policy_checkpointer",
         "value_checkpointer",
         "reward_checkpointer",
-    ] {
-        if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
-            bail!(
-                "{}: '{section}.checkpoint_dir' is required by {RECIPE}",
-                cfg.origin
-            );
-        }
-    }
-    Ok(())
+    ];
+    rollout::require_checkpoint_dirs(cfg, &sections, RECIPE)?;
+    Ok((
+        b,
+        LoopSettings::parse(cfg, &["compile", "optimizer_in_bwd"])?,
+    ))
 }
 
 /// Runs the recipe.
@@ -442,28 +356,16 @@ pub fn run(cfg: &Config) -> Result<()> {
     let o = cfg.origin.clone();
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
-    let b = batching(cfg)?;
+    let (b, keys) = parse(cfg)?;
+    keys.note_ignored();
     // Each decoder layer recomputed in the backward of the policy and the value model.
-    let checkpointing = cfg
-        .bool("enable_activation_checkpointing")?
-        .unwrap_or(false);
-    for ignored in ["compile", "optimizer_in_bwd"] {
-        if cfg.bool(ignored)?.unwrap_or(false) {
-            eprintln!("note: '{ignored}: true' is ignored by ferrotune (it changes no result)");
-        }
-    }
-    let output_dir = cfg
-        .path("output_dir")?
-        .ok_or_else(|| anyhow!("{o}: 'output_dir' is required"))?;
-    let policy_out = cfg
-        .path("checkpointer.output_dir")?
-        .unwrap_or(output_dir.clone());
+    let checkpointing = keys.checkpointing;
+    let (output_dir, policy_out) = (&keys.output_dir, &keys.checkpoint_dir);
     let value_out = cfg
         .path("value_checkpointer.output_dir")?
         .unwrap_or(output_dir.join("value"));
-    let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
-    let saved = if resume {
-        Some(state::latest_to_resume(&o, &policy_out)?)
+    let saved = if keys.resume {
+        Some(state::latest_to_resume(&o, policy_out)?)
     } else {
         let (p, r) = (
             setup::checkpoint_path_at(cfg, "checkpointer")?,
@@ -479,10 +381,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         }
         None
     };
-    let seed = match &saved {
-        Some(s) => s.state.seed,
-        None => setup::seed(cfg)?,
-    };
+    let seed = state::run_seed(cfg, saved.as_ref())?;
 
     // Resuming: the trained weights of both models come from the checkpoint being resumed.
     let resumed_policy = saved.as_ref().map(|s| s.dir.clone());
@@ -551,6 +450,8 @@ pub fn run(cfg: &Config) -> Result<()> {
     let stops = setup::stop_ids(&tokenizer, &policy.config);
     let s = settings(cfg, pad, stops)?;
     setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
+    // Every response runs to max_generated_tokens; it is cut at its first stop token after.
+    let sampling = Sampling::new(s.temperature, s.top_k, s.max_generated_tokens, s.pad_id);
 
     let mut params = policy.make_all_trainable()?;
     let value_params: Vec<(String, Var)> = value
@@ -591,8 +492,10 @@ pub fn run(cfg: &Config) -> Result<()> {
         None,
         &device,
     )?;
-    let mut logger = state::open_run_log(cfg, &output_dir, start.global_step)?;
-    let log_every = cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1);
+    let mut logger = state::open_run_log(cfg, output_dir, start.global_step)?;
+    // The policy's checkpoints: HF folders of the whole model, with the tokenizer files.
+    let saver = Saver::hf(policy_out, &policy_source, &tokenizer, dtype);
+    let log_every = keys.log_every;
     eprintln!(
         "PPO: {} steps of {} prompts, {epochs} epoch(s); {} PPO epoch(s) of {minibatches} minibatch(es)",
         b.total_steps, b.batch_size, b.ppo_epochs
@@ -601,13 +504,9 @@ pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- training loop
     let mut global_step = start.global_step;
     let mut steps_run = start.epoch * batches_per_epoch;
-    let shuffle = cfg.bool("shuffle")?.unwrap_or(true);
+    let shuffle = keys.shuffle;
     for epoch in start.epoch..epochs {
-        let order: Vec<usize> = if shuffle {
-            shuffled_order(rows.len(), seed, epoch as u64)
-        } else {
-            (0..rows.len()).collect()
-        };
+        let order = epoch_order(rows.len(), shuffle, seed, epoch);
         let mut done = false;
         for batch_idx in 0..batches_per_epoch {
             let prompts: Vec<Vec<u32>> = order[batch_idx * b.batch_size..][..b.batch_size]
@@ -631,11 +530,9 @@ pub fn run(cfg: &Config) -> Result<()> {
                 (0..b.batch_size).step_by(b.forward_batch_size).enumerate()
             {
                 let end = start_row + b.forward_batch_size;
-                let sample_seed = seed
-                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                    .wrapping_add((steps_run * b.batch_size + chunk_idx) as u64);
+                let sample_seed = rollout::sample_seed(seed, steps_run * b.batch_size + chunk_idx);
                 let responses =
-                    generate_responses(&policy_ng, &prompts[start_row..end], &s, sample_seed)?;
+                    rollout::sample(&policy_ng, &prompts[start_row..end], &sampling, sample_seed)?;
                 let models = PpoModels {
                     policy: &policy_ng,
                     reference: &reference,
@@ -665,7 +562,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             let mut stats: Vec<PpoStats> = Vec::new();
             let backward_rows = b.ppo_batch_size / b.grad_accum;
             for ppo_epoch in 0..b.ppo_epochs {
-                let perm = shuffled_order(
+                let perm = ferrotune_data::dataset::shuffled_order(
                     b.batch_size,
                     seed ^ 0x5050_5050,
                     (steps_run * b.ppo_epochs + ppo_epoch) as u64,
@@ -722,12 +619,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         }
         // ------------------------------------------------------------ checkpoint
         let name = format!("epoch_{epoch}");
-        let st = TrainState {
-            epoch: epoch + 1,
-            step_in_epoch: 0,
-            global_step,
-            ..start.clone()
-        };
+        let st = start.after_epoch(epoch, global_step);
         let value_dir = state::write_folder(&value_out, &name, |dir| {
             write_hf_model(
                 dir,
@@ -739,24 +631,13 @@ pub fn run(cfg: &Config) -> Result<()> {
                 None,
             )
         })?;
-        let policy_dir =
-            state::save_checkpoint(&policy_out, &name, &st, optimizer.state_dict()?, |dir| {
-                write_hf_model(
-                    dir,
-                    &policy.config,
-                    &peft::merged_tensors(&policy)?,
-                    dtype,
-                    MAX_SHARD_BYTES,
-                    &policy_source,
-                    Some(&tokenizer),
-                )
-            })?;
+        let policy_dir = saver.write(&policy, &name, &st, optimizer.state_dict()?)?;
         eprintln!(
             "Checkpoint saved: policy {}, value model {}",
             policy_dir.display(),
             value_dir.display()
         );
-        crate::recipe::finetune::kill_if_asked(global_step, 0);
+        kill_if_asked(global_step, 0);
         if done {
             break;
         }
@@ -776,7 +657,6 @@ fn step_metrics(
     ppo_s: f64,
 ) -> Vec<(&'static str, f64)> {
     let rows = traj.scores.len().max(1) as f64;
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let row_sums = |m: &[Vec<f32>]| -> f64 {
         m.iter()
             .map(|r| r.iter().map(|&x| x as f64).sum::<f64>())
@@ -785,29 +665,29 @@ fn step_metrics(
     };
     let scores = traj.scores.iter().map(|&x| x as f64).sum::<f64>() / rows;
     let kl_reward = row_sums(kl_rewards);
-    let stat = |f: fn(&PpoStats) -> f64| mean(&stats.iter().map(f).collect::<Vec<_>>());
-    vec![
+    let mut metrics = vec![
         ("scores", scores),
-        (
-            "num_stop_tokens",
-            traj.response_padding
-                .iter()
-                .filter(|r| r.iter().any(|&p| p))
-                .count() as f64,
-        ),
+        ("num_stop_tokens", num_stop_tokens(&traj.response_padding)),
         ("rlhf_reward", scores + kl_reward),
         ("kl", row_sums(kl)),
         ("kl_reward", kl_reward),
-        ("loss", stat(|s| s.loss)),
-        ("policy_loss", stat(|s| s.policy_loss)),
-        ("value_loss", stat(|s| s.value_loss)),
-        ("clipfrac", stat(|s| s.clipfrac)),
-        ("ratios", stat(|s| s.ratios)),
-        ("approx_policy_kl", stat(|s| s.approx_policy_kl)),
-        (
-            "response_lengths",
-            traj.seq_lens.iter().map(|&l| l as f64).sum::<f64>() / rows,
-        ),
+    ];
+    metrics.extend(rollout::step_metrics(
+        stats,
+        "value_loss",
+        |s| {
+            [
+                s.loss,
+                s.policy_loss,
+                s.value_loss,
+                s.clipfrac,
+                s.ratios,
+                s.approx_policy_kl,
+            ]
+        },
+        &traj.seq_lens,
+    ));
+    metrics.extend([
         (
             "tokens_per_second_per_gpu_trajectory",
             num_tokens as f64 / traj_s.max(1e-9),
@@ -816,5 +696,6 @@ fn step_metrics(
             "tokens_per_second_per_gpu_ppo",
             num_tokens as f64 / ppo_s.max(1e-9),
         ),
-    ]
+    ]);
+    metrics
 }

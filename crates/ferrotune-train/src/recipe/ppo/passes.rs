@@ -1,82 +1,17 @@
-//! PPO's passes over full sequences: the attention layout of padded rows, the policy's log
-//! probabilities, the value model's estimates and the reward model's scores, back-propagation
-//! from the final hidden states, and the trajectory built from them.
+//! PPO's passes over full sequences beyond the policy's log probabilities (the kit's
+//! [`rollout`](crate::recipe::kit::rollout)): the value model's estimates and the reward model's
+//! scores, and the trajectory built from them.
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor, Var, D};
-use ferrotune_models::{AttentionLayout, CausalLm};
+use candle_core::{DType, Tensor, D};
+use ferrotune_models::CausalLm;
 
-use crate::loss::log_softmax;
+use crate::recipe::kit::rollout::{
+    fill_cut, full_hidden, host, response_logprobs, response_positions,
+};
 use crate::rlhf;
-use crate::step::{absorb, checkpointed_backward};
 
 use super::{PpoModels, PpoSettings, Trajectory};
-
-/// The attention layout of full sequences in which `pad` marks padding (torchtune's causal mask
-/// and position ids from the padding mask): pad keys are masked, positions count real tokens.
-pub(crate) fn padded_layout(rows: &[Vec<u32>], pad: u32) -> AttentionLayout {
-    let key_valid: Vec<Vec<bool>> = rows
-        .iter()
-        .map(|r| r.iter().map(|&t| t != pad).collect())
-        .collect();
-    let positions = key_valid
-        .iter()
-        .map(|valid| {
-            let mut seen = 0u32;
-            valid
-                .iter()
-                .map(|&v| {
-                    seen += v as u32;
-                    if v {
-                        seen - 1
-                    } else {
-                        0
-                    }
-                })
-                .collect()
-        })
-        .collect();
-    AttentionLayout {
-        positions,
-        key_valid,
-        segments: None,
-    }
-}
-
-pub(crate) fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor> {
-    let width = rows.first().map_or(0, Vec::len);
-    Ok(Tensor::from_vec(
-        rows.concat(),
-        (rows.len(), width),
-        device,
-    )?)
-}
-
-/// The positions of full-sequence hidden states `[rows, seq, hidden]` that predict the response
-/// tokens: `context_length - 1 ..`, without the last (torchtune's
-/// `truncate_sequence_for_logprobs`).
-fn response_positions(hidden: &Tensor, ctx: usize) -> Result<Tensor> {
-    let total = hidden.dim(1)?;
-    Ok(hidden.narrow(1, ctx - 1, total - ctx)?)
-}
-
-/// `log softmax(logits / temperature)` of each response token (`[rows, response]`, f32) from the
-/// model's final hidden states over the full sequences (differentiable when they are).
-pub(crate) fn logprobs_from_hidden(
-    model: &CausalLm,
-    hidden: &Tensor,
-    rows: &[Vec<u32>],
-    ctx: usize,
-    temperature: f64,
-) -> Result<Tensor> {
-    let h = response_positions(hidden, ctx)?;
-    let logits = (model.logits(&h)?.to_dtype(DType::F32)? / temperature)?;
-    let logp = log_softmax(&logits)?;
-    let targets: Vec<u32> = rows.iter().flat_map(|r| r[ctx..].iter().copied()).collect();
-    let (b, len) = (rows.len(), rows[0].len() - ctx);
-    let index = Tensor::from_vec(targets, (b, len, 1), hidden.device())?;
-    Ok(logp.gather(&index, D::Minus1)?.squeeze(D::Minus1)?)
-}
 
 /// The value model's estimate at each response token (`[rows, response]`, f32) from its final
 /// hidden states over the full sequences.
@@ -87,30 +22,6 @@ pub(super) fn values_from_hidden(model: &CausalLm, hidden: &Tensor, ctx: usize) 
     Ok(out.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?)
 }
 
-/// The final hidden states of `rows` (padding marked by `pad`).
-fn full_hidden(model: &CausalLm, rows: &[Vec<u32>], pad: u32) -> Result<Tensor> {
-    let ids = ids_tensor(rows, model.device())?;
-    Ok(model.forward_hidden(&ids, &padded_layout(rows, pad), None)?)
-}
-
-/// `log softmax(logits / temperature)` of each response token (`[rows, response]`, f32;
-/// differentiable when the model trains).
-pub fn response_logprobs(
-    model: &CausalLm,
-    rows: &[Vec<u32>],
-    ctx: usize,
-    pad: u32,
-    temperature: f64,
-) -> Result<Tensor> {
-    logprobs_from_hidden(
-        model,
-        &full_hidden(model, rows, pad)?,
-        rows,
-        ctx,
-        temperature,
-    )
-}
-
 /// The value model's estimate at each response token (`[rows, response]`, f32).
 pub fn response_values(
     model: &CausalLm,
@@ -119,27 +30,6 @@ pub fn response_values(
     pad: u32,
 ) -> Result<Tensor> {
     values_from_hidden(model, &full_hidden(model, rows, pad)?, ctx)
-}
-
-/// Back-propagates the loss `head` computes from `model`'s final hidden states over `rows` into
-/// `acc` for `params`, with activation checkpointing when asked.
-pub(crate) fn backward_from_hidden(
-    model: &CausalLm,
-    rows: &[Vec<u32>],
-    pad: u32,
-    checkpointing: bool,
-    params: &[(String, Var)],
-    acc: &mut candle_core::backprop::GradStore,
-    head: impl FnOnce(&Tensor) -> Result<Tensor>,
-) -> Result<()> {
-    if checkpointing {
-        let ids = ids_tensor(rows, model.device())?;
-        checkpointed_backward(model, &ids, &padded_layout(rows, pad), params, acc, head)?;
-    } else {
-        let loss = head(&full_hidden(model, rows, pad)?)?;
-        absorb(acc, &loss.backward()?, params)?;
-    }
-    Ok(())
 }
 
 /// Each row's score from the reward model at the token `at[row]` of the full sequence.
@@ -154,10 +44,6 @@ fn reward_scores(model: &CausalLm, rows: &[Vec<u32>], at: &[usize], pad: u32) ->
         .logits(&Tensor::cat(&picked, 0)?)?
         .to_dtype(DType::F32)?;
     Ok(scores.flatten_all()?.to_vec1::<f32>()?)
-}
-
-pub(crate) fn host(t: &Tensor) -> Result<Vec<Vec<f32>>> {
-    Ok(t.detach().to_dtype(DType::F32)?.to_vec2()?)
 }
 
 /// Builds the trajectory of `responses` (as generated, `max_generated_tokens` each) to the
@@ -218,14 +104,7 @@ pub fn trajectory(
             }
         }
     }
-    for (r, mask) in response_padding.iter().enumerate() {
-        for (i, &m) in mask.iter().enumerate() {
-            if m {
-                logprobs[r][i] = 1.0;
-                ref_logprobs[r][i] = 1.0;
-            }
-        }
-    }
+    fill_cut(&response_padding, &mut logprobs, &mut ref_logprobs);
     let value_seq_idxs = rlhf::value_indices(&seq_lens, s.max_generated_tokens);
     let mut value_padding = response_padding.clone();
     for (r, &i) in value_seq_idxs.iter().enumerate() {

@@ -813,10 +813,11 @@ pub fn seed(cfg: &Config) -> Result<u64> {
     })
 }
 
-/// What `ferrotune validate` checks beyond keys and types, as torchtune's `tune validate`
-/// resolves each `_component_`: the device's and dtype's names, `fsdp_sharding`, the optimizer,
-/// LR schedule, loss, metric logger and dataset components with their settings. Nothing is read
-/// or created; each problem is one message, as a run would give it.
+/// What `ferrotune validate` checks beyond keys and types for every recipe, as torchtune's
+/// `tune validate` resolves each `_component_`: the device's and dtype's names, `fsdp_sharding`,
+/// the optimizer, LR schedule, metric logger and dataset components with their settings (a
+/// recipe's own settings, its loss among them, are its registry entry's `check`). Nothing is
+/// read or created; each problem is one message, as a run would give it.
 pub fn check_components(cfg: &Config) -> Vec<String> {
     let mut problems = Vec::new();
     let mut note = |r: Result<()>| {
@@ -831,39 +832,6 @@ pub fn check_components(cfg: &Config) -> Vec<String> {
         note(optimizer(cfg, Vec::new()).map(|_| ()));
     }
     note(schedule(cfg, 1).map(|_| ()));
-    let ppo = cfg.get("reward_and_value_model").is_some()
-        || cfg
-            .str("loss._component_")
-            .ok()
-            .flatten()
-            .is_some_and(|c| c.ends_with("PPOLoss"));
-    let grpo = cfg.get("grpo_samples").is_some()
-        || cfg
-            .str("loss._component_")
-            .ok()
-            .flatten()
-            .is_some_and(|c| c.contains(".grpo.") || c.contains("GRPO"));
-    if ppo {
-        note(crate::recipe::ppo::check_config(cfg));
-    } else if grpo {
-        note(crate::recipe::grpo::check_config(cfg));
-    } else if let Ok(Some(component)) = cfg.str("loss._component_") {
-        // The SFT recipes take a cross-entropy, the DPO ones a preference loss.
-        if check_loss(cfg).is_err() {
-            let preference =
-                crate::loss::PreferenceLoss::from_component(&component, None, None, None);
-            note(match preference {
-                Some(_) => preference_loss(cfg).map(|_| ()),
-                None => Err(anyhow!(
-                    "{}: loss._component_ '{component}' is not supported \
-                     (torch.nn.CrossEntropyLoss, torchtune.modules.loss.CEWithChunkedOutputLoss \
-                     or LinearCrossEntropyLoss; for the DPO recipes torchtune.rlhf.loss.DPOLoss \
-                     or RSOLoss)",
-                    cfg.origin
-                )),
-            });
-        }
-    }
     note(
         crate::metrics::check_logger_config(cfg.get("metric_logger"))
             .map_err(|e| anyhow!("{}: {e}", cfg.origin)),

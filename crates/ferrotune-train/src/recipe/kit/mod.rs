@@ -1,0 +1,23 @@
+//! The machinery the recipes share, and which imports no recipe: each recipe file reads as
+//! setup → loop → checkpoint over these parts.
+//!
+//! - [`crate::recipe::setup`]: the config's components read into typed values (device, dtype,
+//!   checkpoints and model loading, tokenizer, LoRA settings, optimizer, LR schedule, losses,
+//!   datasets, seed);
+//! - [`crate::recipe::state`]: checkpoint folders and the recipe state that makes resuming
+//!   step-exact;
+//! - [`session`]: rank, world, device and dtype of a run's process;
+//! - [`model`]: model setup beyond loading (adapters, QAT, a teacher, a DPO reference);
+//! - [`data`]: training examples and their micro-batches;
+//! - [`checkpoint`]: the checkpointer every training recipe saves with;
+//! - [`rollout`]: what PPO and GRPO share around a rollout;
+//! - [`validation`]: the loss over a held-out dataset, and each rank's rows of it;
+//! - [`report`]: the progress bar, memory reports, ignored keys, the kill-after-step test hook.
+
+pub mod checkpoint;
+pub mod data;
+pub mod model;
+pub mod report;
+pub mod rollout;
+pub mod session;
+pub mod validation;

@@ -1,0 +1,444 @@
+//! What the RL recipes (PPO, GRPO) share around a rollout: prompts left-padded into one
+//! rectangle, completions sampled from the policy, forward passes over the full sequences (the
+//! attention layout of padded rows, log probabilities of the response tokens), back-propagation
+//! from the final hidden states, the masks of cut tokens, and the policy's loading.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+use ferrotune_export::hf::ModelSource;
+use ferrotune_infer::generate::{generate, GenerationOptions};
+use ferrotune_infer::sampling::SamplingOptions;
+use ferrotune_models::{AttentionLayout, CausalLm};
+
+use crate::config::Config;
+use crate::loss::log_softmax;
+use crate::recipe::kit::checkpoint::base_source;
+use crate::recipe::setup;
+use crate::step::{absorb, checkpointed_backward};
+
+/// Left-pads `prompts` with `pad` to the longest (torchtune's `padded_collate` with
+/// `pad_direction="left"`).
+pub fn left_pad(prompts: &[Vec<u32>], pad: u32) -> Vec<Vec<u32>> {
+    let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    prompts
+        .iter()
+        .map(|p| {
+            let mut row = vec![pad; width - p.len()];
+            row.extend_from_slice(p);
+            row
+        })
+        .collect()
+}
+
+/// The attention layout of full sequences in which `pad` marks padding (torchtune's causal mask
+/// and position ids from the padding mask): pad keys are masked, positions count real tokens.
+pub fn padded_layout(rows: &[Vec<u32>], pad: u32) -> AttentionLayout {
+    let key_valid: Vec<Vec<bool>> = rows
+        .iter()
+        .map(|r| r.iter().map(|&t| t != pad).collect())
+        .collect();
+    let positions = key_valid
+        .iter()
+        .map(|valid| {
+            let mut seen = 0u32;
+            valid
+                .iter()
+                .map(|&v| {
+                    seen += v as u32;
+                    if v {
+                        seen - 1
+                    } else {
+                        0
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    AttentionLayout {
+        positions,
+        key_valid,
+        segments: None,
+    }
+}
+
+/// `rows` (all of one length) as a `[rows, len]` tensor of token ids.
+pub fn ids_tensor(rows: &[Vec<u32>], device: &Device) -> Result<Tensor> {
+    let width = rows.first().map_or(0, Vec::len);
+    Ok(Tensor::from_vec(
+        rows.concat(),
+        (rows.len(), width),
+        device,
+    )?)
+}
+
+/// The positions of full-sequence hidden states `[rows, seq, hidden]` that predict the response
+/// tokens: `context_length - 1 ..`, without the last (torchtune's
+/// `truncate_sequence_for_logprobs`).
+pub fn response_positions(hidden: &Tensor, ctx: usize) -> Result<Tensor> {
+    let total = hidden.dim(1)?;
+    Ok(hidden.narrow(1, ctx - 1, total - ctx)?)
+}
+
+/// `log softmax(logits / temperature)` of each response token (`[rows, response]`, f32) from the
+/// model's final hidden states over the full sequences (differentiable when they are).
+pub fn logprobs_from_hidden(
+    model: &CausalLm,
+    hidden: &Tensor,
+    rows: &[Vec<u32>],
+    ctx: usize,
+    temperature: f64,
+) -> Result<Tensor> {
+    let h = response_positions(hidden, ctx)?;
+    let logits = (model.logits(&h)?.to_dtype(DType::F32)? / temperature)?;
+    let logp = log_softmax(&logits)?;
+    let targets: Vec<u32> = rows.iter().flat_map(|r| r[ctx..].iter().copied()).collect();
+    let (b, len) = (rows.len(), rows[0].len() - ctx);
+    let index = Tensor::from_vec(targets, (b, len, 1), hidden.device())?;
+    Ok(logp.gather(&index, D::Minus1)?.squeeze(D::Minus1)?)
+}
+
+/// The final hidden states of `rows` (padding marked by `pad`).
+pub fn full_hidden(model: &CausalLm, rows: &[Vec<u32>], pad: u32) -> Result<Tensor> {
+    let ids = ids_tensor(rows, model.device())?;
+    Ok(model.forward_hidden(&ids, &padded_layout(rows, pad), None)?)
+}
+
+/// `log softmax(logits / temperature)` of each response token (`[rows, response]`, f32;
+/// differentiable when the model trains).
+pub fn response_logprobs(
+    model: &CausalLm,
+    rows: &[Vec<u32>],
+    ctx: usize,
+    pad: u32,
+    temperature: f64,
+) -> Result<Tensor> {
+    logprobs_from_hidden(
+        model,
+        &full_hidden(model, rows, pad)?,
+        rows,
+        ctx,
+        temperature,
+    )
+}
+
+/// Back-propagates the loss `head` computes from `model`'s final hidden states over `rows` into
+/// `acc` for `params`, with activation checkpointing when asked.
+pub fn backward_from_hidden(
+    model: &CausalLm,
+    rows: &[Vec<u32>],
+    pad: u32,
+    checkpointing: bool,
+    params: &[(String, Var)],
+    acc: &mut candle_core::backprop::GradStore,
+    head: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<()> {
+    if checkpointing {
+        let ids = ids_tensor(rows, model.device())?;
+        checkpointed_backward(model, &ids, &padded_layout(rows, pad), params, acc, head)?;
+    } else {
+        let loss = head(&full_hidden(model, rows, pad)?)?;
+        absorb(acc, &loss.backward()?, params)?;
+    }
+    Ok(())
+}
+
+/// A `[rows, len]` tensor as rows of f32 on the host, detached.
+pub fn host(t: &Tensor) -> Result<Vec<Vec<f32>>> {
+    Ok(t.detach().to_dtype(DType::F32)?.to_vec2()?)
+}
+
+/// `m` as a `[rows, len]` f32 tensor: 1 where an entry equals `keep`, 0 elsewhere.
+pub fn mask_tensor(m: &[Vec<bool>], keep: bool, device: &Device) -> Result<Tensor> {
+    let (rows, len) = (m.len(), m.first().map_or(0, Vec::len));
+    let v: Vec<f32> = m
+        .iter()
+        .flatten()
+        .map(|&x| (x == keep) as u8 as f32)
+        .collect();
+    Ok(Tensor::from_vec(v, (rows, len), device)?)
+}
+
+/// Sets the entries of `logprobs` and `ref_logprobs` at cut tokens (`padding`) to 1.0, as
+/// torchtune's in-place fills.
+pub fn fill_cut(padding: &[Vec<bool>], logprobs: &mut [Vec<f32>], ref_logprobs: &mut [Vec<f32>]) {
+    for (r, mask) in padding.iter().enumerate() {
+        for (i, &m) in mask.iter().enumerate() {
+            if m {
+                logprobs[r][i] = 1.0;
+                ref_logprobs[r][i] = 1.0;
+            }
+        }
+    }
+}
+
+/// `log softmax(logits / temperature)` of the response tokens of `rows` from `hidden`, with 1.0
+/// at the cut tokens (`padding`), as torchtune's in-place fill (no gradient there).
+pub fn masked_logprobs(
+    model: &CausalLm,
+    hidden: &Tensor,
+    rows: &[Vec<u32>],
+    ctx: usize,
+    temperature: f64,
+    padding: &[Vec<bool>],
+) -> Result<Tensor> {
+    let raw = logprobs_from_hidden(model, hidden, rows, ctx, temperature)?;
+    let device = raw.device().clone();
+    Ok(((&raw * mask_tensor(padding, false, &device)?)? + mask_tensor(padding, true, &device)?)?)
+}
+
+/// The sum of `(new - old)² / 2` over every token, and the number of tokens: torchtune's
+/// `approx_policy_kls` before its mean.
+pub fn approx_kl_sum(new: &[Vec<f32>], old: &[Vec<f32>]) -> (f64, usize) {
+    let (mut sum, mut count) = (0f64, 0usize);
+    for (a, b) in new.iter().zip(old) {
+        for (x, y) in a.iter().zip(b) {
+            sum += 0.5 * ((x - y) as f64).powi(2);
+            count += 1;
+        }
+    }
+    (sum, count)
+}
+
+/// The keys an RL recipe's loop reads beside its batching and its loss (torchtune's top-level
+/// keys), read once before anything is loaded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoopSettings {
+    /// `output_dir`: logs and the config copy.
+    pub output_dir: PathBuf,
+    /// Where the policy's checkpoints go (`checkpointer.output_dir`, else `output_dir`).
+    pub checkpoint_dir: PathBuf,
+    /// `resume_from_checkpoint`.
+    pub resume: bool,
+    /// `enable_activation_checkpointing`: each decoder layer recomputed in the backward.
+    pub checkpointing: bool,
+    /// `log_every_n_steps` (at least 1).
+    pub log_every: usize,
+    /// `shuffle` (default true).
+    pub shuffle: bool,
+    /// `clip_grad_norm`.
+    pub clip: Option<f64>,
+    /// The switches of those the recipe accepts without effect that the config turns on.
+    pub ignored_switches: Vec<&'static str>,
+}
+
+impl LoopSettings {
+    /// Reads the settings from `cfg`; `ignorable` are the switches the recipe accepts and ignores
+    /// (they change no result).
+    pub fn parse(cfg: &Config, ignorable: &[&'static str]) -> Result<LoopSettings> {
+        let checkpointing = cfg
+            .bool("enable_activation_checkpointing")?
+            .unwrap_or(false);
+        let mut ignored_switches = Vec::new();
+        for &switch in ignorable {
+            if cfg.bool(switch)?.unwrap_or(false) {
+                ignored_switches.push(switch);
+            }
+        }
+        let (output_dir, checkpoint_dir) = crate::recipe::state::output_dirs(cfg)?;
+        Ok(LoopSettings {
+            output_dir,
+            checkpoint_dir,
+            resume: cfg.bool("resume_from_checkpoint")?.unwrap_or(false),
+            checkpointing,
+            log_every: cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1),
+            shuffle: cfg.bool("shuffle")?.unwrap_or(true),
+            clip: cfg.f64("clip_grad_norm")?,
+            ignored_switches,
+        })
+    }
+
+    /// Says which switches the run ignores.
+    pub fn note_ignored(&self) {
+        for switch in &self.ignored_switches {
+            eprintln!("note: '{switch}: true' is ignored by ferrotune (it changes no result)");
+        }
+    }
+}
+
+/// The error unless each of the checkpointer `sections` names its `checkpoint_dir`, which
+/// recipe `recipe` requires.
+pub fn require_checkpoint_dirs(cfg: &Config, sections: &[&str], recipe: &str) -> Result<()> {
+    for section in sections {
+        if cfg.get(&format!("{section}.checkpoint_dir")).is_none() {
+            bail!(
+                "{}: '{section}.checkpoint_dir' is required by {recipe}",
+                cfg.origin
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The count at `key`, which recipe `recipe` requires.
+pub fn required_count(cfg: &Config, key: &str, recipe: &str) -> Result<usize> {
+    cfg.usize(key)?
+        .ok_or_else(|| anyhow!("{}: '{key}' is required by {recipe}", cfg.origin))
+}
+
+/// `batch_size` (prompts per batch, required by `recipe`) and `forward_batch_size` (prompts per
+/// rollout pass, default all of them).
+pub fn batch_sizes(cfg: &Config, recipe: &str) -> Result<(usize, usize)> {
+    let batch_size = required_count(cfg, "batch_size", recipe)?;
+    let forward_batch_size = cfg.usize("forward_batch_size")?.unwrap_or(batch_size);
+    Ok((batch_size, forward_batch_size))
+}
+
+/// The error unless `whole` (the value of key `whole_key`) is a multiple of `part` (of
+/// `part_key`).
+pub fn check_divides(
+    cfg: &Config,
+    (whole_key, whole): (&str, usize),
+    (part_key, part): (&str, usize),
+) -> Result<()> {
+    if whole % part != 0 {
+        bail!(
+            "{}: {whole_key} ({whole}) must be exactly divisible by {part_key} ({part})",
+            cfg.origin
+        );
+    }
+    Ok(())
+}
+
+/// The metrics torchtune's RL recipes log after the rollout's own, from each optimizer step's
+/// statistics as `columns` gives them (`loss`, `policy_loss`, the recipe's own loss term `own`,
+/// `clipfrac`, `ratios`, `approx_policy_kl`): their means over the steps, then the mean
+/// `response_lengths` of the rows (`seq_lens`).
+pub fn step_metrics<S>(
+    stats: &[S],
+    own: &'static str,
+    columns: impl Fn(&S) -> [f64; 6],
+    seq_lens: &[usize],
+) -> Vec<(&'static str, f64)> {
+    let names = [
+        "loss",
+        "policy_loss",
+        own,
+        "clipfrac",
+        "ratios",
+        "approx_policy_kl",
+    ];
+    let rows = seq_lens.len().max(1) as f64;
+    let mut metrics: Vec<(&'static str, f64)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, &name)| {
+            let sum = stats.iter().map(|s| columns(s)[i]).sum::<f64>();
+            (name, sum / stats.len().max(1) as f64)
+        })
+        .collect();
+    let lengths = seq_lens.iter().map(|&l| l as f64).sum::<f64>();
+    metrics.push(("response_lengths", lengths / rows));
+    metrics
+}
+
+/// How many rows hold a stop token (`padding` true after a row's first).
+pub fn num_stop_tokens(padding: &[Vec<bool>]) -> f64 {
+    padding.iter().filter(|r| r.iter().any(|&p| p)).count() as f64
+}
+
+/// How the policy samples a rollout's completions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// Sampling temperature.
+    pub temperature: f64,
+    /// Sample from the `top_k` most likely tokens only.
+    pub top_k: Option<usize>,
+    /// The longest completion.
+    pub max_generated_tokens: usize,
+    /// The token that pads completions that end early.
+    pub pad_id: u32,
+    /// The tokens that end a completion; none: every completion runs to `max_generated_tokens`
+    /// (PPO cuts at its stop tokens afterwards).
+    pub stop_token_ids: Option<Vec<u32>>,
+}
+
+impl Sampling {
+    /// Sampling at `temperature` from the `top_k` most likely tokens, every completion
+    /// `max_generated_tokens` long (`pad_id` pads).
+    pub fn new(
+        temperature: f64,
+        top_k: Option<usize>,
+        max_generated_tokens: usize,
+        pad_id: u32,
+    ) -> Self {
+        Sampling {
+            temperature,
+            top_k,
+            max_generated_tokens,
+            pad_id,
+            stop_token_ids: None,
+        }
+    }
+
+    /// This sampling with each completion ending at its first token of `stop_token_ids`.
+    pub fn stopping_at(self, stop_token_ids: &[u32]) -> Self {
+        Sampling {
+            stop_token_ids: Some(stop_token_ids.to_vec()),
+            ..self
+        }
+    }
+}
+
+/// Samples one completion of each of `rows` (unpadded prompts) with `policy`, drawing from
+/// `seed`.
+pub fn sample(
+    policy: &CausalLm,
+    rows: &[Vec<u32>],
+    s: &Sampling,
+    seed: u64,
+) -> Result<Vec<Vec<u32>>> {
+    let opts = GenerationOptions {
+        max_new_tokens: s.max_generated_tokens,
+        sampling: SamplingOptions {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: None,
+            repetition_penalty: 1.0,
+            seed,
+        },
+        eos_token_ids: s.stop_token_ids.clone().unwrap_or_default(),
+        stop_strings: Vec::new(),
+        ignore_eos: s.stop_token_ids.is_none(),
+        pad_token_id: s.pad_id,
+    };
+    let out = generate(policy, rows, &opts, &|_| String::new(), &mut |_, _| {})?;
+    Ok(out.new_token_ids)
+}
+
+/// The seed of the `place`-th chunk of prompts a run samples.
+pub fn sample_seed(seed: u64, place: usize) -> u64 {
+    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(place as u64)
+}
+
+/// Loads the model of checkpointer section `section`, or the checkpoint `resumed` when resuming
+/// (the section's checkpoint still supplies the tokenizer and generation files), and checks
+/// `component` against it. Returns the model, its source files and the section's path.
+pub fn load(
+    cfg: &Config,
+    section: &str,
+    component: &str,
+    resumed: Option<&Path>,
+    dtype: DType,
+    device: &Device,
+) -> Result<(CausalLm, ModelSource, PathBuf)> {
+    let location = setup::checkpoint_path_at(cfg, section)?;
+    let (model, source) = match resumed {
+        Some(dir) => {
+            let (model, _) =
+                setup::load_model(cfg, &setup::CheckpointLocation::folder(dir), dtype, device)
+                    .with_context(|| {
+                        format!("{}: resuming {section} from {}", cfg.origin, dir.display())
+                    })?;
+            let (format, base) = base_source(&location)?;
+            (model, ModelSource { format, dir: base })
+        }
+        None => setup::load_model(cfg, &location, dtype, device)
+            .with_context(|| format!("{}: {section}", cfg.origin))?,
+    };
+    let path = location.path;
+    setup::check_component_at(cfg, &format!("{component}._component_"), &model.config)?;
+    Ok((model, source, path))
+}
