@@ -15,16 +15,14 @@ use ferrotune_export::hf::ModelSource;
 use ferrotune_models::peft;
 use indicatif::ProgressBar;
 
-use crate::clip::{clip_grad_norm, scale_grads};
 use crate::config::Config;
-use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel, Sharding};
+use crate::dist::fsdp::{forward_backward_sharded, CommQueue, ShardedModel};
 use crate::metrics::peak_rss_mb;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::recipe::{Ranks, Recipe};
 use crate::step::{
-    dropout_states, empty_grads, forward_backward, set_dropout_states, PairStats, Preference,
-    StepLoss,
+    dropout_states, empty_grads, forward_backward, set_dropout_states, Preference, StepLoss,
 };
 
 use crate::recipe::kit::checkpoint::{base_source, Saver};
@@ -35,6 +33,7 @@ use crate::recipe::kit::model::{
 };
 use crate::recipe::kit::report::{kill_if_asked, note_ignored_keys, progress_bar, report_memory};
 use crate::recipe::kit::session::Session;
+use crate::recipe::kit::trainer::{optimizer_step, reduce_step};
 use crate::recipe::kit::validation;
 
 mod settings;
@@ -586,54 +585,16 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
             // This rank's own tokens: torchtune's `tokens_per_second_per_gpu`.
             let local_tokens = tokens;
             if let Some(sm) = &mut sharded {
-                // The loss is normalised over the target tokens of every rank.
-                sm.finish_reductions()?;
-                let mut local = vec![
-                    losses.sum,
-                    targets as f64,
-                    tokens as f64,
-                    losses.class,
-                    losses.kd,
-                    losses.aux,
-                ];
-                local.extend(losses.pairs.to_vec());
-                let sums = sm.all_reduce_f64(&local)?;
-                losses.sum = sums[0];
-                targets = sums[1].round() as usize;
-                tokens = sums[2].round() as usize;
-                (losses.class, losses.kd, losses.aux) = (sums[3], sums[4], sums[5]);
-                losses.pairs = PairStats::from_slice(&sums[6..]);
-                grads = sm.take_grads()?;
+                grads = reduce_step(sm, &mut losses, &mut targets, &mut tokens)?;
             }
-            // Normalise by the target tokens of the whole step (not per micro-batch); for DPO by
-            // its pairs (`targets` counts pairs), which with equal micro-batches is torchtune's
-            // mean per micro-batch over gradient_accumulation_steps. Without clipping the factor
-            // is folded into the optimizer's pass over the gradients.
-            let factor = if targets > 0 {
-                1.0 / targets as f64
-            } else {
-                1.0
-            };
-            let params_iter = || param_refs.iter().map(|(_, v)| v.as_tensor());
-            let grad_norm = match clip {
-                Some(max) => {
-                    scale_grads(&mut grads, params_iter(), factor)?;
-                    let norm = match &sharded {
-                        // Each rank holds a part of the gradient: the norm is over all parts.
-                        Some(sm) if sm.sharding() != Sharding::None => {
-                            sm.clip_grad_norm(&mut grads, params_iter(), max)?
-                        }
-                        _ => clip_grad_norm(&mut grads, params_iter(), max)?,
-                    };
-                    optimizer.step(&grads)?;
-                    Some(norm)
-                }
-                None => {
-                    optimizer.step_scaled(&grads, factor)?;
-                    None
-                }
-            };
-            drop(grads);
+            let grad_norm = optimizer_step(
+                optimizer.as_mut(),
+                grads,
+                &param_refs,
+                targets,
+                clip,
+                sharded.as_ref(),
+            )?;
             global_step += 1;
             let loss = if targets > 0 {
                 losses.sum / targets as f64

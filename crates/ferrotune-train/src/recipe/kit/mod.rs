@@ -11,6 +11,8 @@
 //! - [`data`]: training examples and their micro-batches;
 //! - [`checkpoint`]: the checkpointer every training recipe saves with;
 //! - [`rollout`]: what PPO and GRPO share around a rollout;
+//! - [`trainer`]: the optimizer side of a fine-tuning step (sums over the ranks, normalise,
+//!   clip, step);
 //! - [`validation`]: the loss over a held-out dataset, and each rank's rows of it;
 //! - [`report`]: the progress bar, memory reports, ignored keys, the kill-after-step test hook.
 
@@ -20,4 +22,5 @@ pub mod model;
 pub mod report;
 pub mod rollout;
 pub mod session;
+pub mod trainer;
 pub mod validation;
