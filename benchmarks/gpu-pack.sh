@@ -24,8 +24,9 @@ for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]==sys.argv[1]: print(m["executable"])' "$3" | tail -1
 }
-kernels=$(test_binary ferrotune-core cuda cuda_kernels)
-decode_step=$(test_binary ferrotune-models cuda decode_step)
+# Each crate has one test binary, `it`; gpu.sh runs it filtered to the module it is packed for.
+kernels=$(test_binary ferrotune-core cuda it)
+decode_step=$(test_binary ferrotune-models cuda it)
 mkdir -p .gpu/nccl
 strip -o .gpu/ferrotune "$T/release/ferrotune"
 [ "${SKIP_NCCL:-0}" = 1 ] || strip -o .gpu/ferrotune_nccl "$TN/release/ferrotune"

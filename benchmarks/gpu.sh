@@ -29,11 +29,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 FIXTURES=$ROOT/tests/fixtures; [ -d fixtures ] && FIXTURES=$PWD/fixtures
 R=./run-on-gpu.sh; F="$R ./ferrotune"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $OUT/gpu.txt
-timeout 120 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels.log 2>&1; krc=$?; echo "kernels rc=$krc" >> $OUT/kernels.log
+timeout 120 $R ./cuda_kernels cuda_kernels:: --test-threads=1 --nocapture > $OUT/kernels.log 2>&1; krc=$?; echo "kernels rc=$krc" >> $OUT/kernels.log
 # If the kernels fail: this build without its newest parts (the flash kernels, programmatic
 # dependent launch) when that passes, else a previous, verified build (ferrotune_old.xz, if packed).
 if [ $krc -ne 0 ]; then
-  FERROTUNE_ATTN=chunked FERROTUNE_PDL=0 timeout 120 $R ./cuda_kernels --test-threads=1 --nocapture > $OUT/kernels_chunked.log 2>&1
+  FERROTUNE_ATTN=chunked FERROTUNE_PDL=0 timeout 120 $R ./cuda_kernels cuda_kernels:: --test-threads=1 --nocapture > $OUT/kernels_chunked.log 2>&1
   if [ $? -eq 0 ]; then export FERROTUNE_ATTN=chunked FERROTUNE_PDL=0; echo "USING FERROTUNE_ATTN=chunked FERROTUNE_PDL=0" >> $OUT/kernels.log
   elif [ -x ferrotune_old ]; then F="$R ./ferrotune_old"; echo "USING ferrotune_old" >> $OUT/kernels.log; fi
 fi
@@ -55,7 +55,7 @@ if [ "$MODE" = decode ] || [ "$MODE" = all ]; then
   [ -x ferrotune_old ] && timeout 120 $R ./ferrotune_old $DEC > $OUT/decode_old.log 2>&1
   # This build without programmatic dependent launch (before/after), unless run above already.
   [ -f $OUT/decode_nopdl.log ] || FERROTUNE_PDL=0 timeout 100 $F $DEC > $OUT/decode_nopdl.log 2>&1
-  FERROTUNE_TEST_FIXTURES=$FIXTURES timeout 150 $R ./decode_step --test-threads=1 --nocapture > $OUT/decode_step.log 2>&1
+  FERROTUNE_TEST_FIXTURES=$FIXTURES timeout 150 $R ./decode_step decode_step:: --test-threads=1 --nocapture > $OUT/decode_step.log 2>&1
   echo "decode_step rc=$?" >> $OUT/decode_step.log
   # LoRA training beside HF + PEFT once (the train mode measures it twice, alternating).
   if [ "$MODE" = decode ] && [ $SECONDS -lt 300 ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the reference data that crates/ferrotune-models/tests/gguf.rs checks our GGUF loader against.
+"""Writes the reference data that crates/ferrotune-models/tests/it/gguf.rs checks our GGUF loader against.
 
   tests/fixtures/gguf/smollm2_reference.safetensors + smollm2_reference.json
       SmolLM2-135M-Instruct.Q4_1.gguf loaded by transformers (AutoModelForCausalLM with gguf_file=...,

@@ -4,7 +4,7 @@ config torchtune ships works as shipped apart from paths, device and size.
 
 Usage: python3 scripts/smoke_builtin_configs.py [NAME-or-RECIPE ...]   (after `cargo build --release`)
 
-Skipped: eleuther_eval (its tasks come from the hub), PPO (needs classifier checkpoints; tests/ppo.rs)
+Skipped: eleuther_eval (its tasks come from the hub), PPO (needs classifier checkpoints; tests/it/ppo.rs)
 and the SmolLM2 demos (run by their own tests). Prints one line per config and the failures' output.
 """
 import json, re, subprocess, sys, time

@@ -1,6 +1,6 @@
 //! Every `FERROTUNE_*` environment variable ferrotune reads, in one table ([`KNOBS`]): its name,
 //! meaning, default and kind, with typed accessors. Code reads a knob only through its entry here
-//! (`tests/knobs.rs` finds any other `FERROTUNE_` name in the crates' sources), and
+//! (`tests/it/knobs.rs` finds any other `FERROTUNE_` name in the crates' sources), and
 //! `docs/src/environment.md` is this table (the same test checks it).
 //!
 //! Test hooks ([`Knob::test_hook`]) are listed here too, so that they are documented, but the

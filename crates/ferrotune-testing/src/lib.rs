@@ -1,7 +1,49 @@
-//! Tensor comparisons the ferrotune crates' tests share: one definition of "how close", so a
-//! tolerance means the same thing in every crate's tests.
+//! What the ferrotune crates' tests share: tensor comparisons (one definition of "how close", so
+//! a tolerance means the same thing in every crate's tests), the fixtures' folder, fresh temp
+//! folders, and the name a test gives its own binary to run one of its tests as a child process.
+
+mod files;
+
+pub use files::{fixtures, fresh_dir};
 
 use candle_core::{DType, Tensor};
+
+/// For a test that needs a process of its own (it sets environment variables, or measures the
+/// whole process) while its crate's other tests run in parallel threads of one binary: true in a
+/// copy of the test binary started with `marker` set and filtered to test `name` of the module at
+/// `module_path` (`module_path!()`), where the caller then runs the test's body. In the parent it
+/// starts that copy, asserts that it ran the one test and passed, and returns false.
+pub fn in_own_process(marker: &str, module_path: &str, name: &str) -> bool {
+    if std::env::var_os(marker).is_some() {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            test_path(module_path, name).as_str(),
+            "--test-threads=1",
+        ])
+        .env(marker, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("test result: ok. 1 passed"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    false
+}
+
+/// The full name of test `name` in the module whose `module_path!()` is `module_path`, as the
+/// test binary knows it (`dist_comm::worker`: the path without the binary's own name), for
+/// `--exact` when a test starts its own binary again to run just that test.
+pub fn test_path(module_path: &str, name: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_string(),
+    }
+}
 
 /// A tensor's elements as f32, flattened (any dtype, any shape).
 pub fn f32s(t: &Tensor) -> Vec<f32> {
@@ -95,5 +137,11 @@ mod tests {
         let nan =
             std::panic::catch_unwind(|| assert_close("nan", &t(&[f32::NAN]), &t(&[1.0]), 1.0, 1.0));
         assert!(nan.is_err());
+    }
+
+    #[test]
+    fn test_paths_leave_out_the_binary() {
+        assert_eq!(test_path("it::dist_comm", "worker"), "dist_comm::worker");
+        assert_eq!(test_path("it", "worker"), "worker");
     }
 }

@@ -255,7 +255,7 @@ fn launch_with(
         };
     }
     // SAFETY: the argument list matches the kernel's signature in kernels.cu (checked by the
-    // GPU tests in tests/cuda_kernels.rs), and every pointer refers to a live, large enough buffer.
+    // GPU tests in tests/it/cuda_kernels.rs), and every pointer refers to a live, large enough buffer.
     unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
     Ok(())
 }

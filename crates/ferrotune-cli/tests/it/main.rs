@@ -1,0 +1,18 @@
+//! ferrotune-cli's integration tests, one binary (the stack is linked once, not once per file): a
+//! module per area, and the helpers they share in `common`.
+
+mod cli;
+mod common;
+mod device_map;
+mod distributed;
+mod download;
+mod early_exit;
+mod eleuther_eval;
+mod grpo;
+mod hub_server;
+mod knobs;
+mod merge;
+mod plot;
+mod ppo;
+mod quantize;
+mod recipes;

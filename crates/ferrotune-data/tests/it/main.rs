@@ -1,0 +1,11 @@
+//! ferrotune-data's integration tests, one binary (the stack is linked once, not once per file): a
+//! module per area, and the helpers they share in `common`.
+
+mod chat_template_semantics;
+mod common;
+mod datasets;
+mod errors;
+mod eval_tasks;
+mod gguf_tokenizers;
+mod real_tokenizers;
+mod tiny_tokenizer;

@@ -1,0 +1,6 @@
+//! ferrotune-export's integration tests, one binary (the stack is linked once, not once per file): a
+//! module per area, and the helpers they share in `common`.
+
+mod common;
+mod gguf_export;
+mod gguf_kquants;

@@ -1,0 +1,18 @@
+//! ferrotune-models's integration tests, one binary (the stack is linked once, not once per file): a
+//! module per area, and the helpers they share in `common`.
+
+mod common;
+mod decode_step;
+mod device_map;
+mod errors;
+mod gguf;
+mod golden_models;
+mod llama4;
+mod lora;
+mod modules_to_save;
+mod multimodal_text;
+mod qlora;
+mod quantized;
+mod structure;
+mod torch_save;
+mod torchtune_adapter;

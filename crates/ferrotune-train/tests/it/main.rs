@@ -1,0 +1,19 @@
+//! ferrotune-train's integration tests, one binary (the stack is linked once, not once per file): a
+//! module per area, and the helpers they share in `common`.
+
+mod clip;
+mod common;
+mod dist_comm;
+mod dpo;
+mod early_exit;
+mod eleuther_eval;
+mod grpo;
+mod kd;
+mod loss;
+mod metrics;
+mod optim;
+mod packing;
+mod ppo;
+mod qat;
+mod schedule;
+mod step;
