@@ -8,7 +8,7 @@
 //!
 //! Sampling draws from the same distribution as torchtune's but from ferrotune's generator, so
 //! sampled completions are not torch's; everything after sampling (log probabilities, rewards,
-//! advantages, losses, updates) is torchtune's arithmetic (tests/grpo.rs checks it against
+//! advantages, losses, updates) is torchtune's arithmetic (tests/it/grpo.rs checks it against
 //! torchtune's code on fixed completions).
 //!
 //! Launched as several ranks (`--nproc-per-node N`), the ranks run data-parallel as torchtune's
