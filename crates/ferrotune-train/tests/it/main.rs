@@ -17,3 +17,4 @@ mod ppo;
 mod qat;
 mod schedule;
 mod step;
+mod structure;
