@@ -8,7 +8,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Sh
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{fused_applies, guard_slice, slice_of};
+use super::{contiguous, fused_applies, guard_slice, guard_slices, slice_of};
 
 /// `softmax(q kᵀ · scale + mask) v` per head, with grouped-query attention; differentiable w.r.t.
 /// `q`, `k` and `v`.
@@ -538,15 +538,11 @@ impl CustomOp3 for Attention {
             s,
             hd,
         } = dims;
-        let tensors = [q, k, v, res, grad].map(|x| x.contiguous());
-        let [q_c, k_c, v_c, o_c, g_c] = tensors;
-        let (q_c, k_c, v_c, o_c, g_c) = (q_c?, k_c?, v_c?, o_c?, g_c?);
-        let guards = [&q_c, &k_c, &v_c, &o_c, &g_c].map(|x| x.storage_and_layout());
-        let q = guard_slice(&guards[0], "attention")?;
-        let k = guard_slice(&guards[1], "attention")?;
-        let v = guard_slice(&guards[2], "attention")?;
-        let o = guard_slice(&guards[3], "attention")?;
-        let d_o = guard_slice(&guards[4], "attention")?;
+        let tensors = contiguous([q, k, v, res, grad])?;
+        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
+        // For the gradients' shapes: from here on `q`, `k` and `v` name the inputs' data.
+        let [q_c, k_c, v_c, ..] = &tensors;
+        let [q, k, v, o, d_o] = guard_slices(&guards, "attention")?;
         let mask_guard = self.mask.as_ref().map(|m| m.storage_and_layout());
         let mask = match &mask_guard {
             Some(g) => Some(guard_slice(g, "attention")?),

@@ -169,27 +169,59 @@ pub(crate) unsafe fn gemm(
     )
 }
 
-/// [`gemm`] on all of rayon's threads: for one large product rather than many small ones.
-///
-/// # Safety
-/// As [`gemm`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_parallel(
-    mnk: (usize, usize, usize),
-    dst: *mut f32,
-    ld_dst: usize,
+/// How the two row-major operands of [`matmul`] hold the product `dst[m×n]`.
+#[derive(Clone, Copy)]
+pub(crate) enum Operands {
+    /// `a[m×k] · b[n×k]ᵀ`.
+    Nt,
+    /// `a[m×k] · b[k×n]`.
+    Nn,
+    /// `a[k×m]ᵀ · b[k×n]`.
+    Tn,
+}
+
+/// Row-major `dst[m×n] (+)= beta · a · b`, each operand transposed as `operands` says, on all of
+/// rayon's threads (for one large product rather than many small ones); `accumulate` adds to
+/// `dst` instead of overwriting it. Panics if a buffer is smaller than its matrix.
+pub(crate) fn matmul(
+    dst: &mut [f32],
+    (m, n, k): (usize, usize, usize),
     accumulate: bool,
-    a: (*const f32, usize, usize),
-    b: (*const f32, usize, usize),
+    operands: Operands,
+    a: &[f32],
+    b: &[f32],
     beta: f32,
 ) {
+    // (row stride, column stride) of each operand as `gemm` reads it: A is m×k, B is k×n.
+    let (a_strides, b_strides) = match operands {
+        Operands::Nt => ((k, 1), (1, k)),
+        Operands::Nn => ((k, 1), (n, 1)),
+        Operands::Tn => ((1, m), (n, 1)),
+    };
+    assert!(
+        dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n,
+        "matmul: buffers smaller than their {m}×{n}×{k} product"
+    );
     let threads = rayon::current_num_threads().max(1);
     let par = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None
     };
-    gemm_with(mnk, dst, ld_dst, accumulate, a, b, beta, par)
+    // SAFETY: with the lengths just checked, every element the strides address lies inside its
+    // slice; `dst` is borrowed mutably, so it cannot overlap `a` or `b`.
+    unsafe {
+        gemm_with(
+            (m, n, k),
+            dst.as_mut_ptr(),
+            n,
+            accumulate,
+            (a.as_ptr(), a_strides.0, a_strides.1),
+            (b.as_ptr(), b_strides.0, b_strides.1),
+            beta,
+            par,
+        )
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
 
-use super::{fused_applies, guard_slice, kernels, slice_of};
+use super::kernels::Operands::{Nn, Nt, Tn};
+use super::{contiguous, fused_applies, guard_slices, kernels, slice_of};
 
 struct TrainableLinear;
 
@@ -31,18 +32,7 @@ impl CustomOp2 for TrainableLinear {
         let x = slice_of(xs, xl, "trainable_linear")?;
         let w = slice_of(ws, wl, "trainable_linear")?;
         let mut y = vec![0f32; m * out];
-        // SAFETY: shapes checked by the caller; buffers sized to them; the output is fresh.
-        unsafe {
-            kernels::gemm_parallel(
-                (m, out, inp),
-                y.as_mut_ptr(),
-                out,
-                false,
-                (x.as_ptr(), inp, 1),
-                (w.as_ptr(), 1, inp),
-                1.0,
-            );
-        }
+        kernels::matmul(&mut y, (m, out, inp), false, Nt, x, w, 1.0);
         Ok((CpuStorage::F32(y), Shape::from((m, out))))
     }
 
@@ -55,38 +45,15 @@ impl CustomOp2 for TrainableLinear {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (m, inp) = x.dims2()?;
         let (out, _) = w.dims2()?;
-        let dy_t = grad.contiguous()?;
-        let dyg = dy_t.storage_and_layout();
-        let dy = guard_slice(&dyg, "trainable_linear")?;
-        let xg = x.storage_and_layout();
-        let xs = guard_slice(&xg, "trainable_linear")?;
-        let wg = w.storage_and_layout();
-        let ws = guard_slice(&wg, "trainable_linear")?;
+        let tensors = contiguous([grad, x, w])?;
+        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
+        let [dy, xs, ws] = guard_slices(&guards, "trainable_linear")?;
         let mut dx = vec![0f32; m * inp];
         let mut dw = vec![0f32; out * inp];
-        // SAFETY: as in the forward pass.
-        unsafe {
-            // dx = dy · W          [m, in]
-            kernels::gemm_parallel(
-                (m, inp, out),
-                dx.as_mut_ptr(),
-                inp,
-                false,
-                (dy.as_ptr(), out, 1),
-                (ws.as_ptr(), inp, 1),
-                1.0,
-            );
-            // dW = dyᵀ · x         [out, in]
-            kernels::gemm_parallel(
-                (out, inp, m),
-                dw.as_mut_ptr(),
-                inp,
-                false,
-                (dy.as_ptr(), 1, out),
-                (xs.as_ptr(), inp, 1),
-                1.0,
-            );
-        }
+        // dx = dy · W          [m, in]
+        kernels::matmul(&mut dx, (m, inp, out), false, Nn, dy, ws, 1.0);
+        // dW = dyᵀ · x         [out, in]
+        kernels::matmul(&mut dw, (out, inp, m), false, Tn, dy, xs, 1.0);
         let dev = Device::Cpu;
         Ok((
             Some(Tensor::from_vec(dx, (m, inp), &dev)?),

@@ -14,7 +14,10 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::kernels::{self, simd_fn};
+use super::kernels::{
+    self, simd_fn,
+    Operands::{Nn, Nt, Tn},
+};
 use super::{fused_applies, guard_slice, slice_of};
 
 /// Rows of logits materialized at once (`CHUNK × vocab` floats).
@@ -140,18 +143,7 @@ fn chunked_forward(
             xc[j * h..(j + 1) * h].copy_from_slice(&x[i * h..(i + 1) * h]);
         }
         // logits[c, vocab] = xc[c, h] · wᵀ  (w is [vocab, h] row-major).
-        // SAFETY: every index stays inside the buffers sized above; no overlap.
-        unsafe {
-            kernels::gemm_parallel(
-                (c, vocab, h),
-                logits.as_mut_ptr(),
-                vocab,
-                false,
-                (xc.as_ptr(), h, 1),
-                (w.as_ptr(), 1, h),
-                1.0,
-            );
-        }
+        kernels::matmul(&mut logits, (c, vocab, h), false, Nt, &xc, w, 1.0);
         let losses: Vec<f32> = logits[..c * vocab]
             .par_chunks_mut(vocab)
             .zip(chunk.par_iter())
@@ -159,32 +151,10 @@ fn chunked_forward(
             .collect();
         total += losses.iter().map(|&l| l as f64).sum::<f64>();
         // dxc[c, h] = (softmax − onehot)[c, vocab] · w[vocab, h]
-        // SAFETY: as above.
-        unsafe {
-            kernels::gemm_parallel(
-                (c, h, vocab),
-                dxc.as_mut_ptr(),
-                h,
-                false,
-                (logits.as_ptr(), vocab, 1),
-                (w.as_ptr(), h, 1),
-                1.0,
-            );
-        }
+        kernels::matmul(&mut dxc, (c, h, vocab), false, Nn, &logits, w, 1.0);
         if let Some(dw) = dw.as_deref_mut() {
             // dw[vocab, h] += (softmax − onehot)ᵀ[vocab, c] · xc[c, h]
-            // SAFETY: as above; `dw` holds vocab × h floats.
-            unsafe {
-                kernels::gemm_parallel(
-                    (vocab, h, c),
-                    dw.as_mut_ptr(),
-                    h,
-                    true,
-                    (logits.as_ptr(), 1, vocab),
-                    (xc.as_ptr(), h, 1),
-                    1.0,
-                );
-            }
+            kernels::matmul(dw, (vocab, h, c), true, Tn, &logits, &xc, 1.0);
         }
         for (j, &(i, _)) in chunk.iter().enumerate() {
             dx[i * h..(i + 1) * h].copy_from_slice(&dxc[j * h..(j + 1) * h]);

@@ -14,8 +14,11 @@ use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Te
 use crate::nf4::Nf4Matrix;
 use crate::weight::BaseWeight;
 
-use super::kernels;
-use super::{fused_applies, guard_slice, slice_of};
+use super::kernels::{
+    self,
+    Operands::{Nn, Nt, Tn},
+};
+use super::{contiguous, fused_applies, guard_slice, guard_slices, slice_of};
 
 /// `x @ weightᵀ + bias + scale · (x @ aᵀ) @ bᵀ` for `x` `[..., in]`, `weight` `[out, in]`
 /// (frozen), `a` `[r, in]`, `b` `[out, r]`: PEFT's `lora.Linear` forward without dropout; the
@@ -150,39 +153,12 @@ impl CustomOp3 for LoraLinear {
             accumulate = true;
         }
         let mut xa = vec![0f32; m * r];
-        // SAFETY: shapes checked by the caller; buffers sized to them; outputs are fresh.
-        unsafe {
-            // y (+)= x · Wᵀ
-            kernels::gemm_parallel(
-                (m, out, inp),
-                y.as_mut_ptr(),
-                out,
-                accumulate,
-                (x.as_ptr(), inp, 1),
-                (w.as_ptr(), 1, inp),
-                1.0,
-            );
-            // xa = x · Aᵀ
-            kernels::gemm_parallel(
-                (m, r, inp),
-                xa.as_mut_ptr(),
-                r,
-                false,
-                (x.as_ptr(), inp, 1),
-                (a.as_ptr(), 1, inp),
-                1.0,
-            );
-            // y += scale · xa · Bᵀ
-            kernels::gemm_parallel(
-                (m, out, r),
-                y.as_mut_ptr(),
-                out,
-                true,
-                (xa.as_ptr(), r, 1),
-                (b.as_ptr(), 1, r),
-                self.scale,
-            );
-        }
+        // y (+)= x · Wᵀ
+        kernels::matmul(&mut y, (m, out, inp), accumulate, Nt, x, w, 1.0);
+        // xa = x · Aᵀ
+        kernels::matmul(&mut xa, (m, r, inp), false, Nt, x, a, 1.0);
+        // y += scale · xa · Bᵀ
+        kernels::matmul(&mut y, (m, out, r), true, Nt, &xa, b, self.scale);
         *self.xa.lock().unwrap_or_else(|e| e.into_inner()) = Some(xa);
         Ok((CpuStorage::F32(y), Shape::from((m, out))))
     }
@@ -198,18 +174,10 @@ impl CustomOp3 for LoraLinear {
         let (m, inp) = x.dims2()?;
         let (r, _) = a.dims2()?;
         let (out, _) = b.dims2()?;
-        let dy_t = grad.contiguous()?;
-        let dyg = dy_t.storage_and_layout();
-        let dy = guard_slice(&dyg, "lora_linear")?;
-        let xg = x.storage_and_layout();
-        let xs = guard_slice(&xg, "lora_linear")?;
-        let ag = a.storage_and_layout();
-        let av = guard_slice(&ag, "lora_linear")?;
-        let bg = b.storage_and_layout();
-        let bv = guard_slice(&bg, "lora_linear")?;
         let weight = self.weight.dense()?;
-        let wg = weight.storage_and_layout();
-        let w = guard_slice(&wg, "lora_linear")?;
+        let tensors = contiguous([grad, x, a, b, &weight])?;
+        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
+        let [dy, xs, av, bv, w] = guard_slices(&guards, "lora_linear")?;
         let stored = self.xa.lock().unwrap_or_else(|e| e.into_inner());
         let Some(xa) = stored.as_ref() else {
             bail!("lora_linear: backward before forward");
@@ -218,58 +186,15 @@ impl CustomOp3 for LoraLinear {
         let mut dx = vec![0f32; m * inp];
         let mut da = vec![0f32; r * inp];
         let mut db = vec![0f32; out * r];
-        // SAFETY: as in the forward pass.
-        unsafe {
-            // t = dy · B                      [m, r]
-            kernels::gemm_parallel(
-                (m, r, out),
-                t.as_mut_ptr(),
-                r,
-                false,
-                (dy.as_ptr(), out, 1),
-                (bv.as_ptr(), r, 1),
-                1.0,
-            );
-            // dx = dy · W + scale · t · A     [m, in]
-            kernels::gemm_parallel(
-                (m, inp, out),
-                dx.as_mut_ptr(),
-                inp,
-                false,
-                (dy.as_ptr(), out, 1),
-                (w.as_ptr(), inp, 1),
-                1.0,
-            );
-            kernels::gemm_parallel(
-                (m, inp, r),
-                dx.as_mut_ptr(),
-                inp,
-                true,
-                (t.as_ptr(), r, 1),
-                (av.as_ptr(), inp, 1),
-                self.scale,
-            );
-            // dA = scale · tᵀ · x             [r, in]
-            kernels::gemm_parallel(
-                (r, inp, m),
-                da.as_mut_ptr(),
-                inp,
-                false,
-                (t.as_ptr(), 1, r),
-                (xs.as_ptr(), inp, 1),
-                self.scale,
-            );
-            // dB = scale · dyᵀ · xa           [out, r]
-            kernels::gemm_parallel(
-                (out, r, m),
-                db.as_mut_ptr(),
-                r,
-                false,
-                (dy.as_ptr(), 1, out),
-                (xa.as_ptr(), r, 1),
-                self.scale,
-            );
-        }
+        // t = dy · B                      [m, r]
+        kernels::matmul(&mut t, (m, r, out), false, Nn, dy, bv, 1.0);
+        // dx = dy · W + scale · t · A     [m, in]
+        kernels::matmul(&mut dx, (m, inp, out), false, Nn, dy, w, 1.0);
+        kernels::matmul(&mut dx, (m, inp, r), true, Nn, &t, av, self.scale);
+        // dA = scale · tᵀ · x             [r, in]
+        kernels::matmul(&mut da, (r, inp, m), false, Tn, &t, xs, self.scale);
+        // dB = scale · dyᵀ · xa           [out, r]
+        kernels::matmul(&mut db, (out, r, m), false, Tn, dy, xa, self.scale);
         let dev = Device::Cpu;
         Ok((
             Some(Tensor::from_vec(dx, (m, inp), &dev)?),

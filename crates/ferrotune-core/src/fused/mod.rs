@@ -61,6 +61,28 @@ fn guard_slice<'a, G: std::ops::Deref<Target = Storage>>(
     slice_of(cpu, guard.1, what)
 }
 
+/// `tensors` made contiguous (a cheap clone of those that already are), to lock for
+/// [`guard_slices`].
+fn contiguous<const N: usize>(tensors: [&Tensor; N]) -> Result<[Tensor; N]> {
+    let mut out = Vec::with_capacity(N);
+    for t in tensors {
+        out.push(t.contiguous()?);
+    }
+    Ok(out.try_into().expect("one tensor per input"))
+}
+
+/// [`guard_slice`] of each (locked storage, layout) pair in `guards`.
+fn guard_slices<'a, G: std::ops::Deref<Target = Storage>, const N: usize>(
+    guards: &'a [(G, &candle_core::Layout); N],
+    what: &str,
+) -> Result<[&'a [f32]; N]> {
+    let mut out: [&[f32]; N] = [&[]; N];
+    for (slice, guard) in out.iter_mut().zip(guards) {
+        *slice = guard_slice(guard, what)?;
+    }
+    Ok(out)
+}
+
 /// The contiguous f32 slice behind a CPU storage and its layout (as custom ops receive them).
 fn slice_of<'a>(
     storage: &'a candle_core::CpuStorage,

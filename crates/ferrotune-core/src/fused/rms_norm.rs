@@ -5,7 +5,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, Device, Layout, Result, Shape, Te
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{fused_applies, guard_slice, rows_per_task, slice_of};
+use super::{contiguous, fused_applies, guard_slices, rows_per_task, slice_of};
 
 /// RMSNorm over the last dimension: `weight * (x / sqrt(mean(x²) + eps))`, or with `offset_one`
 /// (Gemma) `(1 + weight) * (x / sqrt(mean(x²) + eps))`; differentiable w.r.t. `x` and `weight`.
@@ -146,15 +146,9 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (x_c, w_c, g_c) = (x.contiguous()?, weight.contiguous()?, grad.contiguous()?);
-        let (xg, wg, gg) = (
-            x_c.storage_and_layout(),
-            w_c.storage_and_layout(),
-            g_c.storage_and_layout(),
-        );
-        let xs = guard_slice(&xg, "rms_norm")?;
-        let w = guard_slice(&wg, "rms_norm")?;
-        let dy = guard_slice(&gg, "rms_norm")?;
+        let tensors = contiguous([x, weight, grad])?;
+        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
+        let [xs, w, dy] = guard_slices(&guards, "rms_norm")?;
         let h = w.len();
         let chunk = rows_per_task(h, CHUNK) * h;
         // A frozen weight (the usual case under LoRA) needs no gradient: skip that reduction.

@@ -5,7 +5,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Te
 use rayon::prelude::*;
 
 use super::kernels::simd_fn;
-use super::{fused_applies, guard_slice, rows_per_task, slice_of};
+use super::{contiguous, fused_applies, guard_slices, rows_per_task, slice_of};
 
 /// Applies RoPE to `x` `[b, heads, t, d]` with `cos`/`sin` `[b, 1, t, rot]` (a leading 1 instead
 /// of `b` is broadcast), as [`crate::ops::apply_rope`]: the first `rot` features are rotated in the
@@ -157,15 +157,9 @@ impl CustomOp3 for Rope {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = Dims::new(x.shape(), cos.shape())?;
-        let (g_c, c_c, s_c) = (grad.contiguous()?, cos.contiguous()?, sin.contiguous()?);
-        let (gg, cg, sg) = (
-            g_c.storage_and_layout(),
-            c_c.storage_and_layout(),
-            s_c.storage_and_layout(),
-        );
-        let dy = guard_slice(&gg, "rope")?;
-        let c = guard_slice(&cg, "rope")?;
-        let s = guard_slice(&sg, "rope")?;
+        let tensors = contiguous([grad, cos, sin])?;
+        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
+        let [dy, c, s] = guard_slices(&guards, "rope")?;
         let dx = apply(dy, c, s, &dims, true);
         Ok((
             Some(Tensor::from_vec(dx, x.shape(), &Device::Cpu)?),

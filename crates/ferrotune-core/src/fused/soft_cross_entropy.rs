@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{fused_applies, guard_slice, slice_of};
+use super::{contiguous, fused_applies, guard_slices, slice_of};
 
 /// Whether [`soft_cross_entropy_sum`] runs fused: f32 CPU rows with every student logit finite
 /// (torchtune zeroes the terms at infinite student logits, which the composite form does).
@@ -95,10 +95,9 @@ impl CustomOp2 for SoftCrossEntropy {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let (n, vocab) = student.dims2()?;
-        let (s_c, t_c) = (student.contiguous()?, teacher.contiguous()?);
-        let (sg, tg) = (s_c.storage_and_layout(), t_c.storage_and_layout());
-        let s = guard_slice(&sg, "soft_cross_entropy_sum")?;
-        let t = guard_slice(&tg, "soft_cross_entropy_sum")?;
+        let tensors = contiguous([student, teacher])?;
+        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
+        let [s, t] = guard_slices(&guards, "soft_cross_entropy_sum")?;
         let stats = self.stats.lock().expect("stats lock");
         if stats.len() != n {
             bail!("soft_cross_entropy_sum: backward before forward");

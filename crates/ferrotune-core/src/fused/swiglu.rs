@@ -4,7 +4,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, Device, Layout, Result, Shape, Te
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{fused_applies, guard_slice, slice_of};
+use super::{contiguous, fused_applies, guard_slices, slice_of};
 
 /// The activation applied to the gate projection of a gated MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -218,15 +218,9 @@ impl CustomOp2 for SwiGlu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (gate_c, up_c, grad_c) = (gate.contiguous()?, up.contiguous()?, grad.contiguous()?);
-        let (gg, ug, dg) = (
-            gate_c.storage_and_layout(),
-            up_c.storage_and_layout(),
-            grad_c.storage_and_layout(),
-        );
-        let g = guard_slice(&gg, "swiglu")?;
-        let u = guard_slice(&ug, "swiglu")?;
-        let dy = guard_slice(&dg, "swiglu")?;
+        let tensors = contiguous([gate, up, grad])?;
+        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
+        let [g, u, dy] = guard_slices(&guards, "swiglu")?;
         let mut d_gate = vec![0f32; g.len()];
         let mut d_up = vec![0f32; g.len()];
         d_gate

@@ -19,26 +19,23 @@ pub(super) async fn list_files<T: RepoType>(
     ctx: &Ctx<'_>,
     repo: &HFRepository<T>,
 ) -> Result<Vec<TreeFile>> {
-    let stream = repo
-        .list_tree()
-        .revision(ctx.revision.to_string())
-        .recursive(true)
-        .send()
-        .map_err(|e| ctx.error(e.into()))?;
-    futures::pin_mut!(stream);
-    let mut files = Vec::new();
-    while let Some(entry) = stream.next().await {
-        if let RepoTreeEntry::File { path, size, .. } = entry.map_err(|e| ctx.error(e.into()))? {
-            files.push(TreeFile { path, size });
-        }
-    }
-    Ok(files)
+    tree_files(ctx, repo, false).await
 }
 
 /// The parquet conversion's files, or none when the Hub has no conversion of this dataset.
 pub(super) async fn list_converted<T: RepoType>(
     ctx: &Ctx<'_>,
     repo: &HFRepository<T>,
+) -> Result<Vec<TreeFile>> {
+    tree_files(ctx, repo, true).await
+}
+
+/// The files of `repo`'s recursive tree at the context's revision; with `missing_is_empty`, a 404
+/// while listing means there is no such tree and gives no files.
+async fn tree_files<T: RepoType>(
+    ctx: &Ctx<'_>,
+    repo: &HFRepository<T>,
+    missing_is_empty: bool,
 ) -> Result<Vec<TreeFile>> {
     let stream = repo
         .list_tree()
@@ -54,7 +51,7 @@ pub(super) async fn list_converted<T: RepoType>(
             Ok(_) => {}
             Err(e) => {
                 let f = HubFailure::from(e);
-                if f.status == Some(404) {
+                if missing_is_empty && f.status == Some(404) {
                     return Ok(Vec::new());
                 }
                 return Err(ctx.error(f));

@@ -294,13 +294,9 @@ const fn gemma_arch(
     writing: GgufWriting,
 ) -> GgufArch {
     GgufArch {
-        name,
-        model_type,
-        variants: &[],
-        permuted_qk: false,
         norm_plus_one: true,
         vocab: GgufVocabStyle::Gemma,
-        writing,
+        ..GgufArch::plain(name, model_type, writing)
     }
 }
 

@@ -4,9 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::gguf::{llama_biases, GgufHParams, GgufMetadata, GgufMoe, GgufReading, GgufWriting};
-use super::{
-    no_defaults, Family, GgufArch, GgufVocabStyle, HfConfig, ModelType, Multimodal, TorchtuneLayout,
-};
+use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::{get_usize, positive, req_usize};
 use crate::config::{ModelConfig, MoeConfig};
 use crate::error::ModelError;
@@ -46,16 +44,8 @@ pub static FAMILY: Family = Family {
     }],
     text_aliases: &[],
     config_defaults: no_defaults,
-    gguf_archs: &[GgufArch {
-        name: "mistral",
-        model_type: "mistral",
-        variants: &[],
-        permuted_qk: false,
-        norm_plus_one: false,
-        vocab: GgufVocabStyle::Llama,
-        // Read only: the writer stores Mistral as llama.cpp's `llama`.
-        writing: GgufWriting::PLAIN,
-    }],
+    // Read only: the writer stores Mistral as llama.cpp's `llama`.
+    gguf_archs: &[GgufArch::plain("mistral", "mistral", GgufWriting::PLAIN)],
     torchtune_builders: &[(
         "mistral",
         &["mistral", "llama", "mixtral", "ministral", "ministral3"],

@@ -282,6 +282,24 @@ pub enum GgufVariant {
 }
 
 impl GgufArch {
+    /// An architecture stored as transformers holds it (no variants, no permutation, no norm
+    /// offset, Llama's vocabulary style): what the others are written relative to.
+    pub const fn plain(
+        name: &'static str,
+        model_type: &'static str,
+        writing: gguf::GgufWriting,
+    ) -> Self {
+        Self {
+            name,
+            model_type,
+            variants: &[],
+            permuted_qk: false,
+            norm_plus_one: false,
+            vocab: GgufVocabStyle::Llama,
+            writing,
+        }
+    }
+
     /// The `model_type` of a file of this architecture with `general.name` `name` (lowercased)
     /// and `experts` experts.
     pub fn model_type_of(&self, name: &str, experts: u64) -> &'static str {

@@ -43,33 +43,28 @@ pub static FAMILY: Family = Family {
     config_defaults,
     gguf_archs: &[
         GgufArch {
-            name: "phi3",
-            model_type: "phi3",
-            variants: &[],
-            permuted_qk: false,
-            norm_plus_one: false,
             vocab: GgufVocabStyle::Phi3,
-            writing: GgufWriting {
-                windows: GgufWindows::AllOrNone,
-                partial_rotary: true,
-                rope_tensors: GgufRopeTensors::LongRopeFactors,
-                ..GgufWriting::PLAIN
-            },
+            ..GgufArch::plain(
+                "phi3",
+                "phi3",
+                GgufWriting {
+                    windows: GgufWindows::AllOrNone,
+                    partial_rotary: true,
+                    rope_tensors: GgufRopeTensors::LongRopeFactors,
+                    ..GgufWriting::PLAIN
+                },
+            )
         },
         // Phi-1.5 / Phi-2: LayerNorm with biases, attention and MLP in parallel.
-        GgufArch {
-            name: "phi2",
-            model_type: "phi",
-            variants: &[],
-            permuted_qk: false,
-            norm_plus_one: false,
-            vocab: GgufVocabStyle::Llama,
-            writing: GgufWriting {
+        GgufArch::plain(
+            "phi2",
+            "phi",
+            GgufWriting {
                 output_required: true,
                 partial_rotary: true,
                 ..GgufWriting::PLAIN
             },
-        },
+        ),
     ],
     torchtune_builders: &[
         ("phi3", &["phi3", "phimoe"]),

@@ -4,9 +4,7 @@
 use serde_json::{Map, Value};
 
 use super::gguf::{GgufHParams, GgufMetadata, GgufMoe, GgufReading, GgufWriting};
-use super::{
-    no_defaults, Family, GgufArch, GgufVocabStyle, HfConfig, ModelType, Multimodal, TorchtuneLayout,
-};
+use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
 use crate::config::hf::{get_bool, get_usize, layer_list, positive, WindowStyle};
 use crate::config::{ModelConfig, MoeConfig};
 use crate::error::ModelError;
@@ -54,7 +52,7 @@ pub static FAMILY: Family = Family {
     ],
     config_defaults: no_defaults,
     gguf_archs: &[
-        plain_arch(
+        GgufArch::plain(
             "qwen2",
             "qwen2",
             GgufWriting {
@@ -63,8 +61,8 @@ pub static FAMILY: Family = Family {
                 ..GgufWriting::PLAIN
             },
         ),
-        plain_arch("qwen3", "qwen3", GgufWriting::PLAIN),
-        plain_arch(
+        GgufArch::plain("qwen3", "qwen3", GgufWriting::PLAIN),
+        GgufArch::plain(
             "qwen2moe",
             "qwen2_moe",
             GgufWriting {
@@ -75,7 +73,7 @@ pub static FAMILY: Family = Family {
                 ..GgufWriting::PLAIN
             },
         ),
-        plain_arch("qwen3moe", "qwen3_moe", GgufWriting::PLAIN),
+        GgufArch::plain("qwen3moe", "qwen3_moe", GgufWriting::PLAIN),
     ],
     torchtune_builders: &[
         ("qwen2", &["qwen2", "qwen2_moe"]),
@@ -198,21 +196,4 @@ fn parse_moe(obj: &Map<String, Value>, qwen2: bool, layers: usize) -> Result<Moe
             .collect(),
         sparse_mixer: None,
     })
-}
-
-/// A llama.cpp architecture stored as transformers holds it (no permutation, no norm offset).
-const fn plain_arch(
-    name: &'static str,
-    model_type: &'static str,
-    writing: GgufWriting,
-) -> GgufArch {
-    GgufArch {
-        name,
-        model_type,
-        variants: &[],
-        permuted_qk: false,
-        norm_plus_one: false,
-        vocab: GgufVocabStyle::Llama,
-        writing,
-    }
 }

@@ -3,7 +3,7 @@
 use serde_json::{Map, Value};
 
 use super::gguf::{GgufReading, GgufWriting};
-use super::{no_defaults, Family, GgufArch, GgufVocabStyle, HfConfig, ModelType};
+use super::{no_defaults, Family, GgufArch, HfConfig, ModelType};
 use crate::config::hf::{parse_rope_layers, WindowStyle};
 use crate::config::ModelConfig;
 
@@ -23,17 +23,16 @@ pub static FAMILY: Family = Family {
     // SmolLM3Config's default); convert_hf_to_gguf.py's SmolLM3 is its llama converter, so the
     // q/k rows are permuted as Llama's.
     gguf_archs: &[GgufArch {
-        name: "smollm3",
-        model_type: "smollm3",
-        variants: &[],
         permuted_qk: true,
-        norm_plus_one: false,
-        vocab: GgufVocabStyle::Llama,
         // llama.cpp's SmolLM3 leaves RoPE out of every fourth layer, whatever the config lists.
-        writing: GgufWriting {
-            nope_every_fourth: true,
-            ..GgufWriting::PLAIN
-        },
+        ..GgufArch::plain(
+            "smollm3",
+            "smollm3",
+            GgufWriting {
+                nope_every_fourth: true,
+                ..GgufWriting::PLAIN
+            },
+        )
     }],
     torchtune_builders: &[("smollm3", &["smollm3"])],
     hf_config: &SmolLm3Rules,

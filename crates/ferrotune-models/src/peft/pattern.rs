@@ -234,48 +234,49 @@ fn translate_class(c: &[char], mut i: usize, out: &mut String) -> Result<usize, 
             return Ok(i);
         }
         first = false;
-        let lo = if ch == '\\' {
-            let &e = c.get(i).ok_or("trailing backslash")?;
-            i += 1;
-            match e {
-                'n' => '\n',
-                't' => '\t',
-                // `\d`, `\w`, `\s` and their negations; others are the crate's to judge.
-                e if e.is_ascii_alphanumeric() => {
-                    out.push('\\');
-                    out.push(e);
-                    continue;
-                }
-                e => e,
-            }
-        } else {
-            ch
+        let Some(lo) = class_member(c, &mut i, ch, out)? else {
+            continue;
         };
         if c.get(i) == Some(&'-') && c.get(i + 1).is_some_and(|&n| n != ']') {
-            let mut hi = c[i + 1];
+            let hi = c[i + 1];
             i += 2;
             lit(out, lo);
             out.push('-');
-            if hi == '\\' {
-                let &e = c.get(i).ok_or("trailing backslash")?;
-                i += 1;
-                hi = match e {
-                    'n' => '\n',
-                    't' => '\t',
-                    e if e.is_ascii_alphanumeric() => {
-                        out.push('\\');
-                        out.push(e);
-                        continue;
-                    }
-                    e => e,
-                };
-            }
+            let Some(hi) = class_member(c, &mut i, hi, out)? else {
+                continue;
+            };
             lit(out, hi);
         } else {
             lit(out, lo);
         }
     }
     Err("unterminated character class".to_string())
+}
+
+/// The class member that starts with `ch` (already read; an escape's second character is read at
+/// `c[*i]`): the character it stands for, or `None` for a class escape, which goes to `out` as is.
+fn class_member(
+    c: &[char],
+    i: &mut usize,
+    ch: char,
+    out: &mut String,
+) -> Result<Option<char>, String> {
+    if ch != '\\' {
+        return Ok(Some(ch));
+    }
+    let &e = c.get(*i).ok_or("trailing backslash")?;
+    *i += 1;
+    Ok(match e {
+        'n' => Some('\n'),
+        't' => Some('\t'),
+        // `\d`, `\w`, `\s` and their negations; others are the crate's to judge.
+        e if e.is_ascii_alphanumeric() => {
+            out.push('\\');
+            out.push(e);
+            None
+        }
+        e => Some(e),
+    })
 }
 
 #[cfg(test)]

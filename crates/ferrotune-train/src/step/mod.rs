@@ -486,6 +486,10 @@ pub fn layered_forward_backward(
     }
     pass.gather(Unit::Root)?;
     let inputs = pass.model().layer_inputs(&batch.layout)?;
+    // Layer `i` on `x`, with this batch's layer inputs and kept rows.
+    let run_layer = |model: &CausalLm, i: usize, x: &Tensor| {
+        layer_on_rows(model, i, x, &inputs, &batch.layout, kept(i))
+    };
     let embedded = pass.model().embed(&batch.input_ids)?;
     let mut x = embedded.detach();
     let mut saved: Vec<Tensor> = Vec::with_capacity(run_to);
@@ -524,18 +528,11 @@ pub fn layered_forward_backward(
         if recompute {
             saved.push(x.clone());
             // `detach` drops the layer's graph: its activations are freed here, recomputed later.
-            x = layer_on_rows(pass.model(), i, &x, &inputs, &batch.layout, kept(i))?.detach();
+            x = run_layer(pass.model(), i, &x)?.detach();
             pass.forward_done(Unit::Layer(i));
         } else {
             let input = Var::from_tensor(&x)?;
-            let out = layer_on_rows(
-                pass.model(),
-                i,
-                input.as_tensor(),
-                &inputs,
-                &batch.layout,
-                kept(i),
-            )?;
+            let out = run_layer(pass.model(), i, input.as_tensor())?;
             x = out.detach();
             kept_graphs.push(Some((input, out)));
         }
@@ -591,14 +588,7 @@ pub fn layered_forward_backward(
                     pass.model().record_routers();
                 }
                 let input = Var::from_tensor(&saved[i])?;
-                let out = layer_on_rows(
-                    pass.model(),
-                    i,
-                    input.as_tensor(),
-                    &inputs,
-                    &batch.layout,
-                    kept(i),
-                )?;
+                let out = run_layer(pass.model(), i, input.as_tensor())?;
                 saved.truncate(i);
                 let records = if aux_weight.is_some() {
                     pass.model().take_router_records()
