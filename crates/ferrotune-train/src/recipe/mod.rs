@@ -1,13 +1,18 @@
 //! The recipes `ferrotune run` starts, as torchtune names them, and their registry: the one list
 //! of recipes that `run`, `validate`, `ls`, `cat` and `cp` read.
 
+pub mod dpo;
+pub mod early_exit_finetune;
 pub mod eleuther_eval;
 pub mod eval;
-pub mod finetune;
+pub mod full_finetune;
 pub mod generate;
 pub mod grpo;
 pub mod kit;
+pub mod knowledge_distillation;
+pub mod lora_finetune;
 pub mod ppo;
+pub mod qat;
 pub mod quantize;
 pub mod setup;
 pub mod state;
@@ -15,7 +20,7 @@ pub mod state;
 use anyhow::{anyhow, bail, Result};
 
 use crate::config::{nearest, Config};
-use finetune::Mode;
+use kit::settings::Mode;
 
 /// How many processes a recipe runs as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,14 +53,21 @@ pub struct Recipe {
 }
 
 impl Recipe {
-    /// A fine-tuning recipe of mode `mode`.
-    const fn finetune(name: &'static str, mode: Mode, ranks: Ranks) -> Recipe {
+    /// A fine-tuning recipe of mode `mode`, `run` over the kit's trainer by the recipe file
+    /// `source`; `validate` checks its settings as its trainer reads them.
+    const fn finetune(
+        name: &'static str,
+        mode: Mode,
+        ranks: Ranks,
+        run: fn(&Recipe, &Config) -> Result<()>,
+        source: &'static str,
+    ) -> Recipe {
         Recipe {
             name,
-            run: finetune::run,
-            check: finetune::check,
+            run,
+            check: kit::settings::check,
             ranks,
-            source: include_str!("finetune/mod.rs"),
+            source,
             mode: Some(mode),
         }
     }
@@ -73,32 +85,54 @@ impl Recipe {
     }
 }
 
+/// The registry entry of fine-tuning recipe `$name`: its [`Mode`], its [`Ranks`], and the recipe
+/// module (`src/recipe/$module.rs`) whose `run` it is and whose source `ferrotune cp` hands out.
+macro_rules! finetune {
+    ($name:literal, $mode:ident, $ranks:ident, $module:ident) => {
+        Recipe::finetune(
+            $name,
+            Mode::$mode,
+            Ranks::$ranks,
+            $module::run,
+            include_str!(concat!(stringify!($module), ".rs")),
+        )
+    };
+}
+
 /// Every recipe, in the order `ferrotune ls` lists them. torchtune has no single-device full
 /// DPO, QAT or early-exit recipes; one process is a world of one.
 pub static RECIPES: &[Recipe] = &[
-    Recipe::finetune("full_finetune_single_device", Mode::Full, Ranks::OneDevice),
-    Recipe::finetune("full_finetune_distributed", Mode::Full, Ranks::Several),
-    Recipe::finetune("lora_finetune_single_device", Mode::Lora, Ranks::OneDevice),
-    Recipe::finetune("lora_finetune_distributed", Mode::Lora, Ranks::Several),
-    Recipe::finetune(
+    finetune!(
+        "full_finetune_single_device",
+        Full,
+        OneDevice,
+        full_finetune
+    ),
+    finetune!("full_finetune_distributed", Full, Several, full_finetune),
+    finetune!(
+        "lora_finetune_single_device",
+        Lora,
+        OneDevice,
+        lora_finetune
+    ),
+    finetune!("lora_finetune_distributed", Lora, Several, lora_finetune),
+    finetune!(
         "knowledge_distillation_single_device",
-        Mode::Distill,
-        Ranks::OneDevice,
+        Distill,
+        OneDevice,
+        knowledge_distillation
     ),
-    Recipe::finetune(
+    finetune!(
         "knowledge_distillation_distributed",
-        Mode::Distill,
-        Ranks::Several,
+        Distill,
+        Several,
+        knowledge_distillation
     ),
-    Recipe::finetune("lora_dpo_single_device", Mode::Dpo, Ranks::OneDevice),
-    Recipe::finetune("lora_dpo_distributed", Mode::Dpo, Ranks::Several),
-    Recipe::finetune("full_dpo_distributed", Mode::FullDpo, Ranks::Several),
-    Recipe::finetune("qat_distributed", Mode::Qat, Ranks::Several),
-    Recipe::finetune(
-        "qat_lora_finetune_distributed",
-        Mode::QatLora,
-        Ranks::Several,
-    ),
+    finetune!("lora_dpo_single_device", Dpo, OneDevice, dpo),
+    finetune!("lora_dpo_distributed", Dpo, Several, dpo),
+    finetune!("full_dpo_distributed", FullDpo, Several, dpo),
+    finetune!("qat_distributed", Qat, Several, qat),
+    finetune!("qat_lora_finetune_distributed", QatLora, Several, qat),
     Recipe {
         name: ppo::RECIPE,
         run: |_, c| ppo::run(c),
@@ -115,10 +149,11 @@ pub static RECIPES: &[Recipe] = &[
         source: include_str!("grpo.rs"),
         mode: None,
     },
-    Recipe::finetune(
+    finetune!(
         "dev/early_exit_finetune_distributed",
-        Mode::EarlyExit,
-        Ranks::Several,
+        EarlyExit,
+        Several,
+        early_exit_finetune
     ),
     Recipe {
         name: quantize::RECIPE,

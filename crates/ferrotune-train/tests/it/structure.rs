@@ -83,7 +83,15 @@ fn no_recipe_imports_another_and_the_kit_imports_no_recipe() {
         .cloned()
         .collect();
     // The rule means something only while there are recipes and shared modules to tell apart.
-    for expected in ["finetune", "grpo", "ppo", "generate", "kit", "setup"] {
+    for expected in [
+        "lora_finetune",
+        "dpo",
+        "grpo",
+        "ppo",
+        "generate",
+        "kit",
+        "setup",
+    ] {
         assert!(
             all.iter().any(|m| m == expected),
             "src/recipe/{expected} is gone; update this test"

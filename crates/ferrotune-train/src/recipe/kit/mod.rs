@@ -11,8 +11,10 @@
 //! - [`data`]: training examples and their micro-batches;
 //! - [`checkpoint`]: the checkpointer every training recipe saves with;
 //! - [`rollout`]: what PPO and GRPO share around a rollout;
-//! - [`trainer`]: the optimizer side of a fine-tuning step (sums over the ranks, normalise,
-//!   clip, step);
+//! - [`settings`]: the fine-tuning recipes' settings, read once before anything is loaded;
+//! - [`trainer`]: what the fine-tuning recipes share around what each really does: start, model
+//!   loading, the plan of the run, the optimizer, the epochs' steps (micro-batches, forward and
+//!   backward, sums over the ranks, normalise, clip, step, log, validate) and their checkpoints;
 //! - [`validation`]: the loss over a held-out dataset, and each rank's rows of it;
 //! - [`report`]: the progress bar, memory reports, ignored keys, the kill-after-step test hook.
 
@@ -22,5 +24,6 @@ pub mod model;
 pub mod report;
 pub mod rollout;
 pub mod session;
+pub mod settings;
 pub mod trainer;
 pub mod validation;

@@ -16,7 +16,7 @@ use crate::schedule::LrSchedule;
 
 mod early_exit;
 
-pub use early_exit::{layer_skip, LayerDropoutSettings};
+pub use early_exit::{LayerDropoutSettings, LayerSkipSettings};
 // The stop and pad tokens are inference's; the training recipes generate and pad with them too.
 pub use ferrotune_infer::{pad_id, stop_ids};
 
@@ -349,16 +349,6 @@ pub fn check_component_at(cfg: &Config, key: &str, model: &ModelConfig) -> Resul
         );
     }
     Ok(())
-}
-
-/// Quantizes `model`'s base to NF4 when the config asks for QLoRA ([`quantize_base`]) and returns
-/// the line saying so. Before any adapter is attached: DoRA's magnitude is taken from the
-/// quantized weight, as in torchtune.
-pub fn quantize_base_if_asked(cfg: &Config, model: &mut CausalLm) -> Result<Option<String>> {
-    if !quantize_base(cfg)? {
-        return Ok(None);
-    }
-    Ok(Some(format!("QLoRA: {}", model.quantize_base_nf4()?)))
 }
 
 /// Whether the frozen base is quantized to NF4 (QLoRA): `model.quantize_base` when given (as the

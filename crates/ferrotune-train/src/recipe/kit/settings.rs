@@ -1,15 +1,74 @@
 //! The fine-tuning recipes' settings, read from the config once, before anything is loaded:
-//! every key `run` reads itself, typed and checked with the messages `run` gives.
+//! every key the recipes and their trainer read themselves, typed and checked with the messages
+//! a run gives (what `validate` checks too).
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 
 use crate::config::Config;
 use crate::loss::PreferenceLoss;
 use crate::recipe::kit::model::KdSettings;
+use crate::recipe::setup::LayerSkipSettings;
+use crate::recipe::Recipe;
 
-use super::Mode;
+/// Which weights a fine-tuning recipe trains, and against what: what its settings and the
+/// trainer's shared steps depend on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// LoRA/DoRA adapters on a frozen base.
+    Lora,
+    /// Every weight.
+    Full,
+    /// LoRA adapters trained against a frozen teacher's outputs as well as the labels
+    /// (torchtune's `knowledge_distillation_*`).
+    Distill,
+    /// LoRA adapters trained on preference pairs by DPO, the reference being the model with its
+    /// adapters disabled (torchtune's `lora_dpo_*`).
+    Dpo,
+    /// Every weight trained by DPO against a frozen reference model (`full_dpo_distributed`).
+    FullDpo,
+    /// Every weight trained through fake-quantized linear layers (`qat_distributed`).
+    Qat,
+    /// LoRA adapters on fake-quantized base layers (`qat_lora_finetune_distributed`).
+    QatLora,
+    /// Every weight, with LayerSkip's early-exit loss and layer dropout
+    /// (`dev/early_exit_finetune_distributed`, see [`crate::early_exit`]).
+    EarlyExit,
+}
+
+impl Mode {
+    /// Whether every weight trains (otherwise LoRA adapters on a frozen base).
+    pub fn full(self) -> bool {
+        matches!(
+            self,
+            Mode::Full | Mode::FullDpo | Mode::Qat | Mode::EarlyExit
+        )
+    }
+
+    /// Whether linear layers train fake-quantized (torchtune's QAT recipes).
+    pub fn qat(self) -> bool {
+        matches!(self, Mode::Qat | Mode::QatLora)
+    }
+
+    /// Whether the data are preference pairs and the loss a preference loss.
+    pub fn preference(self) -> bool {
+        matches!(self, Mode::Dpo | Mode::FullDpo)
+    }
+
+    /// The mode of fine-tuning recipe `recipe`.
+    pub fn of(recipe: &Recipe) -> Result<Mode> {
+        recipe
+            .mode
+            .ok_or_else(|| anyhow!("{} is not a fine-tuning recipe", recipe.name))
+    }
+}
+
+/// Checks a config for fine-tuning recipe `recipe` without loading anything: its [`Settings`]
+/// read as its `run` reads them (`validate`'s check of every fine-tuning recipe).
+pub fn check(recipe: &Recipe, cfg: &Config) -> Result<()> {
+    Settings::parse(cfg, Mode::of(recipe)?).map(|_| ())
+}
 
 /// torchtune speed/memory switches that change no number: accepted, and said to be ignored.
 const IGNORED_SWITCHES: [&str; 4] = [
@@ -71,6 +130,12 @@ pub struct Settings {
     pub kd: Option<KdSettings>,
     /// The QAT recipes' `quantizer.groupsize`.
     pub qat_group_size: Option<usize>,
+    /// A `quantizer` section given to a recipe other than the QAT ones (which says it is unused).
+    pub quantizer_unused: bool,
+    /// `model.quantize_base` (or a `qlora_*` builder): the frozen base quantized to NF4.
+    pub quantize_base: bool,
+    /// The early-exit recipe's `early_exit_loss` and `layer_dropout`.
+    pub layer_skip: Option<LayerSkipSettings>,
 }
 
 /// When and how `dataset_val` is scored.
@@ -158,6 +223,12 @@ impl Settings {
             true => Some(crate::recipe::setup::qat_group_size(cfg)?),
             false => None,
         };
+        let quantizer_unused = !mode.qat() && cfg.get("quantizer").is_some_and(|v| !v.is_null());
+        let quantize_base = crate::recipe::setup::quantize_base(cfg)?;
+        let layer_skip = match mode {
+            Mode::EarlyExit => Some(LayerSkipSettings::parse(cfg)?),
+            _ => None,
+        };
         Ok(Settings {
             output_dir,
             checkpoint_dir,
@@ -184,6 +255,9 @@ impl Settings {
             verbose_exits,
             kd,
             qat_group_size,
+            quantizer_unused,
+            quantize_base,
+            layer_skip,
         })
     }
 }

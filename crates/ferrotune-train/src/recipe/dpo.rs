@@ -1,0 +1,66 @@
+//! `lora_dpo_single_device`, `lora_dpo_distributed` and `full_dpo_distributed`: Direct
+//! Preference Optimization on pairs of a chosen and a rejected response to one prompt. The
+//! policy is LoRA adapters whose reference is the model with its adapters disabled, or every
+//! weight against a frozen reference model (`ref_checkpointer`, else the base). torchtune's
+//! recipes, top to bottom.
+//!
+//! What every fine-tuning recipe does around this (the session, loading, the data, the optimizer
+//! and LR schedule, the steps, checkpoints) is the kit's trainer
+//! ([`crate::recipe::kit::trainer`]); the DPO recipes have no validation loop.
+
+use anyhow::Result;
+use ferrotune_models::CausalLm;
+
+use crate::config::Config;
+use crate::loss::PreferenceLoss;
+use crate::recipe::kit::model::{reference_logps, setup_reference};
+use crate::recipe::kit::settings::Mode;
+use crate::recipe::kit::trainer::{At, FineTune, Hooks, Trainable};
+use crate::recipe::Recipe;
+use crate::step::{MicroBatch, Preference};
+
+/// Runs `entry`: `lora_dpo_single_device`, `lora_dpo_distributed` or `full_dpo_distributed`.
+pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
+    // ---------------------------------------------------------------- setup
+    let (run, mut policy) = FineTune::start(entry, cfg)?;
+    let full = run.mode == Mode::FullDpo;
+    let trainable = match full {
+        true => Trainable::all(&mut policy)?,
+        // `modules_to_save` is refused: the reference would need their original weights.
+        false => run.adapters(cfg, &mut policy)?,
+    };
+    run.trainable(cfg, &trainable);
+    let reference = match full {
+        true => {
+            let (session, base) = (&run.session, &run.base);
+            let (dtype, device, lead) = (session.dtype, &session.device, session.lead());
+            Some(setup_reference(cfg, &policy, base, dtype, device, lead)?)
+        }
+        false => None,
+    };
+    let loss = run.settings.preference_loss.expect("parsed for DPO");
+    let trainer = run.plan(cfg, policy, trainable)?.start(cfg)?;
+
+    // ---------------------------------------------------------------- training loop
+    // Each micro-batch of pairs carries the reference's log probabilities of both responses
+    // (torchtune's DPO metrics are logged as means over a step's pairs).
+    trainer.fit(cfg, &mut Dpo { reference, loss })
+}
+
+/// The frozen reference (none for LoRA: the policy with its adapters disabled) and the loss.
+struct Dpo {
+    reference: Option<CausalLm>,
+    loss: PreferenceLoss,
+}
+
+impl Hooks for Dpo {
+    fn prepare(&mut self, batch: &mut MicroBatch, at: At<'_>) -> Result<()> {
+        let reference = self.reference.as_ref();
+        let reference_logps = reference_logps(reference, at.model, at.sharded, batch)?;
+        batch.preference = Some(Preference {
+            reference_logps,
+            loss: self.loss,
+        });
+        Ok(())
+    }
+}
