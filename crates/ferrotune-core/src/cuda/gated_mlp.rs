@@ -8,14 +8,15 @@
 
 use std::sync::Mutex;
 
+use crate::fused::kernels::Operands::{Nn, Nt, Tn};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
-    alloc_storage, cpu_unsupported, cuda_device, empty, gemm, launch_elementwise, ptr, storage_ptr,
-    suffix, Arg,
+    alloc_storage, cuda_device, empty, launch_elementwise, ptr, storage_ptr, suffix, Arg, Blas,
+    Cuda, CudaOp, Forward, Grads,
 };
 
 /// [`crate::fused::gated_lora`] for CUDA tensors of one dtype: `x` `[..., in]`, frozen `w_gate`
@@ -39,7 +40,7 @@ pub(crate) fn gated_lora(
         saved: Mutex::new(None),
     };
     x.contiguous()?
-        .apply_op3(&a_cat.contiguous()?, &b_cat.contiguous()?, op)
+        .apply_op3(&a_cat.contiguous()?, &b_cat.contiguous()?, Cuda(op))
 }
 
 /// What the backward needs: the gate and up results and both `x Aᵀ` (`[m, r]` each).
@@ -62,34 +63,14 @@ fn wrap(s: CudaStorage, shape: (usize, usize)) -> Tensor {
     Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
 }
 
-impl CustomOp3 for GatedLora {
-    fn name(&self) -> &'static str {
-        "cuda-gated-lora-mlp"
-    }
+impl CudaOp<3> for GatedLora {
+    const NAME: &'static str = "cuda-gated-lora-mlp";
+    const WHAT: &'static str = "gated_lora";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("gated_lora")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        a: &CudaStorage,
-        al: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [x, a, b]: [&CudaStorage; 3], [xl, al, bl]: [&Layout; 3]) -> Forward {
         let dev = &x.device;
         let dtype = x.dtype();
+        let blas = Blas { dev, dtype };
         let es = dtype.size_in_bytes() as u64;
         let inp = *xl.shape().dims().last().unwrap_or(&0);
         let m = xl.shape().elem_count() / inp.max(1);
@@ -115,42 +96,9 @@ impl CustomOp3 for GatedLora {
             let xa = alloc_storage(dev, dtype, m * r)?;
             let y_p = storage_ptr(&y, &Layout::contiguous((m, inter)))?;
             let xa_p = storage_ptr(&xa, &Layout::contiguous((m, r)))?;
-            gemm(
-                dev,
-                dtype,
-                (m, inter, inp),
-                x_p,
-                false,
-                ptr(w)?,
-                true,
-                y_p,
-                1.0,
-                0.0,
-            )?;
-            gemm(
-                dev,
-                dtype,
-                (m, r, inp),
-                x_p,
-                false,
-                a_p + a_off * es,
-                true,
-                xa_p,
-                1.0,
-                0.0,
-            )?;
-            gemm(
-                dev,
-                dtype,
-                (m, inter, r),
-                xa_p,
-                false,
-                b_p + b_off * es,
-                true,
-                y_p,
-                s,
-                1.0,
-            )?;
+            blas.gemm((m, inter, inp), Nt, x_p, ptr(w)?, y_p, 1.0, 0.0)?;
+            blas.gemm((m, r, inp), Nt, x_p, a_p + a_off * es, xa_p, 1.0, 0.0)?;
+            blas.gemm((m, inter, r), Nt, xa_p, b_p + b_off * es, y_p, s, 1.0)?;
             parts.push((wrap(y, (m, inter)), wrap(xa, (m, r))));
         }
         let (up, xa_up) = parts.pop().expect("two parts");
@@ -182,20 +130,14 @@ impl CustomOp3 for GatedLora {
         Ok((out, Shape::from(dims)))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, a, b]: [&Tensor; 3], _res: &Tensor, dy: &Tensor) -> Grads<3> {
         let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some(saved) = saved else {
             bail!("gated_lora: backward without forward")
         };
         let dev = cuda_device(x)?;
         let dtype = x.dtype();
+        let blas = Blas { dev: &dev, dtype };
         let es = dtype.size_in_bytes() as u64;
         let inp = x.dim(candle_core::D::Minus1)?;
         let m = x.elem_count() / inp.max(1);
@@ -240,38 +182,21 @@ impl CustomOp3 for GatedLora {
             // d(xa) = s · d B;  dB = s · dᵀ xa;  dA = d(xa)ᵀ x.
             let dxa = empty(&dev, dtype, (m, r))?;
             let d_p = ptr(d)?;
-            gemm(
-                &dev,
-                dtype,
-                (m, r, inter),
-                d_p,
-                false,
-                b_p + b_off * es,
-                false,
-                ptr(&dxa)?,
-                s,
-                0.0,
-            )?;
-            gemm(
-                &dev,
-                dtype,
+            blas.gemm((m, r, inter), Nn, d_p, b_p + b_off * es, ptr(&dxa)?, s, 0.0)?;
+            blas.gemm(
                 (inter, r, m),
+                Tn,
                 d_p,
-                true,
                 ptr(xa)?,
-                false,
                 ptr(&db)? + b_off * es,
                 s,
                 0.0,
             )?;
-            gemm(
-                &dev,
-                dtype,
+            blas.gemm(
                 (r, inp, m),
+                Tn,
                 ptr(&dxa)?,
-                true,
                 x_p,
-                false,
                 ptr(&da)? + a_off * es,
                 1.0,
                 0.0,
@@ -282,50 +207,30 @@ impl CustomOp3 for GatedLora {
         let dx = if x.track_op() {
             let dx = empty(&dev, dtype, x.shape())?;
             let dx_p = ptr(&dx)?;
-            gemm(
-                &dev,
-                dtype,
+            blas.gemm(
                 (m, inp, inter),
+                Nn,
                 ptr(&dg)?,
-                false,
                 ptr(&self.w_gate)?,
-                false,
                 dx_p,
                 1.0,
                 0.0,
             )?;
-            gemm(
-                &dev,
-                dtype,
+            blas.gemm(
                 (m, inp, inter),
+                Nn,
                 ptr(&du)?,
-                false,
                 ptr(&self.w_up)?,
-                false,
                 dx_p,
                 1.0,
                 1.0,
             )?;
-            gemm(
-                &dev,
-                dtype,
+            blas.gemm((m, inp, r), Nn, ptr(&dxas[0])?, a_p, dx_p, 1.0, 1.0)?;
+            blas.gemm(
                 (m, inp, r),
-                ptr(&dxas[0])?,
-                false,
-                a_p,
-                false,
-                dx_p,
-                1.0,
-                1.0,
-            )?;
-            gemm(
-                &dev,
-                dtype,
-                (m, inp, r),
+                Nn,
                 ptr(&dxas[1])?,
-                false,
                 a_p + (r * inp) as u64 * es,
-                false,
                 dx_p,
                 1.0,
                 1.0,
@@ -334,6 +239,6 @@ impl CustomOp3 for GatedLora {
         } else {
             None
         };
-        Ok((dx, Some(da), Some(db)))
+        Ok([dx, Some(da), Some(db)])
     }
 }

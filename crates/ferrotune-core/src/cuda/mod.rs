@@ -28,6 +28,8 @@ use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Device, Layout, Result, Shape, Storage, Tensor};
 
+use crate::fused::kernels::Operands;
+
 /// The PTX of `kernels.cu`.
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 /// Name under which the module is cached on each device.
@@ -37,6 +39,76 @@ const MODULE: &str = "ferrotune_kernels";
 fn cpu_unsupported<T>(what: &str) -> Result<T> {
     bail!("{what}: the CUDA kernel was given CPU tensors")
 }
+
+/// A CUDA-only op of `N` inputs, which [`Cuda`] makes a candle custom op: the op says what it
+/// computes; candle's signatures and the CPU side's error live once, in [`Cuda`].
+trait CudaOp<const N: usize>: Send + Sync {
+    /// candle's name for the op.
+    const NAME: &'static str;
+    /// The public function's name, as errors give it.
+    const WHAT: &'static str;
+    /// The output's storage and shape from the inputs' storages and layouts.
+    fn forward(&self, inputs: [&CudaStorage; N], layouts: [&Layout; N]) -> Forward;
+    /// The inputs' gradients from the inputs, the output (`res`) and the output's gradient.
+    fn backward(&self, inputs: [&Tensor; N], res: &Tensor, grad: &Tensor) -> Grads<N>;
+}
+
+/// What [`CudaOp::forward`] returns: the output's storage and its shape.
+type Forward = Result<(CudaStorage, Shape)>;
+
+/// What [`CudaOp::backward`] returns: each input's gradient (`None` for none).
+type Grads<const N: usize> = Result<[Option<Tensor>; N]>;
+
+/// A [`CudaOp`] as candle's `CustomOp1`, `CustomOp2` or `CustomOp3` (by its number of inputs).
+struct Cuda<T>(T);
+
+/// Implements candle's `$op` for [`Cuda`] ops of one input per `($storage, $layout, $input)`.
+macro_rules! custom_op {
+    ($op:ident, $n:literal, $grads:ty, $(($storage:ident, $layout:ident, $input:ident)),+) => {
+        impl<T: CudaOp<$n>> candle_core::$op for Cuda<T> {
+            fn name(&self) -> &'static str {
+                T::NAME
+            }
+
+            // The CPU side names its inputs only to repeat once per input.
+            #[allow(unused_variables)]
+            fn cpu_fwd(
+                &self,
+                $($storage: &candle_core::CpuStorage, $layout: &Layout),+
+            ) -> Result<(candle_core::CpuStorage, Shape)> {
+                cpu_unsupported(T::WHAT)
+            }
+
+            fn cuda_fwd(&self, $($storage: &CudaStorage, $layout: &Layout),+) -> Forward {
+                self.0.forward([$($storage),+], [$($layout),+])
+            }
+
+            // One input: its gradient is returned bare, in parentheses the macro writes.
+            #[allow(unused_parens)]
+            fn bwd(&self, $($input: &Tensor,)+ res: &Tensor, grad: &Tensor) -> Result<$grads> {
+                let [$($input),+] = self.0.backward([$($input),+], res, grad)?;
+                Ok(($($input),+))
+            }
+        }
+    };
+}
+
+custom_op!(CustomOp1, 1, Option<Tensor>, (s1, l1, x1));
+custom_op!(
+    CustomOp2,
+    2,
+    (Option<Tensor>, Option<Tensor>),
+    (s1, l1, x1),
+    (s2, l2, x2)
+);
+custom_op!(
+    CustomOp3,
+    3,
+    (Option<Tensor>, Option<Tensor>, Option<Tensor>),
+    (s1, l1, x1),
+    (s2, l2, x2),
+    (s3, l3, x3)
+);
 
 /// Whether every tensor is a CUDA tensor of one dtype the kernels handle (f32 or bf16).
 pub(crate) fn applies(tensors: &[&Tensor]) -> bool {
@@ -179,18 +251,7 @@ fn launch(
     shared_bytes: u32,
     args: &[Arg],
 ) -> Result<()> {
-    launch_3d(dev, name, (grid.0, grid.1, 1), block, shared_bytes, args)
-}
-
-/// [`launch`] on a 3-D grid.
-fn launch_3d(
-    dev: &CudaDevice,
-    name: &str,
-    grid: (u32, u32, u32),
-    block: u32,
-    shared_bytes: u32,
-    args: &[Arg],
-) -> Result<()> {
+    let grid = (grid.0, grid.1, 1);
     launch_with(dev, name, grid, block, shared_bytes, args, false)
 }
 
@@ -368,73 +429,85 @@ fn stride_grid(n: usize) -> u32 {
     n.div_ceil(256).clamp(1, 65_535 * 16) as u32
 }
 
-/// A row-major GEMM on cuBLAS with accumulation: `C = alpha · op(A) · op(B) + beta · C`, where C
-/// is `[m, n]` (contiguous), op(A) is `[m, k]` stored as `[m, k]` (or as `[k, m]` when
-/// `a_transposed`) and op(B) is `[k, n]` stored as `[n, k]` (`b_transposed`, i.e. `A Bᵀ` with B in
-/// PyTorch's `Linear` layout) or as `[k, n]`. Pointers are to contiguous f32 or bf16 data of
-/// `dtype`; accumulation is in f32.
-///
-/// candle's matmul has no `beta`: adding a product into an existing buffer would cost a temporary
-/// and an extra pass over the output, which for LoRA's rank-r updates of `[tokens, features]`
-/// outputs is most of their cost.
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    dev: &CudaDevice,
+/// cuBLAS GEMMs on one device in one dtype: what every GEMM of an op's pass shares.
+struct Blas<'a> {
+    dev: &'a CudaDevice,
     dtype: DType,
-    (m, n, k): (usize, usize, usize),
-    a: u64,
-    a_transposed: bool,
-    b: u64,
-    b_transposed: bool,
-    c: u64,
-    alpha: f32,
-    beta: f32,
-) -> Result<()> {
-    use candle_core::cuda::cudarc::cublas::{result, sys};
-    if m == 0 || n == 0 {
-        return Ok(());
+}
+
+impl Blas<'_> {
+    /// A row-major GEMM on cuBLAS with accumulation: `C = alpha · op(A) · op(B) + beta · C`,
+    /// where C is `[m, n]` (contiguous), op(A) is `[m, k]` stored as `[m, k]` (or as `[k, m]`:
+    /// [`Operands::Tn`]) and op(B) is `[k, n]` stored as `[n, k]` ([`Operands::Nt`], i.e. `A Bᵀ`
+    /// with B in PyTorch's `Linear` layout) or as `[k, n]`. Pointers are to contiguous f32 or
+    /// bf16 data of the dtype; accumulation is in f32.
+    ///
+    /// candle's matmul has no `beta`: adding a product into an existing buffer would cost a
+    /// temporary and an extra pass over the output, which for LoRA's rank-r updates of
+    /// `[tokens, features]` outputs is most of their cost.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        (m, n, k): (usize, usize, usize),
+        operands: Operands,
+        a: u64,
+        b: u64,
+        c: u64,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        use candle_core::cuda::cudarc::cublas::{result, sys};
+        let (dev, dtype) = (self.dev, self.dtype);
+        let (a_transposed, b_transposed) = match operands {
+            Operands::Nt => (false, true),
+            Operands::Nn => (false, false),
+            Operands::Tn => (true, false),
+        };
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let data_type = match dtype {
+            DType::F32 => sys::cudaDataType::CUDA_R_32F,
+            DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+            other => bail!("no cuBLAS GEMM for {other:?}"),
+        };
+        // Column-major view: Cᵀ [n, m] = op(B)ᵀ [n, k] · op(A)ᵀ [k, m].
+        let (op_b, ldb) = if b_transposed {
+            (sys::cublasOperation_t::CUBLAS_OP_T, k)
+        } else {
+            (sys::cublasOperation_t::CUBLAS_OP_N, n)
+        };
+        let (op_a, lda) = if a_transposed {
+            (sys::cublasOperation_t::CUBLAS_OP_T, m)
+        } else {
+            (sys::cublasOperation_t::CUBLAS_OP_N, k)
+        };
+        let blas = dev.cublas_handle();
+        // SAFETY: the pointers address live buffers of the stated shapes on the stream cuBLAS
+        // runs on (candle's), and alpha/beta are f32 as the compute type requires.
+        unsafe {
+            result::gemm_ex(
+                *blas.handle(),
+                op_b,
+                op_a,
+                n as i32,
+                m as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                b as *const std::ffi::c_void,
+                data_type,
+                ldb as i32,
+                a as *const std::ffi::c_void,
+                data_type,
+                lda as i32,
+                (&beta as *const f32).cast(),
+                c as *mut std::ffi::c_void,
+                data_type,
+                n as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(candle_core::Error::wrap)
     }
-    let data_type = match dtype {
-        DType::F32 => sys::cudaDataType::CUDA_R_32F,
-        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
-        other => bail!("no cuBLAS GEMM for {other:?}"),
-    };
-    // Column-major view: Cᵀ [n, m] = op(B)ᵀ [n, k] · op(A)ᵀ [k, m].
-    let (op_b, ldb) = if b_transposed {
-        (sys::cublasOperation_t::CUBLAS_OP_T, k)
-    } else {
-        (sys::cublasOperation_t::CUBLAS_OP_N, n)
-    };
-    let (op_a, lda) = if a_transposed {
-        (sys::cublasOperation_t::CUBLAS_OP_T, m)
-    } else {
-        (sys::cublasOperation_t::CUBLAS_OP_N, k)
-    };
-    let blas = dev.cublas_handle();
-    // SAFETY: the pointers address live buffers of the stated shapes on the stream cuBLAS runs
-    // on (candle's), and alpha/beta are f32 as the compute type requires.
-    unsafe {
-        result::gemm_ex(
-            *blas.handle(),
-            op_b,
-            op_a,
-            n as i32,
-            m as i32,
-            k as i32,
-            (&alpha as *const f32).cast(),
-            b as *const std::ffi::c_void,
-            data_type,
-            ldb as i32,
-            a as *const std::ffi::c_void,
-            data_type,
-            lda as i32,
-            (&beta as *const f32).cast(),
-            c as *mut std::ffi::c_void,
-            data_type,
-            n as i32,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(candle_core::Error::wrap)
 }

@@ -2,11 +2,11 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
 use super::{
-    alloc_storage, cpu_unsupported, cuda_device, empty, launch, launch_dependent,
-    launch_elementwise, ptr, storage_ptr, storage_ptr_at, stride_grid, suffix, Arg,
+    alloc_storage, cuda_device, empty, launch, launch_dependent, launch_elementwise, ptr,
+    storage_ptr, storage_ptr_at, stride_grid, suffix, Arg, Cuda, CudaOp, Forward, Grads,
 };
 use crate::fused::GatedAct;
 
@@ -23,10 +23,10 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset_one: bool) 
     }
     x.contiguous()?.apply_op2(
         &weight.contiguous()?,
-        RmsNorm {
+        Cuda(RmsNorm {
             eps: eps as f32,
             offset_one,
-        },
+        }),
     )
 }
 
@@ -41,28 +41,11 @@ struct RmsNorm {
     offset_one: bool,
 }
 
-impl CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "cuda-rms-norm"
-    }
+impl CudaOp<2> for RmsNorm {
+    const NAME: &'static str = "cuda-rms-norm";
+    const WHAT: &'static str = "rms_norm";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("rms_norm")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [x, w]: [&CudaStorage; 2], [xl, wl]: [&Layout; 2]) -> Forward {
         let dtype = x.dtype();
         let h = wl.shape().elem_count();
         let rows = xl.shape().elem_count() / h.max(1);
@@ -89,13 +72,7 @@ impl CustomOp2 for RmsNorm {
         Ok((out, xl.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, w]: [&Tensor; 2], _res: &Tensor, dy: &Tensor) -> Grads<2> {
         let dev = cuda_device(x)?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         let h = w.dim(0)?;
@@ -134,7 +111,7 @@ impl CustomOp2 for RmsNorm {
             )?;
         }
         let dw = dw_acc.map(|t| t.to_dtype(w.dtype())).transpose()?;
-        Ok((Some(dx), dw))
+        Ok([Some(dx), dw])
     }
 }
 
@@ -143,7 +120,7 @@ impl CustomOp2 for RmsNorm {
 /// [`crate::fused::swiglu`] for CUDA tensors of one shape and dtype.
 pub(crate) fn swiglu(gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
     gate.contiguous()?
-        .apply_op2(&up.contiguous()?, Glu { act: act_code(act) })
+        .apply_op2(&up.contiguous()?, Cuda(Glu { act: act_code(act) }))
 }
 
 pub(crate) fn act_code(act: GatedAct) -> i32 {
@@ -158,28 +135,11 @@ struct Glu {
     act: i32,
 }
 
-impl CustomOp2 for Glu {
-    fn name(&self) -> &'static str {
-        "cuda-gated-activation"
-    }
+impl CudaOp<2> for Glu {
+    const NAME: &'static str = "cuda-gated-activation";
+    const WHAT: &'static str = "swiglu";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("swiglu")
-    }
-
-    fn cuda_fwd(
-        &self,
-        g: &CudaStorage,
-        gl: &Layout,
-        u: &CudaStorage,
-        ul: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [g, u]: [&CudaStorage; 2], [gl, ul]: [&Layout; 2]) -> Forward {
         let dtype = g.dtype();
         let n = gl.shape().elem_count();
         let out = alloc_storage(&g.device, dtype, n)?;
@@ -200,13 +160,7 @@ impl CustomOp2 for Glu {
         Ok((out, gl.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [g, u]: [&Tensor; 2], _res: &Tensor, dy: &Tensor) -> Grads<2> {
         let dev = cuda_device(g)?;
         let dy = dy.to_dtype(g.dtype())?.contiguous()?;
         let n = g.elem_count();
@@ -228,7 +182,7 @@ impl CustomOp2 for Glu {
                 ],
             )?;
         }
-        Ok((Some(dg), Some(du)))
+        Ok([Some(dg), Some(du)])
     }
 }
 
@@ -246,7 +200,7 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     } else {
         x.contiguous()?
     };
-    x.apply_op3(&cos, &sin, Rope)
+    x.apply_op3(&cos, &sin, Cuda(Rope))
 }
 
 struct Rope;
@@ -307,32 +261,11 @@ fn contiguous_strides(shape: &Shape) -> Result<[usize; 3]> {
     Ok([h * t * d, t * d, d])
 }
 
-impl CustomOp3 for Rope {
-    fn name(&self) -> &'static str {
-        "cuda-rope"
-    }
+impl CudaOp<3> for Rope {
+    const NAME: &'static str = "cuda-rope";
+    const WHAT: &'static str = "rope";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("rope")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        c: &CudaStorage,
-        cl: &Layout,
-        s: &CudaStorage,
-        sl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [x, c, s]: [&CudaStorage; 3], [xl, cl, sl]: [&Layout; 3]) -> Forward {
         let dtype = x.dtype();
         let out = alloc_storage(&x.device, dtype, xl.shape().elem_count())?;
         let st = xl.stride();
@@ -354,14 +287,7 @@ impl CustomOp3 for Rope {
         Ok((out, xl.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, cos, sin]: [&Tensor; 3], _res: &Tensor, dy: &Tensor) -> Grads<3> {
         let dev = cuda_device(x)?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         let dx = empty(&dev, x.dtype(), x.shape())?;
@@ -377,6 +303,6 @@ impl CustomOp3 for Rope {
             cos.shape(),
             true,
         )?;
-        Ok((Some(dx), None, None))
+        Ok([Some(dx), None, None])
     }
 }
