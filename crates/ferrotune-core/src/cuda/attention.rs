@@ -15,10 +15,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::cuda::CudaStorage;
 use candle_core::{bail, DType, Device, Layout, Result, Tensor, TensorId};
 
-use super::{
-    clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg, Cuda, CudaOp,
-    Forward, Grads,
-};
+use super::{clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg, Forward};
+use crate::custom_op::{Cuda, CudaOp, Grads};
 
 /// Scores per chunk (elements of `[b, heads, chunk, s]`) the chunk size aims for.
 const CHUNK_SCORES: usize = 1 << 26;

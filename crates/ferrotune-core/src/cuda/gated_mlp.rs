@@ -16,8 +16,9 @@ use candle_core::{bail, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
     alloc_storage, cuda_device, empty, launch_elementwise, ptr, storage_ptr, suffix, Arg, Blas,
-    Cuda, CudaOp, Forward, Grads,
+    Forward,
 };
+use crate::custom_op::{Cuda, CudaOp, Grads};
 
 /// [`crate::fused::gated_lora`] for CUDA tensors of one dtype: `x` `[..., in]`, frozen `w_gate`
 /// and `w_up` `[inter, in]`, `a_cat` `[2r, in]` (A_g over A_u), `b_cat` `[2·inter, r]` (B_g over

@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use candle_core::cuda::CudaStorage;
 use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
-use super::{
-    clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg, Cuda, CudaOp, Forward,
-};
+use super::{clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg, Forward};
+// `Grads` here names the head's saved gradients.
+use crate::custom_op::{Cuda, CudaOp, Grads as InputGrads};
 
 /// Logit elements per chunk (`rows × vocab`): 2²⁸ is 512 MiB in bf16.
 const CHUNK_LOGITS: usize = 1 << 28;
@@ -188,7 +188,7 @@ impl CudaOp<1> for FrozenHead {
         self.0.take_loss()
     }
 
-    fn backward(&self, _: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> super::Grads<1> {
+    fn backward(&self, _: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> InputGrads<1> {
         Ok([Some(Grads::scaled(&self.0.dx, grad)?)])
     }
 }
@@ -203,7 +203,7 @@ impl CudaOp<2> for TrainedHead {
         self.0.take_loss()
     }
 
-    fn backward(&self, _: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> super::Grads<2> {
+    fn backward(&self, _: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> InputGrads<2> {
         let dw = self
             .0
             .dw

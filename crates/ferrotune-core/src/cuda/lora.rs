@@ -15,8 +15,9 @@ use candle_core::{bail, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
     alloc_storage, cuda_device, empty, launch, ptr, storage_ptr, stride_grid, suffix, Arg, Blas,
-    Cuda, CudaOp, Forward, Grads,
+    Forward,
 };
+use crate::custom_op::{Cuda, CudaOp, Grads};
 
 /// [`crate::fused::lora_linear`] for CUDA tensors of one dtype, frozen `weight` and `bias`:
 /// `x` `[..., in]` (leading dimensions are rows), `weight` `[out, in]`, `a` `[r, in]`,

@@ -35,80 +35,8 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 /// Name under which the module is cached on each device.
 const MODULE: &str = "ferrotune_kernels";
 
-/// What the CPU side of a CUDA-only custom op returns: an error naming the op.
-fn cpu_unsupported<T>(what: &str) -> Result<T> {
-    bail!("{what}: the CUDA kernel was given CPU tensors")
-}
-
-/// A CUDA-only op of `N` inputs, which [`Cuda`] makes a candle custom op: the op says what it
-/// computes; candle's signatures and the CPU side's error live once, in [`Cuda`].
-trait CudaOp<const N: usize>: Send + Sync {
-    /// candle's name for the op.
-    const NAME: &'static str;
-    /// The public function's name, as errors give it.
-    const WHAT: &'static str;
-    /// The output's storage and shape from the inputs' storages and layouts.
-    fn forward(&self, inputs: [&CudaStorage; N], layouts: [&Layout; N]) -> Forward;
-    /// The inputs' gradients from the inputs, the output (`res`) and the output's gradient.
-    fn backward(&self, inputs: [&Tensor; N], res: &Tensor, grad: &Tensor) -> Grads<N>;
-}
-
-/// What [`CudaOp::forward`] returns: the output's storage and its shape.
-type Forward = Result<(CudaStorage, Shape)>;
-
-/// What [`CudaOp::backward`] returns: each input's gradient (`None` for none).
-type Grads<const N: usize> = Result<[Option<Tensor>; N]>;
-
-/// A [`CudaOp`] as candle's `CustomOp1`, `CustomOp2` or `CustomOp3` (by its number of inputs).
-struct Cuda<T>(T);
-
-/// Implements candle's `$op` for [`Cuda`] ops of one input per `($storage, $layout, $input)`.
-macro_rules! custom_op {
-    ($op:ident, $n:literal, $grads:ty, $(($storage:ident, $layout:ident, $input:ident)),+) => {
-        impl<T: CudaOp<$n>> candle_core::$op for Cuda<T> {
-            fn name(&self) -> &'static str {
-                T::NAME
-            }
-
-            // The CPU side names its inputs only to repeat once per input.
-            #[allow(unused_variables)]
-            fn cpu_fwd(
-                &self,
-                $($storage: &candle_core::CpuStorage, $layout: &Layout),+
-            ) -> Result<(candle_core::CpuStorage, Shape)> {
-                cpu_unsupported(T::WHAT)
-            }
-
-            fn cuda_fwd(&self, $($storage: &CudaStorage, $layout: &Layout),+) -> Forward {
-                self.0.forward([$($storage),+], [$($layout),+])
-            }
-
-            // One input: its gradient is returned bare, in parentheses the macro writes.
-            #[allow(unused_parens)]
-            fn bwd(&self, $($input: &Tensor,)+ res: &Tensor, grad: &Tensor) -> Result<$grads> {
-                let [$($input),+] = self.0.backward([$($input),+], res, grad)?;
-                Ok(($($input),+))
-            }
-        }
-    };
-}
-
-custom_op!(CustomOp1, 1, Option<Tensor>, (s1, l1, x1));
-custom_op!(
-    CustomOp2,
-    2,
-    (Option<Tensor>, Option<Tensor>),
-    (s1, l1, x1),
-    (s2, l2, x2)
-);
-custom_op!(
-    CustomOp3,
-    3,
-    (Option<Tensor>, Option<Tensor>, Option<Tensor>),
-    (s1, l1, x1),
-    (s2, l2, x2),
-    (s3, l3, x3)
-);
+/// What a [`CudaOp`](crate::custom_op::CudaOp)'s forward returns: the output's storage and shape.
+type Forward = crate::custom_op::Forward<CudaStorage>;
 
 /// Whether every tensor is a CUDA tensor of one dtype the kernels handle (f32 or bf16).
 pub(crate) fn applies(tensors: &[&Tensor]) -> bool {

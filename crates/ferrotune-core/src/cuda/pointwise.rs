@@ -6,8 +6,9 @@ use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
 use super::{
     alloc_storage, cuda_device, empty, launch, launch_dependent, launch_elementwise, ptr,
-    storage_ptr, storage_ptr_at, stride_grid, suffix, Arg, Cuda, CudaOp, Forward, Grads,
+    storage_ptr, storage_ptr_at, stride_grid, suffix, Arg, Forward,
 };
+use crate::custom_op::{Cuda, CudaOp, Grads};
 use crate::fused::GatedAct;
 
 /// Largest hidden size whose weight-gradient row fits the kernel's shared memory (48 KiB).

@@ -8,7 +8,8 @@ use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{contiguous, fused_applies, guard_slice, guard_slices, Forward, Fused, FusedOp, Grads};
+use super::{contiguous, fused_applies, guard_slice, guard_slices, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// `softmax(q kᵀ · scale + mask) v` per head, with grouped-query attention; differentiable w.r.t.
 /// `q`, `k` and `v`.

@@ -7,7 +7,8 @@ use candle_core::{bail, DType, Device, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{fused_applies, guard_slice, Forward, Fused, FusedOp, Grads};
+use super::{fused_applies, guard_slice, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// `Σ -log_softmax(logits[i])[targets[i]]` over the rows whose target is not `ignore_index`, and
 /// the number of such rows.

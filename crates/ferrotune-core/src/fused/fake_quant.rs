@@ -7,7 +7,8 @@ use std::sync::Mutex;
 use candle_core::{bail, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{guard_slice, Forward, Fused, FusedOp, Grads};
+use super::{guard_slice, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// Which of torchao's fake quantizers a row gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

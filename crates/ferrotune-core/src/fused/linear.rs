@@ -11,7 +11,8 @@ use std::sync::Arc;
 use candle_core::{Device, Result, Shape, Tensor};
 
 use super::kernels::Operands::{Nn, Nt, Tn};
-use super::{contiguous, fused_applies, guard_slices, kernels, Forward, Fused, FusedOp, Grads};
+use super::{contiguous, fused_applies, guard_slices, kernels, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 struct TrainableLinear;
 

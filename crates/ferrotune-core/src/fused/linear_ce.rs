@@ -16,7 +16,8 @@ use super::kernels::{
     self, simd_fn,
     Operands::{Nn, Nt, Tn},
 };
-use super::{fused_applies, guard_slice, Forward, Fused, FusedOp, Grads};
+use super::{fused_applies, guard_slice, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// Rows of logits materialized at once (`CHUNK × vocab` floats).
 const CHUNK: usize = 512;

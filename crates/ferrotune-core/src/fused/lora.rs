@@ -18,7 +18,8 @@ use super::kernels::{
     self,
     Operands::{Nn, Nt, Tn},
 };
-use super::{contiguous, fused_applies, guard_slice, guard_slices, Forward, Fused, FusedOp, Grads};
+use super::{contiguous, fused_applies, guard_slice, guard_slices, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// `x @ weightᵀ + bias + scale · (x @ aᵀ) @ bᵀ` for `x` `[..., in]`, `weight` `[out, in]`
 /// (frozen), `a` `[r, in]`, `b` `[out, r]`: PEFT's `lora.Linear` forward without dropout; the

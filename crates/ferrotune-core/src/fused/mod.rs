@@ -40,7 +40,7 @@ pub use rope::rope;
 pub use soft_cross_entropy::{soft_cross_entropy_applies, soft_cross_entropy_sum};
 pub use swiglu::{gated_lora, swiglu, GatedAct, LoraProjection};
 
-use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, DType, Device, Result, Storage, Tensor};
 
 /// Whether every tensor is f32 on the CPU, i.e. whether the fused kernels apply.
 pub(crate) fn fused_applies(tensors: &[&Tensor]) -> bool {
@@ -49,72 +49,8 @@ pub(crate) fn fused_applies(tensors: &[&Tensor]) -> bool {
         .all(|t| t.dtype() == DType::F32 && matches!(t.device(), Device::Cpu))
 }
 
-/// A fused CPU op of `N` f32 inputs, which [`Fused`] makes a candle custom op: the op says what
-/// it computes; candle's signatures and taking each input's data out of its storage live once, in
-/// [`Fused`].
-trait FusedOp<const N: usize>: Send + Sync {
-    /// candle's name for the op.
-    const NAME: &'static str;
-    /// The public function's name, as errors give it.
-    const WHAT: &'static str;
-    /// The output's data and shape from the inputs' contiguous data and their shapes.
-    fn forward(&self, inputs: [&[f32]; N], shapes: [&Shape; N]) -> Forward;
-    /// The inputs' gradients from the inputs, the output (`res`) and the output's gradient.
-    fn backward(&self, inputs: [&Tensor; N], res: &Tensor, grad: &Tensor) -> Grads<N>;
-}
-
-/// What [`FusedOp::forward`] returns: the output's f32 data and its shape.
-type Forward = Result<(Vec<f32>, Shape)>;
-
-/// What [`FusedOp::backward`] returns: each input's gradient (`None` for none).
-type Grads<const N: usize> = Result<[Option<Tensor>; N]>;
-
-/// A [`FusedOp`] as candle's `CustomOp1`, `CustomOp2` or `CustomOp3` (by its number of inputs).
-struct Fused<T>(T);
-
-/// Implements candle's `$op` for [`Fused`] ops of one input per `($storage, $layout, $input)`.
-macro_rules! custom_op {
-    ($op:ident, $n:literal, $grads:ty, $(($storage:ident, $layout:ident, $input:ident)),+) => {
-        impl<T: FusedOp<$n>> candle_core::$op for Fused<T> {
-            fn name(&self) -> &'static str {
-                T::NAME
-            }
-
-            fn cpu_fwd(
-                &self,
-                $($storage: &CpuStorage, $layout: &Layout),+
-            ) -> Result<(CpuStorage, Shape)> {
-                let inputs = [$(slice_of($storage, $layout, T::WHAT)?),+];
-                let (out, shape) = self.0.forward(inputs, [$($layout.shape()),+])?;
-                Ok((CpuStorage::F32(out), shape))
-            }
-
-            // One input: its gradient is returned bare, in parentheses the macro writes.
-            #[allow(unused_parens)]
-            fn bwd(&self, $($input: &Tensor,)+ res: &Tensor, grad: &Tensor) -> Result<$grads> {
-                let [$($input),+] = self.0.backward([$($input),+], res, grad)?;
-                Ok(($($input),+))
-            }
-        }
-    };
-}
-
-custom_op!(CustomOp1, 1, Option<Tensor>, (s1, l1, x1));
-custom_op!(
-    CustomOp2,
-    2,
-    (Option<Tensor>, Option<Tensor>),
-    (s1, l1, x1),
-    (s2, l2, x2)
-);
-custom_op!(
-    CustomOp3,
-    3,
-    (Option<Tensor>, Option<Tensor>, Option<Tensor>),
-    (s1, l1, x1),
-    (s2, l2, x2),
-    (s3, l3, x3)
-);
+/// What a [`FusedOp`](crate::custom_op::FusedOp)'s forward returns: the output's data and shape.
+type Forward = crate::custom_op::Forward<Vec<f32>>;
 
 /// The f32 data of a contiguous CPU tensor, from the (locked storage, layout) pair that
 /// `Tensor::storage_and_layout` returns.
@@ -151,7 +87,7 @@ fn guard_slices<'a, G: std::ops::Deref<Target = Storage>, const N: usize>(
 }
 
 /// The contiguous f32 slice behind a CPU storage and its layout (as custom ops receive them).
-fn slice_of<'a>(
+pub(crate) fn slice_of<'a>(
     storage: &'a candle_core::CpuStorage,
     layout: &candle_core::Layout,
     what: &str,

@@ -5,9 +5,8 @@ use candle_core::{bail, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{
-    contiguous, fused_applies, guard_slices, rows_per_task, Forward, Fused, FusedOp, Grads,
-};
+use super::{contiguous, fused_applies, guard_slices, rows_per_task, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// RMSNorm over the last dimension: `weight * (x / sqrt(mean(x²) + eps))`, or with `offset_one`
 /// (Gemma) `(1 + weight) * (x / sqrt(mean(x²) + eps))`; differentiable w.r.t. `x` and `weight`.

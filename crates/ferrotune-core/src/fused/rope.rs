@@ -5,9 +5,8 @@ use candle_core::{bail, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::simd_fn;
-use super::{
-    contiguous, fused_applies, guard_slices, rows_per_task, Forward, Fused, FusedOp, Grads,
-};
+use super::{contiguous, fused_applies, guard_slices, rows_per_task, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// Applies RoPE to `x` `[b, heads, t, d]` with `cos`/`sin` `[b, 1, t, rot]` (a leading 1 instead
 /// of `b` is broadcast), as [`crate::ops::apply_rope`]: the first `rot` features are rotated in the

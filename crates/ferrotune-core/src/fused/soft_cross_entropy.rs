@@ -7,7 +7,8 @@ use std::sync::Mutex;
 use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{contiguous, fused_applies, guard_slices, Forward, Fused, FusedOp, Grads};
+use super::{contiguous, fused_applies, guard_slices, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// Whether [`soft_cross_entropy_sum`] runs fused: f32 CPU rows with every student logit finite
 /// (torchtune zeroes the terms at infinite student logits, which the composite form does).

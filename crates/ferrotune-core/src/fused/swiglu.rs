@@ -4,7 +4,8 @@ use candle_core::{bail, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{contiguous, fused_applies, guard_slices, Forward, Fused, FusedOp, Grads};
+use super::{contiguous, fused_applies, guard_slices, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// The activation applied to the gate projection of a gated MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
