@@ -8,17 +8,15 @@
 
 use std::sync::Mutex;
 
-use crate::fused::kernels::Operands::{Nn, Nt, Tn};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{bail, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, Layout, Result, Storage, Tensor};
 
-use super::{
-    alloc_storage, cuda_device, empty, launch_elementwise, ptr, storage_ptr, suffix, Arg, Blas,
-    Forward,
-};
+use super::pointwise::launch_glu;
+use super::{alloc_storage, cuda_device, empty, ptr, storage_ptr, with_last_dim, Blas, Forward};
 use crate::custom_op::{Cuda, CudaOp, Grads};
+use crate::fused::kernels::Operands::{Nn, Nt, Tn};
 
 /// [`crate::fused::gated_lora`] for CUDA tensors of one dtype: `x` `[..., in]`, frozen `w_gate`
 /// and `w_up` `[inter, in]`, `a_cat` `[2r, in]` (A_g over A_u), `b_cat` `[2·inter, r]` (B_g over
@@ -107,18 +105,9 @@ impl CudaOp<3> for GatedLora {
         let out = alloc_storage(dev, dtype, m * inter)?;
         let n = m * inter;
         if n > 0 {
-            launch_elementwise(
-                dev,
-                &format!("glu_fwd_{}", suffix(dtype)?),
-                n,
-                &[
-                    Arg::Ptr(ptr(&gate)?),
-                    Arg::Ptr(ptr(&up)?),
-                    Arg::Ptr(storage_ptr(&out, &Layout::contiguous((m, inter)))?),
-                    Arg::I64(n as i64),
-                    Arg::I32(self.act),
-                ],
-            )?;
+            let out_p = storage_ptr(&out, &Layout::contiguous((m, inter)))?;
+            let ptrs = [ptr(&gate)?, ptr(&up)?, out_p];
+            launch_glu(dev, "glu_fwd", dtype, n, &ptrs, self.act)?;
         }
         *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(Saved {
             gate,
@@ -126,9 +115,7 @@ impl CudaOp<3> for GatedLora {
             xa_gate,
             xa_up,
         });
-        let mut dims = xl.shape().dims().to_vec();
-        *dims.last_mut().expect("rank ≥ 2") = inter;
-        Ok((out, Shape::from(dims)))
+        Ok((out, with_last_dim(xl.shape(), inter)))
     }
 
     fn backward(&self, [x, a, b]: [&Tensor; 3], _res: &Tensor, dy: &Tensor) -> Grads<3> {
@@ -149,26 +136,16 @@ impl CudaOp<3> for GatedLora {
         let dg = empty(&dev, dtype, (m, inter))?;
         let du = empty(&dev, dtype, (m, inter))?;
         if n > 0 {
-            launch_elementwise(
-                &dev,
-                &format!("glu_bwd_{}", suffix(dtype)?),
-                n,
-                &[
-                    Arg::Ptr(ptr(&saved.gate)?),
-                    Arg::Ptr(ptr(&saved.up)?),
-                    Arg::Ptr(ptr(&dy)?),
-                    Arg::Ptr(ptr(&dg)?),
-                    Arg::Ptr(ptr(&du)?),
-                    Arg::I64(n as i64),
-                    Arg::I32(self.act),
-                ],
-            )?;
+            let (gate, up) = (ptr(&saved.gate)?, ptr(&saved.up)?);
+            let ptrs = [gate, up, ptr(&dy)?, ptr(&dg)?, ptr(&du)?];
+            launch_glu(&dev, "glu_bwd", dtype, n, &ptrs, self.act)?;
         }
         drop(saved.gate);
         drop(saved.up);
         let da = empty(&dev, dtype, (2 * r, inp))?;
         let db = empty(&dev, dtype, (2 * inter, r))?;
         let (x_p, a_p, b_p) = (ptr(x)?, ptr(a)?, ptr(b)?);
+        let (da_p, db_p) = (ptr(&da)?, ptr(&db)?);
         let mut dxas = Vec::with_capacity(2);
         for (d, xa, a_off, b_off, s) in [
             (&dg, &saved.xa_gate, 0u64, 0u64, self.scales.0),
@@ -182,60 +159,26 @@ impl CudaOp<3> for GatedLora {
         ] {
             // d(xa) = s · d B;  dB = s · dᵀ xa;  dA = d(xa)ᵀ x.
             let dxa = empty(&dev, dtype, (m, r))?;
-            let d_p = ptr(d)?;
-            blas.gemm((m, r, inter), Nn, d_p, b_p + b_off * es, ptr(&dxa)?, s, 0.0)?;
-            blas.gemm(
-                (inter, r, m),
-                Tn,
-                d_p,
-                ptr(xa)?,
-                ptr(&db)? + b_off * es,
-                s,
-                0.0,
-            )?;
-            blas.gemm(
-                (r, inp, m),
-                Tn,
-                ptr(&dxa)?,
-                x_p,
-                ptr(&da)? + a_off * es,
-                1.0,
-                0.0,
-            )?;
+            let (d_p, xa_p, dxa_p) = (ptr(d)?, ptr(xa)?, ptr(&dxa)?);
+            // This projection's blocks of B, dB and dA.
+            let (b_s, db_s, da_s) = (b_p + b_off * es, db_p + b_off * es, da_p + a_off * es);
+            blas.gemm((m, r, inter), Nn, d_p, b_s, dxa_p, s, 0.0)?;
+            blas.gemm((inter, r, m), Tn, d_p, xa_p, db_s, s, 0.0)?;
+            blas.gemm((r, inp, m), Tn, dxa_p, x_p, da_s, 1.0, 0.0)?;
             dxas.push(dxa);
         }
         // dx = dg W_g + du W_u + d(xa_g) A_g + d(xa_u) A_u, accumulated in one buffer.
         let dx = if x.track_op() {
             let dx = empty(&dev, dtype, x.shape())?;
             let dx_p = ptr(&dx)?;
-            blas.gemm(
-                (m, inp, inter),
-                Nn,
-                ptr(&dg)?,
-                ptr(&self.w_gate)?,
-                dx_p,
-                1.0,
-                0.0,
-            )?;
-            blas.gemm(
-                (m, inp, inter),
-                Nn,
-                ptr(&du)?,
-                ptr(&self.w_up)?,
-                dx_p,
-                1.0,
-                1.0,
-            )?;
-            blas.gemm((m, inp, r), Nn, ptr(&dxas[0])?, a_p, dx_p, 1.0, 1.0)?;
-            blas.gemm(
-                (m, inp, r),
-                Nn,
-                ptr(&dxas[1])?,
-                a_p + (r * inp) as u64 * es,
-                dx_p,
-                1.0,
-                1.0,
-            )?;
+            let (dg_p, wg_p) = (ptr(&dg)?, ptr(&self.w_gate)?);
+            let (du_p, wu_p) = (ptr(&du)?, ptr(&self.w_up)?);
+            let (dxa_g, dxa_u) = (ptr(&dxas[0])?, ptr(&dxas[1])?);
+            let a_up = a_p + (r * inp) as u64 * es;
+            blas.gemm((m, inp, inter), Nn, dg_p, wg_p, dx_p, 1.0, 0.0)?;
+            blas.gemm((m, inp, inter), Nn, du_p, wu_p, dx_p, 1.0, 1.0)?;
+            blas.gemm((m, inp, r), Nn, dxa_g, a_p, dx_p, 1.0, 1.0)?;
+            blas.gemm((m, inp, r), Nn, dxa_u, a_up, dx_p, 1.0, 1.0)?;
             Some(dx)
         } else {
             None

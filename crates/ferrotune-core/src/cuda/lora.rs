@@ -7,17 +7,17 @@
 
 use std::sync::Mutex;
 
-use crate::fused::kernels::Operands::{Nn, Nt, Tn};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{bail, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, Layout, Result, Storage, Tensor};
 
 use super::{
-    alloc_storage, cuda_device, empty, launch, ptr, storage_ptr, stride_grid, suffix, Arg, Blas,
-    Forward,
+    alloc_storage, cuda_device, empty, launch, ptr, storage_ptr, stride_grid, suffix,
+    with_last_dim, Arg, Blas, Forward,
 };
 use crate::custom_op::{Cuda, CudaOp, Grads};
+use crate::fused::kernels::Operands::{Nn, Nt, Tn};
 
 /// [`crate::fused::lora_linear`] for CUDA tensors of one dtype, frozen `weight` and `bias`:
 /// `x` `[..., in]` (leading dimensions are rows), `weight` `[out, in]`, `a` `[r, in]`,
@@ -66,7 +66,11 @@ impl CudaOp<3> for LoraOp {
         let y_ptr = storage_ptr(&y, &Layout::contiguous((m, out)))?;
         let xa = alloc_storage(dev, dtype, m * r)?;
         let xa_ptr = storage_ptr(&xa, &Layout::contiguous((m, r)))?;
-        let x_ptr = storage_ptr(x, xl)?;
+        let (x_ptr, a_ptr, b_ptr) = (
+            storage_ptr(x, xl)?,
+            storage_ptr(a, al)?,
+            storage_ptr(b, bl)?,
+        );
         // y = x Wᵀ (+ bias); xa = x Aᵀ; y += scale · xa Bᵀ.
         blas.gemm((m, out, inp), Nt, x_ptr, ptr(&weight)?, y_ptr, 1.0, 0.0)?;
         if let Some(bias) = &self.bias {
@@ -84,29 +88,11 @@ impl CudaOp<3> for LoraOp {
                 ],
             )?;
         }
-        blas.gemm(
-            (m, r, inp),
-            Nt,
-            x_ptr,
-            storage_ptr(a, al)?,
-            xa_ptr,
-            1.0,
-            0.0,
-        )?;
-        blas.gemm(
-            (m, out, r),
-            Nt,
-            xa_ptr,
-            storage_ptr(b, bl)?,
-            y_ptr,
-            self.scale,
-            1.0,
-        )?;
+        blas.gemm((m, r, inp), Nt, x_ptr, a_ptr, xa_ptr, 1.0, 0.0)?;
+        blas.gemm((m, out, r), Nt, xa_ptr, b_ptr, y_ptr, self.scale, 1.0)?;
         let xa = Tensor::from_storage(Storage::Cuda(xa), (m, r), BackpropOp::none(), false);
         *self.xa.lock().unwrap_or_else(|e| e.into_inner()) = Some(xa);
-        let mut dims = xl.shape().dims().to_vec();
-        *dims.last_mut().expect("rank ≥ 2") = out;
-        Ok((y, Shape::from(dims)))
+        Ok((y, with_last_dim(xl.shape(), out)))
     }
 
     fn backward(&self, [x, a, b]: [&Tensor; 3], _res: &Tensor, dy: &Tensor) -> Grads<3> {

@@ -125,6 +125,13 @@ fn empty(dev: &CudaDevice, dtype: DType, shape: impl Into<Shape>) -> Result<Tens
     ))
 }
 
+/// `shape` with its last dimension set to `n`: a projection's output shape from its input's.
+fn with_last_dim(shape: &Shape, n: usize) -> Shape {
+    let mut dims = shape.dims().to_vec();
+    *dims.last_mut().expect("rank ≥ 2") = n;
+    Shape::from(dims)
+}
+
 /// A copy of `t`'s storage (for custom ops whose result was computed before the op ran).
 fn clone_storage(t: &Tensor) -> Result<CudaStorage> {
     use candle_core::backend::BackendStorage;

@@ -1,7 +1,7 @@
 //! RMSNorm, gated activations and RoPE on the GPU: one kernel forward, one backward.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::CudaStorage;
+use candle_core::cuda::{CudaDevice, CudaStorage};
 use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
 use super::{
@@ -136,6 +136,22 @@ struct Glu {
     act: i32,
 }
 
+/// Launches the gated activation's kernel `kernel` over `n` elements (`n > 0`) of contiguous
+/// `dtype` data: `glu_fwd` with the pointers (gate, up, out), `glu_bwd` with (gate, up, dy,
+/// d_gate, d_up). The gated LoRA MLP runs the same kernels.
+pub(super) fn launch_glu(
+    dev: &CudaDevice,
+    kernel: &str,
+    dtype: DType,
+    n: usize,
+    ptrs: &[u64],
+    act: i32,
+) -> Result<()> {
+    let mut args: Vec<Arg> = ptrs.iter().map(|&p| Arg::Ptr(p)).collect();
+    args.extend([Arg::I64(n as i64), Arg::I32(act)]);
+    launch_elementwise(dev, &format!("{kernel}_{}", suffix(dtype)?), n, &args)
+}
+
 impl CudaOp<2> for Glu {
     const NAME: &'static str = "cuda-gated-activation";
     const WHAT: &'static str = "swiglu";
@@ -145,18 +161,9 @@ impl CudaOp<2> for Glu {
         let n = gl.shape().elem_count();
         let out = alloc_storage(&g.device, dtype, n)?;
         if n > 0 {
-            launch_elementwise(
-                &g.device,
-                &format!("glu_fwd_{}", suffix(dtype)?),
-                n,
-                &[
-                    Arg::Ptr(storage_ptr(g, gl)?),
-                    Arg::Ptr(storage_ptr(u, ul)?),
-                    Arg::Ptr(storage_ptr(&out, &Layout::contiguous(gl.shape()))?),
-                    Arg::I64(n as i64),
-                    Arg::I32(self.act),
-                ],
-            )?;
+            let out_p = storage_ptr(&out, &Layout::contiguous(gl.shape()))?;
+            let ptrs = [storage_ptr(g, gl)?, storage_ptr(u, ul)?, out_p];
+            launch_glu(&g.device, "glu_fwd", dtype, n, &ptrs, self.act)?;
         }
         Ok((out, gl.shape().clone()))
     }
@@ -168,20 +175,8 @@ impl CudaOp<2> for Glu {
         let dg = empty(&dev, g.dtype(), g.shape())?;
         let du = empty(&dev, g.dtype(), g.shape())?;
         if n > 0 {
-            launch_elementwise(
-                &dev,
-                &format!("glu_bwd_{}", suffix(g.dtype())?),
-                n,
-                &[
-                    Arg::Ptr(ptr(g)?),
-                    Arg::Ptr(ptr(u)?),
-                    Arg::Ptr(ptr(&dy)?),
-                    Arg::Ptr(ptr(&dg)?),
-                    Arg::Ptr(ptr(&du)?),
-                    Arg::I64(n as i64),
-                    Arg::I32(self.act),
-                ],
-            )?;
+            let ptrs = [ptr(g)?, ptr(u)?, ptr(&dy)?, ptr(&dg)?, ptr(&du)?];
+            launch_glu(&dev, "glu_bwd", g.dtype(), n, &ptrs, self.act)?;
         }
         Ok([Some(dg), Some(du)])
     }
