@@ -30,20 +30,42 @@ fn dims(weight: &Tensor, layout: &Layout) -> Result<((usize, usize, usize), Layo
     Ok(((m, n, k), w_layout.transpose(0, 1)?))
 }
 
+impl FrozenMatmul {
+    /// The product on the backend `S` the input is on: `weight_on` finds the weight's storage
+    /// there (`None`: on another device, an error saying where the input is: `input_on`).
+    fn forward<S: BackendStorage>(
+        &self,
+        storage: &S,
+        layout: &Layout,
+        weight_on: impl Fn(&Storage) -> Option<&S>,
+        input_on: &str,
+    ) -> Result<(S, Shape)> {
+        let weight = self.weight.dense()?;
+        let ((m, n, k), wt_layout) = dims(&weight, layout)?;
+        let (w_storage, _) = weight.storage_and_layout();
+        let Some(w) = weight_on(&w_storage) else {
+            candle_core::bail!("frozen matmul: input {input_on}, weight elsewhere")
+        };
+        let out = storage.matmul(w, (1, m, n, k), layout, &wt_layout)?;
+        Ok((out, Shape::from((m, n))))
+    }
+}
+
 impl CustomOp1 for FrozenMatmul {
     fn name(&self) -> &'static str {
         "frozen-matmul"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let weight = self.weight.dense()?;
-        let ((m, n, k), wt_layout) = dims(&weight, layout)?;
-        let (w_storage, _) = weight.storage_and_layout();
-        let Storage::Cpu(w) = &*w_storage else {
-            candle_core::bail!("frozen matmul: input on the CPU, weight elsewhere")
-        };
-        let out = storage.matmul(w, (1, m, n, k), layout, &wt_layout)?;
-        Ok((out, Shape::from((m, n))))
+        self.forward(
+            storage,
+            layout,
+            |s| match s {
+                Storage::Cpu(w) => Some(w),
+                _ => None,
+            },
+            "on the CPU",
+        )
     }
 
     #[cfg(feature = "cuda")]
@@ -52,14 +74,15 @@ impl CustomOp1 for FrozenMatmul {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let weight = self.weight.dense()?;
-        let ((m, n, k), wt_layout) = dims(&weight, layout)?;
-        let (w_storage, _) = weight.storage_and_layout();
-        let Storage::Cuda(w) = &*w_storage else {
-            candle_core::bail!("frozen matmul: input on a GPU, weight elsewhere")
-        };
-        let out = storage.matmul(w, (1, m, n, k), layout, &wt_layout)?;
-        Ok((out, Shape::from((m, n))))
+        self.forward(
+            storage,
+            layout,
+            |s| match s {
+                Storage::Cuda(w) => Some(w),
+                _ => None,
+            },
+            "on a GPU",
+        )
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {

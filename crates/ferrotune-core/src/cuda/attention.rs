@@ -13,13 +13,10 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::cuda::CudaStorage;
-use candle_core::{
-    bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor, TensorId,
-};
+use candle_core::{bail, DType, Device, Layout, Result, Tensor, TensorId};
 
-use super::{
-    clone_storage, cpu_unsupported, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg,
-};
+use super::{clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg, Forward};
+use crate::custom_op::{Cuda, CudaOp, Grads};
 
 /// Scores per chunk (elements of `[b, heads, chunk, s]`) the chunk size aims for.
 const CHUNK_SCORES: usize = 1 << 26;
@@ -255,7 +252,7 @@ pub(crate) fn attention(
         scale: scale as f32,
         softcap,
     };
-    q.apply_op3_arc(k, v, Arc::new(Box::new(op)))
+    q.apply_op3_arc(k, v, Arc::new(Box::new(Cuda(op))))
 }
 
 /// Launches the softmax kernel over one chunk's scores `[b, nkv, rows, len]` (in place).
@@ -270,17 +267,34 @@ fn softmax(
     softcap: f32,
     recompute: bool,
 ) -> Result<()> {
-    let (b, nkv, rows, _) = scores.dims4()?;
-    let mut args = vec![Arg::Ptr(ptr(scores)?), Arg::Ptr(ptr(stats)?)];
-    args.extend(chunk_args(scores, plan, c, s)?);
-    args.extend([
+    let lead = [Arg::Ptr(ptr(scores)?), Arg::Ptr(ptr(stats)?)];
+    let tail = [
         Arg::F32(scale),
         Arg::I32(recompute as i32),
         Arg::F32(softcap),
-    ]);
+    ];
+    launch_chunk_rows("attn_softmax", scores, &lead, plan, c, s, &tail)
+}
+
+/// Launches the row-wise chunk kernel `kernel` (`attn_softmax`, `attn_softcap_bwd`; the dtype's
+/// suffix added) over `scores` `[b, nkv, rows, len]`, a block of 256 threads per row, with the
+/// arguments `lead`, then [`chunk_args`] of chunk `c` out of `s` keys, then `tail`.
+fn launch_chunk_rows(
+    kernel: &str,
+    scores: &Tensor,
+    lead: &[Arg],
+    plan: &Plan,
+    c: &Chunk,
+    s: usize,
+    tail: &[Arg],
+) -> Result<()> {
+    let (b, nkv, rows, _) = scores.dims4()?;
+    let mut args = lead.to_vec();
+    args.extend(chunk_args(scores, plan, c, s)?);
+    args.extend_from_slice(tail);
     launch(
         &cuda_device(scores)?,
-        &format!("attn_softmax_{}", suffix(scores.dtype())?),
+        &format!("{kernel}_{}", suffix(scores.dtype())?),
         (rows as u32, (b * nkv) as u32),
         256,
         0,
@@ -508,23 +522,14 @@ impl Attention {
         c: &Chunk,
         s: usize,
     ) -> Result<()> {
-        let (b, nkv, rows, _) = p.dims4()?;
-        let mut args = vec![
+        let lead = [
             Arg::Ptr(ptr(p)?),
             Arg::Ptr(ptr(dp)?),
             Arg::Ptr(ptr(stats)?),
             Arg::Ptr(ptr(d_rows)?),
         ];
-        args.extend(chunk_args(p, &self.plan, c, s)?);
-        args.extend([Arg::F32(self.scale), Arg::F32(self.softcap)]);
-        launch(
-            &cuda_device(p)?,
-            &format!("attn_softcap_bwd_{}", suffix(p.dtype())?),
-            (rows as u32, (b * nkv) as u32),
-            256,
-            0,
-            &args,
-        )
+        let tail = [Arg::F32(self.scale), Arg::F32(self.softcap)];
+        launch_chunk_rows("attn_softcap_bwd", p, &lead, &self.plan, c, s, &tail)
     }
 }
 
@@ -538,32 +543,11 @@ struct Attention {
     softcap: f32,
 }
 
-impl CustomOp3 for Attention {
-    fn name(&self) -> &'static str {
-        "cuda-attention"
-    }
+impl CudaOp<3> for Attention {
+    const NAME: &'static str = "cuda-attention";
+    const WHAT: &'static str = "attention";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("attention")
-    }
-
-    fn cuda_fwd(
-        &self,
-        _q: &CudaStorage,
-        _ql: &Layout,
-        _k: &CudaStorage,
-        _kl: &Layout,
-        _v: &CudaStorage,
-        _vl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, _: [&CudaStorage; 3], _: [&Layout; 3]) -> Forward {
         let out = self.out.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some(out) = out else {
             bail!("attention: forward ran twice")
@@ -571,14 +555,7 @@ impl CustomOp3 for Attention {
         Ok((clone_storage(&out)?, out.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [q, k, v]: [&Tensor; 3], out: &Tensor, dout: &Tensor) -> Grads<3> {
         let (q, k, v, out) = (
             q.detach().contiguous()?,
             k.detach().contiguous()?,
@@ -612,11 +589,11 @@ impl CustomOp3 for Attention {
         let dv = Tensor::zeros((b, nkv, s, hd), DType::F32, q.device())?;
         if flash_applies(&q, &k, &v)? && ptr(&dout)? % 16 == 0 {
             let dq = self.flash_backward(&q, &k, &v, &dout, &d_rows, &dk, &dv)?;
-            return Ok((
+            return Ok([
                 Some(dq),
                 Some(dk.to_dtype(dtype)?),
                 Some(dv.to_dtype(dtype)?),
-            ));
+            ]);
         }
         let q5 = q.reshape((b, nkv, g, t, hd))?;
         let do5 = dout.reshape((b, nkv, g, t, hd))?;
@@ -670,10 +647,10 @@ impl CustomOp3 for Attention {
             add_key_rows(&dk, &ds.t()?.matmul(&qc)?, c.ks)?;
         }
         let dq = cat3(dqs)?.reshape((b, nh, t, hd))?;
-        Ok((
+        Ok([
             Some(dq),
             Some(dk.to_dtype(dtype)?),
             Some(dv.to_dtype(dtype)?),
-        ))
+        ])
     }
 }

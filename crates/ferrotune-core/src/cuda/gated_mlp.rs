@@ -11,12 +11,12 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, Layout, Result, Storage, Tensor};
 
-use super::{
-    alloc_storage, cpu_unsupported, cuda_device, empty, gemm, launch_elementwise, ptr, storage_ptr,
-    suffix, Arg,
-};
+use super::pointwise::launch_glu;
+use super::{alloc_storage, cuda_device, empty, ptr, storage_ptr, with_last_dim, Blas, Forward};
+use crate::custom_op::{Cuda, CudaOp, Grads};
+use crate::fused::kernels::Operands::{Nn, Nt, Tn};
 
 /// [`crate::fused::gated_lora`] for CUDA tensors of one dtype: `x` `[..., in]`, frozen `w_gate`
 /// and `w_up` `[inter, in]`, `a_cat` `[2r, in]` (A_g over A_u), `b_cat` `[2·inter, r]` (B_g over
@@ -39,7 +39,7 @@ pub(crate) fn gated_lora(
         saved: Mutex::new(None),
     };
     x.contiguous()?
-        .apply_op3(&a_cat.contiguous()?, &b_cat.contiguous()?, op)
+        .apply_op3(&a_cat.contiguous()?, &b_cat.contiguous()?, Cuda(op))
 }
 
 /// What the backward needs: the gate and up results and both `x Aᵀ` (`[m, r]` each).
@@ -62,34 +62,14 @@ fn wrap(s: CudaStorage, shape: (usize, usize)) -> Tensor {
     Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
 }
 
-impl CustomOp3 for GatedLora {
-    fn name(&self) -> &'static str {
-        "cuda-gated-lora-mlp"
-    }
+impl CudaOp<3> for GatedLora {
+    const NAME: &'static str = "cuda-gated-lora-mlp";
+    const WHAT: &'static str = "gated_lora";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("gated_lora")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        a: &CudaStorage,
-        al: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [x, a, b]: [&CudaStorage; 3], [xl, al, bl]: [&Layout; 3]) -> Forward {
         let dev = &x.device;
         let dtype = x.dtype();
+        let blas = Blas { dev, dtype };
         let es = dtype.size_in_bytes() as u64;
         let inp = *xl.shape().dims().last().unwrap_or(&0);
         let m = xl.shape().elem_count() / inp.max(1);
@@ -115,42 +95,9 @@ impl CustomOp3 for GatedLora {
             let xa = alloc_storage(dev, dtype, m * r)?;
             let y_p = storage_ptr(&y, &Layout::contiguous((m, inter)))?;
             let xa_p = storage_ptr(&xa, &Layout::contiguous((m, r)))?;
-            gemm(
-                dev,
-                dtype,
-                (m, inter, inp),
-                x_p,
-                false,
-                ptr(w)?,
-                true,
-                y_p,
-                1.0,
-                0.0,
-            )?;
-            gemm(
-                dev,
-                dtype,
-                (m, r, inp),
-                x_p,
-                false,
-                a_p + a_off * es,
-                true,
-                xa_p,
-                1.0,
-                0.0,
-            )?;
-            gemm(
-                dev,
-                dtype,
-                (m, inter, r),
-                xa_p,
-                false,
-                b_p + b_off * es,
-                true,
-                y_p,
-                s,
-                1.0,
-            )?;
+            blas.gemm((m, inter, inp), Nt, x_p, ptr(w)?, y_p, 1.0, 0.0)?;
+            blas.gemm((m, r, inp), Nt, x_p, a_p + a_off * es, xa_p, 1.0, 0.0)?;
+            blas.gemm((m, inter, r), Nt, xa_p, b_p + b_off * es, y_p, s, 1.0)?;
             parts.push((wrap(y, (m, inter)), wrap(xa, (m, r))));
         }
         let (up, xa_up) = parts.pop().expect("two parts");
@@ -158,18 +105,9 @@ impl CustomOp3 for GatedLora {
         let out = alloc_storage(dev, dtype, m * inter)?;
         let n = m * inter;
         if n > 0 {
-            launch_elementwise(
-                dev,
-                &format!("glu_fwd_{}", suffix(dtype)?),
-                n,
-                &[
-                    Arg::Ptr(ptr(&gate)?),
-                    Arg::Ptr(ptr(&up)?),
-                    Arg::Ptr(storage_ptr(&out, &Layout::contiguous((m, inter)))?),
-                    Arg::I64(n as i64),
-                    Arg::I32(self.act),
-                ],
-            )?;
+            let out_p = storage_ptr(&out, &Layout::contiguous((m, inter)))?;
+            let ptrs = [ptr(&gate)?, ptr(&up)?, out_p];
+            launch_glu(dev, "glu_fwd", dtype, n, &ptrs, self.act)?;
         }
         *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(Saved {
             gate,
@@ -177,25 +115,17 @@ impl CustomOp3 for GatedLora {
             xa_gate,
             xa_up,
         });
-        let mut dims = xl.shape().dims().to_vec();
-        *dims.last_mut().expect("rank ≥ 2") = inter;
-        Ok((out, Shape::from(dims)))
+        Ok((out, with_last_dim(xl.shape(), inter)))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, a, b]: [&Tensor; 3], _res: &Tensor, dy: &Tensor) -> Grads<3> {
         let saved = self.saved.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some(saved) = saved else {
             bail!("gated_lora: backward without forward")
         };
         let dev = cuda_device(x)?;
         let dtype = x.dtype();
+        let blas = Blas { dev: &dev, dtype };
         let es = dtype.size_in_bytes() as u64;
         let inp = x.dim(candle_core::D::Minus1)?;
         let m = x.elem_count() / inp.max(1);
@@ -206,26 +136,16 @@ impl CustomOp3 for GatedLora {
         let dg = empty(&dev, dtype, (m, inter))?;
         let du = empty(&dev, dtype, (m, inter))?;
         if n > 0 {
-            launch_elementwise(
-                &dev,
-                &format!("glu_bwd_{}", suffix(dtype)?),
-                n,
-                &[
-                    Arg::Ptr(ptr(&saved.gate)?),
-                    Arg::Ptr(ptr(&saved.up)?),
-                    Arg::Ptr(ptr(&dy)?),
-                    Arg::Ptr(ptr(&dg)?),
-                    Arg::Ptr(ptr(&du)?),
-                    Arg::I64(n as i64),
-                    Arg::I32(self.act),
-                ],
-            )?;
+            let (gate, up) = (ptr(&saved.gate)?, ptr(&saved.up)?);
+            let ptrs = [gate, up, ptr(&dy)?, ptr(&dg)?, ptr(&du)?];
+            launch_glu(&dev, "glu_bwd", dtype, n, &ptrs, self.act)?;
         }
         drop(saved.gate);
         drop(saved.up);
         let da = empty(&dev, dtype, (2 * r, inp))?;
         let db = empty(&dev, dtype, (2 * inter, r))?;
         let (x_p, a_p, b_p) = (ptr(x)?, ptr(a)?, ptr(b)?);
+        let (da_p, db_p) = (ptr(&da)?, ptr(&db)?);
         let mut dxas = Vec::with_capacity(2);
         for (d, xa, a_off, b_off, s) in [
             (&dg, &saved.xa_gate, 0u64, 0u64, self.scales.0),
@@ -239,101 +159,30 @@ impl CustomOp3 for GatedLora {
         ] {
             // d(xa) = s · d B;  dB = s · dᵀ xa;  dA = d(xa)ᵀ x.
             let dxa = empty(&dev, dtype, (m, r))?;
-            let d_p = ptr(d)?;
-            gemm(
-                &dev,
-                dtype,
-                (m, r, inter),
-                d_p,
-                false,
-                b_p + b_off * es,
-                false,
-                ptr(&dxa)?,
-                s,
-                0.0,
-            )?;
-            gemm(
-                &dev,
-                dtype,
-                (inter, r, m),
-                d_p,
-                true,
-                ptr(xa)?,
-                false,
-                ptr(&db)? + b_off * es,
-                s,
-                0.0,
-            )?;
-            gemm(
-                &dev,
-                dtype,
-                (r, inp, m),
-                ptr(&dxa)?,
-                true,
-                x_p,
-                false,
-                ptr(&da)? + a_off * es,
-                1.0,
-                0.0,
-            )?;
+            let (d_p, xa_p, dxa_p) = (ptr(d)?, ptr(xa)?, ptr(&dxa)?);
+            // This projection's blocks of B, dB and dA.
+            let (b_s, db_s, da_s) = (b_p + b_off * es, db_p + b_off * es, da_p + a_off * es);
+            blas.gemm((m, r, inter), Nn, d_p, b_s, dxa_p, s, 0.0)?;
+            blas.gemm((inter, r, m), Tn, d_p, xa_p, db_s, s, 0.0)?;
+            blas.gemm((r, inp, m), Tn, dxa_p, x_p, da_s, 1.0, 0.0)?;
             dxas.push(dxa);
         }
         // dx = dg W_g + du W_u + d(xa_g) A_g + d(xa_u) A_u, accumulated in one buffer.
         let dx = if x.track_op() {
             let dx = empty(&dev, dtype, x.shape())?;
             let dx_p = ptr(&dx)?;
-            gemm(
-                &dev,
-                dtype,
-                (m, inp, inter),
-                ptr(&dg)?,
-                false,
-                ptr(&self.w_gate)?,
-                false,
-                dx_p,
-                1.0,
-                0.0,
-            )?;
-            gemm(
-                &dev,
-                dtype,
-                (m, inp, inter),
-                ptr(&du)?,
-                false,
-                ptr(&self.w_up)?,
-                false,
-                dx_p,
-                1.0,
-                1.0,
-            )?;
-            gemm(
-                &dev,
-                dtype,
-                (m, inp, r),
-                ptr(&dxas[0])?,
-                false,
-                a_p,
-                false,
-                dx_p,
-                1.0,
-                1.0,
-            )?;
-            gemm(
-                &dev,
-                dtype,
-                (m, inp, r),
-                ptr(&dxas[1])?,
-                false,
-                a_p + (r * inp) as u64 * es,
-                false,
-                dx_p,
-                1.0,
-                1.0,
-            )?;
+            let (dg_p, wg_p) = (ptr(&dg)?, ptr(&self.w_gate)?);
+            let (du_p, wu_p) = (ptr(&du)?, ptr(&self.w_up)?);
+            let (dxa_g, dxa_u) = (ptr(&dxas[0])?, ptr(&dxas[1])?);
+            let a_up = a_p + (r * inp) as u64 * es;
+            blas.gemm((m, inp, inter), Nn, dg_p, wg_p, dx_p, 1.0, 0.0)?;
+            blas.gemm((m, inp, inter), Nn, du_p, wu_p, dx_p, 1.0, 1.0)?;
+            blas.gemm((m, inp, r), Nn, dxa_g, a_p, dx_p, 1.0, 1.0)?;
+            blas.gemm((m, inp, r), Nn, dxa_u, a_up, dx_p, 1.0, 1.0)?;
             Some(dx)
         } else {
             None
         };
-        Ok((dx, Some(da), Some(db)))
+        Ok([dx, Some(da), Some(db)])
     }
 }

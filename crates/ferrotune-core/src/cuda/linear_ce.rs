@@ -7,11 +7,11 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::cuda::CudaStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
-use super::{
-    clone_storage, cpu_unsupported, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg,
-};
+use super::{clone_storage, cuda_device, empty, launch, ptr, stride_grid, suffix, Arg, Forward};
+// `Grads` here names the head's saved gradients.
+use crate::custom_op::{Cuda, CudaOp, Grads as InputGrads};
 
 /// Logit elements per chunk (`rows × vocab`): 2²⁸ is 512 MiB in bf16.
 const CHUNK_LOGITS: usize = 1 << 28;
@@ -150,9 +150,9 @@ pub(crate) fn linear_cross_entropy_sum(
         dw: dw.map(|t| t.to_dtype(weight.dtype())).transpose()?,
     };
     if trained {
-        hidden.apply_op2_arc(weight, Arc::new(Box::new(TrainedHead(grads))))
+        hidden.apply_op2_arc(weight, Arc::new(Box::new(Cuda(TrainedHead(grads)))))
     } else {
-        hidden.apply_op1_arc(Arc::new(Box::new(FrozenHead(grads))))
+        hidden.apply_op1_arc(Arc::new(Box::new(Cuda(FrozenHead(grads)))))
     }
 }
 
@@ -180,64 +180,36 @@ impl Grads {
 
 struct FrozenHead(Grads);
 
-impl CustomOp1 for FrozenHead {
-    fn name(&self) -> &'static str {
-        "cuda-linear-cross-entropy"
-    }
+impl CudaOp<1> for FrozenHead {
+    const NAME: &'static str = "cuda-linear-cross-entropy";
+    const WHAT: &'static str = "linear_cross_entropy_sum";
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("linear_cross_entropy_sum")
-    }
-
-    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, _: [&CudaStorage; 1], _: [&Layout; 1]) -> Forward {
         self.0.take_loss()
     }
 
-    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(Grads::scaled(&self.0.dx, grad)?))
+    fn backward(&self, _: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> InputGrads<1> {
+        Ok([Some(Grads::scaled(&self.0.dx, grad)?)])
     }
 }
 
 struct TrainedHead(Grads);
 
-impl CustomOp2 for TrainedHead {
-    fn name(&self) -> &'static str {
-        "cuda-trained-linear-cross-entropy"
-    }
+impl CudaOp<2> for TrainedHead {
+    const NAME: &'static str = "cuda-trained-linear-cross-entropy";
+    const WHAT: &'static str = "linear_cross_entropy_sum";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("linear_cross_entropy_sum")
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, _: [&CudaStorage; 2], _: [&Layout; 2]) -> Forward {
         self.0.take_loss()
     }
 
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        _w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, _: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> InputGrads<2> {
         let dw = self
             .0
             .dw
             .as_ref()
             .map(|t| Grads::scaled(t, grad))
             .transpose()?;
-        Ok((Some(Grads::scaled(&self.0.dx, grad)?), dw))
+        Ok([Some(Grads::scaled(&self.0.dx, grad)?), dw])
     }
 }

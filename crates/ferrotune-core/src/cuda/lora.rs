@@ -10,12 +10,14 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, Layout, Result, Storage, Tensor};
 
 use super::{
-    alloc_storage, cpu_unsupported, cuda_device, empty, gemm, launch, ptr, storage_ptr,
-    stride_grid, suffix, Arg,
+    alloc_storage, cuda_device, empty, launch, ptr, storage_ptr, stride_grid, suffix,
+    with_last_dim, Arg, Blas, Forward,
 };
+use crate::custom_op::{Cuda, CudaOp, Grads};
+use crate::fused::kernels::Operands::{Nn, Nt, Tn};
 
 /// [`crate::fused::lora_linear`] for CUDA tensors of one dtype, frozen `weight` and `bias`:
 /// `x` `[..., in]` (leading dimensions are rows), `weight` `[out, in]`, `a` `[r, in]`,
@@ -35,7 +37,7 @@ pub(crate) fn lora_linear(
         xa: Mutex::new(None),
     };
     x.contiguous()?
-        .apply_op3(&a.contiguous()?, &b.contiguous()?, op)
+        .apply_op3(&a.contiguous()?, &b.contiguous()?, Cuda(op))
 }
 
 struct LoraOp {
@@ -46,34 +48,14 @@ struct LoraOp {
     xa: Mutex<Option<Tensor>>,
 }
 
-impl CustomOp3 for LoraOp {
-    fn name(&self) -> &'static str {
-        "cuda-lora-linear"
-    }
+impl CudaOp<3> for LoraOp {
+    const NAME: &'static str = "cuda-lora-linear";
+    const WHAT: &'static str = "lora_linear";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("lora_linear")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        a: &CudaStorage,
-        al: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [x, a, b]: [&CudaStorage; 3], [xl, al, bl]: [&Layout; 3]) -> Forward {
         let dev = &x.device;
         let dtype = x.dtype();
+        let blas = Blas { dev, dtype };
         let inp = *xl.shape().dims().last().unwrap_or(&0);
         let m = xl.shape().elem_count() / inp.max(1);
         let (r, _) = al.shape().dims2()?;
@@ -84,20 +66,13 @@ impl CustomOp3 for LoraOp {
         let y_ptr = storage_ptr(&y, &Layout::contiguous((m, out)))?;
         let xa = alloc_storage(dev, dtype, m * r)?;
         let xa_ptr = storage_ptr(&xa, &Layout::contiguous((m, r)))?;
-        let x_ptr = storage_ptr(x, xl)?;
+        let (x_ptr, a_ptr, b_ptr) = (
+            storage_ptr(x, xl)?,
+            storage_ptr(a, al)?,
+            storage_ptr(b, bl)?,
+        );
         // y = x Wᵀ (+ bias); xa = x Aᵀ; y += scale · xa Bᵀ.
-        gemm(
-            dev,
-            dtype,
-            (m, out, inp),
-            x_ptr,
-            false,
-            ptr(&weight)?,
-            true,
-            y_ptr,
-            1.0,
-            0.0,
-        )?;
+        blas.gemm((m, out, inp), Nt, x_ptr, ptr(&weight)?, y_ptr, 1.0, 0.0)?;
         if let Some(bias) = &self.bias {
             launch(
                 dev,
@@ -113,51 +88,21 @@ impl CustomOp3 for LoraOp {
                 ],
             )?;
         }
-        gemm(
-            dev,
-            dtype,
-            (m, r, inp),
-            x_ptr,
-            false,
-            storage_ptr(a, al)?,
-            true,
-            xa_ptr,
-            1.0,
-            0.0,
-        )?;
-        gemm(
-            dev,
-            dtype,
-            (m, out, r),
-            xa_ptr,
-            false,
-            storage_ptr(b, bl)?,
-            true,
-            y_ptr,
-            self.scale,
-            1.0,
-        )?;
+        blas.gemm((m, r, inp), Nt, x_ptr, a_ptr, xa_ptr, 1.0, 0.0)?;
+        blas.gemm((m, out, r), Nt, xa_ptr, b_ptr, y_ptr, self.scale, 1.0)?;
         let xa = Tensor::from_storage(Storage::Cuda(xa), (m, r), BackpropOp::none(), false);
         *self.xa.lock().unwrap_or_else(|e| e.into_inner()) = Some(xa);
-        let mut dims = xl.shape().dims().to_vec();
-        *dims.last_mut().expect("rank ≥ 2") = out;
-        Ok((y, Shape::from(dims)))
+        Ok((y, with_last_dim(xl.shape(), out)))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, a, b]: [&Tensor; 3], _res: &Tensor, dy: &Tensor) -> Grads<3> {
         let xa = self.xa.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some(xa) = xa else {
             bail!("lora_linear: backward without forward")
         };
         let dev = cuda_device(x)?;
         let dtype = x.dtype();
+        let blas = Blas { dev: &dev, dtype };
         let inp = x.dim(candle_core::D::Minus1)?;
         let m = x.elem_count() / inp.max(1);
         let (r, _) = a.dims2()?;
@@ -169,74 +114,19 @@ impl CustomOp3 for LoraOp {
         let db = empty(&dev, dtype, (out, r))?;
         let s = self.scale;
         // d(xa) = scale · dy B;  dB = scale · dyᵀ xa;  dA = d(xa)ᵀ x;  dx = dy W + d(xa) A.
-        gemm(
-            &dev,
-            dtype,
-            (m, r, out),
-            dy_p,
-            false,
-            b_p,
-            false,
-            ptr(&dxa)?,
-            s,
-            0.0,
-        )?;
-        gemm(
-            &dev,
-            dtype,
-            (out, r, m),
-            dy_p,
-            true,
-            xa_p,
-            false,
-            ptr(&db)?,
-            s,
-            0.0,
-        )?;
-        gemm(
-            &dev,
-            dtype,
-            (r, inp, m),
-            ptr(&dxa)?,
-            true,
-            x_p,
-            false,
-            ptr(&da)?,
-            1.0,
-            0.0,
-        )?;
+        blas.gemm((m, r, out), Nn, dy_p, b_p, ptr(&dxa)?, s, 0.0)?;
+        blas.gemm((out, r, m), Tn, dy_p, xa_p, ptr(&db)?, s, 0.0)?;
+        blas.gemm((r, inp, m), Tn, ptr(&dxa)?, x_p, ptr(&da)?, 1.0, 0.0)?;
         // The first layers' inputs (the frozen embedding's output) need no gradient.
         let dx = if x.track_op() {
             let weight = self.weight.dense()?;
             let dx = empty(&dev, dtype, x.shape())?;
-            gemm(
-                &dev,
-                dtype,
-                (m, inp, out),
-                dy_p,
-                false,
-                ptr(&weight)?,
-                false,
-                ptr(&dx)?,
-                1.0,
-                0.0,
-            )?;
-            gemm(
-                &dev,
-                dtype,
-                (m, inp, r),
-                ptr(&dxa)?,
-                false,
-                a_p,
-                false,
-                ptr(&dx)?,
-                1.0,
-                1.0,
-            )?;
+            blas.gemm((m, inp, out), Nn, dy_p, ptr(&weight)?, ptr(&dx)?, 1.0, 0.0)?;
+            blas.gemm((m, inp, r), Nn, ptr(&dxa)?, a_p, ptr(&dx)?, 1.0, 1.0)?;
             Some(dx)
         } else {
             None
         };
-        Ok((dx, Some(da), Some(db)))
+        Ok([dx, Some(da), Some(db)])
     }
 }

@@ -28,15 +28,15 @@ use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Device, Layout, Result, Shape, Storage, Tensor};
 
+use crate::fused::kernels::Operands;
+
 /// The PTX of `kernels.cu`.
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 /// Name under which the module is cached on each device.
 const MODULE: &str = "ferrotune_kernels";
 
-/// What the CPU side of a CUDA-only custom op returns: an error naming the op.
-fn cpu_unsupported<T>(what: &str) -> Result<T> {
-    bail!("{what}: the CUDA kernel was given CPU tensors")
-}
+/// What a [`CudaOp`](crate::custom_op::CudaOp)'s forward returns: the output's storage and shape.
+type Forward = crate::custom_op::Forward<CudaStorage>;
 
 /// Whether every tensor is a CUDA tensor of one dtype the kernels handle (f32 or bf16).
 pub(crate) fn applies(tensors: &[&Tensor]) -> bool {
@@ -125,6 +125,13 @@ fn empty(dev: &CudaDevice, dtype: DType, shape: impl Into<Shape>) -> Result<Tens
     ))
 }
 
+/// `shape` with its last dimension set to `n`: a projection's output shape from its input's.
+fn with_last_dim(shape: &Shape, n: usize) -> Shape {
+    let mut dims = shape.dims().to_vec();
+    *dims.last_mut().expect("rank ≥ 2") = n;
+    Shape::from(dims)
+}
+
 /// A copy of `t`'s storage (for custom ops whose result was computed before the op ran).
 fn clone_storage(t: &Tensor) -> Result<CudaStorage> {
     use candle_core::backend::BackendStorage;
@@ -179,18 +186,7 @@ fn launch(
     shared_bytes: u32,
     args: &[Arg],
 ) -> Result<()> {
-    launch_3d(dev, name, (grid.0, grid.1, 1), block, shared_bytes, args)
-}
-
-/// [`launch`] on a 3-D grid.
-fn launch_3d(
-    dev: &CudaDevice,
-    name: &str,
-    grid: (u32, u32, u32),
-    block: u32,
-    shared_bytes: u32,
-    args: &[Arg],
-) -> Result<()> {
+    let grid = (grid.0, grid.1, 1);
     launch_with(dev, name, grid, block, shared_bytes, args, false)
 }
 
@@ -368,73 +364,85 @@ fn stride_grid(n: usize) -> u32 {
     n.div_ceil(256).clamp(1, 65_535 * 16) as u32
 }
 
-/// A row-major GEMM on cuBLAS with accumulation: `C = alpha · op(A) · op(B) + beta · C`, where C
-/// is `[m, n]` (contiguous), op(A) is `[m, k]` stored as `[m, k]` (or as `[k, m]` when
-/// `a_transposed`) and op(B) is `[k, n]` stored as `[n, k]` (`b_transposed`, i.e. `A Bᵀ` with B in
-/// PyTorch's `Linear` layout) or as `[k, n]`. Pointers are to contiguous f32 or bf16 data of
-/// `dtype`; accumulation is in f32.
-///
-/// candle's matmul has no `beta`: adding a product into an existing buffer would cost a temporary
-/// and an extra pass over the output, which for LoRA's rank-r updates of `[tokens, features]`
-/// outputs is most of their cost.
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    dev: &CudaDevice,
+/// cuBLAS GEMMs on one device in one dtype: what every GEMM of an op's pass shares.
+struct Blas<'a> {
+    dev: &'a CudaDevice,
     dtype: DType,
-    (m, n, k): (usize, usize, usize),
-    a: u64,
-    a_transposed: bool,
-    b: u64,
-    b_transposed: bool,
-    c: u64,
-    alpha: f32,
-    beta: f32,
-) -> Result<()> {
-    use candle_core::cuda::cudarc::cublas::{result, sys};
-    if m == 0 || n == 0 {
-        return Ok(());
+}
+
+impl Blas<'_> {
+    /// A row-major GEMM on cuBLAS with accumulation: `C = alpha · op(A) · op(B) + beta · C`,
+    /// where C is `[m, n]` (contiguous), op(A) is `[m, k]` stored as `[m, k]` (or as `[k, m]`:
+    /// [`Operands::Tn`]) and op(B) is `[k, n]` stored as `[n, k]` ([`Operands::Nt`], i.e. `A Bᵀ`
+    /// with B in PyTorch's `Linear` layout) or as `[k, n]`. Pointers are to contiguous f32 or
+    /// bf16 data of the dtype; accumulation is in f32.
+    ///
+    /// candle's matmul has no `beta`: adding a product into an existing buffer would cost a
+    /// temporary and an extra pass over the output, which for LoRA's rank-r updates of
+    /// `[tokens, features]` outputs is most of their cost.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        (m, n, k): (usize, usize, usize),
+        operands: Operands,
+        a: u64,
+        b: u64,
+        c: u64,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        use candle_core::cuda::cudarc::cublas::{result, sys};
+        let (dev, dtype) = (self.dev, self.dtype);
+        let (a_transposed, b_transposed) = match operands {
+            Operands::Nt => (false, true),
+            Operands::Nn => (false, false),
+            Operands::Tn => (true, false),
+        };
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let data_type = match dtype {
+            DType::F32 => sys::cudaDataType::CUDA_R_32F,
+            DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+            other => bail!("no cuBLAS GEMM for {other:?}"),
+        };
+        // Column-major view: Cᵀ [n, m] = op(B)ᵀ [n, k] · op(A)ᵀ [k, m].
+        let (op_b, ldb) = if b_transposed {
+            (sys::cublasOperation_t::CUBLAS_OP_T, k)
+        } else {
+            (sys::cublasOperation_t::CUBLAS_OP_N, n)
+        };
+        let (op_a, lda) = if a_transposed {
+            (sys::cublasOperation_t::CUBLAS_OP_T, m)
+        } else {
+            (sys::cublasOperation_t::CUBLAS_OP_N, k)
+        };
+        let blas = dev.cublas_handle();
+        // SAFETY: the pointers address live buffers of the stated shapes on the stream cuBLAS
+        // runs on (candle's), and alpha/beta are f32 as the compute type requires.
+        unsafe {
+            result::gemm_ex(
+                *blas.handle(),
+                op_b,
+                op_a,
+                n as i32,
+                m as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                b as *const std::ffi::c_void,
+                data_type,
+                ldb as i32,
+                a as *const std::ffi::c_void,
+                data_type,
+                lda as i32,
+                (&beta as *const f32).cast(),
+                c as *mut std::ffi::c_void,
+                data_type,
+                n as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(candle_core::Error::wrap)
     }
-    let data_type = match dtype {
-        DType::F32 => sys::cudaDataType::CUDA_R_32F,
-        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
-        other => bail!("no cuBLAS GEMM for {other:?}"),
-    };
-    // Column-major view: Cᵀ [n, m] = op(B)ᵀ [n, k] · op(A)ᵀ [k, m].
-    let (op_b, ldb) = if b_transposed {
-        (sys::cublasOperation_t::CUBLAS_OP_T, k)
-    } else {
-        (sys::cublasOperation_t::CUBLAS_OP_N, n)
-    };
-    let (op_a, lda) = if a_transposed {
-        (sys::cublasOperation_t::CUBLAS_OP_T, m)
-    } else {
-        (sys::cublasOperation_t::CUBLAS_OP_N, k)
-    };
-    let blas = dev.cublas_handle();
-    // SAFETY: the pointers address live buffers of the stated shapes on the stream cuBLAS runs
-    // on (candle's), and alpha/beta are f32 as the compute type requires.
-    unsafe {
-        result::gemm_ex(
-            *blas.handle(),
-            op_b,
-            op_a,
-            n as i32,
-            m as i32,
-            k as i32,
-            (&alpha as *const f32).cast(),
-            b as *const std::ffi::c_void,
-            data_type,
-            ldb as i32,
-            a as *const std::ffi::c_void,
-            data_type,
-            lda as i32,
-            (&beta as *const f32).cast(),
-            c as *mut std::ffi::c_void,
-            data_type,
-            n as i32,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(candle_core::Error::wrap)
 }

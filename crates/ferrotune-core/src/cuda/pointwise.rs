@@ -1,13 +1,14 @@
 //! RMSNorm, gated activations and RoPE on the GPU: one kernel forward, one backward.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::CudaStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::cuda::{CudaDevice, CudaStorage};
+use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
 use super::{
-    alloc_storage, cpu_unsupported, cuda_device, empty, launch, launch_dependent,
-    launch_elementwise, ptr, storage_ptr, storage_ptr_at, stride_grid, suffix, Arg,
+    alloc_storage, cuda_device, empty, launch, launch_dependent, launch_elementwise, ptr,
+    storage_ptr, storage_ptr_at, stride_grid, suffix, Arg, Forward,
 };
+use crate::custom_op::{Cuda, CudaOp, Grads};
 use crate::fused::GatedAct;
 
 /// Largest hidden size whose weight-gradient row fits the kernel's shared memory (48 KiB).
@@ -23,10 +24,10 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset_one: bool) 
     }
     x.contiguous()?.apply_op2(
         &weight.contiguous()?,
-        RmsNorm {
+        Cuda(RmsNorm {
             eps: eps as f32,
             offset_one,
-        },
+        }),
     )
 }
 
@@ -41,28 +42,11 @@ struct RmsNorm {
     offset_one: bool,
 }
 
-impl CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "cuda-rms-norm"
-    }
+impl CudaOp<2> for RmsNorm {
+    const NAME: &'static str = "cuda-rms-norm";
+    const WHAT: &'static str = "rms_norm";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("rms_norm")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [x, w]: [&CudaStorage; 2], [xl, wl]: [&Layout; 2]) -> Forward {
         let dtype = x.dtype();
         let h = wl.shape().elem_count();
         let rows = xl.shape().elem_count() / h.max(1);
@@ -89,13 +73,7 @@ impl CustomOp2 for RmsNorm {
         Ok((out, xl.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, w]: [&Tensor; 2], _res: &Tensor, dy: &Tensor) -> Grads<2> {
         let dev = cuda_device(x)?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         let h = w.dim(0)?;
@@ -134,7 +112,7 @@ impl CustomOp2 for RmsNorm {
             )?;
         }
         let dw = dw_acc.map(|t| t.to_dtype(w.dtype())).transpose()?;
-        Ok((Some(dx), dw))
+        Ok([Some(dx), dw])
     }
 }
 
@@ -143,7 +121,7 @@ impl CustomOp2 for RmsNorm {
 /// [`crate::fused::swiglu`] for CUDA tensors of one shape and dtype.
 pub(crate) fn swiglu(gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
     gate.contiguous()?
-        .apply_op2(&up.contiguous()?, Glu { act: act_code(act) })
+        .apply_op2(&up.contiguous()?, Cuda(Glu { act: act_code(act) }))
 }
 
 pub(crate) fn act_code(act: GatedAct) -> i32 {
@@ -158,77 +136,49 @@ struct Glu {
     act: i32,
 }
 
-impl CustomOp2 for Glu {
-    fn name(&self) -> &'static str {
-        "cuda-gated-activation"
-    }
+/// Launches the gated activation's kernel `kernel` over `n` elements (`n > 0`) of contiguous
+/// `dtype` data: `glu_fwd` with the pointers (gate, up, out), `glu_bwd` with (gate, up, dy,
+/// d_gate, d_up). The gated LoRA MLP runs the same kernels.
+pub(super) fn launch_glu(
+    dev: &CudaDevice,
+    kernel: &str,
+    dtype: DType,
+    n: usize,
+    ptrs: &[u64],
+    act: i32,
+) -> Result<()> {
+    let mut args: Vec<Arg> = ptrs.iter().map(|&p| Arg::Ptr(p)).collect();
+    args.extend([Arg::I64(n as i64), Arg::I32(act)]);
+    launch_elementwise(dev, &format!("{kernel}_{}", suffix(dtype)?), n, &args)
+}
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("swiglu")
-    }
+impl CudaOp<2> for Glu {
+    const NAME: &'static str = "cuda-gated-activation";
+    const WHAT: &'static str = "swiglu";
 
-    fn cuda_fwd(
-        &self,
-        g: &CudaStorage,
-        gl: &Layout,
-        u: &CudaStorage,
-        ul: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [g, u]: [&CudaStorage; 2], [gl, ul]: [&Layout; 2]) -> Forward {
         let dtype = g.dtype();
         let n = gl.shape().elem_count();
         let out = alloc_storage(&g.device, dtype, n)?;
         if n > 0 {
-            launch_elementwise(
-                &g.device,
-                &format!("glu_fwd_{}", suffix(dtype)?),
-                n,
-                &[
-                    Arg::Ptr(storage_ptr(g, gl)?),
-                    Arg::Ptr(storage_ptr(u, ul)?),
-                    Arg::Ptr(storage_ptr(&out, &Layout::contiguous(gl.shape()))?),
-                    Arg::I64(n as i64),
-                    Arg::I32(self.act),
-                ],
-            )?;
+            let out_p = storage_ptr(&out, &Layout::contiguous(gl.shape()))?;
+            let ptrs = [storage_ptr(g, gl)?, storage_ptr(u, ul)?, out_p];
+            launch_glu(&g.device, "glu_fwd", dtype, n, &ptrs, self.act)?;
         }
         Ok((out, gl.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [g, u]: [&Tensor; 2], _res: &Tensor, dy: &Tensor) -> Grads<2> {
         let dev = cuda_device(g)?;
         let dy = dy.to_dtype(g.dtype())?.contiguous()?;
         let n = g.elem_count();
         let dg = empty(&dev, g.dtype(), g.shape())?;
         let du = empty(&dev, g.dtype(), g.shape())?;
         if n > 0 {
-            launch_elementwise(
-                &dev,
-                &format!("glu_bwd_{}", suffix(g.dtype())?),
-                n,
-                &[
-                    Arg::Ptr(ptr(g)?),
-                    Arg::Ptr(ptr(u)?),
-                    Arg::Ptr(ptr(&dy)?),
-                    Arg::Ptr(ptr(&dg)?),
-                    Arg::Ptr(ptr(&du)?),
-                    Arg::I64(n as i64),
-                    Arg::I32(self.act),
-                ],
-            )?;
+            let ptrs = [ptr(g)?, ptr(u)?, ptr(&dy)?, ptr(&dg)?, ptr(&du)?];
+            launch_glu(&dev, "glu_bwd", g.dtype(), n, &ptrs, self.act)?;
         }
-        Ok((Some(dg), Some(du)))
+        Ok([Some(dg), Some(du)])
     }
 }
 
@@ -246,7 +196,7 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     } else {
         x.contiguous()?
     };
-    x.apply_op3(&cos, &sin, Rope)
+    x.apply_op3(&cos, &sin, Cuda(Rope))
 }
 
 struct Rope;
@@ -307,32 +257,11 @@ fn contiguous_strides(shape: &Shape) -> Result<[usize; 3]> {
     Ok([h * t * d, t * d, d])
 }
 
-impl CustomOp3 for Rope {
-    fn name(&self) -> &'static str {
-        "cuda-rope"
-    }
+impl CudaOp<3> for Rope {
+    const NAME: &'static str = "cuda-rope";
+    const WHAT: &'static str = "rope";
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_unsupported("rope")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        c: &CudaStorage,
-        cl: &Layout,
-        s: &CudaStorage,
-        sl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
+    fn forward(&self, [x, c, s]: [&CudaStorage; 3], [xl, cl, sl]: [&Layout; 3]) -> Forward {
         let dtype = x.dtype();
         let out = alloc_storage(&x.device, dtype, xl.shape().elem_count())?;
         let st = xl.stride();
@@ -354,14 +283,7 @@ impl CustomOp3 for Rope {
         Ok((out, xl.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, cos, sin]: [&Tensor; 3], _res: &Tensor, dy: &Tensor) -> Grads<3> {
         let dev = cuda_device(x)?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         let dx = empty(&dev, x.dtype(), x.shape())?;
@@ -377,6 +299,6 @@ impl CustomOp3 for Rope {
             cos.shape(),
             true,
         )?;
-        Ok((Some(dx), None, None))
+        Ok([Some(dx), None, None])
     }
 }

@@ -4,11 +4,12 @@
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{contiguous, fused_applies, guard_slice, guard_slices, slice_of};
+use super::{contiguous, fused_applies, guard_slice, guard_slices, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// `softmax(q kᵀ · scale + mask) v` per head, with grouped-query attention; differentiable w.r.t.
 /// `q`, `k` and `v`.
@@ -115,7 +116,7 @@ pub fn attention_softcapped(
         stats: Mutex::new(Vec::new()),
     };
     q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, Fused(op))
 }
 
 /// The unfused formula (as the decoder computes it), for dtypes and devices without the kernel.
@@ -442,25 +443,13 @@ impl Attention {
     }
 }
 
-impl CustomOp3 for Attention {
-    fn name(&self) -> &'static str {
-        "fused-attention"
-    }
+impl FusedOp<3> for Attention {
+    const NAME: &'static str = "fused-attention";
+    const WHAT: &'static str = "attention";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn forward(&self, [q, k, v]: [&[f32]; 3], [q_shape, ..]: [&Shape; 3]) -> Forward {
         let dims = self.dims;
         let Dims { nh, t, s, hd, .. } = dims;
-        let q = slice_of(s1, l1, "attention")?;
-        let k = slice_of(s2, l2, "attention")?;
-        let v = slice_of(s3, l3, "attention")?;
         let mask_guard = self.mask.as_ref().map(|m| m.storage_and_layout());
         let mask = match &mask_guard {
             Some(g) => Some(guard_slice(g, "attention")?),
@@ -518,17 +507,10 @@ impl CustomOp3 for Attention {
                     });
             });
         *self.stats.lock().expect("stats lock") = stats;
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        Ok((out, q_shape.clone()))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [q, k, v]: [&Tensor; 3], res: &Tensor, grad: &Tensor) -> Grads<3> {
         let dims = self.dims;
         let Dims {
             b,
@@ -683,10 +665,10 @@ impl CustomOp3 for Attention {
             (sum_groups(&dk_q), sum_groups(&dv_q))
         };
         let dev = Device::Cpu;
-        Ok((
+        Ok([
             Some(Tensor::from_vec(dq, q_c.shape(), &dev)?),
             Some(Tensor::from_vec(dk, k_c.shape(), &dev)?),
             Some(Tensor::from_vec(dv, v_c.shape(), &dev)?),
-        ))
+        ])
     }
 }

@@ -3,11 +3,12 @@
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, D};
+use candle_core::{bail, DType, Device, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{fused_applies, guard_slice, slice_of};
+use super::{fused_applies, guard_slice, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// `Σ -log_softmax(logits[i])[targets[i]]` over the rows whose target is not `ignore_index`, and
 /// the number of such rows.
@@ -61,7 +62,7 @@ pub fn cross_entropy_sum(
             .collect(),
         stats: Mutex::new(Vec::new()),
     };
-    Ok((logits.contiguous()?.apply_op1(op)?, count))
+    Ok((logits.contiguous()?.apply_op1(Fused(op))?, count))
 }
 
 /// The same loss from differentiable candle ops, for dtypes and devices without the fused kernel.
@@ -117,14 +118,12 @@ simd_fn! {
     }
 }
 
-impl CustomOp1 for CrossEntropy {
-    fn name(&self) -> &'static str {
-        "fused-cross-entropy"
-    }
+impl FusedOp<1> for CrossEntropy {
+    const NAME: &'static str = "fused-cross-entropy";
+    const WHAT: &'static str = "cross_entropy_sum";
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (_, vocab) = layout.shape().dims2()?;
-        let x = slice_of(storage, layout, "cross_entropy_sum")?;
+    fn forward(&self, [x]: [&[f32]; 1], [shape]: [&Shape; 1]) -> Forward {
+        let (_, vocab) = shape.dims2()?;
         let stats: Vec<(f32, f32)> = x
             .par_chunks(vocab)
             .with_min_len(ROWS)
@@ -138,10 +137,10 @@ impl CustomOp1 for CrossEntropy {
             .filter_map(|((&(m, l), row), t)| t.map(|t| (l - (row[t] - m)) as f64))
             .sum();
         *self.stats.lock().expect("stats lock") = stats;
-        Ok((CpuStorage::F32(vec![total as f32]), Shape::from(())))
+        Ok((vec![total as f32], Shape::from(())))
     }
 
-    fn bwd(&self, logits: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn backward(&self, [logits]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> Grads<1> {
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let (_, vocab) = logits.dims2()?;
         let x_c = logits.contiguous()?;
@@ -163,6 +162,6 @@ impl CustomOp1 for CrossEntropy {
                     out[t] -= g;
                 }
             });
-        Ok(Some(Tensor::from_vec(dx, logits.shape(), &Device::Cpu)?))
+        Ok([Some(Tensor::from_vec(dx, logits.shape(), &Device::Cpu)?)])
     }
 }

@@ -4,10 +4,11 @@
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{guard_slice, slice_of};
+use super::{guard_slice, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// Which of torchao's fake quantizers a row gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,14 +81,12 @@ fn row(kind: FakeQuantKind, x: &[f32], out: &mut [f32], mask: Option<&mut [u8]>)
     }
 }
 
-impl CustomOp1 for FakeQuantRows {
-    fn name(&self) -> &'static str {
-        "fused-fake-quantize"
-    }
+impl FusedOp<1> for FakeQuantRows {
+    const NAME: &'static str = "fused-fake-quantize";
+    const WHAT: &'static str = "fake_quantize";
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (_, n) = layout.shape().dims2()?;
-        let x = slice_of(storage, layout, "fake_quantize")?;
+    fn forward(&self, [x]: [&[f32]; 1], [shape]: [&Shape; 1]) -> Forward {
+        let (_, n) = shape.dims2()?;
         let mut out = vec![0f32; x.len()];
         match &self.mask {
             Some(kept) => {
@@ -103,10 +102,10 @@ impl CustomOp1 for FakeQuantRows {
                 .zip(x.par_chunks(n))
                 .for_each(|(o, r)| row(self.kind, r, o, None)),
         }
-        Ok((CpuStorage::F32(out), layout.shape().clone()))
+        Ok((out, shape.clone()))
     }
 
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn backward(&self, [arg]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> Grads<1> {
         let Some(kept) = &self.mask else {
             bail!("fake_quantize: backward of an input that had no gradient");
         };
@@ -122,17 +121,17 @@ impl CustomOp1 for FakeQuantRows {
             .zip(mask.par_iter())
             .map(|(&d, &m)| if m == 1 { d } else { 0.0 })
             .collect();
-        Ok(Some(Tensor::from_vec(dx, arg.shape(), &Device::Cpu)?))
+        Ok([Some(Tensor::from_vec(dx, arg.shape(), &Device::Cpu)?)])
     }
 }
 
 /// Fake-quantizes each row of the f32 CPU tensor `x` (`[rows, n]`) as `kind` says; the gradient is
 /// the incoming one where the rounded value stayed strictly inside the integer range.
 pub fn fake_quantize_rows(x: &Tensor, kind: FakeQuantKind) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(FakeQuantRows {
+    x.contiguous()?.apply_op1(Fused(FakeQuantRows {
         kind,
         mask: x.track_op().then(|| Mutex::new(Vec::new())),
-    })
+    }))
 }
 
 #[cfg(test)]

@@ -8,41 +8,27 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
+use candle_core::{Device, Result, Shape, Tensor};
 
 use super::kernels::Operands::{Nn, Nt, Tn};
-use super::{contiguous, fused_applies, guard_slices, kernels, slice_of};
+use super::{contiguous, fused_applies, guard_slices, kernels, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 struct TrainableLinear;
 
-impl CustomOp2 for TrainableLinear {
-    fn name(&self) -> &'static str {
-        "fused-trainable-linear"
-    }
+impl FusedOp<2> for TrainableLinear {
+    const NAME: &'static str = "fused-trainable-linear";
+    const WHAT: &'static str = "trainable_linear";
 
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (m, inp) = xl.shape().dims2()?;
-        let (out, _) = wl.shape().dims2()?;
-        let x = slice_of(xs, xl, "trainable_linear")?;
-        let w = slice_of(ws, wl, "trainable_linear")?;
+    fn forward(&self, [x, w]: [&[f32]; 2], [x_shape, w_shape]: [&Shape; 2]) -> Forward {
+        let (m, inp) = x_shape.dims2()?;
+        let (out, _) = w_shape.dims2()?;
         let mut y = vec![0f32; m * out];
         kernels::matmul(&mut y, (m, out, inp), false, Nt, x, w, 1.0);
-        Ok((CpuStorage::F32(y), Shape::from((m, out))))
+        Ok((y, Shape::from((m, out))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, w]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let (m, inp) = x.dims2()?;
         let (out, _) = w.dims2()?;
         let tensors = contiguous([grad, x, w])?;
@@ -55,10 +41,10 @@ impl CustomOp2 for TrainableLinear {
         // dW = dyᵀ · x         [out, in]
         kernels::matmul(&mut dw, (out, inp, m), false, Tn, dy, xs, 1.0);
         let dev = Device::Cpu;
-        Ok((
+        Ok([
             Some(Tensor::from_vec(dx, (m, inp), &dev)?),
             Some(Tensor::from_vec(dw, (out, inp), &dev)?),
-        ))
+        ])
     }
 }
 
@@ -73,6 +59,8 @@ pub fn trainable_linear(rows: &Tensor, weight: &Tensor) -> Result<Tensor> {
     if inp != w_inp {
         candle_core::bail!("trainable_linear: input has {inp} features, weight expects {w_inp}");
     }
-    rows.contiguous()?
-        .apply_op2_arc(&weight.contiguous()?, Arc::new(Box::new(TrainableLinear)))
+    rows.contiguous()?.apply_op2_arc(
+        &weight.contiguous()?,
+        Arc::new(Box::new(Fused(TrainableLinear))),
+    )
 }

@@ -9,16 +9,15 @@
 
 use std::sync::Mutex;
 
-use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::{
     self, simd_fn,
     Operands::{Nn, Nt, Tn},
 };
-use super::{fused_applies, guard_slice, slice_of};
+use super::{fused_applies, guard_slice, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// Rows of logits materialized at once (`CHUNK × vocab` floats).
 const CHUNK: usize = 512;
@@ -84,7 +83,9 @@ pub fn linear_cross_entropy_sum(
             rows,
             grads: Mutex::new(None),
         };
-        let sum = hidden.contiguous()?.apply_op2(&weight.contiguous()?, op)?;
+        let sum = hidden
+            .contiguous()?
+            .apply_op2(&weight.contiguous()?, Fused(op))?;
         return Ok((sum, count));
     }
     let op = LinearCrossEntropy {
@@ -92,7 +93,7 @@ pub fn linear_cross_entropy_sum(
         rows,
         grad: Mutex::new(None),
     };
-    let sum = hidden.contiguous()?.apply_op1(op)?;
+    let sum = hidden.contiguous()?.apply_op1(Fused(op))?;
     Ok((sum, count))
 }
 
@@ -163,33 +164,31 @@ fn chunked_forward(
     (total, dx)
 }
 
-impl CustomOp1 for LinearCrossEntropy {
-    fn name(&self) -> &'static str {
-        "fused-linear-cross-entropy"
-    }
+impl FusedOp<1> for LinearCrossEntropy {
+    const NAME: &'static str = "fused-linear-cross-entropy";
+    const WHAT: &'static str = "linear_cross_entropy_sum";
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (n, h) = layout.shape().dims2()?;
-        let x = slice_of(storage, layout, "linear_cross_entropy_sum")?;
+    fn forward(&self, [x]: [&[f32]; 1], [shape]: [&Shape; 1]) -> Forward {
+        let (n, h) = shape.dims2()?;
         let wg = self.weight.storage_and_layout();
         let w = guard_slice(&wg, "linear_cross_entropy_sum")?;
         let (total, dx) = chunked_forward(x, n, h, w, &self.rows, None);
         *self.grad.lock().unwrap_or_else(|e| e.into_inner()) = Some(dx);
-        Ok((CpuStorage::F32(vec![total as f32]), Shape::from(())))
+        Ok((vec![total as f32], Shape::from(())))
     }
 
-    fn bwd(&self, hidden: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn backward(&self, [hidden]: [&Tensor; 1], _res: &Tensor, grad: &Tensor) -> Grads<1> {
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let stored = self.grad.lock().unwrap_or_else(|e| e.into_inner());
         let Some(dx) = stored.as_ref() else {
             bail!("linear_cross_entropy_sum: backward before forward");
         };
         let scaled: Vec<f32> = dx.par_iter().map(|&v| v * g).collect();
-        Ok(Some(Tensor::from_vec(
+        Ok([Some(Tensor::from_vec(
             scaled,
             hidden.shape(),
             &Device::Cpu,
-        )?))
+        )?)])
     }
 }
 
@@ -201,34 +200,19 @@ struct TrainedLinearCrossEntropy {
     grads: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
 }
 
-impl CustomOp2 for TrainedLinearCrossEntropy {
-    fn name(&self) -> &'static str {
-        "fused-trained-linear-cross-entropy"
-    }
+impl FusedOp<2> for TrainedLinearCrossEntropy {
+    const NAME: &'static str = "fused-trained-linear-cross-entropy";
+    const WHAT: &'static str = "linear_cross_entropy_sum";
 
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (n, h) = xl.shape().dims2()?;
-        let x = slice_of(xs, xl, "linear_cross_entropy_sum")?;
-        let w = slice_of(ws, wl, "linear_cross_entropy_sum")?;
+    fn forward(&self, [x, w]: [&[f32]; 2], [x_shape, _]: [&Shape; 2]) -> Forward {
+        let (n, h) = x_shape.dims2()?;
         let mut dw = vec![0f32; w.len()];
         let (total, dx) = chunked_forward(x, n, h, w, &self.rows, Some(&mut dw));
         *self.grads.lock().unwrap_or_else(|e| e.into_inner()) = Some((dx, dw));
-        Ok((CpuStorage::F32(vec![total as f32]), Shape::from(())))
+        Ok((vec![total as f32], Shape::from(())))
     }
 
-    fn bwd(
-        &self,
-        hidden: &Tensor,
-        weight: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [hidden, weight]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let Some((dx, dw)) = self.grads.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             bail!("linear_cross_entropy_sum: backward before forward (or twice)");
@@ -239,9 +223,9 @@ impl CustomOp2 for TrainedLinearCrossEntropy {
             }
             v
         };
-        Ok((
+        Ok([
             Some(Tensor::from_vec(scale(dx), hidden.shape(), &Device::Cpu)?),
             Some(Tensor::from_vec(scale(dw), weight.shape(), &Device::Cpu)?),
-        ))
+        ])
     }
 }

@@ -9,7 +9,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Device, Result, Shape, Tensor};
 
 use crate::nf4::Nf4Matrix;
 use crate::weight::BaseWeight;
@@ -18,7 +18,8 @@ use super::kernels::{
     self,
     Operands::{Nn, Nt, Tn},
 };
-use super::{contiguous, fused_applies, guard_slice, guard_slices, slice_of};
+use super::{contiguous, fused_applies, guard_slice, guard_slices, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// `x @ weightᵀ + bias + scale · (x @ aᵀ) @ bᵀ` for `x` `[..., in]`, `weight` `[out, in]`
 /// (frozen), `a` `[r, in]`, `b` `[out, r]`: PEFT's `lora.Linear` forward without dropout; the
@@ -108,7 +109,7 @@ fn lora_linear_on(
         xa: Mutex::new(None),
     };
     x.contiguous()?
-        .apply_op3(&a.contiguous()?, &b.contiguous()?, op)
+        .apply_op3(&a.contiguous()?, &b.contiguous()?, Fused(op))
 }
 
 struct LoraLinear {
@@ -119,26 +120,14 @@ struct LoraLinear {
     xa: Mutex<Option<Vec<f32>>>,
 }
 
-impl CustomOp3 for LoraLinear {
-    fn name(&self) -> &'static str {
-        "fused-lora-linear"
-    }
+impl FusedOp<3> for LoraLinear {
+    const NAME: &'static str = "fused-lora-linear";
+    const WHAT: &'static str = "lora_linear";
 
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        as_: &CpuStorage,
-        al: &Layout,
-        bs: &CpuStorage,
-        bl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (m, inp) = xl.shape().dims2()?;
-        let (r, _) = al.shape().dims2()?;
-        let (out, _) = bl.shape().dims2()?;
-        let x = slice_of(xs, xl, "lora_linear")?;
-        let a = slice_of(as_, al, "lora_linear")?;
-        let b = slice_of(bs, bl, "lora_linear")?;
+    fn forward(&self, [x, a, b]: [&[f32]; 3], [x_shape, a_shape, b_shape]: [&Shape; 3]) -> Forward {
+        let (m, inp) = x_shape.dims2()?;
+        let (r, _) = a_shape.dims2()?;
+        let (out, _) = b_shape.dims2()?;
         let weight = self.weight.dense()?;
         let wg = weight.storage_and_layout();
         let w = guard_slice(&wg, "lora_linear")?;
@@ -160,17 +149,10 @@ impl CustomOp3 for LoraLinear {
         // y += scale · xa · Bᵀ
         kernels::matmul(&mut y, (m, out, r), true, Nt, &xa, b, self.scale);
         *self.xa.lock().unwrap_or_else(|e| e.into_inner()) = Some(xa);
-        Ok((CpuStorage::F32(y), Shape::from((m, out))))
+        Ok((y, Shape::from((m, out))))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, a, b]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let (m, inp) = x.dims2()?;
         let (r, _) = a.dims2()?;
         let (out, _) = b.dims2()?;
@@ -196,10 +178,10 @@ impl CustomOp3 for LoraLinear {
         // dB = scale · dyᵀ · xa           [out, r]
         kernels::matmul(&mut db, (out, r, m), false, Tn, dy, xa, self.scale);
         let dev = Device::Cpu;
-        Ok((
+        Ok([
             Some(Tensor::from_vec(dx, (m, inp), &dev)?),
             Some(Tensor::from_vec(da, (r, inp), &dev)?),
             Some(Tensor::from_vec(db, (out, r), &dev)?),
-        ))
+        ])
     }
 }

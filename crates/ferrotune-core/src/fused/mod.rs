@@ -18,7 +18,7 @@
 mod attention;
 mod cross_entropy;
 mod fake_quant;
-mod kernels;
+pub(crate) mod kernels;
 mod linear;
 mod linear_ce;
 mod lora;
@@ -48,6 +48,9 @@ pub(crate) fn fused_applies(tensors: &[&Tensor]) -> bool {
         .iter()
         .all(|t| t.dtype() == DType::F32 && matches!(t.device(), Device::Cpu))
 }
+
+/// What a [`FusedOp`](crate::custom_op::FusedOp)'s forward returns: the output's data and shape.
+type Forward = crate::custom_op::Forward<Vec<f32>>;
 
 /// The f32 data of a contiguous CPU tensor, from the (locked storage, layout) pair that
 /// `Tensor::storage_and_layout` returns.
@@ -84,7 +87,7 @@ fn guard_slices<'a, G: std::ops::Deref<Target = Storage>, const N: usize>(
 }
 
 /// The contiguous f32 slice behind a CPU storage and its layout (as custom ops receive them).
-fn slice_of<'a>(
+pub(crate) fn slice_of<'a>(
     storage: &'a candle_core::CpuStorage,
     layout: &candle_core::Layout,
     what: &str,

@@ -1,11 +1,12 @@
 //! RMSNorm (transformers' `LlamaRMSNorm`, and Gemma's `1 + weight` variant) in one pass per row,
 //! with the backward for both the input and the weight.
 
-use candle_core::{bail, CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{contiguous, fused_applies, guard_slices, rows_per_task, slice_of};
+use super::{contiguous, fused_applies, guard_slices, rows_per_task, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// RMSNorm over the last dimension: `weight * (x / sqrt(mean(x²) + eps))`, or with `offset_one`
 /// (Gemma) `(1 + weight) * (x / sqrt(mean(x²) + eps))`; differentiable w.r.t. `x` and `weight`.
@@ -31,10 +32,10 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset_one: bool) -> Resu
     }
     x.contiguous()?.apply_op2(
         &weight.contiguous()?,
-        RmsNorm {
+        Fused(RmsNorm {
             eps: eps as f32,
             offset_one,
-        },
+        }),
     )
 }
 
@@ -116,36 +117,21 @@ simd_fn! {
     }
 }
 
-impl CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "fused-rms-norm"
-    }
+impl FusedOp<2> for RmsNorm {
+    const NAME: &'static str = "fused-rms-norm";
+    const WHAT: &'static str = "rms_norm";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let x = slice_of(s1, l1, "rms_norm")?;
-        let w = slice_of(s2, l2, "rms_norm")?;
+    fn forward(&self, [x, w]: [&[f32]; 2], [x_shape, _]: [&Shape; 2]) -> Forward {
         let h = w.len();
         let chunk = rows_per_task(h, CHUNK) * h;
         let mut out = vec![0f32; x.len()];
         out.par_chunks_mut(chunk)
             .zip(x.par_chunks(chunk))
             .for_each(|(o, x)| forward_rows(x, w, self.eps, self.offset_one, o));
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        Ok((out, x_shape.clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        weight: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, weight]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let tensors = contiguous([x, weight, grad])?;
         let guards = tensors.each_ref().map(Tensor::storage_and_layout);
         let [xs, w, dy] = guard_slices(&guards, "rms_norm")?;
@@ -169,13 +155,13 @@ impl CustomOp2 for RmsNorm {
                     a
                 },
             );
-        Ok((
+        Ok([
             Some(Tensor::from_vec(dx, x.shape(), &Device::Cpu)?),
             if dw_len == h {
                 Some(Tensor::from_vec(dw, h, &Device::Cpu)?)
             } else {
                 None
             },
-        ))
+        ])
     }
 }

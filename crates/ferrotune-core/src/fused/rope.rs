@@ -1,11 +1,12 @@
 //! Rotary position embedding (transformers' `rotate_half` layout, partial rotary included) in one
 //! pass, with the backward for the input.
 
-use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::simd_fn;
-use super::{contiguous, fused_applies, guard_slices, rows_per_task, slice_of};
+use super::{contiguous, fused_applies, guard_slices, rows_per_task, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// Applies RoPE to `x` `[b, heads, t, d]` with `cos`/`sin` `[b, 1, t, rot]` (a leading 1 instead
 /// of `b` is broadcast), as [`crate::ops::apply_rope`]: the first `rot` features are rotated in the
@@ -36,7 +37,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         return crate::ops::apply_rope(x, cos, sin);
     }
     x.contiguous()?
-        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope)
+        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Fused(Rope))
 }
 
 struct Rope;
@@ -126,45 +127,26 @@ fn apply(x: &[f32], cos: &[f32], sin: &[f32], dims: &Dims, inverse: bool) -> Vec
     out
 }
 
-impl CustomOp3 for Rope {
-    fn name(&self) -> &'static str {
-        "fused-rope"
-    }
+impl FusedOp<3> for Rope {
+    const NAME: &'static str = "fused-rope";
+    const WHAT: &'static str = "rope";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dims = Dims::new(l1.shape(), l2.shape())?;
-        let x = slice_of(s1, l1, "rope")?;
-        let cos = slice_of(s2, l2, "rope")?;
-        let sin = slice_of(s3, l3, "rope")?;
+    fn forward(&self, [x, cos, sin]: [&[f32]; 3], [x_shape, cos_shape, _]: [&Shape; 3]) -> Forward {
+        let dims = Dims::new(x_shape, cos_shape)?;
         let out = apply(x, cos, sin, &dims, false);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        Ok((out, x_shape.clone()))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [x, cos, sin]: [&Tensor; 3], _res: &Tensor, grad: &Tensor) -> Grads<3> {
         let dims = Dims::new(x.shape(), cos.shape())?;
         let tensors = contiguous([grad, cos, sin])?;
         let guards = tensors.each_ref().map(Tensor::storage_and_layout);
         let [dy, c, s] = guard_slices(&guards, "rope")?;
         let dx = apply(dy, c, s, &dims, true);
-        Ok((
+        Ok([
             Some(Tensor::from_vec(dx, x.shape(), &Device::Cpu)?),
             None,
             None,
-        ))
+        ])
     }
 }

@@ -4,10 +4,11 @@
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{contiguous, fused_applies, guard_slices, slice_of};
+use super::{contiguous, fused_applies, guard_slices, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// Whether [`soft_cross_entropy_sum`] runs fused: f32 CPU rows with every student logit finite
 /// (torchtune zeroes the terms at infinite student logits, which the composite form does).
@@ -35,7 +36,7 @@ pub fn soft_cross_entropy_sum(student: &Tensor, teacher: &Tensor) -> Result<Tens
     };
     student
         .contiguous()?
-        .apply_op2(&teacher.detach().contiguous()?, op)
+        .apply_op2(&teacher.detach().contiguous()?, Fused(op))
 }
 
 /// Per row: the student's `(max, ln Σ exp(s − max))` and the teacher's `(max, Σ exp(t − max))`.
@@ -49,21 +50,12 @@ fn row_max(row: &[f32]) -> f32 {
     row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
 }
 
-impl CustomOp2 for SoftCrossEntropy {
-    fn name(&self) -> &'static str {
-        "fused-soft-cross-entropy"
-    }
+impl FusedOp<2> for SoftCrossEntropy {
+    const NAME: &'static str = "fused-soft-cross-entropy";
+    const WHAT: &'static str = "soft_cross_entropy_sum";
 
-    fn cpu_fwd(
-        &self,
-        s_storage: &CpuStorage,
-        s_layout: &Layout,
-        t_storage: &CpuStorage,
-        t_layout: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (_, vocab) = s_layout.shape().dims2()?;
-        let s = slice_of(s_storage, s_layout, "soft_cross_entropy_sum")?;
-        let t = slice_of(t_storage, t_layout, "soft_cross_entropy_sum")?;
+    fn forward(&self, [s, t]: [&[f32]; 2], [s_shape, _]: [&Shape; 2]) -> Forward {
+        let (_, vocab) = s_shape.dims2()?;
         let rows: Vec<(RowStats, f64)> = s
             .par_chunks(vocab)
             .zip(t.par_chunks(vocab))
@@ -83,16 +75,10 @@ impl CustomOp2 for SoftCrossEntropy {
             .collect();
         let total: f64 = rows.iter().map(|(_, l)| l).sum();
         *self.stats.lock().expect("stats lock") = rows.into_iter().map(|(st, _)| st).collect();
-        Ok((CpuStorage::F32(vec![total as f32]), Shape::from(())))
+        Ok((vec![total as f32], Shape::from(())))
     }
 
-    fn bwd(
-        &self,
-        student: &Tensor,
-        teacher: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [student, teacher]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let (n, vocab) = student.dims2()?;
         let tensors = contiguous([student, teacher])?;
@@ -111,9 +97,9 @@ impl CustomOp2 for SoftCrossEntropy {
                     *o = g * ((sv - ms - ls).exp() - (tv - mt).exp() / zt);
                 }
             });
-        Ok((
+        Ok([
             Some(Tensor::from_vec(ds, student.shape(), &Device::Cpu)?),
             None,
-        ))
+        ])
     }
 }

@@ -1,10 +1,11 @@
 //! Gated MLP activation `act(gate) * up` (SwiGLU / GeGLU) in one pass, with its backward.
 
-use candle_core::{bail, CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::kernels::{self, simd_fn};
-use super::{contiguous, fused_applies, guard_slices, slice_of};
+use super::{contiguous, fused_applies, guard_slices, Forward};
+use crate::custom_op::{Fused, FusedOp, Grads};
 
 /// The activation applied to the gate projection of a gated MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,7 +43,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor, act: GatedAct) -> Result<Tensor> {
         return a * up;
     }
     gate.contiguous()?
-        .apply_op2(&up.contiguous()?, SwiGlu { act })
+        .apply_op2(&up.contiguous()?, Fused(SwiGlu { act }))
 }
 
 /// One LoRA-adapted projection of a gated MLP: the frozen weight `[inter, in]`, `lora_A`
@@ -190,34 +191,19 @@ simd_fn! {
     }
 }
 
-impl CustomOp2 for SwiGlu {
-    fn name(&self) -> &'static str {
-        "fused-swiglu"
-    }
+impl FusedOp<2> for SwiGlu {
+    const NAME: &'static str = "fused-swiglu";
+    const WHAT: &'static str = "swiglu";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let gate = slice_of(s1, l1, "swiglu")?;
-        let up = slice_of(s2, l2, "swiglu")?;
+    fn forward(&self, [gate, up]: [&[f32]; 2], [shape, _]: [&Shape; 2]) -> Forward {
         let mut out = vec![0f32; gate.len()];
         out.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
             .for_each(|(o, (g, u))| forward_kernel(self.act, g, u, o));
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        Ok((out, shape.clone()))
     }
 
-    fn bwd(
-        &self,
-        gate: &Tensor,
-        up: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn backward(&self, [gate, up]: [&Tensor; 2], _res: &Tensor, grad: &Tensor) -> Grads<2> {
         let tensors = contiguous([gate, up, grad])?;
         let guards = tensors.each_ref().map(Tensor::storage_and_layout);
         let [g, u, dy] = guard_slices(&guards, "swiglu")?;
@@ -230,9 +216,9 @@ impl CustomOp2 for SwiGlu {
             .zip(dy.par_chunks(CHUNK))
             .for_each(|(((dg, du), (g, u)), dy)| backward_kernel(self.act, g, u, dy, dg, du));
         let shape = gate.shape();
-        Ok((
+        Ok([
             Some(Tensor::from_vec(d_gate, shape, &Device::Cpu)?),
             Some(Tensor::from_vec(d_up, shape, &Device::Cpu)?),
-        ))
+        ])
     }
 }
