@@ -46,8 +46,34 @@ pub fn mean_target_loss(
     Ok((mean, targets))
 }
 
+/// The recipe's own keys, read and checked once before anything is loaded (what `validate`
+/// checks too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    /// `batch_size` (default 1, at least 1).
+    pub batch_size: usize,
+    /// `max_steps_per_epoch`: at most this many batches.
+    pub cap: Option<usize>,
+}
+
+impl Settings {
+    /// Reads the settings from `cfg`.
+    pub fn parse(cfg: &Config) -> Result<Settings> {
+        Ok(Settings {
+            batch_size: cfg.usize("batch_size")?.unwrap_or(1).max(1),
+            cap: cfg.usize("max_steps_per_epoch")?,
+        })
+    }
+}
+
+/// Checks the recipe's own keys without loading anything (for `validate`).
+pub fn check(cfg: &Config) -> Result<()> {
+    Settings::parse(cfg).map(|_| ())
+}
+
 /// Runs the evaluation recipe and prints its result (also as a JSON line).
 pub fn run(cfg: &Config) -> Result<EvalResult> {
+    let Settings { batch_size, cap } = Settings::parse(cfg)?;
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
     let location = setup::checkpoint_path(cfg)?;
@@ -58,8 +84,6 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
         setup::check_model_component(cfg, &model.config)
     })?;
     let rows = setup::dataset(cfg, &tok)?.rows;
-    let batch_size = cfg.usize("batch_size")?.unwrap_or(1).max(1);
-    let cap = cfg.usize("max_steps_per_epoch")?;
     let pad = pad_id(&tok, &model.config);
     let t0 = Instant::now();
     let (mean, targets) = mean_target_loss(&model, &rows, batch_size, cap, pad, &device)?;

@@ -308,8 +308,10 @@ fn loss_config(cfg: &Config) -> Result<GrpoLossConfig> {
     Ok(GrpoLossConfig { kind, kl_coeff })
 }
 
-/// The recipe's settings from the config, with torchtune's defaults and checks.
-pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<GrpoSettings> {
+/// The recipe's sampling and loss settings from the config, with torchtune's defaults and
+/// checks, and `stop_token_ids` as given. The pad id (0 here) and, unless given, the stop tokens
+/// are the tokenizer's, filled in once it is loaded ([`Parsed::settings`]).
+fn settings(cfg: &Config) -> Result<(GrpoSettings, Option<Vec<u32>>)> {
     let o = &cfg.origin;
     let required = |k: &str| rollout::required_count(cfg, k, RECIPE);
     let grpo_samples = required("grpo_samples")?;
@@ -324,16 +326,17 @@ pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<Gr
     if max_generated_tokens == 0 {
         bail!("{o}: max_generated_tokens must be at least 1");
     }
-    let stop_token_ids = setup::stop_token_ids(cfg, default_stops)?;
-    Ok(GrpoSettings {
+    let stop_token_ids = setup::stop_token_ids(cfg)?;
+    let settings = GrpoSettings {
         grpo_samples,
         temperature,
         top_k: cfg.usize("top_k")?.filter(|&k| k > 0),
         max_generated_tokens,
-        stop_token_ids,
-        pad_id,
+        stop_token_ids: Vec::new(),
+        pad_id: 0,
         loss: loss_config(cfg)?,
-    })
+    };
+    Ok((settings, stop_token_ids))
 }
 
 /// How a run divides its batches.
@@ -384,39 +387,76 @@ fn batching(cfg: &Config) -> Result<Batching> {
 
 /// Checks the recipe's own keys without loading anything (for `validate`).
 pub fn check_config(cfg: &Config) -> Result<()> {
-    parse(cfg).map(|_| ())
+    Parsed::parse(cfg).map(|_| ())
 }
 
-/// The recipe's settings that need no model or tokenizer, read and checked once.
-fn parse(cfg: &Config) -> Result<(Batching, LoopSettings)> {
-    let b = batching(cfg)?;
-    settings(cfg, 0, Vec::new())?;
-    let sections: &[&str] = match cfg.get("model.lora_attn_modules").is_some() {
-        // LoRA's reference is the policy with its adapters disabled.
-        true => &["checkpointer"],
-        false => &["checkpointer", "ref_checkpointer"],
-    };
-    rollout::require_checkpoint_dirs(cfg, sections, RECIPE)?;
-    if let Some(c) = cfg.str("reward_fn._component_")? {
-        if !c.ends_with("batch_shaped_correctness_reward") {
-            bail!(
-                "{}: reward_fn._component_ '{c}' is not supported \
-                 (torchtune.dev.grpo.rewards.batch_shaped_correctness_reward)",
-                cfg.origin
-            );
+/// The recipe's own keys, read and checked once before anything is loaded.
+struct Parsed {
+    batching: Batching,
+    keys: LoopSettings,
+    /// Sampling and the loss, but for the tokenizer's part ([`Parsed::settings`]).
+    settings: GrpoSettings,
+    /// `stop_token_ids` as given (else the tokenizer's stop tokens).
+    stop_token_ids: Option<Vec<u32>>,
+    /// LoRA: a `lora_*` model builder's keys (`model.lora_attn_modules`) are set.
+    lora: bool,
+    /// The `dataset` section (GSM8K problems).
+    dataset: serde_json::Value,
+}
+
+impl Parsed {
+    fn parse(cfg: &Config) -> Result<Parsed> {
+        let batching = batching(cfg)?;
+        let (settings, stop_token_ids) = settings(cfg)?;
+        let lora = cfg.get("model.lora_attn_modules").is_some();
+        let sections: &[&str] = match lora {
+            // LoRA's reference is the policy with its adapters disabled.
+            true => &["checkpointer"],
+            false => &["checkpointer", "ref_checkpointer"],
+        };
+        rollout::require_checkpoint_dirs(cfg, sections, RECIPE)?;
+        if let Some(c) = cfg.str("reward_fn._component_")? {
+            if !c.ends_with("batch_shaped_correctness_reward") {
+                bail!(
+                    "{}: reward_fn._component_ '{c}' is not supported \
+                     (torchtune.dev.grpo.rewards.batch_shaped_correctness_reward)",
+                    cfg.origin
+                );
+            }
+        }
+        let keys = LoopSettings::parse(cfg, &["compile", "fsdp_cpu_offload"])?;
+        let dataset = cfg
+            .get("dataset")
+            .filter(|v| !v.is_null())
+            .ok_or_else(|| anyhow!("{}: 'dataset' is required", cfg.origin))?
+            .clone();
+        Ok(Parsed {
+            batching,
+            keys,
+            settings,
+            stop_token_ids,
+            lora,
+            dataset,
+        })
+    }
+
+    /// The sampling and loss settings with the loaded tokenizer's pad id, and its stop tokens
+    /// (`default_stops`) unless the config names them.
+    fn settings(&self, pad_id: u32, default_stops: Vec<u32>) -> GrpoSettings {
+        GrpoSettings {
+            pad_id,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or(default_stops),
+            ..self.settings.clone()
         }
     }
-    Ok((
-        b,
-        LoopSettings::parse(cfg, &["compile", "fsdp_cpu_offload"])?,
-    ))
 }
 
 /// Runs the recipe.
 pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
     let o = cfg.origin.clone();
-    let (b, keys) = parse(cfg)?;
+    let parsed = Parsed::parse(cfg)?;
+    let (b, keys) = (parsed.batching, &parsed.keys);
     // Rank 0 prints, logs and writes checkpoints; every rank samples and trains.
     let session = Session::start(cfg, RECIPE, true)?;
     let (rank, world, lead) = (session.rank, session.world, session.lead());
@@ -446,7 +486,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     // reference is the base itself (the policy with its adapters disabled), as torchtune's LoRA
     // RL recipes do; no second model is loaded. Resuming LoRA reloads the base (the adapter comes
     // from the checkpoint below); resuming full training, the checkpoint's weights.
-    let lora = cfg.get("model.lora_attn_modules").is_some();
+    let lora = parsed.lora;
     let resumed = saved.as_ref().filter(|_| !lora).map(|s| s.dir.as_path());
     let (mut policy, policy_source, policy_path) =
         load(cfg, "checkpointer", "model", resumed, dtype, &device)?;
@@ -476,7 +516,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         t0.elapsed().as_secs_f64()
     ));
     let pad = setup::pad_id(&tokenizer, &policy.config);
-    let s = settings(cfg, pad, setup::stop_ids(&tokenizer, &policy.config))?;
+    let s = parsed.settings(pad, setup::stop_ids(&tokenizer, &policy.config));
     if lead {
         if s.stop_token_ids.is_empty() {
             eprintln!("warning: no stop tokens (tokenizer or stop_token_ids): every completion runs to max_generated_tokens");
@@ -565,12 +605,8 @@ pub fn run(cfg: &Config) -> Result<()> {
     let base_lr = optimizer.lr();
     let clip = keys.clip;
 
-    let section = cfg
-        .get("dataset")
-        .filter(|v| !v.is_null())
-        .ok_or_else(|| anyhow!("{o}: 'dataset' is required"))?;
     let problems: Vec<ReasoningProblem> =
-        build_reasoning_dataset(section, &tokenizer, std::path::Path::new("."))
+        build_reasoning_dataset(&parsed.dataset, &tokenizer, std::path::Path::new("."))
             .map_err(|e| anyhow!("{o}: dataset: {e}"))?;
     // torch's DistributedSampler deals each rank every world-th problem of the epoch's order
     // (padded with its first problems to a multiple of the ranks), and torchtune's loader drops

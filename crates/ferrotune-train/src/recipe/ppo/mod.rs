@@ -9,7 +9,7 @@
 //! rounding). Sampling draws from the same distribution as torchtune's but from ferrotune's
 //! generator, so sampled responses are not torch's.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
@@ -237,8 +237,10 @@ fn require_scalar_head(cfg: &Config, section: &str, model: &CausalLm, path: &Pat
     }
 }
 
-/// The recipe's settings from the config, with torchtune's defaults and checks.
-pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<PpoSettings> {
+/// The recipe's sampling and reward settings from the config, with torchtune's defaults and
+/// checks, and `stop_token_ids` as given. The pad id (0 here) and, unless given, the stop tokens
+/// are the tokenizer's, filled in once it is loaded ([`Parsed::settings`]).
+fn settings(cfg: &Config) -> Result<(PpoSettings, Option<Vec<u32>>)> {
     let o = &cfg.origin;
     let temperature = setup::sampling_temperature(cfg)?;
     let max_generated_tokens = cfg
@@ -247,7 +249,7 @@ pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<Pp
     if max_generated_tokens == 0 {
         bail!("{o}: max_generated_tokens must be at least 1");
     }
-    let stop_token_ids = setup::stop_token_ids(cfg, default_stops)?;
+    let stop_token_ids = setup::stop_token_ids(cfg)?;
     let loss = match cfg.get("loss") {
         Some(section) if !section.is_null() => {
             let component = cfg.str("loss._component_")?.unwrap_or_default();
@@ -269,20 +271,21 @@ pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<Pp
         cfg.f64(k)?
             .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
     };
-    Ok(PpoSettings {
+    let settings = PpoSettings {
         temperature,
         top_k: cfg.usize("top_k")?.filter(|&k| k > 0),
         max_generated_tokens,
         min_response_length: cfg.usize("min_response_length")?,
         penalise_no_eos: cfg.bool("penalise_no_eos")?.unwrap_or(false),
         reward_penalty: cfg.f64("reward_penalty")?.unwrap_or(0.0) as f32,
-        stop_token_ids,
-        pad_id,
+        stop_token_ids: Vec::new(),
+        pad_id: 0,
         kl_coeff: required("kl_coeff")?,
         gamma: required("gamma")?,
         lmbda: required("lmbda")?,
         loss,
-    })
+    };
+    Ok((settings, stop_token_ids))
 }
 
 /// How a run divides its batches (torchtune's `_setup_training_parameters`).
@@ -330,24 +333,55 @@ fn batching(cfg: &Config) -> Result<Batching> {
 
 /// Checks the recipe's own keys without loading anything (for `validate`).
 pub fn check_config(cfg: &Config) -> Result<()> {
-    parse(cfg).map(|_| ())
+    Parsed::parse(cfg).map(|_| ())
 }
 
-/// The recipe's settings that need no model or tokenizer, read and checked once.
-fn parse(cfg: &Config) -> Result<(Batching, LoopSettings)> {
-    let b = batching(cfg)?;
-    settings(cfg, 0, Vec::new())?;
-    let sections = [
-        "checkpointer",
-        "ref_policy_checkpointer",
-        "value_checkpointer",
-        "reward_checkpointer",
-    ];
-    rollout::require_checkpoint_dirs(cfg, &sections, RECIPE)?;
-    Ok((
-        b,
-        LoopSettings::parse(cfg, &["compile", "optimizer_in_bwd"])?,
-    ))
+/// The recipe's own keys, read and checked once before anything is loaded.
+struct Parsed {
+    batching: Batching,
+    keys: LoopSettings,
+    /// Sampling and rewards, but for the tokenizer's part ([`Parsed::settings`]).
+    settings: PpoSettings,
+    /// `stop_token_ids` as given (else the tokenizer's stop tokens).
+    stop_token_ids: Option<Vec<u32>>,
+    /// Where the value model's checkpoints go (`value_checkpointer.output_dir`, else
+    /// `{output_dir}/value`).
+    value_out: PathBuf,
+}
+
+impl Parsed {
+    fn parse(cfg: &Config) -> Result<Parsed> {
+        let batching = batching(cfg)?;
+        let (settings, stop_token_ids) = settings(cfg)?;
+        let sections = [
+            "checkpointer",
+            "ref_policy_checkpointer",
+            "value_checkpointer",
+            "reward_checkpointer",
+        ];
+        rollout::require_checkpoint_dirs(cfg, &sections, RECIPE)?;
+        let keys = LoopSettings::parse(cfg, &["compile", "optimizer_in_bwd"])?;
+        let value_out = cfg
+            .path("value_checkpointer.output_dir")?
+            .unwrap_or(keys.output_dir.join("value"));
+        Ok(Parsed {
+            batching,
+            keys,
+            settings,
+            stop_token_ids,
+            value_out,
+        })
+    }
+
+    /// The sampling and reward settings with the loaded tokenizer's pad id, and its stop tokens
+    /// (`default_stops`) unless the config names them.
+    fn settings(&self, pad_id: u32, default_stops: Vec<u32>) -> PpoSettings {
+        PpoSettings {
+            pad_id,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or(default_stops),
+            ..self.settings.clone()
+        }
+    }
 }
 
 /// Runs the recipe.
@@ -356,14 +390,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     let o = cfg.origin.clone();
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
-    let (b, keys) = parse(cfg)?;
+    let parsed = Parsed::parse(cfg)?;
+    let (b, keys) = (parsed.batching, &parsed.keys);
     keys.note_ignored();
     // Each decoder layer recomputed in the backward of the policy and the value model.
     let checkpointing = keys.checkpointing;
     let (output_dir, policy_out) = (&keys.output_dir, &keys.checkpoint_dir);
-    let value_out = cfg
-        .path("value_checkpointer.output_dir")?
-        .unwrap_or(output_dir.join("value"));
+    let value_out = &parsed.value_out;
     let saved = if keys.resume {
         Some(state::latest_to_resume(&o, policy_out)?)
     } else {
@@ -448,7 +481,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     );
     let pad = setup::pad_id(&tokenizer, &policy.config);
     let stops = setup::stop_ids(&tokenizer, &policy.config);
-    let s = settings(cfg, pad, stops)?;
+    let s = parsed.settings(pad, stops);
     setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
     // Every response runs to max_generated_tokens; it is cut at its first stop token after.
     let sampling = Sampling::new(s.temperature, s.top_k, s.max_generated_tokens, s.pad_id);
@@ -620,7 +653,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         // ------------------------------------------------------------ checkpoint
         let name = format!("epoch_{epoch}");
         let st = start.after_epoch(epoch, global_step);
-        let value_dir = state::write_folder(&value_out, &name, |dir| {
+        let value_dir = state::write_folder(value_out, &name, |dir| {
             write_hf_model(
                 dir,
                 &value.config,

@@ -776,8 +776,8 @@ pub fn sampling_temperature(cfg: &Config) -> Result<f64> {
     Ok(temperature)
 }
 
-/// `stop_token_ids` (a list of ids), or `default` when absent or null.
-pub fn stop_token_ids(cfg: &Config, default: Vec<u32>) -> Result<Vec<u32>> {
+/// `stop_token_ids` (a list of ids), or `None` when absent or null (the tokenizer's then).
+pub fn stop_token_ids(cfg: &Config) -> Result<Option<Vec<u32>>> {
     match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
         Some(v) => v
             .as_array()
@@ -786,8 +786,9 @@ pub fn stop_token_ids(cfg: &Config, default: Vec<u32>) -> Result<Vec<u32>> {
                     .map(|x| x.as_u64().map(|n| n as u32))
                     .collect::<Option<Vec<_>>>()
             })
+            .map(Some)
             .ok_or_else(|| anyhow!("{}: stop_token_ids must be a list of token ids", cfg.origin)),
-        None => Ok(default),
+        None => Ok(None),
     }
 }
 
