@@ -7,7 +7,6 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use ferrotune_data::dataset::Row;
 use ferrotune_infer::{load_for_inference, pad_id};
 
 use crate::config::Config;
@@ -24,26 +23,6 @@ pub struct EvalResult {
     pub perplexity: f64,
     /// Target tokens scored.
     pub targets: usize,
-}
-
-/// The mean cross-entropy over the target tokens of `rows` (in batches of `batch_size`, at most
-/// `cap` batches), and the number of target tokens: the whole set's token-weighted mean, as
-/// torchtune's validation computes it. NaN without targets.
-pub fn mean_target_loss(
-    model: &ferrotune_models::CausalLm,
-    rows: &[Row],
-    batch_size: usize,
-    cap: Option<usize>,
-    pad: u32,
-    device: &candle_core::Device,
-) -> Result<(f64, usize)> {
-    let (sum, targets) = target_loss_sum(model, rows, batch_size, cap, pad, device)?;
-    let mean = if targets > 0 {
-        sum / targets as f64
-    } else {
-        f64::NAN
-    };
-    Ok((mean, targets))
 }
 
 /// The recipe's own keys, read and checked once before anything is loaded (what `validate`
@@ -86,7 +65,14 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
     let rows = setup::dataset(cfg, &tok)?.rows;
     let pad = pad_id(&tok, &model.config);
     let t0 = Instant::now();
-    let (mean, targets) = mean_target_loss(&model, &rows, batch_size, cap, pad, &device)?;
+    let (sum, targets) = target_loss_sum(&model, &rows, batch_size, cap, pad, &device)?;
+    // The whole set's token-weighted mean, as torchtune's validation computes it; NaN without
+    // targets.
+    let mean = if targets > 0 {
+        sum / targets as f64
+    } else {
+        f64::NAN
+    };
     let result = EvalResult {
         loss: mean,
         perplexity: mean.exp(),

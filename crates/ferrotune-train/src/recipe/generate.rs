@@ -60,12 +60,8 @@ pub struct Settings {
     pub prompt: Prompt,
     /// `max_new_tokens` (default 300).
     pub max_new_tokens: usize,
-    /// `temperature` (default 0.6).
-    pub temperature: f64,
-    pub top_k: Option<usize>,
-    pub top_p: Option<f64>,
-    /// `seed` (default 0).
-    pub seed: u64,
+    /// `temperature` (default 0.6), `top_k`, `top_p` and `seed` (default 0).
+    pub sampling: SamplingOptions,
 }
 
 impl Settings {
@@ -107,13 +103,17 @@ impl Settings {
                 cfg.origin
             ),
         };
+        let temperature = cfg.f64("temperature")?.unwrap_or(0.6);
         Ok(Settings {
             prompt,
-            temperature: cfg.f64("temperature")?.unwrap_or(0.6),
             max_new_tokens: cfg.usize("max_new_tokens")?.unwrap_or(300),
-            top_k: cfg.usize("top_k")?,
-            top_p: cfg.f64("top_p")?,
-            seed: cfg.usize("seed")?.unwrap_or(0) as u64,
+            sampling: SamplingOptions {
+                temperature,
+                top_k: cfg.usize("top_k")?,
+                top_p: cfg.f64("top_p")?,
+                repetition_penalty: 1.0,
+                seed: cfg.usize("seed")?.unwrap_or(0) as u64,
+            },
         })
     }
 }
@@ -163,13 +163,7 @@ pub fn run(cfg: &Config, flavor: Flavor) -> Result<()> {
     let eos = stop_ids(&tok, &model.config);
     let opts = GenerationOptions {
         max_new_tokens: settings.max_new_tokens,
-        sampling: SamplingOptions {
-            temperature: settings.temperature,
-            top_k: settings.top_k,
-            top_p: settings.top_p,
-            repetition_penalty: 1.0,
-            seed: settings.seed,
-        },
+        sampling: settings.sampling,
         eos_token_ids: eos.clone(),
         stop_strings: Vec::new(),
         ignore_eos: false,

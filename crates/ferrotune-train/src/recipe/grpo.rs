@@ -43,7 +43,7 @@ use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, fill_cut, host, ids_tensor, left_pad, load,
     logprobs_from_hidden, masked_logprobs, num_stop_tokens, padded_layout, response_logprobs,
-    LoopSettings, Sampling,
+    BeforeTokenizer, LoopSettings, RolloutSettings,
 };
 use crate::recipe::kit::session::Session;
 use crate::recipe::setup;
@@ -59,12 +59,8 @@ pub const RECIPE: &str = "dev/grpo_full_finetune_distributed";
 pub struct GrpoSettings {
     /// Completions sampled per prompt (the group).
     pub grpo_samples: usize,
-    /// Sampling temperature; log probabilities are of `logits / temperature`.
-    pub temperature: f64,
-    pub top_k: Option<usize>,
-    pub max_generated_tokens: usize,
-    pub stop_token_ids: Vec<u32>,
-    pub pad_id: u32,
+    /// Sampling (each completion ends at its first stop token) and the tokenizer's ids.
+    pub rollout: RolloutSettings,
     pub loss: GrpoLossConfig,
 }
 
@@ -129,7 +125,7 @@ pub fn trajectory(
         .iter()
         .map(|c| {
             let mut r = c.clone();
-            r.resize(width, s.pad_id);
+            r.resize(width, s.rollout.pad_id);
             r
         })
         .collect();
@@ -138,7 +134,7 @@ pub fn trajectory(
         .enumerate()
         .map(|(row, r)| [prompts[row / g].as_slice(), r].concat())
         .collect();
-    let (pad, t) = (s.pad_id, s.temperature);
+    let (pad, t) = (s.rollout.pad_id, s.rollout.temperature);
     let mut logprobs = host(&response_logprobs(policy, &query_responses, ctx, pad, t)?)?;
     let mut ref_logprobs = match reference {
         Reference::Model(m) => host(&response_logprobs(m, &query_responses, ctx, pad, t)?)?,
@@ -153,7 +149,8 @@ pub fn trajectory(
             host(&response_logprobs(m, &query_responses, ctx, pad, t)?)
         })?,
     };
-    let response_padding = rlhf::truncate_at_first_stop(&mut responses, &s.stop_token_ids, pad);
+    let response_padding =
+        rlhf::truncate_at_first_stop(&mut responses, &s.rollout.stop_token_ids, pad);
     let seq_lens: Vec<usize> = response_padding
         .iter()
         .map(|p| rlhf::last_kept_index(p))
@@ -228,12 +225,19 @@ pub fn grpo_step(
         backward_from_hidden(
             policy,
             part_rows,
-            s.pad_id,
+            s.rollout.pad_id,
             checkpointing,
             params,
             acc,
             |hidden| {
-                let lp = masked_logprobs(policy, hidden, part_rows, ctx, s.temperature, padding)?;
+                let lp = masked_logprobs(
+                    policy,
+                    hidden,
+                    part_rows,
+                    ctx,
+                    s.rollout.temperature,
+                    padding,
+                )?;
                 let out = grpo::grpo_loss(
                     &lp,
                     &traj.logprobs[start..end],
@@ -275,8 +279,7 @@ fn sample_completions(
         .iter()
         .flat_map(|p| std::iter::repeat_n(p.clone(), s.grpo_samples))
         .collect();
-    let sampling = Sampling::new(s.temperature, s.top_k, s.max_generated_tokens, s.pad_id)
-        .stopping_at(&s.stop_token_ids);
+    let sampling = s.rollout.sampling().stopping_at(&s.rollout.stop_token_ids);
     rollout::sample(policy, &rows, &sampling, seed)
 }
 
@@ -310,8 +313,8 @@ fn loss_config(cfg: &Config) -> Result<GrpoLossConfig> {
 
 /// The recipe's sampling and loss settings from the config, with torchtune's defaults and
 /// checks, and `stop_token_ids` as given. The pad id (0 here) and, unless given, the stop tokens
-/// are the tokenizer's, filled in once it is loaded ([`Parsed::settings`]).
-fn settings(cfg: &Config) -> Result<(GrpoSettings, Option<Vec<u32>>)> {
+/// are the tokenizer's, filled in once it is loaded.
+fn settings(cfg: &Config) -> Result<BeforeTokenizer<GrpoSettings>> {
     let o = &cfg.origin;
     let required = |k: &str| rollout::required_count(cfg, k, RECIPE);
     let grpo_samples = required("grpo_samples")?;
@@ -321,22 +324,20 @@ fn settings(cfg: &Config) -> Result<(GrpoSettings, Option<Vec<u32>>)> {
              and standard deviation"
         );
     }
-    let temperature = setup::sampling_temperature(cfg)?;
-    let max_generated_tokens = required("max_generated_tokens")?;
-    if max_generated_tokens == 0 {
-        bail!("{o}: max_generated_tokens must be at least 1");
-    }
-    let stop_token_ids = setup::stop_token_ids(cfg)?;
+    let (rollout, stop_token_ids) =
+        RolloutSettings::parse(cfg, || required("max_generated_tokens"))?;
     let settings = GrpoSettings {
         grpo_samples,
-        temperature,
-        top_k: cfg.usize("top_k")?.filter(|&k| k > 0),
-        max_generated_tokens,
-        stop_token_ids: Vec::new(),
-        pad_id: 0,
+        rollout,
         loss: loss_config(cfg)?,
     };
-    Ok((settings, stop_token_ids))
+    Ok(BeforeTokenizer::new(settings, stop_token_ids))
+}
+
+impl AsMut<RolloutSettings> for GrpoSettings {
+    fn as_mut(&mut self) -> &mut RolloutSettings {
+        &mut self.rollout
+    }
 }
 
 /// How a run divides its batches.
@@ -394,10 +395,8 @@ pub fn check_config(cfg: &Config) -> Result<()> {
 struct Parsed {
     batching: Batching,
     keys: LoopSettings,
-    /// Sampling and the loss, but for the tokenizer's part ([`Parsed::settings`]).
-    settings: GrpoSettings,
-    /// `stop_token_ids` as given (else the tokenizer's stop tokens).
-    stop_token_ids: Option<Vec<u32>>,
+    /// Sampling and the loss, but for the tokenizer's pad id and stop tokens.
+    settings: BeforeTokenizer<GrpoSettings>,
     /// LoRA: a `lora_*` model builder's keys (`model.lora_attn_modules`) are set.
     lora: bool,
     /// The `dataset` section (GSM8K problems).
@@ -407,7 +406,7 @@ struct Parsed {
 impl Parsed {
     fn parse(cfg: &Config) -> Result<Parsed> {
         let batching = batching(cfg)?;
-        let (settings, stop_token_ids) = settings(cfg)?;
+        let settings = settings(cfg)?;
         let lora = cfg.get("model.lora_attn_modules").is_some();
         let sections: &[&str] = match lora {
             // LoRA's reference is the policy with its adapters disabled.
@@ -434,20 +433,9 @@ impl Parsed {
             batching,
             keys,
             settings,
-            stop_token_ids,
             lora,
             dataset,
         })
-    }
-
-    /// The sampling and loss settings with the loaded tokenizer's pad id, and its stop tokens
-    /// (`default_stops`) unless the config names them.
-    fn settings(&self, pad_id: u32, default_stops: Vec<u32>) -> GrpoSettings {
-        GrpoSettings {
-            pad_id,
-            stop_token_ids: self.stop_token_ids.clone().unwrap_or(default_stops),
-            ..self.settings.clone()
-        }
     }
 }
 
@@ -516,12 +504,14 @@ pub fn run(cfg: &Config) -> Result<()> {
         t0.elapsed().as_secs_f64()
     ));
     let pad = setup::pad_id(&tokenizer, &policy.config);
-    let s = parsed.settings(pad, setup::stop_ids(&tokenizer, &policy.config));
+    let s = parsed
+        .settings
+        .with(pad, setup::stop_ids(&tokenizer, &policy.config));
     if lead {
-        if s.stop_token_ids.is_empty() {
+        if s.rollout.stop_token_ids.is_empty() {
             eprintln!("warning: no stop tokens (tokenizer or stop_token_ids): every completion runs to max_generated_tokens");
         }
-        setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
+        setup::warn_if_eos_does_not_stop(&tokenizer, &s.rollout.stop_token_ids);
     }
     let lora_config = if lora {
         let lc = setup_adapters(cfg, &mut policy, &policy_path, saved.as_ref(), seed, true)?;
@@ -789,15 +779,15 @@ pub fn run(cfg: &Config) -> Result<()> {
                     tokens * b.ppo_epochs as f64 / step_s.max(1e-9),
                 ));
                 logger.log_step(global_step as u64, &metrics)?;
-                let get = |k: &str| metrics.iter().find(|(n, _)| *n == k).map_or(0.0, |m| m.1);
-                eprintln!(
-                    "step {steps_run}/{total_batches}: loss {:.4} rewards {:.2} successes {:.3} kl_loss {:.4} response_lengths {:.1} ({traj_s:.1} s sampling and scoring, {step_s:.1} s optimizing)",
-                    get("loss"),
-                    get("rewards"),
-                    get("successes"),
-                    get("kl_loss"),
-                    get("response_lengths"),
-                );
+                let shown = [
+                    ("loss", 4),
+                    ("rewards", 2),
+                    ("successes", 3),
+                    ("kl_loss", 4),
+                    ("response_lengths", 1),
+                ];
+                let line = rollout::step_line(steps_run, total_batches, &metrics, &shown);
+                eprintln!("{line} ({traj_s:.1} s sampling and scoring, {step_s:.1} s optimizing)");
             }
             if steps_run == b.num_steps {
                 done = true;

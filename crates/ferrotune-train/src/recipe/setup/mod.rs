@@ -763,35 +763,6 @@ fn dataset_section(cfg: &Config, key: &str) -> Result<serde_json::Value> {
     Ok(section)
 }
 
-/// The sampling `temperature` of the RL recipes (default 1; it must be positive: their log
-/// probabilities are of `logits / temperature`).
-pub fn sampling_temperature(cfg: &Config) -> Result<f64> {
-    let temperature = cfg.f64("temperature")?.unwrap_or(1.0);
-    if temperature <= 0.0 {
-        bail!(
-            "{}: temperature must be positive (log probabilities are of logits / temperature)",
-            cfg.origin
-        );
-    }
-    Ok(temperature)
-}
-
-/// `stop_token_ids` (a list of ids), or `None` when absent or null (the tokenizer's then).
-pub fn stop_token_ids(cfg: &Config) -> Result<Option<Vec<u32>>> {
-    match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
-        Some(v) => v
-            .as_array()
-            .and_then(|a| {
-                a.iter()
-                    .map(|x| x.as_u64().map(|n| n as u32))
-                    .collect::<Option<Vec<_>>>()
-            })
-            .map(Some)
-            .ok_or_else(|| anyhow!("{}: stop_token_ids must be a list of token ids", cfg.origin)),
-        None => Ok(None),
-    }
-}
-
 /// torchtune's warning when the tokenizer's EOS does not end a generated response.
 pub fn warn_if_eos_does_not_stop(tok: &Tokenizer, stop_token_ids: &[u32]) {
     if let Some(eos) = tok.eos_ids().first() {
