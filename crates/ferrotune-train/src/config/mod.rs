@@ -704,6 +704,15 @@ impl Config {
         self.typed(key, "a number", as_float)
     }
 
+    /// A number in [0, 1] (a ratio, a probability).
+    pub fn fraction(&self, key: &str) -> Result<Option<f64>> {
+        let value = self.f64(key)?;
+        if value.is_some_and(|x| !(0.0..=1.0).contains(&x)) {
+            return err(format!("{}: {key} must be in [0, 1]", self.origin));
+        }
+        Ok(value)
+    }
+
     /// A boolean.
     pub fn bool(&self, key: &str) -> Result<Option<bool>> {
         self.typed(key, "a boolean", as_bool)

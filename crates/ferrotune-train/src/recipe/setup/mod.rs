@@ -671,10 +671,7 @@ pub fn preference_loss(cfg: &Config) -> Result<crate::loss::PreferenceLoss> {
     let component = cfg
         .str("loss._component_")?
         .unwrap_or_else(|| "torchtune.rlhf.loss.DPOLoss".into());
-    let smoothing = cfg.f64("loss.label_smoothing")?;
-    if smoothing.is_some_and(|e| !(0.0..=1.0).contains(&e)) {
-        bail!("{}: loss.label_smoothing must be in [0, 1]", cfg.origin);
-    }
+    let smoothing = cfg.fraction("loss.label_smoothing")?;
     crate::loss::PreferenceLoss::from_component(
         &component,
         cfg.f64("loss.beta")?,
