@@ -595,6 +595,8 @@ pub fn evaluate_prepared(
 /// checks too).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
+    /// A `quantizer` is set: the checkpoint is a `quantize` recipe's output.
+    pub quantizer: bool,
     /// `tasks`: the task and group names to run.
     pub tasks: Vec<String>,
     /// `limit`: documents per task (a fraction below 1), or every document.
@@ -611,7 +613,7 @@ impl Settings {
     /// Reads the settings from `cfg`, with run's messages (a `quantizer` a `quantize` checkpoint
     /// runs with, or none, among them).
     pub fn parse(cfg: &Config) -> Result<Settings> {
-        setup::quantizer_mode(cfg)?;
+        let quantizer = setup::quantizer_mode(cfg)?;
         let tasks = cfg
             .str_list("tasks")?
             .filter(|t| !t.is_empty())
@@ -633,6 +635,7 @@ impl Settings {
             bail!("{}: max_seq_length must be positive", cfg.origin);
         }
         Ok(Settings {
+            quantizer,
             tasks,
             limit,
             max_length,
@@ -650,6 +653,7 @@ pub fn check(cfg: &Config) -> Result<()> {
 /// Runs the recipe: prints the results table and a JSON line of the metrics.
 pub fn run(cfg: &Config) -> Result<EvalReport> {
     let Settings {
+        quantizer,
         tasks: names,
         limit,
         max_length,
@@ -670,7 +674,7 @@ pub fn run(cfg: &Config) -> Result<EvalReport> {
     let opts = load_options(cfg, &location, dtype, device)?;
     let model = load_for_inference(&path, &opts, |model| {
         setup::check_model_component(cfg, &model.config)?;
-        setup::check_quantized(cfg, model, &path)
+        setup::check_quantized(cfg, quantizer, model, &path)
     })?;
     eprintln!(
         "Model is initialized with precision {dtype:?} ({:.1}s).",

@@ -56,6 +56,8 @@ pub enum Prompt {
 /// checks too).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
+    /// A `quantizer` is set: the checkpoint is a `quantize` recipe's output.
+    pub quantizer: bool,
     /// `prompt`.
     pub prompt: Prompt,
     /// `max_new_tokens` (default 300).
@@ -68,7 +70,7 @@ impl Settings {
     /// Reads the settings from `cfg`, with run's messages: a `quantizer` a `quantize` checkpoint
     /// runs with (or none), and a prompt of a form the recipe takes.
     pub fn parse(cfg: &Config) -> Result<Settings> {
-        setup::quantizer_mode(cfg)?;
+        let quantizer = setup::quantizer_mode(cfg)?;
         let prompt = match cfg.get("prompt") {
             None => bail!("{}: 'prompt' is required", cfg.origin),
             Some(serde_json::Value::String(text)) => Prompt::Text(text.clone()),
@@ -105,6 +107,7 @@ impl Settings {
         };
         let temperature = cfg.f64("temperature")?.unwrap_or(0.6);
         Ok(Settings {
+            quantizer,
             prompt,
             max_new_tokens: cfg.usize("max_new_tokens")?.unwrap_or(300),
             sampling: SamplingOptions {
@@ -157,7 +160,7 @@ pub fn run(cfg: &Config, flavor: Flavor) -> Result<()> {
     let t0 = Instant::now();
     let model = load_for_inference(&path, &opts, |model| {
         setup::check_model_component(cfg, &model.config)?;
-        setup::check_quantized(cfg, model, &path)
+        setup::check_quantized(cfg, settings.quantizer, model, &path)
     })?;
     eprintln!("Model loaded in {:.1}s", t0.elapsed().as_secs_f64());
     let eos = stop_ids(&tok, &model.config);

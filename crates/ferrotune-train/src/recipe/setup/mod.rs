@@ -127,14 +127,15 @@ pub fn quantizer_mode(cfg: &Config) -> Result<bool> {
     }
 }
 
-/// With a `quantizer` set, the loaded model must be a `quantize` recipe's output (torchtune loads
-/// that file into its quantized model; a float checkpoint would not load there).
-pub fn check_quantized(cfg: &Config, model: &CausalLm, path: &Path) -> Result<()> {
+/// With a `quantizer` set (`quantizer`, as [`quantizer_mode`] read it), the loaded model must be
+/// a `quantize` recipe's output (torchtune loads that file into its quantized model; a float
+/// checkpoint would not load there).
+pub fn check_quantized(cfg: &Config, quantizer: bool, model: &CausalLm, path: &Path) -> Result<()> {
     let quantized = model
         .linears()
         .iter()
         .any(|(_, l)| l.fake_quant.is_some_and(|f| !f.quantize_weight));
-    if quantizer_mode(cfg)? && !quantized {
+    if quantizer && !quantized {
         bail!(
             "{}: quantizer is set but {} is not a quantized checkpoint: point \
              checkpointer.checkpoint_dir / checkpoint_files at the quantize recipe's \
