@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use ferrotune_models::peft::{self, LoraConfig, TargetModules};
@@ -14,6 +14,8 @@ use ferrotune_models::{AttentionLayout, CausalLm, ModelConfig};
 use ferrotune_train::metrics::peak_rss_mb;
 use ferrotune_train::optim::{AdamW, AdamWConfig, Optimizer};
 use ferrotune_train::step::{empty_grads, forward_backward, MicroBatch};
+
+use crate::model_io::flag;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -210,12 +212,8 @@ fn synthetic(
 
 /// `--device` and `--dtype` as the user wrote them.
 fn device_and_dtype(device: &str, dtype: &str) -> Result<(Device, DType)> {
-    let dtype = ferrotune_core::parse_dtype(dtype)
-        .map_err(anyhow::Error::msg)
-        .context("--dtype")?;
-    let device = ferrotune_core::parse_device(device)
-        .map_err(anyhow::Error::msg)
-        .context("--device")?;
+    let dtype = flag("--dtype", ferrotune_core::parse_dtype(dtype))?;
+    let device = flag("--device", ferrotune_core::parse_device(device))?;
     Ok((device, dtype))
 }
 
@@ -261,15 +259,8 @@ fn train(a: TrainBenchArgs) -> Result<()> {
     let params = if a.full {
         model.make_all_trainable()?
     } else {
-        let targets = [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ];
+        // The attention and MLP projections, as hf_lora.py targets them.
+        let targets = &peft::LORA_TARGET_NAMES[..7];
         let lc = LoraConfig::new(
             a.lora_rank,
             2.0 * a.lora_rank as f64,

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use ferrotune_core::{parse_device, parse_dtype};
 use ferrotune_data::ChatMessage;
@@ -12,7 +12,7 @@ use ferrotune_infer::{
 };
 use ferrotune_models::DeviceMapMode;
 
-use crate::model_io::tokenizer_for;
+use crate::model_io::{flag, tokenizer_for};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -84,20 +84,16 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let dtype = parse_dtype(&args.dtype)
-        .map_err(anyhow::Error::msg)
-        .context("--dtype")?;
-    let device_map = args
-        .device_map
-        .as_deref()
-        .map(DeviceMapMode::parse)
-        .transpose()
-        .map_err(anyhow::Error::msg)
-        .context("--device-map")?;
+    let dtype = flag("--dtype", parse_dtype(&args.dtype))?;
+    let device_map = flag(
+        "--device-map",
+        args.device_map
+            .as_deref()
+            .map(DeviceMapMode::parse)
+            .transpose(),
+    )?;
     // With a device map, --device keeps its default (the two conflict) and is not used.
-    let device = parse_device(&args.device)
-        .map_err(anyhow::Error::msg)
-        .context("--device")?;
+    let device = flag("--device", parse_device(&args.device))?;
     if args.temperature < 0.0 {
         bail!(
             "--temperature must be >= 0 (0 = greedy), got {}",

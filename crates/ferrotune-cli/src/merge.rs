@@ -2,11 +2,13 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use ferrotune_core::parse_dtype;
 use ferrotune_export::hf::{write_hf_model, ModelSource};
 use ferrotune_models::{parse_shard_size, peft, read_checkpoint, CausalLm};
+
+use crate::model_io::flag;
 
 #[derive(Args)]
 pub struct MergeArgs {
@@ -37,12 +39,8 @@ pub struct MergeArgs {
 }
 
 pub fn run(args: MergeArgs) -> Result<()> {
-    let dtype = parse_dtype(&args.dtype)
-        .map_err(anyhow::Error::msg)
-        .context("--dtype")?;
-    let max_shard = parse_shard_size(&args.max_shard_size)
-        .map_err(anyhow::Error::msg)
-        .context("--max-shard-size")?;
+    let dtype = flag("--dtype", parse_dtype(&args.dtype))?;
+    let max_shard = flag("--max-shard-size", parse_shard_size(&args.max_shard_size))?;
     if args.output.exists() && args.output.canonicalize()? == args.model.canonicalize()? {
         bail!(
             "{}: --output must differ from --model",

@@ -1,9 +1,16 @@
-//! Shared by the verbs: finding the tokenizer that belongs to a model path.
+//! Shared by the verbs: finding the tokenizer that belongs to a model path, and reading a flag's
+//! value.
 
 use std::path::Path;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use ferrotune_data::Tokenizer;
+
+/// The value of flag `name` as its parser read it (whose error is a sentence), an error naming
+/// the flag.
+pub fn flag<T>(name: &'static str, parsed: std::result::Result<T, String>) -> Result<T> {
+    parsed.map_err(anyhow::Error::msg).context(name)
+}
 
 /// The tokenizer of a model: the GGUF's embedded one, or the HF folder's tokenizer files.
 pub fn tokenizer_for(path: &Path) -> Result<Tokenizer> {

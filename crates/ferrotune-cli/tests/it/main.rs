@@ -15,4 +15,5 @@ mod merge;
 mod plot;
 mod ppo;
 mod quantize;
+mod recipe_checks;
 mod recipes;

@@ -143,7 +143,12 @@ impl Config {
     /// Resolves every `${...}` interpolation in place.
     pub fn resolve(&mut self) -> Result<()> {
         let snapshot = self.root.clone();
-        resolve_value(&mut self.root, &snapshot, &self.origin, &mut Vec::new(), "")
+        let mut resolver = Resolver {
+            root: &snapshot,
+            origin: &self.origin,
+            stack: Vec::new(),
+        };
+        resolver.value(&mut self.root, "")
     }
 }
 
@@ -241,63 +246,102 @@ fn looks_like_component(s: &str) -> bool {
             .all(|c| c.is_alphanumeric() || c == '_' || c == '.')
 }
 
-/// Resolves interpolations in `v`: `${a.b}` (another key; a whole-string reference keeps the
-/// referenced value's type), `${oc.env:VAR}` and `${oc.env:VAR,default}`.
-fn resolve_value(
-    v: &mut Value,
-    root: &Value,
-    origin: &str,
-    stack: &mut Vec<String>,
-    here: &str,
-) -> Result<()> {
-    match v {
-        Value::Object(map) => {
-            for (k, child) in map.iter_mut() {
-                let path = dotted(here, k);
-                resolve_value(child, root, origin, stack, &path)?;
-            }
-        }
-        Value::Array(items) => {
-            for (i, child) in items.iter_mut().enumerate() {
-                resolve_value(child, root, origin, stack, &format!("{here}[{i}]"))?;
-            }
-        }
-        Value::String(s) if s.contains("${") => {
-            *v = interpolate(s, root, origin, stack, here)?;
-        }
-        _ => {}
-    }
-    Ok(())
+/// Resolves the interpolations of a config against its values as loaded (`root`): `${a.b}`
+/// (another key; a whole-string reference keeps the referenced value's type), `${oc.env:VAR}`
+/// and `${oc.env:VAR,default}`. `stack` holds the references being resolved, to catch cycles.
+struct Resolver<'a> {
+    root: &'a Value,
+    origin: &'a str,
+    stack: Vec<String>,
 }
 
-fn interpolate(
-    s: &str,
-    root: &Value,
-    origin: &str,
-    stack: &mut Vec<String>,
-    here: &str,
-) -> Result<Value> {
-    let mut out = String::new();
-    let mut rest = s;
-    let mut whole: Option<Value> = None;
-    while let Some(found) = next_interpolation(rest) {
-        let Some((before, expr, after)) = found else {
-            return err(format!("{origin}: {here}: unterminated '${{' in '{s}'"));
-        };
-        out.push_str(before);
-        let value = resolve_expr(expr, root, origin, stack, here)?;
-        if before.is_empty() && after.is_empty() && out.is_empty() {
-            whole = Some(value.clone());
+impl Resolver<'_> {
+    /// Resolves the interpolations in `v` (at key path `here`) in place.
+    fn value(&mut self, v: &mut Value, here: &str) -> Result<()> {
+        match v {
+            Value::Object(map) => {
+                for (k, child) in map.iter_mut() {
+                    let path = dotted(here, k);
+                    self.value(child, &path)?;
+                }
+            }
+            Value::Array(items) => {
+                for (i, child) in items.iter_mut().enumerate() {
+                    self.value(child, &format!("{here}[{i}]"))?;
+                }
+            }
+            Value::String(s) if s.contains("${") => {
+                *v = self.interpolate(s, here)?;
+            }
+            _ => {}
         }
-        out.push_str(&match &value {
-            Value::String(t) => t.clone(),
-            Value::Null => "None".into(),
-            other => other.to_string(),
-        });
-        rest = after;
+        Ok(())
     }
-    out.push_str(rest);
-    Ok(whole.unwrap_or(Value::String(out)))
+
+    /// The string `s` with its interpolations resolved.
+    fn interpolate(&mut self, s: &str, here: &str) -> Result<Value> {
+        let origin = self.origin;
+        let mut out = String::new();
+        let mut rest = s;
+        let mut whole: Option<Value> = None;
+        while let Some(found) = next_interpolation(rest) {
+            let Some((before, expr, after)) = found else {
+                return err(format!("{origin}: {here}: unterminated '${{' in '{s}'"));
+            };
+            out.push_str(before);
+            let value = self.expr(expr, here)?;
+            if before.is_empty() && after.is_empty() && out.is_empty() {
+                whole = Some(value.clone());
+            }
+            out.push_str(&match &value {
+                Value::String(t) => t.clone(),
+                Value::Null => "None".into(),
+                other => other.to_string(),
+            });
+            rest = after;
+        }
+        out.push_str(rest);
+        Ok(whole.unwrap_or(Value::String(out)))
+    }
+
+    /// The value of one `${expr}`.
+    fn expr(&mut self, expr: &str, here: &str) -> Result<Value> {
+        let origin = self.origin;
+        if let Some(env) = expr.strip_prefix("oc.env:") {
+            let (name, default) = match env.split_once(',') {
+                Some((n, d)) => (n.trim(), Some(d.trim())),
+                None => (env.trim(), None),
+            };
+            return match (std::env::var(name), default) {
+                (Ok(v), _) => Ok(Value::String(v)),
+                (Err(_), Some(d)) => Ok(parse_value(d.trim_matches(|c| c == '\'' || c == '"'))),
+                (Err(_), None) => err(format!(
+                    "{origin}: {here}: environment variable {name} is not set (use ${{oc.env:{name},default}})"
+                )),
+            };
+        }
+        if self.stack.iter().any(|s| s == expr) {
+            return err(format!(
+                "{origin}: {here}: interpolation cycle through '{expr}'"
+            ));
+        }
+        let mut node = self.root;
+        for part in expr.split('.') {
+            node = match node.get(part) {
+                Some(n) => n,
+                None => {
+                    return err(format!(
+                        "{origin}: {here}: '${{{expr}}}' refers to a key that does not exist"
+                    ))
+                }
+            };
+        }
+        let mut value = node.clone();
+        self.stack.push(expr.to_string());
+        self.value(&mut value, expr)?;
+        self.stack.pop();
+        Ok(value)
+    }
 }
 
 /// The first `${expr}` of `s` as (the text before it, the trimmed expression, the text after
@@ -310,49 +354,6 @@ fn next_interpolation(s: &str) -> Option<Option<(&str, &str, &str)>> {
             .find('}')
             .map(|end| (&s[..start], inner[..end].trim(), &inner[end + 1..])),
     )
-}
-
-fn resolve_expr(
-    expr: &str,
-    root: &Value,
-    origin: &str,
-    stack: &mut Vec<String>,
-    here: &str,
-) -> Result<Value> {
-    if let Some(env) = expr.strip_prefix("oc.env:") {
-        let (name, default) = match env.split_once(',') {
-            Some((n, d)) => (n.trim(), Some(d.trim())),
-            None => (env.trim(), None),
-        };
-        return match (std::env::var(name), default) {
-            (Ok(v), _) => Ok(Value::String(v)),
-            (Err(_), Some(d)) => Ok(parse_value(d.trim_matches(|c| c == '\'' || c == '"'))),
-            (Err(_), None) => err(format!(
-                "{origin}: {here}: environment variable {name} is not set (use ${{oc.env:{name},default}})"
-            )),
-        };
-    }
-    if stack.iter().any(|s| s == expr) {
-        return err(format!(
-            "{origin}: {here}: interpolation cycle through '{expr}'"
-        ));
-    }
-    let mut node = root;
-    for part in expr.split('.') {
-        node = match node.get(part) {
-            Some(n) => n,
-            None => {
-                return err(format!(
-                    "{origin}: {here}: '${{{expr}}}' refers to a key that does not exist"
-                ))
-            }
-        };
-    }
-    let mut value = node.clone();
-    stack.push(expr.to_string());
-    resolve_value(&mut value, root, origin, stack, expr)?;
-    stack.pop();
-    Ok(value)
 }
 
 /// `prefix.key`, or `key` at the top level.
@@ -701,6 +702,15 @@ impl Config {
     /// A number.
     pub fn f64(&self, key: &str) -> Result<Option<f64>> {
         self.typed(key, "a number", as_float)
+    }
+
+    /// A number in [0, 1] (a ratio, a probability).
+    pub fn fraction(&self, key: &str) -> Result<Option<f64>> {
+        let value = self.f64(key)?;
+        if value.is_some_and(|x| !(0.0..=1.0).contains(&x)) {
+            return err(format!("{}: {key} must be in [0, 1]", self.origin));
+        }
+        Ok(value)
     }
 
     /// A boolean.

@@ -19,6 +19,7 @@
 //! them is the argmax there.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -590,31 +591,75 @@ pub fn evaluate_prepared(
     })
 }
 
+/// The recipe's own keys, read and checked once before anything is loaded (what `validate`
+/// checks too).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// A `quantizer` is set: the checkpoint is a `quantize` recipe's output.
+    pub quantizer: bool,
+    /// `tasks`: the task and group names to run.
+    pub tasks: Vec<String>,
+    /// `limit`: documents per task (a fraction below 1), or every document.
+    pub limit: Option<f64>,
+    /// `max_seq_length` (default 4096).
+    pub max_length: usize,
+    /// `batch_size` (default 8, at least 1).
+    pub batch_size: usize,
+    /// `include_path`: a folder of more task definitions.
+    pub include_path: Option<PathBuf>,
+}
+
+impl Settings {
+    /// Reads the settings from `cfg`, with run's messages (a `quantizer` a `quantize` checkpoint
+    /// runs with, or none, among them).
+    pub fn parse(cfg: &Config) -> Result<Settings> {
+        let quantizer = setup::quantizer_mode(cfg)?;
+        let tasks = cfg
+            .str_list("tasks")?
+            .filter(|t| !t.is_empty())
+            .with_context(|| {
+                format!(
+                    "{}: 'tasks' is required (for example [\"truthfulqa_mc2\"])",
+                    cfg.origin
+                )
+            })?;
+        let limit = cfg.f64("limit")?;
+        if limit.is_some_and(|l| l <= 0.0) {
+            bail!(
+                "{}: limit must be positive (or null for every document)",
+                cfg.origin
+            );
+        }
+        let max_length = cfg.usize("max_seq_length")?.unwrap_or(4096);
+        if max_length == 0 {
+            bail!("{}: max_seq_length must be positive", cfg.origin);
+        }
+        Ok(Settings {
+            quantizer,
+            tasks,
+            limit,
+            max_length,
+            batch_size: cfg.usize("batch_size")?.unwrap_or(8).max(1),
+            include_path: cfg.path("include_path")?,
+        })
+    }
+}
+
+/// Checks the recipe's own keys without loading anything (for `validate`).
+pub fn check(cfg: &Config) -> Result<()> {
+    Settings::parse(cfg).map(|_| ())
+}
+
 /// Runs the recipe: prints the results table and a JSON line of the metrics.
 pub fn run(cfg: &Config) -> Result<EvalReport> {
-    setup::quantizer_mode(cfg)?;
-    let names = cfg
-        .str_list("tasks")?
-        .filter(|t| !t.is_empty())
-        .with_context(|| {
-            format!(
-                "{}: 'tasks' is required (for example [\"truthfulqa_mc2\"])",
-                cfg.origin
-            )
-        })?;
-    let limit = cfg.f64("limit")?;
-    if limit.is_some_and(|l| l <= 0.0) {
-        bail!(
-            "{}: limit must be positive (or null for every document)",
-            cfg.origin
-        );
-    }
-    let max_length = cfg.usize("max_seq_length")?.unwrap_or(4096);
-    if max_length == 0 {
-        bail!("{}: max_seq_length must be positive", cfg.origin);
-    }
-    let batch_size = cfg.usize("batch_size")?.unwrap_or(8).max(1);
-    let include_path = cfg.path("include_path")?;
+    let Settings {
+        quantizer,
+        tasks: names,
+        limit,
+        max_length,
+        batch_size,
+        include_path,
+    } = Settings::parse(cfg)?;
     let registry = TaskRegistry::new(include_path.as_deref())?;
     let selection = eval_tasks::select(&registry, &names)?;
     // The data first: a missing dataset fails before a large model is loaded.
@@ -629,7 +674,7 @@ pub fn run(cfg: &Config) -> Result<EvalReport> {
     let opts = load_options(cfg, &location, dtype, device)?;
     let model = load_for_inference(&path, &opts, |model| {
         setup::check_model_component(cfg, &model.config)?;
-        setup::check_quantized(cfg, model, &path)
+        setup::check_quantized(cfg, quantizer, model, &path)
     })?;
     eprintln!(
         "Model is initialized with precision {dtype:?} ({:.1}s).",

@@ -7,7 +7,6 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use ferrotune_data::dataset::Row;
 use ferrotune_infer::{load_for_inference, pad_id};
 
 use crate::config::Config;
@@ -26,28 +25,34 @@ pub struct EvalResult {
     pub targets: usize,
 }
 
-/// The mean cross-entropy over the target tokens of `rows` (in batches of `batch_size`, at most
-/// `cap` batches), and the number of target tokens: the whole set's token-weighted mean, as
-/// torchtune's validation computes it. NaN without targets.
-pub fn mean_target_loss(
-    model: &ferrotune_models::CausalLm,
-    rows: &[Row],
-    batch_size: usize,
-    cap: Option<usize>,
-    pad: u32,
-    device: &candle_core::Device,
-) -> Result<(f64, usize)> {
-    let (sum, targets) = target_loss_sum(model, rows, batch_size, cap, pad, device)?;
-    let mean = if targets > 0 {
-        sum / targets as f64
-    } else {
-        f64::NAN
-    };
-    Ok((mean, targets))
+/// The recipe's own keys, read and checked once before anything is loaded (what `validate`
+/// checks too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    /// `batch_size` (default 1, at least 1).
+    pub batch_size: usize,
+    /// `max_steps_per_epoch`: at most this many batches.
+    pub cap: Option<usize>,
+}
+
+impl Settings {
+    /// Reads the settings from `cfg`.
+    pub fn parse(cfg: &Config) -> Result<Settings> {
+        Ok(Settings {
+            batch_size: cfg.usize("batch_size")?.unwrap_or(1).max(1),
+            cap: cfg.usize("max_steps_per_epoch")?,
+        })
+    }
+}
+
+/// Checks the recipe's own keys without loading anything (for `validate`).
+pub fn check(cfg: &Config) -> Result<()> {
+    Settings::parse(cfg).map(|_| ())
 }
 
 /// Runs the evaluation recipe and prints its result (also as a JSON line).
 pub fn run(cfg: &Config) -> Result<EvalResult> {
+    let Settings { batch_size, cap } = Settings::parse(cfg)?;
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
     let location = setup::checkpoint_path(cfg)?;
@@ -58,11 +63,16 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
         setup::check_model_component(cfg, &model.config)
     })?;
     let rows = setup::dataset(cfg, &tok)?.rows;
-    let batch_size = cfg.usize("batch_size")?.unwrap_or(1).max(1);
-    let cap = cfg.usize("max_steps_per_epoch")?;
     let pad = pad_id(&tok, &model.config);
     let t0 = Instant::now();
-    let (mean, targets) = mean_target_loss(&model, &rows, batch_size, cap, pad, &device)?;
+    let (sum, targets) = target_loss_sum(&model, &rows, batch_size, cap, pad, &device)?;
+    // The whole set's token-weighted mean, as torchtune's validation computes it; NaN without
+    // targets.
+    let mean = if targets > 0 {
+        sum / targets as f64
+    } else {
+        f64::NAN
+    };
     let result = EvalResult {
         loss: mean,
         perplexity: mean.exp(),

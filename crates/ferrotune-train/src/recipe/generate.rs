@@ -40,43 +40,104 @@ pub enum Flavor {
     V2Distributed,
 }
 
-/// The prompt's token ids: a string as is (with the tokenizer's BOS), or `{system, user}`
-/// messages through the chat template with the generation prompt.
-fn prompt_ids(cfg: &Config, tok: &ferrotune_data::Tokenizer) -> Result<Vec<u32>> {
-    let ids = match cfg.get("prompt") {
-        None => bail!("{}: 'prompt' is required", cfg.origin),
-        Some(serde_json::Value::String(text)) => tok.encode(text, true)?,
-        Some(serde_json::Value::Object(m)) => {
-            let mut msgs = Vec::new();
-            if let Some(s) = m.get("system").and_then(|v| v.as_str()) {
-                msgs.push(ChatMessage::system(s));
-            }
-            // A string, or torchtune's generate_v2 form `{text: ...}`.
-            let user = m
-                .get("user")
-                .and_then(|v| {
-                    v.as_str()
-                        .or_else(|| v.get("text").and_then(|t| t.as_str()))
-                })
-                .ok_or_else(|| {
-                    anyhow!(
-                        "{}: prompt.user is required: a string or {{text: ...}}",
+/// The prompt, as the config gives it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// A string, encoded as is (with the tokenizer's BOS).
+    Text(String),
+    /// `{system, user}` messages, through the chat template with the generation prompt.
+    Chat {
+        system: Option<String>,
+        user: String,
+    },
+}
+
+/// The recipe's own keys, read and checked once before anything is loaded (what `validate`
+/// checks too).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// A `quantizer` is set: the checkpoint is a `quantize` recipe's output.
+    pub quantizer: bool,
+    /// `prompt`.
+    pub prompt: Prompt,
+    /// `max_new_tokens` (default 300).
+    pub max_new_tokens: usize,
+    /// `temperature` (default 0.6), `top_k`, `top_p` and `seed` (default 0).
+    pub sampling: SamplingOptions,
+}
+
+impl Settings {
+    /// Reads the settings from `cfg`, with run's messages: a `quantizer` a `quantize` checkpoint
+    /// runs with (or none), and a prompt of a form the recipe takes.
+    pub fn parse(cfg: &Config) -> Result<Settings> {
+        let quantizer = setup::quantizer_mode(cfg)?;
+        let prompt = match cfg.get("prompt") {
+            None => bail!("{}: 'prompt' is required", cfg.origin),
+            Some(serde_json::Value::String(text)) => Prompt::Text(text.clone()),
+            Some(serde_json::Value::Object(m)) => {
+                let system = m.get("system").and_then(|v| v.as_str()).map(str::to_owned);
+                // A string, or torchtune's generate_v2 form `{text: ...}`.
+                let user = m
+                    .get("user")
+                    .and_then(|v| {
+                        v.as_str()
+                            .or_else(|| v.get("text").and_then(|t| t.as_str()))
+                    })
+                    .ok_or_else(|| {
+                        anyhow!(
+                            "{}: prompt.user is required: a string or {{text: ...}}",
+                            cfg.origin
+                        )
+                    })?;
+                if m.get("user").and_then(|u| u.get("image")).is_some() {
+                    bail!(
+                        "{}: prompt.user.image: images are not supported (text models only)",
                         cfg.origin
-                    )
-                })?;
-            if m.get("user").and_then(|u| u.get("image")).is_some() {
-                bail!(
-                    "{}: prompt.user.image: images are not supported (text models only)",
-                    cfg.origin
-                );
+                    );
+                }
+                Prompt::Chat {
+                    system,
+                    user: user.to_owned(),
+                }
+            }
+            Some(_) => bail!(
+                "{}: 'prompt' must be a string or a mapping with system/user",
+                cfg.origin
+            ),
+        };
+        let temperature = cfg.f64("temperature")?.unwrap_or(0.6);
+        Ok(Settings {
+            quantizer,
+            prompt,
+            max_new_tokens: cfg.usize("max_new_tokens")?.unwrap_or(300),
+            sampling: SamplingOptions {
+                temperature,
+                top_k: cfg.usize("top_k")?,
+                top_p: cfg.f64("top_p")?,
+                repetition_penalty: 1.0,
+                seed: cfg.usize("seed")?.unwrap_or(0) as u64,
+            },
+        })
+    }
+}
+
+/// Checks the recipe's own keys without loading anything (for `validate`).
+pub fn check(cfg: &Config) -> Result<()> {
+    Settings::parse(cfg).map(|_| ())
+}
+
+/// The prompt's token ids.
+fn prompt_ids(cfg: &Config, prompt: &Prompt, tok: &ferrotune_data::Tokenizer) -> Result<Vec<u32>> {
+    let ids = match prompt {
+        Prompt::Text(text) => tok.encode(text, true)?,
+        Prompt::Chat { system, user } => {
+            let mut msgs = Vec::new();
+            if let Some(s) = system {
+                msgs.push(ChatMessage::system(s));
             }
             msgs.push(ChatMessage::user(user));
             tok.encode_chat(&msgs, true)?
         }
-        Some(_) => bail!(
-            "{}: 'prompt' must be a string or a mapping with system/user",
-            cfg.origin
-        ),
     };
     if ids.is_empty() {
         bail!("{}: the prompt encodes to no tokens", cfg.origin);
@@ -86,33 +147,26 @@ fn prompt_ids(cfg: &Config, tok: &ferrotune_data::Tokenizer) -> Result<Vec<u32>>
 
 /// Runs the generation recipe `flavor`.
 pub fn run(cfg: &Config, flavor: Flavor) -> Result<()> {
-    setup::quantizer_mode(cfg)?;
+    let settings = Settings::parse(cfg)?;
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
     let location = setup::checkpoint_path(cfg)?;
     let path = location.path.clone();
     let tok = setup::tokenizer(cfg, &path)?;
-    let prompt_ids = prompt_ids(cfg, &tok)?;
+    let prompt_ids = prompt_ids(cfg, &settings.prompt, &tok)?;
     let spread = flavor == Flavor::V2Distributed && device.is_cuda();
     let mut opts = load_options(cfg, &location, dtype, device)?;
     opts.device_map = spread.then(|| (DeviceMapMode::Auto, "device: cuda".into()));
     let t0 = Instant::now();
     let model = load_for_inference(&path, &opts, |model| {
         setup::check_model_component(cfg, &model.config)?;
-        setup::check_quantized(cfg, model, &path)
+        setup::check_quantized(cfg, settings.quantizer, model, &path)
     })?;
     eprintln!("Model loaded in {:.1}s", t0.elapsed().as_secs_f64());
     let eos = stop_ids(&tok, &model.config);
-    let temperature = cfg.f64("temperature")?.unwrap_or(0.6);
     let opts = GenerationOptions {
-        max_new_tokens: cfg.usize("max_new_tokens")?.unwrap_or(300),
-        sampling: SamplingOptions {
-            temperature,
-            top_k: cfg.usize("top_k")?,
-            top_p: cfg.f64("top_p")?,
-            repetition_penalty: 1.0,
-            seed: cfg.usize("seed")?.unwrap_or(0) as u64,
-        },
+        max_new_tokens: settings.max_new_tokens,
+        sampling: settings.sampling,
         eos_token_ids: eos.clone(),
         stop_strings: Vec::new(),
         ignore_eos: false,

@@ -43,7 +43,7 @@ use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, fill_cut, host, ids_tensor, left_pad, load,
     logprobs_from_hidden, masked_logprobs, num_stop_tokens, padded_layout, response_logprobs,
-    LoopSettings, Sampling,
+    BeforeTokenizer, LoopSettings, RolloutSettings,
 };
 use crate::recipe::kit::session::Session;
 use crate::recipe::setup;
@@ -59,12 +59,8 @@ pub const RECIPE: &str = "dev/grpo_full_finetune_distributed";
 pub struct GrpoSettings {
     /// Completions sampled per prompt (the group).
     pub grpo_samples: usize,
-    /// Sampling temperature; log probabilities are of `logits / temperature`.
-    pub temperature: f64,
-    pub top_k: Option<usize>,
-    pub max_generated_tokens: usize,
-    pub stop_token_ids: Vec<u32>,
-    pub pad_id: u32,
+    /// Sampling (each completion ends at its first stop token) and the tokenizer's ids.
+    pub rollout: RolloutSettings,
     pub loss: GrpoLossConfig,
 }
 
@@ -129,7 +125,7 @@ pub fn trajectory(
         .iter()
         .map(|c| {
             let mut r = c.clone();
-            r.resize(width, s.pad_id);
+            r.resize(width, s.rollout.pad_id);
             r
         })
         .collect();
@@ -138,7 +134,7 @@ pub fn trajectory(
         .enumerate()
         .map(|(row, r)| [prompts[row / g].as_slice(), r].concat())
         .collect();
-    let (pad, t) = (s.pad_id, s.temperature);
+    let (pad, t) = (s.rollout.pad_id, s.rollout.temperature);
     let mut logprobs = host(&response_logprobs(policy, &query_responses, ctx, pad, t)?)?;
     let mut ref_logprobs = match reference {
         Reference::Model(m) => host(&response_logprobs(m, &query_responses, ctx, pad, t)?)?,
@@ -153,7 +149,8 @@ pub fn trajectory(
             host(&response_logprobs(m, &query_responses, ctx, pad, t)?)
         })?,
     };
-    let response_padding = rlhf::truncate_at_first_stop(&mut responses, &s.stop_token_ids, pad);
+    let response_padding =
+        rlhf::truncate_at_first_stop(&mut responses, &s.rollout.stop_token_ids, pad);
     let seq_lens: Vec<usize> = response_padding
         .iter()
         .map(|p| rlhf::last_kept_index(p))
@@ -228,12 +225,19 @@ pub fn grpo_step(
         backward_from_hidden(
             policy,
             part_rows,
-            s.pad_id,
+            s.rollout.pad_id,
             checkpointing,
             params,
             acc,
             |hidden| {
-                let lp = masked_logprobs(policy, hidden, part_rows, ctx, s.temperature, padding)?;
+                let lp = masked_logprobs(
+                    policy,
+                    hidden,
+                    part_rows,
+                    ctx,
+                    s.rollout.temperature,
+                    padding,
+                )?;
                 let out = grpo::grpo_loss(
                     &lp,
                     &traj.logprobs[start..end],
@@ -275,8 +279,7 @@ fn sample_completions(
         .iter()
         .flat_map(|p| std::iter::repeat_n(p.clone(), s.grpo_samples))
         .collect();
-    let sampling = Sampling::new(s.temperature, s.top_k, s.max_generated_tokens, s.pad_id)
-        .stopping_at(&s.stop_token_ids);
+    let sampling = s.rollout.sampling().stopping_at(&s.rollout.stop_token_ids);
     rollout::sample(policy, &rows, &sampling, seed)
 }
 
@@ -308,8 +311,10 @@ fn loss_config(cfg: &Config) -> Result<GrpoLossConfig> {
     Ok(GrpoLossConfig { kind, kl_coeff })
 }
 
-/// The recipe's settings from the config, with torchtune's defaults and checks.
-pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<GrpoSettings> {
+/// The recipe's sampling and loss settings from the config, with torchtune's defaults and
+/// checks, and `stop_token_ids` as given. The pad id (0 here) and, unless given, the stop tokens
+/// are the tokenizer's, filled in once it is loaded.
+fn settings(cfg: &Config) -> Result<BeforeTokenizer<GrpoSettings>> {
     let o = &cfg.origin;
     let required = |k: &str| rollout::required_count(cfg, k, RECIPE);
     let grpo_samples = required("grpo_samples")?;
@@ -319,21 +324,20 @@ pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<Gr
              and standard deviation"
         );
     }
-    let temperature = setup::sampling_temperature(cfg)?;
-    let max_generated_tokens = required("max_generated_tokens")?;
-    if max_generated_tokens == 0 {
-        bail!("{o}: max_generated_tokens must be at least 1");
-    }
-    let stop_token_ids = setup::stop_token_ids(cfg, default_stops)?;
-    Ok(GrpoSettings {
+    let (rollout, stop_token_ids) =
+        RolloutSettings::parse(cfg, || required("max_generated_tokens"))?;
+    let settings = GrpoSettings {
         grpo_samples,
-        temperature,
-        top_k: cfg.usize("top_k")?.filter(|&k| k > 0),
-        max_generated_tokens,
-        stop_token_ids,
-        pad_id,
+        rollout,
         loss: loss_config(cfg)?,
-    })
+    };
+    Ok(BeforeTokenizer::new(settings, stop_token_ids))
+}
+
+impl AsMut<RolloutSettings> for GrpoSettings {
+    fn as_mut(&mut self) -> &mut RolloutSettings {
+        &mut self.rollout
+    }
 }
 
 /// How a run divides its batches.
@@ -384,39 +388,63 @@ fn batching(cfg: &Config) -> Result<Batching> {
 
 /// Checks the recipe's own keys without loading anything (for `validate`).
 pub fn check_config(cfg: &Config) -> Result<()> {
-    parse(cfg).map(|_| ())
+    Parsed::parse(cfg).map(|_| ())
 }
 
-/// The recipe's settings that need no model or tokenizer, read and checked once.
-fn parse(cfg: &Config) -> Result<(Batching, LoopSettings)> {
-    let b = batching(cfg)?;
-    settings(cfg, 0, Vec::new())?;
-    let sections: &[&str] = match cfg.get("model.lora_attn_modules").is_some() {
-        // LoRA's reference is the policy with its adapters disabled.
-        true => &["checkpointer"],
-        false => &["checkpointer", "ref_checkpointer"],
-    };
-    rollout::require_checkpoint_dirs(cfg, sections, RECIPE)?;
-    if let Some(c) = cfg.str("reward_fn._component_")? {
-        if !c.ends_with("batch_shaped_correctness_reward") {
-            bail!(
-                "{}: reward_fn._component_ '{c}' is not supported \
-                 (torchtune.dev.grpo.rewards.batch_shaped_correctness_reward)",
-                cfg.origin
-            );
+/// The recipe's own keys, read and checked once before anything is loaded.
+struct Parsed {
+    batching: Batching,
+    keys: LoopSettings,
+    /// Sampling and the loss, but for the tokenizer's pad id and stop tokens.
+    settings: BeforeTokenizer<GrpoSettings>,
+    /// LoRA: a `lora_*` model builder's keys (`model.lora_attn_modules`) are set.
+    lora: bool,
+    /// The `dataset` section (GSM8K problems).
+    dataset: serde_json::Value,
+}
+
+impl Parsed {
+    fn parse(cfg: &Config) -> Result<Parsed> {
+        let batching = batching(cfg)?;
+        let settings = settings(cfg)?;
+        let lora = cfg.get("model.lora_attn_modules").is_some();
+        let sections: &[&str] = match lora {
+            // LoRA's reference is the policy with its adapters disabled.
+            true => &["checkpointer"],
+            false => &["checkpointer", "ref_checkpointer"],
+        };
+        rollout::require_checkpoint_dirs(cfg, sections, RECIPE)?;
+        if let Some(c) = cfg.str("reward_fn._component_")? {
+            if !c.ends_with("batch_shaped_correctness_reward") {
+                bail!(
+                    "{}: reward_fn._component_ '{c}' is not supported \
+                     (torchtune.dev.grpo.rewards.batch_shaped_correctness_reward)",
+                    cfg.origin
+                );
+            }
         }
+        let keys = LoopSettings::parse(cfg, &["compile", "fsdp_cpu_offload"])?;
+        let dataset = cfg
+            .get("dataset")
+            .filter(|v| !v.is_null())
+            .ok_or_else(|| anyhow!("{}: 'dataset' is required", cfg.origin))?
+            .clone();
+        Ok(Parsed {
+            batching,
+            keys,
+            settings,
+            lora,
+            dataset,
+        })
     }
-    Ok((
-        b,
-        LoopSettings::parse(cfg, &["compile", "fsdp_cpu_offload"])?,
-    ))
 }
 
 /// Runs the recipe.
 pub fn run(cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
     let o = cfg.origin.clone();
-    let (b, keys) = parse(cfg)?;
+    let parsed = Parsed::parse(cfg)?;
+    let (b, keys) = (parsed.batching, &parsed.keys);
     // Rank 0 prints, logs and writes checkpoints; every rank samples and trains.
     let session = Session::start(cfg, RECIPE, true)?;
     let (rank, world, lead) = (session.rank, session.world, session.lead());
@@ -446,7 +474,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     // reference is the base itself (the policy with its adapters disabled), as torchtune's LoRA
     // RL recipes do; no second model is loaded. Resuming LoRA reloads the base (the adapter comes
     // from the checkpoint below); resuming full training, the checkpoint's weights.
-    let lora = cfg.get("model.lora_attn_modules").is_some();
+    let lora = parsed.lora;
     let resumed = saved.as_ref().filter(|_| !lora).map(|s| s.dir.as_path());
     let (mut policy, policy_source, policy_path) =
         load(cfg, "checkpointer", "model", resumed, dtype, &device)?;
@@ -476,12 +504,14 @@ pub fn run(cfg: &Config) -> Result<()> {
         t0.elapsed().as_secs_f64()
     ));
     let pad = setup::pad_id(&tokenizer, &policy.config);
-    let s = settings(cfg, pad, setup::stop_ids(&tokenizer, &policy.config))?;
+    let s = parsed
+        .settings
+        .with(pad, setup::stop_ids(&tokenizer, &policy.config));
     if lead {
-        if s.stop_token_ids.is_empty() {
+        if s.rollout.stop_token_ids.is_empty() {
             eprintln!("warning: no stop tokens (tokenizer or stop_token_ids): every completion runs to max_generated_tokens");
         }
-        setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
+        setup::warn_if_eos_does_not_stop(&tokenizer, &s.rollout.stop_token_ids);
     }
     let lora_config = if lora {
         let lc = setup_adapters(cfg, &mut policy, &policy_path, saved.as_ref(), seed, true)?;
@@ -565,12 +595,8 @@ pub fn run(cfg: &Config) -> Result<()> {
     let base_lr = optimizer.lr();
     let clip = keys.clip;
 
-    let section = cfg
-        .get("dataset")
-        .filter(|v| !v.is_null())
-        .ok_or_else(|| anyhow!("{o}: 'dataset' is required"))?;
     let problems: Vec<ReasoningProblem> =
-        build_reasoning_dataset(section, &tokenizer, std::path::Path::new("."))
+        build_reasoning_dataset(&parsed.dataset, &tokenizer, std::path::Path::new("."))
             .map_err(|e| anyhow!("{o}: dataset: {e}"))?;
     // torch's DistributedSampler deals each rank every world-th problem of the epoch's order
     // (padded with its first problems to a multiple of the ranks), and torchtune's loader drops
@@ -753,15 +779,15 @@ pub fn run(cfg: &Config) -> Result<()> {
                     tokens * b.ppo_epochs as f64 / step_s.max(1e-9),
                 ));
                 logger.log_step(global_step as u64, &metrics)?;
-                let get = |k: &str| metrics.iter().find(|(n, _)| *n == k).map_or(0.0, |m| m.1);
-                eprintln!(
-                    "step {steps_run}/{total_batches}: loss {:.4} rewards {:.2} successes {:.3} kl_loss {:.4} response_lengths {:.1} ({traj_s:.1} s sampling and scoring, {step_s:.1} s optimizing)",
-                    get("loss"),
-                    get("rewards"),
-                    get("successes"),
-                    get("kl_loss"),
-                    get("response_lengths"),
-                );
+                let shown = [
+                    ("loss", 4),
+                    ("rewards", 2),
+                    ("successes", 3),
+                    ("kl_loss", 4),
+                    ("response_lengths", 1),
+                ];
+                let line = rollout::step_line(steps_run, total_batches, &metrics, &shown);
+                eprintln!("{line} ({traj_s:.1} s sampling and scoring, {step_s:.1} s optimizing)");
             }
             if steps_run == b.num_steps {
                 done = true;

@@ -77,7 +77,7 @@ impl Recipe {
         Recipe {
             name,
             run,
-            check: |_, c| setup::quantizer_mode(c).map(|_| ()),
+            check: |_, c| generate::check(c),
             ranks: Ranks::One,
             source: include_str!("generate.rs"),
             mode: None,
@@ -158,8 +158,7 @@ pub static RECIPES: &[Recipe] = &[
     Recipe {
         name: quantize::RECIPE,
         run: |_, c| quantize::run(c).map(|_| ()),
-        // Its settings are read, and refused, as it runs.
-        check: |_, _| Ok(()),
+        check: |_, c| quantize::check(c),
         ranks: Ranks::One,
         source: include_str!("quantize.rs"),
         mode: None,
@@ -174,8 +173,7 @@ pub static RECIPES: &[Recipe] = &[
     Recipe {
         name: "eval",
         run: |_, c| eval::run(c).map(|_| ()),
-        // Its settings are read, and refused, as it runs.
-        check: |_, _| Ok(()),
+        check: |_, c| eval::check(c),
         ranks: Ranks::One,
         source: include_str!("eval.rs"),
         mode: None,
@@ -183,7 +181,7 @@ pub static RECIPES: &[Recipe] = &[
     Recipe {
         name: "eleuther_eval",
         run: |_, c| eleuther_eval::run(c).map(|_| ()),
-        check: |_, c| setup::quantizer_mode(c).map(|_| ()),
+        check: |_, c| eleuther_eval::check(c),
         ranks: Ranks::One,
         source: include_str!("eleuther_eval.rs"),
         mode: None,

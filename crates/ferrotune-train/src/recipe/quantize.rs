@@ -74,20 +74,53 @@ fn quantizer_mode(cfg: &Config) -> Result<(&'static str, usize)> {
     Ok((mode, groupsize))
 }
 
+/// The recipe's own keys, read and checked once before anything is loaded (what `validate`
+/// checks too).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// The quantizer's mode, as the file name says it (`8da4w`, `8da4w-qat`).
+    pub mode: &'static str,
+    /// `quantizer.groupsize` (default 256): inputs per int4 group.
+    pub groupsize: usize,
+    /// Where the checkpoint goes (`checkpointer.output_dir`, else `output_dir`).
+    pub out_dir: PathBuf,
+}
+
+impl Settings {
+    /// Reads the settings from `cfg`, with run's messages.
+    pub fn parse(cfg: &Config) -> Result<Settings> {
+        let (mode, groupsize) = quantizer_mode(cfg)?;
+        let out_dir = cfg
+            .path("checkpointer.output_dir")?
+            .or(cfg.path("output_dir")?)
+            .ok_or_else(|| anyhow!("{}: 'checkpointer.output_dir' is required", cfg.origin))?;
+        Ok(Settings {
+            mode,
+            groupsize,
+            out_dir,
+        })
+    }
+}
+
+/// Checks the recipe's own keys without loading anything (for `validate`).
+pub fn check(cfg: &Config) -> Result<()> {
+    Settings::parse(cfg).map(|_| ())
+}
+
 /// Runs the recipe; returns the path of the quantized checkpoint.
 pub fn run(cfg: &Config) -> Result<PathBuf> {
     // Setup.
-    let (mode, groupsize) = quantizer_mode(cfg)?;
+    let Settings {
+        mode,
+        groupsize,
+        out_dir,
+    } = Settings::parse(cfg)?;
     let dtype = setup::dtype(cfg)?;
     // The quantization is host work either way; torchtune's config says `device: cuda`, which a
     // CPU-only build or machine cannot give, and need not.
     if let Err(e) = setup::device(cfg) {
         eprintln!("note: {e}; quantizing on the CPU");
     }
-    let out_dir = cfg
-        .path("checkpointer.output_dir")?
-        .or(cfg.path("output_dir")?)
-        .ok_or_else(|| anyhow!("{}: 'checkpointer.output_dir' is required", cfg.origin))?;
     let location = setup::checkpoint_path(cfg)?;
     let ckpt = ferrotune_models::read_checkpoint_files(
         &location.path,

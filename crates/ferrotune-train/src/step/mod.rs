@@ -189,13 +189,14 @@ impl PairStats {
 
 impl std::ops::AddAssign for PairStats {
     fn add_assign(&mut self, o: Self) {
-        self.chosen_reward += o.chosen_reward;
-        self.rejected_reward += o.rejected_reward;
-        self.correct += o.correct;
-        self.chosen_logps += o.chosen_logps;
-        self.rejected_logps += o.rejected_logps;
-        self.chosen_logits += o.chosen_logits;
-        self.rejected_logits += o.rejected_logits;
+        // Sum by sum, in `to_vec`'s order (the one list of the fields).
+        let sums: Vec<f64> = self
+            .to_vec()
+            .iter()
+            .zip(o.to_vec())
+            .map(|(a, b)| a + b)
+            .collect();
+        *self = Self::from_slice(&sums);
     }
 }
 

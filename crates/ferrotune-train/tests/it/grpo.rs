@@ -14,6 +14,7 @@ use ferrotune_train::grpo::{GrpoLossConfig, GrpoLossKind};
 use ferrotune_train::optim::{AdamW, AdamWConfig, Optimizer};
 use ferrotune_train::recipe::grpo::{self, GrpoSettings, GrpoTrajectory, Reference};
 use ferrotune_train::recipe::kit::rollout::left_pad;
+use ferrotune_train::recipe::kit::rollout::RolloutSettings;
 use ferrotune_train::step::empty_grads;
 use serde_json::Value;
 
@@ -32,11 +33,13 @@ fn get<T: serde::de::DeserializeOwned>(g: &Value, key: &str) -> T {
 fn settings(g: &Value, clipped: bool) -> GrpoSettings {
     GrpoSettings {
         grpo_samples: get(g, "grpo_samples"),
-        temperature: get(g, "temperature"),
-        top_k: None,
-        max_generated_tokens: 64,
-        stop_token_ids: get(g, "stop_token_ids"),
-        pad_id: get(g, "pad_id"),
+        rollout: RolloutSettings {
+            temperature: get(g, "temperature"),
+            top_k: None,
+            max_generated_tokens: 64,
+            stop_token_ids: get(g, "stop_token_ids"),
+            pad_id: get(g, "pad_id"),
+        },
         loss: GrpoLossConfig {
             kind: if clipped {
                 GrpoLossKind::Clipped {
@@ -83,7 +86,7 @@ fn trajectory_of(
         policy,
         reference,
         &tok,
-        &left_pad(&prompts, s.pad_id),
+        &left_pad(&prompts, s.rollout.pad_id),
         &get::<Vec<Vec<u32>>>(g, "completions"),
         &get::<Vec<String>>(g, "answers"),
         s,

@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Var};
 use ferrotune_models::load_model;
 use ferrotune_train::optim::{AdamW, AdamWConfig, Optimizer};
+use ferrotune_train::recipe::kit::rollout::RolloutSettings;
 use ferrotune_train::recipe::ppo::{self, PpoModels, PpoSettings, PpoStats, Trajectory};
 use ferrotune_train::rlhf::{self, PpoLossConfig};
 use ferrotune_train::step::empty_grads;
@@ -27,14 +28,16 @@ fn get<T: serde::de::DeserializeOwned>(g: &Value, key: &str) -> T {
 
 fn settings(g: &Value) -> PpoSettings {
     PpoSettings {
-        temperature: get(g, "temperature"),
-        top_k: None,
-        max_generated_tokens: get(g, "max_generated_tokens"),
+        rollout: RolloutSettings {
+            temperature: get(g, "temperature"),
+            top_k: None,
+            max_generated_tokens: get(g, "max_generated_tokens"),
+            stop_token_ids: get(g, "stop_token_ids"),
+            pad_id: get(g, "pad_id"),
+        },
         min_response_length: Some(get(g, "min_response_length")),
         penalise_no_eos: true,
         reward_penalty: get(g, "reward_penalty"),
-        stop_token_ids: get(g, "stop_token_ids"),
-        pad_id: get(g, "pad_id"),
         kl_coeff: get(g, "kl_coeff"),
         gamma: get(g, "gamma"),
         lmbda: get(g, "lmbda"),
@@ -85,7 +88,7 @@ fn trajectory_rewards_and_advantages_match_torchtune() {
     assert_eq!(reward.head_name(), "score");
     let prompts: Vec<Vec<u32>> = get(&g, "prompts");
     let responses: Vec<Vec<u32>> = get(&g, "responses");
-    let padded = ferrotune_train::recipe::kit::rollout::left_pad(&prompts, s.pad_id);
+    let padded = ferrotune_train::recipe::kit::rollout::left_pad(&prompts, s.rollout.pad_id);
     let models = PpoModels {
         policy: &policy,
         reference: &policy,

@@ -144,50 +144,19 @@ const DTYPES: [DType; 10] = [
     DType::F8E4M3,
 ];
 
-/// Runs `$body` with `$v` bound to the elements `$range` of a CPU storage, whatever their type.
+/// Runs `$body` with `$v` bound to the elements `$range` of a CPU storage, whatever their type
+/// (one match arm per storage variant of [`DTYPES`]).
 macro_rules! with_cpu_slice {
     ($storage:expr, $range:expr, $dtype:expr, |$v:ident| $body:expr) => {
+        with_cpu_slice!(@arms $storage, $range, $dtype, $v, $body;
+            U8 U32 I16 I32 I64 BF16 F16 F32 F64 F8E4M3)
+    };
+    (@arms $storage:expr, $range:expr, $dtype:expr, $v:ident, $body:expr; $($variant:ident)*) => {
         match $storage {
-            CpuStorage::U8(d) => {
+            $(CpuStorage::$variant(d) => {
                 let $v = &d[$range];
                 $body
-            }
-            CpuStorage::U32(d) => {
-                let $v = &d[$range];
-                $body
-            }
-            CpuStorage::I16(d) => {
-                let $v = &d[$range];
-                $body
-            }
-            CpuStorage::I32(d) => {
-                let $v = &d[$range];
-                $body
-            }
-            CpuStorage::I64(d) => {
-                let $v = &d[$range];
-                $body
-            }
-            CpuStorage::BF16(d) => {
-                let $v = &d[$range];
-                $body
-            }
-            CpuStorage::F16(d) => {
-                let $v = &d[$range];
-                $body
-            }
-            CpuStorage::F32(d) => {
-                let $v = &d[$range];
-                $body
-            }
-            CpuStorage::F64(d) => {
-                let $v = &d[$range];
-                $body
-            }
-            CpuStorage::F8E4M3(d) => {
-                let $v = &d[$range];
-                $body
-            }
+            })*
             _ => bail!("collectives do not support {:?} tensors", $dtype),
         }
     };
@@ -316,22 +285,19 @@ impl TcpRing {
     }
 
     fn recv_error(&self, e: io::Error) -> anyhow::Error {
-        let peer = self.prev_rank();
-        match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => anyhow!(
-                "rank {peer} sent nothing for {} s ({}): is it stuck?",
-                self.timeout.as_secs(),
-                ferrotune_core::switch::DIST_TIMEOUT.name
-            ),
-            _ => PeerLost { peer, cause: e }.into(),
-        }
+        self.link_error(e, self.prev_rank(), "sent nothing")
     }
 
     fn send_error(&self, e: io::Error) -> anyhow::Error {
-        let peer = self.next_rank();
+        self.link_error(e, self.next_rank(), "took no data")
+    }
+
+    /// The error of the link to `peer` failing with `e`: the timeout ran out (`peer` `stalled`
+    /// that long), or the peer is lost.
+    fn link_error(&self, e: io::Error, peer: usize, stalled: &str) -> anyhow::Error {
         match e.kind() {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => anyhow!(
-                "rank {peer} took no data for {} s ({}): is it stuck?",
+                "rank {peer} {stalled} for {} s ({}): is it stuck?",
                 self.timeout.as_secs(),
                 ferrotune_core::switch::DIST_TIMEOUT.name
             ),

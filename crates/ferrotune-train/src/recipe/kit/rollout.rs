@@ -333,9 +333,128 @@ pub fn step_metrics<S>(
     metrics
 }
 
+/// The progress line an RL recipe prints after step `step` of `total`: each of the `shown`
+/// metrics as its name and its value (0 when not logged) to the given decimal places.
+pub fn step_line(
+    step: usize,
+    total: usize,
+    metrics: &[(&str, f64)],
+    shown: &[(&str, usize)],
+) -> String {
+    let values: Vec<String> = shown
+        .iter()
+        .map(|&(name, places)| {
+            let value = metrics
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or(0.0, |m| m.1);
+            format!("{name} {value:.places$}")
+        })
+        .collect();
+    format!("step {step}/{total}: {}", values.join(" "))
+}
+
 /// How many rows hold a stop token (`padding` true after a row's first).
 pub fn num_stop_tokens(padding: &[Vec<bool>]) -> f64 {
     padding.iter().filter(|r| r.iter().any(|&p| p)).count() as f64
+}
+
+/// The sampling keys the RL recipes share (torchtune's top-level keys) and the tokenizer's ids.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutSettings {
+    /// Sampling temperature; log probabilities are of `logits / temperature`.
+    pub temperature: f64,
+    /// Sample from the `top_k` most likely tokens only.
+    pub top_k: Option<usize>,
+    /// The longest response.
+    pub max_generated_tokens: usize,
+    /// The tokens that end a response: `stop_token_ids`, else the tokenizer's.
+    pub stop_token_ids: Vec<u32>,
+    /// The tokenizer's pad token.
+    pub pad_id: u32,
+}
+
+impl RolloutSettings {
+    /// Reads `temperature` (default 1; positive, as log probabilities are of `logits /
+    /// temperature`), `max_generated_tokens` (with `max_generated_tokens`, which says when it is
+    /// missing; at least 1), `stop_token_ids` and `top_k`. The tokenizer's part is left to
+    /// [`BeforeTokenizer::with`]: the pad id, and the stop tokens unless the config names them.
+    pub fn parse(
+        cfg: &Config,
+        max_generated_tokens: impl FnOnce() -> Result<usize>,
+    ) -> Result<(RolloutSettings, Option<Vec<u32>>)> {
+        let o = &cfg.origin;
+        let temperature = cfg.f64("temperature")?.unwrap_or(1.0);
+        if temperature <= 0.0 {
+            bail!(
+                "{o}: temperature must be positive (log probabilities are of logits / temperature)"
+            );
+        }
+        let max_generated_tokens = max_generated_tokens()?;
+        if max_generated_tokens == 0 {
+            bail!("{o}: max_generated_tokens must be at least 1");
+        }
+        let stop_token_ids = match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
+            Some(v) => Some(
+                v.as_array()
+                    .and_then(|a| {
+                        a.iter()
+                            .map(|x| x.as_u64().map(|n| n as u32))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .ok_or_else(|| anyhow!("{o}: stop_token_ids must be a list of token ids"))?,
+            ),
+            None => None,
+        };
+        let settings = RolloutSettings {
+            temperature,
+            top_k: cfg.usize("top_k")?.filter(|&k| k > 0),
+            max_generated_tokens,
+            stop_token_ids: Vec::new(),
+            pad_id: 0,
+        };
+        Ok((settings, stop_token_ids))
+    }
+
+    /// Sampling by these settings, every completion `max_generated_tokens` long.
+    pub fn sampling(&self) -> Sampling {
+        Sampling::new(
+            self.temperature,
+            self.top_k,
+            self.max_generated_tokens,
+            self.pad_id,
+        )
+    }
+}
+
+/// An RL recipe's settings `S` as its config gives them, parsed before the tokenizer is loaded:
+/// the tokenizer's pad id, and its stop tokens unless `stop_token_ids` names them, are filled
+/// into their [`RolloutSettings`] once it is ([`BeforeTokenizer::with`]), without reading the
+/// config again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BeforeTokenizer<S> {
+    settings: S,
+    stop_token_ids: Option<Vec<u32>>,
+}
+
+impl<S: AsMut<RolloutSettings> + Clone> BeforeTokenizer<S> {
+    /// `settings` (their token ids still unset) and `stop_token_ids` as the config gives them.
+    pub fn new(settings: S, stop_token_ids: Option<Vec<u32>>) -> Self {
+        BeforeTokenizer {
+            settings,
+            stop_token_ids,
+        }
+    }
+
+    /// The settings with the loaded tokenizer's `pad_id`, and its stop tokens (`default_stops`)
+    /// unless the config names them.
+    pub fn with(&self, pad_id: u32, default_stops: Vec<u32>) -> S {
+        let mut settings = self.settings.clone();
+        let rollout = settings.as_mut();
+        rollout.pad_id = pad_id;
+        rollout.stop_token_ids = self.stop_token_ids.clone().unwrap_or(default_stops);
+        settings
+    }
 }
 
 /// How the policy samples a rollout's completions.

@@ -9,7 +9,7 @@
 //! rounding). Sampling draws from the same distribution as torchtune's but from ferrotune's
 //! generator, so sampled responses are not torch's.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
@@ -23,7 +23,7 @@ use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::report::kill_if_asked;
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, host, left_pad, load, masked_logprobs,
-    num_stop_tokens, LoopSettings, Sampling,
+    num_stop_tokens, BeforeTokenizer, LoopSettings, RolloutSettings,
 };
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -41,18 +41,14 @@ pub const RECIPE: &str = "ppo_full_finetune_single_device";
 /// What shapes trajectories and their rewards (the recipe's top-level keys).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PpoSettings {
-    /// Sampling temperature; log probabilities are of `logits / temperature`.
-    pub temperature: f64,
-    pub top_k: Option<usize>,
-    /// Every response is generated to this length, then cut at its first stop token.
-    pub max_generated_tokens: usize,
+    /// Sampling (every response is generated to `max_generated_tokens`, then cut at its first
+    /// stop token) and the tokenizer's ids.
+    pub rollout: RolloutSettings,
     /// Responses whose last kept index is below this get `reward_penalty` as their score.
     pub min_response_length: Option<usize>,
     /// Responses without a stop token get `reward_penalty` as their score.
     pub penalise_no_eos: bool,
     pub reward_penalty: f32,
-    pub stop_token_ids: Vec<u32>,
-    pub pad_id: u32,
     pub kl_coeff: f64,
     pub gamma: f64,
     pub lmbda: f64,
@@ -166,7 +162,7 @@ pub fn ppo_step(
     params: &[(String, Var)],
     acc: &mut candle_core::backprop::GradStore,
 ) -> Result<PpoStats> {
-    let (ctx, pad) = (batch.context_length, s.pad_id);
+    let (ctx, pad) = (batch.context_length, s.rollout.pad_id);
     let rows = &batch.query_responses;
     let keep = rlhf::kept(&batch.response_padding);
     let value_keep = rlhf::kept(&batch.value_padding);
@@ -187,7 +183,7 @@ pub fn ppo_step(
             hidden,
             rows,
             ctx,
-            s.temperature,
+            s.rollout.temperature,
             &batch.response_padding,
         )?;
         let out = rlhf::ppo_policy_loss(&lp, targets, s.loss)?;
@@ -237,17 +233,15 @@ fn require_scalar_head(cfg: &Config, section: &str, model: &CausalLm, path: &Pat
     }
 }
 
-/// The recipe's settings from the config, with torchtune's defaults and checks.
-pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<PpoSettings> {
+/// The recipe's sampling and reward settings from the config, with torchtune's defaults and
+/// checks, and `stop_token_ids` as given. The pad id (0 here) and, unless given, the stop tokens
+/// are the tokenizer's, filled in once it is loaded.
+fn settings(cfg: &Config) -> Result<BeforeTokenizer<PpoSettings>> {
     let o = &cfg.origin;
-    let temperature = setup::sampling_temperature(cfg)?;
-    let max_generated_tokens = cfg
-        .usize("max_generated_tokens")?
-        .ok_or_else(|| anyhow!("{o}: 'max_generated_tokens' is required"))?;
-    if max_generated_tokens == 0 {
-        bail!("{o}: max_generated_tokens must be at least 1");
-    }
-    let stop_token_ids = setup::stop_token_ids(cfg, default_stops)?;
+    let (rollout, stop_token_ids) = RolloutSettings::parse(cfg, || {
+        cfg.usize("max_generated_tokens")?
+            .ok_or_else(|| anyhow!("{o}: 'max_generated_tokens' is required"))
+    })?;
     let loss = match cfg.get("loss") {
         Some(section) if !section.is_null() => {
             let component = cfg.str("loss._component_")?.unwrap_or_default();
@@ -269,20 +263,23 @@ pub fn settings(cfg: &Config, pad_id: u32, default_stops: Vec<u32>) -> Result<Pp
         cfg.f64(k)?
             .ok_or_else(|| anyhow!("{o}: '{k}' is required by {RECIPE}"))
     };
-    Ok(PpoSettings {
-        temperature,
-        top_k: cfg.usize("top_k")?.filter(|&k| k > 0),
-        max_generated_tokens,
+    let settings = PpoSettings {
+        rollout,
         min_response_length: cfg.usize("min_response_length")?,
         penalise_no_eos: cfg.bool("penalise_no_eos")?.unwrap_or(false),
         reward_penalty: cfg.f64("reward_penalty")?.unwrap_or(0.0) as f32,
-        stop_token_ids,
-        pad_id,
         kl_coeff: required("kl_coeff")?,
         gamma: required("gamma")?,
         lmbda: required("lmbda")?,
         loss,
-    })
+    };
+    Ok(BeforeTokenizer::new(settings, stop_token_ids))
+}
+
+impl AsMut<RolloutSettings> for PpoSettings {
+    fn as_mut(&mut self) -> &mut RolloutSettings {
+        &mut self.rollout
+    }
 }
 
 /// How a run divides its batches (torchtune's `_setup_training_parameters`).
@@ -330,24 +327,42 @@ fn batching(cfg: &Config) -> Result<Batching> {
 
 /// Checks the recipe's own keys without loading anything (for `validate`).
 pub fn check_config(cfg: &Config) -> Result<()> {
-    parse(cfg).map(|_| ())
+    Parsed::parse(cfg).map(|_| ())
 }
 
-/// The recipe's settings that need no model or tokenizer, read and checked once.
-fn parse(cfg: &Config) -> Result<(Batching, LoopSettings)> {
-    let b = batching(cfg)?;
-    settings(cfg, 0, Vec::new())?;
-    let sections = [
-        "checkpointer",
-        "ref_policy_checkpointer",
-        "value_checkpointer",
-        "reward_checkpointer",
-    ];
-    rollout::require_checkpoint_dirs(cfg, &sections, RECIPE)?;
-    Ok((
-        b,
-        LoopSettings::parse(cfg, &["compile", "optimizer_in_bwd"])?,
-    ))
+/// The recipe's own keys, read and checked once before anything is loaded.
+struct Parsed {
+    batching: Batching,
+    keys: LoopSettings,
+    /// Sampling and rewards, but for the tokenizer's pad id and stop tokens.
+    settings: BeforeTokenizer<PpoSettings>,
+    /// Where the value model's checkpoints go (`value_checkpointer.output_dir`, else
+    /// `{output_dir}/value`).
+    value_out: PathBuf,
+}
+
+impl Parsed {
+    fn parse(cfg: &Config) -> Result<Parsed> {
+        let batching = batching(cfg)?;
+        let settings = settings(cfg)?;
+        let sections = [
+            "checkpointer",
+            "ref_policy_checkpointer",
+            "value_checkpointer",
+            "reward_checkpointer",
+        ];
+        rollout::require_checkpoint_dirs(cfg, &sections, RECIPE)?;
+        let keys = LoopSettings::parse(cfg, &["compile", "optimizer_in_bwd"])?;
+        let value_out = cfg
+            .path("value_checkpointer.output_dir")?
+            .unwrap_or(keys.output_dir.join("value"));
+        Ok(Parsed {
+            batching,
+            keys,
+            settings,
+            value_out,
+        })
+    }
 }
 
 /// Runs the recipe.
@@ -356,14 +371,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     let o = cfg.origin.clone();
     let device = setup::device(cfg)?;
     let dtype = setup::dtype(cfg)?;
-    let (b, keys) = parse(cfg)?;
+    let parsed = Parsed::parse(cfg)?;
+    let (b, keys) = (parsed.batching, &parsed.keys);
     keys.note_ignored();
     // Each decoder layer recomputed in the backward of the policy and the value model.
     let checkpointing = keys.checkpointing;
     let (output_dir, policy_out) = (&keys.output_dir, &keys.checkpoint_dir);
-    let value_out = cfg
-        .path("value_checkpointer.output_dir")?
-        .unwrap_or(output_dir.join("value"));
+    let value_out = &parsed.value_out;
     let saved = if keys.resume {
         Some(state::latest_to_resume(&o, policy_out)?)
     } else {
@@ -448,10 +462,10 @@ pub fn run(cfg: &Config) -> Result<()> {
     );
     let pad = setup::pad_id(&tokenizer, &policy.config);
     let stops = setup::stop_ids(&tokenizer, &policy.config);
-    let s = settings(cfg, pad, stops)?;
-    setup::warn_if_eos_does_not_stop(&tokenizer, &s.stop_token_ids);
+    let s = parsed.settings.with(pad, stops);
+    setup::warn_if_eos_does_not_stop(&tokenizer, &s.rollout.stop_token_ids);
     // Every response runs to max_generated_tokens; it is cut at its first stop token after.
-    let sampling = Sampling::new(s.temperature, s.top_k, s.max_generated_tokens, s.pad_id);
+    let sampling = s.rollout.sampling();
 
     let mut params = policy.make_all_trainable()?;
     let value_params: Vec<(String, Var)> = value
@@ -600,17 +614,16 @@ pub fn run(cfg: &Config) -> Result<()> {
                 let metrics =
                     step_metrics(&traj, &stats, &kl, &kl_rewards, num_tokens, traj_s, ppo_s);
                 logger.log_step(global_step as u64, &metrics)?;
-                let get = |k: &str| metrics.iter().find(|(n, _)| *n == k).map_or(0.0, |m| m.1);
-                eprintln!(
-                    "step {steps_run}/{}: loss {:.4} policy_loss {:.4} value_loss {:.4} scores {:.4} kl {:.4} response_lengths {:.1}",
-                    b.total_steps,
-                    get("loss"),
-                    get("policy_loss"),
-                    get("value_loss"),
-                    get("scores"),
-                    get("kl"),
-                    get("response_lengths"),
-                );
+                let shown = [
+                    ("loss", 4),
+                    ("policy_loss", 4),
+                    ("value_loss", 4),
+                    ("scores", 4),
+                    ("kl", 4),
+                    ("response_lengths", 1),
+                ];
+                let line = rollout::step_line(steps_run, b.total_steps, &metrics, &shown);
+                eprintln!("{line}");
             }
             if steps_run == b.total_steps {
                 done = true;
@@ -620,7 +633,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         // ------------------------------------------------------------ checkpoint
         let name = format!("epoch_{epoch}");
         let st = start.after_epoch(epoch, global_step);
-        let value_dir = state::write_folder(&value_out, &name, |dir| {
+        let value_dir = state::write_folder(value_out, &name, |dir| {
             write_hf_model(
                 dir,
                 &value.config,

@@ -65,24 +65,24 @@ pub fn trajectory(
         .zip(responses)
         .map(|(p, r)| [p.as_slice(), r].concat())
         .collect();
-    let pad = s.pad_id;
+    let pad = s.rollout.pad_id;
     let mut logprobs = host(&response_logprobs(
         models.policy,
         &query_responses,
         ctx,
         pad,
-        s.temperature,
+        s.rollout.temperature,
     )?)?;
     let mut ref_logprobs = host(&response_logprobs(
         models.reference,
         &query_responses,
         ctx,
         pad,
-        s.temperature,
+        s.rollout.temperature,
     )?)?;
     let mut values = host(&response_values(models.value, &query_responses, ctx, pad)?)?;
     let mut cut = responses.to_vec();
-    let response_padding = rlhf::truncate_at_first_stop(&mut cut, &s.stop_token_ids, pad);
+    let response_padding = rlhf::truncate_at_first_stop(&mut cut, &s.rollout.stop_token_ids, pad);
     let seq_lens: Vec<usize> = response_padding
         .iter()
         .map(|p| rlhf::last_kept_index(p))
@@ -105,7 +105,7 @@ pub fn trajectory(
         }
     }
     fill_cut(&response_padding, &mut logprobs, &mut ref_logprobs);
-    let value_seq_idxs = rlhf::value_indices(&seq_lens, s.max_generated_tokens);
+    let value_seq_idxs = rlhf::value_indices(&seq_lens, s.rollout.max_generated_tokens);
     let mut value_padding = response_padding.clone();
     for (r, &i) in value_seq_idxs.iter().enumerate() {
         value_padding[r][i] = false;

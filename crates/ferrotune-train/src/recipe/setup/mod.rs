@@ -127,14 +127,15 @@ pub fn quantizer_mode(cfg: &Config) -> Result<bool> {
     }
 }
 
-/// With a `quantizer` set, the loaded model must be a `quantize` recipe's output (torchtune loads
-/// that file into its quantized model; a float checkpoint would not load there).
-pub fn check_quantized(cfg: &Config, model: &CausalLm, path: &Path) -> Result<()> {
+/// With a `quantizer` set (`quantizer`, as [`quantizer_mode`] read it), the loaded model must be
+/// a `quantize` recipe's output (torchtune loads that file into its quantized model; a float
+/// checkpoint would not load there).
+pub fn check_quantized(cfg: &Config, quantizer: bool, model: &CausalLm, path: &Path) -> Result<()> {
     let quantized = model
         .linears()
         .iter()
         .any(|(_, l)| l.fake_quant.is_some_and(|f| !f.quantize_weight));
-    if quantizer_mode(cfg)? && !quantized {
+    if quantizer && !quantized {
         bail!(
             "{}: quantizer is set but {} is not a quantized checkpoint: point \
              checkpointer.checkpoint_dir / checkpoint_files at the quantize recipe's \
@@ -661,10 +662,7 @@ pub fn preference_loss(cfg: &Config) -> Result<crate::loss::PreferenceLoss> {
     let component = cfg
         .str("loss._component_")?
         .unwrap_or_else(|| "torchtune.rlhf.loss.DPOLoss".into());
-    let smoothing = cfg.f64("loss.label_smoothing")?;
-    if smoothing.is_some_and(|e| !(0.0..=1.0).contains(&e)) {
-        bail!("{}: loss.label_smoothing must be in [0, 1]", cfg.origin);
-    }
+    let smoothing = cfg.fraction("loss.label_smoothing")?;
     crate::loss::PreferenceLoss::from_component(
         &component,
         cfg.f64("loss.beta")?,
@@ -751,34 +749,6 @@ fn dataset_section(cfg: &Config, key: &str) -> Result<serde_json::Value> {
         }
     }
     Ok(section)
-}
-
-/// The sampling `temperature` of the RL recipes (default 1; it must be positive: their log
-/// probabilities are of `logits / temperature`).
-pub fn sampling_temperature(cfg: &Config) -> Result<f64> {
-    let temperature = cfg.f64("temperature")?.unwrap_or(1.0);
-    if temperature <= 0.0 {
-        bail!(
-            "{}: temperature must be positive (log probabilities are of logits / temperature)",
-            cfg.origin
-        );
-    }
-    Ok(temperature)
-}
-
-/// `stop_token_ids` (a list of ids), or `default` when absent or null.
-pub fn stop_token_ids(cfg: &Config, default: Vec<u32>) -> Result<Vec<u32>> {
-    match cfg.get("stop_token_ids").filter(|v| !v.is_null()) {
-        Some(v) => v
-            .as_array()
-            .and_then(|a| {
-                a.iter()
-                    .map(|x| x.as_u64().map(|n| n as u32))
-                    .collect::<Option<Vec<_>>>()
-            })
-            .ok_or_else(|| anyhow!("{}: stop_token_ids must be a list of token ids", cfg.origin)),
-        None => Ok(default),
-    }
 }
 
 /// torchtune's warning when the tokenizer's EOS does not end a generated response.
