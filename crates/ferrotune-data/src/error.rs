@@ -134,6 +134,15 @@ impl DataError {
         }
     }
 
+    /// Invalid data on 1-based `line` of the dataset file `path`.
+    pub(crate) fn invalid_data(path: &Path, line: usize, message: String) -> Self {
+        DataError::InvalidData {
+            path: path.to_path_buf(),
+            line,
+            message,
+        }
+    }
+
     pub(crate) fn invalid(path: &Path, message: impl Into<String>) -> Self {
         DataError::InvalidTokenizer {
             path: path.to_path_buf(),

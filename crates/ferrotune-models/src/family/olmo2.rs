@@ -6,12 +6,8 @@
 //! rotated. llama.cpp's `olmo2` architecture is not written (no GGUF export), and torchtune has no
 //! OLMo 2 builder.
 
-use std::sync::OnceLock;
-
-use serde_json::{Map, Value};
-
-use super::{Family, HfConfig, ModelType};
-use crate::config::{ModelConfig, QkNormSpan};
+use super::prelude::*;
+use crate::config::QkNormSpan;
 
 /// The OLMo 2 family.
 pub static FAMILY: Family = Family {
@@ -47,12 +43,7 @@ fn config_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
 struct Olmo2Rules;
 
 impl HfConfig for Olmo2Rules {
-    fn configure(
-        &self,
-        _model_type: &str,
-        _obj: &Map<String, Value>,
-        c: &mut ModelConfig,
-    ) -> Result<(), String> {
+    fn configure(&self, _hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
         c.qk_norm = true;
         c.qk_norm_span = QkNormSpan::Projection;
         // The sandwich's two output norms, without its MLP pre-norm (nor the attention's).

@@ -1,21 +1,18 @@
 //! SmolLM3: Llama's layout with every fourth layer without RoPE (`no_rope_layers`).
 
-use serde_json::{Map, Value};
-
-use super::gguf::{GgufReading, GgufWriting};
-use super::{no_defaults, Family, GgufArch, HfConfig, ModelType};
-use crate::config::hf::{parse_rope_layers, WindowStyle};
-use crate::config::ModelConfig;
+use super::prelude::*;
+use crate::config::hf::parse_rope_layers;
 
 /// The SmolLM3 family.
 pub static FAMILY: Family = Family {
     name: "SmolLM3",
-    model_types: &[ModelType::new("smollm3", "SmolLM3ForCausalLM")
-        .gguf("smollm3")
-        .reads_gguf(GgufReading {
+    model_types: &[ModelType::new("smollm3", "SmolLM3ForCausalLM").gguf(
+        "smollm3",
+        GgufReading {
             head_dim_from_rope: true,
             ..GgufReading::LLAMA
-        })],
+        },
+    )],
     multimodal: &[],
     text_aliases: &[],
     config_defaults: no_defaults,
@@ -43,18 +40,13 @@ pub static FAMILY: Family = Family {
 struct SmolLm3Rules;
 
 impl HfConfig for SmolLm3Rules {
+    fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
+        c.rope_layers = parse_rope_layers(hf.obj, c.num_hidden_layers, false)?;
+        Ok(())
+    }
+
     /// Like Qwen's: windows only with `use_sliding_window`.
     fn window_style(&self) -> WindowStyle {
         WindowStyle::Gated
-    }
-
-    fn configure(
-        &self,
-        _model_type: &str,
-        obj: &Map<String, Value>,
-        c: &mut ModelConfig,
-    ) -> Result<(), String> {
-        c.rope_layers = parse_rope_layers(obj, c.num_hidden_layers, false)?;
-        Ok(())
     }
 }
