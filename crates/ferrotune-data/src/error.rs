@@ -157,3 +157,19 @@ impl DataError {
         }
     }
 }
+
+/// The texts of a JSON list, or a [`DataError::Dataset`] with `bad`'s message for the first entry
+/// that is not one.
+pub(crate) fn texts(
+    items: &[serde_json::Value],
+    bad: impl Fn(&serde_json::Value) -> String,
+) -> Result<Vec<String>> {
+    items
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| DataError::Dataset(bad(v)))
+        })
+        .collect()
+}

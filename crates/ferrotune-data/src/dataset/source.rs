@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use super::builders::get_str;
-use crate::error::{DataError, Result};
+use crate::error::{texts, DataError, Result};
 
 /// File formats a dataset can be read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,14 +312,9 @@ pub(crate) enum Source {
 fn as_str_list(value: &Value, key: &str) -> Result<Vec<String>> {
     match value {
         Value::String(s) => Ok(vec![s.clone()]),
-        Value::Array(items) => items
-            .iter()
-            .map(|v| {
-                v.as_str().map(str::to_string).ok_or_else(|| {
-                    DataError::Dataset(format!("dataset '{key}': entries must be paths, got {v}"))
-                })
-            })
-            .collect(),
+        Value::Array(items) => texts(items, |v| {
+            format!("dataset '{key}': entries must be paths, got {v}")
+        }),
         other => Err(DataError::Dataset(format!(
             "dataset '{key}' must be a path or a list of paths, got {other}"
         ))),
