@@ -134,6 +134,13 @@ impl DataError {
         }
     }
 
+    /// The tokenizer could not encode text: its message `e`.
+    pub(crate) fn encode(e: impl std::fmt::Display) -> Self {
+        DataError::Encode {
+            message: e.to_string(),
+        }
+    }
+
     /// Invalid data on 1-based `line` of the dataset file `path`.
     pub(crate) fn invalid_data(path: &Path, line: usize, message: String) -> Self {
         DataError::InvalidData {

@@ -5,8 +5,8 @@ use serde_json::{Map, Value};
 use serde_yaml_ng::Value as Yaml;
 
 use super::{
-    task_err, DocField, ExactMatchSpec, FewshotSampler, FilterSpec, FilterStep, GenerationSpec,
-    MetricSpec, OutputType, TaskSpec, BUILTIN_FUNCTIONS, ROLLING_METRICS,
+    list_items, task_err, DocField, ExactMatchSpec, FewshotSampler, FilterSpec, FilterStep,
+    GenerationSpec, MetricSpec, OutputType, TaskSpec, BUILTIN_FUNCTIONS, ROLLING_METRICS,
 };
 use crate::error::{DataError, Result};
 
@@ -185,11 +185,7 @@ impl TaskSpec {
         let process_results = function("process_results")?;
         let mut metrics = Vec::new();
         let mut exact_match = ExactMatchSpec::default();
-        for item in get("metric_list")
-            .and_then(|v| v.as_sequence())
-            .into_iter()
-            .flatten()
-        {
+        for item in list_items(get("metric_list")) {
             let metric = item.get("metric").and_then(|m| m.as_str()).ok_or_else(|| {
                 DataError::Dataset(format!(
                     "{origin}: task '{name}': every metric_list entry needs a 'metric' name"

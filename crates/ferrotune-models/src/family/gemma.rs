@@ -10,38 +10,10 @@ use crate::config::{Gemma4Layers, RopeConfig, RopeScaling};
 
 /// The Gemma family.
 pub static FAMILY: Family = Family {
-    name: "Gemma",
-    model_types: &[
-        ModelType::new("gemma", "GemmaForCausalLM")
-            .gguf("gemma", GEMMA_GGUF)
-            .torchtune(TorchtuneLayout::Permuted),
-        // torchtune 0.6.1's checkpointer converts Gemma 2's adapters but not its weights.
-        ModelType::new("gemma2", "Gemma2ForCausalLM")
-            .gguf(
-                "gemma2",
-                GgufReading {
-                    sandwich_norms: true,
-                    config_keys: |g, c| layered_gguf_keys(g, c, 46, true),
-                    ..GEMMA_GGUF
-                },
-            )
-            .torchtune_adapters(TorchtuneLayout::Permuted),
-        ModelType::new("vaultgemma", "VaultGemmaForCausalLM"),
-        ModelType::new("gemma3_text", "Gemma3ForCausalLM").gguf(
-            "gemma3",
-            GgufReading {
-                sandwich_norms: true,
-                config_keys: |g, c| layered_gguf_keys(g, c, 62, false),
-                ..GEMMA_GGUF
-            },
-        ),
-        ModelType::new("gemma4_text", "Gemma4ForCausalLM"),
-    ],
     multimodal: &[
         Multimodal::new("gemma3", &["gemma3_text"]),
         Multimodal::new("gemma4", &["gemma4_text"]),
     ],
-    text_aliases: &[],
     config_defaults,
     // convert_hf_to_gguf.py adds 1 to every Gemma norm weight (q/k norms included).
     // llama.cpp's Gemma and Gemma 2 always use the embeddings as the output head.
@@ -82,7 +54,36 @@ pub static FAMILY: Family = Family {
         ("gemma2", &["gemma2"]),
         ("gemma3", &["gemma3_text"]),
     ],
-    hf_config: &GemmaRules,
+    ..Family::new(
+        "Gemma",
+        &[
+            ModelType::new("gemma", "GemmaForCausalLM")
+                .gguf("gemma", GEMMA_GGUF)
+                .torchtune(TorchtuneLayout::Permuted),
+            // torchtune 0.6.1's checkpointer converts Gemma 2's adapters but not its weights.
+            ModelType::new("gemma2", "Gemma2ForCausalLM")
+                .gguf(
+                    "gemma2",
+                    GgufReading {
+                        sandwich_norms: true,
+                        config_keys: |g, c| layered_gguf_keys(g, c, 46, true),
+                        ..GEMMA_GGUF
+                    },
+                )
+                .torchtune_adapters(TorchtuneLayout::Permuted),
+            ModelType::new("vaultgemma", "VaultGemmaForCausalLM"),
+            ModelType::new("gemma3_text", "Gemma3ForCausalLM").gguf(
+                "gemma3",
+                GgufReading {
+                    sandwich_norms: true,
+                    config_keys: |g, c| layered_gguf_keys(g, c, 62, false),
+                    ..GEMMA_GGUF
+                },
+            ),
+            ModelType::new("gemma4_text", "Gemma4ForCausalLM"),
+        ],
+        &GemmaRules,
+    )
 };
 
 /// Gemma's reading of its configs.

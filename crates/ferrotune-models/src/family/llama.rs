@@ -6,19 +6,6 @@ use crate::config::hf::req_usize;
 
 /// The Llama family.
 pub static FAMILY: Family = Family {
-    name: "Llama",
-    model_types: &[ModelType::new(LLAMA, "LlamaForCausalLM")
-        .gguf(
-            "llama",
-            GgufReading {
-                head_dim_from_rope: true,
-                // Llama 3.x: llama.cpp bakes the frequency scaling into a `rope_freqs` tensor.
-                rope_tensors: GgufRopeTensors::Llama3Freqs,
-                config_keys: gguf_keys,
-                ..GgufReading::LLAMA
-            },
-        )
-        .torchtune(TorchtuneLayout::Permuted)],
     multimodal: &[
         Multimodal::new("mllama", &[MLLAMA_TEXT]),
         // MllamaForCausalLM: Llama 3.2 Vision's text model alone, its config at the top level.
@@ -60,7 +47,22 @@ pub static FAMILY: Family = Family {
         ("llama3_3", &["llama"]),
         ("smollm2", &["llama"]),
     ],
-    hf_config: &LlamaLike,
+    ..Family::new(
+        "Llama",
+        &[ModelType::new(LLAMA, "LlamaForCausalLM")
+            .gguf(
+                "llama",
+                GgufReading {
+                    head_dim_from_rope: true,
+                    // Llama 3.x: llama.cpp bakes the frequency scaling into a `rope_freqs` tensor.
+                    rope_tensors: GgufRopeTensors::Llama3Freqs,
+                    config_keys: gguf_keys,
+                    ..GgufReading::LLAMA
+                },
+            )
+            .torchtune(TorchtuneLayout::Permuted)],
+        &LlamaLike,
+    )
 };
 
 /// A Llama GGUF file's own config keys: its biases.

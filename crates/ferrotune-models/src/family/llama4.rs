@@ -11,14 +11,13 @@ use crate::config::MoeConfig;
 
 /// The Llama 4 family.
 pub static FAMILY: Family = Family {
-    name: "Llama 4",
-    model_types: &[ModelType::new("llama4_text", "Llama4ForCausalLM")],
     multimodal: &[Multimodal::new("llama4", &["llama4_text"])],
-    text_aliases: &[],
     config_defaults,
-    gguf_archs: &[],
-    torchtune_builders: &[],
-    hf_config: &Llama4Rules,
+    ..Family::new(
+        "Llama 4",
+        &[ModelType::new("llama4_text", "Llama4ForCausalLM")],
+        &Llama4Rules,
+    )
 };
 
 /// Llama 4's reading of its config.

@@ -7,29 +7,29 @@ use crate::config::MoeConfig;
 
 /// The Mistral family.
 pub static FAMILY: Family = Family {
-    name: "Mistral",
-    model_types: &[
-        // llama.cpp runs Mistral and Mixtral as `llama` (Mixtral with experts).
-        ModelType::new("mistral", "MistralForCausalLM")
-            .gguf("llama", MISTRAL_GGUF)
-            .torchtune(TorchtuneLayout::Permuted),
-        ModelType::new("mixtral", "MixtralForCausalLM").gguf("llama", MIXTRAL_GGUF),
-        ModelType::new("ministral", "MinistralForCausalLM"),
-        ModelType::new("ministral3", "Ministral3ForCausalLM"),
-    ],
     multimodal: &[Multimodal::new(
         "mistral3",
         &["mistral", "ministral3", "ministral"],
     )],
-    text_aliases: &[],
-    config_defaults: no_defaults,
     // Read only: the writer stores Mistral as llama.cpp's `llama`.
     gguf_archs: &[GgufArch::plain("mistral", "mistral", GgufWriting::PLAIN)],
     torchtune_builders: &[(
         "mistral",
         &["mistral", "llama", "mixtral", "ministral", "ministral3"],
     )],
-    hf_config: &MistralRules,
+    ..Family::new(
+        "Mistral",
+        &[
+            // llama.cpp runs Mistral and Mixtral as `llama` (Mixtral with experts).
+            ModelType::new("mistral", "MistralForCausalLM")
+                .gguf("llama", MISTRAL_GGUF)
+                .torchtune(TorchtuneLayout::Permuted),
+            ModelType::new("mixtral", "MixtralForCausalLM").gguf("llama", MIXTRAL_GGUF),
+            ModelType::new("ministral", "MinistralForCausalLM"),
+            ModelType::new("ministral3", "Ministral3ForCausalLM"),
+        ],
+        &MistralRules,
+    )
 };
 
 /// Mistral in GGUF: the head size from the rope dimension, its own keys.

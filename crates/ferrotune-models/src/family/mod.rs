@@ -38,8 +38,8 @@ mod prelude {
         GgufWriting,
     };
     pub(super) use super::{
-        no_defaults, AttentionLayers, Family, GgufArch, GgufVariant, GgufVocabStyle, HfConfig,
-        HfResult, HfSource, LlamaLike, ModelType, Multimodal, TorchtuneLayout, WindowStyle,
+        AttentionLayers, Family, GgufArch, GgufVariant, GgufVocabStyle, HfConfig, HfResult,
+        HfSource, LlamaLike, ModelType, Multimodal, TorchtuneLayout, WindowStyle,
     };
     pub(super) use crate::config::ModelConfig;
     pub(super) use crate::error::ModelError;
@@ -102,6 +102,28 @@ pub struct HfSource<'a> {
 
 /// What a family's rules give: the value read, or what is wrong with the config.
 pub type HfResult<T> = Result<T, String>;
+
+impl Family {
+    /// A family of `model_types` whose configs `hf_config` reads, with nothing else: no
+    /// multimodal checkpoint, text alias, config default, GGUF architecture or torchtune builder.
+    /// Family files state what they have over it.
+    pub const fn new(
+        name: &'static str,
+        model_types: &'static [ModelType],
+        hf_config: &'static dyn HfConfig,
+    ) -> Self {
+        Self {
+            name,
+            model_types,
+            multimodal: &[],
+            text_aliases: &[],
+            config_defaults: no_defaults,
+            gguf_archs: &[],
+            torchtune_builders: &[],
+            hf_config,
+        }
+    }
+}
 
 /// How a family reads transformers' `config.json` beyond what every family shares. Each method
 /// reads the config as [`HfSource`] holds it; the defaults are Llama's reading.

@@ -11,14 +11,12 @@ use crate::config::QkNormSpan;
 
 /// The OLMo 2 family.
 pub static FAMILY: Family = Family {
-    name: "OLMo 2",
-    model_types: &[ModelType::new("olmo2", "Olmo2ForCausalLM")],
-    multimodal: &[],
-    text_aliases: &[],
     config_defaults,
-    gguf_archs: &[],
-    torchtune_builders: &[],
-    hf_config: &Olmo2Rules,
+    ..Family::new(
+        "OLMo 2",
+        &[ModelType::new("olmo2", "Olmo2ForCausalLM")],
+        &Olmo2Rules,
+    )
 };
 
 /// `Olmo2Config`'s defaults (transformers 5.24) where they differ from the reading every family

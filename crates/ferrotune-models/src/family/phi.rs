@@ -7,16 +7,6 @@ use crate::config::{MoeConfig, RopeConfig, SparseMixer};
 
 /// The Phi family.
 pub static FAMILY: Family = Family {
-    name: "Phi",
-    model_types: &[
-        ModelType::new("phi3", "Phi3ForCausalLM")
-            .gguf("phi3", PHI3_GGUF)
-            .torchtune(TorchtuneLayout::SplitFused),
-        ModelType::new("phi", "PhiForCausalLM").gguf("phi2", PHI2_GGUF),
-        ModelType::new("phimoe", "PhimoeForCausalLM"),
-    ],
-    multimodal: &[],
-    text_aliases: &[],
     config_defaults,
     gguf_archs: &[
         GgufArch {
@@ -48,7 +38,17 @@ pub static FAMILY: Family = Family {
         ("phi2", &["phi"]),
         ("phi4", &["phi3"]),
     ],
-    hf_config: &PhiRules,
+    ..Family::new(
+        "Phi",
+        &[
+            ModelType::new("phi3", "Phi3ForCausalLM")
+                .gguf("phi3", PHI3_GGUF)
+                .torchtune(TorchtuneLayout::SplitFused),
+            ModelType::new("phi", "PhiForCausalLM").gguf("phi2", PHI2_GGUF),
+            ModelType::new("phimoe", "PhimoeForCausalLM"),
+        ],
+        &PhiRules,
+    )
 };
 
 /// Phi-3 in GGUF: fused projections, partial rotary, LongRoPE's factors in tensors.

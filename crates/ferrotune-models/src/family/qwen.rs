@@ -7,15 +7,6 @@ use crate::config::MoeConfig;
 
 /// The Qwen family.
 pub static FAMILY: Family = Family {
-    name: "Qwen",
-    model_types: &[
-        ModelType::new("qwen2", "Qwen2ForCausalLM")
-            .gguf("qwen2", DENSE_GGUF)
-            .torchtune(TorchtuneLayout::Plain),
-        ModelType::new("qwen3", "Qwen3ForCausalLM").gguf("qwen3", DENSE_GGUF),
-        ModelType::new("qwen2_moe", "Qwen2MoeForCausalLM").gguf("qwen2moe", moe_gguf(true)),
-        ModelType::new("qwen3_moe", "Qwen3MoeForCausalLM").gguf("qwen3moe", moe_gguf(false)),
-    ],
     multimodal: &[
         Multimodal::new("qwen2_vl", &["qwen2_vl_text"]).keys_at_top(),
         Multimodal::new("qwen2_5_vl", &["qwen2_5_vl_text"]).keys_at_top(),
@@ -27,7 +18,6 @@ pub static FAMILY: Family = Family {
         ("qwen2_5_vl_text", "qwen2"),
         ("qwen3_vl_text", "qwen3"),
     ],
-    config_defaults: no_defaults,
     gguf_archs: &[
         GgufArch::plain(
             "qwen2",
@@ -57,7 +47,18 @@ pub static FAMILY: Family = Family {
         ("qwen2_5", &["qwen2"]),
         ("qwen3", &["qwen3", "qwen3_moe"]),
     ],
-    hf_config: &QwenRules,
+    ..Family::new(
+        "Qwen",
+        &[
+            ModelType::new("qwen2", "Qwen2ForCausalLM")
+                .gguf("qwen2", DENSE_GGUF)
+                .torchtune(TorchtuneLayout::Plain),
+            ModelType::new("qwen3", "Qwen3ForCausalLM").gguf("qwen3", DENSE_GGUF),
+            ModelType::new("qwen2_moe", "Qwen2MoeForCausalLM").gguf("qwen2moe", moe_gguf(true)),
+            ModelType::new("qwen3_moe", "Qwen3MoeForCausalLM").gguf("qwen3moe", moe_gguf(false)),
+        ],
+        &QwenRules,
+    )
 };
 
 /// Dense Qwen in GGUF: llama.cpp runs it without sliding windows.

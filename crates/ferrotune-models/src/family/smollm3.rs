@@ -5,17 +5,6 @@ use crate::config::hf::parse_rope_layers;
 
 /// The SmolLM3 family.
 pub static FAMILY: Family = Family {
-    name: "SmolLM3",
-    model_types: &[ModelType::new("smollm3", "SmolLM3ForCausalLM").gguf(
-        "smollm3",
-        GgufReading {
-            head_dim_from_rope: true,
-            ..GgufReading::LLAMA
-        },
-    )],
-    multimodal: &[],
-    text_aliases: &[],
-    config_defaults: no_defaults,
     // llama.cpp runs SmolLM3 as llama with every fourth layer without RoPE (fixed there, and
     // SmolLM3Config's default); convert_hf_to_gguf.py's SmolLM3 is its llama converter, so the
     // q/k rows are permuted as Llama's.
@@ -32,7 +21,17 @@ pub static FAMILY: Family = Family {
         )
     }],
     torchtune_builders: &[("smollm3", &["smollm3"])],
-    hf_config: &SmolLm3Rules,
+    ..Family::new(
+        "SmolLM3",
+        &[ModelType::new("smollm3", "SmolLM3ForCausalLM").gguf(
+            "smollm3",
+            GgufReading {
+                head_dim_from_rope: true,
+                ..GgufReading::LLAMA
+            },
+        )],
+        &SmolLm3Rules,
+    )
 };
 
 /// SmolLM3's reading of its config.
