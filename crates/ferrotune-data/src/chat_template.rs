@@ -875,13 +875,16 @@ mod tests {
         ChatTemplate::new(source)?.render(messages, false, &BTreeMap::new())
     }
 
+    /// `source` rendered without messages.
+    fn render_plain(source: &str) -> String {
+        render(source, &[]).unwrap()
+    }
+
     #[test]
     fn python_style_output() {
-        let out = render(
+        let out = render_plain(
             "{{ none }}|{{ true }}|{{ [1, 'a', none] }}|{{ 1.5 }}|{{ 2.0 }}|{{ {'a': 1} }}",
-            &[],
-        )
-        .unwrap();
+        );
         assert_eq!(out, "None|True|[1, 'a', None]|1.5|2.0|{'a': 1}");
     }
 
@@ -897,20 +900,13 @@ mod tests {
 
     #[test]
     fn tojson_matches_python() {
-        let out = render(
-            "{{ {'b': 'é<\"x\">', 'a': [1, 2.5, none, true]}|tojson }}\n{{ {'k': []}|tojson(indent=2) }}",
-            &[],
-        )
-        .unwrap();
+        let out = render_plain("{{ {'b': 'é<\"x\">', 'a': [1, 2.5, none, true]}|tojson }}\n{{ {'k': []}|tojson(indent=2) }}");
         assert_eq!(
             out,
             "{\"b\": \"é<\\\"x\\\">\", \"a\": [1, 2.5, null, true]}\n{\n  \"k\": []\n}"
         );
-        let out = render(
-            "{{ {'b': 1, 'a': 'é'}|tojson(sort_keys=true, ensure_ascii=true) }}",
-            &[],
-        )
-        .unwrap();
+        let out =
+            render_plain("{{ {'b': 1, 'a': 'é'}|tojson(sort_keys=true, ensure_ascii=true) }}");
         assert_eq!(out, "{\"a\": \"\\u00e9\", \"b\": 1}");
     }
 

@@ -134,6 +134,22 @@ impl DataError {
         }
     }
 
+    /// The tokenizer could not encode text: its message `e`.
+    pub(crate) fn encode(e: impl std::fmt::Display) -> Self {
+        DataError::Encode {
+            message: e.to_string(),
+        }
+    }
+
+    /// Invalid data on 1-based `line` of the dataset file `path`.
+    pub(crate) fn invalid_data(path: &Path, line: usize, message: String) -> Self {
+        DataError::InvalidData {
+            path: path.to_path_buf(),
+            line,
+            message,
+        }
+    }
+
     pub(crate) fn invalid(path: &Path, message: impl Into<String>) -> Self {
         DataError::InvalidTokenizer {
             path: path.to_path_buf(),
@@ -147,4 +163,20 @@ impl DataError {
             message: message.into(),
         }
     }
+}
+
+/// The texts of a JSON list, or a [`DataError::Dataset`] with `bad`'s message for the first entry
+/// that is not one.
+pub(crate) fn texts(
+    items: &[serde_json::Value],
+    bad: impl Fn(&serde_json::Value) -> String,
+) -> Result<Vec<String>> {
+    items
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| DataError::Dataset(bad(v)))
+        })
+        .collect()
 }

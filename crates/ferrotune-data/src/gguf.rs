@@ -166,22 +166,22 @@ pub(crate) fn build(
             })
             .map(|(token, _)| AddedToken::from(token.clone(), true).normalized(false))
             .collect();
-        if !control.is_empty() {
-            tokenizer
-                .add_tokens(control)
-                .map_err(|e| DataError::gguf(path, e.to_string()))?;
-        }
+        let add = |tokenizer: &mut Tokenizer, added: Vec<AddedToken>| {
+            if !added.is_empty() {
+                tokenizer
+                    .add_tokens(added)
+                    .map_err(|e| DataError::gguf(path, e.to_string()))?;
+            }
+            Ok::<_, DataError>(())
+        };
+        add(&mut tokenizer, control)?;
         let user_defined: Vec<AddedToken> = tokens
             .iter()
             .zip(types)
             .filter(|(token, &kind)| kind == USER_DEFINED && tokenizer.token_to_id(token).is_some())
             .map(|(token, _)| AddedToken::from(token.clone(), false).normalized(false))
             .collect();
-        if !user_defined.is_empty() {
-            tokenizer
-                .add_tokens(user_defined)
-                .map_err(|e| DataError::gguf(path, e.to_string()))?;
-        }
+        add(&mut tokenizer, user_defined)?;
     }
 
     // Split text the way this vocabulary's merges were learned, where the name is known.
@@ -574,46 +574,41 @@ impl Meta<'_> {
         }
     }
 
-    fn strings(&self, key: &str) -> Result<Option<Vec<String>>> {
+    /// The array at `key`, each element read by `item`; an error naming `what` (the array's
+    /// kind) for an element it cannot read.
+    fn array_of<T>(
+        &self,
+        key: &str,
+        what: &str,
+        item: impl Fn(&Value) -> Option<T>,
+    ) -> Result<Option<Vec<T>>> {
         let Some(items) = self.array(key)? else {
             return Ok(None);
         };
         items
             .iter()
-            .map(|v| match v {
-                Value::String(s) => Ok(s.clone()),
-                v => Err(self.wrong(key, "an array of strings", v)),
-            })
+            .map(|v| item(v).ok_or_else(|| self.wrong(key, what, v)))
             .collect::<Result<Vec<_>>>()
             .map(Some)
+    }
+
+    fn strings(&self, key: &str) -> Result<Option<Vec<String>>> {
+        self.array_of(key, "an array of strings", |v| match v {
+            Value::String(s) => Some(s.clone()),
+            _ => None,
+        })
     }
 
     fn ints(&self, key: &str) -> Result<Option<Vec<i64>>> {
-        let Some(items) = self.array(key)? else {
-            return Ok(None);
-        };
-        items
-            .iter()
-            .map(|v| int_of(v).ok_or_else(|| self.wrong(key, "an array of integers", v)))
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
+        self.array_of(key, "an array of integers", int_of)
     }
 
     fn floats(&self, key: &str) -> Result<Option<Vec<f64>>> {
-        let Some(items) = self.array(key)? else {
-            return Ok(None);
-        };
-        items
-            .iter()
-            .map(|v| match v {
-                Value::F32(f) => Ok(*f as f64),
-                Value::F64(f) => Ok(*f),
-                v => int_of(v)
-                    .map(|i| i as f64)
-                    .ok_or_else(|| self.wrong(key, "an array of numbers", v)),
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
+        self.array_of(key, "an array of numbers", |v| match v {
+            Value::F32(f) => Some(*f as f64),
+            Value::F64(f) => Some(*f),
+            v => int_of(v).map(|i| i as f64),
+        })
     }
 }
 

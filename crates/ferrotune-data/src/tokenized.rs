@@ -86,11 +86,7 @@ fn read_rows<T>(
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |message: String| DataError::InvalidData {
-            path: path.to_path_buf(),
-            line: i + 1,
-            message,
-        };
+        let bad = |message: String| DataError::invalid_data(path, i + 1, message);
         let row: Value =
             serde_json::from_str(line).map_err(|e| bad(format!("not valid JSON: {e}")))?;
         let obj = row

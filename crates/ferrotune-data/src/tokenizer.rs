@@ -463,9 +463,7 @@ impl Tokenizer {
         let encoding = self
             .inner
             .encode_fast(text, add_special_tokens)
-            .map_err(|e| DataError::Encode {
-                message: e.to_string(),
-            })?;
+            .map_err(DataError::encode)?;
         Ok(encoding.get_ids().to_vec())
     }
 

@@ -119,68 +119,67 @@ fn min_max(x: &[f32]) -> (f32, f32) {
     (min, max)
 }
 
-/// Q4_0: `d = max / -8` from the value of largest magnitude, 4-bit codes `x / d + 8`.
-fn q4_0_block(x: &[f32], out: &mut Vec<u8>) {
-    let d = largest_magnitude(x) / -8.0;
+/// Writes a block's scale `d` (f16) and returns its inverse (0 for a zero scale).
+fn scale_header(d: f32, out: &mut Vec<u8>) -> f32 {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     out.extend(f16::from_f32(d).to_le_bytes());
+    id
+}
+
+/// Writes an offset block's scale `(max − min) / levels` and offset `min` (f16 each); returns
+/// `(min, 1 / scale)`.
+fn offset_header(x: &[f32], levels: f32, out: &mut Vec<u8>) -> (f32, f32) {
+    let (min, max) = min_max(x);
+    let id = scale_header((max - min) / levels, out);
+    out.extend(f16::from_f32(min).to_le_bytes());
+    (min, id)
+}
+
+/// Packs the 4-bit codes `q(v)` of a block's values, elements `j` and `j + 16` in one byte.
+fn pack_q4(x: &[f32], out: &mut Vec<u8>, q: impl Fn(f32) -> u8) {
     for j in 0..QK5 / 2 {
-        let x0 = ((x[j] * id + 8.5) as i8).min(15) as u8;
-        let x1 = ((x[j + QK5 / 2] * id + 8.5) as i8).min(15) as u8;
+        let (x0, x1) = (q(x[j]), q(x[j + QK5 / 2]));
         out.push(x0 | (x1 << 4));
     }
+}
+
+/// Packs the 5-bit codes `q(v)` of a block's values: the fifth bits (`qh`, 32 bits), then the low
+/// nibbles, elements `j` and `j + 16` in one byte.
+fn pack_q5(x: &[f32], out: &mut Vec<u8>, q: impl Fn(f32) -> u8) {
+    let mut qh = 0u32;
+    let mut qs = [0u8; QK5 / 2];
+    for j in 0..QK5 / 2 {
+        let (x0, x1) = (q(x[j]), q(x[j + QK5 / 2]));
+        qs[j] = (x0 & 0x0f) | ((x1 & 0x0f) << 4);
+        qh |= (((x0 & 0x10) >> 4) as u32) << j;
+        qh |= (((x1 & 0x10) >> 4) as u32) << (j + QK5 / 2);
+    }
+    out.extend(qh.to_le_bytes());
+    out.extend(qs);
+}
+
+/// Q4_0: `d = max / -8` from the value of largest magnitude, 4-bit codes `x / d + 8`.
+fn q4_0_block(x: &[f32], out: &mut Vec<u8>) {
+    let id = scale_header(largest_magnitude(x) / -8.0, out);
+    pack_q4(x, out, |v| ((v * id + 8.5) as i8).min(15) as u8);
 }
 
 /// Q4_1: scale `(max − min) / 15` and offset `min`, 4-bit codes `(x − min) / d`.
 fn q4_1_block(x: &[f32], out: &mut Vec<u8>) {
-    let (min, max) = min_max(x);
-    let d = (max - min) / 15.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    out.extend(f16::from_f32(d).to_le_bytes());
-    out.extend(f16::from_f32(min).to_le_bytes());
-    for j in 0..QK5 / 2 {
-        let x0 = (((x[j] - min) * id + 0.5) as i8).min(15) as u8;
-        let x1 = (((x[j + QK5 / 2] - min) * id + 0.5) as i8).min(15) as u8;
-        out.push(x0 | (x1 << 4));
-    }
+    let (min, id) = offset_header(x, 15.0, out);
+    pack_q4(x, out, |v| (((v - min) * id + 0.5) as i8).min(15) as u8);
 }
 
 /// Q5_0: `d = max / -16` from the value of largest magnitude, 5-bit codes `x / d + 16`.
 fn q5_0_block(x: &[f32], out: &mut Vec<u8>) {
-    let d = largest_magnitude(x) / -16.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    out.extend(f16::from_f32(d).to_le_bytes());
-    let mut qh = 0u32;
-    let mut qs = [0u8; QK5 / 2];
-    for j in 0..QK5 / 2 {
-        let x0 = ((x[j] * id + 16.5) as i8).min(31) as u8;
-        let x1 = ((x[j + QK5 / 2] * id + 16.5) as i8).min(31) as u8;
-        qs[j] = (x0 & 0x0f) | ((x1 & 0x0f) << 4);
-        qh |= (((x0 & 0x10) >> 4) as u32) << j;
-        qh |= (((x1 & 0x10) >> 4) as u32) << (j + QK5 / 2);
-    }
-    out.extend(qh.to_le_bytes());
-    out.extend(qs);
+    let id = scale_header(largest_magnitude(x) / -16.0, out);
+    pack_q5(x, out, |v| ((v * id + 16.5) as i8).min(31) as u8);
 }
 
 /// Q5_1: scale `(max − min) / 31` and offset `min`, 5-bit codes `(x − min) / d`.
 fn q5_1_block(x: &[f32], out: &mut Vec<u8>) {
-    let (min, max) = min_max(x);
-    let d = (max - min) / 31.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    out.extend(f16::from_f32(d).to_le_bytes());
-    out.extend(f16::from_f32(min).to_le_bytes());
-    let mut qh = 0u32;
-    let mut qs = [0u8; QK5 / 2];
-    for j in 0..QK5 / 2 {
-        let x0 = ((x[j] - min) * id + 0.5) as u8;
-        let x1 = ((x[j + QK5 / 2] - min) * id + 0.5) as u8;
-        qs[j] = (x0 & 0x0f) | ((x1 & 0x0f) << 4);
-        qh |= (((x0 & 0x10) >> 4) as u32) << j;
-        qh |= (((x1 & 0x10) >> 4) as u32) << (j + QK5 / 2);
-    }
-    out.extend(qh.to_le_bytes());
-    out.extend(qs);
+    let (min, id) = offset_header(x, 31.0, out);
+    pack_q5(x, out, |v| ((v - min) * id + 0.5) as u8);
 }
 
 /// ggml's `make_qkx2_quants`: codes `0..=nmax` with a scale and a (non-positive) minimum for one

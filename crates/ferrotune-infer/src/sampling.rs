@@ -77,10 +77,7 @@ impl Sampler {
                 .filter(|l| **l < kth)
                 .for_each(|l| *l = f32::NEG_INFINITY);
         }
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
-        let sum: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= sum);
+        let mut probs = softmax(logits);
         if let Some(p) = self.opts.top_p.filter(|&p| p < 1.0) {
             // transformers' TopPLogitsWarper: sort ascending, drop tokens whose cumulative
             // probability stays <= 1 - p, always keep the most likely one. Tokens already at
@@ -110,6 +107,15 @@ impl Sampler {
         // Rounding left `acc` a hair under 1: fall back to the most likely token.
         argmax(&probs)
     }
+}
+
+/// The probabilities of `logits`: `exp(l - max)`, normalized to sum 1.
+fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= sum);
+    probs
 }
 
 /// Index of the largest value; the first one on ties (as `torch.argmax`).
@@ -154,20 +160,16 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_top_p_small_keeps_best() {
         for seed in 0..20 {
-            let mut s = Sampler::new(SamplingOptions {
-                temperature: 1.0,
-                top_k: Some(1),
-                seed,
-                ..Default::default()
-            });
-            assert_eq!(s.next(&mut [0.1, 0.2, 5.0, 0.3], &[]), 2);
-            let mut s = Sampler::new(SamplingOptions {
-                temperature: 1.0,
-                top_p: Some(0.01),
-                seed,
-                ..Default::default()
-            });
-            assert_eq!(s.next(&mut [0.1, 0.2, 5.0, 0.3], &[]), 2);
+            for (top_k, top_p) in [(Some(1), None), (None, Some(0.01))] {
+                let mut s = Sampler::new(SamplingOptions {
+                    temperature: 1.0,
+                    top_k,
+                    top_p,
+                    seed,
+                    ..Default::default()
+                });
+                assert_eq!(s.next(&mut [0.1, 0.2, 5.0, 0.3], &[]), 2);
+            }
         }
     }
 
@@ -180,10 +182,7 @@ mod tests {
         l.iter_mut()
             .filter(|x| **x < kth)
             .for_each(|x| *x = f32::NEG_INFINITY);
-        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<f32> = l.iter().map(|x| (x - max).exp()).collect();
-        let sum: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= sum);
+        let mut probs = softmax(&l);
         let mut order: Vec<usize> = (0..probs.len()).collect();
         order.sort_by(|&a, &b| probs[a].total_cmp(&probs[b]));
         let (mut cum, last) = (0f32, order.len() - 1);

@@ -492,19 +492,18 @@ fn read(
             path.parent().unwrap_or(Path::new(".")).to_path_buf()
         }
     };
-    match &format {
+    let (config, tensors, packed, dir, quantized_linears) = match &format {
         CheckpointFormat::Pickle(_) | CheckpointFormat::Meta(_) => {
             let dir = folder();
             let (config, tensors, quantized_linears) =
                 read_pickled(&format, &dir, Some(dtype), device)?;
-            Ok(Checkpoint {
+            (
                 config,
                 tensors,
-                packed: PackedWeights::new(),
-                format,
+                PackedWeights::new(),
                 dir,
                 quantized_linears,
-            })
+            )
         }
         CheckpointFormat::Gguf(file) => {
             let (config, tensors, packed) = if keep_packed && dtype == DType::F32 {
@@ -514,14 +513,7 @@ fn read(
                 (config, tensors, PackedWeights::new())
             };
             let dir = file.parent().unwrap_or(Path::new(".")).to_path_buf();
-            Ok(Checkpoint {
-                config,
-                tensors,
-                packed,
-                format,
-                dir,
-                quantized_linears: Vec::new(),
-            })
+            (config, tensors, packed, dir, Vec::new())
         }
         CheckpointFormat::Safetensors(files) => {
             let dir = folder();
@@ -548,16 +540,17 @@ fn read(
             } else {
                 read_safetensors(files, dtype, device)?
             };
-            Ok(Checkpoint {
-                config,
-                tensors,
-                packed: PackedWeights::new(),
-                format,
-                dir,
-                quantized_linears: Vec::new(),
-            })
+            (config, tensors, PackedWeights::new(), dir, Vec::new())
         }
-    }
+    };
+    Ok(Checkpoint {
+        config,
+        tensors,
+        packed,
+        format,
+        dir,
+        quantized_linears,
+    })
 }
 
 /// Loads a model for inference from an HF folder or a GGUF file (for an f32 model from a GGUF,

@@ -60,6 +60,20 @@ const QWEN2_BIASES: &[(&str, &str)] = &[
     ("self_attn.v_proj.bias", "attn.v_proj.bias"),
 ];
 
+/// The per-layer name `tail` renamed by `kind`'s pairs ([`LAYER_NAMES`], and Qwen2's biases):
+/// an HF name to torchtune's (`to_tune`), or torchtune's to HF's.
+fn layer_rename(kind: Kind, tail: &str, to_tune: bool) -> Option<&'static str> {
+    let biases: &[(&str, &str)] = if kind == Kind::Qwen2 {
+        QWEN2_BIASES
+    } else {
+        &[]
+    };
+    LAYER_NAMES.iter().chain(biases).find_map(|&(hf, tune)| {
+        let (from, to) = if to_tune { (hf, tune) } else { (tune, hf) };
+        (from == tail).then_some(to)
+    })
+}
+
 /// The model's HF-named tensors under torchtune's names.
 pub fn hf_to_torchtune(
     config: &ModelConfig,
@@ -102,17 +116,7 @@ pub fn hf_to_torchtune(
                     }
                     _ => {}
                 }
-                let biases: &[(&str, &str)] = if kind == Kind::Qwen2 {
-                    QWEN2_BIASES
-                } else {
-                    &[]
-                };
-                let tune = LAYER_NAMES
-                    .iter()
-                    .chain(biases)
-                    .find(|(hf, _)| *hf == tail)
-                    .map(|(_, tune)| *tune)
-                    .ok_or_else(unknown)?;
+                let tune = layer_rename(kind, tail, true).ok_or_else(unknown)?;
                 format!("layers.{layer}.{tune}")
             }
         };
@@ -260,17 +264,7 @@ pub fn torchtune_to_hf(
                         continue;
                     }
                 }
-                let biases: &[(&str, &str)] = if kind == Kind::Qwen2 {
-                    QWEN2_BIASES
-                } else {
-                    &[]
-                };
-                let hf = LAYER_NAMES
-                    .iter()
-                    .chain(biases)
-                    .find(|(_, tune)| *tune == tail)
-                    .map(|(hf, _)| *hf)
-                    .ok_or_else(unknown)?;
+                let hf = layer_rename(kind, tail, false).ok_or_else(unknown)?;
                 format!("model.layers.{layer}.{hf}")
             }
         };

@@ -205,9 +205,7 @@ impl<'a> Encoder<'a> {
             .tok
             .inner()
             .encode(full, false)
-            .map_err(|e| DataError::Encode {
-                message: e.to_string(),
-            })?;
+            .map_err(DataError::encode)?;
         Ok(encoding
             .get_offsets()
             .iter()

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::error::{DataError, Result};
+use super::builders::get_str;
+use crate::error::{texts, DataError, Result};
 
 /// File formats a dataset can be read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -311,14 +312,9 @@ pub(crate) enum Source {
 fn as_str_list(value: &Value, key: &str) -> Result<Vec<String>> {
     match value {
         Value::String(s) => Ok(vec![s.clone()]),
-        Value::Array(items) => items
-            .iter()
-            .map(|v| {
-                v.as_str().map(str::to_string).ok_or_else(|| {
-                    DataError::Dataset(format!("dataset '{key}': entries must be paths, got {v}"))
-                })
-            })
-            .collect(),
+        Value::Array(items) => texts(items, |v| {
+            format!("dataset '{key}': entries must be paths, got {v}")
+        }),
         other => Err(DataError::Dataset(format!(
             "dataset '{key}' must be a path or a list of paths, got {other}"
         ))),
@@ -531,24 +527,8 @@ pub(crate) fn resolve_source(section: &Map<String, Value>, base_dir: &Path) -> R
             files,
         )])));
     }
-    let name = match section.get("name") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(other) => {
-            return Err(DataError::Dataset(format!(
-                "dataset 'name' must be a string, got {other}"
-            )))
-        }
-    };
-    let data_dir = match section.get("data_dir") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(other) => {
-            return Err(DataError::Dataset(format!(
-                "dataset 'data_dir' must be a string, got {other}"
-            )))
-        }
-    };
+    let name = get_str(section, "name")?.map(str::to_string);
+    let data_dir = get_str(section, "data_dir")?.map(str::to_string);
     Ok(Source::Hub {
         repo: source,
         name,
@@ -648,11 +628,11 @@ fn object_rows(path: &Path, items: Vec<Value>) -> Result<Vec<(usize, Map<String,
         .enumerate()
         .map(|(i, v)| match v {
             Value::Object(map) => Ok((i + 1, map)),
-            other => Err(DataError::InvalidData {
-                path: path.to_path_buf(),
-                line: i + 1,
-                message: format!("row {} is not a JSON object: {other}", i + 1),
-            }),
+            other => Err(DataError::invalid_data(
+                path,
+                i + 1,
+                format!("row {} is not a JSON object: {other}", i + 1),
+            )),
         })
         .collect()
 }
@@ -695,11 +675,7 @@ fn read_json(path: &Path, field: Option<&str>) -> Result<Rows> {
             if line.trim().is_empty() {
                 continue;
             }
-            let bad = |message: String| DataError::InvalidData {
-                path: path.to_path_buf(),
-                line: i + 1,
-                message,
-            };
+            let bad = |message: String| DataError::invalid_data(path, i + 1, message);
             match serde_json::from_str::<Value>(line) {
                 Ok(Value::Object(map)) => rows.push((i + 1, map)),
                 Ok(_) => return Err(bad("a JSON Lines row must be a JSON object".into())),
@@ -756,11 +732,7 @@ fn csv_error(path: &Path, e: csv::Error) -> DataError {
         return DataError::io(path, io, "a dataset file");
     }
     let line = e.position().map_or(0, |p| p.line() as usize);
-    DataError::InvalidData {
-        path: path.to_path_buf(),
-        line,
-        message: format!("bad CSV: {e}"),
-    }
+    DataError::invalid_data(path, line, format!("bad CSV: {e}"))
 }
 
 /// Every line is a row `{"text": line}` (HF's `text` builder, line breaks removed).

@@ -12,31 +12,27 @@ fn name_for(component: &str, section: Value) -> Option<String> {
 #[test]
 fn hub_configuration_of_the_named_builders() {
     let empty = serde_json::json!({});
-    assert_eq!(
-        name_for("wikitext_dataset", empty.clone()).as_deref(),
-        Some("wikitext-103-v1")
-    );
-    assert_eq!(
-        name_for(
+    for (component, section, name) in [
+        ("wikitext_dataset", empty.clone(), Some("wikitext-103-v1")),
+        (
             "wikitext_dataset",
-            serde_json::json!({"subset": "wikitext-2-raw-v1"})
-        )
-        .as_deref(),
-        Some("wikitext-2-raw-v1")
-    );
-    assert_eq!(
-        name_for("cnn_dailymail_articles_dataset", empty.clone()).as_deref(),
-        Some("3.0.0")
-    );
-    assert_eq!(
-        name_for(
+            serde_json::json!({"subset": "wikitext-2-raw-v1"}),
+            Some("wikitext-2-raw-v1"),
+        ),
+        (
             "cnn_dailymail_articles_dataset",
-            serde_json::json!({"name": "2.0.0"})
-        )
-        .as_deref(),
-        Some("2.0.0")
-    );
-    assert_eq!(name_for("text_completion_dataset", empty), None);
+            empty.clone(),
+            Some("3.0.0"),
+        ),
+        (
+            "cnn_dailymail_articles_dataset",
+            serde_json::json!({"name": "2.0.0"}),
+            Some("2.0.0"),
+        ),
+        ("text_completion_dataset", empty, None),
+    ] {
+        assert_eq!(name_for(component, section).as_deref(), name, "{component}");
+    }
     assert_eq!(
         Builder::parse("slimorca_dataset").unwrap().default_source(),
         Some("Open-Orca/SlimOrca-Dedup")

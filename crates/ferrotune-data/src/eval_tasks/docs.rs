@@ -11,7 +11,7 @@ use super::{
     limit_count, parse_python_literal, DocField, DocRequests, FewshotSampler, OutputType, PyRandom,
     Target, TaskSpec,
 };
-use crate::error::{DataError, Result};
+use crate::error::{texts, DataError, Result};
 
 impl TaskSpec {
     /// The documents evaluated: the split's rows (relative `data_files` are resolved against
@@ -494,14 +494,9 @@ pub(super) fn doc_str(doc: &Map<String, Value>, key: &str) -> Result<String> {
 /// A list-of-texts column.
 fn doc_strs(doc: &Map<String, Value>, key: &str) -> Result<Vec<String>> {
     match doc.get(key) {
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| {
-                v.as_str().map(str::to_string).ok_or_else(|| {
-                    DataError::Dataset(format!("column '{key}' holds {v}, not a text"))
-                })
-            })
-            .collect(),
+        Some(Value::Array(items)) => {
+            texts(items, |v| format!("column '{key}' holds {v}, not a text"))
+        }
         other => Err(DataError::Dataset(format!(
             "column '{key}' must be a list of texts, got {other:?}"
         ))),

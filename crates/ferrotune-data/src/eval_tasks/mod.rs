@@ -104,6 +104,11 @@ pub const BUILTIN_FUNCTIONS: &[&str] = &[
     "mathqa.doc_to_choice",
 ];
 
+/// The entries of a YAML list (none when `value` is absent or not a list).
+fn list_items(value: Option<&serde_yaml_ng::Value>) -> impl Iterator<Item = &serde_yaml_ng::Value> {
+    value.and_then(|v| v.as_sequence()).into_iter().flatten()
+}
+
 fn task_err<T>(origin: &str, msg: impl std::fmt::Display) -> Result<T> {
     Err(DataError::Dataset(format!("{origin}: {msg}")))
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde_yaml_ng::Value as Yaml;
 
 use super::spec::yaml_display;
-use super::{task_err, TaskSpec, BUILTIN_TASKS};
+use super::{list_items, task_err, TaskSpec, BUILTIN_TASKS};
 use crate::error::{DataError, Result};
 
 // ---------------------------------------------------------------------------------------------
@@ -243,12 +243,7 @@ impl TaskRegistry {
             }
         };
         let mut aggregate = Vec::new();
-        for item in map
-            .get("aggregate_metric_list")
-            .and_then(|v| v.as_sequence())
-            .into_iter()
-            .flatten()
-        {
+        for item in list_items(map.get("aggregate_metric_list")) {
             let metric = item.get("metric").and_then(|m| m.as_str()).ok_or_else(|| {
                 DataError::Dataset(format!(
                     "{origin}: group '{name}': every aggregate_metric_list entry needs a 'metric'"

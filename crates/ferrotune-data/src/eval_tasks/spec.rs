@@ -5,8 +5,8 @@ use serde_json::{Map, Value};
 use serde_yaml_ng::Value as Yaml;
 
 use super::{
-    task_err, DocField, ExactMatchSpec, FewshotSampler, FilterSpec, FilterStep, GenerationSpec,
-    MetricSpec, OutputType, TaskSpec, BUILTIN_FUNCTIONS, ROLLING_METRICS,
+    list_items, task_err, DocField, ExactMatchSpec, FewshotSampler, FilterSpec, FilterStep,
+    GenerationSpec, MetricSpec, OutputType, TaskSpec, BUILTIN_FUNCTIONS, ROLLING_METRICS,
 };
 use crate::error::{DataError, Result};
 
@@ -99,15 +99,16 @@ impl TaskSpec {
                 ))
             })?,
         };
+        let mapping = |k: &str| -> Result<Option<&serde_yaml_ng::Mapping>> {
+            match get(k).map(|v| v.as_mapping()) {
+                None => Ok(None),
+                Some(Some(m)) => Ok(Some(m)),
+                Some(None) => task_err(origin, format!("task '{name}': {k} must be a mapping")),
+            }
+        };
         let mut fewshot_sampler = FewshotSampler::Random;
         let mut fewshot_target_delimiter = None;
-        if let Some(cfg) = get("fewshot_config") {
-            let Some(cfg) = cfg.as_mapping() else {
-                return task_err(
-                    origin,
-                    format!("task '{name}': fewshot_config must be a mapping"),
-                );
-            };
+        if let Some(cfg) = mapping("fewshot_config")? {
             for (k, v) in cfg {
                 match (k.as_str().unwrap_or_default(), v.as_str()) {
                     ("sampler", Some("first_n")) => fewshot_sampler = FewshotSampler::FirstN,
@@ -134,13 +135,7 @@ impl TaskSpec {
             DataError::Dataset(format!("{origin}: task '{name}': no dataset_path"))
         })?;
         let (mut data_files, mut data_dir) = (None, None);
-        if let Some(kwargs) = get("dataset_kwargs") {
-            let Some(kw) = kwargs.as_mapping() else {
-                return task_err(
-                    origin,
-                    format!("task '{name}': dataset_kwargs must be a mapping"),
-                );
-            };
+        if let Some(kw) = mapping("dataset_kwargs")? {
             for (k, v) in kw {
                 match k.as_str().unwrap_or_default() {
                     "data_files" => data_files = Some(yaml_to_json(v)),
@@ -190,11 +185,7 @@ impl TaskSpec {
         let process_results = function("process_results")?;
         let mut metrics = Vec::new();
         let mut exact_match = ExactMatchSpec::default();
-        for item in get("metric_list")
-            .and_then(|v| v.as_sequence())
-            .into_iter()
-            .flatten()
-        {
+        for item in list_items(get("metric_list")) {
             let metric = item.get("metric").and_then(|m| m.as_str()).ok_or_else(|| {
                 DataError::Dataset(format!(
                     "{origin}: task '{name}': every metric_list entry needs a 'metric' name"

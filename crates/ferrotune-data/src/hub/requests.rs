@@ -64,21 +64,20 @@ async fn tree_files<T: RepoType>(
 pub(super) async fn resolve_commit(ctx: &Ctx<'_>, revision: Option<&str>) -> Result<String> {
     let (owner, name) = hf_hub::split_id(ctx.repo_id);
     let client = &ctx.hub.client;
+    // One request on either client: their info types differ, hence the macro.
+    macro_rules! sha_of {
+        ($repo:expr) => {
+            $repo
+                .info()
+                .maybe_revision(revision.map(str::to_string))
+                .send()
+                .await
+                .map(|i| i.sha)
+        };
+    }
     let sha = match ctx.kind {
-        RepoKind::Model => client
-            .model(owner, name)
-            .info()
-            .maybe_revision(revision.map(str::to_string))
-            .send()
-            .await
-            .map(|i| i.sha),
-        RepoKind::Dataset => client
-            .dataset(owner, name)
-            .info()
-            .maybe_revision(revision.map(str::to_string))
-            .send()
-            .await
-            .map(|i| i.sha),
+        RepoKind::Model => sha_of!(client.model(owner, name)),
+        RepoKind::Dataset => sha_of!(client.dataset(owner, name)),
     }
     .map_err(|e| ctx.error(e.into()))?;
     sha.filter(|s| !s.is_empty()).ok_or_else(|| {

@@ -1,64 +1,19 @@
 //! Google's Gemma 1, 2 (and VaultGemma, Gemma 2 without post-norms), 3 and 4, with Gemma 3's and
 //! Gemma 4's multimodal checkpoints run as their text model.
 
-use std::sync::OnceLock;
-
-use serde_json::{Map, Value};
-
-use super::gguf::{GgufHParams, GgufMetadata, GgufReading, GgufWindows, GgufWriting};
-use super::{
-    AttentionLayers, Family, GgufArch, GgufVocabStyle, HfConfig, ModelType, Multimodal,
-    TorchtuneLayout,
-};
+use super::prelude::*;
 use crate::config::hf::{
     get_bool, get_f64, get_positive, get_str, get_usize, layer_types_marking, parse_rope,
     req_usize, rope_from_params,
 };
-use crate::config::{Gemma4Layers, ModelConfig, RopeConfig, RopeScaling};
-use crate::error::ModelError;
+use crate::config::{Gemma4Layers, RopeConfig, RopeScaling};
 
 /// The Gemma family.
 pub static FAMILY: Family = Family {
-    name: "Gemma",
-    model_types: &[
-        ModelType::new("gemma", "GemmaForCausalLM")
-            .gguf("gemma")
-            .torchtune(TorchtuneLayout::Permuted)
-            .reads_gguf(GEMMA_GGUF),
-        // torchtune 0.6.1's checkpointer converts Gemma 2's adapters but not its weights.
-        ModelType {
-            torchtune_adapters: Some(TorchtuneLayout::Permuted),
-            ..ModelType::new("gemma2", "Gemma2ForCausalLM")
-                .gguf("gemma2")
-                .reads_gguf(GgufReading {
-                    sandwich_norms: true,
-                    config_keys: |g, hp, c| layered_gguf_keys(g, hp, c, 46, true),
-                    ..GEMMA_GGUF
-                })
-        },
-        ModelType::new("vaultgemma", "VaultGemmaForCausalLM"),
-        ModelType::new("gemma3_text", "Gemma3ForCausalLM")
-            .gguf("gemma3")
-            .reads_gguf(GgufReading {
-                sandwich_norms: true,
-                config_keys: |g, hp, c| layered_gguf_keys(g, hp, c, 62, false),
-                ..GEMMA_GGUF
-            }),
-        ModelType::new("gemma4_text", "Gemma4ForCausalLM"),
-    ],
     multimodal: &[
-        Multimodal {
-            model_type: "gemma3",
-            text_types: &["gemma3_text"],
-            text_keys_at_top: false,
-        },
-        Multimodal {
-            model_type: "gemma4",
-            text_types: &["gemma4_text"],
-            text_keys_at_top: false,
-        },
+        Multimodal::new("gemma3", &["gemma3_text"]),
+        Multimodal::new("gemma4", &["gemma4_text"]),
     ],
-    text_aliases: &[],
     config_defaults,
     // convert_hf_to_gguf.py adds 1 to every Gemma norm weight (q/k norms included).
     // llama.cpp's Gemma and Gemma 2 always use the embeddings as the output head.
@@ -99,7 +54,36 @@ pub static FAMILY: Family = Family {
         ("gemma2", &["gemma2"]),
         ("gemma3", &["gemma3_text"]),
     ],
-    hf_config: &GemmaRules,
+    ..Family::new(
+        "Gemma",
+        &[
+            ModelType::new("gemma", "GemmaForCausalLM")
+                .gguf("gemma", GEMMA_GGUF)
+                .torchtune(TorchtuneLayout::Permuted),
+            // torchtune 0.6.1's checkpointer converts Gemma 2's adapters but not its weights.
+            ModelType::new("gemma2", "Gemma2ForCausalLM")
+                .gguf(
+                    "gemma2",
+                    GgufReading {
+                        sandwich_norms: true,
+                        config_keys: |g, c| layered_gguf_keys(g, c, 46, true),
+                        ..GEMMA_GGUF
+                    },
+                )
+                .torchtune_adapters(TorchtuneLayout::Permuted),
+            ModelType::new("vaultgemma", "VaultGemmaForCausalLM"),
+            ModelType::new("gemma3_text", "Gemma3ForCausalLM").gguf(
+                "gemma3",
+                GgufReading {
+                    sandwich_norms: true,
+                    config_keys: |g, c| layered_gguf_keys(g, c, 62, false),
+                    ..GEMMA_GGUF
+                },
+            ),
+            ModelType::new("gemma4_text", "Gemma4ForCausalLM"),
+        ],
+        &GemmaRules,
+    )
 };
 
 /// Gemma's reading of its configs.
@@ -118,13 +102,13 @@ fn layered(model_type: &str) -> bool {
 }
 
 impl HfConfig for GemmaRules {
-    fn check(&self, model_type: &str, obj: &Map<String, Value>) -> Result<(), String> {
-        if model_type != "gemma4_text" {
-            return super::refuse_bidirectional(obj);
+    fn check(&self, hf: HfSource) -> HfResult<()> {
+        if hf.model_type != "gemma4_text" {
+            return super::refuse_bidirectional(hf.obj);
         }
         // Gemma 4 names who attends both ways: "vision" concerns image tokens only, which text
         // never holds; "all" makes an encoder.
-        match obj.get("use_bidirectional_attention") {
+        match hf.obj.get("use_bidirectional_attention") {
             None | Some(Value::Null) => Ok(()),
             Some(Value::String(s)) if s == "vision" => Ok(()),
             Some(other) => Err(format!(
@@ -135,23 +119,14 @@ impl HfConfig for GemmaRules {
 
     /// Gemma names it `hidden_activation`; transformers runs Gemma with the tanh GELU whatever the
     /// legacy `hidden_act` says.
-    fn activation<'a>(
-        &self,
-        _model_type: &str,
-        obj: &'a Map<String, Value>,
-    ) -> Result<&'a str, String> {
-        Ok(get_str(obj, "hidden_activation")?.unwrap_or("gelu_pytorch_tanh"))
+    fn activation<'a>(&self, hf: HfSource<'a>) -> HfResult<&'a str> {
+        Ok(get_str(hf.obj, "hidden_activation")?.unwrap_or("gelu_pytorch_tanh"))
     }
 
-    fn attention_layers(
-        &self,
-        model_type: &str,
-        obj: &Map<String, Value>,
-        layers: usize,
-        max_pos: usize,
-    ) -> Result<AttentionLayers, String> {
+    fn attention(&self, hf: HfSource, layers: usize, max_pos: usize) -> HfResult<AttentionLayers> {
+        let (model_type, obj) = (hf.model_type, hf.obj);
         if !layered(model_type) {
-            let rope = self.rope(model_type, obj, max_pos)?;
+            let rope = self.rope(hf, max_pos)?;
             return AttentionLayers::single(rope, obj, layers, self.window_style());
         }
         let mut sliding = gemma_sliding_layers(obj, model_type, layers)?;
@@ -184,12 +159,8 @@ impl HfConfig for GemmaRules {
         })
     }
 
-    fn configure(
-        &self,
-        model_type: &str,
-        obj: &Map<String, Value>,
-        c: &mut ModelConfig,
-    ) -> Result<(), String> {
+    fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
+        let (model_type, obj) = (hf.model_type, hf.obj);
         let gemma4 = model_type == "gemma4_text";
         if gemma2_like(model_type) {
             // transformers' Gemma 2 defaults when a key is absent (null turns the feature off).
@@ -254,12 +225,12 @@ const GEMMA_GGUF: GgufReading = GgufReading {
 /// A Gemma 2/3 GGUF file's window, score scale (`big_layers`: the layer count of the 27B model)
 /// and, for Gemma 2 (`softcaps`), its caps.
 fn layered_gguf_keys(
-    g: &dyn GgufMetadata,
-    hp: &GgufHParams,
+    g: GgufSource,
     c: &mut Map<String, Value>,
     big_layers: usize,
     softcaps: bool,
 ) -> Result<(), ModelError> {
+    let (g, hp) = (g.file, g.hp);
     let a = g.arch();
     let window = g.uint(&format!("{a}.attention.sliding_window"))?;
     c.insert("sliding_window".into(), window.into());

@@ -46,9 +46,17 @@ pub struct GgufHParams {
     pub sparse_layers: Vec<bool>,
 }
 
+/// What a model type's config keys are read from: the file and its hyperparameters.
+#[derive(Clone, Copy)]
+pub struct GgufSource<'a> {
+    /// The file's metadata and tensors.
+    pub file: &'a dyn GgufMetadata,
+    /// The hyperparameters read from it.
+    pub hp: &'a GgufHParams,
+}
+
 /// The config keys a model type's GGUF metadata gives beyond what every architecture shares.
-pub type GgufConfigKeys =
-    fn(&dyn GgufMetadata, &GgufHParams, &mut Map<String, Value>) -> Result<(), ModelError>;
+pub type GgufConfigKeys = fn(GgufSource, &mut Map<String, Value>) -> Result<(), ModelError>;
 
 /// How the GGUF reader reads one model type's files.
 #[derive(Debug, Clone, Copy)]
@@ -134,11 +142,7 @@ impl GgufReading {
 }
 
 /// A model type whose GGUF metadata holds no config key of its own.
-pub fn no_keys(
-    _: &dyn GgufMetadata,
-    _: &GgufHParams,
-    _: &mut Map<String, Value>,
-) -> Result<(), ModelError> {
+pub fn no_keys(_: GgufSource, _: &mut Map<String, Value>) -> Result<(), ModelError> {
     Ok(())
 }
 
@@ -281,21 +285,29 @@ pub struct TensorName {
     pub when: When,
 }
 
-const fn top(gguf: &'static str, hf: &'static str, when: When) -> TensorName {
+impl TensorName {
+    /// The pair applies only `when`.
+    const fn when(mut self, when: When) -> Self {
+        self.when = when;
+        self
+    }
+}
+
+/// A pair outside the layers that always applies.
+const fn top(gguf: &'static str, hf: &'static str) -> TensorName {
     TensorName {
         gguf,
         hf,
         in_layer: false,
-        when,
+        when: When::Always,
     }
 }
 
-const fn layer(gguf: &'static str, hf: &'static str, when: When) -> TensorName {
+/// A pair under a layer that always applies.
+const fn layer(gguf: &'static str, hf: &'static str) -> TensorName {
     TensorName {
-        gguf,
-        hf,
         in_layer: true,
-        when,
+        ..top(gguf, hf)
     }
 }
 
@@ -303,63 +315,39 @@ const fn layer(gguf: &'static str, hf: &'static str, when: When) -> TensorName {
 /// the first pair that applies wins, either way. The experts themselves (stacked in GGUF, one
 /// module each in transformers 4.x's names) are named by the reader and writer.
 pub const TENSOR_NAMES: &[TensorName] = &[
-    top("token_embd", "model.embed_tokens", When::Always),
-    top(
-        "output_norm",
-        "model.final_layernorm",
-        When::Names(GgufNames::Phi2),
-    ),
-    top("output_norm", "model.norm", When::Always),
-    top("output", "lm_head", When::Always),
-    layer("attn_norm", "input_layernorm", When::Always),
+    top("token_embd", "model.embed_tokens"),
+    top("output_norm", "model.final_layernorm").when(When::Names(GgufNames::Phi2)),
+    top("output_norm", "model.norm"),
+    top("output", "lm_head"),
+    layer("attn_norm", "input_layernorm"),
     // Gemma 2/3: `ffn_norm` is the MLP's own pre-norm, `post_attention_norm` the attention
     // output's norm; elsewhere `ffn_norm` is `post_attention_layernorm`, the MLP's pre-norm.
-    layer("ffn_norm", "pre_feedforward_layernorm", When::Sandwich),
-    layer(
-        "post_attention_norm",
-        "post_attention_layernorm",
-        When::Sandwich,
-    ),
-    layer("ffn_norm", "post_attention_layernorm", When::Always),
-    layer(
-        "post_attention_norm",
-        "post_attention_layernorm",
-        When::Always,
-    ),
-    layer("post_ffw_norm", "post_feedforward_layernorm", When::Always),
-    layer("attn_q", "self_attn.q_proj", When::Always),
-    layer("attn_k", "self_attn.k_proj", When::Always),
-    layer("attn_v", "self_attn.v_proj", When::Always),
+    layer("ffn_norm", "pre_feedforward_layernorm").when(When::Sandwich),
+    layer("post_attention_norm", "post_attention_layernorm").when(When::Sandwich),
+    layer("ffn_norm", "post_attention_layernorm"),
+    layer("post_attention_norm", "post_attention_layernorm"),
+    layer("post_ffw_norm", "post_feedforward_layernorm"),
+    layer("attn_q", "self_attn.q_proj"),
+    layer("attn_k", "self_attn.k_proj"),
+    layer("attn_v", "self_attn.v_proj"),
     // Phi-2: `dense`, and the ungated MLP's `fc1` / `fc2`.
-    layer(
-        "attn_output",
-        "self_attn.dense",
-        When::Names(GgufNames::Phi2),
-    ),
-    layer("attn_output", "self_attn.o_proj", When::Always),
-    layer("attn_qkv", "self_attn.qkv_proj", When::Always),
-    layer("attn_q_norm", "self_attn.q_norm", When::Always),
-    layer("attn_k_norm", "self_attn.k_norm", When::Always),
-    layer("ffn_gate", "mlp.gate_proj", When::Always),
+    layer("attn_output", "self_attn.dense").when(When::Names(GgufNames::Phi2)),
+    layer("attn_output", "self_attn.o_proj"),
+    layer("attn_qkv", "self_attn.qkv_proj"),
+    layer("attn_q_norm", "self_attn.q_norm"),
+    layer("attn_k_norm", "self_attn.k_norm"),
+    layer("ffn_gate", "mlp.gate_proj"),
     // Phi-3's fused gate and up projection is stored as `ffn_up`.
-    layer("ffn_up", "mlp.gate_up_proj", When::Names(GgufNames::Phi3)),
-    layer("ffn_up", "mlp.fc1", When::Names(GgufNames::Phi2)),
-    layer("ffn_up", "mlp.up_proj", When::Always),
-    layer("ffn_down", "mlp.fc2", When::Names(GgufNames::Phi2)),
-    layer("ffn_down", "mlp.down_proj", When::Always),
+    layer("ffn_up", "mlp.gate_up_proj").when(When::Names(GgufNames::Phi3)),
+    layer("ffn_up", "mlp.fc1").when(When::Names(GgufNames::Phi2)),
+    layer("ffn_up", "mlp.up_proj"),
+    layer("ffn_down", "mlp.fc2").when(When::Names(GgufNames::Phi2)),
+    layer("ffn_down", "mlp.down_proj"),
     // A mixture of experts' router, and Qwen2-MoE's shared expert with its gate.
-    layer("ffn_gate_inp", "block_sparse_moe.gate", When::MixtralNames),
-    layer("ffn_gate_inp", "mlp.gate", When::Always),
-    layer(
-        "ffn_gate_shexp",
-        "mlp.shared_expert.gate_proj",
-        When::Always,
-    ),
-    layer("ffn_up_shexp", "mlp.shared_expert.up_proj", When::Always),
-    layer(
-        "ffn_down_shexp",
-        "mlp.shared_expert.down_proj",
-        When::Always,
-    ),
-    layer("ffn_gate_inp_shexp", "mlp.shared_expert_gate", When::Always),
+    layer("ffn_gate_inp", "block_sparse_moe.gate").when(When::MixtralNames),
+    layer("ffn_gate_inp", "mlp.gate"),
+    layer("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
+    layer("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+    layer("ffn_down_shexp", "mlp.shared_expert.down_proj"),
+    layer("ffn_gate_inp_shexp", "mlp.shared_expert_gate"),
 ];

@@ -1,45 +1,15 @@
 //! Llama (1, 2, 3.x, SmolLM2 and other `llama` checkpoints) and Llama 3.2 Vision's text model
 //! (`mllama`), which runs as a Llama over its self-attention layers.
 
-use std::sync::OnceLock;
-
-use serde_json::{Map, Value};
-
-use super::gguf::{
-    llama_biases, GgufHParams, GgufMetadata, GgufReading, GgufRopeTensors, GgufWriting,
-};
-use super::{
-    Family, GgufArch, GgufVariant, GgufVocabStyle, LlamaLike, ModelType, Multimodal,
-    TorchtuneLayout,
-};
+use super::prelude::*;
 use crate::config::hf::req_usize;
-use crate::error::ModelError;
 
 /// The Llama family.
 pub static FAMILY: Family = Family {
-    name: "Llama",
-    model_types: &[ModelType::new(LLAMA, "LlamaForCausalLM")
-        .gguf("llama")
-        .torchtune(TorchtuneLayout::Permuted)
-        .reads_gguf(GgufReading {
-            head_dim_from_rope: true,
-            // Llama 3.x: llama.cpp bakes the frequency scaling into a `rope_freqs` tensor.
-            rope_tensors: GgufRopeTensors::Llama3Freqs,
-            config_keys: gguf_keys,
-            ..GgufReading::LLAMA
-        })],
     multimodal: &[
-        Multimodal {
-            model_type: "mllama",
-            text_types: &[MLLAMA_TEXT],
-            text_keys_at_top: false,
-        },
+        Multimodal::new("mllama", &[MLLAMA_TEXT]),
         // MllamaForCausalLM: Llama 3.2 Vision's text model alone, its config at the top level.
-        Multimodal {
-            model_type: MLLAMA_TEXT,
-            text_types: &[MLLAMA_TEXT],
-            text_keys_at_top: false,
-        },
+        Multimodal::new(MLLAMA_TEXT, &[MLLAMA_TEXT]),
     ],
     text_aliases: &[(MLLAMA_TEXT, "llama")],
     config_defaults,
@@ -77,16 +47,27 @@ pub static FAMILY: Family = Family {
         ("llama3_3", &["llama"]),
         ("smollm2", &["llama"]),
     ],
-    hf_config: &LlamaLike,
+    ..Family::new(
+        "Llama",
+        &[ModelType::new(LLAMA, "LlamaForCausalLM")
+            .gguf(
+                "llama",
+                GgufReading {
+                    head_dim_from_rope: true,
+                    // Llama 3.x: llama.cpp bakes the frequency scaling into a `rope_freqs` tensor.
+                    rope_tensors: GgufRopeTensors::Llama3Freqs,
+                    config_keys: gguf_keys,
+                    ..GgufReading::LLAMA
+                },
+            )
+            .torchtune(TorchtuneLayout::Permuted)],
+        &LlamaLike,
+    )
 };
 
 /// A Llama GGUF file's own config keys: its biases.
-fn gguf_keys(
-    g: &dyn GgufMetadata,
-    _: &GgufHParams,
-    c: &mut Map<String, Value>,
-) -> Result<(), ModelError> {
-    llama_biases(g, c);
+fn gguf_keys(g: GgufSource, c: &mut Map<String, Value>) -> Result<(), ModelError> {
+    llama_biases(g.file, c);
     Ok(())
 }
 

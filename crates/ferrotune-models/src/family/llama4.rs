@@ -1,32 +1,23 @@
 //! Llama 4 (Scout, Maverick): its text model, which ships only inside
 //! `Llama4ForConditionalGeneration`.
 
-use std::sync::OnceLock;
-
-use serde_json::{Map, Value};
-
+use super::prelude::*;
 use super::read::layer_and_rest;
-use super::{Family, HfConfig, ModelType, Multimodal};
 use crate::config::hf::{
     get_bool, get_f64, get_positive, get_usize, layer_list, layer_types_marking, parse_rope_layers,
     positive, req_usize,
 };
-use crate::config::{ModelConfig, MoeConfig};
+use crate::config::MoeConfig;
 
 /// The Llama 4 family.
 pub static FAMILY: Family = Family {
-    name: "Llama 4",
-    model_types: &[ModelType::new("llama4_text", "Llama4ForCausalLM")],
-    multimodal: &[Multimodal {
-        model_type: "llama4",
-        text_types: &["llama4_text"],
-        text_keys_at_top: false,
-    }],
-    text_aliases: &[],
+    multimodal: &[Multimodal::new("llama4", &["llama4_text"])],
     config_defaults,
-    gguf_archs: &[],
-    torchtune_builders: &[],
-    hf_config: &Llama4Rules,
+    ..Family::new(
+        "Llama 4",
+        &[ModelType::new("llama4_text", "Llama4ForCausalLM")],
+        &Llama4Rules,
+    )
 };
 
 /// Llama 4's reading of its config.
@@ -34,12 +25,8 @@ pub static FAMILY: Family = Family {
 struct Llama4Rules;
 
 impl HfConfig for Llama4Rules {
-    fn configure(
-        &self,
-        _model_type: &str,
-        obj: &Map<String, Value>,
-        c: &mut ModelConfig,
-    ) -> Result<(), String> {
+    fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
+        let obj = hf.obj;
         let layers = c.num_hidden_layers;
         // Llama 4's dense layers take `intermediate_size_mlp`; its experts `intermediate_size`.
         c.intermediate_size = req_usize(obj, "intermediate_size_mlp")?;

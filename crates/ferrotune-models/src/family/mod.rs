@@ -26,6 +26,25 @@ pub mod qwen;
 pub mod read;
 pub mod smollm3;
 
+/// What every family file imports: the registry's types, the GGUF reading's, and what a family's
+/// rules read and write.
+mod prelude {
+    pub(super) use std::sync::OnceLock;
+
+    pub(super) use serde_json::{Map, Value};
+
+    pub(super) use super::gguf::{
+        llama_biases, GgufMoe, GgufNames, GgufReading, GgufRopeTensors, GgufSource, GgufWindows,
+        GgufWriting,
+    };
+    pub(super) use super::{
+        AttentionLayers, Family, GgufArch, GgufVariant, GgufVocabStyle, HfConfig, HfResult,
+        HfSource, LlamaLike, ModelType, Multimodal, TorchtuneLayout, WindowStyle,
+    };
+    pub(super) use crate::config::ModelConfig;
+    pub(super) use crate::error::ModelError;
+}
+
 use serde_json::{Map, Value};
 
 pub use crate::config::hf::WindowStyle;
@@ -71,23 +90,53 @@ pub struct Family {
     pub hf_config: &'static dyn HfConfig,
 }
 
+/// What a family's rules read: transformers' text `model_type` (one of the family's) and the
+/// config object with the family's defaults filled in.
+#[derive(Debug, Clone, Copy)]
+pub struct HfSource<'a> {
+    /// The text `model_type`.
+    pub model_type: &'a str,
+    /// The config object.
+    pub obj: &'a Map<String, Value>,
+}
+
+/// What a family's rules give: the value read, or what is wrong with the config.
+pub type HfResult<T> = Result<T, String>;
+
+impl Family {
+    /// A family of `model_types` whose configs `hf_config` reads, with nothing else: no
+    /// multimodal checkpoint, text alias, config default, GGUF architecture or torchtune builder.
+    /// Family files state what they have over it.
+    pub const fn new(
+        name: &'static str,
+        model_types: &'static [ModelType],
+        hf_config: &'static dyn HfConfig,
+    ) -> Self {
+        Self {
+            name,
+            model_types,
+            multimodal: &[],
+            text_aliases: &[],
+            config_defaults: no_defaults,
+            gguf_archs: &[],
+            torchtune_builders: &[],
+            hf_config,
+        }
+    }
+}
+
 /// How a family reads transformers' `config.json` beyond what every family shares. Each method
-/// receives the text `model_type` (one of the family's) and the config object with the family's
-/// defaults filled in; the defaults are Llama's reading.
+/// reads the config as [`HfSource`] holds it; the defaults are Llama's reading.
 pub trait HfConfig: Sync + std::fmt::Debug {
     /// Refuses, before anything else is read, what makes the config something ferrotune does not
     /// run. Default: a bidirectional model (an encoder).
-    fn check(&self, _model_type: &str, obj: &Map<String, Value>) -> Result<(), String> {
-        refuse_bidirectional(obj)
+    fn check(&self, hf: HfSource) -> HfResult<()> {
+        refuse_bidirectional(hf.obj)
     }
 
     /// The MLP activation's name. Default: `hidden_act`, SiLU when absent.
-    fn activation<'a>(
-        &self,
-        _model_type: &str,
-        obj: &'a Map<String, Value>,
-    ) -> Result<&'a str, String> {
-        Ok(crate::config::hf::get_str(obj, "hidden_act")?.unwrap_or("silu"))
+    fn activation<'a>(&self, hf: HfSource<'a>) -> HfResult<&'a str> {
+        Ok(crate::config::hf::get_str(hf.obj, "hidden_act")?.unwrap_or("silu"))
     }
 
     /// How the config says which layers attend in a window. Default: where `layer_types` lists
@@ -98,35 +147,19 @@ pub trait HfConfig: Sync + std::fmt::Debug {
 
     /// The rotary embedding of a family with one. Default: base 10000 when the config gives
     /// none.
-    fn rope(
-        &self,
-        _model_type: &str,
-        obj: &Map<String, Value>,
-        max_pos: usize,
-    ) -> Result<RopeConfig, String> {
-        parse_rope(obj, max_pos, 10000.0, false)
+    fn rope(&self, hf: HfSource, max_pos: usize) -> HfResult<RopeConfig> {
+        parse_rope(hf.obj, max_pos, 10000.0, false)
     }
 
     /// The rotary embeddings and each layer's attention window. Default: one rope
     /// ([`HfConfig::rope`]) for every layer, windows as [`HfConfig::window_style`] reads them.
-    fn attention_layers(
-        &self,
-        model_type: &str,
-        obj: &Map<String, Value>,
-        layers: usize,
-        max_pos: usize,
-    ) -> Result<AttentionLayers, String> {
-        let rope = self.rope(model_type, obj, max_pos)?;
-        AttentionLayers::single(rope, obj, layers, self.window_style())
+    fn attention(&self, hf: HfSource, layers: usize, max_pos: usize) -> HfResult<AttentionLayers> {
+        let rope = self.rope(hf, max_pos)?;
+        AttentionLayers::single(rope, hf.obj, layers, self.window_style())
     }
 
     /// Sets the family's switches on the config read so far. Default: none.
-    fn configure(
-        &self,
-        _model_type: &str,
-        _obj: &Map<String, Value>,
-        _config: &mut ModelConfig,
-    ) -> Result<(), String> {
+    fn configure(&self, _hf: HfSource, _config: &mut ModelConfig) -> HfResult<()> {
         Ok(())
     }
 }
@@ -210,21 +243,22 @@ impl ModelType {
         }
     }
 
-    /// Its GGUF files read as `reading` says.
-    pub const fn reads_gguf(mut self, reading: GgufReading) -> Self {
-        self.gguf_reading = reading;
-        self
-    }
-
-    /// Stored as llama.cpp's architecture `arch`.
-    pub const fn gguf(mut self, arch: &'static str) -> Self {
+    /// Stored as llama.cpp's architecture `arch`, its GGUF files read as `reading` says.
+    pub const fn gguf(mut self, arch: &'static str, reading: GgufReading) -> Self {
         self.gguf_arch = Some(arch);
+        self.gguf_reading = reading;
         self
     }
 
     /// torchtune converts its weights and adapters with `layout`.
     pub const fn torchtune(mut self, layout: TorchtuneLayout) -> Self {
         self.torchtune_weights = Some(layout);
+        self.torchtune_adapters = Some(layout);
+        self
+    }
+
+    /// torchtune converts its adapters (not its weights) with `layout`.
+    pub const fn torchtune_adapters(mut self, layout: TorchtuneLayout) -> Self {
         self.torchtune_adapters = Some(layout);
         self
     }
@@ -240,6 +274,23 @@ pub struct Multimodal {
     /// Without a `text_config`, the text model's keys are the top level's (the Hub's Qwen2-VL /
     /// Qwen2.5-VL configs).
     pub text_keys_at_top: bool,
+}
+
+impl Multimodal {
+    /// A checkpoint whose text model's keys are under its `text_config`.
+    pub const fn new(model_type: &'static str, text_types: &'static [&'static str]) -> Self {
+        Self {
+            model_type,
+            text_types,
+            text_keys_at_top: false,
+        }
+    }
+
+    /// Without a `text_config`, its text model's keys are the top level's.
+    pub const fn keys_at_top(mut self) -> Self {
+        self.text_keys_at_top = true;
+        self
+    }
 }
 
 /// How torchtune's checkpointer converts HF tensors (and LoRA adapters) of a model type.
@@ -481,18 +532,31 @@ mod tests {
         assert_eq!(builders.len(), n, "a torchtune builder is listed twice");
     }
 
+    /// Every `model_type` of `types` is a registered text decoder's; `what` names each one's
+    /// origin in a failure.
+    fn assert_registered<'a>(types: impl Iterator<Item = (&'a str, String)>) {
+        for (t, what) in types {
+            assert!(causal_lm_class(t).is_some(), "{what}");
+        }
+    }
+
     #[test]
     fn every_multimodal_text_model_runs_as_a_registered_model_type() {
-        for m in FAMILIES.iter().flat_map(|f| f.multimodal.iter()) {
-            for t in m.text_types {
-                let runs_as = text_model_type(t);
-                assert!(
-                    causal_lm_class(runs_as).is_some(),
-                    "{}: text model {t} runs as unregistered {runs_as}",
-                    m.model_type
-                );
-            }
-        }
+        assert_registered(
+            FAMILIES
+                .iter()
+                .flat_map(|f| f.multimodal.iter())
+                .flat_map(|m| {
+                    m.text_types.iter().map(move |t| {
+                        let runs_as = text_model_type(t);
+                        let what = format!(
+                            "{}: text model {t} runs as unregistered {runs_as}",
+                            m.model_type
+                        );
+                        (runs_as, what)
+                    })
+                }),
+        );
     }
 
     #[test]
@@ -507,16 +571,17 @@ mod tests {
         }
         assert_eq!(gguf_arch("llama").unwrap().model_type_of("x", 8), "mixtral");
         // The GGUF reader names each file's causal-LM class from the registry.
-        for arch in FAMILIES.iter().flat_map(|f| f.gguf_archs.iter()) {
-            let types = arch.variants.iter().map(|(_, t)| *t);
-            for t in std::iter::once(arch.model_type).chain(types) {
-                assert!(
-                    causal_lm_class(t).is_some(),
-                    "{}: {t} is not registered",
-                    arch.name
-                );
-            }
-        }
+        assert_registered(
+            FAMILIES
+                .iter()
+                .flat_map(|f| f.gguf_archs.iter())
+                .flat_map(|arch| {
+                    let types = arch.variants.iter().map(|(_, t)| *t);
+                    std::iter::once(arch.model_type)
+                        .chain(types)
+                        .map(move |t| (t, format!("{}: {t} is not registered", arch.name)))
+                }),
+        );
     }
     /// The SentencePiece shapes transformers' GGUF converter picks by architecture: Gemma's for
     /// Gemma 1–3 (`GemmaTokenizer`), Phi-3's settings for `phi3`, `LlamaTokenizer` otherwise,

@@ -6,23 +6,17 @@
 //! rotated. llama.cpp's `olmo2` architecture is not written (no GGUF export), and torchtune has no
 //! OLMo 2 builder.
 
-use std::sync::OnceLock;
-
-use serde_json::{Map, Value};
-
-use super::{Family, HfConfig, ModelType};
-use crate::config::{ModelConfig, QkNormSpan};
+use super::prelude::*;
+use crate::config::QkNormSpan;
 
 /// The OLMo 2 family.
 pub static FAMILY: Family = Family {
-    name: "OLMo 2",
-    model_types: &[ModelType::new("olmo2", "Olmo2ForCausalLM")],
-    multimodal: &[],
-    text_aliases: &[],
     config_defaults,
-    gguf_archs: &[],
-    torchtune_builders: &[],
-    hf_config: &Olmo2Rules,
+    ..Family::new(
+        "OLMo 2",
+        &[ModelType::new("olmo2", "Olmo2ForCausalLM")],
+        &Olmo2Rules,
+    )
 };
 
 /// `Olmo2Config`'s defaults (transformers 5.24) where they differ from the reading every family
@@ -47,12 +41,7 @@ fn config_defaults(model_type: &str) -> &'static [(&'static str, Value)] {
 struct Olmo2Rules;
 
 impl HfConfig for Olmo2Rules {
-    fn configure(
-        &self,
-        _model_type: &str,
-        _obj: &Map<String, Value>,
-        c: &mut ModelConfig,
-    ) -> Result<(), String> {
+    fn configure(&self, _hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
         c.qk_norm = true;
         c.qk_norm_span = QkNormSpan::Projection;
         // The sandwich's two output norms, without its MLP pre-norm (nor the attention's).

@@ -1,45 +1,12 @@
 //! Microsoft's Phi models: Phi-1.5 / Phi-2 (`phi`: LayerNorm with biases, attention and MLP in
 //! parallel), Phi-3 / Phi-4 (`phi3`: fused projections) and Phi-3.5-MoE (`phimoe`).
 
-use std::sync::OnceLock;
-
-use serde_json::{Map, Value};
-
-use super::gguf::{
-    GgufHParams, GgufMetadata, GgufNames, GgufReading, GgufRopeTensors, GgufWindows, GgufWriting,
-};
-use super::{Family, GgufArch, GgufVocabStyle, HfConfig, ModelType, TorchtuneLayout};
+use super::prelude::*;
 use crate::config::hf::{get_bool, get_f64, parse_rope, positive, req_usize};
-use crate::config::{ModelConfig, MoeConfig, RopeConfig, SparseMixer};
-use crate::error::ModelError;
+use crate::config::{MoeConfig, RopeConfig, SparseMixer};
 
 /// The Phi family.
 pub static FAMILY: Family = Family {
-    name: "Phi",
-    model_types: &[
-        ModelType::new("phi3", "Phi3ForCausalLM")
-            .gguf("phi3")
-            .torchtune(TorchtuneLayout::SplitFused)
-            .reads_gguf(GgufReading {
-                names: GgufNames::Phi3,
-                partial_rotary: true,
-                rope_tensors: GgufRopeTensors::LongRopeFactors,
-                config_keys: phi3_gguf_keys,
-                ..GgufReading::LLAMA
-            }),
-        ModelType::new("phi", "PhiForCausalLM")
-            .gguf("phi2")
-            .reads_gguf(GgufReading {
-                names: GgufNames::Phi2,
-                partial_rotary: true,
-                activation: &[("hidden_act", "gelu_new")],
-                config_keys: phi2_gguf_keys,
-                ..GgufReading::LLAMA
-            }),
-        ModelType::new("phimoe", "PhimoeForCausalLM"),
-    ],
-    multimodal: &[],
-    text_aliases: &[],
     config_defaults,
     gguf_archs: &[
         GgufArch {
@@ -71,28 +38,49 @@ pub static FAMILY: Family = Family {
         ("phi2", &["phi"]),
         ("phi4", &["phi3"]),
     ],
-    hf_config: &PhiRules,
+    ..Family::new(
+        "Phi",
+        &[
+            ModelType::new("phi3", "Phi3ForCausalLM")
+                .gguf("phi3", PHI3_GGUF)
+                .torchtune(TorchtuneLayout::SplitFused),
+            ModelType::new("phi", "PhiForCausalLM").gguf("phi2", PHI2_GGUF),
+            ModelType::new("phimoe", "PhimoeForCausalLM"),
+        ],
+        &PhiRules,
+    )
+};
+
+/// Phi-3 in GGUF: fused projections, partial rotary, LongRoPE's factors in tensors.
+const PHI3_GGUF: GgufReading = GgufReading {
+    names: GgufNames::Phi3,
+    partial_rotary: true,
+    rope_tensors: GgufRopeTensors::LongRopeFactors,
+    config_keys: phi3_gguf_keys,
+    ..GgufReading::LLAMA
+};
+
+/// Phi-2 in GGUF: its names, partial rotary, the GELU.
+const PHI2_GGUF: GgufReading = GgufReading {
+    names: GgufNames::Phi2,
+    partial_rotary: true,
+    activation: &[("hidden_act", "gelu_new")],
+    config_keys: phi2_gguf_keys,
+    ..GgufReading::LLAMA
 };
 
 /// A Phi-3 GGUF file's sliding window, where it has one.
-fn phi3_gguf_keys(
-    g: &dyn GgufMetadata,
-    _: &GgufHParams,
-    c: &mut Map<String, Value>,
-) -> Result<(), ModelError> {
-    if let Some(w) = g.uint(&format!("{}.attention.sliding_window", g.arch()))? {
+fn phi3_gguf_keys(g: GgufSource, c: &mut Map<String, Value>) -> Result<(), ModelError> {
+    let key = format!("{}.attention.sliding_window", g.file.arch());
+    if let Some(w) = g.file.uint(&key)? {
         c.insert("sliding_window".into(), w.into());
     }
     Ok(())
 }
 
 /// A Phi-2 GGUF file's LayerNorm epsilon; it has no q/k LayerNorm.
-fn phi2_gguf_keys(
-    _: &dyn GgufMetadata,
-    hp: &GgufHParams,
-    c: &mut Map<String, Value>,
-) -> Result<(), ModelError> {
-    c.insert("layer_norm_eps".into(), hp.rms_eps.into());
+fn phi2_gguf_keys(g: GgufSource, c: &mut Map<String, Value>) -> Result<(), ModelError> {
+    c.insert("layer_norm_eps".into(), g.hp.rms_eps.into());
     c.insert("qk_layernorm".into(), Value::Bool(false));
     Ok(())
 }
@@ -102,9 +90,9 @@ fn phi2_gguf_keys(
 struct PhiRules;
 
 impl HfConfig for PhiRules {
-    fn check(&self, model_type: &str, obj: &Map<String, Value>) -> Result<(), String> {
-        super::refuse_bidirectional(obj)?;
-        if model_type == "phi" && get_bool(obj, "qk_layernorm")?.unwrap_or(false) {
+    fn check(&self, hf: HfSource) -> HfResult<()> {
+        super::refuse_bidirectional(hf.obj)?;
+        if hf.model_type == "phi" && get_bool(hf.obj, "qk_layernorm")?.unwrap_or(false) {
             return Err(
                 "'qk_layernorm' true (per-head LayerNorm of queries and keys) is not supported"
                     .into(),
@@ -114,24 +102,15 @@ impl HfConfig for PhiRules {
     }
 
     /// Phi-3.5-MoE: `PhimoeConfig`'s `default_theta` is 1e6, and its longrope has mscales.
-    fn rope(
-        &self,
-        model_type: &str,
-        obj: &Map<String, Value>,
-        max_pos: usize,
-    ) -> Result<RopeConfig, String> {
-        let phimoe = model_type == "phimoe";
+    fn rope(&self, hf: HfSource, max_pos: usize) -> HfResult<RopeConfig> {
+        let phimoe = hf.model_type == "phimoe";
         let default_theta = if phimoe { 1_000_000.0 } else { 10000.0 };
-        parse_rope(obj, max_pos, default_theta, phimoe)
+        parse_rope(hf.obj, max_pos, default_theta, phimoe)
     }
 
-    fn configure(
-        &self,
-        model_type: &str,
-        obj: &Map<String, Value>,
-        c: &mut ModelConfig,
-    ) -> Result<(), String> {
-        match model_type {
+    fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
+        let obj = hf.obj;
+        match hf.model_type {
             // Phi-1.5 / Phi-2: LayerNorm with biases (`layer_norm_eps`), attention and MLP in
             // parallel, an ungated MLP.
             "phi" => {

@@ -1,48 +1,16 @@
 //! Qwen 2, 2.5 and 3, dense and sparse (Qwen2-MoE, Qwen3-MoE), and the Qwen VL checkpoints run as
 //! their text model (their multimodal rope is plain RoPE on text alone).
 
-use serde_json::{Map, Value};
-
-use super::gguf::{GgufHParams, GgufMetadata, GgufMoe, GgufReading, GgufWriting};
-use super::{no_defaults, Family, GgufArch, HfConfig, ModelType, Multimodal, TorchtuneLayout};
-use crate::config::hf::{get_bool, get_usize, layer_list, positive, WindowStyle};
-use crate::config::{ModelConfig, MoeConfig};
-use crate::error::ModelError;
+use super::prelude::*;
+use crate::config::hf::{get_bool, get_usize, layer_list, positive};
+use crate::config::MoeConfig;
 
 /// The Qwen family.
 pub static FAMILY: Family = Family {
-    name: "Qwen",
-    model_types: &[
-        ModelType::new("qwen2", "Qwen2ForCausalLM")
-            .gguf("qwen2")
-            .torchtune(TorchtuneLayout::Plain)
-            .reads_gguf(DENSE_GGUF),
-        ModelType::new("qwen3", "Qwen3ForCausalLM")
-            .gguf("qwen3")
-            .reads_gguf(DENSE_GGUF),
-        ModelType::new("qwen2_moe", "Qwen2MoeForCausalLM")
-            .gguf("qwen2moe")
-            .reads_gguf(moe_gguf(true)),
-        ModelType::new("qwen3_moe", "Qwen3MoeForCausalLM")
-            .gguf("qwen3moe")
-            .reads_gguf(moe_gguf(false)),
-    ],
     multimodal: &[
-        Multimodal {
-            model_type: "qwen2_vl",
-            text_types: &["qwen2_vl_text"],
-            text_keys_at_top: true,
-        },
-        Multimodal {
-            model_type: "qwen2_5_vl",
-            text_types: &["qwen2_5_vl_text"],
-            text_keys_at_top: true,
-        },
-        Multimodal {
-            model_type: "qwen3_vl",
-            text_types: &["qwen3_vl_text"],
-            text_keys_at_top: true,
-        },
+        Multimodal::new("qwen2_vl", &["qwen2_vl_text"]).keys_at_top(),
+        Multimodal::new("qwen2_5_vl", &["qwen2_5_vl_text"]).keys_at_top(),
+        Multimodal::new("qwen3_vl", &["qwen3_vl_text"]).keys_at_top(),
     ],
     // Qwen2-VL's and Qwen2.5-VL's text models are Qwen2's, Qwen3-VL's is Qwen3's.
     text_aliases: &[
@@ -50,7 +18,6 @@ pub static FAMILY: Family = Family {
         ("qwen2_5_vl_text", "qwen2"),
         ("qwen3_vl_text", "qwen3"),
     ],
-    config_defaults: no_defaults,
     gguf_archs: &[
         GgufArch::plain(
             "qwen2",
@@ -80,12 +47,23 @@ pub static FAMILY: Family = Family {
         ("qwen2_5", &["qwen2"]),
         ("qwen3", &["qwen3", "qwen3_moe"]),
     ],
-    hf_config: &QwenRules,
+    ..Family::new(
+        "Qwen",
+        &[
+            ModelType::new("qwen2", "Qwen2ForCausalLM")
+                .gguf("qwen2", DENSE_GGUF)
+                .torchtune(TorchtuneLayout::Plain),
+            ModelType::new("qwen3", "Qwen3ForCausalLM").gguf("qwen3", DENSE_GGUF),
+            ModelType::new("qwen2_moe", "Qwen2MoeForCausalLM").gguf("qwen2moe", moe_gguf(true)),
+            ModelType::new("qwen3_moe", "Qwen3MoeForCausalLM").gguf("qwen3moe", moe_gguf(false)),
+        ],
+        &QwenRules,
+    )
 };
 
 /// Dense Qwen in GGUF: llama.cpp runs it without sliding windows.
 const DENSE_GGUF: GgufReading = GgufReading {
-    config_keys: |_, _, c| {
+    config_keys: |_, c| {
         c.insert("use_sliding_window".into(), Value::Bool(false));
         Ok(())
     },
@@ -103,9 +81,9 @@ const fn moe_gguf(qwen2: bool) -> GgufReading {
         }),
         // llama.cpp renormalizes the top-k weights for Qwen3-MoE and not for Qwen2-MoE.
         config_keys: if qwen2 {
-            |g, hp, c| moe_keys(g, hp, c, false)
+            |g, c| moe_keys(g, c, false)
         } else {
-            |g, hp, c| moe_keys(g, hp, c, true)
+            |g, c| moe_keys(g, c, true)
         },
         ..GgufReading::LLAMA
     }
@@ -114,11 +92,11 @@ const fn moe_gguf(qwen2: bool) -> GgufReading {
 /// A Qwen-MoE GGUF file's experts. llama.cpp renormalizes the top-k weights for Qwen3-MoE and not
 /// for Qwen2-MoE (what the released configs say), unless the file says otherwise.
 fn moe_keys(
-    g: &dyn GgufMetadata,
-    hp: &GgufHParams,
+    g: GgufSource,
     c: &mut Map<String, Value>,
     norm_default: bool,
 ) -> Result<(), ModelError> {
+    let hp = g.hp;
     c.insert("num_experts".into(), hp.experts.into());
     c.insert("num_experts_per_tok".into(), hp.experts_used.into());
     c.insert("moe_intermediate_size".into(), hp.expert_ffn.into());
@@ -126,7 +104,8 @@ fn moe_keys(
         c.insert("shared_expert_intermediate_size".into(), shared.into());
     }
     let norm = g
-        .flag(&format!("{}.expert_weights_norm", g.arch()))
+        .file
+        .flag(&format!("{}.expert_weights_norm", g.file.arch()))
         .unwrap_or(norm_default);
     c.insert("norm_topk_prob".into(), Value::Bool(norm));
     c.insert("decoder_sparse_step".into(), 1.into());
@@ -146,12 +125,8 @@ impl HfConfig for QwenRules {
         WindowStyle::Gated
     }
 
-    fn configure(
-        &self,
-        model_type: &str,
-        obj: &Map<String, Value>,
-        c: &mut ModelConfig,
-    ) -> Result<(), String> {
+    fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
+        let (model_type, obj) = (hf.model_type, hf.obj);
         // Qwen3: RMSNorm over each query and key head before RoPE.
         c.qk_norm = matches!(model_type, "qwen3" | "qwen3_moe");
         if matches!(model_type, "qwen2_moe" | "qwen3_moe") {

@@ -1,24 +1,10 @@
 //! SmolLM3: Llama's layout with every fourth layer without RoPE (`no_rope_layers`).
 
-use serde_json::{Map, Value};
-
-use super::gguf::{GgufReading, GgufWriting};
-use super::{no_defaults, Family, GgufArch, HfConfig, ModelType};
-use crate::config::hf::{parse_rope_layers, WindowStyle};
-use crate::config::ModelConfig;
+use super::prelude::*;
+use crate::config::hf::parse_rope_layers;
 
 /// The SmolLM3 family.
 pub static FAMILY: Family = Family {
-    name: "SmolLM3",
-    model_types: &[ModelType::new("smollm3", "SmolLM3ForCausalLM")
-        .gguf("smollm3")
-        .reads_gguf(GgufReading {
-            head_dim_from_rope: true,
-            ..GgufReading::LLAMA
-        })],
-    multimodal: &[],
-    text_aliases: &[],
-    config_defaults: no_defaults,
     // llama.cpp runs SmolLM3 as llama with every fourth layer without RoPE (fixed there, and
     // SmolLM3Config's default); convert_hf_to_gguf.py's SmolLM3 is its llama converter, so the
     // q/k rows are permuted as Llama's.
@@ -35,7 +21,17 @@ pub static FAMILY: Family = Family {
         )
     }],
     torchtune_builders: &[("smollm3", &["smollm3"])],
-    hf_config: &SmolLm3Rules,
+    ..Family::new(
+        "SmolLM3",
+        &[ModelType::new("smollm3", "SmolLM3ForCausalLM").gguf(
+            "smollm3",
+            GgufReading {
+                head_dim_from_rope: true,
+                ..GgufReading::LLAMA
+            },
+        )],
+        &SmolLm3Rules,
+    )
 };
 
 /// SmolLM3's reading of its config.
@@ -43,18 +39,13 @@ pub static FAMILY: Family = Family {
 struct SmolLm3Rules;
 
 impl HfConfig for SmolLm3Rules {
+    fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
+        c.rope_layers = parse_rope_layers(hf.obj, c.num_hidden_layers, false)?;
+        Ok(())
+    }
+
     /// Like Qwen's: windows only with `use_sliding_window`.
     fn window_style(&self) -> WindowStyle {
         WindowStyle::Gated
-    }
-
-    fn configure(
-        &self,
-        _model_type: &str,
-        obj: &Map<String, Value>,
-        c: &mut ModelConfig,
-    ) -> Result<(), String> {
-        c.rope_layers = parse_rope_layers(obj, c.num_hidden_layers, false)?;
-        Ok(())
     }
 }

@@ -4,7 +4,7 @@ use candle_core::DType;
 use serde_json::{json, Map, Value};
 
 use crate::error::ModelError;
-use crate::family::gguf::GgufRopeTensors;
+use crate::family::gguf::{GgufRopeTensors, GgufSource};
 
 use super::*;
 
@@ -51,7 +51,8 @@ impl GgufFile<'_> {
         // As transformers decides: tied exactly when there is no separate output matrix.
         let tied = !self.content.tensor_infos.contains_key("output.weight");
         c.insert("tie_word_embeddings".into(), json!(tied));
-        (arch.reading.config_keys)(&*self, hp, &mut c)?;
+        let source = GgufSource { file: &*self, hp };
+        (arch.reading.config_keys)(source, &mut c)?;
         for (gguf_key, hf_key) in [
             ("tokenizer.ggml.bos_token_id", "bos_token_id"),
             ("tokenizer.ggml.eos_token_id", "eos_token_id"),

@@ -128,7 +128,7 @@ type MaskLimits = (Option<usize>, Option<usize>);
 impl LayerInputs {
     /// The same inputs on `device` (copies, so the host-side mask building runs once per call).
     pub(super) fn to_device(&self, device: &Device) -> CResult<Self> {
-        let opt = |m: &Option<Tensor>| m.as_ref().map(|t| t.to_device(device)).transpose();
+        let opt = |m: &Option<Tensor>| super::to_device_opt(m, device);
         Ok(Self {
             cos: self.cos.to_device(device)?,
             sin: self.sin.to_device(device)?,

@@ -228,6 +228,23 @@ impl GateUpProjection {
     }
 }
 
+/// The projections of a [`QkvProjection`], in `names` order: one body for the shared and the
+/// mutable borrow.
+macro_rules! qkv_linears {
+    ($projection:expr) => {
+        match $projection {
+            QkvProjection::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => vec![q_proj, k_proj, v_proj],
+            QkvProjection::Fused { qkv_proj } => vec![qkv_proj],
+            QkvProjection::KeyIsValue { q_proj, k_proj } => vec![q_proj, k_proj],
+            QkvProjection::QueryOnly { q_proj } => vec![q_proj],
+        }
+    };
+}
+
 impl QkvProjection {
     /// The module names, in the order of [`QkvProjection::linears`].
     pub(super) fn names(&self) -> &'static [&'static str] {
@@ -242,29 +259,11 @@ impl QkvProjection {
     }
 
     pub(super) fn linears(&self) -> Vec<&Linear> {
-        match self {
-            QkvProjection::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => vec![q_proj, k_proj, v_proj],
-            QkvProjection::Fused { qkv_proj } => vec![qkv_proj],
-            QkvProjection::KeyIsValue { q_proj, k_proj } => vec![q_proj, k_proj],
-            QkvProjection::QueryOnly { q_proj } => vec![q_proj],
-        }
+        qkv_linears!(self)
     }
 
     pub(super) fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        match self {
-            QkvProjection::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => vec![q_proj, k_proj, v_proj],
-            QkvProjection::Fused { qkv_proj } => vec![qkv_proj],
-            QkvProjection::KeyIsValue { q_proj, k_proj } => vec![q_proj, k_proj],
-            QkvProjection::QueryOnly { q_proj } => vec![q_proj],
-        }
+        qkv_linears!(self)
     }
 }
 

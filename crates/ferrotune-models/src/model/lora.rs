@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Result as CResult, Tensor, Var};
 use ferrotune_core::ops;
 
-use crate::model::{BaseWeight, CausalLm};
+use crate::model::{to_device_opt, BaseWeight, CausalLm};
 
 /// PEFT's scaling of the low-rank update: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA.
 pub fn lora_scaling(r: usize, alpha: f64, use_rslora: bool) -> f64 {
@@ -219,16 +219,8 @@ impl LoraAdapter {
         let mut out = self.clone();
         out.a = self.a.to_device(device)?;
         out.b = self.b.to_device(device)?;
-        out.dora_magnitude = self
-            .dora_magnitude
-            .as_ref()
-            .map(|m| m.to_device(device))
-            .transpose()?;
-        out.bias = self
-            .bias
-            .as_ref()
-            .map(|b| b.to_device(device))
-            .transpose()?;
+        out.dora_magnitude = to_device_opt(&self.dora_magnitude, device)?;
+        out.bias = to_device_opt(&self.bias, device)?;
         Ok(out)
     }
 

@@ -100,6 +100,11 @@ struct DeviceSpread {
     devices: Vec<Device>,
 }
 
+/// `t`, where there is one, on `device`.
+fn to_device_opt(t: &Option<Tensor>, device: &Device) -> CResult<Option<Tensor>> {
+    t.as_ref().map(|t| t.to_device(device)).transpose()
+}
+
 /// The final norm's module name: `model.norm` (Phi-2: `model.final_layernorm`).
 pub(crate) fn final_norm_name(config: &ModelConfig) -> &'static str {
     if config.parallel_block {
@@ -334,7 +339,7 @@ impl CausalLm {
         fn move_linear(l: &Linear, device: &Device) -> CResult<Linear> {
             let mut out = l.clone();
             out.weight = l.weight.to_device(device)?;
-            out.bias = l.bias.as_ref().map(|b| b.to_device(device)).transpose()?;
+            out.bias = to_device_opt(&l.bias, device)?;
             if !device.is_cpu() {
                 out.packed = None;
             }
@@ -367,11 +372,7 @@ impl CausalLm {
             layers.push(moved);
         }
         let norm = self.norm.to_device(head_device)?;
-        let norm_bias = self
-            .norm_bias
-            .as_ref()
-            .map(|b| b.to_device(head_device))
-            .transpose()?;
+        let norm_bias = to_device_opt(&self.norm_bias, head_device)?;
         let mut lm_head = move_linear(&self.lm_head, head_device)?;
         if self.config.tie_word_embeddings && placement.head == placement.embed {
             // Same device: share the embedding's storage instead of holding it twice.

@@ -318,25 +318,17 @@ impl CausalLm {
             self.dtype
         };
         let weights = top.to_dtype(weight_dtype)?.flatten_all()?;
-        let mut out = flat.zeros_like()?;
-        for (expert, (tokens, slots)) in moe.experts.iter().zip(routed) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let m = tokens.len();
-            let tokens = Tensor::new(tokens, device)?;
-            let rows = flat.index_select(&tokens, 0)?.unsqueeze(0)?;
+        add_routed(flat, &moe.experts, routed, |expert, tokens, slots| {
+            let m = slots.len();
+            let rows = flat.index_select(tokens, 0)?.unsqueeze(0)?;
             let y = self.mlp(expert, &rows)?.squeeze(0)?;
             let w = weights
                 .index_select(&Tensor::new(slots, device)?, 0)?
                 .reshape((m, 1))?;
-            let y = y
-                .to_dtype(weight_dtype)?
+            y.to_dtype(weight_dtype)?
                 .broadcast_mul(&w)?
-                .to_dtype(self.dtype)?;
-            out = out.index_add(&tokens, &y, 0)?;
-        }
-        Ok(out)
+                .to_dtype(self.dtype)
+        })
     }
 
     /// Gemma 4's mixture of experts ([`ParallelMoe`]) on the MLP's residual input `x`
@@ -397,13 +389,8 @@ impl CausalLm {
             }
         }
         let flat_logits = logits.flatten_all()?;
-        let mut out = flat.zeros_like()?;
-        for (expert, (tokens, places)) in moe.experts.iter().zip(routed) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let m = tokens.len();
-            let tokens = Tensor::new(tokens, device)?;
+        let mut out = add_routed(flat, &moe.experts, routed, |expert, tokens, places| {
+            let m = places.len();
             let score = flat_logits
                 .index_select(&Tensor::new(places, device)?, 0)?
                 .to_dtype(DType::F32)?;
@@ -412,16 +399,37 @@ impl CausalLm {
                 .recip()?
                 .to_dtype(self.dtype)?
                 .reshape((m, 1))?;
-            let rows = flat.index_select(&tokens, 0)?.broadcast_mul(&score)?;
-            let y = self.mlp(expert, &rows.unsqueeze(0)?)?.squeeze(0)?;
-            out = out.index_add(&tokens, &y, 0)?;
-        }
+            let rows = flat.index_select(tokens, 0)?.broadcast_mul(&score)?;
+            self.mlp(expert, &rows.unsqueeze(0)?)?.squeeze(0)
+        })?;
         if let Some((shared, _)) = &moe.shared_expert {
             let s = self.mlp(shared, x)?.reshape((n, h))?;
             out = (s + out)?;
         }
         out.reshape((b, t, h))
     }
+}
+
+/// The experts' outputs on the tokens routed to them, added into the rows of those tokens of a
+/// zero tensor shaped as `flat` (`[n, hidden]`), in expert order. `routed[e]` holds expert `e`'s
+/// tokens and their places in the routing table; `expert_out(expert, tokens, places)` gives its
+/// output rows. Experts with no token are skipped.
+fn add_routed(
+    flat: &Tensor,
+    experts: &[Mlp],
+    routed: Vec<(Vec<u32>, Vec<u32>)>,
+    mut expert_out: impl FnMut(&Mlp, &Tensor, Vec<u32>) -> CResult<Tensor>,
+) -> CResult<Tensor> {
+    let mut out = flat.zeros_like()?;
+    for (expert, (tokens, places)) in experts.iter().zip(routed) {
+        if tokens.is_empty() {
+            continue;
+        }
+        let tokens = Tensor::new(tokens, flat.device())?;
+        let y = expert_out(expert, &tokens, places)?;
+        out = out.index_add(&tokens, &y, 0)?;
+    }
+    Ok(out)
 }
 
 /// Each token's `k` experts from its routing probabilities (`probs[token][expert]`), largest

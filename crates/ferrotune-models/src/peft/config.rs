@@ -242,28 +242,16 @@ impl LoraConfig {
             .filter(|v: &Vec<String>| !v.is_empty()),
             other => return Err(format!("layers_pattern: unexpected value {other}")),
         };
-        let rank_pattern = raw
-            .rank_pattern
-            .map(|p| p.0)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, v)| match v.as_u64() {
-                Some(r) if r > 0 => Ok((k, r as usize)),
-                _ => Err(format!(
-                    "rank_pattern['{k}'] must be a positive integer, got {v}"
-                )),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let alpha_pattern = raw
-            .alpha_pattern
-            .map(|p| p.0)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, v)| match v.as_f64() {
-                Some(a) => Ok((k, a)),
-                None => Err(format!("alpha_pattern['{k}'] must be a number, got {v}")),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let rank_pattern = pattern_entries(raw.rank_pattern, |k, v| match v.as_u64() {
+            Some(r) if r > 0 => Ok(r as usize),
+            _ => Err(format!(
+                "rank_pattern['{k}'] must be a positive integer, got {v}"
+            )),
+        })?;
+        let alpha_pattern = pattern_entries(raw.alpha_pattern, |k, v| match v.as_f64() {
+            Some(a) => Ok(a),
+            None => Err(format!("alpha_pattern['{k}'] must be a number, got {v}")),
+        })?;
         if matches!(target_modules, TargetModules::Regex(_))
             && (layers_to_transform.is_some() || layers_pattern.is_some())
         {
@@ -504,6 +492,22 @@ fn layer_index(key: &str, layers_pattern: Option<&[String]>) -> Option<usize> {
 /// matching pattern in the file's order).
 #[derive(Debug, Default)]
 struct OrderedMap(Vec<(String, Value)>);
+
+/// The entries of a pattern map in order (none when it is absent), each value read by `read`
+/// (given the key too, for its message).
+fn pattern_entries<T>(
+    map: Option<OrderedMap>,
+    read: impl Fn(&str, &Value) -> Result<T, String>,
+) -> Result<Vec<(String, T)>, String> {
+    let entries = map.map(|p| p.0).unwrap_or_default();
+    entries
+        .into_iter()
+        .map(|(k, v)| {
+            let value = read(&k, &v)?;
+            Ok((k, value))
+        })
+        .collect()
+}
 
 impl<'de> Deserialize<'de> for OrderedMap {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

@@ -129,34 +129,13 @@ impl TorchTensor {
     pub fn from_tensor(t: &Tensor) -> candle_core::Result<Self> {
         let flat = t.flatten_all()?.to_device(&Device::Cpu)?;
         let (dtype, data): (TorchDType, Vec<u8>) = match t.dtype() {
-            DType::F32 => (
-                TorchDType::F32,
-                le(flat.to_vec1::<f32>()?, f32::to_le_bytes),
-            ),
-            DType::F64 => (
-                TorchDType::F64,
-                le(flat.to_vec1::<f64>()?, f64::to_le_bytes),
-            ),
-            DType::F16 => (
-                TorchDType::F16,
-                le(flat.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
-            ),
-            DType::BF16 => (
-                TorchDType::BF16,
-                le(flat.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
-            ),
-            DType::I64 => (
-                TorchDType::I64,
-                le(flat.to_vec1::<i64>()?, i64::to_le_bytes),
-            ),
-            DType::I32 => (
-                TorchDType::I32,
-                le(flat.to_vec1::<i32>()?, i32::to_le_bytes),
-            ),
-            DType::I16 => (
-                TorchDType::I16,
-                le(flat.to_vec1::<i16>()?, i16::to_le_bytes),
-            ),
+            DType::F32 => (TorchDType::F32, le(&flat, f32::to_le_bytes)?),
+            DType::F64 => (TorchDType::F64, le(&flat, f64::to_le_bytes)?),
+            DType::F16 => (TorchDType::F16, le(&flat, half::f16::to_le_bytes)?),
+            DType::BF16 => (TorchDType::BF16, le(&flat, half::bf16::to_le_bytes)?),
+            DType::I64 => (TorchDType::I64, le(&flat, i64::to_le_bytes)?),
+            DType::I32 => (TorchDType::I32, le(&flat, i32::to_le_bytes)?),
+            DType::I16 => (TorchDType::I16, le(&flat, i16::to_le_bytes)?),
             DType::U8 => (TorchDType::U8, flat.to_vec1::<u8>()?),
             other => candle_core::bail!("no torch storage for {other:?}"),
         };
@@ -190,8 +169,12 @@ impl TorchTensor {
     }
 }
 
-fn le<T: Copy, const N: usize>(v: Vec<T>, f: fn(T) -> [u8; N]) -> Vec<u8> {
-    v.into_iter().flat_map(f).collect()
+/// `flat`'s values as little-endian bytes, each through `f`.
+fn le<T: candle_core::WithDType, const N: usize>(
+    flat: &Tensor,
+    f: fn(T) -> [u8; N],
+) -> candle_core::Result<Vec<u8>> {
+    Ok(flat.to_vec1::<T>()?.into_iter().flat_map(f).collect())
 }
 
 /// Where one tensor's bytes are in a `torch.save` file.

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::{self as family};
+use super::{self as family, HfSource};
 use crate::config::hf::*;
 use crate::config::{Activation, MllamaLayers, ModelConfig, QkNormSpan};
 use crate::error::ModelError;
@@ -73,8 +73,11 @@ impl ModelConfig {
             ));
         };
         let rules = family.hf_config;
-        let t = model_type.as_str();
-        rules.check(t, obj)?;
+        let hf = HfSource {
+            model_type: &model_type,
+            obj,
+        };
+        rules.check(hf)?;
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
         let num_key_value_heads =
@@ -96,12 +99,11 @@ impl ModelConfig {
             ));
         }
         let max_position_embeddings = get_usize(obj, "max_position_embeddings")?.unwrap_or(4096);
-        let act_name = rules.activation(t, obj)?;
+        let act_name = rules.activation(hf)?;
         let activation = Activation::parse(act_name)
             .ok_or_else(|| format!("unsupported activation '{act_name}' (hidden_act)"))?;
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
-        let attention =
-            rules.attention_layers(t, obj, num_hidden_layers, max_position_embeddings)?;
+        let attention = rules.attention(hf, num_hidden_layers, max_position_embeddings)?;
         let score_labels = parse_score_labels(obj)?;
         // The Llama-like reading every family starts from; the family's `configure` sets its own
         // switches on it.
@@ -155,7 +157,7 @@ impl ModelConfig {
             model_type: model_type.clone(),
             raw: value.clone(),
         };
-        rules.configure(t, obj, &mut config)?;
+        rules.configure(hf, &mut config)?;
         if !config.pre_norms && (!config.sandwich_norms || config.parallel_block) {
             return Err(
                 "a layer without pre-norms needs the sandwich norms' output norms (and no parallel block)"

@@ -8,6 +8,13 @@ fn base() -> Value {
            "num_hidden_layers": 2, "num_attention_heads": 2})
 }
 
+/// [`base`] as a config of `model_type`.
+fn base_of(model_type: &str) -> Value {
+    let mut c = base();
+    c["model_type"] = json!(model_type);
+    c
+}
+
 /// Llama 3.2 Vision's text config takes `MllamaTextConfig`'s defaults for what it leaves out
 /// (the Hub's configs spell most of them out), cross-attention layers included: null or absent
 /// means 3, 8, ..., 38, and numbers past the last layer name none.
@@ -105,8 +112,7 @@ fn training_caveats_name_what_training_leaves_out() {
         caveats[0].contains("router_jitter_noise 0.1"),
         "{caveats:?}"
     );
-    let mut phi = base();
-    phi["model_type"] = json!("phi");
+    let mut phi = base_of("phi");
     phi["resid_pdrop"] = json!(0.1);
     phi["embd_pdrop"] = json!(0.0);
     phi["attention_dropout"] = json!(0.0);
@@ -125,8 +131,7 @@ fn training_caveats_name_what_training_leaves_out() {
 
 #[test]
 fn unsupported_model_type_lists_supported_ones() {
-    let mut c = base();
-    c["model_type"] = json!("gpt_neox");
+    let c = base_of("gpt_neox");
     let err = ModelConfig::from_hf_json(&c).unwrap_err();
     assert!(
         err.contains("gpt_neox") && err.contains("qwen3") && err.contains("phi3"),
@@ -136,8 +141,7 @@ fn unsupported_model_type_lists_supported_ones() {
 
 #[test]
 fn family_switches_and_eos_lists() {
-    let mut c = base();
-    c["model_type"] = json!("gemma");
+    let mut c = base_of("gemma");
     c["eos_token_id"] = json!([1, 107]);
     let g = ModelConfig::from_hf_json(&c).unwrap();
     assert!(g.norm_weight_offset_one && g.scale_embeddings && g.tie_word_embeddings);
@@ -159,8 +163,7 @@ fn family_switches_and_eos_lists() {
 
 #[test]
 fn gemma2_defaults_follow_transformers_and_null_disables() {
-    let mut c = base();
-    c["model_type"] = json!("gemma2");
+    let mut c = base_of("gemma2");
     c["num_key_value_heads"] = json!(1);
     c["num_hidden_layers"] = json!(4);
     let g = ModelConfig::from_hf_json(&c).unwrap();
@@ -189,8 +192,7 @@ fn gemma2_defaults_follow_transformers_and_null_disables() {
 
 #[test]
 fn gemma3_rope_per_layer_type_in_both_config_styles() {
-    let mut c = base();
-    c["model_type"] = json!("gemma3_text");
+    let mut c = base_of("gemma3_text");
     c["num_key_value_heads"] = json!(1);
     c["num_hidden_layers"] = json!(7);
     c["sliding_window"] = json!(512);
@@ -215,8 +217,7 @@ fn gemma3_rope_per_layer_type_in_both_config_styles() {
         (10000.0, RopeScaling::Default)
     );
     // 5.x: rope_parameters per layer type, layer_types listed.
-    let mut v5 = base();
-    v5["model_type"] = json!("gemma3_text");
+    let mut v5 = base_of("gemma3_text");
     v5["num_key_value_heads"] = json!(1);
     v5["num_hidden_layers"] = json!(7);
     v5["sliding_window"] = json!(512);
@@ -237,8 +238,7 @@ fn gemma3_rope_per_layer_type_in_both_config_styles() {
     assert_eq!(v5.local_rope, v4.local_rope);
     assert_eq!(v5.layer_sliding_windows, v4.layer_sliding_windows);
     // Nothing given: theta 1e6 globally, 1e4 locally.
-    let mut bare = base();
-    bare["model_type"] = json!("gemma3_text");
+    let mut bare = base_of("gemma3_text");
     bare["num_key_value_heads"] = json!(1);
     let bare = ModelConfig::from_hf_json(&bare).unwrap();
     assert_eq!(bare.rope.theta, 1_000_000.0);
@@ -247,8 +247,7 @@ fn gemma3_rope_per_layer_type_in_both_config_styles() {
 
 #[test]
 fn gemma_configs_that_cannot_run_say_why() {
-    let mut c = base();
-    c["model_type"] = json!("gemma3_text");
+    let mut c = base_of("gemma3_text");
     c["num_key_value_heads"] = json!(1);
     c["layer_types"] = json!(["sliding_attention", "chunked_attention"]);
     let err = ModelConfig::from_hf_json(&c).unwrap_err();
@@ -256,8 +255,7 @@ fn gemma_configs_that_cannot_run_say_why() {
     c["layer_types"] = json!(["sliding_attention"]);
     let err = ModelConfig::from_hf_json(&c).unwrap_err();
     assert!(err.contains("layer_types") && err.contains("2"), "{err}");
-    let mut c = base();
-    c["model_type"] = json!("gemma3_text");
+    let mut c = base_of("gemma3_text");
     c["num_key_value_heads"] = json!(1);
     c["use_bidirectional_attention"] = json!(true);
     let err = ModelConfig::from_hf_json(&c).unwrap_err();
@@ -266,8 +264,7 @@ fn gemma_configs_that_cannot_run_say_why() {
 
 #[test]
 fn phi2_switches_and_partial_rotary_defaults() {
-    let mut c = base();
-    c["model_type"] = json!("phi");
+    let mut c = base_of("phi");
     c["layer_norm_eps"] = json!(1e-5);
     // Phi-2's own 4.x config: partial_rotary_factor 0.4 at the top level.
     c["partial_rotary_factor"] = json!(0.4);
@@ -309,8 +306,7 @@ fn wrong_types_name_the_key() {
 /// and per-head q/k norms.
 #[test]
 fn olmo2_switches_and_defaults() {
-    let mut c = base();
-    c["model_type"] = json!("olmo2");
+    let mut c = base_of("olmo2");
     let o = ModelConfig::from_hf_json(&c).unwrap();
     assert!(!o.pre_norms && o.sandwich_norms && o.qk_norm);
     assert_eq!(o.qk_norm_span, QkNormSpan::Projection);
