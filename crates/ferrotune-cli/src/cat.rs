@@ -9,6 +9,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde_yaml_ng::Value;
 
+use ferrotune_data::chat_template::shared_escape;
 use ferrotune_train::config;
 
 #[derive(Args)]
@@ -363,13 +364,10 @@ fn string(out: &mut String, s: &str, cont: usize) {
     if control {
         out.push('"');
         for c in s.chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                '\t' => out.push_str("\\t"),
-                c if c.is_control() => out.push_str(&format!("\\x{:02X}", c as u32)),
-                c => out.push(c),
+            match shared_escape(c) {
+                Some(escape) => out.push_str(escape),
+                None if c.is_control() => out.push_str(&format!("\\x{:02X}", c as u32)),
+                None => out.push(c),
             }
         }
         out.push('"');

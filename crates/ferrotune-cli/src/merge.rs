@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::Args;
 use ferrotune_core::parse_dtype;
-use ferrotune_export::hf::{write_hf_model, ModelSource};
+use ferrotune_export::hf::{write_hf_model, ModelFiles, ModelSource};
 use ferrotune_models::{parse_shard_size, peft, read_checkpoint, CausalLm};
 
 use crate::model_io::flag;
@@ -68,15 +68,15 @@ pub fn run(args: MergeArgs) -> Result<()> {
     let merged = peft::merged_tensors(&model)?;
     // Weights, config, the source's generation config and its tokenizer files (exported from a
     // GGUF): the same folder a recipe writes for a merged model.
-    write_hf_model(
-        &args.output,
-        &model.config,
-        &merged,
+    let files = ModelFiles {
+        config: &model.config,
+        tensors: &merged,
         dtype,
-        max_shard,
-        &source,
-        None,
-    )?;
+        max_shard_bytes: max_shard,
+        source: &source,
+        tokenizer: None,
+    };
+    write_hf_model(&args.output, &files)?;
     if args.adapter.join("tokenizer.json").is_file() {
         // The adapter's own tokenizer (tokens added for it) is the merged model's.
         ferrotune_export::hf::copy_tokenizer_files(&args.adapter, &args.output)?;

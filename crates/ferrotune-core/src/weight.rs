@@ -1,5 +1,5 @@
 //! A linear layer's base weight `[out, in]`: a dense tensor, or QLoRA's NF4 blocks. The model's
-//! layers hold it, and the frozen-weight ops (`frozen`, `fused::lora_linear*`) keep it for their
+//! layers hold it, and the frozen-weight ops (`frozen`, `fused::lora_linear`) keep it for their
 //! backward: an NF4 weight is expanded for each product and dropped after it, so an autograd graph
 //! keeps only the 4-bit copy alive.
 
@@ -18,6 +18,18 @@ pub enum BaseWeight {
     /// QLoRA's frozen base: 4-bit NF4 blocks (torchao's format), expanded to the dtype for each
     /// product and dropped after it.
     Nf4(Arc<Nf4Matrix>),
+}
+
+impl From<&Tensor> for BaseWeight {
+    fn from(weight: &Tensor) -> Self {
+        Self::Dense(weight.clone())
+    }
+}
+
+impl From<&Arc<Nf4Matrix>> for BaseWeight {
+    fn from(weight: &Arc<Nf4Matrix>) -> Self {
+        Self::Nf4(weight.clone())
+    }
 }
 
 impl BaseWeight {

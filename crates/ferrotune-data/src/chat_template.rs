@@ -449,15 +449,27 @@ fn json_key(key: &Value) -> Result<String, Error> {
     })
 }
 
+/// The backslash escape of `c` where it is one of the four that JSON strings and YAML
+/// double-quoted scalars write alike: quote, backslash, line feed, tab.
+pub fn shared_escape(c: char) -> Option<&'static str> {
+    Some(match c {
+        '"' => "\\\"",
+        '\\' => "\\\\",
+        '\n' => "\\n",
+        '\t' => "\\t",
+        _ => return None,
+    })
+}
+
 fn write_json_string(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
     for c in s.chars() {
+        if let Some(escape) = shared_escape(c) {
+            out.push_str(escape);
+            continue;
+        }
         match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
             '\u{08}' => out.push_str("\\b"),
             '\u{0c}' => out.push_str("\\f"),
             c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) >= 0x7f) => {

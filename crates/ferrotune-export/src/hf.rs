@@ -34,32 +34,41 @@ pub struct ModelSource {
     pub dir: std::path::PathBuf,
 }
 
-/// Writes `tensors` as an HF checkpoint into `out` (created if missing), with the config, the
+/// What a model folder is written from: the weights and everything written beside them.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelFiles<'a> {
+    /// The model's config, written as `config.json`.
+    pub config: &'a ModelConfig,
+    /// The weights, by HF name.
+    pub tensors: &'a HashMap<String, Tensor>,
+    /// The dtype the weights are written in.
+    pub dtype: DType,
+    /// The largest safetensors shard (HF folders only).
+    pub max_shard_bytes: u64,
+    /// Where the base model came from (its generation config and tokenizer files).
+    pub source: &'a ModelSource,
+    /// The run's tokenizer, exported where the source has no tokenizer files.
+    pub tokenizer: Option<&'a Tokenizer>,
+}
+
+/// Writes `m.tensors` as an HF checkpoint into `out` (created if missing), with the config, the
 /// generation config of the source (HF sources only) and the tokenizer files.
-pub fn write_hf_model(
-    out: &Path,
-    config: &ModelConfig,
-    tensors: &HashMap<String, Tensor>,
-    dtype: DType,
-    max_shard_bytes: u64,
-    source: &ModelSource,
-    tokenizer: Option<&Tokenizer>,
-) -> Result<()> {
-    let generation = match &source.format {
+pub fn write_hf_model(out: &Path, m: &ModelFiles) -> Result<()> {
+    let generation = match &m.source.format {
         CheckpointFormat::Safetensors(_) | CheckpointFormat::Pickle(_) => {
-            read_json(&source.dir.join("generation_config.json"))?
+            read_json(&m.source.dir.join("generation_config.json"))?
         }
         CheckpointFormat::Gguf(_) | CheckpointFormat::Meta(_) => None,
     };
     save_hf_checkpoint(
         out,
-        config,
+        m.config,
         generation.as_ref(),
-        tensors,
-        dtype,
-        max_shard_bytes,
+        m.tensors,
+        m.dtype,
+        m.max_shard_bytes,
     )?;
-    copy_or_export_tokenizer(source, tokenizer, out)
+    copy_or_export_tokenizer(m.source, m.tokenizer, out)
 }
 
 /// The format a training recipe saves its model in.
@@ -75,29 +84,14 @@ pub enum SaveFormat {
 /// The name of the one weight file torchtune's `FullModelMetaCheckpointer` saves.
 pub const META_MODEL_FILE: &str = "model-00001-of-00001.bin";
 
-/// Writes `tensors` (HF names) into `out` in `format`: [`write_hf_model`] or [`write_meta_model`].
-#[allow(clippy::too_many_arguments)]
-pub fn write_model(
-    format: SaveFormat,
-    out: &Path,
-    config: &ModelConfig,
-    tensors: &HashMap<String, Tensor>,
-    dtype: DType,
-    max_shard_bytes: u64,
-    source: &ModelSource,
-    tokenizer: Option<&Tokenizer>,
-) -> Result<()> {
+/// Writes `m.tensors` (HF names) into `out` in `format`: [`write_hf_model`] or
+/// [`write_meta_model`].
+pub fn write_model(format: SaveFormat, out: &Path, m: &ModelFiles) -> Result<()> {
     match format {
-        SaveFormat::Hf => write_hf_model(
-            out,
-            config,
-            tensors,
-            dtype,
-            max_shard_bytes,
-            source,
-            tokenizer,
-        ),
-        SaveFormat::Meta => write_meta_model(out, config, tensors, dtype, source, tokenizer),
+        SaveFormat::Hf => write_hf_model(out, m),
+        SaveFormat::Meta => {
+            write_meta_model(out, m.config, m.tensors, m.dtype, m.source, m.tokenizer)
+        }
     }
 }
 

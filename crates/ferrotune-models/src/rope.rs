@@ -293,21 +293,31 @@ mod tests {
         (row(cos), row(sin))
     }
 
+    /// The rotary embedding of a small one-layer model: `fields` (model type, rope parameters,
+    /// ...) over shared small sizes, which `fields` may override.
+    fn rope_of(fields: serde_json::Value) -> RotaryEmbedding {
+        let mut hf = serde_json::json!({
+            "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2
+        });
+        for (key, value) in fields.as_object().unwrap() {
+            hf[key] = value.clone();
+        }
+        RotaryEmbedding::new(&ModelConfig::from_hf_json(&hf).unwrap())
+    }
+
     #[test]
     fn dynamic_ntk_matches_transformers() {
         // transformers 5.23's LlamaRotaryEmbedding (a fresh one per position) for this config:
         // default frequencies up to max_position_embeddings (12) positions, NTK-scaled beyond;
         // the `original_max_position_embeddings` given with it is ignored, as transformers does.
-        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
-            "model_type": "llama", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 12,
+        let rope = rope_of(serde_json::json!({
+            "model_type": "llama", "max_position_embeddings": 12,
             "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0,
                                 "original_max_position_embeddings": 6}
-        }))
-        .unwrap();
+        }));
         check(
-            &RotaryEmbedding::new(&cfg),
+            &rope,
             &[
                 (
                     5,
@@ -357,16 +367,12 @@ mod tests {
         // transformers 5.23's PhimoeRotaryEmbedding: the short factors at every length, cos and
         // sin times short_mscale (1.1) while the call's longest position is within the original
         // context (6), long_mscale (1.3) beyond.
-        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
-            "model_type": "phimoe", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 512, "num_local_experts": 2,
+        let rope = rope_of(serde_json::json!({
+            "model_type": "phimoe", "max_position_embeddings": 512, "num_local_experts": 2,
             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                 "short_factor": [1.0, 1.2, 1.4, 1.6], "long_factor": [2.0, 2.9, 3.8, 4.7],
                 "short_mscale": 1.1, "long_mscale": 1.3, "original_max_position_embeddings": 6}
-        }))
-        .unwrap();
-        let rope = RotaryEmbedding::new(&cfg);
+        }));
         check(
             &rope,
             &[
@@ -404,18 +410,16 @@ mod tests {
     fn longrope_short_and_long_factors_match_transformers() {
         // Phi-3.5-style: short factors up to original_max_position_embeddings (6) positions, long
         // beyond; attention factor sqrt(1 + ln(512 / 6) / ln 6); rotary over 0.75 of head_dim 16.
-        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
-            "model_type": "phi3", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        let rope = rope_of(serde_json::json!({
+            "model_type": "phi3", "num_attention_heads": 2, "num_key_value_heads": 1,
             "max_position_embeddings": 512, "original_max_position_embeddings": 6,
             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.75,
                 "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
                 "long_factor": [1.5, 2.2, 2.9, 3.6, 4.3, 5.0]}
-        }))
-        .unwrap();
+        }));
         check(
-            &RotaryEmbedding::new(&cfg),
+            &rope,
             &[
                 (
                     3,
@@ -444,17 +448,14 @@ mod tests {
         // head_dim 32: 16 frequencies, so the ramp between beta_fast and beta_slow (which depends
         // on original_max_position_embeddings) separates extrapolated, blended and interpolated
         // ones.
-        let cfg = ModelConfig::from_hf_json(&serde_json::json!({
-            "model_type": "qwen2", "vocab_size": 16, "hidden_size": 128, "intermediate_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 64,
+        let rope = rope_of(serde_json::json!({
+            "model_type": "qwen2", "hidden_size": 128, "max_position_embeddings": 64,
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                 "original_max_position_embeddings": 16, "beta_fast": 16.0, "beta_slow": 2.0,
                 "truncate": false, "mscale": 0.8, "mscale_all_dim": 0.5}
-        }))
-        .unwrap();
+        }));
         check(
-            &RotaryEmbedding::new(&cfg),
+            &rope,
             &[
                 (
                     7,

@@ -7,11 +7,10 @@
 //! that computes it, `dx` gathers both branches in one buffer, and only `x Aᵀ` (`[tokens, r]`) is
 //! kept for the backward.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use candle_core::{bail, Device, Result, Shape, Tensor};
 
-use crate::nf4::Nf4Matrix;
 use crate::weight::BaseWeight;
 
 use super::kernels::{
@@ -25,28 +24,18 @@ use crate::custom_op::{Fused, FusedOp, Grads};
 /// (frozen), `a` `[r, in]`, `b` `[out, r]`: PEFT's `lora.Linear` forward without dropout; the
 /// result is `[..., out]`. Gradients flow to `x`, `a` and `b`. One op for f32 CPU tensors and for
 /// f32/bf16 CUDA tensors with a frozen weight and bias; composed from candle ops otherwise.
+///
+/// `weight` is a dense `&Tensor`, or an NF4 base `&Arc<Nf4Matrix>` (QLoRA): the same op, the
+/// weight dequantized for the forward's and the backward's product and never kept.
 pub fn lora_linear(
     x: &Tensor,
-    weight: &Tensor,
+    weight: impl Into<BaseWeight>,
     bias: Option<&Tensor>,
     a: &Tensor,
     b: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    lora_linear_on(x, BaseWeight::Dense(weight.clone()), bias, a, b, scale)
-}
-
-/// [`lora_linear`] on an NF4 base (QLoRA): the same op, the weight dequantized for the forward's
-/// and the backward's product and never kept.
-pub fn lora_linear_nf4(
-    x: &Tensor,
-    weight: &Arc<Nf4Matrix>,
-    bias: Option<&Tensor>,
-    a: &Tensor,
-    b: &Tensor,
-    scale: f64,
-) -> Result<Tensor> {
-    lora_linear_on(x, BaseWeight::Nf4(weight.clone()), bias, a, b, scale)
+    lora_linear_on(x, weight.into(), bias, a, b, scale)
 }
 
 fn lora_linear_on(

@@ -34,7 +34,7 @@ pub use cross_entropy::cross_entropy_sum;
 pub use fake_quant::{fake_quantize_rows, FakeQuantKind};
 pub use linear::trainable_linear;
 pub use linear_ce::{chunked_head_applies, linear_cross_entropy_sum};
-pub use lora::{lora_linear, lora_linear_nf4};
+pub use lora::lora_linear;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use soft_cross_entropy::{soft_cross_entropy_applies, soft_cross_entropy_sum};

@@ -757,7 +757,7 @@ fn nf4_dequantization_on_the_gpu_equals_the_cpu() {
             .unwrap()
             .to_device(&dev)
             .unwrap();
-        let y4 = fused::lora_linear_nf4(&x, &q, None, &a, &b, 2.0).unwrap();
+        let y4 = fused::lora_linear(&x, &q, None, &a, &b, 2.0).unwrap();
         let yd = fused::lora_linear(&x, &dense, None, &a, &b, 2.0).unwrap();
         assert!(bits(y4) == bits(yd), "{dtype:?}: fused LoRA on NF4");
     }

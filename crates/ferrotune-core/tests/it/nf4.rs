@@ -175,7 +175,7 @@ fn fused_lora_on_nf4_equals_fused_lora_on_the_dequantized_weight() {
         );
         let (xt, at, bt) = (x.as_tensor(), a.as_tensor(), b.as_tensor());
         let y = if nf4 {
-            ferrotune_core::fused::lora_linear_nf4(xt, &q, Some(&bias), at, bt, 2.0)
+            ferrotune_core::fused::lora_linear(xt, &q, Some(&bias), at, bt, 2.0)
         } else {
             ferrotune_core::fused::lora_linear(xt, &dense, Some(&bias), at, bt, 2.0)
         }

@@ -117,7 +117,7 @@ impl Linear {
             // Training a plain LoRA adapter: base and adapter branch in one fused op.
             let (a, b, scale) = (&adapter.a, &adapter.b, adapter.scale);
             let out = match &self.weight {
-                BaseWeight::Nf4(q) => fused::lora_linear_nf4(x, q, bias, a, b, scale)?,
+                BaseWeight::Nf4(q) => fused::lora_linear(x, q, bias, a, b, scale)?,
                 // The op takes `[b, t, in]` as it is: no reshape nodes in the graph.
                 BaseWeight::Dense(w) if x.device().is_cuda() => {
                     fused::lora_linear(x, w, bias, a, b, scale)?

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use ferrotune_export::hf::{write_model, ModelSource, SaveFormat};
+use ferrotune_export::hf::{write_model, ModelFiles, ModelSource, SaveFormat};
 use ferrotune_models::peft::{self, LoraConfig};
 use ferrotune_models::CausalLm;
 
@@ -247,15 +247,14 @@ impl<'a> Saver<'a> {
     /// Writes `model` whole (adapters merged) into `dir` in the run's format, with the tokenizer
     /// files.
     fn write_whole(&self, model: &CausalLm, dir: &Path) -> Result<()> {
-        write_model(
-            self.format,
-            dir,
-            &model.config,
-            &peft::merged_tensors(model)?,
-            self.dtype,
-            MAX_SHARD_BYTES,
-            self.source,
-            Some(self.tokenizer),
-        )
+        let files = ModelFiles {
+            config: &model.config,
+            tensors: &peft::merged_tensors(model)?,
+            dtype: self.dtype,
+            max_shard_bytes: MAX_SHARD_BYTES,
+            source: self.source,
+            tokenizer: Some(self.tokenizer),
+        };
+        write_model(self.format, dir, &files)
     }
 }

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::Var;
-use ferrotune_export::hf::write_hf_model;
+use ferrotune_export::hf::{write_hf_model, ModelFiles};
 use ferrotune_models::{peft, CausalLm};
 
 use crate::config::Config;
@@ -634,15 +634,15 @@ pub fn run(cfg: &Config) -> Result<()> {
         let name = format!("epoch_{epoch}");
         let st = start.after_epoch(epoch, global_step);
         let value_dir = state::write_folder(value_out, &name, |dir| {
-            write_hf_model(
-                dir,
-                &value.config,
-                &peft::merged_tensors(&value)?,
+            let files = ModelFiles {
+                config: &value.config,
+                tensors: &peft::merged_tensors(&value)?,
                 dtype,
-                MAX_SHARD_BYTES,
-                &value_source,
-                None,
-            )
+                max_shard_bytes: MAX_SHARD_BYTES,
+                source: &value_source,
+                tokenizer: None,
+            };
+            write_hf_model(dir, &files)
         })?;
         let policy_dir = saver.write(&policy, &name, &st, optimizer.state_dict()?)?;
         eprintln!(
