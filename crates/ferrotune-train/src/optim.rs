@@ -188,7 +188,7 @@ impl Default for AdamWConfig {
 }
 
 /// Per-parameter AdamW state, created on the parameter's first step (as torch does lazily).
-struct AdamState {
+pub struct AdamState {
     step: u64,
     moments: Moments,
 }
@@ -393,12 +393,33 @@ fn gpu_step(
     Ok(true)
 }
 
-/// `torch.optim.AdamW` (no amsgrad, no maximize), single-tensor arithmetic.
-pub struct AdamW {
-    cfg: AdamWConfig,
-    slots: Vec<Slot>,
-    state: Vec<Option<AdamState>>,
+/// An optimizer whose state is per parameter ([`AdamW`], [`Sgd`]): its hyperparameters `C`, and
+/// the parameters it updates, each with its state `S`.
+pub struct PerParam<C, S> {
+    cfg: C,
+    params: Params<S>,
 }
+
+impl<C, S> PerParam<C, S> {
+    /// The optimizer over `params` (checked: unique names, float dtypes) with `cfg`.
+    fn with(cfg: C, params: Vec<(String, Var)>) -> Result<Self> {
+        let params = Params::new(params)?;
+        Ok(PerParam { cfg, params })
+    }
+
+    /// The hyperparameters in use.
+    pub fn config(&self) -> &C {
+        &self.cfg
+    }
+
+    /// The parameters, in the order given to `new`.
+    pub fn params(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.params.named()
+    }
+}
+
+/// `torch.optim.AdamW` (no amsgrad, no maximize), single-tensor arithmetic.
+pub type AdamW = PerParam<AdamWConfig, AdamState>;
 
 impl AdamW {
     /// An optimizer over named parameters. Names key the exported state and must be unique.
@@ -410,19 +431,7 @@ impl AdamW {
         if !((0.0..1.0).contains(&cfg.beta1) && (0.0..1.0).contains(&cfg.beta2)) {
             bail!("AdamW: betas must lie in [0, 1), got {cfg:?}");
         }
-        let slots = unique_slots(params)?;
-        let state = slots.iter().map(|_| None).collect();
-        Ok(Self { cfg, slots, state })
-    }
-
-    /// The hyperparameters in use.
-    pub fn config(&self) -> &AdamWConfig {
-        &self.cfg
-    }
-
-    /// The parameters, in the order given to [`AdamW::new`].
-    pub fn params(&self) -> impl Iterator<Item = (&str, &Var)> {
-        self.slots.iter().map(|s| (s.name.as_str(), &s.var))
+        Self::with(cfg, params)
     }
 }
 
@@ -435,7 +444,7 @@ impl Optimizer for AdamW {
             eps,
             weight_decay,
         } = self.cfg;
-        for (slot, state) in self.slots.iter_mut().zip(self.state.iter_mut()) {
+        for (slot, state) in self.params.iter_mut() {
             #[cfg(feature = "cuda")]
             if gpu_step(slot, state, grads, &self.cfg, grad_scale)? {
                 continue;
@@ -527,17 +536,9 @@ impl Optimizer for AdamW {
         Ok(())
     }
 
-    fn lr(&self) -> f64 {
-        self.cfg.lr
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.cfg.lr = lr;
-    }
-
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
-        for (slot, state) in self.slots.iter().zip(&self.state) {
+        for (slot, state) in self.params.iter() {
             let Some(st) = state else { continue };
             let n = &slot.name;
             let like = slot.var.as_tensor();
@@ -550,12 +551,8 @@ impl Optimizer for AdamW {
     }
 
     fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
-        check_keys(
-            state,
-            self.slots.iter().map(|s| s.name.as_str()),
-            &["step", "exp_avg", "exp_avg_sq", "master"],
-        )?;
-        for (slot, st) in self.slots.iter_mut().zip(self.state.iter_mut()) {
+        let suffixes = ["step", "exp_avg", "exp_avg_sq", "master"];
+        self.params.load(state, &suffixes, |slot| {
             let like = slot.var.as_tensor();
             let n = slot.name.as_str();
             let step = match state.get(&format!("{n}.step")) {
@@ -564,7 +561,7 @@ impl Optimizer for AdamW {
             };
             let exp_avg = load_entry(state, n, "exp_avg", like)?;
             let exp_avg_sq = load_entry(state, n, "exp_avg_sq", like)?;
-            *st = match (step, exp_avg, exp_avg_sq) {
+            Ok(match (step, exp_avg, exp_avg_sq) {
                 (Some(step), Some(exp_avg), Some(exp_avg_sq)) => Some(AdamState {
                     step,
                     moments: if fused_host(&slot.var) {
@@ -581,10 +578,16 @@ impl Optimizer for AdamW {
                 }),
                 (None, None, None) => None,
                 _ => bail!("AdamW state for {n}: step, exp_avg and exp_avg_sq go together"),
-            };
-            load_master(slot, state)?;
-        }
-        Ok(())
+            })
+        })
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.cfg.lr = lr;
     }
 }
 
@@ -599,6 +602,50 @@ fn load_master(slot: &mut Slot, state: &HashMap<String, Tensor>) -> Result<()> {
     }
     slot.master = master;
     Ok(())
+}
+
+/// The parameters an optimizer updates (unique names, float dtypes), each with the optimizer's
+/// state for it: none before its first step, or after a load that had none for it.
+struct Params<S> {
+    slots: Vec<Slot>,
+    state: Vec<Option<S>>,
+}
+
+impl<S> Params<S> {
+    fn new(params: Vec<(String, Var)>) -> Result<Self> {
+        let slots = unique_slots(params)?;
+        let state = slots.iter().map(|_| None).collect();
+        Ok(Params { slots, state })
+    }
+
+    /// The parameters by name, in the order given.
+    fn named(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.slots.iter().map(|s| (s.name.as_str(), &s.var))
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&Slot, &Option<S>)> {
+        self.slots.iter().zip(&self.state)
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = (&mut Slot, &mut Option<S>)> {
+        self.slots.iter_mut().zip(self.state.iter_mut())
+    }
+
+    /// Restores each parameter's state (what `load` reads for it) and master copy from `state`,
+    /// once every entry of `state` is known to be one of a parameter's `suffixes`.
+    fn load(
+        &mut self,
+        state: &HashMap<String, Tensor>,
+        suffixes: &[&str],
+        mut load: impl FnMut(&Slot) -> Result<Option<S>>,
+    ) -> Result<()> {
+        check_keys(state, self.slots.iter().map(|s| s.name.as_str()), suffixes)?;
+        for (slot, st) in self.iter_mut() {
+            *st = load(slot)?;
+            load_master(slot, state)?;
+        }
+        Ok(())
+    }
 }
 
 fn unique_slots(params: Vec<(String, Var)>) -> Result<Vec<Slot>> {
@@ -646,12 +693,9 @@ impl Default for SgdConfig {
     }
 }
 
-/// `torch.optim.SGD` (no maximize), single-tensor arithmetic.
-pub struct Sgd {
-    cfg: SgdConfig,
-    slots: Vec<Slot>,
-    momentum_buffers: Vec<Option<Tensor>>,
-}
+/// `torch.optim.SGD` (no maximize), single-tensor arithmetic; a parameter's state is its momentum
+/// buffer.
+pub type Sgd = PerParam<SgdConfig, Tensor>;
 
 impl Sgd {
     /// An optimizer over named parameters. Names key the exported state and must be unique.
@@ -663,77 +707,54 @@ impl Sgd {
         if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
             bail!("SGD: Nesterov momentum requires a momentum and zero dampening");
         }
-        let slots = unique_slots(params)?;
-        let momentum_buffers = slots.iter().map(|_| None).collect();
-        Ok(Self {
-            cfg,
-            slots,
-            momentum_buffers,
-        })
+        Self::with(cfg, params)
     }
+}
 
-    /// The hyperparameters in use.
-    pub fn config(&self) -> &SgdConfig {
-        &self.cfg
-    }
-
-    /// The parameters, in the order given to [`Sgd::new`].
-    pub fn params(&self) -> impl Iterator<Item = (&str, &Var)> {
-        self.slots.iter().map(|s| (s.name.as_str(), &s.var))
+impl SgdConfig {
+    /// SGD's update of one parameter from its (scaled) gradient, with its momentum buffer.
+    fn update(&self, slot: &mut Slot, buf: &mut Option<Tensor>, mut grad: Tensor) -> Result<()> {
+        let param = slot.value_f32()?;
+        if self.weight_decay != 0.0 {
+            // grad = grad.add(param, alpha=weight_decay)
+            grad = (grad + param.affine(self.weight_decay, 0.0)?)?;
+        }
+        let momentum = self.momentum;
+        if momentum != 0.0 {
+            // First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1 - dampening).
+            let b = match buf.take() {
+                None => grad.clone(),
+                Some(b) => (b.affine(momentum, 0.0)? + grad.affine(1.0 - self.dampening, 0.0)?)?,
+            };
+            grad = if self.nesterov {
+                (grad + b.affine(momentum, 0.0)?)?
+            } else {
+                b.clone()
+            };
+            *buf = Some(b);
+        }
+        // param.add_(grad, alpha=-lr)
+        slot.store((param + grad.affine(-self.lr, 0.0)?)?)
     }
 }
 
 impl Optimizer for Sgd {
     fn step_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> Result<()> {
-        let SgdConfig {
-            lr,
-            momentum,
-            dampening,
-            weight_decay,
-            nesterov,
-        } = self.cfg;
-        for (slot, buf) in self.slots.iter_mut().zip(self.momentum_buffers.iter_mut()) {
+        for (slot, buf) in self.params.iter_mut() {
             let Some(mut grad) = grad_f32(grads, &slot.var)? else {
                 continue;
             };
             if grad_scale != 1.0 {
                 grad = grad.affine(grad_scale, 0.0)?;
             }
-            let param = slot.value_f32()?;
-            if weight_decay != 0.0 {
-                // grad = grad.add(param, alpha=weight_decay)
-                grad = (grad + param.affine(weight_decay, 0.0)?)?;
-            }
-            if momentum != 0.0 {
-                // First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1 - dampening).
-                let b = match buf.take() {
-                    None => grad.clone(),
-                    Some(b) => (b.affine(momentum, 0.0)? + grad.affine(1.0 - dampening, 0.0)?)?,
-                };
-                grad = if nesterov {
-                    (grad + b.affine(momentum, 0.0)?)?
-                } else {
-                    b.clone()
-                };
-                *buf = Some(b);
-            }
-            // param.add_(grad, alpha=-lr)
-            slot.store((param + grad.affine(-lr, 0.0)?)?)?;
+            self.cfg.update(slot, buf, grad)?;
         }
         Ok(())
     }
 
-    fn lr(&self) -> f64 {
-        self.cfg.lr
-    }
-
-    fn set_lr(&mut self, lr: f64) {
-        self.cfg.lr = lr;
-    }
-
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
-        for (slot, buf) in self.slots.iter().zip(&self.momentum_buffers) {
+        for (slot, buf) in self.params.iter() {
             if let Some(b) = buf {
                 out.push((format!("{}.momentum_buffer", slot.name), b.clone()));
             }
@@ -743,15 +764,17 @@ impl Optimizer for Sgd {
     }
 
     fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
-        check_keys(
-            state,
-            self.slots.iter().map(|s| s.name.as_str()),
-            &["momentum_buffer", "master"],
-        )?;
-        for (slot, buf) in self.slots.iter_mut().zip(self.momentum_buffers.iter_mut()) {
-            *buf = load_entry(state, &slot.name, "momentum_buffer", slot.var.as_tensor())?;
-            load_master(slot, state)?;
-        }
-        Ok(())
+        self.params
+            .load(state, &["momentum_buffer", "master"], |slot| {
+                load_entry(state, &slot.name, "momentum_buffer", slot.var.as_tensor())
+            })
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.cfg.lr = lr;
     }
 }

@@ -289,9 +289,8 @@ pub fn ppo_policy_loss(
     let host_lp: Vec<Vec<f32>> = logprobs.detach().to_dtype(DType::F32)?.to_vec2()?;
     let (lo, hi) = ((1.0 - cfg.epsilon) as f32, (1.0 + cfg.epsilon) as f32);
     let n = rows * len;
-    let (mut neg_adv, mut policy_const, mut policy_live) =
-        (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-    let mut keep = vec![0f32; n];
+    let mut neg_adv = vec![0f32; n];
+    let mut max = ActiveMax::new(rows, len);
     let mut clipped_rows = vec![vec![0f32; len]; rows];
     let mut ratio_sum = 0f32;
     for r in 0..rows {
@@ -303,23 +302,16 @@ pub fn ppo_policy_loss(
             let clipped = -a * ratio.clamp(lo, hi);
             let unclipped = -a * ratio;
             neg_adv[k] = -a;
-            if clipped > unclipped {
-                policy_const[k] = clipped;
+            if max.set(k, clipped, unclipped, t.keep[r][i]) {
                 clipped_rows[r][i] = 1.0;
-            } else {
-                policy_live[k] = 1.0;
             }
-            keep[k] = t.keep[r][i] as u8 as f32;
         }
     }
     let tensor = |v: Vec<f32>| Tensor::from_vec(v, (rows, len), device);
     let lp = logprobs.to_dtype(DType::F32)?;
     let old_lp = tensor(t.old_logprobs.concat())?;
     let ratio = (lp - old_lp)?.exp()?;
-    let terms =
-        ((ratio * tensor(neg_adv)?)? * tensor(policy_live)?)?.add(&tensor(policy_const)?)?;
-    let n_keep = count(t.keep);
-    let loss = ((terms * tensor(keep)?)?.sum_all()? / n_keep as f64)?;
+    let loss = max.mean((ratio * tensor(neg_adv)?)?, t.keep)?;
     Ok(PpoLoss {
         policy_loss: loss.to_scalar::<f32>()?,
         value_loss: 0.0,
@@ -337,9 +329,7 @@ pub fn ppo_value_loss(values: &Tensor, t: PpoTargets<'_>, cfg: PpoLossConfig) ->
     let (rows, len) = values.dims2()?;
     let host_v: Vec<Vec<f32>> = values.detach().to_dtype(DType::F32)?.to_vec2()?;
     let clip = cfg.value_clip_range as f32;
-    let n = rows * len;
-    let (mut value_const, mut value_live, mut value_keep) =
-        (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let mut max = ActiveMax::new(rows, len);
     for (r, row) in host_v.iter().enumerate() {
         for (i, &v) in row.iter().enumerate() {
             let k = r * len + i;
@@ -347,20 +337,12 @@ pub fn ppo_value_loss(values: &Tensor, t: PpoTargets<'_>, cfg: PpoLossConfig) ->
             let v_clipped = v.clamp(old - clip, old + clip);
             let ret = t.returns[r][i];
             let (plain, clipped_sq) = ((v - ret).powi(2), (v_clipped - ret).powi(2));
-            if clipped_sq > plain {
-                value_const[k] = clipped_sq;
-            } else {
-                value_live[k] = 1.0;
-            }
-            value_keep[k] = t.value_keep[r][i] as u8 as f32;
+            max.set(k, clipped_sq, plain, t.value_keep[r][i]);
         }
     }
-    let tensor = |v: Vec<f32>| Tensor::from_vec(v, (rows, len), device);
     let vals = values.to_dtype(DType::F32)?;
-    let returns = tensor(t.returns.concat())?;
-    let terms = ((vals - returns)?.sqr()? * tensor(value_live)?)?.add(&tensor(value_const)?)?;
-    let n_value = count(t.value_keep);
-    let value_loss = (((terms * tensor(value_keep)?)?.sum_all()? / n_value as f64)? * 0.5)?;
+    let returns = Tensor::from_vec(t.returns.concat(), (rows, len), device)?;
+    let value_loss = (max.mean((vals - returns)?.sqr()?, t.value_keep)? * 0.5)?;
     Ok(PpoLoss {
         policy_loss: 0.0,
         value_loss: value_loss.to_scalar::<f32>()?,
@@ -368,6 +350,52 @@ pub fn ppo_value_loss(values: &Tensor, t: PpoTargets<'_>, cfg: PpoLossConfig) ->
         clipfrac: 0.0,
         loss: (value_loss * cfg.value_coeff)?,
     })
+}
+
+/// The maximum of a differentiable term and a constant at each token of a `[rows, len]` batch,
+/// formed as its active branch (see [`ppo_policy_loss`]), and its mean over the kept tokens.
+struct ActiveMax {
+    shape: (usize, usize),
+    /// The constant where it wins strictly, else 0.
+    constant: Vec<f32>,
+    /// 1 where the differentiable term carries the maximum.
+    live: Vec<f32>,
+    /// 1 at the kept tokens.
+    keep: Vec<f32>,
+}
+
+impl ActiveMax {
+    fn new(rows: usize, len: usize) -> Self {
+        let n = rows * len;
+        ActiveMax {
+            shape: (rows, len),
+            constant: vec![0f32; n],
+            live: vec![0f32; n],
+            keep: vec![0f32; n],
+        }
+    }
+
+    /// Token `k` (kept or not) takes `constant` if it exceeds `term` (the differentiable term's
+    /// value), else the term; true when the constant wins.
+    fn set(&mut self, k: usize, constant: f32, term: f32, kept: bool) -> bool {
+        let wins = constant > term;
+        if wins {
+            self.constant[k] = constant;
+        } else {
+            self.live[k] = 1.0;
+        }
+        self.keep[k] = kept as u8 as f32;
+        wins
+    }
+
+    /// The masked mean of the maxima, `term` being the differentiable term's tensor; divided as
+    /// torch's masked mean of the kept tokens `keep` divides.
+    fn mean(self, term: Tensor, keep: &[Vec<bool>]) -> Result<Tensor> {
+        let device = term.device().clone();
+        let tensor = |v: Vec<f32>| Tensor::from_vec(v, self.shape, &device);
+        let terms = (term * tensor(self.live)?)?.add(&tensor(self.constant)?)?;
+        (terms * tensor(self.keep)?)?.sum_all()? / count(keep) as f64
+    }
 }
 
 /// Kept entries of a mask plus torch's `1e-8`, as [`masked_mean`] divides.

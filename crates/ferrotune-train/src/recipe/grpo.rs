@@ -41,9 +41,9 @@ use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::model::setup_adapters;
 use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
-    self, approx_kl_sum, backward_from_hidden, fill_cut, host, ids_tensor, left_pad, load,
+    self, approx_kl_sum, backward_from_hidden, context_length, host, ids_tensor, left_pad, load,
     logprobs_from_hidden, masked_logprobs, num_stop_tokens, padded_layout, response_logprobs,
-    BeforeTokenizer, LoopSettings, RolloutSettings,
+    Backward, BeforeTokenizer, LoopSettings, Rollout, RolloutBatching, RolloutSettings, StepStats,
 };
 use crate::recipe::kit::session::Session;
 use crate::recipe::setup;
@@ -68,20 +68,11 @@ pub struct GrpoSettings {
 /// are prompt-major: the `grpo_samples` completions of prompt 0, then those of prompt 1, ...
 #[derive(Debug, Clone, PartialEq)]
 pub struct GrpoTrajectory {
-    /// Left-padded prompt followed by the completion (padded after its end), per row.
-    pub query_responses: Vec<Vec<u32>>,
-    pub context_length: usize,
-    /// The sampling policy's log probabilities of the completion tokens (1.0 where cut).
-    pub logprobs: Vec<Vec<f32>>,
-    /// The reference policy's (1.0 where cut).
-    pub ref_logprobs: Vec<Vec<f32>>,
+    /// The completions (each padded after its end to the longest) and their log probabilities.
+    pub rollout: Rollout,
     pub rewards: Vec<f32>,
     pub successes: Vec<f32>,
     pub advantages: Vec<f32>,
-    /// True after a row's first stop token.
-    pub response_padding: Vec<Vec<bool>>,
-    /// The index of each row's last kept completion token.
-    pub seq_lens: Vec<usize>,
 }
 
 /// The reference policy: a model of its own (whole, or sharded over the ranks and run one
@@ -105,10 +96,7 @@ pub fn trajectory(
     answers: &[String],
     s: &GrpoSettings,
 ) -> Result<GrpoTrajectory> {
-    let ctx = prompts.first().map_or(0, Vec::len);
-    if ctx == 0 || prompts.iter().any(|p| p.len() != ctx) {
-        bail!("GRPO: prompts must be left-padded to one non-zero length");
-    }
+    let ctx = context_length(prompts, "GRPO")?;
     let g = s.grpo_samples;
     if completions.len() != prompts.len() * g || answers.len() != prompts.len() {
         bail!(
@@ -135,8 +123,8 @@ pub fn trajectory(
         .map(|(row, r)| [prompts[row / g].as_slice(), r].concat())
         .collect();
     let (pad, t) = (s.rollout.pad_id, s.rollout.temperature);
-    let mut logprobs = host(&response_logprobs(policy, &query_responses, ctx, pad, t)?)?;
-    let mut ref_logprobs = match reference {
+    let logprobs = host(&response_logprobs(policy, &query_responses, ctx, pad, t)?)?;
+    let ref_logprobs = match reference {
         Reference::Model(m) => host(&response_logprobs(m, &query_responses, ctx, pad, t)?)?,
         Reference::Sharded(m, sm) => {
             let ids = ids_tensor(&query_responses, m.device())?;
@@ -149,14 +137,16 @@ pub fn trajectory(
             host(&response_logprobs(m, &query_responses, ctx, pad, t)?)
         })?,
     };
-    let response_padding =
-        rlhf::truncate_at_first_stop(&mut responses, &s.rollout.stop_token_ids, pad);
-    let seq_lens: Vec<usize> = response_padding
-        .iter()
-        .map(|p| rlhf::last_kept_index(p))
-        .collect();
+    let rollout = Rollout::cut(
+        query_responses,
+        ctx,
+        logprobs,
+        ref_logprobs,
+        &mut responses,
+        &s.rollout,
+    );
     let (mut rewards, mut successes) = (Vec::new(), Vec::new());
-    for (row, (r, cut)) in responses.iter().zip(&response_padding).enumerate() {
+    for (row, (r, cut)) in responses.iter().zip(&rollout.response_padding).enumerate() {
         // torchtune decodes skipping special tokens and stopping at EOS: the kept tokens.
         let kept: Vec<u32> = r
             .iter()
@@ -170,96 +160,72 @@ pub fn trajectory(
         successes.push(success);
     }
     let advantages = grpo::group_advantages(&rewards, g)?;
-    fill_cut(&response_padding, &mut logprobs, &mut ref_logprobs);
     Ok(GrpoTrajectory {
-        query_responses,
-        context_length: ctx,
-        logprobs,
-        ref_logprobs,
+        rollout,
         rewards,
         successes,
         advantages,
-        response_padding,
-        seq_lens,
     })
 }
 
-/// One optimizer step's statistics (torchtune's `GRPOStats`).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct GrpoStats {
-    pub loss: f64,
-    pub policy_loss: f64,
-    pub kl_loss: f64,
-    pub ratios: f64,
-    pub clipfrac: f64,
-    pub approx_policy_kl: f64,
-}
+/// One optimizer step's statistics (torchtune's `GRPOStats`): the recipe's own loss term is the
+/// KL loss.
+pub type GrpoStats = StepStats;
 
 /// torchtune's `grpo_step`: the loss of the whole trajectory under the current policy, its
-/// gradient added into `acc` for `params`. Rows go through the model `rows_per_pass` at a time
-/// (each part's loss is its share of the batch's, so the sum is torchtune's one-pass loss), with
-/// activation checkpointing when `checkpointing`.
-#[allow(clippy::too_many_arguments)]
+/// gradient back-propagated by `back`. Rows go through the model `rows_per_pass` at a time (each
+/// part's loss is its share of the batch's, so the sum is torchtune's one-pass loss).
 pub fn grpo_step(
     policy: &CausalLm,
     traj: &GrpoTrajectory,
     s: &GrpoSettings,
     rows_per_pass: usize,
-    checkpointing: bool,
-    params: &[(String, Var)],
-    acc: &mut candle_core::backprop::GradStore,
+    mut back: Backward<'_>,
 ) -> Result<GrpoStats> {
-    let keep = rlhf::kept(&traj.response_padding);
+    let r = &traj.rollout;
+    let keep = rlhf::kept(&r.response_padding);
     let totals = BatchTotals::of(&keep);
-    let ctx = traj.context_length;
+    let ctx = r.context_length;
     let mut stats = GrpoStats::default();
     let (mut kl_sum, mut count) = (0f64, 0usize);
-    let rows = traj.query_responses.len();
+    let rows = r.query_responses.len();
     for start in (0..rows).step_by(rows_per_pass.max(1)) {
         let end = (start + rows_per_pass).min(rows);
-        let part_rows = &traj.query_responses[start..end];
+        let part_rows = &r.query_responses[start..end];
         let part_keep = &keep[start..end];
-        let padding = &traj.response_padding[start..end];
+        let padding = &r.response_padding[start..end];
         let mut new_lp = None;
         let mut part = None;
-        backward_from_hidden(
-            policy,
-            part_rows,
-            s.rollout.pad_id,
-            checkpointing,
-            params,
-            acc,
-            |hidden| {
-                let lp = masked_logprobs(
-                    policy,
-                    hidden,
-                    part_rows,
-                    ctx,
-                    s.rollout.temperature,
-                    padding,
-                )?;
-                let out = grpo::grpo_loss(
-                    &lp,
-                    &traj.logprobs[start..end],
-                    &traj.ref_logprobs[start..end],
-                    &traj.advantages[start..end],
-                    part_keep,
-                    s.loss,
-                    totals,
-                )?;
-                new_lp = Some(host(&lp)?);
-                let loss = out.loss.clone();
-                part = Some(out);
-                Ok(loss)
-            },
-        )?;
+        backward_from_hidden(policy, part_rows, s.rollout.pad_id, &mut back, |hidden| {
+            let lp = masked_logprobs(
+                policy,
+                hidden,
+                part_rows,
+                ctx,
+                s.rollout.temperature,
+                padding,
+            )?;
+            let out = grpo::grpo_loss(
+                &lp,
+                &r.logprobs[start..end],
+                &r.ref_logprobs[start..end],
+                &traj.advantages[start..end],
+                part_keep,
+                s.loss,
+                totals,
+            )?;
+            new_lp = Some(host(&lp)?);
+            let loss = out.loss.clone();
+            part = Some(out);
+            Ok(loss)
+        })?;
         let out = part.expect("the head ran");
         stats.loss += out.loss.to_scalar::<f32>()? as f64;
         stats.policy_loss += out.policy_loss;
-        stats.kl_loss += out.kl_loss;
+        stats.own_loss += out.kl_loss;
         stats.ratios += out.ratios;
         stats.clipfrac += out.clipfrac;
-        let (sum, n) = approx_kl_sum(&new_lp.expect("the head ran"), &traj.logprobs[start..end]);
+        let (sum, n) = approx_kl_sum(&new_lp.expect("the head ran"), &r.logprobs[start..end]);
         kl_sum += sum;
         count += n;
     }
@@ -331,64 +297,50 @@ fn settings(cfg: &Config) -> Result<BeforeTokenizer<GrpoSettings>> {
         rollout,
         loss: loss_config(cfg)?,
     };
-    Ok(BeforeTokenizer::new(settings, stop_token_ids))
+    Ok(BeforeTokenizer::new(settings, stop_token_ids, |s| {
+        &mut s.rollout
+    }))
 }
 
-impl AsMut<RolloutSettings> for GrpoSettings {
-    fn as_mut(&mut self) -> &mut RolloutSettings {
-        &mut self.rollout
-    }
-}
-
-/// How a run divides its batches.
+/// How a run divides its batches: each batch's prompts, and the run's batches and epochs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Batching {
-    batch_size: usize,
-    forward_batch_size: usize,
-    ppo_epochs: usize,
+    rollout: RolloutBatching,
     num_steps: usize,
     epochs: usize,
     save_every_n_epochs: usize,
 }
 
 fn batching(cfg: &Config) -> Result<Batching> {
-    let o = &cfg.origin;
     let get = |k: &str| rollout::required_count(cfg, k, RECIPE);
-    let (batch_size, forward_batch_size) = rollout::batch_sizes(cfg, RECIPE)?;
+    let per_batch = RolloutBatching::parse(cfg, RECIPE)?;
     let b = Batching {
-        batch_size,
-        forward_batch_size,
-        ppo_epochs: cfg.usize("ppo_epochs")?.unwrap_or(1),
+        rollout: per_batch,
         num_steps: get("num_steps")?,
         epochs: get("epochs")?,
         save_every_n_epochs: cfg.usize("save_every_n_epochs")?.unwrap_or(1),
     };
-    if [
-        b.batch_size,
-        b.forward_batch_size,
-        b.ppo_epochs,
+    let at_least_one = [
+        per_batch.batch_size,
+        per_batch.forward_batch_size,
+        per_batch.ppo_epochs,
         b.num_steps,
         b.epochs,
-    ]
-    .contains(&0)
-        || b.save_every_n_epochs == 0
-    {
+        b.save_every_n_epochs,
+    ];
+    if at_least_one.contains(&0) {
         bail!(
-            "{o}: batch_size, forward_batch_size, ppo_epochs, num_steps, epochs and \
-             save_every_n_epochs must be at least 1"
+            "{}: batch_size, forward_batch_size, ppo_epochs, num_steps, epochs and \
+             save_every_n_epochs must be at least 1",
+            cfg.origin
         );
     }
     rollout::check_divides(
         cfg,
-        ("batch_size", batch_size),
-        ("forward_batch_size", forward_batch_size),
+        ("batch_size", per_batch.batch_size),
+        ("forward_batch_size", per_batch.forward_batch_size),
     )?;
     Ok(b)
-}
-
-/// Checks the recipe's own keys without loading anything (for `validate`).
-pub fn check_config(cfg: &Config) -> Result<()> {
-    Parsed::parse(cfg).map(|_| ())
 }
 
 /// The recipe's own keys, read and checked once before anything is loaded.
@@ -437,6 +389,11 @@ impl Parsed {
             dataset,
         })
     }
+}
+
+/// Checks the recipe's own keys without loading anything (for `validate`).
+pub fn check_config(cfg: &Config) -> Result<()> {
+    Parsed::parse(cfg).map(|_| ())
 }
 
 /// Runs the recipe.
@@ -602,7 +559,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     // (padded with its first problems to a multiple of the ranks), and torchtune's loader drops
     // each rank's last incomplete batch.
     let per_rank = problems.len().div_ceil(world);
-    let batches_per_epoch = per_rank / b.batch_size;
+    let batches_per_epoch = per_rank / b.rollout.batch_size;
     let on_ranks = match world {
         1 => String::new(),
         n => format!(" on each of {n} ranks"),
@@ -611,7 +568,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         bail!(
             "{o}: the dataset has {} problems, fewer than one batch (batch_size {}{on_ranks})",
             problems.len(),
-            b.batch_size,
+            b.rollout.batch_size,
         );
     }
     // torchtune's schedule spans every epoch's optimizer steps, whatever num_steps says.
@@ -631,20 +588,22 @@ pub fn run(cfg: &Config) -> Result<()> {
     let total_batches = b.num_steps.min(b.epochs * batches_per_epoch);
     say(format!(
         "GRPO: {total_batches} batch(es) of {} prompts × {} completions{on_ranks}, {} optimizer step(s) each",
-        b.batch_size, s.grpo_samples, b.ppo_epochs
+        b.rollout.batch_size, s.grpo_samples, b.rollout.ppo_epochs
     ));
 
     // ---------------------------------------------------------------- training loop
     let mut global_step = start.global_step;
     let mut steps_run = start.epoch * batches_per_epoch;
     let shuffle = keys.shuffle;
-    let rows_per_pass = b.forward_batch_size * s.grpo_samples;
+    let rows_per_pass = b.rollout.forward_batch_size * s.grpo_samples;
     for epoch in start.epoch..b.epochs {
         let order = epoch_order(problems.len(), shuffle, seed, epoch);
         let mut done = false;
         for batch_idx in 0..batches_per_epoch {
-            let picked: Vec<usize> = (0..b.batch_size)
-                .map(|i| order[((batch_idx * b.batch_size + i) * world + rank) % order.len()])
+            let picked: Vec<usize> = (0..b.rollout.batch_size)
+                .map(|i| {
+                    order[((batch_idx * b.rollout.batch_size + i) * world + rank) % order.len()]
+                })
                 .collect();
             let prompts: Vec<Vec<u32>> = picked
                 .iter()
@@ -660,14 +619,17 @@ pub fn run(cfg: &Config) -> Result<()> {
             }
             let mut policy_ng = policy.detached();
             let mut completions = Vec::new();
-            for (chunk_idx, first) in (0..b.batch_size).step_by(b.forward_batch_size).enumerate() {
+            for (chunk_idx, first) in (0..b.rollout.batch_size)
+                .step_by(b.rollout.forward_batch_size)
+                .enumerate()
+            {
                 // The chunk's place among every rank's chunks of the epoch: with one prompt a
                 // chunk, a prompt is sampled alike whatever the number of ranks.
-                let place = (steps_run * b.batch_size + chunk_idx) * world + rank;
+                let place = (steps_run * b.rollout.batch_size + chunk_idx) * world + rank;
                 let sample_seed = rollout::sample_seed(seed, place);
                 completions.extend(sample_completions(
                     &policy_ng,
-                    &prompts[first..first + b.forward_batch_size],
+                    &prompts[first..first + b.rollout.forward_batch_size],
                     &s,
                     sample_seed,
                 )?);
@@ -692,7 +654,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             let t_step = Instant::now();
             let mut stats = Vec::new();
             let mut grad_norm = None;
-            for _ in 0..b.ppo_epochs {
+            for _ in 0..b.rollout.ppo_epochs {
                 optimizer.set_lr(base_lr * schedule.multiplier(global_step));
                 let mut grads = empty_grads()?;
                 let in_model = match sharded.as_mut() {
@@ -702,15 +664,12 @@ pub fn run(cfg: &Config) -> Result<()> {
                     }
                     None => params.clone(),
                 };
-                let st = grpo_step(
-                    &policy,
-                    &traj,
-                    &s,
-                    rows_per_pass,
+                let back = Backward {
+                    params: &in_model,
+                    grads: &mut grads,
                     checkpointing,
-                    &in_model,
-                    &mut grads,
-                )?;
+                };
+                let st = grpo_step(&policy, &traj, &s, rows_per_pass, back)?;
                 if !st.loss.is_finite() {
                     bail!("the GRPO loss became {} at step {global_step}: lower optimizer.lr or set clip_grad_norm", st.loss);
                 }
@@ -772,21 +731,16 @@ pub fn run(cfg: &Config) -> Result<()> {
                 if let Some(n) = grad_norm {
                     metrics.push(("grad_norm", n));
                 }
-                let tokens = (traj.query_responses.len() * traj.query_responses[0].len()) as f64;
+                let qr = &traj.rollout.query_responses;
+                let tokens = (qr.len() * qr[0].len()) as f64;
                 metrics.push(("tokens_per_second_trajectory", tokens / traj_s.max(1e-9)));
                 metrics.push((
                     "tokens_per_second_grpo",
-                    tokens * b.ppo_epochs as f64 / step_s.max(1e-9),
+                    tokens * b.rollout.ppo_epochs as f64 / step_s.max(1e-9),
                 ));
                 logger.log_step(global_step as u64, &metrics)?;
-                let shown = [
-                    ("loss", 4),
-                    ("rewards", 2),
-                    ("successes", 3),
-                    ("kl_loss", 4),
-                    ("response_lengths", 1),
-                ];
-                let line = rollout::step_line(steps_run, total_batches, &metrics, &shown);
+                let shown = "loss:4 rewards:2 successes:3 kl_loss:4 response_lengths:1";
+                let line = rollout::step_line(steps_run, total_batches, &metrics, shown);
                 eprintln!("{line} ({traj_s:.1} s sampling and scoring, {step_s:.1} s optimizing)");
             }
             if steps_run == b.num_steps {
@@ -891,22 +845,15 @@ fn step_metrics(traj: &GrpoTrajectory, stats: &[GrpoStats]) -> Vec<(&'static str
     let mut metrics = vec![
         ("rewards", mean(&traj.rewards)),
         ("successes", mean(&traj.successes)),
-        ("num_stop_tokens", num_stop_tokens(&traj.response_padding)),
+        (
+            "num_stop_tokens",
+            num_stop_tokens(&traj.rollout.response_padding),
+        ),
     ];
     metrics.extend(rollout::step_metrics(
         stats,
         "kl_loss",
-        |s| {
-            [
-                s.loss,
-                s.policy_loss,
-                s.kl_loss,
-                s.clipfrac,
-                s.ratios,
-                s.approx_policy_kl,
-            ]
-        },
-        &traj.seq_lens,
+        &traj.rollout.seq_lens,
     ));
     metrics
 }

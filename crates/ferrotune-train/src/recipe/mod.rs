@@ -99,6 +99,22 @@ macro_rules! finetune {
     };
 }
 
+/// The registry entry of recipe `$name`, which has its own `run` and `check` (`$check`) in
+/// module `$module`, whose source `ferrotune cp` hands out is `src/recipe/$source`.
+macro_rules! own {
+    ($name:expr, $ranks:ident, $module:ident, $check:ident, $source:literal) => {
+        Recipe {
+            name: $name,
+            // What a `run` returns beside success (a report) is for its callers, not the CLI.
+            run: |_, c| $module::run(c).map(|_| ()),
+            check: |_, c| $module::$check(c),
+            ranks: Ranks::$ranks,
+            source: include_str!($source),
+            mode: None,
+        }
+    };
+}
+
 /// Every recipe, in the order `ferrotune ls` lists them. torchtune has no single-device full
 /// DPO, QAT or early-exit recipes; one process is a world of one.
 pub static RECIPES: &[Recipe] = &[
@@ -133,36 +149,15 @@ pub static RECIPES: &[Recipe] = &[
     finetune!("full_dpo_distributed", FullDpo, Several, dpo),
     finetune!("qat_distributed", Qat, Several, qat),
     finetune!("qat_lora_finetune_distributed", QatLora, Several, qat),
-    Recipe {
-        name: ppo::RECIPE,
-        run: |_, c| ppo::run(c),
-        check: |_, c| ppo::check_config(c),
-        ranks: Ranks::One,
-        source: include_str!("ppo/mod.rs"),
-        mode: None,
-    },
-    Recipe {
-        name: grpo::RECIPE,
-        run: |_, c| grpo::run(c),
-        check: |_, c| grpo::check_config(c),
-        ranks: Ranks::Several,
-        source: include_str!("grpo.rs"),
-        mode: None,
-    },
+    own!(ppo::RECIPE, One, ppo, check_config, "ppo/mod.rs"),
+    own!(grpo::RECIPE, Several, grpo, check_config, "grpo.rs"),
     finetune!(
         "dev/early_exit_finetune_distributed",
         EarlyExit,
         Several,
         early_exit_finetune
     ),
-    Recipe {
-        name: quantize::RECIPE,
-        run: |_, c| quantize::run(c).map(|_| ()),
-        check: |_, c| quantize::check(c),
-        ranks: Ranks::One,
-        source: include_str!("quantize.rs"),
-        mode: None,
-    },
+    own!(quantize::RECIPE, One, quantize, check, "quantize.rs"),
     Recipe::generate("generate", |_, c| generate::run(c, generate::Flavor::V1)),
     Recipe::generate("dev/generate_v2", |_, c| {
         generate::run(c, generate::Flavor::V2)
@@ -170,22 +165,14 @@ pub static RECIPES: &[Recipe] = &[
     Recipe::generate("dev/generate_v2_distributed", |_, c| {
         generate::run(c, generate::Flavor::V2Distributed)
     }),
-    Recipe {
-        name: "eval",
-        run: |_, c| eval::run(c).map(|_| ()),
-        check: |_, c| eval::check(c),
-        ranks: Ranks::One,
-        source: include_str!("eval.rs"),
-        mode: None,
-    },
-    Recipe {
-        name: "eleuther_eval",
-        run: |_, c| eleuther_eval::run(c).map(|_| ()),
-        check: |_, c| eleuther_eval::check(c),
-        ranks: Ranks::One,
-        source: include_str!("eleuther_eval.rs"),
-        mode: None,
-    },
+    own!("eval", One, eval, check, "eval.rs"),
+    own!(
+        "eleuther_eval",
+        One,
+        eleuther_eval,
+        check,
+        "eleuther_eval.rs"
+    ),
 ];
 
 /// The recipe called `name`.

@@ -10,7 +10,8 @@
 //! - [`model`]: model setup beyond loading (adapters, QAT, a teacher, a DPO reference);
 //! - [`data`]: training examples and their micro-batches;
 //! - [`checkpoint`]: the checkpointer every training recipe saves with;
-//! - [`rollout`]: what PPO and GRPO share around a rollout;
+//! - [`rollout`]: what PPO and GRPO share around a rollout: settings, batching, sampling, passes,
+//!   the trajectory core, the backward, step statistics and metrics;
 //! - [`settings`]: the fine-tuning recipes' settings, read once before anything is loaded;
 //! - [`trainer`]: what the fine-tuning recipes share around what each really does: start, model
 //!   loading, the plan of the run, the optimizer, the epochs' steps (micro-batches, forward and

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
 use ferrotune_export::hf::ModelSource;
 use ferrotune_infer::generate::{generate, GenerationOptions};
@@ -16,6 +17,7 @@ use crate::config::Config;
 use crate::loss::log_softmax;
 use crate::recipe::kit::checkpoint::base_source;
 use crate::recipe::setup;
+use crate::rlhf;
 use crate::step::{absorb, checkpointed_backward};
 
 /// Left-pads `prompts` with `pad` to the longest (torchtune's `padded_collate` with
@@ -123,18 +125,28 @@ pub fn response_logprobs(
     )
 }
 
+/// Where a step's backward goes: the gradients of `params` added into `grads`, each decoder
+/// layer recomputed in the backward when `checkpointing`.
+pub struct Backward<'a> {
+    /// The parameters that train.
+    pub params: &'a [(String, Var)],
+    /// Where their gradients add up.
+    pub grads: &'a mut GradStore,
+    /// `enable_activation_checkpointing`.
+    pub checkpointing: bool,
+}
+
 /// Back-propagates the loss `head` computes from `model`'s final hidden states over `rows` into
-/// `acc` for `params`, with activation checkpointing when asked.
+/// `back`'s gradients.
 pub fn backward_from_hidden(
     model: &CausalLm,
     rows: &[Vec<u32>],
     pad: u32,
-    checkpointing: bool,
-    params: &[(String, Var)],
-    acc: &mut candle_core::backprop::GradStore,
+    back: &mut Backward<'_>,
     head: impl FnOnce(&Tensor) -> Result<Tensor>,
 ) -> Result<()> {
-    if checkpointing {
+    let (params, acc) = (back.params, &mut *back.grads);
+    if back.checkpointing {
         let ids = ids_tensor(rows, model.device())?;
         checkpointed_backward(model, &ids, &padded_layout(rows, pad), params, acc, head)?;
     } else {
@@ -199,6 +211,89 @@ pub fn approx_kl_sum(new: &[Vec<f32>], old: &[Vec<f32>]) -> (f64, usize) {
         }
     }
     (sum, count)
+}
+
+/// The length of the left-padded `prompts`, which must all have it; `who` names the recipe in
+/// the error.
+pub fn context_length(prompts: &[Vec<u32>], who: &str) -> Result<usize> {
+    let ctx = prompts.first().map_or(0, Vec::len);
+    if ctx == 0 || prompts.iter().any(|p| p.len() != ctx) {
+        bail!("{who}: prompts must be left-padded to one non-zero length");
+    }
+    Ok(ctx)
+}
+
+/// The rows of `v` at `idx`, in that order.
+pub fn pick<T: Clone>(v: &[T], idx: &[usize]) -> Vec<T> {
+    idx.iter().map(|&i| v[i].clone()).collect()
+}
+
+/// What both RL trajectories hold of a batch of responses (torchtune's `Trajectory` and
+/// `GRPOTrajectory` share it): per-token quantities are `[rows][response tokens]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rollout {
+    /// Left-padded prompt followed by the response (as generated, not cut), per row.
+    pub query_responses: Vec<Vec<u32>>,
+    pub context_length: usize,
+    /// The sampling policy's log probabilities of the response tokens (1.0 where cut).
+    pub logprobs: Vec<Vec<f32>>,
+    /// The reference policy's (1.0 where cut).
+    pub ref_logprobs: Vec<Vec<f32>>,
+    /// True after a row's first stop token.
+    pub response_padding: Vec<Vec<bool>>,
+    /// The index of each row's last kept response token.
+    pub seq_lens: Vec<usize>,
+}
+
+impl Rollout {
+    /// The rollout of `query_responses` (prompts of `context_length` tokens) whose log
+    /// probabilities under the policy and the reference are `logprobs` and `ref_logprobs`:
+    /// `responses` (their response tokens) are cut at their first stop token in place, and the
+    /// log probabilities of the cut tokens set to 1.0.
+    pub fn cut(
+        query_responses: Vec<Vec<u32>>,
+        context_length: usize,
+        mut logprobs: Vec<Vec<f32>>,
+        mut ref_logprobs: Vec<Vec<f32>>,
+        responses: &mut [Vec<u32>],
+        s: &RolloutSettings,
+    ) -> Rollout {
+        let response_padding = rlhf::truncate_at_first_stop(responses, &s.stop_token_ids, s.pad_id);
+        let seq_lens = response_padding
+            .iter()
+            .map(|p| rlhf::last_kept_index(p))
+            .collect();
+        fill_cut(&response_padding, &mut logprobs, &mut ref_logprobs);
+        Rollout {
+            query_responses,
+            context_length,
+            logprobs,
+            ref_logprobs,
+            response_padding,
+            seq_lens,
+        }
+    }
+
+    /// The rows `idx`, in that order.
+    pub fn select(&self, idx: &[usize]) -> Rollout {
+        Rollout {
+            query_responses: pick(&self.query_responses, idx),
+            context_length: self.context_length,
+            logprobs: pick(&self.logprobs, idx),
+            ref_logprobs: pick(&self.ref_logprobs, idx),
+            response_padding: pick(&self.response_padding, idx),
+            seq_lens: pick(&self.seq_lens, idx),
+        }
+    }
+
+    /// These rows followed by `other`'s (same context length).
+    pub fn extend(&mut self, other: Rollout) {
+        self.query_responses.extend(other.query_responses);
+        self.logprobs.extend(other.logprobs);
+        self.ref_logprobs.extend(other.ref_logprobs);
+        self.response_padding.extend(other.response_padding);
+        self.seq_lens.extend(other.seq_lens);
+    }
 }
 
 /// The keys an RL recipe's loop reads beside its batching and its loss (torchtune's top-level
@@ -277,12 +372,28 @@ pub fn required_count(cfg: &Config, key: &str, recipe: &str) -> Result<usize> {
         .ok_or_else(|| anyhow!("{}: '{key}' is required by {recipe}", cfg.origin))
 }
 
-/// `batch_size` (prompts per batch, required by `recipe`) and `forward_batch_size` (prompts per
-/// rollout pass, default all of them).
-pub fn batch_sizes(cfg: &Config, recipe: &str) -> Result<(usize, usize)> {
-    let batch_size = required_count(cfg, "batch_size", recipe)?;
-    let forward_batch_size = cfg.usize("forward_batch_size")?.unwrap_or(batch_size);
-    Ok((batch_size, forward_batch_size))
+/// How the RL recipes divide a batch of prompts, whatever else each reads about its batches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RolloutBatching {
+    /// `batch_size`: prompts per batch (required).
+    pub batch_size: usize,
+    /// `forward_batch_size`: prompts per rollout pass (default all of them).
+    pub forward_batch_size: usize,
+    /// `ppo_epochs`: optimizer passes over each batch (default 1).
+    pub ppo_epochs: usize,
+}
+
+impl RolloutBatching {
+    /// Reads the keys; `batch_size` is required by `recipe`. Each recipe checks them with its own
+    /// keys (what must be at least 1 differs).
+    pub fn parse(cfg: &Config, recipe: &str) -> Result<RolloutBatching> {
+        let batch_size = required_count(cfg, "batch_size", recipe)?;
+        Ok(RolloutBatching {
+            batch_size,
+            forward_batch_size: cfg.usize("forward_batch_size")?.unwrap_or(batch_size),
+            ppo_epochs: cfg.usize("ppo_epochs")?.unwrap_or(1),
+        })
+    }
 }
 
 /// The error unless `whole` (the value of key `whole_key`) is a multiple of `part` (of
@@ -301,49 +412,65 @@ pub fn check_divides(
     Ok(())
 }
 
-/// The metrics torchtune's RL recipes log after the rollout's own, from each optimizer step's
-/// statistics as `columns` gives them (`loss`, `policy_loss`, the recipe's own loss term `own`,
-/// `clipfrac`, `ratios`, `approx_policy_kl`): their means over the steps, then the mean
-/// `response_lengths` of the rows (`seq_lens`).
-pub fn step_metrics<S>(
-    stats: &[S],
-    own: &'static str,
-    columns: impl Fn(&S) -> [f64; 6],
-    seq_lens: &[usize],
-) -> Vec<(&'static str, f64)> {
-    let names = [
-        "loss",
-        "policy_loss",
-        own,
-        "clipfrac",
-        "ratios",
-        "approx_policy_kl",
-    ];
-    let rows = seq_lens.len().max(1) as f64;
-    let mut metrics: Vec<(&'static str, f64)> = names
-        .iter()
-        .enumerate()
-        .map(|(i, &name)| {
-            let sum = stats.iter().map(|s| columns(s)[i]).sum::<f64>();
-            (name, sum / stats.len().max(1) as f64)
-        })
-        .collect();
-    let lengths = seq_lens.iter().map(|&l| l as f64).sum::<f64>();
-    metrics.push(("response_lengths", lengths / rows));
-    metrics
+/// One optimizer step's statistics as torchtune's RL recipes log them (its `PPOStats` and
+/// `GRPOStats`, which differ in one loss term).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    pub loss: f64,
+    pub policy_loss: f64,
+    /// The recipe's own loss term: PPO's value loss, GRPO's KL loss.
+    pub own_loss: f64,
+    pub ratios: f64,
+    pub clipfrac: f64,
+    pub approx_policy_kl: f64,
 }
 
-/// The progress line an RL recipe prints after step `step` of `total`: each of the `shown`
-/// metrics as its name and its value (0 when not logged) to the given decimal places.
-pub fn step_line(
-    step: usize,
-    total: usize,
-    metrics: &[(&str, f64)],
-    shown: &[(&str, usize)],
-) -> String {
+impl std::ops::AddAssign for StepStats {
+    fn add_assign(&mut self, o: Self) {
+        *self = StepStats {
+            loss: self.loss + o.loss,
+            policy_loss: self.policy_loss + o.policy_loss,
+            own_loss: self.own_loss + o.own_loss,
+            ratios: self.ratios + o.ratios,
+            clipfrac: self.clipfrac + o.clipfrac,
+            approx_policy_kl: self.approx_policy_kl + o.approx_policy_kl,
+        };
+    }
+}
+
+/// The metrics torchtune's RL recipes log after the rollout's own: the means over the steps of
+/// each step's `stats` (`loss`, `policy_loss`, the recipe's own loss term as `own`, `clipfrac`,
+/// `ratios`, `approx_policy_kl`), then the mean `response_lengths` of the rows (`seq_lens`).
+pub fn step_metrics(
+    stats: &[StepStats],
+    own: &'static str,
+    seq_lens: &[usize],
+) -> Vec<(&'static str, f64)> {
+    let mean = |column: fn(&StepStats) -> f64| {
+        stats.iter().map(column).sum::<f64>() / stats.len().max(1) as f64
+    };
+    let rows = seq_lens.len().max(1) as f64;
+    let lengths = seq_lens.iter().map(|&l| l as f64).sum::<f64>();
+    vec![
+        ("loss", mean(|s| s.loss)),
+        ("policy_loss", mean(|s| s.policy_loss)),
+        (own, mean(|s| s.own_loss)),
+        ("clipfrac", mean(|s| s.clipfrac)),
+        ("ratios", mean(|s| s.ratios)),
+        ("approx_policy_kl", mean(|s| s.approx_policy_kl)),
+        ("response_lengths", lengths / rows),
+    ]
+}
+
+/// The progress line an RL recipe prints after step `step` of `total`: each metric `shown` names
+/// (`name:places`, space-separated) as its name and its value (0 when not logged) to that many
+/// decimal places.
+pub fn step_line(step: usize, total: usize, metrics: &[(&str, f64)], shown: &str) -> String {
     let values: Vec<String> = shown
-        .iter()
-        .map(|&(name, places)| {
+        .split_whitespace()
+        .map(|item| {
+            let (name, places) = item.rsplit_once(':').expect("shown is name:places");
+            let places: usize = places.parse().expect("shown is name:places");
             let value = metrics
                 .iter()
                 .find(|(n, _)| *n == name)
@@ -431,18 +558,26 @@ impl RolloutSettings {
 /// the tokenizer's pad id, and its stop tokens unless `stop_token_ids` names them, are filled
 /// into their [`RolloutSettings`] once it is ([`BeforeTokenizer::with`]), without reading the
 /// config again.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct BeforeTokenizer<S> {
     settings: S,
     stop_token_ids: Option<Vec<u32>>,
+    /// Where the settings keep their [`RolloutSettings`].
+    rollout: fn(&mut S) -> &mut RolloutSettings,
 }
 
-impl<S: AsMut<RolloutSettings> + Clone> BeforeTokenizer<S> {
-    /// `settings` (their token ids still unset) and `stop_token_ids` as the config gives them.
-    pub fn new(settings: S, stop_token_ids: Option<Vec<u32>>) -> Self {
+impl<S: Clone> BeforeTokenizer<S> {
+    /// `settings` (their token ids still unset, in the part `rollout` points to) and
+    /// `stop_token_ids` as the config gives them.
+    pub fn new(
+        settings: S,
+        stop_token_ids: Option<Vec<u32>>,
+        rollout: fn(&mut S) -> &mut RolloutSettings,
+    ) -> Self {
         BeforeTokenizer {
             settings,
             stop_token_ids,
+            rollout,
         }
     }
 
@@ -450,7 +585,7 @@ impl<S: AsMut<RolloutSettings> + Clone> BeforeTokenizer<S> {
     /// unless the config names them.
     pub fn with(&self, pad_id: u32, default_stops: Vec<u32>) -> S {
         let mut settings = self.settings.clone();
-        let rollout = settings.as_mut();
+        let rollout = (self.rollout)(&mut settings);
         rollout.pad_id = pad_id;
         rollout.stop_token_ids = self.stop_token_ids.clone().unwrap_or(default_stops);
         settings

@@ -23,7 +23,8 @@ use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::report::kill_if_asked;
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, host, left_pad, load, masked_logprobs,
-    num_stop_tokens, BeforeTokenizer, LoopSettings, RolloutSettings,
+    num_stop_tokens, pick, Backward, BeforeTokenizer, LoopSettings, Rollout, RolloutBatching,
+    RolloutSettings, StepStats,
 };
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -68,87 +69,47 @@ pub struct PpoModels<'a> {
 /// `Trajectory`): per-token quantities are `[rows][response tokens]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Trajectory {
-    /// Left-padded prompt followed by the response as generated (not truncated), per row.
-    pub query_responses: Vec<Vec<u32>>,
-    pub context_length: usize,
-    /// The policy's log probabilities of the response tokens (1.0 where cut).
-    pub logprobs: Vec<Vec<f32>>,
-    /// The reference policy's (1.0 where cut).
-    pub ref_logprobs: Vec<Vec<f32>>,
+    /// The responses (as generated, not cut) and their log probabilities.
+    pub rollout: Rollout,
     /// The value model's estimates (0 where `value_padding`).
     pub values: Vec<Vec<f32>>,
-    /// True after a row's first stop token.
-    pub response_padding: Vec<Vec<bool>>,
     /// `response_padding` with each row's `value_seq_idx` kept.
     pub value_padding: Vec<Vec<bool>>,
     pub value_seq_idxs: Vec<usize>,
     /// The reward model's score of each row (or the penalty).
     pub scores: Vec<f32>,
-    /// The index of each row's last kept response token.
-    pub seq_lens: Vec<usize>,
 }
 
 impl Trajectory {
     /// The rows `idx`, in that order.
     pub fn select(&self, idx: &[usize]) -> Trajectory {
-        fn pick<T: Clone>(v: &[T], idx: &[usize]) -> Vec<T> {
-            idx.iter().map(|&i| v[i].clone()).collect()
-        }
         Trajectory {
-            query_responses: pick(&self.query_responses, idx),
-            context_length: self.context_length,
-            logprobs: pick(&self.logprobs, idx),
-            ref_logprobs: pick(&self.ref_logprobs, idx),
+            rollout: self.rollout.select(idx),
             values: pick(&self.values, idx),
-            response_padding: pick(&self.response_padding, idx),
             value_padding: pick(&self.value_padding, idx),
             value_seq_idxs: pick(&self.value_seq_idxs, idx),
             scores: pick(&self.scores, idx),
-            seq_lens: pick(&self.seq_lens, idx),
         }
     }
 
     /// These rows followed by `other`'s (same context length).
     fn extend(&mut self, other: Trajectory) {
-        self.query_responses.extend(other.query_responses);
-        self.logprobs.extend(other.logprobs);
-        self.ref_logprobs.extend(other.ref_logprobs);
+        self.rollout.extend(other.rollout);
         self.values.extend(other.values);
-        self.response_padding.extend(other.response_padding);
         self.value_padding.extend(other.value_padding);
         self.value_seq_idxs.extend(other.value_seq_idxs);
         self.scores.extend(other.scores);
-        self.seq_lens.extend(other.seq_lens);
     }
 }
 
 /// One PPO micro-batch's statistics (torchtune's `PPOStats`), already divided by the gradient
-/// accumulation steps as torchtune divides them.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct PpoStats {
-    pub loss: f64,
-    pub policy_loss: f64,
-    pub value_loss: f64,
-    pub ratios: f64,
-    pub clipfrac: f64,
-    pub approx_policy_kl: f64,
-}
+/// accumulation steps as torchtune divides them: the recipe's own loss term is the value loss.
+pub type PpoStats = StepStats;
 
-impl std::ops::AddAssign for PpoStats {
-    fn add_assign(&mut self, o: Self) {
-        self.loss += o.loss;
-        self.policy_loss += o.policy_loss;
-        self.value_loss += o.value_loss;
-        self.ratios += o.ratios;
-        self.clipfrac += o.clipfrac;
-        self.approx_policy_kl += o.approx_policy_kl;
-    }
-}
-
-/// torchtune's `ppo_step`: the loss of `batch` under the current policy and value model, its
-/// gradients (of `loss / grad_accum`) added into `acc` for `params`. The policy and the value
-/// model are back-propagated one after the other (the loss is a sum of a part of each), each with
-/// activation checkpointing when `checkpointing`.
+/// torchtune's `ppo_step`: the loss of `batch` (whose `advantages` and `returns` are given) under
+/// the current policy and value model, its gradients (of `loss / grad_accum`) back-propagated by
+/// `back`: the policy and the value model one after the other (the loss is a sum of a part of
+/// each).
 #[allow(clippy::too_many_arguments)]
 pub fn ppo_step(
     policy: &CausalLm,
@@ -158,16 +119,15 @@ pub fn ppo_step(
     returns: &[Vec<f32>],
     s: &PpoSettings,
     grad_accum: usize,
-    checkpointing: bool,
-    params: &[(String, Var)],
-    acc: &mut candle_core::backprop::GradStore,
+    mut back: Backward<'_>,
 ) -> Result<PpoStats> {
-    let (ctx, pad) = (batch.context_length, s.rollout.pad_id);
-    let rows = &batch.query_responses;
-    let keep = rlhf::kept(&batch.response_padding);
+    let r = &batch.rollout;
+    let (ctx, pad) = (r.context_length, s.rollout.pad_id);
+    let rows = &r.query_responses;
+    let keep = rlhf::kept(&r.response_padding);
     let value_keep = rlhf::kept(&batch.value_padding);
     let targets = PpoTargets {
-        old_logprobs: &batch.logprobs,
+        old_logprobs: &r.logprobs,
         advantages,
         old_values: &batch.values,
         returns,
@@ -177,14 +137,14 @@ pub fn ppo_step(
     let n = grad_accum as f64;
     // Cut tokens get log probability 1 and value 0, as torchtune's in-place fills (no gradient).
     let mut policy_part = None;
-    backward_from_hidden(policy, rows, pad, checkpointing, params, acc, |hidden| {
+    backward_from_hidden(policy, rows, pad, &mut back, |hidden| {
         let lp = masked_logprobs(
             policy,
             hidden,
             rows,
             ctx,
             s.rollout.temperature,
-            &batch.response_padding,
+            &r.response_padding,
         )?;
         let out = rlhf::ppo_policy_loss(&lp, targets, s.loss)?;
         let loss = (&out.loss / n)?;
@@ -192,7 +152,7 @@ pub fn ppo_step(
         Ok(loss)
     })?;
     let mut value_part = None;
-    backward_from_hidden(value, rows, pad, checkpointing, params, acc, |hidden| {
+    backward_from_hidden(value, rows, pad, &mut back, |hidden| {
         let raw = values_from_hidden(value, hidden, ctx)?;
         let v = (&raw * rollout::mask_tensor(&batch.value_padding, false, raw.device())?)?;
         let out = rlhf::ppo_value_loss(&v, targets, s.loss)?;
@@ -202,12 +162,12 @@ pub fn ppo_step(
     })?;
     let (policy_out, new_lp) = policy_part.expect("the head ran");
     let value_out = value_part.expect("the head ran");
-    let (kl_sum, count) = approx_kl_sum(&new_lp, &batch.logprobs);
+    let (kl_sum, count) = approx_kl_sum(&new_lp, &r.logprobs);
     let total = policy_out.policy_loss as f64 + s.loss.value_coeff * value_out.value_loss as f64;
     Ok(PpoStats {
         loss: total / n,
         policy_loss: policy_out.policy_loss as f64 / n,
-        value_loss: value_out.value_loss as f64 / n,
+        own_loss: value_out.value_loss as f64 / n,
         ratios: policy_out.ratios as f64 / n,
         clipfrac: policy_out.clipfrac as f64 / n,
         approx_policy_kl: kl_sum / count.max(1) as f64 / n,
@@ -273,21 +233,15 @@ fn settings(cfg: &Config) -> Result<BeforeTokenizer<PpoSettings>> {
         lmbda: required("lmbda")?,
         loss,
     };
-    Ok(BeforeTokenizer::new(settings, stop_token_ids))
-}
-
-impl AsMut<RolloutSettings> for PpoSettings {
-    fn as_mut(&mut self) -> &mut RolloutSettings {
-        &mut self.rollout
-    }
+    Ok(BeforeTokenizer::new(settings, stop_token_ids, |s| {
+        &mut s.rollout
+    }))
 }
 
 /// How a run divides its batches (torchtune's `_setup_training_parameters`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Batching {
-    batch_size: usize,
-    forward_batch_size: usize,
-    ppo_epochs: usize,
+    rollout: RolloutBatching,
     ppo_batch_size: usize,
     grad_accum: usize,
     total_steps: usize,
@@ -295,8 +249,8 @@ struct Batching {
 
 fn batching(cfg: &Config) -> Result<Batching> {
     let o = &cfg.origin;
-    let (batch_size, forward_batch_size) = rollout::batch_sizes(cfg, RECIPE)?;
-    let ppo_epochs = cfg.usize("ppo_epochs")?.unwrap_or(1);
+    let per_batch = RolloutBatching::parse(cfg, RECIPE)?;
+    let (batch_size, forward_batch_size) = (per_batch.batch_size, per_batch.forward_batch_size);
     let ppo_batch_size = cfg.usize("ppo_batch_size")?.unwrap_or(batch_size);
     let grad_accum = cfg.usize("gradient_accumulation_steps")?.unwrap_or(1);
     let num_steps = rollout::required_count(cfg, "num_steps", RECIPE)?;
@@ -316,9 +270,7 @@ fn batching(cfg: &Config) -> Result<Batching> {
         bail!("{o}: num_steps {num_steps} must be at least the batch size {batch_size} (num_steps counts prompts)");
     }
     Ok(Batching {
-        batch_size,
-        forward_batch_size,
-        ppo_epochs,
+        rollout: per_batch,
         ppo_batch_size,
         grad_accum,
         total_steps,
@@ -483,12 +435,12 @@ pub fn run(cfg: &Config) -> Result<()> {
 
     let rows = setup::dataset(cfg, &tokenizer)?.rows;
     // torchtune's loader drops the last incomplete batch.
-    let batches_per_epoch = rows.len() / b.batch_size;
+    let batches_per_epoch = rows.len() / b.rollout.batch_size;
     if batches_per_epoch == 0 {
         bail!(
             "{o}: the dataset has {} prompts, fewer than one batch (batch_size {})",
             rows.len(),
-            b.batch_size
+            b.rollout.batch_size
         );
     }
     let epochs = b.total_steps.div_ceil(batches_per_epoch);
@@ -498,7 +450,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             b.total_steps, b.total_steps
         );
     }
-    let minibatches = b.batch_size / b.ppo_batch_size;
+    let minibatches = b.rollout.batch_size / b.ppo_batch_size;
     let start = state::start_or_resume(
         TrainState::fresh(RECIPE, seed, rows.len(), batches_per_epoch),
         saved.as_ref(),
@@ -512,7 +464,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let log_every = keys.log_every;
     eprintln!(
         "PPO: {} steps of {} prompts, {epochs} epoch(s); {} PPO epoch(s) of {minibatches} minibatch(es)",
-        b.total_steps, b.batch_size, b.ppo_epochs
+        b.total_steps, b.rollout.batch_size, b.rollout.ppo_epochs
     );
 
     // ---------------------------------------------------------------- training loop
@@ -523,14 +475,15 @@ pub fn run(cfg: &Config) -> Result<()> {
         let order = epoch_order(rows.len(), shuffle, seed, epoch);
         let mut done = false;
         for batch_idx in 0..batches_per_epoch {
-            let prompts: Vec<Vec<u32>> = order[batch_idx * b.batch_size..][..b.batch_size]
+            let prompts: Vec<Vec<u32>> = order[batch_idx * b.rollout.batch_size..]
+                [..b.rollout.batch_size]
                 .iter()
                 .map(|&i| rows[i].input_ids.clone())
                 .collect();
             if let Some(i) = prompts.iter().position(Vec::is_empty) {
                 bail!(
                     "{o}: dataset row {} has no tokens: PPO needs a prompt",
-                    order[batch_idx * b.batch_size + i]
+                    order[batch_idx * b.rollout.batch_size + i]
                 );
             }
             let padded = left_pad(&prompts, pad);
@@ -540,11 +493,13 @@ pub fn run(cfg: &Config) -> Result<()> {
             // Trajectories take no gradient: generated and scored by copies that record none.
             let (policy_ng, value_ng) = (policy.detached(), value.detached());
             let mut traj: Option<Trajectory> = None;
-            for (chunk_idx, start_row) in
-                (0..b.batch_size).step_by(b.forward_batch_size).enumerate()
+            for (chunk_idx, start_row) in (0..b.rollout.batch_size)
+                .step_by(b.rollout.forward_batch_size)
+                .enumerate()
             {
-                let end = start_row + b.forward_batch_size;
-                let sample_seed = rollout::sample_seed(seed, steps_run * b.batch_size + chunk_idx);
+                let end = start_row + b.rollout.forward_batch_size;
+                let sample_seed =
+                    rollout::sample_seed(seed, steps_run * b.rollout.batch_size + chunk_idx);
                 let responses =
                     rollout::sample(&policy_ng, &prompts[start_row..end], &sampling, sample_seed)?;
                 let models = PpoModels {
@@ -563,44 +518,43 @@ pub fn run(cfg: &Config) -> Result<()> {
             let traj_s = t_traj.elapsed().as_secs_f64();
             let (rewards, kl, kl_rewards) = rlhf::rewards_ppo(
                 &traj.scores,
-                &traj.logprobs,
-                &traj.ref_logprobs,
+                &traj.rollout.logprobs,
+                &traj.rollout.ref_logprobs,
                 s.kl_coeff,
                 &traj.value_seq_idxs,
             );
-            let keep = rlhf::kept(&traj.response_padding);
+            let keep = rlhf::kept(&traj.rollout.response_padding);
             let (advantages, returns) =
                 rlhf::estimate_advantages(&traj.values, &rewards, s.gamma, s.lmbda, &keep);
 
             let t_ppo = Instant::now();
             let mut stats: Vec<PpoStats> = Vec::new();
             let backward_rows = b.ppo_batch_size / b.grad_accum;
-            for ppo_epoch in 0..b.ppo_epochs {
+            for ppo_epoch in 0..b.rollout.ppo_epochs {
                 let perm = ferrotune_data::dataset::shuffled_order(
-                    b.batch_size,
+                    b.rollout.batch_size,
                     seed ^ 0x5050_5050,
-                    (steps_run * b.ppo_epochs + ppo_epoch) as u64,
+                    (steps_run * b.rollout.ppo_epochs + ppo_epoch) as u64,
                 );
                 for mini in perm.chunks(b.ppo_batch_size) {
                     let mut grads = empty_grads()?;
                     let mut mini_stats = PpoStats::default();
                     for micro in mini.chunks(backward_rows) {
                         let part = traj.select(micro);
-                        let adv: Vec<Vec<f32>> =
-                            micro.iter().map(|&i| advantages[i].clone()).collect();
-                        let ret: Vec<Vec<f32>> =
-                            micro.iter().map(|&i| returns[i].clone()).collect();
+                        let back = Backward {
+                            params: &params,
+                            grads: &mut grads,
+                            checkpointing,
+                        };
                         mini_stats += ppo_step(
                             &policy,
                             &value,
                             &part,
-                            &adv,
-                            &ret,
+                            &pick(&advantages, micro),
+                            &pick(&returns, micro),
                             &s,
                             b.grad_accum,
-                            checkpointing,
-                            &params,
-                            &mut grads,
+                            back,
                         )?;
                     }
                     optimizer.step(&grads)?;
@@ -614,15 +568,8 @@ pub fn run(cfg: &Config) -> Result<()> {
                 let metrics =
                     step_metrics(&traj, &stats, &kl, &kl_rewards, num_tokens, traj_s, ppo_s);
                 logger.log_step(global_step as u64, &metrics)?;
-                let shown = [
-                    ("loss", 4),
-                    ("policy_loss", 4),
-                    ("value_loss", 4),
-                    ("scores", 4),
-                    ("kl", 4),
-                    ("response_lengths", 1),
-                ];
-                let line = rollout::step_line(steps_run, b.total_steps, &metrics, &shown);
+                let shown = "loss:4 policy_loss:4 value_loss:4 scores:4 kl:4 response_lengths:1";
+                let line = rollout::step_line(steps_run, b.total_steps, &metrics, shown);
                 eprintln!("{line}");
             }
             if steps_run == b.total_steps {
@@ -680,7 +627,10 @@ fn step_metrics(
     let kl_reward = row_sums(kl_rewards);
     let mut metrics = vec![
         ("scores", scores),
-        ("num_stop_tokens", num_stop_tokens(&traj.response_padding)),
+        (
+            "num_stop_tokens",
+            num_stop_tokens(&traj.rollout.response_padding),
+        ),
         ("rlhf_reward", scores + kl_reward),
         ("kl", row_sums(kl)),
         ("kl_reward", kl_reward),
@@ -688,17 +638,7 @@ fn step_metrics(
     metrics.extend(rollout::step_metrics(
         stats,
         "value_loss",
-        |s| {
-            [
-                s.loss,
-                s.policy_loss,
-                s.value_loss,
-                s.clipfrac,
-                s.ratios,
-                s.approx_policy_kl,
-            ]
-        },
-        &traj.seq_lens,
+        &traj.rollout.seq_lens,
     ));
     metrics.extend([
         (

@@ -2,12 +2,12 @@
 //! [`rollout`](crate::recipe::kit::rollout)): the value model's estimates and the reward model's
 //! scores, and the trajectory built from them.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{DType, Tensor, D};
 use ferrotune_models::CausalLm;
 
 use crate::recipe::kit::rollout::{
-    fill_cut, full_hidden, host, response_logprobs, response_positions,
+    context_length, full_hidden, host, response_logprobs, response_positions, Rollout,
 };
 use crate::rlhf;
 
@@ -56,24 +56,21 @@ pub fn trajectory(
     responses: &[Vec<u32>],
     s: &PpoSettings,
 ) -> Result<Trajectory> {
-    let ctx = prompts.first().map_or(0, Vec::len);
-    if ctx == 0 || prompts.iter().any(|p| p.len() != ctx) {
-        bail!("PPO: prompts must be left-padded to one non-zero length");
-    }
+    let ctx = context_length(prompts, "PPO")?;
     let query_responses: Vec<Vec<u32>> = prompts
         .iter()
         .zip(responses)
         .map(|(p, r)| [p.as_slice(), r].concat())
         .collect();
     let pad = s.rollout.pad_id;
-    let mut logprobs = host(&response_logprobs(
+    let logprobs = host(&response_logprobs(
         models.policy,
         &query_responses,
         ctx,
         pad,
         s.rollout.temperature,
     )?)?;
-    let mut ref_logprobs = host(&response_logprobs(
+    let ref_logprobs = host(&response_logprobs(
         models.reference,
         &query_responses,
         ctx,
@@ -81,20 +78,23 @@ pub fn trajectory(
         s.rollout.temperature,
     )?)?;
     let mut values = host(&response_values(models.value, &query_responses, ctx, pad)?)?;
-    let mut cut = responses.to_vec();
-    let response_padding = rlhf::truncate_at_first_stop(&mut cut, &s.rollout.stop_token_ids, pad);
-    let seq_lens: Vec<usize> = response_padding
-        .iter()
-        .map(|p| rlhf::last_kept_index(p))
-        .collect();
+    let rollout = Rollout::cut(
+        query_responses,
+        ctx,
+        logprobs,
+        ref_logprobs,
+        &mut responses.to_vec(),
+        &s.rollout,
+    );
+    let (response_padding, seq_lens) = (&rollout.response_padding, &rollout.seq_lens);
     // The reward model reads the sequence up to the last kept token; what follows it cannot
     // change that position's output (causal attention), so the uncut sequence serves.
     let at: Vec<usize> = seq_lens.iter().map(|l| l + ctx).collect();
-    let mut scores = reward_scores(models.reward, &query_responses, &at, pad)?;
+    let mut scores = reward_scores(models.reward, &rollout.query_responses, &at, pad)?;
     if s.penalise_no_eos || s.min_response_length.is_some() {
         let penalised = rlhf::reward_penalty_mask(
-            &response_padding,
-            &seq_lens,
+            response_padding,
+            seq_lens,
             s.penalise_no_eos,
             s.min_response_length,
         );
@@ -104,8 +104,7 @@ pub fn trajectory(
             }
         }
     }
-    fill_cut(&response_padding, &mut logprobs, &mut ref_logprobs);
-    let value_seq_idxs = rlhf::value_indices(&seq_lens, s.rollout.max_generated_tokens);
+    let value_seq_idxs = rlhf::value_indices(seq_lens, s.rollout.max_generated_tokens);
     let mut value_padding = response_padding.clone();
     for (r, &i) in value_seq_idxs.iter().enumerate() {
         value_padding[r][i] = false;
@@ -116,15 +115,10 @@ pub fn trajectory(
         }
     }
     Ok(Trajectory {
-        query_responses,
-        context_length: ctx,
-        logprobs,
-        ref_logprobs,
+        rollout,
         values,
-        response_padding,
         value_padding,
         value_seq_idxs,
         scores,
-        seq_lens,
     })
 }
