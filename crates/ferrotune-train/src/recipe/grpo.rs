@@ -222,7 +222,7 @@ pub fn grpo_step(
         let out = part.expect("the head ran");
         stats.loss += out.loss.to_scalar::<f32>()? as f64;
         stats.policy_loss += out.policy_loss;
-        stats.own_loss += out.kl_loss;
+        stats.value_or_kl_loss += out.kl_loss;
         stats.ratios += out.ratios;
         stats.clipfrac += out.clipfrac;
         let (sum, n) = approx_kl_sum(&new_lp.expect("the head ran"), &r.logprobs[start..end]);

@@ -247,7 +247,7 @@ fn check_optimizer_steps(
         );
         close(
             &format!("{what} kl_loss"),
-            stats.own_loss,
+            stats.value_or_kl_loss,
             get(want, "kl_loss"),
             1e-4,
         );

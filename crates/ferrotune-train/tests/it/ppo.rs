@@ -267,7 +267,7 @@ fn check_ppo_epochs(checkpointing: bool) {
         );
         close(
             &format!("epoch {epoch} value_loss"),
-            stats.own_loss,
+            stats.value_or_kl_loss,
             get(want, "value_loss"),
             1e-5,
         );

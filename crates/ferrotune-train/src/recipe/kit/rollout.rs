@@ -416,12 +416,17 @@ pub fn check_divides(
 /// `GRPOStats`, which differ in one loss term).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepStats {
+    /// The loss backpropagated: the policy loss plus the recipe's weighted second term.
     pub loss: f64,
+    /// The clipped policy-gradient loss.
     pub policy_loss: f64,
-    /// The recipe's own loss term: PPO's value loss, GRPO's KL loss.
-    pub own_loss: f64,
+    /// The recipe's second loss term: PPO's value loss, GRPO's KL loss against the reference.
+    pub value_or_kl_loss: f64,
+    /// The mean ratio of the new to the old policy's probabilities.
     pub ratios: f64,
+    /// The fraction of ratios clipped.
     pub clipfrac: f64,
+    /// The approximate KL divergence between the old and new policies.
     pub approx_policy_kl: f64,
 }
 
@@ -430,7 +435,7 @@ impl std::ops::AddAssign for StepStats {
         *self = StepStats {
             loss: self.loss + o.loss,
             policy_loss: self.policy_loss + o.policy_loss,
-            own_loss: self.own_loss + o.own_loss,
+            value_or_kl_loss: self.value_or_kl_loss + o.value_or_kl_loss,
             ratios: self.ratios + o.ratios,
             clipfrac: self.clipfrac + o.clipfrac,
             approx_policy_kl: self.approx_policy_kl + o.approx_policy_kl,
@@ -439,11 +444,11 @@ impl std::ops::AddAssign for StepStats {
 }
 
 /// The metrics torchtune's RL recipes log after the rollout's own: the means over the steps of
-/// each step's `stats` (`loss`, `policy_loss`, the recipe's own loss term as `own`, `clipfrac`,
+/// each step's `stats` (`loss`, `policy_loss`, the recipe's second loss term named `second`, `clipfrac`,
 /// `ratios`, `approx_policy_kl`), then the mean `response_lengths` of the rows (`seq_lens`).
 pub fn step_metrics(
     stats: &[StepStats],
-    own: &'static str,
+    second: &'static str,
     seq_lens: &[usize],
 ) -> Vec<(&'static str, f64)> {
     let mean = |column: fn(&StepStats) -> f64| {
@@ -454,7 +459,7 @@ pub fn step_metrics(
     vec![
         ("loss", mean(|s| s.loss)),
         ("policy_loss", mean(|s| s.policy_loss)),
-        (own, mean(|s| s.own_loss)),
+        (second, mean(|s| s.value_or_kl_loss)),
         ("clipfrac", mean(|s| s.clipfrac)),
         ("ratios", mean(|s| s.ratios)),
         ("approx_policy_kl", mean(|s| s.approx_policy_kl)),

@@ -167,7 +167,7 @@ pub fn ppo_step(
     Ok(PpoStats {
         loss: total / n,
         policy_loss: policy_out.policy_loss as f64 / n,
-        own_loss: value_out.value_loss as f64 / n,
+        value_or_kl_loss: value_out.value_loss as f64 / n,
         ratios: policy_out.ratios as f64 / n,
         clipfrac: policy_out.clipfrac as f64 / n,
         approx_policy_kl: kl_sum / count.max(1) as f64 / n,
