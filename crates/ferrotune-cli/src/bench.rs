@@ -507,13 +507,13 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
     if device.is_cuda() && !ferrotune_core::graph::enabled() {
         println!(
             "  note: CUDA graphs are off ({}=0, or recording failed: see the warning above)",
-            ferrotune_core::graph::DISABLE_VAR
+            ferrotune_core::switch::CUDA_GRAPHS.name
         );
     }
     if device.is_cuda() && !ferrotune_core::decode::enabled() {
         println!(
             "  note: the decode kernels are off ({}=0, or they failed: see the warning above)",
-            ferrotune_core::decode::DISABLE_VAR
+            ferrotune_core::switch::DECODE_KERNELS.name
         );
     }
     // On a GPU the decode kernels serve the steps; time the forward's ops beside them, and count
@@ -536,14 +536,14 @@ fn decode(a: DecodeBenchArgs) -> Result<()> {
     if let Some((tps, same)) = no_graphs {
         println!(
             "  no graphs  {tps:.1} tokens/s with the decode kernels launched one by one ({}=0); greedy tokens agree on the first {same} of {}",
-            ferrotune_core::graph::DISABLE_VAR,
+            ferrotune_core::switch::CUDA_GRAPHS.name,
             tokens.len()
         );
     }
     if let Some((tps, same)) = forward_ops {
         println!(
             "  forward    {tps:.1} tokens/s with the forward's ops ({}=0); greedy tokens agree on the first {same} of {}",
-            ferrotune_core::decode::DISABLE_VAR,
+            ferrotune_core::switch::DECODE_KERNELS.name,
             tokens.len()
         );
     }

@@ -19,10 +19,6 @@ use crate::ops;
 /// Most rows (prompts decoded together) the decode kernels take in one call.
 pub const MAX_ROWS: usize = 8;
 
-/// The environment variable that turns the decode kernels off (`0`): decoding then runs the
-/// forward pass's ops (cuBLAS GEMMs, a concatenated KV cache), for comparison.
-pub const DISABLE_VAR: &str = crate::switch::DECODE_KERNELS.name;
-
 static ENABLED: crate::switch::EnvSwitch =
     crate::switch::EnvSwitch::new(&crate::switch::DECODE_KERNELS);
 

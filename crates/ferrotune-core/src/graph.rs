@@ -22,9 +22,6 @@ pub fn set_enabled(on: bool) {
     ENABLED.set(on);
 }
 
-/// The environment variable that turns CUDA graphs off (`0`).
-pub const DISABLE_VAR: &str = crate::switch::CUDA_GRAPHS.name;
-
 static ENABLED: crate::switch::EnvSwitch =
     crate::switch::EnvSwitch::new(&crate::switch::CUDA_GRAPHS);
 
