@@ -1,8 +1,9 @@
 //! The fine-tuning recipes' trainer: what every one of them does around what it really does.
 //!
 //! A recipe reads as torchtune's: [`FineTune::start`] (the session, the settings, the ranks'
-//! group, where to resume from, the seed, the tokenizer, the model), its own choice of what trains ([`FineTune::adapters`] or [`Trainable::all`]) and of what else it loads (a
-//! teacher, a reference model, fake quantization), [`FineTune::plan`] (sharding, data,
+//! group, where to resume from, the seed, the tokenizer, the model), its own choice of what
+//! trains ([`FineTune::adapters`] or [`Trainable::all`]) and of what else it loads (a teacher, a
+//! reference model, fake quantization), [`FineTune::plan`] (sharding, data,
 //! validation, the run's length and LR schedule), [`Plan::start`] (optimizer, resumed state, run
 //! log), then [`Trainer::fit`]: the epochs' steps — micro-batches prepared by the recipe's
 //! [`Hooks`], forward and backward, the step's sums over the ranks, normalise, clip, step, log,
