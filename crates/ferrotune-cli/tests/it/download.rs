@@ -681,3 +681,123 @@ fn dataset_repos_download_with_repo_type() {
         .any(|r| r.path.starts_with("/api/datasets/acme/tiny-ds")));
     assert!(text(&out.stdout).contains("Successfully downloaded dataset repo"));
 }
+
+/// Every file under `root` that is neither under `out_dir` nor under the private `HF_HOME`.
+fn files_outside(root: &Path, out_dir: &Path) -> Vec<PathBuf> {
+    walk(root)
+        .into_iter()
+        .filter(|p| !p.starts_with(out_dir) && !p.starts_with(root.join("hf-home")))
+        .collect()
+}
+
+#[test]
+fn download_etag_holding_dotdot_stays_in_the_output_folder() {
+    // The partial file's name carries the ETag; this one (the LFS `X-Linked-Etag` of the Hub's
+    // redirect) holds `../`, enough to climb out of the output folder. The stand-in's CDN looks
+    // the object up by the part before `?`, so the bytes still come (from the decoy repository).
+    const DECOY: &str = "decoyobject";
+    let evil = format!("{DECOY}?/../../../../../escape");
+    let bytes = pattern(50_000, 9);
+    let repo = |id: &str, etag: &str| HubRepo {
+        kind: "models",
+        id: id.to_string(),
+        revisions: vec![HubRevision {
+            name: "main".into(),
+            sha: COMMIT.into(),
+            files: vec![HubFile::lfs("weights.bin", bytes.clone(), etag)],
+        }],
+    };
+    let server = HubServer::start(vec![
+        repo("acme/evil-etag", &evil),
+        repo("acme/decoy", DECOY),
+    ]);
+    server.cut_next_download(DECOY, 20_000);
+    let tmp = temp_dir("etag-escape");
+    let out_dir = tmp.join("out");
+    let args = ["acme/evil-etag", "--output-dir", out_dir.to_str().unwrap()];
+    let out = ferrotune(server.url(), &tmp, &args, &[]);
+    assert!(!out.status.success(), "the cut download must fail");
+    let outside = files_outside(&tmp, &out_dir);
+    assert!(
+        outside.is_empty(),
+        "written outside the output folder: {outside:?}"
+    );
+    let partials: Vec<_> = walk(&out_dir.join(".cache/huggingface/download"))
+        .into_iter()
+        .filter(|p| p.to_string_lossy().ends_with(".incomplete"))
+        .collect();
+    assert_eq!(partials.len(), 1, "{partials:?}");
+
+    // The second run resumes from that partial file and completes.
+    let out = ferrotune(server.url(), &tmp, &args, &[]);
+    assert_ok(&out);
+    assert_eq!(std::fs::read(out_dir.join("weights.bin")).unwrap(), bytes);
+    let outside = files_outside(&tmp, &out_dir);
+    assert!(
+        outside.is_empty(),
+        "written outside the output folder: {outside:?}"
+    );
+}
+
+#[test]
+fn dataset_listing_with_escaping_entries_is_refused() {
+    // Sets HF_ENDPOINT and HF_HOME in its own process: see
+    // `dataset_files_returns_the_split_parquet_from_the_cache`.
+    let name = "dataset_listing_with_escaping_entries_is_refused";
+    if !ferrotune_testing::in_own_process(ALONE, module_path!(), name) {
+        return;
+    }
+    let tmp = temp_dir("ds-escape");
+    let outside = tmp.join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    // An existing file an absolute entry names, and where a `../` entry climbing out of the
+    // cache's `snapshots/{commit}/` folder lands.
+    let victim = outside.join("victim-train.jsonl");
+    std::fs::write(&victim, b"precious\n").unwrap();
+    let abs_entry = victim.to_str().unwrap().to_string();
+    let dotdot_entry = "../../../../../outside/dotdot-train.jsonl";
+    let repo = |id: &str, entry: &str| HubRepo {
+        kind: "datasets",
+        id: id.to_string(),
+        revisions: vec![HubRevision {
+            name: "main".into(),
+            sha: COMMIT.into(),
+            files: vec![
+                HubFile::plain("README.md", b"# ds\n"),
+                HubFile::plain(entry, b"{\"text\": \"x\"}\n"),
+            ],
+        }],
+    };
+    let server = HubServer::start(vec![
+        repo("acme/abs-ds", &abs_entry),
+        repo("acme/dotdot-ds", dotdot_entry),
+    ]);
+    std::env::set_var("HF_ENDPOINT", server.url());
+    std::env::set_var("HF_HOME", tmp.join("hf-home"));
+    for k in [
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+    ] {
+        std::env::remove_var(k);
+    }
+    for (id, entry) in [
+        ("acme/abs-ds", abs_entry.as_str()),
+        ("acme/dotdot-ds", dotdot_entry),
+    ] {
+        let err = ferrotune_data::hub::dataset_files(id, None, "train")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("dataset repository '{id}'"))
+                && err.contains(&format!("unsafe file path '{entry}'")),
+            "{err}"
+        );
+    }
+    let meta = std::fs::symlink_metadata(&victim).unwrap();
+    assert!(meta.file_type().is_file(), "the victim was replaced");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious\n");
+    let names: Vec<_> = std::fs::read_dir(&outside).unwrap().collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+}

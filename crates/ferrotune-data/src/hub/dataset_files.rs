@@ -73,7 +73,7 @@ pub fn dataset_files_in(
             main.retain(|f| f.path.starts_with(dir.as_str()));
         }
         let script = format!("{repo_name}.py");
-        let has_script = main.iter().any(|f| f.path == script);
+        let has_script = main.iter().any(|f| f.path.as_str() == script);
         let config = name.filter(|n| *n != "default");
         let main_pick = pick_committed(&main, config, split);
 

@@ -3,7 +3,7 @@
 
 use std::fs;
 use std::io::{Read, Write};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use futures::StreamExt;
 use hf_hub::{HFRepository, RepoType};
@@ -13,13 +13,15 @@ use super::client::{runtime, Hub};
 use super::errors::{Ctx, HubFailure};
 use super::pattern::matches_pattern;
 use super::requests::{head_file, list_files, resolve_commit, TreeFile};
+use super::safe_path::etag_component;
 use super::{FileEvent, RepoKind, SnapshotRequest};
 use crate::error::{DataError, Result};
 
 /// Where [`download_snapshot`] keeps its bookkeeping inside the output folder (the folder
 /// `huggingface_hub` uses for `local_dir` downloads): partial downloads are
-/// `{output_dir}/.cache/huggingface/download/{path}.{etag}.incomplete` and completed files get a
-/// `{path}.metadata` record (commit, etag, size, modification time) there.
+/// `{output_dir}/.cache/huggingface/download/{path}.{etag}.incomplete` (an ETag that is not plain
+/// letters and digits is replaced by its sha256) and completed files get a `{path}.metadata`
+/// record (commit, etag, size, modification time) there.
 pub fn download_state_dir(output_dir: &Path) -> PathBuf {
     output_dir
         .join(".cache")
@@ -107,25 +109,20 @@ async fn snapshot<T: RepoType>(
     }
     let mut paths = Vec::with_capacity(files.len());
     for file in &files {
-        let rel = safe_relative(&file.path).ok_or_else(|| {
-            DataError::Hub(format!(
-                "{} repository '{}' lists an unsafe file path '{}'; refusing to write it",
-                ctx.kind.singular(),
-                ctx.repo_id,
-                file.path
-            ))
-        })?;
-        let dest = output_dir.join(&rel);
+        // `file.path` was checked when listed (`RemotePath`); the ETag is a header, made safe here.
+        let dest = file.path.under(output_dir);
         let head = head_file(ctx, &commit, &file.path).await?;
+        let etag = head.etag.unwrap_or_else(|| file.path.replace('/', "_"));
         let item = Item {
             path: &file.path,
             size: file.size,
-            etag: head.etag.unwrap_or_else(|| file.path.replace('/', "_")),
+            partial_name: format!("{}.{}.incomplete", file.path, etag_component(&etag)),
+            etag,
             commit: &commit,
             dest: &dest,
-            meta: state_dir.join(format!("{rel}.metadata")),
+            meta: state_dir.join(format!("{}.metadata", file.path)),
         };
-        fetch_file(ctx, repo, &item, &state_dir, &rel, on_event).await?;
+        fetch_file(ctx, repo, &item, &state_dir, on_event).await?;
         paths.push(dest);
     }
     Ok(paths)
@@ -135,7 +132,10 @@ async fn snapshot<T: RepoType>(
 struct Item<'a> {
     path: &'a str,
     size: u64,
+    /// The server's ETag as sent (compared with the record, and the LFS sha256 when 64 hex).
     etag: String,
+    /// `{path}.{etag_component(etag)}.incomplete`, under the bookkeeping folder.
+    partial_name: String,
     commit: &'a str,
     dest: &'a Path,
     meta: PathBuf,
@@ -155,7 +155,6 @@ async fn fetch_file<T: RepoType>(
     repo: &HFRepository<T>,
     item: &Item<'_>,
     state_dir: &Path,
-    rel: &str,
     on_event: &mut dyn FnMut(FileEvent<'_>),
 ) -> Result<()> {
     if is_complete(item)? {
@@ -165,7 +164,7 @@ async fn fetch_file<T: RepoType>(
         });
         return Ok(());
     }
-    let partial = state_dir.join(format!("{rel}.{}.incomplete", item.etag));
+    let partial = state_dir.join(&item.partial_name);
     if let Some(parent) = partial.parent() {
         create_dir(parent)?;
     }
@@ -379,13 +378,4 @@ fn remove(path: &Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(DataError::io(path, e, "partial download")),
     }
-}
-
-/// A repository path as a relative local path, or `None` if it could escape the output folder.
-pub(super) fn safe_relative(path: &str) -> Option<String> {
-    let p = Path::new(path);
-    let ok = !path.is_empty()
-        && p.components().all(|c| matches!(c, Component::Normal(_)))
-        && !path.contains('\\');
-    ok.then(|| path.to_string())
 }

@@ -24,6 +24,8 @@
 //! - `pattern.rs`: [`fnmatch`] and the allow/ignore pattern rule.
 //! - `client.rs`: the client (`Hub`), endpoint, token resolution, runtime.
 //! - `requests.rs`: tree listings, commit resolution, the etag `HEAD` request.
+//! - `safe_path.rs`: `RemotePath` and `etag_component`, the one checked way a listed file path
+//!   or an ETag becomes part of a local path (listings refuse unsafe entries).
 //! - `errors.rs`: failed requests (`HubFailure`) and their user messages (`Ctx`).
 //! - `tests.rs`: unit tests.
 
@@ -33,6 +35,7 @@ mod download;
 mod errors;
 mod pattern;
 mod requests;
+mod safe_path;
 mod splits;
 #[cfg(test)]
 mod tests;

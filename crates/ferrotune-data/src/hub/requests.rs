@@ -6,12 +6,14 @@ use hf_hub::repository::RepoTreeEntry;
 use hf_hub::{HFRepository, RepoType};
 
 use super::errors::{error_chain, Ctx, HubFailure};
+use super::safe_path::RemotePath;
 use super::RepoKind;
 use crate::error::{DataError, Result};
 
 /// A file of a repository tree listing.
 pub(super) struct TreeFile {
-    pub(super) path: String,
+    /// Checked when listed: every path ferrotune writes a Hub file to comes from here.
+    pub(super) path: RemotePath,
     pub(super) size: u64,
 }
 
@@ -31,7 +33,9 @@ pub(super) async fn list_converted<T: RepoType>(
 }
 
 /// The files of `repo`'s recursive tree at the context's revision; with `missing_is_empty`, a 404
-/// while listing means there is no such tree and gives no files.
+/// while listing means there is no such tree and gives no files. An entry whose path could leave
+/// the folder it is written to (see [`RemotePath`]) fails the whole listing, naming it: skipping
+/// it would quietly give a different dataset or model than the repository holds.
 async fn tree_files<T: RepoType>(
     ctx: &Ctx<'_>,
     repo: &HFRepository<T>,
@@ -47,7 +51,18 @@ async fn tree_files<T: RepoType>(
     let mut files = Vec::new();
     while let Some(entry) = stream.next().await {
         match entry {
-            Ok(RepoTreeEntry::File { path, size, .. }) => files.push(TreeFile { path, size }),
+            Ok(RepoTreeEntry::File { path, size, .. }) => {
+                let path = RemotePath::new(&path).map_err(|why| {
+                    DataError::Hub(format!(
+                        "{} repository '{}' at revision '{}' lists an unsafe file path '{}' ({why}); refusing to write it",
+                        ctx.kind.singular(),
+                        ctx.repo_id,
+                        ctx.revision,
+                        path.escape_debug()
+                    ))
+                })?;
+                files.push(TreeFile { path, size })
+            }
             Ok(_) => {}
             Err(e) => {
                 let f = HubFailure::from(e);

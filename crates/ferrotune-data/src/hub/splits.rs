@@ -181,8 +181,8 @@ pub(super) fn pick_committed(
         };
         if s == wanted {
             match data_format(&f.path) {
-                Some(DataFormat::Parquet) => pick.parquet.push(f.path.clone()),
-                _ => pick.other.push(f.path.clone()),
+                Some(DataFormat::Parquet) => pick.parquet.push(f.path.to_string()),
+                _ => pick.other.push(f.path.to_string()),
             }
         }
         pick.splits_found.insert(s);
@@ -260,7 +260,7 @@ pub(super) fn pick_converted(
             converted_split(&f.path, config)
                 .is_some_and(|s| s == split || canonical_split(&s) == wanted)
         })
-        .map(|f| f.path.clone())
+        .map(|f| f.path.to_string())
         .collect();
     picked.sort();
     Ok(picked)

@@ -1,8 +1,8 @@
 //! Unit tests of the hub module: pattern matching, safe paths, split file choice.
 
-use super::download::safe_relative;
 use super::pattern::matches_pattern;
 use super::requests::TreeFile;
+use super::safe_path::{etag_component, RemotePath};
 use super::splits::{keyword_split, pick_committed, pick_converted};
 use super::*;
 
@@ -36,7 +36,7 @@ fn tree(paths: &[&str]) -> Vec<TreeFile> {
     paths
         .iter()
         .map(|p| TreeFile {
-            path: p.to_string(),
+            path: RemotePath::new(p).unwrap(),
             size: 1,
         })
         .collect()
@@ -130,10 +130,51 @@ fn converted_layouts() {
     assert!(err.contains("several configs (a, b)"), "{err}");
 }
 
+fn safe_relative(path: &str) -> Option<RemotePath> {
+    RemotePath::new(path).ok()
+}
+
 #[test]
 fn unsafe_paths_are_refused() {
     assert!(safe_relative("a/b.json").is_some());
     assert!(safe_relative("../x").is_none());
     assert!(safe_relative("/etc/passwd").is_none());
     assert!(safe_relative("a/../../x").is_none());
+}
+
+#[test]
+fn remote_paths_refuse_every_escape() {
+    for bad in [
+        "",
+        "/abs/x-train.jsonl",
+        "..",
+        "../x-train.jsonl",
+        "data/../../x",
+        "./x",
+        "a//b",
+        "a/",
+        "a\\..\\x",
+        "a\0b",
+    ] {
+        assert!(RemotePath::new(bad).is_err(), "{bad:?} accepted");
+    }
+    let ok = RemotePath::new("data/train-00000-of-00001.parquet").unwrap();
+    let root = std::path::Path::new("/cache/root");
+    assert_eq!(
+        ok.under(root),
+        root.join("data/train-00000-of-00001.parquet")
+    );
+    // Names with dots inside a segment are ordinary files.
+    assert!(RemotePath::new("a..b/.hidden").is_ok());
+}
+
+#[test]
+fn etags_become_safe_file_name_parts() {
+    let sha = "e8a405a3d6cdde2e45ca88b5d7ce7a0c861957da78896477a90c4279ce7da89c";
+    assert_eq!(etag_component(sha), sha);
+    for bad in ["../../../x", "a/b", "", "x\0y", ".."] {
+        let part = etag_component(bad);
+        assert_eq!(part.len(), 64, "{bad:?}");
+        assert!(part.bytes().all(|b| b.is_ascii_hexdigit()), "{bad:?}");
+    }
 }
