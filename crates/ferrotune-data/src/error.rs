@@ -81,6 +81,20 @@ pub enum DataError {
         message: String,
     },
 
+    /// Rendering the chat template took more than [`crate::TEMPLATE_STEP_BUDGET`]
+    /// steps: it loops far longer than any real template (a hostile or broken one).
+    #[error(
+        "the chat template{} ran out of its step budget ({steps} steps) while rendering: it loops \
+         far longer than any real template does",
+        origin.as_ref().map(|o| format!(" from {o}")).unwrap_or_default()
+    )]
+    TemplateStepBudget {
+        /// Where the template came from (a file, or a key of one), where known.
+        origin: Option<String>,
+        /// The budget it ran out of.
+        steps: u64,
+    },
+
     /// The chat template itself rejected the conversation with `raise_exception(message)`.
     #[error("the chat template rejected the conversation: {message}")]
     TemplateException {
