@@ -36,6 +36,16 @@ pub enum DataError {
         source: serde_json::Error,
     },
 
+    /// A JSON file whose top level must be an object (`tokenizer_config.json`, `config.json`,
+    /// `generation_config.json`) holds something else.
+    #[error("{}: the top level must be a JSON object, found {found}", path.display())]
+    NotAnObject {
+        /// The file.
+        path: PathBuf,
+        /// What it holds instead ("an array", "a string", ...).
+        found: &'static str,
+    },
+
     /// A file parsed, but what it holds cannot make a tokenizer.
     #[error("{}: invalid tokenizer: {message}", path.display())]
     InvalidTokenizer {

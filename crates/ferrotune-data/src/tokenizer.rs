@@ -792,7 +792,18 @@ fn read_json_object(path: &Path, what: &'static str) -> Result<Option<Map<String
     let text = read_text(path, what)?;
     match serde_json::from_str::<Json>(&text) {
         Ok(Json::Object(map)) => Ok(Some(map)),
-        Ok(_) => Err(DataError::invalid(path, "expected a JSON object")),
+        // Not the tokenizer's fault: `config.json` is read here too.
+        Ok(other) => Err(DataError::NotAnObject {
+            path: path.to_path_buf(),
+            found: match other {
+                Json::Array(_) => "an array",
+                Json::String(_) => "a string",
+                Json::Number(_) => "a number",
+                Json::Bool(_) => "a boolean",
+                Json::Null => "null",
+                Json::Object(_) => "an object",
+            },
+        }),
         Err(source) => Err(DataError::Json {
             path: path.to_path_buf(),
             source,
