@@ -59,9 +59,17 @@ impl ChatMessage {
 
 const TEMPLATE_NAME: &str = "chat_template";
 
+/// The most steps (minijinja's fuel, about one per instruction) one render of a template may take,
+/// chat or `doc_to_*`. Real chat templates take under 100 per message (Qwen3's, the busiest of
+/// Llama 3, Qwen 3, Gemma 3 and SmolLM2, 68), so this allows conversations of hundreds of
+/// thousands of turns, and stops a template that loops without end within seconds.
+pub const TEMPLATE_STEP_BUDGET: u64 = 50_000_000;
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// Where the source came from (a file, a key of one), for errors.
+    origin: Option<String>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -76,7 +84,17 @@ impl ChatTemplate {
         let mut env = environment();
         env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
             .map_err(template_error)?;
-        Ok(Self { env })
+        Ok(Self { env, origin: None })
+    }
+
+    /// [`ChatTemplate::new`] for a source read from `origin` (a file, or a key of one), which
+    /// errors name.
+    pub fn from_origin(source: &str, origin: impl Into<String>) -> Result<Self> {
+        let origin = Some(origin.into());
+        Ok(Self {
+            origin,
+            ..Self::new(source)?
+        })
     }
 
     /// Renders a conversation as transformers' `apply_chat_template(..., tokenize=False)` does:
@@ -110,7 +128,16 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(template_error)?;
-        template.render(context).map_err(template_error)
+        template.render(context).map_err(|err| {
+            if err.kind() == ErrorKind::OutOfFuel {
+                let origin = self.origin.clone();
+                return DataError::TemplateStepBudget {
+                    origin,
+                    steps: TEMPLATE_STEP_BUDGET,
+                };
+            }
+            template_error(err)
+        })
     }
 }
 
@@ -147,6 +174,7 @@ fn template_error(err: Error) -> DataError {
 
 fn environment() -> Environment<'static> {
     let mut env = Environment::new();
+    env.set_fuel(Some(TEMPLATE_STEP_BUDGET));
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_keep_trailing_newline(false);

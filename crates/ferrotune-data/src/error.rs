@@ -36,6 +36,16 @@ pub enum DataError {
         source: serde_json::Error,
     },
 
+    /// A JSON file whose top level must be an object (`tokenizer_config.json`, `config.json`,
+    /// `generation_config.json`) holds something else.
+    #[error("{}: the top level must be a JSON object, found {found}", path.display())]
+    NotAnObject {
+        /// The file.
+        path: PathBuf,
+        /// What it holds instead ("an array", "a string", ...).
+        found: &'static str,
+    },
+
     /// A file parsed, but what it holds cannot make a tokenizer.
     #[error("{}: invalid tokenizer: {message}", path.display())]
     InvalidTokenizer {
@@ -79,6 +89,20 @@ pub enum DataError {
     Template {
         /// The template engine's message (with the template line where known).
         message: String,
+    },
+
+    /// Rendering the chat template took more than [`crate::TEMPLATE_STEP_BUDGET`]
+    /// steps: it loops far longer than any real template (a hostile or broken one).
+    #[error(
+        "the chat template{} ran out of its step budget ({steps} steps) while rendering: it loops \
+         far longer than any real template does",
+        origin.as_ref().map(|o| format!(" from {o}")).unwrap_or_default()
+    )]
+    TemplateStepBudget {
+        /// Where the template came from (a file, or a key of one), where known.
+        origin: Option<String>,
+        /// The budget it ran out of.
+        steps: u64,
     },
 
     /// The chat template itself rejected the conversation with `raise_exception(message)`.

@@ -21,7 +21,7 @@ pub mod tokenizer;
 
 use std::path::PathBuf;
 
-pub use chat_template::{ChatMessage, ChatTemplate};
+pub use chat_template::{ChatMessage, ChatTemplate, TEMPLATE_STEP_BUDGET};
 pub use error::{DataError, Result};
 pub use gguf::{gguf_vocab, GgufVocab, GgufVocabStyle};
 pub use tokenized::{read_tokenized_jsonl, TokenizedExample};

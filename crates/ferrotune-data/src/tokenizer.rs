@@ -38,6 +38,8 @@ const GGUF_TEMPLATE_LOCATIONS: &str = "no tokenizer.chat_template in the GGUF me
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     chat_template: Option<String>,
+    /// Where `chat_template` was read from, for the errors rendering it gives.
+    template_origin: Option<String>,
     special_tokens: BTreeMap<String, String>,
     extra_special_tokens: Vec<String>,
     bos_id: Option<u32>,
@@ -256,7 +258,8 @@ impl Tokenizer {
             .collect();
         let needs_processor = explicit || inner.get_post_processor().is_none();
 
-        let chat_template = chat_template_of(dir, &config, &config_path)?;
+        let (chat_template, template_origin) =
+            chat_template_of(dir, &config, &config_path)?.unzip();
         let mut tokenizer = Self::assemble(
             inner,
             special_tokens,
@@ -272,6 +275,7 @@ impl Tokenizer {
             .inner
             .set_encode_special_tokens(flag("split_special_tokens", false));
         tokenizer.origin = dir.to_path_buf();
+        tokenizer.template_origin = template_origin;
         tokenizer.template_locations = DIR_TEMPLATE_LOCATIONS;
         tokenizer.written_pre_tokenizer = written_pre_tokenizer;
 
@@ -398,6 +402,8 @@ impl Tokenizer {
             path,
         )?;
         tokenizer.origin = path.to_path_buf();
+        tokenizer.template_origin = (tokenizer.chat_template.is_some())
+            .then(|| format!("tokenizer.chat_template in {}", path.display()));
         tokenizer.template_locations = GGUF_TEMPLATE_LOCATIONS;
         Ok(tokenizer)
     }
@@ -441,6 +447,7 @@ impl Tokenizer {
         Ok(Self {
             inner,
             chat_template,
+            template_origin: None,
             special_tokens,
             extra_special_tokens,
             bos_id,
@@ -507,14 +514,24 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let template = self
-            .chat_template
-            .as_deref()
+        self.compiled_chat_template()?
             .ok_or_else(|| DataError::NoChatTemplate {
                 origin: self.origin.clone(),
                 looked_in: self.template_locations,
-            })?;
-        ChatTemplate::new(template)?.render(messages, add_generation_prompt, &self.special_tokens)
+            })?
+            .render(messages, add_generation_prompt, &self.special_tokens)
+    }
+
+    /// The chat template compiled, knowing where it was read from (which its errors name);
+    /// `None` if the tokenizer has none.
+    pub fn compiled_chat_template(&self) -> Result<Option<ChatTemplate>> {
+        let Some(source) = self.chat_template.as_deref() else {
+            return Ok(None);
+        };
+        match &self.template_origin {
+            Some(origin) => ChatTemplate::from_origin(source, origin.clone()).map(Some),
+            None => ChatTemplate::new(source).map(Some),
+        }
     }
 
     /// Token ids of the rendered chat, encoded without adding special tokens (the template writes
@@ -536,6 +553,7 @@ impl Tokenizer {
     /// Replaces (or removes) the chat template.
     pub fn set_chat_template(&mut self, template: Option<String>) {
         self.chat_template = template;
+        self.template_origin = None;
     }
 
     /// The named special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`, ..., and
@@ -727,20 +745,25 @@ fn chat_template_of(
     dir: &Path,
     config: &Map<String, Json>,
     config_path: &Path,
-) -> Result<Option<String>> {
+) -> Result<Option<(String, String)>> {
     let jinja = dir.join("chat_template.jinja");
     if jinja.is_file() {
-        return read_text(&jinja, "chat template").map(Some);
+        let origin = jinja.display().to_string();
+        return read_text(&jinja, "chat template").map(|t| Some((t, origin)));
     }
+    let origin = |what: &str| format!("{what} in {}", config_path.display());
     match config.get("chat_template") {
         None | Some(Json::Null) => Ok(None),
-        Some(Json::String(s)) => Ok(Some(s.clone())),
+        Some(Json::String(s)) => Ok(Some((s.clone(), origin("\"chat_template\"")))),
         Some(Json::Array(items)) => {
             for item in items {
                 let name = item.get("name").and_then(Json::as_str);
                 let template = item.get("template").and_then(Json::as_str);
                 match (name, template) {
-                    (Some("default"), Some(template)) => return Ok(Some(template.to_string())),
+                    (Some("default"), Some(template)) => {
+                        let origin = origin("the \"default\" entry of \"chat_template\"");
+                        return Ok(Some((template.to_string(), origin)));
+                    }
                     (Some(_), Some(_)) => {}
                     _ => return Err(DataError::invalid(
                         config_path,
@@ -769,7 +792,18 @@ fn read_json_object(path: &Path, what: &'static str) -> Result<Option<Map<String
     let text = read_text(path, what)?;
     match serde_json::from_str::<Json>(&text) {
         Ok(Json::Object(map)) => Ok(Some(map)),
-        Ok(_) => Err(DataError::invalid(path, "expected a JSON object")),
+        // Not the tokenizer's fault: `config.json` is read here too.
+        Ok(other) => Err(DataError::NotAnObject {
+            path: path.to_path_buf(),
+            found: match other {
+                Json::Array(_) => "an array",
+                Json::String(_) => "a string",
+                Json::Number(_) => "a number",
+                Json::Bool(_) => "a boolean",
+                Json::Null => "null",
+                Json::Object(_) => "an object",
+            },
+        }),
         Err(source) => Err(DataError::Json {
             path: path.to_path_buf(),
             source,

@@ -38,7 +38,7 @@ impl<'a> Encoder<'a> {
                 .map(|i| with[..i].to_vec())
                 .unwrap_or_default()
         };
-        let template = tok.chat_template().map(ChatTemplate::new).transpose()?;
+        let template = tok.compiled_chat_template()?;
         Ok(Self {
             tok,
             prefix,

@@ -20,6 +20,7 @@ pub(super) fn template_env() -> &'static Environment<'static> {
 
 fn build_template_env() -> Environment<'static> {
     let mut env = Environment::new();
+    env.set_fuel(Some(crate::TEMPLATE_STEP_BUDGET));
     env.set_keep_trailing_newline(true);
     env.set_undefined_behavior(UndefinedBehavior::Strict);
     env.set_auto_escape_callback(|_| AutoEscape::None);
@@ -53,8 +54,16 @@ pub(super) fn render(
         return Ok(String::new());
     }
     let ctx = JValue::from_serialize(doc);
-    env.render_str(template, ctx)
-        .map_err(|e| DataError::Dataset(format!("template {template:?}: {e}")))
+    env.render_str(template, ctx).map_err(|e| {
+        let budget = crate::TEMPLATE_STEP_BUDGET;
+        DataError::Dataset(match e.kind() {
+            minijinja::ErrorKind::OutOfFuel => format!(
+                "template {template:?} ran out of its step budget ({budget} steps): it loops far \
+                 longer than any real template does"
+            ),
+            _ => format!("template {template:?}: {e}"),
+        })
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -49,3 +49,46 @@ fn templates_render_as_transformers_renders_them() {
         failures.join("\n")
     );
 }
+
+/// A template that would loop 10^10 times stops at its step budget, quickly, and the error says
+/// so, naming the file the template came from.
+#[test]
+fn a_runaway_template_stops_at_its_step_budget_naming_its_file() {
+    let runaway = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}\
+                   {% endfor %}";
+    let start = std::time::Instant::now();
+    let err = ChatTemplate::new(runaway)
+        .unwrap()
+        .render(&[], false, &BTreeMap::new())
+        .unwrap_err();
+    assert!(matches!(err, DataError::TemplateStepBudget { .. }), "{err}");
+    assert!(
+        err.to_string().contains("ran out of its step budget"),
+        "{err}"
+    );
+    assert!(start.elapsed().as_secs() < 60, "took {:?}", start.elapsed());
+
+    let dir = ferrotune_testing::fresh_dir(&format!("ferrotune-runaway-{}", std::process::id()));
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(
+            common::fixtures_dir().join("tiny_tokenizer").join(file),
+            dir.join(file),
+        )
+        .unwrap();
+    }
+    std::fs::write(dir.join("chat_template.jinja"), runaway).unwrap();
+    let tok = ferrotune_data::Tokenizer::from_dir(&dir).unwrap();
+    let err = tok
+        .apply_chat_template(&msgs_one(), false)
+        .unwrap_err()
+        .to_string();
+    let file = dir.join("chat_template.jinja").display().to_string();
+    assert!(
+        err.contains("ran out of its step budget") && err.contains(&file),
+        "{err}"
+    );
+}
+
+fn msgs_one() -> Vec<ferrotune_data::ChatMessage> {
+    vec![ferrotune_data::ChatMessage::user("hi")]
+}

@@ -141,3 +141,26 @@ fn template_errors_are_errors() {
     assert!(matches!(err, DataError::Template { .. }), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A `config.json` (read for its EOS ids) holding an array is the file's problem, said as such:
+/// not an "invalid tokenizer".
+#[test]
+fn json_file_that_is_not_an_object() {
+    let dir = temp_dir("array-config");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(
+            fixtures_dir().join("tiny_tokenizer").join(file),
+            dir.join(file),
+        )
+        .unwrap();
+    }
+    std::fs::write(dir.join("config.json"), "[1, 2]").unwrap();
+    let err = Tokenizer::from_dir(&dir).unwrap_err().to_string();
+    let file = dir.join("config.json").display().to_string();
+    assert!(
+        err.contains(&file) && err.contains("top level must be a JSON object, found an array"),
+        "{err}"
+    );
+    assert!(!err.contains("invalid tokenizer"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -328,3 +328,27 @@ fn groups_select_their_tasks_and_aggregate_as_the_harness() {
     let err = registry.resolve("bad").unwrap_err().to_string();
     assert!(err.contains("unknown task 'nothing'"), "{err}");
 }
+
+/// A `doc_to_text` template that would loop 10^10 times stops at the step budget all templates
+/// share, with an error that says so.
+#[test]
+fn a_runaway_doc_template_stops_at_its_step_budget() {
+    let dir = temp_dir("runaway");
+    write(&dir, "docs.jsonl", "{\"q\": \"x\"}\n");
+    write(
+        &dir,
+        "loop.yaml",
+        &format!(
+            "task: loop\noutput_type: generate_until\ndataset_path: json\n\
+             dataset_kwargs:\n  data_files: {}\ntest_split: train\n\
+             doc_to_text: \"{{% for i in range(100000) %}}{{% for j in range(100000) %}}\
+             {{% endfor %}}{{% endfor %}}\"\ndoc_to_target: q\n",
+            dir.join("docs.jsonl").display()
+        ),
+    );
+    let registry = TaskRegistry::new(Some(&dir)).unwrap();
+    let task = &registry.resolve("loop").unwrap()[0];
+    let docs = task.load_docs(&dir, None).unwrap();
+    let err = task.requests(&docs, &[]).unwrap_err().to_string();
+    assert!(err.contains("ran out of its step budget"), "{err}");
+}

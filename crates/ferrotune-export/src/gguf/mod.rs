@@ -402,6 +402,9 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             .find(|(_, n, _)| n == "model.embed_tokens.weight")
         {
             let name = "output.weight".to_string();
+            // A tied checkpoint may still hold `lm_head.weight`: one `output.weight` only (a
+            // GGUF naming a tensor twice is refused by llama.cpp and by our reader).
+            plan.retain(|t| t.name != name);
             plan.push(Planned {
                 ty: storage_type(&name, shape, outtype),
                 dims: shape.iter().rev().map(|&d| d as u64).collect(),

@@ -109,6 +109,9 @@ impl<'a> GgufFile<'a> {
                 ))
             }
         };
+        if let Some(twice) = name_given_twice(&mut reader, &content) {
+            return Err(err(format!("corrupt GGUF header: {twice}")));
+        }
         if let Some(v) = content.metadata.get("general.alignment") {
             if !matches!(v, GgufValue::U32(a) if *a > 0) {
                 return Err(err(format!(
@@ -295,6 +298,76 @@ impl<'a> GgufFile<'a> {
             .map_err(|e| self.tensor_err(name, e))?;
         Ok(Some(v))
     }
+}
+
+/// The first metadata key or tensor name the header gives twice, said as an error. candle's reader
+/// keeps the last of each in a map, so a duplicate would otherwise surface as some other tensor
+/// missing. The header is walked again only when the map holds fewer entries than it declares.
+fn name_given_twice(reader: &mut BufReader<File>, content: &Content) -> Option<String> {
+    fn u32_of(r: &mut BufReader<File>) -> Option<u32> {
+        let mut b = [0u8; 4];
+        r.read_exact(&mut b).ok()?;
+        Some(u32::from_le_bytes(b))
+    }
+    fn u64_of(r: &mut BufReader<File>) -> Option<u64> {
+        let mut b = [0u8; 8];
+        r.read_exact(&mut b).ok()?;
+        Some(u64::from_le_bytes(b))
+    }
+    fn skip(r: &mut BufReader<File>, bytes: u64) -> Option<()> {
+        r.seek_relative(i64::try_from(bytes).ok()?).ok()
+    }
+    // As candle reads a name: lossy UTF-8, trailing NULs dropped (its bounds already held).
+    fn name(r: &mut BufReader<File>) -> Option<String> {
+        let len = u64_of(r)?;
+        let mut bytes = Vec::new();
+        r.by_ref().take(len).read_to_end(&mut bytes).ok()?;
+        let text = String::from_utf8_lossy(&bytes);
+        Some(text.trim_end_matches('\0').to_string())
+    }
+    // GGUF value types 0..=12; 8 is a string, 9 an array (element type, count, elements).
+    fn skip_value(r: &mut BufReader<File>, ty: u32) -> Option<()> {
+        const SIZES: [u64; 13] = [1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8];
+        match ty {
+            8 => {
+                let len = u64_of(r)?;
+                skip(r, len)
+            }
+            9 => {
+                let (elem, count) = (u32_of(r)?, u64_of(r)?);
+                match SIZES.get(elem as usize)? {
+                    0 => (0..count).try_for_each(|_| skip_value(r, elem)),
+                    size => skip(r, count.checked_mul(*size)?),
+                }
+            }
+            _ => skip(r, *SIZES.get(ty as usize)?),
+        }
+    }
+    reader.seek(SeekFrom::Start(8)).ok()?;
+    let (tensors, keys) = (u64_of(reader)?, u64_of(reader)?);
+    if tensors == content.tensor_infos.len() as u64 && keys == content.metadata.len() as u64 {
+        return None;
+    }
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..keys {
+        let key = name(reader)?;
+        if !seen.insert(key.clone()) {
+            return Some(format!("metadata key '{key}' appears twice"));
+        }
+        let ty = u32_of(reader)?;
+        skip_value(reader, ty)?;
+    }
+    seen.clear();
+    for _ in 0..tensors {
+        let tensor = name(reader)?;
+        if !seen.insert(tensor.clone()) {
+            return Some(format!("tensor '{tensor}' appears twice"));
+        }
+        let dims = u32_of(reader)?;
+        // The dimensions, the type and the offset.
+        skip(reader, 8 * u64::from(dims) + 4 + 8)?;
+    }
+    None
 }
 
 /// Reads as many bytes as are available, up to `buf.len()`.

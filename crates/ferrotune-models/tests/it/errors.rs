@@ -292,3 +292,17 @@ fn gemma4_layers_that_depend_on_each_other_do_not_run_alone() {
     let (model, _) = load_model(&dense, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(model.layers_not_separable(), None);
 }
+
+/// A `config.json` holding an array says that its top level must be an object, naming it.
+#[test]
+fn config_json_that_is_not_an_object() {
+    let dir = tmp("array-config");
+    copy_model(&dir);
+    std::fs::write(dir.join("config.json"), "[]").unwrap();
+    let err = load_err(&dir);
+    assert!(
+        err.contains("config.json")
+            && err.contains("top level must be a JSON object, found an array"),
+        "{err}"
+    );
+}

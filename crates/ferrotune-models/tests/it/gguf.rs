@@ -1062,6 +1062,40 @@ fn error_corrupt_headers() {
     assert!(msg.contains("big-endian"), "{msg}");
 }
 
+/// A name the header gives twice is refused naming it (candle keeps one of the two, so a
+/// duplicate tensor used to be reported as another tensor missing, e.g. attn_k).
+#[test]
+fn error_names_given_twice() {
+    let dir = scratch("twice");
+    let hp = TINY;
+    let mut specs = full_model("llama", hp, &hf_values(hp));
+    let k = specs
+        .iter_mut()
+        .find(|t| t.name == "blk.0.attn_k.weight")
+        .unwrap();
+    k.name = "blk.0.attn_v.weight".into();
+    let msg = load_err(&write(
+        &dir,
+        "tensor.gguf",
+        &gguf_bytes(3, &metadata("llama", hp), &specs),
+    ));
+    assert!(
+        msg.contains("tensor 'blk.0.attn_v.weight' appears twice"),
+        "{msg}"
+    );
+
+    let mut meta = metadata("llama", hp);
+    // A string array before it, which the walk over the header skips.
+    meta.push(("tokenizer.ggml.tokens".into(), Meta::Strs(vec!["a", "b"])));
+    meta.push(("llama.block_count".into(), Meta::U32(7)));
+    let specs = full_model("llama", hp, &hf_values(hp));
+    let msg = load_err(&write(&dir, "key.gguf", &gguf_bytes(3, &meta, &specs)));
+    assert!(
+        msg.contains("metadata key 'llama.block_count' appears twice"),
+        "{msg}"
+    );
+}
+
 /// Gemma 2 and Gemma 3 GGUF files as convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py):
 /// loaded, they give the source checkpoint's logits (for Gemma 2 transformers' own GGUF load
 /// agrees; for Gemma 3 it drops the rope scaling that llama.cpp and we apply).

@@ -87,6 +87,9 @@ pub fn builtin_yaml(name: &str) -> Option<&'static str> {
 pub fn parse_yaml(text: &str, origin: &str) -> Result<Value> {
     let value: Value = serde_yaml_ng::from_str(text)
         .map_err(|e| ConfigError(format!("{origin}: invalid YAML: {e}")))?;
+    if let Some(problem) = non_finite_number(text, "") {
+        return err(format!("{origin}: {problem}"));
+    }
     match value {
         Value::Object(_) => Ok(value),
         Value::Null => Ok(Value::Object(Map::new())),
@@ -192,6 +195,9 @@ pub fn apply_override(root: &mut Value, text: &str) -> Result<()> {
         return err(format!(
             "override '{text}': '{key}' is not a valid dotted key"
         ));
+    }
+    if let Some(problem) = non_finite_number(raw, key) {
+        return err(format!("override '{text}': {problem}"));
     }
     let value = parse_value(raw);
     let parts: Vec<&str> = key.split('.').collect();
@@ -354,6 +360,48 @@ fn next_interpolation(s: &str) -> Option<Option<(&str, &str, &str)>> {
             .find('}')
             .map(|end| (&s[..start], inner[..end].trim(), &inner[end + 1..])),
     )
+}
+
+/// The first key of YAML `text` (under `prefix`) holding NaN or an infinity, said as an error.
+/// The config tree is JSON's, which has neither: serde turns `.nan` and `.inf` into null, which
+/// would read as an absent key ("is required") or take the default. No key takes them.
+fn non_finite_number(text: &str, prefix: &str) -> Option<String> {
+    fn walk(v: &serde_yaml_ng::Value, path: String) -> Option<(String, f64)> {
+        use serde_yaml_ng::Value as Y;
+        match v {
+            Y::Number(n) => n.as_f64().filter(|f| !f.is_finite()).map(|f| (path, f)),
+            Y::Sequence(items) => {
+                (items.iter().enumerate()).find_map(|(i, item)| walk(item, format!("{path}[{i}]")))
+            }
+            Y::Mapping(map) => map.iter().find_map(|(k, item)| {
+                let key = match k {
+                    Y::String(s) => s.clone(),
+                    other => serde_yaml_ng::to_string(other)
+                        .unwrap_or_default()
+                        .trim()
+                        .to_string(),
+                };
+                walk(item, dotted(&path, &key))
+            }),
+            Y::Tagged(tagged) => walk(&tagged.value, path),
+            Y::Null | Y::Bool(_) | Y::String(_) => None,
+        }
+    }
+    // Only text that can spell one is parsed a second time.
+    let lower = text.to_ascii_lowercase();
+    if !lower.contains(".nan") && !lower.contains(".inf") {
+        return None;
+    }
+    let tree: serde_yaml_ng::Value = serde_yaml_ng::from_str(text).ok()?;
+    let (key, f) = walk(&tree, prefix.to_string())?;
+    let what = if f.is_nan() {
+        "NaN".into()
+    } else {
+        format!("infinite ({f})")
+    };
+    Some(format!(
+        "'{key}' is {what}; a number in a config must be finite"
+    ))
 }
 
 /// `prefix.key`, or `key` at the top level.
@@ -632,12 +680,14 @@ fn as_int(v: &Value) -> Option<i64> {
     }
 }
 
+/// A finite number: Rust's parser also reads `"nan"` and `"inf"`, which no key takes.
 fn as_float(v: &Value) -> Option<f64> {
     match v {
         Value::Number(n) => n.as_f64(),
         Value::String(s) => s.trim().parse().ok(),
         _ => None,
     }
+    .filter(|f: &f64| f.is_finite())
 }
 
 fn as_bool(v: &Value) -> Option<bool> {
@@ -701,7 +751,7 @@ impl Config {
 
     /// A number.
     pub fn f64(&self, key: &str) -> Result<Option<f64>> {
-        self.typed(key, "a number", as_float)
+        self.typed(key, "a finite number", as_float)
     }
 
     /// A number in [0, 1] (a ratio, a probability).
@@ -860,6 +910,32 @@ mod tests {
         assert!(validate(&cfg(vars).root, "ok").is_ok());
         assert!(validate(&cfg("name: run1\noutput_dir: /tmp/x\n").root, "bad").is_err());
         assert!(validate(&cfg("epochs: many\nlog_dir: ${epochs}\n").root, "bad").is_err());
+    }
+
+    /// YAML's NaN and infinities are refused naming the key, not read as absent ("is required").
+    #[test]
+    fn non_finite_numbers_name_their_key() {
+        let e = parse_yaml("optimizer:\n  lr: .nan\n", "c.yaml")
+            .unwrap_err()
+            .0;
+        assert!(
+            e.contains("'optimizer.lr' is NaN") && e.contains("c.yaml"),
+            "{e}"
+        );
+        let e = parse_yaml("a: [1, -.inf]\n", "c.yaml").unwrap_err().0;
+        assert!(e.contains("'a[1]' is infinite"), "{e}");
+        let mut root = parse_yaml("optimizer:\n  lr: 1.0\n", "c.yaml").unwrap();
+        let e = apply_override(&mut root, "optimizer.lr=.NaN")
+            .unwrap_err()
+            .0;
+        assert!(e.contains("'optimizer.lr' is NaN"), "{e}");
+        // Strings that spell them are no numbers either.
+        let c = cfg("lr: nan\nname: .nan_run\n");
+        assert!(c
+            .f64("lr")
+            .unwrap_err()
+            .0
+            .contains("'lr' must be a finite number"));
     }
 
     #[test]

@@ -28,7 +28,17 @@ impl ModelConfig {
 
     /// Builds the config from a parsed HF `config.json` object.
     pub fn from_hf_json(value: &Value) -> Result<Self, String> {
-        let top = value.as_object().ok_or("config must be a JSON object")?;
+        let top = value.as_object().ok_or_else(|| {
+            let found = match value {
+                Value::Array(_) => "an array",
+                Value::String(_) => "a string",
+                Value::Number(_) => "a number",
+                Value::Bool(_) => "a boolean",
+                Value::Null => "null",
+                Value::Object(_) => "an object",
+            };
+            format!("the top level must be a JSON object, found {found}")
+        })?;
         let top_type = get_str(top, "model_type")?;
         if let Some(multimodal) = top_type.and_then(family::multimodal) {
             let text_types = multimodal.text_types;
