@@ -1,8 +1,10 @@
 //! Checkpoint folders in torchtune's layout (`output_dir/epoch_{k}/`, and `step_{n}/` for
 //! `save_every_n_steps`) and the recipe state that makes `resume_from_checkpoint` step-exact.
 //!
-//! A folder is written under a temporary name and renamed into place when complete, so a run
-//! killed mid-save leaves either the previous checkpoint or the new one, never half of one. The
+//! A folder is written under a temporary name, its files and folders flushed to disk, and renamed
+//! into place when complete, so a run killed mid-save (or a power loss) leaves either the previous
+//! checkpoint or the new one, never half of one; what a killed save or prune left behind (the
+//! temporary names) is cleared by the next save. The
 //! recipe state (`recipe_state/state.json` + `recipe_state/optimizer.safetensors`) records where
 //! the data order stands, the step count, the seed and the LoRA dropout generators.
 
@@ -139,17 +141,17 @@ pub fn write_folder(
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(output_dir)
         .with_context(|| format!("{}: cannot create output_dir", output_dir.display()))?;
+    clear_leftovers(output_dir)?;
     let final_dir = output_dir.join(name);
     let tmp = output_dir.join(format!(".{name}.partial{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)
-            .with_context(|| format!("{}: cannot clear", tmp.display()))?;
-    }
     std::fs::create_dir_all(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
     if let Err(e) = fill(&tmp) {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
+    // On disk before the rename publishes it: a power loss after the rename must not find the
+    // folder's name pointing at unwritten files.
+    sync_tree(&tmp)?;
     if final_dir.exists() {
         let old = output_dir.join(format!(".{name}.old{}", std::process::id()));
         std::fs::rename(&final_dir, &old)
@@ -161,7 +163,70 @@ pub fn write_folder(
         std::fs::rename(&tmp, &final_dir)
             .with_context(|| format!("{}: cannot move into place", final_dir.display()))?;
     }
+    sync_dir(output_dir)?;
     Ok(final_dir)
+}
+
+/// Whether `file_name` is a temporary name [`write_folder`] or [`prune_checkpoints`] gives a
+/// folder: `.{name}.partial{pid}`, `.{name}.old{pid}` or `.{name}.pruning`.
+fn is_leftover(file_name: &str) -> bool {
+    let Some(rest) = file_name.strip_prefix('.') else {
+        return false;
+    };
+    let numbered = |suffix: &str| {
+        rest.rsplit_once(suffix).is_some_and(|(name, pid)| {
+            !name.is_empty() && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
+        })
+    };
+    numbered(".partial") || numbered(".old") || rest.ends_with(".pruning")
+}
+
+/// Removes the folders a killed save or prune left under temporary names in `output_dir` (one
+/// process writes a run's checkpoints, so none of them is still being written).
+fn clear_leftovers(output_dir: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(output_dir)
+        .with_context(|| format!("{}: cannot list", output_dir.display()))?;
+    for entry in entries {
+        let path = entry?.path();
+        let leftover = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_leftover);
+        if leftover && path.is_dir() {
+            std::fs::remove_dir_all(&path).with_context(|| {
+                format!("{}: cannot remove a killed save's leftover", path.display())
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Flushes every file and folder under `dir` (and `dir`) to disk.
+fn sync_tree(dir: &Path) -> Result<()> {
+    for entry in
+        std::fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))?
+    {
+        let path = entry?.path();
+        if path.is_dir() {
+            sync_tree(&path)?;
+        } else {
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .with_context(|| format!("{}: cannot flush to disk", path.display()))?;
+        }
+    }
+    sync_dir(dir)
+}
+
+/// Flushes folder `dir`'s entries (a rename into it, a new file) to disk. Windows cannot open a
+/// folder as a file; there the rename's durability is left to the file system.
+fn sync_dir(dir: &Path) -> Result<()> {
+    if cfg!(windows) {
+        return Ok(());
+    }
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot flush to disk", dir.display()))
 }
 
 fn write_optimizer(path: &Path, state: Vec<(String, Tensor)>) -> Result<()> {
@@ -255,8 +320,14 @@ pub fn prune_checkpoints(output_dir: &Path, name: &str, keep: usize) -> Result<(
     }
     found.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
     for (_, old) in found.into_iter().skip(keep) {
-        std::fs::remove_dir_all(&old)
+        // Renamed first, so a kill while deleting leaves a temporary name the next save clears,
+        // never a half-deleted `step_N` that looks like a checkpoint to resume.
+        let name = old.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let doomed = output_dir.join(format!(".{name}.pruning"));
+        std::fs::rename(&old, &doomed)
             .with_context(|| format!("{}: cannot remove", old.display()))?;
+        std::fs::remove_dir_all(&doomed)
+            .with_context(|| format!("{}: cannot remove", doomed.display()))?;
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! ferrotune-train's integration tests, one binary (the stack is linked once, not once per file): a
 //! module per area, and the helpers they share in `common`.
 
+mod checkpoint_folders;
 mod clip;
 mod common;
 mod dist_comm;
