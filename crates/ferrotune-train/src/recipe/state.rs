@@ -167,36 +167,61 @@ pub fn write_folder(
     Ok(final_dir)
 }
 
-/// Whether `file_name` is a temporary name [`write_folder`] or [`prune_checkpoints`] gives a
-/// folder: `.{name}.partial{pid}`, `.{name}.old{pid}` or `.{name}.pruning`.
-fn is_leftover(file_name: &str) -> bool {
-    let Some(rest) = file_name.strip_prefix('.') else {
-        return false;
-    };
+/// What a temporary name [`write_folder`] or [`prune_checkpoints`] gives a folder says of it.
+#[derive(Debug, PartialEq)]
+enum Leftover<'a> {
+    /// `.{name}.partial{pid}` (a save not finished) or `.{name}.pruning` (a prune not finished).
+    Unfinished,
+    /// `.{name}.old{pid}`: checkpoint `name` as it was before a save replaced it.
+    Replaced(&'a str),
+}
+
+/// The kind of temporary name `file_name` is, if it is one.
+fn leftover(file_name: &str) -> Option<Leftover<'_>> {
+    let rest = file_name.strip_prefix('.')?;
     let numbered = |suffix: &str| {
-        rest.rsplit_once(suffix).is_some_and(|(name, pid)| {
+        rest.rsplit_once(suffix).filter(|(name, pid)| {
             !name.is_empty() && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())
         })
     };
-    numbered(".partial") || numbered(".old") || rest.ends_with(".pruning")
+    if numbered(".partial").is_some() || rest.ends_with(".pruning") {
+        Some(Leftover::Unfinished)
+    } else {
+        numbered(".old").map(|(name, _)| Leftover::Replaced(name))
+    }
 }
 
-/// Removes the folders a killed save or prune left under temporary names in `output_dir` (one
-/// process writes a run's checkpoints, so none of them is still being written).
+/// Clears the folders a killed save or prune left under temporary names in `output_dir` (one
+/// process writes a run's checkpoints, so none of them is still being written). A replaced
+/// checkpoint whose replacement never took its name (a kill between [`write_folder`]'s two
+/// renames) is the only copy: it gets its name back instead.
 fn clear_leftovers(output_dir: &Path) -> Result<()> {
     let entries = std::fs::read_dir(output_dir)
         .with_context(|| format!("{}: cannot list", output_dir.display()))?;
     for entry in entries {
         let path = entry?.path();
-        let leftover = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(is_leftover);
-        if leftover && path.is_dir() {
-            std::fs::remove_dir_all(&path).with_context(|| {
-                format!("{}: cannot remove a killed save's leftover", path.display())
-            })?;
+        let Some(kind) = path.file_name().and_then(|n| n.to_str()).and_then(leftover) else {
+            continue;
+        };
+        if !path.is_dir() {
+            continue;
         }
+        if let Leftover::Replaced(name) = kind {
+            let checkpoint = output_dir.join(name);
+            if !checkpoint.exists() {
+                std::fs::rename(&path, &checkpoint).with_context(|| {
+                    format!(
+                        "{}: cannot restore as {}",
+                        path.display(),
+                        checkpoint.display()
+                    )
+                })?;
+                continue;
+            }
+        }
+        std::fs::remove_dir_all(&path).with_context(|| {
+            format!("{}: cannot remove a killed save's leftover", path.display())
+        })?;
     }
     Ok(())
 }

@@ -17,9 +17,9 @@ fn names(dir: &std::path::Path) -> Vec<String> {
 #[test]
 fn a_save_clears_what_killed_saves_and_prunes_left() {
     let dir = fresh_dir("ckpt-leftovers");
-    // A killed save of another process, a killed replacement, a killed prune; and what is not
-    // ours: a user's hidden folder and file, and a checkpoint.
-    for leftover in [".step_3.partial4242", ".epoch_0.old77", ".step_1.pruning"] {
+    // A killed save of another process, a replaced copy of `step_2` (which has its name), a
+    // killed prune; and what is not ours: a user's hidden folder and file, and a checkpoint.
+    for leftover in [".step_3.partial4242", ".step_2.old77", ".step_1.pruning"] {
         std::fs::create_dir_all(dir.join(leftover).join("recipe_state")).unwrap();
         std::fs::write(dir.join(leftover).join("model.safetensors"), b"half").unwrap();
     }
@@ -51,4 +51,22 @@ fn pruning_removes_older_checkpoints_through_a_temporary_name() {
     std::fs::create_dir_all(dir.join("epoch_0")).unwrap();
     prune_checkpoints(&dir, "step_3", 1).unwrap();
     assert_eq!(names(&dir), ["epoch_0", "step_3"]);
+}
+
+#[test]
+fn a_checkpoint_whose_replacement_was_killed_gets_its_name_back() {
+    let dir = fresh_dir("ckpt-restore");
+    // Killed between the two renames of replacing `step_4`: the old copy is the only one.
+    std::fs::create_dir_all(dir.join(".step_4.old4242")).unwrap();
+    std::fs::write(
+        dir.join(".step_4.old4242").join("model.safetensors"),
+        b"step 4",
+    )
+    .unwrap();
+    write_folder(&dir, "step_6", |_| Ok(())).unwrap();
+    assert_eq!(names(&dir), ["step_4", "step_6"]);
+    assert_eq!(
+        std::fs::read(dir.join("step_4").join("model.safetensors")).unwrap(),
+        b"step 4"
+    );
 }
