@@ -29,8 +29,10 @@ mapfile -t before < <(answer_all)
 
 echo "== Fine-tuning (LoRA, CPU): ferrotune run lora_finetune_single_device --config smollm2/135M_lora_single_device"
 start=$(date +%s)
+# The demo trains afresh each time: an earlier demo's checkpoints are replaced, not resumed.
 "$ft" run lora_finetune_single_device --config smollm2/135M_lora_single_device \
-  "checkpointer.checkpoint_dir=$model" "tokenizer.path=$model" "output_dir=$out" "$@" 2>&1 \
+  "checkpointer.checkpoint_dir=$model" "tokenizer.path=$model" "output_dir=$out" \
+  overwrite_output_dir=true "$@" 2>&1 \
   | grep -v '^  \|^Running\|^$' || true
 final=$(ls -d "$out"/epoch_* 2>/dev/null | sort -V | tail -1)
 [ -n "$final" ] || { echo "training wrote no checkpoint" >&2; exit 1; }

@@ -6,7 +6,8 @@
 //! Every logged step is written with one `write` call and no user-space buffer, so a run killed
 //! with `kill -9` loses at most the line (or event) being written. A run resumed from a checkpoint
 //! at step `S` calls [`MetricLogger::truncate_after`]`(S)` so its log matches an uninterrupted
-//! run step for step; a fresh run that reuses an output folder calls `truncate_after(0)`.
+//! run step for step; a fresh run that reuses an output folder calls `truncate_after(0)`. A run's
+//! JSONL lines carry its run id ([`MetricLogger::set_run_id`]), and a resume drops other runs'.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -86,21 +87,22 @@ pub fn check_logger_config(section: Option<&Value>) -> Result<()> {
     section.map_or(Ok(()), |s| logger_class(s).map(|_| ()))
 }
 
-impl MetricLogger {
-    /// Builds the logger named by `section["_component_"]`.
-    ///
-    /// `section` is the config's `metric_logger` mapping with `${output_dir}` already resolved;
-    /// `None` means a `DiskLogger` in `{output_dir}/logs`. Keys: `log_dir` (DiskLogger and
-    /// TensorBoardLogger; default `{output_dir}/logs`), `filename` (DiskLogger; default
-    /// `metrics.jsonl`), `organize_logs` (TensorBoardLogger; default `true`, as in torchtune: each
-    /// run writes into its own `run_0_{unix_time}` subfolder of `log_dir`). `WandBLogger` and
-    /// `CometLogger` are errors: ferrotune logs only to local files and the terminal.
-    pub fn from_config(section: Option<&Value>, output_dir: &Path) -> Result<MetricLogger> {
+/// Where a `metric_logger` section sends its lines.
+enum LogTarget {
+    /// A `DiskLogger`'s JSONL file.
+    Disk(PathBuf),
+    /// A `TensorBoardLogger`'s folder, and whether each run gets its own subfolder.
+    TensorBoard { log_dir: PathBuf, organize: bool },
+    /// The terminal.
+    Stdout,
+}
+
+impl LogTarget {
+    /// The target of `section` (`None`: a `DiskLogger` in `{output_dir}/logs`).
+    fn of(section: Option<&Value>, output_dir: &Path) -> Result<LogTarget> {
         let default_dir = output_dir.join("logs");
         let Some(section) = section else {
-            return Ok(MetricLogger::new(Sink::Disk(DiskLogger::create(
-                &default_dir.join(METRICS_FILE),
-            )?)));
+            return Ok(LogTarget::Disk(default_dir.join(METRICS_FILE)));
         };
         let (map, class) = logger_class(section)?;
         let log_dir = match map.get("log_dir") {
@@ -111,7 +113,7 @@ impl MetricLogger {
             Some(Value::String(s)) => PathBuf::from(s),
             Some(other) => bail!("metric_logger.log_dir: expected a path string, got {other}"),
         };
-        let sink = match class {
+        Ok(match class {
             "DiskLogger" => {
                 let filename = match map.get("filename") {
                     None | Some(Value::Null) => METRICS_FILE.to_string(),
@@ -120,7 +122,7 @@ impl MetricLogger {
                         bail!("metric_logger.filename: expected a file name, got {other}")
                     }
                 };
-                Sink::Disk(DiskLogger::create(&log_dir.join(filename))?)
+                LogTarget::Disk(log_dir.join(filename))
             }
             "TensorBoardLogger" => {
                 let organize = match map.get("organize_logs") {
@@ -130,6 +132,26 @@ impl MetricLogger {
                         bail!("metric_logger.organize_logs: expected true or false, got {other}")
                     }
                 };
+                LogTarget::TensorBoard { log_dir, organize }
+            }
+            _ => LogTarget::Stdout,
+        })
+    }
+}
+
+impl MetricLogger {
+    /// Builds the logger named by `section["_component_"]`.
+    ///
+    /// `section` is the config's `metric_logger` mapping with `${output_dir}` already resolved;
+    /// `None` means a `DiskLogger` in `{output_dir}/logs`. Keys: `log_dir` (DiskLogger and
+    /// TensorBoardLogger; default `{output_dir}/logs`), `filename` (DiskLogger; default
+    /// `metrics.jsonl`), `organize_logs` (TensorBoardLogger; default `true`, as in torchtune: each
+    /// run writes into its own `run_0_{unix_time}` subfolder of `log_dir`). `WandBLogger` and
+    /// `CometLogger` are errors: ferrotune logs only to local files and the terminal.
+    pub fn from_config(section: Option<&Value>, output_dir: &Path) -> Result<MetricLogger> {
+        let sink = match LogTarget::of(section, output_dir)? {
+            LogTarget::Disk(file) => Sink::Disk(DiskLogger::create(&file)?),
+            LogTarget::TensorBoard { log_dir, organize } => {
                 let dir = if organize {
                     // torchtune's `run_{rank}_{time.time()}`: one TensorBoard run per training run.
                     log_dir.join(format!("run_0_{:.6}", unix_time()))
@@ -138,9 +160,26 @@ impl MetricLogger {
                 };
                 Sink::TensorBoard(TensorBoardLogger::create(&dir)?)
             }
-            _ => Sink::Stdout(StdoutLogger),
+            LogTarget::Stdout => Sink::Stdout(StdoutLogger),
         };
         Ok(MetricLogger::new(sink))
+    }
+
+    /// The JSONL file [`MetricLogger::from_config`] would write for `section` (a `DiskLogger`'s),
+    /// without creating anything; `None` for the other loggers.
+    pub fn file_for(section: Option<&Value>, output_dir: &Path) -> Result<Option<PathBuf>> {
+        Ok(match LogTarget::of(section, output_dir)? {
+            LogTarget::Disk(file) => Some(file),
+            _ => None,
+        })
+    }
+
+    /// Tags every line logged from now on with `run_id` (the JSONL logger's `"run_id"` key), and
+    /// makes [`MetricLogger::truncate_after`] drop the lines of other runs.
+    pub fn set_run_id(&mut self, run_id: &str) {
+        if let Sink::Disk(d) = &mut self.sink {
+            d.run_id = Some(run_id.to_string()).filter(|id| !id.is_empty());
+        }
     }
 
     fn new(sink: Sink) -> MetricLogger {
@@ -203,7 +242,8 @@ impl MetricLogger {
     }
 
     /// Drops what a previous, interrupted run logged after `step`, so that a run resumed from
-    /// the checkpoint at `step` leaves the same log as an uninterrupted one. `truncate_after(0)`
+    /// the checkpoint at `step` leaves the same log as an uninterrupted one; once a run id is set,
+    /// lines of other runs go too. `truncate_after(0)`
     /// starts the log afresh.
     pub fn truncate_after(&mut self, step: u64) -> Result<()> {
         match &mut self.sink {
@@ -261,6 +301,8 @@ fn unix_time() -> f64 {
 pub struct DiskLogger {
     path: PathBuf,
     file: File,
+    /// The run whose lines this logger writes (`"run_id"` on each line), once set.
+    run_id: Option<String>,
 }
 
 impl DiskLogger {
@@ -275,6 +317,7 @@ impl DiskLogger {
         Ok(DiskLogger {
             path: path.to_path_buf(),
             file,
+            run_id: None,
         })
     }
 
@@ -284,7 +327,7 @@ impl DiskLogger {
     }
 
     fn log_step(&mut self, step: u64, metrics: &[(&str, f64)]) -> Result<()> {
-        let line = jsonl_line(step, metrics);
+        let line = jsonl_line(step, self.run_id.as_deref(), metrics);
         // One write of the whole line: a crash leaves whole lines plus at most one torn tail.
         self.file
             .write_all(line.as_bytes())
@@ -316,7 +359,13 @@ impl DiskLogger {
                     line.trim_end()
                 )
             })?;
-            if s <= step {
+            // Lines of another run (a fresh run's log restarts at 0, so this only matters on
+            // resume) go: a resumed run's log holds its own steps only.
+            let other_run = match (&self.run_id, line_run_id(line)) {
+                (Some(mine), Some(theirs)) => *mine != theirs,
+                _ => false,
+            };
+            if s <= step && !other_run {
                 kept.push_str(line);
             }
         }
@@ -366,9 +415,22 @@ fn line_step(line: &str) -> Option<u64> {
         .as_u64()
 }
 
-/// `{"step": 3, "loss": 1.23}\n`, keys in the given order, Python `json.dumps` spacing.
-fn jsonl_line(step: u64, metrics: &[(&str, f64)]) -> String {
+/// The `run_id` of one JSONL line, if it has one.
+fn line_run_id(line: &str) -> Option<String> {
+    match serde_json::from_str::<Value>(line).ok()?.get("run_id")? {
+        Value::String(id) => Some(id.clone()),
+        _ => None,
+    }
+}
+
+/// `{"step": 3, "run_id": "…", "loss": 1.23}\n` (`run_id` when the run has one), metrics in the
+/// given order, Python `json.dumps` spacing.
+fn jsonl_line(step: u64, run_id: Option<&str>, metrics: &[(&str, f64)]) -> String {
     let mut s = format!("{{\"step\": {step}");
+    if let Some(id) = run_id {
+        s.push_str(", \"run_id\": ");
+        s.push_str(&Value::String(id.to_string()).to_string());
+    }
     for (k, v) in metrics {
         s.push_str(", ");
         s.push_str(&Value::String((*k).to_string()).to_string());

@@ -1014,6 +1014,8 @@ fn log_level_sets_what_the_run_reports() {
                 cfg.to_str().unwrap(),
                 &format!("log_level={level}"),
                 "max_steps_per_epoch=1",
+                // Each run starts afresh in the same folder.
+                "overwrite_output_dir=true",
             ],
             &dir,
             env,
@@ -1280,6 +1282,7 @@ fn knowledge_distillation_step_matches_torchtunes_losses_and_gradients() {
                 fixtures().join("nf4/qlora/model").display()
             ),
             "max_steps_per_epoch=1",
+            "overwrite_output_dir=true",
         ],
         &dir,
         &[],

@@ -204,6 +204,7 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("tokenizer", Ty::Map(TOKENIZER_KEYS)),
     ("checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("resume_from_checkpoint", Ty::Bool),
+    ("overwrite_output_dir", Ty::Bool),
     ("save_adapter_weights_only", Ty::Bool),
     ("dataset", Ty::MapOrList(DATASET_KEYS)),
     ("dataset_val", Ty::MapOrList(DATASET_KEYS)),

@@ -423,7 +423,12 @@ pub fn run(cfg: &Config) -> Result<()> {
     let checkpointing = keys.checkpointing;
     let saved = match keys.resume {
         true => Some(state::latest_to_resume(&o, policy_out)?),
-        false => None,
+        false => {
+            let dirs = [policy_out.as_path(), output_dir.as_path()];
+            let log = keys.metrics_file.as_deref();
+            state::claim_output(&o, &dirs, log, keys.overwrite, lead)?;
+            None
+        }
     };
     let seed = state::run_seed(cfg, saved.as_ref())?;
     let t0 = Instant::now();
@@ -581,7 +586,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         &device,
     )?;
     let mut logger = match lead {
-        true => Some(state::open_run_log(cfg, output_dir, start.global_step)?),
+        true => Some(state::open_run_log(cfg, output_dir, &start)?),
         false => None,
     };
     let log_every = keys.log_every;

@@ -7,6 +7,11 @@
 //! temporary names) is cleared by the next save. The
 //! recipe state (`recipe_state/state.json` + `recipe_state/optimizer.safetensors`) records where
 //! the data order stands, the step count, the seed and the LoRA dropout generators.
+//!
+//! Every run carries an identity, its run id ([`new_run_id`]), saved in the recipe state and
+//! written on each metrics line: a resume continues the checkpoints of one run only, and a fresh
+//! run refuses an output folder holding an earlier run's outputs unless told to overwrite them
+//! ([`claim_output`]), so two runs' checkpoints and logs never mix.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -41,6 +46,9 @@ pub struct TrainState {
     /// also `dropout_states`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rank_dropout_states: Vec<Vec<u64>>,
+    /// The run's identity ([`new_run_id`]); empty in checkpoints written before runs had one.
+    #[serde(default)]
+    pub run_id: String,
 }
 
 impl TrainState {
@@ -56,6 +64,7 @@ impl TrainState {
             dropout_states: Vec::new(),
             recipe: recipe.to_string(),
             rank_dropout_states: Vec::new(),
+            run_id: new_run_id(),
         }
     }
 
@@ -81,6 +90,157 @@ pub fn output_dirs(cfg: &crate::config::Config) -> Result<(PathBuf, PathBuf)> {
         .path("checkpointer.output_dir")?
         .unwrap_or(output_dir.clone());
     Ok((output_dir, checkpoints))
+}
+
+/// A new run's identity: its start time (UTC) and 32 random bits, e.g. `20261129T011502-3fa9c2d1`
+/// (sortable by start, unique among runs started in the same second).
+pub fn new_run_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    // std's RandomState is seeded from the OS's randomness; hashing the clock and pid on top
+    // separates two runs started at once.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(now.as_nanos());
+    h.write_u32(std::process::id());
+    let secs = now.as_secs();
+    let (y, m, d) = civil_date(secs / 86_400);
+    let t = secs % 86_400;
+    format!(
+        "{y:04}{m:02}{d:02}T{:02}{:02}{:02}-{:08x}",
+        t / 3600,
+        t / 60 % 60,
+        t % 60,
+        h.finish() as u32
+    )
+}
+
+/// The (year, month, day) of `days` since 1970-01-01 in the proleptic Gregorian calendar
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_date(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (yoe + era * 400 + u64::from(m <= 2), m, d)
+}
+
+/// The checkpoint folders (`epoch_N`, `step_N`) directly in `dir`, sorted by kind and number.
+fn checkpoint_folders(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(String, u64, PathBuf)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_str()?.to_string();
+            let (kind, n) = name.split_once('_')?;
+            let is_kind = kind == "epoch" || kind == "step";
+            let n = n.parse::<u64>().ok().filter(|_| is_kind)?;
+            e.path().is_dir().then(|| (kind.to_string(), n, e.path()))
+        })
+        .collect();
+    found.sort();
+    found.into_iter().map(|(_, _, p)| p).collect()
+}
+
+/// Makes sure a fresh run (not a resume) does not mix with an earlier run's outputs: if
+/// `checkpoint_dirs` hold checkpoint folders (`epoch_N`, `step_N`) or the metrics log
+/// `metrics_file` holds lines, this refuses, naming what it found and the two ways on
+/// (`resume_from_checkpoint` or `overwrite_output_dir`), unless `overwrite` is set; then the lead
+/// rank deletes those checkpoint folders (the log is restarted when it opens). `origin` names the
+/// config in errors.
+pub fn claim_output(
+    origin: &str,
+    checkpoint_dirs: &[&Path],
+    metrics_file: Option<&Path>,
+    overwrite: bool,
+    lead: bool,
+) -> Result<()> {
+    let mut dirs: Vec<&Path> = checkpoint_dirs.to_vec();
+    dirs.sort();
+    dirs.dedup();
+    let folders: Vec<PathBuf> = dirs.iter().flat_map(|d| checkpoint_folders(d)).collect();
+    let logged = metrics_file
+        .and_then(|f| std::fs::read_to_string(f).ok())
+        .map_or(0, |t| t.lines().filter(|l| !l.trim().is_empty()).count());
+    if folders.is_empty() && logged == 0 {
+        return Ok(());
+    }
+    let mut found = Vec::new();
+    for dir in &dirs {
+        let names: Vec<String> = folders
+            .iter()
+            .filter(|f| f.parent() == Some(*dir))
+            .filter_map(|f| f.file_name()?.to_str().map(str::to_string))
+            .collect();
+        let runs: Vec<String> = folders
+            .iter()
+            .filter(|f| f.parent() == Some(*dir))
+            .filter_map(|f| read_checkpoint_state(f).ok())
+            .map(|s| s.state.run_id)
+            .filter(|id| !id.is_empty())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        if !names.is_empty() {
+            let shown = match names.len() {
+                n if n > 4 => format!(
+                    "{}, {}, … {} ({n} folders)",
+                    names[0],
+                    names[1],
+                    names[n - 1]
+                ),
+                _ => names.join(", "),
+            };
+            let of = match runs.len() {
+                0 => String::new(),
+                1 => format!(" of run {}", runs[0]),
+                _ => format!(" of runs {}", runs.join(", ")),
+            };
+            found.push(format!("checkpoints {shown} in {}{of}", dir.display()));
+        }
+    }
+    if let (Some(f), true) = (metrics_file, logged > 0) {
+        found.push(format!("{} with {logged} logged step(s)", f.display()));
+    }
+    if !overwrite {
+        bail!(
+            "{origin}: this fresh run's output folders hold an earlier run's outputs: {}. Set \
+             resume_from_checkpoint=True to continue that run, or overwrite_output_dir=True to \
+             delete them and start afresh",
+            found.join("; ")
+        );
+    }
+    if lead {
+        eprintln!(
+            "overwrite_output_dir: deleting an earlier run's outputs: {}",
+            found.join("; ")
+        );
+        for folder in &folders {
+            remove_checkpoint_folder(folder)?;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes checkpoint folder `folder`, renaming it first so a kill while deleting leaves a
+/// temporary name the next save clears, never a half-deleted `step_N` that looks like a
+/// checkpoint to resume.
+fn remove_checkpoint_folder(folder: &Path) -> Result<()> {
+    let name = folder
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    let doomed = folder.with_file_name(format!(".{name}.pruning"));
+    std::fs::rename(folder, &doomed)
+        .with_context(|| format!("{}: cannot remove", folder.display()))?;
+    std::fs::remove_dir_all(&doomed).with_context(|| format!("{}: cannot remove", doomed.display()))
 }
 
 /// The checkpoint a run resumes: `recipe_checkpoint` (torchtune's
@@ -295,19 +455,18 @@ pub fn read_checkpoint_state(dir: &Path) -> Result<SavedCheckpoint> {
 }
 
 /// The most advanced complete checkpoint in `output_dir` (most optimizer steps; at equal steps
-/// the epoch folder), if any.
+/// the epoch folder), if any; an error when the folder holds checkpoints of more than one run
+/// (which one to continue is then the user's choice: `checkpointer.recipe_checkpoint`).
 pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<SavedCheckpoint>> {
-    let Ok(entries) = std::fs::read_dir(output_dir) else {
-        return Ok(None);
-    };
     let mut best: Option<SavedCheckpoint> = None;
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let is_ckpt = name.starts_with("epoch_") || name.starts_with("step_");
-        if !is_ckpt || !entry.path().join(STATE_DIR).join(STATE_FILE).is_file() {
+    // Each run's latest folder, to name them when there are several.
+    let mut runs: std::collections::BTreeMap<String, PathBuf> = Default::default();
+    for folder in checkpoint_folders(output_dir) {
+        if !folder.join(STATE_DIR).join(STATE_FILE).is_file() {
             continue;
         }
-        let found = read_checkpoint_state(&entry.path())?;
+        let found = read_checkpoint_state(&folder)?;
+        runs.insert(found.state.run_id.clone(), folder);
         let better = match &best {
             None => true,
             Some(b) => {
@@ -317,6 +476,22 @@ pub fn latest_checkpoint(output_dir: &Path) -> Result<Option<SavedCheckpoint>> {
         if better {
             best = Some(found);
         }
+    }
+    if runs.len() > 1 {
+        let listed: Vec<String> = runs
+            .iter()
+            .map(|(id, dir)| {
+                let id = if id.is_empty() { "(no run id)" } else { id };
+                format!("run {id} (e.g. {})", dir.display())
+            })
+            .collect();
+        bail!(
+            "{}: holds checkpoints of {} different runs: {}; name the checkpoint to continue with \
+             checkpointer.recipe_checkpoint",
+            output_dir.display(),
+            runs.len(),
+            listed.join(", ")
+        );
     }
     Ok(best)
 }
@@ -345,14 +520,7 @@ pub fn prune_checkpoints(output_dir: &Path, name: &str, keep: usize) -> Result<(
     }
     found.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
     for (_, old) in found.into_iter().skip(keep) {
-        // Renamed first, so a kill while deleting leaves a temporary name the next save clears,
-        // never a half-deleted `step_N` that looks like a checkpoint to resume.
-        let name = old.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        let doomed = output_dir.join(format!(".{name}.pruning"));
-        std::fs::rename(&old, &doomed)
-            .with_context(|| format!("{}: cannot remove", old.display()))?;
-        std::fs::remove_dir_all(&doomed)
-            .with_context(|| format!("{}: cannot remove", doomed.display()))?;
+        remove_checkpoint_folder(&old)?;
     }
     Ok(())
 }
@@ -418,20 +586,28 @@ pub fn start_or_resume(
 }
 
 /// What every run writes before its first step: the resolved config as `output_dir/config.yaml`,
-/// and the config's metric logger with any line after `global_step` dropped (resuming redoes the
-/// steps after the checkpoint; a fresh run starts a fresh log: no line of an earlier run is left
-/// to be mistaken for this one's).
+/// and the config's metric logger, tagging each line with the run's id, with any line after
+/// `start.global_step` or of another run dropped (resuming redoes the steps after the checkpoint;
+/// a fresh run starts a fresh log: no line of an earlier run is left to be mistaken for this
+/// one's).
 pub fn open_run_log(
     cfg: &crate::config::Config,
     output_dir: &Path,
-    global_step: usize,
+    start: &TrainState,
 ) -> Result<crate::metrics::MetricLogger> {
     write_config_copy(output_dir, &cfg.to_yaml())?;
     let mut logger =
         crate::metrics::MetricLogger::from_config(cfg.get("metric_logger"), output_dir)
             .with_context(|| format!("{}: metric_logger", cfg.origin))?;
-    logger.truncate_after(global_step as u64)?;
+    logger.set_run_id(&start.run_id);
+    logger.truncate_after(start.global_step as u64)?;
     Ok(logger)
+}
+
+/// The JSONL file the config's metric logger writes (`None` for loggers that write none).
+pub fn metrics_file(cfg: &crate::config::Config, output_dir: &Path) -> Result<Option<PathBuf>> {
+    crate::metrics::MetricLogger::file_for(cfg.get("metric_logger"), output_dir)
+        .with_context(|| format!("{}: metric_logger", cfg.origin))
 }
 
 /// Checks that a saved state can continue this run.

@@ -136,6 +136,37 @@ fn opening_drops_a_torn_last_line_before_appending() {
 }
 
 #[test]
+fn lines_carry_the_run_id_and_a_resume_keeps_only_its_runs_lines() {
+    let dir = temp_dir("run-id");
+    let path = dir.join("metrics.jsonl");
+    // Steps 1-2 of run "a", then (mixed in by a user moving files) steps 1-3 of run "b".
+    let mut log = MetricLogger::disk(&path).unwrap();
+    log.set_run_id("a");
+    for s in 1..=2 {
+        log.log_step(s, &[("loss", 2.0)]).unwrap();
+    }
+    log.set_run_id("b");
+    for s in 1..=3 {
+        log.log_step(s, &[("loss", 1.0)]).unwrap();
+    }
+    log.close().unwrap();
+    let first = fs::read_to_string(&path).unwrap();
+    assert_eq!(
+        first.lines().next(),
+        Some("{\"step\": 1, \"run_id\": \"a\", \"loss\": 2}")
+    );
+    // Run "b" resumed from its step 2: its steps 1-2 stay, run "a"'s lines go.
+    let mut log = MetricLogger::disk(&path).unwrap();
+    log.set_run_id("b");
+    log.truncate_after(2).unwrap();
+    log.close().unwrap();
+    assert_eq!(
+        fs::read_to_string(&path).unwrap(),
+        "{\"step\": 1, \"run_id\": \"b\", \"loss\": 1}\n{\"step\": 2, \"run_id\": \"b\", \"loss\": 1}\n"
+    );
+}
+
+#[test]
 fn truncate_names_a_corrupt_line() {
     let dir = temp_dir("corrupt");
     let path = dir.join("metrics.jsonl");

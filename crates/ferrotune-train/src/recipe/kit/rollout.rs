@@ -306,6 +306,11 @@ pub struct LoopSettings {
     pub checkpoint_dir: PathBuf,
     /// `resume_from_checkpoint`.
     pub resume: bool,
+    /// `overwrite_output_dir`: a fresh run deletes an earlier run's checkpoints instead of
+    /// refusing to mix with them.
+    pub overwrite: bool,
+    /// The metrics log (`metric_logger`'s JSONL file), which a fresh run must find empty.
+    pub metrics_file: Option<PathBuf>,
     /// `enable_activation_checkpointing`: each decoder layer recomputed in the backward.
     pub checkpointing: bool,
     /// `log_every_n_steps` (at least 1).
@@ -332,10 +337,13 @@ impl LoopSettings {
             }
         }
         let (output_dir, checkpoint_dir) = crate::recipe::state::output_dirs(cfg)?;
+        let metrics_file = crate::recipe::state::metrics_file(cfg, &output_dir)?;
         Ok(LoopSettings {
             output_dir,
             checkpoint_dir,
             resume: cfg.bool("resume_from_checkpoint")?.unwrap_or(false),
+            overwrite: cfg.bool("overwrite_output_dir")?.unwrap_or(false),
+            metrics_file,
             checkpointing,
             log_every: cfg.usize("log_every_n_steps")?.unwrap_or(1).max(1),
             shuffle: cfg.bool("shuffle")?.unwrap_or(true),

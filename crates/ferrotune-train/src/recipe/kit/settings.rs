@@ -87,6 +87,11 @@ pub struct Settings {
     pub checkpoint_dir: PathBuf,
     /// `resume_from_checkpoint`.
     pub resume: bool,
+    /// `overwrite_output_dir`: a fresh run deletes an earlier run's checkpoints instead of
+    /// refusing to mix with them.
+    pub overwrite: bool,
+    /// The metrics log (`metric_logger`'s JSONL file), which a fresh run must find empty.
+    pub metrics_file: Option<PathBuf>,
     /// `checkpointer.recipe_checkpoint`: the checkpoint to resume (else the latest).
     pub recipe_checkpoint: Option<PathBuf>,
     /// Rows per micro-batch on each rank.
@@ -170,6 +175,8 @@ impl Settings {
         let tensor_parallel_dim = cfg.usize("tensor_parallel_dim")?;
         let (output_dir, checkpoint_dir) = crate::recipe::state::output_dirs(cfg)?;
         let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
+        let overwrite = cfg.bool("overwrite_output_dir")?.unwrap_or(false);
+        let metrics_file = crate::recipe::state::metrics_file(cfg, &output_dir)?;
         let batch_size = cfg.usize("batch_size")?.unwrap_or(1);
         let epochs = cfg.usize("epochs")?.unwrap_or(1);
         let grad_accum = cfg.usize("gradient_accumulation_steps")?.unwrap_or(1);
@@ -233,6 +240,8 @@ impl Settings {
             output_dir,
             checkpoint_dir,
             resume,
+            overwrite,
+            metrics_file,
             recipe_checkpoint,
             batch_size,
             epochs,

@@ -345,6 +345,13 @@ pub fn run(cfg: &Config) -> Result<()> {
                 r.path.display()
             );
         }
+        let dirs = [
+            policy_out.as_path(),
+            value_out.as_path(),
+            output_dir.as_path(),
+        ];
+        let log = keys.metrics_file.as_deref();
+        state::claim_output(&o, &dirs, log, keys.overwrite, true)?;
         None
     };
     let seed = state::run_seed(cfg, saved.as_ref())?;
@@ -458,7 +465,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         None,
         &device,
     )?;
-    let mut logger = state::open_run_log(cfg, output_dir, start.global_step)?;
+    let mut logger = state::open_run_log(cfg, output_dir, &start)?;
     // The policy's checkpoints: HF folders of the whole model, with the tokenizer files.
     let saver = Saver::hf(policy_out, &policy_source, &tokenizer, dtype);
     let log_every = keys.log_every;

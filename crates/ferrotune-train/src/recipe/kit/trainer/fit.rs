@@ -268,11 +268,7 @@ impl Plan {
             ));
         }
         let logger = match lead {
-            true => Some(state::open_run_log(
-                cfg,
-                &run.settings.output_dir,
-                start.global_step,
-            )?),
+            true => Some(state::open_run_log(cfg, &run.settings.output_dir, &start)?),
             false => None,
         };
         Ok(Trainer {

@@ -163,7 +163,13 @@ impl FineTune {
                     &settings.checkpoint_dir,
                 )?)
             }
-            false => None,
+            false => {
+                let s = &settings;
+                let dirs = [s.checkpoint_dir.as_path(), s.output_dir.as_path()];
+                let log = s.metrics_file.as_deref();
+                state::claim_output(&cfg.origin, &dirs, log, s.overwrite, session.lead())?;
+                None
+            }
         };
         let seed = state::run_seed(cfg, saved.as_ref())?;
         let base = setup::checkpoint_path(cfg)?;
