@@ -17,3 +17,4 @@ mod ppo;
 mod quantize;
 mod recipe_checks;
 mod recipes;
+mod stuck_rank;
