@@ -12,10 +12,13 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 
 /// How long the other ranks get to stop on their own after one fails (their liveness watchdog
-/// normally stops them within a second) before they are sent SIGTERM.
-const GRACE: Duration = Duration::from_secs(30);
-/// How long SIGTERMed ranks get before SIGKILL.
-const TERM_GRACE: Duration = Duration::from_secs(10);
+/// normally stops them within a second) before they are sent SIGTERM. Together with
+/// [`TERM_GRACE`] it is what the launcher adds to the ranks' watchdog bound (`docs/src/reliability.md`
+/// promises the sum plus a second or so).
+const GRACE: Duration = Duration::from_secs(5);
+/// How long SIGTERMed ranks get before SIGKILL (a stopped process does not act on SIGTERM
+/// until it is continued; SIGKILL ends it anyway).
+const TERM_GRACE: Duration = Duration::from_secs(5);
 
 /// The launcher flags of `ferrotune run` (torchrun's; its underscore spellings work too).
 #[derive(Args, Debug, Clone)]
@@ -240,6 +243,8 @@ fn supervise(ranks: &mut [Rank], ended: &std::sync::mpsc::Receiver<Ended>) -> Re
     let mut term_at: Option<Instant> = None;
     let mut kill_at: Option<Instant> = None;
     let mut stopped_by_us = false;
+    // Ranks found stopped (SIGSTOP), the likely cause of a failure the others report.
+    let mut found_stopped: Vec<String> = Vec::new();
     while ranks.iter().any(|r| r.status.is_none()) {
         let sig = SIGNAL.swap(0, SeqCst);
         if sig != 0 {
@@ -285,12 +290,26 @@ fn supervise(ranks: &mut [Rank], ended: &std::sync::mpsc::Receiver<Ended>) -> Re
             say("ferrotune run: stopping the remaining ranks (SIGTERM)");
             stopped_by_us = true;
             for r in ranks.iter() {
+                if r.status.is_none() && is_stopped(r.pid) {
+                    // The usual cause of a silent rank, worth naming: SIGTERM will not reach it.
+                    say(&format!(
+                        "ferrotune run: rank {} (pid {}) is stopped (SIGSTOP, Ctrl-Z or a debugger)",
+                        r.rank, r.pid
+                    ));
+                    found_stopped.push(format!("rank {}", r.rank));
+                }
                 r.signal(libc::SIGTERM);
             }
             kill_at = Some(now + TERM_GRACE);
         }
         if kill_at.is_some_and(|t| now >= t) {
-            for r in ranks.iter() {
+            for r in ranks.iter().filter(|r| r.status.is_none()) {
+                say(&format!(
+                    "ferrotune run: rank {} (pid {}) did not stop within {} s of SIGTERM: SIGKILL",
+                    r.rank,
+                    r.pid,
+                    TERM_GRACE.as_secs()
+                ));
                 r.signal(libc::SIGKILL);
             }
             kill_at = Some(now + Duration::from_secs(3600));
@@ -302,10 +321,28 @@ fn supervise(ranks: &mut [Rank], ended: &std::sync::mpsc::Receiver<Ended>) -> Re
     match first_failure {
         None => Ok(()),
         Some(first) => bail!(
-            "distributed run failed: {failures} of {} rank(s) on this node failed; the first: {first}",
-            ranks.len()
+            "distributed run failed: {failures} of {} rank(s) on this node failed; the first: \
+             {first}{}",
+            ranks.len(),
+            match found_stopped.is_empty() {
+                true => String::new(),
+                false => format!("; found stopped: {}", found_stopped.join(", ")),
+            }
         ),
     }
+}
+
+/// Whether process `pid` is stopped (state `T` in `/proc/PID/stat`); false where that cannot be
+/// read.
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        // The state follows the command name, which is in parentheses and may hold anything.
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
 }
 
 /// One line on stderr in one write, so that it does not interleave with the ranks' output.

@@ -129,6 +129,18 @@ pub const DIST_TIMEOUT: Knob = Knob {
     test_hook: false,
 };
 
+/// How long a rank may be silent before the others stop the run.
+pub const DIST_WATCHDOG: Knob = Knob {
+    name: "FERROTUNE_DIST_WATCHDOG",
+    meaning: "Seconds a rank of a distributed run may send no heartbeat (a stopped, frozen or \
+              unreachable process) before the others stop with an error naming it; the config \
+              key `dist_watchdog_timeout` takes precedence. The launcher then exits within 11 s \
+              more (docs/src/reliability.md).",
+    default: "60",
+    kind: KnobKind::Seconds,
+    test_hook: false,
+};
+
 /// The GPU decode kernels.
 pub const DECODE_KERNELS: Knob = Knob {
     name: "FERROTUNE_DECODE_KERNELS",
@@ -235,6 +247,7 @@ pub const KNOBS: &[Knob] = &[
     ASSETS,
     DIST_BACKEND,
     DIST_TIMEOUT,
+    DIST_WATCHDOG,
     DECODE_KERNELS,
     CUDA_GRAPHS,
     PDL,

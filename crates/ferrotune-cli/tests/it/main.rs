@@ -18,3 +18,4 @@ mod quantize;
 mod recipe_checks;
 mod recipes;
 mod run_identity;
+mod stuck_rank;

@@ -238,6 +238,8 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     // The older spelling in torchtune's distributed QLoRA configs (`fsdp: {cpu_offload: ...}`).
     ("fsdp", Ty::Map(FSDP_KEYS)),
     ("fsdp_reshard_after_forward", Ty::Bool),
+    // ferrotune's: seconds a rank may send no heartbeat before the others stop the run.
+    ("dist_watchdog_timeout", Ty::Float),
     // torchtune's tensor parallelism: only dimension 1 (none) runs; the plan then does nothing.
     ("tensor_parallel_dim", Ty::Int),
     ("tensor_parallel_plan", Ty::Any),

@@ -119,21 +119,67 @@ fn parse<T: std::str::FromStr>(key: &str, value: &str) -> Result<T> {
 
 /// How long a collective or a store wait may block without progress: `FERROTUNE_DIST_TIMEOUT`
 /// seconds, default 1800 (as torch.distributed). Long, because one rank may legitimately spend
-/// minutes alone (saving a checkpoint) while the others wait for it.
+/// minutes alone (saving a checkpoint) while the others wait for it; a rank that is stopped or
+/// gone is caught sooner, by the heartbeat watchdog ([`watchdog_timeout`]).
 pub fn op_timeout() -> Result<Duration> {
-    let knob = ferrotune_core::switch::DIST_TIMEOUT;
+    Ok(seconds_knob(ferrotune_core::switch::DIST_TIMEOUT)?.unwrap_or(Duration::from_secs(1800)))
+}
+
+/// The watchdog's bound when neither the config nor `FERROTUNE_DIST_WATCHDOG` sets one.
+pub const DEFAULT_WATCHDOG: Duration = Duration::from_secs(60);
+
+/// How long a rank may send no heartbeat before the others stop the run naming it: `configured`
+/// (the config's `dist_watchdog_timeout`, seconds) if given, else `FERROTUNE_DIST_WATCHDOG`, else
+/// [`DEFAULT_WATCHDOG`]. Heartbeats come from a thread of their own, so a rank busy alone (saving
+/// a checkpoint) still sends them; a stopped, frozen or vanished process does not.
+pub fn watchdog_timeout(configured: Option<f64>) -> Result<Duration> {
+    if let Some(secs) = configured {
+        return positive_seconds(secs).with_context(|| {
+            format!("dist_watchdog_timeout: {secs} is not a positive number of seconds")
+        });
+    }
+    Ok(seconds_knob(ferrotune_core::switch::DIST_WATCHDOG)?.unwrap_or(DEFAULT_WATCHDOG))
+}
+
+/// A duration from a number of seconds: finite, positive and at most a year (so that adding it
+/// to an `Instant` cannot overflow).
+fn positive_seconds(secs: f64) -> Option<Duration> {
+    (secs.is_finite() && secs > 0.0 && secs <= 365.0 * 86400.0)
+        .then(|| Duration::from_secs_f64(secs))
+}
+
+/// A [`KnobKind::Seconds`](ferrotune_core::switch::KnobKind::Seconds) knob's value; `None` when
+/// unset or empty, an error naming the variable when it is not a positive number of seconds.
+fn seconds_knob(knob: ferrotune_core::switch::Knob) -> Result<Option<Duration>> {
     match knob.value() {
-        Some(v) if !v.trim().is_empty() => {
-            let secs: f64 = v
-                .trim()
-                .parse()
-                .ok()
-                .filter(|s: &f64| *s > 0.0)
-                .with_context(|| {
-                    format!("{}={v:?} is not a positive number of seconds", knob.name)
-                })?;
-            Ok(Duration::from_secs_f64(secs))
+        Some(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse()
+            .ok()
+            .and_then(positive_seconds)
+            .map(Some)
+            .with_context(|| format!("{}={v:?} is not a positive number of seconds", knob.name)),
+        _ => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_configured_watchdog_bound_must_be_positive_seconds() {
+        assert_eq!(watchdog_timeout(Some(6.0)).unwrap(), Duration::from_secs(6));
+        assert_eq!(
+            watchdog_timeout(Some(0.5)).unwrap(),
+            Duration::from_millis(500)
+        );
+        for bad in [0.0, -1.0, f64::INFINITY, 1e300] {
+            let e = format!("{:#}", watchdog_timeout(Some(bad)).unwrap_err());
+            assert!(
+                e.contains("dist_watchdog_timeout") && e.contains("positive number of seconds"),
+                "{e}"
+            );
         }
-        _ => Ok(Duration::from_secs(1800)),
     }
 }

@@ -7,11 +7,14 @@
 //! another run (or anything else) that reaches the port is turned away with a clear error.
 //!
 //! Liveness: besides its request connection, each rank keeps a second "watch" connection on which
-//! it registers its rank and then only listens. The kernel closes a process's sockets however it
-//! ends, so the server sees a registered watch connection close; unless that rank said goodbye
-//! (only [`Store::shutdown`] does), the server tells every other watcher which rank was lost, and
-//! each watcher ends its process. A watch connection that closes on the client side means the
-//! server, that is rank 0, is gone.
+//! it registers its rank, and then its watchdog thread sends heartbeats, which the server answers
+//! (see [`super::watchdog`]). The kernel closes a process's sockets however it ends, so the server
+//! sees a registered watch connection close; a process that is stopped or frozen instead falls
+//! silent, and after the watchdog bound without a heartbeat the server counts it lost too. Unless
+//! that rank said goodbye (only [`Store::shutdown`] does), the server tells every other watcher
+//! which rank was lost and why, and each watcher ends its process. A watch connection that closes
+//! on the client side, or that the server leaves silent for the bound, means that the server,
+//! that is rank 0, is gone.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -22,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use super::env::{op_timeout, DistEnv};
+use super::env::{op_timeout, watchdog_timeout, DistEnv};
+use super::watchdog::{is_timeout, FrameReader, Heartbeats};
 
 const MAGIC: u32 = 0x4654_5354; // "FTST"
 /// Frames larger than this are a protocol error (a stray client), not an allocation to make.
@@ -34,6 +38,8 @@ const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
 const OP_GOODBYE: u8 = 4;
 const OP_WATCH: u8 = 5;
+/// A heartbeat, from a rank's watchdog on its watch connection (and the server's answer).
+const BEAT: u8 = 6;
 // Replies and notices.
 const R_OK: u8 = 0;
 const R_VALUE: u8 = 1;
@@ -60,14 +66,25 @@ pub struct Store {
 }
 
 impl Store {
+    /// [`Store::connect_with_watchdog`] with the watchdog bound of `FERROTUNE_DIST_WATCHDOG`
+    /// (default 60 s).
+    pub fn connect(env: &DistEnv, timeout: Duration) -> Result<Store> {
+        Self::connect_with_watchdog(env, timeout, watchdog_timeout(None)?)
+    }
+
     /// Joins the store at `MASTER_ADDR:MASTER_PORT`; rank 0 first starts serving it there.
     /// Connecting is retried for up to `timeout` (rank 0 may start after the others), and every
     /// rank must join within `timeout`. Returns once all have, with this rank's watchdog
-    /// registered: a rank lost from then on stops the others.
-    pub fn connect(env: &DistEnv, timeout: Duration) -> Result<Store> {
+    /// registered: a rank lost from then on stops the others, and so does one that sends no
+    /// heartbeat for `watchdog` (rank 0's value: the store tells the others, so all agree).
+    pub fn connect_with_watchdog(
+        env: &DistEnv,
+        timeout: Duration,
+        watchdog: Duration,
+    ) -> Result<Store> {
         let op_timeout = op_timeout()?;
         let (server, addr) = if env.rank == 0 {
-            let (server, port) = Server::start(env)?;
+            let (server, port) = Server::start(env, watchdog)?;
             (Some(server), host_port(&env.master_addr, port))
         } else {
             (None, host_port(&env.master_addr, env.master_port))
@@ -82,13 +99,17 @@ impl Store {
         let mut msg = Msg::new(OP_WATCH);
         msg.u32(env.rank as u32);
         write_frame(&watch, &msg.0)?;
-        expect_ok(&read_reply(&watch, None)?).context("registering with the rendezvous store")?;
+        let reply = read_reply(&watch, Some(Duration::from_secs(30)))?;
+        expect_ok(&reply).context("registering with the rendezvous store")?;
+        let watchdog = Fields::new(&reply[1..])
+            .u64()
+            .map_or(watchdog, Duration::from_millis);
         let closing = Arc::new(AtomicBool::new(false));
-        let watch_reader = watch.try_clone()?;
+        let watch_conn = watch.try_clone()?;
         let watch_closing = closing.clone();
         std::thread::Builder::new()
             .name("dist-watchdog".into())
-            .spawn(move || watchdog(watch_reader, watch_closing))?;
+            .spawn(move || watch_loop(watch_conn, watch_closing, watchdog))?;
         Store {
             rank: env.rank,
             world_size: env.world_size,
@@ -304,24 +325,61 @@ impl Drop for Store {
     }
 }
 
-/// The watchdog thread: waits on the watch connection for a lost-rank notice or its close.
-fn watchdog(mut conn: TcpStream, closing: Arc<AtomicBool>) {
-    let lost = match read_frame(&mut conn) {
-        Ok(frame) if frame.first() == Some(&N_LOST) => Fields::new(&frame[1..])
-            .u32()
-            .map(|r| (r as usize, "its process ended or its connection closed")),
-        _ => Ok((0, "the rendezvous store it serves closed the connection")),
+/// The watchdog thread: sends this rank's heartbeats on the watch connection and waits there for
+/// a lost-rank notice, the connection's close, or the store's silence.
+fn watch_loop(conn: TcpStream, closing: Arc<AtomicBool>, bound: Duration) {
+    let mut beats = Heartbeats::new(bound, Instant::now());
+    let mut frames = FrameReader::default();
+    let closed = "the rendezvous store it serves closed the connection";
+    let (rank, why) = loop {
+        if closing.load(Ordering::SeqCst) {
+            return;
+        }
+        let now = Instant::now();
+        if beats.send_due(now) {
+            if write_frame(&conn, &[BEAT]).is_err() {
+                break (0, closed.to_string());
+            }
+            beats.sent(now);
+        }
+        if let Some(quiet) = beats.silent(now) {
+            break (0, silence(quiet, "the rendezvous store it serves"));
+        }
+        let read = conn
+            .set_read_timeout(Some(beats.wait(now)))
+            .and_then(|()| frames.next(&conn));
+        match read {
+            Ok(None) => {}
+            Ok(Some(frame)) if frame.first() == Some(&N_LOST) => {
+                let mut f = Fields::new(&frame[1..]);
+                break match (f.u32(), f.string()) {
+                    (Ok(r), Ok(why)) => (r as usize, why),
+                    _ => (0, "unreadable notice from the store".to_string()),
+                };
+            }
+            Ok(Some(_)) => beats.heard(Instant::now()),
+            Err(_) => break (0, closed.to_string()),
+        }
     };
     if closing.load(Ordering::SeqCst) {
         return;
     }
-    let (rank, why) = lost.unwrap_or((0, "unreadable notice from the store"));
     // One write, so that the lines of ranks sharing a terminal do not interleave.
     let line = format!("error: distributed training stopped: rank {rank} was lost ({why})\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
     // The main thread may be blocked in a socket read for up to the op timeout; ending the
     // process is the point.
     std::process::exit(1);
+}
+
+/// Why a silent peer counts as lost, for the notice.
+fn silence(quiet: Duration, who: &str) -> String {
+    format!(
+        "{who} sent no heartbeat for {:.0} s: stopped, frozen or unreachable; the bound is \
+         dist_watchdog_timeout or {}",
+        quiet.as_secs_f64(),
+        ferrotune_core::switch::DIST_WATCHDOG.name
+    )
 }
 
 /// `host:port`, with an IPv6 address in brackets.
@@ -508,6 +566,8 @@ impl<'a> Fields<'a> {
 
 struct Server {
     world_size: usize,
+    /// How long a registered rank may send no heartbeat before it counts as lost.
+    watchdog: Duration,
     addr: SocketAddr,
     state: Mutex<State>,
     changed: Condvar,
@@ -529,7 +589,7 @@ struct State {
 
 impl Server {
     /// Binds the store's port and serves it from a background thread; returns the bound port.
-    fn start(env: &DistEnv) -> Result<(Arc<Server>, u16)> {
+    fn start(env: &DistEnv, watchdog: Duration) -> Result<(Arc<Server>, u16)> {
         // Loopback stays loopback (nothing outside reaches a single-machine run's store); any
         // other MASTER_ADDR binds every interface, as torch's store does, since the name the
         // others use may not be an address of a local interface.
@@ -552,6 +612,7 @@ impl Server {
         let addr = listener.local_addr()?;
         let server = Arc::new(Server {
             world_size: env.world_size,
+            watchdog,
             addr,
             state: Mutex::new(State {
                 finished: vec![false; env.world_size],
@@ -715,7 +776,8 @@ impl Server {
         }
     }
 
-    /// A watch connection: registers the rank, then waits for the connection to close.
+    /// A watch connection: registers the rank, then answers its heartbeats until the connection
+    /// closes or the rank falls silent for the watchdog bound.
     fn watch(&self, mut conn: TcpStream, body: &[u8]) {
         let Ok(rank) = Fields::new(body).u32().map(|r| r as usize) else {
             return;
@@ -734,23 +796,37 @@ impl Server {
             let _ = writer.set_write_timeout(Some(Duration::from_secs(5)));
             state.watchers.insert(rank, writer);
         }
-        if write_frame(&conn, &[R_OK]).is_err() {
-            self.lost(rank);
+        // The bound goes back with the answer: every rank then watches the store with rank 0's.
+        let mut ok = Msg::new(R_OK);
+        ok.u64(self.watchdog.as_millis() as u64);
+        if write_frame(&conn, &ok.0).is_err() {
+            self.lost(rank, None);
             return;
         }
-        // Nothing more is sent on this connection; reading returns once it closes.
+        // Only heartbeats come in from now on: whatever arrives counts as one, and is answered.
         let mut sink = [0u8; 64];
-        loop {
+        let _ = conn.set_read_timeout(Some(self.watchdog));
+        let silent = loop {
             match conn.read(&mut sink) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
+                Ok(0) => break None,
+                Ok(_) => {
+                    // Under the lock, as notices are written: frames must not interleave.
+                    let state = lock(&self.state);
+                    if let Some(w) = state.watchers.get(&rank) {
+                        let _ = write_frame(w, &[BEAT]);
+                    }
+                }
+                Err(e) if is_timeout(&e) => break Some(self.watchdog),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break None,
             }
-        }
-        self.lost(rank);
+        };
+        self.lost(rank, silent.map(|quiet| silence(quiet, "it")));
     }
 
-    /// `rank`'s watch connection closed: unless it said goodbye first, tell the others.
-    fn lost(&self, rank: usize) {
+    /// `rank`'s watch connection closed (`why` is `None`), or it fell silent (`why` says so):
+    /// unless it said goodbye first, tell the others.
+    fn lost(&self, rank: usize, why: Option<String>) {
         let mut state = lock(&self.state);
         state.watchers.remove(&rank);
         if state.finished.get(rank).copied().unwrap_or(true) {
@@ -759,6 +835,8 @@ impl Server {
         state.lost.get_or_insert(rank);
         let mut msg = Msg::new(N_LOST);
         msg.u32(rank as u32);
+        let why = why.unwrap_or_else(|| "its process ended or its connection closed".to_string());
+        msg.bytes(why.as_bytes());
         // Remote ranks first, rank 0 (this process) last: its watchdog ends this process, and
         // with it the store, so the others must have their notice by then.
         let mut ranks: Vec<usize> = state.watchers.keys().copied().collect();

@@ -353,6 +353,8 @@ struct Parsed {
     lora: bool,
     /// The `dataset` section (GSM8K problems).
     dataset: serde_json::Value,
+    /// `dist_watchdog_timeout`: how long a rank may send no heartbeat before the others stop.
+    watchdog: std::time::Duration,
 }
 
 impl Parsed {
@@ -387,6 +389,7 @@ impl Parsed {
             settings,
             lora,
             dataset,
+            watchdog: crate::recipe::setup::dist_watchdog(cfg)?,
         })
     }
 }
@@ -410,7 +413,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     // The store stays open for the whole run: it is also the watchdog that stops every rank
     // when one of them dies.
     let group: Option<(Store, Arc<dyn Collectives>)> = if world > 1 {
-        let (store, collectives) = crate::dist::join_group(env, &device)?;
+        let (store, collectives) = crate::dist::join_group(env, &device, parsed.watchdog)?;
         Some((store, collectives))
     } else {
         None

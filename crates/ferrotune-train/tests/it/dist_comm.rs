@@ -85,6 +85,14 @@ fn run_ranks(role: &str, world: usize, env: &[(&str, &str)]) -> Vec<Finished> {
                 }
             }
         }
+        // A rank that stopped itself (SIGSTOP) never ends on its own: once every other rank
+        // has, it is killed.
+        let running: Vec<usize> = (0..world).filter(|&i| done[i].is_none()).collect();
+        if let [last] = running[..] {
+            if is_stopped(procs[last].0.id()) {
+                let _ = procs[last].0.kill();
+            }
+        }
         if start.elapsed() > Duration::from_secs(60) {
             for (child, _, _) in procs.iter_mut() {
                 let _ = child.kill();
@@ -106,6 +114,14 @@ fn run_ranks(role: &str, world: usize, env: &[(&str, &str)]) -> Vec<Finished> {
             }
         })
         .collect()
+}
+
+/// Whether process `pid` is stopped (state `T` in `/proc/PID/stat`).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| Some(s.rsplit_once(')')?.1.trim_start().starts_with('T')))
+        .unwrap_or(false)
 }
 
 fn assert_all_ok(role: &str, world: usize, results: &[Finished]) {
@@ -236,6 +252,27 @@ fn a_killed_rank_stops_the_others() {
             Some(9),
             "{role}: the victim"
         );
+    }
+}
+
+/// A rank that stops (SIGSTOP) keeps its sockets open: only the heartbeats tell. The others must
+/// stop within the watchdog bound (2 s here) naming it, whether it is a plain rank or rank 0,
+/// which serves the store.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_stopped_rank_stops_the_others_within_the_watchdog_bound() {
+    for (world, victim) in [(3, 1), (2, 0)] {
+        let results = check_lost("stop_self", world, victim);
+        for (rank, r) in results.iter().enumerate() {
+            if rank != victim {
+                assert!(
+                    r.stderr.contains("sent no heartbeat for 2 s"),
+                    "W={world}: rank {rank} does not say why:\n{}",
+                    r.stderr
+                );
+                assert!(r.at < 15.0, "W={world}: rank {rank} took {} s", r.at);
+            }
+        }
     }
 }
 
@@ -377,7 +414,13 @@ fn play(role: &str) -> Result<()> {
         );
         return Ok(());
     }
-    let store = Store::connect(&env, Duration::from_secs(30))?;
+    let store = match role {
+        // A short watchdog bound (rank 0's counts: the store hands it to the others).
+        "stop_self" => {
+            Store::connect_with_watchdog(&env, Duration::from_secs(30), Duration::from_secs(2))?
+        }
+        _ => Store::connect(&env, Duration::from_secs(30))?,
+    };
     match role {
         "collectives" => collectives(&env, &store)?,
         "store" => store_ops(&env, &store)?,
@@ -397,6 +440,17 @@ fn play(role: &str) -> Result<()> {
             let big = Tensor::ones(3_000_000, DType::F32, &Device::Cpu)?;
             comm.all_reduce_sum(&big)?;
             anyhow::bail!("the all-reduce finished although a rank was killed");
+        }
+        "stop_self" => {
+            if Some(env.rank) == victim {
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: sending a signal to ourselves; the test kills the stopped process.
+                unsafe {
+                    libc::raise(libc::SIGSTOP);
+                }
+            }
+            store.barrier("never")?;
+            anyhow::bail!("the barrier passed although a rank was stopped");
         }
         "slow" => {
             let comm = comm::init(&env, &store, &Device::Cpu)?;

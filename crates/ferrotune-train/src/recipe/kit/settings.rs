@@ -119,6 +119,9 @@ pub struct Settings {
     /// `fsdp_cpu_offload` (or `fsdp.cpu_offload`, the spelling of torchtune's distributed QLoRA
     /// configs): the optimizer state kept on the CPU.
     pub offload: bool,
+    /// `dist_watchdog_timeout` (or `FERROTUNE_DIST_WATCHDOG`, default 60 s): how long a rank may
+    /// send no heartbeat before the others stop.
+    pub dist_watchdog: std::time::Duration,
     /// `tensor_parallel_dim` as given (only 1 runs).
     pub tensor_parallel_dim: Option<usize>,
     /// The switches of [`IGNORED_SWITCHES`] the config turns on.
@@ -173,6 +176,7 @@ impl Settings {
             }
         }
         let tensor_parallel_dim = cfg.usize("tensor_parallel_dim")?;
+        let dist_watchdog = crate::recipe::setup::dist_watchdog(cfg)?;
         let (output_dir, checkpoint_dir) = crate::recipe::state::output_dirs(cfg)?;
         let resume = cfg.bool("resume_from_checkpoint")?.unwrap_or(false);
         let overwrite = cfg.bool("overwrite_output_dir")?.unwrap_or(false);
@@ -256,6 +260,7 @@ impl Settings {
             keep_last,
             shuffle,
             offload,
+            dist_watchdog,
             tensor_parallel_dim,
             ignored_switches,
             preference_loss,

@@ -55,6 +55,16 @@ pub fn sharding(cfg: &Config) -> Result<crate::dist::fsdp::Sharding> {
     }
 }
 
+/// `dist_watchdog_timeout` (seconds): how long a rank of a distributed run may send no heartbeat
+/// before the others stop naming it; unset, `FERROTUNE_DIST_WATCHDOG`, else 60 s.
+pub fn dist_watchdog(cfg: &Config) -> Result<std::time::Duration> {
+    match cfg.f64("dist_watchdog_timeout")? {
+        Some(secs) => crate::dist::env::watchdog_timeout(Some(secs))
+            .map_err(|e| anyhow!("{}: {e:#}", cfg.origin)),
+        None => crate::dist::env::watchdog_timeout(None),
+    }
+}
+
 /// `dtype` (fp32, bf16, fp16; torchtune's names and candle's; default fp32).
 pub fn dtype(cfg: &Config) -> Result<DType> {
     let name = cfg.str("dtype")?.unwrap_or_else(|| "fp32".into());

@@ -110,7 +110,8 @@ impl FineTune {
             None
         } else if distributed {
             let sharding = setup::sharding(cfg)?;
-            let (store, collectives) = crate::dist::join_group(&session.env, &session.device)?;
+            let (store, collectives) =
+                crate::dist::join_group(&session.env, &session.device, settings.dist_watchdog)?;
             if lead {
                 eprintln!(
                     "Distributed: {world} ranks, {} backend, fsdp_sharding: {}{}",
@@ -132,7 +133,12 @@ impl FineTune {
             })
         } else {
             if lead {
-                let keys = ["fsdp_sharding", "fsdp_cpu_offload", "fsdp"];
+                let keys = [
+                    "fsdp_sharding",
+                    "fsdp_cpu_offload",
+                    "fsdp",
+                    "dist_watchdog_timeout",
+                ];
                 note_ignored_keys(cfg, &keys, "_distributed", recipe);
             }
             None
