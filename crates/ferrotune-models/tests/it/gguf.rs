@@ -1096,6 +1096,62 @@ fn error_names_given_twice() {
     );
 }
 
+/// A tensor whose type label disagrees with its bytes (F32 data labelled Q4_0, which needs a
+/// seventh of the bytes) is refused, as llama.cpp's reader refuses it: the next tensor is not
+/// where the sizes put it, or, for the last tensor, bytes are left over. Before, the file loaded
+/// with the bytes read as Q4_0 blocks.
+#[test]
+fn error_tensor_type_disagrees_with_its_bytes() {
+    let dir = scratch("relabelled");
+    let hp = Hp {
+        vocab: 4,
+        hidden: 32,
+        ffn: 32,
+        heads: 2,
+        kv_heads: 1,
+    };
+    let relabelled = |name: &str, last: bool| {
+        let mut specs = full_model("llama", hp, &hf_values(hp));
+        let at = specs.iter().position(|t| t.name == name).unwrap();
+        let mut spec = specs.remove(at);
+        spec.ggml_type = 2;
+        specs.insert(if last { specs.len() } else { at }, spec);
+        gguf_bytes(3, &metadata("llama", hp), &specs)
+    };
+    // Sound as written.
+    let file = write(
+        &dir,
+        "f32.gguf",
+        &gguf_bytes(
+            3,
+            &metadata("llama", hp),
+            &full_model("llama", hp, &hf_values(hp)),
+        ),
+    );
+    load_gguf(&file, DType::F32, &Device::Cpu).unwrap();
+    // A tensor in the middle: the one after it starts past where the labels put it.
+    let msg = load_err(&write(
+        &dir,
+        "mid.gguf",
+        &relabelled("token_embd.weight", false),
+    ));
+    assert!(
+        msg.contains("'token_embd.weight' (Q4_0, shape [4, 32])")
+            && msg.contains("should be at offset 96"),
+        "{msg}"
+    );
+    // The last tensor: bytes no tensor accounts for.
+    let msg = load_err(&write(
+        &dir,
+        "last.gguf",
+        &relabelled("token_embd.weight", true),
+    ));
+    assert!(
+        msg.contains("after its last tensor, 'token_embd.weight' (Q4_0"),
+        "{msg}"
+    );
+}
+
 /// Gemma 2 and Gemma 3 GGUF files as convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py):
 /// loaded, they give the source checkpoint's logits (for Gemma 2 transformers' own GGUF load
 /// agrees; for Gemma 3 it drops the rope scaling that llama.cpp and we apply).
