@@ -1152,6 +1152,31 @@ fn error_tensor_type_disagrees_with_its_bytes() {
     );
 }
 
+/// NaN or ±Inf in a tensor (here F32; dequantized blocks are checked the same way) is refused
+/// naming the GGUF tensor, as for every other format (`weight_checks.rs`).
+#[test]
+fn error_non_finite_weights() {
+    let dir = scratch("nonfinite");
+    let hp = TINY;
+    for (case, v) in [("nan", f32::NAN), ("inf", f32::NEG_INFINITY)] {
+        let mut specs = full_model("llama", hp, &hf_values(hp));
+        let down = specs
+            .iter_mut()
+            .find(|t| t.name == "blk.0.ffn_down.weight")
+            .unwrap();
+        down.data[4..8].copy_from_slice(&v.to_le_bytes());
+        let msg = load_err(&write(
+            &dir,
+            &format!("{case}.gguf"),
+            &gguf_bytes(3, &metadata("llama", hp), &specs),
+        ));
+        assert!(
+            msg.contains("tensor 'blk.0.ffn_down.weight' holds"),
+            "{msg}"
+        );
+    }
+}
+
 /// Gemma 2 and Gemma 3 GGUF files as convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py):
 /// loaded, they give the source checkpoint's logits (for Gemma 2 transformers' own GGUF load
 /// agrees; for Gemma 3 it drops the rope scaling that llama.cpp and we apply).
