@@ -205,6 +205,16 @@ impl<'a> GgufFile<'a> {
         Ok(Some(x))
     }
 
+    /// A number that must be positive when given (a base frequency, a scale factor).
+    pub(super) fn positive_float(&self, key: &str) -> Result<Option<f64>, ModelError> {
+        match self.float(key)? {
+            Some(x) if x <= 0.0 => Err(self.err(format!(
+                "metadata key '{key}' must be a positive number, found {x}"
+            ))),
+            other => Ok(other),
+        }
+    }
+
     pub(super) fn string(&self, key: &str) -> Result<Option<&str>, ModelError> {
         match self.meta(key) {
             None => Ok(None),

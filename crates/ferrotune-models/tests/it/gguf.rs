@@ -1177,6 +1177,49 @@ fn error_non_finite_weights() {
     }
 }
 
+/// Metadata values out of range are refused naming the GGUF key (issue 44: a rope factor of 0
+/// loaded silently).
+#[test]
+fn error_metadata_out_of_range() {
+    let dir = scratch("ranges");
+    let cases: [(&str, Meta, &str); 4] = [
+        (
+            "llama.rope.freq_base",
+            Meta::F32(0.0),
+            "'llama.rope.freq_base' must be a positive",
+        ),
+        (
+            "llama.rope.scale_linear",
+            Meta::F32(0.0),
+            "'llama.rope.scale_linear' must be a positive",
+        ),
+        (
+            "llama.rope.scaling.factor",
+            Meta::F32(-4.0),
+            "'llama.rope.scaling.factor' must be a positive",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Meta::F32(-1e-5),
+            "'llama.attention.layer_norm_rms_epsilon' must not be negative",
+        ),
+    ];
+    for (i, (key, value, needle)) in cases.into_iter().enumerate() {
+        let mut meta = metadata("llama", TINY);
+        meta.retain(|(k, _)| k != key);
+        meta.push((key.into(), value));
+        if key.contains("scaling.factor") {
+            meta.push(("llama.rope.scaling.type".into(), Meta::Str("linear")));
+        }
+        let msg = load_err(&write(
+            &dir,
+            &format!("{i}.gguf"),
+            &gguf_bytes(3, &meta, &[]),
+        ));
+        assert!(msg.contains(needle), "{key}: {msg}");
+    }
+}
+
 /// Gemma 2 and Gemma 3 GGUF files as convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py):
 /// loaded, they give the source checkpoint's logits (for Gemma 2 transformers' own GGUF load
 /// agrees; for Gemma 3 it drops the rope scaling that llama.cpp and we apply).
