@@ -24,7 +24,17 @@ pub struct TokenizedExample {
 /// Reads a JSONL file of pre-tokenized rows. Blank lines are skipped; every malformed row is an
 /// error naming the file, the line and the problem (nothing is silently dropped).
 pub fn read_tokenized_jsonl(path: &Path) -> Result<Vec<TokenizedExample>> {
-    read_rows(path, |obj, bad| example(obj, "", bad))
+    read_tokenized_jsonl_for(path, None)
+}
+
+/// [`read_tokenized_jsonl`] for a model whose vocabulary has `vocab_size` tokens (when known):
+/// an input id or label at or past it is an error naming the file, the line, the id and the
+/// vocabulary size, before training starts rather than as an index error in the embedding.
+pub fn read_tokenized_jsonl_for(
+    path: &Path,
+    vocab_size: Option<usize>,
+) -> Result<Vec<TokenizedExample>> {
+    read_rows(path, |obj, bad| example(obj, "", vocab_size, bad))
 }
 
 /// One preference pair of a pre-tokenized preference dataset: what torchtune's
@@ -41,10 +51,19 @@ pub struct TokenizedPair {
 /// "chosen_labels": [...], "rejected_input_ids": [...], "rejected_labels": [...]}` (labels
 /// optional, as in [`read_tokenized_jsonl`]), with the same error reporting.
 pub fn read_tokenized_pairs_jsonl(path: &Path) -> Result<Vec<TokenizedPair>> {
+    read_tokenized_pairs_jsonl_for(path, None)
+}
+
+/// [`read_tokenized_pairs_jsonl`] with the ids checked against the model's vocabulary, as
+/// [`read_tokenized_jsonl_for`] does.
+pub fn read_tokenized_pairs_jsonl_for(
+    path: &Path,
+    vocab_size: Option<usize>,
+) -> Result<Vec<TokenizedPair>> {
     read_rows(path, |obj, bad| {
         Ok(TokenizedPair {
-            chosen: example(obj, "chosen_", bad)?,
-            rejected: example(obj, "rejected_", bad)?,
+            chosen: example(obj, "chosen_", vocab_size, bad)?,
+            rejected: example(obj, "rejected_", vocab_size, bad)?,
         })
     })
 }
@@ -97,10 +116,12 @@ fn read_rows<T>(
     Ok(rows)
 }
 
-/// The example under `{prefix}input_ids` and `{prefix}labels`.
+/// The example under `{prefix}input_ids` and `{prefix}labels`, its ids (and labels other than
+/// [`IGNORE_INDEX`]) below `vocab_size` when given.
 fn example(
     obj: &serde_json::Map<String, Value>,
     prefix: &str,
+    vocab_size: Option<usize>,
     bad: Bad,
 ) -> Result<TokenizedExample> {
     let (ids_key, labels_key) = (format!("{prefix}input_ids"), format!("{prefix}labels"));
@@ -135,6 +156,25 @@ fn example(
             labels.len(),
             input_ids.len()
         )));
+    }
+    if let Some(vocab) = vocab_size {
+        let past = |key: &str, at: Option<(usize, i64)>| match at {
+            Some((i, id)) => Err(bad(format!(
+                "'{key}' holds the id {id} (position {}), past the model's vocabulary of \
+                 {vocab} tokens (ids 0 to {})",
+                i + 1,
+                vocab.saturating_sub(1)
+            ))),
+            None => Ok(()),
+        };
+        let first_past = |ids: &mut dyn Iterator<Item = i64>| {
+            ids.enumerate().find(|&(_, id)| id >= vocab as i64)
+        };
+        past(
+            &ids_key,
+            first_past(&mut input_ids.iter().map(|&id| id as i64)),
+        )?;
+        past(&labels_key, first_past(&mut labels.iter().copied()))?;
     }
     Ok(TokenizedExample { input_ids, labels })
 }
@@ -213,6 +253,38 @@ mod tests {
                 "{msg}"
             );
         }
+        // Ids past the model's vocabulary, in the inputs or the labels (here on line 3).
+        for (text, needle) in [
+            (
+                "{\"input_ids\": [1, 2]}\n\n{\"input_ids\": [1, 2, 16]}\n",
+                "3: 'input_ids' holds the id 16 (position 3), past the model's vocabulary of 16",
+            ),
+            (
+                "{\"input_ids\": [1]}\n\n{\"input_ids\": [1, 2], \"labels\": [-100, 99]}\n",
+                "3: 'labels' holds the id 99 (position 2)",
+            ),
+        ] {
+            let p = write("vocab", text);
+            read_tokenized_jsonl(&p).unwrap();
+            let msg = read_tokenized_jsonl_for(&p, Some(16))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.contains(p.to_str().unwrap()) && msg.contains(needle),
+                "{msg}"
+            );
+        }
+        let p = write(
+            "vocab-pairs",
+            "{\"chosen_input_ids\": [1, 2], \"rejected_input_ids\": [1, 40]}\n",
+        );
+        let msg = read_tokenized_pairs_jsonl_for(&p, Some(16))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("1: 'rejected_input_ids' holds the id 40"),
+            "{msg}"
+        );
         let msg = read_tokenized_jsonl(Path::new("/no/data.jsonl"))
             .unwrap_err()
             .to_string();

@@ -55,6 +55,9 @@ pub struct Tokenizer {
     /// The pre-tokenizer `tokenizer.json` holds, where the tokenizer class put its own in its
     /// place (`GPT2Tokenizer` over SmolLM's digit split): what llama.cpp's converter sees.
     written_pre_tokenizer: Option<Json>,
+    /// The rows of the embedding of the model this tokenizer feeds, once a recipe says
+    /// ([`Tokenizer::feed_model`]): ids past it are errors, not an index out of bounds later.
+    model_vocab: Option<usize>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -461,17 +464,47 @@ impl Tokenizer {
             origin: path.to_path_buf(),
             template_locations: DIR_TEMPLATE_LOCATIONS,
             written_pre_tokenizer: None,
+            model_vocab: None,
         })
     }
 
     /// Token ids of `text`. With `add_special_tokens` the post-processor adds what the tokenizer
     /// adds around a sequence (e.g. BOS). Special tokens written in the text are always matched.
+    /// Once fed to a model ([`Tokenizer::feed_model`]), an id past its vocabulary is an error.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let encoding = self
             .inner
             .encode_fast(text, add_special_tokens)
             .map_err(DataError::encode)?;
-        Ok(encoding.get_ids().to_vec())
+        let ids = encoding.get_ids();
+        if let Some(rows) = self.model_vocab {
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= rows) {
+                let token = self.inner.id_to_token(id).unwrap_or_default();
+                return Err(DataError::invalid(
+                    &self.origin,
+                    format!(
+                        "token {token:?} (id {id}) is past the model's vocabulary (vocab_size \
+                         {rows}): the tokenizer has {} tokens, more than the model embeds \
+                         (added tokens the model was not resized for?)",
+                        self.vocab_size
+                    ),
+                ));
+            }
+        }
+        Ok(ids.to_vec())
+    }
+
+    /// Says which model the token ids are for: one whose embedding has `vocab_size` rows. From
+    /// then on [`Tokenizer::encode`] refuses an id past them (a tokenizer with added tokens the
+    /// model was not resized for), and pre-tokenized datasets read for it are checked against
+    /// it ([`Tokenizer::model_vocab`]).
+    pub fn feed_model(&mut self, vocab_size: usize) {
+        self.model_vocab = Some(vocab_size);
+    }
+
+    /// The model vocabulary set by [`Tokenizer::feed_model`], if any.
+    pub fn model_vocab(&self) -> Option<usize> {
+        self.model_vocab
     }
 
     /// The text of `ids`; with `skip_special_tokens`, special tokens are left out. Ids outside the

@@ -13,7 +13,7 @@ pub use crate::family::read::text_model_tensor;
 use crate::gguf::PackedWeights;
 use crate::model::CausalLm;
 use crate::torch_pickle::{read_torch_file, TorchTensor};
-use crate::{torch_pickle, torchtune_names};
+use crate::{torch_pickle, torchtune_names, weight_checks};
 
 /// Where a checkpoint's weights came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -276,7 +276,7 @@ pub fn read_safetensors(
     dtype: DType,
     device: &Device,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
-    read_safetensors_renamed(files, dtype, device, &|name| Some(name.to_string()))
+    read_safetensors_renamed(files, Some(dtype), device, &|name| Some(name.to_string()))
 }
 
 /// A multimodal text model's embedding rows past `vocab_size` (Llama 3.2 Vision's 8 image-token
@@ -305,10 +305,11 @@ fn narrow_multimodal_embedding(
 }
 
 /// As [`read_safetensors`], keeping only the tensors `rename` maps to a name (under that name);
-/// the others are not read at all.
-fn read_safetensors_renamed(
+/// the others are not read at all. `dtype` `None`: as stored. Every tensor read is checked
+/// (`weight_checks`): a float type, finite values.
+pub(crate) fn read_safetensors_renamed(
     files: &[PathBuf],
-    dtype: DType,
+    dtype: Option<DType>,
     device: &Device,
     rename: &dyn Fn(&str) -> Option<String>,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
@@ -322,12 +323,24 @@ fn read_safetensors_renamed(
             let Some(new_name) = rename(&name) else {
                 continue;
             };
+            let stored = view.dtype();
+            weight_checks::stored_as_float(
+                file,
+                &name,
+                stored,
+                weight_checks::safetensors_float(stored),
+            )?;
             let t = st.load(&name, device).map_err(|e| {
-                ModelError::file(file, format!("tensor '{name}' ({:?}): {e}", view.dtype()))
+                ModelError::file(file, format!("tensor '{name}' ({stored:?}): {e}"))
             })?;
-            let t = t.to_dtype(dtype).map_err(|e| {
-                ModelError::file(file, format!("tensor '{name}': cannot convert: {e}"))
-            })?;
+            let loaded = t.dtype();
+            let t = match dtype {
+                Some(dtype) => t.to_dtype(dtype).map_err(|e| {
+                    ModelError::file(file, format!("tensor '{name}': cannot convert: {e}"))
+                })?,
+                None => t,
+            };
+            weight_checks::finite(file, &name, &t, Some(loaded))?;
             out.insert(new_name, t);
         }
     }
@@ -433,9 +446,7 @@ pub fn read_pickle_shards(
             if torchtune_names || !tune.is_empty() {
                 tune.push((name, t));
             } else {
-                let t = t
-                    .to_tensor(dtype.unwrap_or_else(|| t.dtype.candle()), device)
-                    .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
+                let t = t.to_weight(file, &name, dtype, device)?;
                 hf.insert(name, t);
             }
         }
@@ -449,7 +460,13 @@ pub fn read_pickle_shards(
             "the files mix HF and torchtune tensor names",
         ));
     }
-    torchtune(tune).map_err(|msg| ModelError::file(&files[0], msg))
+    let (tensors, quantized) = torchtune(tune).map_err(|msg| ModelError::file(&files[0], msg))?;
+    // torchtune's names are converted whole (its int8 layers included), so its weights are
+    // checked once converted.
+    for (name, t) in &tensors {
+        weight_checks::finite(&files[0], name, t, None)?;
+    }
+    Ok((tensors, quantized))
 }
 
 /// Reads a checkpoint (HF folder, PyTorch or Meta pickle, or GGUF) with tensors in `dtype` on
@@ -521,7 +538,7 @@ fn read(
             // Multimodal checkpoints hold their text model under a prefix; Llama 4 names its
             // MLP `feed_forward`: both read under the decoder's names.
             let tensors = if config.text_of_multimodal || config.llama4_names {
-                let mut tensors = read_safetensors_renamed(files, dtype, device, &|name| {
+                let mut tensors = read_safetensors_renamed(files, Some(dtype), device, &|name| {
                     config.text_model_name(name)
                 })?;
                 if config.text_of_multimodal {

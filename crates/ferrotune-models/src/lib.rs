@@ -14,6 +14,7 @@ pub mod save;
 pub mod slots;
 pub mod torch_pickle;
 pub mod torchtune_names;
+mod weight_checks;
 
 pub use checkpoint::{
     load_model, load_model_files, read_checkpoint, read_checkpoint_files, Checkpoint,

@@ -296,6 +296,41 @@ fn one_lora_step(dir: &Path, family: &str, settings: &[&str]) -> Output {
     ferrotune(&args, dir, &[])
 }
 
+/// A pre-tokenized row holding an id past the model's vocabulary stops the run before training,
+/// naming the file, the line, the id and the vocabulary size (issue 44; before, the embedding
+/// lookup failed on an index out of range, naming neither).
+#[test]
+fn token_ids_past_the_models_vocabulary_stop_the_run_naming_file_and_line() {
+    let dir = tmpdir("ids-past-vocab");
+    let data = dir.join("rows.jsonl");
+    std::fs::write(
+        &data,
+        "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4, 5, 6]}\n\n{\"input_ids\": [7, 512, 9]}\n",
+    )
+    .unwrap();
+    let cfg = write_config(&dir, "llama3", &data);
+    let out = ferrotune(
+        &[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+        ],
+        &dir,
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains(
+            "rows.jsonl:4: 'input_ids' holds the id 512 (position 2), past the model's \
+             vocabulary of 512 tokens"
+        ),
+        "{}",
+        text(&out)
+    );
+    assert!(!dir.join("out").join("epoch_0").exists());
+}
+
 /// `model.apply_lora_to_embeddings` adds PEFT's embedding adapter (A zeros, B normal): one AdamW
 /// step moves A's columns of the batch's tokens (those before a scored label) and no other, the adapter is saved under PEFT's
 /// names with `embed_tokens` among the targets, and a torchtune checkpointer skips the

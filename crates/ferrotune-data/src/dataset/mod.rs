@@ -449,10 +449,12 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
                     path.display()
                 )));
             }
-            Ok(crate::tokenized::read_tokenized_jsonl(path)?
-                .into_iter()
-                .map(|e| (e.input_ids, e.labels))
-                .collect())
+            Ok(
+                crate::tokenized::read_tokenized_jsonl_for(path, tokenizer.model_vocab())?
+                    .into_iter()
+                    .map(|e| (e.input_ids, e.labels))
+                    .collect(),
+            )
         })?;
         if let Some(max) = max_seq_len {
             for (ids, labels) in &mut samples {
@@ -706,7 +708,7 @@ fn build_pairs(
                     path.display()
                 )));
             }
-            crate::tokenized::read_tokenized_pairs_jsonl(path)
+            crate::tokenized::read_tokenized_pairs_jsonl_for(path, tokenizer.model_vocab())
         })?;
         return Ok(pairs
             .into_iter()

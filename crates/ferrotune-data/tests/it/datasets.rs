@@ -435,6 +435,44 @@ fn tokenized_rows_and_concatenation() {
     );
 }
 
+/// Token ids past the vocabulary of the model a tokenizer feeds are refused while the data is
+/// read (issue 44): a pre-tokenized row names the file, the line, the id and the vocabulary
+/// size; text whose tokens the model cannot embed names the token and both sizes. Before, the
+/// rows loaded and failed as an index error in the embedding.
+#[test]
+fn ids_past_the_models_vocabulary_are_refused() {
+    let mut tok = real_tokenizer("qwen3");
+    let dir = temp_sources(&[(
+        "past-vocab.jsonl",
+        json!([{"input_ids": [1, 2]}, {"input_ids": [3, 4, 150000]}]),
+    )]);
+    let section = json!({"_component_": "tokenized_dataset", "source": "json",
+                         "data_files": "past-vocab.jsonl"});
+    assert_eq!(build_dataset(&section, &tok, &dir).unwrap().rows.len(), 2);
+    tok.feed_model(150000);
+    let err = build_dataset(&section, &tok, &dir).unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "past-vocab.jsonl:2: 'input_ids' holds the id 150000 (position 3), past \
+                      the model's vocabulary of 150000 tokens"
+        ),
+        "{err}"
+    );
+    let text = "The quick brown fox jumps over the lazy dog";
+    let ids = real_tokenizer("qwen3").encode(text, false).unwrap();
+    let rows = *ids.iter().max().unwrap() as usize;
+    tok.feed_model(rows + 1);
+    assert_eq!(tok.encode(text, false).unwrap(), ids);
+    tok.feed_model(rows);
+    let err = tok.encode(text, false).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!(
+            "is past the model's vocabulary (vocab_size {rows})"
+        )) && err.contains(&format!("the tokenizer has {} tokens", tok.vocab_size())),
+        "{err}"
+    );
+}
+
 /// The shuffle is a permutation, repeatable, different per epoch and seed, and unbiased enough.
 #[test]
 fn shuffled_order_is_a_seeded_permutation() {

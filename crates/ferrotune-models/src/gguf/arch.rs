@@ -140,7 +140,12 @@ impl HParams {
         let rms_eps = g
             .float(&eps_key)?
             .ok_or_else(|| g.err(format!("missing metadata key '{eps_key}'")))?;
-        let rope_theta = g.float(&k("rope.freq_base"))?.unwrap_or(10000.0);
+        if rms_eps < 0.0 {
+            return Err(g.err(format!(
+                "metadata key '{eps_key}' must not be negative, found {rms_eps}"
+            )));
+        }
+        let rope_theta = g.positive_float(&k("rope.freq_base"))?.unwrap_or(10000.0);
         let rope_dims = g.uint(&k("rope.dimension_count"))?.map(|n| n as usize);
         // Head size: `attention.key_length` when given; for llama transformers takes
         // `rope.dimension_count` (llama.cpp writes the head size there); else hidden / heads.

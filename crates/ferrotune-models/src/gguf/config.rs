@@ -84,13 +84,13 @@ impl GgufFile<'_> {
     ) -> Result<Option<Value>, ModelError> {
         let a = arch.gguf.clone();
         let key = |k: &str| format!("{a}.rope.scaling.{k}");
-        let factor = self.float(&key("factor"))?;
+        let factor = self.positive_float(&key("factor"))?;
         let original = self.uint(&key("original_context_length"))?;
         let kind = match self.string(&key("type"))? {
             Some(t) => Some(t.to_ascii_lowercase()),
             // Older files: `{arch}.rope.scale_linear`.
             None => self
-                .float(&format!("{a}.rope.scale_linear"))?
+                .positive_float(&format!("{a}.rope.scale_linear"))?
                 .filter(|f| *f != 1.0)
                 .map(|_| "linear".into()),
         };

@@ -119,12 +119,14 @@ impl<'a> GgufFile<'a> {
                 )));
             }
         }
-        Ok(Self {
+        let file = Self {
             path,
             reader,
             len,
             content,
-        })
+        };
+        file.check_layout()?;
+        Ok(file)
     }
 
     pub(super) fn err(&self, msg: impl Into<String>) -> ModelError {
@@ -203,6 +205,16 @@ impl<'a> GgufFile<'a> {
         Ok(Some(x))
     }
 
+    /// A number that must be positive when given (a base frequency, a scale factor).
+    pub(super) fn positive_float(&self, key: &str) -> Result<Option<f64>, ModelError> {
+        match self.float(key)? {
+            Some(x) if x <= 0.0 => Err(self.err(format!(
+                "metadata key '{key}' must be a positive number, found {x}"
+            ))),
+            other => Ok(other),
+        }
+    }
+
     pub(super) fn string(&self, key: &str) -> Result<Option<&str>, ModelError> {
         match self.meta(key) {
             None => Ok(None),
@@ -223,41 +235,110 @@ impl<'a> GgufFile<'a> {
         }
     }
 
-    /// Checks that a tensor's type is one we dequantize and that its bytes lie inside the file.
-    pub(super) fn check_tensor_data(&self, name: &str) -> Result<(), ModelError> {
+    /// Checks that the tensors tile the data section as llama.cpp's reader (gguf.cpp) requires:
+    /// each starts where the one before it ends, padded to the alignment, and the last ends where
+    /// the file does. A tensor relabelled with another type or shape (an F32 tensor labelled
+    /// Q4_0) changes its size, so it shows up here instead of being read as garbage.
+    fn check_layout(&self) -> Result<(), ModelError> {
+        let align = match self.meta("general.alignment") {
+            Some(GgufValue::U32(a)) => u64::from(*a),
+            _ => 32,
+        };
+        // candle keeps the tensors in a map; their order in the file is the order of offsets.
+        let mut infos: Vec<_> = self.content.tensor_infos.iter().collect();
+        infos.sort_by_key(|(name, info)| (info.offset, name.as_str()));
+        let mut expected = 0u64;
+        let mut before: Option<(&str, GgmlDType, &[usize])> = None;
+        for (name, info) in infos {
+            if info.offset != expected {
+                let after = match before {
+                    Some((prev, t, dims)) => {
+                        format!(
+                            "where the tensor before it, '{prev}' ({t:?}, shape {dims:?}), ends"
+                        )
+                    }
+                    None => "at the start of the data".to_string(),
+                };
+                return Err(self.tensor_err(
+                    name,
+                    format!(
+                        "({:?}, shape {:?}) is at data offset {} but should be at offset \
+                         {expected}, {after} (padded to {align} bytes): a tensor's type or \
+                         shape is wrong, or the file is corrupt",
+                        info.ggml_dtype,
+                        info.shape.dims(),
+                        info.offset
+                    ),
+                ));
+            }
+            let bytes = self.tensor_bytes(name)?;
+            self.data_end(name, bytes)?;
+            // Within the file (just checked), so this cannot overflow.
+            expected = (info.offset + bytes).next_multiple_of(align);
+            before = Some((name, info.ggml_dtype, info.shape.dims()));
+        }
+        // Padding after the last tensor is optional; more than that is data no tensor accounts for.
+        let data_len = self.len.saturating_sub(self.content.tensor_data_offset);
+        if let Some((last, t, dims)) = before {
+            if data_len > expected {
+                return Err(self.err(format!(
+                    "the file holds {} bytes after its last tensor, '{last}' ({t:?}, shape \
+                     {dims:?}), which no tensor accounts for: a tensor's type or shape is \
+                     wrong, or the file is corrupt",
+                    data_len - expected
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes of a tensor's data, from its type and shape.
+    fn tensor_bytes(&self, name: &str) -> Result<u64, ModelError> {
         let info = &self.content.tensor_infos[name];
         let t = info.ggml_dtype;
-        if matches!(t, GgmlDType::Q8_1 | GgmlDType::Q8K) {
-            return Err(self.tensor_err(
-                name,
-                format!("has type {t:?}, which ferrotune cannot dequantize (supported: {SUPPORTED_TYPES})"),
-            ));
-        }
         let dims = info.shape.dims();
         let elems = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
         let inner = dims.last().copied().unwrap_or(1);
         let bytes = elems
             .filter(|_| inner % t.block_size() == 0)
             .and_then(|n| (n / t.block_size()).checked_mul(t.type_size()));
-        let Some(bytes) = bytes else {
-            return Err(self.tensor_err(
+        bytes.map(|b| b as u64).ok_or_else(|| {
+            self.tensor_err(
                 name,
                 format!(
                     "has shape {dims:?}, impossible for type {t:?} (blocks of {})",
                     t.block_size()
                 ),
-            ));
-        };
+            )
+        })
+    }
+
+    /// Where a tensor of `bytes` bytes ends in the file; an error when that is past its end.
+    fn data_end(&self, name: &str, bytes: u64) -> Result<u64, ModelError> {
+        let info = &self.content.tensor_infos[name];
         let start = self.content.tensor_data_offset.checked_add(info.offset);
-        let end = start.and_then(|s| s.checked_add(bytes as u64));
+        let end = start.and_then(|s| s.checked_add(bytes));
         match (start, end) {
-            (Some(_), Some(end)) if end <= self.len => Ok(()),
+            (Some(_), Some(end)) if end <= self.len => Ok(end),
             (start, _) => Err(self.err(format!(
                 "the GGUF file is truncated: tensor '{name}' needs {bytes} bytes at offset {} but the file has {} bytes",
                 start.map_or_else(|| "(overflow)".to_string(), |s| s.to_string()),
                 self.len
             ))),
         }
+    }
+
+    /// Checks that a tensor's type is one we dequantize and that its bytes lie inside the file.
+    pub(super) fn check_tensor_data(&self, name: &str) -> Result<(), ModelError> {
+        let t = self.content.tensor_infos[name].ggml_dtype;
+        if matches!(t, GgmlDType::Q8_1 | GgmlDType::Q8K) {
+            return Err(self.tensor_err(
+                name,
+                format!("has type {t:?}, which ferrotune cannot dequantize (supported: {SUPPORTED_TYPES})"),
+            ));
+        }
+        let bytes = self.tensor_bytes(name)?;
+        self.data_end(name, bytes).map(|_| ())
     }
 
     /// Reads a tensor's blocks (CPU), in PyTorch dimension order.

@@ -183,6 +183,8 @@ fn read_gguf(
                 format!("cannot be converted to {dtype:?} on {device:?}: {e}"),
             )
         })?;
+        // Dequantized blocks are f32.
+        crate::weight_checks::finite(gguf.path, &name, &t, Some(DType::F32))?;
         if let [whole] = parts.as_slice() {
             let t = if role.kind == Kind::SharedRouter {
                 // transformers' `shared_expert_gate` is a `[1, hidden]` linear layer.

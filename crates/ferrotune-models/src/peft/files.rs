@@ -49,8 +49,13 @@ pub fn load_adapter(model: &mut CausalLm, dir: &Path) -> Result<LoraConfig, Mode
 pub fn read_adapter_tensors(dir: &Path) -> Result<(PathBuf, HashMap<String, Tensor>), ModelError> {
     let file = dir.join(ADAPTER_WEIGHTS_FILE);
     if file.is_file() {
-        let tensors = candle_core::safetensors::load(&file, &Device::Cpu)
-            .map_err(|e| ModelError::file(&file, format!("cannot read: {e}")))?;
+        // The model's reader: its tensors checked as a model's are (float types, finite).
+        let tensors = crate::checkpoint::read_safetensors_renamed(
+            std::slice::from_ref(&file),
+            None,
+            &Device::Cpu,
+            &|name| Some(name.to_string()),
+        )?;
         return Ok((file, tensors));
     }
     let bin = dir.join("adapter_model.bin");
@@ -59,9 +64,7 @@ pub fn read_adapter_tensors(dir: &Path) -> Result<(PathBuf, HashMap<String, Tens
     }
     let mut out = HashMap::new();
     for (name, t) in crate::torch_pickle::read_torch_file(&bin)? {
-        let t = t
-            .to_tensor(candle_core::DType::F32, &Device::Cpu)
-            .map_err(|e| ModelError::file(&bin, format!("tensor '{name}': {e}")))?;
+        let t = t.to_weight(&bin, &name, Some(candle_core::DType::F32), &Device::Cpu)?;
         out.insert(name, t);
     }
     Ok((bin, out))

@@ -306,9 +306,7 @@ pub fn read_torchtune_adapter(
     let lay = layout(&config).ok_or_else(|| err(unsupported(&config)))?;
     let mut modules: BTreeMap<String, Parts> = BTreeMap::new();
     for (name, t) in read_torch_file(file)? {
-        let t = t
-            .to_tensor(DType::F32, &Device::Cpu)
-            .map_err(|e| err(format!("tensor '{name}': {e}")))?;
+        let t = t.to_weight(file, &name, Some(DType::F32), &Device::Cpu)?;
         let (module, slot) = if let Some(m) = name.strip_suffix(".lora_a.weight") {
             (m, 0)
         } else if let Some(m) = name.strip_suffix(".lora_b.weight") {

@@ -146,6 +146,28 @@ impl TorchTensor {
         })
     }
 
+    /// A weight read from `file`: refused unless stored as a float type and holding only
+    /// finite values (`weight_checks`); in `dtype` (`None`: as stored) on `device`.
+    pub fn to_weight(
+        &self,
+        file: &Path,
+        name: &str,
+        dtype: Option<DType>,
+        device: &Device,
+    ) -> Result<Tensor, ModelError> {
+        let float = matches!(
+            self.dtype,
+            TorchDType::F32 | TorchDType::F64 | TorchDType::F16 | TorchDType::BF16
+        );
+        crate::weight_checks::stored_as_float(file, name, self.dtype, float)?;
+        let stored = self.dtype.candle();
+        let t = self
+            .to_tensor(dtype.unwrap_or(stored), device)
+            .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
+        crate::weight_checks::finite(file, name, &t, Some(stored))?;
+        Ok(t)
+    }
+
     /// The values as a candle tensor in `dtype` (integers through f32/f64, exactly while they
     /// fit).
     pub fn to_tensor(&self, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
@@ -662,9 +684,7 @@ pub fn read_meta(
     };
     let mut raw = HashMap::with_capacity(stored.len());
     for (name, t) in stored {
-        let t = t
-            .to_tensor(dtype.unwrap_or_else(|| t.dtype.candle()), device)
-            .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
+        let t = t.to_weight(file, &name, dtype, device)?;
         raw.insert(name, t);
     }
     let mut tensors = HashMap::with_capacity(raw.len());

@@ -1096,6 +1096,130 @@ fn error_names_given_twice() {
     );
 }
 
+/// A tensor whose type label disagrees with its bytes (F32 data labelled Q4_0, which needs a
+/// seventh of the bytes) is refused, as llama.cpp's reader refuses it: the next tensor is not
+/// where the sizes put it, or, for the last tensor, bytes are left over. Before, the file loaded
+/// with the bytes read as Q4_0 blocks.
+#[test]
+fn error_tensor_type_disagrees_with_its_bytes() {
+    let dir = scratch("relabelled");
+    let hp = Hp {
+        vocab: 4,
+        hidden: 32,
+        ffn: 32,
+        heads: 2,
+        kv_heads: 1,
+    };
+    let relabelled = |name: &str, last: bool| {
+        let mut specs = full_model("llama", hp, &hf_values(hp));
+        let at = specs.iter().position(|t| t.name == name).unwrap();
+        let mut spec = specs.remove(at);
+        spec.ggml_type = 2;
+        specs.insert(if last { specs.len() } else { at }, spec);
+        gguf_bytes(3, &metadata("llama", hp), &specs)
+    };
+    // Sound as written.
+    let file = write(
+        &dir,
+        "f32.gguf",
+        &gguf_bytes(
+            3,
+            &metadata("llama", hp),
+            &full_model("llama", hp, &hf_values(hp)),
+        ),
+    );
+    load_gguf(&file, DType::F32, &Device::Cpu).unwrap();
+    // A tensor in the middle: the one after it starts past where the labels put it.
+    let msg = load_err(&write(
+        &dir,
+        "mid.gguf",
+        &relabelled("token_embd.weight", false),
+    ));
+    assert!(
+        msg.contains("'token_embd.weight' (Q4_0, shape [4, 32])")
+            && msg.contains("should be at offset 96"),
+        "{msg}"
+    );
+    // The last tensor: bytes no tensor accounts for.
+    let msg = load_err(&write(
+        &dir,
+        "last.gguf",
+        &relabelled("token_embd.weight", true),
+    ));
+    assert!(
+        msg.contains("after its last tensor, 'token_embd.weight' (Q4_0"),
+        "{msg}"
+    );
+}
+
+/// NaN or ±Inf in a tensor (here F32; dequantized blocks are checked the same way) is refused
+/// naming the GGUF tensor, as for every other format (`weight_checks.rs`).
+#[test]
+fn error_non_finite_weights() {
+    let dir = scratch("nonfinite");
+    let hp = TINY;
+    for (case, v) in [("nan", f32::NAN), ("inf", f32::NEG_INFINITY)] {
+        let mut specs = full_model("llama", hp, &hf_values(hp));
+        let down = specs
+            .iter_mut()
+            .find(|t| t.name == "blk.0.ffn_down.weight")
+            .unwrap();
+        down.data[4..8].copy_from_slice(&v.to_le_bytes());
+        let msg = load_err(&write(
+            &dir,
+            &format!("{case}.gguf"),
+            &gguf_bytes(3, &metadata("llama", hp), &specs),
+        ));
+        assert!(
+            msg.contains("tensor 'blk.0.ffn_down.weight' holds"),
+            "{msg}"
+        );
+    }
+}
+
+/// Metadata values out of range are refused naming the GGUF key (issue 44: a rope factor of 0
+/// loaded silently).
+#[test]
+fn error_metadata_out_of_range() {
+    let dir = scratch("ranges");
+    let cases: [(&str, Meta, &str); 4] = [
+        (
+            "llama.rope.freq_base",
+            Meta::F32(0.0),
+            "'llama.rope.freq_base' must be a positive",
+        ),
+        (
+            "llama.rope.scale_linear",
+            Meta::F32(0.0),
+            "'llama.rope.scale_linear' must be a positive",
+        ),
+        (
+            "llama.rope.scaling.factor",
+            Meta::F32(-4.0),
+            "'llama.rope.scaling.factor' must be a positive",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Meta::F32(-1e-5),
+            "'llama.attention.layer_norm_rms_epsilon' must not be negative",
+        ),
+    ];
+    for (i, (key, value, needle)) in cases.into_iter().enumerate() {
+        let mut meta = metadata("llama", TINY);
+        meta.retain(|(k, _)| k != key);
+        meta.push((key.into(), value));
+        if key.contains("scaling.factor") {
+            meta.push(("llama.rope.scaling.type".into(), Meta::Str("linear")));
+        }
+        let msg = load_err(&write(
+            &dir,
+            &format!("{i}.gguf"),
+            &gguf_bytes(3, &meta, &[]),
+        ));
+        assert!(msg.contains(needle), "{key}: {msg}");
+    }
+}
+
 /// Gemma 2 and Gemma 3 GGUF files as convert_hf_to_gguf.py writes them (scripts/make_gguf_fixtures.py):
 /// loaded, they give the source checkpoint's logits (for Gemma 2 transformers' own GGUF load
 /// agrees; for Gemma 3 it drops the rope scaling that llama.cpp and we apply).

@@ -16,3 +16,4 @@ mod quantized;
 mod structure;
 mod torch_save;
 mod torchtune_adapter;
+mod weight_checks;

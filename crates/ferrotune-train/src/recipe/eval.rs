@@ -57,11 +57,12 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
     let dtype = setup::dtype(cfg)?;
     let location = setup::checkpoint_path(cfg)?;
     let path = location.path.clone();
-    let tok = setup::tokenizer(cfg, &path)?;
+    let mut tok = setup::tokenizer(cfg, &path)?;
     let opts = load_options(cfg, &location, dtype, device.clone())?;
     let model = load_for_inference(&path, &opts, |model| {
         setup::check_model_component(cfg, &model.config)
     })?;
+    tok.feed_model(model.config.vocab_size);
     let rows = setup::dataset(cfg, &tok)?.rows;
     let pad = pad_id(&tok, &model.config);
     let t0 = Instant::now();

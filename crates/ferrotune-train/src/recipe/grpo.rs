@@ -463,7 +463,8 @@ pub fn run(cfg: &Config) -> Result<()> {
             );
         }
     }
-    let tokenizer = setup::tokenizer(cfg, &policy_path)?;
+    let mut tokenizer = setup::tokenizer(cfg, &policy_path)?;
+    tokenizer.feed_model(policy.config.vocab_size);
     say(format!(
         "Policy and reference policy loaded in {:.1}s on {device:?} as {dtype:?}",
         t0.elapsed().as_secs_f64()

@@ -90,6 +90,10 @@ impl ModelConfig {
         rules.check(hf)?;
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
+        if num_attention_heads == 0 {
+            // Checked here, before dividing by it; the other ranges in `check_ranges`.
+            return Err("'num_attention_heads' must be at least 1, found 0".into());
+        }
         let num_key_value_heads =
             get_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
         let head_dim = match get_usize(obj, "head_dim")? {
@@ -182,6 +186,7 @@ impl ModelConfig {
                 ));
             }
         }
+        config.check_ranges()?;
         Ok(config)
     }
 

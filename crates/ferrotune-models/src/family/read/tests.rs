@@ -328,3 +328,70 @@ fn olmo2_switches_and_defaults() {
         );
     }
 }
+
+/// Values out of range are refused naming the key, for every family (issue 44: a rope factor of
+/// 0 loaded silently, and `num_attention_heads: 0` divided by zero).
+#[test]
+fn out_of_range_values_name_the_key() {
+    let cases: [(&str, Value, &str); 13] = [
+        (
+            "rope_scaling",
+            json!({"rope_type": "linear", "factor": 0.0}),
+            "rope_scaling.factor",
+        ),
+        (
+            "rope_scaling",
+            json!({"rope_type": "linear", "factor": -2.0}),
+            "rope_scaling.factor",
+        ),
+        (
+            "rope_parameters",
+            json!({"rope_type": "dynamic", "factor": 0}),
+            "rope_scaling.factor",
+        ),
+        (
+            "rope_scaling",
+            json!({"rope_type": "llama3", "factor": 8, "low_freq_factor": 0,
+                   "high_freq_factor": 4, "original_max_position_embeddings": 8192}),
+            "rope_scaling.low_freq_factor",
+        ),
+        (
+            "rope_scaling",
+            json!({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 0}),
+            "original_max_position_embeddings",
+        ),
+        (
+            "rope_theta",
+            json!(0),
+            "'rope_theta' must be a positive number",
+        ),
+        ("rope_theta", json!(-10000.0), "'rope_theta'"),
+        ("rms_norm_eps", json!(-1e-6), "'rms_norm_eps'"),
+        ("hidden_size", json!(0), "'hidden_size'"),
+        ("vocab_size", json!(0), "'vocab_size'"),
+        ("num_attention_heads", json!(0), "'num_attention_heads'"),
+        ("head_dim", json!(0), "'head_dim'"),
+        ("num_hidden_layers", json!(0), "'num_hidden_layers'"),
+    ];
+    let mut families = 0;
+    for family in crate::family::FAMILIES {
+        let model_type = family.model_types[0].name;
+        let Ok(sound) = ModelConfig::from_hf_json(&base_of(model_type)) else {
+            continue; // a family needing more keys than `base` has
+        };
+        assert!(sound.rope.theta > 0.0);
+        families += 1;
+        for (key, value, needle) in &cases {
+            let mut c = base_of(model_type);
+            c[*key] = value.clone();
+            match ModelConfig::from_hf_json(&c) {
+                Ok(_) => panic!("{model_type}: {key} = {value} was accepted"),
+                Err(e) => assert!(e.contains(needle), "{model_type}: {key} = {value}: {e}"),
+            }
+        }
+    }
+    assert!(
+        families >= 5,
+        "only {families} families parse the base config"
+    );
+}

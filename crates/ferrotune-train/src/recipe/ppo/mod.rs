@@ -370,7 +370,8 @@ pub fn run(cfg: &Config) -> Result<()> {
         dtype,
         &device,
     )?;
-    let tokenizer = setup::tokenizer(cfg, &policy_path)?;
+    let mut tokenizer = setup::tokenizer(cfg, &policy_path)?;
+    tokenizer.feed_model(policy.config.vocab_size);
     let (reference, _, _) = load(
         cfg,
         "ref_policy_checkpointer",

@@ -179,8 +179,10 @@ impl FineTune {
         };
         let seed = state::run_seed(cfg, saved.as_ref())?;
         let base = setup::checkpoint_path(cfg)?;
-        let tokenizer = setup::tokenizer(cfg, &base.path)?;
+        let mut tokenizer = setup::tokenizer(cfg, &base.path)?;
         let (model, source) = load_model(cfg, mode, &session, &settings, &base, saved.as_ref())?;
+        // Token ids past the model's embedding are errors while the data is read.
+        tokenizer.feed_model(model.config.vocab_size);
         let run = FineTune {
             recipe,
             mode,
