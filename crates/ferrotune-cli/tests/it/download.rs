@@ -801,3 +801,109 @@ fn dataset_listing_with_escaping_entries_is_refused() {
     let names: Vec<_> = std::fs::read_dir(&outside).unwrap().collect();
     assert_eq!(names.len(), 1, "{names:?}");
 }
+
+#[test]
+fn dataset_cache_paths_trust_no_header() {
+    // Sets HF_ENDPOINT and HF_HOME in its own process: see
+    // `dataset_files_returns_the_split_parquet_from_the_cache`.
+    let name = "dataset_cache_paths_trust_no_header";
+    if !ferrotune_testing::in_own_process(ALONE, module_path!(), name) {
+        return;
+    }
+    // Headers that name cache paths, each climbing from its folder in the cache to `tmp`: the
+    // `X-Repo-Commit` (from `snapshots/`) and an LFS ETag (from `blobs/`; the stand-in's CDN looks
+    // the object up by the part before `?`, so the bytes still come, from the decoy repository).
+    const DECOY: &str = "decoyobject";
+    let evil_commit = "../../../../escape-commit";
+    let evil_etag = format!("{DECOY}?/../../../../../escape-etag");
+    let shard = "data/train-00000-of-00001.parquet";
+    let bytes = pattern(30_000, 11);
+    let repo = |id: &str, files: Vec<HubFile>| HubRepo {
+        kind: "datasets",
+        id: id.to_string(),
+        revisions: vec![HubRevision {
+            name: "main".into(),
+            sha: COMMIT.into(),
+            files,
+        }],
+    };
+    let server = HubServer::start(vec![
+        repo(
+            "acme/evil-etag-ds",
+            vec![
+                HubFile::plain("README.md", b"# ds\n"),
+                HubFile::lfs(shard, bytes.clone(), &evil_etag),
+            ],
+        ),
+        repo(
+            "acme/decoy-ds",
+            vec![HubFile::lfs(shard, bytes.clone(), DECOY)],
+        ),
+        repo(
+            "acme/evil-commit-ds",
+            vec![HubFile::plain(shard, &pattern(500, 12))],
+        ),
+    ]);
+    let tmp = temp_dir("ds-headers");
+    std::env::set_var("HF_ENDPOINT", server.url());
+    std::env::set_var("HF_HOME", tmp.join("hf-home"));
+    for k in [
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+    ] {
+        std::env::remove_var(k);
+    }
+    let cache = tmp.join("hf-home").join("hub");
+    let assert_nothing_outside = || {
+        let outside = files_outside(&tmp, &cache);
+        assert!(outside.is_empty(), "written outside the cache: {outside:?}");
+        for name in ["escape-commit", "escape-etag", "escape-etag.incomplete"] {
+            assert!(
+                std::fs::symlink_metadata(tmp.join(name)).is_err(),
+                "{name} created"
+            );
+        }
+    };
+
+    // The ETag only names the partial file, after hashing: the download succeeds in the cache.
+    let paths = ferrotune_data::hub::dataset_files("acme/evil-etag-ds", None, "train").unwrap();
+    assert_nothing_outside();
+    let snapshot = cache.join(format!("datasets--acme--evil-etag-ds/snapshots/{COMMIT}"));
+    assert_eq!(paths, [snapshot.join(shard)]);
+    assert_eq!(std::fs::read(&paths[0]).unwrap(), bytes);
+
+    // A second call finds the file complete: no download.
+    server.clear_log();
+    let again = ferrotune_data::hub::dataset_files("acme/evil-etag-ds", None, "train").unwrap();
+    assert_eq!(again, paths);
+    let fetched: Vec<_> = server
+        .log()
+        .into_iter()
+        .filter(|r| r.method == "GET" && !r.path.starts_with("/api/"))
+        .collect();
+    assert!(fetched.is_empty(), "downloaded again: {fetched:?}");
+
+    // A commit header that is not a commit id fails the load, naming the header.
+    server.send_repo_commit(evil_commit);
+    let err = ferrotune_data::hub::dataset_files("acme/evil-commit-ds", None, "train")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("X-Repo-Commit header '{evil_commit}'"))
+            && err.contains("dataset repository 'acme/evil-commit-ds'")
+            && err.contains(shard),
+        "{err}"
+    );
+    assert_nothing_outside();
+
+    // The repository id, from the config, names the cache folder too.
+    let err = ferrotune_data::hub::dataset_files("acme/../x", None, "train")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("hub dataset 'acme/../x' (the dataset's `source`) is not a valid"),
+        "{err}"
+    );
+}

@@ -1,12 +1,14 @@
 //! [`dataset_files`] / [`dataset_files_in`]: the data files of one split of a dataset repository,
-//! downloaded into the Hugging Face cache.
+//! downloaded into the Hugging Face cache (by `cache.rs`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 
+use super::cache::cache_files;
 use super::client::{runtime, Hub};
-use super::errors::{Ctx, HubFailure};
+use super::errors::Ctx;
 use super::requests::{list_converted, list_files, TreeFile};
+use super::safe_path::repo_folder_name;
 use super::splits::{
     converted_configs, converted_splits, is_data_file, pick_committed, pick_converted,
 };
@@ -32,7 +34,10 @@ const PARQUET_REVISION: &str = "refs/convert/parquet";
 /// these, every data file is `train`. Committed parquet comes first, then the Hub's parquet
 /// conversion (revision `refs/convert/parquet`, `{config}/{split}/*.parquet`; first when the
 /// repository has a loading script, whose output only the conversion reflects), then committed
-/// JSON / JSONL / CSV. Files go to the Hugging Face cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`).
+/// JSON / JSONL / CSV. Files go to the Hugging Face cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`),
+/// at `datasets--{owner}--{name}/snapshots/{commit}/{path}` as real files; a file already complete
+/// there is not downloaded again, an interrupted one resumes. The repository id must be one the
+/// Hub accepts (`owner/name`, no `..`), and the commit the Hub names (`X-Repo-Commit`) a commit id.
 pub fn dataset_files(repo_id: &str, name: Option<&str>, split: &str) -> Result<Vec<PathBuf>> {
     dataset_files_in(repo_id, name, None, split)
 }
@@ -66,6 +71,13 @@ pub fn dataset_files_in(
         revision: PARQUET_REVISION,
         ..main_ctx
     };
+    // The id names the cache folder: checked before any request.
+    repo_folder_name(RepoKind::Dataset, repo_id).map_err(|why| {
+        DataError::Dataset(format!(
+            "hub dataset '{}' (the dataset's `source`) is not a valid Hugging Face repository id: {why}",
+            repo_id.escape_debug()
+        ))
+    })?;
     runtime()?.block_on(async {
         let mut main = list_files(&main_ctx, &repo).await?;
         let data_dir = data_dir.map(|d| format!("{}/", d.trim_matches('/')));
@@ -136,17 +148,18 @@ pub fn dataset_files_in(
             revision,
             ..main_ctx
         };
-        let mut paths = Vec::with_capacity(files.len());
-        for file in &files {
-            let path = repo
-                .download_file()
-                .filename(file.clone())
-                .revision(revision.to_string())
-                .send()
-                .await
-                .map_err(|e| ctx.error(HubFailure::from(e)))?;
-            paths.push(path);
-        }
-        Ok(paths)
+        let listing = if revision == PARQUET_REVISION {
+            converted.as_deref().unwrap_or_default()
+        } else {
+            &main
+        };
+        let by_path: HashMap<&str, &TreeFile> =
+            listing.iter().map(|f| (f.path.as_str(), f)).collect();
+        // The picks come from these listings, so every one is found.
+        let picked: Vec<&TreeFile> = files
+            .iter()
+            .filter_map(|p| by_path.get(p.as_str()).copied())
+            .collect();
+        cache_files(&ctx, &repo, &picked).await
     })
 }

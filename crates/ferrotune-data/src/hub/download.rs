@@ -128,17 +128,22 @@ async fn snapshot<T: RepoType>(
     Ok(paths)
 }
 
-/// One file to bring into the output folder.
-struct Item<'a> {
-    path: &'a str,
-    size: u64,
+/// One file to bring into the output folder (or the cache: `cache.rs`).
+pub(super) struct Item<'a> {
+    /// Path in the repository (checked when listed).
+    pub(super) path: &'a str,
+    /// Size in bytes, from the listing.
+    pub(super) size: u64,
     /// The server's ETag as sent (compared with the record, and the LFS sha256 when 64 hex).
-    etag: String,
+    pub(super) etag: String,
     /// `{path}.{etag_component(etag)}.incomplete`, under the bookkeeping folder.
-    partial_name: String,
-    commit: &'a str,
-    dest: &'a Path,
-    meta: PathBuf,
+    pub(super) partial_name: String,
+    /// The commit the bytes are fetched at.
+    pub(super) commit: &'a str,
+    /// Where the complete file goes.
+    pub(super) dest: &'a Path,
+    /// The record that lets a later run skip the file without hashing it.
+    pub(super) meta: PathBuf,
 }
 
 impl Item<'_> {
@@ -150,7 +155,9 @@ impl Item<'_> {
     }
 }
 
-async fn fetch_file<T: RepoType>(
+/// Brings `item` to `item.dest` unless it is complete there: resumes the partial file kept under
+/// `state_dir`, checks size and LFS sha256, then renames it into place and records it.
+pub(super) async fn fetch_file<T: RepoType>(
     ctx: &Ctx<'_>,
     repo: &HFRepository<T>,
     item: &Item<'_>,
@@ -368,7 +375,7 @@ fn sha256_file(path: &Path) -> Result<String> {
         .collect())
 }
 
-fn create_dir(dir: &Path) -> Result<()> {
+pub(super) fn create_dir(dir: &Path) -> Result<()> {
     fs::create_dir_all(dir).map_err(|e| DataError::io(dir, e, "output folder"))
 }
 

@@ -4,31 +4,37 @@
 //!   resumable (an interrupted file continues from the bytes it has, with an HTTP `Range`
 //!   request) and skipping files already complete. This is `ferrotune download`.
 //! - [`dataset_files`]: the data files (parquet preferred) of one split of a dataset repository,
-//!   downloaded into the Hugging Face cache, for recipe datasets with a hub `source`.
+//!   downloaded into the Hugging Face cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`), in its layout
+//!   (`datasets--{owner}--{name}/snapshots/{commit}/{path}`, real files) by the same per-file
+//!   loop, for recipe datasets with a hub `source`.
 //!
 //! Environment, as `huggingface_hub` reads it: `HF_ENDPOINT` (the Hub's base URL), `HF_TOKEN`
 //! (else the file `HF_TOKEN_PATH`, else `$HF_HOME/token`; `HF_HUB_DISABLE_IMPLICIT_TOKEN` turns the
 //! implicit token off), `HF_HOME` / `HF_HUB_CACHE` (where the cache lives).
 //!
 //! `hf-hub` speaks the protocol: repo info, tree listings, file streams with byte ranges (Xet-backed
-//! files included) and the cache layout. What it does not do is written here: its snapshot into a
-//! folder neither resumes (it truncates) nor checks files it finds there, so the per-file loop is
-//! ours; and the LFS sha256 the Hub reports is lost by `hf-hub` (its tree entries expect
+//! files included). What it does not do is written here: its snapshot into a folder neither
+//! resumes (it truncates) nor checks files it finds there, and its cache download names blobs and
+//! snapshot folders after the server's ETag and `X-Repo-Commit` headers unchecked, so the
+//! per-file loop (and the cache layout) is ours; and the LFS sha256 the Hub reports is lost by `hf-hub` (its tree entries expect
 //! `lfs.sha256`, the Hub sends `lfs.oid`; its `get_file_metadata` follows the CDN redirect and
 //! reads the CDN's headers), so one redirect-free `HEAD` per file reads `X-Linked-Etag` itself.
 //!
 //! Principal types: [`RepoKind`], [`SnapshotRequest`], [`FileEvent`] (here). By file:
 //! - `download.rs`: [`download_snapshot`], [`download_state_dir`], the per-file resume/verify loop.
 //! - `dataset_files.rs`: [`dataset_files`], [`dataset_files_in`].
+//! - `cache.rs`: files into the Hugging Face cache layout through the per-file loop.
 //! - `splits.rs`: which files of a dataset repository make up a split.
 //! - `pattern.rs`: [`fnmatch`] and the allow/ignore pattern rule.
 //! - `client.rs`: the client (`Hub`), endpoint, token resolution, runtime.
 //! - `requests.rs`: tree listings, commit resolution, the etag `HEAD` request.
-//! - `safe_path.rs`: `RemotePath` and `etag_component`, the one checked way a listed file path
-//!   or an ETag becomes part of a local path (listings refuse unsafe entries).
+//! - `safe_path.rs`: `RemotePath`, `etag_component`, `CommitId` and `repo_folder_name`, the one
+//!   checked way a listed file path, an ETag, a commit header or a repository id becomes part of
+//!   a local path (listings refuse unsafe entries).
 //! - `errors.rs`: failed requests (`HubFailure`) and their user messages (`Ctx`).
 //! - `tests.rs`: unit tests.
 
+mod cache;
 mod client;
 mod dataset_files;
 mod download;
@@ -59,6 +65,14 @@ impl RepoKind {
         match self {
             RepoKind::Model => "model",
             RepoKind::Dataset => "dataset",
+        }
+    }
+
+    /// The plural that starts the repository's cache folder name (`datasets--owner--name`).
+    fn plural(self) -> &'static str {
+        match self {
+            RepoKind::Model => "models",
+            RepoKind::Dataset => "datasets",
         }
     }
 

@@ -105,15 +105,18 @@ pub(super) async fn resolve_commit(ctx: &Ctx<'_>, revision: Option<&str>) -> Res
     })
 }
 
-/// What a `HEAD` on a file's resolve URL says.
+/// What a `HEAD` on a file's resolve URL says, as sent (unchecked).
 pub(super) struct Head {
     pub(super) etag: Option<String>,
+    /// `X-Repo-Commit`: the commit the revision resolved to.
+    pub(super) commit: Option<String>,
 }
 
-/// `HEAD {endpoint}/{prefix}{repo}/resolve/{commit}/{path}`, following only relative redirects (a
-/// renamed repository), as `huggingface_hub` does: for LFS files the Hub answers with a redirect
-/// to its CDN that carries `X-Linked-Etag` (the sha256), which the CDN's own answer lacks.
-pub(super) async fn head_file(ctx: &Ctx<'_>, commit: &str, path: &str) -> Result<Head> {
+/// `HEAD {endpoint}/{prefix}{repo}/resolve/{revision}/{path}` (a commit, branch or ref), following
+/// only relative redirects (a renamed repository), as `huggingface_hub` does: for LFS files the
+/// Hub answers with a redirect to its CDN that carries `X-Linked-Etag` (the sha256), which the
+/// CDN's own answer lacks.
+pub(super) async fn head_file(ctx: &Ctx<'_>, revision: &str, path: &str) -> Result<Head> {
     let hub = ctx.hub;
     let encoded: Vec<String> = path.split('/').map(percent_encode).collect();
     let mut url = format!(
@@ -121,13 +124,10 @@ pub(super) async fn head_file(ctx: &Ctx<'_>, commit: &str, path: &str) -> Result
         hub.endpoint,
         ctx.kind.url_prefix(),
         ctx.repo_id,
-        percent_encode(commit),
+        percent_encode(revision),
         encoded.join("/")
     );
-    let file_ctx = Ctx {
-        revision: commit,
-        ..*ctx
-    };
+    let file_ctx = Ctx { revision, ..*ctx };
     for _ in 0..10 {
         let mut req = hub.http.head(&url);
         if let Some(t) = &hub.token {
@@ -166,7 +166,10 @@ pub(super) async fn head_file(ctx: &Ctx<'_>, commit: &str, path: &str) -> Result
                         .trim_matches('"')
                         .to_string()
                 });
-            return Ok(Head { etag });
+            return Ok(Head {
+                etag,
+                commit: header("x-repo-commit"),
+            });
         }
         return Err(file_ctx.error(HubFailure {
             status: Some(status.as_u16()),

@@ -2,7 +2,7 @@
 
 use super::pattern::matches_pattern;
 use super::requests::TreeFile;
-use super::safe_path::{etag_component, RemotePath};
+use super::safe_path::{etag_component, repo_folder_name, CommitId, RemotePath};
 use super::splits::{keyword_split, pick_committed, pick_converted};
 use super::*;
 
@@ -176,5 +176,53 @@ fn etags_become_safe_file_name_parts() {
         let part = etag_component(bad);
         assert_eq!(part.len(), 64, "{bad:?}");
         assert!(part.bytes().all(|b| b.is_ascii_hexdigit()), "{bad:?}");
+    }
+}
+
+#[test]
+fn commit_ids_and_repo_ids_are_checked_before_naming_folders() {
+    let sha = "0123456789abcdef0123456789abcdef01234567";
+    assert_eq!(CommitId::new(sha).unwrap().as_str(), sha);
+    for bad in [
+        "",
+        "main",
+        "../../escape",
+        "0123456789abcdef0123456789abcdef0123456",
+        "0123456789abcdef0123456789abcdef012345678",
+        "0123456789ABCDEF0123456789ABCDEF01234567",
+        "0123456789abcdef0123456789abcdef0123456/",
+    ] {
+        assert!(CommitId::new(bad).is_err(), "{bad:?} accepted");
+    }
+    assert_eq!(
+        repo_folder_name(RepoKind::Dataset, "lvwerra/stack-exchange-paired").unwrap(),
+        "datasets--lvwerra--stack-exchange-paired"
+    );
+    assert_eq!(
+        repo_folder_name(RepoKind::Model, "gpt2").unwrap(),
+        "models--gpt2"
+    );
+    assert!(repo_folder_name(RepoKind::Dataset, "Org_1/data.v2_x").is_ok());
+    for bad in [
+        "",
+        "..",
+        "a/../b",
+        "../x",
+        "a/..",
+        "/abs",
+        "a/",
+        "a/b/c",
+        "a--b/c",
+        "a/.hidden",
+        "a/b-",
+        "a\0b",
+        "a\\b",
+        "a b/c",
+        &"x".repeat(97),
+    ] {
+        assert!(
+            repo_folder_name(RepoKind::Dataset, bad).is_err(),
+            "{bad:?} accepted"
+        );
     }
 }

@@ -71,6 +71,8 @@ struct Behaviour {
     cut_once: Option<(String, usize)>,
     /// CDN content served in place of the real bytes (a corrupted transfer).
     corrupt: HashMap<String, Vec<u8>>,
+    /// Sent as every answer's `X-Repo-Commit` in place of the revision's sha (a hostile server).
+    repo_commit_header: Option<String>,
 }
 
 struct State {
@@ -129,6 +131,11 @@ impl HubServer {
             .unwrap()
             .corrupt
             .insert(sha256.to_string(), bytes);
+    }
+
+    /// Every answer that carries `X-Repo-Commit` carries `value` instead (a hostile server).
+    pub fn send_repo_commit(&self, value: &str) {
+        self.state.behaviour.lock().unwrap().repo_commit_header = Some(value.to_string());
     }
 
     /// The requests seen so far.
@@ -248,7 +255,14 @@ fn handle(state: &State, stream: TcpStream) {
         path: path.clone(),
         headers: headers.clone(),
     });
-    let response = route(state, &method, &path, &headers);
+    let mut response = route(state, &method, &path, &headers);
+    if let Some(commit) = &state.behaviour.lock().unwrap().repo_commit_header {
+        for (k, v) in response.headers.iter_mut() {
+            if k == "x-repo-commit" {
+                *v = commit.clone();
+            }
+        }
+    }
     write_response(stream, &method, response);
 }
 
