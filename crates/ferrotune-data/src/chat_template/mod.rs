@@ -128,7 +128,26 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(template_error)?;
-        template.render(context).map_err(|err| {
+        // A template is untrusted input, and minijinja panics on some (2.24 indexes an empty list
+        // that `[::-1]` reverses, as Qwen3's template does with no messages): a panic of the
+        // engine is an error naming the template, not the end of the run.
+        let rendered =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| template.render(context)))
+                .map_err(|panic| {
+                    let what = panic
+                        .downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or_else(|| panic.downcast_ref::<&str>().copied())
+                        .unwrap_or("a panic");
+                    let origin = self.origin.as_ref().map(|o| format!(" from {o}"));
+                    DataError::Template {
+                        message: format!(
+                            "the template engine failed rendering the template{}: {what}",
+                            origin.unwrap_or_default()
+                        ),
+                    }
+                })?;
+        rendered.map_err(|err| {
             if err.kind() == ErrorKind::OutOfFuel {
                 let origin = self.origin.clone();
                 return DataError::TemplateStepBudget {
