@@ -18,7 +18,8 @@ pub struct Options {
     pub max_execs: u64,
     /// The seed of the mutations: a run is reproducible from it.
     pub seed: u64,
-    /// Wall-clock time an input may take before it counts as a hang.
+    /// CPU time an input may take before it counts as a hang (checked each this often of wall
+    /// time, for at most ten times this).
     pub timeout: Duration,
     /// The workers' address-space cap, MiB (an allocation past it aborts: a finding).
     pub memory_mib: u64,
@@ -172,7 +173,10 @@ pub fn fuzz(target: &Target, opts: &Options) -> std::io::Result<Stats> {
                 done_cpu += reaped.cpu_secs;
                 stats.peak_rss_kib = stats.peak_rss_kib.max(reaped.peak_rss_kib);
                 let (kind, message) = if hung {
-                    ("hang", format!("no answer within {:?}", opts.timeout))
+                    (
+                        "hang",
+                        format!("no answer within {:?} of CPU time", opts.timeout),
+                    )
                 } else {
                     (
                         classify(&reaped.status, &reaped.stderr),

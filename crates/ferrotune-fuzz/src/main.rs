@@ -32,7 +32,7 @@ enum Command {
         /// Seed of the mutations.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Seconds an input may take before it counts as a hang.
+        /// CPU seconds an input may take before it counts as a hang.
         #[arg(long, default_value_t = 30.0)]
         timeout_secs: f64,
         /// The workers' address-space cap, MiB.

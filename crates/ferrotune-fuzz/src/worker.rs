@@ -114,18 +114,28 @@ impl Worker {
             .and_then(|_| self.stdin.write_all(input))
             .and_then(|_| self.stdin.flush());
         if sent.is_ok() {
-            match self.replies.recv_timeout(timeout) {
-                Ok((peak_rss_kib, cpu_us)) => {
-                    self.cpu_us = cpu_us;
-                    return Outcome::Ok { peak_rss_kib };
+            // The limit is CPU time, checked each `timeout` of wall time: on a busy machine a
+            // worker may wait for a core far longer than it runs. Ten limits of wall time end
+            // the wait regardless.
+            let pid = self.child.id();
+            for _ in 0..10 {
+                match self.replies.recv_timeout(timeout) {
+                    Ok((peak_rss_kib, cpu_us)) => {
+                        self.cpu_us = cpu_us;
+                        return Outcome::Ok { peak_rss_kib };
+                    }
+                    Err(RecvTimeoutError::Timeout) => {
+                        let spent = process_cpu_us(pid).saturating_sub(self.cpu_us);
+                        if spent as f64 / 1e6 >= timeout.as_secs_f64() {
+                            break;
+                        }
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return Outcome::Died,
                 }
-                Err(RecvTimeoutError::Timeout) => {
-                    // SAFETY: kill(2) on our own child's pid, not yet reaped.
-                    unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
-                    return Outcome::Hung;
-                }
-                Err(RecvTimeoutError::Disconnected) => {}
             }
+            // SAFETY: kill(2) on our own child's pid, not yet reaped.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            return Outcome::Hung;
         }
         Outcome::Died
     }
@@ -248,6 +258,28 @@ pub fn peak_rss_kib() -> u64 {
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         })
         .unwrap_or(0)
+}
+
+/// The CPU time of the process `pid` (user and system, all threads), µs; 0 if unknown.
+fn process_cpu_us(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // Fields after the command name (which may hold spaces, in parentheses): utime and stime
+    // are the 12th and 13th, in clock ticks.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    (ticks(11) + ticks(12)) * 1_000_000 / hz
 }
 
 /// This process's CPU time (user and system, all threads), µs.
