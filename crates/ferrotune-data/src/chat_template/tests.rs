@@ -110,3 +110,17 @@ fn an_engine_panic_is_an_error() {
     let one = [ChatMessage::user("hi")];
     assert_eq!(render(source, &one).unwrap(), "hi");
 }
+
+/// Fuel counts steps, not bytes: 300 steps writing 1 MB each rendered 300 MB before (found by
+/// ferrotune-fuzz: a mutated ChatML template repeating 10 MB strings reached its 2 GiB cap).
+#[test]
+fn output_past_the_cap_is_an_error() {
+    let source = "{% for i in range(300) %}{{ 'x' * 1000000 }}{% endfor %}";
+    let err = ChatTemplate::from_origin(source, "tokenizer_config.json")
+        .unwrap()
+        .render(&[], false, &BTreeMap::new())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tokenizer_config.json"), "{err}");
+    assert!(err.contains("more than 256 MiB"), "{err}");
+}
