@@ -40,6 +40,7 @@ pub struct Worker {
     stdin: ChildStdin,
     replies: Receiver<(u64, u64)>,
     stderr: Arc<Mutex<Vec<u8>>>,
+    stderr_reader: std::thread::JoinHandle<()>,
     /// CPU time the worker reported with its last answer, µs.
     cpu_us: u64,
 }
@@ -78,7 +79,7 @@ impl Worker {
         });
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let tail = stderr.clone();
-        std::thread::spawn(move || {
+        let stderr_reader = std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             while let Ok(n) = stderr_pipe.read(&mut buf) {
                 if n == 0 {
@@ -95,6 +96,7 @@ impl Worker {
             stdin,
             replies,
             stderr,
+            stderr_reader,
             cpu_us: 0,
         })
     }
@@ -173,8 +175,8 @@ impl Worker {
         } else {
             format!("exit status {}", libc::WEXITSTATUS(status))
         };
-        // The stderr thread ends at the pipe's EOF, right after the exit.
-        std::thread::sleep(Duration::from_millis(20));
+        // The stderr thread ends at the pipe's EOF, once the worker has exited.
+        let _ = self.stderr_reader.join();
         let stderr =
             String::from_utf8_lossy(&self.stderr.lock().expect("stderr tail")).into_owned();
         let _ = std::fs::remove_dir_all(scratch_dir(pid as u32));
