@@ -59,7 +59,12 @@ enum Command {
     List,
     /// Internal: the worker process the driver starts.
     #[command(hide = true)]
-    Worker { target: String },
+    Worker {
+        target: String,
+        /// The address-space cap, MiB.
+        #[arg(long)]
+        memory_mib: Option<u64>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -70,12 +75,15 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Command::Worker { target: name } => {
+        Command::Worker {
+            target: name,
+            memory_mib,
+        } => {
             let Some(t) = target(&name) else {
                 eprintln!("unknown target {name}");
                 return ExitCode::from(2);
             };
-            match worker::worker_main(t) {
+            match worker::worker_main(t, memory_mib) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("worker: {e}");

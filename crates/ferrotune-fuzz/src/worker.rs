@@ -17,9 +17,6 @@ use std::time::Duration;
 
 use crate::targets::{Scratch, Target};
 
-/// The environment variable carrying the worker's address-space cap, in MiB.
-const MEMORY_VAR: &str = "FERROTUNE_FUZZ_MEMORY_MIB";
-
 /// How a worker finished with an input.
 #[derive(Debug)]
 pub enum Outcome {
@@ -49,8 +46,7 @@ impl Worker {
     /// Starts a worker for `target`, capped at `memory_mib` of address space.
     pub fn spawn(target: &str, memory_mib: u64) -> std::io::Result<Self> {
         let mut child = Command::new(std::env::current_exe()?)
-            .args(["worker", target])
-            .env(MEMORY_VAR, memory_mib.to_string())
+            .args(["worker", target, "--memory-mib", &memory_mib.to_string()])
             // One compute thread: CPU time is what the budget counts, and threads only add
             // address space (each reserves a stack and a malloc arena) under the cap.
             .env("RAYON_NUM_THREADS", "1")
@@ -206,13 +202,10 @@ fn scratch_dir(pid: u32) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("ferrotune-fuzz-{pid}"))
 }
 
-/// The worker's main loop (`ferrotune-fuzz worker TARGET`): caps its address space, then runs
-/// every input it is sent until stdin closes.
-pub fn worker_main(target: &Target) -> std::io::Result<()> {
-    if let Some(mib) = std::env::var(MEMORY_VAR)
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
+/// The worker's main loop (`ferrotune-fuzz worker TARGET --memory-mib N`): caps its address
+/// space at `memory_mib` MiB, then runs every input it is sent until stdin closes.
+pub fn worker_main(target: &Target, memory_mib: Option<u64>) -> std::io::Result<()> {
+    if let Some(mib) = memory_mib {
         let bytes = mib << 20;
         let limit = libc::rlimit {
             rlim_cur: bytes,
