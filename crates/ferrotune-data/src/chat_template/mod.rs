@@ -128,16 +128,75 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(template_error)?;
-        template.render(context).map_err(|err| {
-            if err.kind() == ErrorKind::OutOfFuel {
-                let origin = self.origin.clone();
-                return DataError::TemplateStepBudget {
-                    origin,
-                    steps: TEMPLATE_STEP_BUDGET,
-                };
+        // A template is untrusted input, and minijinja panics on some (2.24 indexes an empty list
+        // that `[::-1]` reverses, as Qwen3's template does with no messages): a panic of the
+        // engine is an error naming the template, not the end of the run.
+        let origin = || self.origin.as_ref().map(|o| format!(" from {o}"));
+        let mut out = CappedOutput::default();
+        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            template.render_captured_to(context, &mut out)
+        }))
+        .map_err(|panic| {
+            let what = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            DataError::Template {
+                message: format!(
+                    "the template engine failed rendering the template{}: {what}",
+                    origin().unwrap_or_default()
+                ),
             }
-            template_error(err)
-        })
+        })?;
+        if out.over {
+            return Err(DataError::Template {
+                message: format!(
+                    "the template{} renders more than {} MiB: far more than any prompt",
+                    origin().unwrap_or_default(),
+                    TEMPLATE_OUTPUT_BYTES >> 20
+                ),
+            });
+        }
+        rendered
+            // minijinja writes whole `str`s: the bytes are UTF-8.
+            .map(|_| String::from_utf8_lossy(&out.bytes).into_owned())
+            .map_err(|err| {
+                if err.kind() == ErrorKind::OutOfFuel {
+                    let origin = self.origin.clone();
+                    return DataError::TemplateStepBudget {
+                        origin,
+                        steps: TEMPLATE_STEP_BUDGET,
+                    };
+                }
+                template_error(err)
+            })
+    }
+}
+
+/// The most bytes one render may output. Fuel bounds a template's steps, not the bytes each step
+/// writes: `{{ 'x' * 10000000 }}` in a loop would fill memory long before the fuel runs out.
+pub const TEMPLATE_OUTPUT_BYTES: usize = 256 << 20;
+
+/// A render's output, refusing to grow past [`TEMPLATE_OUTPUT_BYTES`].
+#[derive(Default)]
+struct CappedOutput {
+    bytes: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + data.len() > TEMPLATE_OUTPUT_BYTES {
+            self.over = true;
+            return Err(std::io::Error::other("the template's output is too large"));
+        }
+        self.bytes.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

@@ -94,3 +94,33 @@ fn syntax_error_is_an_error() {
     let err = ChatTemplate::new("{% for x in %}").unwrap_err();
     assert!(matches!(err, DataError::Template { .. }), "{err}");
 }
+
+/// minijinja 2.24 panics reversing an empty list (`messages[::-1]`, as Qwen3's template does, with
+/// no messages): found by ferrotune-fuzz. A panic of the engine is an error naming the template.
+#[test]
+fn an_engine_panic_is_an_error() {
+    let source = "{% for m in messages[::-1] %}{{ m.content }}{% endfor %}";
+    let err = ChatTemplate::from_origin(source, "tokenizer_config.json")
+        .unwrap()
+        .render(&[], false, &BTreeMap::new())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tokenizer_config.json"), "{err}");
+    assert!(err.contains("index out of bounds"), "{err}");
+    let one = [ChatMessage::user("hi")];
+    assert_eq!(render(source, &one).unwrap(), "hi");
+}
+
+/// Fuel counts steps, not bytes: 300 steps writing 1 MB each rendered 300 MB before (found by
+/// ferrotune-fuzz: a mutated ChatML template repeating 10 MB strings reached its 2 GiB cap).
+#[test]
+fn output_past_the_cap_is_an_error() {
+    let source = "{% for i in range(300) %}{{ 'x' * 1000000 }}{% endfor %}";
+    let err = ChatTemplate::from_origin(source, "tokenizer_config.json")
+        .unwrap()
+        .render(&[], false, &BTreeMap::new())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tokenizer_config.json"), "{err}");
+    assert!(err.contains("more than 256 MiB"), "{err}");
+}

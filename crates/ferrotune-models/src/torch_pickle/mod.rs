@@ -20,6 +20,8 @@ use serde_json::{json, Value};
 use crate::config::ModelConfig;
 use crate::error::ModelError;
 
+mod guard;
+
 /// Whether `path` names a PyTorch pickle checkpoint file (`.bin`, `.pt`, `.pth`).
 pub fn is_pickle_file(path: &Path) -> bool {
     matches!(
@@ -229,10 +231,17 @@ pub fn read_torch_file(file: &Path) -> Result<Vec<(String, TorchTensor)>, ModelE
         .ok_or_else(|| not_torch(&"no data.pkl inside"))?;
     let prefix = pkl.strip_suffix("data.pkl").unwrap_or("").to_string();
     let obj = {
-        let entry = zip.by_name(&pkl).map_err(|e| not_torch(&e))?;
-        let mut reader = std::io::BufReader::new(entry);
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        zip.by_name(&pkl)
+            .and_then(|mut entry| Ok(entry.read_to_end(&mut bytes)?))
+            .map_err(|e| not_torch(&e))?;
+        // candle's unpickler trusts the pickle's lengths and copies: checked first.
+        guard::check(&bytes).map_err(|e| ferr(format!("{pkl}: {e}")))?;
         let mut stack = candle_core::pickle::Stack::empty();
-        stack.read_loop(&mut reader).map_err(|e| not_torch(&e))?;
+        stack
+            .read_loop(&mut &bytes[..])
+            .map_err(|e| not_torch(&e))?;
         stack.finalize().map_err(|e| not_torch(&e))?
     };
     let entries = match obj {

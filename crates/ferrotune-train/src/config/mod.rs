@@ -150,6 +150,7 @@ impl Config {
             root: &snapshot,
             origin: &self.origin,
             stack: Vec::new(),
+            produced: 0,
         };
         resolver.value(&mut self.root, "")
     }
@@ -259,6 +260,22 @@ struct Resolver<'a> {
     root: &'a Value,
     origin: &'a str,
     stack: Vec<String>,
+    /// Bytes of values interpolations produced so far: keys that each interpolate the one
+    /// before twice double at every step, and a few lines of them exhaust memory.
+    produced: usize,
+}
+
+/// The most bytes a config's interpolations may produce in all; real configs produce kilobytes.
+const INTERPOLATED_BYTES: usize = 64 << 20;
+
+/// About how many bytes `v` holds.
+fn value_bytes(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len(),
+        Value::Array(items) => items.iter().map(value_bytes).sum(),
+        Value::Object(map) => map.iter().map(|(k, v)| k.len() + value_bytes(v)).sum(),
+        _ => 8,
+    }
 }
 
 impl Resolver<'_> {
@@ -346,6 +363,14 @@ impl Resolver<'_> {
         self.stack.push(expr.to_string());
         self.value(&mut value, expr)?;
         self.stack.pop();
+        self.produced = self.produced.saturating_add(value_bytes(&value));
+        if self.produced > INTERPOLATED_BYTES {
+            return err(format!(
+                "{origin}: {here}: interpolations produce more than {} MiB (keys that each \
+                 interpolate another several times)",
+                INTERPOLATED_BYTES >> 20
+            ));
+        }
         Ok(value)
     }
 }
@@ -886,6 +911,18 @@ mod tests {
         assert!(bad.resolve().is_err());
         let mut cycle = cfg("a: ${b}\nb: ${a}\n");
         assert!(cycle.resolve().unwrap_err().0.contains("cycle"));
+    }
+
+    #[test]
+    fn interpolations_that_double_are_stopped() {
+        // Each key twice the one before: 16 bytes become 256 MiB (found by ferrotune-fuzz, which
+        // made 1 KiB of them abort on a failed allocation).
+        let mut yaml = "k0: xxxxxxxxxxxxxxxx\n".to_string();
+        for i in 1..25 {
+            yaml += &format!("k{i}: ${{k{}}}${{k{}}}\n", i - 1, i - 1);
+        }
+        let e = cfg(&yaml).resolve().unwrap_err().0;
+        assert!(e.contains("more than 64 MiB"), "{e}");
     }
 
     #[test]
