@@ -9,6 +9,7 @@
 use serde_json::Value;
 
 pub(crate) mod hf;
+pub mod layers;
 
 /// A sparse mixture-of-experts MLP's settings (Mixtral, Qwen2-MoE, Qwen3-MoE).
 #[derive(Debug, Clone, PartialEq)]
