@@ -55,6 +55,8 @@ pub struct Tokenizer {
     /// The pre-tokenizer `tokenizer.json` holds, where the tokenizer class put its own in its
     /// place (`GPT2Tokenizer` over SmolLM's digit split): what llama.cpp's converter sees.
     written_pre_tokenizer: Option<Json>,
+    /// [`Tokenizer::max_token_bytes`], worked out on first use.
+    pub(crate) max_token_bytes: std::sync::OnceLock<usize>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -461,6 +463,7 @@ impl Tokenizer {
             origin: path.to_path_buf(),
             template_locations: DIR_TEMPLATE_LOCATIONS,
             written_pre_tokenizer: None,
+            max_token_bytes: std::sync::OnceLock::new(),
         })
     }
 

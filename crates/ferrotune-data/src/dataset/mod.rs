@@ -437,7 +437,7 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
     let split_across_pack = split_across_pack_of(builder, component, &map)?;
     let map = with_hub_configuration(builder, map)?;
     let (source, split) = source_of(&map, builder.default_source(), base_dir)?;
-    let encoder = Encoder::new(tokenizer)?;
+    let encoder = Encoder::new(tokenizer)?.bounded(max_seq_len);
 
     let mut samples: Vec<(Vec<u32>, Vec<i64>)> = Vec::new();
     if builder == Builder::Tokenized {
@@ -722,7 +722,7 @@ fn build_pairs(
             .collect());
     }
     let table = source::load_split(&source, &split, source_field(&map)?)?;
-    let encoder = Encoder::new(tokenizer)?;
+    let encoder = Encoder::new(tokenizer)?.bounded(max_seq_len);
     let spec = builders::PairSpec::from_section(&map, builder == Builder::StackExchangePaired)?;
     spec.check(&table)?;
     let mut pairs = Vec::with_capacity(table.rows.len());
