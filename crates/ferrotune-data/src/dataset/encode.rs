@@ -24,6 +24,8 @@ pub(crate) struct Encoder<'a> {
     template: Option<ChatTemplate>,
     /// The dataset's `max_seq_len`: texts are cut before tokenizing to what keeps its tokens.
     limit: Option<usize>,
+    /// The model's position limit, which a row must not pass when no `max_seq_len` cuts it.
+    positions: Option<usize>,
 }
 
 impl<'a> Encoder<'a> {
@@ -47,7 +49,29 @@ impl<'a> Encoder<'a> {
             eos: tok.eos_ids().first().copied(),
             template,
             limit: None,
+            positions: None,
         })
+    }
+
+    /// Refuses rows longer than `positions` (the model's position limit) when no `max_seq_len`
+    /// truncates them: such a row would take the model past what it was made for, and its
+    /// attention scores alone grow with the square of its length.
+    pub fn within(mut self, positions: Option<usize>) -> Self {
+        self.positions = positions;
+        self
+    }
+
+    /// [`Encoder::within`]'s check of a row of `len` tokens; `row` locates it (file and row).
+    pub fn check_positions(&self, len: usize, row: impl FnOnce() -> String) -> Result<()> {
+        match self.positions {
+            Some(max) if self.limit.is_none() && len > max => Err(DataError::Dataset(format!(
+                "{}: the row is {len} tokens long, more than the model's {max} positions \
+                 (max_position_embeddings, or what its rope scaling allows): set \
+                 tokenizer.max_seq_len (or the dataset's max_seq_len) to truncate rows",
+                row()
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Tokenizes no more of each text than keeps its first `max_seq_len` tokens (and one more,

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::common::real_tokenizer;
-use ferrotune_data::dataset::{build_dataset, Row};
+use ferrotune_data::dataset::{build_dataset, build_dataset_within, Row};
 use ferrotune_data::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
@@ -33,7 +33,7 @@ fn text(bytes: usize) -> String {
         x ^= x >> 7;
         x ^= x << 17;
         s.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
-        if x % 5 != 0 {
+        if !x.is_multiple_of(5) {
             s.push(' ');
         }
     }
@@ -144,4 +144,33 @@ fn a_multi_megabyte_row_is_cut_before_tokenizing() {
     let from_start = rows(&section("short.jsonl"), &tok, &dir);
     assert_eq!(from_huge[0].input_ids.len(), 64);
     assert_eq!(from_huge, from_start);
+}
+
+/// A row longer than the model's positions with no `max_seq_len` is an error naming its file
+/// and row; with `max_seq_len` it is cut as usual.
+#[test]
+fn rows_past_the_model_positions_need_max_seq_len() {
+    let long = text(20_000);
+    let dir = folder(
+        "positions",
+        &[
+            json!({"instruction": "Hi", "input": "", "output": "Hello"}),
+            json!({"instruction": "Summarize.", "input": long, "output": "x"}),
+        ],
+    );
+    let tok = real_tokenizer("qwen3");
+    let mut section = json!({"_component_": "alpaca_dataset", "source": "json",
+                             "data_files": "rows.jsonl"});
+    let err = build_dataset_within(&section, &tok, &dir, Some(512))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rows.jsonl")
+            && err.contains("512 positions")
+            && err.contains("tokenizer.max_seq_len"),
+        "{err}"
+    );
+    section["max_seq_len"] = json!(512);
+    let built = build_dataset_within(&section, &tok, &dir, Some(512)).unwrap();
+    assert_eq!(built.rows[1].input_ids.len(), 512);
 }

@@ -62,7 +62,7 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
     let model = load_for_inference(&path, &opts, |model| {
         setup::check_model_component(cfg, &model.config)
     })?;
-    let rows = setup::dataset(cfg, &tok)?.rows;
+    let rows = setup::dataset(cfg, &tok, model.config.position_limit())?.rows;
     let pad = pad_id(&tok, &model.config);
     let t0 = Instant::now();
     let (sum, targets) = target_loss_sum(&model, &rows, batch_size, cap, pad, &device)?;
