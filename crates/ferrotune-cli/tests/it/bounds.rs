@@ -76,3 +76,30 @@ fn a_row_longer_than_the_model_needs_max_seq_len() {
     );
     assert!(out.status.success(), "{}", text(&out));
 }
+
+/// A synthetic model (`bench --shape`) has no checkpoint to bound its layers: `--layers` goes
+/// through the machine check before anything is allocated.
+#[test]
+fn bench_refuses_a_synthetic_model_no_machine_holds() {
+    let dir = tmpdir("bounds", "bench");
+    let out = crate::common::ferrotune(
+        &[
+            "bench",
+            "train",
+            "--shape",
+            "smollm2_135m",
+            "--layers",
+            "1000000000",
+            "--steps",
+            "1",
+        ],
+        &dir,
+        &[],
+    );
+    let msg = text(&out);
+    assert!(!out.status.success(), "{msg}");
+    assert!(
+        msg.contains("--layers 1000000000") && msg.contains("more than this machine has"),
+        "{msg}"
+    );
+}
