@@ -161,6 +161,21 @@ fn synthetic(
     let (h, i, nh, kv, v) = (*h, *i, *nh, *kv, *v);
     let l = layers.unwrap_or(*l);
     let tied = shape == "smollm2_135m";
+    // `--layers` comes from the command line: the weights' size is checked against the machine
+    // (overflow-checked) before the config's per-layer tables and the weights are allocated.
+    let per_layer = (h * (h / nh) * (2 * nh + 2 * kv) + 3 * h * i) as u64;
+    let params = (l as u64)
+        .checked_mul(per_layer)
+        .and_then(|p| p.checked_add((v * h * if tied { 1 } else { 2 }) as u64));
+    let bytes =
+        params.and_then(|p| ferrotune_core::memory::bytes_of(p, dtype.size_in_bytes() as u64));
+    ferrotune_core::memory::check_fits(
+        bytes,
+        &format!("--layers {l}: the synthetic model"),
+        device,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let params = params.unwrap_or(u64::MAX);
     let json = serde_json::json!({
         "model_type": ferrotune_models::family::llama::LLAMA, "hidden_size": h, "intermediate_size": i,
         "num_hidden_layers": l, "num_attention_heads": nh, "num_key_value_heads": kv,
@@ -173,7 +188,6 @@ fn synthetic(
     // Models up to 2B parameters get the same seeded weights on every device (so a GPU run's loss
     // can be checked against the CPU's); larger ones are drawn on the device, where speed is all
     // that is measured.
-    let params = l * (h * hd * (2 * nh + 2 * kv) + 3 * h * i) + v * h * if tied { 1 } else { 2 };
     let rng = std::cell::RefCell::new(ferrotune_models::lora::SplitMix64::new(42));
     let rand = |shape: &[usize]| -> Result<Tensor> {
         if params > 2_000_000_000 {

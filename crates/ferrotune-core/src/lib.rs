@@ -15,6 +15,7 @@ pub mod device;
 pub mod frozen;
 pub mod fused;
 pub mod graph;
+pub mod memory;
 pub mod nf4;
 pub mod ops;
 pub mod qat;

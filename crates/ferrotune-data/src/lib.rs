@@ -10,6 +10,7 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod bounded;
 pub mod chat_template;
 pub mod dataset;
 pub mod error;

@@ -58,6 +58,8 @@ pub struct Tokenizer {
     /// The rows of the embedding of the model this tokenizer feeds, once a recipe says
     /// ([`Tokenizer::feed_model`]): ids past it are errors, not an index out of bounds later.
     model_vocab: Option<usize>,
+    /// [`Tokenizer::max_token_bytes`], worked out on first use.
+    pub(crate) max_token_bytes: std::sync::OnceLock<usize>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -465,6 +467,7 @@ impl Tokenizer {
             template_locations: DIR_TEMPLATE_LOCATIONS,
             written_pre_tokenizer: None,
             model_vocab: None,
+            max_token_bytes: std::sync::OnceLock::new(),
         })
     }
 

@@ -1,6 +1,7 @@
 //! ferrotune-cli's integration tests, one binary (the stack is linked once, not once per file): a
 //! module per area, and the helpers they share in `common`.
 
+mod bounds;
 mod cli;
 mod common;
 mod device_map;

@@ -22,6 +22,10 @@ pub(crate) struct Encoder<'a> {
     pub eos: Option<u32>,
     /// The chat template, compiled once (each sample renders it several times).
     template: Option<ChatTemplate>,
+    /// The dataset's `max_seq_len`: texts are cut before tokenizing to what keeps its tokens.
+    limit: Option<usize>,
+    /// The model's position limit, which a row must not pass when no `max_seq_len` cuts it.
+    positions: Option<usize>,
 }
 
 impl<'a> Encoder<'a> {
@@ -44,7 +48,46 @@ impl<'a> Encoder<'a> {
             prefix,
             eos: tok.eos_ids().first().copied(),
             template,
+            limit: None,
+            positions: None,
         })
+    }
+
+    /// Refuses rows longer than `positions` (the model's position limit) when no `max_seq_len`
+    /// truncates them: such a row would take the model past what it was made for, and its
+    /// attention scores alone grow with the square of its length.
+    pub fn within(mut self, positions: Option<usize>) -> Self {
+        self.positions = positions;
+        self
+    }
+
+    /// [`Encoder::within`]'s check of a row of `len` tokens; `row` locates it (file and row).
+    pub fn check_positions(&self, len: usize, row: impl FnOnce() -> String) -> Result<()> {
+        match self.positions {
+            Some(max) if self.limit.is_none() && len > max => Err(DataError::Dataset(format!(
+                "{}: the row is {len} tokens long, more than the model's {max} positions \
+                 (max_position_embeddings, or what its rope scaling allows): set \
+                 tokenizer.max_seq_len (or the dataset's max_seq_len) to truncate rows",
+                row()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Tokenizes no more of each text than keeps its first `max_seq_len` tokens (and one more,
+    /// so that a cut text is still seen as cut): rows come out as tokenizing them whole and
+    /// truncating would give, without the memory and time of the whole.
+    pub fn bounded(mut self, max_seq_len: Option<usize>) -> Self {
+        self.limit = max_seq_len;
+        self
+    }
+
+    /// `text`, or the prefix of it that the limit keeps the tokens of.
+    fn cut<'t>(&self, text: &'t str) -> Result<&'t str> {
+        match self.limit {
+            Some(max) => self.tok.prefix_for_tokens(text, max.saturating_add(1)),
+            None => Ok(text),
+        }
     }
 
     /// The chat rendered as `Tokenizer::apply_chat_template` renders it.
@@ -59,7 +102,7 @@ impl<'a> Encoder<'a> {
     /// `prefix + tokens(text) + [eos if add_eos]`, every token labelled (text completion).
     pub fn text(&self, text: &str, add_eos: bool) -> Result<(Vec<u32>, Vec<i64>)> {
         let mut ids = self.prefix.clone();
-        ids.extend(self.tok.encode(text, false)?);
+        ids.extend(self.tok.encode(self.cut(text)?, false)?);
         if add_eos {
             if let Some(eos) = self.eos {
                 ids.push(eos);
@@ -89,7 +132,7 @@ impl<'a> Encoder<'a> {
                 ids.extend(&self.prefix);
                 labels.extend(self.prefix.iter().map(|_| IGNORE_INDEX));
             }
-            let tokens = self.tok.encode(&message.content, false)?;
+            let tokens = self.tok.encode(self.cut(&message.content)?, false)?;
             let is_assistant = message.role == "assistant";
             let learn = is_assistant || (conv.train_on_input && message.role != "system");
             labels.extend(
@@ -112,7 +155,10 @@ impl<'a> Encoder<'a> {
     fn with_template(&self, conv: &Conversation) -> Result<(Vec<u32>, Vec<i64>)> {
         let msgs = &conv.messages;
         let full = self.render(msgs, false)?;
-        let ids = self.tok.encode(&full, false)?;
+        // Spans are found in the whole text; tokens only in the part the limit keeps (a span
+        // reaching past it ends with the tokens).
+        let kept = self.cut(&full)?;
+        let ids = self.tok.encode(kept, false)?;
         // Character spans of the text the labels cover.
         let mut spans: Vec<(usize, usize)> = Vec::new();
         if conv.train_on_input {
@@ -124,8 +170,8 @@ impl<'a> Encoder<'a> {
         }
         let mut labels = vec![IGNORE_INDEX; ids.len()];
         for (start, end) in spans {
-            let a = self.token_boundary(&full, &ids, start)?;
-            let b = self.token_boundary(&full, &ids, end)?;
+            let a = self.token_boundary(kept, &ids, start)?;
+            let b = self.token_boundary(kept, &ids, end)?;
             for i in a..b {
                 labels[i] = ids[i] as i64;
             }

@@ -316,7 +316,20 @@ pub fn default_pad_id(tokenizer: &Tokenizer) -> u32 {
 /// Builds the dataset a recipe config's `dataset` section describes (a mapping, or a list of
 /// mappings concatenated). Relative local paths resolve against `base_dir`.
 pub fn build_dataset(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<Dataset> {
-    let rows = concatenated(section, |s| Ok(build_one(s, tokenizer, base_dir)?.rows))?;
+    build_dataset_within(section, tokenizer, base_dir, None)
+}
+
+/// [`build_dataset`] for a model of `positions` positions (its `position_limit`): a row longer
+/// than that, with no `max_seq_len` to cut it, is an error naming its file and row.
+pub fn build_dataset_within(
+    section: &Value,
+    tokenizer: &Tokenizer,
+    base_dir: &Path,
+    positions: Option<usize>,
+) -> Result<Dataset> {
+    let rows = concatenated(section, |s| {
+        Ok(build_one(s, tokenizer, base_dir, positions)?.rows)
+    })?;
     Ok(Dataset { rows })
 }
 
@@ -404,7 +417,12 @@ fn source_of(
     Ok((source::resolve_source(&map, base_dir)?, split))
 }
 
-fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<Dataset> {
+fn build_one(
+    section: &Value,
+    tokenizer: &Tokenizer,
+    base_dir: &Path,
+    positions: Option<usize>,
+) -> Result<Dataset> {
     let map = section_map(section)?;
     let component = builders::get_str(&map, "_component_")?
         .ok_or_else(|| DataError::Dataset("the dataset section has no '_component_'".into()))?;
@@ -437,7 +455,9 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
     let split_across_pack = split_across_pack_of(builder, component, &map)?;
     let map = with_hub_configuration(builder, map)?;
     let (source, split) = source_of(&map, builder.default_source(), base_dir)?;
-    let encoder = Encoder::new(tokenizer)?;
+    let encoder = Encoder::new(tokenizer)?
+        .bounded(max_seq_len)
+        .within(positions);
 
     let mut samples: Vec<(Vec<u32>, Vec<i64>)> = Vec::new();
     if builder == Builder::Tokenized {
@@ -480,7 +500,7 @@ fn build_one(section: &Value, tokenizer: &Tokenizer, base_dir: &Path) -> Result<
                         ids.truncate(max - 1);
                         labels.truncate(max - 1);
                     }
-                    samples.push(check_nonempty(ids, labels, &table, record)?);
+                    samples.push(check_nonempty(ids, labels, &table, record, &encoder)?);
                 }
             }
             Builder::Gsm8kSft => {
@@ -530,7 +550,9 @@ fn check_nonempty(
     labels: Vec<i64>,
     table: &source::Table,
     record: &source::Record,
+    encoder: &Encoder,
 ) -> Result<(Vec<u32>, Vec<i64>)> {
+    encoder.check_positions(ids.len(), || table.locate(record))?;
     if ids.is_empty() {
         return Err(DataError::Dataset(format!(
             "{}: the row gives no tokens",
@@ -554,7 +576,7 @@ fn encode_sft(
     if let Some(max) = max_seq_len {
         encode::truncate_sft(&mut ids, &mut labels, max, encoder.eos);
     }
-    check_nonempty(ids, labels, table, record)
+    check_nonempty(ids, labels, table, record, encoder)
 }
 
 /// `tokenized_dataset`: the pre-tokenized JSON Lines files of the split, each read by `read`,
@@ -658,13 +680,25 @@ pub fn build_preference_dataset(
     tokenizer: &Tokenizer,
     base_dir: &Path,
 ) -> Result<Vec<PreferencePair>> {
-    concatenated(section, |s| build_pairs(s, tokenizer, base_dir))
+    build_preference_dataset_within(section, tokenizer, base_dir, None)
+}
+
+/// [`build_preference_dataset`] for a model of `positions` positions, as
+/// [`build_dataset_within`].
+pub fn build_preference_dataset_within(
+    section: &Value,
+    tokenizer: &Tokenizer,
+    base_dir: &Path,
+    positions: Option<usize>,
+) -> Result<Vec<PreferencePair>> {
+    concatenated(section, |s| build_pairs(s, tokenizer, base_dir, positions))
 }
 
 fn build_pairs(
     section: &Value,
     tokenizer: &Tokenizer,
     base_dir: &Path,
+    positions: Option<usize>,
 ) -> Result<Vec<PreferencePair>> {
     let mut map = section_map(section)?;
     let component = builders::get_str(&map, "_component_")?
@@ -724,7 +758,9 @@ fn build_pairs(
             .collect());
     }
     let table = source::load_split(&source, &split, source_field(&map)?)?;
-    let encoder = Encoder::new(tokenizer)?;
+    let encoder = Encoder::new(tokenizer)?
+        .bounded(max_seq_len)
+        .within(positions);
     let spec = builders::PairSpec::from_section(&map, builder == Builder::StackExchangePaired)?;
     spec.check(&table)?;
     let mut pairs = Vec::with_capacity(table.rows.len());

@@ -7,5 +7,6 @@ mod datasets;
 mod errors;
 mod eval_tasks;
 mod gguf_tokenizers;
+mod long_rows;
 mod real_tokenizers;
 mod tiny_tokenizer;

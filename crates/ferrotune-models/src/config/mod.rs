@@ -9,6 +9,7 @@
 use serde_json::Value;
 
 pub(crate) mod hf;
+pub mod layers;
 mod ranges;
 
 /// A sparse mixture-of-experts MLP's settings (Mixtral, Qwen2-MoE, Qwen3-MoE).
@@ -309,6 +310,34 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// The most positions a sequence may take: `max_position_embeddings`, or what the rope
+    /// scaling extends it to (YaRN's, LongRoPE's and Llama 3's `factor` × the original context,
+    /// linear scaling's `factor` × it); `None` for dynamic NTK scaling, which has no end.
+    pub fn position_limit(&self) -> Option<usize> {
+        let mpe = self.max_position_embeddings;
+        let scaled = |factor: f64, base: usize| (base as f64 * factor.max(1.0)) as usize;
+        Some(match &self.rope.scaling {
+            RopeScaling::Dynamic { .. } => return None,
+            RopeScaling::Linear { factor } => mpe.max(scaled(*factor, mpe)),
+            RopeScaling::Llama3 {
+                factor,
+                original_max_position_embeddings: orig,
+                ..
+            }
+            | RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: orig,
+                ..
+            }
+            | RopeScaling::LongRope {
+                factor,
+                original_max_position_embeddings: orig,
+                ..
+            } => mpe.max(scaled(*factor, *orig)),
+            RopeScaling::Default | RopeScaling::Proportional { .. } => mpe,
+        })
+    }
+
     /// Gemma 4's mixture of experts beside every MLP (`enable_moe_block`):
     /// `(num_experts, top_k_experts, moe_intermediate_size)`.
     pub fn gemma4_moe(&self) -> Option<(usize, usize, usize)> {

@@ -117,6 +117,11 @@ impl HParams {
         }
         let hidden = g.req_count(&k("embedding_length"))?;
         let layers = g.req_count(&k("block_count"))?;
+        // Checked before the per-layer tables below are sized by it; whether the file holds
+        // that many layers is checked when a model is built from it (a file read for its
+        // metadata alone may hold none).
+        let key = format!("metadata key '{}'", k("block_count"));
+        crate::config::layers::check_layer_count(layers, &key).map_err(|m| g.err(m))?;
         let ffn = g.req_count(&k("feed_forward_length"))?;
         let heads = g.req_count(&k("attention.head_count"))?;
         let context = g.req_count(&k("context_length"))?;

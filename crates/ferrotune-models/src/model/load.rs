@@ -16,6 +16,9 @@ use crate::config::{ModelConfig, QkNormSpan};
 use crate::error::ModelError;
 use crate::rope::RotaryEmbedding;
 
+/// The layer count's key, named in errors: a config.json's, or a GGUF file's metadata key.
+const LAYERS_KEY: &str = "num_hidden_layers (a GGUF file's {arch}.block_count)";
+
 /// Warns about checkpoint tensors the model did not take (as transformers reports unused
 /// weights): a tensor the model should use but ignores would otherwise change its outputs
 /// silently. Rotary caches (`rotary_emb.inv_freq`) and a tied head's stored copy are expected.
@@ -272,6 +275,14 @@ impl CausalLm {
         source: &str,
     ) -> Result<Self, ModelError> {
         let c = &config;
+        // Every format's tensors carry HF names by now: a config promising more layers than the
+        // checkpoint holds is refused before anything is built for them.
+        let held = crate::config::layers::layers_held(
+            tensors.keys().chain(packed.keys()).map(String::as_str),
+            "model.layers.",
+        );
+        crate::config::layers::check_layers_held(c.num_hidden_layers, held, LAYERS_KEY)
+            .map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
         let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let mut take = TensorTaker {

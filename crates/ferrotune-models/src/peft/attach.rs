@@ -183,6 +183,7 @@ pub fn add_adapter(
     if model.config.mllama.is_some() && targets.embed.is_some() {
         return Err(ModelError::Msg(MLLAMA_EMBEDDING.into()));
     }
+    check_adapter_sizes(model, &targets.linears, targets.embed.map(|(r, _)| r))?;
     let mut rng = SplitMix64::new(seed);
     let mut count = 0;
     let embed_adapter = targets
@@ -214,6 +215,57 @@ pub fn add_adapter(
     }
     untie_adapted_head(model);
     Ok(count)
+}
+
+/// Checks fresh adapters' sizes before any is allocated: their bytes (rank × (in + out) per
+/// module, overflow-checked) against the machine's memory, so that a rank of 1e11 is an error
+/// naming the rank rather than an aborted allocation; and warns about a rank above a module's
+/// smaller side, which adds parameters but no expressiveness (PEFT allows it, so it stays
+/// allowed).
+fn check_adapter_sizes(
+    model: &CausalLm,
+    linears: &[(String, usize, f64)],
+    embed_rank: Option<usize>,
+) -> Result<(), ModelError> {
+    let shapes: HashMap<String, (usize, usize)> = model
+        .linears()
+        .into_iter()
+        .map(|(n, l)| (n, l.weight.dims2().unwrap_or((0, 0))))
+        .collect();
+    let embed = embed_rank.map(|r| (EMBED_MODULE.to_string(), model.embed_tokens.dims2(), r));
+    let mut elems: Option<u64> = Some(0);
+    let mut max_rank = 0;
+    let mut over: Option<(String, usize, usize)> = None;
+    let sized = linears
+        .iter()
+        .map(|(name, r, _)| (name.clone(), shapes.get(name).copied(), *r))
+        .chain(embed.map(|(n, dims, r)| (n, dims.ok(), r)));
+    for (name, dims, r) in sized {
+        let Some((out, inp)) = dims else { continue };
+        max_rank = max_rank.max(r);
+        let per = (out as u64)
+            .checked_add(inp as u64)
+            .and_then(|w| w.checked_mul(r as u64));
+        elems = elems.zip(per).and_then(|(a, b)| a.checked_add(b));
+        if r > out.min(inp) && over.is_none() {
+            over = Some((name, r, out.min(inp)));
+        }
+    }
+    if let Some((name, r, side)) = over {
+        tracing::warn!(
+            "LoRA rank {r} on '{name}' is above its smaller side ({side}): ranks past {side} add              parameters but cannot make the update more expressive"
+        );
+    }
+    // A is drawn in f32 before taking the model's dtype: 4 bytes an element at most.
+    let bytes = elems.and_then(|e| ferrotune_core::memory::bytes_of(e, 4));
+    ferrotune_core::memory::check_fits(
+        bytes,
+        &format!(
+            "the LoRA adapters of rank {max_rank} (the config's lora_rank, r or rank_pattern)"
+        ),
+        model.device(),
+    )
+    .map_err(ModelError::Msg)
 }
 
 /// Makes every adapter's tensors trainable and returns the [`Var`]s under PEFT's parameter

@@ -783,6 +783,11 @@ pub fn read_meta(
         "torch_dtype": stored,
     });
     let config = ModelConfig::from_hf_json(&config).map_err(perr)?;
+    // Before counting layer by layer: a billion promised layers would take minutes.
+    let held =
+        crate::config::layers::layers_held(tensors.keys().map(String::as_str), "model.layers.");
+    crate::config::layers::check_layers_held(n_layers, held, "params.json's n_layers")
+        .map_err(|m| ModelError::file(file, m))?;
     let present = (0..n_layers)
         .filter(|i| tensors.contains_key(&format!("model.layers.{i}.input_layernorm.weight")))
         .count();

@@ -306,3 +306,41 @@ fn config_json_that_is_not_an_object() {
         "{err}"
     );
 }
+
+/// A layer count beyond the checkpoint's (issue 44: `num_hidden_layers: 1000000000` aborted
+/// allocating 1.2 TB) is an error naming the key, before anything is allocated for the layers.
+#[test]
+fn layer_count_beyond_the_checkpoint_is_refused() {
+    for (layers, held) in [("1000000000", false), ("5", true)] {
+        let d = tmp(&format!("layers-{layers}"));
+        copy_model(&d);
+        let cfg = std::fs::read_to_string(d.join("config.json"))
+            .unwrap()
+            .replace(
+                "\"num_hidden_layers\": 2",
+                &format!("\"num_hidden_layers\": {layers}"),
+            );
+        std::fs::write(d.join("config.json"), cfg).unwrap();
+        let err = load_err(&d);
+        assert!(
+            err.contains("num_hidden_layers") && err.contains(layers),
+            "{err}"
+        );
+        // Five layers always reach the checkpoint check; a billion may be refused first, by
+        // the machine check, depending on the machine's memory.
+        if held {
+            assert!(err.contains("2 layers (0 to 1)"), "{err}");
+        }
+    }
+
+    // Meta's params.json likewise, without counting a billion layers one by one.
+    let d = tmp("meta-layers");
+    copy_dir(&pickle_fixture("llama2_meta"), &d);
+    let path = d.join("params.json");
+    let mut params: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    params["n_layers"] = 1_000_000_000u64.into();
+    std::fs::write(&path, params.to_string()).unwrap();
+    let err = load_err(&d);
+    assert!(err.contains("1000000000"), "{err}");
+}

@@ -963,6 +963,34 @@ fn error_missing_metadata() {
     );
 }
 
+/// A `block_count` beyond the file's layers (issue 44: a billion aborted allocating 1.2 TB)
+/// is an error naming the key when a model is built from the file.
+#[test]
+fn error_block_count_beyond_the_tensors() {
+    let dir = scratch("blocks");
+    let hp = TINY;
+    for (count, held) in [(1_000_000_000u32, false), (3, true)] {
+        let mut meta = metadata("llama", hp);
+        meta.retain(|(k, _)| k != "llama.block_count");
+        meta.push(("llama.block_count".into(), Meta::U32(count)));
+        let specs = full_model("llama", hp, &hf_values(hp));
+        let path = write(&dir, "blocks.gguf", &gguf_bytes(3, &meta, &specs));
+        let err = match ferrotune_models::load_model(&path, DType::F32, &Device::Cpu) {
+            Ok(_) => panic!("a model with block_count {count} was built from one layer"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains("block_count")
+                && err.contains(&count.to_string())
+                && err.contains("blocks.gguf"),
+            "{err}"
+        );
+        if held {
+            assert!(err.contains("1 layer (layer 0)"), "{err}");
+        }
+    }
+}
+
 #[test]
 fn error_shape_disagrees_with_metadata() {
     let dir = scratch("shape");

@@ -1441,3 +1441,20 @@ fn expert_adapters_written_for_transformers_5_load_back_the_same() {
     assert!(!dir.join(TRANSFORMERS5_DIR).exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A rank no machine can hold (issue 44: `lora_rank: 1e11` aborted allocating 25.6 TB) is an
+/// error naming the rank before any adapter is allocated; a rank above a layer's smaller side
+/// (PEFT allows it) still trains.
+#[test]
+fn absurd_lora_rank_is_refused_before_allocating() {
+    let names = vec!["q_proj".to_string(), "v_proj".to_string()];
+    let mut model = base_model("llama3");
+    let config = LoraConfig::new(100_000_000_000, 16.0, TargetModules::Names(names.clone()));
+    let err = add_adapter(&mut model, &config, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("rank 100000000000") && err.contains("lora_rank"),
+        "{err}"
+    );
+    let config = LoraConfig::new(80, 16.0, TargetModules::Names(names));
+    assert_eq!(add_adapter(&mut model, &config, 1).unwrap(), 4);
+}

@@ -63,7 +63,7 @@ pub fn run(cfg: &Config) -> Result<EvalResult> {
         setup::check_model_component(cfg, &model.config)
     })?;
     tok.feed_model(model.config.vocab_size);
-    let rows = setup::dataset(cfg, &tok)?.rows;
+    let rows = setup::dataset(cfg, &tok, model.config.position_limit())?.rows;
     let pad = pad_id(&tok, &model.config);
     let t0 = Instant::now();
     let (sum, targets) = target_loss_sum(&model, &rows, batch_size, cap, pad, &device)?;

@@ -117,6 +117,7 @@ impl ModelConfig {
         let activation = Activation::parse(act_name)
             .ok_or_else(|| format!("unsupported activation '{act_name}' (hidden_act)"))?;
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
+        crate::config::layers::check_layer_count(num_hidden_layers, "num_hidden_layers")?;
         let attention = rules.attention(hf, num_hidden_layers, max_position_embeddings)?;
         let score_labels = parse_score_labels(obj)?;
         // The Llama-like reading every family starts from; the family's `configure` sets its own

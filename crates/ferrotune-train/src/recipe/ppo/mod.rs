@@ -441,7 +441,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     }
     let mut optimizer = setup::optimizer(cfg, params.clone())?;
 
-    let rows = setup::dataset(cfg, &tokenizer)?.rows;
+    let rows = setup::dataset(cfg, &tokenizer, policy.config.position_limit())?.rows;
     // torchtune's loader drops the last incomplete batch.
     let batches_per_epoch = rows.len() / b.rollout.batch_size;
     if batches_per_epoch == 0 {

@@ -712,9 +712,15 @@ pub fn qat_group_size(cfg: &Config) -> Result<usize> {
     }
 }
 
-/// The `dataset` section with `tokenizer.max_seq_len` applied where a dataset sets none.
-pub fn dataset(cfg: &Config, tok: &Tokenizer) -> Result<ferrotune_data::dataset::Dataset> {
-    dataset_at(cfg, tok, "dataset")
+/// The `dataset` section with `tokenizer.max_seq_len` applied where a dataset sets none, for a
+/// model of `positions` positions (`ModelConfig::position_limit`: longer rows that no
+/// `max_seq_len` cuts are refused, naming the file and row).
+pub fn dataset(
+    cfg: &Config,
+    tok: &Tokenizer,
+    positions: Option<usize>,
+) -> Result<ferrotune_data::dataset::Dataset> {
+    dataset_at(cfg, tok, "dataset", positions)
 }
 
 /// The DPO recipes' `dataset` section as preference pairs, `tokenizer.max_seq_len` applied as
@@ -722,10 +728,16 @@ pub fn dataset(cfg: &Config, tok: &Tokenizer) -> Result<ferrotune_data::dataset:
 pub fn preference_dataset(
     cfg: &Config,
     tok: &Tokenizer,
+    positions: Option<usize>,
 ) -> Result<Vec<ferrotune_data::dataset::PreferencePair>> {
     let section = dataset_section(cfg, "dataset")?;
-    ferrotune_data::dataset::build_preference_dataset(&section, tok, Path::new("."))
-        .with_context(|| format!("{}: dataset", cfg.origin))
+    ferrotune_data::dataset::build_preference_dataset_within(
+        &section,
+        tok,
+        Path::new("."),
+        positions,
+    )
+    .with_context(|| format!("{}: dataset", cfg.origin))
 }
 
 /// The dataset described by section `key` (`dataset`, or `dataset_val` for validation).
@@ -733,9 +745,10 @@ pub fn dataset_at(
     cfg: &Config,
     tok: &Tokenizer,
     key: &str,
+    positions: Option<usize>,
 ) -> Result<ferrotune_data::dataset::Dataset> {
     let section = dataset_section(cfg, key)?;
-    ferrotune_data::dataset::build_dataset(&section, tok, Path::new("."))
+    ferrotune_data::dataset::build_dataset_within(&section, tok, Path::new("."), positions)
         .with_context(|| format!("{}: {key}", cfg.origin))
 }
 

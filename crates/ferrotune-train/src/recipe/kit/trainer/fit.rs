@@ -135,10 +135,11 @@ impl FineTune {
             None => trainable.params,
         };
         let tokenizer = &self.tokenizer;
+        let positions = model.config.position_limit();
         let examples = if mode.preference() {
-            Examples::Pairs(setup::preference_dataset(cfg, tokenizer)?)
+            Examples::Pairs(setup::preference_dataset(cfg, tokenizer, positions)?)
         } else {
-            Examples::Rows(setup::dataset(cfg, tokenizer)?.rows)
+            Examples::Rows(setup::dataset(cfg, tokenizer, positions)?.rows)
         };
         let pad = setup::pad_id(tokenizer, &model.config);
         // Validation every `run_val_every_n_steps` optimizer steps on `dataset_val` (torchtune's
@@ -146,7 +147,7 @@ impl FineTune {
         let validation = match settings.validation {
             None => None,
             Some(v) => {
-                let rows = setup::dataset_at(cfg, tokenizer, "dataset_val")?.rows;
+                let rows = setup::dataset_at(cfg, tokenizer, "dataset_val", positions)?.rows;
                 // One device scores every row; ranks take theirs as torchtune's sampler deals
                 // them (and, like its loader, leave out each rank's last incomplete batch).
                 let (rows, batches) = if self.distributed {
