@@ -17,10 +17,11 @@ pub fn check_layer_count(layers: usize, key: &str) -> Result<(), String> {
     )
 }
 
-/// How many layers the tensor `names` hold: one more than the highest `N` of a name
-/// `{prefix}N.…` (0 without any).
+/// How many layers the tensor `names` hold: the layers 0, 1, … up to the first missing one, each
+/// with some tensor `{prefix}N.…` (0 without any). Counted this way, a single stray name with a
+/// huge `N` cannot vouch for a huge layer count: the answer is at most the number of names.
 pub fn layers_held<'a>(names: impl IntoIterator<Item = &'a str>, prefix: &str) -> usize {
-    names
+    let present: std::collections::BTreeSet<usize> = names
         .into_iter()
         .filter_map(|n| {
             n.strip_prefix(prefix)?
@@ -29,9 +30,8 @@ pub fn layers_held<'a>(names: impl IntoIterator<Item = &'a str>, prefix: &str) -
                 .parse::<usize>()
                 .ok()
         })
-        .map(|n| n.saturating_add(1))
-        .max()
-        .unwrap_or(0)
+        .collect();
+    (0..).take_while(|l| present.contains(l)).count()
 }
 
 /// Refuses a checkpoint that holds fewer layers (`held`, from [`layers_held`]) than its config's
@@ -59,15 +59,28 @@ mod tests {
 
     #[test]
     fn counts_layers_and_refuses_too_few() {
-        let names = [
-            "model.embed_tokens.weight",
+        let mut names: Vec<String> = (0..12)
+            .map(|l| format!("model.layers.{l}.mlp.up_proj.weight"))
+            .collect();
+        names.push("model.embed_tokens.weight".into());
+        names.push("model.layers.x.bad".into());
+        assert_eq!(
+            layers_held(names.iter().map(String::as_str), "model.layers."),
+            12
+        );
+        // Layers 0 and 11 only: one layer is there from the start.
+        let gappy = [
             "model.layers.0.mlp.up_proj.weight",
-            "model.layers.11.self_attn.q_proj.weight",
-            "model.layers.x.bad",
+            "model.layers.11.mlp.up_proj.weight",
         ];
-        assert_eq!(layers_held(names, "model.layers."), 12);
-        assert_eq!(layers_held(["blk.3.attn_q.weight"], "blk."), 4);
+        assert_eq!(layers_held(gappy, "model.layers."), 1);
+        assert_eq!(layers_held(["blk.3.attn_q.weight"], "blk."), 0);
         assert_eq!(layers_held(["output.weight"], "blk."), 0);
+        // A stray huge index vouches for nothing past the layers really there.
+        assert_eq!(
+            layers_held(["blk.0.a", "blk.1.a", "blk.999999999.a"], "blk."),
+            2
+        );
         check_layers_held(12, 12, "num_hidden_layers").unwrap();
         check_layers_held(2, 12, "num_hidden_layers").unwrap();
         let err = check_layers_held(1_000_000_000, 2, "num_hidden_layers").unwrap_err();
