@@ -197,6 +197,22 @@ pub fn index_shard_files(index: &Path) -> Result<Vec<PathBuf>, ModelError> {
         let file = file.as_str().ok_or_else(|| {
             ModelError::file(index, format!("weight_map['{name}'] is not a file name"))
         })?;
+        // A model folder comes from anywhere: its index may only name files inside it (no
+        // absolute path, no `..`), so loading it never reads a file elsewhere on the machine.
+        let inside = !file.is_empty()
+            && !file.contains(['\\', '\0'])
+            && Path::new(file)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !inside {
+            return Err(ModelError::file(
+                index,
+                format!(
+                    "weight_map['{name}'] = {file:?} is not a file inside the model folder \
+                     (absolute paths and '..' are refused)"
+                ),
+            ));
+        }
         files.insert(dir.join(file));
     }
     let index_name = index

@@ -120,6 +120,31 @@ fn missing_shard() {
     );
 }
 
+#[test]
+fn index_naming_files_outside_the_model_folder_is_refused() {
+    let d = tmp("index-escape");
+    copy_model(&d);
+    // A real file outside the folder (the model's own weights, one level up): an index naming it
+    // by an absolute path or through `..` must not get it read.
+    let outside = d.parent().unwrap().join(format!(
+        "ferrotune-index-escape-{}.safetensors",
+        std::process::id()
+    ));
+    std::fs::copy(d.join("model.safetensors"), &outside).unwrap();
+    let relative = format!("../{}", outside.file_name().unwrap().to_str().unwrap());
+    for named in [outside.to_str().unwrap(), relative.as_str()] {
+        let index = serde_json::json!({"weight_map": {"model.norm.weight": named}});
+        std::fs::write(d.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let err = load_err(&d);
+        assert!(
+            err.contains("model.safetensors.index.json")
+                && err.contains("not a file inside the model folder"),
+            "{named}: {err}"
+        );
+    }
+    std::fs::remove_file(&outside).unwrap();
+}
+
 fn pickle_fixture(case: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/models")
