@@ -34,6 +34,21 @@ pub fn layers_held<'a>(names: impl IntoIterator<Item = &'a str>, prefix: &str) -
     (0..).take_while(|l| present.contains(l)).count()
 }
 
+/// The most layers a count may give without the checkpoint's tensors holding them: far more than
+/// any model has (the deepest have a few hundred), so that only a count no tensor vouches for
+/// meets it, and small enough that the per-layer settings it sizes stay a few hundred KB.
+pub const MAX_UNHELD_LAYERS: usize = 4096;
+
+/// Refuses a layer count (`declared`, named by `key`) above [`MAX_UNHELD_LAYERS`] that the
+/// checkpoint's tensors do not hold (`held`, from [`layers_held`]): read from a file holding
+/// no or few layers (metadata alone), it would size per-layer settings by an unchecked number.
+pub fn check_unheld_layers(declared: usize, held: usize, key: &str) -> Result<(), String> {
+    if declared <= MAX_UNHELD_LAYERS || held >= declared {
+        return Ok(());
+    }
+    check_layers_held(declared, held, key)
+}
+
 /// Refuses a checkpoint that holds fewer layers (`held`, from [`layers_held`]) than its config's
 /// `key` says (`declared`): the model would be built layer after layer for nothing (and for a
 /// billion layers, abort allocating them). More layers than declared are left to the unused
@@ -81,6 +96,11 @@ mod tests {
             layers_held(["blk.0.a", "blk.1.a", "blk.999999999.a"], "blk."),
             2
         );
+        // A count no tensor holds passes up to MAX_UNHELD_LAYERS (metadata-only reads).
+        check_unheld_layers(2, 0, "block_count").unwrap();
+        check_unheld_layers(MAX_UNHELD_LAYERS + 1, MAX_UNHELD_LAYERS + 1, "block_count").unwrap();
+        let err = check_unheld_layers(67_108_865, 0, "block_count").unwrap_err();
+        assert!(err.contains("says 67108865 layers"), "{err}");
         check_layers_held(12, 12, "num_hidden_layers").unwrap();
         check_layers_held(2, 12, "num_hidden_layers").unwrap();
         let err = check_layers_held(1_000_000_000, 2, "num_hidden_layers").unwrap_err();

@@ -117,14 +117,15 @@ impl HParams {
         }
         let hidden = g.req_count(&k("embedding_length"))?;
         let layers = g.req_count(&k("block_count"))?;
-        // Checked before the per-layer tables below are sized by it: against the machine, and
-        // against the blocks the file's tensors hold (these hyperparameters serve to build a
-        // model, so a vocabulary-only GGUF, holding no tensors, is refused here too).
+        // Checked before the per-layer tables below are sized by it: against the machine, and,
+        // past what any real model has, against the blocks the file's tensors hold (a file
+        // read for its metadata or some tensors alone may hold no block; whether a model's file
+        // holds every block is checked when the model is built from it).
         let key = format!("metadata key '{}'", k("block_count"));
         crate::config::layers::check_layer_count(layers, &key).map_err(|m| g.err(m))?;
         let names = g.content.tensor_infos.keys().map(String::as_str);
         let held = crate::config::layers::layers_held(names, "blk.");
-        crate::config::layers::check_layers_held(layers, held, &key).map_err(|m| g.err(m))?;
+        crate::config::layers::check_unheld_layers(layers, held, &key).map_err(|m| g.err(m))?;
         let ffn = g.req_count(&k("feed_forward_length"))?;
         let heads = g.req_count(&k("attention.head_count"))?;
         let context = g.req_count(&k("context_length"))?;
