@@ -3,39 +3,14 @@
 //! row on a 512-position model aborted allocating an 80 GB mask); with `tokenizer.max_seq_len`
 //! the same data trains.
 
-use crate::common::{run_recipe, text, tmpdir, write_config};
+use crate::common::{run_recipe, text, tmpdir, write_config, TINY_LORA};
 
-const CONFIG: &str = "
-output_dir: OUT
-model:
-  lora_attn_modules: [q_proj, v_proj]
-  lora_rank: 4
-  lora_alpha: 8
-tokenizer:
-  path: MODEL
-checkpointer:
-  checkpoint_dir: MODEL
-  output_dir: ${output_dir}
-dataset:
-  _component_: torchtune.datasets.alpaca_dataset
-  source: json
-  data_files: DATA
-seed: 7
-batch_size: 1
-epochs: 1
-max_steps_per_epoch: 1
-optimizer:
-  _component_: torch.optim.AdamW
-  lr: 1e-3
-lr_scheduler: null
-loss:
-  _component_: torch.nn.CrossEntropyLoss
-metric_logger:
-  _component_: torchtune.training.metric_logging.DiskLogger
-  log_dir: ${output_dir}/logs
-device: cpu
-dtype: fp32
-";
+/// The tiny LoRA config on instruct rows, one row a step, one step.
+const SETTINGS: &[&str] = &[
+    "dataset._component_=torchtune.datasets.alpaca_dataset",
+    "batch_size=1",
+    "max_steps_per_epoch=1",
+];
 
 #[test]
 fn a_row_longer_than_the_model_needs_max_seq_len() {
@@ -49,12 +24,12 @@ fn a_row_longer_than_the_model_needs_max_seq_len() {
     ];
     let lines: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
     std::fs::write(&data, lines.join("\n") + "\n").unwrap();
-    let cfg = write_config(CONFIG, &dir, "llama3", &data);
+    let cfg = write_config(TINY_LORA, &dir, "llama3", &data);
     let out = run_recipe(
         "lora_finetune_single_device",
         &cfg,
         &dir.join("out"),
-        &[],
+        SETTINGS,
         &dir,
         &[],
     );
@@ -70,7 +45,7 @@ fn a_row_longer_than_the_model_needs_max_seq_len() {
         "lora_finetune_single_device",
         &cfg,
         &dir.join("out2"),
-        &["tokenizer.max_seq_len=64"],
+        &[SETTINGS, &["tokenizer.max_seq_len=64"]].concat(),
         &dir,
         &[],
     );

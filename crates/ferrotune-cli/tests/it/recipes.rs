@@ -66,42 +66,8 @@ fn eval_result(dir: &Path, cfg: &Path, adapter: &Path, extra: &[&str]) -> Value 
     serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
 }
 
-/// A LoRA config for the tiny models; the caller adds overrides.
-const TINY_LORA: &str = "
-output_dir: OUT
-model:
-  lora_attn_modules: [q_proj, v_proj]
-  lora_rank: 4
-  lora_alpha: 8
-tokenizer:
-  path: MODEL
-checkpointer:
-  checkpoint_dir: MODEL
-  output_dir: ${output_dir}
-dataset:
-  _component_: torchtune.datasets.tokenized_dataset
-  source: json
-  data_files: DATA
-seed: 7
-shuffle: false
-batch_size: 2
-epochs: 1
-optimizer:
-  _component_: torch.optim.AdamW
-  lr: 1e-3
-lr_scheduler: null
-loss:
-  _component_: torch.nn.CrossEntropyLoss
-metric_logger:
-  _component_: torchtune.training.metric_logging.DiskLogger
-  log_dir: ${output_dir}/logs
-log_every_n_steps: 1
-device: cpu
-dtype: fp32
-";
-
 fn write_config(dir: &Path, family: &str, data: &Path) -> PathBuf {
-    common::write_config(TINY_LORA, dir, family, data)
+    common::write_config(common::TINY_LORA, dir, family, data)
 }
 
 /// One SGD step (lr 1) from a PEFT adapter logs PEFT's loss and saves `start − gradient`, with
@@ -1666,7 +1632,7 @@ fn pytorch_and_meta_checkpoints_train_from_the_listed_files_and_save_hf_folders(
         .unwrap();
         let data = dir.join("batch.jsonl");
         write_golden_rows("models/llama2", &data);
-        let yaml = TINY_LORA
+        let yaml = common::TINY_LORA
             .replace("OUT", &dir.join("out").display().to_string())
             .replace("MODEL", &model.display().to_string())
             .replace("DATA", &data.display().to_string());
@@ -1761,7 +1727,7 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
         let cfg = dir.join("config.yaml");
         std::fs::write(
             &cfg,
-            TINY_LORA
+            common::TINY_LORA
                 .replace("OUT", &dir.join("out").display().to_string())
                 .replace("MODEL", &model.display().to_string())
                 .replace("DATA", &data.display().to_string()),

@@ -13,41 +13,6 @@ use common::{metrics_lines, run_recipe, text, tmpdir};
 
 const RECIPE: &str = "lora_finetune_single_device";
 
-const CONFIG: &str = "
-output_dir: OUT
-model:
-  _component_: torchtune.models.llama3.lora_llama3
-  lora_attn_modules: [q_proj, v_proj]
-  lora_rank: 4
-  lora_alpha: 8
-tokenizer:
-  path: MODEL
-checkpointer:
-  checkpoint_dir: MODEL
-  output_dir: ${output_dir}
-dataset:
-  _component_: torchtune.datasets.tokenized_dataset
-  source: json
-  data_files: DATA
-seed: 7
-shuffle: true
-batch_size: 2
-epochs: 1
-save_every_n_steps: 2
-optimizer:
-  _component_: torch.optim.AdamW
-  lr: 1e-3
-lr_scheduler: null
-loss:
-  _component_: torch.nn.CrossEntropyLoss
-metric_logger:
-  _component_: torchtune.training.metric_logging.DiskLogger
-  log_dir: ${output_dir}/logs
-log_every_n_steps: 1
-device: cpu
-dtype: fp32
-";
-
 /// The run id in checkpoint folder `dir`'s recipe state.
 fn run_id_of(dir: &Path) -> String {
     let file = dir.join("recipe_state/state.json");
@@ -78,9 +43,12 @@ fn a_fresh_run_refuses_an_earlier_runs_outputs_and_a_resume_continues_its_own_ru
         })
         .collect();
     std::fs::write(&data, rows.join("\n")).unwrap();
-    let cfg = common::write_config(CONFIG, &dir, "llama3", &data);
+    let cfg = common::write_config(common::TINY_LORA, &dir, "llama3", &data);
     let run = |out: &Path, extra: &[&str], env: &[(&str, &str)]| -> Output {
-        run_recipe(RECIPE, &cfg, out, extra, &dir, env)
+        // Shuffled (the seed matters), a checkpoint every 2 steps.
+        let mut args = vec!["shuffle=true", "save_every_n_steps=2"];
+        args.extend_from_slice(extra);
+        run_recipe(RECIPE, &cfg, out, &args, &dir, env)
     };
 
     // An earlier run (lr 1e-3, seed 7), complete: its checkpoints and log.

@@ -89,6 +89,41 @@ pub fn losses(lines: &[Value]) -> Vec<(u64, f64, f64)> {
         .collect()
 }
 
+/// A LoRA fine-tuning config on a tiny fixture model (`MODEL`, `DATA` and `OUT` filled in by
+/// [`write_config`]): AdamW at lr 1e-3, batch 2, one epoch, unshuffled, metrics in `OUT/logs`.
+pub const TINY_LORA: &str = "
+output_dir: OUT
+model:
+  lora_attn_modules: [q_proj, v_proj]
+  lora_rank: 4
+  lora_alpha: 8
+tokenizer:
+  path: MODEL
+checkpointer:
+  checkpoint_dir: MODEL
+  output_dir: ${output_dir}
+dataset:
+  _component_: torchtune.datasets.tokenized_dataset
+  source: json
+  data_files: DATA
+seed: 7
+shuffle: false
+batch_size: 2
+epochs: 1
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 1e-3
+lr_scheduler: null
+loss:
+  _component_: torch.nn.CrossEntropyLoss
+metric_logger:
+  _component_: torchtune.training.metric_logging.DiskLogger
+  log_dir: ${output_dir}/logs
+log_every_n_steps: 1
+device: cpu
+dtype: fp32
+";
+
 /// Writes `template` with `OUT` (`dir/out`), `MODEL` (the `family` fixture's model folder) and
 /// `DATA` (`data`) filled in, as `dir/config.yaml`, and returns that path.
 pub fn write_config(template: &str, dir: &Path, family: &str, data: &Path) -> PathBuf {
