@@ -567,6 +567,23 @@ fn dataset_repos() -> Vec<HubRepo> {
 /// Set in the copy of this crate's test binary that a test needing a process of its own runs in.
 const ALONE: &str = "FERROTUNE_TEST_ALONE";
 
+/// Points this process's Hub access at `server` with `HF_HOME` under `tmp` and no token or other
+/// cache set, and returns the Hugging Face cache folder. Only for a test that runs alone in a copy
+/// of the binary (`in_own_process`): the CLI tests give their children these variables instead.
+fn use_hub_in_this_process(server: &HubServer, tmp: &Path) -> PathBuf {
+    std::env::set_var("HF_ENDPOINT", server.url());
+    std::env::set_var("HF_HOME", tmp.join("hf-home"));
+    for k in [
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+    ] {
+        std::env::remove_var(k);
+    }
+    tmp.join("hf-home").join("hub")
+}
+
 #[test]
 fn dataset_files_returns_the_split_parquet_from_the_cache() {
     // It sets HF_ENDPOINT and HF_HOME in its own process, which the other tests of this binary
@@ -578,19 +595,7 @@ fn dataset_files_returns_the_split_parquet_from_the_cache() {
     }
     let server = HubServer::start(dataset_repos());
     let tmp = temp_dir("datasets");
-    // The only test in this binary that sets variables in its own process (a copy of the binary
-    // of its own, above); the CLI tests give their children HF_ENDPOINT and HF_HOME explicitly.
-    std::env::set_var("HF_ENDPOINT", server.url());
-    std::env::set_var("HF_HOME", tmp.join("hf-home"));
-    for k in [
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-        "HF_HUB_CACHE",
-        "HUGGINGFACE_HUB_CACHE",
-    ] {
-        std::env::remove_var(k);
-    }
-    let cache = tmp.join("hf-home").join("hub");
+    let cache = use_hub_in_this_process(&server, &tmp);
 
     let paths = ferrotune_data::hub::dataset_files("acme/tiny-ds", None, "test[:50%]").unwrap();
     assert_eq!(paths.len(), 1, "{paths:?}");
@@ -772,16 +777,7 @@ fn dataset_listing_with_escaping_entries_is_refused() {
         repo("acme/abs-ds", &abs_entry),
         repo("acme/dotdot-ds", dotdot_entry),
     ]);
-    std::env::set_var("HF_ENDPOINT", server.url());
-    std::env::set_var("HF_HOME", tmp.join("hf-home"));
-    for k in [
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-        "HF_HUB_CACHE",
-        "HUGGINGFACE_HUB_CACHE",
-    ] {
-        std::env::remove_var(k);
-    }
+    use_hub_in_this_process(&server, &tmp);
     for (id, entry) in [
         ("acme/abs-ds", abs_entry.as_str()),
         ("acme/dotdot-ds", dotdot_entry),
@@ -845,17 +841,7 @@ fn dataset_cache_paths_trust_no_header() {
         ),
     ]);
     let tmp = temp_dir("ds-headers");
-    std::env::set_var("HF_ENDPOINT", server.url());
-    std::env::set_var("HF_HOME", tmp.join("hf-home"));
-    for k in [
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-        "HF_HUB_CACHE",
-        "HUGGINGFACE_HUB_CACHE",
-    ] {
-        std::env::remove_var(k);
-    }
-    let cache = tmp.join("hf-home").join("hub");
+    let cache = use_hub_in_this_process(&server, &tmp);
     let assert_nothing_outside = || {
         let outside = files_outside(&tmp, &cache);
         assert!(outside.is_empty(), "written outside the cache: {outside:?}");
