@@ -51,7 +51,13 @@ enum Command {
     Download(download::DownloadArgs),
     /// Plot a training run's loss and learning rate against step into a PNG.
     Plot(plot::PlotArgs),
+    /// Internal: the process chat templates render in (see `ferrotune_data::chat_template::isolate`).
+    #[command(name = "internal-render-templates", hide = true)]
+    RenderTemplates,
 }
+
+/// The hidden verb that makes this binary a chat template worker.
+const RENDER_TEMPLATES_VERB: &str = "internal-render-templates";
 
 /// glibc returns large freed blocks to the kernel and maps fresh zeroed pages for the next
 /// allocation; a training step allocates and frees the same large activations every time, so that
@@ -79,6 +85,22 @@ fn main() {
     }
     logging::init();
     let cli = Cli::parse();
+    if matches!(cli.command, Command::RenderTemplates) {
+        if let Err(e) = ferrotune_data::chat_template::isolate::serve() {
+            eprintln!("error: chat template worker: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    // Chat templates are untrusted code from model folders: they render in a worker process with
+    // a memory cap (this binary again, with the hidden verb).
+    match std::env::current_exe() {
+        Ok(exe) => ferrotune_data::chat_template::isolate::use_worker(
+            exe,
+            vec![RENDER_TEMPLATES_VERB.into()],
+        ),
+        Err(e) => tracing::warn!("chat templates render in this process: {e}"),
+    }
     if matches!(
         cli.command,
         Command::Generate(_) | Command::Run(_) | Command::Bench(_) | Command::Merge(_)
@@ -100,6 +122,7 @@ fn main() {
         Command::ExportGguf(args) => export_gguf::run(args),
         Command::Download(args) => download::run(args),
         Command::Plot(args) => plot::run(args),
+        Command::RenderTemplates => unreachable!("served above"),
     };
     if let Err(e) = result {
         // One line: the context chain joined, so the file and the problem appear together.

@@ -57,6 +57,9 @@ enum Command {
     },
     /// List the targets.
     List,
+    /// Internal: the process chat templates render in, as in ferrotune itself.
+    #[command(name = "internal-render-templates", hide = true)]
+    RenderTemplates,
     /// Internal: the worker process the driver starts.
     #[command(hide = true)]
     Worker {
@@ -68,7 +71,24 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let command = Cli::parse().command;
+    if matches!(command, Command::Worker { .. } | Command::Repro { .. }) {
+        // Chat templates render as the ferrotune binary renders them: in a capped worker process.
+        if let Ok(exe) = std::env::current_exe() {
+            ferrotune_data::chat_template::isolate::use_worker(
+                exe,
+                vec!["internal-render-templates".into()],
+            );
+        }
+    }
+    match command {
+        Command::RenderTemplates => match ferrotune_data::chat_template::isolate::serve() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("template worker: {e}");
+                ExitCode::from(2)
+            }
+        },
         Command::List => {
             for t in TARGETS {
                 println!("{:<18} {}", t.name, t.about);

@@ -20,3 +20,4 @@ mod recipe_checks;
 mod recipes;
 mod run_identity;
 mod stuck_rank;
+mod template_worker;

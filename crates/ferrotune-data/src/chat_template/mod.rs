@@ -23,6 +23,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{DataError, Result};
 
+pub mod isolate;
+
 /// One message of a chat: who speaks (`"system"`, `"user"`, `"assistant"`, ...) and what they say.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
@@ -68,6 +70,8 @@ pub const TEMPLATE_STEP_BUDGET: u64 = 50_000_000;
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The source as given, for rendering in a worker process ([`isolate`]).
+    source: String,
     /// Where the source came from (a file, a key of one), for errors.
     origin: Option<String>,
 }
@@ -84,7 +88,11 @@ impl ChatTemplate {
         let mut env = environment();
         env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
             .map_err(template_error)?;
-        Ok(Self { env, origin: None })
+        Ok(Self {
+            env,
+            source: source.to_owned(),
+            origin: None,
+        })
     }
 
     /// [`ChatTemplate::new`] for a source read from `origin` (a file, or a key of one), which
@@ -123,7 +131,18 @@ impl ChatTemplate {
     /// Renders with any context (for templates that want more than [`ChatTemplate::render`]
     /// gives, e.g. `tools`). The context must serialize to a map; struct fields and maps keep
     /// their order.
+    ///
+    /// Once the binary has called [`isolate::use_worker`], the render happens in a worker process
+    /// with a memory cap and a time limit.
     pub fn render_with<S: Serialize>(&self, context: S) -> Result<String> {
+        if isolate::enabled() {
+            return isolate::render(&self.source, self.origin.as_deref(), context);
+        }
+        self.render_here(context)
+    }
+
+    /// [`ChatTemplate::render_with`] in this process.
+    fn render_here<S: Serialize>(&self, context: S) -> Result<String> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
