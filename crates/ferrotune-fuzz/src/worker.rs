@@ -228,7 +228,15 @@ pub fn worker_main(target: &Target, memory_mib: Option<u64>) -> std::io::Result<
         let mut input = vec![0u8; u32::from_le_bytes(len) as usize];
         stdin.read_exact(&mut input)?;
         target.run(&scratch, &input);
-        writeln!(stdout, "ok {} {}", peak_rss_kib(), cpu_us())?;
+        // A target's own child processes (the chat template worker) count as its work: their CPU
+        // time against the budget, their memory against the cap's report.
+        let (child_rss, child_cpu) = children_usage();
+        writeln!(
+            stdout,
+            "ok {} {}",
+            peak_rss_kib().max(child_rss),
+            cpu_us() + child_cpu
+        )?;
         stdout.flush()?;
     }
 }
@@ -245,14 +253,7 @@ impl Drop for RemoveOnDrop {
 
 /// This process's peak resident memory (VmHWM), KiB.
 pub fn peak_rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
+    status_kib("/proc/self/status", "VmHWM:")
 }
 
 /// The CPU time of the process `pid` (user and system, all threads), µs; 0 if unknown.
@@ -275,6 +276,35 @@ fn process_cpu_us(pid: u32) -> u64 {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     (ticks(11) + ticks(12)) * 1_000_000 / hz
+}
+
+/// The peak resident memory (KiB) and CPU time (µs) of this process's children: those that
+/// ended (`RUSAGE_CHILDREN`) and the chat template worker still running.
+fn children_usage() -> (u64, u64) {
+    // SAFETY: an all-zero rusage is a valid value for getrusage to overwrite.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage of this process's waited-for children into a valid rusage.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) };
+    let us = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+    let mut rss = usage.ru_maxrss as u64;
+    let mut cpu = us(usage.ru_utime) + us(usage.ru_stime);
+    if let Some(pid) = ferrotune_data::chat_template::isolate::worker_pid() {
+        cpu += process_cpu_us(pid);
+        rss = rss.max(status_kib(&format!("/proc/{pid}/status"), "VmHWM:"));
+    }
+    (rss, cpu)
+}
+
+/// A `kB` field of a `/proc/.../status` file; 0 if unknown.
+fn status_kib(path: &str, field: &str) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 /// This process's CPU time (user and system, all threads), µs.

@@ -60,6 +60,14 @@ pub(super) fn enabled() -> bool {
     COMMAND.get().is_some()
 }
 
+/// The process id of the running worker, if one runs (for accounting its CPU time and memory).
+pub fn worker_pid() -> Option<u32> {
+    let slot = WORKER
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    slot.as_ref().map(|worker| worker.child.id())
+}
+
 #[derive(Serialize)]
 struct Request<'a, C: Serialize> {
     source: &'a str,
