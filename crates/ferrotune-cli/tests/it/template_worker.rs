@@ -17,6 +17,12 @@ use ferrotune_data::{ChatMessage, ChatTemplate, DataError};
 const DOUBLING: &str = "{% set ns = namespace(a='x' * 100000000) %}{% for i in range(12) %}\
                         {% set ns.a = ns.a ~ ns.a %}{% endfor %}{{ ns.a | length }}";
 
+/// A template whose compiling takes 3 GB: minijinja folds constant expressions while compiling,
+/// building each `'x' * 100000000` argument then.
+fn folding_at_compile_time() -> String {
+    "{{ raise_exception('x' * 100000000) }}".repeat(30)
+}
+
 /// A template whose every step copies 200 MB: 100,000 steps, under the step budget, hours long.
 const SLOW_STEPS: &str = "{% set a = 'x' * 100000000 %}{% for i in range(100000) %}\
                           {% set b = a ~ a %}{% endfor %}{{ 'done' }}";
@@ -76,6 +82,16 @@ fn a_template_that_builds_gigabytes_stops_at_the_workers_memory_cap() {
         &out,
         &[
             "needed more than 1024 MiB of memory to render",
+            &file.display().to_string(),
+        ],
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+
+    let (out, took) = tokenize_with_template(&dir, &folding_at_compile_time());
+    assert_one_error_line(
+        &out,
+        &[
+            "needed more than 1024 MiB of memory to compile",
             &file.display().to_string(),
         ],
     );

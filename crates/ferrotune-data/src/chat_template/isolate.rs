@@ -11,8 +11,12 @@
 //! render must answer within [`RENDER_SECONDS`]. A worker that runs out of memory or time is
 //! killed, the render is an error naming the template, and the next render starts a fresh worker.
 //!
+//! Compiling goes to the worker too: minijinja folds constant expressions while compiling, so
+//! `'x' * 100000000` repeated in a template's source asks for gigabytes before any render.
+//!
 //! The protocol is one JSON line each way over a socket pair: the request
-//! `{"source", "origin", "context"}`, the reply `{"Rendered": text}` or `{"Failed": error}`.
+//! `{"source", "origin", "context"}` (`context` null: compile only), the reply `"Compiled"`,
+//! `{"Rendered": text}` or `{"Failed": error}`.
 //! Without [`use_worker`] (library users, tests) templates render in the calling process.
 
 use std::collections::HashMap;
@@ -68,23 +72,25 @@ pub fn worker_pid() -> Option<u32> {
     slot.as_ref().map(|worker| worker.child.id())
 }
 
+/// A request: compile `source` (no `context`) or render it with `context`.
 #[derive(Serialize)]
 struct Request<'a, C: Serialize> {
     source: &'a str,
     origin: Option<&'a str>,
-    context: C,
+    context: Option<C>,
 }
 
 #[derive(Deserialize)]
 struct OwnedRequest {
     source: String,
     origin: Option<String>,
-    context: minijinja::Value,
+    context: Option<minijinja::Value>,
 }
 
-/// A render's outcome as it crosses the socket.
+/// A request's outcome as it crosses the socket.
 #[derive(Serialize, Deserialize)]
 enum Reply {
+    Compiled,
     Rendered(String),
     Failed(WireError),
 }
@@ -184,15 +190,45 @@ impl Worker {
     }
 }
 
-/// Renders `source` (from `origin`) with `context` in the worker process, starting one if none
-/// runs.
+/// Compiles `source` (from `origin`) in the worker process, for its syntax errors.
+pub(super) fn compile(source: &str, origin: Option<&str>) -> Result<()> {
+    match exchange(source, origin, None::<()>, "compile")? {
+        Reply::Compiled => Ok(()),
+        _ => Err(nonsense(origin)),
+    }
+}
+
+/// Renders `source` (from `origin`) with `context` in the worker process.
 pub(super) fn render<C: Serialize>(
     source: &str,
     origin: Option<&str>,
     context: C,
 ) -> Result<String> {
+    match exchange(source, origin, Some(context), "render")? {
+        Reply::Rendered(text) => Ok(text),
+        _ => Err(nonsense(origin)),
+    }
+}
+
+fn nonsense(origin: Option<&str>) -> DataError {
+    DataError::Template {
+        message: format!(
+            "the chat template renderer answered out of turn for the template{}",
+            origin.map(|o| format!(" from {o}")).unwrap_or_default()
+        ),
+    }
+}
+
+/// Sends one request to the worker (starting one if none runs) and reads its reply; a failed
+/// compile or render is the error it names, a worker that dies or overruns is killed.
+fn exchange<C: Serialize>(
+    source: &str,
+    origin: Option<&str>,
+    context: Option<C>,
+    what: &str,
+) -> Result<Reply> {
     let from = || origin.map(|o| format!(" from {o}")).unwrap_or_default();
-    let command = COMMAND.get().expect("render is only called when enabled");
+    let command = COMMAND.get().expect("only called once use_worker was");
     let mut line = serde_json::to_vec(&Request {
         source,
         origin,
@@ -225,8 +261,8 @@ pub(super) fn render<C: Serialize>(
         .and_then(|()| worker.replies.read_line(&mut reply));
     match outcome {
         Ok(n) if n > 0 => match serde_json::from_str::<Reply>(&reply) {
-            Ok(Reply::Rendered(text)) => Ok(text),
             Ok(Reply::Failed(err)) => Err(err.into_error(origin)),
+            Ok(reply) => Ok(reply),
             Err(e) => {
                 let status = slot.take().expect("present").stop();
                 Err(DataError::Template {
@@ -246,13 +282,13 @@ pub(super) fn render<C: Serialize>(
             let status = slot.take().expect("present").stop();
             let message = if timed_out {
                 format!(
-                    "the template{} took more than {RENDER_SECONDS} s to render: far longer than \
+                    "the template{} took more than {RENDER_SECONDS} s to {what}: far longer than \
                      any real template",
                     from()
                 )
             } else {
                 format!(
-                    "the template{} needed more than {} MiB of memory to render, far more than \
+                    "the template{} needed more than {} MiB of memory to {what}, far more than \
                      any real template (its renderer: {status})",
                     from(),
                     WORKER_MEMORY_BYTES >> 20
@@ -285,11 +321,7 @@ pub fn serve() -> std::io::Result<()> {
             if compiled.len() >= 8 {
                 compiled.clear();
             }
-            let template = match &key.1 {
-                Some(origin) => ChatTemplate::from_origin(&key.0, origin.clone()),
-                None => ChatTemplate::new(&key.0),
-            };
-            match template {
+            match ChatTemplate::build_here(&key.0, key.1.clone()) {
                 Ok(template) => {
                     compiled.insert(key.clone(), template);
                 }
@@ -299,9 +331,12 @@ pub fn serve() -> std::io::Result<()> {
                 }
             }
         }
-        let reply = match compiled[&key].render_here(request.context) {
-            Ok(text) => Reply::Rendered(text),
-            Err(e) => Reply::Failed(WireError::from_error(e)),
+        let reply = match request.context {
+            None => Reply::Compiled,
+            Some(context) => match compiled[&key].render_here(context) {
+                Ok(text) => Reply::Rendered(text),
+                Err(e) => Reply::Failed(WireError::from_error(e)),
+            },
         };
         write_reply(&mut stdout, &reply)?;
     }

@@ -69,8 +69,11 @@ pub const TEMPLATE_STEP_BUDGET: u64 = 50_000_000;
 
 /// A compiled chat template.
 pub struct ChatTemplate {
-    env: Environment<'static>,
-    /// The source as given, for rendering in a worker process ([`isolate`]).
+    /// The compiled template; none when templates render in a worker process ([`isolate`]), which
+    /// compiles them there: minijinja folds constant expressions while compiling
+    /// (`'x' * 100000000` is built then), so compiling untrusted source is as risky as rendering.
+    env: Option<Environment<'static>>,
+    /// The source as given, for the worker process.
     source: String,
     /// Where the source came from (a file, a key of one), for errors.
     origin: Option<String>,
@@ -85,23 +88,36 @@ impl std::fmt::Debug for ChatTemplate {
 impl ChatTemplate {
     /// Compiles `source`; a syntax error is a [`DataError::Template`].
     pub fn new(source: &str) -> Result<Self> {
-        let mut env = environment();
-        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
-            .map_err(template_error)?;
-        Ok(Self {
-            env,
-            source: source.to_owned(),
-            origin: None,
-        })
+        Self::build(source, None)
     }
 
     /// [`ChatTemplate::new`] for a source read from `origin` (a file, or a key of one), which
     /// errors name.
     pub fn from_origin(source: &str, origin: impl Into<String>) -> Result<Self> {
-        let origin = Some(origin.into());
+        Self::build(source, Some(origin.into()))
+    }
+
+    fn build(source: &str, origin: Option<String>) -> Result<Self> {
+        if !isolate::enabled() {
+            return Self::build_here(source, origin);
+        }
+        isolate::compile(source, origin.as_deref())?;
         Ok(Self {
+            env: None,
+            source: source.to_owned(),
             origin,
-            ..Self::new(source)?
+        })
+    }
+
+    /// Compiles `source` in this process.
+    fn build_here(source: &str, origin: Option<String>) -> Result<Self> {
+        let mut env = environment();
+        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
+            .map_err(template_error)?;
+        Ok(Self {
+            env: Some(env),
+            source: source.to_owned(),
+            origin,
         })
     }
 
@@ -145,6 +161,8 @@ impl ChatTemplate {
     fn render_here<S: Serialize>(&self, context: S) -> Result<String> {
         let template = self
             .env
+            .as_ref()
+            .expect("templates compiled in a worker render there")
             .get_template(TEMPLATE_NAME)
             .map_err(template_error)?;
         // A template is untrusted input, and minijinja panics on some (2.24 indexes an empty list
