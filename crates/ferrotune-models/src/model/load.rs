@@ -573,6 +573,14 @@ impl CausalLm {
             }
         };
         warn_unused(&tensors, c, source);
+        if let (Some(m), Some(ratio)) = (&c.mla, super::latent_cache_ratio(c)) {
+            tracing::info!(
+                "{source}: multi-head latent attention caches {} numbers per token and layer \
+                 (the latent and the rotary key) instead of {} expanded keys and values: {ratio:.1}x less",
+                m.kv_lora_rank + m.qk_rope_head_dim,
+                c.num_attention_heads * (m.qk_head_dim() + m.v_head_dim)
+            );
+        }
         // Each rope serves heads of its layers' size (Gemma 4's full and sliding layers differ).
         let head_dim_where = |local: bool| {
             layers

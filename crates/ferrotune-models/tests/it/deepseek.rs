@@ -240,3 +240,122 @@ fn multi_token_prediction_layers_are_skipped() {
     assert!(max_abs_diff(&logits, want) <= 1e-4);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A DeepSeek model saved as ferrotune saves merged or fully fine-tuned models (its tensors,
+/// `e_score_correction_bias` buffers included) loads back to the same logits.
+#[test]
+fn saved_models_load_back_the_same() {
+    for case in ["deepseek_v3", "deepseek_v2"] {
+        let model = load(case);
+        let tensors = ferrotune_models::peft::merged_tensors(&model).unwrap();
+        if case == "deepseek_v3" {
+            assert!(tensors.contains_key("model.layers.1.mlp.gate.e_score_correction_bias"));
+        }
+        let stored = tensors_of(case);
+        let mut names: Vec<&String> = tensors.keys().collect();
+        names.sort();
+        let mut want: Vec<&String> = stored.keys().collect();
+        want.sort();
+        assert_eq!(names, want, "{case}: saved tensor names");
+        let dir =
+            std::env::temp_dir().join(format!("ferrotune-{case}-save-{}", std::process::id()));
+        ferrotune_models::save_hf_checkpoint(
+            &dir,
+            &model.config,
+            None,
+            &tensors,
+            DType::F32,
+            u64::MAX,
+        )
+        .unwrap();
+        let again = load_model(&dir, DType::F32, &Device::Cpu).unwrap().0;
+        let ids = golden_ids(case);
+        let (b, t) = ids.dims2().unwrap();
+        let layout = AttentionLayout::causal(b, t, 0);
+        let want = model.forward(&ids, &layout, None).unwrap();
+        let got = again.forward(&ids, &layout, None).unwrap();
+        assert_eq!(max_abs_diff(&got, &want), 0.0, "{case}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+fn tensors_of(case: &str) -> HashMap<String, Tensor> {
+    tensors(case_dir(case).join("model").join("model.safetensors"))
+}
+
+/// The released configs read as transformers 5.24 reads them: DeepSeek-V3's (its FP8
+/// `quantization_config` refused, naming the key) and DeepSeek-V2-Lite's, 4.x `rope_scaling`
+/// with YaRN's `mscale_all_dim` (softmax scales from transformers' `yarn_apply_mscale`).
+#[test]
+fn released_configs_read_as_transformers() {
+    use ferrotune_models::ModelConfig;
+    let yarn = |m: f64| {
+        serde_json::json!({"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": m,
+                           "mscale_all_dim": m, "original_max_position_embeddings": 4096,
+                           "type": "yarn"})
+    };
+    let mut v3 = serde_json::json!({
+        "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false,
+        "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+        "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+        "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+        "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+        "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": true,
+        "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+        "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+        "rope_scaling": yarn(1.0), "rope_theta": 10000, "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid", "tie_word_embeddings": false, "topk_group": 4,
+        "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128,
+        "vocab_size": 129280
+    });
+    let c = ModelConfig::from_hf_json(&v3).unwrap();
+    let m = c.mla.as_ref().unwrap();
+    assert!(
+        (m.softmax_scale - 0.1352337788608801).abs() < 1e-12,
+        "{}",
+        m.softmax_scale
+    );
+    assert!(m.rope_interleave && m.q_lora_rank == Some(1536));
+    assert_eq!((c.head_dim, c.mtp_layers), (64, 1));
+    let moe = c.moe.as_ref().unwrap();
+    assert_eq!(moe.sparse_layers.iter().position(|&s| s), Some(3));
+    assert_eq!(moe.shared_expert_intermediate_size, Some(2048));
+    assert_eq!(
+        ferrotune_models::model::latent_cache_ratio(&c).map(f64::round),
+        Some(71.0)
+    );
+    v3["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+    let err = ModelConfig::from_hf_json(&v3).unwrap_err();
+    assert!(err.contains("quantization_config"), "{err}");
+
+    let v2_lite = serde_json::json!({
+        "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+        "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": null,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+        "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+        "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": false,
+        "scoring_func": "softmax", "hidden_act": "silu", "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06, "pad_token_id": null, "bos_token_id": 100000,
+        "eos_token_id": 100001, "tie_word_embeddings": false, "rope_theta": 10000,
+        "rope_scaling": yarn(0.707), "attention_bias": false, "vocab_size": 102400
+    });
+    let c = ModelConfig::from_hf_json(&v2_lite).unwrap();
+    let m = c.mla.as_ref().unwrap();
+    assert!(
+        (m.softmax_scale - 0.1147213867929261).abs() < 1e-12,
+        "{}",
+        m.softmax_scale
+    );
+    assert_eq!(m.q_lora_rank, None);
+    let r = c.grouped_routing.as_ref().unwrap();
+    assert_eq!((r.n_group, r.topk_group), (1, 1));
+    assert!(!r.norm_topk_prob);
+    assert_eq!(c.mtp_layers, 0);
+    assert_eq!(
+        ferrotune_models::model::latent_cache_ratio(&c).map(|r| (r * 10.0).round()),
+        Some(89.0)
+    );
+}
