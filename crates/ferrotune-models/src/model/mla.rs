@@ -11,7 +11,9 @@
 //! and `[b, 1, positions, qk_rope_head_dim]`), not the expanded keys and values: per token and
 //! layer `kv_lora_rank + qk_rope_head_dim` numbers instead of
 //! `heads · (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)` (DeepSeek-V3: 576 instead of
-//! 40960, 71× less; see [`latent_cache_ratio`]). Each step expands the cached latents again.
+//! 40960, 71× less; see [`latent_cache_ratio`]). Decoding attends over the cached latents
+//! without expanding them where that costs less (`kv_b_proj` absorbed into the queries and the
+//! output, [`absorbed_attention`]); training and long prefills expand them.
 
 use candle_core::{Result as CResult, Tensor, D};
 use ferrotune_core::fused;
@@ -196,6 +198,58 @@ fn pad_last(t: &Tensor, extra: usize) -> CResult<Tensor> {
     Tensor::cat(&[t, &zeros], D::Minus1)
 }
 
+/// `kv_b_proj`'s weight where the absorbed form may stand in for it: a plain frozen matrix
+/// (no adapter, fake quantization or bias), outside autograd.
+fn absorbable<'a>(kv_b_proj: &'a Linear, x: &Tensor) -> Option<&'a Tensor> {
+    let plain = kv_b_proj.adapter.is_none()
+        && kv_b_proj.fake_quant.is_none()
+        && kv_b_proj.bias.is_none()
+        && !x.track_op();
+    kv_b_proj
+        .weight
+        .as_dense()
+        .filter(|w| plain && !w.track_op())
+}
+
+/// Whether the absorbed form costs less for `t` new tokens: expanding `s` cached latents costs
+/// `s · rank · heads · (nope + v)`, attending in the latent space `heads · t · s` times
+/// `2 · rank − nope − v` more than with expanded heads.
+fn absorbs(m: &MlaConfig, t: usize) -> bool {
+    let (rank, kv) = (m.kv_lora_rank, m.qk_nope_head_dim + m.v_head_dim);
+    t * (2 * rank).saturating_sub(kv) <= rank * kv
+}
+
+/// Attention over the cached latents without expanding them (inference): `kv_b_proj`'s key half
+/// is folded into the queries (`q_nope · W_UK`, per head, into the latent space) and its value
+/// half applied after the attention (`(softmax · latent) · W_UVᵀ`), so every head attends one
+/// shared key `[latent, k_rot]` whose latent part is also the value. The same products as the
+/// expanded form, in another order. `w` is `kv_b_proj`'s weight as `[heads, nope + v, rank]`,
+/// `q_pass` `[b, heads, t, nope]`, `q_rot` `[b, heads, t, rot]`, `latent` `[b, 1, s, rank]`,
+/// `k_rot` `[b, 1, s, rot]`; returns `[b, heads, t, v]`.
+fn absorbed_attention(
+    w: &Tensor,
+    q_pass: &Tensor,
+    q_rot: &Tensor,
+    latent: &Tensor,
+    k_rot: &Tensor,
+    mask: Option<&Tensor>,
+    m: &MlaConfig,
+) -> CResult<Tensor> {
+    let (nope, rank) = (m.qk_nope_head_dim, m.kv_lora_rank);
+    let w_uk = w.narrow(1, 0, nope)?.contiguous()?; // [heads, nope, rank]
+    let w_uv_t = w
+        .narrow(1, nope, m.v_head_dim)?
+        .transpose(1, 2)?
+        .contiguous()?; // [heads, rank, v]
+    let q_latent = q_pass.broadcast_matmul(&w_uk)?; // [b, heads, t, rank]
+    let q = Tensor::cat(&[&q_latent, q_rot], D::Minus1)?;
+    let k = Tensor::cat(&[latent, k_rot], D::Minus1)?.contiguous()?; // [b, 1, s, rank + rot]
+    let out = fused::attention_softcapped(&q, &k, &k, mask, m.softmax_scale, None)?;
+    out.narrow(D::Minus1, 0, rank)?
+        .contiguous()?
+        .broadcast_matmul(&w_uv_t)
+}
+
 impl CausalLm {
     /// Multi-head latent attention of one layer on `x` (`[b, t, hidden]`): `rope` the rotary
     /// tables of these positions, `cache` the layer's latent cache (appended to). Returns the
@@ -258,12 +312,24 @@ impl CausalLm {
         let q_rot = rotate(q.narrow(D::Minus1, nope, rot)?)?; // [b, nh, t, rot]
         let mut k_rot = rotate(k_rot)?; // [b, 1, t, rot]
         let mut latent = latent; // [b, 1, t, rank]
+        let latent_cached = cache.is_some();
         if let Some(slot) = cache {
             if let Some((past_latent, past_rot)) = slot.as_ref() {
                 latent = Tensor::cat(&[past_latent, &latent], 2)?;
                 k_rot = Tensor::cat(&[past_rot, &k_rot], 2)?;
             }
             *slot = Some((latent.clone(), k_rot.clone()));
+        }
+        let cached = latent_cached;
+        if let Some(w) = absorbable(&mla.kv_b_proj, x).filter(|_| cached && absorbs(m, t)) {
+            let w = w.reshape((nh, nope + vd, rank))?;
+            let q_pass = q
+                .narrow(D::Minus1, 0, nope)?
+                .transpose(1, 2)?
+                .contiguous()?;
+            let out = absorbed_attention(&w, &q_pass, &q_rot, &latent, &k_rot, mask, m)?;
+            let out = out.transpose(1, 2)?.reshape((b, t, nh * vd))?;
+            return Ok((attn.o_proj.forward(&out)?, (latent, k_rot)));
         }
         let s = latent.dim(2)?;
         let kv = mla
