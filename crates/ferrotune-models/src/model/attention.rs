@@ -133,7 +133,9 @@ impl CausalLm {
                 (q_proj.forward(x)?, Some((k.clone(), k)))
             }
             QkvProjection::QueryOnly { q_proj } => (q_proj.forward(x)?, None),
-            QkvProjection::Latent(_) => unreachable!("latent attention returned above"),
+            QkvProjection::Latent(_) => {
+                candle_core::bail!("latent attention has its own forward (returned above)")
+            }
         };
         // The q/k norm: over the whole projection before it is split into heads (OLMo 2), or
         // over each head after.
