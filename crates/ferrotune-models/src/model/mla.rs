@@ -27,9 +27,10 @@ use crate::error::ModelError;
 /// The queries of a latent attention.
 #[derive(Debug, Clone)]
 pub enum LatentQuery {
-    /// `q_proj` (`q_lora_rank: null`, DeepSeek-V2-Lite).
+    /// `q_proj` (`q_lora_rank: null`, DeepSeek-V2-Lite), `[heads · qk_head_dim, hidden]`.
     Direct { q_proj: Linear },
-    /// `q_a_proj` → `q_a_layernorm` (RMSNorm) → `q_b_proj`.
+    /// `q_a_proj` (`[q_lora_rank, hidden]`) → `q_a_layernorm` (RMSNorm, `[q_lora_rank]`) →
+    /// `q_b_proj` (`[heads · qk_head_dim, q_lora_rank]`).
     LowRank {
         q_a_proj: Linear,
         q_a_layernorm: Tensor,
@@ -40,6 +41,7 @@ pub enum LatentQuery {
 /// Multi-head latent attention's projections but `o_proj` (see the module's documentation).
 #[derive(Debug, Clone)]
 pub struct LatentProjection {
+    /// The queries' projections.
     pub query: LatentQuery,
     /// `[kv_lora_rank + qk_rope_head_dim, hidden]`: the latent, then the shared rotary key.
     pub kv_a_proj_with_mqa: Linear,
