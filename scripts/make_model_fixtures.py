@@ -41,6 +41,8 @@ from safetensors.torch import load_file, save_file
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     Gemma4TextConfig,
@@ -811,6 +813,67 @@ def to_v4_gemma3(cfg: dict) -> dict:
     return dict(sorted(out.items()))
 
 
+def cfg_deepseek_v3():
+    # DeepSeek-V3: multi-head latent attention with low-rank queries (q_lora_rank 16), latent 12, per head
+    # 8 + 4 (rotary, interleaved pairs) query/key dims and values of 10; YaRN (factor 4, original 8) with
+    # mscale_all_dim 0.8 in the softmax scale; layer 0 dense, layers 1-2 MoE: 8 experts in 4 groups, top-2
+    # groups by the sum of their two best sigmoid scores + e_score_correction_bias, top-3 experts,
+    # norm_topk_prob, routed_scaling_factor 2.5, 2 shared experts.
+    return DeepseekV3Config(**common(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 0.8,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+        rope_interleave=True,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=10,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_deepseek_v2():
+    # DeepSeek-V2(-Lite): q_proj (q_lora_rank null), latent 16, per head 8 + 8 (rotary, always interleaved
+    # pairs) query/key dims and values of 20 (wider than the keys); default rope; layer 0 dense, layer 1 MoE:
+    # softmax scores, group_limited_greedy (4 experts in 2 groups, 1 group kept by its best score), top-2,
+    # routed_scaling_factor 1.5, no renormalization, 1 shared expert.
+    return DeepseekV2Config(**common(
+        num_key_value_heads=4,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=20,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        tie_word_embeddings=False,
+    ))
+
+
 CASES = {
     "llama2": dict(cfg=cfg_llama2, seed=101, style="v5",
                    notes="MHA, rope default theta 1e4, untied lm_head, pad_token_id null"),
@@ -924,6 +987,18 @@ CASES = {
                          "sigmoid score scaling the expert's input, fused feed_forward.experts.gate_up_proj "
                          "[E, hidden, 2 I] / down_proj [E, I, hidden], shared expert; dense layers 0, 3 "
                          "(intermediate_size_mlp 96); rope llama3 with low = high frequency factor; untied"),
+    "deepseek_v3": dict(cfg=cfg_deepseek_v3, seed=139, style="v5", grads=True,
+                        notes="DeepSeek-V3: MLA with q_a_proj/q_a_layernorm/q_b_proj, kv_a_proj_with_mqa (latent 12 + "
+                              "rotary key 4), kv_a_layernorm, kv_b_proj (8 + 10 per head), interleaved rope, YaRN "
+                              "(factor 4, original 8) with mscale_all_dim 0.8 in the softmax scale; layer 0 dense, "
+                              "layers 1-2: 8 experts in 4 groups (top-2 groups), top-3, sigmoid scores with "
+                              "e_score_correction_bias (set), norm_topk_prob, routed_scaling_factor 2.5, "
+                              "2 shared experts; untied"),
+    "deepseek_v2": dict(cfg=cfg_deepseek_v2, seed=140, style="v5", grads=True,
+                        notes="DeepSeek-V2: MLA with a plain q_proj (q_lora_rank null), latent 16 + rotary key 8, "
+                              "values (20) wider than keys (16), rope in adjacent pairs; layer 1: 4 experts, "
+                              "softmax, group_limited_greedy (2 groups, 1 kept), top-2, scaling 1.5, 1 shared "
+                              "expert; untied"),
     "llama2_bin": dict(weights_from="llama2", style="v5", pickle="hf", same_golden_as="llama2",
                        notes="llama2 saved as PyTorch pickles: pytorch_model-0000{1,2}-of-00002.bin + "
                              "pytorch_model.bin.index.json (no safetensors); golden identical to llama2"),
@@ -1039,12 +1114,15 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
 
 @torch.no_grad()
 def init_buffers(model, seed: int):
-    """Gemma 4's `layer_scalar` buffers (1 at init) get values of their own, so that a decoder that ignores them
-    shows."""
+    """Gemma 4's `layer_scalar` buffers (1 at init) and DeepSeek-V3's `e_score_correction_bias` (0) get values of
+    their own, so that a decoder that ignores them shows."""
     g = torch.Generator().manual_seed(seed + 1)
     for name, b in model.named_buffers():
         if name.endswith("layer_scalar"):
             b.copy_(0.6 + 0.8 * torch.rand(b.shape, generator=g))
+        elif name.endswith("e_score_correction_bias"):
+            # DeepSeek-V3's routing bias (0 at init) picks experts: set, so that one left out shows.
+            b.copy_(0.2 * torch.randn(b.shape, generator=g))
 
 
 def build_model(case: str):

@@ -314,6 +314,14 @@ fn lora_finetune_on_two_ranks_equals_one_device() {
     assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "grad_op", "none"]);
 }
 
+/// DeepSeek-V3 (latent attention, group-limited routing, shared experts): LoRA on every MLA
+/// projection, the MLPs and the experts trains on 2 ranks as on one device, sharded or not.
+#[test]
+fn deepseek_lora_on_two_ranks_equals_one_device() {
+    let case = Case::with_vocab("deepseek", "models/deepseek_v3", 512);
+    assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "none"]);
+}
+
 /// Adapters on the token embedding and on the head of a model that ties them (Qwen2, untied
 /// by the adapters) train on 2 ranks as on one device, sharded or not.
 #[test]

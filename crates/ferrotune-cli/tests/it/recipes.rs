@@ -516,6 +516,10 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         // (`experts.gate_up_proj`); the router's scales train.
         ("models/gemma4_moe", "models/gemma4_moe"),
         ("models/gemma4_moe_multimodal", "models/gemma4_moe"),
+        // DeepSeek: latent attention and group-limited routing; V3's e_score_correction_bias
+        // buffers are saved back untrained.
+        ("models/deepseek_v3", "models/deepseek_v3"),
+        ("models/deepseek_v2", "models/deepseek_v2"),
     ] {
         let dir = tmpdir(&format!("full-sgd-{}", family.replace('/', "-")));
         let data = dir.join("batch.jsonl");
@@ -590,6 +594,8 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
             | "models/gemma4_multimodal"
             | "models/gemma4_moe"
             | "models/gemma4_moe_multimodal" => "gemma4_text",
+            "models/deepseek_v3" => "deepseek_v3",
+            "models/deepseek_v2" => "deepseek_v2",
             _ => "gemma3_text",
         };
         assert_eq!(saved_config["model_type"], want_type, "{family}");

@@ -46,6 +46,69 @@ pub struct MoeConfig {
     pub sparse_mixer: Option<SparseMixer>,
 }
 
+/// Multi-head latent attention's shapes (DeepSeek-V2/V3, transformers' `DeepseekV3Attention`):
+/// queries from `q_proj` or the low-rank `q_a_proj` → `q_a_layernorm` → `q_b_proj`; keys and
+/// values from one compressed latent (`kv_a_proj_with_mqa` → `kv_a_layernorm` → `kv_b_proj`) plus a
+/// rotary key shared by every head. [`crate::config::ModelConfig::head_dim`] is the rotary part's
+/// size (`qk_rope_head_dim`), as transformers sets it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaConfig {
+    /// `q_lora_rank`: the queries' low-rank width; `None` for a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// `kv_lora_rank`: the compressed key/value latent's width (what generation caches).
+    pub kv_lora_rank: usize,
+    /// `qk_nope_head_dim`: each head's query/key part without rotary embedding.
+    pub qk_nope_head_dim: usize,
+    /// `qk_rope_head_dim`: each head's rotary query part and the shared rotary key.
+    pub qk_rope_head_dim: usize,
+    /// `v_head_dim`: each head's value size (may differ from the query/key size).
+    pub v_head_dim: usize,
+    /// The factor on attention scores: `(qk_nope + qk_rope)^-0.5`, times YaRN's `mscale²` where
+    /// the rope parameters give `mscale_all_dim`.
+    pub softmax_scale: f64,
+    /// The rotary dimensions come in adjacent pairs (`rope_interleave`; always in DeepSeek-V2).
+    pub rope_interleave: bool,
+}
+
+impl MlaConfig {
+    /// Each head's query/key size.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+}
+
+/// How a router scores its experts under group-limited routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterScoring {
+    /// DeepSeek-V3: a sigmoid of each logit; the choice adds `e_score_correction_bias`.
+    Sigmoid,
+    /// DeepSeek-V2: a softmax over the experts.
+    Softmax,
+}
+
+/// Group-limited routing (DeepSeek-V2/V3): the experts fall into `n_group` groups; each token
+/// keeps its `topk_group` best groups and picks its `top_k` experts among theirs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupedRouting {
+    /// How logits become scores.
+    pub scoring: RouterScoring,
+    /// `n_group` (1: no group limit).
+    pub n_group: usize,
+    /// `topk_group`: groups kept per token.
+    pub topk_group: usize,
+    /// A group's score is the sum of its two best scores (DeepSeek-V3), else its best score
+    /// (DeepSeek-V2's `group_limited_greedy`).
+    pub group_sum_top2: bool,
+    /// The choice uses the scores plus the router's `e_score_correction_bias` buffer (V3); the
+    /// weights are the scores without it.
+    pub correction_bias: bool,
+    /// The chosen scores are divided by their sum (plus 1e-20) before the scaling (V3's
+    /// `norm_topk_prob`; V2 never does).
+    pub norm_topk_prob: bool,
+    /// `routed_scaling_factor`, on every routing weight.
+    pub routed_scaling_factor: f64,
+}
+
 /// Llama 3.2 Vision's layers (`MllamaForConditionalGeneration`, or `MllamaForCausalLM` alone).
 /// On text alone transformers skips the cross-attention layers (they run only with image
 /// states), so the decoder holds the other layers, numbered in order; checkpoint and PEFT names
@@ -304,6 +367,16 @@ pub struct ModelConfig {
     /// `score` (`[num_labels, hidden]`, no bias, never tied), giving this many outputs per
     /// position instead of vocabulary logits.
     pub score_labels: Option<usize>,
+    /// Multi-head latent attention (DeepSeek-V2/V3) instead of q/k/v projections; `None` for
+    /// other models.
+    pub mla: Option<MlaConfig>,
+    /// Group-limited routing of a mixture of experts (DeepSeek-V2/V3): how the router scores and
+    /// picks the experts, with always-on shared experts; `None` for the other routers.
+    pub grouped_routing: Option<GroupedRouting>,
+    /// Multi-token-prediction layers the checkpoint holds after the decoder's
+    /// (`num_nextn_predict_layers`, DeepSeek-V3's `model.layers.{num_hidden_layers}.*`): skipped
+    /// on load, as transformers does.
+    pub mtp_layers: usize,
     /// The original config.json object, written back unchanged (but for dtype) when we save models;
     /// for a multimodal checkpoint, its text model's config.
     pub raw: Value,

@@ -2,7 +2,7 @@
 //! that lists them.
 //!
 //! A family file ([`llama`], [`mistral`], [`qwen`], [`gemma`], [`phi`], [`smollm3`], [`llama4`],
-//! [`olmo2`])
+//! [`olmo2`], [`deepseek`])
 //! holds one [`Family`] value: the transformers `model_type`s it reads and their causal-LM
 //! classes, the multimodal checkpoints it runs as their text model, the config-class defaults of
 //! keys a `config.json` may leave out, its llama.cpp architectures ([`GgufArch`], read by the GGUF
@@ -15,6 +15,7 @@
 //! sets, the GGUF reader's per-architecture hyperparameters and the GGUF writer's per-architecture
 //! checks (see docs/src/architecture.md).
 
+pub mod deepseek;
 pub mod gemma;
 pub mod gguf;
 pub mod llama;
@@ -64,6 +65,7 @@ pub static FAMILIES: &[&Family] = &[
     &smollm3::FAMILY,
     &llama4::FAMILY,
     &olmo2::FAMILY,
+    &deepseek::FAMILY,
 ];
 
 /// One model family: everything about its architecture that is not the decoder's math.

@@ -59,7 +59,7 @@ pub(super) enum QueryScale<'a> {
 
 /// Each head's last dim from Meta's adjacent rotary pairs `(x0, x1, x2, x3, ...)` to
 /// transformers' halves `(x0, x2, ..., x1, x3, ...)`, for `[b, t, heads, head_dim]`.
-fn pairs_to_halves(x: &Tensor) -> CResult<Tensor> {
+pub(super) fn pairs_to_halves(x: &Tensor) -> CResult<Tensor> {
     let (b, t, n, d) = x.dims4()?;
     x.reshape((b, t, n, d / 2, 2))?
         .transpose(3, 4)?
@@ -102,6 +102,9 @@ impl CausalLm {
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         shared: Option<&(Tensor, Tensor)>,
     ) -> CResult<(Tensor, (Tensor, Tensor))> {
+        if let QkvProjection::Latent(latent) = &attn.qkv {
+            return self.latent_attention(attn, latent, x, rope, mask, cache);
+        }
         let c = &self.config;
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = attn.dims;
@@ -130,6 +133,9 @@ impl CausalLm {
                 (q_proj.forward(x)?, Some((k.clone(), k)))
             }
             QkvProjection::QueryOnly { q_proj } => (q_proj.forward(x)?, None),
+            QkvProjection::Latent(_) => {
+                candle_core::bail!("latent attention has its own forward (returned above)")
+            }
         };
         // The q/k norm: over the whole projection before it is split into heads (OLMo 2), or
         // over each head after.

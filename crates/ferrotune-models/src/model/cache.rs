@@ -93,6 +93,16 @@ impl KvCache {
         })
     }
 
+    /// Each layer's two entries' shapes (`[batch, heads, positions, size]`; a latent-attention
+    /// layer's latent and rotary key), `None` where a layer has none yet.
+    pub fn layer_shapes(&self) -> Vec<Option<([usize; 4], [usize; 4])>> {
+        let shape = |t: &Tensor| t.dims4().map(|(a, b, c, d)| [a, b, c, d]).ok();
+        self.layers
+            .iter()
+            .map(|l| l.as_ref().and_then(|(k, v)| Some((shape(k)?, shape(v)?))))
+            .collect()
+    }
+
     /// Positions the entries can hold without growing (their length when they are exact).
     fn capacity(&self) -> usize {
         self.layers

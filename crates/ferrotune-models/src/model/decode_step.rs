@@ -320,6 +320,9 @@ impl CausalLm {
                 QkvProjection::KeyIsValue { .. } | QkvProjection::QueryOnly { .. } => {
                     candle_core::bail!("Gemma 4's attention has no decode kernels")
                 }
+                QkvProjection::Latent(_) => {
+                    candle_core::bail!("multi-head latent attention has no decode kernels")
+                }
             };
             let norm = match (&attn.q_norm, &attn.k_norm) {
                 (Some(q), Some(k)) => Some(QkNorm {

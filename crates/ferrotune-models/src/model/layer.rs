@@ -106,7 +106,8 @@ impl DecoderLayer {
                 .into_iter()
                 .filter_map(|(name, t)| t.as_mut().map(|t| (name, t))),
         );
-        let mut linears = qkv.linears_mut();
+        let (mut linears, projection_norms) = qkv.parts_mut();
+        norms.extend(projection_norms);
         linears.push(o_proj);
         match mlp {
             FeedForward::Dense(mlp) => linears.extend(mlp_linears_mut(mlp)),
@@ -157,6 +158,7 @@ impl DecoderLayer {
                 .into_iter()
                 .filter_map(|(name, t)| t.as_ref().map(|t| (name, t))),
         );
+        out.extend(self.self_attn.qkv.norms());
         if let Some(block) = &self.parallel_moe {
             out.extend(block.small_tensors());
         }
@@ -169,10 +171,22 @@ impl DecoderLayer {
     /// The layer's buffers with their names inside it: checkpoint tensors that are no
     /// parameters (Gemma 4's `layer_scalar`), saved back as they are and never trained.
     pub fn buffers(&self) -> Vec<(&'static str, &Tensor)> {
-        self.layer_scalar
+        let mut out: Vec<(&'static str, &Tensor)> = self
+            .layer_scalar
             .iter()
             .map(|t| ("layer_scalar", t))
-            .collect()
+            .collect();
+        // DeepSeek-V3's router bias: it picks experts, it is not trained.
+        if let FeedForward::Sparse(moe) = &self.mlp {
+            if let Some(bias) = moe
+                .grouped
+                .as_ref()
+                .and_then(|g| g.correction_bias.as_ref())
+            {
+                out.push(("mlp.gate.e_score_correction_bias", bias));
+            }
+        }
+        out
     }
 
     /// The layer's linear layers with their module names inside it (`self_attn.q_proj`, ...),

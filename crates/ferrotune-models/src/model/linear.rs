@@ -11,6 +11,7 @@ use ferrotune_core::quant::QuantizedMatrix;
 use ferrotune_core::{fused, ops};
 
 use super::lora::LoraAdapter;
+use super::mla::LatentProjection;
 use super::{BaseWeight, CausalLm};
 
 /// Inputs with at most this many rows use a layer's packed weight (decode steps, short prompts);
@@ -206,6 +207,10 @@ pub enum QkvProjection {
     QueryOnly {
         q_proj: Linear,
     },
+    /// DeepSeek's multi-head latent attention ([`ModelConfig::mla`]).
+    ///
+    /// [`ModelConfig::mla`]: crate::config::ModelConfig::mla
+    Latent(Box<LatentProjection>),
 }
 
 /// The MLP's input projections: gate and up separate, Phi-3's fused `gate_up_proj`, or Phi-2's
@@ -231,7 +236,7 @@ impl GateUpProjection {
 /// The projections of a [`QkvProjection`], in `names` order: one body for the shared and the
 /// mutable borrow.
 macro_rules! qkv_linears {
-    ($projection:expr) => {
+    ($projection:expr, $linears:ident) => {
         match $projection {
             QkvProjection::Separate {
                 q_proj,
@@ -241,6 +246,7 @@ macro_rules! qkv_linears {
             QkvProjection::Fused { qkv_proj } => vec![qkv_proj],
             QkvProjection::KeyIsValue { q_proj, k_proj } => vec![q_proj, k_proj],
             QkvProjection::QueryOnly { q_proj } => vec![q_proj],
+            QkvProjection::Latent(latent) => latent.$linears(),
         }
     };
 }
@@ -255,15 +261,33 @@ impl QkvProjection {
             QkvProjection::Fused { .. } => &["self_attn.qkv_proj"],
             QkvProjection::KeyIsValue { .. } => &["self_attn.q_proj", "self_attn.k_proj"],
             QkvProjection::QueryOnly { .. } => &["self_attn.q_proj"],
+            QkvProjection::Latent(latent) => latent.names(),
         }
     }
 
     pub(super) fn linears(&self) -> Vec<&Linear> {
-        qkv_linears!(self)
+        qkv_linears!(self, linears)
     }
 
     pub(super) fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        qkv_linears!(self)
+        qkv_linears!(self, linears_mut)
+    }
+
+    /// The norms inside the projections (latent attention's), by parameter name inside the
+    /// decoder layer.
+    pub(super) fn norms(&self) -> Vec<(&'static str, &Tensor)> {
+        match self {
+            QkvProjection::Latent(latent) => latent.norms(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// [`QkvProjection::linears_mut`] and the norms of [`QkvProjection::norms`], borrowed apart.
+    pub(super) fn parts_mut(&mut self) -> (Vec<&mut Linear>, Vec<(&'static str, &mut Tensor)>) {
+        match self {
+            QkvProjection::Latent(latent) => latent.parts_mut(),
+            other => (other.linears_mut(), Vec::new()),
+        }
     }
 }
 

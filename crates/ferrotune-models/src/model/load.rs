@@ -9,8 +9,8 @@ use ferrotune_core::quant::QuantizedMatrix;
 
 use super::{
     final_norm_name, Attention, BaseWeight, CausalLm, DecoderLayer, FeedForward, GateUpProjection,
-    Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding, PerLayerInputBlock, QkvProjection,
-    PARALLEL_MOE_TENSORS, PER_LAYER_NORM, PER_LAYER_PROJECTION, PER_LAYER_TABLE,
+    GroupedRouter, Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding, PerLayerInputBlock,
+    QkvProjection, PARALLEL_MOE_TENSORS, PER_LAYER_NORM, PER_LAYER_PROJECTION, PER_LAYER_TABLE,
 };
 use crate::config::{ModelConfig, QkNormSpan};
 use crate::error::ModelError;
@@ -42,15 +42,46 @@ fn warn_unused(left: &HashMap<String, Tensor>, c: &ModelConfig, source: &str) {
     );
 }
 
+/// Leaves out the multi-token-prediction layers a DeepSeek-V3 checkpoint holds after the
+/// decoder's (`model.layers.{num_hidden_layers + i}.*`, [`ModelConfig::mtp_layers`]), with a
+/// note: transformers ignores them too, and generation does not use them.
+fn skip_mtp_layers(
+    tensors: &mut HashMap<String, Tensor>,
+    packed: &mut HashMap<String, QuantizedMatrix>,
+    c: &ModelConfig,
+    source: &str,
+) {
+    if c.mtp_layers == 0 {
+        return;
+    }
+    let is_mtp = |name: &str| {
+        name.strip_prefix("model.layers.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok())
+            .is_some_and(|i| i >= c.num_hidden_layers && i < c.num_hidden_layers + c.mtp_layers)
+    };
+    let before = tensors.len() + packed.len();
+    tensors.retain(|name, _| !is_mtp(name));
+    packed.retain(|name, _| !is_mtp(name));
+    let skipped = before - tensors.len() - packed.len();
+    if skipped > 0 {
+        tracing::info!(
+            "{source}: skipped {skipped} tensor(s) of the {} multi-token-prediction layer(s)              (model.layers.{}.*): generation and training use the decoder's layers only",
+            c.mtp_layers,
+            c.num_hidden_layers
+        );
+    }
+}
+
 /// Takes named tensors out of a checkpoint's map, checking shapes.
-struct TensorTaker<'a> {
+pub(super) struct TensorTaker<'a> {
     tensors: &'a mut HashMap<String, Tensor>,
     packed: &'a mut HashMap<String, QuantizedMatrix>,
     source: &'a str,
 }
 
 impl TensorTaker<'_> {
-    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+    pub(super) fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
         let t = self
             .tensors
             .remove(name)
@@ -75,7 +106,12 @@ impl TensorTaker<'_> {
     }
 
     /// A linear layer; its bias is used when the checkpoint has one.
-    fn linear(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Linear, ModelError> {
+    pub(super) fn linear(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<Linear, ModelError> {
         let name = format!("{prefix}.weight");
         Ok(Linear {
             weight: BaseWeight::Dense(self.take(&name, &[out, inp])?),
@@ -87,7 +123,13 @@ impl TensorTaker<'_> {
     }
 
     /// The mixture-of-experts block of layer `p` (`model.layers.N`).
-    fn moe(&mut self, p: &str, m: &crate::config::MoeConfig, h: usize) -> Result<Moe, ModelError> {
+    fn moe(
+        &mut self,
+        p: &str,
+        m: &crate::config::MoeConfig,
+        grouped: Option<&crate::config::GroupedRouting>,
+        h: usize,
+    ) -> Result<Moe, ModelError> {
         let (block, [gate, up, down]) = if m.mixtral_names {
             ("block_sparse_moe", ["w1", "w3", "w2"])
         } else {
@@ -97,6 +139,11 @@ impl TensorTaker<'_> {
         if m.sigmoid_input_routing {
             let experts = m.num_experts;
             self.split_fused_experts(&pre, experts, m.expert_intermediate_size, h, true)?;
+        }
+        if grouped.is_some() {
+            // transformers 5's in-memory layout, should a checkpoint hold it.
+            let experts = m.num_experts;
+            self.split_fused_experts(&pre, experts, m.expert_intermediate_size, h, false)?;
         }
         let mut gated = |prefix: &str, inter: usize| -> Result<Mlp, ModelError> {
             Ok(Mlp {
@@ -110,17 +157,36 @@ impl TensorTaker<'_> {
         let experts = (0..m.num_experts)
             .map(|e| gated(&format!("{pre}.experts.{e}"), m.expert_intermediate_size))
             .collect::<Result<Vec<_>, _>>()?;
+        // DeepSeek's are `shared_experts`.
+        let shared_name = if grouped.is_some() {
+            "shared_experts"
+        } else {
+            "shared_expert"
+        };
         let shared = match m.shared_expert_intermediate_size {
-            Some(inter) => Some(gated(&format!("{pre}.shared_expert"), inter)?),
+            Some(inter) => Some(gated(&format!("{pre}.{shared_name}"), inter)?),
             None => None,
         };
         let shared_expert = match shared {
-            // Llama 4's shared expert is added as it is.
-            Some(mlp) if m.sigmoid_input_routing => Some((mlp, None)),
+            // Llama 4's and DeepSeek's shared experts are added as they are.
+            Some(mlp) if m.sigmoid_input_routing || grouped.is_some() => Some((mlp, None)),
             Some(mlp) => Some((
                 mlp,
                 Some(self.linear(&format!("{pre}.shared_expert_gate"), 1, h)?),
             )),
+            None => None,
+        };
+        let grouped = match grouped {
+            Some(routing) => Some(GroupedRouter {
+                routing: routing.clone(),
+                correction_bias: match routing.correction_bias {
+                    true => Some(self.take(
+                        &format!("{pre}.gate.e_score_correction_bias"),
+                        &[m.num_experts],
+                    )?),
+                    false => None,
+                },
+            }),
             None => None,
         };
         Ok(Moe {
@@ -133,6 +199,7 @@ impl TensorTaker<'_> {
             sigmoid_input_routing: m.sigmoid_input_routing,
             mixtral_names: m.mixtral_names,
             sparse_mixer: m.sparse_mixer,
+            grouped,
         })
     }
 
@@ -236,6 +303,7 @@ impl TensorTaker<'_> {
                 f32_routing_weights: true,
                 mixtral_names: false,
                 sparse_mixer: None,
+                grouped: None,
             },
             router_scale: router_scale?,
             per_expert_scale: per_expert_scale?,
@@ -275,6 +343,7 @@ impl CausalLm {
         source: &str,
     ) -> Result<Self, ModelError> {
         let c = &config;
+        skip_mtp_layers(&mut tensors, &mut packed, c, source);
         // Every format's tensors carry HF names by now: a config promising more layers than the
         // checkpoint holds is refused before anything is built for them.
         let held = crate::config::layers::layers_held(
@@ -315,7 +384,9 @@ impl CausalLm {
             let inter = gemma4.map_or(inter, |g| g.intermediate_sizes[i]);
             let kv_source = gemma4.and_then(|g| g.kv_source[i]);
             let key_is_value = gemma4.is_some_and(|g| g.key_is_value[i]);
-            let qkv = if kv_source.is_some() {
+            let qkv = if let Some(m) = &c.mla {
+                QkvProjection::Latent(Box::new(take.latent_projection(&p, m, nh, h)?))
+            } else if kv_source.is_some() {
                 QkvProjection::QueryOnly {
                     q_proj: take.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h)?,
                 }
@@ -393,7 +464,10 @@ impl CausalLm {
                 .as_ref()
                 .filter(|m| m.sparse_layers.get(i).copied().unwrap_or(false));
             let mlp = match sparse {
-                Some(m) => FeedForward::Sparse(Box::new(take.moe(&p, m, h)?)),
+                Some(m) => {
+                    let grouped = c.grouped_routing.as_ref();
+                    FeedForward::Sparse(Box::new(take.moe(&p, m, grouped, h)?))
+                }
                 None => {
                     let gate_up = dense_gate_up(&mut take)?;
                     let down = format!("{p}.{}", gate_up.down_proj_name());
@@ -437,7 +511,12 @@ impl CausalLm {
                 },
                 self_attn: Attention {
                     qkv,
-                    o_proj: take.linear(&format!("{p}.{o_proj_name}"), h, nh * hd)?,
+                    // Latent attention's values are `v_head_dim` wide.
+                    o_proj: take.linear(
+                        &format!("{p}.{o_proj_name}"),
+                        h,
+                        nh * c.mla.as_ref().map_or(hd, |m| m.v_head_dim),
+                    )?,
                     o_proj_name,
                     q_norm,
                     k_norm,
@@ -494,6 +573,14 @@ impl CausalLm {
             }
         };
         warn_unused(&tensors, c, source);
+        if let (Some(m), Some(ratio)) = (&c.mla, super::latent_cache_ratio(c)) {
+            tracing::info!(
+                "{source}: multi-head latent attention caches {} numbers per token and layer \
+                 (the latent and the rotary key) instead of {} expanded keys and values: {ratio:.1}x less",
+                m.kv_lora_rank + m.qk_rope_head_dim,
+                c.num_attention_heads * (m.qk_head_dim() + m.v_head_dim)
+            );
+        }
         // Each rope serves heads of its layers' size (Gemma 4's full and sliding layers differ).
         let head_dim_where = |local: bool| {
             layers

@@ -12,7 +12,9 @@
 //! - `load`: [`CausalLm::from_tensors`] and its tensor taker;
 //! - `attention`: [`Attention`] and its forward, query temperatures;
 //! - `mlp`: [`Mlp`], [`FeedForward`] and their forward;
-//! - `moe`: [`Moe`], [`ParallelMoe`], routing, [`RouterRecord`];
+//! - `moe`: [`Moe`], [`ParallelMoe`], routing, [`RouterRecord`]; `moe_grouped`: DeepSeek's
+//!   group-limited routing ([`GroupedRouter`]);
+//! - `mla`: DeepSeek's multi-head latent attention ([`LatentProjection`]) and its latent cache;
 //! - `layer`: [`DecoderLayer`], [`LayerPartsMut`], Gemma 4's per-layer embeddings, the layer
 //!   forward;
 //! - `decode_step`: the single-token decode step on the GPU decode kernels;
@@ -38,8 +40,10 @@ mod layout;
 mod linear;
 mod load;
 pub mod lora;
+mod mla;
 mod mlp;
 mod moe;
+mod moe_grouped;
 mod paths;
 
 pub use attention::Attention;
@@ -54,10 +58,12 @@ use layout::AcrossLayers;
 pub use layout::{AttentionLayout, LayerInputs};
 pub use linear::{FakeQuant, GateUpProjection, Linear, Nf4Summary, QkvProjection};
 use lora::LoraAdapter;
+pub use mla::{latent_cache_ratio, LatentProjection, LatentQuery};
 use mlp::{mlp_linears, mlp_linears_mut};
 pub use mlp::{FeedForward, Mlp};
 use moe::PARALLEL_MOE_TENSORS;
 pub use moe::{Moe, ParallelMoe, RouterRecord};
+pub use moe_grouped::GroupedRouter;
 
 /// A causal language model: embeddings, decoder layers, final norm and output head.
 #[derive(Debug, Clone)]

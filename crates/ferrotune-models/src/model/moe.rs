@@ -5,7 +5,9 @@
 use candle_core::{DType, Result as CResult, Tensor};
 use ferrotune_core::ops;
 
-use super::{mlp_linears, mlp_linears_mut, weightless_rms_norm, CausalLm, Linear, Mlp};
+use super::{
+    mlp_linears, mlp_linears_mut, weightless_rms_norm, CausalLm, GroupedRouter, Linear, Mlp,
+};
 use crate::config::SparseMixer;
 
 /// A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks `top_k`
@@ -29,6 +31,8 @@ pub struct Moe {
     pub mixtral_names: bool,
     /// Phi-3.5-MoE routes with the sparsemixer (two experts per token) instead of softmax top-k.
     pub sparse_mixer: Option<SparseMixer>,
+    /// DeepSeek's group-limited routing (its shared experts, ungated, are `shared_experts`).
+    pub grouped: Option<GroupedRouter>,
 }
 
 impl Moe {
@@ -75,7 +79,12 @@ impl Moe {
             mlp(format!("{block}.experts.{e}"));
         }
         if let Some((_, gate)) = &self.shared_expert {
-            mlp(format!("{block}.shared_expert"));
+            let shared = if self.grouped.is_some() {
+                "shared_experts"
+            } else {
+                "shared_expert"
+            };
+            mlp(format!("{block}.{shared}"));
             if gate.is_some() {
                 out.push(format!("{block}.shared_expert_gate"));
             }
@@ -230,6 +239,9 @@ impl CausalLm {
         let (b, t, h) = x.dims3()?;
         let n = b * t;
         let flat = x.reshape((n, h))?;
+        if let Some(router) = &moe.grouped {
+            return self.grouped_moe(moe, router, x, &flat);
+        }
         let logits = moe.router.forward(&flat)?;
         if moe.sigmoid_input_routing {
             return self.sigmoid_routed_moe(moe, x, &flat, &logits);
@@ -295,7 +307,7 @@ impl CausalLm {
     /// The experts of `moe` on the rows `flat` (`[n, hidden]`) they are routed to (`route`, the
     /// same number of experts per token, in order), each output scaled by its weight in `top`
     /// (`[n, slots]`) and summed in expert order, as transformers does.
-    fn run_experts(
+    pub(super) fn run_experts(
         &self,
         moe: &Moe,
         flat: &Tensor,
@@ -446,7 +458,7 @@ fn top_k_experts(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
 
 /// The probabilities (`[n, experts]`) of each token's `selected` experts (the same number per
 /// token, in order) as `[n, k]`, differentiable.
-fn gather_routes(probs: &Tensor, selected: &[u32]) -> CResult<Tensor> {
+pub(super) fn gather_routes(probs: &Tensor, selected: &[u32]) -> CResult<Tensor> {
     let (n, experts) = probs.dims2()?;
     let k = selected.len() / n.max(1);
     let picked: Vec<u32> = selected

@@ -119,6 +119,12 @@ impl CausalLm {
         if c.moe.is_some() {
             return Some("a mixture of experts has no decode kernels".into());
         }
+        if c.mla.is_some() {
+            return Some(
+                "multi-head latent attention (DeepSeek) has no decode kernels: its cache holds latents"
+                    .into(),
+            );
+        }
         if self.embed_tokens.track_op() {
             return Some("the embedding is being trained".into());
         }

@@ -1203,6 +1203,95 @@ fn target_parameters_match_peft() {
     }
 }
 
+/// DeepSeek-V3 and V2 (tests/fixtures/deepseek_lora, scripts/make_deepseek_lora_fixtures.py):
+/// PEFT adapters on multi-head latent attention's projections (q_a_proj, q_b_proj or q_proj,
+/// kv_a_proj_with_mqa, kv_b_proj, o_proj; DoRA on the latent ones) and, through the MLP
+/// projections' names, on the fused routed experts (PEFT 0.21 on transformers 5 turns those into
+/// `target_parameters`, leaving the dense MLP and the shared experts unadapted). PEFT's logits,
+/// loss and every gradient to 1e-4 relative L2 (the experts' per expert: PEFT's fused gradients
+/// read as an adapter file is read), merged weights and the merged model's logits.
+#[test]
+fn deepseek_adapters_match_peft() {
+    for name in ["deepseek_v3", "deepseek_v2", "deepseek_v3_dora"] {
+        let case = Case::made_with_base(fixtures().join("deepseek_lora").join(name));
+        let (mut model, config) = case.model_with_adapter();
+        let adapted = adapted_layers(&model);
+        let TargetModules::Names(modules) = &config.target_modules else {
+            panic!("{name}: PEFT saved its targets as names");
+        };
+        for module in modules {
+            assert!(
+                adapted.iter().any(|n| n.ends_with(&format!(".{module}"))),
+                "{name}: {module} not adapted: {adapted:?}"
+            );
+        }
+        case.assert_runs_as_peft(&mut model);
+
+        let params = trainable_parameters(&mut model).unwrap();
+        set_training(&mut model, true);
+        let (ids, labels) = case.inputs();
+        let (b, t) = ids.dims2().unwrap();
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+            .unwrap();
+        let grads = causal_lm_loss(&logits, &labels).backward().unwrap();
+        set_training(&mut model, false);
+        // PEFT's gradients carry its parameter names and fused experts: read as an adapter, they
+        // land on ferrotune's parameters as PEFT's weights do.
+        let dir = temp_dir(&format!("deepseek-grads-{name}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            case.dir.join("adapter").join(ADAPTER_CONFIG_FILE),
+            dir.join(ADAPTER_CONFIG_FILE),
+        )
+        .unwrap();
+        std::fs::copy(
+            case.dir.join("lora_grads.safetensors"),
+            dir.join(ADAPTER_WEIGHTS_FILE),
+        )
+        .unwrap();
+        let mut as_grads = load_model_at(&case.base);
+        load_adapter(&mut as_grads, &dir).unwrap();
+        let want: HashMap<String, Tensor> = trainable_parameters(&mut as_grads)
+            .unwrap()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().clone()))
+            .collect();
+        assert_eq!(params.len(), want.len(), "{name}: parameters");
+        let grad_of = |param: &str| {
+            let (_, var) = params.iter().find(|(n, _)| n == param).unwrap();
+            grads
+                .get(var)
+                .unwrap_or_else(|| panic!("{param}: no gradient"))
+                .clone()
+        };
+        for (param, _) in &params {
+            // An expert's gate and up share PEFT's lora_A of `gate_up_proj`: its gradient is the
+            // sum of both copies'.
+            let g = match param.contains(".experts.") && param.ends_with("lora_A.weight") {
+                true if param.contains(".gate_proj.") || param.contains(".up_proj.") => {
+                    let gate = param.replace(".up_proj.", ".gate_proj.");
+                    let up = gate.replace(".gate_proj.", ".up_proj.");
+                    (grad_of(&gate) + grad_of(&up)).unwrap()
+                }
+                _ => grad_of(param),
+            };
+            let err = rel_l2(&g, &want[param]);
+            assert!(
+                err <= 1e-4,
+                "{name}: {param}: gradient relative L2 error {err}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+
+        let merged = in_transformers5_layout(&merged_tensors(&model).unwrap(), "gate");
+        let want = tensors(&case.dir.join("merged.safetensors"));
+        assert_same_tensors(&merged, &want, 1e-5, &format!("{name}: merged"));
+        merge_and_unload(&mut model).unwrap();
+        case.assert_adapter_logits(&model, "merged");
+    }
+}
+
 /// PEFT's `target_parameters` on Llama 4 (the text model, and the whole
 /// `Llama4ForConditionalGeneration`), whose fused experts are `[experts, in, out]`: PEFT's factors
 /// then trade roles (lora_A `[r * E, 2 * inter]` on `gate_up_proj`), and each expert's update is

@@ -3,6 +3,7 @@
 
 mod common;
 mod decode_step;
+mod deepseek;
 mod device_map;
 mod errors;
 mod gguf;

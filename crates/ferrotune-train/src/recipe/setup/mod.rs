@@ -436,8 +436,20 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
             targets.push(name.to_string());
         }
     };
+    // DeepSeek's latent attention: the queries' projections (`q_proj`, or `q_a_proj` and
+    // `q_b_proj`) for q, the latent's (`kv_a_proj_with_mqa`, `kv_b_proj`) for k and v.
+    let mla = model.config.mla.as_ref();
     for m in &attn {
         match m.as_str() {
+            "q_proj" if mla.is_some_and(|m| m.q_lora_rank.is_some()) => {
+                push("q_a_proj");
+                push("q_b_proj");
+            }
+            "k_proj" | "v_proj" if mla.is_some() => {
+                push("kv_a_proj_with_mqa");
+                push("kv_b_proj");
+            }
+            "q_a_proj" | "q_b_proj" | "kv_a_proj_with_mqa" | "kv_b_proj" if mla.is_some() => push(m),
             "q_proj" | "k_proj" | "v_proj" if fused => push("qkv_proj"),
             "q_proj" | "k_proj" | "v_proj" | "qkv_proj" => push(m),
             // Phi-2 names its output projection `dense`.

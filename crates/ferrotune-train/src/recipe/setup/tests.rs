@@ -52,3 +52,40 @@ fn other_libraries_adamw_classes_run_as_adamw() {
     assert!(optimizer(&adam, Vec::new()).is_err());
     assert!(check_components(&adam)[0].contains("'torch.optim.Adam' is not supported"));
 }
+
+/// torchtune's attention keys on DeepSeek's latent attention: `q_proj` reaches the queries'
+/// projections (`q_a_proj` and `q_b_proj` when they are low-rank), `k_proj` / `v_proj` the
+/// latent's (`kv_a_proj_with_mqa`, `kv_b_proj`), `output_proj` `o_proj`.
+#[test]
+fn lora_attention_keys_reach_latent_attention() {
+    use ferrotune_models::TargetModules;
+    let cases: [(&str, &[&str]); 2] = [
+        (
+            "deepseek_v3",
+            &[
+                "q_a_proj",
+                "q_b_proj",
+                "kv_a_proj_with_mqa",
+                "kv_b_proj",
+                "o_proj",
+            ],
+        ),
+        (
+            "deepseek_v2",
+            &["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+        ),
+    ];
+    for (case, want) in cases {
+        let dir = ferrotune_testing::fixtures()
+            .join("models")
+            .join(case)
+            .join("model");
+        let (model, _) =
+            ferrotune_models::load_model(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap();
+        let c = cfg("model:\n  lora_attn_modules: [q_proj, k_proj, v_proj, output_proj]\n");
+        let lc = lora_config(&c, &model, &dir).unwrap();
+        let want = want.iter().map(|s| s.to_string()).collect();
+        assert_eq!(lc.target_modules, TargetModules::Names(want), "{case}");
+    }
+}
