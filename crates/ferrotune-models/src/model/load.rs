@@ -9,10 +9,10 @@ use ferrotune_core::quant::QuantizedMatrix;
 
 use super::{
     final_norm_name, Attention, BaseWeight, CausalLm, DecoderLayer, FeedForward, GateUpProjection,
-    Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding, PerLayerInputBlock, QkvProjection,
+    GptOssMoe, Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding, PerLayerInputBlock, QkvProjection,
     PARALLEL_MOE_TENSORS, PER_LAYER_NORM, PER_LAYER_PROJECTION, PER_LAYER_TABLE,
 };
-use crate::config::{ModelConfig, QkNormSpan};
+use crate::config::{GptOssMoeConfig, ModelConfig, QkNormSpan};
 use crate::error::ModelError;
 use crate::rope::RotaryEmbedding;
 
@@ -245,6 +245,41 @@ impl TensorTaker<'_> {
         })
     }
 
+    /// gpt-oss's mixture of experts of layer `p` (`model.layers.N`), each expert `inter` wide.
+    /// MXFP4 experts (`*_blocks` / `*_scales`, as OpenAI ships them) are refused, naming the
+    /// tensor: they are not dequantized yet.
+    fn gpt_oss_moe(
+        &mut self,
+        p: &str,
+        m: &GptOssMoeConfig,
+        h: usize,
+        inter: usize,
+    ) -> Result<GptOssMoe, ModelError> {
+        for fused in ["gate_up_proj", "down_proj"] {
+            let blocks = format!("{p}.mlp.experts.{fused}_blocks");
+            if self.tensors.contains_key(&blocks) {
+                return Err(ModelError::Msg(format!(
+                    "{}: tensor '{blocks}' holds MXFP4-quantized experts, which are not supported \
+                     yet: use a checkpoint with bf16 or f32 experts (e.g. one saved by \
+                     transformers after loading with Mxfp4Config(dequantize=True))",
+                    self.source
+                )));
+            }
+        }
+        let e = m.num_experts;
+        let experts = format!("{p}.mlp.experts");
+        Ok(GptOssMoe {
+            router_weight: self.take(&format!("{p}.mlp.router.weight"), &[e, h])?,
+            router_bias: self.take(&format!("{p}.mlp.router.bias"), &[e])?,
+            gate_up_proj: self.take(&format!("{experts}.gate_up_proj"), &[e, h, 2 * inter])?,
+            gate_up_proj_bias: self
+                .take(&format!("{experts}.gate_up_proj_bias"), &[e, 2 * inter])?,
+            down_proj: self.take(&format!("{experts}.down_proj"), &[e, inter, h])?,
+            down_proj_bias: self.take(&format!("{experts}.down_proj_bias"), &[e, h])?,
+            config: m.clone(),
+        })
+    }
+
     fn take_packed(&mut self, name: &str, out: usize, inp: usize) -> Option<Arc<QuantizedMatrix>> {
         self.packed
             .remove(name)
@@ -392,9 +427,12 @@ impl CausalLm {
                 .moe
                 .as_ref()
                 .filter(|m| m.sparse_layers.get(i).copied().unwrap_or(false));
-            let mlp = match sparse {
-                Some(m) => FeedForward::Sparse(Box::new(take.moe(&p, m, h)?)),
-                None => {
+            let mlp = match (sparse, &c.gpt_oss_moe) {
+                (Some(m), _) => FeedForward::Sparse(Box::new(take.moe(&p, m, h)?)),
+                (None, Some(m)) => {
+                    FeedForward::GptOss(Box::new(take.gpt_oss_moe(&p, m, h, inter)?))
+                }
+                (None, None) => {
                     let gate_up = dense_gate_up(&mut take)?;
                     let down = format!("{p}.{}", gate_up.down_proj_name());
                     FeedForward::Dense(Mlp {
@@ -444,6 +482,11 @@ impl CausalLm {
                     dims: (nh, nkv, hd),
                     v_norm: gemma4.is_some(),
                     kv_source,
+                    sinks: if c.attention_sinks {
+                        Some(take.take(&format!("{p}.self_attn.sinks"), &[nh])?)
+                    } else {
+                        None
+                    },
                 },
                 post_attention_layernorm: if c.parallel_block {
                     None

@@ -434,7 +434,7 @@ fn add_routed(
 
 /// Each token's `k` experts from its routing probabilities (`probs[token][expert]`), largest
 /// first; equal probabilities keep the lower expert first, as `torch.topk`.
-fn top_k_experts(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
+pub(super) fn top_k_experts(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
     let mut selected = Vec::with_capacity(probs.len() * k);
     let mut order: Vec<usize> = (0..probs.first().map_or(0, Vec::len)).collect();
     for p in probs {
@@ -446,7 +446,7 @@ fn top_k_experts(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
 
 /// The probabilities (`[n, experts]`) of each token's `selected` experts (the same number per
 /// token, in order) as `[n, k]`, differentiable.
-fn gather_routes(probs: &Tensor, selected: &[u32]) -> CResult<Tensor> {
+pub(super) fn gather_routes(probs: &Tensor, selected: &[u32]) -> CResult<Tensor> {
     let (n, experts) = probs.dims2()?;
     let k = selected.len() / n.max(1);
     let picked: Vec<u32> = selected

@@ -100,7 +100,8 @@ fn slots(model: &CausalLm) -> Vec<(String, String, Slot)> {
                 moe.experts.len(),
                 llama4,
             ),
-            (None, FeedForward::Dense(_)) => continue,
+            // gpt-oss's experts take no parameter adapters yet.
+            (None, FeedForward::Dense(_) | FeedForward::GptOss(_)) => continue,
         };
         let (key, module) = names(&format!("{block}.experts"));
         for (param, gate_up) in [("gate_up_proj", true), ("down_proj", false)] {
@@ -616,7 +617,7 @@ pub(crate) fn sparse_layers(model: &CausalLm) -> Vec<(usize, &Moe)> {
         .enumerate()
         .filter_map(|(i, l)| match &l.mlp {
             FeedForward::Sparse(moe) => Some((i, moe.as_ref())),
-            FeedForward::Dense(_) => None,
+            FeedForward::Dense(_) | FeedForward::GptOss(_) => None,
         })
         .collect()
 }

@@ -155,6 +155,8 @@ impl ModelConfig {
             text_of_multimodal: false,
             mllama: None,
             gemma4: None,
+            attention_sinks: false,
+            gpt_oss_moe: None,
             layer_norm: false,
             parallel_block: false,
             ungated_mlp: false,
