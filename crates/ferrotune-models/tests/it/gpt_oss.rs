@@ -1,0 +1,301 @@
+//! gpt-oss (`gpt_oss`): its layout read from the config (and `GptOssConfig`'s defaults for keys
+//! left out), full fine-tuning gradients of every parameter (the attention sinks, the router and
+//! the fused experts among them) and a PEFT LoRA adapter's logits, loss and gradients against
+//! transformers 5.24 + PEFT 0.21, saving back the checkpoint's tensors, and what is refused
+//! (MXFP4 experts, the router's auxiliary loss). golden_models checks the logits, loss, KV cache
+//! and bf16 of tests/fixtures/models/gpt_oss; ferrotune-infer its greedy tokens. Fixtures:
+//! scripts/make_model_fixtures.py (gpt_oss) and scripts/make_gpt_oss_fixtures.py.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, D};
+use ferrotune_models::lora::set_training;
+use ferrotune_models::peft::{merged_tensors, trainable_parameters};
+use ferrotune_models::{
+    load_adapter, load_model, read_checkpoint, AttentionLayout, CausalLm, ModelConfig,
+};
+use serde_json::{json, Value};
+
+use common::{fixtures, max_abs_diff, rel_l2};
+
+fn case_dir() -> PathBuf {
+    fixtures().join("models/gpt_oss")
+}
+
+fn load() -> CausalLm {
+    load_model(&case_dir().join("model"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .0
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn tensors(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+fn ids(rows: &Value) -> Tensor {
+    let rows: Vec<Vec<u32>> = serde_json::from_value(rows.clone()).unwrap();
+    Tensor::new(rows, &Device::Cpu).unwrap()
+}
+
+fn forward(model: &CausalLm, ids: &Tensor) -> Tensor {
+    let (b, t) = ids.dims2().unwrap();
+    model
+        .forward(ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap()
+}
+
+/// transformers' causal-LM loss (mean cross-entropy of position `i` against label `i + 1`,
+/// labels of -100 skipped), differentiable.
+fn causal_lm_loss(logits: &Tensor, labels: &Value) -> Tensor {
+    let labels: Vec<Vec<i64>> = serde_json::from_value(labels.clone()).unwrap();
+    let (b, t, v) = logits.dims3().unwrap();
+    let (mut rows, mut targets) = (Vec::new(), Vec::new());
+    for (bi, row) in labels.iter().enumerate() {
+        for ti in 0..t - 1 {
+            if row[ti + 1] >= 0 {
+                rows.push((bi * t + ti) as u32);
+                targets.push(row[ti + 1] as u32);
+            }
+        }
+    }
+    let n = rows.len();
+    let picked = logits
+        .reshape((b * t, v))
+        .unwrap()
+        .index_select(&Tensor::new(rows, &Device::Cpu).unwrap(), 0)
+        .unwrap();
+    let lse = picked.log_sum_exp(D::Minus1).unwrap();
+    let target = picked
+        .gather(&Tensor::from_vec(targets, (n, 1), &Device::Cpu).unwrap(), 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap();
+    (lse - target).unwrap().mean_all().unwrap()
+}
+
+/// The fixture's config: sliding (window 4) / full / sliding layers, sinks, 4 experts top-2
+/// with the SwiGLU clamp at 2.0, and `GptOssConfig`'s default YaRN as written out.
+#[test]
+fn the_config_gives_gpt_oss_layout() {
+    let c = load().config;
+    assert_eq!(c.model_type, "gpt_oss");
+    assert_eq!(c.layer_sliding_windows, [Some(4), None, Some(4)]);
+    assert!(c.attention_sinks);
+    let m = c.gpt_oss_moe.as_ref().unwrap();
+    assert_eq!(
+        (m.num_experts, m.top_k, m.alpha, m.limit),
+        (4, 2, 1.702, 2.0)
+    );
+    assert_eq!(c.rope.theta, 150_000.0);
+    assert_eq!(
+        c.rope.scaling,
+        ferrotune_models::config::RopeScaling::Yarn {
+            factor: 32.0,
+            original_max_position_embeddings: 4096,
+            attention_factor: None,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: false,
+        }
+    );
+    assert!(c.moe.is_none() && c.router_aux_loss_coef().is_none());
+}
+
+/// Keys left out take `GptOssConfig`'s defaults: alternating sliding (128) / full layers, its
+/// YaRN rope with theta 150000, head_dim 64 and 8 key/value heads whatever the hidden size,
+/// eps 1e-5, 128 experts top-4, the clamp at 7; a 4.x config's `rope_theta` beside no scaling
+/// keeps the default YaRN.
+#[test]
+fn left_out_keys_take_gpt_oss_config_defaults() {
+    let c = ModelConfig::from_hf_json(&json!({
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "hidden_size": 256,
+    }))
+    .unwrap();
+    let w = Some(128);
+    assert_eq!(c.layer_sliding_windows, [w, None, w, None]);
+    assert_eq!((c.head_dim, c.num_key_value_heads), (64, 8));
+    assert_eq!(c.rms_norm_eps, 1e-5);
+    assert_eq!(c.rope.theta, 150_000.0);
+    assert!(matches!(
+        c.rope.scaling,
+        ferrotune_models::config::RopeScaling::Yarn {
+            factor: 32.0,
+            original_max_position_embeddings: 4096,
+            truncate: false,
+            ..
+        }
+    ));
+    let m = c.gpt_oss_moe.unwrap();
+    assert_eq!(
+        (m.num_experts, m.top_k, m.alpha, m.limit),
+        (128, 4, 1.702, 7.0)
+    );
+    assert!(!c.tie_word_embeddings);
+    let c = ModelConfig::from_hf_json(&json!({
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 2,
+        "rope_theta": 5000.0,
+        "num_experts": 8,
+        "sliding_window": null,
+    }))
+    .unwrap();
+    assert_eq!(c.rope.theta, 5000.0);
+    assert!(matches!(
+        c.rope.scaling,
+        ferrotune_models::config::RopeScaling::Yarn { .. }
+    ));
+    assert_eq!(c.layer_sliding_windows, [None, None]);
+    assert_eq!(c.gpt_oss_moe.unwrap().num_experts, 8);
+}
+
+/// What is not supported yet is refused naming it: the router's auxiliary loss, an unknown
+/// layer type, more experts per token than experts.
+#[test]
+fn unsupported_configs_are_refused_by_name() {
+    for (extra, named) in [
+        (
+            json!({"output_router_logits": true}),
+            "output_router_logits",
+        ),
+        (
+            json!({"layer_types": ["sliding_attention", "chunked_attention"]}),
+            "chunked_attention",
+        ),
+        (
+            json!({"num_local_experts": 2, "num_experts_per_tok": 3}),
+            "num_experts_per_tok",
+        ),
+    ] {
+        let mut cfg = json!({"model_type": "gpt_oss", "num_hidden_layers": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            cfg[k] = v.clone();
+        }
+        let err = ModelConfig::from_hf_json(&cfg).unwrap_err();
+        assert!(err.contains(named), "{err}");
+    }
+}
+
+/// MXFP4 experts (`*_blocks` / `*_scales`, as OpenAI's checkpoints hold them) are refused with
+/// the tensor's name, not read as missing bf16 experts.
+#[test]
+fn mxfp4_experts_are_refused_naming_the_tensor() {
+    let ckpt = read_checkpoint(&case_dir().join("model"), DType::F32, &Device::Cpu).unwrap();
+    let mut tensors = ckpt.tensors;
+    let name = "model.layers.1.mlp.experts.down_proj";
+    let t = tensors.remove(name).unwrap();
+    tensors.insert(format!("{name}_blocks"), t.clone());
+    tensors.insert(format!("{name}_scales"), t);
+    let err = CausalLm::from_tensors(ckpt.config, tensors, "ckpt")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.layers.1.mlp.experts.down_proj_blocks") && err.contains("MXFP4"),
+        "{err}"
+    );
+}
+
+/// Full fine-tuning: every parameter (the sinks, the router's weight and bias, the fused experts
+/// and their biases, q/k/v/o with biases, norms, embedding, head) gets transformers' gradient
+/// of the golden loss, each to 1e-4 relative L2.
+#[test]
+fn full_fine_tuning_gradients_match_transformers() {
+    let g = read_json(&case_dir().join("golden.json"));
+    let mut model = load();
+    let params = model.make_all_trainable().unwrap();
+    let logits = forward(&model, &ids(&g["input_ids"]));
+    let loss = causal_lm_loss(&logits, &g["labels"]);
+    let want_loss = g["loss"].as_f64().unwrap();
+    let got = loss.to_scalar::<f32>().unwrap() as f64;
+    assert!((got - want_loss).abs() <= 1e-4, "loss {got} vs {want_loss}");
+    let grads = loss.backward().unwrap();
+    let want = tensors(&case_dir().join("grads.safetensors"));
+    let mut names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    names.sort();
+    want_names.sort();
+    assert_eq!(names, want_names);
+    assert!(names.iter().any(|n| n.ends_with("self_attn.sinks")));
+    for (name, var) in &params {
+        let got = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("{name}: no gradient"));
+        let err = rel_l2(got, &want[name]);
+        assert!(err <= 1e-4, "{name}: gradient relative L2 error {err}");
+    }
+}
+
+/// PEFT's `all-linear` adapter on gpt-oss (q/k/v/o_proj: the router and the experts are no
+/// `nn.Linear`): PEFT's logits and loss in training mode, and every LoRA gradient to 1e-4
+/// relative L2.
+#[test]
+fn lora_logits_loss_and_gradients_match_peft() {
+    let dir = fixtures().join("gpt_oss_lora/all_linear");
+    let g = read_json(&dir.join("golden.json"));
+    let mut model = load();
+    load_adapter(&mut model, &dir.join("adapter")).unwrap();
+    let adapted: Vec<String> = model
+        .linears()
+        .into_iter()
+        .filter(|(_, l)| l.adapter.is_some())
+        .map(|(n, _)| n)
+        .collect();
+    let mut want_targets: Vec<String> =
+        serde_json::from_value(g["target_modules"].clone()).unwrap();
+    want_targets.sort();
+    let mut adapted_sorted = adapted.clone();
+    adapted_sorted.sort();
+    assert_eq!(adapted_sorted, want_targets);
+    let params = trainable_parameters(&mut model).unwrap();
+    set_training(&mut model, true);
+    let logits = forward(&model, &ids(&g["input_ids"]));
+    let err = max_abs_diff(
+        &logits,
+        &tensors(&dir.join("golden.safetensors"))["lora_logits"],
+    );
+    assert!(err <= 1e-4, "logits max abs error {err}");
+    let loss = causal_lm_loss(&logits, &g["labels"]);
+    let want_loss = g["lora_loss"].as_f64().unwrap();
+    let got = loss.to_scalar::<f32>().unwrap() as f64;
+    assert!(
+        ((got - want_loss) / want_loss).abs() <= 1e-5,
+        "loss {got} vs {want_loss}"
+    );
+    let grads = loss.backward().unwrap();
+    let want = tensors(&dir.join("lora_grads.safetensors"));
+    assert_eq!(params.len(), want.len());
+    for (name, var) in &params {
+        let got = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("{name}: no gradient"));
+        let err = rel_l2(got, &want[name]);
+        assert!(err <= 1e-4, "{name}: gradient relative L2 error {err}");
+    }
+}
+
+/// The model's tensors are the checkpoint's, under the same names (the sinks, the bare router and
+/// the fused experts as they were read): a saved model is the checkpoint.
+#[test]
+fn saving_gives_back_the_checkpoints_tensors() {
+    let saved = merged_tensors(&load()).unwrap();
+    let want = tensors(&case_dir().join("model/model.safetensors"));
+    let mut names: Vec<&String> = saved.keys().collect();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    names.sort();
+    want_names.sort();
+    assert_eq!(names, want_names);
+    for (name, t) in &saved {
+        assert_eq!(max_abs_diff(t, &want[name]), 0.0, "{name}");
+    }
+}
