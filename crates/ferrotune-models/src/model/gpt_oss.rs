@@ -2,7 +2,7 @@
 //! ([`attention_with_sinks`]) and its mixture of experts ([`GptOssMoe`]), as transformers'
 //! `GptOssAttention` (eager) and `GptOssMLP` compute them.
 
-use candle_core::{Result as CResult, Tensor, D};
+use candle_core::{DType, Result as CResult, Tensor, D};
 use ferrotune_core::ops;
 
 use super::moe::{gather_routes, top_k_experts};
@@ -37,22 +37,25 @@ pub(super) fn attention_with_sinks(
     // Query heads sharing a key/value head are stacked along the rows (head h = kv · groups + g):
     // one matmul per key/value head.
     let q = q.contiguous()?.reshape((b, nkv, groups * t, hd))?;
-    let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?;
+    // The softmax in f32 whatever the compute dtype, as the fused attention's; a sink's gradient
+    // (the sum over every row of its head) then adds up in f32 too.
+    let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?.to_dtype(DType::F32)?;
     let scores = match mask {
         Some(m) => scores
             .reshape((b, nkv, groups, t, s))?
-            .broadcast_add(&m.to_dtype(scores.dtype())?.unsqueeze(1)?)?
+            .broadcast_add(&m.to_dtype(DType::F32)?.unsqueeze(1)?)?
             .reshape((b, nkv, groups * t, s))?,
         None => scores,
     };
     let sink = sinks
-        .to_dtype(scores.dtype())?
+        .to_dtype(DType::F32)?
         .reshape((1, nkv, groups, 1, 1))?
         .broadcast_as((b, nkv, groups, t, 1))?
         .reshape((b, nkv, groups * t, 1))?;
     let probs = ops::softmax_last_dim(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?;
     probs
         .narrow(D::Minus1, 0, s)?
+        .to_dtype(v.dtype())?
         .matmul(&v.contiguous()?)?
         .reshape((b, nh, t, hd))
 }
@@ -145,10 +148,7 @@ impl CausalLm {
         let flat = x.reshape((n, h))?;
         let logits = ops::linear(&flat, &moe.router_weight, Some(&moe.router_bias))?;
         let k = moe.config.top_k;
-        let host: Vec<Vec<f32>> = logits
-            .detach()
-            .to_dtype(candle_core::DType::F32)?
-            .to_vec2()?;
+        let host: Vec<Vec<f32>> = logits.detach().to_dtype(DType::F32)?.to_vec2()?;
         let route = top_k_experts(&host, k);
         let weights = ops::softmax_last_dim(&gather_routes(&logits, &route)?)?.flatten_all()?;
         let device = x.device();

@@ -252,8 +252,9 @@ fn full_finetune_gradients_with_and_without_checkpointing_and_tied_embeddings() 
 /// Mixtral / Qwen-MoE: routers, experts and Qwen2-MoE's shared expert; Phi-3.5-MoE: the
 /// sparsemixer's masked softmaxes, LayerNorms with bias; Llama 4: sigmoid routing into the
 /// experts' inputs, fused experts, shared expert, L2 q/k norm, chunked and NoPE layers; OLMo 2:
-/// no pre-norms, q/k norms over the whole projection): every parameter, with and without
-/// activation checkpointing.
+/// no pre-norms, q/k norms over the whole projection; gpt-oss: attention sinks, sliding layers,
+/// the bare router, fused interleaved experts with biases and the clamped SwiGLU): every
+/// parameter, with and without activation checkpointing.
 #[test]
 fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
     for case in [
@@ -270,6 +271,7 @@ fn full_finetune_gradients_match_torch_for_gemma_phi_2_and_moe_families() {
         "gemma4_e2b_like",
         "gemma4_moe",
         "olmo2",
+        "gpt_oss",
     ] {
         let dir = fixtures().join("models").join(case);
         let g: Value =
@@ -348,10 +350,14 @@ fn every_family_trains_in_bf16_near_its_f32_gradients() {
         // sensitive to bf16's rounding: PyTorch's own bf16 gradients are 0.38 (gemma4, q_norm;
         // here 0.54) and 1.38 (gemma4_e2b_like, per_layer_input_gate; here 4.4) from its f32 ones.
         // The bound still catches a non-finite or unrelated gradient.
+        // gpt-oss's attention sinks: each one's gradient sums every row of its head, a small
+        // difference of large terms; PyTorch's own bf16 gradient of the fixture's layer-1 sinks is
+        // 0.23 from its f32 one (here 0.54, no expert choice flipped; the other parameters ≤ 0.19).
         let case = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let bound = match case {
             _ if moe => 0.8,
             "gemma4" => 0.8,
+            "gpt_oss" => 0.6,
             "gemma4_e2b_like" | "gemma4_multimodal" => 6.0,
             _ => 0.15,
         };
