@@ -3,9 +3,10 @@
 //! experts in every layer (top-k logits softmaxed, fused interleaved gate/up experts with biases,
 //! a clamped SwiGLU).
 //!
-//! Not supported yet, refused where met: MXFP4 expert weights (`*_blocks` / `*_scales`, how
-//! OpenAI's checkpoints ship; the loader names the tensor), and the router's auxiliary loss
-//! (`output_router_logits: true`).
+//! OpenAI's MXFP4 experts (`*_blocks` / `*_scales`) are dequantized when read
+//! ([`crate::mxfp4`]); the model then is a bf16 one, and its config loses the
+//! `quantization_config` that said otherwise. Not supported yet, refused: the router's auxiliary
+//! loss (`output_router_logits: true`).
 
 use super::prelude::*;
 use crate::config::hf::{
@@ -93,6 +94,18 @@ impl HfConfig for GptOssRules {
                 "'output_router_logits' is true: gpt_oss's router auxiliary loss is not supported yet"
                     .into(),
             );
+        }
+        // The experts are dequantized on reading: what the model holds and saves is no longer
+        // MXFP4, and transformers would look for `*_blocks` in a checkpoint whose config says so.
+        if let Value::Object(raw) = &mut c.raw {
+            let mxfp4 = raw
+                .get("quantization_config")
+                .and_then(|q| q.get("quant_method"))
+                .and_then(Value::as_str)
+                == Some("mxfp4");
+            if mxfp4 {
+                raw.remove("quantization_config");
+            }
         }
         c.attention_sinks = true;
         let num_experts = match get_usize(obj, "num_local_experts")? {

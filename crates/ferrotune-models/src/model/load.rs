@@ -246,8 +246,9 @@ impl TensorTaker<'_> {
     }
 
     /// gpt-oss's mixture of experts of layer `p` (`model.layers.N`), each expert `inter` wide.
-    /// MXFP4 experts (`*_blocks` / `*_scales`, as OpenAI ships them) are refused, naming the
-    /// tensor: they are not dequantized yet.
+    /// MXFP4 experts (`*_blocks` / `*_scales`, as OpenAI ships them) are dequantized when a
+    /// safetensors checkpoint is read ([`crate::mxfp4`]); parts still here did not come that way
+    /// and are refused, naming the tensor.
     fn gpt_oss_moe(
         &mut self,
         p: &str,
@@ -259,9 +260,9 @@ impl TensorTaker<'_> {
             let blocks = format!("{p}.mlp.experts.{fused}_blocks");
             if self.tensors.contains_key(&blocks) {
                 return Err(ModelError::Msg(format!(
-                    "{}: tensor '{blocks}' holds MXFP4-quantized experts, which are not supported \
-                     yet: use a checkpoint with bf16 or f32 experts (e.g. one saved by \
-                     transformers after loading with Mxfp4Config(dequantize=True))",
+                    "{}: tensor '{blocks}' holds MXFP4-quantized experts that were not \
+                     dequantized: ferrotune dequantizes them when it reads them from safetensors \
+                     (U8 blocks beside their U8 scales)",
                     self.source
                 )));
             }

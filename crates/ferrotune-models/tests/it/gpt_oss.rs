@@ -15,7 +15,8 @@ use candle_core::{DType, Device, Tensor, D};
 use ferrotune_models::lora::set_training;
 use ferrotune_models::peft::{merged_tensors, trainable_parameters};
 use ferrotune_models::{
-    load_adapter, load_model, read_checkpoint, AttentionLayout, CausalLm, ModelConfig,
+    load_adapter, load_model, read_checkpoint, save_hf_checkpoint, AttentionLayout, CausalLm,
+    ModelConfig,
 };
 use serde_json::{json, Value};
 
@@ -187,10 +188,10 @@ fn unsupported_configs_are_refused_by_name() {
     }
 }
 
-/// MXFP4 experts (`*_blocks` / `*_scales`, as OpenAI's checkpoints hold them) are refused with
-/// the tensor's name, not read as missing bf16 experts.
+/// MXFP4 parts that reach the model without being dequantized (not read as U8 from
+/// safetensors) are refused with the tensor's name, not read as missing experts.
 #[test]
-fn mxfp4_experts_are_refused_naming_the_tensor() {
+fn undequantized_mxfp4_experts_are_refused_naming_the_tensor() {
     let ckpt = read_checkpoint(&case_dir().join("model"), DType::F32, &Device::Cpu).unwrap();
     let mut tensors = ckpt.tensors;
     let name = "model.layers.1.mlp.experts.down_proj";
@@ -298,4 +299,47 @@ fn saving_gives_back_the_checkpoints_tensors() {
     for (name, t) in &saved {
         assert_eq!(max_abs_diff(t, &want[name]), 0.0, "{name}");
     }
+}
+
+/// transformers' MXFP4 dequantization (`convert_moe_packed_tensors`, float32) of random blocks
+/// and scales (powers of two 2^-22 to 2^29), value for value.
+#[test]
+fn mxfp4_dequantizes_as_transformers() {
+    let t = tensors(&fixtures().join("gpt_oss_mxfp4/synthetic.safetensors"));
+    let got = ferrotune_models::mxfp4::dequantize(&t["blocks"], &t["scales"], "w").unwrap();
+    assert_eq!(got.dims(), [2, 64, 3]);
+    assert_eq!(max_abs_diff(&got, &t["want"]), 0.0);
+}
+
+/// A checkpoint as OpenAI ships gpt-oss (experts as MXFP4 `*_blocks` / `*_scales`,
+/// `quantization_config` mxfp4) reads with its experts dequantized: transformers' logits (it
+/// dequantizes them on the CPU too); saved, it is a plain checkpoint (fused experts, no
+/// `quantization_config`) that loads back to the same logits.
+#[test]
+fn an_mxfp4_checkpoint_reads_dequantized_and_saves_plain() {
+    let dir = fixtures().join("gpt_oss_mxfp4");
+    let g = read_json(&dir.join("golden.json"));
+    let model = load_model(&dir.join("model"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .0;
+    let logits = forward(&model, &ids(&g["input_ids"]));
+    let err = max_abs_diff(&logits, &tensors(&dir.join("golden.safetensors"))["logits"]);
+    assert!(err <= 1e-4, "logits max abs error {err}");
+    assert!(model.config.raw.get("quantization_config").is_none());
+    let saved = merged_tensors(&model).unwrap();
+    assert!(saved.contains_key("model.layers.0.mlp.experts.gate_up_proj"));
+    assert!(!saved
+        .keys()
+        .any(|k| k.ends_with("_blocks") || k.ends_with("_scales")));
+    let out = std::env::temp_dir().join(format!("ferrotune-gpt-oss-mxfp4-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    save_hf_checkpoint(&out, &model.config, None, &saved, DType::F32, u64::MAX).unwrap();
+    let config = read_json(&out.join("config.json"));
+    assert!(config.get("quantization_config").is_none(), "{config}");
+    let back = load_model(&out, DType::F32, &Device::Cpu).unwrap().0;
+    assert_eq!(
+        max_abs_diff(&forward(&back, &ids(&g["input_ids"])), &logits),
+        0.0
+    );
+    let _ = std::fs::remove_dir_all(&out);
 }
