@@ -391,7 +391,7 @@ impl ModelConfig {
             return None;
         };
         // Llama4ForCausalLM computes no load-balancing loss, whatever its config says.
-        if self.moe.is_none()
+        if (self.moe.is_none() && self.gpt_oss_moe.is_none())
             || self.llama4_names
             || obj.get("output_router_logits").and_then(Value::as_bool) != Some(true)
         {

@@ -5,12 +5,11 @@
 //!
 //! OpenAI's MXFP4 experts (`*_blocks` / `*_scales`) are dequantized when read
 //! ([`crate::mxfp4`]); the model then is a bf16 one, and its config loses the
-//! `quantization_config` that said otherwise. Not supported yet, refused: the router's auxiliary
-//! loss (`output_router_logits: true`).
+//! `quantization_config` that said otherwise.
 
 use super::prelude::*;
 use crate::config::hf::{
-    get_bool, get_f64, get_usize, parse_rope, parse_sliding_windows, positive, rope_from_params,
+    get_f64, get_usize, parse_rope, parse_sliding_windows, positive, rope_from_params,
 };
 use crate::config::{GptOssMoeConfig, RopeConfig};
 
@@ -89,12 +88,6 @@ impl HfConfig for GptOssRules {
 
     fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
         let obj = hf.obj;
-        if get_bool(obj, "output_router_logits")?.unwrap_or(false) {
-            return Err(
-                "'output_router_logits' is true: gpt_oss's router auxiliary loss is not supported yet"
-                    .into(),
-            );
-        }
         // The experts are dequantized on reading: what the model holds and saves is no longer
         // MXFP4, and transformers would look for `*_blocks` in a checkpoint whose config says so.
         if let Value::Object(raw) = &mut c.raw {
@@ -106,6 +99,10 @@ impl HfConfig for GptOssRules {
             if mxfp4 {
                 raw.remove("quantization_config");
             }
+            // The auxiliary loss's weight is read from the config as written
+            // (`ModelConfig::router_aux_loss_coef`): `GptOssConfig`'s default when left out.
+            raw.entry("router_aux_loss_coef")
+                .or_insert(Value::from(0.001));
         }
         c.attention_sinks = true;
         let num_experts = match get_usize(obj, "num_local_experts")? {

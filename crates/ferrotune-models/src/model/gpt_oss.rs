@@ -6,7 +6,7 @@ use candle_core::{DType, Result as CResult, Tensor, D};
 use ferrotune_core::ops;
 
 use super::moe::{gather_routes, top_k_experts};
-use super::CausalLm;
+use super::{CausalLm, RouterRecord};
 use crate::config::GptOssMoeConfig;
 
 /// `softmax([q kᵀ · scale + mask, sink]) v` per head, the sink's column dropped after the
@@ -141,7 +141,9 @@ impl CausalLm {
     /// (with bias), each token's top-k logits (ties to the lower expert, as `torch.topk`)
     /// softmaxed in the compute dtype; each chosen expert's `x · W_gate_up + b`, the clamped
     /// SwiGLU, `· W_down + b`, scaled by its weight and added in expert order. The routing weights
-    /// stay differentiable (the router trains); the choice of experts is made on the host.
+    /// stay differentiable (the router trains); the choice of experts is made on the host. While
+    /// recording ([`CausalLm::record_routers`]), the router's softmax over every expert is kept
+    /// for the auxiliary loss, as `GptOssForCausalLM` computes it from the router logits.
     pub(super) fn gpt_oss_moe(&self, moe: &GptOssMoe, x: &Tensor) -> CResult<Tensor> {
         let (b, t, h) = x.dims3()?;
         let n = b * t;
@@ -150,6 +152,21 @@ impl CausalLm {
         let k = moe.config.top_k;
         let host: Vec<Vec<f32>> = logits.detach().to_dtype(DType::F32)?.to_vec2()?;
         let route = top_k_experts(&host, k);
+        if let Some(tape) = self
+            .router_tape
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            let probs = ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+            let host_probs = probs.detach().flatten_all()?.to_vec1()?;
+            // The top-k of the logits are the top-k of their softmax, in the same order.
+            tape.push(RouterRecord {
+                probs,
+                selected: route.clone(),
+                host_probs,
+            });
+        }
         let weights = ops::softmax_last_dim(&gather_routes(&logits, &route)?)?.flatten_all()?;
         let device = x.device();
         let experts = moe.config.num_experts;

@@ -148,6 +148,13 @@ pub(crate) fn expand(
         return Ok(Vec::new());
     }
     let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
+    if model.config.gpt_oss_moe.is_some() {
+        return Err(err(format!(
+            "target_parameters {:?}: adapters on gpt-oss's parameters (its fused experts, \
+             router and sinks) are not supported yet; target_modules reaches q/k/v/o_proj",
+            config.target_parameters
+        )));
+    }
     let (slots, others): (Vec<_>, Vec<_>) = slots(model)
         .into_iter()
         .partition(|(key, _, _)| targeted(config, key));

@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, D};
 use ferrotune_models::lora::set_training;
-use ferrotune_models::peft::{merged_tensors, trainable_parameters};
+use ferrotune_models::peft::{add_adapter, attach_adapter, merged_tensors, trainable_parameters};
 use ferrotune_models::{
     load_adapter, load_model, read_checkpoint, save_hf_checkpoint, AttentionLayout, CausalLm,
-    ModelConfig,
+    LoraConfig, ModelConfig, TargetModules,
 };
 use serde_json::{json, Value};
 
@@ -109,6 +109,15 @@ fn the_config_gives_gpt_oss_layout() {
         }
     );
     assert!(c.moe.is_none() && c.router_aux_loss_coef().is_none());
+    // With `output_router_logits`, training adds the router's auxiliary loss (checked against
+    // transformers in ferrotune-train's step tests).
+    let c = ModelConfig::from_hf_json(&json!({
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 2,
+        "output_router_logits": true,
+    }))
+    .unwrap();
+    assert_eq!(c.router_aux_loss_coef(), Some(0.001));
 }
 
 /// Keys left out take `GptOssConfig`'s defaults: alternating sliding (128) / full layers, its
@@ -161,15 +170,11 @@ fn left_out_keys_take_gpt_oss_config_defaults() {
     assert_eq!(c.gpt_oss_moe.unwrap().num_experts, 8);
 }
 
-/// What is not supported yet is refused naming it: the router's auxiliary loss, an unknown
-/// layer type, more experts per token than experts.
+/// What gpt-oss cannot be is refused naming it: an unknown layer type, more experts per token
+/// than experts.
 #[test]
 fn unsupported_configs_are_refused_by_name() {
     for (extra, named) in [
-        (
-            json!({"output_router_logits": true}),
-            "output_router_logits",
-        ),
         (
             json!({"layer_types": ["sliding_attention", "chunked_attention"]}),
             "chunked_attention",
@@ -342,4 +347,47 @@ fn an_mxfp4_checkpoint_reads_dequantized_and_saves_plain() {
         0.0
     );
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// LoRA on module names reaches q/k/v/o_proj only: the router and the experts are no linear
+/// modules (as in PEFT); a PEFT adapter on gpt-oss's parameters (`target_parameters`) is
+/// refused naming the reason.
+#[test]
+fn adapters_reach_the_attention_only() {
+    let mut model = load();
+    let names = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "router",
+        "gate_up_proj",
+        "down_proj",
+    ];
+    let config = LoraConfig::new(
+        2,
+        4.0,
+        TargetModules::Names(names.iter().map(|s| s.to_string()).collect()),
+    );
+    add_adapter(&mut model, &config, 1).unwrap();
+    let adapted: Vec<String> = model
+        .linears()
+        .into_iter()
+        .filter(|(_, l)| l.adapter.is_some())
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(adapted.len(), 12, "{adapted:?}");
+    assert!(
+        adapted.iter().all(|n| n.contains(".self_attn.")),
+        "{adapted:?}"
+    );
+    let mut config = LoraConfig::new(2, 4.0, TargetModules::Names(vec!["q_proj".into()]));
+    config.target_parameters = vec!["mlp.experts.gate_up_proj".into()];
+    let err = attach_adapter(&mut load(), &config, HashMap::new(), "adapter")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("target_parameters") && err.contains("gpt-oss"),
+        "{err}"
+    );
 }

@@ -372,7 +372,7 @@ fn every_family_trains_in_bf16_near_its_f32_gradients() {
 }
 
 /// The router's auxiliary load-balancing loss of Mixtral, Qwen2-MoE, Qwen3-MoE (one dense
-/// layer) and Phi-3.5-MoE against transformers with `output_router_logits: true` and
+/// layer), Phi-3.5-MoE and gpt-oss against transformers with `output_router_logits: true` and
 /// `router_aux_loss_coef` 0.05 (scripts/make_moe_aux_fixtures.py): the loss (cross-entropy mean + 0.05 · aux) and every
 /// full fine-tuning gradient, with right padding that the auxiliary loss leaves out, with and
 /// without activation checkpointing.
@@ -384,7 +384,7 @@ fn router_aux_loss_matches_transformers() {
     .unwrap();
     let coef = want["router_aux_loss_coef"].as_f64().unwrap();
     let pad = want["padding"].as_u64().unwrap() as usize;
-    for case in ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe"] {
+    for case in ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "gpt_oss"] {
         let family = format!("models/{case}");
         let g = golden(&family);
         let mut m = model(&family);
