@@ -391,3 +391,101 @@ fn adapters_reach_the_attention_only() {
         "{err}"
     );
 }
+
+/// gpt-oss-20b's config.json as OpenAI ships it (4.x keys: `rope_scaling` with `truncate`,
+/// top-level `rope_theta`; `quantization_config` mxfp4; keys transformers ignores such as
+/// `experts_per_token`): 24 alternating layers, window 128, head_dim 64 (not hidden / heads),
+/// its YaRN, 32 experts top-4 with the clamp at 7, router_aux_loss_coef 0.9; the MXFP4 note
+/// dropped (its experts are dequantized on reading).
+#[test]
+fn gpt_oss_20bs_config_reads_as_transformers_reads_it() {
+    let types: Vec<&str> = (0..24)
+        .map(|i| {
+            if i % 2 == 0 {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    let c = ModelConfig::from_hf_json(&json!({
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": true,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": types,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "output_router_logits": false,
+        "pad_token_id": 199999,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head"
+            ],
+            "quant_method": "mxfp4"
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": false
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": false,
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": true,
+        "vocab_size": 201088
+    }))
+    .unwrap();
+    assert_eq!(
+        (c.head_dim, c.num_key_value_heads, c.hidden_size),
+        (64, 8, 2880)
+    );
+    let windows: Vec<Option<usize>> = (0..24).map(|i| (i % 2 == 0).then_some(128)).collect();
+    assert_eq!(c.layer_sliding_windows, windows);
+    assert_eq!(c.rope.theta, 150_000.0);
+    assert!(matches!(
+        c.rope.scaling,
+        ferrotune_models::config::RopeScaling::Yarn {
+            factor: 32.0,
+            original_max_position_embeddings: 4096,
+            truncate: false,
+            attention_factor: None,
+            ..
+        }
+    ));
+    assert_eq!(c.position_limit(), Some(131_072));
+    let m = c.gpt_oss_moe.as_ref().unwrap();
+    assert_eq!(
+        (m.num_experts, m.top_k, m.alpha, m.limit),
+        (32, 4, 1.702, 7.0)
+    );
+    assert_eq!(
+        (c.eos_token_ids.clone(), c.pad_token_id),
+        (vec![200002], Some(199999))
+    );
+    assert!(c.raw.get("quantization_config").is_none());
+    assert_eq!(c.router_aux_loss_coef(), None);
+    assert_eq!(c.raw["router_aux_loss_coef"], 0.9);
+}
