@@ -213,6 +213,7 @@ impl CausalLm {
         // own backward on the CPU (f32); the composite candle ops elsewhere.
         let softcap = c.attn_logit_softcapping;
         let out = match &attn.sinks {
+            // gpt-oss (which applies no softcap, whatever its config says, as transformers).
             Some(sinks) => super::gpt_oss::attention_with_sinks(&q, &k, &v, mask, scale, sinks)?,
             None => fused::attention_softcapped(&q, &k, &v, mask, scale, softcap)?,
         }; // [b, nh, t, hd]
