@@ -47,6 +47,7 @@ from transformers import (
     Gemma3TextConfig,
     Gemma4TextConfig,
     GemmaConfig,
+    GptOssConfig,
     GenerationConfig,
     LlamaConfig,
     Ministral3Config,
@@ -556,6 +557,27 @@ def cfg_llama4():
     ))
 
 
+def cfg_gpt_oss():
+    # gpt-oss: 3 layers (layer_types default: sliding, full, sliding), sliding_window 4 (it matters on 16 tokens),
+    # a learned attention sink per head, q/k/v/o biases, head_dim 16 (!= hidden/heads), GQA 4/2; 4 experts top-2:
+    # router mlp.router (Linear with bias), top-2 logits softmaxed, fused experts.gate_up_proj [E, hidden, 2 I]
+    # with gate/up interleaved, biases, the clamped SwiGLU (limit 2.0 so that the clamps bite) and (up + 1);
+    # rope left to GptOssConfig's default: YaRN factor 32 over 4096 original positions, truncate false, theta 1.5e5.
+    return GptOssConfig(**common(
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        intermediate_size=24,
+        num_hidden_layers=3,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        swiglu_limit=2.0,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    ))
+
+
 def cfg_phi3():
     return Phi3Config(**common(
         num_key_value_heads=2,  # GQA inside the fused qkv_proj (like Phi-4-mini), so an even 3-way split is wrong
@@ -999,6 +1021,12 @@ CASES = {
                               "values (20) wider than keys (16), rope in adjacent pairs; layer 1: 4 experts, "
                               "softmax, group_limited_greedy (2 groups, 1 kept), top-2, scaling 1.5, 1 shared "
                               "expert; untied"),
+    "gpt_oss": dict(cfg=cfg_gpt_oss, seed=141, style="v5", grads=True,
+                    notes="gpt-oss: layers sliding (window 4) / full / sliding, attention sinks (self_attn.sinks), "
+                          "q/k/v/o biases, 4 experts top-2 (router mlp.router with bias, softmax over the top-2 "
+                          "logits), fused interleaved experts.gate_up_proj [E, hidden, 2 I] + biases, clamped SwiGLU "
+                          "(limit 2.0, alpha 1.702, (up + 1) * glu), default YaRN rope (factor 32, original 4096, "
+                          "truncate false, theta 1.5e5), head_dim 16, GQA 4/2, untied"),
     "llama2_bin": dict(weights_from="llama2", style="v5", pickle="hf", same_golden_as="llama2",
                        notes="llama2 saved as PyTorch pickles: pytorch_model-0000{1,2}-of-00002.bin + "
                              "pytorch_model.bin.index.json (no safetensors); golden identical to llama2"),
@@ -1099,9 +1127,14 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
             p.copy_((embed_std or (EMBED_STD_TIED if tied else EMBED_STD)) * r)
         elif name.startswith("lm_head"):
             p.copy_(LM_HEAD_GAIN * r / shape[1] ** 0.5)
-        elif model.config.model_type == "llama4_text" and name.endswith(("experts.gate_up_proj",
-                                                                         "experts.down_proj")):
-            # Llama 4 holds its experts as [experts, in, out]: fan-in is the middle dim
+        elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+            p.copy_(0.1 * r)  # gpt-oss's expert biases
+        elif name.endswith("self_attn.sinks"):
+            # gpt-oss's attention sinks (one logit per head), of the scores' size so that they take a real share
+            p.copy_(r)
+        elif model.config.model_type in ("llama4_text", "gpt_oss") and name.endswith(("experts.gate_up_proj",
+                                                                                      "experts.down_proj")):
+            # Llama 4 and gpt-oss hold their experts as [experts, in, out]: fan-in is the middle dim
             gain = OUT_GAIN if name.endswith("down_proj") else IN_GAIN
             p.copy_(gain * r / shape[1] ** 0.5)
         elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Router load-balancing loss references for ferrotune's tests: the tiny Mixtral, Qwen2-MoE,
-Qwen3-MoE and Phi-3.5-MoE models of tests/fixtures/models/ run by transformers with `output_router_logits=True`
+Qwen3-MoE, Phi-3.5-MoE and gpt-oss models of tests/fixtures/models/ run by transformers with `output_router_logits=True`
 and `router_aux_loss_coef=0.05`, so that their loss is `cross-entropy mean + 0.05 · aux_loss`
 (transformers' `load_balancing_loss_func`, over every sparse layer's router).
 
@@ -29,7 +29,7 @@ PAD = 5
 def main():
     os.makedirs(OUT, exist_ok=True)
     out = {"router_aux_loss_coef": COEF, "padding": PAD}
-    for case in ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe"]:
+    for case in ["mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "gpt_oss"]:
         path = os.path.join(ROOT, "models", case, "model")
         golden = json.load(open(os.path.join(ROOT, "models", case, "golden.json")))
         ids = torch.tensor(golden["input_ids"])

@@ -26,7 +26,8 @@ data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 FAM = {"llama2": "llama2", "code_llama2": "llama2", "llama3": "llama2", "llama3_1": "llama2", "llama3_3": "llama2",
        "llama3_2": "llama3_2", "mistral": "mistral", "qwen2": "qwen2_5", "qwen2_5": "qwen2_5", "qwen3": "qwen3",
        "gemma": "gemma", "gemma2": "gemma2", "phi3": "phi3", "phi4": "phi3", "smollm2": "smollm2_like",
-       "deepseek_v2": "deepseek_v2"}
+       "deepseek_v2": "deepseek_v2",
+       "gpt_oss": "gpt_oss"}
 ls = subprocess.run([BIN, "ls"], capture_output=True, text=True).stdout.splitlines()[1:]
 pairs = []; recipe = None
 for line in ls:
@@ -41,7 +42,8 @@ for recipe, cfg in pairs:
     if recipe in ("eleuther_eval", "ppo_full_finetune_single_device"): continue
     text = open(REPO / "configs" / f"{cfg}.yaml").read()
     m = re.search(r"^model:\s*\n\s*_component_: torchtune\.models\.(\w+)\.", text, re.M)
-    # Configs without a torchtune builder (DeepSeek's) by their folder.
+    # Configs of families torchtune has no builder for (DeepSeek's, gpt-oss) name none: their
+    # folder names the family.
     fam = m.group(1) if m else cfg.split("/")[0] if cfg.split("/")[0] in FAM else "smollm2"
     meta = "FullModelMetaCheckpointer" in text
     model = FIX / ("llama2_meta" if meta else FAM[fam]) / "model"

@@ -322,7 +322,8 @@ fn narrow_multimodal_embedding(
 
 /// As [`read_safetensors`], keeping only the tensors `rename` maps to a name (under that name);
 /// the others are not read at all. `dtype` `None`: as stored. Every tensor read is checked
-/// (`weight_checks`): a float type, finite values.
+/// (`weight_checks`): a float type, finite values. MXFP4 weights (gpt-oss's `*_blocks` /
+/// `*_scales` bytes) are dequantized into the weight they stand for ([`crate::mxfp4`]).
 pub(crate) fn read_safetensors_renamed(
     files: &[PathBuf],
     dtype: Option<DType>,
@@ -330,6 +331,7 @@ pub(crate) fn read_safetensors_renamed(
     rename: &dyn Fn(&str) -> Option<String>,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut out = HashMap::new();
+    let mut mxfp4_parts = HashMap::new();
     for file in files {
         // SAFETY: the mapping is read-only and lives only while we copy tensors out of it; a
         // checkpoint file being rewritten underneath us is outside what we can guard against.
@@ -340,6 +342,13 @@ pub(crate) fn read_safetensors_renamed(
                 continue;
             };
             let stored = view.dtype();
+            if stored == safetensors::Dtype::U8 && crate::mxfp4::is_part(&name) {
+                let t = st.load(&name, &Device::Cpu).map_err(|e| {
+                    ModelError::file(file, format!("tensor '{name}' ({stored:?}): {e}"))
+                })?;
+                mxfp4_parts.insert(new_name, (file.clone(), t));
+                continue;
+            }
             weight_checks::stored_as_float(
                 file,
                 &name,
@@ -360,6 +369,7 @@ pub(crate) fn read_safetensors_renamed(
             out.insert(new_name, t);
         }
     }
+    crate::mxfp4::dequantize_parts(mxfp4_parts, dtype, device, &mut out)?;
     Ok(out)
 }
 

@@ -8,6 +8,7 @@ pub mod error;
 pub mod family;
 pub mod gguf;
 pub mod model;
+pub mod mxfp4;
 pub mod peft;
 pub mod rope;
 pub mod save;

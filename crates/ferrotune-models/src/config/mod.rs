@@ -109,6 +109,22 @@ pub struct GroupedRouting {
     pub routed_scaling_factor: f64,
 }
 
+/// gpt-oss's mixture of experts (`GptOssMLP`): a router with a bias whose top-k *logits* are
+/// softmaxed (in the compute dtype), and fused experts with biases whose gate and up columns are
+/// interleaved, through the clamped SwiGLU `(clamp(up, ±limit) + 1) · g · σ(α · g)`,
+/// `g = min(gate, limit)`. Each expert's intermediate size is the config's `intermediate_size`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptOssMoeConfig {
+    /// `num_local_experts`.
+    pub num_experts: usize,
+    /// `num_experts_per_tok`.
+    pub top_k: usize,
+    /// `swiglu_alpha`: the sigmoid's gain.
+    pub alpha: f64,
+    /// `swiglu_limit`: the clamp on the gate (above) and the up projection (both sides).
+    pub limit: f64,
+}
+
 /// Llama 3.2 Vision's layers (`MllamaForConditionalGeneration`, or `MllamaForCausalLM` alone).
 /// On text alone transformers skips the cross-attention layers (they run only with image
 /// states), so the decoder holds the other layers, numbered in order; checkpoint and PEFT names
@@ -363,6 +379,11 @@ pub struct ModelConfig {
     pub mllama: Option<MllamaLayers>,
     /// Gemma 4's per-layer structure; `None` for other models.
     pub gemma4: Option<Gemma4Layers>,
+    /// gpt-oss: every layer's attention has a learned sink logit per head (`self_attn.sinks`)
+    /// that joins the softmax's denominator and takes no value.
+    pub attention_sinks: bool,
+    /// gpt-oss's mixture of experts, in every layer; `None` for other models.
+    pub gpt_oss_moe: Option<GptOssMoeConfig>,
     /// A `*ForSequenceClassification` checkpoint (a reward or value model): its output head is
     /// `score` (`[num_labels, hidden]`, no bias, never tied), giving this many outputs per
     /// position instead of vocabulary logits.
@@ -443,7 +464,7 @@ impl ModelConfig {
             return None;
         };
         // Llama4ForCausalLM computes no load-balancing loss, whatever its config says.
-        if self.moe.is_none()
+        if (self.moe.is_none() && self.gpt_oss_moe.is_none())
             || self.llama4_names
             || obj.get("output_router_logits").and_then(Value::as_bool) != Some(true)
         {

@@ -2,7 +2,7 @@
 //! that lists them.
 //!
 //! A family file ([`llama`], [`mistral`], [`qwen`], [`gemma`], [`phi`], [`smollm3`], [`llama4`],
-//! [`olmo2`], [`deepseek`])
+//! [`olmo2`], [`deepseek`], [`gpt_oss`])
 //! holds one [`Family`] value: the transformers `model_type`s it reads and their causal-LM
 //! classes, the multimodal checkpoints it runs as their text model, the config-class defaults of
 //! keys a `config.json` may leave out, its llama.cpp architectures ([`GgufArch`], read by the GGUF
@@ -18,6 +18,7 @@
 pub mod deepseek;
 pub mod gemma;
 pub mod gguf;
+pub mod gpt_oss;
 pub mod llama;
 pub mod llama4;
 pub mod mistral;
@@ -66,6 +67,7 @@ pub static FAMILIES: &[&Family] = &[
     &llama4::FAMILY,
     &olmo2::FAMILY,
     &deepseek::FAMILY,
+    &gpt_oss::FAMILY,
 ];
 
 /// One model family: everything about its architecture that is not the decoder's math.

@@ -26,6 +26,8 @@ pub struct Attention {
     pub v_norm: bool,
     /// Gemma 4: the earlier layer whose keys and values this one attends with.
     pub kv_source: Option<usize>,
+    /// gpt-oss: the learned sink logit of each query head (`self_attn.sinks`, `[heads]`).
+    pub sinks: Option<Tensor>,
 }
 
 /// Ministral 3's query temperature `1 + beta · ln(1 + ⌊p / original⌋)` for every position, as
@@ -216,7 +218,11 @@ impl CausalLm {
         // softmax(softcap(q kᵀ · scale) + mask) v with grouped-query heads, one fused op with its
         // own backward on the CPU (f32); the composite candle ops elsewhere.
         let softcap = c.attn_logit_softcapping;
-        let out = fused::attention_softcapped(&q, &k, &v, mask, scale, softcap)?; // [b, nh, t, hd]
+        let out = match &attn.sinks {
+            // gpt-oss (which applies no softcap, whatever its config says, as transformers).
+            Some(sinks) => super::gpt_oss::attention_with_sinks(&q, &k, &v, mask, scale, sinks)?,
+            None => fused::attention_softcapped(&q, &k, &v, mask, scale, softcap)?,
+        }; // [b, nh, t, hd]
         let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         Ok((attn.o_proj.forward(&out)?, (k, v)))
     }

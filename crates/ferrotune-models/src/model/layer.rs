@@ -79,6 +79,7 @@ impl DecoderLayer {
             o_proj,
             q_norm,
             k_norm,
+            sinks,
             ..
         } = self_attn;
         let mut norms: Vec<(&'static str, &mut Tensor)> = Vec::new();
@@ -100,6 +101,7 @@ impl DecoderLayer {
             ),
             ("self_attn.q_norm.weight", q_norm),
             ("self_attn.k_norm.weight", k_norm),
+            ("self_attn.sinks", sinks),
         ];
         norms.extend(
             optional
@@ -112,6 +114,7 @@ impl DecoderLayer {
         match mlp {
             FeedForward::Dense(mlp) => linears.extend(mlp_linears_mut(mlp)),
             FeedForward::Sparse(moe) => linears.extend(moe.linears_mut()),
+            FeedForward::GptOss(moe) => norms.extend(moe.tensors_mut()),
         }
         if let Some(block) = parallel_moe {
             let (moe, small) = block.parts_mut();
@@ -152,6 +155,7 @@ impl DecoderLayer {
             ),
             ("self_attn.q_norm.weight", &self.self_attn.q_norm),
             ("self_attn.k_norm.weight", &self.self_attn.k_norm),
+            ("self_attn.sinks", &self.self_attn.sinks),
         ];
         out.extend(
             optional
@@ -161,6 +165,9 @@ impl DecoderLayer {
         out.extend(self.self_attn.qkv.norms());
         if let Some(block) = &self.parallel_moe {
             out.extend(block.small_tensors());
+        }
+        if let FeedForward::GptOss(moe) = &self.mlp {
+            out.extend(moe.tensors());
         }
         if let Some(block) = &self.per_layer_input {
             out.push(("post_per_layer_input_norm.weight", &block.norm));
@@ -197,6 +204,7 @@ impl DecoderLayer {
         match &self.mlp {
             FeedForward::Dense(mlp) => linears.extend(mlp_linears(mlp)),
             FeedForward::Sparse(moe) => linears.extend(moe.linears()),
+            FeedForward::GptOss(_) => {}
         }
         if let Some(block) = &self.parallel_moe {
             linears.extend(block.moe.linears());
@@ -219,6 +227,7 @@ impl DecoderLayer {
         match &self.mlp {
             FeedForward::Dense(mlp) => names.extend(mlp.names().into_iter().map(Cow::Borrowed)),
             FeedForward::Sparse(moe) => names.extend(moe.names().into_iter().map(Cow::Owned)),
+            FeedForward::GptOss(_) => {}
         }
         if let Some(block) = &self.parallel_moe {
             names.extend(block.names().into_iter().map(Cow::Owned));
@@ -232,7 +241,8 @@ impl DecoderLayer {
 
 /// Every tensor of one decoder layer, mutable and borrowed apart ([`DecoderLayer::parts_mut`]).
 pub struct LayerPartsMut<'a> {
-    /// Norm tensors by parameter name (`input_layernorm.weight`, `self_attn.q_norm.weight`, ...).
+    /// The tensors other than linear layers by parameter name: norms (`input_layernorm.weight`,
+    /// `self_attn.q_norm.weight`, ...), gpt-oss's sinks and experts, Gemma 4's router scales.
     pub norms: Vec<(&'static str, &'a mut Tensor)>,
     /// Linear layers by module name (`self_attn.q_proj`, ...), in model order.
     pub linears: Vec<(Cow<'static, str>, &'a mut Linear)>,

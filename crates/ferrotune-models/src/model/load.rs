@@ -9,10 +9,10 @@ use ferrotune_core::quant::QuantizedMatrix;
 
 use super::{
     final_norm_name, Attention, BaseWeight, CausalLm, DecoderLayer, FeedForward, GateUpProjection,
-    GroupedRouter, Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding, PerLayerInputBlock,
+    GptOssMoe, GroupedRouter, Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding, PerLayerInputBlock,
     QkvProjection, PARALLEL_MOE_TENSORS, PER_LAYER_NORM, PER_LAYER_PROJECTION, PER_LAYER_TABLE,
 };
-use crate::config::{ModelConfig, QkNormSpan};
+use crate::config::{GptOssMoeConfig, ModelConfig, QkNormSpan};
 use crate::error::ModelError;
 use crate::rope::RotaryEmbedding;
 
@@ -313,6 +313,42 @@ impl TensorTaker<'_> {
         })
     }
 
+    /// gpt-oss's mixture of experts of layer `p` (`model.layers.N`), each expert `inter` wide.
+    /// MXFP4 experts (`*_blocks` / `*_scales`, as OpenAI ships them) are dequantized when a
+    /// safetensors checkpoint is read ([`crate::mxfp4`]); parts still here did not come that way
+    /// and are refused, naming the tensor.
+    fn gpt_oss_moe(
+        &mut self,
+        p: &str,
+        m: &GptOssMoeConfig,
+        h: usize,
+        inter: usize,
+    ) -> Result<GptOssMoe, ModelError> {
+        for fused in ["gate_up_proj", "down_proj"] {
+            let blocks = format!("{p}.mlp.experts.{fused}_blocks");
+            if self.tensors.contains_key(&blocks) {
+                return Err(ModelError::Msg(format!(
+                    "{}: tensor '{blocks}' holds MXFP4-quantized experts that were not \
+                     dequantized: ferrotune dequantizes them when it reads them from safetensors \
+                     (U8 blocks beside their U8 scales)",
+                    self.source
+                )));
+            }
+        }
+        let e = m.num_experts;
+        let experts = format!("{p}.mlp.experts");
+        Ok(GptOssMoe {
+            router_weight: self.take(&format!("{p}.mlp.router.weight"), &[e, h])?,
+            router_bias: self.take(&format!("{p}.mlp.router.bias"), &[e])?,
+            gate_up_proj: self.take(&format!("{experts}.gate_up_proj"), &[e, h, 2 * inter])?,
+            gate_up_proj_bias: self
+                .take(&format!("{experts}.gate_up_proj_bias"), &[e, 2 * inter])?,
+            down_proj: self.take(&format!("{experts}.down_proj"), &[e, inter, h])?,
+            down_proj_bias: self.take(&format!("{experts}.down_proj_bias"), &[e, h])?,
+            config: m.clone(),
+        })
+    }
+
     fn take_packed(&mut self, name: &str, out: usize, inp: usize) -> Option<Arc<QuantizedMatrix>> {
         self.packed
             .remove(name)
@@ -463,12 +499,15 @@ impl CausalLm {
                 .moe
                 .as_ref()
                 .filter(|m| m.sparse_layers.get(i).copied().unwrap_or(false));
-            let mlp = match sparse {
-                Some(m) => {
+            let mlp = match (sparse, &c.gpt_oss_moe) {
+                (Some(m), _) => {
                     let grouped = c.grouped_routing.as_ref();
                     FeedForward::Sparse(Box::new(take.moe(&p, m, grouped, h)?))
                 }
-                None => {
+                (None, Some(m)) => {
+                    FeedForward::GptOss(Box::new(take.gpt_oss_moe(&p, m, h, inter)?))
+                }
+                (None, None) => {
                     let gate_up = dense_gate_up(&mut take)?;
                     let down = format!("{p}.{}", gate_up.down_proj_name());
                     FeedForward::Dense(Mlp {
@@ -523,6 +562,11 @@ impl CausalLm {
                     dims: (nh, nkv, hd),
                     v_norm: gemma4.is_some(),
                     kv_source,
+                    sinks: if c.attention_sinks {
+                        Some(take.take(&format!("{p}.self_attn.sinks"), &[nh])?)
+                    } else {
+                        None
+                    },
                 },
                 post_attention_layernorm: if c.parallel_block {
                     None

@@ -4,7 +4,7 @@
 use candle_core::{Result as CResult, Tensor, D};
 use ferrotune_core::fused;
 
-use super::{CausalLm, GateUpProjection, Linear, Moe};
+use super::{CausalLm, GateUpProjection, GptOssMoe, Linear, Moe};
 use crate::config::Activation;
 
 /// The MLP: gated (SwiGLU / GeGLU) or Phi-2's ungated one.
@@ -64,6 +64,8 @@ pub(super) fn mlp_linears_mut(mlp: &mut Mlp) -> Vec<&mut Linear> {
 pub enum FeedForward {
     Dense(Mlp),
     Sparse(Box<Moe>),
+    /// gpt-oss's experts (no linear layers: fused tensors and a bare router).
+    GptOss(Box<GptOssMoe>),
 }
 
 impl CausalLm {
@@ -89,6 +91,7 @@ impl CausalLm {
         match ffn {
             FeedForward::Dense(mlp) => self.mlp(mlp, x),
             FeedForward::Sparse(moe) => self.moe(moe, x),
+            FeedForward::GptOss(moe) => self.gpt_oss_moe(moe, x),
         }
     }
 

@@ -446,7 +446,7 @@ fn add_routed(
 
 /// Each token's `k` experts from its routing probabilities (`probs[token][expert]`), largest
 /// first; equal probabilities keep the lower expert first, as `torch.topk`.
-fn top_k_experts(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
+pub(super) fn top_k_experts(probs: &[Vec<f32>], k: usize) -> Vec<u32> {
     let mut selected = Vec::with_capacity(probs.len() * k);
     let mut order: Vec<usize> = (0..probs.first().map_or(0, Vec::len)).collect();
     for p in probs {

@@ -116,7 +116,7 @@ impl CausalLm {
         // Before the per-layer scan below, which would name every expert. This also keeps Llama 4
         // (always with a MoE config) out: its interleaved RoPE, L2 q/k norm, query temperature
         // and chunked attention have no decode kernels either.
-        if c.moe.is_some() {
+        if c.moe.is_some() || c.gpt_oss_moe.is_some() {
             return Some("a mixture of experts has no decode kernels".into());
         }
         if c.mla.is_some() {
@@ -124,6 +124,9 @@ impl CausalLm {
                 "multi-head latent attention (DeepSeek) has no decode kernels: its cache holds latents"
                     .into(),
             );
+        }
+        if c.attention_sinks {
+            return Some("attention sinks (gpt-oss) have no decode kernel".into());
         }
         if self.embed_tokens.track_op() {
             return Some("the embedding is being trained".into());

@@ -100,7 +100,8 @@ fn slots(model: &CausalLm) -> Vec<(String, String, Slot)> {
                 moe.experts.len(),
                 llama4,
             ),
-            (None, FeedForward::Dense(_)) => continue,
+            // gpt-oss's experts take no parameter adapters yet.
+            (None, FeedForward::Dense(_) | FeedForward::GptOss(_)) => continue,
         };
         let (key, module) = names(&format!("{block}.experts"));
         for (param, gate_up) in [("gate_up_proj", true), ("down_proj", false)] {
@@ -147,6 +148,13 @@ pub(crate) fn expand(
         return Ok(Vec::new());
     }
     let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
+    if model.config.gpt_oss_moe.is_some() {
+        return Err(err(format!(
+            "target_parameters {:?}: adapters on gpt-oss's parameters (its fused experts, \
+             router and sinks) are not supported yet; target_modules reaches q/k/v/o_proj",
+            config.target_parameters
+        )));
+    }
     let (slots, others): (Vec<_>, Vec<_>) = slots(model)
         .into_iter()
         .partition(|(key, _, _)| targeted(config, key));
@@ -616,7 +624,7 @@ pub(crate) fn sparse_layers(model: &CausalLm) -> Vec<(usize, &Moe)> {
         .enumerate()
         .filter_map(|(i, l)| match &l.mlp {
             FeedForward::Sparse(moe) => Some((i, moe.as_ref())),
-            FeedForward::Dense(_) => None,
+            FeedForward::Dense(_) | FeedForward::GptOss(_) => None,
         })
         .collect()
 }

@@ -25,10 +25,10 @@ fn fixture_models() -> Vec<PathBuf> {
     cases
 }
 
-/// Families the decode step refuses (Phi-2, mixtures of experts, Gemma 4, OLMo 2's layers
-/// without pre-norms): the forward decodes them.
+/// Families the decode step refuses (Phi-2, mixtures of experts, gpt-oss's sinks and experts,
+/// Gemma 4, OLMo 2's layers without pre-norms): the forward decodes them.
 fn decode_step_refuses(c: &ModelConfig) -> bool {
-    c.layer_norm || c.moe.is_some() || c.gemma4.is_some() || !c.pre_norms
+    c.layer_norm || c.moe.is_some() || c.gpt_oss_moe.is_some() || c.gemma4.is_some() || !c.pre_norms
 }
 
 /// A left-padded batch as generation builds it: ids `[batch, longest]` and its layout.

@@ -8,6 +8,7 @@ mod device_map;
 mod errors;
 mod gguf;
 mod golden_models;
+mod gpt_oss;
 mod llama4;
 mod lora;
 mod modules_to_save;

@@ -322,7 +322,12 @@ impl RouterBalance {
 
 /// The number of experts of `model`'s sparse layers (0 without any).
 fn num_experts(model: &CausalLm) -> usize {
-    model.config.moe.as_ref().map_or(0, |m| m.num_experts)
+    let c = &model.config;
+    c.moe
+        .as_ref()
+        .map(|m| m.num_experts)
+        .or(c.gpt_oss_moe.as_ref().map(|m| m.num_experts))
+        .unwrap_or(0)
 }
 
 /// An empty gradient store (candle only hands them out from `backward`).

@@ -1,0 +1,207 @@
+//! gpt-oss's own math: attention with a learned sink logit per head
+//! ([`attention_with_sinks`]) and its mixture of experts ([`GptOssMoe`]), as transformers'
+//! `GptOssAttention` (eager) and `GptOssMLP` compute them.
+
+use candle_core::{DType, Result as CResult, Tensor, D};
+use ferrotune_core::ops;
+
+use super::moe::{gather_routes, top_k_experts};
+use super::{CausalLm, RouterRecord};
+use crate::config::GptOssMoeConfig;
+
+/// `softmax([q kᵀ · scale + mask, sink]) v` per head, the sink's column dropped after the
+/// softmax: each head's learned `sinks[h]` joins every row's denominator and takes no value.
+/// Shapes as [`ferrotune_core::fused::attention`] (`q` `[b, nh, t, hd]`, `k`/`v`
+/// `[b, nkv, s, hd]`, additive `mask` `[b or 1, 1, t, s]`), `sinks` `[nh]`.
+///
+/// Built from candle ops (each with its backward, so the sinks train): the fused attention
+/// kernels keep only each row's softmax statistics and have no place for the extra logit. This
+/// path holds the `[b, nh, t, s]` probabilities, as transformers' eager attention does.
+pub(super) fn attention_with_sinks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    sinks: &Tensor,
+) -> CResult<Tensor> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let (_, nkv, s, _) = k.dims4()?;
+    if nkv == 0 || nh % nkv != 0 || sinks.dims() != [nh] {
+        candle_core::bail!(
+            "attention with sinks: {nh} query heads, {nkv} key/value heads and sinks {:?} do not fit",
+            sinks.dims()
+        );
+    }
+    let groups = nh / nkv;
+    // Query heads sharing a key/value head are stacked along the rows (head h = kv · groups + g):
+    // one matmul per key/value head.
+    let q = q.contiguous()?.reshape((b, nkv, groups * t, hd))?;
+    // The softmax in f32 whatever the compute dtype, as the fused attention's; a sink's gradient
+    // (the sum over every row of its head) then adds up in f32 too.
+    let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?.to_dtype(DType::F32)?;
+    let scores = match mask {
+        Some(m) => scores
+            .reshape((b, nkv, groups, t, s))?
+            .broadcast_add(&m.to_dtype(DType::F32)?.unsqueeze(1)?)?
+            .reshape((b, nkv, groups * t, s))?,
+        None => scores,
+    };
+    let sink = sinks
+        .to_dtype(DType::F32)?
+        .reshape((1, nkv, groups, 1, 1))?
+        .broadcast_as((b, nkv, groups, t, 1))?
+        .reshape((b, nkv, groups * t, 1))?;
+    let probs = ops::softmax_last_dim(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?;
+    probs
+        .narrow(D::Minus1, 0, s)?
+        .to_dtype(v.dtype())?
+        .matmul(&v.contiguous()?)?
+        .reshape((b, nh, t, hd))
+}
+
+/// gpt-oss's mixture of experts (`mlp`), its tensors as the checkpoint holds them: the router
+/// (`mlp.router`, a bare weight and bias, no `nn.Linear`: PEFT's `target_modules` cannot reach
+/// it, and neither does ferrotune's) and the fused experts. They train in full fine-tuning; LoRA
+/// does not reach them (`target_parameters` on them is not supported yet).
+#[derive(Debug, Clone)]
+pub struct GptOssMoe {
+    /// `mlp.router.weight` `[experts, hidden]`.
+    pub router_weight: Tensor,
+    /// `mlp.router.bias` `[experts]`.
+    pub router_bias: Tensor,
+    /// `mlp.experts.gate_up_proj` `[experts, hidden, 2 · inter]`, inputs first; gate and up
+    /// columns interleaved (gate at even columns, up at odd ones).
+    pub gate_up_proj: Tensor,
+    /// `mlp.experts.gate_up_proj_bias` `[experts, 2 · inter]`, interleaved as the columns.
+    pub gate_up_proj_bias: Tensor,
+    /// `mlp.experts.down_proj` `[experts, inter, hidden]`.
+    pub down_proj: Tensor,
+    /// `mlp.experts.down_proj_bias` `[experts, hidden]`.
+    pub down_proj_bias: Tensor,
+    /// Experts per token, the SwiGLU's gain and clamp.
+    pub config: GptOssMoeConfig,
+}
+
+/// The parameter names of [`GptOssMoe`]'s tensors inside the decoder layer, in the order
+/// [`GptOssMoe::tensors`] and [`GptOssMoe::tensors_mut`] list them.
+pub const GPT_OSS_MOE_TENSORS: [&str; 6] = [
+    "mlp.router.weight",
+    "mlp.router.bias",
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.gate_up_proj_bias",
+    "mlp.experts.down_proj",
+    "mlp.experts.down_proj_bias",
+];
+
+impl GptOssMoe {
+    /// The block's tensors with their parameter names inside the decoder layer.
+    pub fn tensors(&self) -> Vec<(&'static str, &Tensor)> {
+        let tensors = [
+            &self.router_weight,
+            &self.router_bias,
+            &self.gate_up_proj,
+            &self.gate_up_proj_bias,
+            &self.down_proj,
+            &self.down_proj_bias,
+        ];
+        GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect()
+    }
+
+    /// [`GptOssMoe::tensors`], mutable.
+    pub fn tensors_mut(&mut self) -> Vec<(&'static str, &mut Tensor)> {
+        let GptOssMoe {
+            router_weight,
+            router_bias,
+            gate_up_proj,
+            gate_up_proj_bias,
+            down_proj,
+            down_proj_bias,
+            ..
+        } = self;
+        let tensors = [
+            router_weight,
+            router_bias,
+            gate_up_proj,
+            gate_up_proj_bias,
+            down_proj,
+            down_proj_bias,
+        ];
+        GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect()
+    }
+}
+
+/// `1 / (1 + e^−x)` from differentiable ops.
+fn sigmoid(x: &Tensor) -> CResult<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
+impl CausalLm {
+    /// gpt-oss's mixture of experts on `x` (`[b, t, hidden]`), as `GptOssMLP`: router logits
+    /// (with bias), each token's top-k logits (ties to the lower expert, as `torch.topk`)
+    /// softmaxed in the compute dtype; each chosen expert's `x · W_gate_up + b`, the clamped
+    /// SwiGLU, `· W_down + b`, scaled by its weight and added in expert order. The routing weights
+    /// stay differentiable (the router trains); the choice of experts is made on the host. While
+    /// recording ([`CausalLm::record_routers`]), the router's softmax over every expert is kept
+    /// for the auxiliary loss, as `GptOssForCausalLM` computes it from the router logits.
+    pub(super) fn gpt_oss_moe(&self, moe: &GptOssMoe, x: &Tensor) -> CResult<Tensor> {
+        let (b, t, h) = x.dims3()?;
+        let n = b * t;
+        let flat = x.reshape((n, h))?;
+        let logits = ops::linear(&flat, &moe.router_weight, Some(&moe.router_bias))?;
+        let k = moe.config.top_k;
+        let host: Vec<Vec<f32>> = logits.detach().to_dtype(DType::F32)?.to_vec2()?;
+        let route = top_k_experts(&host, k);
+        if let Some(tape) = self
+            .router_tape
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            let probs = ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+            let host_probs = probs.detach().flatten_all()?.to_vec1()?;
+            // The top-k of the logits are the top-k of their softmax, in the same order.
+            tape.push(RouterRecord {
+                probs,
+                selected: route.clone(),
+                host_probs,
+            });
+        }
+        let weights = ops::softmax_last_dim(&gather_routes(&logits, &route)?)?.flatten_all()?;
+        let device = x.device();
+        let experts = moe.config.num_experts;
+        // Per expert, its tokens and the places of their weights in the `[n, k]` table.
+        let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); experts];
+        for (i, &e) in route.iter().enumerate() {
+            routed[e as usize].0.push((i / k) as u32);
+            routed[e as usize].1.push(i as u32);
+        }
+        let inter = moe.down_proj.dim(1)?;
+        let (alpha, limit) = (moe.config.alpha, moe.config.limit);
+        let mut out = flat.zeros_like()?;
+        for (e, (tokens, places)) in routed.into_iter().enumerate() {
+            if tokens.is_empty() {
+                continue;
+            }
+            let m = tokens.len();
+            let tokens = Tensor::new(tokens, device)?;
+            let rows = flat.index_select(&tokens, 0)?;
+            let gate_up = rows
+                .matmul(&moe.gate_up_proj.get(e)?)?
+                .broadcast_add(&moe.gate_up_proj_bias.get(e)?)?
+                .reshape((m, inter, 2))?;
+            let gate = gate_up.narrow(2, 0, 1)?.squeeze(2)?.minimum(limit)?;
+            let up = gate_up.narrow(2, 1, 1)?.squeeze(2)?.clamp(-limit, limit)?;
+            let glu = (&gate * sigmoid(&(&gate * alpha)?)?)?;
+            let h_e = ((up + 1.0)? * glu)?;
+            let y = h_e
+                .matmul(&moe.down_proj.get(e)?)?
+                .broadcast_add(&moe.down_proj_bias.get(e)?)?;
+            let w = weights
+                .index_select(&Tensor::new(places, device)?, 0)?
+                .reshape((m, 1))?;
+            out = out.index_add(&tokens, &y.broadcast_mul(&w)?, 0)?;
+        }
+        out.reshape((b, t, h))
+    }
+}
