@@ -151,6 +151,7 @@ impl Config {
             origin: &self.origin,
             stack: Vec::new(),
             produced: 0,
+            resolved: Default::default(),
         };
         resolver.value(&mut self.root, "")
     }
@@ -263,6 +264,10 @@ struct Resolver<'a> {
     /// Bytes of values interpolations produced so far: keys that each interpolate the one
     /// before twice double at every step, and a few lines of them exhaust memory.
     produced: usize,
+    /// Each key's value once resolved: references are absolute, so a key resolves the same
+    /// wherever it is used. Without it, keys that each interpolate the one before twice take
+    /// 2^n resolutions even when the values stay empty (and under the byte bound).
+    resolved: std::collections::HashMap<String, Value>,
 }
 
 /// The most bytes a config's interpolations may produce in all; real configs produce kilobytes.
@@ -348,6 +353,10 @@ impl Resolver<'_> {
                 "{origin}: {here}: interpolation cycle through '{expr}'"
             ));
         }
+        if let Some(value) = self.resolved.get(expr) {
+            let value = value.clone();
+            return self.count(value, here);
+        }
         let mut node = self.root;
         for part in expr.split('.') {
             node = match node.get(part) {
@@ -363,11 +372,18 @@ impl Resolver<'_> {
         self.stack.push(expr.to_string());
         self.value(&mut value, expr)?;
         self.stack.pop();
+        self.resolved.insert(expr.to_string(), value.clone());
+        self.count(value, here)
+    }
+
+    /// Counts `value`'s bytes against [`INTERPOLATED_BYTES`] and gives it back.
+    fn count(&mut self, value: Value, here: &str) -> Result<Value> {
         self.produced = self.produced.saturating_add(value_bytes(&value));
         if self.produced > INTERPOLATED_BYTES {
             return err(format!(
-                "{origin}: {here}: interpolations produce more than {} MiB (keys that each \
+                "{}: {here}: interpolations produce more than {} MiB (keys that each \
                  interpolate another several times)",
+                self.origin,
                 INTERPOLATED_BYTES >> 20
             ));
         }
@@ -911,6 +927,19 @@ mod tests {
         assert!(bad.resolve().is_err());
         let mut cycle = cfg("a: ${b}\nb: ${a}\n");
         assert!(cycle.resolve().unwrap_err().0.contains("cycle"));
+    }
+
+    #[test]
+    fn interpolations_that_double_empty_strings_resolve_each_key_once() {
+        // The doubling chain over an empty string stays under the byte bound but took 2^n
+        // resolutions (found by ferrotune-fuzz: 40 keys ran past its 30 CPU seconds).
+        let mut yaml = "k0: ''\n".to_string();
+        for i in 1..64 {
+            yaml += &format!("k{i}: ${{k{}}}${{k{}}}\n", i - 1, i - 1);
+        }
+        let mut c = cfg(&yaml);
+        c.resolve().unwrap();
+        assert_eq!(c.str("k63").unwrap().as_deref(), Some(""));
     }
 
     #[test]
