@@ -253,43 +253,154 @@ pub fn kd_rows_sum(student: &Tensor, teacher: &Tensor, kind: KdLoss) -> Result<T
     }
 }
 
-/// torchtune's preference losses (`loss._component_` of the DPO recipes), on the summed log
-/// probabilities of each pair's chosen and rejected response under the policy and the reference
-/// model. With `z = (π_chosen − π_rejected) − (ref_chosen − ref_rejected)`:
+/// The preference losses of the DPO recipes (`loss._component_`): torchtune's `DPOLoss` and
+/// `RSOLoss`, and TRL's reference-free and IPO losses under torchtune's namespace. With per-row
+/// log probabilities `π` (policy) and `ref` (reference), summed over each response's tokens, and
+/// `π̄`, `ref̄` the same averaged over the response's tokens; `z = (π_chosen − π_rejected) −
+/// (ref_chosen − ref_rejected)`:
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PreferenceLoss {
     /// `DPOLoss`: `−(1 − ε) log σ(β z) − ε log σ(−β z)` (β = `beta`, ε = `label_smoothing`).
     Dpo { beta: f64, label_smoothing: f64 },
     /// `RSOLoss` (hinge): `max(0, 1 − γ z)` (γ = `gamma`).
     Rso { gamma: f64 },
+    /// `ORPOLoss` (TRL's `ORPOTrainer`, reference-free): the chosen rows' cross-entropy over
+    /// their whole sequence (prompt and response) minus `λ log σ(o)`, `o = (π̄_c − π̄_r) −
+    /// (log(1 − e^π̄_c) − log(1 − e^π̄_r))` (λ = `beta`, default 0.1).
+    Orpo { beta: f64 },
+    /// `SimPOLoss` (TRL's `CPOTrainer` with `loss_type="simpo"`, reference-free): with `d =
+    /// π̄_c − π̄_r − γ/β`, `−(1 − ε) log σ(β d) − ε log σ(−β d)` plus `α ·` the chosen
+    /// responses' cross-entropy (β = `beta` 0.1, γ = `simpo_gamma` 0.5, ε = `label_smoothing`
+    /// 0, α = `cpo_alpha` 0: SimPO proper; TRL's `CPOConfig` default 1 is CPO-SimPO).
+    Simpo {
+        beta: f64,
+        gamma: f64,
+        label_smoothing: f64,
+        alpha: f64,
+    },
+    /// `CPOLoss` (TRL's `CPOTrainer`, `loss_type="sigmoid"`, reference-free): with `d = π_c −
+    /// π_r`, `−(1 − ε) log σ(β d) − ε log σ(−β d)` plus `α ·` the chosen responses'
+    /// cross-entropy (β = `beta` 0.1, ε = `label_smoothing` 0, α = `cpo_alpha` 1).
+    Cpo {
+        beta: f64,
+        label_smoothing: f64,
+        alpha: f64,
+    },
+    /// `IPOLoss` (TRL's `DPOTrainer`, `loss_type="ipo"`): `(z̄ − 1/(2β))²` with `z̄ = (π_c −
+    /// ref_c)/n_c − (π_r − ref_r)/n_r` (`n` the response's tokens; β = `beta`, default 0.1).
+    Ipo { beta: f64 },
+}
+
+/// Which tokens of the chosen rows a preference loss's cross-entropy term covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NllOver {
+    /// The labelled (response) tokens: CPO and SimPO.
+    Response,
+    /// Every real token after the first, prompt included: ORPO.
+    Sequence,
 }
 
 impl PreferenceLoss {
-    /// The loss a torchtune component names (`torchtune.rlhf.loss.DPOLoss`, `RSOLoss`; also under
-    /// `torchtune.modules.rlhf.loss`), with its keyword arguments (torchtune's defaults: β 0.1,
-    /// ε 0, γ 0.1).
+    /// The loss a torchtune component names (`torchtune.rlhf.loss.DPOLoss`, `RSOLoss`,
+    /// `ORPOLoss`, `SimPOLoss`, `CPOLoss`, `IPOLoss`; also under `torchtune.modules.rlhf.loss`),
+    /// with `beta`, `label_smoothing` and `gamma` (torchtune's defaults: β 0.1, ε 0, γ 0.1; the
+    /// TRL losses take their other parameters at TRL's defaults, see
+    /// [`PreferenceLoss::with_trl_params`]).
     pub fn from_component(
         component: &str,
         beta: Option<f64>,
         label_smoothing: Option<f64>,
         gamma: Option<f64>,
     ) -> Option<Self> {
+        let beta = beta.unwrap_or(0.1);
+        let label_smoothing = label_smoothing.unwrap_or(0.0);
         match component.rsplit('.').next().unwrap_or(component) {
             "DPOLoss" => Some(Self::Dpo {
-                beta: beta.unwrap_or(0.1),
-                label_smoothing: label_smoothing.unwrap_or(0.0),
+                beta,
+                label_smoothing,
             }),
             "RSOLoss" => Some(Self::Rso {
                 gamma: gamma.unwrap_or(0.1),
             }),
+            "ORPOLoss" => Some(Self::Orpo { beta }),
+            "SimPOLoss" => Some(Self::Simpo {
+                beta,
+                gamma: 0.5,
+                label_smoothing,
+                alpha: 0.0,
+            }),
+            "CPOLoss" => Some(Self::Cpo {
+                beta,
+                label_smoothing,
+                alpha: 1.0,
+            }),
+            "IPOLoss" => Some(Self::Ipo { beta }),
             _ => None,
         }
     }
 
-    /// The factor of the logged rewards (`β · (π − ref)`; γ for RSO).
+    /// Sets `simpo_gamma` (SimPO) and `cpo_alpha` (SimPO, CPO) where given.
+    pub fn with_trl_params(mut self, simpo_gamma: Option<f64>, cpo_alpha: Option<f64>) -> Self {
+        match &mut self {
+            Self::Simpo { gamma, alpha, .. } => {
+                *gamma = simpo_gamma.unwrap_or(*gamma);
+                *alpha = cpo_alpha.unwrap_or(*alpha);
+            }
+            Self::Cpo { alpha, .. } => *alpha = cpo_alpha.unwrap_or(*alpha),
+            _ => {}
+        }
+        self
+    }
+
+    /// The `loss.*` keys this loss takes (besides `_component_`).
+    pub fn params(self) -> &'static [&'static str] {
+        match self {
+            Self::Dpo { .. } => &["beta", "label_smoothing"],
+            Self::Rso { .. } => &["gamma"],
+            Self::Orpo { .. } | Self::Ipo { .. } => &["beta"],
+            Self::Simpo { .. } => &["beta", "simpo_gamma", "label_smoothing", "cpo_alpha"],
+            Self::Cpo { .. } => &["beta", "label_smoothing", "cpo_alpha"],
+        }
+    }
+
+    /// Whether the loss needs no reference model (ORPO, SimPO, CPO).
+    pub fn reference_free(self) -> bool {
+        matches!(
+            self,
+            Self::Orpo { .. } | Self::Simpo { .. } | Self::Cpo { .. }
+        )
+    }
+
+    /// Whether the loss reads each response's log probability averaged over its tokens (ORPO,
+    /// SimPO, IPO) rather than summed.
+    pub fn averaged(self) -> bool {
+        matches!(
+            self,
+            Self::Orpo { .. } | Self::Simpo { .. } | Self::Ipo { .. }
+        )
+    }
+
+    /// The cross-entropy term on the chosen rows, if the loss has one (with a nonzero weight).
+    pub fn nll_over(self) -> Option<NllOver> {
+        match self {
+            Self::Orpo { .. } => Some(NllOver::Sequence),
+            Self::Simpo { alpha, .. } | Self::Cpo { alpha, .. } if alpha != 0.0 => {
+                Some(NllOver::Response)
+            }
+            _ => None,
+        }
+    }
+
+    /// The factor of the logged rewards (`β · (π − ref)`, summed log probabilities also for IPO;
+    /// γ for RSO; `β · π` for the reference-free losses, averaged for ORPO and SimPO, summed for
+    /// CPO, as TRL logs them).
     pub fn reward_scale(self) -> f64 {
         match self {
-            Self::Dpo { beta, .. } => beta,
+            Self::Dpo { beta, .. }
+            | Self::Orpo { beta }
+            | Self::Simpo { beta, .. }
+            | Self::Cpo { beta, .. }
+            | Self::Ipo { beta } => beta,
             Self::Rso { gamma } => gamma,
         }
     }
@@ -301,42 +412,153 @@ fn softplus(x: &Tensor) -> Result<Tensor> {
     x.relu()? + tail
 }
 
-/// The preference loss *summed* over the pairs of a micro-batch. `policy` is `[2n]` (the chosen
-/// responses' summed log probabilities, then the rejected ones', as torchtune's concatenated
-/// batch), differentiable; `reference` the same from the frozen reference (constants).
+/// The preference loss *summed* over the pairs of a micro-batch, for the losses that read summed
+/// log probabilities and no cross-entropy (DPO, RSO, CPO without `cpo_alpha`). `policy` is `[2n]`
+/// (the chosen responses' summed log probabilities, then the rejected ones', as torchtune's
+/// concatenated batch), differentiable; `reference` the same from the frozen reference
+/// (constants). The general form is [`preference_terms`].
 pub fn preference_loss_sum(
     policy: &Tensor,
     reference: &[f32],
     loss: PreferenceLoss,
 ) -> Result<Tensor> {
+    let ones = vec![1.0; reference.len()];
+    Ok(preference_terms(policy, reference, &ones, None, loss)?.total)
+}
+
+/// A micro-batch's preference loss and what its metrics read.
+#[derive(Debug)]
+pub struct PreferenceTerms {
+    /// The loss summed over the pairs (the cross-entropy term, a mean over tokens, counted once
+    /// per pair), differentiable: divided by the pairs it is TRL's / torchtune's loss.
+    pub total: Tensor,
+    /// Per row (`[2n]`, chosen first), the log probability the rewards read (averaged over the
+    /// response's tokens for ORPO and SimPO, else summed).
+    pub logps: Vec<f32>,
+    /// Per row, the reference's log probability read the same way (zeros when reference-free).
+    pub reference: Vec<f32>,
+    /// The cross-entropy term's value (0 without one).
+    pub nll: f64,
+    /// ORPO: `Σ log σ(o)` over the pairs (TRL's `log_odds_ratio`, as a sum).
+    pub log_odds_ratio: f64,
+    /// ORPO: `Σ o` over the pairs (TRL's `log_odds_chosen`, as a sum).
+    pub log_odds_chosen: f64,
+}
+
+/// `log(1 − eˣ)` for `x < 0`, without cancellation (`log(−expm1(x))` near 0, `log1p(−eˣ)` below
+/// `−ln 2`).
+fn log1mexp(x: &Tensor) -> Result<Tensor> {
+    let near = x.ge(-std::f64::consts::LN_2)?;
+    let small = x.clamp(f32::MIN, -std::f64::consts::LN_2 as f32)?;
+    let far = (small.exp()?.neg()? + 1.0)?.log()?;
+    // −expm1(x) = 1 − eˣ; for x in [−ln 2, 0) it is accurate enough through its series start.
+    let big = x.clamp(-std::f64::consts::LN_2 as f32, -f32::MIN_POSITIVE)?;
+    let em1 = expm1(&big)?;
+    near.where_cond(&em1.neg()?.log()?, &far)
+}
+
+/// `eˣ − 1` for `|x| ≤ ln 2`: `2 tanh(x/2) / (1 − tanh(x/2))`, exact to rounding.
+fn expm1(x: &Tensor) -> Result<Tensor> {
+    let t = (x * 0.5)?.tanh()?;
+    (&t * 2.0)? / (t.neg()? + 1.0)?
+}
+
+/// The general preference loss of a micro-batch (see [`PreferenceLoss`]): `policy` `[2n]` summed
+/// log probabilities (differentiable), `reference` the reference's (ignored when
+/// reference-free), `lengths` each row's response tokens, `nll` the chosen rows' cross-entropy
+/// mean (differentiable) when [`PreferenceLoss::nll_over`] asks for one.
+pub fn preference_terms(
+    policy: &Tensor,
+    reference: &[f32],
+    lengths: &[f32],
+    nll: Option<Tensor>,
+    loss: PreferenceLoss,
+) -> Result<PreferenceTerms> {
     let rows = policy.dim(0)?;
-    if rows % 2 != 0 || reference.len() != rows {
+    if rows % 2 != 0 || reference.len() != rows || lengths.len() != rows {
         bail!(
-            "preference loss: {rows} policy and {} reference log probabilities; expected the \
-             same even number (chosen rows, then rejected rows)",
-            reference.len()
+            "preference loss: {rows} policy and {} reference log probabilities, {} lengths; \
+             expected the same even number (chosen rows, then rejected rows)",
+            reference.len(),
+            lengths.len()
         );
     }
     let n = rows / 2;
-    let policy = policy.to_dtype(DType::F32)?;
-    let margin = (policy.narrow(0, 0, n)? - policy.narrow(0, n, n)?)?;
+    let dev = policy.device().clone();
+    let mut policy = policy.to_dtype(DType::F32)?;
+    let mut reference: Vec<f32> = match loss.reference_free() {
+        true => vec![0.0; rows],
+        false => reference.to_vec(),
+    };
+    // IPO averages in its loss only: TRL logs its rewards on the summed log ratios.
+    let summed = match loss {
+        PreferenceLoss::Ipo { .. } => Some((policy.detach().to_vec1::<f32>()?, reference.clone())),
+        _ => None,
+    };
+    if loss.averaged() {
+        let lens: Vec<f32> = lengths.iter().map(|l| l.max(1.0)).collect();
+        policy = policy.div(&Tensor::from_vec(lens.clone(), rows, &dev)?)?;
+        reference.iter_mut().zip(&lens).for_each(|(r, l)| *r /= l);
+    }
+    let (chosen, rejected) = (policy.narrow(0, 0, n)?, policy.narrow(0, n, n)?);
     let ref_margin: Vec<f32> = (0..n).map(|i| reference[i] - reference[n + i]).collect();
-    let z = margin.broadcast_sub(&Tensor::from_vec(ref_margin, n, policy.device())?)?;
+    let z = (&chosen - &rejected)?.broadcast_sub(&Tensor::from_vec(ref_margin, n, &dev)?)?;
+    // −(1 − ε) log σ(x) − ε log σ(−x), with −log σ(x) = softplus(−x).
+    let sigmoid = |x: &Tensor, eps: f64| -> Result<Tensor> {
+        let pos = (softplus(&x.neg()?)? * (1.0 - eps))?;
+        match eps == 0.0 {
+            true => Ok(pos),
+            false => pos + (softplus(x)? * eps)?,
+        }
+    };
+    let (mut log_odds_ratio, mut log_odds_chosen) = (0.0, 0.0);
     let losses = match loss {
         PreferenceLoss::Dpo {
             beta,
             label_smoothing,
-        } => {
-            // −log σ(x) = softplus(−x).
-            let bz = (z * beta)?;
-            let chosen = (softplus(&bz.neg()?)? * (1.0 - label_smoothing))?;
-            if label_smoothing == 0.0 {
-                chosen
-            } else {
-                (chosen + (softplus(&bz)? * label_smoothing)?)?
-            }
-        }
+        } => sigmoid(&(z * beta)?, label_smoothing)?,
         PreferenceLoss::Rso { gamma } => ((z * -gamma)? + 1.0)?.relu()?,
+        PreferenceLoss::Orpo { beta } => {
+            let odds = (z - (log1mexp(&chosen)? - log1mexp(&rejected)?)?)?;
+            let ratio = softplus(&odds.neg()?)?.neg()?;
+            log_odds_ratio = ratio.sum_all()?.to_scalar::<f32>()? as f64;
+            log_odds_chosen = odds.sum_all()?.to_scalar::<f32>()? as f64;
+            (ratio * -beta)?
+        }
+        PreferenceLoss::Simpo {
+            beta,
+            gamma,
+            label_smoothing,
+            ..
+        } => sigmoid(&((z - gamma / beta)? * beta)?, label_smoothing)?,
+        PreferenceLoss::Cpo {
+            beta,
+            label_smoothing,
+            ..
+        } => sigmoid(&(z * beta)?, label_smoothing)?,
+        PreferenceLoss::Ipo { beta } => (z - 1.0 / (2.0 * beta))?.sqr()?,
     };
-    losses.sum_all()
+    let mut total = losses.sum_all()?;
+    let mut nll_value = 0.0;
+    if let Some(nll) = nll {
+        let weight = match loss {
+            PreferenceLoss::Simpo { alpha, .. } | PreferenceLoss::Cpo { alpha, .. } => alpha,
+            _ => 1.0,
+        };
+        let nll = nll.to_dtype(DType::F32)?;
+        nll_value = nll.to_scalar::<f32>()? as f64;
+        total = (total + (nll * (weight * n as f64))?)?;
+    }
+    let (logps, reference) = match summed {
+        Some(summed) => summed,
+        None => (policy.detach().to_vec1::<f32>()?, reference),
+    };
+    Ok(PreferenceTerms {
+        total,
+        logps,
+        reference,
+        nll: nll_value,
+        log_odds_ratio,
+        log_odds_chosen,
+    })
 }

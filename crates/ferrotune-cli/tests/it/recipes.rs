@@ -1436,6 +1436,124 @@ fn lora_dpo_step_matches_torchtunes_loss_metrics_and_gradients() {
     );
 }
 
+/// TRL's ORPO, SimPO, CPO (reference-free) and IPO losses in `lora_dpo_single_device`: one SGD
+/// step (lr 1) from the PEFT adapter on the DPO fixture pairs logs the loss and TRL's metrics
+/// (scripts/make_prefloss_fixtures.py, TRL 1.16.0's formulas) and saves `start − gradient`; the
+/// reference-free losses say they load no reference model. A parameter the loss does not take,
+/// and an unknown loss, are refused naming the key.
+#[test]
+fn lora_trl_preference_losses_step_as_trl() {
+    let dir = tmpdir("prefloss-sgd");
+    let data = fixtures().join("dpo/pairs.jsonl");
+    let cfg = write_config(&dir, "llama3", &data);
+    let adapter = fixtures().join("llama3/adapter");
+    let want: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("prefloss/golden.json")).unwrap(),
+    )
+    .unwrap();
+    let cases = [
+        ("orpo", "ORPOLoss", &["beta"][..], true),
+        (
+            "simpo",
+            "SimPOLoss",
+            &["beta", "simpo_gamma", "label_smoothing", "cpo_alpha"][..],
+            true,
+        ),
+        (
+            "cpo",
+            "CPOLoss",
+            &["beta", "label_smoothing", "cpo_alpha"][..],
+            true,
+        ),
+        ("ipo", "IPOLoss", &["beta"][..], false),
+    ];
+    for (name, component, params, reference_free) in cases {
+        let out_dir = dir.join(name);
+        let mut args = vec![
+            "run".to_string(),
+            "lora_dpo_single_device".into(),
+            "--config".into(),
+            cfg.display().to_string(),
+            format!("output_dir={}", out_dir.display()),
+            format!("checkpointer.adapter_checkpoint={}", adapter.display()),
+            format!("loss._component_=torchtune.rlhf.loss.{component}"),
+        ];
+        args.extend(params.iter().map(|p| format!("loss.{p}={}", want[name][p])));
+        args.extend(ONE_SGD_STEP.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = ferrotune(&args, &dir, &[]);
+        let log = text(&out);
+        assert!(out.status.success(), "{log}");
+        assert_eq!(log.contains("no reference model"), reference_free, "{log}");
+        let first = &metrics_lines(&out_dir.join("logs/metrics.jsonl"))[0];
+        let extra: &[&str] = match name {
+            "orpo" => &["nll_loss", "log_odds_ratio", "log_odds_chosen"],
+            "ipo" => &[],
+            _ => &["nll_loss"],
+        };
+        for key in ["loss"].iter().chain(extra) {
+            let (got, w) = (
+                first[key].as_f64().unwrap(),
+                want[name][key].as_f64().unwrap(),
+            );
+            // The log odds: a difference of f32 averaged log probabilities near -6.
+            let tol = if *key == "log_odds_chosen" {
+                2e-6
+            } else {
+                1e-5 * w.abs()
+            };
+            assert!((got - w).abs() < tol, "{name}: {key} {got} vs {w}");
+        }
+        for key in [
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "rewards/accuracies",
+        ] {
+            let (got, w) = (
+                first[key].as_f64().unwrap(),
+                want[name][key].as_f64().unwrap(),
+            );
+            assert!((got - w).abs() < 2e-5, "{name}: {key} {got} vs {w}");
+        }
+        assert_start_minus_gradient(
+            &out_dir.join("epoch_0/adapter_model.safetensors"),
+            &adapter.join("adapter_model.safetensors"),
+            &fixtures().join(format!("prefloss/{name}_grads.safetensors")),
+        );
+    }
+    let refused = |overrides: &[&str], needle: &str| {
+        let mut args = vec![
+            "run",
+            "lora_dpo_single_device",
+            "--config",
+            cfg.to_str().unwrap(),
+        ];
+        args.extend(overrides);
+        let out = ferrotune(&args, &dir, &[]);
+        assert!(!out.status.success(), "{overrides:?}");
+        assert!(text(&out).contains(needle), "{}", text(&out));
+    };
+    refused(
+        &[
+            "loss._component_=torchtune.rlhf.loss.ORPOLoss",
+            "loss.cpo_alpha=0.5",
+        ],
+        "loss.cpo_alpha is not a parameter of torchtune.rlhf.loss.ORPOLoss",
+    );
+    refused(
+        &[
+            "loss._component_=torchtune.rlhf.loss.IPOLoss",
+            "loss.label_smoothing=0.1",
+        ],
+        "loss.label_smoothing is not a parameter",
+    );
+    refused(
+        &["loss._component_=torchtune.rlhf.loss.FooLoss"],
+        "loss._component_ 'torchtune.rlhf.loss.FooLoss'",
+    );
+}
+
 /// A mixture-of-experts checkpoint whose config sets `output_router_logits` trains with the
 /// router's load-balancing loss, as transformers does: one full fine-tuning SGD step (lr 1) of
 /// Qwen3-MoE (one dense layer, one sparse) on the golden batch with a shorter second row logs

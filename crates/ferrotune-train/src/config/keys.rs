@@ -131,10 +131,12 @@ const SCHEDULER_KEYS: &[(&str, Ty)] = &[
 const LOSS_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
     ("num_output_chunks", Ty::Int),
-    // DPOLoss / RSOLoss (the DPO recipes).
+    // DPOLoss / RSOLoss / ORPOLoss / SimPOLoss / CPOLoss / IPOLoss (the DPO recipes).
     ("beta", Ty::Float),
     ("label_smoothing", Ty::Float),
     ("gamma", Ty::Float),
+    ("simpo_gamma", Ty::Float),
+    ("cpo_alpha", Ty::Float),
     // PPOLoss (ppo_full_finetune_single_device).
     ("epsilon", Ty::Float),
     ("value_clip_range", Ty::Float),

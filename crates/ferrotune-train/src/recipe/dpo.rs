@@ -30,7 +30,13 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
         false => run.adapters(cfg, &mut policy)?,
     };
     run.trainable(cfg, &trainable);
-    let reference = match full {
+    let loss = run.settings.preference_loss.expect("parsed for DPO");
+    // ORPO, SimPO and CPO have no reference: none is loaded, and LoRA runs no adapters-disabled
+    // pass.
+    if loss.reference_free() && run.session.lead() {
+        eprintln!("reference-free preference loss {loss:?}: no reference model");
+    }
+    let reference = match full && !loss.reference_free() {
         true => {
             let (session, base) = (&run.session, &run.base);
             let (dtype, device, lead) = (session.dtype, &session.device, session.lead());
@@ -38,7 +44,6 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
         }
         false => None,
     };
-    let loss = run.settings.preference_loss.expect("parsed for DPO");
     let trainer = run.plan(cfg, policy, trainable)?.start(cfg)?;
 
     // ---------------------------------------------------------------- training loop
@@ -47,7 +52,8 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     trainer.fit(cfg, &mut Dpo { reference, loss })
 }
 
-/// The frozen reference (none for LoRA: the policy with its adapters disabled) and the loss.
+/// The frozen reference (none for LoRA: the policy with its adapters disabled; none at all for a
+/// reference-free loss) and the loss.
 struct Dpo {
     reference: Option<CausalLm>,
     loss: PreferenceLoss,
@@ -55,8 +61,10 @@ struct Dpo {
 
 impl Hooks for Dpo {
     fn prepare(&mut self, batch: &mut MicroBatch, at: At<'_>) -> Result<()> {
-        let reference = self.reference.as_ref();
-        let reference_logps = reference_logps(reference, at.model, at.sharded, batch)?;
+        let reference_logps = match self.loss.reference_free() {
+            true => vec![0.0; batch.input_ids.dim(0)?],
+            false => reference_logps(self.reference.as_ref(), at.model, at.sharded, batch)?,
+        };
         batch.preference = Some(Preference {
             reference_logps,
             loss: self.loss,

@@ -224,8 +224,8 @@ pub fn infer(cfg: &Config) -> Result<&'static Recipe> {
                     bail!(
                         "{}: loss._component_ '{component}' is not supported \
                          (torch.nn.CrossEntropyLoss, torchtune.modules.loss.CEWithChunkedOutputLoss \
-                         or LinearCrossEntropyLoss; for the DPO recipes torchtune.rlhf.loss.DPOLoss \
-                         or RSOLoss)",
+                         or LinearCrossEntropyLoss; for the DPO recipes torchtune.rlhf.loss.DPOLoss, \
+                         RSOLoss, ORPOLoss, SimPOLoss, CPOLoss or IPOLoss)",
                         cfg.origin
                     );
                 }

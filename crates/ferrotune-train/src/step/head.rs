@@ -6,7 +6,7 @@ use candle_core::{DType, Result, Tensor, Var};
 use ferrotune_models::CausalLm;
 
 use crate::loss::{
-    causal_lm_head_loss, kd_rows_sum, preference_loss_sum, shifted_targets, IGNORE_INDEX,
+    causal_lm_head_loss, kd_rows_sum, preference_terms, shifted_targets, NllOver, IGNORE_INDEX,
 };
 
 use super::{
@@ -262,10 +262,45 @@ fn preference_head_loss(
     p: &Preference,
 ) -> Result<(Tensor, HeadParts)> {
     let logps = sequence_log_probs(hidden, model, &batch.labels)?;
-    let total = preference_loss_sum(&logps, &p.reference_logps, p.loss)?;
     let n = logps.dim(0)? / 2;
-    let values = logps.detach().to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    let reference = &p.reference_logps;
+    let labels: Vec<Vec<i64>> = batch.labels.to_vec2()?;
+    // Each row's response tokens (its labels after the first, as the loss shifts them).
+    let lengths: Vec<f32> = labels
+        .iter()
+        .map(|row| row.iter().skip(1).filter(|&&l| l != IGNORE_INDEX).count() as f32)
+        .collect();
+    let nll = match p.loss.nll_over() {
+        None => None,
+        // The mean over the chosen responses' tokens: their summed log probabilities, negated.
+        Some(NllOver::Response) => {
+            let tokens: f32 = lengths[..n].iter().sum();
+            Some((logps.narrow(0, 0, n)?.sum_all()?.neg()? / tokens.max(1.0) as f64)?)
+        }
+        // Every real token of the chosen rows (prompt included): rows are right-padded and end
+        // with their response, so a row's real tokens run to its last labelled one.
+        Some(NllOver::Sequence) => {
+            let ids: Vec<Vec<u32>> = batch.input_ids.narrow(0, 0, n)?.to_vec2()?;
+            let t = ids.first().map_or(0, Vec::len);
+            let mut full = Vec::with_capacity(n * t);
+            for (row, lab) in ids.iter().zip(&labels) {
+                let end = lab
+                    .iter()
+                    .rposition(|&l| l != IGNORE_INDEX)
+                    .map_or(0, |e| e + 1);
+                full.extend(row.iter().enumerate().map(|(j, &id)| {
+                    if j < end {
+                        id as i64
+                    } else {
+                        IGNORE_INDEX
+                    }
+                }));
+            }
+            let full = Tensor::from_vec(full, (n, t), hidden.device())?;
+            Some(causal_lm_head_loss(&hidden.narrow(0, 0, n)?, model, &full, true)?.mean()?)
+        }
+    };
+    let terms = preference_terms(&logps, &p.reference_logps, &lengths, nll, p.loss)?;
+    let (values, reference) = (&terms.logps, &terms.reference);
     let scale = p.loss.reward_scale();
     let mut stats = PairStats::default();
     for i in 0..n {
@@ -278,9 +313,12 @@ fn preference_head_loss(
         stats.chosen_logps += values[i] as f64;
         stats.rejected_logps += values[n + i] as f64;
     }
+    stats.nll = terms.nll * n as f64;
+    stats.log_odds_ratio = terms.log_odds_ratio;
+    stats.log_odds_chosen = terms.log_odds_chosen;
     stats.chosen_logits = mean_logit(model, hidden, 0, n)? * n as f64;
     stats.rejected_logits = mean_logit(model, hidden, n, n)? * n as f64;
-    Ok((total, HeadParts::Pairs(stats)))
+    Ok((terms.total, HeadParts::Pairs(stats)))
 }
 
 /// The values of [`head_loss`]'s tensors (read after the backward is queued).

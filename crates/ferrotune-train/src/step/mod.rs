@@ -139,6 +139,12 @@ pub struct PairStats {
     pub rejected_logps: f64,
     pub chosen_logits: f64,
     pub rejected_logits: f64,
+    /// The cross-entropy term of ORPO, CPO and SimPO (each micro-batch's mean, weighted by its
+    /// pairs).
+    pub nll: f64,
+    /// ORPO's `log σ(odds ratio)` and log odds ratio, summed over the pairs.
+    pub log_odds_ratio: f64,
+    pub log_odds_chosen: f64,
 }
 
 impl PairStats {
@@ -152,6 +158,9 @@ impl PairStats {
             self.rejected_logps,
             self.chosen_logits,
             self.rejected_logits,
+            self.nll,
+            self.log_odds_ratio,
+            self.log_odds_chosen,
         ]
     }
 
@@ -165,6 +174,9 @@ impl PairStats {
             rejected_logps: v[4],
             chosen_logits: v[5],
             rejected_logits: v[6],
+            nll: v[7],
+            log_odds_ratio: v[8],
+            log_odds_chosen: v[9],
         }
     }
 
@@ -184,6 +196,24 @@ impl PairStats {
             ("logits/chosen", self.chosen_logits / n),
             ("logits/rejected", self.rejected_logits / n),
         ]
+    }
+
+    /// The metrics TRL logs for `loss` beyond [`PairStats::metrics`]: `nll_loss` (ORPO, CPO,
+    /// SimPO), ORPO's `log_odds_ratio` and `log_odds_chosen`.
+    pub fn method_metrics(&self, pairs: usize, loss: PreferenceLoss) -> Vec<(&'static str, f64)> {
+        let n = pairs.max(1) as f64;
+        let mut out = Vec::new();
+        if matches!(
+            loss,
+            PreferenceLoss::Orpo { .. } | PreferenceLoss::Cpo { .. } | PreferenceLoss::Simpo { .. }
+        ) {
+            out.push(("nll_loss", self.nll / n));
+        }
+        if matches!(loss, PreferenceLoss::Orpo { .. }) {
+            out.push(("log_odds_ratio", self.log_odds_ratio / n));
+            out.push(("log_odds_chosen", self.log_odds_chosen / n));
+        }
+        out
     }
 }
 

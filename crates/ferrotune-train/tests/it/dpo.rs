@@ -18,7 +18,7 @@ use common::{json, rel_l2};
 
 use ferrotune_testing::fixtures;
 
-fn pairs() -> Vec<PreferencePair> {
+pub(crate) fn pairs() -> Vec<PreferencePair> {
     let text = std::fs::read_to_string(fixtures().join("dpo/pairs.jsonl")).unwrap();
     text.lines()
         .map(|line| {

@@ -15,6 +15,7 @@ mod metrics;
 mod optim;
 mod packing;
 mod ppo;
+mod prefloss;
 mod qat;
 mod schedule;
 mod step;

@@ -665,7 +665,7 @@ pub fn check_loss(cfg: &Config) -> Result<()> {
     let name = c.rsplit('.').next().unwrap_or("");
     match name {
         "CrossEntropyLoss" | "CEWithChunkedOutputLoss" | "LinearCrossEntropyLoss" => Ok(()),
-        "DPOLoss" | "RSOLoss" => bail!(
+        "DPOLoss" | "RSOLoss" | "ORPOLoss" | "SimPOLoss" | "CPOLoss" | "IPOLoss" => bail!(
             "{}: loss._component_ '{c}' is a preference loss: it trains with the DPO recipes \
              (lora_dpo_single_device, lora_dpo_distributed, full_dpo_distributed)",
             cfg.origin
@@ -679,13 +679,15 @@ pub fn check_loss(cfg: &Config) -> Result<()> {
 }
 
 /// The DPO recipes' `loss` section: `torchtune.rlhf.loss.DPOLoss` (the default; `beta`,
-/// `label_smoothing`) or `RSOLoss` (`gamma`).
+/// `label_smoothing`), `RSOLoss` (`gamma`), or TRL's `ORPOLoss` (`beta`), `SimPOLoss` (`beta`,
+/// `simpo_gamma`, `label_smoothing`, `cpo_alpha`), `CPOLoss` (`beta`, `label_smoothing`,
+/// `cpo_alpha`), `IPOLoss` (`beta`). A key the chosen loss does not take is an error.
 pub fn preference_loss(cfg: &Config) -> Result<crate::loss::PreferenceLoss> {
     let component = cfg
         .str("loss._component_")?
         .unwrap_or_else(|| "torchtune.rlhf.loss.DPOLoss".into());
     let smoothing = cfg.fraction("loss.label_smoothing")?;
-    crate::loss::PreferenceLoss::from_component(
+    let loss = crate::loss::PreferenceLoss::from_component(
         &component,
         cfg.f64("loss.beta")?,
         smoothing,
@@ -694,10 +696,39 @@ pub fn preference_loss(cfg: &Config) -> Result<crate::loss::PreferenceLoss> {
     .ok_or_else(|| {
         anyhow!(
             "{}: loss._component_ '{component}' is not a preference loss the DPO recipes \
-             support (torchtune.rlhf.loss.DPOLoss or RSOLoss)",
+             support (torchtune.rlhf.loss.DPOLoss, RSOLoss, ORPOLoss, SimPOLoss, CPOLoss or \
+             IPOLoss)",
             cfg.origin
         )
-    })
+    })?;
+    for key in [
+        "beta",
+        "label_smoothing",
+        "gamma",
+        "simpo_gamma",
+        "cpo_alpha",
+    ] {
+        if cfg.get(&format!("loss.{key}")).is_some() && !loss.params().contains(&key) {
+            bail!(
+                "{}: loss.{key} is not a parameter of {component} (it takes {})",
+                cfg.origin,
+                loss.params().join(", ")
+            );
+        }
+    }
+    // SimPO and IPO divide by β.
+    let divides = matches!(
+        loss,
+        crate::loss::PreferenceLoss::Simpo { .. } | crate::loss::PreferenceLoss::Ipo { .. }
+    );
+    if divides
+        && cfg
+            .f64("loss.beta")?
+            .is_some_and(|b| b <= 0.0 || b.is_nan())
+    {
+        bail!("{}: loss.beta must be positive for {component}", cfg.origin);
+    }
+    Ok(loss.with_trl_params(cfg.f64("loss.simpo_gamma")?, cfg.f64("loss.cpo_alpha")?))
 }
 
 /// The QAT recipes' `quantizer` section: torchtune's `Int8DynActInt4WeightQATQuantizer` (or its

@@ -466,6 +466,10 @@ impl Trainer {
                     if mode.preference() {
                         // torchtune's DPO metrics, as means over the step's pairs (every rank's).
                         metrics.extend(losses.pairs.metrics(targets));
+                        if let Some(loss) = settings.preference_loss {
+                            // TRL's own metrics of ORPO, CPO and SimPO.
+                            metrics.extend(losses.pairs.method_metrics(targets, loss));
+                        }
                     }
                     if plan.aux_coef.is_some() {
                         // transformers' `aux_loss`: the micro-batches' mean (every rank's).
