@@ -507,6 +507,69 @@ fn dpo_on_two_ranks_equals_one_device() {
     }
 }
 
+/// TRL's IPO and (reference-free) SimPO losses on 2 ranks equal one device at the same global
+/// batch, LoRA and full; with SimPO no reference model is loaded on any rank. (Both are sums over
+/// pairs; ORPO's and CPO's cross-entropy term is a mean over each micro-batch's tokens, as in
+/// TRL, so they equal one device only at equal micro-batches.)
+#[test]
+fn trl_preference_losses_on_two_ranks_equal_one_device() {
+    let case = Case::new("prefloss", "llama3");
+    let data = case.dir.join("pairs.jsonl");
+    write_pairs(&data, 509);
+    let data = format!("dataset.data_files={}", data.display());
+    for (loss, reference_free) in [
+        ("torchtune.rlhf.loss.IPOLoss", false),
+        ("torchtune.rlhf.loss.SimPOLoss", true),
+    ] {
+        let component = format!("loss._component_={loss}");
+        let overrides = [data.as_str(), component.as_str(), "loss.beta=0.5"];
+        for (single_recipe, recipe, weights) in [
+            (
+                "lora_dpo_single_device",
+                "lora_dpo_distributed",
+                "adapter_model.safetensors",
+            ),
+            (
+                "full_dpo_distributed",
+                "full_dpo_distributed",
+                "model.safetensors",
+            ),
+        ] {
+            let name = format!("{recipe} {loss}");
+            let tag = if reference_free { "simpo" } else { "ipo" };
+            let single = case.dir.join(format!("single-{recipe}-{tag}"));
+            let mut args = vec!["batch_size=4"];
+            args.extend(overrides);
+            let o = case.run(1, single_recipe, &single, &args, &[]);
+            assert!(o.status.success(), "{}", text(&o));
+            assert_eq!(text(&o).contains("no reference model"), reference_free);
+            let want = losses(&single.join("logs/metrics.jsonl"));
+            let out = case.dir.join(format!("dist-{recipe}-{tag}"));
+            let o = case.run(2, recipe, &out, &overrides, &[]);
+            assert!(o.status.success(), "{}", text(&o));
+            assert_eq!(text(&o).contains("no reference model"), reference_free);
+            assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, &name);
+            let (got, want) = (
+                &metrics_lines(&out.join("logs/metrics.jsonl"))[3],
+                &metrics_lines(&single.join("logs/metrics.jsonl"))[3],
+            );
+            for key in ["rewards/chosen", "rewards/margins", "log_probs/rejected"] {
+                let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+                assert!(
+                    (g - w).abs() <= 1e-4 * w.abs().max(1e-2),
+                    "{name}: {key} {g} vs {w}"
+                );
+            }
+            assert_same_tensors(
+                &out.join("epoch_1").join(weights),
+                &single.join("epoch_1").join(weights),
+                1e-4,
+                &name,
+            );
+        }
+    }
+}
+
 /// A mixture-of-experts model trained with the router's load-balancing loss
 /// (`output_router_logits`) on 2 sharded ranks equals one device whose micro-batches hold the
 /// rows each rank's do (the auxiliary loss is not additive over rows, so micro-batches must
