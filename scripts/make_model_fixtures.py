@@ -56,6 +56,7 @@ from transformers import (
     MixtralConfig,
     Olmo2Config,
     Phi3Config,
+    Qwen3_5TextConfig,
     PhiConfig,
     PhimoeConfig,
     Qwen2MoeConfig,
@@ -896,6 +897,27 @@ def cfg_deepseek_v2():
     ))
 
 
+def cfg_qwen3_5():
+    # Qwen3.5 (dense text model): 4 layers, every 4th full attention (default interval): layers 0-2 Gated
+    # DeltaNet (2 key heads of 8, 4 value heads of 16: each key head serves 2 value heads; conv kernel 4), layer 3
+    # gated full attention (q_proj gives query + output gate per head, q/k norms, GQA 4/2, head_dim 16, partial
+    # rotary 0.25 by default); zero-centred norms; untied.
+    return Qwen3_5TextConfig(**common(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        tie_word_embeddings=False,
+    ))
+
+
 CASES = {
     "llama2": dict(cfg=cfg_llama2, seed=101, style="v5",
                    notes="MHA, rope default theta 1e4, untied lm_head, pad_token_id null"),
@@ -1027,6 +1049,11 @@ CASES = {
                           "logits), fused interleaved experts.gate_up_proj [E, hidden, 2 I] + biases, clamped SwiGLU "
                           "(limit 2.0, alpha 1.702, (up + 1) * glu), default YaRN rope (factor 32, original 4096, "
                           "truncate false, theta 1.5e5), head_dim 16, GQA 4/2, untied"),
+    "qwen3_5": dict(cfg=cfg_qwen3_5, seed=142, style="v5", grads=True,
+                    notes="Qwen3.5 text (qwen3_5_text, dense): layers 0-2 Gated DeltaNet (conv1d kernel 4, "
+                          "2 key heads x 8 / 4 value heads x 16, A_log, dt_bias, gated RMSNorm), layer 3 gated "
+                          "full attention (q_proj 2 x heads x head_dim, q/k norms, partial rotary 0.25, GQA 4/2, "
+                          "head_dim 16); zero-centred RMSNorms; untied"),
     "llama2_bin": dict(weights_from="llama2", style="v5", pickle="hf", same_golden_as="llama2",
                        notes="llama2 saved as PyTorch pickles: pytorch_model-0000{1,2}-of-00002.bin + "
                              "pytorch_model.bin.index.json (no safetensors); golden identical to llama2"),
@@ -1111,7 +1138,13 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
     for name, p in model.named_parameters():  # tied lm_head is listed once (as embed_tokens)
         shape = tuple(p.shape)
         r = torch.randn(shape, generator=g, dtype=torch.float32)
-        if "norm" in name and name.endswith(".bias"):
+        if name.endswith("linear_attn.norm.weight"):
+            p.copy_(1.0 + NORM_PERTURB * r)  # Qwen3.5's gated norm multiplies by w (init 1)
+        elif name.endswith("linear_attn.conv1d.weight"):
+            p.copy_(0.5 * r)  # depthwise kernel [channels, 1, kernel]
+        elif name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+            p.copy_(0.5 * r)
+        elif "norm" in name and name.endswith(".bias"):
             p.copy_(0.1 * r)  # LayerNorm bias (Phi-2)
         elif "norm" in name:
             # Gemma's RMSNorm multiplies by (1 + w) with w initialised to 0; the others by w (init 1).
@@ -1137,7 +1170,7 @@ def init_weights(model, seed: int, gemma_norm: bool, embed_std: float | None = N
             # Llama 4 and gpt-oss hold their experts as [experts, in, out]: fan-in is the middle dim
             gain = OUT_GAIN if name.endswith("down_proj") else IN_GAIN
             p.copy_(gain * r / shape[1] ** 0.5)
-        elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj", "out_proj.weight")):
             # transformers 5 holds MoE experts as 3D [experts, out, in] parameters: fan-in is the last dim
             p.copy_(OUT_GAIN * r / shape[-1] ** 0.5)
         else:
@@ -1168,7 +1201,7 @@ def build_model(case: str):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Gemma 4's norms multiply by the weight itself (init 1), the earlier Gemmas' by 1 + weight.
     gemma_norm = (config.model_type.startswith("gemma") and config.model_type != "gemma4_text") \
-        or config.model_type == "vaultgemma"
+        or config.model_type in ("vaultgemma", "qwen3_5_text")
     init_weights(model, src_spec["seed"], gemma_norm=gemma_norm, embed_std=src_spec.get("embed_std"))
     init_buffers(model, src_spec["seed"])
     model.eval()

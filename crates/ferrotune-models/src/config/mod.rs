@@ -46,6 +46,30 @@ pub struct MoeConfig {
     pub sparse_mixer: Option<SparseMixer>,
 }
 
+/// The Gated DeltaNet's shapes and which layers have one (Qwen3.5, Qwen3-Next).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeltaNetConfig {
+    /// Per layer: linear attention (a Gated DeltaNet) instead of self-attention.
+    pub layers: Vec<bool>,
+    /// `linear_num_key_heads`.
+    pub key_heads: usize,
+    /// `linear_num_value_heads`.
+    pub value_heads: usize,
+    /// `linear_key_head_dim`.
+    pub key_head_dim: usize,
+    /// `linear_value_head_dim`.
+    pub value_head_dim: usize,
+    /// `linear_conv_kernel_dim`.
+    pub conv_kernel: usize,
+}
+
+impl DeltaNetConfig {
+    /// The width of the convolved projection: queries, keys, values.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+    }
+}
+
 /// Multi-head latent attention's shapes (DeepSeek-V2/V3, transformers' `DeepseekV3Attention`):
 /// queries from `q_proj` or the low-rank `q_a_proj` → `q_a_layernorm` → `q_b_proj`; keys and
 /// values from one compressed latent (`kv_a_proj_with_mqa` → `kv_a_layernorm` → `kv_b_proj`) plus a
@@ -398,6 +422,13 @@ pub struct ModelConfig {
     /// (`num_nextn_predict_layers`, DeepSeek-V3's `model.layers.{num_hidden_layers}.*`): skipped
     /// on load, as transformers does.
     pub mtp_layers: usize,
+    /// Qwen3.5 / Qwen3-Next: the Gated DeltaNet (linear attention) of the layers that have one
+    /// instead of self-attention; `None` for other models.
+    pub delta_net: Option<DeltaNetConfig>,
+    /// Qwen3.5 / Qwen3-Next: `q_proj` gives each head's query and an output gate side by side
+    /// (`[.., heads, 2 · head_dim]`), the attention's output multiplied by `sigmoid(gate)`
+    /// before `o_proj`.
+    pub attn_output_gate: bool,
     /// The original config.json object, written back unchanged (but for dtype) when we save models;
     /// for a multimodal checkpoint, its text model's config.
     pub raw: Value,

@@ -2,7 +2,7 @@
 //! that lists them.
 //!
 //! A family file ([`llama`], [`mistral`], [`qwen`], [`gemma`], [`phi`], [`smollm3`], [`llama4`],
-//! [`olmo2`], [`deepseek`], [`gpt_oss`])
+//! [`olmo2`], [`deepseek`], [`gpt_oss`], [`qwen3_5`])
 //! holds one [`Family`] value: the transformers `model_type`s it reads and their causal-LM
 //! classes, the multimodal checkpoints it runs as their text model, the config-class defaults of
 //! keys a `config.json` may leave out, its llama.cpp architectures ([`GgufArch`], read by the GGUF
@@ -25,6 +25,7 @@ pub mod mistral;
 pub mod olmo2;
 pub mod phi;
 pub mod qwen;
+pub mod qwen3_5;
 pub mod read;
 pub mod smollm3;
 
@@ -68,6 +69,7 @@ pub static FAMILIES: &[&Family] = &[
     &olmo2::FAMILY,
     &deepseek::FAMILY,
     &gpt_oss::FAMILY,
+    &qwen3_5::FAMILY,
 ];
 
 /// One model family: everything about its architecture that is not the decoder's math.

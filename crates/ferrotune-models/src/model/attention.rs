@@ -135,9 +135,17 @@ impl CausalLm {
                 (q_proj.forward(x)?, Some((k.clone(), k)))
             }
             QkvProjection::QueryOnly { q_proj } => (q_proj.forward(x)?, None),
-            QkvProjection::Latent(_) => {
-                candle_core::bail!("latent attention has its own forward (returned above)")
+            QkvProjection::Latent(_) | QkvProjection::DeltaNet(_) => {
+                candle_core::bail!("latent attention and the Gated DeltaNet have their own forward")
             }
+        };
+        // Qwen3.5: each head's query and output gate side by side in `q_proj`'s output.
+        let (q, gate) = if c.attn_output_gate {
+            let both = q.reshape((b, t, nh, 2 * hd))?;
+            let gate = both.narrow(D::Minus1, hd, hd)?.reshape((b, t, nh * hd))?;
+            (both.narrow(D::Minus1, 0, hd)?.contiguous()?, Some(gate))
+        } else {
+            (q, None)
         };
         // The q/k norm: over the whole projection before it is split into heads (OLMo 2), or
         // over each head after.
@@ -224,6 +232,10 @@ impl CausalLm {
             None => fused::attention_softcapped(&q, &k, &v, mask, scale, softcap)?,
         }; // [b, nh, t, hd]
         let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let out = match gate {
+            Some(gate) => (out * super::gpt_oss::sigmoid(&gate)?)?,
+            None => out,
+        };
         Ok((attn.o_proj.forward(&out)?, (k, v)))
     }
 

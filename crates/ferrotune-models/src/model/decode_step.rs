@@ -323,6 +323,9 @@ impl CausalLm {
                 QkvProjection::Latent(_) => {
                     candle_core::bail!("multi-head latent attention has no decode kernels")
                 }
+                QkvProjection::DeltaNet(_) => {
+                    candle_core::bail!("the Gated DeltaNet has no decode kernels")
+                }
             };
             let norm = match (&attn.q_norm, &attn.k_norm) {
                 (Some(q), Some(k)) => Some(QkNorm {

@@ -132,7 +132,7 @@ impl GptOssMoe {
 }
 
 /// `1 / (1 + e^−x)` from differentiable ops.
-fn sigmoid(x: &Tensor) -> CResult<Tensor> {
+pub(super) fn sigmoid(x: &Tensor) -> CResult<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()
 }
 

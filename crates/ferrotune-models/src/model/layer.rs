@@ -8,7 +8,7 @@ use candle_core::{Result as CResult, Tensor};
 
 use super::{
     embedding_rows, mlp_linears, mlp_linears_mut, AcrossLayers, Attention, CausalLm, FeedForward,
-    LayerInputs, Linear, ParallelMoe, QueryScale,
+    LayerInputs, Linear, ParallelMoe, QkvProjection, QueryScale,
 };
 
 /// One decoder layer (residual blocks, pre-norm but for OLMo 2's).
@@ -349,15 +349,24 @@ impl CausalLm {
             })?),
             None => None,
         };
-        let (h, kv) = self.attention(
-            &layer.self_attn,
-            &normed,
-            rope,
-            q_scale,
-            mask,
-            cache,
-            shared,
-        )?;
+        let (h, kv) = match &layer.self_attn.qkv {
+            QkvProjection::DeltaNet(net) => {
+                let valid = inputs.token_valid.as_ref();
+                let h = self.gated_delta_net(net, &normed, valid, inputs.packed, cache)?;
+                let h = layer.self_attn.o_proj.forward(&h)?;
+                // A linear-attention layer has no keys or values to share.
+                (h.clone(), (h.clone(), h))
+            }
+            _ => self.attention(
+                &layer.self_attn,
+                &normed,
+                rope,
+                q_scale,
+                mask,
+                cache,
+                shared,
+            )?,
+        };
         if self.kv_is_shared(index) {
             across.kv.insert(index, kv);
         }

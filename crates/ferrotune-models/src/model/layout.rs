@@ -120,6 +120,11 @@ pub struct LayerInputs {
     full_mask: Option<Tensor>,
     /// The masks of layers with a sliding window or an attention chunk, by `(window, chunk)`.
     limited_masks: Vec<(MaskLimits, Option<Tensor>)>,
+    /// Gated DeltaNet models: whether each slot (cached + new) is a real token (`[b, past + t,
+    /// 1]`, compute dtype), what zeroes padding before the linear attention.
+    pub(super) token_valid: Option<Tensor>,
+    /// The batch is packed (several samples per row).
+    pub(super) packed: bool,
 }
 
 /// What confines a layer's attention besides causality: `(sliding window, attention chunk)`.
@@ -147,6 +152,8 @@ impl LayerInputs {
                 .iter()
                 .map(|(w, m)| Ok((*w, opt(m)?)))
                 .collect::<CResult<_>>()?,
+            token_valid: opt(&self.token_valid)?,
+            packed: self.packed,
         })
     }
 
@@ -242,6 +249,11 @@ impl CausalLm {
             nope_q_scale,
             full_mask,
             limited_masks,
+            token_valid: match self.config.delta_net {
+                Some(_) => Some(super::delta_net::token_valid(layout, self.dtype, device)?),
+                None => None,
+            },
+            packed: layout.segments.is_some(),
         })
     }
 }

@@ -10,6 +10,7 @@ use ferrotune_core::nf4::Nf4Matrix;
 use ferrotune_core::quant::QuantizedMatrix;
 use ferrotune_core::{fused, ops};
 
+use super::delta_net::GatedDeltaNet;
 use super::lora::LoraAdapter;
 use super::mla::LatentProjection;
 use super::{BaseWeight, CausalLm};
@@ -211,6 +212,11 @@ pub enum QkvProjection {
     ///
     /// [`ModelConfig::mla`]: crate::config::ModelConfig::mla
     Latent(Box<LatentProjection>),
+    /// Qwen3.5's and Qwen3-Next's linear attention ([`ModelConfig::delta_net`]); its output
+    /// projection is the attention's `o_proj` slot (`linear_attn.out_proj`).
+    ///
+    /// [`ModelConfig::delta_net`]: crate::config::ModelConfig::delta_net
+    DeltaNet(Box<GatedDeltaNet>),
 }
 
 /// The MLP's input projections: gate and up separate, Phi-3's fused `gate_up_proj`, or Phi-2's
@@ -247,6 +253,7 @@ macro_rules! qkv_linears {
             QkvProjection::KeyIsValue { q_proj, k_proj } => vec![q_proj, k_proj],
             QkvProjection::QueryOnly { q_proj } => vec![q_proj],
             QkvProjection::Latent(latent) => latent.$linears(),
+            QkvProjection::DeltaNet(net) => net.$linears(),
         }
     };
 }
@@ -262,6 +269,7 @@ impl QkvProjection {
             QkvProjection::KeyIsValue { .. } => &["self_attn.q_proj", "self_attn.k_proj"],
             QkvProjection::QueryOnly { .. } => &["self_attn.q_proj"],
             QkvProjection::Latent(latent) => latent.names(),
+            QkvProjection::DeltaNet(net) => net.names(),
         }
     }
 
@@ -278,6 +286,7 @@ impl QkvProjection {
     pub(super) fn norms(&self) -> Vec<(&'static str, &Tensor)> {
         match self {
             QkvProjection::Latent(latent) => latent.norms(),
+            QkvProjection::DeltaNet(net) => net.norms(),
             _ => Vec::new(),
         }
     }
@@ -286,6 +295,7 @@ impl QkvProjection {
     pub(super) fn parts_mut(&mut self) -> (Vec<&mut Linear>, Vec<(&'static str, &mut Tensor)>) {
         match self {
             QkvProjection::Latent(latent) => latent.parts_mut(),
+            QkvProjection::DeltaNet(net) => net.parts_mut(),
             other => (other.linears_mut(), Vec::new()),
         }
     }

@@ -420,7 +420,19 @@ impl CausalLm {
             let inter = gemma4.map_or(inter, |g| g.intermediate_sizes[i]);
             let kv_source = gemma4.and_then(|g| g.kv_source[i]);
             let key_is_value = gemma4.is_some_and(|g| g.key_is_value[i]);
-            let qkv = if let Some(m) = &c.mla {
+            let linear_attn = c
+                .delta_net
+                .as_ref()
+                .filter(|d| d.layers.get(i).copied().unwrap_or(false));
+            // Qwen3.5: `q_proj` gives each head's query and output gate.
+            let q_width = if c.attn_output_gate {
+                2 * nh * hd
+            } else {
+                nh * hd
+            };
+            let qkv = if let Some(d) = linear_attn {
+                QkvProjection::DeltaNet(Box::new(take.gated_delta_net(&p, d, h)?))
+            } else if let Some(m) = &c.mla {
                 QkvProjection::Latent(Box::new(take.latent_projection(&p, m, nh, h)?))
             } else if kv_source.is_some() {
                 QkvProjection::QueryOnly {
@@ -441,12 +453,12 @@ impl CausalLm {
                 }
             } else {
                 QkvProjection::Separate {
-                    q_proj: take.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h)?,
+                    q_proj: take.linear(&format!("{p}.self_attn.q_proj"), q_width, h)?,
                     k_proj: take.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h)?,
                     v_proj: take.linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h)?,
                 }
             };
-            let (q_norm, k_norm) = if c.qk_norm {
+            let (q_norm, k_norm) = if c.qk_norm && linear_attn.is_none() {
                 // Per head, or over the whole projection (OLMo 2).
                 let (q_width, k_width) = match c.qk_norm_span {
                     QkNormSpan::Head => (hd, hd),
@@ -516,7 +528,9 @@ impl CausalLm {
                     })
                 }
             };
-            let o_proj_name = if c.parallel_block {
+            let o_proj_name = if linear_attn.is_some() {
+                super::delta_net::OUT_PROJ
+            } else if c.parallel_block {
                 "self_attn.dense"
             } else {
                 "self_attn.o_proj"
@@ -554,7 +568,10 @@ impl CausalLm {
                     o_proj: take.linear(
                         &format!("{p}.{o_proj_name}"),
                         h,
-                        nh * c.mla.as_ref().map_or(hd, |m| m.v_head_dim),
+                        match linear_attn {
+                            Some(d) => d.value_heads * d.value_head_dim,
+                            None => nh * c.mla.as_ref().map_or(hd, |m| m.v_head_dim),
+                        },
                     )?,
                     o_proj_name,
                     q_norm,

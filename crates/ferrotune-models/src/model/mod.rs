@@ -15,6 +15,7 @@
 //! - `moe`: [`Moe`], [`ParallelMoe`], routing, [`RouterRecord`]; `moe_grouped`: DeepSeek's
 //!   group-limited routing ([`GroupedRouter`]);
 //! - `mla`: DeepSeek's multi-head latent attention ([`LatentProjection`]) and its latent cache;
+//! - `delta_net`: Qwen3.5's and Qwen3-Next's Gated DeltaNet ([`GatedDeltaNet`]);
 //! - `gpt_oss`: gpt-oss's attention sinks and [`GptOssMoe`];
 //! - `layer`: [`DecoderLayer`], [`LayerPartsMut`], Gemma 4's per-layer embeddings, the layer
 //!   forward;
@@ -36,6 +37,7 @@ use crate::rope::RotaryEmbedding;
 mod attention;
 mod cache;
 mod decode_step;
+mod delta_net;
 mod gpt_oss;
 mod layer;
 mod layout;
@@ -52,6 +54,7 @@ pub use attention::Attention;
 use attention::QueryScale;
 pub(crate) use attention::{llama4_query_scale, nope_query_temperature};
 pub use cache::KvCache;
+pub use delta_net::GatedDeltaNet;
 pub use gpt_oss::{GptOssMoe, GPT_OSS_MOE_TENSORS};
 pub use layer::{
     DecoderLayer, LayerPartsMut, PerLayerEmbedding, PerLayerInputBlock, PER_LAYER_NORM,

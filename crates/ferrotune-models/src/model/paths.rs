@@ -128,6 +128,12 @@ impl CausalLm {
         if c.attention_sinks {
             return Some("attention sinks (gpt-oss) have no decode kernel".into());
         }
+        if c.delta_net.is_some() || c.attn_output_gate {
+            return Some(
+                "the Gated DeltaNet and gated attention (Qwen3.5, Qwen3-Next) have no decode kernels"
+                    .into(),
+            );
+        }
         if self.embed_tokens.track_op() {
             return Some("the embedding is being trained".into());
         }

@@ -26,9 +26,15 @@ fn fixture_models() -> Vec<PathBuf> {
 }
 
 /// Families the decode step refuses (Phi-2, mixtures of experts, gpt-oss's sinks and experts,
-/// Gemma 4, OLMo 2's layers without pre-norms): the forward decodes them.
+/// Gemma 4, OLMo 2's layers without pre-norms, Qwen3.5's Gated DeltaNet): the forward decodes
+/// them.
 fn decode_step_refuses(c: &ModelConfig) -> bool {
-    c.layer_norm || c.moe.is_some() || c.gpt_oss_moe.is_some() || c.gemma4.is_some() || !c.pre_norms
+    c.layer_norm
+        || c.moe.is_some()
+        || c.gpt_oss_moe.is_some()
+        || c.gemma4.is_some()
+        || !c.pre_norms
+        || c.delta_net.is_some()
 }
 
 /// A left-padded batch as generation builds it: ids `[batch, longest]` and its layout.
@@ -151,6 +157,8 @@ fn decode_step_equals_the_forward_for_every_family_on_a_padded_batch() {
                 "Gemma 4"
             } else if !c.pre_norms {
                 "OLMo 2"
+            } else if c.delta_net.is_some() {
+                "Gated DeltaNet"
             } else {
                 "mixture of experts"
             };

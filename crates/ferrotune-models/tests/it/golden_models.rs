@@ -174,6 +174,23 @@ fn olmo2_matches_transformers() {
     check_kv_cache(&dir);
 }
 
+/// Qwen3.5: Gated DeltaNet layers (0-2) and a gated full-attention layer (3) read as such,
+/// matching transformers; cached decoding (the linear layers recompute from their kept inputs)
+/// equals the full forward.
+#[test]
+fn qwen3_5_matches_transformers() {
+    let dir = fixtures().join("models/qwen3_5");
+    let model = load(&dir);
+    let c = &model.config;
+    let d = c.delta_net.as_ref().expect("a Gated DeltaNet config");
+    assert_eq!(d.layers, [true, true, true, false]);
+    assert!(c.attn_output_gate && c.norm_weight_offset_one);
+    assert_eq!(c.rope.partial_rotary_factor, 0.25);
+    let (err, loss_err) = check_logits(&dir);
+    eprintln!("qwen3_5: logits max abs error {err:e}, loss abs error {loss_err:e}");
+    check_kv_cache(&dir);
+}
+
 /// Relative L2 error of bf16 logits against the f32 golden of `dir`.
 fn bf16_relative_error(dir: &Path) -> f32 {
     let g = golden(dir);
@@ -223,6 +240,10 @@ fn every_family_runs_in_bf16() {
         let bound = match (moe, model_type.as_str()) {
             (true, _) => 0.2,
             (false, "gemma4_text" | "gemma4") => 0.08,
+            // The Gated DeltaNet's state and per-head gated norm carry bf16's rounding forward:
+            // transformers' own bf16 run of the qwen3_5 fixture lands 0.060 from its f32 golden
+            // (0.063 here).
+            (false, "qwen3_5_text") => 0.1,
             _ => 0.05,
         };
         assert!(

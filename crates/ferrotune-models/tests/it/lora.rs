@@ -1547,3 +1547,26 @@ fn absurd_lora_rank_is_refused_before_allocating() {
     let config = LoraConfig::new(80, 16.0, TargetModules::Names(names));
     assert_eq!(add_adapter(&mut model, &config, 1).unwrap(), 4);
 }
+
+/// Qwen3.5 (tests/fixtures/qwen3_5_lora, scripts/make_qwen3_5_lora_fixtures.py): a PEFT adapter
+/// on every linear module of the Gated DeltaNet (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
+/// out_proj), the gated full attention (q_proj with its gate half, k/v/o_proj) and the MLP: PEFT's
+/// logits, loss and every gradient to 1e-4 relative L2, merged weights to 1e-5.
+#[test]
+fn qwen3_5_adapter_matches_peft() {
+    let case = Case::made_with_base(fixtures().join("qwen3_5_lora").join("qwen3_5"));
+    let (mut model, config) = case.model_with_adapter();
+    let adapted = adapted_layers(&model);
+    let TargetModules::Names(modules) = &config.target_modules else {
+        panic!("PEFT saved its targets as names");
+    };
+    for module in modules {
+        assert!(
+            adapted.iter().any(|n| n.ends_with(&format!(".{module}"))),
+            "{module} not adapted: {adapted:?}"
+        );
+    }
+    case.assert_runs_as_peft(&mut model);
+    case.assert_merges_as_peft(&model);
+    case.check_forward_and_gradients();
+}

@@ -15,6 +15,7 @@ mod modules_to_save;
 mod multimodal_text;
 mod qlora;
 mod quantized;
+mod qwen3_5;
 mod structure;
 mod torch_save;
 mod torchtune_adapter;

@@ -158,6 +158,8 @@ impl ModelConfig {
             mla: None,
             grouped_routing: None,
             mtp_layers: 0,
+            delta_net: None,
+            attn_output_gate: false,
             attention_sinks: false,
             gpt_oss_moe: None,
             layer_norm: false,

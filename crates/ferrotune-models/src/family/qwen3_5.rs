@@ -1,0 +1,99 @@
+//! Qwen3.5 (`qwen3_5_text`, dense): layers of Gated DeltaNet linear attention
+//! ([`DeltaNetConfig`]) with every `full_attention_interval`-th layer (4) a gated full
+//! attention (`q_proj` giving each head's query and an output gate, per-head q/k norms, partial
+//! rotary embedding); zero-centred RMSNorms (`x̂ · (1 + w)`). Read as transformers 5.24's
+//! `Qwen3_5TextConfig` defines it. Not read yet: the multimodal `qwen3_5` checkpoints, the
+//! mixture-of-experts variants (`qwen3_5_moe_text`, `qwen3_5_moe`) and Qwen3-Next
+//! (`qwen3_next`): they are refused as unsupported model types. Packed batches are refused at
+//! the forward (the linear attention's state does not restart at sample starts yet).
+
+use super::prelude::*;
+use crate::config::hf::{get_usize, parse_rope, positive};
+use crate::config::{DeltaNetConfig, RopeConfig};
+
+/// The Qwen3.5 family.
+pub static FAMILY: Family = Family::new(
+    "Qwen3.5",
+    &[ModelType::new("qwen3_5_text", "Qwen3_5ForCausalLM")],
+    &Qwen35Rules,
+);
+
+/// Qwen3.5's reading of its configs.
+#[derive(Debug)]
+struct Qwen35Rules;
+
+impl HfConfig for Qwen35Rules {
+    /// No layer slides (Qwen's gated reading: only with `use_sliding_window`).
+    fn window_style(&self) -> WindowStyle {
+        WindowStyle::Gated
+    }
+
+    /// `partial_rotary_factor` defaults to 0.25 (transformers sets it before reading the rope
+    /// parameters); the text model's multimodal rope is plain RoPE on text alone.
+    fn rope(&self, hf: HfSource, max_pos: usize) -> HfResult<RopeConfig> {
+        let mut rope = parse_rope(hf.obj, max_pos, 10000.0, false)?;
+        let given = |o: &Map<String, Value>| o.contains_key("partial_rotary_factor");
+        let in_params = ["rope_parameters", "rope_scaling"]
+            .iter()
+            .any(|k| hf.obj.get(*k).and_then(Value::as_object).is_some_and(given));
+        if !given(hf.obj) && !in_params {
+            rope.partial_rotary_factor = 0.25;
+        }
+        Ok(rope)
+    }
+
+    fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
+        let obj = hf.obj;
+        c.qk_norm = true;
+        c.norm_weight_offset_one = true;
+        c.attn_output_gate = true;
+        let layers = c.num_hidden_layers;
+        let linear: Vec<bool> = match obj.get("layer_types") {
+            Some(Value::Array(types)) => {
+                if types.len() != layers {
+                    return Err(format!(
+                        "layer_types lists {} layers, num_hidden_layers is {layers}",
+                        types.len()
+                    ));
+                }
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("linear_attention") => Ok(true),
+                        Some("full_attention") => Ok(false),
+                        other => Err(format!(
+                            "layer_types: '{}' is neither 'linear_attention' nor \
+                             'full_attention'",
+                            other.unwrap_or("(not a string)")
+                        )),
+                    })
+                    .collect::<HfResult<_>>()?
+            }
+            Some(Value::Null) | None => {
+                let interval = positive(obj, "full_attention_interval", 4)?;
+                (0..layers).map(|i| (i + 1) % interval != 0).collect()
+            }
+            Some(_) => return Err("'layer_types' must be a list".into()),
+        };
+        let d = DeltaNetConfig {
+            layers: linear,
+            key_heads: positive(obj, "linear_num_key_heads", 16)?,
+            value_heads: positive(obj, "linear_num_value_heads", 32)?,
+            key_head_dim: positive(obj, "linear_key_head_dim", 128)?,
+            value_head_dim: positive(obj, "linear_value_head_dim", 128)?,
+            conv_kernel: positive(obj, "linear_conv_kernel_dim", 4)?,
+        };
+        if !d.value_heads.is_multiple_of(d.key_heads) {
+            return Err(format!(
+                "linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
+                d.value_heads, d.key_heads
+            ));
+        }
+        if get_usize(obj, "head_dim")?.is_none() {
+            // `Qwen3_5TextConfig`'s default head size, not hidden / heads.
+            c.head_dim = 256;
+        }
+        c.delta_net = Some(d);
+        Ok(())
+    }
+}

@@ -1,0 +1,299 @@
+//! The Gated DeltaNet (Qwen3.5's and Qwen3-Next's linear attention): [`GatedDeltaNet`], its
+//! loading and its forward, as transformers 5.24's `Qwen3_5GatedDeltaNet` computes it.
+//!
+//! `in_proj_qkv` gives queries, keys and values, which pass a causal depthwise convolution
+//! (`conv1d`, no bias) and SiLU; queries and keys are L2-normalized per head, the queries scaled
+//! by `head_k_dim^-½`, and each key head serves `v_heads / k_heads` consecutive value heads. The
+//! gated delta rule then runs over the positions with a state `[b, v_heads, head_k_dim,
+//! head_v_dim]`: `S ← S · exp(g)`, `S ← S + k (β (v − kᵀS))ᵀ`, output `qᵀS`, with `β =
+//! sigmoid(in_proj_b x)` and `g = −exp(A_log) · softplus(in_proj_a x + dt_bias)`. The output
+//! passes the gated RMSNorm `w · x̂ · silu(in_proj_z x)` of each value head and `out_proj`.
+//!
+//! The rule runs in its recurrent form with candle ops (exact, with their backward; slow on long
+//! sequences). With a KV cache the layer keeps its inputs, not its conv and recurrent states,
+//! and recomputes the whole sequence each step: equal to the full forward, quadratic in length.
+
+use candle_core::{DType, Device, Result as CResult, Tensor, D};
+
+use super::gpt_oss::sigmoid;
+use super::load::TensorTaker;
+use super::{AttentionLayout, CausalLm, Linear};
+use crate::config::DeltaNetConfig;
+use crate::error::ModelError;
+
+/// One layer's Gated DeltaNet but `out_proj` (the attention's `o_proj` slot).
+#[derive(Debug, Clone)]
+pub struct GatedDeltaNet {
+    /// `[2 · key_dim + value_dim, hidden]`.
+    pub in_proj_qkv: Linear,
+    /// The output norm's gate, `[value_dim, hidden]`.
+    pub in_proj_z: Linear,
+    /// β before its sigmoid, `[value_heads, hidden]`.
+    pub in_proj_b: Linear,
+    /// The decay's input, `[value_heads, hidden]`.
+    pub in_proj_a: Linear,
+    /// The depthwise convolution's weight, `[conv_dim, 1, kernel]`.
+    pub conv1d: Tensor,
+    /// `[value_heads]`.
+    pub dt_bias: Tensor,
+    /// `[value_heads]`.
+    pub a_log: Tensor,
+    /// The gated RMSNorm's weight, `[value_head_dim]`.
+    pub norm: Tensor,
+}
+
+const NAMES: [&str; 4] = [
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+];
+const CONV: &str = "linear_attn.conv1d.weight";
+const DT_BIAS: &str = "linear_attn.dt_bias";
+const A_LOG: &str = "linear_attn.A_log";
+const NORM: &str = "linear_attn.norm.weight";
+/// The output projection's module name inside the decoder layer.
+pub(super) const OUT_PROJ: &str = "linear_attn.out_proj";
+
+impl GatedDeltaNet {
+    /// The module names, in the order of [`GatedDeltaNet::linears`].
+    pub(super) fn names(&self) -> &'static [&'static str] {
+        &NAMES
+    }
+
+    pub(super) fn linears(&self) -> Vec<&Linear> {
+        vec![
+            &self.in_proj_qkv,
+            &self.in_proj_z,
+            &self.in_proj_b,
+            &self.in_proj_a,
+        ]
+    }
+
+    pub(super) fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        self.parts_mut().0
+    }
+
+    /// The other parameters by name inside the decoder layer.
+    pub(super) fn norms(&self) -> Vec<(&'static str, &Tensor)> {
+        vec![
+            (CONV, &self.conv1d),
+            (DT_BIAS, &self.dt_bias),
+            (A_LOG, &self.a_log),
+            (NORM, &self.norm),
+        ]
+    }
+
+    /// [`GatedDeltaNet::linears_mut`] and [`GatedDeltaNet::norms`], borrowed apart.
+    pub(super) fn parts_mut(&mut self) -> (Vec<&mut Linear>, Vec<(&'static str, &mut Tensor)>) {
+        let GatedDeltaNet {
+            in_proj_qkv,
+            in_proj_z,
+            in_proj_b,
+            in_proj_a,
+            conv1d,
+            dt_bias,
+            a_log,
+            norm,
+        } = self;
+        (
+            vec![in_proj_qkv, in_proj_z, in_proj_b, in_proj_a],
+            vec![
+                (CONV, conv1d),
+                (DT_BIAS, dt_bias),
+                (A_LOG, a_log),
+                (NORM, norm),
+            ],
+        )
+    }
+}
+
+impl TensorTaker<'_> {
+    /// The Gated DeltaNet of layer `p` (`model.layers.N`).
+    pub(super) fn gated_delta_net(
+        &mut self,
+        p: &str,
+        d: &DeltaNetConfig,
+        hidden: usize,
+    ) -> Result<GatedDeltaNet, ModelError> {
+        let value_dim = d.value_heads * d.value_head_dim;
+        let vh = d.value_heads;
+        Ok(GatedDeltaNet {
+            in_proj_qkv: self.linear(&format!("{p}.{}", NAMES[0]), d.conv_dim(), hidden)?,
+            in_proj_z: self.linear(&format!("{p}.{}", NAMES[1]), value_dim, hidden)?,
+            in_proj_b: self.linear(&format!("{p}.{}", NAMES[2]), vh, hidden)?,
+            in_proj_a: self.linear(&format!("{p}.{}", NAMES[3]), vh, hidden)?,
+            conv1d: self.take(&format!("{p}.{CONV}"), &[d.conv_dim(), 1, d.conv_kernel])?,
+            dt_bias: self.take(&format!("{p}.{DT_BIAS}"), &[vh])?,
+            a_log: self.take(&format!("{p}.{A_LOG}"), &[vh])?,
+            norm: self.take(&format!("{p}.{NORM}"), &[d.value_head_dim])?,
+        })
+    }
+}
+
+/// Whether each slot of `layout` (cached + new) is a real token, `[b, past + t, 1]`.
+pub(super) fn token_valid(
+    layout: &AttentionLayout,
+    dtype: DType,
+    device: &Device,
+) -> CResult<Tensor> {
+    let b = layout.key_valid.len();
+    let n = layout.key_valid.first().map_or(0, Vec::len);
+    let values: Vec<f32> = layout
+        .key_valid
+        .iter()
+        .flatten()
+        .map(|&v| if v { 1.0 } else { 0.0 })
+        .collect();
+    Tensor::from_vec(values, (b, n, 1), device)?.to_dtype(dtype)
+}
+
+/// `x · rsqrt(Σ x² + 1e-6)` over the last dimension (FLA's l2norm, as transformers').
+fn l2_norm(x: &Tensor) -> CResult<Tensor> {
+    let sum = x.sqr()?.sum_keepdim(D::Minus1)?;
+    x.broadcast_div(&(sum + 1e-6)?.sqrt()?)
+}
+
+/// `log(1 + exp(x))`, computed as `relu(x) + log(1 + exp(−|x|))` so that it never overflows.
+fn softplus(x: &Tensor) -> CResult<Tensor> {
+    let tail = ((x.abs()?.neg()?.exp()? + 1.0)?).log()?;
+    x.relu()? + tail
+}
+
+/// `[b, t, heads, d]` with each head repeated `n` times in place (`repeat_interleave`).
+fn repeat_heads(x: &Tensor, n: usize) -> CResult<Tensor> {
+    if n == 1 {
+        return Ok(x.clone());
+    }
+    let (b, t, h, d) = x.dims4()?;
+    x.unsqueeze(3)?
+        .broadcast_as((b, t, h, n, d))?
+        .contiguous()?
+        .reshape((b, t, h * n, d))
+}
+
+/// The gated delta rule in its recurrent form, f32: `q`, `k` `[b, h, t, dk]`, `v` `[b, h, t,
+/// dv]`, `g`, `beta` `[b, h, t]`; returns the output `[b, h, t, dv]`.
+fn recurrent_delta_rule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+) -> CResult<Tensor> {
+    let (b, h, t, dk) = q.dims4()?;
+    let dv = v.dim(3)?;
+    let mut state = Tensor::zeros((b, h, dk, dv), DType::F32, q.device())?;
+    let decay = g.exp()?;
+    let mut outs = Vec::with_capacity(t);
+    for i in 0..t {
+        let q_i = q.narrow(2, i, 1)?; // [b, h, 1, dk]
+        let k_i = k.narrow(2, i, 1)?;
+        let v_i = v.narrow(2, i, 1)?; // [b, h, 1, dv]
+        let decay_i = decay.narrow(2, i, 1)?.unsqueeze(3)?; // [b, h, 1, 1]
+        let beta_i = beta.narrow(2, i, 1)?.unsqueeze(3)?;
+        state = state.broadcast_mul(&decay_i)?;
+        let remembered = k_i.matmul(&state)?; // [b, h, 1, dv]
+        let delta = (v_i - remembered)?.broadcast_mul(&beta_i)?;
+        state = (state + k_i.transpose(2, 3)?.matmul(&delta)?)?;
+        outs.push(q_i.matmul(&state)?);
+    }
+    Tensor::cat(&outs, 2)
+}
+
+impl CausalLm {
+    /// A Gated DeltaNet layer on normed hidden states `x` (`[b, t, hidden]`), its output before
+    /// `out_proj`. `valid` (`[b, past + t, 1]`) zeroes padding; with a cache, `slot` holds the
+    /// earlier positions' inputs, and the layer recomputes them with the new ones.
+    pub(super) fn gated_delta_net(
+        &self,
+        net: &GatedDeltaNet,
+        x: &Tensor,
+        valid: Option<&Tensor>,
+        packed: bool,
+        slot: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> CResult<Tensor> {
+        let Some(d) = &self.config.delta_net else {
+            candle_core::bail!("a Gated DeltaNet layer in a model without a delta_net config");
+        };
+        if packed {
+            candle_core::bail!(
+                "packed batches are not supported for Gated DeltaNet models yet (the state would \
+                 run across sample boundaries); train with packing off"
+            );
+        }
+        let new = x.dim(1)?;
+        // The cache keeps the layer's inputs `[b, 1, positions, hidden]` (the KV cache's layout).
+        let x = match slot {
+            Some(slot) => {
+                let all = match slot.as_ref() {
+                    Some((prev, _)) => Tensor::cat(&[&prev.squeeze(1)?, x], 1)?,
+                    None => x.clone(),
+                };
+                let kept = all.unsqueeze(1)?;
+                *slot = Some((kept.clone(), kept));
+                all
+            }
+            None => x.clone(),
+        };
+        let x = match valid {
+            Some(m) if m.dim(1)? == x.dim(1)? => x.broadcast_mul(m)?,
+            Some(_) => candle_core::bail!("the padding mask does not cover the cached positions"),
+            None => x,
+        };
+        let (b, t, _) = x.dims3()?;
+        let dtype = x.dtype();
+        let (kh, vh, dk, dv) = (d.key_heads, d.value_heads, d.key_head_dim, d.value_head_dim);
+        // The causal depthwise convolution (kernel - 1 zeros before the first position), summed
+        // in f32 and rounded once, as PyTorch's conv1d accumulates.
+        let qkv = net.in_proj_qkv.forward(&x)?.to_dtype(DType::F32)?; // [b, t, conv_dim]
+        let kernel = d.conv_kernel;
+        let w = net.conv1d.squeeze(1)?.to_dtype(DType::F32)?; // [conv_dim, kernel]
+        let pad = Tensor::zeros((b, kernel - 1, qkv.dim(2)?), DType::F32, x.device())?;
+        let padded = Tensor::cat(&[&pad, &qkv], 1)?;
+        let mut conv = padded
+            .narrow(1, 0, t)?
+            .broadcast_mul(&w.narrow(1, 0, 1)?.squeeze(1)?)?;
+        for j in 1..kernel {
+            let tap = w.narrow(1, j, 1)?.squeeze(1)?;
+            conv = (conv + padded.narrow(1, j, t)?.broadcast_mul(&tap)?)?;
+        }
+        let conv = conv.to_dtype(dtype)?;
+        let conv = conv.silu()?;
+        let key_dim = kh * dk;
+        let q = conv.narrow(2, 0, key_dim)?.reshape((b, t, kh, dk))?;
+        let k = conv.narrow(2, key_dim, key_dim)?.reshape((b, t, kh, dk))?;
+        let v = conv
+            .narrow(2, 2 * key_dim, vh * dv)?
+            .reshape((b, t, vh, dv))?;
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        let beta = sigmoid(&net.in_proj_b.forward(&x)?)?; // [b, t, vh]
+        let a = f32(&net.in_proj_a.forward(&x)?)?;
+        let g = softplus(&a.broadcast_add(&f32(&net.dt_bias)?)?)?
+            .broadcast_mul(&f32(&net.a_log)?.exp()?.neg()?)?;
+        let rep = vh / kh;
+        let q = (l2_norm(&f32(&repeat_heads(&q, rep)?)?)? * (dk as f64).powf(-0.5))?;
+        let k = l2_norm(&f32(&repeat_heads(&k, rep)?)?)?;
+        let heads_first = |t: Tensor| t.transpose(1, 2)?.contiguous();
+        let out = recurrent_delta_rule(
+            &heads_first(q)?,
+            &heads_first(k)?,
+            &heads_first(f32(&v)?)?,
+            &heads_first(g)?,
+            &heads_first(f32(&beta)?)?,
+        )?; // [b, vh, t, dv]
+        let out = out.transpose(1, 2)?.to_dtype(dtype)?;
+        // The gated RMSNorm of each value head (`[b, t, vh, dv]`): normalized in f32, cast back,
+        // times the weight, times silu(z) in f32.
+        let z = net.in_proj_z.forward(&x)?.reshape((b, t, vh, dv))?;
+        let o = f32(&out)?;
+        let var = o.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = o
+            .broadcast_div(&(var + self.config.rms_norm_eps)?.sqrt()?)?
+            .to_dtype(dtype)?
+            .broadcast_mul(&net.norm)?;
+        let gated = f32(&normed)?.mul(&f32(&z)?.silu()?)?;
+        let out = gated.to_dtype(dtype)?.reshape((b, t, vh * dv))?;
+        out.narrow(1, t - new, new)
+    }
+}

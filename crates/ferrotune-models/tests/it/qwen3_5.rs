@@ -1,0 +1,151 @@
+//! Qwen3.5 (`qwen3_5_text`): full fine-tuning gradients through the Gated DeltaNet and the gated
+//! attention equal transformers' (golden_models checks the fixture's logits, KV cache and bf16;
+//! lora its PEFT adapter), and what is not supported yet is refused by name.
+
+use crate::common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, D};
+use ferrotune_models::{load_model, AttentionLayout, CausalLm};
+
+use common::{fixtures, rel_l2};
+
+fn dir() -> std::path::PathBuf {
+    fixtures().join("models").join("qwen3_5")
+}
+
+fn golden() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir().join("golden.json")).unwrap()).unwrap()
+}
+
+fn load() -> CausalLm {
+    load_model(&dir().join("model"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .0
+}
+
+/// The golden's causal-LM loss from differentiable ops (mean cross-entropy of position `i`
+/// against label `i + 1`, -100 skipped).
+fn loss(logits: &Tensor) -> Tensor {
+    let labels: Vec<Vec<i64>> = serde_json::from_value(golden()["labels"].clone()).unwrap();
+    let (b, t, v) = logits.dims3().unwrap();
+    let (mut rows, mut targets) = (Vec::new(), Vec::new());
+    for (bi, row) in labels.iter().enumerate() {
+        for ti in 0..t - 1 {
+            if row[ti + 1] >= 0 {
+                rows.push((bi * t + ti) as u32);
+                targets.push(row[ti + 1] as u32);
+            }
+        }
+    }
+    let n = rows.len();
+    let picked = logits
+        .reshape((b * t, v))
+        .unwrap()
+        .index_select(&Tensor::new(rows, &Device::Cpu).unwrap(), 0)
+        .unwrap();
+    let lse = picked.log_sum_exp(D::Minus1).unwrap();
+    let target = picked
+        .gather(&Tensor::from_vec(targets, (n, 1), &Device::Cpu).unwrap(), 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap();
+    (lse - target).unwrap().mean_all().unwrap()
+}
+
+/// Full fine-tuning gradients of the golden loss equal transformers' (`grads.safetensors`) for
+/// every parameter: the DeltaNet's projections, conv1d, A_log, dt_bias and gated norm, the gated
+/// attention's projections and q/k norms, the MLPs and the zero-centred norms.
+#[test]
+fn full_training_gradients_match_transformers() {
+    let mut model = load();
+    let params = model.make_all_trainable().unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(golden()["input_ids"].clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap();
+    let l = loss(&logits);
+    let want_loss = golden()["loss"].as_f64().unwrap();
+    let got = l.to_scalar::<f32>().unwrap() as f64;
+    assert!((got - want_loss).abs() <= 1e-4, "loss {got} vs {want_loss}");
+    let grads = l.backward().unwrap();
+    let want: HashMap<String, Tensor> =
+        candle_core::safetensors::load(dir().join("grads.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
+    names.sort();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    want_names.sort();
+    assert_eq!(names, want_names, "parameter names");
+    for (name, var) in &params {
+        let g = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("{name}: no gradient"));
+        let err = rel_l2(g, &want[name]);
+        assert!(err <= 1e-4, "{name}: gradient relative L2 error {err}");
+    }
+}
+
+/// Packed batches are refused with a clear error (the linear attention's state does not restart
+/// at sample starts yet), not computed across samples.
+#[test]
+fn packed_batches_are_refused() {
+    let model = load();
+    let ids = Tensor::from_vec((4u32..12).collect::<Vec<_>>(), (1, 8), &Device::Cpu).unwrap();
+    let mut layout = AttentionLayout::causal(1, 8, 0);
+    layout.segments = Some(vec![vec![0, 0, 0, 0, 1, 1, 1, 1]]);
+    layout.positions = vec![vec![0, 1, 2, 3, 0, 1, 2, 3]];
+    let err = model.forward(&ids, &layout, None).unwrap_err().to_string();
+    assert!(err.contains("packed"), "{err}");
+}
+
+/// A left-padded batch (as generation builds it) gives each row the logits of that row alone,
+/// in the prefill and in cached decoding: the padding is zeroed before the linear attention, so
+/// its state and convolution start clean at the first real token.
+#[test]
+fn left_padded_rows_equal_rows_alone() {
+    let model = load();
+    let prompts: [&[u32]; 2] = [&[5, 9, 2, 7, 1, 3], &[4, 8, 6]];
+    let longest = 6;
+    let mut ids = Vec::new();
+    let mut layout = AttentionLayout::causal(2, longest, 0);
+    for (row, p) in prompts.iter().enumerate() {
+        let pad = longest - p.len();
+        ids.extend(std::iter::repeat_n(0u32, pad));
+        ids.extend_from_slice(p);
+        layout.key_valid[row] = (0..longest).map(|i| i >= pad).collect();
+        layout.positions[row] = (0..longest as u32)
+            .map(|i| i.saturating_sub(pad as u32))
+            .collect();
+    }
+    let ids = Tensor::from_vec(ids, (2, longest), &Device::Cpu).unwrap();
+    let mut cache = ferrotune_models::KvCache::new(model.layers.len());
+    let batch = model.forward(&ids, &layout, Some(&mut cache)).unwrap();
+    // One more token per row through the cache.
+    let next = Tensor::new(&[[17u32], [23]], &Device::Cpu).unwrap();
+    let mut step = layout.clone();
+    for row in 0..2 {
+        step.key_valid[row].push(true);
+        let last = *layout.positions[row].last().unwrap();
+        step.positions[row] = vec![last + 1];
+    }
+    let stepped = model.forward(&next, &step, Some(&mut cache)).unwrap();
+    for (row, p) in prompts.iter().enumerate() {
+        let mut alone: Vec<u32> = p.to_vec();
+        alone.push([17, 23][row]);
+        let n = alone.len();
+        let alone_ids = Tensor::from_vec(alone, (1, n), &Device::Cpu).unwrap();
+        let want = model
+            .forward(&alone_ids, &AttentionLayout::causal(1, n, 0), None)
+            .unwrap();
+        let got = batch.narrow(0, row, 1).unwrap();
+        let got = got.narrow(1, longest - p.len(), p.len()).unwrap();
+        let err = common::max_abs_diff(&got, &want.narrow(1, 0, p.len()).unwrap());
+        assert!(err <= 1e-4, "row {row}: prefill differs by {err}");
+        let got = stepped.narrow(0, row, 1).unwrap();
+        let err = common::max_abs_diff(&got, &want.narrow(1, n - 1, 1).unwrap());
+        assert!(err <= 1e-4, "row {row}: cached step differs by {err}");
+    }
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""PEFT LoRA adapters on the Qwen3.5 fixture (tests/fixtures/models/qwen3_5): every linear module PEFT's
+target_modules reach in it — the Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and
+out_proj, the gated full attention's q_proj (query + gate), k_proj, v_proj, o_proj, and the MLP.
+
+Same layout as tests/fixtures/embedding_lora (see scripts/make_embedding_lora_fixtures.py), under
+tests/fixtures/qwen3_5_lora/<name>/. Run from the repository root:
+python3 scripts/make_qwen3_5_lora_fixtures.py [CASE ...]
+"""
+import os
+import sys
+
+from make_embedding_lora_fixtures import ROOT, run_cases
+
+OUT = os.path.join(ROOT, "qwen3_5_lora")
+
+CASES = {
+    "qwen3_5": (
+        "models/qwen3_5/model",
+        dict(r=2, lora_alpha=4, target_modules=[
+            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        ]),
+    ),
+}
+
+
+if __name__ == "__main__":
+    run_cases(OUT, CASES, sys.argv[1:])
