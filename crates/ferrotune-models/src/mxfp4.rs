@@ -41,6 +41,13 @@ pub fn dequantize(blocks: &Tensor, scales: &Tensor, name: &str) -> Result<Tensor
             blocks.dims()
         )));
     }
+    if b == 0 {
+        // `chunks_exact(0)` panics; no real checkpoint has empty blocks.
+        return Err(err(format!(
+            "{name}{BLOCKS} {:?} has empty blocks",
+            blocks.dims()
+        )));
+    }
     if blocks.dtype() != DType::U8 || scales.dtype() != DType::U8 {
         return Err(err("its blocks and scales must be stored as U8".into()));
     }
@@ -101,4 +108,17 @@ pub(crate) fn dequantize_parts(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_blocks_are_an_error_not_a_panic() {
+        let blocks = Tensor::zeros((1, 2, 3, 0), DType::U8, &Device::Cpu).unwrap();
+        let scales = Tensor::zeros((1, 2, 3), DType::U8, &Device::Cpu).unwrap();
+        let e = dequantize(&blocks, &scales, "w").unwrap_err().to_string();
+        assert!(e.contains("empty blocks"), "{e}");
+    }
 }
