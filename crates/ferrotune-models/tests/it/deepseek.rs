@@ -8,7 +8,7 @@ use crate::common;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use ferrotune_models::model::{latent_cache_ratio, FeedForward};
 use ferrotune_models::{load_model, AttentionLayout, CausalLm, KvCache};
 
@@ -37,35 +37,6 @@ fn golden_ids(case: &str) -> Tensor {
 
 fn tensors(path: PathBuf) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(path, &Device::Cpu).unwrap()
-}
-
-/// The golden's causal-LM loss from differentiable ops (mean cross-entropy of position `i`
-/// against label `i + 1`, -100 skipped).
-fn loss(case: &str, logits: &Tensor) -> Tensor {
-    let labels: Vec<Vec<i64>> = serde_json::from_value(golden(case)["labels"].clone()).unwrap();
-    let (b, t, v) = logits.dims3().unwrap();
-    let (mut rows, mut targets) = (Vec::new(), Vec::new());
-    for (bi, row) in labels.iter().enumerate() {
-        for ti in 0..t - 1 {
-            if row[ti + 1] >= 0 {
-                rows.push((bi * t + ti) as u32);
-                targets.push(row[ti + 1] as u32);
-            }
-        }
-    }
-    let n = rows.len();
-    let picked = logits
-        .reshape((b * t, v))
-        .unwrap()
-        .index_select(&Tensor::new(rows, &Device::Cpu).unwrap(), 0)
-        .unwrap();
-    let lse = picked.log_sum_exp(D::Minus1).unwrap();
-    let target = picked
-        .gather(&Tensor::from_vec(targets, (n, 1), &Device::Cpu).unwrap(), 1)
-        .unwrap()
-        .squeeze(1)
-        .unwrap();
-    (lse - target).unwrap().mean_all().unwrap()
 }
 
 /// The configs read as transformers defines them: MLA's shapes, YaRN's mscale² in the softmax
@@ -175,7 +146,7 @@ fn full_training_gradients_match_transformers() {
         let logits = model
             .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
             .unwrap();
-        let l = loss(case, &logits);
+        let l = common::causal_lm_loss(&logits, &golden(case)["labels"]);
         let want_loss = golden(case)["loss"].as_f64().unwrap();
         let got = l.to_scalar::<f32>().unwrap() as f64;
         assert!(

@@ -11,7 +11,7 @@ use crate::common;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use ferrotune_models::lora::set_training;
 use ferrotune_models::peft::{add_adapter, attach_adapter, merged_tensors, trainable_parameters};
 use ferrotune_models::{
@@ -20,7 +20,7 @@ use ferrotune_models::{
 };
 use serde_json::{json, Value};
 
-use common::{fixtures, max_abs_diff, rel_l2};
+use common::{causal_lm_loss, fixtures, max_abs_diff, rel_l2};
 
 fn case_dir() -> PathBuf {
     fixtures().join("models/gpt_oss")
@@ -50,35 +50,6 @@ fn forward(model: &CausalLm, ids: &Tensor) -> Tensor {
     model
         .forward(ids, &AttentionLayout::causal(b, t, 0), None)
         .unwrap()
-}
-
-/// transformers' causal-LM loss (mean cross-entropy of position `i` against label `i + 1`,
-/// labels of -100 skipped), differentiable.
-fn causal_lm_loss(logits: &Tensor, labels: &Value) -> Tensor {
-    let labels: Vec<Vec<i64>> = serde_json::from_value(labels.clone()).unwrap();
-    let (b, t, v) = logits.dims3().unwrap();
-    let (mut rows, mut targets) = (Vec::new(), Vec::new());
-    for (bi, row) in labels.iter().enumerate() {
-        for ti in 0..t - 1 {
-            if row[ti + 1] >= 0 {
-                rows.push((bi * t + ti) as u32);
-                targets.push(row[ti + 1] as u32);
-            }
-        }
-    }
-    let n = rows.len();
-    let picked = logits
-        .reshape((b * t, v))
-        .unwrap()
-        .index_select(&Tensor::new(rows, &Device::Cpu).unwrap(), 0)
-        .unwrap();
-    let lse = picked.log_sum_exp(D::Minus1).unwrap();
-    let target = picked
-        .gather(&Tensor::from_vec(targets, (n, 1), &Device::Cpu).unwrap(), 1)
-        .unwrap()
-        .squeeze(1)
-        .unwrap();
-    (lse - target).unwrap().mean_all().unwrap()
 }
 
 /// The fixture's config: sliding (window 4) / full / sliding layers, sinks, 4 experts top-2

@@ -7,7 +7,7 @@ use crate::common;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use ferrotune_models::lora::set_training;
 use ferrotune_models::peft::{
     adapter_tensors, add_adapter, merge_and_unload, merged_tensors, trainable_parameters,
@@ -18,7 +18,7 @@ use ferrotune_models::{
 };
 use serde_json::Value;
 
-use common::{fixtures, max_abs_diff, rel_l2};
+use common::{causal_lm_loss, fixtures, max_abs_diff, rel_l2};
 
 fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
@@ -41,36 +41,6 @@ fn base_model(family: &str) -> CausalLm {
 
 fn load_model_at(dir: &Path) -> CausalLm {
     load_model(dir, DType::F32, &Device::Cpu).unwrap().0
-}
-
-/// transformers' causal-LM loss: mean cross-entropy of `logits[:, :-1]` against `labels[:, 1:]`,
-/// positions labelled -100 ignored. Built from differentiable ops so that it backpropagates.
-fn causal_lm_loss(logits: &Tensor, labels: &Value) -> Tensor {
-    let labels: Vec<Vec<i64>> = serde_json::from_value(labels.clone()).unwrap();
-    let (b, t, v) = logits.dims3().unwrap();
-    let mut rows = Vec::new();
-    let mut targets = Vec::new();
-    for (bi, row) in labels.iter().enumerate() {
-        for ti in 0..t - 1 {
-            let l = row[ti + 1];
-            if l != -100 {
-                rows.push((bi * t + ti) as u32);
-                targets.push(l as u32);
-            }
-        }
-    }
-    let n = rows.len();
-    let flat = logits.reshape((b * t, v)).unwrap();
-    let picked = flat
-        .index_select(&Tensor::new(rows, &Device::Cpu).unwrap(), 0)
-        .unwrap();
-    let lse = picked.log_sum_exp(D::Minus1).unwrap();
-    let target_logit = picked
-        .gather(&Tensor::from_vec(targets, (n, 1), &Device::Cpu).unwrap(), 1)
-        .unwrap()
-        .squeeze(1)
-        .unwrap();
-    (lse - target_logit).unwrap().mean_all().unwrap()
 }
 
 /// One adapter fixture: where the adapter lives and where its references are.

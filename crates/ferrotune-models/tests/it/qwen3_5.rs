@@ -6,7 +6,7 @@ use crate::common;
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use ferrotune_models::{load_model, AttentionLayout, CausalLm};
 
 use common::{fixtures, rel_l2};
@@ -25,35 +25,6 @@ fn load() -> CausalLm {
         .0
 }
 
-/// The golden's causal-LM loss from differentiable ops (mean cross-entropy of position `i`
-/// against label `i + 1`, -100 skipped).
-fn loss(logits: &Tensor) -> Tensor {
-    let labels: Vec<Vec<i64>> = serde_json::from_value(golden()["labels"].clone()).unwrap();
-    let (b, t, v) = logits.dims3().unwrap();
-    let (mut rows, mut targets) = (Vec::new(), Vec::new());
-    for (bi, row) in labels.iter().enumerate() {
-        for ti in 0..t - 1 {
-            if row[ti + 1] >= 0 {
-                rows.push((bi * t + ti) as u32);
-                targets.push(row[ti + 1] as u32);
-            }
-        }
-    }
-    let n = rows.len();
-    let picked = logits
-        .reshape((b * t, v))
-        .unwrap()
-        .index_select(&Tensor::new(rows, &Device::Cpu).unwrap(), 0)
-        .unwrap();
-    let lse = picked.log_sum_exp(D::Minus1).unwrap();
-    let target = picked
-        .gather(&Tensor::from_vec(targets, (n, 1), &Device::Cpu).unwrap(), 1)
-        .unwrap()
-        .squeeze(1)
-        .unwrap();
-    (lse - target).unwrap().mean_all().unwrap()
-}
-
 /// Full fine-tuning gradients of the golden loss equal transformers' (`grads.safetensors`) for
 /// every parameter: the DeltaNet's projections, conv1d, A_log, dt_bias and gated norm, the gated
 /// attention's projections and q/k norms, the MLPs and the zero-centred norms.
@@ -67,7 +38,7 @@ fn full_training_gradients_match_transformers() {
     let logits = model
         .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
         .unwrap();
-    let l = loss(&logits);
+    let l = common::causal_lm_loss(&logits, &golden()["labels"]);
     let want_loss = golden()["loss"].as_f64().unwrap();
     let got = l.to_scalar::<f32>().unwrap() as f64;
     assert!((got - want_loss).abs() <= 1e-4, "loss {got} vs {want_loss}");
