@@ -52,12 +52,9 @@ enum Command {
     /// Plot a training run's loss and learning rate against step into a PNG.
     Plot(plot::PlotArgs),
     /// Internal: the process chat templates render in (see `ferrotune_data::chat_template::isolate`).
-    #[command(name = "internal-render-templates", hide = true)]
+    #[command(name = ferrotune_data::chat_template::isolate::WORKER_VERB, hide = true)]
     RenderTemplates,
 }
-
-/// The hidden verb that makes this binary a chat template worker.
-const RENDER_TEMPLATES_VERB: &str = "internal-render-templates";
 
 /// glibc returns large freed blocks to the kernel and maps fresh zeroed pages for the next
 /// allocation; a training step allocates and frees the same large activations every time, so that
@@ -97,7 +94,7 @@ fn main() {
     match std::env::current_exe() {
         Ok(exe) => ferrotune_data::chat_template::isolate::use_worker(
             exe,
-            vec![RENDER_TEMPLATES_VERB.into()],
+            vec![ferrotune_data::chat_template::isolate::WORKER_VERB.into()],
         ),
         Err(e) => tracing::warn!("chat templates render in this process: {e}"),
     }

@@ -58,7 +58,7 @@ enum Command {
     /// List the targets.
     List,
     /// Internal: the process chat templates render in, as in ferrotune itself.
-    #[command(name = "internal-render-templates", hide = true)]
+    #[command(name = ferrotune_data::chat_template::isolate::WORKER_VERB, hide = true)]
     RenderTemplates,
     /// Internal: the worker process the driver starts.
     #[command(hide = true)]
@@ -77,7 +77,7 @@ fn main() -> ExitCode {
         if let Ok(exe) = std::env::current_exe() {
             ferrotune_data::chat_template::isolate::use_worker(
                 exe,
-                vec!["internal-render-templates".into()],
+                vec![ferrotune_data::chat_template::isolate::WORKER_VERB.into()],
             );
         }
     }

@@ -118,7 +118,7 @@ fn a_template_with_slow_steps_stops_at_the_render_time_limit() {
 fn templates_render_through_the_worker_as_transformers_renders_them() {
     isolate::use_worker(
         env!("CARGO_BIN_EXE_ferrotune").into(),
-        vec!["internal-render-templates".into()],
+        vec![isolate::WORKER_VERB.into()],
     );
     let fixture: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("chat_template_cases.json")).unwrap(),

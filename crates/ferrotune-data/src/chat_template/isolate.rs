@@ -43,6 +43,10 @@ pub const WORKER_MEMORY_BYTES: u64 = 1 << 30;
 /// strings of hundreds of megabytes).
 pub const RENDER_SECONDS: u64 = 20;
 
+/// The hidden verb by which ferrotune's binaries (the CLI, the fuzzer) start themselves as a
+/// worker: they pass it to [`use_worker`] and call [`serve`] when started with it.
+pub const WORKER_VERB: &str = "internal-render-templates";
+
 /// How the binary starts a worker: its own executable and the arguments that reach [`serve`].
 struct WorkerCommand {
     program: PathBuf,
