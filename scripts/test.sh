@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The whole test suite, set-up included: fetches the real assets (cached), builds the manual
-# (docs/, with a cached mdbook) failing on a broken internal link, then runs every test.
+# The whole test suite, set-up included: fetches the real assets and the experiment trackers'
+# Python clients (both cached), builds the manual (docs/, with a cached mdbook) failing on a
+# broken internal link, then runs every test.
 # This is the README's test command and exactly what CI runs (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-assets.sh >/dev/null
+scripts/fetch-trackers.sh >/dev/null
 scripts/book.sh
 cargo test --workspace --release

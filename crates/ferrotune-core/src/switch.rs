@@ -28,6 +28,8 @@ pub enum KnobKind {
     Word,
     /// A folder ([`Knob::path`]).
     Folder,
+    /// A program to run, by path or by name on `PATH` ([`Knob::value_os`]).
+    Program,
     /// A list in its own syntax ([`Knob::value`]), parsed by its user.
     Spec,
     /// Set by a build script for the compiler, not read at run time.
@@ -43,6 +45,7 @@ impl KnobKind {
             Self::Seconds => "seconds",
             Self::Word => "word",
             Self::Folder => "folder",
+            Self::Program => "program",
             Self::Spec => "list",
             Self::Build => "build time",
         }
@@ -104,6 +107,17 @@ pub const ASSETS: Knob = Knob {
               tests read (the scripts use it too).",
     default: "`$XDG_CACHE_HOME/ferrotune/assets`, else `~/.cache/ferrotune/assets`",
     kind: KnobKind::Folder,
+    test_hook: false,
+};
+
+/// The Python that runs the W&B and Comet clients for `WandBLogger` and `CometLogger`.
+pub const PYTHON: Knob = Knob {
+    name: "FERROTUNE_PYTHON",
+    meaning: "The Python interpreter `WandBLogger` and `CometLogger` start to run the official \
+              `wandb` or `comet_ml` client (a path, or a name on `PATH`), e.g. a virtual \
+              environment's `bin/python`.",
+    default: "`python3`",
+    kind: KnobKind::Program,
     test_hook: false,
 };
 
@@ -245,6 +259,7 @@ pub const DEVICE_MAP_FAKE: Knob = Knob {
 /// Every knob, in the order `docs/src/environment.md` lists them.
 pub const KNOBS: &[Knob] = &[
     ASSETS,
+    PYTHON,
     DIST_BACKEND,
     DIST_TIMEOUT,
     DIST_WATCHDOG,

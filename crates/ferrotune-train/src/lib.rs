@@ -12,7 +12,8 @@
 //! - [`step`] — one micro-batch forward and backward, with activation checkpointing.
 //! - [`config`] — torchtune-style YAML configs: built-ins, overrides, interpolation, validation.
 //! - [`recipe`] — the recipes `ferrotune run` starts (fine-tuning, generation, evaluation).
-//! - [`metrics`] — metric loggers (stdout, JSONL, TensorBoard).
+//! - [`metrics`] — metric loggers (stdout, JSONL, TensorBoard) and experiment trackers (MLflow,
+//!   W&B, Comet).
 
 pub mod clip;
 pub mod config;

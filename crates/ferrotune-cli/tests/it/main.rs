@@ -21,3 +21,4 @@ mod recipes;
 mod run_identity;
 mod stuck_rank;
 mod template_worker;
+mod trackers;

@@ -726,8 +726,8 @@ fn validate_names_bad_keys_and_types() {
         ("loss:\n  _component_: torch.nn.MSELoss\n", "'torch.nn.MSELoss' is not supported"),
         ("lr_scheduler:\n  _component_: cosine\n", "'cosine' is not supported"),
         (
-            "metric_logger:\n  _component_: torchtune.training.metric_logging.WandBLogger\n",
-            "WandBLogger is not supported",
+            "metric_logger:\n  _component_: torchtune.training.metric_logging.WandBLogger\n  tracking_uri: x\n",
+            "metric_logger.tracking_uri: not an option of WandBLogger",
         ),
         ("device: tpu\n", "unknown device 'tpu'"),
         ("dtype: fp16\n", "fp16 training is not supported"),

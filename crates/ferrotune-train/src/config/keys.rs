@@ -167,6 +167,31 @@ const LOGGER_KEYS: &[(&str, Ty)] = &[
     ("filename", Ty::Str),
     ("project", Ty::Str),
     ("organize_logs", Ty::Bool),
+    // MLFlowLogger's
+    ("experiment_name", Ty::Str),
+    ("tracking_uri", Ty::Str),
+    ("run_id", Ty::Str),
+    ("run_name", Ty::Str),
+    ("log_checkpoint", Ty::Bool),
+    // WandBLogger's (torchtune's and the `wandb.init` arguments it passes on)
+    ("entity", Ty::Str),
+    ("group", Ty::Str),
+    ("name", Ty::Str),
+    ("dir", Ty::Str),
+    ("tags", Ty::StrList),
+    ("notes", Ty::Str),
+    ("job_type", Ty::Str),
+    ("mode", Ty::Str),
+    ("id", Ty::Str),
+    ("resume", Ty::Any),
+    ("allow_val_change", Ty::Bool),
+    ("save_code", Ty::Bool),
+    // CometLogger's
+    ("api_key", Ty::Str),
+    ("workspace", Ty::Str),
+    ("experiment_key", Ty::Str),
+    ("online", Ty::Bool),
+    ("log_code", Ty::Bool),
 ];
 
 const FSDP_KEYS: &[(&str, Ty)] = &[("cpu_offload", Ty::Bool)];

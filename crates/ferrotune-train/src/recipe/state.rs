@@ -585,11 +585,11 @@ pub fn start_or_resume(
     Ok(sv.state.clone())
 }
 
-/// What every run writes before its first step: the resolved config as `output_dir/config.yaml`,
-/// and the config's metric logger, tagging each line with the run's id, with any line after
-/// `start.global_step` or of another run dropped (resuming redoes the steps after the checkpoint;
-/// a fresh run starts a fresh log: no line of an earlier run is left to be mistaken for this
-/// one's).
+/// What every run writes before its first step: the resolved config as `output_dir/config.yaml`
+/// (and to the config's experiment tracker, if it names one), and the config's metric logger,
+/// tagging each line with the run's id, with any line after `start.global_step` or of another
+/// run dropped (resuming redoes the steps after the checkpoint; a fresh run starts a fresh log:
+/// no line of an earlier run is left to be mistaken for this one's).
 pub fn open_run_log(
     cfg: &crate::config::Config,
     output_dir: &Path,
@@ -601,6 +601,7 @@ pub fn open_run_log(
             .with_context(|| format!("{}: metric_logger", cfg.origin))?;
     logger.set_run_id(&start.run_id);
     logger.truncate_after(start.global_step as u64)?;
+    logger.log_config(&cfg.root);
     Ok(logger)
 }
 

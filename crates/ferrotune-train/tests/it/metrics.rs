@@ -199,12 +199,13 @@ fn config_section_picks_the_logger_and_rejects_bad_keys() {
             MetricLogger::from_config(Some(&v), &out).unwrap_err()
         )
     };
+    // The trackers take torchtune's options, and only those (issue 43: they were refused).
     let e = err(
         json!({"_component_": "torchtune.training.metric_logging.WandBLogger",
-                       "project": "x"}),
+                       "projcet": "x"}),
     );
     assert!(
-        e.contains("WandBLogger") && e.contains("not supported"),
+        e.contains("WandBLogger") && e.contains("metric_logger.projcet"),
         "{e}"
     );
     let e = err(json!({"_component_": "DiskLogger", "log_dri": "x"}));
@@ -559,4 +560,72 @@ fn kill_9_loses_at_most_the_last_line() {
         .collect();
     assert_eq!(lines.len() as u64, last + 1);
     assert_eq!(lines.last().unwrap()["step"], json!(last + 1));
+}
+
+#[test]
+fn an_unreachable_tracker_costs_nothing_of_the_log_and_is_reported() {
+    let out = temp_dir("unreachable");
+    // A loopback port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let s = json!({"_component_": "torchtune.training.metric_logging.MLFlowLogger",
+                   "tracking_uri": format!("http://127.0.0.1:{port}"),
+                   "experiment_name": "x"});
+    let mut log = MetricLogger::from_config(Some(&s), &out).unwrap();
+    assert_eq!(log.kind(), "MLFlowLogger");
+    assert_eq!(log.path(), Some(out.join("logs/metrics.jsonl").as_path()));
+    log.log_config(&json!({"lr": 0.1}));
+    for step in 1..=5 {
+        log.log_step(step, &[("loss", 1.0 / step as f64)]).unwrap();
+    }
+    log.close().unwrap();
+    let r = log.tracker_report().unwrap().clone();
+    assert!(!r.complete());
+    assert_eq!((r.steps, r.steps_failed, r.config_failed), (5, 5, true));
+    assert!(
+        r.first_error.as_deref().unwrap().contains("cannot start"),
+        "{r:?}"
+    );
+    let summary = r.summary(log.path());
+    assert!(
+        summary.contains("5 of 5 steps, the config not logged"),
+        "{summary}"
+    );
+    // The JSONL log beside it holds every step.
+    let text = std::fs::read_to_string(out.join("logs/metrics.jsonl")).unwrap();
+    assert_eq!(text.lines().count(), 5);
+
+    // No tracking URI: the same (MLflow's local ./mlruns store is the Python client's own).
+    let s = json!({"_component_": "MLFlowLogger", "log_dir": out.join("b").display().to_string()});
+    let mut log = MetricLogger::from_config(Some(&s), &out).unwrap();
+    log.log_step(1, &[("loss", 1.0)]).unwrap();
+    log.close().unwrap();
+    let r = log.tracker_report().unwrap();
+    assert!(
+        r.first_error
+            .as_deref()
+            .unwrap()
+            .contains("no tracking URI"),
+        "{r:?}"
+    );
+    assert_eq!(r.steps_failed, 1);
+}
+
+#[test]
+fn tracker_options_are_checked() {
+    use ferrotune_train::metrics::check_logger_config;
+    let ok = json!({"_component_": "torchtune.training.metric_logging.WandBLogger",
+                    "project": "p", "entity": "e", "group": "g", "tags": ["a"], "log_dir": "/x"});
+    check_logger_config(Some(&ok)).unwrap();
+    let ok = json!({"_component_": "CometLogger", "online": false, "experiment_name": "n"});
+    check_logger_config(Some(&ok)).unwrap();
+    let bad = json!({"_component_": "CometLogger", "online": "no"});
+    let e = format!("{:#}", check_logger_config(Some(&bad)).unwrap_err());
+    assert!(e.contains("metric_logger.online"), "{e}");
+    let bad = json!({"_component_": "MLFlowLogger", "log_checkpoint": "yes"});
+    let e = format!("{:#}", check_logger_config(Some(&bad)).unwrap_err());
+    assert!(e.contains("metric_logger.log_checkpoint"), "{e}");
 }

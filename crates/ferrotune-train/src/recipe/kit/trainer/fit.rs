@@ -538,6 +538,10 @@ impl Trainer {
             )?;
         }
         if let Some(mut logger) = logger {
+            // The last epoch's checkpoint, for a tracker asked to keep it (`log_checkpoint`).
+            if let Some(last) = settings.epochs.checked_sub(1).filter(|&e| e >= start.epoch) {
+                logger.log_checkpoint(&saver.output_dir.join(format!("epoch_{last}")));
+            }
             logger.close()?;
         }
         drop(sharded);

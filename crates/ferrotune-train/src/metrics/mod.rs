@@ -1,13 +1,24 @@
 //! Metric loggers chosen by a recipe config's `metric_logger` section, as torchtune's
 //! `torchtune.training.metric_logging` does: `DiskLogger` (one JSON object per line in
-//! `{log_dir}/metrics.jsonl`), `StdoutLogger` (`Step 3 | loss:1.2300 lr:0.0003 ...`) and
-//! `TensorBoardLogger` (a real `events.out.tfevents.*` file that TensorBoard reads).
+//! `{log_dir}/metrics.jsonl`), `StdoutLogger` (`Step 3 | loss:1.2300 lr:0.0003 ...`),
+//! `TensorBoardLogger` (a real `events.out.tfevents.*` file that TensorBoard reads), and the
+//! experiment trackers `MLFlowLogger` (an MLflow server, through its REST API: [`mlflow`]),
+//! `WandBLogger` and `CometLogger` (the official `wandb` and `comet_ml` clients, through a Python
+//! bridge: `bridge.rs` says why). A tracker always has the JSONL log written beside it, in its `log_dir`,
+//! and runs on its own thread: one that cannot be reached warns once and the run goes on; what it
+//! missed is counted and reported when the log closes ([`TrackerReport`]).
 //!
 //! Every logged step is written with one `write` call and no user-space buffer, so a run killed
 //! with `kill -9` loses at most the line (or event) being written. A run resumed from a checkpoint
 //! at step `S` calls [`MetricLogger::truncate_after`]`(S)` so its log matches an uninterrupted
 //! run step for step; a fresh run that reuses an output folder calls `truncate_after(0)`. A run's
 //! JSONL lines carry its run id ([`MetricLogger::set_run_id`]), and a resume drops other runs'.
+
+mod bridge;
+pub mod mlflow;
+mod tracker;
+
+pub use tracker::TrackerReport;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -16,6 +27,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{Map, Value};
+
+use tracker::Tracker;
 
 /// The JSONL file a `DiskLogger` writes in its `log_dir` unless the config names another.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -32,6 +45,14 @@ const COMPONENT_PREFIXES: &[&str] = &[
 pub struct MetricLogger {
     sink: Sink,
     closed: bool,
+    /// The experiment tracker beside the JSONL log (`MLFlowLogger`, `WandBLogger`,
+    /// `CometLogger`).
+    tracker: Option<Tracker>,
+    /// Whether the final checkpoint folder goes to the tracker (`MLFlowLogger`'s
+    /// `log_checkpoint`).
+    log_checkpoint: bool,
+    /// What the tracker took, once the log closed.
+    report: Option<TrackerReport>,
 }
 
 #[derive(Debug)]
@@ -42,7 +63,8 @@ enum Sink {
 }
 
 /// The `metric_logger` section's mapping and logger class (`DiskLogger`, `StdoutLogger`,
-/// `TensorBoardLogger`), after checking the component and that every key is one of its options.
+/// `TensorBoardLogger`, `MLFlowLogger`, `WandBLogger`, `CometLogger`), after checking the
+/// component and that every key is one of its options.
 fn logger_class(section: &Value) -> Result<(&Map<String, Value>, &str)> {
     let map = section
         .as_object()
@@ -61,13 +83,48 @@ fn logger_class(section: &Value) -> Result<(&Map<String, Value>, &str)> {
         "TensorBoardLogger" => &["log_dir", "organize_logs"],
         // `log_dir` is tolerated so switching a config's component from DiskLogger just works.
         "StdoutLogger" => &["log_dir"],
-        "WandBLogger" | "CometLogger" | "MLFlowLogger" => bail!(
-            "metric_logger._component_: {component} is not supported (ferrotune logs only \
-                 locally); use DiskLogger, StdoutLogger or TensorBoardLogger"
-        ),
+        // torchtune's options; `log_dir` is where the JSONL log goes beside the tracker.
+        "MLFlowLogger" => &[
+            "log_dir",
+            "experiment_name",
+            "tracking_uri",
+            "run_id",
+            "run_name",
+            "log_checkpoint",
+        ],
+        // torchtune's four, and the `wandb.init` arguments its `**kwargs` pass on.
+        "WandBLogger" => &[
+            "log_dir",
+            "project",
+            "entity",
+            "group",
+            "name",
+            "dir",
+            "tags",
+            "notes",
+            "job_type",
+            "mode",
+            "id",
+            "resume",
+            "allow_val_change",
+            "save_code",
+        ],
+        "CometLogger" => &[
+            "log_dir",
+            "api_key",
+            "workspace",
+            "project",
+            "experiment_key",
+            "mode",
+            "online",
+            "experiment_name",
+            "tags",
+            "log_code",
+        ],
         _ => bail!(
             "metric_logger._component_: unknown logger '{component}'; expected DiskLogger, \
-                 StdoutLogger or TensorBoardLogger (torchtune.training.metric_logging.*)"
+                 StdoutLogger, TensorBoardLogger, MLFlowLogger, WandBLogger or CometLogger \
+                 (torchtune.training.metric_logging.*)"
         ),
     };
     if let Some(key) = map
@@ -84,7 +141,64 @@ fn logger_class(section: &Value) -> Result<(&Map<String, Value>, &str)> {
 
 /// Checks a `metric_logger` section without creating anything (`ferrotune validate`).
 pub fn check_logger_config(section: Option<&Value>) -> Result<()> {
-    section.map_or(Ok(()), |s| logger_class(s).map(|_| ()))
+    let Some(section) = section else {
+        return Ok(());
+    };
+    let (map, class) = logger_class(section)?;
+    tracker_options(map, class, Path::new("logs")).map(|_| ())
+}
+
+/// The tracker a tracker class's options describe (`None` for the local loggers), its
+/// options' types checked; `log_dir` is the folder of the JSONL log beside it.
+fn tracker_options(
+    map: &Map<String, Value>,
+    class: &str,
+    log_dir: &Path,
+) -> Result<Option<(&'static str, Box<dyn tracker::Backend>)>> {
+    let mut options = map.clone();
+    options.remove("_component_");
+    let client = match class {
+        "MLFlowLogger" => {
+            let run = mlflow::Mlflow::from_options(map)?;
+            flag(map, "log_checkpoint")?;
+            return Ok(Some(("MLFlowLogger", Box::new(run))));
+        }
+        "WandBLogger" => bridge::Client::Wandb,
+        "CometLogger" => bridge::Client::Comet,
+        _ => return Ok(None),
+    };
+    for (key, value) in &options {
+        let fine = match key.as_str() {
+            "tags" => matches!(value, Value::Array(_) | Value::String(_) | Value::Null),
+            "allow_val_change" | "save_code" | "log_code" | "online" => {
+                matches!(value, Value::Bool(_) | Value::Null)
+            }
+            // wandb's `resume`: true, false or "allow", "must", "never", "auto".
+            "resume" => matches!(value, Value::Bool(_) | Value::String(_) | Value::Null),
+            _ => matches!(value, Value::String(_) | Value::Null),
+        };
+        if !fine {
+            bail!("metric_logger.{key}: unexpected value {value}");
+        }
+    }
+    options.insert(
+        "log_dir".into(),
+        Value::String(log_dir.display().to_string()),
+    );
+    let name = match client {
+        bridge::Client::Wandb => "WandBLogger",
+        bridge::Client::Comet => "CometLogger",
+    };
+    Ok(Some((name, Box::new(bridge::Bridge::new(client, options)))))
+}
+
+/// A boolean option, `false` when absent.
+fn flag(map: &Map<String, Value>, key: &str) -> Result<bool> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => bail!("metric_logger.{key}: expected true or false, got {other}"),
+    }
 }
 
 /// Where a `metric_logger` section sends its lines.
@@ -95,6 +209,12 @@ enum LogTarget {
     TensorBoard { log_dir: PathBuf, organize: bool },
     /// The terminal.
     Stdout,
+    /// An experiment tracker, with the JSONL file written beside it.
+    Tracker {
+        jsonl: PathBuf,
+        class: String,
+        map: Map<String, Value>,
+    },
 }
 
 impl LogTarget {
@@ -134,7 +254,12 @@ impl LogTarget {
                 };
                 LogTarget::TensorBoard { log_dir, organize }
             }
-            _ => LogTarget::Stdout,
+            "StdoutLogger" => LogTarget::Stdout,
+            _ => LogTarget::Tracker {
+                jsonl: log_dir.join(METRICS_FILE),
+                class: class.to_string(),
+                map: map.clone(),
+            },
         })
     }
 }
@@ -146,10 +271,23 @@ impl MetricLogger {
     /// `None` means a `DiskLogger` in `{output_dir}/logs`. Keys: `log_dir` (DiskLogger and
     /// TensorBoardLogger; default `{output_dir}/logs`), `filename` (DiskLogger; default
     /// `metrics.jsonl`), `organize_logs` (TensorBoardLogger; default `true`, as in torchtune: each
-    /// run writes into its own `run_0_{unix_time}` subfolder of `log_dir`). `WandBLogger` and
-    /// `CometLogger` are errors: ferrotune logs only to local files and the terminal.
+    /// run writes into its own `run_0_{unix_time}` subfolder of `log_dir`). The trackers
+    /// (`MLFlowLogger`, `WandBLogger`, `CometLogger`) take torchtune's options and write
+    /// `{log_dir}/metrics.jsonl` beside the tracker; their thread starts here, connecting
+    /// happens on it.
     pub fn from_config(section: Option<&Value>, output_dir: &Path) -> Result<MetricLogger> {
+        let mut tracker = None;
+        let mut log_checkpoint = false;
         let sink = match LogTarget::of(section, output_dir)? {
+            LogTarget::Tracker { jsonl, class, map } => {
+                let log_dir = jsonl.parent().unwrap_or(output_dir);
+                let (name, backend) = tracker_options(&map, &class, log_dir)?
+                    .ok_or_else(|| anyhow!("metric_logger: {class} is not a tracker"))?;
+                log_checkpoint = flag(&map, "log_checkpoint")?;
+                let disk = DiskLogger::create(&jsonl)?;
+                tracker = Some(Tracker::start(name, backend)?);
+                Sink::Disk(disk)
+            }
             LogTarget::Disk(file) => Sink::Disk(DiskLogger::create(&file)?),
             LogTarget::TensorBoard { log_dir, organize } => {
                 let dir = if organize {
@@ -162,14 +300,17 @@ impl MetricLogger {
             }
             LogTarget::Stdout => Sink::Stdout(StdoutLogger),
         };
-        Ok(MetricLogger::new(sink))
+        let mut logger = MetricLogger::new(sink);
+        logger.tracker = tracker;
+        logger.log_checkpoint = log_checkpoint;
+        Ok(logger)
     }
 
-    /// The JSONL file [`MetricLogger::from_config`] would write for `section` (a `DiskLogger`'s),
-    /// without creating anything; `None` for the other loggers.
+    /// The JSONL file [`MetricLogger::from_config`] would write for `section` (a `DiskLogger`'s
+    /// or a tracker's), without creating anything; `None` for the other loggers.
     pub fn file_for(section: Option<&Value>, output_dir: &Path) -> Result<Option<PathBuf>> {
         Ok(match LogTarget::of(section, output_dir)? {
-            LogTarget::Disk(file) => Some(file),
+            LogTarget::Disk(file) | LogTarget::Tracker { jsonl: file, .. } => Some(file),
             _ => None,
         })
     }
@@ -186,6 +327,9 @@ impl MetricLogger {
         MetricLogger {
             sink,
             closed: false,
+            tracker: None,
+            log_checkpoint: false,
+            report: None,
         }
     }
 
@@ -215,8 +359,12 @@ impl MetricLogger {
         }
     }
 
-    /// The logger's torchtune class name: `DiskLogger`, `StdoutLogger` or `TensorBoardLogger`.
+    /// The logger's torchtune class name: `DiskLogger`, `StdoutLogger`, `TensorBoardLogger`, or
+    /// the tracker's (`MLFlowLogger`, `WandBLogger`, `CometLogger`).
     pub fn kind(&self) -> &'static str {
+        if let Some(t) = &self.tracker {
+            return t.name();
+        }
         match &self.sink {
             Sink::Disk(_) => "DiskLogger",
             Sink::Stdout(_) => "StdoutLogger",
@@ -238,6 +386,41 @@ impl MetricLogger {
             Sink::Disk(d) => d.log_step(step, metrics),
             Sink::Stdout(s) => s.log_step(step, metrics),
             Sink::TensorBoard(t) => t.log_step(step, metrics),
+        }?;
+        // The JSONL line is written first: the tracker gets what the log already holds.
+        if let Some(t) = &self.tracker {
+            t.step(step, metrics);
+        }
+        Ok(())
+    }
+
+    /// Hands the resolved config to the tracker (its params, run config or parameters, as
+    /// torchtune's `log_config`); the local loggers ignore it (the run folder's `config.yaml`
+    /// holds it).
+    pub fn log_config(&mut self, config: &Value) {
+        if let Some(t) = &self.tracker {
+            t.config(config);
+        }
+    }
+
+    /// Hands the final checkpoint folder to the tracker as the run's artifacts, when the config
+    /// asks for it (`MLFlowLogger`'s `log_checkpoint: true`); otherwise does nothing.
+    pub fn log_checkpoint(&mut self, dir: &Path) {
+        if let (Some(t), true) = (&self.tracker, self.log_checkpoint) {
+            t.artifacts(dir.to_path_buf());
+        }
+    }
+
+    /// What the tracker took of the run, once the log is closed (`None` without a tracker).
+    pub fn tracker_report(&self) -> Option<&TrackerReport> {
+        self.report.as_ref()
+    }
+
+    /// Ends the tracker's run, waits for it and prints what it took (or missed).
+    fn finish_tracker(&mut self) {
+        if let Some(report) = self.tracker.as_mut().and_then(Tracker::finish) {
+            eprintln!("{}", report.summary(self.path()));
+            self.report = Some(report);
         }
     }
 
@@ -269,6 +452,7 @@ impl MetricLogger {
         }
         self.flush()?;
         self.closed = true;
+        self.finish_tracker();
         match &mut self.sink {
             Sink::Disk(d) => d
                 .file
@@ -280,6 +464,14 @@ impl MetricLogger {
                 .with_context(|| t.path.display().to_string()),
             Sink::Stdout(_) => Ok(()),
         }
+    }
+}
+
+impl Drop for MetricLogger {
+    /// A logger dropped without [`MetricLogger::close`] (a recipe that only flushes, or a run
+    /// ended by an error) still ends its tracker's run and reports what it took.
+    fn drop(&mut self) {
+        self.finish_tracker();
     }
 }
 
