@@ -3,6 +3,7 @@
 mod bench;
 mod cat;
 mod download;
+mod env;
 mod export_gguf;
 mod generate;
 mod launch;
@@ -51,6 +52,8 @@ enum Command {
     Download(download::DownloadArgs),
     /// Plot a training run's loss and learning rate against step into a PNG.
     Plot(plot::PlotArgs),
+    /// Print the build, CPU threads and SIMD, GPUs, driver, CUDA libraries, NCCL and folders.
+    Env(env::EnvArgs),
     /// Internal: the process chat templates render in (see `ferrotune_data::chat_template::isolate`).
     #[command(name = ferrotune_data::chat_template::isolate::WORKER_VERB, hide = true)]
     RenderTemplates,
@@ -119,6 +122,7 @@ fn main() {
         Command::ExportGguf(args) => export_gguf::run(args),
         Command::Download(args) => download::run(args),
         Command::Plot(args) => plot::run(args),
+        Command::Env(args) => env::run(args),
         Command::RenderTemplates => unreachable!("served above"),
     };
     if let Err(e) = result {

@@ -18,6 +18,7 @@ pub mod graph;
 pub mod memory;
 pub mod nf4;
 pub mod ops;
+pub mod probe;
 pub mod qat;
 pub mod quant;
 pub mod switch;

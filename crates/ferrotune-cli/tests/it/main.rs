@@ -9,6 +9,7 @@ mod distributed;
 mod download;
 mod early_exit;
 mod eleuther_eval;
+mod env;
 mod grpo;
 mod hub_server;
 mod knobs;

@@ -50,6 +50,15 @@ pub use dataset_files::{dataset_files, dataset_files_in};
 pub use download::{download_snapshot, download_state_dir};
 pub use pattern::fnmatch;
 
+/// The Hugging Face cache folder downloads go to, as the hub client resolves it (`HF_HUB_CACHE`,
+/// else `HUGGINGFACE_HUB_CACHE`, else `$HF_HOME/hub`); `None` if the client cannot be built.
+pub fn cache_dir() -> Option<std::path::PathBuf> {
+    hf_hub::HFClient::builder()
+        .build()
+        .ok()
+        .map(|c| c.cache_dir().to_path_buf())
+}
+
 /// The kind of Hub repository.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RepoKind {
