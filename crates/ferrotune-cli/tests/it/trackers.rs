@@ -308,6 +308,8 @@ fn wandb_logger_offline_run_holds_the_history_and_config() {
             "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
             "metric_logger.project=ferrotune-test",
             "metric_logger.name=tiny-lora",
+            // One tag as a string: a list of one for wandb.
+            "metric_logger.tags=lora",
         ],
         &dir,
         &[
@@ -350,6 +352,13 @@ fn wandb_logger_offline_run_holds_the_history_and_config() {
         .collect();
     let mut history: BTreeMap<String, Vec<(u64, f64)>> = BTreeMap::new();
     let mut config = serde_json::Map::new();
+    let run = records
+        .iter()
+        .find(|r| r["type"] == "run")
+        .expect("a run record");
+    assert_eq!(run["run"]["tags"], serde_json::json!(["lora"]), "{run}");
+    assert_eq!(run["run"]["display_name"], "tiny-lora", "{run}");
+    assert_eq!(run["run"]["project"], "ferrotune-test", "{run}");
     for r in &records {
         match r["type"].as_str() {
             Some("history") => {

@@ -181,6 +181,11 @@ fn tracker_options(
             bail!("metric_logger.{key}: unexpected value {value}");
         }
     }
+    // A single tag, as the config's `StrList` type allows, is a list of one for the clients.
+    if let Some(Value::String(tag)) = options.get("tags") {
+        let one = Value::Array(vec![Value::String(tag.clone())]);
+        options.insert("tags".into(), one);
+    }
     options.insert(
         "log_dir".into(),
         Value::String(log_dir.display().to_string()),
