@@ -71,3 +71,64 @@ fn env_names_the_build_the_cpu_features_the_gpus_and_the_folders() {
     );
     assert!(report.contains("Hugging Face cache"), "{report}");
 }
+
+/// A stand-in for the NVIDIA driver and NCCL: `libcuda.so.1` with one 80 GiB GPU of compute
+/// capability 9.0 supporting CUDA 13.0, `libnccl.so.2` at 2.27.3, and cuBLAS 13.1.0, built with
+/// the C compiler into `dir`; `false` when there is no C compiler.
+fn fake_cuda(dir: &std::path::Path) -> bool {
+    const CUDA: &str = r#"
+#include <string.h>
+#include <stddef.h>
+int cuInit(unsigned f) { return 0; }
+int cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+int cuDeviceGetCount(int *n) { *n = 1; return 0; }
+int cuDeviceGet(int *d, int i) { *d = i; return 0; }
+int cuDeviceGetName(char *s, int len, int d) { strncpy(s, "Fake GPU", len); return 0; }
+int cuDeviceTotalMem_v2(size_t *b, int d) { *b = (size_t)80 << 30; return 0; }
+int cuDeviceGetAttribute(int *v, int a, int d) { *v = a == 75 ? 9 : a == 76 ? 0 : -1; return 0; }
+"#;
+    const NCCL: &str = "int ncclGetVersion(int *v) { *v = 22703; return 0; }\n";
+    const CUBLAS: &str =
+        "int cublasGetProperty(int t, int *v) { *v = t == 0 ? 13 : t == 1 ? 1 : 0; return 0; }\n";
+    for (name, source) in [
+        ("libcuda.so.1", CUDA),
+        ("libnccl.so.2", NCCL),
+        ("libcublas.so.13", CUBLAS),
+    ] {
+        let c = dir.join(format!("{name}.c"));
+        std::fs::write(&c, source).unwrap();
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(dir.join(name))
+            .arg(&c)
+            .status();
+        if !built.is_ok_and(|s| s.success()) {
+            return false;
+        }
+    }
+    true
+}
+
+#[test]
+fn env_reports_the_driver_gpus_and_libraries_it_finds() {
+    let dir = tmpdir("env", "driver");
+    if !fake_cuda(&dir) {
+        eprintln!("SKIP env_reports_the_driver_gpus_and_libraries_it_finds: no C compiler (cc)");
+        return;
+    }
+    let out = ferrotune(
+        &["env", "--no-measure"],
+        &dir,
+        &[("LD_LIBRARY_PATH", dir.to_str().unwrap())],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let report = String::from_utf8(out.stdout).unwrap();
+    for want in [
+        "NVIDIA driver: libcuda.so.1 supporting CUDA 13.0",
+        "cuda:0  Fake GPU  80.0 GiB  compute capability 9.0",
+        "cuBLAS: libcublas.so.13 (version 13.1.0)",
+        "NCCL: libnccl.so.2 (version 2.27.3)",
+    ] {
+        assert!(report.contains(want), "{want}:\n{report}");
+    }
+}
