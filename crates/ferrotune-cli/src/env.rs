@@ -161,12 +161,34 @@ fn report(args: &EnvArgs) -> String {
         )),
         None => line("  Hugging Face cache: cannot be resolved".into()),
     }
+    let python = ferrotune_core::switch::PYTHON
+        .value()
+        .unwrap_or_else(|| "python3".into());
     line(format!(
-        "  Python for WandBLogger / CometLogger ({}): {}",
+        "  Python for WandBLogger / CometLogger ({}): {python}: {}",
         ferrotune_core::switch::PYTHON.name,
-        ferrotune_core::switch::PYTHON
-            .value()
-            .unwrap_or_else(|| "python3".into())
+        tracker_clients(&python)
     ));
     out
+}
+
+/// The versions of `wandb` and `comet_ml` that `python` has (`wandb 0.31.0, comet_ml not
+/// installed`), or why it cannot say.
+fn tracker_clients(python: &str) -> String {
+    const SCRIPT: &str = "import importlib.metadata as m\n\
+        for p in ('wandb', 'comet_ml'):\n\
+        \x20   try: print(p, m.version(p))\n\
+        \x20   except m.PackageNotFoundError: print(p, 'not installed')\n";
+    match std::process::Command::new(python)
+        .args(["-c", SCRIPT])
+        .stderr(std::process::Stdio::null())
+        .output()
+    {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .collect::<Vec<_>>()
+            .join(", "),
+        Ok(_) => "cannot list its packages".into(),
+        Err(e) => format!("cannot start it ({e})"),
+    }
 }

@@ -70,6 +70,17 @@ fn env_names_the_build_the_cpu_features_the_gpus_and_the_folders() {
         "{report}"
     );
     assert!(report.contains("Hugging Face cache"), "{report}");
+    // The trackers' clients of the Python FERROTUNE_PYTHON names: one that does not exist.
+    let out = ferrotune(
+        &["env", "--no-measure"],
+        &dir,
+        &[("FERROTUNE_PYTHON", "/nonexistent/python")],
+    );
+    let report = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        report.contains("(FERROTUNE_PYTHON): /nonexistent/python: cannot start it"),
+        "{report}"
+    );
 }
 
 /// A stand-in for the NVIDIA driver and NCCL: `libcuda.so.1` with one 80 GiB GPU of compute
