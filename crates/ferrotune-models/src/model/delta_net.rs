@@ -10,14 +10,15 @@
 //! passes the gated RMSNorm `w · x̂ · silu(in_proj_z x)` of each value head and `out_proj`.
 //!
 //! The rule runs in its recurrent form with candle ops (exact, with their backward; slow on long
-//! sequences). With a KV cache the layer keeps its inputs, not its conv and recurrent states,
-//! and recomputes the whole sequence each step: equal to the full forward, quadratic in length.
+//! sequences). With a cache the layer keeps, instead of keys and values, its convolution's last
+//! `kernel - 1` inputs and the rule's state (`LinearState`): a decode step costs the same at any
+//! length, and the cache does not grow with it.
 
 use candle_core::{DType, Device, Result as CResult, Tensor, D};
 
 use super::gpt_oss::sigmoid;
 use super::load::TensorTaker;
-use super::{AttentionLayout, CausalLm, Linear};
+use super::{AttentionLayout, CausalLm, Linear, LinearState};
 use crate::config::DeltaNetConfig;
 use crate::error::ModelError;
 
@@ -173,17 +174,22 @@ fn repeat_heads(x: &Tensor, n: usize) -> CResult<Tensor> {
 }
 
 /// The gated delta rule in its recurrent form, f32: `q`, `k` `[b, h, t, dk]`, `v` `[b, h, t,
-/// dv]`, `g`, `beta` `[b, h, t]`; returns the output `[b, h, t, dv]`.
+/// dv]`, `g`, `beta` `[b, h, t]`, from `state` `[b, h, dk, dv]` (zeros when `None`); returns the
+/// output `[b, h, t, dv]` and the state after the last position.
 fn recurrent_delta_rule(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,
-) -> CResult<Tensor> {
+    state: Option<Tensor>,
+) -> CResult<(Tensor, Tensor)> {
     let (b, h, t, dk) = q.dims4()?;
     let dv = v.dim(3)?;
-    let mut state = Tensor::zeros((b, h, dk, dv), DType::F32, q.device())?;
+    let mut state = match state {
+        Some(s) => s,
+        None => Tensor::zeros((b, h, dk, dv), DType::F32, q.device())?,
+    };
     let decay = g.exp()?;
     let mut outs = Vec::with_capacity(t);
     for i in 0..t {
@@ -198,20 +204,21 @@ fn recurrent_delta_rule(
         state = (state + k_i.transpose(2, 3)?.matmul(&delta)?)?;
         outs.push(q_i.matmul(&state)?);
     }
-    Tensor::cat(&outs, 2)
+    Ok((Tensor::cat(&outs, 2)?, state))
 }
 
 impl CausalLm {
     /// A Gated DeltaNet layer on normed hidden states `x` (`[b, t, hidden]`), its output before
-    /// `out_proj`. `valid` (`[b, past + t, 1]`) zeroes padding; with a cache, `slot` holds the
-    /// earlier positions' inputs, and the layer recomputes them with the new ones.
+    /// `out_proj`. `valid` (`[b, past + t, 1]`) zeroes padding. With a cache, `cache` holds the
+    /// convolution's last inputs and the delta rule's state after the cached positions: the layer
+    /// goes on from them and leaves them after its last position.
     pub(super) fn gated_delta_net(
         &self,
         net: &GatedDeltaNet,
         x: &Tensor,
         valid: Option<&Tensor>,
         packed: bool,
-        slot: Option<&mut Option<(Tensor, Tensor)>>,
+        cache: Option<&mut Option<LinearState>>,
     ) -> CResult<Tensor> {
         let Some(d) = &self.config.delta_net else {
             candle_core::bail!("a Gated DeltaNet layer in a model without a delta_net config");
@@ -222,35 +229,31 @@ impl CausalLm {
                  run across sample boundaries); train with packing off"
             );
         }
-        let new = x.dim(1)?;
-        // The cache keeps the layer's inputs `[b, 1, positions, hidden]` (the KV cache's layout).
-        let x = match slot {
-            Some(slot) => {
-                let all = match slot.as_ref() {
-                    Some((prev, _)) => Tensor::cat(&[&prev.squeeze(1)?, x], 1)?,
-                    None => x.clone(),
-                };
-                let kept = all.unsqueeze(1)?;
-                *slot = Some((kept.clone(), kept));
-                all
-            }
+        let (b, t, _) = x.dims3()?;
+        // transformers zeroes the padding positions' inputs (`apply_mask_to_padding_states`): a
+        // left-padded row's state and convolution then start clean at its first real token.
+        let x = match valid {
+            Some(m) if m.dim(1)? >= t => x.broadcast_mul(&m.narrow(1, m.dim(1)? - t, t)?)?,
+            Some(_) => candle_core::bail!("the padding mask is shorter than the new positions"),
             None => x.clone(),
         };
-        let x = match valid {
-            Some(m) if m.dim(1)? == x.dim(1)? => x.broadcast_mul(m)?,
-            Some(_) => candle_core::bail!("the padding mask does not cover the cached positions"),
-            None => x,
+        let mut cache = cache;
+        let (past_conv, past_state, past) = match cache.as_deref_mut().and_then(Option::take) {
+            Some(s) => (Some(s.conv), Some(s.recurrent), s.positions),
+            None => (None, None, 0),
         };
-        let (b, t, _) = x.dims3()?;
         let dtype = x.dtype();
         let (kh, vh, dk, dv) = (d.key_heads, d.value_heads, d.key_head_dim, d.value_head_dim);
-        // The causal depthwise convolution (kernel - 1 zeros before the first position), summed
-        // in f32 and rounded once, as PyTorch's conv1d accumulates.
+        // The causal depthwise convolution (the cached inputs, or kernel - 1 zeros, before the
+        // first position), summed in f32 and rounded once, as PyTorch's conv1d accumulates.
         let qkv = net.in_proj_qkv.forward(&x)?.to_dtype(DType::F32)?; // [b, t, conv_dim]
         let kernel = d.conv_kernel;
         let w = net.conv1d.squeeze(1)?.to_dtype(DType::F32)?; // [conv_dim, kernel]
-        let pad = Tensor::zeros((b, kernel - 1, qkv.dim(2)?), DType::F32, x.device())?;
-        let padded = Tensor::cat(&[&pad, &qkv], 1)?;
+        let before = match past_conv {
+            Some(c) => c,
+            None => Tensor::zeros((b, kernel - 1, qkv.dim(2)?), DType::F32, x.device())?,
+        };
+        let padded = Tensor::cat(&[&before, &qkv], 1)?;
         let mut conv = padded
             .narrow(1, 0, t)?
             .broadcast_mul(&w.narrow(1, 0, 1)?.squeeze(1)?)?;
@@ -275,13 +278,23 @@ impl CausalLm {
         let q = (l2_norm(&f32(&repeat_heads(&q, rep)?)?)? * (dk as f64).powf(-0.5))?;
         let k = l2_norm(&f32(&repeat_heads(&k, rep)?)?)?;
         let heads_first = |t: Tensor| t.transpose(1, 2)?.contiguous();
-        let out = recurrent_delta_rule(
+        let (out, state) = recurrent_delta_rule(
             &heads_first(q)?,
             &heads_first(k)?,
             &heads_first(f32(&v)?)?,
             &heads_first(g)?,
             &heads_first(f32(&beta)?)?,
+            past_state,
         )?; // [b, vh, t, dv]
+        if let Some(slot) = cache {
+            // What the next positions' convolution reads: the last kernel - 1 inputs.
+            let conv = padded.narrow(1, t, kernel - 1)?.contiguous()?;
+            *slot = Some(LinearState {
+                conv,
+                recurrent: state,
+                positions: past + t,
+            });
+        }
         let out = out.transpose(1, 2)?.to_dtype(dtype)?;
         // The gated RMSNorm of each value head (`[b, t, vh, dv]`): normalized in f32, cast back,
         // times the weight, times silu(z) in f32.
@@ -293,7 +306,6 @@ impl CausalLm {
             .to_dtype(dtype)?
             .broadcast_mul(&net.norm)?;
         let gated = f32(&normed)?.mul(&f32(&z)?.silu()?)?;
-        let out = gated.to_dtype(dtype)?.reshape((b, t, vh * dv))?;
-        out.narrow(1, t - new, new)
+        gated.to_dtype(dtype)?.reshape((b, t, vh * dv))
     }
 }

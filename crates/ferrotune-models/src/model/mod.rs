@@ -54,6 +54,7 @@ pub use attention::Attention;
 use attention::QueryScale;
 pub(crate) use attention::{llama4_query_scale, nope_query_temperature};
 pub use cache::KvCache;
+use cache::{LayerCache, LinearState};
 pub use delta_net::GatedDeltaNet;
 pub use gpt_oss::{GptOssMoe, GPT_OSS_MOE_TENSORS};
 pub use layer::{
@@ -438,7 +439,7 @@ impl CausalLm {
         };
         let inputs = self.layer_inputs(layout)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let layer_cache = cache.as_deref_mut().map(|c| c.layer(i));
             x = self.layer_forward(i, layer, &x, &inputs, layer_cache, &mut across)?;
         }
         self.final_norm(&x)
@@ -474,7 +475,7 @@ impl CausalLm {
                 per_device[d] = Some(built);
             }
             let inputs = per_device[d].as_ref().expect("built above");
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let layer_cache = cache.as_deref_mut().map(|c| c.layer(i));
             x = self.layer_forward(i, layer, &x, inputs, layer_cache, &mut across)?;
         }
         if placement.head != at {

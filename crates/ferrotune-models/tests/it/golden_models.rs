@@ -175,8 +175,8 @@ fn olmo2_matches_transformers() {
 }
 
 /// Qwen3.5: Gated DeltaNet layers (0-2) and a gated full-attention layer (3) read as such,
-/// matching transformers; cached decoding (the linear layers recompute from their kept inputs)
-/// equals the full forward.
+/// matching transformers; cached decoding (the linear layers going on from their conv and
+/// recurrent states) equals the full forward.
 #[test]
 fn qwen3_5_matches_transformers() {
     let dir = fixtures().join("models/qwen3_5");

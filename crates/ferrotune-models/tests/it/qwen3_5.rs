@@ -120,3 +120,88 @@ fn left_padded_rows_equal_rows_alone() {
         assert!(err <= 1e-4, "row {row}: cached step differs by {err}");
     }
 }
+
+/// transformers' batched greedy generation from left-padded prompts of unequal lengths
+/// (tests/fixtures/qwen3_5_generate, scripts/make_qwen3_5_generate_fixtures.py): prefill, then
+/// one token per row at a time through the cache, as ferrotune-infer's generation lays the batch
+/// out. Every step's logits equal `generate()`'s scores and the tokens its tokens; the linear
+/// layers hold fixed-size states, only the full-attention layer keys and values.
+pub(crate) fn check_batched_generation(case: &str) {
+    let gdir = fixtures().join("qwen3_5_generate").join(case);
+    let g: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(gdir.join("golden.json")).unwrap()).unwrap();
+    let model = load_model(
+        &fixtures().join(g["model"].as_str().unwrap()),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap()
+    .0;
+    let scores = candle_core::safetensors::load(gdir.join("scores.safetensors"), &Device::Cpu)
+        .unwrap()
+        .remove("scores")
+        .unwrap();
+    let prompts: Vec<Vec<u32>> = serde_json::from_value(g["prompts"].clone()).unwrap();
+    let want: Vec<Vec<u32>> = serde_json::from_value(g["new_tokens"].clone()).unwrap();
+    let pad = g["pad_token_id"].as_u64().unwrap() as u32;
+    let rows = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap();
+    let mut ids = Vec::new();
+    let mut layout = AttentionLayout::causal(rows, longest, 0);
+    for (r, p) in prompts.iter().enumerate() {
+        let n_pad = longest - p.len();
+        ids.extend(std::iter::repeat_n(pad, n_pad));
+        ids.extend_from_slice(p);
+        layout.key_valid[r] = (0..longest).map(|i| i >= n_pad).collect();
+        // Real tokens count from 0, pads sit at 1 (transformers' cumsum(mask) - 1).
+        layout.positions[r] = (0..longest)
+            .map(|i| if i < n_pad { 1 } else { (i - n_pad) as u32 })
+            .collect();
+    }
+    let mut cache = ferrotune_models::KvCache::new(model.layers.len());
+    let ids = Tensor::from_vec(ids, (rows, longest), &Device::Cpu).unwrap();
+    let mut logits = model
+        .forward(&ids, &layout, Some(&mut cache))
+        .unwrap()
+        .narrow(1, longest - 1, 1)
+        .unwrap();
+    let d = model.config.delta_net.clone().unwrap();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); rows];
+    for step in 0..want[0].len() {
+        let last = logits.squeeze(1).unwrap();
+        let err = common::max_abs_diff(&last, &scores.get(step).unwrap());
+        assert!(err <= 1e-4, "{case}: step {step}: logits differ by {err}");
+        let next: Vec<u32> = last.argmax(1).unwrap().to_vec1().unwrap();
+        for (r, &t) in next.iter().enumerate() {
+            got[r].push(t);
+            let pos = *layout.positions[r].last().unwrap() + 1;
+            layout.positions[r] = vec![pos];
+            layout.key_valid[r].push(true);
+        }
+        let step_ids = Tensor::from_vec(next, (rows, 1), &Device::Cpu).unwrap();
+        logits = model.forward(&step_ids, &layout, Some(&mut cache)).unwrap();
+    }
+    assert_eq!(got, want, "{case}: greedy tokens");
+    assert_eq!(cache.len(), longest + want[0].len());
+    // The linear layers' cache is two fixed-size states; only the attention layers' grows.
+    let states = cache.linear_state_shapes();
+    let kv = cache.layer_shapes();
+    for (i, &linear) in d.layers.iter().enumerate() {
+        if linear {
+            let (conv, rec) = states[i].clone().expect("a linear layer's states");
+            assert_eq!(conv, [rows, d.conv_kernel - 1, d.conv_dim()]);
+            assert_eq!(rec, [rows, d.value_heads, d.key_head_dim, d.value_head_dim]);
+            assert!(
+                kv[i].is_none(),
+                "layer {i}: keys and values in a linear layer"
+            );
+        } else {
+            assert!(states[i].is_none() && kv[i].is_some(), "layer {i}");
+        }
+    }
+}
+
+#[test]
+fn batched_left_padded_generation_matches_transformers() {
+    check_batched_generation("qwen3_5");
+}
