@@ -4,8 +4,7 @@
 //! rotary embedding); zero-centred RMSNorms (`x̂ · (1 + w)`). Read as transformers 5.24's
 //! `Qwen3_5TextConfig` defines it. Not read yet: the multimodal `qwen3_5` checkpoints, the
 //! mixture-of-experts variants (`qwen3_5_moe_text`, `qwen3_5_moe`) and Qwen3-Next
-//! (`qwen3_next`): they are refused as unsupported model types. Packed batches are refused at
-//! the forward (the linear attention's state does not restart at sample starts yet).
+//! (`qwen3_next`): they are refused as unsupported model types.
 
 use super::prelude::*;
 use crate::config::hf::{get_usize, parse_rope, positive};

@@ -149,6 +149,28 @@ pub(super) fn token_valid(
     Tensor::from_vec(values, (b, n, 1), device)?.to_dtype(dtype)
 }
 
+/// For packed rows (`segments`: the sample id of each key slot, cached + new, `[b][past + t]`),
+/// whether each of the `t` new positions `i` shares its sample with position `i - s`, for `s` in
+/// `0..width`: `[b, t, width]`, f32, 0 where `i - s` is before the new positions.
+pub(super) fn sample_links(
+    segments: &[Vec<u32>],
+    t: usize,
+    width: usize,
+    device: &Device,
+) -> CResult<Tensor> {
+    let mut values = Vec::with_capacity(segments.len() * t * width);
+    for row in segments {
+        let new = &row[row.len() - t..];
+        for i in 0..t {
+            for s in 0..width {
+                let same = i >= s && new[i - s..=i].iter().all(|&id| id == new[i]);
+                values.push(if same { 1f32 } else { 0.0 });
+            }
+        }
+    }
+    Tensor::from_vec(values, (segments.len(), t, width), device)
+}
+
 /// `x · rsqrt(Σ x² + 1e-6)` over the last dimension (FLA's l2norm, as transformers').
 fn l2_norm(x: &Tensor) -> CResult<Tensor> {
     let sum = x.sqr()?.sum_keepdim(D::Minus1)?;
@@ -174,13 +196,14 @@ fn repeat_heads(x: &Tensor, n: usize) -> CResult<Tensor> {
 }
 
 /// The gated delta rule in its recurrent form, f32: `q`, `k` `[b, h, t, dk]`, `v` `[b, h, t,
-/// dv]`, `g`, `beta` `[b, h, t]`, from `state` `[b, h, dk, dv]` (zeros when `None`); returns the
-/// output `[b, h, t, dv]` and the state after the last position.
+/// dv]`, `decay` (`exp(g)`; 0 where a packed sample starts), `beta` `[b, h, t]`, from `state`
+/// `[b, h, dk, dv]` (zeros when `None`); returns the output `[b, h, t, dv]` and the state after
+/// the last position.
 fn recurrent_delta_rule(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    g: &Tensor,
+    decay: &Tensor,
     beta: &Tensor,
     state: Option<Tensor>,
 ) -> CResult<(Tensor, Tensor)> {
@@ -190,7 +213,6 @@ fn recurrent_delta_rule(
         Some(s) => s,
         None => Tensor::zeros((b, h, dk, dv), DType::F32, q.device())?,
     };
-    let decay = g.exp()?;
     let mut outs = Vec::with_capacity(t);
     for i in 0..t {
         let q_i = q.narrow(2, i, 1)?; // [b, h, 1, dk]
@@ -209,7 +231,8 @@ fn recurrent_delta_rule(
 
 impl CausalLm {
     /// A Gated DeltaNet layer on normed hidden states `x` (`[b, t, hidden]`), its output before
-    /// `out_proj`. `valid` (`[b, past + t, 1]`) zeroes padding. With a cache, `cache` holds the
+    /// `out_proj`. `valid` (`[b, past + t, 1]`) zeroes padding; `links` (packed rows, see
+    /// [`sample_links`]) restart the convolution and the state at each sample. With a cache, `cache` holds the
     /// convolution's last inputs and the delta rule's state after the cached positions: the layer
     /// goes on from them and leaves them after its last position.
     pub(super) fn gated_delta_net(
@@ -217,16 +240,15 @@ impl CausalLm {
         net: &GatedDeltaNet,
         x: &Tensor,
         valid: Option<&Tensor>,
-        packed: bool,
+        links: Option<&Tensor>,
         cache: Option<&mut Option<LinearState>>,
     ) -> CResult<Tensor> {
         let Some(d) = &self.config.delta_net else {
             candle_core::bail!("a Gated DeltaNet layer in a model without a delta_net config");
         };
-        if packed {
+        if links.is_some() && cache.is_some() {
             candle_core::bail!(
-                "packed batches are not supported for Gated DeltaNet models yet (the state would \
-                 run across sample boundaries); train with packing off"
+                "packed batches with a cache are not supported by the Gated DeltaNet"
             );
         }
         let (b, t, _) = x.dims3()?;
@@ -257,9 +279,22 @@ impl CausalLm {
         let mut conv = padded
             .narrow(1, 0, t)?
             .broadcast_mul(&w.narrow(1, 0, 1)?.squeeze(1)?)?;
+        // Packed rows: a tap reaching `s` positions back into another sample reads nothing (the
+        // convolution restarts with zeros at each sample's start, as FLA's kernels with
+        // `cu_seqlens` compute it).
+        let link =
+            |s: usize| -> CResult<Option<Tensor>> { links.map(|l| l.narrow(2, s, 1)).transpose() };
+        if let Some(l) = link(kernel - 1)? {
+            conv = conv.broadcast_mul(&l)?;
+        }
         for j in 1..kernel {
             let tap = w.narrow(1, j, 1)?.squeeze(1)?;
-            conv = (conv + padded.narrow(1, j, t)?.broadcast_mul(&tap)?)?;
+            let term = padded.narrow(1, j, t)?.broadcast_mul(&tap)?;
+            let term = match link(kernel - 1 - j)? {
+                Some(l) if j + 1 < kernel => term.broadcast_mul(&l)?,
+                _ => term,
+            };
+            conv = (conv + term)?;
         }
         let conv = conv.to_dtype(dtype)?;
         let conv = conv.silu()?;
@@ -278,11 +313,16 @@ impl CausalLm {
         let q = (l2_norm(&f32(&repeat_heads(&q, rep)?)?)? * (dk as f64).powf(-0.5))?;
         let k = l2_norm(&f32(&repeat_heads(&k, rep)?)?)?;
         let heads_first = |t: Tensor| t.transpose(1, 2)?.contiguous();
+        // The state decays by exp(g); at a packed sample's start it is dropped (times 0).
+        let decay = match links {
+            Some(l) => g.exp()?.broadcast_mul(&l.narrow(2, 1, 1)?)?,
+            None => g.exp()?,
+        };
         let (out, state) = recurrent_delta_rule(
             &heads_first(q)?,
             &heads_first(k)?,
             &heads_first(f32(&v)?)?,
-            &heads_first(g)?,
+            &heads_first(decay)?,
             &heads_first(f32(&beta)?)?,
             past_state,
         )?; // [b, vh, t, dv]

@@ -353,7 +353,8 @@ impl CausalLm {
             QkvProjection::DeltaNet(net) => {
                 let valid = inputs.token_valid.as_ref();
                 let state = cache.map(|c| c.linear);
-                let h = self.gated_delta_net(net, &normed, valid, inputs.packed, state)?;
+                let links = inputs.sample_links.as_ref();
+                let h = self.gated_delta_net(net, &normed, valid, links, state)?;
                 let h = layer.self_attn.o_proj.forward(&h)?;
                 // A linear-attention layer has no keys or values to share.
                 (h.clone(), (h.clone(), h))

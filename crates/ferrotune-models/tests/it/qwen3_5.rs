@@ -59,17 +59,68 @@ fn full_training_gradients_match_transformers() {
     }
 }
 
-/// Packed batches are refused with a clear error (the linear attention's state does not restart
-/// at sample starts yet), not computed across samples.
+/// Packed samples: the linear attention's convolution and state restart at each sample's start
+/// and the full attention sees only its own sample (positions restarting), so a row packing two
+/// samples (and right padding) gives each sample's logits alone, the same loss and the same
+/// full fine-tuning gradients as the two samples in a batch of their own.
 #[test]
-fn packed_batches_are_refused() {
-    let model = load();
-    let ids = Tensor::from_vec((4u32..12).collect::<Vec<_>>(), (1, 8), &Device::Cpu).unwrap();
-    let mut layout = AttentionLayout::causal(1, 8, 0);
-    layout.segments = Some(vec![vec![0, 0, 0, 0, 1, 1, 1, 1]]);
-    layout.positions = vec![vec![0, 1, 2, 3, 0, 1, 2, 3]];
-    let err = model.forward(&ids, &layout, None).unwrap_err().to_string();
-    assert!(err.contains("packed"), "{err}");
+fn packed_samples_equal_unpacked() {
+    let a: Vec<u32> = vec![17, 301, 45, 99, 12, 250, 7];
+    let b: Vec<u32> = vec![5, 222, 310, 41, 128, 9, 77];
+    let n = a.len();
+    let pad = 3u32;
+    // One row: a, then b, then two padding slots.
+    let mut packed_ids = a.clone();
+    packed_ids.extend(&b);
+    packed_ids.extend([pad, pad]);
+    let width = packed_ids.len();
+    let layout = AttentionLayout {
+        positions: vec![(0..n as u32).chain(0..n as u32).chain([0, 0]).collect()],
+        key_valid: vec![(0..width).map(|i| i < 2 * n).collect()],
+        segments: Some(vec![(0..width).map(|i| (i / n).min(2) as u32).collect()]),
+    };
+    // b's first token is no target of a's last position; the padding predicts nothing.
+    let mut labels: Vec<i64> = packed_ids.iter().map(|&t| t as i64).collect();
+    labels[n] = -100;
+    labels[2 * n] = -100;
+    labels[2 * n + 1] = -100;
+    let mut packed_model = load();
+    let packed_params = packed_model.make_all_trainable().unwrap();
+    let ids = Tensor::from_vec(packed_ids, (1, width), &Device::Cpu).unwrap();
+    let packed = packed_model.forward(&ids, &layout, None).unwrap();
+    let packed_loss = common::causal_lm_loss(&packed, &serde_json::json!([labels]));
+
+    let mut model = load();
+    let params = model.make_all_trainable().unwrap();
+    let both = Tensor::from_vec([a.clone(), b.clone()].concat(), (2, n), &Device::Cpu).unwrap();
+    let unpacked = model
+        .forward(&both, &AttentionLayout::causal(2, n, 0), None)
+        .unwrap();
+    let unpacked_loss = common::causal_lm_loss(&unpacked, &serde_json::json!([a, b]));
+
+    for (row, at) in [(0, 0), (1, n)] {
+        let got = packed.narrow(1, at, n).unwrap();
+        let want = unpacked.narrow(0, row, 1).unwrap();
+        let err = common::max_abs_diff(&got, &want);
+        assert!(err <= 1e-5, "sample {row}: packed logits differ by {err}");
+    }
+    let (pl, ul) = (
+        packed_loss.to_scalar::<f32>().unwrap(),
+        unpacked_loss.to_scalar::<f32>().unwrap(),
+    );
+    assert!((pl - ul).abs() <= 1e-5, "loss: packed {pl}, unpacked {ul}");
+    let pg = packed_loss.backward().unwrap();
+    let ug = unpacked_loss.backward().unwrap();
+    for ((name, pv), (_, uv)) in packed_params.iter().zip(&params) {
+        let (Some(p), Some(u)) = (pg.get(pv), ug.get(uv)) else {
+            panic!("{name}: no gradient");
+        };
+        let err = rel_l2(p, u);
+        assert!(
+            err <= 1e-5,
+            "{name}: packed gradient differs, relative L2 {err}"
+        );
+    }
 }
 
 /// A left-padded batch (as generation builds it) gives each row the logits of that row alone,
