@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """PEFT LoRA adapters on the Qwen3.5 fixture (tests/fixtures/models/qwen3_5): every linear module PEFT's
 target_modules reach in it — the Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and
-out_proj, the gated full attention's q_proj (query + gate), k_proj, v_proj, o_proj, and the MLP.
+out_proj, the gated full attention's q_proj (query + gate), k_proj, v_proj, o_proj, and the MLP;
+on the Qwen3.5-MoE fixture (tests/fixtures/models/qwen3_5_moe) also the shared expert, its gate
+(shared_expert_gate), and through target_parameters the fused routed experts (gate_up_proj,
+down_proj: no modules on transformers 5, and PEFT 0.21 does not turn the MLP names into parameter
+targets for this model) and the router's bare weight (mlp.gate.weight).
 
 Same layout as tests/fixtures/embedding_lora (see scripts/make_embedding_lora_fixtures.py), under
 tests/fixtures/qwen3_5_lora/<name>/. Run from the repository root:
@@ -21,6 +25,13 @@ CASES = {
             "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
         ]),
+    ),
+    "qwen3_5_moe": (
+        "models/qwen3_5_moe/model",
+        dict(r=2, lora_alpha=4, target_modules=[
+            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate",
+        ], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]),
     ),
 }
 

@@ -11,52 +11,78 @@ use ferrotune_models::{load_model, AttentionLayout, CausalLm};
 
 use common::{fixtures, rel_l2};
 
-fn dir() -> std::path::PathBuf {
-    fixtures().join("models").join("qwen3_5")
+fn case_dir(case: &str) -> std::path::PathBuf {
+    fixtures().join("models").join(case)
 }
 
-fn golden() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(dir().join("golden.json")).unwrap()).unwrap()
+fn case_golden(case: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(case_dir(case).join("golden.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
 }
 
 fn load() -> CausalLm {
-    load_model(&dir().join("model"), DType::F32, &Device::Cpu)
+    load_case("qwen3_5")
+}
+
+fn load_case(case: &str) -> CausalLm {
+    load_model(&case_dir(case).join("model"), DType::F32, &Device::Cpu)
         .unwrap()
         .0
 }
 
 /// Full fine-tuning gradients of the golden loss equal transformers' (`grads.safetensors`) for
 /// every parameter: the DeltaNet's projections, conv1d, A_log, dt_bias and gated norm, the gated
-/// attention's projections and q/k norms, the MLPs and the zero-centred norms.
+/// attention's projections and q/k norms, the MLPs (Qwen3.5-MoE: router, experts, shared expert
+/// and its gate) and the zero-centred norms.
 #[test]
 fn full_training_gradients_match_transformers() {
-    let mut model = load();
+    for case in ["qwen3_5", "qwen3_5_moe"] {
+        check_full_training_gradients(case);
+    }
+}
+
+fn check_full_training_gradients(case: &str) {
+    let golden = case_golden(case);
+    let mut model = load_case(case);
     let params = model.make_all_trainable().unwrap();
-    let rows: Vec<Vec<u32>> = serde_json::from_value(golden()["input_ids"].clone()).unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(golden["input_ids"].clone()).unwrap();
     let (b, t) = (rows.len(), rows[0].len());
     let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
     let logits = model
         .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
         .unwrap();
-    let l = common::causal_lm_loss(&logits, &golden()["labels"]);
-    let want_loss = golden()["loss"].as_f64().unwrap();
+    let l = common::causal_lm_loss(&logits, &golden["labels"]);
+    let want_loss = golden["loss"].as_f64().unwrap();
     let got = l.to_scalar::<f32>().unwrap() as f64;
-    assert!((got - want_loss).abs() <= 1e-4, "loss {got} vs {want_loss}");
+    assert!(
+        (got - want_loss).abs() <= 1e-4,
+        "{case}: loss {got} vs {want_loss}"
+    );
     let grads = l.backward().unwrap();
     let want: HashMap<String, Tensor> =
-        candle_core::safetensors::load(dir().join("grads.safetensors"), &Device::Cpu).unwrap();
+        candle_core::safetensors::load(case_dir(case).join("grads.safetensors"), &Device::Cpu)
+            .unwrap();
     let mut names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
     names.sort();
     let mut want_names: Vec<&String> = want.keys().collect();
     want_names.sort();
-    assert_eq!(names, want_names, "parameter names");
+    assert_eq!(names, want_names, "{case}: parameter names");
+    let mut worst = 0f32;
     for (name, var) in &params {
         let g = grads
             .get(var)
-            .unwrap_or_else(|| panic!("{name}: no gradient"));
+            .unwrap_or_else(|| panic!("{case}: {name}: no gradient"));
         let err = rel_l2(g, &want[name]);
-        assert!(err <= 1e-4, "{name}: gradient relative L2 error {err}");
+        worst = worst.max(err);
+        assert!(
+            err <= 1e-4,
+            "{case}: {name}: gradient relative L2 error {err}"
+        );
     }
+    eprintln!(
+        "{case}: loss error {:e}, worst gradient relative L2 {worst:e}",
+        (got - want_loss).abs()
+    );
 }
 
 /// Packed samples: the linear attention's convolution and state restart at each sample's start
@@ -255,4 +281,58 @@ pub(crate) fn check_batched_generation(case: &str) {
 #[test]
 fn batched_left_padded_generation_matches_transformers() {
     check_batched_generation("qwen3_5");
+    check_batched_generation("qwen3_5_moe");
+}
+
+/// A Qwen3.5-MoE checkpoint holding its experts fused, as transformers 5 keeps them in memory
+/// (`mlp.experts.gate_up_proj` `[experts, 2 · inter, hidden]`, gate rows first, and
+/// `mlp.experts.down_proj` `[experts, hidden, inter]`), reads as the per-expert one: the
+/// golden's logits.
+#[test]
+fn fused_expert_checkpoint_reads_as_per_expert() {
+    let src = case_dir("qwen3_5_moe").join("model");
+    let dir = std::env::temp_dir().join(format!("ferrotune-qwen3_5-fused-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut stored =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let model = load_case("qwen3_5_moe");
+    let experts = model.config.moe.as_ref().unwrap().num_experts;
+    for layer in 0..model.layers.len() {
+        let pre = format!("model.layers.{layer}.mlp.experts");
+        let mut take = |e: usize, p: &str| stored.remove(&format!("{pre}.{e}.{p}.weight")).unwrap();
+        let mut gate_up = Vec::new();
+        let mut down = Vec::new();
+        for e in 0..experts {
+            let (g, u) = (take(e, "gate_proj"), take(e, "up_proj"));
+            gate_up.push(Tensor::cat(&[g, u], 0).unwrap());
+            down.push(take(e, "down_proj"));
+        }
+        stored.insert(
+            format!("{pre}.gate_up_proj"),
+            Tensor::stack(&gate_up, 0).unwrap(),
+        );
+        stored.insert(format!("{pre}.down_proj"), Tensor::stack(&down, 0).unwrap());
+    }
+    candle_core::safetensors::save(&stored, dir.join("model.safetensors")).unwrap();
+    let fused = load_model(&dir, DType::F32, &Device::Cpu).unwrap().0;
+    let golden = case_golden("qwen3_5_moe");
+    let rows: Vec<Vec<u32>> = serde_json::from_value(golden["input_ids"].clone()).unwrap();
+    let (b, t) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();
+    let logits = fused
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap();
+    let want = candle_core::safetensors::load(
+        case_dir("qwen3_5_moe").join("golden.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let err = common::max_abs_diff(&logits, &want["logits"]);
+    assert!(err <= 1e-4, "fused experts: logits differ by {err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
