@@ -57,6 +57,7 @@ from transformers import (
     Olmo2Config,
     Phi3Config,
     Qwen3_5MoeTextConfig,
+    Qwen3NextConfig,
     Qwen3_5TextConfig,
     PhiConfig,
     PhimoeConfig,
@@ -943,6 +944,34 @@ def cfg_qwen3_5_moe():
     ))
 
 
+def cfg_qwen3_next():
+    # Qwen3-Next: qwen3_5_moe's layer pattern (0-2 Gated DeltaNet, 3 gated full attention) with the DeltaNet's
+    # projections fused per key head (in_proj_qkvz, in_proj_ba; 2 key heads each serving 2 value heads), layer 1
+    # dense (mlp_only_layers, intermediate 96), the others 4 experts (intermediate 16) top-2 without
+    # renormalization (norm_topk_prob false) plus a gated shared expert (intermediate 24); untied.
+    return Qwen3NextConfig(**common(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        tie_word_embeddings=False,
+    ))
+
+
 CASES = {
     "llama2": dict(cfg=cfg_llama2, seed=101, style="v5",
                    notes="MHA, rope default theta 1e4, untied lm_head, pad_token_id null"),
@@ -1083,6 +1112,11 @@ CASES = {
                         notes="Qwen3.5-MoE text (qwen3_5_moe_text): qwen3_5's layer pattern (0-2 Gated DeltaNet, 3 gated "
                               "full attention) with every MLP 4 experts (intermediate 16), softmax top-2 renormalized, "
                               "a shared expert (intermediate 24) gated by sigmoid(shared_expert_gate); untied"),
+    "qwen3_next": dict(cfg=cfg_qwen3_next, seed=144, style="v5", grads=True,
+                       notes="Qwen3-Next: layers 0-2 Gated DeltaNet with fused in_proj_qkvz / in_proj_ba (grouped per "
+                             "key head; 2 key heads x 8, 4 value heads x 16), layer 3 gated full attention; layer 1 "
+                             "dense (mlp_only_layers), the others 4 experts top-2 without renormalization plus a "
+                             "gated shared expert; zero-centred RMSNorms; untied"),
     "qwen3_5_multimodal": dict(weights_from="qwen3_5", multimodal="qwen3_5", same_golden_as="qwen3_5", style="v5",
                                notes="Qwen3_5ForConditionalGeneration holding qwen3_5's text weights "
                                      "(model.language_model.*) and a tiny vision tower (model.visual.*); text-only "
@@ -1239,7 +1273,7 @@ def build_model(case: str):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Gemma 4's norms multiply by the weight itself (init 1), the earlier Gemmas' by 1 + weight.
     gemma_norm = (config.model_type.startswith("gemma") and config.model_type != "gemma4_text") \
-        or config.model_type in ("vaultgemma", "qwen3_5_text", "qwen3_5_moe_text")
+        or config.model_type in ("vaultgemma", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
     init_weights(model, src_spec["seed"], gemma_norm=gemma_norm, embed_std=src_spec.get("embed_std"))
     init_buffers(model, src_spec["seed"])
     model.eval()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """transformers' batched greedy generation with left padding on the Qwen3.5 fixtures: what the
-linear-attention cache (conv and recurrent states) must reproduce.
+linear-attention cache (conv and recurrent states) must reproduce (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
 
 For each case, tests/fixtures/qwen3_5_generate/<case>/:
 - `golden.json`: `model` (the fixture folder under tests/fixtures), `pad_token_id`, `prompts`
@@ -26,6 +26,7 @@ NEW_TOKENS = 16
 CASES = {
     "qwen3_5": "models/qwen3_5/model",
     "qwen3_5_moe": "models/qwen3_5_moe/model",
+    "qwen3_next": "models/qwen3_next/model",
 }
 
 PROMPTS = [

@@ -25,14 +25,8 @@ use crate::error::ModelError;
 /// One layer's Gated DeltaNet but `out_proj` (the attention's `o_proj` slot).
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
-    /// `[2 · key_dim + value_dim, hidden]`.
-    pub in_proj_qkv: Linear,
-    /// The output norm's gate, `[value_dim, hidden]`.
-    pub in_proj_z: Linear,
-    /// β before its sigmoid, `[value_heads, hidden]`.
-    pub in_proj_b: Linear,
-    /// The decay's input, `[value_heads, hidden]`.
-    pub in_proj_a: Linear,
+    /// The input projections.
+    pub projections: DeltaNetProjections,
     /// The depthwise convolution's weight, `[conv_dim, 1, kernel]`.
     pub conv1d: Tensor,
     /// `[value_heads]`.
@@ -43,12 +37,34 @@ pub struct GatedDeltaNet {
     pub norm: Tensor,
 }
 
+/// A Gated DeltaNet's input projections, as the checkpoint holds them.
+// One per layer, inside a boxed `GatedDeltaNet`: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum DeltaNetProjections {
+    /// Qwen3.5's four: `in_proj_qkv` (`[2 · key_dim + value_dim, hidden]`: all queries, all
+    /// keys, all values), `in_proj_z` (the output norm's gate, `[value_dim, hidden]`),
+    /// `in_proj_b` (β before its sigmoid) and `in_proj_a` (the decay's input), `[value_heads,
+    /// hidden]`.
+    Split {
+        qkv: Linear,
+        z: Linear,
+        b: Linear,
+        a: Linear,
+    },
+    /// Qwen3-Next's two, grouped by key head: `in_proj_qkvz` (per key head its query, its key,
+    /// then its value heads' values and gates) and `in_proj_ba` (per key head its value heads'
+    /// β inputs, then their decay inputs).
+    Fused { qkvz: Linear, ba: Linear },
+}
+
 const NAMES: [&str; 4] = [
     "linear_attn.in_proj_qkv",
     "linear_attn.in_proj_z",
     "linear_attn.in_proj_b",
     "linear_attn.in_proj_a",
 ];
+const FUSED_NAMES: [&str; 2] = ["linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"];
 const CONV: &str = "linear_attn.conv1d.weight";
 const DT_BIAS: &str = "linear_attn.dt_bias";
 const A_LOG: &str = "linear_attn.A_log";
@@ -59,16 +75,17 @@ pub(super) const OUT_PROJ: &str = "linear_attn.out_proj";
 impl GatedDeltaNet {
     /// The module names, in the order of [`GatedDeltaNet::linears`].
     pub(super) fn names(&self) -> &'static [&'static str] {
-        &NAMES
+        match self.projections {
+            DeltaNetProjections::Split { .. } => &NAMES,
+            DeltaNetProjections::Fused { .. } => &FUSED_NAMES,
+        }
     }
 
     pub(super) fn linears(&self) -> Vec<&Linear> {
-        vec![
-            &self.in_proj_qkv,
-            &self.in_proj_z,
-            &self.in_proj_b,
-            &self.in_proj_a,
-        ]
+        match &self.projections {
+            DeltaNetProjections::Split { qkv, z, b, a } => vec![qkv, z, b, a],
+            DeltaNetProjections::Fused { qkvz, ba } => vec![qkvz, ba],
+        }
     }
 
     pub(super) fn linears_mut(&mut self) -> Vec<&mut Linear> {
@@ -88,17 +105,18 @@ impl GatedDeltaNet {
     /// [`GatedDeltaNet::linears_mut`] and [`GatedDeltaNet::norms`], borrowed apart.
     pub(super) fn parts_mut(&mut self) -> (Vec<&mut Linear>, Vec<(&'static str, &mut Tensor)>) {
         let GatedDeltaNet {
-            in_proj_qkv,
-            in_proj_z,
-            in_proj_b,
-            in_proj_a,
+            projections,
             conv1d,
             dt_bias,
             a_log,
             norm,
         } = self;
+        let linears = match projections {
+            DeltaNetProjections::Split { qkv, z, b, a } => vec![qkv, z, b, a],
+            DeltaNetProjections::Fused { qkvz, ba } => vec![qkvz, ba],
+        };
         (
-            vec![in_proj_qkv, in_proj_z, in_proj_b, in_proj_a],
+            linears,
             vec![
                 (CONV, conv1d),
                 (DT_BIAS, dt_bias),
@@ -119,16 +137,65 @@ impl TensorTaker<'_> {
     ) -> Result<GatedDeltaNet, ModelError> {
         let value_dim = d.value_heads * d.value_head_dim;
         let vh = d.value_heads;
+        let projections = if d.fused_projections {
+            let [qkvz, ba] = FUSED_NAMES;
+            DeltaNetProjections::Fused {
+                qkvz: self.linear(&format!("{p}.{qkvz}"), d.conv_dim() + value_dim, hidden)?,
+                ba: self.linear(&format!("{p}.{ba}"), 2 * vh, hidden)?,
+            }
+        } else {
+            let [qkv, z, b, a] = NAMES;
+            DeltaNetProjections::Split {
+                qkv: self.linear(&format!("{p}.{qkv}"), d.conv_dim(), hidden)?,
+                z: self.linear(&format!("{p}.{z}"), value_dim, hidden)?,
+                b: self.linear(&format!("{p}.{b}"), vh, hidden)?,
+                a: self.linear(&format!("{p}.{a}"), vh, hidden)?,
+            }
+        };
         Ok(GatedDeltaNet {
-            in_proj_qkv: self.linear(&format!("{p}.{}", NAMES[0]), d.conv_dim(), hidden)?,
-            in_proj_z: self.linear(&format!("{p}.{}", NAMES[1]), value_dim, hidden)?,
-            in_proj_b: self.linear(&format!("{p}.{}", NAMES[2]), vh, hidden)?,
-            in_proj_a: self.linear(&format!("{p}.{}", NAMES[3]), vh, hidden)?,
+            projections,
             conv1d: self.take(&format!("{p}.{CONV}"), &[d.conv_dim(), 1, d.conv_kernel])?,
             dt_bias: self.take(&format!("{p}.{DT_BIAS}"), &[vh])?,
             a_log: self.take(&format!("{p}.{A_LOG}"), &[vh])?,
             norm: self.take(&format!("{p}.{NORM}"), &[d.value_head_dim])?,
         })
+    }
+}
+
+/// The projections of `x` (`[b, t, hidden]`) in Qwen3.5's order: `(qkv [b, t, conv_dim] — all
+/// queries, all keys, all values —, z [b, t, value_dim], b [b, t, value_heads], a [b, t,
+/// value_heads])`; Qwen3-Next's fused ones regrouped from per key head.
+fn project(
+    projections: &DeltaNetProjections,
+    d: &DeltaNetConfig,
+    x: &Tensor,
+) -> CResult<(Tensor, Tensor, Tensor, Tensor)> {
+    match projections {
+        DeltaNetProjections::Split { qkv, z, b, a } => {
+            Ok((qkv.forward(x)?, z.forward(x)?, b.forward(x)?, a.forward(x)?))
+        }
+        DeltaNetProjections::Fused { qkvz, ba } => {
+            let (bs, t, _) = x.dims3()?;
+            let (kh, dk, dv) = (d.key_heads, d.key_head_dim, d.value_head_dim);
+            let rep = d.value_heads / kh;
+            let group = 2 * dk + 2 * rep * dv;
+            let qkvz = qkvz.forward(x)?.reshape((bs, t, kh, group))?;
+            // Each piece of every key head's group, heads kept in order: `[b, t, heads · n]`.
+            let piece = |g: &Tensor, at: usize, n: usize| -> CResult<Tensor> {
+                g.narrow(3, at, n)?.reshape((bs, t, kh * n))
+            };
+            let q = piece(&qkvz, 0, dk)?;
+            let k = piece(&qkvz, dk, dk)?;
+            let v = piece(&qkvz, 2 * dk, rep * dv)?;
+            let z = piece(&qkvz, 2 * dk + rep * dv, rep * dv)?;
+            let ba = ba.forward(x)?.reshape((bs, t, kh, 2 * rep))?;
+            Ok((
+                Tensor::cat(&[q, k, v], 2)?,
+                z,
+                piece(&ba, 0, rep)?,
+                piece(&ba, rep, rep)?,
+            ))
+        }
     }
 }
 
@@ -268,7 +335,8 @@ impl CausalLm {
         let (kh, vh, dk, dv) = (d.key_heads, d.value_heads, d.key_head_dim, d.value_head_dim);
         // The causal depthwise convolution (the cached inputs, or kernel - 1 zeros, before the
         // first position), summed in f32 and rounded once, as PyTorch's conv1d accumulates.
-        let qkv = net.in_proj_qkv.forward(&x)?.to_dtype(DType::F32)?; // [b, t, conv_dim]
+        let (qkv, z, b_in, a_in) = project(&net.projections, d, &x)?;
+        let qkv = qkv.to_dtype(DType::F32)?; // [b, t, conv_dim]
         let kernel = d.conv_kernel;
         let w = net.conv1d.squeeze(1)?.to_dtype(DType::F32)?; // [conv_dim, kernel]
         let before = match past_conv {
@@ -305,8 +373,8 @@ impl CausalLm {
             .narrow(2, 2 * key_dim, vh * dv)?
             .reshape((b, t, vh, dv))?;
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-        let beta = sigmoid(&net.in_proj_b.forward(&x)?)?; // [b, t, vh]
-        let a = f32(&net.in_proj_a.forward(&x)?)?;
+        let beta = sigmoid(&b_in)?; // [b, t, vh]
+        let a = f32(&a_in)?;
         let g = softplus(&a.broadcast_add(&f32(&net.dt_bias)?)?)?
             .broadcast_mul(&f32(&net.a_log)?.exp()?.neg()?)?;
         let rep = vh / kh;
@@ -338,7 +406,7 @@ impl CausalLm {
         let out = out.transpose(1, 2)?.to_dtype(dtype)?;
         // The gated RMSNorm of each value head (`[b, t, vh, dv]`): normalized in f32, cast back,
         // times the weight, times silu(z) in f32.
-        let z = net.in_proj_z.forward(&x)?.reshape((b, t, vh, dv))?;
+        let z = z.reshape((b, t, vh, dv))?;
         let o = f32(&out)?;
         let var = o.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = o

@@ -55,7 +55,7 @@ use attention::QueryScale;
 pub(crate) use attention::{llama4_query_scale, nope_query_temperature};
 pub use cache::KvCache;
 use cache::{LayerCache, LinearState};
-pub use delta_net::GatedDeltaNet;
+pub use delta_net::{DeltaNetProjections, GatedDeltaNet};
 pub use gpt_oss::{GptOssMoe, GPT_OSS_MOE_TENSORS};
 pub use layer::{
     DecoderLayer, LayerPartsMut, PerLayerEmbedding, PerLayerInputBlock, PER_LAYER_NORM,

@@ -247,6 +247,8 @@ fn every_family_runs_in_bf16() {
             // ... and with experts, bf16 flips expert choices too: transformers' own bf16 run of
             // the qwen3_5_moe fixture lands 0.269 from its f32 golden (0.281 here).
             (false, "qwen3_5_moe_text" | "qwen3_5_moe") => 0.35,
+            // Qwen3-Next's fixture: transformers' own bf16 run lands 0.080 from its f32 golden.
+            (false, "qwen3_next") => 0.12,
             _ => 0.05,
         };
         assert!(

@@ -1548,11 +1548,14 @@ fn qwen3_5_adapter_matches_peft() {
     case.check_forward_and_gradients();
 }
 
-/// Qwen3.5-MoE (tests/fixtures/qwen3_5_lora/qwen3_5_moe): a PEFT adapter on the Gated DeltaNet,
-/// the gated attention, the shared expert and its gate (modules), and through
+/// Qwen3.5-MoE and Qwen3-Next (tests/fixtures/qwen3_5_lora/qwen3_5_moe, qwen3_next): a PEFT
+/// adapter on the Gated DeltaNet (Qwen3-Next's fused in_proj_qkvz and in_proj_ba), the gated
+/// attention, the shared expert and its gate, Qwen3-Next's dense MLP (modules), and through
 /// `target_parameters` the fused routed experts and the router's weight: checked as DeepSeek's.
 #[test]
-fn qwen3_5_moe_adapter_matches_peft() {
-    let case = Case::made_with_base(fixtures().join("qwen3_5_lora").join("qwen3_5_moe"));
-    check_fused_experts_adapter("qwen3_5_moe", &case);
+fn qwen3_5_moe_adapters_match_peft() {
+    for name in ["qwen3_5_moe", "qwen3_next"] {
+        let case = Case::made_with_base(fixtures().join("qwen3_5_lora").join(name));
+        check_fused_experts_adapter(name, &case);
+    }
 }

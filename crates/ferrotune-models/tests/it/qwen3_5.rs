@@ -32,11 +32,12 @@ fn load_case(case: &str) -> CausalLm {
 
 /// Full fine-tuning gradients of the golden loss equal transformers' (`grads.safetensors`) for
 /// every parameter: the DeltaNet's projections, conv1d, A_log, dt_bias and gated norm, the gated
-/// attention's projections and q/k norms, the MLPs (Qwen3.5-MoE: router, experts, shared expert
-/// and its gate) and the zero-centred norms.
+/// attention's projections and q/k norms, the MLPs (Qwen3.5-MoE, Qwen3-Next: router, experts,
+/// shared expert and its gate; Qwen3-Next's fused in_proj_qkvz / in_proj_ba) and the
+/// zero-centred norms.
 #[test]
 fn full_training_gradients_match_transformers() {
-    for case in ["qwen3_5", "qwen3_5_moe"] {
+    for case in ["qwen3_5", "qwen3_5_moe", "qwen3_next"] {
         check_full_training_gradients(case);
     }
 }
@@ -244,10 +245,17 @@ pub(crate) fn check_batched_generation(case: &str) {
         .unwrap();
     let d = model.config.delta_net.clone().unwrap();
     let mut got: Vec<Vec<u32>> = vec![Vec::new(); rows];
+    // transformers' own scores are this far from exact at one step of the qwen3_next golden
+    // (step 3, row 0): its full forward of the same tokens differs from them by 2.8e-4 there (its
+    // chunked prefill and recurrent decode round apart), ferrotune's 1.1e-4; ≤ 5e-5 elsewhere.
+    let tolerance = if case == "qwen3_next" { 3e-4 } else { 1e-4 };
     for step in 0..want[0].len() {
         let last = logits.squeeze(1).unwrap();
         let err = common::max_abs_diff(&last, &scores.get(step).unwrap());
-        assert!(err <= 1e-4, "{case}: step {step}: logits differ by {err}");
+        assert!(
+            err <= tolerance,
+            "{case}: step {step}: logits differ by {err}"
+        );
         let next: Vec<u32> = last.argmax(1).unwrap().to_vec1().unwrap();
         for (r, &t) in next.iter().enumerate() {
             got[r].push(t);
@@ -282,6 +290,7 @@ pub(crate) fn check_batched_generation(case: &str) {
 fn batched_left_padded_generation_matches_transformers() {
     check_batched_generation("qwen3_5");
     check_batched_generation("qwen3_5_moe");
+    check_batched_generation("qwen3_next");
 }
 
 /// A Qwen3.5-MoE checkpoint holding its experts fused, as transformers 5 keeps them in memory
@@ -335,4 +344,24 @@ fn fused_expert_checkpoint_reads_as_per_expert() {
     let err = common::max_abs_diff(&logits, &want["logits"]);
     assert!(err <= 1e-4, "fused experts: logits differ by {err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Qwen3-Next's config and checkpoint read as such: the DeltaNet's fused projections
+/// (`in_proj_qkvz`, `in_proj_ba`), `mlp_only_layers` leaving layer 1 dense, `norm_topk_prob`
+/// false; Qwen3.5-MoE's every layer sparse with renormalized weights.
+#[test]
+fn qwen3_next_and_qwen3_5_moe_read_as_such() {
+    let next = load_case("qwen3_next");
+    let d = next.config.delta_net.as_ref().unwrap();
+    assert!(d.fused_projections);
+    let moe = next.config.moe.as_ref().unwrap();
+    assert_eq!(moe.sparse_layers, [true, false, true, true]);
+    assert!(!moe.norm_topk_prob);
+    let names: Vec<String> = next.linears().into_iter().map(|(n, _)| n).collect();
+    assert!(names.contains(&"model.layers.0.linear_attn.in_proj_qkvz".to_string()));
+    assert!(names.contains(&"model.layers.0.linear_attn.in_proj_ba".to_string()));
+    let moe35 = load_case("qwen3_5_moe");
+    let m = moe35.config.moe.as_ref().unwrap();
+    assert!(m.norm_topk_prob && m.sparse_layers.iter().all(|&s| s));
+    assert!(!moe35.config.delta_net.as_ref().unwrap().fused_projections);
 }
