@@ -9,13 +9,16 @@
 //! sigmoid(in_proj_b x)` and `g = −exp(A_log) · softplus(in_proj_a x + dt_bias)`. The output
 //! passes the gated RMSNorm `w · x̂ · silu(in_proj_z x)` of each value head and `out_proj`.
 //!
-//! The rule runs in its recurrent form with candle ops (exact, with their backward; slow on long
-//! sequences). With a cache the layer keeps, instead of keys and values, its convolution's last
+//! The rule runs in its chunked form (`delta_chunked`) over at least a chunk (64) of positions
+//! of unpacked rows (training, prefill), in its recurrent form over fewer (a decode step) and
+//! for packed rows (where a sample's start drops the state); both with candle ops and their
+//! backward. With a cache the layer keeps, instead of keys and values, its convolution's last
 //! `kernel - 1` inputs and the rule's state (`LinearState`): a decode step costs the same at any
 //! length, and the cache does not grow with it.
 
 use candle_core::{DType, Device, Result as CResult, Tensor, D};
 
+use super::delta_chunked::{chunked_delta_rule, CHUNK};
 use super::gpt_oss::sigmoid;
 use super::load::TensorTaker;
 use super::{AttentionLayout, CausalLm, Linear, LinearState};
@@ -266,7 +269,7 @@ fn repeat_heads(x: &Tensor, n: usize) -> CResult<Tensor> {
 /// dv]`, `decay` (`exp(g)`; 0 where a packed sample starts), `beta` `[b, h, t]`, from `state`
 /// `[b, h, dk, dv]` (zeros when `None`); returns the output `[b, h, t, dv]` and the state after
 /// the last position.
-fn recurrent_delta_rule(
+pub(super) fn recurrent_delta_rule(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -381,19 +384,29 @@ impl CausalLm {
         let q = (l2_norm(&f32(&repeat_heads(&q, rep)?)?)? * (dk as f64).powf(-0.5))?;
         let k = l2_norm(&f32(&repeat_heads(&k, rep)?)?)?;
         let heads_first = |t: Tensor| t.transpose(1, 2)?.contiguous();
-        // The state decays by exp(g); at a packed sample's start it is dropped (times 0).
-        let decay = match links {
-            Some(l) => g.exp()?.broadcast_mul(&l.narrow(2, 1, 1)?)?,
-            None => g.exp()?,
-        };
-        let (out, state) = recurrent_delta_rule(
-            &heads_first(q)?,
-            &heads_first(k)?,
-            &heads_first(f32(&v)?)?,
-            &heads_first(decay)?,
-            &heads_first(f32(&beta)?)?,
-            past_state,
-        )?; // [b, vh, t, dv]
+        let (q, k, v, beta) = (
+            heads_first(q)?,
+            heads_first(k)?,
+            heads_first(f32(&v)?)?,
+            heads_first(f32(&beta)?)?,
+        );
+        let (out, state) = match links {
+            // At least a chunk of positions of unpacked rows (training, prefill): the chunked
+            // form, as transformers runs them.
+            None if t >= CHUNK => {
+                chunked_delta_rule(&q, &k, &v, &heads_first(g)?, &beta, past_state)?
+            }
+            // Fewer positions (decoding; short sequences, where the chunk's 64 × 64 products
+            // cost more than the steps), or packed rows: the recurrent form, where a packed
+            // sample's start drops the state (its decay times 0).
+            _ => {
+                let decay = match links {
+                    Some(l) => g.exp()?.broadcast_mul(&l.narrow(2, 1, 1)?)?,
+                    None => g.exp()?,
+                };
+                recurrent_delta_rule(&q, &k, &v, &heads_first(decay)?, &beta, past_state)?
+            }
+        }; // [b, vh, t, dv]
         if let Some(slot) = cache {
             // What the next positions' convolution reads: the last kernel - 1 inputs.
             let conv = padded.narrow(1, t, kernel - 1)?.contiguous()?;

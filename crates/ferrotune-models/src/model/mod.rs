@@ -15,7 +15,8 @@
 //! - `moe`: [`Moe`], [`ParallelMoe`], routing, [`RouterRecord`]; `moe_grouped`: DeepSeek's
 //!   group-limited routing ([`GroupedRouter`]);
 //! - `mla`: DeepSeek's multi-head latent attention ([`LatentProjection`]) and its latent cache;
-//! - `delta_net`: Qwen3.5's and Qwen3-Next's Gated DeltaNet ([`GatedDeltaNet`]);
+//! - `delta_net`: Qwen3.5's and Qwen3-Next's Gated DeltaNet ([`GatedDeltaNet`]) and the
+//!   recurrent form of its delta rule; `delta_chunked`: the chunked form;
 //! - `gpt_oss`: gpt-oss's attention sinks and [`GptOssMoe`];
 //! - `layer`: [`DecoderLayer`], [`LayerPartsMut`], Gemma 4's per-layer embeddings, the layer
 //!   forward;
@@ -37,6 +38,7 @@ use crate::rope::RotaryEmbedding;
 mod attention;
 mod cache;
 mod decode_step;
+mod delta_chunked;
 mod delta_net;
 mod gpt_oss;
 mod layer;
