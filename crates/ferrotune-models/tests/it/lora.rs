@@ -1548,6 +1548,29 @@ fn qwen3_5_adapter_matches_peft() {
     case.check_forward_and_gradients();
 }
 
+/// Qwen3.5 with DoRA (tests/fixtures/qwen3_5_lora/qwen3_5_dora) on the Gated DeltaNet's
+/// in_proj_qkv, in_proj_z and out_proj, the gated attention's q_proj and the MLP's gate_proj:
+/// PEFT's logits, loss and every gradient (magnitudes included; PEFT run in float64, its own
+/// float32 logits being 8e-5 off), merged weights.
+#[test]
+fn qwen3_5_dora_adapter_matches_peft() {
+    let case = Case::made_with_base(fixtures().join("qwen3_5_lora").join("qwen3_5_dora"));
+    let (mut model, config) = case.model_with_adapter();
+    let adapted = adapted_layers(&model);
+    let TargetModules::Names(modules) = &config.target_modules else {
+        panic!("PEFT saved its targets as names");
+    };
+    for module in modules {
+        assert!(
+            adapted.iter().any(|n| n.ends_with(&format!(".{module}"))),
+            "{module} not adapted: {adapted:?}"
+        );
+    }
+    case.assert_runs_as_peft(&mut model);
+    case.assert_merges_as_peft(&model);
+    case.check_forward_and_gradients();
+}
+
 /// Qwen3.5-MoE and Qwen3-Next (tests/fixtures/qwen3_5_lora/qwen3_5_moe, qwen3_next): a PEFT
 /// adapter on the Gated DeltaNet (Qwen3-Next's fused in_proj_qkvz and in_proj_ba), the gated
 /// attention, the shared expert and its gate, Qwen3-Next's dense MLP (modules), and through
