@@ -24,7 +24,7 @@ import sys
 
 import torch
 from peft import LoraConfig, get_peft_model
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
@@ -99,7 +99,12 @@ def make_case(out, name, base, kwargs):
     kwargs = dict(kwargs)
     # Vision-language models (Qwen2.5-VL, Qwen3-VL) are no AutoModelForCausalLM in transformers 5.
     auto = kwargs.pop("auto_class", AutoModelForCausalLM)
-    model = auto.from_pretrained(os.path.join(ROOT, base), dtype=torch.float32)
+    # Where PyTorch's own float32 run is not exact enough to compare against (its gradients far
+    # from its float64 ones), the reference is computed in float64 (adapter values rounded to
+    # float32 first, so that the saved float32 adapter is exactly the one used) and saved as float32.
+    f64 = kwargs.pop("float64_reference", False)
+    model = auto.from_pretrained(os.path.join(ROOT, base), dtype=torch.float64 if f64 else torch.float32,
+                                 **({"experts_implementation": "eager"} if f64 else {}))
     resize_to = kwargs.pop("resize_to", None)
     # Phi-3.5-MoE's sparsemixer samples experts in training mode: its gradients are taken in
     # evaluation mode (deterministic routing), as ferrotune routes.
@@ -121,6 +126,8 @@ def make_case(out, name, base, kwargs):
                 p.copy_(torch.randn_like(p))
             elif "magnitude" in pname:
                 p.mul_(1 + 0.1 * torch.randn_like(p))
+            if f64 and p.requires_grad:
+                p.copy_(p.float().double())
     model.eval() if eval_grads else model.train()
     out_ = model(input_ids=ids, labels=labels)
     out_.loss.backward()
@@ -166,6 +173,13 @@ def make_case(out, name, base, kwargs):
         meta["merged_equals_adapter"] = bool(torch.allclose(lora_logits, merged_logits, atol=1e-4))
     else:
         meta["merge_error"] = merge_error
+    if f64:
+        meta["reference_dtype"] = "float64"
+        for f in ("golden.safetensors", "lora_grads.safetensors", "merged.safetensors",
+                  os.path.join("adapter", "adapter_model.safetensors")):
+            path = os.path.join(d, f)
+            if os.path.exists(path):
+                save_file({k: v.float().contiguous() for k, v in load_file(path).items()}, path)
     json.dump(meta, open(os.path.join(d, "golden.json"), "w"), indent=1)
     print(name, out_.loss.item(), sorted(grads), "merge:", meta.get("merged_equals_adapter", merge_error))
 

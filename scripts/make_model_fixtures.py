@@ -56,6 +56,8 @@ from transformers import (
     MixtralConfig,
     Olmo2Config,
     Phi3Config,
+    Qwen3_5MoeTextConfig,
+    Qwen3NextConfig,
     Qwen3_5TextConfig,
     PhiConfig,
     PhimoeConfig,
@@ -918,6 +920,58 @@ def cfg_qwen3_5():
     ))
 
 
+def cfg_qwen3_5_moe():
+    # Qwen3.5-MoE (text model): qwen3_5's layers (0-2 Gated DeltaNet, 3 gated full attention) with every MLP a
+    # mixture of 4 experts (moe_intermediate_size 16), top-2 always renormalized, plus a shared expert
+    # (intermediate 24) scaled by sigmoid(shared_expert_gate(x)); untied.
+    return Qwen3_5MoeTextConfig(**common(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        tie_word_embeddings=False,
+    ))
+
+
+def cfg_qwen3_next():
+    # Qwen3-Next: qwen3_5_moe's layer pattern (0-2 Gated DeltaNet, 3 gated full attention) with the DeltaNet's
+    # projections fused per key head (in_proj_qkvz, in_proj_ba; 2 key heads each serving 2 value heads), layer 1
+    # dense (mlp_only_layers, intermediate 96), the others 4 experts (intermediate 16) top-2 without
+    # renormalization (norm_topk_prob false) plus a gated shared expert (intermediate 24); untied.
+    return Qwen3NextConfig(**common(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        tie_word_embeddings=False,
+    ))
+
+
 CASES = {
     "llama2": dict(cfg=cfg_llama2, seed=101, style="v5",
                    notes="MHA, rope default theta 1e4, untied lm_head, pad_token_id null"),
@@ -1054,6 +1108,24 @@ CASES = {
                           "2 key heads x 8 / 4 value heads x 16, A_log, dt_bias, gated RMSNorm), layer 3 gated "
                           "full attention (q_proj 2 x heads x head_dim, q/k norms, partial rotary 0.25, GQA 4/2, "
                           "head_dim 16); zero-centred RMSNorms; untied"),
+    "qwen3_5_moe": dict(cfg=cfg_qwen3_5_moe, seed=143, style="v5", grads=True,
+                        notes="Qwen3.5-MoE text (qwen3_5_moe_text): qwen3_5's layer pattern (0-2 Gated DeltaNet, 3 gated "
+                              "full attention) with every MLP 4 experts (intermediate 16), softmax top-2 renormalized, "
+                              "a shared expert (intermediate 24) gated by sigmoid(shared_expert_gate); untied"),
+    "qwen3_next": dict(cfg=cfg_qwen3_next, seed=144, style="v5", grads=True,
+                       notes="Qwen3-Next: layers 0-2 Gated DeltaNet with fused in_proj_qkvz / in_proj_ba (grouped per "
+                             "key head; 2 key heads x 8, 4 value heads x 16), layer 3 gated full attention; layer 1 "
+                             "dense (mlp_only_layers), the others 4 experts top-2 without renormalization plus a "
+                             "gated shared expert; zero-centred RMSNorms; untied"),
+    "qwen3_5_multimodal": dict(weights_from="qwen3_5", multimodal="qwen3_5", same_golden_as="qwen3_5", style="v5",
+                               notes="Qwen3_5ForConditionalGeneration holding qwen3_5's text weights "
+                                     "(model.language_model.*) and a tiny vision tower (model.visual.*); text-only "
+                                     "logits equal qwen3_5's"),
+    "qwen3_5_moe_multimodal": dict(weights_from="qwen3_5_moe", multimodal="qwen3_5_moe", same_golden_as="qwen3_5_moe",
+                                   style="v5",
+                                   notes="Qwen3_5MoeForConditionalGeneration holding qwen3_5_moe's text weights "
+                                         "(model.language_model.*) and a tiny vision tower (model.visual.*); "
+                                         "text-only logits equal qwen3_5_moe's"),
     "llama2_bin": dict(weights_from="llama2", style="v5", pickle="hf", same_golden_as="llama2",
                        notes="llama2 saved as PyTorch pickles: pytorch_model-0000{1,2}-of-00002.bin + "
                              "pytorch_model.bin.index.json (no safetensors); golden identical to llama2"),
@@ -1201,7 +1273,7 @@ def build_model(case: str):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Gemma 4's norms multiply by the weight itself (init 1), the earlier Gemmas' by 1 + weight.
     gemma_norm = (config.model_type.startswith("gemma") and config.model_type != "gemma4_text") \
-        or config.model_type in ("vaultgemma", "qwen3_5_text")
+        or config.model_type in ("vaultgemma", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
     init_weights(model, src_spec["seed"], gemma_norm=gemma_norm, embed_std=src_spec.get("embed_std"))
     init_buffers(model, src_spec["seed"])
     model.eval()
@@ -1364,6 +1436,19 @@ def write_multimodal(case: str, out_root: Path, golden_cache: dict):
                 depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
                 deepstack_visual_indexes=[0]), tie_word_embeddings=text_cfg.tie_word_embeddings)
             mm_class = Qwen3VLForConditionalGeneration
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
+        from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                                  Qwen3_5MoeForConditionalGeneration)
+        text = text_cfg.to_dict()
+        for k in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype"):
+            text.pop(k, None)
+        # As the Hub's Qwen3.5 configs: interleaved mrope sections (text-only positions make it plain RoPE).
+        text["rope_parameters"] = dict(text_cfg.rope_parameters, mrope_section=[11, 11, 10], mrope_interleaved=True)
+        cfg_class, mm_class = (Qwen3_5Config, Qwen3_5ForConditionalGeneration) if kind == "qwen3_5" else \
+            (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+        cfg = cfg_class(text_config=text, vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_cfg.hidden_size,
+            num_position_embeddings=16), tie_word_embeddings=text_cfg.tie_word_embeddings)
     elif kind in ("mllama", "mllama_text"):
         from transformers import MllamaConfig, MllamaForCausalLM, MllamaForConditionalGeneration, MllamaTextConfig
         text = text_cfg.to_dict()

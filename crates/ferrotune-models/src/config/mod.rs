@@ -61,6 +61,9 @@ pub struct DeltaNetConfig {
     pub value_head_dim: usize,
     /// `linear_conv_kernel_dim`.
     pub conv_kernel: usize,
+    /// Qwen3-Next's fused projections (`in_proj_qkvz`, `in_proj_ba`, grouped by key head)
+    /// instead of Qwen3.5's four.
+    pub fused_projections: bool,
 }
 
 impl DeltaNetConfig {

@@ -1,5 +1,6 @@
 //! The KV cache ([`KvCache`]): exact entries the forward appends to, or fixed-capacity buffers
-//! the decode step writes in place.
+//! the decode step writes in place; and the fixed-size states of linear-attention layers
+//! ([`LinearState`]).
 
 use candle_core::{DType, Device, Result as CResult, Tensor};
 
@@ -16,6 +17,9 @@ use super::decode_step;
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     pub(super) layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Per layer, a linear-attention (Gated DeltaNet) layer's states; `None` for the others
+    /// (whose keys and values are in `layers`).
+    pub(super) linear: Vec<Option<LinearState>>,
     /// While the entries are fixed-capacity buffers: how many positions are filled.
     pub(super) filled: Option<usize>,
     /// The decode step recorded as a graph for these buffers (see `CausalLm::decode_step`).
@@ -27,6 +31,27 @@ pub struct KvCache {
     pub(super) replay: decode_step::Replay,
 }
 
+/// A Gated DeltaNet layer's cache: what it needs to go on from the cached positions, of a size
+/// that does not grow with them.
+#[derive(Debug, Clone)]
+pub(super) struct LinearState {
+    /// The convolution's last `kernel - 1` inputs (`in_proj_qkv`'s outputs before the
+    /// convolution), zeros before the first position: `[b, kernel - 1, conv_dim]`, f32.
+    pub(super) conv: Tensor,
+    /// The delta rule's state `[b, value_heads, key_head_dim, value_head_dim]`, f32.
+    pub(super) recurrent: Tensor,
+    /// Positions seen (what [`KvCache::len`] reports when no layer has keys and values).
+    pub(super) positions: usize,
+}
+
+/// One layer's part of a [`KvCache`], as the layer forward takes it.
+pub(super) struct LayerCache<'a> {
+    /// An attention layer's keys and values.
+    pub(super) kv: &'a mut Option<(Tensor, Tensor)>,
+    /// A linear-attention layer's states.
+    pub(super) linear: &'a mut Option<LinearState>,
+}
+
 /// Fixed-capacity buffers grow in steps of this many positions (and at least double).
 const KV_CAPACITY_STEP: usize = 256;
 
@@ -35,7 +60,19 @@ impl KvCache {
     pub fn new(num_layers: usize) -> Self {
         Self {
             layers: vec![None; num_layers],
+            linear: vec![None; num_layers],
             ..Self::default()
+        }
+    }
+
+    /// Layer `index`'s part of the cache.
+    pub(super) fn layer(&mut self, index: usize) -> LayerCache<'_> {
+        if self.linear.len() < self.layers.len() {
+            self.linear.resize(self.layers.len(), None);
+        }
+        LayerCache {
+            kv: &mut self.layers[index],
+            linear: &mut self.linear[index],
         }
     }
 
@@ -87,8 +124,25 @@ impl KvCache {
                 None => None,
             });
         }
+        let first_row = |t: &Tensor| -> CResult<Tensor> {
+            let mut reps = vec![1; t.rank()];
+            reps[0] = rows;
+            t.narrow(0, 0, 1)?.repeat(reps)?.contiguous()
+        };
+        let mut linear = Vec::with_capacity(self.linear.len());
+        for state in &self.linear {
+            linear.push(match state {
+                Some(s) => Some(LinearState {
+                    conv: first_row(&s.conv)?,
+                    recurrent: first_row(&s.recurrent)?,
+                    positions: s.positions,
+                }),
+                None => None,
+            });
+        }
         Ok(KvCache {
             layers,
+            linear,
             ..KvCache::default()
         })
     }
@@ -103,12 +157,31 @@ impl KvCache {
             .collect()
     }
 
-    /// Positions the entries can hold without growing (their length when they are exact).
+    /// Each linear-attention layer's state shapes (its convolution inputs `[batch, kernel - 1,
+    /// conv_dim]` and delta-rule state `[batch, value_heads, key_head_dim, value_head_dim]`),
+    /// `None` for the other layers and before the first forward.
+    pub fn linear_state_shapes(&self) -> Vec<Option<(Vec<usize>, Vec<usize>)>> {
+        self.linear
+            .iter()
+            .map(|s| {
+                s.as_ref()
+                    .map(|s| (s.conv.dims().to_vec(), s.recurrent.dims().to_vec()))
+            })
+            .collect()
+    }
+
+    /// Positions the entries can hold without growing (their length when they are exact); with
+    /// no attention entry (a model of linear-attention layers only), the positions seen.
     fn capacity(&self) -> usize {
-        self.layers
-            .first()
-            .and_then(|l| l.as_ref())
-            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+        match self.layers.iter().flatten().next() {
+            Some((k, _)) => k.dim(2).unwrap_or(0),
+            None => self
+                .linear
+                .iter()
+                .flatten()
+                .next()
+                .map_or(0, |s| s.positions),
+        }
     }
 
     /// Makes every entry hold exactly the filled positions again (what concatenation expects).

@@ -8,7 +8,7 @@ use candle_core::{Result as CResult, Tensor};
 
 use super::{
     embedding_rows, mlp_linears, mlp_linears_mut, AcrossLayers, Attention, CausalLm, FeedForward,
-    LayerInputs, Linear, ParallelMoe, QkvProjection, QueryScale,
+    LayerCache, LayerInputs, Linear, ParallelMoe, QkvProjection, QueryScale,
 };
 
 /// One decoder layer (residual blocks, pre-norm but for OLMo 2's).
@@ -322,7 +322,7 @@ impl CausalLm {
         layer: &DecoderLayer,
         x: &Tensor,
         inputs: &LayerInputs,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        cache: Option<LayerCache<'_>>,
         across: &mut AcrossLayers,
     ) -> CResult<Tensor> {
         let (cos, sin) = inputs.cos_sin(layer);
@@ -352,7 +352,9 @@ impl CausalLm {
         let (h, kv) = match &layer.self_attn.qkv {
             QkvProjection::DeltaNet(net) => {
                 let valid = inputs.token_valid.as_ref();
-                let h = self.gated_delta_net(net, &normed, valid, inputs.packed, cache)?;
+                let state = cache.map(|c| c.linear);
+                let links = inputs.sample_links.as_ref();
+                let h = self.gated_delta_net(net, &normed, valid, links, state)?;
                 let h = layer.self_attn.o_proj.forward(&h)?;
                 // A linear-attention layer has no keys or values to share.
                 (h.clone(), (h.clone(), h))
@@ -363,7 +365,7 @@ impl CausalLm {
                 rope,
                 q_scale,
                 mask,
-                cache,
+                cache.map(|c| c.kv),
                 shared,
             )?,
         };

@@ -123,8 +123,10 @@ pub struct LayerInputs {
     /// Gated DeltaNet models: whether each slot (cached + new) is a real token (`[b, past + t,
     /// 1]`, compute dtype), what zeroes padding before the linear attention.
     pub(super) token_valid: Option<Tensor>,
-    /// The batch is packed (several samples per row).
-    pub(super) packed: bool,
+    /// Gated DeltaNet models with packed batches (several samples per row): `[b, t, width]`
+    /// (f32), 1 where new position `i - s` is in the same sample as `i` (column `s`), what
+    /// restarts the convolution and the delta rule at each sample's start.
+    pub(super) sample_links: Option<Tensor>,
 }
 
 /// What confines a layer's attention besides causality: `(sliding window, attention chunk)`.
@@ -153,7 +155,7 @@ impl LayerInputs {
                 .map(|(w, m)| Ok((*w, opt(m)?)))
                 .collect::<CResult<_>>()?,
             token_valid: opt(&self.token_valid)?,
-            packed: self.packed,
+            sample_links: opt(&self.sample_links)?,
         })
     }
 
@@ -253,7 +255,15 @@ impl CausalLm {
                 Some(_) => Some(super::delta_net::token_valid(layout, self.dtype, device)?),
                 None => None,
             },
-            packed: layout.segments.is_some(),
+            sample_links: match (&self.config.delta_net, &layout.segments) {
+                (Some(d), Some(segments)) => Some(super::delta_net::sample_links(
+                    segments,
+                    t,
+                    d.conv_kernel.max(2),
+                    device,
+                )?),
+                _ => None,
+            },
         })
     }
 }

@@ -140,8 +140,9 @@ impl TensorTaker<'_> {
             let experts = m.num_experts;
             self.split_fused_experts(&pre, experts, m.expert_intermediate_size, h, true)?;
         }
-        if grouped.is_some() {
-            // transformers 5's in-memory layout, should a checkpoint hold it.
+        if !m.sigmoid_input_routing {
+            // transformers 5's in-memory layout, should a checkpoint hold it (Qwen3.5-MoE's
+            // does; a no-op where the experts are separate).
             let experts = m.num_experts;
             self.split_fused_experts(&pre, experts, m.expert_intermediate_size, h, false)?;
         }

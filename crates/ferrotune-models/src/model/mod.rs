@@ -15,7 +15,8 @@
 //! - `moe`: [`Moe`], [`ParallelMoe`], routing, [`RouterRecord`]; `moe_grouped`: DeepSeek's
 //!   group-limited routing ([`GroupedRouter`]);
 //! - `mla`: DeepSeek's multi-head latent attention ([`LatentProjection`]) and its latent cache;
-//! - `delta_net`: Qwen3.5's and Qwen3-Next's Gated DeltaNet ([`GatedDeltaNet`]);
+//! - `delta_net`: Qwen3.5's and Qwen3-Next's Gated DeltaNet ([`GatedDeltaNet`]) and the
+//!   recurrent form of its delta rule; `delta_chunked`: the chunked form;
 //! - `gpt_oss`: gpt-oss's attention sinks and [`GptOssMoe`];
 //! - `layer`: [`DecoderLayer`], [`LayerPartsMut`], Gemma 4's per-layer embeddings, the layer
 //!   forward;
@@ -37,6 +38,7 @@ use crate::rope::RotaryEmbedding;
 mod attention;
 mod cache;
 mod decode_step;
+mod delta_chunked;
 mod delta_net;
 mod gpt_oss;
 mod layer;
@@ -54,7 +56,8 @@ pub use attention::Attention;
 use attention::QueryScale;
 pub(crate) use attention::{llama4_query_scale, nope_query_temperature};
 pub use cache::KvCache;
-pub use delta_net::GatedDeltaNet;
+use cache::{LayerCache, LinearState};
+pub use delta_net::{DeltaNetProjections, GatedDeltaNet};
 pub use gpt_oss::{GptOssMoe, GPT_OSS_MOE_TENSORS};
 pub use layer::{
     DecoderLayer, LayerPartsMut, PerLayerEmbedding, PerLayerInputBlock, PER_LAYER_NORM,
@@ -438,7 +441,7 @@ impl CausalLm {
         };
         let inputs = self.layer_inputs(layout)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let layer_cache = cache.as_deref_mut().map(|c| c.layer(i));
             x = self.layer_forward(i, layer, &x, &inputs, layer_cache, &mut across)?;
         }
         self.final_norm(&x)
@@ -474,7 +477,7 @@ impl CausalLm {
                 per_device[d] = Some(built);
             }
             let inputs = per_device[d].as_ref().expect("built above");
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let layer_cache = cache.as_deref_mut().map(|c| c.layer(i));
             x = self.layer_forward(i, layer, &x, inputs, layer_cache, &mut across)?;
         }
         if placement.head != at {

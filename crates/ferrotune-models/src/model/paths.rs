@@ -113,6 +113,13 @@ impl CausalLm {
                 "Phi-2's LayerNorm, parallel block and ungated MLP have no decode kernels".into(),
             );
         }
+        // Named first for Qwen3.5-MoE too: the linear attention is what keeps it off the kernels.
+        if c.delta_net.is_some() || c.attn_output_gate {
+            return Some(
+                "the Gated DeltaNet and gated attention (Qwen3.5, Qwen3-Next) have no decode kernels"
+                    .into(),
+            );
+        }
         // Before the per-layer scan below, which would name every expert. This also keeps Llama 4
         // (always with a MoE config) out: its interleaved RoPE, L2 q/k norm, query temperature
         // and chunked attention have no decode kernels either.
@@ -127,12 +134,6 @@ impl CausalLm {
         }
         if c.attention_sinks {
             return Some("attention sinks (gpt-oss) have no decode kernel".into());
-        }
-        if c.delta_net.is_some() || c.attn_output_gate {
-            return Some(
-                "the Gated DeltaNet and gated attention (Qwen3.5, Qwen3-Next) have no decode kernels"
-                    .into(),
-            );
         }
         if self.embed_tokens.track_op() {
             return Some("the embedding is being trained".into());

@@ -175,8 +175,8 @@ fn olmo2_matches_transformers() {
 }
 
 /// Qwen3.5: Gated DeltaNet layers (0-2) and a gated full-attention layer (3) read as such,
-/// matching transformers; cached decoding (the linear layers recompute from their kept inputs)
-/// equals the full forward.
+/// matching transformers; cached decoding (the linear layers going on from their conv and
+/// recurrent states) equals the full forward.
 #[test]
 fn qwen3_5_matches_transformers() {
     let dir = fixtures().join("models/qwen3_5");
@@ -243,7 +243,12 @@ fn every_family_runs_in_bf16() {
             // The Gated DeltaNet's state and per-head gated norm carry bf16's rounding forward:
             // transformers' own bf16 run of the qwen3_5 fixture lands 0.060 from its f32 golden
             // (0.063 here).
-            (false, "qwen3_5_text") => 0.1,
+            (false, "qwen3_5_text" | "qwen3_5") => 0.1,
+            // ... and with experts, bf16 flips expert choices too: transformers' own bf16 run of
+            // the qwen3_5_moe fixture lands 0.269 from its f32 golden (0.281 here).
+            (false, "qwen3_5_moe_text" | "qwen3_5_moe") => 0.35,
+            // Qwen3-Next's fixture: transformers' own bf16 run lands 0.080 from its f32 golden.
+            (false, "qwen3_next") => 0.12,
             _ => 0.05,
         };
         assert!(

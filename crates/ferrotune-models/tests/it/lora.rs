@@ -1184,82 +1184,89 @@ fn target_parameters_match_peft() {
 fn deepseek_adapters_match_peft() {
     for name in ["deepseek_v3", "deepseek_v2", "deepseek_v3_dora"] {
         let case = Case::made_with_base(fixtures().join("deepseek_lora").join(name));
-        let (mut model, config) = case.model_with_adapter();
-        let adapted = adapted_layers(&model);
-        let TargetModules::Names(modules) = &config.target_modules else {
-            panic!("{name}: PEFT saved its targets as names");
-        };
-        for module in modules {
-            assert!(
-                adapted.iter().any(|n| n.ends_with(&format!(".{module}"))),
-                "{name}: {module} not adapted: {adapted:?}"
-            );
-        }
-        case.assert_runs_as_peft(&mut model);
-
-        let params = trainable_parameters(&mut model).unwrap();
-        set_training(&mut model, true);
-        let (ids, labels) = case.inputs();
-        let (b, t) = ids.dims2().unwrap();
-        let logits = model
-            .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
-            .unwrap();
-        let grads = causal_lm_loss(&logits, &labels).backward().unwrap();
-        set_training(&mut model, false);
-        // PEFT's gradients carry its parameter names and fused experts: read as an adapter, they
-        // land on ferrotune's parameters as PEFT's weights do.
-        let dir = temp_dir(&format!("deepseek-grads-{name}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::copy(
-            case.dir.join("adapter").join(ADAPTER_CONFIG_FILE),
-            dir.join(ADAPTER_CONFIG_FILE),
-        )
-        .unwrap();
-        std::fs::copy(
-            case.dir.join("lora_grads.safetensors"),
-            dir.join(ADAPTER_WEIGHTS_FILE),
-        )
-        .unwrap();
-        let mut as_grads = load_model_at(&case.base);
-        load_adapter(&mut as_grads, &dir).unwrap();
-        let want: HashMap<String, Tensor> = trainable_parameters(&mut as_grads)
-            .unwrap()
-            .into_iter()
-            .map(|(n, v)| (n, v.as_tensor().clone()))
-            .collect();
-        assert_eq!(params.len(), want.len(), "{name}: parameters");
-        let grad_of = |param: &str| {
-            let (_, var) = params.iter().find(|(n, _)| n == param).unwrap();
-            grads
-                .get(var)
-                .unwrap_or_else(|| panic!("{param}: no gradient"))
-                .clone()
-        };
-        for (param, _) in &params {
-            // An expert's gate and up share PEFT's lora_A of `gate_up_proj`: its gradient is the
-            // sum of both copies'.
-            let g = match param.contains(".experts.") && param.ends_with("lora_A.weight") {
-                true if param.contains(".gate_proj.") || param.contains(".up_proj.") => {
-                    let gate = param.replace(".up_proj.", ".gate_proj.");
-                    let up = gate.replace(".gate_proj.", ".up_proj.");
-                    (grad_of(&gate) + grad_of(&up)).unwrap()
-                }
-                _ => grad_of(param),
-            };
-            let err = rel_l2(&g, &want[param]);
-            assert!(
-                err <= 1e-4,
-                "{name}: {param}: gradient relative L2 error {err}"
-            );
-        }
-        let _ = std::fs::remove_dir_all(&dir);
-
-        let merged = in_transformers5_layout(&merged_tensors(&model).unwrap(), "gate");
-        let want = tensors(&case.dir.join("merged.safetensors"));
-        assert_same_tensors(&merged, &want, 1e-5, &format!("{name}: merged"));
-        merge_and_unload(&mut model).unwrap();
-        case.assert_adapter_logits(&model, "merged");
+        check_fused_experts_adapter(name, &case);
     }
+}
+
+/// What [`deepseek_adapters_match_peft`] checks of one case whose adapter reaches fused routed
+/// experts: every module PEFT named adapted, PEFT's logits and loss, every gradient (the experts'
+/// per expert), merged weights and the merged model's logits.
+fn check_fused_experts_adapter(name: &str, case: &Case) {
+    let (mut model, config) = case.model_with_adapter();
+    let adapted = adapted_layers(&model);
+    let TargetModules::Names(modules) = &config.target_modules else {
+        panic!("{name}: PEFT saved its targets as names");
+    };
+    for module in modules {
+        assert!(
+            adapted.iter().any(|n| n.ends_with(&format!(".{module}"))),
+            "{name}: {module} not adapted: {adapted:?}"
+        );
+    }
+    case.assert_runs_as_peft(&mut model);
+
+    let params = trainable_parameters(&mut model).unwrap();
+    set_training(&mut model, true);
+    let (ids, labels) = case.inputs();
+    let (b, t) = ids.dims2().unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(b, t, 0), None)
+        .unwrap();
+    let grads = causal_lm_loss(&logits, &labels).backward().unwrap();
+    set_training(&mut model, false);
+    // PEFT's gradients carry its parameter names and fused experts: read as an adapter, they
+    // land on ferrotune's parameters as PEFT's weights do.
+    let dir = temp_dir(&format!("deepseek-grads-{name}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        case.dir.join("adapter").join(ADAPTER_CONFIG_FILE),
+        dir.join(ADAPTER_CONFIG_FILE),
+    )
+    .unwrap();
+    std::fs::copy(
+        case.dir.join("lora_grads.safetensors"),
+        dir.join(ADAPTER_WEIGHTS_FILE),
+    )
+    .unwrap();
+    let mut as_grads = load_model_at(&case.base);
+    load_adapter(&mut as_grads, &dir).unwrap();
+    let want: HashMap<String, Tensor> = trainable_parameters(&mut as_grads)
+        .unwrap()
+        .into_iter()
+        .map(|(n, v)| (n, v.as_tensor().clone()))
+        .collect();
+    assert_eq!(params.len(), want.len(), "{name}: parameters");
+    let grad_of = |param: &str| {
+        let (_, var) = params.iter().find(|(n, _)| n == param).unwrap();
+        grads
+            .get(var)
+            .unwrap_or_else(|| panic!("{param}: no gradient"))
+            .clone()
+    };
+    for (param, _) in &params {
+        // An expert's gate and up share PEFT's lora_A of `gate_up_proj`: its gradient is the
+        // sum of both copies'.
+        let g = match param.contains(".experts.") && param.ends_with("lora_A.weight") {
+            true if param.contains(".gate_proj.") || param.contains(".up_proj.") => {
+                let gate = param.replace(".up_proj.", ".gate_proj.");
+                let up = gate.replace(".gate_proj.", ".up_proj.");
+                (grad_of(&gate) + grad_of(&up)).unwrap()
+            }
+            _ => grad_of(param),
+        };
+        let err = rel_l2(&g, &want[param]);
+        assert!(
+            err <= 1e-4,
+            "{name}: {param}: gradient relative L2 error {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let merged = in_transformers5_layout(&merged_tensors(&model).unwrap(), "gate");
+    let want = tensors(&case.dir.join("merged.safetensors"));
+    assert_same_tensors(&merged, &want, 1e-5, &format!("{name}: merged"));
+    merge_and_unload(&mut model).unwrap();
+    case.assert_adapter_logits(&model, "merged");
 }
 
 /// PEFT's `target_parameters` on Llama 4 (the text model, and the whole
@@ -1539,4 +1546,39 @@ fn qwen3_5_adapter_matches_peft() {
     case.assert_runs_as_peft(&mut model);
     case.assert_merges_as_peft(&model);
     case.check_forward_and_gradients();
+}
+
+/// Qwen3.5 with DoRA (tests/fixtures/qwen3_5_lora/qwen3_5_dora) on the Gated DeltaNet's
+/// in_proj_qkv, in_proj_z and out_proj, the gated attention's q_proj and the MLP's gate_proj:
+/// PEFT's logits, loss and every gradient (magnitudes included; PEFT run in float64, its own
+/// float32 logits being 8e-5 off), merged weights.
+#[test]
+fn qwen3_5_dora_adapter_matches_peft() {
+    let case = Case::made_with_base(fixtures().join("qwen3_5_lora").join("qwen3_5_dora"));
+    let (mut model, config) = case.model_with_adapter();
+    let adapted = adapted_layers(&model);
+    let TargetModules::Names(modules) = &config.target_modules else {
+        panic!("PEFT saved its targets as names");
+    };
+    for module in modules {
+        assert!(
+            adapted.iter().any(|n| n.ends_with(&format!(".{module}"))),
+            "{module} not adapted: {adapted:?}"
+        );
+    }
+    case.assert_runs_as_peft(&mut model);
+    case.assert_merges_as_peft(&model);
+    case.check_forward_and_gradients();
+}
+
+/// Qwen3.5-MoE and Qwen3-Next (tests/fixtures/qwen3_5_lora/qwen3_5_moe, qwen3_next): a PEFT
+/// adapter on the Gated DeltaNet (Qwen3-Next's fused in_proj_qkvz and in_proj_ba), the gated
+/// attention, the shared expert and its gate, Qwen3-Next's dense MLP (modules), and through
+/// `target_parameters` the fused routed experts and the router's weight: checked as DeepSeek's.
+#[test]
+fn qwen3_5_moe_adapters_match_peft() {
+    for name in ["qwen3_5_moe", "qwen3_next"] {
+        let case = Case::made_with_base(fixtures().join("qwen3_5_lora").join(name));
+        check_fused_experts_adapter(name, &case);
+    }
 }
