@@ -143,6 +143,12 @@ const LOSS_KEYS: &[(&str, Ty)] = &[
     ("value_coeff", Ty::Float),
     // GRPOSimpleLoss / GRPOLoss (dev/grpo_full_finetune_distributed).
     ("kl_coeff", Ty::Float),
+    // TRL's GRPO losses (dev/grpo_full_finetune_distributed with `loss_type`; also `beta`,
+    // `epsilon`).
+    ("loss_type", Ty::Str),
+    ("epsilon_high", Ty::Float),
+    ("importance_sampling_level", Ty::Str),
+    ("use_bias_correction_kl", Ty::Bool),
 ];
 /// torchtune's classifier builders (`mistral_classifier`, ...): the architecture is read from the
 /// checkpoint, so the builder's dimensions are accepted and not used.
@@ -286,6 +292,10 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("grpo_samples", Ty::Int),
     ("save_every_n_epochs", Ty::Int),
     ("reward_fn", Ty::Map(&[("_component_", Ty::Str)])),
+    // TRL's GRPO keys: `scale_rewards` group/batch/none or a boolean, `num_iterations` (=
+    // ppo_epochs).
+    ("scale_rewards", Ty::Any),
+    ("num_iterations", Ty::Int),
     // dev/early_exit_finetune_distributed
     ("early_exit_loss", Ty::Map(EARLY_EXIT_KEYS)),
     ("layer_dropout", Ty::Map(LAYER_DROPOUT_KEYS)),

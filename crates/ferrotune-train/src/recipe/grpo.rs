@@ -35,7 +35,7 @@ use crate::config::Config;
 use crate::dist::comm::Collectives;
 use crate::dist::fsdp::{CommQueue, ShardedModel, Sharding};
 use crate::dist::store::Store;
-use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
+use crate::grpo::{self, BatchTotals, GrpoLossConfig};
 use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::model::setup_adapters;
@@ -73,6 +73,9 @@ pub struct GrpoTrajectory {
     pub rewards: Vec<f32>,
     pub successes: Vec<f32>,
     pub advantages: Vec<f32>,
+    /// TRL's `num_items_in_batch` (DAPO's normaliser): the kept completion tokens of every rank's
+    /// batch over the number of ranks; this batch's kept tokens on one rank.
+    pub num_items: f64,
 }
 
 /// The reference policy: a model of its own (whole, or sharded over the ranks and run one
@@ -81,12 +84,16 @@ pub enum Reference<'a> {
     Model(&'a CausalLm),
     Sharded(&'a mut CausalLm, &'a mut ShardedModel),
     AdaptersDisabled,
+    /// No reference (TRL's `beta: 0`): no pass is run, and the reference log probabilities are
+    /// zeros the loss does not read.
+    None,
 }
 
 /// Builds the trajectory of `completions` (one row per completion, prompt-major, each cut or
 /// padded as generated) to the left-padded `prompts` (one per group): log probabilities under
 /// the policy and the reference, completions cut at their first stop token, their rewards
-/// against `answers` (one per group) and the group-relative advantages.
+/// against `answers` (one per group: torchtune's shaped correctness reward) and the
+/// group-relative advantages.
 pub fn trajectory(
     policy: &mut CausalLm,
     reference: Reference<'_>,
@@ -96,13 +103,75 @@ pub fn trajectory(
     answers: &[String],
     s: &GrpoSettings,
 ) -> Result<GrpoTrajectory> {
+    if answers.len() != prompts.len() {
+        bail!(
+            "GRPO: {} prompts need as many answers, got {}",
+            prompts.len(),
+            answers.len()
+        );
+    }
+    let scored = rollout_of(policy, reference, tokenizer, prompts, completions, s)?;
+    let g = s.grpo_samples;
+    let (rewards, successes): (Vec<f32>, Vec<f32>) = scored
+        .texts
+        .iter()
+        .enumerate()
+        .map(|(row, text)| grpo::shaped_correctness_reward(&answers[row / g], text))
+        .unzip();
+    scored.into_trajectory(rewards, successes, g, grpo::ScaleRewards::Group)
+}
+
+/// A rollout and its completions' text: what rewards read.
+pub struct ScoredRollout {
+    pub rollout: Rollout,
+    /// Each row's kept completion tokens (up to and including its first stop token).
+    pub kept_ids: Vec<Vec<u32>>,
+    /// Each row's kept tokens decoded, skipping special tokens (as torchtune and TRL decode).
+    pub texts: Vec<String>,
+}
+
+impl ScoredRollout {
+    /// The trajectory with `rewards` (one per row) and the advantages `scale` gives them.
+    pub fn into_trajectory(
+        self,
+        rewards: Vec<f32>,
+        successes: Vec<f32>,
+        group: usize,
+        scale: grpo::ScaleRewards,
+    ) -> Result<GrpoTrajectory> {
+        let advantages = grpo::scaled_advantages(&rewards, group, scale)?;
+        let num_items = rlhf::kept(&self.rollout.response_padding)
+            .iter()
+            .flatten()
+            .filter(|&&k| k)
+            .count() as f64;
+        Ok(GrpoTrajectory {
+            rollout: self.rollout,
+            rewards,
+            successes,
+            advantages,
+            num_items,
+        })
+    }
+}
+
+/// The rollout of `completions` (one row per completion, prompt-major, each cut or padded as
+/// generated) to the left-padded `prompts` (one per group): log probabilities under the policy
+/// and the reference, completions cut at their first stop token, and their text.
+pub fn rollout_of(
+    policy: &mut CausalLm,
+    reference: Reference<'_>,
+    tokenizer: &Tokenizer,
+    prompts: &[Vec<u32>],
+    completions: &[Vec<u32>],
+    s: &GrpoSettings,
+) -> Result<ScoredRollout> {
     let ctx = context_length(prompts, "GRPO")?;
     let g = s.grpo_samples;
-    if completions.len() != prompts.len() * g || answers.len() != prompts.len() {
+    if completions.len() != prompts.len() * g {
         bail!(
-            "GRPO: {} prompts with {} answers need {} completions, got {}",
+            "GRPO: {} prompts need {} completions, got {}",
             prompts.len(),
-            answers.len(),
             prompts.len() * g,
             completions.len()
         );
@@ -136,6 +205,7 @@ pub fn trajectory(
         Reference::AdaptersDisabled => peft::with_adapters_disabled(policy, |m| {
             host(&response_logprobs(m, &query_responses, ctx, pad, t)?)
         })?,
+        Reference::None => vec![vec![0f32; width]; query_responses.len()],
     };
     let rollout = Rollout::cut(
         query_responses,
@@ -145,8 +215,9 @@ pub fn trajectory(
         &mut responses,
         &s.rollout,
     );
-    let (mut rewards, mut successes) = (Vec::new(), Vec::new());
-    for (row, (r, cut)) in responses.iter().zip(&rollout.response_padding).enumerate() {
+    let mut kept_ids = Vec::with_capacity(responses.len());
+    let mut texts = Vec::with_capacity(responses.len());
+    for (r, cut) in responses.iter().zip(&rollout.response_padding) {
         // torchtune decodes skipping special tokens and stopping at EOS: the kept tokens.
         let kept: Vec<u32> = r
             .iter()
@@ -154,17 +225,13 @@ pub fn trajectory(
             .filter(|(_, &c)| !c)
             .map(|(&id, _)| id)
             .collect();
-        let text = tokenizer.decode(&kept, true)?;
-        let (reward, success) = grpo::shaped_correctness_reward(&answers[row / g], &text);
-        rewards.push(reward);
-        successes.push(success);
+        texts.push(tokenizer.decode(&kept, true)?);
+        kept_ids.push(kept);
     }
-    let advantages = grpo::group_advantages(&rewards, g)?;
-    Ok(GrpoTrajectory {
+    Ok(ScoredRollout {
         rollout,
-        rewards,
-        successes,
-        advantages,
+        kept_ids,
+        texts,
     })
 }
 
@@ -184,7 +251,10 @@ pub fn grpo_step(
 ) -> Result<GrpoStats> {
     let r = &traj.rollout;
     let keep = rlhf::kept(&r.response_padding);
-    let totals = BatchTotals::of(&keep);
+    let totals = BatchTotals {
+        items: traj.num_items,
+        ..BatchTotals::of(&keep)
+    };
     let ctx = r.context_length;
     let mut stats = GrpoStats::default();
     let (mut kl_sum, mut count) = (0f64, 0usize);
@@ -249,34 +319,6 @@ fn sample_completions(
     rollout::sample(policy, &rows, &sampling, seed)
 }
 
-/// The loss section: torchtune's `GRPOSimpleLoss` (the default) or `GRPOLoss`, with `kl_coeff`
-/// and `epsilon` (defaults 0.1 and 0.1, as torchtune's).
-fn loss_config(cfg: &Config) -> Result<GrpoLossConfig> {
-    let o = &cfg.origin;
-    let component = cfg
-        .str("loss._component_")?
-        .unwrap_or_else(|| "torchtune.dev.grpo.loss.GRPOSimpleLoss".into());
-    let kl_coeff = cfg.f64("loss.kl_coeff")?.unwrap_or(0.1);
-    let epsilon = cfg.f64("loss.epsilon")?.unwrap_or(0.1);
-    if kl_coeff < 0.0 || epsilon < 0.0 {
-        bail!("{o}: loss.kl_coeff and loss.epsilon must not be negative");
-    }
-    let kind = match component.rsplit('.').next().unwrap_or("") {
-        "GRPOSimpleLoss" => GrpoLossKind::Simple,
-        "GRPOLoss" => GrpoLossKind::Clipped { epsilon },
-        "GRPOCompletionLoss" => bail!(
-            "{o}: loss._component_ '{component}' is not supported: torchtune's version cannot \
-             run (its KL term masks a per-completion value with per-token masks); use \
-             GRPOSimpleLoss or GRPOLoss"
-        ),
-        _ => bail!(
-            "{o}: loss._component_ '{component}': {RECIPE} takes \
-             torchtune.dev.grpo.loss.GRPOSimpleLoss or GRPOLoss"
-        ),
-    };
-    Ok(GrpoLossConfig { kind, kl_coeff })
-}
-
 /// The recipe's sampling and loss settings from the config, with torchtune's defaults and
 /// checks, and `stop_token_ids` as given. The pad id (0 here) and, unless given, the stop tokens
 /// are the tokenizer's, filled in once it is loaded.
@@ -292,10 +334,11 @@ fn settings(cfg: &Config) -> Result<BeforeTokenizer<GrpoSettings>> {
     }
     let (rollout, stop_token_ids) =
         RolloutSettings::parse(cfg, || required("max_generated_tokens"))?;
+    let loss = grpo::loss_config(cfg, rollout.max_generated_tokens, RECIPE)?;
     let settings = GrpoSettings {
         grpo_samples,
         rollout,
-        loss: loss_config(cfg)?,
+        loss,
     };
     Ok(BeforeTokenizer::new(settings, stop_token_ids, |s| {
         &mut s.rollout
@@ -313,7 +356,18 @@ struct Batching {
 
 fn batching(cfg: &Config) -> Result<Batching> {
     let get = |k: &str| rollout::required_count(cfg, k, RECIPE);
-    let per_batch = RolloutBatching::parse(cfg, RECIPE)?;
+    let mut per_batch = RolloutBatching::parse(cfg, RECIPE)?;
+    // TRL's name for torchtune's ppo_epochs: optimizer steps on each generated batch.
+    if let Some(n) = cfg.usize("num_iterations")? {
+        if cfg.usize("ppo_epochs")?.is_some_and(|p| p != n) {
+            bail!(
+                "{}: num_iterations ({n}) and ppo_epochs differ: they are one setting (TRL's \
+                 and torchtune's names); keep one",
+                cfg.origin
+            );
+        }
+        per_batch.ppo_epochs = n;
+    }
     let b = Batching {
         rollout: per_batch,
         num_steps: get("num_steps")?,
@@ -323,15 +377,15 @@ fn batching(cfg: &Config) -> Result<Batching> {
     let at_least_one = [
         per_batch.batch_size,
         per_batch.forward_batch_size,
-        per_batch.ppo_epochs,
+        b.rollout.ppo_epochs,
         b.num_steps,
         b.epochs,
         b.save_every_n_epochs,
     ];
     if at_least_one.contains(&0) {
         bail!(
-            "{}: batch_size, forward_batch_size, ppo_epochs, num_steps, epochs and \
-             save_every_n_epochs must be at least 1",
+            "{}: batch_size, forward_batch_size, ppo_epochs (num_iterations), num_steps, epochs \
+             and save_every_n_epochs must be at least 1",
             cfg.origin
         );
     }
@@ -351,6 +405,10 @@ struct Parsed {
     settings: BeforeTokenizer<GrpoSettings>,
     /// LoRA: a `lora_*` model builder's keys (`model.lora_attn_modules`) are set.
     lora: bool,
+    /// The loss reads a reference policy (not TRL's `beta: 0`).
+    reference: bool,
+    /// TRL's `scale_rewards` (default group, torchtune's).
+    scale_rewards: grpo::ScaleRewards,
     /// The `dataset` section (GSM8K problems).
     dataset: serde_json::Value,
     /// `dist_watchdog_timeout`: how long a rank may send no heartbeat before the others stop.
@@ -362,10 +420,15 @@ impl Parsed {
         let batching = batching(cfg)?;
         let settings = settings(cfg)?;
         let lora = cfg.get("model.lora_attn_modules").is_some();
-        let sections: &[&str] = match lora {
-            // LoRA's reference is the policy with its adapters disabled.
+        let reference = settings.with(0, Vec::new()).loss.needs_reference();
+        let sections: &[&str] = match lora || !reference {
+            // LoRA's reference is the policy with its adapters disabled; β 0 needs none.
             true => &["checkpointer"],
             false => &["checkpointer", "ref_checkpointer"],
+        };
+        let scale_rewards = match cfg.get("scale_rewards") {
+            None => grpo::ScaleRewards::Group,
+            Some(v) => grpo::ScaleRewards::parse(v).map_err(|e| anyhow!("{}: {e}", cfg.origin))?,
         };
         rollout::require_checkpoint_dirs(cfg, sections, RECIPE)?;
         if let Some(c) = cfg.str("reward_fn._component_")? {
@@ -388,6 +451,8 @@ impl Parsed {
             keys,
             settings,
             lora,
+            reference,
+            scale_rewards,
             dataset,
             watchdog: crate::recipe::setup::dist_watchdog(cfg)?,
         })
@@ -443,7 +508,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let resumed = saved.as_ref().filter(|_| !lora).map(|s| s.dir.as_path());
     let (mut policy, policy_source, policy_path) =
         load(cfg, "checkpointer", "model", resumed, dtype, &device)?;
-    let mut reference = match lora {
+    let mut reference = match lora || !parsed.reference {
         true => None,
         false => Some(load(cfg, "ref_checkpointer", "model", None, dtype, &device)?.0),
     };
@@ -644,19 +709,36 @@ pub fn run(cfg: &Config) -> Result<()> {
                 )?);
             }
             let reference = match (reference.as_mut(), reference_shards.as_mut()) {
+                _ if !parsed.reference => Reference::None,
                 (Some(m), Some(sm)) => Reference::Sharded(m, sm),
                 (Some(m), None) => Reference::Model(m),
                 (None, _) => Reference::AdaptersDisabled,
             };
-            let traj = trajectory(
+            let scored = rollout_of(
                 &mut policy_ng,
                 reference,
                 &tokenizer,
                 &padded,
                 &completions,
-                &answers,
                 &s,
             )?;
+            let (rewards, successes): (Vec<f32>, Vec<f32>) = scored
+                .texts
+                .iter()
+                .enumerate()
+                .map(|(row, text)| {
+                    grpo::shaped_correctness_reward(&answers[row / s.grpo_samples], text)
+                })
+                .unzip();
+            let mut traj =
+                scored.into_trajectory(rewards, successes, s.grpo_samples, parsed.scale_rewards)?;
+            if let Some(c) = comm {
+                // DAPO's normaliser: every rank's kept tokens over the ranks (TRL's
+                // num_items_in_batch / num_processes).
+                let n = Tensor::new(&[traj.num_items as f32], &device)?;
+                let sum = c.all_reduce_sum(&n)?.to_vec1::<f32>()?[0] as f64;
+                traj.num_items = sum / world as f64;
+            }
             drop(policy_ng);
             let traj_s = t_traj.elapsed().as_secs_f64();
 

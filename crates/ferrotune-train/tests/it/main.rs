@@ -9,6 +9,7 @@ mod dpo;
 mod early_exit;
 mod eleuther_eval;
 mod grpo;
+mod grpo_trl;
 mod kd;
 mod loss;
 mod metrics;
