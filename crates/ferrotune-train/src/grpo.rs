@@ -140,11 +140,19 @@ pub fn scaled_advantages(rewards: &[f32], group: usize, scale: ScaleRewards) -> 
 }
 
 /// TRL's weighted sum of several reward functions' rewards (`reward_weights`): `per_func[f][row]`
-/// times `weights[f]`, summed over the functions per row.
+/// times `weights[f]`, summed over the functions per row, NaN (a function's `None`: the row is
+/// not its to score) left out as by `nansum`.
 pub fn weighted_rewards(per_func: &[Vec<f32>], weights: &[f32]) -> Vec<f32> {
     let rows = per_func.first().map_or(0, Vec::len);
     (0..rows)
-        .map(|r| per_func.iter().zip(weights).map(|(f, w)| f[r] * w).sum())
+        .map(|r| {
+            per_func
+                .iter()
+                .zip(weights)
+                .map(|(f, w)| f[r] * w)
+                .filter(|x| !x.is_nan())
+                .sum()
+        })
         .collect()
 }
 
@@ -178,6 +186,7 @@ impl TrlLossType {
 /// TRL's GRPO loss settings (`GRPOConfig`'s names).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrlLoss {
+    /// How per-token losses are reduced.
     pub loss_type: TrlLossType,
     /// The ratio is clipped to `[1 - epsilon_low, 1 + epsilon_high]`.
     pub epsilon_low: f64,

@@ -10,6 +10,7 @@ mod download;
 mod early_exit;
 mod eleuther_eval;
 mod grpo;
+mod grpo_rewards;
 mod hub_server;
 mod knobs;
 mod merge;

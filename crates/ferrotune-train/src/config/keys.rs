@@ -200,6 +200,22 @@ const LAYER_DROPOUT_KEYS: &[(&str, Ty)] = &[
     ("disable_on_eval", Ty::Bool),
 ];
 
+/// The keys of one GRPO `reward_funcs` entry (`reward::ENTRY_KEYS`, checked there).
+const REWARD_KEYS: &[(&str, Ty)] = &[
+    ("builtin", Ty::Str),
+    ("python", Ty::Str),
+    ("http", Ty::Str),
+    ("function", Ty::Str),
+    ("name", Ty::Str),
+    ("timeout", Ty::Float),
+    ("conversational", Ty::Bool),
+    ("column", Ty::Str),
+    ("pattern", Ty::Str),
+    ("max_completion_len", Ty::Int),
+    ("soft_punish_cache", Ty::Int),
+    ("interpreter", Ty::Str),
+];
+
 /// Every top-level key of every recipe.
 pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("output_dir", Ty::Str),
@@ -296,6 +312,9 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     // ppo_epochs).
     ("scale_rewards", Ty::Any),
     ("num_iterations", Ty::Int),
+    // TRL's reward functions and their weights.
+    ("reward_funcs", Ty::MapOrList(REWARD_KEYS)),
+    ("reward_weights", Ty::FloatList),
     // dev/early_exit_finetune_distributed
     ("early_exit_loss", Ty::Map(EARLY_EXIT_KEYS)),
     ("layer_dropout", Ty::Map(LAYER_DROPOUT_KEYS)),

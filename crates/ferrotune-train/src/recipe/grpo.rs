@@ -48,6 +48,7 @@ use crate::recipe::kit::rollout::{
 use crate::recipe::kit::session::Session;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
+use crate::reward::{RewardBatch, RewardSet, RewardSpec};
 use crate::rlhf;
 use crate::step::empty_grads;
 
@@ -409,6 +410,8 @@ struct Parsed {
     reference: bool,
     /// TRL's `scale_rewards` (default group, torchtune's).
     scale_rewards: grpo::ScaleRewards,
+    /// `reward_funcs` and `reward_weights` (default torchtune's GSM8K reward).
+    rewards: RewardSpec,
     /// The `dataset` section (GSM8K problems).
     dataset: serde_json::Value,
     /// `dist_watchdog_timeout`: how long a rank may send no heartbeat before the others stop.
@@ -440,6 +443,8 @@ impl Parsed {
                 );
             }
         }
+        let max_generated = settings.with(0, Vec::new()).rollout.max_generated_tokens;
+        let rewards = RewardSpec::parse(cfg, max_generated)?;
         let keys = LoopSettings::parse(cfg, &["compile", "fsdp_cpu_offload"])?;
         let dataset = cfg
             .get("dataset")
@@ -453,6 +458,7 @@ impl Parsed {
             lora,
             reference,
             scale_rewards,
+            rewards,
             dataset,
             watchdog: crate::recipe::setup::dist_watchdog(cfg)?,
         })
@@ -629,6 +635,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     let problems: Vec<ReasoningProblem> =
         build_reasoning_dataset(&parsed.dataset, &tokenizer, std::path::Path::new("."))
             .map_err(|e| anyhow!("{o}: dataset: {e}"))?;
+    let mut rewards = RewardSet::start(
+        &parsed.rewards,
+        std::path::Path::new("."),
+        s.rollout.max_generated_tokens,
+        s.grpo_samples,
+    )
+    .map_err(|e| anyhow!("{o}: reward_funcs: {e}"))?;
     // torch's DistributedSampler deals each rank every world-th problem of the epoch's order
     // (padded with its first problems to a multiple of the ranks), and torchtune's loader drops
     // each rank's last incomplete batch.
@@ -722,16 +735,30 @@ pub fn run(cfg: &Config) -> Result<()> {
                 &completions,
                 &s,
             )?;
-            let (rewards, successes): (Vec<f32>, Vec<f32>) = scored
-                .texts
-                .iter()
-                .enumerate()
-                .map(|(row, text)| {
-                    grpo::shaped_correctness_reward(&answers[row / s.grpo_samples], text)
-                })
-                .unzip();
-            let mut traj =
-                scored.into_trajectory(rewards, successes, s.grpo_samples, parsed.scale_rewards)?;
+            let per_row = |i: usize| &problems[picked[i / s.grpo_samples]];
+            let batch = RewardBatch {
+                prompts: (0..scored.texts.len())
+                    .map(|i| per_row(i).prompt.clone())
+                    .collect(),
+                completions: scored.texts.clone(),
+                completion_ids: scored.kept_ids.clone(),
+                answers: (0..scored.texts.len())
+                    .map(|i| answers[i / s.grpo_samples].clone())
+                    .collect(),
+                columns: (0..scored.texts.len())
+                    .map(|i| per_row(i).columns.clone())
+                    .collect(),
+            };
+            let scores = rewards
+                .score(&batch)
+                .map_err(|e| anyhow!("{o}: batch {} of epoch {epoch}: {e}", batch_idx + 1))?;
+            let reward_metrics = rewards.metrics(&scores);
+            let mut traj = scored.into_trajectory(
+                scores.total,
+                scores.successes,
+                s.grpo_samples,
+                parsed.scale_rewards,
+            )?;
             if let Some(c) = comm {
                 // DAPO's normaliser: every rank's kept tokens over the ranks (TRL's
                 // num_items_in_batch / num_processes).
@@ -818,6 +845,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                         }
                     }
                 }
+                metrics.extend(reward_metrics);
                 metrics.push(("lr", optimizer.lr()));
                 if let Some(n) = grad_norm {
                     metrics.push(("grad_norm", n));

@@ -18,6 +18,7 @@ mod packing;
 mod ppo;
 mod prefloss;
 mod qat;
+mod rewards;
 mod schedule;
 mod step;
 mod structure;
