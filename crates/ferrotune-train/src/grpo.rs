@@ -123,11 +123,22 @@ fn std_dev(v: &[f32]) -> f32 {
 /// TRL's advantages (`multi_objective_aggregation: sum_then_normalize`): each reward minus its
 /// group's mean, divided as `scale` says. `Group` is [`group_advantages`], torchtune's.
 pub fn scaled_advantages(rewards: &[f32], group: usize, scale: ScaleRewards) -> Result<Vec<f32>> {
-    let grouped = group_advantages(rewards, group)?;
-    if scale == ScaleRewards::Group {
-        return Ok(grouped);
+    match scale {
+        ScaleRewards::Group => group_advantages(rewards, group),
+        _ => advantages_over(rewards, group, scale, std_dev(rewards)),
     }
-    let batch_std = std_dev(rewards);
+}
+
+/// `Batch` or `None` advantages with `batch_std` the batch's standard deviation (for several
+/// ranks: over every rank's rewards, as TRL gathers them).
+pub fn advantages_over(
+    rewards: &[f32],
+    group: usize,
+    scale: ScaleRewards,
+    batch_std: f32,
+) -> Result<Vec<f32>> {
+    // The group checks.
+    group_advantages(rewards, group)?;
     let mut out = Vec::with_capacity(rewards.len());
     for g in rewards.chunks(group) {
         let mean = g.iter().sum::<f32>() / g.len() as f32;

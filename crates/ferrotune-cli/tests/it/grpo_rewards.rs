@@ -46,7 +46,7 @@ model:
 checkpointer:
   _component_: torchtune.training.FullModelHFCheckpointer
   checkpoint_dir: {policy}
-  output_dir: {out}
+  output_dir: ${{output_dir}}
 {rewards}
 batch_size: 2
 grpo_samples: 4
@@ -66,7 +66,7 @@ device: cpu
 dtype: fp32
 metric_logger:
   _component_: torchtune.training.metric_logging.DiskLogger
-  log_dir: {out}/logs
+  log_dir: ${{output_dir}}/logs
 log_every_n_steps: 1
 "#,
         out = dir.join("out").display(),
@@ -260,5 +260,86 @@ fn an_http_endpoint_gets_the_batch_and_gives_the_rewards() {
             (l["rewards"].as_f64().unwrap() - want).abs() < 1e-5,
             "{l} vs {want}"
         );
+    }
+}
+
+/// TRL's DAPO loss with `scale_rewards: batch` and a reward file on two ranks (each with its own
+/// worker) trains what one process trains: DAPO's normaliser is every rank's kept tokens over the
+/// ranks, and the batch's deviation is over every rank's rewards (TRL gathers them), so the
+/// averaged gradients are one process's — sharded (grad_op) and DDP.
+#[test]
+fn trl_losses_on_two_ranks_train_what_one_process_trains() {
+    let dir = tmpdir("grpo_rewards", "ranks");
+    std::fs::write(dir.join("rewards.py"), REWARDS_PY).unwrap();
+    let rewards = "reward_funcs:\n  - python: rewards.py\n    function: vowels\n  - python: \
+                   rewards.py\n    function: brevity\nreward_weights: [1.0, 0.1]";
+    let cfg = write_config(&dir, rewards, 2, 1e-3);
+    for (name, extra) in [("sharded", None), ("ddp", Some("fsdp_sharding=none"))] {
+        // Many stop tokens, so that completions end at different lengths and the ranks keep
+        // different numbers of tokens; SGD, whose step is the gradient's scale.
+        let common_args = [
+            "scale_rewards=batch",
+            "forward_batch_size=1",
+            "stop_token_ids=[2,20,21,22,23,24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,39]",
+            "optimizer._component_=torch.optim.SGD",
+            "optimizer.lr=0.5",
+        ];
+        let single = dir.join(format!("{name}-single"));
+        let mut args: Vec<&str> = common_args.to_vec();
+        args.extend(extra);
+        let o = run_recipe(
+            "dev/grpo_full_finetune_distributed",
+            &cfg,
+            &single,
+            &args,
+            &dir,
+            &[],
+        );
+        assert!(o.status.success(), "{}", text(&o));
+        let ranks = dir.join(format!("{name}-ranks"));
+        let mut cmd = vec![
+            "run".to_string(),
+            "--nproc-per-node".into(),
+            "2".into(),
+            "dev/grpo_full_finetune_distributed".into(),
+            "--config".into(),
+            cfg.display().to_string(),
+            format!("output_dir={}", ranks.display()),
+            "batch_size=1".into(),
+        ];
+        cmd.extend(args.iter().map(|s| s.to_string()));
+        let o = common::ferrotune(&cmd, &dir, &[]);
+        let log = text(&o);
+        assert!(
+            o.status.success() && log.contains("Distributed: 2 ranks"),
+            "{log}"
+        );
+        let want = metrics_lines(&single.join("logs/metrics.jsonl"));
+        let got = metrics_lines(&ranks.join("logs/metrics.jsonl"));
+        assert_eq!(got.len(), want.len(), "{name}: {log}");
+        // Some completions stopped early (the ranks' token counts differ).
+        assert!(
+            want.iter()
+                .any(|l| l["num_stop_tokens"].as_f64().unwrap() > 0.0),
+            "{want:?}"
+        );
+        for (g, w) in got.iter().zip(&want) {
+            let (g, w) = (
+                g["rewards"].as_f64().unwrap(),
+                w["rewards"].as_f64().unwrap(),
+            );
+            assert!((g - w).abs() <= 1e-6, "{name} rewards: {g} vs {w}");
+        }
+        let a = common::load(&ranks.join("epoch_0/model.safetensors"));
+        let b = common::load(&single.join("epoch_0/model.safetensors"));
+        let start = common::load(&fixtures().join("llama3/model/model.safetensors"));
+        for (key, t) in &b {
+            let moved = ferrotune_testing::max_abs_diff(t, &start[key]);
+            let apart = ferrotune_testing::max_abs_diff(t, &a[key]);
+            assert!(
+                apart <= 1e-4 * moved.max(1e-3),
+                "{name} {key}: {apart} apart, moved {moved}"
+            );
+        }
     }
 }

@@ -35,7 +35,7 @@ use crate::config::Config;
 use crate::dist::comm::Collectives;
 use crate::dist::fsdp::{CommQueue, ShardedModel, Sharding};
 use crate::dist::store::Store;
-use crate::grpo::{self, BatchTotals, GrpoLossConfig};
+use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
 use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::model::setup_adapters;
@@ -77,6 +77,9 @@ pub struct GrpoTrajectory {
     /// TRL's `num_items_in_batch` (DAPO's normaliser): the kept completion tokens of every rank's
     /// batch over the number of ranks; this batch's kept tokens on one rank.
     pub num_items: f64,
+    /// The loss takes the current log probabilities, detached, as the sampling policy's (TRL
+    /// with `num_iterations: 1`) instead of `rollout.logprobs`.
+    pub old_is_current: bool,
 }
 
 /// The reference policy: a model of its own (whole, or sharded over the ranks and run one
@@ -152,6 +155,7 @@ impl ScoredRollout {
             successes,
             advantages,
             num_items,
+            old_is_current: false,
         })
     }
 }
@@ -276,9 +280,17 @@ pub fn grpo_step(
                 s.rollout.temperature,
                 padding,
             )?;
+            let current;
+            let old = match traj.old_is_current {
+                true => {
+                    current = host(&lp)?;
+                    &current[..]
+                }
+                false => &r.logprobs[start..end],
+            };
             let out = grpo::grpo_loss(
                 &lp,
-                &r.logprobs[start..end],
+                old,
                 &r.ref_logprobs[start..end],
                 &traj.advantages[start..end],
                 part_keep,
@@ -683,6 +695,9 @@ pub fn run(cfg: &Config) -> Result<()> {
     let mut steps_run = start.epoch * batches_per_epoch;
     let shuffle = keys.shuffle;
     let rows_per_pass = b.rollout.forward_batch_size * s.grpo_samples;
+    // TRL with one iteration a batch takes the current log probabilities, detached, as the
+    // sampling policy's: ratios exactly 1 (whatever rounding the two passes differ by).
+    let on_policy = matches!(s.loss.kind, GrpoLossKind::Trl(_)) && b.rollout.ppo_epochs == 1;
     for epoch in start.epoch..b.epochs {
         let order = epoch_order(problems.len(), shuffle, seed, epoch);
         let mut done = false;
@@ -759,6 +774,17 @@ pub fn run(cfg: &Config) -> Result<()> {
                 s.grpo_samples,
                 parsed.scale_rewards,
             )?;
+            traj.old_is_current = on_policy;
+            if let (Some(c), grpo::ScaleRewards::Batch) = (comm, parsed.scale_rewards) {
+                // TRL gathers every rank's rewards before taking the batch's deviation.
+                let std = ranks_std(c, &traj.rewards, &device)?;
+                traj.advantages = grpo::advantages_over(
+                    &traj.rewards,
+                    s.grpo_samples,
+                    grpo::ScaleRewards::Batch,
+                    std,
+                )?;
+            }
             if let Some(c) = comm {
                 // DAPO's normaliser: every rank's kept tokens over the ranks (TRL's
                 // num_items_in_batch / num_processes).
@@ -941,6 +967,18 @@ fn average_grads(
         offset += n;
     }
     Ok(())
+}
+
+/// The standard deviation (Bessel's) of every rank's `rewards` together.
+fn ranks_std(c: &dyn Collectives, rewards: &[f32], device: &Device) -> Result<f32> {
+    let all_sum = |v: [f32; 2]| -> Result<Vec<f32>> {
+        Ok(c.all_reduce_sum(&Tensor::new(&v[..], device)?)?
+            .to_vec1::<f32>()?)
+    };
+    let sum = all_sum([rewards.iter().sum(), rewards.len() as f32])?;
+    let (n, mean) = (sum[1], sum[0] / sum[1]);
+    let sq = all_sum([rewards.iter().map(|r| (r - mean).powi(2)).sum(), 0.0])?;
+    Ok((sq[0] / (n - 1.0)).sqrt())
 }
 
 /// The mean reward and success of the batch over every rank.

@@ -247,3 +247,48 @@ fn trl_keys_parse_and_are_checked() {
     // TRL's boolean forms of scale_rewards.
     check(&["scale_rewards=false"]).unwrap();
 }
+
+/// With one iteration a batch (TRL's `num_iterations: 1`) the loss takes the current log
+/// probabilities, detached, as the sampling policy's, as TRL does: every ratio is exactly 1, so
+/// nothing clips, even where the sampling pass's log probabilities differ in their last bits.
+#[test]
+fn one_iteration_takes_the_current_policy_as_the_sampling_one() {
+    let g = golden();
+    let (s, scale) = settings(&g, &g["cases"]["clip_higher"]);
+    let tok = Tokenizer::from_dir(workspace_fixture("llama3/model")).unwrap();
+    let mut policy = load_model(&workspace_fixture("llama3/model"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .0;
+    let mut scored = grpo::rollout_of(
+        &mut policy.detached(),
+        Reference::None,
+        &tok,
+        &get::<Vec<Vec<u32>>>(&g, "prompts"),
+        &get::<Vec<Vec<u32>>>(&g, "completions"),
+        &s,
+    )
+    .unwrap();
+    // Sampling log probabilities far from the current ones: ignored.
+    for row in &mut scored.rollout.logprobs {
+        for x in row.iter_mut() {
+            *x -= 1.0;
+        }
+    }
+    let rewards = weighted_rewards(
+        &get::<Vec<Vec<f32>>>(&g, "rewards_per_func"),
+        &get::<Vec<f32>>(&g, "reward_weights"),
+    );
+    let mut traj = scored
+        .into_trajectory(rewards, vec![0.0; 6], s.grpo_samples, scale)
+        .unwrap();
+    traj.old_is_current = true;
+    let params = policy.make_all_trainable().unwrap();
+    let mut grads = empty_grads().unwrap();
+    let back = Backward {
+        params: &params,
+        grads: &mut grads,
+        checkpointing: false,
+    };
+    let stats = grpo::grpo_step(&policy, &traj, &s, 6, back).unwrap();
+    assert_eq!((stats.ratios, stats.clipfrac), (1.0, 0.0));
+}
