@@ -24,8 +24,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 use ferrotune_data::dataset::{build_reasoning_dataset, ReasoningProblem};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::{peft, CausalLm};
@@ -39,6 +38,7 @@ use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
 use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::model::setup_adapters;
+use crate::recipe::kit::ranks;
 use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, context_length, host, ids_tensor, left_pad, load,
@@ -777,7 +777,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             traj.old_is_current = on_policy;
             if let (Some(c), grpo::ScaleRewards::Batch) = (comm, parsed.scale_rewards) {
                 // TRL gathers every rank's rewards before taking the batch's deviation.
-                let std = ranks_std(c, &traj.rewards, &device)?;
+                let std = ranks::std_over_ranks(c, &traj.rewards, &device)?;
                 traj.advantages = grpo::advantages_over(
                     &traj.rewards,
                     s.grpo_samples,
@@ -834,7 +834,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                     }
                     None => {
                         if let Some(c) = comm {
-                            average_grads(c, &params, &mut grads)?;
+                            ranks::average_grads(c, &params, &mut grads)?;
                         }
                         if let Some(max) = clip {
                             grad_norm = Some(clip_grad_norm(&mut grads, refs(), max)?);
@@ -932,53 +932,6 @@ pub fn run(cfg: &Config) -> Result<()> {
         store.shutdown()?;
     }
     Ok(())
-}
-
-/// Averages the gradients of `params` over the ranks (DDP's all-reduce, as one flat bucket):
-/// each rank's loss is the mean over its rows, so with the same rows on every rank the average
-/// is the gradient of the loss of all the ranks' rows. Every rank gets the same bits.
-fn average_grads(
-    comm: &dyn Collectives,
-    params: &[(String, Var)],
-    grads: &mut GradStore,
-) -> Result<()> {
-    let Some((_, first)) = params.first() else {
-        return Ok(());
-    };
-    let device = first.device().clone();
-    let flat: Vec<Tensor> = params
-        .iter()
-        .map(|(_, v)| match grads.get(v.as_tensor()) {
-            Some(g) => Ok(g.flatten_all()?.to_dtype(DType::F32)?),
-            // A parameter the loss did not reach contributes zeros, as in torch.
-            None => Ok(Tensor::zeros(v.elem_count(), DType::F32, &device)?),
-        })
-        .collect::<Result<_>>()?;
-    let summed = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?;
-    let mean = (summed / comm.world_size() as f64)?;
-    let mut offset = 0;
-    for (_, v) in params {
-        let n = v.elem_count();
-        let g = mean
-            .narrow(0, offset, n)?
-            .reshape(v.shape())?
-            .to_dtype(v.dtype())?;
-        grads.insert(v.as_tensor(), g);
-        offset += n;
-    }
-    Ok(())
-}
-
-/// The standard deviation (Bessel's) of every rank's `rewards` together.
-fn ranks_std(c: &dyn Collectives, rewards: &[f32], device: &Device) -> Result<f32> {
-    let all_sum = |v: [f32; 2]| -> Result<Vec<f32>> {
-        Ok(c.all_reduce_sum(&Tensor::new(&v[..], device)?)?
-            .to_vec1::<f32>()?)
-    };
-    let sum = all_sum([rewards.iter().sum(), rewards.len() as f32])?;
-    let (n, mean) = (sum[1], sum[0] / sum[1]);
-    let sq = all_sum([rewards.iter().map(|r| (r - mean).powi(2)).sum(), 0.0])?;
-    Ok((sq[0] / (n - 1.0)).sqrt())
 }
 
 /// The mean reward and success of the batch over every rank.
