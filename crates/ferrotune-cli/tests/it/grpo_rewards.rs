@@ -343,3 +343,51 @@ fn trl_losses_on_two_ranks_train_what_one_process_trains() {
         }
     }
 }
+
+const CHAT_PY: &str = r#"
+def polite(prompts, completions, level, **kwargs):
+    # Conversational rows: the prompt's messages, the completion as one assistant message.
+    assert prompts[0][-1]["role"] == "user", prompts[0]
+    assert completions[0][0]["role"] == "assistant", completions[0]
+    assert level[0] in ("easy", "hard"), level
+    return [float("a" in c[0]["content"]) for c in completions]
+"#;
+
+/// TRL's prompt-only rows (`prompt_dataset`) with conversational prompts: rendered with the chat
+/// template's generation prompt, and the reward file gets prompts and completions as messages
+/// and the other columns by name.
+#[test]
+fn conversational_prompts_reach_the_reward_as_messages() {
+    let dir = tmpdir("grpo_rewards", "chat");
+    std::fs::write(dir.join("chat.py"), CHAT_PY).unwrap();
+    let rows: Vec<String> = (0..4)
+        .map(|i| {
+            serde_json::json!({
+                "prompt": [{"role": "user", "content": format!("Say {i}.")}],
+                "level": if i % 2 == 0 { "easy" } else { "hard" },
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("chat.jsonl"), rows.join("\n") + "\n").unwrap();
+    let cfg = write_config(
+        &dir,
+        "reward_funcs:\n  - python: chat.py\n    function: polite",
+        2,
+        1e-3,
+    );
+    let yaml = std::fs::read_to_string(&cfg).unwrap().replace(
+        "  _component_: torchtune.dev.grpo.gsm8k.gsm8k_dataset\n  source: json\n  data_files: gsm.jsonl",
+        "  _component_: prompt_dataset\n  source: json\n  data_files: chat.jsonl",
+    );
+    assert!(yaml.contains("chat.jsonl"));
+    std::fs::write(&cfg, yaml).unwrap();
+    let o = run(&dir, &cfg);
+    let log = text(&o);
+    assert!(o.status.success(), "{log}");
+    assert_eq!(
+        metrics_lines(&dir.join("out/logs/metrics.jsonl")).len(),
+        2,
+        "{log}"
+    );
+}

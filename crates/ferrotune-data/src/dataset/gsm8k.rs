@@ -41,6 +41,10 @@ pub struct ReasoningProblem {
     /// The row's columns as the data file holds them (GSM8K's `question` and `answer`, and any
     /// other): what TRL hands reward functions as keyword arguments.
     pub columns: Map<String, Value>,
+    /// A conversational prompt's messages as the data holds them (`prompt_dataset` rows whose
+    /// prompt is a list of messages): reward functions get the prompt, and the completion, as
+    /// messages (TRL's conversational form).
+    pub messages: Option<Value>,
 }
 
 /// torchtune's `partition: "start-end/total"`: row `i` (of the split) is kept when
@@ -137,6 +141,7 @@ pub(crate) fn problems(
                 answer,
                 prompt,
                 columns: record.values.clone(),
+                messages: None,
             })
         })
         .collect()

@@ -107,6 +107,8 @@ pub const DATASET_KEYS: &[(&str, Ty)] = &[
     ("subset", Ty::Str),
     // torchtune.dev.grpo.gsm8k's builders: `start-end/total` of the row indices.
     ("partition", Ty::Str),
+    // prompt_dataset (GRPO): the column of the built-in rewards' reference.
+    ("answer_column", Ty::Str),
 ];
 const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),

@@ -753,7 +753,12 @@ pub fn run(cfg: &Config) -> Result<()> {
             let per_row = |i: usize| &problems[picked[i / s.grpo_samples]];
             let batch = RewardBatch {
                 prompts: (0..scored.texts.len())
-                    .map(|i| per_row(i).prompt.clone())
+                    .map(|i| {
+                        let p = per_row(i);
+                        p.messages
+                            .clone()
+                            .unwrap_or_else(|| p.prompt.clone().into())
+                    })
                     .collect(),
                 completions: scored.texts.clone(),
                 completion_ids: scored.kept_ids.clone(),

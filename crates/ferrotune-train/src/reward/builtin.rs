@@ -250,7 +250,7 @@ mod tests {
 
     fn batch(completions: &[&str], answers: &[&str], lens: &[usize]) -> RewardBatch {
         RewardBatch {
-            prompts: vec![String::new(); completions.len()],
+            prompts: vec![Value::String(String::new()); completions.len()],
             completions: completions.iter().map(|s| s.to_string()).collect(),
             completion_ids: lens.iter().map(|&n| vec![7; n]).collect(),
             answers: answers.iter().map(|s| s.to_string()).collect(),

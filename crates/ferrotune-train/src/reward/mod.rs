@@ -25,8 +25,8 @@ use crate::config::Config;
 /// of prompt 0, then prompt 1's, ...).
 #[derive(Debug, Clone)]
 pub struct RewardBatch {
-    /// Each row's prompt text.
-    pub prompts: Vec<String>,
+    /// Each row's prompt: its text, or (a conversational prompt) its messages.
+    pub prompts: Vec<Value>,
     /// Each row's completion text (kept tokens, decoded skipping special tokens).
     pub completions: Vec<String>,
     /// Each row's kept completion tokens (up to and including its first stop token).
@@ -71,23 +71,21 @@ impl RewardBatch {
                 (k.clone(), Value::Array(col))
             })
             .collect();
-        let (prompts, completions): (Vec<Value>, Vec<Value>) = match conversational {
-            false => (
-                self.prompts.iter().map(|p| json!(p)).collect(),
-                self.completions.iter().map(|c| json!(c)).collect(),
-            ),
-            // TRL's conversational form: the prompt's messages, the completion's.
-            true => (
-                self.prompts
-                    .iter()
-                    .map(|p| json!([{"role": "user", "content": p}]))
-                    .collect(),
-                self.completions
-                    .iter()
-                    .map(|c| json!([{"role": "assistant", "content": c}]))
-                    .collect(),
-            ),
-        };
+        // TRL's conversational form where the prompt is messages (or the entry asks for it):
+        // the prompt's messages, and the completion as one assistant message.
+        let mut prompts = Vec::with_capacity(self.len());
+        let mut completions = Vec::with_capacity(self.len());
+        for (p, c) in self.prompts.iter().zip(&self.completions) {
+            match (p, conversational) {
+                (Value::Array(_), _) => prompts.push(p.clone()),
+                (_, true) => prompts.push(json!([{"role": "user", "content": p}])),
+                (_, false) => prompts.push(p.clone()),
+            }
+            completions.push(match p.is_array() || conversational {
+                true => json!([{"role": "assistant", "content": c}]),
+                false => json!(c),
+            });
+        }
         json!({
             "function": function,
             "prompts": prompts,
