@@ -123,10 +123,57 @@ fn std_dev(v: &[f32]) -> f32 {
 /// TRL's advantages (`multi_objective_aggregation: sum_then_normalize`): each reward minus its
 /// group's mean, divided as `scale` says. `Group` is [`group_advantages`], torchtune's.
 pub fn scaled_advantages(rewards: &[f32], group: usize, scale: ScaleRewards) -> Result<Vec<f32>> {
+    if rewards.iter().any(|r| r.is_nan()) {
+        return nan_advantages(rewards, group, scale, nan_std(rewards));
+    }
     match scale {
         ScaleRewards::Group => group_advantages(rewards, group),
         _ => advantages_over(rewards, group, scale, std_dev(rewards)),
     }
+}
+
+/// TRL's `nanstd`: Bessel's standard deviation of the values that are not NaN (NaN with fewer
+/// than two).
+pub fn nan_std(v: &[f32]) -> f32 {
+    let kept: Vec<f32> = v.iter().copied().filter(|x| !x.is_nan()).collect();
+    match kept.len() {
+        0 | 1 => f32::NAN,
+        _ => std_dev(&kept),
+    }
+}
+
+/// Advantages where some rows are unscorable (NaN: no reward function scored them), as TRL
+/// computes them: group means and deviations over the scored rows only, and 0 for the
+/// unscorable rows (they carry no signal).
+fn nan_advantages(
+    rewards: &[f32],
+    group: usize,
+    scale: ScaleRewards,
+    batch_std: f32,
+) -> Result<Vec<f32>> {
+    // The group checks.
+    group_advantages(&vec![0.0; rewards.len()], group)?;
+    let mut out = Vec::with_capacity(rewards.len());
+    for g in rewards.chunks(group) {
+        let kept: Vec<f32> = g.iter().copied().filter(|x| !x.is_nan()).collect();
+        let mean = kept.iter().sum::<f32>() / kept.len() as f32;
+        let std = match scale {
+            ScaleRewards::Group => nan_std(g),
+            _ => batch_std,
+        };
+        out.extend(g.iter().map(|r| {
+            let a = match scale {
+                ScaleRewards::None => r - mean,
+                _ => (r - mean) / (std + 1e-4),
+            };
+            if a.is_nan() {
+                0.0
+            } else {
+                a
+            }
+        }));
+    }
+    Ok(out)
 }
 
 /// `Batch` or `None` advantages with `batch_std` the batch's standard deviation (for several
@@ -137,6 +184,9 @@ pub fn advantages_over(
     scale: ScaleRewards,
     batch_std: f32,
 ) -> Result<Vec<f32>> {
+    if rewards.iter().any(|r| r.is_nan()) {
+        return nan_advantages(rewards, group, scale, batch_std);
+    }
     // The group checks.
     group_advantages(rewards, group)?;
     let mut out = Vec::with_capacity(rewards.len());
@@ -152,11 +202,15 @@ pub fn advantages_over(
 
 /// TRL's weighted sum of several reward functions' rewards (`reward_weights`): `per_func[f][row]`
 /// times `weights[f]`, summed over the functions per row, NaN (a function's `None`: the row is
-/// not its to score) left out as by `nansum`.
+/// not its to score) left out as by `nansum`; a row no function scored is NaN (unscorable: left
+/// out of its group's statistics, advantage 0).
 pub fn weighted_rewards(per_func: &[Vec<f32>], weights: &[f32]) -> Vec<f32> {
     let rows = per_func.first().map_or(0, Vec::len);
     (0..rows)
         .map(|r| {
+            if per_func.iter().all(|f| f[r].is_nan()) {
+                return f32::NAN;
+            }
             per_func
                 .iter()
                 .zip(weights)
@@ -610,5 +664,24 @@ mod tests {
         assert!((a[0] + 1.0 / (s + 1e-4)).abs() < 1e-6 && (a[1] - 1.0 / (s + 1e-4)).abs() < 1e-6);
         assert_eq!(&a[2..], &[0.0, 0.0]);
         assert!(group_advantages(&[1.0, 2.0], 1).is_err());
+    }
+
+    /// TRL's unscorable rows: left out of the group's mean and deviation, advantage 0.
+    #[test]
+    fn unscorable_rows_get_no_advantage() {
+        let nan = f32::NAN;
+        let r = weighted_rewards(
+            &[vec![1.0, nan, 3.0, nan], vec![nan, nan, 1.0, 2.0]],
+            &[1.0, 2.0],
+        );
+        assert_eq!(r[0], 1.0);
+        assert!(r[1].is_nan());
+        assert_eq!(&r[2..], &[5.0, 4.0]);
+        // Group [1, NaN, 5]: mean 3, std of [1, 5] = 2√2.
+        let a = scaled_advantages(&[1.0, nan, 5.0], 3, ScaleRewards::Group).unwrap();
+        let s = 8f32.sqrt() + 1e-4;
+        assert_eq!(a, vec![-2.0 / s, 0.0, 2.0 / s]);
+        let a = scaled_advantages(&[1.0, nan, 5.0, 2.0], 2, ScaleRewards::None).unwrap();
+        assert_eq!(a, vec![0.0, 0.0, 1.5, -1.5]);
     }
 }

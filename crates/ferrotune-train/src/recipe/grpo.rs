@@ -942,8 +942,10 @@ pub fn run(cfg: &Config) -> Result<()> {
 /// The mean reward and success of the batch over every rank.
 fn ranks_mean(c: &dyn Collectives, traj: &GrpoTrajectory, device: &Device) -> Result<(f64, f64)> {
     let rows = traj.rewards.len().max(1) as f32;
+    // Unscorable rows (NaN: no reward function scored them) are left out, as TRL does.
+    let scored = traj.rewards.iter().filter(|r| !r.is_nan());
     let mine = [
-        traj.rewards.iter().sum::<f32>() / rows,
+        scored.clone().sum::<f32>() / scored.count().max(1) as f32,
         traj.successes.iter().sum::<f32>() / rows,
     ];
     let sum = c
@@ -957,8 +959,17 @@ fn ranks_mean(c: &dyn Collectives, traj: &GrpoTrajectory, device: &Device) -> Re
 fn step_metrics(traj: &GrpoTrajectory, stats: &[GrpoStats]) -> Vec<(&'static str, f64)> {
     let rows = traj.rewards.len().max(1) as f64;
     let mean = |v: &[f32]| v.iter().map(|&x| x as f64).sum::<f64>() / rows;
+    let scored: Vec<f64> = traj
+        .rewards
+        .iter()
+        .filter(|r| !r.is_nan())
+        .map(|&r| r as f64)
+        .collect();
     let mut metrics = vec![
-        ("rewards", mean(&traj.rewards)),
+        (
+            "rewards",
+            scored.iter().sum::<f64>() / scored.len().max(1) as f64,
+        ),
         ("successes", mean(&traj.successes)),
         (
             "num_stop_tokens",

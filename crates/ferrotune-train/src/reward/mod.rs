@@ -167,7 +167,7 @@ pub(crate) fn read_answer(
 pub struct Scores {
     /// `per_func[f][row]`.
     pub per_func: Vec<Vec<f32>>,
-    /// TRL's `nansum` of the weighted rewards per row (a row no function scored gets 0).
+    /// TRL's `nansum` of the weighted rewards per row (NaN for a row no function scored).
     pub total: Vec<f32>,
     /// torchtune's successes (the GSM8K reward's), 0 without that reward.
     pub successes: Vec<f32>,

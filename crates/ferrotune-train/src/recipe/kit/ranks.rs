@@ -42,14 +42,16 @@ pub fn average_grads(
     Ok(())
 }
 
-/// The standard deviation (Bessel's) of every rank's `rewards` together.
+/// The standard deviation (Bessel's) of every rank's `rewards` together, NaN left out.
 pub fn std_over_ranks(c: &dyn Collectives, rewards: &[f32], device: &Device) -> Result<f32> {
     let all_sum = |v: [f32; 2]| -> Result<Vec<f32>> {
         Ok(c.all_reduce_sum(&Tensor::new(&v[..], device)?)?
             .to_vec1::<f32>()?)
     };
-    let sum = all_sum([rewards.iter().sum(), rewards.len() as f32])?;
+    // NaN values (unscorable rows) are left out, as by TRL's `nanstd`.
+    let kept = || rewards.iter().filter(|r| !r.is_nan());
+    let sum = all_sum([kept().sum(), kept().count() as f32])?;
     let (n, mean) = (sum[1], sum[0] / sum[1]);
-    let sq = all_sum([rewards.iter().map(|r| (r - mean).powi(2)).sum(), 0.0])?;
+    let sq = all_sum([kept().map(|r| (r - mean).powi(2)).sum(), 0.0])?;
     Ok((sq[0] / (n - 1.0)).sqrt())
 }
