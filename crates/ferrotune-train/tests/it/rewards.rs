@@ -101,3 +101,54 @@ fn reward_entries_are_checked() {
         assert!(e.contains(says), "{entries}: {e}");
     }
 }
+
+/// An endpoint that reports an error for a row, and one that never answers: each an error
+/// naming the function (and the row), the silent one within its timeout.
+#[test]
+fn http_errors_and_silence_name_the_function() {
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for (i, stream) in listener.incoming().enumerate() {
+            let mut stream = stream.unwrap();
+            let mut buf = [0u8; 65536];
+            let _ = stream.read(&mut buf).unwrap();
+            if i == 0 {
+                let body = r#"{"error": "judge unavailable for this one", "row": 2}"#;
+                write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .unwrap();
+            } else {
+                // Never answers.
+                held.push(stream);
+            }
+        }
+    });
+    let url = format!("http://127.0.0.1:{port}/r");
+    let s = spec(
+        json!([{"http": url, "name": "judge", "timeout": 0.5}]),
+        None,
+    )
+    .unwrap();
+    let mut set = RewardSet::start(&s, std::path::Path::new("."), 8, 2).unwrap();
+    let e = set.score(&batch()).unwrap_err().to_string();
+    assert!(
+        e.contains(
+            "reward function 'judge' failed at row 2 (prompt 1, completion 0): judge unavailable"
+        ),
+        "{e}"
+    );
+    let t = std::time::Instant::now();
+    let e = set.score(&batch()).unwrap_err().to_string();
+    assert!(
+        e.contains("'judge'") && e.contains("no answer within 0.500 s"),
+        "{e}"
+    );
+    assert!(t.elapsed().as_secs_f64() < 5.0, "{:?}", t.elapsed());
+}
