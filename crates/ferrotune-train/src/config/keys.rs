@@ -202,8 +202,8 @@ const LAYER_DROPOUT_KEYS: &[(&str, Ty)] = &[
     ("disable_on_eval", Ty::Bool),
 ];
 
-/// The keys of one GRPO `reward_funcs` entry (`reward::ENTRY_KEYS`, checked there).
-const REWARD_KEYS: &[(&str, Ty)] = &[
+/// The keys of one GRPO `reward_funcs` entry (`crate::reward` checks which each kind takes).
+pub const REWARD_KEYS: &[(&str, Ty)] = &[
     ("builtin", Ty::Str),
     ("python", Ty::Str),
     ("http", Ty::Str),

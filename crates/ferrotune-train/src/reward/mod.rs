@@ -190,22 +190,6 @@ pub struct RewardSpec {
     pub weights: Vec<f32>,
 }
 
-/// The keys of one `reward_funcs` entry.
-pub const ENTRY_KEYS: &[&str] = &[
-    "builtin",
-    "python",
-    "http",
-    "function",
-    "name",
-    "timeout",
-    "conversational",
-    "column",
-    "pattern",
-    "max_completion_len",
-    "soft_punish_cache",
-    "interpreter",
-];
-
 impl RewardSpec {
     /// The config's `reward_funcs` (default: torchtune's GSM8K reward alone) and `reward_weights`
     /// (default 1 each), with every entry checked.
@@ -265,12 +249,11 @@ fn check_entry(entry: &Value, max_generated_tokens: usize) -> Result<()> {
     let Some(map) = entry.as_object() else {
         bail!("each entry is a mapping (builtin:, python: or http:), got {entry}");
     };
+    let keys = crate::config::REWARD_KEYS;
     for k in map.keys() {
-        if !ENTRY_KEYS.contains(&k.as_str()) {
-            bail!(
-                "unknown key '{k}' (an entry takes {})",
-                ENTRY_KEYS.join(", ")
-            );
+        if !keys.iter().any(|(known, _)| known == k) {
+            let names: Vec<&str> = keys.iter().map(|(n, _)| *n).collect();
+            bail!("unknown key '{k}' (an entry takes {})", names.join(", "));
         }
     }
     let kinds: Vec<&str> = ["builtin", "python", "http"]
