@@ -314,6 +314,9 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     // ppo_epochs).
     ("scale_rewards", Ty::Any),
     ("num_iterations", Ty::Int),
+    // TRL's names for grpo_samples and max_generated_tokens.
+    ("num_generations", Ty::Int),
+    ("max_completion_length", Ty::Int),
     // TRL's reward functions and their weights.
     ("reward_funcs", Ty::MapOrList(REWARD_KEYS)),
     ("reward_weights", Ty::FloatList),

@@ -337,16 +337,27 @@ fn sample_completions(
 /// are the tokenizer's, filled in once it is loaded.
 fn settings(cfg: &Config) -> Result<BeforeTokenizer<GrpoSettings>> {
     let o = &cfg.origin;
-    let required = |k: &str| rollout::required_count(cfg, k, RECIPE);
-    let grpo_samples = required("grpo_samples")?;
+    // torchtune's key, or TRL's name for it (the same value if both are given).
+    let required = |k: &str, trl: &str| -> Result<usize> {
+        match (cfg.usize(k)?, cfg.usize(trl)?) {
+            (Some(a), Some(b)) if a != b => bail!(
+                "{o}: {k} ({a}) and {trl} ({b}) differ: they are one setting (torchtune's and \
+                 TRL's names); keep one"
+            ),
+            (Some(a), _) | (None, Some(a)) => Ok(a),
+            (None, None) => rollout::required_count(cfg, k, RECIPE),
+        }
+    };
+    let grpo_samples = required("grpo_samples", "num_generations")?;
     if grpo_samples < 2 {
         bail!(
             "{o}: grpo_samples must be at least 2: advantages are relative to the group's mean \
              and standard deviation"
         );
     }
-    let (rollout, stop_token_ids) =
-        RolloutSettings::parse(cfg, || required("max_generated_tokens"))?;
+    let (rollout, stop_token_ids) = RolloutSettings::parse(cfg, || {
+        required("max_generated_tokens", "max_completion_length")
+    })?;
     let loss = grpo::loss_config(cfg, rollout.max_generated_tokens, RECIPE)?;
     let settings = GrpoSettings {
         grpo_samples,

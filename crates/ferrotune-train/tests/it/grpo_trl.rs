@@ -246,6 +246,19 @@ fn trl_keys_parse_and_are_checked() {
     assert!(e.contains("keep one"), "{e}");
     // TRL's boolean forms of scale_rewards.
     check(&["scale_rewards=false"]).unwrap();
+    // TRL's names for the group size and the completion length.
+    check(&[
+        "~grpo_samples",
+        "num_generations=8",
+        "~max_generated_tokens",
+        "max_completion_length=64",
+    ])
+    .unwrap();
+    let e = check(&["num_generations=8"]).unwrap_err();
+    assert!(
+        e.contains("grpo_samples (16) and num_generations (8) differ"),
+        "{e}"
+    );
 }
 
 /// With one iteration a batch (TRL's `num_iterations: 1`) the loss takes the current log
