@@ -24,6 +24,7 @@ pub mod loss;
 pub mod metrics;
 pub mod optim;
 pub mod recipe;
+pub mod reward;
 pub mod rlhf;
 pub mod schedule;
 pub mod step;

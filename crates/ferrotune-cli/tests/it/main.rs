@@ -11,6 +11,7 @@ mod early_exit;
 mod eleuther_eval;
 mod env;
 mod grpo;
+mod grpo_rewards;
 mod hub_server;
 mod knobs;
 mod merge;

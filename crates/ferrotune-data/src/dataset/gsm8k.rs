@@ -35,6 +35,16 @@ pub struct ReasoningProblem {
     pub prompt_ids: Vec<u32>,
     /// The final answer, as written after GSM8K's `#### `.
     pub answer: String,
+    /// The prompt's text (what `prompt_ids` encode, without the tokenizer's prefix): what reward
+    /// functions are given as the prompt.
+    pub prompt: String,
+    /// The row's columns as the data file holds them (GSM8K's `question` and `answer`, and any
+    /// other): what TRL hands reward functions as keyword arguments.
+    pub columns: Map<String, Value>,
+    /// A conversational prompt's messages as the data holds them (`prompt_dataset` rows whose
+    /// prompt is a list of messages): reward functions get the prompt, and the completion, as
+    /// messages (TRL's conversational form).
+    pub messages: Option<Value>,
 }
 
 /// torchtune's `partition: "start-end/total"`: row `i` (of the split) is kept when
@@ -124,9 +134,15 @@ pub(crate) fn problems(
     partitioned(table, partition)
         .map(|record| {
             let (question, _, answer) = parse_row(table, record)?;
-            let (prompt_ids, _) =
-                encoder.text(&RL_PROMPT.replace("{question}", &question), false)?;
-            Ok(ReasoningProblem { prompt_ids, answer })
+            let prompt = RL_PROMPT.replace("{question}", &question);
+            let (prompt_ids, _) = encoder.text(&prompt, false)?;
+            Ok(ReasoningProblem {
+                prompt_ids,
+                answer,
+                prompt,
+                columns: record.values.clone(),
+                messages: None,
+            })
         })
         .collect()
 }

@@ -98,6 +98,7 @@
 mod builders;
 mod encode;
 mod gsm8k;
+mod prompts;
 mod source;
 #[cfg(test)]
 mod tests;
@@ -111,6 +112,7 @@ use crate::tokenized::IGNORE_INDEX;
 use crate::tokenizer::Tokenizer;
 
 pub use gsm8k::{ReasoningProblem, RL_PROMPT, SFT_PROMPT};
+pub use prompts::build_reasoning_dataset;
 pub use source::resolve_split;
 
 use builders::{ChatSpec, InstructSpec, Template};
@@ -174,6 +176,8 @@ enum Builder {
     Gsm8k,
     /// GSM8K as SFT rows in the format the GRPO rewards check.
     Gsm8kSft,
+    /// TRL's prompt-only rows (a `prompt` column: text or messages) for GRPO.
+    Prompts,
 }
 
 impl Builder {
@@ -199,6 +203,7 @@ impl Builder {
             "hh_rlhf_helpful_dataset" => Builder::HhRlhfHelpful,
             "gsm8k_dataset" => Builder::Gsm8k,
             "gsm8k_sft" => Builder::Gsm8kSft,
+            "prompt_dataset" | "ferrotune.datasets.prompt_dataset" => Builder::Prompts,
             _ => {
                 return Err(DataError::Dataset(format!(
                     "unknown dataset _component_ '{component}' (known: instruct_dataset, \
@@ -207,7 +212,7 @@ impl Builder {
                      wikitext_dataset, cnn_dailymail_articles_dataset; preference pairs: \
                      preference_dataset, stack_exchange_paired_dataset, hh_rlhf_helpful_dataset; \
                      reasoning: torchtune.dev.grpo.gsm8k.gsm8k_dataset (GRPO), \
-                     torchtune.dev.grpo.gsm8k.gsm8k_sft)"
+                     torchtune.dev.grpo.gsm8k.gsm8k_sft; GRPO prompts: prompt_dataset)"
                 )))
             }
         })
@@ -433,7 +438,7 @@ fn build_one(
              (lora_dpo_single_device, lora_dpo_distributed, full_dpo_distributed) train on"
         )));
     }
-    if builder == Builder::Gsm8k {
+    if matches!(builder, Builder::Gsm8k | Builder::Prompts) {
         return Err(DataError::Dataset(format!(
             "'{component}' gives problems with reference answers, which only the GRPO recipe \
              (dev/grpo_full_finetune_distributed) trains on; gsm8k_sft gives SFT rows"
@@ -633,40 +638,6 @@ fn max_seq_len_of(map: &Map<String, Value>) -> Result<Option<usize>> {
             ))),
         },
     }
-}
-
-/// Builds the problems a GRPO recipe's `dataset` section describes (a mapping, or a list of
-/// mappings concatenated): torchtune's `gsm8k_dataset` (source `openai/gsm8k`, configuration
-/// `main`, columns `question` and `answer`, `partition`), each prompt [`RL_PROMPT`] encoded with
-/// the tokenizer's prefix and no EOS.
-pub fn build_reasoning_dataset(
-    section: &Value,
-    tokenizer: &Tokenizer,
-    base_dir: &Path,
-) -> Result<Vec<ReasoningProblem>> {
-    concatenated(section, |s| {
-        let map = section_map(s)?;
-        let component = builders::get_str(&map, "_component_")?
-            .ok_or_else(|| DataError::Dataset("the dataset section has no '_component_'".into()))?
-            .to_string();
-        if Builder::parse(&component)? != Builder::Gsm8k {
-            return Err(DataError::Dataset(format!(
-                "'{component}' does not give problems with reference answers: the GRPO recipe \
-                 takes torchtune.dev.grpo.gsm8k.gsm8k_dataset (columns question and answer)"
-            )));
-        }
-        if map.get("filter_fn").is_some_and(|v| !v.is_null()) {
-            return Err(DataError::Unsupported(
-                "dataset 'filter_fn' is not supported: use 'partition' or filter the data files"
-                    .into(),
-            ));
-        }
-        let partition = gsm8k::Partition::from_section(&map)?;
-        let map = with_hub_configuration(Builder::Gsm8k, map)?;
-        let (source, split) = source_of(&map, Builder::Gsm8k.default_source(), base_dir)?;
-        let table = source::load_split(&source, &split, source_field(&map)?)?;
-        gsm8k::problems(&table, partition, &Encoder::new(tokenizer)?)
-    })
 }
 
 /// Builds the preference pairs a DPO recipe's `dataset` section describes (a mapping, or a list

@@ -938,3 +938,47 @@ fn gsm8k_builders_match_torchtune() {
         "{err}"
     );
 }
+
+/// `prompt_dataset` (TRL's prompt-only rows for GRPO): a text prompt encoded as transformers'
+/// tokenizer encodes it (its prefix, no EOS), a conversational one as
+/// `apply_chat_template(messages, add_generation_prompt=True)` tokenizes it (ids from
+/// transformers 5.24 on the tiny Llama's tokenizer); the other columns kept for the rewards, the
+/// reference from `answer`.
+#[test]
+fn prompt_dataset_gives_text_and_chat_prompts_as_transformers() {
+    use ferrotune_data::dataset::build_reasoning_dataset;
+    let dir = ferrotune_testing::fresh_dir(&format!("ferrotune-prompts-{}", std::process::id()));
+    let rows = [
+        json!({"prompt": "Count to 3:", "answer": 3, "level": "easy"}),
+        json!({"prompt": [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "Say hi."}], "answer": "hi"}),
+    ];
+    let text: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+    std::fs::write(dir.join("p.jsonl"), text.join("\n")).unwrap();
+    let tok = ferrotune_data::Tokenizer::from_dir(fixtures_dir().join("llama3/model")).unwrap();
+    let section =
+        json!({"_component_": "prompt_dataset", "source": "json", "data_files": "p.jsonl"});
+    let p = build_reasoning_dataset(&section, &tok, &dir).unwrap();
+    assert_eq!(p[0].prompt_ids, vec![38, 279, 81, 87, 292, 224, 22, 29]);
+    assert_eq!(
+        p[1].prompt_ids,
+        vec![
+            1, 86, 92, 342, 72, 80, 202, 37, 72, 304, 305, 72, 73, 17, 2, 202, 1, 88, 86, 263, 202,
+            54, 68, 92, 388, 76, 17, 2, 202, 1, 435, 86, 362, 401, 202
+        ]
+    );
+    assert_eq!((p[0].answer.as_str(), p[1].answer.as_str()), ("3", "hi"));
+    assert_eq!(p[0].messages, None);
+    assert_eq!(p[1].messages, Some(rows[1]["prompt"].clone()));
+    assert!(p[0].columns.get("prompt").is_none() && p[0].columns["level"] == "easy");
+    let bad = json!({"_component_": "prompt_dataset", "source": "json", "data_files": "p.jsonl",
+                     "column": "answer"});
+    let e = build_reasoning_dataset(&bad, &tok, &dir)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("p.jsonl:1") && e.contains("text or its messages"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -107,6 +107,8 @@ pub const DATASET_KEYS: &[(&str, Ty)] = &[
     ("subset", Ty::Str),
     // torchtune.dev.grpo.gsm8k's builders: `start-end/total` of the row indices.
     ("partition", Ty::Str),
+    // prompt_dataset (GRPO): the column of the built-in rewards' reference.
+    ("answer_column", Ty::Str),
 ];
 const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
@@ -143,6 +145,12 @@ const LOSS_KEYS: &[(&str, Ty)] = &[
     ("value_coeff", Ty::Float),
     // GRPOSimpleLoss / GRPOLoss (dev/grpo_full_finetune_distributed).
     ("kl_coeff", Ty::Float),
+    // TRL's GRPO losses (dev/grpo_full_finetune_distributed with `loss_type`; also `beta`,
+    // `epsilon`).
+    ("loss_type", Ty::Str),
+    ("epsilon_high", Ty::Float),
+    ("importance_sampling_level", Ty::Str),
+    ("use_bias_correction_kl", Ty::Bool),
 ];
 /// torchtune's classifier builders (`mistral_classifier`, ...): the architecture is read from the
 /// checkpoint, so the builder's dimensions are accepted and not used.
@@ -217,6 +225,22 @@ const LAYER_DROPOUT_KEYS: &[(&str, Ty)] = &[
     ("layers", Ty::Any),
     ("layers_scale", Ty::Str),
     ("disable_on_eval", Ty::Bool),
+];
+
+/// The keys of one GRPO `reward_funcs` entry (`crate::reward` checks which each kind takes).
+pub const REWARD_KEYS: &[(&str, Ty)] = &[
+    ("builtin", Ty::Str),
+    ("python", Ty::Str),
+    ("http", Ty::Str),
+    ("function", Ty::Str),
+    ("name", Ty::Str),
+    ("timeout", Ty::Float),
+    ("conversational", Ty::Bool),
+    ("column", Ty::Str),
+    ("pattern", Ty::Str),
+    ("max_completion_len", Ty::Int),
+    ("soft_punish_cache", Ty::Int),
+    ("interpreter", Ty::Str),
 ];
 
 /// Every top-level key of every recipe.
@@ -311,6 +335,16 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("grpo_samples", Ty::Int),
     ("save_every_n_epochs", Ty::Int),
     ("reward_fn", Ty::Map(&[("_component_", Ty::Str)])),
+    // TRL's GRPO keys: `scale_rewards` group/batch/none or a boolean, `num_iterations` (=
+    // ppo_epochs).
+    ("scale_rewards", Ty::Any),
+    ("num_iterations", Ty::Int),
+    // TRL's names for grpo_samples and max_generated_tokens.
+    ("num_generations", Ty::Int),
+    ("max_completion_length", Ty::Int),
+    // TRL's reward functions and their weights.
+    ("reward_funcs", Ty::MapOrList(REWARD_KEYS)),
+    ("reward_weights", Ty::FloatList),
     // dev/early_exit_finetune_distributed
     ("early_exit_loss", Ty::Map(EARLY_EXIT_KEYS)),
     ("layer_dropout", Ty::Map(LAYER_DROPOUT_KEYS)),

@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 
 mod keys;
 
-pub use keys::{Ty, DATASET_KEYS, TOP_LEVEL_KEYS};
+pub use keys::{Ty, DATASET_KEYS, REWARD_KEYS, TOP_LEVEL_KEYS};
 
 /// A config error: one line naming the file (or built-in config) and the key.
 #[derive(Debug, thiserror::Error)]

@@ -24,8 +24,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 use ferrotune_data::dataset::{build_reasoning_dataset, ReasoningProblem};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::{peft, CausalLm};
@@ -39,6 +38,7 @@ use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
 use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::model::setup_adapters;
+use crate::recipe::kit::ranks;
 use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, context_length, host, ids_tensor, left_pad, load,
@@ -48,6 +48,7 @@ use crate::recipe::kit::rollout::{
 use crate::recipe::kit::session::Session;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
+use crate::reward::{RewardBatch, RewardSet, RewardSpec};
 use crate::rlhf;
 use crate::step::empty_grads;
 
@@ -73,6 +74,12 @@ pub struct GrpoTrajectory {
     pub rewards: Vec<f32>,
     pub successes: Vec<f32>,
     pub advantages: Vec<f32>,
+    /// TRL's `num_items_in_batch` (DAPO's normaliser): the kept completion tokens of every rank's
+    /// batch over the number of ranks; this batch's kept tokens on one rank.
+    pub num_items: f64,
+    /// The loss takes the current log probabilities, detached, as the sampling policy's (TRL
+    /// with `num_iterations: 1`) instead of `rollout.logprobs`.
+    pub old_is_current: bool,
 }
 
 /// The reference policy: a model of its own (whole, or sharded over the ranks and run one
@@ -81,12 +88,16 @@ pub enum Reference<'a> {
     Model(&'a CausalLm),
     Sharded(&'a mut CausalLm, &'a mut ShardedModel),
     AdaptersDisabled,
+    /// No reference (TRL's `beta: 0`): no pass is run, and the reference log probabilities are
+    /// zeros the loss does not read.
+    None,
 }
 
 /// Builds the trajectory of `completions` (one row per completion, prompt-major, each cut or
 /// padded as generated) to the left-padded `prompts` (one per group): log probabilities under
 /// the policy and the reference, completions cut at their first stop token, their rewards
-/// against `answers` (one per group) and the group-relative advantages.
+/// against `answers` (one per group: torchtune's shaped correctness reward) and the
+/// group-relative advantages.
 pub fn trajectory(
     policy: &mut CausalLm,
     reference: Reference<'_>,
@@ -96,13 +107,76 @@ pub fn trajectory(
     answers: &[String],
     s: &GrpoSettings,
 ) -> Result<GrpoTrajectory> {
+    if answers.len() != prompts.len() {
+        bail!(
+            "GRPO: {} prompts need as many answers, got {}",
+            prompts.len(),
+            answers.len()
+        );
+    }
+    let scored = rollout_of(policy, reference, tokenizer, prompts, completions, s)?;
+    let g = s.grpo_samples;
+    let (rewards, successes): (Vec<f32>, Vec<f32>) = scored
+        .texts
+        .iter()
+        .enumerate()
+        .map(|(row, text)| grpo::shaped_correctness_reward(&answers[row / g], text))
+        .unzip();
+    scored.into_trajectory(rewards, successes, g, grpo::ScaleRewards::Group)
+}
+
+/// A rollout and its completions' text: what rewards read.
+pub struct ScoredRollout {
+    pub rollout: Rollout,
+    /// Each row's kept completion tokens (up to and including its first stop token).
+    pub kept_ids: Vec<Vec<u32>>,
+    /// Each row's kept tokens decoded, skipping special tokens (as torchtune and TRL decode).
+    pub texts: Vec<String>,
+}
+
+impl ScoredRollout {
+    /// The trajectory with `rewards` (one per row) and the advantages `scale` gives them.
+    pub fn into_trajectory(
+        self,
+        rewards: Vec<f32>,
+        successes: Vec<f32>,
+        group: usize,
+        scale: grpo::ScaleRewards,
+    ) -> Result<GrpoTrajectory> {
+        let advantages = grpo::scaled_advantages(&rewards, group, scale)?;
+        let num_items = rlhf::kept(&self.rollout.response_padding)
+            .iter()
+            .flatten()
+            .filter(|&&k| k)
+            .count() as f64;
+        Ok(GrpoTrajectory {
+            rollout: self.rollout,
+            rewards,
+            successes,
+            advantages,
+            num_items,
+            old_is_current: false,
+        })
+    }
+}
+
+/// The rollout of `completions` (one row per completion, prompt-major, each cut or padded as
+/// generated) to the left-padded `prompts` (one per group): log probabilities under the policy
+/// and the reference, completions cut at their first stop token, and their text.
+pub fn rollout_of(
+    policy: &mut CausalLm,
+    reference: Reference<'_>,
+    tokenizer: &Tokenizer,
+    prompts: &[Vec<u32>],
+    completions: &[Vec<u32>],
+    s: &GrpoSettings,
+) -> Result<ScoredRollout> {
     let ctx = context_length(prompts, "GRPO")?;
     let g = s.grpo_samples;
-    if completions.len() != prompts.len() * g || answers.len() != prompts.len() {
+    if completions.len() != prompts.len() * g {
         bail!(
-            "GRPO: {} prompts with {} answers need {} completions, got {}",
+            "GRPO: {} prompts need {} completions, got {}",
             prompts.len(),
-            answers.len(),
             prompts.len() * g,
             completions.len()
         );
@@ -136,6 +210,7 @@ pub fn trajectory(
         Reference::AdaptersDisabled => peft::with_adapters_disabled(policy, |m| {
             host(&response_logprobs(m, &query_responses, ctx, pad, t)?)
         })?,
+        Reference::None => vec![vec![0f32; width]; query_responses.len()],
     };
     let rollout = Rollout::cut(
         query_responses,
@@ -145,8 +220,9 @@ pub fn trajectory(
         &mut responses,
         &s.rollout,
     );
-    let (mut rewards, mut successes) = (Vec::new(), Vec::new());
-    for (row, (r, cut)) in responses.iter().zip(&rollout.response_padding).enumerate() {
+    let mut kept_ids = Vec::with_capacity(responses.len());
+    let mut texts = Vec::with_capacity(responses.len());
+    for (r, cut) in responses.iter().zip(&rollout.response_padding) {
         // torchtune decodes skipping special tokens and stopping at EOS: the kept tokens.
         let kept: Vec<u32> = r
             .iter()
@@ -154,17 +230,13 @@ pub fn trajectory(
             .filter(|(_, &c)| !c)
             .map(|(&id, _)| id)
             .collect();
-        let text = tokenizer.decode(&kept, true)?;
-        let (reward, success) = grpo::shaped_correctness_reward(&answers[row / g], &text);
-        rewards.push(reward);
-        successes.push(success);
+        texts.push(tokenizer.decode(&kept, true)?);
+        kept_ids.push(kept);
     }
-    let advantages = grpo::group_advantages(&rewards, g)?;
-    Ok(GrpoTrajectory {
+    Ok(ScoredRollout {
         rollout,
-        rewards,
-        successes,
-        advantages,
+        kept_ids,
+        texts,
     })
 }
 
@@ -184,7 +256,10 @@ pub fn grpo_step(
 ) -> Result<GrpoStats> {
     let r = &traj.rollout;
     let keep = rlhf::kept(&r.response_padding);
-    let totals = BatchTotals::of(&keep);
+    let totals = BatchTotals {
+        items: traj.num_items,
+        ..BatchTotals::of(&keep)
+    };
     let ctx = r.context_length;
     let mut stats = GrpoStats::default();
     let (mut kl_sum, mut count) = (0f64, 0usize);
@@ -205,9 +280,17 @@ pub fn grpo_step(
                 s.rollout.temperature,
                 padding,
             )?;
+            let current;
+            let old = match traj.old_is_current {
+                true => {
+                    current = host(&lp)?;
+                    &current[..]
+                }
+                false => &r.logprobs[start..end],
+            };
             let out = grpo::grpo_loss(
                 &lp,
-                &r.logprobs[start..end],
+                old,
                 &r.ref_logprobs[start..end],
                 &traj.advantages[start..end],
                 part_keep,
@@ -249,53 +332,37 @@ fn sample_completions(
     rollout::sample(policy, &rows, &sampling, seed)
 }
 
-/// The loss section: torchtune's `GRPOSimpleLoss` (the default) or `GRPOLoss`, with `kl_coeff`
-/// and `epsilon` (defaults 0.1 and 0.1, as torchtune's).
-fn loss_config(cfg: &Config) -> Result<GrpoLossConfig> {
-    let o = &cfg.origin;
-    let component = cfg
-        .str("loss._component_")?
-        .unwrap_or_else(|| "torchtune.dev.grpo.loss.GRPOSimpleLoss".into());
-    let kl_coeff = cfg.f64("loss.kl_coeff")?.unwrap_or(0.1);
-    let epsilon = cfg.f64("loss.epsilon")?.unwrap_or(0.1);
-    if kl_coeff < 0.0 || epsilon < 0.0 {
-        bail!("{o}: loss.kl_coeff and loss.epsilon must not be negative");
-    }
-    let kind = match component.rsplit('.').next().unwrap_or("") {
-        "GRPOSimpleLoss" => GrpoLossKind::Simple,
-        "GRPOLoss" => GrpoLossKind::Clipped { epsilon },
-        "GRPOCompletionLoss" => bail!(
-            "{o}: loss._component_ '{component}' is not supported: torchtune's version cannot \
-             run (its KL term masks a per-completion value with per-token masks); use \
-             GRPOSimpleLoss or GRPOLoss"
-        ),
-        _ => bail!(
-            "{o}: loss._component_ '{component}': {RECIPE} takes \
-             torchtune.dev.grpo.loss.GRPOSimpleLoss or GRPOLoss"
-        ),
-    };
-    Ok(GrpoLossConfig { kind, kl_coeff })
-}
-
 /// The recipe's sampling and loss settings from the config, with torchtune's defaults and
 /// checks, and `stop_token_ids` as given. The pad id (0 here) and, unless given, the stop tokens
 /// are the tokenizer's, filled in once it is loaded.
 fn settings(cfg: &Config) -> Result<BeforeTokenizer<GrpoSettings>> {
     let o = &cfg.origin;
-    let required = |k: &str| rollout::required_count(cfg, k, RECIPE);
-    let grpo_samples = required("grpo_samples")?;
+    // torchtune's key, or TRL's name for it (the same value if both are given).
+    let required = |k: &str, trl: &str| -> Result<usize> {
+        match (cfg.usize(k)?, cfg.usize(trl)?) {
+            (Some(a), Some(b)) if a != b => bail!(
+                "{o}: {k} ({a}) and {trl} ({b}) differ: they are one setting (torchtune's and \
+                 TRL's names); keep one"
+            ),
+            (Some(a), _) | (None, Some(a)) => Ok(a),
+            (None, None) => rollout::required_count(cfg, k, RECIPE),
+        }
+    };
+    let grpo_samples = required("grpo_samples", "num_generations")?;
     if grpo_samples < 2 {
         bail!(
             "{o}: grpo_samples must be at least 2: advantages are relative to the group's mean \
              and standard deviation"
         );
     }
-    let (rollout, stop_token_ids) =
-        RolloutSettings::parse(cfg, || required("max_generated_tokens"))?;
+    let (rollout, stop_token_ids) = RolloutSettings::parse(cfg, || {
+        required("max_generated_tokens", "max_completion_length")
+    })?;
+    let loss = grpo::loss_config(cfg, rollout.max_generated_tokens, RECIPE)?;
     let settings = GrpoSettings {
         grpo_samples,
         rollout,
-        loss: loss_config(cfg)?,
+        loss,
     };
     Ok(BeforeTokenizer::new(settings, stop_token_ids, |s| {
         &mut s.rollout
@@ -313,7 +380,18 @@ struct Batching {
 
 fn batching(cfg: &Config) -> Result<Batching> {
     let get = |k: &str| rollout::required_count(cfg, k, RECIPE);
-    let per_batch = RolloutBatching::parse(cfg, RECIPE)?;
+    let mut per_batch = RolloutBatching::parse(cfg, RECIPE)?;
+    // TRL's name for torchtune's ppo_epochs: optimizer steps on each generated batch.
+    if let Some(n) = cfg.usize("num_iterations")? {
+        if cfg.usize("ppo_epochs")?.is_some_and(|p| p != n) {
+            bail!(
+                "{}: num_iterations ({n}) and ppo_epochs differ: they are one setting (TRL's \
+                 and torchtune's names); keep one",
+                cfg.origin
+            );
+        }
+        per_batch.ppo_epochs = n;
+    }
     let b = Batching {
         rollout: per_batch,
         num_steps: get("num_steps")?,
@@ -323,15 +401,15 @@ fn batching(cfg: &Config) -> Result<Batching> {
     let at_least_one = [
         per_batch.batch_size,
         per_batch.forward_batch_size,
-        per_batch.ppo_epochs,
+        b.rollout.ppo_epochs,
         b.num_steps,
         b.epochs,
         b.save_every_n_epochs,
     ];
     if at_least_one.contains(&0) {
         bail!(
-            "{}: batch_size, forward_batch_size, ppo_epochs, num_steps, epochs and \
-             save_every_n_epochs must be at least 1",
+            "{}: batch_size, forward_batch_size, ppo_epochs (num_iterations), num_steps, epochs \
+             and save_every_n_epochs must be at least 1",
             cfg.origin
         );
     }
@@ -351,6 +429,12 @@ struct Parsed {
     settings: BeforeTokenizer<GrpoSettings>,
     /// LoRA: a `lora_*` model builder's keys (`model.lora_attn_modules`) are set.
     lora: bool,
+    /// The loss reads a reference policy (not TRL's `beta: 0`).
+    reference: bool,
+    /// TRL's `scale_rewards` (default group, torchtune's).
+    scale_rewards: grpo::ScaleRewards,
+    /// `reward_funcs` and `reward_weights` (default torchtune's GSM8K reward).
+    rewards: RewardSpec,
     /// The `dataset` section (GSM8K problems).
     dataset: serde_json::Value,
     /// `dist_watchdog_timeout`: how long a rank may send no heartbeat before the others stop.
@@ -362,10 +446,15 @@ impl Parsed {
         let batching = batching(cfg)?;
         let settings = settings(cfg)?;
         let lora = cfg.get("model.lora_attn_modules").is_some();
-        let sections: &[&str] = match lora {
-            // LoRA's reference is the policy with its adapters disabled.
+        let reference = settings.with(0, Vec::new()).loss.needs_reference();
+        let sections: &[&str] = match lora || !reference {
+            // LoRA's reference is the policy with its adapters disabled; β 0 needs none.
             true => &["checkpointer"],
             false => &["checkpointer", "ref_checkpointer"],
+        };
+        let scale_rewards = match cfg.get("scale_rewards") {
+            None => grpo::ScaleRewards::Group,
+            Some(v) => grpo::ScaleRewards::parse(v).map_err(|e| anyhow!("{}: {e}", cfg.origin))?,
         };
         rollout::require_checkpoint_dirs(cfg, sections, RECIPE)?;
         if let Some(c) = cfg.str("reward_fn._component_")? {
@@ -377,6 +466,8 @@ impl Parsed {
                 );
             }
         }
+        let max_generated = settings.with(0, Vec::new()).rollout.max_generated_tokens;
+        let rewards = RewardSpec::parse(cfg, max_generated)?;
         let keys = LoopSettings::parse(cfg, &["compile", "fsdp_cpu_offload"])?;
         let dataset = cfg
             .get("dataset")
@@ -388,6 +479,9 @@ impl Parsed {
             keys,
             settings,
             lora,
+            reference,
+            scale_rewards,
+            rewards,
             dataset,
             watchdog: crate::recipe::setup::dist_watchdog(cfg)?,
         })
@@ -443,7 +537,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let resumed = saved.as_ref().filter(|_| !lora).map(|s| s.dir.as_path());
     let (mut policy, policy_source, policy_path) =
         load(cfg, "checkpointer", "model", resumed, dtype, &device)?;
-    let mut reference = match lora {
+    let mut reference = match lora || !parsed.reference {
         true => None,
         false => Some(load(cfg, "ref_checkpointer", "model", None, dtype, &device)?.0),
     };
@@ -564,6 +658,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     let problems: Vec<ReasoningProblem> =
         build_reasoning_dataset(&parsed.dataset, &tokenizer, std::path::Path::new("."))
             .map_err(|e| anyhow!("{o}: dataset: {e}"))?;
+    let mut rewards = RewardSet::start(
+        &parsed.rewards,
+        std::path::Path::new("."),
+        s.rollout.max_generated_tokens,
+        s.grpo_samples,
+    )
+    .map_err(|e| anyhow!("{o}: reward_funcs: {e}"))?;
     // torch's DistributedSampler deals each rank every world-th problem of the epoch's order
     // (padded with its first problems to a multiple of the ranks), and torchtune's loader drops
     // each rank's last incomplete batch.
@@ -605,6 +706,9 @@ pub fn run(cfg: &Config) -> Result<()> {
     let mut steps_run = start.epoch * batches_per_epoch;
     let shuffle = keys.shuffle;
     let rows_per_pass = b.rollout.forward_batch_size * s.grpo_samples;
+    // TRL with one iteration a batch takes the current log probabilities, detached, as the
+    // sampling policy's: ratios exactly 1 (whatever rounding the two passes differ by).
+    let on_policy = matches!(s.loss.kind, GrpoLossKind::Trl(_)) && b.rollout.ppo_epochs == 1;
     for epoch in start.epoch..b.epochs {
         let order = epoch_order(problems.len(), shuffle, seed, epoch);
         let mut done = false;
@@ -644,19 +748,66 @@ pub fn run(cfg: &Config) -> Result<()> {
                 )?);
             }
             let reference = match (reference.as_mut(), reference_shards.as_mut()) {
+                _ if !parsed.reference => Reference::None,
                 (Some(m), Some(sm)) => Reference::Sharded(m, sm),
                 (Some(m), None) => Reference::Model(m),
                 (None, _) => Reference::AdaptersDisabled,
             };
-            let traj = trajectory(
+            let scored = rollout_of(
                 &mut policy_ng,
                 reference,
                 &tokenizer,
                 &padded,
                 &completions,
-                &answers,
                 &s,
             )?;
+            let per_row = |i: usize| &problems[picked[i / s.grpo_samples]];
+            let batch = RewardBatch {
+                prompts: (0..scored.texts.len())
+                    .map(|i| {
+                        let p = per_row(i);
+                        p.messages
+                            .clone()
+                            .unwrap_or_else(|| p.prompt.clone().into())
+                    })
+                    .collect(),
+                completions: scored.texts.clone(),
+                completion_ids: scored.kept_ids.clone(),
+                answers: (0..scored.texts.len())
+                    .map(|i| answers[i / s.grpo_samples].clone())
+                    .collect(),
+                columns: (0..scored.texts.len())
+                    .map(|i| per_row(i).columns.clone())
+                    .collect(),
+            };
+            let scores = rewards
+                .score(&batch)
+                .map_err(|e| anyhow!("{o}: batch {} of epoch {epoch}: {e}", batch_idx + 1))?;
+            let reward_metrics = rewards.metrics(&scores);
+            let mut traj = scored.into_trajectory(
+                scores.total,
+                scores.successes,
+                s.grpo_samples,
+                parsed.scale_rewards,
+            )?;
+            traj.old_is_current = on_policy;
+            if let (Some(c), grpo::ScaleRewards::Batch) = (comm, parsed.scale_rewards) {
+                // TRL gathers every rank's rewards before taking the batch's deviation.
+                let std = ranks::std_over_ranks(c, &traj.rewards, &device)?;
+                traj.advantages = grpo::advantages_over(
+                    &traj.rewards,
+                    s.grpo_samples,
+                    grpo::ScaleRewards::Batch,
+                    std,
+                )?;
+            }
+            if let Some(c) = comm {
+                // DAPO's normaliser: every rank's kept tokens over the ranks (TRL's
+                // num_items_in_batch / num_processes).
+                let n = Tensor::new(&[traj.num_items as f32], &device)?;
+                let sum = c.all_reduce_sum(&n)?.to_vec1::<f32>()?[0] as f64;
+                traj.num_items = sum / world as f64;
+            }
             drop(policy_ng);
             let traj_s = t_traj.elapsed().as_secs_f64();
 
@@ -699,7 +850,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                     }
                     None => {
                         if let Some(c) = comm {
-                            average_grads(c, &params, &mut grads)?;
+                            ranks::average_grads(c, &params, &mut grads)?;
                         }
                         if let Some(max) = clip {
                             grad_norm = Some(clip_grad_norm(&mut grads, refs(), max)?);
@@ -736,6 +887,7 @@ pub fn run(cfg: &Config) -> Result<()> {
                         }
                     }
                 }
+                metrics.extend(reward_metrics);
                 metrics.push(("lr", optimizer.lr()));
                 if let Some(n) = grad_norm {
                     metrics.push(("grad_norm", n));
@@ -798,46 +950,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     Ok(())
 }
 
-/// Averages the gradients of `params` over the ranks (DDP's all-reduce, as one flat bucket):
-/// each rank's loss is the mean over its rows, so with the same rows on every rank the average
-/// is the gradient of the loss of all the ranks' rows. Every rank gets the same bits.
-fn average_grads(
-    comm: &dyn Collectives,
-    params: &[(String, Var)],
-    grads: &mut GradStore,
-) -> Result<()> {
-    let Some((_, first)) = params.first() else {
-        return Ok(());
-    };
-    let device = first.device().clone();
-    let flat: Vec<Tensor> = params
-        .iter()
-        .map(|(_, v)| match grads.get(v.as_tensor()) {
-            Some(g) => Ok(g.flatten_all()?.to_dtype(DType::F32)?),
-            // A parameter the loss did not reach contributes zeros, as in torch.
-            None => Ok(Tensor::zeros(v.elem_count(), DType::F32, &device)?),
-        })
-        .collect::<Result<_>>()?;
-    let summed = comm.all_reduce_sum(&Tensor::cat(&flat, 0)?)?;
-    let mean = (summed / comm.world_size() as f64)?;
-    let mut offset = 0;
-    for (_, v) in params {
-        let n = v.elem_count();
-        let g = mean
-            .narrow(0, offset, n)?
-            .reshape(v.shape())?
-            .to_dtype(v.dtype())?;
-        grads.insert(v.as_tensor(), g);
-        offset += n;
-    }
-    Ok(())
-}
-
 /// The mean reward and success of the batch over every rank.
 fn ranks_mean(c: &dyn Collectives, traj: &GrpoTrajectory, device: &Device) -> Result<(f64, f64)> {
     let rows = traj.rewards.len().max(1) as f32;
+    // Unscorable rows (NaN: no reward function scored them) are left out, as TRL does.
+    let scored = traj.rewards.iter().filter(|r| !r.is_nan());
     let mine = [
-        traj.rewards.iter().sum::<f32>() / rows,
+        scored.clone().sum::<f32>() / scored.count().max(1) as f32,
         traj.successes.iter().sum::<f32>() / rows,
     ];
     let sum = c
@@ -851,8 +970,17 @@ fn ranks_mean(c: &dyn Collectives, traj: &GrpoTrajectory, device: &Device) -> Re
 fn step_metrics(traj: &GrpoTrajectory, stats: &[GrpoStats]) -> Vec<(&'static str, f64)> {
     let rows = traj.rewards.len().max(1) as f64;
     let mean = |v: &[f32]| v.iter().map(|&x| x as f64).sum::<f64>() / rows;
+    let scored: Vec<f64> = traj
+        .rewards
+        .iter()
+        .filter(|r| !r.is_nan())
+        .map(|&r| r as f64)
+        .collect();
     let mut metrics = vec![
-        ("rewards", mean(&traj.rewards)),
+        (
+            "rewards",
+            scored.iter().sum::<f64>() / scored.len().max(1) as f64,
+        ),
         ("successes", mean(&traj.successes)),
         (
             "num_stop_tokens",

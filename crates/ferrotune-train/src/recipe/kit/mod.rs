@@ -12,6 +12,7 @@
 //! - [`checkpoint`]: the checkpointer every training recipe saves with;
 //! - [`rollout`]: what PPO and GRPO share around a rollout: settings, batching, sampling, passes,
 //!   the trajectory core, the backward, step statistics and metrics;
+//! - [`ranks`]: gradients averaged over data-parallel ranks, and statistics over the ranks;
 //! - [`settings`]: the fine-tuning recipes' settings, read once before anything is loaded;
 //! - [`trainer`]: what the fine-tuning recipes share around what each really does: start, model
 //!   loading, the plan of the run, the optimizer, the epochs' steps (micro-batches, forward and
@@ -22,6 +23,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod model;
+pub mod ranks;
 pub mod report;
 pub mod rollout;
 pub mod session;
