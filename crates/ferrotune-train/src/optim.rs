@@ -131,7 +131,7 @@ fn load_entry(
 }
 
 /// Checks that every key of `state` belongs to one of `names` with one of `suffixes`.
-fn check_keys<'a>(
+pub(crate) fn check_keys<'a>(
     state: &HashMap<String, Tensor>,
     names: impl Iterator<Item = &'a str>,
     suffixes: &[&str],
@@ -148,11 +148,11 @@ fn check_keys<'a>(
 }
 
 /// Scalar-tensor step count, torch's representation (`state["step"]` is an f32 0-d tensor).
-fn step_tensor(step: u64, like: &Tensor) -> Result<Tensor> {
+pub(crate) fn step_tensor(step: u64, like: &Tensor) -> Result<Tensor> {
     Tensor::new(step as f32, like.device())
 }
 
-fn step_from_tensor(t: &Tensor) -> Result<u64> {
+pub(crate) fn step_from_tensor(t: &Tensor) -> Result<u64> {
     let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
     match v.as_slice() {
         [s] if *s >= 0.0 && s.fract() == 0.0 => Ok(*s as u64),

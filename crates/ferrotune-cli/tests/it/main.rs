@@ -14,6 +14,7 @@ mod grpo;
 mod hub_server;
 mod knobs;
 mod merge;
+mod optim_quant;
 mod plot;
 mod ppo;
 mod quantize;

@@ -227,6 +227,9 @@ impl Plan {
         if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
             eprintln!("warning: {note}");
         }
+        if let Some(sm) = &self.sharded {
+            setup::check_quant_unsharded(cfg, sm.sharding())?;
+        }
         let mut optimizer = setup::optimizer(cfg, std::mem::take(&mut self.params))?;
         let base_lr = optimizer.lr();
         let rows = self.examples.len();
