@@ -39,6 +39,15 @@ pub trait Optimizer {
     /// Restores state saved by [`Optimizer::state_dict`]. Parameters with no entry keep no state
     /// (as if they had never been stepped); keys naming no parameter are an error.
     fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<()>;
+    /// Bytes the optimizer state holds now (moments, buffers, master copies; what
+    /// [`Optimizer::state_dict`] would export).
+    fn state_bytes(&self) -> Result<usize> {
+        Ok(self
+            .state_dict()?
+            .iter()
+            .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+            .sum())
+    }
 }
 
 /// One parameter and its f32 master copy (only for non-f32 parameters, created on first use).
@@ -588,6 +597,19 @@ impl Optimizer for AdamW {
 
     fn set_lr(&mut self, lr: f64) {
         self.cfg.lr = lr;
+    }
+
+    fn state_bytes(&self) -> Result<usize> {
+        // Counted without copying the host moments into tensors.
+        Ok(self
+            .params
+            .iter()
+            .map(|(slot, st)| {
+                let n = slot.var.elem_count();
+                let master = slot.master.as_ref().map_or(0, |_| 4 * n);
+                master + st.as_ref().map_or(0, |_| 4 + 2 * 4 * n)
+            })
+            .sum())
     }
 }
 

@@ -446,8 +446,8 @@ impl QuantAdamW {
             .sum()
     }
 
-    /// Bytes the moments take now.
-    pub fn state_bytes(&self) -> usize {
+    /// Bytes the moments take now (the step counts aside).
+    pub fn moment_bytes(&self) -> usize {
         self.state
             .iter()
             .flatten()
@@ -575,6 +575,10 @@ impl Optimizer for QuantAdamW {
             var.set(&value)?;
         }
         Ok(())
+    }
+
+    fn state_bytes(&self) -> Result<usize> {
+        Ok(self.moment_bytes() + 4 * self.state.iter().flatten().count())
     }
 
     fn lr(&self) -> f64 {

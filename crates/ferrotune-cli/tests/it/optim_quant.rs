@@ -35,6 +35,7 @@ fn run(dir: &Path, cfg: &Path, out: &Path, extra: &[&str], env: &[(&str, &str)])
         format!("output_dir={}", out.display()),
         "epochs=3".into(),
         "optimizer.lr=3e-3".into(),
+        "log_peak_memory_stats=true".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -48,8 +49,18 @@ fn last_epoch_loss(out: &Path) -> f64 {
     l[12..].iter().map(|x| x.1).sum::<f64>() / 6.0
 }
 
+/// The `optimizer_state_mb` the last step logged.
+fn state_mb(out: &Path) -> f64 {
+    let lines = metrics_lines(&out.join("logs/metrics.jsonl"));
+    lines.last().unwrap()["optimizer_state_mb"]
+        .as_f64()
+        .unwrap()
+}
+
 /// torchao's AdamW8bit / AdamW4bit and bitsandbytes' PagedAdamW8bit end within 5% of f32
-/// AdamW's last-epoch loss (which is well below the first step's), and print their state size.
+/// AdamW's last-epoch loss (which is well below the first step's), print their state size and
+/// log a smaller `optimizer_state_mb` (the tiny model's k/v projections and norms keep f32
+/// moments, so not a quarter).
 #[test]
 fn quantized_adamw_reaches_the_f32_loss() {
     let dir = tmpdir("loss");
@@ -62,6 +73,7 @@ fn quantized_adamw_reaches_the_f32_loss() {
     let want = last_epoch_loss(&base);
     eprintln!("f32 AdamW: first {first:.4}, last epoch {want:.4}");
     assert!(want < 0.8 * first, "the loss falls: {first} -> {want}");
+    let f32_state = state_mb(&base);
     for (name, component) in [
         ("torchao8", "torchao.optim.AdamW8bit"),
         ("torchao4", "torchao.optim.AdamW4bit"),
@@ -74,6 +86,12 @@ fn quantized_adamw_reaches_the_f32_loss() {
         assert!(o.status.success(), "{log}");
         assert!(log.contains("Optimizer state: "), "{log}");
         let got = last_epoch_loss(&out);
+        let state = state_mb(&out);
+        eprintln!("{component}: optimizer_state_mb {state} (f32 AdamW {f32_state})");
+        assert!(
+            state > 0.0 && state < 0.6 * f32_state,
+            "{component}: {state} MB"
+        );
         eprintln!("{component}: last epoch {got:.4} (f32 AdamW {want:.4})");
         assert!(
             (got - want).abs() <= 0.05 * want,

@@ -182,9 +182,9 @@ fn state_takes_a_quarter_or_an_eighth_of_f32() {
         (QuantKind::Torchao4bit, 0.125, 0.135),
     ] {
         let mut opt = QuantAdamW::new(ps.clone(), QuantAdamWConfig::new(kind, hp())).unwrap();
-        assert_eq!(opt.state_bytes(), 0);
+        assert_eq!(opt.moment_bytes(), 0);
         opt.step(&grad_store(&ps, &grads)).unwrap();
-        let held = opt.state_bytes();
+        let held = opt.moment_bytes();
         assert_eq!(held, opt.planned_state_bytes());
         let saved: usize = opt
             .state_dict()

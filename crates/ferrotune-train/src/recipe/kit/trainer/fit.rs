@@ -483,6 +483,8 @@ impl Trainer {
                     }
                     if settings.log_memory {
                         metrics.push(("peak_memory_rss_mb", peak_rss_mb()));
+                        let state = optimizer.state_bytes()?;
+                        metrics.push(("optimizer_state_mb", state as f64 / 1e6));
                     }
                     logger.log_step(global_step as u64, &metrics)?;
                 }
