@@ -7,6 +7,8 @@
 //!   recipe can normalise by the number of target tokens in the whole optimizer step.
 //! - [`optim`] — `torch.optim.AdamW` and `torch.optim.SGD` (single-tensor path), with f32 state and
 //!   f32 master weights for reduced-precision parameters, and named-tensor state export.
+//! - [`optim_quant`] — torchao's `AdamW8bit` / `AdamW4bit` and bitsandbytes' `AdamW8bit` with
+//!   their block-wise quantized moments (fixtures from `scripts/make_optim8bit_fixtures.py`).
 //! - [`clip`] — `torch.nn.utils.clip_grad_norm_`, and gradient scaling for token normalisation.
 //! - [`schedule`] — LambdaLR-style multipliers (constant, linear, torchtune's cosine with warmup).
 //! - [`step`] — one micro-batch forward and backward, with activation checkpointing.
@@ -23,6 +25,7 @@ pub mod grpo;
 pub mod loss;
 pub mod metrics;
 pub mod optim;
+pub mod optim_quant;
 pub mod recipe;
 pub mod reward;
 pub mod rlhf;

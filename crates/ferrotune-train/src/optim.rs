@@ -39,6 +39,15 @@ pub trait Optimizer {
     /// Restores state saved by [`Optimizer::state_dict`]. Parameters with no entry keep no state
     /// (as if they had never been stepped); keys naming no parameter are an error.
     fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<()>;
+    /// Bytes the optimizer state holds now (moments, buffers, master copies; what
+    /// [`Optimizer::state_dict`] would export).
+    fn state_bytes(&self) -> Result<usize> {
+        Ok(self
+            .state_dict()?
+            .iter()
+            .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+            .sum())
+    }
 }
 
 /// One parameter and its f32 master copy (only for non-f32 parameters, created on first use).
@@ -131,7 +140,7 @@ fn load_entry(
 }
 
 /// Checks that every key of `state` belongs to one of `names` with one of `suffixes`.
-fn check_keys<'a>(
+pub(crate) fn check_keys<'a>(
     state: &HashMap<String, Tensor>,
     names: impl Iterator<Item = &'a str>,
     suffixes: &[&str],
@@ -148,11 +157,11 @@ fn check_keys<'a>(
 }
 
 /// Scalar-tensor step count, torch's representation (`state["step"]` is an f32 0-d tensor).
-fn step_tensor(step: u64, like: &Tensor) -> Result<Tensor> {
+pub(crate) fn step_tensor(step: u64, like: &Tensor) -> Result<Tensor> {
     Tensor::new(step as f32, like.device())
 }
 
-fn step_from_tensor(t: &Tensor) -> Result<u64> {
+pub(crate) fn step_from_tensor(t: &Tensor) -> Result<u64> {
     let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
     match v.as_slice() {
         [s] if *s >= 0.0 && s.fract() == 0.0 => Ok(*s as u64),
@@ -588,6 +597,19 @@ impl Optimizer for AdamW {
 
     fn set_lr(&mut self, lr: f64) {
         self.cfg.lr = lr;
+    }
+
+    fn state_bytes(&self) -> Result<usize> {
+        // Counted without copying the host moments into tensors.
+        Ok(self
+            .params
+            .iter()
+            .map(|(slot, st)| {
+                let n = slot.var.elem_count();
+                let master = slot.master.as_ref().map_or(0, |_| 4 * n);
+                master + st.as_ref().map_or(0, |_| 4 + 2 * 4 * n)
+            })
+            .sum())
     }
 }
 

@@ -912,3 +912,30 @@ fn validation_on_two_ranks_scores_the_rows_torchtunes_sampler_deals() {
         );
     }
 }
+
+/// A quantized AdamW (torchao's 8-bit) on 2 unsharded ranks (`fsdp_sharding: none`) logs the
+/// losses of one device; over sharded parameters it is refused before training, naming why.
+#[test]
+fn quantized_adamw_runs_unsharded_and_is_refused_sharded() {
+    let case = Case::new("quant-adamw", "qwen2");
+    let quant = "optimizer._component_=torchao.optim.AdamW8bit";
+    let (_, want) = case.single_device_reference_with("full_finetune_single_device", &[quant]);
+    let out = case.dir.join("dist-none");
+    let o = case.run(
+        2,
+        "full_finetune_distributed",
+        &out,
+        &[quant, "fsdp_sharding=none"],
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, "none");
+    let out = case.dir.join("dist-full");
+    let o = case.run(2, "full_finetune_distributed", &out, &[quant], &[]);
+    let log = text(&o);
+    assert!(!o.status.success(), "{log}");
+    assert!(
+        log.contains("does not run with sharded parameters"),
+        "{log}"
+    );
+}

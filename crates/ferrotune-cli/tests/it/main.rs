@@ -15,6 +15,7 @@ mod grpo_rewards;
 mod hub_server;
 mod knobs;
 mod merge;
+mod optim_quant;
 mod plot;
 mod ppo;
 mod quantize;

@@ -651,6 +651,9 @@ pub fn run(cfg: &Config) -> Result<()> {
         Some(sm) => sm.optimizer_params(),
         None => params,
     };
+    if let Some(sm) = &sharded {
+        setup::check_quant_unsharded(cfg, sm.sharding())?;
+    }
     let mut optimizer = setup::optimizer(cfg, params.clone())?;
     let base_lr = optimizer.lr();
     let clip = keys.clip;

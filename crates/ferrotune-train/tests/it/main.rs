@@ -14,6 +14,7 @@ mod kd;
 mod loss;
 mod metrics;
 mod optim;
+mod optim_quant;
 mod packing;
 mod ppo;
 mod prefloss;

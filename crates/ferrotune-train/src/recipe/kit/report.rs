@@ -13,11 +13,7 @@ use crate::optim::Optimizer;
 pub fn report_memory(sm: &ShardedModel, optimizer: &dyn Optimizer, rank: usize) -> Result<()> {
     let (params, grads) = sm.resident_bytes();
     let (one_params, one_grads) = sm.single_device_bytes();
-    let state = optimizer.state_dict()?;
-    let opt: usize = state
-        .iter()
-        .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
-        .sum();
+    let opt = optimizer.state_bytes()?;
     let held: usize = sm
         .optimizer_params()
         .iter()

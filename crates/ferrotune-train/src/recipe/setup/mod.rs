@@ -12,6 +12,7 @@ use ferrotune_models::{read_checkpoint_files, CausalLm, CheckpointFormat, ModelC
 
 use crate::config::Config;
 use crate::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use crate::optim_quant::{QuantAdamW, QuantAdamWConfig, QuantKind};
 use crate::schedule::LrSchedule;
 
 mod early_exit;
@@ -550,7 +551,9 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
             cfg.origin
         );
     }
-    // bitsandbytes' and torchao's AdamW classes run as AdamW (see `adamw_variant`).
+    // bitsandbytes' 32-bit AdamW classes run as AdamW, its and torchao's 8- and 4-bit ones as
+    // `QuantAdamW` (see `adamw_variant`).
+    let quant = QuantKind::from_component(&component);
     let class = match adamw_variant(&component) {
         Some(_) => "AdamW",
         None => component.rsplit('.').next().unwrap_or(""),
@@ -574,6 +577,9 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
                 c.beta1 = b[0];
                 c.beta2 = b[1];
             }
+            if let Some(kind) = quant {
+                return quant_optimizer(cfg, kind, c, params);
+            }
             Ok(Box::new(
                 AdamW::new(params, c).map_err(|e| anyhow!("{}: optimizer: {e}", cfg.origin))?,
             ))
@@ -592,16 +598,88 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
         }
         _ => bail!(
             "{}: optimizer._component_ '{component}' is not supported (torch.optim.AdamW or \
-             torch.optim.SGD; bitsandbytes' and torchao's AdamW classes run as AdamW)",
+             torch.optim.SGD, bitsandbytes' AdamW classes, torchao's AdamW8bit and AdamW4bit)",
             cfg.origin
         ),
     }
 }
 
-/// How an AdamW class of another library maps onto ferrotune's AdamW (f32 state): `Some(true)`
+/// torchao's `AdamW8bit` / `AdamW4bit` or bitsandbytes' `AdamW8bit` / `PagedAdamW8bit` over
+/// `params` with AdamW's hyperparameters `adamw`, and their own keys: torchao's `block_size`,
+/// bitsandbytes' `min_8bit_size`; `bf16_stochastic_round: true`, bitsandbytes'
+/// `percentile_clipping` below 100 and `optim_bits` other than 8 are refused. Says, once there
+/// are parameters, what the state will take against f32 AdamW's.
+fn quant_optimizer(
+    cfg: &Config,
+    kind: QuantKind,
+    adamw: AdamWConfig,
+    params: Vec<(String, Var)>,
+) -> Result<Box<dyn Optimizer>> {
+    let mut q = QuantAdamWConfig::new(kind, adamw);
+    let torchao = kind != QuantKind::Bnb8bit;
+    if let Some(b) = cfg.usize("optimizer.block_size")? {
+        if !torchao {
+            bail!(
+                "{}: optimizer.block_size is torchao's key (bitsandbytes fixes 256)",
+                cfg.origin
+            );
+        }
+        q.block_size = b;
+    }
+    if let Some(m) = cfg.usize("optimizer.min_8bit_size")? {
+        if torchao {
+            bail!(
+                "{}: optimizer.min_8bit_size is bitsandbytes' key (torchao fixes 4096)",
+                cfg.origin
+            );
+        }
+        q.min_quant_size = m;
+    }
+    if cfg
+        .bool("optimizer.bf16_stochastic_round")?
+        .unwrap_or(false)
+    {
+        bail!(
+            "{}: optimizer.bf16_stochastic_round is not supported (bf16 parameters are rounded to \
+             nearest after each update)",
+            cfg.origin
+        );
+    }
+    if cfg
+        .f64("optimizer.percentile_clipping")?
+        .is_some_and(|p| p != 100.0)
+    {
+        bail!(
+            "{}: optimizer.percentile_clipping is not supported (100: none)",
+            cfg.origin
+        );
+    }
+    if cfg.usize("optimizer.optim_bits")?.is_some_and(|b| b != 8) {
+        bail!(
+            "{}: optimizer.optim_bits must be 8 for an 8-bit optimizer",
+            cfg.origin
+        );
+    }
+    let numel: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+    let opt = QuantAdamW::new(params, q).map_err(|e| anyhow!("{}: optimizer: {e}", cfg.origin))?;
+    if numel > 0 {
+        let mb = |b: usize| b as f64 / 1e6;
+        eprintln!(
+            "Optimizer state: {:.2} MB in {}-bit blocks of {} ({:.2} MB as f32 AdamW)",
+            mb(opt.planned_state_bytes()),
+            kind.bits(),
+            q.block_size,
+            mb(8 * numel)
+        );
+    }
+    Ok(Box::new(opt))
+}
+
+/// How an AdamW class of another library maps onto ferrotune's optimizers: `Some(true)` AdamW
 /// exactly (torch's, and bitsandbytes' 32-bit ones, whose paging only moves the state in
-/// memory), `Some(false)` with a different state precision (the 8- and 4-bit ones), `None` for
-/// anything else. torchtune's single-device full fine-tuning configs name bitsandbytes'.
+/// memory), `Some(false)` AdamW with quantized moments ([`QuantAdamW`]: the 8- and 4-bit ones),
+/// `None` for anything else. torchtune's single-device full fine-tuning configs name
+/// bitsandbytes'.
 fn adamw_variant(component: &str) -> Option<bool> {
     match component.rsplit('.').next().unwrap_or("") {
         "AdamW" | "PagedAdamW" | "AdamW32bit" | "PagedAdamW32bit" => Some(true),
@@ -610,18 +688,39 @@ fn adamw_variant(component: &str) -> Option<bool> {
     }
 }
 
-/// What to tell the user about `optimizer._component_` when ferrotune's AdamW stands in for a
-/// low-precision one: it keeps the state in f32, so it takes more memory and its numbers are
-/// AdamW's, not the quantized state's.
+/// Refuses a quantized optimizer (8- or 4-bit AdamW) over parameters sharded over the ranks:
+/// the sharded recipes gather and split f32 state tensors shaped like their flat shards, which
+/// codes and per-block scales are not (yet). Unsharded (`fsdp_sharding: none`) runs take them.
+pub fn check_quant_unsharded(cfg: &Config, sharding: crate::dist::fsdp::Sharding) -> Result<()> {
+    let component = cfg.str("optimizer._component_")?.unwrap_or_default();
+    if QuantKind::from_component(&component).is_some()
+        && sharding != crate::dist::fsdp::Sharding::None
+    {
+        bail!(
+            "{}: optimizer._component_ '{component}' (quantized AdamW state) does not run with \
+             sharded parameters yet: use torch.optim.AdamW, or a single device",
+            cfg.origin
+        );
+    }
+    Ok(())
+}
+
+/// What to tell the user about a low-precision `optimizer._component_`: whose quantization its
+/// moments follow, what stays f32, and where the state lives.
 pub fn optimizer_note(cfg: &Config) -> Result<Option<String>> {
     let Some(component) = cfg.str("optimizer._component_")? else {
         return Ok(None);
     };
-    Ok((adamw_variant(&component) == Some(false)).then(|| {
+    Ok(QuantKind::from_component(&component).map(|kind| {
+        let whose = match kind {
+            QuantKind::Bnb8bit => "bitsandbytes'",
+            _ => "torchao's",
+        };
         format!(
-            "optimizer._component_ '{component}' keeps its state in 8 or 4 bits; ferrotune runs \
-             AdamW with f32 state instead (4-8x the optimizer memory; the updates are AdamW's, \
-             which the quantized state only approximates)"
+            "optimizer._component_ '{component}': AdamW with its moments in {}-bit blocks as \
+             {whose} (tensors under 4096 values keep f32 moments); the state is kept in host \
+             memory, a CUDA parameter's update goes through the host",
+            kind.bits()
         )
     }))
 }

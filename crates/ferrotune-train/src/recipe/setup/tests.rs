@@ -53,6 +53,28 @@ fn other_libraries_adamw_classes_run_as_adamw() {
     assert!(check_components(&adam)[0].contains("'torch.optim.Adam' is not supported"));
 }
 
+/// The 8- and 4-bit AdamW classes build the quantized optimizer with their own keys, and are
+/// refused over sharded parameters.
+#[test]
+fn quantized_adamw_classes_take_their_keys_and_refuse_sharding() {
+    use crate::dist::fsdp::Sharding;
+    let c = |extra: &str| {
+        cfg(&format!(
+            "optimizer:\n  _component_: torchao.optim.AdamW4bit\n  lr: 0.001\n{extra}"
+        ))
+    };
+    assert!(optimizer(&c("  block_size: 64\n"), Vec::new()).is_ok());
+    assert!(optimizer(&c("  min_8bit_size: 64\n"), Vec::new()).is_err());
+    assert!(optimizer(&c("  bf16_stochastic_round: true\n"), Vec::new()).is_err());
+    assert!(check_quant_unsharded(&c(""), Sharding::None).is_ok());
+    assert!(check_quant_unsharded(&c(""), Sharding::Full).is_err());
+    assert!(check_quant_unsharded(&c(""), Sharding::GradOp).is_err());
+    let adamw = cfg("optimizer:\n  _component_: torch.optim.AdamW\n  lr: 0.1\n");
+    assert!(check_quant_unsharded(&adamw, Sharding::Full).is_ok());
+    let bnb = cfg("optimizer:\n  _component_: bitsandbytes.optim.PagedAdamW8bit\n  lr: 0.1\n  min_8bit_size: 16\n");
+    assert!(optimizer(&bnb, Vec::new()).is_ok());
+}
+
 /// torchtune's attention keys on DeepSeek's latent attention: `q_proj` reaches the queries'
 /// projections (`q_a_proj` and `q_b_proj` when they are low-rank), `k_proj` / `v_proj` the
 /// latent's (`kv_a_proj_with_mqa`, `kv_b_proj`), `output_proj` `o_proj`.

@@ -227,6 +227,9 @@ impl Plan {
         if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
             eprintln!("warning: {note}");
         }
+        if let Some(sm) = &self.sharded {
+            setup::check_quant_unsharded(cfg, sm.sharding())?;
+        }
         let mut optimizer = setup::optimizer(cfg, std::mem::take(&mut self.params))?;
         let base_lr = optimizer.lr();
         let rows = self.examples.len();
@@ -480,6 +483,8 @@ impl Trainer {
                     }
                     if settings.log_memory {
                         metrics.push(("peak_memory_rss_mb", peak_rss_mb()));
+                        let state = optimizer.state_bytes()?;
+                        metrics.push(("optimizer_state_mb", state as f64 / 1e6));
                     }
                     logger.log_step(global_step as u64, &metrics)?;
                 }
