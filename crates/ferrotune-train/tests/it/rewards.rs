@@ -132,7 +132,8 @@ fn http_errors_and_silence_name_the_function() {
     });
     let url = format!("http://127.0.0.1:{port}/r");
     let s = spec(
-        json!([{"http": url, "name": "judge", "timeout": 0.5}]),
+        // 3 s, not less: the answering request must not time out on a loaded machine.
+        json!([{"http": url, "name": "judge", "timeout": 3.0}]),
         None,
     )
     .unwrap();
@@ -147,8 +148,8 @@ fn http_errors_and_silence_name_the_function() {
     let t = std::time::Instant::now();
     let e = set.score(&batch()).unwrap_err().to_string();
     assert!(
-        e.contains("'judge'") && e.contains("no answer within 0.500 s"),
+        e.contains("'judge'") && e.contains("no answer within 3.000 s"),
         "{e}"
     );
-    assert!(t.elapsed().as_secs_f64() < 5.0, "{:?}", t.elapsed());
+    assert!(t.elapsed().as_secs_f64() < 8.0, "{:?}", t.elapsed());
 }
