@@ -86,6 +86,31 @@ impl KtoLoss {
     }
 }
 
+/// A text row's `(prompt, completion)` token ids as TRL's `KTOTrainer` tokenizes a
+/// non-conversational row: the tokenizer's EOS token appended to the completion unless it ends
+/// with it, the prompt and the prompt + completion each encoded with the special tokens, the
+/// completion starting where the two diverge (TRL's `common_prefix_length`).
+pub fn tokenize_unpaired(
+    tokenizer: &ferrotune_data::Tokenizer,
+    prompt: &str,
+    completion: &str,
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    let mut completion = completion.to_string();
+    if let Some(eos) = tokenizer.eos_token() {
+        if !completion.ends_with(eos) {
+            completion.push_str(eos);
+        }
+    }
+    let prompt_ids = tokenizer.encode(prompt, true)?;
+    let all = tokenizer.encode(&format!("{prompt}{completion}"), true)?;
+    let start = prompt_ids
+        .iter()
+        .zip(&all)
+        .take_while(|(a, b)| a == b)
+        .count();
+    Ok((all[..start].to_vec(), all[start..].to_vec()))
+}
+
 /// TRL's KL rows: for each row `i`, its prompt with row `i − 1`'s completion (row 0 takes the
 /// last row's), within one batch. `rows` are `(prompt, completion)` token ids.
 pub fn mismatched_rows(rows: &[(Vec<u32>, Vec<u32>)]) -> Vec<(Vec<u32>, Vec<u32>)> {

@@ -6,9 +6,11 @@
 
 use candle_core::{DType, Device, Tensor};
 use ferrotune_data::dataset::{collate, Row};
+use ferrotune_data::Tokenizer;
 use ferrotune_models::{load_adapter, load_model};
 use ferrotune_train::kto::{
-    kl_clamped, kl_mean, kto_metrics, kto_terms, mismatched_rows, KtoLoss, KtoLossType,
+    kl_clamped, kl_mean, kto_metrics, kto_terms, mismatched_rows, tokenize_unpaired, KtoLoss,
+    KtoLossType,
 };
 use ferrotune_train::step::{reference_log_probs, sequence_log_probs, MicroBatch};
 use serde_json::Value;
@@ -191,4 +193,23 @@ fn kto_loss_reads_trl_defaults_and_refuses_unknown_types() {
             (vec![3], vec![20])
         ]
     );
+}
+
+#[test]
+fn unpaired_text_rows_tokenize_as_trl_kto_trainer() {
+    let want = json(fixtures().join("kto/golden.json"));
+    let tok = Tokenizer::from_dir(fixtures().join("llama3/model")).unwrap();
+    let trl = rows(&want["kto"]["batch"], "");
+    let text = &want["rows"];
+    for (i, row) in trl.iter().enumerate() {
+        let (prompt, completion) = tokenize_unpaired(
+            &tok,
+            text["prompt"][i].as_str().unwrap(),
+            text["completion"][i].as_str().unwrap(),
+        )
+        .unwrap();
+        let start = row.labels.iter().position(|&l| l != -100).unwrap();
+        assert_eq!(prompt, row.input_ids[..start], "row {i}: prompt");
+        assert_eq!(completion, row.input_ids[start..], "row {i}: completion");
+    }
 }
