@@ -5,33 +5,43 @@ lengths, right-padded as torchtune's padded_collate_dpo) with the tiny Llama and
 (tests/fixtures/llama3/{model,adapter}) as the policy and, for IPO, the same model with the
 adapter disabled as the reference.
 
-The loss formulas are TRL 1.16.0's (pip download trl==1.16.0 --no-deps), transcribed literally:
-TRL does not import here (its trainers import pandas, which is not installed), so its functions
-cannot be called. Each transcription names its source:
-- ORPO: trl/experimental/orpo/orpo_trainer.py `log1mexp`, `ORPOTrainer.odds_ratio_loss`,
-  `get_batch_logps(average_log_prob=True)`, `concatenated_forward` (the chosen rows' NLL over the
-  whole prompt and response: labels = input_ids where the attention mask is 1), and
-  `get_batch_loss_metrics` (loss = nll - mean(beta * logsigmoid(log_odds))).
-- CPO / SimPO: trl/experimental/cpo/cpo_trainer.py `cpo_loss` (loss_type "sigmoid" / "simpo",
-  alpha 0), `get_batch_logps(average_log_prob=loss_type in ["ipo", "simpo"])`, the NLL over the
-  chosen rows' labels, loss = mean(losses) + cpo_alpha * nll.
-- IPO: trl/trainer/dpo_trainer.py `_compute_loss` loss_type "ipo": token-summed log ratios divided
-  by the completion tokens, (delta - 1/(2 beta))**2, rewards beta * summed log ratios.
+ORPO, SimPO and CPO call TRL 1.16.0's own functions (trl/experimental/orpo/orpo_trainer.py,
+trl/experimental/cpo/cpo_trainer.py), unbound, with a stand-in `self` holding the settings they
+read (`beta`, `loss_type`, `simpo_gamma`, `label_smoothing`, `alpha` = AlphaPO's, 0 as
+`CPOConfig`'s default, and the accelerator's device):
+- ORPO: `ORPOTrainer.get_batch_logps(average_log_prob=True)` and `ORPOTrainer.odds_ratio_loss`;
+  the chosen rows' NLL over the whole prompt and response (labels = input_ids where the attention
+  mask is 1) is `concatenated_forward`'s local `cross_entropy_loss`, transcribed, and the loss
+  `get_batch_loss_metrics`' nll - mean(beta * logsigmoid(log_odds)).
+- CPO / SimPO: `CPOTrainer.get_batch_logps(average_log_prob=loss_type in ["ipo", "simpo"])` and
+  `CPOTrainer.cpo_loss` (loss_type "sigmoid" / "simpo"); the NLL over the chosen rows' labels
+  (the local `cross_entropy_loss`, transcribed), loss = mean(losses) + cpo_alpha * nll.
+- IPO: a real `DPOTrainer` (loss_type ["ipo"]) and its `_compute_loss` on its collator's batch of
+  the fixture pairs (prompt, chosen and rejected ids), the reference being the model with the
+  adapter disabled (TRL's "ref" copy of a pretrained adapter deleted), its logged rewards.
+The values these give equal the earlier fully transcribed script's to float32 rounding (loss to
+1.5e-7 relative, gradients to 1e-6 relative L2).
 
 tests/fixtures/prefloss/golden.json: per loss, its parameters, the loss and TRL's metrics.
 tests/fixtures/prefloss/{orpo,simpo,cpo,ipo}_grads.safetensors: d loss / d adapter parameter.
 
-Run from the repository root with torch, transformers, peft and safetensors installed:
-python3 scripts/make_prefloss_fixtures.py
+Run from the repository root with TRL in a venv that keeps the system torch/transformers/peft
+(see scripts/make_grpo_trl_fixtures.py):
+/work/venv-trl/bin/python scripts/make_prefloss_fixtures.py
 """
 import json
 import os
+import tempfile
+from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from peft import PeftModel
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+from trl.experimental.cpo import CPOTrainer
+from trl.experimental.orpo import ORPOTrainer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
 OUT = os.path.join(ROOT, "prefloss")
@@ -56,16 +66,40 @@ def batch():
     return ids, labels, mask, len(rows)
 
 
-def get_batch_logps(logits, labels, average_log_prob):
-    """TRL's get_batch_logps (decoder-only)."""
-    labels = labels[:, 1:].clone()
-    logits = logits[:, :-1, :]
-    loss_mask = labels != -100
-    labels[labels == -100] = 0
-    per_token = torch.gather(logits.log_softmax(-1), dim=2, index=labels.unsqueeze(2)).squeeze(2)
-    if average_log_prob:
-        return (per_token * loss_mask).sum(-1) / loss_mask.sum(-1)
-    return (per_token * loss_mask).sum(-1)
+def ipo_from_dpo_trainer(model, beta):
+    """IPO from TRL's own `DPOTrainer` (loss_type ["ipo"]): its collator on the fixture's pairs
+    split into prompt, chosen and rejected ids, its `_compute_loss` (the reference: the model with
+    the adapter disabled, TRL's path once its "ref" copy of a pretrained adapter is deleted) and
+    its logged rewards."""
+    rows = [json.loads(l) for l in open(os.path.join(ROOT, "dpo", "pairs.jsonl"))]
+    examples = []
+    for r in rows:
+        k = next(i for i, l in enumerate(r["chosen_labels"]) if l != -100)
+        assert r["chosen_input_ids"][:k] == r["rejected_input_ids"][:k]
+        assert all(l == -100 for l in r["rejected_labels"][:k]) and r["rejected_labels"][k] != -100
+        examples.append({"prompt_ids": r["chosen_input_ids"][:k],
+                         "chosen_ids": r["chosen_input_ids"][k:],
+                         "rejected_ids": r["rejected_input_ids"][k:]})
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "llama3", "model"))
+    with tempfile.TemporaryDirectory() as out:
+        args = DPOConfig(output_dir=out, loss_type=["ipo"], beta=beta, report_to=[], use_cpu=True,
+                         per_device_train_batch_size=len(examples))
+        # The dataset is not read: the batch is the collated fixture pairs.
+        dummy = Dataset.from_dict({"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]})
+        trainer = DPOTrainer(model=model, args=args, train_dataset=dummy, processing_class=tok)
+    if "ref" in trainer.model.peft_config:
+        trainer.model.delete_adapter("ref")
+        trainer.model.set_adapter("default")
+    trainer.model.train()
+    loss = trainer._compute_loss(trainer.model, trainer.data_collator(examples), False)
+    logged = {k: sum(v) / len(v) for k, v in trainer._metrics["train"].items()}
+    keys = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"]
+    return trainer.model, loss, {k: logged[k] for k in keys}
+
+
+def trl_self(**settings):
+    """The attributes TRL's loss methods read of their trainer."""
+    return SimpleNamespace(accelerator=SimpleNamespace(device=torch.device("cpu")), **settings)
 
 
 def cross_entropy_loss(logits, labels):
@@ -73,11 +107,6 @@ def cross_entropy_loss(logits, labels):
     logits = logits[..., :-1, :].contiguous()
     labels = labels[..., 1:].contiguous()
     return torch.nn.CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1))
-
-
-def log1mexp(x):
-    t = -0.6931471805599453
-    return torch.where(x < t, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def main():
@@ -100,38 +129,27 @@ def main():
         if kind == "orpo":
             full = torch.where(mask == 1, ids, -100)
             nll = cross_entropy_loss(logits[:n], full[:n])
-            logps = get_batch_logps(logits, labels, True)
-            pc, pr = logps[:n].float(), logps[n:].float()
-            log_odds = (pc - pr) - (log1mexp(pc) - log1mexp(pr))
-            ratio = F.logsigmoid(log_odds)
-            losses = beta * ratio
-            cr, rr = beta * pc.detach(), beta * pr.detach()
+            logps = ORPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+            losses, cr, rr, ratio, log_odds = ORPOTrainer.odds_ratio_loss(
+                trl_self(beta=beta), logps[:n], logps[n:]
+            )
             loss = nll - losses.mean()
-            m = {"nll_loss": nll.item(), "log_odds_ratio": ratio.mean().item(),
-                 "log_odds_chosen": log_odds.mean().item()}
+            m = {"nll_loss": nll.item(), "log_odds_ratio": ratio.item(),
+                 "log_odds_chosen": log_odds.item()}
         elif kind in ("simpo", "cpo"):
             ls, alpha = p["label_smoothing"], p["cpo_alpha"]
             nll = cross_entropy_loss(logits[:n], labels[:n])
-            logps = get_batch_logps(logits, labels, kind == "simpo")
-            pc, pr = logps[:n], logps[n:]
-            z = pc - pr
-            if kind == "simpo":
-                z = z - p["simpo_gamma"] / beta
-            losses = -F.logsigmoid(beta * z) * (1 - ls) - F.logsigmoid(-beta * z) * ls
-            cr, rr = beta * pc.detach(), beta * pr.detach()
+            logps = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=kind == "simpo")
+            losses, cr, rr = CPOTrainer.cpo_loss(
+                trl_self(beta=beta, alpha=0.0, label_smoothing=ls,
+                         loss_type="simpo" if kind == "simpo" else "sigmoid",
+                         simpo_gamma=p.get("simpo_gamma")),
+                logps[:n], logps[n:],
+            )
             loss = losses.mean() + alpha * nll
             m = {"nll_loss": nll.item()}
         else:
-            logps = get_batch_logps(logits, labels, False)
-            with torch.no_grad(), model.disable_adapter():
-                ref = get_batch_logps(model(input_ids=ids).logits, labels, False)
-            lens = (labels[:, 1:] != -100).sum(-1).clamp(min=1)
-            pc, pr = logps[:n], logps[n:]
-            cs, rs = pc - ref[:n], pr - ref[n:]
-            delta = cs / lens[:n] - rs / lens[n:]
-            losses = (delta - 1 / (2 * beta)) ** 2
-            cr, rr = beta * cs.detach(), beta * rs.detach()
-            loss = losses.mean()
+            model, loss, m = ipo_from_dpo_trainer(model, beta)
         loss.backward()
         grads = {
             k.replace(".default", ""): q.grad.detach().clone().contiguous()
@@ -139,15 +157,15 @@ def main():
             if q.requires_grad and q.grad is not None
         }
         save_file(grads, os.path.join(OUT, f"{kind}_grads.safetensors"))
-        out[kind] = {
-            **p,
-            "loss": loss.item(),
-            "rewards/chosen": cr.mean().item(),
-            "rewards/rejected": rr.mean().item(),
-            "rewards/accuracies": (cr > rr).float().mean().item(),
-            "rewards/margins": (cr - rr).mean().item(),
-            **m,
-        }
+        if kind != "ipo":
+            m = {
+                "rewards/chosen": cr.mean().item(),
+                "rewards/rejected": rr.mean().item(),
+                "rewards/accuracies": (cr > rr).float().mean().item(),
+                "rewards/margins": (cr - rr).mean().item(),
+                **m,
+            }
+        out[kind] = {**p, "loss": loss.item(), **m}
         print(kind, out[kind])
     json.dump(out, open(os.path.join(OUT, "golden.json"), "w"), indent=1)
 

@@ -22,6 +22,7 @@ pub mod config;
 pub mod dist;
 pub mod early_exit;
 pub mod grpo;
+pub mod kto;
 pub mod loss;
 pub mod metrics;
 pub mod optim;

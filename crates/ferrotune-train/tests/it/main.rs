@@ -11,6 +11,7 @@ mod eleuther_eval;
 mod grpo;
 mod grpo_trl;
 mod kd;
+mod kto;
 mod loss;
 mod metrics;
 mod optim;

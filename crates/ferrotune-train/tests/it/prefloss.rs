@@ -1,6 +1,7 @@
-//! TRL's reference-free and IPO preference losses against TRL 1.16.0's formulas computed with
-//! PyTorch + PEFT (scripts/make_prefloss_fixtures.py) on the DPO fixture pairs: ORPO, SimPO, CPO
-//! (no reference) and IPO (the adapter-disabled reference). The loss, TRL's metrics and every
+//! TRL's reference-free and IPO preference losses against TRL 1.16.0 with PyTorch + PEFT
+//! (scripts/make_prefloss_fixtures.py: ORPO, SimPO and CPO through TRL's own loss and log
+//! probability functions, IPO through a real `DPOTrainer`'s `_compute_loss`) on the DPO fixture
+//! pairs: ORPO, SimPO, CPO (no reference) and IPO (the adapter-disabled reference). The loss, TRL's metrics and every
 //! adapter gradient.
 
 use candle_core::{DType, Device};
