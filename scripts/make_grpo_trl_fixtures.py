@@ -18,8 +18,7 @@ per case its settings, TRL's advantages, `num_items_in_batch`, the injected tabl
 tests/fixtures/grpo_trl/grads_{case}.safetensors: a few parameters' gradients.
 
 Run from the repository root (TRL in a venv that keeps the system torch/transformers):
-    python3 -m venv --system-site-packages /work/venv-trl && /work/venv-trl/bin/pip install trl pandas
-    /work/venv-trl/bin/python scripts/make_grpo_trl_fixtures.py
+    "$(scripts/fetch-trl.sh)/bin/python" scripts/make_grpo_trl_fixtures.py
 The tests read the committed outputs; they do not run this script.
 """
 import json

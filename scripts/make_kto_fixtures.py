@@ -14,7 +14,7 @@ TRL's logged loss and metrics of that step; and tests/fixtures/kto/{case}_adapte
 the adapter after the step (PEFT names without `.default`).
 
 Run from the repository root (TRL in a venv that keeps the system torch/transformers):
-    /work/venv-trl/bin/python scripts/make_kto_fixtures.py
+    "$(scripts/fetch-trl.sh)/bin/python" scripts/make_kto_fixtures.py
 The tests read the committed outputs; they do not run this script.
 """
 import json

@@ -26,8 +26,8 @@ tests/fixtures/prefloss/golden.json: per loss, its parameters, the loss and TRL'
 tests/fixtures/prefloss/{orpo,simpo,cpo,ipo}_grads.safetensors: d loss / d adapter parameter.
 
 Run from the repository root with TRL in a venv that keeps the system torch/transformers/peft
-(see scripts/make_grpo_trl_fixtures.py):
-/work/venv-trl/bin/python scripts/make_prefloss_fixtures.py
+(scripts/fetch-trl.sh creates it once, pinned):
+    "$(scripts/fetch-trl.sh)/bin/python" scripts/make_prefloss_fixtures.py
 """
 import json
 import os
