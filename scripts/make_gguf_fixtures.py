@@ -471,6 +471,48 @@ def smollm3_gguf() -> None:
     save_reference("smollm3", logits)
     print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
+# What a tiny DeepSeek checkpoint changes so that a `deepseek2` file can say what transformers
+# computes (see deepseek2_ggufs).
+DEEPSEEK2_EDITS = {
+    "deepseek_v2": {"topk_method": "greedy", "n_group": 1, "topk_group": 1},
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+}
+
+
+def deepseek2_source(kind: str, tmp: Path) -> Path:
+    """A copy of tests/fixtures/models/<kind>/model under `tmp` with DEEPSEEK2_EDITS applied and
+    `mscale` set to `mscale_all_dim`."""
+    import shutil
+    model_dir = tmp / kind
+    shutil.copytree(ROOT / "tests" / "fixtures" / "models" / kind / "model", model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(DEEPSEEK2_EDITS[kind])
+    rope = cfg.get("rope_parameters", {})
+    if "mscale_all_dim" in rope:
+        rope["mscale"] = rope["mscale_all_dim"]
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return model_dir
+
+
+def run_llama_cpp_converter(src: str, model_dir: Path, out: Path, tmp: Path, outtype: str = "f32") -> None:
+    """llama.cpp's convert_hf_to_gguf.py (from the llama.cpp folder `src`), unchanged but for the
+    tiny fixtures' unknown BPE pre-tokenizer, reported as "default"."""
+    import subprocess
+    shim = tmp / "llama_cpp_shim.py"
+    shim.write_text(
+        "import sys, runpy\n"
+        "src = sys.argv.pop(1)\n"
+        "sys.path.insert(0, src)\n"
+        "sys.argv[0] = src + '/convert_hf_to_gguf.py'\n"
+        "import conversion.base as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tok: 'default'\n"
+        "runpy.run_path(src + '/convert_hf_to_gguf.py', run_name='__main__')\n"
+    )
+    subprocess.run([sys.executable, str(shim), src, str(model_dir), "--outtype", outtype,
+                    "--outfile", str(out)], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
 def deepseek2_ggufs() -> None:
     """DeepSeek-V2 and -V3 as llama.cpp's own convert_hf_to_gguf.py writes them (architecture
     `deepseek2`, F32: `attn_kv_b` split into `attn_k_b` (transposed) and `attn_v_b`, stacked
@@ -484,8 +526,6 @@ def deepseek2_ggufs() -> None:
     The converter is llama.cpp's (LLAMA_CPP=<a llama.cpp checkout: convert_hf_to_gguf.py,
     conversion/, gguf-py/>), run unchanged but for the tiny fixtures' unknown BPE pre-tokenizer,
     reported as "default" (tensors and hyperparameters do not depend on it)."""
-    import shutil
-    import subprocess
     import tempfile
 
     import torch
@@ -494,34 +534,11 @@ def deepseek2_ggufs() -> None:
     src = os.environ.get("LLAMA_CPP")
     if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
         sys.exit("set LLAMA_CPP to a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/)")
-    shim = (
-        "import sys, runpy\n"
-        "src = sys.argv.pop(1)\n"
-        "sys.path.insert(0, src)\n"
-        "sys.argv[0] = src + '/convert_hf_to_gguf.py'\n"
-        "import conversion.base as base\n"
-        "base.TextModel.get_vocab_base_pre = lambda self, tok: 'default'\n"
-        "runpy.run_path(src + '/convert_hf_to_gguf.py', run_name='__main__')\n"
-    )
-    edits = {
-        "deepseek_v2": {"topk_method": "greedy", "n_group": 1, "topk_group": 1},
-        "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
-    }
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "shim.py").write_text(shim)
-        for kind, edit in edits.items():
-            model_dir = Path(tmp) / kind
-            shutil.copytree(ROOT / "tests" / "fixtures" / "models" / kind / "model", model_dir)
-            cfg = json.loads((model_dir / "config.json").read_text())
-            cfg.update(edit)
-            rope = cfg.get("rope_parameters", {})
-            if "mscale_all_dim" in rope:
-                rope["mscale"] = rope["mscale_all_dim"]
-            (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        for kind in DEEPSEEK2_EDITS:
+            model_dir = deepseek2_source(kind, Path(tmp))
             path = OUT / f"{kind}_tiny.gguf"
-            subprocess.run([sys.executable, str(Path(tmp) / "shim.py"), src, str(model_dir),
-                            "--outtype", "f32", "--outfile", str(path)], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            run_llama_cpp_converter(src, model_dir, path, Path(tmp))
             os.chmod(path, 0o644)
             m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             with torch.no_grad():

@@ -6,7 +6,8 @@
 //! `DeepseekV2Config` define them, defaults included. V3's multi-token-prediction layers
 //! (`num_nextn_predict_layers`) are skipped on load, as transformers does. llama.cpp's `deepseek2`
 //! files are read ([`GGUF_ARCH`], [`GGUF_TOP_TENSORS`], [`GGUF_LAYER_TENSORS`]; the reader is
-//! `gguf/deepseek2.rs`), not written yet; torchtune has no DeepSeek builder.
+//! `gguf/deepseek2.rs`) and written (ferrotune-export's `gguf/deepseek2.rs`); torchtune has no
+//! DeepSeek builder.
 
 use super::prelude::*;
 use crate::config::hf::{get_bool, get_f64, get_str, get_usize, positive};
