@@ -16,8 +16,8 @@
       per-expert and Q8_0 gate+up experts; separate and fused Phi-2 qkv), with the source models' logits.
   tests/fixtures/gguf/smollm3_tiny.gguf + smollm3_tiny_reference.safetensors
       A tiny 4-layer SmolLM3 (default NoPE pattern) as GGUF, with the source model's logits.
-  tests/fixtures/gguf/deepseek_v2_tiny.gguf, deepseek_v3_tiny.gguf + *_reference.safetensors
-      The tiny DeepSeek-V2/V3 checkpoints (changed where a `deepseek2` file cannot carry them: see
+  tests/fixtures/gguf/deepseek_v2_tiny.gguf, deepseek_v3_tiny.gguf, gpt_oss_tiny.gguf + *_reference.safetensors
+      The tiny DeepSeek-V2/V3 and gpt-oss checkpoints (changed where a `deepseek2` file cannot carry them: see
       deepseek2_ggufs) through llama.cpp's own convert_hf_to_gguf.py (LLAMA_CPP names its folder), with
       the changed checkpoints' logits.
   tests/fixtures/gguf/quant_reference.safetensors
@@ -478,16 +478,22 @@ DEEPSEEK2_EDITS = {
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
 }
 
+# What the tiny gpt-oss checkpoint changes so that a `gpt-oss` file can say what transformers
+# computes: llama.cpp fixes the SwiGLU's limit at 7 and rounds YaRN's correction range.
+GPT_OSS_EDITS = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+
 
 def deepseek2_source(kind: str, tmp: Path) -> Path:
-    """A copy of tests/fixtures/models/<kind>/model under `tmp` with DEEPSEEK2_EDITS applied and
-    `mscale` set to `mscale_all_dim`."""
+    """A copy of tests/fixtures/models/<kind>/model under `tmp` with DEEPSEEK2_EDITS (or, for
+    gpt_oss, GPT_OSS_EDITS and a truncated YaRN) applied and `mscale` set to `mscale_all_dim`."""
     import shutil
     model_dir = tmp / kind
     shutil.copytree(ROOT / "tests" / "fixtures" / "models" / kind / "model", model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
-    cfg.update(DEEPSEEK2_EDITS[kind])
+    cfg.update(DEEPSEEK2_EDITS[kind] if kind in DEEPSEEK2_EDITS else GPT_OSS_EDITS)
     rope = cfg.get("rope_parameters", {})
+    if kind == "gpt_oss":
+        rope["truncate"] = True
     if "mscale_all_dim" in rope:
         rope["mscale"] = rope["mscale_all_dim"]
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -521,7 +527,10 @@ def deepseek2_ggufs() -> None:
     ranks expert groups by their two best scores' sum, V2's `group_limited_greedy` by its best), V3's
     config names `scoring_func: sigmoid` (as the released configs do; without it the converter writes
     no gating function and llama.cpp routes by softmax) and `mscale` equals `mscale_all_dim` (llama.cpp
-    assumes so). The reference logits are the changed checkpoints' in transformers.
+    assumes so). gpt-oss too (`gpt-oss`: gate/up split out of the fused interleaved experts,
+    sinks, biases), with llama.cpp's fixed SwiGLU limit 7 and YaRN's rounded correction range
+    (`truncate`), which its file cannot say otherwise. The reference logits are the changed
+    checkpoints' in transformers.
 
     The converter is llama.cpp's (LLAMA_CPP=<a llama.cpp checkout: convert_hf_to_gguf.py,
     conversion/, gguf-py/>), run unchanged but for the tiny fixtures' unknown BPE pre-tokenizer,
@@ -535,7 +544,7 @@ def deepseek2_ggufs() -> None:
     if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
         sys.exit("set LLAMA_CPP to a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/)")
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in DEEPSEEK2_EDITS:
+        for kind in [*DEEPSEEK2_EDITS, "gpt_oss"]:
             model_dir = deepseek2_source(kind, Path(tmp))
             path = OUT / f"{kind}_tiny.gguf"
             run_llama_cpp_converter(src, model_dir, path, Path(tmp))

@@ -1452,3 +1452,19 @@ fn deepseek2_softmax_expert_groups_are_refused() {
         .to_string();
     assert!(err.contains("deepseek2.expert_group_count"), "{err}");
 }
+
+/// gpt-oss as llama.cpp's own convert_hf_to_gguf.py writes it (`gpt-oss`: the fused interleaved
+/// gate/up experts split into `ffn_gate_exps` / `ffn_up_exps`, transposed, sinks, biases), from the
+/// tiny checkpoint with llama.cpp's fixed SwiGLU limit (7) and rounded YaRN range
+/// (scripts/make_gguf_fixtures.py): loaded, it gives that checkpoint's logits in transformers.
+#[test]
+fn gpt_oss_gguf_from_llama_cpps_converter_gives_the_source_models_logits() {
+    let path = fixtures().join("gpt_oss_tiny.gguf");
+    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("gpt_oss: {e}"));
+    let c = &model.config;
+    assert_eq!(c.model_type, "gpt_oss");
+    assert!(c.attention_sinks);
+    assert_eq!(c.layer_sliding_windows, vec![Some(4), None, Some(4)]);
+    assert_reference_logits(&model, "gpt_oss", "gpt_oss");
+}
