@@ -15,7 +15,8 @@
 //! `gemma`, `gemma2`, `gemma3_text`, `phi` (llama.cpp's `phi2`), `smollm3`, `phi3` (fused projections,
 //! LongRoPE factors), `mixtral`, `qwen2_moe`,
 //! `qwen3_moe` (experts stacked as llama.cpp's `ffn_*_exps`), `deepseek_v2` / `deepseek_v3`
-//! (llama.cpp's `deepseek2`, `kv_b_proj` split as its converter does), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
+//! (llama.cpp's `deepseek2`, `kv_b_proj` split as its converter does), `gpt_oss` (its
+//! `gpt-oss`, float experts), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
 //! SentencePiece-style BPE one (its `llama` vocabulary).
 
 use std::collections::BTreeMap;
@@ -38,6 +39,7 @@ mod adapter;
 mod arch;
 mod deepseek2;
 mod file;
+mod gpt_oss;
 mod plan;
 
 pub use adapter::export_gguf_adapter;
@@ -261,6 +263,10 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     // DeepSeek's latent attention has tensors and keys of its own (llama.cpp's `deepseek2`).
     if config.mla.is_some() {
         return deepseek2::export(model_dir, out, outtype, &config, &weights);
+    }
+    // gpt-oss's fused experts and sinks (llama.cpp's `gpt-oss`).
+    if config.gpt_oss_moe.is_some() {
+        return gpt_oss::export(model_dir, out, outtype, &config, &weights);
     }
     let entry = architecture(&config)?;
     let (arch, permute, w) = (entry.name, entry.permuted_qk, &entry.writing);

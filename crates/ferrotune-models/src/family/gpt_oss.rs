@@ -4,7 +4,8 @@
 //! a clamped SwiGLU).
 //!
 //! llama.cpp's `gpt-oss` files are read ([`GGUF_ARCH`], [`GGUF_TOP_TENSORS`],
-//! [`GGUF_LAYER_TENSORS`]; the reader is `gguf/gpt_oss.rs`), not written yet.
+//! [`GGUF_LAYER_TENSORS`]; the reader is `gguf/gpt_oss.rs`) and written (ferrotune-export's
+//! `gguf/gpt_oss.rs`), with float experts.
 //!
 //! OpenAI's MXFP4 experts (`*_blocks` / `*_scales`) are dequantized when read
 //! ([`crate::mxfp4`]); the model then is a bf16 one, and its config loses the

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Checks `ferrotune export-gguf` of DeepSeek-V2/V3 against llama.cpp's own convert_hf_to_gguf.py:
-for the tiny DeepSeek checkpoints (changed as scripts/make_gguf_fixtures.py's deepseek2_ggufs
+"""Checks `ferrotune export-gguf` of DeepSeek-V2/V3 and gpt-oss against llama.cpp's own
+convert_hf_to_gguf.py: for the tiny DeepSeek and gpt-oss checkpoints (changed as
+scripts/make_gguf_fixtures.py's deepseek2_ggufs
 changes them, so that a `deepseek2` file can say what transformers computes), both write f32 and
 f16 GGUFs of the same folder, and gguf-py compares them: the same tensor names, shapes and types,
 the same values (f16: the same bytes), the same metadata keys and values, but for the differences
 listed in EXPECTED (printed).
 
-  LLAMA_CPP=<llama.cpp folder> python3 scripts/check_gguf_deepseek2.py target/release/ferrotune
+  LLAMA_CPP=<llama.cpp folder> python3 scripts/check_gguf_converter.py target/release/ferrotune
 
 Needs: torch, transformers, gguf, numpy, safetensors."""
 
@@ -101,7 +102,7 @@ def main():
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for kind in mg.DEEPSEEK2_EDITS:
+        for kind in [*mg.DEEPSEEK2_EDITS, "gpt_oss"]:
             model_dir = mg.deepseek2_source(kind, tmp)
             for outtype in ["f32", "f16"]:
                 ours, theirs = tmp / f"{kind}_{outtype}_ours.gguf", tmp / f"{kind}_{outtype}_theirs.gguf"

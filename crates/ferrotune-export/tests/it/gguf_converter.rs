@@ -1,6 +1,7 @@
-//! `export-gguf` of DeepSeek-V2/V3 as llama.cpp's `deepseek2`, against what llama.cpp's own
-//! convert_hf_to_gguf.py wrote for the same checkpoints (tests/fixtures/gguf/deepseek_*_tiny.gguf,
-//! scripts/make_gguf_fixtures.py) and against transformers' logits of them.
+//! `export-gguf` of DeepSeek-V2/V3 (llama.cpp's `deepseek2`) and gpt-oss (`gpt-oss`), against
+//! what llama.cpp's own convert_hf_to_gguf.py wrote for the same checkpoints
+//! (tests/fixtures/gguf/{deepseek_v2,deepseek_v3,gpt_oss}_tiny.gguf, scripts/make_gguf_fixtures.py)
+//! and against transformers' logits of them.
 
 use crate::common;
 
@@ -16,7 +17,7 @@ use serde_json::{json, Value};
 /// A scratch folder of this test.
 fn out_dir(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
-        "ferrotune-gguf-deepseek2-{test}-{}",
+        "ferrotune-gguf-converter-{test}-{}",
         std::process::id()
     ));
     std::fs::create_dir_all(&dir).unwrap();
@@ -24,7 +25,8 @@ fn out_dir(test: &str) -> PathBuf {
 }
 
 /// A copy of fixture `kind`'s checkpoint in `dir`, its config changed as
-/// scripts/make_gguf_fixtures.py's `DEEPSEEK2_EDITS` changes it (what a `deepseek2` file can say).
+/// scripts/make_gguf_fixtures.py's `DEEPSEEK2_EDITS` / `GPT_OSS_EDITS` change it (what a llama.cpp
+/// file can say).
 fn llama_cpp_expressible_copy(kind: &str, dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     let src = common::workspace_fixture(&format!("models/{kind}/model"));
@@ -34,7 +36,12 @@ fn llama_cpp_expressible_copy(kind: &str, dir: &Path) {
     }
     let mut c: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    if kind == "deepseek_v2" {
+    if kind == "gpt_oss" {
+        // llama.cpp's fixed SwiGLU limit and rounded YaRN range.
+        c["swiglu_limit"] = json!(7.0);
+        c["swiglu_alpha"] = json!(1.702);
+        c["rope_parameters"]["truncate"] = json!(true);
+    } else if kind == "deepseek_v2" {
         c["topk_method"] = json!("greedy");
         c["n_group"] = json!(1);
         c["topk_group"] = json!(1);
@@ -62,19 +69,24 @@ fn tensors(path: &Path) -> HashMap<String, (String, Tensor)> {
         .collect()
 }
 
-/// Both DeepSeek fixtures, changed where a `deepseek2` file cannot say what transformers
-/// computes: exported in f32, every tensor equals what llama.cpp's converter wrote for the same
+/// Both DeepSeek fixtures and the gpt-oss one, changed where llama.cpp's file cannot say what
+/// transformers computes: exported in f32, every tensor equals what llama.cpp's converter wrote for the same
 /// checkpoint (names, shapes, types, values: `kv_b_proj` split per head into `attn_k_b`,
-/// transposed, and `attn_v_b`; stacked experts; `exp_probs_b`), and ferrotune reads the file back
+/// transposed, and `attn_v_b`; stacked experts; `exp_probs_b`; gpt-oss's interleaved gate/up
+/// split and transposed, its sinks and biases), and ferrotune reads the file back
 /// to transformers' logits of the checkpoint.
 #[test]
-fn deepseek_exports_as_llama_cpps_converter_writes_it() {
-    for kind in ["deepseek_v2", "deepseek_v3"] {
+fn deepseek_and_gpt_oss_export_as_llama_cpps_converter_writes_them() {
+    for (kind, arch) in [
+        ("deepseek_v2", "deepseek2"),
+        ("deepseek_v3", "deepseek2"),
+        ("gpt_oss", "gpt-oss"),
+    ] {
         let dir = out_dir(kind).join("model");
         llama_cpp_expressible_copy(kind, &dir);
         let ours = dir.join("ours.gguf");
         let done = export_gguf(&dir, &ours, OutType::F32).unwrap();
-        assert_eq!(done.architecture, "deepseek2");
+        assert_eq!(done.architecture, arch);
         let converter = common::workspace_fixture(&format!("gguf/{kind}_tiny.gguf"));
         let (a, b) = (tensors(&ours), tensors(&converter));
         let mut names: Vec<&String> = b.keys().collect();
@@ -124,13 +136,15 @@ fn deepseek_exports_as_llama_cpps_converter_writes_it() {
 
 /// What llama.cpp's `deepseek2` would compute otherwise is refused, naming the setting:
 /// DeepSeek-V2's group-limited routing (llama.cpp ranks a group by its two best scores) and YaRN
-/// whose `mscale` is not `mscale_all_dim` (the unchanged fixtures have both).
+/// whose `mscale` is not `mscale_all_dim`, gpt-oss's SwiGLU limit other than llama.cpp's 7 (the
+/// unchanged fixtures have them).
 #[test]
-fn deepseek_settings_llama_cpp_computes_otherwise_are_refused() {
+fn settings_llama_cpp_computes_otherwise_are_refused() {
     let out = out_dir("refused").join("refused.gguf");
     for (kind, says) in [
         ("deepseek_v2", "group_limited_greedy"),
         ("deepseek_v3", "mscale"),
+        ("gpt_oss", "swiglu_limit"),
     ] {
         let dir = common::workspace_fixture(&format!("models/{kind}/model"));
         let err = export_gguf(&dir, &out, OutType::F32)
