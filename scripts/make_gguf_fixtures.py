@@ -16,11 +16,15 @@
       per-expert and Q8_0 gate+up experts; separate and fused Phi-2 qkv), with the source models' logits.
   tests/fixtures/gguf/smollm3_tiny.gguf + smollm3_tiny_reference.safetensors
       A tiny 4-layer SmolLM3 (default NoPE pattern) as GGUF, with the source model's logits.
+  tests/fixtures/gguf/deepseek_v2_tiny.gguf, deepseek_v3_tiny.gguf, gpt_oss_tiny.gguf + *_reference.safetensors
+      The tiny DeepSeek-V2/V3 and gpt-oss checkpoints (changed where a `deepseek2` file cannot carry them: see
+      deepseek2_ggufs) through llama.cpp's own convert_hf_to_gguf.py (LLAMA_CPP names its folder), with
+      the changed checkpoints' logits.
   tests/fixtures/gguf/quant_reference.safetensors
       For each ggml type, `TYPE.raw` (the bytes of a [4, 256] tensor in that type) and
       `TYPE.expected` (what the python `gguf` package's `gguf.quants.dequantize` makes of them).
 
-Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
+Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only | --deepseek2-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
 the GGUF comes from scripts/fetch-assets.sh, FERROTUNE_ASSETS overrides its folder)
 """
 
@@ -467,7 +471,95 @@ def smollm3_gguf() -> None:
     save_reference("smollm3", logits)
     print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
+# What a tiny DeepSeek checkpoint changes so that a `deepseek2` file can say what transformers
+# computes (see deepseek2_ggufs).
+DEEPSEEK2_EDITS = {
+    "deepseek_v2": {"topk_method": "greedy", "n_group": 1, "topk_group": 1},
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+}
+
+# What the tiny gpt-oss checkpoint changes so that a `gpt-oss` file can say what transformers
+# computes: llama.cpp fixes the SwiGLU's limit at 7 and rounds YaRN's correction range.
+GPT_OSS_EDITS = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+
+
+def deepseek2_source(kind: str, tmp: Path) -> Path:
+    """A copy of tests/fixtures/models/<kind>/model under `tmp` with DEEPSEEK2_EDITS (or, for
+    gpt_oss, GPT_OSS_EDITS and a truncated YaRN) applied and `mscale` set to `mscale_all_dim`."""
+    import shutil
+    model_dir = tmp / kind
+    shutil.copytree(ROOT / "tests" / "fixtures" / "models" / kind / "model", model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(DEEPSEEK2_EDITS[kind] if kind in DEEPSEEK2_EDITS else GPT_OSS_EDITS)
+    rope = cfg.get("rope_parameters", {})
+    if kind == "gpt_oss":
+        rope["truncate"] = True
+    if "mscale_all_dim" in rope:
+        rope["mscale"] = rope["mscale_all_dim"]
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return model_dir
+
+
+def run_llama_cpp_converter(src: str, model_dir: Path, out: Path, tmp: Path, outtype: str = "f32") -> None:
+    """llama.cpp's convert_hf_to_gguf.py (from the llama.cpp folder `src`), unchanged but for the
+    tiny fixtures' unknown BPE pre-tokenizer, reported as "default"."""
+    import subprocess
+    shim = tmp / "llama_cpp_shim.py"
+    shim.write_text(
+        "import sys, runpy\n"
+        "src = sys.argv.pop(1)\n"
+        "sys.path.insert(0, src)\n"
+        "sys.argv[0] = src + '/convert_hf_to_gguf.py'\n"
+        "import conversion.base as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tok: 'default'\n"
+        "runpy.run_path(src + '/convert_hf_to_gguf.py', run_name='__main__')\n"
+    )
+    subprocess.run([sys.executable, str(shim), src, str(model_dir), "--outtype", outtype,
+                    "--outfile", str(out)], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+def deepseek2_ggufs() -> None:
+    """DeepSeek-V2 and -V3 as llama.cpp's own convert_hf_to_gguf.py writes them (architecture
+    `deepseek2`, F32: `attn_kv_b` split into `attn_k_b` (transposed) and `attn_v_b`, stacked
+    experts, `exp_probs_b`), run on copies of the tiny checkpoints in tests/fixtures/models changed
+    only where a `deepseek2` file cannot say what transformers computes: V2 routes `greedy` (llama.cpp
+    ranks expert groups by their two best scores' sum, V2's `group_limited_greedy` by its best), V3's
+    config names `scoring_func: sigmoid` (as the released configs do; without it the converter writes
+    no gating function and llama.cpp routes by softmax) and `mscale` equals `mscale_all_dim` (llama.cpp
+    assumes so). gpt-oss too (`gpt-oss`: gate/up split out of the fused interleaved experts,
+    sinks, biases), with llama.cpp's fixed SwiGLU limit 7 and YaRN's rounded correction range
+    (`truncate`), which its file cannot say otherwise. The reference logits are the changed
+    checkpoints' in transformers.
+
+    The converter is llama.cpp's (LLAMA_CPP=<a llama.cpp checkout: convert_hf_to_gguf.py,
+    conversion/, gguf-py/>), run unchanged but for the tiny fixtures' unknown BPE pre-tokenizer,
+    reported as "default" (tensors and hyperparameters do not depend on it)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = os.environ.get("LLAMA_CPP")
+    if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
+        sys.exit("set LLAMA_CPP to a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in [*DEEPSEEK2_EDITS, "gpt_oss"]:
+            model_dir = deepseek2_source(kind, Path(tmp))
+            path = OUT / f"{kind}_tiny.gguf"
+            run_llama_cpp_converter(src, model_dir, path, Path(tmp))
+            os.chmod(path, 0o644)
+            m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            with torch.no_grad():
+                logits = m(torch.tensor(INPUT_IDS)).logits.float().contiguous()
+            save_reference(kind, logits)
+            print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--deepseek2-only"]:
+        deepseek2_ggufs()
+        sys.exit(0)
     if sys.argv[1:] == ["--gemma-only"]:
         gemma_family_ggufs()
         sys.exit(0)
@@ -482,5 +574,6 @@ if __name__ == "__main__":
     gemma_family_ggufs()
     moe_and_phi2_ggufs()
     smollm3_gguf()
+    deepseek2_ggufs()
     for f in sorted(OUT.iterdir()):
         print(f"{f.relative_to(ROOT)}: {f.stat().st_size} bytes")

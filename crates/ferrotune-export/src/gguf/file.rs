@@ -80,6 +80,10 @@ pub(super) fn write_gguf_data(
                 }
                 values
             }
+            Source::Gather { file, name, index } => {
+                let values = weights.values(*file, name)?;
+                index.iter().map(|&i| values[i]).collect()
+            }
             Source::Hf {
                 file,
                 name,

@@ -14,7 +14,9 @@
 //! llama.cpp's `llama` layout, q/k rows permuted as its converter does), `qwen2`, `qwen3`,
 //! `gemma`, `gemma2`, `gemma3_text`, `phi` (llama.cpp's `phi2`), `smollm3`, `phi3` (fused projections,
 //! LongRoPE factors), `mixtral`, `qwen2_moe`,
-//! `qwen3_moe` (experts stacked as llama.cpp's `ffn_*_exps`), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
+//! `qwen3_moe` (experts stacked as llama.cpp's `ffn_*_exps`), `deepseek_v2` / `deepseek_v3`
+//! (llama.cpp's `deepseek2`, `kv_b_proj` split as its converter does), `gpt_oss` (its
+//! `gpt-oss`, float experts), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
 //! SentencePiece-style BPE one (its `llama` vocabulary).
 
 use std::collections::BTreeMap;
@@ -23,7 +25,7 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
-use ferrotune_data::{gguf_vocab, Tokenizer};
+use ferrotune_data::{gguf_vocab, GgufVocab, Tokenizer};
 use ferrotune_models::checkpoint::read_pickled;
 use ferrotune_models::config::RopeScaling;
 use ferrotune_models::family::gguf::GgufRopeTensors;
@@ -35,7 +37,9 @@ use crate::gguf_quants::QuantKind;
 
 mod adapter;
 mod arch;
+mod deepseek2;
 mod file;
+mod gpt_oss;
 mod plan;
 
 pub use adapter::export_gguf_adapter;
@@ -256,6 +260,14 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             (config, Weights::Loaded(tensors.into_iter().collect()))
         }
     };
+    // DeepSeek's latent attention has tensors and keys of its own (llama.cpp's `deepseek2`).
+    if config.mla.is_some() {
+        return deepseek2::export(model_dir, out, outtype, &config, &weights);
+    }
+    // gpt-oss's fused experts and sinks (llama.cpp's `gpt-oss`).
+    if config.gpt_oss_moe.is_some() {
+        return gpt_oss::export(model_dir, out, outtype, &config, &weights);
+    }
     let entry = architecture(&config)?;
     let (arch, permute, w) = (entry.name, entry.permuted_qk, &entry.writing);
     let naming = naming(&config);
@@ -270,24 +282,8 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         }
         _ => model_dir,
     };
-    let tok = Tokenizer::from_dir(home)
-        .with_context(|| format!("reading the tokenizer of {}", home.display()))?;
-    let vocab =
-        gguf_vocab(&tok, config.vocab_size).map_err(|e| anyhow!("{}: {e}", home.display()))?;
     let mut notes = Vec::new();
-    let pre = match vocab.pre {
-        Some(p) => p.to_string(),
-        // llama.cpp's SentencePiece tokenizer has no pre-tokenizer.
-        None if vocab.model == "llama" => "default".into(),
-        None => {
-            notes.push(
-                "the tokenizer's pre-tokenizer is not one llama.cpp names: written as 'default' \
-                 (llama.cpp then splits text with GPT-2's rules)"
-                    .into(),
-            );
-            "default".into()
-        }
-    };
+    let (tok, vocab, pre) = read_tokenizer(home, &config, &mut notes)?;
     if let Some(note) = (w.note)(&config) {
         notes.push(note);
     }
@@ -619,8 +615,55 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         meta.f32(&k("attn_logit_softcapping"), attn as f32);
         meta.f32(&k("final_logit_softcapping"), fin as f32);
     }
+    write_tokenizer(&mut meta, &tok, &vocab, &pre, &config);
+
+    let written = write_gguf(out, &plan, &meta, &weights)?;
+    Ok(GgufExport {
+        architecture: arch.into(),
+        tensors: plan.len(),
+        bytes: written,
+        pre_tokenizer: pre,
+        notes,
+    })
+}
+
+/// The tokenizer of the checkpoint folder `home` as GGUF holds it (llama.cpp's vocabulary and its
+/// `tokenizer.ggml.pre`), with a note in `notes` when llama.cpp does not name the pre-tokenizer.
+fn read_tokenizer(
+    home: &Path,
+    config: &ModelConfig,
+    notes: &mut Vec<String>,
+) -> Result<(Tokenizer, GgufVocab, String)> {
+    let tok = Tokenizer::from_dir(home)
+        .with_context(|| format!("reading the tokenizer of {}", home.display()))?;
+    let vocab =
+        gguf_vocab(&tok, config.vocab_size).map_err(|e| anyhow!("{}: {e}", home.display()))?;
+    let pre = match vocab.pre {
+        Some(p) => p.to_string(),
+        // llama.cpp's SentencePiece tokenizer has no pre-tokenizer.
+        None if vocab.model == "llama" => "default".into(),
+        None => {
+            notes.push(
+                "the tokenizer's pre-tokenizer is not one llama.cpp names: written as 'default' \
+                 (llama.cpp then splits text with GPT-2's rules)"
+                    .into(),
+            );
+            "default".into()
+        }
+    };
+    Ok((tok, vocab, pre))
+}
+
+/// llama.cpp's `tokenizer.*` keys: the vocabulary, special ids and chat template.
+fn write_tokenizer(
+    meta: &mut Metadata,
+    tok: &Tokenizer,
+    vocab: &GgufVocab,
+    pre: &str,
+    config: &ModelConfig,
+) {
     meta.string("tokenizer.ggml.model", vocab.model);
-    meta.string("tokenizer.ggml.pre", &pre);
+    meta.string("tokenizer.ggml.pre", pre);
     meta.strings("tokenizer.ggml.tokens", &vocab.tokens);
     if let Some(scores) = &vocab.scores {
         meta.f32s("tokenizer.ggml.scores", scores);
@@ -650,15 +693,6 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     if let Some(template) = tok.chat_template() {
         meta.string("tokenizer.chat_template", template);
     }
-
-    let written = write_gguf(out, &plan, &meta, &weights)?;
-    Ok(GgufExport {
-        architecture: arch.into(),
-        tensors: plan.len(),
-        bytes: written,
-        pre_tokenizer: pre,
-        notes,
-    })
 }
 
 /// `general.name`: the folder's own name (of its canonical path, so `.` names itself), else

@@ -26,6 +26,13 @@ pub(super) enum Source {
     Values(Vec<f32>),
     /// Experts' tensors (file index, name) stacked in expert order.
     Stacked(Vec<(usize, String)>),
+    /// Values picked from an HF tensor (file index, name): value `i` is its flat value
+    /// `index[i]` (DeepSeek's `kv_b_proj` split per head, the key half transposed).
+    Gather {
+        file: usize,
+        name: String,
+        index: Vec<usize>,
+    },
 }
 
 /// The type a tensor of `shape` is stored in.

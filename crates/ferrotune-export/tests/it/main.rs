@@ -2,5 +2,6 @@
 //! module per area, and the helpers they share in `common`.
 
 mod common;
+mod gguf_converter;
 mod gguf_export;
 mod gguf_kquants;

@@ -4,8 +4,10 @@
 //! ([`GroupedRouting`]: V3's sigmoid scores with `e_score_correction_bias`, V2's softmax) and
 //! always-on `shared_experts`. Read as transformers 5.24's `DeepseekV3Config` /
 //! `DeepseekV2Config` define them, defaults included. V3's multi-token-prediction layers
-//! (`num_nextn_predict_layers`) are skipped on load, as transformers does. No GGUF architecture
-//! is written or read yet (llama.cpp's `deepseek2`), and torchtune has no DeepSeek builder.
+//! (`num_nextn_predict_layers`) are skipped on load, as transformers does. llama.cpp's `deepseek2`
+//! files are read ([`GGUF_ARCH`], [`GGUF_TOP_TENSORS`], [`GGUF_LAYER_TENSORS`]; the reader is
+//! `gguf/deepseek2.rs`) and written (ferrotune-export's `gguf/deepseek2.rs`); torchtune has no
+//! DeepSeek builder.
 
 use super::prelude::*;
 use crate::config::hf::{get_bool, get_f64, get_str, get_usize, positive};
@@ -20,6 +22,49 @@ pub static FAMILY: Family = Family::new(
     ],
     &DeepseekRules,
 );
+
+/// llama.cpp's architecture for DeepSeek-V2 and -V3 (`general.architecture`).
+pub const GGUF_ARCH: &str = "deepseek2";
+
+/// The `model_type` and transformers class a `deepseek2` file reads as: DeepSeek-V3's when it
+/// routes by sigmoid, V2's (softmax) otherwise.
+pub fn gguf_model_type(sigmoid: bool) -> (&'static str, &'static str) {
+    let t = &FAMILY.model_types[usize::from(!sigmoid)];
+    (t.name, t.causal_lm)
+}
+
+/// llama.cpp's top-level `deepseek2` tensors and transformers' modules (as convert_hf_to_gguf.py
+/// maps them), for the GGUF reader and writer.
+pub const GGUF_TOP_TENSORS: &[(&str, &str)] = &[
+    ("token_embd", "model.embed_tokens"),
+    ("output_norm", "model.norm"),
+    ("output", "lm_head"),
+];
+
+/// llama.cpp's `deepseek2` weights under `blk.N.` and transformers' modules under
+/// `model.layers.N.`, one to one. Not here, as they are not one to one: `attn_k_b` + `attn_v_b`
+/// (newer converters split `kv_b_proj` per head, keys transposed; older files hold `attn_kv_b`,
+/// listed), the stacked experts `ffn_{gate,up,down}_exps` (transformers' per-expert
+/// `mlp.experts.E.*_proj`) and `exp_probs_b.bias` (`mlp.gate.e_score_correction_bias`).
+pub const GGUF_LAYER_TENSORS: &[(&str, &str)] = &[
+    ("attn_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_q_a", "self_attn.q_a_proj"),
+    ("attn_q_a_norm", "self_attn.q_a_layernorm"),
+    ("attn_q_b", "self_attn.q_b_proj"),
+    ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
+    ("attn_kv_a_norm", "self_attn.kv_a_layernorm"),
+    ("attn_kv_b", "self_attn.kv_b_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+    ("ffn_gate_inp", "mlp.gate"),
+    ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"),
+    ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+    ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
+];
 
 /// DeepSeek's reading of its configs.
 #[derive(Debug)]

@@ -3,6 +3,10 @@
 //! experts in every layer (top-k logits softmaxed, fused interleaved gate/up experts with biases,
 //! a clamped SwiGLU).
 //!
+//! llama.cpp's `gpt-oss` files are read ([`GGUF_ARCH`], [`GGUF_TOP_TENSORS`],
+//! [`GGUF_LAYER_TENSORS`]; the reader is `gguf/gpt_oss.rs`) and written (ferrotune-export's
+//! `gguf/gpt_oss.rs`), with float experts.
+//!
 //! OpenAI's MXFP4 experts (`*_blocks` / `*_scales`) are dequantized when read
 //! ([`crate::mxfp4`]); the model then is a bf16 one, and its config loses the
 //! `quantization_config` that said otherwise.
@@ -22,6 +26,48 @@ pub static FAMILY: Family = Family {
         &GptOssRules,
     )
 };
+
+/// llama.cpp's architecture for gpt-oss (`general.architecture`).
+pub const GGUF_ARCH: &str = "gpt-oss";
+
+/// The `model_type` and transformers class a `gpt-oss` file reads as.
+pub fn gguf_model_type() -> (&'static str, &'static str) {
+    let t = &FAMILY.model_types[0];
+    (t.name, t.causal_lm)
+}
+
+/// llama.cpp's top-level `gpt-oss` tensors and transformers' names, as convert_hf_to_gguf.py
+/// maps them.
+pub const GGUF_TOP_TENSORS: &[(&str, &str)] = &[
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+
+/// llama.cpp's `gpt-oss` tensors under `blk.N.` and transformers' under `model.layers.N.` (the
+/// `.weight` / `.bias` suffix kept), as convert_hf_to_gguf.py maps them. Not here, as they are not one to one: `ffn_{gate,up}_exps` (weights
+/// `[experts, inter, hidden]` and biases), interleaved into transformers'
+/// `mlp.experts.gate_up_proj` `[experts, hidden, 2 · inter]` (gate in even columns) and its bias,
+/// and `ffn_down_exps` (`mlp.experts.down_proj`, transposed; its bias as it is).
+pub const GGUF_LAYER_TENSORS: &[(&str, &str)] = &[
+    ("attn_norm.weight", "input_layernorm.weight"),
+    // llama.cpp names the MLP's pre-norm after the attention it follows.
+    (
+        "post_attention_norm.weight",
+        "post_attention_layernorm.weight",
+    ),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_output.bias", "self_attn.o_proj.bias"),
+    ("attn_sinks.weight", "self_attn.sinks"),
+    ("ffn_gate_inp.weight", "mlp.router.weight"),
+    ("ffn_gate_inp.bias", "mlp.router.bias"),
+];
 
 /// `GptOssConfig`'s default theta, used when the config gives none.
 const DEFAULT_THETA: f64 = 150_000.0;

@@ -27,7 +27,9 @@ use crate::error::ModelError;
 
 mod arch;
 mod config;
+mod deepseek2;
 mod file;
+mod gpt_oss;
 mod tensors;
 
 use arch::*;
@@ -37,7 +39,7 @@ use tensors::*;
 /// Loads a llama.cpp GGUF (v2/v3) model: config from metadata, tensors dequantized to `dtype` on `device`, named as in HF checkpoints.
 ///
 /// Supported architectures: `llama` (and Mistral, Mixtral), `qwen2`, `qwen2moe`, `qwen3`,
-/// `qwen3moe`, `gemma`, `gemma2`, `gemma3`, `phi2`, `phi3`, `smollm3`; tensor
+/// `qwen3moe`, `gemma`, `gemma2`, `gemma3`, `phi2`, `phi3`, `smollm3`, `deepseek2`, `gpt-oss`; tensor
 /// types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K. Every problem with the
 /// file (missing, not a GGUF, truncated, unsupported type, missing metadata, tensor shapes that
 /// disagree with the metadata) is a [`ModelError::File`] naming the file and what is wrong.
@@ -72,6 +74,13 @@ fn read_gguf(
     keep_packed: bool,
 ) -> Result<(ModelConfig, HashMap<String, Tensor>, PackedWeights), ModelError> {
     let mut gguf = GgufFile::open(path)?;
+    // DeepSeek's MLA tensors map many to one and its keys are its own: read apart.
+    if gguf.string("general.architecture")? == Some(crate::family::deepseek::GGUF_ARCH) {
+        return deepseek2::read(&mut gguf, dtype, device);
+    }
+    if gguf.string("general.architecture")? == Some(crate::family::gpt_oss::GGUF_ARCH) {
+        return gpt_oss::read(&mut gguf, dtype, device);
+    }
     let arch = Arch::from_metadata(&gguf)?;
     let hp = HParams::read(&gguf, &arch)?;
     let config_json = gguf.config_json(&arch, &hp, dtype)?;

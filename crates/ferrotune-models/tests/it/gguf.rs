@@ -1400,3 +1400,71 @@ fn a_retied_head_drops_its_stale_packed_copy() {
         "head output differs from the new embedding's by {err}"
     );
 }
+
+/// DeepSeek-V2 (q_proj, softmax routing) and -V3 (low-rank queries, sigmoid routing with
+/// `exp_probs_b`, expert groups, YaRN with `mscale_all_dim`) as llama.cpp's own
+/// convert_hf_to_gguf.py writes them (`deepseek2`: `kv_b_proj` split per head into `attn_k_b`,
+/// transposed, and `attn_v_b`; stacked experts), from the tiny checkpoints in tests/fixtures/models
+/// changed where the file cannot say what transformers computes (scripts/make_gguf_fixtures.py):
+/// loaded, they give those checkpoints' logits in transformers.
+#[test]
+fn deepseek2_ggufs_from_llama_cpps_converter_give_the_source_models_logits() {
+    for (kind, q_lora, yarn) in [
+        ("deepseek_v2", None, false),
+        ("deepseek_v3", Some(16), true),
+    ] {
+        let path = fixtures().join(format!("{kind}_tiny.gguf"));
+        let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        let c = &model.config;
+        assert_eq!(c.model_type, kind);
+        let mla = c.mla.as_ref().expect("MLA");
+        assert_eq!(mla.q_lora_rank, q_lora, "{kind}");
+        assert_eq!(
+            c.raw["rope_parameters"]["rope_type"] == "yarn",
+            yarn,
+            "{kind}"
+        );
+        assert!(!c.tie_word_embeddings);
+        assert_reference_logits(&model, kind, kind);
+    }
+}
+
+/// A `deepseek2` file llama.cpp would route in a way no transformers DeepSeek does (softmax over
+/// expert groups, ranked by their two best scores) is refused, naming the key.
+#[test]
+fn deepseek2_softmax_expert_groups_are_refused() {
+    let dir = scratch("deepseek2_groups");
+    let src = std::fs::read(fixtures().join("deepseek_v2_tiny.gguf")).unwrap();
+    // The file's `expert_group_count` is 1; a copy with 2 differs in that one u32.
+    let key = b"deepseek2.expert_group_count";
+    let at = src
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("expert_group_count in the file");
+    let value = at + key.len() + 4; // the type (u32 = 4), then the value
+    let mut bytes = src.clone();
+    assert_eq!(&bytes[value..value + 4], &1u32.to_le_bytes());
+    bytes[value..value + 4].copy_from_slice(&2u32.to_le_bytes());
+    let path = write(&dir, "groups.gguf", &bytes);
+    let err = load_gguf(&path, DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("deepseek2.expert_group_count"), "{err}");
+}
+
+/// gpt-oss as llama.cpp's own convert_hf_to_gguf.py writes it (`gpt-oss`: the fused interleaved
+/// gate/up experts split into `ffn_gate_exps` / `ffn_up_exps`, transposed, sinks, biases), from the
+/// tiny checkpoint with llama.cpp's fixed SwiGLU limit (7) and rounded YaRN range
+/// (scripts/make_gguf_fixtures.py): loaded, it gives that checkpoint's logits in transformers.
+#[test]
+fn gpt_oss_gguf_from_llama_cpps_converter_gives_the_source_models_logits() {
+    let path = fixtures().join("gpt_oss_tiny.gguf");
+    let (model, _) = ferrotune_models::load_model(&path, DType::F32, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("gpt_oss: {e}"));
+    let c = &model.config;
+    assert_eq!(c.model_type, "gpt_oss");
+    assert!(c.attention_sinks);
+    assert_eq!(c.layer_sliding_windows, vec![Some(4), None, Some(4)]);
+    assert_reference_logits(&model, "gpt_oss", "gpt_oss");
+}

@@ -1,0 +1,155 @@
+//! `export-gguf` of DeepSeek-V2/V3 (llama.cpp's `deepseek2`) and gpt-oss (`gpt-oss`), against
+//! what llama.cpp's own convert_hf_to_gguf.py wrote for the same checkpoints
+//! (tests/fixtures/gguf/{deepseek_v2,deepseek_v3,gpt_oss}_tiny.gguf, scripts/make_gguf_fixtures.py)
+//! and against transformers' logits of them.
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::{DType, Device, Tensor};
+use ferrotune_export::gguf::{export_gguf, OutType};
+use ferrotune_models::{load_model, AttentionLayout};
+use serde_json::{json, Value};
+
+/// A scratch folder of this test.
+fn out_dir(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "ferrotune-gguf-converter-{test}-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A copy of fixture `kind`'s checkpoint in `dir`, its config changed as
+/// scripts/make_gguf_fixtures.py's `DEEPSEEK2_EDITS` / `GPT_OSS_EDITS` change it (what a llama.cpp
+/// file can say).
+fn llama_cpp_expressible_copy(kind: &str, dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let src = common::workspace_fixture(&format!("models/{kind}/model"));
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    if kind == "gpt_oss" {
+        // llama.cpp's fixed SwiGLU limit and rounded YaRN range.
+        c["swiglu_limit"] = json!(7.0);
+        c["swiglu_alpha"] = json!(1.702);
+        c["rope_parameters"]["truncate"] = json!(true);
+    } else if kind == "deepseek_v2" {
+        c["topk_method"] = json!("greedy");
+        c["n_group"] = json!(1);
+        c["topk_group"] = json!(1);
+    } else {
+        c["scoring_func"] = json!("sigmoid");
+        c["topk_method"] = json!("noaux_tc");
+        let all_dim = c["rope_parameters"]["mscale_all_dim"].clone();
+        c["rope_parameters"]["mscale"] = all_dim;
+    }
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+}
+
+/// Every tensor of a GGUF file, dequantized, by name, with its stored type.
+fn tensors(path: &Path) -> HashMap<String, (String, Tensor)> {
+    let mut f = std::fs::File::open(path).unwrap();
+    let content = Content::read(&mut f).unwrap();
+    let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
+    names
+        .into_iter()
+        .map(|n| {
+            let q = content.tensor(&mut f, &n, &Device::Cpu).unwrap();
+            let ty = format!("{:?}", q.dtype());
+            (n, (ty, q.dequantize(&Device::Cpu).unwrap()))
+        })
+        .collect()
+}
+
+/// Both DeepSeek fixtures and the gpt-oss one, changed where llama.cpp's file cannot say what
+/// transformers computes: exported in f32, every tensor equals what llama.cpp's converter wrote for the same
+/// checkpoint (names, shapes, types, values: `kv_b_proj` split per head into `attn_k_b`,
+/// transposed, and `attn_v_b`; stacked experts; `exp_probs_b`; gpt-oss's interleaved gate/up
+/// split and transposed, its sinks and biases), and ferrotune reads the file back
+/// to transformers' logits of the checkpoint.
+#[test]
+fn deepseek_and_gpt_oss_export_as_llama_cpps_converter_writes_them() {
+    for (kind, arch) in [
+        ("deepseek_v2", "deepseek2"),
+        ("deepseek_v3", "deepseek2"),
+        ("gpt_oss", "gpt-oss"),
+    ] {
+        let dir = out_dir(kind).join("model");
+        llama_cpp_expressible_copy(kind, &dir);
+        let ours = dir.join("ours.gguf");
+        let done = export_gguf(&dir, &ours, OutType::F32).unwrap();
+        assert_eq!(done.architecture, arch);
+        let converter = common::workspace_fixture(&format!("gguf/{kind}_tiny.gguf"));
+        let (a, b) = (tensors(&ours), tensors(&converter));
+        let mut names: Vec<&String> = b.keys().collect();
+        names.sort();
+        assert_eq!(a.len(), b.len(), "{kind}: tensor count");
+        for name in names {
+            let (ty_a, t_a) = a.get(name).unwrap_or_else(|| panic!("{kind}: no {name}"));
+            let (ty_b, t_b) = &b[name];
+            assert_eq!(ty_a, ty_b, "{kind}: {name}");
+            assert_eq!(t_a.dims(), t_b.dims(), "{kind}: {name}");
+            let diff = (t_a - t_b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(diff, 0.0, "{kind}: {name}");
+        }
+        let reference = candle_core::safetensors::load(
+            common::workspace_fixture(&format!("gguf/{kind}_tiny_reference.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+        let (bsz, t) = ids.dims2().unwrap();
+        let (model, _) = load_model(&ours, DType::F32, &Device::Cpu).unwrap();
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(bsz, t, 0), None)
+            .unwrap();
+        let err = (logits - &reference["logits"])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(err <= 1e-4, "{kind}: logits differ by {err}");
+    }
+}
+
+/// What llama.cpp's `deepseek2` would compute otherwise is refused, naming the setting:
+/// DeepSeek-V2's group-limited routing (llama.cpp ranks a group by its two best scores) and YaRN
+/// whose `mscale` is not `mscale_all_dim`, gpt-oss's SwiGLU limit other than llama.cpp's 7 (the
+/// unchanged fixtures have them).
+#[test]
+fn settings_llama_cpp_computes_otherwise_are_refused() {
+    let out = out_dir("refused").join("refused.gguf");
+    for (kind, says) in [
+        ("deepseek_v2", "group_limited_greedy"),
+        ("deepseek_v3", "mscale"),
+        ("gpt_oss", "swiglu_limit"),
+    ] {
+        let dir = common::workspace_fixture(&format!("models/{kind}/model"));
+        let err = export_gguf(&dir, &out, OutType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(says), "{kind}: {err}");
+    }
+}
