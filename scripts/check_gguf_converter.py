@@ -7,7 +7,7 @@ f16 GGUFs of the same folder, and gguf-py compares them: the same tensor names, 
 the same values (f16: the same bytes), the same metadata keys and values, but for the differences
 listed in EXPECTED (printed).
 
-  LLAMA_CPP=<llama.cpp folder> python3 scripts/check_gguf_converter.py target/release/ferrotune
+  LLAMA_CPP="$(scripts/fetch-llamacpp-src.sh)" python3 scripts/check_gguf_converter.py target/release/ferrotune
 
 Needs: torch, transformers, gguf, numpy, safetensors."""
 
@@ -98,7 +98,7 @@ def main():
     exe = sys.argv[1] if len(sys.argv) > 1 else str(ROOT / "target" / "release" / "ferrotune")
     src = os.environ.get("LLAMA_CPP")
     if not src:
-        sys.exit("set LLAMA_CPP to a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/)")
+        sys.exit("set LLAMA_CPP to a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/): export LLAMA_CPP=\"$(scripts/fetch-llamacpp-src.sh)\"")
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -542,7 +542,7 @@ def deepseek2_ggufs() -> None:
 
     src = os.environ.get("LLAMA_CPP")
     if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
-        sys.exit("set LLAMA_CPP to a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/)")
+        sys.exit("set LLAMA_CPP to a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/): export LLAMA_CPP=\"$(scripts/fetch-llamacpp-src.sh)\"")
     with tempfile.TemporaryDirectory() as tmp:
         for kind in [*DEEPSEEK2_EDITS, "gpt_oss"]:
             model_dir = deepseek2_source(kind, Path(tmp))

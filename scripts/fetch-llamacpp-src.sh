@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Fetches, once, the llama.cpp sources the GGUF converter checks run: convert_hf_to_gguf.py, its
+# conversion/ package, gguf-py/ and src/ (read for layouts), taken from the llama.cpp copy inside
+# llama-cpp-python's source package on PyPI (pinned below; the HF hub and GitHub are not needed).
+# Used by scripts/make_gguf_fixtures.py --deepseek2-only and scripts/check_gguf_converter.py
+# through LLAMA_CPP; the tests read the committed outputs, not this.
+# Usage: export LLAMA_CPP="$(scripts/fetch-llamacpp-src.sh)"   (FERROTUNE_LLAMACPP_SRC overrides
+# the folder)
+set -euo pipefail
+PIN="llama-cpp-python==0.3.36"
+DEST=${FERROTUNE_LLAMACPP_SRC:-${XDG_CACHE_HOME:-$HOME/.cache}/ferrotune/llamacpp-src}
+stamp="$DEST/.ferrotune-pin"
+if [ ! -f "$DEST/convert_hf_to_gguf.py" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$PIN" ]; then
+  echo "fetching llama.cpp's converter sources into $DEST ($PIN)..." >&2
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  # The sdist itself, from the package index's simple API: `pip download` would try to build its
+  # metadata (scikit-build-core, a compiler) just to download it.
+  python3 - "$tmp" "${PIN%%==*}" "${PIN##*==}" <<'PY' >&2
+import json, sys, urllib.request
+out, name, version = sys.argv[1:]
+req = urllib.request.Request(f"https://pypi.org/simple/{name}/",
+                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+with urllib.request.urlopen(req) as r:
+    files = json.load(r)["files"]
+want = f"{name.replace('-', '_')}-{version}.tar.gz"
+url = next(f["url"] for f in files if f["filename"] == want)
+urllib.request.urlretrieve(url, f"{out}/{want}")
+PY
+  sdist=$(ls "$tmp"/llama_cpp_python-*.tar.gz)
+  tar xzf "$sdist" -C "$tmp"
+  root=$(ls -d "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
+  rm -rf "$DEST.partial" && mkdir -p "$DEST.partial"
+  cp -r "$root/convert_hf_to_gguf.py" "$root/conversion" "$root/gguf-py" "$root/src" "$DEST.partial/"
+  echo "$PIN" > "$DEST.partial/.ferrotune-pin"
+  rm -rf "$DEST" && mv "$DEST.partial" "$DEST"
+fi
+echo "$DEST"
