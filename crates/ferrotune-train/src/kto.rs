@@ -111,6 +111,21 @@ pub fn tokenize_unpaired(
     Ok((all[..start].to_vec(), all[start..].to_vec()))
 }
 
+/// The rows TRL's `unpair_preference_dataset` makes of `pairs` preference pairs, in its order:
+/// `(pair index, desirable)`. Its `datasets.map` runs in batches of 1000 pairs (the default
+/// `batch_size`), and each batch gives all its chosen rows (desirable), then all its rejected
+/// ones (undesirable), each with its pair's prompt.
+pub fn unpaired_order(pairs: usize) -> Vec<(usize, bool)> {
+    const MAP_BATCH: usize = 1000;
+    let mut out = Vec::with_capacity(2 * pairs);
+    for start in (0..pairs).step_by(MAP_BATCH) {
+        let end = (start + MAP_BATCH).min(pairs);
+        out.extend((start..end).map(|i| (i, true)));
+        out.extend((start..end).map(|i| (i, false)));
+    }
+    out
+}
+
 /// TRL's KL rows: for each row `i`, its prompt with row `i − 1`'s completion (row 0 takes the
 /// last row's), within one batch. `rows` are `(prompt, completion)` token ids.
 pub fn mismatched_rows(rows: &[(Vec<u32>, Vec<u32>)]) -> Vec<(Vec<u32>, Vec<u32>)> {

@@ -9,8 +9,8 @@ use ferrotune_data::dataset::{collate, Row};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::{load_adapter, load_model};
 use ferrotune_train::kto::{
-    kl_clamped, kl_mean, kto_metrics, kto_terms, mismatched_rows, tokenize_unpaired, KtoLoss,
-    KtoLossType,
+    kl_clamped, kl_mean, kto_metrics, kto_terms, mismatched_rows, tokenize_unpaired,
+    unpaired_order, KtoLoss, KtoLossType,
 };
 use ferrotune_train::step::{reference_log_probs, sequence_log_probs, MicroBatch};
 use serde_json::Value;
@@ -212,4 +212,20 @@ fn unpaired_text_rows_tokenize_as_trl_kto_trainer() {
         assert_eq!(prompt, row.input_ids[..start], "row {i}: prompt");
         assert_eq!(completion, row.input_ids[start..], "row {i}: completion");
     }
+}
+
+/// TRL's `unpair_preference_dataset` on 2,345 pairs (scripts/make_kto_unpair_fixture.py): per
+/// 1000-pair map batch, its chosen rows then its rejected ones.
+#[test]
+fn unpaired_order_is_trls() {
+    let want = json(fixtures().join("kto/unpair_order.json"));
+    assert_eq!(want["trl_version"], "1.16.0");
+    let pairs = want["pairs"].as_u64().unwrap() as usize;
+    let rows: Vec<(usize, bool)> = serde_json::from_value(want["rows"].clone()).unwrap();
+    assert_eq!(unpaired_order(pairs), rows);
+    assert_eq!(unpaired_order(0), vec![]);
+    assert_eq!(
+        unpaired_order(2),
+        vec![(0, true), (1, true), (0, false), (1, false)]
+    );
 }
