@@ -86,6 +86,47 @@ impl KtoLoss {
     }
 }
 
+/// The `loss` section as `KTOLoss` (`torchtune.rlhf.loss.KTOLoss`, also under
+/// `torchtune.modules.rlhf.loss`), or `None` when `loss._component_` names another loss or none.
+/// A `loss.*` key `KTOLoss` does not take is an error naming it and the keys it takes; a
+/// non-positive `beta` or a negative weight is an error. Not yet read by a recipe.
+pub fn kto_loss(cfg: &crate::config::Config) -> Result<Option<KtoLoss>> {
+    let component = match cfg.str("loss._component_")? {
+        Some(c) if c.rsplit('.').next() == Some("KTOLoss") => c,
+        _ => return Ok(None),
+    };
+    if let Some(section) = cfg.get("loss").and_then(|v| v.as_object()) {
+        for key in section.keys() {
+            if key != "_component_" && !KtoLoss::PARAMS.contains(&key.as_str()) {
+                bail!(
+                    "{}: loss.{key} is not a parameter of {component} (it takes {})",
+                    cfg.origin,
+                    KtoLoss::PARAMS.join(", ")
+                );
+            }
+        }
+    }
+    let loss = KtoLoss::from_params(
+        cfg.f64("loss.beta")?,
+        cfg.f64("loss.desirable_weight")?,
+        cfg.f64("loss.undesirable_weight")?,
+        cfg.str("loss.loss_type")?.as_deref(),
+    )
+    .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.origin))?;
+    if loss.beta <= 0.0 {
+        bail!("{}: loss.beta must be positive for {component}", cfg.origin);
+    }
+    for (key, w) in [
+        ("desirable_weight", loss.desirable_weight),
+        ("undesirable_weight", loss.undesirable_weight),
+    ] {
+        if w < 0.0 {
+            bail!("{}: loss.{key} must not be negative", cfg.origin);
+        }
+    }
+    Ok(Some(loss))
+}
+
 /// A text row's `(prompt, completion)` token ids as TRL's `KTOTrainer` tokenizes a
 /// non-conversational row: the tokenizer's EOS token appended to the completion unless it ends
 /// with it, the prompt and the prompt + completion each encoded with the special tokens, the

@@ -9,7 +9,7 @@ use ferrotune_data::dataset::{collate, Row};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::{load_adapter, load_model};
 use ferrotune_train::kto::{
-    kl_clamped, kl_mean, kto_metrics, kto_terms, mismatched_rows, tokenize_unpaired,
+    kl_clamped, kl_mean, kto_loss, kto_metrics, kto_terms, mismatched_rows, tokenize_unpaired,
     unpaired_order, KtoLoss, KtoLossType,
 };
 use ferrotune_train::step::{reference_log_probs, sequence_log_probs, MicroBatch};
@@ -228,4 +228,53 @@ fn unpaired_order_is_trls() {
         unpaired_order(2),
         vec![(0, true), (1, true), (0, false), (1, false)]
     );
+}
+
+/// `loss._component_: torchtune.rlhf.loss.KTOLoss` with TRL's keys and defaults; another loss is
+/// not KTO; a key KTOLoss does not take, an unknown `loss_type` or a bad value is an error
+/// naming it.
+#[test]
+fn kto_loss_section_parses_and_names_wrong_keys() {
+    let cfg = |yaml: &str| ferrotune_train::config::Config {
+        root: ferrotune_train::config::parse_yaml(yaml, "kto.yaml").unwrap(),
+        origin: "kto.yaml".into(),
+    };
+    let parse = |yaml: &str| kto_loss(&cfg(yaml));
+    let c = "loss:\n  _component_: torchtune.rlhf.loss.KTOLoss\n";
+    assert_eq!(parse(c).unwrap(), Some(KtoLoss::default()));
+    let all = format!(
+        "{c}  beta: 0.5\n  desirable_weight: 1.5\n  undesirable_weight: 0.5\n  \
+         loss_type: apo_zero_unpaired\n"
+    );
+    assert_eq!(
+        parse(&all).unwrap(),
+        Some(KtoLoss {
+            beta: 0.5,
+            desirable_weight: 1.5,
+            undesirable_weight: 0.5,
+            loss_type: KtoLossType::ApoZeroUnpaired,
+        })
+    );
+    let modules = "loss:\n  _component_: torchtune.modules.rlhf.loss.KTOLoss\n";
+    assert!(parse(modules).unwrap().is_some());
+    assert_eq!(
+        parse("loss:\n  _component_: torchtune.rlhf.loss.DPOLoss\n  beta: 0.1\n").unwrap(),
+        None
+    );
+    assert_eq!(parse("output_dir: /tmp\n").unwrap(), None);
+    let err = |yaml: String| parse(&yaml).unwrap_err().to_string();
+    let e = err(format!("{c}  label_smoothing: 0.1\n"));
+    assert!(
+        e.contains("loss.label_smoothing") && e.contains("KTOLoss"),
+        "{e}"
+    );
+    assert!(e.contains("desirable_weight"), "{e}");
+    let e = err(format!("{c}  loss_type: sigmoid\n"));
+    assert!(
+        e.contains("sigmoid") && e.contains("apo_zero_unpaired"),
+        "{e}"
+    );
+    assert!(err(format!("{c}  beta: 0\n")).contains("loss.beta"));
+    assert!(err(format!("{c}  undesirable_weight: -1\n")).contains("loss.undesirable_weight"));
+    assert!(err(format!("{c}  beta: fast\n")).contains("loss.beta"));
 }
