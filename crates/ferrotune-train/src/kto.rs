@@ -86,6 +86,47 @@ impl KtoLoss {
     }
 }
 
+/// The `loss` section as `KTOLoss` (`torchtune.rlhf.loss.KTOLoss`, also under
+/// `torchtune.modules.rlhf.loss`), or `None` when `loss._component_` names another loss or none.
+/// A `loss.*` key `KTOLoss` does not take is an error naming it and the keys it takes; a
+/// non-positive `beta` or a negative weight is an error. Not yet read by a recipe.
+pub fn kto_loss(cfg: &crate::config::Config) -> Result<Option<KtoLoss>> {
+    let component = match cfg.str("loss._component_")? {
+        Some(c) if c.rsplit('.').next() == Some("KTOLoss") => c,
+        _ => return Ok(None),
+    };
+    if let Some(section) = cfg.get("loss").and_then(|v| v.as_object()) {
+        for key in section.keys() {
+            if key != "_component_" && !KtoLoss::PARAMS.contains(&key.as_str()) {
+                bail!(
+                    "{}: loss.{key} is not a parameter of {component} (it takes {})",
+                    cfg.origin,
+                    KtoLoss::PARAMS.join(", ")
+                );
+            }
+        }
+    }
+    let loss = KtoLoss::from_params(
+        cfg.f64("loss.beta")?,
+        cfg.f64("loss.desirable_weight")?,
+        cfg.f64("loss.undesirable_weight")?,
+        cfg.str("loss.loss_type")?.as_deref(),
+    )
+    .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.origin))?;
+    if loss.beta <= 0.0 {
+        bail!("{}: loss.beta must be positive for {component}", cfg.origin);
+    }
+    for (key, w) in [
+        ("desirable_weight", loss.desirable_weight),
+        ("undesirable_weight", loss.undesirable_weight),
+    ] {
+        if w < 0.0 {
+            bail!("{}: loss.{key} must not be negative", cfg.origin);
+        }
+    }
+    Ok(Some(loss))
+}
+
 /// A text row's `(prompt, completion)` token ids as TRL's `KTOTrainer` tokenizes a
 /// non-conversational row: the tokenizer's EOS token appended to the completion unless it ends
 /// with it, the prompt and the prompt + completion each encoded with the special tokens, the
@@ -109,6 +150,21 @@ pub fn tokenize_unpaired(
         .take_while(|(a, b)| a == b)
         .count();
     Ok((all[..start].to_vec(), all[start..].to_vec()))
+}
+
+/// The rows TRL's `unpair_preference_dataset` makes of `pairs` preference pairs, in its order:
+/// `(pair index, desirable)`. Its `datasets.map` runs in batches of 1000 pairs (the default
+/// `batch_size`), and each batch gives all its chosen rows (desirable), then all its rejected
+/// ones (undesirable), each with its pair's prompt.
+pub fn unpaired_order(pairs: usize) -> Vec<(usize, bool)> {
+    const MAP_BATCH: usize = 1000;
+    let mut out = Vec::with_capacity(2 * pairs);
+    for start in (0..pairs).step_by(MAP_BATCH) {
+        let end = (start + MAP_BATCH).min(pairs);
+        out.extend((start..end).map(|i| (i, true)));
+        out.extend((start..end).map(|i| (i, false)));
+    }
+    out
 }
 
 /// TRL's KL rows: for each row `i`, its prompt with row `i − 1`'s completion (row 0 takes the

@@ -9,8 +9,8 @@ use ferrotune_data::dataset::{collate, Row};
 use ferrotune_data::Tokenizer;
 use ferrotune_models::{load_adapter, load_model};
 use ferrotune_train::kto::{
-    kl_clamped, kl_mean, kto_metrics, kto_terms, mismatched_rows, tokenize_unpaired, KtoLoss,
-    KtoLossType,
+    kl_clamped, kl_mean, kto_loss, kto_metrics, kto_terms, mismatched_rows, tokenize_unpaired,
+    unpaired_order, KtoLoss, KtoLossType,
 };
 use ferrotune_train::step::{reference_log_probs, sequence_log_probs, MicroBatch};
 use serde_json::Value;
@@ -212,4 +212,69 @@ fn unpaired_text_rows_tokenize_as_trl_kto_trainer() {
         assert_eq!(prompt, row.input_ids[..start], "row {i}: prompt");
         assert_eq!(completion, row.input_ids[start..], "row {i}: completion");
     }
+}
+
+/// TRL's `unpair_preference_dataset` on 2,345 pairs (scripts/make_kto_unpair_fixture.py): per
+/// 1000-pair map batch, its chosen rows then its rejected ones.
+#[test]
+fn unpaired_order_is_trls() {
+    let want = json(fixtures().join("kto/unpair_order.json"));
+    assert_eq!(want["trl_version"], "1.16.0");
+    let pairs = want["pairs"].as_u64().unwrap() as usize;
+    let rows: Vec<(usize, bool)> = serde_json::from_value(want["rows"].clone()).unwrap();
+    assert_eq!(unpaired_order(pairs), rows);
+    assert_eq!(unpaired_order(0), vec![]);
+    assert_eq!(
+        unpaired_order(2),
+        vec![(0, true), (1, true), (0, false), (1, false)]
+    );
+}
+
+/// `loss._component_: torchtune.rlhf.loss.KTOLoss` with TRL's keys and defaults; another loss is
+/// not KTO; a key KTOLoss does not take, an unknown `loss_type` or a bad value is an error
+/// naming it.
+#[test]
+fn kto_loss_section_parses_and_names_wrong_keys() {
+    let cfg = |yaml: &str| ferrotune_train::config::Config {
+        root: ferrotune_train::config::parse_yaml(yaml, "kto.yaml").unwrap(),
+        origin: "kto.yaml".into(),
+    };
+    let parse = |yaml: &str| kto_loss(&cfg(yaml));
+    let c = "loss:\n  _component_: torchtune.rlhf.loss.KTOLoss\n";
+    assert_eq!(parse(c).unwrap(), Some(KtoLoss::default()));
+    let all = format!(
+        "{c}  beta: 0.5\n  desirable_weight: 1.5\n  undesirable_weight: 0.5\n  \
+         loss_type: apo_zero_unpaired\n"
+    );
+    assert_eq!(
+        parse(&all).unwrap(),
+        Some(KtoLoss {
+            beta: 0.5,
+            desirable_weight: 1.5,
+            undesirable_weight: 0.5,
+            loss_type: KtoLossType::ApoZeroUnpaired,
+        })
+    );
+    let modules = "loss:\n  _component_: torchtune.modules.rlhf.loss.KTOLoss\n";
+    assert!(parse(modules).unwrap().is_some());
+    assert_eq!(
+        parse("loss:\n  _component_: torchtune.rlhf.loss.DPOLoss\n  beta: 0.1\n").unwrap(),
+        None
+    );
+    assert_eq!(parse("output_dir: /tmp\n").unwrap(), None);
+    let err = |yaml: String| parse(&yaml).unwrap_err().to_string();
+    let e = err(format!("{c}  label_smoothing: 0.1\n"));
+    assert!(
+        e.contains("loss.label_smoothing") && e.contains("KTOLoss"),
+        "{e}"
+    );
+    assert!(e.contains("desirable_weight"), "{e}");
+    let e = err(format!("{c}  loss_type: sigmoid\n"));
+    assert!(
+        e.contains("sigmoid") && e.contains("apo_zero_unpaired"),
+        "{e}"
+    );
+    assert!(err(format!("{c}  beta: 0\n")).contains("loss.beta"));
+    assert!(err(format!("{c}  undesirable_weight: -1\n")).contains("loss.undesirable_weight"));
+    assert!(err(format!("{c}  beta: fast\n")).contains("loss.beta"));
 }
