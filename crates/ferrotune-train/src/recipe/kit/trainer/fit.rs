@@ -225,7 +225,7 @@ impl Plan {
         let model = &self.model;
         let param_refs: Vec<(String, Var)> = self.params.clone();
         if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
-            eprintln!("warning: {note}");
+            eprintln!("{note}");
         }
         if let Some(sm) = &self.sharded {
             setup::check_quant_unsharded(cfg, sm.sharding())?;
