@@ -112,7 +112,7 @@ pub fn run(args: DownloadArgs) -> Result<()> {
     Ok(())
 }
 
-fn human_bytes(n: u64) -> String {
+pub(crate) fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "kB", "MB", "GB", "TB"];
     let mut value = n as f64;
     let mut unit = 0;

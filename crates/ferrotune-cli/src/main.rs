@@ -13,6 +13,7 @@ mod model_io;
 mod plot;
 mod recipes;
 mod tokenize;
+mod upload;
 
 use clap::{Parser, Subcommand};
 
@@ -50,6 +51,8 @@ enum Command {
     ExportGguf(export_gguf::ExportGgufArgs),
     /// Download a model or dataset repository from the Hugging Face Hub (resumable).
     Download(download::DownloadArgs),
+    /// Upload a folder to a Hugging Face Hub repository as one commit (LFS, resumable).
+    Upload(upload::UploadArgs),
     /// Plot a training run's loss and learning rate against step into a PNG.
     Plot(plot::PlotArgs),
     /// Print the build, CPU threads and SIMD, GPUs, driver, CUDA libraries, NCCL and folders.
@@ -121,6 +124,7 @@ fn main() {
         Command::Merge(args) => merge::run(args),
         Command::ExportGguf(args) => export_gguf::run(args),
         Command::Download(args) => download::run(args),
+        Command::Upload(args) => upload::run(args),
         Command::Plot(args) => plot::run(args),
         Command::Env(args) => env::run(args),
         Command::RenderTemplates => unreachable!("served above"),

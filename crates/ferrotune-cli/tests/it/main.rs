@@ -25,3 +25,4 @@ mod run_identity;
 mod stuck_rank;
 mod template_worker;
 mod trackers;
+mod upload;

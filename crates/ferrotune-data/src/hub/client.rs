@@ -56,7 +56,7 @@ impl Hub {
 }
 
 /// The token `huggingface_hub` would use without an explicit one, in its order.
-fn implicit_token() -> Option<String> {
+pub(super) fn implicit_token() -> Option<String> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     if var("HF_HUB_DISABLE_IMPLICIT_TOKEN").is_some() {
         return None;

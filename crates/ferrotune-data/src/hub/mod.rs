@@ -7,6 +7,9 @@
 //!   downloaded into the Hugging Face cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`), in its layout
 //!   (`datasets--{owner}--{name}/snapshots/{commit}/{path}`, real files) by the same per-file
 //!   loop, for recipe datasets with a hub `source`.
+//! - [`upload_folder`]: a folder into a repository as one commit (preupload, Git LFS batch for
+//!   large files, the NDJSON commit), creating the repository if needed and resume-safe. This is
+//!   `ferrotune upload`.
 //!
 //! Environment, as `huggingface_hub` reads it: `HF_ENDPOINT` (the Hub's base URL), `HF_TOKEN`
 //! (else the file `HF_TOKEN_PATH`, else `$HF_HOME/token`; `HF_HUB_DISABLE_IMPLICIT_TOKEN` turns the
@@ -31,6 +34,7 @@
 //! - `safe_path.rs`: `RemotePath`, `etag_component`, `CommitId` and `repo_folder_name`, the one
 //!   checked way a listed file path, an ETag, a commit header or a repository id becomes part of
 //!   a local path (listings refuse unsafe entries).
+//! - `upload.rs`: [`upload_folder`] (`ferrotune upload`), the commit API with LFS.
 //! - `errors.rs`: failed requests (`HubFailure`) and their user messages (`Ctx`).
 //! - `tests.rs`: unit tests.
 
@@ -45,10 +49,18 @@ mod safe_path;
 mod splits;
 #[cfg(test)]
 mod tests;
+mod upload;
 
 pub use dataset_files::{dataset_files, dataset_files_in};
 pub use download::{download_snapshot, download_state_dir};
 pub use pattern::fnmatch;
+
+/// Whether a Hub token is at hand without an explicit one (`HF_TOKEN`, `HF_TOKEN_PATH`,
+/// `$HF_HOME/token`, as `huggingface_hub` looks), e.g. before a run that will upload.
+pub fn has_token() -> bool {
+    client::implicit_token().is_some()
+}
+pub use upload::{upload_folder, UploadEvent, UploadOutcome, UploadRequest};
 
 /// The Hugging Face cache folder downloads go to, as the hub client resolves it (`HF_HUB_CACHE`,
 /// else `HUGGINGFACE_HUB_CACHE`, else `$HF_HOME/hub`); `None` if the client cannot be built.

@@ -46,6 +46,15 @@ impl Ty {
     }
 }
 
+/// `push_to_hub`: where the final checkpoint goes (`ferrotune upload`'s arguments).
+const PUSH_TO_HUB_KEYS: &[(&str, Ty)] = &[
+    ("repo_id", Ty::Str),
+    ("repo_type", Ty::Str),
+    ("private", Ty::Bool),
+    ("revision", Ty::Str),
+    ("commit_message", Ty::Str),
+];
+
 const MODEL_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
     ("lora_attn_modules", Ty::StrList),
@@ -281,6 +290,8 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("metric_logger", Ty::Map(LOGGER_KEYS)),
     ("log_every_n_steps", Ty::Int),
     ("log_peak_memory_stats", Ty::Bool),
+    // ferrotune's: upload the final checkpoint to the Hugging Face Hub (recipe/kit/push.rs).
+    ("push_to_hub", Ty::Map(PUSH_TO_HUB_KEYS)),
     ("log_level", Ty::Str),
     ("save_every_n_steps", Ty::Int),
     ("profiler", Ty::Any),

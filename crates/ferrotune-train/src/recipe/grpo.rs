@@ -604,7 +604,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     say(format!("{trainable} trainable parameters"));
     if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
-        eprintln!("warning: {note}");
+        eprintln!("{note}");
     }
     // Full fine-tuning on several ranks: the gradients and the optimizer state (with its f32
     // master copies, most of the memory) are sharded over the ranks, as torchtune's FSDP shards

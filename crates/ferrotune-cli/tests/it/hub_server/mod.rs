@@ -2,7 +2,8 @@
 //! repo info (`/api/{models,datasets}/{id}[/revision/{rev}]`), tree listings
 //! (`/api/.../tree/{rev}`), `resolve` URLs (`HEAD`/`GET`, with `Range`) and, for LFS files, the
 //! Hub's redirect to a CDN (`/cdn/{sha256}`) that carries `X-Linked-Etag`/`X-Linked-Size` as the
-//! real Hub does. Every request is logged for the tests to inspect.
+//! real Hub does; and the upload endpoints (`upload.rs`: repo creation, preupload, the Git LFS
+//! batch API and the commit). Every request is logged for the tests to inspect.
 
 // Each test binary uses part of the server.
 #![allow(dead_code)]
@@ -11,6 +12,9 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
+
+mod upload;
+pub use upload::{Commit, CreatedRepo};
 
 /// A file in a fake repository.
 #[derive(Clone)]
@@ -73,12 +77,16 @@ struct Behaviour {
     corrupt: HashMap<String, Vec<u8>>,
     /// Sent as every answer's `X-Repo-Commit` in place of the revision's sha (a hostile server).
     repo_commit_header: Option<String>,
+    /// One-shot: the next LFS `PUT` longer than this is read for this many body bytes, then the
+    /// connection is closed without an answer (an upload cut short).
+    cut_upload_once: Option<usize>,
 }
 
 struct State {
     repos: Vec<HubRepo>,
     log: Mutex<Vec<Logged>>,
     behaviour: Mutex<Behaviour>,
+    uploads: Mutex<upload::Uploads>,
     base: String,
 }
 
@@ -95,6 +103,7 @@ impl HubServer {
             repos,
             log: Mutex::new(Vec::new()),
             behaviour: Mutex::new(Behaviour::default()),
+            uploads: Mutex::new(upload::Uploads::default()),
             base,
         });
         let st = state.clone();
@@ -136,6 +145,34 @@ impl HubServer {
     /// Every answer that carries `X-Repo-Commit` carries `value` instead (a hostile server).
     pub fn send_repo_commit(&self, value: &str) {
         self.state.behaviour.lock().unwrap().repo_commit_header = Some(value.to_string());
+    }
+
+    /// The next LFS upload (`PUT`) longer than `bytes` is cut after `bytes` body bytes,
+    /// unanswered.
+    pub fn cut_next_upload(&self, bytes: usize) {
+        self.state.behaviour.lock().unwrap().cut_upload_once = Some(bytes);
+    }
+
+    /// The commits accepted so far.
+    pub fn commits(&self) -> Vec<Commit> {
+        self.state.uploads.lock().unwrap().commits.clone()
+    }
+
+    /// The repositories created so far.
+    pub fn created_repos(&self) -> Vec<CreatedRepo> {
+        self.state.uploads.lock().unwrap().repos.clone()
+    }
+
+    /// The LFS objects stored so far (sha256 hex).
+    pub fn lfs_objects(&self) -> Vec<String> {
+        self.state
+            .uploads
+            .lock()
+            .unwrap()
+            .objects
+            .keys()
+            .cloned()
+            .collect()
     }
 
     /// The requests seen so far.
@@ -218,6 +255,8 @@ fn reason(status: u16) -> &'static str {
         200 => "OK",
         206 => "Partial Content",
         302 => "Found",
+        400 => "Bad Request",
+        409 => "Conflict",
         401 => "Unauthorized",
         403 => "Forbidden",
         404 => "Not Found",
@@ -255,7 +294,31 @@ fn handle(state: &State, stream: TcpStream) {
         path: path.clone(),
         headers: headers.clone(),
     });
-    let mut response = route(state, &method, &path, &headers);
+    let length: usize = headers
+        .get("content-length")
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0);
+    let cut = match method == "PUT" && path.starts_with("/lfs-upload/") {
+        true => {
+            let mut b = state.behaviour.lock().unwrap();
+            b.cut_upload_once
+                .filter(|&n| length > n)
+                .and_then(|_| b.cut_upload_once.take())
+        }
+        false => None,
+    };
+    let mut body = vec![0u8; cut.unwrap_or(length).min(length)];
+    if std::io::Read::read_exact(&mut reader, &mut body).is_err() {
+        return;
+    }
+    if cut.is_some() {
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
+    let mut response = match upload_route(state, &method, &path, &headers, &body) {
+        Some(r) => r,
+        None => route(state, &method, &path, &headers),
+    };
     if let Some(commit) = &state.behaviour.lock().unwrap().repo_commit_header {
         for (k, v) in response.headers.iter_mut() {
             if k == "x-repo-commit" {
@@ -283,6 +346,34 @@ fn write_response(mut stream: TcpStream, method: &str, r: Response) {
     }
     let _ = stream.flush();
     let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// The upload endpoints (`upload.rs`), behind the same token check as the rest.
+fn upload_route(
+    state: &State,
+    method: &str,
+    path: &str,
+    headers: &HashMap<String, String>,
+    body: &[u8],
+) -> Option<Response> {
+    let segs: Vec<String> = path
+        .trim_start_matches('/')
+        .split('/')
+        .map(percent_decode)
+        .collect();
+    let lfs_action = matches!(
+        segs.first().map(String::as_str),
+        Some("lfs-upload" | "lfs-verify")
+    );
+    let required = state.behaviour.lock().unwrap().required_token.clone();
+    if let (Some(t), false) = (required, lfs_action) {
+        if headers.get("authorization") != Some(&format!("Bearer {t}")) {
+            return upload::is_upload(method, &segs).then(|| {
+                Response::error(401, None, "Invalid credentials in Authorization header")
+            });
+        }
+    }
+    upload::route(state, method, &segs, body)
 }
 
 fn route(state: &State, method: &str, path: &str, headers: &HashMap<String, String>) -> Response {

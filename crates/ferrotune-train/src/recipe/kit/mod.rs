@@ -23,6 +23,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod model;
+pub mod push;
 pub mod ranks;
 pub mod report;
 pub mod rollout;

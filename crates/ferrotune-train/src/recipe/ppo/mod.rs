@@ -437,7 +437,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let trainable: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
     eprintln!("{trainable} trainable parameters (policy and value model)");
     if let Some(note) = setup::optimizer_note(cfg)? {
-        eprintln!("warning: {note}");
+        eprintln!("{note}");
     }
     let mut optimizer = setup::optimizer(cfg, params.clone())?;
 

@@ -706,7 +706,8 @@ pub fn check_quant_unsharded(cfg: &Config, sharding: crate::dist::fsdp::Sharding
 }
 
 /// What to tell the user about a low-precision `optimizer._component_`: whose quantization its
-/// moments follow, what stays f32, and where the state lives.
+/// moments follow, what stays f32, and where the state lives. An information line (the recipes
+/// print it as is): the quantized state is what the user asked for, not a fallback.
 pub fn optimizer_note(cfg: &Config) -> Result<Option<String>> {
     let Some(component) = cfg.str("optimizer._component_")? else {
         return Ok(None);

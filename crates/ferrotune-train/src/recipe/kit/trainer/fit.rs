@@ -17,6 +17,7 @@ use crate::metrics::{peak_rss_mb, MetricLogger};
 use crate::optim::Optimizer;
 use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::data::{epoch_order, Examples};
+use crate::recipe::kit::push;
 use crate::recipe::kit::report::{kill_if_asked, note_ignored_keys, progress_bar, report_memory};
 use crate::recipe::kit::settings::Mode;
 use crate::recipe::kit::validation;
@@ -225,7 +226,7 @@ impl Plan {
         let model = &self.model;
         let param_refs: Vec<(String, Var)> = self.params.clone();
         if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
-            eprintln!("warning: {note}");
+            eprintln!("{note}");
         }
         if let Some(sm) = &self.sharded {
             setup::check_quant_unsharded(cfg, sm.sharding())?;
@@ -324,6 +325,11 @@ impl Trainer {
         let saver = Saver {
             format: setup::save_format(cfg, &run.source, say),
             ..saver
+        };
+        // `push_to_hub`: checked (repo id, token) before the first step; rank 0 pushes at the end.
+        let push = match lead {
+            true => push::push_request(cfg)?,
+            false => None,
         };
         let model = &mut plan.model;
         let mut sharded = plan.sharded.take();
@@ -542,10 +548,16 @@ impl Trainer {
                 optimizer.as_ref(),
             )?;
         }
+        // The last epoch's checkpoint, when this run wrote it.
+        let last_dir = settings
+            .epochs
+            .checked_sub(1)
+            .filter(|&e| e >= start.epoch)
+            .map(|last| saver.output_dir.join(format!("epoch_{last}")));
         if let Some(mut logger) = logger {
-            // The last epoch's checkpoint, for a tracker asked to keep it (`log_checkpoint`).
-            if let Some(last) = settings.epochs.checked_sub(1).filter(|&e| e >= start.epoch) {
-                logger.log_checkpoint(&saver.output_dir.join(format!("epoch_{last}")));
+            // For a tracker asked to keep it (`log_checkpoint`).
+            if let Some(dir) = &last_dir {
+                logger.log_checkpoint(dir);
             }
             logger.close()?;
         }
@@ -553,6 +565,9 @@ impl Trainer {
         if let Some(group) = plan.run.group.take() {
             group.store.barrier("end of training")?;
             group.store.shutdown()?;
+        }
+        if let (Some(req), Some(dir)) = (&push, &last_dir) {
+            push::push(req, dir)?;
         }
         Ok(())
     }

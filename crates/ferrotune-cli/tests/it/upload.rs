@@ -1,0 +1,299 @@
+//! `ferrotune upload` against the loopback Hub (tests/hub_server, its `upload.rs`): the
+//! repository is created, a folder with files over 10 MB commits through preupload, the Git LFS
+//! batch API and the NDJSON commit, byte-identical; an upload whose connection is cut fails
+//! without committing, and running it again completes it without re-sending what the Hub holds.
+
+use crate::hub_server;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use hub_server::HubServer;
+
+const TOKEN: &str = "hf_test_write_token";
+
+/// Deterministic bytes (as the download tests').
+fn pattern(n: usize, seed: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| ((i * 31 + seed * 17 + 7) % 251) as u8)
+        .collect()
+}
+
+/// A checkpoint-like folder: two files over 10 MB (LFS), a small safetensors (LFS by name) and
+/// small text files, one in a subfolder. Returns the folder and its files by repository path.
+fn checkpoint(name: &str) -> (PathBuf, HashMap<String, Vec<u8>>) {
+    let dir =
+        ferrotune_testing::fresh_dir(&format!("ferrotune-upload-{name}-{}", std::process::id()));
+    let files: HashMap<String, Vec<u8>> = [
+        (
+            "model-00001-of-00002.safetensors",
+            pattern(12 * 1024 * 1024 + 5, 1),
+        ),
+        (
+            "model-00002-of-00002.safetensors",
+            pattern(11 * 1024 * 1024, 2),
+        ),
+        ("adapter_model.safetensors", pattern(3000, 3)),
+        ("config.json", b"{\"model_type\": \"llama\"}\n".to_vec()),
+        ("original/params.json", b"{\"dim\": 64}\n".to_vec()),
+        ("empty.txt", Vec::new()),
+    ]
+    .into_iter()
+    .map(|(p, b)| (p.to_string(), b))
+    .collect();
+    for (p, b) in &files {
+        let path = dir.join(p);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, b).unwrap();
+    }
+    (dir, files)
+}
+
+fn upload(server: &HubServer, dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotune"))
+        .arg("upload")
+        .args(args)
+        .arg(dir)
+        .env("HF_ENDPOINT", server.url())
+        .env("HF_TOKEN", TOKEN)
+        .env("HF_HOME", dir.join("..").join("hf-home-upload"))
+        .env_remove("HF_TOKEN_PATH")
+        .env_remove("HF_HUB_DISABLE_IMPLICIT_TOKEN")
+        .output()
+        .expect("run ferrotune")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn count(server: &HubServer, method: &str, prefix: &str) -> usize {
+    server
+        .log()
+        .iter()
+        .filter(|r| r.method == method && r.path.starts_with(prefix))
+        .count()
+}
+
+#[test]
+fn a_folder_with_large_files_commits_through_lfs() {
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    let (dir, files) = checkpoint("commit");
+    let out = upload(
+        &server,
+        &dir,
+        &["me/tiny-lora", "--private", "--revision", "main"],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(
+        stdout.contains("Committed 6 files (3 through LFS) to me/tiny-lora"),
+        "{stdout}"
+    );
+
+    let repos = server.created_repos();
+    assert_eq!(repos.len(), 1);
+    assert_eq!(
+        (
+            repos[0].kind.as_str(),
+            repos[0].id.as_str(),
+            repos[0].private
+        ),
+        ("models", "me/tiny-lora", true)
+    );
+    let commits = server.commits();
+    assert_eq!(commits.len(), 1);
+    let c = &commits[0];
+    assert_eq!(
+        (c.repo.as_str(), c.revision.as_str()),
+        ("me/tiny-lora", "main")
+    );
+    assert_eq!(
+        c.files, files,
+        "the commit holds every file, byte-identical"
+    );
+    let mut lfs = c.lfs_paths.clone();
+    lfs.sort();
+    assert_eq!(
+        lfs,
+        [
+            "adapter_model.safetensors",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors"
+        ]
+    );
+    // Each LFS object went up once, with the batch action's header; the token went to the API.
+    let puts: Vec<_> = server
+        .log()
+        .into_iter()
+        .filter(|r| r.method == "PUT")
+        .collect();
+    assert_eq!(puts.len(), 3);
+    assert!(puts
+        .iter()
+        .all(|r| r.headers.get("x-test-upload").map(String::as_str) == Some("yes")));
+    let commit_req = server
+        .log()
+        .into_iter()
+        .find(|r| r.path.contains("/commit/"))
+        .unwrap();
+    assert_eq!(
+        commit_req.headers["authorization"],
+        format!("Bearer {TOKEN}")
+    );
+    assert_eq!(commit_req.headers["content-type"], "application/x-ndjson");
+
+    // Again, into an existing repository (409 on create is fine), as a dataset on a branch: the
+    // objects the Hub holds are not sent again.
+    server.clear_log();
+    let out = upload(&server, &dir, &["me/tiny-lora", "--revision", "refs/pr/1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("already on the Hub"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert_eq!(count(&server, "PUT", "/lfs-upload/"), 0);
+    assert_eq!(server.commits()[1].revision, "refs/pr/1");
+    assert!(server
+        .log()
+        .iter()
+        .any(|r| r.path == "/api/models/me/tiny-lora/commit/refs%2Fpr%2F1"));
+    let out = upload(&server, &dir, &["me/tiny-data", "--repo-type", "dataset"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(server
+        .log()
+        .iter()
+        .any(|r| r.path == "/datasets/me/tiny-data.git/info/lfs/objects/batch"));
+    assert_eq!(server.commits()[2].kind, "datasets");
+}
+
+#[test]
+fn an_upload_cut_short_completes_when_run_again() {
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    let (dir2, files2) = checkpoint("cut");
+    // The small LFS object arrives whole; the first one over 4 MB is cut 4 MB in, unanswered.
+    server.cut_next_upload(4 * 1024 * 1024);
+    let out = upload(&server, &dir2, &["me/cut2"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("error: uploading")
+            && stderr.contains("model-00001-of-00002.safetensors")
+            && stderr.contains("run the upload again"),
+        "{stderr}"
+    );
+    assert!(server.commits().is_empty(), "nothing committed");
+    assert_eq!(
+        server.lfs_objects().len(),
+        1,
+        "only the small object is stored"
+    );
+
+    server.clear_log();
+    let out = upload(&server, &dir2, &["me/cut2"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        stdout.contains("adapter_model.safetensors: already on the Hub"),
+        "{stdout}"
+    );
+    assert_eq!(
+        count(&server, "PUT", "/lfs-upload/"),
+        2,
+        "only the missing objects are sent"
+    );
+    let commits: Vec<_> = server
+        .commits()
+        .into_iter()
+        .filter(|c| c.repo == "me/cut2")
+        .collect();
+    assert_eq!(commits.len(), 1);
+    assert_eq!(commits[0].files, files2);
+}
+
+/// 8 rows, batch 2: 4 steps (as the trackers' tests).
+fn rows(dir: &Path) -> PathBuf {
+    let data = dir.join("rows.jsonl");
+    let rows: Vec<String> = (0..8u32)
+        .map(|i| {
+            let ids: Vec<u32> = (0..10).map(|j| (i * 31 + j * 7) % 500 + 3).collect();
+            serde_json::json!({"input_ids": ids}).to_string()
+        })
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    data
+}
+
+/// `push_to_hub`: the run's final checkpoint folder is committed, byte-identical; without a
+/// token the run stops before training.
+#[test]
+fn push_to_hub_uploads_the_final_checkpoint() {
+    use crate::common::{run_recipe, text as out_text, tmpdir, write_config, TINY_LORA};
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    let dir = tmpdir("upload", "push");
+    let data = rows(&dir);
+    let cfg = write_config(TINY_LORA, &dir, "llama3", &data);
+    let out = dir.join("out");
+    let home = dir.join("hf-home");
+    let keys = ["push_to_hub.repo_id=me/pushed", "push_to_hub.private=true"];
+    let env = [
+        ("HF_ENDPOINT", server.url()),
+        ("HF_HOME", home.to_str().unwrap()),
+        ("HF_TOKEN", ""),
+    ];
+    let o = run_recipe("lora_finetune_single_device", &cfg, &out, &keys, &dir, &env);
+    let msg = out_text(&o);
+    assert_eq!(o.status.code(), Some(1), "{msg}");
+    assert!(
+        msg.contains("push_to_hub needs a Hugging Face token"),
+        "{msg}"
+    );
+    assert!(
+        !out.join("epoch_0").exists(),
+        "stopped before training: {msg}"
+    );
+
+    let env = [
+        ("HF_ENDPOINT", server.url()),
+        ("HF_HOME", home.to_str().unwrap()),
+        ("HF_TOKEN", TOKEN),
+    ];
+    let o = run_recipe("lora_finetune_single_device", &cfg, &out, &keys, &dir, &env);
+    let msg = out_text(&o);
+    assert!(o.status.success(), "{msg}");
+    assert!(
+        msg.contains("Pushed ") && msg.contains("to me/pushed"),
+        "{msg}"
+    );
+    let commits = server.commits();
+    assert_eq!(commits.len(), 1, "{msg}");
+    assert!(server.created_repos()[0].private);
+    let epoch = out.join("epoch_0");
+    let mut on_disk = HashMap::new();
+    let mut stack = vec![epoch.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let rel = p
+                    .strip_prefix(&epoch)
+                    .unwrap()
+                    .to_string_lossy()
+                    .replace('\\', "/");
+                on_disk.insert(rel, std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    assert!(on_disk.contains_key("adapter_model.safetensors"));
+    assert_eq!(commits[0].files, on_disk);
+    assert!(commits[0]
+        .lfs_paths
+        .contains(&"adapter_model.safetensors".to_string()));
+}
