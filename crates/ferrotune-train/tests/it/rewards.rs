@@ -106,7 +106,7 @@ fn reward_entries_are_checked() {
 /// naming the function (and the row), the silent one within its timeout.
 #[test]
 fn http_errors_and_silence_name_the_function() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     use std::net::TcpListener;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -114,8 +114,7 @@ fn http_errors_and_silence_name_the_function() {
         let mut held = Vec::new();
         for (i, stream) in listener.incoming().enumerate() {
             let mut stream = stream.unwrap();
-            let mut buf = [0u8; 65536];
-            let _ = stream.read(&mut buf).unwrap();
+            read_whole_request(&mut stream);
             if i == 0 {
                 let body = r#"{"error": "judge unavailable for this one", "row": 2}"#;
                 write!(
@@ -152,4 +151,31 @@ fn http_errors_and_silence_name_the_function() {
         "{e}"
     );
     assert!(t.elapsed().as_secs_f64() < 8.0, "{:?}", t.elapsed());
+}
+
+/// Reads one HTTP request to its end (headers, then `Content-Length` bytes of body): a server that
+/// answers and closes with request bytes still unread makes the kernel reset the connection, and
+/// the client may see the reset instead of the answer.
+fn read_whole_request(stream: &mut std::net::TcpStream) {
+    use std::io::Read;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        let n = stream.read(&mut buf).unwrap();
+        if n == 0 {
+            return;
+        }
+        got.extend_from_slice(&buf[..n]);
+        let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .map_or(0, |v| v.trim().parse().unwrap());
+        if got.len() >= end + 4 + length {
+            return;
+        }
+    }
 }
