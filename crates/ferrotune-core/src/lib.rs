@@ -21,6 +21,7 @@ pub mod ops;
 pub mod probe;
 pub mod qat;
 pub mod quant;
+pub mod sigpipe;
 pub mod switch;
 pub mod weight;
 

@@ -64,6 +64,8 @@ impl Bridge {
             .child
             .as_mut()
             .ok_or_else(|| anyhow!("the bridge is not running"))?;
+        // A bridge that died (a crashed client): EPIPE here, not SIGPIPE ending the run.
+        let _no_sigpipe = ferrotune_core::sigpipe::SigpipeBlocked::new();
         stdin
             .write_all(line.as_bytes())
             .and_then(|_| stdin.write_all(b"\n"))

@@ -106,6 +106,9 @@ impl Mlflow {
             if let Some(a) = &self.auth {
                 req = req.header(reqwest::header::AUTHORIZATION, a);
             }
+            // The current-thread runtime writes on this thread: a server that cut the
+            // connection gives EPIPE, not SIGPIPE ending the run.
+            let _no_sigpipe = ferrotune_core::sigpipe::SigpipeBlocked::new();
             let answer = rt.block_on(async {
                 let resp = req.send().await?;
                 let status = resp.status();
@@ -328,6 +331,7 @@ impl Backend for Mlflow {
             if let Some(a) = &self.auth {
                 req = req.header(reqwest::header::AUTHORIZATION, a);
             }
+            let _no_sigpipe = ferrotune_core::sigpipe::SigpipeBlocked::new();
             let (status, text) = rt
                 .block_on(async {
                     let resp = req.send().await?;

@@ -135,6 +135,8 @@ impl Worker {
             bail!("its worker is stopped: {why}");
         }
         let line = serde_json::to_string(request)? + "\n";
+        // A worker that died between batches: EPIPE here, not SIGPIPE ending the run.
+        let _no_sigpipe = ferrotune_core::sigpipe::SigpipeBlocked::new();
         let written = match self.stdin.as_mut() {
             Some(s) => s.write_all(line.as_bytes()).and_then(|_| s.flush()),
             None => Err(std::io::Error::other("no stdin")),
