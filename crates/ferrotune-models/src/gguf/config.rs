@@ -53,6 +53,18 @@ impl GgufFile<'_> {
         c.insert("tie_word_embeddings".into(), json!(tied));
         let source = GgufSource { file: &*self, hp };
         (arch.reading.config_keys)(source, &mut c)?;
+        self.insert_ids_dtype_name(&mut c, dtype)?;
+        Ok(Value::Object(c))
+    }
+
+    /// The keys every architecture's config takes the same way: the special token ids, the
+    /// `torch_dtype` of the loaded weights and the model's name (shared with the readers of
+    /// architectures with their own layout, `deepseek2.rs` and `gpt_oss.rs`).
+    pub(super) fn insert_ids_dtype_name(
+        &self,
+        c: &mut Map<String, Value>,
+        dtype: DType,
+    ) -> Result<(), ModelError> {
         for (gguf_key, hf_key) in [
             ("tokenizer.ggml.bos_token_id", "bos_token_id"),
             ("tokenizer.ggml.eos_token_id", "eos_token_id"),
@@ -73,7 +85,7 @@ impl GgufFile<'_> {
         if let Some(name) = self.string("general.name")? {
             c.insert("_name_or_path".into(), json!(name));
         }
-        Ok(Value::Object(c))
+        Ok(())
     }
 
     /// The HF `rope_scaling` object, from `{arch}.rope.scaling.*` keys or the rotary-factor tensors.

@@ -292,24 +292,7 @@ fn config_json(
     let (model_type, class) = crate::family::deepseek::gguf_model_type(v3);
     c.insert("model_type".into(), json!(model_type));
     c.insert("architectures".into(), json!([class]));
-    for (gguf_key, hf_key) in [
-        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
-        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
-        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
-    ] {
-        if let Some(id) = g.token_id(gguf_key)? {
-            c.insert(hf_key.into(), json!(id));
-        }
-    }
-    let dtype_name = match dtype {
-        DType::F16 => "float16",
-        DType::BF16 => "bfloat16",
-        _ => "float32",
-    };
-    c.insert("torch_dtype".into(), json!(dtype_name));
-    if let Some(name) = g.string("general.name")? {
-        c.insert("_name_or_path".into(), json!(name));
-    }
+    g.insert_ids_dtype_name(&mut c, dtype)?;
     Ok((Value::Object(c), mla, heads, layers, experts))
 }
 

@@ -265,23 +265,6 @@ fn config_json(g: &GgufFile, dtype: DType) -> Result<(Value, usize, usize), Mode
     c.insert("swiglu_alpha".into(), json!(1.702));
     let tied = !g.content.tensor_infos.contains_key("output.weight");
     c.insert("tie_word_embeddings".into(), json!(tied));
-    for (gguf_key, hf_key) in [
-        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
-        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
-        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
-    ] {
-        if let Some(id) = g.token_id(gguf_key)? {
-            c.insert(hf_key.into(), json!(id));
-        }
-    }
-    let dtype_name = match dtype {
-        DType::F16 => "float16",
-        DType::BF16 => "bfloat16",
-        _ => "float32",
-    };
-    c.insert("torch_dtype".into(), json!(dtype_name));
-    if let Some(name) = g.string("general.name")? {
-        c.insert("_name_or_path".into(), json!(name));
-    }
+    g.insert_ids_dtype_name(&mut c, dtype)?;
     Ok((Value::Object(c), layers, experts))
 }
