@@ -1188,12 +1188,9 @@ fn deepseek_adapters_match_peft() {
     }
 }
 
-/// What [`deepseek_adapters_match_peft`] checks of one case whose adapter reaches fused routed
-/// experts: every module PEFT named adapted, PEFT's logits and loss, every gradient (the experts'
-/// per expert), merged weights and the merged model's logits.
-fn check_fused_experts_adapter(name: &str, case: &Case) {
-    let (mut model, config) = case.model_with_adapter();
-    let adapted = adapted_layers(&model);
+/// Every module PEFT's `target_modules` names carries an adapter in `model` (`name`: the case).
+fn assert_every_named_target_adapted(name: &str, model: &CausalLm, config: &LoraConfig) {
+    let adapted = adapted_layers(model);
     let TargetModules::Names(modules) = &config.target_modules else {
         panic!("{name}: PEFT saved its targets as names");
     };
@@ -1203,6 +1200,14 @@ fn check_fused_experts_adapter(name: &str, case: &Case) {
             "{name}: {module} not adapted: {adapted:?}"
         );
     }
+}
+
+/// What [`deepseek_adapters_match_peft`] checks of one case whose adapter reaches fused routed
+/// experts: every module PEFT named adapted, PEFT's logits and loss, every gradient (the experts'
+/// per expert), merged weights and the merged model's logits.
+fn check_fused_experts_adapter(name: &str, case: &Case) {
+    let (mut model, config) = case.model_with_adapter();
+    assert_every_named_target_adapted(name, &model, &config);
     case.assert_runs_as_peft(&mut model);
 
     let params = trainable_parameters(&mut model).unwrap();
@@ -1533,16 +1538,7 @@ fn absurd_lora_rank_is_refused_before_allocating() {
 fn qwen3_5_adapter_matches_peft() {
     let case = Case::made_with_base(fixtures().join("qwen3_5_lora").join("qwen3_5"));
     let (mut model, config) = case.model_with_adapter();
-    let adapted = adapted_layers(&model);
-    let TargetModules::Names(modules) = &config.target_modules else {
-        panic!("PEFT saved its targets as names");
-    };
-    for module in modules {
-        assert!(
-            adapted.iter().any(|n| n.ends_with(&format!(".{module}"))),
-            "{module} not adapted: {adapted:?}"
-        );
-    }
+    assert_every_named_target_adapted("qwen3_5", &model, &config);
     case.assert_runs_as_peft(&mut model);
     case.assert_merges_as_peft(&model);
     case.check_forward_and_gradients();
@@ -1556,16 +1552,7 @@ fn qwen3_5_adapter_matches_peft() {
 fn qwen3_5_dora_adapter_matches_peft() {
     let case = Case::made_with_base(fixtures().join("qwen3_5_lora").join("qwen3_5_dora"));
     let (mut model, config) = case.model_with_adapter();
-    let adapted = adapted_layers(&model);
-    let TargetModules::Names(modules) = &config.target_modules else {
-        panic!("PEFT saved its targets as names");
-    };
-    for module in modules {
-        assert!(
-            adapted.iter().any(|n| n.ends_with(&format!(".{module}"))),
-            "{module} not adapted: {adapted:?}"
-        );
-    }
+    assert_every_named_target_adapted("qwen3_5_dora", &model, &config);
     case.assert_runs_as_peft(&mut model);
     case.assert_merges_as_peft(&model);
     case.check_forward_and_gradients();
