@@ -140,15 +140,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 if args.chat {
                     let mut msgs = Vec::new();
                     if let Some(s) = &args.system {
-                        msgs.push(ChatMessage {
-                            role: "system".into(),
-                            content: s.clone(),
-                        });
+                        msgs.push(ChatMessage::system(s.clone()));
                     }
-                    msgs.push(ChatMessage {
-                        role: "user".into(),
-                        content: p.clone(),
-                    });
+                    msgs.push(ChatMessage::user(p.clone()));
                     tok.encode_chat(&msgs, true)
                 } else {
                     tok.encode(p, true)

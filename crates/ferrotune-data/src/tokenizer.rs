@@ -40,6 +40,9 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     /// Where `chat_template` was read from, for the errors rendering it gives.
     template_origin: Option<String>,
+    /// The template named `tool_use` of a config's list of named templates, and where it was
+    /// read from: what transformers renders with when it is given tools.
+    tool_template: Option<(String, String)>,
     special_tokens: BTreeMap<String, String>,
     extra_special_tokens: Vec<String>,
     bos_id: Option<u32>,
@@ -273,6 +276,7 @@ impl Tokenizer {
             needs_processor.then_some((add_bos_token, add_eos_token)),
             &tokenizer_path,
         )?;
+        tokenizer.tool_template = tool_use_template_of(&config, &config_path);
         tokenizer.clean_up_tokenization_spaces = config
             .get("clean_up_tokenization_spaces")
             .is_some_and(truthy);
@@ -453,6 +457,7 @@ impl Tokenizer {
             inner,
             chat_template,
             template_origin: None,
+            tool_template: None,
             special_tokens,
             extra_special_tokens,
             bos_id,
@@ -558,6 +563,34 @@ impl Tokenizer {
             .render(messages, add_generation_prompt, &self.special_tokens)
     }
 
+    /// [`Tokenizer::apply_chat_template`] with `tools` (their JSON schemas), as transformers'
+    /// `apply_chat_template(messages, tools=tools, ...)`: rendered with the template named
+    /// `tool_use` when the tokenizer has one and `tools` is given, else with its chat template.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&minijinja::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.compiled_chat_template_for(tools.is_some())?
+            .ok_or_else(|| DataError::NoChatTemplate {
+                origin: self.origin.clone(),
+                looked_in: self.template_locations,
+            })?
+            .render_with_tools(messages, tools, add_generation_prompt, &self.special_tokens)
+    }
+
+    /// The template transformers renders with (`get_chat_template(tools=...)`): the one named
+    /// `tool_use` when there are tools and the tokenizer has it, else the chat template.
+    pub fn compiled_chat_template_for(&self, with_tools: bool) -> Result<Option<ChatTemplate>> {
+        match &self.tool_template {
+            Some((source, origin)) if with_tools => {
+                ChatTemplate::from_origin(source, origin.clone()).map(Some)
+            }
+            _ => self.compiled_chat_template(),
+        }
+    }
+
     /// The chat template compiled, knowing where it was read from (which its errors name);
     /// `None` if the tokenizer has none.
     pub fn compiled_chat_template(&self) -> Result<Option<ChatTemplate>> {
@@ -590,6 +623,7 @@ impl Tokenizer {
     pub fn set_chat_template(&mut self, template: Option<String>) {
         self.chat_template = template;
         self.template_origin = None;
+        self.tool_template = None;
     }
 
     /// The named special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`, ..., and
@@ -814,6 +848,27 @@ fn chat_template_of(
             "\"chat_template\" must be a string or a list of templates",
         )),
     }
+}
+
+/// The entry named `tool_use` of a config's list of named chat templates (checked, with the
+/// list, by [`chat_template_of`]).
+fn tool_use_template_of(
+    config: &Map<String, Json>,
+    config_path: &Path,
+) -> Option<(String, String)> {
+    let Some(Json::Array(items)) = config.get("chat_template") else {
+        return None;
+    };
+    items.iter().find_map(|item| {
+        let template = item.get("template").and_then(Json::as_str)?;
+        (item.get("name").and_then(Json::as_str) == Some("tool_use")).then(|| {
+            let origin = format!(
+                "the \"tool_use\" entry of \"chat_template\" in {}",
+                config_path.display()
+            );
+            (template.to_string(), origin)
+        })
+    })
 }
 
 fn read_text(path: &Path, what: &'static str) -> Result<String> {

@@ -24,5 +24,6 @@ mod recipes;
 mod run_identity;
 mod stuck_rank;
 mod template_worker;
+mod tool_calls;
 mod trackers;
 mod upload;

@@ -25,17 +25,25 @@ use crate::error::{DataError, Result};
 
 pub mod isolate;
 mod tojson;
+mod tools;
 
 pub use tojson::shared_escape;
 use tojson::tojson_filter;
 
-/// One message of a chat: who speaks (`"system"`, `"user"`, `"assistant"`, ...) and what they say.
+/// One message of a chat: who speaks (`"system"`, `"user"`, `"assistant"`, `"tool"`, ...), what
+/// they say, and the message's other keys as its row holds them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// The speaker's role, e.g. `"user"`.
     pub role: String,
     /// The message text.
     pub content: String,
+    /// The message's other keys, in order, as the template sees them: an assistant turn's
+    /// `tool_calls` (`[{"type": "function", "function": {"name", "arguments"}}]`), a tool
+    /// result's `name` / `tool_call_id`, `reasoning_content`, ... Keys whose value is `None` are
+    /// dropped before rendering, as transformers drops them.
+    #[serde(flatten, default)]
+    pub extra: indexmap::IndexMap<String, Value>,
 }
 
 impl ChatMessage {
@@ -44,6 +52,7 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            extra: indexmap::IndexMap::new(),
         }
     }
 
@@ -60,6 +69,20 @@ impl ChatMessage {
     /// An `"assistant"` message.
     pub fn assistant(content: impl Into<String>) -> Self {
         Self::new("assistant", content)
+    }
+
+    /// A message without content (an assistant turn that only calls tools, its `content` null):
+    /// the template sees no `content` key, as transformers drops a `None` one. `content` is
+    /// empty and [`ChatMessage::extra`] holds `content: None`, which says so.
+    pub fn without_content(role: impl Into<String>) -> Self {
+        let mut message = Self::new(role, "");
+        message.extra.insert("content".into(), Value::from(()));
+        message
+    }
+
+    /// Whether the message has content for the template (see [`ChatMessage::without_content`]).
+    pub fn has_content(&self) -> bool {
+        !(self.content.is_empty() && self.extra.get("content").is_some_and(Value::is_none))
     }
 }
 
@@ -134,12 +157,28 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         special_tokens: &BTreeMap<String, String>,
     ) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt, special_tokens)
+    }
+
+    /// [`ChatTemplate::render`] with `tools`, as `apply_chat_template(messages, tools=tools, ...)`:
+    /// the template sees the tools' JSON schemas as given (`None` when there are none; an empty
+    /// list stays an empty list). A template that does not read `tools` ignores them, as in
+    /// transformers. The messages reach the template as transformers hands them over: their
+    /// `None`-valued keys dropped, `reasoning_content` / `thinking` / `reasoning` copied to
+    /// `thinking` and `reasoning_content` ([`ChatMessage::extra`]).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        special_tokens: &BTreeMap<String, String>,
+    ) -> Result<String> {
         let mut context: Vec<(String, Value)> = special_tokens
             .iter()
             .map(|(name, token)| (name.clone(), Value::from(token.as_str())))
             .collect();
-        context.push(("messages".into(), Value::from_serialize(messages)));
-        context.push(("tools".into(), Value::from(())));
+        context.push(("messages".into(), tools::template_messages(messages)));
+        context.push(("tools".into(), tools.cloned().unwrap_or(Value::from(()))));
         context.push(("documents".into(), Value::from(())));
         context.push((
             "add_generation_prompt".into(),

@@ -124,3 +124,67 @@ fn output_past_the_cap_is_an_error() {
     assert!(err.contains("tokenizer_config.json"), "{err}");
     assert!(err.contains("more than 256 MiB"), "{err}");
 }
+
+/// Messages reach the template as transformers 5.24 hands them over: `None`-valued keys dropped
+/// (nested ones kept), the reasoning copied to `thinking` (first) and `reasoning_content`, the
+/// other keys in order; `tools` as given. Expected text: transformers' `render_jinja_template`
+/// over `_normalize_chat_messages` of the same messages.
+#[test]
+fn messages_and_tools_as_transformers_hands_them_over() {
+    let with = |role: &str, content: &str, extra: &[(&str, Value)]| {
+        let mut m = ChatMessage::new(role, content);
+        for (k, v) in extra {
+            m.extra.insert(k.to_string(), v.clone());
+        }
+        m
+    };
+    let call: Value = serde_json::from_str(
+        r#"[{"type": "function", "function": {"name": "f", "arguments": {"b": 1, "a": null}}}]"#,
+    )
+    .unwrap();
+    let messages = [
+        with(
+            "assistant",
+            "x",
+            &[
+                ("reasoning_content", Value::from("r")),
+                ("name", Value::from(())),
+            ],
+        ),
+        with(
+            "assistant",
+            "y",
+            &[
+                ("thinking", Value::from("t")),
+                ("reasoning_content", Value::from("r2")),
+            ],
+        ),
+        with(
+            "assistant",
+            "z",
+            &[("reasoning", Value::from("q")), ("tool_calls", call)],
+        ),
+    ];
+    let source = "{% for m in messages %}{{ m | tojson }}\n{% endfor %}";
+    let out = render(source, &messages).unwrap();
+    assert_eq!(
+        out,
+        "{\"thinking\": \"r\", \"role\": \"assistant\", \"content\": \"x\", \"reasoning_content\": \"r\"}\n\
+         {\"thinking\": \"t\", \"role\": \"assistant\", \"content\": \"y\", \"reasoning_content\": \"r2\"}\n\
+         {\"thinking\": \"q\", \"role\": \"assistant\", \"content\": \"z\", \"reasoning\": \"q\", \
+         \"tool_calls\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", \"arguments\": \
+         {\"b\": 1, \"a\": null}}}], \"reasoning_content\": \"q\"}\n"
+    );
+    // No content: no `content` key. Tools: as given, `None` without.
+    let bare = [ChatMessage::without_content("assistant")];
+    let template = ChatTemplate::new("{{ messages[0] | tojson }}|{{ tools | tojson }}").unwrap();
+    let tools: Value = serde_json::from_str(r#"[{"type": "function"}]"#).unwrap();
+    let out = template
+        .render_with_tools(&bare, Some(&tools), false, &BTreeMap::new())
+        .unwrap();
+    assert_eq!(out, "{\"role\": \"assistant\"}|[{\"type\": \"function\"}]");
+    let out = template
+        .render_with_tools(&bare, None, false, &BTreeMap::new())
+        .unwrap();
+    assert_eq!(out, "{\"role\": \"assistant\"}|null");
+}

@@ -4,6 +4,7 @@ use serde_json::{Map, Value};
 
 use super::encode::Conversation;
 use super::source::{Record, Table};
+use super::tools::{self, OrderedCells};
 use crate::chat_template::ChatMessage;
 use crate::error::{DataError, Result};
 
@@ -222,6 +223,7 @@ impl InstructSpec {
         Ok(Conversation {
             messages,
             train_on_input: self.train_on_input,
+            tools: None,
         })
     }
 }
@@ -239,6 +241,9 @@ pub(crate) struct ChatSpec {
     pub column: String,
     pub train_on_input: bool,
     pub system: Option<String>,
+    /// `tools_column`: the column of the row's tools, given (then required) or not (then `tools`
+    /// when the rows have it).
+    pub tools_column: Option<String>,
 }
 
 impl ChatSpec {
@@ -268,7 +273,61 @@ impl ChatSpec {
                 .to_string(),
             train_on_input: get_bool(section, "train_on_input", false)?,
             system: get_str(section, "new_system_prompt")?.map(str::to_string),
+            tools_column: get_str(section, "tools_column")?.map(str::to_string),
         })
+    }
+
+    /// The column of the rows' tools: `tools_column` (which must exist), else `tools` if the
+    /// rows have it.
+    pub fn tools_column<'s>(&'s self, table: &Table) -> Result<Option<&'s str>> {
+        match &self.tools_column {
+            Some(column) => {
+                table.require(column)?;
+                Ok(Some(column))
+            }
+            None => Ok(table
+                .columns
+                .iter()
+                .any(|c| c == "tools")
+                .then_some("tools")),
+        }
+    }
+
+    /// [`ChatSpec::conversation`] with the row's tools ([`ChatSpec::tools_column`]) and, for
+    /// openai-style messages, each message's keys beyond `role` and `content` (`tool_calls`,
+    /// `name`, `tool_call_id`, ...), read in order from `cells`.
+    pub fn conversation_with_tools(
+        &self,
+        table: &Table,
+        record: &Record,
+        cells: &mut OrderedCells,
+    ) -> Result<Conversation> {
+        let mut conv = self.conversation(table, record)?;
+        if let Some(column) = self.tools_column(table)? {
+            conv.tools = tools::row_tools(cells, table, record, column)?;
+        }
+        let Some(Value::Array(turns)) = record.values.get(&self.column) else {
+            return Ok(conv);
+        };
+        let has_extra = |turn: &Value| {
+            turn.as_object()
+                .is_some_and(|m| m.keys().any(|k| k != "role" && k != "content"))
+        };
+        if self.style != ChatStyle::OpenAi || !turns.iter().any(has_extra) {
+            return Ok(conv);
+        }
+        let kept: Vec<usize> = (0..turns.len())
+            .filter(|&i| {
+                !(self.system.is_some()
+                    && turns[i].get("role").and_then(Value::as_str) == Some("system"))
+            })
+            .collect();
+        let ordered = cells
+            .cell(table, record, &self.column)?
+            .expect("the conversation column exists");
+        let first = usize::from(self.system.is_some());
+        tools::fill_extra_keys(&mut conv.messages[first..], &ordered, &kept)?;
+        Ok(conv)
     }
 
     /// `slimorca_dataset`: ShareGPT conversations in the column `column_map` names for
@@ -289,6 +348,7 @@ impl ChatSpec {
                 .to_string(),
             train_on_input: get_bool(section, "train_on_input", false)?,
             system: get_str(section, "new_system_prompt")?.map(str::to_string),
+            tools_column: None,
         })
     }
 
@@ -360,6 +420,14 @@ impl ChatSpec {
                     }
                     text
                 }
+                // An assistant turn that only calls tools: no content for the template.
+                None | Some(Value::Null)
+                    if self.style == ChatStyle::OpenAi
+                        && field("tool_calls").is_some_and(|v| !v.is_null()) =>
+                {
+                    messages.push(ChatMessage::without_content(role));
+                    continue;
+                }
                 _ => {
                     return Err(bad(format!(
                         "message {} has no text '{content_key}'",
@@ -375,6 +443,7 @@ impl ChatSpec {
         Ok(Conversation {
             messages,
             train_on_input: self.train_on_input,
+            tools: None,
         })
     }
 }
@@ -422,6 +491,7 @@ impl PairSpec {
             column: column(key, key),
             train_on_input,
             system: system.clone(),
+            tools_column: None,
         };
         Ok(PairSpec::Messages {
             chosen: side("chosen"),
@@ -475,6 +545,7 @@ impl PairSpec {
                             ChatMessage::new("assistant", response),
                         ],
                         train_on_input: *train_on_input,
+                        tools: None,
                     })
                 };
                 Ok((side(chosen)?, side(rejected)?))

@@ -11,6 +11,8 @@ pub(crate) struct Conversation {
     pub messages: Vec<ChatMessage>,
     /// Label the non-assistant tokens too (system messages stay unlabelled).
     pub train_on_input: bool,
+    /// The tools (JSON schemas) the template renders the conversation with, if the row has any.
+    pub tools: Option<minijinja::Value>,
 }
 
 /// What every sample of a dataset needs from the tokenizer, computed once.
@@ -22,6 +24,9 @@ pub(crate) struct Encoder<'a> {
     pub eos: Option<u32>,
     /// The chat template, compiled once (each sample renders it several times).
     template: Option<ChatTemplate>,
+    /// The template conversations with tools render with (the tokenizer's `tool_use` template,
+    /// else its chat template).
+    tool_template: Option<ChatTemplate>,
     /// The dataset's `max_seq_len`: texts are cut before tokenizing to what keeps its tokens.
     limit: Option<usize>,
     /// The model's position limit, which a row must not pass when no `max_seq_len` cuts it.
@@ -43,11 +48,13 @@ impl<'a> Encoder<'a> {
                 .unwrap_or_default()
         };
         let template = tok.compiled_chat_template()?;
+        let tool_template = tok.compiled_chat_template_for(true)?;
         Ok(Self {
             tok,
             prefix,
             eos: tok.eos_ids().first().copied(),
             template,
+            tool_template,
             limit: None,
             positions: None,
         })
@@ -90,13 +97,24 @@ impl<'a> Encoder<'a> {
         }
     }
 
-    /// The chat rendered as `Tokenizer::apply_chat_template` renders it.
-    fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let template = self
-            .template
-            .as_ref()
-            .expect("only called with a chat template");
-        template.render(messages, add_generation_prompt, self.tok.special_tokens())
+    /// The chat rendered as `Tokenizer::apply_chat_template_with_tools` renders it.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&minijinja::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = match tools {
+            Some(_) => self.tool_template.as_ref(),
+            None => self.template.as_ref(),
+        };
+        let template = template.expect("only called with a chat template");
+        template.render_with_tools(
+            messages,
+            tools,
+            add_generation_prompt,
+            self.tok.special_tokens(),
+        )
     }
 
     /// `prefix + tokens(text) + [eos if add_eos]`, every token labelled (text completion).
@@ -154,7 +172,8 @@ impl<'a> Encoder<'a> {
 
     fn with_template(&self, conv: &Conversation) -> Result<(Vec<u32>, Vec<i64>)> {
         let msgs = &conv.messages;
-        let full = self.render(msgs, false)?;
+        let tools = conv.tools.as_ref();
+        let full = self.render(msgs, tools, false)?;
         // Spans are found in the whole text; tokens only in the part the limit keeps (a span
         // reaching past it ends with the tokens).
         let kept = self.cut(&full)?;
@@ -162,10 +181,10 @@ impl<'a> Encoder<'a> {
         // Character spans of the text the labels cover.
         let mut spans: Vec<(usize, usize)> = Vec::new();
         if conv.train_on_input {
-            spans.push((self.system_end(msgs, &full)?, full.len()));
+            spans.push((self.system_end(msgs, tools, &full)?, full.len()));
         } else {
             for k in (0..msgs.len()).filter(|&k| msgs[k].role == "assistant") {
-                spans.push(self.assistant_span(msgs, k, &full)?);
+                spans.push(self.assistant_span(msgs, tools, k, &full)?);
             }
         }
         let mut labels = vec![IGNORE_INDEX; ids.len()];
@@ -181,12 +200,17 @@ impl<'a> Encoder<'a> {
 
     /// Where the leading system message ends in the rendered text (0 without one, or when the
     /// template folds it into the first user turn).
-    fn system_end(&self, msgs: &[ChatMessage], full: &str) -> Result<usize> {
+    fn system_end(
+        &self,
+        msgs: &[ChatMessage],
+        tools: Option<&minijinja::Value>,
+        full: &str,
+    ) -> Result<usize> {
         let n = msgs.iter().take_while(|m| m.role == "system").count();
         if n == 0 {
             return Ok(0);
         }
-        match self.render(&msgs[..n], false) {
+        match self.render(&msgs[..n], tools, false) {
             Ok(text) if full.starts_with(&text) => Ok(text.len()),
             _ => Ok(0),
         }
@@ -194,7 +218,13 @@ impl<'a> Encoder<'a> {
 
     /// The text span of assistant message `k` in `full`: from the end of the conversation before
     /// it rendered with the generation prompt, to the end of the conversation through it.
-    fn assistant_span(&self, msgs: &[ChatMessage], k: usize, full: &str) -> Result<(usize, usize)> {
+    fn assistant_span(
+        &self,
+        msgs: &[ChatMessage],
+        tools: Option<&minijinja::Value>,
+        k: usize,
+        full: &str,
+    ) -> Result<(usize, usize)> {
         let unlocatable = || {
             DataError::Dataset(format!(
                 "the chat template of {} renders assistant message {} differently when the \
@@ -206,13 +236,13 @@ impl<'a> Encoder<'a> {
         let start = if k == 0 {
             0
         } else {
-            let prompt = self.render(&msgs[..k], true)?;
+            let prompt = self.render(&msgs[..k], tools, true)?;
             if !full.starts_with(&prompt) {
                 return Err(unlocatable());
             }
             prompt.len()
         };
-        let through = self.render(&msgs[..=k], false)?;
+        let through = self.render(&msgs[..=k], tools, false)?;
         if full.starts_with(&through) {
             return Ok((start, through.len()));
         }
@@ -223,7 +253,7 @@ impl<'a> Encoder<'a> {
         let marked = |upto: usize| -> Result<String> {
             let mut m = msgs[..upto].to_vec();
             m[k].content.push_str(MARK);
-            self.render(&m, false)
+            self.render(&m, tools, false)
         };
         let content_end_full = common_prefix(full, &marked(msgs.len())?);
         let content_end_through = common_prefix(&through, &marked(k + 1)?);

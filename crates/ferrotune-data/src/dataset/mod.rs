@@ -12,7 +12,7 @@
 //! | `alpaca_dataset`, `alpaca_cleaned_dataset` | `instruction`, `input` (optional), `output` | Alpaca | true |
 //! | `samsum_dataset` | `dialogue`, `summary` | Summarize | false |
 //! | `grammar_dataset` | `input`, `output` | Grammar | false |
-//! | `chat_dataset` | `conversation_column` (`messages` / `conversations`) | the conversation | false |
+//! | `chat_dataset` | `conversation_column` (`messages` / `conversations`), `tools_column` (`tools`) | the conversation | false |
 //! | `slimorca_dataset` | `column_map` key `conversations` (ShareGPT style) | the conversation | false |
 //! | `text_completion_dataset` | `column` (`text`) | none: loss on every token | — |
 //! | `wikitext_dataset`, `cnn_dailymail_articles_dataset` | `page`, `article` | as text completion | — |
@@ -102,6 +102,7 @@ mod prompts;
 mod source;
 #[cfg(test)]
 mod tests;
+mod tools;
 
 use std::path::Path;
 
@@ -520,8 +521,9 @@ fn build_one(
             Builder::Chat | Builder::SlimOrca => {
                 let spec = builder.chat_spec(&map)?.expect("a conversation builder");
                 table.require(&spec.column)?;
+                let mut cells = tools::OrderedCells::new(source_field(&map)?);
                 for record in &table.rows {
-                    let conv = spec.conversation(&table, record)?;
+                    let conv = spec.conversation_with_tools(&table, record, &mut cells)?;
                     samples.push(encode_sft(&encoder, &conv, max_seq_len, &table, record)?);
                 }
             }

@@ -2,7 +2,10 @@
 //! TRL's prompt-only rows (`prompt_dataset`): a `prompt` column holding the prompt's text (encoded
 //! with the tokenizer's prefix, no EOS) or its messages (`[{role, content}, ...]`, rendered with the
 //! chat template and its generation prompt, as transformers' `apply_chat_template(prompt,
-//! add_generation_prompt=True)`), and any other columns, which reward functions get.
+//! add_generation_prompt=True)`), and any other columns, which reward functions get. A `tools`
+//! column (`tools_column`) renders the messages with those tools, as `apply_chat_template(prompt,
+//! tools=tools, add_generation_prompt=True)`; the messages' keys beyond `role` and `content`
+//! (`tool_calls`, `name`, ...) reach the template too.
 
 use std::path::Path;
 
@@ -11,6 +14,7 @@ use serde_json::{Map, Value};
 use super::encode::Encoder;
 use super::gsm8k::{self, ReasoningProblem};
 use super::source::{self, Table};
+use super::tools::{self, OrderedCells};
 use super::Builder;
 use super::{builders, concatenated, section_map, source_field, source_of, with_hub_configuration};
 use crate::chat_template::ChatMessage;
@@ -53,7 +57,10 @@ pub fn build_reasoning_dataset(
         let table = source::load_split(&source, &split, source_field(&map)?)?;
         match builder {
             Builder::Gsm8k => gsm8k::problems(&table, partition, &Encoder::new(tokenizer)?),
-            _ => prompt_rows(&table, partition, &map, tokenizer),
+            _ => {
+                let mut cells = OrderedCells::new(source_field(&map)?);
+                prompt_rows(&table, partition, &map, tokenizer, &mut cells)
+            }
         }
     })
 }
@@ -64,9 +71,21 @@ fn prompt_rows(
     partition: Option<gsm8k::Partition>,
     map: &Map<String, Value>,
     tokenizer: &Tokenizer,
+    cells: &mut OrderedCells,
 ) -> Result<Vec<ReasoningProblem>> {
     let column = builders::get_str(map, "column")?.unwrap_or("prompt");
     table.require(column)?;
+    let tools_column = match builders::get_str(map, "tools_column")? {
+        Some(c) => {
+            table.require(c)?;
+            Some(c)
+        }
+        None => table
+            .columns
+            .iter()
+            .any(|c| c == "tools")
+            .then_some("tools"),
+    };
     let answer_column = match builders::get_str(map, "answer_column")? {
         Some(c) => {
             table.require(c)?;
@@ -91,17 +110,34 @@ fn prompt_rows(
             let (prompt_ids, prompt, messages) = match &value {
                 Value::String(text) => (encoder.text(text, false)?.0, text.clone(), None),
                 Value::Array(list) => {
-                    let msgs = list
+                    let mut msgs = list
                         .iter()
                         .map(|m| {
                             let field = |k: &str| m.get(k).and_then(Value::as_str);
+                            let calls = m.get("tool_calls").is_some_and(|v| !v.is_null());
                             match (field("role"), field("content")) {
                                 (Some(r), Some(c)) => Ok(ChatMessage::new(r, c)),
+                                // Only calling tools: no content for the template.
+                                (Some(r), None) if calls => Ok(ChatMessage::without_content(r)),
                                 _ => Err(bad("must hold messages with string role and content")),
                             }
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    let text = tokenizer.apply_chat_template(&msgs, true)?;
+                    let extra = |m: &Value| {
+                        m.as_object()
+                            .is_some_and(|o| o.keys().any(|k| k != "role" && k != "content"))
+                    };
+                    if list.iter().any(extra) {
+                        let ordered = cells.cell(table, record, column)?.unwrap_or_default();
+                        let all: Vec<usize> = (0..msgs.len()).collect();
+                        tools::fill_extra_keys(&mut msgs, &ordered, &all)?;
+                    }
+                    let tools = match tools_column {
+                        Some(c) => tools::row_tools(cells, table, record, c)?,
+                        None => None,
+                    };
+                    let text =
+                        tokenizer.apply_chat_template_with_tools(&msgs, tools.as_ref(), true)?;
                     let ids = tokenizer.encode(&text, false)?;
                     (ids, text, Some(value.clone()))
                 }

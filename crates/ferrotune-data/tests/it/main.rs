@@ -10,3 +10,4 @@ mod gguf_tokenizers;
 mod long_rows;
 mod real_tokenizers;
 mod tiny_tokenizer;
+mod tool_calls;

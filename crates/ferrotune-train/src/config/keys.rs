@@ -118,6 +118,8 @@ pub const DATASET_KEYS: &[(&str, Ty)] = &[
     ("partition", Ty::Str),
     // prompt_dataset (GRPO): the column of the built-in rewards' reference.
     ("answer_column", Ty::Str),
+    // chat_dataset, prompt_dataset: the column of the rows' tools (JSON schemas).
+    ("tools_column", Ty::Str),
 ];
 const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
