@@ -194,3 +194,47 @@ fn tool_columns_are_checked() {
         "{err}"
     );
 }
+
+/// A config's list of named templates: with tools, the one named `tool_use` renders (as
+/// transformers' `get_chat_template(tools=...)` picks it), in `apply_chat_template_with_tools` and
+/// in a dataset's rows with tools; without tools, `default`.
+#[test]
+fn named_tool_use_template_renders_rows_with_tools() {
+    let dir = ferrotune_testing::fresh_dir(&format!(
+        "ferrotune-data-tool-use-template-{}",
+        std::process::id()
+    ));
+    std::fs::copy(
+        fixtures_dir().join("tiny_tokenizer/tokenizer.json"),
+        dir.join("tokenizer.json"),
+    )
+    .unwrap();
+    let config = json!({
+        "eos_token": "<|im_end|>",
+        "chat_template": [
+            {"name": "tool_use", "template": "T{{ tools | length }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"},
+            {"name": "default", "template": "D{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"}
+        ]
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let msgs = [ChatMessage::user("hi")];
+    let tools: minijinja::Value = serde_json::from_str(r#"[{"type": "function"}]"#).unwrap();
+    let with = tok.apply_chat_template_with_tools(&msgs, Some(&tools), false);
+    assert_eq!(with.unwrap(), "T1[user]hi");
+    let without = tok.apply_chat_template_with_tools(&msgs, None, false);
+    assert_eq!(without.unwrap(), "D[user]hi");
+    std::fs::write(
+        dir.join("rows.jsonl"),
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", \"content\": \"b\"}], \"tools\": [{\"type\": \"function\"}, {\"type\": \"function\"}]}\n\
+         {\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", \"content\": \"b\"}], \"tools\": null}\n",
+    )
+    .unwrap();
+    let section = json!({"_component_": "chat_dataset", "source": "rows.jsonl",
+                         "conversation_style": "openai", "train_on_input": true});
+    let built = build_dataset(&section, &tok, &dir).unwrap();
+    let first = tok.encode("T2[user]a[assistant]b", false).unwrap();
+    let second = tok.encode("D[user]a[assistant]b", false).unwrap();
+    assert_eq!(built.rows[0].input_ids, first);
+    assert_eq!(built.rows[1].input_ids, second);
+}
