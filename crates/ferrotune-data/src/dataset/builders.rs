@@ -277,23 +277,7 @@ impl ChatSpec {
         })
     }
 
-    /// The column of the rows' tools: `tools_column` (which must exist), else `tools` if the
-    /// rows have it.
-    pub fn tools_column<'s>(&'s self, table: &Table) -> Result<Option<&'s str>> {
-        match &self.tools_column {
-            Some(column) => {
-                table.require(column)?;
-                Ok(Some(column))
-            }
-            None => Ok(table
-                .columns
-                .iter()
-                .any(|c| c == "tools")
-                .then_some("tools")),
-        }
-    }
-
-    /// [`ChatSpec::conversation`] with the row's tools ([`ChatSpec::tools_column`]) and, for
+    /// [`ChatSpec::conversation`] with the row's tools ([`tools::tools_column`]) and, for
     /// openai-style messages, each message's keys beyond `role` and `content` (`tool_calls`,
     /// `name`, `tool_call_id`, ...), read in order from `cells`.
     pub fn conversation_with_tools(
@@ -303,17 +287,13 @@ impl ChatSpec {
         cells: &mut OrderedCells,
     ) -> Result<Conversation> {
         let mut conv = self.conversation(table, record)?;
-        if let Some(column) = self.tools_column(table)? {
+        if let Some(column) = tools::tools_column(self.tools_column.as_deref(), table)? {
             conv.tools = tools::row_tools(cells, table, record, column)?;
         }
         let Some(Value::Array(turns)) = record.values.get(&self.column) else {
             return Ok(conv);
         };
-        let has_extra = |turn: &Value| {
-            turn.as_object()
-                .is_some_and(|m| m.keys().any(|k| k != "role" && k != "content"))
-        };
-        if self.style != ChatStyle::OpenAi || !turns.iter().any(has_extra) {
+        if self.style != ChatStyle::OpenAi || !tools::any_extra_keys(turns) {
             return Ok(conv);
         }
         let kept: Vec<usize> = (0..turns.len())

@@ -75,17 +75,7 @@ fn prompt_rows(
 ) -> Result<Vec<ReasoningProblem>> {
     let column = builders::get_str(map, "column")?.unwrap_or("prompt");
     table.require(column)?;
-    let tools_column = match builders::get_str(map, "tools_column")? {
-        Some(c) => {
-            table.require(c)?;
-            Some(c)
-        }
-        None => table
-            .columns
-            .iter()
-            .any(|c| c == "tools")
-            .then_some("tools"),
-    };
+    let tools_column = tools::tools_column(builders::get_str(map, "tools_column")?, table)?;
     let answer_column = match builders::get_str(map, "answer_column")? {
         Some(c) => {
             table.require(c)?;
@@ -123,11 +113,7 @@ fn prompt_rows(
                             }
                         })
                         .collect::<Result<Vec<_>>>()?;
-                    let extra = |m: &Value| {
-                        m.as_object()
-                            .is_some_and(|o| o.keys().any(|k| k != "role" && k != "content"))
-                    };
-                    if list.iter().any(extra) {
+                    if tools::any_extra_keys(list) {
                         let ordered = cells.cell(table, record, column)?.unwrap_or_default();
                         let all: Vec<usize> = (0..msgs.len()).collect();
                         tools::fill_extra_keys(&mut msgs, &ordered, &all)?;

@@ -115,6 +115,22 @@ fn read_ordered(
     Ok(Some(rows))
 }
 
+/// The column of a table's tools: `given` (`tools_column`; it must exist), else `tools` when the
+/// rows have it.
+pub(crate) fn tools_column<'a>(given: Option<&'a str>, table: &Table) -> Result<Option<&'a str>> {
+    match given {
+        Some(column) => {
+            table.require(column)?;
+            Ok(Some(column))
+        }
+        None => Ok(table
+            .columns
+            .iter()
+            .any(|c| c == "tools")
+            .then_some("tools")),
+    }
+}
+
 /// The tools of a row: its `column` cell as TRL's `SFTTrainer` passes it to the template (JSON
 /// text parsed, a list as it is, null: none); each tool must be an object, as transformers
 /// requires of a JSON schema.
@@ -158,6 +174,15 @@ pub(crate) fn row_tools(
         }
     }
     Ok(Some(tools))
+}
+
+/// Whether any of a row's messages has a key beyond `role` and `content` (then the messages are
+/// read in order and those keys filled in: [`fill_extra_keys`]).
+pub(crate) fn any_extra_keys(turns: &[Value]) -> bool {
+    turns.iter().any(|turn| {
+        turn.as_object()
+            .is_some_and(|m| m.keys().any(|k| k != "role" && k != "content"))
+    })
 }
 
 /// Fills each message's keys beyond `role` and `content` (`tool_calls`, `name`,
