@@ -101,13 +101,14 @@ fn report(args: &EnvArgs) -> String {
         Err(why) => line(format!("  NVIDIA driver: none found ({why})")),
         Ok(d) => {
             line(format!(
-                "  NVIDIA driver: {} supporting CUDA {}.{}{}",
+                "  NVIDIA driver: {} supporting CUDA {}.{}{}{}",
                 d.library,
                 d.cuda_version.0,
                 d.cuda_version.1,
                 d.kernel_module
                     .as_deref()
-                    .map_or(String::new(), |k| format!(" ({k})"))
+                    .map_or(String::new(), |k| format!(" ({k})")),
+                at(&d.path)
             ));
             if let Some(e) = &d.error {
                 line(format!("  GPUs: none usable ({e})"));
@@ -128,8 +129,8 @@ fn report(args: &EnvArgs) -> String {
     }
     for lib in probe::cuda_libraries() {
         let found = match (lib.found, &lib.version) {
-            (Some(file), Some(v)) => format!("{file} (version {v})"),
-            (Some(file), None) => file.to_string(),
+            (Some(file), Some(v)) => format!("{file} (version {v}){}", at(&lib.path)),
+            (Some(file), None) => format!("{file}{}", at(&lib.path)),
             (None, _) => "not found".into(),
         };
         let note = match lib.what {
@@ -139,6 +140,11 @@ fn report(args: &EnvArgs) -> String {
             _ => "",
         };
         line(format!("  {}: {found}{note}", lib.what));
+    }
+    if CUDA_BUILD {
+        for l in cuda_readiness() {
+            line(l);
+        }
     }
 
     line("Folders".into());
@@ -170,6 +176,38 @@ fn report(args: &EnvArgs) -> String {
         tracker_clients(&python)
     ));
     out
+}
+
+/// ` at PATH`, or nothing when the path is unknown.
+fn at(path: &Option<String>) -> String {
+    path.as_deref()
+        .map_or(String::new(), |p| format!(" at {p}"))
+}
+
+/// Whether `device: cuda` (and, with `nccl`, the NCCL backend) can load what it needs, as the
+/// build's cudarc looks the libraries up (it loads them at run time, under its own file names).
+#[cfg(feature = "cuda")]
+fn cuda_readiness() -> Vec<String> {
+    use ferrotune_core::cuda_load;
+    let mut out = vec![match cuda_load::require_gpu_libraries() {
+        Ok(()) => {
+            "  device cuda: the driver and CUDA libraries load (this build loads them at run time)"
+                .into()
+        }
+        Err(why) => format!("  device cuda: not available: {why}"),
+    }];
+    if NCCL_BUILD {
+        out.push(match cuda_load::require(&[cuda_load::NCCL]) {
+            Ok(()) => "  NCCL backend: loads".into(),
+            Err(why) => format!("  NCCL backend: not available: {why}"),
+        });
+    }
+    out
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_readiness() -> Vec<String> {
+    Vec::new()
 }
 
 /// The versions of `wandb` and `comet_ml` that `python` has (`wandb 0.31.0, comet_ml not

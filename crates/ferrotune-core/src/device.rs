@@ -21,7 +21,11 @@ pub fn parse_device(name: &str) -> Result<Device, String> {
         return Ok(Device::Cpu);
     };
     let name = name.trim().to_ascii_lowercase();
-    let device = Device::new_cuda(ordinal).map_err(|e| {
+    // A CUDA build loads the CUDA libraries now: a missing one is named, with what to install.
+    #[cfg(feature = "cuda")]
+    crate::cuda_load::require_gpu_libraries()
+        .map_err(|e| format!("device '{name}' is not available: {e} (or use device: cpu)"))?;
+    let device = crate::cuda_load::new_cuda(ordinal).map_err(|e| {
         format!("device '{name}' is not available: {e} (this binary needs the `cuda` feature and a GPU)")
     })?;
     #[cfg(feature = "cuda")]

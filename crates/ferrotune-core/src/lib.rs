@@ -7,6 +7,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod cuda_load;
 mod custom_op;
 #[cfg(feature = "cuda")]
 pub use cuda::{adamw_step, AdamWStep};

@@ -70,7 +70,7 @@ pub fn cpu_model() -> Option<String> {
 }
 
 /// A shared library opened with `dlopen`, never closed (its symbols stay valid).
-struct Library {
+pub(crate) struct Library {
     handle: *mut c_void,
     /// The name it was found under.
     name: &'static str,
@@ -85,6 +85,31 @@ impl Library {
             let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
             (!handle.is_null()).then_some(Library { handle, name })
         })
+    }
+
+    /// Whether the dynamic loader opens `name` (a file name it searches for, or a path).
+    pub(crate) fn loadable(name: &str) -> bool {
+        let Ok(c) = CString::new(name) else {
+            return false;
+        };
+        // SAFETY: dlopen with a NUL-terminated name; a null return means not found. The handle
+        // is kept (the library stays loaded), as cudarc's own load would keep it.
+        !unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) }.is_null()
+    }
+
+    /// The path of the file the loader opened, found through one of its symbols.
+    fn path(&self, symbol: &str) -> Option<String> {
+        let address = self.symbol(symbol)?;
+        // SAFETY: dladdr fills `info` for an address inside a loaded object.
+        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        if unsafe { libc::dladdr(address, &mut info) } == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        // SAFETY: dli_fname is a NUL-terminated string the loader owns.
+        let path = unsafe { CStr::from_ptr(info.dli_fname) };
+        std::fs::canonicalize(&*path.to_string_lossy())
+            .ok()
+            .map(|p| p.display().to_string())
     }
 
     /// The address of `symbol`, if the library has it.
@@ -114,6 +139,8 @@ pub struct Gpu {
 pub struct CudaDriver {
     /// The library found (`libcuda.so.1`).
     pub library: &'static str,
+    /// The file the loader opened for it, links resolved (`/usr/lib/.../libcuda.so.580.95.05`).
+    pub path: Option<String>,
     /// The CUDA version the driver supports, `(major, minor)`.
     pub cuda_version: (i32, i32),
     /// The kernel module's version line (`/proc/driver/nvidia/version`), where there is one.
@@ -149,6 +176,7 @@ pub fn cuda_driver() -> Result<CudaDriver, String> {
         .and_then(|t| t.lines().next().map(|l| l.trim().to_string()));
     let mut driver = CudaDriver {
         library: lib.name,
+        path: lib.path("cuInit"),
         cuda_version,
         kernel_module,
         gpus: Vec::new(),
@@ -213,6 +241,8 @@ pub struct CudaLibrary {
     pub what: &'static str,
     /// The file found, or `None`.
     pub found: Option<&'static str>,
+    /// The file the loader opened for it, links resolved.
+    pub path: Option<String>,
     /// Its version, where the library says (`13.0.2`).
     pub version: Option<String>,
 }
@@ -221,30 +251,39 @@ pub struct CudaLibrary {
 /// looked up by the names CUDA 13 and 12 install them under.
 pub fn cuda_libraries() -> Vec<CudaLibrary> {
     let mut out = Vec::new();
-    let mut add = |what, names: &[&'static str], version: fn(&Library) -> Option<String>| {
-        let lib = Library::open(names);
-        out.push(CudaLibrary {
-            what,
-            found: lib.as_ref().map(|l| l.name),
-            version: lib.as_ref().and_then(version),
-        });
-    };
+    // `symbol`: one the library exports, which finds its file.
+    let mut add =
+        |what, names: &[&'static str], symbol: &str, version: fn(&Library) -> Option<String>| {
+            let lib = Library::open(names);
+            out.push(CudaLibrary {
+                what,
+                found: lib.as_ref().map(|l| l.name),
+                path: lib.as_ref().and_then(|l| l.path(symbol)),
+                version: lib.as_ref().and_then(version),
+            });
+        };
     add(
         "cuBLAS",
         &["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
+        "cublasGetProperty",
         |l| library_property(l, "cublasGetProperty"),
     );
     add(
         "cuBLASLt",
         &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"],
+        "cublasLtGetProperty",
         |l| library_property(l, "cublasLtGetProperty"),
     );
-    add("cuRAND", &["libcurand.so.10", "libcurand.so"], |l| {
-        library_property(l, "curandGetProperty")
-    });
+    add(
+        "cuRAND",
+        &["libcurand.so.10", "libcurand.so"],
+        "curandGetProperty",
+        |l| library_property(l, "curandGetProperty"),
+    );
     add(
         "NVRTC",
         &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
+        "nvrtcVersion",
         |l| {
             let f: extern "C" fn(*mut c_int, *mut c_int) -> c_int =
                 // SAFETY: `nvrtcResult nvrtcVersion(int *major, int *minor)`.
@@ -253,21 +292,26 @@ pub fn cuda_libraries() -> Vec<CudaLibrary> {
             (f(&mut major, &mut minor) == 0).then(|| format!("{major}.{minor}"))
         },
     );
-    add("NCCL", &["libnccl.so.2", "libnccl.so"], |l| {
-        let f: extern "C" fn(*mut c_int) -> c_int =
+    add(
+        "NCCL",
+        &["libnccl.so.2", "libnccl.so"],
+        "ncclGetVersion",
+        |l| {
+            let f: extern "C" fn(*mut c_int) -> c_int =
             // SAFETY: `ncclResult_t ncclGetVersion(int *version)`.
             unsafe { std::mem::transmute(l.symbol("ncclGetVersion")?) };
-        let mut v = 0;
-        (f(&mut v) == 0).then(|| {
-            // NCCL ≥ 2.9 codes its version as major·10000 + minor·100 + patch.
-            let (major, minor, patch) = if v >= 10000 {
-                (v / 10000, (v % 10000) / 100, v % 100)
-            } else {
-                (v / 1000, (v % 1000) / 100, v % 100)
-            };
-            format!("{major}.{minor}.{patch}")
-        })
-    });
+            let mut v = 0;
+            (f(&mut v) == 0).then(|| {
+                // NCCL ≥ 2.9 codes its version as major·10000 + minor·100 + patch.
+                let (major, minor, patch) = if v >= 10000 {
+                    (v / 10000, (v % 10000) / 100, v % 100)
+                } else {
+                    (v / 1000, (v % 1000) / 100, v % 100)
+                };
+                format!("{major}.{minor}.{patch}")
+            })
+        },
+    );
     out
 }
 

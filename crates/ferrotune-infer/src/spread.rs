@@ -64,8 +64,14 @@ fn visible_targets() -> Result<Vec<Target>> {
         return fake_targets(&spec);
     }
     let mut out = Vec::new();
+    // A CUDA build without the CUDA libraries sees no GPU, and says which library is missing.
+    #[cfg(feature = "cuda")]
+    if let Err(why) = ferrotune_core::cuda_load::require_gpu_libraries() {
+        eprintln!("note: no GPU usable: {why}");
+        return Ok(out);
+    }
     // Without the `cuda` feature the first attempt already fails.
-    while let Ok(device) = Device::new_cuda(out.len()) {
+    while let Ok(device) = ferrotune_core::cuda_load::new_cuda(out.len()) {
         let capacity = free_memory(&device).unwrap_or_else(|| {
             eprintln!(
                 "note: free memory of cuda:{} unknown, assuming {}",

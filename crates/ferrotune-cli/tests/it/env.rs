@@ -143,3 +143,41 @@ fn env_reports_the_driver_gpus_and_libraries_it_finds() {
         assert!(report.contains(want), "{want}:\n{report}");
     }
 }
+
+#[test]
+fn env_gives_the_file_each_library_was_loaded_from() {
+    let dir = tmpdir("env", "paths");
+    if !fake_cuda(&dir) {
+        eprintln!("SKIP env_gives_the_file_each_library_was_loaded_from: no C compiler (cc)");
+        return;
+    }
+    let out = ferrotune(
+        &["env", "--no-measure"],
+        &dir,
+        &[("LD_LIBRARY_PATH", dir.to_str().unwrap())],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let report = String::from_utf8(out.stdout).unwrap();
+    let at = |f: &str| {
+        std::fs::canonicalize(dir.join(f))
+            .unwrap()
+            .display()
+            .to_string()
+    };
+    for want in [
+        format!(
+            "NVIDIA driver: libcuda.so.1 supporting CUDA 13.0 at {}",
+            at("libcuda.so.1")
+        ),
+        format!(
+            "cuBLAS: libcublas.so.13 (version 13.1.0) at {}",
+            at("libcublas.so.13")
+        ),
+        format!(
+            "NCCL: libnccl.so.2 (version 2.27.3) at {}",
+            at("libnccl.so.2")
+        ),
+    ] {
+        assert!(report.contains(&want), "{want}:\n{report}");
+    }
+}

@@ -3,6 +3,7 @@
 
 mod common;
 mod cuda_kernels;
+mod cuda_load;
 mod frozen;
 mod fused;
 mod knobs;

@@ -44,6 +44,13 @@ impl NcclComm {
         let Device::Cuda(dev) = device else {
             bail!("the NCCL backend needs a CUDA device, not {device:?}");
         };
+        // cudarc loads libnccl when first used, and panics if it is missing: check first.
+        ferrotune_core::cuda_load::require(&[ferrotune_core::cuda_load::NCCL]).map_err(|e| {
+            anyhow!(
+                "the NCCL backend is not available: {e} (or set {}=tcp)",
+                ferrotune_core::switch::DIST_BACKEND.name
+            )
+        })?;
         let stream = dev.cuda_stream();
         // NCCL picks its GPU from the thread's current context.
         stream.context().bind_to_thread()?;
