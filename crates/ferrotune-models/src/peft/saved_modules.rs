@@ -371,6 +371,9 @@ pub(super) fn saved_modules(
             embed = true;
         } else if names(m, head) {
             out_head = true;
+        } else if model.config.score_labels.is_some() && names(m, "classifier") {
+            // PEFT's SEQ_CLS adapters list every family's head name (`classifier`, `score`);
+            // the one the model lacks matches nothing, as in PEFT.
         } else {
             return Err(ModelError::Msg(format!(
                 "modules_to_save: '{m}' cannot be trained in full here: only the token \

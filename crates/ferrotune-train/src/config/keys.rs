@@ -118,6 +118,8 @@ pub const DATASET_KEYS: &[(&str, Ty)] = &[
     ("partition", Ty::Str),
     // prompt_dataset (GRPO): the column of the built-in rewards' reference.
     ("answer_column", Ty::Str),
+    // The reward-model recipes: pairs with a longer side are left out (TRL's max_length).
+    ("max_length", Ty::Int),
 ];
 const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
@@ -241,6 +243,8 @@ pub const REWARD_KEYS: &[(&str, Ty)] = &[
     ("builtin", Ty::Str),
     ("python", Ty::Str),
     ("http", Ty::Str),
+    // A reward model's folder (a *ForSequenceClassification checkpoint).
+    ("model", Ty::Str),
     ("function", Ty::Str),
     ("name", Ty::Str),
     ("timeout", Ty::Float),
@@ -260,6 +264,8 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("teacher_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("kd_loss", Ty::Map(KD_LOSS_KEYS)),
     ("kd_ratio", Ty::Float),
+    // The reward-model recipes: TRL's RewardConfig.center_rewards_coefficient.
+    ("center_rewards_coefficient", Ty::Float),
     ("ref_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("tokenizer", Ty::Map(TOKENIZER_KEYS)),
     ("checkpointer", Ty::Map(CHECKPOINTER_KEYS)),

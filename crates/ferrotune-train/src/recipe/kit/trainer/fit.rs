@@ -139,6 +139,10 @@ impl FineTune {
         let positions = model.config.position_limit();
         let examples = if mode.preference() {
             Examples::Pairs(setup::preference_dataset(cfg, tokenizer, positions)?)
+        } else if mode.reward_model() {
+            Examples::Rewards(crate::recipe::kit::reward::pairs(
+                cfg, tokenizer, positions, lead,
+            )?)
         } else {
             Examples::Rows(setup::dataset(cfg, tokenizer, positions)?.rows)
         };
@@ -179,7 +183,7 @@ impl FineTune {
                  (batch_size {batch_size} × {world} ranks × gradient_accumulation_steps {grad_accum})",
                 cfg.origin,
                 examples.len(),
-                if mode.preference() { "pairs" } else { "rows" }
+                if mode.preference() || mode.reward_model() { "pairs" } else { "rows" }
             );
         }
         let total_steps = steps_per_epoch * settings.epochs;
@@ -471,6 +475,10 @@ impl Trainer {
                             |s: f64| if targets > 0 { s / targets as f64 } else { 0.0 };
                         metrics.push(("class_loss", per_target(losses.class)));
                         metrics.push(("kd_loss", per_target(losses.kd)));
+                    }
+                    if mode.reward_model() {
+                        // TRL's RewardTrainer metrics, over the step's pairs (every rank's).
+                        metrics.extend(losses.rewards.metrics(targets));
                     }
                     if mode.preference() {
                         // torchtune's DPO metrics, as means over the step's pairs (every rank's).
