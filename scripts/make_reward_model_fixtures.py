@@ -55,8 +55,8 @@ OUT = os.path.join(ROOT, "reward_model")
 
 TEXT_ROWS = {
     "prompt": ["The sky is", "Two plus two is", "A cat says"],
-    "chosen": [" blue today", " four", " meow, then it sleeps"],
-    "rejected": [" five, surely not four", " a low heat of ten", " woof"],
+    "chosen": [" five, surely not four", " four", " meow, then it sleeps"],
+    "rejected": [" blue today", " a low heat of ten", " woof"],
     "margin": [0.5, 0.0, 1.25],
 }
 CHAT_ROWS = {
@@ -67,12 +67,12 @@ CHAT_ROWS = {
     ],
     "chosen": [
         [{"role": "assistant", "content": "Blue."}],
-        [{"role": "assistant", "content": "Four."}],
+        [{"role": "assistant", "content": "Five."}],
         [{"role": "assistant", "content": "Meow, mostly."}],
     ],
     "rejected": [
         [{"role": "assistant", "content": "Green, with purple dots."}],
-        [{"role": "assistant", "content": "Five."}],
+        [{"role": "assistant", "content": "Four."}],
         [{"role": "assistant", "content": "Woof."}],
     ],
 }
