@@ -44,11 +44,17 @@ impl RewardRows {
 /// the all-reduce over ranks adds up.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct RewardStats {
+    /// The chosen rows' rewards, summed.
     pub chosen: f64,
+    /// The rejected rows' rewards, summed.
     pub rejected: f64,
+    /// How many pairs reward the chosen row more.
     pub correct: f64,
+    /// Each micro-batch's smallest reward, summed.
     pub min: f64,
+    /// Each micro-batch's largest reward, summed.
     pub max: f64,
+    /// How many micro-batches.
     pub batches: f64,
 }
 

@@ -132,7 +132,8 @@ fn assert_close(got: &[f32], want: &Value, what: &str) {
 /// The step's loss and metrics are TRL's, every weight after it is TRL's (1e-5 relative L2; with
 /// activation checkpointing too), the
 /// saved folder is a LlamaForSequenceClassification that scores TRL's rows as transformers does
-/// with TRL's weights, and PPO trains with it as its reward and value model.
+/// with TRL's weights, PPO trains with it as its reward and value model, and GRPO with it as a
+/// reward function.
 #[test]
 fn full_reward_model_steps_as_trl() {
     let dir = tmpdir("reward-model", "full");
@@ -222,6 +223,76 @@ fn full_reward_model_steps_as_trl() {
     assert!(o.status.success(), "{}", text(&o));
     let lines = metrics_lines(&ppo_dir.join("out/logs/metrics.jsonl"));
     assert!(lines[0]["scores"].as_f64().unwrap().is_finite());
+
+    // GRPO takes it as a reward function.
+    let grpo_dir = tmpdir("reward-model", "grpo");
+    let grpo_cfg = write_grpo_config(&grpo_dir, &saved_dir);
+    let o = ferrotune(
+        &[
+            "run",
+            "dev/grpo_full_finetune_distributed",
+            "--config",
+            grpo_cfg.to_str().unwrap(),
+        ],
+        &grpo_dir,
+        &[],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let lines = metrics_lines(&grpo_dir.join("out/logs/metrics.jsonl"));
+    let rewards = lines[0]["rewards"].as_f64().unwrap();
+    assert!(rewards.is_finite() && rewards != 0.0, "{}", lines[0]);
+}
+
+/// One GRPO step (TRL's DAPO loss, β 0) of the tiny Llama on two prompts, rewarded by the reward
+/// model in `reward_model`.
+fn write_grpo_config(dir: &Path, reward_model: &Path) -> PathBuf {
+    let rows: Vec<String> = ["The sky is", "A cat says"]
+        .iter()
+        .map(|p| serde_json::json!({ "prompt": p }).to_string())
+        .collect();
+    std::fs::write(dir.join("prompts.jsonl"), rows.join("\n") + "\n").unwrap();
+    let yaml = format!(
+        r#"output_dir: {out}
+tokenizer:
+  path: {policy}
+dataset:
+  _component_: prompt_dataset
+  source: json
+  data_files: prompts.jsonl
+seed: 5
+shuffle: false
+checkpointer:
+  checkpoint_dir: {policy}
+  output_dir: ${{output_dir}}
+reward_funcs:
+  - model: {reward}
+    name: rm
+batch_size: 2
+grpo_samples: 2
+max_generated_tokens: 4
+temperature: 1.0
+num_steps: 1
+epochs: 1
+save_every_n_epochs: 1000
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 1e-5
+loss:
+  loss_type: dapo
+device: cpu
+dtype: fp32
+metric_logger:
+  _component_: torchtune.training.metric_logging.DiskLogger
+  log_dir: ${{output_dir}}/logs
+log_every_n_steps: 1
+"#,
+        out = dir.join("out").display(),
+        policy = fixtures().join("llama3/model").display(),
+        reward = reward_model.display(),
+    );
+    let path = dir.join("grpo.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
 }
 
 /// A causal LM starts with a fresh `score` head: the saved folder is a one-label classifier of the

@@ -243,8 +243,10 @@ pub const REWARD_KEYS: &[(&str, Ty)] = &[
     ("builtin", Ty::Str),
     ("python", Ty::Str),
     ("http", Ty::Str),
-    // A reward model's folder (a *ForSequenceClassification checkpoint).
+    // A reward model's folder (a *ForSequenceClassification checkpoint), and where it runs.
     ("model", Ty::Str),
+    ("device", Ty::Str),
+    ("dtype", Ty::Str),
     ("function", Ty::Str),
     ("name", Ty::Str),
     ("timeout", Ty::Float),

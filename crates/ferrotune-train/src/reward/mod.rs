@@ -277,7 +277,15 @@ fn check_entry(entry: &Value, max_generated_tokens: usize) -> Result<()> {
             }
             Ok(())
         }
-        "model" => str_key(map, "model").map(|_| ()),
+        "model" => {
+            if let Some(d) = str_key(map, "device")? {
+                ferrotune_core::device::parse_device_name(d).map_err(|e| anyhow!("device: {e}"))?;
+            }
+            if let Some(d) = str_key(map, "dtype")? {
+                ferrotune_core::device::parse_dtype(d).map_err(|e| anyhow!("dtype: {e}"))?;
+            }
+            Ok(())
+        }
         _ => http::Endpoint::parse(str_key(map, "http")?.unwrap_or_default()).map(|_| ()),
     }
 }
@@ -328,10 +336,18 @@ impl RewardSet {
             } else if let Some(dir) = str_key(map, "model")? {
                 let path = base_dir.join(crate::config::expand_home(dir));
                 let name = str_key(map, "name")?.unwrap_or(dir).to_string();
+                let device =
+                    ferrotune_core::device::parse_device(str_key(map, "device")?.unwrap_or("cpu"))
+                        .map_err(|e| anyhow!("reward model '{name}': {e}"))?;
+                let dtype =
+                    ferrotune_core::device::parse_dtype(str_key(map, "dtype")?.unwrap_or("fp32"))
+                        .map_err(|e| anyhow!("reward model '{name}': {e}"))?;
                 funcs.push(Box::new(model::ModelReward::load(
                     &path,
                     name,
                     conversational,
+                    device,
+                    dtype,
                 )?));
             } else {
                 let url = str_key(map, "http")?.expect("checked");

@@ -4,7 +4,8 @@
 //! `conversational: true`) as its messages and the completion as an assistant message, rendered
 //! with the reward model's chat template — encoded without special tokens, right-padded with its
 //! tokenizer's pad id (else its EOS id), and scored by the `score` head at each row's last token
-//! that is not the pad id (output 0). The model runs on the CPU in f32, without gradients.
+//! that is not the pad id (output 0). The model runs without gradients on the entry's `device`
+//! (default `cpu`) in its `dtype` (default `fp32`); the scores are read in f32.
 
 use std::path::Path;
 
@@ -25,12 +26,20 @@ pub struct ModelReward {
     tokenizer: Tokenizer,
     pad: u32,
     conversational: bool,
+    device: Device,
 }
 
 impl ModelReward {
-    /// Loads the classifier in `dir` (with the tokenizer saved beside it), named `name`.
-    pub fn load(dir: &Path, name: String, conversational: bool) -> Result<Self> {
-        let (model, _) = ferrotune_models::load_model(dir, DType::F32, &Device::Cpu)
+    /// Loads the classifier in `dir` (with the tokenizer saved beside it) on `device` in
+    /// `dtype`, named `name`.
+    pub fn load(
+        dir: &Path,
+        name: String,
+        conversational: bool,
+        device: Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        let (model, _) = ferrotune_models::load_model(dir, dtype, &device)
             .with_context(|| format!("reward model {}", dir.display()))?;
         match model.config.score_labels {
             Some(_) => {}
@@ -49,6 +58,7 @@ impl ModelReward {
             tokenizer,
             pad,
             conversational,
+            device,
         })
     }
 
@@ -100,12 +110,17 @@ impl ModelReward {
             key_valid: valid,
             segments: None,
         };
-        let ids = Tensor::from_vec(ids, (b, t), &Device::Cpu)?;
+        let ids = Tensor::from_vec(ids, (b, t), &self.device)?;
         let hidden = self.model.forward_hidden(&ids, &layout, None)?;
         let mut out = Vec::with_capacity(b);
         for (r, &at) in pooled.iter().enumerate() {
             let h = hidden.narrow(0, r, 1)?.narrow(1, at, 1)?;
-            let scores = self.model.logits(&h)?.flatten_all()?.to_vec1::<f32>()?;
+            let scores = self
+                .model
+                .logits(&h)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             out.push(scores[0]);
         }
         Ok(out)

@@ -63,3 +63,17 @@ fn a_causal_lm_is_not_a_reward_model() {
         .to_string();
     assert!(err.contains("not a sequence classifier"), "{err}");
 }
+
+/// A reward model's `dtype` (and `device`) are checked with the entry, before anything loads.
+#[test]
+fn a_reward_model_entry_checks_its_dtype() {
+    let mut cfg = ferrotune_train::config::load("dev/3B_full_grpo").unwrap();
+    let funcs = json!([{"model": "anywhere", "dtype": "fp64x"}]);
+    cfg.apply_overrides(&[format!("reward_funcs={funcs}")])
+        .unwrap();
+    let err = RewardSpec::parse(&cfg, 8).expect_err("refused").to_string();
+    assert!(
+        err.contains("reward_funcs[0]: dtype: unknown dtype"),
+        "{err}"
+    );
+}
