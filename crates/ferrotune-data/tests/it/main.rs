@@ -9,4 +9,5 @@ mod eval_tasks;
 mod gguf_tokenizers;
 mod long_rows;
 mod real_tokenizers;
+mod reward_pairs;
 mod tiny_tokenizer;
