@@ -431,3 +431,62 @@ fn validate_refuses_what_a_reward_model_run_refuses() {
         assert!(text(&out).contains(needle), "{args:?}: {}", text(&out));
     }
 }
+
+/// A reward model from a causal LM (a fresh `score` head drawn from the seed), killed in the
+/// second of three epochs (AdamW; after step 3, its first epoch saved) and resumed, ends with the
+/// uninterrupted run's weights, byte for byte: LoRA (adapter and `score`) and full.
+#[test]
+fn a_killed_reward_model_run_resumes_to_the_uninterrupted_weights() {
+    let base = fixtures().join("llama3/model");
+    let ckpt = format!("checkpointer.checkpoint_dir={}", base.display());
+    for (recipe, file) in [
+        (
+            "lora_reward_model_single_device",
+            "adapter_model.safetensors",
+        ),
+        ("full_reward_model_single_device", "model.safetensors"),
+    ] {
+        let dir = tmpdir("reward-model", &format!("resume-{recipe}"));
+        let cfg = write_config(&dir, "chat.jsonl");
+        let train = |out: &str, env: &[(&str, &str)], extra: &[&str]| {
+            let out_dir = format!("output_dir={}", dir.join(out).display());
+            let mut args = vec![
+                "run",
+                recipe,
+                "--config",
+                cfg.to_str().unwrap(),
+                &out_dir,
+                &ckpt,
+                "epochs=3",
+                "batch_size=1",
+                "max_steps_per_epoch=2",
+                "optimizer._component_=torch.optim.AdamW",
+                "optimizer.lr=1e-3",
+            ];
+            args.extend_from_slice(extra);
+            ferrotune(&args, &dir, env)
+        };
+        let whole = train("whole", &[], &[]);
+        assert!(whole.status.success(), "{recipe}: {}", text(&whole));
+        let killed = train("resumed", &[("FERROTUNE_KILL_AFTER_STEP", "3")], &[]);
+        assert!(
+            !killed.status.success(),
+            "{recipe}: the run was to be killed"
+        );
+        assert!(dir.join("resumed/epoch_0").is_dir() && !dir.join("resumed/epoch_1").exists());
+        let resumed = train("resumed", &[], &["resume_from_checkpoint=true"]);
+        assert!(resumed.status.success(), "{recipe}: {}", text(&resumed));
+        let read = |out: &str| std::fs::read(dir.join(out).join("epoch_2").join(file)).unwrap();
+        assert!(
+            read("whole") == read("resumed"),
+            "{recipe}: resumed weights"
+        );
+        let start = load(&dir.join("whole/epoch_0").join(file));
+        let end = load(&dir.join("whole/epoch_2").join(file));
+        let score = start
+            .keys()
+            .find(|k| k.ends_with("score.weight"))
+            .expect("score saved");
+        assert!(ferrotune_testing::max_abs_diff(&start[score], &end[score]) > 0.0);
+    }
+}
