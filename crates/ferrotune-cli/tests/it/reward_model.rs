@@ -490,3 +490,91 @@ fn a_killed_reward_model_run_resumes_to_the_uninterrupted_weights() {
         assert!(ferrotune_testing::max_abs_diff(&start[score], &end[score]) > 0.0);
     }
 }
+
+/// The `_distributed` forms on 2 ranks (2 pairs each) equal one device taking the 4 pairs: the
+/// loss and every TRL metric (`min_reward` / `max_reward` over both ranks' rewards, as TRL
+/// gathers them) and the weights, LoRA and full, from a causal LM.
+#[test]
+fn reward_models_on_two_ranks_equal_one_device() {
+    let dir = tmpdir("reward-model", "two-ranks");
+    let rows = [
+        ("The sky is", " blue", " loud", 0.0),
+        ("Two plus two is", " four", " five", 0.5),
+        ("A cat says", " meow", " woof", 0.0),
+        ("Water is", " wet", " dry and dusty", 1.0),
+    ];
+    let lines: Vec<String> = rows
+        .iter()
+        .map(|(p, c, r, m)| {
+            serde_json::json!({"prompt": p, "chosen": c, "rejected": r, "margin": m}).to_string()
+        })
+        .collect();
+    let data = dir.join("pairs.jsonl");
+    std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+    let cfg = write_config(&dir, "text.jsonl");
+    let base = fixtures().join("llama3/model");
+    let ckpt = format!("checkpointer.checkpoint_dir={}", base.display());
+    let data = format!("dataset.data_files={}", data.display());
+    for (single, several, file) in [
+        (
+            "lora_reward_model_single_device",
+            "lora_reward_model_distributed",
+            "adapter_model.safetensors",
+        ),
+        (
+            "full_reward_model_single_device",
+            "full_reward_model_distributed",
+            "model.safetensors",
+        ),
+    ] {
+        let go = |recipe: &str, out: &str, nproc: &str, batch: &str| {
+            let out_dir = format!("output_dir={}", dir.join(out).display());
+            let mut args = vec!["run"];
+            if nproc != "1" {
+                args.extend(["--nproc-per-node", nproc]);
+            }
+            args.extend([
+                recipe,
+                "--config",
+                cfg.to_str().unwrap(),
+                &out_dir,
+                &ckpt,
+                &data,
+                batch,
+                "center_rewards_coefficient=0.01",
+            ]);
+            let o = ferrotune(&args, &dir, &[]);
+            assert!(o.status.success(), "{recipe}: {}", text(&o));
+            dir.join(out)
+        };
+        let one = go(single, &format!("one-{single}"), "1", "batch_size=4");
+        let two = go(several, &format!("two-{several}"), "2", "batch_size=2");
+        let (a, b) = (
+            &metrics_lines(&two.join("logs/metrics.jsonl"))[0],
+            &metrics_lines(&one.join("logs/metrics.jsonl"))[0],
+        );
+        for key in [
+            "loss",
+            "accuracy",
+            "margin",
+            "min_reward",
+            "mean_reward",
+            "max_reward",
+        ] {
+            let (g, w) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs() + 1e-6,
+                "{several}: {key} {g} vs one device's {w}"
+            );
+        }
+        let (got, want) = (
+            load(&two.join("epoch_0").join(file)),
+            load(&one.join("epoch_0").join(file)),
+        );
+        assert_eq!(got.len(), want.len());
+        for (key, w) in &want {
+            let e = rel_l2(&got[key], w);
+            assert!(e <= 1e-5, "{several}: {key}: relative L2 {e}");
+        }
+    }
+}

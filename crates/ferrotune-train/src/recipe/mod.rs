@@ -160,6 +160,18 @@ pub static RECIPES: &[Recipe] = &[
         OneDevice,
         reward_model
     ),
+    finetune!(
+        "lora_reward_model_distributed",
+        RewardModel,
+        Several,
+        reward_model
+    ),
+    finetune!(
+        "full_reward_model_distributed",
+        FullRewardModel,
+        Several,
+        reward_model
+    ),
     finetune!("qat_distributed", Qat, Several, qat),
     finetune!("qat_lora_finetune_distributed", QatLora, Several, qat),
     own!(ppo::RECIPE, One, ppo, check_config, "ppo/mod.rs"),

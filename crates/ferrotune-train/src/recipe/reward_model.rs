@@ -1,4 +1,5 @@
-//! `lora_reward_model_single_device` and `full_reward_model_single_device`: a reward model — a
+//! `lora_reward_model_single_device`, `full_reward_model_single_device` and their `_distributed`
+//! forms (one rank of torchrun's group each, data-parallel): a reward model — a
 //! sequence classifier, the base's decoder under a `score` head with one output — trained on
 //! preference pairs as TRL's `RewardTrainer` (trl 1.16.0) trains it: each sequence's reward is
 //! the score at its last token that is not the pad id, the loss of a pair
@@ -20,7 +21,8 @@ use crate::recipe::kit::trainer::{At, FineTune, Hooks, Trainable};
 use crate::recipe::Recipe;
 use crate::step::MicroBatch;
 
-/// Runs `entry`: `lora_reward_model_single_device` or `full_reward_model_single_device`.
+/// Runs `entry`: `lora_reward_model_single_device`, `full_reward_model_single_device`, or their
+/// `_distributed` forms.
 pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     // ---------------------------------------------------------------- setup
     // The model is loaded as a classifier with one output (a causal LM gets a fresh `score`

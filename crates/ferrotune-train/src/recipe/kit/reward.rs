@@ -12,6 +12,8 @@ use ferrotune_models::CausalLm;
 use serde_json::json;
 
 use crate::config::Config;
+use crate::dist::fsdp::ShardedModel;
+use crate::reward_model::RewardStats;
 
 /// Makes `model` the reward model TRL trains: a causal LM gets a fresh `score` head (one output,
 /// drawn from `seed`), a classifier must have one output; either way its `pad_token_id` becomes
@@ -71,4 +73,39 @@ pub fn pairs(
         );
     }
     Ok(pairs)
+}
+
+/// TRL's `min_reward` and `max_reward` of a step on several ranks: each micro-batch's extreme
+/// over every rank's rewards (TRL gathers them before taking it), averaged over the step's
+/// micro-batches. `extremes` are this rank's micro-batches' `(min, max)`; every rank calls this
+/// (a collective: each rank's values in its own slots, summed). Returns `stats` with `min` and
+/// `max` those means (`batches` 1).
+pub fn extremes_over_ranks(
+    sm: &ShardedModel,
+    stats: RewardStats,
+    extremes: &[(f64, f64)],
+) -> Result<RewardStats> {
+    let (rank, world, n) = (sm.queue().rank(), sm.queue().world_size(), extremes.len());
+    let mut local = vec![0.0; 2 * world * n];
+    for (i, &(lo, hi)) in extremes.iter().enumerate() {
+        local[rank * n + i] = lo;
+        local[(world + rank) * n + i] = hi;
+    }
+    let all = sm.all_reduce_f64(&local)?;
+    let mean_of = |base: usize, pick: fn(f64, f64) -> f64| {
+        (0..n)
+            .map(|i| {
+                (1..world)
+                    .map(|r| all[base + r * n + i])
+                    .fold(all[base + i], pick)
+            })
+            .sum::<f64>()
+            / n.max(1) as f64
+    };
+    Ok(RewardStats {
+        min: mean_of(0, f64::min),
+        max: mean_of(world * n, f64::max),
+        batches: 1.0,
+        ..stats
+    })
 }

@@ -19,6 +19,7 @@ use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::data::{epoch_order, Examples};
 use crate::recipe::kit::push;
 use crate::recipe::kit::report::{kill_if_asked, note_ignored_keys, progress_bar, report_memory};
+use crate::recipe::kit::reward;
 use crate::recipe::kit::settings::Mode;
 use crate::recipe::kit::validation;
 use crate::recipe::setup;
@@ -140,9 +141,7 @@ impl FineTune {
         let examples = if mode.preference() {
             Examples::Pairs(setup::preference_dataset(cfg, tokenizer, positions)?)
         } else if mode.reward_model() {
-            Examples::Rewards(crate::recipe::kit::reward::pairs(
-                cfg, tokenizer, positions, lead,
-            )?)
+            Examples::Rewards(reward::pairs(cfg, tokenizer, positions, lead)?)
         } else {
             Examples::Rows(setup::dataset(cfg, tokenizer, positions)?.rows)
         };
@@ -363,6 +362,8 @@ impl Trainer {
                 let lr = base_lr * plan.schedule.multiplier(global_step);
                 optimizer.set_lr(lr);
                 let mut grads = empty_grads()?;
+                // Each micro-batch's smallest and largest reward (reward models).
+                let mut extremes = Vec::with_capacity(grad_accum);
                 let mut sums = StepSums {
                     losses: StepLoss::default(),
                     targets: 0,
@@ -409,6 +410,7 @@ impl Trainer {
                         }
                     };
                     sums.losses += step;
+                    extremes.push((step.rewards.min, step.rewards.max));
                     sums.targets += batch.num_targets;
                     sums.tokens += batch.num_tokens;
                 }
@@ -421,6 +423,11 @@ impl Trainer {
                         tokens,
                     } = &mut sums;
                     grads = reduce_step(sm, losses, targets, tokens)?;
+                    if mode.reward_model() {
+                        // TRL takes each micro-batch's extremes over every rank's rewards.
+                        losses.rewards =
+                            reward::extremes_over_ranks(sm, losses.rewards, &extremes)?;
+                    }
                 }
                 let StepSums {
                     losses,
