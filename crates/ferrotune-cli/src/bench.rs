@@ -316,6 +316,7 @@ fn train(a: TrainBenchArgs) -> Result<()> {
         preference: None,
         aux_loss_weight: None,
         layer_skip: None,
+        reward: None,
     };
     let (mut fb_s, mut opt_s) = (0.0f64, 0.0f64);
     let mut step = |model: &CausalLm, profile: bool| -> Result<f64> {

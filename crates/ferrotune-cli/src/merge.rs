@@ -1,6 +1,6 @@
 //! `ferrotune merge`: fold a PEFT adapter into its base model and write an HF checkpoint.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -64,6 +64,7 @@ pub fn run(args: MergeArgs) -> Result<()> {
         let layers = model.quantize_base_nf4()?.layers;
         eprintln!("QLoRA: {layers} linear layers quantized to NF4 ({dtype:?})");
     }
+    classifier_for_seq_cls_adapter(&mut model, &args.adapter, &ckpt.dir)?;
     peft::load_adapter_from(&mut model, &args.adapter, args.lora_alpha)?;
     let merged = peft::merged_tensors(&model)?;
     // Weights, config, the source's generation config and its tokenizer files (exported from a
@@ -87,5 +88,27 @@ pub fn run(args: MergeArgs) -> Result<()> {
         args.model.display(),
         args.output.display()
     );
+    Ok(())
+}
+
+/// A PEFT `SEQ_CLS` adapter (a reward model's, with its `score` head in `modules_to_save`) on a
+/// causal LM base: the base becomes the one-output classifier PEFT's
+/// `AutoPeftModelForSequenceClassification` loads it as (its head replaced by the adapter's
+/// `score`), with the base's tokenizer's pad id (else its EOS id; without a tokenizer the
+/// config's) as `pad_token_id`, as TRL's `RewardTrainer` sets it.
+fn classifier_for_seq_cls_adapter(model: &mut CausalLm, adapter: &Path, base: &Path) -> Result<()> {
+    let config = adapter.join(peft::ADAPTER_CONFIG_FILE);
+    if !config.is_file() || model.config.score_labels.is_some() {
+        return Ok(());
+    }
+    if peft::LoraConfig::read(adapter)?.task_type != "SEQ_CLS" {
+        return Ok(());
+    }
+    let pad = ferrotune_data::Tokenizer::from_dir(base)
+        .ok()
+        .map(|t| ferrotune_data::dataset::default_pad_id(&t))
+        .or(model.config.pad_token_id);
+    model.into_sequence_classifier(1, pad, 0)?;
+    eprintln!("SEQ_CLS adapter: the base is merged as a one-output sequence classifier");
     Ok(())
 }

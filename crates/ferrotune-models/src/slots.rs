@@ -82,6 +82,7 @@ impl CausalLm {
     /// fixed order. A tied output head is not listed: it is the embedding (see
     /// [`CausalLm::retie_head`]).
     pub fn unit_tensors_mut(&mut self, unit: Unit) -> Vec<(String, &mut Tensor)> {
+        let head = self.head_name();
         let mut out = Vec::new();
         match unit {
             Unit::Root => {
@@ -107,7 +108,7 @@ impl CausalLm {
                 // The shared weight of a tied head is listed once, as the embedding; an adapter
                 // on the head still has its own tensors.
                 let tied = self.config.tie_word_embeddings;
-                linear_tensors_mut("lm_head", &mut self.lm_head, !tied, &mut out);
+                linear_tensors_mut(head, &mut self.lm_head, !tied, &mut out);
             }
             Unit::Layer(i) => {
                 let p = format!("model.layers.{i}");
@@ -127,7 +128,7 @@ impl CausalLm {
     /// fixed order: frozen weights that are not tensors, which sharded training splits apart.
     pub fn unit_nf4_mut(&mut self, unit: Unit) -> Vec<(String, &mut crate::model::BaseWeight)> {
         let linears: Vec<(String, &mut Linear)> = match unit {
-            Unit::Root => vec![("lm_head".to_string(), &mut self.lm_head)],
+            Unit::Root => vec![(self.head_name().to_string(), &mut self.lm_head)],
             Unit::Layer(i) => {
                 let p = format!("model.layers.{i}");
                 self.layers[i]

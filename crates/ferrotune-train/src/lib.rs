@@ -29,6 +29,7 @@ pub mod optim;
 pub mod optim_quant;
 pub mod recipe;
 pub mod reward;
+pub mod reward_model;
 pub mod rlhf;
 pub mod schedule;
 pub mod step;

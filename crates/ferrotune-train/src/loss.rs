@@ -407,7 +407,7 @@ impl PreferenceLoss {
 }
 
 /// `log(1 + exp(x))` without overflow: `max(x, 0) + log(1 + exp(−|x|))`.
-fn softplus(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn softplus(x: &Tensor) -> Result<Tensor> {
     let tail = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;
     x.relu()? + tail
 }

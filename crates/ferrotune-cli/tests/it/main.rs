@@ -21,6 +21,7 @@ mod ppo;
 mod quantize;
 mod recipe_checks;
 mod recipes;
+mod reward_model;
 mod run_identity;
 mod stuck_rank;
 mod template_worker;

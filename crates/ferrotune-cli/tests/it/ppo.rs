@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use common::{ferrotune, fixtures, load, metrics_lines, run_recipe, text, tmpdir};
 
-fn write_config(dir: &Path) -> PathBuf {
+pub(crate) fn write_config(dir: &Path) -> PathBuf {
     let prompts: Vec<String> = [
         "the cat sat",
         "a dog ran home",

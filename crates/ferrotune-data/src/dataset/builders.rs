@@ -93,7 +93,7 @@ fn cell_text(
     }
 }
 
-fn column_map(section: &Map<String, Value>) -> Result<Map<String, Value>> {
+pub(crate) fn column_map(section: &Map<String, Value>) -> Result<Map<String, Value>> {
     match section.get("column_map") {
         None | Some(Value::Null) => Ok(Map::new()),
         Some(Value::Object(m)) => {
@@ -110,7 +110,7 @@ fn column_map(section: &Map<String, Value>) -> Result<Map<String, Value>> {
     }
 }
 
-fn mapped<'a>(map: &'a Map<String, Value>, key: &str) -> Option<&'a str> {
+pub(crate) fn mapped<'a>(map: &'a Map<String, Value>, key: &str) -> Option<&'a str> {
     map.get(key).and_then(Value::as_str)
 }
 

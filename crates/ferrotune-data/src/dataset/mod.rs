@@ -99,6 +99,7 @@ mod builders;
 mod encode;
 mod gsm8k;
 mod prompts;
+mod reward_pairs;
 mod source;
 #[cfg(test)]
 mod tests;
@@ -114,6 +115,7 @@ use crate::tokenizer::Tokenizer;
 
 pub use gsm8k::{ReasoningProblem, RL_PROMPT, SFT_PROMPT};
 pub use prompts::build_reasoning_dataset;
+pub use reward_pairs::{build_reward_pairs_within, RewardPair, REWARD_MAX_LENGTH};
 pub use source::resolve_split;
 
 use builders::{ChatSpec, InstructSpec, Template};

@@ -9,5 +9,6 @@ mod eval_tasks;
 mod gguf_tokenizers;
 mod long_rows;
 mod real_tokenizers;
+mod reward_pairs;
 mod tiny_tokenizer;
 mod tool_calls;

@@ -37,6 +37,7 @@ use crate::rope::RotaryEmbedding;
 
 mod attention;
 mod cache;
+mod classifier;
 mod decode_step;
 mod delta_chunked;
 mod delta_net;

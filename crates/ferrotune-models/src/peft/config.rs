@@ -97,6 +97,9 @@ pub struct LoraConfig {
     /// are replaced by the adapter's `trainable_tokens_delta` (a head tied to the embedding uses
     /// the same rows). Empty when unused.
     pub trainable_token_indices: Vec<u32>,
+    /// PEFT's `task_type`: `CAUSAL_LM`, or `SEQ_CLS` for an adapter on a sequence classifier (a
+    /// reward model), which PEFT loads as `PeftModelForSequenceClassification`.
+    pub task_type: String,
 }
 
 impl LoraConfig {
@@ -120,6 +123,7 @@ impl LoraConfig {
             modules_to_save: Vec::new(),
             ensure_weight_tying: false,
             trainable_token_indices: Vec::new(),
+            task_type: "CAUSAL_LM".into(),
         }
     }
 
@@ -279,6 +283,7 @@ impl LoraConfig {
             modules_to_save,
             ensure_weight_tying: raw.ensure_weight_tying.unwrap_or(false),
             trainable_token_indices,
+            task_type: raw.task_type.unwrap_or_else(|| "CAUSAL_LM".into()),
         };
         config.check_patterns()?;
         Ok(config)
@@ -418,7 +423,7 @@ impl LoraConfig {
             "revision": null,
             "target_modules": self.target_modules.to_json(),
             "target_parameters": if self.target_parameters.is_empty() { Value::Null } else { json!(self.target_parameters) },
-            "task_type": "CAUSAL_LM",
+            "task_type": self.task_type,
             "trainable_token_indices": if self.trainable_token_indices.is_empty() { Value::Null } else { json!(self.trainable_token_indices) },
             "use_bdlora": null,
             "use_dora": self.use_dora,
@@ -533,6 +538,7 @@ impl<'de> Deserialize<'de> for OrderedMap {
 #[derive(Debug, Deserialize)]
 struct RawConfig {
     peft_type: Option<String>,
+    task_type: Option<String>,
     r: Option<usize>,
     lora_alpha: Option<f64>,
     lora_dropout: Option<f64>,

@@ -296,17 +296,10 @@ pub fn replace_saved_modules(
     }
     let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
     let (dtype, device) = (model.dtype(), model.device().clone());
-    let head = model.head_name();
+    // A classifier's head is `score` in files and in the model's units alike.
     let mut saved: HashMap<String, Tensor> = saved
         .into_iter()
-        .map(|(name, t)| {
-            // A classifier's head is `score` in files, the model's head slot inside.
-            let name = match name.strip_prefix(head).and_then(|r| r.strip_prefix('.')) {
-                Some(param) if head != "lm_head" => format!("lm_head.{param}"),
-                _ => name,
-            };
-            Ok((name, t.to_dtype(dtype)?.to_device(&device)?))
-        })
+        .map(|(name, t)| Ok((name, t.to_dtype(dtype)?.to_device(&device)?)))
         .collect::<Result<_, ModelError>>()?;
     let embed_rows = |m: &CausalLm| m.embed_tokens.dim(0).unwrap_or(0);
     if model.config.tie_word_embeddings
@@ -371,6 +364,9 @@ pub(super) fn saved_modules(
             embed = true;
         } else if names(m, head) {
             out_head = true;
+        } else if model.config.score_labels.is_some() && names(m, "classifier") {
+            // PEFT's SEQ_CLS adapters list every family's head name (`classifier`, `score`);
+            // the one the model lacks matches nothing, as in PEFT.
         } else {
             return Err(ModelError::Msg(format!(
                 "modules_to_save: '{m}' cannot be trained in full here: only the token \
@@ -383,7 +379,8 @@ pub(super) fn saved_modules(
 
 /// Makes PEFT's `modules_to_save` (the token embedding and/or the output head, trained in full
 /// beside the adapters) trainable, named as full fine-tuning names them (`model.embed_tokens.weight`,
-/// `lm_head.weight`, `lm_head.bias`: the names sharded training finds them by). As PEFT
+/// `lm_head.weight`, `lm_head.bias`, a classifier's `score.weight`: the names sharded training
+/// finds them by). As PEFT
 /// trains a copy of each listed module, a head tied to the embedding is untied first: the module
 /// not listed keeps the base weights, frozen. A listed module may not also have an adapter.
 pub fn make_saved_modules_trainable(
@@ -415,16 +412,18 @@ pub fn make_saved_modules_trainable(
         )?;
     }
     if head {
+        // `lm_head`, or a classifier's `score`, as full fine-tuning names it.
+        let name = model.head_name();
         let linear = &mut model.lm_head;
         // The weight changes every step: a packed (GGUF block) copy would go stale.
         linear.packed = None;
         var(
             linear.weight.as_dense_mut()?,
-            "lm_head.weight".into(),
+            format!("{name}.weight"),
             &mut out,
         )?;
         if let Some(b) = &mut linear.bias {
-            var(b, "lm_head.bias".into(), &mut out)?;
+            var(b, format!("{name}.bias"), &mut out)?;
         }
     }
     Ok(out)

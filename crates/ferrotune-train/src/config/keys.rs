@@ -120,6 +120,8 @@ pub const DATASET_KEYS: &[(&str, Ty)] = &[
     ("answer_column", Ty::Str),
     // chat_dataset, prompt_dataset: the column of the rows' tools (JSON schemas).
     ("tools_column", Ty::Str),
+    // The reward-model recipes: pairs with a longer side are left out (TRL's max_length).
+    ("max_length", Ty::Int),
 ];
 const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),
@@ -243,6 +245,10 @@ pub const REWARD_KEYS: &[(&str, Ty)] = &[
     ("builtin", Ty::Str),
     ("python", Ty::Str),
     ("http", Ty::Str),
+    // A reward model's folder (a *ForSequenceClassification checkpoint), and where it runs.
+    ("model", Ty::Str),
+    ("device", Ty::Str),
+    ("dtype", Ty::Str),
     ("function", Ty::Str),
     ("name", Ty::Str),
     ("timeout", Ty::Float),
@@ -262,6 +268,8 @@ pub const TOP_LEVEL_KEYS: &[(&str, Ty)] = &[
     ("teacher_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("kd_loss", Ty::Map(KD_LOSS_KEYS)),
     ("kd_ratio", Ty::Float),
+    // The reward-model recipes: TRL's RewardConfig.center_rewards_coefficient.
+    ("center_rewards_coefficient", Ty::Float),
     ("ref_checkpointer", Ty::Map(CHECKPOINTER_KEYS)),
     ("tokenizer", Ty::Map(TOKENIZER_KEYS)),
     ("checkpointer", Ty::Map(CHECKPOINTER_KEYS)),

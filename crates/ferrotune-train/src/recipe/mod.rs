@@ -14,6 +14,7 @@ pub mod lora_finetune;
 pub mod ppo;
 pub mod qat;
 pub mod quantize;
+pub mod reward_model;
 pub mod setup;
 pub mod state;
 
@@ -147,6 +148,30 @@ pub static RECIPES: &[Recipe] = &[
     finetune!("lora_dpo_single_device", Dpo, OneDevice, dpo),
     finetune!("lora_dpo_distributed", Dpo, Several, dpo),
     finetune!("full_dpo_distributed", FullDpo, Several, dpo),
+    finetune!(
+        "lora_reward_model_single_device",
+        RewardModel,
+        OneDevice,
+        reward_model
+    ),
+    finetune!(
+        "full_reward_model_single_device",
+        FullRewardModel,
+        OneDevice,
+        reward_model
+    ),
+    finetune!(
+        "lora_reward_model_distributed",
+        RewardModel,
+        Several,
+        reward_model
+    ),
+    finetune!(
+        "full_reward_model_distributed",
+        FullRewardModel,
+        Several,
+        reward_model
+    ),
     finetune!("qat_distributed", Qat, Several, qat),
     finetune!("qat_lora_finetune_distributed", QatLora, Several, qat),
     own!(ppo::RECIPE, One, ppo, check_config, "ppo/mod.rs"),
@@ -199,8 +224,9 @@ pub fn lookup(name: &str) -> Result<&'static Recipe> {
 }
 
 /// The recipe a config is for, as its recipe-specific sections say (for `validate` without a
-/// recipe name): PPO's reward and value model or loss, GRPO's `grpo_samples` or loss, a
-/// preference loss (DPO), else fine-tuning. A loss no recipe takes is the error.
+/// recipe name): PPO's reward and value model or loss, GRPO's `grpo_samples` or loss,
+/// `center_rewards_coefficient` (the reward-model recipes), a preference loss (DPO), else
+/// fine-tuning. A loss no recipe takes is the error.
 pub fn infer(cfg: &Config) -> Result<&'static Recipe> {
     let loss = cfg.str("loss._component_").ok().flatten();
     let ppo = cfg.get("reward_and_value_model").is_some()
@@ -210,10 +236,16 @@ pub fn infer(cfg: &Config) -> Result<&'static Recipe> {
             .as_ref()
             .is_some_and(|c| c.contains(".grpo.") || c.contains("GRPO"));
     let lora = cfg.get("model.lora_attn_modules").is_some();
+    // The reward-model recipes' own key (their built-in configs carry it, null or not).
+    let reward = cfg.root.get("center_rewards_coefficient").is_some();
     let name = if ppo {
         ppo::RECIPE
     } else if grpo {
         grpo::RECIPE
+    } else if reward && lora {
+        "lora_reward_model_single_device"
+    } else if reward {
+        "full_reward_model_single_device"
     } else {
         // The SFT recipes take a cross-entropy, the DPO ones a preference loss.
         let preference = match &loss {

@@ -1,8 +1,8 @@
 //! GRPO's rewards: the functions a config names under `reward_funcs` (TRL's `reward_funcs`),
 //! weighted by `reward_weights`. A function is a built-in ([`builtin`]: exact match, regex,
 //! numeric answer, TRL's soft overlong length penalty, torchtune's GSM8K reward), a Python
-//! function with TRL's signature run in a long-lived worker process ([`worker`]), or an HTTP
-//! endpoint taking the same JSON ([`http`]). The batch a function is given and what it answers
+//! function with TRL's signature run in a long-lived worker process ([`worker`]), an HTTP
+//! endpoint taking the same JSON ([`http`]), or a reward model (a sequence classifier, [`model`]). The batch a function is given and what it answers
 //! is one JSON protocol (docs/src/recipes/grpo.md, "Rewards users write").
 //!
 //! A function that fails — raises, answers the wrong number of rewards, a non-number, or nothing
@@ -11,6 +11,7 @@
 
 pub mod builtin;
 pub mod http;
+pub mod model;
 pub mod worker;
 
 use std::path::Path;
@@ -244,10 +245,11 @@ fn str_key<'a>(entry: &'a Map<String, Value>, key: &str) -> Result<Option<&'a st
     }
 }
 
-/// Checks one entry: exactly one of `builtin`, `python`, `http`, and only the keys it takes.
+/// Checks one entry: exactly one of `builtin`, `python`, `http`, `model`, and only the keys it
+/// takes.
 fn check_entry(entry: &Value, max_generated_tokens: usize) -> Result<()> {
     let Some(map) = entry.as_object() else {
-        bail!("each entry is a mapping (builtin:, python: or http:), got {entry}");
+        bail!("each entry is a mapping (builtin:, python:, http: or model:), got {entry}");
     };
     let keys = crate::config::REWARD_KEYS;
     for k in map.keys() {
@@ -256,12 +258,12 @@ fn check_entry(entry: &Value, max_generated_tokens: usize) -> Result<()> {
             bail!("unknown key '{k}' (an entry takes {})", names.join(", "));
         }
     }
-    let kinds: Vec<&str> = ["builtin", "python", "http"]
+    let kinds: Vec<&str> = ["builtin", "python", "http", "model"]
         .into_iter()
         .filter(|k| map.get(*k).is_some_and(|v| !v.is_null()))
         .collect();
     if kinds.len() != 1 {
-        bail!("an entry names exactly one of builtin, python or http");
+        bail!("an entry names exactly one of builtin, python, http or model");
     }
     timeout_of(map)?;
     match kinds[0] {
@@ -275,13 +277,22 @@ fn check_entry(entry: &Value, max_generated_tokens: usize) -> Result<()> {
             }
             Ok(())
         }
+        "model" => {
+            if let Some(d) = str_key(map, "device")? {
+                ferrotune_core::device::parse_device_name(d).map_err(|e| anyhow!("device: {e}"))?;
+            }
+            if let Some(d) = str_key(map, "dtype")? {
+                ferrotune_core::device::parse_dtype(d).map_err(|e| anyhow!("dtype: {e}"))?;
+            }
+            Ok(())
+        }
         _ => http::Endpoint::parse(str_key(map, "http")?.unwrap_or_default()).map(|_| ()),
     }
 }
 
 impl RewardSet {
     /// Starts what `spec` names: the built-ins, one worker process per Python file (its paths
-    /// relative to `base_dir`), and the endpoints' clients. `group` is the completions per prompt
+    /// relative to `base_dir`), the endpoints' clients, and the reward models (loaded). `group` is the completions per prompt
     /// (for error messages).
     pub fn start(
         spec: &RewardSpec,
@@ -322,6 +333,22 @@ impl RewardSet {
                     conversational,
                     group,
                 )));
+            } else if let Some(dir) = str_key(map, "model")? {
+                let path = base_dir.join(crate::config::expand_home(dir));
+                let name = str_key(map, "name")?.unwrap_or(dir).to_string();
+                let device =
+                    ferrotune_core::device::parse_device(str_key(map, "device")?.unwrap_or("cpu"))
+                        .map_err(|e| anyhow!("reward model '{name}': {e}"))?;
+                let dtype =
+                    ferrotune_core::device::parse_dtype(str_key(map, "dtype")?.unwrap_or("fp32"))
+                        .map_err(|e| anyhow!("reward model '{name}': {e}"))?;
+                funcs.push(Box::new(model::ModelReward::load(
+                    &path,
+                    name,
+                    conversational,
+                    device,
+                    dtype,
+                )?));
             } else {
                 let url = str_key(map, "http")?.expect("checked");
                 let name = str_key(map, "name")?.unwrap_or(url).to_string();

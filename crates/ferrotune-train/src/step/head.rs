@@ -26,6 +26,8 @@ pub(super) enum HeadParts {
     },
     /// Preference optimization: the metrics, already read.
     Pairs(PairStats),
+    /// Reward-model training: the metrics, already read.
+    Rewards(crate::reward_model::RewardStats),
 }
 
 impl HeadParts {
@@ -153,6 +155,9 @@ pub(super) fn head_loss(
 ) -> Result<(Tensor, HeadParts)> {
     if let Some(p) = &batch.preference {
         return preference_head_loss(hidden, model, batch, p);
+    }
+    if let Some(rows) = &batch.reward {
+        return super::reward_head::reward_head_loss(hidden, model, rows);
     }
     match &batch.distill {
         Some(d) => distill_head(hidden, model, &batch.labels, d),
@@ -335,6 +340,11 @@ pub(super) fn step_loss(total: &Tensor, parts: &HeadParts) -> Result<StepLoss> {
         HeadParts::Pairs(pairs) => StepLoss {
             sum,
             pairs: *pairs,
+            ..StepLoss::default()
+        },
+        HeadParts::Rewards(rewards) => StepLoss {
+            sum,
+            rewards: *rewards,
             ..StepLoss::default()
         },
     })

@@ -22,8 +22,10 @@ use ferrotune_models::{AttentionLayout, CausalLm, LayerInputs, RouterRecord, Uni
 use std::sync::Arc;
 
 use crate::loss::{causal_lm_head_loss, KdLoss, PreferenceLoss};
+use crate::reward_model::{RewardRows, RewardStats};
 
 mod head;
+mod reward_head;
 
 use head::{head_loss, head_tensors, step_loss, HeadParts};
 pub use head::{reference_log_probs, reference_log_probs_at, sequence_log_probs};
@@ -53,6 +55,9 @@ pub struct MicroBatch {
     pub aux_loss_weight: Option<f64>,
     /// LayerSkip (torchtune's early-exit recipe): early-exit losses and layer dropout.
     pub layer_skip: Option<LayerSkip>,
+    /// Reward-model training: the batch is `n` chosen rows then their `n` rejected rows, each
+    /// scored by the classifier's head at one position ([`crate::reward_model`]).
+    pub reward: Option<RewardRows>,
 }
 
 /// What LayerSkip training changes in a micro-batch's pass (`crate::early_exit`).
@@ -114,6 +119,8 @@ pub struct StepLoss {
     pub pairs: PairStats,
     /// The router load-balancing loss (unweighted), summed over micro-batches.
     pub aux: f64,
+    /// Reward-model training's metrics.
+    pub rewards: RewardStats,
 }
 
 impl std::ops::AddAssign for StepLoss {
@@ -123,6 +130,7 @@ impl std::ops::AddAssign for StepLoss {
         self.kd += o.kd;
         self.pairs += o.pairs;
         self.aux += o.aux;
+        self.rewards += o.rewards;
     }
 }
 
@@ -257,6 +265,7 @@ impl MicroBatch {
             preference: None,
             aux_loss_weight: None,
             layer_skip: None,
+            reward: None,
         })
     }
 }

@@ -45,6 +45,7 @@ fn micro_batch(b: &Value) -> MicroBatch {
         preference: None,
         aux_loss_weight: None,
         layer_skip: None,
+        reward: None,
     }
 }
 
@@ -265,6 +266,7 @@ fn packed_rows_skip_layers_as_if_run_alone() {
             preference: None,
             aux_loss_weight: None,
             layer_skip: None,
+            reward: None,
         }
     };
     let exits = vec![(1, 0.25), (3, 0.75)];

@@ -63,6 +63,7 @@ fn distillation_losses_and_gradients_match_torchtunes_formulas() {
                 preference: None,
                 aux_loss_weight: None,
                 layer_skip: None,
+                reward: None,
             };
             let mut grads = empty_grads().unwrap();
             let step =
@@ -192,6 +193,7 @@ fn chunked_distillation_head_equals_the_whole_logits_composite() {
                 preference: None,
                 aux_loss_weight: None,
                 layer_skip: None,
+                reward: None,
             };
             for checkpointing in [false, true] {
                 let mut grads = empty_grads().unwrap();

@@ -20,6 +20,7 @@ mod packing;
 mod ppo;
 mod prefloss;
 mod qat;
+mod reward_model;
 mod rewards;
 mod schedule;
 mod step;

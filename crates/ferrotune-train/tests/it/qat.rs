@@ -32,6 +32,7 @@ fn golden_batch() -> MicroBatch {
         preference: None,
         aux_loss_weight: None,
         layer_skip: None,
+        reward: None,
     }
 }
 

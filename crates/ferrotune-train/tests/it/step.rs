@@ -51,6 +51,7 @@ fn batch(g: &Value, rows: std::ops::Range<usize>) -> MicroBatch {
         preference: None,
         aux_loss_weight: None,
         layer_skip: None,
+        reward: None,
     }
 }
 

@@ -2,7 +2,7 @@
 //! order each epoch takes a dataset in.
 
 use anyhow::Result;
-use ferrotune_data::dataset::{collate, PreferencePair, Row};
+use ferrotune_data::dataset::{collate, PreferencePair, RewardPair, Row};
 
 use crate::step::MicroBatch;
 
@@ -12,6 +12,8 @@ pub enum Examples {
     Rows(Vec<Row>),
     /// Chosen and rejected responses to one prompt (DPO).
     Pairs(Vec<PreferencePair>),
+    /// Chosen and rejected sequences scored by a reward model.
+    Rewards(Vec<RewardPair>),
 }
 
 impl Examples {
@@ -20,6 +22,7 @@ impl Examples {
         match self {
             Examples::Rows(r) => r.len(),
             Examples::Pairs(p) => p.len(),
+            Examples::Rewards(p) => p.len(),
         }
     }
 
@@ -43,6 +46,10 @@ impl Examples {
             Examples::Pairs(pairs) => {
                 let pairs: Vec<&PreferencePair> = picked.map(|i| &pairs[i]).collect();
                 MicroBatch::from_pairs(&pairs, pad, device)?
+            }
+            Examples::Rewards(pairs) => {
+                let pairs: Vec<&RewardPair> = picked.map(|i| &pairs[i]).collect();
+                MicroBatch::from_reward_pairs(&pairs, pad, device)?
             }
         })
     }

@@ -18,7 +18,8 @@
 //!   loading, the plan of the run, the optimizer, the epochs' steps (micro-batches, forward and
 //!   backward, sums over the ranks, normalise, clip, step, log, validate) and their checkpoints;
 //! - [`validation`]: the loss over a held-out dataset, and each rank's rows of it;
-//! - [`report`]: the progress bar, memory reports, ignored keys, the kill-after-step test hook.
+//! - [`report`]: the progress bar, memory reports, ignored keys, the kill-after-step test hook;
+//! - [`reward`]: the reward-model recipes' classifier and preference pairs.
 
 pub mod checkpoint;
 pub mod data;
@@ -26,6 +27,7 @@ pub mod model;
 pub mod push;
 pub mod ranks;
 pub mod report;
+pub mod reward;
 pub mod rollout;
 pub mod session;
 pub mod settings;

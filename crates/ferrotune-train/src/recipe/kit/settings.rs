@@ -35,6 +35,11 @@ pub enum Mode {
     /// Every weight, with LayerSkip's early-exit loss and layer dropout
     /// (`dev/early_exit_finetune_distributed`, see [`crate::early_exit`]).
     EarlyExit,
+    /// LoRA adapters and the `score` head of a sequence classifier trained as a reward model on
+    /// preference pairs (TRL's `RewardTrainer` with PEFT's `SEQ_CLS` task).
+    RewardModel,
+    /// Every weight of a sequence classifier trained as a reward model.
+    FullRewardModel,
 }
 
 impl Mode {
@@ -42,8 +47,13 @@ impl Mode {
     pub fn full(self) -> bool {
         matches!(
             self,
-            Mode::Full | Mode::FullDpo | Mode::Qat | Mode::EarlyExit
+            Mode::Full | Mode::FullDpo | Mode::Qat | Mode::EarlyExit | Mode::FullRewardModel
         )
+    }
+
+    /// Whether a reward model (a sequence classifier) trains on preference pairs.
+    pub fn reward_model(self) -> bool {
+        matches!(self, Mode::RewardModel | Mode::FullRewardModel)
     }
 
     /// Whether linear layers train fake-quantized (torchtune's QAT recipes).
@@ -144,6 +154,8 @@ pub struct Settings {
     pub quantize_base: bool,
     /// The early-exit recipe's `early_exit_loss` and `layer_dropout`.
     pub layer_skip: Option<LayerSkipSettings>,
+    /// The reward-model recipes' `center_rewards_coefficient` (TRL's).
+    pub center_rewards: Option<f64>,
 }
 
 /// When and how `dataset_val` is scored.
@@ -165,6 +177,15 @@ impl Settings {
         };
         let preference_loss = if mode.preference() {
             Some(crate::recipe::setup::preference_loss(cfg)?)
+        } else if mode.reward_model() {
+            if let Some(c) = cfg.str("loss._component_")? {
+                bail!(
+                    "{o}: loss._component_ '{c}': the reward-model recipes train with TRL's \
+                     RewardTrainer loss (-log σ(r_chosen − r_rejected − margin)); leave `loss` \
+                     out (center_rewards_coefficient adds TRL's centering term)"
+                );
+            }
+            None
         } else {
             crate::recipe::setup::check_loss(cfg)?;
             None
@@ -208,6 +229,9 @@ impl Settings {
         // keys).
         let validation = match cfg.usize("run_val_every_n_steps")?.filter(|&n| n > 0) {
             None => None,
+            Some(_) if mode.reward_model() => bail!(
+                "{o}: run_val_every_n_steps: the reward-model recipes have no validation loop"
+            ),
             Some(_) if mode.preference() => bail!(
                 "{o}: run_val_every_n_steps: the DPO recipes have no validation loop (torchtune's \
                  neither)"
@@ -240,7 +264,12 @@ impl Settings {
             Mode::EarlyExit => Some(LayerSkipSettings::parse(cfg)?),
             _ => None,
         };
+        let center_rewards = match mode.reward_model() {
+            true => cfg.f64("center_rewards_coefficient")?,
+            false => None,
+        };
         Ok(Settings {
+            center_rewards,
             output_dir,
             checkpoint_dir,
             resume,

@@ -19,6 +19,7 @@ use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::data::{epoch_order, Examples};
 use crate::recipe::kit::push;
 use crate::recipe::kit::report::{kill_if_asked, note_ignored_keys, progress_bar, report_memory};
+use crate::recipe::kit::reward;
 use crate::recipe::kit::settings::Mode;
 use crate::recipe::kit::validation;
 use crate::recipe::setup;
@@ -139,6 +140,8 @@ impl FineTune {
         let positions = model.config.position_limit();
         let examples = if mode.preference() {
             Examples::Pairs(setup::preference_dataset(cfg, tokenizer, positions)?)
+        } else if mode.reward_model() {
+            Examples::Rewards(reward::pairs(cfg, tokenizer, positions, lead)?)
         } else {
             Examples::Rows(setup::dataset(cfg, tokenizer, positions)?.rows)
         };
@@ -179,7 +182,7 @@ impl FineTune {
                  (batch_size {batch_size} × {world} ranks × gradient_accumulation_steps {grad_accum})",
                 cfg.origin,
                 examples.len(),
-                if mode.preference() { "pairs" } else { "rows" }
+                if mode.preference() || mode.reward_model() { "pairs" } else { "rows" }
             );
         }
         let total_steps = steps_per_epoch * settings.epochs;
@@ -359,6 +362,8 @@ impl Trainer {
                 let lr = base_lr * plan.schedule.multiplier(global_step);
                 optimizer.set_lr(lr);
                 let mut grads = empty_grads()?;
+                // Each micro-batch's smallest and largest reward (reward models).
+                let mut extremes = Vec::with_capacity(grad_accum);
                 let mut sums = StepSums {
                     losses: StepLoss::default(),
                     targets: 0,
@@ -405,6 +410,7 @@ impl Trainer {
                         }
                     };
                     sums.losses += step;
+                    extremes.push((step.rewards.min, step.rewards.max));
                     sums.targets += batch.num_targets;
                     sums.tokens += batch.num_tokens;
                 }
@@ -417,6 +423,11 @@ impl Trainer {
                         tokens,
                     } = &mut sums;
                     grads = reduce_step(sm, losses, targets, tokens)?;
+                    if mode.reward_model() {
+                        // TRL takes each micro-batch's extremes over every rank's rewards.
+                        losses.rewards =
+                            reward::extremes_over_ranks(sm, losses.rewards, &extremes)?;
+                    }
                 }
                 let StepSums {
                     losses,
@@ -471,6 +482,10 @@ impl Trainer {
                             |s: f64| if targets > 0 { s / targets as f64 } else { 0.0 };
                         metrics.push(("class_loss", per_target(losses.class)));
                         metrics.push(("kd_loss", per_target(losses.kd)));
+                    }
+                    if mode.reward_model() {
+                        // TRL's RewardTrainer metrics, over the step's pairs (every rank's).
+                        metrics.extend(losses.rewards.metrics(targets));
                     }
                     if mode.preference() {
                         // torchtune's DPO metrics, as means over the step's pairs (every rank's).

@@ -180,7 +180,11 @@ impl FineTune {
         let seed = state::run_seed(cfg, saved.as_ref())?;
         let base = setup::checkpoint_path(cfg)?;
         let mut tokenizer = setup::tokenizer(cfg, &base.path)?;
-        let (model, source) = load_model(cfg, mode, &session, &settings, &base, saved.as_ref())?;
+        let (mut model, source) =
+            load_model(cfg, mode, &session, &settings, &base, saved.as_ref())?;
+        if mode.reward_model() {
+            crate::recipe::kit::reward::classifier(&mut model, &tokenizer, seed, session.lead())?;
+        }
         // Token ids past the model's embedding are errors while the data is read.
         tokenizer.feed_model(model.config.vocab_size);
         let run = FineTune {
@@ -209,7 +213,14 @@ impl FineTune {
     pub fn adapters(&self, cfg: &Config, model: &mut CausalLm) -> Result<Trainable> {
         let lead = self.session.lead();
         let base_path = &self.base.path;
-        let lc = setup_adapters(cfg, model, base_path, self.saved.as_ref(), self.seed, lead)?;
+        let mut lc = setup_adapters(cfg, model, base_path, self.saved.as_ref(), self.seed, lead)?;
+        if self.mode == Mode::RewardModel {
+            // PEFT's SEQ_CLS task: the classifier's head trains in full beside the adapters.
+            lc.task_type = "SEQ_CLS".into();
+            if !lc.modules_to_save.iter().any(|m| m == "score") {
+                lc.modules_to_save.push("score".into());
+            }
+        }
         ferrotune_models::lora::set_training(model, true);
         let mut params = peft::trainable_parameters(model)?;
         if !lc.modules_to_save.is_empty() {
@@ -291,10 +302,12 @@ fn load_model(
     };
     let t0 = Instant::now();
     let (mut model, source) = setup::load_model(cfg, &weights, dtype, device)?;
-    model
-        .config
-        .require_language_model()
-        .map_err(|e| anyhow!("{}: {e}", weights.path.display()))?;
+    if !mode.reward_model() {
+        model
+            .config
+            .require_language_model()
+            .map_err(|e| anyhow!("{}: {e}", weights.path.display()))?;
+    }
     let source = match (saved, mode) {
         // Tokenizer/generation files still come from the original base.
         (Some(_), m) if m.full() => {

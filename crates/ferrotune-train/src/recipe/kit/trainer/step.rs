@@ -29,12 +29,15 @@ pub fn reduce_step(
         losses.aux,
     ];
     local.extend(losses.pairs.to_vec());
+    let pairs_end = local.len();
+    local.extend(losses.rewards.to_vec());
     let sums = sm.all_reduce_f64(&local)?;
     losses.sum = sums[0];
     *targets = sums[1].round() as usize;
     *tokens = sums[2].round() as usize;
     (losses.class, losses.kd, losses.aux) = (sums[3], sums[4], sums[5]);
-    losses.pairs = PairStats::from_slice(&sums[6..]);
+    losses.pairs = PairStats::from_slice(&sums[6..pairs_end]);
+    losses.rewards = crate::reward_model::RewardStats::from_slice(&sums[pairs_end..]);
     sm.take_grads()
 }
 
