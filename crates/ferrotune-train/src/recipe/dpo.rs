@@ -13,7 +13,7 @@ use ferrotune_models::CausalLm;
 
 use crate::config::Config;
 use crate::loss::PreferenceLoss;
-use crate::recipe::kit::model::{reference_logps, setup_reference};
+use crate::recipe::kit::model::{kto_kl, reference_logps, setup_reference};
 use crate::recipe::kit::settings::Mode;
 use crate::recipe::kit::trainer::{At, FineTune, Hooks, Trainable};
 use crate::recipe::Recipe;
@@ -31,6 +31,13 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     };
     run.trainable(cfg, &trainable);
     let loss = run.settings.preference_loss.expect("parsed for DPO");
+    if matches!(loss, PreferenceLoss::Kto(_)) && run.session.world > 1 {
+        anyhow::bail!(
+            "{}: KTOLoss trains on one device for now (lora_dpo_single_device, or \
+             full_dpo_distributed on one rank)",
+            cfg.origin
+        );
+    }
     // ORPO, SimPO and CPO have no reference: none is loaded, and LoRA runs no adapters-disabled
     // pass.
     if loss.reference_free() && run.session.lead() {
@@ -61,13 +68,30 @@ struct Dpo {
 
 impl Hooks for Dpo {
     fn prepare(&mut self, batch: &mut MicroBatch, at: At<'_>) -> Result<()> {
+        let reference = self.reference.as_ref();
+        if let Some(mut p) = batch.preference.take() {
+            // KTO's rows come with their labels and KL rows: the reference's log probabilities
+            // of the rows, and the KL estimate.
+            if let Some(u) = p.unpaired.as_mut() {
+                if let Some(kl_rows) = &u.kl_rows {
+                    if at.sharded.is_some() {
+                        anyhow::bail!("KTOLoss: sharded training is not supported yet");
+                    }
+                    u.kl = kto_kl(reference, at.model, kl_rows)?;
+                }
+            }
+            p.reference_logps = reference_logps(reference, at.model, at.sharded, batch)?;
+            batch.preference = Some(p);
+            return Ok(());
+        }
         let reference_logps = match self.loss.reference_free() {
             true => vec![0.0; batch.input_ids.dim(0)?],
-            false => reference_logps(self.reference.as_ref(), at.model, at.sharded, batch)?,
+            false => reference_logps(reference, at.model, at.sharded, batch)?,
         };
         batch.preference = Some(Preference {
             reference_logps,
             loss: self.loss,
+            unpaired: None,
         });
         Ok(())
     }

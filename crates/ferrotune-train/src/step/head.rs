@@ -6,7 +6,8 @@ use candle_core::{DType, Result, Tensor, Var};
 use ferrotune_models::CausalLm;
 
 use crate::loss::{
-    causal_lm_head_loss, kd_rows_sum, preference_terms, shifted_targets, NllOver, IGNORE_INDEX,
+    causal_lm_head_loss, kd_rows_sum, preference_terms, shifted_targets, NllOver, PreferenceLoss,
+    IGNORE_INDEX,
 };
 
 use super::{
@@ -262,6 +263,22 @@ fn preference_head_loss(
     p: &Preference,
 ) -> Result<(Tensor, HeadParts)> {
     let logps = sequence_log_probs(hidden, model, &batch.labels)?;
+    if let (PreferenceLoss::Kto(loss), Some(u)) = (p.loss, &p.unpaired) {
+        // KTO: the rows' summed loss, and TRL's sums over each label's rows.
+        let terms = crate::kto::kto_terms(&logps, &p.reference_logps, &u.desirable, u.kl, loss)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let stats = PairStats {
+            chosen_reward: terms.chosen.rewards,
+            rejected_reward: terms.rejected.rewards,
+            chosen_logps: terms.chosen.logps,
+            rejected_logps: terms.rejected.logps,
+            chosen_rows: terms.chosen.count,
+            rejected_rows: terms.rejected.count,
+            kl: u.kl,
+            ..PairStats::default()
+        };
+        return Ok((terms.total, HeadParts::Pairs(stats)));
+    }
     let n = logps.dim(0)? / 2;
     let labels: Vec<Vec<i64>> = batch.labels.to_vec2()?;
     // Each row's response tokens (its labels after the first, as the loss shifts them).

@@ -12,6 +12,8 @@ pub enum Examples {
     Rows(Vec<Row>),
     /// Chosen and rejected responses to one prompt (DPO).
     Pairs(Vec<PreferencePair>),
+    /// Unpaired rows, each desirable or not (KTO).
+    Unpaired(super::unpaired::UnpairedData),
 }
 
 impl Examples {
@@ -20,6 +22,7 @@ impl Examples {
         match self {
             Examples::Rows(r) => r.len(),
             Examples::Pairs(p) => p.len(),
+            Examples::Unpaired(u) => u.rows.len(),
         }
     }
 
@@ -44,6 +47,7 @@ impl Examples {
                 let pairs: Vec<&PreferencePair> = picked.map(|i| &pairs[i]).collect();
                 MicroBatch::from_pairs(&pairs, pad, device)?
             }
+            Examples::Unpaired(u) => u.micro_batch(picked, pad, device)?,
         })
     }
 }

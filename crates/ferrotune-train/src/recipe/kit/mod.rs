@@ -30,4 +30,5 @@ pub mod rollout;
 pub mod session;
 pub mod settings;
 pub mod trainer;
+pub mod unpaired;
 pub mod validation;

@@ -189,6 +189,20 @@ pub fn reference_logps(
     })
 }
 
+/// KTO's KL estimate on a micro-batch's KL rows (TRL's): the mean of the policy's summed
+/// completion log probabilities (no gradient) minus the reference's ([`reference_logps`]),
+/// clamped at 0. One device only: TRL averages it over the ranks first.
+pub fn kto_kl(
+    reference: Option<&CausalLm>,
+    model: &mut CausalLm,
+    kl_rows: &MicroBatch,
+) -> Result<f64> {
+    let policy = reference_log_probs(model, kl_rows)?;
+    let reference = reference_logps(reference, model, None, kl_rows)?;
+    let mean = crate::kto::kl_mean(&policy, &reference)?;
+    Ok(crate::kto::kl_clamped(mean))
+}
+
 /// How a distillation run's loss mixes in the teacher: `kd_ratio` and the `kd_loss` section.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KdSettings {
