@@ -256,3 +256,157 @@ fn full_kto_steps_as_trl_kto_trainer() {
     }
     eprintln!("full: worst weight relative L2 vs TRL {worst:.1e}");
 }
+
+/// Two ranks of two rows each (rank r takes rows r and r + 2): TRL's loss averages its
+/// micro-batches' KL estimates over the ranks before the loss. Without a KL estimate
+/// (`apo_zero_unpaired`) the step is the one-device step over the four rows, so LoRA equals TRL's
+/// golden; with `kto` the logged `kl` is the mean of each rank's (each from its own two rows'
+/// rotation, as one device gives on those rows alone), and the rewards are the rows' own.
+/// Full fine-tuning against a frozen copy on two ranks (the policy sharded) equals TRL's full
+/// step (its KL estimate is 0 on every rank).
+#[test]
+fn kto_on_two_ranks_averages_the_kl_estimate_as_trl() {
+    let dir = tmpdir("kto", "ranks");
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("kto/golden.json")).unwrap())
+            .unwrap();
+    let data = dir.join("rows.jsonl");
+    write_rows(&golden, &data);
+    let cfg = common::write_config(common::TINY_LORA, &dir, "llama3", &data);
+    let run = |name: &str, nproc: usize, recipe: &str, data: &Path, extra: &[&str]| -> Value {
+        let out_dir = dir.join(name);
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let mut args = kto_args(&cfg, &out_dir, data, &extra);
+        args[1] = recipe.into();
+        if nproc > 1 {
+            args.splice(1..1, ["--nproc-per-node".to_string(), nproc.to_string()]);
+        }
+        let out = ferrotune(&args, &dir, &[]);
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        metrics_lines(&out_dir.join("logs/metrics.jsonl"))[0].clone()
+    };
+    let close = |got: &Value, want: &Value, key: &str, what: &str| {
+        let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+        assert!(
+            (g - w).abs() <= 2e-5 * w.abs().max(1.0),
+            "{what}: {key} {g} vs {w}"
+        );
+    };
+    let two = ["batch_size=2"];
+
+    // apo_zero_unpaired: TRL's one-device step.
+    let apo = &golden["apo_zero_unpaired"];
+    let params = [
+        "loss.loss_type=apo_zero_unpaired".to_string(),
+        format!("loss.beta={}", apo["beta"]),
+        format!("loss.undesirable_weight={}", apo["undesirable_weight"]),
+    ];
+    let mut extra: Vec<&str> = params.iter().map(String::as_str).collect();
+    extra.extend(two);
+    let got = run("apo", 2, "lora_dpo_distributed", &data, &extra);
+    for key in ["loss", "rewards/chosen", "rewards/rejected", "logps/chosen"] {
+        close(&got, &apo["log"], key, "apo on two ranks vs TRL");
+    }
+    let saved = load(&dir.join("apo/epoch_0/adapter_model.safetensors"));
+    let trl = load(&fixtures().join("kto/apo_zero_unpaired_adapter.safetensors"));
+    for (name, t) in &trl {
+        let e = rel_l2(&saved[name], t);
+        assert!(e < 1e-5, "apo on two ranks: {name}: relative L2 {e}");
+    }
+
+    // kto: the ranks' mean KL estimate. Rank 0 takes golden rows 1 and 3, rank 1 rows 2 and 3
+    // (rows whose two-row estimates are positive, so that the clamp of each is the estimate
+    // the mean reads).
+    let rows: Vec<String> = std::fs::read_to_string(&data)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let file = |name: &str, picked: &[usize]| {
+        let path = dir.join(name);
+        let lines: Vec<&str> = picked.iter().map(|&i| rows[i].as_str()).collect();
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        path
+    };
+    let rank0 = run(
+        "rank0",
+        1,
+        "lora_dpo_single_device",
+        &file("r0.jsonl", &[1, 3]),
+        &two,
+    );
+    let rank1 = run(
+        "rank1",
+        1,
+        "lora_dpo_single_device",
+        &file("r1.jsonl", &[2, 3]),
+        &two,
+    );
+    let kl_of = |v: &Value| v["kl"].as_f64().unwrap();
+    assert!(
+        kl_of(&rank0) > 0.0 && kl_of(&rank1) > 0.0,
+        "{rank0} {rank1}"
+    );
+    let both = file("both.jsonl", &[1, 2, 3, 3]);
+    let got = run("kto", 2, "lora_dpo_distributed", &both, &two);
+    let want = (kl_of(&rank0) + kl_of(&rank1)) / 2.0;
+    assert!(
+        (kl_of(&got) - want).abs() <= 2e-5,
+        "kl {} vs the ranks' mean {want}",
+        kl_of(&got)
+    );
+    // The rewards, before any step, are each row's: rank 0's two undesirable rows, rank 1's
+    // desirable and undesirable one.
+    let reward = |v: &Value, k: &str| v[k].as_f64().unwrap();
+    let rejected =
+        (2.0 * reward(&rank0, "rewards/rejected") + reward(&rank1, "rewards/rejected")) / 3.0;
+    for (key, want) in [
+        ("rewards/chosen", reward(&rank1, "rewards/chosen")),
+        ("rewards/rejected", rejected),
+    ] {
+        let g = reward(&got, key);
+        assert!(
+            (g - want).abs() <= 2e-5,
+            "kto on two ranks: {key} {g} vs {want}"
+        );
+    }
+    // The loss reads the ranks' mean estimate (not each rank its own): from each row's reward
+    // (row 3's is rank 1's rejected one, row 1's the rest of rank 0's), TRL's loss with it.
+    let beta = 0.1;
+    let (r2, r3) = (
+        reward(&rank1, "rewards/chosen"),
+        reward(&rank1, "rewards/rejected"),
+    );
+    let r1 = 2.0 * reward(&rank0, "rewards/rejected") - r3;
+    let sigmoid = |x: f64| 1.0 / (1.0 + (-x).exp());
+    let z = beta * want;
+    let loss =
+        ((1.0 - sigmoid(r2 - z)) + (1.0 - sigmoid(z - r1)) + 2.0 * (1.0 - sigmoid(z - r3))) / 4.0;
+    let g = got["loss"].as_f64().unwrap();
+    assert!(
+        ((g - loss) / loss).abs() < 1e-5,
+        "kto on two ranks: loss {g} vs {loss}"
+    );
+    // Each rank's own estimate would give another loss.
+    let own = ((1.0 - sigmoid(r2 - beta * kl_of(&rank1)))
+        + (1.0 - sigmoid(beta * kl_of(&rank0) - r1))
+        + (1.0 - sigmoid(beta * kl_of(&rank0) - r3))
+        + (1.0 - sigmoid(beta * kl_of(&rank1) - r3)))
+        / 4.0;
+    assert!(((own - loss) / loss).abs() > 1e-5, "{own} vs {loss}");
+
+    // Full fine-tuning, the policy sharded over the two ranks.
+    let full = &golden["full_kto"]["log"];
+    let mut args = vec!["loss.beta=0.3", "checkpointer.adapter_checkpoint=null"];
+    args.extend(two);
+    let got = run("full", 2, "full_dpo_distributed", &data, &args);
+    for key in ["loss", "logps/chosen", "logps/rejected"] {
+        close(&got, full, key, "full on two ranks vs TRL");
+    }
+    let saved = load(&dir.join("full/epoch_0/model.safetensors"));
+    let trl = load(&fixtures().join("kto/full_kto_model.safetensors"));
+    for (name, t) in &trl {
+        let e = rel_l2(&saved[name], t);
+        assert!(e < 1e-5, "full on two ranks: {name}: relative L2 {e}");
+    }
+}

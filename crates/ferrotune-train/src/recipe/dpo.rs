@@ -31,13 +31,6 @@ pub fn run(entry: &Recipe, cfg: &Config) -> Result<()> {
     };
     run.trainable(cfg, &trainable);
     let loss = run.settings.preference_loss.expect("parsed for DPO");
-    if matches!(loss, PreferenceLoss::Kto(_)) && run.session.world > 1 {
-        anyhow::bail!(
-            "{}: KTOLoss trains on one device for now (lora_dpo_single_device, or \
-             full_dpo_distributed on one rank)",
-            cfg.origin
-        );
-    }
     // ORPO, SimPO and CPO have no reference: none is loaded, and LoRA runs no adapters-disabled
     // pass.
     if loss.reference_free() && run.session.lead() {
@@ -67,17 +60,14 @@ struct Dpo {
 }
 
 impl Hooks for Dpo {
-    fn prepare(&mut self, batch: &mut MicroBatch, at: At<'_>) -> Result<()> {
+    fn prepare(&mut self, batch: &mut MicroBatch, mut at: At<'_>) -> Result<()> {
         let reference = self.reference.as_ref();
         if let Some(mut p) = batch.preference.take() {
             // KTO's rows come with their labels and KL rows: the reference's log probabilities
             // of the rows, and the KL estimate.
             if let Some(u) = p.unpaired.as_mut() {
                 if let Some(kl_rows) = &u.kl_rows {
-                    if at.sharded.is_some() {
-                        anyhow::bail!("KTOLoss: sharded training is not supported yet");
-                    }
-                    u.kl = kto_kl(reference, at.model, kl_rows)?;
+                    u.kl = kto_kl(reference, at.model, at.sharded.as_deref_mut(), kl_rows)?;
                 }
             }
             p.reference_logps = reference_logps(reference, at.model, at.sharded, batch)?;
