@@ -102,6 +102,16 @@ fn lora_kto_steps_as_trl_kto_trainer() {
         if case != "apo_zero_unpaired" {
             keys.push("kl");
         }
+        for key in ["logits/chosen", "logits/rejected"] {
+            // Means over the vocabulary near 1e-4, formed another way than TRL's (the mean
+            // hidden state against the head's mean row).
+            let (got, want) = (first[key].as_f64().unwrap(), log[key].as_f64().unwrap());
+            eprintln!("{case}: {key} {got} vs TRL {want}");
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs() + 1e-9,
+                "{case}: {key} {got} vs TRL {want}"
+            );
+        }
         for key in keys {
             let (got, want) = (first[key].as_f64().unwrap(), log[key].as_f64().unwrap());
             // Differences of f32 log probabilities near -50 (an ulp is 3.8e-6).

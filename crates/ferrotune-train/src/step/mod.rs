@@ -160,11 +160,14 @@ pub struct PairStats {
     /// ORPO's `log σ(odds ratio)` and log odds ratio, summed over the pairs.
     pub log_odds_ratio: f64,
     pub log_odds_chosen: f64,
-    /// KTO: the desirable and undesirable rows (`chosen_*` / `rejected_*` then sum over them),
+    /// KTO: the desirable and undesirable rows (`chosen_*` / `rejected_*` then sum over them;
+    /// `*_logits` over their positions that predict a completion token, which `*_tokens` count),
     /// and the micro-batches' KL estimates, summed.
     pub chosen_rows: f64,
     pub rejected_rows: f64,
     pub kl: f64,
+    pub chosen_tokens: f64,
+    pub rejected_tokens: f64,
 }
 
 impl PairStats {
@@ -184,6 +187,8 @@ impl PairStats {
             self.chosen_rows,
             self.rejected_rows,
             self.kl,
+            self.chosen_tokens,
+            self.rejected_tokens,
         ]
     }
 
@@ -203,6 +208,8 @@ impl PairStats {
             chosen_rows: v[10],
             rejected_rows: v[11],
             kl: v[12],
+            chosen_tokens: v[13],
+            rejected_tokens: v[14],
         }
     }
 
@@ -246,8 +253,23 @@ impl PairStats {
 impl PairStats {
     /// TRL's KTO metrics of a step of `micro_batches` micro-batches (over every rank):
     /// [`crate::kto::kto_metrics`] on the sums over its rows, the KL estimate the micro-batches'
-    /// mean.
+    /// mean, and `logits/chosen` / `logits/rejected`, the mean logit over the completion
+    /// positions of each label's rows.
     pub fn kto_metrics(&self, micro_batches: usize) -> Vec<(&'static str, f64)> {
+        let mut out = self.kto_means(micro_batches);
+        if self.chosen_tokens > 0.0 {
+            out.push(("logits/chosen", self.chosen_logits / self.chosen_tokens));
+        }
+        if self.rejected_tokens > 0.0 {
+            out.push((
+                "logits/rejected",
+                self.rejected_logits / self.rejected_tokens,
+            ));
+        }
+        out
+    }
+
+    fn kto_means(&self, micro_batches: usize) -> Vec<(&'static str, f64)> {
         let side = |count, rewards, logps| crate::kto::SideSums {
             count,
             rewards,
