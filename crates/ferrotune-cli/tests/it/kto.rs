@@ -190,6 +190,28 @@ fn kto_splits_pairs_as_trl_and_names_wrong_keys() {
     for key in ["loss", "kl", "rewards/chosen", "logps/rejected"] {
         assert_eq!(from_pairs[key], from_rows[key], "{key}");
     }
+    // The SmolLM2 DPO demo's layout: the prompt in `input`, renamed by `column_map` (the DPO
+    // config's own dataset section, its builder switched).
+    let renamed: Vec<String> = pairs
+        .iter()
+        .map(|p| {
+            serde_json::json!({"input": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"]})
+                .to_string()
+        })
+        .collect();
+    let renamed = write("input.jsonl", &renamed);
+    let out_dir = dir.join("mapped");
+    let extra = [
+        "loss.beta=0.3".to_string(),
+        "dataset.column_map={prompt: input, chosen: chosen, rejected: rejected}".into(),
+        "dataset.train_on_input=false".into(),
+    ];
+    let out = ferrotune(&kto_args(&cfg, &out_dir, &renamed, &extra), &dir, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let mapped = metrics_lines(&out_dir.join("logs/metrics.jsonl"))[0].clone();
+    for key in ["loss", "kl", "rewards/chosen", "logps/rejected"] {
+        assert_eq!(mapped[key], from_rows[key], "column_map: {key}");
+    }
     assert_ne!(from_pairs["kl"], other["kl"]);
 
     let refused = |extra: &[&str], needle: &str| {
@@ -205,8 +227,12 @@ fn kto_splits_pairs_as_trl_and_names_wrong_keys() {
     );
     refused(&["loss.loss_type=bco"], "loss_type \"bco\"");
     refused(
-        &["dataset.column_map={prompt: q}"],
-        "dataset.column_map is not a key of ferrotune.datasets.unpaired_dataset",
+        &["dataset.conversation_column=q"],
+        "dataset.conversation_column is not a key of ferrotune.datasets.unpaired_dataset",
+    );
+    refused(
+        &["dataset.column_map={answer: q}"],
+        "dataset.column_map.answer: the columns are prompt, completion, label, chosen, rejected",
     );
     refused(
         &["loss._component_=torchtune.rlhf.loss.DPOLoss"],

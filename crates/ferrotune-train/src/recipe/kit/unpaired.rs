@@ -13,6 +13,7 @@
 //!   prompt with the generation prompt, the prompt followed by the completion without, the
 //!   completion starting where the two diverge.
 //!
+//! `column_map` renames the columns (TRL's name → the file's), as the torchtune builders'.
 //! `max_seq_len` (or `tokenizer.max_seq_len`) is TRL's `max_length`: rows whose prompt alone
 //! fills it are dropped, and each micro-batch's rows (and KL rows) keep their first `max_seq_len`
 //! tokens. The KL rows pair each row's prompt with the previous row's completion within the
@@ -36,7 +37,9 @@ use crate::step::{MicroBatch, Preference, Unpaired};
 /// The dataset builder's name (`dataset._component_`).
 pub const COMPONENT: &str = "ferrotune.datasets.unpaired_dataset";
 
-/// The keys the builder takes: where the rows are (as every builder's) and `max_seq_len`.
+/// The keys the builder takes: where the rows are (as every builder's), `max_seq_len`,
+/// `column_map` (TRL's column → the file's), and `train_on_input` (false: KTO scores
+/// completions only; taken so that a DPO config's dataset section switches by its builder).
 const KEYS: &[&str] = &[
     "_component_",
     "source",
@@ -44,7 +47,12 @@ const KEYS: &[&str] = &[
     "split",
     "field",
     "max_seq_len",
+    "column_map",
+    "train_on_input",
 ];
+
+/// The columns `column_map` may rename.
+const COLUMNS: &[&str] = &["prompt", "completion", "label", "chosen", "rejected"];
 
 /// Whether a `dataset` section names the unpaired builder.
 pub fn named(section: &Value) -> bool {
@@ -120,8 +128,43 @@ impl UnpairedData {
                 anyhow!("{origin}: dataset.max_seq_len must be a positive integer, got {v}")
             })? as usize),
         };
-        let raw = ferrotune_data::dataset::load_source(&section, Path::new("."))
+        if map
+            .get("train_on_input")
+            .is_some_and(|v| v != &Value::Bool(false))
+        {
+            bail!("{origin}: dataset.train_on_input: KTO scores the completions only (false)");
+        }
+        let mut renamed: Vec<(String, String)> = Vec::new();
+        if let Some(m) = map.get("column_map").filter(|v| !v.is_null()) {
+            let m = m.as_object().ok_or_else(|| {
+                anyhow!("{origin}: dataset.column_map must map TRL's columns to the file's")
+            })?;
+            for (ours, theirs) in m {
+                let theirs = theirs.as_str().filter(|_| COLUMNS.contains(&ours.as_str()));
+                let theirs = theirs.ok_or_else(|| {
+                    anyhow!(
+                        "{origin}: dataset.column_map.{ours}: the columns are {} (each mapped \
+                         to a column name)",
+                        COLUMNS.join(", ")
+                    )
+                })?;
+                renamed.push((ours.clone(), theirs.to_string()));
+            }
+        }
+        let mut raw = ferrotune_data::dataset::load_source(&section, Path::new("."))
             .with_context(|| format!("{origin}: dataset"))?;
+        // Read every mapped column first, then insert them: a map may swap two names.
+        for row in &mut raw {
+            let moved: Vec<(String, Option<Value>)> = renamed
+                .iter()
+                .map(|(ours, theirs)| (ours.clone(), row.remove(theirs)))
+                .collect();
+            for (ours, v) in moved {
+                if let Some(v) = v {
+                    row.insert(ours, v);
+                }
+            }
+        }
         let rows =
             tokenize_rows(&raw, tok).with_context(|| format!("{origin}: dataset ({COMPONENT})"))?;
         // TRL drops the rows whose prompt alone fills `max_length`.
