@@ -20,7 +20,8 @@ the step (transformers' names).
 Conversational rows (`conversational` in golden.json): a paired conversational dataset (prompt,
 chosen, rejected as message lists) as `KTOTrainer` prepares it: unpaired by
 `unpair_preference_dataset`, tokenized through the model's chat template; TRL's prompt and
-completion ids and labels, in its order.
+completion ids and labels, in its order. The same for paired rows without a prompt column, text
+and conversational (`implicit_text`, `implicit_conversational`: TRL's `extract_prompt` first).
 
 Run from the repository root (TRL in a venv that keeps the system torch/transformers):
     "$(scripts/fetch-trl.sh)/bin/python" scripts/make_kto_fixtures.py
@@ -148,20 +149,46 @@ CONVERSATIONAL = {
 }
 
 
-def conversational(tok, golden):
+# Implicit prompts (no prompt column): TRL's `extract_prompt` takes the longest common prefix of
+# chosen and rejected (messages, or characters, less a trailing space).
+IMPLICIT = {
+    "implicit_text": {
+        "chosen": ["The sky is blue", "A cat says meow"],
+        "rejected": ["The sky is green", "A cat says woof"],
+    },
+    "implicit_conversational": {
+        "chosen": [
+            [{"role": "user", "content": "The sky is"}, {"role": "assistant", "content": "blue"}],
+            [{"role": "user", "content": "A cat says"}, {"role": "assistant", "content": "meow"}],
+        ],
+        "rejected": [
+            [{"role": "user", "content": "The sky is"}, {"role": "assistant", "content": "five"}],
+            [{"role": "user", "content": "A cat says"}, {"role": "assistant", "content": "a low heat"}],
+        ],
+    },
+}
+
+
+def prepared(tok, rows):
+    """The rows as `KTOTrainer` prepares them: TRL's prompt and completion ids and labels."""
     base = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32, attn_implementation="eager")
     with tempfile.TemporaryDirectory() as out:
         args = KTOConfig(output_dir=out, per_device_train_batch_size=2, report_to=[], use_cpu=True,
                          train_sampling_strategy="sequential")
-        trainer = KTOTrainer(model=base, args=args,
-                             train_dataset=Dataset.from_dict(CONVERSATIONAL), processing_class=tok)
-        rows = trainer.train_dataset
-        golden["conversational"] = {
-            "rows": CONVERSATIONAL,
-            "prompt_ids": [r["prompt_ids"] for r in rows],
-            "completion_ids": [r["completion_ids"] for r in rows],
-            "label": [r["label"] for r in rows],
+        trainer = KTOTrainer(model=base, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tok)
+        ds = trainer.train_dataset
+        return {
+            "rows": rows,
+            "prompt_ids": [r["prompt_ids"] for r in ds],
+            "completion_ids": [r["completion_ids"] for r in ds],
+            "label": [r["label"] for r in ds],
         }
+
+
+def conversational(tok, golden):
+    golden["conversational"] = prepared(tok, CONVERSATIONAL)
+    for name, rows in IMPLICIT.items():
+        golden[name] = prepared(tok, rows)
 
 
 def main():

@@ -363,3 +363,46 @@ fn unpaired_dataset_reads_conversational_pairs_as_trl() {
         assert_eq!(row[..], full[..20], "row {i}");
     }
 }
+
+/// Paired rows without a prompt column, text and conversational: the prompt is TRL's
+/// `extract_prompt` (the common prefix; for text less the space before the first difference),
+/// then the rows are unpaired and tokenized as `KTOTrainer` prepared them.
+#[test]
+fn unpaired_dataset_extracts_implicit_prompts_as_trl() {
+    use ferrotune_train::recipe::kit::unpaired::UnpairedData;
+    let want = json(fixtures().join("kto/golden.json"));
+    let tok = Tokenizer::from_dir(fixtures().join("llama3/model")).unwrap();
+    let dir =
+        ferrotune_testing::fresh_dir(&format!("ferrotune-kto-implicit-{}", std::process::id()));
+    for case in ["implicit_text", "implicit_conversational"] {
+        let w = &want[case];
+        let rows = &w["rows"];
+        let lines: Vec<String> = (0..2)
+            .map(|i| {
+                serde_json::json!({"chosen": rows["chosen"][i], "rejected": rows["rejected"][i]})
+                    .to_string()
+            })
+            .collect();
+        let data = dir.join(format!("{case}.jsonl"));
+        std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+        let yaml = format!(
+            "dataset:\n  _component_: ferrotune.datasets.unpaired_dataset\n  source: json\n  \
+             data_files: {}\n",
+            data.display()
+        );
+        let cfg = ferrotune_train::config::Config {
+            root: ferrotune_train::config::parse_yaml(&yaml, "kto.yaml").unwrap(),
+            origin: "kto.yaml".into(),
+        };
+        let built = UnpairedData::build(&cfg, &tok, None, KtoLoss::default()).unwrap();
+        let ids = |v: &Value| -> Vec<Vec<u32>> { serde_json::from_value(v.clone()).unwrap() };
+        let (prompts, completions) = (ids(&w["prompt_ids"]), ids(&w["completion_ids"]));
+        let labels: Vec<bool> = serde_json::from_value(w["label"].clone()).unwrap();
+        assert_eq!(built.rows.len(), 4, "{case}");
+        for (i, r) in built.rows.iter().enumerate() {
+            assert_eq!(r.prompt, prompts[i], "{case} row {i}: prompt");
+            assert_eq!(r.completion, completions[i], "{case} row {i}: completion");
+            assert_eq!(r.desirable, labels[i], "{case} row {i}: label");
+        }
+    }
+}

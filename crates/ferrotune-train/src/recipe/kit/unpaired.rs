@@ -6,7 +6,9 @@
 //! - Columns `prompt`, `completion`, `label` (bool): unpaired rows as they stand.
 //! - Columns `prompt`, `chosen`, `rejected`: a paired preference dataset, split as TRL's
 //!   `unpair_preference_dataset` splits it (which `KTOTrainer` applies to such data): per
-//!   1000-pair map batch, every chosen row (desirable), then every rejected one.
+//!   1000-pair map batch, every chosen row (desirable), then every rejected one. Without a
+//!   `prompt` column the prompt is TRL's `extract_prompt`: chosen's and rejected's common
+//!   prefix (torchtune's `preference_dataset` rows, whose conversations repeat the prompt).
 //! - Text columns are tokenized as [`crate::kto::tokenize_unpaired`] (EOS appended, special
 //!   tokens added); conversational columns (lists of `{role, content}` messages) through the
 //!   tokenizer's chat template as transformers' `apply_chat_template(..., tokenize=True)`: the
@@ -260,6 +262,19 @@ fn tokenize_rows(raw: &[Map<String, Value>], tok: &Tokenizer) -> Result<Vec<Unpa
         return Ok(Vec::new());
     };
     let paired = first.contains_key("chosen") && first.contains_key("rejected");
+    // Paired rows without a prompt column: TRL's `extract_prompt` first.
+    let extracted: Vec<Map<String, Value>>;
+    let raw = match paired && !first.contains_key("prompt") {
+        true => {
+            extracted = raw
+                .iter()
+                .enumerate()
+                .map(|(i, row)| extract_prompt(row).with_context(|| format!("row {i}")))
+                .collect::<Result<_>>()?;
+            &extracted[..]
+        }
+        false => raw,
+    };
     let column = |i: usize, name: &str| -> Result<&Value> {
         raw[i]
             .get(name)
@@ -323,6 +338,62 @@ fn tokenize_row(
              ({{role, content}})"
         ),
     }
+}
+
+/// TRL's `extract_prompt`: the prompt is the longest common prefix of `chosen` and `rejected`
+/// (messages, or characters less a space before the first difference), the rest their
+/// completions. As its Python loop, where neither differs within the shorter one the prefix
+/// stops one short of it.
+fn extract_prompt(row: &Map<String, Value>) -> Result<Map<String, Value>> {
+    let (Some(chosen), Some(rejected)) = (row.get("chosen"), row.get("rejected")) else {
+        bail!("the row has no 'chosen' or no 'rejected' column");
+    };
+    let mut out = row.clone();
+    let mut put = |prompt: Value, c: Value, r: Value| {
+        out.insert("prompt".into(), prompt);
+        out.insert("chosen".into(), c);
+        out.insert("rejected".into(), r);
+    };
+    // The first index where they differ, else the shorter's last, and Python's slices there
+    // (a negative index counts from the end).
+    fn split_at<T: PartialEq>(c: &[T], r: &[T], space: Option<&T>) -> Result<isize> {
+        let n = c.len().min(r.len());
+        if n == 0 {
+            bail!("chosen or rejected is empty: there is no prompt to extract");
+        }
+        let mut idx = (0..n).find(|&i| c[i] != r[i]).unwrap_or(n - 1) as isize;
+        let differs = (idx as usize) < n && c[idx as usize] != r[idx as usize];
+        if differs {
+            let before = c[(idx - 1).rem_euclid(c.len() as isize) as usize..].first();
+            if space.is_some() && before == space {
+                idx -= 1;
+            }
+        }
+        Ok(idx)
+    }
+    fn cut<T: Clone>(v: &[T], idx: isize) -> (Vec<T>, Vec<T>) {
+        let at = match idx < 0 {
+            true => v.len().saturating_sub(idx.unsigned_abs()),
+            false => (idx as usize).min(v.len()),
+        };
+        (v[..at].to_vec(), v[at..].to_vec())
+    }
+    match (chosen, rejected) {
+        (Value::String(c), Value::String(r)) => {
+            let (c, r): (Vec<char>, Vec<char>) = (c.chars().collect(), r.chars().collect());
+            let idx = split_at(&c, &r, Some(&' '))?;
+            let text = |v: Vec<char>| Value::String(v.into_iter().collect());
+            let ((p, c), (_, r)) = (cut(&c, idx), cut(&r, idx));
+            put(text(p), text(c), text(r));
+        }
+        (Value::Array(c), Value::Array(r)) => {
+            let idx = split_at(c, r, None)?;
+            let ((p, c), (_, r)) = (cut(c, idx), cut(r, idx));
+            put(Value::Array(p), Value::Array(c), Value::Array(r));
+        }
+        _ => bail!("chosen and rejected must both be text or both be lists of messages"),
+    }
+    Ok(out)
 }
 
 /// A list of `{role, content}` messages.
