@@ -226,6 +226,7 @@ fn kto_splits_pairs_as_trl_and_names_wrong_keys() {
         "loss.label_smoothing is not a parameter of torchtune.rlhf.loss.KTOLoss",
     );
     refused(&["loss.loss_type=bco"], "loss_type \"bco\"");
+    refused(&["batch_size=8"], "the dataset has 4 rows");
     refused(
         &["dataset.conversation_column=q"],
         "dataset.conversation_column is not a key of ferrotune.datasets.unpaired_dataset",

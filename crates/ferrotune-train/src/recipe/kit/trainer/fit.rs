@@ -184,7 +184,7 @@ impl FineTune {
                  (batch_size {batch_size} × {world} ranks × gradient_accumulation_steps {grad_accum})",
                 cfg.origin,
                 examples.len(),
-                if mode.preference() { "pairs" } else { "rows" }
+                if matches!(examples, Examples::Pairs(_)) { "pairs" } else { "rows" }
             );
         }
         let total_steps = steps_per_epoch * settings.epochs;
