@@ -13,6 +13,16 @@ undesirable_weight): the collated ids and masks TRL trained on (main and KL rows
 TRL's logged loss and metrics of that step; and tests/fixtures/kto/{case}_adapter.safetensors:
 the adapter after the step (PEFT names without `.default`).
 
+Full fine-tuning (case `full_kto`): the same step with every weight trained against a frozen copy of
+the model as TRL's `ref_model`; tests/fixtures/kto/full_kto_model.safetensors holds the weights after
+the step (transformers' names).
+
+Conversational rows (`conversational` in golden.json): a paired conversational dataset (prompt,
+chosen, rejected as message lists) as `KTOTrainer` prepares it: unpaired by
+`unpair_preference_dataset`, tokenized through the model's chat template; TRL's prompt and
+completion ids and labels, in its order. The same for paired rows without a prompt column, text
+and conversational (`implicit_text`, `implicit_conversational`: TRL's `extract_prompt` first).
+
 Run from the repository root (TRL in a venv that keeps the system torch/transformers):
     "$(scripts/fetch-trl.sh)/bin/python" scripts/make_kto_fixtures.py
 The tests read the committed outputs; they do not run this script.
@@ -97,6 +107,90 @@ def run_case(name, settings, tok, golden):
     print(name, {k: v for k, v in log.items()})
 
 
+def run_full(tok, golden):
+    name, settings = "full_kto", CASES["kto"]
+    torch.manual_seed(0)
+    load = lambda: AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32, attn_implementation="eager")
+    model, ref = load(), load()
+    dataset = Dataset.from_dict(ROWS)
+    with tempfile.TemporaryDirectory() as out:
+        args = KTOConfig(
+            output_dir=out,
+            per_device_train_batch_size=len(ROWS["label"]),
+            gradient_accumulation_steps=1,
+            max_steps=1,
+            learning_rate=1.0,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            save_strategy="no",
+            train_sampling_strategy="sequential",
+            **settings,
+        )
+        trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=dataset, processing_class=tok)
+        trainer.train()
+        log = trainer.state.log_history[0]
+        weights = {k: p.detach().clone().contiguous() for k, p in trainer.model.named_parameters()}
+    save_file(weights, os.path.join(OUT, f"{name}_model.safetensors"))
+    golden[name] = {**settings, "log": log}
+    print(name, log)
+
+
+CONVERSATIONAL = {
+    "prompt": [[{"role": "user", "content": "The sky is"}], [{"role": "user", "content": "A cat says"}]],
+    "chosen": [[{"role": "assistant", "content": "blue"}], [{"role": "assistant", "content": "meow"}]],
+    "rejected": [[{"role": "assistant", "content": "five"}], [{"role": "assistant", "content": "a low heat"}]],
+}
+
+
+# Implicit prompts (no prompt column): TRL's `extract_prompt` takes the longest common prefix of
+# chosen and rejected (messages, or characters, less a trailing space).
+IMPLICIT = {
+    "implicit_text": {
+        "chosen": ["The sky is blue", "A cat says meow"],
+        "rejected": ["The sky is green", "A cat says woof"],
+    },
+    "implicit_conversational": {
+        "chosen": [
+            [{"role": "user", "content": "The sky is"}, {"role": "assistant", "content": "blue"}],
+            [{"role": "user", "content": "A cat says"}, {"role": "assistant", "content": "meow"}],
+        ],
+        "rejected": [
+            [{"role": "user", "content": "The sky is"}, {"role": "assistant", "content": "five"}],
+            [{"role": "user", "content": "A cat says"}, {"role": "assistant", "content": "a low heat"}],
+        ],
+    },
+}
+
+
+def prepared(tok, rows):
+    """The rows as `KTOTrainer` prepares them: TRL's prompt and completion ids and labels."""
+    base = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32, attn_implementation="eager")
+    with tempfile.TemporaryDirectory() as out:
+        args = KTOConfig(output_dir=out, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+                         train_sampling_strategy="sequential")
+        trainer = KTOTrainer(model=base, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tok)
+        ds = trainer.train_dataset
+        return {
+            "rows": rows,
+            "prompt_ids": [r["prompt_ids"] for r in ds],
+            "completion_ids": [r["completion_ids"] for r in ds],
+            "label": [r["label"] for r in ds],
+        }
+
+
+def conversational(tok, golden):
+    golden["conversational"] = prepared(tok, CONVERSATIONAL)
+    for name, rows in IMPLICIT.items():
+        golden[name] = prepared(tok, rows)
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(POLICY)
@@ -104,6 +198,8 @@ def main():
               "pad_token_id": tok.pad_token_id}
     for name, settings in CASES.items():
         run_case(name, settings, tok, golden)
+    run_full(tok, golden)
+    conversational(tok, golden)
     json.dump(golden, open(os.path.join(OUT, "golden.json"), "w"), indent=1)
 
 

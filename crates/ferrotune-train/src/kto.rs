@@ -89,7 +89,8 @@ impl KtoLoss {
 /// The `loss` section as `KTOLoss` (`torchtune.rlhf.loss.KTOLoss`, also under
 /// `torchtune.modules.rlhf.loss`), or `None` when `loss._component_` names another loss or none.
 /// A `loss.*` key `KTOLoss` does not take is an error naming it and the keys it takes; a
-/// non-positive `beta` or a negative weight is an error. Not yet read by a recipe.
+/// non-positive `beta` or a negative weight is an error. The DPO recipes read it through
+/// `recipe::setup::preference_loss`.
 pub fn kto_loss(cfg: &crate::config::Config) -> Result<Option<KtoLoss>> {
     let component = match cfg.str("loss._component_")? {
         Some(c) if c.rsplit('.').next() == Some("KTOLoss") => c,

@@ -289,6 +289,9 @@ pub enum PreferenceLoss {
     /// `IPOLoss` (TRL's `DPOTrainer`, `loss_type="ipo"`): `(z̄ − 1/(2β))²` with `z̄ = (π_c −
     /// ref_c)/n_c − (π_r − ref_r)/n_r` (`n` the response's tokens; β = `beta`, default 0.1).
     Ipo { beta: f64 },
+    /// `KTOLoss` (TRL's `KTOTrainer`): unpaired rows, each desirable or undesirable, against
+    /// the reference with TRL's KL estimate; its arithmetic is [`crate::kto`].
+    Kto(crate::kto::KtoLoss),
 }
 
 /// Which tokens of the chosen rows a preference loss's cross-entropy term covers.
@@ -335,6 +338,10 @@ impl PreferenceLoss {
                 alpha: 1.0,
             }),
             "IPOLoss" => Some(Self::Ipo { beta }),
+            "KTOLoss" => Some(Self::Kto(crate::kto::KtoLoss {
+                beta,
+                ..Default::default()
+            })),
             _ => None,
         }
     }
@@ -360,6 +367,7 @@ impl PreferenceLoss {
             Self::Orpo { .. } | Self::Ipo { .. } => &["beta"],
             Self::Simpo { .. } => &["beta", "simpo_gamma", "label_smoothing", "cpo_alpha"],
             Self::Cpo { .. } => &["beta", "label_smoothing", "cpo_alpha"],
+            Self::Kto(_) => crate::kto::KtoLoss::PARAMS,
         }
     }
 
@@ -402,6 +410,7 @@ impl PreferenceLoss {
             | Self::Cpo { beta, .. }
             | Self::Ipo { beta } => beta,
             Self::Rso { gamma } => gamma,
+            Self::Kto(k) => k.beta,
         }
     }
 }
@@ -537,6 +546,11 @@ pub fn preference_terms(
             ..
         } => sigmoid(&(z * beta)?, label_smoothing)?,
         PreferenceLoss::Ipo { beta } => (z - 1.0 / (2.0 * beta))?.sqr()?,
+        PreferenceLoss::Kto(_) => {
+            bail!(
+                "preference loss: KTOLoss scores unpaired rows (crate::kto::kto_terms), not pairs"
+            )
+        }
     };
     let mut total = losses.sum_all()?;
     let mut nll_value = 0.0;

@@ -14,6 +14,7 @@ mod grpo;
 mod grpo_rewards;
 mod hub_server;
 mod knobs;
+mod kto;
 mod merge;
 mod optim_quant;
 mod plot;

@@ -152,6 +152,9 @@ const LOSS_KEYS: &[(&str, Ty)] = &[
     ("gamma", Ty::Float),
     ("simpo_gamma", Ty::Float),
     ("cpo_alpha", Ty::Float),
+    // KTOLoss (the DPO recipes; also `beta`, `loss_type`).
+    ("desirable_weight", Ty::Float),
+    ("undesirable_weight", Ty::Float),
     // PPOLoss (ppo_full_finetune_single_device).
     ("epsilon", Ty::Float),
     ("value_clip_range", Ty::Float),

@@ -13,7 +13,7 @@ use ferrotune_models::CausalLm;
 
 use crate::config::Config;
 use crate::loss::PreferenceLoss;
-use crate::recipe::kit::model::{reference_logps, setup_reference};
+use crate::recipe::kit::model::{kto_kl, reference_logps, setup_reference};
 use crate::recipe::kit::settings::Mode;
 use crate::recipe::kit::trainer::{At, FineTune, Hooks, Trainable};
 use crate::recipe::Recipe;
@@ -60,14 +60,28 @@ struct Dpo {
 }
 
 impl Hooks for Dpo {
-    fn prepare(&mut self, batch: &mut MicroBatch, at: At<'_>) -> Result<()> {
+    fn prepare(&mut self, batch: &mut MicroBatch, mut at: At<'_>) -> Result<()> {
+        let reference = self.reference.as_ref();
+        if let Some(mut p) = batch.preference.take() {
+            // KTO's rows come with their labels and KL rows: the reference's log probabilities
+            // of the rows, and the KL estimate.
+            if let Some(u) = p.unpaired.as_mut() {
+                if let Some(kl_rows) = &u.kl_rows {
+                    u.kl = kto_kl(reference, at.model, at.sharded.as_deref_mut(), kl_rows)?;
+                }
+            }
+            p.reference_logps = reference_logps(reference, at.model, at.sharded, batch)?;
+            batch.preference = Some(p);
+            return Ok(());
+        }
         let reference_logps = match self.loss.reference_free() {
             true => vec![0.0; batch.input_ids.dim(0)?],
-            false => reference_logps(self.reference.as_ref(), at.model, at.sharded, batch)?,
+            false => reference_logps(reference, at.model, at.sharded, batch)?,
         };
         batch.preference = Some(Preference {
             reference_logps,
             loss: self.loss,
+            unpaired: None,
         });
         Ok(())
     }

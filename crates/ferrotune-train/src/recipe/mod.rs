@@ -257,7 +257,7 @@ pub fn infer(cfg: &Config) -> Result<&'static Recipe> {
                         "{}: loss._component_ '{component}' is not supported \
                          (torch.nn.CrossEntropyLoss, torchtune.modules.loss.CEWithChunkedOutputLoss \
                          or LinearCrossEntropyLoss; for the DPO recipes torchtune.rlhf.loss.DPOLoss, \
-                         RSOLoss, ORPOLoss, SimPOLoss, CPOLoss or IPOLoss)",
+                         RSOLoss, ORPOLoss, SimPOLoss, CPOLoss, IPOLoss or KTOLoss)",
                         cfg.origin
                     );
                 }

@@ -6,7 +6,8 @@ use candle_core::{DType, Result, Tensor, Var};
 use ferrotune_models::CausalLm;
 
 use crate::loss::{
-    causal_lm_head_loss, kd_rows_sum, preference_terms, shifted_targets, NllOver, IGNORE_INDEX,
+    causal_lm_head_loss, kd_rows_sum, preference_terms, shifted_targets, NllOver, PreferenceLoss,
+    IGNORE_INDEX,
 };
 
 use super::{
@@ -85,6 +86,12 @@ pub fn reference_log_probs_at(
 /// accumulation; no f32 copy of `[V, h]`). With Gemma 2's softcap the logits are formed in
 /// chunks of positions.
 fn mean_logit(model: &CausalLm, hidden: &Tensor, start: usize, len: usize) -> Result<f64> {
+    mean_logit_of(model, &hidden.narrow(0, start, len)?)
+}
+
+/// The mean logit over the hidden states `rows` (`[..., h]`, every one counted) and every
+/// vocabulary entry, as [`mean_logit`].
+fn mean_logit_of(model: &CausalLm, rows: &Tensor) -> Result<f64> {
     let head = &model.lm_head;
     let weight = head.weight.dense()?;
     let weight = match &head.adapter {
@@ -106,8 +113,7 @@ fn mean_logit(model: &CausalLm, hidden: &Tensor, start: usize, len: usize) -> Re
     }
     .map(|b| b.detach().to_dtype(DType::F32))
     .transpose()?;
-    let rows = hidden.narrow(0, start, len)?.detach();
-    let flat = rows.reshape(((), h))?;
+    let flat = rows.detach().reshape(((), h))?;
     let Some(cap) = model.config.final_logit_softcapping else {
         let ones = Tensor::ones((1, vocab), weight.dtype(), weight.device())?;
         let mut mean_row = (ones.matmul(&weight)?.to_dtype(DType::F32)? / vocab as f64)?;
@@ -267,6 +273,23 @@ fn preference_head_loss(
     p: &Preference,
 ) -> Result<(Tensor, HeadParts)> {
     let logps = sequence_log_probs(hidden, model, &batch.labels)?;
+    if let (PreferenceLoss::Kto(loss), Some(u)) = (p.loss, &p.unpaired) {
+        // KTO: the rows' summed loss, and TRL's sums over each label's rows.
+        let terms = crate::kto::kto_terms(&logps, &p.reference_logps, &u.desirable, u.kl, loss)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let stats = PairStats {
+            chosen_reward: terms.chosen.rewards,
+            rejected_reward: terms.rejected.rewards,
+            chosen_logps: terms.chosen.logps,
+            rejected_logps: terms.rejected.logps,
+            chosen_rows: terms.chosen.count,
+            rejected_rows: terms.rejected.count,
+            kl: u.kl,
+            ..PairStats::default()
+        };
+        let stats = kto_logits(model, hidden, batch, &u.desirable, stats)?;
+        return Ok((terms.total, HeadParts::Pairs(stats)));
+    }
     let n = logps.dim(0)? / 2;
     let labels: Vec<Vec<i64>> = batch.labels.to_vec2()?;
     // Each row's response tokens (its labels after the first, as the loss shifts them).
@@ -324,6 +347,38 @@ fn preference_head_loss(
     stats.chosen_logits = mean_logit(model, hidden, 0, n)? * n as f64;
     stats.rejected_logits = mean_logit(model, hidden, n, n)? * n as f64;
     Ok((terms.total, HeadParts::Pairs(stats)))
+}
+
+/// TRL's KTO `logits/*` sums: over the desirable (and the undesirable) rows' positions that
+/// predict a completion token, the mean logit over the vocabulary, summed, and those positions
+/// counted.
+fn kto_logits(
+    model: &CausalLm,
+    hidden: &Tensor,
+    batch: &MicroBatch,
+    desirable: &[bool],
+    mut stats: PairStats,
+) -> Result<PairStats> {
+    let (b, t, h) = hidden.dims3()?;
+    let targets = shifted_targets(&batch.labels, true, model.config.vocab_size)?;
+    let flat = hidden.reshape((b * t, h))?;
+    for side in [true, false] {
+        let picked: Vec<u32> = (0..b * t)
+            .filter(|&i| desirable[i / t] == side && targets[i] != IGNORE_INDEX)
+            .map(|i| i as u32)
+            .collect();
+        if picked.is_empty() {
+            continue;
+        }
+        let n = picked.len();
+        let rows = flat.index_select(&Tensor::from_vec(picked, n, hidden.device())?, 0)?;
+        let sum = mean_logit_of(model, &rows)? * n as f64;
+        match side {
+            true => (stats.chosen_logits, stats.chosen_tokens) = (sum, n as f64),
+            false => (stats.rejected_logits, stats.rejected_tokens) = (sum, n as f64),
+        }
+    }
+    Ok(stats)
 }
 
 /// The values of [`head_loss`]'s tensors (read after the backward is queued).

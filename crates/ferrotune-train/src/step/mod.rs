@@ -81,6 +81,21 @@ pub struct Preference {
     pub reference_logps: Vec<f32>,
     /// `loss._component_`.
     pub loss: PreferenceLoss,
+    /// KTO: the batch is unpaired rows (not pairs), with their labels and KL estimate.
+    pub unpaired: Option<Unpaired>,
+}
+
+/// What a KTO micro-batch adds ([`crate::kto`]): each row's label, TRL's mismatched KL rows, and
+/// the KL estimate read from them before the step.
+#[derive(Debug, Clone)]
+pub struct Unpaired {
+    /// Per row: desirable (TRL's `label`).
+    pub desirable: Vec<bool>,
+    /// The KL rows (each prompt with the previous row's completion); none for
+    /// `apo_zero_unpaired`.
+    pub kl_rows: Option<Box<MicroBatch>>,
+    /// The clamped KL estimate the loss reads (0 without KL rows).
+    pub kl: f64,
 }
 
 /// What a distillation run adds to a micro-batch (torchtune's `knowledge_distillation_*`).
@@ -153,6 +168,14 @@ pub struct PairStats {
     /// ORPO's `log σ(odds ratio)` and log odds ratio, summed over the pairs.
     pub log_odds_ratio: f64,
     pub log_odds_chosen: f64,
+    /// KTO: the desirable and undesirable rows (`chosen_*` / `rejected_*` then sum over them;
+    /// `*_logits` over their positions that predict a completion token, which `*_tokens` count),
+    /// and the micro-batches' KL estimates, summed.
+    pub chosen_rows: f64,
+    pub rejected_rows: f64,
+    pub kl: f64,
+    pub chosen_tokens: f64,
+    pub rejected_tokens: f64,
 }
 
 impl PairStats {
@@ -169,6 +192,11 @@ impl PairStats {
             self.nll,
             self.log_odds_ratio,
             self.log_odds_chosen,
+            self.chosen_rows,
+            self.rejected_rows,
+            self.kl,
+            self.chosen_tokens,
+            self.rejected_tokens,
         ]
     }
 
@@ -185,6 +213,11 @@ impl PairStats {
             nll: v[7],
             log_odds_ratio: v[8],
             log_odds_chosen: v[9],
+            chosen_rows: v[10],
+            rejected_rows: v[11],
+            kl: v[12],
+            chosen_tokens: v[13],
+            rejected_tokens: v[14],
         }
     }
 
@@ -222,6 +255,43 @@ impl PairStats {
             out.push(("log_odds_chosen", self.log_odds_chosen / n));
         }
         out
+    }
+}
+
+impl PairStats {
+    /// TRL's KTO metrics of a step of `micro_batches` micro-batches (over every rank):
+    /// [`crate::kto::kto_metrics`] on the sums over its rows, the KL estimate the micro-batches'
+    /// mean, and `logits/chosen` / `logits/rejected`, the mean logit over the completion
+    /// positions of each label's rows.
+    pub fn kto_metrics(&self, micro_batches: usize) -> Vec<(&'static str, f64)> {
+        let mut out = self.kto_means(micro_batches);
+        if self.chosen_tokens > 0.0 {
+            out.push(("logits/chosen", self.chosen_logits / self.chosen_tokens));
+        }
+        if self.rejected_tokens > 0.0 {
+            out.push((
+                "logits/rejected",
+                self.rejected_logits / self.rejected_tokens,
+            ));
+        }
+        out
+    }
+
+    fn kto_means(&self, micro_batches: usize) -> Vec<(&'static str, f64)> {
+        let side = |count, rewards, logps| crate::kto::SideSums {
+            count,
+            rewards,
+            logps,
+        };
+        crate::kto::kto_metrics(
+            side(self.chosen_rows, self.chosen_reward, self.chosen_logps),
+            side(
+                self.rejected_rows,
+                self.rejected_reward,
+                self.rejected_logps,
+            ),
+            self.kl / micro_batches.max(1) as f64,
+        )
     }
 }
 

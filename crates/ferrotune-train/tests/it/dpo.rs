@@ -69,6 +69,7 @@ fn dpo_and_rso_losses_metrics_and_gradients_match_torchtune() {
             batch.preference = Some(Preference {
                 reference_logps: reference,
                 loss,
+                unpaired: None,
             });
             let mut grads = empty_grads().unwrap();
             let step =
@@ -176,6 +177,7 @@ fn logged_mean_logits_are_the_mean_of_the_logits() {
                 beta: 0.1,
                 label_smoothing: 0.0,
             },
+            unpaired: None,
         });
         let logits = model
             .forward(&batch.input_ids, &batch.layout, None)

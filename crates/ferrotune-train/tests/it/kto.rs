@@ -278,3 +278,131 @@ fn kto_loss_section_parses_and_names_wrong_keys() {
     assert!(err(format!("{c}  undesirable_weight: -1\n")).contains("loss.undesirable_weight"));
     assert!(err(format!("{c}  beta: fast\n")).contains("loss.beta"));
 }
+
+/// `ferrotune.datasets.unpaired_dataset` on TRL's conversational paired rows (prompt, chosen,
+/// rejected as message lists): the rows `KTOTrainer` prepared (scripts/make_kto_fixtures.py) —
+/// unpaired in TRL's order, each side through the chat template — and, in one batch, the KL rows
+/// rotated by one; with `apo_zero_unpaired` no KL rows.
+#[test]
+fn unpaired_dataset_reads_conversational_pairs_as_trl() {
+    use ferrotune_train::recipe::kit::unpaired::UnpairedData;
+    let want = json(fixtures().join("kto/golden.json"));
+    let conv = &want["conversational"];
+    let dir = ferrotune_testing::fresh_dir(&format!("ferrotune-kto-conv-{}", std::process::id()));
+    let rows = &conv["rows"];
+    let lines: Vec<String> = (0..2)
+        .map(|i| {
+            serde_json::json!({
+                "prompt": rows["prompt"][i],
+                "chosen": rows["chosen"][i],
+                "rejected": rows["rejected"][i],
+            })
+            .to_string()
+        })
+        .collect();
+    let data = dir.join("pairs.jsonl");
+    std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+    let yaml = format!(
+        "tokenizer:\n  path: {}\ndataset:\n  _component_: ferrotune.datasets.unpaired_dataset\n  \
+         source: json\n  data_files: {}\n",
+        fixtures().join("llama3/model").display(),
+        data.display()
+    );
+    let cfg = ferrotune_train::config::Config {
+        root: ferrotune_train::config::parse_yaml(&yaml, "kto.yaml").unwrap(),
+        origin: "kto.yaml".into(),
+    };
+    let tok = Tokenizer::from_dir(fixtures().join("llama3/model")).unwrap();
+    let built = UnpairedData::build(&cfg, &tok, None, KtoLoss::default()).unwrap();
+    let ids = |v: &Value| -> Vec<Vec<u32>> { serde_json::from_value(v.clone()).unwrap() };
+    let (prompts, completions) = (ids(&conv["prompt_ids"]), ids(&conv["completion_ids"]));
+    let labels: Vec<bool> = serde_json::from_value(conv["label"].clone()).unwrap();
+    assert_eq!(built.rows.len(), 4);
+    for (i, r) in built.rows.iter().enumerate() {
+        assert_eq!(r.prompt, prompts[i], "row {i}: prompt");
+        assert_eq!(r.completion, completions[i], "row {i}: completion");
+        assert_eq!(r.desirable, labels[i], "row {i}: label");
+    }
+    let batch = built.micro_batch(0..4, 3, &Device::Cpu).unwrap();
+    assert_eq!(batch.num_targets, 4);
+    let p = batch.preference.as_ref().unwrap();
+    let u = p.unpaired.as_ref().unwrap();
+    assert_eq!(u.desirable, labels);
+    let kl = u.kl_rows.as_ref().unwrap();
+    let kl_ids: Vec<Vec<u32>> = kl.input_ids.to_vec2().unwrap();
+    for i in 0..4 {
+        let want = [prompts[i].clone(), completions[(i + 3) % 4].clone()].concat();
+        assert_eq!(kl_ids[i][..want.len()], want[..], "KL row {i}");
+    }
+    let apo = KtoLoss {
+        loss_type: KtoLossType::ApoZeroUnpaired,
+        ..KtoLoss::default()
+    };
+    let built = UnpairedData::build(&cfg, &tok, None, apo).unwrap();
+    let batch = built.micro_batch(0..4, 3, &Device::Cpu).unwrap();
+    let p = batch.preference.unwrap();
+    assert!(p.unpaired.unwrap().kl_rows.is_none());
+    // TRL's `max_length`: rows whose prompt fills it are dropped (here the 20-token prompts), the
+    // others cut to it.
+    let cfg = ferrotune_train::config::Config {
+        root: ferrotune_train::config::parse_yaml(
+            &format!("{yaml}  max_seq_len: 20\n"),
+            "kto.yaml",
+        )
+        .unwrap(),
+        origin: "kto.yaml".into(),
+    };
+    let built = UnpairedData::build(&cfg, &tok, None, KtoLoss::default()).unwrap();
+    let kept: Vec<usize> = (0..4).filter(|&i| prompts[i].len() < 20).collect();
+    assert_eq!(kept.len(), 2);
+    assert_eq!(built.rows.len(), 2);
+    let batch = built.micro_batch(0..2, 3, &Device::Cpu).unwrap();
+    let got: Vec<Vec<u32>> = batch.input_ids.to_vec2().unwrap();
+    for (row, &i) in got.iter().zip(&kept) {
+        let full = [prompts[i].clone(), completions[i].clone()].concat();
+        assert_eq!(row[..], full[..20], "row {i}");
+    }
+}
+
+/// Paired rows without a prompt column, text and conversational: the prompt is TRL's
+/// `extract_prompt` (the common prefix; for text less the space before the first difference),
+/// then the rows are unpaired and tokenized as `KTOTrainer` prepared them.
+#[test]
+fn unpaired_dataset_extracts_implicit_prompts_as_trl() {
+    use ferrotune_train::recipe::kit::unpaired::UnpairedData;
+    let want = json(fixtures().join("kto/golden.json"));
+    let tok = Tokenizer::from_dir(fixtures().join("llama3/model")).unwrap();
+    let dir =
+        ferrotune_testing::fresh_dir(&format!("ferrotune-kto-implicit-{}", std::process::id()));
+    for case in ["implicit_text", "implicit_conversational"] {
+        let w = &want[case];
+        let rows = &w["rows"];
+        let lines: Vec<String> = (0..2)
+            .map(|i| {
+                serde_json::json!({"chosen": rows["chosen"][i], "rejected": rows["rejected"][i]})
+                    .to_string()
+            })
+            .collect();
+        let data = dir.join(format!("{case}.jsonl"));
+        std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+        let yaml = format!(
+            "dataset:\n  _component_: ferrotune.datasets.unpaired_dataset\n  source: json\n  \
+             data_files: {}\n",
+            data.display()
+        );
+        let cfg = ferrotune_train::config::Config {
+            root: ferrotune_train::config::parse_yaml(&yaml, "kto.yaml").unwrap(),
+            origin: "kto.yaml".into(),
+        };
+        let built = UnpairedData::build(&cfg, &tok, None, KtoLoss::default()).unwrap();
+        let ids = |v: &Value| -> Vec<Vec<u32>> { serde_json::from_value(v.clone()).unwrap() };
+        let (prompts, completions) = (ids(&w["prompt_ids"]), ids(&w["completion_ids"]));
+        let labels: Vec<bool> = serde_json::from_value(w["label"].clone()).unwrap();
+        assert_eq!(built.rows.len(), 4, "{case}");
+        for (i, r) in built.rows.iter().enumerate() {
+            assert_eq!(r.prompt, prompts[i], "{case} row {i}: prompt");
+            assert_eq!(r.completion, completions[i], "{case} row {i}: completion");
+            assert_eq!(r.desirable, labels[i], "{case} row {i}: label");
+        }
+    }
+}

@@ -74,6 +74,7 @@ fn orpo_simpo_cpo_ipo_losses_metrics_and_gradients_match_trl() {
             batch.preference = Some(Preference {
                 reference_logps: reference,
                 loss,
+                unpaired: None,
             });
             let mut grads = empty_grads().unwrap();
             let step =

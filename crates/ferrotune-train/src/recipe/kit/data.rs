@@ -14,6 +14,8 @@ pub enum Examples {
     Pairs(Vec<PreferencePair>),
     /// Chosen and rejected sequences scored by a reward model.
     Rewards(Vec<RewardPair>),
+    /// Unpaired rows, each desirable or not (KTO).
+    Unpaired(super::unpaired::UnpairedData),
 }
 
 impl Examples {
@@ -23,6 +25,7 @@ impl Examples {
             Examples::Rows(r) => r.len(),
             Examples::Pairs(p) => p.len(),
             Examples::Rewards(p) => p.len(),
+            Examples::Unpaired(u) => u.rows.len(),
         }
     }
 
@@ -51,6 +54,7 @@ impl Examples {
                 let pairs: Vec<&RewardPair> = picked.map(|i| &pairs[i]).collect();
                 MicroBatch::from_reward_pairs(&pairs, pad, device)?
             }
+            Examples::Unpaired(u) => u.micro_batch(picked, pad, device)?,
         })
     }
 }

@@ -32,4 +32,5 @@ pub mod rollout;
 pub mod session;
 pub mod settings;
 pub mod trainer;
+pub mod unpaired;
 pub mod validation;

@@ -189,6 +189,33 @@ pub fn reference_logps(
     })
 }
 
+/// KTO's KL estimate on a micro-batch's KL rows (TRL's): the mean of the policy's summed
+/// completion log probabilities (no gradient) minus the reference's ([`reference_logps`]);
+/// when `sharded`, both passes gather one unit at a time and the mean is averaged over the ranks
+/// (TRL's `gather_for_metrics(kl).mean()`). Clamped at 0.
+pub fn kto_kl(
+    reference: Option<&CausalLm>,
+    model: &mut CausalLm,
+    mut sharded: Option<&mut ShardedModel>,
+    kl_rows: &MicroBatch,
+) -> Result<f64> {
+    let policy = match sharded.as_deref_mut() {
+        Some(sm) => {
+            let labels = kl_rows.labels.clone();
+            sm.inference_pass(model, &kl_rows.input_ids, &kl_rows.layout, false, |m, h| {
+                Ok(reference_log_probs_at(h, m, &labels)?)
+            })?
+        }
+        None => reference_log_probs(model, kl_rows)?,
+    };
+    let reference = reference_logps(reference, model, sharded.as_deref_mut(), kl_rows)?;
+    let mut mean = crate::kto::kl_mean(&policy, &reference)?;
+    if let Some(sm) = sharded {
+        mean = sm.all_reduce_f64(&[mean])?[0] / sm.queue().world_size() as f64;
+    }
+    Ok(crate::kto::kl_clamped(mean))
+}
+
 /// How a distillation run's loss mixes in the teacher: `kd_ratio` and the `kd_loss` section.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KdSettings {

@@ -765,11 +765,13 @@ pub fn check_loss(cfg: &Config) -> Result<()> {
     let name = c.rsplit('.').next().unwrap_or("");
     match name {
         "CrossEntropyLoss" | "CEWithChunkedOutputLoss" | "LinearCrossEntropyLoss" => Ok(()),
-        "DPOLoss" | "RSOLoss" | "ORPOLoss" | "SimPOLoss" | "CPOLoss" | "IPOLoss" => bail!(
-            "{}: loss._component_ '{c}' is a preference loss: it trains with the DPO recipes \
+        "DPOLoss" | "RSOLoss" | "ORPOLoss" | "SimPOLoss" | "CPOLoss" | "IPOLoss" | "KTOLoss" => {
+            bail!(
+                "{}: loss._component_ '{c}' is a preference loss: it trains with the DPO recipes \
              (lora_dpo_single_device, lora_dpo_distributed, full_dpo_distributed)",
-            cfg.origin
-        ),
+                cfg.origin
+            )
+        }
         _ => bail!(
             "{}: loss._component_ '{c}' is not supported (torch.nn.CrossEntropyLoss, \
              torchtune.modules.loss.CEWithChunkedOutputLoss or LinearCrossEntropyLoss)",
@@ -781,8 +783,12 @@ pub fn check_loss(cfg: &Config) -> Result<()> {
 /// The DPO recipes' `loss` section: `torchtune.rlhf.loss.DPOLoss` (the default; `beta`,
 /// `label_smoothing`), `RSOLoss` (`gamma`), or TRL's `ORPOLoss` (`beta`), `SimPOLoss` (`beta`,
 /// `simpo_gamma`, `label_smoothing`, `cpo_alpha`), `CPOLoss` (`beta`, `label_smoothing`,
-/// `cpo_alpha`), `IPOLoss` (`beta`). A key the chosen loss does not take is an error.
+/// `cpo_alpha`), `IPOLoss` (`beta`), `KTOLoss` ([`crate::kto::kto_loss`]). A key the chosen loss
+/// does not take is an error.
 pub fn preference_loss(cfg: &Config) -> Result<crate::loss::PreferenceLoss> {
+    if let Some(kto) = crate::kto::kto_loss(cfg)? {
+        return Ok(crate::loss::PreferenceLoss::Kto(kto));
+    }
     let component = cfg
         .str("loss._component_")?
         .unwrap_or_else(|| "torchtune.rlhf.loss.DPOLoss".into());
@@ -796,8 +802,8 @@ pub fn preference_loss(cfg: &Config) -> Result<crate::loss::PreferenceLoss> {
     .ok_or_else(|| {
         anyhow!(
             "{}: loss._component_ '{component}' is not a preference loss the DPO recipes \
-             support (torchtune.rlhf.loss.DPOLoss, RSOLoss, ORPOLoss, SimPOLoss, CPOLoss or \
-             IPOLoss)",
+             support (torchtune.rlhf.loss.DPOLoss, RSOLoss, ORPOLoss, SimPOLoss, CPOLoss, \
+             IPOLoss or KTOLoss)",
             cfg.origin
         )
     })?;
@@ -896,7 +902,7 @@ pub fn dataset_at(
 }
 
 /// Dataset section `key` with `tokenizer.max_seq_len` filled in where a dataset sets none.
-fn dataset_section(cfg: &Config, key: &str) -> Result<serde_json::Value> {
+pub(crate) fn dataset_section(cfg: &Config, key: &str) -> Result<serde_json::Value> {
     let mut section = cfg
         .get(key)
         .cloned()
@@ -963,7 +969,9 @@ pub fn check_components(cfg: &Config) -> Vec<String> {
             .map_err(|e| anyhow!("{}: {e}", cfg.origin)),
     );
     for key in ["dataset", "dataset_val"] {
-        if let Some(section) = cfg.get(key).filter(|v| !v.is_null()) {
+        let section = cfg.get(key).filter(|v| !v.is_null());
+        // KTO's unpaired rows are the kit's builder, not the data crate's.
+        if let Some(section) = section.filter(|s| !crate::recipe::kit::unpaired::named(s)) {
             note(
                 ferrotune_data::dataset::check_section(section)
                     .map_err(|e| anyhow!("{}: {key}: {e}", cfg.origin)),

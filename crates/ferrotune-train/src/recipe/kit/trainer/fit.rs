@@ -13,6 +13,7 @@ use indicatif::ProgressBar;
 
 use crate::config::Config;
 use crate::dist::fsdp::{forward_backward_sharded, ShardedModel};
+use crate::loss::PreferenceLoss;
 use crate::metrics::{peak_rss_mb, MetricLogger};
 use crate::optim::Optimizer;
 use crate::recipe::kit::checkpoint::Saver;
@@ -21,6 +22,7 @@ use crate::recipe::kit::push;
 use crate::recipe::kit::report::{kill_if_asked, note_ignored_keys, progress_bar, report_memory};
 use crate::recipe::kit::reward;
 use crate::recipe::kit::settings::Mode;
+use crate::recipe::kit::unpaired::UnpairedData;
 use crate::recipe::kit::validation;
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
@@ -138,7 +140,10 @@ impl FineTune {
         };
         let tokenizer = &self.tokenizer;
         let positions = model.config.position_limit();
-        let examples = if mode.preference() {
+        let examples = if let Some(PreferenceLoss::Kto(loss)) = settings.preference_loss {
+            Examples::Unpaired(UnpairedData::build(cfg, tokenizer, positions, loss)?)
+        } else if mode.preference() {
+            crate::recipe::kit::unpaired::refuse_for_pairs(cfg)?;
             Examples::Pairs(setup::preference_dataset(cfg, tokenizer, positions)?)
         } else if mode.reward_model() {
             Examples::Rewards(reward::pairs(cfg, tokenizer, positions, lead)?)
@@ -182,7 +187,7 @@ impl FineTune {
                  (batch_size {batch_size} × {world} ranks × gradient_accumulation_steps {grad_accum})",
                 cfg.origin,
                 examples.len(),
-                if mode.preference() || mode.reward_model() { "pairs" } else { "rows" }
+                if matches!(examples, Examples::Pairs(_) | Examples::Rewards(_)) { "pairs" } else { "rows" }
             );
         }
         let total_steps = steps_per_epoch * settings.epochs;
@@ -487,7 +492,10 @@ impl Trainer {
                         // TRL's RewardTrainer metrics, over the step's pairs (every rank's).
                         metrics.extend(losses.rewards.metrics(targets));
                     }
-                    if mode.preference() {
+                    if let Some(PreferenceLoss::Kto(_)) = settings.preference_loss {
+                        // TRL's KTO metrics (every rank's).
+                        metrics.extend(losses.pairs.kto_metrics(grad_accum * world));
+                    } else if mode.preference() {
                         // torchtune's DPO metrics, as means over the step's pairs (every rank's).
                         metrics.extend(losses.pairs.metrics(targets));
                         if let Some(loss) = settings.preference_loss {
