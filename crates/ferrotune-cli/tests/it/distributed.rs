@@ -346,12 +346,33 @@ fn gpt_oss_lora_on_two_ranks_equals_one_device() {
     assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "none"]);
 }
 
-/// Full fine-tuning of each 2026 family on 2 ranks, sharded and replicated, equals one device:
+/// QLoRA (`model.quantize_base`) on Qwen3.5-MoE (DeltaNet projections and experts in NF4) and
+/// gpt-oss (q/k/v/o in NF4, dense experts and sinks) on 2 ranks, the NF4 base sharded or
+/// replicated, equals one device.
+#[test]
+fn new_families_qlora_on_two_ranks_equals_one_device() {
+    for family in ["qwen3_5_moe", "gpt_oss"] {
+        let case = Case::with_vocab(&format!("qlora-{family}"), &format!("models/{family}"), 512);
+        assert_lora_on_two_ranks_equals_one_device(
+            &case,
+            &["model.quantize_base=true"],
+            &["full", "none"],
+        );
+    }
+}
+
+/// Full fine-tuning of each 2026 family (Qwen3-Next too) on 2 ranks, sharded and replicated, equals one device:
 /// every parameter (DeltaNet's `A_log`, `dt_bias`, `conv1d` and gated norm, fused experts,
 /// attention sinks, MLA's projections) is sharded, gathered and reduced as one device updates it.
 #[test]
 fn new_families_full_finetune_on_two_ranks_equals_one_device() {
-    for family in ["qwen3_5", "qwen3_5_moe", "gpt_oss", "deepseek_v3"] {
+    for family in [
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "gpt_oss",
+        "deepseek_v3",
+    ] {
         let case = Case::with_vocab(&format!("full-{family}"), &format!("models/{family}"), 512);
         let (single, want) = case.single_device_reference("full_finetune_single_device");
         assert_eq!(want.len(), 4, "{family}: 2 steps × 2 epochs");
