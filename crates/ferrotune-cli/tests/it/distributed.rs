@@ -323,11 +323,14 @@ fn deepseek_lora_on_two_ranks_equals_one_device() {
 }
 
 /// Qwen3.5 (Gated DeltaNet layers beside gated full attention): LoRA on the full-attention
-/// projections and every MLP trains on 2 ranks as on one device, sharded or not.
+/// projections, every DeltaNet projection and every MLP trains on 2 ranks as on one device,
+/// sharded or not.
 #[test]
 fn qwen3_5_lora_on_two_ranks_equals_one_device() {
     let case = Case::with_vocab("qwen3_5", "models/qwen3_5", 512);
-    assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "none"]);
+    let modules = "model.lora_attn_modules=[q_proj,k_proj,v_proj,output_proj,in_proj_qkv,\
+                   in_proj_z,in_proj_b,in_proj_a,out_proj]";
+    assert_lora_on_two_ranks_equals_one_device(&case, &[modules], &["full", "none"]);
 }
 
 /// Qwen3.5's MoE (fused routed experts, the sigmoid-gated shared expert): LoRA on the
