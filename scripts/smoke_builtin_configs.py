@@ -27,7 +27,7 @@ FAM = {"llama2": "llama2", "code_llama2": "llama2", "llama3": "llama2", "llama3_
        "llama3_2": "llama3_2", "mistral": "mistral", "qwen2": "qwen2_5", "qwen2_5": "qwen2_5", "qwen3": "qwen3",
        "gemma": "gemma", "gemma2": "gemma2", "phi3": "phi3", "phi4": "phi3", "smollm2": "smollm2_like",
        "deepseek_v2": "deepseek_v2",
-       "gpt_oss": "gpt_oss"}
+       "gpt_oss": "gpt_oss", "qwen3_5": "qwen3_5"}
 ls = subprocess.run([BIN, "ls"], capture_output=True, text=True).stdout.splitlines()[1:]
 pairs = []; recipe = None
 for line in ls:

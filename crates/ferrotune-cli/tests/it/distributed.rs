@@ -322,6 +322,85 @@ fn deepseek_lora_on_two_ranks_equals_one_device() {
     assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "none"]);
 }
 
+/// Qwen3.5 (Gated DeltaNet layers beside gated full attention): LoRA on the full-attention
+/// projections, every DeltaNet projection and every MLP trains on 2 ranks as on one device,
+/// sharded or not.
+#[test]
+fn qwen3_5_lora_on_two_ranks_equals_one_device() {
+    let case = Case::with_vocab("qwen3_5", "models/qwen3_5", 512);
+    let modules = "model.lora_attn_modules=[q_proj,k_proj,v_proj,output_proj,in_proj_qkv,\
+                   in_proj_z,in_proj_b,in_proj_a,out_proj]";
+    assert_lora_on_two_ranks_equals_one_device(&case, &[modules], &["full", "none"]);
+}
+
+/// Qwen3.5's MoE (fused routed experts, the sigmoid-gated shared expert): LoRA on the
+/// attention and the MLPs trains on 2 ranks as on one device, sharded or not.
+#[test]
+fn qwen3_5_moe_lora_on_two_ranks_equals_one_device() {
+    let case = Case::with_vocab("qwen3_5_moe", "models/qwen3_5_moe", 512);
+    assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "none"]);
+}
+
+/// gpt-oss (attention sinks, sliding and full layers, biased q/k/v/o): LoRA on the attention
+/// trains on 2 ranks as on one device, sharded or not.
+#[test]
+fn gpt_oss_lora_on_two_ranks_equals_one_device() {
+    let case = Case::with_vocab("gpt_oss", "models/gpt_oss", 512);
+    assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "none"]);
+}
+
+/// QLoRA (`model.quantize_base`) on Qwen3.5-MoE (DeltaNet projections and experts in NF4) and
+/// gpt-oss (q/k/v/o in NF4, dense experts and sinks) on 2 ranks, the NF4 base sharded or
+/// replicated, equals one device.
+#[test]
+fn new_families_qlora_on_two_ranks_equals_one_device() {
+    for family in ["qwen3_5_moe", "gpt_oss"] {
+        let case = Case::with_vocab(&format!("qlora-{family}"), &format!("models/{family}"), 512);
+        assert_lora_on_two_ranks_equals_one_device(
+            &case,
+            &["model.quantize_base=true"],
+            &["full", "none"],
+        );
+    }
+}
+
+/// Full fine-tuning of each 2026 family (Qwen3-Next too) on 2 ranks, sharded and replicated, equals one device:
+/// every parameter (DeltaNet's `A_log`, `dt_bias`, `conv1d` and gated norm, fused experts,
+/// attention sinks, MLA's projections) is sharded, gathered and reduced as one device updates it.
+#[test]
+fn new_families_full_finetune_on_two_ranks_equals_one_device() {
+    for family in [
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "gpt_oss",
+        "deepseek_v3",
+    ] {
+        let case = Case::with_vocab(&format!("full-{family}"), &format!("models/{family}"), 512);
+        let (single, want) = case.single_device_reference("full_finetune_single_device");
+        assert_eq!(want.len(), 4, "{family}: 2 steps × 2 epochs");
+        for mode in ["full", "none"] {
+            let out = case.dir.join(format!("dist-{mode}"));
+            let o = case.run(
+                2,
+                "full_finetune_distributed",
+                &out,
+                &[&format!("fsdp_sharding={mode}")],
+                &[],
+            );
+            let what = format!("{family} {mode}");
+            assert!(o.status.success(), "{what}: {}", text(&o));
+            assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, &what);
+            assert_same_tensors(
+                &out.join("epoch_1/model.safetensors"),
+                &single.join("epoch_1/model.safetensors"),
+                1e-4,
+                &what,
+            );
+        }
+    }
+}
+
 /// Adapters on the token embedding and on the head of a model that ties them (Qwen2, untied
 /// by the adapters) train on 2 ranks as on one device, sharded or not.
 #[test]

@@ -18,7 +18,7 @@ pub(super) fn architecture(config: &ModelConfig) -> Result<&'static GgufArch> {
     let Some(entry) = family::gguf_arch_for(&config.model_type) else {
         bail!(
             "GGUF export supports {} checkpoints, not '{}'",
-            family::and_list(&family::gguf_writable_model_types()),
+            family::and_list(&family::gguf_exportable_model_types()),
             config.model_type
         );
     };

@@ -449,6 +449,14 @@ pub fn gguf_arch_for(model_type: &str) -> Option<&'static GgufArch> {
         .and_then(gguf_arch)
 }
 
+/// The families whose GGUF files have a layout of their own, with llama.cpp's architecture for
+/// them: read by the models crate's `gguf/deepseek2.rs` and `gguf/gpt_oss.rs` and written by
+/// ferrotune-export's writers of the same names, not through [`Family::gguf_archs`].
+pub static OWN_LAYOUT_GGUF: &[(&str, &Family)] = &[
+    (deepseek::GGUF_ARCH, &deepseek::FAMILY),
+    (gpt_oss::GGUF_ARCH, &gpt_oss::FAMILY),
+];
+
 /// Every llama.cpp architecture the GGUF reader loads, for messages: each with the other
 /// `model_type`s it reads as in parentheses.
 pub fn gguf_arch_names() -> String {
@@ -463,8 +471,18 @@ pub fn gguf_arch_names() -> String {
                 format!("{} (and {})", a.name, others.join(", "))
             }
         })
+        .chain(OWN_LAYOUT_GGUF.iter().map(|(arch, _)| arch.to_string()))
         .collect();
     names.join(", ")
+}
+
+/// Every `model_type` `export-gguf` writes, for messages: those of [`gguf_writable_model_types`]
+/// and those of the families with a layout of their own ([`OWN_LAYOUT_GGUF`]).
+pub fn gguf_exportable_model_types() -> Vec<&'static str> {
+    let own = OWN_LAYOUT_GGUF
+        .iter()
+        .flat_map(|(_, f)| f.model_types.iter().map(|t| t.name));
+    gguf_writable_model_types().into_iter().chain(own).collect()
 }
 
 /// The `model_type`s the GGUF writer can store, for messages.
@@ -563,6 +581,29 @@ mod tests {
                     })
                 }),
         );
+    }
+
+    /// The messages naming what GGUF reads and writes name the families with a layout of their
+    /// own too (DeepSeek's `deepseek2`, `gpt-oss`).
+    #[test]
+    fn gguf_messages_name_the_own_layout_families() {
+        let read = gguf_arch_names();
+        for arch in ["llama", "qwen3moe", "deepseek2", "gpt-oss"] {
+            assert!(
+                read.split(", ").any(|a| a.starts_with(arch)),
+                "{arch}: {read}"
+            );
+        }
+        let written = gguf_exportable_model_types();
+        for t in [
+            "llama",
+            "qwen3_moe",
+            "deepseek_v3",
+            "deepseek_v2",
+            "gpt_oss",
+        ] {
+            assert!(written.contains(&t), "{t}: {written:?}");
+        }
     }
 
     #[test]

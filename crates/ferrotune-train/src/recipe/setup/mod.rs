@@ -456,6 +456,13 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
             // Phi-2 names its output projection `dense`.
             "output_proj" | "o_proj" | "dense" if model.config.parallel_block => push("dense"),
             "output_proj" | "o_proj" => push("o_proj"),
+            // Qwen3.5's Gated DeltaNet projections (Qwen3-Next's fused `in_proj_qkvz`, `in_proj_ba`).
+            "in_proj_qkv" | "in_proj_z" | "in_proj_b" | "in_proj_a" | "in_proj_qkvz"
+            | "in_proj_ba" | "out_proj"
+                if model.config.delta_net.is_some() =>
+            {
+                push(m)
+            }
             other => bail!(
                 "{}: model.lora_attn_modules: unknown module '{other}' (use q_proj, k_proj, v_proj, output_proj)",
                 cfg.origin

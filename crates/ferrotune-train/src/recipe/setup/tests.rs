@@ -111,3 +111,42 @@ fn lora_attention_keys_reach_latent_attention() {
         assert_eq!(lc.target_modules, TargetModules::Names(want), "{case}");
     }
 }
+
+/// `lora_attn_modules` reach Qwen3.5's Gated DeltaNet projections by their names (Qwen3-Next's
+/// fused ones too), and only on a model that has them.
+#[test]
+fn lora_attn_modules_reach_the_delta_net_projections() {
+    let modules = "model:\n  lora_attn_modules: [q_proj, output_proj, in_proj_qkv, in_proj_z, \
+                   in_proj_b, in_proj_a, in_proj_qkvz, in_proj_ba, out_proj]\n";
+    let load = |case: &str| {
+        let dir = ferrotune_testing::fixtures()
+            .join("models")
+            .join(case)
+            .join("model");
+        let (model, _) =
+            ferrotune_models::load_model(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap();
+        (model, dir)
+    };
+    let (model, dir) = load("qwen3_5");
+    let lc = lora_config(&cfg(modules), &model, &dir).unwrap();
+    let want = [
+        "q_proj",
+        "o_proj",
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "in_proj_qkvz",
+        "in_proj_ba",
+        "out_proj",
+    ];
+    let want = want.iter().map(|s| s.to_string()).collect();
+    assert_eq!(lc.target_modules, TargetModules::Names(want));
+    let (model, dir) = load("qwen3");
+    let err = lora_config(&cfg(modules), &model, &dir).unwrap_err();
+    assert!(
+        err.to_string().contains("unknown module 'in_proj_qkv'"),
+        "{err}"
+    );
+}
