@@ -583,8 +583,9 @@ struct State {
     answered: Vec<bool>,
     /// Write ends of the registered watch connections, by rank.
     watchers: HashMap<usize, TcpStream>,
-    /// The first rank lost, once one is.
-    lost: Option<usize>,
+    /// The first rank lost, once one is, and why (the notice's words, so that a store call
+    /// interrupted by the loss says the same as the watchdog).
+    lost: Option<(usize, String)>,
 }
 
 impl Server {
@@ -738,8 +739,8 @@ impl Server {
                         msg.bytes(v);
                         return Ok(msg.0);
                     }
-                    if let Some(rank) = state.lost {
-                        bail!("rank {rank} was lost while waiting for store key '{key}'");
+                    if let Some((rank, why)) = &state.lost {
+                        bail!("rank {rank} was lost while waiting for store key '{key}' ({why})");
                     }
                     let now = Instant::now();
                     if now >= deadline {
@@ -832,10 +833,10 @@ impl Server {
         if state.finished.get(rank).copied().unwrap_or(true) {
             return;
         }
-        state.lost.get_or_insert(rank);
+        let why = why.unwrap_or_else(|| "its process ended or its connection closed".to_string());
+        state.lost.get_or_insert_with(|| (rank, why.clone()));
         let mut msg = Msg::new(N_LOST);
         msg.u32(rank as u32);
-        let why = why.unwrap_or_else(|| "its process ended or its connection closed".to_string());
         msg.bytes(why.as_bytes());
         // Remote ranks first, rank 0 (this process) last: its watchdog ends this process, and
         // with it the store, so the others must have their notice by then.
@@ -878,8 +879,8 @@ impl Server {
             if state.answered.iter().all(|&f| f) {
                 return Ok(());
             }
-            if let Some(rank) = state.lost {
-                bail!("rank {rank} was lost before it finished");
+            if let Some((rank, why)) = &state.lost {
+                bail!("rank {rank} was lost before it finished ({why})");
             }
             let now = Instant::now();
             if now >= deadline {
