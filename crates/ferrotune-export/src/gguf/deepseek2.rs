@@ -201,19 +201,15 @@ pub(super) fn export(
     let mut notes = Vec::new();
     let (tok, vocab, pre) = read_tokenizer(home, config, &mut notes)?;
     let mut meta = Metadata::default();
-    meta.string("general.architecture", GGUF_ARCH);
-    meta.string("general.name", &folder_name(home, "model"));
-    meta.u32("general.file_type", outtype.file_type());
-    meta.u32("general.quantization_version", 2);
-    let k = |key: &str| format!("{GGUF_ARCH}.{key}");
-    meta.u32(&k("context_length"), config.max_position_embeddings as u32);
-    meta.u32(&k("embedding_length"), config.hidden_size as u32);
-    meta.u32(&k("block_count"), layers as u32);
-    meta.u32(&k("feed_forward_length"), config.intermediate_size as u32);
-    meta.u32(&k("attention.head_count"), heads as u32);
     // llama.cpp runs MLA as one latent key/value head shared by every query head.
-    meta.u32(&k("attention.head_count_kv"), 1);
-    meta.f32(&k("rope.freq_base"), config.rope.theta as f32);
+    let shape = HeaderShape {
+        layers,
+        heads,
+        kv_heads: 1,
+    };
+    let name = folder_name(home, "model");
+    write_header(&mut meta, GGUF_ARCH, &name, outtype, config, shape);
+    let k = |key: &str| format!("{GGUF_ARCH}.{key}");
     meta.f32(
         &k("attention.layer_norm_rms_epsilon"),
         config.rms_norm_eps as f32,

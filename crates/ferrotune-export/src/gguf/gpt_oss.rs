@@ -182,24 +182,14 @@ pub(super) fn export(
     let home = model_dir;
     let (tok, vocab, pre) = read_tokenizer(home, config, &mut notes)?;
     let mut meta = Metadata::default();
-    meta.string("general.architecture", GGUF_ARCH);
-    meta.string("general.name", &folder_name(home, "model"));
-    meta.u32("general.file_type", outtype.file_type());
-    meta.u32("general.quantization_version", 2);
+    let shape = HeaderShape {
+        layers: config.num_hidden_layers,
+        heads: config.num_attention_heads,
+        kv_heads: config.num_key_value_heads,
+    };
+    let name = folder_name(home, "model");
+    write_header(&mut meta, GGUF_ARCH, &name, outtype, config, shape);
     let k = |key: &str| format!("{GGUF_ARCH}.{key}");
-    meta.u32(&k("context_length"), config.max_position_embeddings as u32);
-    meta.u32(&k("embedding_length"), config.hidden_size as u32);
-    meta.u32(&k("block_count"), config.num_hidden_layers as u32);
-    meta.u32(&k("feed_forward_length"), config.intermediate_size as u32);
-    meta.u32(
-        &k("attention.head_count"),
-        config.num_attention_heads as u32,
-    );
-    meta.u32(
-        &k("attention.head_count_kv"),
-        config.num_key_value_heads as u32,
-    );
-    meta.f32(&k("rope.freq_base"), config.rope.theta as f32);
     meta.f32(
         &k("attention.layer_norm_rms_epsilon"),
         config.rms_norm_eps as f32,

@@ -523,24 +523,13 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
         }
         _ => name,
     };
-    meta.string("general.architecture", arch);
-    meta.string("general.name", &name);
-    meta.u32("general.file_type", outtype.file_type());
-    meta.u32("general.quantization_version", 2);
+    let shape = HeaderShape {
+        layers: config.num_hidden_layers,
+        heads: config.num_attention_heads,
+        kv_heads: config.num_key_value_heads,
+    };
+    write_header(&mut meta, arch, &name, outtype, &config, shape);
     let k = |key: &str| format!("{arch}.{key}");
-    meta.u32(&k("context_length"), config.max_position_embeddings as u32);
-    meta.u32(&k("embedding_length"), config.hidden_size as u32);
-    meta.u32(&k("block_count"), config.num_hidden_layers as u32);
-    meta.u32(&k("feed_forward_length"), config.intermediate_size as u32);
-    meta.u32(
-        &k("attention.head_count"),
-        config.num_attention_heads as u32,
-    );
-    meta.u32(
-        &k("attention.head_count_kv"),
-        config.num_key_value_heads as u32,
-    );
-    meta.f32(&k("rope.freq_base"), config.rope.theta as f32);
     // Phi-2's norms are LayerNorms, with their own key.
     let eps_key = if config.layer_norm {
         "attention.layer_norm_epsilon"
@@ -697,6 +686,39 @@ fn write_tokenizer(
 
 /// `general.name`: the folder's own name (of its canonical path, so `.` names itself), else
 /// `fallback`.
+/// The attention and depth numbers of a GGUF header, where an architecture's writer counts them
+/// its own way (DeepSeek's latent attention is one key/value head to llama.cpp).
+struct HeaderShape {
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+}
+
+/// The keys every writer opens its metadata with, in llama.cpp's converter's order: the four
+/// `general.*` ones, then `{arch}.`'s context and embedding lengths, block count, feed-forward
+/// length, head counts and rope base.
+fn write_header(
+    meta: &mut Metadata,
+    arch: &str,
+    name: &str,
+    outtype: OutType,
+    config: &ModelConfig,
+    shape: HeaderShape,
+) {
+    meta.string("general.architecture", arch);
+    meta.string("general.name", name);
+    meta.u32("general.file_type", outtype.file_type());
+    meta.u32("general.quantization_version", 2);
+    let k = |key: &str| format!("{arch}.{key}");
+    meta.u32(&k("context_length"), config.max_position_embeddings as u32);
+    meta.u32(&k("embedding_length"), config.hidden_size as u32);
+    meta.u32(&k("block_count"), shape.layers as u32);
+    meta.u32(&k("feed_forward_length"), config.intermediate_size as u32);
+    meta.u32(&k("attention.head_count"), shape.heads as u32);
+    meta.u32(&k("attention.head_count_kv"), shape.kv_heads as u32);
+    meta.f32(&k("rope.freq_base"), config.rope.theta as f32);
+}
+
 pub(super) fn folder_name(dir: &Path, fallback: &str) -> String {
     dir.canonicalize()
         .ok()
