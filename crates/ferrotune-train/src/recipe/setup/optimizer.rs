@@ -105,15 +105,15 @@ pub fn quant_config(cfg: &Config) -> Result<Option<QuantAdamWConfig>> {
     quant_settings(cfg, kind, adamw).map(Some)
 }
 
-/// The optimizer over the parameters of a model sharded by `sm` (`params`, its
-/// [`ShardedModel::optimizer_params`]): a quantized AdamW over the pieces of parameters each
-/// shard holds when `sm` is laid out for one, else [`optimizer`].
+/// The optimizer over `params`, those of a model sharded by `sm` (its
+/// [`ShardedModel::optimizer_params`]) when there is one: a quantized AdamW over the pieces of
+/// parameters each shard holds when `sm` is laid out for one, else [`optimizer`].
 pub fn sharded_optimizer(
     cfg: &Config,
     params: Vec<(String, Var)>,
-    sm: &ShardedModel,
+    sm: Option<&ShardedModel>,
 ) -> Result<Box<dyn Optimizer>> {
-    let Some(q) = sm.quant() else {
+    let Some((sm, q)) = sm.and_then(|sm| sm.quant().map(|q| (sm, q))) else {
         return optimizer(cfg, params);
     };
     refuse_amsgrad(cfg)?;
@@ -221,24 +221,6 @@ fn adamw_variant(component: &str) -> Option<bool> {
         "AdamW8bit" | "PagedAdamW8bit" | "AdamW4bit" => Some(false),
         _ => None,
     }
-}
-
-/// Refuses a quantized optimizer (8- or 4-bit AdamW) over parameters sharded over the ranks, for
-/// a recipe whose sharded model is not laid out for one ([`ShardedModel::with_quant_state`]:
-/// the fine-tuning recipes' is; GRPO's sharded policy is not). Unsharded (`fsdp_sharding: none`)
-/// runs take them.
-pub fn check_quant_unsharded(cfg: &Config, sharding: crate::dist::fsdp::Sharding) -> Result<()> {
-    let component = cfg.str("optimizer._component_")?.unwrap_or_default();
-    if QuantKind::from_component(&component).is_some()
-        && sharding != crate::dist::fsdp::Sharding::None
-    {
-        bail!(
-            "{}: optimizer._component_ '{component}' (quantized AdamW state) does not run with \
-             sharded parameters yet: use torch.optim.AdamW, or a single device",
-            cfg.origin
-        );
-    }
-    Ok(())
 }
 
 /// What to tell the user about a low-precision `optimizer._component_`: whose quantization its

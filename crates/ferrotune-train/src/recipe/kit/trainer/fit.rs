@@ -239,10 +239,7 @@ impl Plan {
             eprintln!("{note}");
         }
         let params = std::mem::take(&mut self.params);
-        let mut optimizer = match &self.sharded {
-            Some(sm) => setup::sharded_optimizer(cfg, params, sm)?,
-            None => setup::optimizer(cfg, params)?,
-        };
+        let mut optimizer = setup::sharded_optimizer(cfg, params, self.sharded.as_ref())?;
         let base_lr = optimizer.lr();
         let rows = self.examples.len();
         let mut start = TrainState {
