@@ -27,6 +27,14 @@
 //! `exp_avg_sq`) either `"{param}.{moment}"` (f32, unquantized) or `"{param}.{moment}_codes"`
 //! (u8, 1-D) and `"{param}.{moment}_absmax"` (f32, one per block): the quantized state itself, so
 //! a resumed run continues with the very same numbers.
+//!
+//! Under sharding ([`QuantAdamW::with_pieces`]) an optimizer variable is a rank's flat shard
+//! holding [`Piece`]s of several parameters, each starting on a block boundary of its parameter:
+//! each piece keeps the codes and scales of exactly those blocks, and whether it is quantized is
+//! decided by its whole parameter's size, so the ranks' states together are the single-device
+//! state ([`packed`] has the variables' state dict).
+
+mod packed;
 
 use std::collections::HashMap;
 
@@ -230,8 +238,9 @@ fn code_bnb(x: f32, map: &[f32]) -> u8 {
 }
 
 impl Moment {
-    fn zeros(n: usize, cfg: &QuantAdamWConfig) -> Moment {
-        if !cfg.quantizes(n) {
+    /// `n` zeros, in codes and scales when `quantized`.
+    fn zeros(n: usize, quantized: bool, cfg: &QuantAdamWConfig) -> Moment {
+        if !quantized {
             return Moment::F32(vec![0.0; n]);
         }
         let bytes = n * cfg.kind.bits() / 8;
@@ -381,11 +390,42 @@ impl Moment {
     }
 }
 
-/// One parameter's state.
-struct QState {
-    step: u64,
+/// A run of one parameter's values inside an optimizer variable (a rank's flat shard holds
+/// pieces of several parameters; on one device a variable is its parameter, one piece).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// Values of the whole parameter: what decides whether its moments are quantized.
+    pub numel: usize,
+    /// Index of the piece's first value in its parameter (a multiple of the block size).
+    pub start: usize,
+    /// Index of the piece's first value in the variable (a multiple of the block size).
+    pub at: usize,
+    /// Values in the piece (a multiple of the block size unless it ends its parameter).
+    pub len: usize,
+}
+
+impl Piece {
+    /// The whole of a parameter of `n` values.
+    fn whole(n: usize) -> Piece {
+        Piece {
+            numel: n,
+            start: 0,
+            at: 0,
+            len: n,
+        }
+    }
+}
+
+/// The moments of one piece.
+struct PieceState {
     exp_avg: Moment,
     exp_avg_sq: Moment,
+}
+
+/// One variable's state: its step count and its pieces' moments.
+struct QState {
+    step: u64,
+    pieces: Vec<PieceState>,
 }
 
 /// AdamW with quantized moments (see the module's documentation).
@@ -393,12 +433,64 @@ pub struct QuantAdamW {
     cfg: QuantAdamWConfig,
     maps: Maps,
     params: Vec<(String, Var)>,
+    /// Each variable's pieces, in order.
+    pieces: Vec<Vec<Piece>>,
+    /// Whether the variables are shards ([`QuantAdamW::with_pieces`]): the state dict is then
+    /// [`packed`]'s, per variable.
+    packed: bool,
     state: Vec<Option<QState>>,
 }
 
 impl QuantAdamW {
     /// The optimizer over named parameters (unique names, float dtypes).
     pub fn new(params: Vec<(String, Var)>, cfg: QuantAdamWConfig) -> Result<Self> {
+        let pieces = params
+            .iter()
+            .map(|(_, v)| vec![Piece::whole(v.elem_count())])
+            .collect();
+        Self::build(params, pieces, false, cfg)
+    }
+
+    /// The optimizer over flat shards of parameters: `pieces[i]` are the parameters' pieces
+    /// variable `params[i]` holds (in order, not overlapping, each starting on a block boundary
+    /// of its parameter and of the variable); the values between them are left alone. Its state
+    /// dict holds each variable's state in one piece ([`packed`]).
+    pub fn with_pieces(
+        params: Vec<(String, Var)>,
+        pieces: Vec<Vec<Piece>>,
+        cfg: QuantAdamWConfig,
+    ) -> Result<Self> {
+        if pieces.len() != params.len() {
+            bail!(
+                "quantized AdamW: {} variables, pieces for {}",
+                params.len(),
+                pieces.len()
+            );
+        }
+        let bs = cfg.block_size;
+        for ((name, var), pcs) in params.iter().zip(&pieces) {
+            let mut end = 0;
+            for p in pcs {
+                let aligned = p.start.is_multiple_of(bs) && p.at.is_multiple_of(bs);
+                let whole_blocks = p.len.is_multiple_of(bs) || p.start + p.len == p.numel;
+                if !aligned || !whole_blocks || p.at < end || p.start + p.len > p.numel {
+                    bail!("quantized AdamW: piece {p:?} of {name} is not on block boundaries");
+                }
+                end = p.at + p.len;
+            }
+            if end > var.elem_count() {
+                bail!("quantized AdamW: the pieces of {name} run past its values");
+            }
+        }
+        Self::build(params, pieces, true, cfg)
+    }
+
+    fn build(
+        params: Vec<(String, Var)>,
+        pieces: Vec<Vec<Piece>>,
+        packed: bool,
+        cfg: QuantAdamWConfig,
+    ) -> Result<Self> {
         let a = cfg.adamw;
         if !(a.lr >= 0.0 && a.eps >= 0.0 && a.weight_decay >= 0.0) {
             bail!("AdamW: invalid lr/eps/weight_decay in {a:?}");
@@ -429,6 +521,8 @@ impl QuantAdamW {
             maps: Maps::new(cfg.kind),
             cfg,
             params,
+            pieces,
+            packed,
             state,
         })
     }
@@ -440,9 +534,14 @@ impl QuantAdamW {
 
     /// Bytes the moments of all parameters take once every one has been stepped.
     pub fn planned_state_bytes(&self) -> usize {
-        self.params
+        let cfg = &self.cfg;
+        self.pieces
             .iter()
-            .map(|(_, v)| self.cfg.state_bytes(v.elem_count()))
+            .flatten()
+            .map(|p| match cfg.quantizes(p.numel) {
+                true => 2 * (p.len * cfg.kind.bits() / 8 + 4 * p.len.div_ceil(cfg.block_size)),
+                false => 2 * 4 * p.len,
+            })
             .sum()
     }
 
@@ -451,6 +550,7 @@ impl QuantAdamW {
         self.state
             .iter()
             .flatten()
+            .flat_map(|s| &s.pieces)
             .map(|s| s.exp_avg.bytes() + s.exp_avg_sq.bytes())
             .sum()
     }
@@ -537,7 +637,8 @@ fn bnb_update(
 impl Optimizer for QuantAdamW {
     fn step_scaled(&mut self, grads: &GradStore, grad_scale: f64) -> Result<()> {
         let cfg = self.cfg;
-        for ((name, var), state) in self.params.iter().zip(self.state.iter_mut()) {
+        let vars = self.params.iter().zip(&self.pieces);
+        for (((name, var), pieces), state) in vars.zip(self.state.iter_mut()) {
             let Some(grad) = grads.get(var.as_tensor()) else {
                 continue;
             };
@@ -555,22 +656,33 @@ impl Optimizer for QuantAdamW {
             }
             let st = state.get_or_insert_with(|| QState {
                 step: 0,
-                exp_avg: Moment::zeros(n, &cfg),
-                exp_avg_sq: Moment::zeros(n, &cfg),
+                pieces: pieces
+                    .iter()
+                    .map(|pc| {
+                        let q = cfg.quantizes(pc.numel);
+                        PieceState {
+                            exp_avg: Moment::zeros(pc.len, q, &cfg),
+                            exp_avg_sq: Moment::zeros(pc.len, q, &cfg),
+                        }
+                    })
+                    .collect(),
             });
             st.step += 1;
             let mut p = host_f32(var.as_tensor())?;
-            let mut m = st.exp_avg.dequantize(n, &self.maps.signed, &cfg);
-            let mut v = st.exp_avg_sq.dequantize(n, &self.maps.unsigned, &cfg);
-            match cfg.kind {
-                QuantKind::Bnb8bit => {
-                    let q = matches!(st.exp_avg, Moment::Quant { .. });
-                    bnb_update(&mut p, &g, &mut m, &mut v, &cfg.adamw, st.step, q)
+            for (pc, ps) in pieces.iter().zip(st.pieces.iter_mut()) {
+                let (p, g) = (&mut p[pc.at..pc.at + pc.len], &g[pc.at..pc.at + pc.len]);
+                let mut m = ps.exp_avg.dequantize(pc.len, &self.maps.signed, &cfg);
+                let mut v = ps.exp_avg_sq.dequantize(pc.len, &self.maps.unsigned, &cfg);
+                match cfg.kind {
+                    QuantKind::Bnb8bit => {
+                        let q = matches!(ps.exp_avg, Moment::Quant { .. });
+                        bnb_update(p, g, &mut m, &mut v, &cfg.adamw, st.step, q)
+                    }
+                    _ => torchao_update(p, g, &mut m, &mut v, &cfg.adamw, st.step),
                 }
-                _ => torchao_update(&mut p, &g, &mut m, &mut v, &cfg.adamw, st.step),
+                ps.exp_avg.store(m, &self.maps.signed, &cfg);
+                ps.exp_avg_sq.store(v, &self.maps.unsigned, &cfg);
             }
-            st.exp_avg.store(m, &self.maps.signed, &cfg);
-            st.exp_avg_sq.store(v, &self.maps.unsigned, &cfg);
             let value = Tensor::from_vec(p, var.shape(), var.device())?.to_dtype(var.dtype())?;
             var.set(&value)?;
         }
@@ -590,6 +702,9 @@ impl Optimizer for QuantAdamW {
     }
 
     fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        if self.packed {
+            return self.packed_state_dict();
+        }
         let mut out = Vec::new();
         for ((name, var), st) in self.params.iter().zip(&self.state) {
             let Some(st) = st else { continue };
@@ -598,9 +713,10 @@ impl Optimizer for QuantAdamW {
                 format!("{name}.step"),
                 step_tensor(st.step, var.as_tensor())?,
             ));
-            st.exp_avg
+            let ps = &st.pieces[0];
+            ps.exp_avg
                 .export(&format!("{name}.exp_avg"), dev, &mut out)?;
-            st.exp_avg_sq
+            ps.exp_avg_sq
                 .export(&format!("{name}.exp_avg_sq"), dev, &mut out)?;
         }
         Ok(out)
@@ -621,6 +737,9 @@ impl Optimizer for QuantAdamW {
             self.params.iter().map(|(n, _)| n.as_str()),
             &suffixes,
         )?;
+        if self.packed {
+            return self.load_packed(state);
+        }
         let cfg = self.cfg;
         for ((name, var), st) in self.params.iter().zip(self.state.iter_mut()) {
             let n = var.elem_count();
@@ -633,8 +752,10 @@ impl Optimizer for QuantAdamW {
             *st = match (step, m, v) {
                 (Some(step), Some(exp_avg), Some(exp_avg_sq)) => Some(QState {
                     step,
-                    exp_avg,
-                    exp_avg_sq,
+                    pieces: vec![PieceState {
+                        exp_avg,
+                        exp_avg_sq,
+                    }],
                 }),
                 (None, None, None) => None,
                 _ => bail!("AdamW state for {name}: step, exp_avg and exp_avg_sq go together"),

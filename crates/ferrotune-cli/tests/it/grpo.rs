@@ -317,7 +317,7 @@ fn grpo_on_two_ranks_trains_what_one_process_trains() {
     // Full fine-tuning shards gradients and optimizer state over the ranks (or, with
     // `fsdp_sharding: none`, replicates them as DDP); LoRA is DDP. Each trains what one process
     // trains.
-    let cases: [(&str, &[&str], &str, &str); 3] = [
+    let cases: [(&str, &[&str], &str, &str); 4] = [
         // (The config's clip_grad_norm does not bind here: with an active clip the norm, summed
         // shard by shard, differs from one process's in its last bits, and AdamW's second step
         // carries that past this tolerance. The sharded clip is ShardedModel::clip_grad_norm,
@@ -330,6 +330,14 @@ fn grpo_on_two_ranks_trains_what_one_process_trains() {
             "data parallel",
         ),
         ("lora", &lora, "adapter_model.safetensors", "data parallel"),
+        // torchao's 8-bit AdamW over the sharded policy: each rank quantizes whole blocks of
+        // the parameters it holds, one process's blocks.
+        (
+            "full-8bit",
+            &["optimizer._component_=torchao.optim.AdamW8bit"],
+            "model.safetensors",
+            "fsdp_sharding: grad_op",
+        ),
     ];
     for (name, extra, weights, mode) in cases {
         let single = dir.join(format!("{name}-single"));
@@ -414,7 +422,9 @@ fn grpo_on_two_ranks_trains_what_one_process_trains() {
         let a = load(&ranks.join("epoch_0").join(weights));
         let b = load(&single.join("epoch_0").join(weights));
         let start = match name {
-            "full" | "full-ddp" => load(&fixtures().join("llama3/model/model.safetensors")),
+            "full" | "full-ddp" | "full-8bit" => {
+                load(&fixtures().join("llama3/model/model.safetensors"))
+            }
             _ => load(&fixtures().join("llama3/adapter/adapter_model.safetensors")),
         };
         for (key, t) in &b {

@@ -6,6 +6,7 @@ mod cli;
 mod common;
 mod device_map;
 mod distributed;
+mod distributed_quant;
 mod download;
 mod early_exit;
 mod eleuther_eval;

@@ -136,6 +136,12 @@ const OPTIMIZER_KEYS: &[(&str, Ty)] = &[
     ("maximize", Ty::Bool),
     ("fused", Ty::Bool),
     ("foreach", Ty::Bool),
+    // The quantized AdamW classes' own (torchao's, bitsandbytes'): `recipe/setup/optimizer.rs`.
+    ("block_size", Ty::Int),
+    ("bf16_stochastic_round", Ty::Bool),
+    ("min_8bit_size", Ty::Int),
+    ("percentile_clipping", Ty::Float),
+    ("optim_bits", Ty::Int),
 ];
 const SCHEDULER_KEYS: &[(&str, Ty)] = &[
     ("_component_", Ty::Str),

@@ -22,6 +22,12 @@
 //! each element gets exactly the update it gets on one device. Checkpoints hold full tensors
 //! under the single-device names ([`ShardedModel::full_optimizer_state`]), so a run can resume on
 //! another world size.
+//!
+//! A quantized AdamW ([`crate::optim_quant`]) is not elementwise: its moments are quantized in
+//! blocks of each parameter. With one ([`ShardedModel::with_quant_state`]) every parameter starts
+//! on a block boundary of the flat buffer and the chunks are whole blocks, so each rank quantizes
+//! whole blocks of the parameters it holds ([`quant`]): the ranks' codes and scales together are
+//! the single-device state, bit for bit.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::mpsc;
@@ -34,6 +40,7 @@ use ferrotune_core::nf4::{Nf4Layout, Nf4Matrix};
 use ferrotune_models::{BaseWeight, CausalLm, Unit};
 
 use crate::dist::comm::Collectives;
+use crate::optim_quant::QuantAdamWConfig;
 use crate::step::{empty_grads, layered_forward_backward, LayerPass, MicroBatch};
 
 /// torchtune's `fsdp_sharding` modes.
@@ -160,6 +167,8 @@ impl CommQueue {
 // ---------------------------------------------------------------------------------------------
 // Units and their shards
 
+mod quant;
+
 /// One tensor's place in its unit's flat buffer.
 #[derive(Debug, Clone)]
 struct Slot {
@@ -169,7 +178,8 @@ struct Slot {
     numel: usize,
 }
 
-/// Slots laid out back to back, zero-padded to `chunk * shards`.
+/// Slots laid out back to back (each starting at a multiple of `align`, zeros between), zero-padded
+/// to `chunk * shards` (`chunk` a multiple of `align`).
 #[derive(Debug, Clone, Default)]
 struct Flat {
     slots: Vec<Slot>,
@@ -178,19 +188,25 @@ struct Flat {
 }
 
 impl Flat {
-    fn push(&mut self, name: String, shape: Shape) {
+    fn push(&mut self, name: String, shape: Shape, align: usize) {
         let numel = shape.elem_count();
+        let offset = self.len.next_multiple_of(align);
         self.slots.push(Slot {
             name,
             shape,
-            offset: self.len,
+            offset,
             numel,
         });
-        self.len += numel;
+        self.len = offset + numel;
     }
 
-    fn finish(&mut self, shards: usize) {
-        self.chunk = self.len.div_ceil(shards);
+    fn finish(&mut self, shards: usize, align: usize) {
+        self.chunk = self.len.div_ceil(shards).next_multiple_of(align);
+    }
+
+    /// The values of the slots (the padding aside).
+    fn numel(&self) -> usize {
+        self.slots.iter().map(|s| s.numel).sum()
     }
 
     /// Concatenates `parts` (one per slot) into the padded flat buffer of `shards * chunk`.
@@ -201,10 +217,15 @@ impl Flat {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        let mut flat: Vec<Tensor> = parts
-            .iter()
-            .map(|t| t.flatten_all().and_then(|t| t.to_dtype(dtype)))
-            .collect::<candle_core::Result<_>>()?;
+        let mut flat: Vec<Tensor> = Vec::with_capacity(parts.len());
+        let mut end = 0;
+        for (slot, t) in self.slots.iter().zip(parts) {
+            if slot.offset > end {
+                flat.push(Tensor::zeros(slot.offset - end, dtype, device)?);
+            }
+            flat.push(t.flatten_all()?.to_dtype(dtype)?);
+            end = slot.offset + slot.numel;
+        }
         let pad = self.chunk * shards - self.len;
         if pad > 0 || flat.is_empty() {
             flat.push(Tensor::zeros(pad, dtype, device)?);
@@ -266,6 +287,8 @@ pub struct ShardedModel {
     shards: usize,
     shard_index: usize,
     placeholder: Tensor,
+    /// The quantized AdamW whose blocks the trainable shards align to (sharded modes only).
+    quant: Option<QuantAdamWConfig>,
 }
 
 impl ShardedModel {
@@ -279,6 +302,24 @@ impl ShardedModel {
         queue: CommQueue,
         cpu_offload: bool,
     ) -> Result<Self> {
+        Self::with_quant_state(model, trainable, sharding, queue, cpu_offload, None)
+    }
+
+    /// [`ShardedModel::new`] for the quantized AdamW `quant` (if any): under sharding, each
+    /// trainable parameter starts on a block boundary of its unit's flat buffer and each rank's
+    /// chunk is whole blocks, so the optimizer ([`ShardedModel::optimizer_pieces`]) quantizes on
+    /// each rank exactly the blocks one device quantizes, and the checkpoint holds the
+    /// single-device state.
+    pub fn with_quant_state(
+        model: &mut CausalLm,
+        trainable: &[(String, Var)],
+        sharding: Sharding,
+        queue: CommQueue,
+        cpu_offload: bool,
+        quant: Option<QuantAdamWConfig>,
+    ) -> Result<Self> {
+        let quant = quant.filter(|_| sharding != Sharding::None);
+        let align = quant.map_or(1, |q| q.block_size);
         if let Some(why) = model.layers_not_separable() {
             anyhow::bail!("training on several ranks runs the layers one at a time, but {why}");
         }
@@ -323,17 +364,18 @@ impl ShardedModel {
             let mut frozen_parts = Vec::new();
             for (name, tensor) in model.unit_tensors_mut(unit) {
                 if let Some(var) = by_name.get(name.as_str()) {
-                    st.trainable.push(name.clone(), tensor.shape().clone());
+                    st.trainable
+                        .push(name.clone(), tensor.shape().clone(), align);
                     st.vars.push((*var).clone());
                     train_parts.push(tensor.clone());
                     seen.insert(name);
                 } else {
-                    st.frozen.push(name, tensor.shape().clone());
+                    st.frozen.push(name, tensor.shape().clone(), 1);
                     frozen_parts.push(tensor.clone());
                 }
             }
-            st.trainable.finish(shards);
-            st.frozen.finish(shards);
+            st.trainable.finish(shards, align);
+            st.frozen.finish(shards, 1);
             if sharding != Sharding::None {
                 let take = |flat: &Flat, parts: &[Tensor]| -> Result<Tensor> {
                     let all = flat.pack(parts, shards, dtype, &device)?;
@@ -385,7 +427,13 @@ impl ShardedModel {
             shards,
             shard_index,
             placeholder,
+            quant,
         })
+    }
+
+    /// The quantized AdamW the shards are laid out for ([`ShardedModel::with_quant_state`]).
+    pub fn quant(&self) -> Option<&QuantAdamWConfig> {
+        self.quant.as_ref()
     }
 
     /// The sharding mode.
@@ -684,6 +732,9 @@ impl ShardedModel {
         if self.sharding == Sharding::None {
             return Ok(sharded_state);
         }
+        if let Some(q) = &self.quant {
+            return self.full_quant_state(q, sharded_state);
+        }
         let by_name: HashMap<String, &UnitState> =
             self.units.iter().map(|u| (u.unit.name(), u)).collect();
         let mut out = Vec::new();
@@ -722,6 +773,9 @@ impl ShardedModel {
     ) -> Result<HashMap<String, Tensor>> {
         if self.sharding == Sharding::None {
             return Ok(full);
+        }
+        if let Some(q) = &self.quant {
+            return self.shard_quant_state(q, &full);
         }
         let mut out = HashMap::new();
         for st in &self.units {
@@ -792,15 +846,15 @@ impl ShardedModel {
         let params = self
             .units
             .iter()
-            .map(|u| (u.trainable.len + u.frozen.len) * size + u.nf4_bytes)
+            .map(|u| (u.trainable.numel() + u.frozen.len) * size + u.nf4_bytes)
             .sum();
-        let grads = self.units.iter().map(|u| u.trainable.len * size).sum();
+        let grads = self.units.iter().map(|u| u.trainable.numel() * size).sum();
         (params, grads)
     }
 
     /// Number of trainable elements in all units (unsharded).
     pub fn trainable_numel(&self) -> usize {
-        self.units.iter().map(|u| u.trainable.len).sum()
+        self.units.iter().map(|u| u.trainable.numel()).sum()
     }
 
     /// Every rank's `values` (the same count on each), in rank order.

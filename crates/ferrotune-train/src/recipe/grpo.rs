@@ -613,12 +613,13 @@ pub fn run(cfg: &Config) -> Result<()> {
     // is small, and its frozen base would be gathered again for every batch.
     let mut sharded = match &group {
         Some((_, c)) if !lora && setup::sharding(cfg)? != Sharding::None => {
-            Some(ShardedModel::new(
+            Some(ShardedModel::with_quant_state(
                 &mut policy,
                 &params,
                 Sharding::GradOp,
                 CommQueue::start(c.clone()),
                 false,
+                setup::quant_config(cfg)?,
             )?)
         }
         _ => None,
@@ -651,10 +652,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         Some(sm) => sm.optimizer_params(),
         None => params,
     };
-    if let Some(sm) = &sharded {
-        setup::check_quant_unsharded(cfg, sm.sharding())?;
-    }
-    let mut optimizer = setup::optimizer(cfg, params.clone())?;
+    let mut optimizer = setup::sharded_optimizer(cfg, params.clone(), sharded.as_ref())?;
     let base_lr = optimizer.lr();
     let clip = keys.clip;
 

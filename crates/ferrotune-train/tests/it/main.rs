@@ -16,6 +16,7 @@ mod loss;
 mod metrics;
 mod optim;
 mod optim_quant;
+mod optim_quant_pieces;
 mod packing;
 mod ppo;
 mod prefloss;

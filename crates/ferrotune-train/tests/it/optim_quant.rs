@@ -15,13 +15,13 @@ use ferrotune_train::optim_quant::{dynamic_map, QuantAdamW, QuantAdamWConfig, Qu
 use ferrotune_train::{AdamWConfig, Optimizer};
 
 const NAMES: [&str; 3] = ["w", "u", "b"];
-const STEPS: usize = 5;
+pub(crate) const STEPS: usize = 5;
 
-fn fixture() -> HashMap<String, Tensor> {
+pub(crate) fn fixture() -> HashMap<String, Tensor> {
     load(workspace_fixture("optim_quant/steps.safetensors"))
 }
 
-fn hp() -> AdamWConfig {
+pub(crate) fn hp() -> AdamWConfig {
     AdamWConfig {
         lr: 1e-2,
         beta1: 0.9,
@@ -31,7 +31,7 @@ fn hp() -> AdamWConfig {
     }
 }
 
-fn vec(t: &Tensor) -> Vec<f32> {
+pub(crate) fn vec(t: &Tensor) -> Vec<f32> {
     t.flatten_all()
         .unwrap()
         .to_dtype(DType::F32)
@@ -41,7 +41,7 @@ fn vec(t: &Tensor) -> Vec<f32> {
 }
 
 /// A GradStore holding exactly `grads` (see tests/it/optim.rs: GradStore has no constructor).
-fn grad_store(params: &[(String, Var)], grads: &HashMap<String, Tensor>) -> GradStore {
+pub(crate) fn grad_store(params: &[(String, Var)], grads: &HashMap<String, Tensor>) -> GradStore {
     let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
     for (_, v) in params {
         loss = (loss + v.as_tensor().sum_all().unwrap()).unwrap();
@@ -53,7 +53,7 @@ fn grad_store(params: &[(String, Var)], grads: &HashMap<String, Tensor>) -> Grad
     store
 }
 
-fn params(fx: &HashMap<String, Tensor>) -> Vec<(String, Var)> {
+pub(crate) fn params(fx: &HashMap<String, Tensor>) -> Vec<(String, Var)> {
     NAMES
         .iter()
         .map(|n| {
@@ -65,14 +65,14 @@ fn params(fx: &HashMap<String, Tensor>) -> Vec<(String, Var)> {
         .collect()
 }
 
-fn grads(fx: &HashMap<String, Tensor>, k: usize) -> HashMap<String, Tensor> {
+pub(crate) fn grads(fx: &HashMap<String, Tensor>, k: usize) -> HashMap<String, Tensor> {
     NAMES
         .iter()
         .map(|n| (n.to_string(), fx[&format!("grads.{k}.{n}")].clone()))
         .collect()
 }
 
-fn cases() -> [(&'static str, QuantKind); 3] {
+pub(crate) fn cases() -> [(&'static str, QuantKind); 3] {
     [
         ("torchao8", QuantKind::Torchao8bit),
         ("torchao4", QuantKind::Torchao4bit),

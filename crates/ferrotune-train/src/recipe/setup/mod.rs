@@ -17,7 +17,7 @@ mod early_exit;
 mod optimizer;
 
 pub use early_exit::{LayerDropoutSettings, LayerSkipSettings};
-pub use optimizer::{check_quant_unsharded, optimizer, optimizer_note};
+pub use optimizer::{optimizer, optimizer_note, quant_config, sharded_optimizer};
 // The stop and pad tokens are inference's; the training recipes generate and pad with them too.
 pub use ferrotune_infer::{pad_id, stop_ids};
 

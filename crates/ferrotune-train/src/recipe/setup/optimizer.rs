@@ -1,10 +1,11 @@
 //! The optimizer a config names (`optimizer._component_`): torch's AdamW/SGD and the quantized
-//! AdamW variants of torchao and bitsandbytes, with what the sharded recipes refuse.
+//! AdamW variants of torchao and bitsandbytes (over sharded parameters too: [`sharded_optimizer`]).
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::Var;
 
 use crate::config::Config;
+use crate::dist::fsdp::ShardedModel;
 use crate::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use crate::optim_quant::{QuantAdamW, QuantAdamWConfig, QuantKind};
 
@@ -13,17 +14,8 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
     let component = cfg
         .str("optimizer._component_")?
         .unwrap_or_else(|| "torch.optim.AdamW".into());
-    let lr = cfg
-        .f64("optimizer.lr")?
-        .ok_or_else(|| anyhow!("{}: 'optimizer.lr' is required", cfg.origin))?;
-    if cfg.bool("optimizer.amsgrad")?.unwrap_or(false)
-        || cfg.bool("optimizer.maximize")?.unwrap_or(false)
-    {
-        bail!(
-            "{}: optimizer.amsgrad and optimizer.maximize are not supported",
-            cfg.origin
-        );
-    }
+    let lr = learning_rate(cfg)?;
+    refuse_amsgrad(cfg)?;
     // bitsandbytes' 32-bit AdamW classes run as AdamW, its and torchao's 8- and 4-bit ones as
     // `QuantAdamW` (see `adamw_variant`).
     let quant = QuantKind::from_component(&component);
@@ -33,23 +25,7 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
     };
     match class {
         "AdamW" => {
-            let mut c = AdamWConfig {
-                lr,
-                ..AdamWConfig::default()
-            };
-            if let Some(wd) = cfg.f64("optimizer.weight_decay")? {
-                c.weight_decay = wd;
-            }
-            if let Some(eps) = cfg.f64("optimizer.eps")? {
-                c.eps = eps;
-            }
-            if let Some(b) = cfg.f64_list("optimizer.betas")? {
-                if b.len() != 2 {
-                    bail!("{}: optimizer.betas must have two numbers", cfg.origin);
-                }
-                c.beta1 = b[0];
-                c.beta2 = b[1];
-            }
+            let c = adamw_config(cfg, lr)?;
             if let Some(kind) = quant {
                 return quant_optimizer(cfg, kind, c, params);
             }
@@ -77,17 +53,112 @@ pub fn optimizer(cfg: &Config, params: Vec<(String, Var)>) -> Result<Box<dyn Opt
     }
 }
 
+/// Refuses `optimizer.amsgrad` and `optimizer.maximize`.
+fn refuse_amsgrad(cfg: &Config) -> Result<()> {
+    if cfg.bool("optimizer.amsgrad")?.unwrap_or(false)
+        || cfg.bool("optimizer.maximize")?.unwrap_or(false)
+    {
+        bail!(
+            "{}: optimizer.amsgrad and optimizer.maximize are not supported",
+            cfg.origin
+        );
+    }
+    Ok(())
+}
+
+/// `optimizer.lr`, which every optimizer needs.
+fn learning_rate(cfg: &Config) -> Result<f64> {
+    cfg.f64("optimizer.lr")?
+        .ok_or_else(|| anyhow!("{}: 'optimizer.lr' is required", cfg.origin))
+}
+
+/// AdamW's hyperparameters at learning rate `lr` (torch's defaults where the config is silent).
+fn adamw_config(cfg: &Config, lr: f64) -> Result<AdamWConfig> {
+    let mut c = AdamWConfig {
+        lr,
+        ..AdamWConfig::default()
+    };
+    if let Some(wd) = cfg.f64("optimizer.weight_decay")? {
+        c.weight_decay = wd;
+    }
+    if let Some(eps) = cfg.f64("optimizer.eps")? {
+        c.eps = eps;
+    }
+    if let Some(b) = cfg.f64_list("optimizer.betas")? {
+        if b.len() != 2 {
+            bail!("{}: optimizer.betas must have two numbers", cfg.origin);
+        }
+        c.beta1 = b[0];
+        c.beta2 = b[1];
+    }
+    Ok(c)
+}
+
+/// The settings of the quantized AdamW that `optimizer._component_` names, if it names one
+/// (what [`ShardedModel::with_quant_state`] lays the shards out for).
+pub fn quant_config(cfg: &Config) -> Result<Option<QuantAdamWConfig>> {
+    let component = cfg.str("optimizer._component_")?.unwrap_or_default();
+    let Some(kind) = QuantKind::from_component(&component) else {
+        return Ok(None);
+    };
+    let adamw = adamw_config(cfg, learning_rate(cfg)?)?;
+    quant_settings(cfg, kind, adamw).map(Some)
+}
+
+/// The optimizer over `params`, those of a model sharded by `sm` (its
+/// [`ShardedModel::optimizer_params`]) when there is one: a quantized AdamW over the pieces of
+/// parameters each shard holds when `sm` is laid out for one, else [`optimizer`].
+pub fn sharded_optimizer(
+    cfg: &Config,
+    params: Vec<(String, Var)>,
+    sm: Option<&ShardedModel>,
+) -> Result<Box<dyn Optimizer>> {
+    let Some((sm, q)) = sm.and_then(|sm| sm.quant().map(|q| (sm, q))) else {
+        return optimizer(cfg, params);
+    };
+    refuse_amsgrad(cfg)?;
+    let numel = sm.trainable_numel();
+    let opt = QuantAdamW::with_pieces(params, sm.optimizer_pieces(), *q)
+        .map_err(|e| anyhow!("{}: optimizer: {e}", cfg.origin))?;
+    say_state_size(&opt, numel, "this rank's share; ");
+    Ok(Box::new(opt))
+}
+
+/// Prints what the quantized state of `opt` will take against f32 AdamW's over `numel` values.
+fn say_state_size(opt: &QuantAdamW, numel: usize, whose: &str) {
+    if numel > 0 {
+        let q = opt.config();
+        let mb = |b: usize| b as f64 / 1e6;
+        eprintln!(
+            "Optimizer state: {:.2} MB in {}-bit blocks of {} ({whose}{:.2} MB as f32 AdamW)",
+            mb(opt.planned_state_bytes()),
+            q.kind.bits(),
+            q.block_size,
+            mb(8 * numel)
+        );
+    }
+}
+
 /// torchao's `AdamW8bit` / `AdamW4bit` or bitsandbytes' `AdamW8bit` / `PagedAdamW8bit` over
-/// `params` with AdamW's hyperparameters `adamw`, and their own keys: torchao's `block_size`,
-/// bitsandbytes' `min_8bit_size`; `bf16_stochastic_round: true`, bitsandbytes'
-/// `percentile_clipping` below 100 and `optim_bits` other than 8 are refused. Says, once there
-/// are parameters, what the state will take against f32 AdamW's.
+/// `params` with AdamW's hyperparameters `adamw` ([`quant_settings`]). Says, once there are
+/// parameters, what the state will take against f32 AdamW's.
 fn quant_optimizer(
     cfg: &Config,
     kind: QuantKind,
     adamw: AdamWConfig,
     params: Vec<(String, Var)>,
 ) -> Result<Box<dyn Optimizer>> {
+    let q = quant_settings(cfg, kind, adamw)?;
+    let numel: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+    let opt = QuantAdamW::new(params, q).map_err(|e| anyhow!("{}: optimizer: {e}", cfg.origin))?;
+    say_state_size(&opt, numel, "");
+    Ok(Box::new(opt))
+}
+
+/// A quantized AdamW's settings with AdamW's hyperparameters `adamw`, and their own keys:
+/// torchao's `block_size`, bitsandbytes' `min_8bit_size`; `bf16_stochastic_round: true`,
+/// bitsandbytes' `percentile_clipping` below 100 and `optim_bits` other than 8 are refused.
+fn quant_settings(cfg: &Config, kind: QuantKind, adamw: AdamWConfig) -> Result<QuantAdamWConfig> {
     let mut q = QuantAdamWConfig::new(kind, adamw);
     let torchao = kind != QuantKind::Bnb8bit;
     if let Some(b) = cfg.usize("optimizer.block_size")? {
@@ -96,6 +167,9 @@ fn quant_optimizer(
                 "{}: optimizer.block_size is torchao's key (bitsandbytes fixes 256)",
                 cfg.origin
             );
+        }
+        if b == 0 {
+            bail!("{}: optimizer.block_size must be positive", cfg.origin);
         }
         q.block_size = b;
     }
@@ -133,19 +207,7 @@ fn quant_optimizer(
             cfg.origin
         );
     }
-    let numel: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
-    let opt = QuantAdamW::new(params, q).map_err(|e| anyhow!("{}: optimizer: {e}", cfg.origin))?;
-    if numel > 0 {
-        let mb = |b: usize| b as f64 / 1e6;
-        eprintln!(
-            "Optimizer state: {:.2} MB in {}-bit blocks of {} ({:.2} MB as f32 AdamW)",
-            mb(opt.planned_state_bytes()),
-            kind.bits(),
-            q.block_size,
-            mb(8 * numel)
-        );
-    }
-    Ok(Box::new(opt))
+    Ok(q)
 }
 
 /// How an AdamW class of another library maps onto ferrotune's optimizers: `Some(true)` AdamW
@@ -159,23 +221,6 @@ fn adamw_variant(component: &str) -> Option<bool> {
         "AdamW8bit" | "PagedAdamW8bit" | "AdamW4bit" => Some(false),
         _ => None,
     }
-}
-
-/// Refuses a quantized optimizer (8- or 4-bit AdamW) over parameters sharded over the ranks:
-/// the sharded recipes gather and split f32 state tensors shaped like their flat shards, which
-/// codes and per-block scales are not (yet). Unsharded (`fsdp_sharding: none`) runs take them.
-pub fn check_quant_unsharded(cfg: &Config, sharding: crate::dist::fsdp::Sharding) -> Result<()> {
-    let component = cfg.str("optimizer._component_")?.unwrap_or_default();
-    if QuantKind::from_component(&component).is_some()
-        && sharding != crate::dist::fsdp::Sharding::None
-    {
-        bail!(
-            "{}: optimizer._component_ '{component}' (quantized AdamW state) does not run with \
-             sharded parameters yet: use torch.optim.AdamW, or a single device",
-            cfg.origin
-        );
-    }
-    Ok(())
 }
 
 /// What to tell the user about a low-precision `optimizer._component_`: whose quantization its

@@ -53,11 +53,10 @@ fn other_libraries_adamw_classes_run_as_adamw() {
     assert!(check_components(&adam)[0].contains("'torch.optim.Adam' is not supported"));
 }
 
-/// The 8- and 4-bit AdamW classes build the quantized optimizer with their own keys, and are
-/// refused over sharded parameters.
+/// The 8- and 4-bit AdamW classes build the quantized optimizer with their own keys, and give
+/// the sharded recipes the settings to lay the shards out for (torch's AdamW none).
 #[test]
-fn quantized_adamw_classes_take_their_keys_and_refuse_sharding() {
-    use crate::dist::fsdp::Sharding;
+fn quantized_adamw_classes_take_their_keys_and_give_their_blocks() {
     let c = |extra: &str| {
         cfg(&format!(
             "optimizer:\n  _component_: torchao.optim.AdamW4bit\n  lr: 0.001\n{extra}"
@@ -66,11 +65,11 @@ fn quantized_adamw_classes_take_their_keys_and_refuse_sharding() {
     assert!(optimizer(&c("  block_size: 64\n"), Vec::new()).is_ok());
     assert!(optimizer(&c("  min_8bit_size: 64\n"), Vec::new()).is_err());
     assert!(optimizer(&c("  bf16_stochastic_round: true\n"), Vec::new()).is_err());
-    assert!(check_quant_unsharded(&c(""), Sharding::None).is_ok());
-    assert!(check_quant_unsharded(&c(""), Sharding::Full).is_err());
-    assert!(check_quant_unsharded(&c(""), Sharding::GradOp).is_err());
+    let q = quant_config(&c("  block_size: 64\n")).unwrap().unwrap();
+    assert_eq!((q.block_size, q.kind.bits()), (64, 4));
+    assert!(quant_config(&c("  block_size: 0\n")).is_err());
     let adamw = cfg("optimizer:\n  _component_: torch.optim.AdamW\n  lr: 0.1\n");
-    assert!(check_quant_unsharded(&adamw, Sharding::Full).is_ok());
+    assert!(quant_config(&adamw).unwrap().is_none());
     let bnb = cfg("optimizer:\n  _component_: bitsandbytes.optim.PagedAdamW8bit\n  lr: 0.1\n  min_8bit_size: 16\n");
     assert!(optimizer(&bnb, Vec::new()).is_ok());
 }

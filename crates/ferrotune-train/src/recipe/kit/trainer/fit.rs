@@ -125,12 +125,14 @@ impl FineTune {
         // Distributed: the model is spread over the ranks, and the optimizer updates this rank's
         // part.
         let sharded = match &self.group {
-            Some(g) => Some(ShardedModel::new(
+            // A quantized AdamW's blocks decide where the shards split.
+            Some(g) => Some(ShardedModel::with_quant_state(
                 &mut model,
                 &trainable.params,
                 g.sharding,
                 g.queue.clone(),
                 g.offload,
+                setup::quant_config(cfg)?,
             )?),
             None => None,
         };
@@ -236,10 +238,8 @@ impl Plan {
         if let (true, Some(note)) = (lead, setup::optimizer_note(cfg)?) {
             eprintln!("{note}");
         }
-        if let Some(sm) = &self.sharded {
-            setup::check_quant_unsharded(cfg, sm.sharding())?;
-        }
-        let mut optimizer = setup::optimizer(cfg, std::mem::take(&mut self.params))?;
+        let params = std::mem::take(&mut self.params);
+        let mut optimizer = setup::sharded_optimizer(cfg, params, self.sharded.as_ref())?;
         let base_lr = optimizer.lr();
         let rows = self.examples.len();
         let mut start = TrainState {
