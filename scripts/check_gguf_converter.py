@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Checks `ferrotune export-gguf` of DeepSeek-V2/V3 and gpt-oss against llama.cpp's own
-convert_hf_to_gguf.py: for the tiny DeepSeek and gpt-oss checkpoints (changed as
-scripts/make_gguf_fixtures.py's deepseek2_ggufs
-changes them, so that a `deepseek2` file can say what transformers computes), both write f32 and
-f16 GGUFs of the same folder, and gguf-py compares them: the same tensor names, shapes and types,
+"""Checks `ferrotune export-gguf` of DeepSeek-V2/V3, gpt-oss, Qwen3.5 (dense, MoE) and Qwen3-Next
+against llama.cpp's own convert_hf_to_gguf.py: for the tiny DeepSeek and gpt-oss checkpoints
+(changed as scripts/make_gguf_fixtures.py's deepseek2_ggufs changes them, so that a `deepseek2`
+file can say what transformers computes) and the Qwen3.5 / Qwen3-Next ones (qwen35_source), both
+write f32 and f16 GGUFs of the same folder (the Qwen ones bf16 and q8_0 too), and gguf-py compares them: the same tensor names, shapes and types,
 the same values (f16: the same bytes), the same metadata keys and values, but for the differences
 listed in EXPECTED (printed).
 
@@ -109,6 +109,15 @@ def main():
                 subprocess.run([exe, "export-gguf", str(model_dir), str(ours), "--outtype", outtype],
                                check=True, stdout=subprocess.DEVNULL)
                 mg.run_llama_cpp_converter(src, model_dir, theirs, tmp, outtype)
+                failures += [f"{kind} {outtype}: {b}" for b in compare(ours, theirs, f"{kind} {outtype}")]
+        # The multimodal Qwen3.5 checkpoint: its text model, as the converter writes it.
+        for kind in [*mg.QWEN35_KINDS, "qwen3_5_multimodal"]:
+            model_dir = mg.qwen35_source(kind, tmp)
+            for outtype in ["f32", "f16", "bf16", "q8_0"]:
+                ours, theirs = tmp / f"{kind}_{outtype}_ours.gguf", tmp / f"{kind}_{outtype}_theirs.gguf"
+                subprocess.run([exe, "export-gguf", str(model_dir), str(ours), "--outtype", outtype],
+                               check=True, stdout=subprocess.DEVNULL)
+                mg.run_llama_cpp_converter(src, model_dir, theirs, tmp, outtype, extra=("--no-mtp",))
                 failures += [f"{kind} {outtype}: {b}" for b in compare(ours, theirs, f"{kind} {outtype}")]
     for f in failures:
         print("FAIL", f)

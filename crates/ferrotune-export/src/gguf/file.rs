@@ -84,6 +84,15 @@ pub(super) fn write_gguf_data(
                 let values = weights.values(*file, name)?;
                 index.iter().map(|&i| values[i]).collect()
             }
+            Source::Mapped {
+                file,
+                name,
+                index,
+                map,
+            } => {
+                let values = weights.values(*file, name)?;
+                index.iter().map(|&i| map(values[i])).collect()
+            }
             Source::Hf {
                 file,
                 name,
@@ -324,6 +333,10 @@ impl Metadata {
 
     pub(super) fn f32s(&mut self, key: &str, v: &[f32]) {
         self.array(key, T_FLOAT32, v, |b, x| b.extend(x.to_le_bytes()));
+    }
+
+    pub(super) fn bools(&mut self, key: &str, v: &[bool]) {
+        self.array(key, T_BOOL, v, |b, x| b.push(u8::from(*x)));
     }
 
     pub(super) fn i32s(&mut self, key: &str, v: &[i32]) {
