@@ -148,7 +148,27 @@ pub(super) fn read(
 /// the family's table names.
 fn untile(t: &Tensor, v_heads: GgufVHeads, h: Heads) -> candle_core::Result<Tensor> {
     let (kh, vh) = (h.key_heads, h.value_heads);
-    let qk = 2 * kh * h.key_dim;
+    let Some(qk) = kh.checked_mul(h.key_dim).and_then(|x| x.checked_mul(2)) else {
+        candle_core::bail!("the metadata's DeltaNet sizes overflow");
+    };
+    // The tensor's size along the reordered dimension, checked before any permutation is built
+    // from the metadata's sizes.
+    let (want, dim) = match v_heads {
+        GgufVHeads::No => return Ok(t.clone()),
+        GgufVHeads::OnePerHead => (Some(vh), 0),
+        GgufVHeads::Rows => (vh.checked_mul(h.value_dim), 0),
+        GgufVHeads::Columns => (vh.checked_mul(h.value_dim), 1),
+        GgufVHeads::RowsAfterQk => (
+            vh.checked_mul(h.value_dim).and_then(|v| v.checked_add(qk)),
+            0,
+        ),
+    };
+    if want.is_none() || t.dims().get(dim) != want.as_ref() {
+        candle_core::bail!(
+            "has shape {:?}, not {want:?} along dimension {dim} ({kh} key and {vh} value heads)",
+            t.dims()
+        );
+    }
     let (perm, dim) = match v_heads {
         GgufVHeads::No => return Ok(t.clone()),
         GgufVHeads::OnePerHead => (invert(&tile_v_heads(kh, vh, 1)), 0),
@@ -164,13 +184,6 @@ fn untile(t: &Tensor, v_heads: GgufVHeads, h: Heads) -> candle_core::Result<Tens
             (p, 0)
         }
     };
-    if t.dims().get(dim) != Some(&perm.len()) {
-        candle_core::bail!(
-            "has shape {:?}, not {} along dimension {dim} ({kh} key and {vh} value heads)",
-            t.dims(),
-            perm.len()
-        );
-    }
     let index: Vec<u32> = perm.iter().map(|&i| i as u32).collect();
     let index = Tensor::new(index, t.device())?;
     t.index_select(&index, dim)?.contiguous()
@@ -180,10 +193,15 @@ fn untile(t: &Tensor, v_heads: GgufVHeads, h: Heads) -> candle_core::Result<Tens
 /// `attn_qkv` (every head's q, then k, then v) and `attn_gate` (every head's z).
 fn fuse_qkvz(qkv: &Tensor, z: &Tensor, h: Heads) -> candle_core::Result<Tensor> {
     let (kh, dk) = (h.key_heads, h.key_dim);
-    let per_k = h.value_heads / kh * h.value_dim;
-    let v_rows = kh * per_k;
+    // The metadata's sizes, checked against the tensors' before they size anything.
+    let per_k = (h.value_heads / kh).checked_mul(h.value_dim);
+    let v_rows = per_k.and_then(|p| p.checked_mul(kh));
+    let qk = kh.checked_mul(dk).and_then(|x| x.checked_mul(2));
     let (rows, _) = qkv.dims2()?;
-    if rows != 2 * kh * dk + v_rows || z.dims2()?.0 != v_rows {
+    let (Some(per_k), Some(v_rows), Some(qk)) = (per_k, v_rows, qk) else {
+        candle_core::bail!("the metadata's DeltaNet sizes overflow");
+    };
+    if qk.checked_add(v_rows) != Some(rows) || z.dims2()?.0 != v_rows {
         candle_core::bail!(
             "has shape {:?} and attn_gate {:?}: not the DeltaNet's heads",
             qkv.dims(),
@@ -196,7 +214,7 @@ fn fuse_qkvz(qkv: &Tensor, z: &Tensor, h: Heads) -> candle_core::Result<Tensor> 
         .flat_map(|k| {
             let q = (0..dk).map(move |r| k * dk + r);
             let key = (0..dk).map(move |r| kh * dk + k * dk + r);
-            let v = (0..per_k).map(move |r| 2 * kh * dk + k * per_k + r);
+            let v = (0..per_k).map(move |r| qk + k * per_k + r);
             let zz = (0..per_k).map(move |r| z0 + k * per_k + r);
             q.chain(key).chain(v).chain(zz)
         })

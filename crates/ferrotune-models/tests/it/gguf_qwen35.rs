@@ -184,3 +184,29 @@ fn qwen35_gguf_tensors_equal_the_checkpoints() {
         assert!(err <= 1e-5, "{kind}: A_log differs by {err}");
     }
 }
+
+/// A file whose `ssm.*` sizes disagree with its tensors is an error naming the tensor, not a
+/// panic or a wrong model: dense Qwen3.5 with `ssm.time_step_rank` 8 instead of 4 (its value heads
+/// then 8 of 8 dimensions, still 64 in all) fails at the first per-head vector, `ssm_a`.
+#[test]
+fn qwen35_sizes_that_disagree_with_the_tensors_are_refused() {
+    let src = std::fs::read(fixtures().join("gguf/qwen3_5_tiny.gguf")).unwrap();
+    let key = b"qwen35.ssm.time_step_rank";
+    let at = src
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("time_step_rank in the file");
+    let value = at + key.len() + 4; // the type (u32 = 4), then the value
+    let mut bytes = src.clone();
+    assert_eq!(&bytes[value..value + 4], &4u32.to_le_bytes());
+    bytes[value..value + 4].copy_from_slice(&8u32.to_le_bytes());
+    let dir = std::env::temp_dir().join(format!("ferrotune-qwen35-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sizes.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    let err = ferrotune_models::gguf::load_gguf(&path, DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("blk.0.ssm_a"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
