@@ -191,6 +191,17 @@ impl Weights<'_> {
         }
     }
 
+    /// Whether a tensor is stored in f16 (llama.cpp's converter computes on f16 tensors in f16,
+    /// on every other type in f32).
+    pub(super) fn is_f16(&self, file: usize, name: &str) -> bool {
+        match self {
+            Weights::Mapped(files) => files[file]
+                .tensor(name)
+                .is_ok_and(|v| v.dtype() == Dtype::F16),
+            Weights::Loaded(tensors) => tensors.get(name).is_some_and(|t| t.dtype() == DType::F16),
+        }
+    }
+
     /// One tensor's values as f32.
     pub(super) fn values(&self, file: usize, name: &str) -> Result<Vec<f32>> {
         match self {

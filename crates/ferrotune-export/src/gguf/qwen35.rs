@@ -28,6 +28,26 @@ fn neg_exp(x: f32) -> f32 {
     -x.exp()
 }
 
+/// `ssm_a` of an f16 `A_log`, which the converter computes in f16.
+fn neg_exp_f16(x: f32) -> f32 {
+    f16_round(neg_exp(x))
+}
+
+/// A zero-centred norm's `1 + w`.
+fn plus_one(x: f32) -> f32 {
+    x + 1.0
+}
+
+/// `1 + w` of an f16 weight, which the converter computes in f16.
+fn plus_one_f16(x: f32) -> f32 {
+    f16_round(plus_one(x))
+}
+
+/// `x` rounded to the nearest f16 (as torch's f16 arithmetic on the CPU rounds its f32 result).
+fn f16_round(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
 /// Writes the Qwen3.5 / Qwen3-Next checkpoint `config` / `weights` of `model_dir` as its
 /// llama.cpp architecture's GGUF.
 pub(super) fn export(
@@ -123,6 +143,7 @@ pub(super) fn export(
         }
         if let Some(t) = GGUF_TOP_TENSORS.iter().find(|t| t.hf == name) {
             plan.push(planned(
+                weights,
                 t,
                 t.gguf.to_string(),
                 file,
@@ -229,6 +250,7 @@ pub(super) fn export(
                         .flat_map(|r| p.iter().map(move |&c| r * cols + c))
                         .collect();
                     plan.push(planned(
+                        weights,
                         t,
                         blk(t.gguf),
                         file,
@@ -255,7 +277,16 @@ pub(super) fn export(
                 bail!("{name} has shape {shape:?}, not its DeltaNet heads' size");
             }
         }
-        plan.push(planned(t, blk(t.gguf), file, stored, shape, outtype, index));
+        plan.push(planned(
+            weights,
+            t,
+            blk(t.gguf),
+            file,
+            stored,
+            shape,
+            outtype,
+            index,
+        ));
     }
     if vision {
         notes.push(
@@ -358,7 +389,9 @@ pub(super) fn export(
 /// The planned tensor `gguf` of the HF tensor `name` (`shape`) as the family's table says: its
 /// values changed as the converter changes them, picked by `index` when given (the value heads
 /// reordered).
+#[allow(clippy::too_many_arguments)]
 fn planned(
+    weights: &Weights,
     t: &GgufTensor,
     gguf: String,
     file: usize,
@@ -380,19 +413,20 @@ fn planned(
         storage_type(&gguf, &stored, outtype)
     };
     let numel: usize = shape.iter().product();
+    let f16 = weights.is_f16(file, name);
     let name = name.to_string();
     let source = match (t.values, index) {
         (GgufValues::NegExp, index) => Source::Mapped {
             file,
             name,
             index: index.unwrap_or_else(|| (0..numel).collect()),
-            map: neg_exp,
+            map: if f16 { neg_exp_f16 } else { neg_exp },
         },
-        (GgufValues::PlusOne, None) => Source::Hf {
+        (GgufValues::PlusOne, index) => Source::Mapped {
             file,
             name,
-            rows: None,
-            plus_one: true,
+            index: index.unwrap_or_else(|| (0..numel).collect()),
+            map: if f16 { plus_one_f16 } else { plus_one },
         },
         (_, Some(index)) => Source::Gather { file, name, index },
         (_, None) => Source::Hf {
@@ -498,4 +532,20 @@ fn stack_experts(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On an f16 checkpoint the converter's `1 + w` and `-exp(A_log)` are f16 values (torch
+    /// computes in the tensor's type); on others, f32's.
+    #[test]
+    fn f16_weights_are_changed_in_f16() {
+        let w = 0.123_456_79_f32;
+        assert_eq!(plus_one(w), 1.123_456_8);
+        assert_eq!(plus_one_f16(w), 1.123_046_9);
+        assert_eq!(neg_exp_f16(0.5), -1.648_437_5);
+        assert_ne!(neg_exp(0.5), neg_exp_f16(0.5));
+    }
 }
