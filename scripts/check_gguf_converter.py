@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Checks `ferrotune export-gguf` of DeepSeek-V2/V3 and gpt-oss against llama.cpp's own
-convert_hf_to_gguf.py: for the tiny DeepSeek and gpt-oss checkpoints (changed as
-scripts/make_gguf_fixtures.py's deepseek2_ggufs
-changes them, so that a `deepseek2` file can say what transformers computes), both write f32 and
-f16 GGUFs of the same folder, and gguf-py compares them: the same tensor names, shapes and types,
+"""Checks `ferrotune export-gguf` of DeepSeek-V2/V3, gpt-oss, Qwen3.5 (dense, MoE) and Qwen3-Next
+against llama.cpp's own convert_hf_to_gguf.py: for the tiny DeepSeek and gpt-oss checkpoints
+(changed as scripts/make_gguf_fixtures.py's deepseek2_ggufs changes them, so that a `deepseek2`
+file can say what transformers computes) and the Qwen3.5 / Qwen3-Next ones (qwen35_source), both
+write f32 and f16 GGUFs of the same folder (the Qwen ones bf16, q8_0 and auto too, and bf16 and
+f16 copies of the dense Qwen3.5), and gguf-py compares them: the same tensor names, shapes and types,
 the same values (f16: the same bytes), the same metadata keys and values, but for the differences
 listed in EXPECTED (printed).
 
@@ -94,6 +95,20 @@ def compare(ours_path, theirs_path, what):
     return bad
 
 
+def stored_as(tmp: Path, dtype: str) -> Path:
+    """The dense Qwen3.5 fixture with its weights stored in `dtype` ("bfloat16", "float16")."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    out = tmp / f"qwen3_5_{dtype}"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "models" / "qwen3_5" / "model", out)
+    w = load_file(str(out / "model.safetensors"))
+    save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in w.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def main():
     exe = sys.argv[1] if len(sys.argv) > 1 else str(ROOT / "target" / "release" / "ferrotune")
     src = os.environ.get("LLAMA_CPP")
@@ -109,6 +124,19 @@ def main():
                 subprocess.run([exe, "export-gguf", str(model_dir), str(ours), "--outtype", outtype],
                                check=True, stdout=subprocess.DEVNULL)
                 mg.run_llama_cpp_converter(src, model_dir, theirs, tmp, outtype)
+                failures += [f"{kind} {outtype}: {b}" for b in compare(ours, theirs, f"{kind} {outtype}")]
+        # The multimodal Qwen3.5 checkpoint: its text model, as the converter writes it; bf16 and
+        # f16 copies of the dense one (the converter computes -exp(A_log) and 1 + w in f32 from
+        # bf16, in f16 from f16).
+        stored = {"qwen3_5_bf16": "bfloat16", "qwen3_5_f16": "float16"}
+        for kind in [*mg.QWEN35_KINDS, "qwen3_5_multimodal", *stored]:
+            model_dir = (stored_as(tmp, stored[kind]) if kind in stored
+                         else mg.qwen35_source(kind, tmp))
+            for outtype in ["f32", "f16", "bf16", "q8_0", "auto"]:
+                ours, theirs = tmp / f"{kind}_{outtype}_ours.gguf", tmp / f"{kind}_{outtype}_theirs.gguf"
+                subprocess.run([exe, "export-gguf", str(model_dir), str(ours), "--outtype", outtype],
+                               check=True, stdout=subprocess.DEVNULL)
+                mg.run_llama_cpp_converter(src, model_dir, theirs, tmp, outtype, extra=("--no-mtp",))
                 failures += [f"{kind} {outtype}: {b}" for b in compare(ours, theirs, f"{kind} {outtype}")]
     for f in failures:
         print("FAIL", f)

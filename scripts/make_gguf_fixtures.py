@@ -20,11 +20,17 @@
       The tiny DeepSeek-V2/V3 and gpt-oss checkpoints (changed where a `deepseek2` file cannot carry them: see
       deepseek2_ggufs) through llama.cpp's own convert_hf_to_gguf.py (LLAMA_CPP names its folder), with
       the changed checkpoints' logits.
+  tests/fixtures/gguf/qwen3_5_tiny.gguf (and Q8_0: qwen3_5_q8_tiny.gguf), qwen3_5_moe_tiny.gguf, qwen3_next_tiny.gguf
+  + *_reference.safetensors
+      The tiny Qwen3.5 (dense, MoE) and Qwen3-Next checkpoints through llama.cpp's own convert_hf_to_gguf.py
+      (`qwen35`, `qwen35moe`, `qwen3next`; Qwen3-Next's every layer made sparse with renormalized
+      top-k weights, as llama.cpp computes it: see qwen35_ggufs), with the (changed) checkpoints' logits and
+      greedy tokens.
   tests/fixtures/gguf/quant_reference.safetensors
       For each ggml type, `TYPE.raw` (the bytes of a [4, 256] tensor in that type) and
       `TYPE.expected` (what the python `gguf` package's `gguf.quants.dequantize` makes of them).
 
-Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only | --deepseek2-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
+Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only | --deepseek2-only | --qwen35-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
 the GGUF comes from scripts/fetch-assets.sh, FERROTUNE_ASSETS overrides its folder)
 """
 
@@ -224,12 +230,14 @@ def finish_gguf(w, path: Path, tensors, quantized=()) -> None:
     os.chmod(path, 0o644)
 
 
-def save_reference(kind: str, logits) -> None:
-    """`{kind}_tiny_reference.safetensors`: INPUT_IDS and the source model's logits for them."""
+def save_reference(kind: str, logits, extra=None) -> None:
+    """`{kind}_tiny_reference.safetensors`: INPUT_IDS and the source model's logits for them (and
+    `extra` tensors)."""
     import torch
     from safetensors.torch import save_file
     ref = OUT / f"{kind}_tiny_reference.safetensors"
-    save_file({"input_ids": torch.tensor(INPUT_IDS, dtype=torch.int64), "logits": logits}, str(ref))
+    save_file({"input_ids": torch.tensor(INPUT_IDS, dtype=torch.int64), "logits": logits,
+               **(extra or {})}, str(ref))
     os.chmod(ref, 0o644)  # safetensors writes 0600 files
 
 
@@ -500,7 +508,8 @@ def deepseek2_source(kind: str, tmp: Path) -> Path:
     return model_dir
 
 
-def run_llama_cpp_converter(src: str, model_dir: Path, out: Path, tmp: Path, outtype: str = "f32") -> None:
+def run_llama_cpp_converter(src: str, model_dir: Path, out: Path, tmp: Path, outtype: str = "f32",
+                            extra: tuple = ()) -> None:
     """llama.cpp's convert_hf_to_gguf.py (from the llama.cpp folder `src`), unchanged but for the
     tiny fixtures' unknown BPE pre-tokenizer, reported as "default"."""
     import subprocess
@@ -515,7 +524,7 @@ def run_llama_cpp_converter(src: str, model_dir: Path, out: Path, tmp: Path, out
         "runpy.run_path(src + '/convert_hf_to_gguf.py', run_name='__main__')\n"
     )
     subprocess.run([sys.executable, str(shim), src, str(model_dir), "--outtype", outtype,
-                    "--outfile", str(out)], check=True, stdout=subprocess.DEVNULL,
+                    "--outfile", str(out), *extra], check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
 
 
@@ -556,7 +565,84 @@ def deepseek2_ggufs() -> None:
             print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
 
+# The Qwen3.5 / Qwen3-Next fixtures and llama.cpp's architecture for each.
+QWEN35_KINDS = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+# Greedy decoding in the Qwen3.5 references: prompt length, new tokens.
+QWEN35_PROMPT, QWEN35_NEW = 6, 8
+
+
+def qwen35_source(kind: str, tmp: Path) -> Path:
+    """tests/fixtures/models/<kind>/model, or for qwen3_next a copy under `tmp` that llama.cpp's
+    `qwen3next` can say: every layer sparse (the dense `mlp_only_layers` layer 1 takes layer 0's
+    experts, router and shared expert) and the top-k weights renormalized (`norm_topk_prob`), as
+    llama.cpp always computes it. The Rust tests make the same copy."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    src = ROOT / "tests" / "fixtures" / "models" / kind / "model"
+    if kind != "qwen3_next":
+        return src
+    model_dir = tmp / kind
+    shutil.copytree(src, model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update({"mlp_only_layers": [], "norm_topk_prob": True})
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    w = load_file(str(model_dir / "model.safetensors"))
+    for n in [n for n in w if n.startswith("model.layers.1.mlp.")]:
+        del w[n]
+    for n in [n for n in w if n.startswith("model.layers.0.mlp.")]:
+        w[n.replace("model.layers.0.", "model.layers.1.")] = w[n].clone()
+    save_file({n: t.contiguous() for n, t in w.items()}, str(model_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    return model_dir
+
+
+def qwen35_ggufs() -> None:
+    """Qwen3.5 (dense and MoE) and Qwen3-Next as llama.cpp's own convert_hf_to_gguf.py writes them
+    (`qwen35`, `qwen35moe`, `qwen3next`, F32, `--no-mtp`: the tiny checkpoints have no
+    multi-token-prediction layers): norms as 1 + w, `ssm_a = -exp(A_log)`, Qwen3.5's value heads
+    tiled, Qwen3-Next's `in_proj_qkvz` split, stacked experts. Qwen3-Next's checkpoint is changed
+    as qwen35_source says. The reference logits are the (changed) checkpoints' in transformers."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = os.environ.get("LLAMA_CPP")
+    if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
+        sys.exit("set LLAMA_CPP to a llama.cpp source folder (convert_hf_to_gguf.py, conversion/, gguf-py/): export LLAMA_CPP=\"$(scripts/fetch-llamacpp-src.sh)\"")
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in QWEN35_KINDS:
+            model_dir = qwen35_source(kind, Path(tmp))
+            path = OUT / f"{kind}_tiny.gguf"
+            run_llama_cpp_converter(src, model_dir, path, Path(tmp), extra=("--no-mtp",))
+            os.chmod(path, 0o644)
+            if kind == "qwen3_5":
+                # The reader's Q8_0 blocks (the converter quantizes the matrices).
+                q8 = OUT / f"{kind}_q8_tiny.gguf"
+                run_llama_cpp_converter(src, model_dir, q8, Path(tmp), "q8_0", extra=("--no-mtp",))
+                os.chmod(q8, 0o644)
+            m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            with torch.no_grad():
+                logits = m(torch.tensor(INPUT_IDS)).logits.float().contiguous()
+                # Greedy decoding from the first QWEN35_PROMPT ids, each step over the whole
+                # sequence; the smallest gap between the best two logits says how safe it is.
+                seq, margin = list(INPUT_IDS[0][:QWEN35_PROMPT]), float("inf")
+                for _ in range(QWEN35_NEW):
+                    last = m(torch.tensor([seq])).logits[0, -1].float()
+                    top = torch.topk(last, 2).values
+                    margin = min(margin, float(top[0] - top[1]))
+                    seq.append(int(last.argmax()))
+            save_reference(kind, logits, {"greedy": torch.tensor([seq], dtype=torch.int64)})
+            print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}, "
+                  f"greedy {seq[QWEN35_PROMPT:]} (smallest top-2 margin {margin:.4f})")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--qwen35-only"]:
+        qwen35_ggufs()
+        sys.exit(0)
     if sys.argv[1:] == ["--deepseek2-only"]:
         deepseek2_ggufs()
         sys.exit(0)
@@ -575,5 +661,6 @@ if __name__ == "__main__":
     moe_and_phi2_ggufs()
     smollm3_gguf()
     deepseek2_ggufs()
+    qwen35_ggufs()
     for f in sorted(OUT.iterdir()):
         print(f"{f.relative_to(ROOT)}: {f.stat().st_size} bytes")

@@ -354,6 +354,46 @@ fn export_gguf_writes_a_file_that_generates_the_same_tokens() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `export-gguf` of Qwen3.5 (dense: llama.cpp's `qwen35`; MoE: `qwen35moe`) through the binary:
+/// `generate` on the GGUF it writes (the Gated DeltaNet's cached decoding) gives the
+/// checkpoint's 16 greedy tokens in transformers (the fixtures' goldens).
+#[test]
+fn export_gguf_of_qwen3_5_generates_the_same_tokens() {
+    let dir = std::env::temp_dir().join(format!("ferrotune-cli-gguf-q35-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (case, arch) in [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")] {
+        let case_dir = fixtures().join("models").join(case);
+        let g: Value =
+            serde_json::from_str(&std::fs::read_to_string(case_dir.join("golden.json")).unwrap())
+                .unwrap();
+        let gguf = dir.join(format!("{case}.gguf"));
+        let out = ferrotune(&[
+            "export-gguf",
+            case_dir.join("model").to_str().unwrap(),
+            gguf.to_str().unwrap(),
+            "--outtype",
+            "f32",
+        ]);
+        assert!(
+            out.status.success(),
+            "{case}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(&format!("{arch} architecture")),
+            "{case}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let j = greedy_generation(&g, &["--model", gguf.to_str().unwrap()]);
+        assert_eq!(
+            golden_ids(&j["new_token_ids"]),
+            golden_ids(&g["greedy_new_tokens"]),
+            "{case}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `export-gguf` of a LoRA adapter folder: a llama.cpp adapter GGUF, its base taken from the
 /// adapter's recorded `base_model_name_or_path` (or `--base`); DoRA, a LoRA bias and adapters on
 /// fused experts, which llama.cpp cannot apply, and `--base` with a model folder are one error

@@ -84,6 +84,15 @@ pub(super) fn write_gguf_data(
                 let values = weights.values(*file, name)?;
                 index.iter().map(|&i| values[i]).collect()
             }
+            Source::Mapped {
+                file,
+                name,
+                index,
+                map,
+            } => {
+                let values = weights.values(*file, name)?;
+                index.iter().map(|&i| map(values[i])).collect()
+            }
             Source::Hf {
                 file,
                 name,
@@ -179,6 +188,17 @@ impl Weights<'_> {
                         _ => Dtype::F32,
                     })
             }
+        }
+    }
+
+    /// Whether a tensor is stored in f16 (llama.cpp's converter computes on f16 tensors in f16,
+    /// on every other type in f32).
+    pub(super) fn is_f16(&self, file: usize, name: &str) -> bool {
+        match self {
+            Weights::Mapped(files) => files[file]
+                .tensor(name)
+                .is_ok_and(|v| v.dtype() == Dtype::F16),
+            Weights::Loaded(tensors) => tensors.get(name).is_some_and(|t| t.dtype() == DType::F16),
         }
     }
 
@@ -324,6 +344,10 @@ impl Metadata {
 
     pub(super) fn f32s(&mut self, key: &str, v: &[f32]) {
         self.array(key, T_FLOAT32, v, |b, x| b.extend(x.to_le_bytes()));
+    }
+
+    pub(super) fn bools(&mut self, key: &str, v: &[bool]) {
+        self.array(key, T_BOOL, v, |b, x| b.push(u8::from(*x)));
     }
 
     pub(super) fn i32s(&mut self, key: &str, v: &[i32]) {

@@ -16,7 +16,8 @@
 //! LongRoPE factors), `mixtral`, `qwen2_moe`,
 //! `qwen3_moe` (experts stacked as llama.cpp's `ffn_*_exps`), `deepseek_v2` / `deepseek_v3`
 //! (llama.cpp's `deepseek2`, `kv_b_proj` split as its converter does), `gpt_oss` (its
-//! `gpt-oss`, float experts), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
+//! `gpt-oss`, float experts), `qwen3_5_text`, `qwen3_5_moe_text` and `qwen3_next` (its `qwen35`,
+//! `qwen35moe` and `qwen3next`: the DeltaNet's tensors as its converter writes them), with a byte-level BPE tokenizer (llama.cpp's `gpt2` vocabulary) or a
 //! SentencePiece-style BPE one (its `llama` vocabulary).
 
 use std::collections::BTreeMap;
@@ -41,6 +42,7 @@ mod deepseek2;
 mod file;
 mod gpt_oss;
 mod plan;
+mod qwen35;
 
 pub use adapter::export_gguf_adapter;
 use arch::*;
@@ -267,6 +269,11 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     // gpt-oss's fused experts and sinks (llama.cpp's `gpt-oss`).
     if config.gpt_oss_moe.is_some() {
         return gpt_oss::export(model_dir, out, outtype, &config, &weights);
+    }
+    // Qwen3.5's and Qwen3-Next's linear attention (llama.cpp's `qwen35`, `qwen35moe`,
+    // `qwen3next`).
+    if config.delta_net.is_some() {
+        return qwen35::export(model_dir, out, outtype, &config, &weights);
     }
     let entry = architecture(&config)?;
     let (arch, permute, w) = (entry.name, entry.permuted_qk, &entry.writing);

@@ -33,6 +33,13 @@ pub(super) enum Source {
         name: String,
         index: Vec<usize>,
     },
+    /// As [`Source::Gather`], each value then mapped (Qwen3.5's `ssm_a`, `-exp(A_log)`).
+    Mapped {
+        file: usize,
+        name: String,
+        index: Vec<usize>,
+        map: fn(f32) -> f32,
+    },
 }
 
 /// The type a tensor of `shape` is stored in.

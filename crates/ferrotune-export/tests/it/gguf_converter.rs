@@ -1,6 +1,8 @@
-//! `export-gguf` of DeepSeek-V2/V3 (llama.cpp's `deepseek2`) and gpt-oss (`gpt-oss`), against
-//! what llama.cpp's own convert_hf_to_gguf.py wrote for the same checkpoints
-//! (tests/fixtures/gguf/{deepseek_v2,deepseek_v3,gpt_oss}_tiny.gguf, scripts/make_gguf_fixtures.py)
+//! `export-gguf` of DeepSeek-V2/V3 (llama.cpp's `deepseek2`), gpt-oss (`gpt-oss`), Qwen3.5
+//! (`qwen35`, `qwen35moe`) and Qwen3-Next (`qwen3next`), against what llama.cpp's own
+//! convert_hf_to_gguf.py wrote for the same checkpoints
+//! (tests/fixtures/gguf/{deepseek_v2,deepseek_v3,gpt_oss,qwen3_5,qwen3_5_moe,qwen3_next}_tiny.gguf,
+//! scripts/make_gguf_fixtures.py)
 //! and against transformers' logits of them.
 
 use crate::common;
@@ -152,4 +154,198 @@ fn settings_llama_cpp_computes_otherwise_are_refused() {
             .to_string();
         assert!(err.contains(says), "{kind}: {err}");
     }
+}
+
+/// Fixture `kind`'s Qwen3.5 / Qwen3-Next checkpoint as scripts/make_gguf_fixtures.py's
+/// `qwen35_source` gives it to the converter: Qwen3-Next's copied into `dir`, every layer sparse
+/// (the dense layer 1 takes layer 0's experts, router and shared expert) and its top-k weights
+/// renormalized, as llama.cpp's `qwen3next` computes it; the others as they are. And
+/// `qwen3_5_moe_fused`: the Qwen3.5-MoE fixture with its experts fused as transformers 5 holds
+/// them (`mlp.experts.gate_up_proj` `[experts, 2 · inter, hidden]`, gate rows first, and
+/// `mlp.experts.down_proj`), which the converter writes as it writes the per-expert ones.
+fn qwen35_source(kind: &str, dir: &Path) -> PathBuf {
+    if kind == "qwen3_5_moe_fused" {
+        let src = common::workspace_fixture("models/qwen3_5_moe/model");
+        std::fs::create_dir_all(dir).unwrap();
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+        let file = dir.join("model.safetensors");
+        let w = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+        let mut fused: HashMap<String, Tensor> = w
+            .iter()
+            .filter(|(n, _)| !n.contains(".mlp.experts."))
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect();
+        for l in 0..4 {
+            let p = format!("model.layers.{l}.mlp.experts.");
+            let expert = |e: usize, m: &str| w[&format!("{p}{e}.{m}_proj.weight")].clone();
+            let gate_up: Vec<Tensor> = (0..4)
+                .map(|e| Tensor::cat(&[expert(e, "gate"), expert(e, "up")], 0).unwrap())
+                .collect();
+            let down: Vec<Tensor> = (0..4).map(|e| expert(e, "down")).collect();
+            fused.insert(
+                format!("{p}gate_up_proj"),
+                Tensor::stack(&gate_up, 0).unwrap(),
+            );
+            fused.insert(format!("{p}down_proj"), Tensor::stack(&down, 0).unwrap());
+        }
+        candle_core::safetensors::save(&fused, &file).unwrap();
+        return dir.to_path_buf();
+    }
+    let src = common::workspace_fixture(&format!("models/{kind}/model"));
+    if kind != "qwen3_next" {
+        return src;
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    c["mlp_only_layers"] = json!([]);
+    c["norm_topk_prob"] = json!(true);
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let file = dir.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    w.retain(|n, _| !n.starts_with("model.layers.1.mlp."));
+    let layer0: Vec<(String, Tensor)> = w
+        .iter()
+        .filter(|(n, _)| n.starts_with("model.layers.0.mlp."))
+        .map(|(n, t)| (n.replace("model.layers.0.", "model.layers.1."), t.clone()))
+        .collect();
+    w.extend(layer0);
+    candle_core::safetensors::save(&w, &file).unwrap();
+    dir.to_path_buf()
+}
+
+/// The metadata keys each tool fills its own way: the model's name and size label, the
+/// converter's `general.type`, and the pre-tokenizer (the fixtures' is unknown to llama.cpp; the
+/// converter's run reports it as "default").
+const OWN_KEYS: &[&str] = &[
+    "general.name",
+    "general.size_label",
+    "general.type",
+    "tokenizer.ggml.pre",
+];
+
+/// A GGUF file's metadata, each value as text.
+fn metadata(path: &Path) -> HashMap<String, String> {
+    let mut f = std::fs::File::open(path).unwrap();
+    let content = Content::read(&mut f).unwrap();
+    content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), format!("{v:?}")))
+        .collect()
+}
+
+/// Qwen3.5 (dense, MoE) and Qwen3-Next exported in f32 equal what llama.cpp's converter wrote for
+/// the same checkpoints (tests/fixtures/gguf/{qwen3_5,qwen3_5_moe,qwen3_next}_tiny.gguf): the same
+/// tensors (names, shapes, types, values: norms as 1 + w, `ssm_a = -exp(A_log)`, the conv
+/// squeezed, Qwen3.5's value heads tiled, Qwen3-Next's `in_proj_qkvz` split into `attn_qkv` and
+/// `attn_gate`, stacked experts) in the same order, and the same metadata key by key but for
+/// [`OWN_KEYS`]; ferrotune reads the file back to transformers' logits of the checkpoint. The
+/// multimodal Qwen3.5 fixture (its text model is the dense fixture's) writes its text model, the
+/// vision tower left out with a note, as the converter writes it; Qwen3.5-MoE's experts fused
+/// as transformers 5 holds them write as the per-expert ones.
+#[test]
+fn qwen35_and_qwen3_next_export_as_llama_cpps_converter_writes_them() {
+    for (kind, converted, arch) in [
+        ("qwen3_5", "qwen3_5", "qwen35"),
+        ("qwen3_5_multimodal", "qwen3_5", "qwen35"),
+        ("qwen3_5_moe", "qwen3_5_moe", "qwen35moe"),
+        ("qwen3_5_moe_fused", "qwen3_5_moe", "qwen35moe"),
+        ("qwen3_next", "qwen3_next", "qwen3next"),
+    ] {
+        let out = out_dir(kind);
+        let dir = qwen35_source(kind, &out.join("model"));
+        let ours = out.join("ours.gguf");
+        let done = export_gguf(&dir, &ours, OutType::F32).unwrap();
+        assert_eq!(done.architecture, arch);
+        assert_eq!(
+            done.notes.iter().any(|n| n.contains("vision tower")),
+            kind == "qwen3_5_multimodal",
+            "{kind}: {:?}",
+            done.notes
+        );
+        let kind = converted;
+        let converter = common::workspace_fixture(&format!("gguf/{kind}_tiny.gguf"));
+        let (a, b) = (tensors(&ours), tensors(&converter));
+        assert_eq!(a.len(), b.len(), "{kind}: tensor count");
+        for (name, (ty_b, t_b)) in &b {
+            let (ty_a, t_a) = a.get(name).unwrap_or_else(|| panic!("{kind}: no {name}"));
+            assert_eq!(ty_a, ty_b, "{kind}: {name}");
+            assert_eq!(t_a.dims(), t_b.dims(), "{kind}: {name}");
+            let diff = (t_a - t_b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(diff, 0.0, "{kind}: {name}");
+        }
+        let order = |p: &Path| {
+            let mut f = std::fs::File::open(p).unwrap();
+            let c = Content::read(&mut f).unwrap();
+            let mut v: Vec<(u64, String)> = c
+                .tensor_infos
+                .iter()
+                .map(|(n, i)| (i.offset, n.clone()))
+                .collect();
+            v.sort();
+            v.into_iter().map(|(_, n)| n).collect::<Vec<_>>()
+        };
+        assert_eq!(order(&ours), order(&converter), "{kind}: tensor order");
+        let (ma, mb) = (metadata(&ours), metadata(&converter));
+        let mut keys: Vec<&String> = ma.keys().chain(mb.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        for key in keys {
+            if OWN_KEYS.contains(&key.as_str()) {
+                continue;
+            }
+            assert_eq!(ma.get(key), mb.get(key), "{kind}: metadata {key}");
+        }
+        let reference = candle_core::safetensors::load(
+            common::workspace_fixture(&format!("gguf/{kind}_tiny_reference.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+        let (bsz, t) = ids.dims2().unwrap();
+        let (model, _) = load_model(&ours, DType::F32, &Device::Cpu).unwrap();
+        let logits = model
+            .forward(&ids, &AttentionLayout::causal(bsz, t, 0), None)
+            .unwrap();
+        let err = (logits - &reference["logits"])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(err <= 1e-4, "{kind}: logits differ by {err}");
+    }
+}
+
+/// What llama.cpp's `qwen3next` would compute otherwise is refused: the unchanged Qwen3-Next
+/// fixture has a dense `mlp_only_layers` layer and `norm_topk_prob` false.
+#[test]
+fn qwen3_next_dense_layers_are_refused() {
+    let out = out_dir("qwen3_next_refused").join("refused.gguf");
+    let dir = common::workspace_fixture("models/qwen3_next/model");
+    let err = export_gguf(&dir, &out, OutType::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("mlp_only_layers"), "{err}");
 }

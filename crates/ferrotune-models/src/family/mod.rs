@@ -450,11 +450,28 @@ pub fn gguf_arch_for(model_type: &str) -> Option<&'static GgufArch> {
 }
 
 /// The families whose GGUF files have a layout of their own, with llama.cpp's architecture for
-/// them: read by the models crate's `gguf/deepseek2.rs` and `gguf/gpt_oss.rs` and written by
+/// them and the one `model_type` it is (`None`: every model type of the family): read by the
+/// models crate's `gguf/deepseek2.rs`, `gguf/gpt_oss.rs` and `gguf/qwen35.rs` and written by
 /// ferrotune-export's writers of the same names, not through [`Family::gguf_archs`].
-pub static OWN_LAYOUT_GGUF: &[(&str, &Family)] = &[
-    (deepseek::GGUF_ARCH, &deepseek::FAMILY),
-    (gpt_oss::GGUF_ARCH, &gpt_oss::FAMILY),
+pub static OWN_LAYOUT_GGUF: &[(&str, &Family, Option<&str>)] = &[
+    (deepseek::GGUF_ARCH, &deepseek::FAMILY, None),
+    (gpt_oss::GGUF_ARCH, &gpt_oss::FAMILY, None),
+    // Qwen3.5's three, each with its model type ([`qwen3_5::GGUF_ARCHS`]).
+    (
+        qwen3_5::GGUF_ARCHS[0].0,
+        &qwen3_5::FAMILY,
+        Some(qwen3_5::GGUF_ARCHS[0].1),
+    ),
+    (
+        qwen3_5::GGUF_ARCHS[1].0,
+        &qwen3_5::FAMILY,
+        Some(qwen3_5::GGUF_ARCHS[1].1),
+    ),
+    (
+        qwen3_5::GGUF_ARCHS[2].0,
+        &qwen3_5::FAMILY,
+        Some(qwen3_5::GGUF_ARCHS[2].1),
+    ),
 ];
 
 /// Every llama.cpp architecture the GGUF reader loads, for messages: each with the other
@@ -471,7 +488,7 @@ pub fn gguf_arch_names() -> String {
                 format!("{} (and {})", a.name, others.join(", "))
             }
         })
-        .chain(OWN_LAYOUT_GGUF.iter().map(|(arch, _)| arch.to_string()))
+        .chain(OWN_LAYOUT_GGUF.iter().map(|(arch, _, _)| arch.to_string()))
         .collect();
     names.join(", ")
 }
@@ -479,9 +496,12 @@ pub fn gguf_arch_names() -> String {
 /// Every `model_type` `export-gguf` writes, for messages: those of [`gguf_writable_model_types`]
 /// and those of the families with a layout of their own ([`OWN_LAYOUT_GGUF`]).
 pub fn gguf_exportable_model_types() -> Vec<&'static str> {
-    let own = OWN_LAYOUT_GGUF
-        .iter()
-        .flat_map(|(_, f)| f.model_types.iter().map(|t| t.name));
+    let own = OWN_LAYOUT_GGUF.iter().flat_map(|(_, f, only)| {
+        f.model_types
+            .iter()
+            .map(|t| t.name)
+            .filter(move |t| only.is_none_or(|o| o == *t))
+    });
     gguf_writable_model_types().into_iter().chain(own).collect()
 }
 
@@ -603,6 +623,23 @@ mod tests {
             "gpt_oss",
         ] {
             assert!(written.contains(&t), "{t}: {written:?}");
+        }
+    }
+
+    /// Qwen3.5's three llama.cpp architectures are named where GGUF reading and writing are,
+    /// each with its one model type, and the family's table names each for one model type.
+    #[test]
+    fn gguf_messages_name_qwen35s_architectures() {
+        let read = gguf_arch_names();
+        let written = gguf_exportable_model_types();
+        for (arch, t, _) in qwen3_5::GGUF_ARCHS {
+            assert!(read.split(", ").any(|a| a == *arch), "{arch}: {read}");
+            assert_eq!(
+                written.iter().filter(|w| *w == t).count(),
+                1,
+                "{t}: {written:?}"
+            );
+            assert_eq!(qwen3_5::gguf_arch_of(t), Some(*arch));
         }
     }
 

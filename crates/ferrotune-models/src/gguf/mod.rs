@@ -30,6 +30,7 @@ mod config;
 mod deepseek2;
 mod file;
 mod gpt_oss;
+mod qwen35;
 mod tensors;
 
 use arch::*;
@@ -39,7 +40,8 @@ use tensors::*;
 /// Loads a llama.cpp GGUF (v2/v3) model: config from metadata, tensors dequantized to `dtype` on `device`, named as in HF checkpoints.
 ///
 /// Supported architectures: `llama` (and Mistral, Mixtral), `qwen2`, `qwen2moe`, `qwen3`,
-/// `qwen3moe`, `gemma`, `gemma2`, `gemma3`, `phi2`, `phi3`, `smollm3`, `deepseek2`, `gpt-oss`; tensor
+/// `qwen3moe`, `gemma`, `gemma2`, `gemma3`, `phi2`, `phi3`, `smollm3`, `deepseek2`, `gpt-oss`,
+/// `qwen35`, `qwen35moe`, `qwen3next`; tensor
 /// types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K. Every problem with the
 /// file (missing, not a GGUF, truncated, unsupported type, missing metadata, tensor shapes that
 /// disagree with the metadata) is a [`ModelError::File`] naming the file and what is wrong.
@@ -80,6 +82,14 @@ fn read_gguf(
     }
     if gguf.string("general.architecture")? == Some(crate::family::gpt_oss::GGUF_ARCH) {
         return gpt_oss::read(&mut gguf, dtype, device);
+    }
+    // Qwen3.5's and Qwen3-Next's linear attention: tensors and keys of their own.
+    let arch_name = gguf.string("general.architecture")?.map(str::to_string);
+    if let Some((arch, _, _)) = crate::family::qwen3_5::GGUF_ARCHS
+        .iter()
+        .find(|(a, _, _)| Some(*a) == arch_name.as_deref())
+    {
+        return qwen35::read(&mut gguf, arch, dtype, device);
     }
     let arch = Arch::from_metadata(&gguf)?;
     let hp = HParams::read(&gguf, &arch)?;

@@ -7,6 +7,7 @@ mod deepseek;
 mod device_map;
 mod errors;
 mod gguf;
+mod gguf_qwen35;
 mod golden_models;
 mod gpt_oss;
 mod llama4;
