@@ -20,11 +20,18 @@
       The tiny DeepSeek-V2/V3 and gpt-oss checkpoints (changed where a `deepseek2` file cannot carry them: see
       deepseek2_ggufs) through llama.cpp's own convert_hf_to_gguf.py (LLAMA_CPP names its folder), with
       the changed checkpoints' logits.
+  tests/fixtures/gguf/gpt_oss_mxfp4_tiny.gguf + gpt_oss_mxfp4_tiny_reference.safetensors
+      tests/fixtures/gpt_oss_mxfp4/model (gpt-oss with OpenAI's MXFP4 experts, `*_blocks` / `*_scales`),
+      changed as gpt_oss is for llama.cpp, through llama.cpp's convert_hf_to_gguf.py, which repacks the
+      experts as GGML type 39 MXFP4; with transformers' logits of the changed checkpoint (it dequantizes them).
+  tests/fixtures/gguf/mxfp4_reference.safetensors
+      `raw`: random MXFP4 blocks (scale bytes 0..252, the subnormal halves among them) and `expected`:
+      gguf-py's `gguf.quants.dequantize` of them (ggml's kvalues_mxfp4 and half-scale convention).
   tests/fixtures/gguf/quant_reference.safetensors
       For each ggml type, `TYPE.raw` (the bytes of a [4, 256] tensor in that type) and
       `TYPE.expected` (what the python `gguf` package's `gguf.quants.dequantize` makes of them).
 
-Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only | --deepseek2-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
+Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only | --deepseek2-only | --mxfp4-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
 the GGUF comes from scripts/fetch-assets.sh, FERROTUNE_ASSETS overrides its folder)
 """
 
@@ -488,11 +495,12 @@ def deepseek2_source(kind: str, tmp: Path) -> Path:
     gpt_oss, GPT_OSS_EDITS and a truncated YaRN) applied and `mscale` set to `mscale_all_dim`."""
     import shutil
     model_dir = tmp / kind
-    shutil.copytree(ROOT / "tests" / "fixtures" / "models" / kind / "model", model_dir)
+    src = ROOT / "tests" / "fixtures" / ("gpt_oss_mxfp4" if kind == "gpt_oss_mxfp4" else f"models/{kind}") / "model"
+    shutil.copytree(src, model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg.update(DEEPSEEK2_EDITS[kind] if kind in DEEPSEEK2_EDITS else GPT_OSS_EDITS)
     rope = cfg.get("rope_parameters", {})
-    if kind == "gpt_oss":
+    if kind.startswith("gpt_oss"):
         rope["truncate"] = True
     if "mscale_all_dim" in rope:
         rope["mscale"] = rope["mscale_all_dim"]
@@ -556,7 +564,56 @@ def deepseek2_ggufs() -> None:
             print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
 
+def mxfp4_reference() -> None:
+    """`mxfp4_reference.safetensors`: `raw` (u8, 64 MXFP4 blocks of 17 bytes: the E8M0 scale byte, then
+    16 bytes of nibbles) and `expected` (f32, 64 * 32 values): gguf-py's dequantization of them."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    rng = np.random.default_rng(3939)
+    blocks = rng.integers(0, 256, size=(64, 17), dtype=np.uint8)
+    blocks[:, 0] = rng.integers(0, 253, size=64, dtype=np.uint8)
+    blocks[:4, 0] = [0, 1, 2, 252]  # the subnormal halves and the largest scale whose values stay finite
+    raw = blocks.reshape(-1)
+    expected = gguf.quants.dequantize(raw.reshape(1, -1), gguf.GGMLQuantizationType.MXFP4).reshape(-1)
+    assert np.isfinite(expected).all()
+    path = OUT / "mxfp4_reference.safetensors"
+    save_file({"raw": torch.from_numpy(raw.copy()), "expected": torch.from_numpy(expected.astype(np.float32))},
+              str(path))
+    os.chmod(path, 0o644)
+    print(f"{path.name}: {len(raw)} bytes of MXFP4")
+
+
+def gpt_oss_mxfp4_gguf() -> None:
+    """tests/fixtures/gpt_oss_mxfp4/model (MXFP4 experts as OpenAI ships them), changed as gpt_oss is
+    (GPT_OSS_EDITS, truncated YaRN), through llama.cpp's convert_hf_to_gguf.py (f32: the experts are
+    repacked as MXFP4 whatever the outtype), with transformers' logits of the changed checkpoint."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = os.environ.get("LLAMA_CPP")
+    if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
+        sys.exit("set LLAMA_CPP to a llama.cpp source folder: export LLAMA_CPP=\"$(scripts/fetch-llamacpp-src.sh)\"")
+    with tempfile.TemporaryDirectory() as tmp:
+        kind = "gpt_oss_mxfp4"
+        model_dir = deepseek2_source(kind, Path(tmp))
+        path = OUT / f"{kind}_tiny.gguf"
+        run_llama_cpp_converter(src, model_dir, path, Path(tmp))
+        os.chmod(path, 0o644)
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = m(torch.tensor(INPUT_IDS)).logits.float().contiguous()
+        save_reference(kind, logits)
+        print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--mxfp4-only"]:
+        mxfp4_reference()
+        gpt_oss_mxfp4_gguf()
+        sys.exit(0)
     if sys.argv[1:] == ["--deepseek2-only"]:
         deepseek2_ggufs()
         sys.exit(0)
@@ -575,5 +632,7 @@ if __name__ == "__main__":
     moe_and_phi2_ggufs()
     smollm3_gguf()
     deepseek2_ggufs()
+    mxfp4_reference()
+    gpt_oss_mxfp4_gguf()
     for f in sorted(OUT.iterdir()):
         print(f"{f.relative_to(ROOT)}: {f.stat().st_size} bytes")

@@ -3,6 +3,10 @@
 //! transposed (their biases split too), `down_proj` transposed, the sinks as `attn_sinks`, the
 //! router as `ffn_gate_inp`. The names are the family's ([`ferrotune_models::family::gpt_oss`]).
 //!
+//! OpenAI's MXFP4 experts (`mlp.experts.*_blocks` / `*_scales`, `quantization_config` mxfp4) are
+//! written as the converter writes them: GGML type 39 MXFP4, repacked byte for byte (the same
+//! scale bytes, the nibbles in ggml's order), whatever the outtype of the other tensors.
+//!
 //! llama.cpp fixes what the file cannot say: the clamped SwiGLU's limit 7 and alpha 1.702 (other
 //! values are refused) and even layers sliding (another pattern is refused). It rounds YaRN's
 //! correction range, which gpt-oss's configs do not (`truncate` false): written with a note.
@@ -166,6 +170,40 @@ pub(super) fn export(
                 plan.push(gather(blk("ffn_down_exps.weight"), &[e, h, i], index));
             }
             "mlp.experts.down_proj_bias" => plan.push(hf(blk("ffn_down_exps.bias"), shape)),
+            // OpenAI's MXFP4 experts: written as MXFP4, repacked as the converter repacks them
+            // (gate rows even, up rows odd); the scales go with their blocks.
+            "mlp.experts.gate_up_proj_scales" | "mlp.experts.down_proj_scales" => {}
+            "mlp.experts.gate_up_proj_blocks" | "mlp.experts.down_proj_blocks" => {
+                let [ee, rows, groups, 16] = shape[..] else {
+                    bail!("{name} has shape {shape:?}, not [experts, rows, groups, 16]");
+                };
+                let scales = name.replace("_blocks", "_scales");
+                let Some((scales_file, _, _)) = listed.iter().find(|(_, n, _)| *n == scales) else {
+                    bail!("{name} has no {scales} beside it");
+                };
+                let gate_up = module.starts_with("mlp.experts.gate_up");
+                if ee != e || (gate_up && rows % 2 != 0) {
+                    bail!("{name} has shape {shape:?}, not [{e}, rows, groups, 16]");
+                }
+                let parts: &[(&str, usize, usize)] = if gate_up {
+                    &[("ffn_gate_exps.weight", 0, 2), ("ffn_up_exps.weight", 1, 2)]
+                } else {
+                    &[("ffn_down_exps.weight", 0, 1)]
+                };
+                for &(part, start, step) in parts {
+                    plan.push(Planned {
+                        name: blk(part),
+                        dims: dims(&[e, rows / step, groups * 32]),
+                        ty: GgmlType::Mxfp4,
+                        source: Source::Mxfp4 {
+                            blocks: (file, name.to_string()),
+                            scales: (*scales_file, scales.clone()),
+                            start,
+                            step,
+                        },
+                    });
+                }
+            }
             module => match GGUF_LAYER_TENSORS.iter().find(|(_, h)| *h == module) {
                 Some((g, _)) => plan.push(hf(blk(g), shape)),
                 None => skipped.push(name.to_string()),
@@ -188,7 +226,13 @@ pub(super) fn export(
         kv_heads: config.num_key_value_heads,
     };
     let name = folder_name(home, "model");
-    write_header(&mut meta, GGUF_ARCH, &name, outtype, config, shape);
+    // As the converter: float files with MXFP4 experts are `MOSTLY_MXFP4_MOE` (38).
+    let mxfp4 = plan.iter().any(|t| t.ty == GgmlType::Mxfp4);
+    let file_type = match outtype {
+        OutType::F32 | OutType::F16 | OutType::Bf16 if mxfp4 => 38,
+        other => other.file_type(),
+    };
+    write_header_typed(&mut meta, GGUF_ARCH, &name, file_type, config, shape);
     let k = |key: &str| format!("{GGUF_ARCH}.{key}");
     meta.f32(
         &k("attention.layer_norm_rms_epsilon"),

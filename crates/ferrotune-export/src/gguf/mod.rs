@@ -151,6 +151,8 @@ enum GgmlType {
     Bf16,
     Q8_0,
     Quant(QuantKind),
+    /// MXFP4 (type 39), written from OpenAI's MXFP4 experts as they are ([`Source::Mxfp4`]).
+    Mxfp4,
 }
 
 impl GgmlType {
@@ -161,6 +163,7 @@ impl GgmlType {
             GgmlType::Q8_0 => 8,
             GgmlType::Bf16 => 30,
             GgmlType::Quant(k) => k.ggml_id(),
+            GgmlType::Mxfp4 => ferrotune_models::gguf::GGML_TYPE_MXFP4,
         }
     }
 
@@ -173,6 +176,10 @@ impl GgmlType {
                 let (values, bytes) = k.block();
                 numel / values * bytes
             }
+            GgmlType::Mxfp4 => {
+                use ferrotune_models::gguf::{MXFP4_BLOCK, MXFP4_BLOCK_BYTES};
+                numel / MXFP4_BLOCK * MXFP4_BLOCK_BYTES
+            }
         }) as u64
     }
 
@@ -182,6 +189,7 @@ impl GgmlType {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
             GgmlType::Q8_0 => Q8_0_BLOCK,
             GgmlType::Quant(k) => k.block().0,
+            GgmlType::Mxfp4 => ferrotune_models::gguf::MXFP4_BLOCK,
         }
     }
 }
@@ -705,9 +713,22 @@ fn write_header(
     config: &ModelConfig,
     shape: HeaderShape,
 ) {
+    write_header_typed(meta, arch, name, outtype.file_type(), config, shape);
+}
+
+/// [`write_header`] with `general.file_type` given (`LLAMA_FTYPE_*`): gpt-oss's MXFP4 experts
+/// make the file `MOSTLY_MXFP4_MOE`, as the converter says.
+fn write_header_typed(
+    meta: &mut Metadata,
+    arch: &str,
+    name: &str,
+    file_type: u32,
+    config: &ModelConfig,
+    shape: HeaderShape,
+) {
     meta.string("general.architecture", arch);
     meta.string("general.name", name);
-    meta.u32("general.file_type", outtype.file_type());
+    meta.u32("general.file_type", file_type);
     meta.u32("general.quantization_version", 2);
     let k = |key: &str| format!("{arch}.{key}");
     meta.u32(&k("context_length"), config.max_position_embeddings as u32);

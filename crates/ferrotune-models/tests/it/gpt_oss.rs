@@ -607,3 +607,47 @@ fn fresh_expert_adapters_start_as_the_base() {
         "{err}"
     );
 }
+
+/// ggml's MXFP4 blocks (GGML type 39: an E8M0 scale byte, then 16 bytes of nibbles, values
+/// `kvalues_mxfp4[q] · 2^(scale − 128)`; the subnormal halves of scale bytes 0 and 1 among them)
+/// dequantize to gguf-py's `gguf.quants.dequantize` of them, value for value
+/// (tests/fixtures/gguf/mxfp4_reference.safetensors, scripts/make_gguf_fixtures.py).
+#[test]
+fn mxfp4_blocks_dequantize_as_gguf_py() {
+    let t = tensors(&fixtures().join("gguf/mxfp4_reference.safetensors"));
+    let raw: Vec<u8> = t["raw"].to_vec1().unwrap();
+    let want: Vec<f32> = t["expected"].to_vec1().unwrap();
+    let got = ferrotune_models::gguf::dequantize_mxfp4(&raw);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "value {i}: {g} vs {w}");
+    }
+    assert!(want
+        .iter()
+        .any(|&w| w != 0.0 && w.abs() < f32::MIN_POSITIVE));
+}
+
+/// gpt-oss with OpenAI's MXFP4 experts (tests/fixtures/gpt_oss_mxfp4, llama.cpp's SwiGLU limit and
+/// rounded YaRN) through llama.cpp's own convert_hf_to_gguf.py, which writes the experts as MXFP4
+/// (tests/fixtures/gguf/gpt_oss_mxfp4_tiny.gguf): loaded, it gives transformers' logits of that
+/// checkpoint (which dequantizes the experts too).
+#[test]
+fn gpt_oss_mxfp4_gguf_gives_transformers_logits() {
+    let path = fixtures().join("gguf/gpt_oss_mxfp4_tiny.gguf");
+    let model = load_model(&path, DType::F32, &Device::Cpu).unwrap().0;
+    assert_eq!(model.config.model_type, "gpt_oss");
+    let reference = tensors(&fixtures().join("gguf/gpt_oss_mxfp4_tiny_reference.safetensors"));
+    let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+    let err = max_abs_diff(&forward(&model, &ids), &reference["logits"]);
+    assert!(err <= 1e-4, "logits max abs error {err}");
+    // The experts are no plain copy of a float file: MXFP4's values (a power of two times
+    // 0, ±0.5, ..., ±6) in every expert.
+    let FeedForward::GptOss(moe) = &model.layers[0].mlp else {
+        panic!("a gpt-oss block");
+    };
+    let values: Vec<f32> = moe.down_proj.flatten_all().unwrap().to_vec1().unwrap();
+    assert!(values.iter().all(|v| {
+        let m = v.abs() / 2f32.powi(v.abs().log2().floor() as i32);
+        *v == 0.0 || [1.0, 1.5].contains(&m)
+    }));
+}
