@@ -27,6 +27,11 @@
   tests/fixtures/gguf/mxfp4_reference.safetensors
       `raw`: random MXFP4 blocks (scale bytes 0..252, the subnormal halves among them) and `expected`:
       gguf-py's `gguf.quants.dequantize` of them (ggml's kvalues_mxfp4 and half-scale convention).
+  tests/fixtures/gguf/mxfp4_moe_reference.safetensors
+      llama-quantize's MXFP4_MOE of the converter's f32 file of tests/fixtures/gpt_oss_mxfp4/model dequantized
+      (float experts), made with gguf-py's quantizers: the experts (3-D `ffn_*_exps.weight`) MXFP4, every other
+      matrix named `weight` Q8_0 but the router (`ffn_gate_inp`), vectors and biases as they are; per tensor its
+      bytes (`NAME`) and GGML type (`NAME.type`).
   tests/fixtures/gguf/quant_reference.safetensors
       For each ggml type, `TYPE.raw` (the bytes of a [4, 256] tensor in that type) and
       `TYPE.expected` (what the python `gguf` package's `gguf.quants.dequantize` makes of them).
@@ -609,10 +614,56 @@ def gpt_oss_mxfp4_gguf() -> None:
         print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
 
 
+def mxfp4_moe_reference() -> None:
+    """`mxfp4_moe_reference.safetensors`: llama-quantize's MXFP4_MOE (llama_tensor_get_type: the experts,
+    3-D `ffn_*_exps.weight`, MXFP4; the output head and every other matrix named `weight` Q8_0; the router
+    and anything else unquantized) of the f32 file llama.cpp's converter writes from
+    tests/fixtures/gpt_oss_mxfp4/model dequantized by transformers and saved in float32 (changed as gpt_oss
+    is), quantized by gguf-py. Per tensor its bytes (`NAME`) and GGML type (`NAME.type`)."""
+    import tempfile
+
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    src = os.environ.get("LLAMA_CPP")
+    if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
+        sys.exit("set LLAMA_CPP to a llama.cpp source folder: export LLAMA_CPP=\"$(scripts/fetch-llamacpp-src.sh)\"")
+    T = gguf.GGMLQuantizationType
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = deepseek2_source("gpt_oss_mxfp4", Path(tmp))
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        plain = Path(tmp) / "plain"
+        m.save_pretrained(plain)
+        for f in os.listdir(model_dir):
+            if f.startswith("tokenizer") or f.endswith(".jinja"):
+                import shutil
+                shutil.copy(model_dir / f, plain / f)
+        cfg = json.loads((plain / "config.json").read_text())
+        assert "quantization_config" not in cfg, cfg.get("quantization_config")
+        f32 = Path(tmp) / "f32.gguf"
+        run_llama_cpp_converter(src, plain, f32, Path(tmp))
+        r = gguf.GGUFReader(str(f32))
+        for t in r.tensors:
+            assert t.tensor_type == T.F32, t.name
+            values = np.asarray(t.data, dtype=np.float32)
+            matrix = len(t.shape) >= 2 and t.name.endswith("weight") and "ffn_gate_inp" not in t.name
+            ty = T.MXFP4 if matrix and len(t.shape) == 3 and int(t.shape[2]) > 1 else T.Q8_0 if matrix else T.F32
+            raw = values if ty == T.F32 else gguf.quants.quantize(values, ty)
+            out[t.name] = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
+            out[t.name + ".type"] = torch.tensor([int(ty)], dtype=torch.int32)
+    path = OUT / "mxfp4_moe_reference.safetensors"
+    save_file(out, str(path))
+    os.chmod(path, 0o644)
+    print(f"{path.name}: {len(out) // 2} tensors")
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--mxfp4-only"]:
         mxfp4_reference()
         gpt_oss_mxfp4_gguf()
+        mxfp4_moe_reference()
         sys.exit(0)
     if sys.argv[1:] == ["--deepseek2-only"]:
         deepseek2_ggufs()
@@ -634,5 +685,6 @@ if __name__ == "__main__":
     deepseek2_ggufs()
     mxfp4_reference()
     gpt_oss_mxfp4_gguf()
+    mxfp4_moe_reference()
     for f in sorted(OUT.iterdir()):
         print(f"{f.relative_to(ROOT)}: {f.stat().st_size} bytes")

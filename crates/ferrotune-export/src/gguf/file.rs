@@ -305,8 +305,7 @@ pub(super) fn encode(values: &[f32], ty: GgmlType) -> Vec<u8> {
             .collect(),
         GgmlType::Q8_0 => quantize_q8_0(values),
         GgmlType::Quant(k) => quantize(values, k),
-        // Repacked from the checkpoint's blocks, never quantized from values.
-        GgmlType::Mxfp4 => unreachable!("MXFP4 is written from its blocks"),
+        GgmlType::Mxfp4 => ferrotune_models::gguf::quantize_mxfp4(values),
     }
 }
 

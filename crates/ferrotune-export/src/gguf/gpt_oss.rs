@@ -20,6 +20,23 @@ use ferrotune_models::ModelConfig;
 
 use super::*;
 
+/// The type `llama-quantize --type MXFP4_MOE` gives a tensor of `shape` (PyTorch order) named
+/// `gguf` (`llama_tensor_get_type`): the experts (3-D, more than one) MXFP4; every other matrix
+/// Q8_0 (the output head too) but the router (`ffn_gate_inp`, never quantized), or F16 where its
+/// rows are not whole blocks of 32; vectors F32.
+fn mxfp4_moe_type(gguf: &str, shape: &[usize]) -> GgmlType {
+    let cols = shape.last().copied().unwrap_or(0);
+    if shape.len() < 2 || gguf.contains("ffn_gate_inp") || !gguf.ends_with("weight") {
+        GgmlType::F32
+    } else if shape.len() == 3 && shape[0] > 1 && cols.is_multiple_of(32) {
+        GgmlType::Mxfp4
+    } else if cols.is_multiple_of(32) {
+        GgmlType::Q8_0
+    } else {
+        GgmlType::F16
+    }
+}
+
 /// Writes the gpt-oss checkpoint `config` / `weights` of `model_dir` as a `gpt-oss` GGUF.
 pub(super) fn export(
     model_dir: &Path,
@@ -61,8 +78,10 @@ pub(super) fn export(
             Some(Dtype::BF16) => OutType::Bf16,
             _ => OutType::F16,
         },
-        t @ (OutType::F32 | OutType::F16 | OutType::Bf16 | OutType::Q8_0) => t,
-        other => bail!("GGUF export of gpt-oss writes f32, f16, bf16 or q8_0, not {other:?}"),
+        t @ (OutType::F32 | OutType::F16 | OutType::Bf16 | OutType::Q8_0 | OutType::Mxfp4Moe) => t,
+        other => {
+            bail!("GGUF export of gpt-oss writes f32, f16, bf16, q8_0 or mxfp4_moe, not {other:?}")
+        }
     };
     let mut notes = Vec::new();
     let e = moe.num_experts;
@@ -75,6 +94,8 @@ pub(super) fn export(
     let vector_or = |gguf: &str, shape: &[usize]| {
         if gguf.ends_with(".bias") {
             GgmlType::F32
+        } else if outtype == OutType::Mxfp4Moe {
+            mxfp4_moe_type(gguf, shape)
         } else {
             storage_type(gguf, shape, outtype)
         }
@@ -232,6 +253,13 @@ pub(super) fn export(
         OutType::F32 | OutType::F16 | OutType::Bf16 if mxfp4 => 38,
         other => other.file_type(),
     };
+    if outtype == OutType::Mxfp4Moe {
+        notes.push(
+            "mxfp4_moe: the experts quantized to MXFP4 as llama-quantize's MXFP4_MOE does, the \
+             other matrices Q8_0 (the router and vectors kept)"
+                .into(),
+        );
+    }
     write_header_typed(&mut meta, GGUF_ARCH, &name, file_type, config, shape);
     let k = |key: &str| format!("{GGUF_ARCH}.{key}");
     meta.f32(

@@ -80,6 +80,9 @@ pub enum OutType {
     Q4_1,
     Q5_0,
     Q5_1,
+    /// `llama-quantize`'s MXFP4_MOE (gpt-oss only): the experts MXFP4, every other matrix Q8_0
+    /// but the router.
+    Mxfp4Moe,
 }
 
 impl OutType {
@@ -100,9 +103,10 @@ impl OutType {
             "q4_1" => OutType::Q4_1,
             "q5_0" => OutType::Q5_0,
             "q5_1" => OutType::Q5_1,
+            "mxfp4_moe" => OutType::Mxfp4Moe,
             other => bail!(
                 "--outtype '{other}': expected f32, f16, bf16, auto, q8_0, q4_k_m, q4_k_s, \
-                 q5_k_m, q5_k_s, q6_k, q4_0, q4_1, q5_0 or q5_1"
+                 q5_k_m, q5_k_s, q6_k, q4_0, q4_1, q5_0, q5_1 or mxfp4_moe"
             ),
         })
     }
@@ -139,6 +143,7 @@ impl OutType {
             OutType::Q5_0 => 8,
             OutType::Q5_1 => 9,
             OutType::Bf16 => 32,
+            OutType::Mxfp4Moe => 38,
         }
     }
 }
@@ -326,6 +331,9 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                 _ => OutType::F16,
             }
         }
+        OutType::Mxfp4Moe => bail!(
+            "--outtype mxfp4_moe is written for gpt-oss's experts only (llama.cpp's 'gpt-oss')"
+        ),
         other => other,
     };
     let mut plan = Vec::new();

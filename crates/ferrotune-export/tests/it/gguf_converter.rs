@@ -299,3 +299,80 @@ fn gpt_oss_mxfp4_experts_export_byte_for_byte_as_llama_cpps_converter() {
         .unwrap();
     assert!(err <= 1e-4, "logits differ by {err}");
 }
+
+/// `--outtype mxfp4_moe` (llama-quantize's MXFP4_MOE) of a gpt-oss checkpoint with float experts
+/// (tests/fixtures/gpt_oss_mxfp4's, dequantized and saved plain, changed for llama.cpp): every
+/// tensor's type and bytes equal gguf-py's quantizers applying llama.cpp's MXFP4_MOE rule to the
+/// converter's f32 file of the same checkpoint (tests/fixtures/gguf/mxfp4_moe_reference.safetensors):
+/// the experts MXFP4, the other matrices Q8_0 but the router; the file reads back near the
+/// checkpoint's logits.
+#[test]
+fn mxfp4_moe_quantizes_float_experts_as_gguf_py() {
+    let dir = out_dir("mxfp4-moe").join("model");
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = common::workspace_fixture("gpt_oss_mxfp4/model");
+    let (model, _) = load_model(&src, DType::F32, &Device::Cpu).unwrap();
+    let tensors = ferrotune_models::peft::merged_tensors(&model).unwrap();
+    ferrotune_models::save_hf_checkpoint(&dir, &model.config, None, &tensors, DType::F32, u64::MAX)
+        .unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let path = f.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("tokenizer") || name.ends_with(".jinja") {
+            std::fs::copy(&path, dir.join(&name)).unwrap();
+        }
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    c["swiglu_limit"] = json!(7.0);
+    c["swiglu_alpha"] = json!(1.702);
+    c["rope_parameters"]["truncate"] = json!(true);
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let ours = dir.join("mxfp4_moe.gguf");
+    export_gguf(&dir, &ours, OutType::Mxfp4Moe).unwrap();
+    let got = raw_tensors(&ours);
+    let want = candle_core::safetensors::load(
+        common::workspace_fixture("gguf/mxfp4_moe_reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(got.len() * 2, want.len(), "tensor count");
+    let mut counts = HashMap::new();
+    for (name, (ty, _, raw)) in &got {
+        let want_ty = want[&format!("{name}.type")].to_vec1::<i32>().unwrap()[0] as u32;
+        assert_eq!(*ty, want_ty, "{name}: type");
+        let want_raw: Vec<u8> = want[name].to_vec1().unwrap();
+        assert!(*raw == want_raw, "{name}: bytes differ");
+        *counts.entry(*ty).or_insert(0) += 1;
+    }
+    assert_eq!(counts[&39], 9, "{counts:?}");
+    assert!(counts[&8] > 0, "{counts:?}");
+    // Read back: the quantized model's logits near the checkpoint's (transformers').
+    let reference = candle_core::safetensors::load(
+        common::workspace_fixture("gguf/gpt_oss_mxfp4_tiny_reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+    let (bsz, t) = ids.dims2().unwrap();
+    let (model, _) = load_model(&ours, DType::F32, &Device::Cpu).unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(bsz, t, 0), None)
+        .unwrap();
+    let want = &reference["logits"];
+    let rel = ((&logits - want).unwrap().sqr().unwrap().sum_all().unwrap())
+        .sqrt()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        / want
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+    assert!(rel <= 0.1, "logits relative L2 {rel}");
+}

@@ -34,7 +34,8 @@ mod mxfp4;
 mod tensors;
 
 pub use mxfp4::{
-    dequantize_mxfp4, mxfp4_block_from_openai, GGML_TYPE_MXFP4, MXFP4_BLOCK, MXFP4_BLOCK_BYTES,
+    dequantize_mxfp4, mxfp4_block_from_openai, quantize_mxfp4, GGML_TYPE_MXFP4, MXFP4_BLOCK,
+    MXFP4_BLOCK_BYTES,
 };
 
 use arch::*;

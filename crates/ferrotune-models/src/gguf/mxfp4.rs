@@ -52,6 +52,38 @@ pub fn dequantize_mxfp4(bytes: &[u8]) -> Vec<f32> {
     out
 }
 
+/// ggml's `quantize_row_mxfp4_ref` of whole blocks of 32 (`values.len()` a multiple of 32): each
+/// block's scale `floor(log2(max |x|)) − 2 + 127` (0 for an all-zero block), each value the
+/// first nearest of `kvalues_mxfp4 · ggml_e8m0_to_fp32_half(scale)`; values `j` and `j + 16` share
+/// byte `j`. 17 bytes a block.
+pub fn quantize_mxfp4(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() / MXFP4_BLOCK * MXFP4_BLOCK_BYTES);
+    for block in values.chunks_exact(MXFP4_BLOCK) {
+        let amax = block
+            .iter()
+            .fold(0f32, |m, v| if m < v.abs() { v.abs() } else { m });
+        let e = if amax > 0.0 {
+            (amax.log2().floor() - 2.0 + 127.0) as u8
+        } else {
+            0
+        };
+        let d = e8m0_to_fp32_half(e);
+        let best = |x: f32| -> u8 {
+            let mut best = (0u8, (f32::from(KVALUES[0]) * d - x).abs());
+            for (i, &k) in KVALUES.iter().enumerate().skip(1) {
+                let err = (f32::from(k) * d - x).abs();
+                if err < best.1 {
+                    best = (i as u8, err);
+                }
+            }
+            best.0
+        };
+        out.push(e);
+        out.extend((0..16).map(|j| best(block[j]) | (best(block[j + 16]) << 4)));
+    }
+    out
+}
+
 /// One MXFP4 block from OpenAI's checkpoint layout (as llama.cpp's converter repacks it): the
 /// scale byte (the same E8M0 exponent) and the 16 bytes of a `*_blocks` group, which hold values
 /// `2i` (low nibble) and `2i + 1` (high nibble) in byte `i`, rearranged to ggml's order.
