@@ -172,6 +172,59 @@ impl GptOssMoe {
         GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect()
     }
 
+    /// [`GptOssMoe::tensors_mut`] and the adapters' factors (`target_parameters`) by their
+    /// names inside the decoder layer as PEFT's file has them (`gate_up_proj`'s wrapper nested
+    /// under `.base_layer` when both parameters are adapted), borrowed apart.
+    #[allow(clippy::type_complexity)]
+    pub fn tensors_and_adapters_mut(
+        &mut self,
+    ) -> (
+        Vec<(&'static str, &mut Tensor)>,
+        Vec<(&'static str, &mut Tensor)>,
+    ) {
+        let GptOssMoe {
+            router_weight,
+            router_bias,
+            gate_up_proj,
+            gate_up_proj_bias,
+            down_proj,
+            down_proj_bias,
+            gate_up_lora,
+            down_lora,
+            ..
+        } = self;
+        let both = gate_up_lora.is_some() && down_lora.is_some();
+        let mut adapters = Vec::new();
+        if let Some(l) = gate_up_lora {
+            let (a, b) = if both {
+                (
+                    "mlp.experts.base_layer.lora_A.weight",
+                    "mlp.experts.base_layer.lora_B.weight",
+                )
+            } else {
+                ("mlp.experts.lora_A.weight", "mlp.experts.lora_B.weight")
+            };
+            adapters.push((a, &mut l.a));
+            adapters.push((b, &mut l.b));
+        }
+        if let Some(l) = down_lora {
+            adapters.push(("mlp.experts.lora_A.weight", &mut l.a));
+            adapters.push(("mlp.experts.lora_B.weight", &mut l.b));
+        }
+        let tensors = [
+            router_weight,
+            router_bias,
+            gate_up_proj,
+            gate_up_proj_bias,
+            down_proj,
+            down_proj_bias,
+        ];
+        (
+            GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect(),
+            adapters,
+        )
+    }
+
     /// [`GptOssMoe::tensors`], mutable.
     pub fn tensors_mut(&mut self) -> Vec<(&'static str, &mut Tensor)> {
         let GptOssMoe {
