@@ -117,7 +117,7 @@ def main():
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for kind in [*mg.DEEPSEEK2_EDITS, "gpt_oss"]:
+        for kind in [*mg.DEEPSEEK2_EDITS, "gpt_oss", "gpt_oss_mxfp4"]:
             model_dir = mg.deepseek2_source(kind, tmp)
             for outtype in ["f32", "f16"]:
                 ours, theirs = tmp / f"{kind}_{outtype}_ours.gguf", tmp / f"{kind}_{outtype}_theirs.gguf"

@@ -26,11 +26,23 @@
       (`qwen35`, `qwen35moe`, `qwen3next`; Qwen3-Next's every layer made sparse with renormalized
       top-k weights, as llama.cpp computes it: see qwen35_ggufs), with the (changed) checkpoints' logits and
       greedy tokens.
+  tests/fixtures/gguf/gpt_oss_mxfp4_tiny.gguf + gpt_oss_mxfp4_tiny_reference.safetensors
+      tests/fixtures/gpt_oss_mxfp4/model (gpt-oss with OpenAI's MXFP4 experts, `*_blocks` / `*_scales`),
+      changed as gpt_oss is for llama.cpp, through llama.cpp's convert_hf_to_gguf.py, which repacks the
+      experts as GGML type 39 MXFP4; with transformers' logits of the changed checkpoint (it dequantizes them).
+  tests/fixtures/gguf/mxfp4_reference.safetensors
+      `raw`: random MXFP4 blocks (scale bytes 0..252, the subnormal halves among them) and `expected`:
+      gguf-py's `gguf.quants.dequantize` of them (ggml's kvalues_mxfp4 and half-scale convention).
+  tests/fixtures/gguf/mxfp4_moe_reference.safetensors
+      llama-quantize's MXFP4_MOE of the converter's f32 file of tests/fixtures/gpt_oss_mxfp4/model dequantized
+      (float experts), made with gguf-py's quantizers: the experts (3-D `ffn_*_exps.weight`) MXFP4, every other
+      matrix named `weight` Q8_0 but the router (`ffn_gate_inp`), vectors and biases as they are; per tensor its
+      bytes (`NAME`) and GGML type (`NAME.type`).
   tests/fixtures/gguf/quant_reference.safetensors
       For each ggml type, `TYPE.raw` (the bytes of a [4, 256] tensor in that type) and
       `TYPE.expected` (what the python `gguf` package's `gguf.quants.dequantize` makes of them).
 
-Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only | --deepseek2-only | --qwen35-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
+Usage: python3 scripts/make_gguf_fixtures.py [--gemma-only | --moe-phi-only | --smollm3-only | --deepseek2-only | --qwen35-only | --mxfp4-only]   (needs torch, transformers, accelerate, gguf, numpy, safetensors;
 the GGUF comes from scripts/fetch-assets.sh, FERROTUNE_ASSETS overrides its folder)
 """
 
@@ -496,11 +508,12 @@ def deepseek2_source(kind: str, tmp: Path) -> Path:
     gpt_oss, GPT_OSS_EDITS and a truncated YaRN) applied and `mscale` set to `mscale_all_dim`."""
     import shutil
     model_dir = tmp / kind
-    shutil.copytree(ROOT / "tests" / "fixtures" / "models" / kind / "model", model_dir)
+    src = ROOT / "tests" / "fixtures" / ("gpt_oss_mxfp4" if kind == "gpt_oss_mxfp4" else f"models/{kind}") / "model"
+    shutil.copytree(src, model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg.update(DEEPSEEK2_EDITS[kind] if kind in DEEPSEEK2_EDITS else GPT_OSS_EDITS)
     rope = cfg.get("rope_parameters", {})
-    if kind == "gpt_oss":
+    if kind.startswith("gpt_oss"):
         rope["truncate"] = True
     if "mscale_all_dim" in rope:
         rope["mscale"] = rope["mscale_all_dim"]
@@ -639,7 +652,102 @@ def qwen35_ggufs() -> None:
                   f"greedy {seq[QWEN35_PROMPT:]} (smallest top-2 margin {margin:.4f})")
 
 
+def mxfp4_reference() -> None:
+    """`mxfp4_reference.safetensors`: `raw` (u8, 64 MXFP4 blocks of 17 bytes: the E8M0 scale byte, then
+    16 bytes of nibbles) and `expected` (f32, 64 * 32 values): gguf-py's dequantization of them."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    rng = np.random.default_rng(3939)
+    blocks = rng.integers(0, 256, size=(64, 17), dtype=np.uint8)
+    blocks[:, 0] = rng.integers(0, 253, size=64, dtype=np.uint8)
+    blocks[:4, 0] = [0, 1, 2, 252]  # the subnormal halves and the largest scale whose values stay finite
+    raw = blocks.reshape(-1)
+    expected = gguf.quants.dequantize(raw.reshape(1, -1), gguf.GGMLQuantizationType.MXFP4).reshape(-1)
+    assert np.isfinite(expected).all()
+    path = OUT / "mxfp4_reference.safetensors"
+    save_file({"raw": torch.from_numpy(raw.copy()), "expected": torch.from_numpy(expected.astype(np.float32))},
+              str(path))
+    os.chmod(path, 0o644)
+    print(f"{path.name}: {len(raw)} bytes of MXFP4")
+
+
+def gpt_oss_mxfp4_gguf() -> None:
+    """tests/fixtures/gpt_oss_mxfp4/model (MXFP4 experts as OpenAI ships them), changed as gpt_oss is
+    (GPT_OSS_EDITS, truncated YaRN), through llama.cpp's convert_hf_to_gguf.py (f32: the experts are
+    repacked as MXFP4 whatever the outtype), with transformers' logits of the changed checkpoint."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = os.environ.get("LLAMA_CPP")
+    if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
+        sys.exit("set LLAMA_CPP to a llama.cpp source folder: export LLAMA_CPP=\"$(scripts/fetch-llamacpp-src.sh)\"")
+    with tempfile.TemporaryDirectory() as tmp:
+        kind = "gpt_oss_mxfp4"
+        model_dir = deepseek2_source(kind, Path(tmp))
+        path = OUT / f"{kind}_tiny.gguf"
+        run_llama_cpp_converter(src, model_dir, path, Path(tmp))
+        os.chmod(path, 0o644)
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = m(torch.tensor(INPUT_IDS)).logits.float().contiguous()
+        save_reference(kind, logits)
+        print(f"{path.name}: {path.stat().st_size / 1024:.0f} KB, logit std {logits.std():.3f}")
+
+
+def mxfp4_moe_reference() -> None:
+    """`mxfp4_moe_reference.safetensors`: llama-quantize's MXFP4_MOE (llama_tensor_get_type: the experts,
+    3-D `ffn_*_exps.weight`, MXFP4; the output head and every other matrix named `weight` Q8_0; the router
+    and anything else unquantized) of the f32 file llama.cpp's converter writes from
+    tests/fixtures/gpt_oss_mxfp4/model dequantized by transformers and saved in float32 (changed as gpt_oss
+    is), quantized by gguf-py. Per tensor its bytes (`NAME`) and GGML type (`NAME.type`)."""
+    import tempfile
+
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    src = os.environ.get("LLAMA_CPP")
+    if not src or not (Path(src) / "convert_hf_to_gguf.py").is_file():
+        sys.exit("set LLAMA_CPP to a llama.cpp source folder: export LLAMA_CPP=\"$(scripts/fetch-llamacpp-src.sh)\"")
+    T = gguf.GGMLQuantizationType
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = deepseek2_source("gpt_oss_mxfp4", Path(tmp))
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        plain = Path(tmp) / "plain"
+        m.save_pretrained(plain)
+        for f in os.listdir(model_dir):
+            if f.startswith("tokenizer") or f.endswith(".jinja"):
+                import shutil
+                shutil.copy(model_dir / f, plain / f)
+        cfg = json.loads((plain / "config.json").read_text())
+        assert "quantization_config" not in cfg, cfg.get("quantization_config")
+        f32 = Path(tmp) / "f32.gguf"
+        run_llama_cpp_converter(src, plain, f32, Path(tmp))
+        r = gguf.GGUFReader(str(f32))
+        for t in r.tensors:
+            assert t.tensor_type == T.F32, t.name
+            values = np.asarray(t.data, dtype=np.float32)
+            matrix = len(t.shape) >= 2 and t.name.endswith("weight") and "ffn_gate_inp" not in t.name
+            ty = T.MXFP4 if matrix and len(t.shape) == 3 and int(t.shape[2]) > 1 else T.Q8_0 if matrix else T.F32
+            raw = values if ty == T.F32 else gguf.quants.quantize(values, ty)
+            out[t.name] = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1).copy())
+            out[t.name + ".type"] = torch.tensor([int(ty)], dtype=torch.int32)
+    path = OUT / "mxfp4_moe_reference.safetensors"
+    save_file(out, str(path))
+    os.chmod(path, 0o644)
+    print(f"{path.name}: {len(out) // 2} tensors")
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--mxfp4-only"]:
+        mxfp4_reference()
+        gpt_oss_mxfp4_gguf()
+        mxfp4_moe_reference()
+        sys.exit(0)
     if sys.argv[1:] == ["--qwen35-only"]:
         qwen35_ggufs()
         sys.exit(0)

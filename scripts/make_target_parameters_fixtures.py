@@ -106,6 +106,20 @@ CASES = {
             rank_pattern={"down_proj": 3},
         ),
     ),
+    # gpt-oss: its fused experts are `[experts, in, out]` and say so (`is_transposed`), so PEFT keeps the
+    # factors' natural roles (lora_A `[r * E, hidden]`, lora_B `[2 * inter, r * E]` on `gate_up_proj`, gate
+    # and up columns interleaved); both parameters (nested), a rank pattern on down_proj, beside q/o_proj.
+    # The biases (`*_proj_bias`) stay untouched.
+    "gpt_oss": (
+        "models/gpt_oss/model",
+        dict(
+            r=2,
+            lora_alpha=6,
+            target_modules=["q_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            rank_pattern={"down_proj": 3},
+        ),
+    ),
     # No parameter targets, module names as on transformers 4: on transformers 5 the experts are
     # no modules, so PEFT adapts the shared expert's gate/up/down_proj (and q_proj) only.
     "qwen2_moe_modules": (

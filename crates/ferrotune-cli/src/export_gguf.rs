@@ -19,8 +19,8 @@ pub struct ExportGgufArgs {
     output: PathBuf,
     /// Storage of the weight matrices: f32, f16, bf16, auto (bf16 for a bf16 checkpoint, else
     /// f16), q8_0, or llama-quantize's mixes q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q4_0, q4_1,
-    /// q5_0, q5_1 (vectors stay f32). Default f16 for a model, f32 for an adapter (as llama.cpp's
-    /// converters).
+    /// q5_0, q5_1, mxfp4_moe (gpt-oss: experts MXFP4, other matrices Q8_0) (vectors stay f32).
+    /// Default f16 for a model, f32 for an adapter (as llama.cpp's converters).
     #[arg(long)]
     outtype: Option<String>,
     /// For an adapter: the base model's HF folder (its config names the tensors). Default: the

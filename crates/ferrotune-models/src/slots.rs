@@ -119,6 +119,9 @@ impl CausalLm {
                 for (module, linear) in parts.linears {
                     linear_tensors_mut(&format!("{p}.{module}"), linear, true, &mut out);
                 }
+                for (name, t) in parts.adapters {
+                    out.push((format!("{}{p}.{name}", crate::peft::PEFT_PREFIX), t));
+                }
             }
         }
         out

@@ -349,6 +349,18 @@ fn gpt_oss_lora_on_two_ranks_equals_one_device() {
     assert_lora_on_two_ranks_equals_one_device(&case, &[], &["full", "none"]);
 }
 
+/// gpt-oss with adapters on its fused experts too (`model.target_parameters`, PEFT's fused
+/// `lora_A` / `lora_B`): trains on 2 ranks as on one device, sharded or not.
+#[test]
+fn gpt_oss_expert_adapters_on_two_ranks_equal_one_device() {
+    let case = Case::with_vocab("gpt_oss_experts", "models/gpt_oss", 512);
+    assert_lora_on_two_ranks_equals_one_device(
+        &case,
+        &["model.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"],
+        &["full", "none"],
+    );
+}
+
 /// QLoRA (`model.quantize_base`) on Qwen3.5-MoE (DeltaNet projections and experts in NF4) and
 /// gpt-oss (q/k/v/o in NF4, dense experts and sinks) on 2 ranks, the NF4 base sharded or
 /// replicated, equals one device.

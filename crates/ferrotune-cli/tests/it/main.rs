@@ -11,6 +11,7 @@ mod download;
 mod early_exit;
 mod eleuther_eval;
 mod env;
+mod gpt_oss_experts;
 mod grpo;
 mod grpo_rewards;
 mod hub_server;

@@ -71,7 +71,23 @@ pub(super) fn write_gguf_data(
     for (t, &off) in plan.iter().zip(&offsets) {
         pad_to(&mut w, written - data_start)?;
         written = data_start + off;
+        if let Source::Mxfp4 {
+            blocks,
+            scales,
+            start,
+            step,
+        } = &t.source
+        {
+            let bytes = mxfp4_bytes(weights, blocks, scales, *start, *step)?;
+            if bytes.len() as u64 != t.ty.bytes(t.dims.iter().product::<u64>() as usize) {
+                bail!("{}: MXFP4 blocks do not fit its shape", t.name);
+            }
+            w.write_all(&bytes)?;
+            written += bytes.len() as u64;
+            continue;
+        }
         let values = match &t.source {
+            Source::Mxfp4 { .. } => unreachable!("written above"),
             Source::Values(v) => v.clone(),
             Source::Stacked(parts) => {
                 let mut values = Vec::new();
@@ -127,6 +143,41 @@ pub(super) fn write_gguf_data(
     w.flush()?;
     drop(w);
     Ok(written)
+}
+
+/// The MXFP4 blocks of rows `start, start + step, ...` of every expert of OpenAI's `blocks` (u8
+/// `[experts, rows, groups, 16]`) and `scales` (u8 `[experts, rows, groups]`), as llama.cpp's
+/// converter repacks them (`repack_mxfp4`): per group its scale byte, then its nibbles in ggml's
+/// order.
+fn mxfp4_bytes(
+    weights: &Weights,
+    blocks: &(usize, String),
+    scales: &(usize, String),
+    start: usize,
+    step: usize,
+) -> Result<Vec<u8>> {
+    let (b, b_shape) = weights.bytes(blocks.0, &blocks.1)?;
+    let (s, s_shape) = weights.bytes(scales.0, &scales.1)?;
+    let [e, rows, groups, 16] = b_shape[..] else {
+        bail!(
+            "{}: shape {b_shape:?}, not [experts, rows, groups, 16]",
+            blocks.1
+        );
+    };
+    if s_shape != [e, rows, groups] || step == 0 {
+        bail!("{}: shape {s_shape:?} does not fit {b_shape:?}", scales.1);
+    }
+    let mut out = Vec::with_capacity(e * rows.div_ceil(step) * groups * 17);
+    for x in 0..e {
+        for r in (start..rows).step_by(step) {
+            for g in 0..groups {
+                let i = (x * rows + r) * groups + g;
+                let group: &[u8; 16] = b[i * 16..i * 16 + 16].try_into()?;
+                out.extend(ferrotune_models::gguf::mxfp4_block_from_openai(s[i], group));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Zero bytes up to the next multiple of the alignment after `len` bytes.
@@ -202,6 +253,26 @@ impl Weights<'_> {
         }
     }
 
+    /// One U8 tensor's bytes and shape (MXFP4 blocks and scales).
+    pub(super) fn bytes(&self, file: usize, name: &str) -> Result<(Vec<u8>, Vec<usize>)> {
+        match self {
+            Weights::Mapped(files) => {
+                let view = files[file].tensor(name)?;
+                if view.dtype() != Dtype::U8 {
+                    bail!("{name}: {:?}, not U8 MXFP4 bytes", view.dtype());
+                }
+                Ok((view.data().to_vec(), view.shape().to_vec()))
+            }
+            Weights::Loaded(tensors) => {
+                let t = &tensors[name];
+                if t.dtype() != DType::U8 {
+                    bail!("{name}: {:?}, not U8 MXFP4 bytes", t.dtype());
+                }
+                Ok((t.flatten_all()?.to_vec1()?, t.dims().to_vec()))
+            }
+        }
+    }
+
     /// One tensor's values as f32.
     pub(super) fn values(&self, file: usize, name: &str) -> Result<Vec<f32>> {
         match self {
@@ -254,6 +325,7 @@ pub(super) fn encode(values: &[f32], ty: GgmlType) -> Vec<u8> {
             .collect(),
         GgmlType::Q8_0 => quantize_q8_0(values),
         GgmlType::Quant(k) => quantize(values, k),
+        GgmlType::Mxfp4 => ferrotune_models::gguf::quantize_mxfp4(values),
     }
 }
 

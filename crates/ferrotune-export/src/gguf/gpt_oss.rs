@@ -3,6 +3,10 @@
 //! transposed (their biases split too), `down_proj` transposed, the sinks as `attn_sinks`, the
 //! router as `ffn_gate_inp`. The names are the family's ([`ferrotune_models::family::gpt_oss`]).
 //!
+//! OpenAI's MXFP4 experts (`mlp.experts.*_blocks` / `*_scales`, `quantization_config` mxfp4) are
+//! written as the converter writes them: GGML type 39 MXFP4, repacked byte for byte (the same
+//! scale bytes, the nibbles in ggml's order), whatever the outtype of the other tensors.
+//!
 //! llama.cpp fixes what the file cannot say: the clamped SwiGLU's limit 7 and alpha 1.702 (other
 //! values are refused) and even layers sliding (another pattern is refused). It rounds YaRN's
 //! correction range, which gpt-oss's configs do not (`truncate` false): written with a note.
@@ -15,6 +19,23 @@ use ferrotune_models::family::gpt_oss::{GGUF_ARCH, GGUF_LAYER_TENSORS, GGUF_TOP_
 use ferrotune_models::ModelConfig;
 
 use super::*;
+
+/// The type `llama-quantize --type MXFP4_MOE` gives a tensor of `shape` (PyTorch order) named
+/// `gguf` (`llama_tensor_get_type`): the experts (3-D, more than one) MXFP4; every other matrix
+/// Q8_0 (the output head too) but the router (`ffn_gate_inp`, never quantized), or F16 where its
+/// rows are not whole blocks of 32; vectors F32.
+fn mxfp4_moe_type(gguf: &str, shape: &[usize]) -> GgmlType {
+    let cols = shape.last().copied().unwrap_or(0);
+    if shape.len() < 2 || gguf.contains("ffn_gate_inp") || !gguf.ends_with("weight") {
+        GgmlType::F32
+    } else if shape.len() == 3 && shape[0] > 1 && cols.is_multiple_of(32) {
+        GgmlType::Mxfp4
+    } else if cols.is_multiple_of(32) {
+        GgmlType::Q8_0
+    } else {
+        GgmlType::F16
+    }
+}
 
 /// Writes the gpt-oss checkpoint `config` / `weights` of `model_dir` as a `gpt-oss` GGUF.
 pub(super) fn export(
@@ -57,8 +78,10 @@ pub(super) fn export(
             Some(Dtype::BF16) => OutType::Bf16,
             _ => OutType::F16,
         },
-        t @ (OutType::F32 | OutType::F16 | OutType::Bf16 | OutType::Q8_0) => t,
-        other => bail!("GGUF export of gpt-oss writes f32, f16, bf16 or q8_0, not {other:?}"),
+        t @ (OutType::F32 | OutType::F16 | OutType::Bf16 | OutType::Q8_0 | OutType::Mxfp4Moe) => t,
+        other => {
+            bail!("GGUF export of gpt-oss writes f32, f16, bf16, q8_0 or mxfp4_moe, not {other:?}")
+        }
     };
     let mut notes = Vec::new();
     let e = moe.num_experts;
@@ -71,6 +94,8 @@ pub(super) fn export(
     let vector_or = |gguf: &str, shape: &[usize]| {
         if gguf.ends_with(".bias") {
             GgmlType::F32
+        } else if outtype == OutType::Mxfp4Moe {
+            mxfp4_moe_type(gguf, shape)
         } else {
             storage_type(gguf, shape, outtype)
         }
@@ -166,6 +191,40 @@ pub(super) fn export(
                 plan.push(gather(blk("ffn_down_exps.weight"), &[e, h, i], index));
             }
             "mlp.experts.down_proj_bias" => plan.push(hf(blk("ffn_down_exps.bias"), shape)),
+            // OpenAI's MXFP4 experts: written as MXFP4, repacked as the converter repacks them
+            // (gate rows even, up rows odd); the scales go with their blocks.
+            "mlp.experts.gate_up_proj_scales" | "mlp.experts.down_proj_scales" => {}
+            "mlp.experts.gate_up_proj_blocks" | "mlp.experts.down_proj_blocks" => {
+                let [ee, rows, groups, 16] = shape[..] else {
+                    bail!("{name} has shape {shape:?}, not [experts, rows, groups, 16]");
+                };
+                let scales = name.replace("_blocks", "_scales");
+                let Some((scales_file, _, _)) = listed.iter().find(|(_, n, _)| *n == scales) else {
+                    bail!("{name} has no {scales} beside it");
+                };
+                let gate_up = module.starts_with("mlp.experts.gate_up");
+                if ee != e || (gate_up && rows % 2 != 0) {
+                    bail!("{name} has shape {shape:?}, not [{e}, rows, groups, 16]");
+                }
+                let parts: &[(&str, usize, usize)] = if gate_up {
+                    &[("ffn_gate_exps.weight", 0, 2), ("ffn_up_exps.weight", 1, 2)]
+                } else {
+                    &[("ffn_down_exps.weight", 0, 1)]
+                };
+                for &(part, start, step) in parts {
+                    plan.push(Planned {
+                        name: blk(part),
+                        dims: dims(&[e, rows / step, groups * 32]),
+                        ty: GgmlType::Mxfp4,
+                        source: Source::Mxfp4 {
+                            blocks: (file, name.to_string()),
+                            scales: (*scales_file, scales.clone()),
+                            start,
+                            step,
+                        },
+                    });
+                }
+            }
             module => match GGUF_LAYER_TENSORS.iter().find(|(_, h)| *h == module) {
                 Some((g, _)) => plan.push(hf(blk(g), shape)),
                 None => skipped.push(name.to_string()),
@@ -188,7 +247,20 @@ pub(super) fn export(
         kv_heads: config.num_key_value_heads,
     };
     let name = folder_name(home, "model");
-    write_header(&mut meta, GGUF_ARCH, &name, outtype, config, shape);
+    // As the converter: float files with MXFP4 experts are `MOSTLY_MXFP4_MOE` (38).
+    let mxfp4 = plan.iter().any(|t| t.ty == GgmlType::Mxfp4);
+    let file_type = match outtype {
+        OutType::F32 | OutType::F16 | OutType::Bf16 if mxfp4 => 38,
+        other => other.file_type(),
+    };
+    if outtype == OutType::Mxfp4Moe {
+        notes.push(
+            "mxfp4_moe: the experts quantized to MXFP4 as llama-quantize's MXFP4_MOE does, the \
+             other matrices Q8_0 (the router and vectors kept)"
+                .into(),
+        );
+    }
+    write_header_typed(&mut meta, GGUF_ARCH, &name, file_type, config, shape);
     let k = |key: &str| format!("{GGUF_ARCH}.{key}");
     meta.f32(
         &k("attention.layer_norm_rms_epsilon"),

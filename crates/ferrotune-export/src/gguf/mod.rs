@@ -82,6 +82,9 @@ pub enum OutType {
     Q4_1,
     Q5_0,
     Q5_1,
+    /// `llama-quantize`'s MXFP4_MOE (gpt-oss only): the experts MXFP4, every other matrix Q8_0
+    /// but the router.
+    Mxfp4Moe,
 }
 
 impl OutType {
@@ -102,9 +105,10 @@ impl OutType {
             "q4_1" => OutType::Q4_1,
             "q5_0" => OutType::Q5_0,
             "q5_1" => OutType::Q5_1,
+            "mxfp4_moe" => OutType::Mxfp4Moe,
             other => bail!(
                 "--outtype '{other}': expected f32, f16, bf16, auto, q8_0, q4_k_m, q4_k_s, \
-                 q5_k_m, q5_k_s, q6_k, q4_0, q4_1, q5_0 or q5_1"
+                 q5_k_m, q5_k_s, q6_k, q4_0, q4_1, q5_0, q5_1 or mxfp4_moe"
             ),
         })
     }
@@ -141,6 +145,7 @@ impl OutType {
             OutType::Q5_0 => 8,
             OutType::Q5_1 => 9,
             OutType::Bf16 => 32,
+            OutType::Mxfp4Moe => 38,
         }
     }
 }
@@ -153,6 +158,8 @@ enum GgmlType {
     Bf16,
     Q8_0,
     Quant(QuantKind),
+    /// MXFP4 (type 39), written from OpenAI's MXFP4 experts as they are ([`Source::Mxfp4`]).
+    Mxfp4,
 }
 
 impl GgmlType {
@@ -163,6 +170,7 @@ impl GgmlType {
             GgmlType::Q8_0 => 8,
             GgmlType::Bf16 => 30,
             GgmlType::Quant(k) => k.ggml_id(),
+            GgmlType::Mxfp4 => ferrotune_models::gguf::GGML_TYPE_MXFP4,
         }
     }
 
@@ -175,6 +183,10 @@ impl GgmlType {
                 let (values, bytes) = k.block();
                 numel / values * bytes
             }
+            GgmlType::Mxfp4 => {
+                use ferrotune_models::gguf::{MXFP4_BLOCK, MXFP4_BLOCK_BYTES};
+                numel / MXFP4_BLOCK * MXFP4_BLOCK_BYTES
+            }
         }) as u64
     }
 
@@ -184,6 +196,7 @@ impl GgmlType {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
             GgmlType::Q8_0 => Q8_0_BLOCK,
             GgmlType::Quant(k) => k.block().0,
+            GgmlType::Mxfp4 => ferrotune_models::gguf::MXFP4_BLOCK,
         }
     }
 }
@@ -325,6 +338,9 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
                 _ => OutType::F16,
             }
         }
+        OutType::Mxfp4Moe => bail!(
+            "--outtype mxfp4_moe is written for gpt-oss's experts only (llama.cpp's 'gpt-oss')"
+        ),
         other => other,
     };
     let mut plan = Vec::new();
@@ -712,9 +728,22 @@ fn write_header(
     config: &ModelConfig,
     shape: HeaderShape,
 ) {
+    write_header_typed(meta, arch, name, outtype.file_type(), config, shape);
+}
+
+/// [`write_header`] with `general.file_type` given (`LLAMA_FTYPE_*`): gpt-oss's MXFP4 experts
+/// make the file `MOSTLY_MXFP4_MOE`, as the converter says.
+fn write_header_typed(
+    meta: &mut Metadata,
+    arch: &str,
+    name: &str,
+    file_type: u32,
+    config: &ModelConfig,
+    shape: HeaderShape,
+) {
     meta.string("general.architecture", arch);
     meta.string("general.name", name);
-    meta.u32("general.file_type", outtype.file_type());
+    meta.u32("general.file_type", file_type);
     meta.u32("general.quantization_version", 2);
     let k = |key: &str| format!("{arch}.{key}");
     meta.u32(&k("context_length"), config.max_position_embeddings as u32);

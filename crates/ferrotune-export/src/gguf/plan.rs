@@ -40,6 +40,15 @@ pub(super) enum Source {
         index: Vec<usize>,
         map: fn(f32) -> f32,
     },
+    /// OpenAI's MXFP4 weight `{name}_blocks` / `{name}_scales` (file indices and names), rows
+    /// `start, start + step, ...` of each expert, repacked as llama.cpp's converter repacks them
+    /// into MXFP4 blocks (the values unchanged).
+    Mxfp4 {
+        blocks: (usize, String),
+        scales: (usize, String),
+        start: usize,
+        step: usize,
+    },
 }
 
 /// The type a tensor of `shape` is stored in.

@@ -349,3 +349,226 @@ fn qwen3_next_dense_layers_are_refused() {
         .to_string();
     assert!(err.contains("mlp_only_layers"), "{err}");
 }
+
+/// A GGUF file's bytes read in order.
+struct Bytes<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Bytes<'a> {
+    fn take(&mut self, n: usize) -> &'a [u8] {
+        let s = &self.bytes[self.at..self.at + n];
+        self.at += n;
+        s
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.take(4).try_into().unwrap())
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.take(8).try_into().unwrap())
+    }
+    fn string(&mut self) -> String {
+        let n = self.u64() as usize;
+        String::from_utf8(self.take(n).to_vec()).unwrap()
+    }
+    /// Skips one metadata value of type `ty`.
+    fn skip(&mut self, ty: u32) {
+        const SIZES: [usize; 13] = [1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8];
+        match ty {
+            8 => {
+                self.string();
+            }
+            9 => {
+                let elem = self.u32();
+                for _ in 0..self.u64() {
+                    self.skip(elem);
+                }
+            }
+            t => {
+                self.take(SIZES[t as usize]);
+            }
+        }
+    }
+}
+
+/// A GGUF file's tensors as stored: by name, the GGML type id, the dims (innermost first) and the
+/// data's bytes (types F32, F16, BF16, Q8_0 and MXFP4), read from the header directly (candle's
+/// reader knows no MXFP4).
+fn raw_tensors(path: &Path) -> HashMap<String, (u32, Vec<u64>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let mut r = Bytes {
+        bytes: &bytes,
+        at: 8,
+    };
+    let (count, keys) = (r.u64(), r.u64());
+    let mut alignment = 32u64;
+    for _ in 0..keys {
+        let key = r.string();
+        let ty = r.u32();
+        if key == "general.alignment" && ty == 4 {
+            alignment = u64::from(r.u32());
+        } else {
+            r.skip(ty);
+        }
+    }
+    let mut infos = Vec::new();
+    for _ in 0..count {
+        let name = r.string();
+        let rank = r.u32();
+        let dims: Vec<u64> = (0..rank).map(|_| r.u64()).collect();
+        let (ty, offset) = (r.u32(), r.u64());
+        infos.push((name, ty, dims, offset));
+    }
+    let data = (r.at as u64).next_multiple_of(alignment) as usize;
+    infos
+        .into_iter()
+        .map(|(name, ty, dims, offset)| {
+            let numel: u64 = dims.iter().product();
+            let len = match ty {
+                0 => numel * 4,
+                1 | 30 => numel * 2,
+                8 => numel / 32 * 34,
+                39 => numel / 32 * 17,
+                other => panic!("{name}: type {other}"),
+            } as usize;
+            let start = data + offset as usize;
+            (name, (ty, dims, bytes[start..start + len].to_vec()))
+        })
+        .collect()
+}
+
+/// gpt-oss with OpenAI's MXFP4 experts (tests/fixtures/gpt_oss_mxfp4, changed as the gpt-oss
+/// fixture is for llama.cpp): exported, the experts are MXFP4 (GGML type 39, repacked from the
+/// checkpoint's blocks and scales) and every tensor — name, type, dims, bytes — is what llama.cpp's
+/// converter wrote for the same checkpoint (tests/fixtures/gguf/gpt_oss_mxfp4_tiny.gguf); read
+/// back, the file gives transformers' logits of the checkpoint.
+#[test]
+fn gpt_oss_mxfp4_experts_export_byte_for_byte_as_llama_cpps_converter() {
+    let dir = out_dir("mxfp4").join("model");
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = common::workspace_fixture("gpt_oss_mxfp4/model");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    c["swiglu_limit"] = json!(7.0);
+    c["swiglu_alpha"] = json!(1.702);
+    c["rope_parameters"]["truncate"] = json!(true);
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let ours = dir.join("ours.gguf");
+    let done = export_gguf(&dir, &ours, OutType::F32).unwrap();
+    assert_eq!(done.architecture, "gpt-oss");
+    let converter = common::workspace_fixture("gguf/gpt_oss_mxfp4_tiny.gguf");
+    let (a, b) = (raw_tensors(&ours), raw_tensors(&converter));
+    assert_eq!(a.len(), b.len(), "tensor count");
+    let mut mxfp4 = 0;
+    for (name, (ty, dims, raw)) in &b {
+        let (ty_a, dims_a, raw_a) = a.get(name).unwrap_or_else(|| panic!("no {name}"));
+        assert_eq!((ty_a, dims_a), (ty, dims), "{name}");
+        assert!(raw_a == raw, "{name}: bytes differ");
+        mxfp4 += usize::from(*ty == 39);
+    }
+    assert_eq!(mxfp4, 9, "three layers' gate, up and down experts");
+    let reference = candle_core::safetensors::load(
+        common::workspace_fixture("gguf/gpt_oss_mxfp4_tiny_reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+    let (bsz, t) = ids.dims2().unwrap();
+    let (model, _) = load_model(&ours, DType::F32, &Device::Cpu).unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(bsz, t, 0), None)
+        .unwrap();
+    let err = (logits - &reference["logits"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(err <= 1e-4, "logits differ by {err}");
+}
+
+/// `--outtype mxfp4_moe` (llama-quantize's MXFP4_MOE) of a gpt-oss checkpoint with float experts
+/// (tests/fixtures/gpt_oss_mxfp4's, dequantized and saved plain, changed for llama.cpp): every
+/// tensor's type and bytes equal gguf-py's quantizers applying llama.cpp's MXFP4_MOE rule to the
+/// converter's f32 file of the same checkpoint (tests/fixtures/gguf/mxfp4_moe_reference.safetensors):
+/// the experts MXFP4, the other matrices Q8_0 but the router; the file reads back near the
+/// checkpoint's logits.
+#[test]
+fn mxfp4_moe_quantizes_float_experts_as_gguf_py() {
+    let dir = out_dir("mxfp4-moe").join("model");
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = common::workspace_fixture("gpt_oss_mxfp4/model");
+    let (model, _) = load_model(&src, DType::F32, &Device::Cpu).unwrap();
+    let tensors = ferrotune_models::peft::merged_tensors(&model).unwrap();
+    ferrotune_models::save_hf_checkpoint(&dir, &model.config, None, &tensors, DType::F32, u64::MAX)
+        .unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let path = f.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("tokenizer") || name.ends_with(".jinja") {
+            std::fs::copy(&path, dir.join(&name)).unwrap();
+        }
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    c["swiglu_limit"] = json!(7.0);
+    c["swiglu_alpha"] = json!(1.702);
+    c["rope_parameters"]["truncate"] = json!(true);
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let ours = dir.join("mxfp4_moe.gguf");
+    export_gguf(&dir, &ours, OutType::Mxfp4Moe).unwrap();
+    let got = raw_tensors(&ours);
+    let want = candle_core::safetensors::load(
+        common::workspace_fixture("gguf/mxfp4_moe_reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(got.len() * 2, want.len(), "tensor count");
+    let mut counts = HashMap::new();
+    for (name, (ty, _, raw)) in &got {
+        let want_ty = want[&format!("{name}.type")].to_vec1::<i32>().unwrap()[0] as u32;
+        assert_eq!(*ty, want_ty, "{name}: type");
+        let want_raw: Vec<u8> = want[name].to_vec1().unwrap();
+        assert!(*raw == want_raw, "{name}: bytes differ");
+        *counts.entry(*ty).or_insert(0) += 1;
+    }
+    assert_eq!(counts[&39], 9, "{counts:?}");
+    assert!(counts[&8] > 0, "{counts:?}");
+    // Read back: the quantized model's logits near the checkpoint's (transformers').
+    let reference = candle_core::safetensors::load(
+        common::workspace_fixture("gguf/gpt_oss_mxfp4_tiny_reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+    let (bsz, t) = ids.dims2().unwrap();
+    let (model, _) = load_model(&ours, DType::F32, &Device::Cpu).unwrap();
+    let logits = model
+        .forward(&ids, &AttentionLayout::causal(bsz, t, 0), None)
+        .unwrap();
+    let want = &reference["logits"];
+    let rel = ((&logits - want).unwrap().sqr().unwrap().sum_all().unwrap())
+        .sqrt()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        / want
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+    assert!(rel <= 0.1, "logits relative L2 {rel}");
+}

@@ -1,5 +1,6 @@
 //! An open GGUF file: its header, typed metadata and tensor reads.
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::Path;
@@ -19,6 +20,9 @@ pub(super) struct GgufFile<'a> {
     pub(super) reader: BufReader<File>,
     pub(super) len: u64,
     pub(super) content: Content,
+    /// The tensors of type MXFP4 (GGML 39), which candle's reader was shown as F32 and which are
+    /// read here ([`super::mxfp4`]).
+    pub(super) mxfp4: HashSet<String>,
 }
 
 /// What a family's [`GgufReading`] reads of the file.
@@ -95,11 +99,24 @@ impl<'a> GgufFile<'a> {
         file.seek(SeekFrom::Start(0))
             .map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
         let mut reader = BufReader::new(file);
+        // candle knows no MXFP4: its type fields are shown to it as F32.
+        let (mxfp4, fields) = super::mxfp4::mxfp4_tensors(&mut reader).unwrap_or_default();
+        reader
+            .seek(SeekFrom::Start(0))
+            .map_err(|e| err(format!("cannot read GGUF file: {e}")))?;
         // candle's header reader bounds every length by the file size, but divides by
         // `general.alignment` unchecked: a corrupt file with alignment 0 would panic. That is the one
         // panic we know of; catching it (the last resort) keeps a bad file an error, not a crash.
-        let read =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)));
+        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if fields.is_empty() {
+                Content::read(&mut reader)
+            } else {
+                Content::read(&mut super::mxfp4::AsF32 {
+                    inner: &mut reader,
+                    fields: &fields,
+                })
+            }
+        }));
         let content = match read {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => return Err(err(header_error_message(&e.to_string()))),
@@ -124,6 +141,7 @@ impl<'a> GgufFile<'a> {
             reader,
             len,
             content,
+            mxfp4,
         };
         file.check_layout()?;
         Ok(file)
@@ -299,9 +317,14 @@ impl<'a> GgufFile<'a> {
         let dims = info.shape.dims();
         let elems = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
         let inner = dims.last().copied().unwrap_or(1);
+        let (block, size) = if self.mxfp4.contains(name) {
+            (super::MXFP4_BLOCK, super::MXFP4_BLOCK_BYTES)
+        } else {
+            (t.block_size(), t.type_size())
+        };
         let bytes = elems
-            .filter(|_| inner % t.block_size() == 0)
-            .and_then(|n| (n / t.block_size()).checked_mul(t.type_size()));
+            .filter(|_| inner % block == 0)
+            .and_then(|n| (n / block).checked_mul(size));
         bytes.map(|b| b as u64).ok_or_else(|| {
             self.tensor_err(
                 name,
@@ -343,6 +366,12 @@ impl<'a> GgufFile<'a> {
 
     /// Reads a tensor's blocks (CPU), in PyTorch dimension order.
     pub(super) fn read_qtensor(&mut self, name: &str) -> Result<QTensor, ModelError> {
+        if self.mxfp4.contains(name) {
+            return Err(self.tensor_err(
+                name,
+                "has type MXFP4, which ferrotune reads for gpt-oss's experts only",
+            ));
+        }
         self.content
             .tensor(&mut self.reader, name, &Device::Cpu)
             .map_err(|e| ModelError::file(self.path, format!("cannot read tensor '{name}': {e}")))
@@ -355,8 +384,23 @@ impl<'a> GgufFile<'a> {
         })
     }
 
-    /// Reads and dequantizes a tensor to f32 on the CPU, in PyTorch dimension order.
+    /// Reads and dequantizes a tensor to f32 on the CPU, in PyTorch dimension order (MXFP4 as
+    /// ggml dequantizes it).
     pub(super) fn dequantize(&mut self, name: &str) -> Result<Tensor, ModelError> {
+        if self.mxfp4.contains(name) {
+            let bytes = self.tensor_bytes(name)?;
+            let info = &self.content.tensor_infos[name];
+            let start = self.content.tensor_data_offset + info.offset;
+            let shape = info.shape.clone();
+            let mut data = vec![0u8; bytes as usize];
+            self.reader
+                .seek(SeekFrom::Start(start))
+                .and_then(|_| self.reader.read_exact(&mut data))
+                .map_err(|e| self.tensor_err(name, format!("cannot be read: {e}")))?;
+            let values = super::dequantize_mxfp4(&data);
+            return Tensor::from_vec(values, shape, &Device::Cpu)
+                .map_err(|e| self.tensor_err(name, e));
+        }
         let q = self.read_qtensor(name)?;
         self.dequantize_blocks(name, &q)
     }

@@ -30,8 +30,14 @@ mod config;
 mod deepseek2;
 mod file;
 mod gpt_oss;
+mod mxfp4;
 mod qwen35;
 mod tensors;
+
+pub use mxfp4::{
+    dequantize_mxfp4, mxfp4_block_from_openai, quantize_mxfp4, GGML_TYPE_MXFP4, MXFP4_BLOCK,
+    MXFP4_BLOCK_BYTES,
+};
 
 use arch::*;
 use file::*;
@@ -42,7 +48,8 @@ use tensors::*;
 /// Supported architectures: `llama` (and Mistral, Mixtral), `qwen2`, `qwen2moe`, `qwen3`,
 /// `qwen3moe`, `gemma`, `gemma2`, `gemma3`, `phi2`, `phi3`, `smollm3`, `deepseek2`, `gpt-oss`,
 /// `qwen35`, `qwen35moe`, `qwen3next`; tensor
-/// types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K. Every problem with the
+/// types F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K, and MXFP4 (type 39) for
+/// gpt-oss's experts. Every problem with the
 /// file (missing, not a GGUF, truncated, unsupported type, missing metadata, tensor shapes that
 /// disagree with the metadata) is a [`ModelError::File`] naming the file and what is wrong.
 pub fn load_gguf(
@@ -283,7 +290,7 @@ const GGML_TYPE_NAMES: &[(u32, &str)] = &[
 ];
 
 const SUPPORTED_TYPES: &str =
-    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K";
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 (gpt-oss's experts)";
 
 fn ggml_type_name(id: u32) -> String {
     GGML_TYPE_NAMES.iter().find(|(i, _)| *i == id).map_or_else(

@@ -2,7 +2,7 @@
 //! ([`attention_with_sinks`]) and its mixture of experts ([`GptOssMoe`]), as transformers'
 //! `GptOssAttention` (eager) and `GptOssMLP` compute them.
 
-use candle_core::{DType, Result as CResult, Tensor, D};
+use candle_core::{DType, Result as CResult, Tensor, Var, D};
 use ferrotune_core::ops;
 
 use super::moe::{gather_routes, top_k_experts};
@@ -63,7 +63,8 @@ pub(super) fn attention_with_sinks(
 /// gpt-oss's mixture of experts (`mlp`), its tensors as the checkpoint holds them: the router
 /// (`mlp.router`, a bare weight and bias, no `nn.Linear`: PEFT's `target_modules` cannot reach
 /// it, and neither does ferrotune's) and the fused experts. They train in full fine-tuning; LoRA
-/// does not reach them (`target_parameters` on them is not supported yet).
+/// reaches the fused experts as PEFT's `target_parameters` does ([`ExpertsLora`]), not the
+/// router or the biases.
 #[derive(Debug, Clone)]
 pub struct GptOssMoe {
     /// `mlp.router.weight` `[experts, hidden]`.
@@ -81,6 +82,69 @@ pub struct GptOssMoe {
     pub down_proj_bias: Tensor,
     /// Experts per token, the SwiGLU's gain and clamp.
     pub config: GptOssMoeConfig,
+    /// PEFT's adapter on `gate_up_proj` (`target_parameters`), if any.
+    pub gate_up_lora: Option<ExpertsLora>,
+    /// PEFT's adapter on `down_proj` (`target_parameters`), if any.
+    pub down_lora: Option<ExpertsLora>,
+}
+
+/// PEFT's `lora.ParamWrapper` on one of gpt-oss's fused expert parameters `W` `[experts, in,
+/// out]`. transformers marks gpt-oss's experts `is_transposed` (inputs first), so PEFT keeps the
+/// factors' natural roles: `lora_A` `[r · experts, in]` (expert `e`'s rows `e·r ..`), `lora_B`
+/// `[out, r · experts]` (expert `e`'s columns `e, e + E, e + 2E, ...`), and expert `e`'s weight is
+/// `W_e + (B_e A_e)ᵀ · scaling`: `x W_e + scaling · (x A_eᵀ) B_eᵀ` on its tokens. The biases are
+/// not adapted.
+#[derive(Debug, Clone)]
+pub struct ExpertsLora {
+    /// `lora_A.weight` `[r · experts, in]`.
+    pub a: Tensor,
+    /// `lora_B.weight` `[out, r · experts]`.
+    pub b: Tensor,
+    /// The rank per expert.
+    pub rank: usize,
+    /// `lora_alpha / r` (or `/ √r` with rsLoRA).
+    pub scale: f64,
+}
+
+impl ExpertsLora {
+    /// Expert `e`'s factors: `A_e` `[r, in]` and `B_e` `[out, r]`.
+    pub fn factors(&self, e: usize) -> CResult<(Tensor, Tensor)> {
+        let experts = self.a.dim(0)? / self.rank.max(1);
+        let a = self.a.narrow(0, e * self.rank, self.rank)?;
+        let columns: Vec<u32> = (0..self.rank).map(|k| (k * experts + e) as u32).collect();
+        let b = self
+            .b
+            .index_select(&Tensor::new(columns, self.b.device())?, 1)?;
+        Ok((a, b))
+    }
+
+    /// `scaling · (x A_eᵀ) B_eᵀ` for expert `e`'s rows `x` `[m, in]`.
+    fn apply(&self, x: &Tensor, e: usize) -> CResult<Tensor> {
+        let (a, b) = self.factors(e)?;
+        x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale
+    }
+
+    /// The update PEFT's merge adds to the parameter: `[experts, in, out]`, expert `e`'s
+    /// `(B_e A_e)ᵀ · scaling`.
+    pub fn delta(&self) -> CResult<Tensor> {
+        let experts = self.a.dim(0)? / self.rank.max(1);
+        let per: Vec<Tensor> = (0..experts)
+            .map(|e| {
+                let (a, b) = self.factors(e)?;
+                a.t()?.matmul(&b.t()?)? * self.scale
+            })
+            .collect::<CResult<_>>()?;
+        Tensor::stack(&per, 0)
+    }
+
+    /// Makes `a` and `b` trainable: their [`Var`]s as `lora_A.weight` and `lora_B.weight`.
+    pub fn make_trainable(&mut self) -> CResult<Vec<(&'static str, Var)>> {
+        let a = Var::from_tensor(&self.a)?;
+        let b = Var::from_tensor(&self.b)?;
+        self.a = a.as_tensor().clone();
+        self.b = b.as_tensor().clone();
+        Ok(vec![("lora_A.weight", a), ("lora_B.weight", b)])
+    }
 }
 
 /// The parameter names of [`GptOssMoe`]'s tensors inside the decoder layer, in the order
@@ -106,6 +170,59 @@ impl GptOssMoe {
             &self.down_proj_bias,
         ];
         GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect()
+    }
+
+    /// [`GptOssMoe::tensors_mut`] and the adapters' factors (`target_parameters`) by their
+    /// names inside the decoder layer as PEFT's file has them (`gate_up_proj`'s wrapper nested
+    /// under `.base_layer` when both parameters are adapted), borrowed apart.
+    #[allow(clippy::type_complexity)]
+    pub fn tensors_and_adapters_mut(
+        &mut self,
+    ) -> (
+        Vec<(&'static str, &mut Tensor)>,
+        Vec<(&'static str, &mut Tensor)>,
+    ) {
+        let GptOssMoe {
+            router_weight,
+            router_bias,
+            gate_up_proj,
+            gate_up_proj_bias,
+            down_proj,
+            down_proj_bias,
+            gate_up_lora,
+            down_lora,
+            ..
+        } = self;
+        let both = gate_up_lora.is_some() && down_lora.is_some();
+        let mut adapters = Vec::new();
+        if let Some(l) = gate_up_lora {
+            let (a, b) = if both {
+                (
+                    "mlp.experts.base_layer.lora_A.weight",
+                    "mlp.experts.base_layer.lora_B.weight",
+                )
+            } else {
+                ("mlp.experts.lora_A.weight", "mlp.experts.lora_B.weight")
+            };
+            adapters.push((a, &mut l.a));
+            adapters.push((b, &mut l.b));
+        }
+        if let Some(l) = down_lora {
+            adapters.push(("mlp.experts.lora_A.weight", &mut l.a));
+            adapters.push(("mlp.experts.lora_B.weight", &mut l.b));
+        }
+        let tensors = [
+            router_weight,
+            router_bias,
+            gate_up_proj,
+            gate_up_proj_bias,
+            down_proj,
+            down_proj_bias,
+        ];
+        (
+            GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect(),
+            adapters,
+        )
     }
 
     /// [`GptOssMoe::tensors`], mutable.
@@ -186,17 +303,23 @@ impl CausalLm {
             let m = tokens.len();
             let tokens = Tensor::new(tokens, device)?;
             let rows = flat.index_select(&tokens, 0)?;
-            let gate_up = rows
+            let mut gate_up = rows
                 .matmul(&moe.gate_up_proj.get(e)?)?
-                .broadcast_add(&moe.gate_up_proj_bias.get(e)?)?
-                .reshape((m, inter, 2))?;
+                .broadcast_add(&moe.gate_up_proj_bias.get(e)?)?;
+            if let Some(lora) = &moe.gate_up_lora {
+                gate_up = (gate_up + lora.apply(&rows, e)?)?;
+            }
+            let gate_up = gate_up.reshape((m, inter, 2))?;
             let gate = gate_up.narrow(2, 0, 1)?.squeeze(2)?.minimum(limit)?;
             let up = gate_up.narrow(2, 1, 1)?.squeeze(2)?.clamp(-limit, limit)?;
             let glu = (&gate * sigmoid(&(&gate * alpha)?)?)?;
             let h_e = ((up + 1.0)? * glu)?;
-            let y = h_e
+            let mut y = h_e
                 .matmul(&moe.down_proj.get(e)?)?
                 .broadcast_add(&moe.down_proj_bias.get(e)?)?;
+            if let Some(lora) = &moe.down_lora {
+                y = (y + lora.apply(&h_e, e)?)?;
+            }
             let w = weights
                 .index_select(&Tensor::new(places, device)?, 0)?
                 .reshape((m, 1))?;

@@ -111,10 +111,15 @@ impl DecoderLayer {
         let (mut linears, projection_norms) = qkv.parts_mut();
         norms.extend(projection_norms);
         linears.push(o_proj);
+        let mut adapters = Vec::new();
         match mlp {
             FeedForward::Dense(mlp) => linears.extend(mlp_linears_mut(mlp)),
             FeedForward::Sparse(moe) => linears.extend(moe.linears_mut()),
-            FeedForward::GptOss(moe) => norms.extend(moe.tensors_mut()),
+            FeedForward::GptOss(moe) => {
+                let (tensors, lora) = moe.tensors_and_adapters_mut();
+                norms.extend(tensors);
+                adapters.extend(lora);
+            }
         }
         if let Some(block) = parallel_moe {
             let (moe, small) = block.parts_mut();
@@ -127,7 +132,11 @@ impl DecoderLayer {
         }
         debug_assert_eq!(names.len(), linears.len());
         let linears = names.into_iter().zip(linears).collect();
-        LayerPartsMut { norms, linears }
+        LayerPartsMut {
+            norms,
+            linears,
+            adapters,
+        }
     }
 
     /// The layer's norm tensors with their parameter names inside it
@@ -246,6 +255,10 @@ pub struct LayerPartsMut<'a> {
     pub norms: Vec<(&'static str, &'a mut Tensor)>,
     /// Linear layers by module name (`self_attn.q_proj`, ...), in model order.
     pub linears: Vec<(Cow<'static, str>, &'a mut Linear)>,
+    /// Adapters on parameters (gpt-oss's experts, `target_parameters`) by their name inside the
+    /// layer as PEFT's file has it after `base_model.model.model.layers.N.`
+    /// (`mlp.experts.base_layer.lora_A.weight`, ...).
+    pub adapters: Vec<(&'static str, &'a mut Tensor)>,
 }
 
 /// Gemma 4's per-layer input block, after the MLP's residual add: `x + norm(projection(act(gate(x))

@@ -347,6 +347,8 @@ impl TensorTaker<'_> {
             down_proj: self.take(&format!("{experts}.down_proj"), &[e, inter, h])?,
             down_proj_bias: self.take(&format!("{experts}.down_proj_bias"), &[e, h])?,
             config: m.clone(),
+            gate_up_lora: None,
+            down_lora: None,
         })
     }
 

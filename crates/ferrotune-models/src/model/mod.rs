@@ -59,7 +59,7 @@ pub(crate) use attention::{llama4_query_scale, nope_query_temperature};
 pub use cache::KvCache;
 use cache::{LayerCache, LinearState};
 pub use delta_net::{DeltaNetProjections, GatedDeltaNet};
-pub use gpt_oss::{GptOssMoe, GPT_OSS_MOE_TENSORS};
+pub use gpt_oss::{ExpertsLora, GptOssMoe, GPT_OSS_MOE_TENSORS};
 pub use layer::{
     DecoderLayer, LayerPartsMut, PerLayerEmbedding, PerLayerInputBlock, PER_LAYER_NORM,
     PER_LAYER_PROJECTION, PER_LAYER_TABLE,

@@ -58,6 +58,7 @@ pub fn attach_adapter(
         !model.config.llama4_names && (!config.target_parameters.is_empty() || !per_expert);
     let mut targets = targeted_modules(model, config, transformers5)
         .map_err(|m| ModelError::Msg(format!("{source}: {m}")))?;
+    let experts = super::gpt_oss_params::read(model, config, &mut tensors, source)?;
     for (name, r, scale) in super::peft_params::expand(model, config, &mut tensors, source)? {
         if targets.linears.iter().any(|(n, _, _)| *n == name) {
             return Err(ModelError::Msg(format!(
@@ -152,6 +153,7 @@ pub fn attach_adapter(
     for (name, linear) in model.linears_mut() {
         linear.adapter = adapters.remove(&name);
     }
+    super::gpt_oss_params::replace(model, experts);
     model.embed_adapter = adapters.remove(EMBED_MODULE);
     if !targets.head_shares_embed {
         untie_adapted_head(model);
@@ -213,6 +215,7 @@ pub fn add_adapter(
         linear.adapter = Some(adapter);
         count += 1;
     }
+    count += super::gpt_oss_params::add(model, config, &mut rng)?;
     untie_adapted_head(model);
     Ok(count)
 }
@@ -294,6 +297,7 @@ pub fn trainable_parameters(model: &mut CausalLm) -> Result<Vec<(String, Var)>, 
             }
         }
     }
+    out.extend(super::gpt_oss_params::trainable(model)?);
     Ok(out)
 }
 
@@ -307,10 +311,12 @@ pub fn with_adapters_disabled<R>(model: &mut CausalLm, f: impl FnOnce(&CausalLm)
         .map(|(_, linear)| linear.adapter.take())
         .collect();
     let embed = model.embed_adapter.take();
+    let experts = super::gpt_oss_params::take_all(model);
     let result = f(model);
     for ((_, linear), adapter) in model.linears_mut().into_iter().zip(taken) {
         linear.adapter = adapter;
     }
     model.embed_adapter = embed;
+    super::gpt_oss_params::put_back(model, experts);
     result
 }

@@ -226,6 +226,7 @@ pub fn adapter_tensors(model: &CausalLm) -> BTreeMap<String, Tensor> {
             out.insert(bias_file_key(&module), b.clone());
         }
     }
+    out.extend(super::gpt_oss_params::tensors(model));
     out
 }
 
@@ -260,7 +261,10 @@ fn mllama_untouched(config: &ModelConfig) -> Option<String> {
 /// The adapters must be the ones `config` describes (same modules and ranks): a mismatch is an
 /// error rather than a folder PEFT would load differently.
 pub fn save_adapter(model: &CausalLm, config: &LoraConfig, dir: &Path) -> Result<(), ModelError> {
-    if !config.target_parameters.is_empty() {
+    if super::gpt_oss_params::is_gpt_oss(model) {
+        // gpt-oss's expert adapters are held in PEFT's fused form: saved as they are.
+        super::gpt_oss_params::check_saved(model, config)?;
+    } else if !config.target_parameters.is_empty() {
         return Err(ModelError::Msg(
             "cannot save an adapter with target_parameters (PEFT's adapters on parameters, such \
              as fused experts): merge it instead"

@@ -66,6 +66,8 @@ pub fn merged_tensors(model: &CausalLm) -> Result<HashMap<String, Tensor>, Model
             out.insert(format!("{name}.bias"), b);
         }
     }
+    // gpt-oss's fused experts with their adapters (`target_parameters`) merged in.
+    out.extend(super::gpt_oss_params::merged(model)?);
     crate::checkpoint::to_saved_layout(&model.config, out)
 }
 
@@ -130,5 +132,5 @@ pub fn merge_and_unload(model: &mut CausalLm) -> Result<(), ModelError> {
             linear.packed = None;
         }
     }
-    Ok(())
+    super::gpt_oss_params::merge_and_unload(model)
 }

@@ -30,6 +30,8 @@
 //! - [`peft_params`]: PEFT's `target_parameters` (LoRA on transformers 5's fused expert
 //!   parameters), expanded to per-expert adapters on attaching and written back in that form
 //!   (public also as `ferrotune_models::peft_params`).
+//! - `gpt_oss_params.rs`: `target_parameters` on gpt-oss's fused experts, held, trained, saved
+//!   and merged in PEFT's fused form (`ParamWrapper`'s `lora_A` `[r · experts, in]`).
 //! - [`torchtune_adapter`]: torchtune's `adapter_model.pt`, read as [`load_adapter_from`]'s
 //!   fallback and written beside PEFT's files (public also as
 //!   `ferrotune_models::torchtune_adapter`).
@@ -40,6 +42,7 @@
 mod attach;
 mod config;
 mod files;
+mod gpt_oss_params;
 mod merge;
 mod pattern;
 pub mod peft_params;

@@ -100,7 +100,7 @@ fn slots(model: &CausalLm) -> Vec<(String, String, Slot)> {
                 moe.experts.len(),
                 llama4,
             ),
-            // gpt-oss's experts take no parameter adapters yet.
+            // gpt-oss's experts keep PEFT's fused adapters (`gpt_oss_params`).
             (None, FeedForward::Dense(_) | FeedForward::GptOss(_)) => continue,
         };
         let (key, module) = names(&format!("{block}.experts"));
@@ -149,11 +149,8 @@ pub(crate) fn expand(
     }
     let err = |msg: String| ModelError::Msg(format!("{source}: {msg}"));
     if model.config.gpt_oss_moe.is_some() {
-        return Err(err(format!(
-            "target_parameters {:?}: adapters on gpt-oss's parameters (its fused experts, \
-             router and sinks) are not supported yet; target_modules reaches q/k/v/o_proj",
-            config.target_parameters
-        )));
+        // gpt-oss's fused experts keep PEFT's fused adapters (`gpt_oss_params`).
+        return Ok(Vec::new());
     }
     let (slots, others): (Vec<_>, Vec<_>) = slots(model)
         .into_iter()

@@ -130,6 +130,9 @@ pub fn unfit_adapter(model: &CausalLm) -> Option<&'static str> {
     if model.embed_adapter.is_some() {
         return Some("the token embedding has an adapter (torchtune adapts linear layers only)");
     }
+    if !super::gpt_oss_params::tensors(model).is_empty() {
+        return Some("gpt-oss's fused experts have adapters (target_parameters), which torchtune's LoRA layers lack");
+    }
     let biased = model
         .linears()
         .iter()

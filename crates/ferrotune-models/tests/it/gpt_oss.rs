@@ -13,10 +13,12 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use ferrotune_models::lora::set_training;
+use ferrotune_models::model::FeedForward;
+use ferrotune_models::peft::merge_and_unload;
 use ferrotune_models::peft::{add_adapter, attach_adapter, merged_tensors, trainable_parameters};
 use ferrotune_models::{
-    load_adapter, load_model, read_checkpoint, save_hf_checkpoint, AttentionLayout, CausalLm,
-    LoraConfig, ModelConfig, TargetModules,
+    load_adapter, load_model, read_checkpoint, save_adapter, save_hf_checkpoint, AttentionLayout,
+    CausalLm, LoraConfig, ModelConfig, TargetModules,
 };
 use serde_json::{json, Value};
 
@@ -321,8 +323,8 @@ fn an_mxfp4_checkpoint_reads_dequantized_and_saves_plain() {
 }
 
 /// LoRA on module names reaches q/k/v/o_proj only: the router and the experts are no linear
-/// modules (as in PEFT); a PEFT adapter on gpt-oss's parameters (`target_parameters`) is
-/// refused naming the reason.
+/// modules (as in PEFT); a PEFT adapter on gpt-oss's parameters (`target_parameters`) without
+/// its tensors is refused naming what is missing.
 #[test]
 fn adapters_reach_the_attention_only() {
     let mut model = load();
@@ -459,4 +461,193 @@ fn gpt_oss_20bs_config_reads_as_transformers_reads_it() {
     assert!(c.raw.get("quantization_config").is_none());
     assert_eq!(c.router_aux_loss_coef(), None);
     assert_eq!(c.raw["router_aux_loss_coef"], 0.9);
+}
+
+/// PEFT's `target_parameters` on gpt-oss's fused experts (tests/fixtures/target_parameters/gpt_oss:
+/// `mlp.experts.gate_up_proj` and `down_proj`, nested, rank 3 on down_proj by `rank_pattern`,
+/// beside q/o_proj; scripts/make_target_parameters_fixtures.py): held in PEFT's fused form
+/// (`lora_A` `[r · experts, in]`, `lora_B` `[out, r · experts]`, gpt-oss's experts being inputs
+/// first), PEFT's logits (inference and training) and loss, every adapter gradient to 1e-4
+/// relative L2, merged weights equal to PEFT's merge (biases untouched) and the merged model's
+/// logits; saved, the folder holds PEFT's tensor names and loads back to the same logits.
+#[test]
+fn expert_target_parameters_match_peft() {
+    let dir = fixtures().join("target_parameters/gpt_oss");
+    let g = read_json(&dir.join("golden.json"));
+    let golden = tensors(&dir.join("golden.safetensors"));
+    let mut model = load();
+    let config = load_adapter(&mut model, &dir.join("adapter")).unwrap();
+    assert_eq!(config.target_parameters.len(), 2);
+    for layer in &model.layers {
+        let FeedForward::GptOss(moe) = &layer.mlp else {
+            panic!("a gpt-oss block");
+        };
+        let (gate_up, down) = (
+            moe.gate_up_lora.as_ref().unwrap(),
+            moe.down_lora.as_ref().unwrap(),
+        );
+        assert_eq!((gate_up.rank, down.rank), (2, 3));
+        assert_eq!(gate_up.a.dims(), [8, 32]);
+        assert_eq!(gate_up.b.dims(), [48, 8]);
+        assert_eq!(down.a.dims(), [12, 24]);
+        assert_eq!(down.b.dims(), [32, 12]);
+        assert_eq!((gate_up.scale, down.scale), (3.0, 2.0));
+    }
+    let ids = ids(&g["input_ids"]);
+    let assert_logits = |model: &CausalLm, what: &str| {
+        let err = max_abs_diff(&forward(model, &ids), &golden["lora_logits"]);
+        assert!(err <= 1e-4, "{what}: logits max abs error {err}");
+    };
+    assert_logits(&model, "inference");
+
+    let params = trainable_parameters(&mut model).unwrap();
+    set_training(&mut model, true);
+    let logits = forward(&model, &ids);
+    let loss = causal_lm_loss(&logits, &g["labels"]);
+    let want_loss = g["lora_loss"].as_f64().unwrap();
+    let got = loss.to_scalar::<f32>().unwrap() as f64;
+    assert!(
+        ((got - want_loss) / want_loss).abs() <= 1e-5,
+        "loss {got} vs {want_loss}"
+    );
+    let grads = loss.backward().unwrap();
+    let want = tensors(&dir.join("lora_grads.safetensors"));
+    let mut names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    names.sort();
+    want_names.sort();
+    assert_eq!(names, want_names);
+    for (name, var) in &params {
+        let got = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("{name}: no gradient"));
+        let err = rel_l2(got, &want[name]);
+        assert!(err <= 1e-4, "{name}: gradient relative L2 error {err}");
+    }
+    set_training(&mut model, false);
+
+    // Saved: PEFT's names and config; read back, the same logits.
+    let out = std::env::temp_dir().join(format!(
+        "ferrotune-gpt-oss-target-parameters-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&out);
+    save_adapter(&model, &config, &out).unwrap();
+    let saved = tensors(&out.join("adapter_model.safetensors"));
+    let peft_file = tensors(&dir.join("adapter/adapter_model.safetensors"));
+    let mut saved_names: Vec<&String> = saved.keys().collect();
+    let mut peft_names: Vec<&String> = peft_file.keys().collect();
+    saved_names.sort();
+    peft_names.sort();
+    assert_eq!(saved_names, peft_names);
+    for (k, t) in &saved {
+        assert_eq!(max_abs_diff(t, &peft_file[k]), 0.0, "{k}");
+    }
+    let saved_config = read_json(&out.join("adapter_config.json"));
+    assert_eq!(
+        saved_config["target_parameters"],
+        json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    );
+    let mut back = load();
+    load_adapter(&mut back, &out).unwrap();
+    assert_logits(&back, "saved and read back");
+    let _ = std::fs::remove_dir_all(&out);
+
+    // Merged: PEFT's merged state dict (the experts' biases as they were).
+    let merged = merged_tensors(&model).unwrap();
+    let want = tensors(&dir.join("merged.safetensors"));
+    let mut merged_names: Vec<&String> = merged.keys().collect();
+    let mut want_names: Vec<&String> = want.keys().collect();
+    merged_names.sort();
+    want_names.sort();
+    assert_eq!(merged_names, want_names);
+    let base = tensors(&case_dir().join("model/model.safetensors"));
+    for (name, t) in &merged {
+        let err = max_abs_diff(t, &want[name]);
+        assert!(err <= 1e-5, "merged {name}: max abs error {err}");
+        if name.ends_with("_bias") {
+            assert_eq!(max_abs_diff(t, &base[name]), 0.0, "{name}");
+        }
+    }
+    assert!(
+        max_abs_diff(
+            &merged["model.layers.0.mlp.experts.gate_up_proj"],
+            &base["model.layers.0.mlp.experts.gate_up_proj"]
+        ) > 1e-3
+    );
+    merge_and_unload(&mut model).unwrap();
+    assert_logits(&model, "merged");
+}
+
+/// Fresh adapters for training on gpt-oss's experts (`target_parameters`): PEFT's shapes, B
+/// zeros (the model starts as the base), trainable under PEFT's parameter names, and refused
+/// for a name that is no expert parameter.
+#[test]
+fn fresh_expert_adapters_start_as_the_base() {
+    let g = read_json(&case_dir().join("golden.json"));
+    let ids = ids(&g["input_ids"]);
+    let base = forward(&load(), &ids);
+    let mut model = load();
+    let mut config = LoraConfig::new(2, 4.0, TargetModules::Names(vec![]));
+    config.target_parameters = vec!["experts.gate_up_proj".into()];
+    assert_eq!(add_adapter(&mut model, &config, 3).unwrap(), 3);
+    assert_eq!(max_abs_diff(&forward(&model, &ids), &base), 0.0);
+    let params = trainable_parameters(&mut model).unwrap();
+    let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.len(), 6, "{names:?}");
+    assert!(names.contains(&"base_model.model.model.layers.2.mlp.experts.lora_A.weight"));
+    assert_eq!(params[0].1.as_tensor().dims(), [8, 32]);
+    assert_eq!(params[1].1.as_tensor().dims(), [48, 8]);
+    config.target_parameters = vec!["mlp.router.weight".into()];
+    let err = add_adapter(&mut load(), &config, 3)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("mlp.router.weight") && err.contains("no expert parameter"),
+        "{err}"
+    );
+}
+
+/// ggml's MXFP4 blocks (GGML type 39: an E8M0 scale byte, then 16 bytes of nibbles, values
+/// `kvalues_mxfp4[q] · 2^(scale − 128)`; the subnormal halves of scale bytes 0 and 1 among them)
+/// dequantize to gguf-py's `gguf.quants.dequantize` of them, value for value
+/// (tests/fixtures/gguf/mxfp4_reference.safetensors, scripts/make_gguf_fixtures.py).
+#[test]
+fn mxfp4_blocks_dequantize_as_gguf_py() {
+    let t = tensors(&fixtures().join("gguf/mxfp4_reference.safetensors"));
+    let raw: Vec<u8> = t["raw"].to_vec1().unwrap();
+    let want: Vec<f32> = t["expected"].to_vec1().unwrap();
+    let got = ferrotune_models::gguf::dequantize_mxfp4(&raw);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "value {i}: {g} vs {w}");
+    }
+    assert!(want
+        .iter()
+        .any(|&w| w != 0.0 && w.abs() < f32::MIN_POSITIVE));
+}
+
+/// gpt-oss with OpenAI's MXFP4 experts (tests/fixtures/gpt_oss_mxfp4, llama.cpp's SwiGLU limit and
+/// rounded YaRN) through llama.cpp's own convert_hf_to_gguf.py, which writes the experts as MXFP4
+/// (tests/fixtures/gguf/gpt_oss_mxfp4_tiny.gguf): loaded, it gives transformers' logits of that
+/// checkpoint (which dequantizes the experts too).
+#[test]
+fn gpt_oss_mxfp4_gguf_gives_transformers_logits() {
+    let path = fixtures().join("gguf/gpt_oss_mxfp4_tiny.gguf");
+    let model = load_model(&path, DType::F32, &Device::Cpu).unwrap().0;
+    assert_eq!(model.config.model_type, "gpt_oss");
+    let reference = tensors(&fixtures().join("gguf/gpt_oss_mxfp4_tiny_reference.safetensors"));
+    let ids = reference["input_ids"].to_dtype(DType::U32).unwrap();
+    let err = max_abs_diff(&forward(&model, &ids), &reference["logits"]);
+    assert!(err <= 1e-4, "logits max abs error {err}");
+    // The experts are no plain copy of a float file: MXFP4's values (a power of two times
+    // 0, ±0.5, ..., ±6) in every expert.
+    let FeedForward::GptOss(moe) = &model.layers[0].mlp else {
+        panic!("a gpt-oss block");
+    };
+    let values: Vec<f32> = moe.down_proj.flatten_all().unwrap().to_vec1().unwrap();
+    assert!(values.iter().all(|v| {
+        let m = v.abs() / 2f32.powi(v.abs().log2().floor() as i32);
+        *v == 0.0 || [1.0, 1.5].contains(&m)
+    }));
 }

@@ -68,6 +68,7 @@ const MODEL_KEYS: &[(&str, Ty)] = &[
     ("use_rslora", Ty::Bool),
     ("lora_bias", Ty::Bool),
     ("modules_to_save", Ty::StrList),
+    ("target_parameters", Ty::StrList),
     ("quantize_base", Ty::Bool),
 ];
 const TOKENIZER_KEYS: &[(&str, Ty)] = &[

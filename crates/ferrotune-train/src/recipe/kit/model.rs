@@ -50,7 +50,8 @@ pub fn setup_adapters(
                     "trainable_token_indices {:?}",
                     saved.trainable_token_indices
                 ))
-            } else if !saved.target_parameters.is_empty() {
+            } else if !saved.target_parameters.is_empty() && model.config.gpt_oss_moe.is_none() {
+                // gpt-oss's expert adapters are held as PEFT holds them, and train so.
                 // PEFT's expert adapters share A between the gate and up projections.
                 Some(format!("target_parameters {:?}", saved.target_parameters))
             } else {

@@ -498,7 +498,9 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
         // ferrotune's key (torchtune adapts linear layers only): PEFT's `lora.Embedding`.
         push("embed_tokens");
     }
-    if targets.is_empty() {
+    // PEFT's `target_parameters` (ferrotune's key): LoRA on gpt-oss's fused experts.
+    let target_parameters = cfg.str_list("model.target_parameters")?.unwrap_or_default();
+    if targets.is_empty() && target_parameters.is_empty() {
         bail!(
             "{}: no LoRA targets: set model.lora_attn_modules and/or model.apply_lora_to_mlp",
             cfg.origin
@@ -538,6 +540,24 @@ pub fn lora_config(cfg: &Config, model: &CausalLm, base_path: &Path) -> Result<L
     // PEFT's `modules_to_save`: the token embedding and/or output head trained in full beside the
     // adapters (say, for tokens the base never learned).
     lc.modules_to_save = cfg.str_list("model.modules_to_save")?.unwrap_or_default();
+    if !target_parameters.is_empty() {
+        if model.config.gpt_oss_moe.is_none() {
+            bail!(
+                "{}: model.target_parameters trains adapters on gpt-oss's fused experts only \
+                 (other mixtures of experts: model.apply_lora_to_mlp reaches every expert)",
+                cfg.origin
+            );
+        }
+        // PEFT's `ParamWrapper` refuses all three.
+        if lc.lora_dropout != 0.0 || lc.use_dora || lc.lora_bias {
+            bail!(
+                "{}: model.target_parameters cannot be used with model.lora_dropout other than \
+                 0, model.use_dora or model.lora_bias (PEFT refuses them on parameters too)",
+                cfg.origin
+            );
+        }
+        lc.target_parameters = target_parameters;
+    }
     lc.base_model_name_or_path = Some(base_path.display().to_string());
     Ok(lc)
 }
