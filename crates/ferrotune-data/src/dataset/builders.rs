@@ -479,6 +479,15 @@ impl PairSpec {
         })
     }
 
+    /// How many leading messages are the row's own prompt column (text rows: the question),
+    /// `None` for message lists (the prompt is what chosen and rejected share).
+    pub fn explicit_prompt(&self) -> Option<usize> {
+        match self {
+            PairSpec::Messages { .. } => None,
+            PairSpec::Texts { .. } => Some(1),
+        }
+    }
+
     /// Checks the needed columns exist before any row is read.
     pub fn check(&self, table: &Table) -> Result<()> {
         match self {
