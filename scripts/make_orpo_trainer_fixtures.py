@@ -23,6 +23,7 @@ and `full_orpo`: ORPO's chat step with every weight trained (ferrotune: `full_dp
 tests/fixtures/orpo_trainer/{text,chat}.jsonl: the rows as ferrotune's builders read them;
 real_templates.json: the chat rows as ORPOTrainer tokenizes them with the real qwen3 and llama3_1
 tokenizers and their chat templates (see `real_templates`);
+tools.jsonl, tools_golden.json: preference rows with tools (see `tool_rows`);
 golden.json: per case, the loss's parameters, the collated batch TRL
 trained on (ids, labels, masks) and TRL's first log; {case}_adapter.safetensors: the adapter after
 the step (PEFT names without `.default`); full_orpo_model.safetensors: every weight after the step.
@@ -161,10 +162,33 @@ def real_templates():
     json.dump(out, open(os.path.join(OUT, "real_templates.json"), "w"), indent=1)
 
 
+def tool_rows():
+    """Preference rows with a `tools` column (tests/fixtures/orpo_trainer/tools.jsonl: the JSON text of a
+    list of schemas, as Arrow holds a mixed column; assistant `tool_calls` and `tool` turns) as the real qwen3 tokenizer's
+    template renders them in `DPOTrainer` (which passes the row's tools to the template: its
+    prepared prompt, chosen and rejected ids) and in `ORPOTrainer` (which passes none: its prepared
+    rows); tools_golden.json."""
+    lines = [json.loads(l) for l in open(os.path.join(OUT, "tools.jsonl"))]
+    data = {k: [r[k] for r in lines] for k in ["chosen", "rejected", "tools"]}
+    out = {"trl": trl.__version__, "transformers": transformers.__version__}
+    tok = AutoTokenizer.from_pretrained(os.path.join(ASSETS, "tokenizers", "qwen3"))
+    base = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as d:
+        dpo = DPOTrainer(model=base, args=DPOConfig(output_dir=d, report_to=[], use_cpu=True),
+                         train_dataset=Dataset.from_dict(data), processing_class=tok)
+        orpo = ORPOTrainer(model=base, args=ORPOConfig(output_dir=d, report_to=[], use_cpu=True),
+                           train_dataset=Dataset.from_dict(data), processing_class=tok)
+    out["dpo"] = {k: [r[k] for r in dpo.train_dataset] for k in ["prompt_ids", "chosen_ids", "rejected_ids"]}
+    keys = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
+    out["orpo"] = {k: [r[k] for r in orpo.train_dataset] for k in keys}
+    json.dump(out, open(os.path.join(OUT, "tools_golden.json"), "w"), indent=1)
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     write_rows()
     real_templates()
+    tool_rows()
     tok = AutoTokenizer.from_pretrained(POLICY)
     golden = {"trl": trl.__version__, "transformers": transformers.__version__,
               "torch": torch.__version__, "bos_token_id": tok.bos_token_id,

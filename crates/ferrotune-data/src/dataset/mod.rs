@@ -20,7 +20,7 @@
 //!
 //! Preference pairs, for the DPO recipes ([`build_preference_dataset`]): `preference_dataset` and
 //! `hh_rlhf_helpful_dataset` (columns `chosen` and `rejected`, each a list of messages, as
-//! `chat_dataset`'s openai style), `stack_exchange_paired_dataset` (text columns `question`,
+//! `chat_dataset`'s openai style, tools included), `stack_exchange_paired_dataset` (text columns `question`,
 //! `response_j`, `response_k`; `column_map` keys `prompt`, `chosen`, `rejected`), and
 //! `tokenized_dataset` rows `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`,
 //! `rejected_labels`. Each side is tokenized as the SFT builders tokenize a conversation;
@@ -748,8 +748,9 @@ fn build_pairs(
     let spec = builders::PairSpec::from_section(&map, builder == Builder::StackExchangePaired)?;
     spec.check(&table)?;
     let mut pairs = Vec::with_capacity(table.rows.len());
+    let mut cells = tools::OrderedCells::new(source_field(&map)?);
     for record in &table.rows {
-        let (chosen, rejected) = spec.conversations(&table, record)?;
+        let (chosen, rejected) = spec.conversations(&table, record, &mut cells)?;
         if how == PairTokenization::Orpo {
             let at = || table.locate(record);
             let prompt = spec.explicit_prompt();

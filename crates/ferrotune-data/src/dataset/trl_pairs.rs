@@ -9,7 +9,7 @@
 //!   the template renders after the prompt (the prompt text being the characters prompt,
 //!   prompt + chosen and prompt + rejected have in common). A tokenizer without a chat template
 //!   takes the messages' contents as TRL's text rows: the prompt's concatenated, then the
-//!   answer's.
+//!   answer's. The template is given no tools (`ORPOTrainer` passes none; `DPOTrainer` does).
 //! - `prompt + answer` is tokenized as one text (no special tokens) and split where the prompt's
 //!   own tokens end, one token earlier when the last prompt token merged into the answer.
 //! - The tokenizer's BOS token is put before the prompt when it does not start with it, and its
@@ -99,7 +99,7 @@ pub(crate) fn orpo_pair(
         Some(n) => n,
         None => extract_prompt_at(c, r)?,
     };
-    let (prompt, c_answer, r_answer) = texts(encoder, chosen, &c[..at], &c[at..], &r[at..])?;
+    let (prompt, c_answer, r_answer) = texts(encoder, &c[..at], &c[at..], &r[at..])?;
     let tok = encoder.tok;
     let chosen = split(tok, &prompt, &c_answer)?;
     let rejected = split(tok, &prompt, &r_answer)?;
@@ -166,10 +166,9 @@ fn extract_prompt_at(c: &[ChatMessage], r: &[ChatMessage]) -> Result<usize> {
 }
 
 /// The prompt's and the two answers' texts: TRL's `maybe_apply_chat_template` with a chat
-/// template, the messages' contents without one.
+/// template (given no tools, as `ORPOTrainer` gives it none), the messages' contents without one.
 fn texts(
     encoder: &Encoder,
-    conv: &Conversation,
     prompt: &[ChatMessage],
     chosen: &[ChatMessage],
     rejected: &[ChatMessage],
@@ -186,7 +185,8 @@ fn texts(
             last.map_or("nothing".to_string(), |r| format!("a {r} message"))
         )));
     }
-    let tools = conv.tools.as_ref();
+    // ORPOTrainer renders the template without the row's tools (DPOTrainer passes them).
+    let tools = None;
     let alone = encoder.render(prompt, tools, true)?;
     let with = |answer: &[ChatMessage]| encoder.render(&[prompt, answer].concat(), tools, false);
     let (pc, pr) = (with(chosen)?, with(rejected)?);

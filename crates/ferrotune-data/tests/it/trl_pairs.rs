@@ -159,3 +159,58 @@ fn orpo_pairs_through_real_chat_templates_are_trl_orpo_trainers() {
         }
     }
 }
+
+/// Preference rows with a `tools` column (JSON text) and assistant `tool_calls` / `tool` turns,
+/// with the real qwen3 tokenizer (tools_golden.json): DPO's pairs are `DPOTrainer`'s prepared
+/// prompt + chosen / rejected ids (the template given the row's tools), the answers labelled as
+/// TRL labels them (torchtune's masking also labels an earlier assistant turn of the shared
+/// prompt, which TRL's does not); ORPO's are `ORPOTrainer`'s rows, whose template is given no
+/// tools.
+#[test]
+fn preference_rows_with_tools_are_tokenized_as_trl_trainers() {
+    let g = fixture_json("orpo_trainer/tools_golden.json");
+    assert_eq!(g["trl"], "1.16.0");
+    let s = section("preference_dataset", "tools.jsonl");
+    let tok = common::real_tokenizer("qwen3");
+    let ids = |v: &Value| -> Vec<Vec<i64>> { serde_json::from_value(v.clone()).unwrap() };
+    let dpo = build_preference_dataset_within(&s, &tok, &fixtures_dir(), None).unwrap();
+    let prompts = ids(&g["dpo"]["prompt_ids"]);
+    for side in ["chosen", "rejected"] {
+        let answers = ids(&g["dpo"][format!("{side}_ids")]);
+        for (i, p) in dpo.iter().enumerate() {
+            let row = if side == "chosen" {
+                &p.chosen
+            } else {
+                &p.rejected
+            };
+            let want: Vec<i64> = [prompts[i].clone(), answers[i].clone()].concat();
+            let got: Vec<i64> = row.input_ids.iter().map(|&t| t as i64).collect();
+            assert_eq!(got, want, "dpo {side} row {i}");
+            // The answer is labelled as TRL labels it; within TRL's prompt, torchtune's masking
+            // (the DPO builders') labels earlier assistant turns too (row 1's tool call), the
+            // rest not.
+            let n = prompts[i].len();
+            assert_eq!(row.labels[n..], answers[i][..], "dpo {side} row {i} labels");
+            let earlier = row.labels[..n].iter().filter(|&&l| l != -100).count();
+            assert_eq!(earlier > 0, i == 1, "dpo {side} row {i} prompt labels");
+        }
+    }
+    let orpo = build_preference_dataset_as(&s, &tok, &fixtures_dir(), None, PairTokenization::Orpo)
+        .unwrap();
+    for side in ["chosen", "rejected"] {
+        let (want, labels) = (
+            ids(&g["orpo"][format!("{side}_input_ids")]),
+            ids(&g["orpo"][format!("{side}_labels")]),
+        );
+        for (i, p) in orpo.iter().enumerate() {
+            let row = if side == "chosen" {
+                &p.chosen
+            } else {
+                &p.rejected
+            };
+            let got: Vec<i64> = row.input_ids.iter().map(|&t| t as i64).collect();
+            assert_eq!(got, want[i], "orpo {side} row {i}");
+            assert_eq!(row.labels, labels[i], "orpo {side} row {i} labels");
+        }
+    }
+}
