@@ -166,8 +166,9 @@ def tool_rows():
     """Preference rows with a `tools` column (tests/fixtures/orpo_trainer/tools.jsonl: the JSON text of a
     list of schemas, as Arrow holds a mixed column; assistant `tool_calls` and `tool` turns) as the real qwen3 tokenizer's
     template renders them in `DPOTrainer` (which passes the row's tools to the template: its
-    prepared prompt, chosen and rejected ids) and in `ORPOTrainer` (which passes none: its prepared
-    rows); tools_golden.json."""
+    prepared prompt, chosen and rejected ids), in `ORPOTrainer` (which passes none: its prepared
+    rows) and in `KTOTrainer` (unpaired, with the tools: its prompt and completion ids);
+    tools_golden.json."""
     lines = [json.loads(l) for l in open(os.path.join(OUT, "tools.jsonl"))]
     data = {k: [r[k] for r in lines] for k in ["chosen", "rejected", "tools"]}
     out = {"trl": trl.__version__, "transformers": transformers.__version__}
@@ -181,6 +182,15 @@ def tool_rows():
     out["dpo"] = {k: [r[k] for r in dpo.train_dataset] for k in ["prompt_ids", "chosen_ids", "rejected_ids"]}
     keys = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
     out["orpo"] = {k: [r[k] for r in orpo.train_dataset] for k in keys}
+    # KTOTrainer (the DPO recipes' KTOLoss with ferrotune.datasets.unpaired_dataset) on the same
+    # paired rows: extract_prompt, unpair_preference_dataset (the tools column goes with each
+    # unpaired row), the template given the row's tools.
+    from trl import KTOConfig, KTOTrainer
+    with tempfile.TemporaryDirectory() as d:
+        kto = KTOTrainer(model=base, args=KTOConfig(output_dir=d, report_to=[], use_cpu=True,
+                                                    per_device_train_batch_size=2),
+                         train_dataset=Dataset.from_dict(data), processing_class=tok)
+    out["kto"] = {k: [r[k] for r in kto.train_dataset] for k in ["prompt_ids", "completion_ids", "label"]}
     json.dump(out, open(os.path.join(OUT, "tools_golden.json"), "w"), indent=1)
 
 
