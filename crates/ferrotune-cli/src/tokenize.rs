@@ -26,6 +26,10 @@ pub struct TokenizeArgs {
     /// Append the template's assistant prompt (with --messages).
     #[arg(long)]
     add_generation_prompt: bool,
+    /// A JSON file with the tools (a list of JSON schemas) the template renders the messages
+    /// with, as transformers' `apply_chat_template(messages, tools=tools)` (with --messages).
+    #[arg(long, requires = "messages")]
+    tools: Option<PathBuf>,
     /// Do not add special tokens such as BOS (with --text).
     #[arg(long)]
     no_special_tokens: bool,
@@ -47,7 +51,28 @@ pub fn run(args: TokenizeArgs) -> Result<()> {
                     file.display()
                 )
             })?;
-            let rendered = tok.apply_chat_template(&messages, args.add_generation_prompt)?;
+            // Parsed straight into a template value: the schemas keep their keys' file order,
+            // which the template's `tojson` writes them in.
+            let tools: Option<minijinja::Value> = match &args.tools {
+                Some(path) => {
+                    let raw = std::fs::read_to_string(path)
+                        .with_context(|| format!("{}: cannot read", path.display()))?;
+                    let tools: minijinja::Value =
+                        serde_json::from_str(&raw).with_context(|| {
+                            format!("{}: expected a JSON list of tool schemas", path.display())
+                        })?;
+                    if tools.kind() != minijinja::value::ValueKind::Seq {
+                        anyhow::bail!("{}: expected a JSON list of tool schemas", path.display());
+                    }
+                    Some(tools)
+                }
+                None => None,
+            };
+            let rendered = tok.apply_chat_template_with_tools(
+                &messages,
+                tools.as_ref(),
+                args.add_generation_prompt,
+            )?;
             let ids = tok.encode(&rendered, false)?;
             (rendered, ids)
         }

@@ -379,6 +379,16 @@ impl PreferenceLoss {
         )
     }
 
+    /// How the loss's preference rows are tokenized: as TRL's `ORPOTrainer` / `CPOTrainer` for
+    /// ORPO, CPO and SimPO (EOS after each answer, BOS before the prompt; the trainers TRL runs
+    /// them with), as `DPOTrainer` for the others.
+    pub fn tokenization(self) -> ferrotune_data::dataset::PairTokenization {
+        match self.reference_free() {
+            true => ferrotune_data::dataset::PairTokenization::Orpo,
+            false => ferrotune_data::dataset::PairTokenization::Dpo,
+        }
+    }
+
     /// Whether the loss reads each response's log probability averaged over its tokens (ORPO,
     /// SimPO, IPO) rather than summed.
     pub fn averaged(self) -> bool {

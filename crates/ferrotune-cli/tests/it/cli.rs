@@ -517,3 +517,48 @@ fn cat_prints_configs_as_tune_cat() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+/// `tokenize --messages --tools`: the prompt rendered with the tools, as TRL 1.16.0's
+/// `DPOTrainer` tokenized it with the real qwen3 tokenizer (tests/fixtures/orpo_trainer/
+/// tools_golden.json, scripts/make_orpo_trainer_fixtures.py); without `--tools` the ids differ.
+#[test]
+fn tokenize_messages_with_tools() {
+    let dir = std::env::temp_dir().join(format!("ferrotune-cli-tools-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let row: Value = serde_json::from_str(
+        std::fs::read_to_string(fixtures().join("orpo_trainer/tools.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    let (msgs, tools) = (dir.join("prompt.json"), dir.join("tools.json"));
+    std::fs::write(&msgs, serde_json::to_string(&[&row["chosen"][0]]).unwrap()).unwrap();
+    // The column holds the schemas' JSON text, in the order the template writes them.
+    std::fs::write(&tools, row["tools"].as_str().unwrap()).unwrap();
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("orpo_trainer/tools_golden.json")).unwrap(),
+    )
+    .unwrap();
+    let qwen3 = ferrotune_data::asset_path("tokenizers/qwen3").unwrap();
+    let mut args = vec![
+        "tokenize".to_string(),
+        "--tokenizer".into(),
+        qwen3.display().to_string(),
+        "--messages".into(),
+        msgs.display().to_string(),
+        "--add-generation-prompt".into(),
+        "--json".into(),
+    ];
+    let run = |args: &[String]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        last_json(&ferrotune(&args))
+    };
+    let plain = run(&args);
+    args.extend(["--tools".into(), tools.display().to_string()]);
+    let with = run(&args);
+    let want = golden_ids(&golden["dpo"]["prompt_ids"][0]);
+    assert_eq!(golden_ids(&with["ids"]), want);
+    assert_ne!(golden_ids(&plain["ids"]), want);
+}

@@ -19,6 +19,7 @@ mod knobs;
 mod kto;
 mod merge;
 mod optim_quant;
+mod orpo_trainer;
 mod plot;
 mod ppo;
 mod quantize;

@@ -466,17 +466,27 @@ impl PairSpec {
             });
         }
         let system = get_str(section, "new_system_prompt")?.map(str::to_string);
+        let tools_column = get_str(section, "tools_column")?.map(str::to_string);
         let side = |key: &str| ChatSpec {
             style: ChatStyle::OpenAi,
             column: column(key, key),
             train_on_input,
             system: system.clone(),
-            tools_column: None,
+            tools_column: tools_column.clone(),
         };
         Ok(PairSpec::Messages {
             chosen: side("chosen"),
             rejected: side("rejected"),
         })
+    }
+
+    /// How many leading messages are the row's own prompt column (text rows: the question),
+    /// `None` for message lists (the prompt is what chosen and rejected share).
+    pub fn explicit_prompt(&self) -> Option<usize> {
+        match self {
+            PairSpec::Messages { .. } => None,
+            PairSpec::Texts { .. } => Some(1),
+        }
     }
 
     /// Checks the needed columns exist before any row is read.
@@ -499,16 +509,19 @@ impl PairSpec {
         }
     }
 
-    /// The chosen and the rejected conversation of a row.
+    /// The chosen and the rejected conversation of a row; message lists with the row's tools
+    /// (`tools_column`, else a `tools` column) and their messages' other keys (`tool_calls`, ...),
+    /// as [`ChatSpec::conversation_with_tools`].
     pub fn conversations(
         &self,
         table: &Table,
         record: &Record,
+        cells: &mut OrderedCells,
     ) -> Result<(Conversation, Conversation)> {
         match self {
             PairSpec::Messages { chosen, rejected } => Ok((
-                chosen.conversation(table, record)?,
-                rejected.conversation(table, record)?,
+                chosen.conversation_with_tools(table, record, cells)?,
+                rejected.conversation_with_tools(table, record, cells)?,
             )),
             PairSpec::Texts {
                 prompt,

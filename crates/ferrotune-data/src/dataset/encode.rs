@@ -97,6 +97,11 @@ impl<'a> Encoder<'a> {
         }
     }
 
+    /// Whether the tokenizer has a chat template.
+    pub fn has_template(&self) -> bool {
+        self.template.is_some()
+    }
+
     /// The chat rendered as `Tokenizer::apply_chat_template_with_tools` renders it.
     pub fn render(
         &self,

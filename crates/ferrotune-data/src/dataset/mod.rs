@@ -20,7 +20,7 @@
 //!
 //! Preference pairs, for the DPO recipes ([`build_preference_dataset`]): `preference_dataset` and
 //! `hh_rlhf_helpful_dataset` (columns `chosen` and `rejected`, each a list of messages, as
-//! `chat_dataset`'s openai style), `stack_exchange_paired_dataset` (text columns `question`,
+//! `chat_dataset`'s openai style, tools included), `stack_exchange_paired_dataset` (text columns `question`,
 //! `response_j`, `response_k`; `column_map` keys `prompt`, `chosen`, `rejected`), and
 //! `tokenized_dataset` rows `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`,
 //! `rejected_labels`. Each side is tokenized as the SFT builders tokenize a conversation;
@@ -104,6 +104,7 @@ mod source;
 #[cfg(test)]
 mod tests;
 mod tools;
+mod trl_pairs;
 
 use std::path::Path;
 
@@ -117,6 +118,7 @@ pub use gsm8k::{ReasoningProblem, RL_PROMPT, SFT_PROMPT};
 pub use prompts::build_reasoning_dataset;
 pub use reward_pairs::{build_reward_pairs_within, RewardPair, REWARD_MAX_LENGTH};
 pub use source::resolve_split;
+pub use trl_pairs::{build_preference_dataset_as, PairTokenization};
 
 use builders::{ChatSpec, InstructSpec, Template};
 use encode::Encoder;
@@ -666,7 +668,13 @@ pub fn build_preference_dataset_within(
     base_dir: &Path,
     positions: Option<usize>,
 ) -> Result<Vec<PreferencePair>> {
-    concatenated(section, |s| build_pairs(s, tokenizer, base_dir, positions))
+    build_preference_dataset_as(
+        section,
+        tokenizer,
+        base_dir,
+        positions,
+        PairTokenization::Dpo,
+    )
 }
 
 fn build_pairs(
@@ -674,6 +682,7 @@ fn build_pairs(
     tokenizer: &Tokenizer,
     base_dir: &Path,
     positions: Option<usize>,
+    how: PairTokenization,
 ) -> Result<Vec<PreferencePair>> {
     let mut map = section_map(section)?;
     let component = builders::get_str(&map, "_component_")?
@@ -739,8 +748,22 @@ fn build_pairs(
     let spec = builders::PairSpec::from_section(&map, builder == Builder::StackExchangePaired)?;
     spec.check(&table)?;
     let mut pairs = Vec::with_capacity(table.rows.len());
+    let mut cells = tools::OrderedCells::new(source_field(&map)?);
     for record in &table.rows {
-        let (chosen, rejected) = spec.conversations(&table, record)?;
+        let (chosen, rejected) = spec.conversations(&table, record, &mut cells)?;
+        if how == PairTokenization::Orpo {
+            let at = || table.locate(record);
+            let prompt = spec.explicit_prompt();
+            let sides = (&chosen, &rejected);
+            pairs.push(trl_pairs::located(
+                &encoder,
+                sides,
+                prompt,
+                max_seq_len,
+                at,
+            )?);
+            continue;
+        }
         let (ci, cl) = encode_sft(&encoder, &chosen, max_seq_len, &table, record)?;
         let (ri, rl) = encode_sft(&encoder, &rejected, max_seq_len, &table, record)?;
         pairs.push(PreferencePair {

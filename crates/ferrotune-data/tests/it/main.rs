@@ -12,3 +12,4 @@ mod real_tokenizers;
 mod reward_pairs;
 mod tiny_tokenizer;
 mod tool_calls;
+mod trl_pairs;

@@ -406,3 +406,35 @@ fn unpaired_dataset_extracts_implicit_prompts_as_trl() {
         }
     }
 }
+
+/// Paired conversational rows with a `tools` column (JSON text) and assistant `tool_calls` /
+/// `tool` turns, with the real qwen3 tokenizer: unpaired and tokenized as TRL 1.16.0's
+/// `KTOTrainer` prepared them, the template given each row's tools
+/// (tests/fixtures/orpo_trainer/tools_golden.json, scripts/make_orpo_trainer_fixtures.py).
+#[test]
+fn unpaired_dataset_renders_tools_as_trl() {
+    use ferrotune_train::recipe::kit::unpaired::UnpairedData;
+    let want = json(fixtures().join("orpo_trainer/tools_golden.json"));
+    assert_eq!(want["trl"], "1.16.0");
+    let w = &want["kto"];
+    let tok = Tokenizer::from_dir(ferrotune_data::asset_path("tokenizers/qwen3").unwrap()).unwrap();
+    let yaml = format!(
+        "dataset:\n  _component_: ferrotune.datasets.unpaired_dataset\n  source: json\n  \
+         data_files: {}\n",
+        fixtures().join("orpo_trainer/tools.jsonl").display()
+    );
+    let cfg = ferrotune_train::config::Config {
+        root: ferrotune_train::config::parse_yaml(&yaml, "kto.yaml").unwrap(),
+        origin: "kto.yaml".into(),
+    };
+    let built = UnpairedData::build(&cfg, &tok, None, KtoLoss::default()).unwrap();
+    let ids = |v: &Value| -> Vec<Vec<u32>> { serde_json::from_value(v.clone()).unwrap() };
+    let (prompts, completions) = (ids(&w["prompt_ids"]), ids(&w["completion_ids"]));
+    let labels: Vec<bool> = serde_json::from_value(w["label"].clone()).unwrap();
+    assert_eq!(built.rows.len(), 4);
+    for (i, r) in built.rows.iter().enumerate() {
+        assert_eq!(r.prompt, prompts[i], "row {i}: prompt");
+        assert_eq!(r.completion, completions[i], "row {i}: completion");
+        assert_eq!(r.desirable, labels[i], "row {i}: label");
+    }
+}

@@ -9,6 +9,8 @@
 //!   1000-pair map batch, every chosen row (desirable), then every rejected one. Without a
 //!   `prompt` column the prompt is TRL's `extract_prompt`: chosen's and rejected's common
 //!   prefix (torchtune's `preference_dataset` rows, whose conversations repeat the prompt).
+//! - A `tools` column (JSON text, or a list) is given to the chat template, as `KTOTrainer` gives
+//!   it, with the messages' `tool_calls` / `name` keys.
 //! - Text columns are tokenized as [`crate::kto::tokenize_unpaired`] (EOS appended, special
 //!   tokens added); conversational columns (lists of `{role, content}` messages) through the
 //!   tokenizer's chat template as transformers' `apply_chat_template(..., tokenize=True)`: the
@@ -54,7 +56,14 @@ const KEYS: &[&str] = &[
 ];
 
 /// The columns `column_map` may rename.
-const COLUMNS: &[&str] = &["prompt", "completion", "label", "chosen", "rejected"];
+const COLUMNS: &[&str] = &[
+    "prompt",
+    "completion",
+    "label",
+    "chosen",
+    "rejected",
+    "tools",
+];
 
 /// Whether a `dataset` section names the unpaired builder.
 pub fn named(section: &Value) -> bool {
@@ -301,7 +310,8 @@ fn tokenize_rows(raw: &[Map<String, Value>], tok: &Tokenizer) -> Result<Vec<Unpa
     listed
         .into_iter()
         .map(|(i, desirable, completion)| {
-            let (prompt, completion) = tokenize_row(tok, column(i, "prompt")?, completion)
+            let tools = raw[i].get("tools");
+            let (prompt, completion) = tokenize_row(tok, column(i, "prompt")?, completion, tools)
                 .with_context(|| format!("row {i}"))?;
             Ok(UnpairedRow {
                 prompt,
@@ -313,19 +323,26 @@ fn tokenize_rows(raw: &[Map<String, Value>], tok: &Tokenizer) -> Result<Vec<Unpa
 }
 
 /// One row's `(prompt, completion)` token ids: text as [`tokenize_unpaired`], conversations
-/// through the chat template.
+/// through the chat template, given the row's `tools` as `KTOTrainer` gives them (JSON text
+/// parsed, a list as it is, null: none).
 fn tokenize_row(
     tok: &Tokenizer,
     prompt: &Value,
     completion: &Value,
+    tools: Option<&Value>,
 ) -> Result<(Vec<u32>, Vec<u32>)> {
     match (prompt, completion) {
         (Value::String(p), Value::String(c)) => tokenize_unpaired(tok, p, c),
         (Value::Array(p), Value::Array(c)) => {
+            let tools = row_tools(tools)?;
+            let render = |m: &[ChatMessage], generation: bool| -> Result<Vec<u32>> {
+                let text = tok.apply_chat_template_with_tools(m, tools.as_ref(), generation)?;
+                Ok(tok.encode(&text, false)?)
+            };
             let prompt = messages(p)?;
             let all = [prompt.clone(), messages(c)?].concat();
-            let prompt_ids = tok.encode(&tok.apply_chat_template(&prompt, true)?, false)?;
-            let all_ids = tok.encode(&tok.apply_chat_template(&all, false)?, false)?;
+            let prompt_ids = render(&prompt, true)?;
+            let all_ids = render(&all, false)?;
             let start = prompt_ids
                 .iter()
                 .zip(&all_ids)
@@ -396,15 +413,44 @@ fn extract_prompt(row: &Map<String, Value>) -> Result<Map<String, Value>> {
     Ok(out)
 }
 
-/// A list of `{role, content}` messages.
+/// A list of `{role, content}` messages, with their other keys (`tool_calls`, `name`, ...).
+/// Objects inside come with their keys sorted: tool call arguments keep their order as JSON
+/// text.
 fn messages(list: &[Value]) -> Result<Vec<ChatMessage>> {
     list.iter()
         .map(|m| {
             let field = |k: &str| m.get(k).and_then(Value::as_str);
             match (field("role"), field("content")) {
-                (Some(role), Some(content)) => Ok(ChatMessage::new(role, content)),
+                (Some(role), Some(content)) => {
+                    let mut message = ChatMessage::new(role, content);
+                    if let Some(keys) = m.as_object() {
+                        message.extra = keys
+                            .iter()
+                            .filter(|(k, v)| {
+                                !matches!(k.as_str(), "role" | "content") && !v.is_null()
+                            })
+                            .map(|(k, v)| (k.clone(), minijinja::Value::from_serialize(v)))
+                            .collect();
+                    }
+                    Ok(message)
+                }
                 _ => bail!("a message must have text 'role' and 'content', got {m}"),
             }
         })
         .collect()
+}
+
+/// A row's `tools` as the template takes them: JSON text parsed with its keys in order, a list
+/// as it is (its objects' keys sorted), null or none: no tools.
+fn row_tools(tools: Option<&Value>) -> Result<Option<minijinja::Value>> {
+    match tools {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(text)) => Ok(Some(
+            serde_json::from_str(text).context("the 'tools' cell is not JSON text")?,
+        )),
+        Some(list @ Value::Array(_)) => Ok(Some(minijinja::Value::from_serialize(list))),
+        Some(other) => {
+            bail!("'tools' must be a list of tool schemas or its JSON text, got {other}")
+        }
+    }
 }

@@ -708,19 +708,22 @@ pub fn dataset(
     dataset_at(cfg, tok, "dataset", positions)
 }
 
-/// The DPO recipes' `dataset` section as preference pairs, `tokenizer.max_seq_len` applied as
+/// The DPO recipes' `dataset` section as preference pairs tokenized as `how` (the loss picks it),
+/// `tokenizer.max_seq_len` applied as
 /// for [`dataset`].
 pub fn preference_dataset(
     cfg: &Config,
     tok: &Tokenizer,
     positions: Option<usize>,
+    how: ferrotune_data::dataset::PairTokenization,
 ) -> Result<Vec<ferrotune_data::dataset::PreferencePair>> {
     let section = dataset_section(cfg, "dataset")?;
-    ferrotune_data::dataset::build_preference_dataset_within(
+    ferrotune_data::dataset::build_preference_dataset_as(
         &section,
         tok,
         Path::new("."),
         positions,
+        how,
     )
     .with_context(|| format!("{}: dataset", cfg.origin))
 }

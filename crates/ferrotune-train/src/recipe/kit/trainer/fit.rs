@@ -146,7 +146,9 @@ impl FineTune {
             Examples::Unpaired(UnpairedData::build(cfg, tokenizer, positions, loss)?)
         } else if mode.preference() {
             crate::recipe::kit::unpaired::refuse_for_pairs(cfg)?;
-            Examples::Pairs(setup::preference_dataset(cfg, tokenizer, positions)?)
+            let how = settings.preference_loss.map(|l| l.tokenization());
+            let how = how.unwrap_or_default();
+            Examples::Pairs(setup::preference_dataset(cfg, tokenizer, positions, how)?)
         } else if mode.reward_model() {
             Examples::Rewards(reward::pairs(cfg, tokenizer, positions, lead)?)
         } else {
