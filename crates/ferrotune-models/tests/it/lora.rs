@@ -149,6 +149,11 @@ impl Case {
 
     /// Logits ≤ 1e-4, loss ≤ 1e-5 relative, every gradient ≤ 1e-4 relative L2.
     fn check_forward_and_gradients(&self) {
+        self.check_forward_and_gradients_to(1e-4);
+    }
+
+    /// As [`Case::check_forward_and_gradients`], every gradient to `grad_tol` relative L2.
+    fn check_forward_and_gradients_to(&self, grad_tol: f32) {
         let (mut model, _) = self.model_with_adapter();
         let (_, labels) = self.inputs();
         let params = trainable_parameters(&mut model).unwrap();
@@ -182,7 +187,7 @@ impl Case {
                 .get(var)
                 .unwrap_or_else(|| panic!("{name}: no gradient"));
             let err = rel_l2(g, &want[name]);
-            assert!(err <= 1e-4, "{name}: gradient relative L2 error {err}");
+            assert!(err <= grad_tol, "{name}: gradient relative L2 error {err}");
         }
     }
 }
@@ -1556,6 +1561,26 @@ fn qwen3_5_dora_adapter_matches_peft() {
     case.assert_runs_as_peft(&mut model);
     case.assert_merges_as_peft(&model);
     case.check_forward_and_gradients();
+}
+
+/// Qwen3.5 with DoRA on the Gated DeltaNet's in_proj_b alone (tests/fixtures/qwen3_5_lora/
+/// qwen3_5_dora_in_proj_b: beta's projection, one output row per value head, through the sigmoid
+/// into the delta rule), against PEFT run in float64 end to end (transformers' float32 casts in
+/// the delta rule, the norms and RoPE made float64): logits, loss and merged weights to the usual
+/// tolerances; the gradients to 2.5e-4, not 1e-4: layer 0's magnitude lands 1.7e-4 away (PyTorch's
+/// own float32 2.0e-5), the error being in the gradient reaching in_proj_b's output (issue 41,
+/// docs/src/models.md).
+#[test]
+fn qwen3_5_dora_on_in_proj_b_matches_float64_peft() {
+    let dir = fixtures()
+        .join("qwen3_5_lora")
+        .join("qwen3_5_dora_in_proj_b");
+    let case = Case::made_with_base(dir);
+    let (mut model, config) = case.model_with_adapter();
+    assert_every_named_target_adapted("qwen3_5_dora_in_proj_b", &model, &config);
+    case.assert_runs_as_peft(&mut model);
+    case.assert_merges_as_peft(&model);
+    case.check_forward_and_gradients_to(2.5e-4);
 }
 
 /// Qwen3.5-MoE and Qwen3-Next (tests/fixtures/qwen3_5_lora/qwen3_5_moe, qwen3_next): a PEFT
