@@ -215,6 +215,78 @@ fn an_upload_cut_short_completes_when_run_again() {
     assert_eq!(commits[0].files, files2);
 }
 
+fn oid(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The Hub's `multipart` transfer: objects over the chunk size go up part by part (each part
+/// once, in order, of the chunk size but the last), the completion joins them, and the commit
+/// holds the files byte-identical; the small LFS object still takes `basic`.
+#[test]
+fn a_large_file_goes_up_in_parts() {
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    server.multipart(5 * 1024 * 1024);
+    let (dir, files) = checkpoint("parts");
+    let out = upload(&server, &dir, &["me/parts"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let commits = server.commits();
+    assert_eq!(commits.len(), 1);
+    assert_eq!(commits[0].files, files, "byte-identical");
+    let mb = 1024 * 1024;
+    let first = oid(&files["model-00001-of-00002.safetensors"]);
+    let second = oid(&files["model-00002-of-00002.safetensors"]);
+    let parts = server.parts_received();
+    let of = |o: &str| -> Vec<(usize, usize)> {
+        parts
+            .iter()
+            .filter(|p| p.0 == o)
+            .map(|p| (p.1, p.2))
+            .collect()
+    };
+    assert_eq!(of(&first), [(1, 5 * mb), (2, 5 * mb), (3, 2 * mb + 5)]);
+    assert_eq!(of(&second), [(1, 5 * mb), (2, 5 * mb), (3, mb)]);
+    assert_eq!(
+        count(&server, "PUT", "/lfs-upload/"),
+        1,
+        "the small one: basic"
+    );
+    assert_eq!(count(&server, "POST", "/lfs-complete/"), 2);
+    assert_eq!(count(&server, "PUT", "/lfs-part/"), 6);
+}
+
+/// A connection cut in the middle of a part is retried in the same run (after `http_backoff`'s
+/// first 1 s wait): the run commits, the cut part is sent again and no other part twice.
+#[test]
+fn a_part_cut_in_the_middle_is_retried_in_the_same_run() {
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    server.multipart(5 * 1024 * 1024);
+    // The first PUT over 2 MB (part 1 of the first large file) is cut 2 MB in, once.
+    server.cut_next_uploads(2 * 1024 * 1024, 1);
+    let (dir, files) = checkpoint("part-cut");
+    let out = upload(&server, &dir, &["me/part-cut"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let commits = server.commits();
+    assert_eq!(commits.len(), 1);
+    assert_eq!(commits[0].files, files, "byte-identical");
+    let first = oid(&files["model-00001-of-00002.safetensors"]);
+    let tries = |n: usize| count(&server, "PUT", &format!("/lfs-part/{first}/{n}"));
+    assert_eq!((tries(1), tries(2), tries(3)), (2, 1, 1));
+    let received: Vec<usize> = server
+        .parts_received()
+        .iter()
+        .filter(|p| p.0 == first)
+        .map(|p| p.1)
+        .collect();
+    assert_eq!(received, [1, 2, 3], "each part stored once, whole");
+    assert_eq!(count(&server, "PUT", "/lfs-part/"), 7);
+}
+
 /// 8 rows, batch 2: 4 steps (as the trackers' tests).
 fn rows(dir: &Path) -> PathBuf {
     let data = dir.join("rows.jsonl");
