@@ -369,3 +369,96 @@ fn push_to_hub_uploads_the_final_checkpoint() {
         .lfs_paths
         .contains(&"adapter_model.safetensors".to_string()));
 }
+
+/// Every file under `dir`, by its path relative to `dir`.
+fn folder_files(dir: &Path) -> HashMap<String, Vec<u8>> {
+    let mut files = HashMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let rel = p
+                .strip_prefix(dir)
+                .unwrap()
+                .to_string_lossy()
+                .replace('\\', "/");
+            files.insert(rel, std::fs::read(&p).unwrap());
+        }
+    }
+    files
+}
+
+/// A recipe, its config writer, its last epoch's folder and extra keys.
+type RlCase = (
+    &'static str,
+    fn(&Path) -> PathBuf,
+    &'static str,
+    &'static [&'static str],
+);
+
+/// `push_to_hub` from the recipes with their own loop, GRPO and PPO: without a token the run
+/// stops before training; with one, rank 0 pushes the last epoch's policy checkpoint after the
+/// final save, byte-identical.
+#[test]
+fn push_to_hub_from_grpo_and_ppo() {
+    use crate::common::{run_recipe, text as out_text, tmpdir};
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    let cases: [RlCase; 2] = [
+        (
+            "dev/grpo_full_finetune_distributed",
+            crate::grpo::write_config,
+            "epoch_0",
+            &["epochs=1"],
+        ),
+        (
+            "ppo_full_finetune_single_device",
+            crate::ppo::write_config,
+            "epoch_1",
+            &[],
+        ),
+    ];
+    for (i, (recipe, write_config, last, extra)) in cases.into_iter().enumerate() {
+        let dir = tmpdir("upload", &format!("push-rl-{i}"));
+        let cfg = write_config(&dir);
+        let out = dir.join("out");
+        let home = dir.join("hf-home");
+        let repo = format!("me/pushed-{i}");
+        let repo_key = format!("push_to_hub.repo_id={repo}");
+        let mut keys = vec![repo_key.as_str()];
+        keys.extend_from_slice(extra);
+        let env = |token| {
+            [
+                ("HF_ENDPOINT", server.url()),
+                ("HF_HOME", home.to_str().unwrap()),
+                ("HF_TOKEN", token),
+            ]
+        };
+        let o = run_recipe(recipe, &cfg, &out, &keys, &dir, &env(""));
+        let msg = out_text(&o);
+        assert_eq!(o.status.code(), Some(1), "{recipe}: {msg}");
+        assert!(
+            msg.contains("push_to_hub needs a Hugging Face token"),
+            "{recipe}: {msg}"
+        );
+        assert!(!out.join("epoch_0").exists(), "{recipe}: {msg}");
+
+        let o = run_recipe(recipe, &cfg, &out, &keys, &dir, &env(TOKEN));
+        let msg = out_text(&o);
+        assert!(o.status.success(), "{recipe}: {msg}");
+        assert!(msg.contains(&format!("to {repo}")), "{recipe}: {msg}");
+        let commits: Vec<_> = server
+            .commits()
+            .into_iter()
+            .filter(|c| c.repo == repo)
+            .collect();
+        assert_eq!(commits.len(), 1, "{recipe}: {msg}");
+        let on_disk = folder_files(&out.join(last));
+        assert!(on_disk.contains_key("model.safetensors"), "{recipe}");
+        assert_eq!(commits[0].files, on_disk, "{recipe}");
+    }
+}
