@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use common::{fixtures, load, metrics_lines, run_recipe, text, tmpdir};
 
-fn write_config(dir: &Path) -> PathBuf {
+pub(crate) fn write_config(dir: &Path) -> PathBuf {
     let rows: Vec<String> = (0..4)
         .map(|i| {
             serde_json::json!({

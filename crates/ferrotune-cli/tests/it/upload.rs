@@ -215,6 +215,78 @@ fn an_upload_cut_short_completes_when_run_again() {
     assert_eq!(commits[0].files, files2);
 }
 
+fn oid(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The Hub's `multipart` transfer: objects over the chunk size go up part by part (each part
+/// once, in order, of the chunk size but the last), the completion joins them, and the commit
+/// holds the files byte-identical; the small LFS object still takes `basic`.
+#[test]
+fn a_large_file_goes_up_in_parts() {
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    server.multipart(5 * 1024 * 1024);
+    let (dir, files) = checkpoint("parts");
+    let out = upload(&server, &dir, &["me/parts"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let commits = server.commits();
+    assert_eq!(commits.len(), 1);
+    assert_eq!(commits[0].files, files, "byte-identical");
+    let mb = 1024 * 1024;
+    let first = oid(&files["model-00001-of-00002.safetensors"]);
+    let second = oid(&files["model-00002-of-00002.safetensors"]);
+    let parts = server.parts_received();
+    let of = |o: &str| -> Vec<(usize, usize)> {
+        parts
+            .iter()
+            .filter(|p| p.0 == o)
+            .map(|p| (p.1, p.2))
+            .collect()
+    };
+    assert_eq!(of(&first), [(1, 5 * mb), (2, 5 * mb), (3, 2 * mb + 5)]);
+    assert_eq!(of(&second), [(1, 5 * mb), (2, 5 * mb), (3, mb)]);
+    assert_eq!(
+        count(&server, "PUT", "/lfs-upload/"),
+        1,
+        "the small one: basic"
+    );
+    assert_eq!(count(&server, "POST", "/lfs-complete/"), 2);
+    assert_eq!(count(&server, "PUT", "/lfs-part/"), 6);
+}
+
+/// A connection cut in the middle of a part is retried in the same run (after `http_backoff`'s
+/// first 1 s wait): the run commits, the cut part is sent again and no other part twice.
+#[test]
+fn a_part_cut_in_the_middle_is_retried_in_the_same_run() {
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    server.multipart(5 * 1024 * 1024);
+    // The first PUT over 2 MB (part 1 of the first large file) is cut 2 MB in, once.
+    server.cut_next_uploads(2 * 1024 * 1024, 1);
+    let (dir, files) = checkpoint("part-cut");
+    let out = upload(&server, &dir, &["me/part-cut"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let commits = server.commits();
+    assert_eq!(commits.len(), 1);
+    assert_eq!(commits[0].files, files, "byte-identical");
+    let first = oid(&files["model-00001-of-00002.safetensors"]);
+    let tries = |n: usize| count(&server, "PUT", &format!("/lfs-part/{first}/{n}"));
+    assert_eq!((tries(1), tries(2), tries(3)), (2, 1, 1));
+    let received: Vec<usize> = server
+        .parts_received()
+        .iter()
+        .filter(|p| p.0 == first)
+        .map(|p| p.1)
+        .collect();
+    assert_eq!(received, [1, 2, 3], "each part stored once, whole");
+    assert_eq!(count(&server, "PUT", "/lfs-part/"), 7);
+}
+
 /// 8 rows, batch 2: 4 steps (as the trackers' tests).
 fn rows(dir: &Path) -> PathBuf {
     let data = dir.join("rows.jsonl");
@@ -296,4 +368,97 @@ fn push_to_hub_uploads_the_final_checkpoint() {
     assert!(commits[0]
         .lfs_paths
         .contains(&"adapter_model.safetensors".to_string()));
+}
+
+/// Every file under `dir`, by its path relative to `dir`.
+fn folder_files(dir: &Path) -> HashMap<String, Vec<u8>> {
+    let mut files = HashMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let rel = p
+                .strip_prefix(dir)
+                .unwrap()
+                .to_string_lossy()
+                .replace('\\', "/");
+            files.insert(rel, std::fs::read(&p).unwrap());
+        }
+    }
+    files
+}
+
+/// A recipe, its config writer, its last epoch's folder and extra keys.
+type RlCase = (
+    &'static str,
+    fn(&Path) -> PathBuf,
+    &'static str,
+    &'static [&'static str],
+);
+
+/// `push_to_hub` from the recipes with their own loop, GRPO and PPO: without a token the run
+/// stops before training; with one, rank 0 pushes the last epoch's policy checkpoint after the
+/// final save, byte-identical.
+#[test]
+fn push_to_hub_from_grpo_and_ppo() {
+    use crate::common::{run_recipe, text as out_text, tmpdir};
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    let cases: [RlCase; 2] = [
+        (
+            "dev/grpo_full_finetune_distributed",
+            crate::grpo::write_config,
+            "epoch_0",
+            &["epochs=1"],
+        ),
+        (
+            "ppo_full_finetune_single_device",
+            crate::ppo::write_config,
+            "epoch_1",
+            &[],
+        ),
+    ];
+    for (i, (recipe, write_config, last, extra)) in cases.into_iter().enumerate() {
+        let dir = tmpdir("upload", &format!("push-rl-{i}"));
+        let cfg = write_config(&dir);
+        let out = dir.join("out");
+        let home = dir.join("hf-home");
+        let repo = format!("me/pushed-{i}");
+        let repo_key = format!("push_to_hub.repo_id={repo}");
+        let mut keys = vec![repo_key.as_str()];
+        keys.extend_from_slice(extra);
+        let env = |token| {
+            [
+                ("HF_ENDPOINT", server.url()),
+                ("HF_HOME", home.to_str().unwrap()),
+                ("HF_TOKEN", token),
+            ]
+        };
+        let o = run_recipe(recipe, &cfg, &out, &keys, &dir, &env(""));
+        let msg = out_text(&o);
+        assert_eq!(o.status.code(), Some(1), "{recipe}: {msg}");
+        assert!(
+            msg.contains("push_to_hub needs a Hugging Face token"),
+            "{recipe}: {msg}"
+        );
+        assert!(!out.join("epoch_0").exists(), "{recipe}: {msg}");
+
+        let o = run_recipe(recipe, &cfg, &out, &keys, &dir, &env(TOKEN));
+        let msg = out_text(&o);
+        assert!(o.status.success(), "{recipe}: {msg}");
+        assert!(msg.contains(&format!("to {repo}")), "{recipe}: {msg}");
+        let commits: Vec<_> = server
+            .commits()
+            .into_iter()
+            .filter(|c| c.repo == repo)
+            .collect();
+        assert_eq!(commits.len(), 1, "{recipe}: {msg}");
+        let on_disk = folder_files(&out.join(last));
+        assert!(on_disk.contains_key("model.safetensors"), "{recipe}");
+        assert_eq!(commits[0].files, on_disk, "{recipe}");
+    }
 }

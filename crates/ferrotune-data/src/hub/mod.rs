@@ -43,6 +43,7 @@ mod client;
 mod dataset_files;
 mod download;
 mod errors;
+mod lfs;
 mod pattern;
 mod requests;
 mod safe_path;

@@ -226,3 +226,33 @@ fn commit_ids_and_repo_ids_are_checked_before_naming_folders() {
         );
     }
 }
+
+/// An LFS body is read in chunks of at most `READ_CHUNK` bytes, never the file whole, and
+/// yields exactly the slice asked for (a multipart part at its offset).
+#[test]
+fn lfs_bodies_stream_the_file_in_bounded_chunks() {
+    use super::lfs::{FileSlice, READ_CHUNK};
+    let dir = std::env::temp_dir().join(format!("ferrotune-lfs-slice-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("big.bin");
+    let bytes: Vec<u8> = (0..3 * READ_CHUNK + 777).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let (offset, len) = (1000u64, (2 * READ_CHUNK + 500) as u64);
+    let chunks: Vec<Vec<u8>> = FileSlice::open(&path, offset, len)
+        .unwrap()
+        .map(|c| c.unwrap())
+        .collect();
+    assert!(chunks.len() >= 3, "{} chunks", chunks.len());
+    assert!(chunks.iter().all(|c| c.len() <= READ_CHUNK));
+    assert_eq!(
+        chunks.concat(),
+        &bytes[offset as usize..(offset + len) as usize]
+    );
+    let whole: Vec<Vec<u8>> = FileSlice::open(&path, 0, bytes.len() as u64)
+        .unwrap()
+        .map(|c| c.unwrap())
+        .collect();
+    assert_eq!(whole.iter().map(Vec::len).max(), Some(READ_CHUNK));
+    assert_eq!(whole.concat(), bytes);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

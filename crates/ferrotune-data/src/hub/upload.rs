@@ -6,18 +6,20 @@
 //! 2. `POST /api/{models|datasets}/{repo}/preupload/{revision}` with each file's path, size and
 //!    first 512 bytes (base64): the Hub answers `uploadMode` `lfs` or `regular` per file.
 //! 3. For the `lfs` files, the Git LFS batch API (`POST {endpoint}/{datasets/}{repo}.git/info/lfs/
-//!    objects/batch`, operation `upload`, transfer `basic`, sha256 oids): an object the Hub
-//!    already holds comes back without `actions` and is not sent again; the others are `PUT` to
-//!    the `upload` action's `href` (with its headers) and confirmed at its `verify` action.
+//!    objects/batch`, operation `upload`, transfers `basic` and `multipart`, sha256 oids): an
+//!    object the Hub already holds comes back without `actions` and is not sent again; the others
+//!    are sent as the `upload` action says (one `PUT`, or part by part: see [`super::lfs`]) and
+//!    confirmed at its `verify` action.
 //! 4. `POST /api/{models|datasets}/{repo}/commit/{revision}` with an NDJSON body: a `header`
 //!    line (summary), a `file` line per regular file (base64 content) and an `lfsFile` line per
 //!    LFS file (path, `sha256`, oid).
 //!
 //! Resume-safe: the LFS objects uploaded before a run was cut are skipped by the next run's
 //! batch answer, and nothing is committed until every object is there, so running the upload
-//! again after a failure completes it. Only the `basic` LFS transfer is offered (the Hub accepts
-//! it for every size up to its 5 GB object limit; `multipart` is not implemented), and a file is
-//! read into memory to be sent.
+//! again after a failure completes it. Within a run, the LFS requests are retried on connection
+//! errors and 5xx/429 answers as `huggingface_hub`'s `http_backoff` does ([`super::lfs`]). Files
+//! are hashed and sent streaming, never read whole (the small `regular` files, which go into the
+//! commit's body, excepted).
 
 use std::path::{Path, PathBuf};
 
@@ -25,6 +27,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::client::{runtime, Hub};
+use super::lfs::{self, net_error, status_error};
 use super::RepoKind;
 use crate::error::{DataError, Result};
 
@@ -304,7 +307,11 @@ async fn upload(
     let rb = authed(hub, hub.http.post(&url))
         .header("content-type", "application/x-ndjson")
         .body(ndjson);
-    let answer = read_json(rb.send().await, "commit").await?;
+    let answer = read_json(
+        rb.send().await.map_err(|e| net_error("commit", e)),
+        "commit",
+    )
+    .await?;
     Ok(UploadOutcome {
         commit_url: answer["commitUrl"].as_str().unwrap_or_default().to_string(),
         commit_oid: answer["commitOid"].as_str().unwrap_or_default().to_string(),
@@ -356,16 +363,20 @@ async fn upload_lfs(
     );
     let body = json!({
         "operation": "upload",
-        "transfers": ["basic"],
+        "transfers": ["basic", "multipart"],
         "objects": files.iter().map(|f| json!({ "oid": f.sha256, "size": f.size })).collect::<Vec<_>>(),
         "hash_algo": "sha256",
         "ref": { "name": revision },
     });
-    let rb = authed(hub, hub.http.post(&url))
-        .header("accept", "application/vnd.git-lfs+json")
-        .header("content-type", "application/vnd.git-lfs+json")
-        .body(body.to_string());
-    let answer = read_json(rb.send().await, "LFS batch").await?;
+    let body = body.to_string();
+    let resp = lfs::send_retrying("LFS batch", || {
+        Ok(authed(hub, hub.http.post(&url))
+            .header("accept", "application/vnd.git-lfs+json")
+            .header("content-type", "application/vnd.git-lfs+json")
+            .body(body.clone()))
+    })
+    .await;
+    let answer = read_json(resp, "LFS batch").await?;
     for obj in answer["objects"].as_array().into_iter().flatten() {
         let oid = obj["oid"].as_str().unwrap_or_default();
         let Some(f) = files.iter().find(|f| f.sha256 == oid) else {
@@ -385,39 +396,32 @@ async fn upload_lfs(
             });
             continue;
         };
-        let upload = &actions["upload"];
-        let href = upload["href"].as_str().ok_or_else(|| {
-            DataError::Hub(format!(
-                "LFS batch: no upload href for '{}'",
-                f.path_in_repo
-            ))
-        })?;
-        let bytes = std::fs::read(&f.local)
-            .map_err(|e| DataError::Hub(format!("{}: {e}", f.local.display())))?;
-        let mut rb = hub.http.put(href).body(bytes);
-        for (k, v) in upload["header"].as_object().into_iter().flatten() {
-            if let Some(v) = v.as_str() {
-                rb = rb.header(k.as_str(), v);
-            }
-        }
-        let what = format!("upload '{}'", f.path_in_repo);
-        let resp = rb.send().await.map_err(|e| net_error(&what, e))?;
-        if !resp.status().is_success() {
-            return Err(status_error(resp, &what).await);
-        }
+        let object = lfs::Object {
+            local: &f.local,
+            size: f.size,
+            oid: &f.sha256,
+            path_in_repo: &f.path_in_repo,
+        };
+        lfs::transfer(hub, &object, &actions["upload"]).await?;
         if let Some(verify) = actions.get("verify").filter(|v| !v.is_null()) {
             let href = verify["href"].as_str().unwrap_or_default();
-            let mut rb = hub
-                .http
-                .post(href)
-                .header("content-type", "application/vnd.git-lfs+json")
-                .body(json!({ "oid": f.sha256, "size": f.size }).to_string());
-            for (k, v) in verify["header"].as_object().into_iter().flatten() {
-                if let Some(v) = v.as_str() {
-                    rb = rb.header(k.as_str(), v);
+            let body = json!({ "oid": f.sha256, "size": f.size }).to_string();
+            let what = format!("verify '{}'", f.path_in_repo);
+            let resp = lfs::send_retrying(&what, || {
+                let mut rb = hub
+                    .http
+                    .post(href)
+                    .header("content-type", "application/vnd.git-lfs+json")
+                    .body(body.clone());
+                for (k, v) in verify["header"].as_object().into_iter().flatten() {
+                    if let Some(v) = v.as_str() {
+                        rb = rb.header(k.as_str(), v);
+                    }
                 }
-            }
-            read_json(rb.send().await, &format!("verify '{}'", f.path_in_repo)).await?;
+                Ok(rb)
+            })
+            .await;
+            read_json(resp, &what).await?;
         }
         on_event(UploadEvent::LfsUploaded {
             path: &f.path_in_repo,
@@ -443,14 +447,11 @@ async fn send_json(
     let rb = authed(hub, rb)
         .header("content-type", "application/json")
         .body(body.to_string());
-    read_json(rb.send().await, what).await
+    read_json(rb.send().await.map_err(|e| net_error(what, e)), what).await
 }
 
-async fn read_json(
-    resp: std::result::Result<reqwest::Response, reqwest::Error>,
-    what: &str,
-) -> Result<Value> {
-    let resp = resp.map_err(|e| net_error(what, e))?;
+async fn read_json(resp: Result<reqwest::Response>, what: &str) -> Result<Value> {
+    let resp = resp?;
     if !resp.status().is_success() {
         return Err(status_error(resp, what).await);
     }
@@ -460,28 +461,4 @@ async fn read_json(
     }
     serde_json::from_str(&text)
         .map_err(|e| DataError::Hub(format!("{what}: the Hub's answer is not JSON: {e}")))
-}
-
-fn net_error(what: &str, e: reqwest::Error) -> DataError {
-    DataError::Hub(format!(
-        "{what}: {e} (the connection failed; run the upload again: what was uploaded is kept)"
-    ))
-}
-
-async fn status_error(resp: reqwest::Response, what: &str) -> DataError {
-    let status = resp.status();
-    let msg = resp
-        .headers()
-        .get("x-error-message")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let body = resp.text().await.unwrap_or_default();
-    let hint = match status.as_u16() {
-        401 | 403 => " (check HF_TOKEN: uploading needs a token with write access)",
-        _ => "",
-    };
-    DataError::Hub(format!(
-        "{what}: HTTP {status}: {}{hint}",
-        msg.unwrap_or(body)
-    ))
 }

@@ -255,6 +255,8 @@ pub const REWARD_KEYS: &[(&str, Ty)] = &[
     ("builtin", Ty::Str),
     ("python", Ty::Str),
     ("http", Ty::Str),
+    // An https endpoint's extra trusted authority (PEM), beside the system's (reward/https.rs).
+    ("ca_cert", Ty::Str),
     // A reward model's folder (a *ForSequenceClassification checkpoint), and where it runs.
     ("model", Ty::Str),
     ("device", Ty::Str),

@@ -38,7 +38,6 @@ use crate::grpo::{self, BatchTotals, GrpoLossConfig, GrpoLossKind};
 use crate::recipe::kit::checkpoint::Saver;
 use crate::recipe::kit::data::epoch_order;
 use crate::recipe::kit::model::setup_adapters;
-use crate::recipe::kit::ranks;
 use crate::recipe::kit::report::{kill_if_asked, report_memory};
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, context_length, host, ids_tensor, left_pad, load,
@@ -46,6 +45,7 @@ use crate::recipe::kit::rollout::{
     Backward, BeforeTokenizer, LoopSettings, Rollout, RolloutBatching, RolloutSettings, StepStats,
 };
 use crate::recipe::kit::session::Session;
+use crate::recipe::kit::{push, ranks};
 use crate::recipe::setup;
 use crate::recipe::state::{self, TrainState};
 use crate::reward::{RewardBatch, RewardSet, RewardSpec};
@@ -516,6 +516,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     if lead {
         keys.note_ignored();
     }
+    let (push, mut last_dir) = (push::request_on_lead(cfg, lead)?, None);
     let (output_dir, policy_out) = (&keys.output_dir, &keys.checkpoint_dir);
     let checkpointing = keys.checkpointing;
     let saved = match keys.resume {
@@ -927,6 +928,7 @@ pub fn run(cfg: &Config) -> Result<()> {
             let st = start.after_epoch(epoch, global_step);
             let dir = saver.write(&policy, &format!("epoch_{epoch}"), &st, opt_state)?;
             eprintln!("Checkpoint saved: {}", dir.display());
+            last_dir = Some(dir);
         }
         if let Some(sm) = sharded.as_mut() {
             sm.release_all(&mut policy);
@@ -948,7 +950,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         store.barrier("end of training")?;
         store.shutdown()?;
     }
-    Ok(())
+    push::push_final(&push, last_dir.as_deref())
 }
 
 /// The mean reward and success of the batch over every rank.

@@ -1,7 +1,8 @@
 //! Rewards from an HTTP endpoint: each batch is POSTed as the worker's JSON request
 //! (`Content-Type: application/json`), and the response body is the worker's answer
-//! (`{"rewards": [...]}`, or `{"error": ..., "row": ...}`). Plain `http://` (HTTP/1.1, one
-//! connection a request; a `Content-Length` or chunked body); put TLS in a local proxy.
+//! (`{"rewards": [...]}`, or `{"error": ..., "row": ...}`). `http://` here (HTTP/1.1, one
+//! connection a request; a `Content-Length` or chunked body); `https://` through
+//! [`super::https`] (reqwest and rustls), with the same messages.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -27,10 +28,7 @@ impl Endpoint {
     /// Parses `url`.
     pub fn parse(url: &str) -> Result<Endpoint> {
         let Some(rest) = url.strip_prefix("http://") else {
-            bail!(
-                "http: '{url}': only http:// URLs are served (for https, a local proxy or a \
-                 Python reward file)"
-            );
+            bail!("http: '{url}': only http:// and https:// URLs are served");
         };
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
@@ -162,9 +160,15 @@ fn dechunk(mut raw: &[u8]) -> Result<Vec<u8>> {
     }
 }
 
+/// How an endpoint is reached.
+enum Transport {
+    Plain(Endpoint),
+    Tls(super::https::TlsEndpoint),
+}
+
 /// An endpoint as a reward function.
 pub struct HttpReward {
-    endpoint: Endpoint,
+    endpoint: Transport,
     url: String,
     name: String,
     timeout: Duration,
@@ -173,16 +177,21 @@ pub struct HttpReward {
 }
 
 impl HttpReward {
-    /// The endpoint at `url`, logged as `name`.
+    /// The endpoint at `url`, logged as `name`; an `https://` one also trusts `ca_cert`.
     pub fn new(
         url: &str,
         name: String,
-        timeout: Duration,
+        (timeout, ca_cert): (Duration, Option<&std::path::Path>),
         conversational: bool,
         group: usize,
     ) -> Result<Self> {
+        let endpoint = match url.starts_with("https://") {
+            true => Transport::Tls(super::https::TlsEndpoint::new(url, ca_cert)?),
+            false if ca_cert.is_some() => bail!("http: '{url}': ca_cert is for https:// URLs"),
+            false => Transport::Plain(Endpoint::parse(url)?),
+        };
         Ok(HttpReward {
-            endpoint: Endpoint::parse(url)?,
+            endpoint,
             url: url.to_string(),
             name,
             timeout,
@@ -199,17 +208,19 @@ impl RewardFn for HttpReward {
 
     fn score(&mut self, batch: &RewardBatch) -> Result<Vec<f32>> {
         let request = batch.request(&self.name, self.conversational);
-        let answer = self
-            .endpoint
-            .post(&serde_json::to_vec(&request)?, self.timeout)
-            .map_err(|e| {
-                anyhow!(
-                    "reward function '{}' ({}) on a batch of {} completions: {e}",
-                    self.name,
-                    self.url,
-                    batch.len()
-                )
-            })?;
+        let body = serde_json::to_vec(&request)?;
+        let answer = match &self.endpoint {
+            Transport::Plain(e) => e.post(&body, self.timeout),
+            Transport::Tls(e) => e.post(&body, self.timeout),
+        }
+        .map_err(|e| {
+            anyhow!(
+                "reward function '{}' ({}) on a batch of {} completions: {e}",
+                self.name,
+                self.url,
+                batch.len()
+            )
+        })?;
         read_answer(&answer, &self.name, batch, self.group)
             .map_err(|e| anyhow!("{e} ({})", self.url))
     }

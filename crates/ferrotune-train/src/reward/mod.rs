@@ -11,6 +11,7 @@
 
 pub mod builtin;
 pub mod http;
+pub mod https;
 pub mod model;
 pub mod worker;
 
@@ -286,7 +287,13 @@ fn check_entry(entry: &Value, max_generated_tokens: usize) -> Result<()> {
             }
             Ok(())
         }
-        _ => http::Endpoint::parse(str_key(map, "http")?.unwrap_or_default()).map(|_| ()),
+        _ => match str_key(map, "http")?.unwrap_or_default() {
+            url if url.starts_with("https://") => https::check_url(url),
+            url if str_key(map, "ca_cert")?.is_some() => {
+                bail!("http: '{url}': ca_cert is for https:// URLs")
+            }
+            url => http::Endpoint::parse(url).map(|_| ()),
+        },
     }
 }
 
@@ -352,10 +359,12 @@ impl RewardSet {
             } else {
                 let url = str_key(map, "http")?.expect("checked");
                 let name = str_key(map, "name")?.unwrap_or(url).to_string();
+                let ca_cert =
+                    str_key(map, "ca_cert")?.map(|p| base_dir.join(crate::config::expand_home(p)));
                 funcs.push(Box::new(http::HttpReward::new(
                     url,
                     name,
-                    timeout,
+                    (timeout, ca_cert.as_deref()),
                     conversational,
                     group,
                 )?));

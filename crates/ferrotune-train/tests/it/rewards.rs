@@ -84,7 +84,13 @@ fn reward_entries_are_checked() {
             None,
             "exactly one of",
         ),
-        (json!([{"http": "https://x/"}]), None, "only http://"),
+        // https:// is served since reward/https.rs; another scheme is still refused.
+        (json!([{"http": "ftp://x/"}]), None, "only http://"),
+        (
+            json!([{"http": "http://x/", "ca_cert": "ca.pem"}]),
+            None,
+            "ca_cert is for https://",
+        ),
         (
             json!([{"builtin": "gsm8k", "timeout": 0}]),
             None,

@@ -77,9 +77,10 @@ struct Behaviour {
     corrupt: HashMap<String, Vec<u8>>,
     /// Sent as every answer's `X-Repo-Commit` in place of the revision's sha (a hostile server).
     repo_commit_header: Option<String>,
-    /// One-shot: the next LFS `PUT` longer than this is read for this many body bytes, then the
-    /// connection is closed without an answer (an upload cut short).
-    cut_upload_once: Option<usize>,
+    /// The next LFS `PUT`s (whole objects or multipart parts) longer than `.0` bytes are read
+    /// for `.0` body bytes, then the connection is closed without an answer (an upload cut
+    /// short); `.1` such cuts are left.
+    cut_upload: Option<(usize, u32)>,
 }
 
 struct State {
@@ -148,9 +149,28 @@ impl HubServer {
     }
 
     /// The next LFS upload (`PUT`) longer than `bytes` is cut after `bytes` body bytes,
-    /// unanswered.
+    /// unanswered, on each of the 6 tries one run makes (the first and the client's 5 in-run
+    /// retries): the run fails.
     pub fn cut_next_upload(&self, bytes: usize) {
-        self.state.behaviour.lock().unwrap().cut_upload_once = Some(bytes);
+        self.cut_next_uploads(bytes, 6);
+    }
+
+    /// The next `tries` LFS `PUT`s (objects or parts) longer than `bytes` are cut after `bytes`
+    /// body bytes, unanswered.
+    pub fn cut_next_uploads(&self, bytes: usize, tries: u32) {
+        self.state.behaviour.lock().unwrap().cut_upload = Some((bytes, tries));
+    }
+
+    /// From now on the LFS batch answers objects over `chunk_size` bytes with a `multipart`
+    /// upload action, as the Hub does for large files: `chunk_size` and one numbered part URL
+    /// per `chunk_size` bytes in its header, the completion at its `href`.
+    pub fn multipart(&self, chunk_size: usize) {
+        self.state.uploads.lock().unwrap().multipart_chunk = Some(chunk_size);
+    }
+
+    /// The multipart parts received so far, as (oid, part number, length), in arrival order.
+    pub fn parts_received(&self) -> Vec<(String, usize, usize)> {
+        self.state.uploads.lock().unwrap().parts_log.clone()
     }
 
     /// The commits accepted so far.
@@ -298,12 +318,18 @@ fn handle(state: &State, stream: TcpStream) {
         .get("content-length")
         .and_then(|l| l.parse().ok())
         .unwrap_or(0);
-    let cut = match method == "PUT" && path.starts_with("/lfs-upload/") {
+    let lfs_put =
+        method == "PUT" && (path.starts_with("/lfs-upload/") || path.starts_with("/lfs-part/"));
+    let cut = match lfs_put {
         true => {
             let mut b = state.behaviour.lock().unwrap();
-            b.cut_upload_once
-                .filter(|&n| length > n)
-                .and_then(|_| b.cut_upload_once.take())
+            match b.cut_upload {
+                Some((n, left)) if length > n => {
+                    b.cut_upload = (left > 1).then_some((n, left - 1));
+                    Some(n)
+                }
+                _ => None,
+            }
         }
         false => None,
     };
@@ -363,7 +389,7 @@ fn upload_route(
         .collect();
     let lfs_action = matches!(
         segs.first().map(String::as_str),
-        Some("lfs-upload" | "lfs-verify")
+        Some("lfs-upload" | "lfs-verify" | "lfs-part" | "lfs-complete")
     );
     let required = state.behaviour.lock().unwrap().required_token.clone();
     if let (Some(t), false) = (required, lfs_action) {

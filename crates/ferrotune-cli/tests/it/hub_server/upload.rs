@@ -5,6 +5,10 @@
 //! transfer: objects already stored come back without `actions`), the LFS `PUT` and `verify`
 //! (here `/lfs-upload/{oid}`, `/lfs-verify/{oid}`; the stored bytes must hash to the oid) and
 //! `POST /api/{models,datasets}/{repo}/commit/{rev}` (NDJSON; every `lfsFile` must be stored).
+//! With `HubServer::multipart(chunk)`, objects over `chunk` bytes get the Hub's `multipart`
+//! action (header `chunk_size` and numbered part URLs `/lfs-part/{oid}/{n}`, each answered with
+//! an `ETag`; completion `POST /lfs-complete/{oid}` with `{"oid", "parts": [{"partNumber",
+//! "etag"}]}`, whose parts, joined, must hash to the oid).
 
 use std::collections::HashMap;
 
@@ -39,6 +43,12 @@ pub(super) struct Uploads {
     pub(super) repos: Vec<CreatedRepo>,
     pub(super) objects: HashMap<String, Vec<u8>>,
     pub(super) commits: Vec<Commit>,
+    /// Objects over this size are uploaded in parts of this size.
+    pub(super) multipart_chunk: Option<usize>,
+    /// Parts received, by (oid, part number).
+    pub(super) parts: HashMap<(String, usize), Vec<u8>>,
+    /// (oid, part number, length) per part `PUT` received whole.
+    pub(super) parts_log: Vec<(String, usize, usize)>,
 }
 
 pub(super) fn sha256_hex(bytes: &[u8]) -> String {
@@ -151,7 +161,24 @@ pub(super) fn route(state: &State, method: &str, segs: &[String], body: &[u8]) -
                 .map(|o| {
                     let oid = o["oid"].as_str().unwrap_or_default().to_string();
                     let mut e = serde_json::json!({ "oid": oid, "size": o["size"] });
-                    if !up.objects.contains_key(&oid) {
+                    let size = o["size"].as_u64().unwrap_or(0) as usize;
+                    let multipart = up.multipart_chunk.filter(|&c| size > c);
+                    if let (Some(chunk), false) = (multipart, up.objects.contains_key(&oid)) {
+                        assert!(v["transfers"]
+                            .as_array()
+                            .unwrap()
+                            .contains(&serde_json::json!("multipart")));
+                        let mut header = serde_json::json!({ "chunk_size": chunk.to_string() });
+                        for n in 1..=size.div_ceil(chunk) {
+                            header[n.to_string()] =
+                                serde_json::json!(format!("{}/lfs-part/{oid}/{n}", state.base));
+                        }
+                        e["actions"] = serde_json::json!({
+                            "upload": { "href": format!("{}/lfs-complete/{oid}", state.base),
+                                        "header": header },
+                            "verify": { "href": format!("{}/lfs-verify/{oid}", state.base) },
+                        });
+                    } else if !up.objects.contains_key(&oid) {
                         e["actions"] = serde_json::json!({
                             "upload": { "href": format!("{}/lfs-upload/{oid}", state.base),
                                         "header": { "x-test-upload": "yes" } },
@@ -172,6 +199,34 @@ pub(super) fn route(state: &State, method: &str, segs: &[String], body: &[u8]) -
             }
             up.objects.insert(oid.to_string(), body.to_vec());
             Some(Response::new(200))
+        }
+        ("PUT", ["lfs-part", oid, n]) => {
+            let n: usize = n.parse().unwrap();
+            let etag = format!("\"{}\"", &sha256_hex(body)[..32]);
+            up.parts_log.push((oid.to_string(), n, body.len()));
+            up.parts.insert((oid.to_string(), n), body.to_vec());
+            Some(Response::new(200).header("etag", etag))
+        }
+        ("POST", ["lfs-complete", oid]) => {
+            let v = json();
+            assert_eq!(v["oid"], *oid);
+            let mut whole = Vec::new();
+            for (i, p) in v["parts"].as_array().unwrap().iter().enumerate() {
+                assert_eq!(p["partNumber"], i + 1, "parts in order");
+                let Some(bytes) = up.parts.get(&(oid.to_string(), i + 1)) else {
+                    return Some(Response::error(400, None, "part not uploaded"));
+                };
+                let etag = format!("\"{}\"", &sha256_hex(bytes)[..32]);
+                if p["etag"] != etag.as_str() {
+                    return Some(Response::error(400, None, "etag mismatch"));
+                }
+                whole.extend_from_slice(bytes);
+            }
+            if sha256_hex(&whole) != *oid {
+                return Some(Response::error(400, None, "sha256 mismatch"));
+            }
+            up.objects.insert(oid.to_string(), whole);
+            Some(Response::new(200).json(serde_json::json!({})))
         }
         ("POST", ["lfs-verify", oid]) => {
             let ok = up.objects.contains_key(*oid) && json()["oid"] == *oid;

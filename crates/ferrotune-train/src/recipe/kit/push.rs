@@ -51,6 +51,23 @@ pub fn push_request(cfg: &Config) -> Result<Option<UploadRequest>> {
     }))
 }
 
+/// `push_to_hub` in a recipe with its own loop (GRPO, PPO): [`push_request`] on rank 0, checked
+/// before training as the fine-tuning recipes check it; `None` on the other ranks.
+pub fn request_on_lead(cfg: &Config, lead: bool) -> Result<Option<UploadRequest>> {
+    match lead {
+        true => push_request(cfg),
+        false => Ok(None),
+    }
+}
+
+/// After the run: pushes its final checkpoint `dir` (when this run wrote one) if `req` asks.
+pub fn push_final(req: &Option<UploadRequest>, dir: Option<&Path>) -> Result<()> {
+    match (req, dir) {
+        (Some(req), Some(dir)) => push(req, dir),
+        _ => Ok(()),
+    }
+}
+
 /// Uploads `dir` as `req` asks, printing what went up; an error names the command that retries.
 pub fn push(req: &UploadRequest, dir: &Path) -> Result<()> {
     eprintln!("Pushing {} to the Hub ({})...", dir.display(), req.repo_id);

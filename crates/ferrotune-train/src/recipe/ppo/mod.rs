@@ -20,6 +20,7 @@ use ferrotune_models::{peft, CausalLm};
 use crate::config::Config;
 use crate::recipe::kit::checkpoint::{Saver, MAX_SHARD_BYTES};
 use crate::recipe::kit::data::epoch_order;
+use crate::recipe::kit::push;
 use crate::recipe::kit::report::kill_if_asked;
 use crate::recipe::kit::rollout::{
     self, approx_kl_sum, backward_from_hidden, host, left_pad, load, masked_logprobs,
@@ -479,6 +480,8 @@ pub fn run(cfg: &Config) -> Result<()> {
     let mut global_step = start.global_step;
     let mut steps_run = start.epoch * batches_per_epoch;
     let shuffle = keys.shuffle;
+    // `push_to_hub`: checked before training; the last policy checkpoint goes up at the end.
+    let (push, mut last_dir) = (push::push_request(cfg)?, None);
     for epoch in start.epoch..epochs {
         let order = epoch_order(rows.len(), shuffle, seed, epoch);
         let mut done = false;
@@ -605,13 +608,14 @@ pub fn run(cfg: &Config) -> Result<()> {
             policy_dir.display(),
             value_dir.display()
         );
+        last_dir = Some(policy_dir);
         kill_if_asked(global_step, 0);
         if done {
             break;
         }
     }
     logger.flush()?;
-    Ok(())
+    push::push_final(&push, last_dir.as_deref())
 }
 
 /// The metrics torchtune's PPO recipe logs for one step.
