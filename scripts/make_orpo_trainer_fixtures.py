@@ -14,13 +14,15 @@ Two forms of the same rows:
   chat: conversational rows (chosen and rejected message lists, the prompt being what they share:
         TRL's `extract_prompt`), rendered by the tiny Llama's chat template (ChatML)
         (ferrotune: `preference_dataset`).
-IPO (DPOTrainer) only on the chat rows: on text rows DPOTrainer tokenizes prompt + answer + EOS
-text as one string and splits it where it diverges from the prompt's tokens, while ferrotune's DPO
-builders keep torchtune's SFT tokenization (prompt and answer tokenized apart), which differs
-where the prompt's last token merges into the answer (the second row here);
+  multi: multi-turn conversational rows (an earlier user/assistant exchange inside the shared
+        prompt), IPO only: DPOTrainer labels none of the prompt's tokens, where torchtune's masking
+        labels its earlier assistant turn (ferrotune: `preference_dataset`, chat_multi.jsonl).
+IPO runs through DPOTrainer and takes its tokenization (ferrotune: `PairTokenization::DpoTrainer`):
+on text rows prompt and prompt + answer + EOS are tokenized with special tokens and split where
+they diverge (the second row's prompt's last token merges into the answer);
 and `full_orpo`: ORPO's chat step with every weight trained (ferrotune: `full_dpo_distributed`).
 
-tests/fixtures/orpo_trainer/{text,chat}.jsonl: the rows as ferrotune's builders read them;
+tests/fixtures/orpo_trainer/{text,chat,chat_multi}.jsonl: the rows as ferrotune's builders read them;
 real_templates.json: the chat rows as ORPOTrainer tokenizes them with the real qwen3 and llama3_1
 tokenizers and their chat templates (see `real_templates`);
 tools.jsonl, tools_golden.json: preference rows with tools (see `tool_rows`);
@@ -31,9 +33,12 @@ the step (PEFT names without `.default`); full_orpo_model.safetensors: every wei
 Run from the repository root (TRL in a venv that keeps the system torch/transformers/peft):
     "$(scripts/fetch-trl.sh)/bin/python" scripts/make_orpo_trainer_fixtures.py
 The tests read the committed outputs; they do not run this script.
+`--add CASE...` (e.g. `--add ipo_text ipo_multi`) runs only those cases and adds them to the
+committed golden.json, leaving every other case as it stands.
 """
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -68,9 +73,22 @@ LOSSES = {
 }
 
 
+# The multi-turn rows: the first exchange and the follow-up question are shared (the prompt).
+FIRST = ["It is cloudy", "Maybe", "It purrs"]
+FOLLOW = "Say it again."
+
+
 def rows(form):
     if form == "text":
         return {"prompt": PROMPTS, "chosen": CHOSEN, "rejected": REJECTED}
+    if form == "multi":
+        conv = lambda p, f, a: [{"role": "user", "content": p}, {"role": "assistant", "content": f},
+                                {"role": "user", "content": FOLLOW},
+                                {"role": "assistant", "content": a.strip()}]
+        return {
+            "chosen": [conv(p, f, c) for p, f, c in zip(PROMPTS, FIRST, CHOSEN)],
+            "rejected": [conv(p, f, r) for p, f, r in zip(PROMPTS, FIRST, REJECTED)],
+        }
     conv = lambda p, a: [{"role": "user", "content": p}, {"role": "assistant", "content": a.strip()}]
     return {
         "chosen": [conv(p, c) for p, c in zip(PROMPTS, CHOSEN)],
@@ -130,10 +148,11 @@ def write_rows():
     with open(os.path.join(OUT, "text.jsonl"), "w") as f:
         for p, c, r in zip(PROMPTS, CHOSEN, REJECTED):
             f.write(json.dumps({"question": p, "response_j": c, "response_k": r}) + "\n")
-    chat = rows("chat")
-    with open(os.path.join(OUT, "chat.jsonl"), "w") as f:
-        for c, r in zip(chat["chosen"], chat["rejected"]):
-            f.write(json.dumps({"chosen": c, "rejected": r}) + "\n")
+    for form, name in [("chat", "chat.jsonl"), ("multi", "chat_multi.jsonl")]:
+        chat = rows(form)
+        with open(os.path.join(OUT, name), "w") as f:
+            for c, r in zip(chat["chosen"], chat["rejected"]):
+                f.write(json.dumps({"chosen": c, "rejected": r}) + "\n")
 
 
 ASSETS = os.environ.get("FERROTUNE_ASSETS") or os.path.expanduser("~/.cache/ferrotune/assets")
@@ -194,7 +213,23 @@ def tool_rows():
     json.dump(out, open(os.path.join(OUT, "tools_golden.json"), "w"), indent=1)
 
 
+def add(cases):
+    """Only `cases` (`{kind}_{form}`), added to the committed golden.json."""
+    write_rows()
+    path = os.path.join(OUT, "golden.json")
+    golden = json.load(open(path))
+    assert golden["trl"] == trl.__version__, (golden["trl"], trl.__version__)
+    golden["rows"]["multi"] = rows("multi")
+    for case in cases:
+        kind, form = case.split("_", 1)
+        golden[case], adapter = step(kind, form)
+        save_file(adapter, os.path.join(OUT, f"{case}_adapter.safetensors"))
+    json.dump(golden, open(path, "w"), indent=1)
+
+
 def main():
+    if sys.argv[1:2] == ["--add"]:
+        return add(sys.argv[2:])
     os.makedirs(OUT, exist_ok=True)
     write_rows()
     real_templates()
@@ -203,11 +238,10 @@ def main():
     golden = {"trl": trl.__version__, "transformers": transformers.__version__,
               "torch": torch.__version__, "bos_token_id": tok.bos_token_id,
               "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
-              "rows": {form: rows(form) for form in ["text", "chat"]}}
+              "rows": {form: rows(form) for form in ["text", "chat", "multi"]}}
     for kind in LOSSES:
-        # IPO runs through DPOTrainer, whose text rows ferrotune does not tokenize as it does (see
-        # the docstring); its chat rows it does.
-        for form in ["chat"] if kind == "ipo" else ["text", "chat"]:
+        # IPO (DPOTrainer) also on the multi-turn rows, where its labels differ from torchtune's.
+        for form in ["text", "chat", "multi"] if kind == "ipo" else ["text", "chat"]:
             case = f"{kind}_{form}"
             golden[case], adapter = step(kind, form)
             save_file(adapter, os.path.join(OUT, f"{case}_adapter.safetensors"))

@@ -379,13 +379,16 @@ impl PreferenceLoss {
         )
     }
 
-    /// How the loss's preference rows are tokenized: as TRL's `ORPOTrainer` / `CPOTrainer` for
-    /// ORPO, CPO and SimPO (EOS after each answer, BOS before the prompt; the trainers TRL runs
-    /// them with), as `DPOTrainer` for the others.
+    /// How the loss's preference rows are tokenized: each as the trainer TRL runs it with for
+    /// TRL's losses — `ORPOTrainer` / `CPOTrainer` for ORPO, CPO and SimPO (EOS after each
+    /// answer, BOS before the prompt), `DPOTrainer` for IPO — and as torchtune for its own, DPO
+    /// and RSO.
     pub fn tokenization(self) -> ferrotune_data::dataset::PairTokenization {
-        match self.reference_free() {
-            true => ferrotune_data::dataset::PairTokenization::Orpo,
-            false => ferrotune_data::dataset::PairTokenization::Dpo,
+        use ferrotune_data::dataset::PairTokenization;
+        match self {
+            Self::Ipo { .. } => PairTokenization::DpoTrainer,
+            _ if self.reference_free() => PairTokenization::Orpo,
+            _ => PairTokenization::Dpo,
         }
     }
 

@@ -6,9 +6,10 @@
 //! chat template) and conversational rows (`preference_dataset` through the chat template). The
 //! first logged loss and TRL's metrics equal the trainer's log, and every adapter tensor after the
 //! step the trainer's; ORPO's full fine-tune (`full_dpo_distributed` on one rank) every weight.
-//! IPO (`DPOTrainer`) on the conversational rows only: on text rows `DPOTrainer` tokenizes prompt +
-//! answer + EOS as one string, ferrotune's DPO builders the prompt and the answer apart (torchtune's
-//! SFT tokenization), which differs where the prompt's last token merges into the answer.
+//! IPO takes `DPOTrainer`'s tokenization (the prompt and prompt + answer + EOS tokenized apart and
+//! split where they diverge, where the prompt's last token merges into the answer too), checked
+//! on the text rows, the conversational rows and multi-turn conversational rows (no token of the
+//! shared prompt labelled, its earlier assistant turn included).
 
 use std::path::{Path, PathBuf};
 
@@ -58,6 +59,7 @@ fn args(
     let (component, params) = loss(kind);
     let (builder, file) = match form {
         "text" => ("stack_exchange_paired_dataset", "text.jsonl"),
+        "multi" => ("preference_dataset", "chat_multi.jsonl"),
         _ => ("preference_dataset", "chat.jsonl"),
     };
     let mut args: Vec<String> = vec![
@@ -167,10 +169,9 @@ fn lora_preference_losses_step_as_trl_trainers() {
     let cfg = common::write_config(common::TINY_LORA, &dir, "llama3", &data);
     let adapter = fixtures().join("llama3/adapter");
     for kind in ["orpo", "cpo", "simpo", "ipo"] {
-        // IPO is DPOTrainer's, whose text rows ferrotune's DPO builders do not tokenize as it does
-        // (they keep torchtune's SFT tokenization); its chat rows they do.
+        // IPO is DPOTrainer's, also on multi-turn rows, where its labels differ from torchtune's.
         let forms: &[&str] = if kind == "ipo" {
-            &["chat"]
+            &["text", "chat", "multi"]
         } else {
             &["text", "chat"]
         };

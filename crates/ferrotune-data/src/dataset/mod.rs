@@ -104,6 +104,7 @@ mod source;
 #[cfg(test)]
 mod tests;
 mod tools;
+mod trl_dpo;
 mod trl_pairs;
 
 use std::path::Path;
@@ -751,25 +752,28 @@ fn build_pairs(
     let mut cells = tools::OrderedCells::new(source_field(&map)?);
     for record in &table.rows {
         let (chosen, rejected) = spec.conversations(&table, record, &mut cells)?;
-        if how == PairTokenization::Orpo {
-            let at = || table.locate(record);
-            let prompt = spec.explicit_prompt();
-            let sides = (&chosen, &rejected);
-            pairs.push(trl_pairs::located(
-                &encoder,
-                sides,
-                prompt,
-                max_seq_len,
-                at,
-            )?);
-            continue;
-        }
-        let (ci, cl) = encode_sft(&encoder, &chosen, max_seq_len, &table, record)?;
-        let (ri, rl) = encode_sft(&encoder, &rejected, max_seq_len, &table, record)?;
-        pairs.push(PreferencePair {
-            chosen: Row::new(ci, cl),
-            rejected: Row::new(ri, rl),
-        });
+        let trl = match how {
+            PairTokenization::Orpo => trl_pairs::located,
+            PairTokenization::DpoTrainer => trl_dpo::located,
+            PairTokenization::Dpo => {
+                let (ci, cl) = encode_sft(&encoder, &chosen, max_seq_len, &table, record)?;
+                let (ri, rl) = encode_sft(&encoder, &rejected, max_seq_len, &table, record)?;
+                pairs.push(PreferencePair {
+                    chosen: Row::new(ci, cl),
+                    rejected: Row::new(ri, rl),
+                });
+                continue;
+            }
+        };
+        let at = || table.locate(record);
+        let sides = (&chosen, &rejected);
+        pairs.push(trl(
+            &encoder,
+            sides,
+            spec.explicit_prompt(),
+            max_seq_len,
+            &at,
+        )?);
     }
     Ok(pairs)
 }

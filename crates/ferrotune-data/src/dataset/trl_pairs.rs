@@ -1,7 +1,8 @@
 //! Preference pairs tokenized as TRL 1.16.0's `ORPOTrainer` and `CPOTrainer` tokenize them
 //! (`trl/experimental/{orpo,cpo}`: `maybe_extract_prompt`, `maybe_apply_chat_template`,
 //! `tokenize_row`, `build_tokenized_answer`; the two trainers' code is the same), which differs
-//! from `DPOTrainer`'s (the DPO recipes' default, [`PairTokenization::Dpo`]):
+//! from torchtune's (the DPO recipes' default, [`PairTokenization::Dpo`]) and from `DPOTrainer`'s
+//! ([`PairTokenization::DpoTrainer`]):
 //!
 //! - The prompt is the messages the chosen and rejected conversations share (TRL's
 //!   `extract_prompt`; `stack_exchange_paired_dataset`'s question column is the prompt as it
@@ -35,12 +36,14 @@ use super::{PreferencePair, Row};
 /// config's loss is the only change the user makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PairTokenization {
-    /// Each side as an SFT conversation (torchtune's, and TRL's `DPOTrainer` on chat rows): DPO,
-    /// RSO, IPO.
+    /// Each side as an SFT conversation (torchtune's `preference_dataset` and
+    /// `stack_exchange_paired_dataset`): DPO and RSO, torchtune's losses.
     #[default]
     Dpo,
     /// TRL's `ORPOTrainer` / `CPOTrainer` (this module): ORPO, CPO, SimPO.
     Orpo,
+    /// TRL's `DPOTrainer` ([`super::trl_dpo`]): IPO, the TRL loss `DPOTrainer` runs.
+    DpoTrainer,
 }
 
 /// [`super::build_preference_dataset_within`] with the rows tokenized as `how` says
@@ -64,7 +67,7 @@ pub(crate) fn located(
     (chosen, rejected): (&Conversation, &Conversation),
     explicit_prompt: Option<usize>,
     max_len: Option<usize>,
-    at: impl Fn() -> String,
+    at: &dyn Fn() -> String,
 ) -> Result<PreferencePair> {
     let pair =
         orpo_pair(encoder, chosen, rejected, explicit_prompt, max_len).map_err(|e| match e {
@@ -72,7 +75,7 @@ pub(crate) fn located(
             other => other,
         })?;
     for row in [&pair.chosen, &pair.rejected] {
-        encoder.check_positions(row.input_ids.len(), &at)?;
+        encoder.check_positions(row.input_ids.len(), at)?;
     }
     Ok(pair)
 }
@@ -155,7 +158,7 @@ pub(crate) fn orpo_pair(
 
 /// TRL's `extract_prompt` on message lists: the index of the first message where chosen and
 /// rejected differ, else (one is a prefix of the other) one before the shorter's end.
-fn extract_prompt_at(c: &[ChatMessage], r: &[ChatMessage]) -> Result<usize> {
+pub(super) fn extract_prompt_at(c: &[ChatMessage], r: &[ChatMessage]) -> Result<usize> {
     let n = c.len().min(r.len());
     if n == 0 {
         return Err(DataError::Dataset(

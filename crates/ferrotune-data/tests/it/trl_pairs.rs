@@ -4,7 +4,8 @@
 //! (`stack_exchange_paired_dataset`, a tokenizer without a chat template: BOS before the prompt,
 //! EOS after each answer, a prompt whose last token merges into the answer) and conversational
 //! rows (`preference_dataset` through the chat template, EOS after its end of turn): ids and
-//! labels equal TRL's, unpadded. DPO's tokenization of the same rows stays as it was.
+//! labels equal TRL's, unpadded. DPO's tokenization of the same rows stays as it was. IPO's
+//! ([`PairTokenization::DpoTrainer`]) against `DPOTrainer`'s batches the same way.
 
 use std::path::Path;
 
@@ -211,6 +212,130 @@ fn preference_rows_with_tools_are_tokenized_as_trl_trainers() {
             let got: Vec<i64> = row.input_ids.iter().map(|&t| t as i64).collect();
             assert_eq!(got, want[i], "orpo {side} row {i}");
             assert_eq!(row.labels, labels[i], "orpo {side} row {i} labels");
+        }
+    }
+}
+
+/// Rows of a `DPOTrainer` batch (`DataCollatorForPreference`: every chosen row, then every
+/// rejected row) unpadded: `(ids, labels)`, the labels being the ids where `completion_mask` is
+/// 1 and -100 elsewhere.
+fn dpo_trainer_rows(batch: &Value) -> Vec<(Vec<i64>, Vec<i64>)> {
+    let get = |k: &str| -> Vec<Vec<i64>> { serde_json::from_value(batch[k].clone()).unwrap() };
+    let (ids, mask, completion) = (
+        get("input_ids"),
+        get("attention_mask"),
+        get("completion_mask"),
+    );
+    ids.iter()
+        .zip(&mask)
+        .zip(&completion)
+        .map(|((r, m), c)| {
+            let n = m.iter().filter(|&&m| m == 1).count();
+            let labels = r[..n]
+                .iter()
+                .zip(c)
+                .map(|(&t, &c)| if c == 1 { t } else { -100 })
+                .collect();
+            (r[..n].to_vec(), labels)
+        })
+        .collect()
+}
+
+/// IPO's pairs ([`PairTokenization::DpoTrainer`]) against the batches TRL 1.16.0's `DPOTrainer`
+/// (loss_type ipo) collated in its own `train()` step: text rows (the prompt and prompt + answer +
+/// EOS tokenized apart and split where they diverge: row 1's prompt ends with a space that merges
+/// into its answer), single-turn and multi-turn conversational rows (no token of the shared
+/// prompt labelled, its earlier assistant turn included, which torchtune's masking labels).
+#[test]
+fn dpo_trainer_pairs_are_the_ids_trl_dpo_trainer_collates() {
+    let g = fixture_json("orpo_trainer/golden.json");
+    assert_eq!(g["trl"], "1.16.0");
+    let dir = ferrotune_testing::fresh_dir(&format!("ferrotune-trl-dpo-{}", std::process::id()));
+    let plain = without_template(&dir.join("tok"));
+    let chat = Tokenizer::from_dir(fixtures_dir().join("llama3/model")).unwrap();
+    for (form, builder, file, tok) in [
+        (
+            "text",
+            "stack_exchange_paired_dataset",
+            "text.jsonl",
+            &plain,
+        ),
+        ("chat", "preference_dataset", "chat.jsonl", &chat),
+        ("multi", "preference_dataset", "chat_multi.jsonl", &chat),
+    ] {
+        let s = section(builder, file);
+        let how = PairTokenization::DpoTrainer;
+        let pairs = build_preference_dataset_as(&s, tok, &fixtures_dir(), None, how).unwrap();
+        let want = dpo_trainer_rows(&g[format!("ipo_{form}")]["batch"]);
+        assert_eq!(want.len(), 2 * pairs.len(), "{form}");
+        let rows = pairs.iter().map(|p| &p.chosen);
+        for (i, row) in rows.chain(pairs.iter().map(|p| &p.rejected)).enumerate() {
+            let got: Vec<i64> = row.input_ids.iter().map(|&t| t as i64).collect();
+            assert_eq!(got, want[i].0, "{form} row {i}");
+            assert_eq!(row.labels, want[i].1, "{form} row {i} labels");
+        }
+        // torchtune's tokenization (DPO's) differs from DPOTrainer's on text rows (row 1's merge,
+        // no EOS) and multi-turn rows (the earlier assistant turn labelled).
+        let dpo = build_preference_dataset_within(&s, tok, &fixtures_dir(), None).unwrap();
+        let same = |a: &ferrotune_data::dataset::PreferencePair,
+                    b: &ferrotune_data::dataset::PreferencePair| {
+            a.chosen.input_ids == b.chosen.input_ids && a.chosen.labels == b.chosen.labels
+        };
+        assert_eq!(
+            dpo.iter().zip(&pairs).all(|(a, b)| same(a, b)),
+            form == "chat",
+            "{form}"
+        );
+        // TRL's max_length (keep_start): each side cut to its first tokens; a row whose prompt
+        // alone fills it refused (TRL drops it).
+        let mut bounded = s.clone();
+        bounded["max_seq_len"] = json!(14);
+        match build_preference_dataset_as(&bounded, tok, &fixtures_dir(), None, how) {
+            Ok(cut) => {
+                assert_eq!(form, "text");
+                for (p, q) in cut.iter().zip(&pairs) {
+                    for (a, b) in [(&p.chosen, &q.chosen), (&p.rejected, &q.rejected)] {
+                        let n = b.input_ids.len().min(14);
+                        assert_eq!(a.input_ids, b.input_ids[..n], "{form}");
+                        assert_eq!(a.labels, b.labels[..n], "{form}");
+                    }
+                }
+            }
+            Err(e) => {
+                assert_ne!(form, "text");
+                let e = e.to_string();
+                assert!(e.contains("the prompt alone fills max_seq_len"), "{e}");
+            }
+        }
+    }
+}
+
+/// The rows with tools (tools_golden.json): `DPOTrainer`'s prepared prompt and answers, with the
+/// real qwen3 tokenizer (the template given the row's tools), no token of the prompt labelled.
+#[test]
+fn dpo_trainer_pairs_with_tools_are_trl_dpo_trainers() {
+    let g = fixture_json("orpo_trainer/tools_golden.json");
+    assert_eq!(g["trl"], "1.16.0");
+    let s = section("preference_dataset", "tools.jsonl");
+    let tok = common::real_tokenizer("qwen3");
+    let ids = |v: &Value| -> Vec<Vec<i64>> { serde_json::from_value(v.clone()).unwrap() };
+    let how = PairTokenization::DpoTrainer;
+    let pairs = build_preference_dataset_as(&s, &tok, &fixtures_dir(), None, how).unwrap();
+    let prompts = ids(&g["dpo"]["prompt_ids"]);
+    for side in ["chosen", "rejected"] {
+        let answers = ids(&g["dpo"][format!("{side}_ids")]);
+        assert_eq!(answers.len(), pairs.len());
+        for (i, p) in pairs.iter().enumerate() {
+            let row = if side == "chosen" {
+                &p.chosen
+            } else {
+                &p.rejected
+            };
+            let got: Vec<i64> = row.input_ids.iter().map(|&t| t as i64).collect();
+            assert_eq!(got, [prompts[i].clone(), answers[i].clone()].concat());
+            let n = prompts[i].len();
+            assert!(row.labels[..n].iter().all(|&l| l == -100), "{side} row {i}");
+            assert_eq!(row.labels[n..], answers[i][..], "{side} row {i} labels");
         }
     }
 }
