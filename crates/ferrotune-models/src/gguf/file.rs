@@ -155,6 +155,24 @@ impl<'a> GgufFile<'a> {
         self.err(format!("tensor '{name}' {msg}"))
     }
 
+    /// Tensor `name` (already dequantized to `t`) in `dtype` on `device`, a failure named after it.
+    pub(super) fn convert(
+        &self,
+        name: &str,
+        t: Tensor,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor, ModelError> {
+        t.to_dtype(dtype)
+            .and_then(|t| t.to_device(device))
+            .map_err(|e| {
+                self.tensor_err(
+                    name,
+                    format!("cannot be converted to {dtype:?} on {device:?}: {e}"),
+                )
+            })
+    }
+
     pub(super) fn meta(&self, key: &str) -> Option<&GgufValue> {
         self.content.metadata.get(key)
     }

@@ -77,7 +77,7 @@ pub(super) fn read(
                 let t = t.map_err(|e| g.tensor_err(name, e))?;
                 tensors.insert(
                     format!("{p}mlp.experts.down_proj"),
-                    convert(g, name, t, dtype, device)?,
+                    g.convert(name, t, dtype, device)?,
                 );
                 continue;
             }
@@ -94,7 +94,7 @@ pub(super) fn read(
                 }
             }
         };
-        tensors.insert(hf, convert(g, name, t, dtype, device)?);
+        tensors.insert(hf, g.convert(name, t, dtype, device)?);
     }
     for ((layer, bias), [gate, up]) in halves {
         let name = format!(
@@ -123,7 +123,7 @@ pub(super) fn read(
         } else {
             format!("model.layers.{layer}.mlp.experts.gate_up_proj")
         };
-        tensors.insert(hf, convert(g, &name, fused, dtype, device)?);
+        tensors.insert(hf, g.convert(&name, fused, dtype, device)?);
     }
     Ok((config, tensors, PackedWeights::new()))
 }
@@ -139,24 +139,6 @@ fn interleave(gate: &Tensor, up: &Tensor, bias: bool) -> candle_core::Result<Ten
     let (e, i, h) = gate.dims3()?;
     let (gate, up) = (gate.transpose(1, 2)?, up.transpose(1, 2)?);
     Tensor::stack(&[&gate, &up], 3)?.reshape((e, h, 2 * i))
-}
-
-/// A dequantized tensor in `dtype` on `device`.
-fn convert(
-    g: &GgufFile,
-    name: &str,
-    t: Tensor,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor, ModelError> {
-    t.to_dtype(dtype)
-        .and_then(|t| t.to_device(device))
-        .map_err(|e| {
-            g.tensor_err(
-                name,
-                format!("cannot be converted to {dtype:?} on {device:?}: {e}"),
-            )
-        })
 }
 
 /// The transformers config a `gpt-oss` file's metadata describes, with its layer and expert

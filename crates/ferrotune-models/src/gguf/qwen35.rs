@@ -79,7 +79,7 @@ pub(super) fn read(
                 GgufValues::PlusOne => t.affine(1.0, -1.0).map_err(tensor_err)?,
                 _ => t,
             };
-            tensors.insert(entry.hf.to_string(), convert(g, name, t, dtype, device)?);
+            tensors.insert(entry.hf.to_string(), g.convert(name, t, dtype, device)?);
             continue;
         };
         let p = format!("model.layers.{layer}.");
@@ -95,7 +95,7 @@ pub(super) fn read(
                 let e = t.get(x).map_err(tensor_err)?;
                 tensors.insert(
                     format!("{p}mlp.experts.{x}.{w}_proj.weight"),
-                    convert(g, name, e, dtype, device)?,
+                    g.convert(name, e, dtype, device)?,
                 );
             }
             continue;
@@ -124,7 +124,7 @@ pub(super) fn read(
         };
         tensors.insert(
             format!("{p}{}", entry.hf),
-            convert(g, name, t, dtype, device)?,
+            g.convert(name, t, dtype, device)?,
         );
     }
     for (layer, [qkv, z]) in qkvz {
@@ -138,7 +138,7 @@ pub(super) fn read(
         let fused = fuse_qkvz(&qkv, &z, heads).map_err(|e| g.tensor_err(&name, e))?;
         tensors.insert(
             format!("model.layers.{layer}.linear_attn.in_proj_qkvz.weight"),
-            convert(g, &name, fused, dtype, device)?,
+            g.convert(&name, fused, dtype, device)?,
         );
     }
     Ok((config, tensors, PackedWeights::new()))
@@ -222,23 +222,6 @@ fn fuse_qkvz(qkv: &Tensor, z: &Tensor, h: Heads) -> candle_core::Result<Tensor> 
         .collect();
     let index = Tensor::new(index, all.device())?;
     all.index_select(&index, 0)?.contiguous()
-}
-
-fn convert(
-    g: &GgufFile,
-    name: &str,
-    t: Tensor,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor, ModelError> {
-    t.to_dtype(dtype)
-        .and_then(|t| t.to_device(device))
-        .map_err(|e| {
-            g.tensor_err(
-                name,
-                format!("cannot be converted to {dtype:?} on {device:?}: {e}"),
-            )
-        })
 }
 
 /// The transformers config a file's metadata describes, with its layer count (without
