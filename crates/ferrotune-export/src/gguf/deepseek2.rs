@@ -159,13 +159,7 @@ pub(super) fn export(
             _ => skipped.push(name.clone()),
         }
     }
-    if !skipped.is_empty() {
-        bail!(
-            "{}: tensors llama.cpp's '{GGUF_ARCH}' has no place for: {}",
-            model_dir.display(),
-            skipped.join(", ")
-        );
-    }
+    refuse_unplaced(model_dir, GGUF_ARCH, &skipped)?;
     let expert_count = config.moe.as_ref().map_or(0, |m| m.num_experts);
     for ((layer, part), per_expert) in experts {
         if per_expert.len() != expert_count || !per_expert.keys().copied().eq(0..expert_count) {

@@ -231,13 +231,7 @@ pub(super) fn export(
             },
         }
     }
-    if !skipped.is_empty() {
-        bail!(
-            "{}: tensors llama.cpp's '{GGUF_ARCH}' has no place for: {}",
-            model_dir.display(),
-            skipped.join(", ")
-        );
-    }
+    refuse_unplaced(model_dir, GGUF_ARCH, &skipped)?;
     let home = model_dir;
     let (tok, vocab, pre) = read_tokenizer(home, config, &mut notes)?;
     let mut meta = Metadata::default();

@@ -462,13 +462,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             source: Source::Stacked(per_expert.into_values().map(|(f, n, _)| (f, n)).collect()),
         });
     }
-    if !skipped.is_empty() {
-        bail!(
-            "{}: tensors llama.cpp's '{arch}' has no place for: {}",
-            model_dir.display(),
-            skipped.join(", ")
-        );
-    }
+    refuse_unplaced(model_dir, arch, &skipped)?;
     match config.rope.scaling {
         RopeScaling::Default => {}
         // Written as llama.cpp's `rope.scaling.*` keys below (Gemma 3 4B+'s global rope too).
@@ -707,8 +701,19 @@ fn write_tokenizer(
     }
 }
 
-/// `general.name`: the folder's own name (of its canonical path, so `.` names itself), else
-/// `fallback`.
+/// Refuses a checkpoint with tensors (`skipped`, their HF names) that llama.cpp's `arch` has no
+/// tensor for: writing the file without them would lose weights silently.
+fn refuse_unplaced(model_dir: &Path, arch: &str, skipped: &[String]) -> Result<()> {
+    if !skipped.is_empty() {
+        bail!(
+            "{}: tensors llama.cpp's '{arch}' has no place for: {}",
+            model_dir.display(),
+            skipped.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// The attention and depth numbers of a GGUF header, where an architecture's writer counts them
 /// its own way (DeepSeek's latent attention is one key/value head to llama.cpp).
 struct HeaderShape {
@@ -755,6 +760,8 @@ fn write_header_typed(
     meta.f32(&k("rope.freq_base"), config.rope.theta as f32);
 }
 
+/// `general.name`: the folder's own name (of its canonical path, so `.` names itself), else
+/// `fallback`.
 pub(super) fn folder_name(dir: &Path, fallback: &str) -> String {
     dir.canonicalize()
         .ok()

@@ -301,13 +301,7 @@ pub(super) fn export(
                 .into(),
         );
     }
-    if !skipped.is_empty() {
-        bail!(
-            "{}: tensors llama.cpp's '{arch}' has no place for: {}",
-            model_dir.display(),
-            skipped.join(", ")
-        );
-    }
+    refuse_unplaced(model_dir, arch, &skipped)?;
     let home = model_dir;
     let (tok, vocab, pre) = read_tokenizer(home, config, &mut notes)?;
     let mut meta = Metadata::default();
