@@ -62,8 +62,7 @@ def make(family, out):
         model = tf.DeepseekV3ForCausalLM(cfg)
     else:
         sys.exit(f"unknown family {family}")
-    # Random weights of a realistic spread (the default init leaves some norms/biases at 0 or 1,
-    # which is fine for timing; the routers then pick experts unevenly as trained ones do not).
+    # transformers' own initialisation (seeded above): speed does not depend on the values.
     model.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"family": family, "params": n, "dir": out}))
