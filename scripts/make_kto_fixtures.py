@@ -38,6 +38,7 @@ from peft import PeftModel
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import KTOConfig, KTOTrainer
+from trl_one_step import load_f32, one_step_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
 POLICY = os.path.join(ROOT, "llama3", "model")
@@ -60,29 +61,11 @@ CASES = {
 
 def run_case(name, settings, tok, golden):
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32, attn_implementation="eager")
+    base = load_f32(AutoModelForCausalLM, POLICY)
     model = PeftModel.from_pretrained(base, ADAPTER, is_trainable=True)
     dataset = Dataset.from_dict(ROWS)
     with tempfile.TemporaryDirectory() as out:
-        args = KTOConfig(
-            output_dir=out,
-            per_device_train_batch_size=len(ROWS["label"]),
-            gradient_accumulation_steps=1,
-            max_steps=1,
-            learning_rate=1.0,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            save_strategy="no",
-            train_sampling_strategy="sequential",
-            **settings,
-        )
+        args = one_step_config(KTOConfig, out, len(ROWS["label"]), **settings)
         trainer = KTOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
         # TRL copies a pretrained adapter into a "ref" adapter and uses it as the reference; with it
         # gone, TRL's own fallback (the path of an adapter it creates from `peft_config`) runs the
@@ -110,29 +93,11 @@ def run_case(name, settings, tok, golden):
 def run_full(tok, golden):
     name, settings = "full_kto", CASES["kto"]
     torch.manual_seed(0)
-    load = lambda: AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32, attn_implementation="eager")
+    load = lambda: load_f32(AutoModelForCausalLM, POLICY)
     model, ref = load(), load()
     dataset = Dataset.from_dict(ROWS)
     with tempfile.TemporaryDirectory() as out:
-        args = KTOConfig(
-            output_dir=out,
-            per_device_train_batch_size=len(ROWS["label"]),
-            gradient_accumulation_steps=1,
-            max_steps=1,
-            learning_rate=1.0,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            save_strategy="no",
-            train_sampling_strategy="sequential",
-            **settings,
-        )
+        args = one_step_config(KTOConfig, out, len(ROWS["label"]), **settings)
         trainer = KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=dataset, processing_class=tok)
         trainer.train()
         log = trainer.state.log_history[0]
@@ -171,7 +136,7 @@ IMPLICIT = {
 
 def prepared(tok, rows):
     """The rows as `KTOTrainer` prepares them: TRL's prompt and completion ids and labels."""
-    base = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32, attn_implementation="eager")
+    base = load_f32(AutoModelForCausalLM, POLICY)
     with tempfile.TemporaryDirectory() as out:
         args = KTOConfig(output_dir=out, per_device_train_batch_size=2, report_to=[], use_cpu=True,
                          train_sampling_strategy="sequential")

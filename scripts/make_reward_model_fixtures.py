@@ -47,6 +47,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
+from trl_one_step import load_f32, one_step_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
 START = os.path.join(ROOT, "ppo", "reward")
@@ -84,33 +85,13 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout
 
 
 def load_start():
-    return AutoModelForSequenceClassification.from_pretrained(
-        START, dtype=torch.float32, attn_implementation="eager", num_labels=1
-    )
+    return load_f32(AutoModelForSequenceClassification, START, num_labels=1)
 
 
 def train(model, rows, tok, settings):
     dataset = Dataset.from_dict(rows)
     with tempfile.TemporaryDirectory() as out:
-        args = RewardConfig(
-            output_dir=out,
-            per_device_train_batch_size=len(rows["chosen"]),
-            gradient_accumulation_steps=1,
-            max_steps=1,
-            learning_rate=1.0,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            save_strategy="no",
-            train_sampling_strategy="sequential",
-            **settings,
-        )
+        args = one_step_config(RewardConfig, out, len(rows["chosen"]), **settings)
         trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
         n = len(rows["chosen"])
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(n)])
