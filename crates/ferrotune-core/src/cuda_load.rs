@@ -178,34 +178,19 @@ pub fn require_gpu_libraries() -> Result<(), String> {
     require(&COMPUTE)
 }
 
-/// Opens GPU `ordinal` after checking its libraries ([`require_gpu_libraries`]), with a panic
-/// of cudarc's (a symbol an older driver or library lacks) turned into an error. The panic hook
-/// is silenced for the call, so that the error, not a backtrace, is what the user reads.
-#[cfg(feature = "cuda")]
+/// Opens GPU `ordinal` after checking its libraries (`require_gpu_libraries`, CUDA builds
+/// only), with a panic of cudarc's (a symbol an older driver or library lacks) turned into an
+/// error. The panic is caught quietly ([`crate::quiet_panic`]: on this thread only, the process's
+/// panic hook left as it is for the others), so that the error, not a backtrace, is what the
+/// user reads. Without CUDA: candle's error saying the build has none.
 pub fn new_cuda(ordinal: usize) -> Result<Device, String> {
+    #[cfg(feature = "cuda")]
     require_gpu_libraries()?;
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let opened = std::panic::catch_unwind(|| Device::new_cuda(ordinal));
-    std::panic::set_hook(hook);
-    match opened {
+    match crate::quiet_panic::catch_quietly(|| Device::new_cuda(ordinal)) {
         Ok(device) => device.map_err(|e| e.to_string()),
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            Err(format!(
-                "the CUDA libraries found cannot be used ({what}): a driver or library older \
-                 than CUDA 13?"
-            ))
-        }
+        Err(what) => Err(format!(
+            "the CUDA libraries found cannot be used ({what}): a driver or library older than \
+             CUDA 13?"
+        )),
     }
-}
-
-/// Without CUDA: candle's error saying the build has none.
-#[cfg(not(feature = "cuda"))]
-pub fn new_cuda(ordinal: usize) -> Result<Device, String> {
-    Device::new_cuda(ordinal).map_err(|e| e.to_string())
 }

@@ -22,6 +22,7 @@ pub mod ops;
 pub mod probe;
 pub mod qat;
 pub mod quant;
+pub mod quiet_panic;
 pub mod sigpipe;
 pub mod switch;
 pub mod weight;
