@@ -99,17 +99,7 @@ impl RewardStats {
     }
 }
 
-impl std::ops::AddAssign for RewardStats {
-    fn add_assign(&mut self, o: Self) {
-        let sums: Vec<f64> = self
-            .to_vec()
-            .iter()
-            .zip(o.to_vec())
-            .map(|(a, b)| a + b)
-            .collect();
-        *self = Self::from_slice(&sums);
-    }
-}
+crate::step::add_assign_by_sums!(RewardStats);
 
 /// The loss *summed* over the pairs of a micro-batch from its rows' `rewards` (`[2n]`, chosen
 /// rows first, differentiable), and its metrics. Summed so that the recipe's normalisation by the

@@ -295,18 +295,26 @@ impl PairStats {
     }
 }
 
-impl std::ops::AddAssign for PairStats {
-    fn add_assign(&mut self, o: Self) {
-        // Sum by sum, in `to_vec`'s order (the one list of the fields).
-        let sums: Vec<f64> = self
-            .to_vec()
-            .iter()
-            .zip(o.to_vec())
-            .map(|(a, b)| a + b)
-            .collect();
-        *self = Self::from_slice(&sums);
-    }
+/// `AddAssign` for a struct of metric sums that has `to_vec` and `from_slice` (the one list of
+/// its fields, what the all-reduce over ranks adds up): sum by sum, in `to_vec`'s order.
+macro_rules! add_assign_by_sums {
+    ($sums:ty) => {
+        impl std::ops::AddAssign for $sums {
+            fn add_assign(&mut self, o: Self) {
+                let sums: Vec<f64> = self
+                    .to_vec()
+                    .iter()
+                    .zip(o.to_vec())
+                    .map(|(a, b)| a + b)
+                    .collect();
+                *self = Self::from_slice(&sums);
+            }
+        }
+    };
 }
+pub(crate) use add_assign_by_sums;
+
+add_assign_by_sums!(PairStats);
 
 impl MicroBatch {
     /// Builds the tensors of a collated batch on `device`.
