@@ -121,20 +121,25 @@ impl Endpoint {
         if chunked {
             body = dechunk(&body)?;
         }
-        let text = String::from_utf8_lossy(&body);
-        if code != "200" {
-            bail!(
-                "HTTP {status}: {}",
-                text.chars().take(500).collect::<String>()
-            );
-        }
-        serde_json::from_str(&text).map_err(|e| {
-            anyhow!(
-                "the response is not JSON ({e}): {}",
-                text.chars().take(200).collect::<String>()
-            )
-        })
+        answer_json(code == "200", &status, &String::from_utf8_lossy(&body))
     }
+}
+
+/// An endpoint's answer, `http://` or `https://`: its JSON when the status (`status`, as
+/// named in the error) is 200 (`ok`), else an error quoting the start of the body.
+pub(super) fn answer_json(ok: bool, status: &dyn std::fmt::Display, text: &str) -> Result<Value> {
+    if !ok {
+        bail!(
+            "HTTP {status}: {}",
+            text.chars().take(500).collect::<String>()
+        );
+    }
+    serde_json::from_str(text).map_err(|e| {
+        anyhow!(
+            "the response is not JSON ({e}): {}",
+            text.chars().take(200).collect::<String>()
+        )
+    })
 }
 
 /// A chunked body's data.

@@ -81,18 +81,7 @@ impl TlsEndpoint {
                 .map_err(failed)?;
             let status = resp.status();
             let text = resp.text().await.map_err(failed)?;
-            if status != reqwest::StatusCode::OK {
-                bail!(
-                    "HTTP {status}: {}",
-                    text.chars().take(500).collect::<String>()
-                );
-            }
-            serde_json::from_str(&text).map_err(|e| {
-                anyhow!(
-                    "the response is not JSON ({e}): {}",
-                    text.chars().take(200).collect::<String>()
-                )
-            })
+            super::http::answer_json(status == reqwest::StatusCode::OK, &status, &text)
         })
     }
 }
