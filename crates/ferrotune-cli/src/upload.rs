@@ -58,6 +58,7 @@ pub fn run(args: UploadArgs) -> Result<()> {
         UploadEvent::LfsUploaded { path, size } => {
             println!("{path}: uploaded ({}, LFS)", human_bytes(size))
         }
+        UploadEvent::Retrying { .. } => println!("{}", event.retry_line().unwrap_or_default()),
     };
     let out = upload_folder(&req, &args.path, &mut on_event)
         .with_context(|| format!("uploading '{}' to {}", args.path.display(), args.repo_id))?;

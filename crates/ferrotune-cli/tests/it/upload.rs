@@ -287,6 +287,41 @@ fn a_part_cut_in_the_middle_is_retried_in_the_same_run() {
     assert_eq!(count(&server, "PUT", "/lfs-part/"), 7);
 }
 
+/// An LFS `PUT` answered 429 with `Retry-After: 2` is sent again after the server's 2 s + 1 s,
+/// as `huggingface_hub`'s `http_backoff` waits (its own first wait would be 1 s): the retry is
+/// reported with its wait, arrives no sooner, and the upload commits.
+#[test]
+fn a_429_with_retry_after_waits_as_told() {
+    let server = HubServer::start(Vec::new());
+    server.require_token(TOKEN);
+    server.answer_next_uploads(429, &[("retry-after", "2")], 1);
+    let (dir, files) = checkpoint("retry-after");
+    let out = upload(&server, &dir, &["me/retry-after"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let retries: Vec<&str> = stdout.lines().filter(|l| l.contains("retrying")).collect();
+    assert_eq!(retries.len(), 1, "{stdout}");
+    assert!(
+        retries[0].ends_with(": HTTP 429; retrying in 3 s (the server's wait + 1 s) [retry 1/5]"),
+        "{stdout}"
+    );
+    let puts: Vec<_> = server
+        .log()
+        .into_iter()
+        .filter(|r| r.method == "PUT" && r.path.starts_with("/lfs-upload/"))
+        .collect();
+    assert_eq!(puts.len(), 4, "three objects, the first sent twice");
+    assert_eq!(
+        puts[0].path, puts[1].path,
+        "the refused object is sent again"
+    );
+    let waited = puts[1].at - puts[0].at;
+    assert!(waited.as_secs_f64() >= 3.0, "retried after {waited:?}");
+    let commits = server.commits();
+    assert_eq!(commits.len(), 1);
+    assert_eq!(commits[0].files, files, "byte-identical");
+}
+
 /// 8 rows, batch 2: 4 steps (as the trackers' tests).
 fn rows(dir: &Path) -> PathBuf {
     let data = dir.join("rows.jsonl");

@@ -8,9 +8,14 @@
 //! Every request here goes through [`send_retrying`], `huggingface_hub`'s `http_backoff`: a
 //! connection error or an HTTP 408/429/500/502/503/504 is retried up to [`MAX_RETRIES`] times,
 //! waiting 1, 2, 4, 8, 8 s (at most 23 s in all), the same request rebuilt (the body re-read from
-//! the file). Transient S3 and proxy failures are this short-lived; past it, the upload fails and
-//! running it again skips what is on the Hub. A retried multipart upload sends only the part that
-//! failed: the parts before it have their `ETag`s.
+//! the file). An answer that says how long to wait is obeyed instead, as `http_backoff` does
+//! ([`server_wait`]): a 429 whose `RateLimit` header leaves no request (`"api";r=0;t=55`) waits
+//! its reset, `t` + 1 s; otherwise a `Retry-After` in seconds waits that + 1 s (an HTTP-date
+//! `Retry-After` is ignored, as there). Neither is capped (`http_backoff` caps only its own
+//! doubling), and the doubling goes on underneath. Each wait is reported (`UploadEvent::Retrying`), as
+//! `http_backoff` logs it. Transient S3 and proxy failures are this short-lived; past it, the
+//! upload fails and running it again skips what is on the Hub. A retried multipart upload sends
+//! only the part that failed: the parts before it have their `ETag`s.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -19,6 +24,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::client::Hub;
+use super::upload::UploadEvent;
 use crate::error::{DataError, Result};
 
 /// Retries after the first try (`http_backoff`'s `max_retries`).
@@ -79,12 +85,13 @@ impl Iterator for FileSlice {
 }
 
 /// Sends the request `build` makes, retrying as `http_backoff` does (see the module
-/// documentation). Returns the last answer (success or not) or the last connection error.
+/// documentation); each retry is told to `on_event` before its wait. Returns the last answer (success or not) or the last connection error.
 pub(super) async fn send_retrying(
     what: &str,
+    on_event: &mut dyn FnMut(UploadEvent<'_>),
     mut build: impl FnMut() -> Result<reqwest::RequestBuilder>,
 ) -> Result<reqwest::Response> {
-    let mut wait = BASE_WAIT;
+    let mut backoff = BASE_WAIT;
     let mut tries = 0;
     loop {
         tries += 1;
@@ -96,9 +103,58 @@ pub(super) async fn send_retrying(
         if !transient || tries > MAX_RETRIES {
             return result.map_err(|e| net_error(what, e));
         }
+        let (failure, told) = match &result {
+            Ok(r) => (
+                format!("HTTP {}", r.status().as_u16()),
+                server_wait(r.status().as_u16(), r.headers()),
+            ),
+            Err(_) => ("the connection failed".to_string(), None),
+        };
+        let wait = match told {
+            Some(secs) => Duration::from_secs(secs.saturating_add(1)),
+            None => backoff,
+        };
+        on_event(UploadEvent::Retrying {
+            what,
+            failure: &failure,
+            wait,
+            told: told.is_some(),
+            retry: tries,
+            max: MAX_RETRIES,
+        });
         tokio::time::sleep(wait).await;
-        wait = (wait * 2).min(MAX_WAIT);
+        backoff = (backoff * 2).min(MAX_WAIT);
     }
+}
+
+/// The seconds an answer asks the client to wait, as `http_backoff` reads them: on a 429, the
+/// reset of a `RateLimit` header (`"api";r=0;t=55`: resource, requests left, seconds to the
+/// reset) that leaves no request; else `Retry-After` in seconds. An HTTP-date `Retry-After`, or
+/// none, is `None`: the client's own backoff.
+pub(super) fn server_wait(status: u16, headers: &reqwest::header::HeaderMap) -> Option<u64> {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    if status == 429 {
+        if let Some((0, reset)) = header("ratelimit").and_then(ratelimit) {
+            return Some(reset);
+        }
+    }
+    let retry_after = header("retry-after")?.trim();
+    match !retry_after.is_empty() && retry_after.bytes().all(|b| b.is_ascii_digit()) {
+        true => retry_after.parse().ok(),
+        false => None,
+    }
+}
+
+/// A `RateLimit` header's requests left and seconds to the reset (`parse_ratelimit_headers`:
+/// its pattern, searched anywhere in the value).
+fn ratelimit(value: &str) -> Option<(u64, u64)> {
+    static PATTERN: std::sync::OnceLock<fancy_regex::Regex> = std::sync::OnceLock::new();
+    let re = PATTERN.get_or_init(|| {
+        fancy_regex::Regex::new(r#""(\w+)"\s*;\s*r\s*=\s*(\d+)\s*;\s*t\s*=\s*(\d+)"#)
+            .expect("a valid pattern")
+    });
+    let caps = re.captures(value).ok()??;
+    Some((caps[2].parse().ok()?, caps[3].parse().ok()?))
 }
 
 /// A connection error, worded for a rerun.
@@ -144,7 +200,12 @@ pub(super) struct Object<'a> {
 
 /// Sends `obj` as the batch answer's `upload` action says: multipart when its header carries
 /// `chunk_size`, else one `PUT` with the action's headers.
-pub(super) async fn transfer(hub: &Hub, obj: &Object<'_>, upload: &Value) -> Result<()> {
+pub(super) async fn transfer(
+    hub: &Hub,
+    obj: &Object<'_>,
+    upload: &Value,
+    on_event: &mut dyn FnMut(UploadEvent<'_>),
+) -> Result<()> {
     let href = upload["href"].as_str().ok_or_else(|| {
         DataError::Hub(format!(
             "LFS batch: no upload href for '{}'",
@@ -154,7 +215,7 @@ pub(super) async fn transfer(hub: &Hub, obj: &Object<'_>, upload: &Value) -> Res
     let header = upload["header"].as_object().cloned().unwrap_or_default();
     let what = format!("upload '{}'", obj.path_in_repo);
     let Some(chunk) = header.get("chunk_size") else {
-        let resp = send_retrying(&what, || {
+        let resp = send_retrying(&what, on_event, || {
             let mut rb = hub
                 .http
                 .put(href)
@@ -202,7 +263,7 @@ pub(super) async fn transfer(hub: &Hub, obj: &Object<'_>, upload: &Value) -> Res
         let offset = chunk * i as u64;
         let len = chunk.min(obj.size - offset);
         let what = format!("{what} (part {} of {})", i + 1, parts.len());
-        let resp = send_retrying(&what, || {
+        let resp = send_retrying(&what, on_event, || {
             Ok(hub
                 .http
                 .put(*url)
@@ -223,7 +284,7 @@ pub(super) async fn transfer(hub: &Hub, obj: &Object<'_>, upload: &Value) -> Res
     }
     let body = json!({ "oid": obj.oid, "parts": done }).to_string();
     let what = format!("{what} (completing the multipart upload)");
-    let resp = send_retrying(&what, || {
+    let resp = send_retrying(&what, on_event, || {
         Ok(hub
             .http
             .post(href)

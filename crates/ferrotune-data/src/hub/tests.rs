@@ -256,3 +256,52 @@ fn lfs_bodies_stream_the_file_in_bounded_chunks() {
     assert_eq!(whole.concat(), bytes);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The wait an answer asks for, read as `huggingface_hub` 2.4.0's `http_backoff` reads it
+/// (`_parse_retry_after`, `parse_ratelimit_headers`; the expected values are its own, printed
+/// for these headers): `RateLimit` only on a 429 with no request left, `Retry-After` only in
+/// whole seconds.
+#[test]
+fn retry_waits_follow_http_backoff() {
+    use super::lfs::server_wait;
+    // (status, headers, the wait http_backoff reads)
+    type Case<'a> = (u16, &'a [(&'a str, &'a str)], Option<u64>);
+    let cases: &[Case] = &[
+        (429, &[("retry-after", "3")], Some(3)),
+        (503, &[("retry-after", " 7 ")], Some(7)),
+        (500, &[("retry-after", "0")], Some(0)),
+        (
+            429,
+            &[("retry-after", "Wed, 21 Oct 2015 07:28:00 GMT")],
+            None,
+        ),
+        (429, &[("retry-after", "1.5")], None),
+        (429, &[("retry-after", "")], None),
+        (429, &[("retry-after", "-1")], None),
+        (429, &[], None),
+        (
+            429,
+            &[("ratelimit", "\"api\";r=0;t=55"), ("retry-after", "3")],
+            Some(55),
+        ),
+        (
+            429,
+            &[("ratelimit", "\"api\";r=2;t=55"), ("retry-after", "3")],
+            Some(3),
+        ),
+        (503, &[("ratelimit", "\"api\";r=0;t=55")], None),
+        (
+            429,
+            &[("ratelimit", "x \"resolvers\" ; r = 0 ; t = 12, more")],
+            Some(12),
+        ),
+        (429, &[("ratelimit", "api;r=0;t=55")], None),
+    ];
+    for (status, headers, want) in cases {
+        let mut map = reqwest::header::HeaderMap::new();
+        for (k, v) in *headers {
+            map.insert(*k, reqwest::header::HeaderValue::from_str(v).unwrap());
+        }
+        assert_eq!(server_wait(*status, &map), *want, "{status} {headers:?}");
+    }
+}

@@ -65,6 +65,49 @@ pub enum UploadEvent<'a> {
         /// Size in bytes.
         size: u64,
     },
+    /// An LFS request failed transiently and is sent again after `wait` (`http_backoff`'s
+    /// warning; see [`super::lfs`]).
+    Retrying {
+        /// The request, e.g. `upload 'model.safetensors' (part 2 of 3)`.
+        what: &'a str,
+        /// Why: `HTTP 429`, or that the connection failed.
+        failure: &'a str,
+        /// The wait before it is sent again.
+        wait: std::time::Duration,
+        /// `wait` is the answer's own (`Retry-After`, `RateLimit`) + 1 s, not the backoff's.
+        told: bool,
+        /// This retry's number, from 1.
+        retry: u32,
+        /// The most retries one request gets.
+        max: u32,
+    },
+}
+
+impl UploadEvent<'_> {
+    /// A [`UploadEvent::Retrying`] as one line, e.g. `upload 'model.safetensors': HTTP 429;
+    /// retrying in 3 s (the server's wait + 1 s) [retry 1/5]`; `None` for the other events.
+    pub fn retry_line(&self) -> Option<String> {
+        let UploadEvent::Retrying {
+            what,
+            failure,
+            wait,
+            told,
+            retry,
+            max,
+        } = *self
+        else {
+            return None;
+        };
+        let why = if told {
+            " (the server's wait + 1 s)"
+        } else {
+            ""
+        };
+        Some(format!(
+            "{what}: {failure}; retrying in {} s{why} [retry {retry}/{max}]",
+            wait.as_secs()
+        ))
+    }
 }
 
 /// The commit an upload made.
@@ -90,7 +133,7 @@ struct LocalFile {
 
 /// Uploads every file under `folder` (hidden `.git`/`.cache` folders skipped) to the repository
 /// as one commit, creating the repository when needed. See the module documentation for the
-/// protocol; `on_event` hears about each LFS file.
+/// protocol; `on_event` hears about each LFS file and each retry.
 pub fn upload_folder(
     req: &UploadRequest,
     folder: &Path,
@@ -369,7 +412,7 @@ async fn upload_lfs(
         "ref": { "name": revision },
     });
     let body = body.to_string();
-    let resp = lfs::send_retrying("LFS batch", || {
+    let resp = lfs::send_retrying("LFS batch", on_event, || {
         Ok(authed(hub, hub.http.post(&url))
             .header("accept", "application/vnd.git-lfs+json")
             .header("content-type", "application/vnd.git-lfs+json")
@@ -402,12 +445,12 @@ async fn upload_lfs(
             oid: &f.sha256,
             path_in_repo: &f.path_in_repo,
         };
-        lfs::transfer(hub, &object, &actions["upload"]).await?;
+        lfs::transfer(hub, &object, &actions["upload"], on_event).await?;
         if let Some(verify) = actions.get("verify").filter(|v| !v.is_null()) {
             let href = verify["href"].as_str().unwrap_or_default();
             let body = json!({ "oid": f.sha256, "size": f.size }).to_string();
             let what = format!("verify '{}'", f.path_in_repo);
-            let resp = lfs::send_retrying(&what, || {
+            let resp = lfs::send_retrying(&what, on_event, || {
                 let mut rb = hub
                     .http
                     .post(href)

@@ -65,6 +65,8 @@ pub struct Logged {
     pub method: String,
     pub path: String,
     pub headers: HashMap<String, String>,
+    /// When it arrived.
+    pub at: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -81,6 +83,16 @@ struct Behaviour {
     /// for `.0` body bytes, then the connection is closed without an answer (an upload cut
     /// short); `.1` such cuts are left.
     cut_upload: Option<(usize, u32)>,
+    /// The next LFS `PUT`s are answered thus (their body read).
+    answer_upload: Option<CannedAnswer>,
+}
+
+/// An answer the next LFS `PUT`s get in place of being stored.
+struct CannedAnswer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    /// How many such answers are left.
+    left: u32,
 }
 
 struct State {
@@ -159,6 +171,20 @@ impl HubServer {
     /// body bytes, unanswered.
     pub fn cut_next_uploads(&self, bytes: usize, tries: u32) {
         self.state.behaviour.lock().unwrap().cut_upload = Some((bytes, tries));
+    }
+
+    /// The next `tries` LFS `PUT`s (objects or parts) are answered `status` with `headers` (a
+    /// 429 with `Retry-After`, say), their bodies read first.
+    pub fn answer_next_uploads(&self, status: u16, headers: &[(&str, &str)], tries: u32) {
+        let headers = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.state.behaviour.lock().unwrap().answer_upload = Some(CannedAnswer {
+            status,
+            headers,
+            left: tries,
+        });
     }
 
     /// From now on the LFS batch answers objects over `chunk_size` bytes with a `multipart`
@@ -313,6 +339,7 @@ fn handle(state: &State, stream: TcpStream) {
         method: method.clone(),
         path: path.clone(),
         headers: headers.clone(),
+        at: std::time::Instant::now(),
     });
     let length: usize = headers
         .get("content-length")
@@ -340,6 +367,20 @@ fn handle(state: &State, stream: TcpStream) {
     if cut.is_some() {
         let _ = stream.shutdown(Shutdown::Both);
         return;
+    }
+    if lfs_put {
+        let mut b = state.behaviour.lock().unwrap();
+        if let Some(canned) = b.answer_upload.take() {
+            let mut response = Response::error(canned.status, None, "try again later");
+            response.headers.extend(canned.headers.iter().cloned());
+            b.answer_upload = (canned.left > 1).then(|| CannedAnswer {
+                left: canned.left - 1,
+                ..canned
+            });
+            drop(b);
+            write_response(stream, &method, response);
+            return;
+        }
     }
     let mut response = match upload_route(state, &method, &path, &headers, &body) {
         Some(r) => r,

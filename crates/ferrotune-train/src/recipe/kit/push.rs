@@ -76,6 +76,7 @@ pub fn push(req: &UploadRequest, dir: &Path) -> Result<()> {
         UploadEvent::LfsUploaded { path, size } => {
             eprintln!("  {path}: uploaded ({:.1} MB)", size as f64 / 1e6)
         }
+        UploadEvent::Retrying { .. } => eprintln!("  {}", e.retry_line().unwrap_or_default()),
     };
     let out = upload_folder(req, dir, &mut on_event).with_context(|| {
         format!(
