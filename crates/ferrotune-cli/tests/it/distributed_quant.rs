@@ -3,7 +3,9 @@
 //! blocks of the parameters its shard holds, so that every step's loss and the final weights are
 //! one device's, the checkpoint's optimizer state has the single-device format (and nearly every
 //! code equal), each rank holds about half of one device's state, and a 2-rank checkpoint resumes
-//! on 2 ranks bit for bit and on one device to one device's run.
+//! on 2 ranks bit for bit and on one device to one device's run. With `fsdp_cpu_offload` (on CPU
+//! ranks, where the device is the host) the run says there is nothing to move and is the run
+//! without it bit for bit.
 
 use crate::common;
 use crate::distributed::{assert_same_losses, assert_same_tensors, losses, Case};
@@ -246,4 +248,55 @@ fn quantized_adamw_on_unsharded_ranks_equals_one_device() {
     );
     assert!(o.status.success(), "{}", text(&o));
     assert_same_losses(&losses(&out.join("logs/metrics.jsonl")), &want, "none");
+}
+
+/// `fsdp_cpu_offload: true` with a quantized AdamW keeps the trainable shards, their gradients
+/// and the quantized state in host memory, where the optimizer steps (torchtune's FSDP2
+/// `CPUOffloadPolicy` under torchao's optimizers). On CPU ranks the device is the host, so there
+/// is nothing to move: the run says so, and it is the 2-rank run without offload bit for bit —
+/// one device's losses and weights.
+#[test]
+fn quantized_adamw_with_cpu_offload_equals_one_device() {
+    let optimizers: [(&str, &[&str]); 2] = [
+        (
+            "torchao8",
+            &["optimizer._component_=torchao.optim.AdamW8bit"],
+        ),
+        (
+            "paged-bnb8",
+            &["optimizer._component_=bitsandbytes.optim.PagedAdamW8bit"],
+        ),
+    ];
+    for (name, optimizer) in optimizers {
+        let case = Case::new(&format!("quant-offload-{name}"), "qwen2");
+        let (single, want) =
+            case.single_device_reference_with("full_finetune_single_device", optimizer);
+        let plain = case.dir.join("dist");
+        let o = case.run(2, "full_finetune_distributed", &plain, optimizer, &[]);
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        let offloaded = case.dir.join("dist-offload");
+        let extra = [optimizer, &["fsdp_cpu_offload=true"]].concat();
+        let o = case.run(2, "full_finetune_distributed", &offloaded, &extra, &[]);
+        let log = text(&o);
+        assert!(o.status.success(), "{name}: {log}");
+        assert!(
+            log.contains("fsdp_cpu_offload: the device is the CPU"),
+            "{name}: {log}"
+        );
+        let what = format!("{name} offloaded");
+        assert_same_losses(&losses(&offloaded.join("logs/metrics.jsonl")), &want, &what);
+        assert_same_tensors(
+            &offloaded.join("epoch_1/model.safetensors"),
+            &single.join("epoch_1/model.safetensors"),
+            1e-4,
+            &what,
+        );
+        for file in ["model.safetensors", "recipe_state/optimizer.safetensors"] {
+            identical(
+                &offloaded.join("epoch_1").join(file),
+                &plain.join("epoch_1").join(file),
+                &format!("{what}: {file} against the run without offload"),
+            );
+        }
+    }
 }

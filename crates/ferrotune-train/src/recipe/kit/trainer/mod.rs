@@ -113,15 +113,24 @@ impl FineTune {
             let (store, collectives) =
                 crate::dist::join_group(&session.env, &session.device, settings.dist_watchdog)?;
             if lead {
+                // Offloading moves the shards and the optimizer state off the device: on a CPU
+                // device, or unsharded, there is nothing to move, and the run says so.
+                let offloaded = match (offload, sharding, session.device.is_cpu()) {
+                    (false, ..) => "",
+                    (true, Sharding::None, _) => {
+                        ", fsdp_cpu_offload: nothing to offload under fsdp_sharding: none \
+                         (the optimizer state stays on the device)"
+                    }
+                    (true, _, true) => {
+                        ", fsdp_cpu_offload: the device is the CPU, where the shards and the \
+                         optimizer state are already"
+                    }
+                    (true, _, false) => ", optimizer state offloaded to the CPU",
+                };
                 eprintln!(
-                    "Distributed: {world} ranks, {} backend, fsdp_sharding: {}{}",
+                    "Distributed: {world} ranks, {} backend, fsdp_sharding: {}{offloaded}",
                     collectives.backend(),
                     sharding.name(),
-                    if offload {
-                        ", optimizer state offloaded to the CPU"
-                    } else {
-                        ""
-                    }
                 );
             }
             let queue = CommQueue::start(collectives);
