@@ -5,6 +5,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
+use crate::common::read_json;
 use ferrotune_testing::fixtures;
 
 fn ferrotune(args: &[&str]) -> Output {
@@ -77,10 +78,7 @@ fn smollm2() -> String {
 
 #[test]
 fn generate_json_with_prompt_ids_is_greedy_and_exact() {
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join("llama3/golden.json"));
     let model = fixtures().join("llama3/model");
     let j = greedy_generation(&g, &["--model", model.to_str().unwrap()]);
     assert_eq!(
@@ -99,10 +97,7 @@ fn generate_json_with_prompt_ids_is_greedy_and_exact() {
 /// An adapter applied on the fly generates what PEFT's merged checkpoint generates.
 #[test]
 fn generate_with_adapter_equals_the_merged_model() {
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join("llama3/golden.json"));
     let dir = fixtures().join("llama3");
     let run = |extra: &[&str]| golden_ids(&greedy_generation(&g, extra)["new_token_ids"]);
     let model = dir.join("model");
@@ -137,10 +132,7 @@ fn generate_with_adapter_equals_the_merged_model() {
 
 #[test]
 fn generate_chat_with_smollm2_answers_like_transformers() {
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("smollm2_golden.json")).unwrap(),
-    )
-    .unwrap();
+    let golden: Value = read_json(fixtures().join("smollm2_golden.json"));
     let golden = &golden[0];
     let out = ferrotune(&[
         "generate",
@@ -181,10 +173,7 @@ fn tokenize_messages_and_text() {
         r#"[{"role": "user", "content": "What is the capital of France?"}]"#,
     )
     .unwrap();
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("smollm2_golden.json")).unwrap(),
-    )
-    .unwrap();
+    let golden: Value = read_json(fixtures().join("smollm2_golden.json"));
     let out = ferrotune(&[
         "tokenize",
         "--tokenizer",
@@ -323,8 +312,7 @@ fn export_gguf_writes_a_file_that_generates_the_same_tokens() {
     let dir = std::env::temp_dir().join(format!("ferrotune-cli-gguf-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let case = fixtures().join("models/qwen2_5");
-    let g: Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let g: Value = read_json(case.join("golden.json"));
     let gguf = dir.join("qwen2_5.gguf");
     let out = ferrotune(&[
         "export-gguf",
@@ -363,9 +351,7 @@ fn export_gguf_of_qwen3_5_generates_the_same_tokens() {
     std::fs::create_dir_all(&dir).unwrap();
     for (case, arch) in [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")] {
         let case_dir = fixtures().join("models").join(case);
-        let g: Value =
-            serde_json::from_str(&std::fs::read_to_string(case_dir.join("golden.json")).unwrap())
-                .unwrap();
+        let g: Value = read_json(case_dir.join("golden.json"));
         let gguf = dir.join(format!("{case}.gguf"));
         let out = ferrotune(&[
             "export-gguf",
@@ -413,9 +399,7 @@ fn export_gguf_writes_a_lora_adapter_for_llama_cpp() {
         adapter.join("adapter_model.safetensors"),
     )
     .unwrap();
-    let mut config: Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap())
-            .unwrap();
+    let mut config: Value = read_json(src.join("adapter_config.json"));
     config["base_model_name_or_path"] = Value::from(base.to_str().unwrap());
     std::fs::write(adapter.join("adapter_config.json"), config.to_string()).unwrap();
     let gguf = dir.join("lora.gguf");
@@ -480,8 +464,7 @@ fn export_gguf_writes_a_lora_adapter_for_llama_cpp() {
 fn cat_prints_configs_as_tune_cat() {
     // Expected: PyYAML's dump, as torchtune's `tune cat` prints (scripts/make_cat_fixtures.py).
     let dir = fixtures().join("cat");
-    let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let expected: serde_json::Value = read_json(dir.join("expected.json"));
     for (case, outputs) in expected.as_object().unwrap() {
         let target = if case.ends_with(".yaml") {
             dir.join(case).display().to_string()
@@ -537,10 +520,7 @@ fn tokenize_messages_with_tools() {
     std::fs::write(&msgs, serde_json::to_string(&[&row["chosen"][0]]).unwrap()).unwrap();
     // The column holds the schemas' JSON text, in the order the template writes them.
     std::fs::write(&tools, row["tools"].as_str().unwrap()).unwrap();
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("orpo_trainer/tools_golden.json")).unwrap(),
-    )
-    .unwrap();
+    let golden: Value = read_json(fixtures().join("orpo_trainer/tools_golden.json"));
     let qwen3 = ferrotune_data::asset_path("tokenizers/qwen3").unwrap();
     let mut args = vec![
         "tokenize".to_string(),

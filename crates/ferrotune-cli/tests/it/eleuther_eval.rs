@@ -4,6 +4,7 @@
 //! printed metrics equal lm-evaluation-harness's on the same documents
 //! (tests/fixtures/eleuther, scripts/make_eleuther_fixtures.py).
 
+use crate::common::read_json;
 use crate::hub_server;
 
 use std::path::{Path, PathBuf};
@@ -172,9 +173,7 @@ fn assert_metrics(json: &Value, name: &str, want: &Value, tol: f64) {
 
 #[test]
 fn builtin_tasks_read_the_hub_and_report_lm_eval_metrics() {
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("golden.json")).unwrap())
-            .unwrap();
+    let golden: Value = read_json(fixtures().join("golden.json"));
     let gguf = ferrotune_data::asset_path("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
     let server = HubServer::start(hub_repos(&golden));
     let home = std::env::temp_dir().join(format!("ferrotune-eleuther-cli-{}", std::process::id()));

@@ -10,15 +10,14 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use common::{fixtures, load, metrics_lines, rel_l2, text};
+use common::{fixtures, load, metrics_lines, read_json, rel_l2, text};
 
 const FAMILY: &str = "models/gpt_oss";
 const CASE: &str = "target_parameters/gpt_oss";
 
 /// The golden batch of `case` as a tokenized dataset's rows.
 fn write_rows(case: &Path, path: &Path) {
-    let g: Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let g: Value = read_json(case.join("golden.json"));
     let ids: Vec<Value> = serde_json::from_value(g["input_ids"].clone()).unwrap();
     let labels: Vec<Value> = serde_json::from_value(g["labels"].clone()).unwrap();
     let lines: Vec<String> = ids
@@ -71,8 +70,7 @@ fn one_sgd_step_from_pefts_expert_adapter_saves_start_minus_gradient() {
     );
     assert!(out.status.success(), "{}", text(&out));
     let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let golden: Value = read_json(case.join("golden.json"));
     let (got, want) = (
         first["loss"].as_f64().unwrap(),
         golden["lora_loss"].as_f64().unwrap(),
@@ -93,10 +91,7 @@ fn one_sgd_step_from_pefts_expert_adapter_saves_start_minus_gradient() {
         let e = rel_l2(&saved[key], &(s - &grads[key]).unwrap());
         assert!(e <= 1e-4, "{key}: relative L2 {e}");
     }
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
-    )
-    .unwrap();
+    let config: Value = read_json(saved_dir.join("adapter_config.json"));
     assert_eq!(
         config["target_parameters"],
         serde_json::json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
@@ -141,10 +136,7 @@ fn fresh_expert_adapters_train_from_model_target_parameters() {
             .unwrap();
         assert!(moved > 0.0, "{stem}: lora_B did not train");
     }
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
-    )
-    .unwrap();
+    let config: Value = read_json(saved_dir.join("adapter_config.json"));
     assert_eq!(
         config["target_parameters"],
         serde_json::json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])

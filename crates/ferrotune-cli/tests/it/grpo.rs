@@ -10,7 +10,7 @@ use crate::common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
-use common::{fixtures, load, metrics_lines, run_recipe, text, tmpdir};
+use common::{fixtures, load, metrics_lines, read_json, run_recipe, text, tmpdir};
 
 pub(crate) fn write_config(dir: &Path) -> PathBuf {
     let rows: Vec<String> = (0..4)
@@ -471,9 +471,7 @@ fn grpo_lora_on_experts_writes_the_transformers5_adapter() {
     assert!(o.status.success(), "{}", text(&o));
     let epoch = out.join("epoch_0");
     let t5 = epoch.join("transformers5");
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(t5.join("adapter_config.json")).unwrap())
-            .unwrap();
+    let config: serde_json::Value = read_json(t5.join("adapter_config.json"));
     assert!(
         config["target_parameters"]
             .as_array()

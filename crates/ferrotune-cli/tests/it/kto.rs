@@ -7,7 +7,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::common::{self, ferrotune, fixtures, load, metrics_lines, rel_l2, text, tmpdir};
+use crate::common::{
+    self, ferrotune, fixtures, load, metrics_lines, read_json, rel_l2, text, tmpdir,
+};
 
 /// A DPO config turned KTO: the loss, the dataset builder, one SGD step (lr 1) from the PEFT
 /// adapter on the four rows in one batch.
@@ -56,9 +58,7 @@ fn write_rows(golden: &Value, path: &Path) {
 #[test]
 fn lora_kto_steps_as_trl_kto_trainer() {
     let dir = tmpdir("kto", "lora");
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("kto/golden.json")).unwrap())
-            .unwrap();
+    let golden: Value = read_json(fixtures().join("kto/golden.json"));
     assert_eq!(golden["trl"], "1.16.0");
     let data = dir.join("rows.jsonl");
     write_rows(&golden, &data);
@@ -248,9 +248,7 @@ fn kto_splits_pairs_as_trl_and_names_wrong_keys() {
 #[test]
 fn full_kto_steps_as_trl_kto_trainer() {
     let dir = tmpdir("kto", "full");
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("kto/golden.json")).unwrap())
-            .unwrap();
+    let golden: Value = read_json(fixtures().join("kto/golden.json"));
     let data = dir.join("rows.jsonl");
     write_rows(&golden, &data);
     let cfg = common::write_config(common::TINY_LORA, &dir, "llama3", &data);
@@ -304,9 +302,7 @@ fn full_kto_steps_as_trl_kto_trainer() {
 #[test]
 fn kto_on_two_ranks_averages_the_kl_estimate_as_trl() {
     let dir = tmpdir("kto", "ranks");
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("kto/golden.json")).unwrap())
-            .unwrap();
+    let golden: Value = read_json(fixtures().join("kto/golden.json"));
     let data = dir.join("rows.jsonl");
     write_rows(&golden, &data);
     let cfg = common::write_config(common::TINY_LORA, &dir, "llama3", &data);

@@ -6,6 +6,7 @@ use std::process::Command;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::common::read_json;
 use ferrotune_testing::fixtures;
 
 fn tmp(name: &str) -> PathBuf {
@@ -66,9 +67,7 @@ fn merged_weights_equal_peft_merge() {
         assert!(out.join("tokenizer.json").is_file() && out.join("chat_template.jinja").is_file());
         let want = read_all(&fixtures().join(case).join("merged"));
         assert_same_tensors(&read_all(&out), &want, 1e-5);
-        let config: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
-                .unwrap();
+        let config: serde_json::Value = read_json(out.join("config.json"));
         assert_eq!(config["torch_dtype"], "float32");
         // The merged folder is a complete checkpoint: it loads and runs.
         ferrotune_models::load_model(&out, DType::F32, &Device::Cpu).unwrap();
@@ -79,10 +78,7 @@ fn merged_weights_equal_peft_merge() {
 fn sharded_output_has_an_index_and_the_same_weights() {
     let out = tmp("sharded");
     merge("llama3", &out, &["--max-shard-size", "100KB"]);
-    let index: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap();
+    let index: serde_json::Value = read_json(out.join("model.safetensors.index.json"));
     let shards: std::collections::BTreeSet<&str> = index["weight_map"]
         .as_object()
         .unwrap()
@@ -289,16 +285,14 @@ fn merge_keeps_peft_modules_to_save_with_a_resized_vocabulary() {
         .status()
         .unwrap();
     assert!(status.success());
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let config: serde_json::Value = read_json(out.join("config.json"));
     assert_eq!(config["vocab_size"], 520);
     assert_eq!(
         std::fs::read_to_string(out.join("tokenizer.json")).unwrap(),
         marker
     );
     // The merged model computes PEFT's logits.
-    let g: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let g: serde_json::Value = read_json(case.join("golden.json"));
     let rows: Vec<Vec<u32>> = serde_json::from_value(g["input_ids"].clone()).unwrap();
     let (b, t) = (rows.len(), rows[0].len());
     let ids = Tensor::from_vec(rows.concat(), (b, t), &Device::Cpu).unwrap();

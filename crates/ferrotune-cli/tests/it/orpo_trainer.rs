@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::common::{self, ferrotune, fixtures, load, metrics_lines, rel_l2, text, tmpdir};
+use crate::common::{
+    self, ferrotune, fixtures, load, metrics_lines, read_json, rel_l2, text, tmpdir,
+};
 
 /// The loss's component and the parameters it takes, by case kind.
 fn loss(kind: &str) -> (&'static str, &'static [&'static str]) {
@@ -152,10 +154,7 @@ fn assert_weights(saved: &Path, trl: &Path, start: &Path, case: &str) {
 }
 
 fn golden() -> Value {
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("orpo_trainer/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join("orpo_trainer/golden.json"));
     assert_eq!(g["trl"], "1.16.0");
     g
 }

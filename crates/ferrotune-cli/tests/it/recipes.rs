@@ -9,7 +9,7 @@ use std::process::Output;
 
 use serde_json::Value;
 
-use common::{fixtures, load, losses, metrics_lines, rel_l2, text};
+use common::{fixtures, load, losses, metrics_lines, read_json, rel_l2, text};
 
 fn ferrotune(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
     common::ferrotune(args, cwd, env)
@@ -21,10 +21,7 @@ fn tmpdir(name: &str) -> PathBuf {
 
 /// The golden batch as pre-tokenized JSONL rows.
 fn write_golden_rows(family: &str, path: &Path) {
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join(family).join("golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join(family).join("golden.json"));
     let ids = g["input_ids"].as_array().unwrap();
     let labels = g["labels"].as_array().unwrap();
     let lines: Vec<String> = ids
@@ -168,9 +165,7 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
             let e = rel_l2(&saved[key], &want);
             assert!(e <= 1e-4, "{case:?}: {key}: relative L2 {e}");
         }
-        let g: Value =
-            serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap())
-                .unwrap();
+        let g: Value = read_json(case.join("golden.json"));
         // The folder is a PEFT adapter plus a merged HF checkpoint with tokenizer files and state.
         let mergeable = g.get("merge_error").is_none();
         for f in [
@@ -191,10 +186,7 @@ fn one_sgd_step_from_a_peft_adapter_saves_start_minus_gradient() {
         if rows.starts_with("embedding_lora") {
             // The merged checkpoint of a tied model unties its head (which keeps the base
             // weights), so that it runs as the adapter does.
-            let config: Value = serde_json::from_str(
-                &std::fs::read_to_string(saved_dir.join("merged/config.json")).unwrap(),
-            )
-            .unwrap();
+            let config: Value = read_json(saved_dir.join("merged/config.json"));
             let merged = load(&saved_dir.join("merged/model.safetensors"));
             assert!(merged.contains_key("lm_head.weight"), "{case:?}");
             assert_ne!(config["tie_word_embeddings"], Value::Bool(true), "{case:?}");
@@ -238,10 +230,7 @@ fn one_lora_step_without_torchtune_adapter(
     assert!(text(&out).contains("no adapter_model.pt"), "{}", text(&out));
     let saved_dir = dir.join("out/epoch_0");
     assert!(!saved_dir.join("adapter_model.pt").exists());
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
-    )
-    .unwrap();
+    let config: Value = read_json(saved_dir.join("adapter_config.json"));
     (saved_dir, config)
 }
 
@@ -319,10 +308,7 @@ fn apply_lora_to_embeddings_trains_an_embedding_adapter() {
     let b = &saved["base_model.model.model.embed_tokens.lora_embedding_B"];
     assert_eq!(a.dims(), &[4, 512]);
     assert_eq!(b.dims(), &[64, 4]);
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("qwen2/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join("qwen2/golden.json"));
     let used: std::collections::HashSet<usize> = g["input_ids"]
         .as_array()
         .unwrap()
@@ -453,9 +439,7 @@ fn expert_adapters_are_also_written_for_transformers_5() {
     assert!(out.status.success(), "{}", text(&out));
     let saved = dir.join("out/epoch_0");
     let t5 = saved.join("transformers5");
-    let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(t5.join("adapter_config.json")).unwrap())
-            .unwrap();
+    let config: Value = read_json(t5.join("adapter_config.json"));
     let params = config["target_parameters"].to_string();
     assert!(params.contains("experts.gate_up_proj"), "{params}");
     assert!(params.contains("shared_expert.up_proj.weight"), "{params}");
@@ -577,10 +561,7 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
             }
         }
         // What is saved is the text model, as transformers' Gemma3ForCausalLM / Gemma2ForCausalLM.
-        let saved_config: Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("out/epoch_0/config.json")).unwrap(),
-        )
-        .unwrap();
+        let saved_config: Value = read_json(dir.join("out/epoch_0/config.json"));
         let want_type = match family {
             "models/gemma2" => "gemma2",
             "models/vaultgemma" => "vaultgemma",
@@ -601,10 +582,7 @@ fn one_full_sgd_step_on_gemma_2_3_and_phi_2_moves_every_weight_by_the_torch_grad
         assert_eq!(saved_config["model_type"], want_type, "{family}");
         let metrics = std::fs::read_to_string(dir.join("out/logs/metrics.jsonl")).unwrap();
         let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
-        let g: Value = serde_json::from_str(
-            &std::fs::read_to_string(fixtures().join(text_case).join("golden.json")).unwrap(),
-        )
-        .unwrap();
+        let g: Value = read_json(fixtures().join(text_case).join("golden.json"));
         let (got, want) = (first["loss"].as_f64().unwrap(), g["loss"].as_f64().unwrap());
         assert!(
             ((got - want) / want).abs() < 1e-5,
@@ -921,10 +899,7 @@ fn eval_recipe_reports_the_peft_loss_and_generate_recipe_matches_the_generate_ve
     let cfg = write_config(&dir, "llama3", &data);
     let adapter = fixtures().join("llama3/adapter");
     let v = eval_result(&dir, &cfg, &adapter, &[]);
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join("llama3/golden.json"));
     let want = g["lora_loss"].as_f64().unwrap();
     let got = v["loss"].as_f64().unwrap();
     assert!(
@@ -1092,10 +1067,7 @@ fn validation_every_n_steps_logs_the_val_loss() {
         .filter_map(|v| v.get("val_loss").and_then(Value::as_f64))
         .collect();
     assert_eq!(vals.len(), 2, "one val_loss per step (2 steps): {metrics}");
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join("llama3/golden.json"));
     let want = g["lora_loss"].as_f64().unwrap();
     for v in vals {
         assert!(
@@ -1185,8 +1157,7 @@ fn qlora_builder_trains_on_an_nf4_base_as_torchao_and_peft() {
         log.contains("QLoRA: 14 linear layers quantized to NF4"),
         "{log}"
     );
-    let g: Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let g: Value = read_json(case.join("golden.json"));
     let want_loss = g["loss"].as_f64().unwrap();
     let got_loss = losses(&metrics_lines(&dir.join("out/logs/metrics.jsonl")))[0].1;
     assert!(
@@ -1261,9 +1232,7 @@ fn knowledge_distillation_step_matches_torchtunes_losses_and_gradients() {
     let log = text(&out);
     assert!(out.status.success(), "{log}");
     assert!(log.contains("Teacher "), "{log}");
-    let want: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("kd/golden.json")).unwrap())
-            .unwrap();
+    let want: Value = read_json(fixtures().join("kd/golden.json"));
     let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
     for key in ["loss", "class_loss", "kd_loss"] {
         let (got, w) = (
@@ -1313,9 +1282,7 @@ fn lora_dpo_step_matches_torchtunes_loss_metrics_and_gradients() {
     let data = fixtures().join("dpo/pairs.jsonl");
     let cfg = write_config(&dir, "llama3", &data);
     let adapter = fixtures().join("llama3/adapter");
-    let want: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("dpo/golden.json")).unwrap())
-            .unwrap();
+    let want: Value = read_json(fixtures().join("dpo/golden.json"));
     let cases: [(&str, &[&str], &[&str]); 3] = [
         (
             "dpo",
@@ -1447,10 +1414,7 @@ fn lora_trl_preference_losses_step_as_trl() {
     let data = fixtures().join("dpo/pairs.jsonl");
     let cfg = write_config(&dir, "llama3", &data);
     let adapter = fixtures().join("llama3/adapter");
-    let want: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("prefloss/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let want: Value = read_json(fixtures().join("prefloss/golden.json"));
     let cases = [
         ("orpo", "ORPOLoss", &["beta"][..], true),
         (
@@ -1562,10 +1526,7 @@ fn lora_trl_preference_losses_step_as_trl() {
 #[test]
 fn moe_router_aux_loss_trains_as_transformers_adds_it() {
     let dir = tmpdir("moe-aux");
-    let want: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("moe_aux/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let want: Value = read_json(fixtures().join("moe_aux/golden.json"));
     let pad = want["padding"].as_u64().unwrap() as usize;
     // The fixture model with the config asking for the auxiliary loss.
     let model = dir.join("model");
@@ -1574,10 +1535,7 @@ fn moe_router_aux_loss_trains_as_transformers_adds_it() {
         c["router_aux_loss_coef"] = want["router_aux_loss_coef"].clone();
     });
     // The golden rows, the second without its last `pad` tokens (collation pads it back).
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("models/qwen3_moe/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join("models/qwen3_moe/golden.json"));
     let rows: Vec<String> = (0..2)
         .map(|r| {
             let ids = g["input_ids"][r].as_array().unwrap();
@@ -1641,9 +1599,7 @@ fn qat_steps_match_torchao() {
     let data = dir.join("batch.jsonl");
     write_golden_rows("llama3", &data);
     let cfg = write_config(&dir, "llama3", &data);
-    let want: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("qat/golden.json")).unwrap())
-            .unwrap();
+    let want: Value = read_json(fixtures().join("qat/golden.json"));
     let adapter = fixtures().join("llama3/adapter");
     let model = fixtures().join("llama3/model");
     let quantizer = [
@@ -1707,10 +1663,7 @@ fn qat_steps_match_torchao() {
     );
 
     // The first step without fake quantization is transformers' plain step.
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("llama3/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let g: Value = read_json(fixtures().join("llama3/golden.json"));
     let loss = run(
         "qat_distributed",
         &dir.join("delayed"),
@@ -1728,10 +1681,7 @@ fn pytorch_and_meta_checkpoints_train_from_the_listed_files_and_save_hf_folders(
     // llama2's weights as HF `.bin` shards and as Meta's consolidated.00.pth + params.json. Each
     // folder also holds a decoy model.safetensors (another model): `checkpoint_files` decides what
     // is loaded, as in torchtune, so the logged loss must be llama2's.
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("models/llama2/golden.json")).unwrap(),
-    )
-    .unwrap();
+    let golden: Value = read_json(fixtures().join("models/llama2/golden.json"));
     let want_loss = golden["loss"].as_f64().unwrap();
     let start = load(&fixtures().join("models/llama2/model/model.safetensors"));
     for (case, files) in [
@@ -1794,14 +1744,8 @@ fn pytorch_and_meta_checkpoints_train_from_the_listed_files_and_save_hf_folders(
             let e = rel_l2(&saved[key], s);
             assert!(e == 0.0, "{case}: {key}: relative L2 {e}");
         }
-        let config: Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.join("out/epoch_0/config.json")).unwrap(),
-        )
-        .unwrap();
-        let want: Value = serde_json::from_str(
-            &std::fs::read_to_string(fixtures().join("models/llama2/model/config.json")).unwrap(),
-        )
-        .unwrap();
+        let config: Value = read_json(dir.join("out/epoch_0/config.json"));
+        let want: Value = read_json(fixtures().join("models/llama2/model/config.json"));
         for key in [
             "model_type",
             "hidden_size",
@@ -1840,11 +1784,7 @@ fn meta_checkpointer_saves_metas_format_as_torchtune_does() {
         // torchtune's copy_files keeps sub-folders and skips hidden files.
         std::fs::write(model.join("notes/README.txt"), "kept").unwrap();
         std::fs::write(model.join(".cache"), "hidden").unwrap();
-        let golden: Value = serde_json::from_str(
-            &std::fs::read_to_string(fixtures().join("models").join(case).join("golden.json"))
-                .unwrap(),
-        )
-        .unwrap();
+        let golden: Value = read_json(fixtures().join("models").join(case).join("golden.json"));
         let want_loss = golden["loss"].as_f64().unwrap();
         let data = dir.join("batch.jsonl");
         write_golden_rows(&format!("models/{case}"), &data);
@@ -2030,8 +1970,7 @@ fn one_sgd_step_from_the_adapter_of(case: &str, model: &str) -> (PathBuf, Output
 /// The run in `dir` logged PEFT's loss of the adapter fixture `case` (`lora_loss`) first.
 fn assert_first_loss_is_pefts(dir: &Path, case: &Path) {
     let first = &metrics_lines(&dir.join("out/logs/metrics.jsonl"))[0];
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(case.join("golden.json")).unwrap()).unwrap();
+    let golden: Value = read_json(case.join("golden.json"));
     let (got, want) = (
         first["loss"].as_f64().unwrap(),
         golden["lora_loss"].as_f64().unwrap(),
@@ -2069,20 +2008,14 @@ fn one_sgd_step_on_llama_3_2_vision_from_a_peft_adapter_of_the_whole_model() {
         let e = rel_l2(&saved[key], &(&start[key] - g).unwrap());
         assert!(e <= 1e-4, "{key}: relative L2 {e}");
     }
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(saved_dir.join("adapter_config.json")).unwrap(),
-    )
-    .unwrap();
+    let config: Value = read_json(saved_dir.join("adapter_config.json"));
     assert_eq!(
         config["exclude_modules"],
         r"model\.language_model\.layers\.(?:0|2)\..*|model\.vision_model\..*"
     );
     assert_first_loss_is_pefts(&dir, &case);
     // The merged model is the Llama text model.
-    let merged: Value = serde_json::from_str(
-        &std::fs::read_to_string(saved_dir.join("merged/config.json")).unwrap(),
-    )
-    .unwrap();
+    let merged: Value = read_json(saved_dir.join("merged/config.json"));
     assert_eq!(merged["architectures"][0], "LlamaForCausalLM");
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -2122,10 +2055,7 @@ fn one_sgd_step_on_llama_4_from_a_peft_adapter_of_the_whole_model() {
         assert!(e <= 1e-4, "{key}: relative L2 {e}");
     }
     assert_first_loss_is_pefts(&dir, &case);
-    let merged: Value = serde_json::from_str(
-        &std::fs::read_to_string(saved_dir.join("merged/config.json")).unwrap(),
-    )
-    .unwrap();
+    let merged: Value = read_json(saved_dir.join("merged/config.json"));
     assert_eq!(merged["architectures"][0], "Llama4ForCausalLM");
     let weights = load(&saved_dir.join("merged/model.safetensors"));
     assert_eq!(
@@ -2203,10 +2133,7 @@ fn torchtune_adapter_files_are_read_and_written() {
     let cfg = write_config(&dir, family, &data);
     let case = fixtures().join("torchtune_adapter/phi3");
     let adapter = case.join("adapter_model.pt");
-    let golden: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join(family).join("golden.json")).unwrap(),
-    )
-    .unwrap();
+    let golden: Value = read_json(fixtures().join(family).join("golden.json"));
     let base = |args: &[&str]| {
         let mut all = vec![
             "run",
@@ -2262,9 +2189,7 @@ fn torchtune_adapter_files_are_read_and_written() {
     a.sort_by(|x, y| x.0.cmp(&y.0));
     b.sort_by(|x, y| x.0.cmp(&y.0));
     assert!(a == b, "adapter_model.pt differs from the one read");
-    let peft: Value =
-        serde_json::from_str(&std::fs::read_to_string(saved.join("adapter_config.json")).unwrap())
-            .unwrap();
+    let peft: Value = read_json(saved.join("adapter_config.json"));
     assert!(
         peft["rank_pattern"].to_string().contains("qkv_proj"),
         "{peft}"

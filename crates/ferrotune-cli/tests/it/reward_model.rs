@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-use common::{ferrotune, fixtures, load, metrics_lines, rel_l2, text, tmpdir};
+use common::{ferrotune, fixtures, load, metrics_lines, read_json, rel_l2, text, tmpdir};
 
 fn golden() -> Value {
     let path = fixtures().join("reward_model/golden.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    read_json(path)
 }
 
 /// A reward-model config over the tiny Llama classifier (tests/fixtures/ppo/reward) with the tiny
@@ -155,9 +155,7 @@ fn full_reward_model_steps_as_trl() {
         let e = rel_l2(&saved[key], w);
         assert!(e <= 1e-5, "{key}: relative L2 {e}");
     }
-    let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("epoch_0/config.json")).unwrap())
-            .unwrap();
+    let config: Value = read_json(out.join("epoch_0/config.json"));
     assert_eq!(
         config["architectures"],
         serde_json::json!(["LlamaForSequenceClassification"])
@@ -307,9 +305,7 @@ fn full_reward_model_from_a_causal_lm_gets_a_score_head() {
     let saved = load(&out.join("epoch_0/model.safetensors"));
     assert!(!saved.contains_key("lm_head.weight"));
     assert_eq!(saved["score.weight"].dims(), &[1, 64]);
-    let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("epoch_0/config.json")).unwrap())
-            .unwrap();
+    let config: Value = read_json(out.join("epoch_0/config.json"));
     assert_eq!(
         config["architectures"],
         serde_json::json!(["LlamaForSequenceClassification"])
@@ -346,10 +342,7 @@ fn lora_reward_model_steps_as_trl() {
         let e = rel_l2(&saved[key], w);
         assert!(e <= 1e-5, "{key}: relative L2 {e}");
     }
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(out.join("epoch_0/adapter_config.json")).unwrap(),
-    )
-    .unwrap();
+    let config: Value = read_json(out.join("epoch_0/adapter_config.json"));
     assert_eq!(config["task_type"], "SEQ_CLS");
     assert!(config["modules_to_save"]
         .as_array()
@@ -395,9 +388,7 @@ fn merge_of_a_seq_cls_adapter_into_its_causal_base_is_the_recipes_classifier() {
     for (key, w) in &recipe {
         assert_eq!(ferrotune_testing::max_abs_diff(&ours[key], w), 0.0, "{key}");
     }
-    let config = |d: &Path| -> Value {
-        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
-    };
+    let config = |d: &Path| -> Value { read_json(d.join("config.json")) };
     assert_eq!(
         config(&merged)["architectures"],
         config(&out.join("epoch_0/merged"))["architectures"]

@@ -9,14 +9,14 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-use common::{metrics_lines, run_recipe, text, tmpdir};
+use common::{metrics_lines, read_json, run_recipe, text, tmpdir};
 
 const RECIPE: &str = "lora_finetune_single_device";
 
 /// The run id in checkpoint folder `dir`'s recipe state.
 fn run_id_of(dir: &Path) -> String {
     let file = dir.join("recipe_state/state.json");
-    let state: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let state: Value = read_json(&file);
     state["run_id"].as_str().unwrap_or_default().to_string()
 }
 

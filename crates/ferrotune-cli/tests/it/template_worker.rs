@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use crate::common::{fixtures, tmpdir};
+use crate::common::{fixtures, read_json, tmpdir};
 use ferrotune_data::chat_template::isolate;
 use ferrotune_data::{ChatMessage, ChatTemplate, DataError};
 
@@ -120,10 +120,7 @@ fn templates_render_through_the_worker_as_transformers_renders_them() {
         env!("CARGO_BIN_EXE_ferrotune").into(),
         vec![isolate::WORKER_VERB.into()],
     );
-    let fixture: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("chat_template_cases.json")).unwrap(),
-    )
-    .unwrap();
+    let fixture: serde_json::Value = read_json(fixtures().join("chat_template_cases.json"));
     let msgs: Vec<ChatMessage> = serde_json::from_value(fixture["messages"].clone()).unwrap();
     let tokens: BTreeMap<String, String> =
         serde_json::from_value(fixture["special_tokens"].clone()).unwrap();

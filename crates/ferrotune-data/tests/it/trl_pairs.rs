@@ -43,6 +43,18 @@ pub fn without_template(dir: &Path) -> Tokenizer {
     tok
 }
 
+/// TRL 1.16.0's batches (tests/fixtures/orpo_trainer/golden.json) and the tiny Llama's tokenizer
+/// without its chat template (TRL's text rows; written into a fresh `ferrotune-trl-{name}`
+/// folder) and with it.
+fn trl_golden_and_tokenizers(name: &str) -> (Value, Tokenizer, Tokenizer) {
+    let g = fixture_json("orpo_trainer/golden.json");
+    assert_eq!(g["trl"], "1.16.0");
+    let dir = ferrotune_testing::fresh_dir(&format!("ferrotune-trl-{name}-{}", std::process::id()));
+    let plain = without_template(&dir.join("tok"));
+    let chat = Tokenizer::from_dir(fixtures_dir().join("llama3/model")).unwrap();
+    (g, plain, chat)
+}
+
 /// Rows `key` of a TRL batch with the padding (attention mask 0) left out.
 fn unpadded(batch: &Value, side: &str, key: &str) -> Vec<Vec<i64>> {
     let rows: Vec<Vec<i64>> =
@@ -63,11 +75,7 @@ fn unpadded(batch: &Value, side: &str, key: &str) -> Vec<Vec<i64>> {
 
 #[test]
 fn orpo_pairs_are_the_ids_trl_orpo_and_cpo_trainers_collate() {
-    let g = fixture_json("orpo_trainer/golden.json");
-    assert_eq!(g["trl"], "1.16.0");
-    let dir = ferrotune_testing::fresh_dir(&format!("ferrotune-trl-pairs-{}", std::process::id()));
-    let plain = without_template(&dir.join("tok"));
-    let chat = Tokenizer::from_dir(fixtures_dir().join("llama3/model")).unwrap();
+    let (g, plain, chat) = trl_golden_and_tokenizers("pairs");
     for (form, builder, tok) in [
         ("text", "stack_exchange_paired_dataset", &plain),
         ("chat", "preference_dataset", &chat),
@@ -248,11 +256,7 @@ fn dpo_trainer_rows(batch: &Value) -> Vec<(Vec<i64>, Vec<i64>)> {
 /// prompt labelled, its earlier assistant turn included, which torchtune's masking labels).
 #[test]
 fn dpo_trainer_pairs_are_the_ids_trl_dpo_trainer_collates() {
-    let g = fixture_json("orpo_trainer/golden.json");
-    assert_eq!(g["trl"], "1.16.0");
-    let dir = ferrotune_testing::fresh_dir(&format!("ferrotune-trl-dpo-{}", std::process::id()));
-    let plain = without_template(&dir.join("tok"));
-    let chat = Tokenizer::from_dir(fixtures_dir().join("llama3/model")).unwrap();
+    let (g, plain, chat) = trl_golden_and_tokenizers("dpo");
     for (form, builder, file, tok) in [
         (
             "text",

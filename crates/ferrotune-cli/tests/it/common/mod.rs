@@ -151,3 +151,10 @@ pub fn copy_model_with_config(src: &Path, dst: &Path, edit: impl FnOnce(&mut Val
     edit(&mut config);
     std::fs::write(&path, config.to_string()).unwrap();
 }
+
+/// A JSON file's value (a golden, a saved config), the path named when it cannot be read.
+pub fn read_json(path: impl AsRef<Path>) -> Value {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
