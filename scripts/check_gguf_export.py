@@ -6,7 +6,21 @@ the original checkpoint (tests/fixtures/models/<name>/golden.safetensors).
 
   python scripts/check_gguf_export.py target/release/ferrotune
 
-Needs: torch, transformers, gguf, safetensors, llama-cpp-python."""
+Needs: torch, transformers, gguf, safetensors, llama-cpp-python.
+
+  "$(scripts/fetch-llamacpp.sh)/bin/python" scripts/check_gguf_export.py target/release/ferrotune \
+      --new-architectures
+
+runs the architectures of 2026 in llama.cpp (llama-cpp-python 0.3.36 built from source: qwen35,
+qwen35moe, qwen3next, gpt-oss, deepseek2) instead: models of the k-quant fixtures' configs
+(scripts/make_kquant_fixtures.py: hidden size 256) exported as
+f32, Q8_0, Q6_K and Q4_K_M, llama.cpp's logits against transformers' of the checkpoint (relative
+L2 over all positions), and llama.cpp's greedy continuation (8 tokens) against transformers'.
+Their weights are transformers' own initialization (seeded), the configs those of the k-quant
+fixtures: the tiny model fixtures of these families use settings llama.cpp does not compute
+(DeltaNet key and value heads of different sizes, gpt-oss's SwiGLU limit 2, DeepSeek's
+group-limited V2 routing, `mscale` ≠ `mscale_all_dim`, a V2 without `q_lora_rank` at other than
+V2-Lite's layer counts)."""
 
 import json
 import subprocess
@@ -146,5 +160,63 @@ def sentencepiece_case(binary, out):
           f"transformers; logits relative L2 {rel_l2(got, want):.2e}")
 
 
+def new_architectures(binary):
+    """The k-quant fixtures' models of llama.cpp's 2026 architectures through llama.cpp (see the
+    module's doc)."""
+    import shutil
+
+    import torch
+    from llama_cpp import Llama
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_kquant_fixtures as kq
+
+    out = Path(tempfile.mkdtemp())
+    ids = [[5, 40, 41, 42, 100, 7, 300, 12, 9, 77, 3, 64]]
+    steps = 8
+    print(f"{'model':12} {'outtype':8} {'logits rel L2':>14} {'max |diff|':>11}  greedy tokens")
+    for name, cfg in kq.new_model_configs().items():
+        folder = out / name
+        # transformers' own initialization (seeded), so that the logits are those of a model
+        # in a sane range rather than of the k-quant fixture's hash weights.
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
+        model.save_pretrained(folder)
+        for f in ["tokenizer.json", "tokenizer_config.json"]:
+            shutil.copy(kq.TOKENIZER / f, folder / f)
+        with torch.no_grad():
+            want = model(torch.tensor(ids)).logits.numpy()
+            # Greedy by whole forwards (as llama.cpp's below): `generate`'s processors would
+            # keep it from the end-of-sequence token.
+            toks = list(ids[0])
+            for _ in range(steps):
+                toks.append(int(model(torch.tensor([toks])).logits[0, -1].argmax()))
+            greedy = toks[len(ids[0]):]
+        for outtype in ["f32", "q8_0", "q6_k", "q4_k_m"]:
+            path = out / f"{name}-{outtype}.gguf"
+            subprocess.run([binary, "export-gguf", folder, path, "--outtype", outtype],
+                           check=True, capture_output=True)
+            try:
+                got = llama_cpp_logits(path, ids)
+                llm = Llama(model_path=str(path), logits_all=True, n_ctx=64, verbose=False,
+                            n_threads=2, type_k=0, type_v=0)
+                toks = list(ids[0])
+                for _ in range(steps):
+                    llm.reset()
+                    llm.eval(toks)
+                    toks.append(int(np.argmax(llm.scores[len(toks) - 1])))
+                cont = toks[len(ids[0]):]
+                same = sum(a == b for a, b in zip(cont, greedy))
+                print(f"{name:12} {outtype:8} {rel_l2(got, want):14.2e} "
+                      f"{float(np.abs(got - want).max()):11.2e}  {same}/{steps} as transformers'",
+                      flush=True)
+            except Exception as e:  # llama.cpp refusing the file is a result too
+                print(f"{name:12} {outtype:8} error: {str(e).splitlines()[0][:80]}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[2:] == ["--new-architectures"]:
+        new_architectures(Path(sys.argv[1]).resolve())
+    else:
+        main()

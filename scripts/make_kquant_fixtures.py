@@ -18,6 +18,16 @@ that llama-cpp-python ships):
    Q4_K_M and Q4_K_S for an 80-layer Llama (llama.cpp's 70B rule).
 
   python scripts/make_kquant_fixtures.py target/release/ferrotune
+  python scripts/make_kquant_fixtures.py target/release/ferrotune --new-architectures
+
+The second adds (replacing their earlier entries) the "mixes" of the architectures of 2026 —
+Qwen3.5 (`qwen35`), Qwen3.5-MoE (`qwen35moe`), Qwen3-Next (`qwen3next`), gpt-oss (`gpt-oss`,
+float experts), DeepSeek-V3 (8 experts) and -V2 (`deepseek2`) — in Q4_K_M, Q5_K_M, Q6_K, Q4_K_S
+and Q4_0, their tensors as transformers' `save_pretrained` names and shapes them, quantized by
+llama-cpp-python 0.3.36 built from source (`"$(scripts/fetch-llamacpp.sh)/bin/python"`), and
+"gpt_oss_mxfp4": the Q4_K_M and Q6_K files it makes, allowed to requantize, from ferrotune's
+f32 export of a gpt-oss with OpenAI's MXFP4 experts; it leaves the rest of the fixture as
+recorded.
 
 Needs numpy, gguf, safetensors, llama-cpp-python."""
 
@@ -208,9 +218,62 @@ def model_configs():
             "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma3": gemma3, "smollm3": smollm3}
 
 
-def write_model(folder, cfg):
+def new_model_configs():
+    """The architectures of 2026 (llama.cpp's qwen35, qwen35moe, qwen3next, gpt-oss, deepseek2),
+    their fixtures' configs widened so that most rows are whole superblocks (hidden 256) and some
+    are not (intermediate 320; MLA's 64-wide key halves)."""
+    models = ROOT / "tests/fixtures/models"
+
+    def fixture(name, **update):
+        cfg = json.loads((models / name / "model/config.json").read_text())
+        cfg.update(update)
+        return cfg
+
+    dims = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    delta = dict(dims, intermediate_size=320, linear_key_head_dim=64, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_value_head_dim=64)
+    moe = dict(moe_intermediate_size=256, shared_expert_intermediate_size=320, num_experts=4)
+    mla = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+               intermediate_size=320, moe_intermediate_size=256, kv_lora_rank=256,
+               qk_nope_head_dim=64, qk_rope_head_dim=32, qk_head_dim=96, v_head_dim=64,
+               rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    # llama.cpp's gpt-oss fixes the clamped SwiGLU's limit at 7.
+    gpt_oss = fixture("gpt_oss", **dims, intermediate_size=320, swiglu_limit=7.0)
+    gpt_oss["rope_parameters"].pop("truncate")
+    return {
+        "qwen3_5": fixture("qwen3_5", **delta),
+        "qwen3_5_moe": fixture("qwen3_5_moe", **delta, **moe),
+        # llama.cpp's qwen3next: every layer sparse, top-k weights renormalized.
+        "qwen3_next": fixture("qwen3_next", **delta, **moe, mlp_only_layers=[],
+                              norm_topk_prob=True),
+        "gpt_oss": gpt_oss,
+        # 8 experts: llama.cpp's 8-expert rules (value projections Q8_0, attn_output Q5_K).
+        "deepseek_v3": fixture("deepseek_v3", **mla, q_lora_rank=256, n_routed_experts=8),
+        # With a q_lora_rank: llama.cpp 0.3.36 reads a deepseek2 file without one only at
+        # DeepSeek-V2-Lite's layer counts (26, 27).
+        "deepseek_v2": fixture("deepseek_v2", **mla, q_lora_rank=256, n_group=1, topk_group=1,
+                               topk_method="greedy"),
+    }
+
+
+def transformers_tensors(cfg):
+    """[name, shape] of every tensor transformers' `save_pretrained` writes for `cfg`."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    work = Path(tempfile.mkdtemp())
+    config = AutoConfig.for_model(**cfg)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(work)
+    with safe_open(str(work / "model.safetensors"), "np") as f:
+        out = [(n, list(f.get_slice(n).get_shape())) for n in f.keys()]
+    shutil.rmtree(work)
+    return sorted(out)
+
+
+def write_model(folder, cfg, tensor_list=None):
     folder.mkdir(parents=True)
-    tensors = {n: tensor_values(n, s) for n, s in llama_tensors(cfg)}
+    tensors = {n: tensor_values(n, s) for n, s in (tensor_list or llama_tensors(cfg))}
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     for f in ["tokenizer.json", "tokenizer_config.json"]:
@@ -227,20 +290,21 @@ def gguf_tensors(path):
     }
 
 
-def quantize_models(binary):
+def quantize_models(binary, configs, tensors_of=llama_tensors, ftypes=FTYPES):
     import llama_cpp
 
     llama_cpp.llama_backend_init()
     work = Path(tempfile.mkdtemp())
     mixes = {}
-    for name, cfg in model_configs().items():
+    for name, cfg in configs.items():
         folder = work / name
-        write_model(folder, cfg)
+        tensor_list = tensors_of(cfg)
+        write_model(folder, cfg, tensor_list)
         f32 = work / f"{name}.f32.gguf"
         subprocess.run([str(binary), "export-gguf", str(folder), str(f32), "--outtype", "f32"],
                        check=True)
         per_type = {}
-        for mix, ftype in FTYPES.items():
+        for mix, ftype in ftypes.items():
             out = work / f"{name}.{mix}.gguf"
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = ftype
@@ -249,7 +313,7 @@ def quantize_models(binary):
                                                 ctypes.byref(params))
             assert rc == 0, f"llama_model_quantize {name} {mix}: {rc}"
             per_type[mix] = gguf_tensors(out)
-        mixes[name] = {"config": cfg, "tensors": llama_tensors(cfg), "quantized": per_type}
+        mixes[name] = {"config": cfg, "tensors": tensor_list, "quantized": per_type}
     shutil.rmtree(work)
     return mixes
 
@@ -317,11 +381,54 @@ def mix_types(f32, work, mixes):
     return out
 
 
+def mxfp4_experts(binary):
+    """gpt-oss with OpenAI's MXFP4 experts (tests/fixtures/gpt_oss_mxfp4, its config given
+    llama.cpp's SwiGLU limit and a rounded YaRN range): ferrotune's f32 export keeps the experts
+    MXFP4, which `llama_model_quantize` requantizes only when allowed (`--allow-requantize`); the
+    type and sha256 of every tensor of its Q4_K_M and Q6_K files."""
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    work = Path(tempfile.mkdtemp())
+    folder = work / "model"
+    shutil.copytree(ROOT / "tests/fixtures/gpt_oss_mxfp4/model", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["swiglu_limit"] = 7.0
+    cfg["swiglu_alpha"] = 1.702
+    cfg["rope_parameters"]["truncate"] = True
+    (folder / "config.json").write_text(json.dumps(cfg))
+    f32 = work / "f32.gguf"
+    subprocess.run([str(binary), "export-gguf", str(folder), str(f32), "--outtype", "f32"],
+                   check=True)
+    out = {}
+    for mix in ["q4_k_m", "q6_k"]:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = FTYPES[mix]
+        params.nthread = 1
+        params.allow_requantize = True
+        q = work / f"{mix}.gguf"
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q).encode(),
+                                              ctypes.byref(params)) == 0
+        out[mix] = gguf_tensors(q)
+    shutil.rmtree(work)
+    return out
+
+
 def main():
     binary = Path(sys.argv[1]).resolve()
-    lib = ggml_lib()
-    fixture = {"blocks": quantize_blocks(lib), "mixes": quantize_models(binary),
-               "smollm2_types": smollm2_types(binary), "llama80_types": llama80_types(binary)}
+    if sys.argv[2:] == ["--new-architectures"]:
+        # Only the 2026 architectures' mixes, from llama-cpp-python 0.3.36 (scripts/
+        # fetch-llamacpp.sh), added to the fixture; the rest stays as recorded (mid-2025
+        # llama.cpp, whose fused `attn_qkv` rule Phi-3's mixes keep).
+        fixture = json.loads(OUT.read_text())
+        ftypes = {k: FTYPES[k] for k in ["q4_k_m", "q5_k_m", "q6_k", "q4_k_s", "q4_0"]}
+        fixture["mixes"].update(quantize_models(binary, new_model_configs(),
+                                                transformers_tensors, ftypes))
+        fixture["gpt_oss_mxfp4"] = mxfp4_experts(binary)
+    else:
+        lib = ggml_lib()
+        fixture = {"blocks": quantize_blocks(lib), "mixes": quantize_models(binary, model_configs()),
+                   "smollm2_types": smollm2_types(binary), "llama80_types": llama80_types(binary)}
     OUT.write_text(json.dumps(fixture) + "\n")
     for name, m in fixture["mixes"].items():
         for mix, tensors in m["quantized"].items():

@@ -46,17 +46,7 @@ pub(super) fn export(
              GGUF would compute something else"
         );
     }
-    let outtype = match outtype {
-        OutType::Auto => match weights.first_matrix_dtype() {
-            Some(Dtype::BF16) => OutType::Bf16,
-            _ => OutType::F16,
-        },
-        t @ (OutType::F32 | OutType::F16 | OutType::Bf16 | OutType::Q8_0) => t,
-        other => bail!(
-            "GGUF export of DeepSeek writes f32, f16, bf16 or q8_0, not {other:?} \
-             (llama-quantize's mixes type MLA tensors on their own)"
-        ),
-    };
+    let outtype = resolve_outtype(outtype, weights, false)?;
     let layers = config.num_hidden_layers;
     let heads = config.num_attention_heads;
     let (nope, v, rank) = (mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank);
@@ -192,17 +182,15 @@ pub(super) fn export(
     }
 
     let home = model_dir;
-    let mut notes = Vec::new();
-    let (tok, vocab, pre) = read_tokenizer(home, config, &mut notes)?;
-    let mut meta = Metadata::default();
     // llama.cpp runs MLA as one latent key/value head shared by every query head.
     let shape = HeaderShape {
         layers,
         heads,
         kv_heads: 1,
     };
-    let name = folder_name(home, "model");
-    write_header(&mut meta, GGUF_ARCH, &name, outtype, config, shape);
+    let file_type = outtype.file_type();
+    let mut file = Opened::new(home, GGUF_ARCH, file_type, config, shape, Vec::new())?;
+    let meta = &mut file.meta;
     let k = |key: &str| format!("{GGUF_ARCH}.{key}");
     meta.f32(
         &k("attention.layer_norm_rms_epsilon"),
@@ -219,7 +207,7 @@ pub(super) fn export(
     meta.u32(&k("attention.key_length_mla"), (nope + rope) as u32);
     meta.u32(&k("attention.value_length_mla"), v as u32);
     meta.u32(&k("rope.dimension_count"), rope as u32);
-    moe_meta(config, &mut meta)?;
+    moe_meta(config, meta)?;
     match config.rope.scaling {
         RopeScaling::Default => {}
         RopeScaling::Yarn {
@@ -251,15 +239,13 @@ pub(super) fn export(
              `mscale_all_dim` (what llama.cpp's '{GGUF_ARCH}' computes), not {other:?}"
         ),
     }
-    write_tokenizer(&mut meta, &tok, &vocab, &pre, config);
-    let written = write_gguf(out, &plan, &meta, weights)?;
-    Ok(GgufExport {
-        architecture: GGUF_ARCH.into(),
-        tensors: plan.len(),
-        bytes: written,
-        pre_tokenizer: pre,
-        notes,
-    })
+    // llama-quantize's k-quant mixes, as its 0.3.36 types these architectures' tensors.
+    let mix = MixModel {
+        experts: config.moe.as_ref().map_or(0, |m| m.num_experts),
+        seventy_b: false,
+        fused_as_value: true,
+    };
+    file.finish(out, plan, outtype, mix, config, weights)
 }
 
 /// The experts' keys: counts, sizes, routing.

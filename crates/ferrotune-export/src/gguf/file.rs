@@ -71,23 +71,26 @@ pub(super) fn write_gguf_data(
     for (t, &off) in plan.iter().zip(&offsets) {
         pad_to(&mut w, written - data_start)?;
         written = data_start + off;
-        if let Source::Mxfp4 {
-            blocks,
-            scales,
-            start,
-            step,
-        } = &t.source
-        {
-            let bytes = mxfp4_bytes(weights, blocks, scales, *start, *step)?;
-            if bytes.len() as u64 != t.ty.bytes(t.dims.iter().product::<u64>() as usize) {
-                bail!("{}: MXFP4 blocks do not fit its shape", t.name);
-            }
-            w.write_all(&bytes)?;
-            written += bytes.len() as u64;
-            continue;
-        }
         let values = match &t.source {
-            Source::Mxfp4 { .. } => unreachable!("written above"),
+            Source::Mxfp4 {
+                blocks,
+                scales,
+                start,
+                step,
+            } => {
+                let bytes = mxfp4_bytes(weights, blocks, scales, *start, *step)?;
+                let numel = t.dims.iter().product::<u64>() as usize;
+                if bytes.len() as u64 != GgmlType::Mxfp4.bytes(numel) {
+                    bail!("{}: MXFP4 blocks do not fit its shape", t.name);
+                }
+                if t.ty == GgmlType::Mxfp4 {
+                    w.write_all(&bytes)?;
+                    written += bytes.len() as u64;
+                    continue;
+                }
+                // A k-quant mix requantizes them, as llama-quantize does.
+                ferrotune_models::gguf::dequantize_mxfp4(&bytes)
+            }
             Source::Values(v) => v.clone(),
             Source::Stacked(parts) => {
                 let mut values = Vec::new();

@@ -5,7 +5,9 @@
 //!
 //! OpenAI's MXFP4 experts (`mlp.experts.*_blocks` / `*_scales`, `quantization_config` mxfp4) are
 //! written as the converter writes them: GGML type 39 MXFP4, repacked byte for byte (the same
-//! scale bytes, the nibbles in ggml's order), whatever the outtype of the other tensors.
+//! scale bytes, the nibbles in ggml's order), whatever the float or Q8_0 outtype of the other
+//! tensors; a k-quant mix dequantizes and requantizes them, as `llama-quantize
+//! --allow-requantize` does from the f32 file.
 //!
 //! llama.cpp fixes what the file cannot say: the clamped SwiGLU's limit 7 and alpha 1.702 (other
 //! values are refused) and even layers sliding (another pattern is refused). It rounds YaRN's
@@ -73,17 +75,7 @@ pub(super) fn export(
              (even layers sliding, one window)"
         );
     }
-    let outtype = match outtype {
-        OutType::Auto => match weights.first_matrix_dtype() {
-            Some(Dtype::BF16) => OutType::Bf16,
-            _ => OutType::F16,
-        },
-        t @ (OutType::F32 | OutType::F16 | OutType::Bf16 | OutType::Q8_0 | OutType::Mxfp4Moe) => t,
-        other => {
-            bail!("GGUF export of gpt-oss writes f32, f16, bf16, q8_0 or mxfp4_moe, not {other:?}")
-        }
-    };
-    let mut notes = Vec::new();
+    let outtype = resolve_outtype(outtype, weights, true)?;
     let e = moe.num_experts;
     let listed = weights.list();
     let mut plan = Vec::new();
@@ -232,21 +224,19 @@ pub(super) fn export(
         }
     }
     refuse_unplaced(model_dir, GGUF_ARCH, &skipped)?;
-    let home = model_dir;
-    let (tok, vocab, pre) = read_tokenizer(home, config, &mut notes)?;
-    let mut meta = Metadata::default();
     let shape = HeaderShape {
         layers: config.num_hidden_layers,
         heads: config.num_attention_heads,
         kv_heads: config.num_key_value_heads,
     };
-    let name = folder_name(home, "model");
     // As the converter: float files with MXFP4 experts are `MOSTLY_MXFP4_MOE` (38).
     let mxfp4 = plan.iter().any(|t| t.ty == GgmlType::Mxfp4);
     let file_type = match outtype {
         OutType::F32 | OutType::F16 | OutType::Bf16 if mxfp4 => 38,
         other => other.file_type(),
     };
+    let mut file = Opened::new(model_dir, GGUF_ARCH, file_type, config, shape, Vec::new())?;
+    let (meta, notes) = (&mut file.meta, &mut file.notes);
     if outtype == OutType::Mxfp4Moe {
         notes.push(
             "mxfp4_moe: the experts quantized to MXFP4 as llama-quantize's MXFP4_MOE does, the \
@@ -254,7 +244,6 @@ pub(super) fn export(
                 .into(),
         );
     }
-    write_header_typed(&mut meta, GGUF_ARCH, &name, file_type, config, shape);
     let k = |key: &str| format!("{GGUF_ARCH}.{key}");
     meta.f32(
         &k("attention.layer_norm_rms_epsilon"),
@@ -304,13 +293,11 @@ pub(super) fn export(
              factor, not {other:?}"
         ),
     }
-    write_tokenizer(&mut meta, &tok, &vocab, &pre, config);
-    let written = write_gguf(out, &plan, &meta, weights)?;
-    Ok(GgufExport {
-        architecture: GGUF_ARCH.into(),
-        tensors: plan.len(),
-        bytes: written,
-        pre_tokenizer: pre,
-        notes,
-    })
+    // llama-quantize's k-quant mixes, as its 0.3.36 types these architectures' tensors.
+    let mix = MixModel {
+        experts: e,
+        seventy_b: false,
+        fused_as_value: true,
+    };
+    file.finish(out, plan, outtype, mix, config, weights)
 }

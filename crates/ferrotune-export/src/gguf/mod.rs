@@ -43,12 +43,14 @@ mod file;
 mod gpt_oss;
 mod plan;
 mod qwen35;
+mod writer;
 
 pub use adapter::export_gguf_adapter;
 use arch::*;
 pub use file::quantize_q8_0;
 use file::*;
 use plan::*;
+use writer::*;
 
 /// Alignment of the tensor data (GGUF's default, `general.alignment` unset).
 const ALIGNMENT: u64 = 32;
@@ -329,20 +331,7 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
             config.hidden_size
         );
     }
-    let outtype = match outtype {
-        // The first matrix's dtype decides, as llama.cpp's converter's `auto` does.
-        OutType::Auto => {
-            let first_matrix = weights.first_matrix_dtype();
-            match first_matrix {
-                Some(Dtype::BF16) => OutType::Bf16,
-                _ => OutType::F16,
-            }
-        }
-        OutType::Mxfp4Moe => bail!(
-            "--outtype mxfp4_moe is written for gpt-oss's experts only (llama.cpp's 'gpt-oss')"
-        ),
-        other => other,
-    };
+    let outtype = resolve_outtype(outtype, &weights, false)?;
     let mut plan = Vec::new();
     let mut skipped = Vec::new();
     // Experts by (layer, part), then by expert: (file, name, shape).
@@ -522,8 +511,12 @@ pub fn export_gguf(model_dir: &Path, out: &Path, outtype: OutType) -> Result<Ggu
     }
 
     // llama.cpp's `LLM_TYPE_70B`: 80 layers of a Llama (grouped-query) or Qwen2.
-    let seventy_b = (w.seventy_b)(&config);
-    assign_mix_types(&mut plan, outtype, expert_count, seventy_b);
+    let mix = MixModel {
+        experts: expert_count,
+        seventy_b: (w.seventy_b)(&config),
+        fused_as_value: false,
+    };
+    assign_mix_types(&mut plan, outtype, mix);
     let mut meta = Metadata::default();
     let name = folder_name(home, "model");
     // ferrotune (as transformers) tells Mistral from Llama by the name in a `llama` GGUF: a model
@@ -843,7 +836,12 @@ mod tests {
                 })
                 .collect();
             plan.sort_by(|a, b| a.name.cmp(&b.name));
-            assign_mix_types(&mut plan, OutType::parse(mix).unwrap(), 0, seventy_b);
+            let model = MixModel {
+                experts: 0,
+                seventy_b,
+                fused_as_value: false,
+            };
+            assign_mix_types(&mut plan, OutType::parse(mix).unwrap(), model);
             let got: std::collections::HashMap<&str, u32> =
                 plan.iter().map(|t| (t.name.as_str(), t.ty.id())).collect();
             for (name, _, want) in &rows {

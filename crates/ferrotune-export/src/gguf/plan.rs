@@ -77,52 +77,92 @@ pub(super) fn use_more_bits(i: usize, n: usize) -> bool {
     i < n / 8 || i >= 7 * n / 8 || (i as isize - (n / 8) as isize).rem_euclid(3) == 2
 }
 
+/// What of the model, beyond its tensors' names and shapes, `llama-quantize`'s mixes look at.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct MixModel {
+    /// The routed experts (llama.cpp's `n_expert`; 0 for a dense model): 8 widens the
+    /// attention.
+    pub(super) experts: usize,
+    /// llama.cpp's `LLM_TYPE_70B` (an 80-layer Llama or Qwen2): its Q4_K value projections are
+    /// widened.
+    pub(super) seventy_b: bool,
+    /// A fused `attn_qkv` and DeepSeek's `attn_kv_b` are typed as value projections (llama.cpp
+    /// since its tensor categories, 0.3.36, what the architectures of 2026 were checked against);
+    /// otherwise `attn_qkv` has mid-2025 llama.cpp's own rule (what Phi-3 was checked against).
+    pub(super) fused_as_value: bool,
+}
+
 /// The types of a k-quant mix, as `llama-quantize` chooses them for an f32 file with these
 /// tensors in this order (`llama_tensor_get_type` without an importance matrix): only matrices
-/// named `*weight` (not norms) are quantized; the output head (or the token embedding when it
-/// is tied) gets Q6_K, or Q8_0 when its rows are not whole superblocks; Q4_K_M and Q5_K_M give
-/// Q6_K to the value projections (`attn_v`) and `ffn_down` of the layers [`use_more_bits`]
-/// picks (llama.cpp visits tensors by layer number, so its counters are layer indices), and a
-/// fused `attn_qkv` Q5_K (Q4_K_M) or Q6_K (Q5_K_M); Q4_K_S gives Q5_K to the first 4 layers'
-/// `attn_v` and the first eighth's `ffn_down`; a 70B model's Q4_K `attn_v` becomes Q5_K; with 8
-/// experts (Mixtral) `attn_v` and `attn_k` get Q8_0 and Q4_K_M's / Q4_K_S's `attn_output` Q5_K;
-/// the legacy types (Q4_0, ...) are uniform but for the output; a row length that is
-/// not a multiple of 256 falls back to Q5_0 / Q5_1 / Q8_0, and to f16 when not even of 32.
-pub(super) fn assign_mix_types(
-    plan: &mut [Planned],
-    outtype: OutType,
-    experts: usize,
-    seventy_b: bool,
-) {
+/// (not `[1, n]`) named `*weight` (not norms, routers or the DeltaNet's `ssm_conv1d`) are
+/// quantized; the output
+/// head (or the token embedding when it is tied) gets Q6_K, or Q8_0 when its rows are not whole
+/// superblocks; Q4_K_M and Q5_K_M give Q6_K to the value projections (`attn_v`, and with
+/// [`MixModel::fused_as_value`] `attn_qkv` and `attn_kv_b`; llama.cpp counts them in its order:
+/// by layer, then by name) and `ffn_down` (experts' and shared experts' too) of the layers
+/// [`use_more_bits`] picks; under the older rule a fused `attn_qkv` gets Q5_K (Q4_K_M) or Q6_K
+/// (Q5_K_M); Q4_K_S gives Q5_K to the first 4 value projections and the first eighth's
+/// `ffn_down`; a 70B model's Q4_K `attn_v` becomes Q5_K; with 8 experts (Mixtral, DeepSeek-V3)
+/// the value projections and `attn_k` get Q8_0 and Q4_K_M's / Q4_K_S's `attn_output` Q5_K; the
+/// legacy types (Q4_0, ...) are uniform but for the output; a row length that is not a multiple
+/// of 256 falls back to Q5_0 / Q5_1 / Q8_0, and to f16 when not even of 32. Everything else
+/// (the DeltaNet's `ssm_*` and `attn_gate`, MLA's `attn_k_b` / `attn_v_b` / `attn_q_a` /
+/// `attn_kv_a_mqa`, the experts' other parts) takes the mix's base type.
+pub(super) fn assign_mix_types(plan: &mut [Planned], outtype: OutType, model: MixModel) {
     let Some(base) = outtype.mix_base() else {
         return;
     };
+    let MixModel {
+        experts,
+        seventy_b,
+        fused_as_value,
+    } = model;
     let more_bits_mix = matches!(outtype, OutType::Q4KM | OutType::Q5KM);
-    let is_value = |name: &str| name.contains("attn_v.weight") || name.contains("attn_qkv.weight");
-    let n_value = plan.iter().filter(|t| is_value(&t.name)).count();
+    let is_value = |name: &str| {
+        name.contains("attn_v.weight")
+            || name.contains("attn_qkv.weight")
+            || (fused_as_value && name.contains("attn_kv_b.weight"))
+    };
     let has_output = plan.iter().any(|t| t.name == "output.weight");
     // The layer number of `blk.N.*`.
-    let layer = |name: &str| -> usize {
+    let layer = |name: &str| -> Option<usize> {
         name.strip_prefix("blk.")
             .and_then(|rest| rest.split('.').next())
             .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
     };
+    // The value projections in llama.cpp's order (layer, then name; tensors of no layer first):
+    // its counter of them is the position in this list.
+    let mut values: Vec<(Option<usize>, &str)> = plan
+        .iter()
+        .filter(|t| is_value(&t.name))
+        .map(|t| (layer(&t.name), t.name.as_str()))
+        .collect();
+    values.sort();
+    let value_index: std::collections::HashMap<String, usize> = values
+        .iter()
+        .enumerate()
+        .map(|(i, (_, name))| (name.to_string(), i))
+        .collect();
+    let n_value = values.len();
     // llama.cpp sets its `ffn_down` count to the number of layers (a layer's experts and shared
     // expert both take that layer's choice).
     let n_down = plan
         .iter()
         .filter(|t| t.name.contains("ffn_down"))
-        .map(|t| layer(&t.name) + 1)
+        .map(|t| layer(&t.name).unwrap_or(0) + 1)
         .max()
         .unwrap_or(0);
     let q = GgmlType::Quant;
     for t in plan.iter_mut() {
         let name = t.name.as_str();
-        if t.dims.len() < 2
+        // ggml's `ggml_n_dims`: trailing dimensions of 1 do not count (a `[1, n]` matrix is a
+        // vector to llama.cpp, and stays f32).
+        let n_dims = t.dims.iter().rposition(|&d| d != 1).map_or(1, |i| i + 1);
+        if n_dims < 2
             || !name.ends_with("weight")
             || name.contains("_norm.weight")
             || name.contains("ffn_gate_inp")
+            || name.contains("ssm_conv1d")
         {
             continue;
         }
@@ -134,8 +174,8 @@ pub(super) fn assign_mix_types(
             } else {
                 GgmlType::Q8_0
             };
-        } else if name.contains("attn_qkv.weight") {
-            // A fused projection's own rule in llama.cpp of mid-2025 (what the tests check
+        } else if name.contains("attn_qkv.weight") && !fused_as_value {
+            // A fused projection's own rule in llama.cpp of mid-2025 (what the Phi-3 test checks
             // against); later llama.cpp treats it as `attn_v`.
             match outtype {
                 OutType::Q4KM => ty = q(QuantKind::Q5K),
@@ -143,7 +183,7 @@ pub(super) fn assign_mix_types(
                 _ => {}
             }
         } else if is_value(name) {
-            let i = layer(name);
+            let i = value_index[name];
             if more_bits_mix && use_more_bits(i, n_value) {
                 ty = q(QuantKind::Q6K);
             } else if outtype == OutType::Q4KS && i < 4 {
@@ -164,7 +204,7 @@ pub(super) fn assign_mix_types(
                 ty = q(QuantKind::Q5K);
             }
         } else if name.contains("ffn_down") {
-            let i = layer(name);
+            let i = layer(name).unwrap_or(0);
             if more_bits_mix && use_more_bits(i, n_down) {
                 ty = q(QuantKind::Q6K);
             } else if outtype == OutType::Q4KS && i < n_down / 8 {

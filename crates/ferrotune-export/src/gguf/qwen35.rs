@@ -85,17 +85,7 @@ pub(super) fn export(
     } else if arch != GGUF_ARCH_DENSE {
         bail!("{}: a mixture of experts is expected", config.model_type);
     }
-    let outtype = match outtype {
-        OutType::Auto => match weights.first_matrix_dtype() {
-            Some(Dtype::BF16) => OutType::Bf16,
-            _ => OutType::F16,
-        },
-        t @ (OutType::F32 | OutType::F16 | OutType::Bf16 | OutType::Q8_0) => t,
-        other => bail!(
-            "GGUF export of {} writes f32, f16, bf16 or q8_0, not {other:?}",
-            config.model_type
-        ),
-    };
+    let outtype = resolve_outtype(outtype, weights, false)?;
     let (kh, vh, dk, dv) = (
         dn.key_heads,
         dn.value_heads,
@@ -106,6 +96,13 @@ pub(super) fn export(
     let reorder = !next && kh != vh;
     let qk = 2 * kh * dk;
     let mut notes = Vec::new();
+    if dk != dv {
+        // llama.cpp 0.3.36's loader makes the DeltaNet's value heads as wide as its key heads
+        // (`ssm.state_size`); released Qwen3.5 / Qwen3-Next checkpoints have them equal.
+        notes.push(format!(
+            "linear_key_head_dim {dk} is not linear_value_head_dim {dv}: llama.cpp sizes the              DeltaNet's value heads by the key head size and will not load this file"
+        ));
+    }
     let listed = weights.list();
     let mut plan = Vec::new();
     let mut skipped = Vec::new();
@@ -302,16 +299,13 @@ pub(super) fn export(
         );
     }
     refuse_unplaced(model_dir, arch, &skipped)?;
-    let home = model_dir;
-    let (tok, vocab, pre) = read_tokenizer(home, config, &mut notes)?;
-    let mut meta = Metadata::default();
     let shape = HeaderShape {
         layers: config.num_hidden_layers,
         heads: config.num_attention_heads,
         kv_heads: config.num_key_value_heads,
     };
-    let name = folder_name(home, "model");
-    write_header(&mut meta, arch, &name, outtype, config, shape);
+    let mut file = Opened::new(model_dir, arch, outtype.file_type(), config, shape, notes)?;
+    let meta = &mut file.meta;
     let k = |key: &str| format!("{arch}.{key}");
     meta.f32(
         &k("attention.layer_norm_rms_epsilon"),
@@ -369,15 +363,13 @@ pub(super) fn export(
         None if !next => meta.i32s(&k("rope.dimension_sections"), &[11, 11, 10, 0]),
         None => {}
     }
-    write_tokenizer(&mut meta, &tok, &vocab, &pre, config);
-    let written = write_gguf(out, &plan, &meta, weights)?;
-    Ok(GgufExport {
-        architecture: arch.into(),
-        tensors: plan.len(),
-        bytes: written,
-        pre_tokenizer: pre,
-        notes,
-    })
+    // llama-quantize's k-quant mixes, as its 0.3.36 types these architectures' tensors.
+    let mix = MixModel {
+        experts,
+        seventy_b: false,
+        fused_as_value: true,
+    };
+    file.finish(out, plan, outtype, mix, config, weights)
 }
 
 /// The planned tensor `gguf` of the HF tensor `name` (`shape`) as the family's table says: its

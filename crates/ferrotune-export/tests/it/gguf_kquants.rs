@@ -2,7 +2,11 @@
 //! block format byte for byte as ggml's `ggml_quantize_chunk`, and whole Q4_K_M / Q5_K_M / Q6_K
 //! files tensor for tensor (type and bytes) as `llama_model_quantize` makes them from ferrotune's
 //! f32 export of the same model — a Llama with an untied head and rows that are not whole
-//! superblocks, a Llama with tied embeddings, and a Phi-3 with fused projections.
+//! superblocks, a Llama with tied embeddings, a Phi-3 with fused projections, the mixtures of
+//! experts, and (from llama.cpp 0.3.36, also in Q4_K_S and Q4_0) the architectures of 2026:
+//! Qwen3.5 and Qwen3.5-MoE (`qwen35`, `qwen35moe`: the DeltaNet's `attn_qkv`, `attn_gate`,
+//! `ssm_*`), Qwen3-Next, gpt-oss (float experts, sinks, biases) and DeepSeek-V3 (8 experts) and
+//! -V2 (`deepseek2`: `attn_k_b` / `attn_v_b`, `attn_kv_a_mqa`).
 
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
@@ -193,6 +197,48 @@ fn k_quant_mixes_match_llama_quantize_tensor_for_tensor() {
                     "{model} {mix} {name}: bytes"
                 );
             }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+/// gpt-oss with OpenAI's MXFP4 experts (the fixture, given llama.cpp's SwiGLU limit and a
+/// rounded YaRN range): its Q4_K_M and Q6_K files as `llama_model_quantize --allow-requantize`
+/// makes them from ferrotune's f32 export, where the experts are MXFP4 (dequantized, then
+/// quantized to the mix's types), every tensor's type and bytes.
+#[test]
+fn mxfp4_experts_are_requantized_as_llama_quantize_does() {
+    let g = golden();
+    let work = std::env::temp_dir().join(format!("ferrotune-kquants-mx-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let dir = work.join("model");
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixtures().join("gpt_oss_mxfp4/model")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    c["swiglu_limit"] = serde_json::json!(7.0);
+    c["swiglu_alpha"] = serde_json::json!(1.702);
+    c["rope_parameters"]["truncate"] = serde_json::json!(true);
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let mixes = g["gpt_oss_mxfp4"].as_object().unwrap();
+    assert_eq!(mixes.len(), 2);
+    for (mix, want) in mixes {
+        let out = work.join(format!("{mix}.gguf"));
+        export_gguf(&dir, &out, OutType::parse(mix).unwrap()).unwrap();
+        let got = gguf_tensors(&out);
+        let want = want.as_object().unwrap();
+        assert_eq!(got.len(), want.len(), "{mix}: tensor count");
+        for (name, w) in want {
+            let (ty, sha) = got.get(name).unwrap_or_else(|| panic!("{mix}: no {name}"));
+            assert_eq!(
+                *ty as u64,
+                w["type"].as_u64().unwrap(),
+                "{mix} {name}: type"
+            );
+            assert_eq!(sha, w["sha256"].as_str().unwrap(), "{mix} {name}: bytes");
         }
     }
     let _ = std::fs::remove_dir_all(&work);

@@ -48,13 +48,47 @@ impl GgufFile<'_> {
         for (key, act) in arch.reading.activation {
             c.insert((*key).into(), json!(act));
         }
-        // As transformers decides: tied exactly when there is no separate output matrix.
-        let tied = !self.content.tensor_infos.contains_key("output.weight");
-        c.insert("tie_word_embeddings".into(), json!(tied));
+        c.insert("tie_word_embeddings".into(), json!(self.head_tied()));
         let source = GgufSource { file: &*self, hp };
         (arch.reading.config_keys)(source, &mut c)?;
         self.insert_ids_dtype_name(&mut c, dtype)?;
         Ok(Value::Object(c))
+    }
+
+    /// `layers` (`{arch}.block_count`, less any multi-token-prediction layers) checked as the
+    /// model's layer count (against the machine), for the readers of architectures with their
+    /// own layout (`deepseek2.rs`, `gpt_oss.rs`, `qwen35.rs`).
+    pub(super) fn check_layers(&self, arch: &str, layers: usize) -> Result<(), ModelError> {
+        let key = format!("metadata key '{arch}.block_count'");
+        crate::config::layers::check_layer_count(layers, &key).map_err(|m| self.err(m))
+    }
+
+    /// `{arch}.vocab_size`, else the token embedding's row count (the readers of architectures
+    /// with their own layout).
+    pub(super) fn vocab_or_embedding_rows(&self, arch: &str) -> Result<usize, ModelError> {
+        match self.uint(&format!("{arch}.vocab_size"))? {
+            Some(n) => Ok(n as usize),
+            None => self
+                .content
+                .tensor_infos
+                .get("token_embd.weight")
+                .and_then(|t| t.shape.dims().first().copied())
+                .ok_or_else(|| self.err(format!("missing metadata key '{arch}.vocab_size'"))),
+        }
+    }
+
+    /// `{arch}.attention.layer_norm_rms_epsilon`, which must be there (the readers of
+    /// architectures with their own layout).
+    pub(super) fn req_rms_eps(&self, arch: &str) -> Result<f64, ModelError> {
+        let key = format!("{arch}.attention.layer_norm_rms_epsilon");
+        self.float(&key)?
+            .ok_or_else(|| self.err(format!("missing metadata key '{key}'")))
+    }
+
+    /// Whether the output head is the token embedding: as transformers decides, exactly when
+    /// the file has no separate `output.weight`.
+    pub(super) fn head_tied(&self) -> bool {
+        !self.content.tensor_infos.contains_key("output.weight")
     }
 
     /// The keys every architecture's config takes the same way: the special token ids, the

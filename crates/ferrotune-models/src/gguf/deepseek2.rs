@@ -208,11 +208,9 @@ fn config_json(
 ) -> Result<(Value, Mla, usize, usize, usize), ModelError> {
     let a = crate::family::deepseek::GGUF_ARCH;
     let k = |s: &str| format!("{a}.{s}");
-    let missing = |key: &str| g.err(format!("missing metadata key '{key}'"));
     let hidden = g.req_count(&k("embedding_length"))?;
     let layers = g.req_count(&k("block_count"))?;
-    let key = format!("metadata key '{}'", k("block_count"));
-    crate::config::layers::check_layer_count(layers, &key).map_err(|m| g.err(m))?;
+    g.check_layers(a, layers)?;
     let heads = g.req_count(&k("attention.head_count"))?;
     let rope = g.req_count(&k("rope.dimension_count"))?;
     let kv_lora = g.req_count(&k("attention.kv_lora_rank"))?;
@@ -239,17 +237,8 @@ fn config_json(
         v,
         kv_lora,
     };
-    let vocab = match g.uint(&k("vocab_size"))? {
-        Some(n) => n as usize,
-        None => g
-            .content
-            .tensor_infos
-            .get("token_embd.weight")
-            .and_then(|t| t.shape.dims().first().copied())
-            .ok_or_else(|| missing(&k("vocab_size")))?,
-    };
-    let eps_key = k("attention.layer_norm_rms_epsilon");
-    let eps = g.float(&eps_key)?.ok_or_else(|| missing(&eps_key))?;
+    let vocab = g.vocab_or_embedding_rows(a)?;
+    let eps = g.req_rms_eps(a)?;
     let mut c = Map::new();
     c.insert("vocab_size".into(), json!(vocab));
     c.insert("hidden_size".into(), json!(hidden));
@@ -277,8 +266,7 @@ fn config_json(
     c.insert("head_dim".into(), json!(mla.rope));
     c.insert("rope_interleave".into(), json!(true));
     c.insert("rope_parameters".into(), rope_parameters(g)?);
-    let tied = !g.content.tensor_infos.contains_key("output.weight");
-    c.insert("tie_word_embeddings".into(), json!(tied));
+    c.insert("tie_word_embeddings".into(), json!(g.head_tied()));
     c.insert("num_nextn_predict_layers".into(), json!(0));
     let experts = g.uint(&k("expert_count"))?.unwrap_or(0) as usize;
     let leading = g.uint(&k("leading_dense_block_count"))?.unwrap_or(0) as usize;

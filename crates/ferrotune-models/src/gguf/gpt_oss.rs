@@ -147,8 +147,7 @@ fn config_json(g: &GgufFile, dtype: DType) -> Result<(Value, usize, usize), Mode
     let k = |s: &str| format!("{GGUF_ARCH}.{s}");
     let missing = |key: &str| g.err(format!("missing metadata key '{key}'"));
     let layers = g.req_count(&k("block_count"))?;
-    let key = format!("metadata key '{}'", k("block_count"));
-    crate::config::layers::check_layer_count(layers, &key).map_err(|m| g.err(m))?;
+    g.check_layers(GGUF_ARCH, layers)?;
     let heads = g.req_count(&k("attention.head_count"))?;
     let kv_heads = g.req_count(&k("attention.head_count_kv"))?;
     let head_dim = g.req_count(&k("attention.key_length"))?;
@@ -160,17 +159,8 @@ fn config_json(g: &GgufFile, dtype: DType) -> Result<(Value, usize, usize), Mode
         )));
     }
     let window = g.req_count(&k("attention.sliding_window"))?;
-    let vocab = match g.uint(&k("vocab_size"))? {
-        Some(n) => n as usize,
-        None => g
-            .content
-            .tensor_infos
-            .get("token_embd.weight")
-            .and_then(|t| t.shape.dims().first().copied())
-            .ok_or_else(|| missing(&k("vocab_size")))?,
-    };
-    let eps_key = k("attention.layer_norm_rms_epsilon");
-    let eps = g.float(&eps_key)?.ok_or_else(|| missing(&eps_key))?;
+    let vocab = g.vocab_or_embedding_rows(GGUF_ARCH)?;
+    let eps = g.req_rms_eps(GGUF_ARCH)?;
     let theta = g.positive_float(&k("rope.freq_base"))?.unwrap_or(10000.0);
     let rope = match g.string(&k("rope.scaling.type"))?.map(str::to_ascii_lowercase).as_deref() {
         None | Some("none") => json!({"rope_type": "default", "rope_theta": theta}),
@@ -245,8 +235,7 @@ fn config_json(g: &GgufFile, dtype: DType) -> Result<(Value, usize, usize), Mode
     // llama.cpp's fixed clamped SwiGLU (LLM_FFN_SWIGLU_OAI_MOE).
     c.insert("swiglu_limit".into(), json!(7.0));
     c.insert("swiglu_alpha".into(), json!(1.702));
-    let tied = !g.content.tensor_infos.contains_key("output.weight");
-    c.insert("tie_word_embeddings".into(), json!(tied));
+    c.insert("tie_word_embeddings".into(), json!(g.head_tied()));
     g.insert_ids_dtype_name(&mut c, dtype)?;
     Ok((Value::Object(c), layers, experts))
 }

@@ -232,7 +232,6 @@ fn config_json(
     dtype: DType,
 ) -> Result<(Value, usize, Heads, usize), ModelError> {
     let k = |s: &str| format!("{arch}.{s}");
-    let missing = |key: &str| g.err(format!("missing metadata key '{key}'"));
     let blocks = g.req_count(&k("block_count"))?;
     let mtp = g.uint(&k("nextn_predict_layers"))?.unwrap_or(0) as usize;
     let Some(layers) = blocks.checked_sub(mtp).filter(|&l| l > 0) else {
@@ -241,8 +240,7 @@ fn config_json(
             k("nextn_predict_layers")
         )));
     };
-    let key = format!("metadata key '{}'", k("block_count"));
-    crate::config::layers::check_layer_count(layers, &key).map_err(|m| g.err(m))?;
+    g.check_layers(arch, layers)?;
     let head_dim = g.req_count(&k("attention.key_length"))?;
     let rotary = g.req_count(&k("rope.dimension_count"))?;
     let value_heads = g.req_count(&k("ssm.time_step_rank"))?;
@@ -300,23 +298,14 @@ fn config_json(
                 .collect()
         }
     };
-    let vocab = match g.uint(&k("vocab_size"))? {
-        Some(n) => n as usize,
-        None => g
-            .content
-            .tensor_infos
-            .get("token_embd.weight")
-            .and_then(|t| t.shape.dims().first().copied())
-            .ok_or_else(|| missing(&k("vocab_size")))?,
-    };
+    let vocab = g.vocab_or_embedding_rows(arch)?;
     if g.meta(&k("rope.scaling.type")).is_some() {
         return Err(g.err(format!(
             "'{}' is set: {arch} files are read with plain rope",
             k("rope.scaling.type")
         )));
     }
-    let eps_key = k("attention.layer_norm_rms_epsilon");
-    let eps = g.float(&eps_key)?.ok_or_else(|| missing(&eps_key))?;
+    let eps = g.req_rms_eps(arch)?;
     let theta = g.positive_float(&k("rope.freq_base"))?.unwrap_or(10000.0);
     let Some((_, model_type, class)) = GGUF_ARCHS.iter().find(|(a, _, _)| *a == arch) else {
         return Err(g.err(format!("'{arch}' is not a Qwen3.5 architecture")));
@@ -390,8 +379,7 @@ fn config_json(
         }
         experts
     };
-    let tied = !g.content.tensor_infos.contains_key("output.weight");
-    c.insert("tie_word_embeddings".into(), json!(tied));
+    c.insert("tie_word_embeddings".into(), json!(g.head_tied()));
     g.insert_ids_dtype_name(&mut c, dtype)?;
     Ok((Value::Object(c), layers, heads, experts))
 }
