@@ -14,9 +14,29 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor}
 use crate::nf4::Nf4Matrix;
 use crate::weight::BaseWeight;
 
+/// Makes a frozen weight `[out, in]` each time the op needs it ([`frozen_matmul_made`]).
+pub type MakeWeight = Arc<dyn Fn() -> Result<Tensor> + Send + Sync>;
+
+/// Where the op's weight comes from.
+enum Source {
+    /// A layer's base weight (an NF4 one is dequantized for each use).
+    Base(BaseWeight),
+    /// Made for each use (a packed weight the caller knows how to expand).
+    Made(MakeWeight),
+}
+
+impl Source {
+    fn dense(&self) -> Result<std::borrow::Cow<'_, Tensor>> {
+        match self {
+            Self::Base(w) => w.dense(),
+            Self::Made(make) => Ok(std::borrow::Cow::Owned(make()?)),
+        }
+    }
+}
+
 /// The op; holds the weight.
 struct FrozenMatmul {
-    weight: BaseWeight,
+    weight: Source,
 }
 
 /// `(m, n, k)` and the transposed weight layout for an `[m, k]` input and a weight `[n, k]`.
@@ -96,7 +116,7 @@ impl CustomOp1 for FrozenMatmul {
 /// `rows.matmul(&weight.t())`, and so is the gradient of `rows`.
 pub fn frozen_matmul(rows: &Tensor, weight: &Tensor) -> Result<Tensor> {
     let op = FrozenMatmul {
-        weight: BaseWeight::Dense(weight.contiguous()?),
+        weight: Source::Base(BaseWeight::Dense(weight.contiguous()?)),
     };
     rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
 }
@@ -109,7 +129,21 @@ pub fn nf4_matmul(rows: &Tensor, weight: &Arc<Nf4Matrix>) -> Result<Tensor> {
         return rows.matmul(&weight.dequantize()?.t()?);
     }
     let op = FrozenMatmul {
-        weight: BaseWeight::Nf4(weight.clone()),
+        weight: Source::Base(BaseWeight::Nf4(weight.clone())),
+    };
+    rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
+}
+
+/// `rows @ weight.T` for a frozen weight `[out, in]` that `make` expands from a packed form (a
+/// contiguous tensor each call): expanded for the product and again for the backward
+/// (`dx = dy @ weight`), never kept by the graph, and taking no gradient — as [`nf4_matmul`]
+/// for any packing.
+pub fn frozen_matmul_made(rows: &Tensor, make: MakeWeight) -> Result<Tensor> {
+    if !rows.track_op() {
+        return rows.matmul(&make()?.t()?);
+    }
+    let op = FrozenMatmul {
+        weight: Source::Made(make),
     };
     rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
 }

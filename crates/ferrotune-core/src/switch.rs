@@ -256,6 +256,18 @@ pub const DEVICE_MAP_FAKE: Knob = Knob {
     test_hook: true,
 };
 
+/// gpt-oss's MXFP4 experts kept packed under QLoRA.
+pub const MXFP4_PACKED: Knob = Knob {
+    name: "FERROTUNE_MXFP4_PACKED",
+    meaning: "`0` dequantizes a gpt-oss checkpoint's MXFP4 experts when it is read for QLoRA \
+              (`model.quantize_base`), as in every other run, instead of holding them packed \
+              and dequantizing each routed expert for its product (transformers' \
+              `Mxfp4Config(dequantize=True)` against `False`), for comparison.",
+    default: "on",
+    kind: KnobKind::Switch,
+    test_hook: false,
+};
+
 /// Every knob, in the order `docs/src/environment.md` lists them.
 pub const KNOBS: &[Knob] = &[
     ASSETS,
@@ -269,6 +281,7 @@ pub const KNOBS: &[Knob] = &[
     ATTN,
     ATTN_CHUNK_ROWS,
     CE_CHUNK_ROWS,
+    MXFP4_PACKED,
     CUDA_CAP,
     KILL_AFTER_STEP,
     KILL_RANK,

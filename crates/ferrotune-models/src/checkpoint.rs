@@ -330,6 +330,18 @@ pub(crate) fn read_safetensors_renamed(
     device: &Device,
     rename: &dyn Fn(&str) -> Option<String>,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
+    read_safetensors_parts(files, dtype, device, rename, false)
+}
+
+/// [`read_safetensors_renamed`]; with `keep_mxfp4`, MXFP4 weights stay as their `*_blocks` /
+/// `*_scales` (u8, on the CPU) for the model to hold packed.
+fn read_safetensors_parts(
+    files: &[PathBuf],
+    dtype: Option<DType>,
+    device: &Device,
+    rename: &dyn Fn(&str) -> Option<String>,
+    keep_mxfp4: bool,
+) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut out = HashMap::new();
     let mut mxfp4_parts = HashMap::new();
     for file in files {
@@ -369,7 +381,7 @@ pub(crate) fn read_safetensors_renamed(
             out.insert(new_name, t);
         }
     }
-    crate::mxfp4::dequantize_parts(mxfp4_parts, dtype, device, &mut out)?;
+    crate::mxfp4::dequantize_parts(mxfp4_parts, dtype, device, &mut out, keep_mxfp4)?;
     Ok(out)
 }
 
@@ -502,7 +514,7 @@ pub fn read_checkpoint(
     dtype: DType,
     device: &Device,
 ) -> Result<Checkpoint, ModelError> {
-    read(path, &[], dtype, device, false)
+    read(path, &[], dtype, device, false, false)
 }
 
 /// [`read_checkpoint`] of exactly the weight files `files` of the folder `path` (a config's
@@ -513,7 +525,20 @@ pub fn read_checkpoint_files(
     dtype: DType,
     device: &Device,
 ) -> Result<Checkpoint, ModelError> {
-    read(path, files, dtype, device, false)
+    read(path, files, dtype, device, false, false)
+}
+
+/// [`read_checkpoint_files`] keeping MXFP4 weights (gpt-oss's experts as OpenAI ships them) as
+/// their `*_blocks` / `*_scales` bytes rather than dequantized: [`CausalLm::from_tensors`] then
+/// holds them packed ([`crate::model::ExpertWeight::Mxfp4`]), a frozen base for LoRA (QLoRA).
+/// Other checkpoints read as with [`read_checkpoint_files`].
+pub fn read_checkpoint_files_keeping_mxfp4(
+    path: &Path,
+    files: &[PathBuf],
+    dtype: DType,
+    device: &Device,
+) -> Result<Checkpoint, ModelError> {
+    read(path, files, dtype, device, false, true)
 }
 
 fn read(
@@ -522,6 +547,7 @@ fn read(
     dtype: DType,
     device: &Device,
     keep_packed: bool,
+    keep_mxfp4: bool,
 ) -> Result<Checkpoint, ModelError> {
     let format = if files.is_empty() {
         locate_weights(path)?
@@ -564,9 +590,13 @@ fn read(
             // Multimodal checkpoints hold their text model under a prefix; Llama 4 names its
             // MLP `feed_forward`: both read under the decoder's names.
             let tensors = if config.text_of_multimodal || config.llama4_names {
-                let mut tensors = read_safetensors_renamed(files, Some(dtype), device, &|name| {
-                    config.text_model_name(name)
-                })?;
+                let mut tensors = read_safetensors_parts(
+                    files,
+                    Some(dtype),
+                    device,
+                    &|name| config.text_model_name(name),
+                    keep_mxfp4,
+                )?;
                 if config.text_of_multimodal {
                     narrow_multimodal_embedding(&config, &mut tensors)
                         .map_err(|msg| ModelError::file(&dir, msg))?;
@@ -581,7 +611,7 @@ fn read(
                 }
                 tensors
             } else {
-                read_safetensors(files, dtype, device)?
+                read_safetensors_parts(files, Some(dtype), device, &|n| Some(n.into()), keep_mxfp4)?
             };
             (config, tensors, PackedWeights::new(), dir, Vec::new())
         }
@@ -614,7 +644,7 @@ pub fn load_model_files(
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, PathBuf), ModelError> {
-    let ckpt = read(path, files, dtype, device, true)?;
+    let ckpt = read(path, files, dtype, device, true, false)?;
     let source = path.display().to_string();
     let mut model =
         CausalLm::from_tensors_and_packed(ckpt.config, ckpt.tensors, ckpt.packed, &source)?;

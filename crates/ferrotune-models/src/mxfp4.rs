@@ -58,28 +58,168 @@ pub fn dequantize(blocks: &Tensor, scales: &Tensor, name: &str) -> Result<Tensor
             .map_err(|e| err(e.to_string()))
     };
     let (bytes, exps) = (host(blocks)?, host(scales)?);
-    let mut out = Vec::with_capacity(bytes.len() * 2);
-    for (group, &s) in bytes.chunks_exact(b).zip(&exps) {
-        // ldexp: exact in f64, then one rounding to f32 (only an overflow rounds, to ±∞).
-        let scale = 2f64.powi(s as i32 - 127);
-        for &byte in group {
-            out.push((FP4_VALUES[(byte & 0x0F) as usize] as f64 * scale) as f32);
-            out.push((FP4_VALUES[(byte >> 4) as usize] as f64 * scale) as f32);
-        }
-    }
-    Tensor::from_vec(out, (e, r, g * b * 2), &Device::Cpu)
+    Tensor::from_vec(decode(&bytes, &exps, b), (e, r, g * b * 2), &Device::Cpu)
         .and_then(|t| t.transpose(1, 2)?.contiguous())
         .map_err(|e| err(e.to_string()))
 }
 
+/// The values of MXFP4 `bytes` (groups of `b` bytes, two FP4 values each, low nibble first), each
+/// group scaled by its byte of `exps`: ldexp, exact in f64, then one rounding to f32 (only an
+/// overflow rounds, to ±∞). Below scale byte 255 the f32 product is that same value: the scale
+/// `2^(s − 127)` is an f32 (a subnormal for 0), and an FP4 value times it is exact or overflows.
+fn decode(bytes: &[u8], exps: &[u8], b: usize) -> Vec<f32> {
+    // Each byte's two values, low nibble first.
+    let pairs: [[f32; 2]; 256] =
+        std::array::from_fn(|i| [FP4_VALUES[i & 0x0F], FP4_VALUES[i >> 4]]);
+    let mut out = vec![0f32; bytes.len() * 2];
+    let groups = out.chunks_exact_mut(2 * b).zip(bytes.chunks_exact(b));
+    for ((out, group), &s) in groups.zip(exps) {
+        if s == 255 {
+            let scale = 2f64.powi(s as i32 - 127);
+            for (o, &byte) in out.chunks_exact_mut(2).zip(group) {
+                o[0] = (FP4_VALUES[(byte & 0x0F) as usize] as f64 * scale) as f32;
+                o[1] = (FP4_VALUES[(byte >> 4) as usize] as f64 * scale) as f32;
+            }
+            continue;
+        }
+        let scale = if s == 0 {
+            f32::from_bits(1 << 22)
+        } else {
+            f32::from_bits((s as u32) << 23)
+        };
+        for (o, &byte) in out.chunks_exact_mut(2).zip(group) {
+            let [lo, hi] = pairs[byte as usize];
+            o[0] = lo * scale;
+            o[1] = hi * scale;
+        }
+    }
+    out
+}
+
+/// One of gpt-oss's fused expert weights kept as its MXFP4 blocks and scales (QLoRA's frozen
+/// base, [`crate::model::ExpertWeight::Mxfp4`]): about a quarter of the bf16 bytes. Each expert
+/// dequantizes on its own ([`Mxfp4Experts::expert_rows`]), to exactly the values [`dequantize`]
+/// gives, in the dtype the dense weight would have. The bytes stay in host memory.
+#[derive(Debug)]
+pub struct Mxfp4Experts {
+    /// `*_blocks` `[experts, rows, groups, bytes]`, flat.
+    blocks: Vec<u8>,
+    /// `*_scales` `[experts, rows, groups]`, flat.
+    scales: Vec<u8>,
+    /// `(experts, rows, groups, bytes per group)`.
+    dims: (usize, usize, usize, usize),
+    /// The dtype and device the dequantized experts are made in.
+    dtype: DType,
+    device: Device,
+}
+
+impl Mxfp4Experts {
+    /// The packed weight `name` from its `blocks` (u8 `[experts, rows, groups, 16]`) and `scales`
+    /// (u8 `[experts, rows, groups]`), to dequantize into `dtype` on `device`. Checked as
+    /// [`dequantize`] checks them, and every value finite (as a dequantized weight is checked).
+    pub fn new(
+        blocks: &Tensor,
+        scales: &Tensor,
+        name: &str,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let err = |m: String| ModelError::Msg(format!("MXFP4 weight '{name}': {m}"));
+        // The shape and type checks, on an empty slice of the experts.
+        dequantize(&blocks.narrow(0, 0, 0)?, &scales.narrow(0, 0, 0)?, name)?;
+        let dims = blocks.dims4()?;
+        let host = |t: &Tensor| -> Result<Vec<u8>, ModelError> {
+            t.flatten_all()
+                .and_then(|t| t.to_device(&Device::Cpu))
+                .and_then(|t| t.to_vec1::<u8>())
+                .map_err(|e| err(e.to_string()))
+        };
+        let packed = Self {
+            blocks: host(blocks)?,
+            scales: host(scales)?,
+            dims,
+            dtype,
+            device: device.clone(),
+        };
+        // 6 · 2^(252 − 127) < f32::MAX: only larger scale bytes can dequantize to ±∞.
+        if packed.scales.iter().any(|&s| s > 252) {
+            for e in 0..dims.0 {
+                let w = packed.expert_rows(e)?;
+                let sum = w
+                    .to_dtype(DType::F32)?
+                    .abs()?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
+                if !sum.is_finite() {
+                    return Err(err(format!(
+                        "expert {e} dequantizes to a value that is not finite"
+                    )));
+                }
+            }
+        }
+        Ok(packed)
+    }
+
+    /// `(experts, in, out)`: the dense weight's shape, `[experts, groups · 32, rows]`.
+    pub fn dims3(&self) -> (usize, usize, usize) {
+        let (e, r, g, b) = self.dims;
+        (e, g * b * 2, r)
+    }
+
+    /// The dtype the experts dequantize to.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes held (blocks and scales).
+    pub fn size_in_bytes(&self) -> usize {
+        self.blocks.len() + self.scales.len()
+    }
+
+    /// Bytes the dense weight takes in its dtype.
+    pub fn dense_bytes(&self) -> usize {
+        let (e, i, o) = self.dims3();
+        e * i * o * self.dtype.size_in_bytes()
+    }
+
+    /// Expert `e`'s weight as rows, `[out, in]` (the transpose of its `[in, out]` slice of the
+    /// dense weight), dequantized exactly into the dtype on the device.
+    pub fn expert_rows(&self, e: usize) -> candle_core::Result<Tensor> {
+        let (experts, r, g, b) = self.dims;
+        if e >= experts {
+            candle_core::bail!("MXFP4 experts: expert {e} of {experts}");
+        }
+        let (bytes, groups) = (r * g * b, r * g);
+        let values = decode(
+            &self.blocks[e * bytes..(e + 1) * bytes],
+            &self.scales[e * groups..(e + 1) * groups],
+            b,
+        );
+        Tensor::from_vec(values, (r, g * b * 2), &Device::Cpu)?
+            .to_dtype(self.dtype)?
+            .to_device(&self.device)
+    }
+
+    /// The whole dense weight `[experts, in, out]`: what [`dequantize`] gives, in the dtype.
+    pub fn dense(&self) -> candle_core::Result<Tensor> {
+        let experts: Vec<Tensor> = (0..self.dims.0)
+            .map(|e| self.expert_rows(e)?.t())
+            .collect::<candle_core::Result<_>>()?;
+        Tensor::stack(&experts, 0)?.contiguous()
+    }
+}
+
 /// Replaces every pair `{name}_blocks` / `{name}_scales` of `parts` (read as bytes, with the file
 /// each came from) by the weight `{name}` in `out`, in `dtype` (`None`: bf16, what the weight is
-/// stored for) on `device`. A part without its other half is refused, naming it.
+/// stored for) on `device`. A part without its other half is refused, naming it. With `keep`,
+/// the pairs go into `out` as they are (u8, on the CPU), for the model to hold them packed
+/// ([`Mxfp4Experts`]).
 pub(crate) fn dequantize_parts(
     mut parts: HashMap<String, (PathBuf, Tensor)>,
     dtype: Option<DType>,
     device: &Device,
     out: &mut HashMap<String, Tensor>,
+    keep: bool,
 ) -> Result<(), ModelError> {
     let mut names: Vec<String> = parts
         .keys()
@@ -94,6 +234,11 @@ pub(crate) fn dequantize_parts(
                 format!("tensor '{name}{BLOCKS}' (MXFP4) has no '{name}{SCALES}' beside it"),
             ));
         };
+        if keep {
+            out.insert(format!("{name}{BLOCKS}"), blocks);
+            out.insert(format!("{name}{SCALES}"), scales);
+            continue;
+        }
         let w = dequantize(&blocks, &scales, &name)?
             .to_dtype(dtype.unwrap_or(DType::BF16))
             .and_then(|t| t.to_device(device))
@@ -113,6 +258,27 @@ pub(crate) fn dequantize_parts(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every scale byte (the subnormal 0, the overflowing 255) and every byte of nibbles gives
+    /// the f64 ldexp rounded once to f32.
+    #[test]
+    fn decoding_is_ldexp_for_every_scale_and_byte() {
+        let bytes: Vec<u8> = (0..=255u8).collect();
+        for s in 0..=255u8 {
+            let got = decode(&bytes, &[s], 256);
+            for (i, &byte) in bytes.iter().enumerate() {
+                for (k, nibble) in [byte & 0x0F, byte >> 4].into_iter().enumerate() {
+                    let want =
+                        (FP4_VALUES[nibble as usize] as f64 * 2f64.powi(s as i32 - 127)) as f32;
+                    let g = got[2 * i + k];
+                    assert!(
+                        g.to_bits() == want.to_bits(),
+                        "scale {s} byte {byte}: {g} vs {want}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn empty_blocks_are_an_error_not_a_panic() {

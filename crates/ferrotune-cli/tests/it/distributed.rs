@@ -376,6 +376,14 @@ fn new_families_qlora_on_two_ranks_equals_one_device() {
     }
 }
 
+/// QLoRA on gpt-oss with OpenAI's MXFP4 experts (tests/fixtures/gpt_oss_mxfp4): one device holds
+/// them packed, 2 ranks dequantize them on load, and the two runs equal each other.
+#[test]
+fn gpt_oss_mxfp4_qlora_on_two_ranks_equals_one_device_packed() {
+    let case = Case::with_vocab("qlora-gpt-oss-mxfp4", "gpt_oss_mxfp4", 512);
+    assert_lora_on_two_ranks_equals_one_device(&case, &["model.quantize_base=true"], &["full"]);
+}
+
 /// Full fine-tuning of each 2026 family (Qwen3-Next too) on 2 ranks, sharded and replicated, equals one device:
 /// every parameter (DeltaNet's `A_log`, `dt_bias`, `conv1d` and gated norm, fused experts,
 /// attention sinks, MLA's projections) is sharded, gathered and reduced as one device updates it.

@@ -12,6 +12,7 @@ mod early_exit;
 mod eleuther_eval;
 mod env;
 mod gpt_oss_experts;
+mod gpt_oss_mxfp4;
 mod grpo;
 mod grpo_rewards;
 mod hub_server;

@@ -5,6 +5,7 @@
 use candle_core::{DType, Result as CResult, Tensor, Var, D};
 use ferrotune_core::ops;
 
+use super::gpt_oss_experts::ExpertWeight;
 use super::moe::{gather_routes, top_k_experts};
 use super::{CausalLm, RouterRecord};
 use crate::config::GptOssMoeConfig;
@@ -72,12 +73,12 @@ pub struct GptOssMoe {
     /// `mlp.router.bias` `[experts]`.
     pub router_bias: Tensor,
     /// `mlp.experts.gate_up_proj` `[experts, hidden, 2 · inter]`, inputs first; gate and up
-    /// columns interleaved (gate at even columns, up at odd ones).
-    pub gate_up_proj: Tensor,
+    /// columns interleaved (gate at even columns, up at odd ones). Dense, or MXFP4 for QLoRA.
+    pub gate_up_proj: ExpertWeight,
     /// `mlp.experts.gate_up_proj_bias` `[experts, 2 · inter]`, interleaved as the columns.
     pub gate_up_proj_bias: Tensor,
-    /// `mlp.experts.down_proj` `[experts, inter, hidden]`.
-    pub down_proj: Tensor,
+    /// `mlp.experts.down_proj` `[experts, inter, hidden]`. Dense, or MXFP4 for QLoRA.
+    pub down_proj: ExpertWeight,
     /// `mlp.experts.down_proj_bias` `[experts, hidden]`.
     pub down_proj_bias: Tensor,
     /// Experts per token, the SwiGLU's gain and clamp.
@@ -148,7 +149,7 @@ impl ExpertsLora {
 }
 
 /// The parameter names of [`GptOssMoe`]'s tensors inside the decoder layer, in the order
-/// [`GptOssMoe::tensors`] and [`GptOssMoe::tensors_mut`] list them.
+/// [`GptOssMoe::tensors`] and [`GptOssMoe::tensors_mut`] list them (the experts only when dense).
 pub const GPT_OSS_MOE_TENSORS: [&str; 6] = [
     "mlp.router.weight",
     "mlp.router.bias",
@@ -159,17 +160,30 @@ pub const GPT_OSS_MOE_TENSORS: [&str; 6] = [
 ];
 
 impl GptOssMoe {
-    /// The block's tensors with their parameter names inside the decoder layer.
+    /// The block's tensors with their parameter names inside the decoder layer; MXFP4 experts
+    /// (a frozen packed base, [`GptOssMoe::packed_experts`]) are no tensors and are left out.
     pub fn tensors(&self) -> Vec<(&'static str, &Tensor)> {
         let tensors = [
-            &self.router_weight,
-            &self.router_bias,
-            &self.gate_up_proj,
-            &self.gate_up_proj_bias,
-            &self.down_proj,
-            &self.down_proj_bias,
+            Some(&self.router_weight),
+            Some(&self.router_bias),
+            self.gate_up_proj.as_dense(),
+            Some(&self.gate_up_proj_bias),
+            self.down_proj.as_dense(),
+            Some(&self.down_proj_bias),
         ];
-        GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect()
+        named(tensors)
+    }
+
+    /// The expert weights held as MXFP4 ([`ExpertWeight::Mxfp4`]) by their parameter names
+    /// inside the decoder layer.
+    pub fn packed_experts(&self) -> Vec<(&'static str, &ExpertWeight)> {
+        [
+            (GPT_OSS_MOE_TENSORS[2], &self.gate_up_proj),
+            (GPT_OSS_MOE_TENSORS[4], &self.down_proj),
+        ]
+        .into_iter()
+        .filter(|(_, w)| w.as_dense().is_none())
+        .collect()
     }
 
     /// [`GptOssMoe::tensors_mut`] and the adapters' factors (`target_parameters`) by their
@@ -212,17 +226,14 @@ impl GptOssMoe {
             adapters.push(("mlp.experts.lora_B.weight", &mut l.b));
         }
         let tensors = [
-            router_weight,
-            router_bias,
-            gate_up_proj,
-            gate_up_proj_bias,
-            down_proj,
-            down_proj_bias,
+            Some(router_weight),
+            Some(router_bias),
+            gate_up_proj.as_dense_mut(),
+            Some(gate_up_proj_bias),
+            down_proj.as_dense_mut(),
+            Some(down_proj_bias),
         ];
-        (
-            GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect(),
-            adapters,
-        )
+        (named(tensors), adapters)
     }
 
     /// [`GptOssMoe::tensors`], mutable.
@@ -237,15 +248,24 @@ impl GptOssMoe {
             ..
         } = self;
         let tensors = [
-            router_weight,
-            router_bias,
-            gate_up_proj,
-            gate_up_proj_bias,
-            down_proj,
-            down_proj_bias,
+            Some(router_weight),
+            Some(router_bias),
+            gate_up_proj.as_dense_mut(),
+            Some(gate_up_proj_bias),
+            down_proj.as_dense_mut(),
+            Some(down_proj_bias),
         ];
-        GPT_OSS_MOE_TENSORS.into_iter().zip(tensors).collect()
+        named(tensors)
     }
+}
+
+/// The present ones of `tensors` (in [`GPT_OSS_MOE_TENSORS`]'s order) with their names.
+fn named<T>(tensors: [Option<T>; 6]) -> Vec<(&'static str, T)> {
+    GPT_OSS_MOE_TENSORS
+        .into_iter()
+        .zip(tensors)
+        .filter_map(|(n, t)| t.map(|t| (n, t)))
+        .collect()
 }
 
 /// `1 / (1 + e^−x)` from differentiable ops.
@@ -293,7 +313,7 @@ impl CausalLm {
             routed[e as usize].0.push((i / k) as u32);
             routed[e as usize].1.push(i as u32);
         }
-        let inter = moe.down_proj.dim(1)?;
+        let inter = moe.down_proj.dims3()?.1;
         let (alpha, limit) = (moe.config.alpha, moe.config.limit);
         let mut out = flat.zeros_like()?;
         for (e, (tokens, places)) in routed.into_iter().enumerate() {
@@ -303,8 +323,9 @@ impl CausalLm {
             let m = tokens.len();
             let tokens = Tensor::new(tokens, device)?;
             let rows = flat.index_select(&tokens, 0)?;
-            let mut gate_up = rows
-                .matmul(&moe.gate_up_proj.get(e)?)?
+            let mut gate_up = moe
+                .gate_up_proj
+                .matmul(&rows, e)?
                 .broadcast_add(&moe.gate_up_proj_bias.get(e)?)?;
             if let Some(lora) = &moe.gate_up_lora {
                 gate_up = (gate_up + lora.apply(&rows, e)?)?;
@@ -314,8 +335,9 @@ impl CausalLm {
             let up = gate_up.narrow(2, 1, 1)?.squeeze(2)?.clamp(-limit, limit)?;
             let glu = (&gate * sigmoid(&(&gate * alpha)?)?)?;
             let h_e = ((up + 1.0)? * glu)?;
-            let mut y = h_e
-                .matmul(&moe.down_proj.get(e)?)?
+            let mut y = moe
+                .down_proj
+                .matmul(&h_e, e)?
                 .broadcast_add(&moe.down_proj_bias.get(e)?)?;
             if let Some(lora) = &moe.down_lora {
                 y = (y + lora.apply(&h_e, e)?)?;

@@ -4,16 +4,18 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{Result as CResult, Tensor};
+use candle_core::{DType, Device, Result as CResult, Tensor};
 use ferrotune_core::quant::QuantizedMatrix;
 
 use super::{
-    final_norm_name, Attention, BaseWeight, CausalLm, DecoderLayer, FeedForward, GateUpProjection,
-    GptOssMoe, GroupedRouter, Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding, PerLayerInputBlock,
-    QkvProjection, PARALLEL_MOE_TENSORS, PER_LAYER_NORM, PER_LAYER_PROJECTION, PER_LAYER_TABLE,
+    final_norm_name, Attention, BaseWeight, CausalLm, DecoderLayer, ExpertWeight, FeedForward,
+    GateUpProjection, GptOssMoe, GroupedRouter, Linear, Mlp, Moe, ParallelMoe, PerLayerEmbedding,
+    PerLayerInputBlock, QkvProjection, PARALLEL_MOE_TENSORS, PER_LAYER_NORM, PER_LAYER_PROJECTION,
+    PER_LAYER_TABLE,
 };
 use crate::config::{GptOssMoeConfig, ModelConfig, QkNormSpan};
 use crate::error::ModelError;
+use crate::mxfp4::Mxfp4Experts;
 use crate::rope::RotaryEmbedding;
 
 /// The layer count's key, named in errors: a config.json's, or a GGUF file's metadata key.
@@ -314,37 +316,56 @@ impl TensorTaker<'_> {
         })
     }
 
-    /// gpt-oss's mixture of experts of layer `p` (`model.layers.N`), each expert `inter` wide.
-    /// MXFP4 experts (`*_blocks` / `*_scales`, as OpenAI ships them) are dequantized when a
-    /// safetensors checkpoint is read ([`crate::mxfp4`]); parts still here did not come that way
-    /// and are refused, naming the tensor.
+    /// gpt-oss's mixture of experts of layer `p` (`model.layers.N`), each expert `inter` wide,
+    /// in `dtype` on `device`. MXFP4 experts (`*_blocks` / `*_scales`, as OpenAI ships them) are
+    /// dequantized when a safetensors checkpoint is read ([`crate::mxfp4`]), or kept as read
+    /// (u8) for QLoRA: those are held packed ([`ExpertWeight::Mxfp4`]). Parts of another type
+    /// did not come that way and are refused, naming the tensor.
     fn gpt_oss_moe(
         &mut self,
         p: &str,
         m: &GptOssMoeConfig,
-        h: usize,
-        inter: usize,
+        (h, inter): (usize, usize),
+        (dtype, device): (DType, &Device),
     ) -> Result<GptOssMoe, ModelError> {
-        for fused in ["gate_up_proj", "down_proj"] {
-            let blocks = format!("{p}.mlp.experts.{fused}_blocks");
-            if self.tensors.contains_key(&blocks) {
+        let e = m.num_experts;
+        let experts = format!("{p}.mlp.experts");
+        let mut fused = |name: &str, shape: [usize; 3]| -> Result<ExpertWeight, ModelError> {
+            let (blocks, scales) = (format!("{name}_blocks"), format!("{name}_scales"));
+            let Some(b) = self.tensors.get(&blocks) else {
+                return Ok(ExpertWeight::Dense(self.take(name, &shape)?));
+            };
+            let (Some(s), DType::U8) = (self.tensors.get(&scales), b.dtype()) else {
                 return Err(ModelError::Msg(format!(
                     "{}: tensor '{blocks}' holds MXFP4-quantized experts that were not \
                      dequantized: ferrotune dequantizes them when it reads them from safetensors \
                      (U8 blocks beside their U8 scales)",
                     self.source
                 )));
+            };
+            let packed = Mxfp4Experts::new(b, s, name, dtype, device)?;
+            if packed.dims3() != (shape[0], shape[1], shape[2]) {
+                return Err(ModelError::Msg(format!(
+                    "{}: MXFP4 tensor '{blocks}' {:?} stands for a weight of shape {:?}, \
+                     expected {shape:?} from the model config",
+                    self.source,
+                    b.dims(),
+                    packed.dims3()
+                )));
             }
-        }
-        let e = m.num_experts;
-        let experts = format!("{p}.mlp.experts");
+            self.tensors.remove(&blocks);
+            self.tensors.remove(&scales);
+            Ok(ExpertWeight::Mxfp4(Arc::new(packed)))
+        };
+        let gate_up_proj = fused(&format!("{experts}.gate_up_proj"), [e, h, 2 * inter])?;
+        let down_proj = fused(&format!("{experts}.down_proj"), [e, inter, h])?;
         Ok(GptOssMoe {
             router_weight: self.take(&format!("{p}.mlp.router.weight"), &[e, h])?,
             router_bias: self.take(&format!("{p}.mlp.router.bias"), &[e])?,
-            gate_up_proj: self.take(&format!("{experts}.gate_up_proj"), &[e, h, 2 * inter])?,
+            gate_up_proj,
             gate_up_proj_bias: self
                 .take(&format!("{experts}.gate_up_proj_bias"), &[e, 2 * inter])?,
-            down_proj: self.take(&format!("{experts}.down_proj"), &[e, inter, h])?,
+            down_proj,
             down_proj_bias: self.take(&format!("{experts}.down_proj_bias"), &[e, h])?,
             config: m.clone(),
             gate_up_lora: None,
@@ -519,9 +540,12 @@ impl CausalLm {
                     let grouped = c.grouped_routing.as_ref();
                     FeedForward::Sparse(Box::new(take.moe(&p, m, grouped, h)?))
                 }
-                (None, Some(m)) => {
-                    FeedForward::GptOss(Box::new(take.gpt_oss_moe(&p, m, h, inter)?))
-                }
+                (None, Some(m)) => FeedForward::GptOss(Box::new(take.gpt_oss_moe(
+                    &p,
+                    m,
+                    (h, inter),
+                    (dtype, &device),
+                )?)),
                 (None, None) => {
                     let gate_up = dense_gate_up(&mut take)?;
                     let down = format!("{p}.{}", gate_up.down_proj_name());

@@ -17,7 +17,8 @@
 //! - `mla`: DeepSeek's multi-head latent attention ([`LatentProjection`]) and its latent cache;
 //! - `delta_net`: Qwen3.5's and Qwen3-Next's Gated DeltaNet ([`GatedDeltaNet`]) and the
 //!   recurrent form of its delta rule; `delta_chunked`: the chunked form;
-//! - `gpt_oss`: gpt-oss's attention sinks and [`GptOssMoe`];
+//! - `gpt_oss`: gpt-oss's attention sinks and [`GptOssMoe`]; `gpt_oss_experts`: how its fused
+//!   experts are held and fetched ([`ExpertWeight`]: dense, or MXFP4 for QLoRA);
 //! - `layer`: [`DecoderLayer`], [`LayerPartsMut`], Gemma 4's per-layer embeddings, the layer
 //!   forward;
 //! - `decode_step`: the single-token decode step on the GPU decode kernels;
@@ -42,6 +43,7 @@ mod decode_step;
 mod delta_chunked;
 mod delta_net;
 mod gpt_oss;
+mod gpt_oss_experts;
 mod layer;
 mod layout;
 mod linear;
@@ -60,6 +62,7 @@ pub use cache::KvCache;
 use cache::{LayerCache, LinearState};
 pub use delta_net::{DeltaNetProjections, GatedDeltaNet};
 pub use gpt_oss::{ExpertsLora, GptOssMoe, GPT_OSS_MOE_TENSORS};
+pub use gpt_oss_experts::{ExpertWeight, Mxfp4Summary};
 pub use layer::{
     DecoderLayer, LayerPartsMut, PerLayerEmbedding, PerLayerInputBlock, PER_LAYER_NORM,
     PER_LAYER_PROJECTION, PER_LAYER_TABLE,

@@ -16,7 +16,7 @@ use candle_core::{Tensor, Var};
 
 use super::{LoraConfig, PEFT_PREFIX};
 use crate::model::lora::{lora_scaling, SplitMix64};
-use crate::model::{ExpertsLora, FeedForward, GptOssMoe};
+use crate::model::{ExpertWeight, ExpertsLora, FeedForward, GptOssMoe};
 use crate::{CausalLm, ModelError};
 
 /// The fused parameters PEFT can adapt, in the module's declaration order; `true` for
@@ -326,33 +326,42 @@ pub(crate) fn check_saved(model: &CausalLm, config: &LoraConfig) -> Result<(), M
 }
 
 /// The merged fused experts: `(name, W + delta)` for every adapted parameter (PEFT's
-/// `ParamWrapper.merge`; the biases are left as they are).
+/// `ParamWrapper.merge`; the biases are left as they are), and every MXFP4 one (QLoRA's packed
+/// base) dequantized, adapted or not: the model's tensors leave packed weights out.
 pub(crate) fn merged(model: &CausalLm) -> Result<Vec<(String, Tensor)>, ModelError> {
     let mut out = Vec::new();
     for (i, moe) in blocks(model) {
-        for (gate_up, lora) in adapters(moe) {
-            let (param, w) = if gate_up {
-                ("gate_up_proj", &moe.gate_up_proj)
+        for (param, gate_up) in PARAMETERS {
+            let (w, lora) = if gate_up {
+                (&moe.gate_up_proj, &moe.gate_up_lora)
             } else {
-                ("down_proj", &moe.down_proj)
+                (&moe.down_proj, &moe.down_lora)
             };
-            let merged = (w + lora.delta()?.to_dtype(w.dtype())?)?.detach();
+            let merged = match (lora, w) {
+                (Some(lora), w) => merged_weight(w, lora)?,
+                (None, ExpertWeight::Mxfp4(q)) => q.dense()?,
+                (None, ExpertWeight::Dense(_)) => continue,
+            };
             out.push((format!("{}.{param}", module(i)), merged));
         }
     }
     Ok(out)
 }
 
-/// Merges every expert adapter into its parameter and removes it.
+/// `W + delta` (dense, detached) of an expert parameter and its adapter.
+fn merged_weight(w: &ExpertWeight, lora: &ExpertsLora) -> Result<Tensor, ModelError> {
+    let w = w.dense()?;
+    Ok((&*w + lora.delta()?.to_dtype(w.dtype())?)?.detach())
+}
+
+/// Merges every expert adapter into its parameter (an MXFP4 one becomes dense) and removes it.
 pub(crate) fn merge_and_unload(model: &mut CausalLm) -> Result<(), ModelError> {
     for (_, moe) in blocks_mut(model) {
         if let Some(lora) = moe.gate_up_lora.take() {
-            let w = &moe.gate_up_proj;
-            moe.gate_up_proj = (w + lora.delta()?.to_dtype(w.dtype())?)?.detach();
+            moe.gate_up_proj = ExpertWeight::Dense(merged_weight(&moe.gate_up_proj, &lora)?);
         }
         if let Some(lora) = moe.down_lora.take() {
-            let w = &moe.down_proj;
-            moe.down_proj = (w + lora.delta()?.to_dtype(w.dtype())?)?.detach();
+            moe.down_proj = ExpertWeight::Dense(merged_weight(&moe.down_proj, &lora)?);
         }
     }
     Ok(())

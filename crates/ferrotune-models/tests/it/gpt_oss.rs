@@ -645,7 +645,14 @@ fn gpt_oss_mxfp4_gguf_gives_transformers_logits() {
     let FeedForward::GptOss(moe) = &model.layers[0].mlp else {
         panic!("a gpt-oss block");
     };
-    let values: Vec<f32> = moe.down_proj.flatten_all().unwrap().to_vec1().unwrap();
+    let values: Vec<f32> = moe
+        .down_proj
+        .dense()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert!(values.iter().all(|v| {
         let m = v.abs() / 2f32.powi(v.abs().log2().floor() as i32);
         *v == 0.0 || [1.0, 1.5].contains(&m)

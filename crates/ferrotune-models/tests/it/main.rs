@@ -10,6 +10,7 @@ mod gguf;
 mod gguf_qwen35;
 mod golden_models;
 mod gpt_oss;
+mod gpt_oss_mxfp4;
 mod llama4;
 mod lora;
 mod modules_to_save;

@@ -298,8 +298,29 @@ pub fn load_model(
     dtype: DType,
     device: &Device,
 ) -> Result<(CausalLm, ModelSource)> {
+    load_model_as(cfg, location, dtype, device, false)
+}
+
+/// [`load_model`]; with `keep_mxfp4`, a gpt-oss checkpoint's MXFP4 experts are held packed
+/// (QLoRA's frozen base) rather than dequantized.
+pub fn load_model_as(
+    cfg: &Config,
+    location: &CheckpointLocation,
+    dtype: DType,
+    device: &Device,
+    keep_mxfp4: bool,
+) -> Result<(CausalLm, ModelSource)> {
     let path = &location.path;
-    let ckpt = read_checkpoint_files(path, &location.files, dtype, device)?;
+    let ckpt = if keep_mxfp4 {
+        ferrotune_models::checkpoint::read_checkpoint_files_keeping_mxfp4(
+            path,
+            &location.files,
+            dtype,
+            device,
+        )?
+    } else {
+        read_checkpoint_files(path, &location.files, dtype, device)?
+    };
     if !ckpt.quantized_linears.is_empty() {
         bail!(
             "{}: {} is a quantized checkpoint (the quantize recipe's output): it is for \

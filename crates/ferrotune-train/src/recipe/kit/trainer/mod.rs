@@ -295,7 +295,8 @@ impl FineTune {
 /// from: full fine-tuning resumes from the saved full weights, LoRA from the base (its saved
 /// adapter comes with [`FineTune::adapters`]). A QLoRA config's base is quantized to NF4 here,
 /// before any adapter is attached: DoRA's magnitude is taken from the quantized weight, as
-/// in torchtune.
+/// in torchtune; gpt-oss's MXFP4 experts are held packed instead on one rank (unless
+/// `FERROTUNE_MXFP4_PACKED=0`).
 fn load_model(
     cfg: &Config,
     mode: Mode,
@@ -310,7 +311,13 @@ fn load_model(
         _ => base.clone(),
     };
     let t0 = Instant::now();
-    let (mut model, source) = setup::load_model(cfg, &weights, dtype, device)?;
+    // One rank: the distributed paths shard and gather the layers' tensors, which packed
+    // experts are not.
+    let keep_mxfp4 = settings.quantize_base
+        && !mode.full()
+        && session.world == 1
+        && ferrotune_core::switch::MXFP4_PACKED.on();
+    let (mut model, source) = setup::load_model_as(cfg, &weights, dtype, device, keep_mxfp4)?;
     if !mode.reward_model() {
         model
             .config
@@ -341,6 +348,10 @@ fn load_model(
     }
     if settings.quantize_base {
         session.say(format!("QLoRA: {}", model.quantize_base_nf4()?));
+        let mxfp4 = model.mxfp4_experts();
+        if mxfp4.weights > 0 {
+            session.say(format!("QLoRA: {mxfp4}"));
+        }
     }
     Ok((model, source))
 }
