@@ -184,6 +184,17 @@ pub const PDL: Knob = Knob {
     test_hook: false,
 };
 
+/// The fused CPU gated delta rule.
+pub const DELTA_RULE: Knob = Knob {
+    name: "FERROTUNE_DELTA_RULE",
+    meaning: "`0` turns the fused CPU gated delta rule (Qwen3.5's and Qwen3-Next's linear \
+              attention) off: it runs as candle ops with their autograd (the chunked form, the \
+              recurrent one for packed rows), for comparison.",
+    default: "on",
+    kind: KnobKind::Switch,
+    test_hook: false,
+};
+
 /// The GPU attention's form.
 pub const ATTN: Knob = Knob {
     name: "FERROTUNE_ATTN",
@@ -278,6 +289,7 @@ pub const KNOBS: &[Knob] = &[
     DECODE_KERNELS,
     CUDA_GRAPHS,
     PDL,
+    DELTA_RULE,
     ATTN,
     ATTN_CHUNK_ROWS,
     CE_CHUNK_ROWS,

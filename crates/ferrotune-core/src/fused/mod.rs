@@ -17,6 +17,7 @@
 
 mod attention;
 mod cross_entropy;
+mod delta_rule;
 mod fake_quant;
 pub(crate) mod kernels;
 mod linear;
@@ -31,6 +32,9 @@ pub use attention::{
     attention, attention_softcapped, register_mask_layout, registered_mask_layout, MaskLayout,
 };
 pub use cross_entropy::cross_entropy_sum;
+pub use delta_rule::{
+    delta_rule_applies, gated_delta_rule, set_delta_rule_enabled, CHUNK as DELTA_RULE_CHUNK,
+};
 pub use fake_quant::{fake_quantize_rows, FakeQuantKind};
 pub use linear::trainable_linear;
 pub use linear_ce::{chunked_head_applies, linear_cross_entropy_sum};
