@@ -73,15 +73,23 @@ struct DeepseekRules;
 impl HfConfig for DeepseekRules {
     fn check(&self, hf: HfSource) -> HfResult<()> {
         super::refuse_bidirectional(hf.obj)?;
-        // The released V3/R1 weights are FP8 blocks with `weight_scale_inv` tensors.
-        if hf.obj.contains_key("quantization_config") {
-            return Err(format!(
-                "'quantization_config' is set: {} checkpoints stored quantized (DeepSeek-V3's FP8 \
-                 blocks) are not read yet; use a BF16 copy of the weights",
+        // The released V3/R1 weights are FP8 blocks with `weight_scale_inv` tensors, read
+        // dequantized ([`crate::fp8`]); other quantized checkpoints are not read.
+        let method = hf
+            .obj
+            .get("quantization_config")
+            .map(|q| q.get("quant_method").and_then(Value::as_str));
+        match method {
+            None | Some(Some("fp8")) => Ok(()),
+            Some(m) => {
+                Err(format!(
+                "'quantization_config' is set ({}): {} checkpoints stored quantized are read only \
+                 as FP8 blocks (quant_method 'fp8', DeepSeek-V3's); use a BF16 copy of the weights",
+                m.map_or("no quant_method".to_string(), |m| format!("quant_method '{m}'")),
                 hf.model_type
-            ));
+            ))
+            }
         }
-        Ok(())
     }
 
     fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {
