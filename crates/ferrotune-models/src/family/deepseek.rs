@@ -75,20 +75,18 @@ impl HfConfig for DeepseekRules {
         super::refuse_bidirectional(hf.obj)?;
         // The released V3/R1 weights are FP8 blocks with `weight_scale_inv` tensors, read
         // dequantized ([`crate::fp8`]); other quantized checkpoints are not read.
-        let method = hf
-            .obj
-            .get("quantization_config")
-            .map(|q| q.get("quant_method").and_then(Value::as_str));
-        match method {
-            None | Some(Some("fp8")) => Ok(()),
-            Some(m) => {
-                Err(format!(
-                "'quantization_config' is set ({}): {} checkpoints stored quantized are read only \
-                 as FP8 blocks (quant_method 'fp8', DeepSeek-V3's); use a BF16 copy of the weights",
-                m.map_or("no quant_method".to_string(), |m| format!("quant_method '{m}'")),
+        let Some(q) = hf.obj.get("quantization_config") else {
+            return Ok(());
+        };
+        match q.get("quant_method").and_then(Value::as_str) {
+            Some("fp8") => Ok(()),
+            method => Err(format!(
+                "'quantization_config' is set (quant_method '{}'): {} checkpoints stored \
+                 quantized are read only as FP8 blocks (quant_method 'fp8', DeepSeek-V3's); use \
+                 a BF16 copy of the weights",
+                method.unwrap_or("none"),
                 hf.model_type
-            ))
-            }
+            )),
         }
     }
 
