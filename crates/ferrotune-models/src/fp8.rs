@@ -283,6 +283,23 @@ mod tests {
         }
     }
 
+    /// `weight_block_size: null`: one scale for the whole matrix (a 0-dim tensor, as
+    /// transformers' `FP8Linear` holds it).
+    #[test]
+    fn a_per_tensor_scale_scales_every_value() {
+        let scale = Tensor::new(0.25f32, &Device::Cpu).unwrap();
+        let w = dequantize(
+            &[0x38, 0x40, 0xB8, 0x30],
+            &[2, 2],
+            &scale,
+            Fp8Blocks { block: None },
+            "w",
+        )
+        .unwrap();
+        let got = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got, [0.25, 0.5, -0.25, 0.125]);
+    }
+
     #[test]
     fn a_scale_grid_that_does_not_fit_is_refused() {
         let scale = Tensor::ones((2, 2), DType::F32, &Device::Cpu).unwrap();
