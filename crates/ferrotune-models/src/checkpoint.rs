@@ -337,7 +337,7 @@ pub(crate) fn read_safetensors_renamed(
 ) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut out = HashMap::new();
     let mut mxfp4_parts = HashMap::new();
-    let (mut fp8_weights, mut fp8_scales) = (HashMap::new(), HashMap::new());
+    let mut fp8_pending = fp8.map(|blocks| crate::fp8::Pending::new(blocks, dtype, device));
     for file in files {
         // SAFETY: the mapping is read-only and lives only while we copy tensors out of it; a
         // checkpoint file being rewritten underneath us is outside what we can guard against.
@@ -355,16 +355,15 @@ pub(crate) fn read_safetensors_renamed(
                 mxfp4_parts.insert(new_name, (file.clone(), t));
                 continue;
             }
-            match fp8_part(file, &name, &new_name, &view, fp8, &st)? {
-                Some(Fp8Part::Weight(raw)) => {
-                    fp8_weights.insert(new_name, raw);
-                    continue;
+            if let Some(part) = fp8_part(file, &name, &new_name, &view, fp8, &st)? {
+                let pending = fp8_pending
+                    .as_mut()
+                    .expect("FP8 parts are read only under fp8 blocks");
+                match part {
+                    Fp8Part::Weight(raw) => pending.add_weight(new_name, raw, &mut out)?,
+                    Fp8Part::Scale(weight, t) => pending.add_scale(weight, t, &mut out)?,
                 }
-                Some(Fp8Part::Scale(weight, t)) => {
-                    fp8_scales.insert(weight, t);
-                    continue;
-                }
-                None => {}
+                continue;
             }
             weight_checks::stored_as_float(
                 file,
@@ -387,8 +386,8 @@ pub(crate) fn read_safetensors_renamed(
         }
     }
     crate::mxfp4::dequantize_parts(mxfp4_parts, dtype, device, &mut out)?;
-    if let Some(blocks) = fp8 {
-        crate::fp8::dequantize_all(fp8_weights, fp8_scales, blocks, dtype, device, &mut out)?;
+    if let Some(pending) = fp8_pending {
+        pending.finish()?;
     }
     Ok(out)
 }

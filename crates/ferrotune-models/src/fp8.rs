@@ -182,53 +182,114 @@ pub fn dequantize(
 /// An FP8 weight read from a checkpoint: the file it came from, its shape and its bytes.
 pub(crate) type RawFp8 = (PathBuf, Vec<usize>, Vec<u8>);
 
-/// Replaces every FP8 weight of `weights` by its dequantized value in `out`, in `dtype` (`None`:
-/// bf16, what the weights were quantized from) on `device`, taking its scale out of `scales`
-/// (keyed by the weight's name); a weight without its scale, or a scale left without a weight,
-/// is refused naming it.
-pub(crate) fn dequantize_all(
-    weights: HashMap<String, RawFp8>,
-    mut scales: HashMap<String, (PathBuf, Tensor)>,
+/// The FP8 weights and scales met while reading a checkpoint: each weight is dequantized (in
+/// `dtype`, `None`: bf16, what the weights were quantized from, on `device`) as soon as both its
+/// parts have been read, so that the whole model's FP8 bytes are never held beside its
+/// dequantized weights.
+pub(crate) struct Pending {
     blocks: Fp8Blocks,
     dtype: Option<DType>,
-    device: &Device,
-    out: &mut HashMap<String, Tensor>,
-) -> Result<(), ModelError> {
-    let mut names: Vec<&String> = weights.keys().collect();
-    names.sort();
-    if !names.is_empty() {
-        let to = dtype.unwrap_or(DType::BF16);
-        tracing::info!(
-            "{} FP8 weights (blocks {:?}) dequantized to {to:?} as transformers dequantizes \
-             them: the model is a plain one, and what it saves is a plain {to:?} checkpoint \
-             without quantization_config",
-            names.len(),
-            blocks.block
-        );
+    device: Device,
+    weights: HashMap<String, RawFp8>,
+    scales: HashMap<String, (PathBuf, Tensor)>,
+    done: usize,
+}
+
+impl Pending {
+    /// Nothing read yet, for weights in `blocks`.
+    pub(crate) fn new(blocks: Fp8Blocks, dtype: Option<DType>, device: &Device) -> Self {
+        Self {
+            blocks,
+            dtype,
+            device: device.clone(),
+            weights: HashMap::new(),
+            scales: HashMap::new(),
+            done: 0,
+        }
     }
-    for name in names {
-        let (file, dims, bytes) = &weights[name];
-        let Some((_, scale)) = scales.remove(name) else {
+
+    /// The FP8 weight `name`: dequantized into `out` if its scale was read, else kept.
+    pub(crate) fn add_weight(
+        &mut self,
+        name: String,
+        raw: RawFp8,
+        out: &mut HashMap<String, Tensor>,
+    ) -> Result<(), ModelError> {
+        match self.scales.remove(&name) {
+            Some((_, scale)) => self.dequantize_into(name, raw, &scale, out),
+            None => {
+                self.weights.insert(name, raw);
+                Ok(())
+            }
+        }
+    }
+
+    /// The scales of the FP8 weight `weight`: that weight dequantized into `out` if it was
+    /// read, else kept.
+    pub(crate) fn add_scale(
+        &mut self,
+        weight: String,
+        scale: (PathBuf, Tensor),
+        out: &mut HashMap<String, Tensor>,
+    ) -> Result<(), ModelError> {
+        match self.weights.remove(&weight) {
+            Some(raw) => self.dequantize_into(weight, raw, &scale.1, out),
+            None => {
+                self.scales.insert(weight, scale);
+                Ok(())
+            }
+        }
+    }
+
+    fn dequantize_into(
+        &mut self,
+        name: String,
+        (file, dims, bytes): RawFp8,
+        scale: &Tensor,
+        out: &mut HashMap<String, Tensor>,
+    ) -> Result<(), ModelError> {
+        let w = dequantize(&bytes, &dims, scale, self.blocks, &name)
+            .map_err(|e| ModelError::file(&file, e.to_string()))?
+            .to_dtype(self.dtype.unwrap_or(DType::BF16))
+            .and_then(|t| t.to_device(&self.device))
+            .map_err(|e| ModelError::file(&file, format!("tensor '{name}': {e}")))?;
+        crate::weight_checks::finite(&file, &name, &w, Some(DType::F32))?;
+        out.insert(name, w);
+        self.done += 1;
+        Ok(())
+    }
+
+    /// Refuses a weight left without its scale, or a scale without its weight, naming it;
+    /// otherwise notes what was dequantized.
+    pub(crate) fn finish(self) -> Result<(), ModelError> {
+        let mut weights: Vec<_> = self.weights.into_iter().collect();
+        weights.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some((name, (file, _, _))) = weights.into_iter().next() {
             return Err(ModelError::file(
-                file,
+                &file,
                 format!("tensor '{name}' is stored as FP8 without its '{name}{SCALE_SUFFIX}'"),
             ));
-        };
-        let w = dequantize(bytes, dims, &scale, blocks, name)
-            .map_err(|e| ModelError::file(file, e.to_string()))?
-            .to_dtype(dtype.unwrap_or(DType::BF16))
-            .and_then(|t| t.to_device(device))
-            .map_err(|e| ModelError::file(file, format!("tensor '{name}': {e}")))?;
-        crate::weight_checks::finite(file, name, &w, Some(DType::F32))?;
-        out.insert(name.clone(), w);
+        }
+        let mut scales: Vec<_> = self.scales.into_iter().collect();
+        scales.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some((name, (file, _))) = scales.into_iter().next() {
+            return Err(ModelError::file(
+                &file,
+                format!("tensor '{name}{SCALE_SUFFIX}' has no FP8 weight '{name}' beside it"),
+            ));
+        }
+        if self.done > 0 {
+            let to = self.dtype.unwrap_or(DType::BF16);
+            tracing::info!(
+                "{} FP8 weights (blocks {:?}) dequantized to {to:?} as transformers dequantizes \
+                 them: the model is a plain one, and what it saves is a plain {to:?} checkpoint \
+                 without quantization_config",
+                self.done,
+                self.blocks.block
+            );
+        }
+        Ok(())
     }
-    if let Some((name, (file, _))) = scales.into_iter().next() {
-        return Err(ModelError::file(
-            &file,
-            format!("tensor '{name}{SCALE_SUFFIX}' has no FP8 weight '{name}' beside it"),
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -177,3 +177,26 @@ fn what_is_not_this_format_is_refused() {
         let _ = std::fs::remove_dir_all(&path);
     }
 }
+
+/// An FP8 weight whose scale is missing, or a scale whose weight is, is refused naming it.
+#[test]
+fn a_weight_or_scale_without_its_other_half_is_refused() {
+    let name = "model.layers.0.self_attn.o_proj.weight";
+    for (case, drop, needle) in [
+        ("no-scale", format!("{name}_scale_inv"), "without its"),
+        ("no-weight", name.to_string(), "has no FP8 weight"),
+    ] {
+        let path = edited_copy("deepseek_v3", case, |_| {});
+        let file = path.join("model.safetensors");
+        let mut t = tensors(&file);
+        assert_eq!(t[name].dtype(), DType::F8E4M3);
+        t.remove(&drop).unwrap();
+        candle_core::safetensors::save(&t, &file).unwrap();
+        let err = match load_model(&path, DType::F32, &Device::Cpu) {
+            Ok(_) => panic!("{case}: loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(needle) && err.contains(name), "{case}: {err}");
+        let _ = std::fs::remove_dir_all(&path);
+    }
+}
