@@ -292,7 +292,9 @@ pub fn read_safetensors(
     dtype: DType,
     device: &Device,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
-    read_safetensors_renamed(files, Some(dtype), device, &|name| Some(name.to_string()))
+    read_safetensors_renamed(files, Some(dtype), device, None, &|name| {
+        Some(name.to_string())
+    })
 }
 
 /// A multimodal text model's embedding rows past `vocab_size` (Llama 3.2 Vision's 8 image-token
@@ -323,14 +325,17 @@ fn narrow_multimodal_embedding(
 /// As [`read_safetensors`], keeping only the tensors `rename` maps to a name (under that name);
 /// the others are not read at all. `dtype` `None`: as stored. Every tensor read is checked
 /// (`weight_checks`): a float type, finite values. MXFP4 weights (gpt-oss's `*_blocks` /
-/// `*_scales` bytes) are dequantized into the weight they stand for ([`crate::mxfp4`]).
+/// `*_scales` bytes) are dequantized into the weight they stand for ([`crate::mxfp4`]), and so
+/// are FP8 weights with their `weight_scale_inv` when the config declares `fp8` blocks
+/// ([`crate::fp8`]; FP8 weights are refused without).
 pub(crate) fn read_safetensors_renamed(
     files: &[PathBuf],
     dtype: Option<DType>,
     device: &Device,
+    fp8: Option<crate::fp8::Fp8Blocks>,
     rename: &dyn Fn(&str) -> Option<String>,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
-    read_safetensors_parts(files, dtype, device, rename, false)
+    read_safetensors_parts(files, dtype, device, fp8, rename, false)
 }
 
 /// [`read_safetensors_renamed`]; with `keep_mxfp4`, MXFP4 weights stay as their `*_blocks` /
@@ -339,11 +344,13 @@ fn read_safetensors_parts(
     files: &[PathBuf],
     dtype: Option<DType>,
     device: &Device,
+    fp8: Option<crate::fp8::Fp8Blocks>,
     rename: &dyn Fn(&str) -> Option<String>,
     keep_mxfp4: bool,
 ) -> Result<HashMap<String, Tensor>, ModelError> {
     let mut out = HashMap::new();
     let mut mxfp4_parts = HashMap::new();
+    let mut fp8_pending = fp8.map(|blocks| crate::fp8::Pending::new(blocks, dtype, device));
     for file in files {
         // SAFETY: the mapping is read-only and lives only while we copy tensors out of it; a
         // checkpoint file being rewritten underneath us is outside what we can guard against.
@@ -359,6 +366,16 @@ fn read_safetensors_parts(
                     ModelError::file(file, format!("tensor '{name}' ({stored:?}): {e}"))
                 })?;
                 mxfp4_parts.insert(new_name, (file.clone(), t));
+                continue;
+            }
+            if let Some(part) = fp8_part(file, &name, &new_name, &view, fp8, &st)? {
+                let pending = fp8_pending
+                    .as_mut()
+                    .expect("FP8 parts are read only under fp8 blocks");
+                match part {
+                    Fp8Part::Weight(raw) => pending.add_weight(new_name, raw, &mut out)?,
+                    Fp8Part::Scale(weight, t) => pending.add_scale(weight, t, &mut out)?,
+                }
                 continue;
             }
             weight_checks::stored_as_float(
@@ -382,7 +399,74 @@ fn read_safetensors_parts(
         }
     }
     crate::mxfp4::dequantize_parts(mxfp4_parts, dtype, device, &mut out, keep_mxfp4)?;
+    if let Some(pending) = fp8_pending {
+        pending.finish()?;
+    }
     Ok(out)
+}
+
+/// A part of an FP8 weight met while reading a checkpoint.
+enum Fp8Part {
+    /// The FP8 weight itself, as bytes.
+    Weight(crate::fp8::RawFp8),
+    /// The scales of the weight named first (with the file they came from).
+    Scale(String, (PathBuf, Tensor)),
+}
+
+/// The tensor `name` (read as `new_name`) of `file` as a part of an FP8 weight, if it is one:
+/// a weight stored `F8_E4M3` (refused unless the config declares `fp8` blocks, and `F8_E5M2`
+/// always), or, under `fp8` blocks, a `*_scale_inv` (refused unless stored as a float).
+fn fp8_part(
+    file: &Path,
+    name: &str,
+    new_name: &str,
+    view: &safetensors::tensor::TensorView,
+    fp8: Option<crate::fp8::Fp8Blocks>,
+    st: &MmapedSafetensors,
+) -> Result<Option<Fp8Part>, ModelError> {
+    use safetensors::Dtype as D;
+    let stored = view.dtype();
+    match (stored, fp8) {
+        (D::F8_E4M3, Some(_)) => {
+            return Ok(Some(Fp8Part::Weight((
+                file.to_path_buf(),
+                view.shape().to_vec(),
+                view.data().to_vec(),
+            ))))
+        }
+        (D::F8_E4M3 | D::F8_E5M2, _) => {
+            let why = if stored == D::F8_E5M2 {
+                "e5m2 weights are not read (transformers' FP8 checkpoints are e4m3)"
+            } else {
+                "config.json declares no FP8 quantization_config (quant_method 'fp8', \
+                 weight_block_size) saying how its scales apply"
+            };
+            return Err(ModelError::file(
+                file,
+                format!("tensor '{name}' is stored as {stored:?}: {why}"),
+            ));
+        }
+        _ => {}
+    }
+    let Some(weight) = fp8.and(new_name.strip_suffix(crate::fp8::SCALE_SUFFIX)) else {
+        return Ok(None);
+    };
+    if !matches!(stored, D::F32 | D::BF16 | D::F16 | D::F64) {
+        return Err(ModelError::file(
+            file,
+            format!(
+                "tensor '{name}' (FP8 block scales) is stored as {stored:?}: scales are read as \
+                 F32, BF16, F16 or F64"
+            ),
+        ));
+    }
+    let t = st
+        .load(name, &Device::Cpu)
+        .map_err(|e| ModelError::file(file, format!("tensor '{name}' ({stored:?}): {e}")))?;
+    Ok(Some(Fp8Part::Scale(
+        weight.to_string(),
+        (file.to_path_buf(), t),
+    )))
 }
 
 /// A checkpoint of PyTorch pickles (`format` `Pickle`, beside `dir`'s `config.json`) or Meta's
@@ -405,6 +489,12 @@ pub fn read_pickled(
     match format {
         CheckpointFormat::Pickle(files) => {
             let config = ModelConfig::from_hf_file(dir)?;
+            if config.fp8.is_some() {
+                return Err(ModelError::file(
+                    dir,
+                    "FP8 checkpoints are read from safetensors, not PyTorch .bin files",
+                ));
+            }
             if config.text_of_multimodal || config.llama4_names {
                 return Err(ModelError::file(
                     dir,
@@ -594,6 +684,7 @@ fn read(
                     files,
                     Some(dtype),
                     device,
+                    config.fp8,
                     &|name| config.text_model_name(name),
                     keep_mxfp4,
                 )?;
@@ -611,7 +702,14 @@ fn read(
                 }
                 tensors
             } else {
-                read_safetensors_parts(files, Some(dtype), device, &|n| Some(n.into()), keep_mxfp4)?
+                read_safetensors_parts(
+                    files,
+                    Some(dtype),
+                    device,
+                    config.fp8,
+                    &|n| Some(n.into()),
+                    keep_mxfp4,
+                )?
             };
             (config, tensors, PackedWeights::new(), dir, Vec::new())
         }

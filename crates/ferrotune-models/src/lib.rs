@@ -6,6 +6,7 @@ pub mod config;
 pub mod device_map;
 pub mod error;
 pub mod family;
+pub mod fp8;
 pub mod gguf;
 pub mod model;
 pub mod mxfp4;

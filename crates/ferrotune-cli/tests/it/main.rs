@@ -11,6 +11,7 @@ mod download;
 mod early_exit;
 mod eleuther_eval;
 mod env;
+mod fp8;
 mod gpt_oss_experts;
 mod gpt_oss_mxfp4;
 mod grpo;

@@ -432,6 +432,10 @@ pub struct ModelConfig {
     /// (`[.., heads, 2 · head_dim]`), the attention's output multiplied by `sigmoid(gate)`
     /// before `o_proj`.
     pub attn_output_gate: bool,
+    /// The FP8 blocks the checkpoint's weights are stored in (`quantization_config` fp8,
+    /// [`crate::fp8`]): they are dequantized on reading, and `raw` loses the
+    /// `quantization_config`; `None` for other checkpoints.
+    pub fp8: Option<crate::fp8::Fp8Blocks>,
     /// The original config.json object, written back unchanged (but for dtype) when we save models;
     /// for a multimodal checkpoint, its text model's config.
     pub raw: Value,

@@ -73,15 +73,21 @@ struct DeepseekRules;
 impl HfConfig for DeepseekRules {
     fn check(&self, hf: HfSource) -> HfResult<()> {
         super::refuse_bidirectional(hf.obj)?;
-        // The released V3/R1 weights are FP8 blocks with `weight_scale_inv` tensors.
-        if hf.obj.contains_key("quantization_config") {
-            return Err(format!(
-                "'quantization_config' is set: {} checkpoints stored quantized (DeepSeek-V3's FP8 \
-                 blocks) are not read yet; use a BF16 copy of the weights",
+        // The released V3/R1 weights are FP8 blocks with `weight_scale_inv` tensors, read
+        // dequantized ([`crate::fp8`]); other quantized checkpoints are not read.
+        let Some(q) = hf.obj.get("quantization_config") else {
+            return Ok(());
+        };
+        match q.get("quant_method").and_then(Value::as_str) {
+            Some("fp8") => Ok(()),
+            method => Err(format!(
+                "'quantization_config' is set (quant_method '{}'): {} checkpoints stored \
+                 quantized are read only as FP8 blocks (quant_method 'fp8', DeepSeek-V3's); use \
+                 a BF16 copy of the weights",
+                method.unwrap_or("none"),
                 hf.model_type
-            ));
+            )),
         }
-        Ok(())
     }
 
     fn configure(&self, hf: HfSource, c: &mut ModelConfig) -> HfResult<()> {

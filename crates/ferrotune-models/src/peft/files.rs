@@ -54,6 +54,7 @@ pub fn read_adapter_tensors(dir: &Path) -> Result<(PathBuf, HashMap<String, Tens
             std::slice::from_ref(&file),
             None,
             &Device::Cpu,
+            None,
             &|name| Some(name.to_string()),
         )?;
         return Ok((file, tensors));

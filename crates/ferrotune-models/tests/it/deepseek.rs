@@ -255,7 +255,7 @@ fn tensors_of(case: &str) -> HashMap<String, Tensor> {
 }
 
 /// The released configs read as transformers 5.24 reads them: DeepSeek-V3's (its FP8
-/// `quantization_config` refused, naming the key) and DeepSeek-V2-Lite's, 4.x `rope_scaling`
+/// `quantization_config` read, another quantization refused naming the key) and DeepSeek-V2-Lite's, 4.x `rope_scaling`
 /// with YaRN's `mscale_all_dim` (softmax scales from transformers' `yarn_apply_mscale`).
 #[test]
 fn released_configs_read_as_transformers() {
@@ -296,7 +296,13 @@ fn released_configs_read_as_transformers() {
         ferrotune_models::model::latent_cache_ratio(&c).map(f64::round),
         Some(71.0)
     );
-    v3["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+    // The released FP8 blocks read (dequantized on loading); another quantization is refused.
+    v3["quantization_config"] = serde_json::json!({"activation_scheme": "dynamic",
+        "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]});
+    let fp8 = ModelConfig::from_hf_json(&v3).unwrap();
+    assert_eq!(fp8.fp8.and_then(|f| f.block), Some([128, 128]));
+    assert!(fp8.raw.get("quantization_config").is_none());
+    v3["quantization_config"] = serde_json::json!({"quant_method": "bitsandbytes"});
     let err = ModelConfig::from_hf_json(&v3).unwrap_err();
     assert!(err.contains("quantization_config"), "{err}");
 

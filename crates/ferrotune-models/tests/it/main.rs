@@ -6,6 +6,7 @@ mod decode_step;
 mod deepseek;
 mod device_map;
 mod errors;
+mod fp8;
 mod gguf;
 mod gguf_qwen35;
 mod golden_models;

@@ -55,6 +55,7 @@ impl ModelConfig {
                 _ => None,
             };
             let mut config = Self::from_hf_json(&Value::Object(text))?;
+            config.fp8 = config.fp8.or(crate::fp8::from_config(top)?);
             config.text_of_multimodal = true;
             config.mllama = mllama;
             return Ok(config);
@@ -88,6 +89,12 @@ impl ModelConfig {
             obj,
         };
         rules.check(hf)?;
+        // FP8 weights are dequantized on reading: the model is then a plain one.
+        let fp8 = crate::fp8::from_config(obj)?;
+        let mut raw = value.clone();
+        if let (Some(_), Some(raw)) = (fp8, raw.as_object_mut()) {
+            raw.remove("quantization_config");
+        }
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
         if num_attention_heads == 0 {
@@ -177,7 +184,8 @@ impl ModelConfig {
             eos_token_ids: get_ids(obj, "eos_token_id")?,
             pad_token_id: get_ids(obj, "pad_token_id")?.first().copied(),
             model_type: model_type.clone(),
-            raw: value.clone(),
+            fp8,
+            raw,
         };
         rules.configure(hf, &mut config)?;
         if !config.pre_norms && (!config.sandwich_norms || config.parallel_block) {
