@@ -16,6 +16,7 @@
 //! available through these ops.
 
 mod attention;
+mod attention_sinks;
 mod cross_entropy;
 mod fake_quant;
 pub(crate) mod kernels;
@@ -30,6 +31,7 @@ mod swiglu;
 pub use attention::{
     attention, attention_softcapped, register_mask_layout, registered_mask_layout, MaskLayout,
 };
+pub use attention_sinks::attention_with_sinks;
 pub use cross_entropy::cross_entropy_sum;
 pub use fake_quant::{fake_quantize_rows, FakeQuantKind};
 pub use linear::trainable_linear;

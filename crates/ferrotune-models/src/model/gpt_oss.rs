@@ -1,64 +1,13 @@
-//! gpt-oss's own math: attention with a learned sink logit per head
-//! ([`attention_with_sinks`]) and its mixture of experts ([`GptOssMoe`]), as transformers'
-//! `GptOssAttention` (eager) and `GptOssMLP` compute them.
+//! gpt-oss's own math: its mixture of experts ([`GptOssMoe`]), as transformers' `GptOssMLP`
+//! computes it. Its attention with a learned sink logit per head is
+//! [`ferrotune_core::fused::attention_with_sinks`].
 
-use candle_core::{DType, Result as CResult, Tensor, Var, D};
+use candle_core::{DType, Result as CResult, Tensor, Var};
 use ferrotune_core::ops;
 
 use super::moe::{gather_routes, top_k_experts};
 use super::{CausalLm, RouterRecord};
 use crate::config::GptOssMoeConfig;
-
-/// `softmax([q kᵀ · scale + mask, sink]) v` per head, the sink's column dropped after the
-/// softmax: each head's learned `sinks[h]` joins every row's denominator and takes no value.
-/// Shapes as [`ferrotune_core::fused::attention`] (`q` `[b, nh, t, hd]`, `k`/`v`
-/// `[b, nkv, s, hd]`, additive `mask` `[b or 1, 1, t, s]`), `sinks` `[nh]`.
-///
-/// Built from candle ops (each with its backward, so the sinks train): the fused attention
-/// kernels keep only each row's softmax statistics and have no place for the extra logit. This
-/// path holds the `[b, nh, t, s]` probabilities, as transformers' eager attention does.
-pub(super) fn attention_with_sinks(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    scale: f64,
-    sinks: &Tensor,
-) -> CResult<Tensor> {
-    let (b, nh, t, hd) = q.dims4()?;
-    let (_, nkv, s, _) = k.dims4()?;
-    if nkv == 0 || nh % nkv != 0 || sinks.dims() != [nh] {
-        candle_core::bail!(
-            "attention with sinks: {nh} query heads, {nkv} key/value heads and sinks {:?} do not fit",
-            sinks.dims()
-        );
-    }
-    let groups = nh / nkv;
-    // Query heads sharing a key/value head are stacked along the rows (head h = kv · groups + g):
-    // one matmul per key/value head.
-    let q = q.contiguous()?.reshape((b, nkv, groups * t, hd))?;
-    // The softmax in f32 whatever the compute dtype, as the fused attention's; a sink's gradient
-    // (the sum over every row of its head) then adds up in f32 too.
-    let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?.to_dtype(DType::F32)?;
-    let scores = match mask {
-        Some(m) => scores
-            .reshape((b, nkv, groups, t, s))?
-            .broadcast_add(&m.to_dtype(DType::F32)?.unsqueeze(1)?)?
-            .reshape((b, nkv, groups * t, s))?,
-        None => scores,
-    };
-    let sink = sinks
-        .to_dtype(DType::F32)?
-        .reshape((1, nkv, groups, 1, 1))?
-        .broadcast_as((b, nkv, groups, t, 1))?
-        .reshape((b, nkv, groups * t, 1))?;
-    let probs = ops::softmax_last_dim(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?;
-    probs
-        .narrow(D::Minus1, 0, s)?
-        .to_dtype(v.dtype())?
-        .matmul(&v.contiguous()?)?
-        .reshape((b, nh, t, hd))
-}
 
 /// gpt-oss's mixture of experts (`mlp`), its tensors as the checkpoint holds them: the router
 /// (`mlp.router`, a bare weight and bias, no `nn.Linear`: PEFT's `target_modules` cannot reach
