@@ -17,6 +17,7 @@
 
 mod attention;
 mod attention_sinks;
+mod clamped_glu;
 mod cross_entropy;
 mod fake_quant;
 pub(crate) mod kernels;
@@ -32,6 +33,7 @@ pub use attention::{
     attention, attention_softcapped, register_mask_layout, registered_mask_layout, MaskLayout,
 };
 pub use attention_sinks::attention_with_sinks;
+pub use clamped_glu::clamped_swiglu_interleaved;
 pub use cross_entropy::cross_entropy_sum;
 pub use fake_quant::{fake_quantize_rows, FakeQuantKind};
 pub use linear::trainable_linear;

@@ -1,6 +1,6 @@
 //! gpt-oss's fused kernels against the candle-op formulas they replace: the attention with a sink
 //! logit per head (forward values and the gradients of q, k, v and the sinks, with grouped-query
-//! heads, cached keys, causal, padding and sliding-window masks).
+//! heads, cached keys, causal, padding and sliding-window masks) and the experts' clamped SwiGLU.
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use ferrotune_core::fused;
@@ -182,4 +182,43 @@ fn sink_attention_falls_back_to_the_candle_ops_for_bf16_and_checks_shapes() {
     let bad = rng.tensor(&[3], 1.0);
     let err = fused::attention_with_sinks(&q, &k, &v, None, 1.0, &bad).unwrap_err();
     assert!(err.to_string().contains("sinks"), "{err}");
+}
+
+/// gpt-oss's expert activation as the decoder built it from candle ops before the fused kernel.
+fn clamped_glu_reference(gate_up: &Tensor, alpha: f64, limit: f64) -> Result<Tensor> {
+    let (m, two_inter) = gate_up.dims2()?;
+    let gate_up = gate_up.reshape((m, two_inter / 2, 2))?;
+    let gate = gate_up.narrow(2, 0, 1)?.squeeze(2)?.minimum(limit)?;
+    let up = gate_up.narrow(2, 1, 1)?.squeeze(2)?.clamp(-limit, limit)?;
+    let sig = ((&gate * alpha)?.neg()?.exp()? + 1.0)?.recip()?;
+    let glu = (&gate * sig)?;
+    (up + 1.0)? * glu
+}
+
+#[test]
+fn clamped_swiglu_matches_the_candle_ops_with_its_gradient() {
+    let mut rng = Rng(46);
+    // Values beyond the limit on both sides, so that both clamps cut.
+    for (m, inter) in [(5, 3), (37, 100), (1, 9000)] {
+        let gate_up = rng.tensor(&[m, 2 * inter], 10.0);
+        compare(
+            &format!("clamped swiglu {m}x{inter}"),
+            &[gate_up],
+            &mut rng,
+            |x| fused::clamped_swiglu_interleaved(&x[0], 1.702, 7.0),
+            |x| clamped_glu_reference(&x[0], 1.702, 7.0),
+        );
+    }
+    // Leading dimensions are kept; other dtypes take the composite.
+    let gate_up = rng.tensor(&[2, 3, 8], 10.0);
+    let out = fused::clamped_swiglu_interleaved(&gate_up, 1.702, 7.0).unwrap();
+    assert_eq!(out.dims(), [2, 3, 4]);
+    let want = clamped_glu_reference(&gate_up.reshape((6, 8)).unwrap(), 1.702, 7.0).unwrap();
+    assert_close("3-d", &out.reshape((6, 4)).unwrap(), &want, 1e-6);
+    let bf = fused::clamped_swiglu_interleaved(&gate_up.to_dtype(DType::BF16).unwrap(), 1.702, 7.0)
+        .unwrap();
+    assert_eq!(bf.dtype(), DType::BF16);
+    assert_close("bf16", &bf.reshape((6, 4)).unwrap(), &want, 2e-2);
+    let odd = rng.tensor(&[2, 5], 1.0);
+    assert!(fused::clamped_swiglu_interleaved(&odd, 1.702, 7.0).is_err());
 }

@@ -3,7 +3,7 @@
 //! [`ferrotune_core::fused::attention_with_sinks`].
 
 use candle_core::{DType, Result as CResult, Tensor, Var};
-use ferrotune_core::ops;
+use ferrotune_core::{fused, ops};
 
 use super::moe::{gather_routes, top_k_experts};
 use super::{CausalLm, RouterRecord};
@@ -206,10 +206,11 @@ impl CausalLm {
     /// gpt-oss's mixture of experts on `x` (`[b, t, hidden]`), as `GptOssMLP`: router logits
     /// (with bias), each token's top-k logits (ties to the lower expert, as `torch.topk`)
     /// softmaxed in the compute dtype; each chosen expert's `x · W_gate_up + b`, the clamped
-    /// SwiGLU, `· W_down + b`, scaled by its weight and added in expert order. The routing weights
-    /// stay differentiable (the router trains); the choice of experts is made on the host. While
-    /// recording ([`CausalLm::record_routers`]), the router's softmax over every expert is kept
-    /// for the auxiliary loss, as `GptOssForCausalLM` computes it from the router logits.
+    /// SwiGLU ([`fused::clamped_swiglu_interleaved`]), `· W_down + b`, scaled by its weight and
+    /// added in expert order. The routing weights stay differentiable (the router trains); the
+    /// choice of experts is made on the host. While recording ([`CausalLm::record_routers`]), the
+    /// router's softmax over every expert is kept for the auxiliary loss, as `GptOssForCausalLM`
+    /// computes it from the router logits.
     pub(super) fn gpt_oss_moe(&self, moe: &GptOssMoe, x: &Tensor) -> CResult<Tensor> {
         let (b, t, h) = x.dims3()?;
         let n = b * t;
@@ -242,7 +243,6 @@ impl CausalLm {
             routed[e as usize].0.push((i / k) as u32);
             routed[e as usize].1.push(i as u32);
         }
-        let inter = moe.down_proj.dim(1)?;
         let (alpha, limit) = (moe.config.alpha, moe.config.limit);
         let mut out = flat.zeros_like()?;
         for (e, (tokens, places)) in routed.into_iter().enumerate() {
@@ -258,11 +258,8 @@ impl CausalLm {
             if let Some(lora) = &moe.gate_up_lora {
                 gate_up = (gate_up + lora.apply(&rows, e)?)?;
             }
-            let gate_up = gate_up.reshape((m, inter, 2))?;
-            let gate = gate_up.narrow(2, 0, 1)?.squeeze(2)?.minimum(limit)?;
-            let up = gate_up.narrow(2, 1, 1)?.squeeze(2)?.clamp(-limit, limit)?;
-            let glu = (&gate * sigmoid(&(&gate * alpha)?)?)?;
-            let h_e = ((up + 1.0)? * glu)?;
+            // One fused op on f32 CPU tensors, holding only `gate_up` for the backward.
+            let h_e = fused::clamped_swiglu_interleaved(&gate_up, alpha, limit)?;
             let mut y = h_e
                 .matmul(&moe.down_proj.get(e)?)?
                 .broadcast_add(&moe.down_proj_bias.get(e)?)?;
