@@ -197,6 +197,18 @@ impl GptOssMoe {
     }
 }
 
+/// `rows @ w` for an expert's weight `w` `[in, out]` (inputs first, as the fused experts hold
+/// it). A frozen weight under trained rows (LoRA) goes through
+/// [`ferrotune_core::frozen::frozen_matmul`], read in place: candle's matmul would also compute
+/// (and hold until the step's end) a gradient for the weight that nothing uses.
+fn expert_matmul(rows: &Tensor, w: &Tensor) -> CResult<Tensor> {
+    if rows.track_op() && !w.track_op() {
+        ferrotune_core::frozen::frozen_matmul(rows, &w.t()?)
+    } else {
+        rows.matmul(w)
+    }
+}
+
 /// `1 / (1 + e^−x)` from differentiable ops.
 pub(super) fn sigmoid(x: &Tensor) -> CResult<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()
@@ -252,16 +264,14 @@ impl CausalLm {
             let m = tokens.len();
             let tokens = Tensor::new(tokens, device)?;
             let rows = flat.index_select(&tokens, 0)?;
-            let mut gate_up = rows
-                .matmul(&moe.gate_up_proj.get(e)?)?
+            let mut gate_up = expert_matmul(&rows, &moe.gate_up_proj.get(e)?)?
                 .broadcast_add(&moe.gate_up_proj_bias.get(e)?)?;
             if let Some(lora) = &moe.gate_up_lora {
                 gate_up = (gate_up + lora.apply(&rows, e)?)?;
             }
             // One fused op on f32 CPU tensors, holding only `gate_up` for the backward.
             let h_e = fused::clamped_swiglu_interleaved(&gate_up, alpha, limit)?;
-            let mut y = h_e
-                .matmul(&moe.down_proj.get(e)?)?
+            let mut y = expert_matmul(&h_e, &moe.down_proj.get(e)?)?
                 .broadcast_add(&moe.down_proj_bias.get(e)?)?;
             if let Some(lora) = &moe.down_lora {
                 y = (y + lora.apply(&h_e, e)?)?;
