@@ -256,12 +256,16 @@ impl CausalLm {
             routed[e as usize].1.push(i as u32);
         }
         let (alpha, limit) = (moe.config.alpha, moe.config.limit);
-        let mut out = flat.zeros_like()?;
+        // Each expert's weighted rows and their tokens, in expert order, added into the output by
+        // one `index_add` (which adds in index order, so in expert order as transformers does):
+        // the graph holds them once rather than one `[n, hidden]` sum per expert.
+        let (mut parts, mut all_tokens) = (Vec::new(), Vec::with_capacity(route.len()));
         for (e, (tokens, places)) in routed.into_iter().enumerate() {
             if tokens.is_empty() {
                 continue;
             }
             let m = tokens.len();
+            all_tokens.extend_from_slice(&tokens);
             let tokens = Tensor::new(tokens, device)?;
             let rows = flat.index_select(&tokens, 0)?;
             let mut gate_up = expert_matmul(&rows, &moe.gate_up_proj.get(e)?)?
@@ -279,8 +283,17 @@ impl CausalLm {
             let w = weights
                 .index_select(&Tensor::new(places, device)?, 0)?
                 .reshape((m, 1))?;
-            out = out.index_add(&tokens, &y.broadcast_mul(&w)?, 0)?;
+            parts.push(y.broadcast_mul(&w)?);
         }
-        out.reshape((b, t, h))
+        let out = flat.zeros_like()?;
+        if parts.is_empty() {
+            return out.reshape((b, t, h));
+        }
+        out.index_add(
+            &Tensor::new(all_tokens, device)?,
+            &Tensor::cat(&parts, 0)?,
+            0,
+        )?
+        .reshape((b, t, h))
     }
 }
