@@ -333,6 +333,8 @@ pub(super) struct Attention {
     /// both), from the forward; `(+∞, 1)` for a row with no finite score, which makes its
     /// recomputed probabilities 0.
     stats: Mutex<Vec<(f32, f32)>>,
+    /// A sink logit per query head that takes no gradient (see [`Attention::with_sinks`]).
+    sinks: Option<Vec<f32>>,
 }
 
 /// The backward's gradients: `dq`, `dk`, `dv` (as the inputs' data) and, with sinks, `d(sinks)`
@@ -461,7 +463,17 @@ impl Attention {
             mask,
             ranges,
             stats: Mutex::new(Vec::new()),
+            sinks: None,
         })
+    }
+
+    /// The kernel with a fixed sink logit per query head, as an op over `(q, k, v)` that gives
+    /// no gradient to the sinks (they are frozen, as under LoRA, or nothing trains).
+    pub(super) fn with_sinks(self, sinks: Vec<f32>) -> Self {
+        Self {
+            sinks: Some(sinks),
+            ..self
+        }
     }
 
     /// The mask rows of block `blk` of batch element `bi`, from key `lo` on.
@@ -752,14 +764,16 @@ impl FusedOp<3> for Attention {
     const WHAT: &'static str = "attention";
 
     fn forward(&self, [q, k, v]: [&[f32]; 3], [q_shape, ..]: [&Shape; 3]) -> Forward {
-        Ok((self.forward_with(q, k, v, None)?, q_shape.clone()))
+        let out = self.forward_with(q, k, v, self.sinks.as_deref())?;
+        Ok((out, q_shape.clone()))
     }
 
     fn backward(&self, [q, k, v]: [&Tensor; 3], res: &Tensor, grad: &Tensor) -> Grads<3> {
         let tensors = contiguous([q, k, v, res, grad])?;
         let guards = tensors.each_ref().map(Tensor::storage_and_layout);
         let [q_c, k_c, v_c, ..] = &tensors;
-        let (dq, dk, dv, _) = self.backward_with(guard_slices(&guards, "attention")?, None)?;
+        let slices = guard_slices(&guards, "attention")?;
+        let (dq, dk, dv, _) = self.backward_with(slices, self.sinks.as_deref())?;
         let dev = Device::Cpu;
         Ok([
             Some(Tensor::from_vec(dq, q_c.shape(), &dev)?),

@@ -18,9 +18,10 @@ use crate::custom_op::{Fused, FusedOp, Grads};
 /// denominator (the sink included in both) instead of the `[b, nh, t, s]` probabilities, skips
 /// the keys a block of query rows cannot see (a sliding window's), and recomputes the
 /// probabilities in the backward; the sink's gradient is `−Σ_rows p_sink · rowsum(dO ⊙ O)` over
-/// the rows of its head. A row whose keys are all masked gives zeros (its weight is all on the
-/// sink), as with the composite. Other dtypes and devices use the composite candle formula, which
-/// holds the probabilities.
+/// the rows of its head. Sinks that take no gradient (LoRA, inference) are constants of the op;
+/// trained ones are its third input, beside `q` and the keys and values as one tensor. A row
+/// whose keys are all masked gives zeros (its weight is all on the sink), as with the composite.
+/// Other dtypes and devices use the composite candle formula, which holds the probabilities.
 pub fn attention_with_sinks(
     q: &Tensor,
     k: &Tensor,
@@ -44,7 +45,15 @@ pub fn attention_with_sinks(
     {
         return composite(q, k, v, mask, scale, sinks);
     }
-    let op = SinkAttention(Attention::new(dims, mask, scale, None)?);
+    let kernel = Attention::new(dims, mask, scale, None)?;
+    if !sinks.track_op() {
+        // Frozen sinks (LoRA, inference): an op over `(q, k, v)` with the sinks as constants.
+        let op = kernel.with_sinks(sinks.flatten_all()?.to_vec1()?);
+        return q
+            .contiguous()?
+            .apply_op3(&k.contiguous()?, &v.contiguous()?, Fused(op));
+    }
+    let op = SinkAttention(kernel);
     // candle's custom ops take at most three inputs: keys and values travel as one tensor
     // `[2b, nkv, s, hd]` (keys first), a copy of the smaller operands under grouped-query heads.
     let kv = Tensor::cat(&[k, v], 0)?;

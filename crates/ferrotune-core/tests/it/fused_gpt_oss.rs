@@ -82,6 +82,35 @@ fn check(
     );
 }
 
+/// As [`check`], the sinks frozen (a plain tensor, as under LoRA): the gradients of q, k and v.
+fn check_frozen_sinks(
+    rng: &mut Rng,
+    (b, nh, nkv, t, s, hd): (usize, usize, usize, usize, usize, usize),
+    mask: Option<Tensor>,
+) {
+    let q = rng.tensor(&[b, nh, t, hd], 2.0);
+    let k = rng.tensor(&[b, nkv, s, hd], 2.0);
+    let v = rng.tensor(&[b, nkv, s, hd], 1.0);
+    let sinks = rng.tensor(&[nh], 3.0);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let m = mask.as_ref();
+    compare(
+        &format!("attention with frozen sinks b{b} nh{nh} nkv{nkv} t{t} s{s} hd{hd}"),
+        &[q, k, v],
+        rng,
+        |x| fused::attention_with_sinks(&x[0], &x[1], &x[2], m, scale, &sinks),
+        |x| reference(&x[0], &x[1], &x[2], m, scale, &sinks),
+    );
+}
+
+#[test]
+fn frozen_sinks_match_the_candle_ops() {
+    let mut rng = Rng(47);
+    check_frozen_sinks(&mut rng, (1, 6, 2, 3, 7, 16), None);
+    let mask = sliding_mask(&[0, 3], 150, 150, 128);
+    check_frozen_sinks(&mut rng, (2, 4, 2, 150, 150, 8), Some(mask));
+}
+
 #[test]
 fn sink_attention_matches_the_candle_ops_without_mask() {
     let mut rng = Rng(41);
