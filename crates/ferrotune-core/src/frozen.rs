@@ -113,10 +113,17 @@ impl CustomOp1 for FrozenMatmul {
 /// `rows @ weight.T` for `rows` `[m, in]` and a weight `[out, in]` that takes no gradient.
 ///
 /// Use when `rows` is part of an autograd graph but `weight` is not: the result is the same as
-/// `rows.matmul(&weight.t())`, and so is the gradient of `rows`.
+/// `rows.matmul(&weight.t())`, and so is the gradient of `rows`. A weight stored inputs first
+/// (`w.t()` of a contiguous `[in, out]`, as gpt-oss's experts) is used as it is, not copied: the
+/// products read either layout.
 pub fn frozen_matmul(rows: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let weight = if weight.rank() == 2 && weight.t()?.is_contiguous() {
+        weight.clone()
+    } else {
+        weight.contiguous()?
+    };
     let op = FrozenMatmul {
-        weight: Source::Base(BaseWeight::Dense(weight.contiguous()?)),
+        weight: Source::Base(BaseWeight::Dense(weight)),
     };
     rows.contiguous()?.apply_op1_arc(Arc::new(Box::new(op)))
 }

@@ -53,28 +53,7 @@ pub fn attention_softcapped(
             bail!("attention: the softcap must be a positive number, got {cap}");
         }
     }
-    let (b, nh, t, hd) = q.dims4()?;
-    let (kb, nkv, s, khd) = k.dims4()?;
-    if v.dims() != k.dims() || kb != b || khd != hd {
-        bail!(
-            "attention: q {:?}, k {:?} and v {:?} do not fit together (expected k = v = [{b}, kv heads, s, {hd}])",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        );
-    }
-    if nkv == 0 || nh % nkv != 0 {
-        bail!("attention: {nh} query heads are not a multiple of {nkv} key/value heads");
-    }
-    if let Some(m) = mask {
-        let (mb, one, mt, ms) = m.dims4()?;
-        if !(mb == b || mb == 1) || one != 1 || mt != t || ms != s {
-            bail!(
-                "attention: mask {:?} does not fit scores [{b}, {nh}, {t}, {s}] (expected [{b} or 1, 1, {t}, {s}])",
-                m.dims()
-            );
-        }
-    }
+    let dims = check_shapes("attention", q, k, v, mask)?;
     // Empty tensors gain nothing from the kernel (and would give it zero-sized blocks).
     let empty = q.elem_count() == 0 || k.elem_count() == 0;
     #[cfg(feature = "cuda")]
@@ -87,36 +66,50 @@ pub fn attention_softcapped(
     {
         return composite(q, k, v, mask, scale, softcap);
     }
-    let dims = Dims {
+    let op = Attention::new(dims, mask, scale, softcap)?;
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, Fused(op))
+}
+
+/// The dimensions of `q` `[b, nh, t, hd]`, `k` and `v` `[b, nkv, s, hd]` and an additive mask
+/// `[b or 1, 1, t, s]`, or an error (naming `what`) where they do not fit together.
+pub(super) fn check_shapes(
+    what: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Dims> {
+    let (b, nh, t, hd) = q.dims4()?;
+    let (kb, nkv, s, khd) = k.dims4()?;
+    if v.dims() != k.dims() || kb != b || khd != hd {
+        bail!(
+            "{what}: q {:?}, k {:?} and v {:?} do not fit together (expected k = v = [{b}, kv heads, s, {hd}])",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if nkv == 0 || nh % nkv != 0 {
+        bail!("{what}: {nh} query heads are not a multiple of {nkv} key/value heads");
+    }
+    if let Some(m) = mask {
+        let (mb, one, mt, ms) = m.dims4()?;
+        if !(mb == b || mb == 1) || one != 1 || mt != t || ms != s {
+            bail!(
+                "{what}: mask {:?} does not fit scores [{b}, {nh}, {t}, {s}] (expected [{b} or 1, 1, {t}, {s}])",
+                m.dims()
+            );
+        }
+    }
+    Ok(Dims {
         b,
         nh,
         nkv,
         t,
         s,
         hd,
-    };
-    let (mask, ranges) = match mask {
-        Some(m) => {
-            let m = m.to_dtype(DType::F32)?.contiguous()?;
-            let ranges = {
-                let (mb, _, _, _) = m.dims4()?;
-                let guard = m.storage_and_layout();
-                key_ranges(guard_slice(&guard, "attention")?, mb, t, s)
-            };
-            (Some(m), ranges)
-        }
-        None => (None, vec![(0, s); t.div_ceil(BLOCK)]),
-    };
-    let op = Attention {
-        dims,
-        scale: scale as f32,
-        softcap: softcap.map(|c| c as f32),
-        mask,
-        ranges,
-        stats: Mutex::new(Vec::new()),
-    };
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, Fused(op))
+    })
 }
 
 /// The unfused formula (as the decoder computes it), for dtypes and devices without the kernel.
@@ -278,14 +271,15 @@ const BLOCK: usize = 64;
 /// A mask value at or below this counts as masked when trimming key ranges (`f32::MIN`, −∞).
 const MASKED: f32 = -1e30;
 
+/// The attention's sizes: `q` `[b, nh, t, hd]`, `k` and `v` `[b, nkv, s, hd]`.
 #[derive(Clone, Copy)]
-struct Dims {
-    b: usize,
-    nh: usize,
-    nkv: usize,
-    t: usize,
-    s: usize,
-    hd: usize,
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) nh: usize,
+    pub(super) nkv: usize,
+    pub(super) t: usize,
+    pub(super) s: usize,
+    pub(super) hd: usize,
 }
 
 impl Dims {
@@ -323,7 +317,10 @@ fn key_ranges(mask: &[f32], mb: usize, t: usize, s: usize) -> Vec<(usize, usize)
         .collect()
 }
 
-struct Attention {
+/// The fused kernel's state: sizes, settings, the mask's key ranges and the forward's row
+/// statistics. [`FusedOp`] over `(q, k, v)` here; `attention_sinks.rs` runs the same kernel with
+/// a sink logit per head.
+pub(super) struct Attention {
     dims: Dims,
     scale: f32,
     /// Gemma 2's cap on the scaled scores (`cap · tanh(s / cap)`), applied before the mask.
@@ -332,10 +329,17 @@ struct Attention {
     mask: Option<Tensor>,
     /// Key range of each (mask batch, row block), from [`key_ranges`].
     ranges: Vec<(usize, usize)>,
-    /// Per query row `(max, Σ exp(score − max))` of the softmax, from the forward; `(+∞, 1)` for a
-    /// row with no finite score, which makes its recomputed probabilities 0.
+    /// Per query row `(max, Σ exp(score − max))` of the softmax (the sink's logit included in
+    /// both), from the forward; `(+∞, 1)` for a row with no finite score, which makes its
+    /// recomputed probabilities 0.
     stats: Mutex<Vec<(f32, f32)>>,
+    /// A sink logit per query head that takes no gradient (see [`Attention::with_sinks`]).
+    sinks: Option<Vec<f32>>,
 }
+
+/// The backward's gradients: `dq`, `dk`, `dv` (as the inputs' data) and, with sinks, `d(sinks)`
+/// per query head.
+pub(super) type AttentionGrads = (Vec<f32>, Vec<f32>, Vec<f32>, Option<Vec<f32>>);
 
 /// One row block's view of the mask: the slice starting at its first row and key `lo`, read with
 /// row stride `s`.
@@ -365,21 +369,35 @@ fn softcap_rows(scores: &mut [f32], cap: f32, derivative: Option<&mut [f32]>) {
 
 simd_fn! {
     /// Adds the mask to a block of scores (`rows × w`) and turns each row into probabilities,
-    /// writing the row's `(max, sum)`.
-    fn softmax_rows(scores: &mut [f32], w: usize, mask: Option<MaskRows<'_>>, stats: &mut [(f32, f32)]) {
+    /// writing the row's `(max, sum)`; a `sink` logit joins each row's max and sum (and takes no
+    /// column).
+    fn softmax_rows(
+        scores: &mut [f32],
+        w: usize,
+        mask: Option<MaskRows<'_>>,
+        sink: Option<f32>,
+        stats: &mut [(f32, f32)],
+    ) {
         for (r, (row, st)) in scores.chunks_exact_mut(w).zip(stats.iter_mut()).enumerate() {
             if let Some(m) = &mask {
                 for (x, &mv) in row.iter_mut().zip(&m.data[r * m.stride..][..w]) {
                     *x += mv;
                 }
             }
-            let mx = kernels::max(row);
+            let mut mx = kernels::max(row);
+            // Compared so, a NaN maximum stays NaN.
+            if sink.is_some_and(|sk| sk > mx) {
+                mx = sink.unwrap_or(mx);
+            }
             if mx == f32::NEG_INFINITY || mx.is_nan() {
                 row.fill(0.0);
                 *st = (f32::INFINITY, 1.0);
                 continue;
             }
-            let sum = kernels::exp_shift_inplace(row, mx);
+            let mut sum = kernels::exp_shift_inplace(row, mx);
+            if let Some(sk) = sink {
+                sum += kernels::exp(sk - mx);
+            }
             for x in row.iter_mut() {
                 *x /= sum;
             }
@@ -417,6 +435,47 @@ simd_fn! {
 }
 
 impl Attention {
+    /// The kernel for checked `dims` ([`check_shapes`]): the mask as contiguous f32 and the key
+    /// range of each block of query rows.
+    pub(super) fn new(
+        dims: Dims,
+        mask: Option<&Tensor>,
+        scale: f64,
+        softcap: Option<f64>,
+    ) -> Result<Self> {
+        let Dims { t, s, .. } = dims;
+        let (mask, ranges) = match mask {
+            Some(m) => {
+                let m = m.to_dtype(DType::F32)?.contiguous()?;
+                let ranges = {
+                    let (mb, _, _, _) = m.dims4()?;
+                    let guard = m.storage_and_layout();
+                    key_ranges(guard_slice(&guard, "attention")?, mb, t, s)
+                };
+                (Some(m), ranges)
+            }
+            None => (None, vec![(0, s); t.div_ceil(BLOCK)]),
+        };
+        Ok(Self {
+            dims,
+            scale: scale as f32,
+            softcap: softcap.map(|c| c as f32),
+            mask,
+            ranges,
+            stats: Mutex::new(Vec::new()),
+            sinks: None,
+        })
+    }
+
+    /// The kernel with a fixed sink logit per query head, as an op over `(q, k, v)` that gives
+    /// no gradient to the sinks (they are frozen, as under LoRA, or nothing trains).
+    pub(super) fn with_sinks(self, sinks: Vec<f32>) -> Self {
+        Self {
+            sinks: Some(sinks),
+            ..self
+        }
+    }
+
     /// The mask rows of block `blk` of batch element `bi`, from key `lo` on.
     fn mask_rows<'a>(
         &self,
@@ -443,11 +502,16 @@ impl Attention {
     }
 }
 
-impl FusedOp<3> for Attention {
-    const NAME: &'static str = "fused-attention";
-    const WHAT: &'static str = "attention";
-
-    fn forward(&self, [q, k, v]: [&[f32]; 3], [q_shape, ..]: [&Shape; 3]) -> Forward {
+impl Attention {
+    /// The forward on the inputs' data (`sinks`: one logit per query head), keeping the row
+    /// statistics for the backward.
+    pub(super) fn forward_with(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        sinks: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
         let dims = self.dims;
         let Dims { nh, t, s, hd, .. } = dims;
         let mask_guard = self.mask.as_ref().map(|m| m.storage_and_layout());
@@ -492,7 +556,9 @@ impl FusedOp<3> for Attention {
                         if let Some(cap) = self.softcap {
                             softcap_rows(&mut scores, cap, None);
                         }
-                        softmax_rows(&mut scores, w, self.mask_rows(mask, bi, blk, lo), stats_b);
+                        let sink = sinks.map(|sk| sk[h]);
+                        let mask = self.mask_rows(mask, bi, blk, lo);
+                        softmax_rows(&mut scores, w, mask, sink, stats_b);
                         unsafe {
                             kernels::gemm(
                                 (rows, hd, w),
@@ -507,10 +573,17 @@ impl FusedOp<3> for Attention {
                     });
             });
         *self.stats.lock().expect("stats lock") = stats;
-        Ok((out, q_shape.clone()))
+        Ok(out)
     }
 
-    fn backward(&self, [q, k, v]: [&Tensor; 3], res: &Tensor, grad: &Tensor) -> Grads<3> {
+    /// The backward on the inputs' data, the output `o` and its gradient `d_o`: dQ, dK, dV and,
+    /// with `sinks`, each sink's gradient `−Σ_rows p_sink · rowsum(dO ⊙ O)` (the sink takes no
+    /// value, so its score gradient is `p_sink · (0 − rowsum(dO ⊙ O))`), summed over the batch.
+    pub(super) fn backward_with(
+        &self,
+        [q, k, v, o, d_o]: [&[f32]; 5],
+        sinks: Option<&[f32]>,
+    ) -> Result<AttentionGrads> {
         let dims = self.dims;
         let Dims {
             b,
@@ -520,11 +593,6 @@ impl FusedOp<3> for Attention {
             s,
             hd,
         } = dims;
-        let tensors = contiguous([q, k, v, res, grad])?;
-        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
-        // For the gradients' shapes: from here on `q`, `k` and `v` name the inputs' data.
-        let [q_c, k_c, v_c, ..] = &tensors;
-        let [q, k, v, o, d_o] = guard_slices(&guards, "attention")?;
         let mask_guard = self.mask.as_ref().map(|m| m.storage_and_layout());
         let mask = match &mask_guard {
             Some(g) => Some(guard_slice(g, "attention")?),
@@ -539,10 +607,18 @@ impl FusedOp<3> for Attention {
         // Key/value gradients per *query* head, summed over each group afterwards.
         let mut dk_q = vec![0f32; b * nh * s * hd];
         let mut dv_q = vec![0f32; b * nh * s * hd];
+        // Each (batch, head)'s part of its sink's gradient.
+        let mut dsink_q = vec![0f32; if sinks.is_some() { b * nh } else { 0 }];
+        let dsink_parts: Vec<Option<&mut f32>> = if sinks.is_some() {
+            dsink_q.iter_mut().map(Some).collect()
+        } else {
+            (0..b * nh).map(|_| None).collect()
+        };
         dq.par_chunks_mut(t * hd)
             .zip(dk_q.par_chunks_mut(s * hd).zip(dv_q.par_chunks_mut(s * hd)))
+            .zip(dsink_parts)
             .enumerate()
-            .for_each(|(bh, (dq_h, (dk_h, dv_h)))| {
+            .for_each(|(bh, ((dq_h, (dk_h, dv_h)), dsink))| {
                 let (bi, h) = (bh / nh, bh % nh);
                 let kv = bi * nkv + h / groups;
                 let qh = &q[bh * t * hd..][..t * hd];
@@ -643,7 +719,22 @@ impl FusedOp<3> for Attention {
                         );
                     }
                 }
+                if let (Some(dsink), Some(sinks)) = (dsink, sinks) {
+                    let sk = sinks[h];
+                    *dsink = -(0..t)
+                        .map(|i| {
+                            let (mx, sum) = stats_h[i];
+                            let di = kernels::dot(&doh[i * hd..][..hd], &oh[i * hd..][..hd]);
+                            kernels::exp(sk - mx) / sum * di
+                        })
+                        .sum::<f32>();
+                }
             });
+        let dsinks = sinks.map(|_| {
+            (0..nh)
+                .map(|h| (0..b).map(|bi| dsink_q[bi * nh + h]).sum())
+                .collect()
+        });
         let (dk, dv) = if groups == 1 {
             (dk_q, dv_q)
         } else {
@@ -664,6 +755,25 @@ impl FusedOp<3> for Attention {
             };
             (sum_groups(&dk_q), sum_groups(&dv_q))
         };
+        Ok((dq, dk, dv, dsinks))
+    }
+}
+
+impl FusedOp<3> for Attention {
+    const NAME: &'static str = "fused-attention";
+    const WHAT: &'static str = "attention";
+
+    fn forward(&self, [q, k, v]: [&[f32]; 3], [q_shape, ..]: [&Shape; 3]) -> Forward {
+        let out = self.forward_with(q, k, v, self.sinks.as_deref())?;
+        Ok((out, q_shape.clone()))
+    }
+
+    fn backward(&self, [q, k, v]: [&Tensor; 3], res: &Tensor, grad: &Tensor) -> Grads<3> {
+        let tensors = contiguous([q, k, v, res, grad])?;
+        let guards = tensors.each_ref().map(Tensor::storage_and_layout);
+        let [q_c, k_c, v_c, ..] = &tensors;
+        let slices = guard_slices(&guards, "attention")?;
+        let (dq, dk, dv, _) = self.backward_with(slices, self.sinks.as_deref())?;
         let dev = Device::Cpu;
         Ok([
             Some(Tensor::from_vec(dq, q_c.shape(), &dev)?),

@@ -16,6 +16,8 @@
 //! available through these ops.
 
 mod attention;
+mod attention_sinks;
+mod clamped_glu;
 mod cross_entropy;
 mod delta_rule;
 mod fake_quant;
@@ -31,6 +33,8 @@ mod swiglu;
 pub use attention::{
     attention, attention_softcapped, register_mask_layout, registered_mask_layout, MaskLayout,
 };
+pub use attention_sinks::attention_with_sinks;
+pub use clamped_glu::clamped_swiglu_interleaved;
 pub use cross_entropy::cross_entropy_sum;
 pub use delta_rule::{
     delta_rule_applies, gated_delta_rule, set_delta_rule_enabled, CHUNK as DELTA_RULE_CHUNK,

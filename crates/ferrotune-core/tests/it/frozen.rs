@@ -91,3 +91,38 @@ fn frozen_linear_handles_non_contiguous_input_and_bf16() {
         .unwrap();
     assert_eq!(d, 0.0, "bf16 frozen matmul differs from candle's");
 }
+
+/// A weight stored inputs first (`[in, out]`, gpt-oss's experts), given as its transposed view:
+/// the values and input gradient of `rows @ w`, and no gradient for the weight.
+#[test]
+fn frozen_matmul_takes_a_transposed_view_in_place() {
+    let dev = Device::Cpu;
+    let x0 = Tensor::randn(0f32, 1.0, (7, 24), &dev).unwrap();
+    // Three experts `[3, in, out]`; expert 1's weight is a view at an offset.
+    let experts = Tensor::randn(0f32, 0.3, (3, 24, 40), &dev).unwrap();
+    let w = experts.get(1).unwrap();
+    let probe = Tensor::randn(0f32, 1.0, (7, 40), &dev).unwrap();
+    let x = Var::from_tensor(&x0).unwrap();
+    let y = ferrotune_core::frozen::frozen_matmul(x.as_tensor(), &w.t().unwrap()).unwrap();
+    let grads = (&y * &probe)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let gx = grads.get(x.as_tensor()).unwrap();
+    assert!(grads.get(&w).is_none() && grads.get(&experts).is_none());
+    let x2 = Var::from_tensor(&x0).unwrap();
+    let y2 = x2.as_tensor().matmul(&w).unwrap();
+    let grads2 = (&y2 * &probe)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(max_rel(&y, &y2) < 1e-6, "forward differs");
+    assert!(
+        max_rel(gx, grads2.get(x2.as_tensor()).unwrap()) < 1e-6,
+        "input gradient differs"
+    );
+}

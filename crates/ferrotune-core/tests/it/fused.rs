@@ -34,7 +34,7 @@ fn rel(a: &Tensor, b: &Tensor) -> f32 {
     diff / scale.max(f32::MIN_POSITIVE)
 }
 
-fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f32) {
+pub(crate) fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f32) {
     let r = rel(got, want);
     assert!(r <= tol, "{what}: relative difference {r} > {tol}");
 }
@@ -62,7 +62,7 @@ fn run_with_grads(
 }
 
 /// Compares a fused op with its composite reference on the same inputs, output and gradients.
-fn compare(
+pub(crate) fn compare(
     what: &str,
     inputs: &[Tensor],
     rng: &mut Rng,
@@ -131,7 +131,7 @@ fn softcapped_attention_reference(
 }
 
 /// How a batch row of the mask is built.
-enum MaskKind {
+pub(crate) enum MaskKind {
     /// Causal, the first `pad` keys (and query rows) are padding (left-padded batch).
     CausalPadded(usize),
     /// Causal within consecutive packed samples of the given lengths.
@@ -142,7 +142,7 @@ enum MaskKind {
 
 /// Additive `[rows.len(), 1, t, s]` mask (queries are the last `t` of `s` positions) with `fill`
 /// at masked places.
-fn build_mask(rows: &[MaskKind], t: usize, s: usize, fill: f32) -> Tensor {
+pub(crate) fn build_mask(rows: &[MaskKind], t: usize, s: usize, fill: f32) -> Tensor {
     let past = s - t;
     let mut data = Vec::new();
     for kind in rows {

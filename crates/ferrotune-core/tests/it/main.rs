@@ -6,6 +6,7 @@ mod cuda_kernels;
 mod cuda_load;
 mod frozen;
 mod fused;
+mod fused_gpt_oss;
 mod knobs;
 mod nf4;
 mod qat;

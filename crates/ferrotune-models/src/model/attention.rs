@@ -228,7 +228,7 @@ impl CausalLm {
         let softcap = c.attn_logit_softcapping;
         let out = match &attn.sinks {
             // gpt-oss (which applies no softcap, whatever its config says, as transformers).
-            Some(sinks) => super::gpt_oss::attention_with_sinks(&q, &k, &v, mask, scale, sinks)?,
+            Some(sinks) => fused::attention_with_sinks(&q, &k, &v, mask, scale, sinks)?,
             None => fused::attention_softcapped(&q, &k, &v, mask, scale, softcap)?,
         }; // [b, nh, t, hd]
         let out = out.transpose(1, 2)?.reshape((b, t, nh * hd))?;

@@ -1,65 +1,14 @@
-//! gpt-oss's own math: attention with a learned sink logit per head
-//! ([`attention_with_sinks`]) and its mixture of experts ([`GptOssMoe`]), as transformers'
-//! `GptOssAttention` (eager) and `GptOssMLP` compute them.
+//! gpt-oss's own math: its mixture of experts ([`GptOssMoe`]), as transformers' `GptOssMLP`
+//! computes it. Its attention with a learned sink logit per head is
+//! [`ferrotune_core::fused::attention_with_sinks`].
 
-use candle_core::{DType, Result as CResult, Tensor, Var, D};
-use ferrotune_core::ops;
+use candle_core::{DType, Result as CResult, Tensor, Var};
+use ferrotune_core::{fused, ops};
 
 use super::gpt_oss_experts::ExpertWeight;
 use super::moe::{gather_routes, top_k_experts};
 use super::{CausalLm, RouterRecord};
 use crate::config::GptOssMoeConfig;
-
-/// `softmax([q kᵀ · scale + mask, sink]) v` per head, the sink's column dropped after the
-/// softmax: each head's learned `sinks[h]` joins every row's denominator and takes no value.
-/// Shapes as [`ferrotune_core::fused::attention`] (`q` `[b, nh, t, hd]`, `k`/`v`
-/// `[b, nkv, s, hd]`, additive `mask` `[b or 1, 1, t, s]`), `sinks` `[nh]`.
-///
-/// Built from candle ops (each with its backward, so the sinks train): the fused attention
-/// kernels keep only each row's softmax statistics and have no place for the extra logit. This
-/// path holds the `[b, nh, t, s]` probabilities, as transformers' eager attention does.
-pub(super) fn attention_with_sinks(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    scale: f64,
-    sinks: &Tensor,
-) -> CResult<Tensor> {
-    let (b, nh, t, hd) = q.dims4()?;
-    let (_, nkv, s, _) = k.dims4()?;
-    if nkv == 0 || nh % nkv != 0 || sinks.dims() != [nh] {
-        candle_core::bail!(
-            "attention with sinks: {nh} query heads, {nkv} key/value heads and sinks {:?} do not fit",
-            sinks.dims()
-        );
-    }
-    let groups = nh / nkv;
-    // Query heads sharing a key/value head are stacked along the rows (head h = kv · groups + g):
-    // one matmul per key/value head.
-    let q = q.contiguous()?.reshape((b, nkv, groups * t, hd))?;
-    // The softmax in f32 whatever the compute dtype, as the fused attention's; a sink's gradient
-    // (the sum over every row of its head) then adds up in f32 too.
-    let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?.to_dtype(DType::F32)?;
-    let scores = match mask {
-        Some(m) => scores
-            .reshape((b, nkv, groups, t, s))?
-            .broadcast_add(&m.to_dtype(DType::F32)?.unsqueeze(1)?)?
-            .reshape((b, nkv, groups * t, s))?,
-        None => scores,
-    };
-    let sink = sinks
-        .to_dtype(DType::F32)?
-        .reshape((1, nkv, groups, 1, 1))?
-        .broadcast_as((b, nkv, groups, t, 1))?
-        .reshape((b, nkv, groups * t, 1))?;
-    let probs = ops::softmax_last_dim(&Tensor::cat(&[&scores, &sink], D::Minus1)?)?;
-    probs
-        .narrow(D::Minus1, 0, s)?
-        .to_dtype(v.dtype())?
-        .matmul(&v.contiguous()?)?
-        .reshape((b, nh, t, hd))
-}
 
 /// gpt-oss's mixture of experts (`mlp`), its tensors as the checkpoint holds them: the router
 /// (`mlp.router`, a bare weight and bias, no `nn.Linear`: PEFT's `target_modules` cannot reach
@@ -277,10 +226,11 @@ impl CausalLm {
     /// gpt-oss's mixture of experts on `x` (`[b, t, hidden]`), as `GptOssMLP`: router logits
     /// (with bias), each token's top-k logits (ties to the lower expert, as `torch.topk`)
     /// softmaxed in the compute dtype; each chosen expert's `x · W_gate_up + b`, the clamped
-    /// SwiGLU, `· W_down + b`, scaled by its weight and added in expert order. The routing weights
-    /// stay differentiable (the router trains); the choice of experts is made on the host. While
-    /// recording ([`CausalLm::record_routers`]), the router's softmax over every expert is kept
-    /// for the auxiliary loss, as `GptOssForCausalLM` computes it from the router logits.
+    /// SwiGLU ([`fused::clamped_swiglu_interleaved`]), `· W_down + b`, scaled by its weight and
+    /// added in expert order. The routing weights stay differentiable (the router trains); the
+    /// choice of experts is made on the host. While recording ([`CausalLm::record_routers`]), the
+    /// router's softmax over every expert is kept for the auxiliary loss, as `GptOssForCausalLM`
+    /// computes it from the router logits.
     pub(super) fn gpt_oss_moe(&self, moe: &GptOssMoe, x: &Tensor) -> CResult<Tensor> {
         let (b, t, h) = x.dims3()?;
         let n = b * t;
@@ -313,14 +263,17 @@ impl CausalLm {
             routed[e as usize].0.push((i / k) as u32);
             routed[e as usize].1.push(i as u32);
         }
-        let inter = moe.down_proj.dims3()?.1;
         let (alpha, limit) = (moe.config.alpha, moe.config.limit);
-        let mut out = flat.zeros_like()?;
+        // Each expert's weighted rows and their tokens, in expert order, added into the output by
+        // one `index_add` (which adds in index order, so in expert order as transformers does):
+        // the graph holds them once rather than one `[n, hidden]` sum per expert.
+        let (mut parts, mut all_tokens) = (Vec::new(), Vec::with_capacity(route.len()));
         for (e, (tokens, places)) in routed.into_iter().enumerate() {
             if tokens.is_empty() {
                 continue;
             }
             let m = tokens.len();
+            all_tokens.extend_from_slice(&tokens);
             let tokens = Tensor::new(tokens, device)?;
             let rows = flat.index_select(&tokens, 0)?;
             let mut gate_up = moe
@@ -330,11 +283,8 @@ impl CausalLm {
             if let Some(lora) = &moe.gate_up_lora {
                 gate_up = (gate_up + lora.apply(&rows, e)?)?;
             }
-            let gate_up = gate_up.reshape((m, inter, 2))?;
-            let gate = gate_up.narrow(2, 0, 1)?.squeeze(2)?.minimum(limit)?;
-            let up = gate_up.narrow(2, 1, 1)?.squeeze(2)?.clamp(-limit, limit)?;
-            let glu = (&gate * sigmoid(&(&gate * alpha)?)?)?;
-            let h_e = ((up + 1.0)? * glu)?;
+            // One fused op on f32 CPU tensors, holding only `gate_up` for the backward.
+            let h_e = fused::clamped_swiglu_interleaved(&gate_up, alpha, limit)?;
             let mut y = moe
                 .down_proj
                 .matmul(&h_e, e)?
@@ -345,8 +295,17 @@ impl CausalLm {
             let w = weights
                 .index_select(&Tensor::new(places, device)?, 0)?
                 .reshape((m, 1))?;
-            out = out.index_add(&tokens, &y.broadcast_mul(&w)?, 0)?;
+            parts.push(y.broadcast_mul(&w)?);
         }
-        out.reshape((b, t, h))
+        let out = flat.zeros_like()?;
+        if parts.is_empty() {
+            return out.reshape((b, t, h));
+        }
+        out.index_add(
+            &Tensor::new(all_tokens, device)?,
+            &Tensor::cat(&parts, 0)?,
+            0,
+        )?
+        .reshape((b, t, h))
     }
 }

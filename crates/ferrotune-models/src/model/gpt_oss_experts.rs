@@ -80,12 +80,23 @@ impl ExpertWeight {
         }
     }
 
-    /// `rows · W_e` for expert `e`'s rows `[m, in]`. A dense weight's product is an ordinary one
-    /// (its gradient reaches the parameter); an MXFP4 expert is dequantized for the product and
+    /// `rows · W_e` for expert `e`'s rows `[m, in]`. A trained dense weight's product is an
+    /// ordinary one (its gradient reaches the parameter), a frozen one's takes no gradient for
+    /// the weight; an MXFP4 expert is dequantized for the product and
     /// again for the input's gradient, and the graph keeps only the packed bytes.
     pub fn matmul(&self, rows: &Tensor, e: usize) -> CResult<Tensor> {
         match self {
-            Self::Dense(w) => rows.matmul(&w.get(e)?),
+            // A frozen weight under trained rows (LoRA) goes through `frozen_matmul`, read in
+            // place: candle's matmul would also compute (and hold until the step's end) a
+            // gradient for the weight that nothing uses.
+            Self::Dense(w) => {
+                let w = w.get(e)?;
+                if rows.track_op() && !w.track_op() {
+                    frozen::frozen_matmul(rows, &w.t()?)
+                } else {
+                    rows.matmul(&w)
+                }
+            }
             Self::Mxfp4(q) => {
                 let q = q.clone();
                 frozen::frozen_matmul_made(rows, Arc::new(move || q.expert_rows(e)))
