@@ -23,7 +23,7 @@ use std::sync::Mutex;
 use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::kernels::{self, Operands};
+use super::kernels::{self, matmul_on_this_thread, Operands};
 use super::{contiguous, fused_applies, guard_slices, Forward};
 use crate::custom_op::{Fused, FusedOp, Grads};
 use crate::switch::{EnvSwitch, DELTA_RULE};
@@ -194,42 +194,6 @@ struct DeltaRule {
     saved: Mutex<Vec<Saved>>,
 }
 
-/// `dst[m×n] (+)= alpha · a · b` with the operands laid out as `operands` says, on this thread.
-/// Panics if a buffer is smaller than its matrix.
-#[allow(clippy::too_many_arguments)]
-fn prod(
-    dst: &mut [f32],
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-    operands: Operands,
-    a: &[f32],
-    b: &[f32],
-    alpha: f32,
-) {
-    let (a_strides, b_strides) = match operands {
-        Operands::Nt => ((k, 1), (1, k)),
-        Operands::Nn => ((k, 1), (n, 1)),
-        Operands::Tn => ((1, m), (n, 1)),
-    };
-    assert!(
-        dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n,
-        "delta rule: buffers smaller than their {m}×{n}×{k} product"
-    );
-    // SAFETY: with the lengths just checked, every element the strides address lies inside its
-    // slice; `dst` is borrowed mutably, so it overlaps neither operand.
-    unsafe {
-        kernels::gemm(
-            (m, n, k),
-            dst.as_mut_ptr(),
-            n,
-            accumulate,
-            (a.as_ptr(), a_strides.0, a_strides.1),
-            (b.as_ptr(), b_strides.0, b_strides.1),
-            alpha,
-        );
-    }
-}
-
 /// `y += a · x`.
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
@@ -271,9 +235,9 @@ impl ChunkTerms {
             }
         }
         let mut a = vec![0f32; r * r];
-        prod(&mut a, (r, r, dk), false, Operands::Nt, k, k, 1.0);
+        matmul_on_this_thread(&mut a, (r, r, dk), false, Operands::Nt, k, k, 1.0);
         let mut p = vec![0f32; r * r];
-        prod(&mut p, (r, r, dk), false, Operands::Nt, q, k, 1.0);
+        matmul_on_this_thread(&mut p, (r, r, dk), false, Operands::Nt, q, k, 1.0);
         for i in 0..r {
             for j in 0..r {
                 let x = i * r + j;
@@ -352,7 +316,7 @@ impl Head<'_> {
             // updated by the positions before, misses) and update `u = β e`, by forward
             // substitution: the UT transform's system `(I + diag(β) A) u = β (v − diag(e^c) k S)`.
             let mut e = v.to_vec();
-            prod(
+            matmul_on_this_thread(
                 &mut e,
                 (r, dv, dk),
                 true,
@@ -376,8 +340,8 @@ impl Head<'_> {
                 }
             }
             let o = &mut out[chunk.start * dv..][..r * dv];
-            prod(o, (r, dv, dk), false, Operands::Nn, &terms.qd, state, 1.0);
-            prod(o, (r, dv, r), true, Operands::Nn, &terms.p, &u, 1.0);
+            matmul_on_this_thread(o, (r, dv, dk), false, Operands::Nn, &terms.qd, state, 1.0);
+            matmul_on_this_thread(o, (r, dv, r), true, Operands::Nn, &terms.p, &u, 1.0);
             if let Some(s) = saved.as_deref_mut() {
                 s.states.extend_from_slice(state);
                 s.e[chunk.start * dv..][..r * dv].copy_from_slice(&e);
@@ -386,7 +350,7 @@ impl Head<'_> {
             for (n, s) in next.iter_mut().zip(state.iter()) {
                 *n = decay * s;
             }
-            prod(
+            matmul_on_this_thread(
                 &mut next,
                 (dk, dv, r),
                 true,
@@ -440,9 +404,9 @@ impl Head<'_> {
             }
             dc[r - 1] += e_last * kernels::dot(state, &ds);
             let mut dkt = vec![0f32; r * dk];
-            prod(&mut dkt, (r, dk, dv), false, Operands::Nt, u, &ds, 1.0);
+            matmul_on_this_thread(&mut dkt, (r, dk, dv), false, Operands::Nt, u, &ds, 1.0);
             let mut du = vec![0f32; r * dv];
-            prod(
+            matmul_on_this_thread(
                 &mut du,
                 (r, dv, dk),
                 false,
@@ -457,7 +421,7 @@ impl Head<'_> {
                 axpy(&mut dk_c[j * dk..][..dk], (last - terms.c[j]).exp(), row);
             }
             // The output: diag(e^c) q S + P u.
-            prod(
+            matmul_on_this_thread(
                 &mut ds_prev,
                 (dk, dv, r),
                 true,
@@ -467,15 +431,15 @@ impl Head<'_> {
                 1.0,
             );
             let mut dqd = vec![0f32; r * dk];
-            prod(&mut dqd, (r, dk, dv), false, Operands::Nt, d_o, state, 1.0);
+            matmul_on_this_thread(&mut dqd, (r, dk, dv), false, Operands::Nt, d_o, state, 1.0);
             for i in 0..r {
                 let row = &dqd[i * dk..][..dk];
                 axpy(&mut dq_c[i * dk..][..dk], terms.c[i].exp(), row);
                 dc[i] += kernels::dot(&terms.qd[i * dk..][..dk], row);
             }
             let mut dp = vec![0f32; r * r];
-            prod(&mut dp, (r, r, dv), false, Operands::Nt, d_o, u, 1.0);
-            prod(&mut du, (r, dv, r), true, Operands::Tn, &terms.p, d_o, 1.0);
+            matmul_on_this_thread(&mut dp, (r, r, dv), false, Operands::Nt, d_o, u, 1.0);
+            matmul_on_this_thread(&mut du, (r, dv, r), true, Operands::Tn, &terms.p, d_o, 1.0);
             for i in 0..r {
                 for j in 0..r {
                     let x = i * r + j;
@@ -487,8 +451,8 @@ impl Head<'_> {
                     }
                 }
             }
-            prod(dq_c, (r, dk, r), true, Operands::Nn, &dp, k, 1.0);
-            prod(dk_c, (r, dk, r), true, Operands::Tn, &dp, q, 1.0);
+            matmul_on_this_thread(dq_c, (r, dk, r), true, Operands::Nn, &dp, k, 1.0);
+            matmul_on_this_thread(dk_c, (r, dk, r), true, Operands::Tn, &dp, q, 1.0);
             // u = β e with e = v − N S − A u (N = diag(e^c) k): u's whole gradient `dr` by the
             // transposed solve, e's is β dr, β's e·dr (taken from e itself, not from its parts,
             // which nearly cancel where the state predicts v well).
@@ -511,7 +475,7 @@ impl Head<'_> {
             }
             // dA = −de uᵀ (strictly lower), through kᵢ·kⱼ and Γᵢⱼ.
             let mut da = vec![0f32; r * r];
-            prod(&mut da, (r, r, dv), false, Operands::Nt, &de, u, -1.0);
+            matmul_on_this_thread(&mut da, (r, r, dv), false, Operands::Nt, &de, u, -1.0);
             for i in 0..r {
                 for j in 0..r {
                     let x = i * r + j;
@@ -523,12 +487,12 @@ impl Head<'_> {
                     }
                 }
             }
-            prod(dk_c, (r, dk, r), true, Operands::Nn, &da, k, 1.0);
-            prod(dk_c, (r, dk, r), true, Operands::Tn, &da, k, 1.0);
+            matmul_on_this_thread(dk_c, (r, dk, r), true, Operands::Nn, &da, k, 1.0);
+            matmul_on_this_thread(dk_c, (r, dk, r), true, Operands::Tn, &da, k, 1.0);
             // e's −N S.
             let mut dn = vec![0f32; r * dk];
-            prod(&mut dn, (r, dk, dv), false, Operands::Nt, &de, state, -1.0);
-            prod(
+            matmul_on_this_thread(&mut dn, (r, dk, dv), false, Operands::Nt, &de, state, -1.0);
+            matmul_on_this_thread(
                 &mut ds_prev,
                 (dk, dv, r),
                 true,

@@ -185,12 +185,55 @@ pub(crate) enum Operands {
 /// `dst` instead of overwriting it. Panics if a buffer is smaller than its matrix.
 pub(crate) fn matmul(
     dst: &mut [f32],
+    mnk: (usize, usize, usize),
+    accumulate: bool,
+    operands: Operands,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+) {
+    let threads = rayon::current_num_threads().max(1);
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    matmul_with(dst, mnk, accumulate, operands, a, b, beta, par)
+}
+
+/// [`matmul`] on the calling thread only, for the many small products of a kernel that is
+/// already parallel over its rows and heads.
+pub(crate) fn matmul_on_this_thread(
+    dst: &mut [f32],
+    mnk: (usize, usize, usize),
+    accumulate: bool,
+    operands: Operands,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+) {
+    matmul_with(
+        dst,
+        mnk,
+        accumulate,
+        operands,
+        a,
+        b,
+        beta,
+        gemm::Parallelism::None,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_with(
+    dst: &mut [f32],
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
     operands: Operands,
     a: &[f32],
     b: &[f32],
     beta: f32,
+    par: gemm::Parallelism,
 ) {
     // (row stride, column stride) of each operand as `gemm` reads it: A is m×k, B is k×n.
     let (a_strides, b_strides) = match operands {
@@ -202,12 +245,6 @@ pub(crate) fn matmul(
         dst.len() >= m * n && a.len() >= m * k && b.len() >= k * n,
         "matmul: buffers smaller than their {m}×{n}×{k} product"
     );
-    let threads = rayon::current_num_threads().max(1);
-    let par = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
     // SAFETY: with the lengths just checked, every element the strides address lies inside its
     // slice; `dst` is borrowed mutably, so it cannot overlap `a` or `b`.
     unsafe {
