@@ -17,18 +17,7 @@ if [ ! -f "$DEST/convert_hf_to_gguf.py" ] || [ ! -d "$DEST/models/templates" ] |
   trap 'rm -rf "$tmp"' EXIT
   # The sdist itself, from the package index's simple API: `pip download` would try to build its
   # metadata (scikit-build-core, a compiler) just to download it.
-  python3 - "$tmp" "${PIN%%==*}" "${PIN##*==}" <<'PY' >&2
-import json, sys, urllib.request
-out, name, version = sys.argv[1:]
-req = urllib.request.Request(f"https://pypi.org/simple/{name}/",
-                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-with urllib.request.urlopen(req) as r:
-    files = json.load(r)["files"]
-want = f"{name.replace('-', '_')}-{version}.tar.gz"
-url = next(f["url"] for f in files if f["filename"] == want)
-urllib.request.urlretrieve(url, f"{out}/{want}")
-PY
-  sdist=$(ls "$tmp"/llama_cpp_python-*.tar.gz)
+  sdist=$(python3 "$(dirname "$0")/pypi_sdist.py" "$tmp" "${PIN%%==*}" "${PIN##*==}")
   tar xzf "$sdist" -C "$tmp"
   root=$(ls -d "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
   rm -rf "$DEST.partial" && mkdir -p "$DEST.partial"

@@ -19,19 +19,8 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$PIN $EXTR
   echo "building llama-cpp-python into $VENV ($PIN, from source: this takes a while)..." >&2
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
-  # The sdist itself, from the package index's simple API (as fetch-llamacpp-src.sh does).
-  python3 - "$tmp" "${PIN%%==*}" "${PIN##*==}" <<'PY' >&2
-import json, sys, urllib.request
-out, name, version = sys.argv[1:]
-req = urllib.request.Request(f"https://pypi.org/simple/{name}/",
-                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-with urllib.request.urlopen(req) as r:
-    files = json.load(r)["files"]
-want = f"{name.replace('-', '_')}-{version}.tar.gz"
-url = next(f["url"] for f in files if f["filename"] == want)
-urllib.request.urlretrieve(url, f"{out}/{want}")
-PY
-  sdist=$(ls "$tmp"/llama_cpp_python-*.tar.gz)
+  # The sdist itself, from the package index (scripts/pypi_sdist.py).
+  sdist=$(python3 "$(dirname "$0")/pypi_sdist.py" "$tmp" "${PIN%%==*}" "${PIN##*==}")
   rm -rf "$VENV"
   python3 -m venv --system-site-packages "$VENV"
   export CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
