@@ -752,9 +752,9 @@ fn build_pairs(
     let mut cells = tools::OrderedCells::new(source_field(&map)?);
     for record in &table.rows {
         let (chosen, rejected) = spec.conversations(&table, record, &mut cells)?;
-        let trl = match how {
-            PairTokenization::Orpo => trl_pairs::located,
-            PairTokenization::DpoTrainer => trl_dpo::located,
+        let tokenize: trl_pairs::PairTokenizer = match how {
+            PairTokenization::Orpo => trl_pairs::orpo_pair,
+            PairTokenization::DpoTrainer => trl_dpo::dpo_trainer_pair,
             PairTokenization::Dpo => {
                 let (ci, cl) = encode_sft(&encoder, &chosen, max_seq_len, &table, record)?;
                 let (ri, rl) = encode_sft(&encoder, &rejected, max_seq_len, &table, record)?;
@@ -767,7 +767,8 @@ fn build_pairs(
         };
         let at = || table.locate(record);
         let sides = (&chosen, &rejected);
-        pairs.push(trl(
+        pairs.push(trl_pairs::located(
+            tokenize,
             &encoder,
             sides,
             spec.explicit_prompt(),

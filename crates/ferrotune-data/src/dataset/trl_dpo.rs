@@ -27,27 +27,6 @@ use crate::tokenized::IGNORE_INDEX;
 use super::encode::{Conversation, Encoder};
 use super::{PreferencePair, Row};
 
-/// [`dpo_trainer_pair`] for the row `at` names (its errors say where), each side checked against
-/// the model's positions.
-pub(crate) fn located(
-    encoder: &Encoder,
-    (chosen, rejected): (&Conversation, &Conversation),
-    explicit_prompt: Option<usize>,
-    max_len: Option<usize>,
-    at: &dyn Fn() -> String,
-) -> Result<PreferencePair> {
-    let pair = dpo_trainer_pair(encoder, chosen, rejected, explicit_prompt, max_len).map_err(
-        |e| match e {
-            DataError::Dataset(m) => DataError::Dataset(format!("{}: {m}", at())),
-            other => other,
-        },
-    )?;
-    for row in [&pair.chosen, &pair.rejected] {
-        encoder.check_positions(row.input_ids.len(), at)?;
-    }
-    Ok(pair)
-}
-
 /// One pair as `DPOTrainer`'s `tokenize_fn` and its collator build it. `explicit_prompt`: the
 /// number of leading messages that are the row's prompt column (`stack_exchange_paired_dataset`),
 /// else `None` (TRL's `extract_prompt` over the two conversations).

@@ -60,9 +60,20 @@ pub fn build_preference_dataset_as(
     })
 }
 
-/// [`orpo_pair`] for the row `at` names (its errors say where), each side checked against the
-/// model's positions.
+/// How a TRL trainer tokenizes one pair: [`orpo_pair`] or [`super::trl_dpo::dpo_trainer_pair`]
+/// (encoder, chosen, rejected, explicit prompt length, `max_seq_len`).
+pub(crate) type PairTokenizer = fn(
+    &Encoder,
+    &Conversation,
+    &Conversation,
+    Option<usize>,
+    Option<usize>,
+) -> Result<PreferencePair>;
+
+/// `tokenize`'s pair for the row `at` names (its errors say where), each side checked against
+/// the model's positions.
 pub(crate) fn located(
+    tokenize: PairTokenizer,
     encoder: &Encoder,
     (chosen, rejected): (&Conversation, &Conversation),
     explicit_prompt: Option<usize>,
@@ -70,7 +81,7 @@ pub(crate) fn located(
     at: &dyn Fn() -> String,
 ) -> Result<PreferencePair> {
     let pair =
-        orpo_pair(encoder, chosen, rejected, explicit_prompt, max_len).map_err(|e| match e {
+        tokenize(encoder, chosen, rejected, explicit_prompt, max_len).map_err(|e| match e {
             DataError::Dataset(m) => DataError::Dataset(format!("{}: {m}", at())),
             other => other,
         })?;
