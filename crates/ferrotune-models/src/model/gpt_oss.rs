@@ -187,24 +187,7 @@ impl GptOssMoe {
 
     /// [`GptOssMoe::tensors`], mutable.
     pub fn tensors_mut(&mut self) -> Vec<(&'static str, &mut Tensor)> {
-        let GptOssMoe {
-            router_weight,
-            router_bias,
-            gate_up_proj,
-            gate_up_proj_bias,
-            down_proj,
-            down_proj_bias,
-            ..
-        } = self;
-        let tensors = [
-            Some(router_weight),
-            Some(router_bias),
-            gate_up_proj.as_dense_mut(),
-            Some(gate_up_proj_bias),
-            down_proj.as_dense_mut(),
-            Some(down_proj_bias),
-        ];
-        named(tensors)
+        self.tensors_and_adapters_mut().0
     }
 }
 
